@@ -1,0 +1,315 @@
+"""Loop front end: ONNX ``Loop`` nodes whose body is one recurrent step (tf2onnx's Keras layers).
+
+A body qualifies when every part of it is accounted for:
+
+* carried values are the cell's states, copies of its output (Keras' "previous output" for masking),
+  pass-through values (weights, bounds) or iteration counters;
+* the step input is ``Gather(X, i)`` of an outer ``[T, B, F]`` tensor by the iteration index, the mask
+  likewise from an outer bool ``[T, B(, 1)]`` tensor;
+* the loop provably runs once per time step of X (trip count and condition are T, read symbolically);
+* the state updates and per-step outputs are a native cell's maths (see :mod:`rnnfuse.cells`).
+
+Anything else is declined with the reason. TorchScript loops that collect outputs with ``SequenceInsert``
+are handled here too: the sequence is a per-step output and ``ConcatFromSequence`` its stacking.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import NodeProto, TensorProto
+
+from rnnfuse.dims import dim_key, loop_invariant_init, time_dim_key
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph, Model, attr
+from rnnfuse.pipeline import Options, PassResult
+from rnnfuse.recurrence import Init, Recurrence
+from rnnfuse.rewrite import apply_recurrences, declined
+from rnnfuse.step import StepOut, StepState, analyse
+from rnnfuse.symbolic import C, Bool, Opaque, State, StepEvaluator, Sym, X, Poly
+
+
+def init_of(g: Graph, name: str) -> Init:
+    if not name:
+        return Init(None, 0.0)
+    fv = g.fill_value(name)
+    if fv is not None:
+        return Init(None, fv)
+    return Init(name, None)
+
+
+def _strip_cast(g: Graph, name: str) -> str:
+    n = g.producer.get(name)
+    while n is not None and n.op_type in ("Cast", "Identity"):
+        name = n.input[0]
+        n = g.producer.get(name)
+    return name
+
+
+def _counter_step(body: Graph, name: str) -> tuple[str, int] | None:
+    """``name`` = (cast of) ``v + k`` for a constant k -> (v, k); (cast of) v -> (v, 0)."""
+    name = _strip_cast(body, name)
+    n = body.producer.get(name)
+    if n is not None and n.op_type == "Add":
+        for a, b in ((0, 1), (1, 0)):
+            c = body.const(n.input[b])
+            if c is not None and np.asarray(c).size == 1:
+                return _strip_cast(body, n.input[a]), int(np.asarray(c).ravel()[0])
+        return None
+    return name, 0
+
+
+def _conjuncts(body: Graph, name: str) -> list[str]:
+    out, stack = [], [name]
+    while stack:
+        cur = stack.pop()
+        n = body.producer.get(cur)
+        if n is not None and n.op_type == "And":
+            stack.extend(n.input)
+        elif n is not None and n.op_type == "Identity":
+            stack.append(n.input[0])
+        else:
+            out.append(cur)
+    return out
+
+
+def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int]) -> None:
+    """Prove the loop runs exactly T = len(x) iterations, or Decline.
+
+    ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
+    and counters starting at 0)."""
+    T = time_dim_key(g, x, 0)
+    deltas: list[int] = []
+    M = loop.input[0] if loop.input else ""
+    if M:
+        k = dim_key(g, M)
+        if k == T:
+            deltas.append(0)
+        elif k is not None and k[0] == "const" and (T[0] != "const" or k[1] < T[1]) and k[1] < 2**31:
+            raise Decline(f"the loop runs a fixed {k[1]} iterations, not once per time step")
+        elif k is None:
+            raise Decline("cannot prove the trip count equals the number of time steps")
+    cond_out = body.output_names[0]
+    cond_in = body.input_names[1]
+    for term in _conjuncts(body, cond_out):
+        if term == cond_in:
+            continue
+        c = body.const(term)
+        if c is not None and bool(np.asarray(c).all()):
+            continue
+        n = body.producer.get(term)
+        if n is None or n.op_type not in ("Less", "Greater"):
+            raise Decline("the loop condition is not a bound on the iteration number")
+        a, b = (n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0])
+        cs = _counter_step(body, a)
+        if cs is None or cs[0] not in index_syms:
+            raise Decline("the loop condition compares something other than the iteration number")
+        k = index_syms[cs[0]] + cs[1]  # the compared value is i + k
+        if dim_key(body, b) != T:
+            raise Decline("the loop condition's bound is not the number of time steps")
+        deltas.append(1 - k)
+    if not deltas:
+        raise Decline("the loop has no bound")
+    if min(deltas) != 0:
+        raise Decline("the loop does not run exactly once per time step")
+    # the first iteration must run whenever T >= 1
+    cond0 = loop.input[1] if len(loop.input) > 1 else ""
+    if cond0:
+        for term in _conjuncts(g, cond0):
+            c = g.const(term)
+            if c is not None and bool(np.asarray(c).all()):
+                continue
+            n = g.producer.get(term)
+            ok = False
+            if n is not None and n.op_type in ("Less", "Greater"):
+                a, b = (n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0])
+                ok = dim_key(g, a) == ("const", 0) and dim_key(g, b) == T
+            if not ok:
+                raise Decline("cannot prove the loop's first iteration runs")
+
+
+def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
+    body = g.subgraph(loop)
+    bin_, bout = body.input_names, body.output_names
+    n_carried = len(loop.input) - 2
+    if n_carried < 0 or len(bin_) != n_carried + 2:
+        raise Decline("malformed Loop")
+    n_scan = len(bout) - 1 - n_carried
+    iter_name = bin_[0]
+    index_syms: dict[str, int] = {iter_name: 0}
+    invariants: dict[str, str] = {}  # body input -> outer init
+    recurrent: list[int] = []
+    seqs: list[int] = []  # carried sequences (TorchScript SequenceInsert outputs)
+    for k in range(n_carried):
+        bi, bo, init = bin_[2 + k], bout[1 + k], loop.input[2 + k]
+        inv = loop_invariant_init(body, bi)
+        if inv is not None:
+            invariants[bi] = inv
+            continue
+        et = g.model.elem_type(init) if init else None
+        step = _counter_step(body, bo)
+        c0 = g.const(init) if init else None
+        if step is not None and step[0] == bi and step[1] == 1 and c0 is not None and np.asarray(c0).size == 1 and int(np.asarray(c0).ravel()[0]) == 0:
+            index_syms[bi] = 0
+            continue
+        prod = g.producer.get(init) if init else None
+        if prod is not None and prod.op_type == "SequenceEmpty":
+            seqs.append(k)
+            continue
+        if et is not None and et not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16):
+            raise Decline(f"carried value '{bi}' of type {TensorProto.DataType.Name(et)} is not a counter")
+        recurrent.append(k)
+    if not recurrent:
+        raise Decline("no recurrent state")
+
+    # the step input and mask: Gather(outer, i)
+    leaves: dict = {}
+    x_outer = mask_outer = None
+    x_atom = None
+    for n in body.nodes:
+        if n.op_type != "Gather" or len(n.input) < 2:
+            continue
+        idx = _strip_cast(body, n.input[1])
+        data = n.input[0]
+        if idx not in index_syms or body.defines(data) or attr(n, "axis", 0) != 0:
+            continue
+        if index_syms[idx] != 0:
+            continue
+        et = g.model.elem_type(data)
+        rank = g.model.rank(data)
+        if et == TensorProto.BOOL:
+            if mask_outer not in (None, data):
+                raise Decline("two different masks are read")
+            if rank not in (2, 3):
+                raise Decline(f"the mask has rank {rank}")
+            if rank == 3 and g.model.shape(data)[2] not in (1,):
+                raise Decline("the mask is not one value per row")
+            mask_outer = data
+            leaves[n.output[0]] = Bool("m", False, rank == 3)
+        else:
+            if x_outer not in (None, data):
+                raise Decline("two different per-step inputs are read")
+            if rank != 3:
+                raise Decline(f"the per-step input has rank {rank}, not [T, B, F]")
+            x_outer = data
+            shape = g.model.shape(data)
+            F = shape[2] if shape and isinstance(shape[2], int) else None
+            x_atom = X("x", F)
+            leaves[n.output[0]] = Sym(Poly.atom(x_atom))
+    if x_outer is None:
+        raise Decline("no per-step input Gather(X, i) in the body")
+    check_trip_count(g, body, loop, x_outer, index_syms)
+
+    states: dict[str, State] = {}
+    for k in recurrent:
+        bi = bin_[2 + k]
+        shape = body.model.shape(bi) or g.model.shape(loop.input[2 + k]) or []
+        H = shape[-1] if shape and isinstance(shape[-1], int) else None
+        st = State(f"s{k}", H)
+        states[st.sym] = st
+        leaves[bi] = Sym(Poly.atom(st))
+    for bi, init in invariants.items():
+        c = g.const(init)
+        if c is not None:
+            leaves[bi] = C(c)
+            continue
+        fv = g.fill_value(init)
+        if fv is not None:
+            leaves[bi] = C(np.array(fv, dtype=np.float32))
+        else:
+            leaves[bi] = Opaque(f"loop-carried '{bi}' is computed at runtime (weights not constant?)")
+    for name in index_syms:
+        leaves.setdefault(name, Opaque("the iteration number is used in the cell maths"))
+    leaves[bin_[1]] = Opaque("the loop condition is used in the cell maths")
+    for k in seqs:
+        leaves[bin_[2 + k]] = Opaque("a sequence is read inside the step")
+
+    ev = StepEvaluator(body, leaves)
+    step_states = []
+    for k in recurrent:
+        final = loop.output[k] if k < len(loop.output) else ""
+        st = StepState(
+            f"s{k}",
+            ev.poly(bout[1 + k]),
+            init_of(g, loop.input[2 + k]),
+            final if final and g.n_uses(final) else None,
+        )
+        step_states.append(st)
+    outs: list[StepOut] = []
+    for j in range(n_scan):
+        outer = loop.output[n_carried + j] if n_carried + j < len(loop.output) else ""
+        if not outer or not g.n_uses(outer):
+            continue
+        outs.append(StepOut(ev.poly(bout[1 + n_carried + j]), outer))
+    extra_remove: list[NodeProto] = []
+    for k in seqs:
+        outs.append(_sequence_output(g, body, loop, k, ev, extra_remove))
+    an = analyse(x_atom, step_states, outs, states)
+
+    aliases: dict[str, str] = {}
+    for k in range(n_carried):
+        final = loop.output[k] if k < len(loop.output) else ""
+        if not final or not g.n_uses(final):
+            continue
+        bi = bin_[2 + k]
+        if bi in invariants:
+            aliases[final] = invariants[bi]
+        elif bi in index_syms:
+            raise Decline("the loop's final iteration count is used")
+    rec = Recurrence(
+        front="Loop",
+        where=loop.name or loop.output[0],
+        cell=an.rec.spec,
+        x=x_outer,
+        h0=an.h0,
+        c0=an.c0,
+        mask=mask_outer if an.masked else None,
+        seq_outputs=an.seq_outputs,
+        finals=an.finals,
+        remove=[loop] + extra_remove,
+        anchor=loop,
+    )
+    if mask_outer is not None and not an.masked:
+        rec.notes.append("the body reads a mask but no state depends on it")
+    return rec, aliases
+
+
+def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, ev: StepEvaluator, extra_remove) -> StepOut:
+    """A carried sequence built by SequenceInsert(seq, y) each step and stacked by ConcatFromSequence."""
+    bi, bo = body.input_names[2 + k], body.output_names[1 + k]
+    n = body.producer.get(bo)
+    if n is None or n.op_type != "SequenceInsert" or n.input[0] != bi or (len(n.input) > 2 and n.input[2]):
+        raise Decline("a carried sequence that is not appended to once per step")
+    final = loop.output[k]
+    users = g.uses(final)
+    if g.is_graph_output(final) or len(users) != 1 or users[0].op_type != "ConcatFromSequence":
+        raise Decline("a sequence output that is not stacked with ConcatFromSequence")
+    cat = users[0]
+    axis, new_axis = attr(cat, "axis", 0), attr(cat, "new_axis", 0)
+    val = ev.value(n.input[1])
+    if not isinstance(val, Sym):
+        raise Decline("the appended value is not a cell output")
+    lead = val.lead
+    # element [1, B, H] concatenated on axis 0, or [B, H] stacked with new_axis on axis 0
+    if not ((new_axis == 1 and axis == 0 and lead == 0) or (new_axis == 0 and axis == 0 and lead == 1)):
+        raise Decline("the per-step outputs are stacked along an unsupported axis")
+    extra_remove.append(cat)
+    return StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0])
+
+
+class FuseLoops:
+    """Rewrite recurrent ``Loop`` nodes of the main graph into native LSTM/GRU/RNN ops."""
+
+    name = "loop"
+
+    def run(self, model: Model, ctx: Options) -> PassResult:
+        g = model.graph
+        res = PassResult(self.name)
+        recs = []
+        for loop in [n for n in g.live_nodes() if n.op_type == "Loop"]:
+            where = loop.name or loop.output[0]
+            try:
+                recs.append(loop_recurrence(g, loop))
+            except Decline as d:
+                res.findings.append(declined(self.name, "Loop", where, d.reason))
+        apply_recurrences(g, ctx, self.name, recs, res)
+        return res

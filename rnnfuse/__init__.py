@@ -1,0 +1,50 @@
+"""rnnfuse: find recurrences in ONNX graphs and rewrite them into native LSTM / GRU / RNN ops.
+
+>>> import onnx, rnnfuse
+>>> model = onnx.load("model.onnx")
+>>> fused, report = rnnfuse.optimize(model)
+>>> print(report.to_text())
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from .errors import Decline, RnnfuseError
+from .graph import Graph, Model
+from .pipeline import Finding, Options, Pass, PassResult, Pipeline, Report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "optimize",
+    "Pipeline",
+    "Pass",
+    "PassResult",
+    "Report",
+    "Finding",
+    "Options",
+    "Model",
+    "Graph",
+    "Decline",
+    "RnnfuseError",
+]
+
+
+def optimize(
+    model: onnx.ModelProto,
+    *,
+    post_padded: bool = False,
+    validate: bool = True,
+    passes=None,
+    copy: bool = True,
+    seed: int = 0,
+) -> tuple[onnx.ModelProto, Report]:
+    """Fuse every recurrence rnnfuse can prove equivalent; returns ``(new_model, report)``.
+
+    ``post_padded=True`` promises that every mask is post-padded (valid steps first), which allows the
+    leaner graph; by default fused masked layers are exact for any mask. ``validate=False`` skips the
+    numeric check of each rewrite against the original. ``passes`` replaces the default pipeline.
+    """
+    pipe = Pipeline(passes) if passes is not None else Pipeline.default()
+    return pipe(model, copy=copy, post_padded=post_padded, validate=validate, seed=seed)

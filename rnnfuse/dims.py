@@ -1,0 +1,203 @@
+"""Symbolic reasoning about sizes: which tensor dimension an integer value is, and time flips.
+
+``dim_key(g, name)`` names the size a scalar (or 1-element) integer tensor holds, as ``("dim", root, axis)``
+or ``("const", value)``, looking through Shape, Gather/Slice of shapes, Cast, Squeeze/Unsqueeze, Transpose
+and shape-preserving unary ops. Two values with equal keys are provably equal. ``time_flip_source`` finds
+``x`` behind a full reversal of the time axis (``ReverseSequence`` with every length equal to T, or a
+``Slice`` with step -1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .graph import Graph, attr
+
+_SHAPE_PRESERVING = {
+    "Identity", "Cast", "Not", "Neg", "Abs", "Sigmoid", "Tanh", "Relu", "Exp", "Log", "Sqrt",
+    "Reciprocal", "Floor", "Ceil", "Round", "Sign", "IsNaN", "Softsign", "Softplus",
+}  # fmt: skip
+
+
+def root_dim(g: Graph, name: str, axis: int, depth: int = 0) -> tuple[str, int]:
+    """Follow ``dim(name, axis)`` through shape-preserving producers to a canonical (tensor, axis)."""
+    while depth < 64:
+        depth += 1
+        scope = g.scope_of(name)
+        if scope is None or name not in scope.producer:
+            return (name, axis)
+        n = scope.producer[name]
+        rank = g.model.rank(name)
+        if axis < 0 and rank is not None:
+            axis += rank
+        if n.op_type in _SHAPE_PRESERVING and n.input:
+            name = n.input[0]
+            continue
+        if n.op_type == "Transpose":
+            perm = attr(n, "perm")
+            if perm is None or axis < 0:
+                return (name, axis)
+            name, axis = n.input[0], perm[axis]
+            continue
+        if n.op_type in ("Where",) and len(n.input) == 3:
+            # a select keeps the shape of its value inputs when they all have the same rank and dims
+            return (name, axis)
+        return (name, axis)
+    return (name, axis)
+
+
+def dim_key(g: Graph, name: str, depth: int = 0):
+    """A canonical key for the integer a scalar/1-element tensor holds, or None if unknown."""
+    if depth > 32 or not name:
+        return None
+    c = g.const(name)
+    if c is not None:
+        flat = np.asarray(c).ravel()
+        if flat.size == 1 and np.issubdtype(flat.dtype, np.number):
+            return ("const", int(flat[0]))
+        return None
+    scope = g.scope_of(name)
+    if scope is None or name not in scope.producer:
+        if scope is not None and scope.owner is not None and scope.owner.op_type == "Loop":
+            # a loop-carried value that the body passes through unchanged is its initial value
+            init = loop_invariant_init(scope, name)
+            if init is not None:
+                return dim_key(scope.parent, init, depth + 1)
+        return None
+    n = scope.producer[name]
+    op = n.op_type
+    if op in ("Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten") and n.input:
+        return dim_key(g, n.input[0], depth + 1)
+    if op in ("Gather", "Slice"):
+        data = n.input[0]
+        ds = scope.producer.get(data)
+        if ds is None:
+            return None
+        # look through a Cast of the shape
+        while ds is not None and ds.op_type in ("Cast", "Identity"):
+            data = ds.input[0]
+            ds = scope.producer.get(data)
+        if ds is None or ds.op_type != "Shape":
+            return None
+        if op == "Gather":
+            idx = g.const(n.input[1])
+            if idx is None or np.asarray(idx).size != 1:
+                return None
+            k = int(np.asarray(idx).ravel()[0])
+        else:
+            starts = g.const(n.input[1]) if len(n.input) > 1 else attr(n, "starts")
+            ends = g.const(n.input[2]) if len(n.input) > 2 else attr(n, "ends")
+            if starts is None or ends is None:
+                return None
+            s, e = int(np.asarray(starts).ravel()[0]), int(np.asarray(ends).ravel()[0])
+            if e != s + 1 and not (s == -1 and e >= 2**31 - 1):
+                return None
+            k = s
+        start = attr(ds, "start", 0) or 0
+        src = ds.input[0]
+        rank = g.model.rank(src)
+        if k < 0:
+            if rank is None:
+                return None
+            k += rank
+        k += start if start >= 0 else (rank or 0)
+        root = root_dim(g, src, k)
+        return ("dim",) + root
+    if op == "Shape":
+        src = n.input[0]
+        rank = g.model.rank(src)
+        start, end = attr(n, "start", 0) or 0, attr(n, "end", None)
+        if rank is not None and end is None and rank - start == 1:
+            return ("dim",) + root_dim(g, src, start)
+        return None
+    return None
+
+
+def same_dim(g: Graph, a: str, b: str) -> bool:
+    ka, kb = dim_key(g, a), dim_key(g, b)
+    return ka is not None and ka == kb
+
+
+def static_dim(g: Graph, name: str, axis: int) -> int | None:
+    s = g.model.shape(name)
+    if s is None or axis >= len(s) or axis < -len(s):
+        return None
+    d = s[axis]
+    return d if isinstance(d, int) else None
+
+
+def time_dim_key(g: Graph, name: str, axis: int = 0):
+    d = static_dim(g, name, axis)
+    if d is not None:
+        return ("const", d)
+    return ("dim",) + root_dim(g, name, axis)
+
+
+def loop_invariant_init(body: Graph, name: str) -> str | None:
+    """If ``name`` is a Loop body input carried through unchanged, the Loop input that initialises it."""
+    loop = body.owner
+    ins = body.input_names
+    if name not in ins:
+        return None
+    k = ins.index(name)
+    if k < 2:
+        return None
+    outs = body.output_names
+    if k - 1 >= len(outs):
+        return None
+    out = outs[k - 1]
+    while out != name:
+        p = body.producer.get(out)
+        if p is None or p.op_type != "Identity":
+            return None
+        out = p.input[0]
+    return loop.input[k] if k < len(loop.input) else None
+
+
+def _full_lengths(g: Graph, lens: str, x: str, time_axis: int, batch_axis: int) -> bool:
+    """True if every entry of ``lens`` equals the time length of ``x``."""
+    tkey = time_dim_key(g, x, time_axis)
+    c = g.const(lens)
+    if c is not None:
+        flat = np.asarray(c).ravel()
+        return tkey[0] == "const" and flat.size > 0 and bool(np.all(flat == tkey[1]))
+    scope = g.scope_of(lens)
+    n = scope.producer.get(lens) if scope else None
+    while n is not None and n.op_type in ("Cast", "Identity"):
+        lens = n.input[0]
+        n = scope.producer.get(lens)
+    if n is None:
+        return False
+    if n.op_type in ("Expand", "Tile"):
+        k = dim_key(g, n.input[0])
+        return k is not None and k == tkey
+    if n.op_type == "ConstantOfShape":
+        v = attr(n, "value")
+        return v is not None and tkey[0] == "const" and int(np.asarray(v).ravel()[0]) == tkey[1]
+    return False
+
+
+def time_flip_source(g: Graph, name: str, time_axis: int = 0) -> str | None:
+    """If ``name`` is its source reversed along ``time_axis`` (every row entirely), that source."""
+    scope = g.scope_of(name)
+    if scope is None:
+        return None
+    n = scope.producer.get(name)
+    if n is None:
+        return None
+    if n.op_type == "ReverseSequence":
+        if attr(n, "time_axis", 0) != time_axis:
+            return None
+        if _full_lengths(g, n.input[1], n.input[0], time_axis, attr(n, "batch_axis", 1)):
+            return n.input[0]
+        return None
+    if n.op_type == "Slice" and len(n.input) >= 5:
+        vals = [g.const(i) for i in n.input[1:5]]
+        if any(v is None for v in vals):
+            return None
+        starts, ends, axes, steps = (np.asarray(v).ravel().tolist() for v in vals)
+        rank = g.model.rank(n.input[0])
+        axes = [a + rank if a < 0 and rank else a for a in axes]
+        if len(axes) == 1 and axes[0] == time_axis and steps == [-1] and starts[0] in (-1, 2**63 - 1, 2**31 - 1) and ends[0] <= -(2**31):
+            return n.input[0]
+    return None

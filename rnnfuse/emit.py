@@ -1,0 +1,344 @@
+"""Recurrence -> native ONNX op, plus the small adapters that keep every original output exactly as it was.
+
+The emitter only *adds* nodes: the native op, the mask plumbing (lengths, and for the exact path the gather
+that moves each row's valid steps to the front and the gather that puts results back), and one adapter per
+original output. The caller validates the new tensors against the old ones, then commits (replaces uses)
+or drops them (dead-code removal sweeps the unused candidate away).
+
+Masked steps, per the original graph: states are carried; a per-step output holds the previous output
+(CARRY, starting from the output's initial value) or zeros (ZERO). onnxruntime zero-fills ``Y`` past
+``sequence_lens`` and returns zeros as ``Y_h`` for rows of length 0, so those are fixed up where the
+original would differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from onnx import NodeProto, TensorProto
+
+from .dims import time_flip_source
+from .errors import Decline
+from .graph import Graph
+from .recurrence import CARRY, NONE, ZERO, Init, Recurrence
+
+GENERAL = "exact"  # any mask: valid steps are gathered to the front, results scattered back
+POST_PADDED = "post-padded"  # the caller guarantees every row's padding is at its end
+
+
+class Builder:
+    """Adds nodes near an anchor, with opset-aware helpers."""
+
+    def __init__(self, g: Graph, anchor: NodeProto | None, prefix: str):
+        self.g, self.anchor, self.prefix = g, anchor, prefix
+        self.opset = g.model.opset
+        self._consts: dict = {}
+
+    def op(self, op_type: str, *inputs: str, n: int = 1, **attrs):
+        outs = self.g.add_node(op_type, list(inputs), n, name=f"{self.prefix}/{op_type}", anchor=self.anchor, **attrs)
+        return outs if n > 1 else outs[0]
+
+    def const(self, arr, hint: str = "const") -> str:
+        arr = np.asarray(arr)
+        key = (hint, arr.dtype.str, arr.shape, arr.tobytes()) if arr.size <= 16 else None
+        if key is not None and key in self._consts:
+            return self._consts[key]
+        name = self.g.add_initializer(arr, f"{self.prefix}/{hint}")
+        if key is not None:
+            self._consts[key] = name
+        return name
+
+    def i64(self, *vals) -> str:
+        return self.const(np.array(vals, dtype=np.int64), "i64")
+
+    def squeeze(self, x: str, axes: list[int]) -> str:
+        if self.opset >= 13:
+            return self.op("Squeeze", x, self.i64(*axes))
+        return self.op("Squeeze", x, axes=axes)
+
+    def unsqueeze(self, x: str, axes: list[int]) -> str:
+        if self.opset >= 13:
+            return self.op("Unsqueeze", x, self.i64(*axes))
+        return self.op("Unsqueeze", x, axes=axes)
+
+    def reduce_sum(self, x: str, axes: list[int], keepdims: int = 0) -> str:
+        if self.opset >= 13:
+            return self.op("ReduceSum", x, self.i64(*axes), keepdims=keepdims)
+        return self.op("ReduceSum", x, axes=axes, keepdims=keepdims)
+
+    def flip0(self, x: str) -> str:
+        """Reverse axis 0."""
+        return self.op("Slice", x, self.i64(-1), self.i64(-(2**63)), self.i64(0), self.i64(-1))
+
+    def dim(self, x: str, axis: int) -> str:
+        """``shape(x)[axis]`` as a 1-element int64 tensor."""
+        return self.op("Slice", self.op("Shape", x), self.i64(axis), self.i64(axis + 1), self.i64(0))
+
+
+@dataclass
+class MaskPlumbing:
+    """Per-mask tensors, built once and shared by every recurrence that reads the same mask."""
+
+    m2: str  # [T, B] bool
+    mi: str  # [T, B] int64
+    lens64: str  # [B]
+    lens32: str  # [B] int32 (sequence_lens)
+    extra: dict = field(default_factory=dict)
+
+
+class EmitCache:
+    """Shared plumbing across the recurrences of one pass (masks are often shared by a whole stack)."""
+
+    def __init__(self):
+        self.masks: dict[str, MaskPlumbing] = {}
+        self.compacted: dict[tuple[str, str], str] = {}
+
+
+@dataclass
+class Emission:
+    native: NodeProto
+    replacements: dict[str, str]  # original tensor -> new tensor
+    path: str  # "unmasked" | GENERAL | POST_PADDED
+    direction: str
+    mask: str | None
+
+
+def _need_opset(b: Builder, v: int, what: str) -> None:
+    if b.opset < v:
+        raise Decline(f"{what} needs opset {v}; the model has opset {b.opset}")
+
+
+def _mask_plumbing(b: Builder, cache: EmitCache, mask: str) -> MaskPlumbing:
+    mp = cache.masks.get(mask)
+    if mp is not None:
+        return mp
+    rank = b.g.model.rank(mask)
+    if rank == 3:
+        m2 = b.squeeze(mask, [2])
+    elif rank == 2:
+        m2 = mask
+    else:
+        raise Decline(f"the mask has rank {rank}; expected [T, B] or [T, B, 1]")
+    mi = b.op("Cast", m2, to=TensorProto.INT64)
+    lens64 = b.reduce_sum(mi, [0], keepdims=0)
+    lens32 = b.op("Cast", lens64, to=TensorProto.INT32)
+    mp = MaskPlumbing(m2, mi, lens64, lens32)
+    cache.masks[mask] = mp
+    return mp
+
+
+def _extra(b: Builder, mp: MaskPlumbing, key: str, make):
+    if key not in mp.extra:
+        mp.extra[key] = make()
+    return mp.extra[key]
+
+
+def _grid(b: Builder, mp: MaskPlumbing):
+    """t as [T, 1] and b as [1, B] (int64), and B as a 1-element tensor."""
+
+    def make():
+        T = b.dim(mp.m2, 0)
+        B = b.dim(mp.m2, 1)
+        zero, one = b.const(np.array(0, np.int64), "zero"), b.const(np.array(1, np.int64), "one")
+        t = b.unsqueeze(b.op("Range", zero, b.squeeze(T, [0]), one), [1])
+        bb = b.unsqueeze(b.op("Range", zero, b.squeeze(B, [0]), one), [0])
+        return t, bb, B
+
+    return _extra(b, mp, "grid", make)
+
+
+def _cumsum(b: Builder, mp: MaskPlumbing) -> str:
+    return _extra(b, mp, "cs", lambda: b.op("CumSum", mp.mi, b.const(np.array(0, np.int64), "axis0")))
+
+
+def _compact(b: Builder, cache: EmitCache, mp: MaskPlumbing, x: str, mask: str) -> str:
+    """Each row's valid steps moved to the front, in order: x_c[k, b] = x[t_k(b), b]."""
+    key = (x, mask)
+    if key in cache.compacted:
+        return cache.compacted[key]
+    t, bb, B = _grid(b, mp)
+    cs = _cumsum(b, mp)
+    one = b.const(np.array(1, np.int64), "one")
+    # destination of step t: its rank among valid steps, or after all valid steps for masked ones
+    dest = b.op(
+        "Where",
+        mp.m2,
+        b.op("Sub", cs, one),
+        b.op("Sub", b.op("Add", b.unsqueeze(mp.lens64, [0]), t), cs),
+    )
+    shape = b.op("Shape", mp.m2)
+    src = b.op(
+        "ScatterElements",
+        b.op("ConstantOfShape", shape, value=_i64_tensor(0)),
+        dest,
+        b.op("Expand", t, shape),
+        axis=0,
+    )
+    flat = b.op("Add", b.op("Mul", src, B), bb)
+    xc = b.op("Gather", b.op("Flatten", x, axis=2), flat, axis=0)
+    cache.compacted[key] = xc
+    return xc
+
+
+def _i64_tensor(v: int):
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.array([v], dtype=np.int64))
+
+
+def _init_state(b: Builder, init: Init, x: str, hidden: int) -> str:
+    """``[1, B, H]`` initial state input for the native op ('' when zeros)."""
+    if init.is_zero:
+        return ""
+    if init.tensor is not None:
+        return b.unsqueeze(init.tensor, [0])
+    B = b.dim(x, 1)
+    shape = b.op("Concat", b.i64(1), B, b.i64(hidden), axis=0)
+    return b.op("Expand", b.const(np.array(init.fill, np.float32), "fill"), shape)
+
+
+def _init_value(b: Builder, init: Init) -> str:
+    """An initial value as something that broadcasts against [B, H]."""
+    if init.tensor is not None:
+        return init.tensor
+    return b.const(np.array(init.fill, np.float32), "fill")
+
+
+def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False) -> Emission:
+    cell = rec.cell
+    b = Builder(g, rec.anchor, f"rnnfuse/{cell.op}")
+    if b.opset < 7:
+        raise Decline(f"opset {b.opset} is older than the native recurrent ops' opset 7")
+    _need_opset(b, 10, "the rewrite")
+
+    x = rec.x
+    if rec.x_batch_first:
+        x = b.op("Transpose", x, perm=[1, 0, 2])
+    mask = rec.mask
+    reverse = rec.x_reversed  # the front end already knows the processing order is backwards in time
+    if not reverse and not rec.x_batch_first:
+        src = time_flip_source(g, x, 0)
+        msrc = time_flip_source(g, mask, 0) if mask else None
+        if src is not None and (mask is None or msrc is not None):
+            x, mask, reverse = src, msrc, True
+    direction = "reverse" if reverse else "forward"
+
+    path = "unmasked"
+    seq_lens = ""
+    mp = None
+    if mask is not None:
+        _need_opset(b, 11, "the mask handling")
+        mp = _mask_plumbing(b, cache, mask)
+        seq_lens = mp.lens32
+        path = POST_PADDED if post_padded else GENERAL
+        if path == GENERAL:
+            x = _compact(b, cache, mp, x, mask)
+
+    W, R, B = cell.weights()
+    ins = [x, b.const(W, "W"), b.const(R, "R"), b.const(B, "B") if cell.has_bias() else "", seq_lens]
+    ins.append(_init_state(b, rec.h0, x, cell.hidden))
+    if cell.op == "LSTM":
+        ins.append(_init_state(b, rec.c0, x, cell.hidden))
+    while ins and ins[-1] == "":
+        ins.pop()
+    attrs = dict(hidden_size=cell.hidden, direction=direction)
+    acts, alphas, betas = onnx_activations(cell.acts)
+    if acts is not None:
+        attrs["activations"] = acts
+        if alphas:
+            attrs["activation_alpha"] = alphas
+        if betas:
+            attrs["activation_beta"] = betas
+    if cell.clip is not None:
+        attrs["clip"] = float(cell.clip)
+    if cell.op == "GRU":
+        attrs["linear_before_reset"] = int(cell.linear_before_reset)
+    n_out = 3 if cell.op == "LSTM" else 2
+    outs = g.add_node(cell.op, ins, n_out, name=f"rnnfuse/{cell.op}", anchor=rec.anchor, **attrs)
+    native = g.producer[outs[0]]
+    Y, Yh = outs[0], outs[1]
+    Yc = outs[2] if cell.op == "LSTM" else None
+    Y3 = b.squeeze(Y, [1])
+
+    repl: dict[str, str] = {}
+    for so in rec.seq_outputs:
+        v = _seq_output(b, so, Y3, Yh, mp, path, direction)
+        if direction == "reverse":
+            v = b.flip0(v)
+        if so.reversed:
+            v = b.flip0(v)
+        if so.batch_first:
+            v = b.op("Transpose", v, perm=[1, 0, 2])
+        repl[so.tensor] = v
+    for fo in rec.finals:
+        src_t = Yh if fo.which == "h" else Yc
+        if src_t is None:
+            raise Decline("a final cell state from a cell without one")
+        v = b.squeeze(src_t, [0])
+        if mp is not None and not fo.init.is_zero:
+            any_valid = b.unsqueeze(b.op("Greater", mp.lens64, b.const(np.array(0, np.int64), "zero")), [1])
+            v = b.op("Where", any_valid, v, _init_value(b, fo.init))
+        repl[fo.tensor] = v
+    # every replacement gets a tensor of its own (a graph output may take over its name)
+    seen: set[str] = set()
+    for k, v in list(repl.items()):
+        if v in seen:
+            repl[k] = b.op("Identity", v)
+        seen.add(repl[k])
+    return Emission(native, repl, path, direction, mask)
+
+
+def _seq_output(b: Builder, so, Y3: str, Yh: str, mp: MaskPlumbing | None, path: str, direction: str) -> str:
+    if mp is None or so.fill == NONE:
+        if mp is not None:
+            raise Decline("a per-step output that ignores the mask")
+        return Y3
+    if path == POST_PADDED:
+        if so.fill == ZERO:
+            return Y3
+        t, bb, B = _grid(b, mp)
+        inlen = b.unsqueeze(b.op("Less", t, b.unsqueeze(mp.lens64, [0])), [2])
+        if direction == "forward":
+            last = b.squeeze(Yh, [0])
+            if not so.init.is_zero:
+                any_valid = b.unsqueeze(b.op("Greater", mp.lens64, b.const(np.array(0, np.int64), "zero")), [1])
+                last = b.op("Where", any_valid, last, _init_value(b, so.init))
+            return b.op("Where", inlen, Y3, b.unsqueeze(last, [0]))
+        if so.init.is_zero:
+            return Y3
+        return b.op("Where", inlen, Y3, _init_value(b, so.init))
+    # exact path: results are in compacted order; gather each step's value back
+    t, bb, B = _grid(b, mp)
+    cs = _cumsum(b, mp)
+    zero = b.const(np.array(0, np.int64), "zero")
+    if direction == "forward":
+        idx = b.op("Sub", cs, b.const(np.array(1, np.int64), "one"))
+        valid = mp.m2 if so.fill == ZERO else b.op("Greater", cs, zero)
+    else:
+        idx = b.op("Sub", cs, mp.mi)
+        valid = mp.m2 if so.fill == ZERO else b.op("Less", idx, b.unsqueeze(mp.lens64, [0]))
+    safe = b.op("Where", valid, idx, zero)
+    flat = b.op("Add", b.op("Mul", safe, B), bb)
+    gathered = b.op("Gather", b.op("Flatten", Y3, axis=2), flat, axis=0)
+    fill = b.const(np.array(0.0, np.float32), "fill") if so.fill == ZERO else _init_value(b, so.init)
+    return b.op("Where", b.unsqueeze(valid, [2]), gathered, fill)
+
+
+def onnx_activations(acts) -> tuple[list[str] | None, list[float], list[float]]:
+    """ONNX ``activations`` and alpha/beta lists (onnxruntime's convention: only for activations that use them)."""
+    from .cells import DEFAULT_ACTS
+
+    names, alphas, betas = [], [], []
+    for kind, params in acts:
+        names.append(kind)
+        if kind in ("HardSigmoid", "Affine", "ScaledTanh"):
+            alphas.append(float(params[0]))
+            betas.append(float(params[1]))
+        elif kind in ("LeakyRelu", "ThresholdedRelu", "Elu"):
+            alphas.append(float(params[0]))
+    ops = {len(v): k for k, v in DEFAULT_ACTS.items()}
+    default = [a for a, _ in DEFAULT_ACTS[ops.get(len(acts), "LSTM")]]
+    if names == default and not alphas:
+        return None, [], []
+    return names, alphas, betas

@@ -1,0 +1,239 @@
+"""Constant folding of single nodes, used to see through exporter plumbing (Split of a bias, Squeeze, Cast...).
+
+The common shape and arithmetic ops are evaluated with numpy, honouring the attribute-vs-input forms of older
+opsets; anything else falls back to onnx's reference evaluator on a one-node model of the same opset.
+Folding is lazy (only values someone asks for) and refuses very large results.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+if TYPE_CHECKING:
+    from .graph import Graph
+
+MAX_FOLD_ELEMENTS = 1 << 26  # never materialise more than 64M elements while folding
+
+
+def _attr(node, name, default=None):
+    from .graph import attr
+
+    return attr(node, name, default)
+
+
+def _axes(node, inputs, idx, opset, since):
+    """Axes given as an attribute (before ``since``) or as input ``idx``."""
+    if opset < since:
+        return _attr(node, "axes")
+    if len(inputs) > idx and inputs[idx] is not None:
+        return [int(a) for a in np.asarray(inputs[idx]).ravel()]
+    return None
+
+
+def _np_dtype(onnx_type: int):
+    return helper.tensor_dtype_to_np_dtype(onnx_type)
+
+
+def evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int) -> list[np.ndarray] | None:
+    """Evaluate ``node`` on constant ``inputs``; None if the op is not foldable here."""
+    op = node.op_type
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    x = inputs[0] if inputs else None
+    try:
+        if op == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    return [numpy_helper.to_array(a.t)]
+                if a.name == "value_float":
+                    return [np.array(a.f, dtype=np.float32)]
+                if a.name == "value_floats":
+                    return [np.array(list(a.floats), dtype=np.float32)]
+                if a.name == "value_int":
+                    return [np.array(a.i, dtype=np.int64)]
+                if a.name == "value_ints":
+                    return [np.array(list(a.ints), dtype=np.int64)]
+            return None
+        if op == "Identity":
+            return [x]
+        if op == "Cast":
+            return [x.astype(_np_dtype(_attr(node, "to")))]
+        if op == "Transpose":
+            perm = _attr(node, "perm")
+            return [np.transpose(x, perm) if perm is not None else np.transpose(x)]
+        if op == "Squeeze":
+            axes = _axes(node, inputs, 1, opset, 13)
+            return [np.squeeze(x, axis=tuple(axes)) if axes else np.squeeze(x)]
+        if op == "Unsqueeze":
+            axes = _axes(node, inputs, 1, opset, 13)
+            out = x
+            rank = x.ndim + len(axes)
+            for a in sorted(a % rank for a in axes):
+                out = np.expand_dims(out, a)
+            return [out]
+        if op == "Reshape":
+            shape = [int(s) for s in inputs[1]]
+            allowzero = _attr(node, "allowzero", 0)
+            shape = [x.shape[i] if (s == 0 and not allowzero) else s for i, s in enumerate(shape)]
+            return [np.reshape(x, shape)]
+        if op == "Flatten":
+            axis = _attr(node, "axis", 1) % max(x.ndim, 1)
+            return [np.reshape(x, (int(np.prod(x.shape[:axis])), -1))]
+        if op == "Concat":
+            return [np.concatenate([np.asarray(i) for i in inputs], axis=_attr(node, "axis"))]
+        if op == "Split":
+            axis = _attr(node, "axis", 0)
+            if opset < 13:
+                split = _attr(node, "split")
+            else:
+                split = [int(s) for s in inputs[1]] if len(inputs) > 1 and inputs[1] is not None else None
+            n = len(node.output)
+            if split is None:
+                size = x.shape[axis]
+                step = -(-size // n)
+                split = [min(step, size - i * step) for i in range(n)]
+            idx = np.cumsum(split)[:-1]
+            return list(np.split(x, idx, axis=axis))
+        if op == "Slice":
+            if opset < 10:
+                starts, ends = _attr(node, "starts"), _attr(node, "ends")
+                axes = _attr(node, "axes", list(range(len(starts))))
+                steps = [1] * len(starts)
+            else:
+                starts, ends = [int(v) for v in inputs[1]], [int(v) for v in inputs[2]]
+                axes = [int(v) for v in inputs[3]] if len(inputs) > 3 and inputs[3] is not None else list(range(len(starts)))
+                steps = [int(v) for v in inputs[4]] if len(inputs) > 4 and inputs[4] is not None else [1] * len(starts)
+            sl = [slice(None)] * x.ndim
+            for s, e, a, st in zip(starts, ends, axes, steps):
+                dim = x.shape[a]
+                sl[a] = slice(*slice(s, e, st).indices(dim)) if st > 0 else _neg_slice(s, e, st, dim)
+            return [x[tuple(sl)]]
+        if op == "Gather":
+            return [np.take(x, inputs[1].astype(np.int64), axis=_attr(node, "axis", 0))]
+        if op == "Shape":
+            shape = np.array(x.shape, dtype=np.int64)
+            start, end = _attr(node, "start", 0), _attr(node, "end", None)
+            return [shape[start:end]]
+        if op == "Size":
+            return [np.array(x.size, dtype=np.int64)]
+        if op in _BINARY:
+            a, b = inputs[0], inputs[1]
+            res = _BINARY[op](a, b)
+            if op in ("Add", "Sub", "Mul", "Div") and np.issubdtype(np.asarray(a).dtype, np.integer):
+                res = (np.trunc(a / b) if op == "Div" else res).astype(np.asarray(a).dtype)
+            else:
+                res = np.asarray(res)
+                if res.dtype != np.bool_ and np.asarray(a).dtype != res.dtype:
+                    res = res.astype(np.asarray(a).dtype)
+            return [res]
+        if op == "Neg":
+            return [-x]
+        if op == "Not":
+            return [np.logical_not(x)]
+        if op == "Sqrt":
+            return [np.sqrt(x)]
+        if op == "Reciprocal":
+            return [(1 / x).astype(x.dtype)]
+        if op == "ConstantOfShape":
+            v = _attr(node, "value")
+            v = np.zeros(1, np.float32) if v is None else np.asarray(v)
+            shape = [int(s) for s in x]
+            if int(np.prod(shape)) > MAX_FOLD_ELEMENTS:
+                return None
+            return [np.full(shape, v.ravel()[0], dtype=v.dtype)]
+        if op == "Expand":
+            shape = np.broadcast_shapes(x.shape, tuple(int(s) for s in inputs[1]))
+            if int(np.prod(shape)) > MAX_FOLD_ELEMENTS:
+                return None
+            return [np.broadcast_to(x, shape).copy()]
+        if op == "Range":
+            return [np.arange(inputs[0], inputs[1], inputs[2]).astype(inputs[0].dtype)]
+        if op == "MatMul":
+            return [np.matmul(inputs[0], inputs[1])]
+    except Exception:
+        return None
+    return _reference(node, inputs, opset)
+
+
+def _neg_slice(s, e, st, dim):
+    s = max(-1, min(dim - 1, s + dim if s < 0 else s))
+    e = e + dim if e < 0 else e
+    e = max(-1, min(dim - 1, e))
+    return slice(s, None if e < 0 else e, st)
+
+
+_BINARY = {
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Mul": np.multiply,
+    "Div": np.divide,
+    "Equal": np.equal,
+    "Less": np.less,
+    "Greater": np.greater,
+    "LessOrEqual": np.less_equal,
+    "GreaterOrEqual": np.greater_equal,
+    "And": np.logical_and,
+    "Or": np.logical_or,
+    "Max": np.maximum,
+    "Min": np.minimum,
+    "Pow": np.power,
+}
+
+
+def _reference(node, inputs, opset) -> list[np.ndarray] | None:
+    if any(i is None for i in inputs) or any(np.asarray(i).size > (1 << 20) for i in inputs):
+        return None
+    try:
+        from onnx.reference import ReferenceEvaluator
+
+        names = [f"i{k}" for k in range(len(inputs))]
+        n2 = onnx.NodeProto()
+        n2.CopyFrom(node)
+        del n2.input[:]
+        n2.input.extend(names if node.input else [])
+        del n2.output[:]
+        outs = [f"o{k}" for k in range(len(node.output))]
+        n2.output.extend(outs)
+        g = helper.make_graph(
+            [n2],
+            "fold",
+            [helper.make_tensor_value_info(nm, helper.np_dtype_to_tensor_dtype(np.asarray(v).dtype), None) for nm, v in zip(names, inputs)],
+            [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in outs],
+        )
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+        res = ReferenceEvaluator(m).run(None, {nm: np.asarray(v) for nm, v in zip(names, inputs)})
+        return [np.asarray(r) for r in res]
+    except Exception:
+        return None
+
+
+def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray | None:
+    """Fold the output ``name`` of ``node`` if all of the node's inputs are constants."""
+    if node.op_type in ("Loop", "Scan", "If", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"):
+        return None
+    if node.op_type == "Shape":
+        # Shape of a tensor with a fully static declared shape is constant even if the tensor is not
+        shape = graph.model.shape(node.input[0])
+        if shape is not None and all(isinstance(d, int) for d in shape) and graph.const(node.input[0]) is None:
+            start, end = _attr(node, "start", 0), _attr(node, "end", None)
+            return np.array(shape, dtype=np.int64)[start:end]
+    vals = []
+    for i in node.input:
+        if not i:
+            vals.append(None)
+            continue
+        v = graph.const(i)
+        if v is None:
+            return None
+        vals.append(v)
+    outs = evaluate(node, vals, graph.model.opset)
+    if outs is None:
+        return None
+    for o, v in zip(node.output, outs):
+        if o == name:
+            return np.asarray(v)
+    return None

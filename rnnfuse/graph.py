@@ -1,0 +1,551 @@
+"""A scope-aware, linear-time view of an ONNX graph that rewrites can edit.
+
+rnnfuse works on the ``ModelProto`` directly (no import/export round trip): every pass sees the same
+``Model`` object, whose graphs keep producer and consumer maps that are built once and updated on each edit.
+Subgraph bodies (Loop, Scan, If) are graphs of their own with a ``parent``; names they capture from outer
+scopes count as uses of the capturing node, so dead-code removal and use-replacement stay correct.
+
+Edits never re-sort the node list; :meth:`Graph.finalize` does one stable topological sort, removes dead
+nodes and unused initializers, and writes the result back into the proto.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Iterable, Iterator
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
+
+from . import fold
+
+INT64_MAX = 2**63 - 1
+
+
+def attr(node: NodeProto, name: str, default=None):
+    """The value of a node attribute (ints, floats, strings decoded, tensors as numpy)."""
+    for a in node.attribute:
+        if a.name == name:
+            if a.type == AttributeProto.TENSOR:
+                return numpy_helper.to_array(a.t)
+            v = helper.get_attribute_value(a)
+            if isinstance(v, bytes):
+                return v.decode()
+            if a.type == AttributeProto.STRINGS:
+                return [s.decode() for s in v]
+            if a.type in (AttributeProto.INTS, AttributeProto.FLOATS):
+                return list(v)
+            return v
+    return default
+
+
+def subgraphs(node: NodeProto) -> Iterator[GraphProto]:
+    for a in node.attribute:
+        if a.type == AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def _graph_free_names(g: GraphProto) -> set[str]:
+    """Names a graph reads that it does not define (its captures from enclosing scopes)."""
+    defined = {i.name for i in g.input} | {i.name for i in g.initializer} | {""}
+    used: set[str] = set()
+    for n in g.node:
+        used.update(n.input)
+        for sg in subgraphs(n):
+            used |= _graph_free_names(sg)
+        defined.update(n.output)
+    used.update(o.name for o in g.output)
+    return used - defined
+
+
+class NameAllocator:
+    """Fresh, deterministic tensor/node names that collide with nothing in the model."""
+
+    def __init__(self, used: Iterable[str]):
+        self.used = set(used)
+        self._counters: dict[str, int] = {}
+
+    def fresh(self, hint: str) -> str:
+        if hint not in self.used:
+            self.used.add(hint)
+            return hint
+        i = self._counters.get(hint, 0)
+        while True:
+            i += 1
+            cand = f"{hint}_{i}"
+            if cand not in self.used:
+                self._counters[hint] = i
+                self.used.add(cand)
+                return cand
+
+
+def _all_names(g: GraphProto, out: set[str]) -> None:
+    out.update(i.name for i in g.input)
+    out.update(i.name for i in g.output)
+    out.update(i.name for i in g.initializer)
+    out.update(v.name for v in g.value_info)
+    for n in g.node:
+        out.update(n.input)
+        out.update(n.output)
+        if n.name:
+            out.add(n.name)
+        for sg in subgraphs(n):
+            _all_names(sg, out)
+
+
+class Model:
+    """The model being optimized: opsets, fresh names, type information and the main :class:`Graph`."""
+
+    def __init__(self, proto: ModelProto):
+        self.proto = proto
+        self.opsets: dict[str, int] = {}
+        for imp in proto.opset_import:
+            self.opsets[imp.domain or ""] = imp.version
+        used: set[str] = set()
+        _all_names(proto.graph, used)
+        self.names = NameAllocator(used)
+        self._types: dict[str, tuple[int, list | None]] | None = None
+        self.graph = Graph(proto.graph, None, self)
+        self.opset_raised: list[str] = []
+
+    @property
+    def opset(self) -> int:
+        return self.opsets.get("", self.opsets.get("ai.onnx", 1))
+
+    def require_opset(self, version: int, why: str) -> None:
+        """Raise the default-domain opset to ``version`` if an emitted op needs it, and remember why."""
+        if self.opset >= version:
+            return
+        for imp in self.proto.opset_import:
+            if imp.domain in ("", "ai.onnx"):
+                self.opset_raised.append(f"opset {imp.version} -> {version}: {why}")
+                imp.version = version
+        self.opsets[""] = version
+
+    # -- types -------------------------------------------------------------------------------------------
+    def types(self) -> dict[str, tuple[int, list | None]]:
+        """Element type and shape (ints, strings for symbolic dims, None for unknown) of every named value.
+
+        Shape inference runs once on a skeleton of the model (no weight data), so it is cheap for large models.
+        """
+        if self._types is None:
+            self._types = infer_types(self.proto)
+        return self._types
+
+    def invalidate_types(self) -> None:
+        self._types = None
+
+    def elem_type(self, name: str) -> int | None:
+        t = self.types().get(name)
+        return t[0] if t else None
+
+    def shape(self, name: str) -> list | None:
+        t = self.types().get(name)
+        return t[1] if t else None
+
+    def rank(self, name: str) -> int | None:
+        s = self.shape(name)
+        return None if s is None else len(s)
+
+
+def _skeleton(g: GraphProto, keep_bytes: int = 4096) -> GraphProto:
+    out = GraphProto()
+    out.name = g.name
+    out.input.extend(g.input)
+    out.output.extend(g.output)
+    out.value_info.extend(g.value_info)
+    for t in g.initializer:
+        s = TensorProto()
+        s.name = t.name
+        s.data_type = t.data_type
+        s.dims.extend(t.dims)
+        if t.data_location != TensorProto.EXTERNAL and t.ByteSize() <= keep_bytes:
+            s.CopyFrom(t)
+        out.initializer.append(s)
+    for n in g.node:
+        m = out.node.add()
+        m.CopyFrom(n) if not any(True for _ in subgraphs(n)) else _copy_node_skeleton(n, m, keep_bytes)
+    return out
+
+
+def _copy_node_skeleton(n: NodeProto, m: NodeProto, keep_bytes: int) -> None:
+    m.op_type, m.domain, m.name = n.op_type, n.domain, n.name
+    m.input.extend(n.input)
+    m.output.extend(n.output)
+    for a in n.attribute:
+        b = m.attribute.add()
+        if a.type == AttributeProto.GRAPH:
+            b.name, b.type = a.name, a.type
+            b.g.CopyFrom(_skeleton(a.g, keep_bytes))
+        elif a.type == AttributeProto.GRAPHS:
+            b.name, b.type = a.name, a.type
+            for sg in a.graphs:
+                b.graphs.append(_skeleton(sg, keep_bytes))
+        else:
+            b.CopyFrom(a)
+
+
+def _type_of(vi: onnx.ValueInfoProto) -> tuple[int, list | None] | None:
+    t = vi.type
+    if not t.HasField("tensor_type"):
+        return None
+    tt = t.tensor_type
+    if not tt.HasField("shape"):
+        return (tt.elem_type, None)
+    dims: list = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(d.dim_value)
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return (tt.elem_type, dims)
+
+
+def infer_types(proto: ModelProto) -> dict[str, tuple[int, list | None]]:
+    sk = ModelProto()
+    sk.ir_version = proto.ir_version
+    sk.opset_import.extend(proto.opset_import)
+    sk.graph.CopyFrom(_skeleton(proto.graph))
+    try:
+        sk = onnx.shape_inference.infer_shapes(sk, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:  # inference is a convenience; fall back to what the file declares
+        pass
+    out: dict[str, tuple[int, list | None]] = {}
+
+    def visit(g: GraphProto) -> None:
+        for vi in itertools.chain(g.input, g.output, g.value_info):
+            t = _type_of(vi)
+            if t is not None and (vi.name not in out or (out[vi.name][1] is None and t[1] is not None)):
+                out[vi.name] = t
+        for t in g.initializer:
+            out[t.name] = (t.data_type, list(t.dims))
+        for n in g.node:
+            if n.op_type == "Constant" and n.output:
+                v = attr(n, "value")
+                if v is not None:
+                    out[n.output[0]] = (helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape))
+            for sg in subgraphs(n):
+                visit(sg)
+
+    visit(sk.graph)
+    return out
+
+
+class Graph:
+    """One graph scope with producer/consumer maps and edit operations."""
+
+    def __init__(self, proto: GraphProto, parent: "Graph | None", model: Model, owner: NodeProto | None = None):
+        self.proto = proto
+        self.parent = parent
+        self.model = model
+        self.owner = owner  # the node whose attribute this graph is (None for the main graph)
+        self.nodes: list[NodeProto] = list(proto.node)
+        self._pos: dict[int, tuple] = {id(n): (i, 0) for i, n in enumerate(self.nodes)}
+        self._seq = itertools.count(1)
+        self._removed: set[int] = set()
+        self.initializers: dict[str, TensorProto] = {t.name: t for t in proto.initializer}
+        self.input_names = [i.name for i in proto.input]
+        self.output_names = [o.name for o in proto.output]
+        self._inputs = set(self.input_names)
+        self.producer: dict[str, NodeProto] = {}
+        self.consumers: dict[str, list[NodeProto]] = {}
+        self._implicit: dict[int, set[str]] = {}
+        self._arrays: dict[str, np.ndarray | None] = {}
+        self._subgraph_views: dict[int, Graph] = {}
+        for n in self.nodes:
+            self._index(n)
+
+    # -- indexing ----------------------------------------------------------------------------------------
+    def implicit_inputs(self, node: NodeProto) -> set[str]:
+        key = id(node)
+        if key not in self._implicit:
+            free: set[str] = set()
+            for sg in subgraphs(node):
+                free |= _graph_free_names(sg)
+            self._implicit[key] = free
+        return self._implicit[key]
+
+    def _index(self, n: NodeProto) -> None:
+        for o in n.output:
+            if o:
+                self.producer[o] = n
+        seen = set()
+        for i in itertools.chain(n.input, sorted(self.implicit_inputs(n))):
+            if i and i not in seen:
+                seen.add(i)
+                self.consumers.setdefault(i, []).append(n)
+
+    def _unindex(self, n: NodeProto) -> None:
+        for o in n.output:
+            if o and self.producer.get(o) is n:
+                del self.producer[o]
+        for i in set(n.input) | self.implicit_inputs(n):
+            lst = self.consumers.get(i)
+            if lst:
+                lst[:] = [c for c in lst if c is not n]
+
+    def subgraph(self, node: NodeProto, name: str = "body") -> "Graph":
+        """The :class:`Graph` view of a node's graph attribute (created once per node)."""
+        key = id(node)
+        if key not in self._subgraph_views:
+            g = next(a.g for a in node.attribute if a.name == name and a.type == AttributeProto.GRAPH)
+            self._subgraph_views[key] = Graph(g, self, self.model, owner=node)
+        return self._subgraph_views[key]
+
+    # -- queries -----------------------------------------------------------------------------------------
+    def alive(self, node: NodeProto) -> bool:
+        return id(node) not in self._removed
+
+    def live_nodes(self) -> list[NodeProto]:
+        return [n for n in self.nodes if id(n) not in self._removed]
+
+    def is_graph_output(self, name: str) -> bool:
+        return name in self.output_names
+
+    def is_graph_input(self, name: str) -> bool:
+        return name in self._inputs and name not in self.initializers
+
+    def defines(self, name: str) -> bool:
+        return name in self.producer or name in self.initializers or name in self._inputs
+
+    def scope_of(self, name: str) -> "Graph | None":
+        g: Graph | None = self
+        while g is not None:
+            if g.defines(name):
+                return g
+            g = g.parent
+        return None
+
+    def uses(self, name: str) -> list[NodeProto]:
+        return self.consumers.get(name, [])
+
+    def n_uses(self, name: str) -> int:
+        return len(self.consumers.get(name, [])) + self.output_names.count(name)
+
+    def const(self, name: str) -> np.ndarray | None:
+        """The value of ``name`` if it is constant (initializer, Constant, or foldable from constants)."""
+        if not name:
+            return None
+        g = self.scope_of(name)
+        if g is None:
+            return None
+        return g._const_local(name)
+
+    def _const_local(self, name: str) -> np.ndarray | None:
+        if name in self._arrays:
+            return self._arrays[name]
+        self._arrays[name] = None  # guards cycles
+        val: np.ndarray | None = None
+        if name in self.initializers:
+            if name not in self._inputs:  # an initializer that is also an input can be overridden
+                val = numpy_helper.to_array(self.initializers[name])
+        elif name in self.producer:
+            val = fold.fold_output(self, self.producer[name], name)
+        self._arrays[name] = val
+        return val
+
+    def fill_value(self, name: str) -> float | None:
+        """If ``name`` is a tensor filled with one value (of any, possibly dynamic, shape), that value."""
+        c = self.const(name)
+        if c is not None:
+            flat = np.asarray(c).ravel()
+            if flat.size and np.all(flat == flat[0]):
+                return float(flat[0])
+            return None
+        g = self.scope_of(name)
+        if g is None or name not in g.producer:
+            return None
+        n = g.producer[name]
+        if n.op_type == "ConstantOfShape":
+            v = attr(n, "value")
+            return 0.0 if v is None else float(np.asarray(v).ravel()[0])
+        if n.op_type == "Expand":
+            return g.fill_value(n.input[0])
+        if n.op_type in ("Identity", "Cast") and n.input:
+            return g.fill_value(n.input[0])
+        if n.op_type in ("Mul",):
+            a, b = g.fill_value(n.input[0]), g.fill_value(n.input[1])
+            if a == 0.0 or b == 0.0:
+                return 0.0
+        return None
+
+    # -- edits -------------------------------------------------------------------------------------------
+    def fresh(self, hint: str) -> str:
+        return self.model.names.fresh(hint)
+
+    def add_node(
+        self,
+        op_type: str,
+        inputs: list[str],
+        n_outputs: int = 1,
+        *,
+        name: str | None = None,
+        outputs: list[str] | None = None,
+        domain: str = "",
+        anchor: NodeProto | None = None,
+        **attrs,
+    ) -> list[str]:
+        """Append a node; returns its output names. ``anchor`` places it near that node in the final order."""
+        base = name or f"rnnfuse/{op_type}"
+        if outputs is None:
+            outputs = [self.fresh(f"{base}:{i}" if n_outputs > 1 else base) for i in range(n_outputs)]
+        node = helper.make_node(op_type, inputs, outputs, name=self.fresh(base), domain=domain or None, **attrs)
+        self.nodes.append(node)
+        anchor_pos = self._pos.get(id(anchor), (len(self.nodes), 0)) if anchor is not None else (len(self.nodes), 0)
+        self._pos[id(node)] = (anchor_pos[0], next(self._seq))
+        self._index(node)
+        return outputs
+
+    def add_initializer(self, array: np.ndarray, hint: str) -> str:
+        name = self.fresh(hint)
+        t = numpy_helper.from_array(np.ascontiguousarray(array), name)
+        self.proto.initializer.append(t)
+        self.initializers[name] = t
+        self._arrays[name] = array
+        return name
+
+    def remove_node(self, node: NodeProto) -> None:
+        if id(node) in self._removed:
+            return
+        self._removed.add(id(node))
+        self._unindex(node)
+
+    def replace_uses(self, old: str, new: str) -> None:
+        """Make every reader of ``old`` (nodes, captures in subgraphs, graph outputs) read ``new``."""
+        if old == new:
+            return
+        for n in list(self.consumers.get(old, [])):
+            self._unindex(n)
+            for i, x in enumerate(n.input):
+                if x == old:
+                    n.input[i] = new
+            if old in self.implicit_inputs(n):
+                for sg in subgraphs(n):
+                    _rename_free(sg, old, new)
+                self._implicit.pop(id(n), None)
+            self._index(n)
+        if old in self.output_names:
+            if self.producer.get(new) is not None and self._renamable(new):
+                self._rename_output(new, old)
+            else:
+                self.add_node("Identity", [new], outputs=[old], name=f"rnnfuse/out/{old}")
+
+    def _renamable(self, name: str) -> bool:
+        return (
+            name not in self.output_names
+            and name not in self._inputs
+            and not self.consumers.get(name)
+            and self.producer.get(name) is not None
+        )
+
+    def _rename_output(self, new: str, old: str) -> None:
+        """Rename the produced tensor ``new`` to ``old`` (used to keep graph output names)."""
+        node = self.producer[new]
+        old_prod = self.producer.get(old)
+        if old_prod is not None and old_prod is not node:
+            # the old producer is about to be removed by the caller; detach its output name
+            for i, o in enumerate(old_prod.output):
+                if o == old:
+                    old_prod.output[i] = self.fresh(old + "/detached")
+            self._unindex(old_prod)
+            self._index(old_prod)
+        self._unindex(node)
+        for i, o in enumerate(node.output):
+            if o == new:
+                node.output[i] = old
+        self._index(node)
+
+    # -- finalize ----------------------------------------------------------------------------------------
+    def finalize(self) -> None:
+        """Remove dead nodes and unused initializers, topologically sort, and write back to the proto."""
+        live = self._live_set()
+        nodes = [n for n in self.nodes if id(n) not in self._removed and id(n) in live]
+        nodes = self._toposort(nodes)
+        del self.proto.node[:]
+        self.proto.node.extend(nodes)
+        used: set[str] = set(self.output_names)
+        for n in nodes:
+            used.update(n.input)
+            used |= self.implicit_inputs(n)
+        keep = [t for t in self.proto.initializer if t.name in used or t.name in self._inputs]
+        if len(keep) != len(self.proto.initializer):
+            del self.proto.initializer[:]
+            self.proto.initializer.extend(keep)
+        defined = {o for n in nodes for o in n.output} | {t.name for t in keep} | self._inputs
+        vis = [v for v in self.proto.value_info if v.name in defined]
+        if len(vis) != len(self.proto.value_info):
+            del self.proto.value_info[:]
+            self.proto.value_info.extend(vis)
+        # rebuild indices so the Graph stays usable after finalize
+        self.nodes = nodes
+        self._removed.clear()
+        self._pos = {id(n): (i, 0) for i, n in enumerate(nodes)}
+        self.initializers = {t.name: t for t in self.proto.initializer}
+        self.producer.clear()
+        self.consumers.clear()
+        for n in nodes:
+            self._index(n)
+
+    def _live_set(self) -> set[int]:
+        live: set[int] = set()
+        stack = [self.producer[o] for o in self.output_names if o in self.producer]
+        while stack:
+            n = stack.pop()
+            if id(n) in live or id(n) in self._removed:
+                continue
+            live.add(id(n))
+            for i in itertools.chain(n.input, self.implicit_inputs(n)):
+                p = self.producer.get(i)
+                if p is not None and id(p) not in live:
+                    stack.append(p)
+        if self.parent is not None:
+            # in a subgraph, nodes feeding nothing are still dead; outputs are the roots
+            pass
+        return live
+
+    def _toposort(self, nodes: list[NodeProto]) -> list[NodeProto]:
+        """Stable Kahn sort: among ready nodes, the one with the smallest position goes first."""
+        ids = {id(n): n for n in nodes}
+        indeg: dict[int, int] = {}
+        succ: dict[int, list[int]] = {}
+        for n in nodes:
+            preds = set()
+            for i in itertools.chain(n.input, self.implicit_inputs(n)):
+                p = self.producer.get(i)
+                if p is not None and id(p) in ids and p is not n:
+                    preds.add(id(p))
+            indeg[id(n)] = len(preds)
+            for p in preds:
+                succ.setdefault(p, []).append(id(n))
+        heap = [(self._pos[id(n)], id(n)) for n in nodes if indeg[id(n)] == 0]
+        heapq.heapify(heap)
+        out: list[NodeProto] = []
+        while heap:
+            _, k = heapq.heappop(heap)
+            out.append(ids[k])
+            for s in succ.get(k, ()):
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    heapq.heappush(heap, (self._pos[s], s))
+        if len(out) != len(nodes):
+            raise RuntimeError("graph has a cycle after rewriting")
+        return out
+
+
+def _rename_free(g: GraphProto, old: str, new: str) -> None:
+    """Rename reads of an outer-scope name inside a subgraph (and its nested subgraphs)."""
+    for n in g.node:
+        for i, x in enumerate(n.input):
+            if x == old:
+                n.input[i] = new
+        for sg in subgraphs(n):
+            _rename_free(sg, old, new)
+    for o in g.output:
+        if o.name == old:
+            o.name = new

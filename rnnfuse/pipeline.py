@@ -1,0 +1,233 @@
+"""Passes, pipelines and the report they fill in.
+
+A pass is anything with a ``name`` and ``run(model, ctx) -> PassResult``; plain functions
+``f(model, ctx)`` returning a bool (modified) or a :class:`PassResult` work too. Each recurrence a pass finds is
+a :class:`Finding`: fused (with the validation error) or declined (with the reason).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Protocol, Union
+
+import onnx
+
+from .graph import Model, subgraphs
+
+
+@dataclass
+class Finding:
+    pass_name: str
+    front: str  # Loop | Scan | chain | native-pair ...
+    where: str
+    status: str  # fused | declined | merged
+    reason: str = ""
+    cell: str = ""
+    hidden: int | None = None
+    direction: str = ""
+    masked: bool = False
+    path: str = ""  # unmasked | exact | post-padded
+    max_error: float | None = None
+    validation: str = ""  # "ok", "skipped: ...", "failed: ..."
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        head = f"{self.front} '{self.where}'"
+        if self.status == "declined":
+            what = f" ({self.cell})" if self.cell else ""
+            return f"declined {head}{what}: {self.reason}"
+        bits = [self.cell]
+        if self.direction:
+            bits.append(self.direction)
+        if self.masked:
+            bits.append(f"masked, {self.path} path")
+        if self.validation:
+            bits.append(f"validation {self.validation}")
+        verb = "merged" if self.status == "merged" else "fused"
+        s = f"{verb} {head} -> " + ", ".join(b for b in bits if b)
+        if self.path == "post-padded":
+            s += " [assumes post-padded masks]"
+        return s
+
+
+@dataclass
+class PassResult:
+    name: str
+    modified: bool = False
+    findings: list[Finding] = field(default_factory=list)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Options:
+    validate: bool = True
+    post_padded: bool = False
+    seed: int = 0
+    log: Callable[[str], None] | None = None
+
+
+class Pass(Protocol):
+    name: str
+
+    def run(self, model: Model, ctx: Options) -> PassResult: ...
+
+
+PassLike = Union[Pass, Callable[[Model, Options], object]]
+
+
+def op_counts(graph: onnx.GraphProto) -> Counter:
+    c: Counter = Counter()
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        for n in g.node:
+            c[n.op_type] += 1
+            stack.extend(subgraphs(n))
+    return c
+
+
+@dataclass
+class Report:
+    passes: list[PassResult] = field(default_factory=list)
+    ops_before: dict = field(default_factory=dict)
+    ops_after: dict = field(default_factory=dict)
+    opset_changes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    input_path: str = ""
+    output_path: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [f for p in self.passes for f in p.findings]
+
+    @property
+    def fused(self) -> list[Finding]:
+        return [f for f in self.findings if f.status in ("fused", "merged")]
+
+    @property
+    def declined(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == "declined"]
+
+    @property
+    def modified(self) -> bool:
+        return any(p.modified for p in self.passes)
+
+    def to_dict(self) -> dict:
+        return {
+            "input": self.input_path,
+            "output": self.output_path,
+            "seconds": round(self.seconds, 4),
+            "nodes_before": sum(self.ops_before.values()),
+            "nodes_after": sum(self.ops_after.values()),
+            "ops_before": dict(sorted(self.ops_before.items())),
+            "ops_after": dict(sorted(self.ops_after.items())),
+            "opset_changes": self.opset_changes,
+            "notes": self.notes,
+            "passes": [
+                {
+                    "name": p.name,
+                    "modified": p.modified,
+                    "seconds": round(p.seconds, 4),
+                    "notes": p.notes,
+                    "findings": [asdict(f) for f in p.findings],
+                }
+                for p in self.passes
+            ],
+        }
+
+    def op_change_line(self, interesting=("Loop", "Scan", "LSTM", "GRU", "RNN")) -> str:
+        b, a = self.ops_before, self.ops_after
+        parts = [f"{k} {b.get(k, 0)}->{a.get(k, 0)}" for k in interesting if b.get(k, 0) or a.get(k, 0)]
+        return f"nodes {sum(b.values())} -> {sum(a.values())}" + ("; " + ", ".join(parts) if parts else "")
+
+    def to_text(self, verbose: bool = False) -> str:
+        lines = []
+        for f in self.findings:
+            lines.append("  " + f.line())
+            if verbose:
+                for n in f.notes:
+                    lines.append("      " + n)
+                if f.max_error is not None:
+                    lines.append(f"      max abs error vs original: {f.max_error:.3g}")
+        if not self.findings:
+            lines.append("  no recurrences found")
+        head = f"{len(self.fused)} fused, {len(self.declined)} declined; {self.op_change_line()}"
+        out = [head] + lines
+        for c in self.opset_changes:
+            out.append("  " + c)
+        for n in self.notes:
+            out.append("  note: " + n)
+        if verbose:
+            for p in self.passes:
+                out.append(f"  pass {p.name}: {'changed' if p.modified else 'no change'} in {p.seconds * 1000:.1f} ms")
+                for n in p.notes:
+                    out.append(f"      {n}")
+        return "\n".join(out)
+
+
+def _run_one(p: PassLike, model: Model, ctx: Options) -> PassResult:
+    name = getattr(p, "name", None) or getattr(p, "__name__", type(p).__name__)
+    t0 = time.perf_counter()
+    if hasattr(p, "run"):
+        r = p.run(model, ctx)
+    else:
+        r = p(model, ctx)
+    if not isinstance(r, PassResult):
+        r = PassResult(name, modified=bool(r))
+    r.seconds = time.perf_counter() - t0
+    return r
+
+
+class Pipeline:
+    """An ordered list of passes, run over one :class:`Model`.
+
+    >>> pipe = Pipeline.default()            # the standard passes
+    >>> pipe = Pipeline([*Pipeline.default().passes, my_pass])
+    >>> new_model, report = pipe(model_proto)
+    """
+
+    def __init__(self, passes: Iterable[PassLike] | None = None):
+        self.passes: list[PassLike] = list(passes) if passes is not None else default_passes()
+
+    @classmethod
+    def default(cls) -> "Pipeline":
+        return cls(default_passes())
+
+    def names(self) -> list[str]:
+        return [getattr(p, "name", None) or getattr(p, "__name__", type(p).__name__) for p in self.passes]
+
+    def run(self, model: Model, options: Options | None = None) -> Report:
+        ctx = options or Options()
+        rep = Report()
+        t0 = time.perf_counter()
+        rep.ops_before = dict(op_counts(model.proto.graph))
+        for p in self.passes:
+            r = _run_one(p, model, ctx)
+            rep.passes.append(r)
+            if ctx.log:
+                for f in r.findings:
+                    ctx.log(f.line())
+        model.graph.finalize()
+        rep.ops_after = dict(op_counts(model.proto.graph))
+        rep.opset_changes = list(model.opset_raised)
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+    def __call__(self, proto: onnx.ModelProto, copy: bool = True, **options) -> tuple[onnx.ModelProto, Report]:
+        if copy:
+            c = onnx.ModelProto()
+            c.CopyFrom(proto)
+            proto = c
+        model = Model(proto)
+        rep = self.run(model, Options(**options))
+        return model.proto, rep
+
+
+def default_passes() -> list[PassLike]:
+    from .passes import default_passes as dp
+
+    return dp()

@@ -1,0 +1,76 @@
+"""What a found recurrence is, independent of the front end (Loop, Scan or unrolled chain) that found it.
+
+A :class:`Recurrence` says: run ``cell`` over the time-major input ``x`` (``[T, B, F]``) in processing order,
+with an optional step mask ``mask`` (``[T, B]`` or ``[T, B, 1]`` bool, also in processing order) whose
+false steps leave every state unchanged; start from ``h0``/``c0``; and here are the tensors of the original
+graph that hold the per-step outputs and the final states. The emitter turns it into a native op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onnx import NodeProto
+
+from .cells import CellSpec
+
+# what a per-step output holds at steps whose mask is false
+CARRY = "carry"  # the previous step's output (Keras' default for return_sequences)
+ZERO = "zero"  # zeros (Keras Bidirectional / zero_output_for_mask)
+NONE = "none"  # the recurrence is not masked
+
+
+@dataclass
+class Init:
+    """An initial value: a tensor of the graph, or a constant fill (0.0 = zeros)."""
+
+    tensor: str | None = None
+    fill: float | None = 0.0
+
+    @property
+    def is_zero(self) -> bool:
+        return self.tensor is None and self.fill == 0.0
+
+    def describe(self) -> str:
+        return self.tensor if self.tensor else f"fill({self.fill:g})"
+
+
+@dataclass
+class SeqOutput:
+    tensor: str  # [T, B, H], time-major, in processing order
+    fill: str = NONE  # CARRY | ZERO | NONE
+    init: Init = field(default_factory=Init)  # CARRY: the output before the first valid step
+    batch_first: bool = False  # the tensor is [B, T, H] (Scan with scan_output_axes=1)
+    reversed: bool = False  # the tensor is stacked in reverse processing order
+
+
+@dataclass
+class FinalOutput:
+    tensor: str  # [B, H]
+    which: str  # "h" or "c"
+    init: Init = field(default_factory=Init)  # the value when a row has no valid step
+
+
+@dataclass
+class Recurrence:
+    front: str  # "Loop" | "Scan" | "chain" | ...
+    where: str  # a human-readable location (node name)
+    cell: CellSpec
+    x: str  # time-major input in processing order
+    h0: Init = field(default_factory=Init)
+    c0: Init = field(default_factory=Init)
+    mask: str | None = None
+    seq_outputs: list[SeqOutput] = field(default_factory=list)
+    finals: list[FinalOutput] = field(default_factory=list)
+    remove: list[NodeProto] = field(default_factory=list)  # nodes that die with the rewrite
+    anchor: NodeProto | None = None
+    x_batch_first: bool = False  # x is [B, T, F]
+    x_reversed: bool = False  # processing order is x read from its last step to its first
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def masked(self) -> bool:
+        return self.mask is not None
+
+    def describe(self) -> str:
+        return f"{self.front} '{self.where}'"

@@ -1,0 +1,93 @@
+"""Apply found recurrences: emit candidates, validate them together, commit the ones that match.
+
+Every fusion pass ends here, so emission, validation and reporting are the same whatever found the
+recurrence. Candidates are added next to the original nodes; one validation model compares every
+old/new pair; a candidate that fails is simply never connected (dead-code removal drops it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .emit import EmitCache, Emission, emit
+from .errors import Decline
+from .graph import Graph
+from .pipeline import Finding, Options, PassResult
+from .recurrence import Recurrence
+from .validate import validate
+
+
+@dataclass
+class Candidate:
+    rec: Recurrence
+    emission: Emission
+    finding: Finding
+    aliases: dict  # extra old -> existing tensor replacements (pass-through values)
+
+
+def finding_for(pass_name: str, rec: Recurrence) -> Finding:
+    c = rec.cell
+    return Finding(
+        pass_name,
+        rec.front,
+        rec.where,
+        "fused",
+        cell=c.describe(),
+        hidden=c.hidden,
+        masked=rec.masked,
+    )
+
+
+def declined(pass_name: str, front: str, where: str, reason: str, cell: str = "") -> Finding:
+    return Finding(pass_name, front, where, "declined", reason=reason, cell=cell)
+
+
+def apply_recurrences(
+    g: Graph, ctx: Options, pass_name: str, recs: list[tuple[Recurrence, dict]], result: PassResult
+) -> None:
+    """Emit, validate and commit ``recs`` (each with its pass-through aliases); fill ``result``."""
+    cache = EmitCache()
+    cands: list[Candidate] = []
+    for rec, aliases in recs:
+        f = finding_for(pass_name, rec)
+        try:
+            em = emit(g, rec, cache, post_padded=ctx.post_padded)
+        except Decline as d:
+            result.findings.append(declined(pass_name, rec.front, rec.where, d.reason, rec.cell.describe()))
+            continue
+        f.direction = em.direction
+        f.path = em.path
+        f.notes.extend(rec.notes)
+        cands.append(Candidate(rec, em, f, aliases))
+    if not cands:
+        return
+    if ctx.validate:
+        pairs = [(old, new) for c in cands for old, new in c.emission.replacements.items()]
+        masks = {c.emission.mask: ("post" if c.emission.path == "post-padded" else "any") for c in cands if c.emission.mask}
+        vr = validate(g, pairs, masks, seed=ctx.seed)
+        for c in cands:
+            if not vr.ran:
+                c.finding.validation = f"skipped ({vr.skipped_reason})"
+                continue
+            ok, err, detail = vr.error_for(list(c.emission.replacements.items()))
+            c.finding.max_error = err
+            if not ok:
+                c.finding.status = "declined"
+                c.finding.reason = f"the native op does not reproduce the original: {detail}"
+                c.finding.validation = "failed"
+            else:
+                c.finding.validation = f"ok (max abs error {err:.1e}, {vr.runs} runs)"
+    else:
+        for c in cands:
+            c.finding.validation = "skipped (--no-validate)"
+    for c in cands:
+        result.findings.append(c.finding)
+        if c.finding.status == "declined":
+            continue
+        for old, new in c.emission.replacements.items():
+            g.replace_uses(old, new)
+        for old, new in c.aliases.items():
+            g.replace_uses(old, new)
+        for n in c.rec.remove:
+            g.remove_node(n)
+        result.modified = True

@@ -1,0 +1,355 @@
+"""Numeric check of rewrites before they are kept.
+
+A candidate rewrite adds new tensors next to the old ones without touching the old ones. One validation model
+computes both from the same inputs: the model's own inputs (random, respecting int index ranges), with every
+recurrence mask replaced by patterns we choose (post-padded, pre-padded, gappy, empty rows, full rows), at
+batch 1 and >1, several sequence lengths, and small and large magnitudes. Each old/new pair must agree
+elementwise to a tight tolerance, on the full outputs (padded steps included).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .graph import Graph, _rename_free, subgraphs
+
+ATOL = 1e-5
+RTOL = 1e-4
+
+
+@dataclass
+class PairResult:
+    old: str
+    new: str
+    max_abs: float = 0.0
+    ok: bool = True
+    detail: str = ""
+
+
+@dataclass
+class ValidationResult:
+    ran: bool
+    skipped_reason: str = ""
+    pairs: dict = field(default_factory=dict)  # (old, new) -> PairResult
+    runs: int = 0
+
+    def error_for(self, pairs: list[tuple[str, str]]) -> tuple[bool, float, str]:
+        ok, err, detail = True, 0.0, ""
+        for p in pairs:
+            r = self.pairs.get(p)
+            if r is None:
+                continue
+            err = max(err, r.max_abs)
+            if not r.ok:
+                ok = False
+                detail = detail or r.detail
+        return ok, err, detail
+
+
+def _ort():
+    import onnxruntime as ort
+
+    return ort
+
+
+def _index_ranges(g: Graph) -> dict[str, int]:
+    """Integer graph inputs used as Gather indices into a constant table: name -> table size."""
+    out: dict[str, int] = {}
+    for name in g.input_names:
+        for n in g.uses(name):
+            if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == name:
+                table = g.const(n.input[0])
+                if table is not None:
+                    ax = 0
+                    for a in n.attribute:
+                        if a.name == "axis":
+                            ax = a.i
+                    out[name] = min(out.get(name, 1 << 30), int(table.shape[ax]))
+    return out
+
+
+def _pattern(kind: str, T: int, B: int, rng: np.random.Generator) -> np.ndarray:
+    P = np.zeros((T, B), dtype=bool)
+    if kind == "full":
+        P[:] = True
+        return P
+    for b in range(B):
+        if kind == "post":
+            L = [T, 0][b] if b < 2 and B > 1 else int(rng.integers(0, T + 1))
+            P[:L, b] = True
+        elif kind == "pre":
+            L = [T, 0][b] if b < 2 and B > 1 else int(rng.integers(0, T + 1))
+            P[T - L :, b] = True
+        else:  # gappy
+            P[:, b] = rng.random(T) < 0.6
+            if b == 1:
+                P[:, b] = False
+    return P
+
+
+def _inputs_for(g: Graph, dims: dict, b: int, t: int, scale: float, rng, index_ranges) -> dict[str, np.ndarray]:
+    feeds = {}
+    order: list[str] = []
+    for name in g.input_names:
+        if name in g.initializers:
+            continue
+        et = g.model.elem_type(name)
+        shape = g.model.shape(name)
+        if shape is None:
+            raise _Skip(f"input '{name}' has no declared shape")
+        concrete = []
+        for d in shape:
+            if isinstance(d, int) and d > 0:
+                concrete.append(d)
+            else:
+                key = d if isinstance(d, str) else f"?{name}{len(concrete)}"
+                if key not in dims:
+                    if key not in order:
+                        order.append(key)
+                    pos = order.index(key)
+                    dims[key] = [b, t][pos] if pos < 2 else 3
+                concrete.append(dims[key])
+        np_t = helper.tensor_dtype_to_np_dtype(et) if et else np.float32
+        if np.issubdtype(np_t, np.floating):
+            v = (rng.standard_normal(concrete) * scale).astype(np_t)
+        elif np_t == np.bool_:
+            v = rng.random(concrete) < 0.7
+        else:
+            hi = index_ranges.get(name, 3)
+            v = rng.integers(0, max(hi, 1), size=concrete).astype(np_t)
+        feeds[name] = v
+    return feeds
+
+
+class _Skip(Exception):
+    pass
+
+
+def build_check_model(
+    model_proto: onnx.ModelProto, g: Graph, pairs: list[tuple[str, str]], masks: list[str]
+) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """A model that outputs every old and new tensor, with masks overridden by pattern inputs."""
+    nodes = g._toposort(g.live_nodes())
+    wanted = {n for p in pairs for n in p}
+    # keep only what the wanted outputs need
+    live: set[int] = set()
+    stack = [g.producer[n] for n in wanted if n in g.producer]
+    while stack:
+        n = stack.pop()
+        if id(n) in live:
+            continue
+        live.add(id(n))
+        for i in itertools.chain(n.input, g.implicit_inputs(n)):
+            p = g.producer.get(i)
+            if p is not None and id(p) not in live:
+                stack.append(p)
+    keep = []
+    for n in nodes:
+        if id(n) in live:
+            m = onnx.NodeProto()
+            m.CopyFrom(n)
+            keep.append(m)
+    used = set()
+    for n in keep:
+        used.update(n.input)
+        for sg in subgraphs(n):
+            from .graph import _graph_free_names
+
+            used |= _graph_free_names(sg)
+    pattern_inputs: dict[str, str] = {}
+    extra_nodes = []
+    for k, mname in enumerate(masks):
+        pname = f"__rnnfuse_pattern_{k}"
+        over = f"__rnnfuse_mask_{k}"
+        pattern_inputs[mname] = pname
+        for n in keep:
+            for i, x in enumerate(n.input):
+                if x == mname:
+                    n.input[i] = over
+            for sg in subgraphs(n):
+                _rename_free(sg, mname, over)
+        sh, sh2, sl = f"{over}/shape", f"{over}/shape2", f"{over}/slice"
+        extra_nodes += [
+            helper.make_node("Shape", [mname], [sh]),
+            helper.make_node("Slice", [sh, f"{over}/c0", f"{over}/c2"], [sh2]),
+            helper.make_node("Slice", [pname, f"{over}/c00", sh2, f"{over}/c01"], [sl]),
+            helper.make_node("Reshape", [sl, sh], [over]),
+        ]
+    inits = []
+    for k, mname in enumerate(masks):
+        over = f"__rnnfuse_mask_{k}"
+        inits += [
+            numpy_helper.from_array(np.array([0], np.int64), f"{over}/c0"),
+            numpy_helper.from_array(np.array([2], np.int64), f"{over}/c2"),
+            numpy_helper.from_array(np.array([0, 0], np.int64), f"{over}/c00"),
+            numpy_helper.from_array(np.array([0, 1], np.int64), f"{over}/c01"),
+        ]
+    used |= {i for n in extra_nodes for i in n.input}
+    graph = onnx.GraphProto()
+    graph.name = "rnnfuse_check"
+    graph.node.extend(extra_nodes + keep)
+    # masks must be computed before the overrides read their shape: sort again
+    graph.initializer.extend([t for t in g.proto.initializer if t.name in used] + inits)
+    for vi in g.proto.input:
+        if vi.name in used and vi.name not in g.initializers:
+            graph.input.append(vi)
+    for mname, pname in pattern_inputs.items():
+        graph.input.append(helper.make_tensor_value_info(pname, TensorProto.BOOL, [None, None]))
+    partner = {a: b for a, b in pairs} | {b: a for a, b in pairs}
+    for name in sorted(wanted):
+        et = g.model.elem_type(name) or g.model.elem_type(partner[name]) or TensorProto.FLOAT
+        graph.output.append(helper.make_tensor_value_info(name, et, None))
+    for k in range(len(masks)):
+        graph.output.append(helper.make_tensor_value_info(f"__rnnfuse_mask_{k}/shape2", TensorProto.INT64, [2]))
+    _sort_in_place(graph)
+    m = onnx.ModelProto()
+    m.ir_version = model_proto.ir_version
+    m.opset_import.extend(model_proto.opset_import)
+    m.graph.CopyFrom(graph)
+    for f in model_proto.functions:
+        m.functions.append(f)
+    return m, pattern_inputs
+
+
+def _sort_in_place(graph: onnx.GraphProto) -> None:
+    prod = {o: i for i, n in enumerate(graph.node) for o in n.output}
+    done: set[int] = set()
+    order: list[int] = []
+    for start in range(len(graph.node)):
+        stack = [(start, False)]
+        while stack:
+            i, expanded = stack.pop()
+            if i in done:
+                continue
+            if expanded:
+                done.add(i)
+                order.append(i)
+                continue
+            stack.append((i, True))
+            n = graph.node[i]
+            deps = list(n.input)
+            for sg in subgraphs(n):
+                from .graph import _graph_free_names
+
+                deps += list(_graph_free_names(sg))
+            for x in deps:
+                j = prod.get(x)
+                if j is not None and j not in done:
+                    stack.append((j, False))
+    nodes = [graph.node[i] for i in order]
+    copied = []
+    for n in nodes:
+        c = onnx.NodeProto()
+        c.CopyFrom(n)
+        copied.append(c)
+    del graph.node[:]
+    graph.node.extend(copied)
+
+
+def validate(
+    g: Graph,
+    pairs: list[tuple[str, str]],
+    masks: dict[str, str],
+    seed: int = 0,
+) -> ValidationResult:
+    """Compare old/new tensor pairs on generated inputs. ``masks``: mask tensor -> "any" | "post"."""
+    if not pairs:
+        return ValidationResult(True)
+    ort = _ort()
+    proto = g.model.proto
+    mask_names = sorted(masks)
+    try:
+        check, pattern_inputs = build_check_model(proto, g, pairs, mask_names)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        data = check.SerializeToString()
+        sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    except _Skip as s:
+        return ValidationResult(False, str(s))
+    except Exception as e:  # the original model itself does not load: nothing to compare against
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return ValidationResult(False, f"onnxruntime cannot run the model ({msg[:200]})")
+    out_names = [o.name for o in sess.get_outputs()]
+    res = ValidationResult(True)
+    for p in pairs:
+        res.pairs[p] = PairResult(*p)
+    rng = np.random.default_rng(seed)
+    index_ranges = _index_ranges(g)
+    configs = [(1, 6, 1.0), (4, 9, 1.0), (3, 5, 8.0), (2, 1, 1.0)]
+    kinds_any = ["post", "pre", "gappy", "full"]
+    kinds_post = ["post", "full"]
+    for (b, t, scale) in configs:
+        dims: dict = {}
+        try:
+            feeds = _inputs_for(g, dims, b, t, scale, rng, index_ranges)
+        except _Skip as s:
+            return ValidationResult(False, str(s))
+        # learn each mask's [T, B] with an all-true pattern, then feed exact patterns of each kind
+        shapes = {}
+        if pattern_inputs:
+            big = 4 * max(b, t, 4) + 64
+            for mname, pname in pattern_inputs.items():
+                feeds[pname] = np.ones((big, big), dtype=bool)
+            try:
+                outs = sess.run(None, feeds)
+            except Exception as e:
+                return _failed(e)
+            vals = dict(zip(out_names, outs))
+            for k, (mname, pname) in enumerate(pattern_inputs.items()):
+                shapes[mname] = tuple(int(v) for v in vals[f"__rnnfuse_mask_{k}/shape2"])
+        n_kinds = len(kinds_any) if any(v == "any" for v in masks.values()) else len(kinds_post)
+        for ki in range(n_kinds if masks else 1):
+            for mname, pname in pattern_inputs.items():
+                kinds = kinds_any if masks[mname] == "any" else kinds_post
+                T_, B_ = shapes[mname]
+                feeds[pname] = _pattern(kinds[ki % len(kinds)], T_, B_, rng)
+            try:
+                outs = sess.run(None, feeds)
+            except Exception as e:
+                return _failed(e)
+            res.runs += 1
+            vals = dict(zip(out_names, outs))
+            for p in pairs:
+                _compare(res.pairs[p], vals[p[0]], vals[p[1]], f"batch {b}, T={t}")
+    return res
+
+
+def _failed(e: Exception) -> ValidationResult:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ValidationResult(False, f"onnxruntime failed on generated inputs ({msg[:200]})")
+
+
+def _compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
+    if a.shape != c.shape:
+        r.ok = False
+        r.detail = r.detail or f"shape {c.shape} instead of {a.shape} ({where})"
+        return
+    if a.size == 0:
+        return
+    if not np.issubdtype(a.dtype, np.floating):
+        if not np.array_equal(a, c):
+            r.ok = False
+            r.detail = r.detail or f"values differ ({where})"
+        return
+    a64, c64 = a.astype(np.float64), c.astype(np.float64)
+    nan_a, nan_c = np.isnan(a64), np.isnan(c64)
+    if np.any(nan_a != nan_c):
+        r.ok = False
+        r.detail = r.detail or f"NaN where the original has none ({where})"
+        return
+    diff = np.where(nan_a, 0.0, np.abs(a64 - c64))
+    err = float(diff.max())
+    r.max_abs = max(r.max_abs, err)
+    tol = ATOL + RTOL * np.abs(np.where(nan_a, 0.0, a64))
+    if np.any(diff > tol):
+        r.ok = False
+        r.detail = r.detail or f"max abs error {err:.3g} ({where})"
+
+

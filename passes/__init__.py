@@ -7,6 +7,9 @@ from __future__ import annotations
 
 
 def default_passes() -> list:
+    from .bidirectional import MergeBidirectional
+    from .cleanup import CancelFlips, Dedupe
     from .loop import FuseLoops
+    from .scan import FuseScans
 
-    return [FuseLoops()]
+    return [Dedupe(), FuseLoops(), FuseScans(), MergeBidirectional(), CancelFlips(), Dedupe()]

@@ -15,7 +15,7 @@ from .graph import Graph, attr
 
 _SHAPE_PRESERVING = {
     "Identity", "Cast", "Not", "Neg", "Abs", "Sigmoid", "Tanh", "Relu", "Exp", "Log", "Sqrt",
-    "Reciprocal", "Floor", "Ceil", "Round", "Sign", "IsNaN", "Softsign", "Softplus",
+    "Reciprocal", "Floor", "Ceil", "Round", "Sign", "IsNaN", "Softsign", "Softplus", "ReverseSequence",
 }  # fmt: skip
 
 

@@ -101,7 +101,8 @@ class Emission:
     replacements: dict[str, str]  # original tensor -> new tensor
     path: str  # "unmasked" | GENERAL | POST_PADDED
     direction: str
-    mask: str | None
+    mask: str | None  # the mask tensor of the original graph that both versions read
+    mask_time_axis: int = 0
 
 
 def _need_opset(b: Builder, v: int, what: str) -> None:
@@ -109,11 +110,10 @@ def _need_opset(b: Builder, v: int, what: str) -> None:
         raise Decline(f"{what} needs opset {v}; the model has opset {b.opset}")
 
 
-def _mask_plumbing(b: Builder, cache: EmitCache, mask: str) -> MaskPlumbing:
+def _mask_plumbing(b: Builder, cache: EmitCache, mask: str, rank: int | None) -> MaskPlumbing:
     mp = cache.masks.get(mask)
     if mp is not None:
         return mp
-    rank = b.g.model.rank(mask)
     if rank == 3:
         m2 = b.squeeze(mask, [2])
     elif rank == 2:
@@ -125,6 +125,7 @@ def _mask_plumbing(b: Builder, cache: EmitCache, mask: str) -> MaskPlumbing:
     lens32 = b.op("Cast", lens64, to=TensorProto.INT32)
     mp = MaskPlumbing(m2, mi, lens64, lens32)
     cache.masks[mask] = mp
+    b.g.model.annotations.setdefault("seq_lens_mask", {})[lens32] = mask
     return mp
 
 
@@ -213,15 +214,23 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False)
     _need_opset(b, 10, "the rewrite")
 
     x = rec.x
+    mask = rec.mask
+    mask_source, mask_time_axis = rec.mask, 0  # what validation overrides: a tensor the original reads too
+    mrank = g.model.rank(mask) if mask else None
+    if mask is not None and mrank not in (2, 3):
+        raise Decline(f"the mask has rank {mrank}")
     if rec.x_batch_first:
         x = b.op("Transpose", x, perm=[1, 0, 2])
-    mask = rec.mask
+        if mask is not None:
+            mask = b.op("Transpose", mask, perm=[1, 0, 2][:mrank])
+            mask_time_axis = 1
     reverse = rec.x_reversed  # the front end already knows the processing order is backwards in time
     if not reverse and not rec.x_batch_first:
         src = time_flip_source(g, x, 0)
         msrc = time_flip_source(g, mask, 0) if mask else None
         if src is not None and (mask is None or msrc is not None):
             x, mask, reverse = src, msrc, True
+            mask_source = msrc
     direction = "reverse" if reverse else "forward"
 
     path = "unmasked"
@@ -229,7 +238,7 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False)
     mp = None
     if mask is not None:
         _need_opset(b, 11, "the mask handling")
-        mp = _mask_plumbing(b, cache, mask)
+        mp = _mask_plumbing(b, cache, mask, mrank)
         seq_lens = mp.lens32
         path = POST_PADDED if post_padded else GENERAL
         if path == GENERAL:
@@ -286,7 +295,7 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False)
         if v in seen:
             repl[k] = b.op("Identity", v)
         seen.add(repl[k])
-    return Emission(native, repl, path, direction, mask)
+    return Emission(native, repl, path, direction, mask_source if mp is not None else None, mask_time_axis)
 
 
 def _seq_output(b: Builder, so, Y3: str, Yh: str, mp: MaskPlumbing | None, path: str, direction: str) -> str:

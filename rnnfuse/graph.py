@@ -111,6 +111,8 @@ class Model:
         self._types: dict[str, tuple[int, list | None]] | None = None
         self.graph = Graph(proto.graph, None, self)
         self.opset_raised: list[str] = []
+        # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
+        self.annotations: dict[str, dict] = {}
 
     @property
     def opset(self) -> int:

@@ -63,7 +63,11 @@ def apply_recurrences(
         return
     if ctx.validate:
         pairs = [(old, new) for c in cands for old, new in c.emission.replacements.items()]
-        masks = {c.emission.mask: ("post" if c.emission.path == "post-padded" else "any") for c in cands if c.emission.mask}
+        masks = {
+            c.emission.mask: ("post" if c.emission.path == "post-padded" else "any", c.emission.mask_time_axis)
+            for c in cands
+            if c.emission.mask
+        }
         vr = validate(g, pairs, masks, seed=ctx.seed)
         for c in cands:
             if not vr.ran:

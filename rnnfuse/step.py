@@ -91,6 +91,7 @@ def analyse(x: X, states: list[StepState], outs: list[StepOut], state_atoms: dic
     mask_syms: set = set()
     new_cell: dict[str, Poly] = {}
     masked_states: dict[str, bool] = {}
+    zero_fill: set = set()  # carried outputs that hold zeros at masked steps (never read back)
     for s in states:
         old, delta, syms = split_mask(s.out_poly)
         mask_syms |= syms
@@ -98,7 +99,9 @@ def analyse(x: X, states: list[StepState], outs: list[StepOut], state_atoms: dic
             new_cell[s.sym] = s.out_poly
             masked_states[s.sym] = False
             continue
-        if old.key != Poly.atom(state_atoms[s.sym]).key:
+        if not old.terms:
+            zero_fill.add(s.sym)
+        elif old.key != Poly.atom(state_atoms[s.sym]).key:
             raise Decline(f"state {s.sym} is not kept at masked steps (its update is not a masked select)")
         new_cell[s.sym] = old.add(delta)
         masked_states[s.sym] = True
@@ -112,6 +115,8 @@ def analyse(x: X, states: list[StepState], outs: list[StepOut], state_atoms: dic
     cell_syms = [s.sym for s in states if s.sym in read]
     if not cell_syms:
         raise Decline("no state feeds back into the step")
+    for z in zero_fill & set(cell_syms):
+        raise Decline(f"state {z} is reset to zero at masked steps and read back by the cell")
     carry_of: dict[str, str] = {}
     for s in states:
         if s.sym in read:
@@ -163,7 +168,7 @@ def analyse(x: X, states: list[StepState], outs: list[StepOut], state_atoms: dic
             an.finals.append(FinalOutput(s.final, "h", s.init if masked else Init()))
         elif s.sym == rec.c:
             an.finals.append(FinalOutput(s.final, "c", s.init if masked else Init()))
-        elif carry_of.get(s.sym) == rec.h:
+        elif carry_of.get(s.sym) == rec.h and s.sym not in zero_fill:
             an.finals.append(FinalOutput(s.final, "h", s.init if masked else Init()))
         else:
             raise Decline(f"the final value of {s.sym} is used")

@@ -257,7 +257,10 @@ def validate(
     masks: dict[str, str],
     seed: int = 0,
 ) -> ValidationResult:
-    """Compare old/new tensor pairs on generated inputs. ``masks``: mask tensor -> "any" | "post"."""
+    """Compare old/new tensor pairs on generated inputs.
+
+    ``masks``: mask tensor -> (kind, time axis) with kind "any" (all patterns) or "post" (post-padded only).
+    """
     if not pairs:
         return ValidationResult(True)
     ort = _ort()
@@ -304,12 +307,16 @@ def validate(
             vals = dict(zip(out_names, outs))
             for k, (mname, pname) in enumerate(pattern_inputs.items()):
                 shapes[mname] = tuple(int(v) for v in vals[f"__rnnfuse_mask_{k}/shape2"])
-        n_kinds = len(kinds_any) if any(v == "any" for v in masks.values()) else len(kinds_post)
+        n_kinds = len(kinds_any) if any(v[0] == "any" for v in masks.values()) else len(kinds_post)
         for ki in range(n_kinds if masks else 1):
             for mname, pname in pattern_inputs.items():
-                kinds = kinds_any if masks[mname] == "any" else kinds_post
-                T_, B_ = shapes[mname]
-                feeds[pname] = _pattern(kinds[ki % len(kinds)], T_, B_, rng)
+                kind, time_axis = masks[mname]
+                kinds = kinds_any if kind == "any" else kinds_post
+                d0, d1 = shapes[mname]
+                if time_axis == 0:
+                    feeds[pname] = _pattern(kinds[ki % len(kinds)], d0, d1, rng)
+                else:
+                    feeds[pname] = np.ascontiguousarray(_pattern(kinds[ki % len(kinds)], d1, d0, rng).T)
             try:
                 outs = sess.run(None, feeds)
             except Exception as e:

@@ -1,0 +1,185 @@
+"""Merge a forward and a reverse native op over the same input into one ``direction="bidirectional"`` op.
+
+Works on native LSTM/GRU/RNN ops whatever produced them (rnnfuse's other passes, or the exporter): both
+must read the same ``X`` and the same ``sequence_lens`` (or none), have constant weights and the same
+attributes except ``direction``. The merged op's ``Y`` is sliced back into the two halves, so every reader of
+the old outputs sees the same values; cleanup then folds slices into what reads them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import NodeProto
+
+from rnnfuse.emit import Builder
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph, Model, attr
+from rnnfuse.pipeline import Finding, Options, PassResult
+from rnnfuse.validate import validate
+
+_SKIP = {"direction", "activations", "activation_alpha", "activation_beta"}
+
+
+def _attrs_key(n: NodeProto) -> tuple:
+    items = []
+    for a in sorted(n.attribute, key=lambda a: a.name):
+        if a.name in _SKIP:
+            continue
+        items.append((a.name, a.SerializeToString()))
+    from rnnfuse.emit import onnx_activations
+
+    acts = attr(n, "activations")
+    return (n.op_type, n.domain, tuple(items), tuple(acts or ()), tuple(attr(n, "activation_alpha") or ()), tuple(attr(n, "activation_beta") or ()))
+
+
+def _inp(n: NodeProto, i: int) -> str:
+    return n.input[i] if len(n.input) > i else ""
+
+
+def _gates(op: str) -> int:
+    return {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
+
+
+def _depends_on(g: Graph, name: str, node: NodeProto, limit: int = 100000) -> bool:
+    """Whether tensor ``name`` is computed (transitively) from an output of ``node``."""
+    if not name:
+        return False
+    outs = set(node.output)
+    seen, stack = set(), [name]
+    while stack and len(seen) < limit:
+        cur = stack.pop()
+        if cur in outs:
+            return True
+        if cur in seen:
+            continue
+        seen.add(cur)
+        p = g.producer.get(cur)
+        if p is not None:
+            stack.extend(i for i in p.input if i)
+    return False
+
+
+def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[str, str]]:
+    op = fw.op_type
+    H = attr(fw, "hidden_size")
+    if H is None:
+        raise Decline("no hidden_size")
+    ws = []
+    for k in (1, 2):
+        a, b = g.const(_inp(fw, k)), g.const(_inp(bw, k))
+        if a is None or b is None:
+            raise Decline("weights are not constant")
+        ws.append(np.concatenate([a, b], 0))
+    bf, bb = g.const(_inp(fw, 3)) if _inp(fw, 3) else None, g.const(_inp(bw, 3)) if _inp(bw, 3) else None
+    if (_inp(fw, 3) and bf is None) or (_inp(bw, 3) and bb is None):
+        raise Decline("biases are not constant")
+    if _inp(fw, 7) or _inp(bw, 7):
+        raise Decline("peephole weights")
+    b = Builder(g, fw, f"rnnfuse/{op}")
+    ins = [fw.input[0], b.const(ws[0], "W"), b.const(ws[1], "R")]
+    if bf is not None or bb is not None:
+        nb = 2 * _gates(op) * H
+        dt = ws[0].dtype
+        bf = bf if bf is not None else np.zeros((1, nb), dt)
+        bb = bb if bb is not None else np.zeros((1, nb), dt)
+        ins.append(b.const(np.concatenate([bf, bb], 0), "B"))
+    else:
+        ins.append("")
+    ins.append(_inp(fw, 4))
+    n_states = 2 if op == "LSTM" else 1
+    for k in range(5, 5 + n_states):
+        a, c = _inp(fw, k), _inp(bw, k)
+        if not a and not c:
+            ins.append("")
+            continue
+        if _depends_on(g, a, bw) or _depends_on(g, c, fw):
+            raise Decline("one direction's initial state is computed from the other")
+        ref = a or c
+        zeros = lambda: b.op("Mul", ref, b.const(np.array(0, dtype=np.float32), "zero_f"))  # noqa: E731
+        ins.append(b.op("Concat", a or zeros(), c or zeros(), axis=0))
+    while ins and ins[-1] == "":
+        ins.pop()
+    attrs = {}
+    for a in fw.attribute:
+        if a.name in _SKIP:
+            continue
+        from onnx import helper
+
+        attrs[a.name] = helper.get_attribute_value(a)
+    attrs["direction"] = "bidirectional"
+    acts = attr(fw, "activations")
+    if acts:
+        attrs["activations"] = list(acts) * 2
+        al, be = attr(fw, "activation_alpha"), attr(fw, "activation_beta")
+        if al:
+            attrs["activation_alpha"] = list(al) * 2
+        if be:
+            attrs["activation_beta"] = list(be) * 2
+    n_out = max(len(fw.output), len(bw.output))
+    outs = g.add_node(op, ins, n_out, name=f"rnnfuse/{op}", anchor=fw, **attrs)
+    native = g.producer[outs[0]]
+    repl: dict[str, str] = {}
+    axes = {0: 1, 1: 0, 2: 0}  # Y is [T, D, B, H]; Y_h, Y_c are [D, B, H]
+    for k in range(n_out):
+        for d, node in ((0, fw), (1, bw)):
+            if k < len(node.output) and node.output[k] and g.n_uses(node.output[k]):
+                repl[node.output[k]] = b.op("Slice", outs[k], b.i64(d), b.i64(d + 1), b.i64(axes[k]))
+    return native, repl
+
+
+class MergeBidirectional:
+    """Pair forward and reverse native ops over the same input and sequence lengths."""
+
+    name = "bidirectional"
+
+    def run(self, model: Model, ctx: Options) -> PassResult:
+        g = model.graph
+        res = PassResult(self.name)
+        groups: dict[tuple, dict[str, list[NodeProto]]] = {}
+        for n in g.live_nodes():
+            if n.op_type not in ("LSTM", "GRU", "RNN") or n.domain not in ("", "ai.onnx"):
+                continue
+            d = attr(n, "direction", "forward")
+            if d == "bidirectional" or attr(n, "layout", 0):
+                continue
+            key = (n.input[0], _inp(n, 4), _attrs_key(n))
+            groups.setdefault(key, {"forward": [], "reverse": []})[d].append(n)
+        cands = []
+        for key, dirs in groups.items():
+            for fw, bw in zip(dirs["forward"], dirs["reverse"]):
+                where = f"{fw.name or fw.output[0]} + {bw.name or bw.output[0]}"
+                try:
+                    native, repl = merge_pair(g, fw, bw)
+                    cands.append((fw, bw, repl, where))
+                except Decline as e:
+                    res.findings.append(Finding(self.name, f"{fw.op_type} pair", where, "declined", reason=e.reason))
+        if not cands:
+            return res
+        vr = None
+        if ctx.validate:
+            pairs = [p for c in cands for p in c[2].items()]
+            known = model.annotations.get("seq_lens_mask", {})
+            masks = {known[_inp(c[0], 4)]: ("any", 0) for c in cands if _inp(c[0], 4) in known}
+            vr = validate(g, pairs, masks, seed=ctx.seed)
+        for fw, bw, repl, where in cands:
+            f = Finding(self.name, f"{fw.op_type} pair", where, "merged", cell=f"{fw.op_type}(hidden={attr(fw, 'hidden_size')})",
+                        direction="bidirectional", hidden=attr(fw, "hidden_size"))
+            if vr is not None and vr.ran:
+                ok, err, detail = vr.error_for(list(repl.items()))
+                f.max_error = err
+                if not ok:
+                    f.status, f.reason, f.validation = "declined", f"merged op differs: {detail}", "failed"
+                    res.findings.append(f)
+                    continue
+                f.validation = f"ok (max abs error {err:.1e})"
+            elif vr is not None:
+                f.validation = f"skipped ({vr.skipped_reason})"
+            else:
+                f.validation = "skipped (--no-validate)"
+            for old, new in repl.items():
+                g.replace_uses(old, new)
+            g.remove_node(fw)
+            g.remove_node(bw)
+            res.findings.append(f)
+            res.modified = True
+        return res

@@ -1,0 +1,152 @@
+"""Scan front end: ONNX ``Scan`` (opset 9+) whose body is one recurrent step.
+
+Scan states are the cell's states (or copies of its output, or pass-through values); the scan inputs are the
+step input (float ``[T, B, F]``, or ``[B, T, F]`` with ``scan_input_axes=1``) and optionally a bool mask
+scanned the same way; ``scan_input_directions=1`` processes time backwards; scan outputs are the per-step
+outputs (``scan_output_axes`` / ``scan_output_directions`` honoured).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import NodeProto, TensorProto
+
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph, Model, attr
+from rnnfuse.pipeline import Options, PassResult
+from rnnfuse.recurrence import Recurrence
+from rnnfuse.rewrite import apply_recurrences, declined
+from rnnfuse.step import StepOut, StepState, analyse
+from rnnfuse.symbolic import C, Bool, Opaque, Poly, State, StepEvaluator, Sym, X
+
+from .loop import init_of
+
+
+def _passthrough(body: Graph, k: int) -> bool:
+    out = body.output_names[k]
+    inp = body.input_names[k]
+    while out != inp:
+        p = body.producer.get(out)
+        if p is None or p.op_type != "Identity":
+            return False
+        out = p.input[0]
+    return True
+
+
+def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
+    if g.model.opset < 9:
+        raise Decline("Scan before opset 9 (batched form with sequence_lens)")
+    body = g.subgraph(scan)
+    m = attr(scan, "num_scan_inputs")
+    n_in = len(scan.input)
+    n_state = n_in - m
+    bin_, bout = body.input_names, body.output_names
+    n_scan_out = len(bout) - n_state
+    in_dirs = attr(scan, "scan_input_directions") or [0] * m
+    in_axes = attr(scan, "scan_input_axes") or [0] * m
+    out_dirs = attr(scan, "scan_output_directions") or [0] * n_scan_out
+    out_axes = attr(scan, "scan_output_axes") or [0] * n_scan_out
+    leaves: dict = {}
+    x_outer = mask_outer = None
+    x_atom = None
+    x_dir = x_axis = None
+    for j in range(m):
+        outer = scan.input[n_state + j]
+        inner = bin_[n_state + j]
+        et = g.model.elem_type(outer)
+        rank = g.model.rank(outer)
+        ax = in_axes[j] % rank if rank else in_axes[j]
+        if ax not in (0, 1):
+            raise Decline(f"a scan input scanned along axis {in_axes[j]}")
+        if et == TensorProto.BOOL:
+            if mask_outer is not None:
+                raise Decline("two masks are scanned")
+            if rank not in (2, 3):
+                raise Decline(f"the scanned mask has rank {rank}")
+            mask_outer, m_dir, m_axis = outer, in_dirs[j], ax
+            leaves[inner] = Bool("m", False, rank == 3)
+        else:
+            if x_outer is not None:
+                raise Decline("more than one scanned input")
+            if rank != 3:
+                raise Decline(f"the scanned input has rank {rank}, not 3")
+            x_outer, x_dir, x_axis = outer, in_dirs[j], ax
+            shape = g.model.shape(outer)
+            F = shape[2] if shape and isinstance(shape[2], int) else None
+            x_atom = X("x", F)
+            leaves[inner] = Sym(Poly.atom(x_atom))
+    if x_outer is None:
+        raise Decline("no scanned float input")
+    if mask_outer is not None and (m_dir, m_axis) != (x_dir, x_axis):
+        raise Decline("the mask is scanned differently from the input")
+    states: dict[str, State] = {}
+    recurrent: list[int] = []
+    aliases: dict[str, str] = {}
+    for k in range(n_state):
+        init = scan.input[k]
+        if _passthrough(body, k):
+            c = g.const(init)
+            fv = g.fill_value(init)
+            leaves[bin_[k]] = C(c) if c is not None else C(np.array(fv, np.float32)) if fv is not None else Opaque(
+                f"scan state '{bin_[k]}' is passed through but computed at runtime")
+            if k < len(scan.output) and scan.output[k] and g.n_uses(scan.output[k]):
+                aliases[scan.output[k]] = init
+            continue
+        shape = body.model.shape(bin_[k]) or g.model.shape(init) or []
+        H = shape[-1] if shape and isinstance(shape[-1], int) else None
+        st = State(f"s{k}", H)
+        states[st.sym] = st
+        leaves[bin_[k]] = Sym(Poly.atom(st))
+        recurrent.append(k)
+    if not recurrent:
+        raise Decline("no recurrent state")
+    ev = StepEvaluator(body, leaves)
+    step_states = []
+    for k in recurrent:
+        final = scan.output[k] if k < len(scan.output) else ""
+        step_states.append(StepState(f"s{k}", ev.poly(bout[k]), init_of(g, scan.input[k]), final if final and g.n_uses(final) else None))
+    outs = []
+    for j in range(n_scan_out):
+        outer = scan.output[n_state + j] if n_state + j < len(scan.output) else ""
+        if not outer or not g.n_uses(outer):
+            continue
+        rank = 3
+        ax = out_axes[j] % rank
+        if ax not in (0, 1):
+            raise Decline(f"a scan output stacked along axis {out_axes[j]}")
+        outs.append(StepOut(ev.poly(bout[n_state + j]), outer, batch_first=ax == 1, reversed=bool(out_dirs[j])))
+    an = analyse(x_atom, step_states, outs, states)
+    rec = Recurrence(
+        front="Scan",
+        where=scan.name or scan.output[0],
+        cell=an.rec.spec,
+        x=x_outer,
+        h0=an.h0,
+        c0=an.c0,
+        mask=mask_outer if an.masked else None,
+        seq_outputs=an.seq_outputs,
+        finals=an.finals,
+        remove=[scan],
+        anchor=scan,
+        x_batch_first=x_axis == 1,
+        x_reversed=bool(x_dir),
+    )
+    return rec, aliases
+
+
+class FuseScans:
+    """Rewrite recurrent ``Scan`` nodes of the main graph into native LSTM/GRU/RNN ops."""
+
+    name = "scan"
+
+    def run(self, model: Model, ctx: Options) -> PassResult:
+        g = model.graph
+        res = PassResult(self.name)
+        recs = []
+        for scan in [n for n in g.live_nodes() if n.op_type == "Scan"]:
+            try:
+                recs.append(scan_recurrence(g, scan))
+            except Decline as d:
+                res.findings.append(declined(self.name, "Scan", scan.name or scan.output[0], d.reason))
+        apply_recurrences(g, ctx, self.name, recs, res)
+        return res

@@ -1,0 +1,226 @@
+"""The ``rnnfuse`` command: ``optimize``, ``inspect`` and ``bench``.
+
+Exit codes: 0 success (also when nothing was fused), 2 bad command line, 3 bad input, 4 output not
+writable, 5 ``--strict`` and a recurrence was declined or not validated, 1 an internal error (a bug: the
+message says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from . import __version__
+from .errors import ExitCode, RnnfuseError, StrictError, UsageError
+
+EPILOG = """exit codes: 0 ok (also when nothing was fused), 2 usage, 3 bad input, 4 cannot write output,
+5 --strict check failed, 1 internal error"""
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--post-padded", action="store_true",
+                   help="promise that every mask is post-padded (valid steps first, padding at the end); "
+                        "emits only sequence_lens = mask sums. Default: exact for any mask (pre-padded, gappy)")
+    p.add_argument("--no-validate", action="store_true",
+                   help="skip the numeric check of each rewrite against the original (faster; not recommended)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE ('-' for stdout)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the validation inputs (default 0)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    g.add_argument("-v", "--verbose", action="store_true", help="print per-pass timings, notes and errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="rnnfuse",
+        description="Rewrite exported recurrences (Loop, Scan, unrolled chains, masked Keras layers) "
+                    "into native ONNX LSTM/GRU/RNN ops, with the model's outputs unchanged.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--version", action="version", version=f"rnnfuse {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    o = sub.add_parser("optimize", help="fuse recurrences and write the optimized model",
+                       description="Fuse every recurrence rnnfuse can prove equivalent, validate each rewrite "
+                                   "numerically against the original, and write the result.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    o.add_argument("input", help="the ONNX model to optimize")
+    o.add_argument("output", help="where to write the optimized model")
+    _add_common(o)
+    o.add_argument("--in-place", action="store_true", help="allow OUTPUT to be the INPUT file")
+    o.add_argument("--external-data", choices=["auto", "always", "never"], default="auto",
+                   help="write tensors to OUTPUT.data beside the model: 'auto' when the input had external "
+                        "data or the model exceeds 2 GB (default)")
+    o.add_argument("--strict", action="store_true",
+                   help=f"exit {ExitCode.VALIDATION} if any recurrence is declined or a validation is skipped")
+
+    i = sub.add_parser("inspect", help="show every recurrence and what it would become (writes nothing)",
+                       description="Find every recurrence, say what it would become or why it cannot be fused. "
+                                   "No file is written.", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    i.add_argument("input", help="the ONNX model to inspect")
+    _add_common(i)
+
+    b = sub.add_parser("bench", help="onnxruntime latency before and after fusion",
+                       description="Time the model before and after fusion with onnxruntime on random inputs "
+                                   "that respect its dims and masks (runs interleaved; medians reported).",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("input", help="the original model")
+    b.add_argument("output", nargs="?", help="an already optimized model (default: optimize INPUT now)")
+    b.add_argument("--batch", default="1,16", help="comma-separated batch sizes (default 1,16)")
+    b.add_argument("--seq-len", type=int, default=100, help="sequence length for dynamic time dims (default 100)")
+    b.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1)")
+    b.add_argument("--runs", type=int, default=50, help="timed runs per model and batch (default 50)")
+    b.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
+    b.add_argument("--mask", choices=["post", "pre", "gappy", "none"], default="post",
+                   help="padding pattern of generated masked inputs (default post)")
+    b.add_argument("--plot", metavar="PNG", help="write a bar chart of the latencies")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    b.add_argument("--post-padded", action="store_true", help="optimize with --post-padded")
+    b.add_argument("--choose", action="store_true",
+                   help="time native vs original per recurrence at --batch and keep the faster "
+                        "(onnxruntime's RNN kernel loses to the loop at large batch)")
+    b.add_argument("-q", "--quiet", action="store_true", help="print only the table")
+    return ap
+
+
+class _Progress:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r\033[K[{time.perf_counter() - self.t0:6.1f}s] {msg}")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def _write_json(path: str, data: dict) -> None:
+    text = json.dumps(data, indent=2, sort_keys=False, default=str)
+    if path == "-":
+        print(text)
+        return
+    from .model_io import check_writable
+
+    check_writable(path)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        from .errors import OutputError
+
+        raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def cmd_optimize(args, inspect_only: bool = False) -> int:
+    from . import model_io
+    from .graph import Model
+    from .pipeline import Options, Pipeline
+
+    if not inspect_only:
+        model_io.check_writable(args.output, args.input, args.in_place)
+    if args.json and args.json != "-":
+        model_io.check_writable(args.json)
+    progress = _Progress(not args.quiet)
+    progress(f"loading {args.input}")
+    proto, had_external = model_io.load(args.input)
+    model = Model(proto)
+    opts = Options(validate=not args.no_validate, post_padded=args.post_padded, seed=args.seed, log=None)
+    pipe = Pipeline.default()
+
+    class _Logged:
+        def __init__(self, p):
+            self.p, self.name = p, getattr(p, "name", type(p).__name__)
+
+        def run(self, m, ctx):
+            progress(f"pass {self.name}")
+            return self.p.run(m, ctx)
+
+    pipe.passes = [_Logged(p) for p in pipe.passes]
+    report = pipe.run(model, opts)
+    report.input_path = args.input
+    if not inspect_only:
+        ext = {"auto": None, "always": True, "never": False}[args.external_data]
+        if ext is None and had_external:
+            ext = True
+        progress(f"writing {args.output}")
+        written = model_io.save(model.proto, args.output, external=ext)
+        report.output_path = args.output
+        if len(written) > 1:
+            report.notes.append(f"tensors written to {written[1]}")
+    progress.done()
+    if not args.quiet:
+        title = "inspect" if inspect_only else f"{args.input} -> {args.output}"
+        print(f"rnnfuse {title}")
+        text = report.to_text(verbose=args.verbose)
+        if inspect_only:
+            text = text.replace("fused ", "would fuse ", ).replace(" fused,", " fusable,")
+        print(text)
+        print(f"  done in {report.seconds:.2f} s")
+    if args.json:
+        d = report.to_dict()
+        d["command"] = "inspect" if inspect_only else "optimize"
+        _write_json(args.json, d)
+    if getattr(args, "strict", False):
+        skipped = [f for f in report.fused if f.validation.startswith("skipped")]
+        if report.declined or skipped:
+            raise StrictError(
+                f"--strict: {len(report.declined)} recurrence(s) declined, {len(skipped)} fused without validation"
+            )
+    return ExitCode.OK
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench_cli
+
+    return run_bench_cli(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code) if e.code is not None else 0
+    if args.command is None:
+        ap.print_help()
+        return ExitCode.USAGE
+    try:
+        if args.command == "optimize":
+            return cmd_optimize(args)
+        if args.command == "inspect":
+            return cmd_optimize(args, inspect_only=True)
+        if args.command == "bench":
+            return cmd_bench(args)
+        raise UsageError(f"unknown command {args.command}")
+    except RnnfuseError as e:
+        print(f"rnnfuse: error: {e.message}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("rnnfuse: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print("rnnfuse: error: out of memory", file=sys.stderr)
+        return ExitCode.INTERNAL
+    except Exception as e:  # a bug: one line, but say it is one
+        if os.environ.get("RNNFUSE_DEBUG"):
+            raise
+        where = type(e).__name__
+        print(f"rnnfuse: internal error ({where}: {str(e).splitlines()[0] if str(e) else ''}); "
+              "please report it (set RNNFUSE_DEBUG=1 for a traceback)", file=sys.stderr)
+        return ExitCode.INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Loading and saving models safely.
+
+Every problem with the input becomes an :class:`~rnnfuse.errors.InputError` naming it; every problem with the
+output an :class:`~rnnfuse.errors.OutputError`. Outputs are written to a temporary file in the destination
+directory and renamed into place, so a failed run never leaves a partial file and never touches an existing
+output. Models that came with external data, or that would exceed protobuf's 2 GB limit, are written with
+their tensors in a ``<output>.data`` file beside the model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from .errors import InputError, OutputError
+
+MIN_OPSET = 7  # the native recurrent ops' semantics rnnfuse emits exist since opset 7
+PROTO_LIMIT = 2**31 - 1
+EXTERNAL_THRESHOLD = 1024  # tensors at least this large go to the external data file
+
+
+def _max_opset() -> int:
+    return onnx.defs.onnx_opset_version()
+
+
+def uses_external_data(model: onnx.ModelProto) -> bool:
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data as _uses
+
+    return any(_uses(t) for t in _get_all_tensors(model))
+
+
+def load(path: str) -> tuple[onnx.ModelProto, bool]:
+    """Load ``path`` with its external data; returns (model, had_external_data)."""
+    if not path:
+        raise InputError("no input file given")
+    if not os.path.exists(path):
+        raise InputError(f"input file not found: {path}")
+    if os.path.isdir(path):
+        raise InputError(f"input is a directory, not an ONNX file: {path}")
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror}") from None
+    if size == 0:
+        raise InputError(f"input file is empty: {path}")
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError) as e:
+        raise InputError(f"{path} is not a valid ONNX model (it is truncated or not ONNX: {_short(e)})") from None
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+    except Exception as e:  # protobuf raises a variety of errors on garbage
+        raise InputError(f"{path} is not a valid ONNX model ({_short(e)})") from None
+    check_model_header(model, path)
+    external = uses_external_data(model)
+    if external:
+        from onnx.external_data_helper import load_external_data_for_model
+
+        try:
+            load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
+        except FileNotFoundError as e:
+            raise InputError(f"external data of {path} is missing: {e.filename or e}") from None
+        except Exception as e:
+            raise InputError(f"cannot load the external data of {path}: {_short(e)}") from None
+    return model, external
+
+
+def check_model_header(model: onnx.ModelProto, path: str = "model") -> None:
+    if not model.HasField("graph") or model.ir_version <= 0:
+        raise InputError(f"{path} is not an ONNX model (no graph or IR version)")
+    if model.ir_version > onnx.IR_VERSION:
+        raise InputError(f"{path} has IR version {model.ir_version}, newer than this onnx supports ({onnx.IR_VERSION})")
+    opset = None
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            opset = imp.version
+    if opset is None:
+        if model.ir_version >= 3:
+            raise InputError(f"{path} declares no default-domain opset")
+        opset = 1
+    if opset < MIN_OPSET:
+        raise InputError(f"{path} uses opset {opset}; rnnfuse supports opset {MIN_OPSET} to {_max_opset()}")
+    if opset > _max_opset():
+        raise InputError(f"{path} uses opset {opset}, newer than this onnx supports ({_max_opset()})")
+
+
+def _short(e: Exception) -> str:
+    s = str(e).strip().splitlines()
+    return (s[0] if s else type(e).__name__)[:160]
+
+
+def check_writable(out_path: str, in_path: str | None = None, in_place: bool = False) -> None:
+    """Fail early, before any work, if ``out_path`` cannot be written."""
+    if not out_path:
+        raise OutputError("no output file given")
+    if os.path.isdir(out_path):
+        raise OutputError(f"output is a directory: {out_path}")
+    if in_path and not in_place and os.path.exists(out_path) and os.path.exists(in_path):
+        if os.path.samefile(in_path, out_path):
+            raise OutputError(f"output would overwrite the input {in_path} (use --in-place to allow it)")
+    parent = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(parent):
+        raise OutputError(f"output directory does not exist: {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"output directory is not writable: {parent}")
+    if os.path.exists(out_path) and not os.access(out_path, os.W_OK):
+        raise OutputError(f"output file is not writable: {out_path}")
+
+
+def save(model: onnx.ModelProto, out_path: str, external: bool | None = None) -> list[str]:
+    """Write ``model`` atomically; returns the files written. ``external=None`` decides by size."""
+    out_path = os.path.abspath(out_path)
+    parent = os.path.dirname(out_path)
+    base = os.path.basename(out_path)
+    if external is None:
+        external = estimated_size(model) > PROTO_LIMIT - (64 << 20)
+    tmpdir = None
+    try:
+        tmpdir = tempfile.mkdtemp(prefix=".rnnfuse-", dir=parent)
+        tmp_model = os.path.join(tmpdir, base)
+        written = [out_path]
+        if external:
+            data_name = base + ".data"
+            onnx.save_model(
+                model,
+                tmp_model,
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=data_name,
+                size_threshold=EXTERNAL_THRESHOLD,
+                convert_attribute=False,
+            )
+            tmp_data = os.path.join(tmpdir, data_name)
+            if os.path.exists(tmp_data):
+                os.replace(tmp_data, os.path.join(parent, data_name))
+                written.append(os.path.join(parent, data_name))
+        else:
+            with open(tmp_model, "wb") as f:
+                f.write(model.SerializeToString())
+        os.replace(tmp_model, out_path)
+        return written
+    except OSError as e:
+        raise OutputError(f"cannot write {out_path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise OutputError(f"cannot write {out_path}: {_short(e)}") from None
+    finally:
+        if tmpdir and os.path.isdir(tmpdir):
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def estimated_size(model: onnx.ModelProto) -> int:
+    """Serialized size, estimated without serializing (ByteSize fails beyond 2 GB)."""
+    from onnx.external_data_helper import _get_all_tensors
+
+    total = 0
+    for t in _get_all_tensors(model):
+        total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data) + len(t.double_data))
+    return total + 4 * len(model.graph.node) * 64

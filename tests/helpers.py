@@ -1,0 +1,97 @@
+"""Assertions shared by the tests: run a model before and after fusion and compare with the framework."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+import rnnfuse
+from rnnfuse.graph import attr, subgraphs
+
+ATOL = 1e-5
+RTOL = 1e-5
+
+
+def session(model: onnx.ModelProto) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    c: Counter = Counter()
+    stack = [model.graph]
+    while stack:
+        g = stack.pop()
+        for n in g.node:
+            c[n.op_type] += 1
+            stack.extend(subgraphs(n))
+    return c
+
+
+def directions(model: onnx.ModelProto) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for n in model.graph.node:
+        if n.op_type in ("LSTM", "GRU", "RNN"):
+            out.setdefault(n.op_type, []).append(attr(n, "direction", "forward"))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def io_signature(model: onnx.ModelProto):
+    def sig(vis):
+        return [(v.name, v.type.tensor_type.elem_type) for v in vis]
+
+    return sig(model.graph.input), sig(model.graph.output)
+
+
+def load_sets(npz_path: str) -> dict[str, tuple[dict, dict]]:
+    data = np.load(npz_path)
+    sets: dict[str, tuple[dict, dict]] = {}
+    for key in data.files:
+        kind, set_name, rest = key.split("/", 2)
+        feeds, outs = sets.setdefault(set_name, ({}, {}))
+        (feeds if kind == "in" else outs)[rest] = data[key]
+    return sets
+
+
+def assert_close(actual, expected, what: str, atol=ATOL, rtol=RTOL) -> float:
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    err = float(np.max(np.abs(actual.astype(np.float64) - expected.astype(np.float64)))) if actual.size else 0.0
+    np.testing.assert_allclose(actual, expected, atol=atol, rtol=rtol, err_msg=what)
+    return err
+
+
+def check_case(case: dict, sets: list[str] | None = None, **optimize_kwargs) -> tuple[onnx.ModelProto, "rnnfuse.Report"]:
+    """Optimize a generated case and check structure and outputs against the original and the framework."""
+    original = onnx.load(case["onnx"])
+    fused, report = rnnfuse.optimize(original, **optimize_kwargs)
+    onnx.checker.check_model(fused, full_check=True)
+    assert fused.ir_version == original.ir_version
+    assert [(o.domain, o.version) for o in fused.opset_import] == [(o.domain, o.version) for o in original.opset_import]
+    assert io_signature(fused) == io_signature(original)
+    expect = case.get("expect", {})
+    counts = op_counts(fused)
+    for op in expect.get("absent", []):
+        assert counts.get(op, 0) == 0, f"{case['name']}: {op} left: {report.to_text()}"
+    for op, n in expect.get("ops", {}).items():
+        assert counts.get(op, 0) == n, f"{case['name']}: {counts.get(op, 0)} {op} instead of {n}\n{report.to_text()}"
+    if "directions" in expect:
+        assert directions(fused) == {k: sorted(v) for k, v in expect["directions"].items()}, report.to_text()
+    s_orig, s_fused = session(original), session(fused)
+    names = [o.name for o in original.graph.output]
+    all_sets = load_sets(case["npz"])
+    for set_name, (feeds, outs) in all_sets.items():
+        if sets is not None and set_name not in sets:
+            continue
+        got = s_fused.run(None, feeds)
+        ref = s_orig.run(None, feeds)
+        for k, name in enumerate(names):
+            assert_close(got[k], ref[k], f"{case['name']}/{set_name}/{name}: fused vs original")
+            if str(k) in outs:
+                assert_close(got[k], outs[str(k)], f"{case['name']}/{set_name}/{name}: fused vs framework")
+    return fused, report

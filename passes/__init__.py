@@ -11,5 +11,6 @@ def default_passes() -> list:
     from .cleanup import CancelFlips, Dedupe
     from .loop import FuseLoops
     from .scan import FuseScans
+    from .unrolled import FuseChains
 
-    return [Dedupe(), FuseLoops(), FuseScans(), MergeBidirectional(), CancelFlips(), Dedupe()]
+    return [Dedupe(), FuseLoops(), FuseScans(), FuseChains(), MergeBidirectional(), CancelFlips(), Dedupe()]

@@ -69,6 +69,17 @@ class ConstRef:
         return int(self.arr.shape[-1])
 
 
+def content_key(graph: Graph, name: str, arr: np.ndarray):
+    """A key for a named constant that equal bytes share (per-step copies of one weight)."""
+    cache = graph.model.annotations.setdefault("content_keys", {})
+    k = cache.get(name)
+    if k is None:
+        a = np.ascontiguousarray(arr)
+        k = ("D", hashlib.blake2b(a.tobytes(), digest_size=12).hexdigest(), a.shape, str(a.dtype))
+        cache[name] = k
+    return k
+
+
 # --------------------------------------------------------------------------------------------------------
 # affine maps
 
@@ -418,6 +429,8 @@ class StepEvaluator:
         leaves: dict[str, Val],
         may_evaluate: Callable[[onnx.NodeProto], bool] | None = None,
         state_widths: dict[str, int] | None = None,
+        foreign: Callable[[str], Val] | None = None,
+        content_keys: bool = False,
     ):
         self.graph = graph
         self.memo: dict[str, Val] = dict(leaves)
@@ -425,6 +438,13 @@ class StepEvaluator:
         self.state_widths = state_widths or {}
         self.opset = graph.model.opset
         self.visited_nodes: set[int] = set()
+        self.foreign = foreign
+        self.content_keys = content_keys
+
+    def _const_key(self, name: str, arr: np.ndarray):
+        if not self.content_keys:
+            return ("I", name)
+        return content_key(self.graph, name, arr)
 
     # ---- public
     def value(self, name: str) -> Val:
@@ -439,13 +459,21 @@ class StepEvaluator:
                 continue
             c = self.graph.const(cur) if cur else None
             if c is not None:
-                self.memo[cur] = C(c, ConstRef(("I", cur), c))
+                self.memo[cur] = C(c, ConstRef(self._const_key(cur, c), c))
                 stack.pop()
                 continue
             g = self.graph.scope_of(cur)
             node = g.producer.get(cur) if g is self.graph else None
             if node is None or not self.may_evaluate(node):
-                self.memo[cur] = Opaque(f"reads '{cur}', which is computed at runtime outside the step")
+                if self.foreign is not None:
+                    self.memo[cur] = self.foreign(cur)
+                else:
+                    fv = self.graph.fill_value(cur)
+                    self.memo[cur] = (
+                        C(np.array(fv, dtype=np.float32))
+                        if fv is not None
+                        else Opaque(f"reads '{cur}', which is computed at runtime outside the step")
+                    )
                 stack.pop()
                 continue
             pending = [i for i in node.input if i and i not in self.memo]
@@ -988,3 +1016,67 @@ _HANDLERS: dict[str, Callable] = {
 }
 for _k in ACTIVATIONS:
     _HANDLERS[_k] = _activation(_k)
+
+
+# --------------------------------------------------------------------------------------------------------
+# substitution and loose comparison (chains whose first step saw a zero initial state)
+
+
+def substitute(p: Poly, fn: Callable[[Atom], Poly | None]) -> Poly:
+    """Replace atoms by polynomials (``fn`` returns None to keep an atom); recurses into arguments."""
+    cache: dict = {}
+
+    def atom_poly(a: Atom) -> Poly:
+        if a.key in cache:
+            return cache[a.key]
+        r = fn(a)
+        if r is None:
+            if isinstance(a, Act):
+                r = Poly.atom(Act(a.kind, a.params, substitute(a.arg, fn)))
+            else:
+                r = Poly.atom(a)
+        cache[a.key] = r
+        return r
+
+    out = Poly.const(0.0)
+    for mono, c in p.terms.items():
+        term = Poly.const(c)
+        for k in mono:
+            term = term.mul(atom_poly(p.atoms[k]))
+        out = out.add(term)
+    return out
+
+
+def zero_states(p: Poly, syms: set[str]) -> Poly:
+    """``p`` with the given states set to zero (their matmul terms dropped too)."""
+
+    def fn(a: Atom):
+        if isinstance(a, State) and a.sym in syms:
+            return Poly.const(0.0)
+        if isinstance(a, LinAtom):
+            keep = [(s, w) for s, w in a.lin.terms if not (s[0] == "S" and s[1] in syms) and not (s[0] == "P" and any(k[0] == "S" and k[1] in syms for k in s[1]))]
+            if len(keep) == len(a.lin.terms):
+                return None
+            if not keep and not a.lin.biases:
+                return Poly.const(0.0)
+            return Poly.atom(LinAtom(Lin.make(keep, a.lin.biases, a.lin.ncols)))
+        return None
+
+    return substitute(p, fn)
+
+
+def loose_key(p: Poly):
+    """Like ``p.key`` but biases compare by value (a folded ``0 @ W + b`` equals ``b``)."""
+
+    def akey(a: Atom):
+        if isinstance(a, LinAtom):
+            s = a.lin.bias_sum()
+            return ("L", tuple(sorted(repr((t[0], t[1].key)) for t in a.lin.terms)), None if s is None else s.tobytes())
+        if isinstance(a, Act):
+            return ("A", a.kind, a.params, loose_key(a.arg))
+        return a.key
+
+    items = []
+    for mono, c in p.terms.items():
+        items.append((tuple(sorted(repr(akey(p.atoms[k])) for k in mono)), c))
+    return tuple(sorted(items, key=repr))

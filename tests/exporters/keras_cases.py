@@ -299,10 +299,11 @@ def build_model(keras, c: Case, rng: np.random.Generator):
 
     if c.tokens:
         x = model_input("x", (time_dim,), "int32")
-        h = keras.layers.Embedding(VOCAB, EMBED_DIM, mask_zero=c.masked, name="embedding")(x)
+        front = keras.layers.Embedding(VOCAB, EMBED_DIM, mask_zero=c.masked, name="embedding")
     else:
         x = model_input("x", (time_dim, FEATURES))
-        h = keras.layers.Masking(0.0, name="masking")(x) if c.masked else x
+        front = keras.layers.Masking(0.0, name="masking") if c.masked else None
+    h = front(x) if front is not None else x
     inputs = [x]
 
     for i, spec in enumerate(c.rnns):
@@ -320,7 +321,10 @@ def build_model(keras, c: Case, rng: np.random.Generator):
         if last and c.state_in:
             states = [model_input(s, (spec.units,)) for s in STATE_NAMES[spec.kind]]
             inputs += states
-            h = layer(h, initial_state=states)
+            # Keras 3 only propagates a mask automatically to a layer called with a single
+            # tensor argument, so with initial_state the mask is passed explicitly.
+            mask = front.compute_mask(x) if c.masked else None
+            h = layer(h, initial_state=states, mask=mask)
         else:
             h = layer(h)
 

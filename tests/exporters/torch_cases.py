@@ -1,0 +1,830 @@
+"""Export PyTorch recurrences (and Keras 3 on the torch backend) to ONNX and record the framework's own outputs.
+
+Usage::
+
+    python tests/exporters/torch_cases.py --out DIR [--only SUBSTR ...] [--verify]
+    python tests/exporters/torch_cases.py --list [--only SUBSTR ...]
+
+For every case three files are written into DIR:
+
+``<case>.onnx``
+    the model exactly as the exporter wrote it (one self-contained file, no external data):
+    ``torch.onnx.export(dynamo=False, opset_version=17)`` of the module ("trace"), of
+    ``torch.jit.script(module)`` ("torchscript"), ``torch.onnx.export(dynamo=True)`` with the
+    opset it picks ("dynamo"), or Keras' ``model.export(path, format="onnx")`` ("keras3-torch").
+``<case>.npz``
+    ``in/<set>/<onnx input name>`` (the feeds) and ``out/<set>/<k>`` (the framework's own
+    ``module(*inputs)`` / ``model(x)`` for the k-th entry of ``graph.output``).
+``<case>.json``
+    name, exporter, layers, ``expect`` (what a perfect fuser leaves: one native op per
+    recurrence, "bidirectional" for a forward+backward pair over one input, "reverse" for a
+    backwards loop), the input set names and notes.
+
+A ``summary.jsonl`` line per attempted case (ok / error / seconds) is written too.
+Exports that fail are reported as one WARNING line each and skipped; the exit status is 0
+when most of the selected cases were written. Keras runs in a child process of this script
+(``KERAS_BACKEND=torch`` must be set before keras is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import warnings
+import zlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+FEATURES = 5
+HIDDEN = 4
+TIME = 7  # default number of steps
+EXPORT_BATCH = 2  # batch of the example inputs of dynamic-batch exports (not 1: torch.export specialises 0/1)
+OPSET = 17  # trace / TorchScript exports; dynamo and Keras use their own default
+ABSENT = ["Loop", "Scan", "SequenceInsert"]
+ONNX_OP = {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN"}
+
+# Steps kept (1) / padded (0) in the masked Keras input sets; rows are batch entries.
+MASK_PATTERNS = {
+    "post_b1": ["1111100"],
+    "post_b3": ["1111111", "1111100", "1100000"],
+    "pre_b3": ["1111111", "0001111", "0111111"],
+    "gappy_b3": ["1011001", "0111110", "1111111"],
+}
+
+
+# --------------------------------------------------------------------------- case table
+
+
+@dataclass(frozen=True)
+class Case:
+    """One export. ``model`` selects the module builder, ``opts`` its keyword arguments."""
+
+    name: str
+    exporter: str  # "trace" | "dynamo" | "torchscript" | "keras3-torch"
+    model: str  # "loop" (Python loop over a cell) | "nn" (nn.RNN/LSTM/GRU) | "script" | "keras"
+    opts: dict = field(default_factory=dict)
+    time: int = TIME
+    batch: int = EXPORT_BATCH  # example / static batch
+    features: int = FEATURES
+    hidden: int = HIDDEN
+    dynamic_batch: bool = True
+    dynamic_time: bool = False
+    slow: bool = False
+    notes: str = ""
+
+    @property
+    def family(self) -> str:
+        """lstm | gru | rnn: the native op a perfect fuser emits."""
+        return self.opts["cell"].split("_")[0]
+
+    @property
+    def batch_first(self) -> bool:
+        return bool(self.opts.get("batch_first"))
+
+
+def loop(name, cell, exporter="trace", **kw):
+    """A Python loop over ``cell`` (nn.LSTMCell/GRUCell/RNNCell or a hand-written cell)."""
+    top = {k: kw.pop(k) for k in ("time", "batch", "features", "hidden", "dynamic_batch", "slow", "notes") if k in kw}
+    return Case(name, exporter, "loop", dict(cell=cell, **kw), **top)
+
+
+def nnrnn(name, cell, exporter="dynamo", **kw):
+    """``nn.RNN``/``nn.LSTM``/``nn.GRU`` called on the whole sequence; returns (output, final states...)."""
+    top = {k: kw.pop(k) for k in ("time", "notes") if k in kw}
+    return Case(name, exporter, "nn", dict(cell=cell, **kw), **top)
+
+
+def script(name, cell, **kw):
+    """``torch.jit.script`` of a ``for t in range(x.size(0))`` loop; exported with dynamic batch and time."""
+    top = {k: kw.pop(k) for k in ("notes",) if k in kw}
+    return Case(name, "torchscript", "script", dict(cell=cell, **kw), dynamic_time=True, **top)
+
+
+def keras(name, layer, **kw):
+    top = {k: kw.pop(k) for k in ("notes",) if k in kw}
+    return Case(name, "keras3-torch", "keras", dict(cell=layer, **kw), **top)
+
+
+REV, REV_ITER = dict(reverse=True), dict(reverse=True, order="iteration")
+BF, BI, H0 = dict(batch_first=True), dict(bidir=True), dict(init="given", ret="seq_state")
+STATIC_NOTE = "static shapes (no dynamic_axes): the zero state and every shape are baked; only the export batch"
+
+CASES = [
+    # -- trace: Python loops over torch cells, dynamic batch (dynamic_axes), time-major unless _bf
+    loop("lstmcell_trace", "lstm"),
+    loop("grucell_trace", "gru"),
+    loop("rnncell_tanh_trace", "rnn_tanh"),
+    loop("rnncell_relu_trace", "rnn_relu"),
+    loop("lstmcell_trace_bf", "lstm", **BF),
+    loop("grucell_trace_bf", "gru", **BF),
+    loop("rnncell_relu_trace_bf", "rnn_relu", **BF),
+    loop("lstmcell_trace_rev", "lstm", **REV),
+    loop("grucell_trace_rev", "gru", **REV),
+    loop("rnncell_tanh_trace_rev", "rnn_tanh", **REV),
+    loop("lstmcell_trace_rev_iterorder", "lstm", **REV_ITER),
+    loop("grucell_trace_rev_iterorder_bf", "gru", **REV_ITER, **BF),
+    loop("lstmcell_trace_bidir", "lstm", **BI),
+    loop("grucell_trace_bidir", "gru", **BI),
+    loop("rnncell_relu_trace_bidir_bf", "rnn_relu", **BI, **BF),
+    loop("lstmcell_trace_h0c0", "lstm", **H0),
+    loop("grucell_trace_h0", "gru", **H0),
+    loop("rnncell_tanh_trace_h0_bf", "rnn_tanh", **H0, **BF),
+    loop("grucell_trace_last_h", "gru", ret="last"),
+    loop("rnncell_relu_trace_last_h", "rnn_relu", ret="last"),
+    loop("lstmcell_trace_last_hc", "lstm", ret="last"),
+    loop("lstmcell_trace_nobias", "lstm", bias=False),
+    loop("grucell_trace_nobias_h0", "gru", bias=False, **H0),
+    loop("rnncell_tanh_trace_nobias", "rnn_tanh", bias=False),
+    loop("lstmcell_trace_static", "lstm", dynamic_batch=False, notes=STATIC_NOTE),
+    # -- hand-written cell maths
+    loop("gru_hand_trace", "gru_hand", time=8),
+    loop("lstm_cat_trace", "lstm_cat", time=8),
+    loop("lstm_pergate_trace", "lstm_pergate", time=8),
+    loop("gru_hand_dynamo_bf", "gru_hand", exporter="dynamo", time=8, **BF),
+    # -- dynamo: the same loops through torch.export (dynamic batch via dynamic_shapes)
+    loop("lstmcell_dynamo", "lstm", exporter="dynamo", time=6),
+    loop("lstmcell_dynamo_bf", "lstm", exporter="dynamo", time=6, **BF),
+    loop("lstmcell_dynamo_rev", "lstm", exporter="dynamo", time=6, **REV),
+    loop("lstmcell_dynamo_h0c0", "lstm", exporter="dynamo", time=6, **H0),
+    loop("lstmcell_dynamo_bidir", "lstm", exporter="dynamo", time=6, **BI),
+    loop("grucell_dynamo", "gru", exporter="dynamo", time=6),
+    loop("grucell_dynamo_bf", "gru", exporter="dynamo", time=6, **BF),
+    loop("grucell_dynamo_rev", "gru", exporter="dynamo", time=6, **REV),
+    loop("grucell_dynamo_h0", "gru", exporter="dynamo", time=6, **H0),
+    loop("rnncell_tanh_dynamo", "rnn_tanh", exporter="dynamo", time=6),
+    loop("rnncell_tanh_dynamo_rev", "rnn_tanh", exporter="dynamo", time=6, **REV),
+    loop("rnncell_relu_dynamo_bf_h0", "rnn_relu", exporter="dynamo", time=6, **BF, **H0),
+    # -- dynamo: nn.RNN is decomposed into per-step maths; nn.LSTM/nn.GRU stay native (controls)
+    nnrnn("rnn_tanh_dynamo", "rnn_tanh"),
+    nnrnn("rnn_relu_dynamo_bf", "rnn_relu", **BF),
+    nnrnn("rnn_tanh_L2_dynamo_bf", "rnn_tanh", layers=2, **BF),
+    nnrnn("rnn_relu_L2_dynamo_h0", "rnn_relu", layers=2, init="given"),
+    nnrnn("rnn_tanh_bidir_dynamo", "rnn_tanh", **BI),
+    nnrnn("rnn_relu_bidir_L2_dynamo_bf", "rnn_relu", layers=2, **BI, **BF),
+    nnrnn("lstm_native_dynamo", "lstm", notes="control: nn.LSTM exports as a native LSTM already"),
+    nnrnn("gru_native_dynamo_bf", "gru", **BF, notes="control: nn.GRU exports as a native GRU already"),
+    # -- TorchScript: Loop + SequenceInsert + ConcatFromSequence, dynamic batch and time
+    script("lstmcell_script", "lstm"),
+    script("lstmcell_script_rev", "lstm", reverse=True),
+    script("gru_hand_script", "gru_hand", notes=(
+        "nn.GRUCell itself does not export from a scripted loop with torch 2.13 (its input check "
+        "`hx.dim() not in (1, 2)` hits the aten::__contains__ symbolic: 'ONNX symbolic expected node type "
+        "prim::ListConstruct, got onnx::Constant'), and calling torch.gru_cell directly gives "
+        "'Exporting the operator aten::gru_cell to ONNX opset version 17 is not supported'; so the loop "
+        "uses the GRUCell's parameters in PyTorch's GRU formula")),
+    script("rnn_hand_script", "rnn_hand", notes=(
+        "nn.RNNCell fails like nn.GRUCell (aten::__contains__ / aten::rnn_tanh_cell unsupported); "
+        "tanh(Linear_ih(x_t) + Linear_hh(h)) with the RNNCell's parameters instead")),
+    # -- long chain (performance)
+    loop("lstmcell_trace_T2000", "lstm", time=2000, batch=4, features=32, hidden=64, dynamic_batch=False,
+         slow=True, notes="performance case: ~36,000 nodes; " + STATIC_NOTE),
+    # -- Keras 3 on the torch backend (child process)
+    keras("keras_torch_lstm", "LSTM"),
+    keras("keras_torch_gru", "GRU"),
+    keras("keras_torch_simplernn", "SimpleRNN"),
+    keras("keras_torch_masked_lstm", "LSTM", masked=True, seq=False),
+    keras("keras_torch_bigru", "GRU", bidir=True),
+]
+
+
+# --------------------------------------------------------------------------- expectations and descriptions
+
+
+def expectation(c: Case) -> dict:
+    o = c.opts
+    op = ONNX_OP[c.family if c.model != "keras" else {"LSTM": "lstm", "GRU": "gru", "SimpleRNN": "rnn"}[o["cell"]]]
+    direction = "bidirectional" if o.get("bidir") else "reverse" if o.get("reverse") else "forward"
+    n = o.get("layers", 1)
+    exp = {"ops": {op: n}, "absent": ABSENT, "directions": {op: [direction] * n}, "max_cell_ops": 0}
+    attrs = {}
+    if op == "GRU":
+        attrs["linear_before_reset"] = 1  # PyTorch's formula and Keras' reset_after=True
+    if o.get("cell") == "rnn_relu":
+        attrs["activations"] = ["Relu"] * (2 if o.get("bidir") else 1)
+    if attrs:
+        exp["attrs"] = {op: attrs}
+    return exp
+
+
+CELL_TEXT = {
+    "lstm": "nn.LSTMCell", "gru": "nn.GRUCell", "rnn_tanh": "nn.RNNCell(tanh)", "rnn_relu": "nn.RNNCell(relu)",
+    "gru_hand": "hand GRU: Linear_ih(3H), Linear_hh(3H), chunk(3), PyTorch formula",
+    "lstm_cat": "hand LSTM: one Linear over cat([x_t, h]), gates i,f,g,o",
+    "lstm_pergate": "hand LSTM: per gate Linear(x_t) + Linear(h, bias=False)",
+    "rnn_hand": "hand RNN: tanh(Linear_ih(x_t) + Linear_hh(h))",
+}
+
+
+def describe(c: Case) -> str:
+    o = c.opts
+    layout = "batch-first [B,T,F] read as x[:, t]" if c.batch_first else "time-major [T,B,F] read as x[t]"
+    if c.model == "keras":
+        text = f"{o['cell']}({c.hidden}, return_sequences={o.get('seq', True)})"
+        if o.get("bidir"):
+            text = f"Bidirectional({text})"
+        if o.get("masked"):
+            text = f"Masking(0.0) -> {text}"
+        return f"{text}; batch-first, static time={c.time}"
+    if c.model == "nn":
+        cls = {"lstm": "nn.LSTM", "gru": "nn.GRU"}.get(o["cell"], "nn.RNN")
+        args = [f"{c.features}, {c.hidden}"]
+        if o["cell"].startswith("rnn"):
+            args.append(f"nonlinearity={o['cell'][4:]!r}")
+        if o.get("layers", 1) > 1:
+            args.append(f"num_layers={o['layers']}")
+        if c.batch_first:
+            args.append("batch_first=True")
+        if o.get("bidir"):
+            args.append("bidirectional=True")
+        init = "given h0" if o.get("init") == "given" else "no initial state"
+        return f"{cls}({', '.join(args)}), {init}; returns (output, h_n[, c_n])"
+    parts = [CELL_TEXT[o["cell"]] + ("" if o.get("bias", True) else " bias=False"), layout]
+    if o.get("bidir"):
+        parts.append("two chains (forward and backward) over the same x, outputs concatenated on features")
+    elif o.get("reverse"):
+        loop_text = "for t in range(T-1, -1, -1)" if c.model == "script" else "for t in reversed(range(T))"
+        order = "iteration order (reversed in time)" if o.get("order") == "iteration" else "time order"
+        parts.append(f"{loop_text}, outputs stacked in {order}")
+    elif c.model == "script":
+        parts.append("for t in range(x.size(0)), list append, torch.stack")
+    parts.append("initial state given as inputs" if o.get("init") == "given" else "zero initial state (torch.zeros)")
+    parts.append({
+        "seq": "returns stacked h",
+        "seq_state": "returns (stacked h, last state)",
+        "last": "returns the last state only",
+    }[o.get("ret", "seq")])
+    return "; ".join(parts)
+
+
+def case_notes(c: Case) -> str:
+    notes = [c.notes] if c.notes else []
+    if c.exporter == "trace" and c.dynamic_batch:
+        notes.append("dynamic batch via dynamic_axes; T unrolled")
+    if c.exporter == "dynamo" and c.model == "loop":
+        notes.append("dynamic batch via dynamic_shapes; T unrolled")
+    if c.model == "loop" and c.opts.get("order") == "iteration":
+        notes.append("output sequence is in reversed time order (a perfect fuser adds a time reversal of Y)")
+    if c.exporter == "keras3-torch":
+        notes.append("Keras weights randomised (Keras' zero biases would hide bias bugs)")
+        if c.opts.get("masked"):
+            notes.append("mask from Masking(0.0): padded steps are all-zero feature vectors; "
+                         "reference outputs are whatever Keras returns")
+    return "; ".join(notes)
+
+
+# --------------------------------------------------------------------------- input sets
+
+
+def set_specs(c: Case) -> list[tuple[str, int, int]]:
+    """(set name, batch, time) for the numeric input sets."""
+    if not c.dynamic_batch:
+        return [(f"b{c.batch}", c.batch, c.time)]
+    sets = [("b1", 1, c.time), ("b3", 3, c.time)]
+    if c.dynamic_time:
+        sets.append(("b2_t11", 2, 11))
+    return sets
+
+
+def input_specs(c: Case) -> list[tuple[str, tuple]]:
+    """ONNX input names with symbolic shapes: "B" and "T" stand for batch and time."""
+    x = ("B", "T", c.features) if c.batch_first else ("T", "B", c.features)
+    specs = [("x", x)]
+    if c.opts.get("init") == "given":
+        names = ("h0", "c0") if c.family == "lstm" else ("h0",)
+        if c.model == "nn":
+            lead = c.opts.get("layers", 1) * (2 if c.opts.get("bidir") else 1)
+            specs += [(n, (lead, "B", c.hidden)) for n in names]
+        else:
+            specs += [(n, ("B", c.hidden)) for n in names]
+    return specs
+
+
+def make_inputs(specs, batch: int, time_: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    feeds = {}
+    for name, shape in specs:
+        dims = tuple(batch if d == "B" else time_ if d == "T" else d for d in shape)
+        scale = 1.0 if name == "x" else 0.5
+        feeds[name] = (scale * rng.standard_normal(dims)).astype(np.float32)
+    return feeds
+
+
+# --------------------------------------------------------------------------- torch modules
+
+_nn_classes = {}
+
+
+def torch_modules():
+    """Define the torch module classes once (torch is imported lazily: --list and the Keras child skip it)."""
+    if _nn_classes:
+        return _nn_classes
+    import torch
+    from torch import nn
+
+    class GRUHand(nn.Module):
+        """PyTorch's GRU formula from two Linears (r, z, n chunks); linear_before_reset semantics."""
+
+        def __init__(self, i, h, bias=True):
+            super().__init__()
+            self.ih, self.hh = nn.Linear(i, 3 * h, bias=bias), nn.Linear(h, 3 * h, bias=bias)
+
+        def forward(self, x, h):
+            ir, iz, in_ = self.ih(x).chunk(3, -1)
+            hr, hz, hn = self.hh(h).chunk(3, -1)
+            r = torch.sigmoid(ir + hr)
+            z = torch.sigmoid(iz + hz)
+            n = torch.tanh(in_ + r * hn)
+            return (1 - z) * n + z * h
+
+    class RNNHand(nn.Module):
+        def __init__(self, i, h, bias=True):
+            super().__init__()
+            self.ih, self.hh = nn.Linear(i, h, bias=bias), nn.Linear(h, h, bias=bias)
+
+        def forward(self, x, h):
+            return torch.tanh(self.ih(x) + self.hh(h))
+
+    class LSTMCat(nn.Module):
+        """One Linear over cat([x_t, h]); gates i, f, g, o."""
+
+        def __init__(self, i, h, bias=True):
+            super().__init__()
+            self.lin = nn.Linear(i + h, 4 * h, bias=bias)
+
+        def forward(self, x, state):
+            h, c = state
+            i, f, g, o = self.lin(torch.cat([x, h], -1)).chunk(4, -1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            return torch.sigmoid(o) * torch.tanh(c), c
+
+    class LSTMPerGate(nn.Module):
+        """Separate Linears per gate: W_g x_t + b_g + U_g h."""
+
+        def __init__(self, i, h, bias=True):
+            super().__init__()
+            self.wx = nn.ModuleList([nn.Linear(i, h, bias=bias) for _ in range(4)])
+            self.wh = nn.ModuleList([nn.Linear(h, h, bias=False) for _ in range(4)])
+
+        def forward(self, x, state):
+            h, c = state
+            i, f, g, o = (wx(x) + wh(h) for wx, wh in zip(self.wx, self.wh))
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            return torch.sigmoid(o) * torch.tanh(c), c
+
+    def make_cell(kind, i, h, bias=True):
+        if kind == "lstm":
+            return nn.LSTMCell(i, h, bias=bias)
+        if kind == "gru":
+            return nn.GRUCell(i, h, bias=bias)
+        if kind in ("rnn_tanh", "rnn_relu"):
+            return nn.RNNCell(i, h, bias=bias, nonlinearity=kind[4:])
+        return {"gru_hand": GRUHand, "rnn_hand": RNNHand, "lstm_cat": LSTMCat, "lstm_pergate": LSTMPerGate}[kind](
+            i, h, bias=bias)
+
+    class CellLoop(nn.Module):
+        """A Python loop over one cell (or two for a hand-made bidirectional); unrolled by trace / dynamo."""
+
+        def __init__(self, cell, features, hidden, bias=True, batch_first=False, reverse=False, order="time",
+                     init="zeros", ret="seq", bidir=False):
+            super().__init__()
+            self.lstm = cell.startswith("lstm")
+            self.hidden, self.batch_first, self.init, self.ret = hidden, batch_first, init, ret
+            self.dirs = [False, True] if bidir else [reverse]
+            self.order = order
+            self.cells = nn.ModuleList([make_cell(cell, features, hidden, bias) for _ in self.dirs])
+
+        def chain(self, cell, x, state, reverse):
+            steps = x.shape[1 if self.batch_first else 0]
+            outs = []
+            for t in (reversed(range(steps)) if reverse else range(steps)):
+                state = cell(x[:, t] if self.batch_first else x[t], state)
+                outs.append(state[0] if self.lstm else state)
+            if reverse and self.order == "time":
+                outs.reverse()
+            return torch.stack(outs, dim=1 if self.batch_first else 0), state
+
+        def forward(self, x, h0=None, c0=None):
+            if self.init == "zeros":
+                batch = x.shape[0 if self.batch_first else 1]
+                h0 = torch.zeros(batch, self.hidden, dtype=x.dtype)
+                c0 = torch.zeros(batch, self.hidden, dtype=x.dtype) if self.lstm else None
+            ys, states = [], []
+            for cell, reverse in zip(self.cells, self.dirs):
+                y, state = self.chain(cell, x, (h0, c0) if self.lstm else h0, reverse)
+                ys.append(y)
+                states.extend(state if self.lstm else [state])
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+            if self.ret == "seq":
+                return y
+            if self.ret == "last":
+                return tuple(states) if len(states) > 1 else states[0]
+            return (y, *states)
+
+    class SeqModule(nn.Module):
+        """nn.RNN / nn.LSTM / nn.GRU on the whole sequence; returns (output, h_n[, c_n])."""
+
+        def __init__(self, cell, features, hidden, layers=1, batch_first=False, bidir=False, init="zeros"):
+            super().__init__()
+            kw = dict(num_layers=layers, batch_first=batch_first, bidirectional=bidir)
+            if cell == "lstm":
+                self.rnn = nn.LSTM(features, hidden, **kw)
+            elif cell == "gru":
+                self.rnn = nn.GRU(features, hidden, **kw)
+            else:
+                self.rnn = nn.RNN(features, hidden, nonlinearity=cell[4:], **kw)
+            self.lstm, self.given = cell == "lstm", init == "given"
+
+        def forward(self, x, h0=None, c0=None):
+            state = ((h0, c0) if self.lstm else h0) if self.given else None
+            y, state = self.rnn(x, state)
+            return (y, *state) if self.lstm else (y, state)
+
+    class ScriptLSTMLoop(nn.Module):
+        """Scripted loop over an nn.LSTMCell; T is the dynamic trip count of an ONNX Loop."""
+
+        def __init__(self, features, hidden, reverse=False):
+            super().__init__()
+            self.cell, self.hidden, self.reverse = nn.LSTMCell(features, hidden), hidden, reverse
+
+        def forward(self, x):
+            h = torch.zeros(x.size(1), self.hidden, dtype=x.dtype)
+            c = torch.zeros(x.size(1), self.hidden, dtype=x.dtype)
+            outs: list[torch.Tensor] = []
+            steps = x.size(0)
+            for i in range(steps):
+                t = steps - 1 - i if self.reverse else i
+                h, c = self.cell(x[t], (h, c))
+                outs.append(h)
+            if self.reverse:
+                outs.reverse()
+            return torch.stack(outs)
+
+    class ScriptHLoop(nn.Module):
+        """Scripted loop over a single-state hand-written cell (GRUHand / RNNHand)."""
+
+        def __init__(self, cell, features, hidden):
+            super().__init__()
+            self.cell, self.hidden = make_cell(cell, features, hidden), hidden
+
+        def forward(self, x):
+            h = torch.zeros(x.size(1), self.hidden, dtype=x.dtype)
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                h = self.cell(x[t], h)
+                outs.append(h)
+            return torch.stack(outs)
+
+    _nn_classes.update(CellLoop=CellLoop, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
+                       ScriptHLoop=ScriptHLoop)
+    return _nn_classes
+
+
+def build_module(c: Case):
+    m = torch_modules()
+    o = dict(c.opts)
+    cell = o.pop("cell")
+    if c.model == "loop":
+        return m["CellLoop"](cell, c.features, c.hidden, **o)
+    if c.model == "nn":
+        return m["SeqModule"](cell, c.features, c.hidden, **o)
+    if c.model == "script":
+        if cell == "lstm":
+            return m["ScriptLSTMLoop"](c.features, c.hidden, **o)
+        return m["ScriptHLoop"](cell, c.features, c.hidden)
+    raise ValueError(c.model)
+
+
+# --------------------------------------------------------------------------- torch export
+
+
+def flat_outputs(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def export_torch(c: Case, module, specs, path: Path):
+    import torch
+
+    example = make_inputs(specs, c.batch, c.time, np.random.default_rng(0))
+    args = tuple(torch.from_numpy(example[name]) for name, _ in specs)
+    names = [name for name, _ in specs]
+    n_out = len(flat_outputs(module(*args)))
+    out_names = [f"out{k}" for k in range(n_out)]
+    if c.exporter == "dynamo":
+        dynamic_shapes = None
+        if c.dynamic_batch:
+            batch = torch.export.Dim("batch")
+            dynamic_shapes = tuple({shape.index("B"): batch} for _, shape in specs)
+        torch.onnx.export(module, args, str(path), dynamo=True, external_data=False, verbose=False,
+                          input_names=names, output_names=out_names, dynamic_shapes=dynamic_shapes)
+        return
+    axes = {}
+    for name, shape in specs:
+        dims = {}
+        if c.dynamic_batch:
+            dims[shape.index("B")] = "batch"
+        if c.dynamic_time and "T" in shape:
+            dims[shape.index("T")] = "time"
+        if dims:
+            axes[name] = dims
+    if c.exporter == "torchscript":
+        module = torch.jit.script(module)
+    torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET, input_names=names,
+                      output_names=out_names, dynamic_axes=axes or None)
+
+
+def self_contained(path: Path):
+    """Load the export; inline any external data and re-save as one file."""
+    import onnx
+
+    model = onnx.load(str(path))
+    inits = list(model.graph.initializer)
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in inits):
+        for t in inits:
+            t.data_location = onnx.TensorProto.DEFAULT
+        onnx.save(model, str(path), save_as_external_data=False)
+    return model
+
+
+def generate_torch(c: Case, out_dir: Path) -> dict:
+    import torch
+
+    seed = zlib.crc32(c.name.encode())  # same weights and data whatever subset is generated
+    torch.manual_seed(seed)
+    module = build_module(c).eval()
+    specs = input_specs(c)
+    path = out_dir / f"{c.name}.onnx"
+    with torch.no_grad():
+        export_torch(c, module, specs, path)
+    model = self_contained(path)
+
+    graph_inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+    if graph_inputs != [name for name, _ in specs]:
+        raise RuntimeError(f"ONNX inputs {graph_inputs} != module inputs {[n for n, _ in specs]}")
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for set_name, batch, time_ in set_specs(c):
+        feeds = make_inputs(specs, batch, time_, rng)
+        with torch.no_grad():
+            outs = flat_outputs(module(*(torch.from_numpy(feeds[n]) for n, _ in specs)))
+        if len(outs) != len(model.graph.output):
+            raise RuntimeError(f"{len(outs)} torch outputs but {len(model.graph.output)} ONNX outputs")
+        arrays.update({f"in/{set_name}/{k}": v for k, v in feeds.items()})
+        arrays.update({f"out/{set_name}/{k}": o.numpy() for k, o in enumerate(outs)})
+    np.savez(out_dir / f"{c.name}.npz", **arrays)
+    return write_meta(c, model, out_dir)
+
+
+def write_meta(c: Case, model, out_dir: Path, extra_notes: str = "", sets=None) -> dict:
+    ops = graph_ops(model.graph)
+    meta = {
+        "name": c.name,
+        "exporter": c.exporter,
+        "layers": describe(c),
+        "expect": expectation(c),
+        "sets": sets or [s for s, _, _ in set_specs(c)],
+        "dynamic_batch": c.dynamic_batch,
+        "dynamic_time": c.dynamic_time,
+        "masked": bool(c.opts.get("masked")),
+        "slow": c.slow,
+        "opset": next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
+        "nodes": len(ops),
+        "exported_ops": {op: ops.count(op) for op in ("LSTM", "GRU", "RNN", "Loop", "Scan", "If") if op in ops},
+        "notes": "; ".join(n for n in (case_notes(c), extra_notes) if n),
+    }
+    (out_dir / f"{c.name}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def graph_ops(graph) -> list[str]:
+    """Op types in a graph and its subgraphs."""
+    ops = []
+    for node in graph.node:
+        ops.append(node.op_type)
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                ops.extend(graph_ops(sub))
+    return ops
+
+
+# --------------------------------------------------------------------------- Keras 3 (torch backend), child side
+
+
+def keras_sets(c: Case) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(zlib.crc32(c.name.encode()))
+    sets = {}
+    patterns = MASK_PATTERNS if c.opts.get("masked") else {"b1": ["1" * c.time], "b3": ["1" * c.time] * 3}
+    for set_name, rows in patterns.items():
+        keep = np.array([[ch == "1" for ch in row] for row in rows])
+        x = rng.standard_normal((keep.shape[0], c.time, c.features)).astype(np.float32)
+        x[x == 0] = 0.5  # a real step is never an exact mask value
+        x[~keep] = 0.0
+        sets[set_name] = x
+    return sets
+
+
+def generate_keras(c: Case, out_dir: Path) -> dict:
+    import keras
+    import onnx
+
+    keras.backend.clear_session()
+    seed = zlib.crc32(c.name.encode())
+    keras.utils.set_random_seed(seed)
+    rng = np.random.default_rng(seed)
+    o = c.opts
+    x_in = keras.Input(shape=(c.time, c.features), name="x")
+    h = keras.layers.Masking(0.0)(x_in) if o.get("masked") else x_in
+    layer = getattr(keras.layers, o["cell"])(c.hidden, return_sequences=o.get("seq", True))
+    h = (keras.layers.Bidirectional(layer) if o.get("bidir") else layer)(h)
+    model = keras.Model(x_in, h)
+    for w in model.weights:
+        w.assign((0.5 * rng.standard_normal(tuple(w.shape))).astype(np.float32))
+
+    sets = keras_sets(c)
+    refs = {s: keras.ops.convert_to_numpy(model(x, training=False)) for s, x in sets.items()}
+    path = out_dir / f"{c.name}.onnx"
+    extra = ""
+    try:
+        model.export(str(path), format="onnx", verbose=False)
+    except Exception as exc:  # dynamic batch refused: fall back to the static signature of the first set
+        first = next(iter(sets.values()))
+        extra = f"dynamic-batch export failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); static batch"
+        model.export(str(path), format="onnx", verbose=False,
+                     input_signature=[keras.InputSpec(shape=first.shape, dtype="float32", name="x")])
+        sets = {s: x for s, x in sets.items() if x.shape[0] == first.shape[0]}
+    onnx_model = self_contained(path)
+    graph_inputs = [i.name for i in onnx_model.graph.input if i.name not in {t.name for t in onnx_model.graph.initializer}]
+    if len(graph_inputs) != 1 or len(onnx_model.graph.output) != 1:
+        raise RuntimeError(f"unexpected ONNX signature: inputs {graph_inputs}, {len(onnx_model.graph.output)} outputs")
+    dims = [d.dim_param or d.dim_value for d in onnx_model.graph.input[0].type.tensor_type.shape.dim]
+    c = replace(c, dynamic_batch=isinstance(dims[0], str))
+    arrays = {}
+    for s, x in sets.items():
+        arrays[f"in/{s}/{graph_inputs[0]}"] = x
+        arrays[f"out/{s}/0"] = refs[s]
+    np.savez(out_dir / f"{c.name}.npz", **arrays)
+    extra = "; ".join(p for p in (extra, f"ONNX input shape {dims}") if p)
+    return write_meta(c, onnx_model, out_dir, extra, sets=list(sets))
+
+
+def keras_child(out_dir: Path, names: list[str]) -> int:
+    """Runs in the child process: KERAS_BACKEND=torch is already in the environment."""
+    quiet_logs()
+    cases = {c.name: c for c in CASES}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            with captured():
+                meta = generate_keras(cases[name], out_dir)
+            print(json.dumps({"name": name, "ok": True, "seconds": time.perf_counter() - start,
+                              "nodes": meta["nodes"]}), flush=True)
+        except Exception as exc:
+            print(json.dumps({"name": name, "ok": False, "seconds": time.perf_counter() - start,
+                              "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:500]}), flush=True)
+    return 0
+
+
+def run_keras_children(cases: list[Case], out_dir: Path) -> list[dict]:
+    env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--keras-child", "--out", str(out_dir),
+           "--only", *[c.name for c in cases]]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                r = json.loads(line)
+                results[r["name"]] = r
+    tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][:300]
+    return [results.get(c.name, {"name": c.name, "ok": False, "seconds": 0.0,
+                                 "error": f"Keras child process gave no result: {tail}"}) for c in cases]
+
+
+# --------------------------------------------------------------------------- verification (optional)
+
+
+def verify(out_dir: Path, name: str, atol=1e-5, rtol=1e-5) -> tuple[bool, float]:
+    """Run the unfused export in onnxruntime on every set and compare with the framework's outputs."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(out_dir / f"{name}.onnx"), so, providers=["CPUExecutionProvider"])
+    data = np.load(out_dir / f"{name}.npz")
+    sets: dict[str, tuple[dict, dict]] = {}
+    for key in data.files:
+        kind, set_name, rest = key.split("/", 2)
+        sets.setdefault(set_name, ({}, {}))[kind == "out"][rest] = data[key]
+    ok, worst = True, 0.0
+    for feeds, outs in sets.values():
+        got = sess.run(None, feeds)
+        for k, ref in outs.items():
+            g = got[int(k)]
+            if g.shape != ref.shape:
+                return False, float("inf")
+            worst = max(worst, float(np.max(np.abs(g.astype(np.float64) - ref))) if ref.size else 0.0)
+            ok &= bool(np.allclose(g, ref, atol=atol, rtol=rtol))
+    return ok, worst
+
+
+# --------------------------------------------------------------------------- main
+
+
+def quiet_logs():
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    for name in ("torch", "torch.onnx", "torch.export", "torch._dynamo", "onnxscript", "keras", "absl"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def captured():
+    """Swallow what exporters print on stdout/stderr (Python level)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        yield buf
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="directory for <case>.onnx/.npz/.json")
+    parser.add_argument("--only", nargs="+", action="extend", metavar="SUBSTR",
+                        help="only cases whose name contains one of these substrings")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("--verify", action="store_true",
+                        help="also check every export with onnxruntime against the reference outputs")
+    parser.add_argument("--keras-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    cases = [c for c in CASES if not args.only or any(s in c.name for s in args.only)]
+    if args.keras_child:
+        return keras_child(args.out, [c.name for c in CASES if c.exporter == "keras3-torch" and c.name in args.only])
+    if args.list:
+        for c in cases:
+            print(f"{c.name:34s} {c.exporter:12s} {describe(c)}{'  [slow]' if c.slow else ''}")
+        return 0
+    if args.out is None:
+        parser.error("--out is required unless --list is given")
+    if not cases:
+        print(f"no case matches --only {args.only}", file=sys.stderr)
+        return 2
+
+    quiet_logs()
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results = []
+    for c in cases:
+        if c.exporter == "keras3-torch":
+            continue
+        start = time.perf_counter()
+        try:
+            with captured():
+                meta = generate_torch(c, args.out)
+            results.append({"name": c.name, "ok": True, "seconds": time.perf_counter() - start,
+                            "nodes": meta["nodes"]})
+        except Exception as exc:  # one broken case must not stop the others
+            results.append({"name": c.name, "ok": False, "seconds": time.perf_counter() - start,
+                            "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:500]})
+        report(results[-1])
+    keras_cases = [c for c in cases if c.exporter == "keras3-torch"]
+    if keras_cases:
+        for r in run_keras_children(keras_cases, args.out):
+            results.append(r)
+            report(r)
+
+    bad = []
+    if args.verify:
+        for r in results:
+            if r["ok"]:
+                ok, err = verify(args.out, r["name"])
+                r["max_abs_err"] = err
+                print(f"verify {r['name']:34s} {'ok ' if ok else 'BAD'} max|ort-ref| = {err:.2e}", flush=True)
+                if not ok:
+                    bad.append(r["name"])
+    with open(args.out / "summary.jsonl", "w") as f:
+        for r in results:
+            f.write(json.dumps(r) + "\n")
+    done = sum(r["ok"] for r in results)
+    skipped = [r["name"] for r in results if not r["ok"]]
+    print(f"torch: {done} of {len(results)} cases written to {args.out} in {time.perf_counter() - started:.1f}s"
+          + (f", skipped {skipped}" if skipped else "") + (f", ONNX differs from reference: {bad}" if bad else ""))
+    return 0 if done * 2 > len(results) and not bad else 1
+
+
+def report(r: dict):
+    if r["ok"]:
+        print(f"{r['name']}: {r['seconds']:.1f}s, {r['nodes']} nodes", flush=True)
+    else:
+        print(f"WARNING: skipped {r['name']}: {r['error']}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

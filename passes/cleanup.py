@@ -14,7 +14,7 @@ from __future__ import annotations
 from onnx import NodeProto
 
 from rnnfuse.dims import time_flip_source
-from rnnfuse.graph import Graph, Model, attr, subgraphs
+from rnnfuse.graph import Graph, Model, attr, has_subgraph
 from rnnfuse.pipeline import Options, PassResult
 
 _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
@@ -28,12 +28,13 @@ class Dedupe:
         res = PassResult(self.name)
         seen: dict[tuple, NodeProto] = {}
         n_merged = 0
-        for n in g._toposort(g.live_nodes()):
-            if not g.alive(n) or n.op_type in _IMPURE or any(True for _ in subgraphs(n)) or not n.output:
+        outputs = set(g.output_names)
+        for n in list(g.nodes):  # graph order: topological for the input model, which is where it matters
+            if not g.alive(n) or n.op_type in _IMPURE or not n.output or has_subgraph(n):
                 continue
-            if any(g.is_graph_output(o) for o in n.output):
+            if outputs.intersection(n.output):
                 continue
-            key = (n.domain, n.op_type, tuple(n.input), len(n.output), tuple(a.SerializeToString() for a in sorted(n.attribute, key=lambda a: a.name)))
+            key = (n.domain, n.op_type, tuple(n.input), len(n.output), tuple(a.SerializeToString() for a in n.attribute))
             other = seen.get(key)
             if other is None:
                 seen[key] = n
@@ -83,8 +84,8 @@ class CancelFlips:
         g = model.graph
         res = PassResult(self.name)
         n_flips = n_transposes = 0
-        for n in g._toposort(g.live_nodes()):
-            if not g.alive(n):
+        for n in list(g.nodes):
+            if not g.alive(n) or n.op_type not in ("Transpose", "ReverseSequence", "Slice"):
                 continue
             if n.op_type == "Transpose":
                 n_transposes += self._fold_transpose(g, n)

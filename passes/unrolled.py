@@ -27,10 +27,10 @@ from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Options, PassResult
-from rnnfuse.recurrence import FinalOutput, Init, Recurrence, SeqOutput
+from rnnfuse.recurrence import CellCheck, FinalOutput, Init, Recurrence, SeqOutput
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.step import StepState, analyse
-from rnnfuse.symbolic import Bool, Poly, State, StepEvaluator, Sym, X, loose_key, zero_states
+from rnnfuse.symbolic import Bool, Poly, State, StepEvaluator, Sym, X, content_key, loose_key, zero_states
 
 # ops a carried state passes through on its way to a combining node (one non-constant input each)
 _STATE_SIDE = {"Gemm", "MatMul", "Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Add", "Mul", "Sub", "Cast", "Gather"}
@@ -43,7 +43,6 @@ _SLICERS = {"Gather", "Slice", "Split"}
 def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
     """(source, axis, index) if ``node`` takes one slice at a constant index (rank kept or reduced)."""
     src = node.input[0]
-    rank = g.model.rank(src)
     if node.op_type == "Gather":
         idx = g.const(node.input[1])
         if idx is None or np.asarray(idx).ndim != 0:
@@ -66,6 +65,7 @@ def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
     else:
         return None
     if ax < 0:
+        rank = g.model.rank(src)
         if rank is None:
             return None
         ax += rank
@@ -86,8 +86,10 @@ def _squeezed(g: Graph, name: str, axis: int) -> str | None:
     if u.op_type == "Squeeze":
         axes = attr(u, "axes") if g.model.opset < 13 else (g.const(u.input[1]) if len(u.input) > 1 else None)
         axes = [int(a) for a in np.asarray(axes).ravel()] if axes is not None else None
-        rank = g.model.rank(name)
-        if axes is not None and rank:
+        if axes is not None and any(a < 0 for a in axes):
+            rank = g.model.rank(name)
+            if rank is None:
+                return None
             axes = [a + rank if a < 0 else a for a in axes]
         if axes == [axis]:
             return u.output[0]
@@ -101,8 +103,10 @@ def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
             continue
         if n.op_type == "Split":
             ax = attr(n, "axis", 0)
-            rank = g.model.rank(n.input[0])
-            if ax < 0 and rank:
+            if ax < 0:
+                rank = g.model.rank(n.input[0])
+                if rank is None:
+                    continue
                 ax += rank
             for t, o in enumerate(n.output):
                 x = _squeezed(g, o, ax)
@@ -151,16 +155,32 @@ class Chain:
     steps: list  # in processing order
 
 
-def _intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> dict[str, tuple[int, int]]:
-    iv: dict[str, tuple[int, int]] = {x: (t, t) for x, t in leaves.items()}
+class Intervals(dict):
+    """tensor -> (lo, hi): the range of step indices it depends on; ``nodes`` the same per node id."""
+
+    def __init__(self):
+        super().__init__()
+        self.nodes: dict[int, tuple[int, int]] = {}
+
+
+def _intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Intervals:
+    iv = Intervals()
+    iv.update({x: (t, t) for x, t in leaves.items()})
+    get = iv.get
     for n in order:
         lo = hi = None
         for i in n.input:
-            v = iv.get(i)
+            v = get(i)
             if v is not None:
-                lo = v[0] if lo is None else min(lo, v[0])
-                hi = v[1] if hi is None else max(hi, v[1])
+                if lo is None:
+                    lo, hi = v
+                else:
+                    if v[0] < lo:
+                        lo = v[0]
+                    if v[1] > hi:
+                        hi = v[1]
         if lo is not None:
+            iv.nodes[id(n)] = (lo, hi)
             for o in n.output:
                 if o and o not in leaves:
                     iv[o] = (lo, hi)
@@ -255,45 +275,124 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, str] | No
     return chains
 
 
+def _allowed_fn(chain: Chain, k: int, iv):
+    st = chain.steps[k]
+    t = st.t
+    fwd = chain.direction == "forward"
+
+    pulled, nodes, side = st.pulled, iv.nodes, 1 if fwd else 0
+
+    def allowed(n: NodeProto) -> bool:
+        k = id(n)
+        if k in pulled:
+            return True
+        v = nodes.get(k)
+        return v is not None and v[side] == t
+
+    return allowed
+
+
+class _Foreign:
+    """The one older value (besides h) a step may read: the LSTM cell state."""
+
+    def __init__(self, t: int):
+        self.t = t
+        self.name: str | None = None
+
+    def __call__(self, name: str) -> str:
+        if self.name is None:
+            self.name = name
+        elif name != self.name:
+            raise Decline(f"step {self.t} reads more than two carried values ('{self.name}', '{name}')")
+        return "c"
+
+
+H_STATE = State("h", None)
+C_STATE = State("c", None)
+
+
 class _StepEval:
-    """Evaluate one step: its x, mask and carried h are leaves; one other older value may be the cell state."""
+    """Symbolic evaluation of one step: x, mask and h are leaves, the one other older value is state c."""
 
     def __init__(self, g: Graph, chain: Chain, k: int, iv, h_in: str | None, x_atom: X):
         st = chain.steps[k]
-        t = st.t
-        fwd = chain.direction == "forward"
-        self.c_in: str | None = None
-
-        def allowed(n: NodeProto) -> bool:
-            if id(n) in st.pulled:
-                return True
-            o = next((o for o in n.output if o), None)
-            v = iv.get(o)
-            if v is None:
-                return False
-            return (v[1] == t) if fwd else (v[0] == t)
-
-        def foreign(name: str):
-            if self.c_in is None:
-                self.c_in = name
-                return Sym(Poly.atom(C_STATE))
-            if name == self.c_in:
-                return Sym(Poly.atom(C_STATE))
-            raise Decline(f"step {t} reads more than two carried values ('{self.c_in}', '{name}')")
-
+        self.foreign = _Foreign(st.t)
         leaves = {st.x: Sym(Poly.atom(x_atom))}
         if h_in is not None:
             leaves[h_in] = Sym(Poly.atom(H_STATE))
         if st.mask is not None:
             leaves[st.mask] = Bool("m", False, g.model.rank(st.mask) == 2)
-        self.ev = StepEvaluator(g, leaves, may_evaluate=allowed, foreign=foreign, content_keys=True)
+
+        def foreign(name: str):
+            self.foreign(name)
+            return Sym(Poly.atom(C_STATE))
+
+        self.ev = StepEvaluator(g, leaves, may_evaluate=_allowed_fn(chain, k, iv), foreign=foreign, content_keys=True)
+
+    @property
+    def c_in(self) -> str | None:
+        return self.foreign.name
 
     def poly(self, name: str) -> Poly:
         return self.ev.poly(name)
 
 
-H_STATE = State("h", None)
-C_STATE = State("c", None)
+class _Signer:
+    """Structural signatures of step outputs: equal signatures mean the same computation (names aside).
+
+    Far cheaper than symbolic evaluation, so every step of a long chain is compared to a reference step this
+    way; steps that differ structurally (a folded first step) are checked symbolically instead."""
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self.table: dict = {}
+        self.attr_keys: dict[int, tuple] = {}
+        self.const_ids: dict[str, int | None] = {}  # tensor -> id of its constant value (None: not constant)
+
+    def _intern(self, key) -> int:
+        v = self.table.get(key)
+        if v is None:
+            v = self.table[key] = len(self.table)
+        return v
+
+    def sign(self, name: str, leaves: dict[str, str], allowed, foreign: _Foreign, visited: set) -> int:
+        g = self.g
+        memo: dict[str, int] = {}
+        stack = [name]
+        while stack:
+            cur = stack[-1]
+            if cur in memo:
+                stack.pop()
+                continue
+            if cur in leaves:
+                memo[cur] = self._intern(("leaf", leaves[cur]))
+                stack.pop()
+                continue
+            cid = self.const_ids.get(cur, -1)
+            if cid == -1:
+                c = g.const(cur)
+                cid = self.const_ids[cur] = None if c is None else self._intern(("const", content_key(g, cur, c)))
+            if cid is not None:
+                memo[cur] = cid
+                stack.pop()
+                continue
+            p = g.producer.get(cur)
+            if p is None or not allowed(p):
+                memo[cur] = self._intern(("leaf", foreign(cur)))
+                stack.pop()
+                continue
+            pending = [i for i in p.input if i and i not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            visited.add(id(p))
+            ak = self.attr_keys.get(id(p))
+            if ak is None:
+                ak = self.attr_keys[id(p)] = tuple(a.SerializeToString() for a in sorted(p.attribute, key=lambda a: a.name))
+            key = (p.op_type, p.domain, ak, list(p.output).index(cur), tuple(memo[i] if i else -1 for i in p.input))
+            memo[cur] = self._intern(key)
+        return memo[name]
 
 
 def _single_root(st: Step) -> str:
@@ -302,7 +401,7 @@ def _single_root(st: Step) -> str:
     return next(iter(st.roots))
 
 
-def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv) -> Recurrence:
+def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _Signer) -> Recurrence:
     steps = chain.steps
     n = len(steps)
     ts = [s.t for s in steps]
@@ -311,34 +410,41 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv) -> Recurre
         raise Decline(f"the per-step inputs are slices of a rank-{rank} tensor along axis {axis}")
     if sorted(ts) != list(range(min(ts), max(ts) + 1)):
         raise Decline("the chain skips time steps")
-    F = static_dim(g, steps[0].x, -1)
-    x_atom = X("x", F)
+    x_atom = X("x", None)
     h_in: list[str | None] = [None] * n
     for k in range(1, n):
         h_in[k] = _single_root(steps[k])
     if steps[0].roots:
         h_in[0] = _single_root(steps[0])
-    evals = [_StepEval(g, chain, k, iv, h_in[k], x_atom) for k in range(n)]
     h_new: list[str | None] = [h_in[k + 1] for k in range(n - 1)] + [None]
-    # evaluate each step's new h: this also reveals the cell state it reads (LSTM c)
-    p_h: list[Poly | None] = [None] * n
+    allowed = [_allowed_fn(chain, k, iv) for k in range(n)]
+    foreign = [_Foreign(s.t) for s in steps]
+    leaves = []
+    for k, st in enumerate(steps):
+        lv = {st.x: "x"}
+        if h_in[k] is not None:
+            lv[h_in[k]] = "h"
+        if st.mask is not None:
+            lv[st.mask] = "m"
+        leaves.append(lv)
+    chain_nodes: set[int] = set()
+    sig_h: list[int | None] = [None] * n
     for k in range(n - 1):
-        p_h[k] = evals[k].poly(h_new[k])
-    c_in = [e.c_in for e in evals[: n - 1]] + [None]
-    lstm = any(c is not None for c in c_in[1:])
+        sig_h[k] = signer.sign(h_new[k], leaves[k], allowed[k], foreign[k], chain_nodes)
+    # the extra state (LSTM c): what step k reads besides h is what step k-1 computed
+    lstm = any(f.name is not None for f in foreign[1 : n - 1]) or (n == 2 and foreign[0].name is not None)
     c_new: list[str | None] = [None] * n
     if lstm:
         for k in range(1, n - 1):
-            if c_in[k] is None:
+            if foreign[k].name is None:
                 raise Decline(f"step {ts[k]} does not read the cell state")
-            c_new[k - 1] = c_in[k]
-    # recognise the cell on a middle step (the first one may have seen a folded zero state)
-    km = 1 if n > 2 else 0
-    if n == 2 and (h_in[0] is None):
+            c_new[k - 1] = foreign[k].name
+    if n == 2 and h_in[0] is None:
         raise Decline("a two-step chain with a folded initial state")
-    mid = evals[km]
+    km = 1 if n > 2 else 0
+    mid = _StepEval(g, chain, km, iv, h_in[km], x_atom)
     states = {"h": H_STATE}
-    step_states = [StepState("h", p_h[km], Init())]
+    step_states = [StepState("h", mid.poly(h_new[km]), Init())]
     if lstm:
         if c_new[km] is None:
             raise Decline("the cell state's next value cannot be found")
@@ -349,74 +455,117 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv) -> Recurre
         raise Decline("masked unrolled chains are not supported")
     spec = an.rec.spec
     expected = spec.step_polys(Poly.atom(x_atom), Poly.atom(H_STATE), Poly.atom(C_STATE) if lstm else None)
-    # the last step's outputs: tensors of the same kind as the previous step's that compute the cell
-    last = evals[n - 1]
-    h_new[n - 1] = _find_output(g, last, steps[n - 1], iv, chain, g.producer[h_new[n - 2]].op_type, expected["h"])
-    if h_new[n - 1] is None:
+    ref_h = sig_h[km]
+    ref_c = signer.sign(c_new[km], leaves[km], allowed[km], foreign[km], chain_nodes) if lstm else None
+    # the last step's outputs: same structure as the reference step's
+    last = n - 1
+    for name in _step_tensors(g, chain, last, iv, g.producer[h_new[last - 1]].op_type):
+        f = _Foreign(ts[last])
+        try:
+            if signer.sign(name, leaves[last], allowed[last], f, set()) == ref_h:
+                h_new[last] = name
+                break
+        except Decline:
+            continue
+    if h_new[last] is None:
+        e = _StepEval(g, chain, last, iv, h_in[last], x_atom)
+        h_new[last] = _find_symbolic(g, e, chain, last, iv, g.producer[h_new[last - 1]].op_type, expected["h"])
+    if h_new[last] is None:
         raise Decline("the last step's hidden output cannot be found")
-    p_h[n - 1] = last.poly(h_new[n - 1])
+    sig_h[last] = signer.sign(h_new[last], leaves[last], allowed[last], foreign[last], chain_nodes)
     if lstm:
-        if last.c_in is None:
-            raise Decline(f"step {ts[-1]} does not read the cell state")
-        c_new[n - 2] = last.c_in
-        c_new[n - 1] = _find_output(g, last, steps[n - 1], iv, chain, g.producer[c_new[n - 2]].op_type, expected["c"])
-    # every step computes the same cell
+        c_new[last - 1] = foreign[last].name
+        if c_new[last - 1] is None:
+            raise Decline(f"step {ts[last]} does not read the cell state")
+        for name in _step_tensors(g, chain, last, iv, g.producer[c_new[last - 1]].op_type):
+            try:
+                if signer.sign(name, leaves[last], allowed[last], _Foreign(ts[last]), set()) == ref_c:
+                    c_new[last] = name
+                    break
+            except Decline:
+                continue
+    # every step computes the reference cell: by structure, or else by its maths
     zero = set()
     if h_in[0] is None:
         zero.add("h")
-    if lstm and evals[0].c_in is None:
+    if lstm and foreign[0].name is None:
         zero.add("c")
     for k in range(n):
-        e = evals[k]
-        outs = {"h": p_h[k]}
+        outs = {"h": (h_new[k], sig_h[k], ref_h)}
         if lstm and c_new[k] is not None:
-            outs["c"] = e.poly(c_new[k])
-        for sym, p in outs.items():
+            outs["c"] = (c_new[k], signer.sign(c_new[k], leaves[k], allowed[k], foreign[k], chain_nodes), ref_c)
+        for sym, (name, sig, ref) in outs.items():
+            if sig == ref and not (k == 0 and zero):
+                continue
+            e = _StepEval(g, chain, k, iv, h_in[k], x_atom)
+            p = e.poly(name)
+            chain_nodes |= e.ev.visited_nodes
             want = expected[sym]
             if k == 0 and zero:
-                if loose_key(p) != loose_key(zero_states(want, {"h" if z == "h" else "c" for z in zero})):
+                if loose_key(p) != loose_key(zero_states(want, zero)):
                     raise Decline(f"the first step is not the cell with a zero initial state ({sym})")
             elif p.key != want.key:
                 raise Decline(f"step {ts[k]} computes a different cell than step {ts[km]} ({sym})")
-    chain_nodes: set[int] = set()
-    for e in evals:
-        chain_nodes |= e.ev.visited_nodes
     x = src
     T = static_dim(g, src, axis)
+    anchor = g.producer.get(h_new[-1])
     if not (min(ts) == 0 and T is not None and max(ts) == T - 1):
-        b = g.add_node(
+        x = g.add_node(
             "Slice",
             [src, g.add_initializer(np.array([min(ts)], np.int64), "rnnfuse/start"),
              g.add_initializer(np.array([max(ts) + 1], np.int64), "rnnfuse/end"),
              g.add_initializer(np.array([axis], np.int64), "rnnfuse/axis")],
-            1, name="rnnfuse/Slice", anchor=g.producer.get(h_new[-1]),
-        )
-        x = b[0]
+            1, name="rnnfuse/Slice", anchor=anchor,
+        )[0]
     rec = Recurrence(
         front="chain",
         where=f"{chain.direction} chain over '{src}' (axis {axis}), steps {ts[0]}..{ts[-1]}: {n} cells",
         cell=spec,
         x=x,
         h0=Init(h_in[0], None) if h_in[0] is not None else Init(),
-        c0=Init(evals[0].c_in, None) if lstm and evals[0].c_in is not None else Init(),
-        anchor=g.producer.get(h_new[-1]),
+        c0=Init(foreign[0].name, None) if lstm and foreign[0].name is not None else Init(),
+        anchor=anchor,
         x_batch_first=axis == 1,
         x_reversed=chain.direction == "reverse",
     )
     _collect_outputs(g, rec, chain, h_new, c_new, chain_nodes, lstm)
+    # what cell-level validation compares (the whole chain may be too big to run in onnxruntime)
+    for k in sorted({km, 0}):
+        visited: set = set()
+        f = _Foreign(ts[k])
+        outs = {h_new[k]: "h"}
+        signer.sign(h_new[k], leaves[k], allowed[k], f, visited)
+        if lstm and c_new[k] is not None:
+            signer.sign(c_new[k], leaves[k], allowed[k], f, visited)
+            outs[c_new[k]] = "c"
+        ins = {v: r for v, r in leaves[k].items() if r != "m"}
+        if f.name is not None:
+            ins[f.name] = "c"
+        rec.cell_checks.append(
+            CellCheck(order_of(g, visited), ins, outs, zero if k == 0 else set(), static_dim(g, src, 1 - axis))
+        )
     return rec
 
 
-def _find_output(g: Graph, e: _StepEval, st: Step, iv, chain: Chain, op_type: str, want: Poly) -> str | None:
-    """The tensor of step ``st`` produced by an ``op_type`` node whose polynomial is ``want``."""
-    t = st.t
+def order_of(g: Graph, ids: set) -> list[NodeProto]:
+    return [n for n in g.nodes if id(n) in ids and g.alive(n)]
+
+
+def _step_tensors(g: Graph, chain: Chain, k: int, iv, op_type: str) -> list[str]:
+    """Outputs of ``op_type`` nodes that belong to step k."""
+    t = chain.steps[k].t
     fwd = chain.direction == "forward"
+    out = []
     for name, v in iv.items():
-        if ((v[1] != t) if fwd else (v[0] != t)):
-            continue
-        p = g.producer.get(name)
-        if p is None or p.op_type != op_type:
-            continue
+        if (v[1] == t) if fwd else (v[0] == t):
+            p = g.producer.get(name)
+            if p is not None and p.op_type == op_type:
+                out.append(name)
+    return out
+
+
+def _find_symbolic(g: Graph, e: _StepEval, chain: Chain, k: int, iv, op_type: str, want: Poly) -> str | None:
+    for name in _step_tensors(g, chain, k, iv, op_type):
         try:
             if e.poly(name).key == want.key:
                 return name
@@ -522,7 +671,8 @@ class FuseChains:
             if not fams:
                 break
             order = g._toposort(g.live_nodes())
-            bool_fams = {k: v for k, v in fams.items() if g.model.elem_type(next(iter(v.values()))) == 9}
+            signer = _Signer(g)
+            bool_fams = {k: v for k, v in fams.items() if g.model.elem_type(k[0]) == 9}
             recs = []
             for (src, axis), fam in fams.items():
                 if (src, axis) in bool_fams:
@@ -535,7 +685,7 @@ class FuseChains:
                         continue
                     tried.add(key)
                     try:
-                        recs.append((chain_recurrence(g, src, axis, chain, iv), {}))
+                        recs.append((chain_recurrence(g, src, axis, chain, iv, signer), {}))
                     except Decline as d:
                         res.findings.append(declined(self.name, "chain", f"{chain.direction} chain over '{src}' (axis {axis})", d.reason))
             if not recs:

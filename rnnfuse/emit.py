@@ -251,18 +251,7 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False)
         ins.append(_init_state(b, rec.c0, x, cell.hidden))
     while ins and ins[-1] == "":
         ins.pop()
-    attrs = dict(hidden_size=cell.hidden, direction=direction)
-    acts, alphas, betas = onnx_activations(cell.acts)
-    if acts is not None:
-        attrs["activations"] = acts
-        if alphas:
-            attrs["activation_alpha"] = alphas
-        if betas:
-            attrs["activation_beta"] = betas
-    if cell.clip is not None:
-        attrs["clip"] = float(cell.clip)
-    if cell.op == "GRU":
-        attrs["linear_before_reset"] = int(cell.linear_before_reset)
+    attrs = native_attrs(cell, direction)
     n_out = 3 if cell.op == "LSTM" else 2
     outs = g.add_node(cell.op, ins, n_out, name=f"rnnfuse/{cell.op}", anchor=rec.anchor, **attrs)
     native = g.producer[outs[0]]
@@ -332,6 +321,24 @@ def _seq_output(b: Builder, so, Y3: str, Yh: str, mp: MaskPlumbing | None, path:
     gathered = b.op("Gather", b.op("Flatten", Y3, axis=2), flat, axis=0)
     fill = b.const(np.array(0.0, np.float32), "fill") if so.fill == ZERO else _init_value(b, so.init)
     return b.op("Where", b.unsqueeze(valid, [2]), gathered, fill)
+
+
+def native_attrs(cell, direction: str) -> dict:
+    """Attributes of the native op for ``cell`` (activation lists repeated for bidirectional)."""
+    attrs = dict(hidden_size=cell.hidden, direction=direction)
+    acts, alphas, betas = onnx_activations(cell.acts)
+    if acts is not None:
+        k = 2 if direction == "bidirectional" else 1
+        attrs["activations"] = acts * k
+        if alphas:
+            attrs["activation_alpha"] = alphas * k
+        if betas:
+            attrs["activation_beta"] = betas * k
+    if cell.clip is not None:
+        attrs["clip"] = float(cell.clip)
+    if cell.op == "GRU":
+        attrs["linear_before_reset"] = int(cell.linear_before_reset)
+    return attrs
 
 
 def onnx_activations(acts) -> tuple[list[str] | None, list[float], list[float]]:

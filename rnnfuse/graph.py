@@ -41,7 +41,17 @@ def attr(node: NodeProto, name: str, default=None):
     return default
 
 
+def has_subgraph(node: NodeProto) -> bool:
+    return node.op_type in _CONTROL_FLOW or (node.domain not in ("", "ai.onnx") and any(True for _ in subgraphs(node)))
+
+
+_CONTROL_FLOW = {"Loop", "Scan", "If", "SequenceMap"}
+_EMPTY: frozenset = frozenset()
+
+
 def subgraphs(node: NodeProto) -> Iterator[GraphProto]:
+    if node.domain in ("", "ai.onnx") and node.op_type not in _CONTROL_FLOW:
+        return
     for a in node.attribute:
         if a.type == AttributeProto.GRAPH:
             yield a.g
@@ -109,6 +119,7 @@ class Model:
         _all_names(proto.graph, used)
         self.names = NameAllocator(used)
         self._types: dict[str, tuple[int, list | None]] | None = None
+        self._declared: dict[str, tuple[int, list | None]] | None = None
         self.graph = Graph(proto.graph, None, self)
         self.opset_raised: list[str] = []
         # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
@@ -138,15 +149,24 @@ class Model:
             self._types = infer_types(self.proto)
         return self._types
 
+    def _type(self, name: str):
+        if self._declared is None:
+            self._declared = declared_types(self.proto)
+        t = self._declared.get(name)
+        if t is None or t[1] is None:
+            t = self.types().get(name, t)
+        return t
+
     def invalidate_types(self) -> None:
         self._types = None
+        self._declared = None
 
     def elem_type(self, name: str) -> int | None:
-        t = self.types().get(name)
+        t = self._type(name)
         return t[0] if t else None
 
     def shape(self, name: str) -> list | None:
-        t = self.types().get(name)
+        t = self._type(name)
         return t[1] if t else None
 
     def rank(self, name: str) -> int | None:
@@ -209,6 +229,29 @@ def _type_of(vi: onnx.ValueInfoProto) -> tuple[int, list | None] | None:
     return (tt.elem_type, dims)
 
 
+def _collect_types(g: GraphProto, out: dict) -> None:
+    for vi in itertools.chain(g.input, g.output, g.value_info):
+        t = _type_of(vi)
+        if t is not None and (vi.name not in out or (out[vi.name][1] is None and t[1] is not None)):
+            out[vi.name] = t
+    for t in g.initializer:
+        out[t.name] = (t.data_type, list(t.dims))
+    for n in g.node:
+        if n.op_type == "Constant" and n.output:
+            v = attr(n, "value")
+            if v is not None:
+                out[n.output[0]] = (helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape))
+        for sg in subgraphs(n):
+            _collect_types(sg, out)
+
+
+def declared_types(proto: ModelProto) -> dict[str, tuple[int, list | None]]:
+    """Types the file itself declares (inputs, outputs, value_info, initializers, Constants): no inference."""
+    out: dict = {}
+    _collect_types(proto.graph, out)
+    return out
+
+
 def infer_types(proto: ModelProto) -> dict[str, tuple[int, list | None]]:
     sk = ModelProto()
     sk.ir_version = proto.ir_version
@@ -219,23 +262,7 @@ def infer_types(proto: ModelProto) -> dict[str, tuple[int, list | None]]:
     except Exception:  # inference is a convenience; fall back to what the file declares
         pass
     out: dict[str, tuple[int, list | None]] = {}
-
-    def visit(g: GraphProto) -> None:
-        for vi in itertools.chain(g.input, g.output, g.value_info):
-            t = _type_of(vi)
-            if t is not None and (vi.name not in out or (out[vi.name][1] is None and t[1] is not None)):
-                out[vi.name] = t
-        for t in g.initializer:
-            out[t.name] = (t.data_type, list(t.dims))
-        for n in g.node:
-            if n.op_type == "Constant" and n.output:
-                v = attr(n, "value")
-                if v is not None:
-                    out[n.output[0]] = (helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape))
-            for sg in subgraphs(n):
-                visit(sg)
-
-    visit(sk.graph)
+    _collect_types(sk.graph, out)
     return out
 
 
@@ -251,6 +278,7 @@ class Graph:
         self._pos: dict[int, tuple] = {id(n): (i, 0) for i, n in enumerate(self.nodes)}
         self._seq = itertools.count(1)
         self._removed: set[int] = set()
+        self._graveyard: list[NodeProto] = []
         self.initializers: dict[str, TensorProto] = {t.name: t for t in proto.initializer}
         self.input_names = [i.name for i in proto.input]
         self.output_names = [o.name for o in proto.output]
@@ -265,6 +293,8 @@ class Graph:
 
     # -- indexing ----------------------------------------------------------------------------------------
     def implicit_inputs(self, node: NodeProto) -> set[str]:
+        if not has_subgraph(node):
+            return _EMPTY
         key = id(node)
         if key not in self._implicit:
             free: set[str] = set()
@@ -274,14 +304,22 @@ class Graph:
         return self._implicit[key]
 
     def _index(self, n: NodeProto) -> None:
+        producer, consumers = self.producer, self.consumers
         for o in n.output:
             if o:
-                self.producer[o] = n
-        seen = set()
-        for i in itertools.chain(n.input, sorted(self.implicit_inputs(n))):
-            if i and i not in seen:
-                seen.add(i)
-                self.consumers.setdefault(i, []).append(n)
+                producer[o] = n
+        ins = n.input
+        if has_subgraph(n):
+            ins = list(dict.fromkeys(itertools.chain(n.input, sorted(self.implicit_inputs(n)))))
+        elif len(ins) > 1:
+            ins = list(dict.fromkeys(ins))
+        for i in ins:
+            if i:
+                lst = consumers.get(i)
+                if lst is None:
+                    consumers[i] = [n]
+                else:
+                    lst.append(n)
 
     def _unindex(self, n: NodeProto) -> None:
         for o in n.output:
@@ -416,6 +454,7 @@ class Graph:
         if id(node) in self._removed:
             return
         self._removed.add(id(node))
+        self._graveyard.append(node)  # keep the object alive: its id must not be reused by a new node
         self._unindex(node)
 
     def replace_uses(self, old: str, new: str) -> None:
@@ -463,6 +502,16 @@ class Graph:
                 node.output[i] = old
         self._index(node)
 
+    def prune(self) -> int:
+        """Drop nodes nothing reads (the remains of fused recurrences); returns how many."""
+        live = self._live_set()
+        dead = [n for n in self.nodes if id(n) not in self._removed and id(n) not in live]
+        for n in dead:
+            self.remove_node(n)
+        if dead:
+            self.nodes = [n for n in self.nodes if id(n) not in self._removed]
+        return len(dead)
+
     # -- finalize ----------------------------------------------------------------------------------------
     def finalize(self) -> None:
         """Remove dead nodes and unused initializers, topologically sort, and write back to the proto."""
@@ -487,6 +536,7 @@ class Graph:
         # rebuild indices so the Graph stays usable after finalize
         self.nodes = nodes
         self._removed.clear()
+        self._graveyard.clear()
         self._pos = {id(n): (i, 0) for i, n in enumerate(nodes)}
         self.initializers = {t.name: t for t in self.proto.initializer}
         self.producer.clear()
@@ -512,30 +562,55 @@ class Graph:
         return live
 
     def _toposort(self, nodes: list[NodeProto]) -> list[NodeProto]:
-        """Stable Kahn sort: among ready nodes, the one with the smallest position goes first."""
-        ids = {id(n): n for n in nodes}
-        indeg: dict[int, int] = {}
-        succ: dict[int, list[int]] = {}
-        for n in nodes:
-            preds = set()
-            for i in itertools.chain(n.input, self.implicit_inputs(n)):
-                p = self.producer.get(i)
-                if p is not None and id(p) in ids and p is not n:
-                    preds.add(id(p))
-            indeg[id(n)] = len(preds)
-            for p in preds:
-                succ.setdefault(p, []).append(id(n))
-        heap = [(self._pos[id(n)], id(n)) for n in nodes if indeg[id(n)] == 0]
+        """Stable Kahn sort: among ready nodes, the one with the smallest position goes first.
+
+        Already-sorted input (the common case) is detected in one pass and returned in its original order."""
+        pos = self._pos
+        order = sorted(nodes, key=lambda n: pos[id(n)])
+        index = {id(n): i for i, n in enumerate(order)}
+        producer = self.producer
+        preds: list[list[int]] = []
+        in_order = True
+        for i, n in enumerate(order):
+            ps = []
+            for x in n.input:
+                p = producer.get(x)
+                if p is not None:
+                    j = index.get(id(p))
+                    if j is not None and j != i:
+                        ps.append(j)
+                        if j > i:
+                            in_order = False
+            if n.attribute:
+                for x in self.implicit_inputs(n):
+                    p = producer.get(x)
+                    if p is not None:
+                        j = index.get(id(p))
+                        if j is not None and j != i:
+                            ps.append(j)
+                            if j > i:
+                                in_order = False
+            preds.append(ps)
+        if in_order:
+            return order
+        indeg = [0] * len(order)
+        succ: list[list[int]] = [[] for _ in order]
+        for i, ps in enumerate(preds):
+            uniq = set(ps)
+            indeg[i] = len(uniq)
+            for j in uniq:
+                succ[j].append(i)
+        heap = [i for i in range(len(order)) if indeg[i] == 0]
         heapq.heapify(heap)
         out: list[NodeProto] = []
         while heap:
-            _, k = heapq.heappop(heap)
-            out.append(ids[k])
-            for s in succ.get(k, ()):
-                indeg[s] -= 1
-                if indeg[s] == 0:
-                    heapq.heappush(heap, (self._pos[s], s))
-        if len(out) != len(nodes):
+            i = heapq.heappop(heap)
+            out.append(order[i])
+            for s2 in succ[i]:
+                indeg[s2] -= 1
+                if indeg[s2] == 0:
+                    heapq.heappush(heap, s2)
+        if len(out) != len(order):
             raise RuntimeError("graph has a cycle after rewriting")
         return out
 

@@ -52,6 +52,20 @@ class FinalOutput:
 
 
 @dataclass
+class CellCheck:
+    """One step of the original graph, to compare numerically with a one-step native op.
+
+    Used instead of whole-model validation when the model is too big to run cheaply (long unrolled
+    chains): every other step was proven identical to this one structurally or symbolically."""
+
+    nodes: list  # NodeProtos of the step, in graph order
+    inputs: dict  # tensor -> "x" | "h" | "c"
+    outputs: dict  # tensor -> "h" | "c"
+    zero: set = field(default_factory=set)  # states that are zero in this step (a folded first step)
+    batch: int | None = None  # a batch size baked into the step (static exports), else any
+
+
+@dataclass
 class Recurrence:
     front: str  # "Loop" | "Scan" | "chain" | ...
     where: str  # a human-readable location (node name)
@@ -67,6 +81,7 @@ class Recurrence:
     x_batch_first: bool = False  # x is [B, T, F]
     x_reversed: bool = False  # processing order is x read from its last step to its first
     notes: list[str] = field(default_factory=list)
+    cell_checks: list[CellCheck] = field(default_factory=list)
 
     @property
     def masked(self) -> bool:

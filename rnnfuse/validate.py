@@ -271,7 +271,7 @@ def validate(
         so = ort.SessionOptions()
         so.intra_op_num_threads = 1
         so.inter_op_num_threads = 1
-        so.log_severity_level = 3
+        so.log_severity_level = 4
         data = check.SerializeToString()
         sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
     except _Skip as s:
@@ -359,4 +359,92 @@ def _compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
         r.ok = False
         r.detail = r.detail or f"max abs error {err:.3g} ({where})"
 
+
+
+
+def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
+    """Compare each step in ``rec.cell_checks`` with a one-step native op on random inputs."""
+    from .emit import native_attrs
+
+    ort = _ort()
+    cell = rec.cell
+    res = ValidationResult(True)
+    rng = np.random.default_rng(seed)
+    W, R, B = cell.weights()
+    for ci, chk in enumerate(rec.cell_checks):
+        produced = {o for n in chk.nodes for o in n.output}
+        nodes = []
+        inits = {}
+        for n in chk.nodes:
+            m = onnx.NodeProto()
+            m.CopyFrom(n)
+            nodes.append(m)
+            for i in n.input:
+                if i and i not in produced and i not in chk.inputs and i not in inits:
+                    c = g.const(i)
+                    if c is None:
+                        return ValidationResult(False, f"the step reads '{i}', which is not constant")
+                    inits[i] = numpy_helper.from_array(np.asarray(c), i)
+        dt = TensorProto.FLOAT
+        inputs = []
+        role_name = {}
+        for name, role in chk.inputs.items():
+            width = cell.input_size if role == "x" else cell.hidden
+            inputs.append(helper.make_tensor_value_info(name, dt, ["B", width]))
+            role_name[role] = name
+        extra = [
+            numpy_helper.from_array(W, "__W"),
+            numpy_helper.from_array(R, "__R"),
+            numpy_helper.from_array(B, "__B"),
+            numpy_helper.from_array(np.array([0], np.int64), "__ax0"),
+        ]
+        xin = "__X"
+        nodes.append(helper.make_node("Unsqueeze", [role_name["x"], "__ax0"], [xin]))
+        ins = [xin, "__W", "__R", "__B", ""]
+        for st in ("h", "c") if cell.op == "LSTM" else ("h",):
+            if st in role_name:
+                nodes.append(helper.make_node("Unsqueeze", [role_name[st], "__ax0"], [f"__init_{st}"]))
+                ins.append(f"__init_{st}")
+            else:
+                ins.append("")
+        while ins[-1] == "":
+            ins.pop()
+        outs = ["__Y", "__Yh"] + (["__Yc"] if cell.op == "LSTM" else [])
+        nodes.append(helper.make_node(cell.op, ins, outs, **native_attrs(cell, "forward")))
+        pairs = []
+        outputs = []
+        for name, role in chk.outputs.items():
+            new = f"__new_{role}"
+            nodes.append(helper.make_node("Squeeze", ["__Yh" if role == "h" else "__Yc", "__ax0"], [new]))
+            pairs.append((name, new))
+            outputs += [helper.make_tensor_value_info(name, dt, None), helper.make_tensor_value_info(new, dt, None)]
+        graph = helper.make_graph(nodes, "rnnfuse_cell_check", inputs, outputs, list(inits.values()) + extra)
+        m = onnx.ModelProto()
+        m.CopyFrom(helper.make_model(graph, opset_imports=list(g.model.proto.opset_import)))
+        m.ir_version = g.model.proto.ir_version
+        try:
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = 1
+            so.log_severity_level = 4
+            sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return ValidationResult(False, f"onnxruntime cannot run the step ({msg[:200]})")
+        for p in pairs:
+            res.pairs.setdefault(p, PairResult(*p))
+        static_b = chk.batch
+        runs = ((static_b, 1.0), (static_b, 8.0)) if static_b else ((1, 1.0), (3, 1.0), (4, 8.0))
+        for batch, scale in runs:
+            feeds = {}
+            for name, role in chk.inputs.items():
+                width = cell.input_size if role == "x" else cell.hidden
+                feeds[name] = (rng.standard_normal((batch, width)) * (scale if role == "x" else 1.0)).astype(np.float32)
+            try:
+                vals = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+            except Exception as e:
+                return _failed(e)
+            res.runs += 1
+            for p in pairs:
+                _compare(res.pairs[p], vals[p[0]], vals[p[1]], f"step check {ci}, batch {batch}")
+    return res
 

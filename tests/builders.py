@@ -1,0 +1,1280 @@
+"""Hand-written ONNX recurrences (``Scan`` and ``Loop`` bodies computing one LSTM / GRU / RNN step).
+
+``build(opts) -> (model, feeds_fn)`` writes one model from an :class:`Opts`; ``feeds_fn(rng, batch, T,
+mask_kind)`` makes its inputs (``mask_kind`` in ``post``, ``pre``, ``gappy``, ``none``).
+
+The *maths* are fixed by the seeded ONNX-layout weights (:func:`math_weights`) and the cell options (op,
+activations, clip, linear_before_reset, direction, masking semantics). Everything else in ``Opts`` only
+changes how the same maths are *written*: Gemm vs MatMul+Add, fused weights + Split / Slice vs per-gate
+weights, ``Concat([x, h])·W`` vs ``x·W + h·R``, one or two bias vectors, activations as ONNX ops or
+algebraic forms, the GRU update in three forms, weights as outer initializers / body Constant nodes / body
+initializers / pass-through states, the order in which gates are stored in fused weights, and so on.
+:func:`expected` computes what a correct model outputs with the numpy reference (:mod:`reference`), so the
+builders themselves are checked.
+
+``Opts.mutation`` turns the cell into a *near miss* (see :data:`MUTATIONS`): a model that looks like a
+recurrent cell but is not one a native op computes. A few (:func:`mutation_expressible`) are computed by a
+native op with *derived* weights (e.g. ``1 - sigmoid(a) = sigmoid(-a)``); fusing those is allowed if exact.
+
+Models use IR version 8 and opset 17 (onnxruntime refuses onnx 1.23's default IR version).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+try:
+    from .reference import GATES, rnn_reference, split_weights
+except ImportError:  # imported as a top-level module (tests/ on sys.path)
+    from reference import GATES, rnn_reference, split_weights
+
+OPSET = 17
+IR_VERSION = 8
+FLOAT = TensorProto.FLOAT
+INT64_MIN = -(2**63)
+
+DEFAULT_ACTS = {
+    "LSTM": (("Sigmoid", ()), ("Tanh", ()), ("Tanh", ())),
+    "GRU": (("Sigmoid", ()), ("Tanh", ())),
+    "RNN": (("Tanh", ()),),
+}
+# activations written as ONNX ops in the body: kind -> attribute names and ONNX defaults
+ACT_ATTRS = {
+    "Sigmoid": ((), ()),
+    "Tanh": ((), ()),
+    "Relu": ((), ()),
+    "HardSigmoid": (("alpha", "beta"), (0.2, 0.5)),
+    "LeakyRelu": (("alpha",), (0.01,)),
+    "ThresholdedRelu": (("alpha",), (1.0,)),
+    "Elu": (("alpha",), (1.0,)),
+    "Softsign": ((), ()),
+    "Softplus": ((), ()),
+}
+# f(a*x) = a*f(x) (up to a parameter change): an extra scale of the state could be folded into weights
+HOMOGENEOUS = {"Relu", "LeakyRelu", "ThresholdedRelu", "Affine"}
+
+# near-miss mutations: name -> (ops, fronts, needs a mask, description)
+MUTATIONS = {
+    "lstm_wrong_gate": ("LSTM", "scan loop", False, "output and cell-candidate gates swap places (o feeds c, g gates h)"),
+    "lstm_o_as_f": ("LSTM", "scan loop", False, "the output gate is also used as the forget gate (f unused)"),
+    "extra_scale": ("LSTM GRU RNN", "scan loop", False, "the new hidden state is multiplied by 1.5 before it is carried"),
+    "extra_tanh": ("LSTM GRU RNN", "scan loop", False, "an extra Tanh on the new hidden state"),
+    "peephole": ("LSTM", "scan loop", False, "peephole terms P*c added to the i, f (old c) and o (new c) gates"),
+    "weight_input": ("LSTM GRU RNN", "scan loop", False, "a recurrent weight is a graph input"),
+    "weight_computed": ("LSTM GRU RNN", "scan loop", False, "a recurrent weight is computed from a graph input"),
+    "weight_overridable": ("LSTM GRU RNN", "scan loop", False, "a recurrent weight is an initializer that is also a graph input"),
+    "state_leak": ("LSTM GRU RNN", "scan loop", False, "the carried state is cell + 0.1 * h_prev"),
+    "output_is_cell": ("LSTM", "scan loop", False, "the per-step output is the cell state c"),
+    "output_prev_h": ("LSTM GRU RNN", "scan loop", False, "the per-step output is the previous hidden state"),
+    "coupled_if": ("LSTM", "scan loop", False, "coupled input-forget gate f = 1 - i"),
+    "mixed_acts": ("LSTM GRU", "scan loop", False, "the forget (LSTM) / reset (GRU) gate uses another activation"),
+    "h_from_old_c": ("LSTM", "scan loop", False, "h = o * act(c_prev) instead of act(c_new)"),
+    "asym_clip": ("LSTM GRU RNN", "scan loop", False, "gate inputs clipped to [-2, 3]"),
+    "gru_swapped_update": ("GRU", "scan loop", False, "h_new = z*n + (1-z)*h (z and 1-z swapped)"),
+    "mask_zero_state": ("LSTM GRU RNN", "scan loop", True, "at masked steps the carried h becomes 0 (and is read back)"),
+    "lstm_c_unmasked": ("LSTM", "scan loop", True, "the cell state c ignores the mask (h is kept, c is updated)"),
+    "inverted_mask_c": ("LSTM", "scan loop", True, "the cell state is updated where the mask is false"),
+    "state_unmasked_output_masked": ("LSTM GRU RNN", "scan loop", True, "states update at masked steps; only the output holds"),
+    "loop_short": ("LSTM GRU RNN", "loop", False, "the Loop runs max(T-1, 1) iterations"),
+    "float_mask": ("LSTM GRU RNN", "scan loop", True, "the mask is a float input used as m*new + (1-m)*old (not provably 0/1)"),
+}
+
+
+@dataclass(frozen=True)
+class Opts:
+    """One hand-written recurrence. Cell maths first, then formulation choices, then the near-miss knob."""
+
+    op: str = "LSTM"  # LSTM | GRU | RNN
+    front: str = "scan"  # scan | loop
+    F: int = 3
+    H: int = 4
+    seed: int = 0
+    acts: tuple | None = None  # ((kind, params), ...) in ONNX order; None = defaults; RNN may use ("Affine", (1.0, 0.0))
+    clip: float | None = None
+    lbr: int = 0  # GRU linear_before_reset
+    bias: str = "one"  # none | one (b_ih + b_hh as one vector) | two (b_ih and b_hh apart)
+    uniform_bias: bool = False  # every gate's bias vector holds one value (e.g. Keras unit_forget_bias)
+    forget_bias: float = 0.0  # LSTM: a scalar added to the forget gate (TF BasicLSTMCell style)
+    direction: str = "forward"  # forward | reverse
+    reverse_form: str = "native"  # native: scan_input_directions=1 (Scan) / flip: Slice(step -1) outside / index: Gather(X, T-1-i) (Loop)
+    out_time_order: bool = True  # reverse only: per-step outputs in time order (else in processing order)
+    flip_out: bool = False  # additionally reverse the per-step output along time (scan_output_directions)
+    batch_first: bool = False
+    init: str = "zeros"  # zeros | input | fill (a constant 0.25 fill) | learned (Expand of a constant [1, H] row)
+    init_form: str = "cos"  # cos: ConstantOfShape;  expand: Expand(scalar, shape)
+    mask: str = "none"  # none | where | where_not | cast_not | cast_sub | delta | pad (the input is True at padding)
+    mask_rank: int = 3  # 3: bool [T, B, 1];  2: bool [T, B] (Unsqueeze in the body)
+    fill: str = "carry"  # carry | zero: what the per-step output holds at masked steps
+    carry_src: str = "state"  # carry: the output is the masked h state (from h0) | prev (a separate carried output)
+    prev_init: str = "zeros"  # carry_src=prev: initial previous output: zeros | fill (0.25) | input (graph input p0)
+    zero_form: str = "const"  # zeros at masked steps (Where forms): const | cos (ConstantOfShape(Shape)) | sub (y - y) | mul0
+    outputs: tuple = ("seq", "h", "c")  # which of Y, final h, final c (and "p", the final carried output) to return
+    extra_seq: bool = False  # a second per-step output with the other masked-step fill (single layer only)
+    matmul: str = "matmul"  # matmul (MatMul + Add) | gemm | gemm_t (Gemm transB=1) | gemm_ab (alpha=2, beta=0.5)
+    layout: str = "separate"  # separate | fused_split | fused_slice
+    concat: bool = False  # Concat([x, h]) . [W; R] instead of x.W + h.R
+    act_form: str = "op"  # op | clip | maxmin | minmax | relu6: how HardSigmoid / Relu are written
+    clip_form: str = "op"  # op | minmax
+    gru_update: str = "a"  # a: (1-z)*n + z*h;  b: n + z*(h-n);  c: z*h + n - z*n
+    weights: str = "outer"  # outer | body_const | body_init | carried
+    perm: tuple | None = None  # storage order of gates in fused weights (names of GATES[op]); None = ONNX order
+    state_order: str = "hc"  # LSTM: order of the carried states (hc | ch)
+    noise: bool = False  # harmless Reshape / Unsqueeze+Squeeze / Identity nodes on the recurrent path
+    dropout: bool = False  # an inference-mode Dropout (identity) on the step input
+    weight_cast: bool = False  # weights stored as float64 and Cast to float32 in the body
+    loop_counter: bool = False  # Loop: index the step input with a carried int64 counter instead of the iteration number
+    loop_bound: str = "M"  # Loop: M (trip count) | cond (condition i+1 < T) | both
+    xproj: bool = False  # probe: x.W (+b) computed outside the recurrence for all steps, the body adds it
+    layers: str = "single"  # single | bidir (forward + reverse over X, outputs concatenated) | stack (two layers)
+    mutation: str | None = None
+
+    def activations(self) -> tuple:
+        return tuple(self.acts) if self.acts is not None else DEFAULT_ACTS[self.op]
+
+    def gate_order(self) -> tuple:
+        return tuple(self.perm) if self.perm is not None else GATES[self.op]
+
+    def replace(self, **kw) -> "Opts":
+        return dataclasses.replace(self, **kw)
+
+    def label(self) -> str:
+        """The options that differ from the defaults, as ``Opts(...)`` keyword arguments."""
+        base = Opts()
+        bits = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v != getattr(base, f.name) or f.name == "op":
+                bits.append(f"{f.name}={v!r}")
+        return "Opts(" + ", ".join(bits) + ")"
+
+    def masked(self) -> bool:
+        return self.mask != "none"
+
+    def wants(self, what: str) -> bool:
+        if what == "c" and self.op != "LSTM":
+            return False
+        if what == "p" and not has_prev(self):
+            return False
+        return what in self.outputs
+
+
+def has_prev(o: Opts) -> bool:
+    """Whether the recurrence carries a separate previous-output state."""
+    return o.masked() and o.fill == "carry" and o.carry_src == "prev"
+
+
+def mutation_applies(name: str, o: Opts) -> bool:
+    ops, fronts, needs_mask, _ = MUTATIONS[name]
+    if o.op not in ops.split() or o.front not in fronts.split() or o.layers != "single":
+        return False
+    if needs_mask and not o.masked():
+        return False
+    acts = o.activations()
+    if name == "lstm_wrong_gate" and acts[0] == acts[1]:
+        return False  # with f == g the swap is a relabelling of gates
+    if name == "extra_scale" and any(a[0] in HOMOGENEOUS for a in acts):
+        return False
+    if name == "extra_tanh" and o.op == "RNN" and acts[0][0] == "Affine":
+        return False
+    if name == "mixed_acts" and acts[0] == ("HardSigmoid", (0.25, 0.5)):
+        return False
+    if name in ("output_is_cell", "output_prev_h", "state_unmasked_output_masked") and "seq" not in o.outputs:
+        return False
+    return True
+
+
+def mutation_expressible(name: str, o: Opts) -> bool:
+    """Whether a native op with *derived* weights computes the mutated cell exactly (then fusing is fine)."""
+    f = o.activations()[0]
+    if name == "lstm_o_as_f":
+        return True  # W_f := W_o
+    if name in ("coupled_if", "gru_swapped_update"):
+        # 1 - sigmoid(a) = sigmoid(-a);  1 - hard_sigmoid(alpha, 0.5)(a) = hard_sigmoid(alpha, 0.5)(-a)
+        return f[0] == "Sigmoid" or (f[0] == "HardSigmoid" and abs(f[1][1] - 0.5) < 1e-12)
+    return False
+
+
+# ------------------------------------------------------------------------------------------------------
+# weights
+
+
+def math_weights(o: Opts):
+    """ONNX-layout ``W [G*H, F]``, ``R [G*H, H]``, ``B [2*G*H]`` of the maths (forget_bias included)."""
+    rng = np.random.default_rng(1000 + o.seed)
+    G = len(GATES[o.op])
+    H = o.H
+    k = 1.0 / np.sqrt(H)
+    W = rng.uniform(-k, k, (G * H, o.F)).astype(np.float32)
+    R = rng.uniform(-k, k, (G * H, H)).astype(np.float32)
+    B = rng.uniform(-k, k, 2 * G * H).astype(np.float32)
+    if o.uniform_bias:
+        B = np.repeat(B[::H][: 2 * G], H).astype(np.float32)
+    if o.bias == "none":
+        B[:] = 0
+    if o.op == "LSTM" and o.forget_bias:
+        fi = GATES["LSTM"].index("f")
+        B[fi * H : (fi + 1) * H] += np.float32(o.forget_bias)
+    return W, R, B
+
+
+def _written(o: Opts) -> dict:
+    """Per-gate ``(Wx [F,H], Wh [H,H], bx [H], bh [H])`` as written into the graph (forget_bias apart)."""
+    W, R, B = math_weights(o)
+    sw = split_weights(o.op, W, R, B)
+    if o.op == "LSTM" and o.forget_bias:
+        Wx, Wh, bx, bh = sw["f"]
+        sw["f"] = (Wx, Wh, (bx - np.float32(o.forget_bias)).astype(np.float32), bh)
+    return sw
+
+
+# ------------------------------------------------------------------------------------------------------
+# graph writing helpers
+
+
+class Scope:
+    """Nodes and initializers of one graph (the main graph or a body) with fresh names."""
+
+    def __init__(self, prefix: str, counter: list):
+        self.prefix = prefix
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._counter = counter
+
+    def fresh(self, hint: str) -> str:
+        self._counter[0] += 1
+        return f"{self.prefix}{hint}_{self._counter[0]}"
+
+    def op(self, op_type: str, *inputs: str, n: int = 1, hint: str | None = None, **attrs):
+        outs = [self.fresh(hint or op_type.lower()) for _ in range(n)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.fresh("n_" + op_type), **attrs))
+        return outs if n > 1 else outs[0]
+
+    def init(self, arr, hint: str) -> str:
+        name = self.fresh(hint)
+        self.inits.append(numpy_helper.from_array(np.asarray(arr), name))
+        return name
+
+    def constant(self, arr, hint: str = "k") -> str:
+        name = self.fresh(hint)
+        value = numpy_helper.from_array(np.asarray(arr), name + "_v")
+        self.nodes.append(helper.make_node("Constant", [], [name], name=self.fresh("n_Constant"), value=value))
+        return name
+
+    def f(self, v: float, hint: str = "s") -> str:
+        return self.constant(np.array(v, np.float32), hint)
+
+    def i64(self, *vals) -> str:
+        return self.constant(np.array(vals, np.int64), "i")
+
+
+class ModelBuilder:
+    """Main-graph state shared by the layers of one model."""
+
+    def __init__(self, o: Opts):
+        self.o = o
+        self.counter = [0]
+        self.main = Scope("", self.counter)
+        self.inputs: list = []
+        self.outputs: list = []
+        self.extra_inputs: list = []  # graph inputs a mutation adds (ValueInfo)
+        self.input_values: dict = {}  # feed values for those inputs
+        self.overridable: list = []  # initializers that are also graph inputs
+
+
+@dataclass
+class Ctx:
+    """One layer being written: its options (``o``), body scope and pass-through weights."""
+
+    o: Opts
+    mb: ModelBuilder
+    body: Scope
+    carried: list = field(default_factory=list)  # (outer init name, body input name) for pass-through weights
+    recurrent_weight_done: bool = False
+
+    @property
+    def main(self) -> Scope:
+        return self.mb.main
+
+    def weight(self, arr, hint: str, recurrent: bool = False) -> str:
+        arr = np.ascontiguousarray(np.asarray(arr, np.float32))
+        mut = self.o.mutation
+        if recurrent and not self.recurrent_weight_done and mut in ("weight_input", "weight_computed", "weight_overridable"):
+            self.recurrent_weight_done = True
+            mb = self.mb
+            if mut == "weight_input":
+                name = self.main.fresh("W_in")
+                mb.extra_inputs.append(helper.make_tensor_value_info(name, FLOAT, list(arr.shape)))
+                mb.input_values[name] = arr
+                return self._bring(name, arr.shape)
+            if mut == "weight_computed":
+                s = self.main.fresh("w_scale")
+                mb.extra_inputs.append(helper.make_tensor_value_info(s, FLOAT, [1]))
+                mb.input_values[s] = np.ones(1, np.float32)
+                name = self.main.op("Mul", self.main.init(arr, "W_base"), s, hint="W_scaled")
+                return self._bring(name, arr.shape)
+            name = self.main.init(arr, "W_over")
+            mb.overridable.append(helper.make_tensor_value_info(name, FLOAT, list(arr.shape)))
+            return self._bring(name, arr.shape)
+        where = self.o.weights
+        stored = arr.astype(np.float64) if self.o.weight_cast else arr
+        if where == "body_const":
+            name = self.body.constant(stored, hint)
+        elif where == "body_init":
+            name = self.body.init(stored, hint)
+        else:
+            name = self._bring(self.main.init(stored, hint), arr.shape, stored.dtype)
+        if self.o.weight_cast:
+            name = self.body.op("Cast", name, to=FLOAT, hint=hint + "_f32")
+        return name
+
+    def _bring(self, outer: str, shape, dtype=np.float32) -> str:
+        """An outer tensor in the body: captured, or a pass-through state when ``weights='carried'``."""
+        if self.o.weights != "carried":
+            return outer
+        inner = self.body.fresh("wc")
+        self.carried.append((outer, inner, list(shape), helper.np_dtype_to_tensor_dtype(np.dtype(dtype))))
+        return inner
+
+
+# ------------------------------------------------------------------------------------------------------
+# the step
+
+
+def _mm(ctx: Ctx, a: str, w: np.ndarray, bias: np.ndarray | None, hint: str, recurrent: bool = False) -> str:
+    """``a @ w (+ bias)`` in the chosen matmul form."""
+    b, o = ctx.body, ctx.o
+    if o.matmul == "matmul":
+        y = b.op("MatMul", a, ctx.weight(w, hint, recurrent), hint="mm")
+        if bias is not None:
+            y = b.op("Add", y, ctx.weight(bias, hint + "_b"), hint="addb")
+        return y
+    attrs = {}
+    if o.matmul == "gemm":
+        ins = [a, ctx.weight(w, hint, recurrent)]
+    elif o.matmul == "gemm_t":
+        ins = [a, ctx.weight(np.ascontiguousarray(w.T), hint + "T", recurrent)]
+        attrs["transB"] = 1
+    else:  # gemm_ab: alpha * a @ (w / alpha) + beta * (bias / beta)
+        ins = [a, ctx.weight(w / 2.0, hint + "half", recurrent)]
+        attrs["alpha"] = 2.0
+        if bias is not None:
+            attrs["beta"] = 0.5
+            bias = bias * 2.0
+    if bias is not None:
+        ins.append(ctx.weight(bias, hint + "_b"))
+    return b.op("Gemm", *ins, hint="gemm", **attrs)
+
+
+def _add(b: Scope, *xs: str) -> str:
+    y = xs[0]
+    for x in xs[1:]:
+        y = b.op("Add", y, x)
+    return y
+
+
+def _split_cols(ctx: Ctx, y: str, n: int, H: int) -> list[str]:
+    b, o = ctx.body, ctx.o
+    if n == 1:
+        return [y]
+    if o.layout == "fused_split":
+        return b.op("Split", y, b.i64(*([H] * n)), n=n, axis=-1)
+    return [b.op("Slice", y, b.i64(k * H), b.i64((k + 1) * H), b.i64(1)) for k in range(n)]
+
+
+def _clip(ctx: Ctx, x: str, lo: float, hi: float) -> str:
+    b = ctx.body
+    if ctx.o.clip_form == "minmax":
+        return b.op("Min", b.op("Max", x, b.f(lo)), b.f(hi))
+    return b.op("Clip", x, b.f(lo), b.f(hi))
+
+
+def _act(ctx: Ctx, kind: str, params: tuple, x: str, clip: bool = True) -> str:
+    """An activation of a gate pre-activation (clipped first when the cell has a clip)."""
+    b, o = ctx.body, ctx.o
+    if clip:
+        if o.mutation == "asym_clip":
+            x = _clip(ctx, x, -2.0, 3.0)
+        elif o.clip is not None:
+            x = _clip(ctx, x, -o.clip, o.clip)
+    form = o.act_form
+    if kind == "HardSigmoid" and form != "op":
+        a, be = params
+        if form == "relu6":
+            y = b.op("Add", b.op("Mul", x, b.f(6 * a)), b.f(6 * be))
+            return b.op("Div", b.op("Clip", y, b.f(0.0), b.f(6.0)), b.f(6.0))
+        y = b.op("Add", b.op("Mul", x, b.f(a)), b.f(be))
+        if form == "clip":
+            return b.op("Clip", y, b.f(0.0), b.f(1.0))
+        if form == "maxmin":
+            return b.op("Max", b.op("Min", y, b.f(1.0)), b.f(0.0))
+        return b.op("Min", b.op("Max", y, b.f(0.0)), b.f(1.0))
+    if kind == "Relu" and form != "op":
+        if form == "clip":
+            return b.op("Clip", x, b.f(0.0))
+        return b.op("Max", x, b.f(0.0))
+    if kind == "Affine":
+        a, be = params
+        if (a, be) == (1.0, 0.0):
+            return b.op("Identity", x)
+        return b.op("Add", b.op("Mul", x, b.f(a)), b.f(be))
+    names, defaults = ACT_ATTRS[kind]
+    attrs = {} if tuple(params) == tuple(defaults) else dict(zip(names, params))
+    y = b.op(kind, x, **attrs)
+    if o.noise:
+        y = b.op("Identity", y)
+    return y
+
+
+def _preacts(ctx: Ctx, x: str, h: str, xw: dict | None) -> tuple[dict, dict]:
+    """Pre-activations of the gates that read x and h linearly; for GRU also the candidate's parts.
+
+    Returns ``(pre, gru)``: ``pre[g]`` for LSTM/RNN gates and GRU z, r; ``gru`` has ``xh`` (x part of the
+    candidate, with its bias) and either ``hh`` (lbr=1: ``h @ Rh + Rbh``) or ``Wh``/``bh`` (lbr=0).
+    """
+    o = ctx.o
+    sw = _written(o)
+    order = o.gate_order()
+    H = o.H
+    std = [g for g in order if not (o.op == "GRU" and g == "h")]  # gates of the form x.W + h.R + b
+    b = ctx.body
+    pre: dict = {}
+    gru: dict = {}
+    has_b = o.bias != "none"
+    one = o.bias == "one" and xw is None  # with xproj the x side already carries b_ih
+
+    if o.layout == "separate" or xw is not None:
+        row = b.op("Concat", x, h, axis=-1) if (o.concat and xw is None) else None
+        for g in std:
+            Wx, Wh, bx, bh = sw[g]
+            if xw is not None:
+                pre[g] = _add(b, xw[g], _mm(ctx, h, Wh, (bh if has_b else None), f"R{g}", recurrent=True))
+            elif o.concat:
+                y = _mm(ctx, row, np.concatenate([Wx, Wh], 0), (bx + bh) if one else (bx if has_b else None), f"WR{g}", recurrent=True)
+                pre[g] = b.op("Add", y, ctx.weight(bh, f"b{g}h")) if o.bias == "two" else y
+            else:
+                xp = _mm(ctx, x, Wx, (bx if has_b else None) if not one else None, f"W{g}")
+                hp = _mm(ctx, h, Wh, (bh if has_b else None) if not one else None, f"R{g}", recurrent=True)
+                y = _add(b, xp, hp)
+                pre[g] = b.op("Add", y, ctx.weight(bx + bh, f"b{g}")) if one else y
+        if o.op == "GRU":
+            Wx, Wh, bx, bh = sw["h"]
+            if xw is not None:
+                gru["xh"] = xw["h"]
+            elif o.lbr == 0 and one:
+                gru["xh"] = _mm(ctx, x, Wx, bx + bh, "Wh")
+            else:
+                gru["xh"] = _mm(ctx, x, Wx, bx if has_b else None, "Wh")
+            if o.lbr == 1:
+                gru["hh"] = _mm(ctx, h, Wh, bh if has_b else None, "Rh", recurrent=True)
+            else:
+                gru["Wh"] = Wh
+                gru["bh"] = bh if (has_b and not one) else None
+        return pre, gru
+
+    # fused layouts: one x matrix for every gate (storage order), one h matrix for the standard gates
+    # (plus the candidate for GRU lbr=1, torch style)
+    xg = list(order)
+    hg = [g for g in order if g in std or (o.op == "GRU" and o.lbr == 1)]
+    Wx_all = np.concatenate([sw[g][0] for g in xg], 1)
+    Wh_all = np.concatenate([sw[g][1] for g in hg], 1)
+    if one:
+        # the x side gets b_ih + b_hh of every gate except the GRU lbr=1 candidate (its b_hh is inside r*(...))
+        inside = lambda g: o.op == "GRU" and g == "h" and o.lbr == 1  # noqa: E731
+        bx_all = np.concatenate([sw[g][2] + (0 if inside(g) else sw[g][3]) for g in xg])
+        bh_all = None
+        if o.op == "GRU" and o.lbr == 1:
+            bh_all = np.concatenate([sw[g][3] if g == "h" else np.zeros(H, np.float32) for g in hg])
+    elif has_b:
+        bx_all = np.concatenate([sw[g][2] for g in xg])
+        bh_all = np.concatenate([sw[g][3] for g in hg])
+    else:
+        bx_all = bh_all = None
+    if o.concat and o.op != "GRU":
+        row = b.op("Concat", x, h, axis=-1)
+        y = _mm(ctx, row, np.concatenate([Wx_all, Wh_all], 0), bx_all, "WR", recurrent=True)
+        if bh_all is not None:
+            y = b.op("Add", y, ctx.weight(bh_all, "bh"))
+        return dict(zip(xg, _split_cols(ctx, y, len(xg), H))), gru
+    xs = _split_cols(ctx, _mm(ctx, x, Wx_all, bx_all, "W"), len(xg), H)
+    hs = _split_cols(ctx, _mm(ctx, h, Wh_all, bh_all, "R", recurrent=True), len(hg), H)
+    xd, hd = dict(zip(xg, xs)), dict(zip(hg, hs))
+    for g in std:
+        pre[g] = b.op("Add", xd[g], hd[g])
+    if o.op == "GRU":
+        gru["xh"] = xd["h"]
+        if o.lbr == 1:
+            gru["hh"] = hd["h"]
+        else:
+            gru["Wh"] = sw["h"][1]
+            gru["bh"] = sw["h"][3] if (has_b and not one) else None
+    return pre, gru
+
+
+def _cell(ctx: Ctx, x: str, h: str, c: str | None, xw: dict | None) -> tuple[str, str | None]:
+    """The unmasked new states ``(h_cell, c_cell)`` of one step."""
+    o, b = ctx.o, ctx.body
+    acts = o.activations()
+    mut = o.mutation
+    if o.noise:
+        x = b.op("Reshape", x, b.i64(-1, o.F))
+        h = b.op("Squeeze", b.op("Unsqueeze", h, b.i64(0)), b.i64(0))
+    pre, gru = _preacts(ctx, x, h, xw)
+    fk, fp = acts[0]
+    if o.op == "RNN":
+        return _act(ctx, fk, fp, pre["i"]), None
+    if o.op == "LSTM":
+        gk, gp = acts[1]
+        hk, hp = acts[2]
+        if o.forget_bias:
+            pre["f"] = b.op("Add", pre["f"], b.f(o.forget_bias))
+        if mut == "peephole":
+            rng = np.random.default_rng(7)
+            P = [rng.uniform(-0.5, 0.5, o.H).astype(np.float32) for _ in range(3)]
+            pre["i"] = b.op("Add", pre["i"], b.op("Mul", c, ctx.weight(P[0], "Pi")))
+            pre["f"] = b.op("Add", pre["f"], b.op("Mul", c, ctx.weight(P[1], "Pf")))
+        i = _act(ctx, fk, fp, pre["i"])
+        f = _act(ctx, fk, fp, pre["f"])
+        g = _act(ctx, gk, gp, pre["c"])
+        o_gate = None
+        if mut == "mixed_acts":
+            f = _act(ctx, "HardSigmoid", (0.25, 0.5), pre["f"])
+        elif mut == "coupled_if":
+            f = b.op("Sub", b.f(1.0), i)
+        elif mut == "lstm_wrong_gate":
+            g, o_gate = _act(ctx, fk, fp, pre["o"]), _act(ctx, gk, gp, pre["c"])
+        elif mut == "lstm_o_as_f":
+            f = _act(ctx, fk, fp, pre["o"])
+        c_new = b.op("Add", b.op("Mul", f, c), b.op("Mul", i, g))
+        if mut == "peephole":
+            pre["o"] = b.op("Add", pre["o"], b.op("Mul", c_new, ctx.weight(P[2], "Po")))
+        if o_gate is None:
+            o_gate = _act(ctx, fk, fp, pre["o"])
+        c_for_h = c if mut == "h_from_old_c" else c_new
+        h_new = b.op("Mul", o_gate, _act(ctx, hk, hp, c_for_h, clip=False))
+        return h_new, c_new
+    # GRU
+    gk, gp = acts[1]
+    z = _act(ctx, fk, fp, pre["z"])
+    r = _act(ctx, "HardSigmoid", (0.25, 0.5), pre["r"]) if mut == "mixed_acts" else _act(ctx, fk, fp, pre["r"])
+    if o.lbr == 1:
+        n_pre = b.op("Add", gru["xh"], b.op("Mul", r, gru["hh"]))
+    else:
+        rh = b.op("Mul", r, h)
+        if o.concat and o.layout == "separate" and xw is None:
+            # Concat([x, r*h]) . [Wh; Rh]
+            Wx, Wh, bx, bh = _written(o)["h"]
+            bias = None if o.bias == "none" else (bx + bh)
+            cat = b.op("Concat", x, rh, axis=-1)
+            n_pre = _mm(ctx, cat, np.concatenate([Wx, Wh], 0), bias, "WRh", recurrent=True)
+        else:
+            n_pre = b.op("Add", gru["xh"], _mm(ctx, rh, gru["Wh"], gru["bh"], "Rh", recurrent=True))
+    n = _act(ctx, gk, gp, n_pre)
+    if mut == "gru_swapped_update":
+        return _add(b, b.op("Mul", z, n), b.op("Mul", b.op("Sub", b.f(1.0), z), h)), None
+    if o.gru_update == "a":
+        return b.op("Add", b.op("Mul", b.op("Sub", b.f(1.0), z), n), b.op("Mul", z, h)), None
+    if o.gru_update == "b":
+        return b.op("Add", n, b.op("Mul", z, b.op("Sub", h, n))), None
+    return b.op("Sub", b.op("Add", b.op("Mul", z, h), n), b.op("Mul", z, n)), None
+
+
+def _zeros(ctx: Ctx, like: str) -> str:
+    b, form = ctx.body, ctx.o.zero_form
+    if form == "cos":
+        return b.op("ConstantOfShape", b.op("Shape", like), value=numpy_helper.from_array(np.zeros(1, np.float32)))
+    if form == "sub":
+        return b.op("Sub", like, like)
+    if form == "mul0":
+        return b.op("Mul", like, b.f(0.0))
+    return b.f(0.0)
+
+
+def _select(ctx: Ctx, m: str, new: str, old: str | None) -> str:
+    """``m ? new : old`` in the chosen mask form (``old=None`` means zeros)."""
+    b, o = ctx.body, ctx.o
+    zero = old is None
+    if o.mutation == "float_mask":
+        if zero:
+            return b.op("Mul", new, m)
+        return b.op("Add", b.op("Mul", new, m), b.op("Mul", old, b.op("Sub", b.f(1.0), m)))
+    if o.mask == "where":
+        return b.op("Where", m, new, _zeros(ctx, new) if zero else old)
+    if o.mask == "pad":
+        return b.op("Where", m, _zeros(ctx, new) if zero else old, new)
+    if o.mask == "where_not":
+        return b.op("Where", b.op("Not", m), _zeros(ctx, new) if zero else old, new)
+    mf = b.op("Cast", m, to=FLOAT)
+    if zero:
+        return b.op("Mul", new, mf)
+    if o.mask == "cast_not":
+        nm = b.op("Cast", b.op("Not", m), to=FLOAT)
+        return b.op("Add", b.op("Mul", new, mf), b.op("Mul", old, nm))
+    if o.mask == "cast_sub":
+        return b.op("Add", b.op("Mul", mf, new), b.op("Mul", b.op("Sub", b.f(1.0), mf), old))
+    return b.op("Add", old, b.op("Mul", mf, b.op("Sub", new, old)))  # delta
+
+
+def _step(ctx: Ctx, x: str, h: str, c: str | None, p: str | None, m: str | None, xw) -> dict:
+    """One step with masking and the per-step output: names of the new h, c, p and the output y."""
+    o, b = ctx.o, ctx.body
+    mut = o.mutation
+    if o.dropout:
+        x = b.op("Dropout", x, seed=3)
+    h_cell, c_cell = _cell(ctx, x, h, c, xw)
+    if mut == "extra_scale":
+        h_cell = b.op("Mul", h_cell, b.f(1.5))
+    elif mut == "extra_tanh":
+        h_cell = b.op("Tanh", h_cell)
+    elif mut == "state_leak":
+        h_cell = b.op("Add", h_cell, b.op("Mul", h, b.f(0.1)))
+    out: dict = {}
+    y2 = None
+    if m is None:
+        out["h"], out["c"] = h_cell, c_cell
+        y = h_cell
+        y2 = h_cell
+    else:
+        if o.mask_rank == 2:
+            m = b.op("Unsqueeze", m, b.i64(1))
+        if mut == "state_unmasked_output_masked":
+            out["h"], out["c"] = h_cell, c_cell
+            y = _select(ctx, m, h_cell, p if o.carry_src == "prev" else h)
+            if o.carry_src == "prev":
+                out["p"] = y
+        else:
+            out["h"] = _select(ctx, m, h_cell, None if mut == "mask_zero_state" else h)
+            if c is None:
+                out["c"] = None
+            elif mut == "lstm_c_unmasked":
+                out["c"] = c_cell
+            elif mut == "inverted_mask_c":
+                out["c"] = b.op("Where", m, c, c_cell)
+            else:
+                out["c"] = _select(ctx, m, c_cell, c)
+            if o.fill == "zero":
+                y = _select(ctx, m, h_cell, None)
+                y2 = out["h"]
+            else:
+                y2 = _select(ctx, m, h_cell, None)
+                if o.carry_src == "prev":
+                    y = _select(ctx, m, h_cell, p)
+                    out["p"] = y
+                else:
+                    y = out["h"]
+    if mut == "output_is_cell":
+        y = out["c"]
+    elif mut == "output_prev_h":
+        y = b.op("Identity", h)
+    out["y"] = b.op("Identity", y)  # a body output of its own
+    if o.extra_seq and y2 is not None:
+        out["y2"] = b.op("Identity", y2)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# layers (one Scan or Loop each)
+
+
+def _vi(name, et, shape):
+    return helper.make_tensor_value_info(name, et, shape)
+
+
+def _state_list(o: Opts) -> list[str]:
+    s = ["h", "c"] if o.op == "LSTM" else ["h"]
+    if o.op == "LSTM" and o.state_order == "ch":
+        s = ["c", "h"]
+    if has_prev(o):
+        s.append("p")
+    return s
+
+
+def _initial(ctx: Ctx, which: str, X: str, suffix: str) -> str:
+    """Outer initial value of a state: a graph input or a constant fill of shape [B, H]."""
+    o, g = ctx.o, ctx.main
+    if which in ("h", "c") and o.init == "input":
+        return which + "0" + suffix
+    if which == "p" and o.prev_init == "input":
+        return "p0" + suffix
+    if which == "p":
+        value = 0.25 if o.prev_init == "fill" else 0.0
+    else:
+        value = 0.25 if o.init == "fill" else 0.0
+    ax = 0 if o.batch_first else 1
+    B = g.op("Slice", g.op("Shape", X), g.i64(ax), g.i64(ax + 1), g.i64(0))
+    shape = g.op("Concat", B, g.i64(o.H), axis=0)
+    if which in ("h", "c") and o.init == "learned":
+        row = learned_init(o)[which][None]
+        return g.op("Expand", g.init(row, f"{which}0_learned"), shape)
+    if o.init_form == "expand":
+        return g.op("Expand", g.f(value), shape)
+    return g.op("ConstantOfShape", shape, value=numpy_helper.from_array(np.array([value], np.float32)))
+
+
+def learned_init(o: Opts) -> dict:
+    rng = np.random.default_rng(500 + o.seed)
+    v = rng.uniform(-0.5, 0.5, (2, o.H)).astype(np.float32)
+    return {"h": v[0], "c": v[1]}
+
+
+def _xproj(ctx: Ctx, X: str) -> tuple[str, int]:
+    """Probe formulation: ``x.W + b_ih`` for all steps outside the recurrence; returns (tensor, width)."""
+    o = ctx.o
+    sw = _written(o)
+    order = o.gate_order()
+    Wx = np.concatenate([sw[g][0] for g in order], 1)
+    y = ctx.main.op("MatMul", X, ctx.main.init(Wx, "Wproj"))
+    if o.bias != "none":
+        y = ctx.main.op("Add", y, ctx.main.init(np.concatenate([sw[g][2] for g in order]), "bproj"))
+    return y, len(order) * o.H
+
+
+def _xw_split(ctx: Ctx, xp: str) -> dict:
+    o, b = ctx.o, ctx.body
+    order = o.gate_order()
+    return {g: b.op("Slice", xp, b.i64(k * o.H), b.i64((k + 1) * o.H), b.i64(1)) for k, g in enumerate(order)}
+
+
+def _flip0(g: Scope, x: str) -> str:
+    return g.op("Slice", x, g.i64(-1), g.i64(INT64_MIN), g.i64(0), g.i64(-1), hint="flip")
+
+
+def _seq_names(o: Opts, res: dict, want_seq: bool) -> list[str]:
+    """Body tensors stacked as per-step outputs: Y, and Y2 when ``extra_seq``."""
+    names = []
+    if want_seq:
+        names.append(res["y"])
+        if o.extra_seq and "y2" in res:
+            names.append(res["y2"])
+    return names
+
+
+def _scan_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suffix: str, want_seq: bool) -> dict:
+    ctx = Ctx(o, mb, Scope(f"b{suffix}_", mb.counter))
+    main, body = mb.main, ctx.body
+    scanned_x, width = X, F
+    if o.xproj:
+        scanned_x, width = _xproj(ctx, X)
+    states = _state_list(o)
+    st_in = {s: body.fresh(f"{s}_prev") for s in states}
+    x_in = body.fresh("x_t")
+    m_in = body.fresh("m_t") if mask else None
+    xw = _xw_split(ctx, x_in) if o.xproj else None
+    res = _step(ctx, x_in, st_in["h"], st_in.get("c"), st_in.get("p"), m_in, xw)
+    b_inputs = [_vi(st_in[s], FLOAT, ["B", o.H]) for s in states]
+    b_outputs = [_vi(body.op("Identity", res[s], hint=f"{s}_out"), FLOAT, ["B", o.H]) for s in states]
+    outer_states = [_initial(ctx, s, X, suffix) for s in states]
+    for outer, inner, shape, et in ctx.carried:
+        b_inputs.append(_vi(inner, et, shape))
+        b_outputs.append(_vi(body.op("Identity", inner, hint="wpass"), et, shape))
+        outer_states.append(outer)
+    b_inputs.append(_vi(x_in, FLOAT, ["B", width]))
+    if mask:
+        m_et = FLOAT if o.mutation == "float_mask" else TensorProto.BOOL
+        b_inputs.append(_vi(m_in, m_et, ["B", 1][: o.mask_rank - 1]))
+    seqs = _seq_names(o, res, want_seq)
+    b_outputs += [_vi(y, FLOAT, ["B", o.H]) for y in seqs]
+    body_graph = helper.make_graph(body.nodes, f"scan_body{suffix}", b_inputs, b_outputs, body.inits)
+    n_scan_in = 2 if mask else 1
+    rev = o.direction == "reverse"
+    attrs: dict = dict(body=body_graph, num_scan_inputs=n_scan_in)
+    if o.batch_first:
+        attrs["scan_input_axes"] = [1] * n_scan_in
+        if seqs:
+            attrs["scan_output_axes"] = [1] * len(seqs)
+    if rev:
+        attrs["scan_input_directions"] = [1] * n_scan_in
+    if seqs and ((rev and o.out_time_order) != o.flip_out):
+        attrs["scan_output_directions"] = [1] * len(seqs)
+    finals = [main.fresh(f"{s}_final") for s in states] + [main.fresh("w_final") for _ in ctx.carried]
+    ys = [main.fresh("Y_scan") for _ in seqs]
+    ins = outer_states + [scanned_x] + ([mask] if mask else [])
+    main.nodes.append(helper.make_node("Scan", ins, finals + ys, name=f"the_scan{suffix}", **attrs))
+    r = {s: f for s, f in zip(states, finals)}
+    r["Y"] = ys[0] if ys else None
+    r["Y2"] = ys[1] if len(ys) > 1 else None
+    return r
+
+
+def _loop_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suffix: str, want_seq: bool) -> dict:
+    ctx = Ctx(o, mb, Scope(f"b{suffix}_", mb.counter))
+    main, body = mb.main, ctx.body
+    Xt, Mt = X, mask
+    if o.batch_first:
+        Xt = main.op("Transpose", X, perm=[1, 0, 2])
+        if mask:
+            Mt = main.op("Transpose", mask, perm=[1, 0, 2][: o.mask_rank])
+    width = F
+    if o.xproj:
+        Xt, width = _xproj(ctx, Xt)
+    rev = o.direction == "reverse"
+    if rev and o.reverse_form != "index":
+        Xt = _flip0(main, Xt)
+        if Mt:
+            Mt = _flip0(main, Mt)
+    T = main.op("Gather", main.op("Shape", Xt), main.constant(np.array(0, np.int64), "zero"), axis=0, hint="T")
+    M = T
+    if o.mutation == "loop_short":
+        one = main.constant(np.array(1, np.int64), "one")
+        M = main.op("Max", main.op("Sub", T, one), one)
+    states = _state_list(o)
+    it, cond = body.fresh("iter"), body.fresh("cond")
+    st_in = {s: body.fresh(f"{s}_prev") for s in states}
+    counter_in = body.fresh("k") if o.loop_counter else None
+    step_no = counter_in if o.loop_counter else it
+    if rev and o.reverse_form == "index":
+        Tb = body.op("Gather", body.op("Shape", Xt), body.constant(np.array(0, np.int64), "zero"), axis=0)
+        idx = body.op("Sub", body.op("Sub", Tb, body.constant(np.array(1, np.int64), "one")), step_no)
+    else:
+        idx = step_no
+    x_t = body.op("Gather", Xt, idx, axis=0, hint="x_t")
+    m_t = body.op("Gather", Mt, idx, axis=0, hint="m_t") if mask else None
+    xw = _xw_split(ctx, x_t) if o.xproj else None
+    res = _step(ctx, x_t, st_in["h"], st_in.get("c"), st_in.get("p"), m_t, xw)
+    nxt = body.op("Add", step_no, body.constant(np.array(1, np.int64), "one"), hint="next")
+    if o.loop_bound in ("cond", "both"):
+        cond_out = body.op("Less", nxt, T)
+        cond0 = main.op("Less", main.constant(np.array(0, np.int64), "zero"), T)
+    else:
+        cond_out = body.op("Identity", cond, hint="cond_out")
+        cond0 = ""
+    b_inputs = [_vi(it, TensorProto.INT64, []), _vi(cond, TensorProto.BOOL, [])]
+    b_inputs += [_vi(st_in[s], FLOAT, ["B", o.H]) for s in states]
+    b_outputs = [_vi(cond_out, TensorProto.BOOL, [])]
+    b_outputs += [_vi(body.op("Identity", res[s], hint=f"{s}_out"), FLOAT, ["B", o.H]) for s in states]
+    outer_states = [_initial(ctx, s, X, suffix) for s in states]
+    if o.loop_counter:
+        b_inputs.append(_vi(counter_in, TensorProto.INT64, []))
+        b_outputs.append(_vi(nxt, TensorProto.INT64, []))
+        outer_states.append(main.constant(np.array(0, np.int64), "k0"))
+    for outer, inner, shape, et in ctx.carried:
+        b_inputs.append(_vi(inner, et, shape))
+        b_outputs.append(_vi(body.op("Identity", inner, hint="wpass"), et, shape))
+        outer_states.append(outer)
+    seqs = _seq_names(o, res, want_seq)
+    b_outputs += [_vi(y, FLOAT, ["B", o.H]) for y in seqs]
+    body_graph = helper.make_graph(body.nodes, f"loop_body{suffix}", b_inputs, b_outputs, body.inits)
+    n_fin = len(states) + (1 if o.loop_counter else 0) + len(ctx.carried)
+    finals = [main.fresh(f"{s}_final") for s in states] + [main.fresh("aux_final") for _ in range(n_fin - len(states))]
+    ys = [main.fresh("Y_loop") for _ in seqs]
+    trip = M if o.loop_bound in ("M", "both") or o.mutation == "loop_short" else ""
+    main.nodes.append(helper.make_node("Loop", [trip, cond0] + outer_states, finals + ys, name=f"the_loop{suffix}", body=body_graph))
+    outs = []
+    for y in ys:
+        if (rev and o.out_time_order) != o.flip_out:
+            y = _flip0(main, y)
+        if o.batch_first:
+            y = main.op("Transpose", y, perm=[1, 0, 2])
+        outs.append(y)
+    r = {s: f for s, f in zip(states, finals)}
+    r["Y"] = outs[0] if outs else None
+    r["Y2"] = outs[1] if len(outs) > 1 else None
+    return r
+
+
+def _layer_opts(o: Opts) -> list[Opts]:
+    """The per-layer options of a model: one layer, a forward + reverse pair, or a stack of two."""
+    if o.layers == "single":
+        return [o]
+    o = o.replace(extra_seq=False)
+    if o.layers == "bidir":
+        fw = o.replace(direction="forward", flip_out=False, layers="single")
+        form = ("flip" if o.reverse_form == "native" else o.reverse_form) if o.front == "loop" else "native"
+        bw = o.replace(direction="reverse", reverse_form=form, out_time_order=True, flip_out=False, seed=o.seed + 1, layers="single")
+        return [fw, bw]
+    if o.layers == "stack":
+        l1 = o.replace(layers="single", outputs=("seq",))
+        l2 = o.replace(layers="single", seed=o.seed + 1, F=o.H)
+        return [l1, l2]
+    raise ValueError(o.layers)
+
+
+def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
+    mb = ModelBuilder(o)
+    main = mb.main
+    xs = ["B", "T", o.F] if o.batch_first else ["T", "B", o.F]
+    mb.inputs.append(_vi("X", FLOAT, xs))
+    mask = None
+    if o.masked():
+        ms = ["B", "T", 1] if o.batch_first else ["T", "B", 1]
+        m_et = FLOAT if o.mutation == "float_mask" else TensorProto.BOOL
+        mb.inputs.append(_vi("mask", m_et, ms[: o.mask_rank]))
+        mask = "mask"
+    los = _layer_opts(o)
+    for k, lo in enumerate(los):
+        sfx = "" if k == 0 else "_b"
+        if o.init == "input":
+            mb.inputs.append(_vi("h0" + sfx, FLOAT, ["B", lo.H]))
+            if lo.op == "LSTM":
+                mb.inputs.append(_vi("c0" + sfx, FLOAT, ["B", lo.H]))
+        if has_prev(lo) and lo.prev_init == "input":
+            mb.inputs.append(_vi("p0" + sfx, FLOAT, ["B", lo.H]))
+    layer = _scan_layer if o.front == "scan" else _loop_layer
+    results = []
+    x, F = "X", o.F
+    for k, lo in enumerate(los):
+        sfx = "" if k == 0 else "_b"
+        r = layer(mb, lo, x, mask, F, sfx, "seq" in lo.outputs)
+        results.append(r)
+        if o.layers == "stack":
+            x, F = r["Y"], lo.H
+    ys = ["B", "T", o.H] if o.batch_first else ["T", "B", o.H]
+    outs = []
+
+    def out(src: str, name: str, shape):
+        main.nodes.append(helper.make_node("Identity", [src], [name], name=f"out_{name}"))
+        outs.append(_vi(name, FLOAT, shape))
+
+    last = results[-1]
+    if "seq" in o.outputs:
+        if o.layers == "bidir":
+            ycat = main.op("Concat", results[0]["Y"], results[1]["Y"], axis=-1)
+            out(ycat, "Y", ys[:2] + [2 * o.H])
+        else:
+            out(last["Y"], "Y", ys)
+            if last.get("Y2"):
+                out(last["Y2"], "Y2", ys)
+    finals_from = results if o.layers == "bidir" else [last]
+    for k, r in enumerate(finals_from):
+        sfx = "" if k == 0 else "_b"
+        for s in ("h", "c", "p"):
+            if o.wants(s):
+                out(r[s], f"{s}_T{sfx}", ["B", o.H])
+    if not outs:
+        raise ValueError("the model must return something")
+    graph = helper.make_graph(
+        main.nodes,
+        f"{o.op.lower()}_{o.front}",
+        mb.inputs + mb.extra_inputs + mb.overridable,
+        outs,
+        main.inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="rnnfuse-tests")
+    model.ir_version = IR_VERSION
+    return model, mb
+
+
+# ------------------------------------------------------------------------------------------------------
+# inputs and expected outputs
+
+
+MASK_KINDS = ("post", "pre", "gappy", "none")
+
+
+def mask_pattern(kind: str, T: int, B: int, rng: np.random.Generator) -> np.ndarray:
+    """A [T, B] bool mask. Batch >= 2: row 0 is full and row 1 empty (zero length); batch 1 is never empty."""
+    P = np.zeros((T, B), dtype=bool)
+    if kind == "none":
+        P[:] = True
+        return P
+    for b in range(B):
+        if B > 1 and b == 0:
+            L = T
+        elif B > 1 and b == 1:
+            L = 0
+        else:
+            L = int(rng.integers(1 if B == 1 else 0, T + 1))
+        if kind == "post":
+            P[:L, b] = True
+        elif kind == "pre":
+            P[T - L :, b] = True
+        elif kind == "gappy":
+            if B > 1 and b in (0, 1):
+                P[:, b] = b == 0
+            else:
+                P[:, b] = rng.random(T) < 0.55
+                if B == 1 and not P[:, b].any():
+                    P[rng.integers(0, T), b] = True
+        else:
+            raise ValueError(kind)
+    return P
+
+
+def make_feeds(o: Opts, mb: ModelBuilder, rng: np.random.Generator, batch: int, T: int, mask_kind: str = "post") -> dict:
+    X = rng.standard_normal((T, batch, o.F)).astype(np.float32)
+    feeds = {"X": np.ascontiguousarray(X.transpose(1, 0, 2)) if o.batch_first else X}
+    if o.masked():
+        P = mask_pattern(mask_kind, T, batch, rng)
+        if o.batch_first:
+            P = P.T
+        if o.mask == "pad":
+            P = ~P
+        P = np.ascontiguousarray(P[..., None] if o.mask_rank == 3 else P)
+        feeds["mask"] = P.astype(np.float32) if o.mutation == "float_mask" else P
+    for k, lo in enumerate(_layer_opts(o)):
+        sfx = "" if k == 0 else "_b"
+        if o.init == "input":
+            feeds["h0" + sfx] = rng.standard_normal((batch, lo.H)).astype(np.float32)
+            if lo.op == "LSTM":
+                feeds["c0" + sfx] = rng.standard_normal((batch, lo.H)).astype(np.float32)
+        if has_prev(lo) and lo.prev_init == "input":
+            feeds["p0" + sfx] = rng.standard_normal((batch, lo.H)).astype(np.float32)
+    feeds.update(mb.input_values)
+    return feeds
+
+
+def _layer_reference(lo: Opts, X: np.ndarray, mask: np.ndarray | None, h0, c0, p0) -> dict:
+    """One layer from the reference, outputs in the layer's own layout. ``X`` is in the model's layout."""
+    W, R, B = math_weights(lo)
+    if lo.batch_first:
+        X = X.transpose(1, 0, 2)
+    T, Bn = X.shape[:2]
+    if h0 is None:
+        if lo.init == "learned":
+            li = learned_init(lo)
+            h0, c0 = np.tile(li["h"], (Bn, 1)), np.tile(li["c"], (Bn, 1))
+        else:
+            v = 0.25 if lo.init == "fill" else 0.0
+            h0 = np.full((Bn, lo.H), v, np.float32)
+            c0 = np.full((Bn, lo.H), v, np.float32)
+    if has_prev(lo):
+        init_out = p0 if p0 is not None else np.full((Bn, lo.H), 0.25 if lo.prev_init == "fill" else 0.0, np.float32)
+    else:
+        init_out = h0
+
+    def run(fill, init_out):
+        return rnn_reference(
+            lo.op, X, W, R, B, h0, c0 if lo.op == "LSTM" else None,
+            activations=lo.activations(), clip=lo.clip, linear_before_reset=lo.lbr, direction=lo.direction,
+            mask=mask, fill=fill, initial_output=init_out,
+        )  # fmt: skip
+
+    def layout(Y):
+        if (lo.direction == "reverse" and not lo.out_time_order) != lo.flip_out:
+            Y = Y[::-1]
+        if lo.batch_first:
+            Y = Y.transpose(1, 0, 2)
+        return np.ascontiguousarray(Y)
+
+    Y, Yh, Yc = run(lo.fill, init_out)
+    out = {"Y": layout(Y), "h": Yh, "c": Yc}
+    if has_prev(lo):
+        # the carried previous output ends as the output of the last processed step (or its initial value)
+        out["p"] = (Y[-1] if lo.direction == "forward" else Y[0]) if T else init_out
+    if lo.extra_seq:
+        Y2 = run("zero", None)[0] if lo.fill == "carry" else run("carry", h0)[0]
+        out["Y2"] = layout(Y2)
+    return out
+
+
+def expected(o: Opts, feeds: dict) -> list[np.ndarray]:
+    """What the model must output (graph output order), from the numpy reference."""
+    if o.mutation:
+        raise ValueError("no reference for a near miss")
+    mask = None
+    if o.masked():
+        m = feeds["mask"]
+        mask = m.reshape(m.shape[:2]).astype(bool)
+        if o.batch_first:
+            mask = mask.T
+        if o.mask == "pad":
+            mask = ~mask
+    los = _layer_opts(o)
+    results = []
+    x = feeds["X"]
+    for k, lo in enumerate(los):
+        sfx = "" if k == 0 else "_b"
+        r = _layer_reference(lo, x, mask, feeds.get("h0" + sfx), feeds.get("c0" + sfx), feeds.get("p0" + sfx))
+        results.append(r)
+        if o.layers == "stack":
+            x = r["Y"]
+    outs = []
+    if "seq" in o.outputs:
+        if o.layers == "bidir":
+            outs.append(np.concatenate([results[0]["Y"], results[1]["Y"]], -1))
+        else:
+            outs.append(results[-1]["Y"])
+            if "Y2" in results[-1]:
+                outs.append(results[-1]["Y2"])
+    for r in results if o.layers == "bidir" else results[-1:]:
+        for s in ("h", "c", "p"):
+            if o.wants(s):
+                outs.append(r[s])
+    return outs
+
+
+def expected_native(o: Opts) -> dict:
+    """The native ops a perfect fuser leaves: ``{op: sorted directions}``."""
+    if o.layers == "bidir":
+        return {o.op: ["bidirectional"]}
+    if o.layers == "stack":
+        return {o.op: sorted([o.direction, o.direction])}
+    return {o.op: [o.direction]}
+
+
+def check_opts(o: Opts) -> None:
+    if o.op not in GATES:
+        raise ValueError(o.op)
+    if o.front == "scan" and o.reverse_form in ("index", "flip"):
+        raise ValueError("Scan reverses with scan_input_directions (reverse_form='native')")
+    if o.front == "loop" and o.direction == "reverse" and o.reverse_form == "native":
+        raise ValueError("a reverse Loop needs reverse_form='flip' or 'index'")
+    if o.perm is not None and sorted(o.perm) != sorted(GATES[o.op]):
+        raise ValueError(f"perm {o.perm} is not a permutation of {GATES[o.op]}")
+    if o.mutation is not None and o.mutation not in MUTATIONS:
+        raise ValueError(o.mutation)
+    if o.acts is not None and len(o.acts) != len(DEFAULT_ACTS[o.op]):
+        raise ValueError("wrong number of activations")
+
+
+def build_full(o: Opts):
+    """``(model, feeds_fn, model_builder)``."""
+    check_opts(o)
+    model, mb = _build(o)
+
+    def feeds_fn(rng, batch: int, T: int, mask_kind: str = "post") -> dict:
+        return make_feeds(o, mb, rng, batch, T, mask_kind)
+
+    return model, feeds_fn, mb
+
+
+def build(o: Opts):
+    """``(onnx.ModelProto, feeds_fn)``; ``feeds_fn(rng, batch, T, mask_kind)`` makes the model's inputs."""
+    model, feeds_fn, _ = build_full(o)
+    return model, feeds_fn
+
+
+def default_reverse_form(o: Opts) -> Opts:
+    """Make a reverse option set valid for its front (Scan: native, Loop: flip)."""
+    if o.direction != "reverse" and o.layers != "bidir":
+        return o.replace(reverse_form="native") if o.front == "scan" else o
+    if o.front == "scan":
+        return o.replace(reverse_form="native")
+    if o.reverse_form == "native":
+        return o.replace(reverse_form="flip")
+    return o
+
+
+# ------------------------------------------------------------------------------------------------------
+# running a case: optimize, compare fused with original (and original with the reference)
+
+ATOL = 1e-5
+RTOL = 1e-5
+REF_TOL = 1e-4  # float32 onnxruntime vs the float64 reference
+
+
+@dataclass
+class Outcome:
+    opts: Opts
+    model: onnx.ModelProto
+    fused: onnx.ModelProto
+    report: object
+    status: str  # fused | declined | partial
+    recurrent_left: int
+    native: dict  # op -> sorted directions
+    fused_err: float = 0.0  # max |fused - original|
+    fused_mismatch: str = ""  # first mismatch beyond ATOL/RTOL ("" if none)
+    ref_err: float = 0.0  # max |original - reference|
+    ref_mismatch: str = ""
+    sets: int = 0
+
+    def text(self) -> str:
+        return f"{self.opts.label()}\n{self.report.to_text()}"
+
+
+def _session(model: onnx.ModelProto):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _count(model: onnx.ModelProto) -> dict:
+    from collections import Counter
+
+    c: Counter = Counter()
+    stack = [model.graph]
+    while stack:
+        g = stack.pop()
+        for n in g.node:
+            c[n.op_type] += 1
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    stack.append(a.g)
+    return c
+
+
+def _natives(model: onnx.ModelProto) -> dict:
+    out: dict = {}
+    for n in model.graph.node:
+        if n.op_type in ("LSTM", "GRU", "RNN"):
+            d = "forward"
+            for a in n.attribute:
+                if a.name == "direction":
+                    d = a.s.decode()
+            out.setdefault(n.op_type, []).append(d)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _mismatch(got, want, atol, rtol, what) -> tuple[float, str]:
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape:
+        return float("inf"), f"{what}: shape {got.shape} != {want.shape}"
+    if got.size == 0:
+        return 0.0, ""
+    g64, w64 = got.astype(np.float64), want.astype(np.float64)
+    if np.any(np.isnan(g64) != np.isnan(w64)):
+        return float("inf"), f"{what}: NaN pattern differs"
+    diff = np.where(np.isnan(w64), 0.0, np.abs(g64 - w64))
+    err = float(diff.max())
+    bad = diff > atol + rtol * np.abs(np.nan_to_num(w64))
+    if np.any(bad):
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        return err, f"{what}: max abs error {err:.3g}; first at {idx}: got {g64[idx]:.6g}, want {w64[idx]:.6g}"
+    return err, ""
+
+
+def run_case(
+    o: Opts,
+    batches=(1, 4),
+    Ts=(1, 7),
+    kinds=None,
+    seed: int = 0,
+    check_reference: bool = True,
+    always_compare: bool = False,
+    **optimize_kwargs,
+) -> Outcome:
+    """Build, optimize (exceptions propagate), and compare on every (batch, T, mask kind) input set."""
+    import rnnfuse
+
+    model, feeds_fn = build(o)
+    fused, report = rnnfuse.optimize(model, **optimize_kwargs)
+    counts = _count(fused)
+    before = _count(model)
+    n_rec = before.get("Scan", 0) + before.get("Loop", 0)
+    left = counts.get("Scan", 0) + counts.get("Loop", 0)
+    status = "fused" if left == 0 else ("declined" if left == n_rec else "partial")
+    out = Outcome(o, model, fused, report, status, left, _natives(fused))
+    if kinds is None:
+        kinds = ("post", "pre", "gappy") if o.masked() else ("none",)
+    rng = np.random.default_rng(seed)
+    s_orig = _session(model)
+    s_fused = _session(fused) if (left < n_rec or always_compare) else None
+    names = [v.name for v in model.graph.output]
+    do_ref = check_reference and not o.mutation
+    for b in batches:
+        for T in Ts:
+            for k in kinds:
+                feeds = feeds_fn(rng, b, T, k)
+                ref = s_orig.run(None, feeds)
+                out.sets += 1
+                where = f"batch {b}, T={T}, mask {k}"
+                if do_ref:
+                    for name, got, want in zip(names, ref, expected(o, feeds)):
+                        err, msg = _mismatch(got, want, REF_TOL, REF_TOL, f"original vs reference, {name}, {where}")
+                        out.ref_err = max(out.ref_err, err)
+                        out.ref_mismatch = out.ref_mismatch or msg
+                if s_fused is not None:
+                    got = s_fused.run(None, feeds)
+                    for name, g, r in zip(names, got, ref):
+                        err, msg = _mismatch(g, r, ATOL, RTOL, f"fused vs original, {name}, {where}")
+                        out.fused_err = max(out.fused_err, err)
+                        out.fused_mismatch = out.fused_mismatch or msg
+    return out

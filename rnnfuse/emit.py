@@ -158,28 +158,36 @@ def _compact(b: Builder, cache: EmitCache, mp: MaskPlumbing, x: str, mask: str) 
     key = (x, mask)
     if key in cache.compacted:
         return cache.compacted[key]
-    t, bb, B = _grid(b, mp)
-    cs = _cumsum(b, mp)
-    one = b.const(np.array(1, np.int64), "one")
-    # destination of step t: its rank among valid steps, or after all valid steps for masked ones
-    dest = b.op(
-        "Where",
-        mp.m2,
-        b.op("Sub", cs, one),
-        b.op("Sub", b.op("Add", b.unsqueeze(mp.lens64, [0]), t), cs),
-    )
-    shape = b.op("Shape", mp.m2)
-    src = b.op(
-        "ScatterElements",
-        b.op("ConstantOfShape", shape, value=_i64_tensor(0)),
-        dest,
-        b.op("Expand", t, shape),
-        axis=0,
-    )
-    flat = b.op("Add", b.op("Mul", src, B), bb)
-    xc = b.op("Gather", b.op("Flatten", x, axis=2), flat, axis=0)
+    xc = b.op("Gather", b.op("Flatten", x, axis=2), _compaction_index(b, mp), axis=0)
     cache.compacted[key] = xc
     return xc
+
+
+def _compaction_index(b: Builder, mp: MaskPlumbing) -> str:
+    """Flat [T, B] row indices into a flattened [T*B, F] input that gather each row's valid steps first."""
+
+    def make():
+        t, bb, B = _grid(b, mp)
+        cs = _cumsum(b, mp)
+        one = b.const(np.array(1, np.int64), "one")
+        # destination of step t: its rank among valid steps, or after all valid steps for masked ones
+        dest = b.op(
+            "Where",
+            mp.m2,
+            b.op("Sub", cs, one),
+            b.op("Sub", b.op("Add", b.unsqueeze(mp.lens64, [0]), t), cs),
+        )
+        shape = b.op("Shape", mp.m2)
+        src = b.op(
+            "ScatterElements",
+            b.op("ConstantOfShape", shape, value=_i64_tensor(0)),
+            dest,
+            b.op("Expand", t, shape),
+            axis=0,
+        )
+        return b.op("Add", b.op("Mul", src, B), bb)
+
+    return _extra(b, mp, "compaction", make)
 
 
 def _i64_tensor(v: int):

@@ -155,7 +155,10 @@ class Report:
                     lines.append(f"      max abs error vs original: {f.max_error:.3g}")
         if not self.findings:
             lines.append("  no recurrences found")
-        head = f"{len(self.fused)} fused, {len(self.declined)} declined; {self.op_change_line()}"
+        n_fused = sum(1 for f in self.findings if f.status == "fused")
+        n_merged = sum(1 for f in self.findings if f.status == "merged")
+        head = f"{n_fused} fused" + (f", {n_merged} merged" if n_merged else "")
+        head += f", {len(self.declined)} declined; {self.op_change_line()}"
         out = [head] + lines
         for c in self.opset_changes:
             out.append("  " + c)

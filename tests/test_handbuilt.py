@@ -283,9 +283,10 @@ MERGE_GAPS = [
 
 
 def known_gap(o: B.Opts) -> str | None:
-    for pred, why in GAPS:
-        if pred(o):
-            return why
+    for lo in [o] + B._layer_opts(o):
+        for pred, why in GAPS:
+            if pred(lo):
+                return why
     return None
 
 
@@ -361,6 +362,9 @@ def _assert_fused_exactly(out: B.Outcome) -> None:
     fused = [f for f in out.report.findings if f.status in ("fused", "merged")]
     for f in fused:
         assert f.validation.startswith("ok"), f"unvalidated fusion: {f.line()}"
+    # a rewrite that rnnfuse's own validation rejected is a wrong rewrite caught in time, not a gap
+    failed = [f for f in out.report.findings if f.validation == "failed"]
+    assert not failed, "rnnfuse built a WRONG rewrite (caught by its validation):\n" + out.text()
     if out.status != "fused":
         raise Gap(f"declined a valid cell ({out.recurrent_left} Scan/Loop left):\n{out.text()}")
     declined = [f for f in out.report.findings if f.status == "declined"]

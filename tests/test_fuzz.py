@@ -1,0 +1,253 @@
+"""Property tests over random hand-written recurrences (tests/builders.py).
+
+* ``test_fused_or_declined``: a random valid recurrence (op, sizes 1-8, activations, clip, lbr, direction,
+  masks, batch-first, formulation variants, gate storage permutations, ...) is either fused *and exact*
+  (fused vs original within 1e-5 on several random inputs, masks included), or declined. Never fused and
+  wrong, never a crash.
+* ``test_near_miss_declined``: a random recurrence with a random near-miss mutation is declined (or, for the
+  few mutations a native op expresses with derived weights, fused exactly); outputs are unchanged.
+
+rnnfuse runs with ``validate=False`` here: the recogniser must be right on its own (its numeric validation
+is a second line of defence, and would otherwise hide a wrong proof as a decline). Set
+``RNNFUSE_FUZZ_VALIDATE=1`` to fuzz the default pipeline instead.
+
+Environment: ``RNNFUSE_FUZZ_EXAMPLES`` (default 60 per property), ``RNNFUSE_FUZZ_SEED`` (random search with
+that seed instead of the derandomized default), ``RNNFUSE_FUZZ_STATS`` (write the counts as JSON there).
+Counts of fused / declined cases and the reasons of unexpected declines are printed at the end of the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, assume, given, note, settings
+from hypothesis import seed as hyp_seed
+from hypothesis import strategies as st
+
+import builders as B
+from reference import GATES
+from test_handbuilt import known_gap, known_merge_gap
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+EXAMPLES = int(os.environ.get("RNNFUSE_FUZZ_EXAMPLES", "60"))
+SEED = os.environ.get("RNNFUSE_FUZZ_SEED")
+VALIDATE = os.environ.get("RNNFUSE_FUZZ_VALIDATE", "0") not in ("", "0", "false", "no")
+
+_settings = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=SEED is None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    print_blob=True,
+)
+
+
+def _seeded(f):
+    return hyp_seed(int(SEED))(f) if SEED is not None else f
+
+
+STATS: dict = {"valid": Counter(), "near_miss": Counter(), "declined_reasons": Counter(), "unexpected_declines": []}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_stats(request):
+    yield
+    v, n = STATS["valid"], STATS["near_miss"]
+    lines = [
+        "",
+        f"rnnfuse fuzz ({EXAMPLES} examples per property, validate={VALIDATE}, seed={SEED or 'derandomized'}):",
+        f"  valid recurrences: {sum(v.values())} run; fused {v['fused']} (exact), partially fused {v['partial']},"
+        f" declined {v['declined']} (known gaps {v['declined_known_gap']}, other {v['declined_other']})",
+        f"  clean cases (no known gap): fused {v['clean_fused']} of {v['clean']}",
+        f"  near misses: {sum(n.values())} run; declined {n['declined']}, fused exactly (expressible) {n['fused_expressible']}",
+    ]
+    if STATS["declined_reasons"]:
+        lines.append("  most common decline reasons of valid recurrences:")
+        for r, c in STATS["declined_reasons"].most_common(8):
+            lines.append(f"    {c:4d}  {r[:150]}")
+    if STATS["unexpected_declines"]:
+        lines.append("  valid recurrences declined outside the known gaps (minimal options, reason):")
+        seen = set()
+        for label, reason in STATS["unexpected_declines"]:
+            if reason in seen:
+                continue
+            seen.add(reason)
+            lines.append(f"    {label}\n        -> {reason[:300]}")
+    text = "\n".join(lines)
+    tr = request.config.pluginmanager.getplugin("terminalreporter")
+    if tr is not None:
+        tr.write_line(text)
+    else:  # pragma: no cover
+        print(text)
+    path = os.environ.get("RNNFUSE_FUZZ_STATS")
+    if path:
+        with open(path, "w") as fh:
+            json.dump({k: (dict(v) if isinstance(v, Counter) else v) for k, v in STATS.items()}, fh, indent=1)
+
+
+# ------------------------------------------------------------------------------------------------------
+# strategies
+
+_SIGMOIDS = [("Sigmoid", ()), ("HardSigmoid", (0.2, 0.5)), ("HardSigmoid", (0.3, 0.4)), ("HardSigmoid", (0.25, 0.6))]
+_OTHERS = [
+    ("Tanh", ()),
+    ("Relu", ()),
+    ("LeakyRelu", (0.1,)),
+    ("LeakyRelu", (0.01,)),
+    ("ThresholdedRelu", (0.2,)),
+    ("Elu", (1.0,)),
+    ("Elu", (0.6,)),
+    ("Softsign", ()),
+    ("Softplus", ()),
+]
+_ALL_ACTS = _SIGMOIDS + _OTHERS
+
+
+def _weighted(*pairs):
+    """``sampled_from`` with integer weights: ``_weighted((w, value), ...)``."""
+    return st.sampled_from([v for w, v in pairs for _ in range(w)])
+
+
+@st.composite
+def activations(draw, op):
+    if draw(st.integers(0, 2)) == 0:
+        return None  # the op's defaults
+    n = len(B.DEFAULT_ACTS[op])
+    if op == "RNN":
+        return (draw(_weighted(*[(3, a) for a in _ALL_ACTS], (1, ("Affine", (1.0, 0.0))))),)
+    f = draw(st.sampled_from(_SIGMOIDS + _OTHERS[:1] + _OTHERS[2:3] + _OTHERS[7:8]))
+    rest = tuple(draw(st.sampled_from(_ALL_ACTS)) for _ in range(n - 1))
+    return (f,) + rest
+
+
+@st.composite
+def valid_opts(draw, single=False):
+    op = draw(st.sampled_from(["LSTM", "GRU", "RNN"]))
+    front = draw(st.sampled_from(["scan", "loop"]))
+    kw: dict = dict(op=op, front=front)
+    kw["seed"] = draw(st.integers(0, 10_000))
+    kw["F"] = draw(st.integers(1, 8))
+    kw["H"] = draw(_weighted((1, 1), (6, 2), (6, 3), (6, 4), (3, 5), (2, 6), (2, 8)))
+    kw["acts"] = draw(activations(op))
+    kw["clip"] = draw(_weighted((5, None), (1, 0.5), (1, 1.5), (1, 3.0)))
+    kw["lbr"] = draw(_weighted((1, 0), (3, 1))) if op == "GRU" else 0
+    kw["bias"] = draw(st.sampled_from(["none", "one", "two"]))
+    kw["uniform_bias"] = draw(_weighted((30, False), (1, True)))
+    kw["forget_bias"] = draw(_weighted((30, 0.0), (1, 1.0))) if op == "LSTM" else 0.0
+    kw["direction"] = draw(st.sampled_from(["forward", "reverse"]))
+    if front == "loop":
+        kw["reverse_form"] = draw(_weighted((8, "flip"), (1, "index")))
+    kw["out_time_order"] = draw(st.booleans())
+    kw["flip_out"] = draw(_weighted((5, False), (1, True)))
+    kw["batch_first"] = draw(_weighted((3, False), (1, True)))
+    kw["init"] = draw(st.sampled_from(["zeros", "input", "fill", "learned"]))
+    kw["init_form"] = draw(st.sampled_from(["cos", "expand"]))
+    kw["mask"] = draw(_weighted((6, "none"), (3, "where"), (1, "where_not"), (2, "cast_not"), (2, "cast_sub"), (2, "delta"), (0 if single else 1, "pad")))
+    kw["mask_rank"] = draw(st.sampled_from([2, 3]))
+    kw["fill"] = draw(st.sampled_from(["carry", "zero"]))
+    kw["carry_src"] = draw(st.sampled_from(["state", "prev"]))
+    kw["prev_init"] = draw(st.sampled_from(["zeros", "fill", "input"]))
+    kw["zero_form"] = draw(_weighted((6, "const"), (2, "sub"), (2, "mul0"), (1, "cos")))
+    outs = draw(st.sets(st.sampled_from(["seq", "h", "c", "p"]), min_size=1))
+    if not ({"seq", "h"} & outs) and not (op == "LSTM" and "c" in outs):
+        outs.add("seq")
+    kw["outputs"] = tuple(sorted(outs))
+    kw["extra_seq"] = draw(_weighted((5, False), (1, True)))
+    kw["matmul"] = draw(_weighted((4, "matmul"), (3, "gemm"), (2, "gemm_t"), (1, "gemm_ab")))
+    kw["layout"] = draw(st.sampled_from(["separate", "fused_split", "fused_slice"]))
+    kw["concat"] = draw(st.booleans())
+    kw["act_form"] = draw(st.sampled_from(["op", "clip", "maxmin", "minmax", "relu6"]))
+    kw["clip_form"] = draw(st.sampled_from(["op", "minmax"]))
+    kw["gru_update"] = draw(st.sampled_from(["a", "b", "c"]))
+    kw["weights"] = draw(st.sampled_from(["outer", "body_const", "body_init", "carried"]))
+    kw["perm"] = tuple(draw(st.permutations(GATES[op])))
+    kw["state_order"] = draw(st.sampled_from(["hc", "ch"]))
+    kw["noise"] = draw(_weighted((4, False), (1, True)))
+    kw["dropout"] = draw(_weighted((30, False), (1, True)))
+    kw["weight_cast"] = draw(_weighted((5, False), (1, True)))
+    kw["xproj"] = draw(_weighted((30, False), (1, True)))
+    if front == "loop":
+        kw["loop_bound"] = draw(st.sampled_from(["M", "cond", "both"]))
+        kw["loop_counter"] = draw(st.booleans())
+    kw["layers"] = "single" if single else draw(_weighted((8, "single"), (1, "bidir"), (1, "stack")))
+    o = B.default_reverse_form(B.Opts(**kw))
+    if o.layers != "single" and o.mask == "pad":
+        o = o.replace(mask="where")
+    B.check_opts(o)
+    return o
+
+
+@st.composite
+def near_miss_opts(draw):
+    base = draw(valid_opts(single=True))
+    muts = sorted(m for m in B.MUTATIONS if B.mutation_applies(m, base.replace(mutation=m)))
+    if not muts:
+        base = base.replace(mask="where")
+        muts = sorted(m for m in B.MUTATIONS if B.mutation_applies(m, base.replace(mutation=m)))
+    assume(muts)
+    return base.replace(mutation=draw(st.sampled_from(muts)))
+
+
+# ------------------------------------------------------------------------------------------------------
+# properties
+
+
+def _run(o: B.Opts, **kw) -> B.Outcome:
+    kinds = ("post", "pre", "gappy", "none") if o.masked() else ("none",)
+    check_ref = not any(a[0] == "ThresholdedRelu" for a in o.activations())  # discontinuous: float32 vs float64 may flip
+    return B.run_case(o, batches=(1, 4), Ts=(1, 6), kinds=kinds, seed=o.seed, check_reference=check_ref, validate=VALIDATE, **kw)
+
+
+def _first_reason(out: B.Outcome) -> str:
+    for f in out.report.findings:
+        if f.status == "declined":
+            return f.reason
+    return "?"
+
+
+@_seeded
+@_settings
+@given(valid_opts())
+def test_fused_or_declined(o):
+    note(o.label())
+    out = _run(o)
+    note(out.report.to_text())
+    assert not out.ref_mismatch, f"builder bug: {out.ref_mismatch}"
+    assert not out.fused_mismatch, f"FUSED AND WRONG: {out.fused_mismatch}\n{out.text()}"
+    failed = [f for f in out.report.findings if f.validation == "failed"]
+    assert not failed, f"rnnfuse built a wrong rewrite (caught by its validation):\n{out.text()}"
+    v = STATS["valid"]
+    v[out.status] += 1
+    gap = known_gap(o)
+    if out.status != "fused":
+        v["declined_known_gap" if gap else "declined_other"] += 1
+        STATS["declined_reasons"][_first_reason(out)] += 1
+        if not gap and not known_merge_gap(o):
+            STATS["unexpected_declines"].append((o.label(), _first_reason(out)))
+    if not gap:
+        v["clean"] += 1
+        v["clean_fused"] += out.status == "fused"
+
+
+@_seeded
+@_settings
+@given(near_miss_opts())
+def test_near_miss_declined(o):
+    note(o.label())
+    out = _run(o, always_compare=True)
+    note(out.report.to_text())
+    assert not out.fused_mismatch, f"FUSED AND WRONG (near miss {o.mutation}): {out.fused_mismatch}\n{out.text()}"
+    n = STATS["near_miss"]
+    if out.status != "declined" and B.mutation_expressible(o.mutation, o):
+        n["fused_expressible"] += 1
+        return
+    assert out.status == "declined", f"near miss {o.mutation} ({B.MUTATIONS[o.mutation][3]}) was fused:\n{out.text()}"
+    front = "Scan" if o.front == "scan" else "Loop"
+    declined = [f for f in out.report.findings if f.status == "declined" and f.front == front]
+    assert declined and all(f.reason.strip() for f in declined), out.text()
+    n["declined"] += 1

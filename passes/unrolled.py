@@ -126,7 +126,14 @@ def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
         if t in fam:
             continue  # the same slice taken twice: keep the first (dedupe makes them one)
         fam[t] = x
-    return {k: v for k, v in fams.items() if len(v) >= 2}
+    floats = (1, 10, 11, 16)  # float, float16, double, bfloat16 (bool families are masks)
+    out = {}
+    for (src, ax), v in fams.items():
+        et, rank = g.model.elem_type(src), g.model.rank(src)
+        if len(v) < 2 or (et is not None and et not in floats + (9,)) or (rank is not None and rank != 3):
+            continue
+        out[(src, ax)] = v
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- chains

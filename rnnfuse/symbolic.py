@@ -472,7 +472,7 @@ class StepEvaluator:
                     self.memo[cur] = (
                         C(np.array(fv, dtype=np.float32))
                         if fv is not None
-                        else Opaque(f"reads '{cur}', which is computed at runtime outside the step")
+                        else Opaque(f"'{cur}' is computed at runtime outside the step")
                     )
                 stack.pop()
                 continue
@@ -501,9 +501,11 @@ class StepEvaluator:
         op = node.op_type
         if node.domain not in ("", "ai.onnx"):
             raise Decline(f"custom op {node.domain}::{op} in the step")
-        for v in ins:
+        for k, v in enumerate(ins):
             if isinstance(v, Opaque):
-                raise Decline(v.why)
+                if op in ("MatMul", "Gemm") and k == 1 and v.why.startswith("'"):
+                    return [Opaque(f"the weights {v.why.split(' ')[0]} of {op} '{node.name or node.output[0]}' are computed at runtime, not constants")] * len(node.output)
+                return [v] * len(node.output)  # keep the first reason, unprefixed
         if all(isinstance(v, C) or v is None for v in ins):
             from .fold import evaluate
 

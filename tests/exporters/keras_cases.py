@@ -29,7 +29,7 @@ import os
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -106,7 +106,6 @@ class Case:
     state_out: bool = False  # last layer has return_state=True; all its outputs are model outputs
     state_in: bool = False  # last layer gets initial_state from extra model inputs h0 (, c0)
     static: bool = False  # batch and time fixed in the input signature
-    notes: str = ""
 
     @property
     def masked(self) -> bool:
@@ -236,7 +235,7 @@ def describe(c: Case) -> str:
 
 
 def case_notes(c: Case, backend: str) -> str:
-    notes = [c.notes] if c.notes else []
+    notes = []
     if c.front == "masking":
         notes.append("mask from Masking(0.0): padded steps are all-zero feature vectors")
     elif c.front == "embedding":
@@ -412,6 +411,8 @@ def export(tf, tf2onnx, onnx, model, specs):
 
 
 def generate(c: Case, backend: str, out_dir: Path, keras, tf, tf2onnx, onnx) -> dict:
+    for suffix in (".onnx", ".npz", ".json"):  # a skipped case must not leave stale files behind
+        (out_dir / f"{c.name}{suffix}").unlink(missing_ok=True)
     keras.backend.clear_session()
     seed = zlib.crc32(c.name.encode())  # same data whatever subset of cases is generated
     keras.utils.set_random_seed(seed)

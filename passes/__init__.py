@@ -7,10 +7,10 @@ from __future__ import annotations
 
 
 def default_passes() -> list:
-    from .bidirectional import MergeBidirectional
+    from .bidirectional import MergeBidirectional, ReverseInputs
     from .cleanup import CancelFlips, Dedupe
     from .loop import FuseLoops
     from .scan import FuseScans
     from .unrolled import FuseChains
 
-    return [Dedupe(), FuseLoops(), FuseScans(), FuseChains(), MergeBidirectional(), CancelFlips(), Dedupe()]
+    return [Dedupe(), FuseLoops(), FuseScans(), FuseChains(), ReverseInputs(), MergeBidirectional(), CancelFlips(), Dedupe()]

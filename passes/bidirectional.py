@@ -183,3 +183,63 @@ class MergeBidirectional:
             res.findings.append(f)
             res.modified = True
         return res
+
+
+class ReverseInputs:
+    """A native op reading its input time-reversed becomes the opposite direction on the unreversed input.
+
+    ``LSTM(ReverseSequence(x, T...), direction=forward)`` (tf2onnx's go_backwards layers) is
+    ``LSTM(x, direction=reverse)`` with ``Y`` reversed; ``Y_h``/``Y_c`` are unchanged. Only without
+    ``sequence_lens`` (a per-row length would reverse within the row, not the whole axis)."""
+
+    name = "reverse-input"
+
+    def run(self, model: Model, ctx: Options) -> PassResult:
+        from rnnfuse.dims import time_flip_source
+        from onnx import helper
+
+        g = model.graph
+        res = PassResult(self.name)
+        cands = []
+        for n in g.live_nodes():
+            if n.op_type not in ("LSTM", "GRU", "RNN") or n.domain not in ("", "ai.onnx"):
+                continue
+            d = attr(n, "direction", "forward")
+            if d == "bidirectional" or attr(n, "layout", 0) or _inp(n, 4):
+                continue
+            src = time_flip_source(g, n.input[0], 0)
+            if src is None:
+                continue
+            attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            attrs["direction"] = "reverse" if d == "forward" else "forward"
+            ins = [src] + list(n.input[1:])
+            outs = g.add_node(n.op_type, ins, len(n.output), name=f"rnnfuse/{n.op_type}", anchor=n, **attrs)
+            b = Builder(g, n, f"rnnfuse/{n.op_type}")
+            repl = {}
+            for k, o in enumerate(n.output):
+                if o and g.n_uses(o):
+                    repl[o] = b.flip0(outs[k]) if k == 0 else b.op("Identity", outs[k])
+            cands.append((n, repl, attrs["direction"]))
+        if not cands:
+            return res
+        vr = validate(g, [p for c in cands for p in c[1].items()], {}, seed=ctx.seed) if ctx.validate else None
+        for n, repl, direction in cands:
+            f = Finding(self.name, n.op_type, n.name or n.output[0], "fused", cell=f"{n.op_type}(hidden={attr(n, 'hidden_size')})",
+                        direction=direction, reason="input read backwards -> native direction")
+            if vr is not None and vr.ran:
+                ok, err, detail = vr.error_for(list(repl.items()))
+                f.max_error, f.validation = err, f"ok (max abs error {err:.1e})"
+                if not ok:
+                    f.status, f.reason, f.validation = "declined", f"reversed op differs: {detail}", "failed"
+                    res.findings.append(f)
+                    continue
+            else:
+                f.validation = "skipped" if vr is None else f"skipped ({vr.skipped_reason})"
+            for old, new in repl.items():
+                g.replace_uses(old, new)
+            g.remove_node(n)
+            res.findings.append(f)
+            res.modified = True
+        if res.modified:
+            g.prune()
+        return res

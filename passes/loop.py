@@ -202,7 +202,7 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
     states: dict[str, State] = {}
     for k in recurrent:
         bi = bin_[2 + k]
-        shape = body.model.shape(bi) or g.model.shape(loop.input[2 + k]) or []
+        shape = body.local_shape(bi) or g.model.shape(loop.input[2 + k]) or []
         H = shape[-1] if shape and isinstance(shape[-1], int) else None
         st = State(f"s{k}", H)
         states[st.sym] = st

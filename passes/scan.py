@@ -92,7 +92,7 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
             if k < len(scan.output) and scan.output[k] and g.n_uses(scan.output[k]):
                 aliases[scan.output[k]] = init
             continue
-        shape = body.model.shape(bin_[k]) or g.model.shape(init) or []
+        shape = body.local_shape(bin_[k]) or g.model.shape(init) or []
         H = shape[-1] if shape and isinstance(shape[-1], int) else None
         st = State(f"s{k}", H)
         states[st.sym] = st

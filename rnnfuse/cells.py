@@ -394,16 +394,13 @@ def _match_gru(new, x, states, h, c) -> CellSpec:
         if len(gated_srcs) != 1:
             raise Decline("the candidate does not read the reset-gated state r*h")
         gated = gated_srcs[0]
-        # the gated row is r*h: find r among the monomial's atoms
-        seg_poly = None
-        for s, w in h_lin.terms:
-            if s == gated:
-                seg_poly = s
+        # the gated row is r*h: find r among its atoms
         keys = gated[1]
         if len(keys) != 2 or hs.key not in keys:
             raise Decline("the candidate's gated state is not r*h")
+        row_poly = h_lin.rows.get(gated)
         r_key = next(k for k in keys if k != hs.key)
-        r = _find_atom(new[h], r_key) or _find_atom(arg, r_key)
+        r = row_poly.atoms.get(r_key) if row_poly is not None else None
         if r is None:
             raise Decline("cannot find the reset gate")
         r_act, r_lin, clip_r = _gate_parts(r, "the reset gate")
@@ -420,18 +417,6 @@ def _match_gru(new, x, states, h, c) -> CellSpec:
     if rec is not None and rec.ncols != spec.hidden:
         raise Decline("the recurrent candidate part has the wrong width")
     return spec
-
-
-def _find_atom(p: Poly, key):
-    stack = [p]
-    while stack:
-        q = stack.pop()
-        if key in q.atoms:
-            return q.atoms[key]
-        for a in q.atoms.values():
-            if isinstance(a, Act):
-                stack.append(a.arg)
-    return None
 
 
 _MATCHERS = {"RNN": _match_rnn, "LSTM": _match_lstm, "GRU": _match_gru}

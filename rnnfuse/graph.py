@@ -229,10 +229,11 @@ def _type_of(vi: onnx.ValueInfoProto) -> tuple[int, list | None] | None:
     return (tt.elem_type, dims)
 
 
-def _collect_types(g: GraphProto, out: dict) -> None:
+def _collect_types(g: GraphProto, out: dict, top: bool = True) -> None:
+    """Types of every name; a subgraph's names never override the main graph's or each other's."""
     for vi in itertools.chain(g.input, g.output, g.value_info):
         t = _type_of(vi)
-        if t is not None and (vi.name not in out or (out[vi.name][1] is None and t[1] is not None)):
+        if t is not None and (vi.name not in out or (top and out[vi.name][1] is None and t[1] is not None)):
             out[vi.name] = t
     for t in g.initializer:
         out[t.name] = (t.data_type, list(t.dims))
@@ -242,7 +243,7 @@ def _collect_types(g: GraphProto, out: dict) -> None:
             if v is not None:
                 out[n.output[0]] = (helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape))
         for sg in subgraphs(n):
-            _collect_types(sg, out)
+            _collect_types(sg, out, False)
 
 
 def declared_types(proto: ModelProto) -> dict[str, tuple[int, list | None]]:
@@ -337,6 +338,19 @@ class Graph:
             g = next(a.g for a in node.attribute if a.name == name and a.type == AttributeProto.GRAPH)
             self._subgraph_views[key] = Graph(g, self, self.model, owner=node)
         return self._subgraph_views[key]
+
+    def local_shape(self, name: str) -> list | None:
+        """The shape this graph itself declares for ``name`` (its inputs, outputs, value_info).
+
+        Sibling subgraphs may reuse names, so a body's own declarations beat the model-wide map."""
+        if not hasattr(self, "_local_types"):
+            self._local_types = {}
+            for vi in itertools.chain(self.proto.input, self.proto.output, self.proto.value_info):
+                t = _type_of(vi)
+                if t is not None:
+                    self._local_types[vi.name] = t
+        t = self._local_types.get(name)
+        return t[1] if t else None
 
     # -- queries -----------------------------------------------------------------------------------------
     def alive(self, node: NodeProto) -> bool:
@@ -444,7 +458,7 @@ class Graph:
 
     def add_initializer(self, array: np.ndarray, hint: str) -> str:
         name = self.fresh(hint)
-        t = numpy_helper.from_array(np.ascontiguousarray(array), name)
+        t = numpy_helper.from_array(np.asarray(array).copy(order="C"), name)
         self.proto.initializer.append(t)
         self.initializers[name] = t
         self._arrays[name] = array

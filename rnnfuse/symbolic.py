@@ -92,26 +92,28 @@ class Lin:
     biases: tuple  # of ConstRef[ncols]
     ncols: int
     key: tuple = field(compare=False, default=())
+    rows: dict = field(compare=False, default_factory=dict)  # src_key -> Poly of a gated row (r*h)
 
     @staticmethod
-    def make(terms, biases, ncols) -> "Lin":
+    def make(terms, biases, ncols, rows=None) -> "Lin":
         terms = tuple(sorted(terms, key=lambda t: repr((t[0], t[1].key))))
         biases = tuple(sorted(biases, key=lambda b: repr(b.key)))
         key = (tuple((s, w.key) for s, w in terms), tuple(b.key for b in biases))
-        return Lin(terms, biases, ncols, key)
+        return Lin(terms, biases, ncols, key, dict(rows or {}))
 
     def cols(self, start: int, stop: int) -> "Lin":
         return Lin.make(
-            [(s, w.cols(start, stop)) for s, w in self.terms], [b.cols(start, stop) for b in self.biases], stop - start
+            [(s, w.cols(start, stop)) for s, w in self.terms], [b.cols(start, stop) for b in self.biases], stop - start,
+            self.rows,
         )
 
     def plus(self, other: "Lin") -> "Lin":
         if self.ncols != other.ncols:
             raise Decline(f"adding affine maps of widths {self.ncols} and {other.ncols}")
-        return Lin.make(self.terms + other.terms, self.biases + other.biases, self.ncols)
+        return Lin.make(self.terms + other.terms, self.biases + other.biases, self.ncols, {**self.rows, **other.rows})
 
     def scaled(self, c: float) -> "Lin":
-        return Lin.make([(s, w.scaled(c)) for s, w in self.terms], [b.scaled(c) for b in self.biases], self.ncols)
+        return Lin.make([(s, w.scaled(c)) for s, w in self.terms], [b.scaled(c) for b in self.biases], self.ncols, self.rows)
 
     def sources(self) -> set:
         return {s for s, _ in self.terms}
@@ -607,8 +609,11 @@ def _matmul(row: Row, w: ConstRef) -> Lin:
     if w.arr.ndim != 2:
         raise Decline(f"a matmul with a rank-{w.arr.ndim} weight")
     terms = []
+    rows = {}
     r0 = 0
-    for src, width, _ in row.segments:
+    for src, width, seg_poly in row.segments:
+        if src[0] == "P":
+            rows[src] = seg_poly
         if width is None:
             if len(row.segments) != 1:
                 raise Decline("a concatenation of inputs of unknown width")
@@ -617,7 +622,7 @@ def _matmul(row: Row, w: ConstRef) -> Lin:
         r0 += width
     if r0 != w.arr.shape[0]:
         raise Decline(f"matmul widths do not match ({r0} vs {w.arr.shape[0]})")
-    return Lin.make(terms, [], w.ncols)
+    return Lin.make(terms, [], w.ncols, rows)
 
 
 # ---- handlers
@@ -779,9 +784,7 @@ def _gemm(ev, node, ins):
     if alpha != 1.0:
         p = Poly.atom(LinAtom(lin.scaled(alpha)))
     if len(ins) > 2 and ins[2] is not None:
-        if not isinstance(ins[2], C):
-            raise Decline("a Gemm bias computed at runtime")
-        cp = const_poly(ins[2])
+        cp = const_poly(ins[2]) if isinstance(ins[2], C) else _poly_l(ins[2])  # C may be h @ R (tf2onnx)
         p = p.add(cp.scale(beta) if beta != 1.0 else cp)
     return [_sym(p)]
 

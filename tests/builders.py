@@ -82,6 +82,17 @@ MUTATIONS = {
     "state_unmasked_output_masked": ("LSTM GRU RNN", "scan loop", True, "states update at masked steps; only the output holds"),
     "loop_short": ("LSTM GRU RNN", "loop", False, "the Loop runs max(T-1, 1) iterations"),
     "float_mask": ("LSTM GRU RNN", "scan loop", True, "the mask is a float input used as m*new + (1-m)*old (not provably 0/1)"),
+    "mask_dir_mismatch": ("LSTM GRU RNN", "scan", True, "the mask is scanned in the opposite direction from the input"),
+    "loop_shifted_input": ("LSTM GRU RNN", "loop", False, "the step reads X[min(i+1, T-1)] instead of X[i]"),
+    "loop_fixed_input": ("LSTM GRU RNN", "loop", False, "every step reads X[0]"),
+    "gru_reset_on_input": ("GRU", "scan loop", False, "the reset gate multiplies the input part of the candidate"),
+    "lstm_c_tanh": ("LSTM", "scan loop", False, "the carried cell state is tanh(c_new)"),
+    "mask_on_input": ("LSTM GRU RNN", "scan loop", True, "the mask zeroes the step input; states update at every step"),
+    "partial_clip": ("LSTM GRU", "scan loop", False, "every gate but the candidate is clipped"),
+    "loop_trip_other_dim": ("LSTM GRU RNN", "loop", False, "trip count M = batch size while the condition bounds i by T"),
+    "loop_cond_short": ("LSTM GRU RNN", "loop", False, "trip count T, but the condition stops after T-1 steps"),
+    "unmasked_copy_final": ("LSTM GRU RNN", "scan loop", True,
+                            "a carried copy of the cell output ignores the mask, and its final value is returned"),
 }
 
 
@@ -101,11 +112,11 @@ class Opts:
     uniform_bias: bool = False  # every gate's bias vector holds one value (e.g. Keras unit_forget_bias)
     forget_bias: float = 0.0  # LSTM: a scalar added to the forget gate (TF BasicLSTMCell style)
     direction: str = "forward"  # forward | reverse
-    reverse_form: str = "native"  # native: scan_input_directions=1 (Scan) / flip: Slice(step -1) outside / index: Gather(X, T-1-i) (Loop)
+    reverse_form: str = "native"  # native: scan_input_directions=1 (Scan); Loop: flip (Slice step -1 outside) | revseq (ReverseSequence) | index (Gather(X, T-1-i))
     out_time_order: bool = True  # reverse only: per-step outputs in time order (else in processing order)
     flip_out: bool = False  # additionally reverse the per-step output along time (scan_output_directions)
     batch_first: bool = False
-    init: str = "zeros"  # zeros | input | fill (a constant 0.25 fill) | learned (Expand of a constant [1, H] row)
+    init: str = "zeros"  # zeros | input | input_h (h0 an input, c0 zeros) | fill (a constant 0.25 fill) | learned (Expand of a [1, H] row)
     init_form: str = "cos"  # cos: ConstantOfShape;  expand: Expand(scalar, shape)
     mask: str = "none"  # none | where | where_not | cast_not | cast_sub | delta | pad (the input is True at padding)
     mask_rank: int = 3  # 3: bool [T, B, 1];  2: bool [T, B] (Unsqueeze in the body)
@@ -125,10 +136,13 @@ class Opts:
     perm: tuple | None = None  # storage order of gates in fused weights (names of GATES[op]); None = ONNX order
     state_order: str = "hc"  # LSTM: order of the carried states (hc | ch)
     noise: bool = False  # harmless Reshape / Unsqueeze+Squeeze / Identity nodes on the recurrent path
+    direct_out: bool = False  # graph outputs are the Scan/Loop (or adapter) outputs themselves, no Identity
     dropout: bool = False  # an inference-mode Dropout (identity) on the step input
     weight_cast: bool = False  # weights stored as float64 and Cast to float32 in the body
     loop_counter: bool = False  # Loop: index the step input with a carried int64 counter instead of the iteration number
-    loop_bound: str = "M"  # Loop: M (trip count) | cond (condition i+1 < T) | both
+    loop_bound: str = "M"  # Loop: M (trip count Shape(X)[0]) | cond (condition i+1 < T) | both | const (M a constant, static_T)
+    static_T: int = 0  # declare a fixed number of time steps (0: dynamic)
+    static_B: int = 0  # declare a fixed batch size (0: dynamic)
     xproj: bool = False  # probe: x.W (+b) computed outside the recurrence for all steps, the body adds it
     layers: str = "single"  # single | bidir (forward + reverse over X, outputs concatenated) | stack (two layers)
     mutation: str | None = None
@@ -168,6 +182,28 @@ def has_prev(o: Opts) -> bool:
     return o.masked() and o.fill == "carry" and o.carry_src == "prev"
 
 
+def mutation_fixup(name: str, o: Opts) -> Opts:
+    """Adjust ``o`` (mask, outputs, activations) so that mutation ``name`` applies to it and shows."""
+    ops, fronts, needs_mask, _ = MUTATIONS[name]
+    o = o.replace(mutation=name)
+    if needs_mask and not o.masked():
+        o = o.replace(mask="where")
+    if o.mask == "pad":
+        o = o.replace(mask="where")
+    if name == "unmasked_copy_final":
+        o = o.replace(fill="carry", carry_src="prev", outputs=tuple(sorted(set(o.outputs) | {"p"})))
+    if name in ("output_is_cell", "output_prev_h", "state_unmasked_output_masked") and "seq" not in o.outputs:
+        o = o.replace(outputs=tuple(sorted(set(o.outputs) | {"seq"})))
+    acts = o.activations()
+    if name == "lstm_wrong_gate" and acts[0] == acts[1]:
+        o = o.replace(acts=None)
+    if name == "extra_scale" and any(a[0] in HOMOGENEOUS for a in acts):
+        o = o.replace(acts=None)
+    if name == "extra_tanh" and o.op == "RNN" and acts[0][0] == "Affine":
+        o = o.replace(acts=None)
+    return o
+
+
 def mutation_applies(name: str, o: Opts) -> bool:
     ops, fronts, needs_mask, _ = MUTATIONS[name]
     if o.op not in ops.split() or o.front not in fronts.split() or o.layers != "single":
@@ -185,6 +221,8 @@ def mutation_applies(name: str, o: Opts) -> bool:
         return False
     if name in ("output_is_cell", "output_prev_h", "state_unmasked_output_masked") and "seq" not in o.outputs:
         return False
+    if name == "unmasked_copy_final" and not (has_prev(o) and "p" in o.outputs):
+        return False
     return True
 
 
@@ -193,6 +231,8 @@ def mutation_expressible(name: str, o: Opts) -> bool:
     f = o.activations()[0]
     if name == "lstm_o_as_f":
         return True  # W_f := W_o
+    if name in ("mask_on_input", "loop_shifted_input", "loop_fixed_input"):
+        return True  # an unmasked native op over a transformed X (computed outside the recurrence)
     if name in ("coupled_if", "gru_swapped_update"):
         # 1 - sigmoid(a) = sigmoid(-a);  1 - hard_sigmoid(alpha, 0.5)(a) = hard_sigmoid(alpha, 0.5)(-a)
         return f[0] == "Sigmoid" or (f[0] == "HardSigmoid" and abs(f[1][1] - 0.5) < 1e-12)
@@ -284,6 +324,9 @@ class ModelBuilder:
         self.extra_inputs: list = []  # graph inputs a mutation adds (ValueInfo)
         self.input_values: dict = {}  # feed values for those inputs
         self.overridable: list = []  # initializers that are also graph inputs
+
+    def inputs_names(self) -> set:
+        return {v.name for v in self.inputs + self.extra_inputs + self.overridable}
 
 
 @dataclass
@@ -401,6 +444,8 @@ def _act(ctx: Ctx, kind: str, params: tuple, x: str, clip: bool = True) -> str:
             x = _clip(ctx, x, -2.0, 3.0)
         elif o.clip is not None:
             x = _clip(ctx, x, -o.clip, o.clip)
+        elif o.mutation == "partial_clip":
+            x = _clip(ctx, x, -1.0, 1.0)
     form = o.act_form
     if kind == "HardSigmoid" and form != "op":
         a, be = params
@@ -521,7 +566,8 @@ def _cell(ctx: Ctx, x: str, h: str, c: str | None, xw: dict | None) -> tuple[str
     acts = o.activations()
     mut = o.mutation
     if o.noise:
-        x = b.op("Reshape", x, b.i64(-1, o.F))
+        if xw is None:
+            x = b.op("Reshape", x, b.i64(-1, o.F))
         h = b.op("Squeeze", b.op("Unsqueeze", h, b.i64(0)), b.i64(0))
     pre, gru = _preacts(ctx, x, h, xw)
     fk, fp = acts[0]
@@ -539,7 +585,7 @@ def _cell(ctx: Ctx, x: str, h: str, c: str | None, xw: dict | None) -> tuple[str
             pre["f"] = b.op("Add", pre["f"], b.op("Mul", c, ctx.weight(P[1], "Pf")))
         i = _act(ctx, fk, fp, pre["i"])
         f = _act(ctx, fk, fp, pre["f"])
-        g = _act(ctx, gk, gp, pre["c"])
+        g = _act(ctx, gk, gp, pre["c"], clip=mut != "partial_clip")
         o_gate = None
         if mut == "mixed_acts":
             f = _act(ctx, "HardSigmoid", (0.25, 0.5), pre["f"])
@@ -561,7 +607,10 @@ def _cell(ctx: Ctx, x: str, h: str, c: str | None, xw: dict | None) -> tuple[str
     gk, gp = acts[1]
     z = _act(ctx, fk, fp, pre["z"])
     r = _act(ctx, "HardSigmoid", (0.25, 0.5), pre["r"]) if mut == "mixed_acts" else _act(ctx, fk, fp, pre["r"])
-    if o.lbr == 1:
+    if mut == "gru_reset_on_input":
+        hh = gru["hh"] if o.lbr == 1 else _mm(ctx, h, gru["Wh"], gru["bh"], "Rh", recurrent=True)
+        n_pre = b.op("Add", b.op("Mul", r, gru["xh"]), hh)
+    elif o.lbr == 1:
         n_pre = b.op("Add", gru["xh"], b.op("Mul", r, gru["hh"]))
     else:
         rh = b.op("Mul", r, h)
@@ -573,7 +622,7 @@ def _cell(ctx: Ctx, x: str, h: str, c: str | None, xw: dict | None) -> tuple[str
             n_pre = _mm(ctx, cat, np.concatenate([Wx, Wh], 0), bias, "WRh", recurrent=True)
         else:
             n_pre = b.op("Add", gru["xh"], _mm(ctx, rh, gru["Wh"], gru["bh"], "Rh", recurrent=True))
-    n = _act(ctx, gk, gp, n_pre)
+    n = _act(ctx, gk, gp, n_pre, clip=mut != "partial_clip")
     if mut == "gru_swapped_update":
         return _add(b, b.op("Mul", z, n), b.op("Mul", b.op("Sub", b.f(1.0), z), h)), None
     if o.gru_update == "a":
@@ -625,7 +674,13 @@ def _step(ctx: Ctx, x: str, h: str, c: str | None, p: str | None, m: str | None,
     mut = o.mutation
     if o.dropout:
         x = b.op("Dropout", x, seed=3)
+    if mut == "mask_on_input":
+        mm = b.op("Unsqueeze", m, b.i64(1)) if o.mask_rank == 2 else m
+        x = b.op("Mul", x, b.op("Cast", mm, to=FLOAT))
+        m = None  # the states ignore the mask
     h_cell, c_cell = _cell(ctx, x, h, c, xw)
+    if mut == "lstm_c_tanh":
+        c_cell = b.op("Tanh", c_cell)
     if mut == "extra_scale":
         h_cell = b.op("Mul", h_cell, b.f(1.5))
     elif mut == "extra_tanh":
@@ -638,6 +693,8 @@ def _step(ctx: Ctx, x: str, h: str, c: str | None, p: str | None, m: str | None,
         out["h"], out["c"] = h_cell, c_cell
         y = h_cell
         y2 = h_cell
+        if p is not None:  # (mask_on_input: the mask only touches the input)
+            out["p"] = h_cell
     else:
         if o.mask_rank == 2:
             m = b.op("Unsqueeze", m, b.i64(1))
@@ -666,6 +723,8 @@ def _step(ctx: Ctx, x: str, h: str, c: str | None, p: str | None, m: str | None,
                     out["p"] = y
                 else:
                     y = out["h"]
+    if mut == "unmasked_copy_final" and "p" in out:
+        out["p"] = h_cell
     if mut == "output_is_cell":
         y = out["c"]
     elif mut == "output_prev_h":
@@ -696,7 +755,7 @@ def _state_list(o: Opts) -> list[str]:
 def _initial(ctx: Ctx, which: str, X: str, suffix: str) -> str:
     """Outer initial value of a state: a graph input or a constant fill of shape [B, H]."""
     o, g = ctx.o, ctx.main
-    if which in ("h", "c") and o.init == "input":
+    if (which in ("h", "c") and o.init == "input") or (which == "h" and o.init == "input_h"):
         return which + "0" + suffix
     if which == "p" and o.prev_init == "input":
         return "p0" + suffix
@@ -739,7 +798,14 @@ def _xw_split(ctx: Ctx, xp: str) -> dict:
     return {g: b.op("Slice", xp, b.i64(k * o.H), b.i64((k + 1) * o.H), b.i64(1)) for k, g in enumerate(order)}
 
 
-def _flip0(g: Scope, x: str) -> str:
+def _flip0(g: Scope, x: str, form: str = "flip") -> str:
+    """Reverse the time axis (0): Slice with step -1, or ReverseSequence with every length equal to T."""
+    if form == "revseq":
+        shape = g.op("Shape", x)
+        T = g.op("Slice", shape, g.i64(0), g.i64(1), g.i64(0))
+        B = g.op("Slice", shape, g.i64(1), g.i64(2), g.i64(0))
+        lens = g.op("Expand", T, B)
+        return g.op("ReverseSequence", x, lens, batch_axis=1, time_axis=0, hint="revseq")
     return g.op("Slice", x, g.i64(-1), g.i64(INT64_MIN), g.i64(0), g.i64(-1), hint="flip")
 
 
@@ -788,6 +854,8 @@ def _scan_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suf
             attrs["scan_output_axes"] = [1] * len(seqs)
     if rev:
         attrs["scan_input_directions"] = [1] * n_scan_in
+    if o.mutation == "mask_dir_mismatch" and mask:
+        attrs["scan_input_directions"] = [1 if rev else 0, 0 if rev else 1]
     if seqs and ((rev and o.out_time_order) != o.flip_out):
         attrs["scan_output_directions"] = [1] * len(seqs)
     finals = [main.fresh(f"{s}_final") for s in states] + [main.fresh("w_final") for _ in ctx.carried]
@@ -813,11 +881,13 @@ def _loop_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suf
         Xt, width = _xproj(ctx, Xt)
     rev = o.direction == "reverse"
     if rev and o.reverse_form != "index":
-        Xt = _flip0(main, Xt)
+        Xt = _flip0(main, Xt, o.reverse_form)
         if Mt:
-            Mt = _flip0(main, Mt)
+            Mt = _flip0(main, Mt, o.reverse_form)
     T = main.op("Gather", main.op("Shape", Xt), main.constant(np.array(0, np.int64), "zero"), axis=0, hint="T")
     M = T
+    if o.mutation == "loop_trip_other_dim":
+        M = main.op("Gather", main.op("Shape", Xt), main.constant(np.array(1, np.int64), "one"), axis=0, hint="Bdim")
     if o.mutation == "loop_short":
         one = main.constant(np.array(1, np.int64), "one")
         M = main.op("Max", main.op("Sub", T, one), one)
@@ -831,12 +901,22 @@ def _loop_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suf
         idx = body.op("Sub", body.op("Sub", Tb, body.constant(np.array(1, np.int64), "one")), step_no)
     else:
         idx = step_no
-    x_t = body.op("Gather", Xt, idx, axis=0, hint="x_t")
+    x_idx = idx
+    if o.mutation == "loop_shifted_input":
+        Tb = body.op("Gather", body.op("Shape", Xt), body.constant(np.array(0, np.int64), "zero"), axis=0)
+        one = body.constant(np.array(1, np.int64), "one")
+        x_idx = body.op("Min", body.op("Add", idx, one), body.op("Sub", Tb, one))
+    elif o.mutation == "loop_fixed_input":
+        x_idx = body.constant(np.array(0, np.int64), "zero")
+    x_t = body.op("Gather", Xt, x_idx, axis=0, hint="x_t")
     m_t = body.op("Gather", Mt, idx, axis=0, hint="m_t") if mask else None
     xw = _xw_split(ctx, x_t) if o.xproj else None
     res = _step(ctx, x_t, st_in["h"], st_in.get("c"), st_in.get("p"), m_t, xw)
     nxt = body.op("Add", step_no, body.constant(np.array(1, np.int64), "one"), hint="next")
-    if o.loop_bound in ("cond", "both"):
+    if o.mutation == "loop_cond_short":
+        cond_out = body.op("Less", body.op("Add", nxt, body.constant(np.array(1, np.int64), "one")), T)
+        cond0 = ""
+    elif o.loop_bound in ("cond", "both") or o.mutation == "loop_trip_other_dim":
         cond_out = body.op("Less", nxt, T)
         cond0 = main.op("Less", main.constant(np.array(0, np.int64), "zero"), T)
     else:
@@ -861,12 +941,14 @@ def _loop_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suf
     n_fin = len(states) + (1 if o.loop_counter else 0) + len(ctx.carried)
     finals = [main.fresh(f"{s}_final") for s in states] + [main.fresh("aux_final") for _ in range(n_fin - len(states))]
     ys = [main.fresh("Y_loop") for _ in seqs]
-    trip = M if o.loop_bound in ("M", "both") or o.mutation == "loop_short" else ""
+    if o.loop_bound == "const" and o.mutation is None:
+        M = main.constant(np.array(o.static_T, np.int64), "T_const")
+    trip = M if o.loop_bound in ("M", "both", "const") or o.mutation in ("loop_short", "loop_trip_other_dim", "loop_cond_short") else ""
     main.nodes.append(helper.make_node("Loop", [trip, cond0] + outer_states, finals + ys, name=f"the_loop{suffix}", body=body_graph))
     outs = []
     for y in ys:
         if (rev and o.out_time_order) != o.flip_out:
-            y = _flip0(main, y)
+            y = _flip0(main, y, o.reverse_form if rev else "flip")
         if o.batch_first:
             y = main.op("Transpose", y, perm=[1, 0, 2])
         outs.append(y)
@@ -896,23 +978,24 @@ def _layer_opts(o: Opts) -> list[Opts]:
 def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
     mb = ModelBuilder(o)
     main = mb.main
-    xs = ["B", "T", o.F] if o.batch_first else ["T", "B", o.F]
+    T, Bd = (o.static_T or "T"), (o.static_B or "B")
+    xs = [Bd, T, o.F] if o.batch_first else [T, Bd, o.F]
     mb.inputs.append(_vi("X", FLOAT, xs))
     mask = None
     if o.masked():
-        ms = ["B", "T", 1] if o.batch_first else ["T", "B", 1]
+        ms = [Bd, T, 1] if o.batch_first else [T, Bd, 1]
         m_et = FLOAT if o.mutation == "float_mask" else TensorProto.BOOL
         mb.inputs.append(_vi("mask", m_et, ms[: o.mask_rank]))
         mask = "mask"
     los = _layer_opts(o)
     for k, lo in enumerate(los):
         sfx = "" if k == 0 else "_b"
-        if o.init == "input":
-            mb.inputs.append(_vi("h0" + sfx, FLOAT, ["B", lo.H]))
-            if lo.op == "LSTM":
-                mb.inputs.append(_vi("c0" + sfx, FLOAT, ["B", lo.H]))
+        if o.init in ("input", "input_h"):
+            mb.inputs.append(_vi("h0" + sfx, FLOAT, [Bd, lo.H]))
+            if lo.op == "LSTM" and o.init == "input":
+                mb.inputs.append(_vi("c0" + sfx, FLOAT, [Bd, lo.H]))
         if has_prev(lo) and lo.prev_init == "input":
-            mb.inputs.append(_vi("p0" + sfx, FLOAT, ["B", lo.H]))
+            mb.inputs.append(_vi("p0" + sfx, FLOAT, [Bd, lo.H]))
     layer = _scan_layer if o.front == "scan" else _loop_layer
     results = []
     x, F = "X", o.F
@@ -922,11 +1005,25 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
         results.append(r)
         if o.layers == "stack":
             x, F = r["Y"], lo.H
-    ys = ["B", "T", o.H] if o.batch_first else ["T", "B", o.H]
+    ys = [Bd, T, o.H] if o.batch_first else [T, Bd, o.H]
     outs = []
 
+    used_directly: set = set()
+
     def out(src: str, name: str, shape):
-        main.nodes.append(helper.make_node("Identity", [src], [name], name=f"out_{name}"))
+        if o.direct_out and src not in used_directly and src not in mb.inputs_names():
+            # rename the producer's output to the graph output name (and every reader of it)
+            used_directly.add(src)
+            for n in main.nodes:
+                for i, v in enumerate(n.output):
+                    if v == src:
+                        n.output[i] = name
+                for i, v in enumerate(n.input):
+                    if v == src:
+                        n.input[i] = name
+            used_directly.add(name)
+        else:
+            main.nodes.append(helper.make_node("Identity", [src], [name], name=f"out_{name}"))
         outs.append(_vi(name, FLOAT, shape))
 
     last = results[-1]
@@ -943,7 +1040,7 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
         sfx = "" if k == 0 else "_b"
         for s in ("h", "c", "p"):
             if o.wants(s):
-                out(r[s], f"{s}_T{sfx}", ["B", o.H])
+                out(r[s], f"{s}_T{sfx}", [Bd, o.H])
     if not outs:
         raise ValueError("the model must return something")
     graph = helper.make_graph(
@@ -1007,9 +1104,9 @@ def make_feeds(o: Opts, mb: ModelBuilder, rng: np.random.Generator, batch: int, 
         feeds["mask"] = P.astype(np.float32) if o.mutation == "float_mask" else P
     for k, lo in enumerate(_layer_opts(o)):
         sfx = "" if k == 0 else "_b"
-        if o.init == "input":
+        if o.init in ("input", "input_h"):
             feeds["h0" + sfx] = rng.standard_normal((batch, lo.H)).astype(np.float32)
-            if lo.op == "LSTM":
+            if lo.op == "LSTM" and o.init == "input":
                 feeds["c0" + sfx] = rng.standard_normal((batch, lo.H)).astype(np.float32)
         if has_prev(lo) and lo.prev_init == "input":
             feeds["p0" + sfx] = rng.standard_normal((batch, lo.H)).astype(np.float32)
@@ -1023,6 +1120,8 @@ def _layer_reference(lo: Opts, X: np.ndarray, mask: np.ndarray | None, h0, c0, p
     if lo.batch_first:
         X = X.transpose(1, 0, 2)
     T, Bn = X.shape[:2]
+    if h0 is not None and c0 is None:
+        c0 = np.zeros_like(h0)  # init="input_h"
     if h0 is None:
         if lo.init == "learned":
             li = learned_init(lo)
@@ -1109,7 +1208,7 @@ def expected_native(o: Opts) -> dict:
 def check_opts(o: Opts) -> None:
     if o.op not in GATES:
         raise ValueError(o.op)
-    if o.front == "scan" and o.reverse_form in ("index", "flip"):
+    if o.front == "scan" and o.reverse_form in ("index", "flip", "revseq"):
         raise ValueError("Scan reverses with scan_input_directions (reverse_form='native')")
     if o.front == "loop" and o.direction == "reverse" and o.reverse_form == "native":
         raise ValueError("a reverse Loop needs reverse_form='flip' or 'index'")
@@ -1119,6 +1218,8 @@ def check_opts(o: Opts) -> None:
         raise ValueError(o.mutation)
     if o.acts is not None and len(o.acts) != len(DEFAULT_ACTS[o.op]):
         raise ValueError("wrong number of activations")
+    if o.loop_bound == "const" and not o.static_T:
+        raise ValueError("loop_bound='const' needs static_T")
 
 
 def build_full(o: Opts):
@@ -1254,9 +1355,19 @@ def run_case(
     out = Outcome(o, model, fused, report, status, left, _natives(fused))
     if kinds is None:
         kinds = ("post", "pre", "gappy") if o.masked() else ("none",)
+    if o.static_T:
+        Ts = (o.static_T,)
+    if o.static_B:
+        batches = (o.static_B,)
     rng = np.random.default_rng(seed)
     s_orig = _session(model)
-    s_fused = _session(fused) if (left < n_rec or always_compare) else None
+    s_fused = None
+    if left < n_rec or always_compare:
+        try:
+            s_fused = _session(fused)
+        except Exception as e:  # the optimizer wrote a model onnxruntime refuses
+            msg = str(e).strip().splitlines()[0][:400]
+            raise AssertionError(f"BROKEN MODEL: onnxruntime cannot load the optimized model: {msg}\n{out.text()}") from None
     names = [v.name for v in model.graph.output]
     do_ref = check_reference and not o.mutation
     for b in batches:

@@ -137,44 +137,47 @@ def valid_opts(draw, single=False):
     kw["H"] = draw(_weighted((1, 1), (6, 2), (6, 3), (6, 4), (3, 5), (2, 6), (2, 8)))
     kw["acts"] = draw(activations(op))
     kw["clip"] = draw(_weighted((5, None), (1, 0.5), (1, 1.5), (1, 3.0)))
-    kw["lbr"] = draw(_weighted((1, 0), (3, 1))) if op == "GRU" else 0
+    kw["lbr"] = draw(_weighted((1, 0), (5, 1))) if op == "GRU" else 0
     kw["bias"] = draw(st.sampled_from(["none", "one", "two"]))
-    kw["uniform_bias"] = draw(_weighted((30, False), (1, True)))
-    kw["forget_bias"] = draw(_weighted((30, 0.0), (1, 1.0))) if op == "LSTM" else 0.0
+    kw["uniform_bias"] = draw(_weighted((40, False), (1, True)))
+    kw["forget_bias"] = draw(_weighted((40, 0.0), (1, 1.0))) if op == "LSTM" else 0.0
     kw["direction"] = draw(st.sampled_from(["forward", "reverse"]))
     if front == "loop":
-        kw["reverse_form"] = draw(_weighted((8, "flip"), (1, "index")))
+        kw["reverse_form"] = draw(_weighted((10, "flip"), (5, "revseq"), (1, "index")))
     kw["out_time_order"] = draw(st.booleans())
     kw["flip_out"] = draw(_weighted((5, False), (1, True)))
     kw["batch_first"] = draw(_weighted((3, False), (1, True)))
-    kw["init"] = draw(st.sampled_from(["zeros", "input", "fill", "learned"]))
+    kw["init"] = draw(st.sampled_from(["zeros", "input", "input_h", "fill", "learned"]))
     kw["init_form"] = draw(st.sampled_from(["cos", "expand"]))
-    kw["mask"] = draw(_weighted((6, "none"), (3, "where"), (1, "where_not"), (2, "cast_not"), (2, "cast_sub"), (2, "delta"), (0 if single else 1, "pad")))
+    kw["mask"] = draw(_weighted((16, "none"), (8, "where"), (3, "where_not"), (4, "cast_not"), (4, "cast_sub"), (4, "delta"), (0 if single else 1, "pad")))
     kw["mask_rank"] = draw(st.sampled_from([2, 3]))
     kw["fill"] = draw(st.sampled_from(["carry", "zero"]))
     kw["carry_src"] = draw(st.sampled_from(["state", "prev"]))
     kw["prev_init"] = draw(st.sampled_from(["zeros", "fill", "input"]))
-    kw["zero_form"] = draw(_weighted((6, "const"), (2, "sub"), (2, "mul0"), (1, "cos")))
+    kw["zero_form"] = draw(_weighted((10, "const"), (3, "sub"), (3, "mul0"), (1, "cos")))
     outs = draw(st.sets(st.sampled_from(["seq", "h", "c", "p"]), min_size=1))
     if not ({"seq", "h"} & outs) and not (op == "LSTM" and "c" in outs):
         outs.add("seq")
     kw["outputs"] = tuple(sorted(outs))
     kw["extra_seq"] = draw(_weighted((5, False), (1, True)))
-    kw["matmul"] = draw(_weighted((4, "matmul"), (3, "gemm"), (2, "gemm_t"), (1, "gemm_ab")))
+    kw["matmul"] = draw(_weighted((8, "matmul"), (6, "gemm"), (5, "gemm_t"), (1, "gemm_ab")))
     kw["layout"] = draw(st.sampled_from(["separate", "fused_split", "fused_slice"]))
     kw["concat"] = draw(st.booleans())
-    kw["act_form"] = draw(st.sampled_from(["op", "clip", "maxmin", "minmax", "relu6"]))
+    kw["act_form"] = draw(_weighted((6, "op"), (2, "clip"), (1, "maxmin"), (1, "minmax"), (1, "relu6")))
     kw["clip_form"] = draw(st.sampled_from(["op", "minmax"]))
     kw["gru_update"] = draw(st.sampled_from(["a", "b", "c"]))
     kw["weights"] = draw(st.sampled_from(["outer", "body_const", "body_init", "carried"]))
     kw["perm"] = tuple(draw(st.permutations(GATES[op])))
     kw["state_order"] = draw(st.sampled_from(["hc", "ch"]))
     kw["noise"] = draw(_weighted((4, False), (1, True)))
-    kw["dropout"] = draw(_weighted((30, False), (1, True)))
+    kw["direct_out"] = draw(_weighted((3, False), (1, True)))
+    kw["dropout"] = draw(_weighted((40, False), (1, True)))
     kw["weight_cast"] = draw(_weighted((5, False), (1, True)))
-    kw["xproj"] = draw(_weighted((30, False), (1, True)))
+    kw["xproj"] = draw(_weighted((40, False), (1, True)))
+    kw["static_T"] = draw(_weighted((4, 0), (1, 5)))
+    kw["static_B"] = draw(_weighted((4, 0), (1, 3)))
     if front == "loop":
-        kw["loop_bound"] = draw(st.sampled_from(["M", "cond", "both"]))
+        kw["loop_bound"] = draw(st.sampled_from(["M", "cond", "both"] + (["const"] if kw["static_T"] else [])))
         kw["loop_counter"] = draw(st.booleans())
     kw["layers"] = "single" if single else draw(_weighted((8, "single"), (1, "bidir"), (1, "stack")))
     o = B.default_reverse_form(B.Opts(**kw))
@@ -187,12 +190,10 @@ def valid_opts(draw, single=False):
 @st.composite
 def near_miss_opts(draw):
     base = draw(valid_opts(single=True))
-    muts = sorted(m for m in B.MUTATIONS if B.mutation_applies(m, base.replace(mutation=m)))
-    if not muts:
-        base = base.replace(mask="where")
-        muts = sorted(m for m in B.MUTATIONS if B.mutation_applies(m, base.replace(mutation=m)))
-    assume(muts)
-    return base.replace(mutation=draw(st.sampled_from(muts)))
+    muts = sorted(m for m, (ops, fronts, _, _) in B.MUTATIONS.items() if base.op in ops.split() and base.front in fronts.split())
+    o = B.mutation_fixup(draw(st.sampled_from(muts)), base)
+    assume(B.mutation_applies(o.mutation, o))
+    return o
 
 
 # ------------------------------------------------------------------------------------------------------

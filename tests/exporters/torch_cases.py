@@ -16,11 +16,19 @@ For every case three files are written into DIR:
     ``in/<set>/<onnx input name>`` (the feeds) and ``out/<set>/<k>`` (the framework's own
     ``module(*inputs)`` / ``model(x)`` for the k-th entry of ``graph.output``).
 ``<case>.json``
-    name, exporter, layers, ``expect`` (what a perfect fuser leaves: one native op per
-    recurrence, "bidirectional" for a forward+backward pair over one input, "reverse" for a
-    backwards loop), the input set names and notes.
+    name, exporter, layers, ``expect`` (what a perfect fuser leaves: ``ops`` = one native op per
+    recurrence, ``directions`` = "bidirectional" for a forward+backward pair over one input,
+    "reverse" for a backwards loop; ``absent``; ``max_cell_ops``; ``attrs`` where a non-default
+    attribute is implied: GRU ``linear_before_reset=1``, RNN ``activations=["Relu"...]``), the input
+    ``sets``, ``dynamic_batch`` / ``dynamic_time``, ``masked``, ``slow``, and about the unfused
+    export: ``opset``, ``nodes`` (top level), ``nodes_total`` (with subgraphs), ``exported_ops``
+    (LSTM/GRU/RNN/Loop/Scan/If counts) and ``notes``.
 
-A ``summary.jsonl`` line per attempted case (ok / error / seconds) is written too.
+Sets: ``b1`` and ``b3`` for dynamic-batch exports (example batch is 2), plus ``b2_t11`` when the
+time axis is dynamic too; static-shape exports have only ``b<export batch>``; the masked Keras
+case has right-padded, left-padded and gappy masks (``post_b1``, ``post_b3``, ``pre_b3``,
+``gappy_b3``). A ``summary.jsonl`` line per attempted case (ok / error / seconds) is written too
+(not ``*.json``, so globbing the cases does not pick it up).
 Exports that fail are reported as one WARNING line each and skipped; the exit status is 0
 when most of the selected cases were written. Keras runs in a child process of this script
 (``KERAS_BACKEND=torch`` must be set before keras is imported).
@@ -34,14 +42,14 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
 import warnings
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -93,27 +101,33 @@ class Case:
         return bool(self.opts.get("batch_first"))
 
 
+CASE_FIELDS = {f.name for f in fields(Case)}
+
+
+def _case(name, exporter, model, cell, **kw) -> Case:
+    """Keywords naming a Case field go there; the rest are builder options."""
+    top = {k: kw.pop(k) for k in list(kw) if k in CASE_FIELDS}
+    return Case(name, exporter, model, dict(cell=cell, **kw), **top)
+
+
 def loop(name, cell, exporter="trace", **kw):
     """A Python loop over ``cell`` (nn.LSTMCell/GRUCell/RNNCell or a hand-written cell)."""
-    top = {k: kw.pop(k) for k in ("time", "batch", "features", "hidden", "dynamic_batch", "slow", "fold", "notes") if k in kw}
-    return Case(name, exporter, "loop", dict(cell=cell, **kw), **top)
+    return _case(name, exporter, "loop", cell, **kw)
 
 
 def nnrnn(name, cell, exporter="dynamo", **kw):
     """``nn.RNN``/``nn.LSTM``/``nn.GRU`` called on the whole sequence; returns (output, final states...)."""
-    top = {k: kw.pop(k) for k in ("time", "notes") if k in kw}
-    return Case(name, exporter, "nn", dict(cell=cell, **kw), **top)
+    return _case(name, exporter, "nn", cell, **kw)
 
 
 def script(name, cell, **kw):
     """``torch.jit.script`` of a ``for t in range(x.size(0))`` loop; exported with dynamic batch and time."""
-    top = {k: kw.pop(k) for k in ("notes",) if k in kw}
-    return Case(name, "torchscript", "script", dict(cell=cell, **kw), dynamic_time=True, **top)
+    return _case(name, "torchscript", "script", cell, dynamic_time=True, **kw)
 
 
 def keras(name, layer, **kw):
-    top = {k: kw.pop(k) for k in ("notes",) if k in kw}
-    return Case(name, "keras3-torch", "keras", dict(cell=layer, **kw), **top)
+    """A Keras 3 layer on the torch backend, exported with ``model.export(format="onnx")``."""
+    return _case(name, "keras3-torch", "keras", layer, **kw)
 
 
 REV, REV_ITER = dict(reverse=True), dict(reverse=True, order="iteration")
@@ -568,9 +582,8 @@ def generate_torch(c: Case, out_dir: Path) -> dict:
         export_torch(c, module, specs, path)
     model = self_contained(path)
 
-    graph_inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
-    if graph_inputs != [name for name, _ in specs]:
-        raise RuntimeError(f"ONNX inputs {graph_inputs} != module inputs {[n for n, _ in specs]}")
+    if graph_inputs(model) != [name for name, _ in specs]:
+        raise RuntimeError(f"ONNX inputs {graph_inputs(model)} != module inputs {[n for n, _ in specs]}")
     rng = np.random.default_rng(seed)
     arrays = {}
     for set_name, batch, time_ in set_specs(c):
@@ -598,12 +611,18 @@ def write_meta(c: Case, model, out_dir: Path, extra_notes: str = "", sets=None) 
         "masked": bool(c.opts.get("masked")),
         "slow": c.slow,
         "opset": next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
-        "nodes": len(ops),
+        "nodes": len(model.graph.node),  # top-level graph
+        "nodes_total": len(ops),  # with Loop / If bodies
         "exported_ops": {op: ops.count(op) for op in ("LSTM", "GRU", "RNN", "Loop", "Scan", "If") if op in ops},
         "notes": "; ".join(n for n in (case_notes(c), extra_notes) if n),
     }
     (out_dir / f"{c.name}.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def graph_inputs(model) -> list[str]:
+    inits = {t.name for t in model.graph.initializer}
+    return [i.name for i in model.graph.input if i.name not in inits]
 
 
 def graph_ops(graph) -> list[str]:
@@ -663,14 +682,14 @@ def generate_keras(c: Case, out_dir: Path) -> dict:
                      input_signature=[keras.InputSpec(shape=first.shape, dtype="float32", name="x")])
         sets = {s: x for s, x in sets.items() if x.shape[0] == first.shape[0]}
     onnx_model = self_contained(path)
-    graph_inputs = [i.name for i in onnx_model.graph.input if i.name not in {t.name for t in onnx_model.graph.initializer}]
-    if len(graph_inputs) != 1 or len(onnx_model.graph.output) != 1:
-        raise RuntimeError(f"unexpected ONNX signature: inputs {graph_inputs}, {len(onnx_model.graph.output)} outputs")
+    inputs = graph_inputs(onnx_model)
+    if len(inputs) != 1 or len(onnx_model.graph.output) != 1:
+        raise RuntimeError(f"unexpected ONNX signature: inputs {inputs}, {len(onnx_model.graph.output)} outputs")
     dims = [d.dim_param or d.dim_value for d in onnx_model.graph.input[0].type.tensor_type.shape.dim]
     c = replace(c, dynamic_batch=isinstance(dims[0], str))
     arrays = {}
     for s, x in sets.items():
-        arrays[f"in/{s}/{graph_inputs[0]}"] = x
+        arrays[f"in/{s}/{inputs[0]}"] = x
         arrays[f"out/{s}/0"] = refs[s]
     np.savez(out_dir / f"{c.name}.npz", **arrays)
     extra = "; ".join(p for p in (extra, f"ONNX input shape {dims}") if p)
@@ -705,7 +724,8 @@ def run_keras_children(cases: list[Case], out_dir: Path) -> list[dict]:
             with contextlib.suppress(ValueError):
                 r = json.loads(line)
                 results[r["name"]] = r
-    tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][:300]
+    errors = [ln for ln in proc.stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception)\b", ln)]
+    tail = (errors[-1] if errors else f"exit status {proc.returncode}")[:300]
     return [results.get(c.name, {"name": c.name, "ok": False, "seconds": 0.0,
                                  "error": f"Keras child process gave no result: {tail}"}) for c in cases]
 

@@ -30,7 +30,7 @@ from rnnfuse.pipeline import Options, PassResult
 from rnnfuse.recurrence import CellCheck, FinalOutput, Init, Recurrence, SeqOutput
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.step import StepState, analyse
-from rnnfuse.symbolic import Bool, Poly, State, StepEvaluator, Sym, X, content_key, loose_key, zero_states
+from rnnfuse.symbolic import Bool, Fill, Poly, State, StepEvaluator, Sym, X, content_key, loose_key, zero_states
 
 # ops a carried state passes through on its way to a combining node (one non-constant input each)
 _STATE_SIDE = {"Gemm", "MatMul", "Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Add", "Mul", "Sub", "Cast", "Gather"}
@@ -175,6 +175,8 @@ def _intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Inte
     iv.update({x: (t, t) for x, t in leaves.items()})
     get = iv.get
     for n in order:
+        if n.op_type in ("Shape", "Size"):
+            continue  # a shape does not depend on values
         lo = hi = None
         for i in n.input:
             v = get(i)
@@ -194,6 +196,35 @@ def _intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Inte
     return iv
 
 
+def shape_derived(g: Graph, name: str) -> bool:
+    """Whether a tensor depends on other tensors' shapes only (never on their values)."""
+    memo = g.model.annotations.setdefault("shape_derived", {})
+    if name in memo:
+        return memo[name]
+    stack = [name]
+    while stack:
+        cur = stack[-1]
+        if cur in memo:
+            stack.pop()
+            continue
+        p = g.producer.get(cur)
+        if p is None or g.const(cur) is not None:
+            memo[cur] = g.const(cur) is not None
+            stack.pop()
+            continue
+        if p.op_type in ("Shape", "Size"):
+            memo[cur] = True
+            stack.pop()
+            continue
+        pending = [i for i in p.input if i and i not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        memo[cur] = all(memo[i] for i in p.input if i) and bool([i for i in p.input if i])
+        stack.pop()
+    return memo[name]
+
+
 def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12) -> str | None:
     """Walk a combining node's older input back through state-side ops to the carried tensor."""
     for _ in range(limit):
@@ -202,7 +233,9 @@ def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12) -> 
         p = g.producer.get(name)
         if p is None or p.op_type not in _STATE_SIDE:
             return name
-        dyn = [i for i in p.input if i and g.const(i) is None]
+        dyn = [i for i in p.input if i and g.const(i) is None and not shape_derived(g, i)]
+        if not dyn:
+            return None  # computed from constants and shapes only: a zero initial state, not a carried value
         if len(dyn) != 1:
             return name
         if p.op_type in ("MatMul", "Gemm") and p.input[0] != dyn[0]:
@@ -243,7 +276,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, str] | No
                     continue
                 pulled: set = set()
                 r = _root(g, i, iv, pulled, xs)
-                if r in xs:
+                if r is None or r in xs or shape_derived(g, r):
                     continue
                 riv = iv.get(r)
                 for direction in ("forward", "reverse"):
@@ -282,7 +315,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, str] | No
     return chains
 
 
-def _allowed_fn(chain: Chain, k: int, iv):
+def _allowed_fn(g: Graph, chain: Chain, k: int, iv):
     st = chain.steps[k]
     t = st.t
     fwd = chain.direction == "forward"
@@ -294,7 +327,10 @@ def _allowed_fn(chain: Chain, k: int, iv):
         if k in pulled:
             return True
         v = nodes.get(k)
-        return v is not None and v[side] == t
+        if v is None:
+            # constants-and-shapes-only nodes (a zero state's matmul) are evaluated wherever they are read
+            return bool(n.output) and shape_derived(g, n.output[0])
+        return v[side] == t
 
     return allowed
 
@@ -326,15 +362,19 @@ class _StepEval:
         self.foreign = _Foreign(st.t)
         leaves = {st.x: Sym(Poly.atom(x_atom))}
         if h_in is not None:
-            leaves[h_in] = Sym(Poly.atom(H_STATE))
+            fv = g.fill_value(h_in)
+            leaves[h_in] = Sym(Poly.atom(H_STATE)) if fv is None else Fill(np.array(fv, dtype=np.float32))
         if st.mask is not None:
             leaves[st.mask] = Bool("m", False, g.model.rank(st.mask) == 2)
 
         def foreign(name: str):
+            fv = g.fill_value(name)
+            if fv is not None:  # a zero (or constant) state of runtime shape, e.g. ConstantOfShape(Shape(x))
+                return Fill(np.array(fv, dtype=np.float32))
             self.foreign(name)
             return Sym(Poly.atom(C_STATE))
 
-        self.ev = StepEvaluator(g, leaves, may_evaluate=_allowed_fn(chain, k, iv), foreign=foreign, content_keys=True)
+        self.ev = StepEvaluator(g, leaves, may_evaluate=_allowed_fn(g, chain, k, iv), foreign=foreign, content_keys=True)
 
     @property
     def c_in(self) -> str | None:
@@ -362,7 +402,7 @@ class _Signer:
             v = self.table[key] = len(self.table)
         return v
 
-    def sign(self, name: str, leaves: dict[str, str], allowed, foreign: _Foreign, visited: set) -> int:
+    def sign(self, name: str, leaves: dict[str, str], allowed, foreign: _Foreign, visited: set, fills: dict | None = None) -> int:
         g = self.g
         memo: dict[str, int] = {}
         stack = [name]
@@ -384,8 +424,26 @@ class _Signer:
                 stack.pop()
                 continue
             p = g.producer.get(cur)
+            if p is not None and p.op_type in ("ConstantOfShape", "Expand"):
+                fv = g.fill_value(cur)
+                if fv is not None:
+                    if fills is not None:
+                        fills[cur] = fv
+                    memo[cur] = self._intern(("fill", fv))
+                    stack.pop()
+                    continue
+            if p is not None and p.op_type in ("Shape", "Size") and p.input[0] not in leaves:
+                q = g.producer.get(p.input[0])
+                if q is None or not allowed(q):  # the shape of an outside tensor: the same for every step
+                    memo[cur] = self._intern(("ext-shape", p.input[0], p.SerializeToString()))
+                    visited.add(id(p))
+                    stack.pop()
+                    continue
             if p is None or not allowed(p):
-                memo[cur] = self._intern(("leaf", foreign(cur)))
+                fv = g.fill_value(cur)
+                if fv is not None and fills is not None:
+                    fills[cur] = fv
+                memo[cur] = self._intern(("fill", fv) if fv is not None else ("leaf", foreign(cur)))
                 stack.pop()
                 continue
             pending = [i for i in p.input if i and i not in memo]
@@ -417,19 +475,22 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         raise Decline(f"the per-step inputs are slices of a rank-{rank} tensor along axis {axis}")
     if sorted(ts) != list(range(min(ts), max(ts) + 1)):
         raise Decline("the chain skips time steps")
-    x_atom = X("x", None)
+    x_atom = X("x", static_dim(g, src, 2))
     h_in: list[str | None] = [None] * n
     for k in range(1, n):
         h_in[k] = _single_root(steps[k])
     if steps[0].roots:
         h_in[0] = _single_root(steps[0])
+    h0_fill = g.fill_value(h_in[0]) if h_in[0] is not None else None
+    if h0_fill is not None and h0_fill != 0.0:
+        raise Decline(f"the initial hidden state is a constant {h0_fill:g}, not zeros")
     h_new: list[str | None] = [h_in[k + 1] for k in range(n - 1)] + [None]
-    allowed = [_allowed_fn(chain, k, iv) for k in range(n)]
+    allowed = [_allowed_fn(g, chain, k, iv) for k in range(n)]
     foreign = [_Foreign(s.t) for s in steps]
     leaves = []
     for k, st in enumerate(steps):
         lv = {st.x: "x"}
-        if h_in[k] is not None:
+        if h_in[k] is not None and not (k == 0 and h0_fill is not None):
             lv[h_in[k]] = "h"
         if st.mask is not None:
             lv[st.mask] = "m"
@@ -493,7 +554,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
                 continue
     # every step computes the reference cell: by structure, or else by its maths
     zero = set()
-    if h_in[0] is None:
+    if h_in[0] is None or h0_fill is not None:
         zero.add("h")
     if lstm and foreign[0].name is None:
         zero.add("c")
@@ -529,7 +590,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         where=f"{chain.direction} chain over '{src}' (axis {axis}), steps {ts[0]}..{ts[-1]}: {n} cells",
         cell=spec,
         x=x,
-        h0=Init(h_in[0], None) if h_in[0] is not None else Init(),
+        h0=Init(h_in[0], None) if h_in[0] is not None and h0_fill is None else Init(),
         c0=Init(foreign[0].name, None) if lstm and foreign[0].name is not None else Init(),
         anchor=anchor,
         x_batch_first=axis == 1,
@@ -539,17 +600,18 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
     # what cell-level validation compares (the whole chain may be too big to run in onnxruntime)
     for k in sorted({km, 0}):
         visited: set = set()
+        fills: dict = {}
         f = _Foreign(ts[k])
         outs = {h_new[k]: "h"}
-        signer.sign(h_new[k], leaves[k], allowed[k], f, visited)
+        signer.sign(h_new[k], leaves[k], allowed[k], f, visited, fills)
         if lstm and c_new[k] is not None:
-            signer.sign(c_new[k], leaves[k], allowed[k], f, visited)
+            signer.sign(c_new[k], leaves[k], allowed[k], f, visited, fills)
             outs[c_new[k]] = "c"
         ins = {v: r for v, r in leaves[k].items() if r != "m"}
         if f.name is not None:
             ins[f.name] = "c"
         rec.cell_checks.append(
-            CellCheck(order_of(g, visited), ins, outs, zero if k == 0 else set(), static_dim(g, src, 1 - axis))
+            CellCheck(order_of(g, visited), ins, outs, zero if k == 0 else set(), static_dim(g, src, 1 - axis), fills)
         )
     return rec
 

@@ -63,6 +63,7 @@ class CellCheck:
     outputs: dict  # tensor -> "h" | "c"
     zero: set = field(default_factory=set)  # states that are zero in this step (a folded first step)
     batch: int | None = None  # a batch size baked into the step (static exports), else any
+    fills: dict = field(default_factory=dict)  # tensors of runtime shape [B, H] filled with one value
 
 
 @dataclass

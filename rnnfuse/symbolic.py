@@ -364,6 +364,19 @@ class C(Val):
         return self.ref
 
 
+class Fill(C):
+    """A tensor of runtime shape filled with one value (``ConstantOfShape(Shape(...))`` zero states)."""
+
+
+class ShapeV(Val):
+    """The shape of a symbolic [*(1,)*lead, B, N] value: known dims, None for the batch."""
+
+    __slots__ = ("dims",)
+
+    def __init__(self, dims: list):
+        self.dims = dims
+
+
 class Sym(Val):
     """A symbolic [*(1,)*lead, B, N] tensor given by a polynomial."""
 
@@ -466,13 +479,19 @@ class StepEvaluator:
                 continue
             g = self.graph.scope_of(cur)
             node = g.producer.get(cur) if g is self.graph else None
+            if node is not None and node.op_type in ("ConstantOfShape", "Expand"):
+                fv = self.graph.fill_value(cur)
+                if fv is not None:  # a constant of runtime shape (zero states): its value is all that matters
+                    self.memo[cur] = Fill(np.array(fv, dtype=np.float32))
+                    stack.pop()
+                    continue
             if node is None or not self.may_evaluate(node):
                 if self.foreign is not None:
                     self.memo[cur] = self.foreign(cur)
                 else:
                     fv = self.graph.fill_value(cur)
                     self.memo[cur] = (
-                        C(np.array(fv, dtype=np.float32))
+                        Fill(np.array(fv, dtype=np.float32))
                         if fv is not None
                         else Opaque(f"'{cur}' is computed at runtime outside the step")
                     )
@@ -508,7 +527,11 @@ class StepEvaluator:
                 if op in ("MatMul", "Gemm") and k == 1 and v.why.startswith("'"):
                     return [Opaque(f"the weights {v.why.split(' ')[0]} of {op} '{node.name or node.output[0]}' are computed at runtime, not constants")] * len(node.output)
                 return [v] * len(node.output)  # keep the first reason, unprefixed
+        if any(isinstance(v, ShapeV) for v in ins):
+            return _shape_op(self, node, ins)
         if all(isinstance(v, C) or v is None for v in ins):
+            if any(isinstance(v, Fill) for v in ins):
+                return _fill_op(self, node, ins)
             from .fold import evaluate
 
             res = evaluate(node, [v.arr if v is not None else None for v in ins], self.opset)
@@ -519,6 +542,63 @@ class StepEvaluator:
         if h is None:
             raise Decline(f"unsupported op {op} on the recurrent path")
         return h(self, node, ins)
+
+
+_FILL_KEEPS = {"Identity", "Cast", "Squeeze", "Unsqueeze", "Reshape", "Transpose", "Flatten", "Split", "Slice", "Gather", "Expand", "Tile", "Concat"}
+
+
+def _fill_op(ev, node, ins):
+    """Constant folding when a runtime-shaped fill is involved: only its value matters."""
+    op = node.op_type
+    fills = [v for v in ins if isinstance(v, Fill)]
+    if op in _FILL_KEEPS:
+        vals = {float(v.arr) for v in fills}
+        if len(vals) == 1 and (op != "Concat" or all(isinstance(v, Fill) for v in ins if v is not None)):
+            return [Fill(fills[0].arr)] * len(node.output)
+        raise Decline(f"{op} of a runtime-shaped constant")
+    if op in ("MatMul", "Gemm"):
+        a = ins[0]
+        if not isinstance(a, Fill) or float(a.arr) != 0.0 or isinstance(ins[1], Fill):
+            raise Decline(f"{op} of a runtime-shaped constant")
+        if op == "Gemm" and len(ins) > 2 and ins[2] is not None:
+            bias = np.asarray(ins[2].arr) * np.asarray(attr(node, "beta", 1.0), dtype=ins[2].arr.dtype)
+            return [C(bias.reshape(1, -1) if bias.ndim == 1 else bias)]
+        return [Fill(np.array(0.0, dtype=np.float32))]
+    from .fold import evaluate
+
+    res = evaluate(node, [v.arr if v is not None else None for v in ins], ev.opset)
+    if res is None:
+        raise Decline(f"cannot evaluate constant {op}")
+    return [Fill(r) if np.asarray(r).ndim == 0 else C(r) for r in res]
+
+
+def _shape_op(ev, node, ins):
+    """Ops on the shape of a cell value (torch's chunk computes split sizes from Shape)."""
+    v = ins[0]
+    if node.op_type in ("Gather", "Slice") and isinstance(v, ShapeV):
+        from .fold import evaluate
+
+        idx = np.arange(len(v.dims))
+        res = evaluate(node, [idx] + [x.arr if isinstance(x, C) else None for x in ins[1:]], ev.opset)
+        if res is None:
+            raise Decline("an unsupported use of a shape")
+        sel = np.asarray(res[0])
+        dims = [v.dims[int(i)] for i in sel.ravel()]
+        if all(d is not None for d in dims):
+            return [C(np.array(dims, dtype=np.int64).reshape(sel.shape))]
+        return [ShapeV(dims)]
+    raise Decline(f"{node.op_type} of a runtime shape")
+
+
+def _shape(ev, node, ins):
+    v = ins[0]
+    if isinstance(v, (Sym, Row)):
+        n = v.poly.ncols if isinstance(v, Sym) else sum(w or 0 for _, w, _ in v.segments) or None
+        dims = [1] * v.lead + [None, n]
+        start, end = attr(node, "start", 0), attr(node, "end", None)
+        dims = dims[start:end]
+        return [C(np.array(dims, dtype=np.int64))] if all(d is not None for d in dims) else [ShapeV(dims)]
+    raise Decline("the shape of an unsupported value")
 
 
 # ---- coercions
@@ -1015,6 +1095,7 @@ _HANDLERS: dict[str, Callable] = {
     "Unsqueeze": _unsqueeze,
     "Squeeze": _squeeze,
     "Reshape": _reshape,
+    "Shape": _shape,
     "LSTM": _native_rnn,
     "GRU": _native_rnn,
     "RNN": _native_rnn,

@@ -380,7 +380,7 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
             m.CopyFrom(n)
             nodes.append(m)
             for i in n.input:
-                if i and i not in produced and i not in chk.inputs and i not in inits:
+                if i and i not in produced and i not in chk.inputs and i not in inits and i not in chk.fills:
                     c = g.const(i)
                     if c is None:
                         return ValidationResult(False, f"the step reads '{i}', which is not constant")
@@ -392,6 +392,8 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
             width = cell.input_size if role == "x" else cell.hidden
             inputs.append(helper.make_tensor_value_info(name, dt, ["B", width]))
             role_name[role] = name
+        for name in chk.fills:
+            inputs.append(helper.make_tensor_value_info(name, dt, ["B", cell.hidden]))
         extra = [
             numpy_helper.from_array(W, "__W"),
             numpy_helper.from_array(R, "__R"),
@@ -439,6 +441,8 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
             for name, role in chk.inputs.items():
                 width = cell.input_size if role == "x" else cell.hidden
                 feeds[name] = (rng.standard_normal((batch, width)) * (scale if role == "x" else 1.0)).astype(np.float32)
+            for name, v in chk.fills.items():
+                feeds[name] = np.full((batch, cell.hidden), v, np.float32)
             try:
                 vals = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
             except Exception as e:

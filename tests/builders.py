@@ -129,7 +129,7 @@ class Opts:
     matmul: str = "matmul"  # matmul (MatMul + Add) | gemm | gemm_t (Gemm transB=1) | gemm_ab (alpha=2, beta=0.5)
     layout: str = "separate"  # separate | fused_split | fused_slice
     concat: bool = False  # Concat([x, h]) . [W; R] instead of x.W + h.R
-    act_form: str = "op"  # op | clip | maxmin | minmax | relu6: how HardSigmoid / Relu are written
+    act_form: str = "op"  # op | clip | maxmin | minmax | relu6: how HardSigmoid / Relu are written; exp: Sigmoid as 1/(1+exp(-x))
     clip_form: str = "op"  # op | minmax
     gru_update: str = "a"  # a: (1-z)*n + z*h;  b: n + z*(h-n);  c: z*h + n - z*n
     weights: str = "outer"  # outer | body_const | body_init | carried
@@ -137,6 +137,7 @@ class Opts:
     state_order: str = "hc"  # LSTM: order of the carried states (hc | ch)
     noise: bool = False  # harmless Reshape / Unsqueeze+Squeeze / Identity nodes on the recurrent path
     direct_out: bool = False  # graph outputs are the Scan/Loop (or adapter) outputs themselves, no Identity
+    mask_input_too: bool = False  # masked cells: the step input is also multiplied by the mask (same maths)
     dropout: bool = False  # an inference-mode Dropout (identity) on the step input
     weight_cast: bool = False  # weights stored as float64 and Cast to float32 in the body
     loop_counter: bool = False  # Loop: index the step input with a carried int64 counter instead of the iteration number
@@ -447,7 +448,7 @@ def _act(ctx: Ctx, kind: str, params: tuple, x: str, clip: bool = True) -> str:
         elif o.mutation == "partial_clip":
             x = _clip(ctx, x, -1.0, 1.0)
     form = o.act_form
-    if kind == "HardSigmoid" and form != "op":
+    if kind == "HardSigmoid" and form not in ("op", "exp"):
         a, be = params
         if form == "relu6":
             y = b.op("Add", b.op("Mul", x, b.f(6 * a)), b.f(6 * be))
@@ -458,7 +459,9 @@ def _act(ctx: Ctx, kind: str, params: tuple, x: str, clip: bool = True) -> str:
         if form == "maxmin":
             return b.op("Max", b.op("Min", y, b.f(1.0)), b.f(0.0))
         return b.op("Min", b.op("Max", y, b.f(0.0)), b.f(1.0))
-    if kind == "Relu" and form != "op":
+    if kind == "Sigmoid" and form == "exp":
+        return b.op("Reciprocal", b.op("Add", b.f(1.0), b.op("Exp", b.op("Neg", x))))
+    if kind == "Relu" and form not in ("op", "exp"):
         if form == "clip":
             return b.op("Clip", x, b.f(0.0))
         return b.op("Max", x, b.f(0.0))
@@ -674,6 +677,11 @@ def _step(ctx: Ctx, x: str, h: str, c: str | None, p: str | None, m: str | None,
     mut = o.mutation
     if o.dropout:
         x = b.op("Dropout", x, seed=3)
+    if o.mask_input_too and m is not None and mut != "mask_on_input":
+        mm = b.op("Unsqueeze", m, b.i64(1)) if o.mask_rank == 2 else m
+        if o.mask == "pad":
+            mm = b.op("Not", mm)
+        x = b.op("Mul", x, b.op("Cast", mm, to=FLOAT))
     if mut == "mask_on_input":
         mm = b.op("Unsqueeze", m, b.i64(1)) if o.mask_rank == 2 else m
         x = b.op("Mul", x, b.op("Cast", mm, to=FLOAT))

@@ -12,7 +12,9 @@ is a second line of defence, and would otherwise hide a wrong proof as a decline
 ``RNNFUSE_FUZZ_VALIDATE=1`` to fuzz the default pipeline instead.
 
 Environment: ``RNNFUSE_FUZZ_EXAMPLES`` (default 60 per property), ``RNNFUSE_FUZZ_SEED`` (random search with
-that seed instead of the derandomized default), ``RNNFUSE_FUZZ_STATS`` (write the counts as JSON there).
+that seed instead of the derandomized default), ``RNNFUSE_FUZZ_STATS`` (write the counts as JSON there),
+``RNNFUSE_FUZZ_SKIP_MUTATIONS`` (comma-separated mutation names to leave out, e.g. to keep hunting past a
+known failure).
 Counts of fused / declined cases and the reasons of unexpected declines are printed at the end of the module.
 """
 
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 EXAMPLES = int(os.environ.get("RNNFUSE_FUZZ_EXAMPLES", "60"))
 SEED = os.environ.get("RNNFUSE_FUZZ_SEED")
 VALIDATE = os.environ.get("RNNFUSE_FUZZ_VALIDATE", "0") not in ("", "0", "false", "no")
+SKIP_MUTATIONS = {m.strip() for m in os.environ.get("RNNFUSE_FUZZ_SKIP_MUTATIONS", "").split(",") if m.strip()}
 
 _settings = settings(
     max_examples=EXAMPLES,
@@ -137,7 +140,7 @@ def valid_opts(draw, single=False):
     kw["H"] = draw(_weighted((1, 1), (6, 2), (6, 3), (6, 4), (3, 5), (2, 6), (2, 8)))
     kw["acts"] = draw(activations(op))
     kw["clip"] = draw(_weighted((5, None), (1, 0.5), (1, 1.5), (1, 3.0)))
-    kw["lbr"] = draw(_weighted((1, 0), (5, 1))) if op == "GRU" else 0
+    kw["lbr"] = draw(st.sampled_from([0, 1])) if op == "GRU" else 0
     kw["bias"] = draw(st.sampled_from(["none", "one", "two"]))
     kw["uniform_bias"] = draw(_weighted((40, False), (1, True)))
     kw["forget_bias"] = draw(_weighted((40, 0.0), (1, 1.0))) if op == "LSTM" else 0.0
@@ -163,7 +166,7 @@ def valid_opts(draw, single=False):
     kw["matmul"] = draw(_weighted((8, "matmul"), (6, "gemm"), (5, "gemm_t"), (1, "gemm_ab")))
     kw["layout"] = draw(st.sampled_from(["separate", "fused_split", "fused_slice"]))
     kw["concat"] = draw(st.booleans())
-    kw["act_form"] = draw(_weighted((6, "op"), (2, "clip"), (1, "maxmin"), (1, "minmax"), (1, "relu6")))
+    kw["act_form"] = draw(_weighted((12, "op"), (4, "clip"), (2, "maxmin"), (2, "minmax"), (2, "relu6"), (1, "exp")))
     kw["clip_form"] = draw(st.sampled_from(["op", "minmax"]))
     kw["gru_update"] = draw(st.sampled_from(["a", "b", "c"]))
     kw["weights"] = draw(st.sampled_from(["outer", "body_const", "body_init", "carried"]))
@@ -172,6 +175,7 @@ def valid_opts(draw, single=False):
     kw["noise"] = draw(_weighted((4, False), (1, True)))
     kw["direct_out"] = draw(_weighted((3, False), (1, True)))
     kw["dropout"] = draw(_weighted((40, False), (1, True)))
+    kw["mask_input_too"] = draw(_weighted((40, False), (1, True)))
     kw["weight_cast"] = draw(_weighted((5, False), (1, True)))
     kw["xproj"] = draw(_weighted((40, False), (1, True)))
     kw["static_T"] = draw(_weighted((4, 0), (1, 5)))
@@ -190,7 +194,11 @@ def valid_opts(draw, single=False):
 @st.composite
 def near_miss_opts(draw):
     base = draw(valid_opts(single=True))
-    muts = sorted(m for m, (ops, fronts, _, _) in B.MUTATIONS.items() if base.op in ops.split() and base.front in fronts.split())
+    muts = sorted(
+        m
+        for m, (ops, fronts, _, _) in B.MUTATIONS.items()
+        if base.op in ops.split() and base.front in fronts.split() and m not in SKIP_MUTATIONS
+    )
     o = B.mutation_fixup(draw(st.sampled_from(muts)), base)
     assume(B.mutation_applies(o.mutation, o))
     return o

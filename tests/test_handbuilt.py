@@ -148,7 +148,8 @@ HS = ("HardSigmoid", (0.3, 0.4))
 
 
 def _base(op: str, front: str, **kw) -> B.Opts:
-    o = O(op=op, front=front, lbr=1 if op == "GRU" else 0, **kw)
+    kw.setdefault("lbr", 1 if op == "GRU" else 0)
+    o = O(op=op, front=front, **kw)
     return B.default_reverse_form(o)
 
 
@@ -228,6 +229,11 @@ OP_FAMILIES = {
     "rnn_gemm_alpha": ("RNN", dict(matmul="gemm_ab")),
     "lstm_acts_sigmoid_g": ("LSTM", dict(acts=(("Sigmoid", ()), ("Sigmoid", ()), ("Tanh", ())))),
     "gru_update_b": ("GRU", dict(gru_update="b")),
+    "gru_lbr0": ("GRU", dict(lbr=0)),
+    "gru_lbr0_fused_two_biases": ("GRU", dict(lbr=0, layout="fused_split", bias="two", perm=("h", "z", "r"))),
+    "gru_lbr0_concat_gemm": ("GRU", dict(lbr=0, concat=True, matmul="gemm_t")),
+    "gru_lbr0_masked_reverse": ("GRU", dict(lbr=0, mask="cast_not", direction="reverse", carry_src="prev")),
+    "gru_lbr0_update_c_acts": ("GRU", dict(lbr=0, gru_update="c", acts=(HS, ("Softsign", ())), clip=1.2)),
     "gru_update_c": ("GRU", dict(gru_update="c", layout="fused_slice")),
     "gru_perm_concat": ("GRU", dict(concat=True, perm=("h", "z", "r"))),
     "rnn_acts_leaky": ("RNN", dict(acts=(("LeakyRelu", (0.2,)),))),
@@ -270,7 +276,6 @@ def _resolve(op: str, kw: dict) -> dict:
 
 # valid cells rnnfuse does not fuse today: (predicate, reason); matching cases are xfail(strict, raises=Gap)
 GAPS = [
-    (lambda o: o.op == "GRU" and o.lbr == 0, "GRU linear_before_reset=0 (reset gate applied before the matmul) is always declined: 'cannot find the reset gate'"),
     (lambda o: o.clip is not None and o.act_form != "op" and any(a[0] == "HardSigmoid" for a in o.activations()),
      "a clipped gate with hard_sigmoid written algebraically (Clip(a*clip(x)+b, 0, 1)) is declined"),
     (lambda o: o.op == "LSTM" and o.act_form != "op" and o.activations()[2][0] == "HardSigmoid",
@@ -291,6 +296,8 @@ GAPS = [
      "a Loop whose trip count / bound is Shape(X)[0] is declined when X has a static time and a dynamic batch dimension "
      "('the loop has no bound': the symbolic dim key does not match the static T)"),
     (lambda o: o.mask == "pad", "a padding mask (True = padded, Where(pad, old, new)) is declined"),
+    (lambda o: o.act_form == "exp" and any(a[0] == "Sigmoid" for a in o.activations()), "sigmoid written as 1/(1+exp(-x)) is declined"),
+    (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
 ]
 MERGE_GAPS = [
     (lambda o: o.front == "scan" and o.layers == "bidir" and o.batch_first,
@@ -314,10 +321,6 @@ def known_merge_gap(o: B.Opts) -> str | None:
 
 
 GAP_CASES = {
-    "gru_lbr0": O(op="GRU"),
-    "gru_lbr0_fused_two_biases": O(op="GRU", layout="fused_split", bias="two"),
-    "gru_lbr0_concat": O(op="GRU", concat=True),
-    "gru_lbr0_masked_loop": O(op="GRU", front="loop", mask="where"),
     "lstm_hs_clip_algebraic": O(op="LSTM", acts=(HS, ("Tanh", ()), ("Tanh", ())), act_form="clip", clip=0.9),
     "gru_hs_relu6_clip": O(op="GRU", lbr=1, acts=(HS, ("Tanh", ())), act_form="relu6", clip=0.9),
     "rnn_hs_maxmin_clip": O(op="RNN", acts=(HS,), act_form="maxmin", clip=0.9),
@@ -343,6 +346,10 @@ GAP_CASES = {
     "lstm_zero_constantofshape": O(op="LSTM", mask="where", fill="zero", zero_form="cos"),
     "gru_zero_constantofshape_loop": O(op="GRU", lbr=1, front="loop", mask="where", fill="zero", zero_form="cos"),
     "lstm_dropout": O(op="LSTM", dropout=True),
+    "lstm_sigmoid_exp": O(op="LSTM", act_form="exp"),
+    "gru_sigmoid_exp_loop": O(op="GRU", lbr=1, front="loop", act_form="exp"),
+    "lstm_mask_input_too": O(op="LSTM", mask="where", mask_input_too=True),
+    "rnn_mask_input_too_loop": O(op="RNN", front="loop", mask="cast_sub", fill="zero", mask_input_too=True),
     "gru_pad_mask": O(op="GRU", lbr=1, mask="pad"),
     "rnn_pad_mask_loop": O(op="RNN", front="loop", mask="pad", fill="zero"),
     "lstm_bidir_batch_first_scan": O(op="LSTM", layers="bidir", batch_first=True),

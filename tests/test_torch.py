@@ -1,0 +1,61 @@
+"""PyTorch exports (trace, dynamo, TorchScript) and Keras 3 on the torch backend: fused, equal to the module.
+
+Models are exported during the test run by ``tests/exporters/torch_cases.py``. Each case asserts no
+Loop/Scan/sequence ops and no per-step cell ops left, one native op per recurrence (one bidirectional op
+for a forward+backward pair), and outputs equal to torch's own (and to onnxruntime on the original) to 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+import rnnfuse
+from helpers import assert_close, check_case, load_sets, op_counts, session
+
+sys.path.insert(0, str(Path(__file__).parent / "exporters"))
+from torch_cases import CASES  # noqa: E402  (plain data; does not import torch)
+
+CELL_OPS = {"Sigmoid", "Tanh", "Gemm", "MatMul", "Relu"}
+
+
+def _case(directory: Path, name: str) -> dict:
+    path = directory / f"{name}.json"
+    if not path.exists():
+        pytest.skip(f"{name} was not exported (see the generator's warnings)")
+    meta = json.loads(path.read_text())
+    meta["onnx"] = str(directory / f"{name}.onnx")
+    meta["npz"] = str(directory / f"{name}.npz")
+    return meta
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES if not c.slow])
+def test_torch(torch_dir, name):
+    case = _case(torch_dir, name)
+    fused, report = check_case(case)
+    assert not report.declined, report.to_text()
+    counts = op_counts(fused)
+    for op in ("Loop", "Scan", "SequenceInsert", "ConcatFromSequence", "If"):
+        assert counts.get(op, 0) == 0, report.to_text()
+    left = {op: counts[op] for op in CELL_OPS if counts.get(op, 0)}
+    assert sum(left.values()) <= case["expect"].get("max_cell_ops", 0) + 2, (left, report.to_text())
+
+
+def test_long_chain(torch_dir):
+    """The 2,000-step LSTMCell chain (36,003 nodes) becomes one LSTM equal to torch's output."""
+    case = _case(torch_dir, "lstmcell_trace_T2000")
+    original = onnx.load(case["onnx"])
+    fused, report = rnnfuse.optimize(original)
+    counts = op_counts(fused)
+    assert counts.get("LSTM") == 1 and sum(counts.values()) <= 4, (counts, report.to_text())
+    assert report.fused and report.fused[0].validation.startswith("ok"), report.to_text()
+    onnx.checker.check_model(fused, full_check=True)
+    s = session(fused)
+    for set_name, (feeds, outs) in load_sets(case["npz"]).items():
+        got = s.run(None, feeds)
+        for k, ref in outs.items():
+            assert_close(got[int(k)], ref, f"T2000/{set_name}/{k}")

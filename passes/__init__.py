@@ -13,4 +13,4 @@ def default_passes() -> list:
     from .scan import FuseScans
     from .unrolled import FuseChains
 
-    return [Dedupe(), FuseLoops(), FuseScans(), FuseChains(), ReverseInputs(), MergeBidirectional(), CancelFlips(), Dedupe()]
+    return [Dedupe(), FuseLoops(), FuseScans(), FuseChains(), ReverseInputs(), Dedupe(), MergeBidirectional(), CancelFlips(), Dedupe()]

@@ -240,9 +240,82 @@ def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12) -> 
             return name
         if p.op_type in ("MatMul", "Gemm") and p.input[0] != dyn[0]:
             return name
+        if not _keeps_rows(g, p):
+            return name  # e.g. Slice(h0, layer) of a per-layer initial state: the state starts here
         pulled.add(id(p))
         name = dyn[0]
     return name
+
+
+def _keeps_rows(g: Graph, p: NodeProto) -> bool:
+    """Slicing ops on the way to a state must cut units (the last axis) or drop/add leading unit axes."""
+    if p.op_type in ("Split", "Slice", "Gather"):
+        if p.op_type == "Split":
+            axes = [attr(p, "axis", 0)]
+        elif p.op_type == "Gather":
+            axes = [attr(p, "axis", 0)]
+        else:
+            a = g.const(p.input[3]) if len(p.input) > 3 and p.input[3] else None
+            axes = [int(v) for v in np.asarray(a).ravel()] if a is not None else None
+        if axes is None:
+            return False
+        last = (lead_of(g, p.input[0]) or 0) + 1
+        return all(ax in (-1, last) for ax in axes)
+    if p.op_type in ("Squeeze", "Unsqueeze"):
+        axes = attr(p, "axes") if g.model.opset < 13 else (g.const(p.input[1]) if len(p.input) > 1 else None)
+        return axes is not None and [int(v) for v in np.asarray(axes).ravel()] == [0]
+    return True
+
+
+def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
+    """How many leading unit axes a [*, B, N] value has: declared rank - 2, or followed through
+    Unsqueeze/Squeeze(axis 0) and elementwise ops (never runs shape inference)."""
+    memo = g.model.annotations.setdefault("lead_of", {})
+    if name in memo:
+        return memo[name]
+    declared = g.model._declared if g.model._declared is not None else None
+    if declared is None:
+        g.model._type(name)  # builds the declared map
+        declared = g.model._declared
+    t = declared.get(name)
+    out = None
+    if (t is None or t[1] is None) and len(g.nodes) < 20000:
+        t = g.model.types().get(name)  # shape inference is cheap on graphs of this size
+    if t is not None and t[1] is not None:
+        out = max(len(t[1]) - 2, 0)
+    elif depth < 24:
+        p = g.producer.get(name)
+        if p is not None:
+            if p.op_type in ("Unsqueeze", "Squeeze"):
+                inner = lead_of(g, p.input[0], depth + 1)
+                if inner is not None:
+                    out = inner + (1 if p.op_type == "Unsqueeze" else -1)
+            elif p.op_type in ("Add", "Sub", "Mul", "Div", "Sigmoid", "Tanh", "Relu", "MatMul", "Gemm", "Where", "Identity", "Cast"):
+                leads = [lead_of(g, i, depth + 1) for i in p.input if i and g.const(i) is None]
+                leads = [x for x in leads if x is not None]
+                out = max(leads) if leads else None
+    memo[name] = out
+    return out
+
+
+def _local_closure(g: Graph, root: str, limit: int = 256) -> set[int]:
+    """Ids of nodes computed from ``root`` (plus constants and shapes) alone: h @ R, its slices, ..."""
+    region = {root}
+    ids: set[int] = set()
+    frontier = [root]
+    while frontier and len(ids) < limit:
+        v = frontier.pop()
+        for c in g.uses(v):
+            if id(c) in ids or g.implicit_inputs(c):
+                continue
+            dyn = [i for i in c.input if i and g.const(i) is None and not shape_derived(g, i)]
+            if all(i in region for i in dyn):
+                ids.add(id(c))
+                for o in c.output:
+                    if o:
+                        region.add(o)
+                        frontier.append(o)
+    return ids
 
 
 def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, str] | None) -> list[Chain]:
@@ -261,7 +334,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, str] | No
                 if id(c) in seen_nodes:
                     continue
                 seen_nodes.add(id(c))
-                dyn = [i for i in c.input if i and g.const(i) is None]
+                dyn = [i for i in c.input if i and g.const(i) is None and not shape_derived(g, i)]
                 if all(i in local for i in dyn) and not g.implicit_inputs(c):
                     for o in c.output:
                         if o:
@@ -272,7 +345,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, str] | No
         mask_t = mask_fam.get(t) if mask_fam else None
         for c in combining:
             for i in c.input:
-                if not i or i in local or g.const(i) is not None or i in xs or i == mask_t:
+                if not i or i in local or g.const(i) is not None or i in xs or i == mask_t or shape_derived(g, i):
                     continue
                 pulled: set = set()
                 r = _root(g, i, iv, pulled, xs)
@@ -283,7 +356,9 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, str] | No
                     if riv is not None and not (riv[1] < t if direction == "forward" else riv[0] > t):
                         continue
                     f = found.setdefault((direction, t), _Found())
-                    f.roots.add(r)
+                    if r not in f.roots:
+                        f.roots.add(r)
+                        f.pulled |= _local_closure(g, r)
                     f.pulled |= pulled
     chains: list[Chain] = []
     for direction in ("forward", "reverse"):
@@ -357,13 +432,13 @@ C_STATE = State("c", None)
 class _StepEval:
     """Symbolic evaluation of one step: x, mask and h are leaves, the one other older value is state c."""
 
-    def __init__(self, g: Graph, chain: Chain, k: int, iv, h_in: str | None, x_atom: X):
+    def __init__(self, g: Graph, chain: Chain, k: int, iv, h_in: str | None, x_atom: X, x_value=None):
         st = chain.steps[k]
         self.foreign = _Foreign(st.t)
-        leaves = {st.x: Sym(Poly.atom(x_atom))}
+        leaves = {st.x: x_value if x_value is not None else Sym(Poly.atom(x_atom))}
         if h_in is not None:
             fv = g.fill_value(h_in)
-            leaves[h_in] = Sym(Poly.atom(H_STATE)) if fv is None else Fill(np.array(fv, dtype=np.float32))
+            leaves[h_in] = Sym(Poly.atom(H_STATE), lead_of(g, h_in) or 0) if fv is None else Fill(np.array(fv, dtype=np.float32))
         if st.mask is not None:
             leaves[st.mask] = Bool("m", False, g.model.rank(st.mask) == 2)
 
@@ -372,7 +447,7 @@ class _StepEval:
             if fv is not None:  # a zero (or constant) state of runtime shape, e.g. ConstantOfShape(Shape(x))
                 return Fill(np.array(fv, dtype=np.float32))
             self.foreign(name)
-            return Sym(Poly.atom(C_STATE))
+            return Sym(Poly.atom(C_STATE), lead_of(g, name) or 0)
 
         self.ev = StepEvaluator(g, leaves, may_evaluate=_allowed_fn(g, chain, k, iv), foreign=foreign, content_keys=True)
 
@@ -460,6 +535,46 @@ class _Signer:
         return memo[name]
 
 
+def _projection(g: Graph, src: str, axis: int = 0):
+    """``src = X0 @ K (+ b)`` with constant K, b (an input projection hoisted out of the loop, as dynamo's
+    nn.RNN and Keras' torch backend do): (X0, K, b or None). A time flip of a projection is the projection
+    of the flipped input (dynamo's backward nn.RNN direction)."""
+    from rnnfuse.dims import time_flip_source
+
+    inner = time_flip_source(g, src, axis)
+    if inner is not None:
+        proj = _projection(g, inner, axis)
+        if proj is None:
+            return None
+        x0, K, bias = proj
+        flip = g.producer[src]
+        if flip.op_type == "ReverseSequence":
+            flipped = g.add_node("ReverseSequence", [x0, flip.input[1]], 1, name="rnnfuse/ReverseSequence", anchor=flip,
+                                 time_axis=attr(flip, "time_axis", 0), batch_axis=attr(flip, "batch_axis", 1))[0]
+        else:
+            flipped = g.add_node("Slice", [x0] + list(flip.input[1:]), 1, name="rnnfuse/Slice", anchor=flip)[0]
+        return flipped, K, bias
+    p = g.producer.get(src)
+    bias = None
+    if p is not None and p.op_type == "Add":
+        a, c = p.input
+        if g.const(a) is not None:
+            a, c = c, a
+        bias = g.const(c)
+        if bias is None or bias.ndim < 1 or (bias.ndim > 1 and bias.size != bias.shape[-1]):
+            return None
+        bias = bias.reshape(-1)
+        p = g.producer.get(a)
+    if p is None or p.op_type != "MatMul":
+        return None
+    K = g.const(p.input[1])
+    if K is None or K.ndim != 2 or g.model.rank(p.input[0]) != 3:
+        return None
+    if bias is not None and bias.shape[0] != K.shape[1]:
+        return None
+    return p.input[0], K, bias
+
+
 def _single_root(st: Step) -> str:
     if len(st.roots) != 1:
         raise Decline(f"step {st.t} reads {len(st.roots)} carried values through weights (expected one hidden state)")
@@ -475,7 +590,18 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         raise Decline(f"the per-step inputs are slices of a rank-{rank} tensor along axis {axis}")
     if sorted(ts) != list(range(min(ts), max(ts) + 1)):
         raise Decline("the chain skips time steps")
-    x_atom = X("x", static_dim(g, src, 2))
+    proj = _projection(g, src, axis)
+    x_value = None
+    if proj is not None:
+        x0, K, bias = proj
+        x_atom = X("x", int(K.shape[0]))
+        from rnnfuse.symbolic import ConstRef, Lin, LinAtom, content_key
+
+        kref = ConstRef.of(K)
+        lin = Lin.make([(x_atom.key, kref)], [ConstRef.of(bias)] if bias is not None else [], int(K.shape[1]))
+        x_value = Sym(Poly.atom(LinAtom(lin)))
+    else:
+        x_atom = X("x", static_dim(g, src, 2))
     h_in: list[str | None] = [None] * n
     for k in range(1, n):
         h_in[k] = _single_root(steps[k])
@@ -510,7 +636,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
     if n == 2 and h_in[0] is None:
         raise Decline("a two-step chain with a folded initial state")
     km = 1 if n > 2 else 0
-    mid = _StepEval(g, chain, km, iv, h_in[km], x_atom)
+    mid = _StepEval(g, chain, km, iv, h_in[km], x_atom, x_value)
     states = {"h": H_STATE}
     step_states = [StepState("h", mid.poly(h_new[km]), Init())]
     if lstm:
@@ -536,7 +662,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         except Decline:
             continue
     if h_new[last] is None:
-        e = _StepEval(g, chain, last, iv, h_in[last], x_atom)
+        e = _StepEval(g, chain, last, iv, h_in[last], x_atom, x_value)
         h_new[last] = _find_symbolic(g, e, chain, last, iv, g.producer[h_new[last - 1]].op_type, expected["h"])
     if h_new[last] is None:
         raise Decline("the last step's hidden output cannot be found")
@@ -565,7 +691,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         for sym, (name, sig, ref) in outs.items():
             if sig == ref and not (k == 0 and zero):
                 continue
-            e = _StepEval(g, chain, k, iv, h_in[k], x_atom)
+            e = _StepEval(g, chain, k, iv, h_in[k], x_atom, x_value)
             p = e.poly(name)
             chain_nodes |= e.ev.visited_nodes
             want = expected[sym]
@@ -574,15 +700,14 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
                     raise Decline(f"the first step is not the cell with a zero initial state ({sym})")
             elif p.key != want.key:
                 raise Decline(f"step {ts[k]} computes a different cell than step {ts[km]} ({sym})")
-    x = src
+    x = src if proj is None else proj[0]
     T = static_dim(g, src, axis)
     anchor = g.producer.get(h_new[-1])
     if not (min(ts) == 0 and T is not None and max(ts) == T - 1):
+        bounds = [np.array([min(ts)], np.int64), np.array([max(ts) + 1], np.int64), np.array([axis], np.int64)]
         x = g.add_node(
             "Slice",
-            [src, g.add_initializer(np.array([min(ts)], np.int64), "rnnfuse/start"),
-             g.add_initializer(np.array([max(ts) + 1], np.int64), "rnnfuse/end"),
-             g.add_initializer(np.array([axis], np.int64), "rnnfuse/axis")],
+            [x] + [g.add_initializer(b, f"rnnfuse/slice{i}") for i, b in enumerate(bounds)],
             1, name="rnnfuse/Slice", anchor=anchor,
         )[0]
     rec = Recurrence(
@@ -590,8 +715,8 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         where=f"{chain.direction} chain over '{src}' (axis {axis}), steps {ts[0]}..{ts[-1]}: {n} cells",
         cell=spec,
         x=x,
-        h0=Init(h_in[0], None) if h_in[0] is not None and h0_fill is None else Init(),
-        c0=Init(foreign[0].name, None) if lstm and foreign[0].name is not None else Init(),
+        h0=Init(h_in[0], None, lead_of(g, h_in[0]) or 0) if h_in[0] is not None and h0_fill is None else Init(),
+        c0=Init(foreign[0].name, None, lead_of(g, foreign[0].name) or 0) if lstm and foreign[0].name is not None else Init(),
         anchor=anchor,
         x_batch_first=axis == 1,
         x_reversed=chain.direction == "reverse",
@@ -610,9 +735,10 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         ins = {v: r for v, r in leaves[k].items() if r != "m"}
         if f.name is not None:
             ins[f.name] = "c"
-        rec.cell_checks.append(
-            CellCheck(order_of(g, visited), ins, outs, zero if k == 0 else set(), static_dim(g, src, 1 - axis), fills)
-        )
+        chk = CellCheck(order_of(g, visited), ins, outs, zero if k == 0 else set(), static_dim(g, src, 1 - axis), fills)
+        if proj is not None:
+            chk.x_projection = (proj[1], proj[2])
+        rec.cell_checks.append(chk)
     return rec
 
 
@@ -667,17 +793,20 @@ def _collect_outputs(g: Graph, rec: Recurrence, chain: Chain, h_new, c_new, chai
                 cat = cat_users[0]
                 stacks.setdefault(id(cat), [cat, []])[1].append((k, u))
                 continue
+            if u.op_type == "Concat" and lead_of(g, h) == 1 and attr(u, "axis") == 0:
+                stacks.setdefault(id(u), [u, []])[1].append((k, None))  # [1, B, H] states concatenated on time
+                continue
             extra.append((h, k))
         if g.is_graph_output(h):
             extra.append((h, k))
     for cat, items in stacks.values():
-        if not _stack_output(g, rec, chain, cat, items):
+        if not _stack_output(g, rec, chain, cat, items, h_new):
             extra.extend((h_new[k], k) for k, _ in items)
     done = set()
     for h, k in extra:
         if k == n - 1:
             if h not in done:
-                rec.finals.append(FinalOutput(h, "h"))
+                rec.finals.append(FinalOutput(h, "h", lead=lead_of(g, h) or 0))
                 done.add(h)
         else:
             raise Decline(f"the hidden state of step {ts[k]} is read outside the chain (not stacked)")
@@ -689,16 +818,24 @@ def _collect_outputs(g: Graph, rec: Recurrence, chain: Chain, h_new, c_new, chai
             continue
         if k != n - 1:
             raise Decline(f"the cell state of step {ts[k]} is read outside the chain")
-        rec.finals.append(FinalOutput(c, "c"))
+        rec.finals.append(FinalOutput(c, "c", lead=lead_of(g, c) or 0))
 
 
-def _stack_output(g: Graph, rec: Recurrence, chain: Chain, cat: NodeProto, items) -> bool:
+def _stack_output(g: Graph, rec: Recurrence, chain: Chain, cat: NodeProto, items, h_names) -> bool:
     """``Concat(Unsqueeze(h_k, a) for every step, axis=a)`` -> a sequence output."""
     n = len(chain.steps)
     axis = attr(cat, "axis")
-    by_node = {id(u): k for k, u in items}
+    direct = all(u is None for _, u in items)  # [1, B, H] states concatenated as they are
+    if direct:
+        by_name = {h_names[k]: k for k, _ in items}
+    by_node = {id(u): k for k, u in items if u is not None}
     ks = []
     for name in cat.input:
+        if direct:
+            if name not in by_name:
+                return False
+            ks.append(by_name[name])
+            continue
         p = g.producer.get(name)
         if p is None or id(p) not in by_node:
             return False
@@ -706,6 +843,8 @@ def _stack_output(g: Graph, rec: Recurrence, chain: Chain, cat: NodeProto, items
     if sorted(ks) != list(range(n)):
         return False
     for k, u in items:
+        if u is None:
+            continue
         ax = attr(u, "axes") if g.model.opset < 13 else g.const(u.input[1])
         if ax is None or [int(a) for a in np.asarray(ax).ravel()] != [axis]:
             return False
@@ -735,32 +874,45 @@ class FuseChains:
         g = model.graph
         res = PassResult(self.name)
         tried: set = set()
+        pending: dict = {}  # chain key -> its decline, reported only if the chain still exists at the end
         for _ in range(self.max_rounds):
             fams = find_families(g)
             if not fams:
                 break
             order = g._toposort(g.live_nodes())
             signer = _Signer(g)
-            bool_fams = {k: v for k, v in fams.items() if g.model.elem_type(k[0]) == 9}
             recs = []
+            seen_now: set = set()
             for (src, axis), fam in fams.items():
-                if (src, axis) in bool_fams:
-                    continue
+                if g.model.elem_type(src) == 9:
+                    continue  # bool families are masks, read by the chains over the data
                 iv = _intervals(g, order, {x: t for t, x in fam.items()})
-                mask_fam = None
-                for chain in find_chains(g, fam, iv, mask_fam):
+                for chain in find_chains(g, fam, iv, None):
                     key = (src, axis, chain.direction, chain.steps[0].t)
+                    seen_now.add(key)
                     if key in tried:
                         continue
                     tried.add(key)
                     try:
                         recs.append((chain_recurrence(g, src, axis, chain, iv, signer), {}))
                     except Decline as d:
-                        res.findings.append(declined(self.name, "chain", f"{chain.direction} chain over '{src}' (axis {axis})", d.reason))
+                        where = f"{chain.direction} chain over '{src}' (axis {axis})"
+                        pending[key] = declined(self.name, "chain", where, d.reason)
+            pending = {k: v for k, v in pending.items() if k in seen_now}
             if not recs:
                 break
-            before = res.modified
+            n_before = len(res.findings)
             apply_recurrences(g, ctx, self.name, recs, res)
-            if res.modified == before and not res.modified:
+            if not any(f.status == "fused" for f in res.findings[n_before:]):
                 break
+        # declines of "chains" that disappeared once real chains were fused (e.g. per-layer initial states
+        # sliced from one tensor) were not recurrences: only what remains is reported
+        final = set()
+        fams = find_families(g)
+        order = g._toposort(g.live_nodes()) if fams else []
+        for (src, axis), fam in fams.items():
+            iv = _intervals(g, order, {x: t for t, x in fam.items()})
+            for chain in find_chains(g, fam, iv, None):
+                final.add((src, axis, chain.direction, chain.steps[0].t))
+        res.findings.extend(v for k, v in pending.items() if k in final)
         return res

@@ -201,7 +201,7 @@ def _init_state(b: Builder, init: Init, x: str, hidden: int) -> str:
     if init.is_zero:
         return ""
     if init.tensor is not None:
-        return b.unsqueeze(init.tensor, [0])
+        return init.tensor if init.lead else b.unsqueeze(init.tensor, [0])
     B = b.dim(x, 1)
     shape = b.op("Concat", b.i64(1), B, b.i64(hidden), axis=0)
     return b.op("Expand", b.const(np.array(init.fill, np.float32), "fill"), shape)
@@ -281,7 +281,7 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False)
         src_t = Yh if fo.which == "h" else Yc
         if src_t is None:
             raise Decline("a final cell state from a cell without one")
-        v = b.squeeze(src_t, [0])
+        v = src_t if fo.lead else b.squeeze(src_t, [0])
         if mp is not None and not fo.init.is_zero:
             any_valid = b.unsqueeze(b.op("Greater", mp.lens64, b.const(np.array(0, np.int64), "zero")), [1])
             v = b.op("Where", any_valid, v, _init_value(b, fo.init))

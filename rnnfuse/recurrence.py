@@ -26,6 +26,7 @@ class Init:
 
     tensor: str | None = None
     fill: float | None = 0.0
+    lead: int = 0  # the tensor is [1, B, H] (1) rather than [B, H] (0)
 
     @property
     def is_zero(self) -> bool:
@@ -49,6 +50,7 @@ class FinalOutput:
     tensor: str  # [B, H]
     which: str  # "h" or "c"
     init: Init = field(default_factory=Init)  # the value when a row has no valid step
+    lead: int = 0  # the tensor is [1, B, H] (1) rather than [B, H] (0)
 
 
 @dataclass
@@ -64,6 +66,7 @@ class CellCheck:
     zero: set = field(default_factory=set)  # states that are zero in this step (a folded first step)
     batch: int | None = None  # a batch size baked into the step (static exports), else any
     fills: dict = field(default_factory=dict)  # tensors of runtime shape [B, H] filled with one value
+    x_projection: tuple | None = None  # (K, b): the step reads x @ K + b, computed outside the loop
 
 
 @dataclass

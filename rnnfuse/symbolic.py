@@ -606,9 +606,7 @@ def _shape(ev, node, ins):
 
 def as_poly(v: Val, what: str = "value") -> Poly:
     if isinstance(v, Sym):
-        if v.lead:
-            raise Decline(f"{what} has extra leading dimensions")
-        return v.poly
+        return v.poly  # leading unit axes ([1, B, H]) do not change the maths
     if isinstance(v, C):
         return const_poly(v)
     if isinstance(v, Row):
@@ -672,6 +670,8 @@ def as_row(v: Val) -> Row:
         raise Decline(f"a matmul whose left operand is not a step input or state ({p!r})")
     if isinstance(v, Opaque):
         raise Decline(v.why)
+    if isinstance(v, Fill) and float(v.arr) == 0.0:
+        return Row(((("Z",), None, Poly.const(0.0)),))  # a zero state of runtime shape, e.g. concat([x, 0])
     if isinstance(v, C):
         raise Decline("a matmul of two constants")
     raise Decline("a matmul of an unsupported value")
@@ -691,7 +691,16 @@ def _matmul(row: Row, w: ConstRef) -> Lin:
     terms = []
     rows = {}
     r0 = 0
+    unknown = [i for i, seg in enumerate(row.segments) if seg[1] is None]
+    if len(unknown) == 1 and len(row.segments) > 1:  # e.g. [x, h] with h's width only implied by W
+        known = sum(seg[1] for seg in row.segments if seg[1] is not None)
+        k = unknown[0]
+        seg = row.segments[k]
+        row = Row(row.segments[:k] + ((seg[0], int(w.arr.shape[0]) - known, seg[2]),) + row.segments[k + 1:], row.lead)
     for src, width, seg_poly in row.segments:
+        if src[0] == "Z":
+            r0 += width
+            continue
         if src[0] == "P":
             rows[src] = seg_poly
         if width is None:
@@ -713,10 +722,9 @@ def _sym(p: Poly, lead: int = 0) -> Sym:
 
 
 def _lead(*vals) -> int:
-    leads = {v.lead for v in vals if isinstance(v, (Sym, Row))}
-    if len(leads) > 1:
-        raise Decline("operands with different leading dimensions")
-    return leads.pop() if leads else 0
+    """Leading unit axes of an elementwise result: broadcasting keeps the most."""
+    leads = [v.lead for v in vals if isinstance(v, (Sym, Row))]
+    return max(leads) if leads else 0
 
 
 def _binary(ev, node, ins):

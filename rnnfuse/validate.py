@@ -390,6 +390,19 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
         role_name = {}
         for name, role in chk.inputs.items():
             width = cell.input_size if role == "x" else cell.hidden
+            if role == "x" and chk.x_projection is not None:
+                # the step reads the projected input: feed x0 and compute x0 @ K + b in the model
+                K, bias = chk.x_projection
+                raw = "__x0"
+                inputs.append(helper.make_tensor_value_info(raw, dt, ["B", width]))
+                extra_nodes = [helper.make_node("MatMul", [raw, "__K"], [name if bias is None else "__xk"])]
+                inits["__K"] = numpy_helper.from_array(np.asarray(K), "__K")
+                if bias is not None:
+                    inits["__kb"] = numpy_helper.from_array(np.asarray(bias), "__kb")
+                    extra_nodes.append(helper.make_node("Add", ["__xk", "__kb"], [name]))
+                nodes[:0] = extra_nodes
+                role_name[role] = raw
+                continue
             inputs.append(helper.make_tensor_value_info(name, dt, ["B", width]))
             role_name[role] = name
         for name in chk.fills:
@@ -440,6 +453,7 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
             feeds = {}
             for name, role in chk.inputs.items():
                 width = cell.input_size if role == "x" else cell.hidden
+                name = role_name[role] if role == "x" else name
                 feeds[name] = (rng.standard_normal((batch, width)) * (scale if role == "x" else 1.0)).astype(np.float32)
             for name, v in chk.fills.items():
                 feeds[name] = np.full((batch, cell.hidden), v, np.float32)

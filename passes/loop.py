@@ -72,6 +72,33 @@ def _conjuncts(body: Graph, name: str) -> list[str]:
     return out
 
 
+def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str) -> str | None:
+    """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = len(data)) -> "reverse"."""
+    name = _strip_cast(body, idx)
+    if index_syms.get(name) == 0:
+        return "forward"
+    n = body.producer.get(name)
+    if n is None or n.op_type != "Sub":
+        return None
+    a, b = n.input
+    step = _counter_step(body, b)
+    if step is None or step[0] not in index_syms:
+        return None
+    k = index_syms[step[0]] + step[1]  # subtracted value is i + k
+    T = time_dim_key(g, data, 0)
+    # a must be T - 1 + k
+    an = body.producer.get(_strip_cast(body, a)) if body.scope_of(a) is body else None
+    if an is None:
+        an = g.producer.get(_strip_cast(g, a))
+    if k == 1 and dim_key(body, a) == T:
+        return "reverse"
+    if an is not None and an.op_type == "Sub":
+        c = body.const(an.input[1])
+        if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k and dim_key(body, an.input[0]) == T:
+            return "reverse"
+    return None
+
+
 def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int]) -> None:
     """Prove the loop runs exactly T = len(x) iterations, or Decline.
 
@@ -165,15 +192,17 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
     leaves: dict = {}
     x_outer = mask_outer = None
     x_atom = None
+    reversed_reads = set()
     for n in body.nodes:
         if n.op_type != "Gather" or len(n.input) < 2:
             continue
-        idx = _strip_cast(body, n.input[1])
         data = n.input[0]
-        if idx not in index_syms or body.defines(data) or attr(n, "axis", 0) != 0:
+        if body.defines(data) or attr(n, "axis", 0) != 0:
             continue
-        if index_syms[idx] != 0:
+        form = _index_form(g, body, n.input[1], index_syms, data)
+        if form is None:
             continue
+        reversed_reads.add(form == "reverse")
         et = g.model.elem_type(data)
         rank = g.model.rank(data)
         if et == TensorProto.BOOL:
@@ -197,6 +226,9 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
             leaves[n.output[0]] = Sym(Poly.atom(x_atom))
     if x_outer is None:
         raise Decline("no per-step input Gather(X, i) in the body")
+    if len(reversed_reads) > 1:
+        raise Decline("the step input and the mask are read in different orders")
+    x_reversed = reversed_reads == {True}
     check_trip_count(g, body, loop, x_outer, index_syms)
 
     states: dict[str, State] = {}
@@ -267,6 +299,7 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
         finals=an.finals,
         remove=[loop] + extra_remove,
         anchor=loop,
+        x_reversed=x_reversed,
     )
     if mask_outer is not None and not an.masked:
         rec.notes.append("the body reads a mask but no state depends on it")
@@ -277,8 +310,14 @@ def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, ev: StepEva
     """A carried sequence built by SequenceInsert(seq, y) each step and stacked by ConcatFromSequence."""
     bi, bo = body.input_names[2 + k], body.output_names[1 + k]
     n = body.producer.get(bo)
-    if n is None or n.op_type != "SequenceInsert" or n.input[0] != bi or (len(n.input) > 2 and n.input[2]):
+    if n is None or n.op_type != "SequenceInsert" or n.input[0] != bi:
         raise Decline("a carried sequence that is not appended to once per step")
+    prepend = False
+    if len(n.input) > 2 and n.input[2]:
+        pos = body.const(n.input[2])
+        if pos is None or np.asarray(pos).size != 1 or int(np.asarray(pos).ravel()[0]) != 0:
+            raise Decline("a carried sequence inserted into at a runtime position")
+        prepend = True
     final = loop.output[k]
     users = g.uses(final)
     if g.is_graph_output(final) or len(users) != 1 or users[0].op_type != "ConcatFromSequence":
@@ -293,7 +332,7 @@ def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, ev: StepEva
     if not ((new_axis == 1 and axis == 0 and lead == 0) or (new_axis == 0 and axis == 0 and lead == 1)):
         raise Decline("the per-step outputs are stacked along an unsupported axis")
     extra_remove.append(cat)
-    return StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0])
+    return StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend)
 
 
 class FuseLoops:

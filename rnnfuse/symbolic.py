@@ -368,6 +368,11 @@ class Fill(C):
     """A tensor of runtime shape filled with one value (``ConstantOfShape(Shape(...))`` zero states)."""
 
 
+class RowConst(C):
+    """A constant that varies along units only but has the runtime batch shape ``[B, N]``
+    (``0 @ W + b`` on a zero state of runtime shape)."""
+
+
 class ShapeV(Val):
     """The shape of a symbolic [*(1,)*lead, B, N] value: known dims, None for the batch."""
 
@@ -530,7 +535,7 @@ class StepEvaluator:
         if any(isinstance(v, ShapeV) for v in ins):
             return _shape_op(self, node, ins)
         if all(isinstance(v, C) or v is None for v in ins):
-            if any(isinstance(v, Fill) for v in ins):
+            if any(isinstance(v, (Fill, RowConst)) for v in ins):
                 return _fill_op(self, node, ins)
             from .fold import evaluate
 
@@ -550,6 +555,21 @@ _FILL_KEEPS = {"Identity", "Cast", "Squeeze", "Unsqueeze", "Reshape", "Transpose
 def _fill_op(ev, node, ins):
     """Constant folding when a runtime-shaped fill is involved: only its value matters."""
     op = node.op_type
+    if op == "Shape":
+        v = ins[0]
+        dims = [None] * max(np.asarray(v.arr).ndim, 2)
+        if isinstance(v, RowConst):
+            dims[-1] = int(v.arr.shape[-1])
+        start, end = attr(node, "start", 0), attr(node, "end", None)
+        dims = dims[start:end]
+        return [C(np.array(dims, dtype=np.int64))] if all(d is not None for d in dims) else [ShapeV(dims)]
+    if any(isinstance(v, RowConst) for v in ins) and op not in ("MatMul", "Gemm"):
+        from .fold import evaluate
+
+        res = evaluate(node, [v.arr if v is not None else None for v in ins], ev.opset)
+        if res is None:
+            raise Decline(f"cannot evaluate constant {op}")
+        return [RowConst(r) for r in res]
     fills = [v for v in ins if isinstance(v, Fill)]
     if op in _FILL_KEEPS:
         vals = {float(v.arr) for v in fills}
@@ -562,14 +582,14 @@ def _fill_op(ev, node, ins):
             raise Decline(f"{op} of a runtime-shaped constant")
         if op == "Gemm" and len(ins) > 2 and ins[2] is not None:
             bias = np.asarray(ins[2].arr) * np.asarray(attr(node, "beta", 1.0), dtype=ins[2].arr.dtype)
-            return [C(bias.reshape(1, -1) if bias.ndim == 1 else bias)]
+            return [RowConst(bias.reshape(1, -1) if bias.ndim == 1 else bias)]
         return [Fill(np.array(0.0, dtype=np.float32))]
     from .fold import evaluate
 
     res = evaluate(node, [v.arr if v is not None else None for v in ins], ev.opset)
     if res is None:
         raise Decline(f"cannot evaluate constant {op}")
-    return [Fill(r) if np.asarray(r).ndim == 0 else C(r) for r in res]
+    return [Fill(r) if np.asarray(r).ndim == 0 else RowConst(r) for r in res]
 
 
 def _shape_op(ev, node, ins):
@@ -587,6 +607,8 @@ def _shape_op(ev, node, ins):
         if all(d is not None for d in dims):
             return [C(np.array(dims, dtype=np.int64).reshape(sel.shape))]
         return [ShapeV(dims)]
+    if node.op_type in ("Cast", "Identity") and isinstance(v, ShapeV):
+        return [v]
     raise Decline(f"{node.op_type} of a runtime shape")
 
 

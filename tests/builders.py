@@ -128,7 +128,7 @@ class Opts:
     extra_seq: bool = False  # a second per-step output with the other masked-step fill (single layer only)
     matmul: str = "matmul"  # matmul (MatMul + Add) | gemm | gemm_t (Gemm transB=1) | gemm_ab (alpha=2, beta=0.5)
     layout: str = "separate"  # separate | fused_split | fused_slice
-    concat: bool = False  # Concat([x, h]) . [W; R] instead of x.W + h.R
+    concat: bool = False  # Concat([x, h]) . [W; R] instead of x.W + h.R (GRU: separate layout only; lbr=0 uses Concat([x, r*h]))
     act_form: str = "op"  # op | clip | maxmin | minmax | relu6: how HardSigmoid / Relu are written; exp: Sigmoid as 1/(1+exp(-x))
     clip_form: str = "op"  # op | minmax
     gru_update: str = "a"  # a: (1-z)*n + z*h;  b: n + z*(h-n);  c: z*h + n - z*n

@@ -16,13 +16,12 @@ exactly, every near miss is declined.
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 import builders as B
 from reference import GATES, rnn_reference
@@ -203,6 +202,7 @@ FAMILIES = {
     "mask_prev_output_fill": dict(mask="where", carry_src="prev", prev_init="fill", init="fill"),
     "mask_zero_sub": dict(mask="where", fill="zero", zero_form="sub"),
     "mask_zero_mul0": dict(mask="where", fill="zero", zero_form="mul0"),
+    "mask_zero_constantofshape": dict(mask="where", fill="zero", zero_form="cos"),
     "mask_init_inputs": dict(mask="where", init="input"),
     "mask_reverse": dict(mask="where", direction="reverse"),
     "mask_reverse_processing_order": dict(mask="cast_not", direction="reverse", out_time_order=False, carry_src="prev"),
@@ -220,6 +220,7 @@ FAMILIES = {
     "stacked_masked": dict(layers="stack", mask="where"),
     "bidirectional": dict(layers="bidir"),
     "bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),
+    "bidirectional_batch_first": dict(layers="bidir", batch_first=True, mask="where"),
     "bidirectional_init_inputs": dict(layers="bidir", init="input", mask="cast_sub"),
 }
 OP_FAMILIES = {
@@ -290,19 +291,19 @@ GAPS = [
      "a Gemm with beta != 1 and a bias input is declined (beta*C becomes a separate term)"),
     (lambda o: o.xproj, "the input projection x.W + b computed outside the recurrence is declined ('a slice of x')"),
     (lambda o: o.front == "loop" and o.direction == "reverse" and o.reverse_form == "index", "a Loop reading Gather(X, T-1-i) is declined"),
-    (lambda o: o.masked() and o.zero_form == "cos" and (o.fill == "zero" or o.extra_seq), "zeros written as ConstantOfShape(Shape(y)) are declined"),
     (lambda o: o.dropout, "an inference-mode Dropout on the step input is declined"),
     (lambda o: o.front == "loop" and o.static_T and not o.static_B and o.loop_bound != "const",
      "a Loop whose trip count / bound is Shape(X)[0] is declined when X has a static time and a dynamic batch dimension "
      "('the loop has no bound': the symbolic dim key does not match the static T)"),
     (lambda o: o.mask == "pad", "a padding mask (True = padded, Where(pad, old, new)) is declined"),
+    (lambda o: o.front == "loop" and o.layers == "stack" and o.loop_bound == "const",
+     "a stacked Loop with a constant trip count over the previous Loop's output is declined "
+     "('the loop runs a fixed T iterations': the input's time dimension is not known statically)"),
     (lambda o: o.act_form == "exp" and any(a[0] == "Sigmoid" for a in o.activations()), "sigmoid written as 1/(1+exp(-x)) is declined"),
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
 ]
-MERGE_GAPS = [
-    (lambda o: o.front == "scan" and o.layers == "bidir" and o.batch_first,
-     "a forward/reverse Scan pair with scan_input_axes=1 is fused into two ops but not merged into one bidirectional op"),
-]
+# (predicate, reason) for forward/reverse pairs fused into two ops instead of one bidirectional op
+MERGE_GAPS: list = []
 
 
 def known_gap(o: B.Opts) -> str | None:
@@ -343,17 +344,15 @@ GAP_CASES = {
     "rnn_xproj": O(op="RNN", xproj=True),
     "lstm_loop_reverse_index": O(op="LSTM", front="loop", direction="reverse", reverse_form="index"),
     "rnn_loop_reverse_index_counter": O(op="RNN", front="loop", direction="reverse", reverse_form="index", loop_counter=True),
-    "lstm_zero_constantofshape": O(op="LSTM", mask="where", fill="zero", zero_form="cos"),
-    "gru_zero_constantofshape_loop": O(op="GRU", lbr=1, front="loop", mask="where", fill="zero", zero_form="cos"),
     "lstm_dropout": O(op="LSTM", dropout=True),
+    "lstm_loop_static_time_dynamic_batch": O(op="LSTM", front="loop", static_T=7),
+    "rnn_loop_stacked_constant_trip": O(op="RNN", front="loop", static_T=7, static_B=4, loop_bound="const", layers="stack"),
     "lstm_sigmoid_exp": O(op="LSTM", act_form="exp"),
     "gru_sigmoid_exp_loop": O(op="GRU", lbr=1, front="loop", act_form="exp"),
     "lstm_mask_input_too": O(op="LSTM", mask="where", mask_input_too=True),
     "rnn_mask_input_too_loop": O(op="RNN", front="loop", mask="cast_sub", fill="zero", mask_input_too=True),
     "gru_pad_mask": O(op="GRU", lbr=1, mask="pad"),
     "rnn_pad_mask_loop": O(op="RNN", front="loop", mask="pad", fill="zero"),
-    "lstm_bidir_batch_first_scan": O(op="LSTM", layers="bidir", batch_first=True),
-    "gru_bidir_batch_first_masked_scan": O(op="GRU", lbr=1, layers="bidir", batch_first=True, mask="where"),
 }
 
 

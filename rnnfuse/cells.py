@@ -75,6 +75,14 @@ class CellSpec:
 
     # ---- weights in ONNX layout (one direction)
     def weights(self, dtype=np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        Ws, Rs, Bs = self.weight_parts(dtype)
+        W = np.concatenate(Ws, 0)[None].astype(dtype, copy=False)
+        R = np.concatenate(Rs, 0)[None].astype(dtype, copy=False)
+        B = np.concatenate(Bs, 0)[None].astype(dtype, copy=False)
+        return W, R, B
+
+    def weight_parts(self, dtype=np.float32) -> tuple[list, list, list]:
+        """Per-gate blocks of W [H, I], R [H, H] and the bias halves, in ONNX order (views where possible)."""
         H, I = self.hidden, self.input_size
         Ws, Rs, Wbs, Rbs = [], [], [], []
         for g in GATES[self.op]:
@@ -95,10 +103,7 @@ class CellSpec:
             wb, rb = _split_biases(lin, H, dtype)
             Wbs.append(wb)
             Rbs.append(rb)
-        W = np.concatenate(Ws, 0)[None].astype(dtype, copy=False)
-        R = np.concatenate(Rs, 0)[None].astype(dtype, copy=False)
-        B = np.concatenate(Wbs + Rbs, 0)[None].astype(dtype, copy=False)
-        return W, R, B
+        return Ws, Rs, Wbs + Rbs
 
     def has_bias(self) -> bool:
         return any(l.biases for l in self.gates.values()) or (self.rec_h is not None and bool(self.rec_h.biases))
@@ -184,6 +189,12 @@ def _act_arg(atom: Act, what: str):
         arg = sa[0].arg
         sa = arg.single_atom()
     if not (sa and sa[1] == 1.0 and isinstance(sa[0], LinAtom)):
+        lo = arg.as_lin_offset()
+        if lo is not None and lo[1] == 1.0:
+            # lin + b with a scalar b: a bias whose entries are all equal (hidden size 1, TF's forget_bias)
+            lin, _, b = lo
+            ref = ConstRef.of(np.full(lin.ncols, b, dtype=np.float32))
+            return (atom.kind, atom.params), Lin.make(lin.terms, lin.biases + (ref,), lin.ncols, lin.rows), clip
         raise Decline(f"{what} is {atom.kind} of {arg!r}, not of an affine map of x and h")
     if atom.kind not in ACTIVATIONS:
         raise Decline(f"{what} uses activation {atom.kind}, which native ops do not have")
@@ -205,7 +216,25 @@ def _srcdesc(s) -> str:
 
 
 def _same(a: Poly, b: Poly) -> bool:
-    return a.key == b.key
+    return a.key == b.key or fold_offsets(a).key == fold_offsets(b).key
+
+
+def fold_offsets(p: Poly) -> Poly:
+    """``act(lin + b)`` with a scalar b written as ``act(lin + [b, b, ...])``: one canonical form."""
+    from .symbolic import substitute
+
+    def fn(a):
+        if isinstance(a, Act):
+            inner = fold_offsets(a.arg)
+            lo = inner.as_lin_offset()
+            if lo is not None and lo[1] == 1.0 and lo[2] != 0.0:
+                lin, _, b = lo
+                ref = ConstRef.of(np.full(lin.ncols, b, dtype=np.float32))
+                inner = Poly.atom(LinAtom(Lin.make(lin.terms, lin.biases + (ref,), lin.ncols, lin.rows)))
+            return Poly.atom(Act(a.kind, a.params, inner))
+        return None
+
+    return substitute(p, fn)
 
 
 class Recognised:

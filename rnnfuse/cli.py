@@ -135,7 +135,7 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
     progress = _Progress(not args.quiet)
     progress(f"loading {args.input}")
     proto, had_external = model_io.load(args.input)
-    model = Model(proto)
+    model = Model(proto, external_dir=model_io.model_dir(proto))
     opts = Options(validate=not args.no_validate, post_padded=args.post_padded, seed=args.seed, log=None)
     pipe = Pipeline.default()
 
@@ -155,7 +155,7 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
         if ext is None and had_external:
             ext = True
         progress(f"writing {args.output}")
-        written = model_io.save(model.proto, args.output, external=ext)
+        written = model_io.save(model.proto, args.output, external=ext, source_dir=model_io.model_dir(proto))
         report.output_path = args.output
         if len(written) > 1:
             report.notes.append(f"tensors written to {written[1]}")

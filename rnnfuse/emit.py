@@ -23,6 +23,7 @@ from .errors import Decline
 from .graph import Graph
 from .recurrence import CARRY, NONE, ZERO, Init, Recurrence
 
+SPILL_BYTES = 64 << 20  # weights at least this big are spilled to disk when the model uses external data
 GENERAL = "exact"  # any mask: valid steps are gathered to the front, results scattered back
 POST_PADDED = "post-padded"  # the caller guarantees every row's padding is at its end
 
@@ -48,6 +49,16 @@ class Builder:
         if key is not None:
             self._consts[key] = name
         return name
+
+    def stacked(self, parts: list, hint: str, dtype=np.float32) -> str:
+        """An initializer ``concat(parts)[None]``: big ones are written straight to a spill file (external
+        data, memory-mapped) instead of being built in memory -- models loaded with external data only."""
+        rows = sum(int(p.shape[0]) for p in parts)
+        tail = tuple(parts[0].shape[1:])
+        nbytes = rows * int(np.prod(tail) if tail else 1) * np.dtype(dtype).itemsize
+        if nbytes < SPILL_BYTES or self.g.model.external_dir is None:
+            return self.const(np.concatenate(parts, 0)[None].astype(dtype, copy=False), hint)
+        return self.g.add_spilled_initializer(parts, (1, rows) + tail, dtype, f"{self.prefix}/{hint}")
 
     def i64(self, *vals) -> str:
         return self.const(np.array(vals, dtype=np.int64), "i64")
@@ -252,8 +263,8 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False)
         if path == GENERAL:
             x = _compact(b, cache, mp, x, mask)
 
-    W, R, B = cell.weights()
-    ins = [x, b.const(W, "W"), b.const(R, "R"), b.const(B, "B") if cell.has_bias() else "", seq_lens]
+    Ws, Rs, Bs = cell.weight_parts()
+    ins = [x, b.stacked(Ws, "W"), b.stacked(Rs, "R"), b.stacked(Bs, "B") if cell.has_bias() else "", seq_lens]
     ins.append(_init_state(b, rec.h0, x, cell.hidden))
     if cell.op == "LSTM":
         ins.append(_init_state(b, rec.c0, x, cell.hidden))

@@ -110,8 +110,9 @@ def _all_names(g: GraphProto, out: set[str]) -> None:
 class Model:
     """The model being optimized: opsets, fresh names, type information and the main :class:`Graph`."""
 
-    def __init__(self, proto: ModelProto):
+    def __init__(self, proto: ModelProto, external_dir: str | None = None):
         self.proto = proto
+        self.external_dir = external_dir  # where tensors stored as external data live (read lazily)
         self.opsets: dict[str, int] = {}
         for imp in proto.opset_import:
             self.opsets[imp.domain or ""] = imp.version
@@ -124,6 +125,23 @@ class Model:
         self.opset_raised: list[str] = []
         # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
         self.annotations: dict[str, dict] = {}
+
+    def tensor_array(self, t: TensorProto) -> np.ndarray:
+        """A tensor's values; external data is memory-mapped from its file, not loaded."""
+        if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
+            import os
+
+            info = {e.key: e.value for e in t.external_data}
+            loc = info["location"]
+            if self.external_dir is None and not os.path.isabs(loc):
+                raise ValueError(f"tensor '{t.name}' is stored externally but the model's directory is unknown")
+            path = loc if os.path.isabs(loc) else os.path.join(self.external_dir, loc)
+            dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+            offset = int(info.get("offset", 0))
+            shape = tuple(t.dims)
+            count = int(np.prod(shape)) if shape else 1
+            return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,)).reshape(shape)
+        return numpy_helper.to_array(t)
 
     @property
     def opset(self) -> int:
@@ -398,7 +416,7 @@ class Graph:
         val: np.ndarray | None = None
         if name in self.initializers:
             if name not in self._inputs:  # an initializer that is also an input can be overridden
-                val = numpy_helper.to_array(self.initializers[name])
+                val = self.model.tensor_array(self.initializers[name])
         elif name in self.producer:
             val = fold.fold_output(self, self.producer[name], name)
         self._arrays[name] = val
@@ -464,6 +482,43 @@ class Graph:
         self._arrays[name] = array
         return name
 
+    def add_spilled_initializer(self, parts: list, shape: tuple, dtype, hint: str, axis: int = 1) -> str:
+        """An initializer whose data is written, part by part, to a spill file and kept external."""
+        import atexit
+        import os
+        import shutil
+        import tempfile
+
+        from onnx.external_data_helper import set_external_data
+
+        spill = self.model.annotations.get("spill_dir")
+        if spill is None:
+            spill = tempfile.mkdtemp(prefix="rnnfuse-spill-")
+            atexit.register(shutil.rmtree, spill, True)
+            self.model.annotations["spill_dir"] = spill
+        name = self.fresh(hint)
+        path = os.path.join(spill, f"{len(os.listdir(spill))}.bin")
+        mm = np.memmap(path, dtype=dtype, mode="w+", shape=shape)
+        r0 = 0
+        for p in parts:
+            n = int(p.shape[0]) if axis == 1 else int(p.shape[0])
+            if axis == 1:
+                mm[0, r0 : r0 + n] = p
+            else:
+                mm[r0 : r0 + n] = p
+            r0 += n
+        mm.flush()
+        del mm
+        t = TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        t.dims.extend(shape)
+        set_external_data(t, path, offset=0, length=int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        t.data_location = TensorProto.EXTERNAL
+        self.proto.initializer.append(t)
+        self.initializers[name] = t
+        return name
+
     def remove_node(self, node: NodeProto) -> None:
         if id(node) in self._removed:
             return
@@ -486,6 +541,7 @@ class Graph:
                 self._implicit.pop(id(n), None)
             self._index(n)
         if old in self.output_names:
+            self._detach(old)
             if self.producer.get(new) is not None and self._renamable(new):
                 self._rename_output(new, old)
             else:
@@ -499,17 +555,21 @@ class Graph:
             and self.producer.get(name) is not None
         )
 
+    def _detach(self, old: str) -> None:
+        """The old producer of a graph output gives the name up (it is about to be replaced)."""
+        old_prod = self.producer.get(old)
+        if old_prod is None:
+            return
+        self._unindex(old_prod)
+        for i, o in enumerate(old_prod.output):
+            if o == old:
+                old_prod.output[i] = self.fresh(old + "/detached")
+        if id(old_prod) not in self._removed:
+            self._index(old_prod)
+
     def _rename_output(self, new: str, old: str) -> None:
         """Rename the produced tensor ``new`` to ``old`` (used to keep graph output names)."""
         node = self.producer[new]
-        old_prod = self.producer.get(old)
-        if old_prod is not None and old_prod is not node:
-            # the old producer is about to be removed by the caller; detach its output name
-            for i, o in enumerate(old_prod.output):
-                if o == old:
-                    old_prod.output[i] = self.fresh(old + "/detached")
-            self._unindex(old_prod)
-            self._index(old_prod)
         self._unindex(node)
         for i, o in enumerate(node.output):
             if o == new:

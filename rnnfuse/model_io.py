@@ -34,7 +34,11 @@ def uses_external_data(model: onnx.ModelProto) -> bool:
 
 
 def load(path: str) -> tuple[onnx.ModelProto, bool]:
-    """Load ``path`` with its external data; returns (model, had_external_data)."""
+    """Load ``path``; returns (model, had_external_data).
+
+    External data is *not* read into memory: tensors stay where they are and are memory-mapped when a pass
+    needs their values (see :meth:`rnnfuse.graph.Model.tensor_array`), then streamed into the output's data
+    file when it is written. The model's directory is recorded in ``model_dir(model)``."""
     if not path:
         raise InputError("no input file given")
     if not os.path.exists(path):
@@ -58,15 +62,29 @@ def load(path: str) -> tuple[onnx.ModelProto, bool]:
     check_model_header(model, path)
     external = uses_external_data(model)
     if external:
-        from onnx.external_data_helper import load_external_data_for_model
+        base = os.path.dirname(os.path.abspath(path))
+        from onnx.external_data_helper import _get_all_tensors
 
-        try:
-            load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
-        except FileNotFoundError as e:
-            raise InputError(f"external data of {path} is missing: {e.filename or e}") from None
-        except Exception as e:
-            raise InputError(f"cannot load the external data of {path}: {_short(e)}") from None
+        for t in _get_all_tensors(model):
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in t.external_data}
+            loc = os.path.join(base, info.get("location", ""))
+            if not os.path.isfile(loc):
+                raise InputError(f"external data of {path} is missing: {info.get('location', '?')}")
+            need = int(info.get("offset", 0)) + int(info.get("length", 0))
+            if os.path.getsize(loc) < need:
+                raise InputError(f"external data file {info.get('location')} of {path} is truncated")
+        _MODEL_DIRS[id(model)] = base
     return model, external
+
+
+_MODEL_DIRS: dict[int, str] = {}
+
+
+def model_dir(model: onnx.ModelProto) -> str | None:
+    """The directory external tensors of a model loaded by :func:`load` are relative to."""
+    return _MODEL_DIRS.get(id(model))
 
 
 def check_model_header(model: onnx.ModelProto, path: str = "model") -> None:
@@ -111,13 +129,16 @@ def check_writable(out_path: str, in_path: str | None = None, in_place: bool = F
         raise OutputError(f"output file is not writable: {out_path}")
 
 
-def save(model: onnx.ModelProto, out_path: str, external: bool | None = None) -> list[str]:
-    """Write ``model`` atomically; returns the files written. ``external=None`` decides by size."""
+def save(model: onnx.ModelProto, out_path: str, external: bool | None = None, source_dir: str | None = None) -> list[str]:
+    """Write ``model`` atomically; returns the files written. ``external=None`` decides by size.
+
+    With external data, every tensor of ``EXTERNAL_THRESHOLD`` bytes or more goes to ``<output>.data``:
+    tensors still stored in the input's data file (``source_dir``) are copied in chunks, never loaded whole."""
     out_path = os.path.abspath(out_path)
     parent = os.path.dirname(out_path)
     base = os.path.basename(out_path)
     if external is None:
-        external = estimated_size(model) > PROTO_LIMIT - (64 << 20)
+        external = estimated_size(model) > PROTO_LIMIT - (64 << 20) or _has_unloaded(model)
     tmpdir = None
     try:
         tmpdir = tempfile.mkdtemp(prefix=".rnnfuse-", dir=parent)
@@ -125,22 +146,14 @@ def save(model: onnx.ModelProto, out_path: str, external: bool | None = None) ->
         written = [out_path]
         if external:
             data_name = base + ".data"
-            onnx.save_model(
-                model,
-                tmp_model,
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=data_name,
-                size_threshold=EXTERNAL_THRESHOLD,
-                convert_attribute=False,
-            )
             tmp_data = os.path.join(tmpdir, data_name)
-            if os.path.exists(tmp_data):
-                os.replace(tmp_data, os.path.join(parent, data_name))
-                written.append(os.path.join(parent, data_name))
-        else:
-            with open(tmp_model, "wb") as f:
-                f.write(model.SerializeToString())
+            _write_external(model, tmp_data, data_name, source_dir)
+            os.replace(tmp_data, os.path.join(parent, data_name))
+            written.append(os.path.join(parent, data_name))
+        elif _has_unloaded(model):
+            raise OutputError("the model has tensors in external data; write it with --external-data auto or always")
+        with open(tmp_model, "wb") as f:
+            f.write(model.SerializeToString())
         os.replace(tmp_model, out_path)
         return written
     except OSError as e:
@@ -150,6 +163,51 @@ def save(model: onnx.ModelProto, out_path: str, external: bool | None = None) ->
     finally:
         if tmpdir and os.path.isdir(tmpdir):
             shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _has_unloaded(model: onnx.ModelProto) -> bool:
+    from onnx.external_data_helper import _get_all_tensors
+
+    return any(t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data") for t in _get_all_tensors(model))
+
+
+def _write_external(model: onnx.ModelProto, data_path: str, location: str, source_dir: str | None) -> None:
+    from onnx.external_data_helper import _get_all_tensors, set_external_data
+
+    align = 4096
+    with open(data_path, "wb") as out:
+        for t in _get_all_tensors(model):
+            unloaded = t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data")
+            if not unloaded:
+                if not t.HasField("raw_data") or len(t.raw_data) < EXTERNAL_THRESHOLD:
+                    continue
+            pos = out.tell()
+            if pos % align:
+                out.write(b"\0" * (align - pos % align))
+                pos = out.tell()
+            if unloaded:
+                info = {e.key: e.value for e in t.external_data}
+                if source_dir is None and not os.path.isabs(info["location"]):
+                    raise ValueError(f"tensor '{t.name}' is stored externally but its file is unknown")
+                loc = info["location"]
+                src = loc if os.path.isabs(loc) else os.path.join(source_dir, loc)
+                length = int(info.get("length", 0)) or os.path.getsize(src) - int(info.get("offset", 0))
+                with open(src, "rb") as f:
+                    f.seek(int(info.get("offset", 0)))
+                    left = length
+                    while left:
+                        chunk = f.read(min(left, 64 << 20))
+                        if not chunk:
+                            raise ValueError(f"external data of '{t.name}' is truncated")
+                        out.write(chunk)
+                        left -= len(chunk)
+            else:
+                length = len(t.raw_data)
+                out.write(t.raw_data)
+                t.ClearField("raw_data")
+            del t.external_data[:]
+            set_external_data(t, location, offset=pos, length=length)
+            t.data_location = onnx.TensorProto.EXTERNAL
 
 
 def estimated_size(model: onnx.ModelProto) -> int:

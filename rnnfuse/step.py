@@ -124,6 +124,11 @@ def analyse(x: X, states: list[StepState], outs: list[StepOut], state_atoms: dic
         match = [c for c in cell_syms if new_cell[c].key == new_cell[s.sym].key]
         if not match:
             raise Decline(f"carried value {s.sym} is neither a cell state nor a copy of the output")
+        if mask_sym is not None and not masked_states[s.sym]:
+            # updated at every step, masked or not: its value at masked steps is no native output
+            if s.final:
+                raise Decline(f"a carried copy of the output ({s.sym}) ignores the mask and is used")
+            continue
         carry_of[s.sym] = match[0]
     if mask_sym is not None and not all(masked_states[c] for c in cell_syms):
         raise Decline("some cell states ignore the mask")

@@ -809,6 +809,16 @@ def _identity(ev, node, ins):
     return [ins[0]]
 
 
+def _dropout(ev, node, ins):
+    """Dropout at inference (no training_mode, or a constant false one) is the identity."""
+    if len(ins) > 2 and ins[2] is not None:
+        if not isinstance(ins[2], C) or bool(np.asarray(ins[2].arr).any()):
+            raise Decline("a Dropout in training mode")
+    if len(node.output) > 1 and node.output[1]:
+        raise Decline("a Dropout whose mask is used")
+    return [ins[0]]
+
+
 def _activation(kind: str):
     def h(ev, node, ins):
         names = ACTIVATIONS[kind]
@@ -894,8 +904,12 @@ def _gemm(ev, node, ins):
     if alpha != 1.0:
         p = Poly.atom(LinAtom(lin.scaled(alpha)))
     if len(ins) > 2 and ins[2] is not None:
-        cp = const_poly(ins[2]) if isinstance(ins[2], C) else _poly_l(ins[2])  # C may be h @ R (tf2onnx)
-        p = p.add(cp.scale(beta) if beta != 1.0 else cp)
+        if isinstance(ins[2], C):
+            arr = ins[2].arr if beta == 1.0 else (ins[2].arr * np.asarray(beta, dtype=ins[2].arr.dtype)).astype(ins[2].arr.dtype)
+            cp = const_poly(C(arr) if beta != 1.0 else ins[2])
+        else:
+            cp = _poly_l(ins[2]).scale(beta) if beta != 1.0 else _poly_l(ins[2])  # C may be h @ R (tf2onnx)
+        p = p.add(cp)
     return [_sym(p)]
 
 
@@ -1110,6 +1124,7 @@ _HANDLERS: dict[str, Callable] = {
     "Div": _binary,
     "Neg": _neg,
     "Identity": _identity,
+    "Dropout": _dropout,
     "Clip": _clip,
     "Max": _minmax,
     "Min": _minmax,

@@ -194,7 +194,7 @@ def build_check_model(
     graph.name = "rnnfuse_check"
     graph.node.extend(extra_nodes + keep)
     # masks must be computed before the overrides read their shape: sort again
-    graph.initializer.extend([t for t in g.proto.initializer if t.name in used] + inits)
+    graph.initializer.extend([_materialized(g, t) for t in g.proto.initializer if t.name in used] + inits)
     for vi in g.proto.input:
         if vi.name in used and vi.name not in g.initializers:
             graph.input.append(vi)
@@ -214,6 +214,29 @@ def build_check_model(
     for f in model_proto.functions:
         m.functions.append(f)
     return m, pattern_inputs
+
+
+def _materialized(g: Graph, t: onnx.TensorProto) -> onnx.TensorProto:
+    """A tensor with its data inline (external data is read for the validation model)."""
+    if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
+        return numpy_helper.from_array(np.asarray(g.model.tensor_array(t)), t.name)
+    return t
+
+
+# models whose weights exceed this are not copied into a validation model (it would double their memory)
+MAX_VALIDATION_BYTES = 1 << 30
+
+
+def weight_bytes(proto: onnx.ModelProto) -> int:
+    from onnx.external_data_helper import _get_all_tensors
+
+    total = 0
+    for t in _get_all_tensors(proto):
+        if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
+            total += int(next((e.value for e in t.external_data if e.key == "length"), 0) or 0)
+        else:
+            total += len(t.raw_data) + 4 * len(t.float_data) + 8 * len(t.int64_data)
+    return total
 
 
 def _sort_in_place(graph: onnx.GraphProto) -> None:
@@ -265,20 +288,31 @@ def validate(
         return ValidationResult(True)
     ort = _ort()
     proto = g.model.proto
+    size = weight_bytes(proto)
+    if size > MAX_VALIDATION_BYTES:
+        return ValidationResult(
+            False,
+            f"the model holds {size / 2**30:.1f} GB of weights; running it again in onnxruntime would exceed "
+            "rnnfuse's memory bound (the rewrite is proven from the cell's maths)",
+        )
     mask_names = sorted(masks)
     try:
         check, pattern_inputs = build_check_model(proto, g, pairs, mask_names)
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = 1
-        so.inter_op_num_threads = 1
-        so.log_severity_level = 4
-        data = check.SerializeToString()
-        sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+        sess = _session(ort, check)
     except _Skip as s:
         return ValidationResult(False, str(s))
-    except Exception as e:  # the original model itself does not load: nothing to compare against
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return ValidationResult(False, f"onnxruntime cannot run the model ({msg[:200]})")
+    except Exception as e:
+        msg = _first_line(e)
+        # is it the original that onnxruntime cannot run, or the rewrite?
+        try:
+            only_old = [(a, a) for a, _ in pairs]
+            _session(ort, build_check_model(proto, g, only_old, mask_names)[0])
+        except Exception:
+            return ValidationResult(False, f"onnxruntime cannot run the original model ({msg})")
+        res = ValidationResult(True)
+        for p in pairs:
+            res.pairs[p] = PairResult(*p, ok=False, detail=f"the rewritten graph does not load in onnxruntime ({msg})")
+        return res
     out_names = [o.name for o in sess.get_outputs()]
     res = ValidationResult(True)
     for p in pairs:
@@ -328,6 +362,19 @@ def validate(
     return res
 
 
+def _first_line(e: Exception) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return msg[:200]
+
+
+def _session(ort, model: onnx.ModelProto):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 4
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
 def _failed(e: Exception) -> ValidationResult:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return ValidationResult(False, f"onnxruntime failed on generated inputs ({msg[:200]})")
@@ -370,6 +417,9 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
     cell = rec.cell
     res = ValidationResult(True)
     rng = np.random.default_rng(seed)
+    n_weights = 4 * cell.hidden * (cell.input_size + cell.hidden) * 4
+    if 2 * n_weights > MAX_VALIDATION_BYTES:
+        return ValidationResult(False, f"the cell's weights ({n_weights / 2**30:.1f} GB) are too big to check twice in memory")
     W, R, B = cell.weights()
     for ci, chk in enumerate(rec.cell_checks):
         produced = {o for n in chk.nodes for o in n.output}

@@ -188,6 +188,7 @@ FAMILIES = {
     "init_learned": dict(init="learned"),
     "init_h_input_only": dict(init="input_h", mask="where"),
     "direct_outputs": dict(direct_out=True, mask="where", extra_seq=True),
+    "direct_outputs_two_equal_seqs": dict(direct_out=True, extra_seq=True, outputs=("seq",)),
     "only_final_h": dict(outputs=("h",)),
     "only_seq": dict(outputs=("seq",)),
     "seq_and_c": dict(outputs=("seq", "c")),
@@ -247,6 +248,8 @@ LOOP_FAMILIES = {
     "loop_counter": dict(loop_counter=True),
     "loop_counter_cond": dict(loop_counter=True, loop_bound="cond", mask="cast_not"),
     "loop_reverse_reversesequence": dict(direction="reverse", reverse_form="revseq", mask="where"),
+    "loop_reverse_index": dict(direction="reverse", reverse_form="index"),
+    "loop_reverse_index_counter_masked": dict(direction="reverse", reverse_form="index", loop_counter=True, mask="where"),
     "loop_constant_trip_count": dict(static_T=7, loop_bound="const"),
     "loop_bidir_reversesequence": dict(layers="bidir", reverse_form="revseq", direct_out=True),
 }
@@ -284,17 +287,8 @@ GAPS = [
     (lambda o: o.op == "GRU" and o.act_form != "op" and o.activations()[1][0] == "HardSigmoid",
      "a GRU candidate activation g = hard_sigmoid written algebraically is declined (its argument is not one affine map)"),
     (lambda o: o.op == "RNN" and o.activations()[0][0] == "Affine", "a linear RNN (no activation) is declined"),
-    (lambda o: o.H == 1 and o.bias != "none", "hidden size 1: a 1-element bias is read as a scalar and the gate as 'not an affine map'"),
-    (lambda o: o.uniform_bias and o.bias != "none", "a bias vector holding one value is read as a scalar ('not an affine map')"),
-    (lambda o: o.op == "LSTM" and o.forget_bias != 0.0, "a scalar forget bias (TF BasicLSTMCell) is declined ('not an affine map')"),
-    (lambda o: o.matmul == "gemm_ab" and (o.bias == "two" or o.op == "GRU" or o.layout != "separate" or o.concat),
-     "a Gemm with beta != 1 and a bias input is declined (beta*C becomes a separate term)"),
-    (lambda o: o.xproj, "the input projection x.W + b computed outside the recurrence is declined ('a slice of x')"),
-    (lambda o: o.front == "loop" and o.direction == "reverse" and o.reverse_form == "index", "a Loop reading Gather(X, T-1-i) is declined"),
-    (lambda o: o.dropout, "an inference-mode Dropout on the step input is declined"),
-    (lambda o: o.front == "loop" and o.static_T and not o.static_B and o.loop_bound != "const",
-     "a Loop whose trip count / bound is Shape(X)[0] is declined when X has a static time and a dynamic batch dimension "
-     "('the loop has no bound': the symbolic dim key does not match the static T)"),
+    (lambda o: o.front == "loop" and o.direction == "reverse" and o.reverse_form == "index" and o.masked(),
+     "a masked Loop reading Gather(X, T-1-i) and Gather(mask, T-1-i) is declined ('mask' is computed at runtime outside the step)"),
     (lambda o: o.mask == "pad", "a padding mask (True = padded, Where(pad, old, new)) is declined"),
     (lambda o: o.front == "loop" and o.layers == "stack" and o.loop_bound == "const",
      "a stacked Loop with a constant trip count over the previous Loop's output is declined "
@@ -303,7 +297,10 @@ GAPS = [
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
 ]
 # (predicate, reason) for forward/reverse pairs fused into two ops instead of one bidirectional op
-MERGE_GAPS: list = []
+MERGE_GAPS = [
+    (lambda o: o.front == "scan" and o.layers == "bidir" and o.batch_first and o.masked(),
+     "a masked forward/reverse Scan pair with scan_input_axes=1 is fused into two ops but not merged into one bidirectional op"),
+]
 
 
 def known_gap(o: B.Opts) -> str | None:
@@ -342,8 +339,6 @@ GAP_CASES = {
     "lstm_xproj": O(op="LSTM", xproj=True),
     "gru_xproj_loop": O(op="GRU", lbr=1, front="loop", xproj=True),
     "rnn_xproj": O(op="RNN", xproj=True),
-    "lstm_loop_reverse_index": O(op="LSTM", front="loop", direction="reverse", reverse_form="index"),
-    "rnn_loop_reverse_index_counter": O(op="RNN", front="loop", direction="reverse", reverse_form="index", loop_counter=True),
     "lstm_dropout": O(op="LSTM", dropout=True),
     "lstm_loop_static_time_dynamic_batch": O(op="LSTM", front="loop", static_T=7),
     "rnn_loop_stacked_constant_trip": O(op="RNN", front="loop", static_T=7, static_B=4, loop_bound="const", layers="stack"),

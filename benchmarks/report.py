@@ -202,6 +202,33 @@ def latency_section(res: Results) -> list[str]:
     return lines
 
 
+def gap_section(res: Results) -> list[str]:
+    rows = [r for r in res.rows if r.profile]
+    if not rows:
+        return []
+    lines = ["### Where the gap to the floor goes", "",
+             "onnxruntime's profiler (separate runs from the timings above; profiling adds its own overhead): mean ms "
+             "per run inside the recurrent op kernels, inside all other kernels (largest op types listed), and "
+             "outside any kernel (per-node dispatch, allocation). A gap in *other kernels* or *outside* is the "
+             "graph around the native op (mask handling, transposes, the Keras carried-output fix-up, the Masking "
+             "layer itself); a gap in the recurrent op is the kernel.", "",
+             "| model | B | fused: run | recurrent op | other kernels (largest) | outside kernels | floor: run | "
+             "floor recurrent op |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
+    rnn = ("LSTM", "GRU", "RNN")
+    for r in rows:
+        f, fl = r.profile["fused"], r.profile["floor"]
+        fk = f["kernels"]
+        rec = sum(v for k, v in fk.items() if k in rnn)
+        other = {k: v for k, v in fk.items() if k not in rnn}
+        top = ", ".join(f"{k} {v:.2f}" for k, v in list(other.items())[:4])
+        lines.append(f"| {r.model} | {r.batch} | {ms(f['run_ms'])} | {ms(rec)} | {ms(sum(other.values()))}"
+                     f"{' (' + top + ')' if top else ''} | {ms(f['run_ms'] - sum(fk.values()))} | "
+                     f"{ms(fl['run_ms'])} | {ms(sum(v for k, v in fl['kernels'].items() if k in rnn))} |")
+    lines.append("")
+    return lines
+
+
 def elman_section(res: Results) -> list[str]:
     rows = [r for r in res.rows if r.model == "keras_simplernn" and r.timings]
     if not rows:
@@ -303,7 +330,8 @@ def models_section(res: Results) -> list[str]:
 
 def markdown(res: Results) -> str:
     goals = evaluate_goals(res)
-    lines = header(res) + goals_section(res, goals) + latency_section(res) + elman_section(res)
+    lines = header(res) + goals_section(res, goals) + latency_section(res) + gap_section(res)
+    lines += elman_section(res)
     lines += optimizer_section(res) + openvino_section(res) + models_section(res)
     lines += ["![latency](results.png)", ""]
     return "\n".join(lines)

@@ -9,7 +9,8 @@
 3. Per model and batch, onnxruntime CPU with ``--threads`` intra-op threads, runs interleaved: the original,
    the fused model (exact path), the fused model with ``post_padded=True`` (masked models) and the floor
    (bare native ops of the same sizes, ``sequence_lens`` for masked models), on post-padded random inputs.
-   Outputs of fused vs original are compared on the same inputs.
+   Outputs of fused vs original are compared on the same inputs. Then onnxruntime's profiler splits the fused
+   model's and the floor's time by op type (``--no-profile`` skips it).
 4. ``--openvino``: whether OpenVINO reads/compiles the original and fused models and agrees with onnxruntime.
 5. Writes ``results.md``, ``results.csv``, ``results.png`` and ``results.json`` into ``--out``.
 
@@ -60,6 +61,7 @@ class Config:
     warmup: int
     threads: int
     quick: bool
+    profile: bool = True
     seed: int = 0
 
 
@@ -78,6 +80,7 @@ class Row:
     diff_post: float | None = None
     shapes_ok: bool = True
     error: str = ""
+    profile: dict = field(default_factory=dict)  # fused | floor -> op_profile()
 
     def median(self, k: str) -> float | None:
         t = self.timings.get(k)
@@ -180,7 +183,7 @@ def _max_diff(ref: list, got: list) -> tuple[float, bool]:
                for a, b in zip(ref, got)), True
 
 
-def time_model(spec: ModelSpec, files: dict, cfg: Config) -> tuple[list[Row], dict]:
+def time_model(spec: ModelSpec, files: dict, cfg: Config, work: Path) -> tuple[list[Row], dict]:
     """Latency rows for every batch, and the batch-``max`` feeds/reference (for the OpenVINO check)."""
     floor = build_floor(spec, cfg.F, cfg.H, cfg.seed).SerializeToString()
     rows, last = [], {}
@@ -214,6 +217,10 @@ def time_model(spec: ModelSpec, files: dict, cfg: Config) -> tuple[list[Row], di
                 row.shapes_ok &= ok
             times = time_side_by_side(sessions, feeds, cfg.runs, cfg.warmup)
             row.timings = {k: summarize(k, b, v) for k, v in times.items()}
+            if cfg.profile and "fused" in variants:
+                n = max(5, min(40, cfg.runs))
+                row.profile = {"fused": op_profile(variants["fused"].read_bytes(), feeds, cfg.threads, n, 3, work),
+                               "floor": op_profile(floor, ffeeds, cfg.threads, n, 3, work)}
             last = {"feeds": feeds, "ref": ref, "variants": variants, "floor": floor, "floor_feeds": ffeeds,
                     "floor_ref": sessions["floor"].run(None, None)}
         except Exception as e:  # noqa: BLE001 - one broken model must not stop the suite
@@ -222,6 +229,35 @@ def time_model(spec: ModelSpec, files: dict, cfg: Config) -> tuple[list[Row], di
         if t:
             log(f"  {spec.name} B={b}: " + ", ".join(f"{k} {v.median_ms:.2f}ms" for k, v in t.items()))
     return rows, last
+
+
+# --------------------------------------------------------------------------- 3b. where the time goes
+
+
+def op_profile(model_bytes: bytes, feeds: dict, threads: int, runs: int, warmup: int, work: Path) -> dict:
+    """onnxruntime's profiler over ``runs`` runs: mean ms per run of the whole run and per op type's kernels."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+    so.enable_profiling = True
+    so.profile_file_prefix = str(work / "ort_profile")
+    sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+    for _ in range(warmup + runs):
+        sess.run(None, feeds)
+    path = Path(sess.end_profiling())
+    events = json.loads(path.read_text())
+    path.unlink()
+    starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    cutoff = starts[warmup] if len(starts) > warmup else 0
+    run_us = sum(e["dur"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"
+                 and e["ts"] >= cutoff)
+    kernels: dict = {}
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= cutoff:
+            op = e.get("args", {}).get("op_name", "?")
+            kernels[op] = kernels.get(op, 0.0) + e["dur"] / 1000.0 / runs
+    return {"run_ms": run_us / 1000.0 / runs, "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
 # --------------------------------------------------------------------------- 4. OpenVINO
@@ -285,8 +321,10 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="smoke test: T=20, few runs (a few minutes)")
     ap.add_argument("--out", type=Path, default=HERE / "results", help="results directory (default benchmarks/results)")
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1)")
-    ap.add_argument("--runs", type=int, help="timed runs per model variant and batch (default 100, quick 30)")
+    ap.add_argument("--runs", type=int, help="timed runs per model variant and batch (default 200, quick 30)")
     ap.add_argument("--warmup", type=int, help="untimed runs first (default 10, quick 3)")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the onnxruntime-profiler breakdown of fused vs floor (where the gap goes)")
     ap.add_argument("--openvino", action="store_true", help="also check that OpenVINO loads/agrees (if installed)")
     ap.add_argument("--cache", type=Path, default=HERE / ".cache", help="exported models (default benchmarks/.cache)")
     ap.add_argument("--rebuild", action="store_true", help="re-export models even when cached")
@@ -298,8 +336,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = Config(T=args.seq_len or (20 if args.quick else 100), F=128, H=256, batches=[1, 16],
-                 runs=args.runs or (30 if args.quick else 100), warmup=args.warmup if args.warmup is not None
-                 else (3 if args.quick else 10), threads=args.threads, quick=args.quick)
+                 runs=args.runs or (30 if args.quick else 200), warmup=args.warmup if args.warmup is not None
+                 else (3 if args.quick else 10), threads=args.threads, quick=args.quick, profile=not args.no_profile)
     specs = [m for m in MODELS if not args.models or any(s in m.name for s in args.models.split(","))]
     out, cache = args.out, args.cache
     logs = out / "logs"
@@ -343,7 +381,7 @@ def main(argv=None) -> int:
             log(f"  {e['fused']} fused, {e['declined']} declined, {e['seconds']:.2f}s, "
                 f"+{e['peak_extra_mb']:.1f} MB ({e['peak_extra_mb'] / e['file_mb']:.1f}x file)")
         log(f"{spec.name}: timing {cfg.runs} interleaved runs per variant")
-        mrows, last = time_model(spec, files, cfg)
+        mrows, last = time_model(spec, files, cfg, cache)
         rows += mrows
         if args.openvino:
             ov[spec.name] = {"error": ov_status} if ov_status else openvino_check(spec, last, cache, logs)

@@ -280,6 +280,8 @@ def _resolve(op: str, kw: dict) -> dict:
 
 # valid cells rnnfuse does not fuse today: (predicate, reason); matching cases are xfail(strict, raises=Gap)
 GAPS = [
+    (lambda o: o.H == 1 and o.op == "GRU" and o.bias != "none",
+     "GRU with hidden size 1: the 1-element recurrent candidate bias multiplies r as a scalar (r*lin + b*r), not matched"),
     (lambda o: o.clip is not None and o.act_form != "op" and any(a[0] == "HardSigmoid" for a in o.activations()),
      "a clipped gate with hard_sigmoid written algebraically (Clip(a*clip(x)+b, 0, 1)) is declined"),
     (lambda o: o.op == "LSTM" and o.act_form != "op" and o.activations()[2][0] == "HardSigmoid",

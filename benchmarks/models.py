@@ -271,6 +271,17 @@ def exporter_versions(framework: str) -> dict:
     return {"torch": torch.__version__, "onnxscript": onnxscript.__version__}
 
 
+def _atomic(path: Path, export) -> None:
+    """``export(tmp)`` then rename to ``path``: an interrupted export never leaves a cached file behind."""
+    tmp = path.with_name(path.stem + ".partial.onnx")
+    try:
+        export(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        Path(str(tmp) + ".data").unlink(missing_ok=True)
+
+
 def export_all(framework: str, names: list[str], cache: Path, T: int, F: int, H: int, batches: list[int]) -> list[dict]:
     """Export the named entries that are not in ``cache`` yet; one JSON-able record per entry."""
     _quiet()
@@ -286,17 +297,17 @@ def export_all(framework: str, names: list[str], cache: Path, T: int, F: int, H:
             if path.exists():
                 rec["notes"] = "cached"
             elif framework == "keras":
-                export_keras(spec, F, H, path)
+                _atomic(path, lambda p: export_keras(spec, F, H, p))
             else:
                 try:
-                    export_torch(spec, T, F, H, path)
+                    _atomic(path, lambda p: export_torch(spec, T, F, H, p))
                 except Exception as e:  # noqa: BLE001 - fall back to one static-batch export per batch size
                     rec["notes"] = f"dynamic batch failed ({type(e).__name__}); one export per batch"
                     for b in batches:
-                        p = cache / spec.file_name(T, F, H, b)
-                        if not p.exists():
-                            export_torch(spec, T, F, H, p, batch=b)
-                        rec["files"][str(b)] = str(p)
+                        pb = cache / spec.file_name(T, F, H, b)
+                        if not pb.exists():
+                            _atomic(pb, lambda p, b=b: export_torch(spec, T, F, H, p, batch=b))
+                        rec["files"][str(b)] = str(pb)
             if not rec["files"]:
                 rec["files"] = {"*": str(path)}
         except Exception as e:  # noqa: BLE001 - reported by the parent, the other entries go on

@@ -4,8 +4,9 @@
 
 Each ``FEEDS.npz`` holds ``in/<input name>`` (inputs) and ``ref/<k>`` (onnxruntime's outputs on them: for
 the fused variants those of the *original* model). Each model is read with ``Core().read_model(path)`` and
-compiled for CPU with ``INFERENCE_PRECISION_HINT=f32`` (OpenVINO's CPU default on bf16-capable CPUs is bf16, which would make every
-comparison differ at ~1e-2); when it compiles it is run once and compared to the reference. Runs in its own
+compiled for CPU with ``INFERENCE_PRECISION_HINT=f32`` (OpenVINO's CPU default on bf16-capable CPUs is bf16,
+which would make every comparison differ at ~1e-2); when it compiles it is run once and compared to the
+reference. Runs in its own
 process so that a crash in OpenVINO cannot take the benchmark down.
 """
 

@@ -25,6 +25,9 @@ import sys
 import time
 
 
+RECURRENT_OPS = ("LSTM", "GRU", "RNN", "Loop", "Scan")
+
+
 def _status_kb(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
         "fused": sum(f.status == "fused" for f in findings),
         "merged": sum(f.status == "merged" for f in findings),
         "declined": sum(f.status == "declined" for f in findings),
-        "ops_after": sorted({n.op_type for n in fused.graph.node if n.op_type in ("LSTM", "GRU", "RNN", "Loop", "Scan")}),
+        "ops_after": sorted({n.op_type for n in fused.graph.node if n.op_type in RECURRENT_OPS}),
         "report": report.to_text(),
     }
     with open(a.json, "w") as f:

@@ -149,6 +149,8 @@ def optimizer_costs(spec: ModelSpec, path: Path, logs: Path) -> dict:
     }
     if spec.masked:
         modes["post"] = ["--warmup", str(WARMUP_MODEL), "--post-padded", "--save", f"{stem}.post.onnx"]
+    for old in (Path(f"{stem}.fused.onnx"), Path(f"{stem}.post.onnx")):  # never time a stale result
+        old.unlink(missing_ok=True)
     out = {}
     for mode, extra in modes.items():
         js = Path(f"{stem}.opt_{mode}.json")
@@ -235,7 +237,8 @@ def time_model(spec: ModelSpec, files: dict, cfg: Config, work: Path) -> tuple[l
 
 
 def op_profile(model_bytes: bytes, feeds: dict, threads: int, runs: int, warmup: int, work: Path) -> dict:
-    """onnxruntime's profiler over ``runs`` runs: mean ms per run of the whole run and per op type's kernels."""
+    """onnxruntime's profiler over ``runs`` runs: the median over runs of the whole run's ms and of each op
+    type's kernel ms (medians, so that a run disturbed by another process does not skew the split)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -248,16 +251,24 @@ def op_profile(model_bytes: bytes, feeds: dict, threads: int, runs: int, warmup:
     path = Path(sess.end_profiling())
     events = json.loads(path.read_text())
     path.unlink()
-    starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
-    cutoff = starts[warmup] if len(starts) > warmup else 0
-    run_us = sum(e["dur"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"
-                 and e["ts"] >= cutoff)
-    kernels: dict = {}
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= cutoff:
-            op = e.get("args", {}).get("op_name", "?")
-            kernels[op] = kernels.get(op, 0.0) + e["dur"] / 1000.0 / runs
-    return {"run_ms": run_us / 1000.0 / runs, "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("cat") == "Session" and e.get("name") == "model_run")[warmup:]
+    nodes = sorted((e["ts"], e["dur"], e.get("args", {}).get("op_name", "?")) for e in events
+                   if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+    per_run, k = [], 0
+    for t0, t1 in spans:
+        ops: dict = {}
+        while k < len(nodes) and nodes[k][0] < t0:
+            k += 1
+        while k < len(nodes) and nodes[k][0] <= t1:
+            ops[nodes[k][2]] = ops.get(nodes[k][2], 0.0) + nodes[k][1] / 1000.0
+            k += 1
+        per_run.append(((t1 - t0) / 1000.0, ops))
+    op_types = {op for _, ops in per_run for op in ops}
+    kernels = {op: float(np.median([ops.get(op, 0.0) for _, ops in per_run])) for op in op_types}
+    return {"run_ms": float(np.median([r for r, _ in per_run])) if per_run else None,
+            "kernels_ms": float(np.median([sum(ops.values()) for _, ops in per_run])) if per_run else None,
+            "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])), "runs": len(per_run)}
 
 
 # --------------------------------------------------------------------------- 4. OpenVINO

@@ -80,7 +80,7 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
     def both(pair, hint):
         a, c = pair
         if a.nbytes + c.nbytes >= SPILL_BYTES and g.model.external_dir is not None:
-            return g.add_spilled_initializer([a, c], (2,) + a.shape[1:], a.dtype, f"rnnfuse/{op}/{hint}", axis=0)
+            return g.add_spilled_initializer([a, c], (2,) + a.shape[1:], a.dtype, f"rnnfuse/{op}/{hint}")
         return b.const(np.concatenate([a, c], 0), hint)
 
     ins = [fw.input[0], both(ws[0], "W"), both(ws[1], "R")]

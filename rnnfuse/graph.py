@@ -113,6 +113,7 @@ class Model:
     def __init__(self, proto: ModelProto, external_dir: str | None = None):
         self.proto = proto
         self.external_dir = external_dir  # where tensors stored as external data live (read lazily)
+        self._maps: list = []
         self.opsets: dict[str, int] = {}
         for imp in proto.opset_import:
             self.opsets[imp.domain or ""] = imp.version
@@ -125,6 +126,19 @@ class Model:
         self.opset_raised: list[str] = []
         # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
         self.annotations: dict[str, dict] = {}
+
+    def release_pages(self) -> None:
+        """Let the kernel drop the pages of memory-mapped external data we have read (they stay cached on
+        disk); keeps the resident set small while huge weights are copied."""
+        import mmap
+
+        for mm in self._maps:
+            m = getattr(mm, "_mmap", None)
+            if m is not None and hasattr(m, "madvise"):
+                try:
+                    m.madvise(mmap.MADV_DONTNEED)
+                except (OSError, ValueError):
+                    pass
 
     def tensor_array(self, t: TensorProto) -> np.ndarray:
         """A tensor's values; external data is memory-mapped from its file, not loaded."""
@@ -140,7 +154,9 @@ class Model:
             offset = int(info.get("offset", 0))
             shape = tuple(t.dims)
             count = int(np.prod(shape)) if shape else 1
-            return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,)).reshape(shape)
+            mm = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+            self._maps.append(mm)
+            return mm.reshape(shape)
         return numpy_helper.to_array(t)
 
     @property
@@ -482,14 +498,13 @@ class Graph:
         self._arrays[name] = array
         return name
 
-    def add_spilled_initializer(self, parts: list, shape: tuple, dtype, hint: str, axis: int = 1) -> str:
-        """An initializer whose data is written, part by part, to a spill file and kept external."""
+    def add_spilled_initializer(self, parts: list, shape: tuple, dtype, hint: str) -> str:
+        """An initializer of ``shape`` whose data is the concatenation of ``parts`` (in C order), written
+        block by block to a spill file and kept external."""
         import atexit
         import os
         import shutil
         import tempfile
-
-        from onnx.external_data_helper import set_external_data
 
         spill = self.model.annotations.get("spill_dir")
         if spill is None:
@@ -498,23 +513,19 @@ class Graph:
             self.model.annotations["spill_dir"] = spill
         name = self.fresh(hint)
         path = os.path.join(spill, f"{len(os.listdir(spill))}.bin")
-        mm = np.memmap(path, dtype=dtype, mode="w+", shape=shape)
-        r0 = 0
-        for p in parts:
-            n = int(p.shape[0]) if axis == 1 else int(p.shape[0])
-            if axis == 1:
-                mm[0, r0 : r0 + n] = p
-            else:
-                mm[r0 : r0 + n] = p
-            r0 += n
-        mm.flush()
-        del mm
+        # written one block of rows at a time, so no copy of the whole tensor is ever held in memory
+        with open(path, "wb") as f:
+            for p in parts:
+                q = p if p.ndim <= 2 else p.reshape(-1, p.shape[-1])
+                block = max(1, (32 << 20) // max(1, int(np.prod(q.shape[1:])) * np.dtype(dtype).itemsize))
+                for r in range(0, int(q.shape[0]), block):
+                    f.write(np.ascontiguousarray(q[r : r + block], dtype=dtype).tobytes())
+                    self.model.release_pages()
         t = TensorProto()
         t.name = name
         t.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
         t.dims.extend(shape)
-        set_external_data(t, path, offset=0, length=int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        t.data_location = TensorProto.EXTERNAL
+        set_external(t, path, 0, int(np.prod(shape)) * np.dtype(dtype).itemsize)
         self.proto.initializer.append(t)
         self.initializers[name] = t
         return name
@@ -687,6 +698,16 @@ class Graph:
         if len(out) != len(order):
             raise RuntimeError("graph has a cycle after rewriting")
         return out
+
+
+def set_external(t: TensorProto, location: str, offset: int, length: int) -> None:
+    """Point a tensor at ``length`` bytes of ``location`` from ``offset`` (no data in the proto)."""
+    t.ClearField("raw_data")
+    del t.external_data[:]
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    t.data_location = TensorProto.EXTERNAL
 
 
 def _rename_free(g: GraphProto, old: str, new: str) -> None:

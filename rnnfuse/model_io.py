@@ -172,7 +172,9 @@ def _has_unloaded(model: onnx.ModelProto) -> bool:
 
 
 def _write_external(model: onnx.ModelProto, data_path: str, location: str, source_dir: str | None) -> None:
-    from onnx.external_data_helper import _get_all_tensors, set_external_data
+    from onnx.external_data_helper import _get_all_tensors
+
+    from .graph import set_external
 
     align = 4096
     with open(data_path, "wb") as out:
@@ -205,9 +207,7 @@ def _write_external(model: onnx.ModelProto, data_path: str, location: str, sourc
                 length = len(t.raw_data)
                 out.write(t.raw_data)
                 t.ClearField("raw_data")
-            del t.external_data[:]
-            set_external_data(t, location, offset=pos, length=length)
-            t.data_location = onnx.TensorProto.EXTERNAL
+            set_external(t, location, pos, length)
 
 
 def estimated_size(model: onnx.ModelProto) -> int:

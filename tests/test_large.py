@@ -28,13 +28,30 @@ print(json.dumps({"rc": p.returncode, "out": p.stdout, "err": p.stderr, "maxrss_
 """
 
 
+def _external(name: str, shape: tuple, location: str, offset: int) -> onnx.TensorProto:
+    from rnnfuse.graph import set_external
+
+    t = onnx.TensorProto()
+    t.name, t.data_type = name, TensorProto.FLOAT
+    t.dims.extend(shape)
+    set_external(t, location, offset, int(np.prod(shape)) * 4)
+    return t
+
+
 def build(path: str) -> None:
+    """An Elman RNN as a Scan whose R is 2.4 GB, written straight to external data (never one proto)."""
     rng = np.random.default_rng(0)
-    W = (rng.standard_normal((F, H), dtype=np.float32) * 0.3).astype(np.float32)
-    R = np.empty((H, H), dtype=np.float32)
-    for i in range(0, H, 2048):  # chunked, to keep the builder's own memory down
-        R[i : i + 2048] = rng.standard_normal((min(2048, H - i), H), dtype=np.float32) * (1.0 / np.sqrt(H))
-    b = (rng.standard_normal(H) * 0.1).astype(np.float32)
+    location = os.path.basename(path) + ".data"
+    tensors = []
+    with open(path + ".data", "wb") as f:
+        for name, shape, scale in (("W", (F, H), 0.3), ("R", (H, H), 1.0 / np.sqrt(H)), ("b", (H,), 0.1)):
+            off = f.tell()
+            rows = shape[0] if len(shape) == 2 else 1
+            for i in range(0, rows, 2048):  # chunked, to keep the builder's own memory down
+                n = min(2048, rows - i)
+                part_shape = (n,) + shape[1:] if len(shape) == 2 else shape
+                f.write((rng.standard_normal(part_shape, dtype=np.float32) * scale).astype(np.float32).tobytes())
+            tensors.append(_external(name, shape, location, off))
     body = helper.make_graph(
         [
             helper.make_node("MatMul", ["x_t", "W"], ["xw"]),
@@ -53,12 +70,12 @@ def build(path: str) -> None:
         "big",
         [helper.make_tensor_value_info("h0", TensorProto.FLOAT, ["B", H]), helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
         [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]), helper.make_tensor_value_info("hT", TensorProto.FLOAT, ["B", H])],
-        [numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R"), numpy_helper.from_array(b, "b")],
+        tensors,
     )
-    del R
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
-    onnx.save_model(m, path, save_as_external_data=True, all_tensors_to_one_file=True, location=os.path.basename(path) + ".data")
+    with open(path, "wb") as f:
+        f.write(m.SerializeToString())
 
 
 def test_over_2gb_with_external_data(tmp_path):

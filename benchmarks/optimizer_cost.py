@@ -9,6 +9,11 @@ after the call ``peak_extra_mb`` = high-water mark - resident set before the cal
 needed *on top of* the loaded input model. ``peak_rss_mb`` is the whole process' high-water mark (libraries
 included). Where the reset is not available, the process-wide ``ru_maxrss`` is used instead (an upper bound).
 
+``--cli OUT.onnx`` instead runs the command line ``python -m rnnfuse optimize IN OUT -q`` as a grandchild and
+reports its whole-process peak (``RUSAGE_CHILDREN``'s ``ru_maxrss``, the way ``tests/test_large.py`` measures
+the memory bound), and the same for a process that only imports rnnfuse and onnxruntime (``cli_baseline_mb``):
+for small models the libraries dominate that figure.
+
 ``--warmup SMALL.onnx`` optimizes a small model first ("warm"): lazy imports, onnxruntime's environment and
 thread pools and other one-time costs are then paid before the baseline, so the peak is what *this* model
 costs in a process that is already up. Without it ("cold") those one-time costs (~15-30 MB) are included.
@@ -60,6 +65,32 @@ def _graph_nodes(graph) -> int:
     return n
 
 
+def _child_peak_mb(cmd: list[str]) -> tuple[float, int, str]:
+    """Peak RSS of ``cmd`` run as a child of a fresh wrapper process (so RUSAGE_CHILDREN sees only it)."""
+    import subprocess
+
+    wrapper = ("import json, resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, "
+               "text=True); print(json.dumps([resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
+               "p.returncode, p.stderr[-400:]]))")
+    out = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, check=True)
+    kb, rc, err = json.loads(out.stdout)
+    return kb / 1024, rc, err
+
+
+def measure_cli(src: str, dst: str, out_json: str) -> int:
+    t0 = time.perf_counter()
+    peak, rc, err = _child_peak_mb([sys.executable, "-m", "rnnfuse", "optimize", src, dst, "-q"])
+    seconds = time.perf_counter() - t0
+    base, _, _ = _child_peak_mb([sys.executable, "-c", "import numpy, onnx, onnxruntime, rnnfuse, rnnfuse.validate"])
+    rec = {"input": src, "file_mb": os.path.getsize(src) / 2**20, "cli_seconds": seconds, "cli_peak_rss_mb": peak,
+           "cli_baseline_mb": base, "cli_rc": rc}
+    if rc != 0:
+        rec["error"] = f"rnnfuse optimize exited {rc}: {err.strip().splitlines()[-1] if err.strip() else ''}"
+    with open(out_json, "w") as f:
+        json.dump(rec, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("input")
@@ -68,7 +99,10 @@ def main(argv=None) -> int:
     ap.add_argument("--post-padded", action="store_true")
     ap.add_argument("--no-validate", action="store_true")
     ap.add_argument("--warmup", help="optimize this (small) model first, outside the measurement")
+    ap.add_argument("--cli", metavar="OUT", help="measure `python -m rnnfuse optimize INPUT OUT` instead")
     a = ap.parse_args(argv)
+    if a.cli:
+        return measure_cli(a.input, a.cli, a.json)
 
     import numpy  # noqa: F401  - imported before the baseline, like everything the optimizer uses
     import onnx

@@ -5,7 +5,8 @@
 1. Exports the model matrix of ``models.py`` (Keras 3 via tf2onnx; torch trace and dynamo cell loops) into a
    cache dir, one child process per framework (cached by name and sizes; ``--rebuild`` re-exports).
 2. Per model, in fresh child processes (``optimizer_cost.py``): the wall time and peak memory of
-   ``rnnfuse.optimize`` (exact path; post-padded path for masked models; cold; without validation).
+   ``rnnfuse.optimize`` (exact path; post-padded path for masked models; cold; without validation), and the
+   whole-process peak RSS of ``rnnfuse optimize IN OUT`` on the command line.
 3. Per model and batch, onnxruntime CPU with ``--threads`` intra-op threads, runs interleaved: the original,
    the fused model (exact path), the fused model with ``post_padded=True`` (masked models) and the floor
    (bare native ops of the same sizes, ``sequence_lens`` for masked models), on post-padded random inputs.
@@ -146,6 +147,7 @@ def optimizer_costs(spec: ModelSpec, path: Path, logs: Path) -> dict:
         "exact": ["--warmup", str(WARMUP_MODEL), "--save", f"{stem}.fused.onnx"],
         "cold": [],
         "novalidate": ["--warmup", str(WARMUP_MODEL), "--no-validate"],
+        "cli": ["--cli", f"{stem}.cli.onnx"],
     }
     if spec.masked:
         modes["post"] = ["--warmup", str(WARMUP_MODEL), "--post-padded", "--save", f"{stem}.post.onnx"]
@@ -221,8 +223,8 @@ def time_model(spec: ModelSpec, files: dict, cfg: Config, work: Path) -> tuple[l
             row.timings = {k: summarize(k, b, v) for k, v in times.items()}
             if cfg.profile and "fused" in variants:
                 n = max(5, min(40, cfg.runs))
-                row.profile = {"fused": op_profile(variants["fused"].read_bytes(), feeds, cfg.threads, n, 3, work),
-                               "floor": op_profile(floor, ffeeds, cfg.threads, n, 3, work)}
+                row.profile = op_profiles({"fused": (variants["fused"].read_bytes(), feeds), "floor": (floor, ffeeds)},
+                                          cfg.threads, n, 3, work)
             last = {"feeds": feeds, "ref": ref, "variants": variants, "floor": floor, "floor_feeds": ffeeds,
                     "floor_ref": sessions["floor"].run(None, None)}
         except Exception as e:  # noqa: BLE001 - one broken model must not stop the suite
@@ -236,19 +238,28 @@ def time_model(spec: ModelSpec, files: dict, cfg: Config, work: Path) -> tuple[l
 # --------------------------------------------------------------------------- 3b. where the time goes
 
 
-def op_profile(model_bytes: bytes, feeds: dict, threads: int, runs: int, warmup: int, work: Path) -> dict:
-    """onnxruntime's profiler over ``runs`` runs: the median over runs of the whole run's ms and of each op
-    type's kernel ms (medians, so that a run disturbed by another process does not skew the split)."""
+def op_profiles(models: dict, threads: int, runs: int, warmup: int, work: Path) -> dict:
+    """onnxruntime's profiler on each ``name -> (model bytes, feeds)``, runs interleaved like the timings.
+
+    Per model: the median over runs of the whole run's ms (``run_ms``), of all kernels' ms (``kernels_ms``) and of
+    each op type's kernel ms (``kernels``) -- medians, so that a run disturbed by another process does not skew
+    the split."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-    so.enable_profiling = True
-    so.profile_file_prefix = str(work / "ort_profile")
-    sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+    sessions = {}
+    for name, (model_bytes, feeds) in models.items():
+        so = ort.SessionOptions()
+        so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+        so.enable_profiling = True
+        so.profile_file_prefix = str(work / f"ort_profile_{name}")
+        sessions[name] = (ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"]), feeds)
     for _ in range(warmup + runs):
-        sess.run(None, feeds)
-    path = Path(sess.end_profiling())
+        for sess, feeds in sessions.values():
+            sess.run(None, feeds)
+    return {name: _split_profile(Path(sess.end_profiling()), warmup) for name, (sess, _) in sessions.items()}
+
+
+def _split_profile(path: Path, warmup: int) -> dict:
     events = json.loads(path.read_text())
     path.unlink()
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
@@ -264,10 +275,12 @@ def op_profile(model_bytes: bytes, feeds: dict, threads: int, runs: int, warmup:
             ops[nodes[k][2]] = ops.get(nodes[k][2], 0.0) + nodes[k][1] / 1000.0
             k += 1
         per_run.append(((t1 - t0) / 1000.0, ops))
+    if not per_run:
+        return {"run_ms": None, "kernels_ms": None, "kernels": {}, "runs": 0}
     op_types = {op for _, ops in per_run for op in ops}
     kernels = {op: float(np.median([ops.get(op, 0.0) for _, ops in per_run])) for op in op_types}
-    return {"run_ms": float(np.median([r for r, _ in per_run])) if per_run else None,
-            "kernels_ms": float(np.median([sum(ops.values()) for _, ops in per_run])) if per_run else None,
+    return {"run_ms": float(np.median([r for r, _ in per_run])),
+            "kernels_ms": float(np.median([sum(ops.values()) for _, ops in per_run])),
             "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])), "runs": len(per_run)}
 
 

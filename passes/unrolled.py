@@ -250,18 +250,24 @@ def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12) -> 
 
 def _keeps_rows(g: Graph, p: NodeProto) -> bool:
     """Slicing ops on the way to a state must cut units (the last axis) or drop/add leading unit axes."""
-    if p.op_type in ("Split", "Slice", "Gather"):
-        if p.op_type == "Split":
-            axes = [attr(p, "axis", 0)]
-        elif p.op_type == "Gather":
-            axes = [attr(p, "axis", 0)]
-        else:
-            a = g.const(p.input[3]) if len(p.input) > 3 and p.input[3] else None
-            axes = [int(v) for v in np.asarray(a).ravel()] if a is not None else None
+    last = (lead_of(g, p.input[0]) or 0) + 1
+    if p.op_type in ("Split", "Gather"):
+        return attr(p, "axis", 0) in (-1, last)
+    if p.op_type == "Slice":
+        vals = [g.const(i) if i else None for i in list(p.input[1:5]) + [""] * (5 - len(p.input))]
+        starts, ends, axes, steps = vals
         if axes is None:
             return False
-        last = (lead_of(g, p.input[0]) or 0) + 1
-        return all(ax in (-1, last) for ax in axes)
+        if all(int(ax) in (-1, last) for ax in axes.ravel()):
+            return True  # units only (bounds may come from shapes, as in torch's chunk)
+        if starts is None or ends is None:
+            return False
+        steps = steps if steps is not None else np.ones_like(starts)
+        for s0, e0, ax, st in zip(starts.ravel(), ends.ravel(), axes.ravel(), steps.ravel()):
+            full = int(s0) == 0 and int(e0) >= 2**31 - 1 and int(st) == 1
+            if not full and int(ax) not in (-1, last):
+                return False
+        return True
     if p.op_type in ("Squeeze", "Unsqueeze"):
         axes = attr(p, "axes") if g.model.opset < 13 else (g.const(p.input[1]) if len(p.input) > 1 else None)
         return axes is not None and [int(v) for v in np.asarray(axes).ravel()] == [0]

@@ -678,6 +678,8 @@ def as_row(v: Val) -> Row:
         return v
     if isinstance(v, Sym):
         p = v.poly
+        if not p.terms:  # identically zero (r * h with a zero initial h): contributes nothing
+            return Row(((("Z",), None, Poly.const(0.0)),), v.lead)
         if len(p.terms) == 1:
             (m, c), = p.terms.items()
             if c == 1.0 and m:
@@ -721,7 +723,7 @@ def _matmul(row: Row, w: ConstRef) -> Lin:
         row = Row(row.segments[:k] + ((seg[0], int(w.arr.shape[0]) - known, seg[2]),) + row.segments[k + 1:], row.lead)
     for src, width, seg_poly in row.segments:
         if src[0] == "Z":
-            r0 += width
+            r0 += width if width is not None else int(w.arr.shape[0]) - r0
             continue
         if src[0] == "P":
             rows[src] = seg_poly
@@ -1110,6 +1112,18 @@ def _reshape(ev, node, ins):
     raise Decline("a reshape of a cell value")
 
 
+def _expand(ev, node, ins):
+    """Expand to a constant shape only broadcasts (tf2onnx writes x + zeros as Expand(x, shape))."""
+    v, shp = ins
+    if not isinstance(shp, C) or not isinstance(v, Sym):
+        raise Decline("an Expand to a runtime shape")
+    shape = [int(d) for d in shp.arr.ravel()]
+    n = v.poly.ncols
+    if len(shape) < 2 or (n is not None and shape[-1] not in (1, n)) or any(d != 1 for d in shape[:-2]):
+        raise Decline("an Expand that changes a cell value's shape")
+    return [Sym(v.poly, max(v.lead, len(shape) - 2))]
+
+
 def _native_rnn(ev, node, ins):
     """A native LSTM/GRU/RNN op inside the step (TorchScript cells): its maths in polynomial form."""
     from .cells import native_step_polys
@@ -1141,6 +1155,7 @@ _HANDLERS: dict[str, Callable] = {
     "Squeeze": _squeeze,
     "Reshape": _reshape,
     "Shape": _shape,
+    "Expand": _expand,
     "LSTM": _native_rnn,
     "GRU": _native_rnn,
     "RNN": _native_rnn,

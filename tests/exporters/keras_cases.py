@@ -202,6 +202,13 @@ CASES = [
     # static shapes (every other case has dynamic batch and time, batch-first)
     case("lstm_static_masked_seq", lstm(), masked=True, static=True),
     case("gru_static_last", gru(False), static=True),
+    # unroll=True (needs a static time dimension): tf2onnx writes one cell per step
+    case("lstm_unroll_seq", lstm(unroll=True), static=True),
+    case("gru_unroll_last", gru(False, unroll=True), static=True),
+    case("gru_v1_unroll_seq", gru(reset_after=False, unroll=True), static=True),
+    case("rnn_unroll_bwd_seq", rnn(unroll=True, **BACK), static=True),
+    case("bilstm_unroll_last", bi(lstm(False, unroll=True)), static=True),
+    case("lstm_unroll_masked_seq", lstm(unroll=True), masked=True, static=True),
 ]
 
 

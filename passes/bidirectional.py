@@ -15,6 +15,7 @@ from rnnfuse.emit import SPILL_BYTES, Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Finding, Options, PassResult
+from rnnfuse.rewrite import judge
 from rnnfuse.validate import validate
 
 _SKIP = {"direction", "activations", "activation_alpha", "activation_beta"}
@@ -26,8 +27,6 @@ def _attrs_key(n: NodeProto) -> tuple:
         if a.name in _SKIP:
             continue
         items.append((a.name, a.SerializeToString()))
-    from rnnfuse.emit import onnx_activations
-
     acts = attr(n, "activations")
     return (n.op_type, n.domain, tuple(items), tuple(acts or ()), tuple(attr(n, "activation_alpha") or ()), tuple(attr(n, "activation_beta") or ()))
 
@@ -171,18 +170,9 @@ class MergeBidirectional:
         for fw, bw, repl, where in cands:
             f = Finding(self.name, f"{fw.op_type} pair", where, "merged", cell=f"{fw.op_type}(hidden={attr(fw, 'hidden_size')})",
                         direction="bidirectional", hidden=attr(fw, "hidden_size"))
-            if vr is not None and vr.ran:
-                ok, err, detail = vr.error_for(list(repl.items()))
-                f.max_error = err
-                if not ok:
-                    f.status, f.reason, f.validation = "declined", f"merged op differs: {detail}", "failed"
-                    res.findings.append(f)
-                    continue
-                f.validation = f"ok (max abs error {err:.1e})"
-            elif vr is not None:
-                f.validation = f"skipped ({vr.skipped_reason})"
-            else:
-                f.validation = "skipped (--no-validate)"
+            if not judge(f, vr, list(repl.items()), "the merged op differs"):
+                res.findings.append(f)
+                continue
             for old, new in repl.items():
                 g.replace_uses(old, new)
             g.remove_node(fw)
@@ -233,15 +223,9 @@ class ReverseInputs:
         for n, repl, direction in cands:
             f = Finding(self.name, n.op_type, n.name or n.output[0], "fused", cell=f"{n.op_type}(hidden={attr(n, 'hidden_size')})",
                         direction=direction, reason="input read backwards -> native direction")
-            if vr is not None and vr.ran:
-                ok, err, detail = vr.error_for(list(repl.items()))
-                f.max_error, f.validation = err, f"ok (max abs error {err:.1e})"
-                if not ok:
-                    f.status, f.reason, f.validation = "declined", f"reversed op differs: {detail}", "failed"
-                    res.findings.append(f)
-                    continue
-            else:
-                f.validation = "skipped" if vr is None else f"skipped ({vr.skipped_reason})"
+            if not judge(f, vr, list(repl.items()), "the reversed op differs"):
+                res.findings.append(f)
+                continue
             for old, new in repl.items():
                 g.replace_uses(old, new)
             g.remove_node(n)

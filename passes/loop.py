@@ -24,7 +24,7 @@ from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Options, PassResult
 from rnnfuse.recurrence import Init, Recurrence
 from rnnfuse.inputs import input_projection, projected_leaf
-from rnnfuse.rewrite import apply_recurrences, declined
+from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.step import StepOut, StepState, analyse
 from rnnfuse.symbolic import C, Bool, Opaque, State, StepEvaluator, Sym, X, Poly
 
@@ -352,14 +352,4 @@ class FuseLoops:
     name = "loop"
 
     def run(self, model: Model, ctx: Options) -> PassResult:
-        g = model.graph
-        res = PassResult(self.name)
-        recs = []
-        for loop in [n for n in g.live_nodes() if n.op_type == "Loop"]:
-            where = loop.name or loop.output[0]
-            try:
-                recs.append(loop_recurrence(g, loop))
-            except Decline as d:
-                res.findings.append(declined(self.name, "Loop", where, d.reason))
-        apply_recurrences(g, ctx, self.name, recs, res)
-        return res
+        return fuse_nodes(model, ctx, self.name, "Loop", "Loop", loop_recurrence)

@@ -16,7 +16,7 @@ from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Options, PassResult
 from rnnfuse.recurrence import Recurrence
 from rnnfuse.inputs import input_projection, projected_leaf
-from rnnfuse.rewrite import apply_recurrences, declined
+from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.step import StepOut, StepState, analyse
 from rnnfuse.symbolic import C, Bool, Opaque, Poly, State, StepEvaluator, Sym, X
 
@@ -145,13 +145,4 @@ class FuseScans:
     name = "scan"
 
     def run(self, model: Model, ctx: Options) -> PassResult:
-        g = model.graph
-        res = PassResult(self.name)
-        recs = []
-        for scan in [n for n in g.live_nodes() if n.op_type == "Scan"]:
-            try:
-                recs.append(scan_recurrence(g, scan))
-            except Decline as d:
-                res.findings.append(declined(self.name, "Scan", scan.name or scan.output[0], d.reason))
-        apply_recurrences(g, ctx, self.name, recs, res)
-        return res
+        return fuse_nodes(model, ctx, self.name, "Scan", "Scan", scan_recurrence)

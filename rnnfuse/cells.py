@@ -30,7 +30,6 @@ from .symbolic import (
     Row,
     X,
     as_row,
-    describe,
 )
 
 GATES = {"LSTM": ("i", "o", "f", "c"), "GRU": ("z", "r", "h"), "RNN": ("i",)}

@@ -21,7 +21,7 @@ from onnx import NodeProto, TensorProto
 from .dims import time_flip_source
 from .errors import Decline
 from .graph import Graph
-from .recurrence import CARRY, NONE, ZERO, Init, Recurrence
+from .recurrence import NONE, ZERO, Init, Recurrence
 
 SPILL_BYTES = 64 << 20  # weights at least this big are spilled to disk when the model uses external data
 GENERAL = "exact"  # any mask: valid steps are gathered to the front, results scattered back

@@ -658,7 +658,8 @@ class Graph:
         in_order = True
         for i, n in enumerate(order):
             ps = []
-            for x in n.input:
+            reads = itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input
+            for x in reads:
                 p = producer.get(x)
                 if p is not None:
                     j = index.get(id(p))
@@ -666,15 +667,6 @@ class Graph:
                         ps.append(j)
                         if j > i:
                             in_order = False
-            if n.attribute:
-                for x in self.implicit_inputs(n):
-                    p = producer.get(x)
-                    if p is not None:
-                        j = index.get(id(p))
-                        if j is not None and j != i:
-                            ps.append(j)
-                            if j > i:
-                                in_order = False
             preds.append(ps)
         if in_order:
             return order

@@ -8,8 +8,6 @@ lets the native op take ``X0`` with ``W = K^T``.
 
 from __future__ import annotations
 
-import numpy as np
-
 from .graph import Graph, attr
 from .symbolic import X, ConstRef, Lin, LinAtom, Poly, Sym
 

@@ -46,6 +46,23 @@ def declined(pass_name: str, front: str, where: str, reason: str, cell: str = ""
     return Finding(pass_name, front, where, "declined", reason=reason, cell=cell)
 
 
+def judge(f: Finding, vr, pairs: list, fail_reason: str, how: str = "") -> bool:
+    """Record a validation result on a finding; returns False when the rewrite must be dropped."""
+    if vr is None:
+        f.validation = "skipped (--no-validate)"
+        return True
+    if not vr.ran:
+        f.validation = f"skipped ({vr.skipped_reason})"
+        return True
+    ok, err, detail = vr.error_for(pairs)
+    f.max_error = err
+    if not ok:
+        f.status, f.reason, f.validation = "declined", f"{fail_reason}: {detail}", "failed"
+        return False
+    f.validation = f"ok ({how + ', ' if how else ''}max abs error {err:.1e}, {vr.runs} runs)"
+    return True
+
+
 def apply_recurrences(
     g: Graph, ctx: Options, pass_name: str, recs: list[tuple[Recurrence, dict]], result: PassResult
 ) -> None:
@@ -71,17 +88,8 @@ def apply_recurrences(
     if ctx.validate:
         for c in by_cell:
             vr = validate_cells(g, c.rec, seed=ctx.seed)
-            if not vr.ran:
-                c.finding.validation = f"skipped ({vr.skipped_reason})"
-                continue
-            ok, err, detail = vr.error_for(list(vr.pairs))
-            c.finding.max_error = err
-            if not ok:
-                c.finding.status = "declined"
-                c.finding.reason = f"the native cell does not reproduce the step: {detail}"
-                c.finding.validation = "failed"
-            else:
-                c.finding.validation = f"ok per step (max abs error {err:.1e}, {len(c.rec.cell_checks)} step kinds, {vr.runs} runs)"
+            judge(c.finding, vr, list(vr.pairs), "the native cell does not reproduce the step",
+                  f"per step, {len(c.rec.cell_checks)} step kinds")
     if ctx.validate and cands_whole:
         pairs = [(old, new) for c in cands_whole for old, new in c.emission.replacements.items()]
         masks = {
@@ -91,17 +99,7 @@ def apply_recurrences(
         }
         vr = validate(g, pairs, masks, seed=ctx.seed)
         for c in cands_whole:
-            if not vr.ran:
-                c.finding.validation = f"skipped ({vr.skipped_reason})"
-                continue
-            ok, err, detail = vr.error_for(list(c.emission.replacements.items()))
-            c.finding.max_error = err
-            if not ok:
-                c.finding.status = "declined"
-                c.finding.reason = f"the native op does not reproduce the original: {detail}"
-                c.finding.validation = "failed"
-            else:
-                c.finding.validation = f"ok (max abs error {err:.1e}, {vr.runs} runs)"
+            judge(c.finding, vr, list(c.emission.replacements.items()), "the native op does not reproduce the original")
     if not ctx.validate:
         for c in cands:
             c.finding.validation = "skipped (--no-validate)"
@@ -118,3 +116,17 @@ def apply_recurrences(
         result.modified = True
     if result.modified:
         g.prune()
+
+
+def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, recurrence_of) -> PassResult:
+    """The body of a front end that looks at every ``op_type`` node (Loop, Scan): find, then apply."""
+    g = model.graph
+    res = PassResult(pass_name)
+    recs = []
+    for node in [n for n in g.live_nodes() if n.op_type == op_type]:
+        try:
+            recs.append(recurrence_of(g, node))
+        except Decline as d:
+            res.findings.append(declined(pass_name, front, node.name or node.output[0], d.reason))
+    apply_recurrences(g, ctx, pass_name, recs, res)
+    return res

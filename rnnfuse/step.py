@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from .cells import Recognised, recognise
 from .errors import Decline
 from .recurrence import CARRY, NONE, ZERO, FinalOutput, Init, SeqOutput
-from .symbolic import Act, LinAtom, Mask, Poly, State, X
+from .symbolic import Act, LinAtom, Poly, State, X
 
 
 @dataclass

@@ -54,8 +54,8 @@ def timing(t) -> str:
     return "–" if t is None else f"{ms(t.median_ms)} ({ms(t.p10_ms)}–{ms(t.p90_ms)})"
 
 
-def ratio(x: float | None) -> str:
-    return "–" if x is None else f"{x:.2f}x"
+def ratio(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}x"
 
 
 def sci(x: float | None) -> str:
@@ -98,9 +98,9 @@ def evaluate_goals(res: Results) -> list[Goal]:
     goals = []
 
     ff = [(r, r.fused_floor) for r in rows if r.fused_floor is not None]
-    bad = [f"{r.model} B={r.batch} {x:.2f}x" for r, x in ff if x > FLOOR_RATIO]
+    bad = [f"{r.model} B={r.batch} {x:.3f}x" for r, x in ff if x > FLOOR_RATIO]
     worst = max(ff, key=lambda p: p[1], default=None)
-    measured = (f"worst {worst[0].model} B={worst[0].batch}: {worst[1]:.2f}x" if worst else "no data")
+    measured = f"worst {worst[0].model} B={worst[0].batch}: {worst[1]:.3f}x" if worst else "no data"
     if bad:
         measured += f"; over: {', '.join(bad)}"
     missing = [f"{r.model} B={r.batch}" for r in rows if r.fused_floor is None]
@@ -205,8 +205,8 @@ def latency_section(res: Results) -> list[str]:
         misses = row_misses(r)
         lines.append(
             f"| {r.model} | {r.batch} | {timing(t.get('original'))} | {timing(t.get('fused'))} | "
-            f"{timing(t.get('post'))} | {timing(t.get('floor'))} | {ratio(r.speedup)} | {ratio(r.fused_floor)} | "
-            f"{ratio(r.exact_post)} | {sci(r.diff_fused)} / {sci(r.diff_post)} | "
+            f"{timing(t.get('post'))} | {timing(t.get('floor'))} | {ratio(r.speedup)} | {ratio(r.fused_floor, 3)} | "
+            f"{ratio(r.exact_post, 3)} | {sci(r.diff_fused)} / {sci(r.diff_post)} | "
             f"{'**' + '; '.join(misses) + '**' if misses else '–'} |")
     lines.append("")
     return lines
@@ -320,6 +320,13 @@ def openvino_section(res: Results) -> list[str]:
         lines.append(f"| {name} | {cell(o.get('original'))} | {cell(o.get('fused'))} | {cell(o.get('post'))} | "
                      f"{cell(o.get('floor'))} |")
     lines.append("")
+    masked = {r.model for r in res.rows if r.masked}
+    if any(o.get("floor", {}).get("match") is False for m, o in res.openvino.items() if m in masked):
+        lines += ["A *differs* on the floor of a masked model means OpenVINO runs the bare op differently from "
+                  "onnxruntime for the same `sequence_lens` (seen with OpenVINO 2026.4: `Y` is not zero past a row's "
+                  "length and `Y_h` is the last step's state, not the last valid one). A fused layer that reads `Y` "
+                  "or `Y_h` past the valid steps (the post-padded path's carried-output fix-up) then gives other "
+                  "answers there; the exact path reads only valid steps.", ""]
     return lines
 
 
@@ -433,11 +440,12 @@ def plot(res: Results, path: Path) -> None:
         ax.set_title(f"batch {b}  (T={res.meta['config']['T']}, {res.meta['config']['threads']} thread(s)); "
                      "label: speedup", fontsize=10)
         ax.grid(axis="y", which="both", alpha=0.25)
-        ax.legend(fontsize=8, loc="upper left")
     v = res.meta["versions"]
     fig.suptitle(f"rnnfuse: original vs fused vs native-op floor — onnxruntime {v['onnxruntime']} CPU"
                  f"{' (QUICK RUN)' if res.meta['config']['quick'] else ''}", fontsize=11)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncol=len(shown), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

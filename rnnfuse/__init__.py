@@ -8,7 +8,16 @@
 
 from __future__ import annotations
 
+import os as _os
+
 import onnx
+
+# Installed, the rules live in ``rnnfuse/passes`` (pyproject maps the top-level ``passes/`` there). Run from a
+# source checkout (``python -m rnnfuse`` or pytest in the repository root put it first on sys.path), they are
+# found in the sibling ``passes/`` directory.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+if not _os.path.isdir(_os.path.join(_here, "passes")) and _os.path.isfile(_os.path.join(_here, _os.pardir, "passes", "__init__.py")):
+    __path__.append(_os.path.dirname(_here))  # noqa: F821 (the package's own __path__)
 
 from .errors import Decline, RnnfuseError
 from .graph import Graph, Model

@@ -250,3 +250,50 @@ def run_bench_cli(args) -> int:
         with open(args.json, "w") as f:
             json.dump(asdict(report), f, indent=2)
     return 0
+
+
+def prefer_faster(source: onnx.ModelProto, model, report, opts, args, progress=lambda m: None):
+    """For each fused recurrence, time the model with and without it and keep the faster form."""
+    from .graph import Model
+    from .pipeline import Options, Pipeline
+
+    try:
+        batches = [int(b) for b in str(args.prefer_faster).split(",") if b.strip()]
+    except ValueError:
+        from .errors import UsageError
+
+        raise UsageError(f"--prefer-faster takes comma-separated batch sizes, not '{args.prefer_faster}'") from None
+    decisions = []
+    keep: set = set()
+    fused = [f for f in report.findings if f.status == "fused"]
+    rng = np.random.default_rng(0)
+    best = model.proto
+    for f in fused:
+        trial_opts = Options(validate=False, post_padded=opts.post_padded, seed=opts.seed, keep=keep | {f.where})
+        c = onnx.ModelProto()
+        c.CopyFrom(source)
+        m2 = Model(c, external_dir=model.external_dir)
+        Pipeline.default().run(m2, trial_opts)
+        s_native = session(best.SerializeToString(), args.threads)
+        s_orig = session(m2.proto.SerializeToString(), args.threads)
+        native_ms = orig_ms = 0.0
+        for b in batches:
+            feeds = make_inputs(source, b, args.seq_len, "post", rng)
+            t = time_side_by_side({"native": s_native, "original": s_orig}, feeds, runs=20, warmup=3)
+            native_ms += statistics.median(t["native"])
+            orig_ms += statistics.median(t["original"])
+        progress(f"{f.where}: native {native_ms:.2f} ms, original {orig_ms:.2f} ms")
+        if orig_ms < native_ms:
+            keep.add(f.where)
+            best = m2.proto
+            decisions.append(f"kept {f.front} '{f.where}' as it was: {orig_ms:.2f} ms vs {native_ms:.2f} ms native "
+                             f"at batch {args.prefer_faster}, T={args.seq_len}, {args.threads} thread(s)")
+        else:
+            decisions.append(f"native {f.cell} for '{f.where}': {native_ms:.2f} ms vs {orig_ms:.2f} ms as it was "
+                             f"at batch {args.prefer_faster}, T={args.seq_len}, {args.threads} thread(s)")
+    if keep:
+        c = onnx.ModelProto()
+        c.CopyFrom(source)
+        model = Model(c, external_dir=model.external_dir)
+        report = Pipeline.default().run(model, Options(validate=opts.validate, post_padded=opts.post_padded, seed=opts.seed, keep=keep))
+    return model, report, decisions

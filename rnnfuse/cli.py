@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import onnx
 import os
 import sys
 import time
@@ -55,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--external-data", choices=["auto", "always", "never"], default="auto",
                    help="write tensors to OUTPUT.data beside the model: 'auto' when the input had external "
                         "data or the model exceeds 2 GB (default)")
+    o.add_argument("--prefer-faster", metavar="BATCHES",
+                   help="time each fused recurrence against the original form in onnxruntime at these batch sizes "
+                        "(e.g. 16 or 1,16; --seq-len, --threads apply) and keep whichever is faster: onnxruntime's "
+                        "native RNN (Elman) kernel loses to the loop at large batch. Default: always native")
+    o.add_argument("--seq-len", type=int, default=100, help="sequence length for --prefer-faster (default 100)")
+    o.add_argument("--threads", type=int, default=1, help="onnxruntime threads for --prefer-faster (default 1)")
     o.add_argument("--strict", action="store_true",
                    help=f"exit {ExitCode.VALIDATION} if any recurrence is declined or a validation is skipped")
 
@@ -148,7 +156,17 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
             return self.p.run(m, ctx)
 
     pipe.passes = [_Logged(p) for p in pipe.passes]
+    source = None
+    if getattr(args, "prefer_faster", None):
+        source = onnx.ModelProto()
+        source.CopyFrom(proto)
     report = pipe.run(model, opts)
+    if source is not None:
+        from .bench import prefer_faster
+
+        progress("timing native vs original forms")
+        model, report, decisions = prefer_faster(source, model, report, opts, args, progress)
+        report.notes.extend(decisions)
     report.input_path = args.input
     if not inspect_only:
         ext = {"auto": None, "always": True, "never": False}[args.external_data]

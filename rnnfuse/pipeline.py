@@ -35,9 +35,9 @@ class Finding:
 
     def line(self) -> str:
         head = f"{self.front} '{self.where}'"
-        if self.status == "declined":
+        if self.status in ("declined", "kept"):
             what = f" ({self.cell})" if self.cell else ""
-            return f"declined {head}{what}: {self.reason}"
+            return f"{self.status} {head}{what}: {self.reason}"
         bits = [self.cell]
         if self.direction:
             bits.append(self.direction)
@@ -67,6 +67,7 @@ class Options:
     post_padded: bool = False
     seed: int = 0
     log: Callable[[str], None] | None = None
+    keep: set = field(default_factory=set)  # locations (Finding.where) to leave as they are
 
 
 class Pass(Protocol):

@@ -71,6 +71,10 @@ def apply_recurrences(
     cands: list[Candidate] = []
     for rec, aliases in recs:
         f = finding_for(pass_name, rec)
+        if rec.where in ctx.keep:
+            f.status, f.reason = "kept", "left as it is on request (measured faster, or --keep)"
+            result.findings.append(f)
+            continue
         try:
             em = emit(g, rec, cache, post_padded=ctx.post_padded)
         except Decline as d:

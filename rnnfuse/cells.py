@@ -194,6 +194,9 @@ def _act_arg(atom: Act, what: str):
             lin, _, b = lo
             ref = ConstRef.of(np.full(lin.ncols, b, dtype=np.float32))
             return (atom.kind, atom.params), Lin.make(lin.terms, lin.biases + (ref,), lin.ncols, lin.rows), clip
+        states = sorted({a.sym for a in arg.atoms.values() if isinstance(a, State)})
+        if states:
+            raise Decline(f"{what} reads state {', '.join(states)} elementwise (peephole weights?): {atom.kind} of {arg!r}")
         raise Decline(f"{what} is {atom.kind} of {arg!r}, not of an affine map of x and h")
     if atom.kind not in ACTIVATIONS:
         raise Decline(f"{what} uses activation {atom.kind}, which native ops do not have")

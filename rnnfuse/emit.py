@@ -292,10 +292,16 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False)
         src_t = Yh if fo.which == "h" else Yc
         if src_t is None:
             raise Decline("a final cell state from a cell without one")
-        v = src_t if fo.lead else b.squeeze(src_t, [0])
-        if mp is not None and not fo.init.is_zero:
-            any_valid = b.unsqueeze(b.op("Greater", mp.lens64, b.const(np.array(0, np.int64), "zero")), [1])
-            v = b.op("Where", any_valid, v, _init_value(b, fo.init))
+        if mp is not None and fo.which == "h":
+            # read the last valid step from Y rather than trusting Y_h with sequence_lens (runtimes differ
+            # past a row's length: onnxruntime zero-fills, OpenVINO keeps computing)
+            v = _final_from_y(b, mp, Y3, direction)
+        else:
+            v = b.squeeze(src_t, [0])
+        if mp is not None:
+            v = b.op("Where", _any_valid(b, mp), v, _init_value(b, fo.init))
+        if fo.lead:
+            v = b.unsqueeze(v, [0])
         repl[fo.tensor] = v
     # every replacement gets a tensor of its own (a graph output may take over its name)
     seen: set[str] = set()
@@ -312,18 +318,14 @@ def _seq_output(b: Builder, so, Y3: str, Yh: str, mp: MaskPlumbing | None, path:
             raise Decline("a per-step output that ignores the mask")
         return Y3
     if path == POST_PADDED:
-        if so.fill == ZERO:
-            return Y3
+        # every value past a row's length is set explicitly: runtimes disagree about Y there
         t, bb, B = _grid(b, mp)
         inlen = b.unsqueeze(b.op("Less", t, b.unsqueeze(mp.lens64, [0])), [2])
+        if so.fill == ZERO:
+            return b.op("Where", inlen, Y3, b.const(np.array(0.0, np.float32), "fill"))
         if direction == "forward":
-            last = b.squeeze(Yh, [0])
-            if not so.init.is_zero:
-                any_valid = b.unsqueeze(b.op("Greater", mp.lens64, b.const(np.array(0, np.int64), "zero")), [1])
-                last = b.op("Where", any_valid, last, _init_value(b, so.init))
+            last = b.op("Where", _any_valid(b, mp), _final_from_y(b, mp, Y3, direction), _init_value(b, so.init))
             return b.op("Where", inlen, Y3, b.unsqueeze(last, [0]))
-        if so.init.is_zero:
-            return Y3
         return b.op("Where", inlen, Y3, _init_value(b, so.init))
     # exact path: results are in compacted order; gather each step's value back
     t, bb, B = _grid(b, mp)
@@ -358,6 +360,23 @@ def native_attrs(cell, direction: str) -> dict:
     if cell.op == "GRU":
         attrs["linear_before_reset"] = int(cell.linear_before_reset)
     return attrs
+
+
+def _any_valid(b: Builder, mp: MaskPlumbing) -> str:
+    """[B, 1]: whether a row has at least one valid step."""
+    return _extra(b, mp, "any_valid", lambda: b.unsqueeze(
+        b.op("Greater", mp.lens64, b.const(np.array(0, np.int64), "zero")), [1]))
+
+
+def _final_from_y(b: Builder, mp: MaskPlumbing, Y3: str, direction: str) -> str:
+    """[B, H]: the state after each row's last valid step, read from Y (step len-1 forward, step 0 reverse)."""
+    if direction == "reverse":
+        return b.op("Gather", Y3, b.const(np.array(0, np.int64), "zero"), axis=0)
+    t, bb, B = _grid(b, mp)
+    zero = b.const(np.array(0, np.int64), "zero")
+    last = b.op("Where", b.op("Greater", mp.lens64, zero), b.op("Sub", mp.lens64, b.const(np.array(1, np.int64), "one")), zero)
+    flat = b.op("Add", b.op("Mul", last, b.squeeze(B, [0])), b.squeeze(bb, [0]))
+    return b.op("Gather", b.op("Flatten", Y3, axis=2), flat, axis=0)
 
 
 def onnx_activations(acts) -> tuple[list[str] | None, list[float], list[float]]:

@@ -146,3 +146,80 @@ class CancelFlips:
             g.remove_node(n)
             return 1
         return 0
+
+
+class SkipRoundTrips:
+    """Stacked masked layers: do not put a layer's outputs back in time order only to gather them again.
+
+    The exact mask path runs each native op on each row's valid steps moved to the front. A layer's output
+    put back in time order and then compacted again, with the same mask, by the next layer is the first
+    layer's compacted output at every step the next layer reads (rows past their length are ignored by
+    ``sequence_lens``), so the next layer reads that directly -- also through a feature concat (the two
+    halves of a Bidirectional layer)."""
+
+    name = "skip-round-trips"
+
+    def run(self, model: Model, ctx: Options) -> PassResult:
+        from rnnfuse.rewrite import judge
+        from rnnfuse.pipeline import Finding
+        from rnnfuse.validate import validate
+
+        g = model.graph
+        res = PassResult(self.name)
+        comps = model.annotations.get("compactions", {})
+        uncomps = model.annotations.get("uncompactions", {})
+        if not comps or not uncomps:
+            return res
+        cands = []
+        for xc, (_, m2, mask) in comps.items():
+            gather = g.producer.get(xc)
+            if gather is None or not g.alive(gather) or not g.uses(xc):
+                continue
+            flat = g.producer.get(gather.input[0])
+            if flat is None or flat.op_type != "Flatten":
+                continue
+            parts = _compacted_parts(g, flat.input[0], m2, uncomps)
+            if parts is None:
+                continue
+            new = parts[0] if len(parts) == 1 else g.add_node("Concat", parts, 1, name="rnnfuse/Concat", anchor=gather, axis=2)[0]
+            cands.append((xc, new, mask))
+        if not cands:
+            return res
+        vr = validate(g, [(a, b) for a, b, _ in cands], {m: ("any", 0) for _, _, m in cands}, seed=ctx.seed) if ctx.validate else None
+        done = 0
+        for xc, new, _ in cands:
+            f = Finding(self.name, "stack", xc, "merged")
+            if not judge(f, vr, [(xc, new)], "the shortcut differs"):
+                res.notes.append(f"kept the round trip into '{xc}': {f.reason}")
+                continue
+            g.replace_uses(xc, new)
+            done += 1
+        if done:
+            g.prune()
+            res.modified = True
+            res.notes.append(f"{done} stacked layer input(s) read without a scatter/gather round trip")
+        return res
+
+
+def _compacted_parts(g: Graph, t: str, m2: str, uncomps: dict, depth: int = 0) -> list[str] | None:
+    """The compacted outputs whose time-ordered versions make up ``t`` (through identity transposes and a
+    concat along features), if every part was put back with the same mask ``m2``."""
+    if depth > 8:
+        return None
+    if t in uncomps:
+        y3, m = uncomps[t]
+        return [y3] if m == m2 else None
+    p = g.producer.get(t)
+    if p is None:
+        return None
+    if p.op_type == "Identity":
+        return _compacted_parts(g, p.input[0], m2, uncomps, depth + 1)
+    if p.op_type == "Concat" and attr(p, "axis") in (2, -1):
+        parts = []
+        for i in p.input:
+            sub = _compacted_parts(g, i, m2, uncomps, depth + 1)
+            if sub is None:
+                return None
+            parts.extend(sub)
+        return parts
+    return None

@@ -171,6 +171,7 @@ def _compact(b: Builder, cache: EmitCache, mp: MaskPlumbing, x: str, mask: str) 
         return cache.compacted[key]
     xc = b.op("Gather", b.op("Flatten", x, axis=2), _compaction_index(b, mp), axis=0)
     cache.compacted[key] = xc
+    b.g.model.annotations.setdefault("compactions", {})[xc] = (x, mp.m2, mask)
     return xc
 
 
@@ -340,8 +341,14 @@ def _seq_output(b: Builder, so, Y3: str, Yh: str, mp: MaskPlumbing | None, path:
     safe = b.op("Where", valid, idx, zero)
     flat = b.op("Add", b.op("Mul", safe, B), bb)
     gathered = b.op("Gather", b.op("Flatten", Y3, axis=2), flat, axis=0)
-    fill = b.const(np.array(0.0, np.float32), "fill") if so.fill == ZERO else _init_value(b, so.init)
-    return b.op("Where", b.unsqueeze(valid, [2]), gathered, fill)
+    out = b.op("Where", b.unsqueeze(valid, [2]), gathered, _fill_of(b, so))
+    # at each row's k-th valid step this holds Y3[k]: a next layer compacting it with the same mask reads Y3
+    b.g.model.annotations.setdefault("uncompactions", {})[out] = (Y3, mp.m2)
+    return out
+
+
+def _fill_of(b: Builder, so) -> str:
+    return b.const(np.array(0.0, np.float32), "fill") if so.fill == ZERO else _init_value(b, so.init)
 
 
 def native_attrs(cell, direction: str) -> dict:

@@ -324,9 +324,9 @@ def openvino_section(res: Results) -> list[str]:
     if any(o.get("floor", {}).get("match") is False for m, o in res.openvino.items() if m in masked):
         lines += ["A *differs* on the floor of a masked model means OpenVINO runs the bare op differently from "
                   "onnxruntime for the same `sequence_lens` (seen with OpenVINO 2026.4: `Y` is not zero past a row's "
-                  "length and `Y_h` is the last step's state, not the last valid one). A fused layer that reads `Y` "
-                  "or `Y_h` past the valid steps (the post-padded path's carried-output fix-up) then gives other "
-                  "answers there; the exact path reads only valid steps.", ""]
+                  "length and `Y_h` is the last step's state, not the last valid one). rnnfuse's fused models never "
+                  "read `Y` past a row's length or `Y_h` with `sequence_lens`: every such value is computed "
+                  "explicitly, so both mask paths match there.", ""]
     return lines
 
 

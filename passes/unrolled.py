@@ -313,8 +313,8 @@ def _local_closure(g: Graph, root: str, limit: int = 256) -> set[int]:
     while frontier and len(ids) < limit:
         v = frontier.pop()
         for c in g.uses(v):
-            if id(c) in ids or g.implicit_inputs(c):
-                continue
+            if id(c) in ids or len(c.input) > 8 or g.implicit_inputs(c):
+                continue  # (a Concat stacking every step's output is no part of a step)
             dyn = [i for i in c.input if i and g.const(i) is None and not shape_derived(g, i)]
             if all(i in region for i in dyn):
                 ids.add(id(c))
@@ -341,6 +341,8 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, str] | No
                 if id(c) in seen_nodes:
                     continue
                 seen_nodes.add(id(c))
+                if len(c.input) > 8:
+                    continue  # a Concat stacking every step's output is no part of a step
                 dyn = [i for i in c.input if i and g.const(i) is None and not shape_derived(g, i)]
                 if all(i in local for i in dyn) and not g.implicit_inputs(c):
                     for o in c.output:

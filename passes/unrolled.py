@@ -460,10 +460,6 @@ class _StepEval:
 
         self.ev = StepEvaluator(g, leaves, may_evaluate=_allowed_fn(g, chain, k, iv), foreign=foreign, content_keys=True)
 
-    @property
-    def c_in(self) -> str | None:
-        return self.foreign.name
-
     def poly(self, name: str) -> Poly:
         return self.ev.poly(name)
 

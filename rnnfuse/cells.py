@@ -344,7 +344,7 @@ def _match_lstm(new, x, states, h, c) -> CellSpec:
     o_act, o_lin, clip_o = _gate_parts(o_atom, "the output gate")
     a1, a2 = ig
     p1, p2 = _gate_parts(a1, "an input/cell gate"), _gate_parts(a2, "an input/cell gate")
-    if p1[0] == f_act and (p2[0] != f_act or True):
+    if p1[0] == f_act:  # i shares the gates' activation; g is the other factor
         (i_act, i_lin, clip_i), (g_act, g_lin, clip_g) = p1, p2
     else:
         (i_act, i_lin, clip_i), (g_act, g_lin, clip_g) = p2, p1

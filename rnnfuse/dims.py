@@ -113,11 +113,6 @@ def dim_key(g: Graph, name: str, depth: int = 0):
     return None
 
 
-def same_dim(g: Graph, a: str, b: str) -> bool:
-    ka, kb = dim_key(g, a), dim_key(g, b)
-    return ka is not None and ka == kb
-
-
 def static_dim(g: Graph, name: str, axis: int) -> int | None:
     s = g.model.shape(name)
     if s is None or axis >= len(s) or axis < -len(s):

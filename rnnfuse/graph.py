@@ -123,7 +123,6 @@ class Model:
         self._types: dict[str, tuple[int, list | None]] | None = None
         self._declared: dict[str, tuple[int, list | None]] | None = None
         self.graph = Graph(proto.graph, None, self)
-        self.opset_raised: list[str] = []
         # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
         self.annotations: dict[str, dict] = {}
 
@@ -163,16 +162,6 @@ class Model:
     def opset(self) -> int:
         return self.opsets.get("", self.opsets.get("ai.onnx", 1))
 
-    def require_opset(self, version: int, why: str) -> None:
-        """Raise the default-domain opset to ``version`` if an emitted op needs it, and remember why."""
-        if self.opset >= version:
-            return
-        for imp in self.proto.opset_import:
-            if imp.domain in ("", "ai.onnx"):
-                self.opset_raised.append(f"opset {imp.version} -> {version}: {why}")
-                imp.version = version
-        self.opsets[""] = version
-
     # -- types -------------------------------------------------------------------------------------------
     def types(self) -> dict[str, tuple[int, list | None]]:
         """Element type and shape (ints, strings for symbolic dims, None for unknown) of every named value.
@@ -190,10 +179,6 @@ class Model:
         if t is None or t[1] is None:
             t = self.types().get(name, t)
         return t
-
-    def invalidate_types(self) -> None:
-        self._types = None
-        self._declared = None
 
     def elem_type(self, name: str) -> int | None:
         t = self._type(name)

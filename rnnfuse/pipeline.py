@@ -95,7 +95,6 @@ class Report:
     passes: list[PassResult] = field(default_factory=list)
     ops_before: dict = field(default_factory=dict)
     ops_after: dict = field(default_factory=dict)
-    opset_changes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     input_path: str = ""
     output_path: str = ""
@@ -126,7 +125,6 @@ class Report:
             "nodes_after": sum(self.ops_after.values()),
             "ops_before": dict(sorted(self.ops_before.items())),
             "ops_after": dict(sorted(self.ops_after.items())),
-            "opset_changes": self.opset_changes,
             "notes": self.notes,
             "passes": [
                 {
@@ -161,8 +159,6 @@ class Report:
         head = f"{n_fused} fused" + (f", {n_merged} merged" if n_merged else "")
         head += f", {len(self.declined)} declined; {self.op_change_line()}"
         out = [head] + lines
-        for c in self.opset_changes:
-            out.append("  " + c)
         for n in self.notes:
             out.append("  note: " + n)
         if verbose:
@@ -217,7 +213,6 @@ class Pipeline:
                     ctx.log(f.line())
         model.graph.finalize()
         rep.ops_after = dict(op_counts(model.proto.graph))
-        rep.opset_changes = list(model.opset_raised)
         rep.seconds = time.perf_counter() - t0
         return rep
 

@@ -1286,28 +1286,15 @@ class Outcome:
 
 
 def _session(model: onnx.ModelProto):
-    import onnxruntime as ort
+    from helpers import session
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return session(model)
 
 
 def _count(model: onnx.ModelProto) -> dict:
-    from collections import Counter
+    from helpers import op_counts
 
-    c: Counter = Counter()
-    stack = [model.graph]
-    while stack:
-        g = stack.pop()
-        for n in g.node:
-            c[n.op_type] += 1
-            for a in n.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    stack.append(a.g)
-    return c
+    return op_counts(model)
 
 
 def _natives(model: onnx.ModelProto) -> dict:

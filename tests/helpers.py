@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 
 import rnnfuse
-from rnnfuse.graph import attr, subgraphs
+from rnnfuse.graph import attr
 
 ATOL = 1e-5
 RTOL = 1e-5
@@ -18,19 +18,15 @@ RTOL = 1e-5
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
     so.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 def op_counts(model: onnx.ModelProto) -> Counter:
-    c: Counter = Counter()
-    stack = [model.graph]
-    while stack:
-        g = stack.pop()
-        for n in g.node:
-            c[n.op_type] += 1
-            stack.extend(subgraphs(n))
-    return c
+    from rnnfuse.pipeline import op_counts as graph_op_counts
+
+    return graph_op_counts(model.graph)
 
 
 def directions(model: onnx.ModelProto) -> dict[str, list[str]]:

@@ -89,9 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="PNG", help="write a bar chart of the latencies")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     b.add_argument("--post-padded", action="store_true", help="optimize with --post-padded")
-    b.add_argument("--choose", action="store_true",
-                   help="time native vs original per recurrence at --batch and keep the faster "
-                        "(onnxruntime's RNN kernel loses to the loop at large batch)")
     b.add_argument("-q", "--quiet", action="store_true", help="print only the table")
     return ap
 

@@ -181,3 +181,20 @@ def test_strict(tmp_path):
     assert p.returncode == 0 and "declined" in p.stdout
     p = run("optimize", src, tmp_path / "o2.onnx", "--strict")
     assert_one_line_error(p, 5, "declined")
+
+
+def test_ir_version_onnxruntime_cannot_load(tmp_path):
+    """IR 14 (what onnx 1.23 writes by default) is valid ONNX that onnxruntime 1.31 refuses: the rewrite still
+    happens (proven from the maths), validation says it was skipped and why, the IR version is kept."""
+    from builders import Opts, build
+
+    model, _ = build(Opts(op="GRU", lbr=1))
+    model.ir_version = 14
+    src = tmp_path / "ir14.onnx"
+    onnx.save(model, src)
+    p = run("optimize", src, tmp_path / "o.onnx", "--json", tmp_path / "r.json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads((tmp_path / "r.json").read_text())
+    fused = [f for ps in rep["passes"] for f in ps["findings"] if f["status"] == "fused"]
+    assert fused and fused[0]["validation"].startswith("skipped") and "onnxruntime" in fused[0]["validation"]
+    assert onnx.load(tmp_path / "o.onnx").ir_version == 14

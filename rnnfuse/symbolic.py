@@ -448,14 +448,12 @@ class StepEvaluator:
         graph: Graph,
         leaves: dict[str, Val],
         may_evaluate: Callable[[onnx.NodeProto], bool] | None = None,
-        state_widths: dict[str, int] | None = None,
         foreign: Callable[[str], Val] | None = None,
         content_keys: bool = False,
     ):
         self.graph = graph
         self.memo: dict[str, Val] = dict(leaves)
         self.may_evaluate = may_evaluate or (lambda n: True)
-        self.state_widths = state_widths or {}
         self.opset = graph.model.opset
         self.visited_nodes: set[int] = set()
         self.foreign = foreign
@@ -633,17 +631,13 @@ def as_poly(v: Val, what: str = "value") -> Poly:
         return const_poly(v)
     if isinstance(v, Row):
         if len(v.segments) == 1 and not v.lead:
-            return _row_segment_poly(v.segments[0])
+            return v.segments[0][2]
         raise Decline("a concatenation of inputs is used elementwise")
     if isinstance(v, Opaque):
         raise Decline(v.why)
     if isinstance(v, Bool):
         raise Decline("a boolean mask is used as a number without Cast")
     raise Decline(f"{what} has no symbolic form")
-
-
-def _row_segment_poly(seg) -> Poly:
-    return seg[2]
 
 
 def const_poly(v: C) -> Poly:

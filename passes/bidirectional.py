@@ -15,7 +15,7 @@ from rnnfuse.emit import SPILL_BYTES, Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Finding, Options, PassResult
-from rnnfuse.rewrite import judge
+from rnnfuse.rewrite import commit, judge
 from rnnfuse.validate import validate
 
 _SKIP = {"direction", "activations", "activation_alpha", "activation_beta"}
@@ -173,10 +173,7 @@ class MergeBidirectional:
             if not judge(f, vr, list(repl.items()), "the merged op differs"):
                 res.findings.append(f)
                 continue
-            for old, new in repl.items():
-                g.replace_uses(old, new)
-            g.remove_node(fw)
-            g.remove_node(bw)
+            commit(g, repl, (fw, bw))
             res.findings.append(f)
             res.modified = True
         return res
@@ -226,9 +223,7 @@ class ReverseInputs:
             if not judge(f, vr, list(repl.items()), "the reversed op differs"):
                 res.findings.append(f)
                 continue
-            for old, new in repl.items():
-                g.replace_uses(old, new)
-            g.remove_node(n)
+            commit(g, repl, (n,))
             res.findings.append(f)
             res.modified = True
         if res.modified:

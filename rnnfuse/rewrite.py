@@ -63,6 +63,14 @@ def judge(f: Finding, vr, pairs: list, fail_reason: str, how: str = "") -> bool:
     return True
 
 
+def commit(g: Graph, replacements: dict, remove) -> None:
+    """Make every reader of each old tensor read its new one, then drop the replaced nodes."""
+    for old, new in replacements.items():
+        g.replace_uses(old, new)
+    for n in remove:
+        g.remove_node(n)
+
+
 def apply_recurrences(
     g: Graph, ctx: Options, pass_name: str, recs: list[tuple[Recurrence, dict]], result: PassResult
 ) -> None:
@@ -111,12 +119,7 @@ def apply_recurrences(
         result.findings.append(c.finding)
         if c.finding.status == "declined":
             continue
-        for old, new in c.emission.replacements.items():
-            g.replace_uses(old, new)
-        for old, new in c.aliases.items():
-            g.replace_uses(old, new)
-        for n in c.rec.remove:
-            g.remove_node(n)
+        commit(g, {**c.emission.replacements, **c.aliases}, c.rec.remove)
         result.modified = True
     if result.modified:
         g.prune()

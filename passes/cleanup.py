@@ -11,7 +11,8 @@ Dead nodes and unused initializers are removed when the pipeline finalizes the g
 
 from __future__ import annotations
 
-from onnx import NodeProto
+import numpy as np
+from onnx import NodeProto, helper, numpy_helper
 
 from rnnfuse.dims import time_flip_source
 from rnnfuse.graph import Graph, Model, attr, has_subgraph
@@ -75,6 +76,60 @@ def _flip_of(g: Graph, name: str) -> tuple[str, int] | None:
 def _compose(p1: list[int], p2: list[int]) -> list[int]:
     """Transpose by p1, then by p2 == transpose by the result."""
     return [p1[k] for k in p2]
+
+
+class InlineConstantIfs:
+    """An ``If`` whose condition is a constant is its chosen branch, spliced into the graph.
+
+    Exporters write shape bookkeeping as ``If(rank(x) > 2)`` (Keras 3 on torch, per step); with the
+    rank known the branch is fixed, and the plain nodes it holds are what the fusion passes can read."""
+
+    name = "inline-ifs"
+
+    def run(self, model: Model, ctx: Options) -> PassResult:
+        g = model.graph
+        res = PassResult(self.name)
+        done = 0
+        for n in list(g.nodes):
+            if not g.alive(n) or n.op_type != "If" or n.domain not in ("", "ai.onnx"):
+                continue
+            cond = g.const(n.input[0])
+            if cond is None or np.asarray(cond).size != 1:
+                continue
+            branch = attr(n, "then_branch" if bool(np.asarray(cond).ravel()[0]) else "else_branch")
+            if branch is None or _inline_branch(g, n, branch):
+                done += 1
+        if done:
+            g.prune()
+            res.modified = True
+            res.notes.append(f"inlined {done} If node(s) with a constant condition")
+        return res
+
+
+def _inline_branch(g: Graph, node: NodeProto, branch) -> bool:
+    if any(has_subgraph(b) for b in branch.node) or len(branch.output) != len(node.output) or branch.input:
+        return False
+    local: dict[str, str] = {}
+    for t in branch.initializer:
+        local[t.name] = g.add_initializer(numpy_helper.to_array(t), f"{node.name or 'If'}/{t.name}")
+    for b in branch.node:
+        for o in b.output:
+            if o:
+                local[o] = g.fresh(f"{node.name or 'If'}/{o}")
+    model = g.model
+    for old, new in local.items():  # the inlined values keep the types the branch declared or inferred
+        t = model._type(old)
+        if t is not None:
+            model._declared[new] = t
+    for b in branch.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in b.attribute}
+        g.add_node(b.op_type, [local.get(i, i) for i in b.input], len(b.output), name=b.name or b.op_type,
+                   outputs=[local.get(o, o) for o in b.output], domain=b.domain, anchor=node, **attrs)
+    for o, bo in zip(node.output, branch.output):
+        if o:
+            g.replace_uses(o, local.get(bo.name, bo.name))
+    g.remove_node(node)
+    return True
 
 
 class CancelFlips:

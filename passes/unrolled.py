@@ -30,7 +30,7 @@ from rnnfuse.pipeline import Options, PassResult
 from rnnfuse.recurrence import CellCheck, FinalOutput, Init, Recurrence, SeqOutput
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import apply_recurrences, declined
-from rnnfuse.step import StepState, analyse
+from rnnfuse.step import StepOut, StepState, analyse
 from rnnfuse.symbolic import Bool, Fill, Poly, State, StepEvaluator, Sym, X, content_key, loose_key, zero_states
 
 # ops a carried state passes through on its way to a combining node (one non-constant input each)
@@ -131,8 +131,10 @@ def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
     out = {}
     for (src, ax), v in fams.items():
         et, rank = g.model.elem_type(src), g.model.rank(src)
-        if len(v) < 2 or (et is not None and et not in floats + (9,)) or (rank is not None and rank != 3):
+        if len(v) < 2 or (et is not None and et not in floats + (9,)):
             continue
+        if rank is not None and rank != 3 and not (et == 9 and rank == 2):
+            continue  # data is [T, B, F] (or batch-first); a mask [T, B, 1] or [T, B]
         out[(src, ax)] = v
     return out
 
@@ -146,7 +148,7 @@ class Step:
     x: str
     roots: set = field(default_factory=set)  # carried-state tensors read through weight matmuls / slices
     pulled: set = field(default_factory=set)  # ids of state-side nodes between a root and the step
-    mask: str | None = None
+    masks: dict = field(default_factory=dict)  # this step's slices of bool families -> mask symbol
 
 
 @dataclass
@@ -325,7 +327,7 @@ def _local_closure(g: Graph, root: str, limit: int = 256) -> set[int]:
     return ids
 
 
-def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, str] | None) -> list[Chain]:
+def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | None = None) -> list[Chain]:
     """Thread the steps of a family into chains (forward and backward)."""
     xs = {x: t for t, x in fam.items()}
     found: dict[tuple[str, int], _Found] = {}
@@ -351,10 +353,10 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, str] | No
                             frontier.append(o)
                 else:
                     combining.append(c)
-        mask_t = mask_fam.get(t) if mask_fam else None
+        mask_t = mask_fam.get(t, {}) if mask_fam else {}
         for c in combining:
             for i in c.input:
-                if not i or i in local or g.const(i) is not None or i in xs or i == mask_t or shape_derived(g, i):
+                if not i or i in local or g.const(i) is not None or i in xs or i in mask_t or shape_derived(g, i):
                     continue
                 pulled: set = set()
                 r = _root(g, i, iv, pulled, xs)
@@ -394,7 +396,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, str] | No
             steps = []
             for k in seq:
                 f = found.get((direction, k), _Found())
-                steps.append(Step(k, fam[k], set(f.roots), set(f.pulled), mask_fam.get(k) if mask_fam else None))
+                steps.append(Step(k, fam[k], set(f.roots), set(f.pulled), dict(mask_fam.get(k, {})) if mask_fam else {}))
             chains.append(Chain(direction, steps))
     return chains
 
@@ -448,8 +450,8 @@ class _StepEval:
         if h_in is not None:
             fv = g.fill_value(h_in)
             leaves[h_in] = Sym(Poly.atom(H_STATE), lead_of(g, h_in) or 0) if fv is None else Fill(np.array(fv, dtype=np.float32))
-        if st.mask is not None:
-            leaves[st.mask] = Bool("m", False, g.model.rank(st.mask) == 2)
+        for m, sym in st.masks.items():
+            leaves[m] = Bool(sym, False, g.model.rank(m) == 2)
 
         def foreign(name: str):
             fv = g.fill_value(name)
@@ -546,7 +548,16 @@ def _single_root(st: Step) -> str:
     return next(iter(st.roots))
 
 
-def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _Signer) -> Recurrence:
+Y_STATE = State("y", None)
+
+
+def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _Signer, mask_srcs: dict | None = None) -> Recurrence:
+    """The recurrence an unrolled chain computes.
+
+    Roles: ``h`` is read through the recurrent weights; ``c`` is the one other value a step reads from the
+    step before (the LSTM cell state); ``y`` is an extra per-step value carried alongside (Keras' previous
+    output for masking), found as what the step computes from its cell values beyond h and c. A step may
+    read one slice of a bool family (the mask): states are then masked selects, read by ``analyse``."""
     steps = chain.steps
     n = len(steps)
     ts = [s.t for s in steps]
@@ -577,8 +588,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         lv = {st.x: "x"}
         if h_in[k] is not None and not (k == 0 and h0_fill is not None):
             lv[h_in[k]] = "h"
-        if st.mask is not None:
-            lv[st.mask] = "m"
+        lv.update(st.masks)
         leaves.append(lv)
     chain_nodes: set[int] = set()
     sig_h: list[int | None] = [None] * n
@@ -596,109 +606,250 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         raise Decline("a two-step chain with a folded initial state")
     km = 1 if n > 2 else 0
     mid = _StepEval(g, chain, km, iv, h_in[km], x_atom, x_value)
-    states = {"h": H_STATE}
-    step_states = [StepState("h", mid.poly(h_new[km]), Init())]
+    ref = {"h": mid.poly(h_new[km])}
+    ref_sig = {"h": sig_h[km]}
     if lstm:
         if c_new[km] is None:
             raise Decline("the cell state's next value cannot be found")
-        states["c"] = C_STATE
-        step_states.append(StepState("c", mid.poly(c_new[km]), Init()))
-    an = analyse(x_atom, step_states, [], states)
-    if an.masked:
-        raise Decline("masked unrolled chains are not supported")
-    spec = an.rec.spec
-    expected = spec.step_polys(Poly.atom(x_atom), Poly.atom(H_STATE), Poly.atom(C_STATE) if lstm else None)
-    ref_h = sig_h[km]
-    ref_c = signer.sign(c_new[km], leaves[km], allowed[km], foreign[km], chain_nodes) if lstm else None
-    # the last step's outputs: same structure as the reference step's
+        ref["c"] = mid.poly(c_new[km])
+        ref_sig["c"] = signer.sign(c_new[km], leaves[km], allowed[km], foreign[km], chain_nodes)
+    # the last step's outputs: same structure as the reference step's (they may be dead: Keras on torch
+    # returns only the carried output, and the exporter drops the last state updates)
     last = n - 1
-    for name in _step_tensors(g, chain, last, iv, g.producer[h_new[last - 1]].op_type):
-        f = _Foreign(ts[last])
-        try:
-            if signer.sign(name, leaves[last], allowed[last], f, set()) == ref_h:
-                h_new[last] = name
-                break
-        except Decline:
-            continue
+    h_new[last] = _step_output(g, chain, last, iv, signer, leaves[last], allowed[last], g.producer[h_new[last - 1]].op_type, ref_sig["h"])
     if h_new[last] is None:
         e = _StepEval(g, chain, last, iv, h_in[last], x_atom, x_value)
-        h_new[last] = _find_symbolic(g, e, chain, last, iv, g.producer[h_new[last - 1]].op_type, expected["h"])
-    if h_new[last] is None:
-        raise Decline("the last step's hidden output cannot be found")
-    sig_h[last] = signer.sign(h_new[last], leaves[last], allowed[last], foreign[last], chain_nodes)
+        h_new[last] = _find_symbolic(g, e, chain, last, iv, g.producer[h_new[last - 1]].op_type, ref["h"])
+    if h_new[last] is not None:
+        sig_h[last] = signer.sign(h_new[last], leaves[last], allowed[last], foreign[last], chain_nodes)
+    series: dict[str, list] = {"h": h_new}
+    sigs: dict[str, list] = {"h": sig_h}
+    sig_c: list[int | None] = [None] * n
     if lstm:
-        c_new[last - 1] = foreign[last].name
+        c_new[last - 1] = foreign[last].name or _step_output(g, chain, last - 1, iv, signer, leaves[last - 1], allowed[last - 1], g.producer[c_new[km]].op_type, ref_sig["c"])
         if c_new[last - 1] is None:
             raise Decline(f"step {ts[last]} does not read the cell state")
-        for name in _step_tensors(g, chain, last, iv, g.producer[c_new[last - 1]].op_type):
-            try:
-                if signer.sign(name, leaves[last], allowed[last], _Foreign(ts[last]), set()) == ref_c:
-                    c_new[last] = name
-                    break
-            except Decline:
-                continue
-    # every step computes the reference cell: by structure, or else by its maths
+        c_new[last] = _step_output(g, chain, last, iv, signer, leaves[last], allowed[last], g.producer[c_new[last - 1]].op_type, ref_sig["c"])
+        for k in range(n):
+            if c_new[k] is not None:
+                sig_c[k] = signer.sign(c_new[k], leaves[k], allowed[k], foreign[k], chain_nodes)
+        series["c"], sigs["c"] = c_new, sig_c
+    # the extra carried value (Keras' previous output): computed from the cells' values, outside h and c
+    ys = _extra_values(g, chain, iv, chain_nodes, {t for t in h_new + c_new if t})
+    y_carried = False
+    if ys is not None:
+        y_carried = any(ys[k - 1] in _inputs_of(g, ys[k], allowed[k], leaves[k]) for k in range(1, n) if ys[k] and ys[k - 1])
+        if y_carried and km == 0:
+            raise Decline("a two-step chain carrying an extra value")
+        sig_y: list[int | None] = [None] * n
+        for k in range(n):
+            if y_carried and k > 0:
+                leaves[k] = {**leaves[k], ys[k - 1]: "y"}
+            if ys[k] is None:  # the last step's value, not reached from its (dead) states
+                op = g.producer[ys[k - 1]].op_type
+                ys[k] = _step_output(g, chain, k, iv, signer, leaves[k], allowed[k], op, sig_y[km]) if k == last else None
+                if ys[k] is None:
+                    raise Decline(f"step {ts[k]}'s carried output cannot be found")
+            sig_y[k] = signer.sign(ys[k], leaves[k], allowed[k], foreign[k], chain_nodes)
+        if y_carried:
+            mid.ev.memo[ys[km - 1]] = Sym(Poly.atom(Y_STATE), lead_of(g, ys[km - 1]) or 0)
+        ref["y"] = mid.poly(ys[km])
+        ref_sig["y"] = sig_y[km]
+        series["y"], sigs["y"] = ys, sig_y
+    if h_new[last] is None and ys is None:
+        raise Decline("the last step's hidden output cannot be found")
+    if lstm and foreign[last].name is not None and foreign[last].name != c_new[last - 1]:
+        raise Decline(f"step {ts[last]} reads another cell state than step {ts[last - 1]} computes")
+    lstm_c0 = foreign[0].name if lstm else None
+    # which states start from zero folded into the first step
     zero = set()
     if h_in[0] is None or h0_fill is not None:
         zero.add("h")
-    if lstm and foreign[0].name is None:
+    if lstm and lstm_c0 is None:
         zero.add("c")
-    for k in range(n):
-        outs = {"h": (h_new[k], sig_h[k], ref_h)}
-        if lstm and c_new[k] is not None:
-            outs["c"] = (c_new[k], signer.sign(c_new[k], leaves[k], allowed[k], foreign[k], chain_nodes), ref_c)
-        for sym, (name, sig, ref) in outs.items():
-            if sig == ref and not (k == 0 and zero):
+    if y_carried:
+        zero.add("y")
+    stacks, finals = _chain_outputs(g, chain, series, chain_nodes)
+    inits = {
+        "h": Init(h_in[0], None, lead_of(g, h_in[0]) or 0) if h_in[0] is not None and h0_fill is None else Init(),
+        "c": Init(lstm_c0, None, lead_of(g, lstm_c0) or 0) if lstm_c0 is not None else Init(),
+        "y": Init(),
+    }
+    states = {"h": H_STATE, "c": C_STATE, "y": Y_STATE}
+    step_states = [StepState(r, ref[r], inits[r], finals.get(r)) for r in series if r != "y" or y_carried]
+    outs = [StepOut(ref[r], cat, bf, rev) for r, cat, bf, rev in stacks]
+    for r, t in finals.items():
+        if r == "y" and not y_carried:
+            raise Decline("an extra per-step value of the last step is read outside the chain")
+    an = analyse(x_atom, step_states, outs, {r: states[r] for r in series})
+    spec = an.rec.spec
+    # every step computes the reference step: by structure, or else by its maths
+    for r, names in series.items():
+        for k in range(n):
+            name = names[k]
+            if name is None:
+                continue
+            if sigs[r][k] == ref_sig[r] and not (k == 0 and zero):
                 continue
             e = _StepEval(g, chain, k, iv, h_in[k], x_atom, x_value)
+            if r == "y" and y_carried and k > 0:
+                e.ev.memo[ys[k - 1]] = Sym(Poly.atom(Y_STATE), lead_of(g, ys[k - 1]) or 0)
             p = e.poly(name)
             chain_nodes |= e.ev.visited_nodes
-            want = expected[sym]
             if k == 0 and zero:
-                if loose_key(p) != loose_key(zero_states(want, zero)):
-                    raise Decline(f"the first step is not the cell with a zero initial state ({sym})")
-            elif p.key != want.key:
-                raise Decline(f"step {ts[k]} computes a different cell than step {ts[km]} ({sym})")
+                if loose_key(p) != loose_key(zero_states(ref[r], zero)):
+                    raise Decline(f"the first step is not the cell with a zero initial state ({r})")
+            elif p.key != ref[r].key:
+                raise Decline(f"step {ts[k]} computes a different cell than step {ts[km]} ({r})")
     x = src if proj is None else proj[0]
     T = static_dim(g, src, axis)
-    anchor = g.producer.get(h_new[-1])
+    anchor = g.producer.get(h_new[-1] or ys[-1])
+    mask = None
+    if an.masked:
+        msrc, maxis = (mask_srcs or {}).get(an.mask_sym, (None, None))
+        if msrc is None or maxis != axis or static_dim(g, msrc, maxis) != T:
+            raise Decline("the mask is not laid out like the per-step inputs")
+        mask = msrc
     if not (min(ts) == 0 and T is not None and max(ts) == T - 1):
         bounds = [np.array([min(ts)], np.int64), np.array([max(ts) + 1], np.int64), np.array([axis], np.int64)]
-        x = g.add_node(
-            "Slice",
-            [x] + [g.add_initializer(b, f"rnnfuse/slice{i}") for i, b in enumerate(bounds)],
-            1, name="rnnfuse/Slice", anchor=anchor,
-        )[0]
+        consts = [g.add_initializer(b, f"rnnfuse/slice{i}") for i, b in enumerate(bounds)]
+        x = g.add_node("Slice", [x] + consts, 1, name="rnnfuse/Slice", anchor=anchor)[0]
+        if mask is not None:
+            mask = g.add_node("Slice", [mask] + consts, 1, name="rnnfuse/Slice", anchor=anchor)[0]
     rec = Recurrence(
         front="chain",
         where=f"{chain.direction} chain over '{src}' (axis {axis}), steps {ts[0]}..{ts[-1]}: {n} cells",
         cell=spec,
         x=x,
-        h0=Init(h_in[0], None, lead_of(g, h_in[0]) or 0) if h_in[0] is not None and h0_fill is None else Init(),
-        c0=Init(foreign[0].name, None, lead_of(g, foreign[0].name) or 0) if lstm and foreign[0].name is not None else Init(),
+        h0=an.h0,
+        c0=an.c0,
+        mask=mask,
+        seq_outputs=an.seq_outputs,
+        finals=[FinalOutput(f.tensor, f.which, f.init, lead_of(g, f.tensor) or 0) for f in an.finals],
         anchor=anchor,
         x_batch_first=axis == 1,
         x_reversed=chain.direction == "reverse",
     )
-    _collect_outputs(g, rec, chain, h_new, c_new, chain_nodes, lstm)
+    if an.masked or y_carried:
+        return rec  # validated on the whole model, with its masks overridden
     # what cell-level validation compares (the whole chain may be too big to run in onnxruntime)
     for k in sorted({km, 0}):
         visited: set = set()
         fills: dict = {}
         f = _Foreign(ts[k])
-        outs = {h_new[k]: "h"}
+        outs_k = {h_new[k]: "h"}
         signer.sign(h_new[k], leaves[k], allowed[k], f, visited, fills)
         if lstm and c_new[k] is not None:
             signer.sign(c_new[k], leaves[k], allowed[k], f, visited, fills)
-            outs[c_new[k]] = "c"
-        ins = {v: r for v, r in leaves[k].items() if r != "m"}
+            outs_k[c_new[k]] = "c"
+        ins = {v: r for v, r in leaves[k].items() if r in ("x", "h")}
         if f.name is not None:
             ins[f.name] = "c"
-        chk = CellCheck(order_of(g, visited), ins, outs, zero if k == 0 else set(), static_dim(g, src, 1 - axis), fills)
+        chk = CellCheck(order_of(g, visited), ins, outs_k, zero if k == 0 else set(), static_dim(g, src, 1 - axis), fills)
         if proj is not None:
             chk.x_projection = (proj[1], proj[2])
         rec.cell_checks.append(chk)
     return rec
+
+
+def _step_output(g: Graph, chain: Chain, k: int, iv, signer: _Signer, leaves: dict, allowed, op_type: str, ref: int) -> str | None:
+    """The tensor of step k with the reference step's signature ``ref`` (one no later step reads)."""
+    for name in _step_tensors(g, chain, k, iv, op_type):
+        try:
+            if signer.sign(name, leaves, allowed, _Foreign(chain.steps[k].t), set()) == ref:
+                return name
+        except Decline:
+            continue
+    return None
+
+
+def _inputs_of(g: Graph, name: str, allowed, leaves: dict, limit: int = 64) -> set[str]:
+    """Tensors read by the part of a step that computes ``name`` (not walking into leaves or other steps)."""
+    out: set[str] = set()
+    stack, seen = [name], set()
+    while stack and len(seen) < limit:
+        cur = stack.pop()
+        if cur in seen or cur in leaves:
+            continue
+        seen.add(cur)
+        p = g.producer.get(cur)
+        if p is None or not allowed(p):
+            continue
+        for i in p.input:
+            if i:
+                out.add(i)
+                stack.append(i)
+    return out
+
+
+def _mask_only_fn(g: Graph, chain: Chain):
+    masks = {m for st in chain.steps for m in st.masks}
+    memo: dict[str, bool] = {}
+
+    def only_mask(t: str, depth: int = 0) -> bool:
+        """Computed from the step's mask alone (a tiled or negated mask): may be shared, e.g. by a stack."""
+        if t in masks:
+            return True
+        if t in memo or depth > 16:
+            return memo.get(t, False)
+        p = g.producer.get(t)
+        dyn = [i for i in p.input if i and g.const(i) is None and not shape_derived(g, i)] if p is not None else []
+        memo[t] = bool(dyn) and all(only_mask(i, depth + 1) for i in dyn)
+        return memo[t]
+
+    return only_mask
+
+
+def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: set) -> list[str] | None:
+    """Per step, the one value computed from the cell's inner values by nodes outside h and c (Keras'
+    masked output carried next to the state), or None when no step has one."""
+    steps = chain.steps
+    side = 1 if chain.direction == "forward" else 0
+    k_of = {st.t: k for k, st in enumerate(steps)}
+    only_mask = _mask_only_fn(g, chain)
+    hang: dict[int, dict[int, NodeProto]] = {}
+    for nd in g.live_nodes():
+        if id(nd) not in chain_nodes:
+            continue
+        v = iv.nodes.get(id(nd))
+        k = k_of.get(v[side]) if v is not None else None
+        if k is None:
+            continue
+        for o in nd.output:
+            if not o or o in state_tensors or only_mask(o) or shape_derived(g, o):
+                continue
+            for u in g.uses(o):
+                if id(u) in chain_nodes:
+                    continue
+                uv = iv.nodes.get(id(u))
+                if uv is None or uv[side] != steps[k].t:
+                    raise Decline(f"an inner value of the chain ('{o}') is read outside it")
+                hang.setdefault(k, {})[id(u)] = u
+    if not hang:
+        return None
+    ys: list[str | None] = []
+    for k, st in enumerate(steps):
+        region = dict(hang.get(k, {}))
+        frontier = list(region.values())
+        while frontier:
+            nd = frontier.pop()
+            for o in nd.output:
+                for u in g.uses(o) if o else []:
+                    uv = iv.nodes.get(id(u))
+                    if id(u) in region or id(u) in chain_nodes or uv is None or uv[side] != st.t:
+                        continue
+                    if u.op_type == "Unsqueeze" and len(g.uses(u.output[0])) == 1 and g.uses(u.output[0])[0].op_type == "Concat":
+                        continue  # stacking the value, not computing it
+                    region[id(u)] = u
+                    frontier.append(u)
+        tops = {o for nd in region.values() for o in nd.output if o and (g.is_graph_output(o) or any(id(u) not in region for u in g.uses(o)))}
+        if not tops and k == len(steps) - 1:
+            ys.append(None)  # found by its signature once the step before is known
+            continue
+        if len(tops) != 1:
+            raise Decline(f"step {st.t} computes {len(tops)} values beyond its states (expected at most one)")
+        ys.append(next(iter(tops)))
+    return ys
 
 
 def order_of(g: Graph, ids: set) -> list[NodeProto]:
@@ -728,99 +879,108 @@ def _find_symbolic(g: Graph, e: _StepEval, chain: Chain, k: int, iv, op_type: st
     return None
 
 
-def _collect_outputs(g: Graph, rec: Recurrence, chain: Chain, h_new, c_new, chain_nodes: set, lstm: bool) -> None:
-    steps = chain.steps
-    n = len(steps)
-    ts = [s.t for s in steps]
-    h_index = {h: k for k, h in enumerate(h_new)}
-    c_index = {c: k for k, c in enumerate(c_new) if c}
-    # nothing computed inside the chain may be read outside it, except the states
-    for nid_node in (nd for nd in g.live_nodes() if id(nd) in chain_nodes):
-        for o in nid_node.output:
-            if not o or o in h_index or o in c_index:
+def _chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set) -> tuple[list, dict]:
+    """What the rest of the graph reads of the chain: stacks of a per-step series ((role, tensor,
+    batch_first, reversed)) and the last step's values (role -> tensor). Anything else declines."""
+    n = len(chain.steps)
+    ts = [s.t for s in chain.steps]
+    index = {t: (r, k) for r, names in series.items() for k, t in enumerate(names) if t}
+    only_mask = _mask_only_fn(g, chain)
+    for nd in (x for x in g.live_nodes() if id(x) in chain_nodes):
+        for o in nd.output:
+            if not o or o in index or only_mask(o) or shape_derived(g, o):
                 continue
             if g.is_graph_output(o) or any(id(u) not in chain_nodes for u in g.uses(o)):
                 raise Decline(f"an inner value of the chain ('{o}') is read outside it")
-    stacks: dict[int, list] = {}
-    extra: list[tuple[str, int]] = []
-    for k, h in enumerate(h_new):
-        for u in g.uses(h):
+    cats: dict[int, list] = {}
+    extra: list[tuple[str, int, str]] = []
+    for t, (r, k) in index.items():
+        for u in g.uses(t):
             if id(u) in chain_nodes:
                 continue
             cat_users = g.uses(u.output[0]) if u.op_type == "Unsqueeze" else []
             if len(cat_users) == 1 and cat_users[0].op_type == "Concat" and not g.is_graph_output(u.output[0]):
-                cat = cat_users[0]
-                stacks.setdefault(id(cat), [cat, []])[1].append((k, u))
+                cats.setdefault(id(cat_users[0]), [cat_users[0], r, []])[2].append((k, u))
                 continue
-            if u.op_type == "Concat" and lead_of(g, h) == 1 and attr(u, "axis") == 0:
-                stacks.setdefault(id(u), [u, []])[1].append((k, None))  # [1, B, H] states concatenated on time
+            if u.op_type == "Concat" and lead_of(g, t) == 1 and attr(u, "axis") == 0:
+                cats.setdefault(id(u), [u, r, []])[2].append((k, None))  # [1, B, H] states concatenated on time
                 continue
-            extra.append((h, k))
-        if g.is_graph_output(h):
-            extra.append((h, k))
-    for cat, items in stacks.values():
-        if not _stack_output(g, rec, chain, cat, items, h_new):
-            extra.extend((h_new[k], k) for k, _ in items)
-    done = set()
-    for h, k in extra:
-        if k == n - 1:
-            if h not in done:
-                rec.finals.append(FinalOutput(h, "h", lead=lead_of(g, h) or 0))
-                done.add(h)
+            extra.append((r, k, t))
+        if g.is_graph_output(t):
+            extra.append((r, k, t))
+    stacks = []
+    for cat, r, items in cats.values():
+        got = _stack_output(g, chain, cat, items, series[r])
+        if got is None:
+            extra.extend((r, k, series[r][k]) for k, _ in items)
         else:
-            raise Decline(f"the hidden state of step {ts[k]} is read outside the chain (not stacked)")
-    for k, c in enumerate(c_new):
-        if not c:
-            continue
-        outside = [u for u in g.uses(c) if id(u) not in chain_nodes]
-        if not outside and not g.is_graph_output(c):
-            continue
+            stacks.append((r,) + got)
+    finals: dict[str, str] = {}
+    for r, k, t in extra:
         if k != n - 1:
-            raise Decline(f"the cell state of step {ts[k]} is read outside the chain")
-        rec.finals.append(FinalOutput(c, "c", lead=lead_of(g, c) or 0))
+            what = {"h": "hidden state", "c": "cell state"}.get(r, "output")
+            raise Decline(f"the {what} of step {ts[k]} is read outside the chain (not stacked)")
+        finals[r] = t
+    return stacks, finals
 
 
-def _stack_output(g: Graph, rec: Recurrence, chain: Chain, cat: NodeProto, items, h_names) -> bool:
-    """``Concat(Unsqueeze(h_k, a) for every step, axis=a)`` -> a sequence output."""
+def _stack_output(g: Graph, chain: Chain, cat: NodeProto, items, names) -> tuple | None:
+    """``Concat(Unsqueeze(v_k, a) for every step, axis=a)`` -> (tensor, batch_first, reversed)."""
     n = len(chain.steps)
     axis = attr(cat, "axis")
     direct = all(u is None for _, u in items)  # [1, B, H] states concatenated as they are
     if direct:
-        by_name = {h_names[k]: k for k, _ in items}
+        by_name = {names[k]: k for k, _ in items}
     by_node = {id(u): k for k, u in items if u is not None}
     ks = []
     for name in cat.input:
         if direct:
             if name not in by_name:
-                return False
+                return None
             ks.append(by_name[name])
             continue
         p = g.producer.get(name)
         if p is None or id(p) not in by_node:
-            return False
+            return None
         ks.append(by_node[id(p)])
     if sorted(ks) != list(range(n)):
-        return False
+        return None
     for k, u in items:
         if u is None:
             continue
         ax = attr(u, "axes") if g.model.opset < 13 else g.const(u.input[1])
         if ax is None or [int(a) for a in np.asarray(ax).ravel()] != [axis]:
-            return False
+            return None
     if axis < 0:
         axis += 3
     if axis not in (0, 1):
-        return False
+        return None
     ts = [chain.steps[k].t for k in ks]
     if ts == sorted(ts):
         time_order = True
     elif ts == sorted(ts, reverse=True):
         time_order = False
     else:
-        return False
+        return None
     processing_order = time_order == (chain.direction == "forward")
-    rec.seq_outputs.append(SeqOutput(cat.output[0], "none", Init(), batch_first=axis == 1, reversed=not processing_order))
-    return True
+    return cat.output[0], axis == 1, not processing_order
+
+
+def _mask_leaves(g: Graph, fams: dict, fam: dict) -> tuple[dict, dict, dict]:
+    """Interval leaves for a data family and the bool families sliced at the same steps (candidate masks):
+    (tensor -> step, step -> {mask slice -> symbol}, symbol -> (mask source, axis))."""
+    leaves = {x: t for t, x in fam.items()}
+    mask_fam: dict[int, dict] = {}
+    mask_srcs: dict[str, tuple] = {}
+    for (msrc, maxis), mf in fams.items():
+        if g.model.elem_type(msrc) != 9 or set(mf) != set(fam):
+            continue
+        sym = f"m{len(mask_srcs)}"
+        mask_srcs[sym] = (msrc, maxis)
+        for t, m in mf.items():
+            leaves[m] = t
+            mask_fam.setdefault(t, {})[m] = sym
+    return leaves, mask_fam, mask_srcs
 
 
 class FuseChains:
@@ -845,15 +1005,16 @@ class FuseChains:
             for (src, axis), fam in fams.items():
                 if g.model.elem_type(src) == 9:
                     continue  # bool families are masks, read by the chains over the data
-                iv = _intervals(g, order, {x: t for t, x in fam.items()})
-                for chain in find_chains(g, fam, iv, None):
+                leaves, mask_fam, mask_srcs = _mask_leaves(g, fams, fam)
+                iv = _intervals(g, order, leaves)
+                for chain in find_chains(g, fam, iv, mask_fam):
                     key = (src, axis, chain.direction, chain.steps[0].t)
                     seen_now.add(key)
                     if key in tried:
                         continue
                     tried.add(key)
                     try:
-                        recs.append((chain_recurrence(g, src, axis, chain, iv, signer), {}))
+                        recs.append((chain_recurrence(g, src, axis, chain, iv, signer, mask_srcs), {}))
                     except Decline as d:
                         where = f"{chain.direction} chain over '{src}' (axis {axis})"
                         pending[key] = declined(self.name, "chain", where, d.reason)
@@ -870,8 +1031,11 @@ class FuseChains:
         fams = find_families(g)
         order = g._toposort(g.live_nodes()) if fams else []
         for (src, axis), fam in fams.items():
-            iv = _intervals(g, order, {x: t for t, x in fam.items()})
-            for chain in find_chains(g, fam, iv, None):
+            if g.model.elem_type(src) == 9:
+                continue
+            leaves, mask_fam, _ = _mask_leaves(g, fams, fam)
+            iv = _intervals(g, order, leaves)
+            for chain in find_chains(g, fam, iv, mask_fam):
                 final.add((src, axis, chain.direction, chain.steps[0].t))
         res.findings.extend(v for k, v in pending.items() if k in final)
         return res

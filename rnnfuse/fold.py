@@ -221,6 +221,11 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
         if shape is not None and all(isinstance(d, int) for d in shape) and graph.const(node.input[0]) is None:
             start, end = _attr(node, "start", 0), _attr(node, "end", None)
             return np.array(shape, dtype=np.int64)[start:end]
+    if node.op_type == "Size":
+        # the size of a tensor of static shape (e.g. Shape(x) of a tensor of known rank) is constant
+        shape = graph.model.shape(node.input[0])
+        if shape is not None and all(isinstance(d, int) for d in shape) and graph.const(node.input[0]) is None:
+            return np.array(int(np.prod(shape)), dtype=np.int64)
     vals = []
     for i in node.input:
         if not i:

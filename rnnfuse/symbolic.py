@@ -1118,6 +1118,16 @@ def _expand(ev, node, ins):
     return [Sym(v.poly, max(v.lead, len(shape) - 2))]
 
 
+def _tile(ev, node, ins):
+    """Tile of the [B, 1] step mask along units (Keras' ``_expand_mask``): the same mask, broadcast."""
+    v, reps = ins
+    if isinstance(v, Bool) and v.unit and isinstance(reps, C):
+        r = [int(d) for d in reps.arr.ravel()]
+        if len(r) == 2 and r[0] == 1:
+            return [v]
+    raise Decline("a Tile of a cell value")
+
+
 def _native_rnn(ev, node, ins):
     """A native LSTM/GRU/RNN op inside the step (TorchScript cells): its maths in polynomial form."""
     from .cells import native_step_polys
@@ -1150,6 +1160,7 @@ _HANDLERS: dict[str, Callable] = {
     "Reshape": _reshape,
     "Shape": _shape,
     "Expand": _expand,
+    "Tile": _tile,
     "LSTM": _native_rnn,
     "GRU": _native_rnn,
     "RNN": _native_rnn,

@@ -39,7 +39,7 @@ KNOWN_GAPS = {
     "keras_torch_gru": "Keras-on-torch GRU steps compute split sizes through runtime-shape If/Slice logic",
     "keras_torch_simplernn": "Keras-on-torch SimpleRNN steps compare runtime shapes (Greater) per step",
     "keras_torch_bigru": "Keras-on-torch GRU steps compute split sizes through runtime-shape If/Slice logic",
-    "keras_torch_masked_lstm": "masked unrolled chains (a Where per step) are not fused yet",
+
 }
 
 

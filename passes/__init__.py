@@ -8,9 +8,9 @@ from __future__ import annotations
 
 def default_passes() -> list:
     from .bidirectional import MergeBidirectional, ReverseInputs
-    from .cleanup import CancelFlips, Dedupe, InlineConstantIfs, SkipRoundTrips
+    from .cleanup import CancelFlips, Dedupe, DropNoOps, InlineConstantIfs, SkipRoundTrips
     from .loop import FuseLoops
     from .scan import FuseScans
     from .unrolled import FuseChains
 
-    return [InlineConstantIfs(), Dedupe(), FuseLoops(), FuseScans(), FuseChains(), ReverseInputs(), Dedupe(), MergeBidirectional(), CancelFlips(), SkipRoundTrips(), Dedupe()]
+    return [InlineConstantIfs(), DropNoOps(), Dedupe(), FuseLoops(), FuseScans(), FuseChains(), ReverseInputs(), Dedupe(), MergeBidirectional(), CancelFlips(), SkipRoundTrips(), Dedupe()]

@@ -203,7 +203,13 @@ class ReverseInputs:
                 continue
             src = time_flip_source(g, n.input[0], 0)
             if src is None:
-                continue
+                # Transpose(flip(x) along the axis that becomes time) == flip(Transpose(x)) along time
+                t = g.producer.get(n.input[0])
+                perm = list(attr(t, "perm") or []) if t is not None and t.op_type == "Transpose" else []
+                inner = time_flip_source(g, t.input[0], perm[0]) if perm else None
+                if inner is None:
+                    continue
+                src = g.add_node("Transpose", [inner], 1, name="rnnfuse/Transpose", anchor=n, perm=perm)[0]
             attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
             attrs["direction"] = "reverse" if d == "forward" else "forward"
             ins = [src] + list(n.input[1:])

@@ -78,6 +78,32 @@ def _compose(p1: list[int], p2: list[int]) -> list[int]:
     return [p1[k] for k in p2]
 
 
+class DropNoOps:
+    """Casts to the type a value already has, and Identities, read through (torch exports a chain of
+    float->float Casts around every step; they hide shared inputs and time flips from the other passes)."""
+
+    name = "drop-no-ops"
+
+    def run(self, model: Model, ctx: Options) -> PassResult:
+        g = model.graph
+        res = PassResult(self.name)
+        done = 0
+        for n in list(g.nodes):
+            if not g.alive(n) or n.op_type not in ("Cast", "Identity") or len(n.input) != 1 or g.is_graph_output(n.output[0]):
+                continue
+            if n.op_type == "Cast":
+                src = g.model.elem_type(n.input[0])
+                if src is None or src != attr(n, "to"):
+                    continue
+            g.replace_uses(n.output[0], n.input[0])
+            g.remove_node(n)
+            done += 1
+        if done:
+            res.modified = True
+            res.notes.append(f"read through {done} no-op Cast/Identity node(s)")
+        return res
+
+
 class InlineConstantIfs:
     """An ``If`` whose condition is a constant is its chosen branch, spliced into the graph.
 

@@ -819,8 +819,8 @@ def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: s
             if not o or o in state_tensors or only_mask(o) or shape_derived(g, o):
                 continue
             for u in g.uses(o):
-                if id(u) in chain_nodes:
-                    continue
+                if id(u) in chain_nodes or u.op_type in ("Shape", "Size"):
+                    continue  # (a shape read is no use of the value)
                 uv = iv.nodes.get(id(u))
                 if uv is None or uv[side] != steps[k].t:
                     raise Decline(f"an inner value of the chain ('{o}') is read outside it")
@@ -890,7 +890,7 @@ def _chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set) -> tu
         for o in nd.output:
             if not o or o in index or only_mask(o) or shape_derived(g, o):
                 continue
-            if g.is_graph_output(o) or any(id(u) not in chain_nodes for u in g.uses(o)):
+            if g.is_graph_output(o) or any(id(u) not in chain_nodes and u.op_type not in ("Shape", "Size") for u in g.uses(o)):
                 raise Decline(f"an inner value of the chain ('{o}') is read outside it")
     cats: dict[int, list] = {}
     extra: list[tuple[str, int, str]] = []

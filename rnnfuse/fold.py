@@ -221,6 +221,28 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
         if shape is not None and all(isinstance(d, int) for d in shape) and graph.const(node.input[0]) is None:
             start, end = _attr(node, "start", 0), _attr(node, "end", None)
             return np.array(shape, dtype=np.int64)[start:end]
+    if node.op_type in ("Gather", "Slice") and len(node.input) >= 2:
+        # static entries of the shape of a tensor whose other dims are dynamic (torch's chunk sizes,
+        # Keras' time-step count): Gather/Slice of Shape(x) where the entries picked are known
+        p = graph.producer.get(node.input[0])
+        if p is not None and p.op_type == "Shape":
+            shape = graph.model.shape(p.input[0])
+            if shape is not None:
+                start, end = _attr(p, "start", 0), _attr(p, "end", None)
+                dims = list(shape)[start:end]
+                idx = [graph.const(i) if i else None for i in node.input[1:]]
+                if node.op_type == "Gather" and idx[0] is not None and _attr(node, "axis", 0) == 0:
+                    picked = np.take(np.array(dims, dtype=object), idx[0].astype(np.int64))
+                else:
+                    picked = None
+                    if node.op_type == "Slice" and all(v is not None for v in idx):
+                        sl = evaluate(node, [np.arange(len(dims), dtype=np.int64)] + idx, graph.model.opset)
+                        if sl is not None:
+                            picked = np.array(dims, dtype=object)[sl[0]]
+                if picked is not None:
+                    picked = np.asarray(picked, dtype=object)
+                    if all(isinstance(d, (int, np.integer)) for d in picked.ravel()):
+                        return picked.astype(np.int64)
     if node.op_type == "Size":
         # the size of a tensor of static shape (e.g. Shape(x) of a tensor of known rank) is constant
         shape = graph.model.shape(node.input[0])

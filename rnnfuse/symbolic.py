@@ -370,7 +370,11 @@ class Fill(C):
 
 class RowConst(C):
     """A constant that varies along units only but has the runtime batch shape ``[B, N]``
-    (``0 @ W + b`` on a zero state of runtime shape)."""
+    (``0 @ W + b`` on a zero state of runtime shape). Held as ``[1, N]``: slices and shapes see two axes."""
+
+    def __init__(self, arr: np.ndarray, ref: ConstRef | None = None):
+        arr = np.asarray(arr)
+        super().__init__(arr.reshape(1, -1) if arr.ndim < 2 else arr, ref)
 
 
 class ShapeV(Val):
@@ -939,6 +943,8 @@ def _not(ev, node, ins):
 
 def _where(ev, node, ins):
     cond, a, b = ins
+    if isinstance(cond, C) and cond.arr.dtype == np.bool_ and cond.arr.size and (cond.arr.all() or not cond.arr.any()):
+        return [a if cond.arr.all() else b]  # a constant condition (Keras on torch: ``t < T`` with T static)
     if not isinstance(cond, Bool):
         raise Decline("Where with a condition that is not the step mask")
     if not cond.unit:

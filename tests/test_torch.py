@@ -33,14 +33,7 @@ def _case(directory: Path, name: str) -> dict:
     return meta
 
 
-KNOWN_GAPS = {
-    # Keras 3 on the torch backend writes each step with shape bookkeeping (If/Tile/Greater on runtime
-    # shapes) that the step evaluator does not follow yet; masked chains are not supported yet.
-    "keras_torch_gru": "Keras-on-torch GRU steps compute split sizes through runtime-shape If/Slice logic",
-    "keras_torch_simplernn": "Keras-on-torch SimpleRNN steps compare runtime shapes (Greater) per step",
-    "keras_torch_bigru": "Keras-on-torch GRU steps compute split sizes through runtime-shape If/Slice logic",
-
-}
+KNOWN_GAPS: dict = {}
 
 
 def _param(name):

@@ -209,6 +209,13 @@ CASES = [
     case("rnn_unroll_bwd_seq", rnn(unroll=True, **BACK), static=True),
     case("bilstm_unroll_last", bi(lstm(False, unroll=True)), static=True),
     case("lstm_unroll_masked_seq", lstm(unroll=True), masked=True, static=True),
+    case("gru_unroll_masked_last", gru(False, unroll=True), masked=True, static=True),
+    case("gru_v1_unroll_masked_seq", gru(reset_after=False, unroll=True), masked=True, static=True),
+    case("rnn_unroll_bwd_masked_seq", rnn(unroll=True, **BACK), masked=True, static=True),
+    case("lstm_unroll_init_masked_seq", lstm(unroll=True), masked=True, state_in=True, static=True),
+    case("gru_unroll_state_masked_last", gru(False, unroll=True), masked=True, state_out=True, static=True),
+    case("bigru_unroll_masked_seq", bi(gru(unroll=True)), masked=True, static=True),
+    case("stack_unroll_masked_seq", lstm(unroll=True), gru(unroll=True), masked=True, static=True),
 ]
 
 

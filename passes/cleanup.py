@@ -30,12 +30,24 @@ class Dedupe:
         seen: dict[tuple, NodeProto] = {}
         n_merged = 0
         outputs = set(g.output_names)
+        small: dict[str, object] = {}  # small constant -> its content (equal constants count as one input)
+
+        def ref(name: str):
+            if name not in small:
+                p = g.producer.get(name)
+                direct = name in g.initializers or (p is not None and p.op_type == "Constant")
+                c = g.const(name) if name and direct else None
+                small[name] = ("=", str(c.dtype), c.shape, c.tobytes()) if c is not None and c.size <= 64 else name
+            return small[name]
+
         for n in list(g.nodes):  # graph order: topological for the input model, which is where it matters
             if not g.alive(n) or n.op_type in _IMPURE or not n.output or has_subgraph(n):
                 continue
             if outputs.intersection(n.output):
                 continue
-            key = (n.domain, n.op_type, tuple(n.input), len(n.output), tuple(a.SerializeToString() for a in n.attribute))
+            if n.op_type == "Constant":
+                continue  # compared by value where they are read
+            key = (n.domain, n.op_type, tuple(ref(i) for i in n.input), len(n.output), tuple(a.SerializeToString() for a in n.attribute))
             other = seen.get(key)
             if other is None:
                 seen[key] = n

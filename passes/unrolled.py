@@ -243,6 +243,8 @@ def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12) -> 
             return name
         if p.op_type in ("MatMul", "Gemm") and p.input[0] != dyn[0]:
             return name
+        if p.op_type in ("Add", "Sub", "Mul") and any(i and i != dyn[0] and g.const(i) is None for i in p.input):
+            return name  # combined with a runtime-shaped fill (0 + m * new at a first step): a state itself
         if not _keeps_rows(g, p):
             return name  # e.g. Slice(h0, layer) of a per-layer initial state: the state starts here
         pulled.add(id(p))
@@ -327,12 +329,34 @@ def _local_closure(g: Graph, root: str, limit: int = 256) -> set[int]:
     return ids
 
 
+def _closure(g: Graph, seeds: set, extra: set, limit: int = 64) -> set:
+    """Tensors computed from ``seeds`` (plus ``extra``, constants and shapes) alone."""
+    region = set(seeds)
+    frontier = list(seeds)
+    while frontier and len(region) < limit:
+        v = frontier.pop()
+        for c in g.uses(v):
+            if len(c.input) > 8 or g.implicit_inputs(c):
+                continue
+            dyn = [i for i in c.input if i and g.const(i) is None and not shape_derived(g, i)]
+            if all(i in region or i in extra for i in dyn):
+                for o in c.output:
+                    if o and o not in region:
+                        region.add(o)
+                        frontier.append(o)
+    return region
+
+
 def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | None = None) -> list[Chain]:
     """Thread the steps of a family into chains (forward and backward)."""
     xs = {x: t for t, x in fam.items()}
+    all_masks = {m: t for t, ms in (mask_fam or {}).items() for m in ms}
+    stop = {**xs, **all_masks}
     found: dict[tuple[str, int], _Found] = {}
     for t, x in fam.items():
-        # the x-local region: nodes computed from x_t (and constants) only
+        # the step's mask-only values (a tiled, negated or cast mask), then the x-local region: nodes
+        # computed from x_t (with constants and mask-only values) only
+        mask_local = _closure(g, set((mask_fam or {}).get(t, ())), set())
         local = {x}
         frontier = [x]
         combining: list[NodeProto] = []
@@ -346,7 +370,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
                 if len(c.input) > 8:
                     continue  # a Concat stacking every step's output is no part of a step
                 dyn = [i for i in c.input if i and g.const(i) is None and not shape_derived(g, i)]
-                if all(i in local for i in dyn) and not g.implicit_inputs(c):
+                if all(i in local or i in mask_local for i in dyn) and not g.implicit_inputs(c):
                     for o in c.output:
                         if o:
                             local.add(o)
@@ -356,11 +380,11 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
         mask_t = mask_fam.get(t, {}) if mask_fam else {}
         for c in combining:
             for i in c.input:
-                if not i or i in local or g.const(i) is not None or i in xs or i in mask_t or shape_derived(g, i):
+                if not i or i in local or i in mask_local or g.const(i) is not None or i in xs or i in mask_t or shape_derived(g, i):
                     continue
                 pulled: set = set()
-                r = _root(g, i, iv, pulled, xs)
-                if r is None or r in xs or shape_derived(g, r):
+                r = _root(g, i, iv, pulled, stop)
+                if r is None or r in stop or shape_derived(g, r):
                     continue
                 riv = iv.get(r)
                 for direction in ("forward", "reverse"):
@@ -605,6 +629,14 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
     if n == 2 and h_in[0] is None:
         raise Decline("a two-step chain with a folded initial state")
     km = 1 if n > 2 else 0
+    last = n - 1
+    # the last step's h (nothing after it reads it): the tensor with the reference step's structure; in a
+    # three-step LSTM chain it is also what tells which value the reference step passes on as c
+    h_new[last] = _step_output(g, chain, last, iv, signer, leaves[last], allowed[last], g.producer[h_new[last - 1]].op_type, sig_h[km])
+    if h_new[last] is not None:
+        sig_h[last] = signer.sign(h_new[last], leaves[last], allowed[last], foreign[last], chain_nodes)
+        if lstm and km == last - 1:
+            c_new[km] = foreign[last].name
     mid = _StepEval(g, chain, km, iv, h_in[km], x_atom, x_value)
     ref = {"h": mid.poly(h_new[km])}
     ref_sig = {"h": sig_h[km]}
@@ -615,13 +647,11 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         ref_sig["c"] = signer.sign(c_new[km], leaves[km], allowed[km], foreign[km], chain_nodes)
     # the last step's outputs: same structure as the reference step's (they may be dead: Keras on torch
     # returns only the carried output, and the exporter drops the last state updates)
-    last = n - 1
-    h_new[last] = _step_output(g, chain, last, iv, signer, leaves[last], allowed[last], g.producer[h_new[last - 1]].op_type, ref_sig["h"])
     if h_new[last] is None:
         e = _StepEval(g, chain, last, iv, h_in[last], x_atom, x_value)
         h_new[last] = _find_symbolic(g, e, chain, last, iv, g.producer[h_new[last - 1]].op_type, ref["h"])
-    if h_new[last] is not None:
-        sig_h[last] = signer.sign(h_new[last], leaves[last], allowed[last], foreign[last], chain_nodes)
+        if h_new[last] is not None:
+            sig_h[last] = signer.sign(h_new[last], leaves[last], allowed[last], foreign[last], chain_nodes)
     series: dict[str, list] = {"h": h_new}
     sigs: dict[str, list] = {"h": sig_h}
     sig_c: list[int | None] = [None] * n
@@ -637,11 +667,21 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
     # the extra carried value (Keras' previous output): computed from the cells' values, outside h and c
     ys = _extra_values(g, chain, iv, chain_nodes, {t for t in h_new + c_new if t})
     y_carried = False
+    y0 = None
     if ys is not None:
         y_carried = any(ys[k - 1] in _inputs_of(g, ys[k], allowed[k], leaves[k]) for k in range(1, n) if ys[k] and ys[k - 1])
         if y_carried and km == 0:
             raise Decline("a two-step chain carrying an extra value")
         sig_y: list[int | None] = [None] * n
+        if y_carried and ys[0] is not None:
+            # a given initial value of the carried output: the one outside tensor the first step reads
+            given = [t for t in _inputs_of(g, ys[0], allowed[0], leaves[0])
+                     if iv.get(t) is None and t not in leaves[0] and t != foreign[0].name and g.const(t) is None
+                     and not shape_derived(g, t) and g.fill_value(t) is None
+                     and (g.producer.get(t) is None or not allowed[0](g.producer[t]))]
+            if len(given) == 1:
+                y0 = given[0]
+                leaves[0] = {**leaves[0], y0: "y"}
         for k in range(n):
             if y_carried and k > 0:
                 leaves[k] = {**leaves[k], ys[k - 1]: "y"}
@@ -667,13 +707,13 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         zero.add("h")
     if lstm and lstm_c0 is None:
         zero.add("c")
-    if y_carried:
+    if y_carried and y0 is None:
         zero.add("y")
     stacks, finals = _chain_outputs(g, chain, series, chain_nodes)
     inits = {
         "h": Init(h_in[0], None, lead_of(g, h_in[0]) or 0) if h_in[0] is not None and h0_fill is None else Init(),
         "c": Init(lstm_c0, None, lead_of(g, lstm_c0) or 0) if lstm_c0 is not None else Init(),
-        "y": Init(),
+        "y": Init(y0, None, lead_of(g, y0) or 0) if y0 is not None else Init(),
     }
     states = {"h": H_STATE, "c": C_STATE, "y": Y_STATE}
     step_states = [StepState(r, ref[r], inits[r], finals.get(r)) for r in series if r != "y" or y_carried]
@@ -692,8 +732,9 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
             if sigs[r][k] == ref_sig[r] and not (k == 0 and zero):
                 continue
             e = _StepEval(g, chain, k, iv, h_in[k], x_atom, x_value)
-            if r == "y" and y_carried and k > 0:
-                e.ev.memo[ys[k - 1]] = Sym(Poly.atom(Y_STATE), lead_of(g, ys[k - 1]) or 0)
+            prev = (ys[k - 1] if k > 0 else y0) if y_carried else None
+            if prev is not None:
+                e.ev.memo[prev] = Sym(Poly.atom(Y_STATE), lead_of(g, prev) or 0)
             p = e.poly(name)
             chain_nodes |= e.ev.visited_nodes
             if k == 0 and zero:
@@ -800,6 +841,13 @@ def _mask_only_fn(g: Graph, chain: Chain):
     return only_mask
 
 
+def _stacking(g: Graph, nd: NodeProto, o: str, states, chain_nodes: set) -> bool:
+    """``o = Unsqueeze(state)`` read outside the chain only by Concats (stacking the states; the same
+    Unsqueeze may also be a no-op reshape inside the step): checked as a stack, not an inner value."""
+    return nd.op_type == "Unsqueeze" and nd.input[0] in states and not g.is_graph_output(o) and all(
+        c.op_type == "Concat" for c in g.uses(o) if id(c) not in chain_nodes)
+
+
 def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: set) -> list[str] | None:
     """Per step, the one value computed from the cell's inner values by nodes outside h and c (Keras'
     masked output carried next to the state), or None when no step has one."""
@@ -816,7 +864,7 @@ def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: s
         if k is None:
             continue
         for o in nd.output:
-            if not o or o in state_tensors or only_mask(o) or shape_derived(g, o):
+            if not o or o in state_tensors or only_mask(o) or shape_derived(g, o) or _stacking(g, nd, o, state_tensors, chain_nodes):
                 continue
             for u in g.uses(o):
                 if id(u) in chain_nodes or u.op_type in ("Shape", "Size"):
@@ -838,6 +886,8 @@ def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: s
                     uv = iv.nodes.get(id(u))
                     if id(u) in region or id(u) in chain_nodes or uv is None or uv[side] != st.t:
                         continue
+                    if u.op_type == "Identity" or any(g.is_graph_output(x) for x in u.output):
+                        continue  # a copy of the value (e.g. returned), not part of computing it
                     if u.op_type == "Unsqueeze" and len(g.uses(u.output[0])) == 1 and g.uses(u.output[0])[0].op_type == "Concat":
                         continue  # stacking the value, not computing it
                     region[id(u)] = u
@@ -888,7 +938,7 @@ def _chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set) -> tu
     only_mask = _mask_only_fn(g, chain)
     for nd in (x for x in g.live_nodes() if id(x) in chain_nodes):
         for o in nd.output:
-            if not o or o in index or only_mask(o) or shape_derived(g, o):
+            if not o or o in index or only_mask(o) or shape_derived(g, o) or _stacking(g, nd, o, index, chain_nodes):
                 continue
             if g.is_graph_output(o) or any(id(u) not in chain_nodes and u.op_type not in ("Shape", "Size") for u in g.uses(o)):
                 raise Decline(f"an inner value of the chain ('{o}') is read outside it")
@@ -896,11 +946,14 @@ def _chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set) -> tu
     extra: list[tuple[str, int, str]] = []
     for t, (r, k) in index.items():
         for u in g.uses(t):
+            if u.op_type == "Unsqueeze" and not g.is_graph_output(u.output[0]):
+                # stacked (the same Unsqueeze may also be a no-op reshape inside the step)
+                outside = [c for c in g.uses(u.output[0]) if id(c) not in chain_nodes]
+                if outside and all(c.op_type == "Concat" for c in outside):
+                    for cat in {id(c): c for c in outside}.values():
+                        cats.setdefault(id(cat), [cat, r, []])[2].append((k, u))
+                    continue
             if id(u) in chain_nodes:
-                continue
-            cat_users = g.uses(u.output[0]) if u.op_type == "Unsqueeze" else []
-            if len(cat_users) == 1 and cat_users[0].op_type == "Concat" and not g.is_graph_output(u.output[0]):
-                cats.setdefault(id(cat_users[0]), [cat_users[0], r, []])[2].append((k, u))
                 continue
             if u.op_type == "Concat" and lead_of(g, t) == 1 and attr(u, "axis") == 0:
                 cats.setdefault(id(u), [u, r, []])[2].append((k, None))  # [1, B, H] states concatenated on time
@@ -994,6 +1047,7 @@ class FuseChains:
         res = PassResult(self.name)
         tried: set = set()
         pending: dict = {}  # chain key -> its decline, reported only if the chain still exists at the end
+        g.prune()  # dead code (an exporter's unused per-step values) is no reader of a step's values
         for _ in range(self.max_rounds):
             fams = find_families(g)
             if not fams:

@@ -65,7 +65,11 @@ def judge(f: Finding, vr, pairs: list, fail_reason: str, how: str = "") -> bool:
 
 def commit(g: Graph, replacements: dict, remove) -> None:
     """Make every reader of each old tensor read its new one, then drop the replaced nodes."""
+    model = g.model
     for old, new in replacements.items():
+        t = model._type(old)
+        if t is not None and model._type(new) is None:
+            model._declared[new] = t  # the new tensor holds what the old one did: same type and shape
         g.replace_uses(old, new)
     for n in remove:
         g.remove_node(n)

@@ -694,6 +694,8 @@ def as_row(v: Val) -> Row:
         raise Decline(v.why)
     if isinstance(v, Fill) and float(v.arr) == 0.0:
         return Row(((("Z",), None, Poly.const(0.0)),))  # a zero state of runtime shape, e.g. concat([x, 0])
+    if isinstance(v, C) and not isinstance(v, RowConst) and v.arr.ndim == 2 and v.arr.size and not v.arr.any():
+        return Row(((("Z",), None, Poly.const(0.0)),))  # a zero state of static shape [B, N]
     if isinstance(v, C):
         raise Decline("a matmul of two constants")
     raise Decline("a matmul of an unsupported value")

@@ -60,38 +60,38 @@ HOMOGENEOUS = {"Relu", "LeakyRelu", "ThresholdedRelu", "Affine"}
 
 # near-miss mutations: name -> (ops, fronts, needs a mask, description)
 MUTATIONS = {
-    "lstm_wrong_gate": ("LSTM", "scan loop", False, "output and cell-candidate gates swap places (o feeds c, g gates h)"),
-    "lstm_o_as_f": ("LSTM", "scan loop", False, "the output gate is also used as the forget gate (f unused)"),
-    "extra_scale": ("LSTM GRU RNN", "scan loop", False, "the new hidden state is multiplied by 1.5 before it is carried"),
-    "extra_tanh": ("LSTM GRU RNN", "scan loop", False, "an extra Tanh on the new hidden state"),
-    "peephole": ("LSTM", "scan loop", False, "peephole terms P*c added to the i, f (old c) and o (new c) gates"),
-    "weight_input": ("LSTM GRU RNN", "scan loop", False, "a recurrent weight is a graph input"),
-    "weight_computed": ("LSTM GRU RNN", "scan loop", False, "a recurrent weight is computed from a graph input"),
-    "weight_overridable": ("LSTM GRU RNN", "scan loop", False, "a recurrent weight is an initializer that is also a graph input"),
-    "state_leak": ("LSTM GRU RNN", "scan loop", False, "the carried state is cell + 0.1 * h_prev"),
-    "output_is_cell": ("LSTM", "scan loop", False, "the per-step output is the cell state c"),
-    "output_prev_h": ("LSTM GRU RNN", "scan loop", False, "the per-step output is the previous hidden state"),
-    "coupled_if": ("LSTM", "scan loop", False, "coupled input-forget gate f = 1 - i"),
-    "mixed_acts": ("LSTM GRU", "scan loop", False, "the forget (LSTM) / reset (GRU) gate uses another activation"),
-    "h_from_old_c": ("LSTM", "scan loop", False, "h = o * act(c_prev) instead of act(c_new)"),
-    "asym_clip": ("LSTM GRU RNN", "scan loop", False, "gate inputs clipped to [-2, 3]"),
-    "gru_swapped_update": ("GRU", "scan loop", False, "h_new = z*n + (1-z)*h (z and 1-z swapped)"),
-    "mask_zero_state": ("LSTM GRU RNN", "scan loop", True, "at masked steps the carried h becomes 0 (and is read back)"),
-    "lstm_c_unmasked": ("LSTM", "scan loop", True, "the cell state c ignores the mask (h is kept, c is updated)"),
-    "inverted_mask_c": ("LSTM", "scan loop", True, "the cell state is updated where the mask is false"),
-    "state_unmasked_output_masked": ("LSTM GRU RNN", "scan loop", True, "states update at masked steps; only the output holds"),
+    "lstm_wrong_gate": ("LSTM", "scan loop chain", False, "output and cell-candidate gates swap places (o feeds c, g gates h)"),
+    "lstm_o_as_f": ("LSTM", "scan loop chain", False, "the output gate is also used as the forget gate (f unused)"),
+    "extra_scale": ("LSTM GRU RNN", "scan loop chain", False, "the new hidden state is multiplied by 1.5 before it is carried"),
+    "extra_tanh": ("LSTM GRU RNN", "scan loop chain", False, "an extra Tanh on the new hidden state"),
+    "peephole": ("LSTM", "scan loop chain", False, "peephole terms P*c added to the i, f (old c) and o (new c) gates"),
+    "weight_input": ("LSTM GRU RNN", "scan loop chain", False, "a recurrent weight is a graph input"),
+    "weight_computed": ("LSTM GRU RNN", "scan loop chain", False, "a recurrent weight is computed from a graph input"),
+    "weight_overridable": ("LSTM GRU RNN", "scan loop chain", False, "a recurrent weight is an initializer that is also a graph input"),
+    "state_leak": ("LSTM GRU RNN", "scan loop chain", False, "the carried state is cell + 0.1 * h_prev"),
+    "output_is_cell": ("LSTM", "scan loop chain", False, "the per-step output is the cell state c"),
+    "output_prev_h": ("LSTM GRU RNN", "scan loop chain", False, "the per-step output is the previous hidden state"),
+    "coupled_if": ("LSTM", "scan loop chain", False, "coupled input-forget gate f = 1 - i"),
+    "mixed_acts": ("LSTM GRU", "scan loop chain", False, "the forget (LSTM) / reset (GRU) gate uses another activation"),
+    "h_from_old_c": ("LSTM", "scan loop chain", False, "h = o * act(c_prev) instead of act(c_new)"),
+    "asym_clip": ("LSTM GRU RNN", "scan loop chain", False, "gate inputs clipped to [-2, 3]"),
+    "gru_swapped_update": ("GRU", "scan loop chain", False, "h_new = z*n + (1-z)*h (z and 1-z swapped)"),
+    "mask_zero_state": ("LSTM GRU RNN", "scan loop chain", True, "at masked steps the carried h becomes 0 (and is read back)"),
+    "lstm_c_unmasked": ("LSTM", "scan loop chain", True, "the cell state c ignores the mask (h is kept, c is updated)"),
+    "inverted_mask_c": ("LSTM", "scan loop chain", True, "the cell state is updated where the mask is false"),
+    "state_unmasked_output_masked": ("LSTM GRU RNN", "scan loop chain", True, "states update at masked steps; only the output holds"),
     "loop_short": ("LSTM GRU RNN", "loop", False, "the Loop runs max(T-1, 1) iterations"),
-    "float_mask": ("LSTM GRU RNN", "scan loop", True, "the mask is a float input used as m*new + (1-m)*old (not provably 0/1)"),
+    "float_mask": ("LSTM GRU RNN", "scan loop chain", True, "the mask is a float input used as m*new + (1-m)*old (not provably 0/1)"),
     "mask_dir_mismatch": ("LSTM GRU RNN", "scan", True, "the mask is scanned in the opposite direction from the input"),
     "loop_shifted_input": ("LSTM GRU RNN", "loop", False, "the step reads X[min(i+1, T-1)] instead of X[i]"),
     "loop_fixed_input": ("LSTM GRU RNN", "loop", False, "every step reads X[0]"),
-    "gru_reset_on_input": ("GRU", "scan loop", False, "the reset gate multiplies the input part of the candidate"),
-    "lstm_c_tanh": ("LSTM", "scan loop", False, "the carried cell state is tanh(c_new)"),
-    "mask_on_input": ("LSTM GRU RNN", "scan loop", True, "the mask zeroes the step input; states update at every step"),
-    "partial_clip": ("LSTM GRU", "scan loop", False, "every gate but the candidate is clipped"),
+    "gru_reset_on_input": ("GRU", "scan loop chain", False, "the reset gate multiplies the input part of the candidate"),
+    "lstm_c_tanh": ("LSTM", "scan loop chain", False, "the carried cell state is tanh(c_new)"),
+    "mask_on_input": ("LSTM GRU RNN", "scan loop chain", True, "the mask zeroes the step input; states update at every step"),
+    "partial_clip": ("LSTM GRU", "scan loop chain", False, "every gate but the candidate is clipped"),
     "loop_trip_other_dim": ("LSTM GRU RNN", "loop", False, "trip count M = batch size while the condition bounds i by T"),
     "loop_cond_short": ("LSTM GRU RNN", "loop", False, "trip count T, but the condition stops after T-1 steps"),
-    "unmasked_copy_final": ("LSTM GRU RNN", "scan loop", True,
+    "unmasked_copy_final": ("LSTM GRU RNN", "scan loop chain", True,
                             "a carried copy of the cell output ignores the mask, and its final value is returned"),
 }
 
@@ -146,6 +146,7 @@ class Opts:
     static_B: int = 0  # declare a fixed batch size (0: dynamic)
     xproj: bool = False  # probe: x.W (+b) computed outside the recurrence for all steps, the body adds it
     layers: str = "single"  # single | bidir (forward + reverse over X, outputs concatenated) | stack (two layers)
+    step_slice: str = "gather"  # chain: each step's input as gather (Gather(X, t)) | slice (Squeeze(Slice)) | split (Split + Squeeze)
     mutation: str | None = None
 
     def activations(self) -> tuple:
@@ -966,6 +967,46 @@ def _loop_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suf
     return r
 
 
+def _chain_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suffix: str, want_seq: bool) -> dict:
+    """The recurrence unrolled: one cell per time step in the main graph (static T), per-step outputs
+    stacked with Unsqueeze + Concat (torch trace / Keras unroll=True style)."""
+    ctx = Ctx(o, mb, mb.main)
+    main = mb.main
+    T = o.static_T
+    tax = 1 if o.batch_first else 0
+    Xt = _xproj(ctx, X)[0] if o.xproj else X
+
+    def slices(src: str) -> list[str]:
+        if o.step_slice == "split":
+            parts = main.op("Split", src, main.i64(*([1] * T)), axis=tax, n=T)
+            return [main.op("Squeeze", p, main.i64(tax)) for p in (parts if T > 1 else [parts])]
+        if o.step_slice == "slice":
+            return [main.op("Squeeze", main.op("Slice", src, main.i64(t), main.i64(t + 1), main.i64(tax)), main.i64(tax)) for t in range(T)]
+        return [main.op("Gather", src, main.constant(np.array(t, np.int64), "t"), axis=tax) for t in range(T)]
+
+    xs = slices(Xt)
+    ms = slices(mask) if mask else [None] * T
+    states = _state_list(o)
+    cur = {s: _initial(ctx, s, X, suffix) for s in states}
+    rev = o.direction == "reverse"
+    ys: dict[int, dict] = {}
+    for t in (range(T - 1, -1, -1) if rev else range(T)):
+        xw = _xw_split(ctx, xs[t]) if o.xproj else None
+        res = _step(ctx, xs[t], cur["h"], cur.get("c"), cur.get("p"), ms[t], xw)
+        cur.update({s: res[s] for s in states})
+        ys[t] = res
+    order = list(range(T))
+    if (rev and not o.out_time_order) != o.flip_out:
+        order = order[::-1]
+    r = dict(cur)
+    for key, name in (("y", "Y"), ("y2", "Y2")):
+        if want_seq and key in ys[0] and (key == "y" or o.extra_seq):
+            r[name] = main.op("Concat", *[main.op("Unsqueeze", ys[t][key], main.i64(tax)) for t in order], axis=tax)
+        else:
+            r[name] = None
+    return r
+
+
 def _layer_opts(o: Opts) -> list[Opts]:
     """The per-layer options of a model: one layer, a forward + reverse pair, or a stack of two."""
     if o.layers == "single":
@@ -1004,7 +1045,7 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
                 mb.inputs.append(_vi("c0" + sfx, FLOAT, [Bd, lo.H]))
         if has_prev(lo) and lo.prev_init == "input":
             mb.inputs.append(_vi("p0" + sfx, FLOAT, [Bd, lo.H]))
-    layer = _scan_layer if o.front == "scan" else _loop_layer
+    layer = {"scan": _scan_layer, "loop": _loop_layer, "chain": _chain_layer}[o.front]
     results = []
     x, F = "X", o.F
     for k, lo in enumerate(los):
@@ -1228,6 +1269,8 @@ def check_opts(o: Opts) -> None:
         raise ValueError("wrong number of activations")
     if o.loop_bound == "const" and not o.static_T:
         raise ValueError("loop_bound='const' needs static_T")
+    if o.front == "chain" and (not o.static_T or o.weights == "carried" or o.reverse_form != "native"):
+        raise ValueError("an unrolled chain needs static_T, weights in the graph and reverse_form='native'")
 
 
 def build_full(o: Opts):
@@ -1250,8 +1293,8 @@ def build(o: Opts):
 def default_reverse_form(o: Opts) -> Opts:
     """Make a reverse option set valid for its front (Scan: native, Loop: flip)."""
     if o.direction != "reverse" and o.layers != "bidir":
-        return o.replace(reverse_form="native") if o.front == "scan" else o
-    if o.front == "scan":
+        return o.replace(reverse_form="native") if o.front in ("scan", "chain") else o
+    if o.front in ("scan", "chain"):
         return o.replace(reverse_form="native")
     if o.reverse_form == "native":
         return o.replace(reverse_form="flip")
@@ -1327,6 +1370,24 @@ def _mismatch(got, want, atol, rtol, what) -> tuple[float, str]:
     return err, ""
 
 
+def front_label(o: Opts) -> str:
+    """The ``front`` a finding about this recurrence carries."""
+    return {"scan": "Scan", "loop": "Loop", "chain": "chain"}[o.front]
+
+
+def recurrences_left(o: Opts, before: dict, after: dict) -> tuple[int, int]:
+    """(recurrences in the original, recurrences left after optimizing). An unrolled chain is left while
+    its per-step recurrent matmuls are (only the input projection, when there is one, stays)."""
+    if o.front != "chain":
+        return before.get("Scan", 0) + before.get("Loop", 0), after.get("Scan", 0) + after.get("Loop", 0)
+    n = len(_layer_opts(o))
+    mm_before = before.get("MatMul", 0) + before.get("Gemm", 0)
+    mm_after = after.get("MatMul", 0) + after.get("Gemm", 0)
+    if mm_after <= (n if o.xproj else 0):
+        return n, 0
+    return n, n if mm_after == mm_before else 1
+
+
 def run_case(
     o: Opts,
     batches=(1, 4),
@@ -1344,8 +1405,7 @@ def run_case(
     fused, report = rnnfuse.optimize(model, **optimize_kwargs)
     counts = _count(fused)
     before = _count(model)
-    n_rec = before.get("Scan", 0) + before.get("Loop", 0)
-    left = counts.get("Scan", 0) + counts.get("Loop", 0)
+    n_rec, left = recurrences_left(o, before, counts)
     status = "fused" if left == 0 else ("declined" if left == n_rec else "partial")
     out = Outcome(o, model, fused, report, status, left, _natives(fused))
     if kinds is None:

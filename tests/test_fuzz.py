@@ -133,7 +133,7 @@ def activations(draw, op):
 @st.composite
 def valid_opts(draw, single=False):
     op = draw(st.sampled_from(["LSTM", "GRU", "RNN"]))
-    front = draw(st.sampled_from(["scan", "loop"]))
+    front = draw(st.sampled_from(["scan", "loop", "chain"]))
     kw: dict = dict(op=op, front=front)
     kw["seed"] = draw(st.integers(0, 10_000))
     kw["F"] = draw(st.integers(1, 8))
@@ -169,7 +169,7 @@ def valid_opts(draw, single=False):
     kw["act_form"] = draw(_weighted((12, "op"), (4, "clip"), (2, "maxmin"), (2, "minmax"), (2, "relu6"), (1, "exp")))
     kw["clip_form"] = draw(st.sampled_from(["op", "minmax"]))
     kw["gru_update"] = draw(st.sampled_from(["a", "b", "c"]))
-    kw["weights"] = draw(st.sampled_from(["outer", "body_const", "body_init", "carried"]))
+    kw["weights"] = draw(st.sampled_from(["outer", "body_const", "body_init"] + ([] if front == "chain" else ["carried"])))
     kw["perm"] = tuple(draw(st.permutations(GATES[op])))
     kw["state_order"] = draw(st.sampled_from(["hc", "ch"]))
     kw["noise"] = draw(_weighted((4, False), (1, True)))
@@ -178,7 +178,9 @@ def valid_opts(draw, single=False):
     kw["mask_input_too"] = draw(_weighted((40, False), (1, True)))
     kw["weight_cast"] = draw(_weighted((5, False), (1, True)))
     kw["xproj"] = draw(_weighted((40, False), (1, True)))
-    kw["static_T"] = draw(_weighted((4, 0), (1, 5)))
+    kw["static_T"] = draw(st.integers(3, 6)) if front == "chain" else draw(_weighted((4, 0), (1, 5)))
+    if front == "chain":
+        kw["step_slice"] = draw(st.sampled_from(["gather", "slice", "split"]))
     kw["static_B"] = draw(_weighted((4, 0), (1, 3)))
     if front == "loop":
         kw["loop_bound"] = draw(st.sampled_from(["M", "cond", "both"] + (["const"] if kw["static_T"] else [])))
@@ -258,7 +260,7 @@ def test_near_miss_declined(o):
         n["fused_expressible"] += 1
         return
     assert out.status == "declined", f"near miss {o.mutation} ({B.MUTATIONS[o.mutation][3]}) was fused:\n{out.text()}"
-    front = "Scan" if o.front == "scan" else "Loop"
+    front = B.front_label(o)
     declined = [f for f in out.report.findings if f.status == "declined" and f.front == front]
     assert declined and all(f.reason.strip() for f in declined), out.text()
     n["declined"] += 1

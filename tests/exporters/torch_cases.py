@@ -209,6 +209,9 @@ CASES = [
     keras("keras_torch_simplernn", "SimpleRNN"),
     keras("keras_torch_masked_lstm", "LSTM", masked=True, seq=False),
     keras("keras_torch_bigru", "GRU", bidir=True),
+    keras("keras_torch_masked_gru", "GRU", masked=True),
+    keras("keras_torch_masked_simplernn", "SimpleRNN", masked=True, seq=False),
+    keras("keras_torch_masked_bilstm", "LSTM", masked=True, bidir=True),
 ]
 
 

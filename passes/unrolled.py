@@ -864,11 +864,11 @@ def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: s
         if k is None:
             continue
         for o in nd.output:
-            if not o or o in state_tensors or only_mask(o) or shape_derived(g, o) or _stacking(g, nd, o, state_tensors, chain_nodes):
+            # (read only inside the chain, or only by shape reads: the common case, checked first)
+            outside = [u for u in g.uses(o) if id(u) not in chain_nodes and u.op_type not in ("Shape", "Size")] if o else []
+            if not outside or o in state_tensors or only_mask(o) or shape_derived(g, o) or _stacking(g, nd, o, state_tensors, chain_nodes):
                 continue
-            for u in g.uses(o):
-                if id(u) in chain_nodes or u.op_type in ("Shape", "Size"):
-                    continue  # (a shape read is no use of the value)
+            for u in outside:
                 uv = iv.nodes.get(id(u))
                 if uv is None or uv[side] != steps[k].t:
                     raise Decline(f"an inner value of the chain ('{o}') is read outside it")
@@ -938,10 +938,10 @@ def _chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set) -> tu
     only_mask = _mask_only_fn(g, chain)
     for nd in (x for x in g.live_nodes() if id(x) in chain_nodes):
         for o in nd.output:
-            if not o or o in index or only_mask(o) or shape_derived(g, o) or _stacking(g, nd, o, index, chain_nodes):
+            read = o and (g.is_graph_output(o) or any(id(u) not in chain_nodes and u.op_type not in ("Shape", "Size") for u in g.uses(o)))
+            if not read or o in index or only_mask(o) or shape_derived(g, o) or _stacking(g, nd, o, index, chain_nodes):
                 continue
-            if g.is_graph_output(o) or any(id(u) not in chain_nodes and u.op_type not in ("Shape", "Size") for u in g.uses(o)):
-                raise Decline(f"an inner value of the chain ('{o}') is read outside it")
+            raise Decline(f"an inner value of the chain ('{o}') is read outside it")
     cats: dict[int, list] = {}
     extra: list[tuple[str, int, str]] = []
     for t, (r, k) in index.items():

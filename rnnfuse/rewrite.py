@@ -67,8 +67,8 @@ def commit(g: Graph, replacements: dict, remove) -> None:
     """Make every reader of each old tensor read its new one, then drop the replaced nodes."""
     model = g.model
     for old, new in replacements.items():
-        t = model._type(old)
-        if t is not None and model._type(new) is None:
+        t = model.declared_type(old)
+        if t is not None and model.declared_type(new) is None:
             model._declared[new] = t  # the new tensor holds what the old one did: same type and shape
         g.replace_uses(old, new)
     for n in remove:

@@ -149,6 +149,7 @@ class Step:
     roots: set = field(default_factory=set)  # carried-state tensors read through weight matmuls / slices
     pulled: set = field(default_factory=set)  # ids of state-side nodes between a root and the step
     masks: dict = field(default_factory=dict)  # this step's slices of bool families -> mask symbol
+    weighted: set = field(default_factory=set)  # the roots read through a weight matmul
 
 
 @dataclass
@@ -157,6 +158,7 @@ class _Found:
 
     roots: set = field(default_factory=set)
     pulled: set = field(default_factory=set)
+    weighted: set = field(default_factory=set)  # the roots read through a weight matmul (h, not c or a carried output)
 
 
 @dataclass
@@ -228,7 +230,7 @@ def shape_derived(g: Graph, name: str) -> bool:
     return memo[name]
 
 
-def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12) -> str | None:
+def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops: list | None = None) -> str | None:
     """Walk a combining node's older input back through state-side ops to the carried tensor."""
     for _ in range(limit):
         if name in stop:
@@ -248,6 +250,8 @@ def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12) -> 
         if not _keeps_rows(g, p):
             return name  # e.g. Slice(h0, layer) of a per-layer initial state: the state starts here
         pulled.add(id(p))
+        if ops is not None:
+            ops.append(p.op_type)
         name = dyn[0]
     return name
 
@@ -383,9 +387,11 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
                 if not i or i in local or i in mask_local or g.const(i) is not None or i in xs or i in mask_t or shape_derived(g, i):
                     continue
                 pulled: set = set()
-                r = _root(g, i, iv, pulled, stop)
+                ops: list = [c.op_type]
+                r = _root(g, i, iv, pulled, stop, ops=ops)
                 if r is None or r in stop or shape_derived(g, r):
                     continue
+                weighted = bool({"MatMul", "Gemm", "Concat"} & set(ops))  # read through the recurrent weights
                 riv = iv.get(r)
                 for direction in ("forward", "reverse"):
                     if riv is not None and not (riv[1] < t if direction == "forward" else riv[0] > t):
@@ -394,6 +400,8 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
                     if r not in f.roots:
                         f.roots.add(r)
                         f.pulled |= _local_closure(g, r)
+                    if weighted:
+                        f.weighted.add(r)
                     f.pulled |= pulled
     chains: list[Chain] = []
     for direction in ("forward", "reverse"):
@@ -420,7 +428,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
             steps = []
             for k in seq:
                 f = found.get((direction, k), _Found())
-                steps.append(Step(k, fam[k], set(f.roots), set(f.pulled), dict(mask_fam.get(k, {})) if mask_fam else {}))
+                steps.append(Step(k, fam[k], set(f.roots), set(f.pulled), dict(mask_fam.get(k, {})) if mask_fam else {}, set(f.weighted)))
             chains.append(Chain(direction, steps))
     return chains
 
@@ -566,10 +574,11 @@ class _Signer:
         return memo[name]
 
 
-def _single_root(st: Step) -> str:
-    if len(st.roots) != 1:
-        raise Decline(f"step {st.t} reads {len(st.roots)} carried values through weights (expected one hidden state)")
-    return next(iter(st.roots))
+def _single_root(st: Step, roots: set | None = None) -> str:
+    roots = st.roots if roots is None else roots
+    if len(roots) != 1:
+        raise Decline(f"step {st.t} reads {len(roots)} carried values through weights (expected one hidden state)")
+    return next(iter(roots))
 
 
 Y_STATE = State("y", None)
@@ -599,8 +608,8 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
     h_in: list[str | None] = [None] * n
     for k in range(1, n):
         h_in[k] = _single_root(steps[k])
-    if steps[0].roots:
-        h_in[0] = _single_root(steps[0])
+    if steps[0].weighted:  # (the first step may also combine its input with a given c0 or carried output)
+        h_in[0] = _single_root(steps[0], steps[0].weighted)
     h0_fill = g.fill_value(h_in[0]) if h_in[0] is not None else None
     if h0_fill is not None and h0_fill != 0.0:
         raise Decline(f"the initial hidden state is a constant {h0_fill:g}, not zeros")
@@ -696,7 +705,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         ref["y"] = mid.poly(ys[km])
         ref_sig["y"] = sig_y[km]
         series["y"], sigs["y"] = ys, sig_y
-    if h_new[last] is None and ys is None:
+    if h_new[last] is None and ys is None and c_new[last] is None:
         raise Decline("the last step's hidden output cannot be found")
     if lstm and foreign[last].name is not None and foreign[last].name != c_new[last - 1]:
         raise Decline(f"step {ts[last]} reads another cell state than step {ts[last - 1]} computes")
@@ -744,7 +753,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
                 raise Decline(f"step {ts[k]} computes a different cell than step {ts[km]} ({r})")
     x = src if proj is None else proj[0]
     T = static_dim(g, src, axis)
-    anchor = g.producer.get(h_new[-1] or ys[-1])
+    anchor = g.producer.get(h_new[-1] or c_new[-1] or (ys or [None])[-1])
     mask = None
     if an.masked:
         msrc, maxis = (mask_srcs or {}).get(an.mask_sym, (None, None))
@@ -813,6 +822,8 @@ def _inputs_of(g: Graph, name: str, allowed, leaves: dict, limit: int = 64) -> s
         if cur in seen or cur in leaves:
             continue
         seen.add(cur)
+        if shape_derived(g, cur):
+            continue  # computed from shapes and constants: reads no value
         p = g.producer.get(cur)
         if p is None or not allowed(p):
             continue
@@ -856,6 +867,7 @@ def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: s
     k_of = {st.t: k for k, st in enumerate(steps)}
     only_mask = _mask_only_fn(g, chain)
     hang: dict[int, dict[int, NodeProto]] = {}
+    stacked: dict[int, set] = {}
     for nd in g.live_nodes():
         if id(nd) not in chain_nodes:
             continue
@@ -868,12 +880,15 @@ def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: s
             outside = [u for u in g.uses(o) if id(u) not in chain_nodes and u.op_type not in ("Shape", "Size")] if o else []
             if not outside or o in state_tensors or only_mask(o) or shape_derived(g, o) or _stacking(g, nd, o, state_tensors, chain_nodes):
                 continue
+            if all(u.op_type == "Unsqueeze" and _stacking(g, u, u.output[0], {o}, chain_nodes) for u in outside):
+                stacked.setdefault(k, set()).add(o)  # an inner value stacked as it is (e.g. m * h_cell)
+                continue
             for u in outside:
                 uv = iv.nodes.get(id(u))
                 if uv is None or uv[side] != steps[k].t:
                     raise Decline(f"an inner value of the chain ('{o}') is read outside it")
                 hang.setdefault(k, {})[id(u)] = u
-    if not hang:
+    if not hang and not stacked:
         return None
     ys: list[str | None] = []
     for k, st in enumerate(steps):
@@ -893,6 +908,7 @@ def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: s
                     region[id(u)] = u
                     frontier.append(u)
         tops = {o for nd in region.values() for o in nd.output if o and (g.is_graph_output(o) or any(id(u) not in region for u in g.uses(o)))}
+        tops |= stacked.get(k, set())
         if not tops and k == len(steps) - 1:
             ys.append(None)  # found by its signature once the step before is known
             continue

@@ -331,7 +331,7 @@ GAPS = [
      "('the loop runs a fixed T iterations': the input's time dimension is not known statically)"),
     (lambda o: o.act_form == "exp" and any(a[0] == "Sigmoid" for a in o.activations()), "sigmoid written as 1/(1+exp(-x)) is declined"),
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
-    (lambda o: o.front == "chain" and o.init in ("fill", "learned"),
+    (lambda o: o.front == "chain" and (o.init in ("fill", "learned") or (B.has_prev(o) and o.prev_init == "fill")),
      "an unrolled chain whose first step reads a non-zero constant initial state (folded into the step) is declined"),
 ]
 # (predicate, reason) for forward/reverse pairs fused into two ops instead of one bidirectional op

@@ -42,7 +42,7 @@ import onnx  # noqa: E402
 
 import report  # noqa: E402
 from models import MODELS, ModelSpec, build_floor, floor_feeds  # noqa: E402
-from rnnfuse.bench import Timing, make_inputs, session, summarize, time_side_by_side, versions  # noqa: E402
+from rnnfuse.bench import make_inputs, session, summarize, time_side_by_side, versions  # noqa: E402
 
 WARMUP_MODEL = REPO / "examples" / "keras_masked_bigru_lstm.onnx"
 _T0 = time.perf_counter()

@@ -27,7 +27,7 @@ from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Options, PassResult
-from rnnfuse.recurrence import CellCheck, FinalOutput, Init, Recurrence, SeqOutput
+from rnnfuse.recurrence import CellCheck, FinalOutput, Init, Recurrence
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.step import StepOut, StepState, analyse

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 pytestmark = pytest.mark.skipif(os.environ.get("RNNFUSE_LARGE") != "1", reason="set RNNFUSE_LARGE=1 to run")
 

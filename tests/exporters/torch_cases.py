@@ -657,7 +657,6 @@ def keras_sets(c: Case) -> dict[str, np.ndarray]:
 
 def generate_keras(c: Case, out_dir: Path) -> dict:
     import keras
-    import onnx
 
     keras.backend.clear_session()
     seed = zlib.crc32(c.name.encode())

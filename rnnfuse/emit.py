@@ -310,6 +310,14 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False)
         if v in seen:
             repl[k] = b.op("Identity", v)
         seen.add(repl[k])
+    # what the new tensors are, for the passes that read them next (a stacked layer slices a sequence output)
+    et = g.model.elem_type(rec.x) or 1
+    xs = g.model.shape(rec.x) or [None, None, None]
+    T, B = (xs[1], xs[0]) if rec.x_batch_first else (xs[0], xs[1])
+    for so in rec.seq_outputs:
+        g.model.declare(repl[so.tensor], (et, [B, T, cell.hidden] if so.batch_first else [T, B, cell.hidden]))
+    for fo in rec.finals:
+        g.model.declare(repl[fo.tensor], (et, [1, B, cell.hidden] if fo.lead else [B, cell.hidden]))
     return Emission(native, repl, path, direction, mask_source if mp is not None else None, mask_time_axis)
 
 

@@ -192,6 +192,13 @@ class Model:
         s = self.shape(name)
         return None if s is None else len(s)
 
+    def declare(self, name: str, t) -> None:
+        """Record the type (elem_type, dims) of a tensor an edit created, unless one is known."""
+        if self._declared is None:
+            self._declared = declared_types(self.proto)
+        if t is not None and self._declared.get(name) is None:
+            self._declared[name] = t
+
     def declared_type(self, name: str):
         """The type the file (or an edit) declares for ``name``, without running shape inference."""
         if self._declared is None:

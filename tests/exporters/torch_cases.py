@@ -212,6 +212,10 @@ CASES = [
     keras("keras_torch_masked_gru", "GRU", masked=True),
     keras("keras_torch_masked_simplernn", "SimpleRNN", masked=True, seq=False),
     keras("keras_torch_masked_bilstm", "LSTM", masked=True, bidir=True),
+    keras("keras_torch_masked_lstm_bwd", "LSTM", masked=True, backwards=True),
+    keras("keras_torch_masked_bigru_last", "GRU", masked=True, bidir=True, seq=False),
+    keras("keras_torch_masked_stack", "LSTM", masked=True, then="GRU"),
+    keras("keras_torch_rnn_gru_stack", "SimpleRNN", then="GRU", seq=False),
 ]
 
 
@@ -220,6 +224,19 @@ CASES = [
 
 def expectation(c: Case) -> dict:
     o = c.opts
+    if c.model == "keras":
+        kinds = {"LSTM": "LSTM", "GRU": "GRU", "SimpleRNN": "RNN"}
+        direction = "bidirectional" if o.get("bidir") else "reverse" if o.get("backwards") else "forward"
+        ops: dict = {}
+        directions: dict = {}
+        for k, cell in enumerate([o["cell"]] + ([o["then"]] if o.get("then") else [])):
+            op = kinds[cell]
+            ops[op] = ops.get(op, 0) + 1
+            directions.setdefault(op, []).append(direction if k == 0 else "forward")
+        exp = {"ops": ops, "absent": ABSENT, "directions": directions, "max_cell_ops": 0}
+        if "GRU" in ops:
+            exp["attrs"] = {"GRU": {"linear_before_reset": 1}}
+        return exp
     op = ONNX_OP[c.family if c.model != "keras" else {"LSTM": "lstm", "GRU": "gru", "SimpleRNN": "rnn"}[o["cell"]]]
     direction = "bidirectional" if o.get("bidir") else "reverse" if o.get("reverse") else "forward"
     n = o.get("layers", 1)
@@ -247,9 +264,12 @@ def describe(c: Case) -> str:
     o = c.opts
     layout = "batch-first [B,T,F] read as x[:, t]" if c.batch_first else "time-major [T,B,F] read as x[t]"
     if c.model == "keras":
-        text = f"{o['cell']}({c.hidden}, return_sequences={o.get('seq', True)})"
+        back = ", go_backwards=True" if o.get("backwards") else ""
+        text = f"{o['cell']}({c.hidden}{back}, return_sequences={o.get('seq', True) or bool(o.get('then'))})"
         if o.get("bidir"):
             text = f"Bidirectional({text})"
+        if o.get("then"):
+            text += f" -> {o['then']}({c.hidden}, return_sequences={o.get('seq', True)})"
         if o.get("masked"):
             text = f"Masking(0.0) -> {text}"
         return f"{text}; batch-first, static time={c.time}"
@@ -665,8 +685,11 @@ def generate_keras(c: Case, out_dir: Path) -> dict:
     o = c.opts
     x_in = keras.Input(shape=(c.time, c.features), name="x")
     h = keras.layers.Masking(0.0)(x_in) if o.get("masked") else x_in
-    layer = getattr(keras.layers, o["cell"])(c.hidden, return_sequences=o.get("seq", True))
+    layer = getattr(keras.layers, o["cell"])(c.hidden, return_sequences=o.get("seq", True) or bool(o.get("then")),
+                                             go_backwards=bool(o.get("backwards")))
     h = (keras.layers.Bidirectional(layer) if o.get("bidir") else layer)(h)
+    if o.get("then"):
+        h = getattr(keras.layers, o["then"])(c.hidden, return_sequences=o.get("seq", True))(h)
     model = keras.Model(x_in, h)
     for w in model.weights:
         w.assign((0.5 * rng.standard_normal(tuple(w.shape))).astype(np.float32))

@@ -85,6 +85,48 @@ def _flip_of(g: Graph, name: str) -> tuple[str, int] | None:
     return None
 
 
+def _flip_behind(g: Graph, name: str, axis: int) -> tuple[str, list] | None:
+    """If ``name`` is a time flip along the axis that becomes ``axis`` of ``name``, seen through layout ops
+    (Transpose, Squeeze, Unsqueeze): (the unflipped source, the layout nodes from ``name`` inwards)."""
+    chain: list = []
+    cur, ax = name, axis
+    for _ in range(8):
+        f = _flip_of(g, cur)
+        if f is not None:
+            return (f[0], chain) if f[1] == ax else None
+        p = g.producer.get(cur)
+        if p is None or len(p.output) != 1:
+            return None
+        if p.op_type == "Transpose":
+            perm = attr(p, "perm")
+            if perm is None or ax >= len(perm):
+                return None
+            ax = int(perm[ax])
+        elif p.op_type in ("Squeeze", "Unsqueeze"):
+            axes = attr(p, "axes") if g.model.opset < 13 else (g.const(p.input[1]) if len(p.input) > 1 else None)
+            if axes is None:
+                return None
+            axes = [int(v) for v in np.asarray(axes).ravel()]
+            if p.op_type == "Squeeze":
+                rank = g.model.rank(p.input[0])
+                if any(v < 0 for v in axes) and rank is None:
+                    return None
+                axes = [v + rank if v < 0 else v for v in axes]
+                kept = [i for i in range(max(axes + [ax + len(axes)]) + 1) if i not in axes]
+                ax = kept[ax]
+            else:
+                if any(v < 0 for v in axes):
+                    return None
+                if ax in axes:
+                    return None
+                ax -= sum(v < ax for v in axes)
+        else:
+            return None
+        chain.append(p)
+        cur = p.input[0]
+    return None
+
+
 def _compose(p1: list[int], p2: list[int]) -> list[int]:
     """Transpose by p1, then by p2 == transpose by the result."""
     return [p1[k] for k in p2]
@@ -184,28 +226,20 @@ class CancelFlips:
             f2 = _flip_of(g, n.output[0]) if n.output else None
             if f2 is None:
                 continue
-            src, ax2 = f2
-            perm = None
-            cur = src
-            while True:
-                p = g.producer.get(cur)
-                if p is None or p.op_type != "Transpose" or attr(p, "perm") is None:
-                    break
-                pp = list(attr(p, "perm"))
-                perm = pp if perm is None else _compose(pp, perm)
-                cur = p.input[0]
-            f1 = _flip_of(g, cur)
-            if f1 is None:
+            found = _flip_behind(g, f2[0], f2[1])
+            if found is None:
                 continue
-            src1, ax1 = f1
-            if perm is None:
-                perm = list(range(max(ax1, ax2) + 1)) if g.model.rank(src1) is None else list(range(g.model.rank(src1)))
-            if ax1 not in perm or perm.index(ax1) != ax2:
-                continue
-            if perm == sorted(perm):
-                new = src1
-            else:
-                new = g.add_node("Transpose", [src1], 1, name="rnnfuse/Transpose", anchor=n, perm=perm)[0]
+            new, chain = found
+            if all(p.op_type == "Transpose" for p in chain):
+                perm = None
+                for p in reversed(chain):
+                    perm = list(attr(p, "perm")) if perm is None else _compose(perm, list(attr(p, "perm")))
+                if perm is not None and perm != sorted(perm):
+                    new = g.add_node("Transpose", [new], 1, name="rnnfuse/Transpose", anchor=n, perm=perm)[0]
+                chain = []
+            for p in reversed(chain):  # the layout ops between the two flips, replayed on the unflipped source
+                attrs = {a.name: helper.get_attribute_value(a) for a in p.attribute}
+                new = g.add_node(p.op_type, [new] + list(p.input[1:]), 1, name=f"rnnfuse/{p.op_type}", anchor=n, **attrs)[0]
             g.replace_uses(n.output[0], new)
             g.remove_node(n)
             n_flips += 1

@@ -12,8 +12,13 @@
    from an earlier step, like the LSTM cell state, becomes a State leaf of its own) and recognised; then
    *every* step must compute exactly the same polynomials (the first step may see a zero initial state that
    the exporter folded into constants: it must equal the cell with that state at zero).
-5. **Outputs.** Per-step hidden states stacked with ``Unsqueeze`` + ``Concat`` become the sequence output,
-   the last step's h and c the final states, and any other use of a step's h a ``Gather`` of the output.
+5. **Masks.** Slices of a bool tensor taken at the same steps (Keras' mask, per step) are interval leaves
+   too, so a step's masked selects belong to it; the states then go through the same analysis as a loop
+   body's (``m * new + (1 - m) * old`` in any spelling; zero-filled or carried outputs).
+6. **Carried outputs.** A value a step computes from its cell's values beyond h and c (Keras' previous
+   output, carried next to the state for masking) becomes a third state, ``y``.
+7. **Outputs.** Per-step values stacked with ``Unsqueeze`` + ``Concat`` become sequence outputs, the last
+   step's values the final states. Anything else read outside the chain declines it.
 """
 
 from __future__ import annotations

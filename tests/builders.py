@@ -93,6 +93,8 @@ MUTATIONS = {
     "loop_cond_short": ("LSTM GRU RNN", "loop", False, "trip count T, but the condition stops after T-1 steps"),
     "unmasked_copy_final": ("LSTM GRU RNN", "scan loop chain", True,
                             "a carried copy of the cell output ignores the mask, and its final value is returned"),
+    "chain_mask_shifted": ("LSTM GRU RNN", "chain", True, "step t reads the mask of step t+1 (the last step: of step 0)"),
+    "chain_state_read_midway": ("LSTM GRU RNN", "chain", False, "the middle step's hidden state is also a graph output"),
 }
 
 
@@ -986,6 +988,8 @@ def _chain_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, su
 
     xs = slices(Xt)
     ms = slices(mask) if mask else [None] * T
+    if o.mutation == "chain_mask_shifted":
+        ms = ms[1:] + ms[:1]
     states = _state_list(o)
     cur = {s: _initial(ctx, s, X, suffix) for s in states}
     rev = o.direction == "reverse"
@@ -995,10 +999,13 @@ def _chain_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, su
         res = _step(ctx, xs[t], cur["h"], cur.get("c"), cur.get("p"), ms[t], xw)
         cur.update({s: res[s] for s in states})
         ys[t] = res
+        if t == T // 2:
+            mid = res["h"]
     order = list(range(T))
     if (rev and not o.out_time_order) != o.flip_out:
         order = order[::-1]
     r = dict(cur)
+    r["mid"] = mid
     for key, name in (("y", "Y"), ("y2", "Y2")):
         if want_seq and key in ys[0] and (key == "y" or o.extra_seq):
             r[name] = main.op("Concat", *[main.op("Unsqueeze", ys[t][key], main.i64(tax)) for t in order], axis=tax)
@@ -1090,6 +1097,8 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
         for s in ("h", "c", "p"):
             if o.wants(s):
                 out(r[s], f"{s}_T{sfx}", [Bd, o.H])
+    if o.mutation == "chain_state_read_midway":
+        out(last["mid"], "h_mid", [Bd, o.H])
     if not outs:
         raise ValueError("the model must return something")
     graph = helper.make_graph(

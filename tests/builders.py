@@ -1065,6 +1065,7 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
     outs = []
 
     used_directly: set = set()
+    renamed: dict = {}  # (an unrolled chain may return one tensor twice, e.g. as h and as p)
 
     def out(src: str, name: str, shape):
         if o.direct_out and src not in used_directly and src not in mb.inputs_names():
@@ -1078,8 +1079,9 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
                     if v == src:
                         n.input[i] = name
             used_directly.add(name)
+            renamed[src] = name
         else:
-            main.nodes.append(helper.make_node("Identity", [src], [name], name=f"out_{name}"))
+            main.nodes.append(helper.make_node("Identity", [renamed.get(src, src)], [name], name=f"out_{name}"))
         outs.append(_vi(name, FLOAT, shape))
 
     last = results[-1]

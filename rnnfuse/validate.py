@@ -332,6 +332,8 @@ def validate(
         shapes = {}
         if pattern_inputs:
             big = 4 * max(b, t, 4) + 64
+            for mname in pattern_inputs:  # (a static time dimension may be longer than the generated T)
+                big = max([big] + [d for d in (g.model.shape(mname) or []) if isinstance(d, int)])
             for mname, pname in pattern_inputs.items():
                 feeds[pname] = np.ones((big, big), dtype=bool)
             try:

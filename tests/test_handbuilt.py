@@ -286,6 +286,7 @@ CHAIN_FAMILIES = {
     "chain_bidirectional": dict(layers="bidir"),
     "chain_bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),
     "chain_stacked_masked": dict(layers="stack", mask="where"),
+    "chain_long_masked": dict(mask="where", static_T=100, H=3),  # longer than the validation's generated T
 }
 
 _ACT_SETS = {

@@ -145,10 +145,8 @@ class DropNoOps:
         for n in list(g.nodes):
             if not g.alive(n) or n.op_type not in ("Cast", "Identity") or len(n.input) != 1 or g.is_graph_output(n.output[0]):
                 continue
-            if n.op_type == "Cast":
-                src = g.model.elem_type(n.input[0])
-                if src is None or src != attr(n, "to"):
-                    continue
+            if n.op_type == "Cast" and _certain_type(g, n.input[0]) != attr(n, "to"):
+                continue
             g.replace_uses(n.output[0], n.input[0])
             g.remove_node(n)
             done += 1
@@ -156,6 +154,19 @@ class DropNoOps:
             res.modified = True
             res.notes.append(f"read through {done} no-op Cast/Identity node(s)")
         return res
+
+
+def _certain_type(g: Graph, name: str) -> int | None:
+    """The element type of ``name`` where it is certain: a graph input, an initializer or a Cast's output
+    (a value_info written by an earlier tool may be stale, and dropping a real Cast would change results)."""
+    p = g.producer.get(name)
+    if p is not None:
+        return attr(p, "to") if p.op_type == "Cast" else None
+    if name in g.initializers:
+        return g.initializers[name].data_type
+    if g.is_graph_input(name):
+        return g.model.elem_type(name)
+    return None
 
 
 class InlineConstantIfs:

@@ -35,8 +35,9 @@ class Dedupe:
         def ref(name: str):
             if name not in small:
                 p = g.producer.get(name)
-                direct = name in g.initializers or (p is not None and p.op_type == "Constant")
-                c = g.const(name) if name and direct else None
+                t = g.initializers.get(name)
+                direct = (t is not None and int(np.prod(t.dims)) <= 64) or (p is not None and p.op_type == "Constant")
+                c = g.const(name) if name and direct else None  # (a large weight is never read for this)
                 small[name] = ("=", str(c.dtype), c.shape, c.tobytes()) if c is not None and c.size <= 64 else name
             return small[name]
 

@@ -232,7 +232,10 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
                 dims = list(shape)[start:end]
                 idx = [graph.const(i) if i else None for i in node.input[1:]]
                 if node.op_type == "Gather" and idx[0] is not None and _attr(node, "axis", 0) == 0:
-                    picked = np.take(np.array(dims, dtype=object), idx[0].astype(np.int64))
+                    try:
+                        picked = np.take(np.array(dims, dtype=object), idx[0].astype(np.int64))
+                    except IndexError:  # (an index past the rank: the model is invalid; leave it to the runtime)
+                        picked = None
                 else:
                     picked = None
                     if node.op_type == "Slice" and all(v is not None for v in idx):

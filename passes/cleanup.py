@@ -189,7 +189,7 @@ class InlineConstantIfs:
             if cond is None or np.asarray(cond).size != 1:
                 continue
             branch = attr(n, "then_branch" if bool(np.asarray(cond).ravel()[0]) else "else_branch")
-            if branch is None or _inline_branch(g, n, branch):
+            if branch is not None and _inline_branch(g, n, branch):
                 done += 1
         if done:
             g.prune()

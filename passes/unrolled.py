@@ -288,19 +288,13 @@ def _keeps_rows(g: Graph, p: NodeProto) -> bool:
 
 
 def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
-    """How many leading unit axes a [*, B, N] value has: declared rank - 2, or followed through
-    Unsqueeze/Squeeze(axis 0) and elementwise ops (never runs shape inference)."""
+    """How many leading unit axes a [*, B, N] value has: the known rank - 2 (``Model.known_type``), or
+    followed through Unsqueeze/Squeeze(axis 0) and elementwise ops."""
     memo = g.model.annotations.setdefault("lead_of", {})
     if name in memo:
         return memo[name]
-    declared = g.model._declared if g.model._declared is not None else None
-    if declared is None:
-        g.model._type(name)  # builds the declared map
-        declared = g.model._declared
-    t = declared.get(name)
+    t = g.model.known_type(name)
     out = None
-    if (t is None or t[1] is None) and len(g.nodes) < 20000:
-        t = g.model.types().get(name)  # shape inference is cheap on graphs of this size
     if t is not None and t[1] is not None:
         out = max(len(t[1]) - 2, 0)
     elif depth < 24:
@@ -318,11 +312,12 @@ def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
     return out
 
 
-def _local_closure(g: Graph, root: str, limit: int = 256) -> set[int]:
-    """Ids of nodes computed from ``root`` (plus constants and shapes) alone: h @ R, its slices, ..."""
-    region = {root}
+def _closure(g: Graph, seeds, limit: int = 256) -> tuple[set[str], set[int]]:
+    """Tensors computed from ``seeds`` (plus constants and shapes) alone, and the ids of their nodes:
+    h @ R and its slices from a state, a tiled or negated mask from a step's mask slice."""
+    region = set(seeds)
     ids: set[int] = set()
-    frontier = [root]
+    frontier = list(seeds)
     while frontier and len(ids) < limit:
         v = frontier.pop()
         for c in g.uses(v):
@@ -335,25 +330,7 @@ def _local_closure(g: Graph, root: str, limit: int = 256) -> set[int]:
                     if o:
                         region.add(o)
                         frontier.append(o)
-    return ids
-
-
-def _closure(g: Graph, seeds: set, extra: set, limit: int = 64) -> set:
-    """Tensors computed from ``seeds`` (plus ``extra``, constants and shapes) alone."""
-    region = set(seeds)
-    frontier = list(seeds)
-    while frontier and len(region) < limit:
-        v = frontier.pop()
-        for c in g.uses(v):
-            if len(c.input) > 8 or g.implicit_inputs(c):
-                continue
-            dyn = [i for i in c.input if i and g.const(i) is None and not shape_derived(g, i)]
-            if all(i in region or i in extra for i in dyn):
-                for o in c.output:
-                    if o and o not in region:
-                        region.add(o)
-                        frontier.append(o)
-    return region
+    return region, ids
 
 
 def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | None = None) -> list[Chain]:
@@ -365,7 +342,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
     for t, x in fam.items():
         # the step's mask-only values (a tiled, negated or cast mask), then the x-local region: nodes
         # computed from x_t (with constants and mask-only values) only
-        mask_local = _closure(g, set((mask_fam or {}).get(t, ())), set())
+        mask_local = _closure(g, (mask_fam or {}).get(t, ()), 64)[0]
         local = {x}
         frontier = [x]
         combining: list[NodeProto] = []
@@ -404,7 +381,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
                     f = found.setdefault((direction, t), _Found())
                     if r not in f.roots:
                         f.roots.add(r)
-                        f.pulled |= _local_closure(g, r)
+                        f.pulled |= _closure(g, [r])[1]
                     if weighted:
                         f.weighted.add(r)
                     f.pulled |= pulled
@@ -679,7 +656,8 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
                 sig_c[k] = signer.sign(c_new[k], leaves[k], allowed[k], foreign[k], chain_nodes)
         series["c"], sigs["c"] = c_new, sig_c
     # the extra carried value (Keras' previous output): computed from the cells' values, outside h and c
-    ys = _extra_values(g, chain, iv, chain_nodes, {t for t in h_new + c_new if t})
+    mask_values = _mask_values(g, chain)
+    ys = _extra_values(g, chain, iv, chain_nodes, {t for t in h_new + c_new if t}, mask_values)
     y_carried = False
     y0 = None
     if ys is not None:
@@ -723,7 +701,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
         zero.add("c")
     if y_carried and y0 is None:
         zero.add("y")
-    stacks, finals = _chain_outputs(g, chain, series, chain_nodes)
+    stacks, finals = _chain_outputs(g, chain, series, chain_nodes, mask_values)
     inits = {
         "h": Init(h_in[0], None, lead_of(g, h_in[0]) or 0) if h_in[0] is not None and h0_fill is None else Init(),
         "c": Init(lstm_c0, None, lead_of(g, lstm_c0) or 0) if lstm_c0 is not None else Init(),
@@ -839,22 +817,11 @@ def _inputs_of(g: Graph, name: str, allowed, leaves: dict, limit: int = 64) -> s
     return out
 
 
-def _mask_only_fn(g: Graph, chain: Chain):
+def _mask_values(g: Graph, chain: Chain) -> set[str]:
+    """Values computed from the steps' masks alone (tiled or negated masks): they may be shared, e.g. by a
+    stack of layers, and are no inner value of the chain."""
     masks = {m for st in chain.steps for m in st.masks}
-    memo: dict[str, bool] = {}
-
-    def only_mask(t: str, depth: int = 0) -> bool:
-        """Computed from the step's mask alone (a tiled or negated mask): may be shared, e.g. by a stack."""
-        if t in masks:
-            return True
-        if t in memo or depth > 16:
-            return memo.get(t, False)
-        p = g.producer.get(t)
-        dyn = [i for i in p.input if i and g.const(i) is None and not shape_derived(g, i)] if p is not None else []
-        memo[t] = bool(dyn) and all(only_mask(i, depth + 1) for i in dyn)
-        return memo[t]
-
-    return only_mask
+    return _closure(g, masks, 64 * len(chain.steps))[0] if masks else set()
 
 
 def _stacking(g: Graph, nd: NodeProto, o: str, states, chain_nodes: set) -> bool:
@@ -864,13 +831,12 @@ def _stacking(g: Graph, nd: NodeProto, o: str, states, chain_nodes: set) -> bool
         c.op_type == "Concat" for c in g.uses(o) if id(c) not in chain_nodes)
 
 
-def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: set) -> list[str] | None:
+def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: set, mask_values: set) -> list[str] | None:
     """Per step, the one value computed from the cell's inner values by nodes outside h and c (Keras'
     masked output carried next to the state), or None when no step has one."""
     steps = chain.steps
     side = 1 if chain.direction == "forward" else 0
     k_of = {st.t: k for k, st in enumerate(steps)}
-    only_mask = _mask_only_fn(g, chain)
     hang: dict[int, dict[int, NodeProto]] = {}
     stacked: dict[int, set] = {}
     for nd in g.live_nodes():
@@ -883,7 +849,7 @@ def _extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: s
         for o in nd.output:
             # (read only inside the chain, or only by shape reads: the common case, checked first)
             outside = [u for u in g.uses(o) if id(u) not in chain_nodes and u.op_type not in ("Shape", "Size")] if o else []
-            if not outside or o in state_tensors or only_mask(o) or shape_derived(g, o) or _stacking(g, nd, o, state_tensors, chain_nodes):
+            if not outside or o in state_tensors or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, state_tensors, chain_nodes):
                 continue
             if all(u.op_type == "Unsqueeze" and _stacking(g, u, u.output[0], {o}, chain_nodes) for u in outside):
                 stacked.setdefault(k, set()).add(o)  # an inner value stacked as it is (e.g. m * h_cell)
@@ -950,17 +916,16 @@ def _find_symbolic(g: Graph, e: _StepEval, chain: Chain, k: int, iv, op_type: st
     return None
 
 
-def _chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set) -> tuple[list, dict]:
+def _chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set, mask_values: set) -> tuple[list, dict]:
     """What the rest of the graph reads of the chain: stacks of a per-step series ((role, tensor,
     batch_first, reversed)) and the last step's values (role -> tensor). Anything else declines."""
     n = len(chain.steps)
     ts = [s.t for s in chain.steps]
     index = {t: (r, k) for r, names in series.items() for k, t in enumerate(names) if t}
-    only_mask = _mask_only_fn(g, chain)
     for nd in (x for x in g.live_nodes() if id(x) in chain_nodes):
         for o in nd.output:
             read = o and (g.is_graph_output(o) or any(id(u) not in chain_nodes and u.op_type not in ("Shape", "Size") for u in g.uses(o)))
-            if not read or o in index or only_mask(o) or shape_derived(g, o) or _stacking(g, nd, o, index, chain_nodes):
+            if not read or o in index or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, index, chain_nodes):
                 continue
             raise Decline(f"an inner value of the chain ('{o}') is read outside it")
     cats: dict[int, list] = {}

@@ -311,8 +311,9 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False)
             repl[k] = b.op("Identity", v)
         seen.add(repl[k])
     # what the new tensors are, for the passes that read them next (a stacked layer slices a sequence output)
-    et = g.model.elem_type(rec.x) or 1
-    xs = g.model.shape(rec.x) or [None, None, None]
+    xt = g.model.known_type(rec.x)
+    et = xt[0] if xt and xt[0] else 1
+    xs = xt[1] if xt and xt[1] else [None, None, None]
     T, B = (xs[1], xs[0]) if rec.x_batch_first else (xs[0], xs[1])
     for so in rec.seq_outputs:
         g.model.declare(repl[so.tensor], (et, [B, T, cell.hidden] if so.batch_first else [T, B, cell.hidden]))

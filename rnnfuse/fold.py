@@ -211,6 +211,11 @@ def _reference(node, inputs, opset) -> list[np.ndarray] | None:
         return None
 
 
+def _known_shape(graph: "Graph", name: str) -> list | None:
+    t = graph.model.known_type(name)
+    return t[1] if t else None
+
+
 def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray | None:
     """Fold the output ``name`` of ``node`` if all of the node's inputs are constants."""
     if node.op_type in ("Loop", "Scan", "If", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"):
@@ -226,7 +231,7 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
         # Keras' time-step count): Gather/Slice of Shape(x) where the entries picked are known
         p = graph.producer.get(node.input[0])
         if p is not None and p.op_type == "Shape":
-            shape = graph.model.shape(p.input[0])
+            shape = _known_shape(graph, p.input[0])
             if shape is not None:
                 start, end = _attr(p, "start", 0), _attr(p, "end", None)
                 dims = list(shape)[start:end]
@@ -248,7 +253,7 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
                         return picked.astype(np.int64)
     if node.op_type == "Size":
         # the size of a tensor of static shape (e.g. Shape(x) of a tensor of known rank) is constant
-        shape = graph.model.shape(node.input[0])
+        shape = _known_shape(graph, node.input[0])
         if shape is not None and all(isinstance(d, int) for d in shape) and graph.const(node.input[0]) is None:
             return np.array(int(np.prod(shape)), dtype=np.int64)
     vals = []

@@ -107,6 +107,10 @@ def _all_names(g: GraphProto, out: set[str]) -> None:
             _all_names(sg, out)
 
 
+# below this many nodes, shape inference (once per model) is cheaper than doing without the shapes it gives
+CHEAP_INFERENCE_NODES = 20000
+
+
 class Model:
     """The model being optimized: opsets, fresh names, type information and the main :class:`Graph`."""
 
@@ -191,6 +195,14 @@ class Model:
     def rank(self, name: str) -> int | None:
         s = self.shape(name)
         return None if s is None else len(s)
+
+    def known_type(self, name: str):
+        """Declared, or inferred where inference is cheap: already done, or a graph of fewer than
+        ``CHEAP_INFERENCE_NODES`` nodes (it runs once, on a skeleton of the model)."""
+        t = self.declared_type(name)
+        if (t is None or t[1] is None) and (self._types is not None or len(self.graph.nodes) < CHEAP_INFERENCE_NODES):
+            t = self.types().get(name, t)
+        return t
 
     def declare(self, name: str, t) -> None:
         """Record the type (elem_type, dims) of a tensor an edit created, unless one is known."""

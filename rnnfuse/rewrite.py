@@ -67,8 +67,7 @@ def commit(g: Graph, replacements: dict, remove) -> None:
     """Make every reader of each old tensor read its new one, then drop the replaced nodes."""
     model = g.model
     for old, new in replacements.items():
-        # (shape inference only where it is cheap: it runs once, on a skeleton, for graphs of this size)
-        t = model.declared_type(old) or (model._type(old) if len(g.nodes) < 20000 else None)
+        t = model.known_type(old)
         if t is not None and t[1] is not None:
             model.declare(new, t)  # the new tensor holds what the old one did: same type and shape
         g.replace_uses(old, new)

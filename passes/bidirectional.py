@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto
 
-from rnnfuse.emit import SPILL_BYTES, Builder
+from rnnfuse.emit import SPILL_BYTES, Builder, drop_default_activations
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Finding, Options, PassResult
@@ -27,8 +27,8 @@ def _attrs_key(n: NodeProto) -> tuple:
         if a.name in _SKIP:
             continue
         items.append((a.name, a.SerializeToString()))
-    acts = attr(n, "activations")
-    return (n.op_type, n.domain, tuple(items), tuple(acts or ()), tuple(attr(n, "activation_alpha") or ()), tuple(attr(n, "activation_beta") or ()))
+    acts = drop_default_activations(n.op_type, {k: attr(n, k) for k in ("activations", "activation_alpha", "activation_beta")})
+    return (n.op_type, n.domain, tuple(items)) + tuple(tuple(acts.get(k) or ()) for k in ("activations", "activation_alpha", "activation_beta"))
 
 
 def _inp(n: NodeProto, i: int) -> str:
@@ -121,6 +121,7 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
             attrs["activation_alpha"] = list(al) * 2
         if be:
             attrs["activation_beta"] = list(be) * 2
+    attrs = drop_default_activations(op, attrs)
     n_out = max(len(fw.output), len(bw.output))
     outs = g.add_node(op, ins, n_out, name=f"rnnfuse/{op}", anchor=fw, **attrs)
     native = g.producer[outs[0]]
@@ -212,6 +213,7 @@ class ReverseInputs:
                 src = g.add_node("Transpose", [inner], 1, name="rnnfuse/Transpose", anchor=n, perm=perm)[0]
             attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
             attrs["direction"] = "reverse" if d == "forward" else "forward"
+            attrs = drop_default_activations(n.op_type, attrs)
             ins = [src] + list(n.input[1:])
             outs = g.add_node(n.op_type, ins, len(n.output), name=f"rnnfuse/{n.op_type}", anchor=n, **attrs)
             b = Builder(g, n, f"rnnfuse/{n.op_type}")

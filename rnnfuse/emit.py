@@ -412,3 +412,18 @@ def onnx_activations(acts) -> tuple[list[str] | None, list[float], list[float]]:
     if names == default and not alphas:
         return None, [], []
     return names, alphas, betas
+
+
+def drop_default_activations(op: str, attrs: dict) -> dict:
+    """``attrs`` of a native op being rewritten, without an ``activations`` list that only spells out ONNX's
+    defaults (tf2onnx writes them; OpenVINO then treats the op as non-default and skips its sequence kernel)."""
+    from .cells import DEFAULT_ACTS
+
+    acts = attrs.get("activations")
+    if not acts or attrs.get("activation_alpha") or attrs.get("activation_beta"):
+        return attrs
+    default = [a.lower() for a, _ in DEFAULT_ACTS[op]]
+    names = [(a.decode() if isinstance(a, bytes) else a).lower() for a in acts]
+    if names == default * (len(names) // len(default)) and len(names) in (len(default), 2 * len(default)):
+        attrs = {k: v for k, v in attrs.items() if k not in ("activations", "activation_alpha", "activation_beta")}
+    return attrs

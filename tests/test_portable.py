@@ -1,0 +1,166 @@
+"""What rnnfuse writes on native ops for other runtimes (issue 18), without needing OpenVINO itself.
+
+* Activation attributes: a native op rnnfuse writes carries ``activations`` / ``activation_alpha`` /
+  ``activation_beta`` / ``clip`` only when they differ from ONNX's defaults (OpenVINO runs an op with an
+  explicit list, even a default one, as a generic loop instead of its sequence kernel). Also for native ops
+  rnnfuse rewrites (a merged pair, a reversed input) that the exporter wrote with explicit defaults.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import builders as B
+import rnnfuse
+from helpers import assert_close, session
+from rnnfuse.graph import attr
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+ACT_ATTRS = ("activations", "activation_alpha", "activation_beta", "clip")
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+DEFAULT_NAMES = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
+HS = ("HardSigmoid", (0.3, 0.4))
+
+
+def _natives(model: onnx.ModelProto) -> list:
+    return [n for n in model.graph.node if n.op_type in ("LSTM", "GRU", "RNN")]
+
+
+def _act_attrs(node) -> dict:
+    return {k: attr(node, k) for k in ACT_ATTRS if attr(node, k) is not None}
+
+
+# ------------------------------------------------------------------------------------------------------
+# ops rnnfuse fuses from Scan / Loop recurrences
+
+_FUSED = {
+    "lstm_default": (B.Opts(op="LSTM"), {}),
+    "gru_default": (B.Opts(op="GRU", lbr=1, front="loop"), {}),
+    "rnn_default": (B.Opts(op="RNN"), {}),
+    "lstm_default_masked_reverse": (B.Opts(op="LSTM", mask="where", direction="reverse"), {}),
+    "rnn_relu": (B.Opts(op="RNN", acts=(("Relu", ()),)), {"activations": ["Relu"]}),
+    "gru_relu": (B.Opts(op="GRU", acts=(("Sigmoid", ()), ("Relu", ()))), {"activations": ["Sigmoid", "Relu"]}),
+    "lstm_hard_sigmoid": (
+        B.Opts(op="LSTM", acts=(HS, ("Tanh", ()), ("Tanh", ()))),
+        {"activations": ["HardSigmoid", "Tanh", "Tanh"], "activation_alpha": [0.3], "activation_beta": [0.4]},
+    ),
+    "lstm_clip": (B.Opts(op="LSTM", clip=0.9), {"clip": 0.9}),
+}
+
+
+@pytest.mark.parametrize("name", list(_FUSED))
+def test_fused_op_writes_only_non_default_activations(name):
+    o, want = _FUSED[name]
+    out = B.run_case(o)
+    assert out.status == "fused", out.text()
+    assert not out.fused_mismatch, out.fused_mismatch
+    (node,) = _natives(out.fused)
+    got = _act_attrs(node)
+    assert set(got) == set(want), f"{node.op_type} attributes {got}, expected {want}\n{out.text()}"
+    assert got.get("activations") == want.get("activations")
+    for k in ("activation_alpha", "activation_beta", "clip"):
+        if k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------
+# native ops the exporter wrote (tf2onnx spells out the defaults), rewritten by rnnfuse
+
+
+def _native_pair_model(op: str, names: list | None, alphas=None, betas=None, reversed_input: bool = False, seed=0):
+    """Native ops over the same X written with explicit ``activations``: a forward and a reverse one (merged
+    into one bidirectional op), or with ``reversed_input`` one forward op reading X flipped in time (turned
+    into a reverse op)."""
+    rng = np.random.default_rng(seed)
+    T, F, H = 5, 3, 4
+    G = GATES[op]
+    inits, nodes, outs = [], [], []
+    x = "X"
+    if reversed_input:
+        for k, v in (("starts", -1), ("ends", -(2**63)), ("axes", 0), ("steps", -1)):
+            inits.append(helper.make_tensor(k, TensorProto.INT64, [1], [v]))
+        nodes.append(helper.make_node("Slice", ["X", "starts", "ends", "axes", "steps"], ["Xr"]))
+        x = "Xr"
+    dirs = ["forward"] if reversed_input else ["forward", "reverse"]
+    for d in dirs:
+        W = (0.5 * rng.standard_normal((1, G * H, F))).astype(np.float32)
+        R = (0.5 * rng.standard_normal((1, G * H, H))).astype(np.float32)
+        Bv = (0.5 * rng.standard_normal((1, 2 * G * H))).astype(np.float32)
+        for k, a in (("W", W), ("R", R), ("B", Bv)):
+            inits.append(helper.make_tensor(f"{k}_{d}", TensorProto.FLOAT, a.shape, a.ravel()))
+        attrs = dict(hidden_size=H, direction=d)
+        if names is not None:
+            attrs["activations"] = names
+        if alphas:
+            attrs["activation_alpha"] = alphas
+        if betas:
+            attrs["activation_beta"] = betas
+        n_out = 3 if op == "LSTM" else 2
+        o = [f"{d}_{k}" for k in range(n_out)]
+        nodes.append(helper.make_node(op, [x, f"W_{d}", f"R_{d}", f"B_{d}"], o, name=f"{op}_{d}", **attrs))
+        outs += o
+    g = helper.make_graph(
+        nodes, "native", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["T", 2, F])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, [None] * (4 if o.endswith("_0") else 3)) for o in outs], inits,
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def _check_rewritten(model, want_ops: int):
+    fused, report = rnnfuse.optimize(model)
+    onnx.checker.check_model(fused, full_check=True)
+    nodes = _natives(fused)
+    assert len(nodes) == want_ops, report.to_text()
+    x = np.random.default_rng(1).standard_normal((5, 2, 3)).astype(np.float32)
+    ref = session(model).run(None, {"X": x})
+    got = session(fused).run(None, {"X": x})
+    for k, (a, b) in enumerate(zip(got, ref)):
+        assert_close(a, b, f"output {k}")
+    return nodes, report
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+def test_merged_pair_drops_explicit_default_activations(op):
+    nodes, report = _check_rewritten(_native_pair_model(op, DEFAULT_NAMES[op]), 1)
+    assert attr(nodes[0], "direction") == "bidirectional", report.to_text()
+    assert _act_attrs(nodes[0]) == {}, report.to_text()
+
+
+def test_merged_pair_mixed_explicit_and_implicit_defaults():
+    """One half spelled the defaults out, the other did not: the same cell, so they still merge."""
+    m = _native_pair_model("GRU", DEFAULT_NAMES["GRU"])
+    for n in m.graph.node:
+        if attr(n, "direction") == "reverse":
+            del n.attribute[[a.name for a in n.attribute].index("activations")]
+    nodes, report = _check_rewritten(m, 1)
+    assert attr(nodes[0], "direction") == "bidirectional" and _act_attrs(nodes[0]) == {}, report.to_text()
+
+
+def test_merged_pair_keeps_non_default_activations():
+    nodes, report = _check_rewritten(_native_pair_model("LSTM", ["HardSigmoid", "Tanh", "Tanh"], [0.3], [0.4]), 1)
+    got = _act_attrs(nodes[0])
+    assert got["activations"] == ["HardSigmoid", "Tanh", "Tanh"] * 2, report.to_text()
+    np.testing.assert_allclose(got["activation_alpha"], [0.3, 0.3], rtol=1e-6)
+    np.testing.assert_allclose(got["activation_beta"], [0.4, 0.4], rtol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_reversed_input_drops_explicit_default_activations(op):
+    nodes, report = _check_rewritten(_native_pair_model(op, DEFAULT_NAMES[op], reversed_input=True), 1)
+    assert attr(nodes[0], "direction") == "reverse", report.to_text()
+    assert _act_attrs(nodes[0]) == {}, report.to_text()
+
+
+def test_untouched_native_op_keeps_its_attributes():
+    """Do no harm: a native op rnnfuse does not rewrite comes out as it went in, explicit defaults and all."""
+    m = _native_pair_model("LSTM", DEFAULT_NAMES["LSTM"])
+    m.graph.node.pop()  # only the forward op: nothing to merge
+    m.graph.output.pop(), m.graph.output.pop(), m.graph.output.pop()
+    fused, _ = rnnfuse.optimize(m)
+    assert _act_attrs(_natives(fused)[0]) == {"activations": DEFAULT_NAMES["LSTM"]}

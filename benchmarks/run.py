@@ -1,6 +1,6 @@
 """rnnfuse benchmark suite: real exporters -> rnnfuse -> onnxruntime latency against a native-op floor.
 
-    python benchmarks/run.py [--quick] [--out benchmarks/results] [--threads 1] [--runs N] [--openvino]
+    python benchmarks/run.py [--quick] [--out DIR] [--threads 1] [--runs N] [--openvino]
 
 1. Exports the model matrix of ``models.py`` (Keras 3 via tf2onnx; torch trace and dynamo cell loops) into a
    cache dir, one child process per framework (cached by name and sizes; ``--rebuild`` re-exports).
@@ -13,7 +13,9 @@
    Outputs of fused vs original are compared on the same inputs. Then onnxruntime's profiler splits the fused
    model's and the floor's time by op type (``--no-profile`` skips it).
 4. ``--openvino``: whether OpenVINO reads/compiles the original and fused models and agrees with onnxruntime.
-5. Writes ``results.md``, ``results.csv``, ``results.png`` and ``results.json`` into ``--out``.
+5. Writes ``results.md``, ``results.csv``, ``results.png`` and ``results.json`` into ``--out`` (default
+   ``benchmarks/results``, the committed results; smoke runs, ``--quick`` or ``--seq-len``, default to
+   ``benchmarks/out/quick`` so they never overwrite them).
 
 ``--quick`` (T=20, few runs) is a smoke test of the whole pipeline in a few minutes; its numbers are not the
 goals' configuration (T=100).
@@ -343,7 +345,10 @@ def load_avg() -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: T=20, few runs (a few minutes)")
-    ap.add_argument("--out", type=Path, default=HERE / "results", help="results directory (default benchmarks/results)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results directory (default benchmarks/results, the committed results README links to; "
+                         "--quick and --seq-len runs default to benchmarks/out/quick, which git ignores, so a smoke "
+                         "run never overwrites them)")
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1)")
     ap.add_argument("--runs", type=int, help="timed runs per model variant and batch (default 200, quick 30)")
     ap.add_argument("--warmup", type=int, help="untimed runs first (default 10, quick 3)")
@@ -354,7 +359,10 @@ def parse_args(argv=None):
     ap.add_argument("--rebuild", action="store_true", help="re-export models even when cached")
     ap.add_argument("--models", help="comma-separated substrings: only the matching models")
     ap.add_argument("--seq-len", type=int, help="override T (default 100, quick 20)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = HERE / "out" / "quick" if args.quick or args.seq_len else HERE / "results"
+    return args
 
 
 def main(argv=None) -> int:

@@ -20,23 +20,79 @@ from .errors import ExitCode, RnnfuseError, StrictError, UsageError
 
 EPILOG = """exit codes: 0 ok (also when nothing was fused), 2 usage, 3 bad input, 4 cannot write output,
 5 --strict check failed, 1 internal error"""
+INSPECT_EPILOG = """exit codes: 0 ok (also when nothing would be fused), 2 usage, 3 bad input, 1 internal error"""
+BENCH_EPILOG = """exit codes: 0 ok, 2 usage, 3 bad input, 4 cannot write the plot or JSON, 1 internal error"""
+
+# formats matplotlib writes without extra backends; --plot is checked against these before any work
+PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "eps", "ps", "webp", "tif", "tiff")
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--post-padded", action="store_true",
-                   help="promise that every mask is post-padded (valid steps first, padding at the end); "
-                        "emits only sequence_lens = mask sums. Default: exact for any mask (pre-padded, gappy)")
-    p.add_argument("--no-validate", action="store_true",
-                   help="skip the numeric check of each rewrite against the original (faster; not recommended)")
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE ('-' for stdout)")
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``rnnfuse: error: ...`` and where to find the synopsis (exit 2)."""
+
+    def error(self, message: str):  # noqa: D401 (argparse's hook)
+        sys.stderr.write(f"rnnfuse: error: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(ExitCode.USAGE)
+
+
+def _int_at_least(low: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, not '{text}'") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {v}")
+        return v
+
+    return parse
+
+
+def _batch_list(text: str) -> list[int]:
+    """'1,16' -> [1, 16]; every size a positive integer (onnxruntime crashes on a batch of 0)."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        sizes = [int(t) for t in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"batch sizes must be comma-separated integers, not '{text}'") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, not '{text}'")
+    return sizes
+
+
+def _plot_path(text: str) -> str:
+    ext = os.path.splitext(text)[1].lower().lstrip(".")
+    if ext not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not an image file name; use one of ." + ", .".join(PLOT_FORMATS[:4]) + " ...")
+    return text
+
+
+def _add_common(p: argparse.ArgumentParser, inspect_only: bool = False) -> None:
+    if inspect_only:
+        p.add_argument("--post-padded", action="store_true",
+                       help="plan for the post-padded mask path (what 'optimize --post-padded' would emit)")
+        p.add_argument("--no-validate", action="store_true",
+                       help="skip the numeric check of each candidate rewrite (faster; the report then "
+                            "says 'not validated')")
+    else:
+        p.add_argument("--post-padded", action="store_true",
+                       help="promise that every mask is post-padded (valid steps first, padding at the end); "
+                            "emits only sequence_lens = mask sums. Default: exact for any mask (pre-padded, gappy)")
+        p.add_argument("--no-validate", action="store_true",
+                       help="skip the numeric check of each rewrite against the original (faster; not recommended)")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write the report as JSON to FILE; '-' writes only the JSON to stdout "
+                        "(the text report then goes to stderr)")
     p.add_argument("--seed", type=int, default=0, help="seed of the validation inputs (default 0)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-    g.add_argument("-v", "--verbose", action="store_true", help="print per-pass timings, notes and errors")
+    g.add_argument("-v", "--verbose", action="store_true",
+                   help="also print per-pass timings and notes (through the 'rnnfuse' logger)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="rnnfuse",
         description="Rewrite exported recurrences (Loop, Scan, unrolled chains, masked Keras layers) "
                     "into native ONNX LSTM/GRU/RNN ops, with the model's outputs unchanged.",
@@ -57,38 +113,47 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--external-data", choices=["auto", "always", "never"], default="auto",
                    help="write tensors to OUTPUT.data beside the model: 'auto' when the input had external "
                         "data or the model exceeds 2 GB (default)")
-    o.add_argument("--prefer-faster", metavar="BATCHES",
+    o.add_argument("--prefer-faster", metavar="BATCHES", type=_batch_list,
                    help="time each fused recurrence against the original form in onnxruntime at these batch sizes "
                         "(e.g. 16 or 1,16; --seq-len, --threads apply) and keep whichever is faster: onnxruntime's "
                         "native RNN (Elman) kernel loses to the loop at large batch. Default: always native")
-    o.add_argument("--seq-len", type=int, default=100, help="sequence length for --prefer-faster (default 100)")
-    o.add_argument("--threads", type=int, default=1, help="onnxruntime threads for --prefer-faster (default 1)")
+    o.add_argument("--seq-len", type=_int_at_least(1, "--seq-len"), default=100,
+                   help="sequence length for --prefer-faster (default 100)")
+    o.add_argument("--threads", type=_int_at_least(1, "--threads"), default=1,
+                   help="onnxruntime threads for --prefer-faster (default 1)")
     o.add_argument("--strict", action="store_true",
                    help=f"exit {ExitCode.VALIDATION} if any recurrence is declined or a validation is skipped")
 
     i = sub.add_parser("inspect", help="show every recurrence and what it would become (writes nothing)",
                        description="Find every recurrence, say what it would become or why it cannot be fused. "
-                                   "No file is written.", epilog=EPILOG,
+                                   "No file is written.", epilog=INSPECT_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     i.add_argument("input", help="the ONNX model to inspect")
-    _add_common(i)
+    _add_common(i, inspect_only=True)
 
     b = sub.add_parser("bench", help="onnxruntime latency before and after fusion",
                        description="Time the model before and after fusion with onnxruntime on random inputs "
                                    "that respect its dims and masks (runs interleaved; medians reported).",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=BENCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("input", help="the original model")
     b.add_argument("output", nargs="?", help="an already optimized model (default: optimize INPUT now)")
-    b.add_argument("--batch", default="1,16", help="comma-separated batch sizes (default 1,16)")
-    b.add_argument("--seq-len", type=int, default=100, help="sequence length for dynamic time dims (default 100)")
-    b.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1)")
-    b.add_argument("--runs", type=int, default=50, help="timed runs per model and batch (default 50)")
-    b.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
+    b.add_argument("--batch", type=_batch_list, default=[1, 16],
+                   help="comma-separated batch sizes for a dynamic batch dim (default 1,16)")
+    b.add_argument("--seq-len", type=_int_at_least(1, "--seq-len"), default=100,
+                   help="sequence length for dynamic time dims (default 100)")
+    b.add_argument("--threads", type=_int_at_least(1, "--threads"), default=1,
+                   help="onnxruntime intra-op threads (default 1)")
+    b.add_argument("--runs", type=_int_at_least(1, "--runs"), default=50,
+                   help="timed runs per model and batch (default 50)")
+    b.add_argument("--warmup", type=_int_at_least(0, "--warmup"), default=5, help="untimed runs first (default 5)")
     b.add_argument("--mask", choices=["post", "pre", "gappy", "none"], default="post",
                    help="padding pattern of generated masked inputs (default post)")
-    b.add_argument("--plot", metavar="PNG", help="write a bar chart of the latencies")
-    b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    b.add_argument("--plot", metavar="PNG", type=_plot_path,
+                   help="write a chart of the latencies (needs matplotlib: pip install 'rnnfuse[plot]')")
+    b.add_argument("--json", metavar="FILE",
+                   help="also write the results as JSON to FILE; '-' writes only the JSON to stdout")
     b.add_argument("--post-padded", action="store_true", help="optimize with --post-padded")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     b.add_argument("-q", "--quiet", action="store_true", help="print only the table")
     return ap
 
@@ -107,6 +172,11 @@ class _Progress:
         if self.enabled:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
+
+
+def _text_stream(args):
+    """Where the human-readable report goes: stdout, unless stdout carries the JSON (``--json -``)."""
+    return sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -176,13 +246,14 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
             report.notes.append(f"tensors written to {written[1]}")
     progress.done()
     if not args.quiet:
+        out = _text_stream(args)
         title = "inspect" if inspect_only else f"{args.input} -> {args.output}"
-        print(f"rnnfuse {title}")
+        print(f"rnnfuse {title}", file=out)
         text = report.to_text(verbose=args.verbose)
         if inspect_only:
             text = text.replace("fused ", "would fuse ", ).replace(" fused,", " fusable,")
-        print(text)
-        print(f"  done in {report.seconds:.2f} s")
+        print(text, file=out)
+        print(f"  done in {report.seconds:.2f} s", file=out)
     if args.json:
         d = report.to_dict()
         d["command"] = "inspect" if inspect_only else "optimize"
@@ -213,12 +284,21 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.USAGE
     try:
         if args.command == "optimize":
-            return cmd_optimize(args)
-        if args.command == "inspect":
-            return cmd_optimize(args, inspect_only=True)
-        if args.command == "bench":
-            return cmd_bench(args)
-        raise UsageError(f"unknown command {args.command}")
+            code = cmd_optimize(args)
+        elif args.command == "inspect":
+            code = cmd_optimize(args, inspect_only=True)
+        elif args.command == "bench":
+            code = cmd_bench(args)
+        else:
+            raise UsageError(f"unknown command {args.command}")
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handler, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # the reader went away (``rnnfuse inspect m.onnx | head -1``): stop quietly, like other Unix tools.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return ExitCode.OK
     except RnnfuseError as e:
         print(f"rnnfuse: error: {e.message}", file=sys.stderr)
         return e.exit_code

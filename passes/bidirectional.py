@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto
 
+from rnnfuse import portability
 from rnnfuse.emit import SPILL_BYTES, Builder, drop_default_activations
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
@@ -171,6 +172,9 @@ class MergeBidirectional:
         for fw, bw, repl, where in cands:
             f = Finding(self.name, f"{fw.op_type} pair", where, "merged", cell=f"{fw.op_type}(hidden={attr(fw, 'hidden_size')})",
                         direction="bidirectional", hidden=attr(fw, "hidden_size"))
+            if not portability.check(f, attr(fw, "activations"), ctx, replaces_native=True):
+                res.findings.append(f)
+                continue
             if not judge(f, vr, list(repl.items()), "the merged op differs"):
                 res.findings.append(f)
                 continue
@@ -228,6 +232,9 @@ class ReverseInputs:
         for n, repl, direction in cands:
             f = Finding(self.name, n.op_type, n.name or n.output[0], "fused", cell=f"{n.op_type}(hidden={attr(n, 'hidden_size')})",
                         direction=direction, reason="input read backwards -> native direction")
+            if not portability.check(f, attr(n, "activations"), ctx, replaces_native=True):
+                res.findings.append(f)
+                continue
             if not judge(f, vr, list(repl.items()), "the reversed op differs"):
                 res.findings.append(f)
                 continue

@@ -48,12 +48,15 @@ def optimize(
     passes=None,
     copy: bool = True,
     seed: int = 0,
+    portable: bool = False,
 ) -> tuple[onnx.ModelProto, Report]:
     """Fuse every recurrence rnnfuse can prove equivalent; returns ``(new_model, report)``.
 
     ``post_padded=True`` promises that every mask is post-padded (valid steps first), which allows the
     leaner graph; by default fused masked layers are exact for any mask. ``validate=False`` skips the
     numeric check of each rewrite against the original. ``passes`` replaces the default pipeline.
+    ``portable=True`` declines fusions whose native op OpenVINO cannot compile (e.g. HardSigmoid gates);
+    by default they are applied and their findings warn.
     """
     pipe = Pipeline(passes) if passes is not None else Pipeline.default()
-    return pipe(model, copy=copy, post_padded=post_padded, validate=validate, seed=seed)
+    return pipe(model, copy=copy, post_padded=post_padded, validate=validate, seed=seed, portable=portable)

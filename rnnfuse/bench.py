@@ -395,7 +395,8 @@ def prefer_faster(source: onnx.ModelProto, model, report, opts, args, progress=l
     rng = np.random.default_rng(0)
     best = model.proto
     for f in fused:
-        trial_opts = Options(validate=False, post_padded=opts.post_padded, seed=opts.seed, keep=keep | {f.where})
+        trial_opts = Options(validate=False, post_padded=opts.post_padded, seed=opts.seed, keep=keep | {f.where},
+                             portable=opts.portable)
         c = onnx.ModelProto()
         c.CopyFrom(source)
         m2 = Model(c, external_dir=model.external_dir)
@@ -421,5 +422,6 @@ def prefer_faster(source: onnx.ModelProto, model, report, opts, args, progress=l
         c = onnx.ModelProto()
         c.CopyFrom(source)
         model = Model(c, external_dir=model.external_dir)
-        report = Pipeline.default().run(model, Options(validate=opts.validate, post_padded=opts.post_padded, seed=opts.seed, keep=keep))
+        report = Pipeline.default().run(model, Options(validate=opts.validate, post_padded=opts.post_padded, seed=opts.seed, keep=keep,
+                                                               portable=opts.portable))
     return model, report, decisions

@@ -81,6 +81,9 @@ def _add_common(p: argparse.ArgumentParser, inspect_only: bool = False) -> None:
                             "emits only sequence_lens = mask sums. Default: exact for any mask (pre-padded, gappy)")
         p.add_argument("--no-validate", action="store_true",
                        help="skip the numeric check of each rewrite against the original (faster; not recommended)")
+    p.add_argument("--portable", action="store_true",
+                   help="decline fusions whose native op OpenVINO cannot compile (activations other than "
+                        "Sigmoid, Tanh, Relu); by default they are fused and the report warns")
     p.add_argument("--json", metavar="FILE",
                    help="also write the report as JSON to FILE; '-' writes only the JSON to stdout "
                         "(the text report then goes to stderr)")
@@ -211,7 +214,8 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
     progress(f"loading {args.input}")
     proto, had_external = model_io.load(args.input)
     model = Model(proto, external_dir=model_io.model_dir(proto))
-    opts = Options(validate=not args.no_validate, post_padded=args.post_padded, seed=args.seed, log=None)
+    opts = Options(validate=not args.no_validate, post_padded=args.post_padded, seed=args.seed, log=None,
+                   portable=args.portable)
     pipe = Pipeline.default()
 
     class _Logged:

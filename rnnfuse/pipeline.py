@@ -32,6 +32,7 @@ class Finding:
     max_error: float | None = None
     validation: str = ""  # "ok", "skipped: ...", "failed: ..."
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # shown on the report line (e.g. not portable to OpenVINO)
 
     def line(self) -> str:
         head = f"{self.front} '{self.where}'"
@@ -49,6 +50,8 @@ class Finding:
         s = f"{verb} {head} -> " + ", ".join(b for b in bits if b)
         if self.path == "post-padded":
             s += " [assumes post-padded masks]"
+        for w in self.warnings:
+            s += f" [{w}]"
         return s
 
 
@@ -68,6 +71,7 @@ class Options:
     seed: int = 0
     log: Callable[[str], None] | None = None
     keep: set = field(default_factory=set)  # locations (Finding.where) to leave as they are
+    portable: bool = False  # decline fusions whose native op OpenVINO cannot compile (rnnfuse.portability)
 
 
 class Pass(Protocol):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .emit import EmitCache, Emission, emit
+from . import portability
 from .errors import Decline
 from .graph import Graph
 from .pipeline import Finding, Options, PassResult
@@ -85,6 +86,9 @@ def apply_recurrences(
         f = finding_for(pass_name, rec)
         if rec.where in ctx.keep:
             f.status, f.reason = "kept", "left as it is on request (measured faster, or --keep)"
+            result.findings.append(f)
+            continue
+        if not portability.check(f, portability.cell_activations(rec.cell), ctx):
             result.findings.append(f)
             continue
         try:

@@ -4,9 +4,18 @@
   ``activation_beta`` / ``clip`` only when they differ from ONNX's defaults (OpenVINO runs an op with an
   explicit list, even a default one, as a generic loop instead of its sequence kernel). Also for native ops
   rnnfuse rewrites (a merged pair, a reversed input) that the exporter wrote with explicit defaults.
+* ``--portable``: a fusion whose native op OpenVINO cannot compile (activations other than Sigmoid, Tanh,
+  Relu; tests/test_openvino.py checks that list against OpenVINO itself) is declined with that reason and the
+  recurrence keeps its form; without it the fusion is applied and its finding warns, in the text report and
+  the JSON.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -164,3 +173,89 @@ def test_untouched_native_op_keeps_its_attributes():
     m.graph.output.pop(), m.graph.output.pop(), m.graph.output.pop()
     fused, _ = rnnfuse.optimize(m)
     assert _act_attrs(_natives(fused)[0]) == {"activations": DEFAULT_NAMES["LSTM"]}
+
+
+# ------------------------------------------------------------------------------------------------------
+# --portable
+
+_UNPORTABLE = {
+    "lstm_hard_sigmoid": B.Opts(op="LSTM", acts=(HS, ("Tanh", ()), ("Tanh", ()))),
+    "gru_softsign_loop": B.Opts(op="GRU", front="loop", acts=(("Softsign", ()), ("Tanh", ()))),
+    "rnn_elu_masked": B.Opts(op="RNN", acts=(("Elu", (0.7,)),), mask="where"),
+}
+_PORTABLE = {
+    "lstm_default": B.Opts(op="LSTM"),
+    "gru_relu": B.Opts(op="GRU", acts=(("Sigmoid", ()), ("Relu", ()))),
+    "rnn_relu_masked": B.Opts(op="RNN", acts=(("Relu", ()),), mask="where"),
+    "lstm_clip": B.Opts(op="LSTM", clip=0.9),  # compiles on OpenVINO (as a generic loop)
+}
+
+
+@pytest.mark.parametrize("name", list(_UNPORTABLE))
+def test_unportable_fusion_warns_by_default(name):
+    o = _UNPORTABLE[name]
+    out = B.run_case(o)
+    assert out.status == "fused" and not out.fused_mismatch, out.text()
+    (f,) = out.report.fused
+    bad = o.activations()[0][0]
+    assert any("OpenVINO" in w and bad in w for w in f.warnings), out.text()
+    assert "will not compile on OpenVINO" in out.report.to_text() and bad in out.report.to_text()
+    assert any("OpenVINO" in w for p in out.report.to_dict()["passes"] for g in p["findings"] for w in g["warnings"])
+
+
+@pytest.mark.parametrize("name", list(_UNPORTABLE))
+def test_unportable_fusion_declined_with_portable(name):
+    o = _UNPORTABLE[name]
+    out = B.run_case(o, portable=True, always_compare=True)
+    assert out.status == "declined", out.text()
+    assert not out.fused_mismatch, out.fused_mismatch
+    (f,) = out.report.declined
+    assert "OpenVINO" in f.reason and o.activations()[0][0] in f.reason and "--portable" in f.reason, out.text()
+    assert not _natives(out.fused), out.text()
+
+
+@pytest.mark.parametrize("name", list(_PORTABLE))
+@pytest.mark.parametrize("portable", [False, True])
+def test_portable_fusion_unaffected(name, portable):
+    out = B.run_case(_PORTABLE[name], portable=portable)
+    assert out.status == "fused" and not out.fused_mismatch, out.text()
+    assert all(not f.warnings for f in out.report.findings), out.text()
+
+
+def test_merged_unportable_native_pair_only_warns():
+    """Exporter-written native ops that already use HardSigmoid: merging them changes nothing for OpenVINO,
+    so --portable does not decline the merge; the report still says the op will not compile."""
+    m = _native_pair_model("GRU", ["HardSigmoid", "Tanh"], [0.3], [0.4])
+    for portable in (False, True):
+        fused, report = rnnfuse.optimize(m, portable=portable)
+        (f,) = report.fused
+        assert f.status == "merged" and any("HardSigmoid" in w for w in f.warnings), report.to_text()
+
+
+def test_cli_portable_flag(tmp_path):
+    model, _ = B.build(_UNPORTABLE["lstm_hard_sigmoid"])
+    src = tmp_path / "hs.onnx"
+    onnx.save(model, src)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+
+    def cli(*args):
+        p = subprocess.run([sys.executable, "-m", "rnnfuse", *map(str, args)], capture_output=True, text=True, env=env)
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+
+    text = cli("inspect", src, "--json", tmp_path / "a.json")
+    assert "will not compile on OpenVINO" in text and "HardSigmoid" in text, text
+    (f,) = [f for p in json.loads((tmp_path / "a.json").read_text())["passes"] for f in p["findings"]]
+    assert f["status"] == "fused" and any("HardSigmoid" in w for w in f["warnings"])
+    text = cli("optimize", src, tmp_path / "out.onnx", "--portable", "--json", tmp_path / "b.json")
+    assert "declined" in text and "--portable" in text, text
+    (f,) = [f for p in json.loads((tmp_path / "b.json").read_text())["passes"] for f in p["findings"]]
+    assert f["status"] == "declined" and "OpenVINO" in f["reason"]
+    assert op_counts_of(onnx.load(tmp_path / "out.onnx")).get("Scan") == 1
+    assert "--portable" in subprocess.run([sys.executable, "-m", "rnnfuse", "inspect", "--help"], capture_output=True, text=True, env=env).stdout
+
+
+def op_counts_of(model):
+    from helpers import op_counts
+
+    return op_counts(model)

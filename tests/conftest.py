@@ -84,3 +84,8 @@ def tf_keras_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def torch_dir(tmp_path_factory):
     return generate(tmp_path_factory, "torch_cases.py", [], "torch")
+
+
+@pytest.fixture(scope="session")
+def variant_dir(tmp_path_factory):
+    return generate(tmp_path_factory, "variant_cases.py", [], "variants")

@@ -56,12 +56,19 @@ class Finding:
 
 
 @dataclass
-class PassResult:
+class PassReport:
+    """What one rnnfuse pass did (not onnx-ir's ``passes.PassResult``, which carries a model)."""
+
     name: str
     modified: bool = False
     findings: list[Finding] = field(default_factory=list)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+
+
+# the name rnnfuse's own passes were written with; the public name is PassReport (``rnnfuse.PassResult`` still
+# works, with a DeprecationWarning, so that it no longer shadows ``onnx_ir.passes.PassResult``)
+PassResult = PassReport
 
 
 @dataclass

@@ -26,12 +26,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 def _versions() -> str:
     out = []
-    for mod in ("tensorflow", "tf2onnx", "keras", "tf_keras", "torch", "onnx"):
-        try:
-            from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-            out.append(f"{mod}={version(mod if mod != 'tensorflow' else 'tensorflow-cpu')}")
-        except Exception:
+    for mod in ("tensorflow", "tf2onnx", "keras", "tf_keras", "torch", "onnx"):
+        # TensorFlow is installed as `tensorflow` (what .[test] asks for) or, by hand, as `tensorflow-cpu`
+        for dist in (mod, "tensorflow-cpu") if mod == "tensorflow" else (mod,):
+            try:
+                out.append(f"{mod}={version(dist)}")
+                break
+            except PackageNotFoundError:
+                continue
+        else:
             out.append(f"{mod}=?")
     return ",".join(out)
 

@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("input", help="the ONNX model to optimize")
     o.add_argument("output", help="where to write the optimized model")
     _add_common(o)
+    o.add_argument("-f", "--force", action="store_true",
+                   help="replace OUTPUT if it exists (without it an existing file is never overwritten)")
     o.add_argument("--in-place", action="store_true", help="allow OUTPUT to be the INPUT file")
     o.add_argument("--external-data", choices=["auto", "always", "never"], default="auto",
                    help="write tensors to OUTPUT.data beside the model: 'auto' when the input had external "
@@ -204,10 +206,11 @@ def _write_json(path: str, data: dict) -> None:
 def cmd_optimize(args, inspect_only: bool = False) -> int:
     from . import model_io
     from .graph import Model
+    from .guard import settle
     from .pipeline import Options, Pipeline
 
     if not inspect_only:
-        model_io.check_writable(args.output, args.input, args.in_place)
+        model_io.check_writable(args.output, args.input, args.in_place, force=args.force)
     if args.json and args.json != "-":
         model_io.check_writable(args.json)
     progress = _Progress(not args.quiet)
@@ -232,22 +235,35 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
         source = onnx.ModelProto()
         source.CopyFrom(proto)
     report = pipe.run(model, opts)
-    if source is not None:
+    if source is not None and report.fused:
         from .bench import prefer_faster
 
         progress("timing native vs original forms")
         model, report, decisions = prefer_faster(source, model, report, opts, args, progress)
         report.notes.extend(decisions)
     report.input_path = args.input
+    # what is written: the rewritten model, or (nothing fused, or a rewrite that would harm) the input as it was
+    keep_rewrite = settle(report, model.proto, lambda: model_io.load(args.input)[0])
     if not inspect_only:
-        ext = {"auto": None, "always": True, "never": False}[args.external_data]
-        if ext is None and had_external:
-            ext = True
         progress(f"writing {args.output}")
-        written = model_io.save(model.proto, args.output, external=ext, source_dir=model_io.model_dir(proto))
+        if keep_rewrite:
+            ext = {"auto": None, "always": True, "never": False}[args.external_data]
+            if ext is None and had_external:
+                ext = True
+            written = model_io.save(model.proto, args.output, external=ext, source_dir=model_io.model_dir(proto))
+            if len(written) > 1:
+                report.notes.append(f"tensors written to {written[1]}")
+        elif had_external:
+            # the input's tensors live in its own data file: write the unchanged model with its tensors
+            # streamed to OUTPUT.data, so the output stands on its own wherever it is
+            original, _ = model_io.load(args.input)
+            written = model_io.save(original, args.output, external=True, source_dir=model_io.model_dir(original))
+            report.notes.append(f"nothing changed: the model is written as it was, tensors in {written[1]}")
+        else:
+            model_io.copy_unchanged(args.input, args.output)
+            if not report.unsupported:
+                report.notes.append("nothing changed: the output is a byte-for-byte copy of the input")
         report.output_path = args.output
-        if len(written) > 1:
-            report.notes.append(f"tensors written to {written[1]}")
     progress.done()
     if not args.quiet:
         out = _text_stream(args)
@@ -264,6 +280,8 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
         _write_json(args.json, d)
     if getattr(args, "strict", False):
         skipped = [f for f in report.fused if f.validation.startswith("skipped")]
+        if report.unsupported:
+            raise StrictError(f"--strict: the model was not examined ({report.unsupported})")
         if report.declined or skipped:
             raise StrictError(
                 f"--strict: {len(report.declined)} recurrence(s) declined, {len(skipped)} fused without validation"

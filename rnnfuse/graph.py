@@ -130,6 +130,14 @@ class Model:
         # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
         self.annotations: dict[str, dict] = {}
 
+    def next_round(self) -> "Model":
+        """A fresh view of the same proto for another round of passes (see ``Pipeline.run``): indices, names
+        and types are rebuilt from the graph as it now is; the facts passes left and open memory maps carry over."""
+        m = Model(self.proto, external_dir=self.external_dir)
+        m.annotations = self.annotations
+        m._maps = self._maps
+        return m
+
     def release_pages(self) -> None:
         """Let the kernel drop the pages of memory-mapped external data we have read (they stay cached on
         disk); keeps the resident set small while huge weights are copied."""

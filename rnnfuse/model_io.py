@@ -88,22 +88,36 @@ def model_dir(model: onnx.ModelProto) -> str | None:
 
 
 def check_model_header(model: onnx.ModelProto, path: str = "model") -> None:
+    """Refuse what is not an ONNX model at all (no graph, no IR version)."""
     if not model.HasField("graph") or model.ir_version <= 0:
         raise InputError(f"{path} is not an ONNX model (no graph or IR version)")
+
+
+def unsupported_reason(model: onnx.ModelProto) -> str | None:
+    """Why rnnfuse cannot work on a valid ONNX model, or None when it can.
+
+    Such a model is not an error: it is passed through unchanged (a user may run rnnfuse over a whole folder of
+    models). The native recurrent ops rnnfuse writes exist from opset 7; a model from a newer ONNX than the
+    installed one cannot be checked or shape-inferred here; a model importing only ``ai.onnx.ml`` (tree
+    ensembles, label encoders) has no default-domain ops to fuse."""
     if model.ir_version > onnx.IR_VERSION:
-        raise InputError(f"{path} has IR version {model.ir_version}, newer than this onnx supports ({onnx.IR_VERSION})")
-    opset = None
+        return f"IR version {model.ir_version} is newer than the installed onnx supports ({onnx.IR_VERSION})"
+    opset = default_opset(model)
+    if opset is None:
+        return "it imports no default-domain (ai.onnx) opset, so it holds no recurrence to fuse"
+    if opset < MIN_OPSET:
+        return f"it uses opset {opset}; the native recurrent ops rnnfuse writes need opset {MIN_OPSET} or newer"
+    if opset > _max_opset():
+        return f"it uses opset {opset}, newer than the installed onnx supports ({_max_opset()})"
+    return None
+
+
+def default_opset(model: onnx.ModelProto) -> int | None:
+    """The default-domain opset a model imports (IR < 3 models imported opset 1 implicitly)."""
     for imp in model.opset_import:
         if imp.domain in ("", "ai.onnx"):
-            opset = imp.version
-    if opset is None:
-        if model.ir_version >= 3:
-            raise InputError(f"{path} declares no default-domain opset")
-        opset = 1
-    if opset < MIN_OPSET:
-        raise InputError(f"{path} uses opset {opset}; rnnfuse supports opset {MIN_OPSET} to {_max_opset()}")
-    if opset > _max_opset():
-        raise InputError(f"{path} uses opset {opset}, newer than this onnx supports ({_max_opset()})")
+            return imp.version
+    return 1 if model.ir_version < 3 else None
 
 
 def _short(e: Exception) -> str:
@@ -111,15 +125,20 @@ def _short(e: Exception) -> str:
     return (s[0] if s else type(e).__name__)[:160]
 
 
-def check_writable(out_path: str, in_path: str | None = None, in_place: bool = False) -> None:
-    """Fail early, before any work, if ``out_path`` cannot be written."""
+def check_writable(out_path: str, in_path: str | None = None, in_place: bool = False, force: bool = True) -> None:
+    """Fail early, before any work, if ``out_path`` cannot or must not be written.
+
+    ``force=False`` refuses to replace an existing file (as gzip and zstd do): a swapped pair of arguments
+    (``optimize fused.onnx model.onnx``) must not silently destroy the user's original model."""
     if not out_path:
         raise OutputError("no output file given")
     if os.path.isdir(out_path):
         raise OutputError(f"output is a directory: {out_path}")
-    if in_path and not in_place and os.path.exists(out_path) and os.path.exists(in_path):
-        if os.path.samefile(in_path, out_path):
-            raise OutputError(f"output would overwrite the input {in_path} (use --in-place to allow it)")
+    same_file = bool(in_path) and os.path.exists(out_path) and os.path.exists(in_path) and os.path.samefile(in_path, out_path)
+    if same_file and not in_place:
+        raise OutputError(f"output would overwrite the input {in_path} (use --in-place to allow it)")
+    if os.path.exists(out_path) and not force and not same_file:
+        raise OutputError(f"output file already exists: {out_path} (use --force to replace it)")
     parent = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(parent):
         raise OutputError(f"output directory does not exist: {parent}")
@@ -127,6 +146,26 @@ def check_writable(out_path: str, in_path: str | None = None, in_place: bool = F
         raise OutputError(f"output directory is not writable: {parent}")
     if os.path.exists(out_path) and not os.access(out_path, os.W_OK):
         raise OutputError(f"output file is not writable: {out_path}")
+
+
+def copy_unchanged(in_path: str, out_path: str) -> None:
+    """Write the input's bytes to ``out_path`` atomically (the output of a run that changed nothing)."""
+    if os.path.exists(out_path) and os.path.samefile(in_path, out_path):
+        return
+    out_path = os.path.abspath(out_path)
+    parent = os.path.dirname(out_path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".rnnfuse-", dir=parent)
+        os.close(fd)
+        shutil.copyfile(in_path, tmp)
+        os.replace(tmp, out_path)
+        tmp = None
+    except OSError as e:
+        raise OutputError(f"cannot write {out_path}: {e.strerror or e}") from None
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def save(model: onnx.ModelProto, out_path: str, external: bool | None = None, source_dir: str | None = None) -> list[str]:

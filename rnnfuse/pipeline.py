@@ -110,6 +110,8 @@ class Report:
     input_path: str = ""
     output_path: str = ""
     notes: list[str] = field(default_factory=list)
+    rounds: int = 1  # how many rounds of passes ran (see Pipeline.run)
+    unsupported: str = ""  # why the model was passed through without running any pass
 
     @property
     def findings(self) -> list[Finding]:
@@ -137,6 +139,8 @@ class Report:
             "ops_before": dict(sorted(self.ops_before.items())),
             "ops_after": dict(sorted(self.ops_after.items())),
             "notes": self.notes,
+            "rounds": self.rounds,
+            "unsupported": self.unsupported,
             "passes": [
                 {
                     "name": p.name,
@@ -163,7 +167,7 @@ class Report:
                     lines.append("      " + n)
                 if f.max_error is not None:
                     lines.append(f"      max abs error vs original: {f.max_error:.3g}")
-        if not self.findings:
+        if not self.findings and not self.unsupported:
             lines.append("  no recurrences found")
         n_fused = sum(1 for f in self.findings if f.status == "fused")
         n_merged = sum(1 for f in self.findings if f.status == "merged")
@@ -193,6 +197,30 @@ def _run_one(p: PassLike, model: Model, ctx: Options) -> PassResult:
     return r
 
 
+# A round runs every pass once. Fusing one recurrence can expose another (a stacked layer whose trip count is
+# proven only once the layer feeding it is a native op; a pair that merges once both halves are fused), so the
+# rounds repeat until one fuses nothing and changes nothing: one run reaches the fixed point, and optimizing an
+# optimized model changes nothing. The bound only stops a pass that keeps claiming changes (a bug).
+MAX_ROUNDS = 6
+
+FUSED_STATUSES = ("fused", "merged")
+
+
+def _merge_rounds(rounds: list[list[PassResult]]) -> list[PassResult]:
+    """One result per pass: what it fused in any round, what it declined in the last round it ran."""
+    merged = []
+    for i, last in enumerate(rounds[-1]):
+        results = [r[i] for r in rounds]
+        m = PassResult(last.name, modified=any(r.modified for r in results))
+        m.seconds = sum(r.seconds for r in results)
+        for r in results:
+            m.findings.extend(f for f in r.findings if f.status in FUSED_STATUSES)
+            m.notes.extend(n for n in r.notes if n not in m.notes)
+        m.findings.extend(f for f in last.findings if f.status not in FUSED_STATUSES)
+        merged.append(m)
+    return merged
+
+
 class Pipeline:
     """An ordered list of passes, run over one :class:`Model`.
 
@@ -212,29 +240,69 @@ class Pipeline:
         return [getattr(p, "name", None) or getattr(p, "__name__", type(p).__name__) for p in self.passes]
 
     def run(self, model: Model, options: Options | None = None) -> Report:
+        """Run the passes over ``model`` in place, round after round, until a round changes nothing.
+
+        A model rnnfuse cannot work on (see :func:`rnnfuse.model_io.unsupported_reason`) is not touched; the
+        report's note says why. When nothing was fused, ``model`` may still hold clean-up edits: callers that
+        hand a model back use the input instead (:func:`rnnfuse.guard.settle`)."""
+        from .model_io import unsupported_reason
+
         ctx = options or Options()
         rep = Report()
         t0 = time.perf_counter()
         rep.ops_before = dict(op_counts(model.proto.graph))
-        for p in self.passes:
-            r = _run_one(p, model, ctx)
-            rep.passes.append(r)
-            if ctx.log:
-                for f in r.findings:
-                    ctx.log(f.line())
-        model.graph.finalize()
+        reason = unsupported_reason(model.proto)
+        if reason is not None:
+            rep.notes.append(f"passed through unchanged: {reason}")
+            rep.unsupported = reason
+            rep.ops_after = dict(rep.ops_before)
+            rep.seconds = time.perf_counter() - t0
+            return rep
+        rounds: list[list[PassResult]] = []
+        view = model
+        while True:
+            results = [_run_one(p, view, ctx) for p in self.passes]
+            view.graph.finalize()
+            rounds.append(results)
+            fused = any(f.status in FUSED_STATUSES for r in results for f in r.findings)
+            changed = any(r.modified for r in results)
+            if not changed or (not fused and len(rounds) == 1):
+                break
+            if len(rounds) == MAX_ROUNDS:
+                rep.notes.append(f"stopped after {MAX_ROUNDS} rounds of passes that still reported changes")
+                break
+            view = view.next_round()
+        rep.passes = _merge_rounds(rounds)
+        rep.rounds = len(rounds)
+        if ctx.log:
+            for f in rep.findings:
+                ctx.log(f.line())
         rep.ops_after = dict(op_counts(model.proto.graph))
         rep.seconds = time.perf_counter() - t0
         return rep
 
     def __call__(self, proto: onnx.ModelProto, copy: bool = True, **options) -> tuple[onnx.ModelProto, Report]:
-        if copy:
-            c = onnx.ModelProto()
-            c.CopyFrom(proto)
-            proto = c
-        model = Model(proto)
+        """Optimize a ModelProto; returns ``(model, report)``.
+
+        With ``copy=True`` (the default) ``proto`` is left as it is. When nothing is fused, or a rewrite would
+        leave a model less valid than the input, the returned model is the input unchanged (a copy of it, or
+        ``proto`` itself restored when ``copy=False``)."""
+        from .guard import settle
+
+        work = onnx.ModelProto()
+        work.CopyFrom(proto)
+        model = Model(work)
         rep = self.run(model, Options(**options))
-        return model.proto, rep
+        if settle(rep, model.proto, lambda: proto):
+            result = model.proto
+        else:
+            result = onnx.ModelProto()
+            result.CopyFrom(proto)
+        if copy:
+            return result, rep
+        if result is not proto:
+            proto.CopyFrom(result)
+        return proto, rep
 
 
 def default_passes() -> list[PassLike]:

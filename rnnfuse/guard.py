@@ -1,0 +1,113 @@
+"""Do no harm: decide what an optimization run hands back.
+
+rnnfuse's clean-ups (constant-``If`` inlining, no-op removal, de-duplication) exist to expose recurrences to
+the fusion passes. They are not the product: when nothing was fused, the caller gets the input model back as
+it was (the command line copies the input file byte for byte). When something was fused, the rewritten model
+must be at least as valid as the input: if the input passes ``onnx.checker`` (full check, strict shape
+inference) or loads in onnxruntime, the output must too; otherwise every rewrite is undone and the findings
+say why. Each rewrite was already validated numerically; this guards the graph as a whole (a clean-up can
+expose a shape that strict inference refuses, as the ``affine_grid`` function expansions in onnx's backend
+tests showed).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import onnx
+
+from .pipeline import Report
+
+# beyond this much weight data, a second onnxruntime session (or a serialised copy for the checker) would
+# hold the model twice: the whole-model checks are skipped there and the report says so
+MAX_CHECK_BYTES = 1 << 30
+
+
+def _weight_bytes(proto: onnx.ModelProto) -> int:
+    from .validate import weight_bytes
+
+    return weight_bytes(proto)
+
+
+def _has_external(proto: onnx.ModelProto) -> bool:
+    from .model_io import uses_external_data
+
+    return uses_external_data(proto)
+
+
+def checker_error(proto: onnx.ModelProto) -> str | None:
+    """The first line of ``onnx.checker``'s complaint (full check), or None when it accepts the model."""
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except Exception as e:  # the checker raises ValidationError, InferenceError, or protobuf errors
+        return _first_line(e)
+    return None
+
+
+def onnxruntime_error(proto: onnx.ModelProto) -> str | None:
+    """Why onnxruntime refuses to load the model, or None when it loads."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types for invalid graphs
+        return _first_line(e)
+    return None
+
+
+def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]) -> str | None:
+    """Why ``after`` is less valid than the model ``before()`` returns, or None when it is not.
+
+    ``before`` is called only when ``after`` fails a check (the command line re-reads the input then)."""
+    if _has_external(after) or _weight_bytes(after) > MAX_CHECK_BYTES:
+        return None
+    original: list[onnx.ModelProto] = []
+
+    def _before() -> onnx.ModelProto:
+        if not original:
+            original.append(before())
+        return original[0]
+
+    err = checker_error(after)
+    if err is not None and checker_error(_before()) is None:
+        return f"onnx.checker rejects the rewritten model, which it accepts as given ({err})"
+    err = onnxruntime_error(after)
+    if err is not None and onnxruntime_error(_before()) is None:
+        return f"onnxruntime cannot load the rewritten model, which it loads as given ({err})"
+    return None
+
+
+def undo_all(report: Report, reason: str) -> None:
+    """Record on the report that every rewrite of this run was undone, and why."""
+    for f in report.findings:
+        if f.status in ("fused", "merged"):
+            f.status, f.reason = "declined", f"undone: {reason}"
+    for p in report.passes:
+        p.modified = False
+    report.ops_after = dict(report.ops_before)
+    report.notes.append(f"every rewrite was undone: {reason}")
+
+
+def settle(report: Report, after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]) -> bool:
+    """Decide whether the run's rewritten model is kept; returns True when it is.
+
+    False means the caller must hand back the input unchanged: nothing was fused (clean-ups alone never
+    change a model), the model was passed through as unsupported, or the rewrite would harm it."""
+    if not report.fused:
+        report.ops_after = dict(report.ops_before)
+        return False
+    reason = harm(after, before)
+    if reason is not None:
+        undo_all(report, reason)
+        return False
+    return True
+
+
+def _first_line(e: Exception) -> str:
+    s = str(e).strip().splitlines()
+    return (s[0] if s else type(e).__name__)[:200]

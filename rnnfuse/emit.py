@@ -226,7 +226,7 @@ def _init_value(b: Builder, init: Init) -> str:
     return b.const(np.array(init.fill, np.float32), "fill")
 
 
-def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False) -> Emission:
+def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False, portable: bool = False) -> Emission:
     cell = rec.cell
     b = Builder(g, rec.anchor, f"rnnfuse/{cell.op}")
     if b.opset < 7:
@@ -271,13 +271,21 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False)
         ins.append(_init_state(b, rec.c0, x, cell.hidden))
     while ins and ins[-1] == "":
         ins.pop()
-    attrs = native_attrs(cell, direction)
+    native_dir = direction
+    if portable and mp is not None and direction == "reverse":
+        # OpenVINO's sequence kernel ignores sequence_lens (dynamic shapes) and so reverses whole rows:
+        # reverse each row's valid steps here and run forward; only steps before a row's length are read
+        ins[0] = b.op("ReverseSequence", ins[0], mp.lens64, batch_axis=1, time_axis=0)
+        native_dir = "forward"
+    attrs = native_attrs(cell, native_dir)
     n_out = 3 if cell.op == "LSTM" else 2
     outs = g.add_node(cell.op, ins, n_out, name=f"rnnfuse/{cell.op}", anchor=rec.anchor, **attrs)
     native = g.producer[outs[0]]
     Y, Yh = outs[0], outs[1]
     Yc = outs[2] if cell.op == "LSTM" else None
     Y3 = b.squeeze(Y, [1])
+    if native_dir != direction:
+        Y3 = b.op("ReverseSequence", Y3, mp.lens64, batch_axis=1, time_axis=0)  # what a reverse op's Y holds
 
     repl: dict[str, str] = {}
     for so in rec.seq_outputs:

@@ -8,6 +8,15 @@ fail in the sequence-to-TensorIterator conversion. (``clip`` compiles, as a gene
 
 Without ``--portable`` such a fusion is applied and its finding carries a warning; with it, the recurrence is
 declined with that reason and keeps its original form.
+
+Masks: with dynamic shapes OpenVINO 2026.4 runs a native op on its sequence kernel even when
+``sequence_lens`` is computed, and that kernel ignores ``sequence_lens``: ``Y`` before a row's length is
+right for a forward op, but a reverse op starts at the last step of the whole axis, and ``Y_h`` / ``Y_c``
+are the states after the last step (with static shapes it runs a generic loop that honours them).
+rnnfuse never reads ``Y_h`` of a masked op (it reads ``Y``); ``--portable`` also emits a masked reverse
+layer as a forward op over each row's valid steps reversed (``ReverseSequence``, so no bidirectional merge),
+and declines a masked LSTM whose final cell state is used (``Y_c`` is the only source for it). Without
+``--portable`` those fusions warn.
 """
 
 from __future__ import annotations
@@ -48,3 +57,26 @@ def check(f: Finding, activations, ctx: Options, replaces_native: bool = False) 
         return False
     f.warnings.append(f"will not compile on OpenVINO: {bad} (its CPU plugin supports {supported})")
     return True
+
+
+def check_recurrence(f: Finding, rec, ctx: Options) -> bool:
+    """``check`` for a fused recurrence, plus a masked LSTM's final cell state (``Y_c`` past a row's length
+    is what OpenVINO's sequence kernel returns). Returns False when the fusion must not be applied."""
+    if not check(f, cell_activations(rec.cell), ctx):
+        return False
+    if rec.mask is None or not any(fo.which == "c" for fo in rec.finals):
+        return True
+    why = "OpenVINO's sequence kernel ignores sequence_lens with dynamic shapes"
+    if getattr(ctx, "portable", False):
+        f.status = "declined"
+        f.reason = f"a masked LSTM's final cell state can only come from Y_c, which {why} (--portable)"
+        return False
+    f.warnings.append(f"final cell state wrong on OpenVINO: {why}; --portable declines it")
+    return True
+
+
+def check_masked_direction(f: Finding, direction: str, masked: bool, ctx: Options) -> None:
+    """Warn about a masked reverse op (``--portable`` emits it as a forward op over reversed rows instead)."""
+    if masked and direction == "reverse" and not getattr(ctx, "portable", False):
+        f.warnings.append("wrong on OpenVINO: a masked reverse op (its sequence kernel ignores sequence_lens "
+                          "with dynamic shapes); --portable avoids it")

@@ -88,16 +88,17 @@ def apply_recurrences(
             f.status, f.reason = "kept", "left as it is on request (measured faster, or --keep)"
             result.findings.append(f)
             continue
-        if not portability.check(f, portability.cell_activations(rec.cell), ctx):
+        if not portability.check_recurrence(f, rec, ctx):
             result.findings.append(f)
             continue
         try:
-            em = emit(g, rec, cache, post_padded=ctx.post_padded)
+            em = emit(g, rec, cache, post_padded=ctx.post_padded, portable=getattr(ctx, "portable", False))
         except Decline as d:
             result.findings.append(declined(pass_name, rec.front, rec.where, d.reason, rec.cell.describe()))
             continue
         f.direction = em.direction
         f.path = em.path
+        portability.check_masked_direction(f, em.direction, em.mask is not None, ctx)
         f.notes.extend(rec.notes)
         cands.append(Candidate(rec, em, f, aliases))
     if not cands:

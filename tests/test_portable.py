@@ -8,6 +8,9 @@
   Relu; tests/test_openvino.py checks that list against OpenVINO itself) is declined with that reason and the
   recurrence keeps its form; without it the fusion is applied and its finding warns, in the text report and
   the JSON.
+* Masks under ``--portable``: OpenVINO's sequence kernel ignores ``sequence_lens`` (dynamic shapes), so a
+  masked reverse layer becomes a forward op over each row's valid steps reversed, and a masked LSTM whose
+  final cell state is used (only ``Y_c`` holds it) is declined; without ``--portable`` both warn.
 """
 
 from __future__ import annotations
@@ -259,3 +262,48 @@ def op_counts_of(model):
     from helpers import op_counts
 
     return op_counts(model)
+
+
+# ------------------------------------------------------------------------------------------------------
+# masks under --portable
+
+
+def _reverse_sequences(model) -> int:
+    return sum(n.op_type == "ReverseSequence" for n in model.graph.node)
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("front", ["scan", "loop"])
+def test_masked_reverse_portable_runs_forward_over_reversed_rows(op, front):
+    o = B.default_reverse_form(B.Opts(op=op, front=front, mask="where", direction="reverse", outputs=("seq", "h"),
+                                      lbr=1 if op == "GRU" else 0))
+    default = B.run_case(o)
+    assert default.status == "fused" and not default.fused_mismatch, default.text()
+    assert default.native == {op: ["reverse"]}, default.text()
+    assert any("wrong on OpenVINO" in w for f in default.report.fused for w in f.warnings), default.text()
+    out = B.run_case(o, portable=True)  # post-, pre-padded and gappy masks, batch 1 and 4 (one empty row)
+    assert out.status == "fused" and not out.fused_mismatch, out.fused_mismatch or out.text()
+    assert out.native == {op: ["forward"]}, out.text()
+    assert _reverse_sequences(out.fused) == 2, out.text()
+    assert all(not f.warnings for f in out.report.fused), out.text()
+    assert all(f.direction == "reverse" for f in out.report.fused), out.text()
+
+
+def test_masked_reverse_portable_post_padded():
+    o = B.Opts(op="GRU", lbr=1, mask="where", direction="reverse", fill="zero")
+    out = B.run_case(o, portable=True, post_padded=True, kinds=("post",))
+    assert out.status == "fused" and not out.fused_mismatch, out.fused_mismatch or out.text()
+    assert out.native == {"GRU": ["forward"]} and out.report.fused[0].path == "post-padded", out.text()
+
+
+def test_masked_lstm_final_cell_state():
+    o = B.Opts(op="LSTM", mask="where", outputs=("seq", "h", "c"))
+    default = B.run_case(o)
+    assert default.status == "fused" and not default.fused_mismatch, default.text()
+    assert any("final cell state wrong on OpenVINO" in w for w in default.report.fused[0].warnings), default.text()
+    out = B.run_case(o, portable=True, always_compare=True)
+    assert out.status == "declined" and not out.fused_mismatch, out.text()
+    assert "Y_c" in out.report.declined[0].reason and "--portable" in out.report.declined[0].reason
+    # without the cell state there is nothing to decline
+    out = B.run_case(o.replace(outputs=("seq", "h")), portable=True)
+    assert out.status == "fused" and not out.fused_mismatch and not out.report.fused[0].warnings, out.text()

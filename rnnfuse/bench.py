@@ -326,7 +326,7 @@ def run_bench_cli(args) -> int:
     import os
     import sys
 
-    from . import model_io
+    from . import model_io, progress
     from .pipeline import Options, Pipeline
     from .graph import Model
 
@@ -348,10 +348,13 @@ def run_bench_cli(args) -> int:
         rep = Pipeline.default().run(model, Options(post_padded=args.post_padded, seed=getattr(args, "seed", 0)))
         fused = model.proto
         if not args.quiet:
+            progress.finish()
             print(rep.to_text(), file=out)
+    progress.step(f"timing {args.runs} interleaved runs per model and batch")
     report = BenchReport(args.input, versions=versions())
     report.results = bench_pair(original, fused, batches, args.seq_len, args.threads, args.runs, args.warmup,
                                 args.mask, seed=getattr(args, "seed", 0))
+    progress.finish()
     report.decisions = overrides(report.results, batches, args.seq_len)
     v = report.versions
     if not args.quiet:

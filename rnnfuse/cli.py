@@ -13,9 +13,8 @@ import json
 import onnx
 import os
 import sys
-import time
 
-from . import __version__
+from . import __version__, progress
 from .errors import ExitCode, RnnfuseError, StrictError, UsageError
 
 EPILOG = """exit codes: 0 ok (also when nothing was fused), 2 usage, 3 bad input, 4 cannot write output,
@@ -164,19 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Progress:
+    """The stages of a command (loading, writing, timing): logged through the 'rnnfuse' logger (``-v``) and shown
+    on the progress bar that :func:`main` opens when stderr is a terminal (see rnnfuse.progress)."""
+
     def __init__(self, enabled: bool):
-        self.enabled = enabled and sys.stderr.isatty()
-        self.t0 = time.perf_counter()
+        self.enabled = enabled
 
     def __call__(self, msg: str) -> None:
-        if self.enabled:
-            sys.stderr.write(f"\r\033[K[{time.perf_counter() - self.t0:6.1f}s] {msg}")
-            sys.stderr.flush()
+        progress.step(msg)
 
     def done(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
+        progress.finish()
 
 
 def _text_stream(args):
@@ -219,17 +216,7 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
     model = Model(proto, external_dir=model_io.model_dir(proto))
     opts = Options(validate=not args.no_validate, post_padded=args.post_padded, seed=args.seed, log=None,
                    portable=args.portable)
-    pipe = Pipeline.default()
-
-    class _Logged:
-        def __init__(self, p):
-            self.p, self.name = p, getattr(p, "name", type(p).__name__)
-
-        def run(self, m, ctx):
-            progress(f"pass {self.name}")
-            return self.p.run(m, ctx)
-
-    pipe.passes = [_Logged(p) for p in pipe.passes]
+    pipe = Pipeline.default()  # each pass reports itself (rnnfuse.progress): log lines and the terminal bar
     source = None
     if getattr(args, "prefer_faster", None):
         source = onnx.ModelProto()
@@ -304,15 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return ExitCode.USAGE
+    handler = progress.log_to_stderr() if getattr(args, "verbose", False) else None
     try:
-        if args.command == "optimize":
-            code = cmd_optimize(args)
-        elif args.command == "inspect":
-            code = cmd_optimize(args, inspect_only=True)
-        elif args.command == "bench":
-            code = cmd_bench(args)
-        else:
-            raise UsageError(f"unknown command {args.command}")
+        with progress.progress_bar(enabled=not getattr(args, "quiet", False)):
+            if args.command == "optimize":
+                code = cmd_optimize(args)
+            elif args.command == "inspect":
+                code = cmd_optimize(args, inspect_only=True)
+            elif args.command == "bench":
+                code = cmd_bench(args)
+            else:
+                raise UsageError(f"unknown command {args.command}")
         sys.stdout.flush()  # a closed pipe shows up here, inside the handler, not at interpreter exit
         return code
     except BrokenPipeError:
@@ -337,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rnnfuse: internal error ({where}: {str(e).splitlines()[0] if str(e) else ''}); "
               "please report it (set RNNFUSE_DEBUG=1 for a traceback)", file=sys.stderr)
         return ExitCode.INTERNAL
+    finally:
+        if handler is not None:  # main() may be called again in the same process (tests, scripts)
+            progress.logger.removeHandler(handler)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Protocol, Union
 
 import onnx
 
+from . import progress
 from .graph import Model, subgraphs
 
 
@@ -168,7 +169,9 @@ class Report:
                 if f.max_error is not None:
                     lines.append(f"      max abs error vs original: {f.max_error:.3g}")
         if not self.findings and not self.unsupported:
-            lines.append("  no recurrences found")
+            native = [f"{k} {self.ops_before[k]}" for k in ("LSTM", "GRU", "RNN") if self.ops_before.get(k)]
+            lines.append(f"  recurrences already native ({', '.join(native)}): nothing to fuse" if native
+                         else "  no recurrences found")
         n_fused = sum(1 for f in self.findings if f.status == "fused")
         n_merged = sum(1 for f in self.findings if f.status == "merged")
         head = f"{n_fused} fused" + (f", {n_merged} merged" if n_merged else "")
@@ -261,7 +264,11 @@ class Pipeline:
         rounds: list[list[PassResult]] = []
         view = model
         while True:
-            results = [_run_one(p, view, ctx) for p in self.passes]
+            results = []
+            for i, p in enumerate(self.passes):
+                progress.pass_started(p, i, len(self.passes))  # the 'rnnfuse' logger, and a bar on a terminal
+                results.append(_run_one(p, view, ctx))
+                progress.pass_finished(results[-1], i, len(self.passes))
             view.graph.finalize()
             rounds.append(results)
             fused = any(f.status in FUSED_STATUSES for r in results for f in r.findings)

@@ -12,7 +12,8 @@ import numpy as np
 from onnx import NodeProto
 
 from rnnfuse import portability
-from rnnfuse.emit import SPILL_BYTES, Builder, drop_default_activations
+from rnnfuse.cells import native_kind
+from rnnfuse.emit import SPILL_BYTES, Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.pipeline import Finding, Options, PassResult
@@ -28,16 +29,12 @@ def _attrs_key(n: NodeProto) -> tuple:
         if a.name in _SKIP:
             continue
         items.append((a.name, a.SerializeToString()))
-    acts = drop_default_activations(n.op_type, {k: attr(n, k) for k in ("activations", "activation_alpha", "activation_beta")})
+    acts = native_kind(n).drop_default_activations({k: attr(n, k) for k in ("activations", "activation_alpha", "activation_beta")})
     return (n.op_type, n.domain, tuple(items)) + tuple(tuple(acts.get(k) or ()) for k in ("activations", "activation_alpha", "activation_beta"))
 
 
 def _inp(n: NodeProto, i: int) -> str:
     return n.input[i] if len(n.input) > i else ""
-
-
-def _gates(op: str) -> int:
-    return {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
 
 
 def _depends_on(g: Graph, name: str, node: NodeProto, limit: int = 100000) -> bool:
@@ -60,7 +57,8 @@ def _depends_on(g: Graph, name: str, node: NodeProto, limit: int = 100000) -> bo
 
 
 def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[str, str]]:
-    op = fw.op_type
+    kind = native_kind(fw)
+    op = kind.op
     H = attr(fw, "hidden_size")
     if H is None:
         raise Decline("no hidden_size")
@@ -73,8 +71,9 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
     bf, bb = g.const(_inp(fw, 3)) if _inp(fw, 3) else None, g.const(_inp(bw, 3)) if _inp(bw, 3) else None
     if (_inp(fw, 3) and bf is None) or (_inp(bw, 3) and bb is None):
         raise Decline("biases are not constant")
-    if _inp(fw, 7) or _inp(bw, 7):
-        raise Decline("peephole weights")
+    for k, name in enumerate(kind.inputs):
+        if name in kind.extra_inputs and (_inp(fw, k) or _inp(bw, k)):
+            raise Decline(kind.extra_inputs[name])
     b = Builder(g, fw, f"rnnfuse/{op}")
 
     def both(pair, hint):
@@ -85,7 +84,7 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
 
     ins = [fw.input[0], both(ws[0], "W"), both(ws[1], "R")]
     if bf is not None or bb is not None:
-        nb = 2 * _gates(op) * H
+        nb = 2 * len(kind.gates) * H
         dt = ws[0][0].dtype
         bf = bf if bf is not None else np.zeros((1, nb), dt)
         bb = bb if bb is not None else np.zeros((1, nb), dt)
@@ -93,8 +92,7 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
     else:
         ins.append("")
     ins.append(_inp(fw, 4))
-    n_states = 2 if op == "LSTM" else 1
-    for k in range(5, 5 + n_states):
+    for k in (kind.inputs.index(f"initial_{s}") for s in kind.states):
         a, c = _inp(fw, k), _inp(bw, k)
         if not a and not c:
             ins.append("")
@@ -122,7 +120,7 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
             attrs["activation_alpha"] = list(al) * 2
         if be:
             attrs["activation_beta"] = list(be) * 2
-    attrs = drop_default_activations(op, attrs)
+    attrs = kind.drop_default_activations(attrs)
     n_out = max(len(fw.output), len(bw.output))
     outs = g.add_node(op, ins, n_out, name=f"rnnfuse/{op}", anchor=fw, **attrs)
     native = g.producer[outs[0]]
@@ -145,7 +143,7 @@ class MergeBidirectional:
         res = PassResult(self.name)
         groups: dict[tuple, dict[str, list[NodeProto]]] = {}
         for n in g.live_nodes():
-            if n.op_type not in ("LSTM", "GRU", "RNN") or n.domain not in ("", "ai.onnx"):
+            if native_kind(n) is None:
                 continue
             d = attr(n, "direction", "forward")
             if d == "bidirectional" or attr(n, "layout", 0):
@@ -201,7 +199,7 @@ class ReverseInputs:
         res = PassResult(self.name)
         cands = []
         for n in g.live_nodes():
-            if n.op_type not in ("LSTM", "GRU", "RNN") or n.domain not in ("", "ai.onnx"):
+            if native_kind(n) is None:
                 continue
             d = attr(n, "direction", "forward")
             if d == "bidirectional" or attr(n, "layout", 0) or _inp(n, 4):
@@ -217,7 +215,7 @@ class ReverseInputs:
                 src = g.add_node("Transpose", [inner], 1, name="rnnfuse/Transpose", anchor=n, perm=perm)[0]
             attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
             attrs["direction"] = "reverse" if d == "forward" else "forward"
-            attrs = drop_default_activations(n.op_type, attrs)
+            attrs = native_kind(n).drop_default_activations(attrs)
             ins = [src] + list(n.input[1:])
             outs = g.add_node(n.op_type, ins, len(n.output), name=f"rnnfuse/{n.op_type}", anchor=n, **attrs)
             b = Builder(g, n, f"rnnfuse/{n.op_type}")

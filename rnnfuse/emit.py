@@ -266,9 +266,9 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
 
     Ws, Rs, Bs = cell.weight_parts()
     ins = [x, b.stacked(Ws, "W"), b.stacked(Rs, "R"), b.stacked(Bs, "B") if cell.has_bias() else "", seq_lens]
-    ins.append(_init_state(b, rec.h0, x, cell.hidden))
-    if cell.op == "LSTM":
-        ins.append(_init_state(b, rec.c0, x, cell.hidden))
+    kind = cell.kind
+    inits = {"h": rec.h0, "c": rec.c0}
+    ins += [_init_state(b, inits[s], x, cell.hidden) for s in kind.states]
     while ins and ins[-1] == "":
         ins.pop()
     native_dir = direction
@@ -278,11 +278,11 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
         ins[0] = b.op("ReverseSequence", ins[0], mp.lens64, batch_axis=1, time_axis=0)
         native_dir = "forward"
     attrs = native_attrs(cell, native_dir)
-    n_out = 3 if cell.op == "LSTM" else 2
-    outs = g.add_node(cell.op, ins, n_out, name=f"rnnfuse/{cell.op}", anchor=rec.anchor, **attrs)
+    outs = g.add_node(kind.op, ins, kind.n_outputs, name=f"rnnfuse/{kind.op}", anchor=rec.anchor, **attrs)
     native = g.producer[outs[0]]
-    Y, Yh = outs[0], outs[1]
-    Yc = outs[2] if cell.op == "LSTM" else None
+    Y = outs[0]
+    finals = {s: outs[kind.output_of(s)] for s in kind.states}
+    Yh = finals["h"]
     Y3 = b.squeeze(Y, [1])
     if native_dir != direction:
         Y3 = b.op("ReverseSequence", Y3, mp.lens64, batch_axis=1, time_axis=0)  # what a reverse op's Y holds
@@ -298,7 +298,7 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
             v = b.op("Transpose", v, perm=[1, 0, 2])
         repl[so.tensor] = v
     for fo in rec.finals:
-        src_t = Yh if fo.which == "h" else Yc
+        src_t = finals.get(fo.which)
         if src_t is None:
             raise Decline("a final cell state from a cell without one")
         if mp is not None and fo.which == "h":
@@ -369,21 +369,8 @@ def _fill_of(b: Builder, so) -> str:
 
 
 def native_attrs(cell, direction: str) -> dict:
-    """Attributes of the native op for ``cell`` (activation lists repeated for bidirectional)."""
-    attrs = dict(hidden_size=cell.hidden, direction=direction)
-    acts, alphas, betas = onnx_activations(cell.acts)
-    if acts is not None:
-        k = 2 if direction == "bidirectional" else 1
-        attrs["activations"] = acts * k
-        if alphas:
-            attrs["activation_alpha"] = alphas * k
-        if betas:
-            attrs["activation_beta"] = betas * k
-    if cell.clip is not None:
-        attrs["clip"] = float(cell.clip)
-    if cell.op == "GRU":
-        attrs["linear_before_reset"] = int(cell.linear_before_reset)
-    return attrs
+    """Attributes of the native op for ``cell`` (activation lists repeated for bidirectional): the kind's."""
+    return cell.kind.attributes(cell, direction)
 
 
 def _any_valid(b: Builder, mp: MaskPlumbing) -> str:
@@ -401,37 +388,3 @@ def _final_from_y(b: Builder, mp: MaskPlumbing, Y3: str, direction: str) -> str:
     last = b.op("Where", b.op("Greater", mp.lens64, zero), b.op("Sub", mp.lens64, b.const(np.array(1, np.int64), "one")), zero)
     flat = b.op("Add", b.op("Mul", last, b.squeeze(B, [0])), b.squeeze(bb, [0]))
     return b.op("Gather", b.op("Flatten", Y3, axis=2), flat, axis=0)
-
-
-def onnx_activations(acts) -> tuple[list[str] | None, list[float], list[float]]:
-    """ONNX ``activations`` and alpha/beta lists (onnxruntime's convention: only for activations that use them)."""
-    from .cells import DEFAULT_ACTS
-
-    names, alphas, betas = [], [], []
-    for kind, params in acts:
-        names.append(kind)
-        if kind in ("HardSigmoid", "Affine", "ScaledTanh"):
-            alphas.append(float(params[0]))
-            betas.append(float(params[1]))
-        elif kind in ("LeakyRelu", "ThresholdedRelu", "Elu"):
-            alphas.append(float(params[0]))
-    ops = {len(v): k for k, v in DEFAULT_ACTS.items()}
-    default = [a for a, _ in DEFAULT_ACTS[ops.get(len(acts), "LSTM")]]
-    if names == default and not alphas:
-        return None, [], []
-    return names, alphas, betas
-
-
-def drop_default_activations(op: str, attrs: dict) -> dict:
-    """``attrs`` of a native op being rewritten, without an ``activations`` list that only spells out ONNX's
-    defaults (tf2onnx writes them; OpenVINO then treats the op as non-default and skips its sequence kernel)."""
-    from .cells import DEFAULT_ACTS
-
-    acts = attrs.get("activations")
-    if not acts or attrs.get("activation_alpha") or attrs.get("activation_beta"):
-        return attrs
-    default = [a.lower() for a, _ in DEFAULT_ACTS[op]]
-    names = [(a.decode() if isinstance(a, bytes) else a).lower() for a in acts]
-    if names == default * (len(names) // len(default)) and len(names) in (len(default), 2 * len(default)):
-        attrs = {k: v for k, v in attrs.items() if k not in ("activations", "activation_alpha", "activation_beta")}
-    return attrs

@@ -1136,13 +1136,6 @@ def _tile(ev, node, ins):
     raise Decline("a Tile of a cell value")
 
 
-def _native_rnn(ev, node, ins):
-    """A native LSTM/GRU/RNN op inside the step (TorchScript cells): its maths in polynomial form."""
-    from .cells import native_step_polys
-
-    return native_step_polys(ev, node, ins)
-
-
 _HANDLERS: dict[str, Callable] = {
     "Add": _binary,
     "Sub": _binary,
@@ -1169,12 +1162,14 @@ _HANDLERS: dict[str, Callable] = {
     "Shape": _shape,
     "Expand": _expand,
     "Tile": _tile,
-    "LSTM": _native_rnn,
-    "GRU": _native_rnn,
-    "RNN": _native_rnn,
 }
 for _k in ACTIVATIONS:
     _HANDLERS[_k] = _activation(_k)
+
+
+def register_handler(op_type: str, handler: Callable) -> None:
+    """Give the evaluator the semantics of an op defined in a higher layer (native cells: :mod:`rnnfuse.cells`)."""
+    _HANDLERS[op_type] = handler
 
 
 # --------------------------------------------------------------------------------------------------------

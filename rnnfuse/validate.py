@@ -471,7 +471,7 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
         xin = "__X"
         nodes.append(helper.make_node("Unsqueeze", [role_name["x"], "__ax0"], [xin]))
         ins = [xin, "__W", "__R", "__B", ""]
-        for st in ("h", "c") if cell.op == "LSTM" else ("h",):
+        for st in cell.kind.states:
             if st in role_name:
                 nodes.append(helper.make_node("Unsqueeze", [role_name[st], "__ax0"], [f"__init_{st}"]))
                 ins.append(f"__init_{st}")
@@ -479,13 +479,13 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
                 ins.append("")
         while ins[-1] == "":
             ins.pop()
-        outs = ["__Y", "__Yh"] + (["__Yc"] if cell.op == "LSTM" else [])
+        outs = ["__Y"] + [f"__Y{st}" for st in cell.kind.states]
         nodes.append(helper.make_node(cell.op, ins, outs, **native_attrs(cell, "forward")))
         pairs = []
         outputs = []
         for name, role in chk.outputs.items():
             new = f"__new_{role}"
-            nodes.append(helper.make_node("Squeeze", ["__Yh" if role == "h" else "__Yc", "__ax0"], [new]))
+            nodes.append(helper.make_node("Squeeze", [f"__Y{role}", "__ax0"], [new]))
             pairs.append((name, new))
             outputs += [helper.make_tensor_value_info(name, dt, None), helper.make_tensor_value_info(new, dt, None)]
         graph = helper.make_graph(nodes, "rnnfuse_cell_check", inputs, outputs, list(inits.values()) + extra)

@@ -1,0 +1,166 @@
+"""ONNX ``GRU``: gates z, r, h; ``h' = (1-z)*n + z*h`` with the candidate ``n`` in one of two forms.
+
+``linear_before_reset=1``: ``n = g(x @ Wh + Wbh + r * (h @ Rh + Rbh))`` -- the recurrent part is kept in
+``extra["rec_h"]``. ``linear_before_reset=0``: ``n = g(x @ Wh + (r*h) @ Rh + b)`` -- the candidate's Lin reads
+the gated row r*h, whose key is ``extra["gated_key"]``.
+"""
+
+from __future__ import annotations
+
+from ..errors import Decline
+from ..graph import attr
+from ..symbolic import ACTIVATIONS, Act, LinAtom, Poly
+from .kind import CellKind, activate, bias_of, gate, split_biases, weight_block
+from .match import check_sources, gate_parts, make_spec
+
+
+class GruKind(CellKind):
+    op = "GRU"
+    gates = ("z", "r", "h")
+    default_acts = (("Sigmoid", ()), ("Tanh", ()))
+    states = ("h",)
+
+    def looks_like(self, new_h: Poly) -> bool:
+        return new_h.single_atom() is None
+
+    def extra_attributes(self, spec):
+        return {"linear_before_reset": int(spec.extra.get("linear_before_reset", 0))}
+
+    def describe_extras(self, spec):
+        return [f"linear_before_reset={spec.extra.get('linear_before_reset', 0)}"]
+
+    def match(self, new, x, states, h, c):
+        p = new[h]
+        hs = states[h]
+        z, n = _update_and_candidate(p, hs)
+        z_act, z_lin, clip_z = gate_parts(z, "the update gate")
+        arg, clip_n = _unclipped(n.arg)
+        if n.kind not in ACTIVATIONS:
+            raise Decline(f"the candidate activation {n.kind} is not available in native ops")
+        if len(arg.terms) == 2:
+            h_lin, r, extra = _candidate_linear_before_reset(arg)
+        else:
+            h_lin, r, extra = _candidate_gated_state(arg, hs)
+        r_act, r_lin, clip_r = gate_parts(r, "the reset gate")
+        if extra["linear_before_reset"]:
+            check_sources(h_lin, {x.key}, "the candidate's input part")
+            check_sources(extra["rec_h"], {hs.key}, "the candidate's recurrent part")
+        else:
+            check_sources(h_lin, {x.key, extra["gated_key"]}, "the candidate")
+        if z_act != r_act:
+            raise Decline("update and reset gates use different activations")
+        if len({clip_z, clip_r, clip_n}) != 1:
+            raise Decline("gates are clipped differently")
+        check_sources(z_lin, {x.key, hs.key}, "the update gate")
+        check_sources(r_lin, {x.key, hs.key}, "the reset gate")
+        gates = {"z": z_lin, "r": r_lin, "h": h_lin}
+        spec = make_spec(self, x, hs, gates, (z_act, (n.kind, n.params)), clip_z, extra)
+        rec = extra.get("rec_h")
+        if rec is not None and rec.ncols != spec.hidden:
+            raise Decline("the recurrent candidate part has the wrong width")
+        return spec
+
+    def step_polys(self, spec, x, h, c):
+        f_act, g_act = spec.acts
+        z = gate(spec.gates["z"], f_act, spec.clip)
+        r = gate(spec.gates["r"], f_act, spec.clip)
+        arg = Poly.atom(LinAtom(spec.gates["h"]))
+        if spec.extra.get("linear_before_reset"):
+            arg = arg.add(r.mul(Poly.atom(LinAtom(spec.extra["rec_h"]))))
+        n = activate(g_act, arg, spec.clip)
+        return {"h": n.sub(z.mul(n)).add(z.mul(h))}
+
+    def gate_blocks(self, spec, g, dtype):
+        if g != "h":
+            return super().gate_blocks(spec, g, dtype)
+        H, I = spec.hidden, spec.input_size
+        lin = spec.gates["h"]
+        w = weight_block(lin, spec.x_key, (H, I), dtype)
+        if spec.extra.get("linear_before_reset"):
+            rec = spec.extra["rec_h"]
+            return w, weight_block(rec, spec.h_key, (H, H), dtype), bias_of(lin, H, dtype), bias_of(rec, H, dtype)
+        r = weight_block(lin, spec.extra.get("gated_key"), (H, H), dtype)
+        return (w, r) + split_biases(lin, H, dtype)
+
+    def onnx_gate(self, node, g, x_part, h_part, gates, extra):
+        if g != "h":
+            return super().onnx_gate(node, g, x_part, h_part, gates, extra)
+        if not int(attr(node, "linear_before_reset", 0) or 0):
+            raise Decline("a native GRU step with linear_before_reset=0 inside a loop")
+        gates[g] = x_part
+        extra.update(linear_before_reset=1, rec_h=h_part)
+
+
+def _update_and_candidate(p: Poly, hs):
+    """``(1-z)*n + z*h``: the update gate z and the candidate n."""
+    if len(p.terms) != 3:
+        raise Decline(f"the new state is not (1-z)*n + z*h ({p!r})")
+    z = n = None
+    for m, coef in p.terms.items():
+        atoms = [p.atoms[k] for k in m]
+        if len(atoms) == 2 and hs.key in m and coef == 1.0:
+            z = next(a for a in atoms if a.key != hs.key)
+    if z is None:
+        raise Decline(f"the new state is not (1-z)*n + z*h ({p!r})")
+    for m, coef in p.terms.items():
+        atoms = [p.atoms[k] for k in m]
+        if len(atoms) == 1 and coef == 1.0:
+            n = atoms[0]
+    if not isinstance(n, Act) or not isinstance(z, Act):
+        raise Decline(f"the new state is not (1-z)*n + z*h ({p!r})")
+    return z, n
+
+
+def _unclipped(arg: Poly):
+    """The candidate's argument without a symmetric clip, and the clip."""
+    sa = arg.single_atom()
+    if sa and sa[1] == 1.0 and isinstance(sa[0], Act) and sa[0].kind == "Clip":
+        lo, hi = sa[0].params
+        if lo != -hi:
+            raise Decline("the candidate has an asymmetric clip")
+        return sa[0].arg, hi
+    return arg, None
+
+
+def _candidate_linear_before_reset(arg: Poly):
+    """``x @ Wh + r * (h @ Rh + Rbh)`` -> (the x part, r, extra)."""
+    x_lin = r = rec = None
+    for m, coef in arg.terms.items():
+        atoms = [arg.atoms[k] for k in m]
+        if coef != 1.0:
+            raise Decline("the candidate input has a scaled term")
+        if len(atoms) == 1 and isinstance(atoms[0], LinAtom):
+            x_lin = atoms[0].lin
+        elif len(atoms) == 2:
+            la = [a for a in atoms if isinstance(a, LinAtom)]
+            ra = [a for a in atoms if isinstance(a, Act)]
+            if la and ra:
+                rec, r = la[0].lin, ra[0]
+    if x_lin is None or r is None:
+        raise Decline(f"the candidate is not act(x@W + r*(h@R + b)) ({arg!r})")
+    return x_lin, r, {"linear_before_reset": 1, "rec_h": rec}
+
+
+def _candidate_gated_state(arg: Poly, hs):
+    """``x @ Wh + (r*h) @ Rh + b`` -> (the candidate's Lin, r, extra)."""
+    sa = arg.single_atom()
+    if not (sa and sa[1] == 1.0 and isinstance(sa[0], LinAtom)):
+        raise Decline(f"the candidate is not an activation of an affine map ({arg!r})")
+    h_lin = sa[0].lin
+    gated_srcs = [s for s in h_lin.sources() if s[0] == "P"]
+    if len(gated_srcs) != 1:
+        raise Decline("the candidate does not read the reset-gated state r*h")
+    gated = gated_srcs[0]
+    # the gated row is r*h: find r among its atoms
+    keys = gated[1]
+    if len(keys) != 2 or hs.key not in keys:
+        raise Decline("the candidate's gated state is not r*h")
+    row_poly = h_lin.rows.get(gated)
+    r_key = next(k for k in keys if k != hs.key)
+    r = row_poly.atoms.get(r_key) if row_poly is not None else None
+    if r is None:
+        raise Decline("cannot find the reset gate")
+    return h_lin, r, {"linear_before_reset": 0, "gated_key": gated}
+
+
+GRU = GruKind()

@@ -1,0 +1,86 @@
+"""The vocabulary kind matchers share: reading ``act(clip(lin))`` gates, checking what a gate reads, sizing a spec."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import Decline
+from ..symbolic import ACTIVATIONS, Act, ConstRef, Lin, LinAtom, Poly, State
+from .spec import CellSpec
+
+
+def gate_parts(p, what: str):
+    """``act(lin)`` or ``act(clip(lin))`` (a Poly or an Act atom) -> ``((name, params), lin, clip)``."""
+    sa = p.single_atom() if isinstance(p, Poly) else None
+    atom = sa[0] if sa and sa[1] == 1.0 else p if isinstance(p, Act) else None
+    if not isinstance(atom, Act) or atom.kind == "Clip":
+        raise Decline(f"{what} is not an activation of an affine map")
+    return _act_arg(atom, what)
+
+
+def _act_arg(atom: Act, what: str):
+    arg = atom.arg
+    clip = None
+    sa = arg.single_atom()
+    if sa and sa[1] == 1.0 and isinstance(sa[0], Act) and sa[0].kind == "Clip":
+        lo, hi = sa[0].params
+        if lo != -hi or hi <= 0:
+            raise Decline(f"{what} has an asymmetric clip [{lo:g}, {hi:g}]")
+        clip = hi
+        arg = sa[0].arg
+        sa = arg.single_atom()
+    if not (sa and sa[1] == 1.0 and isinstance(sa[0], LinAtom)):
+        lo = arg.as_lin_offset()
+        if lo is not None and lo[1] == 1.0:
+            # lin + b with a scalar b: a bias whose entries are all equal (hidden size 1, TF's forget_bias)
+            lin, _, b = lo
+            ref = ConstRef.of(np.full(lin.ncols, b, dtype=np.float32))
+            return (atom.kind, atom.params), Lin.make(lin.terms, lin.biases + (ref,), lin.ncols, lin.rows), clip
+        states = sorted({a.sym for a in arg.atoms.values() if isinstance(a, State)})
+        if states:
+            raise Decline(f"{what} reads state {', '.join(states)} elementwise (peephole weights?): {atom.kind} of {arg!r}")
+        raise Decline(f"{what} is {atom.kind} of {arg!r}, not of an affine map of x and h")
+    if atom.kind not in ACTIVATIONS:
+        raise Decline(f"{what} uses activation {atom.kind}, which native ops do not have")
+    return (atom.kind, atom.params), sa[0].lin, clip
+
+
+def check_sources(lin: Lin, allowed: set, what: str) -> None:
+    """Decline when a gate reads anything but ``allowed`` (a native op's gates read x and h only)."""
+    bad = lin.sources() - allowed
+    if bad:
+        raise Decline(f"{what} reads {', '.join(sorted(map(_source_description, bad)))}, which a native op cannot")
+
+
+def _source_description(s) -> str:
+    if s[0] == "S":
+        return f"state {s[1]}"
+    if s[0] == "X":
+        return f"input {s[1]}"
+    return "a gated state"
+
+
+def make_spec(kind, x, hs, gates, acts, clip, extra=None) -> CellSpec:
+    """A spec with hidden and input sizes read from the gate weights, declining inconsistent widths."""
+    H = next(iter(gates.values())).ncols
+    for g, lin in gates.items():
+        if lin.ncols != H:
+            raise Decline(f"gate {g} has width {lin.ncols}, others {H}")
+    if hs.ncols is not None and hs.ncols != H:
+        raise Decline(f"state width {hs.ncols} differs from gate width {H}")
+    I = None
+    for lin in gates.values():
+        w = lin.weight_for(x.key)
+        if w is not None:
+            if I is not None and w.arr.shape[0] != I:
+                raise Decline("gates read inputs of different widths")
+            I = int(w.arr.shape[0])
+    if I is None:
+        I = x.ncols
+    if I is None:
+        raise Decline("the cell never reads its input")
+    for lin in gates.values():
+        r = lin.weight_for(hs.key)
+        if r is not None and r.arr.shape[0] != H:
+            raise Decline("a recurrent weight of the wrong shape")
+    return CellSpec(kind, H, I, x.key, hs.key, gates, tuple(acts), clip, dict(extra or {}))

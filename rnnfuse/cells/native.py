@@ -1,0 +1,66 @@
+"""A native LSTM/GRU/RNN op inside a step (TorchScript loops hold a one-step LSTM): its maths as polynomials.
+
+The symbolic evaluator knows ONNX's elementwise and matmul ops; the semantics of native cells live here, in
+the cells layer, and are registered with the evaluator as the handler for each kind's op type.
+"""
+
+from __future__ import annotations
+
+from ..errors import Decline
+from ..graph import attr
+from ..symbolic import C, Poly, Row, State, Sym, as_row, register_handler
+from .kinds import KINDS
+
+
+def native_step_polys(ev, node, ins):
+    """Evaluate a native recurrent op with one time step over symbolic inputs."""
+    kind = KINDS[node.op_type]
+    op = kind.op
+    if attr(node, "direction", "forward") == "bidirectional":
+        raise Decline("a bidirectional native op inside a step")
+    if attr(node, "layout", 0):
+        raise Decline("a native op with layout=1 inside a step")
+    names = kind.inputs
+    vals = dict(zip(names, list(ins[: len(names)]) + [None] * (len(names) - len(ins))))
+    for k in ("W", "R"):
+        if not isinstance(vals[k], C):
+            raise Decline(f"the {k} weights of the inner {op} are computed at runtime")
+    if vals["B"] is not None and not isinstance(vals["B"], C):
+        raise Decline("the inner op's bias is computed at runtime")
+    if vals["sequence_lens"] is not None:
+        raise Decline("an inner op with sequence_lens")
+    kind.check_native(node, vals)
+    x_poly, x_atom = _step_input(vals["X"])
+    h_atom = _carried_state(vals["initial_h"])
+    state_polys = {"h": Poly.atom(h_atom)}
+    for s in kind.states[1:]:
+        v = vals[f"initial_{s}"]
+        if not isinstance(v, Sym) or v.lead != 1:
+            raise Decline(f"the inner op's initial_{s} is not the carried state")
+        state_polys[s] = v.poly
+    B = vals["B"].arr if vals["B"] is not None else None
+    spec = kind.spec_from_onnx(node, vals["W"].arr, vals["R"].arr, B, x_atom.key, h_atom.key)
+    polys = spec.step_polys(x_poly, state_polys["h"], state_polys.get("c"))
+    outs = [Sym(polys["h"], 2)] + [Sym(polys[s], 1) for s in kind.states]
+    return outs[: len(node.output)]
+
+
+def _step_input(xv):
+    xrow = as_row(xv) if isinstance(xv, (Sym, Row)) else None
+    if xrow is None or xrow.lead != 1 or len(xrow.segments) != 1:
+        raise Decline("the inner op's input is not the step input")
+    x_poly = xrow.segments[0][2]
+    return x_poly, next(iter(x_poly.atoms.values()))
+
+
+def _carried_state(hv) -> State:
+    if not isinstance(hv, Sym) or hv.lead != 1:
+        raise Decline("the inner op's initial_h is not the carried state")
+    hsa = hv.poly.single_atom()
+    if not hsa or not isinstance(hsa[0], State) or hsa[1] != 1.0:
+        raise Decline("the inner op's initial_h is not the carried state")
+    return hsa[0]
+
+
+for _op in KINDS:
+    register_handler(_op, native_step_polys)

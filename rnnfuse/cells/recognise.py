@@ -1,0 +1,73 @@
+"""Cell recognition: the polynomials of one step -> a :class:`CellSpec` for a native LSTM, GRU or RNN op.
+
+One recogniser serves every front end. It reads the cell's maths from the canonical polynomials built by
+:mod:`rnnfuse.symbolic` (so node order, Gemm vs MatMul, Split vs Slice do not matter); each kind's matcher
+extracts the gate weights as exact slices of the model's constants; then the step polynomials are
+*re-derived* from the spec and must be identical to what the graph computes. Anything the spec does not
+capture (an extra term, a peephole, a scaled state, a coupled gate) makes the two differ, and the cell is
+declined.
+"""
+
+from __future__ import annotations
+
+from itertools import permutations
+
+import numpy as np
+
+from ..errors import Decline
+from ..symbolic import Act, ConstRef, Lin, LinAtom, Poly, State, X, substitute
+from .kinds import KINDS
+from .spec import CellSpec
+
+
+class Recognised:
+    """A spec plus which state symbol is its hidden state ``h`` and which its cell state ``c`` (or None)."""
+
+    def __init__(self, spec: CellSpec, h: str, c: str | None):
+        self.spec, self.h, self.c = spec, h, c
+
+
+def recognise(new: dict[str, Poly], x: X, states: dict[str, State]) -> Recognised:
+    """Find the native cell whose step maths equal ``new`` (state symbol -> polynomial of its new value)."""
+    syms = list(states)
+    kinds = [k for k in KINDS.values() if len(k.states) == len(syms)]
+    if not kinds:
+        counts = " or ".join(str(n) for n in sorted({len(k.states) for k in KINDS.values()}))
+        raise Decline(f"{len(syms)} recurrent states (a native cell has {counts})")
+    reasons = []
+    for kind in kinds:
+        for order in permutations(syms):
+            roles = dict(zip(kind.states, order))
+            h, c = roles["h"], roles.get("c")
+            try:
+                spec = kind.match(new, x, states, h, c)
+                polys = spec.step_polys(Poly.atom(x), Poly.atom(states[h]), Poly.atom(states[c]) if c else None)
+                if any(not _same(polys[s], new[roles[s]]) for s in kind.states):
+                    raise Decline(f"the step computes more than a {kind.op} cell")
+                return Recognised(spec, h, c)
+            except Decline as d:
+                reasons.append((kind, order, d.reason))
+    # report the reason of the first try whose outer form fits (else of the first try)
+    fitting = [r for k, order, r in reasons if k.looks_like(new[order[k.states.index("h")]])]
+    raise Decline((fitting or [reasons[0][2]])[0])
+
+
+def _same(a: Poly, b: Poly) -> bool:
+    return a.key == b.key or fold_offsets(a).key == fold_offsets(b).key
+
+
+def fold_offsets(p: Poly) -> Poly:
+    """``act(lin + b)`` with a scalar b written as ``act(lin + [b, b, ...])``: one canonical form."""
+
+    def fn(a):
+        if isinstance(a, Act):
+            inner = fold_offsets(a.arg)
+            lo = inner.as_lin_offset()
+            if lo is not None and lo[1] == 1.0 and lo[2] != 0.0:
+                lin, _, b = lo
+                ref = ConstRef.of(np.full(lin.ncols, b, dtype=np.float32))
+                inner = Poly.atom(LinAtom(Lin.make(lin.terms, lin.biases + (ref,), lin.ncols, lin.rows)))
+            return Poly.atom(Act(a.kind, a.params, inner))
+        return None
+
+    return substitute(p, fn)

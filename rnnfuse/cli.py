@@ -264,6 +264,9 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
     if args.json:
         d = report.to_dict()
         d["command"] = "inspect" if inspect_only else "optimize"
+        from .bench import versions
+
+        d["versions"] = versions()  # what a bug report needs beside the findings
         _write_json(args.json, d)
     if getattr(args, "strict", False):
         skipped = [f for f in report.fused if f.validation.startswith("skipped")]

@@ -46,6 +46,23 @@ def _strip_cast(g: Graph, name: str) -> str:
     return name
 
 
+def invariant_source(body: Graph, name: str, invariants: dict[str, str]) -> str | None:
+    """The outer tensor a body value is, when it is the same in every iteration, else None.
+
+    Either an outer-scope capture, or a loop-carried value the body passes on unchanged (jax2onnx threads
+    every closed-over weight and the scanned sequence itself through the Loop that way), seen through
+    Identity nodes: both are loop invariants and read the same."""
+    while True:
+        if not body.defines(name):
+            return name
+        if name in invariants:
+            return invariants[name]
+        n = body.producer.get(name)
+        if n is None or n.op_type != "Identity":
+            return None
+        name = n.input[0]
+
+
 def _counter_step(body: Graph, name: str) -> tuple[str, int] | None:
     """``name`` = (cast of) ``v + k`` for a constant k -> (v, k); (cast of) v -> (v, 0)."""
     name = _strip_cast(body, name)
@@ -201,8 +218,8 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
     for n in body.nodes:
         if n.op_type != "Gather" or len(n.input) < 2:
             continue
-        data = n.input[0]
-        if body.defines(data) or attr(n, "axis", 0) != 0:
+        data = invariant_source(body, n.input[0], invariants)
+        if data is None or attr(n, "axis", 0) != 0:
             continue
         form = _index_form(g, body, n.input[1], index_syms, data)
         if form is None:

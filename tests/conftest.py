@@ -1,8 +1,8 @@
 """Shared test fixtures: real exporter models, generated once per session.
 
 The generators in ``tests/exporters/`` export models with the real frameworks (Keras 3 and tf_keras through
-tf2onnx, torch trace/dynamo/TorchScript) and store the framework's own outputs beside them. They run as
-subprocesses (tf_keras needs TF_USE_LEGACY_KERAS=1 before TensorFlow is imported). Set
+tf2onnx, torch trace/dynamo/TorchScript, JAX/Flax through jax2onnx) and store the framework's own outputs
+beside them. They run as subprocesses (tf_keras needs TF_USE_LEGACY_KERAS=1 before TensorFlow is imported). Set
 ``RNNFUSE_FIXTURE_CACHE=DIR`` to reuse generated models across test sessions (keyed by the generator's
 source and library versions); by default they are generated into a temporary directory.
 """
@@ -94,3 +94,8 @@ def torch_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def variant_dir(tmp_path_factory):
     return generate(tmp_path_factory, "variant_cases.py", [], "variants")
+
+
+@pytest.fixture(scope="session")
+def jax_dir(tmp_path_factory):
+    return generate(tmp_path_factory, "jax_cases.py", [], "jax")

@@ -1,0 +1,514 @@
+"""Export JAX / Flax recurrences with jax2onnx and record JAX's own outputs.
+
+Usage::
+
+    python tests/exporters/jax_cases.py --out DIR [--only SUBSTR ...]
+    python tests/exporters/jax_cases.py --list
+
+jax2onnx writes every ``lax.scan`` (and so every flax ``nn.RNN``) as an ONNX ``Loop`` whose body receives
+each closed-over weight *and the scanned sequence itself* as loop-carried values it passes on unchanged,
+reads the step as ``Gather(<carried xs>, iter)`` and puts ``Cast`` "dtype fix" nodes on the new state.
+The cases vary what users vary: the flax.linen cells (``LSTMCell``, ``OptimizedLSTMCell``, ``GRUCell``,
+``SimpleCell``) under ``nn.RNN`` (wrapped with ``flax.nnx.bridge.ToNNX`` and called with an explicit
+carry, as jax2onnx's own tests do), ``nn.Bidirectional``, ``return_carry``, ``seq_lengths``, flax.nnx
+cells under ``lax.scan``, hand-written steps (with a per-step bool mask), ``lax.fori_loop`` reading the
+step with ``dynamic_index_in_dim``, opset 17 and jax2onnx's default 23, static and dynamic time; and near
+misses that a fuser must decline (a carried weight that changes, a step that also reads the next step).
+
+For every case DIR gets ``<case>.onnx`` (as exported), ``<case>.npz`` (``in/<set>/<input name>`` feeds and
+``out/<set>/<k>`` = JAX's own value of the k-th graph output) and ``<case>.json`` (name, ``expect``:
+``ops`` = one native op per recurrence, ``absent``; or ``declined`` = a reason substring for near misses;
+``sets``, ``opset``, ``exported_ops``, ``notes``). Sets: ``b1``/``b3`` (and ``b2_t11`` for a dynamic time
+axis); masked cases ``post_b1``, ``post_b3``, ``pre_b3``, ``gappy_b3`` (rows with padding at the end, at
+the start, and anywhere). Exports that fail are one WARNING line each and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FEATURES = 3
+HIDDEN = 4
+TIME = 6
+DEFAULT_OPSET = 23  # jax2onnx's default
+
+MASK_PATTERNS = {
+    "post_b1": ["111100"],
+    "post_b3": ["111111", "111100", "110000"],
+    "pre_b3": ["111111", "001111", "011111"],
+    "gappy_b3": ["101101", "011110", "111111"],
+}
+LENGTH_SETS = {"post_b3": [6, 3, 1]}  # static batch: jax2onnx 0.17 cannot export seq_lengths with a symbolic one
+ONNX_OP = {"lstm": "LSTM", "olstm": "LSTM", "gru": "GRU", "simple": "RNN", "simple_relu": "RNN"}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str  # "rnn" | "bidir" | "nnx_scan" | "hand" | "fori"
+    cell: str  # lstm | olstm | gru | simple | simple_relu (model "hand": lstm | gru | rnn | ...)
+    opset: int = DEFAULT_OPSET
+    dynamic_time: bool = False
+    opts: dict = field(default_factory=dict)
+    declined: str = ""  # a near miss: the reason the fuser must give
+    notes: str = ""
+
+    @property
+    def masked(self) -> bool:
+        return bool(self.opts.get("mask"))
+
+    @property
+    def lengths(self) -> bool:
+        return bool(self.opts.get("seq_lengths"))
+
+    @property
+    def sets(self) -> list[str]:
+        if self.masked:
+            return list(MASK_PATTERNS)
+        if self.lengths:
+            return list(LENGTH_SETS)
+        return ["b1", "b3"] + (["b2_t11"] if self.dynamic_time else [])
+
+
+def rnn(name, cell, **kw):
+    top = {k: kw.pop(k) for k in ("opset", "dynamic_time", "declined", "notes") if k in kw}
+    return Case(name, "rnn", cell, opts=kw, **top)
+
+
+def case(name, model, cell, **kw):
+    top = {k: kw.pop(k) for k in ("opset", "dynamic_time", "declined", "notes") if k in kw}
+    return Case(name, model, cell, opts=kw, **top)
+
+
+CASES = [
+    # -- flax.linen nn.RNN over each cell, through flax.nnx.bridge.ToNNX, opset 23 (default) and 17
+    rnn("linen_lstm", "lstm"),
+    rnn("linen_olstm", "olstm"),
+    rnn("linen_gru", "gru"),
+    rnn("linen_simple", "simple"),
+    rnn("linen_simple_relu", "simple_relu"),
+    rnn("linen_lstm_o17", "lstm", opset=17),
+    rnn("linen_gru_o17", "gru", opset=17),
+    rnn("linen_simple_o17", "simple", opset=17),
+    rnn("linen_lstm_dyn_t", "lstm", dynamic_time=True),
+    rnn("linen_gru_dyn_t_o17", "gru", dynamic_time=True, opset=17),
+    rnn("linen_lstm_carry", "lstm", return_carry=True),
+    rnn("linen_gru_carry", "gru", return_carry=True),
+    rnn("linen_lstm_h0", "lstm", given_carry=True),
+    rnn("linen_gru_lengths", "gru", seq_lengths=True, return_carry=True),
+    rnn("linen_lstm_lengths", "lstm", seq_lengths=True, return_carry=True),
+    rnn("linen_gru_reverse", "gru", reverse=True),
+    # -- nn.Bidirectional: two Loops, the reversal outside (Range/Sub/Gather), Concat
+    case("linen_bidir_gru", "bidir", "gru"),
+    case("linen_bidir_lstm_o17", "bidir", "lstm", opset=17),
+    # -- flax.nnx cells under lax.scan
+    case("nnx_lstm_scan", "nnx_scan", "lstm"),
+    case("nnx_gru_scan", "nnx_scan", "gru"),
+    case("nnx_simple_scan_dyn_t", "nnx_scan", "simple", dynamic_time=True),
+    # -- hand-written steps under lax.scan (closed-over weights)
+    case("hand_lstm_fused_gates", "hand", "lstm"),
+    case("hand_gru_cat", "hand", "gru"),
+    case("hand_rnn_relu_o17", "hand", "rnn_relu", opset=17),
+    case("hand_lstm_masked", "hand", "lstm", mask=True),
+    case("hand_gru_masked_o17", "hand", "gru", mask=True, opset=17),
+    # -- lax.fori_loop reading the step with dynamic_index_in_dim (batch-first, axis 1)
+    case("fori_rnn_last_h", "fori", "rnn"),
+    case("fori_gru_last_h", "fori", "gru"),
+    # -- near misses
+    case("near_hand_weight_decays", "hand", "rnn_decay", declined="not a constant"),
+    case("near_hand_reads_next_step", "hand", "rnn_next", declined="per-step input"),
+    case("near_hand_gru_flipped_update", "hand", "gru_flipped", declined="not (1-z)*n + z*h", notes=(
+        "h = (1-z)*h + z*n: a GRU with the update gate negated, expressible by negating z's weights but "
+        "not recognised yet")),
+]
+
+
+# --------------------------------------------------------------------------- model builders
+
+
+class Env:
+    """The imported frameworks (imported once, in main)."""
+
+    def __init__(self):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+        import jax.numpy as jnp
+        import onnx
+        from flax import linen as nn
+        from flax import nnx
+        from flax.nnx import bridge
+        from jax2onnx import to_onnx
+
+        try:  # flax builds its carries from inputs.shape, which jax2onnx patches for its own tracing
+            from jax2onnx.plugins.flax.test_utils import _use_original_jnp_shape as original_shape
+        except Exception:  # pragma: no cover - other jax2onnx releases
+            original_shape = contextlib.nullcontext
+        self.jax, self.jnp, self.onnx, self.nn, self.nnx, self.bridge = jax, jnp, onnx, nn, nnx, bridge
+        self.to_onnx, self.original_shape = to_onnx, original_shape
+
+
+def linen_cell(env: Env, kind: str, seed: int):
+    nn = env.nn
+    init = dict(bias_init=nn.initializers.normal(0.5))
+    if kind == "lstm":
+        return nn.LSTMCell(features=HIDDEN, **init)
+    if kind == "olstm":
+        return nn.OptimizedLSTMCell(features=HIDDEN, **init)
+    if kind == "gru":
+        return nn.GRUCell(features=HIDDEN, **init)
+    if kind == "simple":
+        return nn.SimpleCell(features=HIDDEN, **init)
+    if kind == "simple_relu":
+        return nn.SimpleCell(features=HIDDEN, activation_fn=nn.relu, **init)
+    raise ValueError(kind)
+
+
+def zero_carry(env: Env, kind: str, batch):
+    z = env.jnp.zeros((batch, HIDDEN), env.jnp.float32)
+    return (z, z) if kind in ("lstm", "olstm") else z
+
+
+def build_rnn(env: Env, c: Case, seed: int):
+    """flax.linen nn.RNN / nn.Bidirectional wrapped with ToNNX; returns (fn, input specs)."""
+    nn, jnp, jax = env.nn, env.jnp, env.jax
+    key = jax.random.PRNGKey(seed)
+    o = c.opts
+    if c.model == "bidir":
+        module = nn.Bidirectional(nn.RNN(linen_cell(env, c.cell, seed)), nn.RNN(linen_cell(env, c.cell, seed)))
+    else:
+        module = nn.RNN(linen_cell(env, c.cell, seed), return_carry=o.get("return_carry", False),
+                        reverse=o.get("reverse", False), keep_order=o.get("reverse", False))
+    model = env.bridge.ToNNX(module, rngs=env.nnx.Rngs(seed))
+
+    def carry(batch):
+        one = zero_carry(env, c.cell, batch)
+        return (one, one) if c.model == "bidir" else one
+
+    example = jnp.zeros((2, TIME, FEATURES), jnp.float32)
+    model.lazy_init(example, initial_carry=carry(2), rngs=key)
+    specs = [("x", ("B", "T" if c.dynamic_time else TIME, FEATURES), "float32")]
+    if o.get("given_carry"):
+        specs += [("c0", ("B", HIDDEN), "float32"), ("h0", ("B", HIDDEN), "float32")]
+
+        def fn(x, c0, h0):
+            with env.original_shape():
+                return model(x, initial_carry=(c0, h0), rngs=key)
+
+        return fn, specs
+    if o.get("seq_lengths"):
+        specs = [("x", (3, TIME, FEATURES), "float32"), ("lengths", (3,), "int32")]
+
+        def fn(x, lengths):
+            with env.original_shape():
+                return model(x, initial_carry=carry(x.shape[0]), seq_lengths=lengths, rngs=key)
+
+        return fn, specs
+
+    def fn(x):
+        with env.original_shape():
+            return model(x, initial_carry=carry(x.shape[0]), rngs=key)
+
+    return fn, specs
+
+
+def build_nnx_scan(env: Env, c: Case, seed: int):
+    nnx, jnp, jax = env.nnx, env.jnp, env.jax
+    rngs = nnx.Rngs(seed)
+    cls = {"lstm": nnx.LSTMCell, "gru": nnx.GRUCell, "simple": nnx.SimpleCell}[c.cell]
+    cell = cls(FEATURES, HIDDEN, rngs=rngs, bias_init=nnx.initializers.normal(0.5))
+    graphdef, state = nnx.split(cell)
+
+    def fn(x):
+        with env.original_shape():
+            carry0 = zero_carry(env, c.cell, x.shape[0])
+
+        def step(carry, xt):
+            return nnx.merge(graphdef, state)(carry, xt)
+
+        _, ys = jax.lax.scan(step, carry0, jnp.swapaxes(x, 0, 1))
+        return jnp.swapaxes(ys, 0, 1)
+
+    return fn, [("x", ("B", "T" if c.dynamic_time else TIME, FEATURES), "float32")]
+
+
+def _weights(rng, *shapes):
+    return [np.asarray(rng.standard_normal(s) * 0.5, np.float32) for s in shapes]
+
+
+def build_hand(env: Env, c: Case, seed: int):
+    """A step written by hand with jax.numpy on closed-over weights, scanned with lax.scan."""
+    jnp, jax = env.jnp, env.jax
+    rng = np.random.default_rng(seed)
+    sig, tanh = jax.nn.sigmoid, jnp.tanh
+    H, F = HIDDEN, FEATURES
+    kind = c.cell
+    if kind == "lstm":
+        Wx, Wh, b = _weights(rng, (F, 4 * H), (H, 4 * H), (4 * H,))
+
+        def cell(carry, xt):
+            c_, h = carry
+            i, f, g, o = jnp.split(xt @ Wx + h @ Wh + b, 4, axis=-1)
+            c_ = sig(f) * c_ + sig(i) * tanh(g)
+            h = sig(o) * tanh(c_)
+            return (c_, h), h
+    elif kind in ("gru", "gru_flipped"):  # linear_before_reset=0: r gates h before the matmul
+        W, Wc, bz, bc = _weights(rng, (F + H, 2 * H), (F + H, H), (2 * H,), (H,))
+
+        def cell(h, xt):
+            z, r = jnp.split(sig(jnp.concatenate([xt, h], -1) @ W + bz), 2, axis=-1)
+            n = tanh(jnp.concatenate([xt, r * h], -1) @ Wc + bc)
+            h = (1 - z) * h + z * n if kind == "gru_flipped" else (1 - z) * n + z * h
+            return h, h
+    elif kind == "rnn_relu":
+        Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
+
+        def cell(h, xt):
+            h = jax.nn.relu(xt @ Wx + h @ Wh + b)
+            return h, h
+    elif kind == "rnn_decay":  # near miss: the "weight" is carried and changes every step
+        Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
+
+        def cell(carry, xt):
+            h, w = carry
+            h = tanh(xt @ Wx + h @ w + b)
+            return (h, w * 0.9), h
+    elif kind == "rnn_next":  # near miss: the step also reads the next step of x
+        Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
+    else:
+        raise ValueError(kind)
+    lstm = kind == "lstm"
+    specs = [("x", ("B", TIME, F), "float32")]
+
+    if kind == "rnn_next":
+        def fn(x):
+            xs = jnp.swapaxes(x, 0, 1)
+            with env.original_shape():
+                h0 = jnp.zeros((x.shape[0], H), jnp.float32)
+
+            def step(h, t):
+                nxt = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t + 1, TIME - 1), 0, keepdims=False)
+                h = tanh((xs[t] + nxt) @ Wx + h @ Wh + b)
+                return h, h
+
+            _, ys = jax.lax.scan(step, h0, jnp.arange(TIME))
+            return jnp.swapaxes(ys, 0, 1)
+
+        return fn, specs
+
+    def init(batch):
+        with env.original_shape():
+            z = jnp.zeros((batch, H), jnp.float32)
+        if lstm:
+            return (z, z)
+        if kind == "rnn_decay":
+            return (z, jnp.asarray(Wh))
+        return z
+
+    if c.masked:
+        specs.append(("mask", ("B", TIME), "bool"))
+
+        def fn(x, mask):
+            def step(carry, inp):
+                xt, mt = inp
+                new, y = cell(carry, xt)
+                keep = mt[:, None]
+                new = jax.tree_util.tree_map(lambda a, b: jnp.where(keep, a, b), new, carry)
+                return new, jnp.where(keep, y, 0.0)
+
+            _, ys = jax.lax.scan(step, init(x.shape[0]), (jnp.swapaxes(x, 0, 1), jnp.swapaxes(mask, 0, 1)))
+            return jnp.swapaxes(ys, 0, 1)
+
+        return fn, specs
+
+    def fn(x):
+        last, ys = jax.lax.scan(cell, init(x.shape[0]), jnp.swapaxes(x, 0, 1))
+        h = last[1] if lstm else last[0] if kind == "rnn_decay" else last
+        return jnp.swapaxes(ys, 0, 1), h
+
+    return fn, specs
+
+
+def build_fori(env: Env, c: Case, seed: int):
+    """lax.fori_loop over t reading x[:, t] with dynamic_index_in_dim; returns the last state."""
+    jnp, jax = env.jnp, env.jax
+    rng = np.random.default_rng(seed)
+    H, F = HIDDEN, FEATURES
+    sig, tanh = jax.nn.sigmoid, jnp.tanh
+    if c.cell == "rnn":
+        Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
+
+        def cell(h, xt):
+            return tanh(xt @ Wx + h @ Wh + b)
+    else:
+        Wx, Wh, bx, bh = _weights(rng, (F, 3 * H), (H, 3 * H), (3 * H,), (3 * H,))
+
+        def cell(h, xt):  # torch's GRU formula (linear_before_reset)
+            gx, gh = xt @ Wx + bx, h @ Wh + bh
+            r = sig(gx[:, :H] + gh[:, :H])
+            z = sig(gx[:, H:2 * H] + gh[:, H:2 * H])
+            n = tanh(gx[:, 2 * H:] + r * gh[:, 2 * H:])
+            return (1 - z) * n + z * h
+
+    def fn(x):
+        with env.original_shape():
+            h0 = jnp.zeros((x.shape[0], H), jnp.float32)
+
+        def body(t, carry):  # jax2onnx's fori_loop cannot close over a traced x: it is carried
+            h, xs = carry
+            return cell(h, jax.lax.dynamic_index_in_dim(xs, t, axis=1, keepdims=False)), xs
+
+        return jax.lax.fori_loop(0, TIME, body, (h0, x))[0]
+
+    return fn, [("x", ("B", TIME, F), "float32")]
+
+
+BUILDERS = {"rnn": build_rnn, "bidir": build_rnn, "nnx_scan": build_nnx_scan, "hand": build_hand, "fori": build_fori}
+
+
+# --------------------------------------------------------------------------- inputs, export, files
+
+
+def input_sets(c: Case, specs, rng: np.random.Generator) -> dict[str, dict[str, np.ndarray]]:
+    sets = {}
+    for set_name in c.sets:
+        if c.masked:
+            keep = np.array([[ch == "1" for ch in row] for row in MASK_PATTERNS[set_name]])
+            batch, steps = keep.shape
+        elif c.lengths:
+            lengths = np.array(LENGTH_SETS[set_name], np.int32)
+            batch, steps = len(lengths), TIME
+        else:
+            batch = int(set_name[1:].split("_")[0])
+            steps = int(set_name.split("_t")[1]) if "_t" in set_name else TIME
+        feeds = {}
+        for name, shape, dtype in specs:
+            if name == "x":
+                x = rng.standard_normal((batch, steps, FEATURES)).astype(np.float32)
+                if c.masked:
+                    x[~keep] = 0.0
+                feeds[name] = x
+            elif name == "mask":
+                feeds[name] = keep
+            elif name == "lengths":
+                feeds[name] = lengths
+            else:
+                feeds[name] = rng.standard_normal((batch,) + tuple(shape[1:])).astype(np.float32)
+        sets[set_name] = feeds
+    return sets
+
+
+def graph_ops(graph) -> list[str]:
+    ops = []
+    for node in graph.node:
+        ops.append(node.op_type)
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                ops.extend(graph_ops(sub))
+    return ops
+
+
+def expectation(c: Case) -> dict:
+    if c.declined:
+        return {"declined": c.declined}
+    op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN"}[c.cell]
+    n = 2 if c.model == "bidir" else 1
+    return {"ops": {op: n}, "absent": ["Loop", "Scan"]}
+
+
+def generate(env: Env, c: Case, out_dir: Path) -> dict:
+    for suffix in (".onnx", ".npz", ".json"):
+        (out_dir / f"{c.name}{suffix}").unlink(missing_ok=True)
+    seed = zlib.crc32(c.name.encode()) % (2**31)
+    rng = np.random.default_rng(seed)
+    fn, specs = BUILDERS[c.model](env, c, seed)
+    jax = env.jax
+    shapes = []
+    for name, shape, dtype in specs:
+        if dtype == "float32":
+            shapes.append(shape)
+        else:  # jax2onnx takes a ShapeDtypeStruct for other dtypes, with symbolic dims
+            shapes.append(jax.ShapeDtypeStruct(shape, getattr(env.jnp, dtype)))
+    model = env.to_onnx(fn, shapes, opset=c.opset, input_names=[n for n, _, _ in specs])
+    env.onnx.checker.check_model(model)
+    sets = input_sets(c, specs, rng)
+    arrays = {}
+    for s, feeds in sets.items():
+        outs = jax.tree_util.tree_leaves(fn(*[feeds[n] for n, _, _ in specs]))
+        if len(outs) != len(model.graph.output):
+            raise RuntimeError(f"{len(outs)} JAX outputs, {len(model.graph.output)} graph outputs")
+        for name, value in feeds.items():
+            arrays[f"in/{s}/{name}"] = value
+        for k, value in enumerate(outs):
+            arrays[f"out/{s}/{k}"] = np.asarray(value)
+    ops = graph_ops(model.graph)
+    meta = {
+        "name": c.name,
+        "exporter": "jax2onnx",
+        "model": c.model,
+        "cell": c.cell,
+        "opts": c.opts,
+        "expect": expectation(c),
+        "sets": c.sets,
+        "masked": c.masked,
+        "opset": c.opset,
+        "dynamic_time": c.dynamic_time,
+        "exported_ops": {op: ops.count(op) for op in ("LSTM", "GRU", "RNN", "Loop", "Scan") if op in ops},
+        "notes": c.notes,
+    }
+    env.onnx.save(model, str(out_dir / f"{c.name}.onnx"))
+    np.savez(out_dir / f"{c.name}.npz", **arrays)
+    (out_dir / f"{c.name}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="directory for <case>.onnx/.npz/.json")
+    parser.add_argument("--only", nargs="+", action="extend", metavar="SUBSTR")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args(argv)
+    cases = [c for c in CASES if not args.only or any(s in c.name for s in args.only)]
+    if args.list:
+        print("\n".join(c.name for c in cases))
+        return 0
+    if args.out is None:
+        parser.error("--out is required unless --list is given")
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    env = Env()
+    args.out.mkdir(parents=True, exist_ok=True)
+    done, skipped = 0, []
+    for c in cases:
+        start = time.perf_counter()
+        try:
+            meta = generate(env, c, args.out)
+        except Exception as exc:  # one broken case must not stop the others
+            if os.environ.get("JAX_CASES_DEBUG"):
+                raise
+            skipped.append(c.name)
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            print(f"WARNING: skipped {c.name}: {reason}", file=sys.stderr, flush=True)
+            continue
+        done += 1
+        print(f"{c.name}: {time.perf_counter() - start:.1f}s jax2onnx emitted {meta['exported_ops']}", flush=True)
+    print(f"jax: {done} cases written to {args.out}, {len(skipped)} skipped {skipped or ''}")
+    return 0 if done else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,7 +26,7 @@ from rnnfuse.recurrence import Init, Recurrence
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.step import StepOut, StepState, analyse
-from rnnfuse.symbolic import C, Bool, Opaque, State, StepEvaluator, Sym, X, Poly
+from rnnfuse.symbolic import Const, BoolMask, Opaque, State, StepEvaluator, SymTensor, StepInput, Poly
 
 
 def init_of(g: Graph, name: str) -> Init:
@@ -235,7 +235,7 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
             if rank == 3 and g.model.shape(data)[2] not in (1,):
                 raise Decline("the mask is not one value per row")
             mask_outer = data
-            leaves[n.output[0]] = Bool("m", False, rank == 3)
+            leaves[n.output[0]] = BoolMask("m", False, rank == 3)
         else:
             if x_outer not in (None, data):
                 raise Decline("two different per-step inputs are read")
@@ -250,8 +250,8 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
         x_atom, x_value = projected_leaf(proj)
     else:
         shape = g.model.shape(x_outer)
-        x_atom = X("x", shape[2] if shape and isinstance(shape[2], int) else None)
-        x_value = Sym(Poly.atom(x_atom))
+        x_atom = StepInput("x", shape[2] if shape and isinstance(shape[2], int) else None)
+        x_value = SymTensor(Poly.atom(x_atom))
     for r in x_reads:
         leaves[r] = x_value
     if len(reversed_reads) > 1:
@@ -266,15 +266,15 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
         H = shape[-1] if shape and isinstance(shape[-1], int) else None
         st = State(f"s{k}", H)
         states[st.sym] = st
-        leaves[bi] = Sym(Poly.atom(st))
+        leaves[bi] = SymTensor(Poly.atom(st))
     for bi, init in invariants.items():
         c = g.const(init)
         if c is not None:
-            leaves[bi] = C(c)
+            leaves[bi] = Const(c)
             continue
         fv = g.fill_value(init)
         if fv is not None:
-            leaves[bi] = C(np.array(fv, dtype=np.float32))
+            leaves[bi] = Const(np.array(fv, dtype=np.float32))
         else:
             leaves[bi] = Opaque(f"loop-carried '{bi}' is computed at runtime (weights not constant?)")
     for name in index_syms:
@@ -353,7 +353,7 @@ def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, ev: StepEva
     cat = users[0]
     axis, new_axis = attr(cat, "axis", 0), attr(cat, "new_axis", 0)
     val = ev.value(n.input[1])
-    if not isinstance(val, Sym):
+    if not isinstance(val, SymTensor):
         raise Decline("the appended value is not a cell output")
     lead = val.lead
     # element [1, B, H] concatenated on axis 0, or [B, H] stacked with new_axis on axis 0

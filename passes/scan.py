@@ -18,7 +18,7 @@ from rnnfuse.recurrence import Recurrence
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.step import StepOut, StepState, analyse
-from rnnfuse.symbolic import C, Bool, Opaque, Poly, State, StepEvaluator, Sym, X
+from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, StepEvaluator, SymTensor, StepInput
 
 from .loop import init_of
 
@@ -65,7 +65,7 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
             if rank not in (2, 3):
                 raise Decline(f"the scanned mask has rank {rank}")
             mask_outer, m_dir, m_axis = outer, in_dirs[j], ax
-            leaves[inner] = Bool("m", False, rank == 3)
+            leaves[inner] = BoolMask("m", False, rank == 3)
         else:
             if x_outer is not None:
                 raise Decline("more than one scanned input")
@@ -78,8 +78,8 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
                 x_outer = proj[0]
             else:
                 shape = g.model.shape(outer)
-                x_atom = X("x", shape[2] if shape and isinstance(shape[2], int) else None)
-                leaves[inner] = Sym(Poly.atom(x_atom))
+                x_atom = StepInput("x", shape[2] if shape and isinstance(shape[2], int) else None)
+                leaves[inner] = SymTensor(Poly.atom(x_atom))
     if x_outer is None:
         raise Decline("no scanned float input")
     if mask_outer is not None and (m_dir, m_axis) != (x_dir, x_axis):
@@ -92,7 +92,7 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
         if _passthrough(body, k):
             c = g.const(init)
             fv = g.fill_value(init)
-            leaves[bin_[k]] = C(c) if c is not None else C(np.array(fv, np.float32)) if fv is not None else Opaque(
+            leaves[bin_[k]] = Const(c) if c is not None else Const(np.array(fv, np.float32)) if fv is not None else Opaque(
                 f"scan state '{bin_[k]}' is passed through but computed at runtime")
             if k < len(scan.output) and scan.output[k] and g.n_uses(scan.output[k]):
                 aliases[scan.output[k]] = init
@@ -101,7 +101,7 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
         H = shape[-1] if shape and isinstance(shape[-1], int) else None
         st = State(f"s{k}", H)
         states[st.sym] = st
-        leaves[bin_[k]] = Sym(Poly.atom(st))
+        leaves[bin_[k]] = SymTensor(Poly.atom(st))
         recurrent.append(k)
     if not recurrent:
         raise Decline("no recurrent state")

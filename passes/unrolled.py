@@ -36,7 +36,7 @@ from rnnfuse.recurrence import CellCheck, FinalOutput, Init, Recurrence
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.step import StepOut, StepState, analyse
-from rnnfuse.symbolic import Bool, Fill, Poly, State, StepEvaluator, Sym, X, content_key, loose_key, zero_states
+from rnnfuse.symbolic import BoolMask, Fill, Poly, State, StepEvaluator, SymTensor, StepInput, content_key, loose_key, zero_states
 
 # ops a carried state passes through on its way to a combining node (one non-constant input each)
 _STATE_SIDE = {"Gemm", "MatMul", "Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Add", "Mul", "Sub", "Cast", "Gather"}
@@ -457,22 +457,22 @@ C_STATE = State("c", None)
 class _StepEval:
     """Symbolic evaluation of one step: x, mask and h are leaves, the one other older value is state c."""
 
-    def __init__(self, g: Graph, chain: Chain, k: int, iv, h_in: str | None, x_atom: X, x_value=None):
+    def __init__(self, g: Graph, chain: Chain, k: int, iv, h_in: str | None, x_atom: StepInput, x_value=None):
         st = chain.steps[k]
         self.foreign = _Foreign(st.t)
-        leaves = {st.x: x_value if x_value is not None else Sym(Poly.atom(x_atom))}
+        leaves = {st.x: x_value if x_value is not None else SymTensor(Poly.atom(x_atom))}
         if h_in is not None:
             fv = g.fill_value(h_in)
-            leaves[h_in] = Sym(Poly.atom(H_STATE), lead_of(g, h_in) or 0) if fv is None else Fill(np.array(fv, dtype=np.float32))
+            leaves[h_in] = SymTensor(Poly.atom(H_STATE), lead_of(g, h_in) or 0) if fv is None else Fill(np.array(fv, dtype=np.float32))
         for m, sym in st.masks.items():
-            leaves[m] = Bool(sym, False, g.model.rank(m) == 2)
+            leaves[m] = BoolMask(sym, False, g.model.rank(m) == 2)
 
         def foreign(name: str):
             fv = g.fill_value(name)
             if fv is not None:  # a zero (or constant) state of runtime shape, e.g. ConstantOfShape(Shape(x))
                 return Fill(np.array(fv, dtype=np.float32))
             self.foreign(name)
-            return Sym(Poly.atom(C_STATE), lead_of(g, name) or 0)
+            return SymTensor(Poly.atom(C_STATE), lead_of(g, name) or 0)
 
         self.ev = StepEvaluator(g, leaves, may_evaluate=_allowed_fn(g, chain, k, iv), foreign=foreign, content_keys=True)
 
@@ -586,7 +586,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
     if proj is not None:
         x_atom, x_value = projected_leaf(proj)
     else:
-        x_atom = X("x", static_dim(g, src, 2))
+        x_atom = StepInput("x", static_dim(g, src, 2))
     h_in: list[str | None] = [None] * n
     for k in range(1, n):
         h_in[k] = _single_root(steps[k])
@@ -684,7 +684,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
                     raise Decline(f"step {ts[k]}'s carried output cannot be found")
             sig_y[k] = signer.sign(ys[k], leaves[k], allowed[k], foreign[k], chain_nodes)
         if y_carried:
-            mid.ev.memo[ys[km - 1]] = Sym(Poly.atom(Y_STATE), lead_of(g, ys[km - 1]) or 0)
+            mid.ev.memo[ys[km - 1]] = SymTensor(Poly.atom(Y_STATE), lead_of(g, ys[km - 1]) or 0)
         ref["y"] = mid.poly(ys[km])
         ref_sig["y"] = sig_y[km]
         series["y"], sigs["y"] = ys, sig_y
@@ -726,7 +726,7 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: _S
             e = _StepEval(g, chain, k, iv, h_in[k], x_atom, x_value)
             prev = (ys[k - 1] if k > 0 else y0) if y_carried else None
             if prev is not None:
-                e.ev.memo[prev] = Sym(Poly.atom(Y_STATE), lead_of(g, prev) or 0)
+                e.ev.memo[prev] = SymTensor(Poly.atom(Y_STATE), lead_of(g, prev) or 0)
             p = e.poly(name)
             chain_nodes |= e.ev.visited_nodes
             if k == 0 and zero:

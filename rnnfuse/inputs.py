@@ -9,7 +9,7 @@ lets the native op take ``X0`` with ``W = K^T``.
 from __future__ import annotations
 
 from .graph import Graph, attr
-from .symbolic import X, ConstRef, Lin, LinAtom, Poly, Sym
+from .symbolic import StepInput, ConstRef, Lin, LinAtom, Poly, SymTensor
 
 
 def input_projection(g: Graph, src: str, axis: int = 0):
@@ -53,9 +53,9 @@ def input_projection(g: Graph, src: str, axis: int = 0):
 
 
 
-def projected_leaf(proj) -> tuple[X, Sym]:
+def projected_leaf(proj) -> tuple[StepInput, SymTensor]:
     """The step-input atom (width of X0) and the symbolic value of one projected step ``x0 @ K + b``."""
     _, K, bias = proj
-    x_atom = X("x", int(K.shape[0]))
+    x_atom = StepInput("x", int(K.shape[0]))
     lin = Lin.make([(x_atom.key, ConstRef.of(K))], [ConstRef.of(bias)] if bias is not None else [], int(K.shape[1]))
-    return x_atom, Sym(Poly.atom(LinAtom(lin)))
+    return x_atom, SymTensor(Poly.atom(LinAtom(lin)))

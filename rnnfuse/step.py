@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from .cells import Recognised, recognise
 from .errors import Decline
 from .recurrence import CARRY, NONE, ZERO, FinalOutput, Init, SeqOutput
-from .symbolic import Act, LinAtom, Poly, State, X
+from .symbolic import GATED_ROW, MASK, STATE, Act, LinAtom, Poly, State, StepInput
 
 
 @dataclass
@@ -49,7 +49,7 @@ def split_mask(p: Poly) -> tuple[Poly, Poly | None, set]:
     syms: set = set()
     atoms_old, atoms_delta = {}, {}
     for mono, c in p.terms.items():
-        mkeys = [k for k in mono if k[0] == "M"]
+        mkeys = [k for k in mono if k[0] == MASK]
         if not mkeys:
             old[mono] = old.get(mono, 0.0) + c
             continue
@@ -78,14 +78,14 @@ def _reads(p: Poly) -> set:
                 stack.append(a.arg)
             elif isinstance(a, LinAtom):
                 for s in a.lin.sources():
-                    if s[0] == "S":
+                    if s[0] == STATE:
                         out.add(s[1])
-                    elif s[0] == "P":
-                        out.update(k[1] for k in s[1] if k[0] == "S")
+                    elif s[0] == GATED_ROW:
+                        out.update(k[1] for k in s[1] if k[0] == STATE)
     return out
 
 
-def analyse(x: X, states: list[StepState], outs: list[StepOut], state_atoms: dict[str, State]) -> StepAnalysis:
+def analyse(x: StepInput, states: list[StepState], outs: list[StepOut], state_atoms: dict[str, State]) -> StepAnalysis:
     if not states:
         raise Decline("no carried state")
     mask_syms: set = set()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..errors import Decline
 from ..graph import attr
-from ..symbolic import ACTIVATIONS, Act, LinAtom, Poly
+from ..symbolic import ACTIVATIONS, GATED_ROW, Act, LinAtom, Poly
 from .kind import CellKind, activate, bias_of, gate, split_biases, weight_block
 from .match import check_sources, gate_parts, make_spec
 
@@ -147,7 +147,7 @@ def _candidate_gated_state(arg: Poly, hs):
     if not (sa and sa[1] == 1.0 and isinstance(sa[0], LinAtom)):
         raise Decline(f"the candidate is not an activation of an affine map ({arg!r})")
     h_lin = sa[0].lin
-    gated_srcs = [s for s in h_lin.sources() if s[0] == "P"]
+    gated_srcs = [s for s in h_lin.sources() if s[0] == GATED_ROW]
     if len(gated_srcs) != 1:
         raise Decline("the candidate does not read the reset-gated state r*h")
     gated = gated_srcs[0]

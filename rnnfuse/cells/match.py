@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import Decline
-from ..symbolic import ACTIVATIONS, Act, ConstRef, Lin, LinAtom, Poly, State
+from ..symbolic import ACTIVATIONS, STATE, STEP_INPUT, Act, ConstRef, Lin, LinAtom, Poly, State
 from .spec import CellSpec
 
 
@@ -53,9 +53,9 @@ def check_sources(lin: Lin, allowed: set, what: str) -> None:
 
 
 def _source_description(s) -> str:
-    if s[0] == "S":
+    if s[0] == STATE:
         return f"state {s[1]}"
-    if s[0] == "X":
+    if s[0] == STEP_INPUT:
         return f"input {s[1]}"
     return "a gated state"
 

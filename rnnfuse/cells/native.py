@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import Decline
 from ..graph import attr
-from ..symbolic import C, Poly, Row, State, Sym, as_row, register_handler
+from ..symbolic import Const, Poly, ConcatRows, State, SymTensor, as_rows, register_handler
 from .kinds import KINDS
 
 
@@ -23,9 +23,9 @@ def native_step_polys(ev, node, ins):
     names = kind.inputs
     vals = dict(zip(names, list(ins[: len(names)]) + [None] * (len(names) - len(ins))))
     for k in ("W", "R"):
-        if not isinstance(vals[k], C):
+        if not isinstance(vals[k], Const):
             raise Decline(f"the {k} weights of the inner {op} are computed at runtime")
-    if vals["B"] is not None and not isinstance(vals["B"], C):
+    if vals["B"] is not None and not isinstance(vals["B"], Const):
         raise Decline("the inner op's bias is computed at runtime")
     if vals["sequence_lens"] is not None:
         raise Decline("an inner op with sequence_lens")
@@ -35,18 +35,18 @@ def native_step_polys(ev, node, ins):
     state_polys = {"h": Poly.atom(h_atom)}
     for s in kind.states[1:]:
         v = vals[f"initial_{s}"]
-        if not isinstance(v, Sym) or v.lead != 1:
+        if not isinstance(v, SymTensor) or v.lead != 1:
             raise Decline(f"the inner op's initial_{s} is not the carried state")
         state_polys[s] = v.poly
     B = vals["B"].arr if vals["B"] is not None else None
     spec = kind.spec_from_onnx(node, vals["W"].arr, vals["R"].arr, B, x_atom.key, h_atom.key)
     polys = spec.step_polys(x_poly, state_polys["h"], state_polys.get("c"))
-    outs = [Sym(polys["h"], 2)] + [Sym(polys[s], 1) for s in kind.states]
+    outs = [SymTensor(polys["h"], 2)] + [SymTensor(polys[s], 1) for s in kind.states]
     return outs[: len(node.output)]
 
 
 def _step_input(xv):
-    xrow = as_row(xv) if isinstance(xv, (Sym, Row)) else None
+    xrow = as_rows(xv) if isinstance(xv, (SymTensor, ConcatRows)) else None
     if xrow is None or xrow.lead != 1 or len(xrow.segments) != 1:
         raise Decline("the inner op's input is not the step input")
     x_poly = xrow.segments[0][2]
@@ -54,7 +54,7 @@ def _step_input(xv):
 
 
 def _carried_state(hv) -> State:
-    if not isinstance(hv, Sym) or hv.lead != 1:
+    if not isinstance(hv, SymTensor) or hv.lead != 1:
         raise Decline("the inner op's initial_h is not the carried state")
     hsa = hv.poly.single_atom()
     if not hsa or not isinstance(hsa[0], State) or hsa[1] != 1.0:

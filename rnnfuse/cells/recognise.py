@@ -15,7 +15,7 @@ from itertools import permutations
 import numpy as np
 
 from ..errors import Decline
-from ..symbolic import Act, ConstRef, Lin, LinAtom, Poly, State, X, substitute
+from ..symbolic import Act, ConstRef, Lin, LinAtom, Poly, State, StepInput, substitute
 from .kinds import KINDS
 from .spec import CellSpec
 
@@ -27,7 +27,7 @@ class Recognised:
         self.spec, self.h, self.c = spec, h, c
 
 
-def recognise(new: dict[str, Poly], x: X, states: dict[str, State]) -> Recognised:
+def recognise(new: dict[str, Poly], x: StepInput, states: dict[str, State]) -> Recognised:
     """Find the native cell whose step maths equal ``new`` (state symbol -> polynomial of its new value)."""
     syms = list(states)
     kinds = [k for k in KINDS.values() if len(k.states) == len(syms)]

@@ -1,0 +1,398 @@
+"""The algebra of one recurrence step: constants with identity, affine maps, atoms and polynomials.
+
+* :class:`ConstRef` -- a constant (usually a weight) plus a hashable key saying where its values come from.
+* :class:`Lin` -- an affine map of leaf rows: ``sum(src_k @ W_k) + sum(b_j)``; weights are exact slices
+  (views) of the model's constants, never recomputed.
+* atoms -- :class:`State` (a carried state h/c), :class:`Mask` (the 0/1 float of a step mask),
+  :class:`StepInput` (the step input x), :class:`LinAtom` (a Lin used elementwise) and :class:`Act` (an
+  activation applied to a polynomial).
+* :class:`Poly` -- a polynomial with scalar coefficients over atoms (a dict from sorted atom-key tuples).
+
+Keys are tuples whose first element says what kind of leaf or atom they name (the tags below). The tags
+are single letters because keys are sorted by their text: other letters would reorder terms, and with them
+the text of decline reasons.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import Decline
+
+# what a key names (first element of a source key of a Lin term, or of an atom key)
+STATE = "S"  # a carried state: ("S", symbol)
+STEP_INPUT = "X"  # the step input: ("X", symbol)
+GATED_ROW = "P"  # a product of a state and gates used as a matmul operand (GRU's r*h): ("P", monomial)
+ZERO_ROW = "Z"  # a matmul operand known to be zero: ("Z",)
+MASK = "M"  # the 0/1 float of a step mask: ("M", symbol)
+AFFINE = "L"  # an affine map used elementwise: ("L", lin key)
+ACTIVATION = "A"  # an activation of a polynomial: ("A", name, params, argument key)
+CONTENT = "D"  # a constant named by its bytes: ("D", digest, shape, dtype)
+INITIALIZER = "I"  # a constant named by its tensor name: ("I", name)
+
+
+class ConstRef:
+    """A constant tensor (usually a weight) plus a hashable key describing where its values come from."""
+
+    __slots__ = ("key", "arr")
+
+    def __init__(self, key, arr: np.ndarray):
+        self.key = key
+        self.arr = arr
+
+    @staticmethod
+    def of(arr: np.ndarray, hint: str = "") -> "ConstRef":
+        a = np.ascontiguousarray(arr)
+        h = hashlib.blake2b(a.tobytes(), digest_size=12).hexdigest()
+        return ConstRef((CONTENT, h, a.shape, str(a.dtype)), a)
+
+    def T(self) -> "ConstRef":
+        return ConstRef((self.key, "T"), self.arr.T)
+
+    def cols(self, start: int, stop: int) -> "ConstRef":
+        if start == 0 and stop == self.arr.shape[-1]:
+            return self
+        return ConstRef((self.key, "c", start, stop), self.arr[..., start:stop])
+
+    def rows(self, start: int, stop: int) -> "ConstRef":
+        if start == 0 and stop == self.arr.shape[0]:
+            return self
+        return ConstRef((self.key, "r", start, stop), self.arr[start:stop])
+
+    def scaled(self, c: float) -> "ConstRef":
+        if c == 1.0:
+            return self
+        return ConstRef((self.key, "s", float(c)), (self.arr * np.asarray(c, dtype=self.arr.dtype)).astype(self.arr.dtype))
+
+    @property
+    def ncols(self) -> int:
+        return int(self.arr.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------------------
+# affine maps
+
+
+@dataclass(frozen=True)
+class Lin:
+    """``sum(src @ W for src, W in terms) + sum(biases)``, shape [B, ncols]."""
+
+    terms: tuple  # of (src_key, ConstRef[in, ncols])
+    biases: tuple  # of ConstRef[ncols]
+    ncols: int
+    key: tuple = field(compare=False, default=())
+    rows: dict = field(compare=False, default_factory=dict)  # src_key -> Poly of a gated row (r*h)
+
+    @staticmethod
+    def make(terms, biases, ncols, rows=None) -> "Lin":
+        terms = tuple(sorted(terms, key=lambda t: repr((t[0], t[1].key))))
+        biases = tuple(sorted(biases, key=lambda b: repr(b.key)))
+        key = (tuple((s, w.key) for s, w in terms), tuple(b.key for b in biases))
+        return Lin(terms, biases, ncols, key, dict(rows or {}))
+
+    def cols(self, start: int, stop: int) -> "Lin":
+        return Lin.make(
+            [(s, w.cols(start, stop)) for s, w in self.terms], [b.cols(start, stop) for b in self.biases], stop - start,
+            self.rows,
+        )
+
+    def plus(self, other: "Lin") -> "Lin":
+        if self.ncols != other.ncols:
+            raise Decline(f"adding affine maps of widths {self.ncols} and {other.ncols}")
+        return Lin.make(self.terms + other.terms, self.biases + other.biases, self.ncols, {**self.rows, **other.rows})
+
+    def scaled(self, c: float) -> "Lin":
+        return Lin.make([(s, w.scaled(c)) for s, w in self.terms], [b.scaled(c) for b in self.biases], self.ncols, self.rows)
+
+    def sources(self) -> set:
+        return {s for s, _ in self.terms}
+
+    def weight_for(self, src) -> ConstRef | None:
+        ws = [w for s, w in self.terms if s == src]
+        if len(ws) > 1:
+            raise Decline("the same input is multiplied by two weight matrices in one gate")
+        return ws[0] if ws else None
+
+    def bias_sum(self) -> np.ndarray | None:
+        if not self.biases:
+            return None
+        out = self.biases[0].arr.astype(np.float64)
+        for b in self.biases[1:]:
+            out = out + b.arr
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# atoms and polynomials
+
+
+class Atom:
+    __slots__ = ("key", "ncols")
+
+
+class State(Atom):
+    __slots__ = ("sym",)
+
+    def __init__(self, sym: str, ncols: int | None):
+        self.sym, self.ncols, self.key = sym, ncols, (STATE, sym)
+
+
+class Mask(Atom):
+    """1.0 where the step's mask is true, 0.0 where it is false; one value per batch row."""
+
+    __slots__ = ("sym",)
+
+    def __init__(self, sym: str):
+        self.sym, self.ncols, self.key = sym, 1, (MASK, sym)
+
+
+class StepInput(Atom):
+    __slots__ = ("sym",)
+
+    def __init__(self, sym: str, ncols: int | None):
+        self.sym, self.ncols, self.key = sym, ncols, (STEP_INPUT, sym)
+
+
+class LinAtom(Atom):
+    __slots__ = ("lin",)
+
+    def __init__(self, lin: Lin):
+        self.lin, self.ncols, self.key = lin, lin.ncols, (AFFINE, lin.key)
+
+
+class Act(Atom):
+    """An elementwise activation ``kind(params)`` applied to polynomial ``arg``."""
+
+    __slots__ = ("kind", "params", "arg")
+
+    def __init__(self, kind: str, params: tuple, arg: "Poly"):
+        self.kind, self.params, self.arg = kind, tuple(float(p) for p in params), arg
+        self.ncols = arg.ncols
+        self.key = (ACTIVATION, kind, self.params, arg.key)
+
+
+class Poly:
+    """Polynomial over atoms with float coefficients: ``{(atom_key, ...): coeff}`` plus an atom table."""
+
+    __slots__ = ("terms", "atoms", "_key")
+
+    def __init__(self, terms: dict, atoms: dict):
+        self.terms = {m: c for m, c in terms.items() if c != 0.0}
+        self.atoms = {k: atoms[k] for m in self.terms for k in m}
+        self._key = None
+
+    # construction
+    @staticmethod
+    def const(c: float) -> "Poly":
+        return Poly({(): float(c)}, {})
+
+    @staticmethod
+    def atom(a: Atom) -> "Poly":
+        return Poly({(a.key,): 1.0}, {a.key: a})
+
+    @property
+    def key(self):
+        if self._key is None:
+            self._key = tuple(sorted(((m, c) for m, c in self.terms.items()), key=repr))
+        return self._key
+
+    @property
+    def ncols(self) -> int | None:
+        n = None
+        for a in self.atoms.values():
+            if a.ncols is not None and a.ncols != 1:
+                n = a.ncols if n is None else max(n, a.ncols)
+        if n is None and any(a.ncols == 1 for a in self.atoms.values()):
+            return 1
+        return n
+
+    def is_const(self) -> bool:
+        return all(m == () for m in self.terms)
+
+    def const_value(self) -> float:
+        return self.terms.get((), 0.0)
+
+    # algebra
+    def add(self, other: "Poly") -> "Poly":
+        t = dict(self.terms)
+        for m, c in other.terms.items():
+            t[m] = t.get(m, 0.0) + c
+        return Poly(t, {**self.atoms, **other.atoms}).canon()
+
+    def scale(self, c: float) -> "Poly":
+        return Poly({m: v * c for m, v in self.terms.items()}, self.atoms)
+
+    def sub(self, other: "Poly") -> "Poly":
+        return self.add(other.scale(-1.0))
+
+    def mul(self, other: "Poly") -> "Poly":
+        t: dict = {}
+        for m1, c1 in self.terms.items():
+            for m2, c2 in other.terms.items():
+                m = tuple(sorted(m1 + m2, key=repr))
+                t[m] = t.get(m, 0.0) + c1 * c2
+        return Poly(t, {**self.atoms, **other.atoms}).canon()
+
+    def canon(self) -> "Poly":
+        """Merge affine terms with equal coefficients into one Lin (x·W + h·R + b is one gate input)."""
+        lins = [(m, c) for m, c in self.terms.items() if len(m) == 1 and m[0][0] == AFFINE]
+        if len(lins) < 2:
+            return self
+        by_coeff: dict[float, list] = {}
+        for m, c in lins:
+            by_coeff.setdefault(c, []).append(m)
+        if all(len(v) == 1 for v in by_coeff.values()):
+            return self
+        t = dict(self.terms)
+        atoms = dict(self.atoms)
+        for c, ms in by_coeff.items():
+            if len(ms) < 2:
+                continue
+            lin = atoms[ms[0][0]].lin
+            for m in ms[1:]:
+                lin = lin.plus(atoms[m[0]].lin)
+            for m in ms:
+                t.pop(m)
+            a = LinAtom(lin)
+            atoms[a.key] = a
+            t[(a.key,)] = t.get((a.key,), 0.0) + c
+        return Poly(t, atoms)
+
+    # views
+    def single_atom(self) -> tuple[Atom, float] | None:
+        """``(atom, coeff)`` if the polynomial is ``coeff * atom``."""
+        if len(self.terms) == 1:
+            (m, c), = self.terms.items()
+            if len(m) == 1:
+                return self.atoms[m[0]], c
+        return None
+
+    def as_lin_offset(self) -> tuple[Lin, float, float] | None:
+        """``(lin, a, b)`` if the polynomial is ``a * lin + b``."""
+        lin, a, b = None, None, 0.0
+        for m, c in self.terms.items():
+            if m == ():
+                b = c
+            elif len(m) == 1 and m[0][0] == AFFINE and lin is None:
+                lin, a = self.atoms[m[0]].lin, c
+            else:
+                return None
+        return (lin, a, b) if lin is not None else None
+
+    def cols(self, start: int, stop: int) -> "Poly":
+        """Columns [start, stop) of every atom (masks broadcast and are unchanged)."""
+        mapping = {}
+        atoms = {}
+        for k, a in self.atoms.items():
+            na = _atom_cols(a, start, stop)
+            mapping[k] = na.key
+            atoms[na.key] = na
+        t = {}
+        for m, c in self.terms.items():
+            nm = tuple(sorted((mapping[k] for k in m), key=repr))
+            t[nm] = t.get(nm, 0.0) + c
+        return Poly(t, atoms).canon()
+
+    def __repr__(self) -> str:
+        return " + ".join(f"{c:g}*" + "*".join(describe(self.atoms[k]) for k in m) if m else f"{c:g}" for m, c in self.terms.items()) or "0"
+
+
+def _atom_cols(a: Atom, start: int, stop: int) -> Atom:
+    if isinstance(a, LinAtom):
+        return LinAtom(a.lin.cols(start, stop))
+    if isinstance(a, Act):
+        return Act(a.kind, a.params, a.arg.cols(start, stop))
+    if isinstance(a, Mask):
+        return a
+    if a.ncols is not None and start == 0 and stop == a.ncols:
+        return a
+    raise Decline(f"a slice of {describe(a)} is used (a state or input split into parts)")
+
+
+def describe(a: Atom) -> str:
+    if isinstance(a, State):
+        return a.sym
+    if isinstance(a, Mask):
+        return "mask"
+    if isinstance(a, StepInput):
+        return "x"
+    if isinstance(a, LinAtom):
+        srcs = ",".join(sorted(_src_name(s) for s in a.lin.sources())) or "const"
+        return f"lin({srcs})"
+    if isinstance(a, Act):
+        return f"{a.kind}({a.arg!r})"
+    return "?"
+
+
+def _src_name(s) -> str:
+    if s[0] in (STATE, STEP_INPUT):
+        return s[1]
+    return "gated"
+
+
+# --------------------------------------------------------------------------------------------------------
+# substitution and loose comparison (chains whose first step saw a zero initial state)
+
+
+def substitute(p: Poly, fn: Callable[[Atom], Poly | None]) -> Poly:
+    """Replace atoms by polynomials (``fn`` returns None to keep an atom); recurses into arguments."""
+    cache: dict = {}
+
+    def atom_poly(a: Atom) -> Poly:
+        if a.key in cache:
+            return cache[a.key]
+        r = fn(a)
+        if r is None:
+            if isinstance(a, Act):
+                r = Poly.atom(Act(a.kind, a.params, substitute(a.arg, fn)))
+            else:
+                r = Poly.atom(a)
+        cache[a.key] = r
+        return r
+
+    out = Poly.const(0.0)
+    for mono, c in p.terms.items():
+        term = Poly.const(c)
+        for k in mono:
+            term = term.mul(atom_poly(p.atoms[k]))
+        out = out.add(term)
+    return out
+
+
+def zero_states(p: Poly, syms: set[str]) -> Poly:
+    """``p`` with the given states set to zero (their matmul terms dropped too)."""
+
+    def fn(a: Atom):
+        if isinstance(a, State) and a.sym in syms:
+            return Poly.const(0.0)
+        if isinstance(a, LinAtom):
+            keep = [(s, w) for s, w in a.lin.terms if not (s[0] == STATE and s[1] in syms) and not (s[0] == GATED_ROW and any(k[0] == STATE and k[1] in syms for k in s[1]))]
+            if len(keep) == len(a.lin.terms):
+                return None
+            if not keep and not a.lin.biases:
+                return Poly.const(0.0)
+            return Poly.atom(LinAtom(Lin.make(keep, a.lin.biases, a.lin.ncols)))
+        return None
+
+    return substitute(p, fn)
+
+
+def loose_key(p: Poly):
+    """Like ``p.key`` but biases compare by value (a folded ``0 @ W + b`` equals ``b``)."""
+
+    def akey(a: Atom):
+        if isinstance(a, LinAtom):
+            s = a.lin.bias_sum()
+            return (AFFINE, tuple(sorted(repr((t[0], t[1].key)) for t in a.lin.terms)), None if s is None else s.tobytes())
+        if isinstance(a, Act):
+            return (ACTIVATION, a.kind, a.params, loose_key(a.arg))
+        return a.key
+
+    items = []
+    for mono, c in p.terms.items():
+        items.append((tuple(sorted(repr(akey(p.atoms[k])) for k in mono)), c))
+    return tuple(sorted(items, key=repr))

@@ -1,0 +1,217 @@
+"""Symbolic evaluation of one recurrence step: a subgraph becomes polynomials over cell atoms.
+
+A step of a recurrent layer, whatever exporter wrote it, computes elementwise combinations of a few kinds of
+things. Evaluating the step's nodes over these abstract values gives one canonical form per output, so the
+same maths written with other node orders, Gemm vs MatMul+Add, Split vs Slice, Where vs Mul/Add of casts,
+Concat([x, h])·W vs x·W + h·R, all land on the same polynomial. Anything outside the algebra (a vector
+coefficient, a matmul of a non-leaf, an unsupported op on the recurrent path) raises
+:class:`~rnnfuse.errors.Decline` with the reason, so a near-miss cell is never fused.
+
+The semantics of each ONNX op live in :mod:`.ops_math` and :mod:`.ops_shape`; ops of higher layers (native
+cells) are added with :func:`register_handler`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from ..errors import Decline
+from ..fold import evaluate
+from ..graph import Graph, attr
+from . import ops_math, ops_shape
+from .algebra import CONTENT, INITIALIZER, ConstRef, Poly
+from .values import Const, Fill, Opaque, RowConst, ShapeValue, Value, as_poly
+
+
+def content_key(graph: Graph, name: str, arr: np.ndarray):
+    """A key for a named constant that equal bytes share (per-step copies of one weight)."""
+    cache = graph.model.annotations.setdefault("content_keys", {})
+    k = cache.get(name)
+    if k is None:
+        a = np.ascontiguousarray(arr)
+        k = (CONTENT, hashlib.blake2b(a.tobytes(), digest_size=12).hexdigest(), a.shape, str(a.dtype))
+        cache[name] = k
+    return k
+
+
+_HANDLERS: dict[str, Callable] = {**ops_math.HANDLERS, **ops_shape.HANDLERS}
+
+
+def register_handler(op_type: str, handler: Callable) -> None:
+    """Give the evaluator the semantics of an op defined in a higher layer (native cells: :mod:`rnnfuse.cells`)."""
+    _HANDLERS[op_type] = handler
+
+
+# --------------------------------------------------------------------------------------------------------
+# the evaluator
+
+
+class StepEvaluator:
+    """Evaluates tensors of one step over symbolic values, on demand and memoised.
+
+    ``leaves`` seeds tensor names with values (states, step inputs, masks). ``may_evaluate(node)`` limits
+    which producers belong to the step (a chain step must not walk into the previous step). A name that is
+    neither a leaf, nor constant, nor produced by an allowed node evaluates to :class:`Opaque`.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        leaves: dict[str, Value],
+        may_evaluate: Callable[[onnx.NodeProto], bool] | None = None,
+        foreign: Callable[[str], Value] | None = None,
+        content_keys: bool = False,
+    ):
+        self.graph = graph
+        self.memo: dict[str, Value] = dict(leaves)
+        self.may_evaluate = may_evaluate or (lambda n: True)
+        self.opset = graph.model.opset
+        self.visited_nodes: set[int] = set()
+        self.foreign = foreign
+        self.content_keys = content_keys
+
+    def _const_key(self, name: str, arr: np.ndarray):
+        if not self.content_keys:
+            return (INITIALIZER, name)
+        return content_key(self.graph, name, arr)
+
+    # ---- public
+    def value(self, name: str) -> Value:
+        if name in self.memo:
+            return self.memo[name]
+        # iterative post-order to avoid deep recursion on long bodies
+        stack = [name]
+        while stack:
+            cur = stack[-1]
+            if cur in self.memo:
+                stack.pop()
+                continue
+            c = self.graph.const(cur) if cur else None
+            if c is not None:
+                self.memo[cur] = Const(c, ConstRef(self._const_key(cur, c), c))
+                stack.pop()
+                continue
+            g = self.graph.scope_of(cur)
+            node = g.producer.get(cur) if g is self.graph else None
+            if node is not None and node.op_type in ("ConstantOfShape", "Expand"):
+                fv = self.graph.fill_value(cur)
+                if fv is not None:  # a constant of runtime shape (zero states): its value is all that matters
+                    self.memo[cur] = Fill(np.array(fv, dtype=np.float32))
+                    stack.pop()
+                    continue
+            if node is None or not self.may_evaluate(node):
+                if self.foreign is not None:
+                    self.memo[cur] = self.foreign(cur)
+                else:
+                    fv = self.graph.fill_value(cur)
+                    self.memo[cur] = (
+                        Fill(np.array(fv, dtype=np.float32))
+                        if fv is not None
+                        else Opaque(f"'{cur}' is computed at runtime outside the step")
+                    )
+                stack.pop()
+                continue
+            pending = [i for i in node.input if i and i not in self.memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            self.visited_nodes.add(id(node))
+            ins = [self.memo[i] if i else None for i in node.input]
+            try:
+                outs = self._eval_node(node, ins)
+            except Decline as d:
+                outs = [Opaque(f"{node.op_type} '{node.name or node.output[0]}': {d.reason}")] * len(node.output)
+            for o, v in zip(node.output, outs):
+                if o:
+                    self.memo[o] = v
+        return self.memo[name]
+
+    def poly(self, name: str) -> Poly:
+        """The polynomial of an elementwise [B, N] tensor, or Decline with the reason it has none."""
+        return as_poly(self.value(name), name)
+
+    # ---- nodes
+    def _eval_node(self, node: onnx.NodeProto, ins: list[Value | None]) -> list[Value]:
+        op = node.op_type
+        if node.domain not in ("", "ai.onnx"):
+            raise Decline(f"custom op {node.domain}::{op} in the step")
+        for k, v in enumerate(ins):
+            if isinstance(v, Opaque):
+                if op in ("MatMul", "Gemm") and k == 1 and v.why.startswith("'"):
+                    return [Opaque(f"the weights {v.why.split(' ')[0]} of {op} '{node.name or node.output[0]}' are computed at runtime, not constants")] * len(node.output)
+                return [v] * len(node.output)  # keep the first reason, unprefixed
+        if any(isinstance(v, ShapeValue) for v in ins):
+            return _shape_op(self, node, ins)
+        if all(isinstance(v, Const) or v is None for v in ins):
+            if any(isinstance(v, (Fill, RowConst)) for v in ins):
+                return _fill_op(self, node, ins)
+            res = evaluate(node, [v.arr if v is not None else None for v in ins], self.opset)
+            if res is None:
+                raise Decline(f"cannot evaluate constant {op}")
+            return [Const(r) for r in res]
+        h = _HANDLERS.get(op)
+        if h is None:
+            raise Decline(f"unsupported op {op} on the recurrent path")
+        return h(self, node, ins)
+
+
+_FILL_KEEPS = {"Identity", "Cast", "Squeeze", "Unsqueeze", "Reshape", "Transpose", "Flatten", "Split", "Slice", "Gather", "Expand", "Tile", "Concat"}
+
+
+def _fill_op(ev, node, ins):
+    """Constant folding when a runtime-shaped fill is involved: only its value matters."""
+    op = node.op_type
+    if op == "Shape":
+        v = ins[0]
+        dims = [None] * max(np.asarray(v.arr).ndim, 2)
+        if isinstance(v, RowConst):
+            dims[-1] = int(v.arr.shape[-1])
+        start, end = attr(node, "start", 0), attr(node, "end", None)
+        dims = dims[start:end]
+        return [Const(np.array(dims, dtype=np.int64))] if all(d is not None for d in dims) else [ShapeValue(dims)]
+    if any(isinstance(v, RowConst) for v in ins) and op not in ("MatMul", "Gemm"):
+        res = evaluate(node, [v.arr if v is not None else None for v in ins], ev.opset)
+        if res is None:
+            raise Decline(f"cannot evaluate constant {op}")
+        return [RowConst(r) for r in res]
+    fills = [v for v in ins if isinstance(v, Fill)]
+    if op in _FILL_KEEPS:
+        vals = {float(v.arr) for v in fills}
+        if len(vals) == 1 and (op != "Concat" or all(isinstance(v, Fill) for v in ins if v is not None)):
+            return [Fill(fills[0].arr)] * len(node.output)
+        raise Decline(f"{op} of a runtime-shaped constant")
+    if op in ("MatMul", "Gemm"):
+        a = ins[0]
+        if not isinstance(a, Fill) or float(a.arr) != 0.0 or isinstance(ins[1], Fill):
+            raise Decline(f"{op} of a runtime-shaped constant")
+        if op == "Gemm" and len(ins) > 2 and ins[2] is not None:
+            bias = np.asarray(ins[2].arr) * np.asarray(attr(node, "beta", 1.0), dtype=ins[2].arr.dtype)
+            return [RowConst(bias.reshape(1, -1) if bias.ndim == 1 else bias)]
+        return [Fill(np.array(0.0, dtype=np.float32))]
+    res = evaluate(node, [v.arr if v is not None else None for v in ins], ev.opset)
+    if res is None:
+        raise Decline(f"cannot evaluate constant {op}")
+    return [Fill(r) if np.asarray(r).ndim == 0 else RowConst(r) for r in res]
+
+
+def _shape_op(ev, node, ins):
+    """Ops on the shape of a cell value (torch's chunk computes split sizes from Shape)."""
+    v = ins[0]
+    if node.op_type in ("Gather", "Slice") and isinstance(v, ShapeValue):
+        idx = np.arange(len(v.dims))
+        res = evaluate(node, [idx] + [x.arr if isinstance(x, Const) else None for x in ins[1:]], ev.opset)
+        if res is None:
+            raise Decline("an unsupported use of a shape")
+        sel = np.asarray(res[0])
+        dims = [v.dims[int(i)] for i in sel.ravel()]
+        if all(d is not None for d in dims):
+            return [Const(np.array(dims, dtype=np.int64).reshape(sel.shape))]
+        return [ShapeValue(dims)]
+    if node.op_type in ("Cast", "Identity") and isinstance(v, ShapeValue):
+        return [v]
+    raise Decline(f"{node.op_type} of a runtime shape")

@@ -1,0 +1,244 @@
+"""Step semantics of ONNX arithmetic, activations, matmuls, casts and the mask's Where/Not."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from ..errors import Decline
+from ..graph import attr
+from .algebra import Act, LinAtom, Mask, Poly
+from .values import (
+    ACTIVATIONS,
+    ACTIVATION_DEFAULTS,
+    BoolMask,
+    Const,
+    MaskVector,
+    SymTensor,
+    Value,
+    elementwise_poly,
+    as_rows,
+    const_poly,
+    lead_axes,
+    matmul_lin,
+    weight_of,
+)
+
+
+def _binary(ev, node, ins):
+    a, b = ins
+    lead = lead_axes(a, b)
+    pa, pb = elementwise_poly(a), elementwise_poly(b)
+    op = node.op_type
+    if op == "Add":
+        return [SymTensor(pa.add(pb), lead)]
+    if op == "Sub":
+        return [SymTensor(pa.sub(pb), lead)]
+    if op == "Mul":
+        if pb.is_const():
+            return [SymTensor(_scale(pa, pb.const_value()), lead)]
+        if pa.is_const():
+            return [SymTensor(_scale(pb, pa.const_value()), lead)]
+        return [SymTensor(pa.mul(pb), lead)]
+    if op == "Div":
+        if not pb.is_const() or pb.const_value() == 0.0:
+            raise Decline("division by a non-constant")
+        return [SymTensor(_scale(pa, 1.0 / pb.const_value()), lead)]
+    raise Decline(op)
+
+
+def _scale(p: Poly, c: float) -> Poly:
+    """``c * p``; ``clip(a*L + b, 0, k) / k`` becomes HardSigmoid(a/k, b/k)(L)."""
+    sa = p.single_atom()
+    if sa is not None:
+        atom, coeff = sa
+        if isinstance(atom, Act) and atom.kind == "Clip" and atom.params[0] == 0.0 and atom.params[1] > 0:
+            k = atom.params[1]
+            if abs(coeff * c * k - 1.0) < 1e-6:
+                hs = _hard_sigmoid(atom.arg, 1.0 / k)
+                if hs is not None:
+                    return hs
+    return p.scale(c)
+
+
+def _hard_sigmoid(arg: Poly, s: float) -> Poly | None:
+    lo = arg.as_lin_offset()
+    if lo is None:
+        return None
+    lin, a, b = lo
+    return Poly.atom(Act("HardSigmoid", (a * s, b * s), Poly.atom(LinAtom(lin))))
+
+
+def _neg(ev, node, ins):
+    return [SymTensor(elementwise_poly(ins[0]).scale(-1.0), lead_axes(ins[0]))]
+
+
+def _identity(ev, node, ins):
+    return [ins[0]]
+
+
+def _dropout(ev, node, ins):
+    """Dropout at inference (no training_mode, or a constant false one) is the identity."""
+    if len(ins) > 2 and ins[2] is not None:
+        if not isinstance(ins[2], Const) or bool(np.asarray(ins[2].arr).any()):
+            raise Decline("a Dropout in training mode")
+    if len(node.output) > 1 and node.output[1]:
+        raise Decline("a Dropout whose mask is used")
+    return [ins[0]]
+
+
+def _activation(kind: str):
+    def h(ev, node, ins):
+        names = ACTIVATIONS[kind]
+        defaults = ACTIVATION_DEFAULTS.get(kind, ())
+        params = tuple(attr(node, n, d) for n, d in zip(names, defaults))
+        p = elementwise_poly(ins[0])
+        return [SymTensor(Poly.atom(Act(kind, params, p)), lead_axes(ins[0]))]
+
+    return h
+
+
+def _clip_poly(p: Poly, lo: float, hi: float) -> Poly:
+    if lo == 0.0 and hi == 1.0:
+        hs = _hard_sigmoid(p, 1.0)
+        if hs is not None:
+            return hs
+    if lo == 0.0 and hi == float("inf"):
+        return Poly.atom(Act("Relu", (), p))
+    return Poly.atom(Act("Clip", (lo, hi), p))
+
+
+def _scalar(v: Value | None, what: str) -> float | None:
+    if v is None:
+        return None
+    if not isinstance(v, Const):
+        raise Decline(f"{what} is not a constant")
+    flat = v.arr.ravel()
+    if flat.size == 0 or not np.all(flat == flat[0]):
+        raise Decline(f"{what} is not a scalar")
+    return float(flat[0])
+
+
+def _clip(ev, node, ins):
+    if ev.opset < 11:
+        lo, hi = attr(node, "min", float("-inf")), attr(node, "max", float("inf"))
+    else:
+        lo = _scalar(ins[1] if len(ins) > 1 else None, "Clip min")
+        hi = _scalar(ins[2] if len(ins) > 2 else None, "Clip max")
+        lo = float("-inf") if lo is None else lo
+        hi = float("inf") if hi is None else hi
+    return [SymTensor(_clip_poly(elementwise_poly(ins[0]), lo, hi), lead_axes(ins[0]))]
+
+
+def _minmax(ev, node, ins):
+    if len(ins) != 2:
+        raise Decline(f"{node.op_type} with {len(ins)} inputs")
+    a, b = ins
+    if isinstance(a, Const):
+        a, b = b, a
+    c = _scalar(b, f"{node.op_type} operand")
+    p = elementwise_poly(a)
+    sa = p.single_atom()
+    if node.op_type == "Max":
+        # Max(Clip(x, -inf, hi), lo) -> Clip(x, lo, hi);  Max(x, 0) -> Relu
+        if sa and isinstance(sa[0], Act) and sa[0].kind == "Clip" and sa[1] == 1.0 and sa[0].params[0] == float("-inf"):
+            return [SymTensor(_clip_poly(sa[0].arg, c, sa[0].params[1]), lead_axes(a))]
+        return [SymTensor(_clip_poly(p, c, float("inf")), lead_axes(a))]
+    if sa and isinstance(sa[0], Act) and sa[1] == 1.0:
+        if sa[0].kind == "Clip" and sa[0].params[1] == float("inf"):
+            return [SymTensor(_clip_poly(sa[0].arg, sa[0].params[0], c), lead_axes(a))]
+        if sa[0].kind == "Relu":
+            return [SymTensor(_clip_poly(sa[0].arg, 0.0, c), lead_axes(a))]
+    return [SymTensor(_clip_poly(p, float("-inf"), c), lead_axes(a))]
+
+
+def _matmul(ev, node, ins):
+    a, b = ins
+    row = as_rows(a)
+    return [SymTensor(Poly.atom(LinAtom(matmul_lin(row, weight_of(b, "the matmul weight")))), row.lead)]
+
+
+def _gemm(ev, node, ins):
+    a, b = ins[0], ins[1]
+    if attr(node, "transA", 0):
+        raise Decline("Gemm with transA")
+    w = weight_of(b, "the Gemm weight")
+    if attr(node, "transB", 0):
+        w = w.T()
+    row = as_rows(a)
+    lin = matmul_lin(row, w)
+    alpha, beta = attr(node, "alpha", 1.0), attr(node, "beta", 1.0)
+    p = Poly.atom(LinAtom(lin))
+    if alpha != 1.0:
+        p = Poly.atom(LinAtom(lin.scaled(alpha)))
+    if len(ins) > 2 and ins[2] is not None:
+        if isinstance(ins[2], Const):
+            arr = ins[2].arr if beta == 1.0 else (ins[2].arr * np.asarray(beta, dtype=ins[2].arr.dtype)).astype(ins[2].arr.dtype)
+            cp = const_poly(Const(arr) if beta != 1.0 else ins[2])
+        else:
+            cp = elementwise_poly(ins[2]).scale(beta) if beta != 1.0 else elementwise_poly(ins[2])  # C may be h @ R (tf2onnx)
+        p = p.add(cp)
+    return [SymTensor(p)]
+
+
+def _cast(ev, node, ins):
+    v = ins[0]
+    to = attr(node, "to")
+    if isinstance(v, BoolMask):
+        if to == onnx.TensorProto.BOOL:
+            return [v]
+        p = Poly.atom(Mask(v.sym))
+        p = Poly.const(1.0).sub(p) if v.neg else p
+        return [SymTensor(p, 0) if v.unit else MaskVector(p)]
+    if isinstance(v, SymTensor):
+        src = ev.graph.model.elem_type(node.input[0])
+        if to in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16) and (src is None or src == to):
+            return [v]
+        raise Decline("a cast of a cell value to another type")
+    raise Decline("an unsupported cast")
+
+
+def _not(ev, node, ins):
+    v = ins[0]
+    if isinstance(v, BoolMask):
+        return [BoolMask(v.sym, not v.neg, v.unit)]
+    raise Decline("Not of a non-mask value")
+
+
+def _where(ev, node, ins):
+    cond, a, b = ins
+    if isinstance(cond, Const) and cond.arr.dtype == np.bool_ and cond.arr.size and (cond.arr.all() or not cond.arr.any()):
+        return [a if cond.arr.all() else b]  # a constant condition (Keras on torch: ``t < T`` with T static)
+    if not isinstance(cond, BoolMask):
+        raise Decline("Where with a condition that is not the step mask")
+    if not cond.unit:
+        raise Decline("a [B] mask broadcast against [B, H] (batch would align with units)")
+    m = Poly.atom(Mask(cond.sym))
+    pa, pb = elementwise_poly(a), elementwise_poly(b)
+    if cond.neg:
+        pa, pb = pb, pa
+    lead = lead_axes(a, b)
+    return [SymTensor(m.mul(pa).add(Poly.const(1.0).sub(m).mul(pb)), lead)]
+
+
+HANDLERS: dict[str, Callable] = {
+    "Add": _binary,
+    "Sub": _binary,
+    "Mul": _binary,
+    "Div": _binary,
+    "Neg": _neg,
+    "Identity": _identity,
+    "Dropout": _dropout,
+    "Clip": _clip,
+    "Max": _minmax,
+    "Min": _minmax,
+    "MatMul": _matmul,
+    "Gemm": _gemm,
+    "Cast": _cast,
+    "Not": _not,
+    "Where": _where,
+}
+for _k in ACTIVATIONS:
+    HANDLERS[_k] = _activation(_k)

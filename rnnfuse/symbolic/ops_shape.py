@@ -1,0 +1,213 @@
+"""Step semantics of ONNX ops that select, join or reshape a step's [B, N] values (and read their shapes)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ..errors import Decline
+from ..graph import attr
+from .values import BoolMask, ConcatRows, Const, MaskVector, ShapeValue, SymTensor, Value, as_rows, elementwise_poly, lead_axes
+
+
+def _shape(ev, node, ins):
+    v = ins[0]
+    if isinstance(v, (SymTensor, ConcatRows)):
+        n = v.poly.ncols if isinstance(v, SymTensor) else sum(w or 0 for _, w, _ in v.segments) or None
+        dims = [1] * v.lead + [None, n]
+        start, end = attr(node, "start", 0), attr(node, "end", None)
+        dims = dims[start:end]
+        return [Const(np.array(dims, dtype=np.int64))] if all(d is not None for d in dims) else [ShapeValue(dims)]
+    raise Decline("the shape of an unsupported value")
+
+
+def _norm_axis(ev, node, v: Value, axis: int) -> int:
+    """Map an axis of a [*(1,)*lead, B, N] value to -1 (units), 0 (batch) or -2 (a leading unit axis)."""
+    lead = v.lead if isinstance(v, (SymTensor, ConcatRows)) else 0
+    rank = lead + 2
+    a = axis + rank if axis < 0 else axis
+    if a == rank - 1:
+        return -1
+    if a == rank - 2:
+        return 0
+    return -2
+
+
+def _split(ev, node, ins):
+    v = ins[0]
+    axis = _norm_axis(ev, node, v, attr(node, "axis", 0))
+    if axis != -1:
+        raise Decline("a split that is not along the unit axis")
+    p = elementwise_poly(v)
+    n = p.ncols
+    if ev.opset < 13:
+        sizes = attr(node, "split")
+    else:
+        sizes = [int(s) for s in ins[1].arr] if len(ins) > 1 and isinstance(ins[1], Const) else None
+    k = len(node.output)
+    if sizes is None:
+        if n is None:
+            raise Decline("a split of unknown width")
+        step = -(-n // k)
+        sizes = [min(step, n - i * step) for i in range(k)]
+    outs, s0 = [], 0
+    for s in sizes:
+        outs.append(SymTensor(p.cols(s0, s0 + s), lead_axes(v)))
+        s0 += s
+    return outs
+
+
+def _slice(ev, node, ins):
+    v = ins[0]
+    if ev.opset < 10:
+        starts, ends = attr(node, "starts"), attr(node, "ends")
+        axes = attr(node, "axes", list(range(len(starts))))
+        steps = [1] * len(starts)
+    else:
+        def ints(i, default=None):
+            if len(ins) <= i or ins[i] is None:
+                return default
+            if not isinstance(ins[i], Const):
+                raise Decline("a slice with runtime bounds")
+            return [int(x) for x in ins[i].arr.ravel()]
+
+        starts, ends = ints(1), ints(2)
+        axes = ints(3, list(range(len(starts))))
+        steps = ints(4, [1] * len(starts))
+    p = elementwise_poly(v)
+    out = p
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        na = _norm_axis(ev, node, v, a)
+        if na == -1:
+            n = p.ncols
+            if st != 1:
+                raise Decline("a strided slice of units")
+            if n is None:
+                if s < 0 or e < 0:
+                    raise Decline("a slice of unknown width")
+                n = e
+            s0, e0, _ = slice(s, e).indices(n)
+            out = out.cols(s0, e0)
+        else:
+            if not (s == 0 and st == 1 and e >= 2**31 - 1):
+                raise Decline("a slice along the batch axis")
+    return [SymTensor(out, lead_axes(v))]
+
+
+def _gather(ev, node, ins):
+    v, idx = ins
+    if not isinstance(idx, Const):
+        raise Decline("a gather with runtime indices")
+    axis = _norm_axis(ev, node, v, attr(node, "axis", 0))
+    if axis != -1 or idx.arr.ndim != 1:
+        raise Decline("a gather that is not a unit selection")
+    ind = [int(i) for i in idx.arr]
+    if ind != list(range(ind[0], ind[0] + len(ind))):
+        raise Decline("a gather of non-contiguous units")
+    return [SymTensor(elementwise_poly(v).cols(ind[0], ind[0] + len(ind)), lead_axes(v))]
+
+
+def _concat(ev, node, ins):
+    axis = attr(node, "axis")
+    ref = next(v for v in ins if not isinstance(v, Const))
+    na = _norm_axis(ev, node, ref, axis)
+    if na != -1:
+        raise Decline("a concatenation that is not along the unit axis")
+    segs = []
+    for v in ins:
+        segs.extend(as_rows(v).segments)
+    return [ConcatRows(tuple(segs), lead_axes(*ins))]
+
+
+def _axes_of(ev, node, ins):
+    if ev.opset < 13:
+        return attr(node, "axes")
+    if len(ins) > 1 and ins[1] is not None:
+        if not isinstance(ins[1], Const):
+            raise Decline("runtime axes")
+        return [int(a) for a in ins[1].arr.ravel()]
+    return None
+
+
+def _unsqueeze(ev, node, ins):
+    v = ins[0]
+    axes = _axes_of(ev, node, ins)
+    if isinstance(v, MaskVector):
+        if axes in ([1], [-1]):
+            return [SymTensor(v.poly, 0)]
+        raise Decline("an unsupported reshape of the mask")
+    if isinstance(v, BoolMask):
+        if not v.unit and axes in ([1], [-1]):
+            return [BoolMask(v.sym, v.neg, True)]
+        raise Decline("an unsupported reshape of the mask")
+    if isinstance(v, (SymTensor, ConcatRows)) and axes is not None and all(a == 0 for a in axes) and len(axes) == 1:
+        return [SymTensor(v.poly, v.lead + 1) if isinstance(v, SymTensor) else ConcatRows(v.segments, v.lead + 1)]
+    raise Decline("an unsqueeze that is not a leading axis")
+
+
+def _squeeze(ev, node, ins):
+    v = ins[0]
+    axes = _axes_of(ev, node, ins)
+    if isinstance(v, (SymTensor, ConcatRows)) and v.lead and (axes is None or all(0 <= a < v.lead for a in axes)):
+        k = v.lead if axes is None else len(set(axes))
+        return [SymTensor(v.poly, v.lead - k) if isinstance(v, SymTensor) else ConcatRows(v.segments, v.lead - k)]
+    if isinstance(v, BoolMask) and v.unit and axes in ([1], [-1]):
+        return [BoolMask(v.sym, v.neg, False)]
+    raise Decline("a squeeze of a [B, N] value")
+
+
+def _reshape(ev, node, ins):
+    v, shp = ins
+    if not isinstance(shp, Const):
+        raise Decline("a reshape to a runtime shape")
+    shape = [int(s) for s in shp.arr]
+    if isinstance(v, MaskVector) and len(shape) == 2 and shape[1] == 1:
+        return [SymTensor(v.poly, 0)]
+    if isinstance(v, BoolMask) and len(shape) == 2 and shape[1] == 1:
+        return [BoolMask(v.sym, v.neg, True)]
+    if isinstance(v, SymTensor) and len(shape) == 2:
+        n = v.poly.ncols
+        if shape[1] in (n, -1 if n is None else n) and shape[0] in (-1, 0) and v.lead == 0:
+            return [v]
+        if v.lead == 0 and shape[1] == n:
+            return [v]
+    if isinstance(v, SymTensor) and len(shape) == 3 and shape[0] == 1 and v.lead == 0:
+        return [SymTensor(v.poly, 1)]
+    raise Decline("a reshape of a cell value")
+
+
+def _expand(ev, node, ins):
+    """Expand to a constant shape only broadcasts (tf2onnx writes x + zeros as Expand(x, shape))."""
+    v, shp = ins
+    if not isinstance(shp, Const) or not isinstance(v, SymTensor):
+        raise Decline("an Expand to a runtime shape")
+    shape = [int(d) for d in shp.arr.ravel()]
+    n = v.poly.ncols
+    if len(shape) < 2 or (n is not None and shape[-1] not in (1, n)) or any(d != 1 for d in shape[:-2]):
+        raise Decline("an Expand that changes a cell value's shape")
+    return [SymTensor(v.poly, max(v.lead, len(shape) - 2))]
+
+
+def _tile(ev, node, ins):
+    """Tile of the [B, 1] step mask along units (Keras' ``_expand_mask``): the same mask, broadcast."""
+    v, reps = ins
+    if isinstance(v, BoolMask) and v.unit and isinstance(reps, Const):
+        r = [int(d) for d in reps.arr.ravel()]
+        if len(r) == 2 and r[0] == 1:
+            return [v]
+    raise Decline("a Tile of a cell value")
+
+
+HANDLERS: dict[str, Callable] = {
+    "Split": _split,
+    "Slice": _slice,
+    "Gather": _gather,
+    "Concat": _concat,
+    "Unsqueeze": _unsqueeze,
+    "Squeeze": _squeeze,
+    "Reshape": _reshape,
+    "Shape": _shape,
+    "Expand": _expand,
+    "Tile": _tile,
+}

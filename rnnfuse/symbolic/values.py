@@ -1,0 +1,230 @@
+"""What the step evaluator computes for a tensor: a constant, a polynomial tensor, a concatenation of rows
+for a matmul, the step mask, a shape -- or an opaque value with the reason it has no symbolic form."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import Decline
+from .algebra import GATED_ROW, ZERO_ROW, Act, ConstRef, Lin, LinAtom, Poly, State, StepInput
+
+
+class Value:
+    pass
+
+
+class Const(Value):
+    """A constant (numpy array)."""
+
+    __slots__ = ("arr", "ref")
+
+    def __init__(self, arr: np.ndarray, ref: ConstRef | None = None):
+        self.arr = np.asarray(arr)
+        self.ref = ref
+
+    def constref(self) -> ConstRef:
+        if self.ref is None:
+            self.ref = ConstRef.of(self.arr)
+        return self.ref
+
+
+class Fill(Const):
+    """A tensor of runtime shape filled with one value (``ConstantOfShape(Shape(...))`` zero states)."""
+
+
+class RowConst(Const):
+    """A constant that varies along units only but has the runtime batch shape ``[B, N]``
+    (``0 @ W + b`` on a zero state of runtime shape). Held as ``[1, N]``: slices and shapes see two axes."""
+
+    def __init__(self, arr: np.ndarray, ref: ConstRef | None = None):
+        arr = np.asarray(arr)
+        super().__init__(arr.reshape(1, -1) if arr.ndim < 2 else arr, ref)
+
+
+class ShapeValue(Value):
+    """The shape of a symbolic [*(1,)*lead, B, N] value: known dims, None for the batch."""
+
+    __slots__ = ("dims",)
+
+    def __init__(self, dims: list):
+        self.dims = dims
+
+
+class SymTensor(Value):
+    """A symbolic [*(1,)*lead, B, N] tensor given by a polynomial."""
+
+    __slots__ = ("poly", "lead")
+
+    def __init__(self, poly: Poly, lead: int = 0):
+        self.poly, self.lead = poly, lead
+
+
+class ConcatRows(Value):
+    """A concatenation of leaf rows (``[x, h]``) usable as the left operand of a weight matmul."""
+
+    __slots__ = ("segments", "lead")
+
+    def __init__(self, segments: tuple, lead: int = 0):
+        self.segments, self.lead = segments, lead  # (src_key, width, poly of the segment)
+
+
+class BoolMask(Value):
+    """The step mask (``neg`` for its negation), shape [B, 1] (``unit``) or [B]."""
+
+    __slots__ = ("sym", "neg", "unit")
+
+    def __init__(self, sym: str, neg: bool, unit: bool):
+        self.sym, self.neg, self.unit = sym, neg, unit
+
+
+class Opaque(Value):
+    __slots__ = ("why",)
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+# activations whose ONNX RNN names and params rnnfuse knows
+ACTIVATIONS = {
+    "Sigmoid": (),
+    "Tanh": (),
+    "Relu": (),
+    "HardSigmoid": ("alpha", "beta"),
+    "LeakyRelu": ("alpha",),
+    "ThresholdedRelu": ("alpha",),
+    "Elu": ("alpha",),
+    "Softsign": (),
+    "Softplus": (),
+}
+ACTIVATION_DEFAULTS = {"HardSigmoid": (0.2, 0.5), "LeakyRelu": (0.01,), "ThresholdedRelu": (1.0,), "Elu": (1.0,)}
+
+
+class MaskVector(SymTensor):
+    """A 0/1 mask of shape [B] (no trailing unit axis): only usable after Unsqueeze/Reshape to [B, 1]."""
+
+
+# ---- coercions
+
+
+def as_poly(v: Value, what: str = "value") -> Poly:
+    if isinstance(v, SymTensor):
+        return v.poly  # leading unit axes ([1, B, H]) do not change the maths
+    if isinstance(v, Const):
+        return const_poly(v)
+    if isinstance(v, ConcatRows):
+        if len(v.segments) == 1 and not v.lead:
+            return v.segments[0][2]
+        raise Decline("a concatenation of inputs is used elementwise")
+    if isinstance(v, Opaque):
+        raise Decline(v.why)
+    if isinstance(v, BoolMask):
+        raise Decline("a boolean mask is used as a number without Cast")
+    raise Decline(f"{what} has no symbolic form")
+
+
+def const_poly(v: Const) -> Poly:
+    arr = v.arr
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.floating):
+        raise Decline("a non-float constant in cell maths")
+    flat = arr.ravel()
+    if flat.size == 0:
+        raise Decline("an empty constant")
+    if np.all(flat == flat[0]):
+        return Poly.const(float(flat[0]))
+    # a vector along the last axis (a bias), possibly with leading unit dims or identical rows
+    vec = _as_vector(arr)
+    if vec is None:
+        raise Decline("a constant that varies along the batch axis")
+    ref = v.constref() if arr.ndim == 1 else ConstRef.of(vec)
+    return Poly.atom(LinAtom(Lin.make([], [ref], int(vec.shape[0]))))
+
+
+def _as_vector(arr: np.ndarray) -> np.ndarray | None:
+    if arr.ndim == 1:
+        return arr
+    flat = arr.reshape(-1, arr.shape[-1])
+    if np.all(flat == flat[0:1]):
+        return flat[0]
+    return None
+
+
+def as_rows(v: Value) -> ConcatRows:
+    """The left operand of a weight matmul: a leaf, a gated state (r*h) or a concatenation of those."""
+    if isinstance(v, ConcatRows):
+        return v
+    if isinstance(v, SymTensor):
+        p = v.poly
+        if not p.terms:  # identically zero (r * h with a zero initial h): contributes nothing
+            return ConcatRows((((ZERO_ROW,), None, Poly.const(0.0)),), v.lead)
+        if len(p.terms) == 1:
+            (m, c), = p.terms.items()
+            if c == 1.0 and m:
+                atoms = [p.atoms[k] for k in m]
+                if len(atoms) == 1 and isinstance(atoms[0], (State, StepInput)):
+                    a = atoms[0]
+                    return ConcatRows(((a.key, a.ncols, p),), v.lead)
+                if any(isinstance(a, State) for a in atoms) and all(isinstance(a, (State, Act)) for a in atoms):
+                    key = (GATED_ROW, m)
+                    width = max((a.ncols or 0) for a in atoms) or None
+                    return ConcatRows(((key, width, p),), v.lead)
+        raise Decline(f"a matmul whose left operand is not a step input or state ({p!r})")
+    if isinstance(v, Opaque):
+        raise Decline(v.why)
+    if isinstance(v, Fill) and float(v.arr) == 0.0:
+        return ConcatRows((((ZERO_ROW,), None, Poly.const(0.0)),))  # a zero state of runtime shape, e.g. concat([x, 0])
+    if isinstance(v, Const) and not isinstance(v, RowConst) and v.arr.ndim == 2 and v.arr.size and not v.arr.any():
+        return ConcatRows((((ZERO_ROW,), None, Poly.const(0.0)),))  # a zero state of static shape [B, N]
+    if isinstance(v, Const):
+        raise Decline("a matmul of two constants")
+    raise Decline("a matmul of an unsupported value")
+
+
+def weight_of(v: Value, what: str) -> ConstRef:
+    if isinstance(v, Const):
+        return v.constref()
+    if isinstance(v, Opaque):
+        raise Decline(f"{what} is not a constant: weights are computed at runtime ({v.why})")
+    raise Decline(f"{what} is not a constant: weights are computed at runtime")
+
+
+def matmul_lin(row: ConcatRows, w: ConstRef) -> Lin:
+    if w.arr.ndim != 2:
+        raise Decline(f"a matmul with a rank-{w.arr.ndim} weight")
+    terms = []
+    rows = {}
+    r0 = 0
+    unknown = [i for i, seg in enumerate(row.segments) if seg[1] is None]
+    if len(unknown) == 1 and len(row.segments) > 1:  # e.g. [x, h] with h's width only implied by W
+        known = sum(seg[1] for seg in row.segments if seg[1] is not None)
+        k = unknown[0]
+        seg = row.segments[k]
+        row = ConcatRows(row.segments[:k] + ((seg[0], int(w.arr.shape[0]) - known, seg[2]),) + row.segments[k + 1:], row.lead)
+    for src, width, seg_poly in row.segments:
+        if src[0] == ZERO_ROW:
+            r0 += width if width is not None else int(w.arr.shape[0]) - r0
+            continue
+        if src[0] == GATED_ROW:
+            rows[src] = seg_poly
+        if width is None:
+            if len(row.segments) != 1:
+                raise Decline("a concatenation of inputs of unknown width")
+            width = w.arr.shape[0]
+        terms.append((src, w.rows(r0, r0 + width)))
+        r0 += width
+    if r0 != w.arr.shape[0]:
+        raise Decline(f"matmul widths do not match ({r0} vs {w.arr.shape[0]})")
+    return Lin.make(terms, [], w.ncols, rows)
+
+
+def lead_axes(*vals) -> int:
+    """Leading unit axes of an elementwise result: broadcasting keeps the most."""
+    leads = [v.lead for v in vals if isinstance(v, (SymTensor, ConcatRows))]
+    return max(leads) if leads else 0
+
+
+def elementwise_poly(v: Value) -> Poly:
+    if isinstance(v, MaskVector):
+        raise Decline("a [B] mask broadcast against [B, H] (batch would align with units)")
+    if isinstance(v, SymTensor):
+        return v.poly
+    return as_poly(v)

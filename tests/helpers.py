@@ -78,6 +78,11 @@ def check_case(case: dict, sets: list[str] | None = None, **optimize_kwargs) -> 
         assert counts.get(op, 0) == n, f"{case['name']}: {counts.get(op, 0)} {op} instead of {n}\n{report.to_text()}"
     if "directions" in expect:
         assert directions(fused) == {k: sorted(v) for k, v in expect["directions"].items()}, report.to_text()
+    for op, want in expect.get("attrs", {}).items():
+        for node in (n for n in fused.graph.node if n.op_type == op):
+            got = native_attrs(node)
+            for name, value in want.items():
+                assert _attr_matches(got, name, value), f"{case['name']}: {op} {name}={got.get(name)!r}, expected {value!r}\n{report.to_text()}"
     s_orig, s_fused = session(original), session(fused)
     names = [o.name for o in original.graph.output]
     all_sets = load_sets(case["npz"])
@@ -91,3 +96,39 @@ def check_case(case: dict, sets: list[str] | None = None, **optimize_kwargs) -> 
             if str(k) in outs:
                 assert_close(got[k], outs[str(k)], f"{case['name']}/{set_name}/{name}: fused vs framework")
     return fused, report
+
+
+# what a native op's attribute is when it is not written (ONNX defaults)
+_NATIVE_DEFAULTS = {"linear_before_reset": 0, "direction": "forward", "layout": 0}
+
+
+def native_attrs(node: onnx.NodeProto) -> dict:
+    """A node's attributes as Python values (strings decoded)."""
+    out = {}
+    for a in node.attribute:
+        v = onnx.helper.get_attribute_value(a)
+        if isinstance(v, bytes):
+            v = v.decode()
+        elif isinstance(v, list):
+            v = [x.decode() if isinstance(x, bytes) else x for x in v]
+        out[a.name] = v
+    return out
+
+
+def _attr_matches(got: dict, name: str, want) -> bool:
+    """``got[name] == want``, an unwritten attribute taking its ONNX default; a per-direction list (activations,
+    their alphas and betas) given for one direction must hold for both directions of a bidirectional op."""
+    value = got.get(name, _NATIVE_DEFAULTS.get(name))
+    if isinstance(want, list) and isinstance(value, list) and got.get("direction") == "bidirectional" and len(value) == 2 * len(want):
+        want = want * 2
+    return _same_value(value, want)
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, str) and isinstance(b, str):
+        return a.lower() == b.lower()  # ONNX activation names are case-insensitive
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(b)))
+    return a == b

@@ -327,9 +327,6 @@ GAPS = [
     (lambda o: o.front == "loop" and o.direction == "reverse" and o.reverse_form == "index" and o.masked(),
      "a masked Loop reading Gather(X, T-1-i) and Gather(mask, T-1-i) is declined ('mask' is computed at runtime outside the step)"),
     (lambda o: o.mask == "pad", "a padding mask (True = padded, Where(pad, old, new)) is declined"),
-    (lambda o: o.front == "loop" and o.layers == "stack" and o.loop_bound == "const",
-     "a stacked Loop with a constant trip count over the previous Loop's output is declined "
-     "('the loop runs a fixed T iterations': the input's time dimension is not known statically)"),
     (lambda o: o.act_form == "exp" and any(a[0] == "Sigmoid" for a in o.activations()), "sigmoid written as 1/(1+exp(-x)) is declined"),
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
     (lambda o: o.front == "chain" and (o.init in ("fill", "learned") or (B.has_prev(o) and o.prev_init == "fill")),

@@ -57,7 +57,7 @@ def main() -> int:
         times = []
         for _ in range(args.runs):
             t0 = time.perf_counter()
-            p = subprocess.run([sys.executable, "-m", "rnnfuse", "optimize", src, dst, "-q"], capture_output=True, text=True)
+            p = subprocess.run([sys.executable, "-m", "rnnfuse", "optimize", src, dst, "-q", "--force"], capture_output=True, text=True)
             times.append(time.perf_counter() - t0)
             if p.returncode:
                 print(p.stderr, file=sys.stderr)

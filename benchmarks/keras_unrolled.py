@@ -68,7 +68,7 @@ def main() -> int:
             src, dst = os.path.join(d, f"{name}.onnx"), os.path.join(d, f"{name}.fused.onnx")
             env = dict(os.environ, OUT=src, TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
             run([sys.executable, "-c", code], env)
-            report = run([sys.executable, "-m", "rnnfuse", "optimize", src, dst]).replace(d + os.sep, "")
+            report = run([sys.executable, "-m", "rnnfuse", "optimize", src, dst, "--force"]).replace(d + os.sep, "")
             table = run([sys.executable, "-m", "rnnfuse", "bench", src, dst, "--batch", "1,16", "--threads", "1",
                          "--runs", str(args.runs)])
             parts.append(f"\n## {title}\n\n```\n{report.strip()}\n```\n\n{table.strip()}\n")

@@ -79,7 +79,7 @@ def _child_peak_mb(cmd: list[str]) -> tuple[float, int, str]:
 
 def measure_cli(src: str, dst: str, out_json: str) -> int:
     t0 = time.perf_counter()
-    peak, rc, err = _child_peak_mb([sys.executable, "-m", "rnnfuse", "optimize", src, dst, "-q"])
+    peak, rc, err = _child_peak_mb([sys.executable, "-m", "rnnfuse", "optimize", src, dst, "-q", "--force"])
     seconds = time.perf_counter() - t0
     base, _, _ = _child_peak_mb([sys.executable, "-c", "import numpy, onnx, onnxruntime, rnnfuse, rnnfuse.validate"])
     rec = {"input": src, "file_mb": os.path.getsize(src) / 2**20, "cli_seconds": seconds, "cli_peak_rss_mb": peak,

@@ -17,8 +17,9 @@ import sys
 from . import __version__, progress
 from .errors import ExitCode, RnnfuseError, StrictError, UsageError
 
-EPILOG = """exit codes: 0 ok (also when nothing was fused), 2 usage, 3 bad input, 4 cannot write output,
-5 --strict check failed, 1 internal error"""
+EPILOG = """exit codes: 0 ok (also when nothing was fused: the output is then a copy of the input; also for a
+valid model rnnfuse cannot work on, passed through with a note), 2 usage, 3 input is not a loadable ONNX model,
+4 cannot write output (or it exists and --force was not given), 5 --strict check failed, 1 internal error"""
 INSPECT_EPILOG = """exit codes: 0 ok (also when nothing would be fused), 2 usage, 3 bad input, 1 internal error"""
 BENCH_EPILOG = """exit codes: 0 ok, 2 usage, 3 bad input, 4 cannot write the plot or JSON, 1 internal error"""
 

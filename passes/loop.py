@@ -90,8 +90,8 @@ def _conjuncts(body: Graph, name: str) -> list[str]:
     return out
 
 
-def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str) -> str | None:
-    """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = len(data)) -> "reverse"."""
+def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str, axis: int = 0) -> str | None:
+    """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = data's size on ``axis``) -> "reverse"."""
     name = _strip_cast(body, idx)
     if index_syms.get(name) == 0:
         return "forward"
@@ -103,7 +103,7 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     if step is None or step[0] not in index_syms:
         return None
     k = index_syms[step[0]] + step[1]  # subtracted value is i + k
-    T_keys = {time_dim_key(g, data, 0), ("dim",) + root_dim(g, data, 0)}
+    T_keys = {time_dim_key(g, data, axis), ("dim",) + root_dim(g, data, axis)}
     # a must be T - 1 + k
     an = body.producer.get(_strip_cast(body, a)) if body.scope_of(a) is body else None
     if an is None:
@@ -117,13 +117,165 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     return None
 
 
-def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int]) -> None:
-    """Prove the loop runs exactly T = len(x) iterations, or Decline.
+def _int_terms(g: Graph, body: Graph, name: str, index_syms: dict[str, int], depth: int = 0) -> list | None:
+    """The integers a small int tensor of the body holds, element by element, as ``("i", k)`` (the iteration
+    number + k), ``("c", v)`` (a constant) or ``("d", key, k)`` (a tensor dimension + k); None if unknown.
+
+    Enough for the index arithmetic exporters write around a dynamic slice: Concat of Unsqueezed scalars,
+    ``starts + sizes``, and jax's negative-index fix-up ``Where(i < 0, i + n, i)``."""
+    if depth > 24 or not name:
+        return None
+    if name in index_syms:
+        return [("i", index_syms[name])]
+    c = body.const(name)
+    if c is not None:
+        arr = np.asarray(c)
+        if arr.ndim > 1 or not np.issubdtype(arr.dtype, np.integer):
+            return None
+        return [("c", int(v)) for v in arr.ravel()]
+    scope = body.scope_of(name)
+    n = scope.producer.get(name) if scope is not None else None
+    if n is None:
+        return None
+    op = n.op_type
+    rec = lambda x: _int_terms(g, body, x, index_syms, depth + 1)  # noqa: E731
+    if op in ("Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape"):
+        return rec(n.input[0])
+    if op == "Concat" and attr(n, "axis", 0) in (0, -1):
+        out = []
+        for i in n.input:
+            t = rec(i)
+            if t is None:
+                return None
+            out += t
+        return out
+    if op == "Add":
+        a, b = rec(n.input[0]), rec(n.input[1])
+        if a is None or b is None:
+            return None
+        if len(a) == 1:
+            a = a * len(b)
+        if len(b) == 1:
+            b = b * len(a)
+        if len(a) != len(b):
+            return None
+        out = []
+        for x, y in zip(a, b):
+            if x[0] != "c":
+                x, y = y, x
+            if x[0] != "c":
+                return None  # two unknowns
+            out.append(y[:-1] + (y[-1] + x[1],))
+        return out
+    if op == "Where":
+        # jax normalises a negative index: Where(i + k < c, ..., i + k) with i + k >= 0 > c - 1 keeps i + k
+        cond = scope.producer.get(n.input[0])
+        b = rec(n.input[2])
+        if cond is not None and cond.op_type == "Less" and b is not None and len(b) == 1 and b[0][0] == "i":
+            lhs, rhs = rec(cond.input[0]), rec(cond.input[1])
+            if lhs == b and rhs is not None and len(rhs) == 1 and rhs[0][0] == "c" and b[0][1] >= 0 >= rhs[0][1]:
+                return b
+        return None
+    k = dim_key(body, name)
+    if k is not None and k[0] == "const":
+        return [("c", k[1])]
+    if k is not None:
+        return [("d", k, 0)]
+    return None
+
+
+def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
+    """If body node ``n`` reads element i (the iteration number) of a loop-invariant tensor along one axis:
+    (the outer tensor, the axis, "forward" | "reverse"), else None.
+
+    Recognised reads: ``Gather(D, i, axis=a)`` (tf2onnx, jax2onnx; a = 1 for TorchScript's ``x[:, t]``) and
+    ``Squeeze(Slice(D, starts, ends, axes), [a])`` taking ``[i, i + 1)`` on axis a and everything on the
+    other axes (jax's ``dynamic_slice`` / ``dynamic_index_in_dim``, strided-slice reads)."""
+    if n.op_type == "Gather" and len(n.input) >= 2:
+        # TorchScript writes x[:, t] as Gather(Slice(x, 0:INT_MAX on axis 0), t, axis=1)
+        data = _full_slice_source(g, body, n.input[0], invariants) or invariant_source(body, n.input[0], invariants)
+        rank = g.model.rank(data) if data is not None else None
+        if data is None or rank is None:
+            return None
+        axis = attr(n, "axis", 0)
+        axis = axis + rank if axis < 0 else axis
+        form = _index_form(g, body, n.input[1], index_syms, data, axis)
+        return (data, axis, form) if form is not None else None
+    if n.op_type != "Squeeze":
+        return None
+    sl = body.producer.get(n.input[0])
+    if sl is None or sl.op_type != "Slice" or len(sl.input) < 3:
+        return None
+    inner = sl.input[0]
+    data = invariant_source(body, inner, invariants)
+    rank = g.model.rank(data) if data is not None else None
+    if data is None or rank is None:
+        return None
+    sq_axes = body.const(n.input[1]) if len(n.input) > 1 and n.input[1] else attr(n, "axes")
+    if sq_axes is None or np.asarray(sq_axes).size != 1:
+        return None
+    axis = int(np.asarray(sq_axes).ravel()[0])
+    axis = axis + rank if axis < 0 else axis
+    starts = _int_terms(g, body, sl.input[1], index_syms)
+    ends = _int_terms(g, body, sl.input[2], index_syms)
+    axes = _int_terms(g, body, sl.input[3], index_syms) if len(sl.input) > 3 and sl.input[3] else [("c", a) for a in range(len(starts or []))]
+    steps = _int_terms(g, body, sl.input[4], index_syms) if len(sl.input) > 4 and sl.input[4] else None
+    if starts is None or ends is None or axes is None or len(starts) != len(ends) or len(axes) != len(starts):
+        return None
+    if steps is not None and any(s != ("c", 1) for s in steps):
+        return None
+    if any(a[0] != "c" for a in axes):
+        return None
+    seen = set()
+    for (_, a), st, en in zip(axes, starts, ends):
+        a = a + rank if a < 0 else a
+        seen.add(a)
+        if a == axis:
+            if st != ("i", 0) or en != ("i", 1):
+                return None
+        elif not (st == ("c", 0) and _covers(g, data, inner, a, en)):
+            return None
+    if axis not in seen:
+        return None
+    return data, axis, "forward"
+
+
+def _covers(g: Graph, data: str, inner: str, axis: int, end) -> bool:
+    """Does a slice end ``end`` (an _int_terms term) reach the end of ``data`` on ``axis``?"""
+    if end[0] == "c":
+        d = g.model.shape(data)
+        return end[1] >= 2**31 - 1 or (d is not None and isinstance(d[axis], int) and end[1] >= d[axis])
+    if end[0] == "d" and end[2] == 0:
+        keys = {time_dim_key(g, data, axis), ("dim",) + root_dim(g, data, axis), ("dim",) + root_dim(g, inner, axis)}
+        return end[1] in keys
+    return False
+
+
+def _full_slice_source(g: Graph, body: Graph, name: str, invariants: dict[str, str]) -> str | None:
+    """``name`` = Slice(D, 0, INT_MAX) on some axes (a no-op view such as TorchScript's ``x[:]``): D."""
+    scope = body.scope_of(name)
+    n = scope.producer.get(name) if scope is not None else None
+    if n is None or n.op_type != "Slice" or len(n.input) < 3:
+        return None
+    terms = [_int_terms(g, body, i, {}) if i else None for i in list(n.input[1:5]) + [""] * (5 - len(n.input))]
+    starts, ends, _axes, steps = terms
+    if starts is None or ends is None or (len(n.input) > 4 and n.input[4] and steps is None):
+        return None
+    if any(t != ("c", 0) for t in starts) or any(t[0] != "c" or t[1] < 2**31 - 1 for t in ends):
+        return None
+    if steps is not None and any(t != ("c", 1) for t in steps):
+        return None
+    src = n.input[0]
+    return invariant_source(body, src, invariants) if scope is body else src
+
+
+def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int], axis: int = 0) -> None:
+    """Prove the loop runs exactly T iterations (x's size on ``axis``), or Decline.
 
     ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
     and counters starting at 0)."""
-    T_keys = {time_dim_key(g, x, 0), ("dim",) + root_dim(g, x, 0)}
-    T = time_dim_key(g, x, 0)
+    T_keys = {time_dim_key(g, x, axis), ("dim",) + root_dim(g, x, axis)}
+    T = time_dim_key(g, x, axis)
     deltas: list[int] = []
     M = loop.input[0] if loop.input else ""
     if M:
@@ -209,27 +361,26 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
     if not recurrent:
         raise Decline("no recurrent state")
 
-    # the step input and mask: Gather(outer, i)
+    # the step input and mask: element i of an invariant tensor along its time axis
     leaves: dict = {}
     x_outer = mask_outer = None
     x_atom = None
     reversed_reads = set()
     x_reads: list[str] = []
+    x_axis = None
     for n in body.nodes:
-        if n.op_type != "Gather" or len(n.input) < 2:
+        read = step_read(g, body, n, index_syms, invariants)
+        if read is None:
             continue
-        data = invariant_source(body, n.input[0], invariants)
-        if data is None or attr(n, "axis", 0) != 0:
-            continue
-        form = _index_form(g, body, n.input[1], index_syms, data)
-        if form is None:
-            continue
+        data, axis, form = read
         reversed_reads.add(form == "reverse")
         et = g.model.elem_type(data)
         rank = g.model.rank(data)
         if et == TensorProto.BOOL:
             if mask_outer not in (None, data):
                 raise Decline("two different masks are read")
+            if axis != 0:
+                raise Decline("the mask is read along its batch-first time axis")
             if rank not in (2, 3):
                 raise Decline(f"the mask has rank {rank}")
             if rank == 3 and g.model.shape(data)[2] not in (1,):
@@ -237,15 +388,19 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
             mask_outer = data
             leaves[n.output[0]] = BoolMask("m", False, rank == 3)
         else:
-            if x_outer not in (None, data):
+            if x_outer not in (None, data) or x_axis not in (None, axis):
                 raise Decline("two different per-step inputs are read")
             if rank != 3:
                 raise Decline(f"the per-step input has rank {rank}, not [T, B, F]")
-            x_outer = data
+            if axis not in (0, 1):
+                raise Decline(f"the per-step input is read along axis {axis}")
+            x_outer, x_axis = data, axis
             x_reads.append(n.output[0])
     if x_outer is None:
-        raise Decline("no per-step input Gather(X, i) in the body")
-    proj = input_projection(g, x_outer, 0)
+        raise Decline("no per-step input (element i of an invariant tensor) in the body")
+    if mask_outer is not None and x_axis != 0:
+        raise Decline("a batch-first step input with a time-major mask")
+    proj = input_projection(g, x_outer, x_axis)
     if proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
         x_atom, x_value = projected_leaf(proj)
     else:
@@ -257,7 +412,7 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
     if len(reversed_reads) > 1:
         raise Decline("the step input and the mask are read in different orders")
     x_reversed = reversed_reads == {True}
-    check_trip_count(g, body, loop, x_outer, index_syms)
+    check_trip_count(g, body, loop, x_outer, index_syms, x_axis)
 
     states: dict[str, State] = {}
     for k in recurrent:
@@ -327,6 +482,7 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
         finals=an.finals,
         remove=[loop] + extra_remove,
         anchor=loop,
+        x_batch_first=x_axis == 1,
         x_reversed=x_reversed,
     )
     if mask_outer is not None and not an.masked:
@@ -356,11 +512,16 @@ def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, ev: StepEva
     if not isinstance(val, SymTensor):
         raise Decline("the appended value is not a cell output")
     lead = val.lead
-    # element [1, B, H] concatenated on axis 0, or [B, H] stacked with new_axis on axis 0
-    if not ((new_axis == 1 and axis == 0 and lead == 0) or (new_axis == 0 and axis == 0 and lead == 1)):
+    # element [1, B, H] concatenated on axis 0, or [B, H] stacked with new_axis on axis 0 (time-major),
+    # or on axis 1 (batch-first: torch.stack(outs, dim=1))
+    if (new_axis == 1 and axis == 0 and lead == 0) or (new_axis == 0 and axis == 0 and lead == 1):
+        batch_first = False
+    elif new_axis == 1 and axis == 1 and lead == 0:
+        batch_first = True
+    else:
         raise Decline("the per-step outputs are stacked along an unsupported axis")
     extra_remove.append(cat)
-    return StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend)
+    return StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, batch_first=batch_first)
 
 
 class FuseLoops:

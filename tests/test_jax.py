@@ -29,8 +29,6 @@ KNOWN_GAPS = {
     "hand_lstm_masked": "the step mask is broadcast to [B, H] by Reshape/Expand to shapes read from the state",
     "hand_gru_masked_o17": "the step mask is broadcast to [B, H] by Reshape/Expand to shapes read from the state",
     "linen_lstm_lengths": "the LSTM's per-step c is a scan output too (flax gathers the carry at seq_lengths - 1)",
-    "fori_rnn_last_h": "the step input is read with Slice on axis 1 (dynamic_index_in_dim), not Gather",
-    "fori_gru_last_h": "the step input is read with Slice on axis 1 (dynamic_index_in_dim), not Gather",
 }
 
 

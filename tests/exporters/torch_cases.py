@@ -195,6 +195,9 @@ CASES = [
         "prim::ListConstruct, got onnx::Constant'), and calling torch.gru_cell directly gives "
         "'Exporting the operator aten::gru_cell to ONNX opset version 17 is not supported'; so the loop "
         "uses the GRUCell's parameters in PyTorch's GRU formula")),
+    script("lstmcell_script_bf", "lstm", **BF, notes="x[:, t] is Slice(x, 0:INT_MAX) + Gather(axis=1) in the body"),
+    script("gru_hand_script_bf", "gru_hand", **BF),
+    script("lstmcell_script_rev_bf", "lstm", reverse=True, **BF),
     script("rnn_hand_script", "rnn_hand", notes=(
         "nn.RNNCell fails like nn.GRUCell (aten::__contains__ / aten::rnn_tanh_cell unsupported); "
         "tanh(Linear_ih(x_t) + Linear_hh(h)) with the RNNCell's parameters instead")),
@@ -489,38 +492,42 @@ def torch_modules():
     class ScriptLSTMLoop(nn.Module):
         """Scripted loop over an nn.LSTMCell; T is the dynamic trip count of an ONNX Loop."""
 
-        def __init__(self, features, hidden, reverse=False):
+        def __init__(self, features, hidden, reverse=False, batch_first=False):
             super().__init__()
             self.cell, self.hidden, self.reverse = nn.LSTMCell(features, hidden), hidden, reverse
+            self.batch_first = batch_first
 
         def forward(self, x):
-            h = torch.zeros(x.size(1), self.hidden, dtype=x.dtype)
-            c = torch.zeros(x.size(1), self.hidden, dtype=x.dtype)
+            tdim = 1 if self.batch_first else 0
+            h = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
+            c = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
             outs: list[torch.Tensor] = []
-            steps = x.size(0)
+            steps = x.size(tdim)
             for i in range(steps):
                 t = steps - 1 - i if self.reverse else i
-                h, c = self.cell(x[t], (h, c))
+                h, c = self.cell(x[:, t] if self.batch_first else x[t], (h, c))
                 if self.reverse:  # not outs.reverse() after the loop: the exporter silently drops it
                     outs.insert(0, h)
                 else:
                     outs.append(h)
-            return torch.stack(outs)
+            return torch.stack(outs, dim=tdim)
 
     class ScriptHLoop(nn.Module):
         """Scripted loop over a single-state hand-written cell (GRUHand / RNNHand)."""
 
-        def __init__(self, cell, features, hidden):
+        def __init__(self, cell, features, hidden, batch_first=False):
             super().__init__()
             self.cell, self.hidden = make_cell(cell, features, hidden), hidden
+            self.batch_first = batch_first
 
         def forward(self, x):
-            h = torch.zeros(x.size(1), self.hidden, dtype=x.dtype)
+            tdim = 1 if self.batch_first else 0
+            h = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
             outs: list[torch.Tensor] = []
-            for t in range(x.size(0)):
-                h = self.cell(x[t], h)
+            for t in range(x.size(tdim)):
+                h = self.cell(x[:, t] if self.batch_first else x[t], h)
                 outs.append(h)
-            return torch.stack(outs)
+            return torch.stack(outs, dim=tdim)
 
     _nn_classes.update(CellLoop=CellLoop, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop)
@@ -538,7 +545,7 @@ def build_module(c: Case):
     if c.model == "script":
         if cell == "lstm":
             return m["ScriptLSTMLoop"](c.features, c.hidden, **o)
-        return m["ScriptHLoop"](cell, c.features, c.hidden)
+        return m["ScriptHLoop"](cell, c.features, c.hidden, **o)
     raise ValueError(c.model)
 
 

@@ -2,7 +2,7 @@
 
 A small Keras 3 model exported with tf2onnx 1.17: Masking -> Bidirectional(GRU) -> LSTM -> Dense. tf2onnx
 writes every masked recurrent layer as a Loop; rnnfuse turns them into one bidirectional GRU and one LSTM.
-Run: python examples/make_example.py   (needs tensorflow-cpu, tf2onnx)
+Run: python examples/make_example.py   (needs tensorflow, tf2onnx: pip install ".[exporters]")
 """
 
 import os

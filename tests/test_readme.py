@@ -77,7 +77,7 @@ def test_every_block_is_tagged():
 
 @pytest.mark.parametrize("code", of("python"))
 def test_python_block_runs(code, workdir):
-    for module in ("torch", "tensorflow", "tf2onnx", "keras", "onnx_ir", "onnx_graphsurgeon"):
+    for module in ("torch", "tensorflow", "tf2onnx", "keras", "onnx_ir", "onnx_graphsurgeon", "jax", "jax2onnx"):
         if re.search(rf"^\s*import {module}\b|^\s*from {module}\b|import .*\b{module}\b", code, re.M):
             if importlib.util.find_spec(module) is None:
                 pytest.skip(f"{module} is not installed")

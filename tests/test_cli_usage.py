@@ -146,3 +146,15 @@ def test_benchmark_smoke_run_does_not_target_the_committed_results():
         out = mod.parse_args(argv).out.resolve()
         assert out != committed and committed not in out.parents
     assert mod.parse_args(["--quick", "--out", "x"]).out == Path("x")
+
+
+def test_plot_without_matplotlib_is_a_usage_error_before_any_work(tmp_path):
+    """matplotlib is an extra: without it, --plot says how to install it before loading or timing anything."""
+    fake = tmp_path / "fake"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(fake), str(ROOT), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-m", "rnnfuse", "bench", MISSING, "--plot", str(tmp_path / "p.png")],
+                       capture_output=True, text=True, env=env)
+    assert_usage_error(p, 'pip install "rnnfuse[plot]"')

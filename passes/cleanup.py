@@ -11,6 +11,8 @@ Dead nodes and unused initializers are removed when the pipeline finalizes the g
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from onnx import NodeProto, helper, numpy_helper
 
@@ -22,46 +24,184 @@ _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLi
 
 
 class Dedupe:
+    """Common-subexpression elimination, linear in the graph and then in the edits.
+
+    Two nodes can only be equal if they read the same values (constants aside, which count by content), so
+    a node is compared only with the other readers of its rarest non-constant input, and only nodes that
+    have such company are looked at: the first run takes the readers of values read more than once (and the
+    nodes reading only constants), in graph order -- a plain chain has none. Nodes are keyed by names first
+    (op and input names, every constant as one placeholder) and by the full key (small constants by value,
+    attributes) only where two share that. A later run looks only at the nodes edits added or rewired since
+    (``Graph.edited``): after passes that changed nothing it visits nothing. A merge rewires the merged
+    node's readers; they are looked at again in the same run (a duplicate's readers may now be equal)."""
+
     name = "dedupe"
+
+    def __init__(self):
+        self.visited = 0  # nodes looked at by the last run (tests check the work is linear in the edits)
+        self.full_keys = 0  # of which compared by the full key
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         g = model.graph
         res = PassResult(self.name)
-        seen: dict[tuple, NodeProto] = {}
+        mark = model.annotations.get("dedupe")
+        incremental = mark is not None and mark[0] is g.edited
+        table = _DedupeTable(g)
+        if incremental:
+            work, pos = g.edited, mark[1]
+        else:
+            work, pos = table.candidates(), 0
+        self.visited = self.full_keys = 0
         n_merged = 0
-        outputs = set(g.output_names)
-        small: dict[str, object] = {}  # small constant -> its content (equal constants count as one input)
-
-        def ref(name: str):
-            if name not in small:
-                p = g.producer.get(name)
-                t = g.initializers.get(name)
-                direct = (t is not None and int(np.prod(t.dims)) <= 64) or (p is not None and p.op_type == "Constant")
-                c = g.const(name) if name and direct else None  # (a large weight is never read for this)
-                small[name] = ("=", str(c.dtype), c.shape, c.tobytes()) if c is not None and c.size <= 64 else name
-            return small[name]
-
-        for n in list(g.nodes):  # graph order: topological for the input model, which is where it matters
-            if not g.alive(n) or n.op_type in _IMPURE or not n.output or has_subgraph(n):
+        base = len(g.edited)
+        while True:
+            if pos >= len(work):
+                if work is g.edited or base >= len(g.edited):
+                    break
+                work, pos = g.edited, base  # readers a merge rewired (a full run's own edits)
+            n = work[pos]
+            pos += 1
+            if not table.eligible(n):
                 continue
-            if outputs.intersection(n.output):
-                continue
-            if n.op_type == "Constant":
-                continue  # compared by value where they are read
-            key = (n.domain, n.op_type, tuple(ref(i) for i in n.input), len(n.output), tuple(a.SerializeToString() for a in n.attribute))
-            other = seen.get(key)
+            self.visited += 1
+            other = table.match(n)
             if other is None:
-                seen[key] = n
                 continue
             for a, b in zip(n.output, other.output):
                 if a and b:
                     g.replace_uses(a, b)
             g.remove_node(n)
             n_merged += 1
+        model.annotations["dedupe"] = (g.edited, len(g.edited))
+        self.full_keys = table.full_keys
         if n_merged:
             res.modified = True
             res.notes.append(f"merged {n_merged} duplicate nodes")
         return res
+
+
+class _DedupeTable:
+    """Nodes by key, for one Dedupe run: coarse key (names) -> one node, or full key -> node once two share it."""
+
+    _CONST = ("const",)  # the coarse key's stand-in for any initializer or Constant input
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self.outputs = set(g.output_names)
+        self.by_coarse: dict[tuple, object] = {}
+        self.small: dict[str, object] = {}  # input name -> its full-key form (small constants by content)
+        self.seeded: set[str] = set()  # values whose readers are in the table (incremental runs)
+        self.const_readers: list | None = None
+        self.full_keys = 0
+
+    def candidates(self) -> list[NodeProto]:
+        """The nodes that may equal another, in graph order (topological for the input model, which is where
+        it matters): the readers of values read more than once, and the nodes reading only constants."""
+        g = self.g
+        out: dict[int, NodeProto] = {}
+        for v, cs in g.consumers.items():
+            if len(cs) > 1:
+                for c in cs:
+                    out[id(c)] = c
+        for c in self._const_readers():
+            out[id(c)] = c
+        pos = g._pos
+        return sorted(out.values(), key=lambda n: pos[id(n)])
+
+    def _const_readers(self) -> list[NodeProto]:
+        """Nodes with at least one input, all of them constants (a second way to be equal: by value)."""
+        if self.const_readers is None:
+            found: dict[int, NodeProto] = {}
+            for v, cs in self.g.consumers.items():
+                if self._constish(v):
+                    for c in cs:
+                        if all(self._constish(i) for i in c.input if i):
+                            found[id(c)] = c
+            self.const_readers = list(found.values())
+        return self.const_readers
+
+    def eligible(self, n: NodeProto) -> bool:
+        g = self.g
+        if not g.alive(n) or n.op_type in _IMPURE or not n.output or n.op_type == "Constant" or has_subgraph(n):
+            return False  # Constants are compared by value where they are read
+        return not self.outputs.intersection(n.output)
+
+    def _constish(self, name: str) -> bool:
+        g = self.g
+        if name in g.initializers:
+            return True
+        p = g.producer.get(name)
+        return p is not None and p.op_type == "Constant"
+
+    def coarse(self, n: NodeProto) -> tuple:
+        c = self._CONST
+        return (n.domain, n.op_type, len(n.output), tuple(c if self._constish(i) else i for i in n.input))
+
+    def _ref(self, name: str):
+        small = self.small
+        if name not in small:
+            g = self.g
+            p = g.producer.get(name)
+            t = g.initializers.get(name)
+            direct = (t is not None and math.prod(t.dims) <= 64) or (p is not None and p.op_type == "Constant")
+            c = g.const(name) if name and direct else None  # (a large weight is never read for this)
+            small[name] = ("=", str(c.dtype), c.shape, c.tobytes()) if c is not None and c.size <= 64 else name
+        return small[name]
+
+    def full(self, n: NodeProto) -> tuple:
+        self.full_keys += 1
+        return (tuple(self._ref(i) for i in n.input), tuple(a.SerializeToString() for a in n.attribute))
+
+    def _current(self, m: NodeProto, ck: tuple, fk: tuple | None) -> bool:
+        """Is ``m`` (found in the table) still a live node under these keys? (edits may have rewired it)"""
+        if not self.eligible(m) or self.coarse(m) != ck:
+            return False
+        return fk is None or self.full(m) == fk
+
+    def _insert(self, n: NodeProto, ck: tuple) -> NodeProto | None:
+        """Put ``n`` in the table; returns the node already there with the same full key, if any."""
+        e = self.by_coarse.get(ck)
+        if e is None or e is n:
+            self.by_coarse[ck] = n
+            return None
+        if not isinstance(e, dict):
+            if not self._current(e, ck, None):
+                self.by_coarse[ck] = n
+                return None
+            e = self.by_coarse[ck] = {self.full(e): e}
+        fk = self.full(n)
+        m = e.get(fk)
+        if m is None or m is n or not self._current(m, ck, fk):
+            e[fk] = n
+            return None
+        return m
+
+    def _seed(self, n: NodeProto, ck: tuple) -> None:
+        """Put the nodes ``n`` could equal in the table first (once per value): the readers of its rarest
+        non-constant input (a duplicate reads every input ``n`` reads), or, for a node reading only
+        constants, every such node."""
+        g = self.g
+        names = [i for i, k in zip(n.input, ck[3]) if k is not self._CONST and i]
+        if names:
+            v = min(names, key=lambda i: len(g.uses(i)))
+            if v in self.seeded:
+                return
+            self.seeded.add(v)
+            group = list(g.uses(v))
+        else:
+            if "" in self.seeded:
+                return
+            self.seeded.add("")
+            group = self._const_readers()
+        pos = g._pos
+        for m in sorted(group, key=lambda m: pos[id(m)]):  # the first in graph order is the one kept
+            if self.eligible(m):  # (``n`` too: in its place in that order)
+                self._insert(m, self.coarse(m))
+
+    def match(self, n: NodeProto) -> NodeProto | None:
+        ck = self.coarse(n)
+        self._seed(n, ck)
+        return self._insert(n, ck)
 
 
 def _flip_of(g: Graph, name: str) -> tuple[str, int] | None:

@@ -344,6 +344,9 @@ class Graph:
         self._implicit: dict[int, set[str]] = {}
         self._arrays: dict[str, np.ndarray | None] = {}
         self._subgraph_views: dict[int, Graph] = {}
+        # nodes added or rewired (inputs or outputs renamed) since the graph was built or finalized, in edit
+        # order: what an incremental pass (Dedupe after a fusion) has to look at again; finalize starts a new list
+        self.edited: list[NodeProto] = []
         for n in self.nodes:
             self._index(n)
 
@@ -509,6 +512,7 @@ class Graph:
         anchor_pos = self._pos.get(id(anchor), (len(self.nodes), 0)) if anchor is not None else (len(self.nodes), 0)
         self._pos[id(node)] = (anchor_pos[0], next(self._seq))
         self._index(node)
+        self.edited.append(node)
         return outputs
 
     def add_initializer(self, array: np.ndarray, hint: str) -> str:
@@ -596,6 +600,7 @@ class Graph:
                     _rename_free(sg, old, new)
                 self._implicit.pop(id(n), None)
             self._index(n)
+            self.edited.append(n)
         if old in self.output_names:
             self._detach(old)
             if self.producer.get(new) is not None and self._renamable(new):
@@ -622,6 +627,7 @@ class Graph:
                 old_prod.output[i] = self.fresh(old + "/detached")
         if id(old_prod) not in self._removed:
             self._index(old_prod)
+            self.edited.append(old_prod)
 
     def _rename_output(self, new: str, old: str) -> None:
         """Rename the produced tensor ``new`` to ``old`` (used to keep graph output names)."""
@@ -631,6 +637,7 @@ class Graph:
             if o == new:
                 node.output[i] = old
         self._index(node)
+        self.edited.append(node)
 
     def prune(self) -> int:
         """Drop nodes nothing reads (the remains of fused recurrences); returns how many."""
@@ -643,51 +650,64 @@ class Graph:
 
     # -- finalize ----------------------------------------------------------------------------------------
     def finalize(self) -> None:
-        """Remove dead nodes and unused initializers, topologically sort, and write back to the proto."""
+        """Remove dead nodes and unused initializers, topologically sort, and write back to the proto.
+
+        Linear, and it copies nothing it does not have to: a node list that comes out as it is in the proto
+        is not rewritten, and the indices are rebuilt only where dead nodes were dropped."""
         live = self._live_set()
-        nodes = [n for n in self.nodes if id(n) not in self._removed and id(n) in live]
+        removed = self._removed
+        kept = [n for n in self.nodes if id(n) not in removed]
+        nodes = [n for n in kept if id(n) in live]
+        dropped = len(nodes) != len(kept)
         nodes = self._toposort(nodes)
-        del self.proto.node[:]
-        self.proto.node.extend(nodes)
+        if len(nodes) != len(self.proto.node) or any(a is not b for a, b in zip(nodes, self.proto.node)):
+            del self.proto.node[:]
+            self.proto.node.extend(nodes)
+            nodes = list(self.proto.node)  # extend copies: index the messages the proto holds
+            dropped = True
         used: set[str] = set(self.output_names)
         for n in nodes:
             used.update(n.input)
-            used |= self.implicit_inputs(n)
+            if has_subgraph(n):
+                used |= self.implicit_inputs(n)
         keep = [t for t in self.proto.initializer if t.name in used or t.name in self._inputs]
         if len(keep) != len(self.proto.initializer):
             del self.proto.initializer[:]
             self.proto.initializer.extend(keep)
-        defined = {o for n in nodes for o in n.output} | {t.name for t in keep} | self._inputs
-        vis = [v for v in self.proto.value_info if v.name in defined]
-        if len(vis) != len(self.proto.value_info):
-            del self.proto.value_info[:]
-            self.proto.value_info.extend(vis)
-        # rebuild indices so the Graph stays usable after finalize
+        if len(self.proto.value_info):
+            defined = {o for n in nodes for o in n.output} | {t.name for t in keep} | self._inputs
+            vis = [v for v in self.proto.value_info if v.name in defined]
+            if len(vis) != len(self.proto.value_info):
+                del self.proto.value_info[:]
+                self.proto.value_info.extend(vis)
+        # the indices stay usable after finalize: exact already unless dead nodes were dropped or copied
         self.nodes = nodes
-        self._removed.clear()
+        self._removed = set()
         self._graveyard.clear()
         self._pos = {id(n): (i, 0) for i, n in enumerate(nodes)}
         self.initializers = {t.name: t for t in self.proto.initializer}
-        self.producer.clear()
-        self.consumers.clear()
-        for n in nodes:
-            self._index(n)
+        self.edited = []
+        if dropped:
+            self.producer.clear()
+            self.consumers.clear()
+            self._implicit.clear()
+            for n in nodes:
+                self._index(n)
 
     def _live_set(self) -> set[int]:
         live: set[int] = set()
-        stack = [self.producer[o] for o in self.output_names if o in self.producer]
+        removed, producer = self._removed, self.producer
+        stack = [producer[o] for o in self.output_names if o in producer]
         while stack:
             n = stack.pop()
-            if id(n) in live or id(n) in self._removed:
+            k = id(n)
+            if k in live or k in removed:
                 continue
-            live.add(id(n))
-            for i in itertools.chain(n.input, self.implicit_inputs(n)):
-                p = self.producer.get(i)
-                if p is not None and id(p) not in live:
+            live.add(k)
+            for i in itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input:
+                p = producer.get(i)
+                if p is not None:
                     stack.append(p)
-        if self.parent is not None:
-            # in a subgraph, nodes feeding nothing are still dead; outputs are the roots
-            pass
         return live
 
     def _toposort(self, nodes: list[NodeProto]) -> list[NodeProto]:
@@ -698,22 +718,31 @@ class Graph:
         order = sorted(nodes, key=lambda n: pos[id(n)])
         index = {id(n): i for i, n in enumerate(order)}
         producer = self.producer
-        preds: list[list[int]] = []
+
+        def reads(n):
+            return itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input
+
         in_order = True
         for i, n in enumerate(order):
+            for x in reads(n):
+                p = producer.get(x)
+                if p is not None and index.get(id(p), -1) > i:
+                    in_order = False
+                    break
+            if not in_order:
+                break
+        if in_order:
+            return order
+        preds: list[list[int]] = []
+        for i, n in enumerate(order):
             ps = []
-            reads = itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input
-            for x in reads:
+            for x in reads(n):
                 p = producer.get(x)
                 if p is not None:
                     j = index.get(id(p))
                     if j is not None and j != i:
                         ps.append(j)
-                        if j > i:
-                            in_order = False
             preds.append(ps)
-        if in_order:
-            return order
         indeg = [0] * len(order)
         succ: list[list[int]] = [[] for _ in order]
         for i, ps in enumerate(preds):

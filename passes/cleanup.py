@@ -17,7 +17,7 @@ import numpy as np
 from onnx import NodeProto, helper, numpy_helper
 
 from rnnfuse.dims import time_flip_source
-from rnnfuse.graph import Graph, Model, attr, has_subgraph
+from rnnfuse.graph import _CONTROL_FLOW, Graph, Model, attr, has_subgraph
 from rnnfuse.pipeline import Options, PassResult
 
 _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
@@ -46,12 +46,14 @@ class Dedupe:
         res = PassResult(self.name)
         mark = model.annotations.get("dedupe")
         incremental = mark is not None and mark[0] is g.edited
+        self.visited = self.full_keys = 0
+        if incremental and mark[1] == len(g.edited):
+            return res  # no edit since the last run
         table = _DedupeTable(g)
         if incremental:
             work, pos = g.edited, mark[1]
         else:
             work, pos = table.candidates(), 0
-        self.visited = self.full_keys = 0
         n_merged = 0
         base = len(g.edited)
         while True:
@@ -93,16 +95,22 @@ class _DedupeTable:
         self.seeded: set[str] = set()  # values whose readers are in the table (incremental runs)
         self.const_readers: list | None = None
         self.full_keys = 0
+        # initializers and Constant outputs: found once (a set lookup per input from then on)
+        self.consts = set(g.initializers)
+        self.consts.update(o for n in g.nodes if n.op_type == "Constant" and g.alive(n) for o in n.output)
 
     def candidates(self) -> list[NodeProto]:
         """The nodes that may equal another, in graph order (topological for the input model, which is where
-        it matters): the readers of values read more than once, and the nodes reading only constants."""
+        it matters): nodes whose every non-constant input is read by another node too (a duplicate reads
+        them all), and the nodes reading only constants."""
         g = self.g
+        uses, consts = g.consumers.get, self.consts
         out: dict[int, NodeProto] = {}
         for v, cs in g.consumers.items():
-            if len(cs) > 1:
+            if len(cs) > 1 and v not in consts:
                 for c in cs:
-                    out[id(c)] = c
+                    if id(c) not in out and all(len(uses(i, ())) > 1 for i in c.input if i and i not in consts):
+                        out[id(c)] = c
         for c in self._const_readers():
             out[id(c)] = c
         pos = g._pos
@@ -112,30 +120,28 @@ class _DedupeTable:
         """Nodes with at least one input, all of them constants (a second way to be equal: by value)."""
         if self.const_readers is None:
             found: dict[int, NodeProto] = {}
-            for v, cs in self.g.consumers.items():
-                if self._constish(v):
-                    for c in cs:
-                        if all(self._constish(i) for i in c.input if i):
-                            found[id(c)] = c
+            consts, uses = self.consts, self.g.consumers.get
+            for v in consts:
+                for c in uses(v, ()):
+                    if id(c) not in found and all(i in consts for i in c.input if i):
+                        found[id(c)] = c
             self.const_readers = list(found.values())
         return self.const_readers
 
     def eligible(self, n: NodeProto) -> bool:
-        g = self.g
-        if not g.alive(n) or n.op_type in _IMPURE or not n.output or n.op_type == "Constant" or has_subgraph(n):
+        if id(n) in self.g._removed:
+            return False
+        op = n.op_type
+        if op in _IMPURE or op == "Constant" or op in _CONTROL_FLOW:
             return False  # Constants are compared by value where they are read
-        return not self.outputs.intersection(n.output)
-
-    def _constish(self, name: str) -> bool:
-        g = self.g
-        if name in g.initializers:
-            return True
-        p = g.producer.get(name)
-        return p is not None and p.op_type == "Constant"
+        outs = n.output
+        if not outs or (n.domain not in ("", "ai.onnx") and has_subgraph(n)):
+            return False
+        return not self.outputs.intersection(outs)
 
     def coarse(self, n: NodeProto) -> tuple:
-        c = self._CONST
-        return (n.domain, n.op_type, len(n.output), tuple(c if self._constish(i) else i for i in n.input))
+        c, consts = self._CONST, self.consts
+        return (n.domain, n.op_type, len(n.output), tuple(c if i in consts else i for i in n.input))
 
     def _ref(self, name: str):
         small = self.small

@@ -103,8 +103,9 @@ def _all_names(g: GraphProto, out: set[str]) -> None:
         out.update(n.output)
         if n.name:
             out.add(n.name)
-        for sg in subgraphs(n):
-            _all_names(sg, out)
+        if has_subgraph(n):
+            for sg in subgraphs(n):
+                _all_names(sg, out)
 
 
 # below this many nodes, shape inference (once per model) is cheaper than doing without the shapes it gives
@@ -121,9 +122,7 @@ class Model:
         self.opsets: dict[str, int] = {}
         for imp in proto.opset_import:
             self.opsets[imp.domain or ""] = imp.version
-        used: set[str] = set()
-        _all_names(proto.graph, used)
-        self.names = NameAllocator(used)
+        self._names: NameAllocator | None = None
         self._types: dict[str, tuple[int, list | None]] | None = None
         self._declared: dict[str, tuple[int, list | None]] | None = None
         self.graph = Graph(proto.graph, None, self)
@@ -137,6 +136,16 @@ class Model:
         m.annotations = self.annotations
         m._maps = self._maps
         return m
+
+    @property
+    def names(self) -> NameAllocator:
+        """Fresh names; every name in the model is collected the first time one is needed (a model nothing
+        is added to never pays for it)."""
+        if self._names is None:
+            used: set[str] = set()
+            _all_names(self.proto.graph, used)
+            self._names = NameAllocator(used)
+        return self._names
 
     def release_pages(self) -> None:
         """Let the kernel drop the pages of memory-mapped external data we have read (they stay cached on
@@ -347,8 +356,8 @@ class Graph:
         # nodes added or rewired (inputs or outputs renamed) since the graph was built or finalized, in edit
         # order: what an incremental pass (Dedupe after a fusion) has to look at again; finalize starts a new list
         self.edited: list[NodeProto] = []
-        for n in self.nodes:
-            self._index(n)
+        self._pruned: tuple | None = None  # _state() when the last prune (or finalize) left only live nodes
+        self._input_sorted = self._index_all(self.nodes)
 
     # -- indexing ----------------------------------------------------------------------------------------
     def implicit_inputs(self, node: NodeProto) -> set[str]:
@@ -373,6 +382,44 @@ class Graph:
         elif len(ins) > 1:
             ins = list(dict.fromkeys(ins))
         for i in ins:
+            if i:
+                lst = consumers.get(i)
+                if lst is None:
+                    consumers[i] = [n]
+                else:
+                    lst.append(n)
+
+    def _index_all(self, nodes: list[NodeProto]) -> bool:
+        """``_index`` for many nodes: one loop, each node's fields read once. Returns whether the nodes are
+        in topological order (no node reads a value a later node produces)."""
+        producer, consumers, get = self.producer, self.consumers, self.consumers.get
+        early: list[str] = []  # names read before any node produced them (inputs, initializers, or disorder)
+        captures = False
+        for n in nodes:
+            for o in n.output:
+                if o:
+                    producer[o] = n
+            if n.op_type in _CONTROL_FLOW or (n.domain not in ("", "ai.onnx") and has_subgraph(n)):
+                self._index_inputs(n)
+                captures = True  # (what a subgraph reads is not checked here: the sort will do it)
+                continue
+            ins = n.input
+            if len(ins) > 1:
+                ins = dict.fromkeys(ins)
+            for i in ins:
+                if i:
+                    if i not in producer:
+                        early.append(i)
+                    lst = get(i)
+                    if lst is None:
+                        consumers[i] = [n]
+                    else:
+                        lst.append(n)
+        return not captures and not any(i in producer for i in early)
+
+    def _index_inputs(self, n: NodeProto) -> None:
+        consumers = self.consumers
+        for i in dict.fromkeys(itertools.chain(n.input, sorted(self.implicit_inputs(n)))):
             if i:
                 lst = consumers.get(i)
                 if lst is None:
@@ -639,60 +686,75 @@ class Graph:
         self._index(node)
         self.edited.append(node)
 
+    def _state(self) -> tuple[int, int]:
+        """Changes so far (nodes added or rewired, nodes removed): equal states mean the same graph."""
+        return (len(self.edited), len(self._graveyard))
+
     def prune(self) -> int:
         """Drop nodes nothing reads (the remains of fused recurrences); returns how many."""
+        if self._pruned == self._state():
+            return 0  # nothing changed since the last prune: nothing new is dead
         live = self._live_set()
         dead = [n for n in self.nodes if id(n) not in self._removed and id(n) not in live]
         self.remove_nodes(dead)
         if dead:
             self.nodes = [n for n in self.nodes if id(n) not in self._removed]
+        self._pruned = self._state()
         return len(dead)
 
     # -- finalize ----------------------------------------------------------------------------------------
     def finalize(self) -> None:
         """Remove dead nodes and unused initializers, topologically sort, and write back to the proto.
 
-        Linear, and it copies nothing it does not have to: a node list that comes out as it is in the proto
-        is not rewritten, and the indices are rebuilt only where dead nodes were dropped."""
-        live = self._live_set()
+        Linear, and it does no whole-graph work it can prove unneeded: no liveness walk right after a
+        prune, no sort of an order no edit disturbed, no proto rewrite or index rebuild of an unchanged node
+        list."""
         removed = self._removed
-        kept = [n for n in self.nodes if id(n) not in removed]
-        nodes = [n for n in kept if id(n) in live]
-        dropped = len(nodes) != len(kept)
-        nodes = self._toposort(nodes)
-        if len(nodes) != len(self.proto.node) or any(a is not b for a, b in zip(nodes, self.proto.node)):
+        kept = [n for n in self.nodes if id(n) not in removed] if removed else self.nodes
+        if self._pruned == self._state():
+            nodes, dropped = kept, False  # every node left is live
+        else:
+            live = self._live_set()
+            nodes = [n for n in kept if id(n) in live]
+            dropped = len(nodes) != len(kept)
+        sort = bool(self.edited) or not self._input_sorted
+        if sort:
+            nodes = self._toposort(nodes)
+        # the same length and nothing removed, dropped or re-sorted: the proto's own list, as it is
+        if len(nodes) != len(self.proto.node) or (
+            (removed or dropped or sort) and any(a is not b for a, b in zip(nodes, self.proto.node))
+        ):
             del self.proto.node[:]
             self.proto.node.extend(nodes)
             nodes = list(self.proto.node)  # extend copies: index the messages the proto holds
             dropped = True
-        used: set[str] = set(self.output_names)
-        for n in nodes:
-            used.update(n.input)
-            if has_subgraph(n):
-                used |= self.implicit_inputs(n)
-        keep = [t for t in self.proto.initializer if t.name in used or t.name in self._inputs]
-        if len(keep) != len(self.proto.initializer):
+        self.nodes = nodes
+        self._pos = {id(n): (i, 0) for i, n in enumerate(nodes)}
+        self._removed = set()
+        self._graveyard.clear()
+        self.edited = []
+        self._input_sorted = True
+        if dropped:  # (otherwise the indices are exact: edits kept them so, and no dead node is left in them)
+            self.producer.clear()
+            self.consumers.clear()
+            self._implicit.clear()
+            self._index_all(nodes)
+        self._pruned = self._state()
+        # the initializers and value_info entries still read or defined (from the indices, not the nodes)
+        consumers, outputs = self.consumers, set(self.output_names)
+        unused = [k for k in self.initializers if not consumers.get(k) and k not in outputs and k not in self._inputs]
+        if unused or len(self.initializers) != len(self.proto.initializer):
+            drop = set(unused)
+            keep = [t for t in self.proto.initializer if t.name not in drop]
             del self.proto.initializer[:]
             self.proto.initializer.extend(keep)
+        self.initializers = {t.name: t for t in self.proto.initializer} if unused else self.initializers
         if len(self.proto.value_info):
-            defined = {o for n in nodes for o in n.output} | {t.name for t in keep} | self._inputs
+            defined = self.producer.keys() | self.initializers.keys() | self._inputs
             vis = [v for v in self.proto.value_info if v.name in defined]
             if len(vis) != len(self.proto.value_info):
                 del self.proto.value_info[:]
                 self.proto.value_info.extend(vis)
-        # the indices stay usable after finalize: exact already unless dead nodes were dropped or copied
-        self.nodes = nodes
-        self._removed = set()
-        self._graveyard.clear()
-        self._pos = {id(n): (i, 0) for i, n in enumerate(nodes)}
-        self.initializers = {t.name: t for t in self.proto.initializer}
-        self.edited = []
-        if dropped:
-            self.producer.clear()
-            self.consumers.clear()
-            self._implicit.clear()
-            for n in nodes:
-                self._index(n)
 
     def _live_set(self) -> set[int]:
         live: set[int] = set()

@@ -490,6 +490,7 @@ class _Signer:
         self.g = g
         self.table: dict = {}
         self.attr_keys: dict[int, tuple] = {}
+        self.nodes: dict[int, tuple] = {}  # id -> (inputs, outputs, op_type, domain): each node read once
         self.const_ids: dict[str, int | None] = {}  # tensor -> id of its constant value (None: not constant)
 
     def _intern(self, key) -> int:
@@ -501,57 +502,69 @@ class _Signer:
     def sign(self, name: str, leaves: dict[str, str], allowed, foreign: _Foreign, visited: set, fills: dict | None = None) -> int:
         g = self.g
         memo: dict[str, int] = {}
+        expanded: dict[str, NodeProto] = {}  # tensors whose inputs are being signed: their producer
+        infos = self.nodes
         stack = [name]
         while stack:
             cur = stack[-1]
             if cur in memo:
                 stack.pop()
                 continue
-            if cur in leaves:
-                memo[cur] = self._intern(("leaf", leaves[cur]))
-                stack.pop()
-                continue
-            cid = self.const_ids.get(cur, -1)
-            if cid == -1:
-                c = g.const(cur)
-                cid = self.const_ids[cur] = None if c is None else self._intern(("const", content_key(g, cur, c)))
-            if cid is not None:
-                memo[cur] = cid
-                stack.pop()
-                continue
-            p = g.producer.get(cur)
-            if p is not None and p.op_type in ("ConstantOfShape", "Expand"):
-                fv = g.fill_value(cur)
-                if fv is not None:
-                    if fills is not None:
+            p = expanded.get(cur)
+            if p is None:
+                if cur in leaves:
+                    memo[cur] = self._intern(("leaf", leaves[cur]))
+                    stack.pop()
+                    continue
+                cid = self.const_ids.get(cur, -1)
+                if cid == -1:
+                    c = g.const(cur)
+                    cid = self.const_ids[cur] = None if c is None else self._intern(("const", content_key(g, cur, c)))
+                if cid is not None:
+                    memo[cur] = cid
+                    stack.pop()
+                    continue
+                p = g.producer.get(cur)
+                info = None
+                if p is not None:
+                    info = infos.get(id(p))
+                    if info is None:
+                        info = infos[id(p)] = (tuple(p.input), tuple(p.output), p.op_type, p.domain)
+                if info is not None and info[2] in ("ConstantOfShape", "Expand"):
+                    fv = g.fill_value(cur)
+                    if fv is not None:
+                        if fills is not None:
+                            fills[cur] = fv
+                        memo[cur] = self._intern(("fill", fv))
+                        stack.pop()
+                        continue
+                if info is not None and info[2] in ("Shape", "Size") and info[0][0] not in leaves:
+                    q = g.producer.get(info[0][0])
+                    if q is None or not allowed(q):  # the shape of an outside tensor: the same for every step
+                        memo[cur] = self._intern(("ext-shape", info[0][0], p.SerializeToString()))
+                        visited.add(id(p))
+                        stack.pop()
+                        continue
+                if p is None or not allowed(p):
+                    fv = g.fill_value(cur)
+                    if fv is not None and fills is not None:
                         fills[cur] = fv
-                    memo[cur] = self._intern(("fill", fv))
+                    memo[cur] = self._intern(("fill", fv) if fv is not None else ("leaf", foreign(cur)))
                     stack.pop()
                     continue
-            if p is not None and p.op_type in ("Shape", "Size") and p.input[0] not in leaves:
-                q = g.producer.get(p.input[0])
-                if q is None or not allowed(q):  # the shape of an outside tensor: the same for every step
-                    memo[cur] = self._intern(("ext-shape", p.input[0], p.SerializeToString()))
-                    visited.add(id(p))
-                    stack.pop()
+                pending = [i for i in info[0] if i and i not in memo]
+                if pending:
+                    expanded[cur] = p
+                    stack.extend(pending)
                     continue
-            if p is None or not allowed(p):
-                fv = g.fill_value(cur)
-                if fv is not None and fills is not None:
-                    fills[cur] = fv
-                memo[cur] = self._intern(("fill", fv) if fv is not None else ("leaf", foreign(cur)))
-                stack.pop()
-                continue
-            pending = [i for i in p.input if i and i not in memo]
-            if pending:
-                stack.extend(pending)
-                continue
+            else:
+                info = infos[id(p)]
             stack.pop()
             visited.add(id(p))
             ak = self.attr_keys.get(id(p))
             if ak is None:
                 ak = self.attr_keys[id(p)] = tuple(a.SerializeToString() for a in sorted(p.attribute, key=lambda a: a.name))
-            key = (p.op_type, p.domain, ak, list(p.output).index(cur), tuple(memo[i] if i else -1 for i in p.input))
+            key = (info[2], info[3], ak, info[1].index(cur), tuple(memo[i] if i else -1 for i in info[0]))
             memo[cur] = self._intern(key)
         return memo[name]
 

@@ -302,12 +302,14 @@ def _collect_types(g: GraphProto, out: dict, top: bool = True) -> None:
     for t in g.initializer:
         out[t.name] = (t.data_type, list(t.dims))
     for n in g.node:
-        if n.op_type == "Constant" and n.output:
-            v = attr(n, "value")
-            if v is not None:
-                out[n.output[0]] = (helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape))
-        for sg in subgraphs(n):
-            _collect_types(sg, out, False)
+        op = n.op_type
+        if op == "Constant":
+            for a in n.attribute:  # (the tensor's declared type: its data is never decoded for this)
+                if a.name == "value" and a.type == AttributeProto.TENSOR and n.output:
+                    out[n.output[0]] = (a.t.data_type, list(a.t.dims))
+        elif op in _CONTROL_FLOW or n.domain not in ("", "ai.onnx"):
+            for sg in subgraphs(n):
+                _collect_types(sg, out, False)
 
 
 def declared_types(proto: ModelProto) -> dict[str, tuple[int, list | None]]:
@@ -491,6 +493,9 @@ class Graph:
         """The value of ``name`` if it is constant (initializer, Constant, or foldable from constants)."""
         if not name:
             return None
+        arrays = self._arrays
+        if name in arrays:  # (computed for this scope before: this scope defines it)
+            return arrays[name]
         g = self.scope_of(name)
         if g is None:
             return None
@@ -618,18 +623,22 @@ class Graph:
                 self.remove_node(n)
             return
         touched: set[str] = set()
+        removed, producer, graveyard = self._removed, self.producer, self._graveyard
         for n in nodes:
-            if id(n) not in gone or id(n) in self._removed:
+            k = id(n)
+            if k not in gone or k in removed:
                 continue
-            self._removed.add(id(n))
-            self._graveyard.append(n)
+            removed.add(k)
+            graveyard.append(n)
             for o in n.output:
-                if o and self.producer.get(o) is n:
-                    del self.producer[o]
+                if o and producer.get(o) is n:
+                    del producer[o]
             touched.update(n.input)
-            touched |= self.implicit_inputs(n)
+            if has_subgraph(n):
+                touched |= self.implicit_inputs(n)
+        consumers = self.consumers
         for i in touched:
-            lst = self.consumers.get(i)
+            lst = consumers.get(i)
             if lst:
                 lst[:] = [c for c in lst if id(c) not in gone]
 

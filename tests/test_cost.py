@@ -1,0 +1,157 @@
+"""The optimizer's work grows linearly with the graph: counted, never timed (benchmarks/scaling.py times it).
+
+What is counted: the nodes each Dedupe run looks at (none on a graph with nothing to merge, only the edits'
+nodes after a fusion), the whole-graph walks of liveness and sorting a pipeline makes, and that these counts
+do not grow faster than the graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import builders as B
+from rnnfuse.graph import Graph, Model
+from rnnfuse.pipeline import Options, Pipeline
+from rnnfuse.passes.cleanup import Dedupe
+
+
+def elementwise_chain(n: int, width: int = 4) -> onnx.ModelProto:
+    """Add w / Mul w / Tanh / Sigmoid, repeated: nothing to fuse, nothing to merge (as benchmarks/scaling.py)."""
+    rng = np.random.default_rng(0)
+    nodes, inits, cur = [], [], "x"
+    for i in range(n):
+        op = ("Add", "Mul", "Tanh", "Sigmoid")[i % 4]
+        out = "y" if i == n - 1 else f"v{i}"
+        ins = [cur]
+        if op in ("Add", "Mul"):
+            inits.append(numpy_helper.from_array(rng.standard_normal(width).astype(np.float32), f"w{i}"))
+            ins.append(f"w{i}")
+        nodes.append(helper.make_node(op, ins, [out], name=f"{op}_{i}"))
+        cur = out
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", width])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", width])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+class _Counted:
+    """Counts Graph._live_set and Graph._toposort calls and the nodes they are given/walk."""
+
+    def __init__(self, monkeypatch):
+        self.live = self.sorts = self.sorted_nodes = 0
+        live, sort = Graph._live_set, Graph._toposort
+
+        def counted_live(g):
+            self.live += 1
+            return live(g)
+
+        def counted_sort(g, nodes):
+            self.sorts += 1
+            self.sorted_nodes += len(nodes)
+            return sort(g, nodes)
+
+        monkeypatch.setattr(Graph, "_live_set", counted_live)
+        monkeypatch.setattr(Graph, "_toposort", counted_sort)
+
+
+def _run(model: onnx.ModelProto):
+    passes = Pipeline.default().passes
+    m = Model(model)
+    report = Pipeline(passes).run(m, Options())
+    dedupes = [p for p in passes if isinstance(p, Dedupe)]
+    return m, report, dedupes
+
+
+@pytest.mark.parametrize("n", [200, 800])
+def test_nothing_to_merge_costs_dedupe_no_visit(n, monkeypatch):
+    counted = _Counted(monkeypatch)
+    m, report, dedupes = _run(elementwise_chain(n))
+    assert not report.modified
+    assert len(dedupes) >= 2
+    # a plain chain: no value has two readers, so no node has a possible duplicate; later runs: no edits
+    assert [d.visited for d in dedupes] == [0] * len(dedupes)
+    assert [d.full_keys for d in dedupes] == [0] * len(dedupes)
+    # one liveness walk for the whole pipeline (the chain pass' prune; finalize knows nothing changed since)
+    # and no sort (the input is in order and no edit disturbed it)
+    assert counted.live == 1
+    assert counted.sorts == 0
+    assert len(m.proto.graph.node) == n
+
+
+def _dup_graph() -> onnx.ModelProto:
+    """x -> Shape twice, Add(x, c1) and Add(x, c2) with c1 == c2 by value, Relu of each Add (equal once the Adds
+    are merged), Add(x, c3) with a different c3 (kept), all read by a Concat."""
+    c = np.ones(4, np.float32)
+    inits = [numpy_helper.from_array(c, "c1"), numpy_helper.from_array(c.copy(), "c2"),
+             numpy_helper.from_array(c * 2, "c3")]
+    nodes = [
+        helper.make_node("Add", ["x", "c1"], ["a1"]),
+        helper.make_node("Relu", ["a1"], ["r1"]),
+        helper.make_node("Add", ["x", "c2"], ["a2"]),
+        helper.make_node("Relu", ["a2"], ["r2"]),
+        helper.make_node("Add", ["x", "c3"], ["a3"]),
+        helper.make_node("Relu", ["a3"], ["r3"]),
+        helper.make_node("Concat", ["r1", "r2", "r3"], ["y"], axis=0),
+    ]
+    g = helper.make_graph(nodes, "dups", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [12])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_dedupe_merges_by_value_and_cascades():
+    m = Model(_dup_graph())
+    d = Dedupe()
+    r = d.run(m, Options())
+    assert r.modified and "merged 2 duplicate nodes" in r.notes[0]  # Add(x, c2) by value, then its Relu
+    g = m.graph
+    concat = next(n for n in g.live_nodes() if n.op_type == "Concat")
+    assert list(concat.input) == ["r1", "r1", "r3"]
+    # the first in graph order is the one kept
+    assert {n.output[0] for n in g.live_nodes()} == {"a1", "r1", "a3", "r3", "y"}
+
+
+def test_dedupe_after_edits_visits_only_the_edits():
+    m = Model(elementwise_chain(400))
+    g = m.graph
+    d = Dedupe()
+    d.run(m, Options())
+    assert d.visited == 0
+    # an edit adds a duplicate of an existing node (as a fusion's emitted plumbing may) and a reader of it
+    first = g.producer["v0"]
+    dup = g.add_node("Add", list(first.input), name="dup")[0]
+    g.add_node("Identity", [dup], name="reader")
+    r = d.run(m, Options())
+    assert r.modified
+    assert 1 <= d.visited <= 3  # the two new nodes (and the rewired reader), not the 400 others
+    assert g.uses("v0")[-1].op_type == "Identity"
+    d.run(m, Options())
+    assert d.visited == 0
+
+
+def _chain_opts(T: int) -> B.Opts:
+    return B.default_reverse_form(B.Opts(op="LSTM", front="chain", static_T=T))
+
+
+def test_fused_chain_work_is_linear_in_its_length(monkeypatch):
+    """The same unrolled LSTM chain at T and 2T: the later Dedupes visit only what the fusion added (the
+    same for both), the first one at most in proportion, and the pipeline's whole-graph walks are as many."""
+    runs = {}
+    for T in (8, 16):
+        counted = _Counted(monkeypatch)
+        model, _ = B.build(_chain_opts(T))
+        nodes = len(model.graph.node)
+        m, report, dedupes = _run(model)
+        assert any(f.status == "fused" for f in report.findings), report.to_text()
+        runs[T] = (nodes, [d.visited for d in dedupes], counted.live, counted.sorts, counted.sorted_nodes)
+    (n1, v1, live1, sorts1, sn1), (n2, v2, live2, sorts2, sn2) = runs[8], runs[16]
+    assert n2 > 1.7 * n1
+    assert v2[0] <= 2.5 * v1[0] + 4  # the first run: linear in the graph
+    assert v2[1:] == v1[1:]  # later runs: the fusion's own nodes, whatever T is
+    assert (live1, sorts1) == (live2, sorts2)  # as many whole-graph walks whatever the length
+    assert sn2 <= 2.5 * sn1 + 16

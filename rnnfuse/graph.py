@@ -142,8 +142,18 @@ class Model:
         """Fresh names; every name in the model is collected the first time one is needed (a model nothing
         is added to never pays for it)."""
         if self._names is None:
-            used: set[str] = set()
-            _all_names(self.proto.graph, used)
+            # the main graph's tensor names are the keys of its indices (no walk over every node's fields)
+            g = self.graph
+            used: set[str] = set(g.producer)
+            used.update(g.consumers, g.initializers, g.input_names, g.output_names)
+            used.update(v.name for v in self.proto.graph.value_info)
+            for n in itertools.chain(g.nodes, g._graveyard):
+                if n.name:
+                    used.add(n.name)
+                if has_subgraph(n):
+                    used.update(n.input, n.output)
+                    for sg in subgraphs(n):
+                        _all_names(sg, used)
             self._names = NameAllocator(used)
         return self._names
 
@@ -622,8 +632,18 @@ class Graph:
             for n in nodes:
                 self.remove_node(n)
             return
-        touched: set[str] = set()
         removed, producer, graveyard = self._removed, self.producer, self._graveyard
+        survivors = [n for n in self.nodes if id(n) not in removed and id(n) not in gone]
+        if len(survivors) < len(gone):  # most of the graph goes (a fused chain): index what stays instead
+            for n in nodes:
+                if id(n) in gone and id(n) not in removed:
+                    removed.add(id(n))
+                    graveyard.append(n)
+            self.producer.clear()
+            self.consumers.clear()
+            self._index_all(survivors)
+            return
+        touched: set[str] = set()
         for n in nodes:
             k = id(n)
             if k not in gone or k in removed:

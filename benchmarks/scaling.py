@@ -99,12 +99,12 @@ GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "
-        "print(json.dumps([t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, p.returncode, "
-        "p.stderr[-600:]]))")
+        "ru = resource.getrusage(resource.RUSAGE_CHILDREN); "
+        "print(json.dumps([t, ru.ru_maxrss / 1024, p.returncode, p.stderr[-600:], ru.ru_utime + ru.ru_stime]))")
 
 
-def _child(cmd: list[str]) -> tuple[float, float, int, str]:
-    """(wall seconds, peak RSS MB, exit code, stderr tail) of ``cmd`` run under a fresh wrapper."""
+def _child(cmd: list[str]) -> tuple[float, float, int, str, float]:
+    """(wall seconds, peak RSS MB, exit code, stderr tail, CPU seconds) of ``cmd`` run under a fresh wrapper."""
     out = subprocess.run([sys.executable, "-c", PEAK, *cmd], capture_output=True, text=True, check=True)
     return tuple(json.loads(out.stdout))
 
@@ -112,13 +112,17 @@ def _child(cmd: list[str]) -> tuple[float, float, int, str]:
 def measure(src: str, runs: int) -> dict:
     d = tempfile.mkdtemp(prefix="rnnfuse-scaling-")
     dst, rep = os.path.join(d, "out.onnx"), os.path.join(d, "report.json")
-    walls, peaks, per_pass = [], [], {}
+    walls, cpus, peaks, per_pass = [], [], [], {}
     report = None
     for _ in range(runs):
-        wall, peak, rc, err = _child([sys.executable, "-m", "rnnfuse", "optimize", src, dst, "-q", "--json", rep])
+        for f in (dst, rep):
+            if os.path.exists(f):
+                os.remove(f)
+        wall, peak, rc, err, cpu = _child([sys.executable, "-m", "rnnfuse", "optimize", src, dst, "-q", "--json", rep])
         if rc:
             raise RuntimeError(f"rnnfuse optimize {src} exited {rc}: {err}")
         walls.append(wall)
+        cpus.append(cpu)
         peaks.append(peak)
         with open(rep) as f:
             report = json.load(f)
@@ -135,7 +139,7 @@ def measure(src: str, runs: int) -> dict:
     os.rmdir(d)
     fused = sum(1 for p in report["passes"] for f in p["findings"] if f["status"] == "fused")
     return {
-        "wall": statistics.median(walls), "walls": walls, "peak_mb": statistics.median(peaks),
+        "wall": statistics.median(walls), "walls": walls, "cpu": statistics.median(cpus), "peak_mb": statistics.median(peaks),
         "passes": {k: statistics.median(v) for k, v in per_pass.items()},
         "nodes_after": out_nodes, "fused": fused, "file_mb": os.path.getsize(src) / 2**20,
     }
@@ -152,13 +156,14 @@ def table(results: list[dict], base: float) -> str:
         for k in r["m"]["passes"]:
             if k not in names and k != "(all passes)":
                 names.append(k)
-    head = "| graph | nodes | file MB | wall s | passes s | outside passes s | peak RSS MB | RSS - libs MB | x file | nodes after |"
-    lines = [head, "|---" * 10 + "|"]
+    head = ("| graph | nodes | file MB | wall s | CPU s | passes s (wall) | outside passes s | peak RSS MB | "
+            "RSS - libs MB | x file | nodes after |")
+    lines = [head, "|---" * 11 + "|"]
     for r in results:
         m = r["m"]
         passes = m["passes"]["(all passes)"]
         extra = m["peak_mb"] - base
-        lines.append(f"| {r['graph']} | {r['nodes']:,} | {m['file_mb']:.1f} | **{m['wall']:.2f}** | {passes:.2f} | "
+        lines.append(f"| {r['graph']} | {r['nodes']:,} | {m['file_mb']:.1f} | **{m['wall']:.2f}** | {m['cpu']:.2f} | {passes:.2f} | "
                      f"{m['wall'] - passes:.2f} | {m['peak_mb']:.0f} | {extra:.0f} | {extra / m['file_mb']:.1f} | "
                      f"{m['nodes_after']:,} |")
     lines.append("")
@@ -174,7 +179,10 @@ def table(results: list[dict], base: float) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="25000,50000,100000,200000")
+    ap.add_argument("--sizes", default="25000,50000,100000,200000", help="elementwise node counts")
+    ap.add_argument("--lstm-sizes", default="27000,54000,108000,216000",
+                    help="lstmcell node counts (T = nodes // 18: 108000 is T=6000)")
+    ap.add_argument("--name", default="scaling", help="results file name (results/NAME.md, .json)")
     ap.add_argument("--graphs", default="lstmcell,elementwise")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -189,7 +197,8 @@ def main(argv=None) -> int:
     os.makedirs(a.cache, exist_ok=True)
     results = []
     for graph in a.graphs.split(","):
-        for size in (int(s) for s in a.sizes.split(",")):
+        sizes = a.lstm_sizes if graph == "lstmcell" else a.sizes
+        for size in (int(s) for s in sizes.split(",") if s):
             src = os.path.join(a.cache, f"scaling_{graph}_{size}.onnx")
             if not os.path.exists(src):
                 GENERATORS[graph](src + ".tmp", size)
@@ -198,7 +207,7 @@ def main(argv=None) -> int:
 
             nodes = len(onnx.load(src, load_external_data=False).graph.node)
             m = measure(src, a.runs)
-            print(f"{graph} {nodes}: wall {m['wall']:.2f} s, peak {m['peak_mb']:.0f} MB, "
+            print(f"{graph} {nodes}: wall {m['wall']:.2f} s, CPU {m['cpu']:.2f} s, peak {m['peak_mb']:.0f} MB, "
                   f"passes {m['passes']['(all passes)']:.2f} s", flush=True)
             results.append({"graph": graph, "nodes": nodes, "m": m})
     base = baseline_mb()
@@ -206,7 +215,8 @@ def main(argv=None) -> int:
     text = (
         "# Optimizer cost as the graph grows\n\n"
         "`python -m rnnfuse optimize IN OUT -q --json J` (validation on), medians of "
-        f"{a.runs} runs; wall time includes interpreter start-up, imports, load, passes and save. "
+        f"{a.runs} runs; wall time (and CPU time, user + system, which the load of a shared machine does not "
+        "inflate) includes interpreter start-up, imports, load, passes and save. "
         "`lstmcell`: a torch loop over `nn.LSTMCell` (trace export, 18 nodes/step), fused into one LSTM. "
         "`elementwise`: Add/Mul/Tanh/Sigmoid chain, nothing to fuse. "
         f"'RSS - libs' is the peak minus a process that only imports the libraries ({base:.0f} MB).\n\n"
@@ -214,9 +224,9 @@ def main(argv=None) -> int:
         f"{load[0]:.1f} at the end), Python {platform.python_version()}.\n\n" + table(results, base) + "\n"
     )
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "scaling.md"), "w") as f:
+    with open(os.path.join(a.out, f"{a.name}.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(a.out, "scaling.json"), "w") as f:
+    with open(os.path.join(a.out, f"{a.name}.json"), "w") as f:
         json.dump({"baseline_mb": base, "results": results}, f, indent=1)
     print(text)
     return 0

@@ -105,18 +105,22 @@ def test_bench_json_dash_and_reports_the_sizes_that_ran(tmp_path):
     assert "| 16 |" not in p.stderr and "| 100 |" not in p.stderr
 
 
-def test_bench_partly_static_model(tmp_path):
-    """[?, 7, F]: the batch comes from --batch, T is the model's 7."""
+@pytest.mark.parametrize("free_axis,expect,note", [
+    (0, [(1, 7), (3, 7)], "--seq-len 100 not used"),   # [?, 7, F]: batch from --batch, T is the model's 7
+    (1, [(2, 100)], "--batch 1,3 not used"),           # [2, ?, F]: the model's batch 2 (once), T from --seq-len
+])
+def test_bench_partly_static_model(tmp_path, free_axis, expect, note):
     m = static_model()
-    m.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "unk__0"
-    m.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "unk__0"
+    for vi in (m.graph.input[0], m.graph.output[0]):
+        vi.type.tensor_type.shape.dim[free_axis].dim_param = "unk__0"
     path = tmp_path / "partly.onnx"
     onnx.save(m, path)
     p = run("bench", path, path, "--batch", "1,3", "--runs", "2", "--warmup", "0", "--json", "-")
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
-    assert [(r["batch"], r["seq_len"]) for r in d["results"]] == [(1, 7), (3, 7)]
-    assert [n for n in d["decisions"] if "--batch" in n] == []
+    assert [(r["batch"], r["seq_len"]) for r in d["results"]] == expect
+    assert [n for n in d["decisions"] if n.startswith("--")] == [n for n in d["decisions"] if note in n]
+    assert any(note in n for n in d["decisions"])
 
 
 def test_bench_plot_says_where_it_was_written(tmp_path):

@@ -71,9 +71,14 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
     bf, bb = g.const(_inp(fw, 3)) if _inp(fw, 3) else None, g.const(_inp(bw, 3)) if _inp(bw, 3) else None
     if (_inp(fw, 3) and bf is None) or (_inp(bw, 3) and bb is None):
         raise Decline("biases are not constant")
+    extras = {}  # extra inputs (an LSTM's P): constant per direction, zeros for a direction without
     for k, name in enumerate(kind.inputs):
         if name in kind.extra_inputs and (_inp(fw, k) or _inp(bw, k)):
-            raise Decline(kind.extra_inputs[name])
+            pair = [g.const(_inp(n, k)) if _inp(n, k) else None for n in (fw, bw)]
+            if any(_inp(n, k) and v is None for n, v in zip((fw, bw), pair)):
+                raise Decline(f"{kind.extra_inputs[name]} computed at runtime")
+            zero = np.zeros((1,) + kind.extra_input_shape(name, H), ws[0][0].dtype)
+            extras[k] = [v if v is not None else zero for v in pair]
     b = Builder(g, fw, f"rnnfuse/{op}")
 
     def both(pair, hint):
@@ -102,6 +107,8 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
         ref = a or c
         zeros = lambda: b.op("Mul", ref, b.const(np.array(0, dtype=np.float32), "zero_f"))  # noqa: E731
         ins.append(b.op("Concat", a or zeros(), c or zeros(), axis=0))
+    for k in range(len(ins), len(kind.inputs)):
+        ins.append(b.const(np.concatenate(extras[k], 0), kind.inputs[k]) if k in extras else "")
     while ins and ins[-1] == "":
         ins.pop()
     attrs = {}

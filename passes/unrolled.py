@@ -421,6 +421,8 @@ def _allowed_fn(g: Graph, chain: Chain, k: int, iv):
     fwd = chain.direction == "forward"
 
     pulled, nodes, side = st.pulled, iv.nodes, 1 if fwd else 0
+    prev = t - 1 if fwd else t + 1
+    carried_side: dict[int, bool] = {}
 
     def allowed(n: NodeProto) -> bool:
         k = id(n)
@@ -430,9 +432,28 @@ def _allowed_fn(g: Graph, chain: Chain, k: int, iv):
         if v is None:
             # constants-and-shapes-only nodes (a zero state's matmul) are evaluated wherever they are read
             return bool(n.output) and shape_derived(g, n.output[0])
-        return v[side] == t
+        return v[side] == t or (v[side] == prev and _carried_side(n))
+
+    def _carried_side(n: NodeProto) -> bool:
+        """A node placed in the step before, computed from one carried value and constants only and read only
+        by this step (an LSTM peephole p*c): it belongs to this step, as h @ R does."""
+        k = id(n)
+        if k not in carried_side:
+            carried_side[k] = False  # (while its consumers are asked)
+            # (other inputs must be true constants: 0 + m*new with a runtime-shaped zero is a state itself)
+            dyn = [i for i in n.input if i and g.const(i) is None]
+            users = [c for o in n.output if o for c in g.uses(o)]
+            carried_side[k] = (n.op_type in _CARRIED_SIDE and len(dyn) == 1 and bool(users)
+                               and not any(g.is_graph_output(o) for o in n.output if o)
+                               and all(allowed(c) for c in users))
+        return carried_side[k]
 
     return allowed
+
+
+# ops with constants that may sit between a carried value and the step reading it (the recogniser then
+# decides what they mean: p*c is a peephole, c @ P is not)
+_CARRIED_SIDE = {"Mul", "Add", "Sub", "Div", "Neg", "Unsqueeze", "Squeeze", "Identity", "Reshape", "MatMul", "Gemm"}
 
 
 class _Foreign:

@@ -269,6 +269,8 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     kind = cell.kind
     inits = {"h": rec.h0, "c": rec.c0}
     ins += [_init_state(b, inits[s], x, cell.hidden) for s in kind.states]
+    extras = kind.extra_arrays(cell)  # e.g. an LSTM's peepholes P
+    ins += [b.const(extras[name][None], name) if name in extras else "" for name in kind.extra_inputs]
     while ins and ins[-1] == "":
         ins.pop()
     native_dir = direction

@@ -477,6 +477,11 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
                 ins.append(f"__init_{st}")
             else:
                 ins.append("")
+        for name, arr in cell.kind.extra_arrays(cell).items():  # e.g. an LSTM's peepholes P
+            while len(ins) < cell.kind.inputs.index(name):
+                ins.append("")
+            extra.append(numpy_helper.from_array(arr[None], f"__{name}"))
+            ins.append(f"__{name}")
         while ins[-1] == "":
             ins.pop()
         outs = ["__Y"] + [f"__Y{st}" for st in cell.kind.states]

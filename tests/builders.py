@@ -235,6 +235,10 @@ def mutation_expressible(name: str, o: Opts) -> bool:
     f = o.activations()[0]
     if name == "lstm_o_as_f":
         return True  # W_f := W_o
+    if name == "peephole":
+        return True  # ONNX LSTM input P (i, f read the old c, o the new one)
+    if name == "extra_scale" and o.op == "RNN" and f[0] == "Tanh":
+        return True  # 1.5 * tanh(a) is ScaledTanh(1.5, 1)(a)
     if name in ("mask_on_input", "loop_shifted_input", "loop_fixed_input"):
         return True  # an unmasked native op over a transformed X (computed outside the recurrence)
     if name in ("coupled_if", "gru_swapped_update"):

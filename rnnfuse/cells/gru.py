@@ -1,5 +1,11 @@
 """ONNX ``GRU``: gates z, r, h; ``h' = (1-z)*n + z*h`` with the candidate ``n`` in one of two forms.
 
+The update gate may also be written the other way round, ``h' = z*n + (1-z)*h`` (hand-written GRUs, JAX
+examples, the minimal gated unit): that is the native cell with the z rows of W and R and both z biases
+negated, since ``1 - a(x) = a(-x)`` for the gate activations that have that symmetry (sigmoid, and
+hard_sigmoid with beta 0.5). ``extra["update_takes_candidate"]`` marks it; the step polynomials keep the
+graph's own z (so the proof compares like with like), and only the ONNX weights are negated.
+
 ``linear_before_reset=1``: ``n = g(x @ Wh + Wbh + r * (h @ Rh + Rbh))`` -- the recurrent part is kept in
 ``extra["rec_h"]``. ``linear_before_reset=0``: ``n = g(x @ Wh + (r*h) @ Rh + b)`` -- the candidate's Lin reads
 the gated row r*h, whose key is ``extra["gated_key"]``.
@@ -11,7 +17,7 @@ from ..errors import Decline
 from ..graph import attr
 from ..symbolic import ACTIVATIONS, GATED_ROW, Act, LinAtom, Poly
 from .kind import CellKind, activate, bias_of, gate, split_biases, weight_block
-from .match import check_sources, gate_parts, make_spec
+from .match import SOFTPLUS_SAFE, SOFTPLUS_WHY, check_sources, gate_parts, make_spec
 
 
 class GruKind(CellKind):
@@ -32,11 +38,16 @@ class GruKind(CellKind):
     def match(self, new, x, states, h, c):
         p = new[h]
         hs = states[h]
-        z, n = _update_and_candidate(p, hs)
+        z, n, flipped = _update_and_candidate(p, hs)
         z_act, z_lin, clip_z = gate_parts(z, "the update gate")
+        if flipped and not _complement_is_reflection(z_act):
+            raise Decline(f"the update gate takes the candidate (z*n + (1-z)*h) and its activation {z_act[0]} "
+                          "has no exact 1 - a(x) = a(-x), so it cannot become a native z by negated weights")
         arg, clip_n = _unclipped(n.arg)
         if n.kind not in ACTIVATIONS:
             raise Decline(f"the candidate activation {n.kind} is not available in native ops")
+        if n.kind == "Softplus" and (clip_n is None or clip_n > SOFTPLUS_SAFE):
+            raise Decline(f"the candidate activation is Softplus: {SOFTPLUS_WHY}")
         if len(arg.terms) == 2:
             h_lin, r, extra = _candidate_linear_before_reset(arg)
         else:
@@ -54,6 +65,8 @@ class GruKind(CellKind):
         check_sources(z_lin, {x.key, hs.key}, "the update gate")
         check_sources(r_lin, {x.key, hs.key}, "the reset gate")
         gates = {"z": z_lin, "r": r_lin, "h": h_lin}
+        if flipped:
+            extra["update_takes_candidate"] = True
         spec = make_spec(self, x, hs, gates, (z_act, (n.kind, n.params)), clip_z, extra)
         rec = extra.get("rec_h")
         if rec is not None and rec.ncols != spec.hidden:
@@ -63,6 +76,8 @@ class GruKind(CellKind):
     def step_polys(self, spec, x, h, c):
         f_act, g_act = spec.acts
         z = gate(spec.gates["z"], f_act, spec.clip)
+        if spec.extra.get("update_takes_candidate"):
+            z = Poly.const(1.0).sub(z)  # the graph's z takes the candidate: the native z is 1 - z
         r = gate(spec.gates["r"], f_act, spec.clip)
         arg = Poly.atom(LinAtom(spec.gates["h"]))
         if spec.extra.get("linear_before_reset"):
@@ -71,6 +86,9 @@ class GruKind(CellKind):
         return {"h": n.sub(z.mul(n)).add(z.mul(h))}
 
     def gate_blocks(self, spec, g, dtype):
+        if g == "z" and spec.extra.get("update_takes_candidate"):
+            # native z = a(-(x@W + h@R + b)) = 1 - a(x@W + h@R + b): every z block negated (exact in floats)
+            return tuple(-block for block in super().gate_blocks(spec, g, dtype))
         if g != "h":
             return super().gate_blocks(spec, g, dtype)
         H, I = spec.hidden, spec.input_size
@@ -92,23 +110,46 @@ class GruKind(CellKind):
 
 
 def _update_and_candidate(p: Poly, hs):
-    """``(1-z)*n + z*h``: the update gate z and the candidate n."""
-    if len(p.terms) != 3:
-        raise Decline(f"the new state is not (1-z)*n + z*h ({p!r})")
-    z = n = None
+    """The update gate z, the candidate n, and whether z takes the candidate.
+
+    ``(1-z)*n + z*h`` = ``n + z*h - z*n`` (z keeps the state, ONNX's form) or ``z*n + (1-z)*h`` =
+    ``h + z*n - z*h`` (z takes the candidate: the flipped form)."""
+    blend = f"an update-gate blend (1-z)*n + z*h or z*n + (1-z)*h ({p!r})"
+    singles, with_h, products = [], [], []
     for m, coef in p.terms.items():
         atoms = [p.atoms[k] for k in m]
-        if len(atoms) == 2 and hs.key in m and coef == 1.0:
-            z = next(a for a in atoms if a.key != hs.key)
-    if z is None:
-        raise Decline(f"the new state is not (1-z)*n + z*h ({p!r})")
-    for m, coef in p.terms.items():
-        atoms = [p.atoms[k] for k in m]
-        if len(atoms) == 1 and coef == 1.0:
-            n = atoms[0]
+        if len(atoms) == 1:
+            singles.append((atoms[0], coef))
+        elif len(atoms) == 2 and hs.key in m:
+            with_h.append((next(a for a in atoms if a.key != hs.key), coef))
+        elif len(atoms) == 2:
+            products.append((atoms, coef))
+        else:
+            raise Decline(f"the new state is not {blend}")
+    if len(with_h) == 1 and not singles and len(products) == 1 and products[0][1] == with_h[0][1] == 1.0 \
+            and with_h[0][0].key in {a.key for a in products[0][0]}:
+        raise Decline(f"the update gate multiplies both the candidate and the state (z*n + z*h), not a blend ({p!r})")
+    if len(p.terms) != 3 or len(singles) != 1 or len(with_h) != 1 or len(products) != 1:
+        raise Decline(f"the new state is not {blend}")
+    (single, s_coef), (z, zh_coef), (pair, zn_coef) = singles[0], with_h[0], products[0]
+    flipped = single.key == hs.key
+    if (s_coef, zh_coef, zn_coef) != ((1.0, -1.0, 1.0) if flipped else (1.0, 1.0, -1.0)):
+        raise Decline(f"the new state is not {blend}")
+    others = [a for a in pair if a.key != z.key]
+    if len(others) != 1:
+        raise Decline(f"the gate that keeps the state is not the update gate that takes the candidate ({p!r})")
+    n = others[0]
+    if not flipped and n.key != single.key:
+        raise Decline(f"the new state is not {blend}")
     if not isinstance(n, Act) or not isinstance(z, Act):
-        raise Decline(f"the new state is not (1-z)*n + z*h ({p!r})")
-    return z, n
+        raise Decline(f"the new state is not {blend}")
+    return z, n, flipped
+
+
+def _complement_is_reflection(act) -> bool:
+    """Whether ``1 - a(x) == a(-x)``: then a gate used as ``1 - z`` is the native gate with negated weights."""
+    name, params = act
+    return name == "Sigmoid" or (name == "HardSigmoid" and len(params) == 2 and params[1] == 0.5)
 
 
 def _unclipped(arg: Poly):
@@ -145,6 +186,9 @@ def _candidate_gated_state(arg: Poly, hs):
     """``x @ Wh + (r*h) @ Rh + b`` -> (the candidate's Lin, r, extra)."""
     sa = arg.single_atom()
     if not (sa and sa[1] == 1.0 and isinstance(sa[0], LinAtom)):
+        if _gate_times_input(arg):
+            raise Decline(f"the reset gate multiplies the candidate's input part too (r*(x@W + ...)); a native GRU "
+                          f"resets only the recurrent part ({arg!r})")
         raise Decline(f"the candidate is not an activation of an affine map ({arg!r})")
     h_lin = sa[0].lin
     gated_srcs = [s for s in h_lin.sources() if s[0] == GATED_ROW]
@@ -161,6 +205,18 @@ def _candidate_gated_state(arg: Poly, hs):
     if r is None:
         raise Decline("cannot find the reset gate")
     return h_lin, r, {"linear_before_reset": 0, "gated_key": gated}
+
+
+
+def _gate_times_input(arg: Poly) -> bool:
+    """``act(..) * lin`` where the lin reads the step input: a gate applied to the candidate's input part."""
+    if len(arg.terms) != 1:
+        return False
+    (m,) = arg.terms
+    atoms = [arg.atoms[k] for k in m]
+    lins = [a for a in atoms if isinstance(a, LinAtom)]
+    return len(atoms) == 2 and len(lins) == 1 and any(isinstance(a, Act) for a in atoms) and \
+        any(s[0] == "X" for s in lins[0].lin.sources())
 
 
 GRU = GruKind()

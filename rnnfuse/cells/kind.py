@@ -76,6 +76,15 @@ class CellKind:
     def extra_attributes(self, spec: CellSpec) -> dict:
         return {}
 
+    def extra_arrays(self, spec: CellSpec, dtype=np.float32) -> dict:
+        """Values of the extra inputs (after the initial states) this spec needs, one direction each:
+        input name -> array without the direction axis. Inputs not given stay empty."""
+        return {}
+
+    def extra_input_shape(self, name: str, hidden: int) -> tuple:
+        """Shape of one direction of an extra input (zeros stand in for a direction that has none)."""
+        raise Decline(self.extra_inputs.get(name, name))
+
     def describe_extras(self, spec: CellSpec) -> list[str]:
         return []
 
@@ -101,8 +110,11 @@ class CellKind:
         return weight_block(lin, spec.x_key, (H, I), dtype), weight_block(lin, spec.h_key, (H, H), dtype), wb, rb
 
     def spec_from_onnx(self, node, W: np.ndarray, R: np.ndarray, B: np.ndarray | None, x_key, h_key,
-                       direction_index: int = 0) -> CellSpec:
-        """The spec of a native op of this kind (one direction), weights read from its ONNX layout."""
+                       direction_index: int = 0, fed=None) -> CellSpec:
+        """The spec of a native op of this kind (one direction), weights read from its ONNX layout.
+
+        ``fed = (state key, W_fed)``: the op's input also appends that state (input feeding); ``W_fed`` is the
+        matching column block of W, read as one more recurrent term."""
         H = int(attr(node, "hidden_size") or R.shape[-1])
         Wd, Rd = W[direction_index], R[direction_index]
         Bd = B[direction_index] if B is not None else None
@@ -114,7 +126,10 @@ class CellKind:
             cols = (gi * H, (gi + 1) * H)
             wb = [bref.rows(*cols)] if bref is not None else []
             rb = [bref.rows(G * H + cols[0], G * H + cols[1])] if bref is not None else []
-            x_part = Lin.make([(x_key, wref.cols(*cols))], wb, H)
+            x_terms = [(x_key, wref.cols(*cols))]
+            if fed is not None:  # part of the input term (outside a GRU's reset product, as ONNX computes it)
+                x_terms.append((fed[0], ConstRef.of(fed[1][direction_index]).T().cols(*cols)))
+            x_part = Lin.make(x_terms, wb, H)
             h_part = Lin.make([(h_key, rref.cols(*cols))], rb, H)
             self.onnx_gate(node, g, x_part, h_part, gates, extra)
         return CellSpec(self, H, int(Wd.shape[1]), x_key, h_key, gates, read_activations(node, self), attr(node, "clip"),

@@ -1,16 +1,23 @@
 """ONNX ``LSTM``: gates i, o, f, c; ``c' = f*c + i*g(..)``, ``h' = o*h_act(c')``.
 
-Peephole weights (input ``P``) are not modelled: a step that reads ``c`` inside a gate is declined by the
-matcher, and a native LSTM with ``P`` inside a step is declined by :meth:`CellKind.check_native`.
+Peepholes (ONNX input ``P``, ``[D, 3H]`` in the order i, o, f): the input and forget gates may add ``p ⊙ c``
+of the previous cell state, the output gate ``p ⊙ c'`` of the new one, each with its own vector (a gate
+without a peephole has zeros). The matcher reads them from the gate arguments; any other way a gate reads
+the cell state (the output gate reading the old c, a matrix ``c @ P``, a peephole inside the clip) is
+declined with what differed. A native LSTM with ``P`` met inside a step is still declined.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import Decline
-from ..symbolic import ACTIVATIONS, Act, Poly
-from .kind import CellKind, gate
-from .match import check_sources, gate_parts, make_spec
+from ..symbolic import ACTIVATIONS, Act, Lin, LinAtom, Poly, State
+from .kind import CellKind, activate, gate
+from .match import SOFTPLUS_WHY, check_sources, gate_parts, make_spec
 from .spec import act_name
+
+PEEPHOLE_GATES = ("i", "o", "f")  # ONNX's order of P
 
 
 class LstmKind(CellKind):
@@ -25,14 +32,23 @@ class LstmKind(CellKind):
         hs, cs = states[h], states[c]
         fc, ig = _forget_and_input_terms(pc, cs)
         h_act_atom, o_atom = _output_factors(ph, pc)
+        old_c, new_c = Poly.atom(cs), pc
+        peep = {}
+        fc, peep["f"] = _peephole(fc, "the forget gate", old_c, new_c, cs)
+        o_atom, peep["o"] = _peephole(o_atom, "the output gate", new_c, old_c, cs)
+        a1, a2 = ig
+        a1, p1_peep = _peephole(a1, "an input/cell gate", old_c, new_c, cs)
+        a2, p2_peep = _peephole(a2, "an input/cell gate", old_c, new_c, cs)
         f_act, f_lin, clip_f = gate_parts(fc, "the forget gate")
         o_act, o_lin, clip_o = gate_parts(o_atom, "the output gate")
-        a1, a2 = ig
         p1, p2 = gate_parts(a1, "an input/cell gate"), gate_parts(a2, "an input/cell gate")
-        if p1[0] == f_act:  # i shares the gates' activation; g is the other factor
-            (i_act, i_lin, clip_i), (g_act, g_lin, clip_g) = p1, p2
+        if (p1[0] == f_act) if p1_peep is None and p2_peep is None else p1_peep is not None:
+            # i shares the gates' activation (and is the one that may have a peephole); g is the other factor
+            (i_act, i_lin, clip_i), (g_act, g_lin, clip_g), peep["i"], g_peep = p1, p2, p1_peep, p2_peep
         else:
-            (i_act, i_lin, clip_i), (g_act, g_lin, clip_g) = p2, p1
+            (i_act, i_lin, clip_i), (g_act, g_lin, clip_g), peep["i"], g_peep = p2, p1, p2_peep, p1_peep
+        if g_peep is not None:
+            raise Decline("both factors of i*g read the cell state (a peephole on the cell candidate?)")
         if not (f_act == o_act == i_act):
             raise Decline(
                 f"gate activations differ (i={act_name(i_act)}, f={act_name(f_act)}, o={act_name(o_act)}); "
@@ -40,6 +56,8 @@ class LstmKind(CellKind):
             )
         if h_act_atom.kind not in ACTIVATIONS:
             raise Decline(f"the output activation {h_act_atom.kind} is not available in native ops")
+        if h_act_atom.kind == "Softplus":  # (its argument, the cell state, is never clipped)
+            raise Decline(f"the output activation is Softplus: {SOFTPLUS_WHY}")
         clips = {clip_f, clip_o, clip_i, clip_g}
         if len(clips) != 1:
             raise Decline("gates are clipped differently")
@@ -47,21 +65,111 @@ class LstmKind(CellKind):
         for g, lin in gates.items():
             check_sources(lin, {x.key, hs.key}, f"LSTM gate {g}")
         acts = (f_act, g_act, (h_act_atom.kind, h_act_atom.params))
-        return make_spec(self, x, hs, gates, acts, clips.pop())
+        peep = {g: m for g, m in peep.items() if m is not None}
+        return make_spec(self, x, hs, gates, acts, clips.pop(), {"peepholes": peep} if peep else None)
+
+    def describe_extras(self, spec):
+        peep = spec.extra.get("peepholes")
+        return ["peepholes=" + ",".join(g for g in PEEPHOLE_GATES if g in peep)] if peep else []
 
     def step_polys(self, spec, x, h, c):
         f_act, g_act, h_act = spec.acts
-        i = gate(spec.gates["i"], f_act, spec.clip)
-        o = gate(spec.gates["o"], f_act, spec.clip)
-        f = gate(spec.gates["f"], f_act, spec.clip)
+        peep = spec.extra.get("peepholes", {})
+
+        def pre(g, cell_state):  # the gate's argument: x@W + h@R + b (+ p*c)
+            arg = Poly.atom(LinAtom(spec.gates[g]))
+            return arg.add(peep[g].mul(cell_state)) if g in peep else arg
+
+        i = activate(f_act, pre("i", c), spec.clip)
+        f = activate(f_act, pre("f", c), spec.clip)
         g = gate(spec.gates["c"], g_act, spec.clip)
         c_new = f.mul(c).add(i.mul(g))
+        o = activate(f_act, pre("o", c_new), spec.clip)
         h_new = o.mul(Poly.atom(Act(h_act[0], h_act[1], c_new)))
         return {"h": h_new, "c": c_new}
+
+    def extra_arrays(self, spec, dtype=np.float32) -> dict:
+        """``P`` ([3H], gates i, o, f) when the cell has peepholes."""
+        peep = spec.extra.get("peepholes")
+        if not peep:
+            return {}
+        H = spec.hidden
+        parts = []
+        for g in PEEPHOLE_GATES:
+            m = peep.get(g)
+            if m is None:
+                parts.append(np.zeros(H, dtype))
+            elif m.is_const():
+                parts.append(np.full(H, m.const_value(), dtype))
+            else:
+                (atom, _), = [m.single_atom()]
+                parts.append(np.asarray(atom.lin.bias_sum(), dtype=dtype))
+        return {"P": np.concatenate(parts)}
+
+    def extra_input_shape(self, name: str, spec_hidden: int) -> tuple:
+        return (3 * spec_hidden,)
+
+
+def _peephole(atom, what: str, own_c: Poly, other_c: Poly, cs: State):
+    """``act(lin + p ⊙ c)`` -> (``act(lin)``, the multiplier of c: a bias-only LinAtom poly, a scalar, or None).
+
+    ``own_c`` is the cell state a native peephole of this gate reads (old c for i and f, new c for o)."""
+    if not isinstance(atom, Act) or atom.kind == "Clip":
+        return atom, None
+    arg = atom.arg
+    if cs.key not in _atom_keys_deep(arg):
+        return atom, None
+    sa = arg.single_atom()
+    if sa and isinstance(sa[0], Act) and sa[0].kind == "Clip":
+        raise Decline(f"{what} reads the cell state inside a clip (peephole with clip is not modelled)")
+    lin_terms = {m: coef for m, coef in arg.terms.items() if len(m) == 1 and arg.atoms[m[0]].__class__ is LinAtom}
+    if len(lin_terms) != 1 or next(iter(lin_terms.values())) != 1.0:
+        raise Decline(f"{what} reads the cell state elementwise, not as x@W + h@R + b + p*c ({arg!r})")
+    (lin_m,) = lin_terms
+    rest = Poly({m: coef for m, coef in arg.terms.items() if m != lin_m}, arg.atoms)
+    mult = _multiplier(rest, own_c)
+    if mult is None:
+        if _multiplier(rest, other_c) is not None:
+            which = "previous" if other_c.single_atom() is not None else "new"
+            raise Decline(f"{what}'s peephole reads the {which} cell state; a native LSTM's "
+                          f"{'output gate reads the new' if which == 'previous' else 'input and forget gates read the previous'} one")
+        raise Decline(f"{what} reads the cell state, but not as a diagonal peephole p*c ({arg!r})")
+    return Act(atom.kind, atom.params, Poly.atom(arg.atoms[lin_m[0]])), mult
+
+
+def _multiplier(rest: Poly, c: Poly) -> Poly | None:
+    """``m`` with ``rest == m * c`` for a per-unit constant m (a bias-only affine map, or a scalar), else None."""
+    if not rest.terms or not c.terms:
+        return None
+    vectors = [a for k, a in rest.atoms.items() if k not in c.atoms and isinstance(a, LinAtom) and not a.lin.terms]
+    if len(vectors) == 1:
+        mult = Poly.atom(vectors[0])
+    elif not vectors:
+        m0 = next(iter(c.terms))
+        if m0 not in rest.terms:
+            return None
+        mult = Poly.const(rest.terms[m0] / c.terms[m0])
+    else:
+        return None
+    return mult if mult.mul(c).key == rest.key else None
+
+
+def _atom_keys_deep(p: Poly) -> set:
+    """Keys of every atom in ``p``, inside activation arguments too."""
+    out = set()
+    for a in p.atoms.values():
+        out.add(a.key)
+        if isinstance(a, Act):
+            out |= _atom_keys_deep(a.arg)
+    return out
 
 
 def _forget_and_input_terms(pc: Poly, cs):
     """``c' = f*c + i*g``: the atom multiplying c, and the two activations of the other product."""
+    sa = pc.single_atom()
+    if sa and isinstance(sa[0], Act) and sa[0].kind == "Clip":
+        raise Decline(f"the cell state itself is clipped to [{sa[0].params[0]:g}, {sa[0].params[1]:g}]; ONNX's clip "
+                      "bounds the gate inputs, not the cell state")
     if len(pc.terms) != 2 or any(v != 1.0 for v in pc.terms.values()):
         raise Decline(f"the cell state update is not f*c + i*g ({pc!r})")
     fc = ig = None

@@ -42,7 +42,14 @@ def _act_arg(atom: Act, what: str):
         raise Decline(f"{what} is {atom.kind} of {arg!r}, not of an affine map of x and h")
     if atom.kind not in ACTIVATIONS:
         raise Decline(f"{what} uses activation {atom.kind}, which native ops do not have")
+    if atom.kind == "Softplus" and (clip is None or clip > SOFTPLUS_SAFE):
+        raise Decline(f"{what} uses Softplus: {SOFTPLUS_WHY}; exact only with a clip of at most {SOFTPLUS_SAFE:g}")
     return (atom.kind, atom.params), sa[0].lin, clip
+
+
+# onnxruntime's native Softplus is log(1 + exp(x)) in float: inf from x > ~88.7 where the ONNX op stays finite
+SOFTPLUS_SAFE = 80.0
+SOFTPLUS_WHY = "onnxruntime's native Softplus overflows to inf above about 88 (log(1+exp(x)))"
 
 
 def check_sources(lin: Lin, allowed: set, what: str) -> None:

@@ -30,7 +30,7 @@ def native_step_polys(ev, node, ins):
     if vals["sequence_lens"] is not None:
         raise Decline("an inner op with sequence_lens")
     kind.check_native(node, vals)
-    x_poly, x_atom = _step_input(vals["X"])
+    x_poly, x_atom, fed = _step_input(vals["X"])
     h_atom = _carried_state(vals["initial_h"])
     state_polys = {"h": Poly.atom(h_atom)}
     for s in kind.states[1:]:
@@ -39,18 +39,39 @@ def native_step_polys(ev, node, ins):
             raise Decline(f"the inner op's initial_{s} is not the carried state")
         state_polys[s] = v.poly
     B = vals["B"].arr if vals["B"] is not None else None
-    spec = kind.spec_from_onnx(node, vals["W"].arr, vals["R"].arr, B, x_atom.key, h_atom.key)
+    W = vals["W"].arr
+    if fed is not None:  # X = cat(x_t, h): the h columns of W are recurrent weights (they add to R's)
+        if fed != h_atom.key:
+            raise Decline("the inner op's input appends a value other than its own hidden state")
+        width = int(x_atom.ncols) if x_atom.ncols is not None else None
+        if width is None or W.shape[-1] <= width:
+            raise Decline("the inner op's input appends the hidden state with an unknown split")
+        spec = kind.spec_from_onnx(node, W[..., :width], vals["R"].arr, B, x_atom.key, h_atom.key,
+                                   fed=(h_atom.key, W[..., width:]))
+    else:
+        spec = kind.spec_from_onnx(node, W, vals["R"].arr, B, x_atom.key, h_atom.key)
     polys = spec.step_polys(x_poly, state_polys["h"], state_polys.get("c"))
     outs = [SymTensor(polys["h"], 2)] + [SymTensor(polys[s], 1) for s in kind.states]
     return outs[: len(node.output)]
 
 
 def _step_input(xv):
+    """The step input (its polynomial and atom) and the key of a state appended to it (input feeding), or None."""
     xrow = as_rows(xv) if isinstance(xv, (SymTensor, ConcatRows)) else None
-    if xrow is None or xrow.lead != 1 or len(xrow.segments) != 1:
+    if xrow is None or xrow.lead != 1 or len(xrow.segments) not in (1, 2):
         raise Decline("the inner op's input is not the step input")
     x_poly = xrow.segments[0][2]
-    return x_poly, next(iter(x_poly.atoms.values()))
+    x_atom = next(iter(x_poly.atoms.values()), None)
+    if x_atom is None or x_atom.key[0] != "X":
+        raise Decline("the inner op's input is not the step input")
+    fed = None
+    if len(xrow.segments) == 2:
+        src, _, seg_poly = xrow.segments[1]
+        sa = seg_poly.single_atom()
+        if src[0] != "S" or not sa or sa[1] != 1.0:
+            raise Decline("the inner op's input appends something other than a carried state")
+        fed = src
+    return x_poly, x_atom, fed
 
 
 def _carried_state(hv) -> State:

@@ -112,9 +112,16 @@ class Lin:
         return {s for s, _ in self.terms}
 
     def weight_for(self, src) -> ConstRef | None:
+        """The weight ``src`` is multiplied by; two weights on one source (input feeding: ``cat(x, h) @ W``
+        beside ``h @ R``) are one weight, their sum (``h@A + h@B = h@(A+B)``: exact algebra, rounded once)."""
         ws = [w for s, w in self.terms if s == src]
         if len(ws) > 1:
-            raise Decline("the same input is multiplied by two weight matrices in one gate")
+            if any(w.arr.shape != ws[0].arr.shape for w in ws):
+                raise Decline("the same input is multiplied by weight matrices of different shapes in one gate")
+            total = ws[0].arr.astype(np.float64)
+            for w in ws[1:]:
+                total = total + w.arr
+            return ConstRef(("sum",) + tuple(w.key for w in ws), total.astype(ws[0].arr.dtype))
         return ws[0] if ws else None
 
     def bias_sum(self) -> np.ndarray | None:

@@ -43,6 +43,10 @@ def _binary(ev, node, ins):
             return [SymTensor(_scale(pb, pa.const_value()), lead)]
         return [SymTensor(pa.mul(pb), lead)]
     if op == "Div":
+        if not pb.is_const():
+            ss = _softsign(pa, pb)
+            if ss is not None:
+                return [SymTensor(ss, lead)]
         if not pb.is_const() or pb.const_value() == 0.0:
             raise Decline("division by a non-constant")
         return [SymTensor(_scale(pa, 1.0 / pb.const_value()), lead)]
@@ -60,6 +64,11 @@ def _scale(p: Poly, c: float) -> Poly:
                 hs = _hard_sigmoid(atom.arg, 1.0 / k)
                 if hs is not None:
                     return hs
+        if isinstance(atom, Act) and atom.kind in ("Tanh", "ScaledTanh"):
+            # a * tanh(b * x) is ScaledTanh(a, b)(x); a scale of +-1 or 0 stays a coefficient (n - z*n must cancel)
+            alpha, beta = atom.params if atom.kind == "ScaledTanh" else (1.0, 1.0)
+            if abs(alpha * coeff * c) not in (0.0, 1.0):
+                return Poly.atom(Act("ScaledTanh", (alpha * coeff * c, beta), atom.arg))
     return p.scale(c)
 
 
@@ -95,9 +104,50 @@ def _activation(kind: str):
         defaults = ACTIVATION_DEFAULTS.get(kind, ())
         params = tuple(attr(node, n, d) for n, d in zip(names, defaults))
         p = elementwise_poly(ins[0])
+        if kind == "Tanh":
+            return [SymTensor(_tanh(p), lead_axes(ins[0]))]
         return [SymTensor(Poly.atom(Act(kind, params, p)), lead_axes(ins[0]))]
 
     return h
+
+
+def _tanh(p: Poly) -> Poly:
+    """``tanh(b * x)`` is ScaledTanh(1, b)(x): the scale stays an activation parameter, the weights exact."""
+    lo = p.as_lin_offset()
+    if lo is not None and lo[2] == 0.0 and lo[1] != 1.0:
+        return Poly.atom(Act("ScaledTanh", (1.0, lo[1]), Poly.atom(LinAtom(lo[0]))))
+    coefs = set(p.terms.values())
+    if lo is None and len(coefs) == 1 and () not in p.terms and coefs != {1.0}:  # tanh(b * (f*c + i*g))
+        (b,) = coefs
+        return Poly.atom(Act("ScaledTanh", (1.0, b), p.scale(1.0 / b)))
+    return Poly.atom(Act("Tanh", (), p))
+
+
+def _abs(ev, node, ins):
+    return [SymTensor(Poly.atom(Act("Abs", (), elementwise_poly(ins[0]))), lead_axes(ins[0]))]
+
+
+def _softsign(pa: Poly, pb: Poly) -> Poly | None:
+    """``x / (1 + |x|)`` (torch's softsign) is Softsign(x)."""
+    if pb.key == Poly.const(1.0).add(Poly.atom(Act("Abs", (), pa))).key:
+        return Poly.atom(Act("Softsign", (), pa))
+    return None
+
+
+class _Above(Value):
+    """``x > t`` for a cell value x and a scalar t: only usable as ``Where(x > t, x, 0)`` (ThresholdedRelu)."""
+
+    __slots__ = ("poly", "t", "lead")
+
+    def __init__(self, poly: Poly, t: float, lead: int):
+        self.poly, self.t, self.lead = poly, t, lead
+
+
+def _greater(ev, node, ins):
+    a, b = ins
+    if not isinstance(b, Const):
+        raise Decline("a comparison of two cell values")
+    return [_Above(elementwise_poly(a), _scalar(b, "the threshold"), lead_axes(a))]
 
 
 def _clip_poly(p: Poly, lo: float, hi: float) -> Poly:
@@ -211,6 +261,10 @@ def _where(ev, node, ins):
     cond, a, b = ins
     if isinstance(cond, Const) and cond.arr.dtype == np.bool_ and cond.arr.size and (cond.arr.all() or not cond.arr.any()):
         return [a if cond.arr.all() else b]  # a constant condition (Keras on torch: ``t < T`` with T static)
+    if isinstance(cond, _Above):  # Where(x > t, x, 0): ThresholdedRelu(t)(x)
+        if elementwise_poly(a).key == cond.poly.key and elementwise_poly(b).key == Poly.const(0.0).key:
+            return [SymTensor(Poly.atom(Act("ThresholdedRelu", (cond.t,), cond.poly)), lead_axes(a, b))]
+        raise Decline("Where on a comparison of a cell value that is not a thresholded relu")
     if not isinstance(cond, BoolMask):
         raise Decline("Where with a condition that is not the step mask")
     if not cond.unit:
@@ -242,3 +296,5 @@ HANDLERS: dict[str, Callable] = {
 }
 for _k in ACTIVATIONS:
     HANDLERS[_k] = _activation(_k)
+HANDLERS["Abs"] = _abs
+HANDLERS["Greater"] = _greater

@@ -95,6 +95,7 @@ ACTIVATIONS = {
     "Elu": ("alpha",),
     "Softsign": (),
     "Softplus": (),
+    "ScaledTanh": ("alpha", "beta"),  # (no ONNX op: written as a*tanh(b*x), read by ops_math's _tanh and _scale)
 }
 ACTIVATION_DEFAULTS = {"HardSigmoid": (0.2, 0.5), "LeakyRelu": (0.01,), "ThresholdedRelu": (1.0,), "Elu": (1.0,)}
 

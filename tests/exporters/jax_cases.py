@@ -49,7 +49,8 @@ MASK_PATTERNS = {
     "gappy_b3": ["101101", "011110", "111111"],
 }
 LENGTH_SETS = {"post_b3": [6, 3, 1]}  # static batch: jax2onnx 0.17 cannot export seq_lengths with a symbolic one
-ONNX_OP = {"lstm": "LSTM", "olstm": "LSTM", "gru": "GRU", "simple": "RNN", "simple_relu": "RNN"}
+ONNX_OP = {"lstm": "LSTM", "olstm": "LSTM", "gru": "GRU", "simple": "RNN", "simple_relu": "RNN", "mgu": "GRU",
+           "gru_flipped": "GRU"}
 
 
 @dataclass(frozen=True)
@@ -127,9 +128,10 @@ CASES = [
     # -- near misses
     case("near_hand_weight_decays", "hand", "rnn_decay", declined="not a constant"),
     case("near_hand_reads_next_step", "hand", "rnn_next", declined="per-step input"),
-    case("near_hand_gru_flipped_update", "hand", "gru_flipped", declined="not (1-z)*n + z*h", notes=(
-        "h = (1-z)*h + z*n: a GRU with the update gate negated, expressible by negating z's weights but "
-        "not recognised yet")),
+    # -- cell variants (issue 15): a GRU with the update gate the other way round, flax's minimal gated unit
+    case("hand_gru_flipped_update", "hand", "gru_flipped", notes=(
+        "h = (1-z)*h + z*n: the native GRU with z's weights and biases negated (1 - sigmoid(a) = sigmoid(-a))")),
+    rnn("linen_mgu", "mgu", notes="flax.linen MGUCell: one gate f as reset (f * (h @ U_n + b)) and update ((1-f)*n + f*h)"),
 ]
 
 
@@ -172,6 +174,9 @@ def linen_cell(env: Env, kind: str, seed: int):
         return nn.SimpleCell(features=HIDDEN, **init)
     if kind == "simple_relu":
         return nn.SimpleCell(features=HIDDEN, activation_fn=nn.relu, **init)
+    if kind == "mgu":  # (its biases have their own initialisers)
+        return nn.MGUCell(features=HIDDEN, forget_bias_init=nn.initializers.normal(0.5),
+                          activation_bias_init=nn.initializers.normal(0.5))
     raise ValueError(kind)
 
 

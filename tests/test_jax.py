@@ -26,8 +26,6 @@ from jax_cases import CASES  # noqa: E402  (plain data; does not import JAX)
 
 # families of issue 14 that the front ends do not fuse yet (strict: a fix must remove the entry)
 KNOWN_GAPS = {
-    "hand_lstm_masked": "the step mask is broadcast to [B, H] by Reshape/Expand to shapes read from the state",
-    "hand_gru_masked_o17": "the step mask is broadcast to [B, H] by Reshape/Expand to shapes read from the state",
     "linen_lstm_lengths": "the LSTM's per-step c is a scan output too (flax gathers the carry at seq_lengths - 1)",
 }
 

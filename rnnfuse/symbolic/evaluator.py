@@ -145,8 +145,8 @@ class StepEvaluator:
                 if op in ("MatMul", "Gemm") and k == 1 and v.why.startswith("'"):
                     return [Opaque(f"the weights {v.why.split(' ')[0]} of {op} '{node.name or node.output[0]}' are computed at runtime, not constants")] * len(node.output)
                 return [v] * len(node.output)  # keep the first reason, unprefixed
-        if any(isinstance(v, ShapeValue) for v in ins):
-            return _shape_op(self, node, ins)
+        if any(isinstance(v, ShapeValue) for v in ins) and op not in ("Reshape", "Expand"):
+            return _shape_op(self, node, ins)  # (Reshape / Expand *to* a shape value have their own rules)
         if all(isinstance(v, Const) or v is None for v in ins):
             if any(isinstance(v, (Fill, RowConst)) for v in ins):
                 return _fill_op(self, node, ins)
@@ -214,4 +214,15 @@ def _shape_op(ev, node, ins):
         return [ShapeValue(dims)]
     if node.op_type in ("Cast", "Identity") and isinstance(v, ShapeValue):
         return [v]
+    if node.op_type == "Concat" and attr(node, "axis", 0) in (0, -1):
+        # a shape built from a cell value's batch and constants (jax2onnx broadcasts the step mask with it)
+        dims: list = []
+        for x in ins:
+            if isinstance(x, ShapeValue):
+                dims += list(x.dims)
+            elif isinstance(x, Const) and np.asarray(x.arr).ndim <= 1:
+                dims += [int(d) for d in np.asarray(x.arr).ravel()]
+            else:
+                raise Decline("Concat of a runtime shape")
+        return [ShapeValue(dims)]
     raise Decline(f"{node.op_type} of a runtime shape")

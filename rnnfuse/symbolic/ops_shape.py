@@ -159,6 +159,8 @@ def _squeeze(ev, node, ins):
 
 def _reshape(ev, node, ins):
     v, shp = ins
+    if isinstance(v, BoolMask) and isinstance(shp, ShapeValue) and shp.dims == [None, 1]:
+        return [BoolMask(v.sym, v.neg, True)]  # the [B] step mask as [B, 1], the batch read from a cell value
     if not isinstance(shp, Const):
         raise Decline("a reshape to a runtime shape")
     shape = [int(s) for s in shp.arr]
@@ -180,6 +182,11 @@ def _reshape(ev, node, ins):
 def _expand(ev, node, ins):
     """Expand to a constant shape only broadcasts (tf2onnx writes x + zeros as Expand(x, shape))."""
     v, shp = ins
+    if isinstance(v, BoolMask) and v.unit and isinstance(shp, (ShapeValue, Const)):
+        # the [B, 1] step mask broadcast over the units ([B, N]): the same mask, as Tile does
+        dims = shp.dims if isinstance(shp, ShapeValue) else [int(d) for d in np.asarray(shp.arr).ravel()]
+        if len(dims) == 2 and dims[0] in (None, 1):
+            return [v]
     if not isinstance(shp, Const) or not isinstance(v, SymTensor):
         raise Decline("an Expand to a runtime shape")
     shape = [int(d) for d in shp.arr.ravel()]

@@ -106,6 +106,8 @@ CASES = [
     rnn("linen_lstm_carry", "lstm", return_carry=True),
     rnn("linen_gru_carry", "gru", return_carry=True),
     rnn("linen_lstm_h0", "lstm", given_carry=True),
+    rnn("linen_lstm_h0_dense", "lstm", carry_from="dense", notes="(c0, h0) = (z @ W, tanh(z @ W)): computed by the graph"),
+    rnn("linen_gru_h0_dense_o17", "gru", carry_from="dense", opset=17),
     rnn("linen_gru_lengths", "gru", seq_lengths=True, return_carry=True),
     rnn("linen_lstm_lengths", "lstm", seq_lengths=True, return_carry=True),
     rnn("linen_gru_reverse", "gru", reverse=True),
@@ -210,6 +212,17 @@ def build_rnn(env: Env, c: Case, seed: int):
         def fn(x, c0, h0):
             with env.original_shape():
                 return model(x, initial_carry=(c0, h0), rngs=key)
+
+        return fn, specs
+    if o.get("carry_from") == "dense":
+        specs += [("z", ("B", HIDDEN), "float32")]
+        Wz = np.asarray(np.random.default_rng(seed).standard_normal((HIDDEN, HIDDEN)) * 0.5, np.float32)
+
+        def fn(x, z):
+            c0 = z @ Wz
+            h0 = jnp.tanh(c0)
+            with env.original_shape():
+                return model(x, initial_carry=(c0, h0) if c.cell in ("lstm", "olstm") else h0, rngs=key)
 
         return fn, specs
     if o.get("seq_lengths"):

@@ -157,6 +157,10 @@ CASES = [
     loop("lstmcell_trace_last_hc", "lstm", ret="last"),
     loop("lstmcell_trace_nobias", "lstm", bias=False),
     loop("grucell_trace_nobias_h0", "gru", bias=False, **H0),
+    loop("lstmcell_trace_h0_linear", "lstm", init="linear", ret="seq_state",
+         notes="h0 = tanh(Linear(h0_in)), c0 = Linear(c0_in): initial states computed by the graph"),
+    loop("grucell_trace_h0_linear", "gru", init="linear", ret="seq_state"),
+    loop("grucell_dynamo_h0_linear", "gru", exporter="dynamo", time=6, init="linear", ret="seq_state"),
     loop("lstmcell_trace_static", "lstm", dynamic_batch=False, notes=STATIC_NOTE),
     # -- hand-written cell maths
     loop("gru_hand_trace", "gru_hand", time=8),
@@ -340,7 +344,7 @@ def input_specs(c: Case) -> list[tuple[str, tuple]]:
     """ONNX input names with symbolic shapes: "B" and "T" stand for batch and time."""
     x = ("B", "T", c.features) if c.batch_first else ("T", "B", c.features)
     specs = [("x", x)]
-    if c.opts.get("init") == "given":
+    if c.opts.get("init") in ("given", "linear"):
         names = ("h0", "c0") if c.family == "lstm" else ("h0",)
         if c.model == "nn":
             lead = c.opts.get("layers", 1) * (2 if c.opts.get("bidir") else 1)
@@ -442,6 +446,8 @@ def torch_modules():
             self.dirs = [False, True] if bidir else [reverse]
             self.order = order
             self.cells = nn.ModuleList([make_cell(cell, features, hidden, bias) for _ in self.dirs])
+            if init == "linear":  # the initial state is computed by the graph (a decoder started from a code)
+                self.init_proj = nn.Linear(hidden, hidden)
 
         def chain(self, cell, x, state, reverse):
             steps = x.shape[1 if self.batch_first else 0]
@@ -458,6 +464,9 @@ def torch_modules():
                 batch = x.shape[0 if self.batch_first else 1]
                 h0 = torch.zeros(batch, self.hidden, dtype=x.dtype)
                 c0 = torch.zeros(batch, self.hidden, dtype=x.dtype) if self.lstm else None
+            if self.init == "linear":
+                h0 = torch.tanh(self.init_proj(h0))
+                c0 = self.init_proj(c0) if self.lstm else None
             ys, states = [], []
             for cell, reverse in zip(self.cells, self.dirs):
                 y, state = self.chain(cell, x, (h0, c0) if self.lstm else h0, reverse)

@@ -1,0 +1,193 @@
+"""Hand-built ``Loop`` recurrences in the forms other exporters write (issue 14), with a numpy reference.
+
+One tanh RNN step ``h = tanh(x_t @ W + h @ R + b)`` per iteration, varied along the axes the front end must
+not care about:
+
+* ``read``: how the body reads step t of x --
+  ``gather0`` ``Gather(x, i)`` of time-major x (tf2onnx, jax2onnx);
+  ``gather1`` ``Gather(x, i, axis=1)`` of batch-first x (TorchScript's ``x[:, t]``);
+  ``slice0`` ``Squeeze(Slice(x, i, i + 1, axes=[0]), [0])``;
+  ``slice1`` ``Squeeze(Slice(x, [0, i, 0], [B, i + 1, F]), [1])`` with B read from ``Shape(x)`` (jax's
+  ``dynamic_index_in_dim``);
+* ``x_carried`` / ``w_carried``: x and the weights enter as loop-carried values passed on unchanged
+  (jax2onnx) instead of outer-scope captures; ``passthrough`` = "identity" (an Identity node) or "direct";
+* ``cast``: a float->float Cast on the new state (jax2onnx's "dtype fix");
+* near misses (``miss``): ``next_step`` reads ``x[i + 1]``; ``two_steps`` slices ``[i, i + 2)``;
+  ``part_batch`` slices only row 0 of the batch; ``x_changes`` carries x as ``x * 1.0001``.
+
+The loop outputs the per-step h (scan output) and the final h.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+F, H = 3, 4
+INT_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class LoopOpts:
+    read: str = "gather0"  # gather0 | gather1 | slice0 | slice1
+    x_carried: bool = True
+    w_carried: bool = True
+    passthrough: str = "identity"  # identity | direct
+    cast: bool = True
+    miss: str = ""  # "" | next_step | two_steps | part_batch | x_changes
+    opset: int = 17
+
+    @property
+    def batch_first(self) -> bool:
+        return self.read in ("gather1", "slice1")
+
+    @property
+    def name(self) -> str:
+        parts = [self.read, "xcar" if self.x_carried else "xcap", "wcar" if self.w_carried else "wcap",
+                 self.passthrough, "cast" if self.cast else "nocast", f"o{self.opset}"]
+        return "-".join(parts + ([self.miss] if self.miss else []))
+
+
+def weights(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return ((rng.standard_normal((F, H)) * 0.5).astype(np.float32), (rng.standard_normal((H, H)) * 0.5).astype(np.float32),
+            (rng.standard_normal(H) * 0.5).astype(np.float32))
+
+
+def build(o: LoopOpts) -> onnx.ModelProto:
+    W, R, b = weights()
+    inits = [numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R"), numpy_helper.from_array(b, "b"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+             numpy_helper.from_array(np.array([0], np.int64), "i0"),
+             numpy_helper.from_array(np.array([1], np.int64), "i1"),
+             numpy_helper.from_array(np.array([H], np.int64), "iH"),
+             numpy_helper.from_array(np.array(True), "true")]
+    t_ax, b_ax = (1, 0) if o.batch_first else (0, 1)
+    x_shape = ["B", "T", F] if o.batch_first else ["T", "B", F]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["xs"]),
+        helper.make_node("Gather", ["xs", "iT"], ["T1"], axis=0),
+        helper.make_node("Squeeze", ["T1", "i0"], ["T"]),
+        helper.make_node("Gather", ["xs", "iB"], ["B1"], axis=0),
+        helper.make_node("Concat", ["B1", "iH"], ["hshape"], axis=0),
+        helper.make_node("Expand", ["zero", "hshape"], ["h0"]),
+    ]
+    inits += [numpy_helper.from_array(np.array([t_ax], np.int64), "iT"),
+              numpy_helper.from_array(np.array([b_ax], np.int64), "iB")]
+    if o.miss == "x_changes":
+        pass  # x is carried and scaled each step below
+
+    # ---- body
+    carried = [("h", "h0")]
+    if o.x_carried or o.miss == "x_changes":
+        carried.append(("xc", "x"))
+    if o.w_carried:
+        carried += [("Wc", "W"), ("Rc", "R"), ("bc", "b")]
+    names = dict(carried)
+    xin = "xc" if ("xc" in names) else "x"
+    Wn, Rn, bn = ("Wc", "Rc", "bc") if o.w_carried else ("W", "R", "b")
+    body_inits = [numpy_helper.from_array(np.array([0], np.int64), "k0"),
+                  numpy_helper.from_array(np.array([1], np.int64), "k1"),
+                  numpy_helper.from_array(np.array([2], np.int64), "k2"),
+                  numpy_helper.from_array(np.array([F], np.int64), "kF"),
+                  numpy_helper.from_array(np.array([INT_MAX], np.int64), "kmax"),
+                  numpy_helper.from_array(np.array(1, np.int64), "one")]
+    bn_nodes = []
+    idx = "it"
+    if o.miss == "next_step":
+        bn_nodes.append(helper.make_node("Add", ["it", "one"], ["itn"]))
+        idx = "itn"
+    if o.read in ("gather0", "gather1"):
+        bn_nodes.append(helper.make_node("Gather", [xin, idx], ["xt"], axis=0 if o.read == "gather0" else 1))
+    elif o.read == "slice0":
+        bn_nodes += [helper.make_node("Unsqueeze", [idx, "k0"], ["st"]),
+                     helper.make_node("Add", ["st", "k2" if o.miss == "two_steps" else "k1"], ["en"]),
+                     helper.make_node("Slice", [xin, "st", "en", "k0"], ["xs1"]),
+                     helper.make_node("Squeeze", ["xs1", "k0"], ["xt"])]
+    else:  # slice1: starts [0, i, 0], ends [B (or 1), i + 1, F]
+        bn_nodes += [helper.make_node("Unsqueeze", [idx, "k0"], ["st1"]),
+                     helper.make_node("Concat", ["k0", "st1", "k0"], ["st"], axis=0),
+                     helper.make_node("Shape", [xin], ["bxs"]),
+                     helper.make_node("Gather", ["bxs", "k0"], ["bB"], axis=0)]
+        first = "k1" if o.miss == "part_batch" else "bB"
+        bn_nodes += [helper.make_node("Add", ["st1", "k2" if o.miss == "two_steps" else "k1"], ["en1"]),
+                     helper.make_node("Concat", [first, "en1", "kF"], ["en"], axis=0),
+                     helper.make_node("Slice", [xin, "st", "en"], ["xs1"]),
+                     helper.make_node("Squeeze", ["xs1", "k1"], ["xt"])]
+    bn_nodes += [helper.make_node("MatMul", ["xt", Wn], ["xw"]),
+                 helper.make_node("MatMul", ["h", Rn], ["hr"]),
+                 helper.make_node("Add", ["xw", "hr"], ["s"]),
+                 helper.make_node("Add", ["s", bn], ["s2"]),
+                 helper.make_node("Tanh", ["s2"], ["hn"])]
+    h_out = "hn"
+    if o.cast:
+        bn_nodes.append(helper.make_node("Cast", ["hn"], ["hcast"], to=TensorProto.FLOAT))
+        h_out = "hcast"
+    outs = [h_out]
+    for inner, _ in carried[1:]:
+        if o.miss == "x_changes" and inner == "xc":
+            body_inits.append(numpy_helper.from_array(np.array(1.0001, np.float32), "scale"))
+            bn_nodes.append(helper.make_node("Mul", ["xc", "scale"], ["xc_out"]))
+            outs.append("xc_out")
+        elif o.passthrough == "identity":
+            bn_nodes.append(helper.make_node("Identity", [inner], [f"{inner}_out"]))
+            outs.append(f"{inner}_out")
+        else:
+            outs.append(inner)
+    bn_nodes.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
+    bn_nodes.append(helper.make_node("Identity", ["hn"], ["y"]))
+    shapes = {"h": [None, H], "xc": x_shape, "Wc": [F, H], "Rc": [H, H], "bc": [H]}
+    body_inputs = [helper.make_tensor_value_info("it", TensorProto.INT64, []),
+                   helper.make_tensor_value_info("cond", TensorProto.BOOL, [])]
+    body_inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, shapes[n]) for n, _ in carried]
+    body_outputs = [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [])]
+    body_outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outs]
+    body_outputs.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, H]))
+    body = helper.make_graph(bn_nodes, "body", body_inputs, body_outputs, body_inits)
+    loop_outs = ["h_last"] + [f"{n}_final" for n, _ in carried[1:]] + ["ys"]
+    nodes.append(helper.make_node("Loop", ["T", "true"] + [init for _, init in carried], loop_outs, body=body))
+    graph_outs = [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
+                  helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])]
+    graph = helper.make_graph(nodes, "loops", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              graph_outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", o.opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def reference(o: LoopOpts, x: np.ndarray) -> list[np.ndarray]:
+    """ys [T, B, H] (time-major, as the Loop stacks them) and the final h."""
+    W, R, b = weights()
+    xt = np.swapaxes(x, 0, 1) if o.batch_first else x
+    h = np.zeros((xt.shape[1], H), np.float32)
+    ys = []
+    for t in range(xt.shape[0]):
+        h = np.tanh(xt[t] @ W + h @ R + b).astype(np.float32)
+        ys.append(h)
+    return [np.stack(ys), h]
+
+
+def all_variants() -> list[LoopOpts]:
+    out = []
+    for read in ("gather0", "gather1", "slice0", "slice1"):
+        for x_carried in (True, False):
+            for w_carried in (True, False):
+                for passthrough in (("identity", "direct") if (x_carried or w_carried) else ("identity",)):
+                    out.append(LoopOpts(read, x_carried, w_carried, passthrough, cast=read != "slice0"))
+    out.append(LoopOpts("gather0", opset=13, cast=False))
+    out.append(LoopOpts("slice1", opset=21))
+    return out
+
+
+NEAR_MISSES = [
+    LoopOpts("gather0", miss="next_step"),
+    LoopOpts("slice0", miss="two_steps"),
+    LoopOpts("slice1", miss="two_steps"),
+    LoopOpts("slice1", miss="part_batch"),
+    LoopOpts("gather0", miss="x_changes"),
+    LoopOpts("gather1", x_carried=False, miss="next_step"),
+]

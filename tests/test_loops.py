@@ -1,0 +1,41 @@
+"""Hand-built Loop recurrences in other exporters' forms (tests/builders_loops.py): fused exactly, near misses
+declined and left unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import rnnfuse
+from builders_loops import NEAR_MISSES, LoopOpts, all_variants, build, reference
+from helpers import assert_close, op_counts, session
+
+
+@pytest.mark.parametrize("o", all_variants(), ids=lambda o: o.name)
+def test_loop_forms_fused(o: LoopOpts):
+    model = build(o)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.declined and len(report.fused) == 1, report.to_text()
+    assert report.fused[0].validation.startswith("ok"), report.to_text()
+    counts = op_counts(fused)
+    assert counts.get("Loop", 0) == 0 and counts.get("RNN") == 1, (counts, report.to_text())
+    onnx.checker.check_model(fused, full_check=True)
+    s_orig, s_fused = session(model), session(fused)
+    rng = np.random.default_rng(1)
+    for batch, steps in ((1, 5), (3, 7), (2, 1)):
+        shape = (batch, steps, 3) if o.batch_first else (steps, batch, 3)
+        x = rng.standard_normal(shape).astype(np.float32)
+        want = reference(o, x)
+        got, orig = s_fused.run(None, {"x": x}), s_orig.run(None, {"x": x})
+        for k in range(2):
+            assert_close(orig[k], want[k], f"{o.name}: original vs numpy")
+            assert_close(got[k], want[k], f"{o.name}: fused vs numpy")
+
+
+@pytest.mark.parametrize("o", NEAR_MISSES, ids=lambda o: o.name)
+def test_loop_near_misses_declined(o: LoopOpts):
+    model = build(o)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert op_counts(fused) == op_counts(model)

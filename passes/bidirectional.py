@@ -171,7 +171,7 @@ class MergeBidirectional:
         vr = None
         if ctx.validate:
             pairs = [p for c in cands for p in c[2].items()]
-            known = model.annotations.get("seq_lens_mask", {})
+            known = model.facts.seq_lens_mask
             masks = {known[_inp(c[0], 4)]: ("any", 0) for c in cands if _inp(c[0], 4) in known}
             vr = validate(g, pairs, masks, seed=ctx.seed)
         for fw, bw, repl, where in cands:

@@ -449,8 +449,8 @@ class SkipRoundTrips:
 
         g = model.graph
         res = PassResult(self.name)
-        comps = model.annotations.get("compactions", {})
-        uncomps = model.annotations.get("uncompactions", {})
+        comps = model.facts.compactions
+        uncomps = model.facts.uncompactions
         if not comps or not uncomps:
             return res
         cands = []

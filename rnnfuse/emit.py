@@ -136,7 +136,7 @@ def _mask_plumbing(b: Builder, cache: EmitCache, mask: str, rank: int | None) ->
     lens32 = b.op("Cast", lens64, to=TensorProto.INT32)
     mp = MaskPlumbing(m2, mi, lens64, lens32)
     cache.masks[mask] = mp
-    b.g.model.annotations.setdefault("seq_lens_mask", {})[lens32] = mask
+    b.g.model.facts.seq_lens_mask[lens32] = mask
     return mp
 
 
@@ -171,7 +171,7 @@ def _compact(b: Builder, cache: EmitCache, mp: MaskPlumbing, x: str, mask: str) 
         return cache.compacted[key]
     xc = b.op("Gather", b.op("Flatten", x, axis=2), _compaction_index(b, mp), axis=0)
     cache.compacted[key] = xc
-    b.g.model.annotations.setdefault("compactions", {})[xc] = (x, mp.m2, mask)
+    b.g.model.facts.compactions[xc] = (x, mp.m2, mask)
     return xc
 
 
@@ -362,7 +362,7 @@ def _seq_output(b: Builder, so, Y3: str, Yh: str, mp: MaskPlumbing | None, path:
     gathered = b.op("Gather", b.op("Flatten", Y3, axis=2), flat, axis=0)
     out = b.op("Where", b.unsqueeze(valid, [2]), gathered, _fill_of(b, so))
     # at each row's k-th valid step this holds Y3[k]: a next layer compacting it with the same mask reads Y3
-    b.g.model.annotations.setdefault("uncompactions", {})[out] = (Y3, mp.m2)
+    b.g.model.facts.uncompactions[out] = (Y3, mp.m2)
     return out
 
 

@@ -20,6 +20,7 @@ import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 from . import fold
+from .facts import ModelFacts
 
 INT64_MAX = 2**63 - 1
 
@@ -127,13 +128,13 @@ class Model:
         self._declared: dict[str, tuple[int, list | None]] | None = None
         self.graph = Graph(proto.graph, None, self)
         # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
-        self.annotations: dict[str, dict] = {}
+        self.facts = ModelFacts()
 
     def next_round(self) -> "Model":
         """A fresh view of the same proto for another round of passes (see ``Pipeline.run``): indices, names
         and types are rebuilt from the graph as it now is; the facts passes left and open memory maps carry over."""
         m = Model(self.proto, external_dir=self.external_dir)
-        m.annotations = self.annotations
+        m.facts = self.facts
         m._maps = self._maps
         return m
 
@@ -593,11 +594,11 @@ class Graph:
         import shutil
         import tempfile
 
-        spill = self.model.annotations.get("spill_dir")
+        spill = self.model.facts.spill_dir
         if spill is None:
             spill = tempfile.mkdtemp(prefix="rnnfuse-spill-")
             atexit.register(shutil.rmtree, spill, True)
-            self.model.annotations["spill_dir"] = spill
+            self.model.facts.spill_dir = spill
         name = self.fresh(hint)
         path = os.path.join(spill, f"{len(os.listdir(spill))}.bin")
         # written one block of rows at a time, so no copy of the whole tensor is ever held in memory
@@ -748,7 +749,7 @@ class Graph:
             dropped = len(nodes) != len(kept)
         sort = bool(self.edited) or not self._input_sorted
         if sort:
-            nodes = self._toposort(nodes)
+            nodes = self.toposort(nodes)
         # the same length and nothing removed, dropped or re-sorted: the proto's own list, as it is
         if len(nodes) != len(self.proto.node) or (
             (removed or dropped or sort) and any(a is not b for a, b in zip(nodes, self.proto.node))
@@ -801,7 +802,7 @@ class Graph:
                     stack.append(p)
         return live
 
-    def _toposort(self, nodes: list[NodeProto]) -> list[NodeProto]:
+    def toposort(self, nodes: list[NodeProto]) -> list[NodeProto]:
         """Stable Kahn sort: among ready nodes, the one with the smallest position goes first.
 
         Already-sorted input (the common case) is detected in one pass and returned in its original order."""

@@ -134,7 +134,7 @@ def build_check_model(
     model_proto: onnx.ModelProto, g: Graph, pairs: list[tuple[str, str]], masks: list[str]
 ) -> tuple[onnx.ModelProto, dict[str, str]]:
     """A model that outputs every old and new tensor, with masks overridden by pattern inputs."""
-    nodes = g._toposort(g.live_nodes())
+    nodes = g.toposort(g.live_nodes())
     wanted = {n for p in pairs for n in p}
     # keep only what the wanted outputs need
     live: set[int] = set()

@@ -29,7 +29,7 @@ from .values import Const, Fill, Opaque, RowConst, ShapeValue, Value, as_poly
 
 def content_key(graph: Graph, name: str, arr: np.ndarray):
     """A key for a named constant that equal bytes share (per-step copies of one weight)."""
-    cache = graph.model.annotations.setdefault("content_keys", {})
+    cache = graph.model.facts.content_keys
     k = cache.get(name)
     if k is None:
         a = np.ascontiguousarray(arr)

@@ -1,0 +1,206 @@
+"""Threading the steps of a family into chains.
+
+Dependency intervals: for every tensor, the lowest and highest step index whose input it depends on (one
+topological pass). A step's *combining* nodes mix its input with something older; walking that something back
+through weight matmuls and slices finds the carried state h. A state of step t whose interval ends at t-1
+links step t-1 -> t (forward); one starting at t+1 links t+1 -> t (backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from onnx import NodeProto
+
+from rnnfuse.dataflow import closure, dynamic_inputs, lead_of, shape_derived
+from rnnfuse.graph import Graph, attr
+
+
+# ops a carried state passes through on its way to a combining node (one non-constant input each)
+_STATE_SIDE = {"Gemm", "MatMul", "Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Add", "Mul", "Sub", "Cast", "Gather"}
+
+@dataclass
+class Step:
+    t: int
+    x: str
+    roots: set = field(default_factory=set)  # carried-state tensors read through weight matmuls / slices
+    pulled: set = field(default_factory=set)  # ids of state-side nodes between a root and the step
+    masks: dict = field(default_factory=dict)  # this step's slices of bool families -> mask symbol
+    weighted: set = field(default_factory=set)  # the roots read through a weight matmul
+
+@dataclass
+class _Found:
+    """Per step and direction: older tensors the step reads and the nodes walked to reach them."""
+
+    roots: set = field(default_factory=set)
+    pulled: set = field(default_factory=set)
+    weighted: set = field(default_factory=set)  # the roots read through a weight matmul (h, not c or a carried output)
+
+@dataclass
+class Chain:
+    direction: str
+    steps: list  # in processing order
+
+class Intervals(dict):
+    """tensor -> (lo, hi): the range of step indices it depends on; ``nodes`` the same per node id."""
+
+    def __init__(self):
+        super().__init__()
+        self.nodes: dict[int, tuple[int, int]] = {}
+
+def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Intervals:
+    iv = Intervals()
+    iv.update({x: (t, t) for x, t in leaves.items()})
+    get = iv.get
+    for n in order:
+        if n.op_type in ("Shape", "Size"):
+            continue  # a shape does not depend on values
+        lo = hi = None
+        for i in n.input:
+            v = get(i)
+            if v is not None:
+                if lo is None:
+                    lo, hi = v
+                else:
+                    if v[0] < lo:
+                        lo = v[0]
+                    if v[1] > hi:
+                        hi = v[1]
+        if lo is not None:
+            iv.nodes[id(n)] = (lo, hi)
+            for o in n.output:
+                if o and o not in leaves:
+                    iv[o] = (lo, hi)
+    return iv
+
+def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops: list | None = None) -> str | None:
+    """Walk a combining node's older input back through state-side ops to the carried tensor."""
+    for _ in range(limit):
+        if name in stop:
+            return name
+        p = g.producer.get(name)
+        if p is None or p.op_type not in _STATE_SIDE:
+            return name
+        dyn = dynamic_inputs(g, p)
+        if not dyn:
+            return None  # computed from constants and shapes only: a zero initial state, not a carried value
+        if len(dyn) != 1:
+            return name
+        if p.op_type in ("MatMul", "Gemm") and p.input[0] != dyn[0]:
+            return name
+        if p.op_type in ("Add", "Sub", "Mul") and any(i and i != dyn[0] and g.const(i) is None for i in p.input):
+            return name  # combined with a runtime-shaped fill (0 + m * new at a first step): a state itself
+        if not _keeps_rows(g, p):
+            return name  # e.g. Slice(h0, layer) of a per-layer initial state: the state starts here
+        pulled.add(id(p))
+        if ops is not None:
+            ops.append(p.op_type)
+        name = dyn[0]
+    return name
+
+def _keeps_rows(g: Graph, p: NodeProto) -> bool:
+    """Slicing ops on the way to a state must cut units (the last axis) or drop/add leading unit axes."""
+    last = (lead_of(g, p.input[0]) or 0) + 1
+    if p.op_type in ("Split", "Gather"):
+        return attr(p, "axis", 0) in (-1, last)
+    if p.op_type == "Slice":
+        vals = [g.const(i) if i else None for i in list(p.input[1:5]) + [""] * (5 - len(p.input))]
+        starts, ends, axes, steps = vals
+        if axes is None:
+            return False
+        if all(int(ax) in (-1, last) for ax in axes.ravel()):
+            return True  # units only (bounds may come from shapes, as in torch's chunk)
+        if starts is None or ends is None:
+            return False
+        steps = steps if steps is not None else np.ones_like(starts)
+        for s0, e0, ax, st in zip(starts.ravel(), ends.ravel(), axes.ravel(), steps.ravel()):
+            full = int(s0) == 0 and int(e0) >= 2**31 - 1 and int(st) == 1
+            if not full and int(ax) not in (-1, last):
+                return False
+        return True
+    if p.op_type in ("Squeeze", "Unsqueeze"):
+        axes = attr(p, "axes") if g.model.opset < 13 else (g.const(p.input[1]) if len(p.input) > 1 else None)
+        return axes is not None and [int(v) for v in np.asarray(axes).ravel()] == [0]
+    return True
+
+def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | None = None) -> list[Chain]:
+    """Thread the steps of a family into chains (forward and backward)."""
+    xs = {x: t for t, x in fam.items()}
+    all_masks = {m: t for t, ms in (mask_fam or {}).items() for m in ms}
+    stop = {**xs, **all_masks}
+    found: dict[tuple[str, int], _Found] = {}
+    for t, x in fam.items():
+        # the step's mask-only values (a tiled, negated or cast mask), then the x-local region: nodes
+        # computed from x_t (with constants and mask-only values) only
+        mask_local = closure(g, (mask_fam or {}).get(t, ()), 64)[0]
+        local = {x}
+        frontier = [x]
+        combining: list[NodeProto] = []
+        seen_nodes: set[int] = set()
+        while frontier:
+            v = frontier.pop()
+            for c in g.uses(v):
+                if id(c) in seen_nodes:
+                    continue
+                seen_nodes.add(id(c))
+                if len(c.input) > 8:
+                    continue  # a Concat stacking every step's output is no part of a step
+                dyn = dynamic_inputs(g, c)
+                if all(i in local or i in mask_local for i in dyn) and not g.implicit_inputs(c):
+                    for o in c.output:
+                        if o:
+                            local.add(o)
+                            frontier.append(o)
+                else:
+                    combining.append(c)
+        mask_t = mask_fam.get(t, {}) if mask_fam else {}
+        for c in combining:
+            for i in c.input:
+                if not i or i in local or i in mask_local or g.const(i) is not None or i in xs or i in mask_t or shape_derived(g, i):
+                    continue
+                pulled: set = set()
+                ops: list = [c.op_type]
+                r = _root(g, i, iv, pulled, stop, ops=ops)
+                if r is None or r in stop or shape_derived(g, r):
+                    continue
+                weighted = bool({"MatMul", "Gemm", "Concat"} & set(ops))  # read through the recurrent weights
+                riv = iv.get(r)
+                for direction in ("forward", "reverse"):
+                    if riv is not None and not (riv[1] < t if direction == "forward" else riv[0] > t):
+                        continue
+                    f = found.setdefault((direction, t), _Found())
+                    if r not in f.roots:
+                        f.roots.add(r)
+                        f.pulled |= closure(g, [r])[1]
+                    if weighted:
+                        f.weighted.add(r)
+                    f.pulled |= pulled
+    chains: list[Chain] = []
+    for direction in ("forward", "reverse"):
+        succ: dict[int, int] = {}
+        has_pred: set[int] = set()
+        for t in fam:
+            pred = t - 1 if direction == "forward" else t + 1
+            f = found.get((direction, t))
+            if pred not in fam or f is None:
+                continue
+            for r in f.roots:
+                riv = iv.get(r)
+                if riv is not None and (riv[1] if direction == "forward" else riv[0]) == pred:
+                    succ[pred] = t
+                    has_pred.add(t)
+        for t in sorted(fam, reverse=(direction == "reverse")):
+            if t in has_pred or t not in succ:
+                continue
+            seq = [t]
+            while seq[-1] in succ:
+                seq.append(succ[seq[-1]])
+            if len(seq) < 2:
+                continue
+            steps = []
+            for k in seq:
+                f = found.get((direction, k), _Found())
+                steps.append(Step(k, fam[k], set(f.roots), set(f.pulled), dict(mask_fam.get(k, {})) if mask_fam else {}, set(f.weighted)))
+            chains.append(Chain(direction, steps))
+    return chains

@@ -1,0 +1,228 @@
+"""What the rest of the graph reads of a chain: per-step values stacked into sequences, the last step's
+values, an extra value carried next to the states; and finding a step's tensor by signature or maths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import NodeProto
+
+from rnnfuse.dataflow import closure, lead_of, shape_derived
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph, attr
+from rnnfuse.signature import Signer
+from rnnfuse.symbolic import Poly
+
+from .chains import Chain
+from .step_eval import Foreign, StepEval
+
+
+def step_output(g: Graph, chain: Chain, k: int, iv, signer: Signer, leaves: dict, allowed, op_type: str, ref: int) -> str | None:
+    """The tensor of step k with the reference step's signature ``ref`` (one no later step reads)."""
+    for name in _step_tensors(g, chain, k, iv, op_type):
+        try:
+            if signer.sign(name, leaves, allowed, Foreign(chain.steps[k].t), set()) == ref:
+                return name
+        except Decline:
+            continue
+    return None
+
+def inputs_of(g: Graph, name: str, allowed, leaves: dict, limit: int = 64) -> set[str]:
+    """Tensors read by the part of a step that computes ``name`` (not walking into leaves or other steps)."""
+    out: set[str] = set()
+    stack, seen = [name], set()
+    while stack and len(seen) < limit:
+        cur = stack.pop()
+        if cur in seen or cur in leaves:
+            continue
+        seen.add(cur)
+        if shape_derived(g, cur):
+            continue  # computed from shapes and constants: reads no value
+        p = g.producer.get(cur)
+        if p is None or not allowed(p):
+            continue
+        for i in p.input:
+            if i:
+                out.add(i)
+                stack.append(i)
+    return out
+
+def mask_values(g: Graph, chain: Chain) -> set[str]:
+    """Values computed from the steps' masks alone (tiled or negated masks): they may be shared, e.g. by a
+    stack of layers, and are no inner value of the chain."""
+    masks = {m for st in chain.steps for m in st.masks}
+    return closure(g, masks, 64 * len(chain.steps))[0] if masks else set()
+
+def _stacking(g: Graph, nd: NodeProto, o: str, states, chain_nodes: set) -> bool:
+    """``o = Unsqueeze(state)`` read outside the chain only by Concats (stacking the states; the same
+    Unsqueeze may also be a no-op reshape inside the step): checked as a stack, not an inner value."""
+    return nd.op_type == "Unsqueeze" and nd.input[0] in states and not g.is_graph_output(o) and all(
+        c.op_type == "Concat" for c in g.uses(o) if id(c) not in chain_nodes)
+
+def extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: set, mask_values: set) -> list[str] | None:
+    """Per step, the one value computed from the cell's inner values by nodes outside h and c (Keras'
+    masked output carried next to the state), or None when no step has one."""
+    steps = chain.steps
+    side = 1 if chain.direction == "forward" else 0
+    k_of = {st.t: k for k, st in enumerate(steps)}
+    hang: dict[int, dict[int, NodeProto]] = {}
+    stacked: dict[int, set] = {}
+    for nd in g.live_nodes():
+        if id(nd) not in chain_nodes:
+            continue
+        v = iv.nodes.get(id(nd))
+        k = k_of.get(v[side]) if v is not None else None
+        if k is None:
+            continue
+        for o in nd.output:
+            # (read only inside the chain, or only by shape reads: the common case, checked first)
+            outside = [u for u in g.uses(o) if id(u) not in chain_nodes and u.op_type not in ("Shape", "Size")] if o else []
+            if not outside or o in state_tensors or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, state_tensors, chain_nodes):
+                continue
+            if all(u.op_type == "Unsqueeze" and _stacking(g, u, u.output[0], {o}, chain_nodes) for u in outside):
+                stacked.setdefault(k, set()).add(o)  # an inner value stacked as it is (e.g. m * h_cell)
+                continue
+            for u in outside:
+                uv = iv.nodes.get(id(u))
+                if uv is None or uv[side] != steps[k].t:
+                    raise Decline(f"an inner value of the chain ('{o}') is read outside it")
+                hang.setdefault(k, {})[id(u)] = u
+    if not hang and not stacked:
+        return None
+    ys: list[str | None] = []
+    for k, st in enumerate(steps):
+        region = dict(hang.get(k, {}))
+        frontier = list(region.values())
+        while frontier:
+            nd = frontier.pop()
+            for o in nd.output:
+                for u in g.uses(o) if o else []:
+                    uv = iv.nodes.get(id(u))
+                    if id(u) in region or id(u) in chain_nodes or uv is None or uv[side] != st.t:
+                        continue
+                    if u.op_type == "Identity" or any(g.is_graph_output(x) for x in u.output):
+                        continue  # a copy of the value (e.g. returned), not part of computing it
+                    if u.op_type == "Unsqueeze" and len(g.uses(u.output[0])) == 1 and g.uses(u.output[0])[0].op_type == "Concat":
+                        continue  # stacking the value, not computing it
+                    region[id(u)] = u
+                    frontier.append(u)
+        tops = {o for nd in region.values() for o in nd.output if o and (g.is_graph_output(o) or any(id(u) not in region for u in g.uses(o)))}
+        tops |= stacked.get(k, set())
+        if not tops and k == len(steps) - 1:
+            ys.append(None)  # found by its signature once the step before is known
+            continue
+        if len(tops) != 1:
+            raise Decline(f"step {st.t} computes {len(tops)} values beyond its states (expected at most one)")
+        ys.append(next(iter(tops)))
+    return ys
+
+def order_of(g: Graph, ids: set) -> list[NodeProto]:
+    return [n for n in g.nodes if id(n) in ids and g.alive(n)]
+
+def _step_tensors(g: Graph, chain: Chain, k: int, iv, op_type: str) -> list[str]:
+    """Outputs of ``op_type`` nodes that belong to step k."""
+    t = chain.steps[k].t
+    fwd = chain.direction == "forward"
+    out = []
+    for name, v in iv.items():
+        if (v[1] == t) if fwd else (v[0] == t):
+            p = g.producer.get(name)
+            if p is not None and p.op_type == op_type:
+                out.append(name)
+    return out
+
+def find_symbolic(g: Graph, e: StepEval, chain: Chain, k: int, iv, op_type: str, want: Poly) -> str | None:
+    for name in _step_tensors(g, chain, k, iv, op_type):
+        try:
+            if e.poly(name).key == want.key:
+                return name
+        except Decline:
+            continue
+    return None
+
+def chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set, mask_values: set) -> tuple[list, dict]:
+    """What the rest of the graph reads of the chain: stacks of a per-step series ((role, tensor,
+    batch_first, reversed)) and the last step's values (role -> tensor). Anything else declines."""
+    n = len(chain.steps)
+    ts = [s.t for s in chain.steps]
+    index = {t: (r, k) for r, names in series.items() for k, t in enumerate(names) if t}
+    for nd in (x for x in g.live_nodes() if id(x) in chain_nodes):
+        for o in nd.output:
+            read = o and (g.is_graph_output(o) or any(id(u) not in chain_nodes and u.op_type not in ("Shape", "Size") for u in g.uses(o)))
+            if not read or o in index or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, index, chain_nodes):
+                continue
+            raise Decline(f"an inner value of the chain ('{o}') is read outside it")
+    cats: dict[int, list] = {}
+    extra: list[tuple[str, int, str]] = []
+    for t, (r, k) in index.items():
+        for u in g.uses(t):
+            if u.op_type == "Unsqueeze" and not g.is_graph_output(u.output[0]):
+                # stacked (the same Unsqueeze may also be a no-op reshape inside the step)
+                outside = [c for c in g.uses(u.output[0]) if id(c) not in chain_nodes]
+                if outside and all(c.op_type == "Concat" for c in outside):
+                    for cat in {id(c): c for c in outside}.values():
+                        cats.setdefault(id(cat), [cat, r, []])[2].append((k, u))
+                    continue
+            if id(u) in chain_nodes:
+                continue
+            if u.op_type == "Concat" and lead_of(g, t) == 1 and attr(u, "axis") == 0:
+                cats.setdefault(id(u), [u, r, []])[2].append((k, None))  # [1, B, H] states concatenated on time
+                continue
+            extra.append((r, k, t))
+        if g.is_graph_output(t):
+            extra.append((r, k, t))
+    stacks = []
+    for cat, r, items in cats.values():
+        got = _stack_output(g, chain, cat, items, series[r])
+        if got is None:
+            extra.extend((r, k, series[r][k]) for k, _ in items)
+        else:
+            stacks.append((r,) + got)
+    finals: dict[str, str] = {}
+    for r, k, t in extra:
+        if k != n - 1:
+            what = {"h": "hidden state", "c": "cell state"}.get(r, "output")
+            raise Decline(f"the {what} of step {ts[k]} is read outside the chain (not stacked)")
+        finals[r] = t
+    return stacks, finals
+
+def _stack_output(g: Graph, chain: Chain, cat: NodeProto, items, names) -> tuple | None:
+    """``Concat(Unsqueeze(v_k, a) for every step, axis=a)`` -> (tensor, batch_first, reversed)."""
+    n = len(chain.steps)
+    axis = attr(cat, "axis")
+    direct = all(u is None for _, u in items)  # [1, B, H] states concatenated as they are
+    if direct:
+        by_name = {names[k]: k for k, _ in items}
+    by_node = {id(u): k for k, u in items if u is not None}
+    ks = []
+    for name in cat.input:
+        if direct:
+            if name not in by_name:
+                return None
+            ks.append(by_name[name])
+            continue
+        p = g.producer.get(name)
+        if p is None or id(p) not in by_node:
+            return None
+        ks.append(by_node[id(p)])
+    if sorted(ks) != list(range(n)):
+        return None
+    for k, u in items:
+        if u is None:
+            continue
+        ax = attr(u, "axes") if g.model.opset < 13 else g.const(u.input[1])
+        if ax is None or [int(a) for a in np.asarray(ax).ravel()] != [axis]:
+            return None
+    if axis < 0:
+        axis += 3
+    if axis not in (0, 1):
+        return None
+    ts = [chain.steps[k].t for k in ks]
+    if ts == sorted(ts):
+        time_order = True
+    elif ts == sorted(ts, reverse=True):
+        time_order = False
+    else:
+        return None
+    processing_order = time_order == (chain.direction == "forward")
+    return cat.output[0], axis == 1, not processing_order

@@ -1,0 +1,330 @@
+"""Role assignment: which tensors of each step are the hidden state h, the cell state c and an extra carried
+output y, proven the same cell at every step; the result is a :class:`~rnnfuse.recurrence.Recurrence`.
+
+Roles: ``h`` is read through the recurrent weights; ``c`` is the one other value a step reads from the step
+before (the LSTM cell state); ``y`` is an extra per-step value carried alongside (Keras' previous output for
+masking), found as what the step computes from its cell values beyond h and c. A step may read one slice of a
+bool family (the mask): states are then masked selects, read by :func:`rnnfuse.step.analyse`.
+
+A middle step is the reference: it is evaluated symbolically and recognised; every other step must have the
+reference's structural signature, or else the same polynomials (the first step may see a zero initial state
+that the exporter folded into constants: it must equal the cell with that state at zero).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rnnfuse.dataflow import lead_of, shape_derived
+from rnnfuse.dims import static_dim
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph
+from rnnfuse.inputs import input_projection, projected_leaf
+from rnnfuse.recurrence import CellCheck, FinalOutput, Init, Recurrence
+from rnnfuse.signature import Signer
+from rnnfuse.step import StepAnalysis, StepOut, StepState, analyse
+from rnnfuse.symbolic import Poly, StepInput, SymTensor, loose_key, zero_states
+
+from .chains import Chain, Step
+from .outputs import chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, order_of, step_output
+from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn
+
+
+def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None = None) -> Recurrence:
+    """The recurrence an unrolled chain computes (Decline with the reason when it is not one native cell)."""
+    return _ChainRoles(g, src, axis, chain, iv, signer, mask_srcs).recurrence()
+
+
+def _single_root(st: Step, roots: set | None = None) -> str:
+    roots = st.roots if roots is None else roots
+    if len(roots) != 1:
+        raise Decline(f"step {st.t} reads {len(roots)} carried values through weights (expected one hidden state)")
+    return next(iter(roots))
+
+
+class _ChainRoles:
+    """The steps of :func:`chain_recurrence`, in order, sharing what each finds.
+
+    Per step k: ``h_in[k]`` the hidden state it reads, ``h_new[k]`` / ``c_new[k]`` / ``ys[k]`` the values it
+    computes, ``leaves[k]`` its inputs by role, ``allowed[k]`` which nodes are its own, ``foreign[k]`` the
+    other older value it reads (c). ``km`` is the reference step, ``last`` the last one."""
+
+    def __init__(self, g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None):
+        self.g, self.src, self.axis, self.chain, self.iv, self.signer = g, src, axis, chain, iv, signer
+        self.mask_srcs = mask_srcs or {}
+        self.steps = chain.steps
+        self.n = len(self.steps)
+        self.ts = [s.t for s in self.steps]
+        self.chain_nodes: set[int] = set()
+
+    def recurrence(self) -> Recurrence:
+        self.check_layout()
+        self.step_input()
+        self.thread_hidden_state()
+        self.find_cell_state()
+        self.reference_step()
+        self.complete_cell_state()
+        self.carried_output()
+        self.zero_initial_states()
+        an = self.analyse()
+        self.check_every_step()
+        rec = self.build(an)
+        if not (an.masked or self.y_carried):  # else validated on the whole model, with its masks overridden
+            self.add_cell_checks(rec)
+        return rec
+
+    def sign(self, name: str, k: int) -> int:
+        return self.signer.sign(name, self.leaves[k], self.allowed[k], self.foreign[k], self.chain_nodes)
+
+    def step_output(self, k: int, op_type: str, ref: int) -> str | None:
+        return step_output(self.g, self.chain, k, self.iv, self.signer, self.leaves[k], self.allowed[k], op_type, ref)
+
+    # ---- the steps
+    def check_layout(self) -> None:
+        rank = self.g.model.rank(self.src)
+        if rank != 3 or self.axis not in (0, 1):
+            raise Decline(f"the per-step inputs are slices of a rank-{rank} tensor along axis {self.axis}")
+        if sorted(self.ts) != list(range(min(self.ts), max(self.ts) + 1)):
+            raise Decline("the chain skips time steps")
+
+    def step_input(self) -> None:
+        """The step input's leaf: x itself, or x @ K + b when the chain reads a projection computed outside it."""
+        self.proj = input_projection(self.g, self.src, self.axis)
+        self.x_value = None
+        if self.proj is not None:
+            self.x_atom, self.x_value = projected_leaf(self.proj)
+        else:
+            self.x_atom = StepInput("x", static_dim(self.g, self.src, 2))
+
+    def thread_hidden_state(self) -> None:
+        """h: the one value each step reads through the recurrent weights; the next step's h is this one's output."""
+        g, steps, n = self.g, self.steps, self.n
+        h_in: list[str | None] = [None] * n
+        for k in range(1, n):
+            h_in[k] = _single_root(steps[k])
+        if steps[0].weighted:  # (the first step may also combine its input with a given c0 or carried output)
+            h_in[0] = _single_root(steps[0], steps[0].weighted)
+        self.h0_fill = g.fill_value(h_in[0]) if h_in[0] is not None else None
+        if self.h0_fill is not None and self.h0_fill != 0.0:
+            raise Decline(f"the initial hidden state is a constant {self.h0_fill:g}, not zeros")
+        self.h_in = h_in
+        self.h_new: list[str | None] = [h_in[k + 1] for k in range(n - 1)] + [None]
+        self.allowed = [allowed_fn(g, self.chain, k, self.iv) for k in range(n)]
+        self.foreign = [Foreign(s.t) for s in steps]
+        self.leaves = []
+        for k, st in enumerate(steps):
+            lv = {st.x: "x"}
+            if h_in[k] is not None and not (k == 0 and self.h0_fill is not None):
+                lv[h_in[k]] = "h"
+            lv.update(st.masks)
+            self.leaves.append(lv)
+        self.sig_h: list[int | None] = [None] * n
+        for k in range(n - 1):
+            self.sig_h[k] = self.sign(self.h_new[k], k)
+
+    def find_cell_state(self) -> None:
+        """c (LSTM): what step k reads besides h is what step k-1 computed."""
+        n, foreign = self.n, self.foreign
+        self.lstm = any(f.name is not None for f in foreign[1 : n - 1]) or (n == 2 and foreign[0].name is not None)
+        self.c_new: list[str | None] = [None] * n
+        if self.lstm:
+            for k in range(1, n - 1):
+                if foreign[k].name is None:
+                    raise Decline(f"step {self.ts[k]} does not read the cell state")
+                self.c_new[k - 1] = foreign[k].name
+        if n == 2 and self.h_in[0] is None:
+            raise Decline("a two-step chain with a folded initial state")
+        self.km = 1 if n > 2 else 0
+        self.last = n - 1
+
+    def reference_step(self) -> None:
+        """Evaluate the reference step km; find the last step's h (nothing after it reads it)."""
+        g, km, last = self.g, self.km, self.last
+        # the last step's h: the tensor with the reference step's structure; in a three-step LSTM chain it is
+        # also what tells which value the reference step passes on as c
+        self.h_new[last] = self.step_output(last, g.producer[self.h_new[last - 1]].op_type, self.sig_h[km])
+        if self.h_new[last] is not None:
+            self.sig_h[last] = self.sign(self.h_new[last], last)
+            if self.lstm and km == last - 1:
+                self.c_new[km] = self.foreign[last].name
+        self.mid = StepEval(g, self.chain, km, self.iv, self.h_in[km], self.x_atom, self.x_value)
+        self.ref = {"h": self.mid.poly(self.h_new[km])}
+        self.ref_sig = {"h": self.sig_h[km]}
+        if self.lstm:
+            if self.c_new[km] is None:
+                raise Decline("the cell state's next value cannot be found")
+            self.ref["c"] = self.mid.poly(self.c_new[km])
+            self.ref_sig["c"] = self.sign(self.c_new[km], km)
+        # the last step's outputs: same structure as the reference step's (they may be dead: Keras on torch
+        # returns only the carried output, and the exporter drops the last state updates)
+        if self.h_new[last] is None:
+            e = StepEval(g, self.chain, last, self.iv, self.h_in[last], self.x_atom, self.x_value)
+            self.h_new[last] = find_symbolic(g, e, self.chain, last, self.iv, g.producer[self.h_new[last - 1]].op_type, self.ref["h"])
+            if self.h_new[last] is not None:
+                self.sig_h[last] = self.sign(self.h_new[last], last)
+        self.series: dict[str, list] = {"h": self.h_new}
+        self.sigs: dict[str, list] = {"h": self.sig_h}
+
+    def complete_cell_state(self) -> None:
+        """The cell state the last step reads and computes (found by the reference step's signature)."""
+        if not self.lstm:
+            return
+        g, n, last, c_new = self.g, self.n, self.last, self.c_new
+        sig_c: list[int | None] = [None] * n
+        c_new[last - 1] = self.foreign[last].name or self.step_output(last - 1, g.producer[c_new[self.km]].op_type, self.ref_sig["c"])
+        if c_new[last - 1] is None:
+            raise Decline(f"step {self.ts[last]} does not read the cell state")
+        c_new[last] = self.step_output(last, g.producer[c_new[last - 1]].op_type, self.ref_sig["c"])
+        for k in range(n):
+            if c_new[k] is not None:
+                sig_c[k] = self.sign(c_new[k], k)
+        self.series["c"], self.sigs["c"] = c_new, sig_c
+
+    def carried_output(self) -> None:
+        """y: the extra carried value (Keras' previous output), computed from the cells' values outside h and c."""
+        g, n, km, last, leaves = self.g, self.n, self.km, self.last, self.leaves
+        self.mask_values = mask_values(g, self.chain)
+        ys = extra_values(g, self.chain, self.iv, self.chain_nodes, {t for t in self.h_new + self.c_new if t}, self.mask_values)
+        self.ys, self.y_carried, self.y0 = ys, False, None
+        if ys is None:
+            return
+        self.y_carried = any(ys[k - 1] in inputs_of(g, ys[k], self.allowed[k], leaves[k]) for k in range(1, n) if ys[k] and ys[k - 1])
+        if self.y_carried and km == 0:
+            raise Decline("a two-step chain carrying an extra value")
+        sig_y: list[int | None] = [None] * n
+        if self.y_carried and ys[0] is not None:
+            self.y0 = self.given_initial_output(ys[0])
+            if self.y0 is not None:
+                leaves[0] = {**leaves[0], self.y0: "y"}
+        for k in range(n):
+            if self.y_carried and k > 0:
+                leaves[k] = {**leaves[k], ys[k - 1]: "y"}
+            if ys[k] is None:  # the last step's value, not reached from its (dead) states
+                op = g.producer[ys[k - 1]].op_type
+                ys[k] = self.step_output(k, op, sig_y[km]) if k == last else None
+                if ys[k] is None:
+                    raise Decline(f"step {self.ts[k]}'s carried output cannot be found")
+            sig_y[k] = self.sign(ys[k], k)
+        if self.y_carried:
+            self.mid.ev.memo[ys[km - 1]] = SymTensor(Poly.atom(Y_STATE), lead_of(g, ys[km - 1]) or 0)
+        self.ref["y"] = self.mid.poly(ys[km])
+        self.ref_sig["y"] = sig_y[km]
+        self.series["y"], self.sigs["y"] = ys, sig_y
+
+    def given_initial_output(self, y_first: str) -> str | None:
+        """A given initial value of the carried output: the one outside tensor the first step reads."""
+        g, iv, allowed = self.g, self.iv, self.allowed[0]
+        given = [t for t in inputs_of(g, y_first, allowed, self.leaves[0])
+                 if iv.get(t) is None and t not in self.leaves[0] and t != self.foreign[0].name and g.const(t) is None
+                 and not shape_derived(g, t) and g.fill_value(t) is None
+                 and (g.producer.get(t) is None or not allowed(g.producer[t]))]
+        return given[0] if len(given) == 1 else None
+
+    def zero_initial_states(self) -> None:
+        """Which states start from zero folded into the first step."""
+        last, c_new = self.last, self.c_new
+        if self.h_new[last] is None and self.ys is None and c_new[last] is None:
+            raise Decline("the last step's hidden output cannot be found")
+        if self.lstm and self.foreign[last].name is not None and self.foreign[last].name != c_new[last - 1]:
+            raise Decline(f"step {self.ts[last]} reads another cell state than step {self.ts[last - 1]} computes")
+        self.c0 = self.foreign[0].name if self.lstm else None
+        zero = set()
+        if self.h_in[0] is None or self.h0_fill is not None:
+            zero.add("h")
+        if self.lstm and self.c0 is None:
+            zero.add("c")
+        if self.y_carried and self.y0 is None:
+            zero.add("y")
+        self.zero = zero
+
+    def analyse(self) -> StepAnalysis:
+        """The chain's outputs and the reference step's maths -> the cell and the recurrence's states."""
+        g, series, ref = self.g, self.series, self.ref
+        stacks, finals = chain_outputs(g, self.chain, series, self.chain_nodes, self.mask_values)
+        h0 = self.h_in[0]
+        inits = {
+            "h": Init(h0, None, lead_of(g, h0) or 0) if h0 is not None and self.h0_fill is None else Init(),
+            "c": Init(self.c0, None, lead_of(g, self.c0) or 0) if self.c0 is not None else Init(),
+            "y": Init(self.y0, None, lead_of(g, self.y0) or 0) if self.y0 is not None else Init(),
+        }
+        states = {"h": H_STATE, "c": C_STATE, "y": Y_STATE}
+        step_states = [StepState(r, ref[r], inits[r], finals.get(r)) for r in series if r != "y" or self.y_carried]
+        outs = [StepOut(ref[r], cat, bf, rev) for r, cat, bf, rev in stacks]
+        for r, t in finals.items():
+            if r == "y" and not self.y_carried:
+                raise Decline("an extra per-step value of the last step is read outside the chain")
+        return analyse(self.x_atom, step_states, outs, {r: states[r] for r in series})
+
+    def check_every_step(self) -> None:
+        """Every step computes the reference step: by structure, or else by its maths."""
+        g, zero, ref = self.g, self.zero, self.ref
+        for r, names in self.series.items():
+            for k in range(self.n):
+                name = names[k]
+                if name is None:
+                    continue
+                if self.sigs[r][k] == self.ref_sig[r] and not (k == 0 and zero):
+                    continue
+                e = StepEval(g, self.chain, k, self.iv, self.h_in[k], self.x_atom, self.x_value)
+                prev = (self.ys[k - 1] if k > 0 else self.y0) if self.y_carried else None
+                if prev is not None:
+                    e.ev.memo[prev] = SymTensor(Poly.atom(Y_STATE), lead_of(g, prev) or 0)
+                p = e.poly(name)
+                self.chain_nodes |= e.ev.visited_nodes
+                if k == 0 and zero:
+                    if loose_key(p) != loose_key(zero_states(ref[r], zero)):
+                        raise Decline(f"the first step is not the cell with a zero initial state ({r})")
+                elif p.key != ref[r].key:
+                    raise Decline(f"step {self.ts[k]} computes a different cell than step {self.ts[self.km]} ({r})")
+
+    def build(self, an: StepAnalysis) -> Recurrence:
+        g, src, axis, ts = self.g, self.src, self.axis, self.ts
+        x = src if self.proj is None else self.proj[0]
+        T = static_dim(g, src, axis)
+        anchor = g.producer.get(self.h_new[-1] or self.c_new[-1] or (self.ys or [None])[-1])
+        mask = None
+        if an.masked:
+            msrc, maxis = self.mask_srcs.get(an.mask_sym, (None, None))
+            if msrc is None or maxis != axis or static_dim(g, msrc, maxis) != T:
+                raise Decline("the mask is not laid out like the per-step inputs")
+            mask = msrc
+        if not (min(ts) == 0 and T is not None and max(ts) == T - 1):
+            bounds = [np.array([min(ts)], np.int64), np.array([max(ts) + 1], np.int64), np.array([axis], np.int64)]
+            consts = [g.add_initializer(b, f"rnnfuse/slice{i}") for i, b in enumerate(bounds)]
+            x = g.add_node("Slice", [x] + consts, 1, name="rnnfuse/Slice", anchor=anchor)[0]
+            if mask is not None:
+                mask = g.add_node("Slice", [mask] + consts, 1, name="rnnfuse/Slice", anchor=anchor)[0]
+        return Recurrence(
+            front="chain",
+            where=f"{self.chain.direction} chain over '{src}' (axis {axis}), steps {ts[0]}..{ts[-1]}: {self.n} cells",
+            cell=an.rec.spec,
+            x=x,
+            h0=an.h0,
+            c0=an.c0,
+            mask=mask,
+            seq_outputs=an.seq_outputs,
+            finals=[FinalOutput(f.tensor, f.which, f.init, lead_of(g, f.tensor) or 0) for f in an.finals],
+            anchor=anchor,
+            x_batch_first=axis == 1,
+            x_reversed=self.chain.direction == "reverse",
+        )
+
+    def add_cell_checks(self, rec: Recurrence) -> None:
+        """What cell-level validation compares (the whole chain may be too big to run in onnxruntime)."""
+        g, ts = self.g, self.ts
+        for k in sorted({self.km, 0}):
+            visited: set = set()
+            fills: dict = {}
+            f = Foreign(ts[k])
+            outs_k = {self.h_new[k]: "h"}
+            self.signer.sign(self.h_new[k], self.leaves[k], self.allowed[k], f, visited, fills)
+            if self.lstm and self.c_new[k] is not None:
+                self.signer.sign(self.c_new[k], self.leaves[k], self.allowed[k], f, visited, fills)
+                outs_k[self.c_new[k]] = "c"
+            ins = {v: r for v, r in self.leaves[k].items() if r in ("x", "h")}
+            if f.name is not None:
+                ins[f.name] = "c"
+            chk = CellCheck(order_of(g, visited), ins, outs_k, self.zero if k == 0 else set(), static_dim(g, self.src, 1 - self.axis), fills)
+            if self.proj is not None:
+                chk.x_projection = (self.proj[1], self.proj[2])
+            rec.cell_checks.append(chk)

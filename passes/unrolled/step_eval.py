@@ -1,0 +1,101 @@
+"""One step of a chain as a region of the graph: which nodes belong to it, what older value it may read
+besides h (the LSTM cell state), and its symbolic evaluation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import NodeProto
+
+from rnnfuse.dataflow import lead_of, shape_derived
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph
+from rnnfuse.symbolic import BoolMask, Fill, Poly, State, StepEvaluator, StepInput, SymTensor
+
+from .chains import Chain
+
+
+def allowed_fn(g: Graph, chain: Chain, k: int, iv):
+    st = chain.steps[k]
+    t = st.t
+    fwd = chain.direction == "forward"
+
+    pulled, nodes, side = st.pulled, iv.nodes, 1 if fwd else 0
+    prev = t - 1 if fwd else t + 1
+    carried_side: dict[int, bool] = {}
+
+    def allowed(n: NodeProto) -> bool:
+        k = id(n)
+        if k in pulled:
+            return True
+        v = nodes.get(k)
+        if v is None:
+            # constants-and-shapes-only nodes (a zero state's matmul) are evaluated wherever they are read
+            return bool(n.output) and shape_derived(g, n.output[0])
+        return v[side] == t or (v[side] == prev and _carried_side(n))
+
+    def _carried_side(n: NodeProto) -> bool:
+        """A node placed in the step before, computed from one carried value and constants only and read only
+        by this step (an LSTM peephole p*c): it belongs to this step, as h @ R does."""
+        k = id(n)
+        if k not in carried_side:
+            carried_side[k] = False  # (while its consumers are asked)
+            # (other inputs must be true constants: 0 + m*new with a runtime-shaped zero is a state itself)
+            dyn = [i for i in n.input if i and g.const(i) is None]
+            users = [c for o in n.output if o for c in g.uses(o)]
+            carried_side[k] = (n.op_type in _CARRIED_SIDE and len(dyn) == 1 and bool(users)
+                               and not any(g.is_graph_output(o) for o in n.output if o)
+                               and all(allowed(c) for c in users))
+        return carried_side[k]
+
+    return allowed
+
+
+# ops with constants that may sit between a carried value and the step reading it (the recogniser then
+# decides what they mean: p*c is a peephole, c @ P is not)
+_CARRIED_SIDE = {"Mul", "Add", "Sub", "Div", "Neg", "Unsqueeze", "Squeeze", "Identity", "Reshape", "MatMul", "Gemm"}
+
+
+class Foreign:
+    """The one older value (besides h) a step may read: the LSTM cell state."""
+
+    def __init__(self, t: int):
+        self.t = t
+        self.name: str | None = None
+
+    def __call__(self, name: str) -> str:
+        if self.name is None:
+            self.name = name
+        elif name != self.name:
+            raise Decline(f"step {self.t} reads more than two carried values ('{self.name}', '{name}')")
+        return "c"
+
+# the state atoms of a chain's cell: hidden state, LSTM cell state, an extra carried output (Keras' masked output)
+H_STATE = State("h", None)
+C_STATE = State("c", None)
+Y_STATE = State("y", None)
+
+class StepEval:
+    """Symbolic evaluation of one step: x, mask and h are leaves, the one other older value is state c."""
+
+    def __init__(self, g: Graph, chain: Chain, k: int, iv, h_in: str | None, x_atom: StepInput, x_value=None):
+        st = chain.steps[k]
+        self.foreign = Foreign(st.t)
+        leaves = {st.x: x_value if x_value is not None else SymTensor(Poly.atom(x_atom))}
+        if h_in is not None:
+            fv = g.fill_value(h_in)
+            leaves[h_in] = SymTensor(Poly.atom(H_STATE), lead_of(g, h_in) or 0) if fv is None else Fill(np.array(fv, dtype=np.float32))
+        for m, sym in st.masks.items():
+            leaves[m] = BoolMask(sym, False, g.model.rank(m) == 2)
+
+        def foreign(name: str):
+            fv = g.fill_value(name)
+            if fv is not None:  # a zero (or constant) state of runtime shape, e.g. ConstantOfShape(Shape(x))
+                return Fill(np.array(fv, dtype=np.float32))
+            self.foreign(name)
+            return SymTensor(Poly.atom(C_STATE), lead_of(g, name) or 0)
+
+        self.ev = StepEvaluator(g, leaves, may_evaluate=allowed_fn(g, chain, k, iv), foreign=foreign, content_keys=True)
+
+    def poly(self, name: str) -> Poly:
+        return self.ev.poly(name)

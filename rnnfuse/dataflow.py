@@ -1,0 +1,92 @@
+"""Dataflow queries on a graph that several passes ask: which tensors are computed from shapes alone, how many
+leading unit axes a ``[*, B, N]`` value has, and what a set of tensors computes on its own.
+
+Answers are memoised in the model's :class:`~rnnfuse.facts.ModelFacts`, so each tensor is looked at once.
+"""
+
+from __future__ import annotations
+
+from .graph import Graph
+
+# elementwise (or row-wise) ops whose output has the leading axes of their inputs
+_KEEPS_LEAD = ("Add", "Sub", "Mul", "Div", "Sigmoid", "Tanh", "Relu", "MatMul", "Gemm", "Where", "Identity", "Cast")
+
+
+def shape_derived(g: Graph, name: str) -> bool:
+    """Whether a tensor depends on other tensors' shapes only (never on their values)."""
+    memo = g.model.facts.shape_derived
+    if name in memo:
+        return memo[name]
+    stack = [name]
+    while stack:
+        cur = stack[-1]
+        if cur in memo:
+            stack.pop()
+            continue
+        p = g.producer.get(cur)
+        if p is None or g.const(cur) is not None:
+            memo[cur] = g.const(cur) is not None
+            stack.pop()
+            continue
+        if p.op_type in ("Shape", "Size"):
+            memo[cur] = True
+            stack.pop()
+            continue
+        pending = [i for i in p.input if i and i not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        memo[cur] = all(memo[i] for i in p.input if i) and bool([i for i in p.input if i])
+        stack.pop()
+    return memo[name]
+
+
+def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
+    """How many leading unit axes a [*, B, N] value has: the known rank - 2 (``Model.known_type``), or
+    followed through Unsqueeze/Squeeze(axis 0) and elementwise ops."""
+    memo = g.model.facts.lead
+    if name in memo:
+        return memo[name]
+    t = g.model.known_type(name)
+    out = None
+    if t is not None and t[1] is not None:
+        out = max(len(t[1]) - 2, 0)
+    elif depth < 24:
+        p = g.producer.get(name)
+        if p is not None:
+            if p.op_type in ("Unsqueeze", "Squeeze"):
+                inner = lead_of(g, p.input[0], depth + 1)
+                if inner is not None:
+                    out = inner + (1 if p.op_type == "Unsqueeze" else -1)
+            elif p.op_type in _KEEPS_LEAD:
+                leads = [lead_of(g, i, depth + 1) for i in p.input if i and g.const(i) is None]
+                leads = [x for x in leads if x is not None]
+                out = max(leads) if leads else None
+    memo[name] = out
+    return out
+
+
+def closure(g: Graph, seeds, limit: int = 256) -> tuple[set[str], set[int]]:
+    """Tensors computed from ``seeds`` (plus constants and shapes) alone, and the ids of their nodes:
+    h @ R and its slices from a state, a tiled or negated mask from a step's mask slice."""
+    region = set(seeds)
+    ids: set[int] = set()
+    frontier = list(seeds)
+    while frontier and len(ids) < limit:
+        v = frontier.pop()
+        for c in g.uses(v):
+            if id(c) in ids or len(c.input) > 8 or g.implicit_inputs(c):
+                continue  # (a Concat stacking every step's output is no part of a step)
+            dyn = dynamic_inputs(g, c)
+            if all(i in region for i in dyn):
+                ids.add(id(c))
+                for o in c.output:
+                    if o:
+                        region.add(o)
+                        frontier.append(o)
+    return region, ids
+
+
+def dynamic_inputs(g: Graph, node) -> list[str]:
+    """The inputs of ``node`` that carry runtime values (not constants, not computed from shapes alone)."""
+    return [i for i in node.input if i and g.const(i) is None and not shape_derived(g, i)]

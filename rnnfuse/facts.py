@@ -1,0 +1,23 @@
+"""Facts about one model that passes compute once and later passes read, in typed fields.
+
+One :class:`ModelFacts` lives on each :class:`~rnnfuse.graph.Model` (``model.facts``) and carries over to the
+next round of passes (tensor names are never reused, so what is known about a name stays true).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelFacts:
+    # dataflow queries (rnnfuse.dataflow), memoised per tensor name
+    shape_derived: dict = field(default_factory=dict)  # tensor -> computed from shapes and constants only
+    lead: dict = field(default_factory=dict)  # tensor -> leading unit axes of a [*, B, N] value (or None)
+    # constants named by their bytes (rnnfuse.symbolic.content_key): per-step copies of one weight share a key
+    content_keys: dict = field(default_factory=dict)
+    # what the emitter built, for the passes after it
+    seq_lens_mask: dict = field(default_factory=dict)  # sequence_lens tensor -> the mask it was computed from
+    compactions: dict = field(default_factory=dict)  # compacted input -> (input, [T, B] mask, original mask)
+    uncompactions: dict = field(default_factory=dict)  # scattered-back output -> (compacted Y, [T, B] mask)
+    spill_dir: str | None = None  # where large new initializers are written as external data

@@ -13,4 +13,17 @@ def default_passes() -> list:
     from .scan import FuseScans
     from .unrolled import FuseChains
 
-    return [InlineConstantIfs(), DropNoOps(), Dedupe(), FuseLoops(), FuseScans(), FuseChains(), ReverseInputs(), Dedupe(), MergeBidirectional(), CancelFlips(), SkipRoundTrips(), Dedupe()]
+    return [
+        InlineConstantIfs(),  # first: shape bookkeeping inside If(rank > 2) becomes plain nodes the front ends read
+        DropNoOps(),  # float->float Casts and Identities around each step hide shared inputs and time flips
+        Dedupe(),  # per-step copies of one slice or weight become one tensor, so steps and families line up
+        FuseLoops(),  # the three front ends, each turning what it finds into native ops
+        FuseScans(),
+        FuseChains(),  # after the loops: a chain may read a fused layer's output (a stack)
+        ReverseInputs(),  # native ops (fused or exported) reading a time-reversed input run in reverse instead
+        Dedupe(),  # the forward and reverse halves of a layer now read one X and one sequence_lens ...
+        MergeBidirectional(),  # ... which is what pairing them into one bidirectional op needs
+        CancelFlips(),  # a reverse op's output flipped back by the exporter: two flips cancel
+        SkipRoundTrips(),  # stacked masked layers: no scatter back to time order only to gather again
+        Dedupe(),  # last: mask plumbing the rewrites built per layer is shared
+    ]

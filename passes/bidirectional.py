@@ -16,7 +16,7 @@ from rnnfuse.cells import native_kind
 from rnnfuse.emit import SPILL_BYTES, Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
-from rnnfuse.pipeline import Finding, Options, PassResult
+from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.rewrite import commit, judge
 from rnnfuse.validate import validate
 

@@ -17,8 +17,8 @@ import numpy as np
 from onnx import NodeProto, helper, numpy_helper
 
 from rnnfuse.dims import time_flip_source
+from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import _CONTROL_FLOW, Graph, Model, attr, has_subgraph
-from rnnfuse.pipeline import Options, PassResult
 
 _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
 
@@ -444,7 +444,7 @@ class SkipRoundTrips:
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         from rnnfuse.rewrite import judge
-        from rnnfuse.pipeline import Finding
+        from rnnfuse.findings import Finding
         from rnnfuse.validate import validate
 
         g = model.graph

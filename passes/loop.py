@@ -21,7 +21,7 @@ from onnx import NodeProto, TensorProto
 from rnnfuse.dims import dim_key, loop_invariant_init, root_dim, time_dim_key
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
-from rnnfuse.pipeline import Options, PassResult
+from rnnfuse.findings import Options, PassResult
 from rnnfuse.recurrence import Init, Recurrence
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes

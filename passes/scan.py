@@ -13,7 +13,7 @@ from onnx import NodeProto, TensorProto
 
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
-from rnnfuse.pipeline import Options, PassResult
+from rnnfuse.findings import Options, PassResult
 from rnnfuse.recurrence import Recurrence
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import platform
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ import onnx
 from onnx import helper
 
 from .errors import InputError, OutputError
+from .protos import dim_role
 
 
 @dataclass
@@ -73,8 +73,6 @@ def versions() -> dict:
     }
 
 
-_BATCH_NAMES = re.compile(r"(batch|^b$|^n$|^bs$)", re.I)
-_TIME_NAMES = re.compile(r"(time|seq|^t$|len|steps)", re.I)
 
 
 @dataclass
@@ -100,11 +98,11 @@ def make_inputs(model: onnx.ModelProto, batch: int, seq_len: int, mask: str, rng
                 sizes: list | None = None) -> dict:
     """Random feeds for ``model``; when ``sizes`` is a list, the :class:`Sizes` that ran is appended to it."""
     from .graph import Model
-    from .validate import _index_ranges
+    from .validate import index_ranges
 
     m = Model(model)
     g = m.graph
-    ranges = _index_ranges(g)
+    ranges = index_ranges(g)
     dims: dict = {}
     feeds = {}
     used_batch = used_time = False
@@ -126,9 +124,9 @@ def make_inputs(model: onnx.ModelProto, batch: int, seq_len: int, mask: str, rng
                 continue
             key = d if isinstance(d, str) else f"{name}:{len(concrete)}"
             if key not in dims:
-                if isinstance(d, str) and _BATCH_NAMES.search(d):
+                if dim_role(d) == "batch":
                     dims[key] = (batch, "batch")
-                elif isinstance(d, str) and _TIME_NAMES.search(d):
+                elif dim_role(d) == "time":
                     dims[key] = (seq_len, "time")
                 elif sym_pos < 2:
                     pos = sym_pos

@@ -232,26 +232,7 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     if b.opset < 7:
         raise Decline(f"opset {b.opset} is older than the native recurrent ops' opset 7")
     _need_opset(b, 10, "the rewrite")
-
-    x = rec.x
-    mask = rec.mask
-    mask_source, mask_time_axis = rec.mask, 0  # what validation overrides: a tensor the original reads too
-    mrank = g.model.rank(mask) if mask else None
-    if mask is not None and mrank not in (2, 3):
-        raise Decline(f"the mask has rank {mrank}")
-    if rec.x_batch_first:
-        x = b.op("Transpose", x, perm=[1, 0, 2])
-        if mask is not None:
-            mask = b.op("Transpose", mask, perm=[1, 0, 2][:mrank])
-            mask_time_axis = 1
-    reverse = rec.x_reversed  # the front end already knows the processing order is backwards in time
-    if not reverse and not rec.x_batch_first:
-        src = time_flip_source(g, x, 0)
-        msrc = time_flip_source(g, mask, 0) if mask else None
-        if src is not None and (mask is None or msrc is not None):
-            x, mask, reverse = src, msrc, True
-            mask_source = msrc
-    direction = "reverse" if reverse else "forward"
+    x, mask, mrank, mask_source, mask_time_axis, direction = _time_major_input(b, rec)
 
     path = "unmasked"
     seq_lens = ""
@@ -282,16 +263,46 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     attrs = native_attrs(cell, native_dir)
     outs = g.add_node(kind.op, ins, kind.n_outputs, name=f"rnnfuse/{kind.op}", anchor=rec.anchor, **attrs)
     native = g.producer[outs[0]]
-    Y = outs[0]
     finals = {s: outs[kind.output_of(s)] for s in kind.states}
-    Yh = finals["h"]
-    Y3 = b.squeeze(Y, [1])
+    Y3 = b.squeeze(outs[0], [1])
     if native_dir != direction:
         Y3 = b.op("ReverseSequence", Y3, mp.lens64, batch_axis=1, time_axis=0)  # what a reverse op's Y holds
+    repl = _replacements(b, rec, Y3, finals, mp, path, direction)
+    _declare_outputs(g, rec, repl)
+    return Emission(native, repl, path, direction, mask_source if mp is not None else None, mask_time_axis)
 
+
+def _time_major_input(b: Builder, rec: Recurrence):
+    """``(x, mask, mask rank, mask_source, mask_time_axis, direction)``: the input and mask time-major, read
+    backwards (direction "reverse") when the front end says so or x is a time flip of another tensor.
+    ``mask_source`` is what validation overrides: a tensor the original reads too."""
+    g = b.g
+    x = rec.x
+    mask = rec.mask
+    mask_source, mask_time_axis = rec.mask, 0
+    mrank = g.model.rank(mask) if mask else None
+    if mask is not None and mrank not in (2, 3):
+        raise Decline(f"the mask has rank {mrank}")
+    if rec.x_batch_first:
+        x = b.op("Transpose", x, perm=[1, 0, 2])
+        if mask is not None:
+            mask = b.op("Transpose", mask, perm=[1, 0, 2][:mrank])
+            mask_time_axis = 1
+    reverse = rec.x_reversed  # the front end already knows the processing order is backwards in time
+    if not reverse and not rec.x_batch_first:
+        src = time_flip_source(g, x, 0)
+        msrc = time_flip_source(g, mask, 0) if mask else None
+        if src is not None and (mask is None or msrc is not None):
+            x, mask, reverse = src, msrc, True
+            mask_source = msrc
+    return x, mask, mrank, mask_source, mask_time_axis, "reverse" if reverse else "forward"
+
+
+def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: str, direction: str) -> dict[str, str]:
+    """Original tensor -> the adapter computing it from the native op's outputs."""
     repl: dict[str, str] = {}
     for so in rec.seq_outputs:
-        v = _seq_output(b, so, Y3, Yh, mp, path, direction)
+        v = _seq_output(b, so, Y3, finals["h"], mp, path, direction)
         if direction == "reverse":
             v = b.flip0(v)
         if so.reversed:
@@ -320,16 +331,20 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
         if v in seen:
             repl[k] = b.op("Identity", v)
         seen.add(repl[k])
-    # what the new tensors are, for the passes that read them next (a stacked layer slices a sequence output)
+    return repl
+
+
+def _declare_outputs(g: Graph, rec: Recurrence, repl: dict) -> None:
+    """What the new tensors are, for the passes that read them next (a stacked layer slices a sequence output)."""
+    hidden = rec.cell.hidden
     xt = g.model.known_type(rec.x)
     et = xt[0] if xt and xt[0] else 1
     xs = xt[1] if xt and xt[1] else [None, None, None]
     T, B = (xs[1], xs[0]) if rec.x_batch_first else (xs[0], xs[1])
     for so in rec.seq_outputs:
-        g.model.declare(repl[so.tensor], (et, [B, T, cell.hidden] if so.batch_first else [T, B, cell.hidden]))
+        g.model.declare(repl[so.tensor], (et, [B, T, hidden] if so.batch_first else [T, B, hidden]))
     for fo in rec.finals:
-        g.model.declare(repl[fo.tensor], (et, [1, B, cell.hidden] if fo.lead else [B, cell.hidden]))
-    return Emission(native, repl, path, direction, mask_source if mp is not None else None, mask_time_axis)
+        g.model.declare(repl[fo.tensor], (et, [1, B, hidden] if fo.lead else [B, hidden]))
 
 
 def _seq_output(b: Builder, so, Y3: str, Yh: str, mp: MaskPlumbing | None, path: str, direction: str) -> str:

@@ -13,22 +13,18 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .protos import attr
+
 if TYPE_CHECKING:
     from .graph import Graph
 
 MAX_FOLD_ELEMENTS = 1 << 26  # never materialise more than 64M elements while folding
 
 
-def _attr(node, name, default=None):
-    from .graph import attr
-
-    return attr(node, name, default)
-
-
 def _axes(node, inputs, idx, opset, since):
     """Axes given as an attribute (before ``since``) or as input ``idx``."""
     if opset < since:
-        return _attr(node, "axes")
+        return attr(node, "axes")
     if len(inputs) > idx and inputs[idx] is not None:
         return [int(a) for a in np.asarray(inputs[idx]).ravel()]
     return None
@@ -61,9 +57,9 @@ def evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int) 
         if op == "Identity":
             return [x]
         if op == "Cast":
-            return [x.astype(_np_dtype(_attr(node, "to")))]
+            return [x.astype(_np_dtype(attr(node, "to")))]
         if op == "Transpose":
-            perm = _attr(node, "perm")
+            perm = attr(node, "perm")
             return [np.transpose(x, perm) if perm is not None else np.transpose(x)]
         if op == "Squeeze":
             axes = _axes(node, inputs, 1, opset, 13)
@@ -77,18 +73,18 @@ def evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int) 
             return [out]
         if op == "Reshape":
             shape = [int(s) for s in inputs[1]]
-            allowzero = _attr(node, "allowzero", 0)
+            allowzero = attr(node, "allowzero", 0)
             shape = [x.shape[i] if (s == 0 and not allowzero) else s for i, s in enumerate(shape)]
             return [np.reshape(x, shape)]
         if op == "Flatten":
-            axis = _attr(node, "axis", 1) % max(x.ndim, 1)
+            axis = attr(node, "axis", 1) % max(x.ndim, 1)
             return [np.reshape(x, (int(np.prod(x.shape[:axis])), -1))]
         if op == "Concat":
-            return [np.concatenate([np.asarray(i) for i in inputs], axis=_attr(node, "axis"))]
+            return [np.concatenate([np.asarray(i) for i in inputs], axis=attr(node, "axis"))]
         if op == "Split":
-            axis = _attr(node, "axis", 0)
+            axis = attr(node, "axis", 0)
             if opset < 13:
-                split = _attr(node, "split")
+                split = attr(node, "split")
             else:
                 split = [int(s) for s in inputs[1]] if len(inputs) > 1 and inputs[1] is not None else None
             n = len(node.output)
@@ -100,8 +96,8 @@ def evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int) 
             return list(np.split(x, idx, axis=axis))
         if op == "Slice":
             if opset < 10:
-                starts, ends = _attr(node, "starts"), _attr(node, "ends")
-                axes = _attr(node, "axes", list(range(len(starts))))
+                starts, ends = attr(node, "starts"), attr(node, "ends")
+                axes = attr(node, "axes", list(range(len(starts))))
                 steps = [1] * len(starts)
             else:
                 starts, ends = [int(v) for v in inputs[1]], [int(v) for v in inputs[2]]
@@ -113,10 +109,10 @@ def evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int) 
                 sl[a] = slice(*slice(s, e, st).indices(dim)) if st > 0 else _neg_slice(s, e, st, dim)
             return [x[tuple(sl)]]
         if op == "Gather":
-            return [np.take(x, inputs[1].astype(np.int64), axis=_attr(node, "axis", 0))]
+            return [np.take(x, inputs[1].astype(np.int64), axis=attr(node, "axis", 0))]
         if op == "Shape":
             shape = np.array(x.shape, dtype=np.int64)
-            start, end = _attr(node, "start", 0), _attr(node, "end", None)
+            start, end = attr(node, "start", 0), attr(node, "end", None)
             return [shape[start:end]]
         if op == "Size":
             return [np.array(x.size, dtype=np.int64)]
@@ -139,7 +135,7 @@ def evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int) 
         if op == "Reciprocal":
             return [(1 / x).astype(x.dtype)]
         if op == "ConstantOfShape":
-            v = _attr(node, "value")
+            v = attr(node, "value")
             v = np.zeros(1, np.float32) if v is None else np.asarray(v)
             shape = [int(s) for s in x]
             if int(np.prod(shape)) > MAX_FOLD_ELEMENTS:
@@ -224,7 +220,7 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
         # Shape of a tensor with a fully static declared shape is constant even if the tensor is not
         shape = graph.model.shape(node.input[0])
         if shape is not None and all(isinstance(d, int) for d in shape) and graph.const(node.input[0]) is None:
-            start, end = _attr(node, "start", 0), _attr(node, "end", None)
+            start, end = attr(node, "start", 0), attr(node, "end", None)
             return np.array(shape, dtype=np.int64)[start:end]
     if node.op_type in ("Gather", "Slice") and len(node.input) >= 2:
         # static entries of the shape of a tensor whose other dims are dynamic (torch's chunk sizes,
@@ -233,10 +229,10 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
         if p is not None and p.op_type == "Shape":
             shape = _known_shape(graph, p.input[0])
             if shape is not None:
-                start, end = _attr(p, "start", 0), _attr(p, "end", None)
+                start, end = attr(p, "start", 0), attr(p, "end", None)
                 dims = list(shape)[start:end]
                 idx = [graph.const(i) if i else None for i in node.input[1:]]
-                if node.op_type == "Gather" and idx[0] is not None and _attr(node, "axis", 0) == 0:
+                if node.op_type == "Gather" and idx[0] is not None and attr(node, "axis", 0) == 0:
                     try:
                         picked = np.take(np.array(dims, dtype=object), idx[0].astype(np.int64))
                     except IndexError:  # (an index past the rank: the model is invalid; leave it to the runtime)

@@ -21,25 +21,9 @@ from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto,
 
 from . import fold
 from .facts import ModelFacts
+from .protos import attr  # noqa: F401  (re-exported: passes read attributes through the graph module)
 
 INT64_MAX = 2**63 - 1
-
-
-def attr(node: NodeProto, name: str, default=None):
-    """The value of a node attribute (ints, floats, strings decoded, tensors as numpy)."""
-    for a in node.attribute:
-        if a.name == name:
-            if a.type == AttributeProto.TENSOR:
-                return numpy_helper.to_array(a.t)
-            v = helper.get_attribute_value(a)
-            if isinstance(v, bytes):
-                return v.decode()
-            if a.type == AttributeProto.STRINGS:
-                return [s.decode() for s in v]
-            if a.type in (AttributeProto.INTS, AttributeProto.FLOATS):
-                return list(v)
-            return v
-    return default
 
 
 def has_subgraph(node: NodeProto) -> bool:
@@ -674,7 +658,7 @@ class Graph:
                     n.input[i] = new
             if old in self.implicit_inputs(n):
                 for sg in subgraphs(n):
-                    _rename_free(sg, old, new)
+                    rename_free(sg, old, new)
                 self._implicit.pop(id(n), None)
             self._index(n)
             self.edited.append(n)
@@ -867,14 +851,14 @@ def set_external(t: TensorProto, location: str, offset: int, length: int) -> Non
     t.data_location = TensorProto.EXTERNAL
 
 
-def _rename_free(g: GraphProto, old: str, new: str) -> None:
+def rename_free(g: GraphProto, old: str, new: str) -> None:
     """Rename reads of an outer-scope name inside a subgraph (and its nested subgraphs)."""
     for n in g.node:
         for i, x in enumerate(n.input):
             if x == old:
                 n.input[i] = new
         for sg in subgraphs(n):
-            _rename_free(sg, old, new)
+            rename_free(sg, old, new)
     for o in g.output:
         if o.name == old:
             o.name = new

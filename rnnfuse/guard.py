@@ -16,7 +16,7 @@ from typing import Callable
 
 import onnx
 
-from .pipeline import Report
+from .findings import Report
 
 # beyond this much weight data, a second onnxruntime session (or a serialised copy for the checker) would
 # hold the model twice: the whole-model checks are skipped there and the report says so

@@ -28,9 +28,11 @@ def _max_opset() -> int:
 
 
 def uses_external_data(model: onnx.ModelProto) -> bool:
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data as _uses
+    from onnx.external_data_helper import uses_external_data as _uses
 
-    return any(_uses(t) for t in _get_all_tensors(model))
+    from .protos import all_tensors
+
+    return any(_uses(t) for t in all_tensors(model))
 
 
 def load(path: str) -> tuple[onnx.ModelProto, bool]:
@@ -63,9 +65,9 @@ def load(path: str) -> tuple[onnx.ModelProto, bool]:
     external = uses_external_data(model)
     if external:
         base = os.path.dirname(os.path.abspath(path))
-        from onnx.external_data_helper import _get_all_tensors
+        from .protos import all_tensors
 
-        for t in _get_all_tensors(model):
+        for t in all_tensors(model):
             if t.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             info = {e.key: e.value for e in t.external_data}
@@ -205,19 +207,19 @@ def save(model: onnx.ModelProto, out_path: str, external: bool | None = None, so
 
 
 def _has_unloaded(model: onnx.ModelProto) -> bool:
-    from onnx.external_data_helper import _get_all_tensors
+    from .protos import all_tensors
 
-    return any(t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data") for t in _get_all_tensors(model))
+    return any(t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data") for t in all_tensors(model))
 
 
 def _write_external(model: onnx.ModelProto, data_path: str, location: str, source_dir: str | None) -> None:
-    from onnx.external_data_helper import _get_all_tensors
+    from .protos import all_tensors
 
     from .graph import set_external
 
     align = 4096
     with open(data_path, "wb") as out:
-        for t in _get_all_tensors(model):
+        for t in all_tensors(model):
             unloaded = t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data")
             if not unloaded:
                 if not t.HasField("raw_data") or len(t.raw_data) < EXTERNAL_THRESHOLD:
@@ -251,9 +253,9 @@ def _write_external(model: onnx.ModelProto, data_path: str, location: str, sourc
 
 def estimated_size(model: onnx.ModelProto) -> int:
     """Serialized size, estimated without serializing (ByteSize fails beyond 2 GB)."""
-    from onnx.external_data_helper import _get_all_tensors
+    from .protos import all_tensors
 
     total = 0
-    for t in _get_all_tensors(model):
+    for t in all_tensors(model):
         total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data) + len(t.double_data))
     return total + 4 * len(model.graph.node) * 64

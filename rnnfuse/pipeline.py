@@ -8,183 +8,22 @@ a :class:`Finding`: fused (with the validation error) or declined (with the reas
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Protocol, Union
+from typing import Iterable
 
 import onnx
 
 from . import progress
-from .graph import Model, subgraphs
-
-
-@dataclass
-class Finding:
-    pass_name: str
-    front: str  # Loop | Scan | chain | native-pair ...
-    where: str
-    status: str  # fused | declined | merged
-    reason: str = ""
-    cell: str = ""
-    hidden: int | None = None
-    direction: str = ""
-    masked: bool = False
-    path: str = ""  # unmasked | exact | post-padded
-    max_error: float | None = None
-    validation: str = ""  # "ok", "skipped: ...", "failed: ..."
-    notes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)  # shown on the report line (e.g. not portable to OpenVINO)
-
-    def line(self) -> str:
-        head = f"{self.front} '{self.where}'"
-        if self.status in ("declined", "kept"):
-            what = f" ({self.cell})" if self.cell else ""
-            return f"{self.status} {head}{what}: {self.reason}"
-        bits = [self.cell]
-        if self.direction:
-            bits.append(self.direction)
-        if self.masked:
-            bits.append(f"masked, {self.path} path")
-        if self.validation:
-            bits.append(f"validation {self.validation}")
-        verb = "merged" if self.status == "merged" else "fused"
-        s = f"{verb} {head} -> " + ", ".join(b for b in bits if b)
-        if self.path == "post-padded":
-            s += " [assumes post-padded masks]"
-        for w in self.warnings:
-            s += f" [{w}]"
-        return s
-
-
-@dataclass
-class PassReport:
-    """What one rnnfuse pass did (not onnx-ir's ``passes.PassResult``, which carries a model)."""
-
-    name: str
-    modified: bool = False
-    findings: list[Finding] = field(default_factory=list)
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-
-# the name rnnfuse's own passes were written with; the public name is PassReport (``rnnfuse.PassResult`` still
-# works, with a DeprecationWarning, so that it no longer shadows ``onnx_ir.passes.PassResult``)
-PassResult = PassReport
-
-
-@dataclass
-class Options:
-    validate: bool = True
-    post_padded: bool = False
-    seed: int = 0
-    log: Callable[[str], None] | None = None
-    keep: set = field(default_factory=set)  # locations (Finding.where) to leave as they are
-    portable: bool = False  # decline fusions whose native op OpenVINO cannot compile (rnnfuse.portability)
-
-
-class Pass(Protocol):
-    name: str
-
-    def run(self, model: Model, ctx: Options) -> PassResult: ...
-
-
-PassLike = Union[Pass, Callable[[Model, Options], object]]
-
-
-def op_counts(graph: onnx.GraphProto) -> Counter:
-    c: Counter = Counter()
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        for n in g.node:
-            c[n.op_type] += 1
-            stack.extend(subgraphs(n))
-    return c
-
-
-@dataclass
-class Report:
-    passes: list[PassResult] = field(default_factory=list)
-    ops_before: dict = field(default_factory=dict)
-    ops_after: dict = field(default_factory=dict)
-    seconds: float = 0.0
-    input_path: str = ""
-    output_path: str = ""
-    notes: list[str] = field(default_factory=list)
-    rounds: int = 1  # how many rounds of passes ran (see Pipeline.run)
-    unsupported: str = ""  # why the model was passed through without running any pass
-
-    @property
-    def findings(self) -> list[Finding]:
-        return [f for p in self.passes for f in p.findings]
-
-    @property
-    def fused(self) -> list[Finding]:
-        return [f for f in self.findings if f.status in ("fused", "merged")]
-
-    @property
-    def declined(self) -> list[Finding]:
-        return [f for f in self.findings if f.status == "declined"]
-
-    @property
-    def modified(self) -> bool:
-        return any(p.modified for p in self.passes)
-
-    def to_dict(self) -> dict:
-        return {
-            "input": self.input_path,
-            "output": self.output_path,
-            "seconds": round(self.seconds, 4),
-            "nodes_before": sum(self.ops_before.values()),
-            "nodes_after": sum(self.ops_after.values()),
-            "ops_before": dict(sorted(self.ops_before.items())),
-            "ops_after": dict(sorted(self.ops_after.items())),
-            "notes": self.notes,
-            "rounds": self.rounds,
-            "unsupported": self.unsupported,
-            "passes": [
-                {
-                    "name": p.name,
-                    "modified": p.modified,
-                    "seconds": round(p.seconds, 4),
-                    "notes": p.notes,
-                    "findings": [asdict(f) for f in p.findings],
-                }
-                for p in self.passes
-            ],
-        }
-
-    def op_change_line(self, interesting=("Loop", "Scan", "LSTM", "GRU", "RNN")) -> str:
-        b, a = self.ops_before, self.ops_after
-        parts = [f"{k} {b.get(k, 0)}->{a.get(k, 0)}" for k in interesting if b.get(k, 0) or a.get(k, 0)]
-        return f"nodes {sum(b.values())} -> {sum(a.values())}" + ("; " + ", ".join(parts) if parts else "")
-
-    def to_text(self, verbose: bool = False) -> str:
-        lines = []
-        for f in self.findings:
-            lines.append("  " + f.line())
-            if verbose:
-                for n in f.notes:
-                    lines.append("      " + n)
-                if f.max_error is not None:
-                    lines.append(f"      max abs error vs original: {f.max_error:.3g}")
-        if not self.findings and not self.unsupported:
-            native = [f"{k} {self.ops_before[k]}" for k in ("LSTM", "GRU", "RNN") if self.ops_before.get(k)]
-            lines.append(f"  recurrences already native ({', '.join(native)}): nothing to fuse" if native
-                         else "  no recurrences found")
-        n_fused = sum(1 for f in self.findings if f.status == "fused")
-        n_merged = sum(1 for f in self.findings if f.status == "merged")
-        head = f"{n_fused} fused" + (f", {n_merged} merged" if n_merged else "")
-        head += f", {len(self.declined)} declined; {self.op_change_line()}"
-        out = [head] + lines
-        for n in self.notes:
-            out.append("  note: " + n)
-        if verbose:
-            for p in self.passes:
-                out.append(f"  pass {p.name}: {'changed' if p.modified else 'no change'} in {p.seconds * 1000:.1f} ms")
-                for n in p.notes:
-                    out.append(f"      {n}")
-        return "\n".join(out)
+from .findings import (  # noqa: F401  (re-exported: the public names have always been here)
+    Finding,
+    Options,
+    Pass,
+    PassLike,
+    PassReport,
+    PassResult,
+    Report,
+    op_counts,
+)
+from .graph import Model
 
 
 def _run_one(p: PassLike, model: Model, ctx: Options) -> PassResult:

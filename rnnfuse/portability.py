@@ -21,7 +21,7 @@ and declines a masked LSTM whose final cell state is used (``Y_c`` is the only s
 
 from __future__ import annotations
 
-from .pipeline import Finding, Options
+from .findings import Finding, Options
 
 OPENVINO_ACTIVATIONS = ("Sigmoid", "Tanh", "Relu")
 

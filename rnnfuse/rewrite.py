@@ -13,9 +13,10 @@ from .emit import EmitCache, Emission, emit
 from . import portability
 from .errors import Decline
 from .graph import Graph
-from .pipeline import Finding, Options, PassResult
+from .findings import Finding, Options, PassResult
 from .recurrence import Recurrence
-from .validate import validate, validate_cells
+from .cell_check import validate_cells
+from .validate import validate
 
 # beyond this many nodes, onnxruntime takes seconds just to load the model: recurrences that carry a
 # step-level check (unrolled chains) are validated step by step instead

@@ -16,7 +16,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import Graph, _rename_free, subgraphs
+from .graph import Graph, rename_free, subgraphs
+from .protos import all_tensors, dim_role
 
 ATOL = 1e-5
 RTOL = 1e-4
@@ -51,13 +52,13 @@ class ValidationResult:
         return ok, err, detail
 
 
-def _ort():
+def ort_module():
     import onnxruntime as ort
 
     return ort
 
 
-def _index_ranges(g: Graph) -> dict[str, int]:
+def index_ranges(g: Graph) -> dict[str, int]:
     """Integer graph inputs used as Gather indices into a constant table: name -> table size."""
     out: dict[str, int] = {}
     for name in g.input_names:
@@ -109,10 +110,16 @@ def _inputs_for(g: Graph, dims: dict, b: int, t: int, scale: float, rng, index_r
             else:
                 key = d if isinstance(d, str) else f"?{name}{len(concrete)}"
                 if key not in dims:
-                    if key not in order:
-                        order.append(key)
-                    pos = order.index(key)
-                    dims[key] = [b, t][pos] if pos < 2 else 3
+                    # a named batch or time dimension by its name (a time-major [T, B, F] is not run as
+                    # T=b, B=t); other symbolic dims by position: the first is the batch, the second time
+                    role = dim_role(d)
+                    if role is not None:
+                        dims[key] = b if role == "batch" else t
+                    else:
+                        if key not in order:
+                            order.append(key)
+                        pos = order.index(key)
+                        dims[key] = [b, t][pos] if pos < 2 else 3
                 concrete.append(dims[key])
         np_t = helper.tensor_dtype_to_np_dtype(et) if et else np.float32
         if np.issubdtype(np_t, np.floating):
@@ -172,7 +179,7 @@ def build_check_model(
                 if x == mname:
                     n.input[i] = over
             for sg in subgraphs(n):
-                _rename_free(sg, mname, over)
+                rename_free(sg, mname, over)
         sh, sh2, sl = f"{over}/shape", f"{over}/shape2", f"{over}/slice"
         extra_nodes += [
             helper.make_node("Shape", [mname], [sh]),
@@ -228,10 +235,9 @@ MAX_VALIDATION_BYTES = 1 << 30
 
 
 def weight_bytes(proto: onnx.ModelProto) -> int:
-    from onnx.external_data_helper import _get_all_tensors
 
     total = 0
-    for t in _get_all_tensors(proto):
+    for t in all_tensors(proto):
         if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
             total += int(next((e.value for e in t.external_data if e.key == "length"), 0) or 0)
         else:
@@ -286,7 +292,7 @@ def validate(
     """
     if not pairs:
         return ValidationResult(True)
-    ort = _ort()
+    ort = ort_module()
     proto = g.model.proto
     size = weight_bytes(proto)
     if size > MAX_VALIDATION_BYTES:
@@ -320,14 +326,14 @@ def validate(
     for p in pairs:
         res.pairs[p] = PairResult(*p)
     rng = np.random.default_rng(seed)
-    index_ranges = _index_ranges(g)
+    ranges = index_ranges(g)
     configs = [(1, 6, 1.0), (4, 9, 1.0), (3, 5, 8.0), (2, 1, 1.0)]
     kinds_any = ["post", "pre", "gappy", "full"]
     kinds_post = ["post", "full"]
     for (b, t, scale) in configs:
         dims: dict = {}
         try:
-            feeds = _inputs_for(g, dims, b, t, scale, rng, index_ranges)
+            feeds = _inputs_for(g, dims, b, t, scale, rng, ranges)
         except _Skip as s:
             return ValidationResult(False, str(s))
         feeds = {k: v for k, v in feeds.items() if k in fed}
@@ -342,7 +348,7 @@ def validate(
             try:
                 outs = sess.run(None, feeds)
             except Exception as e:
-                return _failed(e)
+                return failed_run(e)
             vals = dict(zip(out_names, outs))
             for k, (mname, pname) in enumerate(pattern_inputs.items()):
                 shapes[mname] = tuple(int(v) for v in vals[f"__rnnfuse_mask_{k}/shape2"])
@@ -359,11 +365,11 @@ def validate(
             try:
                 outs = sess.run(None, feeds)
             except Exception as e:
-                return _failed(e)
+                return failed_run(e)
             res.runs += 1
             vals = dict(zip(out_names, outs))
             for p in pairs:
-                _compare(res.pairs[p], vals[p[0]], vals[p[1]], f"batch {b}, T={t}")
+                compare(res.pairs[p], vals[p[0]], vals[p[1]], f"batch {b}, T={t}")
     return res
 
 
@@ -380,12 +386,12 @@ def _session(ort, model: onnx.ModelProto):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _failed(e: Exception) -> ValidationResult:
+def failed_run(e: Exception) -> ValidationResult:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return ValidationResult(False, f"onnxruntime failed on generated inputs ({msg[:200]})")
 
 
-def _compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
+def compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
     if a.shape != c.shape:
         r.ok = False
         r.detail = r.detail or f"shape {c.shape} instead of {a.shape} ({where})"
@@ -410,119 +416,3 @@ def _compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
     if np.any(diff > tol):
         r.ok = False
         r.detail = r.detail or f"max abs error {err:.3g} ({where})"
-
-
-
-
-def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
-    """Compare each step in ``rec.cell_checks`` with a one-step native op on random inputs."""
-    from .emit import native_attrs
-
-    ort = _ort()
-    cell = rec.cell
-    res = ValidationResult(True)
-    rng = np.random.default_rng(seed)
-    n_weights = 4 * cell.hidden * (cell.input_size + cell.hidden) * 4
-    if 2 * n_weights > MAX_VALIDATION_BYTES:
-        return ValidationResult(False, f"the cell's weights ({n_weights / 2**30:.1f} GB) are too big to check twice in memory")
-    W, R, B = cell.weights()
-    for ci, chk in enumerate(rec.cell_checks):
-        produced = {o for n in chk.nodes for o in n.output}
-        nodes = []
-        inits = {}
-        for n in chk.nodes:
-            m = onnx.NodeProto()
-            m.CopyFrom(n)
-            nodes.append(m)
-            for i in n.input:
-                if i and i not in produced and i not in chk.inputs and i not in inits and i not in chk.fills:
-                    c = g.const(i)
-                    if c is None:
-                        return ValidationResult(False, f"the step reads '{i}', which is not constant")
-                    inits[i] = numpy_helper.from_array(np.asarray(c), i)
-        dt = TensorProto.FLOAT
-        inputs = []
-        role_name = {}
-        for name, role in chk.inputs.items():
-            width = cell.input_size if role == "x" else cell.hidden
-            if role == "x" and chk.x_projection is not None:
-                # the step reads the projected input: feed x0 and compute x0 @ K + b in the model
-                K, bias = chk.x_projection
-                raw = "__x0"
-                inputs.append(helper.make_tensor_value_info(raw, dt, ["B", width]))
-                extra_nodes = [helper.make_node("MatMul", [raw, "__K"], [name if bias is None else "__xk"])]
-                inits["__K"] = numpy_helper.from_array(np.asarray(K), "__K")
-                if bias is not None:
-                    inits["__kb"] = numpy_helper.from_array(np.asarray(bias), "__kb")
-                    extra_nodes.append(helper.make_node("Add", ["__xk", "__kb"], [name]))
-                nodes[:0] = extra_nodes
-                role_name[role] = raw
-                continue
-            inputs.append(helper.make_tensor_value_info(name, dt, ["B", width]))
-            role_name[role] = name
-        for name in chk.fills:
-            inputs.append(helper.make_tensor_value_info(name, dt, ["B", cell.hidden]))
-        extra = [
-            numpy_helper.from_array(W, "__W"),
-            numpy_helper.from_array(R, "__R"),
-            numpy_helper.from_array(B, "__B"),
-            numpy_helper.from_array(np.array([0], np.int64), "__ax0"),
-        ]
-        xin = "__X"
-        nodes.append(helper.make_node("Unsqueeze", [role_name["x"], "__ax0"], [xin]))
-        ins = [xin, "__W", "__R", "__B", ""]
-        for st in cell.kind.states:
-            if st in role_name:
-                nodes.append(helper.make_node("Unsqueeze", [role_name[st], "__ax0"], [f"__init_{st}"]))
-                ins.append(f"__init_{st}")
-            else:
-                ins.append("")
-        for name, arr in cell.kind.extra_arrays(cell).items():  # e.g. an LSTM's peepholes P
-            while len(ins) < cell.kind.inputs.index(name):
-                ins.append("")
-            extra.append(numpy_helper.from_array(arr[None], f"__{name}"))
-            ins.append(f"__{name}")
-        while ins[-1] == "":
-            ins.pop()
-        outs = ["__Y"] + [f"__Y{st}" for st in cell.kind.states]
-        nodes.append(helper.make_node(cell.op, ins, outs, **native_attrs(cell, "forward")))
-        pairs = []
-        outputs = []
-        for name, role in chk.outputs.items():
-            new = f"__new_{role}"
-            nodes.append(helper.make_node("Squeeze", [f"__Y{role}", "__ax0"], [new]))
-            pairs.append((name, new))
-            outputs += [helper.make_tensor_value_info(name, dt, None), helper.make_tensor_value_info(new, dt, None)]
-        graph = helper.make_graph(nodes, "rnnfuse_cell_check", inputs, outputs, list(inits.values()) + extra)
-        m = onnx.ModelProto()
-        m.CopyFrom(helper.make_model(graph, opset_imports=list(g.model.proto.opset_import)))
-        m.ir_version = g.model.proto.ir_version
-        try:
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = 1
-            so.log_severity_level = 4
-            sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        except Exception as e:
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return ValidationResult(False, f"onnxruntime cannot run the step ({msg[:200]})")
-        for p in pairs:
-            res.pairs.setdefault(p, PairResult(*p))
-        static_b = chk.batch
-        runs = ((static_b, 1.0), (static_b, 8.0)) if static_b else ((1, 1.0), (3, 1.0), (4, 8.0))
-        for batch, scale in runs:
-            feeds = {}
-            for name, role in chk.inputs.items():
-                width = cell.input_size if role == "x" else cell.hidden
-                name = role_name[role] if role == "x" else name
-                feeds[name] = (rng.standard_normal((batch, width)) * (scale if role == "x" else 1.0)).astype(np.float32)
-            for name, v in chk.fills.items():
-                feeds[name] = np.full((batch, cell.hidden), v, np.float32)
-            try:
-                vals = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
-            except Exception as e:
-                return _failed(e)
-            res.runs += 1
-            for p in pairs:
-                _compare(res.pairs[p], vals[p[0]], vals[p[1]], f"step check {ci}, batch {batch}")
-    return res
-

@@ -20,17 +20,7 @@ from helpers import check_case, op_counts
 sys.path.insert(0, str(Path(__file__).parent / "exporters"))
 from keras_cases import CASES  # noqa: E402  (plain data; does not import TensorFlow)
 
-# masked unrolled chains (a select per step, plus Keras' carried previous output) are not fused yet
-KNOWN_GAPS: dict = {}
-
-
-def _p(name):
-    if name in KNOWN_GAPS:
-        return pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_GAPS[name], strict=True))
-    return name
-
-
-NAMES = [_p(c.name) for c in CASES]
+NAMES = [c.name for c in CASES]
 
 
 def _case(directory: Path, name: str) -> dict:
@@ -57,7 +47,7 @@ def _run(case: dict) -> None:
         assert all(f.path == "exact" for f in report.fused if f.masked), report.to_text()
 
 
-MASKED = [_p(c.name) for c in CASES if c.masked]
+MASKED = [c.name for c in CASES if c.masked]
 
 
 @pytest.mark.parametrize("name", MASKED)

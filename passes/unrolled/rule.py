@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Model
-from rnnfuse.pipeline import Options, PassResult
+from rnnfuse.findings import Options, PassResult
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.signature import Signer
 

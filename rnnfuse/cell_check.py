@@ -1,0 +1,146 @@
+"""Cell-level validation: each recorded step of the original graph against a one-step native op.
+
+Used instead of whole-model validation when the model is too big to run cheaply (long unrolled chains): every
+other step was proven identical to the checked ones structurally or symbolically. A check model holds the
+step's nodes (constants copied in), the same inputs fed to a native op with the recognised cell's weights,
+and both results as outputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .emit import native_attrs
+from .graph import Graph
+from .validate import MAX_VALIDATION_BYTES, PairResult, ValidationResult, compare, failed_run, ort_module
+
+
+def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
+    """Compare each step in ``rec.cell_checks`` with a one-step native op on random inputs."""
+    ort = ort_module()
+    cell = rec.cell
+    res = ValidationResult(True)
+    rng = np.random.default_rng(seed)
+    n_weights = 4 * cell.hidden * (cell.input_size + cell.hidden) * 4
+    if 2 * n_weights > MAX_VALIDATION_BYTES:
+        return ValidationResult(False, f"the cell's weights ({n_weights / 2**30:.1f} GB) are too big to check twice in memory")
+    W, R, B = cell.weights()
+    for ci, chk in enumerate(rec.cell_checks):
+        built = _check_model(g, cell, chk, (W, R, B))
+        if isinstance(built, ValidationResult):
+            return built
+        m, role_name, pairs = built
+        try:
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = 1
+            so.log_severity_level = 4
+            sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return ValidationResult(False, f"onnxruntime cannot run the step ({msg[:200]})")
+        for p in pairs:
+            res.pairs.setdefault(p, PairResult(*p))
+        static_b = chk.batch
+        runs = ((static_b, 1.0), (static_b, 8.0)) if static_b else ((1, 1.0), (3, 1.0), (4, 8.0))
+        for batch, scale in runs:
+            feeds = {}
+            for name, role in chk.inputs.items():
+                width = cell.input_size if role == "x" else cell.hidden
+                name = role_name[role] if role == "x" else name
+                feeds[name] = (rng.standard_normal((batch, width)) * (scale if role == "x" else 1.0)).astype(np.float32)
+            for name, v in chk.fills.items():
+                feeds[name] = np.full((batch, cell.hidden), v, np.float32)
+            try:
+                vals = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+            except Exception as e:
+                return failed_run(e)
+            res.runs += 1
+            for p in pairs:
+                compare(res.pairs[p], vals[p[0]], vals[p[1]], f"step check {ci}, batch {batch}")
+    return res
+
+
+def _check_model(g: Graph, cell, chk, weights):
+    """``(model, role -> fed tensor, [(original, native) output pairs])`` for one step, or a ValidationResult
+    saying why it cannot be built."""
+    produced = {o for n in chk.nodes for o in n.output}
+    nodes = []
+    inits = {}
+    for n in chk.nodes:
+        m = onnx.NodeProto()
+        m.CopyFrom(n)
+        nodes.append(m)
+        for i in n.input:
+            if i and i not in produced and i not in chk.inputs and i not in inits and i not in chk.fills:
+                c = g.const(i)
+                if c is None:
+                    return ValidationResult(False, f"the step reads '{i}', which is not constant")
+                inits[i] = numpy_helper.from_array(np.asarray(c), i)
+    inputs, role_name = _step_inputs(cell, chk, nodes, inits)
+    W, R, B = weights
+    extra = [
+        numpy_helper.from_array(W, "__W"),
+        numpy_helper.from_array(R, "__R"),
+        numpy_helper.from_array(B, "__B"),
+        numpy_helper.from_array(np.array([0], np.int64), "__ax0"),
+    ]
+    xin = "__X"
+    nodes.append(helper.make_node("Unsqueeze", [role_name["x"], "__ax0"], [xin]))
+    ins = [xin, "__W", "__R", "__B", ""]
+    for st in cell.kind.states:
+        if st in role_name:
+            nodes.append(helper.make_node("Unsqueeze", [role_name[st], "__ax0"], [f"__init_{st}"]))
+            ins.append(f"__init_{st}")
+        else:
+            ins.append("")
+    for name, arr in cell.kind.extra_arrays(cell).items():  # e.g. an LSTM's peepholes P
+        while len(ins) < cell.kind.inputs.index(name):
+            ins.append("")
+        extra.append(numpy_helper.from_array(arr[None], f"__{name}"))
+        ins.append(f"__{name}")
+    while ins[-1] == "":
+        ins.pop()
+    outs = ["__Y"] + [f"__Y{st}" for st in cell.kind.states]
+    nodes.append(helper.make_node(cell.op, ins, outs, **native_attrs(cell, "forward")))
+    pairs = []
+    outputs = []
+    dt = TensorProto.FLOAT
+    for name, role in chk.outputs.items():
+        new = f"__new_{role}"
+        nodes.append(helper.make_node("Squeeze", [f"__Y{role}", "__ax0"], [new]))
+        pairs.append((name, new))
+        outputs += [helper.make_tensor_value_info(name, dt, None), helper.make_tensor_value_info(new, dt, None)]
+    graph = helper.make_graph(nodes, "rnnfuse_cell_check", inputs, outputs, list(inits.values()) + extra)
+    m = onnx.ModelProto()
+    m.CopyFrom(helper.make_model(graph, opset_imports=list(g.model.proto.opset_import)))
+    m.ir_version = g.model.proto.ir_version
+    return m, role_name, pairs
+
+
+def _step_inputs(cell, chk, nodes: list, inits: dict) -> tuple[list, dict]:
+    """The check model's inputs (the step's x, h, c and runtime-shaped fills) and which tensor is fed per role.
+    A step that reads the projected input ``x0 @ K + b`` is fed x0, the projection computed in the model."""
+    dt = TensorProto.FLOAT
+    inputs = []
+    role_name = {}
+    for name, role in chk.inputs.items():
+        width = cell.input_size if role == "x" else cell.hidden
+        if role == "x" and chk.x_projection is not None:
+            K, bias = chk.x_projection
+            raw = "__x0"
+            inputs.append(helper.make_tensor_value_info(raw, dt, ["B", width]))
+            extra_nodes = [helper.make_node("MatMul", [raw, "__K"], [name if bias is None else "__xk"])]
+            inits["__K"] = numpy_helper.from_array(np.asarray(K), "__K")
+            if bias is not None:
+                inits["__kb"] = numpy_helper.from_array(np.asarray(bias), "__kb")
+                extra_nodes.append(helper.make_node("Add", ["__xk", "__kb"], [name]))
+            nodes[:0] = extra_nodes
+            role_name[role] = raw
+            continue
+        inputs.append(helper.make_tensor_value_info(name, dt, ["B", width]))
+        role_name[role] = name
+    for name in chk.fills:
+        inputs.append(helper.make_tensor_value_info(name, dt, ["B", cell.hidden]))
+    return inputs, role_name

@@ -17,8 +17,7 @@ from rnnfuse.emit import SPILL_BYTES, Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Finding, Options, PassResult
-from rnnfuse.rewrite import commit, judge
-from rnnfuse.validate import validate
+from rnnfuse.rewrite import Rewrite, apply_rewrites
 
 _SKIP = {"direction", "activations", "activation_alpha", "activation_beta"}
 
@@ -157,35 +156,23 @@ class MergeBidirectional:
                 continue
             key = (n.input[0], _inp(n, 4), _attrs_key(n))
             groups.setdefault(key, {"forward": [], "reverse": []})[d].append(n)
-        cands = []
+        known = model.facts.seq_lens_mask
+        rewrites = []
         for key, dirs in groups.items():
             for fw, bw in zip(dirs["forward"], dirs["reverse"]):
                 where = f"{fw.name or fw.output[0]} + {bw.name or bw.output[0]}"
                 try:
                     native, repl = merge_pair(g, fw, bw)
-                    cands.append((fw, bw, repl, where))
                 except Decline as e:
                     res.findings.append(Finding(self.name, f"{fw.op_type} pair", where, "declined", reason=e.reason))
-        if not cands:
-            return res
-        vr = None
-        if ctx.validate:
-            pairs = [p for c in cands for p in c[2].items()]
-            known = model.facts.seq_lens_mask
-            masks = {known[_inp(c[0], 4)]: ("any", 0) for c in cands if _inp(c[0], 4) in known}
-            vr = validate(g, pairs, masks, seed=ctx.seed)
-        for fw, bw, repl, where in cands:
-            f = Finding(self.name, f"{fw.op_type} pair", where, "merged", cell=f"{fw.op_type}(hidden={attr(fw, 'hidden_size')})",
-                        direction="bidirectional", hidden=attr(fw, "hidden_size"))
-            if not portability.check(f, attr(fw, "activations"), ctx, replaces_native=True):
-                res.findings.append(f)
-                continue
-            if not judge(f, vr, list(repl.items()), "the merged op differs"):
-                res.findings.append(f)
-                continue
-            commit(g, repl, (fw, bw))
-            res.findings.append(f)
-            res.modified = True
+                    continue
+                f = Finding(self.name, f"{fw.op_type} pair", where, "merged", cell=f"{fw.op_type}(hidden={attr(fw, 'hidden_size')})",
+                            direction="bidirectional", hidden=attr(fw, "hidden_size"))
+                masks = {known[_inp(fw, 4)]: ("any", 0)} if _inp(fw, 4) in known else {}
+                acts = attr(fw, "activations")
+                rewrites.append(Rewrite(f, repl, (fw, bw), masks, "the merged op differs",
+                                        gate=lambda f, acts=acts: portability.check(f, acts, ctx, replaces_native=True)))
+        apply_rewrites(g, ctx, rewrites, res, prune=False)
         return res
 
 
@@ -204,7 +191,7 @@ class ReverseInputs:
 
         g = model.graph
         res = PassResult(self.name)
-        cands = []
+        rewrites = []
         for n in g.live_nodes():
             if native_kind(n) is None:
                 continue
@@ -230,22 +217,10 @@ class ReverseInputs:
             for k, o in enumerate(n.output):
                 if o and g.n_uses(o):
                     repl[o] = b.flip0(outs[k]) if k == 0 else b.op("Identity", outs[k])
-            cands.append((n, repl, attrs["direction"]))
-        if not cands:
-            return res
-        vr = validate(g, [p for c in cands for p in c[1].items()], {}, seed=ctx.seed) if ctx.validate else None
-        for n, repl, direction in cands:
             f = Finding(self.name, n.op_type, n.name or n.output[0], "fused", cell=f"{n.op_type}(hidden={attr(n, 'hidden_size')})",
-                        direction=direction, reason="input read backwards -> native direction")
-            if not portability.check(f, attr(n, "activations"), ctx, replaces_native=True):
-                res.findings.append(f)
-                continue
-            if not judge(f, vr, list(repl.items()), "the reversed op differs"):
-                res.findings.append(f)
-                continue
-            commit(g, repl, (n,))
-            res.findings.append(f)
-            res.modified = True
-        if res.modified:
-            g.prune()
+                        direction=attrs["direction"], reason="input read backwards -> native direction")
+            acts = attr(n, "activations")
+            rewrites.append(Rewrite(f, repl, (n,), {}, "the reversed op differs",
+                                    gate=lambda f, acts=acts: portability.check(f, acts, ctx, replaces_native=True)))
+        apply_rewrites(g, ctx, rewrites, res)
         return res

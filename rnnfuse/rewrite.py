@@ -1,15 +1,17 @@
-"""Apply found recurrences: emit candidates, validate them together, commit the ones that match.
+"""Apply found rewrites: candidates built beside the original, validated together, committed if they match.
 
-Every fusion pass ends here, so emission, validation and reporting are the same whatever found the
-recurrence. Candidates are added next to the original nodes; one validation model compares every
-old/new pair; a candidate that fails is simply never connected (dead-code removal drops it).
+Every rewriting pass ends in :func:`apply_rewrites` (recurrences through :func:`apply_recurrences`, which
+emits them first), so validation, judging and committing are the same whatever found the rewrite.
+Candidates are added next to the original nodes; one validation model compares every old/new pair; a
+candidate that fails is simply never connected (dead-code removal drops it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
-from .emit import EmitCache, Emission, emit
+from .emit import EmitCache, emit
 from . import portability
 from .errors import Decline
 from .graph import Graph
@@ -24,11 +26,17 @@ WHOLE_MODEL_LIMIT = 4000
 
 
 @dataclass
-class Candidate:
-    rec: Recurrence
-    emission: Emission
+class Rewrite:
+    """A rewrite built beside the original graph and not yet connected."""
+
     finding: Finding
-    aliases: dict  # extra old -> existing tensor replacements (pass-through values)
+    replacements: dict  # original tensor -> new tensor: what validation compares and commit connects
+    remove: tuple = ()  # original nodes that die with the rewrite
+    masks: dict = field(default_factory=dict)  # mask tensor -> (pattern kind, time axis) for validation
+    fail_reason: str = "the rewrite does not reproduce the original"
+    aliases: dict = field(default_factory=dict)  # further old -> existing tensor replacements (pass-through values)
+    cell_rec: Recurrence | None = None  # a recurrence with step checks: validated per step in a big model
+    gate: Callable[[Finding], bool] | None = None  # a last word before judging (False: leave it uncommitted)
 
 
 def finding_for(pass_name: str, rec: Recurrence) -> Finding:
@@ -80,9 +88,9 @@ def commit(g: Graph, replacements: dict, remove) -> None:
 def apply_recurrences(
     g: Graph, ctx: Options, pass_name: str, recs: list[tuple[Recurrence, dict]], result: PassResult
 ) -> None:
-    """Emit, validate and commit ``recs`` (each with its pass-through aliases); fill ``result``."""
+    """Emit ``recs`` (each with its pass-through aliases), then validate and commit them; fill ``result``."""
     cache = EmitCache()
-    cands: list[Candidate] = []
+    rewrites: list[Rewrite] = []
     for rec, aliases in recs:
         f = finding_for(pass_name, rec)
         if rec.where in ctx.keep:
@@ -101,37 +109,45 @@ def apply_recurrences(
         f.path = em.path
         portability.check_masked_direction(f, em.direction, em.mask is not None, ctx)
         f.notes.extend(rec.notes)
-        cands.append(Candidate(rec, em, f, aliases))
-    if not cands:
+        masks = {em.mask: ("post" if em.path == "post-padded" else "any", em.mask_time_axis)} if em.mask else {}
+        rewrites.append(Rewrite(f, em.replacements, tuple(rec.remove), masks, "the native op does not reproduce the original",
+                                aliases, rec if rec.cell_checks else None))
+    apply_rewrites(g, ctx, rewrites, result)
+
+
+def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: PassResult, prune: bool = True) -> None:
+    """The one applier: validate the candidates together (per step for big models' recurrences that carry
+    step checks), judge each, commit the ones that hold; their findings go to ``result`` in order."""
+    if not rewrites:
         return
     big = len(g.nodes) > WHOLE_MODEL_LIMIT
-    by_cell = [c for c in cands if big and c.rec.cell_checks]
-    cands_whole = [c for c in cands if not (big and c.rec.cell_checks)]
+    by_cell = [r for r in rewrites if big and r.cell_rec is not None]
+    whole = [r for r in rewrites if not (big and r.cell_rec is not None)]
+    results: dict[int, object] = {}
     if ctx.validate:
-        for c in by_cell:
-            vr = validate_cells(g, c.rec, seed=ctx.seed)
-            judge(c.finding, vr, list(vr.pairs), "the native cell does not reproduce the step",
-                  f"per step, {len(c.rec.cell_checks)} step kinds")
-    if ctx.validate and cands_whole:
-        pairs = [(old, new) for c in cands_whole for old, new in c.emission.replacements.items()]
-        masks = {
-            c.emission.mask: ("post" if c.emission.path == "post-padded" else "any", c.emission.mask_time_axis)
-            for c in cands_whole
-            if c.emission.mask
-        }
-        vr = validate(g, pairs, masks, seed=ctx.seed)
-        for c in cands_whole:
-            judge(c.finding, vr, list(c.emission.replacements.items()), "the native op does not reproduce the original")
-    if not ctx.validate:
-        for c in cands:
-            c.finding.validation = "skipped (--no-validate)"
-    for c in cands:
-        result.findings.append(c.finding)
-        if c.finding.status == "declined":
+        for r in by_cell:
+            vr = validate_cells(g, r.cell_rec, seed=ctx.seed)
+            judge(r.finding, vr, list(vr.pairs), "the native cell does not reproduce the step",
+                  f"per step, {len(r.cell_rec.cell_checks)} step kinds")
+        if whole:
+            pairs = [p for r in whole for p in r.replacements.items()]
+            masks = {m: how for r in whole for m, how in r.masks.items()}
+            vr = validate(g, pairs, masks, seed=ctx.seed)
+            for r in whole:
+                results[id(r)] = vr
+    for r in rewrites:
+        f = r.finding
+        result.findings.append(f)
+        if r.gate is not None and not r.gate(f):
             continue
-        commit(g, {**c.emission.replacements, **c.aliases}, c.rec.remove)
+        if id(r) in results or not ctx.validate:
+            if not judge(f, results.get(id(r)), list(r.replacements.items()), r.fail_reason):
+                continue
+        elif f.status == "declined":
+            continue
+        commit(g, {**r.replacements, **r.aliases}, r.remove)
         result.modified = True
-    if result.modified:
+    if result.modified and prune:
         g.prune()
 
 

@@ -44,7 +44,7 @@ class Dedupe:
     def run(self, model: Model, ctx: Options) -> PassResult:
         g = model.graph
         res = PassResult(self.name)
-        mark = model.annotations.get("dedupe")
+        mark = model.facts.dedupe_mark
         incremental = mark is not None and mark[0] is g.edited
         self.visited = self.full_keys = 0
         if incremental and mark[1] == len(g.edited):
@@ -74,7 +74,7 @@ class Dedupe:
                     g.replace_uses(a, b)
             g.remove_node(n)
             n_merged += 1
-        model.annotations["dedupe"] = (g.edited, len(g.edited))
+        model.facts.dedupe_mark = (g.edited, len(g.edited))
         self.full_keys = table.full_keys
         if n_merged:
             res.modified = True

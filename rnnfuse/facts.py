@@ -21,3 +21,5 @@ class ModelFacts:
     compactions: dict = field(default_factory=dict)  # compacted input -> (input, [T, B] mask, original mask)
     uncompactions: dict = field(default_factory=dict)  # scattered-back output -> (compacted Y, [T, B] mask)
     spill_dir: str | None = None  # where large new initializers are written as external data
+    # passes/cleanup.Dedupe: (the graph's edit list, how much of it was already deduplicated)
+    dedupe_mark: tuple | None = None

@@ -39,11 +39,11 @@ def elementwise_chain(n: int, width: int = 4) -> onnx.ModelProto:
 
 
 class _Counted:
-    """Counts Graph._live_set and Graph._toposort calls and the nodes they are given/walk."""
+    """Counts Graph._live_set and Graph.toposort calls and the nodes they are given/walk."""
 
     def __init__(self, monkeypatch):
         self.live = self.sorts = self.sorted_nodes = 0
-        live, sort = Graph._live_set, Graph._toposort
+        live, sort = Graph._live_set, Graph.toposort
 
         def counted_live(g):
             self.live += 1
@@ -55,7 +55,7 @@ class _Counted:
             return sort(g, nodes)
 
         monkeypatch.setattr(Graph, "_live_set", counted_live)
-        monkeypatch.setattr(Graph, "_toposort", counted_sort)
+        monkeypatch.setattr(Graph, "toposort", counted_sort)
 
 
 def _run(model: onnx.ModelProto):

@@ -313,8 +313,18 @@ def _resolve(op: str, kw: dict) -> dict:
     return kw
 
 
+def _softplus_may_overflow(o: B.Opts) -> bool:
+    """A Softplus the native op would apply to values above ~88, where onnxruntime's native Softplus is inf:
+    an LSTM output activation (its argument, the cell state, is never clipped), any other without a clip
+    of at most 80 (rnnfuse.cells.match.SOFTPLUS_SAFE)."""
+    return any(a[0] == "Softplus" and ((o.op == "LSTM" and k == 2) or o.clip is None or o.clip > 80.0)
+               for k, a in enumerate(o.activations()))
+
+
 # valid cells rnnfuse does not fuse today: (predicate, reason); matching cases are xfail(strict, raises=Gap)
 GAPS = [
+    (_softplus_may_overflow,
+     "a Softplus that may see values above ~88 is declined (onnxruntime's native Softplus overflows to inf there)"),
     (lambda o: o.H == 1 and o.op == "GRU" and o.bias != "none",
      "GRU with hidden size 1: the 1-element recurrent candidate bias multiplies r as a scalar (r*lin + b*r), not matched"),
     (lambda o: o.clip is not None and o.act_form != "op" and any(a[0] == "HardSigmoid" for a in o.activations()),
@@ -323,9 +333,11 @@ GAPS = [
      "an LSTM output activation h = hard_sigmoid written algebraically (Clip(a*c+b, 0, 1)) is declined"),
     (lambda o: o.op == "GRU" and o.act_form != "op" and o.activations()[1][0] == "HardSigmoid",
      "a GRU candidate activation g = hard_sigmoid written algebraically is declined (its argument is not one affine map)"),
-    (lambda o: o.op == "RNN" and o.activations()[0][0] == "Affine", "a linear RNN (no activation) is declined"),
     (lambda o: o.front == "loop" and o.direction == "reverse" and o.reverse_form == "index" and o.masked(),
      "a masked Loop reading Gather(X, T-1-i) and Gather(mask, T-1-i) is declined ('mask' is computed at runtime outside the step)"),
+    (lambda o: o.op == "RNN" and o.activations()[0][0] == "Affine" and o.front == "chain" and not o.masked(),
+     "an unmasked linear RNN chain is declined (the chain front walks from the next step's matmul back through "
+     "the bias add, so the state it finds is the sum before the bias)"),
     (lambda o: o.mask == "pad", "a padding mask (True = padded, Where(pad, old, new)) is declined"),
     (lambda o: o.act_form == "exp" and any(a[0] == "Sigmoid" for a in o.activations()), "sigmoid written as 1/(1+exp(-x)) is declined"),
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),

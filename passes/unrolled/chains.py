@@ -128,12 +128,16 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
     """Thread the steps of a family into chains (forward and backward)."""
     xs = {x: t for t, x in fam.items()}
     all_masks = {m: t for t, ms in (mask_fam or {}).items() for m in ms}
+    # values computed from one step's mask alone (its Unsqueeze, Not, Cast): never a carried state, even when
+    # another chain's step combines them with this step's values (a backward chain's first, x-only step)
+    mask_only = {t: closure(g, ms, 64)[0] for t, ms in (mask_fam or {}).items()}
+    any_mask_only = set().union(*mask_only.values()) if mask_only else set()
     stop = {**xs, **all_masks}
     found: dict[tuple[str, int], _Found] = {}
     for t, x in fam.items():
         # the step's mask-only values (a tiled, negated or cast mask), then the x-local region: nodes
         # computed from x_t (with constants and mask-only values) only
-        mask_local = closure(g, (mask_fam or {}).get(t, ()), 64)[0]
+        mask_local = mask_only.get(t, set())
         local = {x}
         frontier = [x]
         combining: list[NodeProto] = []
@@ -162,7 +166,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
                 pulled: set = set()
                 ops: list = [c.op_type]
                 r = _root(g, i, iv, pulled, stop, ops=ops)
-                if r is None or r in stop or shape_derived(g, r):
+                if r is None or r in stop or r in any_mask_only or shape_derived(g, r):
                     continue
                 weighted = bool({"MatMul", "Gemm", "Concat"} & set(ops))  # read through the recurrent weights
                 riv = iv.get(r)

@@ -15,23 +15,30 @@ class RnnKind(CellKind):
     states = ("h",)
 
     def looks_like(self, new_h: Poly) -> bool:
-        return new_h.single_atom() is not None
+        return new_h.single_atom() is not None or new_h.as_lin_offset() is not None
 
     def match(self, new, x, states, h, c):
         p = new[h]
         hs = states[h]
         sa = p.single_atom()
-        if not sa or sa[1] != 1.0:
-            raise Decline(f"the new state is not one activation ({p!r})")
-        atom = sa[0]
-        if isinstance(atom, LinAtom):  # a linear (activation=None) RNN
-            act, lin, clip = ("Affine", (1.0, 0.0)), atom.lin, None
+        linear = p.as_lin_offset()
+        if sa and sa[1] == 1.0 and not isinstance(sa[0], LinAtom):
+            act, lin, clip = gate_parts(Poly.atom(sa[0]), "the RNN gate")
+        elif linear is not None:
+            # a linear RNN, a * (x @ W + h @ R + b) + c (activation None, or scaled and shifted): ONNX's
+            # Affine(alpha=a, beta=c) applied to the gate, exactly
+            lin, a, b = linear
+            act, clip = ("Affine", (a, b)), None
         else:
-            act, lin, clip = gate_parts(Poly.atom(atom), "the RNN gate")
+            raise Decline(f"the new state is not one activation ({p!r})")
         check_sources(lin, {x.key, hs.key}, "the RNN gate")
         return make_spec(self, x, hs, {"i": lin}, (act,), clip)
 
     def step_polys(self, spec, x, h, c):
+        (name, params), = spec.acts
+        if name == "Affine" and spec.clip is None:
+            # a * lin + b is a polynomial (the symbolic evaluator never builds an Affine atom)
+            return {"h": Poly.atom(LinAtom(spec.gates["i"])).scale(params[0]).add(Poly.const(params[1]))}
         return {"h": gate(spec.gates["i"], spec.acts[0], spec.clip)}
 
 

@@ -287,6 +287,10 @@ CHAIN_FAMILIES = {
     "chain_bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),
     "chain_stacked_masked": dict(layers="stack", mask="where"),
     "chain_long_masked": dict(mask="where", static_T=100, H=3),  # longer than the validation's generated T
+    # three steps whose last h is dead (only the padded Y, or only the final c, is read): the cell state the
+    # reference step passes on is what the last step reads besides h
+    "chain_three_steps_masked_seq": dict(static_T=3, mask="where", fill="zero", outputs=("seq",)),
+    "chain_three_steps_final_state": dict(static_T=3, outputs="last_state"),
 }
 
 _ACT_SETS = {
@@ -310,6 +314,8 @@ def _resolve(op: str, kw: dict) -> dict:
         kw["acts"] = _ACT_SETS[kw["acts"]][op]
     if isinstance(kw.get("perm"), str):
         kw["perm"] = _PERMS[kw["perm"]][op]
+    if kw.get("outputs") == "last_state":  # the state only the last step's update computes: c, or h
+        kw["outputs"] = ("c",) if op == "LSTM" else ("h",)
     return kw
 
 
@@ -343,7 +349,21 @@ GAPS = [
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
     (lambda o: o.front == "chain" and (o.init in ("fill", "learned") or (B.has_prev(o) and o.prev_init == "fill")),
      "an unrolled chain whose first step reads a non-zero constant initial state (folded into the step) is declined"),
+    (lambda o: _softplus_may_overflow(o),
+     "Softplus on an argument that may exceed ~88 is declined: onnxruntime's native Softplus overflows to inf there"),
 ]
+
+
+def _softplus_may_overflow(o: B.Opts) -> bool:
+    """The rule rnnfuse.cells.match applies: a native Softplus is exact only on an argument clipped to
+    SOFTPLUS_SAFE; the LSTM output activation reads the cell state, which the clip attribute never bounds."""
+    from rnnfuse.cells.match import SOFTPLUS_SAFE
+    for index, (name, _) in enumerate(o.activations()):
+        if name != "Softplus":
+            continue
+        if (o.op == "LSTM" and index == 2) or o.clip is None or o.clip > SOFTPLUS_SAFE:
+            return True
+    return False
 # (predicate, reason) for forward/reverse pairs fused into two ops instead of one bidirectional op
 MERGE_GAPS: list = []
 

@@ -79,6 +79,19 @@ class _ChainRoles:
     def step_output(self, k: int, op_type: str, ref: int) -> str | None:
         return step_output(self.g, self.chain, k, self.iv, self.signer, self.leaves[k], self.allowed[k], op_type, ref)
 
+    def older_reads(self, k: int) -> set[str]:
+        """Values of step k-1 that step k's own nodes read, other than its hidden state."""
+        end = 1 if self.chain.direction == "forward" else 0  # the interval end that names a value's step
+        t, t_prev, iv = self.ts[k], self.ts[k - 1], self.iv
+        out = set()
+        for name, span in iv.items():
+            p = self.g.producer.get(name) if span[end] == t else None
+            if p is None or not self.allowed[k](p):
+                continue
+            out.update(i for i in p.input if i and i != self.h_in[k] and iv.get(i) is not None and iv[i][end] == t_prev)
+        # (h @ R and other values of h alone belong to step k although they end at step k-1)
+        return {i for i in out if i not in self.g.producer or not self.allowed[k](self.g.producer[i])}
+
     # ---- the steps
     def check_layout(self) -> None:
         rank = self.g.model.rank(self.src)
@@ -147,6 +160,12 @@ class _ChainRoles:
             self.sig_h[last] = self.sign(self.h_new[last], last)
             if self.lstm and km == last - 1:
                 self.c_new[km] = self.foreign[last].name
+        if self.lstm and km == last - 1 and self.c_new[km] is None:
+            # the last step's h is dead (only Y_c read, or a masked Y whose carried h nothing reads): what it
+            # reads of the step before, besides h, is the cell state
+            older = self.older_reads(last)
+            if len(older) == 1:
+                self.c_new[km] = older.pop()
         self.mid = StepEval(g, self.chain, km, self.iv, self.h_in[km], self.x_atom, self.x_value)
         self.ref = {"h": self.mid.poly(self.h_new[km])}
         self.ref_sig = {"h": self.sig_h[km]}

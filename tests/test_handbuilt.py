@@ -349,21 +349,9 @@ GAPS = [
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
     (lambda o: o.front == "chain" and (o.init in ("fill", "learned") or (B.has_prev(o) and o.prev_init == "fill")),
      "an unrolled chain whose first step reads a non-zero constant initial state (folded into the step) is declined"),
-    (lambda o: _softplus_may_overflow(o),
-     "Softplus on an argument that may exceed ~88 is declined: onnxruntime's native Softplus overflows to inf there"),
 ]
 
 
-def _softplus_may_overflow(o: B.Opts) -> bool:
-    """The rule rnnfuse.cells.match applies: a native Softplus is exact only on an argument clipped to
-    SOFTPLUS_SAFE; the LSTM output activation reads the cell state, which the clip attribute never bounds."""
-    from rnnfuse.cells.match import SOFTPLUS_SAFE
-    for index, (name, _) in enumerate(o.activations()):
-        if name != "Softplus":
-            continue
-        if (o.op == "LSTM" and index == 2) or o.clip is None or o.clip > SOFTPLUS_SAFE:
-            return True
-    return False
 # (predicate, reason) for forward/reverse pairs fused into two ops instead of one bidirectional op
 MERGE_GAPS: list = []
 

@@ -12,11 +12,54 @@ from .graph import Graph
 _KEEPS_LEAD = ("Add", "Sub", "Mul", "Div", "Sigmoid", "Tanh", "Relu", "MatMul", "Gemm", "Where", "Identity", "Cast")
 
 
+def runtime_values(g: Graph) -> frozenset | set:
+    """The tensors of the main graph computed from a graph input's values (through any ops but Shape and
+    Size, explicit inputs only): never constant, never shape-derived. One walk over the graph, kept in the
+    model's facts; a tensor added later is simply not in the set (callers then ask :meth:`Graph.const`).
+
+    This is what lets the chain front end ask "does this input carry runtime values?" for every node of a
+    100k-node graph with one set lookup instead of a fold attempt and a shape walk per tensor."""
+    if g.parent is not None:
+        return _NONE
+    facts = g.model.facts
+    if facts.runtime is not None:
+        return facts.runtime
+    out: set[str] = set(g.input_names)  # (an initializer listed as an input can be overridden: not constant)
+    frontier = list(out)
+    uses = g.consumers.get
+    seen: set[int] = set()
+    while frontier:
+        v = frontier.pop()
+        for c in uses(v, ()):
+            k = id(c)
+            if k in seen:
+                continue
+            op = c.op_type
+            if op in ("Shape", "Size"):
+                seen.add(k)
+                continue
+            if (op in _SUBGRAPH_OPS or c.domain not in ("", "ai.onnx")) and v not in c.input:
+                continue  # read inside a subgraph only: fold and shape_derived look at explicit inputs
+            seen.add(k)
+            for o in c.output:
+                if o:
+                    out.add(o)
+                    frontier.append(o)
+    facts.runtime = out
+    return out
+
+
+_NONE: frozenset = frozenset()
+_SUBGRAPH_OPS = ("Loop", "Scan", "If", "SequenceMap")
+
+
 def shape_derived(g: Graph, name: str) -> bool:
     """Whether a tensor depends on other tensors' shapes only (never on their values)."""
     memo = g.model.facts.shape_derived
     if name in memo:
         return memo[name]
+    if name in runtime_values(g):
+        return False
     stack = [name]
     while stack:
         cur = stack[-1]
@@ -59,7 +102,8 @@ def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
                 if inner is not None:
                     out = inner + (1 if p.op_type == "Unsqueeze" else -1)
             elif p.op_type in _KEEPS_LEAD:
-                leads = [lead_of(g, i, depth + 1) for i in p.input if i and g.const(i) is None]
+                runtime = runtime_values(g)
+                leads = [lead_of(g, i, depth + 1) for i in p.input if i and (i in runtime or g.const(i) is None)]
                 leads = [x for x in leads if x is not None]
                 out = max(leads) if leads else None
     memo[name] = out
@@ -89,4 +133,5 @@ def closure(g: Graph, seeds, limit: int = 256) -> tuple[set[str], set[int]]:
 
 def dynamic_inputs(g: Graph, node) -> list[str]:
     """The inputs of ``node`` that carry runtime values (not constants, not computed from shapes alone)."""
-    return [i for i in node.input if i and g.const(i) is None and not shape_derived(g, i)]
+    runtime = runtime_values(g)
+    return [i for i in node.input if i and (i in runtime or (g.const(i) is None and not shape_derived(g, i)))]

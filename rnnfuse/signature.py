@@ -11,6 +11,7 @@ from typing import Callable
 
 from onnx import NodeProto
 
+from .dataflow import runtime_values
 from .graph import Graph
 from .symbolic import content_key
 
@@ -28,8 +29,7 @@ class Signer:
     def __init__(self, g: Graph):
         self.g = g
         self.table: dict = {}
-        self.attr_keys: dict[int, tuple] = {}
-        self.nodes: dict[int, tuple] = {}  # id -> (inputs, outputs, op_type, domain): each node read once
+        self.nodes: dict[int, tuple] = {}  # id -> (inputs, outputs, op_type, domain, attributes): each node read once
         self.const_ids: dict[str, int | None] = {}  # tensor -> id of its constant value (None: not constant)
 
     def _intern(self, key) -> int:
@@ -38,11 +38,16 @@ class Signer:
             v = self.table[key] = len(self.table)
         return v
 
-    def sign(self, name: str, leaves: dict[str, str], allowed, foreign: Callable[[str], str], visited: set, fills: dict | None = None) -> int:
+    def sign(self, name: str, leaves: dict[str, str], allowed, foreign: Callable[[str], str], visited: set,
+             fills: dict | None = None, memo: dict | None = None) -> int:
+        """``memo``: the signatures of a region signed before with the same ``leaves``, ``allowed`` and
+        ``foreign`` (a step's h and then its c: the second walk stops where the first one went)."""
         g = self.g
-        memo: dict[str, int] = {}
+        if memo is None:
+            memo = {}
         expanded: dict[str, NodeProto] = {}  # tensors whose inputs are being signed: their producer
         infos = self.nodes
+        runtime = runtime_values(g)
         stack = [name]
         while stack:
             cur = stack[-1]
@@ -56,7 +61,9 @@ class Signer:
                     stack.pop()
                     continue
                 cid = self.const_ids.get(cur, -1)
-                if cid == -1:
+                if cid == -1 and cur in runtime:
+                    cid = None  # computed from an input's values: not a constant (no fold attempt)
+                elif cid == -1:
                     c = g.const(cur)
                     cid = self.const_ids[cur] = None if c is None else self._intern(("const", content_key(g, cur, c)))
                 if cid is not None:
@@ -68,7 +75,7 @@ class Signer:
                 if p is not None:
                     info = infos.get(id(p))
                     if info is None:
-                        info = infos[id(p)] = (tuple(p.input), tuple(p.output), p.op_type, p.domain)
+                        info = infos[id(p)] = _node_info(p)
                 if info is not None and info[2] in ("ConstantOfShape", "Expand"):
                     fv = g.fill_value(cur)
                     if fv is not None:
@@ -100,9 +107,23 @@ class Signer:
                 info = infos[id(p)]
             stack.pop()
             visited.add(id(p))
-            ak = self.attr_keys.get(id(p))
-            if ak is None:
-                ak = self.attr_keys[id(p)] = tuple(a.SerializeToString() for a in sorted(p.attribute, key=lambda a: a.name))
-            key = (info[2], info[3], ak, info[1].index(cur), tuple(memo[i] if i else -1 for i in info[0]))
+            key = (info[2], info[3], info[4], info[1].index(cur), tuple([memo[i] if i else -1 for i in info[0]]))
             memo[cur] = self._intern(key)
         return memo[name]
+
+
+def _node_info(p: NodeProto) -> tuple:
+    """What a signature reads of a node, read from the proto once: (inputs, outputs, op_type, domain,
+    attributes as bytes in name order)."""
+    atts = p.attribute
+    if not atts:
+        ak: tuple = ()
+    elif len(atts) == 1:
+        ak = (atts[0].SerializeToString(),)
+    else:
+        ak = tuple(a.SerializeToString() for a in sorted(atts, key=_attr_name))
+    return (tuple(p.input), tuple(p.output), p.op_type, p.domain, ak)
+
+
+def _attr_name(a) -> str:
+    return a.name

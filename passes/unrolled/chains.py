@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import NodeProto
 
-from rnnfuse.dataflow import closure, dynamic_inputs, lead_of, shape_derived
+from rnnfuse.dataflow import closure, dynamic_inputs, lead_of, runtime_values, shape_derived
 from rnnfuse.graph import Graph, attr
 
 
@@ -133,6 +133,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
     mask_only = {t: closure(g, ms, 64)[0] for t, ms in (mask_fam or {}).items()}
     any_mask_only = set().union(*mask_only.values()) if mask_only else set()
     stop = {**xs, **all_masks}
+    runtime = runtime_values(g)
     found: dict[tuple[str, int], _Found] = {}
     for t, x in fam.items():
         # the step's mask-only values (a tiled, negated or cast mask), then the x-local region: nodes
@@ -161,7 +162,9 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
         mask_t = mask_fam.get(t, {}) if mask_fam else {}
         for c in combining:
             for i in c.input:
-                if not i or i in local or i in mask_local or g.const(i) is not None or i in xs or i in mask_t or shape_derived(g, i):
+                if not i or i in local or i in mask_local or i in xs or i in mask_t:
+                    continue
+                if i not in runtime and (g.const(i) is not None or shape_derived(g, i)):
                     continue
                 pulled: set = set()
                 ops: list = [c.op_type]

@@ -56,6 +56,7 @@ class _ChainRoles:
         self.n = len(self.steps)
         self.ts = [s.t for s in self.steps]
         self.chain_nodes: set[int] = set()
+        self.memos: dict[int, tuple] = {}  # step -> (its leaves, the signatures of its tensors so far)
 
     def recurrence(self) -> Recurrence:
         self.check_layout()
@@ -66,6 +67,7 @@ class _ChainRoles:
         self.complete_cell_state()
         self.carried_output()
         self.zero_initial_states()
+        self.memos.clear()
         an = self.analyse()
         self.check_every_step()
         rec = self.build(an)
@@ -74,7 +76,12 @@ class _ChainRoles:
         return rec
 
     def sign(self, name: str, k: int) -> int:
-        return self.signer.sign(name, self.leaves[k], self.allowed[k], self.foreign[k], self.chain_nodes)
+        # one memo per step while its leaves stay the same: signing c after h (and y after both) walks only
+        # what h's walk did not reach, not the step again
+        memo = self.memos.get(k)
+        if memo is None or memo[0] is not self.leaves[k]:
+            memo = self.memos[k] = (self.leaves[k], {})
+        return self.signer.sign(name, self.leaves[k], self.allowed[k], self.foreign[k], self.chain_nodes, memo=memo[1])
 
     def step_output(self, k: int, op_type: str, ref: int) -> str | None:
         return step_output(self.g, self.chain, k, self.iv, self.signer, self.leaves[k], self.allowed[k], op_type, ref)

@@ -101,15 +101,23 @@ class _DedupeTable:
 
     def candidates(self) -> list[NodeProto]:
         """The nodes that may equal another, in graph order (topological for the input model, which is where
-        it matters): nodes whose every non-constant input is read by another node too (a duplicate reads
-        them all), and the nodes reading only constants."""
+        it matters): nodes whose every non-constant input is read by another node too, one of them with the
+        same op (a duplicate reads them all), and the nodes reading only constants."""
         g = self.g
         uses, consts = g.consumers.get, self.consts
         out: dict[int, NodeProto] = {}
         for v, cs in g.consumers.items():
             if len(cs) > 1 and v not in consts:
+                # a duplicate of a reader of v is another reader of v with the same op: readers whose op no
+                # other reader of v has (h read by its step's Gemm and by the output stack) have none
+                kinds: dict = {}
                 for c in cs:
-                    if id(c) not in out and all(len(uses(i, ())) > 1 for i in c.input if i and i not in consts):
+                    k = c.op_type
+                    kinds[k] = kinds.get(k, 0) + 1
+                if len(kinds) == len(cs):
+                    continue
+                for c in cs:
+                    if kinds[c.op_type] > 1 and id(c) not in out and all(len(uses(i, ())) > 1 for i in c.input if i and i not in consts):
                         out[id(c)] = c
         for c in self._const_readers():
             out[id(c)] = c
@@ -151,7 +159,7 @@ class _DedupeTable:
             t = g.initializers.get(name)
             direct = (t is not None and math.prod(t.dims) <= 64) or (p is not None and p.op_type == "Constant")
             c = g.const(name) if name and direct else None  # (a large weight is never read for this)
-            small[name] = ("=", str(c.dtype), c.shape, c.tobytes()) if c is not None and c.size <= 64 else name
+            small[name] = ("=", c.dtype.str, c.shape, c.tobytes()) if c is not None and c.size <= 64 else name
         return small[name]
 
     def full(self, n: NodeProto) -> tuple:

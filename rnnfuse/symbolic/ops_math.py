@@ -44,11 +44,14 @@ def _binary(ev, node, ins):
         return [SymTensor(pa.mul(pb), lead)]
     if op == "Div":
         if not pb.is_const():
-            ss = _softsign(pa, pb)
-            if ss is not None:
-                return [SymTensor(ss, lead)]
-        if not pb.is_const() or pb.const_value() == 0.0:
-            raise Decline("division by a non-constant")
+            q = _softsign(pa, pb)
+            q = _logistic(pa, pb) if q is None else q
+            if q is not None:
+                return [SymTensor(q, lead)]
+        if not pb.is_const():
+            raise Decline("division by a cell value that is not 1 + exp(q) (a logistic sigmoid) or 1 + |x| (softsign)")
+        if pb.const_value() == 0.0:
+            raise Decline("division by zero")
         return [SymTensor(_scale(pa, 1.0 / pb.const_value()), lead)]
     raise Decline(op)
 
@@ -132,6 +135,34 @@ def _softsign(pa: Poly, pb: Poly) -> Poly | None:
     if pb.key == Poly.const(1.0).add(Poly.atom(Act("Abs", (), pa))).key:
         return Poly.atom(Act("Softsign", (), pa))
     return None
+
+
+def _exp(ev, node, ins):
+    return [SymTensor(Poly.atom(Act("Exp", (), elementwise_poly(ins[0]))), lead_axes(ins[0]))]
+
+
+def _reciprocal(ev, node, ins):
+    q = _logistic(Poly.const(1.0), elementwise_poly(ins[0]))  # (constants are folded before handlers)
+    if q is None:
+        raise Decline(f"a reciprocal of a cell value that is not 1 + exp(q) (a logistic sigmoid): 1 / ({elementwise_poly(ins[0])!r})")
+    return [SymTensor(q, lead_axes(ins[0]))]
+
+
+def _logistic(num: Poly, den: Poly) -> Poly | None:
+    """The logistic sigmoid written out: ``num / (1 + exp(q))`` is ``num * Sigmoid(-q)``, and
+    ``k * exp(q) / (1 + exp(q))`` is ``k * Sigmoid(q)``. (An exp with a coefficient other than 1 in the
+    denominator would be a shifted argument, q + log(c): not exact in float, so not read.)"""
+    if len(den.terms) != 2 or den.terms.get(()) != 1.0:
+        return None
+    (m, c), = ((m, c) for m, c in den.terms.items() if m != ())
+    e = den.atoms[m[0]] if len(m) == 1 else None
+    if c != 1.0 or not (isinstance(e, Act) and e.kind == "Exp"):
+        return None
+    ns = num.single_atom()
+    if ns is not None and ns[0].key == e.key:
+        return Poly.atom(Act("Sigmoid", (), e.arg)).scale(ns[1])
+    sig = Poly.atom(Act("Sigmoid", (), e.arg.scale(-1.0)))
+    return sig.scale(num.const_value()) if num.is_const() else num.mul(sig)
 
 
 class _Above(Value):
@@ -297,4 +328,6 @@ HANDLERS: dict[str, Callable] = {
 for _k in ACTIVATIONS:
     HANDLERS[_k] = _activation(_k)
 HANDLERS["Abs"] = _abs
+HANDLERS["Exp"] = _exp
+HANDLERS["Reciprocal"] = _reciprocal
 HANDLERS["Greater"] = _greater

@@ -101,6 +101,9 @@ CELLS = {
     "lstm_clip": (2, "LSTM", 5, "LSTM whose four gate pre-activations are clamped to [-1.5, 1.5] (clip=1.5)"),
     "gru_clip": (1, "GRU", 5, "GRU (torch formula) whose gate pre-activations are clamped to [-1.2, 1.2] (clip=1.2)"),
     "lstm_clip_cell": (2, None, "near", "LSTM that clamps the cell state to [-1.5, 1.5], not the gate inputs"),
+    "lstm_sigmoid_exp": (2, "LSTM", 5, "LSTM whose gates are written 1/(1 + exp(-a)) (the logistic sigmoid spelled out)"),
+    "gru_sigmoid_exp": (1, "GRU", 5, "GRU (torch formula) whose gates are written exp(a)/(1 + exp(a)) and 1/(1 + exp(-a))"),
+    "lstm_sigmoid_exp_shift": (2, None, "near", "LSTM gates written 1/(2 + exp(-a)): not a sigmoid"),
 }
 
 # what a declined case's reason must name (lower case words, each must occur)
@@ -115,6 +118,7 @@ DECLINE_WORDS = {
     "lstm_feed_tanh": ["matmul"],
     "lstm_clip_cell": ["cell state"],
     "rnn_softplus": ["softplus"],
+    "lstm_sigmoid_exp_shift": ["not 1 + exp(q)"],
 }
 
 # ONNX attributes a fused case must carry (checked on every native op of the case's kind)
@@ -138,6 +142,7 @@ EXPECT_ATTRS = {
     "rnn_thresholded": {"activations": ["ThresholdedRelu"]},
     "lstm_clip": {"clip": 1.5},
     "gru_clip": {"clip": 1.2},
+    "gru_sigmoid_exp": {"linear_before_reset": 1},
 }
 
 
@@ -241,6 +246,12 @@ def torch_classes():
                 return 1.7 * torch.tanh(0.6 * a)
             if kind == "affine":
                 return 0.5 * a + 0.1
+            if kind == "sigexp":
+                return 1.0 / (1.0 + torch.exp(-a))
+            if kind == "sigexp_ratio":  # (exp(a) stays finite for these weights)
+                return torch.exp(a) / (1.0 + torch.exp(a))
+            if kind == "sigexp_shift":
+                return 1.0 / (2.0 + torch.exp(-a))
             if kind == "thresholded":
                 return torch.where(a > 0.3, a, torch.zeros_like(a))
             raise ValueError(kind)
@@ -320,7 +331,8 @@ def torch_classes():
             ar, az = ir + hh[:, :H], iz + hh[:, H:2 * H]
             if self.clip > 0:
                 ar, az = torch.clamp(ar, -self.clip, self.clip), torch.clamp(az, -self.clip, self.clip)
-            r, z = self.act(self.gate, ar), self.act(self.gate, az)
+            r = self.act(self.gate, ar)
+            z = self.act("sigexp_ratio" if self.gate == "sigexp" else self.gate, az)
             if self.lbr:
                 an = in_ + r * hh[:, 2 * H:]
             else:
@@ -423,6 +435,9 @@ def torch_classes():
             "lstm_clip": lambda: LSTMActs(fi, h, "sigmoid", "tanh", "tanh", clip=1.5),
             "gru_clip": lambda: GRUVariant(fi, h, update="torch", clip=1.2),
             "lstm_clip_cell": lambda: LSTMActs(fi, h, "sigmoid", "tanh", "tanh", clip_cell=1.5),
+            "lstm_sigmoid_exp": lambda: LSTMActs(fi, h, "sigexp", "tanh", "tanh"),
+            "gru_sigmoid_exp": lambda: GRUVariant(fi, h, update="torch", gate="sigexp"),
+            "lstm_sigmoid_exp_shift": lambda: LSTMActs(fi, h, "sigexp_shift", "tanh", "tanh"),
         }
         return table[kind]()
 

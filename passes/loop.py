@@ -18,15 +18,17 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, TensorProto
 
-from rnnfuse.dims import dim_key, loop_invariant_init, root_dim, time_dim_key
+from rnnfuse.dims import loop_invariant_init
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
-from rnnfuse.recurrence import Init, Recurrence
+from rnnfuse.recurrence import NONE, ZERO, Init, Recurrence, SeqOutput
+from rnnfuse.recurrence_layers import check_feeds, owner, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.step import StepOut, StepState, analyse
-from rnnfuse.symbolic import Const, BoolMask, Opaque, State, StepEvaluator, SymTensor, StepInput, Poly
+from .loop_reads import check_trip_count, counter_step, step_read
+from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly
 
 
 def init_of(g: Graph, name: str) -> Init:
@@ -38,296 +40,7 @@ def init_of(g: Graph, name: str) -> Init:
     return Init(name, None)
 
 
-def _strip_cast(g: Graph, name: str) -> str:
-    n = g.producer.get(name)
-    while n is not None and n.op_type in ("Cast", "Identity"):
-        name = n.input[0]
-        n = g.producer.get(name)
-    return name
-
-
-def invariant_source(body: Graph, name: str, invariants: dict[str, str]) -> str | None:
-    """The outer tensor a body value is, when it is the same in every iteration, else None.
-
-    Either an outer-scope capture, or a loop-carried value the body passes on unchanged (jax2onnx threads
-    every closed-over weight and the scanned sequence itself through the Loop that way), seen through
-    Identity nodes: both are loop invariants and read the same."""
-    while True:
-        if not body.defines(name):
-            return name
-        if name in invariants:
-            return invariants[name]
-        n = body.producer.get(name)
-        if n is None or n.op_type != "Identity":
-            return None
-        name = n.input[0]
-
-
-def _counter_step(body: Graph, name: str) -> tuple[str, int] | None:
-    """``name`` = (cast of) ``v + k`` for a constant k -> (v, k); (cast of) v -> (v, 0)."""
-    name = _strip_cast(body, name)
-    n = body.producer.get(name)
-    if n is not None and n.op_type == "Add":
-        for a, b in ((0, 1), (1, 0)):
-            c = body.const(n.input[b])
-            if c is not None and np.asarray(c).size == 1:
-                return _strip_cast(body, n.input[a]), int(np.asarray(c).ravel()[0])
-        return None
-    return name, 0
-
-
-def _conjuncts(body: Graph, name: str) -> list[str]:
-    out, stack = [], [name]
-    while stack:
-        cur = stack.pop()
-        n = body.producer.get(cur)
-        if n is not None and n.op_type == "And":
-            stack.extend(n.input)
-        elif n is not None and n.op_type == "Identity":
-            stack.append(n.input[0])
-        else:
-            out.append(cur)
-    return out
-
-
-def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str, axis: int = 0) -> str | None:
-    """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = data's size on ``axis``) -> "reverse"."""
-    name = _strip_cast(body, idx)
-    if index_syms.get(name) == 0:
-        return "forward"
-    n = body.producer.get(name)
-    if n is None or n.op_type != "Sub":
-        return None
-    a, b = n.input
-    step = _counter_step(body, b)
-    if step is None or step[0] not in index_syms:
-        return None
-    k = index_syms[step[0]] + step[1]  # subtracted value is i + k
-    T_keys = {time_dim_key(g, data, axis), ("dim",) + root_dim(g, data, axis)}
-    # a must be T - 1 + k
-    an = body.producer.get(_strip_cast(body, a)) if body.scope_of(a) is body else None
-    if an is None:
-        an = g.producer.get(_strip_cast(g, a))
-    if k == 1 and dim_key(body, a) in T_keys:
-        return "reverse"
-    if an is not None and an.op_type == "Sub":
-        c = body.const(an.input[1])
-        if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k and dim_key(body, an.input[0]) in T_keys:
-            return "reverse"
-    return None
-
-
-def _int_terms(g: Graph, body: Graph, name: str, index_syms: dict[str, int], depth: int = 0) -> list | None:
-    """The integers a small int tensor of the body holds, element by element, as ``("i", k)`` (the iteration
-    number + k), ``("c", v)`` (a constant) or ``("d", key, k)`` (a tensor dimension + k); None if unknown.
-
-    Enough for the index arithmetic exporters write around a dynamic slice: Concat of Unsqueezed scalars,
-    ``starts + sizes``, and jax's negative-index fix-up ``Where(i < 0, i + n, i)``."""
-    if depth > 24 or not name:
-        return None
-    if name in index_syms:
-        return [("i", index_syms[name])]
-    c = body.const(name)
-    if c is not None:
-        arr = np.asarray(c)
-        if arr.ndim > 1 or not np.issubdtype(arr.dtype, np.integer):
-            return None
-        return [("c", int(v)) for v in arr.ravel()]
-    scope = body.scope_of(name)
-    n = scope.producer.get(name) if scope is not None else None
-    if n is None:
-        return None
-    op = n.op_type
-    rec = lambda x: _int_terms(g, body, x, index_syms, depth + 1)  # noqa: E731
-    if op in ("Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape"):
-        return rec(n.input[0])
-    if op == "Concat" and attr(n, "axis", 0) in (0, -1):
-        out = []
-        for i in n.input:
-            t = rec(i)
-            if t is None:
-                return None
-            out += t
-        return out
-    if op == "Add":
-        a, b = rec(n.input[0]), rec(n.input[1])
-        if a is None or b is None:
-            return None
-        if len(a) == 1:
-            a = a * len(b)
-        if len(b) == 1:
-            b = b * len(a)
-        if len(a) != len(b):
-            return None
-        out = []
-        for x, y in zip(a, b):
-            if x[0] != "c":
-                x, y = y, x
-            if x[0] != "c":
-                return None  # two unknowns
-            out.append(y[:-1] + (y[-1] + x[1],))
-        return out
-    if op == "Where":
-        # jax normalises a negative index: Where(i + k < c, ..., i + k) with i + k >= 0 > c - 1 keeps i + k
-        cond = scope.producer.get(n.input[0])
-        b = rec(n.input[2])
-        if cond is not None and cond.op_type == "Less" and b is not None and len(b) == 1 and b[0][0] == "i":
-            lhs, rhs = rec(cond.input[0]), rec(cond.input[1])
-            if lhs == b and rhs is not None and len(rhs) == 1 and rhs[0][0] == "c" and b[0][1] >= 0 >= rhs[0][1]:
-                return b
-        return None
-    k = dim_key(body, name)
-    if k is not None and k[0] == "const":
-        return [("c", k[1])]
-    if k is not None:
-        return [("d", k, 0)]
-    return None
-
-
-def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
-    """If body node ``n`` reads element i (the iteration number) of a loop-invariant tensor along one axis:
-    (the outer tensor, the axis, "forward" | "reverse"), else None.
-
-    Recognised reads: ``Gather(D, i, axis=a)`` (tf2onnx, jax2onnx; a = 1 for TorchScript's ``x[:, t]``) and
-    ``Squeeze(Slice(D, starts, ends, axes), [a])`` taking ``[i, i + 1)`` on axis a and everything on the
-    other axes (jax's ``dynamic_slice`` / ``dynamic_index_in_dim``, strided-slice reads)."""
-    if n.op_type == "Gather" and len(n.input) >= 2:
-        # TorchScript writes x[:, t] as Gather(Slice(x, 0:INT_MAX on axis 0), t, axis=1)
-        data = _full_slice_source(g, body, n.input[0], invariants) or invariant_source(body, n.input[0], invariants)
-        rank = g.model.rank(data) if data is not None else None
-        if data is None or rank is None:
-            return None
-        axis = attr(n, "axis", 0)
-        axis = axis + rank if axis < 0 else axis
-        form = _index_form(g, body, n.input[1], index_syms, data, axis)
-        return (data, axis, form) if form is not None else None
-    if n.op_type != "Squeeze":
-        return None
-    sl = body.producer.get(n.input[0])
-    if sl is None or sl.op_type != "Slice" or len(sl.input) < 3:
-        return None
-    inner = sl.input[0]
-    data = invariant_source(body, inner, invariants)
-    rank = g.model.rank(data) if data is not None else None
-    if data is None or rank is None:
-        return None
-    sq_axes = body.const(n.input[1]) if len(n.input) > 1 and n.input[1] else attr(n, "axes")
-    if sq_axes is None or np.asarray(sq_axes).size != 1:
-        return None
-    axis = int(np.asarray(sq_axes).ravel()[0])
-    axis = axis + rank if axis < 0 else axis
-    starts = _int_terms(g, body, sl.input[1], index_syms)
-    ends = _int_terms(g, body, sl.input[2], index_syms)
-    axes = _int_terms(g, body, sl.input[3], index_syms) if len(sl.input) > 3 and sl.input[3] else [("c", a) for a in range(len(starts or []))]
-    steps = _int_terms(g, body, sl.input[4], index_syms) if len(sl.input) > 4 and sl.input[4] else None
-    if starts is None or ends is None or axes is None or len(starts) != len(ends) or len(axes) != len(starts):
-        return None
-    if steps is not None and any(s != ("c", 1) for s in steps):
-        return None
-    if any(a[0] != "c" for a in axes):
-        return None
-    seen = set()
-    for (_, a), st, en in zip(axes, starts, ends):
-        a = a + rank if a < 0 else a
-        seen.add(a)
-        if a == axis:
-            if st != ("i", 0) or en != ("i", 1):
-                return None
-        elif not (st == ("c", 0) and _covers(g, data, inner, a, en)):
-            return None
-    if axis not in seen:
-        return None
-    return data, axis, "forward"
-
-
-def _covers(g: Graph, data: str, inner: str, axis: int, end) -> bool:
-    """Does a slice end ``end`` (an _int_terms term) reach the end of ``data`` on ``axis``?"""
-    if end[0] == "c":
-        d = g.model.shape(data)
-        return end[1] >= 2**31 - 1 or (d is not None and isinstance(d[axis], int) and end[1] >= d[axis])
-    if end[0] == "d" and end[2] == 0:
-        keys = {time_dim_key(g, data, axis), ("dim",) + root_dim(g, data, axis), ("dim",) + root_dim(g, inner, axis)}
-        return end[1] in keys
-    return False
-
-
-def _full_slice_source(g: Graph, body: Graph, name: str, invariants: dict[str, str]) -> str | None:
-    """``name`` = Slice(D, 0, INT_MAX) on some axes (a no-op view such as TorchScript's ``x[:]``): D."""
-    scope = body.scope_of(name)
-    n = scope.producer.get(name) if scope is not None else None
-    if n is None or n.op_type != "Slice" or len(n.input) < 3:
-        return None
-    terms = [_int_terms(g, body, i, {}) if i else None for i in list(n.input[1:5]) + [""] * (5 - len(n.input))]
-    starts, ends, _axes, steps = terms
-    if starts is None or ends is None or (len(n.input) > 4 and n.input[4] and steps is None):
-        return None
-    if any(t != ("c", 0) for t in starts) or any(t[0] != "c" or t[1] < 2**31 - 1 for t in ends):
-        return None
-    if steps is not None and any(t != ("c", 1) for t in steps):
-        return None
-    src = n.input[0]
-    return invariant_source(body, src, invariants) if scope is body else src
-
-
-def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int], axis: int = 0) -> None:
-    """Prove the loop runs exactly T iterations (x's size on ``axis``), or Decline.
-
-    ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
-    and counters starting at 0)."""
-    T_keys = {time_dim_key(g, x, axis), ("dim",) + root_dim(g, x, axis)}
-    T = time_dim_key(g, x, axis)
-    deltas: list[int] = []
-    M = loop.input[0] if loop.input else ""
-    if M:
-        k = dim_key(g, M)
-        if k in T_keys:
-            deltas.append(0)
-        elif k is not None and k[0] == "const" and (k[1] >= 2**31 - 1 or (T[0] == "const" and k[1] >= T[1])):
-            pass  # a bound at least T: the condition decides
-        elif k is not None and k[0] == "const":
-            raise Decline(f"the loop runs at most {k[1]} iterations, not once per time step")
-        else:
-            raise Decline("cannot prove the trip count equals the number of time steps")
-    cond_out = body.output_names[0]
-    cond_in = body.input_names[1]
-    for term in _conjuncts(body, cond_out):
-        if term == cond_in:
-            continue
-        c = body.const(term)
-        if c is not None and bool(np.asarray(c).all()):
-            continue
-        n = body.producer.get(term)
-        if n is None or n.op_type not in ("Less", "Greater"):
-            raise Decline("the loop condition is not a bound on the iteration number")
-        a, b = (n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0])
-        cs = _counter_step(body, a)
-        if cs is None or cs[0] not in index_syms:
-            raise Decline("the loop condition compares something other than the iteration number")
-        k = index_syms[cs[0]] + cs[1]  # the compared value is i + k
-        if dim_key(body, b) not in T_keys:
-            raise Decline("the loop condition's bound is not the number of time steps")
-        deltas.append(1 - k)
-    if not deltas:
-        raise Decline("the loop has no bound")
-    if min(deltas) != 0:
-        raise Decline("the loop does not run exactly once per time step")
-    # the first iteration must run whenever T >= 1
-    cond0 = loop.input[1] if len(loop.input) > 1 else ""
-    if cond0:
-        for term in _conjuncts(g, cond0):
-            c = g.const(term)
-            if c is not None and bool(np.asarray(c).all()):
-                continue
-            n = g.producer.get(term)
-            ok = False
-            if n is not None and n.op_type in ("Less", "Greater"):
-                a, b = (n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0])
-                ok = dim_key(g, a) == ("const", 0) and dim_key(g, b) in T_keys
-            if not ok:
-                raise Decline("cannot prove the loop's first iteration runs")
-
-
-def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
+def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
     body = g.subgraph(loop)
     bin_, bout = body.input_names, body.output_names
     n_carried = len(loop.input) - 2
@@ -346,7 +59,7 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
             invariants[bi] = inv
             continue
         et = g.model.elem_type(init) if init else None
-        step = _counter_step(body, bo)
+        step = counter_step(body, bo)
         c0 = g.const(init) if init else None
         if step is not None and step[0] == bi and step[1] == 1 and c0 is not None and np.asarray(c0).size == 1 and int(np.asarray(c0).ravel()[0]) == 0:
             index_syms[bi] = 0
@@ -438,27 +151,19 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
     for k in seqs:
         leaves[bin_[2 + k]] = Opaque("a sequence is read inside the step")
 
-    ev = StepEvaluator(body, leaves)
-    step_states = []
-    for k in recurrent:
-        final = loop.output[k] if k < len(loop.output) else ""
-        st = StepState(
-            f"s{k}",
-            ev.poly(bout[1 + k]),
-            init_of(g, loop.input[2 + k]),
-            final if final and g.n_uses(final) else None,
-        )
-        step_states.append(st)
-    outs: list[StepOut] = []
+    state_out = {f"s{k}": bout[1 + k] for k in recurrent}
+    layers = split_layers(body, leaves, state_out, x_atom)
+    outs_of: dict[int, list[StepOut]] = {i: [] for i in range(len(layers))}
     for j in range(n_scan):
         outer = loop.output[n_carried + j] if n_carried + j < len(loop.output) else ""
         if not outer or not g.n_uses(outer):
             continue
-        outs.append(StepOut(ev.poly(bout[1 + n_carried + j]), outer))
+        li = owner(layers, bout[1 + n_carried + j])
+        outs_of[li].append(StepOut(layers[li].ev.poly(bout[1 + n_carried + j]), outer))
     extra_remove: list[NodeProto] = []
     for k in seqs:
-        outs.append(_sequence_output(g, body, loop, k, ev, extra_remove))
-    an = analyse(x_atom, step_states, outs, states)
+        li, out = _sequence_output(g, body, loop, k, layers, extra_remove)
+        outs_of[li].append(out)
 
     aliases: dict[str, str] = {}
     for k in range(n_carried):
@@ -470,27 +175,53 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict]:
             aliases[final] = invariants[bi]
         elif bi in index_syms:
             raise Decline("the loop's final iteration count is used")
-    rec = Recurrence(
-        front="Loop",
-        where=loop.name or loop.output[0],
-        cell=an.rec.spec,
-        x=x_outer if proj is None else proj[0],
-        h0=an.h0,
-        c0=an.c0,
-        mask=mask_outer if an.masked else None,
-        seq_outputs=an.seq_outputs,
-        finals=an.finals,
-        remove=[loop] + extra_remove,
-        anchor=loop,
-        x_batch_first=x_axis == 1,
-        x_reversed=x_reversed,
-    )
-    if mask_outer is not None and not an.masked:
-        rec.notes.append("the body reads a mask but no state depends on it")
-    return rec, aliases
+    where = loop.name or loop.output[0]
+    recs: list[Recurrence] = []
+    h_of: dict[int, str] = {}  # layer -> its cell's output state
+    for li, layer in enumerate(layers):
+        step_states = []
+        for sym in layer.syms:
+            k = int(sym[1:])
+            final = loop.output[k] if k < len(loop.output) else ""
+            step_states.append(StepState(sym, layer.ev.poly(bout[1 + k]), init_of(g, loop.input[2 + k]),
+                                         final if final and g.n_uses(final) else None))
+        an = analyse(layer.x, step_states, outs_of[li], states)
+        below = recs[layer.below] if layer.below is not None else None
+        if below is not None and below.masked and not an.masked:
+            raise Decline("a cell ignores the mask the cell below it keeps to")
+        rec = Recurrence(
+            front="Loop",
+            where=where,
+            cell=an.rec.spec,
+            x=x_outer if proj is None else proj[0],
+            h0=an.h0,
+            c0=an.c0,
+            mask=mask_outer if an.masked else None,
+            seq_outputs=an.seq_outputs,
+            finals=an.finals,
+            remove=[loop] + extra_remove if li == 0 else [],
+            anchor=loop,
+            x_batch_first=x_axis == 1,
+            x_reversed=x_reversed,
+        )
+        h_of[li] = an.rec.h
+        if below is not None:
+            # the cell below's Y, in time order like x, read in the same order as x
+            y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
+            below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=x_reversed, internal=True))
+            rec.x, rec.x_internal, rec.x_batch_first = y, True, False
+        if len(layers) > 1:
+            rec.stack = where
+        if mask_outer is not None and not an.masked:
+            rec.notes.append("the body reads a mask but no state depends on it")
+        recs.append(rec)
+    check_feeds(layers, h_of)
+    if len(recs) == 1:
+        return recs[0], aliases
+    return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
 
 
-def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, ev: StepEvaluator, extra_remove) -> StepOut:
+def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list, extra_remove) -> tuple[int, StepOut]:
     """A carried sequence built by SequenceInsert(seq, y) each step and stacked by ConcatFromSequence."""
     bi, bo = body.input_names[2 + k], body.output_names[1 + k]
     n = body.producer.get(bo)
@@ -508,7 +239,8 @@ def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, ev: StepEva
         raise Decline("a sequence output that is not stacked with ConcatFromSequence")
     cat = users[0]
     axis, new_axis = attr(cat, "axis", 0), attr(cat, "new_axis", 0)
-    val = ev.value(n.input[1])
+    li = owner(layers, n.input[1])
+    val = layers[li].ev.value(n.input[1])
     if not isinstance(val, SymTensor):
         raise Decline("the appended value is not a cell output")
     lead = val.lead
@@ -521,7 +253,7 @@ def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, ev: StepEva
     else:
         raise Decline("the per-step outputs are stacked along an unsupported axis")
     extra_remove.append(cat)
-    return StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, batch_first=batch_first)
+    return li, StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, batch_first=batch_first)
 
 
 class FuseLoops:

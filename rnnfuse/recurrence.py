@@ -43,6 +43,7 @@ class SeqOutput:
     init: Init = field(default_factory=Init)  # CARRY: the output before the first valid step
     batch_first: bool = False  # the tensor is [B, T, H] (Scan with scan_output_axes=1)
     reversed: bool = False  # the tensor is stacked in reverse processing order
+    internal: bool = False  # not a tensor of the graph: the input of the next layer of the same step
 
 
 @dataclass
@@ -86,6 +87,10 @@ class Recurrence:
     x_reversed: bool = False  # processing order is x read from its last step to its first
     notes: list[str] = field(default_factory=list)
     cell_checks: list[CellCheck] = field(default_factory=list)
+    # several cells in one step (a stacked step): one Recurrence per cell sharing ``stack``, bottom first,
+    # applied all or none; ``x_internal``: x names an ``internal`` SeqOutput of the layer below
+    stack: str = ""
+    x_internal: bool = False
 
     @property
     def masked(self) -> bool:

@@ -91,28 +91,61 @@ def apply_recurrences(
     """Emit ``recs`` (each with its pass-through aliases), then validate and commit them; fill ``result``."""
     cache = EmitCache()
     rewrites: list[Rewrite] = []
+    links: dict[str, str] = {}  # a layer's internal Y -> its emitted tensor (the next layer's input)
+    stacks: dict[str, Rewrite | None] = {}  # the layers of one step: one rewrite, or None once one failed
     for rec, aliases in recs:
         f = finding_for(pass_name, rec)
+        if rec.stack and rec.stack in stacks and stacks[rec.stack] is None:
+            continue  # a layer below was not emitted: the step stays as it is
         if rec.where in ctx.keep:
             f.status, f.reason = "kept", "left as it is on request (measured faster, or --keep)"
             result.findings.append(f)
+            _drop_stack(rec, stacks, rewrites)
             continue
         if not portability.check_recurrence(f, rec, ctx):
             result.findings.append(f)
+            _drop_stack(rec, stacks, rewrites)
             continue
+        if rec.x_internal:
+            rec.x = links[rec.x]
         try:
             em = emit(g, rec, cache, post_padded=ctx.post_padded, portable=getattr(ctx, "portable", False))
         except Decline as d:
             result.findings.append(declined(pass_name, rec.front, rec.where, d.reason, rec.cell.describe()))
+            _drop_stack(rec, stacks, rewrites)
             continue
+        for so in rec.seq_outputs:
+            if so.internal:
+                links[so.tensor] = em.replacements.pop(so.tensor)
         f.direction = em.direction
         f.path = em.path
         portability.check_masked_direction(f, em.direction, em.mask is not None, ctx)
         f.notes.extend(rec.notes)
         masks = {em.mask: ("post" if em.path == "post-padded" else "any", em.mask_time_axis)} if em.mask else {}
-        rewrites.append(Rewrite(f, em.replacements, tuple(rec.remove), masks, "the native op does not reproduce the original",
-                                aliases, rec if rec.cell_checks else None))
+        rw = Rewrite(f, em.replacements, tuple(rec.remove), masks, "the native op does not reproduce the original",
+                     aliases, rec if rec.cell_checks else None)
+        if rec.stack and rec.stack in stacks:  # the next layer of a stacked step joins the step's rewrite
+            whole = stacks[rec.stack]
+            whole.finding.cell += " -> " + f.cell
+            whole.replacements.update(rw.replacements)
+            whole.remove += rw.remove
+            whole.masks.update(masks)
+            whole.aliases.update(aliases)
+            continue
+        if rec.stack:
+            stacks[rec.stack] = rw
+            f.notes.append("several cells in one step: one native op per cell, each reading the Y of the one below")
+        rewrites.append(rw)
     apply_rewrites(g, ctx, rewrites, result)
+
+
+def _drop_stack(rec: Recurrence, stacks: dict, rewrites: list) -> None:
+    """A layer of a stacked step cannot be written: none of the step's layers is (the step stays whole)."""
+    if not rec.stack:
+        return
+    if stacks.get(rec.stack) is not None:
+        rewrites.remove(stacks[rec.stack])
+    stacks[rec.stack] = None
 
 
 def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: PassResult, prune: bool = True) -> None:
@@ -158,7 +191,8 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
     recs = []
     for node in [n for n in g.live_nodes() if n.op_type == op_type]:
         try:
-            recs.append(recurrence_of(g, node))
+            found = recurrence_of(g, node)
+            recs.extend(found if isinstance(found, list) else [found])  # a list: the layers of a stacked step
         except Decline as d:
             res.findings.append(declined(pass_name, front, node.name or node.output[0], d.reason))
     apply_recurrences(g, ctx, pass_name, recs, res)

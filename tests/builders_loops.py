@@ -191,3 +191,120 @@ NEAR_MISSES = [
     LoopOpts("gather0", miss="x_changes"),
     LoopOpts("gather1", x_carried=False, miss="next_step"),
 ]
+
+
+# --------------------------------------------------------------------------- several cells per step (item 3)
+
+STACK_H = (4, 3, 5)  # hidden sizes of the stacked cells, bottom first
+
+
+@dataclass(frozen=True)
+class StackOpts:
+    """A Loop whose body runs ``cells`` tanh RNN cells per step, cell k reading cell k-1's new h.
+
+    ``low_seq``: the bottom cell's per-step h is a loop output too. Near misses (``miss``): ``skip`` cell 2 reads
+    ``concat(x_t, h1_new)`` (two step inputs); ``old`` cell 2 reads h1 of the previous step (the state, not the
+    new output); ``feedback`` cell 1 also reads cell 2's state; ``mixed`` a per-step output concatenates both
+    cells' h."""
+
+    cells: int = 2
+    low_seq: bool = False
+    miss: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"cells{self.cells}" + ("-lowseq" if self.low_seq else "") + (f"-{self.miss}" if self.miss else "")
+
+
+def stack_weights(cells: int, miss: str = ""):
+    rng = np.random.default_rng(7)
+    out, width = [], F
+    for k in range(cells):
+        h = STACK_H[k]
+        w_in = width + F if (k == 1 and miss == "skip") else width
+        out.append([(rng.standard_normal(s) * 0.5).astype(np.float32) for s in ((w_in, h), (h, h), (h,))])
+        width = h
+    q = (rng.standard_normal((STACK_H[1], STACK_H[0])) * 0.5).astype(np.float32)  # feedback: h2 @ Q into cell 1
+    return out, q
+
+
+def build_stack(o: StackOpts) -> onnx.ModelProto:
+    ws, q = stack_weights(o.cells, o.miss)
+    inits = [numpy_helper.from_array(np.array(True), "true"), numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+             numpy_helper.from_array(np.array([0], np.int64), "i0"), numpy_helper.from_array(np.array([1], np.int64), "i1")]
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]),
+             helper.make_node("Gather", ["xs", "i0"], ["T1"], axis=0),
+             helper.make_node("Squeeze", ["T1", "i0"], ["T"]),
+             helper.make_node("Gather", ["xs", "i1"], ["B1"], axis=0)]
+    body_inits = [numpy_helper.from_array(q, "Q")]
+    bn = [helper.make_node("Gather", ["x", "it"], ["u0"], axis=0)]
+    for k, (W, R, b) in enumerate(ws):
+        h = STACK_H[k]
+        inits.append(numpy_helper.from_array(np.array([h], np.int64), f"iH{k}"))
+        nodes += [helper.make_node("Concat", ["B1", f"iH{k}"], [f"hshape{k}"], axis=0),
+                  helper.make_node("Expand", ["zero", f"hshape{k}"], [f"h0_{k}"])]
+        body_inits += [numpy_helper.from_array(W, f"W{k}"), numpy_helper.from_array(R, f"R{k}"),
+                       numpy_helper.from_array(b, f"b{k}")]
+        u = f"u{k}"
+        if k == 1 and o.miss == "skip":
+            bn.append(helper.make_node("Concat", ["u0", "hn0"], ["u1"], axis=1))
+        elif k == 1 and o.miss == "old":
+            u = "h0s"
+        elif k > 0:
+            bn.append(helper.make_node("Identity", [f"hn{k - 1}"], [u]))
+        bn += [helper.make_node("MatMul", [u, f"W{k}"], [f"xw{k}"]),
+               helper.make_node("MatMul", [f"h{k}s", f"R{k}"], [f"hr{k}"]),
+               helper.make_node("Add", [f"xw{k}", f"hr{k}"], [f"s{k}"])]
+        pre = f"s{k}"
+        if k == 0 and o.miss == "feedback":
+            bn += [helper.make_node("MatMul", ["h1s", "Q"], ["fb"]), helper.make_node("Add", [pre, "fb"], ["sfb"])]
+            pre = "sfb"
+        bn += [helper.make_node("Add", [pre, f"b{k}"], [f"t{k}"]), helper.make_node("Tanh", [f"t{k}"], [f"hn{k}"])]
+    top = f"hn{o.cells - 1}"
+    ys = [top]
+    if o.miss == "mixed":
+        bn.append(helper.make_node("Concat", ["hn0", top], ["ymix"], axis=1))
+        ys = ["ymix"]
+    if o.low_seq:
+        ys.append("hn0")
+    bn.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
+    for j, y in enumerate(ys):
+        bn.append(helper.make_node("Identity", [y], [f"y{j}"]))
+    body_inputs = [helper.make_tensor_value_info("it", TensorProto.INT64, []),
+                   helper.make_tensor_value_info("cond", TensorProto.BOOL, [])]
+    body_inputs += [helper.make_tensor_value_info(f"h{k}s", TensorProto.FLOAT, [None, STACK_H[k]]) for k in range(o.cells)]
+    body_outputs = [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [])]
+    body_outputs += [helper.make_tensor_value_info(f"hn{k}", TensorProto.FLOAT, [None, STACK_H[k]]) for k in range(o.cells)]
+    body_outputs += [helper.make_tensor_value_info(f"y{j}", TensorProto.FLOAT, [None, None]) for j in range(len(ys))]
+    body = helper.make_graph(bn, "body", body_inputs, body_outputs, body_inits)
+    finals = [f"h_last{k}" for k in range(o.cells)]
+    seqs = [f"ys{j}" for j in range(len(ys))]
+    nodes.append(helper.make_node("Loop", ["T", "true"] + [f"h0_{k}" for k in range(o.cells)], finals + seqs, body=body))
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", "B", None]) for n in seqs]
+    outs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", STACK_H[k]]) for k, n in enumerate(finals)]
+    graph = helper.make_graph(nodes, "stacked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                              outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def stack_reference(o: StackOpts, x: np.ndarray) -> list[np.ndarray]:
+    """The loop's outputs: the per-step outputs [T, B, .], then every cell's final h."""
+    ws, _ = stack_weights(o.cells)
+    hs = [np.zeros((x.shape[1], STACK_H[k]), np.float32) for k in range(o.cells)]
+    tops, lows = [], []
+    for t in range(x.shape[0]):
+        u = x[t]
+        for k, (W, R, b) in enumerate(ws):
+            hs[k] = np.tanh(u @ W + hs[k] @ R + b).astype(np.float32)
+            u = hs[k]
+        tops.append(hs[-1])
+        lows.append(hs[0])
+    return [np.stack(tops)] + ([np.stack(lows)] if o.low_seq else []) + hs
+
+
+STACK_FORMS = [StackOpts(2), StackOpts(3), StackOpts(2, low_seq=True), StackOpts(3, low_seq=True)]
+STACK_MISSES = [StackOpts(2, miss="skip"), StackOpts(2, miss="old"), StackOpts(2, miss="feedback"),
+                StackOpts(2, miss="mixed")]

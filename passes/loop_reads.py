@@ -1,0 +1,304 @@
+"""How a Loop body walks time: which body reads take element i of an invariant tensor along one axis, and
+the proof that the loop runs exactly once per time step.
+
+The index arithmetic is read symbolically (:func:`_int_terms`), so any exporter's spelling of "the
+iteration number", "T - 1 - i" or "[i, i + 1) on axis a" is recognised, not one graph's node order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import NodeProto
+
+from rnnfuse.dims import dim_key, root_dim, time_dim_key
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph, attr
+
+
+def _strip_cast(g: Graph, name: str) -> str:
+    n = g.producer.get(name)
+    while n is not None and n.op_type in ("Cast", "Identity"):
+        name = n.input[0]
+        n = g.producer.get(name)
+    return name
+
+
+def invariant_source(body: Graph, name: str, invariants: dict[str, str]) -> str | None:
+    """The outer tensor a body value is, when it is the same in every iteration, else None.
+
+    Either an outer-scope capture, or a loop-carried value the body passes on unchanged (jax2onnx threads
+    every closed-over weight and the scanned sequence itself through the Loop that way), seen through
+    Identity nodes: both are loop invariants and read the same."""
+    while True:
+        if not body.defines(name):
+            return name
+        if name in invariants:
+            return invariants[name]
+        n = body.producer.get(name)
+        if n is None or n.op_type != "Identity":
+            return None
+        name = n.input[0]
+
+
+def counter_step(body: Graph, name: str) -> tuple[str, int] | None:
+    """``name`` = (cast of) ``v + k`` for a constant k -> (v, k); (cast of) v -> (v, 0)."""
+    name = _strip_cast(body, name)
+    n = body.producer.get(name)
+    if n is not None and n.op_type == "Add":
+        for a, b in ((0, 1), (1, 0)):
+            c = body.const(n.input[b])
+            if c is not None and np.asarray(c).size == 1:
+                return _strip_cast(body, n.input[a]), int(np.asarray(c).ravel()[0])
+        return None
+    return name, 0
+
+
+def _conjuncts(body: Graph, name: str) -> list[str]:
+    out, stack = [], [name]
+    while stack:
+        cur = stack.pop()
+        n = body.producer.get(cur)
+        if n is not None and n.op_type == "And":
+            stack.extend(n.input)
+        elif n is not None and n.op_type == "Identity":
+            stack.append(n.input[0])
+        else:
+            out.append(cur)
+    return out
+
+
+def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str, axis: int = 0) -> str | None:
+    """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = data's size on ``axis``) -> "reverse"."""
+    name = _strip_cast(body, idx)
+    if index_syms.get(name) == 0:
+        return "forward"
+    n = body.producer.get(name)
+    if n is None or n.op_type != "Sub":
+        return None
+    a, b = n.input
+    step = counter_step(body, b)
+    if step is None or step[0] not in index_syms:
+        return None
+    k = index_syms[step[0]] + step[1]  # subtracted value is i + k
+    T_keys = {time_dim_key(g, data, axis), ("dim",) + root_dim(g, data, axis)}
+    # a must be T - 1 + k
+    an = body.producer.get(_strip_cast(body, a)) if body.scope_of(a) is body else None
+    if an is None:
+        an = g.producer.get(_strip_cast(g, a))
+    if k == 1 and dim_key(body, a) in T_keys:
+        return "reverse"
+    if an is not None and an.op_type == "Sub":
+        c = body.const(an.input[1])
+        if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k and dim_key(body, an.input[0]) in T_keys:
+            return "reverse"
+    return None
+
+
+def _int_terms(g: Graph, body: Graph, name: str, index_syms: dict[str, int], depth: int = 0) -> list | None:
+    """The integers a small int tensor of the body holds, element by element, as ``("i", k)`` (the iteration
+    number + k), ``("c", v)`` (a constant) or ``("d", key, k)`` (a tensor dimension + k); None if unknown.
+
+    Enough for the index arithmetic exporters write around a dynamic slice: Concat of Unsqueezed scalars,
+    ``starts + sizes``, and jax's negative-index fix-up ``Where(i < 0, i + n, i)``."""
+    if depth > 24 or not name:
+        return None
+    if name in index_syms:
+        return [("i", index_syms[name])]
+    c = body.const(name)
+    if c is not None:
+        arr = np.asarray(c)
+        if arr.ndim > 1 or not np.issubdtype(arr.dtype, np.integer):
+            return None
+        return [("c", int(v)) for v in arr.ravel()]
+    scope = body.scope_of(name)
+    n = scope.producer.get(name) if scope is not None else None
+    if n is None:
+        return None
+    op = n.op_type
+    rec = lambda x: _int_terms(g, body, x, index_syms, depth + 1)  # noqa: E731
+    if op in ("Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape"):
+        return rec(n.input[0])
+    if op == "Concat" and attr(n, "axis", 0) in (0, -1):
+        out = []
+        for i in n.input:
+            t = rec(i)
+            if t is None:
+                return None
+            out += t
+        return out
+    if op == "Add":
+        a, b = rec(n.input[0]), rec(n.input[1])
+        if a is None or b is None:
+            return None
+        if len(a) == 1:
+            a = a * len(b)
+        if len(b) == 1:
+            b = b * len(a)
+        if len(a) != len(b):
+            return None
+        out = []
+        for x, y in zip(a, b):
+            if x[0] != "c":
+                x, y = y, x
+            if x[0] != "c":
+                return None  # two unknowns
+            out.append(y[:-1] + (y[-1] + x[1],))
+        return out
+    if op == "Where":
+        # jax normalises a negative index: Where(i + k < c, ..., i + k) with i + k >= 0 > c - 1 keeps i + k
+        cond = scope.producer.get(n.input[0])
+        b = rec(n.input[2])
+        if cond is not None and cond.op_type == "Less" and b is not None and len(b) == 1 and b[0][0] == "i":
+            lhs, rhs = rec(cond.input[0]), rec(cond.input[1])
+            if lhs == b and rhs is not None and len(rhs) == 1 and rhs[0][0] == "c" and b[0][1] >= 0 >= rhs[0][1]:
+                return b
+        return None
+    k = dim_key(body, name)
+    if k is not None and k[0] == "const":
+        return [("c", k[1])]
+    if k is not None:
+        return [("d", k, 0)]
+    return None
+
+
+def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
+    """If body node ``n`` reads element i (the iteration number) of a loop-invariant tensor along one axis:
+    (the outer tensor, the axis, "forward" | "reverse"), else None.
+
+    Recognised reads: ``Gather(D, i, axis=a)`` (tf2onnx, jax2onnx; a = 1 for TorchScript's ``x[:, t]``) and
+    ``Squeeze(Slice(D, starts, ends, axes), [a])`` taking ``[i, i + 1)`` on axis a and everything on the
+    other axes (jax's ``dynamic_slice`` / ``dynamic_index_in_dim``, strided-slice reads)."""
+    if n.op_type == "Gather" and len(n.input) >= 2:
+        # TorchScript writes x[:, t] as Gather(Slice(x, 0:INT_MAX on axis 0), t, axis=1)
+        data = _full_slice_source(g, body, n.input[0], invariants) or invariant_source(body, n.input[0], invariants)
+        rank = g.model.rank(data) if data is not None else None
+        if data is None or rank is None:
+            return None
+        axis = attr(n, "axis", 0)
+        axis = axis + rank if axis < 0 else axis
+        form = _index_form(g, body, n.input[1], index_syms, data, axis)
+        return (data, axis, form) if form is not None else None
+    if n.op_type != "Squeeze":
+        return None
+    sl = body.producer.get(n.input[0])
+    if sl is None or sl.op_type != "Slice" or len(sl.input) < 3:
+        return None
+    inner = sl.input[0]
+    data = invariant_source(body, inner, invariants)
+    rank = g.model.rank(data) if data is not None else None
+    if data is None or rank is None:
+        return None
+    sq_axes = body.const(n.input[1]) if len(n.input) > 1 and n.input[1] else attr(n, "axes")
+    if sq_axes is None or np.asarray(sq_axes).size != 1:
+        return None
+    axis = int(np.asarray(sq_axes).ravel()[0])
+    axis = axis + rank if axis < 0 else axis
+    starts = _int_terms(g, body, sl.input[1], index_syms)
+    ends = _int_terms(g, body, sl.input[2], index_syms)
+    axes = _int_terms(g, body, sl.input[3], index_syms) if len(sl.input) > 3 and sl.input[3] else [("c", a) for a in range(len(starts or []))]
+    steps = _int_terms(g, body, sl.input[4], index_syms) if len(sl.input) > 4 and sl.input[4] else None
+    if starts is None or ends is None or axes is None or len(starts) != len(ends) or len(axes) != len(starts):
+        return None
+    if steps is not None and any(s != ("c", 1) for s in steps):
+        return None
+    if any(a[0] != "c" for a in axes):
+        return None
+    seen = set()
+    for (_, a), st, en in zip(axes, starts, ends):
+        a = a + rank if a < 0 else a
+        seen.add(a)
+        if a == axis:
+            if st != ("i", 0) or en != ("i", 1):
+                return None
+        elif not (st == ("c", 0) and _covers(g, data, inner, a, en)):
+            return None
+    if axis not in seen:
+        return None
+    return data, axis, "forward"
+
+
+def _covers(g: Graph, data: str, inner: str, axis: int, end) -> bool:
+    """Does a slice end ``end`` (an _int_terms term) reach the end of ``data`` on ``axis``?"""
+    if end[0] == "c":
+        d = g.model.shape(data)
+        return end[1] >= 2**31 - 1 or (d is not None and isinstance(d[axis], int) and end[1] >= d[axis])
+    if end[0] == "d" and end[2] == 0:
+        keys = {time_dim_key(g, data, axis), ("dim",) + root_dim(g, data, axis), ("dim",) + root_dim(g, inner, axis)}
+        return end[1] in keys
+    return False
+
+
+def _full_slice_source(g: Graph, body: Graph, name: str, invariants: dict[str, str]) -> str | None:
+    """``name`` = Slice(D, 0, INT_MAX) on some axes (a no-op view such as TorchScript's ``x[:]``): D."""
+    scope = body.scope_of(name)
+    n = scope.producer.get(name) if scope is not None else None
+    if n is None or n.op_type != "Slice" or len(n.input) < 3:
+        return None
+    terms = [_int_terms(g, body, i, {}) if i else None for i in list(n.input[1:5]) + [""] * (5 - len(n.input))]
+    starts, ends, _axes, steps = terms
+    if starts is None or ends is None or (len(n.input) > 4 and n.input[4] and steps is None):
+        return None
+    if any(t != ("c", 0) for t in starts) or any(t[0] != "c" or t[1] < 2**31 - 1 for t in ends):
+        return None
+    if steps is not None and any(t != ("c", 1) for t in steps):
+        return None
+    src = n.input[0]
+    return invariant_source(body, src, invariants) if scope is body else src
+
+
+def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int], axis: int = 0) -> None:
+    """Prove the loop runs exactly T iterations (x's size on ``axis``), or Decline.
+
+    ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
+    and counters starting at 0)."""
+    T_keys = {time_dim_key(g, x, axis), ("dim",) + root_dim(g, x, axis)}
+    T = time_dim_key(g, x, axis)
+    deltas: list[int] = []
+    M = loop.input[0] if loop.input else ""
+    if M:
+        k = dim_key(g, M)
+        if k in T_keys:
+            deltas.append(0)
+        elif k is not None and k[0] == "const" and (k[1] >= 2**31 - 1 or (T[0] == "const" and k[1] >= T[1])):
+            pass  # a bound at least T: the condition decides
+        elif k is not None and k[0] == "const":
+            raise Decline(f"the loop runs at most {k[1]} iterations, not once per time step")
+        else:
+            raise Decline("cannot prove the trip count equals the number of time steps")
+    cond_out = body.output_names[0]
+    cond_in = body.input_names[1]
+    for term in _conjuncts(body, cond_out):
+        if term == cond_in:
+            continue
+        c = body.const(term)
+        if c is not None and bool(np.asarray(c).all()):
+            continue
+        n = body.producer.get(term)
+        if n is None or n.op_type not in ("Less", "Greater"):
+            raise Decline("the loop condition is not a bound on the iteration number")
+        a, b = (n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0])
+        cs = counter_step(body, a)
+        if cs is None or cs[0] not in index_syms:
+            raise Decline("the loop condition compares something other than the iteration number")
+        k = index_syms[cs[0]] + cs[1]  # the compared value is i + k
+        if dim_key(body, b) not in T_keys:
+            raise Decline("the loop condition's bound is not the number of time steps")
+        deltas.append(1 - k)
+    if not deltas:
+        raise Decline("the loop has no bound")
+    if min(deltas) != 0:
+        raise Decline("the loop does not run exactly once per time step")
+    # the first iteration must run whenever T >= 1
+    cond0 = loop.input[1] if len(loop.input) > 1 else ""
+    if cond0:
+        for term in _conjuncts(g, cond0):
+            c = g.const(term)
+            if c is not None and bool(np.asarray(c).all()):
+                continue
+            n = g.producer.get(term)
+            ok = False
+            if n is not None and n.op_type in ("Less", "Greater"):
+                a, b = (n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0])
+                ok = dim_key(g, a) == ("const", 0) and dim_key(g, b) in T_keys
+            if not ok:
+                raise Decline("cannot prove the loop's first iteration runs")

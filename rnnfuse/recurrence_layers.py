@@ -1,0 +1,172 @@
+"""A step that runs several cells: its carried states split into layers, each one native op.
+
+Keras ``RNN([cell1, cell2])`` / ``StackedRNNCells`` and hand-written loops that call two cells per step put
+a whole stack into one step: cell 2 reads cell 1's *new* output. A native op reads a per-step input it does
+not compute, so the step is read layer by layer:
+
+* layer 0 is every state whose update is cell maths of the step input and its own states;
+* every tensor of the step that equals a layer's new state value (its unmasked update) becomes a fresh
+  step input for the next round, so the cell above reads "the output of the cell below" as its input;
+* the states left over are evaluated again with those inputs; a group whose maths read exactly one such
+  input is the next layer, fed by the layer that produced it.
+
+Groups are the connected parts of "reads": a layer's states read each other, and a carried copy of the
+output reads the states it copies. Whether a cut input is the cell below's *output* (h, not c) is checked
+once the layer below is recognised (see :func:`check_feeds`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import Decline
+from .graph import Graph
+from .step import split_mask
+from .symbolic import GATED_ROW, STATE, STEP_INPUT, Act, LinAtom, Poly, State, StepEvaluator, StepInput, SymTensor, Value
+
+
+@dataclass
+class Layer:
+    syms: list[str]  # the carried states of this layer, in the step's order
+    ev: StepEvaluator  # evaluates the step with the outputs of the layers below as step inputs
+    x: StepInput  # this layer's step input
+    below: int | None = None  # the layer whose new output is x (None: the step's own input)
+    feeds: dict = field(default_factory=dict)  # StepInput sym -> the states of this layer whose new value it is
+
+
+def sources(p: Poly) -> set:
+    """Every state and step input a polynomial reads, through activations, matmuls and gated rows."""
+    out: set = set()
+    stack = [p]
+    while stack:
+        q = stack.pop()
+        for a in q.atoms.values():
+            if isinstance(a, State):
+                out.add(a.key)
+            elif isinstance(a, StepInput):
+                out.add(a.key)
+            elif isinstance(a, Act):
+                stack.append(a.arg)
+            elif isinstance(a, LinAtom):
+                for s in a.lin.sources():
+                    if s[0] in (STATE, STEP_INPUT):
+                        out.add(s)
+                    elif s[0] == GATED_ROW and s in a.lin.rows:
+                        stack.append(a.lin.rows[s])
+    return out
+
+
+def _groups(polys: dict[str, Poly]) -> list[list[str]]:
+    """Connected parts of the 'reads' relation among ``polys``' states, in the step's order."""
+    parent = {s: s for s in polys}
+
+    def find(s):
+        while parent[s] != s:
+            parent[s] = parent[parent[s]]
+            s = parent[s]
+        return s
+
+    for s, p in polys.items():
+        for kind, sym in sources(p):
+            if kind == STATE and sym in parent:
+                parent[find(sym)] = find(s)
+    out: dict[str, list[str]] = {}
+    for s in polys:
+        out.setdefault(find(s), []).append(s)
+    return list(out.values())
+
+
+def split_layers(body: Graph, leaves: dict[str, Value], state_out: dict[str, str], x: StepInput) -> list[Layer]:
+    """The layers of a step whose carried states ``state_out`` (sym -> the body tensor of its new value) are
+    updated from the step input ``x``; one layer for an ordinary single-cell step. Declines with the reason a
+    state has no polynomial when no further layer can be read."""
+    layers: list[Layer] = []
+    producer_of: dict[str, int | None] = {x.sym: None}  # step input sym -> the layer whose output it is
+    atoms: dict[str, StepInput] = {x.sym: x}
+    remaining = list(state_out)
+    level_leaves = dict(leaves)
+    while remaining:
+        ev = StepEvaluator(body, level_leaves)
+        polys: dict[str, Poly] = {}
+        first_error: Decline | None = None
+        for s in remaining:
+            try:
+                polys[s] = ev.poly(state_out[s])
+            except Decline as d:
+                first_error = first_error or d
+        if not polys:
+            raise first_error
+        new_layers: list[Layer] = []
+        inputless: list[str] = []  # carried values that read no step input: judged with the layer they sit in
+        for group in _groups(polys):
+            read = set().union(*(sources(polys[s]) for s in group))
+            inputs = {sym for kind, sym in read if kind == STEP_INPUT}
+            foreign = {sym for kind, sym in read if kind == STATE and sym not in group}
+            if foreign:
+                raise Decline(f"a cell reads the states {sorted(foreign)} of another cell directly")
+            if len(inputs) > 1:
+                raise Decline(f"a cell reads {len(inputs)} step inputs at once (the step input and a cell output?)")
+            if not inputs:
+                inputless += group
+                continue
+            sym = next(iter(inputs))
+            new_layers.append(Layer(group, ev, atoms[sym], producer_of[sym]))
+        if inputless:
+            if not new_layers and first_error is not None:
+                raise first_error  # the state that reads the input has no polynomial: that is the reason
+            if not new_layers and layers:
+                raise Decline("a carried value of the step reads neither the step input nor a cell output")
+            if not new_layers:  # one cell that does not read x: recognising it says what it is instead
+                new_layers.append(Layer([], ev, x, None))
+            first = new_layers[0]
+            first.syms = [s for s in remaining if s in set(first.syms) | set(inputless)]
+        layers.extend(new_layers)
+        remaining = [s for s in remaining if s not in polys]
+        if not remaining:
+            break
+        # the new value of each state of these layers becomes a step input of the round above
+        for li, layer in enumerate(new_layers, start=len(layers) - len(new_layers)):
+            by_key: dict = {}  # a new value -> its step input (a carried copy of h shares h's)
+            for s in layer.syms:
+                old, delta, _ = split_mask(polys[s])
+                new_key = (old if delta is None else old.add(delta)).key
+                if new_key in by_key:
+                    layer.feeds[by_key[new_key]].add(s)
+                    continue
+                sym = by_key[new_key] = f"y{li}_{s}"
+                layer.feeds[sym] = {s}
+                for name, v in list(ev.memo.items()):
+                    if name in leaves or not isinstance(v, SymTensor) or v.poly.key != new_key:
+                        continue
+                    if sym not in atoms:
+                        atoms[sym] = StepInput(sym, v.poly.ncols)
+                        producer_of[sym] = li
+                    level_leaves[name] = SymTensor(Poly.atom(atoms[sym]), v.lead)
+    return layers
+
+
+def check_feeds(layers: list[Layer], h_of: dict[int, str]) -> None:
+    """Each layer above the first reads the new *output* (h) of the layer below, not another of its states."""
+    for layer in layers:
+        if layer.below is None:
+            continue
+        below = layers[layer.below]
+        if h_of[layer.below] not in below.feeds.get(layer.x.sym, ()):
+            raise Decline("a cell reads a state of the cell below other than its output")
+
+
+def owner(layers: list[Layer], name: str) -> int:
+    """The layer a per-step tensor of the step belongs to: the first whose maths express it from its own
+    states and input alone."""
+    if len(layers) == 1:
+        layers[0].ev.poly(name)  # declines with the reason it has no polynomial
+        return 0
+    for i, layer in enumerate(layers):
+        try:
+            p = layer.ev.poly(name)
+        except Decline:
+            continue
+        own = {(STATE, s) for s in layer.syms} | {layer.x.key}
+        if sources(p) <= own:
+            return i
+    raise Decline(f"a per-step output '{name}' mixes the cells of the step")

@@ -1,0 +1,389 @@
+"""Export recurrences that run several cells in one time step (issue 14, item 3), with reference outputs.
+
+Keras ``RNN([cell1, cell2])`` / ``RNN(StackedRNNCells([...]))`` put the whole stack into one tf2onnx Loop
+body; the second cell reads the first cell's new output, and under a mask the whole stacked state is kept at
+masked steps. rnnfuse should write one native op per cell, the second fed by the first's Y.
+
+torch loops that call two cells per step (``h1, c1 = cell1(x[t], (h1, c1)); h2 = cell2(h1, h2)``): TorchScript
+writes the stack into one Loop body, trace and dynamo unroll it into one chain per cell, the upper chain
+reading the lower one's per-step h.
+
+Usage: ``python stacked_cases.py --backend keras3|tf_keras|torch --out DIR``. The case table is plain data (the
+test imports it without TensorFlow); helpers shared with the single-layer cases come from keras_cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from keras_cases import (  # noqa: E402
+    FEATURES,
+    MASK_PATTERNS,
+    ONNX_OP,
+    STATIC_BATCH,
+    TIME,
+    UNMASKED_BATCHES,
+    export,
+    graph_ops,
+    import_backend,
+    keras_reference,
+    output_order,
+)
+
+UNITS = {"LSTM": 4, "GRU": 5, "SimpleRNN": 3}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    cells: tuple  # cell kinds, bottom first: "LSTM" | "GRU" | "SimpleRNN"
+    seq: bool = True  # return_sequences
+    masked: bool = False  # Masking(0.0) in front
+    state_out: bool = False  # return_state=True: every cell's final states are model outputs
+    backwards: bool = False  # go_backwards=True
+    wrapper: bool = False  # RNN(StackedRNNCells([...])) instead of RNN([...])
+    static: bool = False  # batch and time fixed in the input signature
+
+    @property
+    def sets(self) -> list[str]:
+        names = list(MASK_PATTERNS) if self.masked else list(UNMASKED_BATCHES)
+        if self.static:
+            names = [s for s in names if s.endswith(f"_b{STATIC_BATCH}") or s == f"b{STATIC_BATCH}"]
+        return names
+
+
+CASES = [
+    Case("cells_lstm_gru_seq", ("LSTM", "GRU")),
+    Case("cells_lstm_lstm_state", ("LSTM", "LSTM"), seq=False, state_out=True, wrapper=True),
+    Case("cells_gru_rnn_masked_seq", ("GRU", "SimpleRNN"), masked=True),
+    Case("cells_lstm_gru_masked_last", ("LSTM", "GRU"), seq=False, masked=True),
+    Case("cells_three_masked_state", ("LSTM", "GRU", "SimpleRNN"), masked=True, state_out=True),
+    Case("cells_lstm_gru_bwd_masked_seq", ("LSTM", "GRU"), masked=True, backwards=True),
+    Case("cells_gru_lstm_static_seq", ("GRU", "LSTM"), static=True),
+]
+
+
+def expectation(c: Case) -> dict:
+    ops: dict[str, int] = {}
+    for kind in c.cells:
+        ops[ONNX_OP[kind]] = ops.get(ONNX_OP[kind], 0) + 1
+    return {"ops": ops, "absent": ["Loop", "Scan"]}
+
+
+def describe(c: Case) -> str:
+    cells = ", ".join(f"{k}Cell({UNITS[k]})" for k in c.cells)
+    cells = f"StackedRNNCells([{cells}])" if c.wrapper else f"[{cells}]"
+    opts = [f"return_sequences={c.seq}"] + (["return_state=True"] if c.state_out else []) + (
+        ["go_backwards=True"] if c.backwards else [])
+    front = "Masking(0.0) -> " if c.masked else ""
+    return f"{front}RNN({cells}, {', '.join(opts)})"
+
+
+def input_sets(c: Case, rng: np.random.Generator) -> dict:
+    sets = {}
+    for set_name in c.sets:
+        if c.masked:
+            keep = np.array([[ch == "1" for ch in row] for row in MASK_PATTERNS[set_name]])
+        else:
+            keep = np.ones((UNMASKED_BATCHES[set_name], TIME), dtype=bool)
+        x = rng.standard_normal((keep.shape[0], TIME, FEATURES)).astype(np.float32)
+        x[x == 0] = 0.5
+        x[~keep] = 0.0
+        sets[set_name] = {"x": x}
+    return sets
+
+
+def _flat(x) -> list:
+    """Keras returns a stack's states nested per cell: the model outputs them flat, bottom cell first."""
+    return [t for v in x for t in _flat(v)] if isinstance(x, (list, tuple)) else [x]
+
+
+def build_model(keras, c: Case, rng: np.random.Generator):
+    batch = STATIC_BATCH if c.static else None
+    time_dim = TIME if c.static else None
+    specs = [("x", (batch, time_dim, FEATURES), "float32")]
+    x = keras.Input(batch_shape=(batch, time_dim, FEATURES), name="x")
+    h = keras.layers.Masking(0.0, name="masking")(x) if c.masked else x
+    cells = [getattr(keras.layers, f"{k}Cell")(UNITS[k], name=f"{k.lower()}_cell{i}") for i, k in enumerate(c.cells)]
+    cell = keras.layers.StackedRNNCells(cells) if c.wrapper else cells
+    layer = keras.layers.RNN(cell, return_sequences=c.seq, return_state=c.state_out, go_backwards=c.backwards,
+                             name="stacked")
+    out = layer(h)
+    outputs = _flat(out) if c.state_out else [out]
+    model = keras.Model(x, outputs)
+    for w in model.weights:
+        w.assign((0.5 * rng.standard_normal(tuple(w.shape))).astype(np.float32))
+    return model, specs
+
+
+def generate(c: Case, backend: str, out_dir: Path, keras, tf, tf2onnx, onnx) -> dict:
+    for suffix in (".onnx", ".npz", ".json"):
+        (out_dir / f"{c.name}{suffix}").unlink(missing_ok=True)
+    keras.backend.clear_session()
+    seed = zlib.crc32(c.name.encode())
+    keras.utils.set_random_seed(seed)
+    rng = np.random.default_rng(seed)
+    model, specs = build_model(keras, c, rng)
+    sets = input_sets(c, rng)
+    refs = {s: keras_reference(model, feeds, ["x"]) for s, feeds in sets.items()}
+    onnx_model = export(tf, tf2onnx, onnx, model, specs)
+    order = output_order(onnx_model, model, refs[c.sets[0]])
+    arrays = {}
+    for s, feeds in sets.items():
+        arrays[f"in/{s}/x"] = feeds["x"]
+        for k, keras_index in enumerate(order):
+            arrays[f"out/{s}/{k}"] = refs[s][keras_index]
+    ops = graph_ops(onnx_model.graph)
+    meta = {
+        "name": c.name,
+        "backend": backend,
+        "layers": describe(c),
+        "expect": expectation(c),
+        "sets": c.sets,
+        "masked": c.masked,
+        "notes": "references include the padded steps" if c.masked else "",
+        "tf2onnx_ops": {op: ops.count(op) for op in ("LSTM", "GRU", "RNN", "Loop", "Scan") if op in ops},
+    }
+    onnx.save(onnx_model, str(out_dir / f"{c.name}.onnx"))
+    np.savez(out_dir / f"{c.name}.npz", **arrays)
+    (out_dir / f"{c.name}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+# --------------------------------------------------------------------------- torch
+
+TORCH_H = {"lstm": 4, "gru": 5, "rnn": 3}
+
+
+@dataclass(frozen=True)
+class TorchCase:
+    name: str
+    exporter: str  # "torchscript" | "trace" | "dynamo"
+    cells: tuple  # "lstm" | "gru" | "rnn", bottom first (two)
+    batch_first: bool = False
+
+
+TORCH_CASES = [
+    TorchCase("script_lstm_lstm", "torchscript", ("lstm", "lstm")),
+    TorchCase("script_lstm_gru_bf", "torchscript", ("lstm", "gru"), batch_first=True),
+    TorchCase("script_gru_rnn", "torchscript", ("gru", "rnn")),
+    TorchCase("trace_lstm_lstm", "trace", ("lstm", "lstm")),
+    TorchCase("trace_gru_lstm_bf", "trace", ("gru", "lstm"), batch_first=True),
+    TorchCase("dynamo_lstm_gru", "dynamo", ("lstm", "gru")),
+]
+
+
+def torch_module(c: TorchCase):
+    """``for t: u = x[t]; for each cell: u = cell(u, state)``; returns (stacked top h, every cell's final h (, c))."""
+    import torch
+    from torch import nn
+
+    k1, k2 = c.cells
+    mk = {"lstm": nn.LSTMCell, "gru": nn.GRUCell, "rnn": nn.RNNCell}
+    h1n, h2n = TORCH_H[k1], TORCH_H[k2]
+    lstm1, lstm2, bf = k1 == "lstm", k2 == "lstm", c.batch_first
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell1 = mk[k1](FEATURES, h1n)
+            self.cell2 = mk[k2](h1n, h2n)
+
+        def forward(self, x):
+            b = x.size(0) if bf else x.size(1)
+            steps = x.size(1) if bf else x.size(0)
+            h1 = torch.zeros(b, h1n)
+            c1 = torch.zeros(b, h1n)
+            h2 = torch.zeros(b, h2n)
+            c2 = torch.zeros(b, h2n)
+            ys = []
+            for t in range(steps):
+                u = x[:, t] if bf else x[t]
+                if lstm1:
+                    h1, c1 = self.cell1(u, (h1, c1))
+                else:
+                    h1 = self.cell1(u, h1)
+                if lstm2:
+                    h2, c2 = self.cell2(h1, (h2, c2))
+                else:
+                    h2 = self.cell2(h1, h2)
+                ys.append(h2)
+            return torch.stack(ys, 1 if bf else 0), h1, c1, h2, c2
+
+    if c.exporter != "torchscript":
+        return Stack()
+    # TorchScript compiles every branch: one class per pair of cell kinds, the branches fixed at definition
+    return torch.jit.script(_script_stack(k1, k2, h1n, h2n, bf))
+
+
+HAND_CELLS = '''
+import torch
+from torch import nn
+
+
+class GRUHand(nn.Module):
+    """PyTorch's GRU formula from two Linears (nn.GRUCell does not export under TorchScript)."""
+
+    def __init__(self, i: int, h: int):
+        super().__init__()
+        self.hidden_size = h
+        self.ih, self.hh = nn.Linear(i, 3 * h), nn.Linear(h, 3 * h)
+
+    def forward(self, x, h):
+        ir, iz, in_ = self.ih(x).chunk(3, -1)
+        hr, hz, hn = self.hh(h).chunk(3, -1)
+        r = torch.sigmoid(ir + hr)
+        z = torch.sigmoid(iz + hz)
+        return (1 - z) * torch.tanh(in_ + r * hn) + z * h
+
+
+class RNNHand(nn.Module):
+    def __init__(self, i: int, h: int):
+        super().__init__()
+        self.hidden_size = h
+        self.ih, self.hh = nn.Linear(i, h), nn.Linear(h, h)
+
+    def forward(self, x, h):
+        return torch.tanh(self.ih(x) + self.hh(h))
+'''
+
+
+def _script_stack(k1: str, k2: str, h1n: int, h2n: int, bf: bool):
+    """A module whose forward is written out for the two cell kinds (TorchScript compiles every branch)."""
+    cls = {"lstm": "nn.LSTMCell", "gru": "GRUHand", "rnn": "RNNHand"}
+
+    def step_src(k, kind, u):
+        if kind == "lstm":
+            return f"h{k}, c{k} = self.cell{k}({u}, (h{k}, c{k}))"
+        return f"h{k} = self.cell{k}({u}, h{k})"
+
+    code = HAND_CELLS + f'''
+
+class ScriptStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell1 = {cls[k1]}({FEATURES}, {h1n})
+        self.cell2 = {cls[k2]}({h1n}, {h2n})
+
+    def forward(self, x):
+        b = x.size({0 if bf else 1})
+        h1 = torch.zeros(b, {h1n})
+        c1 = torch.zeros(b, {h1n})
+        h2 = torch.zeros(b, {h2n})
+        c2 = torch.zeros(b, {h2n})
+        ys: list[torch.Tensor] = []
+        for t in range(x.size({1 if bf else 0})):
+            u = x{"[:, t]" if bf else "[t]"}
+            {step_src(1, k1, "u")}
+            {step_src(2, k2, "h1")}
+            ys.append(h2)
+        return torch.stack(ys, {1 if bf else 0}), h1, c1, h2, c2
+'''
+    import importlib.util
+    import tempfile
+
+    # TorchScript reads a class's source from its file: write the module to one
+    path = Path(tempfile.mkdtemp()) / f"script_stack_{k1}_{k2}.py"
+    path.write_text(code)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.ScriptStack()
+
+
+def generate_torch(c: TorchCase, out_dir: Path) -> dict:
+    import onnx
+    import torch
+
+    seed = zlib.crc32(c.name.encode())
+    torch.manual_seed(seed)
+    module = torch_module(c).eval()
+    rng = np.random.default_rng(seed)
+    shape = lambda b, t: (b, t, FEATURES) if c.batch_first else (t, b, FEATURES)  # noqa: E731
+    example = torch.from_numpy(rng.standard_normal(shape(2, TIME)).astype(np.float32))
+    path = out_dir / f"{c.name}.onnx"
+    names = [f"out{k}" for k in range(5)]
+    with torch.no_grad():
+        if c.exporter == "dynamo":
+            batch = torch.export.Dim("batch")
+            torch.onnx.export(module, (example,), str(path), dynamo=True, external_data=False, verbose=False,
+                              input_names=["x"], output_names=names,
+                              dynamic_shapes=({0 if c.batch_first else 1: batch},))
+        else:
+            axes = {0 if c.batch_first else 1: "batch"}
+            if c.exporter == "torchscript":
+                axes[1 if c.batch_first else 0] = "time"
+            torch.onnx.export(module, (example,), str(path), dynamo=False, opset_version=17, input_names=["x"],
+                              output_names=names, dynamic_axes={"x": axes})
+    model = onnx.load(str(path))
+    onnx.save(model, str(path), save_as_external_data=False)
+    sets = {"b1": (1, TIME), "b3": (3, TIME)}
+    if c.exporter == "torchscript":
+        sets["b2_t11"] = (2, 11)
+    arrays = {}
+    for s, (b, t) in sets.items():
+        x = rng.standard_normal(shape(b, t)).astype(np.float32)
+        with torch.no_grad():
+            outs = module(torch.from_numpy(x))
+        arrays[f"in/{s}/x"] = x
+        arrays.update({f"out/{s}/{k}": o.numpy() for k, o in enumerate(outs)})
+    np.savez(out_dir / f"{c.name}.npz", **arrays)
+    ops = graph_ops(model.graph)
+    want: dict[str, int] = {}
+    for k in c.cells:
+        op = {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN"}[k]
+        want[op] = want.get(op, 0) + 1
+    meta = {
+        "name": c.name,
+        "exporter": c.exporter,
+        "layers": f"{c.exporter}: two cells per step {c.cells}" + (", batch-first" if c.batch_first else ""),
+        "expect": {"ops": want, "absent": ["Loop", "Scan", "SequenceInsert"]},
+        "sets": list(sets),
+        "masked": False,
+        "exported_ops": {op: ops.count(op) for op in ("LSTM", "GRU", "RNN", "Loop") if op in ops},
+    }
+    (out_dir / f"{c.name}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=["keras3", "tf_keras", "torch"], required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", nargs="+", action="extend", metavar="SUBSTR")
+    args = parser.parse_args(argv)
+    table = TORCH_CASES if args.backend == "torch" else CASES
+    cases = [c for c in table if not args.only or any(s in c.name for s in args.only)]
+    if args.backend != "torch":
+        keras, tf, tf2onnx, onnx = import_backend(args.backend)
+    args.out.mkdir(parents=True, exist_ok=True)
+    done, skipped = 0, []
+    for c in cases:
+        start = time.perf_counter()
+        try:
+            if args.backend == "torch":
+                meta = generate_torch(c, args.out)
+            else:
+                meta = generate(c, args.backend, args.out, keras, tf, tf2onnx, onnx)
+        except Exception as exc:  # one broken case must not stop the others
+            skipped.append(c.name)
+            print(f"WARNING: skipped {c.name} ({args.backend}): {type(exc).__name__}: {exc}".splitlines()[0],
+                  file=sys.stderr, flush=True)
+            continue
+        done += 1
+        print(f"{c.name}: {time.perf_counter() - start:.1f}s exported {meta.get('tf2onnx_ops', meta.get('exported_ops'))}")
+    print(f"{args.backend}: {done} cases written to {args.out}, {len(skipped)} skipped {skipped or ''}")
+    return 0 if done else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,7 @@ from typing import Callable, Protocol, Union
 
 import onnx
 
+from .graph import _CONTROL_FLOW as _SUBGRAPH_OPS
 from .graph import Model, subgraphs
 
 
@@ -93,8 +94,10 @@ def op_counts(graph: onnx.GraphProto) -> Counter:
     while stack:
         g = stack.pop()
         for n in g.node:
-            c[n.op_type] += 1
-            stack.extend(subgraphs(n))
+            op = n.op_type
+            c[op] += 1
+            if op in _SUBGRAPH_OPS or n.domain:  # (only these may hold graphs: no generator per node)
+                stack.extend(subgraphs(n))
     return c
 
 

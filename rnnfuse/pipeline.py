@@ -102,16 +102,21 @@ class Pipeline:
             return rep
         rounds: list[list[PassResult]] = []
         view = model
+        written = False  # whether a round wrote its graph back to the proto
         while True:
             results = []
             for i, p in enumerate(self.passes):
                 progress.pass_started(p, i, len(self.passes))  # the 'rnnfuse' logger, and a bar on a terminal
                 results.append(_run_one(p, view, ctx))
                 progress.pass_finished(results[-1], i, len(self.passes))
-            view.graph.finalize()
             rounds.append(results)
             fused = any(f.status in FUSED_STATUSES for r in results for f in r.findings)
             changed = any(r.modified for r in results)
+            if changed or fused:
+                view.graph.finalize()
+                written = True
+            # (else the proto is left as it came: nothing was rewritten, and a caller hands back the input
+            # anyway, so no liveness walk, sort or write-back of a model nothing happened to)
             if not changed or (not fused and len(rounds) == 1):
                 break
             if len(rounds) == MAX_ROUNDS:
@@ -123,7 +128,7 @@ class Pipeline:
         if ctx.log:
             for f in rep.findings:
                 ctx.log(f.line())
-        rep.ops_after = dict(op_counts(model.proto.graph))
+        rep.ops_after = dict(op_counts(model.proto.graph)) if written else dict(rep.ops_before)
         rep.seconds = time.perf_counter() - t0
         return rep
 

@@ -75,9 +75,9 @@ def test_nothing_to_merge_costs_dedupe_no_visit(n, monkeypatch):
     # a plain chain: no value has two readers, so no node has a possible duplicate; later runs: no edits
     assert [d.visited for d in dedupes] == [0] * len(dedupes)
     assert [d.full_keys for d in dedupes] == [0] * len(dedupes)
-    # one liveness walk for the whole pipeline (the chain pass' prune; finalize knows nothing changed since)
-    # and no sort (the input is in order and no edit disturbed it)
-    assert counted.live == 1
+    # no liveness walk (no step families: the chain pass does not prune; nothing changed: no finalize) and
+    # no sort (the input is in order and no edit disturbed it)
+    assert counted.live == 0
     assert counted.sorts == 0
     assert len(m.proto.graph.node) == n
 

@@ -26,9 +26,12 @@ class FuseChains:
         res = PassResult(self.name)
         tried: set = set()
         pending: dict = {}  # chain key -> its decline, reported only if the chain still exists at the end
-        g.prune()  # dead code (an exporter's unused per-step values) is no reader of a step's values
         for _ in range(self.max_rounds):
             fams = find_families(g)
+            # dead code (an exporter's unused per-step values) is no reader of a step's values; pruned only
+            # where there are steps (a graph without families pays no liveness walk)
+            if fams and g.prune():
+                fams = find_families(g)
             if not fams:
                 break
             order = g.toposort(g.live_nodes())

@@ -18,7 +18,8 @@ from onnx import NodeProto, helper, numpy_helper
 
 from rnnfuse.dims import time_flip_source
 from rnnfuse.findings import Options, PassResult
-from rnnfuse.graph import _CONTROL_FLOW, Graph, Model, attr, has_subgraph
+from rnnfuse.graph import Graph, Model, attr, has_subgraph
+from rnnfuse.protos import CONTROL_FLOW
 
 _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
 
@@ -140,7 +141,7 @@ class _DedupeTable:
         if id(n) in self.g._removed:
             return False
         op = n.op_type
-        if op in _IMPURE or op == "Constant" or op in _CONTROL_FLOW:
+        if op in _IMPURE or op == "Constant" or op in CONTROL_FLOW:
             return False  # Constants are compared by value where they are read
         outs = n.output
         if not outs or (n.domain not in ("", "ai.onnx") and has_subgraph(n)):

@@ -66,3 +66,73 @@ def dim_role(name) -> str | None:
     if _TIME_NAMES.search(name):
         return "time"
     return None
+
+
+# -- subgraphs (Loop, Scan, If bodies, and graph attributes of other domains' nodes) --------------------
+CONTROL_FLOW = frozenset({"Loop", "Scan", "If", "SequenceMap"})
+
+
+def has_subgraph(node: NodeProto) -> bool:
+    return node.op_type in CONTROL_FLOW or (node.domain not in ("", "ai.onnx") and any(True for _ in subgraphs(node)))
+
+
+def subgraphs(node: NodeProto) -> Iterator[GraphProto]:
+    if node.domain in ("", "ai.onnx") and node.op_type not in CONTROL_FLOW:
+        return
+    for a in node.attribute:
+        if a.type == AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def free_names(g: GraphProto) -> set[str]:
+    """Names a graph reads that it does not define (its captures from enclosing scopes)."""
+    defined = {i.name for i in g.input} | {i.name for i in g.initializer} | {""}
+    used: set[str] = set()
+    for n in g.node:
+        used.update(n.input)
+        for sg in subgraphs(n):
+            used |= free_names(sg)
+        defined.update(n.output)
+    used.update(o.name for o in g.output)
+    return used - defined
+
+
+def rename_free(g: GraphProto, old: str, new: str) -> None:
+    """Rename reads of an outer-scope name inside a subgraph (and its nested subgraphs)."""
+    for n in g.node:
+        for i, x in enumerate(n.input):
+            if x == old:
+                n.input[i] = new
+        for sg in subgraphs(n):
+            rename_free(sg, old, new)
+    for o in g.output:
+        if o.name == old:
+            o.name = new
+
+
+def all_names(g: GraphProto, out: set[str]) -> None:
+    """Add every tensor and node name of ``g`` and its subgraphs to ``out``."""
+    out.update(i.name for i in g.input)
+    out.update(i.name for i in g.output)
+    out.update(i.name for i in g.initializer)
+    out.update(v.name for v in g.value_info)
+    for n in g.node:
+        out.update(n.input)
+        out.update(n.output)
+        if n.name:
+            out.add(n.name)
+        if has_subgraph(n):
+            for sg in subgraphs(n):
+                all_names(sg, out)
+
+
+def set_external(t: TensorProto, location: str, offset: int, length: int) -> None:
+    """Point a tensor at ``length`` bytes of ``location`` from ``offset`` (no data in the proto)."""
+    t.ClearField("raw_data")
+    del t.external_data[:]
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    t.data_location = TensorProto.EXTERNAL

@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import Graph, rename_free, subgraphs
-from .protos import all_tensors, dim_role
+from .graph import Graph
+from .protos import all_tensors, dim_role, free_names, rename_free, subgraphs
 
 ATOL = 1e-5
 RTOL = 1e-4
@@ -165,9 +165,7 @@ def build_check_model(
     for n in keep:
         used.update(n.input)
         for sg in subgraphs(n):
-            from .graph import _graph_free_names
-
-            used |= _graph_free_names(sg)
+            used |= free_names(sg)
     pattern_inputs: dict[str, str] = {}
     extra_nodes = []
     for k, mname in enumerate(masks):
@@ -263,9 +261,7 @@ def _sort_in_place(graph: onnx.GraphProto) -> None:
             n = graph.node[i]
             deps = list(n.input)
             for sg in subgraphs(n):
-                from .graph import _graph_free_names
-
-                deps += list(_graph_free_names(sg))
+                deps += list(free_names(sg))
             for x in deps:
                 j = prod.get(x)
                 if j is not None and j not in done:

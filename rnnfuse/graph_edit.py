@@ -1,0 +1,327 @@
+"""Edits of a graph scope that keep its maps exact, and the one sort that writes the result back.
+
+Edits never re-sort the node list; :meth:`Graph.finalize` does one stable topological sort, removes dead
+nodes and unused initializers, and writes the result back into the proto.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+from onnx import NodeProto, TensorProto, helper, numpy_helper
+
+from .graph_index import GraphIndex
+from .protos import has_subgraph, rename_free, set_external, subgraphs
+
+
+class Graph(GraphIndex):
+    """One graph scope with producer/consumer maps (:class:`GraphIndex`) and edit operations."""
+
+    # -- edits -------------------------------------------------------------------------------------------
+    def fresh(self, hint: str) -> str:
+        return self.model.names.fresh(hint)
+
+    def add_node(
+        self,
+        op_type: str,
+        inputs: list[str],
+        n_outputs: int = 1,
+        *,
+        name: str | None = None,
+        outputs: list[str] | None = None,
+        domain: str = "",
+        anchor: NodeProto | None = None,
+        **attrs,
+    ) -> list[str]:
+        """Append a node; returns its output names. ``anchor`` places it near that node in the final order."""
+        base = name or f"rnnfuse/{op_type}"
+        if outputs is None:
+            outputs = [self.fresh(f"{base}:{i}" if n_outputs > 1 else base) for i in range(n_outputs)]
+        node = helper.make_node(op_type, inputs, outputs, name=self.fresh(base), domain=domain or None, **attrs)
+        self.nodes.append(node)
+        anchor_pos = self._pos.get(id(anchor), (len(self.nodes), 0)) if anchor is not None else (len(self.nodes), 0)
+        self._pos[id(node)] = (anchor_pos[0], next(self._seq))
+        self._index(node)
+        self.edited.append(node)
+        return outputs
+
+    def add_initializer(self, array: np.ndarray, hint: str) -> str:
+        name = self.fresh(hint)
+        t = numpy_helper.from_array(np.asarray(array).copy(order="C"), name)
+        self.proto.initializer.append(t)
+        self.initializers[name] = t
+        self._arrays[name] = array
+        return name
+
+    def add_spilled_initializer(self, parts: list, shape: tuple, dtype, hint: str) -> str:
+        """An initializer of ``shape`` whose data is the concatenation of ``parts`` (in C order), written
+        block by block to a spill file and kept external."""
+        import atexit
+        import os
+        import shutil
+        import tempfile
+
+        spill = self.model.facts.spill_dir
+        if spill is None:
+            spill = tempfile.mkdtemp(prefix="rnnfuse-spill-")
+            atexit.register(shutil.rmtree, spill, True)
+            self.model.facts.spill_dir = spill
+        name = self.fresh(hint)
+        path = os.path.join(spill, f"{len(os.listdir(spill))}.bin")
+        # written one block of rows at a time, so no copy of the whole tensor is ever held in memory
+        with open(path, "wb") as f:
+            for p in parts:
+                q = p if p.ndim <= 2 else p.reshape(-1, p.shape[-1])
+                block = max(1, (32 << 20) // max(1, int(np.prod(q.shape[1:])) * np.dtype(dtype).itemsize))
+                for r in range(0, int(q.shape[0]), block):
+                    f.write(np.ascontiguousarray(q[r : r + block], dtype=dtype).tobytes())
+                    self.model.release_pages()
+        t = TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        t.dims.extend(shape)
+        set_external(t, path, 0, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        self.proto.initializer.append(t)
+        self.initializers[name] = t
+        return name
+
+    def remove_node(self, node: NodeProto) -> None:
+        if id(node) in self._removed:
+            return
+        self._removed.add(id(node))
+        self._graveyard.append(node)  # keep the object alive: its id must not be reused by a new node
+        self._unindex(node)
+
+    def remove_nodes(self, nodes: list[NodeProto]) -> None:
+        """Remove many nodes at once: each consumer list is filtered once (a weight read by 2,000 unrolled
+        steps would otherwise be rescanned per step)."""
+        gone = {id(n) for n in nodes if id(n) not in self._removed}
+        if len(gone) < 64:
+            for n in nodes:
+                self.remove_node(n)
+            return
+        removed, producer, graveyard = self._removed, self.producer, self._graveyard
+        survivors = [n for n in self.nodes if id(n) not in removed and id(n) not in gone]
+        if len(survivors) < len(gone):  # most of the graph goes (a fused chain): index what stays instead
+            for n in nodes:
+                if id(n) in gone and id(n) not in removed:
+                    removed.add(id(n))
+                    graveyard.append(n)
+            self.producer.clear()
+            self.consumers.clear()
+            self._index_all(survivors)
+            return
+        touched: set[str] = set()
+        for n in nodes:
+            k = id(n)
+            if k not in gone or k in removed:
+                continue
+            removed.add(k)
+            graveyard.append(n)
+            for o in n.output:
+                if o and producer.get(o) is n:
+                    del producer[o]
+            touched.update(n.input)
+            if has_subgraph(n):
+                touched |= self.implicit_inputs(n)
+        consumers = self.consumers
+        for i in touched:
+            lst = consumers.get(i)
+            if lst:
+                lst[:] = [c for c in lst if id(c) not in gone]
+
+    def replace_uses(self, old: str, new: str) -> None:
+        """Make every reader of ``old`` (nodes, captures in subgraphs, graph outputs) read ``new``."""
+        if old == new:
+            return
+        for n in list(self.consumers.get(old, [])):
+            self._unindex(n)
+            for i, x in enumerate(n.input):
+                if x == old:
+                    n.input[i] = new
+            if old in self.implicit_inputs(n):
+                for sg in subgraphs(n):
+                    rename_free(sg, old, new)
+                self._implicit.pop(id(n), None)
+            self._index(n)
+            self.edited.append(n)
+        if old in self.output_names:
+            self._detach(old)
+            if self.producer.get(new) is not None and self._renamable(new):
+                self._rename_output(new, old)
+            else:
+                self.add_node("Identity", [new], outputs=[old], name=f"rnnfuse/out/{old}")
+
+    def _renamable(self, name: str) -> bool:
+        return (
+            name not in self.output_names
+            and name not in self._inputs
+            and not self.consumers.get(name)
+            and self.producer.get(name) is not None
+        )
+
+    def _detach(self, old: str) -> None:
+        """The old producer of a graph output gives the name up (it is about to be replaced)."""
+        old_prod = self.producer.get(old)
+        if old_prod is None:
+            return
+        self._unindex(old_prod)
+        for i, o in enumerate(old_prod.output):
+            if o == old:
+                old_prod.output[i] = self.fresh(old + "/detached")
+        if id(old_prod) not in self._removed:
+            self._index(old_prod)
+            self.edited.append(old_prod)
+
+    def _rename_output(self, new: str, old: str) -> None:
+        """Rename the produced tensor ``new`` to ``old`` (used to keep graph output names)."""
+        node = self.producer[new]
+        self._unindex(node)
+        for i, o in enumerate(node.output):
+            if o == new:
+                node.output[i] = old
+        self._index(node)
+        self.edited.append(node)
+
+    def _state(self) -> tuple[int, int]:
+        """Changes so far (nodes added or rewired, nodes removed): equal states mean the same graph."""
+        return (len(self.edited), len(self._graveyard))
+
+    def prune(self) -> int:
+        """Drop nodes nothing reads (the remains of fused recurrences); returns how many."""
+        if self._pruned == self._state():
+            return 0  # nothing changed since the last prune: nothing new is dead
+        live = self._live_set()
+        dead = [n for n in self.nodes if id(n) not in self._removed and id(n) not in live]
+        self.remove_nodes(dead)
+        if dead:
+            self.nodes = [n for n in self.nodes if id(n) not in self._removed]
+        self._pruned = self._state()
+        return len(dead)
+
+    # -- finalize ----------------------------------------------------------------------------------------
+    def finalize(self) -> None:
+        """Remove dead nodes and unused initializers, topologically sort, and write back to the proto.
+
+        Linear, and it does no whole-graph work it can prove unneeded: no liveness walk right after a
+        prune, no sort of an order no edit disturbed, no proto rewrite or index rebuild of an unchanged node
+        list."""
+        removed = self._removed
+        kept = [n for n in self.nodes if id(n) not in removed] if removed else self.nodes
+        if self._pruned == self._state():
+            nodes, dropped = kept, False  # every node left is live
+        else:
+            live = self._live_set()
+            nodes = [n for n in kept if id(n) in live]
+            dropped = len(nodes) != len(kept)
+        sort = bool(self.edited) or not self._input_sorted
+        if sort:
+            nodes = self.toposort(nodes)
+        # the same length and nothing removed, dropped or re-sorted: the proto's own list, as it is
+        if len(nodes) != len(self.proto.node) or (
+            (removed or dropped or sort) and any(a is not b for a, b in zip(nodes, self.proto.node))
+        ):
+            del self.proto.node[:]
+            self.proto.node.extend(nodes)
+            nodes = list(self.proto.node)  # extend copies: index the messages the proto holds
+            dropped = True
+        self.nodes = nodes
+        self._pos = {id(n): (i, 0) for i, n in enumerate(nodes)}
+        self._removed = set()
+        self._graveyard.clear()
+        self.edited = []
+        self._input_sorted = True
+        if dropped:  # (otherwise the indices are exact: edits kept them so, and no dead node is left in them)
+            self.producer.clear()
+            self.consumers.clear()
+            self._implicit.clear()
+            self._index_all(nodes)
+        self._pruned = self._state()
+        # the initializers and value_info entries still read or defined (from the indices, not the nodes)
+        consumers, outputs = self.consumers, set(self.output_names)
+        unused = [k for k in self.initializers if not consumers.get(k) and k not in outputs and k not in self._inputs]
+        if unused or len(self.initializers) != len(self.proto.initializer):
+            drop = set(unused)
+            keep = [t for t in self.proto.initializer if t.name not in drop]
+            del self.proto.initializer[:]
+            self.proto.initializer.extend(keep)
+        self.initializers = {t.name: t for t in self.proto.initializer} if unused else self.initializers
+        if len(self.proto.value_info):
+            defined = self.producer.keys() | self.initializers.keys() | self._inputs
+            vis = [v for v in self.proto.value_info if v.name in defined]
+            if len(vis) != len(self.proto.value_info):
+                del self.proto.value_info[:]
+                self.proto.value_info.extend(vis)
+
+    def _live_set(self) -> set[int]:
+        live: set[int] = set()
+        removed, producer = self._removed, self.producer
+        stack = [producer[o] for o in self.output_names if o in producer]
+        while stack:
+            n = stack.pop()
+            k = id(n)
+            if k in live or k in removed:
+                continue
+            live.add(k)
+            for i in itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input:
+                p = producer.get(i)
+                if p is not None:
+                    stack.append(p)
+        return live
+
+    def toposort(self, nodes: list[NodeProto]) -> list[NodeProto]:
+        """Stable Kahn sort: among ready nodes, the one with the smallest position goes first.
+
+        Already-sorted input (the common case) is detected in one pass and returned in its original order."""
+        pos = self._pos
+        order = sorted(nodes, key=lambda n: pos[id(n)])
+        index = {id(n): i for i, n in enumerate(order)}
+        producer = self.producer
+
+        def reads(n):
+            return itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input
+
+        in_order = True
+        for i, n in enumerate(order):
+            for x in reads(n):
+                p = producer.get(x)
+                if p is not None and index.get(id(p), -1) > i:
+                    in_order = False
+                    break
+            if not in_order:
+                break
+        if in_order:
+            return order
+        preds: list[list[int]] = []
+        for i, n in enumerate(order):
+            ps = []
+            for x in reads(n):
+                p = producer.get(x)
+                if p is not None:
+                    j = index.get(id(p))
+                    if j is not None and j != i:
+                        ps.append(j)
+            preds.append(ps)
+        indeg = [0] * len(order)
+        succ: list[list[int]] = [[] for _ in order]
+        for i, ps in enumerate(preds):
+            uniq = set(ps)
+            indeg[i] = len(uniq)
+            for j in uniq:
+                succ[j].append(i)
+        heap = [i for i in range(len(order)) if indeg[i] == 0]
+        heapq.heapify(heap)
+        out: list[NodeProto] = []
+        while heap:
+            i = heapq.heappop(heap)
+            out.append(order[i])
+            for s2 in succ[i]:
+                indeg[s2] -= 1
+                if indeg[s2] == 0:
+                    heapq.heappush(heap, s2)
+        if len(out) != len(order):
+            raise RuntimeError("graph has a cycle after rewriting")
+        return out
+

@@ -1,0 +1,231 @@
+"""One graph scope's producer and consumer maps, built once in one linear pass, and the queries on them.
+
+Subgraph bodies (Loop, Scan, If) are graphs of their own with a ``parent``; names they capture from outer
+scopes count as uses of the capturing node, so dead-code removal and use-replacement stay correct.
+:mod:`rnnfuse.graph_edit` adds the edits that keep these maps up to date.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import numpy as np
+from onnx import AttributeProto, GraphProto, NodeProto, TensorProto
+
+from . import fold
+from .protos import CONTROL_FLOW, attr, free_names, has_subgraph, subgraphs
+from .tensor_types import type_of
+
+if TYPE_CHECKING:
+    from .model import Model
+
+_EMPTY: frozenset = frozenset()
+
+
+class GraphIndex:
+    """One graph scope with its producer/consumer maps and the queries on them (reads only; the edits are
+    :class:`~rnnfuse.graph_edit.Graph`, the class every pass works with)."""
+
+    def __init__(self, proto: GraphProto, parent: "GraphIndex | None", model: "Model", owner: NodeProto | None = None):
+        self.proto = proto
+        self.parent = parent
+        self.model = model
+        self.owner = owner  # the node whose attribute this graph is (None for the main graph)
+        self.nodes: list[NodeProto] = list(proto.node)
+        self._pos: dict[int, tuple] = {id(n): (i, 0) for i, n in enumerate(self.nodes)}
+        self._seq = itertools.count(1)
+        self._removed: set[int] = set()
+        self._graveyard: list[NodeProto] = []
+        self.initializers: dict[str, TensorProto] = {t.name: t for t in proto.initializer}
+        self.input_names = [i.name for i in proto.input]
+        self.output_names = [o.name for o in proto.output]
+        self._inputs = set(self.input_names)
+        self.producer: dict[str, NodeProto] = {}
+        self.consumers: dict[str, list[NodeProto]] = {}
+        self._implicit: dict[int, set[str]] = {}
+        self._arrays: dict[str, np.ndarray | None] = {}
+        self._subgraph_views: dict[int, GraphIndex] = {}
+        # nodes added or rewired (inputs or outputs renamed) since the graph was built or finalized, in edit
+        # order: what an incremental pass (Dedupe after a fusion) has to look at again; finalize starts a new list
+        self.edited: list[NodeProto] = []
+        self._pruned: tuple | None = None  # _state() when the last prune (or finalize) left only live nodes
+        self._input_sorted = self._index_all(self.nodes)
+
+    # -- indexing ----------------------------------------------------------------------------------------
+    def implicit_inputs(self, node: NodeProto) -> set[str]:
+        if not has_subgraph(node):
+            return _EMPTY
+        key = id(node)
+        if key not in self._implicit:
+            free: set[str] = set()
+            for sg in subgraphs(node):
+                free |= free_names(sg)
+            self._implicit[key] = free
+        return self._implicit[key]
+
+    def _index(self, n: NodeProto) -> None:
+        producer, consumers = self.producer, self.consumers
+        for o in n.output:
+            if o:
+                producer[o] = n
+        ins = n.input
+        if has_subgraph(n):
+            ins = list(dict.fromkeys(itertools.chain(n.input, sorted(self.implicit_inputs(n)))))
+        elif len(ins) > 1:
+            ins = list(dict.fromkeys(ins))
+        for i in ins:
+            if i:
+                lst = consumers.get(i)
+                if lst is None:
+                    consumers[i] = [n]
+                else:
+                    lst.append(n)
+
+    def _index_all(self, nodes: list[NodeProto]) -> bool:
+        """``_index`` for many nodes: one loop, each node's fields read once. Returns whether the nodes are
+        in topological order (no node reads a value a later node produces)."""
+        producer, consumers, get = self.producer, self.consumers, self.consumers.get
+        early: list[str] = []  # names read before any node produced them (inputs, initializers, or disorder)
+        captures = False
+        for n in nodes:
+            for o in n.output:
+                if o:
+                    producer[o] = n
+            if n.op_type in CONTROL_FLOW or (n.domain not in ("", "ai.onnx") and has_subgraph(n)):
+                self._index_inputs(n)
+                captures = True  # (what a subgraph reads is not checked here: the sort will do it)
+                continue
+            ins = n.input
+            if len(ins) > 1:
+                ins = dict.fromkeys(ins)
+            for i in ins:
+                if i:
+                    if i not in producer:
+                        early.append(i)
+                    lst = get(i)
+                    if lst is None:
+                        consumers[i] = [n]
+                    else:
+                        lst.append(n)
+        return not captures and not any(i in producer for i in early)
+
+    def _index_inputs(self, n: NodeProto) -> None:
+        consumers = self.consumers
+        for i in dict.fromkeys(itertools.chain(n.input, sorted(self.implicit_inputs(n)))):
+            if i:
+                lst = consumers.get(i)
+                if lst is None:
+                    consumers[i] = [n]
+                else:
+                    lst.append(n)
+
+    def _unindex(self, n: NodeProto) -> None:
+        for o in n.output:
+            if o and self.producer.get(o) is n:
+                del self.producer[o]
+        for i in set(n.input) | self.implicit_inputs(n):
+            lst = self.consumers.get(i)
+            if lst:
+                lst[:] = [c for c in lst if c is not n]
+
+    def subgraph(self, node: NodeProto, name: str = "body") -> "GraphIndex":
+        """The graph view (of this class) of a node's graph attribute (created once per node)."""
+        key = id(node)
+        if key not in self._subgraph_views:
+            g = next(a.g for a in node.attribute if a.name == name and a.type == AttributeProto.GRAPH)
+            self._subgraph_views[key] = type(self)(g, self, self.model, owner=node)
+        return self._subgraph_views[key]
+
+    def local_shape(self, name: str) -> list | None:
+        """The shape this graph itself declares for ``name`` (its inputs, outputs, value_info).
+
+        Sibling subgraphs may reuse names, so a body's own declarations beat the model-wide map."""
+        if not hasattr(self, "_local_types"):
+            self._local_types = {}
+            for vi in itertools.chain(self.proto.input, self.proto.output, self.proto.value_info):
+                t = type_of(vi)
+                if t is not None:
+                    self._local_types[vi.name] = t
+        t = self._local_types.get(name)
+        return t[1] if t else None
+
+    # -- queries -----------------------------------------------------------------------------------------
+    def alive(self, node: NodeProto) -> bool:
+        return id(node) not in self._removed
+
+    def live_nodes(self) -> list[NodeProto]:
+        return [n for n in self.nodes if id(n) not in self._removed]
+
+    def is_graph_output(self, name: str) -> bool:
+        return name in self.output_names
+
+    def is_graph_input(self, name: str) -> bool:
+        return name in self._inputs and name not in self.initializers
+
+    def defines(self, name: str) -> bool:
+        return name in self.producer or name in self.initializers or name in self._inputs
+
+    def scope_of(self, name: str) -> "GraphIndex | None":
+        g: GraphIndex | None = self
+        while g is not None:
+            if g.defines(name):
+                return g
+            g = g.parent
+        return None
+
+    def uses(self, name: str) -> list[NodeProto]:
+        return self.consumers.get(name, [])
+
+    def n_uses(self, name: str) -> int:
+        return len(self.consumers.get(name, [])) + self.output_names.count(name)
+
+    def const(self, name: str) -> np.ndarray | None:
+        """The value of ``name`` if it is constant (initializer, Constant, or foldable from constants)."""
+        if not name:
+            return None
+        arrays = self._arrays
+        if name in arrays:  # (computed for this scope before: this scope defines it)
+            return arrays[name]
+        g = self.scope_of(name)
+        if g is None:
+            return None
+        return g._const_local(name)
+
+    def _const_local(self, name: str) -> np.ndarray | None:
+        if name in self._arrays:
+            return self._arrays[name]
+        self._arrays[name] = None  # guards cycles
+        val: np.ndarray | None = None
+        if name in self.initializers:
+            if name not in self._inputs:  # an initializer that is also an input can be overridden
+                val = self.model.tensor_array(self.initializers[name])
+        elif name in self.producer:
+            val = fold.fold_output(self, self.producer[name], name)
+        self._arrays[name] = val
+        return val
+
+    def fill_value(self, name: str) -> float | None:
+        """If ``name`` is a tensor filled with one value (of any, possibly dynamic, shape), that value."""
+        c = self.const(name)
+        if c is not None:
+            flat = np.asarray(c).ravel()
+            if flat.size and np.all(flat == flat[0]):
+                return float(flat[0])
+            return None
+        g = self.scope_of(name)
+        if g is None or name not in g.producer:
+            return None
+        n = g.producer[name]
+        if n.op_type == "ConstantOfShape":
+            v = attr(n, "value")
+            return 0.0 if v is None else float(np.asarray(v).ravel()[0])
+        if n.op_type == "Expand":
+            return g.fill_value(n.input[0])
+        if n.op_type in ("Identity", "Cast") and n.input:
+            return g.fill_value(n.input[0])
+        if n.op_type in ("Mul",):
+            a, b = g.fill_value(n.input[0]), g.fill_value(n.input[1])
+            if a == 0.0 or b == 0.0:
+                return 0.0
+        return None

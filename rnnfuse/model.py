@@ -1,0 +1,154 @@
+"""The model being optimized: its proto, opsets, fresh names, tensor types, weight data and main graph.
+
+Every pass sees the same :class:`Model`; its main graph (and, through it, every subgraph) is an editable
+:class:`~rnnfuse.graph_edit.Graph`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from onnx import ModelProto, TensorProto, helper, numpy_helper
+
+from .facts import ModelFacts
+from .graph_edit import Graph
+from .naming import NameAllocator
+from .protos import all_names, has_subgraph, subgraphs
+from .tensor_types import CHEAP_INFERENCE_NODES, declared_types, infer_types
+
+
+class Model:
+    """The model being optimized: opsets, fresh names, type information and the main :class:`Graph`."""
+
+    def __init__(self, proto: ModelProto, external_dir: str | None = None):
+        self.proto = proto
+        self.external_dir = external_dir  # where tensors stored as external data live (read lazily)
+        self._maps: list = []
+        self.opsets: dict[str, int] = {}
+        for imp in proto.opset_import:
+            self.opsets[imp.domain or ""] = imp.version
+        self._names: NameAllocator | None = None
+        self._types: dict[str, tuple[int, list | None]] | None = None
+        self._declared: dict[str, tuple[int, list | None]] | None = None
+        self.graph = Graph(proto.graph, None, self)
+        # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
+        self.facts = ModelFacts()
+
+    def next_round(self) -> "Model":
+        """A fresh view of the same proto for another round of passes (see ``Pipeline.run``): indices, names
+        and types are rebuilt from the graph as it now is; the facts passes left and open memory maps carry over."""
+        m = Model(self.proto, external_dir=self.external_dir)
+        m.facts = self.facts
+        m._maps = self._maps
+        return m
+
+    @property
+    def names(self) -> NameAllocator:
+        """Fresh names; every name in the model is collected the first time one is needed (a model nothing
+        is added to never pays for it)."""
+        if self._names is None:
+            # the main graph's tensor names are the keys of its indices (no walk over every node's fields)
+            g = self.graph
+            used: set[str] = set(g.producer)
+            used.update(g.consumers, g.initializers, g.input_names, g.output_names)
+            used.update(v.name for v in self.proto.graph.value_info)
+            for n in itertools.chain(g.nodes, g._graveyard):
+                if n.name:
+                    used.add(n.name)
+                if has_subgraph(n):
+                    used.update(n.input, n.output)
+                    for sg in subgraphs(n):
+                        all_names(sg, used)
+            self._names = NameAllocator(used)
+        return self._names
+
+    def release_pages(self) -> None:
+        """Let the kernel drop the pages of memory-mapped external data we have read (they stay cached on
+        disk); keeps the resident set small while huge weights are copied."""
+        import mmap
+
+        for mm in self._maps:
+            m = getattr(mm, "_mmap", None)
+            if m is not None and hasattr(m, "madvise"):
+                try:
+                    m.madvise(mmap.MADV_DONTNEED)
+                except (OSError, ValueError):
+                    pass
+
+    def tensor_array(self, t: TensorProto) -> np.ndarray:
+        """A tensor's values; external data is memory-mapped from its file, not loaded."""
+        if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
+            import os
+
+            info = {e.key: e.value for e in t.external_data}
+            loc = info["location"]
+            if self.external_dir is None and not os.path.isabs(loc):
+                raise ValueError(f"tensor '{t.name}' is stored externally but the model's directory is unknown")
+            path = loc if os.path.isabs(loc) else os.path.join(self.external_dir, loc)
+            dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+            offset = int(info.get("offset", 0))
+            shape = tuple(t.dims)
+            count = int(np.prod(shape)) if shape else 1
+            mm = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+            self._maps.append(mm)
+            return mm.reshape(shape)
+        return numpy_helper.to_array(t)
+
+    @property
+    def opset(self) -> int:
+        return self.opsets.get("", self.opsets.get("ai.onnx", 1))
+
+    # -- types -------------------------------------------------------------------------------------------
+    def types(self) -> dict[str, tuple[int, list | None]]:
+        """Element type and shape (ints, strings for symbolic dims, None for unknown) of every named value.
+
+        Shape inference runs once on a skeleton of the model (no weight data), so it is cheap for large models.
+        """
+        if self._types is None:
+            self._types = infer_types(self.proto)
+        return self._types
+
+    def _type(self, name: str):
+        if self._declared is None:
+            self._declared = declared_types(self.proto)
+        t = self._declared.get(name)
+        if t is None or t[1] is None:
+            t = self.types().get(name, t)
+        return t
+
+    def elem_type(self, name: str) -> int | None:
+        t = self._type(name)
+        return t[0] if t else None
+
+    def shape(self, name: str) -> list | None:
+        t = self._type(name)
+        return t[1] if t else None
+
+    def rank(self, name: str) -> int | None:
+        s = self.shape(name)
+        return None if s is None else len(s)
+
+    def known_type(self, name: str):
+        """Declared, or inferred where inference is cheap: already done, or a graph of fewer than
+        ``CHEAP_INFERENCE_NODES`` nodes (it runs once, on a skeleton of the model)."""
+        t = self.declared_type(name)
+        if (t is None or t[1] is None) and (self._types is not None or len(self.graph.nodes) < CHEAP_INFERENCE_NODES):
+            t = self.types().get(name, t)
+        return t
+
+    def declare(self, name: str, t) -> None:
+        """Record the type (elem_type, dims) of a tensor an edit created, unless one is known."""
+        if self._declared is None:
+            self._declared = declared_types(self.proto)
+        if t is not None and self._declared.get(name) is None:
+            self._declared[name] = t
+
+    def declared_type(self, name: str):
+        """The type the file (or an edit) declares for ``name``, without running shape inference."""
+        if self._declared is None:
+            self._declared = declared_types(self.proto)
+        t = self._declared.get(name)
+        if (t is None or t[1] is None) and self._types is not None:
+            t = self._types.get(name, t)
+        return t

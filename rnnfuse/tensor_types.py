@@ -1,0 +1,113 @@
+"""What the file declares, and what ONNX shape inference adds, about each tensor's element type and shape.
+
+A type is ``(elem_type, dims)``: dims are ints, strings for symbolic dimensions, None for unknown ones, or
+None for an unknown rank. Inference runs on a skeleton of the model (no weight data), so it is cheap even
+for models with gigabytes of weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import onnx
+from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
+
+from .protos import CONTROL_FLOW, subgraphs
+
+# below this many nodes, shape inference (once per model) is cheaper than doing without the shapes it gives
+CHEAP_INFERENCE_NODES = 20000
+
+
+def _skeleton(g: GraphProto, keep_bytes: int = 4096) -> GraphProto:
+    out = GraphProto()
+    out.name = g.name
+    out.input.extend(g.input)
+    out.output.extend(g.output)
+    out.value_info.extend(g.value_info)
+    for t in g.initializer:
+        s = TensorProto()
+        s.name = t.name
+        s.data_type = t.data_type
+        s.dims.extend(t.dims)
+        if t.data_location != TensorProto.EXTERNAL and t.ByteSize() <= keep_bytes:
+            s.CopyFrom(t)
+        out.initializer.append(s)
+    for n in g.node:
+        m = out.node.add()
+        m.CopyFrom(n) if not any(True for _ in subgraphs(n)) else _copy_node_skeleton(n, m, keep_bytes)
+    return out
+
+
+def _copy_node_skeleton(n: NodeProto, m: NodeProto, keep_bytes: int) -> None:
+    m.op_type, m.domain, m.name = n.op_type, n.domain, n.name
+    m.input.extend(n.input)
+    m.output.extend(n.output)
+    for a in n.attribute:
+        b = m.attribute.add()
+        if a.type == AttributeProto.GRAPH:
+            b.name, b.type = a.name, a.type
+            b.g.CopyFrom(_skeleton(a.g, keep_bytes))
+        elif a.type == AttributeProto.GRAPHS:
+            b.name, b.type = a.name, a.type
+            for sg in a.graphs:
+                b.graphs.append(_skeleton(sg, keep_bytes))
+        else:
+            b.CopyFrom(a)
+
+
+def type_of(vi: onnx.ValueInfoProto) -> tuple[int, list | None] | None:
+    t = vi.type
+    if not t.HasField("tensor_type"):
+        return None
+    tt = t.tensor_type
+    if not tt.HasField("shape"):
+        return (tt.elem_type, None)
+    dims: list = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(d.dim_value)
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return (tt.elem_type, dims)
+
+
+def _collect_types(g: GraphProto, out: dict, top: bool = True) -> None:
+    """Types of every name; a subgraph's names never override the main graph's or each other's."""
+    for vi in itertools.chain(g.input, g.output, g.value_info):
+        t = type_of(vi)
+        if t is not None and (vi.name not in out or (top and out[vi.name][1] is None and t[1] is not None)):
+            out[vi.name] = t
+    for t in g.initializer:
+        out[t.name] = (t.data_type, list(t.dims))
+    for n in g.node:
+        op = n.op_type
+        if op == "Constant":
+            for a in n.attribute:  # (the tensor's declared type: its data is never decoded for this)
+                if a.name == "value" and a.type == AttributeProto.TENSOR and n.output:
+                    out[n.output[0]] = (a.t.data_type, list(a.t.dims))
+        elif op in CONTROL_FLOW or n.domain not in ("", "ai.onnx"):
+            for sg in subgraphs(n):
+                _collect_types(sg, out, False)
+
+
+def declared_types(proto: ModelProto) -> dict[str, tuple[int, list | None]]:
+    """Types the file itself declares (inputs, outputs, value_info, initializers, Constants): no inference."""
+    out: dict = {}
+    _collect_types(proto.graph, out)
+    return out
+
+
+def infer_types(proto: ModelProto) -> dict[str, tuple[int, list | None]]:
+    sk = ModelProto()
+    sk.ir_version = proto.ir_version
+    sk.opset_import.extend(proto.opset_import)
+    sk.graph.CopyFrom(_skeleton(proto.graph))
+    try:
+        sk = onnx.shape_inference.infer_shapes(sk, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:  # inference is a convenience; fall back to what the file declares
+        pass
+    out: dict[str, tuple[int, list | None]] = {}
+    _collect_types(sk.graph, out)
+    return out

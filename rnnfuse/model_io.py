@@ -62,7 +62,7 @@ def load(path: str) -> tuple[onnx.ModelProto, bool]:
     except Exception as e:  # protobuf raises a variety of errors on garbage
         raise InputError(f"{path} is not a valid ONNX model ({_short(e)})") from None
     check_model_header(model, path)
-    external = uses_external_data(model)
+    external = _may_name_external_data(path) and uses_external_data(model)
     if external:
         base = os.path.dirname(os.path.abspath(path))
         from .protos import all_tensors
@@ -82,6 +82,18 @@ def load(path: str) -> tuple[onnx.ModelProto, bool]:
 
 
 _MODEL_DIRS: dict[int, str] = {}
+
+
+def _may_name_external_data(path: str) -> bool:
+    """False when the file's bytes never spell ``location``, the key every external tensor must give (in
+    any of onnx's formats): a memory scan instead of a walk over every tensor of a 100k-node model."""
+    import mmap
+
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return mm.find(b"location") >= 0
+    except (OSError, ValueError):
+        return True  # (cannot map it: ask the tensors)
 
 
 def model_dir(model: onnx.ModelProto) -> str | None:

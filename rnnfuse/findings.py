@@ -11,7 +11,7 @@ from typing import Callable, Protocol, Union
 
 import onnx
 
-from .graph import _CONTROL_FLOW as _SUBGRAPH_OPS
+from .protos import CONTROL_FLOW as _SUBGRAPH_OPS
 from .graph import Model, subgraphs
 
 

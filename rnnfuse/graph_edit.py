@@ -228,7 +228,7 @@ class Graph(GraphIndex):
             nodes = list(self.proto.node)  # extend copies: index the messages the proto holds
             dropped = True
         self.nodes = nodes
-        self._pos = {id(n): (i, 0) for i, n in enumerate(nodes)}
+        self._pos_from(nodes)
         self._removed = set()
         self._graveyard.clear()
         self.edited = []
@@ -270,6 +270,15 @@ class Graph(GraphIndex):
                 if p is not None:
                     stack.append(p)
         return live
+
+    def ordered_live_nodes(self) -> list[NodeProto]:
+        """The live nodes in a topological order: the node list as it is when it was in order (as read, or
+        as finalize left it) and no edit has added or rewired a node since (removals keep an order), with
+        no sort and no check; else :meth:`toposort`."""
+        live = self.live_nodes()
+        if self._input_sorted and not self.edited:
+            return live
+        return self.toposort(live)
 
     def toposort(self, nodes: list[NodeProto]) -> list[NodeProto]:
         """Stable Kahn sort: among ready nodes, the one with the smallest position goes first.

@@ -33,7 +33,7 @@ class GraphIndex:
         self.model = model
         self.owner = owner  # the node whose attribute this graph is (None for the main graph)
         self.nodes: list[NodeProto] = list(proto.node)
-        self._pos: dict[int, tuple] = {id(n): (i, 0) for i, n in enumerate(self.nodes)}
+        self._pos_from(self.nodes)
         self._seq = itertools.count(1)
         self._removed: set[int] = set()
         self._graveyard: list[NodeProto] = []
@@ -51,6 +51,21 @@ class GraphIndex:
         self.edited: list[NodeProto] = []
         self._pruned: tuple | None = None  # _state() when the last prune (or finalize) left only live nodes
         self._input_sorted = self._index_all(self.nodes)
+
+    # -- positions ---------------------------------------------------------------------------------------
+    def _pos_from(self, nodes: list[NodeProto]) -> None:
+        """Positions are those of ``nodes`` as they are now (later appends are placed by ``add_node``); the map
+        is built the first time someone asks, so a graph nothing is added to or sorted never pays for it."""
+        self._pos_map: dict[int, tuple] | None = None
+        self._pos_base, self._pos_len = nodes, len(nodes)
+
+    @property
+    def _pos(self) -> dict[int, tuple]:
+        """node id -> (position, tie-break): the order :meth:`toposort` keeps among ready nodes."""
+        if self._pos_map is None:
+            base = self._pos_base
+            self._pos_map = {id(base[i]): (i, 0) for i in range(self._pos_len)}
+        return self._pos_map
 
     # -- indexing ----------------------------------------------------------------------------------------
     def implicit_inputs(self, node: NodeProto) -> set[str]:

@@ -34,7 +34,7 @@ class FuseChains:
                 fams = find_families(g)
             if not fams:
                 break
-            order = g.toposort(g.live_nodes())
+            order = g.ordered_live_nodes()
             signer = Signer(g)
             recs = []
             seen_now: set = set()
@@ -65,7 +65,7 @@ class FuseChains:
         # sliced from one tensor) were not recurrences: only what remains is reported
         final = set()
         fams = find_families(g)
-        order = g.toposort(g.live_nodes()) if fams else []
+        order = g.ordered_live_nodes() if fams else []
         for (src, axis), fam in fams.items():
             if g.model.elem_type(src) == 9:
                 continue

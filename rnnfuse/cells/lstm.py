@@ -191,6 +191,9 @@ def _output_factors(ph: Poly, pc: Poly):
     (m,) = ph.terms
     atoms = [ph.atoms[k] for k in m]
     oc = [a for a in atoms if isinstance(a, Act) and a.arg.key == pc.key]
+    near = [a for a in atoms if isinstance(a, Act) and set(a.arg.atoms) & set(pc.atoms)]
+    if len(atoms) == 2 and not oc and near:
+        raise Decline(f"the output activation {near[0].kind} is not of the new cell state ({pc!r}) but of {near[0].arg!r}")
     if len(atoms) != 2 or not oc:
         raise Decline("the hidden output is not o*act(new c)" + (" (peephole or projection?)" if len(atoms) > 2 else ""))
     h_act_atom = oc[0]

@@ -76,11 +76,16 @@ def _scale(p: Poly, c: float) -> Poly:
 
 
 def _hard_sigmoid(arg: Poly, s: float) -> Poly | None:
-    lo = arg.as_lin_offset()
-    if lo is None:
+    """``s * (a*P + b)`` clipped to [0, 1] is HardSigmoid(a*s, b*s)(P), where a is the coefficient every
+    non-constant term of ``arg`` shares: P is a gate's affine map, a clipped one (Clip(a*clip(x)+b, 0, 1)),
+    an LSTM's new cell state ``f*c + i*g`` or a GRU candidate's ``x@W + r*(h@R + b)`` -- the argument the
+    native op's activation receives. Terms with different coefficients have no one such reading."""
+    coefs = {c for m, c in arg.terms.items() if m != ()}
+    if len(coefs) != 1:
         return None
-    lin, a, b = lo
-    return Poly.atom(Act("HardSigmoid", (a * s, b * s), Poly.atom(LinAtom(lin))))
+    (a,) = coefs
+    unit = Poly({m: 1.0 for m in arg.terms if m != ()}, arg.atoms)
+    return Poly.atom(Act("HardSigmoid", (a * s, arg.const_value() * s), unit))
 
 
 def _neg(ev, node, ins):

@@ -104,6 +104,11 @@ CELLS = {
     "lstm_sigmoid_exp": (2, "LSTM", 5, "LSTM whose gates are written 1/(1 + exp(-a)) (the logistic sigmoid spelled out)"),
     "gru_sigmoid_exp": (1, "GRU", 5, "GRU (torch formula) whose gates are written exp(a)/(1 + exp(a)) and 1/(1 + exp(-a))"),
     "lstm_sigmoid_exp_shift": (2, None, "near", "LSTM gates written 1/(2 + exp(-a)): not a sigmoid"),
+    "lstm_hs_output": (2, "LSTM", 5, "LSTM whose output activation is clamp(0.3*c + 0.4, 0, 1) (hard_sigmoid of the cell state)"),
+    "lstm_hs_clip": (2, "LSTM", 5, "LSTM with clamp(0.3*a + 0.4, 0, 1) gates of pre-activations clamped to [-1.5, 1.5]"),
+    "gru_hs_candidate": (1, "GRU", 5, "GRU (torch formula) whose candidate is clamp(0.3*(W x + r*(U h + b)) + 0.4, 0, 1)"),
+    "lstm_hs_output_uneven": (2, None, "near", "LSTM whose output activation is clamp(0.3*f*c + 0.5*i*g + 0.4, 0, 1): "
+                                               "no hard_sigmoid of the new cell state"),
 }
 
 # what a declined case's reason must name (lower case words, each must occur)
@@ -119,6 +124,7 @@ DECLINE_WORDS = {
     "lstm_clip_cell": ["cell state"],
     "rnn_softplus": ["softplus"],
     "lstm_sigmoid_exp_shift": ["not 1 + exp(q)"],
+    "lstm_hs_output_uneven": ["output activation"],
 }
 
 # ONNX attributes a fused case must carry (checked on every native op of the case's kind)
@@ -143,6 +149,9 @@ EXPECT_ATTRS = {
     "lstm_clip": {"clip": 1.5},
     "gru_clip": {"clip": 1.2},
     "gru_sigmoid_exp": {"linear_before_reset": 1},
+    "lstm_hs_output": {"activations": ["Sigmoid", "Tanh", "HardSigmoid"]},
+    "lstm_hs_clip": {"activations": ["HardSigmoid", "Tanh", "Tanh"], "clip": 1.5},
+    "gru_hs_candidate": {"activations": ["Sigmoid", "HardSigmoid"], "linear_before_reset": 1},
 }
 
 
@@ -307,9 +316,12 @@ def torch_classes():
                 k = self.clip
                 ai, af, ag, ao = (torch.clamp(ai, -k, k), torch.clamp(af, -k, k), torch.clamp(ag, -k, k),
                                   torch.clamp(ao, -k, k))
-            c2 = self.act(self.gate, af) * c + self.act(self.gate, ai) * self.act(self.cand, ag)
+            fc, ig = self.act(self.gate, af) * c, self.act(self.gate, ai) * self.act(self.cand, ag)
+            c2 = fc + ig
             if self.clip_cell > 0:
                 c2 = torch.clamp(c2, -self.clip_cell, self.clip_cell)
+            if self.out == "hs_uneven":  # near miss: the two terms of c' scaled differently
+                return self.act(self.gate, ao) * torch.clamp(0.3 * fc + 0.5 * ig + 0.4, 0.0, 1.0), c2
             return self.act(self.gate, ao) * self.act(self.out, c2), c2
 
     class GRUVariant(Cell):
@@ -438,6 +450,10 @@ def torch_classes():
             "lstm_sigmoid_exp": lambda: LSTMActs(fi, h, "sigexp", "tanh", "tanh"),
             "gru_sigmoid_exp": lambda: GRUVariant(fi, h, update="torch", gate="sigexp"),
             "lstm_sigmoid_exp_shift": lambda: LSTMActs(fi, h, "sigexp_shift", "tanh", "tanh"),
+            "lstm_hs_output": lambda: LSTMActs(fi, h, "sigmoid", "tanh", "hs34"),
+            "lstm_hs_clip": lambda: LSTMActs(fi, h, "hs34", "tanh", "tanh", clip=1.5),
+            "gru_hs_candidate": lambda: GRUVariant(fi, h, update="torch", cand="hs34"),
+            "lstm_hs_output_uneven": lambda: LSTMActs(fi, h, "sigmoid", "tanh", "hs_uneven"),
         }
         return table[kind]()
 

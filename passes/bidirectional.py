@@ -13,11 +13,14 @@ from onnx import NodeProto
 
 from rnnfuse import portability
 from rnnfuse.cells import native_kind
+from rnnfuse.cells.kinds import KINDS
 from rnnfuse.emit import SPILL_BYTES, Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.rewrite import Rewrite, apply_rewrites
+
+NATIVE_OPS = tuple(KINDS)  # LSTM, GRU, RNN
 
 _SKIP = {"direction", "activations", "activation_alpha", "activation_beta"}
 
@@ -148,7 +151,7 @@ class MergeBidirectional:
         g = model.graph
         res = PassResult(self.name)
         groups: dict[tuple, dict[str, list[NodeProto]]] = {}
-        for n in g.live_nodes():
+        for n in g.nodes_of(*NATIVE_OPS):
             if native_kind(n) is None:
                 continue
             d = attr(n, "direction", "forward")
@@ -192,7 +195,7 @@ class ReverseInputs:
         g = model.graph
         res = PassResult(self.name)
         rewrites = []
-        for n in g.live_nodes():
+        for n in g.nodes_of(*NATIVE_OPS):
             if native_kind(n) is None:
                 continue
             d = attr(n, "direction", "forward")

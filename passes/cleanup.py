@@ -98,7 +98,7 @@ class _DedupeTable:
         self.full_keys = 0
         # initializers and Constant outputs: found once (a set lookup per input from then on)
         self.consts = set(g.initializers)
-        self.consts.update(o for n in g.nodes if n.op_type == "Constant" and g.alive(n) for o in n.output)
+        self.consts.update(o for n in g.nodes_of("Constant") for o in n.output)
 
     def candidates(self) -> list[NodeProto]:
         """The nodes that may equal another, in graph order (topological for the input model, which is where
@@ -122,6 +122,8 @@ class _DedupeTable:
                         out[id(c)] = c
         for c in self._const_readers():
             out[id(c)] = c
+        if not out:
+            return []  # (a plain chain: not even the positions are needed)
         pos = g._pos
         return sorted(out.values(), key=lambda n: pos[id(n)])
 
@@ -132,7 +134,12 @@ class _DedupeTable:
             consts, uses = self.consts, self.g.consumers.get
             for v in consts:
                 for c in uses(v, ()):
-                    if id(c) not in found and all(i in consts for i in c.input if i):
+                    if id(c) in found:
+                        continue
+                    for i in c.input:  # (a plain loop: most readers fail on their first input)
+                        if i and i not in consts:
+                            break
+                    else:
                         found[id(c)] = c
             self.const_readers = list(found.values())
         return self.const_readers
@@ -298,8 +305,8 @@ class DropNoOps:
         g = model.graph
         res = PassResult(self.name)
         done = 0
-        for n in list(g.nodes):
-            if not g.alive(n) or n.op_type not in ("Cast", "Identity") or len(n.input) != 1 or g.is_graph_output(n.output[0]):
+        for n in g.nodes_of("Cast", "Identity"):
+            if not g.alive(n) or len(n.input) != 1 or g.is_graph_output(n.output[0]):
                 continue
             if n.op_type == "Cast" and _certain_type(g, n.input[0]) != attr(n, "to"):
                 continue
@@ -337,8 +344,8 @@ class InlineConstantIfs:
         g = model.graph
         res = PassResult(self.name)
         done = 0
-        for n in list(g.nodes):
-            if not g.alive(n) or n.op_type != "If" or n.domain not in ("", "ai.onnx"):
+        for n in g.nodes_of("If"):
+            if not g.alive(n) or n.domain not in ("", "ai.onnx"):
                 continue
             cond = g.const(n.input[0])
             if cond is None or np.asarray(cond).size != 1:
@@ -384,8 +391,8 @@ class CancelFlips:
         g = model.graph
         res = PassResult(self.name)
         n_flips = n_transposes = 0
-        for n in list(g.nodes):
-            if not g.alive(n) or n.op_type not in ("Transpose", "ReverseSequence", "Slice"):
+        for n in g.nodes_of("Transpose", "ReverseSequence", "Slice"):
+            if not g.alive(n):
                 continue
             if n.op_type == "Transpose":
                 n_transposes += self._fold_transpose(g, n)

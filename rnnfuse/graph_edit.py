@@ -41,6 +41,7 @@ class Graph(GraphIndex):
             outputs = [self.fresh(f"{base}:{i}" if n_outputs > 1 else base) for i in range(n_outputs)]
         node = helper.make_node(op_type, inputs, outputs, name=self.fresh(base), domain=domain or None, **attrs)
         self.nodes.append(node)
+        self._by_op_add(node)
         anchor_pos = self._pos.get(id(anchor), (len(self.nodes), 0)) if anchor is not None else (len(self.nodes), 0)
         self._pos[id(node)] = (anchor_pos[0], next(self._seq))
         self._index(node)
@@ -229,6 +230,7 @@ class Graph(GraphIndex):
             dropped = True
         self.nodes = nodes
         self._pos_from(nodes)
+        self._by_op = None  # (new messages, a new order)
         self._removed = set()
         self._graveyard.clear()
         self.edited = []

@@ -34,6 +34,7 @@ class GraphIndex:
         self.owner = owner  # the node whose attribute this graph is (None for the main graph)
         self.nodes: list[NodeProto] = list(proto.node)
         self._pos_from(self.nodes)
+        self._by_op: dict[str, list] | None = None  # op type -> [(rank, node)] (nodes_of), built on first use
         self._seq = itertools.count(1)
         self._removed: set[int] = set()
         self._graveyard: list[NodeProto] = []
@@ -66,6 +67,31 @@ class GraphIndex:
             base = self._pos_base
             self._pos_map = {id(base[i]): (i, 0) for i in range(self._pos_len)}
         return self._pos_map
+
+    def nodes_of(self, *op_types: str) -> list[NodeProto]:
+        """The live nodes of these op types, in node-list order (nodes added later after them, in the order
+        they were added). One scan of the op types the first time, kept up to date by ``add_node``: the
+        passes that look for Loops, Ifs, Casts or native ops in a 100k-node graph that has none read no node."""
+        by_op = self._by_op
+        if by_op is None:
+            by_op = self._by_op = {}
+            for i, n in enumerate(self.nodes):
+                lst = by_op.get(n.op_type)
+                if lst is None:
+                    by_op[n.op_type] = [(i, n)]
+                else:
+                    lst.append((i, n))
+            self._by_op_next = len(self.nodes)
+        removed = self._removed
+        found = [by_op[op] for op in op_types if op in by_op]
+        if len(found) > 1:
+            found = [sorted(itertools.chain(*found), key=_rank)]
+        return [n for _, n in found[0] if id(n) not in removed] if found else []
+
+    def _by_op_add(self, n: NodeProto) -> None:
+        if self._by_op is not None:
+            self._by_op.setdefault(n.op_type, []).append((self._by_op_next, n))
+            self._by_op_next += 1
 
     # -- indexing ----------------------------------------------------------------------------------------
     def implicit_inputs(self, node: NodeProto) -> set[str]:
@@ -244,3 +270,7 @@ class GraphIndex:
             if a == 0.0 or b == 0.0:
                 return 0.0
         return None
+
+
+def _rank(entry: tuple) -> int:
+    return entry[0]

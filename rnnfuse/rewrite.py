@@ -189,7 +189,7 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
     g = model.graph
     res = PassResult(pass_name)
     recs = []
-    for node in [n for n in g.live_nodes() if n.op_type == op_type]:
+    for node in g.nodes_of(op_type):
         try:
             found = recurrence_of(g, node)
             recs.extend(found if isinstance(found, list) else [found])  # a list: the layers of a stacked step

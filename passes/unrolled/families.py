@@ -12,7 +12,7 @@ from rnnfuse.dims import static_dim
 from rnnfuse.graph import Graph, attr
 
 
-_SLICERS = {"Gather", "Slice", "Split"}
+_SLICERS = ("Gather", "Slice", "Split")
 
 def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
     """(source, axis, index) if ``node`` takes one slice at a constant index (rank kept or reduced)."""
@@ -70,8 +70,8 @@ def _squeezed(g: Graph, name: str, axis: int) -> str | None:
 
 def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
     fams: dict[tuple[str, int], dict[int, str]] = {}
-    for n in g.live_nodes():
-        if n.op_type not in _SLICERS or g.const(n.input[0]) is not None:
+    for n in g.nodes_of(*_SLICERS):
+        if g.const(n.input[0]) is not None:
             continue
         if n.op_type == "Split":
             ax = attr(n, "axis", 0)

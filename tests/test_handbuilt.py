@@ -335,9 +335,6 @@ GAPS = [
      "GRU with hidden size 1: the 1-element recurrent candidate bias multiplies r as a scalar (r*lin + b*r), not matched"),
     (lambda o: o.front == "loop" and o.direction == "reverse" and o.reverse_form == "index" and o.masked(),
      "a masked Loop reading Gather(X, T-1-i) and Gather(mask, T-1-i) is declined ('mask' is computed at runtime outside the step)"),
-    (lambda o: o.op == "RNN" and o.activations()[0][0] == "Affine" and o.front == "chain" and not o.masked(),
-     "an unmasked linear RNN chain is declined (the chain front walks from the next step's matmul back through "
-     "the bias add, so the state it finds is the sum before the bias)"),
     (lambda o: o.mask == "pad", "a padding mask (True = padded, Where(pad, old, new)) is declined"),
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
     (lambda o: o.front == "chain" and (o.init in ("fill", "learned") or (B.has_prev(o) and o.prev_init == "fill")),

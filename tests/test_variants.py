@@ -33,13 +33,8 @@ from variant_cases import CASES  # noqa: E402  (plain data; does not import torc
 NATIVE = ("LSTM", "GRU", "RNN")
 
 # exact variants rnnfuse does not fuse yet: cell -> why (xfail, strict)
-SCALED_STATE = ("front end: the chain front walks from the next step's matmul back through the constant scale "
-                "(and offset) of the new state, so the carried state it finds is the pre-activation sum")
 NOT_YET: dict[str, str] = {}
-NOT_YET_CASES: dict[str, str] = {
-    "rnn_scaledtanh_fw": SCALED_STATE,  # (masked, the carried state is the select's output: fused)
-    "rnn_affine_fw": SCALED_STATE,
-}
+NOT_YET_CASES: dict[str, str] = {}
 # near misses declined today, but for a reason that does not name what differed: case name -> why (xfail)
 REASON_NOT_YET: dict[str, str] = {
     "lstm_feed_tanh_fw": "declined by the chain front (more than two carried values), not by the LSTM kind",

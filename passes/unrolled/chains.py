@@ -75,7 +75,12 @@ def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Inter
     return iv
 
 def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops: list | None = None) -> str | None:
-    """Walk a combining node's older input back through state-side ops to the carried tensor."""
+    """Walk a combining node's older input back through state-side ops to the carried tensor.
+
+    Arithmetic with constants is walked only on the combining side of a weight matmul (a bias added to
+    ``h @ R``): behind the matmul it belongs to the older step's state (``1.7 * tanh(a)``, ``0.5 * a + 0.1``),
+    whose result is what the step carries."""
+    read_through_weights = False
     for _ in range(limit):
         if name in stop:
             return name
@@ -91,6 +96,9 @@ def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops
             return name
         if p.op_type in ("Add", "Sub", "Mul") and any(i and i != dyn[0] and g.const(i) is None for i in p.input):
             return name  # combined with a runtime-shaped fill (0 + m * new at a first step): a state itself
+        if p.op_type in ("Add", "Sub", "Mul") and read_through_weights:
+            return name
+        read_through_weights |= p.op_type in ("MatMul", "Gemm")
         if not _keeps_rows(g, p):
             return name  # e.g. Slice(h0, layer) of a per-layer initial state: the state starts here
         pulled.add(id(p))

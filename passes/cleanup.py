@@ -372,7 +372,7 @@ def _inline_branch(g: Graph, node: NodeProto, branch) -> bool:
                 local[o] = g.fresh(f"{node.name or 'If'}/{o}")
     model = g.model
     for old, new in local.items():  # the inlined values keep the types the branch declared or inferred
-        model.declare(new, model._type(old))
+        model.declare(new, model.known_type(old))
     for b in branch.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in b.attribute}
         g.add_node(b.op_type, [local.get(i, i) for i in b.input], len(b.output), name=b.name or b.op_type,

@@ -32,6 +32,8 @@ class Model:
         self._types: dict[str, tuple[int, list | None]] | None = None
         self._declared: dict[str, tuple[int, list | None]] | None = None
         self.graph = Graph(proto.graph, None, self)
+        # whether whole-model shape inference is cheap enough to fill in undeclared types (see known_type)
+        self._may_infer = len(self.graph.nodes) < CHEAP_INFERENCE_NODES
         # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
         self.facts = ModelFacts()
 
@@ -99,43 +101,36 @@ class Model:
     def opset(self) -> int:
         return self.opsets.get("", self.opsets.get("ai.onnx", 1))
 
-    # -- types -------------------------------------------------------------------------------------------
-    def types(self) -> dict[str, tuple[int, list | None]]:
-        """Element type and shape (ints, strings for symbolic dims, None for unknown) of every named value.
+    # -- types: one rule -------------------------------------------------------------------------------
+    def known_type(self, name: str) -> tuple[int, list | None] | None:
+        """``(elem_type, dims)`` of ``name`` (dims: ints, strings for symbolic dimensions, None for unknown
+        ones), by the one rule every type query follows: what the file or an edit declares; where that
+        leaves the shape unknown, what shape inference gives, if this model is cheap to infer.
 
-        Shape inference runs once on a skeleton of the model (no weight data), so it is cheap for large models.
-        """
-        if self._types is None:
-            self._types = infer_types(self.proto)
-        return self._types
-
-    def _type(self, name: str):
+        Inference runs once, on the first query that needs it, on a skeleton of the model (no weight data).
+        A model of ``CHEAP_INFERENCE_NODES`` nodes or more never runs it (it would cost seconds on graphs
+        that often declare what the passes need anyway), so a tensor gets the same answer whichever query
+        asks first."""
         if self._declared is None:
             self._declared = declared_types(self.proto)
         t = self._declared.get(name)
-        if t is None or t[1] is None:
-            t = self.types().get(name, t)
+        if (t is None or t[1] is None) and self._may_infer:
+            if self._types is None:
+                self._types = infer_types(self.proto)
+            t = self._types.get(name, t)
         return t
 
     def elem_type(self, name: str) -> int | None:
-        t = self._type(name)
+        t = self.known_type(name)
         return t[0] if t else None
 
     def shape(self, name: str) -> list | None:
-        t = self._type(name)
+        t = self.known_type(name)
         return t[1] if t else None
 
     def rank(self, name: str) -> int | None:
         s = self.shape(name)
         return None if s is None else len(s)
-
-    def known_type(self, name: str):
-        """Declared, or inferred where inference is cheap: already done, or a graph of fewer than
-        ``CHEAP_INFERENCE_NODES`` nodes (it runs once, on a skeleton of the model)."""
-        t = self.declared_type(name)
-        if (t is None or t[1] is None) and (self._types is not None or len(self.graph.nodes) < CHEAP_INFERENCE_NODES):
-            t = self.types().get(name, t)
-        return t
 
     def declare(self, name: str, t) -> None:
         """Record the type (elem_type, dims) of a tensor an edit created, unless one is known."""
@@ -143,12 +138,3 @@ class Model:
             self._declared = declared_types(self.proto)
         if t is not None and self._declared.get(name) is None:
             self._declared[name] = t
-
-    def declared_type(self, name: str):
-        """The type the file (or an edit) declares for ``name``, without running shape inference."""
-        if self._declared is None:
-            self._declared = declared_types(self.proto)
-        t = self._declared.get(name)
-        if (t is None or t[1] is None) and self._types is not None:
-            t = self._types.get(name, t)
-        return t

@@ -109,6 +109,11 @@ def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops
 
 def _keeps_rows(g: Graph, p: NodeProto) -> bool:
     """Slicing ops on the way to a state must cut units (the last axis) or drop/add leading unit axes."""
+    if p.op_type not in ("Split", "Gather", "Slice"):
+        if p.op_type in ("Squeeze", "Unsqueeze"):
+            axes = attr(p, "axes") if g.model.opset < 13 else (g.const(p.input[1]) if len(p.input) > 1 else None)
+            return axes is not None and [int(v) for v in np.asarray(axes).ravel()] == [0]
+        return True  # (no axis to check: the leading axes are not asked for, which would walk back the chain)
     last = (lead_of(g, p.input[0]) or 0) + 1
     if p.op_type in ("Split", "Gather"):
         return attr(p, "axis", 0) in (-1, last)
@@ -127,10 +132,6 @@ def _keeps_rows(g: Graph, p: NodeProto) -> bool:
             if not full and int(ax) not in (-1, last):
                 return False
         return True
-    if p.op_type in ("Squeeze", "Unsqueeze"):
-        axes = attr(p, "axes") if g.model.opset < 13 else (g.const(p.input[1]) if len(p.input) > 1 else None)
-        return axes is not None and [int(v) for v in np.asarray(axes).ravel()] == [0]
-    return True
 
 def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | None = None) -> list[Chain]:
     """Thread the steps of a family into chains (forward and backward)."""

@@ -16,6 +16,7 @@ import math
 import numpy as np
 from onnx import NodeProto, helper, numpy_helper
 
+from rnnfuse import op_args
 from rnnfuse.dims import time_flip_source
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, attr, has_subgraph
@@ -266,10 +267,9 @@ def _flip_behind(g: Graph, name: str, axis: int) -> tuple[str, list] | None:
                 return None
             ax = int(perm[ax])
         elif p.op_type in ("Squeeze", "Unsqueeze"):
-            axes = attr(p, "axes") if g.model.opset < 13 else (g.const(p.input[1]) if len(p.input) > 1 else None)
+            axes = op_args.axes(p, g.model.opset, op_args.const_reader(g, p))
             if axes is None:
                 return None
-            axes = [int(v) for v in np.asarray(axes).ravel()]
             if p.op_type == "Squeeze":
                 rank = g.model.rank(p.input[0])
                 if any(v < 0 for v in axes) and rank is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto
 
+from rnnfuse import op_args
 from rnnfuse.dims import dim_key, root_dim, time_dim_key
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
@@ -188,10 +189,10 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
     rank = g.model.rank(data) if data is not None else None
     if data is None or rank is None:
         return None
-    sq_axes = body.const(n.input[1]) if len(n.input) > 1 and n.input[1] else attr(n, "axes")
-    if sq_axes is None or np.asarray(sq_axes).size != 1:
+    sq_axes = op_args.axes(n, g.model.opset, op_args.const_reader(body, n))
+    if sq_axes is None or len(sq_axes) != 1:
         return None
-    axis = int(np.asarray(sq_axes).ravel()[0])
+    axis = sq_axes[0]
     axis = axis + rank if axis < 0 else axis
     starts = _int_terms(g, body, sl.input[1], index_syms)
     ends = _int_terms(g, body, sl.input[2], index_syms)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import op_args
 from .graph import Graph, attr
 
 _SHAPE_PRESERVING = {
@@ -85,11 +86,10 @@ def dim_key(g: Graph, name: str, depth: int = 0):
                 return None
             k = int(np.asarray(idx).ravel()[0])
         else:
-            starts = g.const(n.input[1]) if len(n.input) > 1 else attr(n, "starts")
-            ends = g.const(n.input[2]) if len(n.input) > 2 else attr(n, "ends")
-            if starts is None or ends is None:
+            starts, ends, _, _ = op_args.slice_args(n, g.model.opset, op_args.const_reader(g, n))
+            if not starts or not ends:
                 return None
-            s, e = int(np.asarray(starts).ravel()[0]), int(np.asarray(ends).ravel()[0])
+            s, e = starts[0], ends[0]
             if e != s + 1 and not (s == -1 and e >= 2**31 - 1):
                 return None
             k = s
@@ -186,11 +186,10 @@ def time_flip_source(g: Graph, name: str, time_axis: int = 0) -> str | None:
         if _full_lengths(g, n.input[1], n.input[0], time_axis, attr(n, "batch_axis", 1)):
             return n.input[0]
         return None
-    if n.op_type == "Slice" and len(n.input) >= 5:
-        vals = [g.const(i) for i in n.input[1:5]]
-        if any(v is None for v in vals):
+    if n.op_type == "Slice":
+        starts, ends, axes, steps = op_args.slice_args(n, g.model.opset, op_args.const_reader(g, n))
+        if starts is None or ends is None or axes is None or steps is None:
             return None
-        starts, ends, axes, steps = (np.asarray(v).ravel().tolist() for v in vals)
         rank = g.model.rank(n.input[0])
         axes = [a + rank if a < 0 and rank else a for a in axes]
         if len(axes) == 1 and axes[0] == time_axis and steps == [-1] and starts[0] in (-1, 2**63 - 1, 2**31 - 1) and ends[0] <= -(2**31):

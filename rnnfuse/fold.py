@@ -13,21 +13,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from . import op_args
 from .protos import attr
 
 if TYPE_CHECKING:
     from .graph import Graph
 
 MAX_FOLD_ELEMENTS = 1 << 26  # never materialise more than 64M elements while folding
-
-
-def _axes(node, inputs, idx, opset, since):
-    """Axes given as an attribute (before ``since``) or as input ``idx``."""
-    if opset < since:
-        return attr(node, "axes")
-    if len(inputs) > idx and inputs[idx] is not None:
-        return [int(a) for a in np.asarray(inputs[idx]).ravel()]
-    return None
 
 
 def _np_dtype(onnx_type: int):
@@ -61,11 +53,12 @@ def evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int) 
         if op == "Transpose":
             perm = attr(node, "perm")
             return [np.transpose(x, perm) if perm is not None else np.transpose(x)]
+        value = inputs.__getitem__  # (every input of a node folded here is a constant)
         if op == "Squeeze":
-            axes = _axes(node, inputs, 1, opset, 13)
+            axes = op_args.axes(node, opset, value)
             return [np.squeeze(x, axis=tuple(axes)) if axes else np.squeeze(x)]
         if op == "Unsqueeze":
-            axes = _axes(node, inputs, 1, opset, 13)
+            axes = op_args.axes(node, opset, value)
             out = x
             rank = x.ndim + len(axes)
             for a in sorted(a % rank for a in axes):
@@ -83,26 +76,13 @@ def evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int) 
             return [np.concatenate([np.asarray(i) for i in inputs], axis=attr(node, "axis"))]
         if op == "Split":
             axis = attr(node, "axis", 0)
-            if opset < 13:
-                split = attr(node, "split")
-            else:
-                split = [int(s) for s in inputs[1]] if len(inputs) > 1 and inputs[1] is not None else None
-            n = len(node.output)
+            split = op_args.split_sizes(node, opset, value)
             if split is None:
-                size = x.shape[axis]
-                step = -(-size // n)
-                split = [min(step, size - i * step) for i in range(n)]
+                split = op_args.equal_split(x.shape[axis], len(node.output))
             idx = np.cumsum(split)[:-1]
             return list(np.split(x, idx, axis=axis))
         if op == "Slice":
-            if opset < 10:
-                starts, ends = attr(node, "starts"), attr(node, "ends")
-                axes = attr(node, "axes", list(range(len(starts))))
-                steps = [1] * len(starts)
-            else:
-                starts, ends = [int(v) for v in inputs[1]], [int(v) for v in inputs[2]]
-                axes = [int(v) for v in inputs[3]] if len(inputs) > 3 and inputs[3] is not None else list(range(len(starts)))
-                steps = [int(v) for v in inputs[4]] if len(inputs) > 4 and inputs[4] is not None else [1] * len(starts)
+            starts, ends, axes, steps = op_args.slice_args(node, opset, value)
             sl = [slice(None)] * x.ndim
             for s, e, a, st in zip(starts, ends, axes, steps):
                 dim = x.shape[a]

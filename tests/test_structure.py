@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
@@ -46,3 +47,47 @@ def test_one_type_rule_large_model_never_infers(first, monkeypatch):
     assert m.shape("x") == [2, 3]  # declared: known at any size
     m.declare("y", (TensorProto.FLOAT, [2, 3]))  # what an edit declares counts like the file
     assert m.rank("y") == 2 and m.known_type("y") == (TensorProto.FLOAT, [2, 3])
+
+
+# -- ONNX arguments by opset (rnnfuse.op_args), through the folder that reads them ----------------------
+def _fold(op, inputs, opset, n_out=1, **attrs):
+    """Fold one node whose inputs are the given constants (None: an input left out)."""
+    from rnnfuse import fold
+
+    names = [f"i{k}" if v is not None else "" for k, v in enumerate(inputs)]
+    node = helper.make_node(op, names, [f"o{k}" for k in range(n_out)], **attrs)
+    return fold.evaluate(node, list(inputs), opset)
+
+
+def test_axes_attribute_before_13_input_from_13():
+    x = np.zeros((1, 3, 1), np.float32)
+    assert _fold("Squeeze", [x], 11, axes=[0])[0].shape == (3, 1)
+    assert _fold("Squeeze", [x, np.array([2])], 13)[0].shape == (1, 3)
+    assert _fold("Squeeze", [x], 13)[0].shape == (3,)  # no axes: every unit axis
+    assert _fold("Unsqueeze", [x, np.array([-1])], 13)[0].shape == (1, 3, 1, 1)
+
+
+def test_slice_attributes_before_10_inputs_with_defaults_from_10():
+    x = np.arange(24).reshape(4, 6)
+    assert np.array_equal(_fold("Slice", [x], 9, starts=[1], ends=[3], axes=[1])[0], x[:, 1:3])
+    assert np.array_equal(_fold("Slice", [x], 9, starts=[1], ends=[3])[0], x[1:3])  # axes default to 0..
+    assert np.array_equal(_fold("Slice", [x, np.array([1]), np.array([3])], 13)[0], x[1:3])
+    full = [x, np.array([5]), np.array([0]), np.array([1]), np.array([-2])]
+    assert np.array_equal(_fold("Slice", full, 13)[0], x[:, 5:0:-2])
+    assert np.array_equal(_fold("Slice", [x, np.array([0]), np.array([4]), None, np.array([2])], 13)[0], x[0:4:2])
+
+
+def test_split_sizes_attribute_before_13_input_from_13_equal_without():
+    x = np.arange(7)
+    assert [len(p) for p in _fold("Split", [x], 11, 2, split=[5, 2])] == [5, 2]
+    assert [len(p) for p in _fold("Split", [x, np.array([1, 6])], 13, 2)] == [1, 6]
+    assert [len(p) for p in _fold("Split", [x], 13, 2)] == [4, 3]
+
+
+def test_clip_bounds_attributes_before_11_inputs_from_11():
+    from rnnfuse import op_args
+
+    node6 = helper.make_node("Clip", ["x"], ["y"], min=-1.0)
+    assert op_args.clip_bounds(node6, 6, None) == (-1.0, float("inf"))
+    node11 = helper.make_node("Clip", ["x", "", "hi"], ["y"])
+    assert op_args.clip_bounds(node11, 11, lambda i: {2: 3.0}[i]) == (float("-inf"), 3.0)

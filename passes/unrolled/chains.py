@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import NodeProto
 
+from rnnfuse import op_args
 from rnnfuse.dataflow import closure, dynamic_inputs, lead_of, runtime_values, shape_derived
 from rnnfuse.graph import Graph, attr
 
@@ -111,8 +112,7 @@ def _keeps_rows(g: Graph, p: NodeProto) -> bool:
     """Slicing ops on the way to a state must cut units (the last axis) or drop/add leading unit axes."""
     if p.op_type not in ("Split", "Gather", "Slice"):
         if p.op_type in ("Squeeze", "Unsqueeze"):
-            axes = attr(p, "axes") if g.model.opset < 13 else (g.const(p.input[1]) if len(p.input) > 1 else None)
-            return axes is not None and [int(v) for v in np.asarray(axes).ravel()] == [0]
+            return op_args.axes(p, g.model.opset, op_args.const_reader(g, p)) == [0]
         return True  # (no axis to check: the leading axes are not asked for, which would walk back the chain)
     last = (lead_of(g, p.input[0]) or 0) + 1
     if p.op_type in ("Split", "Gather"):

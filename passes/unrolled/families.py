@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto
 
+from rnnfuse import op_args
 from rnnfuse.dims import static_dim
 from rnnfuse.graph import Graph, attr
 
@@ -24,16 +25,10 @@ def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
         ax = attr(node, "axis", 0)
         t = int(idx)
     elif node.op_type == "Slice":
-        if g.model.opset < 10:
+        starts, ends, axes, steps = op_args.slice_args(node, g.model.opset, op_args.const_reader(g, node))
+        if not starts or not ends or len(starts) != 1 or not axes or steps != [1]:
             return None
-        vals = [g.const(i) if i else None for i in node.input[1:5]] + [None] * (5 - len(node.input))
-        starts, ends, axes, steps = vals[:4]
-        if starts is None or ends is None or starts.size != 1:
-            return None
-        if steps is not None and int(steps.ravel()[0]) != 1:
-            return None
-        ax = int(axes.ravel()[0]) if axes is not None else 0
-        t, e = int(starts.ravel()[0]), int(ends.ravel()[0])
+        ax, t, e = axes[0], starts[0], ends[0]
         if e != t + 1 and not (t == -1 and e >= 2**31 - 1):
             return None
     else:
@@ -57,8 +52,7 @@ def _squeezed(g: Graph, name: str, axis: int) -> str | None:
         return None
     u = users[0]
     if u.op_type == "Squeeze":
-        axes = attr(u, "axes") if g.model.opset < 13 else (g.const(u.input[1]) if len(u.input) > 1 else None)
-        axes = [int(a) for a in np.asarray(axes).ravel()] if axes is not None else None
+        axes = op_args.axes(u, g.model.opset, op_args.const_reader(g, u))
         if axes is not None and any(a < 0 for a in axes):
             rank = g.model.rank(name)
             if rank is None:

@@ -4,9 +4,9 @@ values, an extra value carried next to the states; and finding a step's tensor b
 
 from __future__ import annotations
 
-import numpy as np
 from onnx import NodeProto
 
+from rnnfuse import op_args
 from rnnfuse.dataflow import closure, lead_of, shape_derived
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
@@ -210,8 +210,7 @@ def _stack_output(g: Graph, chain: Chain, cat: NodeProto, items, names) -> tuple
     for k, u in items:
         if u is None:
             continue
-        ax = attr(u, "axes") if g.model.opset < 13 else g.const(u.input[1])
-        if ax is None or [int(a) for a in np.asarray(ax).ravel()] != [axis]:
+        if op_args.axes(u, g.model.opset, op_args.const_reader(g, u)) != [axis]:
             return None
     if axis < 0:
         axis += 3

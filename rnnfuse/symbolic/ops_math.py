@@ -7,6 +7,7 @@ from typing import Callable
 import numpy as np
 import onnx
 
+from .. import op_args
 from ..errors import Decline
 from ..graph import attr
 from .algebra import Act, LinAtom, Mask, Poly
@@ -208,13 +209,7 @@ def _scalar(v: Value | None, what: str) -> float | None:
 
 
 def _clip(ev, node, ins):
-    if ev.opset < 11:
-        lo, hi = attr(node, "min", float("-inf")), attr(node, "max", float("inf"))
-    else:
-        lo = _scalar(ins[1] if len(ins) > 1 else None, "Clip min")
-        hi = _scalar(ins[2] if len(ins) > 2 else None, "Clip max")
-        lo = float("-inf") if lo is None else lo
-        hi = float("inf") if hi is None else hi
+    lo, hi = op_args.clip_bounds(node, ev.opset, lambda i: _scalar(ins[i], ("Clip min", "Clip max")[i - 1]))
     return [SymTensor(_clip_poly(elementwise_poly(ins[0]), lo, hi), lead_axes(ins[0]))]
 
 

@@ -6,6 +6,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import op_args
 from ..errors import Decline
 from ..graph import attr
 from .values import BoolMask, ConcatRows, Const, MaskVector, ShapeValue, SymTensor, Value, as_rows, elementwise_poly, lead_axes
@@ -41,16 +42,11 @@ def _split(ev, node, ins):
         raise Decline("a split that is not along the unit axis")
     p = elementwise_poly(v)
     n = p.ncols
-    if ev.opset < 13:
-        sizes = attr(node, "split")
-    else:
-        sizes = [int(s) for s in ins[1].arr] if len(ins) > 1 and isinstance(ins[1], Const) else None
-    k = len(node.output)
+    sizes = op_args.split_sizes(node, ev.opset, lambda i: _const_arg(ins[i], "a split of runtime sizes"))
     if sizes is None:
         if n is None:
             raise Decline("a split of unknown width")
-        step = -(-n // k)
-        sizes = [min(step, n - i * step) for i in range(k)]
+        sizes = op_args.equal_split(n, len(node.output))
     outs, s0 = [], 0
     for s in sizes:
         outs.append(SymTensor(p.cols(s0, s0 + s), lead_axes(v)))
@@ -60,21 +56,7 @@ def _split(ev, node, ins):
 
 def _slice(ev, node, ins):
     v = ins[0]
-    if ev.opset < 10:
-        starts, ends = attr(node, "starts"), attr(node, "ends")
-        axes = attr(node, "axes", list(range(len(starts))))
-        steps = [1] * len(starts)
-    else:
-        def ints(i, default=None):
-            if len(ins) <= i or ins[i] is None:
-                return default
-            if not isinstance(ins[i], Const):
-                raise Decline("a slice with runtime bounds")
-            return [int(x) for x in ins[i].arr.ravel()]
-
-        starts, ends = ints(1), ints(2)
-        axes = ints(3, list(range(len(starts))))
-        steps = ints(4, [1] * len(starts))
+    starts, ends, axes, steps = op_args.slice_args(node, ev.opset, lambda i: _const_arg(ins[i], "a slice with runtime bounds"))
     p = elementwise_poly(v)
     out = p
     for s, e, a, st in zip(starts, ends, axes, steps):
@@ -120,14 +102,14 @@ def _concat(ev, node, ins):
     return [ConcatRows(tuple(segs), lead_axes(*ins))]
 
 
+def _const_arg(v, why: str):
+    if v is not None and not isinstance(v, Const):
+        raise Decline(why)
+    return None if v is None else v.arr
+
+
 def _axes_of(ev, node, ins):
-    if ev.opset < 13:
-        return attr(node, "axes")
-    if len(ins) > 1 and ins[1] is not None:
-        if not isinstance(ins[1], Const):
-            raise Decline("runtime axes")
-        return [int(a) for a in ins[1].arr.ravel()]
-    return None
+    return op_args.axes(node, ev.opset, lambda i: _const_arg(ins[i], "runtime axes"))
 
 
 def _unsqueeze(ev, node, ins):

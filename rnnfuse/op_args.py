@@ -1,0 +1,89 @@
+"""How an ONNX op's arguments are read at the model's opset, in one place.
+
+Several arguments moved from attributes to inputs over the opsets: the axes of Squeeze, Unsqueeze and
+ReduceSum (opset 13) and of the other reductions (18), Split's sizes (13), Slice's starts, ends, axes and
+steps (10), Clip's bounds (11). Every reader here takes the node, the opset and ``value(i)``: the constant
+value of input ``i`` (called only for an input the node gives), or None when it is not known. What a missing
+constant means is the caller's decision (the folder gives up, the step evaluator declines with a reason), so
+``value`` may also raise.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from onnx import NodeProto
+
+from .protos import attr
+
+Value = Callable[[int], "np.ndarray | None"]
+
+# the opset from which an op reads its axes from input 1 instead of an attribute
+_AXES_INPUT_SINCE = {"Squeeze": 13, "Unsqueeze": 13, "ReduceSum": 13}
+_REDUCE_AXES_INPUT_SINCE = 18  # every other Reduce*
+
+
+def given(node: NodeProto, i: int) -> bool:
+    """Whether the node gives input ``i`` (optional inputs are left out or named "")."""
+    return len(node.input) > i and bool(node.input[i])
+
+
+def ints(v) -> list[int] | None:
+    return None if v is None else [int(x) for x in np.asarray(v).ravel()]
+
+
+def _input_ints(node: NodeProto, i: int, value: Value) -> list[int] | None:
+    return ints(value(i)) if given(node, i) else None
+
+
+def axes(node: NodeProto, opset: int, value: Value) -> list[int] | None:
+    """The axes a Squeeze, Unsqueeze or reduction names; None if it names none (the op's default) or they are
+    not known."""
+    since = _AXES_INPUT_SINCE.get(node.op_type, _REDUCE_AXES_INPUT_SINCE if node.op_type.startswith("Reduce") else 13)
+    if opset < since:
+        return attr(node, "axes")
+    return _input_ints(node, 1, value)
+
+
+def split_sizes(node: NodeProto, opset: int, value: Value) -> list[int] | None:
+    """A Split's part sizes; None for equal parts (none given) or sizes that are not known."""
+    if opset < 13:
+        return attr(node, "split")
+    return _input_ints(node, 1, value)
+
+
+def equal_split(size: int, parts: int) -> list[int]:
+    """The sizes of a Split into ``parts`` without sizes: equal, the last one smaller if it must be."""
+    step = -(-size // parts)
+    return [min(step, size - i * step) for i in range(parts)]
+
+
+def slice_args(node: NodeProto, opset: int, value: Value):
+    """A Slice's ``(starts, ends, axes, steps)`` as lists of ints. Axes the node leaves out are the first
+    ``len(starts)`` ones and steps it leaves out are 1; an argument that is not known is None (and so are
+    the defaults that depend on it)."""
+    if opset < 10:
+        starts, ends = attr(node, "starts"), attr(node, "ends")
+        axes_ = attr(node, "axes", list(range(len(starts))) if starts is not None else None)
+        return starts, ends, axes_, [1] * len(starts) if starts is not None else None
+    starts, ends = _input_ints(node, 1, value), _input_ints(node, 2, value)
+    default_axes = list(range(len(starts))) if starts is not None else None
+    axes_ = _input_ints(node, 3, value) if given(node, 3) else default_axes
+    steps = _input_ints(node, 4, value) if given(node, 4) else ([1] * len(starts) if starts is not None else None)
+    return starts, ends, axes_, steps
+
+
+def clip_bounds(node: NodeProto, opset: int, value: Value) -> tuple:
+    """A Clip's ``(min, max)``: attributes before opset 11, then inputs 1 and 2 as ``value`` gives them (None
+    for a bound given but not known); -inf / inf where the node gives none."""
+    if opset < 11:
+        return attr(node, "min", float("-inf")), attr(node, "max", float("inf"))
+    lo = value(1) if given(node, 1) else float("-inf")
+    hi = value(2) if given(node, 2) else float("inf")
+    return lo, hi
+
+
+def const_reader(g, node: NodeProto) -> Value:
+    """``value`` for a node of graph ``g``: its inputs' constant values (``Graph.const``)."""
+    return lambda i: g.const(node.input[i])

@@ -21,7 +21,7 @@ from onnx import NodeProto, TensorProto
 from .dims import time_flip_source
 from .errors import Decline
 from .graph import Graph
-from .recurrence import NONE, ZERO, Init, Recurrence
+from .recurrence import NONE, ZERO, Init, Recurrence, SeqOutput
 
 SPILL_BYTES = 64 << 20  # weights at least this big are spilled to disk when the model uses external data
 GENERAL = "exact"  # any mask: valid steps are gathered to the front, results scattered back
@@ -325,6 +325,13 @@ def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: 
         if fo.lead:
             v = b.unsqueeze(v, [0])
         repl[fo.tensor] = v
+    for sr in rec.step_reads:
+        # the state after step k: that step of the hidden-state sequence (processing order), kept at masked steps
+        v = _seq_output(b, SeqOutput("", sr.fill, sr.init), Y3, finals["h"], mp, path, direction)
+        if direction == "reverse":
+            v = b.flip0(v)
+        v = b.op("Gather", v, b.const(np.array(sr.step, np.int64), "step"), axis=0)
+        repl[sr.tensor] = b.unsqueeze(v, [0]) if sr.lead else v
     # every replacement gets a tensor of its own (a graph output may take over its name)
     seen: set[str] = set()
     for k, v in list(repl.items()):
@@ -343,7 +350,7 @@ def _declare_outputs(g: Graph, rec: Recurrence, repl: dict) -> None:
     T, B = (xs[1], xs[0]) if rec.x_batch_first else (xs[0], xs[1])
     for so in rec.seq_outputs:
         g.model.declare(repl[so.tensor], (et, [B, T, hidden] if so.batch_first else [T, B, hidden]))
-    for fo in rec.finals:
+    for fo in list(rec.finals) + list(rec.step_reads):
         g.model.declare(repl[fo.tensor], (et, [1, B, hidden] if fo.lead else [B, hidden]))
 
 

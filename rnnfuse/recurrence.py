@@ -47,6 +47,18 @@ class SeqOutput:
 
 
 @dataclass
+class StepRead:
+    """The hidden state after one step, read by the graph beside the recurrence (a head applied per step,
+    outputs concatenated on features, ``stack(ys[1:])``): the emitter gives it that step's slice of Y."""
+
+    tensor: str  # [B, H] (or [1, B, H] with lead 1)
+    step: int  # the step's index in processing order
+    fill: str = NONE  # CARRY for a masked recurrence: the state is kept at masked steps
+    init: Init = field(default_factory=Init)  # CARRY: the state before the first valid step
+    lead: int = 0
+
+
+@dataclass
 class FinalOutput:
     tensor: str  # [B, H]
     which: str  # "h" or "c"
@@ -81,6 +93,7 @@ class Recurrence:
     mask: str | None = None
     seq_outputs: list[SeqOutput] = field(default_factory=list)
     finals: list[FinalOutput] = field(default_factory=list)
+    step_reads: list[StepRead] = field(default_factory=list)
     remove: list[NodeProto] = field(default_factory=list)  # nodes that die with the rewrite
     anchor: NodeProto | None = None
     x_batch_first: bool = False  # x is [B, T, F]

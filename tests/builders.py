@@ -241,6 +241,10 @@ def mutation_expressible(name: str, o: Opts) -> bool:
         return True  # 1.5 * tanh(a) is ScaledTanh(1.5, 1)(a)
     if name in ("mask_on_input", "loop_shifted_input", "loop_fixed_input"):
         return True  # an unmasked native op over a transformed X (computed outside the recurrence)
+    if o.front == "chain" and name in ("output_prev_h", "chain_state_read_midway", "state_unmasked_output_masked"):
+        # an unrolled chain's h read step by step: each reader gets its step of the native op's Y (issue 14
+        # item 4) and computes from it what it did (the previous h stacked, a graph output, the output's select)
+        return True
     if name in ("coupled_if", "gru_swapped_update"):
         # 1 - sigmoid(a) = sigmoid(-a);  1 - hard_sigmoid(alpha, 0.5)(a) = hard_sigmoid(alpha, 0.5)(-a)
         return f[0] == "Sigmoid" or (f[0] == "HardSigmoid" and abs(f[1][1] - 0.5) < 1e-12)

@@ -6,11 +6,21 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from builders_loops import (
+    NEAR_MISSES,
+    STACK_FORMS,
+    STACK_MISSES,
+    LoopOpts,
+    StackOpts,
+    all_variants,
+    build,
+    build_stack,
+    reference,
+    stack_reference,
+)
+from helpers import assert_close, op_counts, session
 
 import rnnfuse
-from builders_loops import (NEAR_MISSES, STACK_FORMS, STACK_MISSES, LoopOpts, StackOpts, all_variants, build,
-                            build_stack, reference, stack_reference)
-from helpers import assert_close, op_counts, session
 
 
 @pytest.mark.parametrize("o", all_variants(), ids=lambda o: o.name)
@@ -74,3 +84,4 @@ def test_stacked_cells_near_misses_declined(o: StackOpts):
     fused, report = rnnfuse.optimize(model)
     assert not report.fused and report.declined, report.to_text()
     assert op_counts(fused) == op_counts(model)
+

@@ -144,6 +144,7 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
     stop = {**xs, **all_masks}
     runtime = runtime_values(g)
     found: dict[tuple[str, int], _Found] = {}
+    regions: dict[int, tuple[set, list]] = {}
     for t, x in fam.items():
         # the step's mask-only values (a tiled, negated or cast mask), then the x-local region: nodes
         # computed from x_t (with constants and mask-only values) only
@@ -168,8 +169,18 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
                             frontier.append(o)
                 else:
                     combining.append(c)
+        regions[t] = (local, combining)
+    # a Concat of values local to several other steps stacks them (per-step outputs of a fused layer, read step
+    # by step): a real step reads one older step's value (x-local only at a chain's first step), e.g. input
+    # feeding's Concat(x_1, y_0)
+    local_step = {v: t for t, (local, _) in regions.items() for v in local}
+    for t, x in fam.items():
+        local, combining = regions[t]
+        mask_local = mask_only.get(t, set())
         mask_t = mask_fam.get(t, {}) if mask_fam else {}
         for c in combining:
+            if c.op_type == "Concat" and len({local_step[i] for i in c.input if i in local_step} - {t}) > 1:
+                continue
             for i in c.input:
                 if not i or i in local or i in mask_local or i in xs or i in mask_t:
                     continue

@@ -142,7 +142,8 @@ def find_symbolic(g: Graph, e: StepEval, chain: Chain, k: int, iv, op_type: str,
 
 def chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set, mask_values: set) -> tuple[list, dict]:
     """What the rest of the graph reads of the chain: stacks of a per-step series ((role, tensor,
-    batch_first, reversed)) and the last step's values (role -> tensor). Anything else declines."""
+    batch_first, reversed)), the last step's values (role -> tensor) and the hidden state of other steps
+    read one by one ((k, tensor)). Anything else declines."""
     n = len(chain.steps)
     ts = [s.t for s in chain.steps]
     index = {t: (r, k) for r, names in series.items() for k, t in enumerate(names) if t}
@@ -179,12 +180,20 @@ def chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set, mask_v
         else:
             stacks.append((r,) + got)
     finals: dict[str, str] = {}
+    step_reads: list[tuple[int, str]] = []
     for r, k, t in extra:
-        if k != n - 1:
-            what = {"h": "hidden state", "c": "cell state"}.get(r, "output")
-            raise Decline(f"the {what} of step {ts[k]} is read outside the chain (not stacked)")
-        finals[r] = t
-    return stacks, finals
+        if k == n - 1:
+            finals[r] = t
+        elif r == "h":
+            step_reads.append((k, t))  # given its step of Y
+        else:
+            what = {"c": "cell state"}.get(r, "output")
+            raise Decline(f"the {what} of step {ts[k]} is read outside the chain (a native op outputs only the last)")
+    if step_reads and "h" in finals:
+        # the last step's h read beside the others (a stacked chain's next layer, a head per step): its step of
+        # Y too (equal to Y_h), so whatever reads every step reads one sequence
+        step_reads.append((n - 1, finals.pop("h")))
+    return stacks, finals, step_reads
 
 def _stack_output(g: Graph, chain: Chain, cat: NodeProto, items, names) -> tuple | None:
     """``Concat(Unsqueeze(v_k, a) for every step, axis=a)`` -> (tensor, batch_first, reversed)."""

@@ -20,7 +20,7 @@ from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
 from rnnfuse.inputs import input_projection, projected_leaf
-from rnnfuse.recurrence import CellCheck, FinalOutput, Init, Recurrence
+from rnnfuse.recurrence import CARRY, NONE, CellCheck, FinalOutput, Init, Recurrence, StepRead
 from rnnfuse.signature import Signer
 from rnnfuse.step import StepAnalysis, StepOut, StepState, analyse
 from rnnfuse.symbolic import Poly, StepInput, SymTensor, loose_key, zero_states
@@ -266,7 +266,7 @@ class _ChainRoles:
     def analyse(self) -> StepAnalysis:
         """The chain's outputs and the reference step's maths -> the cell and the recurrence's states."""
         g, series, ref = self.g, self.series, self.ref
-        stacks, finals = chain_outputs(g, self.chain, series, self.chain_nodes, self.mask_values)
+        stacks, finals, self.step_reads = chain_outputs(g, self.chain, series, self.chain_nodes, self.mask_values)
         h0 = self.h_in[0]
         inits = {
             "h": Init(h0, None, lead_of(g, h0) or 0) if h0 is not None and self.h0_fill is None else Init(),
@@ -330,6 +330,9 @@ class _ChainRoles:
             mask=mask,
             seq_outputs=an.seq_outputs,
             finals=[FinalOutput(f.tensor, f.which, f.init, lead_of(g, f.tensor) or 0) for f in an.finals],
+            step_reads=[StepRead(t, ts[k] - min(ts) if self.chain.direction == "forward" else max(ts) - ts[k],
+                                 CARRY if an.masked else NONE, an.h0 if an.masked else Init(), lead_of(g, t) or 0)
+                        for k, t in self.step_reads],
             anchor=anchor,
             x_batch_first=axis == 1,
             x_reversed=self.chain.direction == "reverse",

@@ -36,10 +36,7 @@ NATIVE = ("LSTM", "GRU", "RNN")
 NOT_YET: dict[str, str] = {}
 NOT_YET_CASES: dict[str, str] = {}
 # near misses declined today, but for a reason that does not name what differed: case name -> why (xfail)
-REASON_NOT_YET: dict[str, str] = {
-    "lstm_feed_tanh_fw": "declined by the chain front (more than two carried values), not by the LSTM kind",
-    "lstm_feed_tanh_bidir_masked": "declined by the chain front (more than two carried values), not by the LSTM kind",
-}
+REASON_NOT_YET: dict[str, str] = {}
 
 
 def _case(directory: Path, name: str) -> dict:

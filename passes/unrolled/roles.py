@@ -27,7 +27,7 @@ from rnnfuse.symbolic import Poly, StepInput, SymTensor, loose_key, zero_states
 
 from .chains import Chain, Step
 from .outputs import chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, order_of, step_output
-from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn
+from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through
 
 
 def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None = None) -> Recurrence:
@@ -130,7 +130,7 @@ class _ChainRoles:
         self.h_in = h_in
         self.h_new: list[str | None] = [h_in[k + 1] for k in range(n - 1)] + [None]
         self.allowed = [allowed_fn(g, self.chain, k, self.iv) for k in range(n)]
-        self.foreign = [Foreign(s.t) for s in steps]
+        self.foreign = [Foreign(s.t, fed_through(g, h_in[k])) for k, s in enumerate(steps)]
         self.leaves = []
         for k, st in enumerate(steps):
             lv = {st.x: "x"}

@@ -56,14 +56,31 @@ def allowed_fn(g: Graph, chain: Chain, k: int, iv):
 _CARRIED_SIDE = {"Mul", "Add", "Sub", "Div", "Neg", "Unsqueeze", "Squeeze", "Identity", "Reshape", "MatMul", "Gemm"}
 
 
+# activations a step's h may come out of: when the step also reads that activation's input, the "h" the
+# threading found is an input feed of act(h) (cat(x, tanh(h))), not the carried state
+_ACTIVATIONS = {"Tanh", "Sigmoid", "Relu", "LeakyRelu", "Elu", "Softsign", "Softplus", "HardSigmoid"}
+
+
+def fed_through(g: Graph, h_in: str | None) -> tuple[str, str] | None:
+    """``(input, op)`` when the step's h is an activation of one older tensor."""
+    p = g.producer.get(h_in) if h_in is not None else None
+    if p is None or p.op_type not in _ACTIVATIONS or not p.input:
+        return None
+    return p.input[0], p.op_type
+
+
 class Foreign:
     """The one older value (besides h) a step may read: the LSTM cell state."""
 
-    def __init__(self, t: int):
+    def __init__(self, t: int, fed: tuple[str, str] | None = None):
         self.t = t
+        self.fed = fed
         self.name: str | None = None
 
     def __call__(self, name: str) -> str:
+        if self.fed is not None and name == self.fed[0]:
+            raise Decline(f"step {self.t} reads its state both directly and through {self.fed[1]} into the input "
+                          f"matmul (an input feed of {self.fed[1]}(h)): a native op's weights read h itself")
         if self.name is None:
             self.name = name
         elif name != self.name:
@@ -80,7 +97,7 @@ class StepEval:
 
     def __init__(self, g: Graph, chain: Chain, k: int, iv, h_in: str | None, x_atom: StepInput, x_value=None):
         st = chain.steps[k]
-        self.foreign = Foreign(st.t)
+        self.foreign = Foreign(st.t, fed_through(g, h_in))
         leaves = {st.x: x_value if x_value is not None else SymTensor(Poly.atom(x_atom))}
         if h_in is not None:
             fv = g.fill_value(h_in)

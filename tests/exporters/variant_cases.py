@@ -120,7 +120,7 @@ DECLINE_WORDS = {
     "gru_update_other_gate": ["update"],
     "mgu_reset_input": ["reset"],
     "gru_feed": ["candidate"],
-    "lstm_feed_tanh": ["matmul"],
+    "lstm_feed_tanh": ["through tanh", "input feed"],
     "lstm_clip_cell": ["cell state"],
     "rnn_softplus": ["softplus"],
     "lstm_sigmoid_exp_shift": ["not 1 + exp(q)"],

@@ -21,6 +21,7 @@ import onnx
 from onnx import helper
 
 from .errors import InputError, OutputError
+from .feeds import random_values, valid_steps
 from .protos import dim_role
 
 
@@ -98,7 +99,7 @@ def make_inputs(model: onnx.ModelProto, batch: int, seq_len: int, mask: str, rng
                 sizes: list | None = None) -> dict:
     """Random feeds for ``model``; when ``sizes`` is a list, the :class:`Sizes` that ran is appended to it."""
     from .graph import Model
-    from .validate import index_ranges
+    from .feeds import index_ranges
 
     m = Model(model)
     g = m.graph
@@ -150,15 +151,12 @@ def make_inputs(model: onnx.ModelProto, batch: int, seq_len: int, mask: str, rng
                 static_time = other
             elif "time" in roles[:2] and static_batch is None:
                 static_batch = other
-        np_t = helper.tensor_dtype_to_np_dtype(et)
-        if np.issubdtype(np_t, np.floating):
-            v = rng.standard_normal(concrete).astype(np_t)
-        elif np_t == np.bool_:
-            v = rng.random(concrete) < 0.8
-        else:
-            v = rng.integers(1, max(ranges.get(name, 3), 2), size=concrete).astype(np_t)
+        v = random_values(concrete, helper.tensor_dtype_to_np_dtype(et), rng, p_true=0.8,
+                          index_range=ranges.get(name, 3), lowest_index=1)
         if mask != "none" and v.ndim >= 2 and v.dtype != np.bool_:
-            _pad(v, mask, rng)
+            # padded steps (batch-first: [B, T, ...]) are zero, which Keras' Masking(0.0) and
+            # Embedding(mask_zero=True) treat as padding
+            v[~valid_steps(mask, v.shape[1], v.shape[0], rng, realistic=True).T] = 0
         feeds[name] = v
     if sizes is not None:
         if not used_batch and not used_time:
@@ -170,19 +168,6 @@ def make_inputs(model: onnx.ModelProto, batch: int, seq_len: int, mask: str, rng
         sizes.append(Sizes(batch if used_batch else static_batch, seq_len if used_time else static_time,
                            {n: list(v.shape) for n, v in feeds.items()}, not used_batch, not used_time))
     return feeds
-
-
-def _pad(v: np.ndarray, kind: str, rng) -> None:
-    """Zero out padded steps along axis 1 (batch-first) row by row."""
-    B, T = v.shape[0], v.shape[1]
-    for b in range(B):
-        L = int(rng.integers(max(1, T // 2), T + 1)) if b else T
-        if kind == "post":
-            v[b, L:] = 0
-        elif kind == "pre":
-            v[b, : T - L] = 0
-        elif kind == "gappy":
-            v[b, rng.random(T) < 0.3] = 0
 
 
 def session(model_bytes: bytes, threads: int):

@@ -13,6 +13,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .emit import native_attrs
+from .feeds import random_values
 from .graph import Graph
 from .validate import MAX_VALIDATION_BYTES, PairResult, ValidationResult, compare, failed_run, ort_module
 
@@ -49,7 +50,7 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
             for name, role in chk.inputs.items():
                 width = cell.input_size if role == "x" else cell.hidden
                 name = role_name[role] if role == "x" else name
-                feeds[name] = (rng.standard_normal((batch, width)) * (scale if role == "x" else 1.0)).astype(np.float32)
+                feeds[name] = random_values((batch, width), np.float32, rng, scale=scale if role == "x" else 1.0)
             for name, v in chk.fills.items():
                 feeds[name] = np.full((batch, cell.hidden), v, np.float32)
             try:

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .feeds import index_ranges, random_values, valid_steps  # noqa: F401  (index_ranges: re-exported)
 from .graph import Graph
 from .protos import all_tensors, dim_role, free_names, rename_free, subgraphs
 
@@ -58,41 +59,6 @@ def ort_module():
     return ort
 
 
-def index_ranges(g: Graph) -> dict[str, int]:
-    """Integer graph inputs used as Gather indices into a constant table: name -> table size."""
-    out: dict[str, int] = {}
-    for name in g.input_names:
-        for n in g.uses(name):
-            if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == name:
-                table = g.const(n.input[0])
-                if table is not None:
-                    ax = 0
-                    for a in n.attribute:
-                        if a.name == "axis":
-                            ax = a.i
-                    out[name] = min(out.get(name, 1 << 30), int(table.shape[ax]))
-    return out
-
-
-def _pattern(kind: str, T: int, B: int, rng: np.random.Generator) -> np.ndarray:
-    P = np.zeros((T, B), dtype=bool)
-    if kind == "full":
-        P[:] = True
-        return P
-    for b in range(B):
-        if kind == "post":
-            L = [T, 0][b] if b < 2 and B > 1 else int(rng.integers(0, T + 1))
-            P[:L, b] = True
-        elif kind == "pre":
-            L = [T, 0][b] if b < 2 and B > 1 else int(rng.integers(0, T + 1))
-            P[T - L :, b] = True
-        else:  # gappy
-            P[:, b] = rng.random(T) < 0.6
-            if b == 1:
-                P[:, b] = False
-    return P
-
-
 def _inputs_for(g: Graph, dims: dict, b: int, t: int, scale: float, rng, index_ranges) -> dict[str, np.ndarray]:
     feeds = {}
     order: list[str] = []
@@ -122,14 +88,7 @@ def _inputs_for(g: Graph, dims: dict, b: int, t: int, scale: float, rng, index_r
                         dims[key] = [b, t][pos] if pos < 2 else 3
                 concrete.append(dims[key])
         np_t = helper.tensor_dtype_to_np_dtype(et) if et else np.float32
-        if np.issubdtype(np_t, np.floating):
-            v = (rng.standard_normal(concrete) * scale).astype(np_t)
-        elif np_t == np.bool_:
-            v = rng.random(concrete) < 0.7
-        else:
-            hi = index_ranges.get(name, 3)
-            v = rng.integers(0, max(hi, 1), size=concrete).astype(np_t)
-        feeds[name] = v
+        feeds[name] = random_values(concrete, np_t, rng, scale=scale, p_true=0.7, index_range=index_ranges.get(name, 3))
     return feeds
 
 
@@ -355,9 +314,9 @@ def validate(
                 kinds = kinds_any if kind == "any" else kinds_post
                 d0, d1 = shapes[mname]
                 if time_axis == 0:
-                    feeds[pname] = _pattern(kinds[ki % len(kinds)], d0, d1, rng)
+                    feeds[pname] = valid_steps(kinds[ki % len(kinds)], d0, d1, rng)
                 else:
-                    feeds[pname] = np.ascontiguousarray(_pattern(kinds[ki % len(kinds)], d1, d0, rng).T)
+                    feeds[pname] = np.ascontiguousarray(valid_steps(kinds[ki % len(kinds)], d1, d0, rng).T)
             try:
                 outs = sess.run(None, feeds)
             except Exception as e:

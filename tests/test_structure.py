@@ -91,3 +91,43 @@ def test_clip_bounds_attributes_before_11_inputs_from_11():
     assert op_args.clip_bounds(node6, 6, None) == (-1.0, float("inf"))
     node11 = helper.make_node("Clip", ["x", "", "hi"], ["y"])
     assert op_args.clip_bounds(node11, 11, lambda i: {2: 3.0}[i]) == (float("-inf"), 3.0)
+
+
+# -- random inputs and padding patterns (rnnfuse.feeds), shared by validation and benchmarks ------------
+@pytest.mark.parametrize("kind", ["post", "pre", "gappy"])
+def test_validation_patterns_include_a_full_and_an_empty_row(kind):
+    from rnnfuse.feeds import valid_steps
+
+    P = valid_steps(kind, 7, 5, np.random.default_rng(0))
+    assert P.shape == (7, 5) and P.dtype == np.bool_
+    if kind != "gappy":
+        assert P[:, 0].all()
+    assert not P[:, 1].any()
+    for b in range(5):  # post: valid then padded; pre: padded then valid
+        col = P[:, b]
+        if kind == "post":
+            assert not (~col[:-1] & col[1:]).any()
+        elif kind == "pre":
+            assert not (col[:-1] & ~col[1:]).any()
+
+
+@pytest.mark.parametrize("kind", ["post", "pre"])
+def test_benchmark_patterns_keep_every_row_at_least_half(kind):
+    from rnnfuse.feeds import valid_steps
+
+    P = valid_steps(kind, 8, 6, np.random.default_rng(1), realistic=True)
+    assert P[:, 0].all() and (P.sum(axis=0) >= 4).all()
+
+
+def test_random_values_by_dtype():
+    from rnnfuse.feeds import random_values
+
+    rng = np.random.default_rng(0)
+    assert random_values((2, 3), np.float32, rng).dtype == np.float32
+    assert random_values((50,), np.bool_, rng, p_true=1.0).all()
+    idx = random_values((200,), np.int64, rng, index_range=4, lowest_index=1)
+    assert idx.min() >= 1 and idx.max() <= 3
+    with pytest.raises(ValueError):
+        from rnnfuse.feeds import valid_steps
+
+        valid_steps("sideways", 3, 2, rng)

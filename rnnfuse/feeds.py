@@ -1,0 +1,75 @@
+"""Random inputs and padding patterns, for validation (rnnfuse.validate, rnnfuse.cell_check) and benchmarks
+(rnnfuse.bench), in one place.
+
+Validation wants adversarial inputs: masks where row 0 is full and row 1 empty, lengths anywhere from 0 to
+T, index inputs from 0. Benchmarks want realistic ones: every row at least half full, index inputs from 1
+(0 is the padding token of Embedding(mask_zero=True)). Both draw from the same rules with those settings.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .graph import Graph
+
+MASK_KINDS = ("post", "pre", "gappy")  # and "full": every step valid
+
+
+def index_ranges(g: Graph) -> dict[str, int]:
+    """Integer graph inputs used as Gather indices into a constant table: name -> table size."""
+    out: dict[str, int] = {}
+    for name in g.input_names:
+        for n in g.uses(name):
+            if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == name:
+                table = g.const(n.input[0])
+                if table is not None:
+                    ax = 0
+                    for a in n.attribute:
+                        if a.name == "axis":
+                            ax = a.i
+                    out[name] = min(out.get(name, 1 << 30), int(table.shape[ax]))
+    return out
+
+
+def random_values(shape, np_t, rng: np.random.Generator, *, scale: float = 1.0, p_true: float = 0.7,
+                  index_range: int = 3, lowest_index: int = 0) -> np.ndarray:
+    """Random values of a dtype: normal floats times ``scale``; booleans true with ``p_true``; integers
+    (indices) in ``[lowest_index, index_range)`` (at least one value)."""
+    if np.issubdtype(np_t, np.floating):
+        return (rng.standard_normal(shape) * scale).astype(np_t)
+    if np_t == np.bool_:
+        return rng.random(shape) < p_true
+    return rng.integers(lowest_index, max(index_range, lowest_index + 1), size=shape).astype(np_t)
+
+
+def valid_steps(kind: str, T: int, B: int, rng: np.random.Generator, *, realistic: bool = False) -> np.ndarray:
+    """A ``[T, B]`` boolean pattern of valid steps: ``post`` (valid then padded), ``pre`` (padded then
+    valid), ``gappy`` (any steps) or ``full``.
+
+    Adversarial (validation): with two rows or more, row 0 is full and row 1 empty, other rows any length
+    from 0 to T; gappy rows keep ~60% of their steps. Realistic (``realistic=True``, benchmarks): row 0 is
+    full, other rows at least half full; gappy rows keep ~70%."""
+    if kind not in MASK_KINDS and kind != "full":
+        raise ValueError(f"unknown padding pattern {kind!r}")
+    P = np.zeros((T, B), dtype=bool)
+    if kind == "full":
+        P[:] = True
+        return P
+    for b in range(B):
+        if realistic:
+            L = int(rng.integers(max(1, T // 2), T + 1)) if b else T
+            if kind == "gappy":
+                P[:, b] = ~(rng.random(T) < 0.3)
+                continue
+        elif kind == "gappy":
+            P[:, b] = rng.random(T) < 0.6
+            if b == 1:
+                P[:, b] = False
+            continue
+        else:
+            L = [T, 0][b] if b < 2 and B > 1 else int(rng.integers(0, T + 1))
+        if kind == "post":
+            P[:L, b] = True
+        elif kind == "pre":
+            P[T - L :, b] = True
+    return P

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .feeds import index_ranges, random_values, valid_steps  # noqa: F401  (index_ranges: re-exported)
+from .feeds import index_ranges, random_values, valid_steps
 from .graph import Graph
 from .protos import all_tensors, dim_role, free_names, rename_free, subgraphs
 

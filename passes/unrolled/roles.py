@@ -23,7 +23,8 @@ from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.recurrence import CARRY, NONE, CellCheck, FinalOutput, Init, Recurrence, StepRead
 from rnnfuse.signature import Signer
 from rnnfuse.step import StepAnalysis, StepOut, StepState, analyse
-from rnnfuse.symbolic import Poly, StepInput, SymTensor, loose_key, zero_states
+from rnnfuse.cells.recognise import fold_offsets
+from rnnfuse.symbolic import LinAtom, Poly, StepInput, SymTensor, loose_key, substitute, zero_states
 
 from .chains import Chain, Step
 from .outputs import chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, order_of, step_output
@@ -33,6 +34,21 @@ from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn,
 def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None = None) -> Recurrence:
     """The recurrence an unrolled chain computes (Decline with the reason when it is not one native cell)."""
     return _ChainRoles(g, src, axis, chain, iv, signer, mask_srcs).recurrence()
+
+
+def _zero_step_key(p: Poly):
+    """A first step's maths compared by value: a matmul of the zero state leaves its bias alone, which the
+    exporter may fold into a constant (hidden size 1: ``b_hh`` is a scalar offset or coefficient) where the
+    reference step with its state set to zero keeps a bias-only affine map."""
+
+    def scalar_bias(a):
+        if isinstance(a, LinAtom) and not a.lin.terms:
+            b = a.lin.bias_sum()
+            if b is not None and b.size and np.all(b == b.ravel()[0]):
+                return Poly.const(float(b.ravel()[0]))
+        return None
+
+    return loose_key(fold_offsets(substitute(p, scalar_bias)))
 
 
 def _single_root(st: Step, roots: set | None = None) -> str:
@@ -298,7 +314,8 @@ class _ChainRoles:
                 p = e.poly(name)
                 self.chain_nodes |= e.ev.visited_nodes
                 if k == 0 and zero:
-                    if loose_key(p) != loose_key(zero_states(ref[r], zero)):
+                    z = zero_states(ref[r], zero)
+                    if loose_key(p) != loose_key(z) and _zero_step_key(p) != _zero_step_key(z):
                         raise Decline(f"the first step is not the cell with a zero initial state ({r})")
                 elif p.key != ref[r].key:
                     raise Decline(f"step {self.ts[k]} computes a different cell than step {self.ts[self.km]} ({r})")

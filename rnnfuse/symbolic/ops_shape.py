@@ -136,6 +136,11 @@ def _squeeze(ev, node, ins):
         return [SymTensor(v.poly, v.lead - k) if isinstance(v, SymTensor) else ConcatRows(v.segments, v.lead - k)]
     if isinstance(v, BoolMask) and v.unit and axes in ([1], [-1]):
         return [BoolMask(v.sym, v.neg, False)]
+    shape = ev.graph.model.shape(node.input[0]) if node.input else None
+    if isinstance(v, SymTensor) and not v.lead and axes in (None, [0]) and shape and len(shape) == 2 and shape[0] == 1 and shape[1] != 1:
+        # a model with its batch fixed to 1: tf2onnx squeezes h @ R ([1, N] -> [N]) to feed it to a Gemm as C;
+        # [N] broadcasts back exactly as [1, N] does
+        return [SymTensor(v.poly, 0)]
     raise Decline("a squeeze of a [B, N] value")
 
 

@@ -40,6 +40,7 @@ from keras_cases import (  # noqa: E402
 )
 
 UNITS = {"LSTM": 4, "GRU": 5, "SimpleRNN": 3}
+B1_PATTERNS = {"post_b1": ["1111100"], "pre_b1": ["0001111"], "gappy_b1": ["1011001"], "full_b1": ["1111111"]}
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,13 @@ class Case:
     backwards: bool = False  # go_backwards=True
     wrapper: bool = False  # RNN(StackedRNNCells([...])) instead of RNN([...])
     static: bool = False  # batch and time fixed in the input signature
+    layer: bool = False  # keras.layers.<cell kind>(units) itself (one cell), not RNN([cells])
+    batch1: bool = False  # batch fixed to 1 in the input signature (time free)
 
     @property
     def sets(self) -> list[str]:
+        if self.batch1:
+            return list(B1_PATTERNS) if self.masked else ["b1"]
         names = list(MASK_PATTERNS) if self.masked else list(UNMASKED_BATCHES)
         if self.static:
             names = [s for s in names if s.endswith(f"_b{STATIC_BATCH}") or s == f"b{STATIC_BATCH}"]
@@ -69,6 +74,10 @@ CASES = [
     Case("cells_three_masked_state", ("LSTM", "GRU", "SimpleRNN"), masked=True, state_out=True),
     Case("cells_lstm_gru_bwd_masked_seq", ("LSTM", "GRU"), masked=True, backwards=True),
     Case("cells_gru_lstm_static_seq", ("GRU", "LSTM"), static=True),
+    # issue 14 item 9: a masked layer exported with its batch fixed to 1 (tf2onnx squeezes h @ R to [4H])
+    Case("lstm_batch1_masked_seq", ("LSTM",), masked=True, layer=True, batch1=True),
+    Case("gru_batch1_masked_last", ("GRU",), seq=False, masked=True, layer=True, batch1=True),
+    Case("cells_lstm_gru_batch1_masked_seq", ("LSTM", "GRU"), masked=True, batch1=True),
 ]
 
 
@@ -85,14 +94,17 @@ def describe(c: Case) -> str:
     opts = [f"return_sequences={c.seq}"] + (["return_state=True"] if c.state_out else []) + (
         ["go_backwards=True"] if c.backwards else [])
     front = "Masking(0.0) -> " if c.masked else ""
-    return f"{front}RNN({cells}, {', '.join(opts)})"
+    shape = "; batch fixed to 1" if c.batch1 else ""
+    if c.layer:
+        return f"{front}{c.cells[0]}({UNITS[c.cells[0]]}, {', '.join(opts)}){shape}"
+    return f"{front}RNN({cells}, {', '.join(opts)}){shape}"
 
 
 def input_sets(c: Case, rng: np.random.Generator) -> dict:
     sets = {}
     for set_name in c.sets:
         if c.masked:
-            keep = np.array([[ch == "1" for ch in row] for row in MASK_PATTERNS[set_name]])
+            keep = np.array([[ch == "1" for ch in row] for row in {**MASK_PATTERNS, **B1_PATTERNS}[set_name]])
         else:
             keep = np.ones((UNMASKED_BATCHES[set_name], TIME), dtype=bool)
         x = rng.standard_normal((keep.shape[0], TIME, FEATURES)).astype(np.float32)
@@ -108,15 +120,19 @@ def _flat(x) -> list:
 
 
 def build_model(keras, c: Case, rng: np.random.Generator):
-    batch = STATIC_BATCH if c.static else None
+    batch = 1 if c.batch1 else STATIC_BATCH if c.static else None
     time_dim = TIME if c.static else None
     specs = [("x", (batch, time_dim, FEATURES), "float32")]
     x = keras.Input(batch_shape=(batch, time_dim, FEATURES), name="x")
     h = keras.layers.Masking(0.0, name="masking")(x) if c.masked else x
-    cells = [getattr(keras.layers, f"{k}Cell")(UNITS[k], name=f"{k.lower()}_cell{i}") for i, k in enumerate(c.cells)]
-    cell = keras.layers.StackedRNNCells(cells) if c.wrapper else cells
-    layer = keras.layers.RNN(cell, return_sequences=c.seq, return_state=c.state_out, go_backwards=c.backwards,
-                             name="stacked")
+    if c.layer:
+        layer = getattr(keras.layers, c.cells[0])(UNITS[c.cells[0]], return_sequences=c.seq, return_state=c.state_out,
+                                                  go_backwards=c.backwards, name="layer")
+    else:
+        cells = [getattr(keras.layers, f"{k}Cell")(UNITS[k], name=f"{k.lower()}_cell{i}") for i, k in enumerate(c.cells)]
+        cell = keras.layers.StackedRNNCells(cells) if c.wrapper else cells
+        layer = keras.layers.RNN(cell, return_sequences=c.seq, return_state=c.state_out, go_backwards=c.backwards,
+                                 name="stacked")
     out = layer(h)
     outputs = _flat(out) if c.state_out else [out]
     model = keras.Model(x, outputs)
@@ -176,6 +192,7 @@ class TorchCase:
     # which no native op outputs)
     reads: str = "stack"
     declined: str = ""  # a near miss: what the decline names
+    hidden: int = 0  # the bottom cell's hidden size (0: TORCH_H)
 
     @property
     def n_findings(self) -> int:
@@ -198,6 +215,10 @@ TORCH_CASES = [
     TorchCase("dynamo_lstm_skip1", "dynamo", ("lstm",), reads="skip1"),
     TorchCase("trace_lstm_gru_head", "trace", ("lstm", "gru"), reads="head"),
     TorchCase("near_trace_lstm_hc", "trace", ("lstm",), reads="hc", declined="cell state of step"),
+    # issue 14 item 9: hidden size 1 (a zero state's matmul leaves a scalar bias at the first step)
+    TorchCase("trace_gru_hidden1", "trace", ("gru",), hidden=1),
+    TorchCase("dynamo_lstm_hidden1", "dynamo", ("lstm",), hidden=1),
+    TorchCase("trace_rnn_hidden1_bf", "trace", ("rnn",), batch_first=True, hidden=1),
 ]
 
 
@@ -208,7 +229,7 @@ def torch_module(c: TorchCase):
 
     k1, k2 = (c.cells + ("",))[:2]
     mk = {"lstm": nn.LSTMCell, "gru": nn.GRUCell, "rnn": nn.RNNCell}
-    h1n, h2n = TORCH_H[k1], TORCH_H.get(k2, 1)
+    h1n, h2n = c.hidden or TORCH_H[k1], TORCH_H.get(k2, 1)
     lstm1, lstm2, bf, reads = k1 == "lstm", k2 == "lstm", c.batch_first, c.reads
 
     class Stack(nn.Module):

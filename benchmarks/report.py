@@ -21,9 +21,47 @@ LABELS = {"original": "original", "fused": "fused (exact)", "post": "fused (post
 
 
 @dataclass
+class Row:
+    """One model at one batch size."""
+
+    model: str
+    exporter: str
+    describe: str
+    masked: bool
+    batch: int
+    T: int
+    timings: dict = field(default_factory=dict)  # original | fused | post | floor -> Timing
+    diff_fused: float | None = None
+    diff_post: float | None = None
+    shapes_ok: bool = True
+    error: str = ""
+    profile: dict = field(default_factory=dict)  # fused | floor -> op_profile()
+
+    def median(self, k: str) -> float | None:
+        t = self.timings.get(k)
+        return t.median_ms if t else None
+
+    def ratio(self, a: str, b: str) -> float | None:
+        x, y = self.median(a), self.median(b)
+        return x / y if x and y else None
+
+    @property
+    def speedup(self) -> float | None:
+        return self.ratio("original", "fused")
+
+    @property
+    def fused_floor(self) -> float | None:
+        return self.ratio("fused", "floor")
+
+    @property
+    def exact_post(self) -> float | None:
+        return self.ratio("fused", "post")
+
+
+@dataclass
 class Results:
     meta: dict
-    rows: list  # run.Row
+    rows: list  # Row
     optimizer: dict  # model -> {mode: record}
     openvino: dict = field(default_factory=dict)
 
@@ -463,7 +501,6 @@ def write_all(res: Results, out: Path) -> None:
 def load_json(path: Path) -> Results:
     """Rebuild :class:`Results` from a ``results.json`` (to re-render the tables and plot without re-measuring)."""
     from rnnfuse.bench import Timing
-    from run import Row
 
     data = json.loads(Path(path).read_text())
     rows = []

@@ -32,7 +32,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
 import report  # noqa: E402
+from report import Row  # noqa: E402
 from models import MODELS, ModelSpec, build_floor, floor_feeds  # noqa: E402
 from rnnfuse.bench import make_inputs, session, summarize, time_side_by_side, versions  # noqa: E402
 
@@ -66,44 +67,6 @@ class Config:
     quick: bool
     profile: bool = True
     seed: int = 0
-
-
-@dataclass
-class Row:
-    """One model at one batch size."""
-
-    model: str
-    exporter: str
-    describe: str
-    masked: bool
-    batch: int
-    T: int
-    timings: dict = field(default_factory=dict)  # original | fused | post | floor -> Timing
-    diff_fused: float | None = None
-    diff_post: float | None = None
-    shapes_ok: bool = True
-    error: str = ""
-    profile: dict = field(default_factory=dict)  # fused | floor -> op_profile()
-
-    def median(self, k: str) -> float | None:
-        t = self.timings.get(k)
-        return t.median_ms if t else None
-
-    def ratio(self, a: str, b: str) -> float | None:
-        x, y = self.median(a), self.median(b)
-        return x / y if x and y else None
-
-    @property
-    def speedup(self) -> float | None:
-        return self.ratio("original", "fused")
-
-    @property
-    def fused_floor(self) -> float | None:
-        return self.ratio("fused", "floor")
-
-    @property
-    def exact_post(self) -> float | None:
-        return self.ratio("fused", "post")
 
 
 # --------------------------------------------------------------------------- 1. export

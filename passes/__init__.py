@@ -8,7 +8,8 @@ from __future__ import annotations
 
 def default_passes() -> list:
     from .bidirectional import MergeBidirectional, ReverseInputs
-    from .cleanup import CancelFlips, Dedupe, DropNoOps, InlineConstantIfs, SkipRoundTrips
+    from .cleanup import Dedupe, DropNoOps, InlineConstantIfs, SkipRoundTrips
+    from .flips import CancelFlips
     from .loop import FuseLoops
     from .scan import FuseScans
     from .unrolled import FuseChains

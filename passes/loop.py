@@ -22,7 +22,7 @@ from rnnfuse.dims import loop_invariant_init
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
-from rnnfuse.recurrence import NONE, ZERO, Init, Recurrence, SeqOutput
+from rnnfuse.recurrence import NONE, ZERO, FinalOutput, Init, Recurrence, SeqOutput
 from rnnfuse.recurrence_layers import check_feeds, owner, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
@@ -154,12 +154,18 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
     state_out = {f"s{k}": bout[1 + k] for k in recurrent}
     layers = split_layers(body, leaves, state_out, x_atom)
     outs_of: dict[int, list[StepOut]] = {i: [] for i in range(len(layers))}
+    last_of: dict[int, list] = {}  # per-step outputs read only at the last step: (poly, outer, [(tensor, lead)])
     for j in range(n_scan):
         outer = loop.output[n_carried + j] if n_carried + j < len(loop.output) else ""
         if not outer or not g.n_uses(outer):
             continue
         li = owner(layers, bout[1 + n_carried + j])
-        outs_of[li].append(StepOut(layers[li].ev.poly(bout[1 + n_carried + j]), outer))
+        poly = layers[li].ev.poly(bout[1 + n_carried + j])
+        last = last_step_reads(g, outer)
+        if last:  # e.g. tf.scan's per-step c read only as cs[-1]: the final value of the state it tracks
+            last_of.setdefault(li, []).append((poly, outer, last))
+            continue
+        outs_of[li].append(StepOut(poly, outer))
     extra_remove: list[NodeProto] = []
     for k in seqs:
         li, out = _sequence_output(g, body, loop, k, layers, extra_remove)
@@ -186,6 +192,16 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
             step_states.append(StepState(sym, layer.ev.poly(bout[1 + k]), init_of(g, loop.input[2 + k]),
                                          final if final and g.n_uses(final) else None))
         an = analyse(layer.x, step_states, outs_of[li], states)
+        finals, stacked = [], []
+        for poly, outer, reads in last_of.get(li, []):
+            role = _final_role(poly, step_states, an)
+            if role is None:  # e.g. Keras' masked output sliced at its last step: stacked as before
+                stacked.append(StepOut(poly, outer))
+            else:
+                finals += [FinalOutput(t, role[0], role[1], lead) for t, lead in reads]
+        if stacked:
+            an = analyse(layer.x, step_states, outs_of[li] + stacked, states)
+        an.finals += finals
         below = recs[layer.below] if layer.below is not None else None
         if below is not None and below.masked and not an.masked:
             raise Decline("a cell ignores the mask the cell below it keeps to")
@@ -219,6 +235,49 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
     if len(recs) == 1:
         return recs[0], aliases
     return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
+
+
+def last_step_reads(g: Graph, outer: str) -> list[tuple[str, int]]:
+    """``[(tensor, lead)]`` when every reader of the stacked output ``outer`` ([T, B, H]) takes its last step:
+    ``Gather(outer, -1)`` ([B, H]), ``Slice(outer, -1, end, axis 0)`` ([1, B, H]) or its Squeeze on axis 0;
+    else []."""
+    out = []
+    if g.is_graph_output(outer):
+        return []
+    for u in g.uses(outer):
+        if u.op_type == "Gather" and attr(u, "axis", 0) == 0 and u.input[0] == outer:
+            idx = g.const(u.input[1])
+            if idx is None or idx.size != 1 or idx.ndim != 0 or int(idx) != -1:
+                return []
+            out.append((u.output[0], 0))
+            continue
+        if u.op_type != "Slice" or u.input[0] != outer or len(u.input) < 4:
+            return []
+        args = [g.const(i) if i else None for i in list(u.input[1:5]) + [""] * (5 - len(u.input))]
+        starts, ends, axes, steps = args
+        if any(a is None for a in (starts, ends, axes)) or [int(v) for v in axes.ravel()] != [0]:
+            return []
+        if int(starts.ravel()[0]) != -1 or int(ends.ravel()[0]) < 2**31 - 1 or (steps is not None and int(steps.ravel()[0]) != 1):
+            return []
+        sq = g.uses(u.output[0])
+        if len(sq) == 1 and sq[0].op_type == "Squeeze" and not g.is_graph_output(u.output[0]):
+            ax = g.const(sq[0].input[1]) if len(sq[0].input) > 1 else np.asarray(attr(sq[0], "axes", []))
+            if ax is not None and [int(v) for v in np.asarray(ax).ravel()] == [0]:
+                out.append((sq[0].output[0], 0))
+                continue
+        out.append((u.output[0], 1))
+    return out
+
+
+def _final_role(poly: Poly, step_states: list[StepState], an) -> tuple[str, Init] | None:
+    """The cell state a per-step output read only at its last step is: ("h" | "c", the value with no valid
+    step), or None (another per-step output, handled as a stacked one)."""
+    for st in step_states:
+        if st.out_poly.key != poly.key:
+            continue
+        if st.sym in (an.rec.h, an.rec.c):
+            return "h" if st.sym == an.rec.h else "c", st.init if an.masked else Init()
+    return None
 
 
 def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list, extra_remove) -> tuple[int, StepOut]:

@@ -22,7 +22,7 @@ from conftest import generate
 from helpers import check_case, op_counts
 
 sys.path.insert(0, str(Path(__file__).parent / "exporters"))
-from stacked_cases import CASES, TORCH_CASES  # noqa: E402  (plain data; imports no framework)
+from stacked_cases import CASES, TF_SCAN_CASES, TORCH_CASES  # noqa: E402  (plain data; imports no framework)
 
 @pytest.fixture(scope="module")
 def stacked_keras3(tmp_path_factory):
@@ -55,6 +55,12 @@ def _run(case: dict, findings: int = 1) -> None:
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])
 def test_keras3_stacked_cells(stacked_keras3, name):
+    _run(_case(stacked_keras3, name))
+
+
+@pytest.mark.parametrize("name", TF_SCAN_CASES)
+def test_tf_scan_last_step_reads(stacked_keras3, name):
+    """tf.scan's per-step c read only at its last step is the native op's final c."""
     _run(_case(stacked_keras3, name))
 
 

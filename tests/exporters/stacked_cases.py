@@ -413,6 +413,53 @@ def generate_torch(c: TorchCase, out_dir: Path) -> dict:
     return meta
 
 
+# --------------------------------------------------------------------------- tf.scan (TensorFlow function)
+
+TF_SCAN_CASES = ["tfscan_lstm_last_c"]
+
+
+def generate_tf_scan(name: str, out_dir: Path, tf, tf2onnx, onnx) -> dict:
+    """``hs, cs = tf.scan(lstm_step, x, (h0, c0))`` returning ``(hs, cs[-1])``: the per-step c is read only at
+    its last step (issue 14 item 9), which is the native op's Y_c."""
+    seed = zlib.crc32(name.encode())
+    rng = np.random.default_rng(seed)
+    H = UNITS["LSTM"]
+    W = tf.Variable((0.5 * rng.standard_normal((FEATURES, 4 * H))).astype(np.float32))
+    R = tf.Variable((0.5 * rng.standard_normal((H, 4 * H))).astype(np.float32))
+    b = tf.Variable((0.5 * rng.standard_normal(4 * H)).astype(np.float32))
+
+    def step(carry, x):
+        h, c = carry
+        i, f, g, o = tf.split(tf.matmul(x, W) + tf.matmul(h, R) + b, 4, axis=1)
+        c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
+        return tf.sigmoid(o) * tf.tanh(c), c
+
+    spec = [tf.TensorSpec((None, None, FEATURES), tf.float32, name="x")]
+
+    @tf.function(input_signature=spec)
+    def run(x):
+        z = tf.zeros((tf.shape(x)[1], H))
+        hs, cs = tf.scan(step, x, initializer=(z, z))
+        return hs, cs[-1]
+
+    model, _ = tf2onnx.convert.from_function(run, input_signature=spec, opset=17)
+    onnx.checker.check_model(model)
+    arrays = {}
+    sets = {"b1": (1, TIME), "b4": (4, TIME), "b2_t11": (2, 11)}
+    for s, (bsz, t) in sets.items():
+        x = rng.standard_normal((t, bsz, FEATURES)).astype(np.float32)
+        arrays[f"in/{s}/x"] = x
+        arrays.update({f"out/{s}/{k}": np.asarray(v) for k, v in enumerate(run(tf.constant(x)))})
+    onnx.save(model, str(out_dir / f"{name}.onnx"))
+    np.savez(out_dir / f"{name}.npz", **arrays)
+    ops = graph_ops(model.graph)
+    meta = {"name": name, "backend": "tf.function", "layers": "tf.scan over a hand-written LSTM step, returns (hs, cs[-1])",
+            "expect": {"ops": {"LSTM": 1}, "absent": ["Loop", "Scan"]}, "sets": list(sets), "masked": False,
+            "tf2onnx_ops": {op: ops.count(op) for op in ("LSTM", "Loop", "Scan") if op in ops}}
+    (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=["keras3", "tf_keras", "torch"], required=True)
@@ -439,6 +486,12 @@ def main(argv=None) -> int:
             continue
         done += 1
         print(f"{c.name}: {time.perf_counter() - start:.1f}s exported {meta.get('tf2onnx_ops', meta.get('exported_ops'))}")
+    if args.backend == "keras3":
+        for name in TF_SCAN_CASES:
+            if not args.only or any(sub in name for sub in args.only):
+                meta = generate_tf_scan(name, args.out, tf, tf2onnx, onnx)
+                done += 1
+                print(f"{name}: exported {meta['tf2onnx_ops']}")
     print(f"{args.backend}: {done} cases written to {args.out}, {len(skipped)} skipped {skipped or ''}")
     return 0 if done else 1
 

@@ -28,111 +28,136 @@ def _np_dtype(onnx_type: int):
 
 def evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int) -> list[np.ndarray] | None:
     """Evaluate ``node`` on constant ``inputs``; None if the op is not foldable here."""
-    op = node.op_type
     if node.domain not in ("", "ai.onnx"):
         return None
-    x = inputs[0] if inputs else None
     try:
-        if op == "Constant":
-            for a in node.attribute:
-                if a.name == "value":
-                    return [numpy_helper.to_array(a.t)]
-                if a.name == "value_float":
-                    return [np.array(a.f, dtype=np.float32)]
-                if a.name == "value_floats":
-                    return [np.array(list(a.floats), dtype=np.float32)]
-                if a.name == "value_int":
-                    return [np.array(a.i, dtype=np.int64)]
-                if a.name == "value_ints":
-                    return [np.array(list(a.ints), dtype=np.int64)]
-            return None
-        if op == "Identity":
-            return [x]
-        if op == "Cast":
-            return [x.astype(_np_dtype(attr(node, "to")))]
-        if op == "Transpose":
-            perm = attr(node, "perm")
-            return [np.transpose(x, perm) if perm is not None else np.transpose(x)]
-        value = inputs.__getitem__  # (every input of a node folded here is a constant)
-        if op == "Squeeze":
-            axes = op_args.axes(node, opset, value)
-            return [np.squeeze(x, axis=tuple(axes)) if axes else np.squeeze(x)]
-        if op == "Unsqueeze":
-            axes = op_args.axes(node, opset, value)
-            out = x
-            rank = x.ndim + len(axes)
-            for a in sorted(a % rank for a in axes):
-                out = np.expand_dims(out, a)
-            return [out]
-        if op == "Reshape":
-            shape = [int(s) for s in inputs[1]]
-            allowzero = attr(node, "allowzero", 0)
-            shape = [x.shape[i] if (s == 0 and not allowzero) else s for i, s in enumerate(shape)]
-            return [np.reshape(x, shape)]
-        if op == "Flatten":
-            axis = attr(node, "axis", 1) % max(x.ndim, 1)
-            return [np.reshape(x, (int(np.prod(x.shape[:axis])), -1))]
-        if op == "Concat":
-            return [np.concatenate([np.asarray(i) for i in inputs], axis=attr(node, "axis"))]
-        if op == "Split":
-            axis = attr(node, "axis", 0)
-            split = op_args.split_sizes(node, opset, value)
-            if split is None:
-                split = op_args.equal_split(x.shape[axis], len(node.output))
-            idx = np.cumsum(split)[:-1]
-            return list(np.split(x, idx, axis=axis))
-        if op == "Slice":
-            starts, ends, axes, steps = op_args.slice_args(node, opset, value)
-            sl = [slice(None)] * x.ndim
-            for s, e, a, st in zip(starts, ends, axes, steps):
-                dim = x.shape[a]
-                sl[a] = slice(*slice(s, e, st).indices(dim)) if st > 0 else _neg_slice(s, e, st, dim)
-            return [x[tuple(sl)]]
-        if op == "Gather":
-            return [np.take(x, inputs[1].astype(np.int64), axis=attr(node, "axis", 0))]
-        if op == "Shape":
-            shape = np.array(x.shape, dtype=np.int64)
-            start, end = attr(node, "start", 0), attr(node, "end", None)
-            return [shape[start:end]]
-        if op == "Size":
-            return [np.array(x.size, dtype=np.int64)]
-        if op in _BINARY:
-            a, b = inputs[0], inputs[1]
-            res = _BINARY[op](a, b)
-            if op in ("Add", "Sub", "Mul", "Div") and np.issubdtype(np.asarray(a).dtype, np.integer):
-                res = (np.trunc(a / b) if op == "Div" else res).astype(np.asarray(a).dtype)
-            else:
-                res = np.asarray(res)
-                if res.dtype != np.bool_ and np.asarray(a).dtype != res.dtype:
-                    res = res.astype(np.asarray(a).dtype)
-            return [res]
-        if op == "Neg":
-            return [-x]
-        if op == "Not":
-            return [np.logical_not(x)]
-        if op == "Sqrt":
-            return [np.sqrt(x)]
-        if op == "Reciprocal":
-            return [(1 / x).astype(x.dtype)]
-        if op == "ConstantOfShape":
-            v = attr(node, "value")
-            v = np.zeros(1, np.float32) if v is None else np.asarray(v)
-            shape = [int(s) for s in x]
-            if int(np.prod(shape)) > MAX_FOLD_ELEMENTS:
-                return None
-            return [np.full(shape, v.ravel()[0], dtype=v.dtype)]
-        if op == "Expand":
-            shape = np.broadcast_shapes(x.shape, tuple(int(s) for s in inputs[1]))
-            if int(np.prod(shape)) > MAX_FOLD_ELEMENTS:
-                return None
-            return [np.broadcast_to(x, shape).copy()]
-        if op == "Range":
-            return [np.arange(inputs[0], inputs[1], inputs[2]).astype(inputs[0].dtype)]
-        if op == "MatMul":
-            return [np.matmul(inputs[0], inputs[1])]
+        for step in (_constant, _layout, _arithmetic):
+            out = step(node, inputs, opset)
+            if out is not _NOT_HERE:
+                return out
     except Exception:
         return None
     return _reference(node, inputs, opset)
+
+
+_NOT_HERE = object()  # (an op these steps do not evaluate: onnx's reference evaluator may)
+
+
+def _constant(node: onnx.NodeProto, inputs: list, opset: int):
+    """A Constant's value, whichever attribute holds it."""
+    op = node.op_type
+    if op == "Constant":
+        for a in node.attribute:
+            if a.name == "value":
+                return [numpy_helper.to_array(a.t)]
+            if a.name == "value_float":
+                return [np.array(a.f, dtype=np.float32)]
+            if a.name == "value_floats":
+                return [np.array(list(a.floats), dtype=np.float32)]
+            if a.name == "value_int":
+                return [np.array(a.i, dtype=np.int64)]
+            if a.name == "value_ints":
+                return [np.array(list(a.ints), dtype=np.int64)]
+        return None
+    return _NOT_HERE
+
+
+def _layout(node: onnx.NodeProto, inputs: list, opset: int):
+    """Ops that move, select or describe values (shape plumbing)."""
+    op = node.op_type
+    x = inputs[0] if inputs else None
+    if op == "Identity":
+        return [x]
+    if op == "Cast":
+        return [x.astype(_np_dtype(attr(node, "to")))]
+    if op == "Transpose":
+        perm = attr(node, "perm")
+        return [np.transpose(x, perm) if perm is not None else np.transpose(x)]
+    value = inputs.__getitem__  # (every input of a node folded here is a constant)
+    if op == "Squeeze":
+        axes = op_args.axes(node, opset, value)
+        return [np.squeeze(x, axis=tuple(axes)) if axes else np.squeeze(x)]
+    if op == "Unsqueeze":
+        axes = op_args.axes(node, opset, value)
+        out = x
+        rank = x.ndim + len(axes)
+        for a in sorted(a % rank for a in axes):
+            out = np.expand_dims(out, a)
+        return [out]
+    if op == "Reshape":
+        shape = [int(s) for s in inputs[1]]
+        allowzero = attr(node, "allowzero", 0)
+        shape = [x.shape[i] if (s == 0 and not allowzero) else s for i, s in enumerate(shape)]
+        return [np.reshape(x, shape)]
+    if op == "Flatten":
+        axis = attr(node, "axis", 1) % max(x.ndim, 1)
+        return [np.reshape(x, (int(np.prod(x.shape[:axis])), -1))]
+    if op == "Concat":
+        return [np.concatenate([np.asarray(i) for i in inputs], axis=attr(node, "axis"))]
+    if op == "Split":
+        axis = attr(node, "axis", 0)
+        split = op_args.split_sizes(node, opset, value)
+        if split is None:
+            split = op_args.equal_split(x.shape[axis], len(node.output))
+        idx = np.cumsum(split)[:-1]
+        return list(np.split(x, idx, axis=axis))
+    if op == "Slice":
+        starts, ends, axes, steps = op_args.slice_args(node, opset, value)
+        sl = [slice(None)] * x.ndim
+        for s, e, a, st in zip(starts, ends, axes, steps):
+            dim = x.shape[a]
+            sl[a] = slice(*slice(s, e, st).indices(dim)) if st > 0 else _neg_slice(s, e, st, dim)
+        return [x[tuple(sl)]]
+    if op == "Gather":
+        return [np.take(x, inputs[1].astype(np.int64), axis=attr(node, "axis", 0))]
+    if op == "Shape":
+        shape = np.array(x.shape, dtype=np.int64)
+        start, end = attr(node, "start", 0), attr(node, "end", None)
+        return [shape[start:end]]
+    if op == "Size":
+        return [np.array(x.size, dtype=np.int64)]
+    return _NOT_HERE
+
+
+def _arithmetic(node: onnx.NodeProto, inputs: list, opset: int):
+    """Elementwise arithmetic, fills, ranges and matrix products."""
+    op = node.op_type
+    x = inputs[0] if inputs else None
+    if op in _BINARY:
+        a, b = inputs[0], inputs[1]
+        res = _BINARY[op](a, b)
+        if op in ("Add", "Sub", "Mul", "Div") and np.issubdtype(np.asarray(a).dtype, np.integer):
+            res = (np.trunc(a / b) if op == "Div" else res).astype(np.asarray(a).dtype)
+        else:
+            res = np.asarray(res)
+            if res.dtype != np.bool_ and np.asarray(a).dtype != res.dtype:
+                res = res.astype(np.asarray(a).dtype)
+        return [res]
+    if op == "Neg":
+        return [-x]
+    if op == "Not":
+        return [np.logical_not(x)]
+    if op == "Sqrt":
+        return [np.sqrt(x)]
+    if op == "Reciprocal":
+        return [(1 / x).astype(x.dtype)]
+    if op == "ConstantOfShape":
+        v = attr(node, "value")
+        v = np.zeros(1, np.float32) if v is None else np.asarray(v)
+        shape = [int(s) for s in x]
+        if int(np.prod(shape)) > MAX_FOLD_ELEMENTS:
+            return None
+        return [np.full(shape, v.ravel()[0], dtype=v.dtype)]
+    if op == "Expand":
+        shape = np.broadcast_shapes(x.shape, tuple(int(s) for s in inputs[1]))
+        if int(np.prod(shape)) > MAX_FOLD_ELEMENTS:
+            return None
+        return [np.broadcast_to(x, shape).copy()]
+    if op == "Range":
+        return [np.arange(inputs[0], inputs[1], inputs[2]).astype(inputs[0].dtype)]
+    if op == "MatMul":
+        return [np.matmul(inputs[0], inputs[1])]
+    return _NOT_HERE
 
 
 def _neg_slice(s, e, st, dim):

@@ -256,24 +256,10 @@ def validate(
             f"the model holds {size / 2**30:.1f} GB of weights; running it again in onnxruntime would exceed "
             "rnnfuse's memory bound (the rewrite is proven from the cell's maths)",
         )
-    mask_names = sorted(masks)
-    try:
-        check, pattern_inputs = build_check_model(proto, g, pairs, mask_names)
-        sess = _session(ort, check)
-    except _Skip as s:
-        return ValidationResult(False, str(s))
-    except Exception as e:
-        msg = _first_line(e)
-        # is it the original that onnxruntime cannot run, or the rewrite?
-        try:
-            only_old = [(a, a) for a, _ in pairs]
-            _session(ort, build_check_model(proto, g, only_old, mask_names)[0])
-        except Exception:
-            return ValidationResult(False, f"onnxruntime cannot run the original model ({msg})")
-        res = ValidationResult(True)
-        for p in pairs:
-            res.pairs[p] = PairResult(*p, ok=False, detail=f"the rewritten graph does not load in onnxruntime ({msg})")
-        return res
+    loaded = _check_session(ort, g, pairs, sorted(masks))
+    if isinstance(loaded, ValidationResult):
+        return loaded
+    sess, pattern_inputs = loaded
     out_names = [o.name for o in sess.get_outputs()]
     # the check model keeps only the inputs the compared tensors depend on: feed just those
     fed = {i.name for i in sess.get_inputs()}
@@ -293,20 +279,9 @@ def validate(
             return ValidationResult(False, str(s))
         feeds = {k: v for k, v in feeds.items() if k in fed}
         # learn each mask's [T, B] with an all-true pattern, then feed exact patterns of each kind
-        shapes = {}
-        if pattern_inputs:
-            big = 4 * max(b, t, 4) + 64
-            for mname in pattern_inputs:  # (a static time dimension may be longer than the generated T)
-                big = max([big] + [d for d in (g.model.shape(mname) or []) if isinstance(d, int)])
-            for mname, pname in pattern_inputs.items():
-                feeds[pname] = np.ones((big, big), dtype=bool)
-            try:
-                outs = sess.run(None, feeds)
-            except Exception as e:
-                return failed_run(e)
-            vals = dict(zip(out_names, outs))
-            for k, (mname, pname) in enumerate(pattern_inputs.items()):
-                shapes[mname] = tuple(int(v) for v in vals[f"__rnnfuse_mask_{k}/shape2"])
+        shapes = _mask_shapes(g, sess, out_names, feeds, pattern_inputs, max(b, t, 4)) if pattern_inputs else {}
+        if isinstance(shapes, ValidationResult):
+            return shapes
         n_kinds = len(kinds_any) if any(v[0] == "any" for v in masks.values()) else len(kinds_post)
         for ki in range(n_kinds if masks else 1):
             for mname, pname in pattern_inputs.items():
@@ -371,3 +346,42 @@ def compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
     if np.any(diff > tol):
         r.ok = False
         r.detail = r.detail or f"max abs error {err:.3g} ({where})"
+
+
+def _check_session(ort, g: Graph, pairs, mask_names):
+    """An onnxruntime session of the check model and its pattern inputs, or the ValidationResult that says
+    which side onnxruntime cannot load (the original model, or the rewrite)."""
+    proto = g.model.proto
+    try:
+        check, pattern_inputs = build_check_model(proto, g, pairs, mask_names)
+        return _session(ort, check), pattern_inputs
+    except _Skip as s:
+        return ValidationResult(False, str(s))
+    except Exception as e:
+        msg = _first_line(e)
+        # is it the original that onnxruntime cannot run, or the rewrite?
+        try:
+            only_old = [(a, a) for a, _ in pairs]
+            _session(ort, build_check_model(proto, g, only_old, mask_names)[0])
+        except Exception:
+            return ValidationResult(False, f"onnxruntime cannot run the original model ({msg})")
+        res = ValidationResult(True)
+        for p in pairs:
+            res.pairs[p] = PairResult(*p, ok=False, detail=f"the rewritten graph does not load in onnxruntime ({msg})")
+        return res
+
+
+def _mask_shapes(g: Graph, sess, out_names, feeds: dict, pattern_inputs: dict, size: int):
+    """Each overridden mask's [T, B], learned by one run with all-true patterns larger than any mask (or
+    the ValidationResult of a failed run)."""
+    big = 4 * size + 64
+    for mname in pattern_inputs:  # (a static time dimension may be longer than the generated T)
+        big = max([big] + [d for d in (g.model.shape(mname) or []) if isinstance(d, int)])
+    for mname, pname in pattern_inputs.items():
+        feeds[pname] = np.ones((big, big), dtype=bool)
+    try:
+        outs = sess.run(None, feeds)
+    except Exception as e:
+        return failed_run(e)
+    vals = dict(zip(out_names, outs))
+    return {mname: tuple(int(v) for v in vals[f"__rnnfuse_mask_{k}/shape2"]) for k, mname in enumerate(pattern_inputs)}

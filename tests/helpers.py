@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 
 import rnnfuse
 from rnnfuse.graph import attr
 
 ATOL = 1e-5
 RTOL = 1e-5
+
+
+def exported_case(directory: Path, name: str, if_missing=pytest.fail) -> dict:
+    """A fixture the exporter scripts wrote: its metadata (``NAME.json``) with the paths of its model and data.
+    ``if_missing`` (pytest.fail, or pytest.skip where another test already fails on it) says what a fixture
+    the exporter did not write does to the test."""
+    path = directory / f"{name}.json"
+    if not path.exists():
+        if_missing(f"{name} was not exported (see the generator's warnings)")
+    meta = json.loads(path.read_text())
+    meta["onnx"] = str(directory / f"{name}.onnx")
+    meta["npz"] = str(directory / f"{name}.npz")
+    return meta
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:

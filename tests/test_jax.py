@@ -11,7 +11,6 @@ model must come out unchanged.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import onnx
 import pytest
 
 import rnnfuse
-from helpers import check_case, op_counts
+from helpers import check_case, exported_case, op_counts
 
 sys.path.insert(0, str(Path(__file__).parent / "exporters"))
 from jax_cases import CASES  # noqa: E402  (plain data; does not import JAX)
@@ -37,13 +36,7 @@ def _p(c):
 
 
 def _case(directory: Path, name: str) -> dict:
-    path = directory / f"{name}.json"
-    if not path.exists():
-        pytest.fail(f"{name} was not exported (see the generator's warnings)")
-    meta = json.loads(path.read_text())
-    meta["onnx"] = str(directory / f"{name}.onnx")
-    meta["npz"] = str(directory / f"{name}.npz")
-    return meta
+    return exported_case(directory, name)
 
 
 @pytest.mark.parametrize("name", [_p(c) for c in CASES if not c.declined])

@@ -9,13 +9,12 @@ to onnxruntime on the original to 1e-5.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import check_case, op_counts
+from helpers import check_case, exported_case, op_counts
 
 sys.path.insert(0, str(Path(__file__).parent / "exporters"))
 from keras_cases import CASES  # noqa: E402  (plain data; does not import TensorFlow)
@@ -24,10 +23,7 @@ NAMES = [c.name for c in CASES]
 
 
 def _case(directory: Path, name: str) -> dict:
-    meta = json.loads((directory / f"{name}.json").read_text())
-    meta["onnx"] = str(directory / f"{name}.onnx")
-    meta["npz"] = str(directory / f"{name}.npz")
-    return meta
+    return exported_case(directory, name)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -15,7 +15,6 @@ run on OpenVINO's sequence kernel (issue 18). Needs the ``openvino`` extra; skip
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from onnx import TensorProto, helper
 ov = pytest.importorskip("openvino")
 
 import rnnfuse  # noqa: E402
-from helpers import load_sets  # noqa: E402
+from helpers import exported_case, load_sets  # noqa: E402
 from rnnfuse.graph import attr  # noqa: E402
 from rnnfuse.portability import OPENVINO_ACTIVATIONS  # noqa: E402
 
@@ -96,13 +95,7 @@ def test_activation_support(core, act):
 
 
 def _case(directory: Path, name: str) -> dict:
-    path = directory / f"{name}.json"
-    if not path.exists():
-        pytest.skip(f"{name} was not exported (see the generator's warnings)")
-    meta = json.loads(path.read_text())
-    meta["onnx"] = str(directory / f"{name}.onnx")
-    meta["npz"] = str(directory / f"{name}.npz")
-    return meta
+    return exported_case(directory, name, if_missing=pytest.skip)
 
 
 def _compare(core, case: dict, model: onnx.ModelProto, compiled) -> None:

@@ -10,7 +10,6 @@ Each case: no Loop left, one LSTM/GRU/RNN per cell, full outputs equal to the fr
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 
 import rnnfuse
 from conftest import generate
-from helpers import check_case, op_counts
+from helpers import check_case, exported_case, op_counts
 
 sys.path.insert(0, str(Path(__file__).parent / "exporters"))
 from stacked_cases import CASES, TF_SCAN_CASES, TORCH_CASES  # noqa: E402  (plain data; imports no framework)
@@ -40,10 +39,7 @@ def stacked_torch(tmp_path_factory):
 
 
 def _case(directory: Path, name: str) -> dict:
-    meta = json.loads((directory / f"{name}.json").read_text())
-    meta["onnx"] = str(directory / f"{name}.onnx")
-    meta["npz"] = str(directory / f"{name}.npz")
-    return meta
+    return exported_case(directory, name)
 
 
 def _run(case: dict, findings: int = 1) -> None:

@@ -7,7 +7,6 @@ for a forward+backward pair), and outputs equal to torch's own (and to onnxrunti
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import onnx
 import pytest
 
 import rnnfuse
-from helpers import assert_close, check_case, load_sets, op_counts, session
+from helpers import assert_close, check_case, exported_case, load_sets, op_counts, session
 
 sys.path.insert(0, str(Path(__file__).parent / "exporters"))
 from torch_cases import CASES  # noqa: E402  (plain data; does not import torch)
@@ -24,13 +23,7 @@ CELL_OPS = {"Sigmoid", "Tanh", "Gemm", "MatMul", "Relu"}
 
 
 def _case(directory: Path, name: str) -> dict:
-    path = directory / f"{name}.json"
-    if not path.exists():
-        pytest.skip(f"{name} was not exported (see the generator's warnings)")
-    meta = json.loads(path.read_text())
-    meta["onnx"] = str(directory / f"{name}.onnx")
-    meta["npz"] = str(directory / f"{name}.npz")
-    return meta
+    return exported_case(directory, name, if_missing=pytest.skip)
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES if not c.slow])

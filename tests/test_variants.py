@@ -15,7 +15,6 @@ bidirectional, masked and unmasked, with weights large enough that every term's 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import onnx
 import pytest
 
 import rnnfuse
-from helpers import assert_close, check_case, load_sets, op_counts, session
+from helpers import assert_close, check_case, exported_case, load_sets, op_counts, session
 from rnnfuse.graph import attr
 
 sys.path.insert(0, str(Path(__file__).parent / "exporters"))
@@ -40,13 +39,7 @@ REASON_NOT_YET: dict[str, str] = {}
 
 
 def _case(directory: Path, name: str) -> dict:
-    path = directory / f"{name}.json"
-    if not path.exists():
-        pytest.fail(f"{name} was not exported (see the generator's warnings)")
-    meta = json.loads(path.read_text())
-    meta["onnx"] = str(directory / f"{name}.onnx")
-    meta["npz"] = str(directory / f"{name}.npz")
-    return meta
+    return exported_case(directory, name)
 
 
 def _fused_param(c):

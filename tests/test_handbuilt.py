@@ -331,8 +331,6 @@ def _softplus_may_overflow(o: B.Opts) -> bool:
 GAPS = [
     (_softplus_may_overflow,
      "a Softplus that may see values above ~88 is declined (onnxruntime's native Softplus overflows to inf there)"),
-    (lambda o: o.H == 1 and o.op == "GRU" and o.bias != "none",
-     "GRU with hidden size 1: the 1-element recurrent candidate bias multiplies r as a scalar (r*lin + b*r), not matched"),
     (lambda o: o.front == "loop" and o.direction == "reverse" and o.reverse_form == "index" and o.masked(),
      "a masked Loop reading Gather(X, T-1-i) and Gather(mask, T-1-i) is declined ('mask' is computed at runtime outside the step)"),
     (lambda o: o.mask == "pad", "a padding mask (True = padded, Where(pad, old, new)) is declined"),
@@ -374,6 +372,11 @@ GAP_CASES = {
     "gru_hidden_1": O(op="GRU", lbr=1, F=1, H=1),
     "rnn_hidden_1_loop": O(op="RNN", front="loop", F=3, H=1),
     "lstm_uniform_bias": O(op="LSTM", uniform_bias=True),
+    # a GRU bias whose entries are all equal: the candidate's is a scalar term, under the reset gate b*r
+    "gru_uniform_bias": O(op="GRU", F=1, H=2, uniform_bias=True),
+    "gru_uniform_bias_lbr_loop": O(op="GRU", lbr=1, front="loop", uniform_bias=True),
+    "gru_uniform_bias_lbr_chain_masked": O(op="GRU", lbr=1, front="chain", static_T=5, mask="where", uniform_bias=True),
+    "gru_hidden_1_gated_state": O(op="GRU", F=2, H=1),
     "lstm_scalar_forget_bias": O(op="LSTM", forget_bias=1.0),
     "lstm_scalar_forget_bias_loop": O(op="LSTM", front="loop", forget_bias=1.0, mask="where"),
     "lstm_gemm_beta": O(op="LSTM", matmul="gemm_ab", bias="two"),

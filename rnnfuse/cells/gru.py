@@ -17,7 +17,7 @@ from ..errors import Decline
 from ..graph import attr
 from ..symbolic import ACTIVATIONS, GATED_ROW, Act, LinAtom, Poly
 from .kind import CellKind, activate, bias_of, gate, split_biases, weight_block
-from .match import SOFTPLUS_SAFE, SOFTPLUS_WHY, check_sources, gate_parts, make_spec
+from .match import SOFTPLUS_SAFE, SOFTPLUS_WHY, check_sources, gate_parts, make_spec, split_scalar_offset, with_uniform_bias
 
 
 class GruKind(CellKind):
@@ -48,10 +48,15 @@ class GruKind(CellKind):
             raise Decline(f"the candidate activation {n.kind} is not available in native ops")
         if n.kind == "Softplus" and (clip_n is None or clip_n > SOFTPLUS_SAFE):
             raise Decline(f"the candidate activation is Softplus: {SOFTPLUS_WHY}")
-        if len(arg.terms) == 2:
+        # a candidate bias whose entries are all equal is a scalar term outside both forms' affine parts; it adds
+        # to the input part's bias (outside the reset product in either form)
+        arg, offset = split_scalar_offset(arg)
+        if len(arg.terms) >= 2:  # x @ Wh + r * (h @ Rh) (+ b * r for a uniform Rbh); else one affine map
             h_lin, r, extra = _candidate_linear_before_reset(arg)
         else:
             h_lin, r, extra = _candidate_gated_state(arg, hs)
+        if offset:
+            h_lin = with_uniform_bias(h_lin, offset)
         r_act, r_lin, clip_r = gate_parts(r, "the reset gate")
         if extra["linear_before_reset"]:
             check_sources(h_lin, {x.key}, "the candidate's input part")
@@ -164,10 +169,15 @@ def _unclipped(arg: Poly):
 
 
 def _candidate_linear_before_reset(arg: Poly):
-    """``x @ Wh + r * (h @ Rh + Rbh)`` -> (the x part, r, extra)."""
+    """``x @ Wh + r * (h @ Rh + Rbh)`` -> (the x part, r, extra). A recurrent bias whose entries are all equal
+    (hidden size 1, constant initialisers) is a separate ``b * r`` term."""
     x_lin = r = rec = None
+    r_scaled: list = []  # (atom, coefficient) of single-gate terms: b * r
     for m, coef in arg.terms.items():
         atoms = [arg.atoms[k] for k in m]
+        if len(atoms) == 1 and isinstance(atoms[0], Act):
+            r_scaled.append((atoms[0], coef))
+            continue
         if coef != 1.0:
             raise Decline("the candidate input has a scaled term")
         if len(atoms) == 1 and isinstance(atoms[0], LinAtom):
@@ -179,6 +189,10 @@ def _candidate_linear_before_reset(arg: Poly):
                 rec, r = la[0].lin, ra[0]
     if x_lin is None or r is None:
         raise Decline(f"the candidate is not act(x@W + r*(h@R + b)) ({arg!r})")
+    if len(r_scaled) > 1 or (r_scaled and r_scaled[0][0].key != r.key):
+        raise Decline(f"the candidate is not act(x@W + r*(h@R + b)) ({arg!r})")
+    if r_scaled:
+        rec = with_uniform_bias(rec, r_scaled[0][1])
     return x_lin, r, {"linear_before_reset": 1, "rec_h": rec}
 
 

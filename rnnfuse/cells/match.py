@@ -34,8 +34,7 @@ def _act_arg(atom: Act, what: str):
         if lo is not None and lo[1] == 1.0:
             # lin + b with a scalar b: a bias whose entries are all equal (hidden size 1, TF's forget_bias)
             lin, _, b = lo
-            ref = ConstRef.of(np.full(lin.ncols, b, dtype=np.float32))
-            return (atom.kind, atom.params), Lin.make(lin.terms, lin.biases + (ref,), lin.ncols, lin.rows), clip
+            return (atom.kind, atom.params), with_uniform_bias(lin, b), clip
         states = sorted({a.sym for a in arg.atoms.values() if isinstance(a, State)})
         if states:
             raise Decline(f"{what} reads state {', '.join(states)} elementwise (peephole weights?): {atom.kind} of {arg!r}")
@@ -45,6 +44,20 @@ def _act_arg(atom: Act, what: str):
     if atom.kind == "Softplus" and (clip is None or clip > SOFTPLUS_SAFE):
         raise Decline(f"{what} uses Softplus: {SOFTPLUS_WHY}; exact only with a clip of at most {SOFTPLUS_SAFE:g}")
     return (atom.kind, atom.params), sa[0].lin, clip
+
+
+def with_uniform_bias(lin: Lin, b: float) -> Lin:
+    """``lin + b`` for a scalar ``b``: the symbolic algebra keeps a bias whose entries are all equal (hidden size
+    1, TF's forget_bias, Keras' constant initialisers) as a separate scalar term; as a native op's bias it is a
+    vector of b."""
+    ref = ConstRef.of(np.full(lin.ncols, b, dtype=np.float32))
+    return Lin.make(lin.terms, lin.biases + (ref,), lin.ncols, lin.rows)
+
+
+def split_scalar_offset(arg: Poly) -> tuple[Poly, float]:
+    """``arg`` without its constant term, and that term (0.0 when there is none)."""
+    b = arg.terms.get((), 0.0)
+    return (Poly({m: c for m, c in arg.terms.items() if m != ()}, arg.atoms), b) if () in arg.terms else (arg, 0.0)
 
 
 # onnxruntime's native Softplus is log(1 + exp(x)) in float: inf from x > ~88.7 where the ONNX op stays finite

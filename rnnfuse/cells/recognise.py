@@ -57,17 +57,34 @@ def _same(a: Poly, b: Poly) -> bool:
 
 
 def fold_offsets(p: Poly) -> Poly:
-    """``act(lin + b)`` with a scalar b written as ``act(lin + [b, b, ...])``: one canonical form."""
+    """Scalar biases folded into the affine map they add to, inside every activation: ``act(lin + b)`` and
+    ``act(... + m*lin + b*m)`` (a uniform recurrent bias under GRU's reset gate, ``r*(h@R) + b*r``) are written
+    as ``act(lin + [b, b, ...])`` and ``act(... + m*(lin + [b, ...]))``: one canonical form for a bias vector whose
+    entries are all equal, however the symbolic algebra split it."""
 
     def fn(a):
         if isinstance(a, Act):
-            inner = fold_offsets(a.arg)
-            lo = inner.as_lin_offset()
-            if lo is not None and lo[1] == 1.0 and lo[2] != 0.0:
-                lin, _, b = lo
-                ref = ConstRef.of(np.full(lin.ncols, b, dtype=np.float32))
-                inner = Poly.atom(LinAtom(Lin.make(lin.terms, lin.biases + (ref,), lin.ncols, lin.rows)))
-            return Poly.atom(Act(a.kind, a.params, inner))
+            return Poly.atom(Act(a.kind, a.params, _fold_scalar_multiples(fold_offsets(a.arg))))
         return None
 
     return substitute(p, fn)
+
+
+def _fold_scalar_multiples(p: Poly) -> Poly:
+    """Fold each term ``b*m`` into a term ``1*m*lin`` of the same polynomial (m a product of atoms, maybe empty)."""
+    for m, coef in p.terms.items():
+        lin_keys = [k for k in m if isinstance(p.atoms[k], LinAtom)]
+        if coef != 1.0 or len(lin_keys) != 1:
+            continue
+        rest = tuple(k for k in m if k != lin_keys[0])
+        b = p.terms.get(rest)
+        if not b:
+            continue
+        lin = p.atoms[lin_keys[0]].lin
+        ref = ConstRef.of(np.full(lin.ncols, b, dtype=np.float32))
+        folded = Poly.atom(LinAtom(Lin.make(lin.terms, lin.biases + (ref,), lin.ncols, lin.rows)))
+        for k in rest:
+            folded = folded.mul(Poly.atom(p.atoms[k]))
+        others = Poly({t: c for t, c in p.terms.items() if t not in (m, rest)}, p.atoms)
+        return _fold_scalar_multiples(others.add(folded))
+    return p

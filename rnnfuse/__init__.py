@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os as _os
 
-import onnx
-
 # Installed, the rules live in ``rnnfuse/passes`` (pyproject maps the top-level ``passes/`` there). Run from a
 # source checkout (``python -m rnnfuse`` or pytest in the repository root put it first on sys.path), they are
 # found in the sibling ``passes/`` directory.

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .errors import InputError, OutputError
+from .errors import InputError
 from .feeds import random_values, valid_steps
 from .protos import dim_role
 

@@ -106,22 +106,11 @@ class GraphIndex:
         return self._implicit[key]
 
     def _index(self, n: NodeProto) -> None:
-        producer, consumers = self.producer, self.consumers
+        producer = self.producer
         for o in n.output:
             if o:
                 producer[o] = n
-        ins = n.input
-        if has_subgraph(n):
-            ins = list(dict.fromkeys(itertools.chain(n.input, sorted(self.implicit_inputs(n)))))
-        elif len(ins) > 1:
-            ins = list(dict.fromkeys(ins))
-        for i in ins:
-            if i:
-                lst = consumers.get(i)
-                if lst is None:
-                    consumers[i] = [n]
-                else:
-                    lst.append(n)
+        self._index_inputs(n, has_subgraph(n))
 
     def _index_all(self, nodes: list[NodeProto]) -> bool:
         """``_index`` for many nodes: one loop, each node's fields read once. Returns whether the nodes are
@@ -151,9 +140,12 @@ class GraphIndex:
                         lst.append(n)
         return not captures and not any(i in producer for i in early)
 
-    def _index_inputs(self, n: NodeProto) -> None:
+    def _index_inputs(self, n: NodeProto, captures: bool = True) -> None:
+        """n as a consumer of each value it reads once: its inputs and, with ``captures``, what its subgraphs
+        read from outside them."""
         consumers = self.consumers
-        for i in dict.fromkeys(itertools.chain(n.input, sorted(self.implicit_inputs(n)))):
+        ins = itertools.chain(n.input, sorted(self.implicit_inputs(n))) if captures else n.input
+        for i in dict.fromkeys(ins):
             if i:
                 lst = consumers.get(i)
                 if lst is None:

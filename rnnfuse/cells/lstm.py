@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import Decline
-from ..symbolic import ACTIVATIONS, Act, Lin, LinAtom, Poly, State
+from ..symbolic import ACTIVATIONS, Act, LinAtom, Poly, State
 from .kind import CellKind, activate, gate
 from .match import SOFTPLUS_WHY, check_sources, gate_parts, make_spec
 from .spec import act_name

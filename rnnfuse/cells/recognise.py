@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from itertools import permutations
 
-import numpy as np
-
 from ..errors import Decline
-from ..symbolic import Act, ConstRef, Lin, LinAtom, Poly, State, StepInput, substitute
+from ..symbolic import Act, LinAtom, Poly, State, StepInput, substitute
 from .kinds import KINDS
+from .match import with_uniform_bias
 from .spec import CellSpec
 
 
@@ -81,8 +80,7 @@ def _fold_scalar_multiples(p: Poly) -> Poly:
         if not b:
             continue
         lin = p.atoms[lin_keys[0]].lin
-        ref = ConstRef.of(np.full(lin.ncols, b, dtype=np.float32))
-        folded = Poly.atom(LinAtom(Lin.make(lin.terms, lin.biases + (ref,), lin.ncols, lin.rows)))
+        folded = Poly.atom(LinAtom(with_uniform_bias(lin, b)))
         for k in rest:
             folded = folded.mul(Poly.atom(p.atoms[k]))
         others = Poly({t: c for t, c in p.terms.items() if t not in (m, rest)}, p.atoms)

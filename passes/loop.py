@@ -15,6 +15,8 @@ are handled here too: the sequence is a per-step output and ``ConcatFromSequence
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from onnx import NodeProto, TensorProto
 
@@ -40,49 +42,87 @@ def init_of(g: Graph, name: str) -> Init:
     return Init(name, None)
 
 
+@dataclass
+class _Carried:
+    """What each carried value of a Loop is (by its position k among the carried values)."""
+
+    n: int  # carried values
+    n_scan: int  # per-step (scan) outputs of the body
+    index_syms: dict[str, int]  # body input -> 0: the iteration number and counters that follow it
+    invariants: dict[str, str]  # body input -> outer init: values passed through unchanged
+    recurrent: list[int]  # the cell's states (and carried copies of its output)
+    seqs: list[int]  # carried sequences (TorchScript SequenceInsert outputs)
+
+
+@dataclass
+class _StepInput:
+    """The per-step input and mask the body reads: element i of an invariant tensor along its time axis."""
+
+    leaves: dict  # body tensor -> its symbolic value: the mask reads and the input reads
+    x_outer: str  # the tensor the recurrence reads (X, or X0 when the steps read slices of X0 @ K + b)
+    x_axis: int  # 0: time-major [T, B, F]; 1: batch-first
+    x_atom: StepInput
+    x_reversed: bool  # the steps read time backwards
+    mask_outer: str | None
+
+
 def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
     body = g.subgraph(loop)
+    carried = _carried_values(g, body, loop)
+    step_in = _step_input(g, body, loop, carried)
+    leaves = dict(step_in.leaves)
+    states = _body_leaves(g, body, loop, carried, leaves)
+    state_out = {f"s{k}": body.output_names[1 + k] for k in carried.recurrent}
+    layers = split_layers(body, leaves, state_out, step_in.x_atom)
+    outs_of, last_of, extra_remove = _per_step_outputs(g, body, loop, carried, layers)
+    aliases = _final_aliases(g, body, loop, carried)
+    recs = _layer_recurrences(g, body, loop, layers, states, outs_of, last_of, extra_remove, step_in)
+    if len(recs) == 1:
+        return recs[0], aliases
+    return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
+
+
+def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
+    """Sort the carried values into counters, pass-through values, carried sequences and recurrent states."""
     bin_, bout = body.input_names, body.output_names
     n_carried = len(loop.input) - 2
     if n_carried < 0 or len(bin_) != n_carried + 2:
         raise Decline("malformed Loop")
-    n_scan = len(bout) - 1 - n_carried
-    iter_name = bin_[0]
-    index_syms: dict[str, int] = {iter_name: 0}
-    invariants: dict[str, str] = {}  # body input -> outer init
-    recurrent: list[int] = []
-    seqs: list[int] = []  # carried sequences (TorchScript SequenceInsert outputs)
+    out = _Carried(n_carried, len(bout) - 1 - n_carried, {bin_[0]: 0}, {}, [], [])
     for k in range(n_carried):
         bi, bo, init = bin_[2 + k], bout[1 + k], loop.input[2 + k]
         inv = loop_invariant_init(body, bi)
         if inv is not None:
-            invariants[bi] = inv
+            out.invariants[bi] = inv
             continue
         et = g.model.elem_type(init) if init else None
         step = counter_step(body, bo)
         c0 = g.const(init) if init else None
         if step is not None and step[0] == bi and step[1] == 1 and c0 is not None and np.asarray(c0).size == 1 and int(np.asarray(c0).ravel()[0]) == 0:
-            index_syms[bi] = 0
+            out.index_syms[bi] = 0
             continue
         prod = g.producer.get(init) if init else None
         if prod is not None and prod.op_type == "SequenceEmpty":
-            seqs.append(k)
+            out.seqs.append(k)
             continue
         if et is not None and et not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16):
             raise Decline(f"carried value '{bi}' of type {TensorProto.DataType.Name(et)} is not a counter")
-        recurrent.append(k)
-    if not recurrent:
+        out.recurrent.append(k)
+    if not out.recurrent:
         raise Decline("no recurrent state")
+    return out
 
-    # the step input and mask: element i of an invariant tensor along its time axis
+
+def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _StepInput:
+    """The step input and mask: element i of an invariant tensor along its time axis; the loop must run once
+    per time step of that tensor."""
     leaves: dict = {}
     x_outer = mask_outer = None
-    x_atom = None
     reversed_reads = set()
     x_reads: list[str] = []
     x_axis = None
     for n in body.nodes:
-        read = step_read(g, body, n, index_syms, invariants)
+        read = step_read(g, body, n, carried.index_syms, carried.invariants)
         if read is None:
             continue
         data, axis, form = read
@@ -124,18 +164,25 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
         leaves[r] = x_value
     if len(reversed_reads) > 1:
         raise Decline("the step input and the mask are read in different orders")
-    x_reversed = reversed_reads == {True}
-    check_trip_count(g, body, loop, x_outer, index_syms, x_axis)
+    check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
+    return _StepInput(leaves, x_outer if proj is None else proj[0], x_axis, x_atom, reversed_reads == {True},
+                      mask_outer)
 
+
+def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leaves: dict) -> dict[str, State]:
+    """Add the symbolic values of the body's other inputs to ``leaves``: a state atom per recurrent value,
+    constants for pass-through values, and opaque values for what the cell maths must not read. Returns the
+    states by symbol."""
+    bin_ = body.input_names
     states: dict[str, State] = {}
-    for k in recurrent:
+    for k in carried.recurrent:
         bi = bin_[2 + k]
         shape = body.local_shape(bi) or g.model.shape(loop.input[2 + k]) or []
         H = shape[-1] if shape and isinstance(shape[-1], int) else None
         st = State(f"s{k}", H)
         states[st.sym] = st
         leaves[bi] = SymTensor(Poly.atom(st))
-    for bi, init in invariants.items():
+    for bi, init in carried.invariants.items():
         c = g.const(init)
         if c is not None:
             leaves[bi] = Const(c)
@@ -145,17 +192,22 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
             leaves[bi] = Const(np.array(fv, dtype=np.float32))
         else:
             leaves[bi] = Opaque(f"loop-carried '{bi}' is computed at runtime (weights not constant?)")
-    for name in index_syms:
+    for name in carried.index_syms:
         leaves.setdefault(name, Opaque("the iteration number is used in the cell maths"))
     leaves[bin_[1]] = Opaque("the loop condition is used in the cell maths")
-    for k in seqs:
+    for k in carried.seqs:
         leaves[bin_[2 + k]] = Opaque("a sequence is read inside the step")
+    return states
 
-    state_out = {f"s{k}": bout[1 + k] for k in recurrent}
-    layers = split_layers(body, leaves, state_out, x_atom)
+
+def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, layers: list):
+    """The used per-step outputs, by layer: stacked ones (``outs_of``), ones read only at their last step
+    (``last_of``: (poly, outer, [(tensor, lead)])), and the carried sequences' stacking nodes to remove."""
+    bout = body.output_names
+    n_carried = carried.n
     outs_of: dict[int, list[StepOut]] = {i: [] for i in range(len(layers))}
-    last_of: dict[int, list] = {}  # per-step outputs read only at the last step: (poly, outer, [(tensor, lead)])
-    for j in range(n_scan):
+    last_of: dict[int, list] = {}
+    for j in range(carried.n_scan):
         outer = loop.output[n_carried + j] if n_carried + j < len(loop.output) else ""
         if not outer or not g.n_uses(outer):
             continue
@@ -167,20 +219,31 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
             continue
         outs_of[li].append(StepOut(poly, outer))
     extra_remove: list[NodeProto] = []
-    for k in seqs:
+    for k in carried.seqs:
         li, out = _sequence_output(g, body, loop, k, layers, extra_remove)
         outs_of[li].append(out)
+    return outs_of, last_of, extra_remove
 
+
+def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> dict[str, str]:
+    """Used final values of pass-through carried values: each is its outer init."""
     aliases: dict[str, str] = {}
-    for k in range(n_carried):
+    for k in range(carried.n):
         final = loop.output[k] if k < len(loop.output) else ""
         if not final or not g.n_uses(final):
             continue
-        bi = bin_[2 + k]
-        if bi in invariants:
-            aliases[final] = invariants[bi]
-        elif bi in index_syms:
+        bi = body.input_names[2 + k]
+        if bi in carried.invariants:
+            aliases[final] = carried.invariants[bi]
+        elif bi in carried.index_syms:
             raise Decline("the loop's final iteration count is used")
+    return aliases
+
+
+def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, states: dict[str, State],
+                       outs_of: dict, last_of: dict, extra_remove: list, step_in: _StepInput) -> list[Recurrence]:
+    """One recurrence per layer of the step, each reading the layer below's Y (the first reads x)."""
+    bout = body.output_names
     where = loop.name or loop.output[0]
     recs: list[Recurrence] = []
     h_of: dict[int, str] = {}  # layer -> its cell's output state
@@ -209,32 +272,30 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
             front="Loop",
             where=where,
             cell=an.rec.spec,
-            x=x_outer if proj is None else proj[0],
+            x=step_in.x_outer,
             h0=an.h0,
             c0=an.c0,
-            mask=mask_outer if an.masked else None,
+            mask=step_in.mask_outer if an.masked else None,
             seq_outputs=an.seq_outputs,
             finals=an.finals,
             remove=[loop] + extra_remove if li == 0 else [],
             anchor=loop,
-            x_batch_first=x_axis == 1,
-            x_reversed=x_reversed,
+            x_batch_first=step_in.x_axis == 1,
+            x_reversed=step_in.x_reversed,
         )
         h_of[li] = an.rec.h
         if below is not None:
             # the cell below's Y, in time order like x, read in the same order as x
             y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
-            below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=x_reversed, internal=True))
+            below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=step_in.x_reversed, internal=True))
             rec.x, rec.x_internal, rec.x_batch_first = y, True, False
         if len(layers) > 1:
             rec.stack = where
-        if mask_outer is not None and not an.masked:
+        if step_in.mask_outer is not None and not an.masked:
             rec.notes.append("the body reads a mask but no state depends on it")
         recs.append(rec)
     check_feeds(layers, h_of)
-    if len(recs) == 1:
-        return recs[0], aliases
-    return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
+    return recs
 
 
 def last_step_reads(g: Graph, outer: str) -> list[tuple[str, int]]:

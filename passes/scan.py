@@ -8,6 +8,8 @@ outputs (``scan_output_axes`` / ``scan_output_directions`` honoured).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from onnx import NodeProto, TensorProto
 
@@ -34,20 +36,57 @@ def _passthrough(body: Graph, k: int) -> bool:
     return True
 
 
+@dataclass
+class _Scanned:
+    """The scanned step input (and mask) of a Scan."""
+
+    x_outer: str  # the tensor the recurrence reads (X, or X0 when the steps read slices of X0 @ K + b)
+    x_atom: StepInput
+    x_dir: int  # scan_input_directions: 1 runs time backwards
+    x_axis: int  # 0: time-major; 1: batch-first
+    mask_outer: str | None
+
+
 def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
     if g.model.opset < 9:
         raise Decline("Scan before opset 9 (batched form with sequence_lens)")
     body = g.subgraph(scan)
+    n_state = len(scan.input) - attr(scan, "num_scan_inputs")
+    leaves: dict = {}
+    scanned = _scanned_inputs(g, body, scan, n_state, leaves)
+    states, recurrent, aliases = _scan_states(g, body, scan, n_state, leaves)
+    ev = StepEvaluator(body, leaves)
+    step_states = []
+    for k in recurrent:
+        final = scan.output[k] if k < len(scan.output) else ""
+        step_states.append(StepState(f"s{k}", ev.poly(body.output_names[k]), init_of(g, scan.input[k]), final if final and g.n_uses(final) else None))
+    outs = _scan_outputs(g, body, scan, n_state, ev)
+    an = analyse(scanned.x_atom, step_states, outs, states)
+    rec = Recurrence(
+        front="Scan",
+        where=scan.name or scan.output[0],
+        cell=an.rec.spec,
+        x=scanned.x_outer,
+        h0=an.h0,
+        c0=an.c0,
+        mask=scanned.mask_outer if an.masked else None,
+        seq_outputs=an.seq_outputs,
+        finals=an.finals,
+        remove=[scan],
+        anchor=scan,
+        x_batch_first=scanned.x_axis == 1,
+        x_reversed=bool(scanned.x_dir),
+    )
+    return rec, aliases
+
+
+def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: dict) -> _Scanned:
+    """The one float input scanned over time and an optional bool mask scanned the same way; their body
+    tensors' symbolic values go into ``leaves``."""
     m = attr(scan, "num_scan_inputs")
-    n_in = len(scan.input)
-    n_state = n_in - m
-    bin_, bout = body.input_names, body.output_names
-    n_scan_out = len(bout) - n_state
+    bin_ = body.input_names
     in_dirs = attr(scan, "scan_input_directions") or [0] * m
     in_axes = attr(scan, "scan_input_axes") or [0] * m
-    out_dirs = attr(scan, "scan_output_directions") or [0] * n_scan_out
-    out_axes = attr(scan, "scan_output_axes") or [0] * n_scan_out
-    leaves: dict = {}
     x_outer = mask_outer = None
     x_atom = None
     x_dir = x_axis = None
@@ -84,6 +123,13 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
         raise Decline("no scanned float input")
     if mask_outer is not None and (m_dir, m_axis) != (x_dir, x_axis):
         raise Decline("the mask is scanned differently from the input")
+    return _Scanned(x_outer, x_atom, x_dir, x_axis, mask_outer)
+
+
+def _scan_states(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: dict):
+    """Scan states: pass-through values become constants (their final values aliases of their inits), the
+    others recurrent states. Returns (states by symbol, the recurrent positions, aliases)."""
+    bin_ = body.input_names
     states: dict[str, State] = {}
     recurrent: list[int] = []
     aliases: dict[str, str] = {}
@@ -105,11 +151,15 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
         recurrent.append(k)
     if not recurrent:
         raise Decline("no recurrent state")
-    ev = StepEvaluator(body, leaves)
-    step_states = []
-    for k in recurrent:
-        final = scan.output[k] if k < len(scan.output) else ""
-        step_states.append(StepState(f"s{k}", ev.poly(bout[k]), init_of(g, scan.input[k]), final if final and g.n_uses(final) else None))
+    return states, recurrent, aliases
+
+
+def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, ev: StepEvaluator) -> list[StepOut]:
+    """The used scan outputs (``scan_output_axes`` / ``scan_output_directions`` honoured)."""
+    bout = body.output_names
+    n_scan_out = len(bout) - n_state
+    out_dirs = attr(scan, "scan_output_directions") or [0] * n_scan_out
+    out_axes = attr(scan, "scan_output_axes") or [0] * n_scan_out
     outs = []
     for j in range(n_scan_out):
         outer = scan.output[n_state + j] if n_state + j < len(scan.output) else ""
@@ -120,23 +170,7 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
         if ax not in (0, 1):
             raise Decline(f"a scan output stacked along axis {out_axes[j]}")
         outs.append(StepOut(ev.poly(bout[n_state + j]), outer, batch_first=ax == 1, reversed=bool(out_dirs[j])))
-    an = analyse(x_atom, step_states, outs, states)
-    rec = Recurrence(
-        front="Scan",
-        where=scan.name or scan.output[0],
-        cell=an.rec.spec,
-        x=x_outer,
-        h0=an.h0,
-        c0=an.c0,
-        mask=mask_outer if an.masked else None,
-        seq_outputs=an.seq_outputs,
-        finals=an.finals,
-        remove=[scan],
-        anchor=scan,
-        x_batch_first=x_axis == 1,
-        x_reversed=bool(x_dir),
-    )
-    return rec, aliases
+    return outs
 
 
 class FuseScans:

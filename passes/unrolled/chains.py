@@ -135,49 +135,59 @@ def _keeps_rows(g: Graph, p: NodeProto) -> bool:
 
 def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | None = None) -> list[Chain]:
     """Thread the steps of a family into chains (forward and backward)."""
-    xs = {x: t for t, x in fam.items()}
-    all_masks = {m: t for t, ms in (mask_fam or {}).items() for m in ms}
+    mask_fam = mask_fam or {}
     # values computed from one step's mask alone (its Unsqueeze, Not, Cast): never a carried state, even when
     # another chain's step combines them with this step's values (a backward chain's first, x-only step)
-    mask_only = {t: closure(g, ms, 64)[0] for t, ms in (mask_fam or {}).items()}
+    mask_only = {t: closure(g, ms, 64)[0] for t, ms in mask_fam.items()}
+    regions = {t: _x_region(g, x, mask_only.get(t, set())) for t, x in fam.items()}
+    found = _older_reads(g, fam, iv, mask_fam, mask_only, regions)
+    return [chain for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction)]
+
+
+def _x_region(g: Graph, x: str, mask_local: set) -> tuple[set, list[NodeProto]]:
+    """A step's x-local region (the tensors computed from x_t with constants and the step's mask-only values
+    (a tiled, negated or cast mask) only) and its *combining* nodes, which mix the region with anything else."""
+    local = {x}
+    frontier = [x]
+    combining: list[NodeProto] = []
+    seen_nodes: set[int] = set()
+    while frontier:
+        v = frontier.pop()
+        for c in g.uses(v):
+            if id(c) in seen_nodes:
+                continue
+            seen_nodes.add(id(c))
+            if len(c.input) > 8:
+                continue  # a Concat stacking every step's output is no part of a step
+            dyn = dynamic_inputs(g, c)
+            if all(i in local or i in mask_local for i in dyn) and not g.implicit_inputs(c):
+                for o in c.output:
+                    if o:
+                        local.add(o)
+                        frontier.append(o)
+            else:
+                combining.append(c)
+    return local, combining
+
+
+def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], mask_only: dict[int, set],
+                 regions: dict[int, tuple[set, list]]) -> dict[tuple[str, int], _Found]:
+    """Per (direction, step): the carried tensors its combining nodes read from older steps, walked back
+    through state-side ops (:func:`_root`)."""
+    xs = {x: t for t, x in fam.items()}
+    all_masks = {m: t for t, ms in mask_fam.items() for m in ms}
     any_mask_only = set().union(*mask_only.values()) if mask_only else set()
     stop = {**xs, **all_masks}
     runtime = runtime_values(g)
     found: dict[tuple[str, int], _Found] = {}
-    regions: dict[int, tuple[set, list]] = {}
-    for t, x in fam.items():
-        # the step's mask-only values (a tiled, negated or cast mask), then the x-local region: nodes
-        # computed from x_t (with constants and mask-only values) only
-        mask_local = mask_only.get(t, set())
-        local = {x}
-        frontier = [x]
-        combining: list[NodeProto] = []
-        seen_nodes: set[int] = set()
-        while frontier:
-            v = frontier.pop()
-            for c in g.uses(v):
-                if id(c) in seen_nodes:
-                    continue
-                seen_nodes.add(id(c))
-                if len(c.input) > 8:
-                    continue  # a Concat stacking every step's output is no part of a step
-                dyn = dynamic_inputs(g, c)
-                if all(i in local or i in mask_local for i in dyn) and not g.implicit_inputs(c):
-                    for o in c.output:
-                        if o:
-                            local.add(o)
-                            frontier.append(o)
-                else:
-                    combining.append(c)
-        regions[t] = (local, combining)
     # a Concat of values local to several other steps stacks them (per-step outputs of a fused layer, read step
     # by step): a real step reads one older step's value (x-local only at a chain's first step), e.g. input
     # feeding's Concat(x_1, y_0)
     local_step = {v: t for t, (local, _) in regions.items() for v in local}
-    for t, x in fam.items():
+    for t in fam:
         local, combining = regions[t]
         mask_local = mask_only.get(t, set())
-        mask_t = mask_fam.get(t, {}) if mask_fam else {}
+        mask_t = mask_fam.get(t, {})
         for c in combining:
             if c.op_type == "Concat" and len({local_step[i] for i in c.input if i in local_step} - {t}) > 1:
                 continue
@@ -203,31 +213,37 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
                     if weighted:
                         f.weighted.add(r)
                     f.pulled |= pulled
+    return found
+
+
+def _thread(fam: dict[int, str], iv, mask_fam: dict[int, dict], found: dict[tuple[str, int], _Found],
+            direction: str) -> list[Chain]:
+    """Link step t to the step before it (in ``direction``) when one of its roots ends there; every run of two
+    or more linked steps is a chain."""
+    succ: dict[int, int] = {}
+    has_pred: set[int] = set()
+    for t in fam:
+        pred = t - 1 if direction == "forward" else t + 1
+        f = found.get((direction, t))
+        if pred not in fam or f is None:
+            continue
+        for r in f.roots:
+            riv = iv.get(r)
+            if riv is not None and (riv[1] if direction == "forward" else riv[0]) == pred:
+                succ[pred] = t
+                has_pred.add(t)
     chains: list[Chain] = []
-    for direction in ("forward", "reverse"):
-        succ: dict[int, int] = {}
-        has_pred: set[int] = set()
-        for t in fam:
-            pred = t - 1 if direction == "forward" else t + 1
-            f = found.get((direction, t))
-            if pred not in fam or f is None:
-                continue
-            for r in f.roots:
-                riv = iv.get(r)
-                if riv is not None and (riv[1] if direction == "forward" else riv[0]) == pred:
-                    succ[pred] = t
-                    has_pred.add(t)
-        for t in sorted(fam, reverse=(direction == "reverse")):
-            if t in has_pred or t not in succ:
-                continue
-            seq = [t]
-            while seq[-1] in succ:
-                seq.append(succ[seq[-1]])
-            if len(seq) < 2:
-                continue
-            steps = []
-            for k in seq:
-                f = found.get((direction, k), _Found())
-                steps.append(Step(k, fam[k], set(f.roots), set(f.pulled), dict(mask_fam.get(k, {})) if mask_fam else {}, set(f.weighted)))
-            chains.append(Chain(direction, steps))
+    for t in sorted(fam, reverse=(direction == "reverse")):
+        if t in has_pred or t not in succ:
+            continue
+        seq = [t]
+        while seq[-1] in succ:
+            seq.append(succ[seq[-1]])
+        if len(seq) < 2:
+            continue
+        steps = []
+        for k in seq:
+            f = found.get((direction, k), _Found())
+            steps.append(Step(k, fam[k], set(f.roots), set(f.pulled), dict(mask_fam.get(k, {})), set(f.weighted)))
+        chains.append(Chain(direction, steps))
     return chains

@@ -9,7 +9,7 @@ the old outputs sees the same values; cleanup then folds slices into what reads 
 from __future__ import annotations
 
 import numpy as np
-from onnx import NodeProto
+from onnx import NodeProto, helper
 
 from rnnfuse import portability
 from rnnfuse.cells import native_kind
@@ -59,11 +59,32 @@ def _depends_on(g: Graph, name: str, node: NodeProto, limit: int = 100000) -> bo
 
 
 def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[str, str]]:
+    """Add the bidirectional op for the pair; returns it and the replacement of each used output of the two
+    (a Slice of the merged output)."""
     kind = native_kind(fw)
     op = kind.op
     H = attr(fw, "hidden_size")
     if H is None:
         raise Decline("no hidden_size")
+    weights = _constant_weights(g, fw, bw, kind, H)
+    b = Builder(g, fw, f"rnnfuse/{op}")
+    ins = _merged_inputs(g, b, fw, bw, kind, H, weights)
+    attrs = _merged_attrs(fw, kind)
+    n_out = max(len(fw.output), len(bw.output))
+    outs = g.add_node(op, ins, n_out, name=f"rnnfuse/{op}", anchor=fw, **attrs)
+    native = g.producer[outs[0]]
+    repl: dict[str, str] = {}
+    axes = {0: 1, 1: 0, 2: 0}  # Y is [T, D, B, H]; Y_h, Y_c are [D, B, H]
+    for k in range(n_out):
+        for d, node in ((0, fw), (1, bw)):
+            if k < len(node.output) and node.output[k] and g.n_uses(node.output[k]):
+                repl[node.output[k]] = b.op("Slice", outs[k], b.i64(d), b.i64(d + 1), b.i64(axes[k]))
+    return native, repl
+
+
+def _constant_weights(g: Graph, fw: NodeProto, bw: NodeProto, kind, H: int) -> tuple:
+    """Both directions' W and R ((fw, bw) each), biases (None when absent) and extra inputs (an LSTM's P:
+    input position -> [fw, bw], zeros for a direction without); declined unless all are constant."""
     ws = []
     for k in (1, 2):
         a, b = g.const(_inp(fw, k)), g.const(_inp(bw, k))
@@ -73,7 +94,7 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
     bf, bb = g.const(_inp(fw, 3)) if _inp(fw, 3) else None, g.const(_inp(bw, 3)) if _inp(bw, 3) else None
     if (_inp(fw, 3) and bf is None) or (_inp(bw, 3) and bb is None):
         raise Decline("biases are not constant")
-    extras = {}  # extra inputs (an LSTM's P): constant per direction, zeros for a direction without
+    extras = {}
     for k, name in enumerate(kind.inputs):
         if name in kind.extra_inputs and (_inp(fw, k) or _inp(bw, k)):
             pair = [g.const(_inp(n, k)) if _inp(n, k) else None for n in (fw, bw)]
@@ -81,7 +102,14 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
                 raise Decline(f"{kind.extra_inputs[name]} computed at runtime")
             zero = np.zeros((1,) + kind.extra_input_shape(name, H), ws[0][0].dtype)
             extras[k] = [v if v is not None else zero for v in pair]
-    b = Builder(g, fw, f"rnnfuse/{op}")
+    return ws, bf, bb, extras
+
+
+def _merged_inputs(g: Graph, b: Builder, fw: NodeProto, bw: NodeProto, kind, H: int, weights: tuple) -> list[str]:
+    """The merged op's inputs: each weight concatenated along the direction axis, X and sequence_lens shared,
+    initial states concatenated (zeros for a direction without one)."""
+    ws, bf, bb, extras = weights
+    op = kind.op
 
     def both(pair, hint):
         a, c = pair
@@ -113,12 +141,16 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
         ins.append(b.const(np.concatenate(extras[k], 0), kind.inputs[k]) if k in extras else "")
     while ins and ins[-1] == "":
         ins.pop()
+    return ins
+
+
+def _merged_attrs(fw: NodeProto, kind) -> dict:
+    """The forward op's attributes with direction="bidirectional" and the activations given for both
+    directions (none when they are the defaults)."""
     attrs = {}
     for a in fw.attribute:
         if a.name in _SKIP:
             continue
-        from onnx import helper
-
         attrs[a.name] = helper.get_attribute_value(a)
     attrs["direction"] = "bidirectional"
     acts = attr(fw, "activations")
@@ -129,17 +161,7 @@ def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[
             attrs["activation_alpha"] = list(al) * 2
         if be:
             attrs["activation_beta"] = list(be) * 2
-    attrs = kind.drop_default_activations(attrs)
-    n_out = max(len(fw.output), len(bw.output))
-    outs = g.add_node(op, ins, n_out, name=f"rnnfuse/{op}", anchor=fw, **attrs)
-    native = g.producer[outs[0]]
-    repl: dict[str, str] = {}
-    axes = {0: 1, 1: 0, 2: 0}  # Y is [T, D, B, H]; Y_h, Y_c are [D, B, H]
-    for k in range(n_out):
-        for d, node in ((0, fw), (1, bw)):
-            if k < len(node.output) and node.output[k] and g.n_uses(node.output[k]):
-                repl[node.output[k]] = b.op("Slice", outs[k], b.i64(d), b.i64(d + 1), b.i64(axes[k]))
-    return native, repl
+    return kind.drop_default_activations(attrs)
 
 
 class MergeBidirectional:
@@ -190,7 +212,6 @@ class ReverseInputs:
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         from rnnfuse.dims import time_flip_source
-        from onnx import helper
 
         g = model.graph
         res = PassResult(self.name)

@@ -86,95 +86,120 @@ def _reads(p: Poly) -> set:
 
 
 def analyse(x: StepInput, states: list[StepState], outs: list[StepOut], state_atoms: dict[str, State]) -> StepAnalysis:
+    """Recognise the cell of a step's carried states, then say what each per-step output and used final
+    value is in terms of the native op's outputs."""
     if not states:
         raise Decline("no carried state")
+    un = _unmask(states, state_atoms)
+    cell_syms, carry_of = _cell_states(states, un)
+    rec = recognise({c: un.new_cell[c] for c in cell_syms}, x, {c: state_atoms[c] for c in cell_syms})
+    by_sym = {s.sym: s for s in states}
+    h0 = by_sym[rec.h].init
+    c0 = by_sym[rec.c].init if rec.c else Init()
+    masked = un.mask_sym is not None
+    an = StepAnalysis(rec, masked, un.mask_sym, h0, c0)
+    for o in outs:
+        an.seq_outputs.append(_seq_output(o, un.new_cell[rec.h], an, carry_of, by_sym))
+    for s in states:
+        if s.final:
+            an.finals.append(_final_output(s, an, carry_of, un.zero_fill))
+    return an
+
+
+@dataclass
+class _Unmasked:
+    """Each state's update with the mask taken out (``m * new + (1 - m) * old`` -> ``new``)."""
+
+    new_cell: dict[str, Poly]  # state -> its update at a valid step
+    masked_states: dict[str, bool]  # state -> whether its update is masked
+    zero_fill: set  # carried outputs that hold zeros at masked steps (never read back)
+    mask_sym: str | None  # the one mask, if any state is masked
+
+
+def _unmask(states: list[StepState], state_atoms: dict[str, State]) -> _Unmasked:
     mask_syms: set = set()
-    new_cell: dict[str, Poly] = {}
-    masked_states: dict[str, bool] = {}
-    zero_fill: set = set()  # carried outputs that hold zeros at masked steps (never read back)
+    un = _Unmasked({}, {}, set(), None)
     for s in states:
         old, delta, syms = split_mask(s.out_poly)
         mask_syms |= syms
         if delta is None:
-            new_cell[s.sym] = s.out_poly
-            masked_states[s.sym] = False
+            un.new_cell[s.sym] = s.out_poly
+            un.masked_states[s.sym] = False
             continue
         if not old.terms:
-            zero_fill.add(s.sym)
+            un.zero_fill.add(s.sym)
         elif old.key != Poly.atom(state_atoms[s.sym]).key:
             raise Decline(f"state {s.sym} is not kept at masked steps (its update is not a masked select)")
-        new_cell[s.sym] = old.add(delta)
-        masked_states[s.sym] = True
+        un.new_cell[s.sym] = old.add(delta)
+        un.masked_states[s.sym] = True
     if len(mask_syms) > 1:
         raise Decline("states are masked by different masks")
-    mask_sym = next(iter(mask_syms)) if mask_syms else None
+    un.mask_sym = next(iter(mask_syms)) if mask_syms else None
+    return un
 
+
+def _cell_states(states: list[StepState], un: _Unmasked) -> tuple[list[str], dict[str, str]]:
+    """The cell's states (those the updates read) and, for every other carried value, the cell state it
+    copies (``carry_of``; a copy updated at masked steps too is left out, unless it is used)."""
     read = set()
-    for p in new_cell.values():
+    for p in un.new_cell.values():
         read |= _reads(p)
     cell_syms = [s.sym for s in states if s.sym in read]
     if not cell_syms:
         raise Decline("no state feeds back into the step")
-    for z in zero_fill & set(cell_syms):
+    for z in un.zero_fill & set(cell_syms):
         raise Decline(f"state {z} is reset to zero at masked steps and read back by the cell")
     carry_of: dict[str, str] = {}
     for s in states:
         if s.sym in read:
             continue
-        match = [c for c in cell_syms if new_cell[c].key == new_cell[s.sym].key]
+        match = [c for c in cell_syms if un.new_cell[c].key == un.new_cell[s.sym].key]
         if not match:
             raise Decline(f"carried value {s.sym} is neither a cell state nor a copy of the output")
-        if mask_sym is not None and not masked_states[s.sym]:
+        if un.mask_sym is not None and not un.masked_states[s.sym]:
             # updated at every step, masked or not: its value at masked steps is no native output
             if s.final:
                 raise Decline(f"a carried copy of the output ({s.sym}) ignores the mask and is used")
             continue
         carry_of[s.sym] = match[0]
-    if mask_sym is not None and not all(masked_states[c] for c in cell_syms):
+    if un.mask_sym is not None and not all(un.masked_states[c] for c in cell_syms):
         raise Decline("some cell states ignore the mask")
-    rec = recognise({c: new_cell[c] for c in cell_syms}, x, {c: state_atoms[c] for c in cell_syms})
-    by_sym = {s.sym: s for s in states}
-    h0 = by_sym[rec.h].init
-    c0 = by_sym[rec.c].init if rec.c else Init()
-    masked = mask_sym is not None
-    an = StepAnalysis(rec, masked, mask_sym, h0, c0)
+    return cell_syms, carry_of
 
-    # per-step outputs
-    h_cell = new_cell[rec.h]
-    for o in outs:
-        old, delta, syms = split_mask(o.poly)
-        if syms and syms != {mask_sym}:
-            raise Decline("a per-step output uses another mask")
-        if delta is None:
-            if old.key == h_cell.key:
-                fill = NONE
-                if masked:
-                    raise Decline("a per-step output ignores the mask (the cell runs on masked steps)")
-                an.seq_outputs.append(SeqOutput(o.outer, fill, Init(), o.batch_first, o.reversed))
-                continue
-            # the new value of a masked state read as a whole
-            raise Decline(f"a per-step output is not the cell output ({o.poly!r})")
-        new = old.add(delta)
-        if new.key != h_cell.key:
-            raise Decline("a per-step output is not the cell's hidden output")
-        if not old.terms:
-            an.seq_outputs.append(SeqOutput(o.outer, ZERO, Init(), o.batch_first, o.reversed))
-            continue
-        sa = old.single_atom()
-        if sa and sa[1] == 1.0 and isinstance(sa[0], State) and (sa[0].sym == rec.h or carry_of.get(sa[0].sym) == rec.h):
-            an.seq_outputs.append(SeqOutput(o.outer, CARRY, by_sym[sa[0].sym].init, o.batch_first, o.reversed))
-            continue
-        raise Decline(f"masked steps of a per-step output hold {old!r}")
-    # final values
-    for s in states:
-        if not s.final:
-            continue
-        if s.sym == rec.h:
-            an.finals.append(FinalOutput(s.final, "h", s.init if masked else Init()))
-        elif s.sym == rec.c:
-            an.finals.append(FinalOutput(s.final, "c", s.init if masked else Init()))
-        elif carry_of.get(s.sym) == rec.h and s.sym not in zero_fill:
-            an.finals.append(FinalOutput(s.final, "h", s.init if masked else Init()))
-        else:
-            raise Decline(f"the final value of {s.sym} is used")
-    return an
+
+def _seq_output(o: StepOut, h_cell: Poly, an: StepAnalysis, carry_of: dict[str, str], by_sym: dict[str, StepState]) -> SeqOutput:
+    """A per-step output as the native op's Y: the cell output at valid steps, and at masked steps nothing
+    (unmasked), zeros, or the carried previous output."""
+    rec = an.rec
+    old, delta, syms = split_mask(o.poly)
+    if syms and syms != {an.mask_sym}:
+        raise Decline("a per-step output uses another mask")
+    if delta is None:
+        if old.key == h_cell.key:
+            if an.masked:
+                raise Decline("a per-step output ignores the mask (the cell runs on masked steps)")
+            return SeqOutput(o.outer, NONE, Init(), o.batch_first, o.reversed)
+        # the new value of a masked state read as a whole
+        raise Decline(f"a per-step output is not the cell output ({o.poly!r})")
+    new = old.add(delta)
+    if new.key != h_cell.key:
+        raise Decline("a per-step output is not the cell's hidden output")
+    if not old.terms:
+        return SeqOutput(o.outer, ZERO, Init(), o.batch_first, o.reversed)
+    sa = old.single_atom()
+    if sa and sa[1] == 1.0 and isinstance(sa[0], State) and (sa[0].sym == rec.h or carry_of.get(sa[0].sym) == rec.h):
+        return SeqOutput(o.outer, CARRY, by_sym[sa[0].sym].init, o.batch_first, o.reversed)
+    raise Decline(f"masked steps of a per-step output hold {old!r}")
+
+
+def _final_output(s: StepState, an: StepAnalysis, carry_of: dict[str, str], zero_fill: set) -> FinalOutput:
+    """A used final value: the op's Y_h (h, or a masked copy of it) or Y_c."""
+    rec = an.rec
+    init = s.init if an.masked else Init()
+    if s.sym == rec.h:
+        return FinalOutput(s.final, "h", init)
+    if s.sym == rec.c:
+        return FinalOutput(s.final, "c", init)
+    if carry_of.get(s.sym) == rec.h and s.sym not in zero_fill:
+        return FinalOutput(s.final, "h", init)
+    raise Decline(f"the final value of {s.sym} is used")

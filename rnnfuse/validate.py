@@ -100,9 +100,44 @@ def build_check_model(
     model_proto: onnx.ModelProto, g: Graph, pairs: list[tuple[str, str]], masks: list[str]
 ) -> tuple[onnx.ModelProto, dict[str, str]]:
     """A model that outputs every old and new tensor, with masks overridden by pattern inputs."""
-    nodes = g.toposort(g.live_nodes())
     wanted = {n for p in pairs for n in p}
-    # keep only what the wanted outputs need
+    keep = _needed_nodes(g, wanted)
+    used = set()
+    for n in keep:
+        used.update(n.input)
+        for sg in subgraphs(n):
+            used |= free_names(sg)
+    pattern_inputs, extra_nodes, inits = _mask_overrides(keep, masks)
+    used |= {i for n in extra_nodes for i in n.input}
+    graph = onnx.GraphProto()
+    graph.name = "rnnfuse_check"
+    graph.node.extend(extra_nodes + keep)
+    # masks must be computed before the overrides read their shape: sort again
+    graph.initializer.extend([_materialized(g, t) for t in g.proto.initializer if t.name in used] + inits)
+    for vi in g.proto.input:
+        if vi.name in used and vi.name not in g.initializers:
+            graph.input.append(vi)
+    for mname, pname in pattern_inputs.items():
+        graph.input.append(helper.make_tensor_value_info(pname, TensorProto.BOOL, [None, None]))
+    partner = {a: b for a, b in pairs} | {b: a for a, b in pairs}
+    for name in sorted(wanted):
+        et = g.model.elem_type(name) or g.model.elem_type(partner[name]) or TensorProto.FLOAT
+        graph.output.append(helper.make_tensor_value_info(name, et, None))
+    for k in range(len(masks)):
+        graph.output.append(helper.make_tensor_value_info(f"__rnnfuse_mask_{k}/shape2", TensorProto.INT64, [2]))
+    _sort_in_place(graph)
+    m = onnx.ModelProto()
+    m.ir_version = model_proto.ir_version
+    m.opset_import.extend(model_proto.opset_import)
+    m.graph.CopyFrom(graph)
+    for f in model_proto.functions:
+        m.functions.append(f)
+    return m, pattern_inputs
+
+
+def _needed_nodes(g: Graph, wanted: set[str]) -> list[onnx.NodeProto]:
+    """Copies of the live nodes the ``wanted`` tensors are computed from, in topological order."""
+    nodes = g.toposort(g.live_nodes())
     live: set[int] = set()
     stack = [g.producer[n] for n in wanted if n in g.producer]
     while stack:
@@ -120,11 +155,13 @@ def build_check_model(
             m = onnx.NodeProto()
             m.CopyFrom(n)
             keep.append(m)
-    used = set()
-    for n in keep:
-        used.update(n.input)
-        for sg in subgraphs(n):
-            used |= free_names(sg)
+    return keep
+
+
+def _mask_overrides(keep: list[onnx.NodeProto], masks: list[str]):
+    """Every read of mask k in ``keep`` (subgraphs included) reads ``__rnnfuse_mask_k`` instead: the bool
+    pattern input ``__rnnfuse_pattern_k`` cut to the mask's [T, B] and reshaped to its shape. Returns (mask ->
+    pattern input, the nodes computing the overrides, their constants)."""
     pattern_inputs: dict[str, str] = {}
     extra_nodes = []
     for k, mname in enumerate(masks):
@@ -153,31 +190,7 @@ def build_check_model(
             numpy_helper.from_array(np.array([0, 0], np.int64), f"{over}/c00"),
             numpy_helper.from_array(np.array([0, 1], np.int64), f"{over}/c01"),
         ]
-    used |= {i for n in extra_nodes for i in n.input}
-    graph = onnx.GraphProto()
-    graph.name = "rnnfuse_check"
-    graph.node.extend(extra_nodes + keep)
-    # masks must be computed before the overrides read their shape: sort again
-    graph.initializer.extend([_materialized(g, t) for t in g.proto.initializer if t.name in used] + inits)
-    for vi in g.proto.input:
-        if vi.name in used and vi.name not in g.initializers:
-            graph.input.append(vi)
-    for mname, pname in pattern_inputs.items():
-        graph.input.append(helper.make_tensor_value_info(pname, TensorProto.BOOL, [None, None]))
-    partner = {a: b for a, b in pairs} | {b: a for a, b in pairs}
-    for name in sorted(wanted):
-        et = g.model.elem_type(name) or g.model.elem_type(partner[name]) or TensorProto.FLOAT
-        graph.output.append(helper.make_tensor_value_info(name, et, None))
-    for k in range(len(masks)):
-        graph.output.append(helper.make_tensor_value_info(f"__rnnfuse_mask_{k}/shape2", TensorProto.INT64, [2]))
-    _sort_in_place(graph)
-    m = onnx.ModelProto()
-    m.ir_version = model_proto.ir_version
-    m.opset_import.extend(model_proto.opset_import)
-    m.graph.CopyFrom(graph)
-    for f in model_proto.functions:
-        m.functions.append(f)
-    return m, pattern_inputs
+    return pattern_inputs, extra_nodes, inits
 
 
 def _materialized(g: Graph, t: onnx.TensorProto) -> onnx.TensorProto:

@@ -131,3 +131,123 @@ def test_random_values_by_dtype():
         from rnnfuse.feeds import valid_steps
 
         valid_steps("sideways", 3, 2, rng)
+
+
+# -- the shape of the code: short functions, modules under 500 lines, imports one way --------------------
+import ast  # noqa: E402
+import pathlib  # noqa: E402
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 500
+# "module.function" -> why it may be longer than MAX_FUNCTION_LINES (keep this empty if at all possible)
+LONG_FUNCTIONS_ALLOWED: dict[str, str] = {}
+
+
+def _engine_modules() -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for rnnfuse/ and passes/ (installed as rnnfuse.passes)."""
+    mods = {}
+    for top in ("rnnfuse", "passes"):
+        for p in sorted((_ROOT / top).rglob("*.py")):
+            parts = list(p.relative_to(_ROOT).with_suffix("").parts)
+            if parts[0] == "passes":
+                parts = ["rnnfuse"] + parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = p
+    return mods
+
+
+def test_no_function_over_80_lines():
+    long = []
+    for mod, p in _engine_modules().items():
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = n.end_lineno - n.lineno + 1
+                if lines > MAX_FUNCTION_LINES and f"{mod}.{n.name}" not in LONG_FUNCTIONS_ALLOWED:
+                    long.append(f"{p.relative_to(_ROOT)}:{n.lineno} {n.name} ({lines} lines)")
+    assert not long, "split these into named steps (or list them with a reason): " + ", ".join(long)
+
+
+def test_no_module_over_500_lines():
+    big = [f"{p.relative_to(_ROOT)} ({n} lines)" for p in _engine_modules().values()
+           if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not big, "split these by idea: " + ", ".join(big)
+
+
+def _module_imports(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Module -> the engine modules it imports at module level (imports inside functions load lazily and
+    are not edges; ``from pkg import name`` is an edge to ``pkg.name`` when that is a module)."""
+    edges = {}
+    for mod, p in mods.items():
+        deps = set()
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = mod.split(".")
+                if node.level:
+                    base = base[: len(base) - node.level + (p.name == "__init__.py")]
+                    pkg = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    pkg = node.module
+                targets = [f"{pkg}.{a.name}" if f"{pkg}.{a.name}" in mods else pkg for a in node.names]
+            else:
+                continue
+            deps |= {t for t in targets if t in mods and t != mod}
+        edges[mod] = deps
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts with more than one module (iterative Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+    for start in edges:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                part = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    part.append(w)
+                    if w == v:
+                        break
+                if len(part) > 1:
+                    out.append(sorted(part))
+    return out
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    mods = _engine_modules()
+    edges = _module_imports(mods)
+    assert edges["rnnfuse.passes.loop"] >= {"rnnfuse.step", "rnnfuse.passes.loop_reads"}  # the reader reads
+    assert not _cycles(edges)

@@ -21,6 +21,14 @@ def _flip_of(g: Graph, name: str) -> tuple[str, int] | None:
     if n.op_type == "ReverseSequence":
         ax = attr(n, "time_axis", 0)
         return (n.input[0], ax) if time_flip_source(g, name, ax) is not None else None
+    if n.op_type == "Gather":
+        rank = g.model.rank(n.input[0])
+        ax = attr(n, "axis", 0)
+        if ax < 0:
+            if rank is None:
+                return None
+            ax += rank
+        return (n.input[0], ax) if time_flip_source(g, name, ax) is not None else None
     if n.op_type == "Slice" and len(n.input) >= 5:
         rank = g.model.rank(n.input[0])
         axes = g.const(n.input[3])

@@ -3,8 +3,9 @@
 ``dim_key(g, name)`` names the size a scalar (or 1-element) integer tensor holds, as ``("dim", root, axis)``
 or ``("const", value)``, looking through Shape, Gather/Slice of shapes, Cast, Squeeze/Unsqueeze, Transpose
 and shape-preserving unary ops. Two values with equal keys are provably equal. ``time_flip_source`` finds
-``x`` behind a full reversal of the time axis (``ReverseSequence`` with every length equal to T, or a
-``Slice`` with step -1).
+``x`` behind a full reversal of the time axis (``ReverseSequence`` with every length equal to T, a
+``Slice`` with step -1, or a ``Gather`` of the indices T-1 .. 0, constant or computed from the shape as
+``jnp.flip`` / ``torch.flip`` exporters write it).
 """
 
 from __future__ import annotations
@@ -172,6 +173,71 @@ def _full_lengths(g: Graph, lens: str, x: str, time_axis: int, batch_axis: int) 
     return False
 
 
+def _size_plus(g: Graph, name: str, depth: int = 0) -> tuple | None:
+    """``name`` (a scalar or 1-element integer) as (size key, offset): ``n - 1`` is (dim_key(n), -1); a
+    constant c is (("const", 0), c). None when it is neither a size nor a size plus a constant."""
+    if depth > 8 or not name:
+        return None
+    key = dim_key(g, name)
+    if key is not None:
+        return (("const", 0), key[1]) if key[0] == "const" else (key, 0)
+    scope = g.scope_of(name)
+    n = scope.producer.get(name) if scope is not None else None
+    if n is None:
+        return None
+    if n.op_type in ("Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape") and n.input:
+        return _size_plus(g, n.input[0], depth + 1)
+    if n.op_type in ("Add", "Sub") and len(n.input) == 2:
+        a, b = _size_plus(g, n.input[0], depth + 1), _size_plus(g, n.input[1], depth + 1)
+        if a is None or b is None:
+            return None
+        if n.op_type == "Sub":
+            if b[0] != ("const", 0):
+                return None
+            return (a[0], a[1] - b[1])
+        if a[0] != ("const", 0) and b[0] != ("const", 0):
+            return None
+        return (a[0] if a[0] != ("const", 0) else b[0], a[1] + b[1])
+    return None
+
+
+def _same_size(a: tuple | None, b: tuple | None) -> bool:
+    """Two (size key, offset) pairs name the same integer (a constant size folds into the offset)."""
+    if a is None or b is None:
+        return False
+    norm = [((("const", 0), k[1] + off) if k[0] == "const" else (k, off)) for k, off in (a, b)]
+    return norm[0] == norm[1]
+
+
+def _descending_indices(g: Graph, idx: str, length: tuple) -> bool:
+    """True if ``idx`` holds [T-1, T-2, ..., 0] for the time length keyed ``length``: a constant, a
+    ``Range(T-1, -1, -1)``, or ``(T-1) - Range(0, T, 1)``."""
+    c = g.const(idx)
+    if c is not None:
+        arr = np.asarray(c)
+        return (length[0] == "const" and arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer)
+                and arr.tolist() == list(range(length[1] - 1, -1, -1)))
+    scope = g.scope_of(idx)
+    n = scope.producer.get(idx) if scope is not None else None
+    while n is not None and n.op_type in ("Cast", "Identity"):
+        n = scope.producer.get(n.input[0])
+    if n is None:
+        return False
+    size = (length, 0)
+    if n.op_type == "Range" and len(n.input) == 3:
+        start, limit, delta = (_size_plus(g, i) for i in n.input)
+        return (_same_size(start, (length, -1)) and _same_size(limit, (("const", 0), -1))
+                and _same_size(delta, (("const", 0), -1)))
+    if n.op_type == "Sub" and len(n.input) == 2:
+        r = scope.producer.get(n.input[1])
+        if r is None or r.op_type != "Range" or len(r.input) != 3:
+            return False
+        start, limit, delta = (_size_plus(g, i) for i in r.input)
+        return (_same_size(_size_plus(g, n.input[0]), (length, -1)) and _same_size(start, (("const", 0), 0))
+                and _same_size(limit, size) and _same_size(delta, (("const", 0), 1)))
+    return False
+
+
 def time_flip_source(g: Graph, name: str, time_axis: int = 0) -> str | None:
     """If ``name`` is its source reversed along ``time_axis`` (every row entirely), that source."""
     scope = g.scope_of(name)
@@ -193,5 +259,12 @@ def time_flip_source(g: Graph, name: str, time_axis: int = 0) -> str | None:
         rank = g.model.rank(n.input[0])
         axes = [a + rank if a < 0 and rank else a for a in axes]
         if len(axes) == 1 and axes[0] == time_axis and steps == [-1] and starts[0] in (-1, 2**63 - 1, 2**31 - 1) and ends[0] <= -(2**31):
+            return n.input[0]
+    if n.op_type == "Gather" and len(n.input) == 2:
+        axis = attr(n, "axis", 0)
+        rank = g.model.rank(n.input[0])
+        if axis < 0 and rank is not None:
+            axis += rank
+        if axis == time_axis and _descending_indices(g, n.input[1], time_dim_key(g, n.input[0], time_axis)):
             return n.input[0]
     return None

@@ -28,6 +28,9 @@ def input_projection(g: Graph, src: str, axis: int = 0):
         if flip.op_type == "ReverseSequence":
             flipped = g.add_node("ReverseSequence", [x0, flip.input[1]], 1, name="rnnfuse/ReverseSequence", anchor=flip,
                                  time_axis=attr(flip, "time_axis", 0), batch_axis=attr(flip, "batch_axis", 1))[0]
+        elif flip.op_type == "Gather":  # the indices T-1 .. 0 hold for X0 too (same time length)
+            flipped = g.add_node("Gather", [x0, flip.input[1]], 1, name="rnnfuse/Gather", anchor=flip,
+                                 axis=attr(flip, "axis", 0))[0]
         else:
             flipped = g.add_node("Slice", [x0] + list(flip.input[1:]), 1, name="rnnfuse/Slice", anchor=flip)[0]
         return flipped, K, bias

@@ -149,6 +149,8 @@ class Opts:
     xproj: bool = False  # probe: x.W (+b) computed outside the recurrence for all steps, the body adds it
     layers: str = "single"  # single | bidir (forward + reverse over X, outputs concatenated) | stack (two layers)
     step_slice: str = "gather"  # chain: each step's input as gather (Gather(X, t)) | slice (Squeeze(Slice)) | split (Split + Squeeze)
+    lengths: str = ""  # chain, masked: the step mask written from an int64 input `lengths` [B] (no `mask` input):
+    # lt: Greater(lengths, t) (torch's `t < lengths`) | le: LessOrEqual(t + 1, lengths) | start: LessOrEqual(T - lengths, t) (pre-padded rows)
     mutation: str | None = None
 
     def activations(self) -> tuple:
@@ -995,7 +997,16 @@ def _chain_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, su
         return [main.op("Gather", src, main.constant(np.array(t, np.int64), "t"), axis=tax) for t in range(T)]
 
     xs = slices(Xt)
-    ms = slices(mask) if mask else [None] * T
+    ms = slices(mask) if mask and not o.lengths else [None] * T
+    if mask and o.lengths:  # the mask of step t compares the lengths with t
+        first = main.op("Sub", main.constant(np.array(T, np.int64), "T"), mask) if o.lengths == "start" else None
+        for t in range(T):
+            if o.lengths == "lt":
+                ms[t] = main.op("Greater", mask, main.constant(np.array(t, np.int64), "t"))
+            elif o.lengths == "le":
+                ms[t] = main.op("LessOrEqual", main.constant(np.array(t + 1, np.int64), "t"), mask)
+            else:
+                ms[t] = main.op("LessOrEqual", first, main.constant(np.array(t, np.int64), "t"))
     if o.mutation == "chain_mask_shifted":
         ms = ms[1:] + ms[:1]
     states = _state_list(o)
@@ -1046,7 +1057,10 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
     xs = [Bd, T, o.F] if o.batch_first else [T, Bd, o.F]
     mb.inputs.append(_vi("X", FLOAT, xs))
     mask = None
-    if o.masked():
+    if o.masked() and o.lengths:
+        mb.inputs.append(_vi("lengths", TensorProto.INT64, [Bd]))
+        mask = "lengths"
+    elif o.masked():
         ms = [Bd, T, 1] if o.batch_first else [T, Bd, 1]
         m_et = FLOAT if o.mutation == "float_mask" else TensorProto.BOOL
         mb.inputs.append(_vi("mask", m_et, ms[: o.mask_rank]))
@@ -1162,7 +1176,10 @@ def mask_pattern(kind: str, T: int, B: int, rng: np.random.Generator) -> np.ndar
 def make_feeds(o: Opts, mb: ModelBuilder, rng: np.random.Generator, batch: int, T: int, mask_kind: str = "post") -> dict:
     X = rng.standard_normal((T, batch, o.F)).astype(np.float32)
     feeds = {"X": np.ascontiguousarray(X.transpose(1, 0, 2)) if o.batch_first else X}
-    if o.masked():
+    if o.masked() and o.lengths:  # only post-padded (pre-padded for "start") masks are written with lengths
+        P = mask_pattern("pre" if o.lengths == "start" else "post", T, batch, rng)
+        feeds["lengths"] = P.sum(0).astype(np.int64)
+    elif o.masked():
         P = mask_pattern(mask_kind, T, batch, rng)
         if o.batch_first:
             P = P.T
@@ -1233,7 +1250,11 @@ def expected(o: Opts, feeds: dict) -> list[np.ndarray]:
     if o.mutation:
         raise ValueError("no reference for a near miss")
     mask = None
-    if o.masked():
+    if o.masked() and o.lengths:
+        L, T = feeds["lengths"], feeds["X"].shape[1 if o.batch_first else 0]
+        steps = np.arange(T)[:, None]
+        mask = steps >= T - L[None] if o.lengths == "start" else steps < L[None]
+    elif o.masked():
         m = feeds["mask"]
         mask = m.reshape(m.shape[:2]).astype(bool)
         if o.batch_first:
@@ -1290,6 +1311,8 @@ def check_opts(o: Opts) -> None:
         raise ValueError("loop_bound='const' needs static_T")
     if o.front == "chain" and (not o.static_T or o.weights == "carried" or o.reverse_form != "native"):
         raise ValueError("an unrolled chain needs static_T, weights in the graph and reverse_form='native'")
+    if o.lengths and (o.front != "chain" or not o.masked() or o.mask_rank != 2 or o.lengths not in ("lt", "le", "start")):
+        raise ValueError("lengths: a masked chain with mask_rank=2 (each step's mask is [B]), lengths in lt | le | start")
 
 
 def build_full(o: Opts):

@@ -289,6 +289,13 @@ CHAIN_FAMILIES = {
     "chain_bidirectional_shared_input_prep": dict(layers="bidir", noise=True),
     "chain_bidirectional_shared_input_prep_masked": dict(layers="bidir", noise=True, mask="where", fill="zero", static_T=3),
     "chain_stacked_masked": dict(layers="stack", mask="where"),
+    # masks written by hand from a lengths input, compared with the step index per step (issue 14 item 8)
+    "chain_lengths_lt": dict(mask="where", mask_rank=2, lengths="lt"),
+    "chain_lengths_le_cast_sub_zero": dict(mask="cast_sub", mask_rank=2, lengths="le", fill="zero"),
+    "chain_lengths_start_reverse": dict(mask="where", mask_rank=2, lengths="start", direction="reverse"),
+    "chain_lengths_batch_first": dict(mask="cast_not", mask_rank=2, lengths="lt", batch_first=True, init="input"),
+    "chain_lengths_stacked": dict(mask="where", mask_rank=2, lengths="lt", layers="stack"),
+    "chain_lengths_bidirectional": dict(layers="bidir", mask="where", fill="zero", mask_rank=2, lengths="le"),
     "chain_long_masked": dict(mask="where", static_T=100, H=3),  # longer than the validation's generated T
     # three steps whose last h is dead (only the padded Y, or only the final c, is read): the cell state the
     # reference step passes on is what the last step reads besides h
@@ -469,6 +476,8 @@ def _near_miss_cases():
         for op in ops.split():
             for front in fronts.split():
                 variants = [dict(mask="where")] if needs_mask else [dict(), dict(mask="cast_sub", layout="fused_split", matmul="gemm")]
+                if needs_mask and front == "chain" and mut != "float_mask":  # the mask written from a lengths input
+                    variants.append(dict(mask="where", mask_rank=2, lengths="lt"))
                 for k, kw in enumerate(variants):
                     o = B.mutation_fixup(mut, _base(op, front, **kw, **({"static_T": 5} if front == "chain" else {})))
                     if not B.mutation_applies(mut, o):

@@ -1,6 +1,7 @@
 """Step-slice families: a tensor sliced at constant indices along one axis (``Gather(S, t)``,
 ``Squeeze(Slice(S, t, t+1))``, ``Squeeze(Split(S)[t])``) gives the per-step inputs of an unrolled chain; bool
-families sliced at the same steps are its candidate masks.
+families sliced at the same steps are its candidate masks, and so are hand-written length masks
+(``lengths > t`` per step, :class:`LengthMask`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ import numpy as np
 from onnx import NodeProto
 
 from rnnfuse import op_args
+from rnnfuse.dataflow import runtime_values
 from rnnfuse.dims import static_dim
+from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 
 
@@ -103,14 +106,21 @@ def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
         out[(src, ax)] = v
     return out
 
-def mask_leaves(g: Graph, fams: dict, fam: dict) -> tuple[dict, dict, dict]:
+def mask_leaves(g: Graph, fams: dict, fam: dict, length_masks: list | None = None) -> tuple[dict, dict, dict]:
     """Interval leaves for a data family and the bool families sliced at the same steps (candidate masks):
-    (tensor -> step, step -> {mask slice -> symbol}, symbol -> (mask source, axis))."""
+    (tensor -> step, step -> {mask slice -> symbol}, symbol -> (mask source, axis)). A hand-written length
+    mask's source is its :class:`LengthMask` (built only for a chain that is fused), its "axis" the offset of
+    its constants from the steps."""
     leaves = {x: t for t, x in fam.items()}
     mask_fam: dict[int, dict] = {}
     mask_srcs: dict[str, tuple] = {}
-    for (msrc, maxis), mf in fams.items():
-        if g.model.elem_type(msrc) != 9 or set(mf) != set(fam):
+    bool_fams = [((msrc, maxis), mf) for (msrc, maxis), mf in fams.items() if g.model.elem_type(msrc) == 9]
+    for lm in length_masks or ():
+        got = lm.slices(set(fam))
+        if got is not None:
+            bool_fams.append(((lm, got[0]), got[1]))  # (a length mask's "axis" is its index offset)
+    for (msrc, maxis), mf in bool_fams:
+        if set(mf) != set(fam):
             continue
         sym = f"m{len(mask_srcs)}"
         mask_srcs[sym] = (msrc, maxis)
@@ -118,3 +128,98 @@ def mask_leaves(g: Graph, fams: dict, fam: dict) -> tuple[dict, dict, dict]:
             leaves[m] = t
             mask_fam.setdefault(t, {})[m] = sym
     return leaves, mask_fam, mask_srcs
+
+
+# per-step comparisons of a lengths tensor with the step index (``t < L`` is traced as ``Greater(L, t)``, ``t + 1
+# <= L`` as ``LessOrEqual(t + 1, L)``): any of them, either way round, with any constant offset of the step is
+# one bool per step, the slice at that step of ``op(L, arange(T) + offset)``; what it means to the state
+# (which select branch is kept) is the step analysis' business, as for any mask.
+_LENGTH_COMPARE = ("Greater", "Less", "GreaterOrEqual", "LessOrEqual")
+
+
+class LengthMask:
+    """Per-step masks written as comparisons of one runtime tensor ``L`` (``[B]`` or ``[B, 1]``, the lengths)
+    with a constant step index: ``m_t = op(L, t + offset)`` (or ``op(t + offset, L)``). They are the slices of
+    ``M = op(L, arange(T) + offset)`` laid out like the data; :meth:`source` builds ``M`` for a chain being
+    fused and makes every comparison read its slice of ``M`` (the same values), so that what validation
+    overrides (``M``) is what the original steps read too."""
+
+    def __init__(self, lengths: str, op: str, pos: int, dtype, nodes: dict):
+        self.lengths, self.op, self.pos, self.dtype = lengths, op, pos, dtype
+        self.nodes = nodes  # constant step index -> the comparison node
+        self.built: tuple | None = None  # (axis, length, offset, source) once built
+
+    def __repr__(self) -> str:
+        return f"{self.op}({self.lengths}, t)"
+
+    def slices(self, steps: set) -> tuple[int, dict] | None:
+        """``(offset, step -> mask slice)`` when the comparisons' indices are ``steps`` shifted by one offset."""
+        if not steps:
+            return None
+        off = min(self.nodes) - min(steps)
+        if {c - off for c in self.nodes} != set(steps):
+            return None
+        return off, {c - off: n.output[0] for c, n in self.nodes.items()}
+
+    def source(self, g: Graph, axis: int, length: int, off: int, anchor: NodeProto | None) -> str:
+        """``M`` over steps ``0..length-1`` along ``axis`` (the data's time axis); the comparisons of those
+        steps become ``Gather(M, t, axis)``."""
+        if self.built is not None:
+            if self.built[:3] != (axis, length, off):
+                raise Decline("a length mask read by chains laid out differently")
+            return self.built[3]
+        from rnnfuse.emit import Builder  # (emit imports the graph layer only; a top-level import would cycle)
+
+        b = Builder(g, anchor, "rnnfuse/length_mask")
+        rank = (g.model.rank(self.lengths) or 1) + 1
+        shape = [1] * rank
+        shape[axis] = length
+        steps = b.const((np.arange(length) + off).astype(self.dtype).reshape(shape), "steps")
+        lengths = b.unsqueeze(self.lengths, [axis])
+        mask = b.op(self.op, *((lengths, steps) if self.pos == 0 else (steps, lengths)))
+        dims: list = [None] * (rank - 1)
+        if rank == 3:
+            dims[-1] = 1
+        dims.insert(axis, length)
+        g.model.declare(mask, (9, dims))
+        for c, n in self.nodes.items():
+            if 0 <= c - off < length:
+                out = n.output[0]
+                g.remove_node(n)
+                g.add_node("Gather", [mask, b.const(np.array(c - off, np.int64), "t")], outputs=[out],
+                           name="rnnfuse/length_mask/Gather", anchor=anchor, axis=axis)
+        self.built = (axis, length, off, mask)
+        return mask
+
+
+def length_masks(g: Graph) -> list[LengthMask]:
+    """The hand-written length masks of the graph: for each lengths tensor (a runtime ``[B]`` or ``[B, 1]``
+    value), comparison and side, the comparisons with at least two distinct integer constants."""
+    runtime = runtime_values(g)
+    groups: dict[tuple, dict[int, NodeProto]] = {}
+    dtypes: dict[tuple, np.dtype] = {}
+    for n in g.nodes_of(*_LENGTH_COMPARE):
+        if len(n.input) != 2:
+            continue
+        for pos in (0, 1):
+            L, c = n.input[pos], n.input[1 - pos]
+            cv = g.const(c)
+            if cv is not None and L in runtime:
+                break
+        else:
+            continue
+        cv = np.asarray(cv)
+        rank = g.model.rank(L)
+        if cv.size != 1 or rank not in (1, 2) or (rank == 2 and static_dim(g, L, 1) != 1) or cv.ndim > rank:
+            continue
+        v = float(cv.ravel()[0])
+        if v != int(v):
+            continue
+        key = (L, n.op_type, pos)
+        grp = groups.setdefault(key, {})
+        if int(v) in grp:
+            continue  # the same comparison twice (dedupe makes them one)
+        grp[int(v)] = n
+        dtypes[key] = cv.dtype
+    return [LengthMask(L, op, pos, dtypes[(L, op, pos)], nodes)
+            for (L, op, pos), nodes in groups.items() if len(nodes) >= 2]

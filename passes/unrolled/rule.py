@@ -11,7 +11,7 @@ from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.signature import Signer
 
 from .chains import find_chains, intervals
-from .families import find_families, mask_leaves
+from .families import find_families, length_masks, mask_leaves
 from .roles import chain_recurrence
 
 
@@ -35,13 +35,14 @@ class FuseChains:
             if not fams:
                 break
             order = g.ordered_live_nodes()
+            lengths = length_masks(g)
             signer = Signer(g)
             recs = []
             seen_now: set = set()
             for (src, axis), fam in fams.items():
                 if g.model.elem_type(src) == 9:
                     continue  # bool families are masks, read by the chains over the data
-                leaves, mask_fam, mask_srcs = mask_leaves(g, fams, fam)
+                leaves, mask_fam, mask_srcs = mask_leaves(g, fams, fam, lengths)
                 iv = intervals(g, order, leaves)
                 for chain in find_chains(g, fam, iv, mask_fam):
                     key = (src, axis, chain.direction, chain.steps[0].t)
@@ -66,10 +67,11 @@ class FuseChains:
         final = set()
         fams = find_families(g)
         order = g.ordered_live_nodes() if fams else []
+        lengths = length_masks(g) if fams else []
         for (src, axis), fam in fams.items():
             if g.model.elem_type(src) == 9:
                 continue
-            leaves, mask_fam, _ = mask_leaves(g, fams, fam)
+            leaves, mask_fam, _ = mask_leaves(g, fams, fam, lengths)
             iv = intervals(g, order, leaves)
             for chain in find_chains(g, fam, iv, mask_fam):
                 final.add((src, axis, chain.direction, chain.steps[0].t))

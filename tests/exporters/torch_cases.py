@@ -226,6 +226,116 @@ CASES = [
 ]
 
 
+# --------------------------------------------------------------------------- per-step inputs and length masks
+# (issue 14 items 7 and 8) Python loops over a torch cell whose steps read state-independent inputs other than
+# x[t] (2 * x[t], x[t] - x[t-1], every other step, a permuted order, a second sequence after the first), and
+# loops masked by hand with a lengths input: h = m * cell(x_t, h) + (1 - m) * h with m = (t < lengths), the
+# per-step output m * h (zero past the length). Model "steps"; ``inputs`` names the step-input form.
+
+STEP_INPUTS = {
+    "plain": "x[t] for t in range(T)",
+    "double": "2 * x[t]",
+    "diff": "x[t] - x[t-1] (x[0] at the first step)",
+    "stride2": "x[t] for t in range(0, T, 2)",
+    "perm": "x[t] for t in a fixed permutation of range(T)",
+    "two_seq": "x[t] for t in range(T), then x2[t] for t in range(T2)",
+}
+
+
+def steps(name, cell, inputs="plain", exporter="trace", **kw):
+    """A Python loop over ``cell`` reading the step inputs ``inputs`` (:data:`STEP_INPUTS`); ``lengths=True``
+    adds a lengths input and the hand-written mask."""
+    return _case(name, exporter, "steps", cell, inputs=inputs, **kw)
+
+
+def steps_input_specs(c: Case) -> list[tuple[str, tuple]]:
+    x = ("B", "T", c.features) if c.batch_first else ("T", "B", c.features)
+    specs = [("x", x)]
+    if c.opts.get("inputs") == "two_seq":
+        specs.append(("x2", ("B", 3, c.features) if c.batch_first else (3, "B", c.features)))
+    if c.opts.get("lengths"):
+        specs.append(("lengths", ("B",)))
+    return specs
+
+
+def steps_describe(c: Case) -> str:
+    o = c.opts
+    parts = [CELL_TEXT[o["cell"]], ("batch-first [B,T,F]" if c.batch_first else "time-major [T,B,F]"),
+             "step inputs " + STEP_INPUTS[o.get("inputs", "plain")], "zero initial state"]
+    if o.get("lengths"):
+        parts.append("masked by hand: m = (t < lengths).float(); h = m * cell + (1 - m) * h; outputs m * h")
+    parts.append("returns (stacked outputs, last h" + (", last c)" if c.family == "lstm" else ")"))
+    return "; ".join(parts)
+
+
+def steps_module(c: Case):
+    import torch
+    from torch import nn
+
+    o = c.opts
+    perm = [3, 0, 6, 1, 5, 2, 4]
+
+    class StepInputsLoop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            kind = o["cell"]
+            self.lstm = kind == "lstm"
+            self.cell = {"lstm": nn.LSTMCell, "gru": nn.GRUCell}.get(kind, nn.RNNCell)(c.features, c.hidden)
+            if kind.startswith("rnn"):
+                self.cell = nn.RNNCell(c.features, c.hidden, nonlinearity=kind[4:])
+
+        def step_inputs(self, x, x2):
+            at = (lambda s, t: s[:, t]) if c.batch_first else (lambda s, t: s[t])
+            steps_ = x.shape[1 if c.batch_first else 0]
+            form = o.get("inputs", "plain")
+            if form == "double":
+                return [2 * at(x, t) for t in range(steps_)]
+            if form == "diff":
+                return [at(x, t) - at(x, t - 1) if t else at(x, 0) for t in range(steps_)]
+            if form == "stride2":
+                return [at(x, t) for t in range(0, steps_, 2)]
+            if form == "perm":
+                return [at(x, t) for t in perm[:steps_]]
+            if form == "two_seq":
+                return [at(x, t) for t in range(steps_)] + [at(x2, t) for t in range(x2.shape[1 if c.batch_first else 0])]
+            return [at(x, t) for t in range(steps_)]
+
+        def forward(self, x, in1=None, in2=None):  # (x[, x2][, lengths]); named: torch.export wants no *args
+            rest = [v for v in (in1, in2) if v is not None]
+            x2 = rest[0] if o.get("inputs") == "two_seq" else None
+            lengths = rest[-1] if o.get("lengths") else None
+            batch = x.shape[0 if c.batch_first else 1]
+            h = torch.zeros(batch, c.hidden, dtype=x.dtype)
+            cs = torch.zeros(batch, c.hidden, dtype=x.dtype)
+            outs = []
+            for t, u in enumerate(self.step_inputs(x, x2)):
+                if self.lstm:
+                    h_new, c_new = self.cell(u, (h, cs))
+                else:
+                    h_new, c_new = self.cell(u, h), None
+                if lengths is None:
+                    h, cs = h_new, c_new
+                    outs.append(h)
+                    continue
+                m = (t < lengths).to(x.dtype).unsqueeze(1)
+                h = m * h_new + (1 - m) * h
+                if self.lstm:
+                    cs = m * c_new + (1 - m) * cs
+                outs.append(m * h_new)
+            y = torch.stack(outs, dim=1 if c.batch_first else 0)
+            return (y, h, cs) if self.lstm else (y, h)
+
+    return StepInputsLoop()
+
+
+CASES += [
+    steps("lstmcell_trace_lengths", "lstm", lengths=True),
+    steps("grucell_trace_lengths", "gru", lengths=True),
+    steps("rnncell_tanh_trace_lengths_bf", "rnn_tanh", lengths=True, batch_first=True),
+    steps("lstmcell_dynamo_lengths", "lstm", exporter="dynamo", time=6, lengths=True),
+    steps("grucell_dynamo_lengths_bf", "gru", exporter="dynamo", time=6, lengths=True, batch_first=True),
+]
+
 # --------------------------------------------------------------------------- expectations and descriptions
 
 
@@ -269,6 +379,8 @@ CELL_TEXT = {
 
 def describe(c: Case) -> str:
     o = c.opts
+    if c.model == "steps":
+        return steps_describe(c)
     layout = "batch-first [B,T,F] read as x[:, t]" if c.batch_first else "time-major [T,B,F] read as x[t]"
     if c.model == "keras":
         back = ", go_backwards=True" if o.get("backwards") else ""
@@ -342,6 +454,8 @@ def set_specs(c: Case) -> list[tuple[str, int, int]]:
 
 def input_specs(c: Case) -> list[tuple[str, tuple]]:
     """ONNX input names with symbolic shapes: "B" and "T" stand for batch and time."""
+    if c.model == "steps":
+        return steps_input_specs(c)
     x = ("B", "T", c.features) if c.batch_first else ("T", "B", c.features)
     specs = [("x", x)]
     if c.opts.get("init") in ("given", "linear"):
@@ -358,6 +472,9 @@ def make_inputs(specs, batch: int, time_: int, rng: np.random.Generator) -> dict
     feeds = {}
     for name, shape in specs:
         dims = tuple(batch if d == "B" else time_ if d == "T" else d for d in shape)
+        if name == "lengths":  # valid steps per row (post-padded): full, partial and empty rows
+            feeds[name] = np.array([(time_ - 2 - 3 * i) % (time_ + 1) for i in range(batch)], np.int64)
+            continue
         scale = 1.0 if name == "x" else 0.5
         feeds[name] = (scale * rng.standard_normal(dims)).astype(np.float32)
     return feeds
@@ -551,6 +668,8 @@ def build_module(c: Case):
         return m["CellLoop"](cell, c.features, c.hidden, **o)
     if c.model == "nn":
         return m["SeqModule"](cell, c.features, c.hidden, **o)
+    if c.model == "steps":
+        return steps_module(c)
     if c.model == "script":
         if cell == "lstm":
             return m["ScriptLSTMLoop"](c.features, c.hidden, **o)

@@ -28,7 +28,8 @@ from rnnfuse.recurrence import NONE, ZERO, FinalOutput, Init, Recurrence, SeqOut
 from rnnfuse.recurrence_layers import check_feeds, owner, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
-from rnnfuse.step import StepOut, StepState, analyse
+from rnnfuse.step import StepOut, StepState, analyse, split_mask
+from rnnfuse.step_heads import find_head
 from .loop_reads import check_trip_count, counter_step, step_read
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly
 
@@ -64,6 +65,18 @@ class _StepInput:
     x_atom: StepInput
     x_reversed: bool  # the steps read time backwards
     mask_outer: str | None
+    x_reads: set[str]  # the body tensors that read x_t
+    x_read_source: str  # the tensor they read element t of (X, or X0 @ K + b)
+
+
+@dataclass
+class _HeadCandidate:
+    """A per-step output that is not a state of the step: perhaps a head on the new h (see step_heads)."""
+
+    name: str  # the body tensor
+    outer: str  # the stacked output
+    batch_first: bool = False
+    reversed: bool = False
 
 
 def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
@@ -74,9 +87,11 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
     states = _body_leaves(g, body, loop, carried, leaves)
     state_out = {f"s{k}": body.output_names[1 + k] for k in carried.recurrent}
     layers = split_layers(body, leaves, state_out, step_in.x_atom)
-    outs_of, last_of, extra_remove = _per_step_outputs(g, body, loop, carried, layers)
+    outs_of, last_of, heads, extra_remove = _per_step_outputs(g, body, loop, carried, layers)
     aliases = _final_aliases(g, body, loop, carried)
-    recs = _layer_recurrences(g, body, loop, layers, states, outs_of, last_of, extra_remove, step_in)
+    recs, cell_states = _layer_recurrences(g, body, loop, layers, states, outs_of, last_of, extra_remove, step_in)
+    if heads:
+        _add_heads(body, carried, layers, recs, cell_states, heads, step_in)
     if len(recs) == 1:
         return recs[0], aliases
     return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
@@ -166,7 +181,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
         raise Decline("the step input and the mask are read in different orders")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
     return _StepInput(leaves, x_outer if proj is None else proj[0], x_axis, x_atom, reversed_reads == {True},
-                      mask_outer)
+                      mask_outer, set(x_reads), x_outer)
 
 
 def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leaves: dict) -> dict[str, State]:
@@ -202,17 +217,23 @@ def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leav
 
 def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, layers: list):
     """The used per-step outputs, by layer: stacked ones (``outs_of``), ones read only at their last step
-    (``last_of``: (poly, outer, [(tensor, lead)])), and the carried sequences' stacking nodes to remove."""
+    (``last_of``: (poly, outer, [(tensor, lead)])), outputs that are no state of the step (``heads``: perhaps
+    a head on a new h), and the carried sequences' stacking nodes to remove."""
     bout = body.output_names
     n_carried = carried.n
     outs_of: dict[int, list[StepOut]] = {i: [] for i in range(len(layers))}
     last_of: dict[int, list] = {}
+    heads: list[_HeadCandidate] = []
+    state_keys = _state_value_keys(body, carried, layers)
     for j in range(carried.n_scan):
         outer = loop.output[n_carried + j] if n_carried + j < len(loop.output) else ""
         if not outer or not g.n_uses(outer):
             continue
-        li = owner(layers, bout[1 + n_carried + j])
-        poly = layers[li].ev.poly(bout[1 + n_carried + j])
+        found = _state_output(layers, bout[1 + n_carried + j], state_keys)
+        if found is None:
+            heads.append(_HeadCandidate(bout[1 + n_carried + j], outer))
+            continue
+        li, poly = found
         last = last_step_reads(g, outer)
         if last:  # e.g. tf.scan's per-step c read only as cs[-1]: the final value of the state it tracks
             last_of.setdefault(li, []).append((poly, outer, last))
@@ -220,9 +241,77 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
         outs_of[li].append(StepOut(poly, outer))
     extra_remove: list[NodeProto] = []
     for k in carried.seqs:
-        li, out = _sequence_output(g, body, loop, k, layers, extra_remove)
-        outs_of[li].append(out)
-    return outs_of, last_of, extra_remove
+        li, out = _sequence_output(g, body, loop, k, layers, extra_remove, state_keys)
+        if li is None:
+            heads.append(out)
+        else:
+            outs_of[li].append(out)
+    return outs_of, last_of, heads, extra_remove
+
+
+def _state_value_keys(body: Graph, carried: _Carried, layers: list) -> list[set]:
+    """Per layer: the polynomial keys of its states' updates and of their unmasked new values."""
+    out = []
+    for layer in layers:
+        keys = set()
+        for sym in layer.syms:
+            try:
+                p = layer.ev.poly(body.output_names[1 + int(sym[1:])])
+            except Decline:
+                continue
+            old, delta, _ = split_mask(p)
+            keys.update((p.key, (old if delta is None else old.add(delta)).key))
+        out.append(keys)
+    return out
+
+
+def _state_output(layers: list, name: str, state_keys: list[set]) -> tuple[int, Poly] | None:
+    """(layer, polynomial) of a per-step output that is (a masked copy of) one of the step's states, or None:
+    an output computed from them (a head) or one the cell maths cannot express."""
+    try:
+        li = owner(layers, name)
+        poly = layers[li].ev.poly(name)
+    except Decline:
+        return None
+    old, delta, _ = split_mask(poly)
+    new = old if delta is None else old.add(delta)
+    if poly.key in state_keys[li] or new.key in state_keys[li]:
+        return li, poly
+    return None
+
+
+def _add_heads(body: Graph, carried: _Carried, layers: list, recs: list[Recurrence], cell_states: list,
+               heads: list, step_in: _StepInput) -> None:
+    """Per-step outputs computed from a layer's new h: that layer's Y with the head applied after the op."""
+    bout = body.output_names
+    for cand in heads:
+        reason = None
+        for li in reversed(range(len(layers))):  # a head usually sits on the top cell
+            layer, rec = layers[li], recs[li]
+            h_sym = cell_states[li]
+            keys = {}
+            for sym in layer.syms:
+                p = layer.ev.poly(bout[1 + int(sym[1:])])
+                old, delta, _ = split_mask(p)
+                keys[sym] = (old if delta is None else old.add(delta)).key
+            other = {k: f"state {s} (the cell state c)" if s == h_sym[1] else f"state {s}"
+                     for s, k in keys.items() if s != h_sym[0] and k != keys[h_sym[0]]}
+            layer.ev.value(cand.name)
+            try:
+                head = find_head(body, layer.ev, cand.name, keys[h_sym[0]], other, step_in.x_reads,
+                                 step_in.x_read_source, step_in.x_axis, step_in.x_reversed, carried.invariants,
+                                 set(carried.index_syms))
+            except Decline as d:
+                reason = reason or d
+                continue
+            if rec.masked:
+                raise Decline("a per-step output computed from h under a mask (a head on masked steps)")
+            if head.x and li > 0:
+                raise Decline("a head reads the step input and the output of a cell above the first")
+            rec.seq_outputs.append(SeqOutput(cand.outer, NONE, Init(), cand.batch_first, cand.reversed, head=head))
+            break
+        else:
+            raise reason
 
 
 def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> dict[str, str]:
@@ -241,12 +330,14 @@ def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) ->
 
 
 def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, states: dict[str, State],
-                       outs_of: dict, last_of: dict, extra_remove: list, step_in: _StepInput) -> list[Recurrence]:
-    """One recurrence per layer of the step, each reading the layer below's Y (the first reads x)."""
+                       outs_of: dict, last_of: dict, extra_remove: list, step_in: _StepInput):
+    """One recurrence per layer of the step, each reading the layer below's Y (the first reads x); and per
+    layer, the symbols of its cell's h and c states."""
     bout = body.output_names
     where = loop.name or loop.output[0]
     recs: list[Recurrence] = []
     h_of: dict[int, str] = {}  # layer -> its cell's output state
+    cell_states: list[tuple[str, str | None]] = []
     for li, layer in enumerate(layers):
         step_states = []
         for sym in layer.syms:
@@ -284,6 +375,7 @@ def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, sta
             x_reversed=step_in.x_reversed,
         )
         h_of[li] = an.rec.h
+        cell_states.append((an.rec.h, an.rec.c))
         if below is not None:
             # the cell below's Y, in time order like x, read in the same order as x
             y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
@@ -295,7 +387,7 @@ def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, sta
             rec.notes.append("the body reads a mask but no state depends on it")
         recs.append(rec)
     check_feeds(layers, h_of)
-    return recs
+    return recs, cell_states
 
 
 def last_step_reads(g: Graph, outer: str) -> list[tuple[str, int]]:
@@ -341,8 +433,10 @@ def _final_role(poly: Poly, step_states: list[StepState], an) -> tuple[str, Init
     return None
 
 
-def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list, extra_remove) -> tuple[int, StepOut]:
-    """A carried sequence built by SequenceInsert(seq, y) each step and stacked by ConcatFromSequence."""
+def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list, extra_remove,
+                     state_keys: list[set]) -> tuple[int | None, StepOut | _HeadCandidate]:
+    """A carried sequence built by SequenceInsert(seq, y) each step and stacked by ConcatFromSequence: (its
+    layer, the output), or (None, a head candidate) when y is no state of the step."""
     bi, bo = body.input_names[2 + k], body.output_names[1 + k]
     n = body.producer.get(bo)
     if n is None or n.op_type != "SequenceInsert" or n.input[0] != bi:
@@ -359,7 +453,13 @@ def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: lis
         raise Decline("a sequence output that is not stacked with ConcatFromSequence")
     cat = users[0]
     axis, new_axis = attr(cat, "axis", 0), attr(cat, "new_axis", 0)
-    li = owner(layers, n.input[1])
+    found = _state_output(layers, n.input[1], state_keys)
+    if found is None:  # a head computes [B, K] from h: stacked like h
+        if not (new_axis == 1 and axis in (0, 1)):
+            raise Decline("the per-step outputs are stacked along an unsupported axis")
+        extra_remove.append(cat)
+        return None, _HeadCandidate(n.input[1], cat.output[0], batch_first=axis == 1, reversed=prepend)
+    li = found[0]
     val = layers[li].ev.value(n.input[1])
     if not isinstance(val, SymTensor):
         raise Decline("the appended value is not a cell output")

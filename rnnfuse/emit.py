@@ -22,6 +22,7 @@ from .dims import time_flip_source
 from .errors import Decline
 from .graph import Graph
 from .recurrence import NONE, ZERO, Init, Recurrence, SeqOutput
+from .step_heads import apply_head
 
 SPILL_BYTES = 64 << 20  # weights at least this big are spilled to disk when the model uses external data
 GENERAL = "exact"  # any mask: valid steps are gathered to the front, results scattered back
@@ -305,6 +306,8 @@ def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: 
         v = _seq_output(b, so, Y3, finals["h"], mp, path, direction)
         if direction == "reverse":
             v = b.flip0(v)
+        if so.head is not None:  # a per-step head on h: applied to every step at once, in processing order
+            v = apply_head(b, so.head, v)
         if so.reversed:
             v = b.flip0(v)
         if so.batch_first:
@@ -349,7 +352,8 @@ def _declare_outputs(g: Graph, rec: Recurrence, repl: dict) -> None:
     xs = xt[1] if xt and xt[1] else [None, None, None]
     T, B = (xs[1], xs[0]) if rec.x_batch_first else (xs[0], xs[1])
     for so in rec.seq_outputs:
-        g.model.declare(repl[so.tensor], (et, [B, T, hidden] if so.batch_first else [T, B, hidden]))
+        width = hidden if so.head is None else None
+        g.model.declare(repl[so.tensor], (et, [B, T, width] if so.batch_first else [T, B, width]))
     for fo in list(rec.finals) + list(rec.step_reads):
         g.model.declare(repl[fo.tensor], (et, [1, B, hidden] if fo.lead else [B, hidden]))
 

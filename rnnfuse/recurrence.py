@@ -44,6 +44,7 @@ class SeqOutput:
     batch_first: bool = False  # the tensor is [B, T, H] (Scan with scan_output_axes=1)
     reversed: bool = False  # the tensor is stacked in reverse processing order
     internal: bool = False  # not a tensor of the graph: the input of the next layer of the same step
+    head: object = None  # a rnnfuse.step_heads.StepHead applied to every step (the output is head(h_t))
 
 
 @dataclass

@@ -308,3 +308,128 @@ def stack_reference(o: StackOpts, x: np.ndarray) -> list[np.ndarray]:
 STACK_FORMS = [StackOpts(2), StackOpts(3), StackOpts(2, low_seq=True), StackOpts(3, low_seq=True)]
 STACK_MISSES = [StackOpts(2, miss="skip"), StackOpts(2, miss="old"), StackOpts(2, miss="feedback"),
                 StackOpts(2, miss="mixed")]
+
+
+# --------------------------------------------------------------------------- a head on h inside the step (item 4)
+
+HEAD_K = 2  # the head's output width
+
+
+@dataclass(frozen=True)
+class HeadOpts:
+    """A Loop whose scan output is ``head(h_t)`` (and the final h), h the tanh RNN step above.
+
+    Heads fused (one RNN, the head applied to Y after it): ``gemm_relu`` Relu(Gemm(h, D, d));
+    ``softmax`` Softmax(MatMul(h, D) + d, axis=-1); ``concat_x`` MatMul(Concat([h, x_t], 1), E) (reads x_t too);
+    ``glu`` a = Split(h @ G) in two, a0 * Sigmoid(a1); ``layernorm`` LayerNormalization(h) (opset 17).
+    Near misses (``miss``): ``rows_mean`` h - ReduceMean(h, axis 0) (mixes batch rows); ``transpose``
+    MatMul(Transpose(h), h) (mixes rows); ``counter`` h * Cast(i) (reads the iteration number); ``prev_h``
+    the head on the state before the update; ``reverse_rows`` h read through a batch reversal."""
+
+    head: str = "gemm_relu"
+    miss: str = ""
+    reverse: bool = False  # x read from its last step to its first (Gather(x, T - 1 - i))
+
+    @property
+    def name(self) -> str:
+        return self.miss or self.head + ("-rev" if self.reverse else "")
+
+
+def head_weights():
+    rng = np.random.default_rng(11)
+    g = lambda *s: (rng.standard_normal(s) * 0.5).astype(np.float32)  # noqa: E731
+    return dict(D=g(H, HEAD_K), d=g(HEAD_K), E=g(H + F, HEAD_K), G=g(H, 2 * HEAD_K), scale=g(H), bias=g(H))
+
+
+def build_head(o: HeadOpts) -> onnx.ModelProto:
+    W, R, b = weights()
+    hw = head_weights()
+    inits = [numpy_helper.from_array(v, k) for k, v in dict(W=W, R=R, b=b, **hw).items()]
+    inits += [numpy_helper.from_array(np.array(0.0, np.float32), "zero"), numpy_helper.from_array(np.array(True), "true"),
+              numpy_helper.from_array(np.array([0], np.int64), "i0"), numpy_helper.from_array(np.array([1], np.int64), "i1"),
+              numpy_helper.from_array(np.array([H], np.int64), "iH")]
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["T1"], axis=0),
+             helper.make_node("Squeeze", ["T1", "i0"], ["T"]), helper.make_node("Gather", ["xs", "i1"], ["B1"], axis=0),
+             helper.make_node("Concat", ["B1", "iH"], ["hshape"], axis=0), helper.make_node("Expand", ["zero", "hshape"], ["h0"])]
+    body_inits = [numpy_helper.from_array(np.array([0], np.int64), "k0"), numpy_helper.from_array(np.array(1, np.int64), "one")]
+    bn = []
+    idx = "it"
+    if o.reverse:
+        bn += [helper.make_node("Sub", ["T", "one"], ["tm1"]), helper.make_node("Sub", ["tm1", "it"], ["rit"])]
+        idx = "rit"
+    bn += [helper.make_node("Gather", ["x", idx], ["xt"], axis=0),
+           helper.make_node("MatMul", ["xt", "W"], ["xw"]), helper.make_node("MatMul", ["h", "R"], ["hr"]),
+           helper.make_node("Add", ["xw", "hr"], ["s"]), helper.make_node("Add", ["s", "b"], ["s2"]),
+           helper.make_node("Tanh", ["s2"], ["hn"])]
+    kind = o.miss or o.head
+    src = "h" if kind == "prev_h" else "hn"
+    if kind in ("gemm_relu", "prev_h"):
+        bn += [helper.make_node("Gemm", [src, "D", "d"], ["g"]), helper.make_node("Relu", ["g"], ["y"])]
+    elif kind == "softmax":
+        bn += [helper.make_node("MatMul", ["hn", "D"], ["m"]), helper.make_node("Add", ["m", "d"], ["a"]),
+               helper.make_node("Softmax", ["a"], ["y"], axis=-1)]
+    elif kind == "concat_x":
+        bn += [helper.make_node("Concat", ["hn", "xt"], ["hx"], axis=1), helper.make_node("MatMul", ["hx", "E"], ["y"])]
+    elif kind == "glu":
+        bn += [helper.make_node("MatMul", ["hn", "G"], ["gg"]),
+               helper.make_node("Split", ["gg"], ["a0", "a1"], axis=1, num_outputs=2),
+               helper.make_node("Sigmoid", ["a1"], ["sa"]), helper.make_node("Mul", ["a0", "sa"], ["y"])]
+    elif kind == "layernorm":
+        bn += [helper.make_node("LayerNormalization", ["hn", "scale", "bias"], ["y"], axis=-1)]
+    elif kind == "rows_mean":
+        bn += [helper.make_node("ReduceMean", ["hn", "k0"], ["mu"], keepdims=1), helper.make_node("Sub", ["hn", "mu"], ["y"])]
+    elif kind == "transpose":
+        bn += [helper.make_node("Transpose", ["hn"], ["ht"], perm=[1, 0]), helper.make_node("MatMul", ["hn", "ht"], ["hh"]),
+               helper.make_node("MatMul", ["hh", "hn"], ["y"])]
+    elif kind == "counter":
+        bn += [helper.make_node("Cast", ["it"], ["itf"], to=TensorProto.FLOAT), helper.make_node("Mul", ["hn", "itf"], ["y"])]
+    else:
+        raise ValueError(kind)
+    bn += [helper.make_node("Identity", ["cond"], ["cond_out"])]
+    body = helper.make_graph(
+        bn, "body",
+        [helper.make_tensor_value_info("it", TensorProto.INT64, []), helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h", TensorProto.FLOAT, [None, H])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("hn", TensorProto.FLOAT, [None, H]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None])],
+        body_inits)
+    nodes.append(helper.make_node("Loop", ["T", "true", "h0"], ["h_last", "ys"], body=body))
+    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                              [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", None]),
+                               helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def head_reference(o: HeadOpts, x: np.ndarray) -> list[np.ndarray]:
+    """ys (head of every step's h, in iteration order) and the final h."""
+    W, R, b = weights()
+    w = head_weights()
+    h = np.zeros((x.shape[1], H), np.float32)
+    ys = []
+    for i in range(x.shape[0]):
+        xt = x[x.shape[0] - 1 - i] if o.reverse else x[i]
+        h = np.tanh(xt @ W + h @ R + b).astype(np.float32)
+        if o.head == "gemm_relu":
+            y = np.maximum(h @ w["D"] + w["d"], 0)
+        elif o.head == "softmax":
+            a = h @ w["D"] + w["d"]
+            e = np.exp(a - a.max(-1, keepdims=True))
+            y = e / e.sum(-1, keepdims=True)
+        elif o.head == "concat_x":
+            y = np.concatenate([h, xt], 1) @ w["E"]
+        elif o.head == "glu":
+            a0, a1 = np.split(h @ w["G"], 2, axis=1)
+            y = a0 / (1 + np.exp(-a1))
+        else:  # layernorm
+            mu, var = h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
+            y = (h - mu) / np.sqrt(var + 1e-5) * w["scale"] + w["bias"]
+        ys.append(y.astype(np.float32))
+    return [np.stack(ys), h]
+
+
+HEAD_FORMS = [HeadOpts(h) for h in ("gemm_relu", "softmax", "concat_x", "glu", "layernorm")] + [
+    HeadOpts("concat_x", reverse=True), HeadOpts("gemm_relu", reverse=True)]
+HEAD_MISSES = [HeadOpts(miss=m) for m in ("rows_mean", "transpose", "counter", "prev_h")]

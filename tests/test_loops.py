@@ -7,14 +7,19 @@ import numpy as np
 import onnx
 import pytest
 from builders_loops import (
+    HEAD_FORMS,
+    HEAD_MISSES,
     NEAR_MISSES,
     STACK_FORMS,
     STACK_MISSES,
     LoopOpts,
+    HeadOpts,
     StackOpts,
     all_variants,
     build,
+    build_head,
     build_stack,
+    head_reference,
     reference,
     stack_reference,
 )
@@ -85,3 +90,36 @@ def test_stacked_cells_near_misses_declined(o: StackOpts):
     assert not report.fused and report.declined, report.to_text()
     assert op_counts(fused) == op_counts(model)
 
+
+
+@pytest.mark.parametrize("o", HEAD_FORMS, ids=lambda o: o.name)
+def test_head_in_step_fused(o: HeadOpts):
+    """A per-step output computed from h inside the body: one RNN, the head applied to all of Y after it."""
+    model = build_head(o)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.declined and len(report.fused) == 1, report.to_text()
+    counts = op_counts(fused)
+    assert counts.get("Loop", 0) == 0 and counts.get("RNN") == 1, (counts, report.to_text())
+    onnx.checker.check_model(fused, full_check=True)
+    s_orig, s_fused = session(model), session(fused)
+    rng = np.random.default_rng(3)
+    for batch, steps in ((1, 5), (3, 7), (2, 1)):
+        x = rng.standard_normal((steps, batch, 3)).astype(np.float32)
+        want = head_reference(o, x)
+        got, orig = s_fused.run(None, {"x": x}), s_orig.run(None, {"x": x})
+        for k, w in enumerate(want):
+            assert_close(orig[k], w, f"{o.name}/{k}: original vs numpy")
+            assert_close(got[k], w, f"{o.name}/{k}: fused vs numpy")
+
+
+HEAD_REASONS = {"rows_mean": "not a row-wise op", "transpose": "not a row-wise op", "counter": "iteration number",
+                "prev_h": "before the step updates it"}
+
+
+@pytest.mark.parametrize("o", HEAD_MISSES, ids=lambda o: o.name)
+def test_head_near_misses_declined(o: HeadOpts):
+    model = build_head(o)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert HEAD_REASONS[o.miss] in report.declined[0].reason, report.to_text()
+    assert op_counts(fused) == op_counts(model)

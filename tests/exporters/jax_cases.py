@@ -134,6 +134,18 @@ CASES = [
     case("hand_gru_flipped_update", "hand", "gru_flipped", notes=(
         "h = (1-z)*h + z*n: the native GRU with z's weights and biases negated (1 - sigmoid(a) = sigmoid(-a))")),
     rnn("linen_mgu", "mgu", notes="flax.linen MGUCell: one gate f as reset (f * (h @ U_n + b)) and update ((1-f)*n + f*h)"),
+    # -- issue 14 item 4 for Loops: the step's per-step output is a head on the new h (and x_t), not h
+    case("hand_lstm_head", "hand", "lstm_head", notes="step returns dense(h) = h @ Wd + bd per step"),
+    case("hand_gru_head_relu_o17", "hand", "gru_head", opset=17, notes="step returns relu(h @ Wd + bd)"),
+    case("hand_rnn_head_x", "hand", "rnn_head_x", notes="step returns (h, tanh(h @ V + x_t @ U)): a head on h and x_t"),
+    case("nnx_gru_scan_head", "nnx_scan", "gru", head=True, notes="nnx.GRUCell under lax.scan, nnx.Linear on h"),
+    case("nnx_lstm_scan_head_dyn_t", "nnx_scan", "lstm", head=True, dynamic_time=True),
+    case("near_hand_head_prev_h", "hand", "rnn_head_prev", declined="before the step updates it",
+         notes="the step returns dense(h) of the carry *before* the update"),
+    case("near_hand_head_feedback", "hand", "rnn_head_feedback", declined="left operand is not a step input or state",
+         notes="the head's output feeds back into the state: h = tanh(x W + h R + b) + 0.5 * tanh(dense(h_prev))"),
+    case("near_hand_lstm_head_c", "hand", "lstm_head_c", declined="new s",
+         notes="the step returns dense(c): the per-step cell state, which no native output holds"),
 ]
 
 
@@ -247,13 +259,15 @@ def build_nnx_scan(env: Env, c: Case, seed: int):
     cls = {"lstm": nnx.LSTMCell, "gru": nnx.GRUCell, "simple": nnx.SimpleCell}[c.cell]
     cell = cls(FEATURES, HIDDEN, rngs=rngs, bias_init=nnx.initializers.normal(0.5))
     graphdef, state = nnx.split(cell)
+    head = nnx.Linear(HIDDEN, 3, rngs=rngs, bias_init=nnx.initializers.normal(0.5)) if c.opts.get("head") else None
 
     def fn(x):
         with env.original_shape():
             carry0 = zero_carry(env, c.cell, x.shape[0])
 
         def step(carry, xt):
-            return nnx.merge(graphdef, state)(carry, xt)
+            carry, h = nnx.merge(graphdef, state)(carry, xt)
+            return carry, (head(h) if head is not None else h)
 
         _, ys = jax.lax.scan(step, carry0, jnp.swapaxes(x, 0, 1))
         return jnp.swapaxes(ys, 0, 1)
@@ -295,6 +309,35 @@ def build_hand(env: Env, c: Case, seed: int):
         def cell(h, xt):
             h = jax.nn.relu(xt @ Wx + h @ Wh + b)
             return h, h
+    elif kind in ("lstm_head", "lstm_head_c"):
+        Wx, Wh, b, Wd, bd = _weights(rng, (F, 4 * H), (H, 4 * H), (4 * H,), (H, 2), (2,))
+
+        def cell(carry, xt):
+            c_, h = carry
+            i, f, g, o = jnp.split(xt @ Wx + h @ Wh + b, 4, axis=-1)
+            c_ = sig(f) * c_ + sig(i) * tanh(g)
+            h = sig(o) * tanh(c_)
+            return (c_, h), (c_ if kind == "lstm_head_c" else h) @ Wd + bd
+    elif kind == "gru_head":  # torch's GRU formula (linear_before_reset), a relu head
+        Wx, Wh, bx, bh, Wd, bd = _weights(rng, (F, 3 * H), (H, 3 * H), (3 * H,), (3 * H,), (H, 5), (5,))
+
+        def cell(h, xt):
+            gx, gh = xt @ Wx + bx, h @ Wh + bh
+            r = sig(gx[:, :H] + gh[:, :H])
+            z = sig(gx[:, H:2 * H] + gh[:, H:2 * H])
+            n = tanh(gx[:, 2 * H:] + r * gh[:, 2 * H:])
+            h = (1 - z) * n + z * h
+            return h, jax.nn.relu(h @ Wd + bd)
+    elif kind in ("rnn_head_x", "rnn_head_prev", "rnn_head_feedback"):
+        Wx, Wh, b, V, U, P = _weights(rng, (F, H), (H, H), (H,), (H, 2), (F, 2), (2, H))
+
+        def cell(h, xt):
+            new = tanh(xt @ Wx + h @ Wh + b)
+            if kind == "rnn_head_x":
+                return new, (new, tanh(new @ V + xt @ U))
+            if kind == "rnn_head_prev":
+                return new, h @ V
+            return new + 0.5 * tanh(tanh(h @ V) @ P), new @ V
     elif kind == "rnn_decay":  # near miss: the "weight" is carried and changes every step
         Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
 
@@ -306,7 +349,7 @@ def build_hand(env: Env, c: Case, seed: int):
         Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
     else:
         raise ValueError(kind)
-    lstm = kind == "lstm"
+    lstm = kind in ("lstm", "lstm_head", "lstm_head_c")
     specs = [("x", ("B", TIME, F), "float32")]
 
     if kind == "rnn_next":
@@ -353,7 +396,8 @@ def build_hand(env: Env, c: Case, seed: int):
     def fn(x):
         last, ys = jax.lax.scan(cell, init(x.shape[0]), jnp.swapaxes(x, 0, 1))
         h = last[1] if lstm else last[0] if kind == "rnn_decay" else last
-        return jnp.swapaxes(ys, 0, 1), h
+        ys = jax.tree_util.tree_map(lambda y: jnp.swapaxes(y, 0, 1), ys)
+        return (*ys, h) if isinstance(ys, tuple) else (ys, h)
 
     return fn, specs
 
@@ -440,7 +484,8 @@ def graph_ops(graph) -> list[str]:
 def expectation(c: Case) -> dict:
     if c.declined:
         return {"declined": c.declined}
-    op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN"}[c.cell]
+    op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN", "lstm_head": "LSTM",
+                                   "gru_head": "GRU", "rnn_head_x": "RNN"}[c.cell]
     if c.model == "bidir":  # the flip outside the loops (Range/Sub/Gather) is seen: one bidirectional op
         return {"ops": {op: 1}, "directions": {op: ["bidirectional"]}, "absent": ["Loop", "Scan"]}
     return {"ops": {op: 1}, "absent": ["Loop", "Scan"]}

@@ -189,7 +189,9 @@ class TorchCase:
     # how the per-step outputs are returned (issue 14 item 4: the per-step h read by more than a stack):
     # "stack" torch.stack(ys); "head" a Linear applied to h at every step, stacked; "cat" torch.cat(ys, -1)
     # (features); "skip1" torch.stack(ys[1:]); near miss "hc" torch.stack(cat([h, c], -1)) (a middle step's c,
-    # which no native op outputs)
+    # which no native op outputs). TorchScript only (the head inside the Loop body): "head_x" returns
+    # (stack(h), stack(tanh(head(h) + proj(x_t)))); near misses "head_prev" the head on h before the cell
+    # call, "head_c" the head on the cell state c
     reads: str = "stack"
     declined: str = ""  # a near miss: what the decline names
     hidden: int = 0  # the bottom cell's hidden size (0: TORCH_H)
@@ -215,6 +217,14 @@ TORCH_CASES = [
     TorchCase("dynamo_lstm_skip1", "dynamo", ("lstm",), reads="skip1"),
     TorchCase("trace_lstm_gru_head", "trace", ("lstm", "gru"), reads="head"),
     TorchCase("near_trace_lstm_hc", "trace", ("lstm",), reads="hc", declined="cell state of step"),
+    # issue 14 item 4 for Loops: TorchScript, a head applied to h inside the loop body
+    TorchCase("script_lstm_head", "torchscript", ("lstm",), reads="head"),
+    TorchCase("script_gru_head_bf", "torchscript", ("gru",), batch_first=True, reads="head"),
+    TorchCase("script_rnn_head_x", "torchscript", ("rnn",), reads="head_x"),
+    TorchCase("script_lstm_lstm_head", "torchscript", ("lstm", "lstm"), reads="head"),
+    TorchCase("near_script_lstm_head_prev", "torchscript", ("lstm",), reads="head_prev",
+              declined="before the step updates it"),
+    TorchCase("near_script_lstm_head_c", "torchscript", ("lstm",), reads="head_c", declined="at every step"),
     # issue 14 item 9: hidden size 1 (a zero state's matmul leaves a scalar bias at the first step)
     TorchCase("trace_gru_hidden1", "trace", ("gru",), hidden=1),
     TorchCase("dynamo_lstm_hidden1", "dynamo", ("lstm",), hidden=1),
@@ -278,7 +288,7 @@ def torch_module(c: TorchCase):
     if c.exporter != "torchscript":
         return Stack()
     # TorchScript compiles every branch: one class per pair of cell kinds, the branches fixed at definition
-    return torch.jit.script(_script_stack(k1, k2, h1n, h2n, bf))
+    return torch.jit.script(_script_stack(k1, k2, h1n, h2n, bf, reads))
 
 
 HAND_CELLS = '''
@@ -313,14 +323,31 @@ class RNNHand(nn.Module):
 '''
 
 
-def _script_stack(k1: str, k2: str, h1n: int, h2n: int, bf: bool):
-    """A module whose forward is written out for the two cell kinds (TorchScript compiles every branch)."""
+def _script_stack(k1: str, k2: str, h1n: int, h2n: int, bf: bool, reads: str = "stack"):
+    """A module whose forward is written out for the cell kinds (one or two; TorchScript compiles every branch)
+    and the per-step reads (``reads``: see TorchCase)."""
     cls = {"lstm": "nn.LSTMCell", "gru": "GRUHand", "rnn": "RNNHand"}
 
     def step_src(k, kind, u):
+        if not kind:
+            return "pass"
         if kind == "lstm":
             return f"h{k}, c{k} = self.cell{k}({u}, (h{k}, c{k}))"
         return f"h{k} = self.cell{k}({u}, h{k})"
+
+    top = "h2" if k2 else "h1"
+    tdim = 1 if bf else 0
+    read_src = {
+        "stack": f"ys.append({top})",
+        "head": f"ys.append(self.head({top}))",
+        "head_x": f"ys.append({top})\n            zs.append(torch.tanh(self.head({top}) + self.proj(u)))",
+        "head_c": "ys.append(self.head(c1))",
+        "head_prev": "pass",
+    }[reads]
+    prev_src = f"ys.append(self.head({top}))" if reads == "head_prev" else "pass"
+    ret = f"torch.stack(ys, {tdim})" + (f", torch.stack(zs, {tdim})" if reads == "head_x" else "")
+    h_top = h2n if k2 else h1n
+    finals = ", ".join((["h1", "c1"] if k1 == "lstm" else ["h1"]) + ((["h2", "c2"] if k2 == "lstm" else ["h2"]) if k2 else []))
 
     code = HAND_CELLS + f'''
 
@@ -328,7 +355,9 @@ class ScriptStack(nn.Module):
     def __init__(self):
         super().__init__()
         self.cell1 = {cls[k1]}({FEATURES}, {h1n})
-        self.cell2 = {cls[k2]}({h1n}, {h2n})
+        self.cell2 = {cls[k2] + f"({h1n}, {h2n})" if k2 else "None"}
+        self.head = nn.Linear({h_top}, 3)
+        self.proj = nn.Linear({FEATURES}, 3)
 
     def forward(self, x):
         b = x.size({0 if bf else 1})
@@ -337,18 +366,20 @@ class ScriptStack(nn.Module):
         h2 = torch.zeros(b, {h2n})
         c2 = torch.zeros(b, {h2n})
         ys: list[torch.Tensor] = []
+        zs: list[torch.Tensor] = []
         for t in range(x.size({1 if bf else 0})):
             u = x{"[:, t]" if bf else "[t]"}
+            {prev_src}
             {step_src(1, k1, "u")}
             {step_src(2, k2, "h1")}
-            ys.append(h2)
-        return torch.stack(ys, {1 if bf else 0}), h1, c1, h2, c2
+            {read_src}
+        return {ret}, {finals}
 '''
     import importlib.util
     import tempfile
 
     # TorchScript reads a class's source from its file: write the module to one
-    path = Path(tempfile.mkdtemp()) / f"script_stack_{k1}_{k2}.py"
+    path = Path(tempfile.mkdtemp()) / f"script_stack_{k1}_{k2 or 'none'}_{reads}.py"
     path.write_text(code)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)

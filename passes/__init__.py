@@ -12,6 +12,7 @@ def default_passes() -> list:
     from .flips import CancelFlips
     from .loop import FuseLoops
     from .scan import FuseScans
+    from .step_chains import MergeStepChains
     from .unrolled import FuseChains
 
     return [
@@ -21,6 +22,7 @@ def default_passes() -> list:
         FuseLoops(),  # the three front ends, each turning what it finds into native ops
         FuseScans(),
         FuseChains(),  # after the loops: a chain may read a fused layer's output (a stack)
+        MergeStepChains(),  # a layer called once per step (decoders): the per-step native ops become one
         ReverseInputs(),  # native ops (fused or exported) reading a time-reversed input run in reverse instead
         Dedupe(),  # the forward and reverse halves of a layer now read one X and one sequence_lens ...
         MergeBidirectional(),  # ... which is what pairing them into one bidirectional op needs

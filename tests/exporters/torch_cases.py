@@ -186,6 +186,14 @@ CASES = [
     nnrnn("rnn_relu_L2_dynamo_h0", "rnn_relu", layers=2, init="given"),
     nnrnn("rnn_tanh_bidir_dynamo", "rnn_tanh", **BI),
     nnrnn("rnn_relu_bidir_L2_dynamo_bf", "rnn_relu", layers=2, **BI, **BF),
+    # -- a native layer called once per step (or stretch), the state carried by hand: one native op per call
+    nnrnn("lstm_steps_trace", "lstm", exporter="trace", stretch=1,
+          notes="decoder style: y, state = lstm(x[t:t+1], state) per step; T native LSTMs chained by their states"),
+    nnrnn("gru_steps_dynamo_bf", "gru", stretch=1, **BF),
+    nnrnn("lstm_stretch3_dynamo_h0", "lstm", stretch=3, init="given", notes="stretches of 3, 3 and 1 steps"),
+    nnrnn("rnn_relu_steps_trace_h0", "rnn_relu", exporter="trace", stretch=1, init="given"),
+    nnrnn("gru_steps_trace_L2", "gru", exporter="trace", stretch=2, layers=2,
+          notes="two layers: the [2, B, H] state is split per layer and concatenated back at every call"),
     nnrnn("lstm_native_dynamo", "lstm", notes="control: nn.LSTM exports as a native LSTM already"),
     nnrnn("gru_native_dynamo_bf", "gru", **BF, notes="control: nn.GRU exports as a native GRU already"),
     # -- TorchScript: Loop + SequenceInsert + ConcatFromSequence, dynamic batch and time
@@ -599,8 +607,10 @@ def torch_modules():
     class SeqModule(nn.Module):
         """nn.RNN / nn.LSTM / nn.GRU on the whole sequence; returns (output, h_n[, c_n])."""
 
-        def __init__(self, cell, features, hidden, layers=1, batch_first=False, bidir=False, init="zeros"):
+        def __init__(self, cell, features, hidden, layers=1, batch_first=False, bidir=False, init="zeros",
+                     stretch=0):
             super().__init__()
+            self.stretch, self.tdim = stretch, 1 if batch_first else 0
             kw = dict(num_layers=layers, batch_first=batch_first, bidirectional=bidir)
             if cell == "lstm":
                 self.rnn = nn.LSTM(features, hidden, **kw)
@@ -612,7 +622,14 @@ def torch_modules():
 
         def forward(self, x, h0=None, c0=None):
             state = ((h0, c0) if self.lstm else h0) if self.given else None
-            y, state = self.rnn(x, state)
+            if not self.stretch:
+                y, state = self.rnn(x, state)
+            else:  # decoder style: the layer called on `stretch` steps at a time, the state carried by hand
+                ys, T = [], x.shape[self.tdim]
+                for t in range(0, T, self.stretch):
+                    y, state = self.rnn(x.narrow(self.tdim, t, min(self.stretch, T - t)), state)
+                    ys.append(y)
+                y = torch.cat(ys, self.tdim)
             return (y, *state) if self.lstm else (y, state)
 
     class ScriptLSTMLoop(nn.Module):

@@ -1,0 +1,288 @@
+"""Merge native ops that each run one stretch of time, one carrying its state into the next, into one op.
+
+Decoder-style and streaming code calls a recurrent layer once per step and carries the state by hand::
+
+    for t in range(T):
+        y, state = lstm(x[t:t + 1], state)
+
+and torch exports one native LSTM per call: T ops, the last state of each the initial state of the next. A
+recurrence does not care where its sequence was cut, so running op_1 .. op_n one after the other is running
+one op over their inputs concatenated along time. Merged when every op of the chain has the same kind,
+attributes and constant weights, runs forward without ``sequence_lens`` (over any number of steps, read
+at run time when the shapes do not say), and no op's input is computed from an earlier op of the chain (an autoregressive decoder feeds its own
+output back: that is not a sequence known in advance, and stays as it is).
+
+Every reader of an op's ``Y`` then reads its rows of the merged ``Y``; of its ``Y_h``, the merged ``Y``'s row
+of its last step; only the last op's ``Y_c`` is available (the native op has no per-step cell state), so a
+chain whose earlier cell state is read elsewhere is declined.
+"""
+
+from __future__ import annotations
+
+from onnx import NodeProto
+
+from rnnfuse import op_args
+from rnnfuse.cells import native_kind
+from rnnfuse.cells.kinds import KINDS
+from rnnfuse.emit import Builder
+from rnnfuse.errors import Decline
+from rnnfuse.findings import Finding, Options, PassResult
+from rnnfuse.graph import Graph, Model, attr
+from rnnfuse.rewrite import Rewrite, apply_rewrites
+
+# what carries a state from one op to the next without changing it
+_PASS_THROUGH = ("Identity",)
+
+
+def _inp(n: NodeProto, i: int) -> str:
+    return n.input[i] if len(n.input) > i else ""
+
+
+def _is_whole_slice(g: Graph, n: NodeProto) -> bool:
+    """A Slice that keeps every element (dynamo's ``h[0:1]`` of a one-layer state)."""
+    starts, ends, axes, steps = op_args.slice_args(n, g.model.opset, op_args.const_reader(g, n))
+    shape = g.model.shape(n.input[0])
+    if None in (starts, ends, shape) or (steps is not None and any(s != 1 for s in steps)):
+        return False
+    axes = axes if axes is not None else list(range(len(starts)))
+    for start, end, axis in zip(starts, ends, axes):
+        dim = shape[axis] if -len(shape) <= axis < len(shape) else None
+        if start != 0 or not isinstance(dim, int) or end < dim:
+            return False
+    return True
+
+
+def _part_sliced(g: Graph, n: NodeProto) -> tuple[str, NodeProto] | None:
+    """If Slice ``n`` takes exactly one input of a Concat along the concatenated axis (a multi-layer state
+    put together and split again per layer): (that input, the Concat)."""
+    cat = g.producer.get(n.input[0])
+    if cat is None or cat.op_type != "Concat":
+        return None
+    starts, ends, axes, steps = op_args.slice_args(n, g.model.opset, op_args.const_reader(g, n))
+    rank = g.model.rank(n.input[0])
+    if None in (starts, ends, rank) or len(starts) != 1 or (steps is not None and steps != [1]):
+        return None
+    axis = (axes or [0])[0] % rank
+    if attr(cat, "axis", 0) % rank != axis:
+        return None
+    offset = 0
+    for part in cat.input:
+        shape = g.model.shape(part)
+        dim = shape[axis] if shape and len(shape) == rank else None
+        if not isinstance(dim, int):
+            return None
+        if starts[0] == offset and ends[0] == offset + dim:
+            return part, cat
+        offset += dim
+    return None
+
+
+def _carried_from(g: Graph, name: str) -> tuple[str, list[NodeProto]]:
+    """The tensor ``name`` is an unchanged copy of, and the copying nodes in between."""
+    path = []
+    while name:
+        p = g.producer.get(name)
+        if p is None or len(p.output) != 1:
+            break
+        if p.op_type in _PASS_THROUGH or (p.op_type == "Slice" and _is_whole_slice(g, p)):
+            path.append(p)
+            name = p.input[0]
+            continue
+        part = _part_sliced(g, p) if p.op_type == "Slice" else None
+        if part is None:
+            break
+        path += [p, part[1]]
+        name = part[0]
+    return name, path
+
+
+def _steps(g: Graph, b: Builder, n: NodeProto) -> int | str:
+    """How many steps op ``n`` runs: a number when the shape says, else a 1-element tensor read at run time."""
+    shape = g.model.shape(n.input[0])
+    if shape and isinstance(shape[0], int) and shape[0] > 0:
+        return shape[0]
+    return b.dim(n.input[0], 0)
+
+
+def _plus(b: Builder, a: int | str, c: int | str) -> int | str:
+    """``a + c`` for step counts that are numbers or 1-element int64 tensors."""
+    if isinstance(a, int) and isinstance(c, int):
+        return a + c
+    if a == 0 or c == 0:
+        return c if a == 0 else a
+    return b.op("Add", b.i64(a) if isinstance(a, int) else a, b.i64(c) if isinstance(c, int) else c)
+
+
+def _tensor(b: Builder, v: int | str) -> str:
+    return b.i64(v) if isinstance(v, int) else v
+
+
+def _mergeable(g: Graph, n: NodeProto) -> bool:
+    return (native_kind(n) is not None and attr(n, "direction", "forward") == "forward" and not attr(n, "layout", 0)
+            and not _inp(n, 4)
+            and all(g.const(_inp(n, k)) is not None for k in (1, 2)) and (not _inp(n, 3) or g.const(_inp(n, 3)) is not None))
+
+
+def _key(n: NodeProto) -> tuple:
+    """Ops with equal keys compute the same recurrence: kind, attributes, and the very same weights."""
+    kind = native_kind(n)
+    weights = tuple(_inp(n, k) for k in range(1, len(kind.inputs)) if kind.inputs[k] not in
+                    ("sequence_lens",) + tuple(f"initial_{s}" for s in kind.states))
+    attrs = tuple(sorted((a.name, a.SerializeToString()) for a in n.attribute))
+    return (n.op_type, n.domain, weights, attrs)
+
+
+class _Links:
+    """Which op's last state each op starts from (``prev``), when exactly one op follows each."""
+
+    def __init__(self, g: Graph, ops: list[NodeProto]):
+        self.prev: dict[int, NodeProto] = {}
+        self.next: dict[int, NodeProto] = {}
+        self.carriers: dict[int, list[NodeProto]] = {}  # op -> the copies between it and its predecessor
+        keys = {id(n): _key(n) for n in ops}
+        followers: dict[int, list[NodeProto]] = {}
+        for n in ops:
+            p, carriers = self._predecessor(g, n, keys)
+            if p is not None:
+                followers.setdefault(id(p), []).append(n)
+                self.carriers[id(n)] = carriers
+        by_id = {id(n): n for n in ops}
+        for pid, fs in followers.items():
+            if len(fs) == 1:  # one state followed two ways is a tree, not a chain
+                self.next[pid] = fs[0]
+                self.prev[id(fs[0])] = by_id[pid]
+
+    @staticmethod
+    def _predecessor(g: Graph, n: NodeProto, keys: dict) -> tuple[NodeProto | None, list]:
+        kind = native_kind(n)
+        source, carriers = None, []
+        for k, state in enumerate(kind.states):
+            init = _inp(n, kind.inputs.index(f"initial_{state}"))
+            if not init:
+                return None, []
+            name, path = _carried_from(g, init)
+            p = g.producer.get(name)
+            if p is None or id(p) not in keys or keys[id(p)] != keys[id(n)] or list(p.output).index(name) != k + 1:
+                return None, []
+            if source is not None and p is not source:
+                return None, []
+            source = p
+            carriers += path
+        return source, carriers
+
+    def chains(self, ops: list[NodeProto]) -> list[list[NodeProto]]:
+        out = []
+        for n in ops:
+            if id(n) in self.prev or id(n) not in self.next:
+                continue
+            chain = [n]
+            while id(chain[-1]) in self.next:
+                chain.append(self.next[id(chain[-1])])
+            out.append(chain)
+        return out
+
+
+def _reads_chain(g: Graph, chain: list[NodeProto]) -> str | None:
+    """Why one op's input is computed from an earlier op of the chain (None when none is): one walk
+    forward from the chain's outputs that does not enter the chain's own ops."""
+    members = {id(n) for n in chain}
+    first_read = {}
+    for k, n in enumerate(chain):
+        first_read.setdefault(n.input[0], k)
+    reached: set[str] = set()
+    for k, n in enumerate(chain):  # in chain order: a value is first reached from the earliest op it reads
+        stack = [o for o in n.output if o]
+        while stack:
+            name = stack.pop()
+            if name in reached:
+                continue
+            reached.add(name)
+            if first_read.get(name, -1) > k:
+                return f"the input of op {first_read[name] + 1} is computed from op {k + 1}'s output"
+            for use in g.uses(name):
+                if id(use) not in members:
+                    stack.extend(o for o in use.output if o)
+    return None
+
+
+def _only_carried_on(g: Graph, name: str, chain_ids: set, carriers: set) -> bool:
+    """``name`` is read by nothing but the copies that carry it into the next op of the chain."""
+    if g.is_graph_output(name):
+        return False
+    for use in g.uses(name):
+        if id(use) in chain_ids:
+            continue
+        if id(use) not in carriers or not all(_only_carried_on(g, o, chain_ids, carriers) for o in use.output):
+            return False
+    return True
+
+
+def merge_chain(g: Graph, chain: list[NodeProto], links: _Links) -> tuple[NodeProto, dict[str, str]]:
+    """Add the merged op; returns it and the replacement of every output of the chain read outside it."""
+    head, last = chain[0], chain[-1]
+    kind = native_kind(head)
+    if g.model.opset < 10:
+        raise Decline(f"slicing the merged output needs opset 10; the model has opset {g.model.opset}")
+    chain_ids = {id(n) for n in chain}
+    carriers = {id(c) for n in chain for c in links.carriers.get(id(n), [])}
+    why = _reads_chain(g, chain)
+    if why:
+        raise Decline(why)
+    n_states = len(kind.states)
+    for n in chain[:-1]:
+        for k in range(2, 1 + n_states):  # the cell state (Y_c) of an op before the last
+            if len(n.output) > k and n.output[k] and not _only_carried_on(g, n.output[k], chain_ids, carriers):
+                raise Decline(f"the cell state after step {chain.index(n) + 1} is read outside the chain")
+    b = Builder(g, head, f"rnnfuse/{kind.op}")
+    xs = [n.input[0] for n in chain]
+    x = b.op("Concat", *xs, axis=0)
+    ins = [x] + list(head.input[1:])
+    attrs = {a.name: attr(head, a.name) for a in head.attribute}
+    outs = g.add_node(kind.op, ins, 1 + n_states, name=f"rnnfuse/{kind.op}", anchor=head, **attrs)
+    native = g.producer[outs[0]]
+    repl: dict[str, str] = {}
+    start: int | str = 0
+    for n in chain:
+        end = _plus(b, start, _steps(g, b, n))
+        y, y_h = _inp_out(n, 0), _inp_out(n, 1)
+        if y and (g.n_uses(y) or g.is_graph_output(y)):
+            repl[y] = b.op("Slice", outs[0], _tensor(b, start), _tensor(b, end), b.i64(0))
+        if n is last:
+            for k in range(1, 1 + n_states):
+                if _inp_out(n, k):
+                    repl[n.output[k]] = outs[k]
+        elif y_h and not _only_carried_on(g, y_h, chain_ids, carriers):
+            repl[y_h] = b.squeeze(b.op("Slice", outs[0], _tensor(b, _plus(b, end, -1)), _tensor(b, end), b.i64(0)), [0])
+        start = end
+    return native, repl
+
+
+def _inp_out(n: NodeProto, k: int) -> str:
+    return n.output[k] if len(n.output) > k else ""
+
+
+class MergeStepChains:
+    """Chains of native ops over consecutive stretches of one sequence become one op."""
+
+    name = "step-chains"
+
+    def run(self, model: Model, ctx: Options) -> PassResult:
+        g = model.graph
+        res = PassResult(self.name)
+        ops = [n for n in g.nodes_of(*KINDS) if _mergeable(g, n)]
+        links = _Links(g, ops)
+        rewrites = []
+        for chain in links.chains(ops):
+            head = chain[0]
+            where = f"{head.name or head.output[0]} .. {chain[-1].name or chain[-1].output[0]}"
+            front = f"{len(chain)} {head.op_type} ops"
+            try:
+                native, repl = merge_chain(g, chain, links)
+            except Decline as e:
+                res.findings.append(Finding(self.name, front, where, "declined", reason=e.reason))
+                continue
+            f = Finding(self.name, front, where, "merged", cell=f"{head.op_type}(hidden={attr(head, 'hidden_size')})",
+                        direction="forward", hidden=attr(head, "hidden_size"))
+            rewrites.append(Rewrite(f, repl, tuple(chain), {}, "the merged op differs"))
+        apply_rewrites(g, ctx, rewrites, res, prune=False)
+        return res

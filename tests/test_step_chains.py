@@ -1,0 +1,149 @@
+"""Native ops run once per step (or stretch), each starting from the last state of the one before, become one op.
+
+The real-exporter cases (a torch nn.LSTM/GRU/RNN called per step by trace and dynamo, one and two layers) are in
+tests/exporters/torch_cases.py; these hand-built graphs cover what the pass must decline or leave alone: an
+autoregressive feedback, a state followed two ways, different weights, a cell state read between the ops, a
+``sequence_lens``, and a reverse op. Every fused result is compared with the original in onnxruntime.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import rnnfuse
+from helpers import op_counts, session
+
+F, H, B = 3, 4, 2
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+
+def _weights(op, rng, tag, features=F):
+    g = GATES[op]
+    return [numpy_helper.from_array((0.5 * rng.standard_normal(s)).astype(np.float32), f"{tag}{k}")
+            for k, s in zip("WRB", [(1, g * H, features), (1, g * H, H), (1, 2 * g * H)])]
+
+
+def chain_model(op="LSTM", steps=(2, 2, 1), *, feedback=False, fork=False, other_weights=False, read_c=False,
+                seq_lens=False, direction="forward", read_every_h=True):
+    """x [T, B, F] cut into stretches of ``steps``; one native op per stretch, each starting from the last
+    state of the one before (the first from h0 [, c0])."""
+    rng = np.random.default_rng(0)
+    features = H if feedback else F  # feeding y back needs input size == hidden size
+    inits = _weights(op, rng, "w", features)
+    other = _weights(op, rng, "v", features)
+    if other_weights:
+        inits += other
+    T = sum(steps)
+    nodes, outputs = [], []
+    lstm = op == "LSTM"
+    h, c = "h0", "c0" if lstm else None
+    start = 0
+    ys = []
+    inits.append(numpy_helper.from_array(np.zeros(1, np.int64), "axis0"))
+    for k, n in enumerate(steps):
+        inits += [numpy_helper.from_array(np.array([start], np.int64), f"s{k}"),
+                  numpy_helper.from_array(np.array([start + n], np.int64), f"e{k}")]
+        x_k = f"x{k}"
+        if feedback and k > 0:  # the next stretch reads the previous output (input size F == hidden size H)
+            x_k = ys[-1]
+        else:
+            nodes.append(helper.make_node("Slice", ["x", f"s{k}", f"e{k}", "axis0"], [x_k]))
+        w = "v" if other_weights and k == len(steps) - 1 else "w"
+        ins = [x_k, f"{w}W", f"{w}R", f"{w}B", "lens" if seq_lens and k == 0 else "", h] + ([c] if lstm else [])
+        outs = [f"y{k}", f"h{k + 1}"] + ([f"c{k + 1}"] if lstm else [])
+        nodes.append(helper.make_node(op, ins, outs, hidden_size=H, direction=direction))
+        sq = f"ys{k}"
+        nodes.append(helper.make_node("Squeeze", [f"y{k}", "one"], [sq]))
+        ys.append(sq)
+        h, c = outs[1], (outs[2] if lstm else None)
+        if fork and k == 0:  # a second op starting from the same state
+            nodes.append(helper.make_node(op, ["x1b", "wW", "wR", "wB", "", h] + ([c] if lstm else []),
+                                          ["fy", "fh"] + (["fc"] if lstm else []), hidden_size=H,
+                                          direction=direction))
+            nodes.append(helper.make_node("Slice", ["x", f"s{k}", f"e{k}", "axis0"], ["x1b"]))
+            outputs.append("fh")
+        if read_every_h and k < len(steps) - 1:
+            outputs.append(h)
+        if read_c and lstm and k == 0:
+            outputs.append(c)
+        start += n
+    inits.append(numpy_helper.from_array(np.array([1], np.int64), "one"))
+    nodes.append(helper.make_node("Concat", ys, ["y"], axis=0))
+    outputs = ["y", h] + outputs
+    graph_inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", F]),
+                    helper.make_tensor_value_info("h0", TensorProto.FLOAT, [1, "B", H])]
+    if lstm:
+        graph_inputs.append(helper.make_tensor_value_info("c0", TensorProto.FLOAT, [1, "B", H]))
+    if seq_lens:  # fed with the first stretch's length (_feeds)
+        graph_inputs.append(helper.make_tensor_value_info("lens", TensorProto.INT32, ["B"]))
+    if feedback:
+        graph_inputs[0] = helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", H])
+    graph = helper.make_graph(nodes, "steps", graph_inputs,
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in dict.fromkeys(outputs)],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _feeds(model, batch=B, seed=1):
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i in model.graph.input:
+        dims = [d.dim_value if d.HasField("dim_value") else batch for d in i.type.tensor_type.shape.dim]
+        if i.type.tensor_type.elem_type == TensorProto.INT32:  # sequence_lens of a one-step first stretch
+            feeds[i.name] = np.ones(dims, np.int32)
+        else:
+            feeds[i.name] = rng.standard_normal(dims).astype(np.float32)
+    return feeds
+
+
+def _same_outputs(a, b):
+    for batch in (1, 3):
+        feeds = _feeds(a, batch)
+        for x, y in zip(session(a).run(None, feeds), session(b).run(None, feeds)):
+            np.testing.assert_allclose(y, x, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("steps", [(1, 1, 1, 1), (2, 3, 1)])
+def test_chain_of_stretches_becomes_one_op(op, steps):
+    model = chain_model(op, steps)
+    fused, report = rnnfuse.optimize(model)
+    assert op_counts(fused)[op] == 1, report.to_text()
+    assert "merged" in report.to_text()
+    _same_outputs(model, fused)
+
+
+@pytest.mark.parametrize("case, why", [
+    (dict(feedback=True), "computed from op"),
+    (dict(read_c=True), "cell state after step 1 is read outside"),
+])
+def test_declined_with_a_reason(case, why):
+    model = chain_model("LSTM", (1, 1, 1), **case)
+    fused, report = rnnfuse.optimize(model)
+    assert op_counts(fused)["LSTM"] == 3, report.to_text()
+    assert why in report.to_text()
+    _same_outputs(model, fused)
+
+
+@pytest.mark.parametrize("case", [
+    dict(fork=True),  # the first op's state is followed by two ops: the chain starts after the fork
+    dict(other_weights=True),  # the last op has weights of its own: only the first two merge
+    dict(seq_lens=True),  # the first op has sequence_lens: only the rest merge
+])
+def test_only_the_true_chain_merges(case):
+    model = chain_model("GRU", (1, 1, 1), **case)
+    fused, report = rnnfuse.optimize(model)
+    n = op_counts(model)["GRU"]
+    assert op_counts(fused)["GRU"] == n - 1, report.to_text()  # exactly one pair merged, the odd op kept
+    _same_outputs(model, fused)
+
+
+def test_reverse_ops_are_left_alone():
+    model = chain_model("GRU", (1, 1), direction="reverse")
+    fused, report = rnnfuse.optimize(model)
+    assert op_counts(fused)["GRU"] == 2, report.to_text()
+    _same_outputs(model, fused)

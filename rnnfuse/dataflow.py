@@ -53,6 +53,37 @@ _NONE: frozenset = frozenset()
 _SUBGRAPH_OPS = ("Loop", "Scan", "If", "SequenceMap")
 
 
+def post_order(root: str, memo: dict, open_, close):
+    """The value of tensor ``root`` computed bottom-up over what it is computed from, each tensor once.
+
+    ``open_(name)`` either stores ``name``'s value in ``memo`` itself and returns None (a leaf, a constant,
+    a value not walked into), or returns the inputs whose values it needs first; ``close(name)`` then
+    computes the value from theirs (in ``memo``). Iterative (a 100k-step chain is no recursion limit), and
+    the memo carries over between calls: a second query stops where an earlier walk went."""
+    if root in memo:
+        return memo[root]
+    stack = [root]
+    opened: set[str] = set()
+    while stack:
+        cur = stack[-1]
+        if cur in memo:
+            stack.pop()
+            continue
+        if cur not in opened:
+            ins = open_(cur)
+            if ins is None:
+                stack.pop()
+                continue
+            opened.add(cur)
+            pending = [i for i in ins if i and i not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+        stack.pop()
+        memo[cur] = close(cur)
+    return memo[root]
+
+
 def shape_derived(g: Graph, name: str) -> bool:
     """Whether a tensor depends on other tensors' shapes only (never on their values)."""
     memo = g.model.facts.shape_derived
@@ -60,28 +91,23 @@ def shape_derived(g: Graph, name: str) -> bool:
         return memo[name]
     if name in runtime_values(g):
         return False
-    stack = [name]
-    while stack:
-        cur = stack[-1]
-        if cur in memo:
-            stack.pop()
-            continue
-        p = g.producer.get(cur)
-        if p is None or g.const(cur) is not None:
-            memo[cur] = g.const(cur) is not None
-            stack.pop()
-            continue
+    producer, const = g.producer, g.const
+
+    def open_(cur):
+        p = producer.get(cur)
+        if p is None or const(cur) is not None:
+            memo[cur] = const(cur) is not None
+            return None
         if p.op_type in ("Shape", "Size"):
             memo[cur] = True
-            stack.pop()
-            continue
-        pending = [i for i in p.input if i and i not in memo]
-        if pending:
-            stack.extend(pending)
-            continue
-        memo[cur] = all(memo[i] for i in p.input if i) and bool([i for i in p.input if i])
-        stack.pop()
-    return memo[name]
+            return None
+        return p.input
+
+    def close(cur) -> bool:
+        ins = [i for i in producer[cur].input if i]
+        return bool(ins) and all(memo.get(i, False) for i in ins)
+
+    return post_order(name, memo, open_, close)
 
 
 def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:

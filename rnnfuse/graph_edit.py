@@ -194,8 +194,7 @@ class Graph(GraphIndex):
         """Drop nodes nothing reads (the remains of fused recurrences); returns how many."""
         if self._pruned == self._state():
             return 0  # nothing changed since the last prune: nothing new is dead
-        live = self._live_set()
-        dead = [n for n in self.nodes if id(n) not in self._removed and id(n) not in live]
+        dead = self._dead_nodes()
         self.remove_nodes(dead)
         if dead:
             self.nodes = [n for n in self.nodes if id(n) not in self._removed]
@@ -214,9 +213,9 @@ class Graph(GraphIndex):
         if self._pruned == self._state():
             nodes, dropped = kept, False  # every node left is live
         else:
-            live = self._live_set()
-            nodes = [n for n in kept if id(n) in live]
-            dropped = len(nodes) != len(kept)
+            dead = {id(n) for n in self._dead_nodes()}
+            nodes = [n for n in kept if id(n) not in dead] if dead else kept
+            dropped = bool(dead)
         sort = bool(self.edited) or not self._input_sorted
         if sort:
             nodes = self.toposort(nodes)
@@ -256,6 +255,20 @@ class Graph(GraphIndex):
             if len(vis) != len(self.proto.value_info):
                 del self.proto.value_info[:]
                 self.proto.value_info.extend(vis)
+
+    def _dead_nodes(self) -> list[NodeProto]:
+        """The nodes no graph output is computed from, in node-list order.
+
+        First from the indices alone: a graph where every node has an output that is read or is a graph
+        output has no dead node (ONNX graphs have no cycles), which one pass over the value names proves
+        without reading any node. Only otherwise is liveness walked back from the outputs: that walk reads
+        the live nodes, few once a fused chain's steps are dead."""
+        consumers, outs, removed = self.consumers, set(self.output_names), self._removed
+        read = {id(n) for o, n in self.producer.items() if o in outs or consumers.get(o)}
+        if all(id(n) in read for n in self.nodes if id(n) not in removed):
+            return []
+        live = self._live_set()
+        return [n for n in self.nodes if id(n) not in removed and id(n) not in live]
 
     def _live_set(self) -> set[int]:
         live: set[int] = set()

@@ -220,6 +220,9 @@ class GraphIndex:
         arrays = self._arrays
         if name in arrays:  # (computed for this scope before: this scope defines it)
             return arrays[name]
+        runtime = self.model.facts.runtime
+        if runtime is not None and self.parent is None and name in runtime:
+            return None  # computed from an input's values (dataflow.runtime_values): no fold walk back through it
         g = self.scope_of(name)
         if g is None:
             return None

@@ -11,7 +11,7 @@ from typing import Callable
 
 from onnx import NodeProto
 
-from .dataflow import runtime_values
+from .dataflow import post_order, runtime_values
 from .graph import Graph
 from .symbolic import content_key
 
@@ -45,71 +45,63 @@ class Signer:
         g = self.g
         if memo is None:
             memo = {}
-        expanded: dict[str, NodeProto] = {}  # tensors whose inputs are being signed: their producer
-        infos = self.nodes
+        infos, const_ids, intern = self.nodes, self.const_ids, self._intern
         runtime = runtime_values(g)
-        stack = [name]
-        while stack:
-            cur = stack[-1]
-            if cur in memo:
-                stack.pop()
-                continue
-            p = expanded.get(cur)
-            if p is None:
-                if cur in leaves:
-                    memo[cur] = self._intern(("leaf", leaves[cur]))
-                    stack.pop()
-                    continue
-                cid = self.const_ids.get(cur, -1)
-                if cid == -1 and cur in runtime:
-                    cid = None  # computed from an input's values: not a constant (no fold attempt)
-                elif cid == -1:
+        producer = g.producer
+        walked: dict[str, tuple] = {}  # tensors whose inputs are being signed: their producer's info
+
+        def open_(cur: str):
+            role = leaves.get(cur)
+            if role is not None:
+                memo[cur] = intern(("leaf", role))
+                return None
+            if cur not in runtime:  # (computed from an input's values: not a constant, no fold attempt)
+                cid = const_ids.get(cur, -1)
+                if cid == -1:
                     c = g.const(cur)
-                    cid = self.const_ids[cur] = None if c is None else self._intern(("const", content_key(g, cur, c)))
+                    cid = const_ids[cur] = None if c is None else intern(("const", content_key(g, cur, c)))
                 if cid is not None:
                     memo[cur] = cid
-                    stack.pop()
-                    continue
-                p = g.producer.get(cur)
-                info = None
-                if p is not None:
-                    info = infos.get(id(p))
-                    if info is None:
-                        info = infos[id(p)] = _node_info(p)
-                if info is not None and info[2] in ("ConstantOfShape", "Expand"):
-                    fv = g.fill_value(cur)
-                    if fv is not None:
-                        if fills is not None:
-                            fills[cur] = fv
-                        memo[cur] = self._intern(("fill", fv))
-                        stack.pop()
-                        continue
-                if info is not None and info[2] in ("Shape", "Size") and info[0][0] not in leaves:
-                    q = g.producer.get(info[0][0])
-                    if q is None or not allowed(q):  # the shape of an outside tensor: the same for every step
-                        memo[cur] = self._intern(("ext-shape", info[0][0], p.SerializeToString()))
-                        visited.add(id(p))
-                        stack.pop()
-                        continue
-                if p is None or not allowed(p):
-                    fv = g.fill_value(cur)
-                    if fv is not None and fills is not None:
+                    return None
+            p = producer.get(cur)
+            if p is None:
+                return self._outside(cur, fills, foreign, memo)
+            info = infos.get(id(p))
+            if info is None:
+                info = infos[id(p)] = _node_info(p)
+            op = info[2]
+            if op in ("ConstantOfShape", "Expand"):
+                fv = g.fill_value(cur)
+                if fv is not None:
+                    if fills is not None:
                         fills[cur] = fv
-                    memo[cur] = self._intern(("fill", fv) if fv is not None else ("leaf", foreign(cur)))
-                    stack.pop()
-                    continue
-                pending = [i for i in info[0] if i and i not in memo]
-                if pending:
-                    expanded[cur] = p
-                    stack.extend(pending)
-                    continue
-            else:
-                info = infos[id(p)]
-            stack.pop()
-            visited.add(id(p))
-            key = (info[2], info[3], info[4], info[1].index(cur), tuple([memo[i] if i else -1 for i in info[0]]))
-            memo[cur] = self._intern(key)
-        return memo[name]
+                    memo[cur] = intern(("fill", fv))
+                    return None
+            elif op in ("Shape", "Size") and info[0][0] not in leaves:
+                q = producer.get(info[0][0])
+                if q is None or not allowed(q):  # the shape of an outside tensor: the same for every step
+                    memo[cur] = intern(("ext-shape", info[0][0], p.SerializeToString()))
+                    visited.add(id(p))
+                    return None
+            if not allowed(p):
+                return self._outside(cur, fills, foreign, memo)
+            walked[cur] = info
+            return info[0]
+
+        def close(cur: str) -> int:
+            info = walked[cur]
+            visited.add(id(producer[cur]))
+            return intern((info[2], info[3], info[4], info[1].index(cur), tuple([memo[i] if i else -1 for i in info[0]])))
+
+        return post_order(name, memo, open_, close)
+
+    def _outside(self, cur: str, fills: dict | None, foreign, memo: dict) -> None:
+        """A value from outside the region: a filled tensor (a zero state) by its value, else by its role."""
+        fv = self.g.fill_value(cur)
+        if fv is not None and fills is not None:
+            fills[cur] = fv
+        memo[cur] = self._intern(("fill", fv) if fv is not None else ("leaf", foreign(cur)))
+        return None
 
 
 def _node_info(p: NodeProto) -> tuple:

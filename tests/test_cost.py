@@ -1,8 +1,8 @@
 """The optimizer's work grows linearly with the graph: counted, never timed (benchmarks/scaling.py times it).
 
 What is counted: the nodes each Dedupe run looks at (none on a graph with nothing to merge, only the edits'
-nodes after a fusion), the whole-graph walks of liveness and sorting a pipeline makes, and that these counts
-do not grow faster than the graph.
+nodes after a fusion), the dead-node searches and sorts a pipeline makes (and that a graph with nothing dead
+costs no liveness walk), and that these counts do not grow faster than the graph.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ def elementwise_chain(n: int, width: int = 4) -> onnx.ModelProto:
 
 
 class _Counted:
-    """Counts Graph._live_set and Graph.toposort calls and the nodes they are given/walk."""
+    """Counts Graph._dead_nodes calls (dead-code searches) and Graph.toposort calls and the nodes sorted."""
 
     def __init__(self, monkeypatch):
         self.live = self.sorts = self.sorted_nodes = 0
-        live, sort = Graph._live_set, Graph.toposort
+        live, sort = Graph._dead_nodes, Graph.toposort
 
         def counted_live(g):
             self.live += 1
@@ -54,7 +54,7 @@ class _Counted:
             self.sorted_nodes += len(nodes)
             return sort(g, nodes)
 
-        monkeypatch.setattr(Graph, "_live_set", counted_live)
+        monkeypatch.setattr(Graph, "_dead_nodes", counted_live)
         monkeypatch.setattr(Graph, "toposort", counted_sort)
 
 
@@ -155,3 +155,53 @@ def test_fused_chain_work_is_linear_in_its_length(monkeypatch):
     assert v2[1:] == v1[1:]  # later runs: the fusion's own nodes, whatever T is
     assert (live1, sorts1) == (live2, sorts2)  # as many whole-graph walks whatever the length
     assert sn2 <= 2.5 * sn1 + 16
+
+
+def _dead_branches() -> onnx.ModelProto:
+    """y = Relu(Add(x, w)); beside it dead code: P = Neg(a) read by Q1 and Q2 (both unread, so P dies with
+    them), R = Abs(a) -> S = Abs(R) (a dead chain), and T = Sqrt(x) read by a dead node and by the output."""
+    w = numpy_helper.from_array(np.ones(4, np.float32), "w")
+    nodes = [
+        helper.make_node("Add", ["x", "w"], ["a"], name="A"),
+        helper.make_node("Sqrt", ["x"], ["t"], name="T"),
+        helper.make_node("Relu", ["a"], ["r"], name="keep"),
+        helper.make_node("Add", ["r", "t"], ["y"], name="Y"),
+        helper.make_node("Neg", ["a"], ["p"], name="P"),
+        helper.make_node("Abs", ["p"], ["q1"], name="Q1"),
+        helper.make_node("Mul", ["p", "p"], ["q2"], name="Q2"),
+        helper.make_node("Abs", ["a"], ["r1"], name="R"),
+        helper.make_node("Abs", ["r1"], ["s"], name="S"),
+        helper.make_node("Exp", ["t"], ["u"], name="U"),
+    ]
+    g = helper.make_graph(nodes, "dead", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_prune_removes_exactly_what_no_output_needs():
+    m = Model(_dead_branches())
+    g = m.graph
+    assert g.prune() == 6
+    assert [n.name for n in g.live_nodes()] == ["A", "T", "keep", "Y"]
+    assert g.uses("a") == [g.producer["r"]] and g.uses("t") == [g.producer["y"]]
+    assert g.prune() == 0
+
+
+def test_nothing_dead_costs_no_liveness_walk(monkeypatch):
+    """A graph with nothing dead is proven so from its indices (no walk over every node's inputs); a dead
+    branch costs one walk."""
+    walks = []
+    orig = Graph._live_set
+
+    def counted(g):
+        walks.append(len(g.nodes))
+        return orig(g)
+
+    monkeypatch.setattr(Graph, "_live_set", counted)
+    m = Model(elementwise_chain(400))
+    assert m.graph.prune() == 0
+    assert walks == []
+    Model(_dead_branches()).graph.prune()
+    assert walks == [10]

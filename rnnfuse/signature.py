@@ -31,6 +31,9 @@ class Signer:
         self.table: dict = {}
         self.nodes: dict[int, tuple] = {}  # id -> (inputs, outputs, op_type, domain, attributes): each node read once
         self.const_ids: dict[str, int | None] = {}  # tensor -> id of its constant value (None: not constant)
+        # a Constant node's attribute bytes -> the id of its value: an unrolled chain repeats the same Constant
+        # (a Split's sizes) in every step; equal bytes are an equal value, folded and hashed once
+        self.constant_nodes: dict[bytes, int] = {}
 
     def _intern(self, key) -> int:
         v = self.table.get(key)
@@ -58,8 +61,7 @@ class Signer:
             if cur not in runtime:  # (computed from an input's values: not a constant, no fold attempt)
                 cid = const_ids.get(cur, -1)
                 if cid == -1:
-                    c = g.const(cur)
-                    cid = const_ids[cur] = None if c is None else intern(("const", content_key(g, cur, c)))
+                    cid = const_ids[cur] = self._const_id(cur)
                 if cid is not None:
                     memo[cur] = cid
                     return None
@@ -94,6 +96,22 @@ class Signer:
             return intern((info[2], info[3], info[4], info[1].index(cur), tuple([memo[i] if i else -1 for i in info[0]])))
 
         return post_order(name, memo, open_, close)
+
+    def _const_id(self, name: str) -> int | None:
+        """The id of ``name``'s constant value (None: not a constant)."""
+        g = self.g
+        p = g.producer.get(name)
+        key = None
+        if p is not None and p.op_type == "Constant" and p.domain in ("", "ai.onnx"):
+            key = b"".join(a.SerializeToString() for a in p.attribute)
+            cid = self.constant_nodes.get(key)
+            if cid is not None:
+                return cid
+        c = g.const(name)
+        cid = None if c is None else self._intern(("const", content_key(g, name, c)))
+        if key is not None and cid is not None:
+            self.constant_nodes[key] = cid
+        return cid
 
     def _outside(self, cur: str, fills: dict | None, foreign, memo: dict) -> None:
         """A value from outside the region: a filled tensor (a zero state) by its value, else by its role."""

@@ -24,7 +24,7 @@ from rnnfuse.dims import loop_invariant_init
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
-from rnnfuse.recurrence import NONE, ZERO, FinalOutput, Init, Recurrence, SeqOutput
+from rnnfuse.recurrence import NONE, ZERO, FinalOutput, Init, InputPrep, Recurrence, SeqOutput
 from rnnfuse.recurrence_layers import check_feeds, owner, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
@@ -67,6 +67,7 @@ class _StepInput:
     mask_outer: str | None
     x_reads: set[str]  # the body tensors that read x_t
     x_read_source: str  # the tensor they read element t of (X, or X0 @ K + b)
+    x_prep: InputPrep  # the projection's time flips, built by the emitter
 
 
 @dataclass
@@ -180,8 +181,8 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
     if len(reversed_reads) > 1:
         raise Decline("the step input and the mask are read in different orders")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
-    return _StepInput(leaves, x_outer if proj is None else proj[0], x_axis, x_atom, reversed_reads == {True},
-                      mask_outer, set(x_reads), x_outer)
+    return _StepInput(leaves, x_outer if proj is None else proj.x0, x_axis, x_atom, reversed_reads == {True},
+                      mask_outer, set(x_reads), x_outer, InputPrep(proj.flips) if proj is not None else InputPrep())
 
 
 def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leaves: dict) -> dict[str, State]:
@@ -373,6 +374,7 @@ def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, sta
             anchor=loop,
             x_batch_first=step_in.x_axis == 1,
             x_reversed=step_in.x_reversed,
+            x_prep=step_in.x_prep if below is None else InputPrep(),
         )
         h_of[li] = an.rec.h
         cell_states.append((an.rec.h, an.rec.c))

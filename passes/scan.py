@@ -16,7 +16,7 @@ from onnx import NodeProto, TensorProto
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
-from rnnfuse.recurrence import Recurrence
+from rnnfuse.recurrence import InputPrep, Recurrence
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.step import StepOut, StepState, analyse
@@ -45,6 +45,7 @@ class _Scanned:
     x_dir: int  # scan_input_directions: 1 runs time backwards
     x_axis: int  # 0: time-major; 1: batch-first
     mask_outer: str | None
+    x_prep: InputPrep  # the projection's time flips, built by the emitter
 
 
 def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
@@ -76,6 +77,7 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
         anchor=scan,
         x_batch_first=scanned.x_axis == 1,
         x_reversed=bool(scanned.x_dir),
+        x_prep=scanned.x_prep,
     )
     return rec, aliases
 
@@ -90,6 +92,7 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves
     x_outer = mask_outer = None
     x_atom = None
     x_dir = x_axis = None
+    x_prep = InputPrep()
     for j in range(m):
         outer = scan.input[n_state + j]
         inner = bin_[n_state + j]
@@ -114,7 +117,7 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves
             proj = input_projection(g, outer, ax)
             if proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
                 x_atom, leaves[inner] = projected_leaf(proj)
-                x_outer = proj[0]
+                x_outer, x_prep = proj.x0, InputPrep(proj.flips)
             else:
                 shape = g.model.shape(outer)
                 x_atom = StepInput("x", shape[2] if shape and isinstance(shape[2], int) else None)
@@ -123,7 +126,7 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves
         raise Decline("no scanned float input")
     if mask_outer is not None and (m_dir, m_axis) != (x_dir, x_axis):
         raise Decline("the mask is scanned differently from the input")
-    return _Scanned(x_outer, x_atom, x_dir, x_axis, mask_outer)
+    return _Scanned(x_outer, x_atom, x_dir, x_axis, mask_outer, x_prep)
 
 
 def _scan_states(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: dict):

@@ -20,7 +20,7 @@ from onnx import NodeProto, TensorProto
 
 from .dims import time_flip_source
 from .errors import Decline
-from .graph import Graph
+from .graph import Graph, attr
 from .recurrence import NONE, ZERO, Init, Recurrence, SeqOutput
 from .step_heads import apply_head
 
@@ -233,7 +233,8 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     if b.opset < 7:
         raise Decline(f"opset {b.opset} is older than the native recurrent ops' opset 7")
     _need_opset(b, 10, "the rewrite")
-    x, mask, mrank, mask_source, mask_time_axis, direction = _time_major_input(b, rec)
+    x_in, mask_in = prepared_input(g, rec)
+    x, mask, mrank, mask_source, mask_time_axis, direction = _time_major_input(b, rec, x_in, mask_in)
 
     path = "unmasked"
     seq_lens = ""
@@ -269,17 +270,53 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     if native_dir != direction:
         Y3 = b.op("ReverseSequence", Y3, mp.lens64, batch_axis=1, time_axis=0)  # what a reverse op's Y holds
     repl = _replacements(b, rec, Y3, finals, mp, path, direction)
-    _declare_outputs(g, rec, repl)
+    _declare_outputs(g, rec, x_in, repl)
     return Emission(native, repl, path, direction, mask_source if mp is not None else None, mask_time_axis)
 
 
-def _time_major_input(b: Builder, rec: Recurrence):
-    """``(x, mask, mask rank, mask_source, mask_time_axis, direction)``: the input and mask time-major, read
-    backwards (direction "reverse") when the front end says so or x is a time flip of another tensor.
-    ``mask_source`` is what validation overrides: a tensor the original reads too."""
+def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
+    """``rec.x`` and ``rec.mask`` with what the front end found but did not build (``rec.x_prep``): the time
+    flips of x, then the slice of the steps the recurrence runs over (x and mask alike)."""
+    x, mask = rec.x, rec.mask
+    for flip in rec.x_prep.flips:
+        if flip.op_type == "ReverseSequence":
+            flipped = g.add_node("ReverseSequence", [x, flip.input[1]], 1, name="rnnfuse/ReverseSequence", anchor=flip,
+                                 time_axis=attr(flip, "time_axis", 0), batch_axis=attr(flip, "batch_axis", 1))[0]
+        elif flip.op_type == "Gather":  # the indices T-1 .. 0 hold for x too (same time length)
+            flipped = g.add_node("Gather", [x, flip.input[1]], 1, name="rnnfuse/Gather", anchor=flip,
+                                 axis=attr(flip, "axis", 0))[0]
+        else:
+            flipped = g.add_node("Slice", [x] + list(flip.input[1:]), 1, name="rnnfuse/Slice", anchor=flip)[0]
+        g.model.declare(flipped, g.model.known_type(x))  # a time flip keeps the type and shape
+        x = flipped
+    if rec.x_prep.steps is not None:
+        start, stop, axis = rec.x_prep.steps
+        bounds = [np.array([v], np.int64) for v in rec.x_prep.steps]
+        consts = [g.add_initializer(v, f"rnnfuse/slice{i}") for i, v in enumerate(bounds)]
+        x = _steps_of(g, x, consts, start, stop, axis, rec.anchor)
+        if mask is not None:
+            mask = _steps_of(g, mask, consts, start, stop, axis, rec.anchor)
+    return x, mask
+
+
+def _steps_of(g: Graph, x: str, consts: list[str], start: int, stop: int, axis: int, anchor) -> str:
+    """``x``'s steps start..stop-1 along ``axis``, declared with ``x``'s type (the emitter reads the mask's rank)."""
+    out = g.add_node("Slice", [x] + consts, 1, name="rnnfuse/Slice", anchor=anchor)[0]
+    t = g.model.known_type(x)
+    if t is not None:
+        dims = list(t[1]) if t[1] is not None else None
+        if dims is not None and axis < len(dims):
+            dims[axis] = stop - start
+        g.model.declare(out, (t[0], dims))
+    return out
+
+
+def _time_major_input(b: Builder, rec: Recurrence, x: str, mask: str | None):
+    """``(x, mask, mask rank, mask_source, mask_time_axis, direction)``: the (prepared) input and mask
+    time-major, read backwards (direction "reverse") when the front end says so or x is a time flip of another
+    tensor. ``mask_source`` is what validation overrides: a tensor the original reads too (``rec.mask``, not
+    the slice of it the recurrence runs over)."""
     g = b.g
-    x = rec.x
-    mask = rec.mask
     mask_source, mask_time_axis = rec.mask, 0
     mrank = g.model.rank(mask) if mask else None
     if mask is not None and mrank not in (2, 3):
@@ -344,10 +381,11 @@ def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: 
     return repl
 
 
-def _declare_outputs(g: Graph, rec: Recurrence, repl: dict) -> None:
-    """What the new tensors are, for the passes that read them next (a stacked layer slices a sequence output)."""
+def _declare_outputs(g: Graph, rec: Recurrence, x: str, repl: dict) -> None:
+    """What the new tensors are, for the passes that read them next (a stacked layer slices a sequence output);
+    ``x`` is the prepared input."""
     hidden = rec.cell.hidden
-    xt = g.model.known_type(rec.x)
+    xt = g.model.known_type(x)
     et = xt[0] if xt and xt[0] else 1
     xs = xt[1] if xt and xt[1] else [None, None, None]
     T, B = (xs[1], xs[0]) if rec.x_batch_first else (xs[0], xs[1])

@@ -8,14 +8,30 @@ lets the native op take ``X0`` with ``W = K^T``.
 
 from __future__ import annotations
 
-from .graph import Graph, attr
+from dataclasses import dataclass
+
+import numpy as np
+
+from .graph import Graph
 from .symbolic import StepInput, ConstRef, Lin, LinAtom, Poly, SymTensor
 
 
-def input_projection(g: Graph, src: str, axis: int = 0):
+@dataclass
+class Projection:
+    """``x0 @ K (+ bias)``, computed outside the recurrence; the steps read its slices."""
+
+    x0: str  # [T, B, F]
+    K: np.ndarray  # [F, N]
+    bias: np.ndarray | None  # [N]
+    # the steps read the projection time-flipped by these nodes (innermost first): the recurrence reads x0
+    # flipped the same way (an InputPrep the emitter builds)
+    flips: tuple = ()
+
+
+def input_projection(g: Graph, src: str, axis: int = 0) -> Projection | None:
     """``src = X0 @ K (+ b)`` with constant K, b (an input projection hoisted out of the loop, as dynamo's
-    nn.RNN and Keras' torch backend do): (X0, K, b or None). A time flip of a projection is the projection
-    of the flipped input (dynamo's backward nn.RNN direction)."""
+    nn.RNN and Keras' torch backend do). A time flip of a projection is the projection of the flipped input
+    (dynamo's backward nn.RNN direction): the flip is recorded, not built."""
     from rnnfuse.dims import time_flip_source
 
     inner = time_flip_source(g, src, axis)
@@ -23,17 +39,7 @@ def input_projection(g: Graph, src: str, axis: int = 0):
         proj = input_projection(g, inner, axis)
         if proj is None:
             return None
-        x0, K, bias = proj
-        flip = g.producer[src]
-        if flip.op_type == "ReverseSequence":
-            flipped = g.add_node("ReverseSequence", [x0, flip.input[1]], 1, name="rnnfuse/ReverseSequence", anchor=flip,
-                                 time_axis=attr(flip, "time_axis", 0), batch_axis=attr(flip, "batch_axis", 1))[0]
-        elif flip.op_type == "Gather":  # the indices T-1 .. 0 hold for X0 too (same time length)
-            flipped = g.add_node("Gather", [x0, flip.input[1]], 1, name="rnnfuse/Gather", anchor=flip,
-                                 axis=attr(flip, "axis", 0))[0]
-        else:
-            flipped = g.add_node("Slice", [x0] + list(flip.input[1:]), 1, name="rnnfuse/Slice", anchor=flip)[0]
-        return flipped, K, bias
+        return Projection(proj.x0, proj.K, proj.bias, proj.flips + (g.producer[src],))
     p = g.producer.get(src)
     bias = None
     if p is not None and p.op_type == "Add":
@@ -52,13 +58,12 @@ def input_projection(g: Graph, src: str, axis: int = 0):
         return None
     if bias is not None and bias.shape[0] != K.shape[1]:
         return None
-    return p.input[0], K, bias
+    return Projection(p.input[0], K, bias)
 
 
-
-def projected_leaf(proj) -> tuple[StepInput, SymTensor]:
+def projected_leaf(proj: Projection) -> tuple[StepInput, SymTensor]:
     """The step-input atom (width of X0) and the symbolic value of one projected step ``x0 @ K + b``."""
-    _, K, bias = proj
+    K, bias = proj.K, proj.bias
     x_atom = StepInput("x", int(K.shape[0]))
     lin = Lin.make([(x_atom.key, ConstRef.of(K))], [ConstRef.of(bias)] if bias is not None else [], int(K.shape[1]))
     return x_atom, SymTensor(Poly.atom(LinAtom(lin)))

@@ -84,11 +84,24 @@ class CellCheck:
 
 
 @dataclass
+class InputPrep:
+    """How the native op's input is made from ``Recurrence.x`` (and its mask from ``Recurrence.mask``) when the
+    rewrite is emitted. Finding adds no nodes: a front end says what to build here and the emitter builds it,
+    so a declined candidate leaves the graph as it was."""
+
+    # x is read time-reversed the way each of these nodes of the graph reverses its own input
+    # (ReverseSequence, Slice with step -1, Gather of T-1 .. 0), innermost first; the mask is not flipped
+    flips: tuple = ()
+    # (start, stop, axis): the recurrence runs over these steps of x and of the mask only
+    steps: tuple[int, int, int] | None = None
+
+
+@dataclass
 class Recurrence:
     front: str  # "Loop" | "Scan" | "chain" | ...
     where: str  # a human-readable location (node name)
     cell: CellSpec
-    x: str  # time-major input in processing order
+    x: str  # time-major input in processing order (once ``x_prep`` is built)
     h0: Init = field(default_factory=Init)
     c0: Init = field(default_factory=Init)
     mask: str | None = None
@@ -105,6 +118,7 @@ class Recurrence:
     # applied all or none; ``x_internal``: x names an ``internal`` SeqOutput of the layer below
     stack: str = ""
     x_internal: bool = False
+    x_prep: InputPrep = field(default_factory=InputPrep)
 
     @property
     def masked(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import rnnfuse.model
 from rnnfuse.graph import Model
@@ -251,3 +251,118 @@ def test_no_import_cycles():
     edges = _module_imports(mods)
     assert edges["rnnfuse.passes.loop"] >= {"rnnfuse.step", "rnnfuse.passes.loop_reads"}  # the reader reads
     assert not _cycles(edges)
+
+
+# -- finding adds no nodes: what a candidate needs built is a field of it, built by the emitter --------------
+def _snapshot(g):
+    return [id(n) for n in g.nodes], sorted(g.initializers)
+
+
+def _chain_over_later_steps(op: str, mask: str = "none", mutation: str | None = None):
+    """A hand-built unrolled chain over steps 1..T of an input with T+1 steps (step 0 is never read), so the
+    native op must run over a slice of the input (and of the mask)."""
+    import builders as B
+
+    T = 4
+    model, feeds_fn = B.build(B.Opts(op=op, front="chain", static_T=T, mask=mask, mutation=mutation, outputs=("seq", "h")))
+    const_of = {n.output[0]: n for n in model.graph.node if n.op_type == "Constant"}
+    for n in model.graph.node:
+        if n.op_type == "Gather" and n.input[0] in ("X", "mask"):
+            value = const_of[n.input[1]].attribute[0].t
+            value.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(value) + 1, value.name))
+    for vi in model.graph.input:
+        if vi.name in ("X", "mask"):
+            vi.type.tensor_type.shape.dim[0].dim_value = T + 1
+    return model, lambda rng, b: feeds_fn(rng, b, T + 1, "gappy" if mask != "none" else "none")
+
+
+def _find_chain_recurrences(g):
+    """The unrolled front end's find stage (families, chains, a recurrence per chain), without applying."""
+    from rnnfuse.errors import Decline
+    from rnnfuse.passes.unrolled.chains import find_chains, intervals
+    from rnnfuse.passes.unrolled.families import find_families, mask_leaves
+    from rnnfuse.passes.unrolled.roles import chain_recurrence
+    from rnnfuse.signature import Signer
+
+    found, declined = [], []
+    g.prune()  # as the pass does: dead code reads no step's values
+    fams = find_families(g)
+    order = g.ordered_live_nodes()
+    for (src, axis), fam in fams.items():
+        if g.model.elem_type(src) == TensorProto.BOOL:
+            continue
+        leaves, mask_fam, mask_srcs = mask_leaves(g, fams, fam)
+        iv = intervals(g, order, leaves)
+        for chain in find_chains(g, fam, iv, mask_fam):
+            try:
+                found.append(chain_recurrence(g, src, axis, chain, iv, Signer(g), mask_srcs))
+            except Decline as d:
+                declined.append(d.reason)
+    return found, declined
+
+
+@pytest.mark.parametrize("mask", ["none", "where"])
+def test_chain_over_later_steps_finds_a_slice_to_build_and_adds_nothing(mask):
+    model, _ = _chain_over_later_steps("GRU", mask)
+    g = Model(model).graph
+    g.prune()
+    before = _snapshot(g)
+    found, declined = _find_chain_recurrences(g)
+    assert not declined and len(found) == 1
+    assert found[0].x_prep.steps == (1, 5, 0) and found[0].x == "X"
+    assert (found[0].mask is not None) == (mask != "none")
+    assert _snapshot(g) == before
+
+
+def test_declined_chain_adds_nothing():
+    model, _ = _chain_over_later_steps("LSTM", mutation="extra_tanh")
+    g = Model(model).graph
+    g.prune()
+    before = _snapshot(g)
+    found, declined = _find_chain_recurrences(g)
+    assert not found and declined
+    assert _snapshot(g) == before
+
+
+@pytest.mark.parametrize("op,mask", [("LSTM", "none"), ("GRU", "where"), ("RNN", "where")])
+def test_chain_over_later_steps_fuses_over_a_slice_of_the_input(op, mask):
+    """The emitter builds the slice the front end asked for: same outputs, step 0 of the input unread."""
+    import onnxruntime as ort
+
+    import rnnfuse
+
+    model, feeds = _chain_over_later_steps(op, mask)
+    fused, report = rnnfuse.optimize(model)
+    assert [f.status for f in report.findings if f.status in ("fused", "declined")] == ["fused"], report.to_text()
+    assert {n.op_type for n in fused.graph.node} >= {op, "Slice"}
+    run = lambda m, f: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, f)  # noqa: E731
+    rng = np.random.default_rng(0)
+    for b in (1, 3):
+        f = feeds(rng, b)
+        for want, got in zip(run(model, f), run(fused, f)):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        f["X"][0] = np.nan  # step 0 is no part of the recurrence
+        for want, got in zip(run(model, f), run(fused, f)):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mutation", [None, "extra_tanh"])
+def test_loop_over_a_flipped_projection_finds_the_flip_and_adds_nothing(mutation):
+    """A reverse Loop over flip(X @ K + b): the recurrence reads X, and the flip is the emitter's to build,
+    whether the candidate is then fused or declined."""
+    import builders as B
+
+    from rnnfuse.errors import Decline
+    from rnnfuse.passes.loop import loop_recurrence
+
+    o = B.Opts(op="GRU", front="loop", xproj=True, direction="reverse", reverse_form="flip", mutation=mutation)
+    g = Model(B.build(o)[0]).graph
+    loop = next(iter(g.nodes_of("Loop")))
+    before = _snapshot(g)
+    try:
+        rec, _ = loop_recurrence(g, loop)
+    except Decline:
+        assert mutation is not None
+    else:
+        assert mutation is None and rec.x == "X" and [n.op_type for n in rec.x_prep.flips] == ["Slice"]
+    assert _snapshot(g) == before

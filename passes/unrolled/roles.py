@@ -20,7 +20,7 @@ from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
 from rnnfuse.inputs import input_projection, projected_leaf
-from rnnfuse.recurrence import CARRY, NONE, CellCheck, FinalOutput, Init, Recurrence, StepRead
+from rnnfuse.recurrence import CARRY, NONE, CellCheck, FinalOutput, Init, InputPrep, Recurrence, StepRead
 from rnnfuse.signature import Signer
 from rnnfuse.step import StepAnalysis, StepOut, StepState, analyse
 from rnnfuse.cells.recognise import fold_offsets
@@ -323,7 +323,7 @@ class _ChainRoles:
 
     def build(self, an: StepAnalysis) -> Recurrence:
         g, src, axis, ts = self.g, self.src, self.axis, self.ts
-        x = src if self.proj is None else self.proj[0]
+        x = src if self.proj is None else self.proj.x0
         T = static_dim(g, src, axis)
         anchor = g.producer.get(self.h_new[-1] or self.c_new[-1] or (self.ys or [None])[-1])
         mask = None
@@ -334,12 +334,7 @@ class _ChainRoles:
             elif msrc is None or maxis != axis or static_dim(g, msrc, maxis) != T:
                 raise Decline("the mask is not laid out like the per-step inputs")
             mask = msrc
-        if not (min(ts) == 0 and T is not None and max(ts) == T - 1):
-            bounds = [np.array([min(ts)], np.int64), np.array([max(ts) + 1], np.int64), np.array([axis], np.int64)]
-            consts = [g.add_initializer(b, f"rnnfuse/slice{i}") for i, b in enumerate(bounds)]
-            x = g.add_node("Slice", [x] + consts, 1, name="rnnfuse/Slice", anchor=anchor)[0]
-            if mask is not None:
-                mask = g.add_node("Slice", [mask] + consts, 1, name="rnnfuse/Slice", anchor=anchor)[0]
+        steps = None if min(ts) == 0 and T is not None and max(ts) == T - 1 else (min(ts), max(ts) + 1, axis)
         return Recurrence(
             front="chain",
             where=f"{self.chain.direction} chain over '{src}' (axis {axis}), steps {ts[0]}..{ts[-1]}: {self.n} cells",
@@ -356,6 +351,7 @@ class _ChainRoles:
             anchor=anchor,
             x_batch_first=axis == 1,
             x_reversed=self.chain.direction == "reverse",
+            x_prep=InputPrep(self.proj.flips if self.proj is not None else (), steps),
         )
 
     def add_cell_checks(self, rec: Recurrence) -> None:
@@ -375,5 +371,5 @@ class _ChainRoles:
                 ins[f.name] = "c"
             chk = CellCheck(order_of(g, visited), ins, outs_k, self.zero if k == 0 else set(), static_dim(g, self.src, 1 - self.axis), fills)
             if self.proj is not None:
-                chk.x_projection = (self.proj[1], self.proj[2])
+                chk.x_projection = (self.proj.K, self.proj.bias)
             rec.cell_checks.append(chk)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from .errors import Decline
 from .graph import Graph
 from .step import split_mask
-from .symbolic import GATED_ROW, STATE, STEP_INPUT, Act, LinAtom, Poly, State, StepEvaluator, StepInput, SymTensor, Value
+from .symbolic import STATE, STEP_INPUT, Poly, StepEvaluator, StepInput, SymTensor, Value
+from .symbolic import sources as symbolic_sources
 
 
 @dataclass
@@ -36,24 +37,7 @@ class Layer:
 
 def sources(p: Poly) -> set:
     """Every state and step input a polynomial reads, through activations, matmuls and gated rows."""
-    out: set = set()
-    stack = [p]
-    while stack:
-        q = stack.pop()
-        for a in q.atoms.values():
-            if isinstance(a, State):
-                out.add(a.key)
-            elif isinstance(a, StepInput):
-                out.add(a.key)
-            elif isinstance(a, Act):
-                stack.append(a.arg)
-            elif isinstance(a, LinAtom):
-                for s in a.lin.sources():
-                    if s[0] in (STATE, STEP_INPUT):
-                        out.add(s)
-                    elif s[0] == GATED_ROW and s in a.lin.rows:
-                        stack.append(a.lin.rows[s])
-    return out
+    return symbolic_sources(p, follow_gated_rows=True)
 
 
 def _groups(polys: dict[str, Poly]) -> list[list[str]]:

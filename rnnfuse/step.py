@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from .cells import Recognised, recognise
 from .errors import Decline
 from .recurrence import CARRY, NONE, ZERO, FinalOutput, Init, SeqOutput
-from .symbolic import GATED_ROW, MASK, STATE, Act, LinAtom, Poly, State, StepInput
+from .symbolic import MASK, STATE, Poly, State, StepInput, sources
 
 
 @dataclass
@@ -66,23 +66,9 @@ def split_mask(p: Poly) -> tuple[Poly, Poly | None, set]:
 
 
 def _reads(p: Poly) -> set:
-    """State symbols a polynomial depends on (elementwise or through a matmul)."""
-    out: set = set()
-    stack = [p]
-    while stack:
-        q = stack.pop()
-        for a in q.atoms.values():
-            if isinstance(a, State):
-                out.add(a.sym)
-            elif isinstance(a, Act):
-                stack.append(a.arg)
-            elif isinstance(a, LinAtom):
-                for s in a.lin.sources():
-                    if s[0] == STATE:
-                        out.add(s[1])
-                    elif s[0] == GATED_ROW:
-                        out.update(k[1] for k in s[1] if k[0] == STATE)
-    return out
+    """State symbols a polynomial depends on (elementwise or through a matmul; a gated row by the states its
+    product names)."""
+    return {sym for kind, sym in sources(p) if kind == STATE}
 
 
 def analyse(x: StepInput, states: list[StepState], outs: list[StepOut], state_atoms: dict[str, State]) -> StepAnalysis:

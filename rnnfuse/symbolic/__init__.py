@@ -23,6 +23,7 @@ from .algebra import (
     StepInput,
     describe,
     loose_key,
+    sources,
     substitute,
     zero_states,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "content_key",
     "describe",
     "loose_key",
+    "sources",
     "register_handler",
     "substitute",
     "zero_states",

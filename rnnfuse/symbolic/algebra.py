@@ -370,6 +370,33 @@ def substitute(p: Poly, fn: Callable[[Atom], Poly | None]) -> Poly:
     return out
 
 
+def sources(p: Poly, follow_gated_rows: bool = False) -> set:
+    """The keys of the states and step inputs ``p`` reads, through activations and weight matmuls.
+
+    A gated row (GRU's ``r * h`` as a matmul operand) counts the states its product names; with
+    ``follow_gated_rows`` its own polynomial is walked instead, so the states and inputs its gates read count
+    too (which layer of a stacked step a state belongs to)."""
+    out: set = set()
+    stack = [p]
+    while stack:
+        q = stack.pop()
+        for a in q.atoms.values():
+            if isinstance(a, (State, StepInput)):
+                out.add(a.key)
+            elif isinstance(a, Act):
+                stack.append(a.arg)
+            elif isinstance(a, LinAtom):
+                for s in a.lin.sources():
+                    if s[0] in (STATE, STEP_INPUT):
+                        out.add(s)
+                    elif s[0] == GATED_ROW:
+                        if not follow_gated_rows:
+                            out.update(k for k in s[1] if k[0] == STATE)
+                        elif s in a.lin.rows:
+                            stack.append(a.lin.rows[s])
+    return out
+
+
 def zero_states(p: Poly, syms: set[str]) -> Poly:
     """``p`` with the given states set to zero (their matmul terms dropped too)."""
 

@@ -28,9 +28,10 @@ from rnnfuse.recurrence import NONE, ZERO, FinalOutput, Init, InputPrep, Recurre
 from rnnfuse.recurrence_layers import check_feeds, owner, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
-from rnnfuse.step import StepOut, StepState, analyse, split_mask
-from rnnfuse.step_heads import find_head
-from .loop_reads import check_trip_count, counter_step, step_read
+from rnnfuse.row_steps import RowStep, row_step_reads
+from rnnfuse.step import StepOut, StepState, analyse
+from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
+from .loop_reads import check_trip_count, counter_step, counting_offset, length_mask, step_read
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly
 
 
@@ -68,16 +69,10 @@ class _StepInput:
     x_reads: set[str]  # the body tensors that read x_t
     x_read_source: str  # the tensor they read element t of (X, or X0 @ K + b)
     x_prep: InputPrep  # the projection's time flips, built by the emitter
+    lengths: object = None  # a LengthMask: the step mask is t compared with per-row lengths (built by the emitter)
 
 
-@dataclass
-class _HeadCandidate:
-    """A per-step output that is not a state of the step: perhaps a head on the new h (see step_heads)."""
-
-    name: str  # the body tensor
-    outer: str  # the stacked output
-    batch_first: bool = False
-    reversed: bool = False
+_LENGTH_MASK = "<the mask t < lengths, built before the native op>"
 
 
 def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
@@ -88,14 +83,29 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
     states = _body_leaves(g, body, loop, carried, leaves)
     state_out = {f"s{k}": body.output_names[1 + k] for k in carried.recurrent}
     layers = split_layers(body, leaves, state_out, step_in.x_atom)
-    outs_of, last_of, heads, extra_remove = _per_step_outputs(g, body, loop, carried, layers)
+    outs_of, last_of, heads, extra_remove = _per_step_outputs(g, body, loop, carried, layers, state_out)
     aliases = _final_aliases(g, body, loop, carried)
     recs, cell_states = _layer_recurrences(g, body, loop, layers, states, outs_of, last_of, extra_remove, step_in)
     if heads:
-        _add_heads(body, carried, layers, recs, cell_states, heads, step_in)
+        add_heads(body, layers, recs, cell_states, heads, state_out, step_in, carried.invariants,
+                  set(carried.index_syms))
+    if step_in.lengths is not None:
+        _attach_length_mask(g, recs, step_in)
     if len(recs) == 1:
         return recs[0], aliases
     return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
+
+
+def _attach_length_mask(g: Graph, recs: list[Recurrence], step_in: _StepInput) -> None:
+    """A hand-written length mask: the native ops that keep to it get it built by the emitter, before them."""
+    if not any(r.mask == _LENGTH_MASK for r in recs):
+        return
+    if g.model.opset < 11:
+        raise Decline(f"a length mask needs opset 11 (Range); the model has opset {g.model.opset}")
+    for r in recs:
+        if r.mask == _LENGTH_MASK:
+            r.x_prep.lengths, r.mask_made = step_in.lengths, "post" if step_in.lengths.valid_first else "any"
+            r.notes.append(f"mask: {step_in.lengths.op} of the step and '{step_in.lengths.lengths}' (lengths)")
 
 
 def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
@@ -137,11 +147,23 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
     reversed_reads = set()
     x_reads: list[str] = []
     x_axis = None
+    lengths = None
     for n in body.nodes:
+        lm = length_mask(g, body, n, carried.index_syms, carried.invariants)
+        if lm is not None:  # t < lengths written by hand: a step mask computed from the iteration number
+            if lengths is not None and lengths.key != lm.key:
+                raise Decline("two different length masks are computed")
+            lengths = lm
+            leaves[n.output[0]] = BoolMask("m", False, lm.unit)
+            continue
         read = step_read(g, body, n, carried.index_syms, carried.invariants)
         if read is None:
             continue
         data, axis, form = read
+        offset = counting_offset(g, data) if (axis, form) == (0, "forward") else None
+        if offset is not None:  # element i of (s, s + 1, ...): the iteration number, plus s
+            carried.index_syms[n.output[0]] = offset
+            continue
         reversed_reads.add(form == "reverse")
         et = g.model.elem_type(data)
         rank = g.model.rank(data)
@@ -181,8 +203,15 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
     if len(reversed_reads) > 1:
         raise Decline("the step input and the mask are read in different orders")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
+    if lengths is not None:
+        if mask_outer is not None:
+            raise Decline("a step reads a mask and computes another from lengths")
+        if reversed_reads == {True}:
+            raise Decline("a length mask on a step that reads time backwards")
+        mask_outer = _LENGTH_MASK
     return _StepInput(leaves, x_outer if proj is None else proj.x0, x_axis, x_atom, reversed_reads == {True},
-                      mask_outer, set(x_reads), x_outer, InputPrep(proj.flips) if proj is not None else InputPrep())
+                      mask_outer, set(x_reads), x_outer, InputPrep(proj.flips) if proj is not None else InputPrep(),
+                      lengths)
 
 
 def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leaves: dict) -> dict[str, State]:
@@ -216,7 +245,8 @@ def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leav
     return states
 
 
-def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, layers: list):
+def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, layers: list,
+                      state_out: dict[str, str]):
     """The used per-step outputs, by layer: stacked ones (``outs_of``), ones read only at their last step
     (``last_of``: (poly, outer, [(tensor, lead)])), outputs that are no state of the step (``heads``: perhaps
     a head on a new h), and the carried sequences' stacking nodes to remove."""
@@ -224,18 +254,18 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
     n_carried = carried.n
     outs_of: dict[int, list[StepOut]] = {i: [] for i in range(len(layers))}
     last_of: dict[int, list] = {}
-    heads: list[_HeadCandidate] = []
-    state_keys = _state_value_keys(body, carried, layers)
+    heads: list[HeadCandidate] = []
+    state_keys = state_value_keys(layers, state_out)
     for j in range(carried.n_scan):
         outer = loop.output[n_carried + j] if n_carried + j < len(loop.output) else ""
         if not outer or not g.n_uses(outer):
             continue
-        found = _state_output(layers, bout[1 + n_carried + j], state_keys)
+        found = state_output(layers, bout[1 + n_carried + j], state_keys)
         if found is None:
-            heads.append(_HeadCandidate(bout[1 + n_carried + j], outer))
+            heads.append(HeadCandidate(bout[1 + n_carried + j], outer))
             continue
         li, poly = found
-        last = last_step_reads(g, outer)
+        last = last_step_reads(g, outer) or [RowStep(t, "", k) for t, k in row_step_reads(g, outer, loop)]
         if last:  # e.g. tf.scan's per-step c read only as cs[-1]: the final value of the state it tracks
             last_of.setdefault(li, []).append((poly, outer, last))
             continue
@@ -248,71 +278,6 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
         else:
             outs_of[li].append(out)
     return outs_of, last_of, heads, extra_remove
-
-
-def _state_value_keys(body: Graph, carried: _Carried, layers: list) -> list[set]:
-    """Per layer: the polynomial keys of its states' updates and of their unmasked new values."""
-    out = []
-    for layer in layers:
-        keys = set()
-        for sym in layer.syms:
-            try:
-                p = layer.ev.poly(body.output_names[1 + int(sym[1:])])
-            except Decline:
-                continue
-            old, delta, _ = split_mask(p)
-            keys.update((p.key, (old if delta is None else old.add(delta)).key))
-        out.append(keys)
-    return out
-
-
-def _state_output(layers: list, name: str, state_keys: list[set]) -> tuple[int, Poly] | None:
-    """(layer, polynomial) of a per-step output that is (a masked copy of) one of the step's states, or None:
-    an output computed from them (a head) or one the cell maths cannot express."""
-    try:
-        li = owner(layers, name)
-        poly = layers[li].ev.poly(name)
-    except Decline:
-        return None
-    old, delta, _ = split_mask(poly)
-    new = old if delta is None else old.add(delta)
-    if poly.key in state_keys[li] or new.key in state_keys[li]:
-        return li, poly
-    return None
-
-
-def _add_heads(body: Graph, carried: _Carried, layers: list, recs: list[Recurrence], cell_states: list,
-               heads: list, step_in: _StepInput) -> None:
-    """Per-step outputs computed from a layer's new h: that layer's Y with the head applied after the op."""
-    bout = body.output_names
-    for cand in heads:
-        reason = None
-        for li in reversed(range(len(layers))):  # a head usually sits on the top cell
-            layer, rec = layers[li], recs[li]
-            h_sym = cell_states[li]
-            keys = {}
-            for sym in layer.syms:
-                p = layer.ev.poly(bout[1 + int(sym[1:])])
-                old, delta, _ = split_mask(p)
-                keys[sym] = (old if delta is None else old.add(delta)).key
-            other = {k: f"state {s} (the cell state c)" if s == h_sym[1] else f"state {s}"
-                     for s, k in keys.items() if s != h_sym[0] and k != keys[h_sym[0]]}
-            layer.ev.value(cand.name)
-            try:
-                head = find_head(body, layer.ev, cand.name, keys[h_sym[0]], other, step_in.x_reads,
-                                 step_in.x_read_source, step_in.x_axis, step_in.x_reversed, carried.invariants,
-                                 set(carried.index_syms))
-            except Decline as d:
-                reason = reason or d
-                continue
-            if rec.masked:
-                raise Decline("a per-step output computed from h under a mask (a head on masked steps)")
-            if head.x and li > 0:
-                raise Decline("a head reads the step input and the output of a cell above the first")
-            rec.seq_outputs.append(SeqOutput(cand.outer, NONE, Init(), cand.batch_first, cand.reversed, head=head))
-            break
-        else:
-            raise reason
 
 
 def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> dict[str, str]:
@@ -347,11 +312,15 @@ def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, sta
             step_states.append(StepState(sym, layer.ev.poly(bout[1 + k]), init_of(g, loop.input[2 + k]),
                                          final if final and g.n_uses(final) else None))
         an = analyse(layer.x, step_states, outs_of[li], states)
-        finals, stacked = [], []
+        finals, stacked, row_steps = [], [], []
         for poly, outer, reads in last_of.get(li, []):
             role = _final_role(poly, step_states, an)
-            if role is None:  # e.g. Keras' masked output sliced at its last step: stacked as before
+            by_row = isinstance(reads[0], RowStep)  # one step per row (flax's carry at seq_lengths - 1)
+            if role is None or (by_row and (role[0] != "c" or an.masked)):
+                # e.g. Keras' masked output sliced at its last step, h read at a step per row: stacked as before
                 stacked.append(StepOut(poly, outer))
+            elif by_row:  # the per-step c, which no native output holds, at one step per row
+                row_steps += [RowStep(r.tensor, "c", r.step) for r in reads]
             else:
                 finals += [FinalOutput(t, role[0], role[1], lead) for t, lead in reads]
         if stacked:
@@ -375,6 +344,7 @@ def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, sta
             x_batch_first=step_in.x_axis == 1,
             x_reversed=step_in.x_reversed,
             x_prep=step_in.x_prep if below is None else InputPrep(),
+            row_steps=row_steps,
         )
         h_of[li] = an.rec.h
         cell_states.append((an.rec.h, an.rec.c))
@@ -436,7 +406,7 @@ def _final_role(poly: Poly, step_states: list[StepState], an) -> tuple[str, Init
 
 
 def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list, extra_remove,
-                     state_keys: list[set]) -> tuple[int | None, StepOut | _HeadCandidate]:
+                     state_keys: list[set]) -> tuple[int | None, StepOut | HeadCandidate]:
     """A carried sequence built by SequenceInsert(seq, y) each step and stacked by ConcatFromSequence: (its
     layer, the output), or (None, a head candidate) when y is no state of the step."""
     bi, bo = body.input_names[2 + k], body.output_names[1 + k]
@@ -455,12 +425,12 @@ def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: lis
         raise Decline("a sequence output that is not stacked with ConcatFromSequence")
     cat = users[0]
     axis, new_axis = attr(cat, "axis", 0), attr(cat, "new_axis", 0)
-    found = _state_output(layers, n.input[1], state_keys)
+    found = state_output(layers, n.input[1], state_keys)
     if found is None:  # a head computes [B, K] from h: stacked like h
         if not (new_axis == 1 and axis in (0, 1)):
             raise Decline("the per-step outputs are stacked along an unsupported axis")
         extra_remove.append(cat)
-        return None, _HeadCandidate(n.input[1], cat.output[0], batch_first=axis == 1, reversed=prepend)
+        return None, HeadCandidate(n.input[1], cat.output[0], batch_first=axis == 1, reversed=prepend)
     li = found[0]
     val = layers[li].ev.value(n.input[1])
     if not isinstance(val, SymTensor):

@@ -8,7 +8,7 @@ iteration number", "T - 1 - i" or "[i, i + 1) on axis a" is recognised, not one 
 from __future__ import annotations
 
 import numpy as np
-from onnx import NodeProto
+from onnx import NodeProto, TensorProto
 
 from rnnfuse import op_args
 from rnnfuse.dims import dim_key, root_dim, time_dim_key
@@ -303,3 +303,101 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
                 ok = dim_key(g, a) == ("const", 0) and dim_key(g, b) in T_keys
             if not ok:
                 raise Decline("cannot prove the loop's first iteration runs")
+
+
+# ---------------------------------------------------------------------------- length masks written by hand
+
+
+def counting_offset(g: Graph, data: str) -> int | None:
+    """``s`` when the 1-D integer tensor ``data`` is ``s, s + 1, s + 2, ...`` (a constant, or ``Range(s, n, 1)``):
+    element i of it is the iteration number plus s (jax scans ``(xs, arange(T))`` to see t). Else None."""
+    et = g.model.elem_type(data)
+    if et not in (TensorProto.INT32, TensorProto.INT64):
+        return None
+    c = g.const(data)
+    if c is not None:
+        arr = np.asarray(c)
+        if arr.ndim != 1 or arr.size == 0 or not np.array_equal(arr, arr[0] + np.arange(arr.size)):
+            return None
+        return int(arr[0])
+    n = g.producer.get(data)
+    if n is None or n.op_type != "Range":
+        return None
+    start, delta = g.const(n.input[0]), g.const(n.input[2])
+    if start is None or delta is None or np.size(start) != 1 or int(np.ravel(delta)[0]) != 1:
+        return None
+    return int(np.ravel(start)[0])
+
+
+_COMPARE = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
+
+
+def length_mask(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
+    """If body node ``n`` compares the iteration number with a loop-invariant tensor of per-row lengths
+    (``t < lengths``, ``lengths > t``, ``t + 1 <= lengths``, ...): ``LengthMask``, else None.
+
+    Such a comparison is the step's mask: which of the B rows are valid at step t. It is the same at step t
+    whatever the state, so the whole [T, B] mask can be computed before the native op with the same
+    comparison (:func:`build_length_mask`)."""
+    if n.op_type not in _COMPARE or len(n.input) != 2:
+        return None
+    for side in (0, 1):
+        step = counter_step(body, n.input[side])
+        if step is None or step[0] not in index_syms:
+            continue
+        lengths = invariant_source(body, n.input[1 - side], invariants)
+        if lengths is None or body.defines(lengths):
+            return None
+        shape = g.model.shape(lengths)
+        if shape is None or len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
+            return None
+        return LengthMask(lengths, n.op_type, index_syms[step[0]] + step[1], side == 0, len(shape) == 2)
+    return None
+
+
+class LengthMask:
+    """mask[t, b] = ``op(t + offset, lengths[b])`` (``step_first``) or ``op(lengths[b], t + offset)``."""
+
+    def __init__(self, lengths: str, op: str, offset: int, step_first: bool, unit: bool):
+        self.lengths, self.op, self.offset, self.step_first, self.unit = lengths, op, offset, step_first, unit
+
+    @property
+    def key(self) -> tuple:
+        return (self.lengths, self.op, self.offset, self.step_first)
+
+    def build(self, g: Graph, x: str, time_axis: int, anchor: NodeProto) -> str:
+        """The mask laid out like ``x`` (built once per layout: every layer of a stacked step keeps to it)."""
+        built = self.__dict__.setdefault("_built", {})
+        if time_axis not in built:
+            built[time_axis] = build_length_mask(g, self, x, time_axis, anchor)
+        return built[time_axis]
+
+    @property
+    def valid_first(self) -> bool:
+        """Whether every row's valid steps come first (t below a bound): the mask is post-padded by construction."""
+        below = self.op in ("Less", "LessOrEqual")
+        return below if self.step_first else not below
+
+
+def build_length_mask(g: Graph, lm: LengthMask, x: str, time_axis: int, anchor: NodeProto) -> str:
+    """The [T, B] bool mask (``[B, T]`` when ``time_axis`` is 1, like x) that ``lm`` computes step by step,
+    T being x's time length (the loop runs once per step of x). Needs opset 11 (Range)."""
+
+    def op(op_type, *ins, **attrs):
+        return g.add_node(op_type, list(ins), name=f"rnnfuse/length_mask/{op_type}", anchor=anchor, **attrs)[0]
+
+    def const(v, dtype=np.int64):
+        return g.add_initializer(np.array(v, dtype), "rnnfuse/length_mask/const")
+
+    T = op("Gather", op("Shape", x), const(time_axis), axis=0)
+    t = op("Range", const(lm.offset), op("Add", T, const(lm.offset)), const(1))  # t + offset, t = 0 .. T-1
+    et = g.model.elem_type(lm.lengths)
+    if et is not None and et != TensorProto.INT64:  # compare in the lengths' type, as the body does
+        t = op("Cast", t, to=et)
+    lens = op("Reshape", lm.lengths, const([-1]))
+    shape_t, shape_l = ([1, -1], [-1, 1]) if time_axis == 1 else ([-1, 1], [1, -1])
+    t, lens = op("Reshape", t, const(shape_t)), op("Reshape", lens, const(shape_l))
+    mask = op(lm.op, t, lens) if lm.step_first else op(lm.op, lens, t)
+    xs = g.model.shape(x) or [None, None, None]
+    g.model.declare(mask, (TensorProto.BOOL, [xs[0], xs[1]]))  # [T, B] (or [B, T]), as x
+    return mask

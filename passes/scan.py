@@ -3,7 +3,9 @@
 Scan states are the cell's states (or copies of its output, or pass-through values); the scan inputs are the
 step input (float ``[T, B, F]``, or ``[B, T, F]`` with ``scan_input_axes=1``) and optionally a bool mask
 scanned the same way; ``scan_input_directions=1`` processes time backwards; scan outputs are the per-step
-outputs (``scan_output_axes`` / ``scan_output_directions`` honoured).
+outputs (``scan_output_axes`` / ``scan_output_directions`` honoured). A body that runs several cells per step
+is read layer by layer (:mod:`rnnfuse.recurrence_layers`): one native op per cell, each above the first
+reading the Y of the one below.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from onnx import NodeProto, TensorProto
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
-from rnnfuse.recurrence import InputPrep, Recurrence
+from rnnfuse.recurrence import NONE, ZERO, InputPrep, Recurrence, SeqOutput
+from rnnfuse.recurrence_layers import check_feeds, owner, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.step import StepOut, StepState, analyse
@@ -48,7 +51,7 @@ class _Scanned:
     x_prep: InputPrep  # the projection's time flips, built by the emitter
 
 
-def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
+def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
     if g.model.opset < 9:
         raise Decline("Scan before opset 9 (batched form with sequence_lens)")
     body = g.subgraph(scan)
@@ -56,30 +59,50 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict]:
     leaves: dict = {}
     scanned = _scanned_inputs(g, body, scan, n_state, leaves)
     states, recurrent, aliases = _scan_states(g, body, scan, n_state, leaves)
-    ev = StepEvaluator(body, leaves)
-    step_states = []
-    for k in recurrent:
-        final = scan.output[k] if k < len(scan.output) else ""
-        step_states.append(StepState(f"s{k}", ev.poly(body.output_names[k]), init_of(g, scan.input[k]), final if final and g.n_uses(final) else None))
-    outs = _scan_outputs(g, body, scan, n_state, ev)
-    an = analyse(scanned.x_atom, step_states, outs, states)
-    rec = Recurrence(
-        front="Scan",
-        where=scan.name or scan.output[0],
-        cell=an.rec.spec,
-        x=scanned.x_outer,
-        h0=an.h0,
-        c0=an.c0,
-        mask=scanned.mask_outer if an.masked else None,
-        seq_outputs=an.seq_outputs,
-        finals=an.finals,
-        remove=[scan],
-        anchor=scan,
-        x_batch_first=scanned.x_axis == 1,
-        x_reversed=bool(scanned.x_dir),
-        x_prep=scanned.x_prep,
-    )
-    return rec, aliases
+    layers = split_layers(body, leaves, {f"s{k}": body.output_names[k] for k in recurrent}, scanned.x_atom)
+    outs = _scan_outputs(g, body, scan, n_state, layers)
+    where = scan.name or scan.output[0]
+    recs: list[Recurrence] = []
+    h_of: dict[int, str] = {}  # layer -> its cell's output state
+    for li, layer in enumerate(layers):
+        step_states = []
+        for sym in layer.syms:
+            k = int(sym[1:])
+            final = scan.output[k] if k < len(scan.output) else ""
+            step_states.append(StepState(sym, layer.ev.poly(body.output_names[k]), init_of(g, scan.input[k]),
+                                         final if final and g.n_uses(final) else None))
+        an = analyse(layer.x, step_states, outs[li], states)
+        below = recs[layer.below] if layer.below is not None else None
+        if below is not None and below.masked and not an.masked:
+            raise Decline("a cell ignores the mask the cell below it keeps to")
+        rec = Recurrence(
+            front="Scan",
+            where=where,
+            cell=an.rec.spec,
+            x=scanned.x_outer,
+            h0=an.h0,
+            c0=an.c0,
+            mask=scanned.mask_outer if an.masked else None,
+            seq_outputs=an.seq_outputs,
+            finals=an.finals,
+            remove=[scan] if li == 0 else [],
+            anchor=scan,
+            x_batch_first=scanned.x_axis == 1,
+            x_reversed=bool(scanned.x_dir),
+            x_prep=scanned.x_prep if below is None else InputPrep(),
+        )
+        h_of[li] = an.rec.h
+        if below is not None:  # the cell below's Y, in time order like x, read in the same order as x
+            y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
+            below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=bool(scanned.x_dir), internal=True))
+            rec.x, rec.x_internal, rec.x_batch_first = y, True, False
+        if len(layers) > 1:
+            rec.stack = where
+        recs.append(rec)
+    check_feeds(layers, h_of)
+    if len(recs) == 1:
+        return recs[0], aliases
+    return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
 
 
 def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: dict) -> _Scanned:
@@ -157,13 +180,13 @@ def _scan_states(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: d
     return states, recurrent, aliases
 
 
-def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, ev: StepEvaluator) -> list[StepOut]:
-    """The used scan outputs (``scan_output_axes`` / ``scan_output_directions`` honoured)."""
+def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, layers: list) -> dict[int, list[StepOut]]:
+    """The used scan outputs by layer (``scan_output_axes`` / ``scan_output_directions`` honoured)."""
     bout = body.output_names
     n_scan_out = len(bout) - n_state
     out_dirs = attr(scan, "scan_output_directions") or [0] * n_scan_out
     out_axes = attr(scan, "scan_output_axes") or [0] * n_scan_out
-    outs = []
+    outs: dict[int, list[StepOut]] = {i: [] for i in range(len(layers))}
     for j in range(n_scan_out):
         outer = scan.output[n_state + j] if n_state + j < len(scan.output) else ""
         if not outer or not g.n_uses(outer):
@@ -172,7 +195,9 @@ def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, ev: Step
         ax = out_axes[j] % rank
         if ax not in (0, 1):
             raise Decline(f"a scan output stacked along axis {out_axes[j]}")
-        outs.append(StepOut(ev.poly(bout[n_state + j]), outer, batch_first=ax == 1, reversed=bool(out_dirs[j])))
+        li = owner(layers, bout[n_state + j])
+        outs[li].append(StepOut(layers[li].ev.poly(bout[n_state + j]), outer, batch_first=ax == 1,
+                                reversed=bool(out_dirs[j])))
     return outs
 
 

@@ -22,11 +22,13 @@ from .dims import time_flip_source
 from .errors import Decline
 from .graph import Graph, attr
 from .recurrence import NONE, ZERO, Init, Recurrence, SeqOutput
+from .row_steps import emit_row_step
 from .step_heads import apply_head
 
 SPILL_BYTES = 64 << 20  # weights at least this big are spilled to disk when the model uses external data
 GENERAL = "exact"  # any mask: valid steps are gathered to the front, results scattered back
 POST_PADDED = "post-padded"  # the caller guarantees every row's padding is at its end
+LENGTHS = "lengths"  # the mask is t < lengths, built by rnnfuse: every row's valid steps come first
 
 
 class Builder:
@@ -244,6 +246,8 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
         mp = _mask_plumbing(b, cache, mask, mrank)
         seq_lens = mp.lens32
         path = POST_PADDED if post_padded else GENERAL
+        if rec.mask_made:  # a mask computed from lengths: post-padded by construction, or any pattern
+            path = LENGTHS if rec.mask_made == "post" else GENERAL
         if path == GENERAL:
             x = _compact(b, cache, mp, x, mask)
 
@@ -270,8 +274,14 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     if native_dir != direction:
         Y3 = b.op("ReverseSequence", Y3, mp.lens64, batch_axis=1, time_axis=0)  # what a reverse op's Y holds
     repl = _replacements(b, rec, Y3, finals, mp, path, direction)
+    for rs in rec.row_steps:  # a state at one step per row: a twin op whose sequence_lens end at that step
+        if direction != "forward" or mp is not None:
+            raise Decline("a state read at one step per row of a masked or reverse recurrence")
+        repl[rs.tensor] = emit_row_step(b, rs, kind.op, ins, kind.n_outputs, kind.output_of(rs.which), attrs)
     _declare_outputs(g, rec, x_in, repl)
-    return Emission(native, repl, path, direction, mask_source if mp is not None else None, mask_time_axis)
+    # validation overrides a mask the original reads too; a mask made from lengths it must leave as it is
+    return Emission(native, repl, path, direction, mask_source if mp is not None and not rec.mask_made else None,
+                    mask_time_axis)
 
 
 def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
@@ -296,6 +306,8 @@ def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
         x = _steps_of(g, x, consts, start, stop, axis, rec.anchor)
         if mask is not None:
             mask = _steps_of(g, mask, consts, start, stop, axis, rec.anchor)
+    if rec.x_prep.lengths is not None:  # the mask is t compared with lengths: built from them, laid out like x
+        mask = rec.x_prep.lengths.build(g, rec.x, 1 if rec.x_batch_first else 0, rec.anchor)
     return x, mask
 
 
@@ -401,7 +413,7 @@ def _seq_output(b: Builder, so, Y3: str, Yh: str, mp: MaskPlumbing | None, path:
         if mp is not None:
             raise Decline("a per-step output that ignores the mask")
         return Y3
-    if path == POST_PADDED:
+    if path in (POST_PADDED, LENGTHS):
         # every value past a row's length is set explicitly: runtimes disagree about Y there
         t, bb, B = _grid(b, mp)
         inlen = b.unsqueeze(b.op("Less", t, b.unsqueeze(mp.lens64, [0])), [2])

@@ -94,6 +94,9 @@ class InputPrep:
     flips: tuple = ()
     # (start, stop, axis): the recurrence runs over these steps of x and of the mask only
     steps: tuple[int, int, int] | None = None
+    # the step mask is the step number compared with per-row lengths (a hand-written length mask): an object
+    # whose ``build(graph, x, time_axis, anchor)`` adds the [T, B] mask ([B, T] for time axis 1) and names it
+    lengths: object = None
 
 
 @dataclass
@@ -105,9 +108,13 @@ class Recurrence:
     h0: Init = field(default_factory=Init)
     c0: Init = field(default_factory=Init)
     mask: str | None = None
+    # the front end computed ``mask`` (t compared with per-row lengths): the original graph does not read it,
+    # so validation must not override it; "post" when every row's valid steps come first by construction
+    mask_made: str = ""
     seq_outputs: list[SeqOutput] = field(default_factory=list)
     finals: list[FinalOutput] = field(default_factory=list)
     step_reads: list[StepRead] = field(default_factory=list)
+    row_steps: list = field(default_factory=list)  # rnnfuse.row_steps.RowStep: a state at one step per row
     remove: list[NodeProto] = field(default_factory=list)  # nodes that die with the rewrite
     anchor: NodeProto | None = None
     x_batch_first: bool = False  # x is [B, T, F]

@@ -205,15 +205,24 @@ class StackOpts:
     ``low_seq``: the bottom cell's per-step h is a loop output too. Near misses (``miss``): ``skip`` cell 2 reads
     ``concat(x_t, h1_new)`` (two step inputs); ``old`` cell 2 reads h1 of the previous step (the state, not the
     new output); ``feedback`` cell 1 also reads cell 2's state; ``mixed`` a per-step output concatenates both
-    cells' h."""
+    cells' h.
+
+    ``front="scan"`` writes the same step as a ``Scan`` body (x scanned, no iteration number), optionally
+    ``masked`` (a scanned [T, B] bool: every cell keeps its h where it is false, the output is zero there) and
+    ``reverse`` (``scan_input_directions=1``, outputs stacked in processing order)."""
 
     cells: int = 2
     low_seq: bool = False
     miss: str = ""
+    front: str = "loop"
+    masked: bool = False
+    reverse: bool = False
 
     @property
     def name(self) -> str:
-        return f"cells{self.cells}" + ("-lowseq" if self.low_seq else "") + (f"-{self.miss}" if self.miss else "")
+        opts = [self.front if self.front != "loop" else ""] + ["masked" if self.masked else "", "rev" if self.reverse else ""]
+        return "-".join([f"cells{self.cells}"] + [s for s in opts if s] + (["lowseq"] if self.low_seq else [])
+                        + ([self.miss] if self.miss else []))
 
 
 def stack_weights(cells: int, miss: str = ""):
@@ -261,6 +270,8 @@ def build_stack(o: StackOpts) -> onnx.ModelProto:
             pre = "sfb"
         bn += [helper.make_node("Add", [pre, f"b{k}"], [f"t{k}"]), helper.make_node("Tanh", [f"t{k}"], [f"hn{k}"])]
     top = f"hn{o.cells - 1}"
+    if o.front == "scan":
+        return _stack_scan(o, nodes, inits, bn[1:], body_inits, top)
     ys = [top]
     if o.miss == "mixed":
         bn.append(helper.make_node("Concat", ["hn0", top], ["ymix"], axis=1))
@@ -290,24 +301,84 @@ def build_stack(o: StackOpts) -> onnx.ModelProto:
     return model
 
 
-def stack_reference(o: StackOpts, x: np.ndarray) -> list[np.ndarray]:
-    """The loop's outputs: the per-step outputs [T, B, .], then every cell's final h."""
+def _stack_scan(o: StackOpts, nodes: list, inits: list, bn: list, body_inits: list, top: str) -> onnx.ModelProto:
+    """The stacked step (its nodes after the read of x_t, ``u0``) as a Scan body."""
+    states = []
+    for k in range(o.cells):
+        if o.masked:  # h kept where the mask is false
+            bn.append(helper.make_node("Where", ["mu", f"hn{k}", f"h{k}s"], [f"hk{k}"]))
+        states.append(f"hk{k}" if o.masked else f"hn{k}")
+    ys = [top] + (["hn0"] if o.low_seq else [])
+    if o.miss == "mixed":
+        bn.append(helper.make_node("Concat", ["hn0", top], ["ymix"], axis=1))
+        ys = ["ymix"]
+    if o.masked:
+        bn.insert(0, helper.make_node("Unsqueeze", ["m", "ax1"], ["mu"]))
+        body_inits.append(numpy_helper.from_array(np.array([1], np.int64), "ax1"))
+        body_inits.append(numpy_helper.from_array(np.array(0.0, np.float32), "zf"))
+        ys_out = []
+        for j, y in enumerate(ys):
+            bn.append(helper.make_node("Where", ["mu", y, "zf"], [f"y{j}"]))
+            ys_out.append(f"y{j}")
+    else:
+        for j, y in enumerate(ys):
+            bn.append(helper.make_node("Identity", [y], [f"y{j}"]))
+    body_inputs = [helper.make_tensor_value_info(f"h{k}s", TensorProto.FLOAT, [None, STACK_H[k]]) for k in range(o.cells)]
+    body_inputs.append(helper.make_tensor_value_info("u0", TensorProto.FLOAT, [None, F]))
+    if o.masked:
+        body_inputs.append(helper.make_tensor_value_info("m", TensorProto.BOOL, [None]))
+    body_outputs = [helper.make_tensor_value_info(s, TensorProto.FLOAT, [None, STACK_H[k]]) for k, s in enumerate(states)]
+    body_outputs += [helper.make_tensor_value_info(f"y{j}", TensorProto.FLOAT, [None, None]) for j in range(len(ys))]
+    body = helper.make_graph(bn, "body", body_inputs, body_outputs, body_inits)
+    finals = [f"h_last{k}" for k in range(o.cells)]
+    seqs = [f"ys{j}" for j in range(len(ys))]
+    scanned = ["x"] + (["mask"] if o.masked else [])
+    attrs = dict(num_scan_inputs=len(scanned))
+    if o.reverse:
+        attrs.update(scan_input_directions=[1] * len(scanned), scan_output_directions=[1] * len(ys))
+    nodes.append(helper.make_node("Scan", [f"h0_{k}" for k in range(o.cells)] + scanned, finals + seqs, body=body, **attrs))
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", "B", None]) for n in seqs]
+    outs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", STACK_H[k]]) for k, n in enumerate(finals)]
+    ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])]
+    if o.masked:
+        ins.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T", "B"]))
+    graph = helper.make_graph(nodes, "stacked_scan", ins, outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def stack_reference(o: StackOpts, x: np.ndarray, mask: np.ndarray | None = None) -> list[np.ndarray]:
+    """The loop's outputs: the per-step outputs [T, B, .], then every cell's final h. A Scan with
+    ``reverse`` runs from the last step to the first and stacks its outputs in that order (as x reads)."""
     ws, _ = stack_weights(o.cells)
     hs = [np.zeros((x.shape[1], STACK_H[k]), np.float32) for k in range(o.cells)]
     tops, lows = [], []
-    for t in range(x.shape[0]):
+    order = range(x.shape[0] - 1, -1, -1) if o.reverse else range(x.shape[0])
+    for t in order:
         u = x[t]
+        m = np.ones((x.shape[1], 1), bool) if mask is None else mask[t][:, None]
         for k, (W, R, b) in enumerate(ws):
-            hs[k] = np.tanh(u @ W + hs[k] @ R + b).astype(np.float32)
-            u = hs[k]
-        tops.append(hs[-1])
-        lows.append(hs[0])
+            new = np.tanh(u @ W + hs[k] @ R + b).astype(np.float32)
+            hs[k] = np.where(m, new, hs[k])
+            u = new
+            if k == 0:
+                lows.append(np.where(m, new, 0.0).astype(np.float32))
+        tops.append(np.where(m, u, 0.0).astype(np.float32))
+    if o.reverse:  # scan_output_directions=1: the outputs land back in time order
+        tops, lows = tops[::-1], lows[::-1]
     return [np.stack(tops)] + ([np.stack(lows)] if o.low_seq else []) + hs
 
 
 STACK_FORMS = [StackOpts(2), StackOpts(3), StackOpts(2, low_seq=True), StackOpts(3, low_seq=True)]
 STACK_MISSES = [StackOpts(2, miss="skip"), StackOpts(2, miss="old"), StackOpts(2, miss="feedback"),
                 StackOpts(2, miss="mixed")]
+# several cells in one Scan body (issue 14 item 3 for Scan)
+SCAN_STACK_FORMS = [StackOpts(2, front="scan"), StackOpts(3, front="scan", low_seq=True),
+                    StackOpts(2, front="scan", masked=True), StackOpts(3, front="scan", masked=True, low_seq=True),
+                    StackOpts(2, front="scan", reverse=True), StackOpts(2, front="scan", masked=True, reverse=True)]
+SCAN_STACK_MISSES = [StackOpts(2, front="scan", miss=m) for m in ("skip", "old", "feedback", "mixed")]
 
 
 # --------------------------------------------------------------------------- a head on h inside the step (item 4)
@@ -433,3 +504,209 @@ def head_reference(o: HeadOpts, x: np.ndarray) -> list[np.ndarray]:
 HEAD_FORMS = [HeadOpts(h) for h in ("gemm_relu", "softmax", "concat_x", "glu", "layernorm")] + [
     HeadOpts("concat_x", reverse=True), HeadOpts("gemm_relu", reverse=True)]
 HEAD_MISSES = [HeadOpts(miss=m) for m in ("rows_mean", "transpose", "counter", "prev_h")]
+
+
+# --------------------------------------------------------------------------- length masks written by hand (item 8)
+
+
+@dataclass(frozen=True)
+class LengthOpts:
+    """A Loop over the tanh RNN step whose state is kept where a hand-written mask is false; the mask compares
+    the iteration number with a graph input ``L`` of per-row lengths.
+
+    ``cmp``: ``lt`` Less(i, L); ``gt`` Greater(L, i); ``le1`` LessOrEqual(i + 1, L); ``ge`` GreaterOrEqual(i, L)
+    (valid *from* step L on: pre-padded rows). ``dtype`` int64, or int32 (i cast to int32); ``unit``: L is
+    [B, 1]; ``keep``: ``muladd`` m*new + (1-m)*h with m cast to float, or ``where`` Where(m, new, h); ``out``:
+    ``zero`` the new h where valid, zeros elsewhere, or ``carry`` the kept h. Near misses (``miss``):
+    ``reset`` h = m * new (not kept); ``input_only`` the mask multiplies x_t only; ``lengths_change`` L is
+    carried and decremented every step."""
+
+    cmp: str = "lt"
+    dtype: str = "int64"
+    unit: bool = False
+    keep: str = "muladd"
+    out: str = "zero"
+    miss: str = ""
+
+    @property
+    def name(self) -> str:
+        parts = [self.cmp, self.dtype, "unit" if self.unit else "vec", self.keep, self.out]
+        return "-".join(parts + ([self.miss] if self.miss else []))
+
+
+def _valid(o: LengthOpts, t: int, L: np.ndarray) -> np.ndarray:
+    L = L.reshape(-1)
+    return {"lt": t < L, "gt": L > t, "le1": t + 1 <= L, "ge": t >= L}[o.cmp]
+
+
+def build_lengths(o: LengthOpts) -> onnx.ModelProto:
+    W, R, b = weights()
+    it = TensorProto.INT64 if o.dtype == "int64" else TensorProto.INT32
+    inits = [numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R"), numpy_helper.from_array(b, "b"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero"), numpy_helper.from_array(np.array(True), "true"),
+             numpy_helper.from_array(np.array([0], np.int64), "i0"), numpy_helper.from_array(np.array([1], np.int64), "i1"),
+             numpy_helper.from_array(np.array([H], np.int64), "iH")]
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["T1"], axis=0),
+             helper.make_node("Squeeze", ["T1", "i0"], ["T"]), helper.make_node("Gather", ["xs", "i1"], ["B1"], axis=0),
+             helper.make_node("Concat", ["B1", "iH"], ["hshape"], axis=0), helper.make_node("Expand", ["zero", "hshape"], ["h0"])]
+    body_inits = [numpy_helper.from_array(np.array(1, np.int64 if o.dtype == "int64" else np.int32), "one"),
+                  numpy_helper.from_array(np.array(1.0, np.float32), "onef"),
+                  numpy_helper.from_array(np.array(0.0, np.float32), "zerof")]
+    bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)]
+    i = "it"
+    if o.dtype == "int32":
+        bn.append(helper.make_node("Cast", ["it"], ["it32"], to=TensorProto.INT32))
+        i = "it32"
+    L = "Lc" if o.miss == "lengths_change" else "L"
+    if o.cmp == "lt":
+        bn.append(helper.make_node("Less", [i, L], ["m"]))
+    elif o.cmp == "gt":
+        bn.append(helper.make_node("Greater", [L, i], ["m"]))
+    elif o.cmp == "le1":
+        bn += [helper.make_node("Add", [i, "one"], ["i1p"]), helper.make_node("LessOrEqual", ["i1p", L], ["m"])]
+    else:
+        bn.append(helper.make_node("GreaterOrEqual", [i, L], ["m"]))
+    m = "m"
+    if not o.unit:  # [B] -> [B, 1]
+        bn.append(helper.make_node("Unsqueeze", ["m", "k1"], ["mu"]))
+        body_inits.append(numpy_helper.from_array(np.array([1], np.int64), "k1"))
+        m = "mu"
+    bn.append(helper.make_node("Cast", [m], ["mf"], to=TensorProto.FLOAT))
+    xt = "xt"
+    if o.miss == "input_only":
+        bn.append(helper.make_node("Mul", ["xt", "mf"], ["xm"]))
+        xt = "xm"
+    bn += [helper.make_node("MatMul", [xt, "W"], ["xw"]), helper.make_node("MatMul", ["h", "R"], ["hr"]),
+           helper.make_node("Add", ["xw", "hr"], ["s"]), helper.make_node("Add", ["s", "b"], ["s2"]),
+           helper.make_node("Tanh", ["s2"], ["hn"])]
+    if o.miss == "input_only":
+        bn.append(helper.make_node("Identity", ["hn"], ["hk"]))
+    elif o.miss == "reset":
+        bn.append(helper.make_node("Mul", ["mf", "hn"], ["hk"]))
+    elif o.keep == "where":
+        bn.append(helper.make_node("Where", [m, "hn", "h"], ["hk"]))
+    else:
+        bn += [helper.make_node("Mul", ["mf", "hn"], ["a1"]), helper.make_node("Sub", ["onef", "mf"], ["nm"]),
+               helper.make_node("Mul", ["nm", "h"], ["a2"]), helper.make_node("Add", ["a1", "a2"], ["hk"])]
+    if o.out == "zero":
+        bn.append(helper.make_node("Where", [m, "hn", "zerof"], ["y"]) if o.keep == "where"
+                  else helper.make_node("Mul", ["hn", "mf"], ["y"]))
+    else:
+        bn.append(helper.make_node("Identity", ["hk"], ["y"]))
+    bn.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
+    lshape = ["B", 1] if o.unit else ["B"]
+    carried_in = [helper.make_tensor_value_info("h", TensorProto.FLOAT, [None, H])]
+    carried_out = [helper.make_tensor_value_info("hk", TensorProto.FLOAT, [None, H])]
+    loop_in, loop_out = ["T", "true", "h0"], ["h_last"]
+    if o.miss == "lengths_change":
+        bn.append(helper.make_node("Sub", ["Lc", "one"], ["Lnext"]))
+        carried_in.append(helper.make_tensor_value_info("Lc", it, lshape))
+        carried_out.append(helper.make_tensor_value_info("Lnext", it, lshape))
+        loop_in.append("L")
+        loop_out.append("L_last")
+    body = helper.make_graph(
+        bn, "body",
+        [helper.make_tensor_value_info("it", TensorProto.INT64, []), helper.make_tensor_value_info("cond", TensorProto.BOOL, [])]
+        + carried_in,
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [])] + carried_out
+        + [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, H])],
+        body_inits)
+    nodes.append(helper.make_node("Loop", loop_in, loop_out + ["ys"], body=body))
+    graph = helper.make_graph(nodes, "lengths", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F]),
+                                                 helper.make_tensor_value_info("L", it, lshape)],
+                              [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
+                               helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def lengths_reference(o: LengthOpts, x: np.ndarray, L: np.ndarray) -> list[np.ndarray]:
+    W, R, b = weights()
+    h = np.zeros((x.shape[1], H), np.float32)
+    ys = []
+    for t in range(x.shape[0]):
+        m = _valid(o, t, L)[:, None]
+        hn = np.tanh(x[t] @ W + h @ R + b).astype(np.float32)
+        h = np.where(m, hn, h)
+        ys.append(np.where(m, hn, 0.0).astype(np.float32) if o.out == "zero" else h)
+    return [np.stack(ys), h]
+
+
+LENGTH_FORMS = [LengthOpts(), LengthOpts("gt", out="carry"), LengthOpts("le1", "int32", unit=True),
+                LengthOpts("lt", keep="where", out="carry"), LengthOpts("gt", "int32", keep="where"),
+                LengthOpts("ge"), LengthOpts("ge", keep="where", out="carry", unit=True)]
+LENGTH_MISSES = [LengthOpts(miss="reset"), LengthOpts(miss="input_only"), LengthOpts(miss="lengths_change")]
+
+
+# --------------------------------------------------------------------------- transposed matmuls (item 9)
+
+
+@dataclass(frozen=True)
+class TransposedOpts:
+    """The tanh RNN step with its matmuls written for one example and batched by a transpose pair, as jax.vmap
+    writes Equinox cells: ``Transpose(op(W.T, Transpose(v)))`` for v = x_t and h (x is [T, 3, F], batch 3).
+
+    ``op``: ``matmul``, ``gemm``, or ``gemm_ta`` (Gemm(W, Transpose(v), transA=1)). Near miss ``mix_rows``:
+    the recurrent term is ``Transpose(h) @ C`` with C [B, B] (it mixes the batch rows)."""
+
+    op: str = "matmul"
+    miss: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.miss or self.op
+
+
+TB = 3  # the static batch of the transposed-layout models
+
+
+def build_transposed(o: TransposedOpts) -> onnx.ModelProto:
+    W, R, b = weights()
+    C = (np.random.default_rng(5).standard_normal((TB, TB)) * 0.5).astype(np.float32)
+    inits = [numpy_helper.from_array(np.ascontiguousarray(W.T), "Wt"), numpy_helper.from_array(np.ascontiguousarray(R.T), "Rt"),
+             numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R"), numpy_helper.from_array(b, "b"),
+             numpy_helper.from_array(C, "C"), numpy_helper.from_array(np.zeros((TB, H), np.float32), "h0"),
+             numpy_helper.from_array(np.array(True), "true"), numpy_helper.from_array(np.array([0], np.int64), "i0")]
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["T1"], axis=0),
+             helper.make_node("Squeeze", ["T1", "i0"], ["T"])]
+    bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)]
+
+    def term(v, Wt, W_, out):
+        bn.append(helper.make_node("Transpose", [v], [f"{v}T"], perm=[1, 0]))
+        if o.op == "matmul":
+            bn.append(helper.make_node("MatMul", [Wt, f"{v}T"], [f"{out}T"]))
+        elif o.op == "gemm":
+            bn.append(helper.make_node("Gemm", [Wt, f"{v}T"], [f"{out}T"]))
+        else:
+            bn.append(helper.make_node("Gemm", [W_, f"{v}T"], [f"{out}T"], transA=1))
+        bn.append(helper.make_node("Transpose", [f"{out}T"], [out], perm=[1, 0]))
+
+    term("xt", "Wt", "W", "xw")
+    if o.miss == "mix_rows":
+        bn += [helper.make_node("Transpose", ["h"], ["hT"], perm=[1, 0]), helper.make_node("MatMul", ["hT", "C"], ["hcT"]),
+               helper.make_node("Transpose", ["hcT"], ["hc"], perm=[1, 0]), helper.make_node("MatMul", ["hc", "R"], ["hr"])]
+    else:
+        term("h", "Rt", "R", "hr")
+    bn += [helper.make_node("Add", ["xw", "hr"], ["s"]), helper.make_node("Add", ["s", "b"], ["s2"]),
+           helper.make_node("Tanh", ["s2"], ["hn"]), helper.make_node("Identity", ["cond"], ["cond_out"]),
+           helper.make_node("Identity", ["hn"], ["y"])]
+    body = helper.make_graph(
+        bn, "body",
+        [helper.make_tensor_value_info("it", TensorProto.INT64, []), helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h", TensorProto.FLOAT, [TB, H])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("hn", TensorProto.FLOAT, [TB, H]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [TB, H])])
+    nodes.append(helper.make_node("Loop", ["T", "true", "h0"], ["h_last", "ys"], body=body))
+    graph = helper.make_graph(nodes, "transposed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", TB, F])],
+                              [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", TB, H]),
+                               helper.make_tensor_value_info("h_last", TensorProto.FLOAT, [TB, H])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+TRANSPOSED_FORMS = [TransposedOpts(op) for op in ("matmul", "gemm", "gemm_ta")]
+TRANSPOSED_MISSES = [TransposedOpts(miss="mix_rows")]

@@ -24,9 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent / "exporters"))
 from jax_cases import CASES  # noqa: E402  (plain data; does not import JAX)
 
 # families of issue 14 that the front ends do not fuse yet (strict: a fix must remove the entry)
-KNOWN_GAPS = {
-    "linen_lstm_lengths": "the LSTM's per-step c is a scan output too (flax gathers the carry at seq_lengths - 1)",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 def _p(c):

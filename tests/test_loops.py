@@ -9,17 +9,29 @@ import pytest
 from builders_loops import (
     HEAD_FORMS,
     HEAD_MISSES,
+    LENGTH_FORMS,
+    LENGTH_MISSES,
     NEAR_MISSES,
+    SCAN_STACK_FORMS,
+    SCAN_STACK_MISSES,
     STACK_FORMS,
     STACK_MISSES,
+    TB,
+    TRANSPOSED_FORMS,
+    TRANSPOSED_MISSES,
     LoopOpts,
     HeadOpts,
+    LengthOpts,
     StackOpts,
+    TransposedOpts,
     all_variants,
     build,
     build_head,
+    build_lengths,
     build_stack,
+    build_transposed,
     head_reference,
+    lengths_reference,
     reference,
     stack_reference,
 )
@@ -122,4 +134,99 @@ def test_head_near_misses_declined(o: HeadOpts):
     fused, report = rnnfuse.optimize(model)
     assert not report.fused and report.declined, report.to_text()
     assert HEAD_REASONS[o.miss] in report.declined[0].reason, report.to_text()
+    assert op_counts(fused) == op_counts(model)
+
+
+@pytest.mark.parametrize("o", LENGTH_FORMS, ids=lambda o: o.name)
+def test_length_mask_in_step_fused(o: LengthOpts):
+    """A step mask computed from the iteration number and per-row lengths: one masked RNN whose mask is that
+    comparison, built before it; every row length from 0 to past the end."""
+    model = build_lengths(o)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.declined and len(report.fused) == 1, report.to_text()
+    assert report.fused[0].masked and report.fused[0].validation.startswith("ok"), report.to_text()
+    counts = op_counts(fused)
+    assert counts.get("Loop", 0) == 0 and counts.get("RNN") == 1, (counts, report.to_text())
+    onnx.checker.check_model(fused, full_check=True)
+    s_orig, s_fused = session(model), session(fused)
+    rng = np.random.default_rng(4)
+    dt = np.int64 if o.dtype == "int64" else np.int32
+    for lens in ([0], [7], [7, 0, 3, 9, -1], [2, 5]):
+        T = 7 if len(lens) > 1 else 5
+        x = rng.standard_normal((T, len(lens), 3)).astype(np.float32)
+        L = np.array(lens, dt).reshape((-1, 1) if o.unit else (-1,))
+        want = lengths_reference(o, x, L)
+        got, orig = s_fused.run(None, {"x": x, "L": L}), s_orig.run(None, {"x": x, "L": L})
+        for k, w in enumerate(want):
+            assert_close(orig[k], w, f"{o.name}/{k}: original vs numpy")
+            assert_close(got[k], w, f"{o.name}/{k}: fused vs numpy")
+
+
+@pytest.mark.parametrize("o", LENGTH_MISSES, ids=lambda o: o.name)
+def test_length_mask_near_misses_declined(o: LengthOpts):
+    model = build_lengths(o)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert op_counts(fused) == op_counts(model)
+
+
+@pytest.mark.parametrize("o", TRANSPOSED_FORMS, ids=lambda o: o.name)
+def test_transposed_matmuls_fused(o: TransposedOpts):
+    """Matmuls written as Transpose(W.T @ Transpose(v)) (jax.vmap of a per-example cell): one RNN."""
+    model = build_transposed(o)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.declined and len(report.fused) == 1, report.to_text()
+    counts = op_counts(fused)
+    assert counts.get("Loop", 0) == 0 and counts.get("RNN") == 1 and counts.get("Transpose", 0) == 0, (counts, report.to_text())
+    s_orig, s_fused = session(model), session(fused)
+    rng = np.random.default_rng(6)
+    for steps in (1, 6):
+        x = rng.standard_normal((steps, TB, 3)).astype(np.float32)
+        o_flat = LoopOpts(cast=False)
+        want = reference(o_flat, x)
+        got, orig = s_fused.run(None, {"x": x}), s_orig.run(None, {"x": x})
+        for k in range(2):
+            assert_close(orig[k], want[k], f"{o.name}/{k}: original vs numpy")
+            assert_close(got[k], want[k], f"{o.name}/{k}: fused vs numpy")
+
+
+@pytest.mark.parametrize("o", TRANSPOSED_MISSES, ids=lambda o: o.name)
+def test_transposed_near_misses_declined(o: TransposedOpts):
+    model = build_transposed(o)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert "mix batch rows" in report.declined[0].reason, report.to_text()
+    assert op_counts(fused) == op_counts(model)
+
+
+@pytest.mark.parametrize("o", SCAN_STACK_FORMS, ids=lambda o: o.name)
+def test_scan_stacked_cells_one_op_per_cell(o: StackOpts):
+    """Several cells in one Scan body: one native op per cell, the upper one fed by the lower one's Y; masked
+    rows post-, pre-padded, gappy and empty; time backwards with scan_input_directions."""
+    model = build_stack(o)
+    fused, report = rnnfuse.optimize(model)
+    # (a reverse stack's upper op may be rewritten again by the reverse-input pass: findings of its own)
+    assert not report.declined and len([f for f in report.fused if f.front == "Scan"]) == 1, report.to_text()
+    counts = op_counts(fused)
+    assert counts.get("Scan", 0) == 0 and counts.get("RNN") == o.cells, (counts, report.to_text())
+    onnx.checker.check_model(fused, full_check=True)
+    s_orig, s_fused = session(model), session(fused)
+    rng = np.random.default_rng(8)
+    masks = [np.array([[1, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1], [1, 0, 1, 1, 0, 1, 0], [0] * 7], bool).T,
+             np.ones((5, 1), bool)]
+    for m in masks:
+        x = rng.standard_normal((m.shape[0], m.shape[1], 3)).astype(np.float32)
+        feeds = {"x": x, "mask": m} if o.masked else {"x": x}
+        want = stack_reference(o, x, m if o.masked else None)
+        got, orig = s_fused.run(None, feeds), s_orig.run(None, feeds)
+        for k, w in enumerate(want):
+            assert_close(orig[k], w, f"{o.name}/{k}: original vs numpy")
+            assert_close(got[k], w, f"{o.name}/{k}: fused vs numpy")
+
+
+@pytest.mark.parametrize("o", SCAN_STACK_MISSES, ids=lambda o: o.name)
+def test_scan_stacked_cells_near_misses_declined(o: StackOpts):
+    model = build_stack(o)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
     assert op_counts(fused) == op_counts(model)

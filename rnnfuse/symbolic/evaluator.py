@@ -22,9 +22,9 @@ import onnx
 from ..errors import Decline
 from ..fold import evaluate
 from ..graph import Graph, attr
-from . import ops_math, ops_shape
+from . import ops_math, ops_shape, ops_transposed
 from .algebra import CONTENT, INITIALIZER, ConstRef, Poly
-from .values import Const, Fill, Opaque, RowConst, ShapeValue, Value, as_poly
+from .values import Const, Fill, Opaque, RowConst, ShapeValue, Transposed, Value, as_poly
 
 
 def content_key(graph: Graph, name: str, arr: np.ndarray):
@@ -38,7 +38,7 @@ def content_key(graph: Graph, name: str, arr: np.ndarray):
     return k
 
 
-_HANDLERS: dict[str, Callable] = {**ops_math.HANDLERS, **ops_shape.HANDLERS}
+_HANDLERS: dict[str, Callable] = {**ops_math.HANDLERS, **ops_shape.HANDLERS, **ops_transposed.HANDLERS}
 
 
 def register_handler(op_type: str, handler: Callable) -> None:
@@ -154,6 +154,8 @@ class StepEvaluator:
             if res is None:
                 raise Decline(f"cannot evaluate constant {op}")
             return [Const(r) for r in res]
+        if any(isinstance(v, Transposed) for v in ins):
+            return ops_transposed.on_transposed(self, node, ins, _HANDLERS)
         h = _HANDLERS.get(op)
         if h is None:
             raise Decline(f"unsupported op {op} on the recurrent path")

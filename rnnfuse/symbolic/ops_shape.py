@@ -14,6 +14,10 @@ from .values import BoolMask, ConcatRows, Const, MaskVector, ShapeValue, SymTens
 
 def _shape(ev, node, ins):
     v = ins[0]
+    if isinstance(v, (BoolMask, MaskVector)):  # the step mask: [B] (or [B, 1]); jax reshapes it by its own shape
+        dims = [None, 1] if isinstance(v, BoolMask) and v.unit else [None]
+        dims = dims[attr(node, "start", 0):attr(node, "end", None)]
+        return [Const(np.array(dims, dtype=np.int64))] if all(d is not None for d in dims) else [ShapeValue(dims)]
     if isinstance(v, (SymTensor, ConcatRows)):
         n = v.poly.ncols if isinstance(v, SymTensor) else sum(w or 0 for _, w, _ in v.segments) or None
         dims = [1] * v.lead + [None, n]
@@ -148,6 +152,8 @@ def _reshape(ev, node, ins):
     v, shp = ins
     if isinstance(v, BoolMask) and isinstance(shp, ShapeValue) and shp.dims == [None, 1]:
         return [BoolMask(v.sym, v.neg, True)]  # the [B] step mask as [B, 1], the batch read from a cell value
+    if isinstance(v, MaskVector) and isinstance(shp, ShapeValue) and shp.dims == [None, 1]:
+        return [SymTensor(v.poly, 0)]
     if not isinstance(shp, Const):
         raise Decline("a reshape to a runtime shape")
     shape = [int(s) for s in shp.arr]
@@ -170,9 +176,15 @@ def _expand(ev, node, ins):
     """Expand to a constant shape only broadcasts (tf2onnx writes x + zeros as Expand(x, shape))."""
     v, shp = ins
     if isinstance(v, BoolMask) and v.unit and isinstance(shp, (ShapeValue, Const)):
-        # the [B, 1] step mask broadcast over the units ([B, N]): the same mask, as Tile does
+        # the [B, 1] step mask broadcast over the units ([B, N]): the same mask, as Tile does (a static batch
+        # is written out, as for a cell value's Expand below)
         dims = shp.dims if isinstance(shp, ShapeValue) else [int(d) for d in np.asarray(shp.arr).ravel()]
-        if len(dims) == 2 and dims[0] in (None, 1):
+        if len(dims) == 2:
+            return [v]
+    if isinstance(v, SymTensor) and isinstance(shp, ShapeValue) and len(shp.dims) == 2 and shp.dims[0] is None:
+        # [B, 1] (jax's step mask as float) broadcast to [B, N], the batch read from a step value's shape
+        n = v.poly.ncols
+        if v.lead == 0 and shp.dims[1] is not None and n in (None, shp.dims[1]):
             return [v]
     if not isinstance(shp, Const) or not isinstance(v, SymTensor):
         raise Decline("an Expand to a runtime shape")

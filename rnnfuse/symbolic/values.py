@@ -68,6 +68,15 @@ class ConcatRows(Value):
         self.segments, self.lead = segments, lead  # (src_key, width, poly of the segment)
 
 
+class Transposed(Value):
+    """``inner`` ([B, N], a step value) transposed to [N, B] (a vmapped per-example cell: ``W @ h.T``)."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Value):
+        self.inner = inner
+
+
 class BoolMask(Value):
     """The step mask (``neg`` for its negation), shape [B, 1] (``unit``) or [B]."""
 

@@ -12,8 +12,11 @@ The cases vary what users vary: the flax.linen cells (``LSTMCell``, ``OptimizedL
 ``SimpleCell``) under ``nn.RNN`` (wrapped with ``flax.nnx.bridge.ToNNX`` and called with an explicit
 carry, as jax2onnx's own tests do), ``nn.Bidirectional``, ``return_carry``, ``seq_lengths``, flax.nnx
 cells under ``lax.scan``, hand-written steps (with a per-step bool mask), ``lax.fori_loop`` reading the
-step with ``dynamic_index_in_dim``, opset 17 and jax2onnx's default 23, static and dynamic time; and near
-misses that a fuser must decline (a carried weight that changes, a step that also reads the next step).
+step with ``dynamic_index_in_dim``, opset 17 and jax2onnx's default 23, static and dynamic time; steps
+whose per-step output is a head on h (``dense(h)``); hand-written length masks (``t < lengths``); the
+per-step c read at ``lengths - 1`` per row; Equinox cells under ``jax.vmap``; and near misses that a fuser
+must decline (a carried weight that changes, a step that also reads the next step, a head on the previous
+h or on c, a head feeding back into the state, rows reading another row's c).
 
 For every case DIR gets ``<case>.onnx`` (as exported), ``<case>.npz`` (``in/<set>/<input name>`` feeds and
 ``out/<set>/<k>`` = JAX's own value of the k-th graph output) and ``<case>.json`` (name, ``expect``:
@@ -49,6 +52,7 @@ MASK_PATTERNS = {
     "gappy_b3": ["101101", "011110", "111111"],
 }
 LENGTH_SETS = {"post_b3": [6, 3, 1]}  # static batch: jax2onnx 0.17 cannot export seq_lengths with a symbolic one
+EDGE_LENGTHS = {"edge_b3": [0, 8, 2]}  # a row with no valid step, one past the end (hand-written length masks)
 ONNX_OP = {"lstm": "LSTM", "olstm": "LSTM", "gru": "GRU", "simple": "RNN", "simple_relu": "RNN", "mgu": "GRU",
            "gru_flipped": "GRU"}
 
@@ -77,7 +81,7 @@ class Case:
         if self.masked:
             return list(MASK_PATTERNS)
         if self.lengths:
-            return list(LENGTH_SETS)
+            return list(LENGTH_SETS) + (list(EDGE_LENGTHS) if self.opts.get("edges") else [])
         return ["b1", "b3"] + (["b2_t11"] if self.dynamic_time else [])
 
 
@@ -146,6 +150,20 @@ CASES = [
          notes="the head's output feeds back into the state: h = tanh(x W + h R + b) + 0.5 * tanh(dense(h_prev))"),
     case("near_hand_lstm_head_c", "hand", "lstm_head_c", declined="new s",
          notes="the step returns dense(c): the per-step cell state, which no native output holds"),
+    # -- issue 14 item 8 for Loops: a length mask written by hand, m = t < lengths, states kept past the length
+    case("fori_gru_lengths", "fori", "gru", seq_lengths=True, edges=True, notes="fori_loop: h = where(t < lengths, cell(x_t, h), h)"),
+    case("hand_rnn_scan_lengths", "hand", "rnn_len", seq_lengths=True, edges=True,
+         notes="lax.scan over (x_t, t): h = m*cell + (1-m)*h with m = t < lengths, outputs m * h"),
+    # -- issue 14 item 9: Equinox cells (per example: W @ x + U @ h) batched with jax.vmap around lax.scan; the
+    #    matmuls are written Transpose(Gemm(W, Transpose(h))): the batch axis moves out of the way and back
+    case("eqx_lstm_vmap", "eqx", "lstm", notes="jax.vmap over lax.scan of eqx.nn.LSTMCell; returns ys and the final (h, c)"),
+    case("eqx_gru_vmap_o17", "eqx", "gru", opset=17),
+    case("eqx_gru_vmap_dyn_t", "eqx", "gru", dynamic_time=True),
+    # -- the per-step c read at one step per row (flax's carry at seq_lengths - 1): a twin op's Y_c
+    case("hand_lstm_c_at_steps", "hand", "lstm", seq_lengths=True, pick="rows",
+         notes="returns (hs, cs[lengths - 1, arange(B)]) of a hand-written LSTM step under lax.scan"),
+    case("near_hand_lstm_c_rows_flipped", "hand", "lstm", seq_lengths=True, pick="flipped", declined="not the cell output",
+         notes="cs[lengths - 1, B - 1 - arange(B)]: each row reads another row's c"),
 ]
 
 
@@ -338,6 +356,12 @@ def build_hand(env: Env, c: Case, seed: int):
             if kind == "rnn_head_prev":
                 return new, h @ V
             return new + 0.5 * tanh(tanh(h @ V) @ P), new @ V
+    elif kind == "rnn_len":
+        Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
+
+        def cell(h, xt):
+            h = tanh(xt @ Wx + h @ Wh + b)
+            return h, h
     elif kind == "rnn_decay":  # near miss: the "weight" is carried and changes every step
         Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
 
@@ -393,6 +417,37 @@ def build_hand(env: Env, c: Case, seed: int):
 
         return fn, specs
 
+    if kind == "rnn_len":  # a length mask by hand: scan over (x_t, t), m = t < lengths
+        specs = [("x", ("B", TIME, F), "float32"), ("lengths", ("B",), "int32")]
+
+        def fn(x, lengths):
+            def step(h, inp):
+                xt, t = inp
+                m = (t < lengths).astype(jnp.float32)[:, None]
+                new, _ = cell(h, xt)
+                return m * new + (1 - m) * h, m * new
+
+            with env.original_shape():
+                h0 = jnp.zeros((x.shape[0], H), jnp.float32)
+            last, ys = jax.lax.scan(step, h0, (jnp.swapaxes(x, 0, 1), jnp.arange(TIME, dtype=jnp.int32)))
+            return jnp.swapaxes(ys, 0, 1), last
+
+        return fn, specs
+
+    if c.opts.get("pick"):  # the per-step (c, h) of every step, c picked at lengths - 1 per row
+        specs = [("x", (3, TIME, F), "float32"), ("lengths", (3,), "int32")]
+        rows = np.arange(3) if c.opts["pick"] == "rows" else np.arange(3)[::-1].copy()
+
+        def fn(x, lengths):
+            def step(carry, xt):
+                carry, h = cell(carry, xt)
+                return carry, carry
+
+            _, (cs, hs) = jax.lax.scan(step, init(x.shape[0]), jnp.swapaxes(x, 0, 1))
+            return jnp.swapaxes(hs, 0, 1), cs[lengths - 1, rows]
+
+        return fn, specs
+
     def fn(x):
         last, ys = jax.lax.scan(cell, init(x.shape[0]), jnp.swapaxes(x, 0, 1))
         h = last[1] if lstm else last[0] if kind == "rnn_decay" else last
@@ -423,6 +478,20 @@ def build_fori(env: Env, c: Case, seed: int):
             n = tanh(gx[:, 2 * H:] + r * gh[:, 2 * H:])
             return (1 - z) * n + z * h
 
+    if c.lengths:  # the state kept where t >= lengths[b]
+        def fn(x, lengths):
+            with env.original_shape():
+                h0 = jnp.zeros((x.shape[0], H), jnp.float32)
+
+            def body(t, carry):
+                h, xs, lens = carry
+                new = cell(h, jax.lax.dynamic_index_in_dim(xs, t, axis=1, keepdims=False))
+                return jnp.where((t < lens)[:, None], new, h), xs, lens
+
+            return jax.lax.fori_loop(0, TIME, body, (h0, x, lengths))[0]
+
+        return fn, [("x", ("B", TIME, F), "float32"), ("lengths", ("B",), "int32")]
+
     def fn(x):
         with env.original_shape():
             h0 = jnp.zeros((x.shape[0], H), jnp.float32)
@@ -436,7 +505,29 @@ def build_fori(env: Env, c: Case, seed: int):
     return fn, [("x", ("B", TIME, F), "float32")]
 
 
-BUILDERS = {"rnn": build_rnn, "bidir": build_rnn, "nnx_scan": build_nnx_scan, "hand": build_hand, "fori": build_fori}
+def build_eqx(env: Env, c: Case, seed: int):
+    """``jax.vmap`` of a ``lax.scan`` over an Equinox cell (which computes one example at a time)."""
+    import equinox as eqx
+
+    jnp, jax = env.jnp, env.jax
+    key = jax.random.PRNGKey(seed)
+    lstm = c.cell == "lstm"
+    cell = (eqx.nn.LSTMCell if lstm else eqx.nn.GRUCell)(FEATURES, HIDDEN, key=key)
+
+    def one(x):  # [T, F] -> ([T, H], final state)
+        h0 = jnp.zeros((HIDDEN,), jnp.float32)
+
+        def step(carry, xt):
+            carry = cell(xt, carry)
+            return carry, carry[0] if lstm else carry
+
+        last, ys = jax.lax.scan(step, (h0, h0) if lstm else h0, x)
+        return (ys, *last) if lstm else (ys, last)
+
+    return jax.vmap(one), [("x", ("B", "T" if c.dynamic_time else TIME, FEATURES), "float32")]
+
+
+BUILDERS = {"rnn": build_rnn, "eqx": build_eqx, "bidir": build_rnn, "nnx_scan": build_nnx_scan, "hand": build_hand, "fori": build_fori}
 
 
 # --------------------------------------------------------------------------- inputs, export, files
@@ -449,7 +540,7 @@ def input_sets(c: Case, specs, rng: np.random.Generator) -> dict[str, dict[str, 
             keep = np.array([[ch == "1" for ch in row] for row in MASK_PATTERNS[set_name]])
             batch, steps = keep.shape
         elif c.lengths:
-            lengths = np.array(LENGTH_SETS[set_name], np.int32)
+            lengths = np.array({**LENGTH_SETS, **EDGE_LENGTHS}[set_name], np.int32)
             batch, steps = len(lengths), TIME
         else:
             batch = int(set_name[1:].split("_")[0])
@@ -485,10 +576,12 @@ def expectation(c: Case) -> dict:
     if c.declined:
         return {"declined": c.declined}
     op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN", "lstm_head": "LSTM",
-                                   "gru_head": "GRU", "rnn_head_x": "RNN"}[c.cell]
+                                   "gru_head": "GRU", "rnn_head_x": "RNN", "rnn_len": "RNN"}[c.cell]
     if c.model == "bidir":  # the flip outside the loops (Range/Sub/Gather) is seen: one bidirectional op
         return {"ops": {op: 1}, "directions": {op: ["bidirectional"]}, "absent": ["Loop", "Scan"]}
-    return {"ops": {op: 1}, "absent": ["Loop", "Scan"]}
+    # an LSTM's c read at one step per row (flax's carry at seq_lengths - 1) is a twin op's Y_c
+    twin = op == "LSTM" and (c.opts.get("pick") == "rows" or (c.model == "rnn" and c.lengths))
+    return {"ops": {op: 2 if twin else 1}, "absent": ["Loop", "Scan"]}
 
 
 def generate(env: Env, c: Case, out_dir: Path) -> dict:

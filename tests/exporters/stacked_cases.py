@@ -191,7 +191,9 @@ class TorchCase:
     # (features); "skip1" torch.stack(ys[1:]); near miss "hc" torch.stack(cat([h, c], -1)) (a middle step's c,
     # which no native op outputs). TorchScript only (the head inside the Loop body): "head_x" returns
     # (stack(h), stack(tanh(head(h) + proj(x_t)))); near misses "head_prev" the head on h before the cell
-    # call, "head_c" the head on the cell state c
+    # call, "head_c" the head on the cell state c. Length masks (forward(x, lengths), m = t < lengths per row):
+    # "len_zero" every state kept where m is 0, outputs m * h (zeros past the length); "len_carry" outputs the
+    # kept h; near miss "len_reset" h = m * new (reset to zero past the length, not kept)
     reads: str = "stack"
     declined: str = ""  # a near miss: what the decline names
     hidden: int = 0  # the bottom cell's hidden size (0: TORCH_H)
@@ -225,6 +227,12 @@ TORCH_CASES = [
     TorchCase("near_script_lstm_head_prev", "torchscript", ("lstm",), reads="head_prev",
               declined="before the step updates it"),
     TorchCase("near_script_lstm_head_c", "torchscript", ("lstm",), reads="head_c", declined="at every step"),
+    # issue 14 item 8 for Loops: a length mask written by hand in a TorchScript body, m = t < lengths
+    TorchCase("script_lstm_len_zero", "torchscript", ("lstm",), reads="len_zero"),
+    TorchCase("script_gru_len_carry_bf", "torchscript", ("gru",), batch_first=True, reads="len_carry"),
+    TorchCase("script_rnn_len_zero", "torchscript", ("rnn",), reads="len_zero"),
+    TorchCase("script_lstm_gru_len_zero", "torchscript", ("lstm", "gru"), reads="len_zero"),
+    TorchCase("near_script_gru_len_reset", "torchscript", ("gru",), reads="len_reset", declined="reset to zero at masked steps"),
     # issue 14 item 9: hidden size 1 (a zero state's matmul leaves a scalar bias at the first step)
     TorchCase("trace_gru_hidden1", "trace", ("gru",), hidden=1),
     TorchCase("dynamo_lstm_hidden1", "dynamo", ("lstm",), hidden=1),
@@ -343,8 +351,19 @@ def _script_stack(k1: str, k2: str, h1n: int, h2n: int, bf: bool, reads: str = "
         "head_x": f"ys.append({top})\n            zs.append(torch.tanh(self.head({top}) + self.proj(u)))",
         "head_c": "ys.append(self.head(c1))",
         "head_prev": "pass",
-    }[reads]
+    }.get(reads, "pass")
     prev_src = f"ys.append(self.head({top}))" if reads == "head_prev" else "pass"
+    lengths = reads.startswith("len")
+    if lengths:  # every cell's states kept where t >= lengths; the per-step output zero or the kept h there
+        step_lines = [f"{v}{k}_old = {v}{k}" for k, kind in ((1, k1), (2, k2)) if kind
+                      for v in (("h", "c") if kind == "lstm" else ("h",))]
+        step_lines.append("m = (t < lengths).unsqueeze(1).to(x.dtype)")
+        prev_src = "\n            ".join(step_lines)
+        keep = "m * {v} + (1.0 - m) * {v}_old" if reads != "len_reset" else "m * {v}"
+        read_src = "\n            ".join(
+            [f"{v}{k} = " + keep.format(v=f"{v}{k}") for k, kind in ((1, k1), (2, k2)) if kind
+             for v in (("h", "c") if kind == "lstm" else ("h",))]
+            + [f"ys.append(m * {top})" if reads == "len_zero" else f"ys.append({top})"])
     ret = f"torch.stack(ys, {tdim})" + (f", torch.stack(zs, {tdim})" if reads == "head_x" else "")
     h_top = h2n if k2 else h1n
     finals = ", ".join((["h1", "c1"] if k1 == "lstm" else ["h1"]) + ((["h2", "c2"] if k2 == "lstm" else ["h2"]) if k2 else []))
@@ -359,7 +378,7 @@ class ScriptStack(nn.Module):
         self.head = nn.Linear({h_top}, 3)
         self.proj = nn.Linear({FEATURES}, 3)
 
-    def forward(self, x):
+    def forward(self, x{", lengths" if lengths else ""}):
         b = x.size({0 if bf else 1})
         h1 = torch.zeros(b, {h1n})
         c1 = torch.zeros(b, {h1n})
@@ -397,9 +416,12 @@ def generate_torch(c: TorchCase, out_dir: Path) -> dict:
     rng = np.random.default_rng(seed)
     shape = lambda b, t: (b, t, FEATURES) if c.batch_first else (t, b, FEATURES)  # noqa: E731
     example = torch.from_numpy(rng.standard_normal(shape(2, TIME)).astype(np.float32))
+    lengths = c.reads.startswith("len")
+    args = (example, torch.tensor([TIME, 3])) if lengths else (example,)
+    in_names = ["x", "lengths"] if lengths else ["x"]
     path = out_dir / f"{c.name}.onnx"
     with torch.no_grad():
-        names = [f"out{k}" for k in range(len(module(example)))]
+        names = [f"out{k}" for k in range(len(module(*args)))]
     with torch.no_grad():
         if c.exporter == "dynamo":
             batch = torch.export.Dim("batch")
@@ -410,8 +432,9 @@ def generate_torch(c: TorchCase, out_dir: Path) -> dict:
             axes = {0 if c.batch_first else 1: "batch"}
             if c.exporter == "torchscript":
                 axes[1 if c.batch_first else 0] = "time"
-            torch.onnx.export(module, (example,), str(path), dynamo=False, opset_version=17, input_names=["x"],
-                              output_names=names, dynamic_axes={"x": axes})
+            dyn = {"x": axes, "lengths": {0: "batch"}} if lengths else {"x": axes}
+            torch.onnx.export(module, args, str(path), dynamo=False, opset_version=17, input_names=in_names,
+                              output_names=names, dynamic_axes=dyn)
     model = onnx.load(str(path))
     onnx.save(model, str(path), save_as_external_data=False)
     sets = {"b1": (1, TIME), "b3": (3, TIME)}
@@ -420,8 +443,13 @@ def generate_torch(c: TorchCase, out_dir: Path) -> dict:
     arrays = {}
     for s, (b, t) in sets.items():
         x = rng.standard_normal(shape(b, t)).astype(np.float32)
+        feeds = [torch.from_numpy(x)]
+        if lengths:  # a full row, an empty one, one past the end, the rest anywhere
+            lens = np.array(([t, 0, t + 2] + list(rng.integers(0, t + 1, size=b)))[:b] if b > 1 else [t // 2], np.int64)
+            feeds.append(torch.from_numpy(lens))
+            arrays[f"in/{s}/lengths"] = lens
         with torch.no_grad():
-            outs = module(torch.from_numpy(x))
+            outs = module(*feeds)
         arrays[f"in/{s}/x"] = x
         arrays.update({f"out/{s}/{k}": o.numpy() for k, o in enumerate(outs)})
     np.savez(out_dir / f"{c.name}.npz", **arrays)

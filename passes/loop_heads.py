@@ -1,0 +1,101 @@
+"""Per-step outputs of a Loop body that are no state of the step: heads applied to a new h.
+
+A Loop's scan output (or a TorchScript ``SequenceInsert``) is usually a cell's new h, or a masked copy of it;
+the front end reads those through the step analysis. An output computed *from* a new h (``fc(h)``,
+``tanh(h @ V + x_t @ U)``) is set aside here, and once the cells are recognised it becomes that cell's Y
+with the head's nodes applied after the native op (:mod:`rnnfuse.step_heads`, which also says why a
+candidate is not a head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph
+from rnnfuse.recurrence import NONE, Init, Recurrence, SeqOutput
+from rnnfuse.recurrence_layers import owner
+from rnnfuse.step import split_mask
+from rnnfuse.step_heads import find_head
+from rnnfuse.symbolic import Poly
+
+
+@dataclass
+class HeadCandidate:
+    """A per-step output that is not a state of the step: perhaps a head on a new h."""
+
+    name: str  # the body tensor
+    outer: str  # the stacked output
+    batch_first: bool = False
+    reversed: bool = False
+
+
+def _new_value_keys(layer, state_out: dict[str, str]) -> dict[str, tuple]:
+    """sym -> the polynomial key of the state's unmasked new value, for the states of ``layer``."""
+    keys = {}
+    for sym in layer.syms:
+        try:
+            p = layer.ev.poly(state_out[sym])
+        except Decline:
+            continue
+        old, delta, _ = split_mask(p)
+        keys[sym] = (old if delta is None else old.add(delta)).key
+    return keys
+
+
+def state_value_keys(layers: list, state_out: dict[str, str]) -> list[set]:
+    """Per layer: the polynomial keys of its states' updates and of their unmasked new values."""
+    out = []
+    for layer in layers:
+        keys = set(_new_value_keys(layer, state_out).values())
+        for sym in layer.syms:
+            try:
+                keys.add(layer.ev.poly(state_out[sym]).key)
+            except Decline:
+                continue
+        out.append(keys)
+    return out
+
+
+def state_output(layers: list, name: str, state_keys: list[set]) -> tuple[int, Poly] | None:
+    """(layer, polynomial) of a per-step output that is (a masked copy of) one of the step's states, or None:
+    an output computed from them (a head) or one the cell maths cannot express."""
+    try:
+        li = owner(layers, name)
+        poly = layers[li].ev.poly(name)
+    except Decline:
+        return None
+    old, delta, _ = split_mask(poly)
+    new = old if delta is None else old.add(delta)
+    if poly.key in state_keys[li] or new.key in state_keys[li]:
+        return li, poly
+    return None
+
+
+def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: list, heads: list[HeadCandidate],
+              state_out: dict[str, str], step_in, invariants: dict[str, str], counters: set[str]) -> None:
+    """Per-step outputs computed from a layer's new h: that layer's Y with the head applied after the op.
+    ``cell_states``: per layer, the symbols of its cell's h and c; ``step_in``: how the body reads x_t."""
+    for cand in heads:
+        reason = None
+        for li in reversed(range(len(layers))):  # a head usually sits on the top cell
+            layer, rec = layers[li], recs[li]
+            h_sym, c_sym = cell_states[li]
+            keys = _new_value_keys(layer, state_out)
+            other = {k: f"state {s} (the cell state c)" if s == c_sym else f"state {s}"
+                     for s, k in keys.items() if s != h_sym and k != keys[h_sym]}
+            layer.ev.value(cand.name)
+            try:
+                head = find_head(body, layer.ev, cand.name, keys[h_sym], other, step_in.x_reads,
+                                 step_in.x_read_source, step_in.x_axis, step_in.x_reversed, invariants, counters)
+            except Decline as d:
+                reason = reason or d
+                continue
+            if rec.masked:
+                raise Decline("a per-step output computed from h under a mask (a head on masked steps)")
+            if head.x and li > 0:
+                raise Decline("a head reads the step input and the output of a cell above the first")
+            rec.seq_outputs.append(SeqOutput(cand.outer, NONE, Init(), cand.batch_first, cand.reversed, head=head))
+            break
+        else:
+            raise reason

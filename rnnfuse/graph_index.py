@@ -53,6 +53,11 @@ class GraphIndex:
         self._pruned: tuple | None = None  # _state() when the last prune (or finalize) left only live nodes
         self._input_sorted = self._index_all(self.nodes)
 
+    def nodes_and_removed(self):
+        """The nodes this scope holds and those removed since it was last finalized (their names stay taken
+        until the graph is written back)."""
+        return itertools.chain(self.nodes, self._graveyard)
+
     # -- positions ---------------------------------------------------------------------------------------
     def _pos_from(self, nodes: list[NodeProto]) -> None:
         """Positions are those of ``nodes`` as they are now (later appends are placed by ``add_node``); the map

@@ -6,7 +6,6 @@ Every pass sees the same :class:`Model`; its main graph (and, through it, every 
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 from onnx import ModelProto, TensorProto, helper, numpy_helper
@@ -55,7 +54,7 @@ class Model:
             used: set[str] = set(g.producer)
             used.update(g.consumers, g.initializers, g.input_names, g.output_names)
             used.update(v.name for v in self.proto.graph.value_info)
-            for n in itertools.chain(g.nodes, g._graveyard):
+            for n in g.nodes_and_removed():
                 if n.name:
                     used.add(n.name)
                 if has_subgraph(n):

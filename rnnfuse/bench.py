@@ -22,7 +22,6 @@ from onnx import helper
 
 from .errors import InputError
 from .feeds import random_values, valid_steps
-from .protos import dim_role
 
 
 @dataclass
@@ -99,7 +98,7 @@ def make_inputs(model: onnx.ModelProto, batch: int, seq_len: int, mask: str, rng
                 sizes: list | None = None) -> dict:
     """Random feeds for ``model``; when ``sizes`` is a list, the :class:`Sizes` that ran is appended to it."""
     from .graph import Model
-    from .feeds import index_ranges
+    from .feeds import index_ranges, input_sizes
 
     m = Model(model)
     g = m.graph
@@ -115,32 +114,7 @@ def make_inputs(model: onnx.ModelProto, batch: int, seq_len: int, mask: str, rng
         et = m.elem_type(name)
         if shape is None:
             raise InputError(f"input '{name}' has no declared shape")
-        sym_pos = 0
-        concrete = []
-        roles = []  # per dim: "batch", "time" or None (static or other)
-        for d in shape:
-            if isinstance(d, int) and d > 0:
-                concrete.append(d)
-                roles.append(None)
-                continue
-            key = d if isinstance(d, str) else f"{name}:{len(concrete)}"
-            if key not in dims:
-                if dim_role(d) == "batch":
-                    dims[key] = (batch, "batch")
-                elif dim_role(d) == "time":
-                    dims[key] = (seq_len, "time")
-                elif sym_pos < 2:
-                    pos = sym_pos
-                    lead = [isinstance(x, int) and x > 0 for x in shape[:2]]
-                    if len(shape) >= 3 and lead.count(True) == 1:
-                        # [2, ?, F] is a fixed batch with a free time axis, [?, 50, F] the reverse (batch-first)
-                        pos = len(concrete)
-                    dims[key] = [(batch, "batch"), (seq_len, "time")][pos]
-                else:
-                    dims[key] = (8, None)
-            sym_pos += 1
-            concrete.append(dims[key][0])
-            roles.append(dims[key][1])
+        concrete, roles = input_sizes(name, shape, dims, batch, seq_len)
         used_batch |= "batch" in roles
         used_time |= "time" in roles
         # a rank-3 sequence input with one symbolic leading dim: the other leading dim is static and is the

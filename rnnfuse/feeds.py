@@ -73,3 +73,44 @@ def valid_steps(kind: str, T: int, B: int, rng: np.random.Generator, *, realisti
         elif kind == "pre":
             P[T - L :, b] = True
     return P
+
+
+# the size of a symbolic dimension that is neither the batch nor the time axis (by name or by position)
+OTHER_DIM_SIZE = 3
+
+
+def input_sizes(name: str, shape: list, dims: dict, batch: int, time: int) -> tuple[list[int], list[str | None]]:
+    """The sizes a model input runs at, and each dimension's role ("batch", "time" or None: static, or
+    another symbolic dimension). Validation and benchmarks both size inputs by this one rule.
+
+    A static dimension keeps its size. A symbolic one is the batch or the time axis by its name
+    (:func:`~rnnfuse.protos.dim_role`), else by its position among this input's symbolic dimensions: the first
+    is the batch, the second the time axis -- except that in a rank-3 (or more) input whose first two
+    dimensions have exactly one static one, the symbolic one takes the role of its own position (``[2, ?, F]``
+    is a fixed batch with a free time axis, ``[?, 50, F]`` a free batch, batch-first). Any further symbolic
+    dimension is ``OTHER_DIM_SIZE``. ``dims`` (dimension name, or input and position for an unnamed one ->
+    (size, role)) is shared by the inputs of one run, so one name is one size everywhere."""
+    from .protos import dim_role
+
+    concrete: list[int] = []
+    roles: list[str | None] = []
+    sym_pos = 0
+    for d in shape:
+        if isinstance(d, int) and d > 0:
+            concrete.append(d)
+            roles.append(None)
+            continue
+        key = d if isinstance(d, str) else f"{name}:{len(concrete)}"
+        if key not in dims:
+            role = dim_role(d)
+            if role is None and sym_pos < 2:
+                pos = sym_pos
+                lead = [isinstance(x, int) and x > 0 for x in shape[:2]]
+                if len(shape) >= 3 and lead.count(True) == 1:
+                    pos = len(concrete)
+                role = ("batch", "time")[pos]
+            dims[key] = (batch, "batch") if role == "batch" else (time, "time") if role == "time" else (OTHER_DIM_SIZE, None)
+        sym_pos += 1
+        concrete.append(dims[key][0])
+        roles.append(dims[key][1])
+    return concrete, roles

@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .feeds import index_ranges, random_values, valid_steps
+from .feeds import index_ranges, input_sizes, random_values, valid_steps
 from .graph import Graph
-from .protos import all_tensors, dim_role, free_names, rename_free, subgraphs
+from .protos import all_tensors, free_names, rename_free, subgraphs
 
 ATOL = 1e-5
 RTOL = 1e-4
@@ -61,7 +61,6 @@ def ort_module():
 
 def _inputs_for(g: Graph, dims: dict, b: int, t: int, scale: float, rng, index_ranges) -> dict[str, np.ndarray]:
     feeds = {}
-    order: list[str] = []
     for name in g.input_names:
         if name in g.initializers:
             continue
@@ -69,24 +68,7 @@ def _inputs_for(g: Graph, dims: dict, b: int, t: int, scale: float, rng, index_r
         shape = g.model.shape(name)
         if shape is None:
             raise _Skip(f"input '{name}' has no declared shape")
-        concrete = []
-        for d in shape:
-            if isinstance(d, int) and d > 0:
-                concrete.append(d)
-            else:
-                key = d if isinstance(d, str) else f"?{name}{len(concrete)}"
-                if key not in dims:
-                    # a named batch or time dimension by its name (a time-major [T, B, F] is not run as
-                    # T=b, B=t); other symbolic dims by position: the first is the batch, the second time
-                    role = dim_role(d)
-                    if role is not None:
-                        dims[key] = b if role == "batch" else t
-                    else:
-                        if key not in order:
-                            order.append(key)
-                        pos = order.index(key)
-                        dims[key] = [b, t][pos] if pos < 2 else 3
-                concrete.append(dims[key])
+        concrete, _ = input_sizes(name, shape, dims, b, t)
         np_t = helper.tensor_dtype_to_np_dtype(et) if et else np.float32
         feeds[name] = random_values(concrete, np_t, rng, scale=scale, p_true=0.7, index_range=index_ranges.get(name, 3))
     return feeds

@@ -366,3 +366,38 @@ def test_loop_over_a_flipped_projection_finds_the_flip_and_adds_nothing(mutation
     else:
         assert mutation is None and rec.x == "X" and [n.op_type for n in rec.x_prep.flips] == ["Slice"]
     assert _snapshot(g) == before
+
+
+# -- one rule for the sizes of symbolic input dimensions (rnnfuse.feeds.input_sizes) ----------------------
+def test_input_sizes_by_name_then_by_position_in_each_input():
+    from rnnfuse.feeds import OTHER_DIM_SIZE, input_sizes
+
+    dims: dict = {}
+    # a time-major input with named dims runs as [T, B, F]; an unnamed [?, H] of another input is its batch
+    assert input_sizes("x", ["seq_len", "batch", 5], dims, 2, 7) == ([7, 2, 5], ["time", "batch", None])
+    assert input_sizes("h0", [None, 4], dims, 2, 7) == ([2, 4], ["batch", None])
+    assert input_sizes("y", ["N", "L", "K"], dims, 2, 7) == ([2, 7, OTHER_DIM_SIZE], ["batch", "time", None])
+    assert input_sizes("m", ["N", "L"], dims, 2, 7)[0] == [2, 7]  # one name, one size
+    # one static leading dim: the symbolic one keeps the role of its position
+    assert input_sizes("a", [3, None, 5], {}, 2, 7)[0] == [3, 7, 5]
+    assert input_sizes("b", [None, 50, 5], {}, 2, 7)[0] == [2, 50, 5]
+
+
+def test_validation_and_benchmarks_size_inputs_alike():
+    from rnnfuse import bench, validate
+    from rnnfuse.feeds import index_ranges
+
+    g = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"]), helper.make_node("Add", ["h0", "h0"], ["z"])],
+        "sizes",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, None, 5]),
+         helper.make_tensor_value_info("h0", TensorProto.FLOAT, ["unk__1", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None), helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+    )
+    proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m = Model(proto)
+    rng = np.random.default_rng(0)
+    v = validate._inputs_for(m.graph, {}, 2, 7, 1.0, rng, index_ranges(m.graph))
+    b = bench.make_inputs(proto, 2, 7, "none", rng)
+    assert {k: a.shape for k, a in v.items()} == {k: a.shape for k, a in b.items()} == {"x": (3, 7, 5), "h0": (2, 4)}
+

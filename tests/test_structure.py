@@ -401,3 +401,30 @@ def test_validation_and_benchmarks_size_inputs_alike():
     b = bench.make_inputs(proto, 2, 7, "none", rng)
     assert {k: a.shape for k, a in v.items()} == {k: a.shape for k, a in b.items()} == {"x": (3, 7, 5), "h0": (2, 4)}
 
+
+# -- the chain front end reads Slice arguments through op_args (attributes before opset 10) ----------------
+def _slice_model(opset, slice_inputs, extra_inputs=(), **attrs):
+    g = helper.make_graph(
+        [helper.make_node("Slice", ["h"] + list(slice_inputs), ["y"], **attrs)],
+        "slice",
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["B", 8])]
+        + [helper.make_tensor_value_info(n, TensorProto.INT64, [1]) for n in extra_inputs],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([v], np.int64), n) for n, v in
+         (("zero", 0), ("four", 4), ("one", 1), ("big", 2**62))],
+    )
+    return Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])).graph
+
+
+def test_state_side_slices_by_opset():
+    from rnnfuse.passes.unrolled.chains import _keeps_rows
+
+    def keeps(g):
+        return _keeps_rows(g, g.producer["y"])
+
+    assert keeps(_slice_model(9, [], starts=[0], ends=[4], axes=[1]))  # units of h, as attributes
+    assert not keeps(_slice_model(9, [], starts=[0], ends=[1], axes=[0]))  # rows
+    assert keeps(_slice_model(13, ["zero", "four", "one"]))
+    assert not keeps(_slice_model(13, ["zero", "four"]))  # axes left out: the first axis, rows
+    assert keeps(_slice_model(13, ["zero", "big", "zero"]))  # every row
+    assert not keeps(_slice_model(13, ["zero", "big", "zero", "s"], ["s"]))  # a step known only at runtime

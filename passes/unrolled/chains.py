@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 from onnx import NodeProto
 
 from rnnfuse import op_args
@@ -118,20 +117,19 @@ def _keeps_rows(g: Graph, p: NodeProto) -> bool:
     if p.op_type in ("Split", "Gather"):
         return attr(p, "axis", 0) in (-1, last)
     if p.op_type == "Slice":
-        vals = [g.const(i) if i else None for i in list(p.input[1:5]) + [""] * (5 - len(p.input))]
-        starts, ends, axes, steps = vals
+        starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, op_args.const_reader(g, p))
         if axes is None:
             return False
-        if all(int(ax) in (-1, last) for ax in axes.ravel()):
+        if all(ax in (-1, last) for ax in axes):
             return True  # units only (bounds may come from shapes, as in torch's chunk)
-        if starts is None or ends is None:
+        if starts is None or ends is None or steps is None:
             return False
-        steps = steps if steps is not None else np.ones_like(starts)
-        for s0, e0, ax, st in zip(starts.ravel(), ends.ravel(), axes.ravel(), steps.ravel()):
-            full = int(s0) == 0 and int(e0) >= 2**31 - 1 and int(st) == 1
-            if not full and int(ax) not in (-1, last):
+        for s0, e0, ax, st in zip(starts, ends, axes, steps):
+            full = s0 == 0 and e0 >= 2**31 - 1 and st == 1
+            if not full and ax not in (-1, last):
                 return False
         return True
+
 
 def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | None = None) -> list[Chain]:
     """Thread the steps of a family into chains (forward and backward)."""

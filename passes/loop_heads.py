@@ -1,6 +1,6 @@
-"""Per-step outputs of a Loop body that are no state of the step: heads applied to a new h.
+"""Per-step outputs of a Loop or Scan body that are no state of the step: heads applied to a new h.
 
-A Loop's scan output (or a TorchScript ``SequenceInsert``) is usually a cell's new h, or a masked copy of it;
+A Loop's or Scan's scan output (or a TorchScript ``SequenceInsert``) is usually a cell's new h, or a masked copy of it;
 the front end reads those through the step analysis. An output computed *from* a new h (``fc(h)``,
 ``tanh(h @ V + x_t @ U)``) is set aside here, and once the cells are recognised it becomes that cell's Y
 with the head's nodes applied after the native op (:mod:`rnnfuse.step_heads`, which also says why a

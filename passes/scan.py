@@ -10,7 +10,7 @@ reading the Y of the one below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from onnx import NodeProto, TensorProto
@@ -19,13 +19,14 @@ from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.recurrence import NONE, ZERO, InputPrep, Recurrence, SeqOutput
-from rnnfuse.recurrence_layers import check_feeds, owner, split_layers
+from rnnfuse.recurrence_layers import check_feeds, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.step import StepOut, StepState, analyse
 from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, StepEvaluator, SymTensor, StepInput
 
 from .loop import init_of
+from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
 
 
 def _passthrough(body: Graph, k: int) -> bool:
@@ -49,6 +50,12 @@ class _Scanned:
     x_axis: int  # 0: time-major; 1: batch-first
     mask_outer: str | None
     x_prep: InputPrep  # the projection's time flips, built by the emitter
+    x_reads: set[str] = field(default_factory=set)  # the body input that is x_t
+    x_read_source: str = ""  # the scanned tensor (X, or X0 @ K + b)
+
+    @property
+    def x_reversed(self) -> bool:
+        return bool(self.x_dir)
 
 
 def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
@@ -59,11 +66,13 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list
     leaves: dict = {}
     scanned = _scanned_inputs(g, body, scan, n_state, leaves)
     states, recurrent, aliases = _scan_states(g, body, scan, n_state, leaves)
-    layers = split_layers(body, leaves, {f"s{k}": body.output_names[k] for k in recurrent}, scanned.x_atom)
-    outs = _scan_outputs(g, body, scan, n_state, layers)
+    state_out = {f"s{k}": body.output_names[k] for k in recurrent}
+    layers = split_layers(body, leaves, state_out, scanned.x_atom)
+    outs, heads = _scan_outputs(g, body, scan, n_state, layers, state_out)
     where = scan.name or scan.output[0]
     recs: list[Recurrence] = []
     h_of: dict[int, str] = {}  # layer -> its cell's output state
+    cell_states: list[tuple[str, str | None]] = []
     for li, layer in enumerate(layers):
         step_states = []
         for sym in layer.syms:
@@ -92,6 +101,7 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list
             x_prep=scanned.x_prep if below is None else InputPrep(),
         )
         h_of[li] = an.rec.h
+        cell_states.append((an.rec.h, an.rec.c))
         if below is not None:  # the cell below's Y, in time order like x, read in the same order as x
             y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
             below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=bool(scanned.x_dir), internal=True))
@@ -100,6 +110,9 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list
             rec.stack = where
         recs.append(rec)
     check_feeds(layers, h_of)
+    if heads:  # per-step outputs computed from a new h: the head runs on Y after the native op
+        passed = {body.input_names[k]: scan.input[k] for k in range(n_state) if _passthrough(body, k)}
+        add_heads(body, layers, recs, cell_states, heads, state_out, scanned, passed, set())
     if len(recs) == 1:
         return recs[0], aliases
     return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
@@ -137,6 +150,7 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves
             if rank != 3:
                 raise Decline(f"the scanned input has rank {rank}, not 3")
             x_outer, x_dir, x_axis = outer, in_dirs[j], ax
+            x_inner, x_scanned = inner, outer
             proj = input_projection(g, outer, ax)
             if proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
                 x_atom, leaves[inner] = projected_leaf(proj)
@@ -149,7 +163,7 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves
         raise Decline("no scanned float input")
     if mask_outer is not None and (m_dir, m_axis) != (x_dir, x_axis):
         raise Decline("the mask is scanned differently from the input")
-    return _Scanned(x_outer, x_atom, x_dir, x_axis, mask_outer, x_prep)
+    return _Scanned(x_outer, x_atom, x_dir, x_axis, mask_outer, x_prep, {x_inner}, x_scanned)
 
 
 def _scan_states(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: dict):
@@ -180,13 +194,16 @@ def _scan_states(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: d
     return states, recurrent, aliases
 
 
-def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, layers: list) -> dict[int, list[StepOut]]:
-    """The used scan outputs by layer (``scan_output_axes`` / ``scan_output_directions`` honoured)."""
+def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, layers: list, state_out: dict[str, str]):
+    """The used scan outputs by layer (``scan_output_axes`` / ``scan_output_directions`` honoured), and the
+    ones that are no state of the step (perhaps heads on a new h)."""
     bout = body.output_names
     n_scan_out = len(bout) - n_state
     out_dirs = attr(scan, "scan_output_directions") or [0] * n_scan_out
     out_axes = attr(scan, "scan_output_axes") or [0] * n_scan_out
     outs: dict[int, list[StepOut]] = {i: [] for i in range(len(layers))}
+    heads: list[HeadCandidate] = []
+    state_keys = state_value_keys(layers, state_out)
     for j in range(n_scan_out):
         outer = scan.output[n_state + j] if n_state + j < len(scan.output) else ""
         if not outer or not g.n_uses(outer):
@@ -195,10 +212,13 @@ def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, layers: 
         ax = out_axes[j] % rank
         if ax not in (0, 1):
             raise Decline(f"a scan output stacked along axis {out_axes[j]}")
-        li = owner(layers, bout[n_state + j])
-        outs[li].append(StepOut(layers[li].ev.poly(bout[n_state + j]), outer, batch_first=ax == 1,
-                                reversed=bool(out_dirs[j])))
-    return outs
+        found = state_output(layers, bout[n_state + j], state_keys)
+        if found is None:
+            heads.append(HeadCandidate(bout[n_state + j], outer, batch_first=ax == 1, reversed=bool(out_dirs[j])))
+            continue
+        li, poly = found
+        outs[li].append(StepOut(poly, outer, batch_first=ax == 1, reversed=bool(out_dirs[j])))
+    return outs, heads
 
 
 class FuseScans:

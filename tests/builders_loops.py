@@ -399,11 +399,12 @@ class HeadOpts:
 
     head: str = "gemm_relu"
     miss: str = ""
-    reverse: bool = False  # x read from its last step to its first (Gather(x, T - 1 - i))
+    reverse: bool = False  # x read from its last step to its first (Gather(x, T - 1 - i); a Scan's direction)
+    front: str = "loop"  # or "scan": the same step as a Scan body
 
     @property
     def name(self) -> str:
-        return self.miss or self.head + ("-rev" if self.reverse else "")
+        return (self.miss or self.head) + ("-rev" if self.reverse else "") + ("-scan" if self.front == "scan" else "")
 
 
 def head_weights():
@@ -456,6 +457,9 @@ def build_head(o: HeadOpts) -> onnx.ModelProto:
         bn += [helper.make_node("Cast", ["it"], ["itf"], to=TensorProto.FLOAT), helper.make_node("Mul", ["hn", "itf"], ["y"])]
     else:
         raise ValueError(kind)
+    if o.front == "scan":
+        return _head_scan(o, nodes, inits, [n for n in bn if "xt" not in n.output and n.output[0] not in ("tm1", "rit")],
+                          body_inits)
     bn += [helper.make_node("Identity", ["cond"], ["cond_out"])]
     body = helper.make_graph(
         bn, "body",
@@ -466,6 +470,26 @@ def build_head(o: HeadOpts) -> onnx.ModelProto:
         body_inits)
     nodes.append(helper.make_node("Loop", ["T", "true", "h0"], ["h_last", "ys"], body=body))
     graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                              [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", None]),
+                               helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _head_scan(o: HeadOpts, nodes: list, inits: list, bn: list, body_inits: list) -> onnx.ModelProto:
+    """The head step as a Scan body: x scanned (backwards with ``reverse``), ys stacked in processing order."""
+    body = helper.make_graph(
+        bn, "body",
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [None, H]), helper.make_tensor_value_info("xt", TensorProto.FLOAT, [None, F])],
+        [helper.make_tensor_value_info("hn", TensorProto.FLOAT, [None, H]), helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None])],
+        body_inits)
+    attrs = dict(num_scan_inputs=1)
+    if o.reverse:
+        attrs["scan_input_directions"] = [1]
+    nodes.append(helper.make_node("Scan", ["h0", "x"], ["h_last", "ys"], body=body, **attrs))
+    graph = helper.make_graph(nodes, "head_scan", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
                               [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", None]),
                                helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -502,8 +526,10 @@ def head_reference(o: HeadOpts, x: np.ndarray) -> list[np.ndarray]:
 
 
 HEAD_FORMS = [HeadOpts(h) for h in ("gemm_relu", "softmax", "concat_x", "glu", "layernorm")] + [
-    HeadOpts("concat_x", reverse=True), HeadOpts("gemm_relu", reverse=True)]
-HEAD_MISSES = [HeadOpts(miss=m) for m in ("rows_mean", "transpose", "counter", "prev_h")]
+    HeadOpts("concat_x", reverse=True), HeadOpts("gemm_relu", reverse=True)] + [
+    HeadOpts(h, front="scan") for h in ("gemm_relu", "concat_x", "glu")] + [HeadOpts("concat_x", reverse=True, front="scan")]
+HEAD_MISSES = [HeadOpts(miss=m) for m in ("rows_mean", "transpose", "counter", "prev_h")] + [
+    HeadOpts(miss=m, front="scan") for m in ("rows_mean", "prev_h")]
 
 
 # --------------------------------------------------------------------------- length masks written by hand (item 8)

@@ -159,6 +159,7 @@ CASES = [
     case("eqx_lstm_vmap", "eqx", "lstm", notes="jax.vmap over lax.scan of eqx.nn.LSTMCell; returns ys and the final (h, c)"),
     case("eqx_gru_vmap_o17", "eqx", "gru", opset=17),
     case("eqx_gru_vmap_dyn_t", "eqx", "gru", dynamic_time=True),
+    case("eqx_gru_vmap_head", "eqx", "gru", head=True, notes="the step returns relu(eqx.nn.Linear(h)): a head on h"),
     # -- the per-step c read at one step per row (flax's carry at seq_lengths - 1): a twin op's Y_c
     case("hand_lstm_c_at_steps", "hand", "lstm", seq_lengths=True, pick="rows",
          notes="returns (hs, cs[lengths - 1, arange(B)]) of a hand-written LSTM step under lax.scan"),
@@ -512,14 +513,17 @@ def build_eqx(env: Env, c: Case, seed: int):
     jnp, jax = env.jnp, env.jax
     key = jax.random.PRNGKey(seed)
     lstm = c.cell == "lstm"
+    key, head_key = jax.random.split(key)
     cell = (eqx.nn.LSTMCell if lstm else eqx.nn.GRUCell)(FEATURES, HIDDEN, key=key)
+    head = eqx.nn.Linear(HIDDEN, 2, key=head_key) if c.opts.get("head") else None
 
     def one(x):  # [T, F] -> ([T, H], final state)
         h0 = jnp.zeros((HIDDEN,), jnp.float32)
 
         def step(carry, xt):
             carry = cell(xt, carry)
-            return carry, carry[0] if lstm else carry
+            h = carry[0] if lstm else carry
+            return carry, jax.nn.relu(head(h)) if head is not None else h
 
         last, ys = jax.lax.scan(step, (h0, h0) if lstm else h0, x)
         return (ys, *last) if lstm else (ys, last)

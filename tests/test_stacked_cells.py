@@ -55,8 +55,10 @@ def test_keras3_stacked_cells(stacked_keras3, name):
 
 
 @pytest.mark.parametrize("name", TF_SCAN_CASES)
-def test_tf_scan_last_step_reads(stacked_keras3, name):
-    """tf.scan's per-step c read only at its last step is the native op's final c."""
+def test_tf_functions(stacked_keras3, name):
+    """TensorFlow functions through tf2onnx: tf.scan's per-step c read only at its last step is the native op's
+    final c; tf.while_loop reading x[t] or x[:, t] with a strided slice (tf2onnx's own index arithmetic: 1e9 for
+    "to the end", a shrunk axis as step 1e9) is a step input."""
     _run(_case(stacked_keras3, name))
 
 

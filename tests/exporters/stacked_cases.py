@@ -472,49 +472,84 @@ def generate_torch(c: TorchCase, out_dir: Path) -> dict:
     return meta
 
 
-# --------------------------------------------------------------------------- tf.scan (TensorFlow function)
+# --------------------------------------------------------------------------- TensorFlow functions (tf.scan, tf.while_loop)
 
-TF_SCAN_CASES = ["tfscan_lstm_last_c"]
+TF_SCAN_CASES = ["tfscan_lstm_last_c", "tfwhile_lstm_bf_strided", "tfwhile_rnn_strided"]
 
 
-def generate_tf_scan(name: str, out_dir: Path, tf, tf2onnx, onnx) -> dict:
-    """``hs, cs = tf.scan(lstm_step, x, (h0, c0))`` returning ``(hs, cs[-1])``: the per-step c is read only at
-    its last step (issue 14 item 9), which is the native op's Y_c."""
-    seed = zlib.crc32(name.encode())
-    rng = np.random.default_rng(seed)
+def _tf_functions(tf, rng):
+    """name -> (description, the tf.function's body over x, whether x is batch-first)."""
     H = UNITS["LSTM"]
     W = tf.Variable((0.5 * rng.standard_normal((FEATURES, 4 * H))).astype(np.float32))
     R = tf.Variable((0.5 * rng.standard_normal((H, 4 * H))).astype(np.float32))
     b = tf.Variable((0.5 * rng.standard_normal(4 * H)).astype(np.float32))
 
-    def step(carry, x):
-        h, c = carry
+    def lstm_step(x, h, c):
         i, f, g, o = tf.split(tf.matmul(x, W) + tf.matmul(h, R) + b, 4, axis=1)
         c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
         return tf.sigmoid(o) * tf.tanh(c), c
 
-    spec = [tf.TensorSpec((None, None, FEATURES), tf.float32, name="x")]
-
-    @tf.function(input_signature=spec)
-    def run(x):
+    def scan_last_c(x):  # time-major
         z = tf.zeros((tf.shape(x)[1], H))
-        hs, cs = tf.scan(step, x, initializer=(z, z))
+        hs, cs = tf.scan(lambda carry, xt: lstm_step(xt, *carry), x, initializer=(z, z))
         return hs, cs[-1]
 
+    def while_lstm_bf(x):  # batch-first: x[:, t] is a strided slice shrinking axis 1
+        n = tf.shape(x)[1]
+        z = tf.zeros((tf.shape(x)[0], H))
+        ta = tf.TensorArray(tf.float32, size=n)
+
+        def body(t, h, c, ta):
+            h, c = lstm_step(x[:, t], h, c)
+            return t + 1, h, c, ta.write(t, h)
+
+        _, h, _, ta = tf.while_loop(lambda t, *_: t < n, body, [0, z, z, ta])
+        return tf.transpose(ta.stack(), [1, 0, 2]), h
+
+    def while_rnn(x):  # time-major: x[t] shrinks axis 0; an Elman cell from the LSTM's first rows
+        n = tf.shape(x)[0]
+        ta = tf.TensorArray(tf.float32, size=n)
+
+        def body(t, h, ta):
+            h = tf.tanh(tf.matmul(x[t], W[:, :H]) + tf.matmul(h, R[:, :H]) + b[:H])
+            return t + 1, h, ta.write(t, h)
+
+        _, _, ta = tf.while_loop(lambda t, *_: t < n, body, [0, tf.zeros((tf.shape(x)[1], H)), ta])
+        return ta.stack()
+
+    return {
+        "tfscan_lstm_last_c": ("tf.scan over a hand-written LSTM step, returns (hs, cs[-1])", scan_last_c, False),
+        "tfwhile_lstm_bf_strided": ("tf.while_loop reading x[:, t] (a strided slice), TensorArray of h; batch-first",
+                                    while_lstm_bf, True),
+        "tfwhile_rnn_strided": ("tf.while_loop reading x[t] (a strided slice), TensorArray of h", while_rnn, False),
+    }
+
+
+def generate_tf_scan(name: str, out_dir: Path, tf, tf2onnx, onnx) -> dict:
+    """A recurrence written as a TensorFlow function: ``tf.scan`` whose per-step c is read only at its last
+    step (issue 14 item 9, the native op's Y_c), or ``tf.while_loop`` reading the step with a strided slice,
+    which tf2onnx writes with its own index arithmetic (1e9 for "to the end", a shrunk axis as step 1e9)."""
+    seed = zlib.crc32(name.encode())
+    rng = np.random.default_rng(seed)
+    layers, body, batch_first = _tf_functions(tf, rng)[name]
+    spec = [tf.TensorSpec((None, None, FEATURES), tf.float32, name="x")]
+    run = tf.function(body, input_signature=spec)
     model, _ = tf2onnx.convert.from_function(run, input_signature=spec, opset=17)
     onnx.checker.check_model(model)
     arrays = {}
     sets = {"b1": (1, TIME), "b4": (4, TIME), "b2_t11": (2, 11)}
     for s, (bsz, t) in sets.items():
-        x = rng.standard_normal((t, bsz, FEATURES)).astype(np.float32)
+        x = rng.standard_normal((bsz, t, FEATURES) if batch_first else (t, bsz, FEATURES)).astype(np.float32)
         arrays[f"in/{s}/x"] = x
-        arrays.update({f"out/{s}/{k}": np.asarray(v) for k, v in enumerate(run(tf.constant(x)))})
+        out = run(tf.constant(x))
+        arrays.update({f"out/{s}/{k}": np.asarray(v) for k, v in enumerate(out if isinstance(out, tuple) else [out])})
     onnx.save(model, str(out_dir / f"{name}.onnx"))
     np.savez(out_dir / f"{name}.npz", **arrays)
     ops = graph_ops(model.graph)
-    meta = {"name": name, "backend": "tf.function", "layers": "tf.scan over a hand-written LSTM step, returns (hs, cs[-1])",
-            "expect": {"ops": {"LSTM": 1}, "absent": ["Loop", "Scan"]}, "sets": list(sets), "masked": False,
-            "tf2onnx_ops": {op: ops.count(op) for op in ("LSTM", "Loop", "Scan") if op in ops}}
+    op = "RNN" if "rnn" in name else "LSTM"
+    meta = {"name": name, "backend": "tf.function", "layers": layers,
+            "expect": {"ops": {op: 1}, "absent": ["Loop", "Scan"]}, "sets": list(sets), "masked": False,
+            "tf2onnx_ops": {o: ops.count(o) for o in ("LSTM", "RNN", "Loop", "Scan") if o in ops}}
     (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 

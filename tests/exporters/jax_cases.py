@@ -52,7 +52,8 @@ MASK_PATTERNS = {
     "gappy_b3": ["101101", "011110", "111111"],
 }
 LENGTH_SETS = {"post_b3": [6, 3, 1]}  # static batch: jax2onnx 0.17 cannot export seq_lengths with a symbolic one
-EDGE_LENGTHS = {"edge_b3": [0, 8, 2]}  # a row with no valid step, one past the end (hand-written length masks)
+# hand-written length masks (dynamic batch): a row with no valid step, one past the end; and batch 1
+EDGE_LENGTHS = {"edge_b3": [0, 8, 2], "mid_b1": [4]}
 ONNX_OP = {"lstm": "LSTM", "olstm": "LSTM", "gru": "GRU", "simple": "RNN", "simple_relu": "RNN", "mgu": "GRU",
            "gru_flipped": "GRU"}
 

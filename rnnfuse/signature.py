@@ -29,7 +29,6 @@ class Signer:
     def __init__(self, g: Graph):
         self.g = g
         self.table: dict = {}
-        self.nodes: dict[int, tuple] = {}  # id -> (inputs, outputs, op_type, domain, attributes): each node read once
         self.const_ids: dict[str, int | None] = {}  # tensor -> id of its constant value (None: not constant)
         # a Constant node's attribute bytes -> the id of its value: an unrolled chain repeats the same Constant
         # (a Split's sizes) in every step; equal bytes are an equal value, folded and hashed once
@@ -48,10 +47,13 @@ class Signer:
         g = self.g
         if memo is None:
             memo = {}
-        infos, const_ids, intern = self.nodes, self.const_ids, self._intern
+        const_ids, intern = self.const_ids, self._intern
         runtime = runtime_values(g)
         producer = g.producer
-        walked: dict[str, tuple] = {}  # tensors whose inputs are being signed: their producer's info
+        # each producer's fields, read once, kept for this walk only (a chain's steps are each walked once:
+        # a cache across walks would hold every node's fields); the tensors whose inputs are being signed
+        infos: dict[int, tuple] = {}
+        walked: dict[str, tuple] = {}
 
         def open_(cur: str):
             role = leaves.get(cur)

@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
-from .graph_index import GraphIndex
+from .graph_index import POS_TIE, GraphIndex
 from .protos import has_subgraph, rename_free, set_external, subgraphs
 
 
@@ -42,8 +42,9 @@ class Graph(GraphIndex):
         node = helper.make_node(op_type, inputs, outputs, name=self.fresh(base), domain=domain or None, **attrs)
         self.nodes.append(node)
         self._by_op_add(node)
-        anchor_pos = self._pos.get(id(anchor), (len(self.nodes), 0)) if anchor is not None else (len(self.nodes), 0)
-        self._pos[id(node)] = (anchor_pos[0], next(self._seq))
+        anchor_pos = self._pos.get(id(anchor)) if anchor is not None else None
+        at = anchor_pos // POS_TIE if anchor_pos is not None else len(self.nodes)
+        self._pos[id(node)] = at * POS_TIE + next(self._seq)
         self._index(node)
         self.edited.append(node)
         return outputs

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .model import Model
 
 _EMPTY: frozenset = frozenset()
+POS_TIE = 1 << 32  # a position's tie-break (the order nodes were added at one anchor) sits below it
 
 
 class GraphIndex:
@@ -62,15 +63,16 @@ class GraphIndex:
     def _pos_from(self, nodes: list[NodeProto]) -> None:
         """Positions are those of ``nodes`` as they are now (later appends are placed by ``add_node``); the map
         is built the first time someone asks, so a graph nothing is added to or sorted never pays for it."""
-        self._pos_map: dict[int, tuple] | None = None
+        self._pos_map: dict[int, int] | None = None
         self._pos_base, self._pos_len = nodes, len(nodes)
 
     @property
-    def _pos(self) -> dict[int, tuple]:
-        """node id -> (position, tie-break): the order :meth:`toposort` keeps among ready nodes."""
+    def _pos(self) -> dict[int, int]:
+        """node id -> position * POS_TIE + tie-break (one int, not a tuple, per node: a 100k-node map is
+        5 MB smaller): the order :meth:`toposort` keeps among ready nodes."""
         if self._pos_map is None:
             base = self._pos_base
-            self._pos_map = {id(base[i]): (i, 0) for i in range(self._pos_len)}
+            self._pos_map = {id(base[i]): i * POS_TIE for i in range(self._pos_len)}
         return self._pos_map
 
     def nodes_of(self, *op_types: str) -> list[NodeProto]:

@@ -20,7 +20,9 @@ import time
 import warnings
 
 
-def export(path: str) -> int:
+def export_lstmcell_chain(path: str, steps: int, input_size: int = 32, hidden: int = 64, batch: int = 4) -> int:
+    """A torch loop over ``nn.LSTMCell`` for ``steps`` steps, exported with ``torch.onnx.export(dynamo=False)``
+    (18 nodes per step); returns the node count. benchmarks/scaling.py builds its chains with this too."""
     import onnx
     import torch
 
@@ -29,11 +31,11 @@ def export(path: str) -> int:
     class Chain(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.cell = torch.nn.LSTMCell(32, 64)
+            self.cell = torch.nn.LSTMCell(input_size, hidden)
 
         def forward(self, x):
-            h = torch.zeros(x.shape[1], 64)
-            c = torch.zeros(x.shape[1], 64)
+            h = torch.zeros(x.shape[1], hidden)
+            c = torch.zeros(x.shape[1], hidden)
             outs = []
             for t in range(x.shape[0]):
                 h, c = self.cell(x[t], (h, c))
@@ -41,9 +43,9 @@ def export(path: str) -> int:
             return torch.stack(outs)
 
     torch.manual_seed(0)
-    torch.onnx.export(Chain().eval(), (torch.randn(2000, 4, 32),), path, dynamo=False, input_names=["x"],
+    torch.onnx.export(Chain().eval(), (torch.randn(steps, batch, input_size),), path, dynamo=False, input_names=["x"],
                       output_names=["y"], do_constant_folding=False)
-    return len(onnx.load(path).graph.node)
+    return len(onnx.load(path, load_external_data=False).graph.node)
 
 
 def main() -> int:
@@ -53,7 +55,7 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         src, dst = os.path.join(d, "chain.onnx"), os.path.join(d, "chain.fused.onnx")
-        nodes = export(src)
+        nodes = export_lstmcell_chain(src, 2000)
         times = []
         for _ in range(args.runs):
             t0 = time.perf_counter()

@@ -325,9 +325,8 @@ class SkipRoundTrips:
     name = "skip-round-trips"
 
     def run(self, model: Model, ctx: Options) -> PassResult:
-        from rnnfuse.rewrite import judge
+        from rnnfuse.rewrite import Rewrite, apply_rewrites
         from rnnfuse.findings import Finding
-        from rnnfuse.validate import validate
 
         g = model.graph
         res = PassResult(self.name)
@@ -335,7 +334,7 @@ class SkipRoundTrips:
         uncomps = model.facts.uncompactions
         if not comps or not uncomps:
             return res
-        cands = []
+        rewrites = []
         for xc, (_, m2, mask) in comps.items():
             gather = g.producer.get(xc)
             if gather is None or not g.alive(gather) or not g.uses(xc):
@@ -347,20 +346,18 @@ class SkipRoundTrips:
             if parts is None:
                 continue
             new = parts[0] if len(parts) == 1 else g.add_node("Concat", parts, 1, name="rnnfuse/Concat", anchor=gather, axis=2)[0]
-            cands.append((xc, new, mask))
-        if not cands:
+            rewrites.append(Rewrite(Finding(self.name, "stack", xc, "merged"), {xc: new}, (), {mask: ("any", 0)},
+                                    "the shortcut differs"))
+        if not rewrites:
             return res
-        vr = validate(g, [(a, b) for a, b, _ in cands], {m: ("any", 0) for _, _, m in cands}, seed=ctx.seed) if ctx.validate else None
-        done = 0
-        for xc, new, _ in cands:
-            f = Finding(self.name, "stack", xc, "merged")
-            if not judge(f, vr, [(xc, new)], "the shortcut differs"):
-                res.notes.append(f"kept the round trip into '{xc}': {f.reason}")
-                continue
-            g.replace_uses(xc, new)
-            done += 1
+        # the one applier validates, judges and commits; a shortcut is no finding of its own: notes report it
+        applied = PassResult(self.name)
+        apply_rewrites(g, ctx, rewrites, applied)
+        for f in applied.findings:
+            if f.status == "declined":
+                res.notes.append(f"kept the round trip into '{f.where}': {f.reason}")
+        done = sum(f.status != "declined" for f in applied.findings)
         if done:
-            g.prune()
             res.modified = True
             res.notes.append(f"{done} stacked layer input(s) read without a scatter/gather round trip")
         return res

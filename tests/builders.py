@@ -95,6 +95,7 @@ MUTATIONS = {
                             "a carried copy of the cell output ignores the mask, and its final value is returned"),
     "chain_mask_shifted": ("LSTM GRU RNN", "chain", True, "step t reads the mask of step t+1 (the last step: of step 0)"),
     "chain_state_read_midway": ("LSTM GRU RNN", "chain", False, "the middle step's hidden state is also a graph output"),
+    "chain_input_reads_state": ("LSTM GRU RNN", "chain", False, "each step's input is 2 * x_t times the mean of h (not state-independent)"),
 }
 
 
@@ -149,6 +150,9 @@ class Opts:
     xproj: bool = False  # probe: x.W (+b) computed outside the recurrence for all steps, the body adds it
     layers: str = "single"  # single | bidir (forward + reverse over X, outputs concatenated) | stack (two layers)
     step_slice: str = "gather"  # chain: each step's input as gather (Gather(X, t)) | slice (Squeeze(Slice)) | split (Split + Squeeze)
+    step_inputs: str = ""  # chain (forward, unmasked, one layer): what step k reads instead of x_k: double (2 * x_k) |
+    # diff (x_k - x_{k-1}, x_0 first) | stride2 (x_0, x_2, ...) | perm (odd steps, then even ones) | first_other (x_k,
+    # the first step through a cell with other weights)
     lengths: str = ""  # chain, masked: the step mask written from an int64 input `lengths` [B] (no `mask` input):
     # lt: Greater(lengths, t) (torch's `t < lengths`) | le: LessOrEqual(t + 1, lengths) | start: LessOrEqual(T - lengths, t) (pre-padded rows)
     mutation: str | None = None
@@ -352,6 +356,8 @@ class Ctx:
     body: Scope
     carried: list = field(default_factory=list)  # (outer init name, body input name) for pass-through weights
     recurrent_weight_done: bool = False
+    mutated_weight: str | None = None  # chains: the mutated recurrent weight, read by every step
+    step_recurrent: int = 0  # chains: recurrent weights asked for in the current step so far
 
     @property
     def main(self) -> Scope:
@@ -360,23 +366,14 @@ class Ctx:
     def weight(self, arr, hint: str, recurrent: bool = False) -> str:
         arr = np.ascontiguousarray(np.asarray(arr, np.float32))
         mut = self.o.mutation
+        if recurrent and self.o.front == "chain":
+            self.step_recurrent += 1
+            if self.step_recurrent == 1 and self.mutated_weight is not None:
+                return self.mutated_weight  # every step reads the same (mutated) first recurrent weight
         if recurrent and not self.recurrent_weight_done and mut in ("weight_input", "weight_computed", "weight_overridable"):
             self.recurrent_weight_done = True
-            mb = self.mb
-            if mut == "weight_input":
-                name = self.main.fresh("W_in")
-                mb.extra_inputs.append(helper.make_tensor_value_info(name, FLOAT, list(arr.shape)))
-                mb.input_values[name] = arr
-                return self._bring(name, arr.shape)
-            if mut == "weight_computed":
-                s = self.main.fresh("w_scale")
-                mb.extra_inputs.append(helper.make_tensor_value_info(s, FLOAT, [1]))
-                mb.input_values[s] = np.ones(1, np.float32)
-                name = self.main.op("Mul", self.main.init(arr, "W_base"), s, hint="W_scaled")
-                return self._bring(name, arr.shape)
-            name = self.main.init(arr, "W_over")
-            mb.overridable.append(helper.make_tensor_value_info(name, FLOAT, list(arr.shape)))
-            return self._bring(name, arr.shape)
+            self.mutated_weight = self._mutated_weight(arr)
+            return self.mutated_weight
         where = self.o.weights
         stored = arr.astype(np.float64) if self.o.weight_cast else arr
         if where == "body_const":
@@ -388,6 +385,24 @@ class Ctx:
         if self.o.weight_cast:
             name = self.body.op("Cast", name, to=FLOAT, hint=hint + "_f32")
         return name
+
+    def _mutated_weight(self, arr) -> str:
+        """The first recurrent weight as the mutation has it: a graph input, computed from one, or overridable."""
+        mut, mb = self.o.mutation, self.mb
+        if mut == "weight_input":
+            name = self.main.fresh("W_in")
+            mb.extra_inputs.append(helper.make_tensor_value_info(name, FLOAT, list(arr.shape)))
+            mb.input_values[name] = arr
+            return self._bring(name, arr.shape)
+        if mut == "weight_computed":
+            s = self.main.fresh("w_scale")
+            mb.extra_inputs.append(helper.make_tensor_value_info(s, FLOAT, [1]))
+            mb.input_values[s] = np.ones(1, np.float32)
+            name = self.main.op("Mul", self.main.init(arr, "W_base"), s, hint="W_scaled")
+            return self._bring(name, arr.shape)
+        name = self.main.init(arr, "W_over")
+        mb.overridable.append(helper.make_tensor_value_info(name, FLOAT, list(arr.shape)))
+        return self._bring(name, arr.shape)
 
     def _bring(self, outer: str, shape, dtype=np.float32) -> str:
         """An outer tensor in the body: captured, or a pass-through state when ``weights='carried'``."""
@@ -996,7 +1011,8 @@ def _chain_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, su
             return [main.op("Squeeze", main.op("Slice", src, main.i64(t), main.i64(t + 1), main.i64(tax)), main.i64(tax)) for t in range(T)]
         return [main.op("Gather", src, main.constant(np.array(t, np.int64), "t"), axis=tax) for t in range(T)]
 
-    xs = slices(Xt)
+    xs = step_input_order(o, slices(Xt), main)
+    T = len(xs)
     ms = slices(mask) if mask and not o.lengths else [None] * T
     if mask and o.lengths:  # the mask of step t compares the lengths with t
         first = main.op("Sub", main.constant(np.array(T, np.int64), "T"), mask) if o.lengths == "start" else None
@@ -1013,9 +1029,15 @@ def _chain_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, su
     cur = {s: _initial(ctx, s, X, suffix) for s in states}
     rev = o.direction == "reverse"
     ys: dict[int, dict] = {}
+    ctx0 = Ctx(o.replace(seed=o.seed + 100), mb, main) if o.step_inputs == "first_other" else ctx
     for t in (range(T - 1, -1, -1) if rev else range(T)):
         xw = _xw_split(ctx, xs[t]) if o.xproj else None
-        res = _step(ctx, xs[t], cur["h"], cur.get("c"), cur.get("p"), ms[t], xw)
+        x_t = xs[t]
+        if o.mutation == "chain_input_reads_state":
+            x_t = main.op("Mul", main.op("Mul", x_t, main.constant(np.array(2.0, np.float32), "two")),
+                          main.op("ReduceMean", cur["h"], axes=[-1], keepdims=1))
+        ctx.step_recurrent = 0
+        res = _step(ctx0 if t == 0 else ctx, x_t, cur["h"], cur.get("c"), cur.get("p"), ms[t], xw)
         cur.update({s: res[s] for s in states})
         ys[t] = res
         if t == T // 2:
@@ -1031,6 +1053,21 @@ def _chain_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, su
         else:
             r[name] = None
     return r
+
+
+def step_input_order(o: Opts, xs: list, g=None) -> list:
+    """What the steps of a chain read, in processing order (``o.step_inputs``), from the slices ``xs``: names
+    (with ``g``, nodes are added for 2 * x and differences) or arrays (without)."""
+    form = o.step_inputs
+    if form == "double":
+        return [g.op("Mul", x, g.constant(np.array(2.0, np.float32), "two")) if g else 2 * x for x in xs]
+    if form == "diff":
+        return xs[:1] + [g.op("Sub", b, a) if g else b - a for a, b in zip(xs, xs[1:])]
+    if form == "stride2":
+        return xs[::2]
+    if form == "perm":
+        return xs[1::2] + xs[::2]
+    return list(xs)
 
 
 def _layer_opts(o: Opts) -> list[Opts]:
@@ -1083,6 +1120,8 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
         results.append(r)
         if o.layers == "stack":
             x, F = r["Y"], lo.H
+    if o.step_inputs:
+        T = len(step_input_order(o, list(range(o.static_T))))
     ys = [Bd, T, o.H] if o.batch_first else [T, Bd, o.H]
     outs = []
 
@@ -1245,6 +1284,15 @@ def _layer_reference(lo: Opts, X: np.ndarray, mask: np.ndarray | None, h0, c0, p
     return out
 
 
+def _first_other_reference(lo: Opts, X: np.ndarray, h0, c0) -> dict:
+    """A chain whose first step is the cell with other weights (seed + 100), then ``lo``'s cell."""
+    tax = 1 if lo.batch_first else 0
+    first = _layer_reference(lo.replace(seed=lo.seed + 100), np.take(X, [0], tax), None, h0, c0, None)
+    rest = _layer_reference(lo, np.take(X, range(1, X.shape[tax]), tax), None, first["h"],
+                            first["c"] if lo.op == "LSTM" else None, None)
+    return {"Y": np.concatenate([first["Y"], rest["Y"]], tax), "h": rest["h"], "c": rest["c"]}
+
+
 def expected(o: Opts, feeds: dict) -> list[np.ndarray]:
     """What the model must output (graph output order), from the numpy reference."""
     if o.mutation:
@@ -1264,8 +1312,14 @@ def expected(o: Opts, feeds: dict) -> list[np.ndarray]:
     los = _layer_opts(o)
     results = []
     x = feeds["X"]
+    if o.step_inputs:  # the sequence the steps read, in the model's layout
+        tax = 1 if o.batch_first else 0
+        x = np.stack(step_input_order(o, list(np.moveaxis(x, tax, 0))), tax)
     for k, lo in enumerate(los):
         sfx = "" if k == 0 else "_b"
+        if o.step_inputs == "first_other":
+            results.append(_first_other_reference(lo, x, feeds.get("h0"), feeds.get("c0")))
+            continue
         r = _layer_reference(lo, x, mask, feeds.get("h0" + sfx), feeds.get("c0" + sfx), feeds.get("p0" + sfx))
         results.append(r)
         if o.layers == "stack":
@@ -1311,6 +1365,9 @@ def check_opts(o: Opts) -> None:
         raise ValueError("loop_bound='const' needs static_T")
     if o.front == "chain" and (not o.static_T or o.weights == "carried" or o.reverse_form != "native"):
         raise ValueError("an unrolled chain needs static_T, weights in the graph and reverse_form='native'")
+    if o.step_inputs and (o.front != "chain" or o.masked() or o.direction != "forward" or o.layers != "single" or o.xproj
+                          or o.step_inputs not in ("double", "diff", "stride2", "perm", "first_other")):
+        raise ValueError("step_inputs: a forward unmasked single-layer chain without xproj")
     if o.lengths and (o.front != "chain" or not o.masked() or o.mask_rank != 2 or o.lengths not in ("lt", "le", "start")):
         raise ValueError("lengths: a masked chain with mask_rank=2 (each step's mask is [B]), lengths in lt | le | start")
 
@@ -1425,7 +1482,10 @@ def recurrences_left(o: Opts, before: dict, after: dict) -> tuple[int, int]:
     n = len(_layer_opts(o))
     mm_before = before.get("MatMul", 0) + before.get("Gemm", 0)
     mm_after = after.get("MatMul", 0) + after.get("Gemm", 0)
-    if mm_after <= (n if o.xproj else 0):
+    kept = n if o.xproj else 0
+    if o.step_inputs == "first_other":
+        kept += mm_before // o.static_T  # the first step, another cell, stays as it is
+    if mm_after <= kept:
         return n, 0
     return n, n if mm_after == mm_before else 1
 

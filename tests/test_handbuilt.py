@@ -289,6 +289,16 @@ CHAIN_FAMILIES = {
     "chain_bidirectional_shared_input_prep": dict(layers="bidir", noise=True),
     "chain_bidirectional_shared_input_prep_masked": dict(layers="bidir", noise=True, mask="where", fill="zero", static_T=3),
     "chain_stacked_masked": dict(layers="stack", mask="where"),
+    # steps reading other state-independent inputs than x[t] in time order (issue 14 item 7): fused over the
+    # stacked inputs; a first step through another cell is kept and the rest fused
+    "chain_inputs_double": dict(step_inputs="double"),
+    "chain_inputs_double_init_inputs": dict(step_inputs="double", init="input", matmul="gemm"),
+    "chain_inputs_diff": dict(step_inputs="diff", layout="fused_split"),
+    "chain_inputs_stride2": dict(step_inputs="stride2", static_T=7, step_slice="slice"),
+    "chain_inputs_permuted": dict(step_inputs="perm", concat=True),
+    "chain_inputs_permuted_batch_first": dict(step_inputs="perm", batch_first=True, outputs=("seq",)),
+    "chain_first_step_other_cell": dict(step_inputs="first_other"),
+    "chain_first_step_other_cell_init_inputs": dict(step_inputs="first_other", init="input", static_T=4),
     # masks written by hand from a lengths input, compared with the step index per step (issue 14 item 8)
     "chain_lengths_lt": dict(mask="where", mask_rank=2, lengths="lt"),
     "chain_lengths_le_cast_sub_zero": dict(mask="cast_sub", mask_rank=2, lengths="le", fill="zero"),

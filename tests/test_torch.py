@@ -26,7 +26,7 @@ def _case(directory: Path, name: str) -> dict:
     return exported_case(directory, name, if_missing=pytest.skip)
 
 
-@pytest.mark.parametrize("name", [c.name for c in CASES if not c.slow])
+@pytest.mark.parametrize("name", [c.name for c in CASES if not c.slow and not c.opts.get("near_miss")])
 def test_torch(torch_dir, name):
     case = _case(torch_dir, name)
     fused, report = check_case(case)
@@ -40,6 +40,19 @@ def test_torch(torch_dir, name):
         if n.op_type in CELL_OPS and id(n) not in init_nodes:
             left[n.op_type] = left.get(n.op_type, 0) + 1
     assert sum(left.values()) <= case["expect"].get("max_cell_ops", 0), (left, report.to_text())
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES if c.opts.get("near_miss")])
+def test_torch_near_miss_declined(torch_dir, name):
+    """Loops that are no native recurrence (a step input computed from the state): declined with a reason,
+    the model handed back unchanged."""
+    case = _case(torch_dir, name)
+    original = onnx.load(case["onnx"])
+    fused, report = rnnfuse.optimize(original)
+    assert not report.fused and report.declined, report.to_text()
+    assert all(f.reason.strip() for f in report.declined), report.to_text()
+    assert fused.SerializeToString() == original.SerializeToString(), report.to_text()
+    check_case(case)  # (and it still computes what torch does)
 
 
 def _initial_state_nodes(model) -> set:

@@ -19,9 +19,12 @@
    output, carried next to the state for masking) becomes a third state, ``y``.
 7. **Outputs.** Per-step values stacked with ``Unsqueeze`` + ``Concat`` become sequence outputs, the last
    step's values the final states. Anything else read outside the chain declines it.
+8. **Other step inputs.** Steps reading other state-independent values than one tensor's slices in time
+   order (``2 * x[t]``, ``x[t] - x[t-1]``, every other step, a permutation) are threaded through their cells;
+   their inputs stacked are the sequence. A chain whose first step is another cell is fused from its second.
 
 Modules, in the order they run: :mod:`.families` (1, 5), :mod:`.chains` (2, 3), :mod:`.step_eval` (one step
-as a region), :mod:`.roles` (4, 6), :mod:`.outputs` (7), :mod:`.rule` (the pass). Generic dataflow queries
+as a region), :mod:`.roles` (4, 6), :mod:`.outputs` (7), :mod:`.step_inputs` (8), :mod:`.rule` (the pass). Generic dataflow queries
 live in :mod:`rnnfuse.dataflow`, structural signatures in :mod:`rnnfuse.signature`.
 """
 

@@ -178,16 +178,16 @@ def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], m
     stop = {**xs, **all_masks}
     runtime = runtime_values(g)
     found: dict[tuple[str, int], _Found] = {}
-    # a Concat of values local to several other steps stacks them (per-step outputs of a fused layer, read step
-    # by step): a real step reads one older step's value (x-local only at a chain's first step), e.g. input
-    # feeding's Concat(x_1, y_0)
+    # a Concat of values of several other steps stacks them (per-step outputs of a fused layer, read step by
+    # step; the stacked inputs of a fused chain whose steps read x[t] - x[t-1]): a real step reads one older
+    # step's values (x-local only at a chain's first step), e.g. input feeding's Concat(x_1, y_0)
     local_step = {v: t for t, (local, _) in regions.items() for v in local}
     for t in fam:
         local, combining = regions[t]
         mask_local = mask_only.get(t, set())
         mask_t = mask_fam.get(t, {})
         for c in combining:
-            if c.op_type == "Concat" and len({local_step[i] for i in c.input if i in local_step} - {t}) > 1:
+            if c.op_type == "Concat" and _stacks_steps(c, t, local, local_step, iv):
                 continue
             for i in c.input:
                 if not i or i in local or i in mask_local or i in xs or i in mask_t:
@@ -212,6 +212,13 @@ def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], m
                         f.weighted.add(r)
                     f.pulled |= pulled
     return found
+
+
+def _stacks_steps(c: NodeProto, t: int, local: set, local_step: dict, iv) -> bool:
+    """Whether Concat ``c``, read by step t, reads the values of more than one other step."""
+    others = {local_step[i] for i in c.input if i in local_step} - {t}
+    spans = {iv.get(i) for i in c.input if i and i not in local and i not in local_step} - {None}
+    return len(others) + len(spans) > 1
 
 
 def _thread(fam: dict[int, str], iv, mask_fam: dict[int, dict], found: dict[tuple[str, int], _Found],

@@ -32,6 +32,10 @@ from .outputs import chain_outputs, extra_values, find_symbolic, inputs_of, mask
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through
 
 
+class FirstStepDiffers(Decline):
+    """The chain's first step is not its cell (with the chain's initial state): the rest may still be one."""
+
+
 def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None = None) -> Recurrence:
     """The recurrence an unrolled chain computes (Decline with the reason when it is not one native cell)."""
     return _ChainRoles(g, src, axis, chain, iv, signer, mask_srcs).recurrence()
@@ -317,9 +321,10 @@ class _ChainRoles:
                 if k == 0 and zero:
                     z = zero_states(ref[r], zero)
                     if loose_key(p) != loose_key(z) and _zero_step_key(p) != _zero_step_key(z):
-                        raise Decline(f"the first step is not the cell with a zero initial state ({r})")
+                        raise FirstStepDiffers(f"the first step is not the cell with a zero initial state ({r})")
                 elif p.key != ref[r].key:
-                    raise Decline(f"step {self.ts[k]} computes a different cell than step {self.ts[self.km]} ({r})")
+                    why = f"step {self.ts[k]} computes a different cell than step {self.ts[self.km]} ({r})"
+                    raise FirstStepDiffers(why) if k == 0 else Decline(why)
 
     def build(self, an: StepAnalysis) -> Recurrence:
         g, src, axis, ts = self.g, self.src, self.axis, self.ts

@@ -1,18 +1,21 @@
 """The pass: find families, thread chains, turn each chain into a recurrence; repeat while new chains
-appear (a stack of layers: fusing one layer turns the next one's inputs into a family).
+appear (a stack of layers: fusing one layer turns the next one's inputs into a family). When the slice
+families give nothing more, chains whose steps read other state-independent inputs (:mod:`.step_inputs`).
 """
 
 from __future__ import annotations
 
+from rnnfuse.emit import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Model
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.signature import Signer
 
-from .chains import find_chains, intervals
+from .chains import Chain, find_chains, intervals
 from .families import find_families, length_masks, mask_leaves
-from .roles import chain_recurrence
+from .roles import FirstStepDiffers, chain_recurrence
+from .step_inputs import virtual_families
 
 
 class FuseChains:
@@ -51,10 +54,12 @@ class FuseChains:
                         continue
                     tried.add(key)
                     try:
-                        recs.append((chain_recurrence(g, src, axis, chain, iv, signer, mask_srcs), {}))
+                        recs.append((_recurrence(g, src, axis, chain, iv, signer, mask_srcs), {}))
                     except Decline as d:
                         where = f"{chain.direction} chain over '{src}' (axis {axis})"
                         pending[key] = declined(self.name, "chain", where, d.reason)
+            if not recs:
+                recs = self.virtual_chains(g, order, fams, signer, tried, pending, seen_now)
             pending = {k: v for k, v in pending.items() if k in seen_now}
             if not recs:
                 break
@@ -75,5 +80,59 @@ class FuseChains:
             iv = intervals(g, order, leaves)
             for chain in find_chains(g, fam, iv, mask_fam):
                 final.add((src, axis, chain.direction, chain.steps[0].t))
-        res.findings.extend(v for k, v in pending.items() if k in final)
+        if fams:
+            final |= {("inputs", vf[0]) for vf in virtual_families(g, order, fams)}
+        # (a chain of step inputs that declines for the reason its slice family's chain did is that chain)
+        real = {v.reason for k, v in pending.items() if k in final and len(k) == 4}
+        res.findings.extend(v for k, v in pending.items() if k in final and (len(k) == 4 or v.reason not in real))
         return res
+
+    def virtual_chains(self, g: Graph, order: list, fams: dict, signer: Signer, tried: set, pending: dict, seen: set) -> list:
+        """Recurrences of the chains whose steps read other state-independent inputs than the slices of one
+        tensor in step order: their inputs stacked (``Concat`` of ``Unsqueeze``) are the sequence."""
+        recs = []
+        for vf in virtual_families(g, order, fams):
+            key = ("inputs", vf[0])
+            seen.add(key)
+            if key in tried:
+                continue
+            tried.add(key)
+            t = g.model.known_type(vf[0])
+            if t is None or t[1] is None or len(t[1]) != 2 or any(
+                    (g.model.known_type(u) or (None, None))[1] is None
+                    or g.model.known_type(u)[1][1] != t[1][1] for u in vf.values()):
+                continue  # (every step input [B, F] with one F)
+            iv = intervals(g, order, {u: k for k, u in vf.items()})
+            chains = [c for c in find_chains(g, vf, iv) if c.direction == "forward"]
+            if not chains:
+                continue
+            added_before = len(g.nodes)
+            b = Builder(g, g.producer.get(vf[len(vf) - 1]), "rnnfuse/step_inputs")
+            src = b.op("Concat", *[b.unsqueeze(u, [0]) for _, u in sorted(vf.items())], axis=0)
+            g.model.declare(src, (t[0], [len(vf)] + list(t[1])))
+            made = g.nodes[added_before:]
+            got = []
+            for chain in chains:
+                try:
+                    rec = _recurrence(g, src, 0, chain, iv, signer, {})
+                except Decline as d:
+                    where = f"forward chain over {vf.describe()}"
+                    pending[key] = declined(self.name, "chain", where, d.reason)
+                    continue
+                rec.where = rec.where.replace(f"over '{src}' (axis 0)", f"over {vf.describe()}")
+                got.append((rec, {}))
+            if not got:
+                g.remove_nodes(made)
+            recs.extend(got)
+        return recs
+
+
+def _recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict):
+    """The chain's recurrence; a chain whose first step is another cell (or starts from another state) is
+    fused from its second step on, the first step kept as it is (its h the initial state)."""
+    try:
+        return chain_recurrence(g, src, axis, chain, iv, signer, mask_srcs)
+    except FirstStepDiffers:
+        if len(chain.steps) < 3:
+            raise
+        return chain_recurrence(g, src, axis, Chain(chain.direction, chain.steps[1:]), iv, signer, mask_srcs)

@@ -247,6 +247,8 @@ STEP_INPUTS = {
     "stride2": "x[t] for t in range(0, T, 2)",
     "perm": "x[t] for t in a fixed permutation of range(T)",
     "two_seq": "x[t] for t in range(T), then x2[t] for t in range(T2)",
+    "first_cell": "x[t], the first step through another cell of the same kind",
+    "reads_state": "x[t] * h[:, :1] (near miss: the step input depends on the state)",
 }
 
 
@@ -288,9 +290,12 @@ def steps_module(c: Case):
             super().__init__()
             kind = o["cell"]
             self.lstm = kind == "lstm"
-            self.cell = {"lstm": nn.LSTMCell, "gru": nn.GRUCell}.get(kind, nn.RNNCell)(c.features, c.hidden)
-            if kind.startswith("rnn"):
-                self.cell = nn.RNNCell(c.features, c.hidden, nonlinearity=kind[4:])
+            def make():
+                if kind.startswith("rnn"):
+                    return nn.RNNCell(c.features, c.hidden, nonlinearity=kind[4:])
+                return {"lstm": nn.LSTMCell, "gru": nn.GRUCell}[kind](c.features, c.hidden)
+
+            self.cell, self.cell0 = make(), make()
 
         def step_inputs(self, x, x2):
             at = (lambda s, t: s[:, t]) if c.batch_first else (lambda s, t: s[t])
@@ -317,10 +322,13 @@ def steps_module(c: Case):
             cs = torch.zeros(batch, c.hidden, dtype=x.dtype)
             outs = []
             for t, u in enumerate(self.step_inputs(x, x2)):
+                cell = self.cell0 if (t == 0 and o.get("inputs") == "first_cell") else self.cell
+                if o.get("inputs") == "reads_state":
+                    u = u * h[:, :1]
                 if self.lstm:
-                    h_new, c_new = self.cell(u, (h, cs))
+                    h_new, c_new = cell(u, (h, cs))
                 else:
-                    h_new, c_new = self.cell(u, h), None
+                    h_new, c_new = cell(u, h), None
                 if lengths is None:
                     h, cs = h_new, c_new
                     outs.append(h)
@@ -336,7 +344,32 @@ def steps_module(c: Case):
     return StepInputsLoop()
 
 
+def steps_expectation(c: Case, exp: dict) -> dict:
+    """A second sequence after the first is two chains (two ops); a first step through another cell stays
+    as it is (its cell ops are left); a near miss keeps everything."""
+    o = c.opts
+    op = ONNX_OP[c.family]
+    if o.get("near_miss"):
+        return {"declined": True, "ops": {}, "absent": ABSENT}
+    if o.get("inputs") == "two_seq":
+        exp = dict(exp, ops={op: 2}, directions={op: ["forward", "forward"]})
+    if o.get("inputs") == "first_cell":
+        exp = dict(exp, max_cell_ops={"lstm": 9, "gru": 12}.get(c.family, 3))
+    return exp
+
+
 CASES += [
+    # state-independent step inputs (issue 14 item 7): fused over the stacked inputs
+    steps("lstmcell_trace_double_x", "lstm", inputs="double"),
+    steps("grucell_dynamo_diff_x", "gru", inputs="diff", exporter="dynamo"),
+    steps("rnncell_tanh_trace_stride2_bf", "rnn_tanh", inputs="stride2", batch_first=True),
+    steps("lstmcell_dynamo_permuted_steps", "lstm", inputs="perm", exporter="dynamo"),
+    steps("grucell_trace_two_sequences", "gru", inputs="two_seq"),
+    steps("lstmcell_trace_first_step_other_cell", "lstm", inputs="first_cell"),
+    steps("grucell_dynamo_first_step_other_cell", "gru", inputs="first_cell", exporter="dynamo"),
+    steps("lstmcell_trace_input_reads_state", "lstm", inputs="reads_state", near_miss=True),
+    steps("grucell_dynamo_input_reads_state", "gru", inputs="reads_state", near_miss=True, exporter="dynamo"),
+    # hand-written length masks (issue 14 item 8)
     steps("lstmcell_trace_lengths", "lstm", lengths=True),
     steps("grucell_trace_lengths", "gru", lengths=True),
     steps("rnncell_tanh_trace_lengths_bf", "rnn_tanh", lengths=True, batch_first=True),
@@ -373,6 +406,8 @@ def expectation(c: Case) -> dict:
         attrs["activations"] = ["Relu"] * (2 if o.get("bidir") else 1)
     if attrs:
         exp["attrs"] = {op: attrs}
+    if c.model == "steps":
+        return steps_expectation(c, exp)
     return exp
 
 

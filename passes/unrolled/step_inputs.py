@@ -1,0 +1,189 @@
+"""Per-step inputs that are any state-independent tensor (issue 14 item 7).
+
+An unrolled step may read ``2 * x[t]``, ``x[t] - x[t-1]``, every other step, the steps in a permuted order: the
+values the cells read are then not the slices of one tensor in step order, so the slice families cannot thread
+them. Here the steps are found from the cells instead:
+
+1. **Preparation.** Values computed from the slices of the data families (and constants, and tensors that
+   depend on no slice) by elementwise, cast and reshaping ops, never by a matmul or an activation: no cell
+   state is among them (every cell has both), so none depends on the recurrence.
+2. **Step inputs.** Prepared values that something else reads: what the cells read, one per step.
+3. **Order.** One topological pass gives every tensor an owner, the step input its computation started
+   from. A node that mixes a step input's projection (the input itself, or it through a weight matmul,
+   slices and bias adds) with values of other owners is where that step reads its state: the state's
+   deepest owner is the step before. Other mixing nodes belong to their deepest owner (an LSTM step's
+   ``f * c`` reads the cell state of the step before).
+4. The steps linked that way, in order, are a family of their own: the sequence the native op reads is
+   their inputs stacked (``Concat`` of ``Unsqueeze``), built only for a chain being fused.
+
+Only chains the slice families leave unthreaded are looked for (see :func:`virtual_families`), and only
+unmasked ones (a mask's slices are indexed by time, which the steps' order no longer is).
+"""
+
+from __future__ import annotations
+
+from onnx import NodeProto
+
+from rnnfuse.dataflow import dynamic_inputs
+from rnnfuse.graph import Graph
+
+# state-independent preparation of a step's input: arithmetic, casts, reshapes and slices (no matmul, no activation)
+_PREP = {"Add", "Sub", "Mul", "Div", "Neg", "Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Concat",
+         "Slice", "Gather", "Dropout", "Transpose", "Flatten"}
+# what lies between a step input and the node that combines it with the state (a weight matmul, its bias)
+_PROJECTION = {"Gemm", "MatMul", "Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Add", "Sub",
+               "Mul", "Cast", "Gather", "Transpose"}
+
+
+class VirtualFamily(dict):
+    """position -> step input, in processing order; ``sources`` the data families' sources it reads."""
+
+    def __init__(self, inputs: list[str], sources: list[str]):
+        super().__init__(enumerate(inputs))
+        self.sources = sources
+
+    def describe(self) -> str:
+        return f"the step inputs computed from {', '.join(repr(s) for s in self.sources)}"
+
+
+def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[VirtualFamily]:
+    """Chains of steps threaded through their cells, whose inputs are not the slices of one tensor read in
+    step order (those are the slice families' chains)."""
+    slice_src: dict[str, tuple[str, int, int]] = {}
+    for (src, axis), fam in fams.items():
+        if g.model.elem_type(src) == 9:
+            continue
+        for t, x in fam.items():
+            slice_src[x] = (src, axis, t)
+    if not slice_src:
+        return []
+    # 1. preparation: values computed from slices (and slice-free tensors) without a matmul or an activation
+    sliced: set[str] = set(slice_src)  # tensors depending on some slice
+    prep: set[str] = set(slice_src)
+    for n in order:
+        dyn = dynamic_inputs(g, n)
+        if not any(i in sliced for i in dyn):
+            continue
+        sliced.update(o for o in n.output if o)
+        if n.op_type in _PREP and not g.implicit_inputs(n) and all(i in prep or i not in sliced for i in dyn) and (
+                n.op_type != "Concat" or (len(n.input) <= 8 and all(i in prep for i in n.input))):
+            # (a Concat with a constant or zero part is a cat([x, h]) cell's first step, h = 0 folded)
+            prep.update(o for o in n.output if o)
+    # 2. step inputs: prepared values read by something else
+    inputs: dict[str, int] = {}
+    for n in order:
+        if n.op_type in ("Shape", "Size") or (n.output and n.output[0] in prep):
+            continue
+        for i in dynamic_inputs(g, n):
+            if i in prep and i not in inputs:
+                inputs[i] = len(inputs)
+    if len(inputs) < 2:
+        return []
+    # 3. owners and links
+    owner: dict[str, str] = {u: u for u in inputs}
+    pred: dict[str, str] = {}
+    succ: dict[str, str | None] = {}  # (None: more than one step reads this one's state)
+    depth: dict[str, int] = {}
+    for n in order:
+        if n.output and n.output[0] in prep:
+            continue
+        dyn = dynamic_inputs(g, n)
+        owners = {owner[i] for i in dyn if i in owner}
+        if not owners:
+            continue
+        if len(owners) == 1:
+            own = next(iter(owners))
+        else:
+            own = _link(g, n, dyn, owner, inputs, pred, succ, depth)
+        if own is None:
+            continue
+        for o in n.output:
+            if o:
+                owner[o] = own
+    # 4. chains: follow the links from each step no step precedes
+    out = []
+    for u in inputs:
+        if u in pred or succ.get(u) is None:
+            continue
+        seq = [u]
+        while succ.get(seq[-1]) is not None and len(seq) <= len(inputs):
+            seq.append(succ[seq[-1]])
+        if len(seq) < 2 or _slice_chain(seq, slice_src):
+            continue
+        sources = sorted({src for s in seq for src in _sources(g, s, slice_src)})
+        out.append(VirtualFamily(seq, sources))
+    return out
+
+
+def _link(g: Graph, n: NodeProto, dyn: list[str], owner: dict, inputs: dict, pred: dict, succ: dict, depth: dict):
+    """The owner of a node mixing several owners' values; links a step to the one before when ``n`` is where
+    the step combines its input with its state."""
+    step_side, state_side = set(), set()
+    for i in dyn:
+        o = owner.get(i)
+        if o is None:
+            continue
+        (step_side if _projection_of(g, i, o) else state_side).add(o)
+    if len(step_side) == 1 and state_side and not (step_side & state_side):
+        a = next(iter(step_side))
+        deepest = _deepest(state_side, depth)
+        if deepest is None:
+            return None
+        if a not in pred:
+            if deepest in succ:
+                succ[deepest] = None  # two steps read one state: no chain through it
+                return a
+            pred[a] = deepest
+            succ[deepest] = a
+            depth[a] = depth.get(deepest, 0) + 1
+            return a
+        if pred[a] == deepest:
+            return a
+    return _deepest(step_side | state_side, depth)
+
+
+def _deepest(owners: set, depth: dict) -> str | None:
+    best = max(depth.get(o, 0) for o in owners)
+    top = [o for o in owners if depth.get(o, 0) == best]
+    return top[0] if len(top) == 1 else None
+
+
+def _projection_of(g: Graph, name: str, u: str, limit: int = 12) -> bool:
+    """Whether ``name`` is step input ``u`` itself or ``u`` through a weight matmul, slices and bias adds."""
+    for _ in range(limit):
+        if name == u:
+            return True
+        p = g.producer.get(name)
+        if p is None or p.op_type not in _PROJECTION:
+            return False
+        dyn = dynamic_inputs(g, p)
+        if len(dyn) != 1:
+            return False
+        name = dyn[0]
+    return False
+
+
+def _slice_chain(seq: list[str], slice_src: dict) -> bool:
+    """A chain over the slices of one tensor in step order, forward or backward: the slice families' business."""
+    if not all(s in slice_src for s in seq):
+        return False
+    srcs = {slice_src[s][:2] for s in seq}
+    ts = [slice_src[s][2] for s in seq]
+    return len(srcs) == 1 and all(abs(b - a) == 1 for a, b in zip(ts, ts[1:])) and (ts == sorted(ts) or ts == sorted(ts, reverse=True))
+
+
+def _sources(g: Graph, name: str, slice_src: dict, limit: int = 64) -> set[str]:
+    """The sliced tensors a step input is computed from."""
+    out, stack, seen = set(), [name], set()
+    while stack and len(seen) < limit:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if cur in slice_src:
+            out.add(slice_src[cur][0])
+            continue
+        p = g.producer.get(cur)
+        if p is not None:
+            stack.extend(i for i in p.input if i)
+    return out

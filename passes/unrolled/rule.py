@@ -23,6 +23,7 @@ class FuseChains:
 
     name = "unrolled"
     max_rounds = 8
+    max_virtual = 8  # chains of other step inputs tried per round
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         g = model.graph
@@ -91,7 +92,9 @@ class FuseChains:
         """Recurrences of the chains whose steps read other state-independent inputs than the slices of one
         tensor in step order: their inputs stacked (``Concat`` of ``Unsqueeze``) are the sequence."""
         recs = []
-        for vf in virtual_families(g, order, fams):
+        # (each family costs one intervals pass over the graph: the longest few are tried, so a graph full of
+        # short pseudo-chains stays linear)
+        for vf in sorted(virtual_families(g, order, fams), key=len, reverse=True)[: self.max_virtual]:
             key = ("inputs", vf[0])
             seen.add(key)
             if key in tried:

@@ -359,7 +359,9 @@ GAPS = [
      "an unrolled bidirectional layer whose halves share one preparation of x_t (a Reshape both read) is declined "
      "(the shared value looks like a chain output another chain reads: 'step N computes K values beyond its states')"),
     (lambda o: o.front == "chain" and (o.init in ("fill", "learned") or (B.has_prev(o) and o.prev_init == "fill")),
-     "an unrolled chain whose first step reads a non-zero constant initial state (folded into the step) is declined"),
+     "an unrolled chain whose first step reads a non-zero constant initial state (folded into the step) is fused "
+     "from its second step only: the first step is kept as it is (one op over every step would need the constant "
+     "as initial_h)"),
 ]
 
 

@@ -316,7 +316,12 @@ class _ChainRoles:
                 prev = (self.ys[k - 1] if k > 0 else self.y0) if self.y_carried else None
                 if prev is not None:
                     e.ev.memo[prev] = SymTensor(Poly.atom(Y_STATE), lead_of(g, prev) or 0)
-                p = e.poly(name)
+                try:
+                    p = e.poly(name)
+                except Decline as d:
+                    if k == 0:  # (e.g. a constant initial state folded in: the rest may still be the cell)
+                        raise FirstStepDiffers(f"the first step is not the cell: {d.reason}") from None
+                    raise
                 self.chain_nodes |= e.ev.visited_nodes
                 if k == 0 and zero:
                     z = zero_states(ref[r], zero)

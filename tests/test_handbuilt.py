@@ -285,7 +285,7 @@ CHAIN_FAMILIES = {
     "chain_mask_static_batch": dict(mask="where", static_B=4),
     "chain_bidirectional": dict(layers="bidir"),
     "chain_bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),
-    # both halves read one Reshape of x_t (noise): input preparation shared by two chains (a known gap)
+    # both halves read one Reshape of x_t (noise): input preparation shared by two chains
     "chain_bidirectional_shared_input_prep": dict(layers="bidir", noise=True),
     "chain_bidirectional_shared_input_prep_masked": dict(layers="bidir", noise=True, mask="where", fill="zero", static_T=3),
     "chain_stacked_masked": dict(layers="stack", mask="where"),
@@ -355,9 +355,6 @@ GAPS = [
      "a masked Loop reading Gather(X, T-1-i) and Gather(mask, T-1-i) is declined ('mask' is computed at runtime outside the step)"),
     (lambda o: o.mask == "pad", "a padding mask (True = padded, Where(pad, old, new)) is declined"),
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
-    (lambda o: o.front == "chain" and o.layers == "bidir" and o.noise,
-     "an unrolled bidirectional layer whose halves share one preparation of x_t (a Reshape both read) is declined "
-     "(the shared value looks like a chain output another chain reads: 'step N computes K values beyond its states')"),
     (lambda o: o.front == "chain" and (o.init in ("fill", "learned") or (B.has_prev(o) and o.prev_init == "fill")),
      "an unrolled chain whose first step reads a non-zero constant initial state (folded into the step) is fused "
      "from its second step only: the first step is kept as it is (one op over every step would need the constant "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from onnx import NodeProto
 
 from rnnfuse import op_args
-from rnnfuse.dataflow import closure, lead_of, shape_derived
+from rnnfuse.dataflow import closure, dynamic_inputs, lead_of, shape_derived
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.signature import Signer
@@ -59,6 +59,36 @@ def _stacking(g: Graph, nd: NodeProto, o: str, states, chain_nodes: set) -> bool
     return nd.op_type == "Unsqueeze" and nd.input[0] in states and not g.is_graph_output(o) and all(
         c.op_type == "Concat" for c in g.uses(o) if id(c) not in chain_nodes)
 
+# ops that prepare a step's input without reading a state: no matmul, no activation (every cell has both)
+_PREPARE = {"Add", "Sub", "Mul", "Div", "Neg", "Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Transpose",
+            "Flatten", "Dropout"}
+
+
+def prepared_inputs(g: Graph, chain: Chain, limit: int = 16):
+    """A predicate: whether a tensor is the preparation of a step's input (``Reshape(x_t)``, ``2 * x_t``:
+    computed from the step's slice and constants by the ops of :data:`_PREPARE`). Such a value is read by
+    the step's cell but depends on no state, so another chain may read it too (the two halves of a
+    bidirectional layer sharing one preparation of x_t). A value computed from the input alone through a
+    matmul or an activation (a first step's cell output, its state folded to zero) is no preparation."""
+    xs = {st.x for st in chain.steps}
+    memo: dict[str, bool] = {}
+
+    def prepared(name: str, depth: int = 0) -> bool:
+        if name in xs:
+            return True
+        if name in memo:
+            return memo[name]
+        p = g.producer.get(name)
+        ok = p is not None and p.op_type in _PREPARE and depth < limit and not g.implicit_inputs(p)
+        if ok:
+            dyn = dynamic_inputs(g, p)
+            ok = bool(dyn) and all(prepared(i, depth + 1) for i in dyn)
+        memo[name] = ok
+        return ok
+
+    return prepared
+
+
 def extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: set, mask_values: set) -> list[str] | None:
     """Per step, the one value computed from the cell's inner values by nodes outside h and c (Keras'
     masked output carried next to the state), or None when no step has one."""
@@ -67,6 +97,7 @@ def extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: se
     k_of = {st.t: k for k, st in enumerate(steps)}
     hang: dict[int, dict[int, NodeProto]] = {}
     stacked: dict[int, set] = {}
+    prepared = prepared_inputs(g, chain)
     for nd in g.live_nodes():
         if id(nd) not in chain_nodes:
             continue
@@ -79,6 +110,8 @@ def extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: se
             outside = [u for u in g.uses(o) if id(u) not in chain_nodes and u.op_type not in ("Shape", "Size")] if o else []
             if not outside or o in state_tensors or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, state_tensors, chain_nodes):
                 continue
+            if prepared(o):
+                continue  # a step input's preparation another chain reads too
             if all(u.op_type == "Unsqueeze" and _stacking(g, u, u.output[0], {o}, chain_nodes) for u in outside):
                 stacked.setdefault(k, set()).add(o)  # an inner value stacked as it is (e.g. m * h_cell)
                 continue
@@ -147,11 +180,14 @@ def chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set, mask_v
     n = len(chain.steps)
     ts = [s.t for s in chain.steps]
     index = {t: (r, k) for r, names in series.items() for k, t in enumerate(names) if t}
+    prepared = prepared_inputs(g, chain)
     for nd in (x for x in g.live_nodes() if id(x) in chain_nodes):
         for o in nd.output:
             read = o and (g.is_graph_output(o) or any(id(u) not in chain_nodes and u.op_type not in ("Shape", "Size") for u in g.uses(o)))
             if not read or o in index or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, index, chain_nodes):
                 continue
+            if not g.is_graph_output(o) and prepared(o):
+                continue  # a step input's preparation another chain reads too
             raise Decline(f"an inner value of the chain ('{o}') is read outside it")
     cats: dict[int, list] = {}
     extra: list[tuple[str, int, str]] = []

@@ -1476,7 +1476,8 @@ def front_label(o: Opts) -> str:
 
 def recurrences_left(o: Opts, before: dict, after: dict) -> tuple[int, int]:
     """(recurrences in the original, recurrences left after optimizing). An unrolled chain is left while
-    its per-step recurrent matmuls are (only the input projection, when there is one, stays)."""
+    its per-step recurrent matmuls are (only the input projection, when there is one, stays); counted in
+    matmuls, so that a chain fused from its second step on (the first kept) is partly fused."""
     if o.front != "chain":
         return before.get("Scan", 0) + before.get("Loop", 0), after.get("Scan", 0) + after.get("Loop", 0)
     n = len(_layer_opts(o))
@@ -1487,7 +1488,7 @@ def recurrences_left(o: Opts, before: dict, after: dict) -> tuple[int, int]:
         kept += mm_before // o.static_T  # the first step, another cell, stays as it is
     if mm_after <= kept:
         return n, 0
-    return n, n if mm_after == mm_before else 1
+    return mm_before - kept, mm_after - kept
 
 
 def run_case(

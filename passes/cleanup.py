@@ -122,7 +122,7 @@ class _DedupeTable:
             out[id(c)] = c
         if not out:
             return []  # (a plain chain: not even the positions are needed)
-        pos = g._pos
+        pos = g.positions
         return sorted(out.values(), key=lambda n: pos[id(n)])
 
     def _const_readers(self) -> list[NodeProto]:
@@ -143,7 +143,7 @@ class _DedupeTable:
         return self.const_readers
 
     def eligible(self, n: NodeProto) -> bool:
-        if id(n) in self.g._removed:
+        if not self.g.alive(n):
             return False
         op = n.op_type
         if op in _IMPURE or op == "Constant" or op in CONTROL_FLOW:
@@ -213,7 +213,7 @@ class _DedupeTable:
                 return
             self.seeded.add("")
             group = self._const_readers()
-        pos = g._pos
+        pos = g.positions
         for m in sorted(group, key=lambda m: pos[id(m)]):  # the first in graph order is the one kept
             if self.eligible(m):  # (``n`` too: in its place in that order)
                 self._insert(m, self.coarse(m))

@@ -78,6 +78,11 @@ class GraphIndex:
             self._pos_map = {id(base[i]): i * POS_TIE for i in range(self._pos_len)}
         return self._pos_map
 
+    @property
+    def positions(self) -> dict[int, int]:
+        """node id -> its sort key in graph order (the order :meth:`toposort` keeps among ready nodes)."""
+        return self._pos
+
     def nodes_of(self, *op_types: str) -> list[NodeProto]:
         """The live nodes of these op types, in node-list order (nodes added later after them, in the order
         they were added). Filled while the graph is indexed (after ``finalize``: on first use) and kept up

@@ -175,6 +175,29 @@ def test_no_module_over_500_lines():
     assert not big, "split these by idea: " + ", ".join(big)
 
 
+def test_no_private_reach_ins():
+    """``obj._name`` only on ``self`` / ``cls`` or where the module itself defines ``_name`` (a class reading
+    another instance of itself): no module reaches into another's private state, nor into a library's."""
+    found = []
+    for p in _engine_modules().values():
+        tree = ast.parse(p.read_text())
+        defined = set()
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                defined.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                defined.add(n.id)
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")):
+                continue
+            if isinstance(n.value, ast.Name) and n.value.id in ("self", "cls") or n.attr in defined:
+                continue
+            found.append(f"{p.relative_to(_ROOT)}:{n.lineno} {ast.unparse(n)}")
+    assert not found, "ask the owner for a public way: " + ", ".join(found)
+
+
 def _module_imports(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
     """Module -> the engine modules it imports at module level (imports inside functions load lazily and
     are not edges; ``from pkg import name`` is an edge to ``pkg.name`` when that is a module)."""

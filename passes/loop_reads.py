@@ -49,7 +49,10 @@ def counter_step(body: Graph, name: str) -> tuple[str, int] | None:
         for a, b in ((0, 1), (1, 0)):
             c = body.const(n.input[b])
             if c is not None and np.asarray(c).size == 1:
-                return _strip_cast(body, n.input[a]), int(np.asarray(c).ravel()[0])
+                k = np.asarray(c).ravel()[0]
+                if k != int(k):  # i + 0.5 is no step count (a float compare against it differs from i's)
+                    return None
+                return _strip_cast(body, n.input[a]), int(k)
         return None
     return name, 0
 
@@ -99,6 +102,8 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
 # axis that long would hold 4 GB for every element of the other axes, so 1e9 or more reaches any real axis end
 _TO_THE_END = 10**9
 UNKNOWN = ("?",)
+# types an index passes through unchanged (float: exact below 2**24 steps, which bounds every real loop)
+_EXACT_INDEX_TYPES = (TensorProto.INT64, TensorProto.INT32, TensorProto.UINT64, TensorProto.FLOAT, TensorProto.DOUBLE)
 
 
 def _leaf_terms(arr: np.ndarray) -> list | None:
@@ -212,6 +217,11 @@ def _int_terms(g: Graph, body: Graph, name: str, index_syms: dict[str, int], dep
     if n is None:
         return None
     op = n.op_type
+    if op == "Cast" and attr(n, "to") == TensorProto.BOOL:
+        inner = _int_terms(g, body, n.input[0], index_syms, depth + 1)
+        return None if inner is None else [("c", int(t[1] != 0)) if t[0] == "c" else UNKNOWN for t in inner]
+    if op == "Cast" and attr(n, "to") not in _EXACT_INDEX_TYPES:
+        return None  # narrow types wrap or round index values
     if op in ("Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape"):
         return _int_terms(g, body, n.input[0], index_syms, depth + 1)
     if op == "Concat" and attr(n, "axis", 0) in (0, -1):

@@ -55,9 +55,9 @@ def dim_key(g: Graph, name: str, depth: int = 0):
     c = g.const(name)
     if c is not None:
         flat = np.asarray(c).ravel()
-        if flat.size == 1 and np.issubdtype(flat.dtype, np.number):
+        if flat.size == 1 and np.issubdtype(flat.dtype, np.number) and flat[0] == int(flat[0]):
             return ("const", int(flat[0]))
-        return None
+        return None  # (a fraction is no size: 1.4 must not read as 1)
     scope = g.scope_of(name)
     if scope is None or name not in scope.producer:
         if scope is not None and scope.owner is not None and scope.owner.op_type == "Loop":
@@ -229,6 +229,8 @@ def _descending_indices(g: Graph, idx: str, length: tuple) -> bool:
         return (_same_size(start, (length, -1)) and _same_size(limit, (("const", 0), -1))
                 and _same_size(delta, (("const", 0), -1)))
     if n.op_type == "Sub" and len(n.input) == 2:
+        if g.model.shape(n.input[0]) not in ([], [1]):  # a [1, 1] start would add an axis to the Gather
+            return False
         r = scope.producer.get(n.input[1])
         if r is None or r.op_type != "Range" or len(r.input) != 3:
             return False

@@ -65,7 +65,7 @@ def _step_column(g: Graph, idx: str, batch: int) -> str | None:
     if rows is None or np.shape(rows) != (batch, 1) or [int(v) for v in np.ravel(rows)] != list(range(batch)):
         return None
     k_shape = g.model.shape(n.input[0])
-    if k_shape is not None and (len(k_shape) != 2 or k_shape[1] != 1):
+    if k_shape is None or len(k_shape) != 2 or k_shape[1] != 1:  # one step per row, known to be
         return None
     return n.input[0]
 

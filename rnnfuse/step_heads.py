@@ -76,8 +76,9 @@ def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[s
         if expanded:
             n = body.producer[name]
             _check_row_wise(body, n, rows, const_of)
+            row_out = any(rows.get(i) for i in n.input if i)  # computed from constants alone: no row axis
             for o in n.output:
-                rows[o] = True
+                rows[o] = row_out
             order.append(n)
             continue
         if name in seen or not name:
@@ -111,6 +112,9 @@ def _leaf(body: Graph, ev, name: str, h_key, other_keys: dict, x_reads: set[str]
         if key == h_key:
             if v.lead:
                 raise Decline(f"the per-step output reads the new hidden state as a [1, B, H] tensor '{name}'")
+            if body.model.rank(name) != 2:  # a batch-1 Squeeze to [H] has h's maths but no row axis
+                raise Decline(f"the per-step output reads the new hidden state as a rank-{body.model.rank(name)} "
+                              f"tensor '{name}', not [B, H] rows")
             head.h.add(name)
             return True
         if key in other_keys:
@@ -174,7 +178,7 @@ def _check_row_wise(body: Graph, n: NodeProto, rows: dict[str, bool], const_of) 
             return
         raise Decline(f"{what} of a per-step output is not rows times a constant matrix")
     if op in ("Softmax", "LogSoftmax", "Hardmax"):
-        if _axis_is_features(n, 1 if body.model.opset < 13 else -1):
+        if _axis_is_features(n, 1 if body.model.opset < 13 else -1) and row_ins == [n.input[0]]:
             return
     elif op == "Concat":
         if _axis_is_features(n, None) and len(row_ins) == len(ins):
@@ -188,7 +192,7 @@ def _check_row_wise(body: Graph, n: NodeProto, rows: dict[str, bool], const_of) 
         if axes is not None and all(a in (1, -1) for a in axes) and row_ins == [n.input[0]]:
             return
     elif op == "Flatten":
-        if attr(n, "axis", 1) == 1:
+        if attr(n, "axis", 1) == 1 and row_ins == [n.input[0]]:
             return
     elif op == "LayerNormalization":
         if attr(n, "axis", -1) in (1, -1) and row_ins == [n.input[0]] and all(small(i) for i in ins[1:]):

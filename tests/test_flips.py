@@ -83,6 +83,17 @@ NEAR_MISSES = {
     "constant with a repeated step": dict(index_nodes=[], index_inits=[_i64("idx", [4, 3, 2, 1, 1])],
                                           static_time=True),
     "constant [T-1 .. 0] but T unknown": dict(index_nodes=[], index_inits=[_i64("idx", list(range(T - 1, -1, -1)))]),
+    "float arithmetic: (T - 1.4) - Range(0., T, 1.)": dict(index_nodes=[
+        helper.make_node("Cast", ["n"], ["nf"], to=TensorProto.FLOAT),
+        helper.make_node("Sub", ["nf", "f1_4"], ["nf_minus"]),
+        helper.make_node("Range", ["f0", "nf", "f1"], ["rf"]),
+        helper.make_node("Sub", ["nf_minus", "rf"], ["idxf"]),
+        helper.make_node("Cast", ["idxf"], ["idx"], to=TensorProto.INT64)],
+        index_inits=[numpy_helper.from_array(np.float32(v), k) for k, v in (("f1_4", 1.4), ("f0", 0.0), ("f1", 1.0))]),
+    "a [1, 1] start: Gather adds an axis": dict(index_nodes=[
+        helper.make_node("Unsqueeze", ["n_minus_1", "ax01"], ["n_minus_1_2d"]),
+        helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+        helper.make_node("Sub", ["n_minus_1_2d", "r"], ["idx"])], index_inits=[_i64("ax01", [0, 1])]),
 }
 
 

@@ -96,7 +96,9 @@ def _child(cmd: list[str], tree: str | None = None) -> tuple[float, float, int, 
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = tree + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    out = subprocess.run([sys.executable, "-c", PEAK, *cmd], capture_output=True, text=True, check=True, env=env)
+    # (run from a neutral directory: ``python -m`` puts the working directory ahead of PYTHONPATH)
+    out = subprocess.run([sys.executable, "-c", PEAK, *cmd], capture_output=True, text=True, check=True, env=env,
+                         cwd=tempfile.gettempdir())
     return tuple(json.loads(out.stdout))
 
 

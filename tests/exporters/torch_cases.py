@@ -249,6 +249,8 @@ STEP_INPUTS = {
     "two_seq": "x[t] for t in range(T), then x2[t] for t in range(T2)",
     "first_cell": "x[t], the first step through another cell of the same kind",
     "reads_state": "x[t] * h[:, :1] (near miss: the step input depends on the state)",
+    "shared_reshape_bidir": "x[t].reshape(-1, F) once per step, read by a forward and a backward chain "
+                            "(outputs concatenated on features)",
 }
 
 
@@ -295,7 +297,7 @@ def steps_module(c: Case):
                     return nn.RNNCell(c.features, c.hidden, nonlinearity=kind[4:])
                 return {"lstm": nn.LSTMCell, "gru": nn.GRUCell}[kind](c.features, c.hidden)
 
-            self.cell, self.cell0 = make(), make()
+            self.cell, self.cell0 = make(), make()  # (cell0: the first step's other cell, or the backward chain's)
 
         def step_inputs(self, x, x2):
             at = (lambda s, t: s[:, t]) if c.batch_first else (lambda s, t: s[t])
@@ -309,11 +311,30 @@ def steps_module(c: Case):
                 return [at(x, t) for t in range(0, steps_, 2)]
             if form == "perm":
                 return [at(x, t) for t in perm[:steps_]]
+            if form == "shared_reshape_bidir":
+                return [at(x, t).reshape(-1, c.features) for t in range(steps_)]
             if form == "two_seq":
                 return [at(x, t) for t in range(steps_)] + [at(x2, t) for t in range(x2.shape[1 if c.batch_first else 0])]
             return [at(x, t) for t in range(steps_)]
 
+        def chain(self, cell, us):
+            batch = us[0].shape[0]
+            h = torch.zeros(batch, c.hidden, dtype=us[0].dtype)
+            cs = torch.zeros(batch, c.hidden, dtype=us[0].dtype)
+            outs = []
+            for u in us:
+                if self.lstm:
+                    h, cs = cell(u, (h, cs))
+                else:
+                    h = cell(u, h)
+                outs.append(h)
+            return outs
+
         def forward(self, x, in1=None, in2=None):  # (x[, x2][, lengths]); named: torch.export wants no *args
+            if o.get("inputs") == "shared_reshape_bidir":
+                us = self.step_inputs(x, None)
+                ys = [self.chain(self.cell, us), self.chain(self.cell0, us[::-1])[::-1]]
+                return torch.cat([torch.stack(y, dim=1 if c.batch_first else 0) for y in ys], -1)
             rest = [v for v in (in1, in2) if v is not None]
             x2 = rest[0] if o.get("inputs") == "two_seq" else None
             lengths = rest[-1] if o.get("lengths") else None
@@ -353,6 +374,8 @@ def steps_expectation(c: Case, exp: dict) -> dict:
         return {"declined": True, "ops": {}, "absent": ABSENT}
     if o.get("inputs") == "two_seq":
         exp = dict(exp, ops={op: 2}, directions={op: ["forward", "forward"]})
+    if o.get("inputs") == "shared_reshape_bidir":
+        exp = dict(exp, directions={op: ["bidirectional"]})
     if o.get("inputs") == "first_cell":
         exp = dict(exp, max_cell_ops={"lstm": 9, "gru": 12}.get(c.family, 3))
     return exp
@@ -367,6 +390,9 @@ CASES += [
     steps("grucell_trace_two_sequences", "gru", inputs="two_seq"),
     steps("lstmcell_trace_first_step_other_cell", "lstm", inputs="first_cell"),
     steps("grucell_dynamo_first_step_other_cell", "gru", inputs="first_cell", exporter="dynamo"),
+    steps("lstmcell_trace_bidir_shared_reshape", "lstm", inputs="shared_reshape_bidir"),
+    steps("grucell_dynamo_bidir_shared_reshape_bf", "gru", inputs="shared_reshape_bidir", exporter="dynamo",
+          batch_first=True),
     steps("lstmcell_trace_input_reads_state", "lstm", inputs="reads_state", near_miss=True),
     steps("grucell_dynamo_input_reads_state", "gru", inputs="reads_state", near_miss=True, exporter="dynamo"),
     # hand-written length masks (issue 14 item 8)

@@ -260,14 +260,17 @@ class Graph(GraphIndex):
     def _dead_nodes(self) -> list[NodeProto]:
         """The nodes no graph output is computed from, in node-list order.
 
-        First from the indices alone: a graph where every node has an output that is read or is a graph
-        output has no dead node (ONNX graphs have no cycles), which one pass over the value names proves
-        without reading any node. Only otherwise is liveness walked back from the outputs: that walk reads
-        the live nodes, few once a fused chain's steps are dead."""
-        consumers, outs, removed = self.consumers, set(self.output_names), self._removed
-        read = {id(n) for o, n in self.producer.items() if o in outs or consumers.get(o)}
-        if all(id(n) in read for n in self.nodes if id(n) not in removed):
-            return []
+        A graph no edit has touched yet (as loaded: dead code there is rare) is first checked from the
+        indices alone: if every node has an output that is read or is a graph output, nothing is dead (ONNX
+        graphs have no cycles), which one pass over the value names proves without reading any node. After
+        edits (a fused chain's steps are dead), or when some node is unread, liveness is walked back from the
+        outputs: that walk reads the live nodes only."""
+        removed = self._removed
+        if not self.edited and not removed:
+            consumers, outs = self.consumers, set(self.output_names)
+            read = {id(n) for o, n in self.producer.items() if o in outs or consumers.get(o)}
+            if all(id(n) in read for n in self.nodes):
+                return []
         live = self._live_set()
         return [n for n in self.nodes if id(n) not in removed and id(n) not in live]
 

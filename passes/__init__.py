@@ -9,6 +9,7 @@ from __future__ import annotations
 def default_passes() -> list:
     from .bidirectional import MergeBidirectional, ReverseInputs
     from .cleanup import Dedupe, DropNoOps, InlineConstantIfs, SkipRoundTrips
+    from .concat_slices import MergeConsecutiveSlices
     from .flips import CancelFlips
     from .loop import FuseLoops
     from .scan import FuseScans
@@ -28,5 +29,6 @@ def default_passes() -> list:
         MergeBidirectional(),  # ... which is what pairing them into one bidirectional op needs
         CancelFlips(),  # a reverse op's output flipped back by the exporter: two flips cancel
         SkipRoundTrips(),  # stacked masked layers: no scatter back to time order only to gather again
+        MergeConsecutiveSlices(),  # merged per-step ops: x cut in steps and Y put back together are one slice each
         Dedupe(),  # last: mask plumbing the rewrites built per layer is shared
     ]

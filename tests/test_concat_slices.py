@@ -1,0 +1,96 @@
+"""``MergeConsecutiveSlices``: a Concat of consecutive slices of one tensor (each through the same Squeeze or
+Transpose) becomes one slice, and nothing else does. Each case runs the pass alone and compares the graph with
+the original in onnxruntime, with the time axis both longer and shorter than the slices reach (clamping)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from helpers import session
+from passes.concat_slices import MergeConsecutiveSlices
+from rnnfuse.findings import Options
+from rnnfuse.graph import Model
+
+
+def _i64(name, v):
+    return numpy_helper.from_array(np.asarray(v, np.int64), name)
+
+
+def concat_of_slices(bounds, *, axis=0, cat_axis=None, layout=None, sources=None, steps=None):
+    """y [T, 1, B, H] cut into ``bounds`` along ``axis``, each piece through ``layout`` (None, ("Squeeze", [1]),
+    ("Transpose", perm)), concatenated along ``cat_axis``."""
+    nodes, inits, pieces = [], [], []
+    for k, (s, e) in enumerate(bounds):
+        src = (sources or {}).get(k, "y")
+        ins = [src, f"s{k}", f"e{k}", f"a{k}"] + ([f"st{k}"] if steps else [])
+        inits += [_i64(f"s{k}", [s]), _i64(f"e{k}", [e]), _i64(f"a{k}", [axis])]
+        if steps:
+            inits.append(_i64(f"st{k}", [steps[k]]))
+        nodes.append(helper.make_node("Slice", ins, [f"p{k}"]))
+        out = f"p{k}"
+        if layout and layout[0] == "Squeeze":
+            inits.append(_i64(f"q{k}", layout[1]))  # a copy of the axes per piece, as exporters write it
+            nodes.append(helper.make_node("Squeeze", [out, f"q{k}"], [f"l{k}"]))
+            out = f"l{k}"
+        elif layout and layout[0] == "Transpose":
+            nodes.append(helper.make_node("Transpose", [out], [f"l{k}"], perm=layout[1]))
+            out = f"l{k}"
+        pieces.append(out)
+    nodes.append(helper.make_node("Concat", pieces, ["out"], axis=axis if cat_axis is None else cat_axis))
+    inputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 1, "B", 3]),
+              helper.make_tensor_value_info("z", TensorProto.FLOAT, ["T", 1, "B", 3])]
+    graph = helper.make_graph(nodes, "cat", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _merged(model):
+    m = Model(model)
+    res = MergeConsecutiveSlices().run(m, Options())
+    m.graph.finalize()
+    return res.modified, m.proto
+
+
+def _same(a, b):
+    rng = np.random.default_rng(0)
+    for T in (6, 3):  # longer and shorter than the slices reach
+        feeds = {n: rng.standard_normal((T, 1, 2, 3)).astype(np.float32) for n in ("y", "z")}
+        np.testing.assert_array_equal(session(b).run(None, feeds)[0], session(a).run(None, feeds)[0])
+
+
+STEPS = [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(bounds=STEPS),
+    dict(bounds=[(1, 3), (3, 4), (4, 6)]),
+    dict(bounds=STEPS, layout=("Squeeze", [1]), cat_axis=0),  # torch.cat of squeezed per-step outputs
+    dict(bounds=STEPS, axis=2, layout=("Squeeze", [1]), cat_axis=1),
+    dict(bounds=STEPS, layout=("Transpose", [2, 0, 1, 3]), cat_axis=1),  # batch-first pieces
+], ids=["steps", "stretches", "squeezed", "squeezed_axis2", "transposed"])
+def test_consecutive_slices_become_one(kw):
+    model = concat_of_slices(**kw)
+    modified, out = _merged(model)
+    assert modified
+    assert [n.op_type for n in out.graph.node].count("Slice") == 1
+    assert "Concat" not in [n.op_type for n in out.graph.node]
+    _same(model, out)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(bounds=[(0, 1), (2, 3)]),  # a gap
+    dict(bounds=[(0, 2), (1, 3)]),  # overlapping
+    dict(bounds=[(1, 2), (0, 1)]),  # out of order
+    dict(bounds=STEPS, sources={2: "z"}),  # one piece of another tensor
+    dict(bounds=STEPS, cat_axis=2),  # cut along time, put together along batch
+    dict(bounds=STEPS[:3], layout=("Squeeze", [0]), cat_axis=0),  # the squeeze drops the sliced axis itself
+    dict(bounds=STEPS, steps=[1, 1, 2, 1]),  # a step of 2
+], ids=["gap", "overlap", "order", "other_source", "other_axis", "squeezed_away", "strided"])
+def test_near_misses_are_left(kw):
+    model = concat_of_slices(**kw)
+    modified, out = _merged(model)
+    assert not modified
+    _same(model, out)

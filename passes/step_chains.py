@@ -182,6 +182,30 @@ class _Links:
         return out
 
 
+def _readers(g: Graph, name: str) -> list[NodeProto]:
+    """The nodes that read ``name``'s value: through a Concat, only the Slices that take ``name``'s part (a
+    per-step multi-layer state is put together and split again; the other layers' parts do not read it)."""
+    out = []
+    for use in g.uses(name):
+        if use.op_type != "Concat":
+            out.append(use)
+            continue
+        out.append(use)
+        for o in use.output:
+            for s in g.uses(o):
+                part = _part_sliced(g, s) if s.op_type == "Slice" else None
+                if part is not None and part[0] != name:
+                    continue  # takes another input's rows
+                out.append(s)
+    return out
+
+
+def _walk_on(g: Graph, name: str, use: NodeProto) -> list[str]:
+    """The values a walk from ``name`` reaches through ``use`` (a Concat is passed through to the Slices of
+    ``name``'s part, which :func:`_readers` lists themselves)."""
+    return [] if use.op_type == "Concat" else [o for o in use.output if o]
+
+
 def _reads_chain(g: Graph, chain: list[NodeProto]) -> str | None:
     """Why one op's input is computed from an earlier op of the chain (None when none is): one walk
     forward from the chain's outputs that does not enter the chain's own ops."""
@@ -199,32 +223,36 @@ def _reads_chain(g: Graph, chain: list[NodeProto]) -> str | None:
             reached.add(name)
             if first_read.get(name, -1) > k:
                 return f"the input of op {first_read[name] + 1} is computed from op {k + 1}'s output"
-            for use in g.uses(name):
+            for use in _readers(g, name):
                 if id(use) not in members:
-                    stack.extend(o for o in use.output if o)
+                    stack.extend(_walk_on(g, name, use))
     return None
 
 
 def _only_carried_on(g: Graph, name: str, chain_ids: set, carriers: set) -> bool:
-    """``name`` is read by nothing but the copies that carry it into the next op of the chain."""
+    """``name`` is read by nothing but the copies that carry it into the next op of a chain being merged."""
     if g.is_graph_output(name):
         return False
-    for use in g.uses(name):
+    for use in _readers(g, name):
         if id(use) in chain_ids:
             continue
-        if id(use) not in carriers or not all(_only_carried_on(g, o, chain_ids, carriers) for o in use.output):
+        if id(use) not in carriers:
+            return False
+        if use.op_type != "Concat" and not all(_only_carried_on(g, o, chain_ids, carriers) for o in use.output):
             return False
     return True
 
 
-def merge_chain(g: Graph, chain: list[NodeProto], links: _Links) -> tuple[NodeProto, dict[str, str]]:
-    """Add the merged op; returns it and the replacement of every output of the chain read outside it."""
+def merge_chain(g: Graph, chain: list[NodeProto], group: list[list[NodeProto]], links: _Links
+                ) -> tuple[NodeProto, dict[str, str]]:
+    """Add the merged op; returns it and the replacement of every output of the chain read outside it.
+    ``group``: the chains merged together with this one (the layers of one stack share their state carriers)."""
     head, last = chain[0], chain[-1]
     kind = native_kind(head)
     if g.model.opset < 10:
         raise Decline(f"slicing the merged output needs opset 10; the model has opset {g.model.opset}")
-    chain_ids = {id(n) for n in chain}
-    carriers = {id(c) for n in chain for c in links.carriers.get(id(n), [])}
+    chain_ids = {id(n) for c in group for n in c}
+    carriers = {id(x) for c in group for n in c for x in links.carriers.get(id(n), [])}
     why = _reads_chain(g, chain)
     if why:
         raise Decline(why)
@@ -261,6 +289,29 @@ def _inp_out(n: NodeProto, k: int) -> str:
     return n.output[k] if len(n.output) > k else ""
 
 
+def _groups(chains: list[list[NodeProto]], links: _Links) -> list[list[list[NodeProto]]]:
+    """Chains that share a state carrier (a multi-layer state's per-step Concat) merge together or not at
+    all: merging one alone would leave the shared Concat reading a state that no longer exists."""
+    owner: dict[int, int] = {}
+    parent = list(range(len(chains)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, chain in enumerate(chains):
+        for n in chain:
+            for c in links.carriers.get(id(n), []):
+                j = owner.setdefault(id(c), i)
+                parent[root(i)] = root(j)
+    groups: dict[int, list] = {}
+    for i, chain in enumerate(chains):
+        groups.setdefault(root(i), []).append(chain)
+    return list(groups.values())
+
+
 class MergeStepChains:
     """Chains of native ops over consecutive stretches of one sequence become one op."""
 
@@ -272,17 +323,19 @@ class MergeStepChains:
         ops = [n for n in g.nodes_of(*KINDS) if _mergeable(g, n)]
         links = _Links(g, ops)
         rewrites = []
-        for chain in links.chains(ops):
-            head = chain[0]
-            where = f"{head.name or head.output[0]} .. {chain[-1].name or chain[-1].output[0]}"
-            front = f"{len(chain)} {head.op_type} ops"
+        for group in _groups(links.chains(ops), links):
+            head, end = group[0][0], group[-1][-1]
+            where = f"{head.name or head.output[0]} .. {end.name or end.output[0]}"
+            front = f"{len(group[0])} {head.op_type} ops" + (f" x {len(group)} layers" if len(group) > 1 else "")
+            repl: dict[str, str] = {}
             try:
-                native, repl = merge_chain(g, chain, links)
+                for chain in group:
+                    repl.update(merge_chain(g, chain, group, links)[1])
             except Decline as e:
                 res.findings.append(Finding(self.name, front, where, "declined", reason=e.reason))
                 continue
             f = Finding(self.name, front, where, "merged", cell=f"{head.op_type}(hidden={attr(head, 'hidden_size')})",
                         direction="forward", hidden=attr(head, "hidden_size"))
-            rewrites.append(Rewrite(f, repl, tuple(chain), {}, "the merged op differs"))
+            rewrites.append(Rewrite(f, repl, tuple(n for chain in group for n in chain), {}, "the merged op differs"))
         apply_rewrites(g, ctx, rewrites, res, prune=False)
         return res

@@ -194,6 +194,9 @@ CASES = [
     nnrnn("rnn_relu_steps_trace_h0", "rnn_relu", exporter="trace", stretch=1, init="given"),
     nnrnn("gru_steps_trace_L2", "gru", exporter="trace", stretch=2, layers=2,
           notes="two layers: the [2, B, H] state is split per layer and concatenated back at every call"),
+    nnrnn("lstm_steps_dynamo_L2_h0", "lstm", stretch=1, layers=2, init="given",
+          notes="two layers: both cell states share one Concat per call, so the layers merge together"),
+    nnrnn("lstm_steps_trace_L2_bf", "lstm", exporter="trace", stretch=2, layers=2, **BF),
     nnrnn("lstm_native_dynamo", "lstm", notes="control: nn.LSTM exports as a native LSTM already"),
     nnrnn("gru_native_dynamo_bf", "gru", **BF, notes="control: nn.GRU exports as a native GRU already"),
     # -- TorchScript: Loop + SequenceInsert + ConcatFromSequence, dynamic batch and time

@@ -85,7 +85,7 @@ def test_consecutive_slices_become_one(kw):
     dict(bounds=[(0, 2), (1, 3)]),  # overlapping
     dict(bounds=[(1, 2), (0, 1)]),  # out of order
     dict(bounds=STEPS, sources={2: "z"}),  # one piece of another tensor
-    dict(bounds=STEPS, cat_axis=2),  # cut along time, put together along batch
+    dict(bounds=STEPS[:3], cat_axis=2),  # cut along time, put together along batch
     dict(bounds=STEPS[:3], layout=("Squeeze", [0]), cat_axis=0),  # the squeeze drops the sliced axis itself
     dict(bounds=STEPS, steps=[1, 1, 2, 1]),  # a step of 2
 ], ids=["gap", "overlap", "order", "other_source", "other_axis", "squeezed_away", "strided"])

@@ -157,6 +157,13 @@ def _arithmetic(node: onnx.NodeProto, inputs: list, opset: int):
         return [np.arange(inputs[0], inputs[1], inputs[2]).astype(inputs[0].dtype)]
     if op == "MatMul":
         return [np.matmul(inputs[0], inputs[1])]
+    if op == "Gemm":  # (here rather than in onnx's reference evaluator, which takes nothing over 1M elements)
+        a = inputs[0].T if attr(node, "transA", 0) else inputs[0]
+        b = inputs[1].T if attr(node, "transB", 0) else inputs[1]
+        res = attr(node, "alpha", 1.0) * np.matmul(a, b)
+        if len(inputs) > 2 and inputs[2] is not None:
+            res = res + attr(node, "beta", 1.0) * np.asarray(inputs[2])
+        return [np.asarray(res, dtype=np.asarray(inputs[0]).dtype)]
     return _NOT_HERE
 
 

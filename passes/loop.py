@@ -25,7 +25,7 @@ from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.recurrence import NONE, ZERO, FinalOutput, Init, InputPrep, Recurrence, SeqOutput
-from rnnfuse.recurrence_layers import check_feeds, owner, split_layers
+from rnnfuse.recurrence_layers import check_feeds, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads

@@ -23,7 +23,7 @@ from rnnfuse.recurrence_layers import check_feeds, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.step import StepOut, StepState, analyse
-from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, StepEvaluator, SymTensor, StepInput
+from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, SymTensor, StepInput
 
 from .loop import init_of
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys

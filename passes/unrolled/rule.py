@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rnnfuse.emit import Builder
 from rnnfuse.errors import Decline
-from rnnfuse.graph import Model
+from rnnfuse.graph import Graph, Model
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.signature import Signer

@@ -24,8 +24,8 @@ from rnnfuse.dims import loop_invariant_init
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
-from rnnfuse.recurrence import NONE, ZERO, FinalOutput, Init, InputPrep, Recurrence, SeqOutput
-from rnnfuse.recurrence_layers import check_feeds, split_layers
+from rnnfuse.recurrence import FinalOutput, Init, InputPrep, Recurrence
+from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
@@ -326,35 +326,12 @@ def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, sta
         if stacked:
             an = analyse(layer.x, step_states, outs_of[li] + stacked, states)
         an.finals += finals
-        below = recs[layer.below] if layer.below is not None else None
-        if below is not None and below.masked and not an.masked:
-            raise Decline("a cell ignores the mask the cell below it keeps to")
-        rec = Recurrence(
-            front="Loop",
-            where=where,
-            cell=an.rec.spec,
-            x=step_in.x_outer,
-            h0=an.h0,
-            c0=an.c0,
-            mask=step_in.mask_outer if an.masked else None,
-            seq_outputs=an.seq_outputs,
-            finals=an.finals,
-            remove=[loop] + extra_remove if li == 0 else [],
-            anchor=loop,
-            x_batch_first=step_in.x_axis == 1,
-            x_reversed=step_in.x_reversed,
-            x_prep=step_in.x_prep if below is None else InputPrep(),
-            row_steps=row_steps,
-        )
+        rec = layer_recurrence("Loop", where, an, layers, li, recs, x=step_in.x_outer, mask=step_in.mask_outer,
+                               x_batch_first=step_in.x_axis == 1, x_reversed=step_in.x_reversed,
+                               x_prep=step_in.x_prep, remove=[loop] + extra_remove, anchor=loop,
+                               row_steps=row_steps)
         h_of[li] = an.rec.h
         cell_states.append((an.rec.h, an.rec.c))
-        if below is not None:
-            # the cell below's Y, in time order like x, read in the same order as x
-            y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
-            below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=step_in.x_reversed, internal=True))
-            rec.x, rec.x_internal, rec.x_batch_first = y, True, False
-        if len(layers) > 1:
-            rec.stack = where
         if step_in.mask_outer is not None and not an.masked:
             rec.notes.append("the body reads a mask but no state depends on it")
         recs.append(rec)

@@ -18,8 +18,8 @@ from onnx import NodeProto, TensorProto
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
-from rnnfuse.recurrence import NONE, ZERO, InputPrep, Recurrence, SeqOutput
-from rnnfuse.recurrence_layers import check_feeds, split_layers
+from rnnfuse.recurrence import InputPrep, Recurrence
+from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.step import StepOut, StepState, analyse
@@ -81,33 +81,11 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list
             step_states.append(StepState(sym, layer.ev.poly(body.output_names[k]), init_of(g, scan.input[k]),
                                          final if final and g.n_uses(final) else None))
         an = analyse(layer.x, step_states, outs[li], states)
-        below = recs[layer.below] if layer.below is not None else None
-        if below is not None and below.masked and not an.masked:
-            raise Decline("a cell ignores the mask the cell below it keeps to")
-        rec = Recurrence(
-            front="Scan",
-            where=where,
-            cell=an.rec.spec,
-            x=scanned.x_outer,
-            h0=an.h0,
-            c0=an.c0,
-            mask=scanned.mask_outer if an.masked else None,
-            seq_outputs=an.seq_outputs,
-            finals=an.finals,
-            remove=[scan] if li == 0 else [],
-            anchor=scan,
-            x_batch_first=scanned.x_axis == 1,
-            x_reversed=bool(scanned.x_dir),
-            x_prep=scanned.x_prep if below is None else InputPrep(),
-        )
+        rec = layer_recurrence("Scan", where, an, layers, li, recs, x=scanned.x_outer, mask=scanned.mask_outer,
+                               x_batch_first=scanned.x_axis == 1, x_reversed=bool(scanned.x_dir),
+                               x_prep=scanned.x_prep, remove=[scan], anchor=scan)
         h_of[li] = an.rec.h
         cell_states.append((an.rec.h, an.rec.c))
-        if below is not None:  # the cell below's Y, in time order like x, read in the same order as x
-            y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
-            below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=bool(scanned.x_dir), internal=True))
-            rec.x, rec.x_internal, rec.x_batch_first = y, True, False
-        if len(layers) > 1:
-            rec.stack = where
         recs.append(rec)
     check_feeds(layers, h_of)
     if heads:  # per-step outputs computed from a new h: the head runs on Y after the native op

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .errors import Decline
 from .graph import Graph
+from .recurrence import NONE, ZERO, InputPrep, Recurrence, SeqOutput
 from .step import split_mask
 from .symbolic import STATE, STEP_INPUT, Poly, StepEvaluator, StepInput, SymTensor, Value
 from .symbolic import sources as symbolic_sources
@@ -154,3 +155,26 @@ def owner(layers: list[Layer], name: str) -> int:
         if sources(p) <= own:
             return i
     raise Decline(f"a per-step output '{name}' mixes the cells of the step")
+
+
+def layer_recurrence(front: str, where: str, an, layers: list, li: int, recs: list[Recurrence], *, x: str,
+                     mask: str | None, x_batch_first: bool, x_reversed: bool, x_prep: InputPrep, remove: list,
+                     anchor, **extra) -> Recurrence:
+    """Cell ``li`` of a step (``an``: its analysis) as a Recurrence: the bottom cell reads the step input, a
+    cell above reads the Y of the one below (an internal sequence output of that layer, in x's order); the
+    layers of a stacked step share ``stack`` and only the bottom one removes the loop."""
+    layer = layers[li]
+    below = recs[layer.below] if layer.below is not None else None
+    if below is not None and below.masked and not an.masked:
+        raise Decline("a cell ignores the mask the cell below it keeps to")
+    rec = Recurrence(front=front, where=where, cell=an.rec.spec, x=x, h0=an.h0, c0=an.c0,
+                     mask=mask if an.masked else None, seq_outputs=an.seq_outputs, finals=an.finals,
+                     remove=remove if li == 0 else [], anchor=anchor, x_batch_first=x_batch_first,
+                     x_reversed=x_reversed, x_prep=x_prep if below is None else InputPrep(), **extra)
+    if below is not None:  # the cell below's Y, in time order like x, read in the same order as x
+        y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
+        below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=x_reversed, internal=True))
+        rec.x, rec.x_internal, rec.x_batch_first = y, True, False
+    if len(layers) > 1:
+        rec.stack = where
+    return rec

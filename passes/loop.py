@@ -25,7 +25,7 @@ from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.recurrence import FinalOutput, Init, InputPrep, Recurrence
-from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, split_layers
+from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_states, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
@@ -33,15 +33,6 @@ from rnnfuse.step import StepOut, StepState, analyse
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
 from .loop_reads import check_trip_count, counter_step, counting_offset, length_mask, step_read
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly
-
-
-def init_of(g: Graph, name: str) -> Init:
-    if not name:
-        return Init(None, 0.0)
-    fv = g.fill_value(name)
-    if fv is not None:
-        return Init(None, fv)
-    return Init(name, None)
 
 
 @dataclass
@@ -299,18 +290,12 @@ def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, sta
                        outs_of: dict, last_of: dict, extra_remove: list, step_in: _StepInput):
     """One recurrence per layer of the step, each reading the layer below's Y (the first reads x); and per
     layer, the symbols of its cell's h and c states."""
-    bout = body.output_names
     where = loop.name or loop.output[0]
     recs: list[Recurrence] = []
     h_of: dict[int, str] = {}  # layer -> its cell's output state
     cell_states: list[tuple[str, str | None]] = []
     for li, layer in enumerate(layers):
-        step_states = []
-        for sym in layer.syms:
-            k = int(sym[1:])
-            final = loop.output[k] if k < len(loop.output) else ""
-            step_states.append(StepState(sym, layer.ev.poly(bout[1 + k]), init_of(g, loop.input[2 + k]),
-                                         final if final and g.n_uses(final) else None))
+        step_states = layer_states(g, loop, body, layer, body_out=1, node_in=2)
         an = analyse(layer.x, step_states, outs_of[li], states)
         finals, stacked, row_steps = [], [], []
         for poly, outer, reads in last_of.get(li, []):

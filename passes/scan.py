@@ -19,13 +19,12 @@ from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.recurrence import InputPrep, Recurrence
-from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, split_layers
+from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_states, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
-from rnnfuse.step import StepOut, StepState, analyse
+from rnnfuse.step import StepOut, analyse
 from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, SymTensor, StepInput
 
-from .loop import init_of
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
 
 
@@ -74,12 +73,7 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list
     h_of: dict[int, str] = {}  # layer -> its cell's output state
     cell_states: list[tuple[str, str | None]] = []
     for li, layer in enumerate(layers):
-        step_states = []
-        for sym in layer.syms:
-            k = int(sym[1:])
-            final = scan.output[k] if k < len(scan.output) else ""
-            step_states.append(StepState(sym, layer.ev.poly(body.output_names[k]), init_of(g, scan.input[k]),
-                                         final if final and g.n_uses(final) else None))
+        step_states = layer_states(g, scan, body, layer, body_out=0, node_in=0)
         an = analyse(layer.x, step_states, outs[li], states)
         rec = layer_recurrence("Scan", where, an, layers, li, recs, x=scanned.x_outer, mask=scanned.mask_outer,
                                x_batch_first=scanned.x_axis == 1, x_reversed=bool(scanned.x_dir),

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from onnx import NodeProto
+
 from .errors import Decline
 from .graph import Graph
-from .recurrence import NONE, ZERO, InputPrep, Recurrence, SeqOutput
-from .step import split_mask
+from .recurrence import NONE, ZERO, Init, InputPrep, Recurrence, SeqOutput
+from .step import StepState, split_mask
 from .symbolic import STATE, STEP_INPUT, Poly, StepEvaluator, StepInput, SymTensor, Value
 from .symbolic import sources as symbolic_sources
 
@@ -155,6 +157,33 @@ def owner(layers: list[Layer], name: str) -> int:
         if sources(p) <= own:
             return i
     raise Decline(f"a per-step output '{name}' mixes the cells of the step")
+
+
+def _init_of(g: Graph, name: str) -> Init:
+    """A state's initial value: none given (zeros), a constant fill, or the tensor itself."""
+    if not name:
+        return Init(None, 0.0)
+    fv = g.fill_value(name)
+    if fv is not None:
+        return Init(None, fv)
+    return Init(name, None)
+
+
+def layer_states(g: Graph, node: NodeProto, body: Graph, layer: Layer, *, body_out: int,
+                 node_in: int) -> list[StepState]:
+    """The carried states of ``layer`` (``s<k>``: the k-th carried value of the ``Loop`` / ``Scan`` node) as
+    StepStates: the maths of the body output that is its new value, its initial value (the node's input) and
+    the node's output that holds its final value when anything reads it. Carried values start at body output
+    ``body_out`` and node input ``node_in``: a Loop's after the condition (1) and after the trip count and
+    condition (2), a Scan's at 0 and 0; the node's outputs start with them in both."""
+    states = []
+    for sym in layer.syms:
+        k = int(sym[1:])
+        final = node.output[k] if k < len(node.output) else ""
+        new = layer.ev.poly(body.output_names[body_out + k])
+        states.append(StepState(sym, new, _init_of(g, node.input[node_in + k]),
+                                final if final and g.n_uses(final) else None))
+    return states
 
 
 def layer_recurrence(front: str, where: str, an, layers: list, li: int, recs: list[Recurrence], *, x: str,

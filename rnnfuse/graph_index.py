@@ -7,7 +7,9 @@ scopes count as uses of the capturing node, so dead-code removal and use-replace
 
 from __future__ import annotations
 
+import gc
 import itertools
+from array import array
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,7 +37,7 @@ class GraphIndex:
         self.owner = owner  # the node whose attribute this graph is (None for the main graph)
         self.nodes: list[NodeProto] = list(proto.node)
         self._pos_from(self.nodes)
-        self._by_op: dict[str, list] | None = None  # op type -> [(rank, node)] (nodes_of)
+        self._by_op: dict[str, tuple[array, list]] | None = None  # op type -> (ranks, nodes) (nodes_of)
         self._seq = itertools.count(1)
         self._removed: set[int] = set()
         self._graveyard: list[NodeProto] = []
@@ -92,21 +94,30 @@ class GraphIndex:
         if by_op is None:
             by_op = self._by_op = {}
             for i, n in enumerate(self.nodes):
-                lst = by_op.get(n.op_type)
-                if lst is None:
-                    by_op[n.op_type] = [(i, n)]
+                e = by_op.get(n.op_type)
+                if e is None:
+                    by_op[n.op_type] = (array("q", (i,)), [n])
                 else:
-                    lst.append((i, n))
+                    e[0].append(i)
+                    e[1].append(n)
             self._by_op_next = len(self.nodes)
         removed = self._removed
         found = [by_op[op] for op in op_types if op in by_op]
-        if len(found) > 1:
-            found = [sorted(itertools.chain(*found), key=_rank)]
-        return [n for _, n in found[0] if id(n) not in removed] if found else []
+        if not found:
+            return []
+        if len(found) == 1:
+            nodes = found[0][1]
+        else:  # (ranks are unique: the order is the one the ranks give)
+            nodes = [n for _, n in sorted(itertools.chain(*(zip(*e) for e in found)), key=_rank)]
+        return [n for n in nodes if id(n) not in removed] if removed else list(nodes)
 
     def _by_op_add(self, n: NodeProto) -> None:
         if self._by_op is not None:
-            self._by_op.setdefault(n.op_type, []).append((self._by_op_next, n))
+            e = self._by_op.get(n.op_type)
+            if e is None:
+                e = self._by_op[n.op_type] = (array("q"), [])
+            e[0].append(self._by_op_next)
+            e[1].append(n)
             self._by_op_next += 1
 
     # -- indexing ----------------------------------------------------------------------------------------
@@ -131,39 +142,52 @@ class GraphIndex:
     def _index_all(self, nodes: list[NodeProto], by_op: dict | None = None) -> bool:
         """``_index`` for many nodes: one loop, each node's fields read once (``by_op``: also the op-type
         index of ``nodes_of``, ``nodes`` being the whole node list). Returns whether the nodes are in
-        topological order (no node reads a value a later node produces)."""
+        topological order (no node reads a value a later node produces).
+
+        Reading a node's fields is most of the cost (protobuf makes a new string per name per read), so each
+        is read once; a name read before is stored as the string the producer map holds (one string per value
+        name, not one per map), and the cyclic garbage collector, which would scan the whole heap several
+        times while a 100k-node index is built of objects that hold no cycles, waits until the loop is done."""
         producer, consumers, get = self.producer, self.consumers, self.consumers.get
         early: list[str] = []  # names read before any node produced them (inputs, initializers, or disorder)
         captures = False
-        rank = 0
-        for n in nodes:
-            for o in n.output:
-                if o:
-                    producer[o] = n
-            op = n.op_type
-            if by_op is not None:
-                lst = by_op.get(op)
-                if lst is None:
-                    by_op[op] = [(rank, n)]
-                else:
-                    lst.append((rank, n))
-                rank += 1
-            if op in CONTROL_FLOW or (n.domain not in ("", "ai.onnx") and has_subgraph(n)):
-                self._index_inputs(n)
-                captures = True  # (what a subgraph reads is not checked here: the sort will do it)
-                continue
-            ins = n.input
-            if len(ins) > 1:
-                ins = dict.fromkeys(ins)
-            for i in ins:
-                if i:
-                    if i not in producer:
-                        early.append(i)
-                    lst = get(i)
-                    if lst is None:
-                        consumers[i] = [n]
+        canon: dict[str, str] = {}
+        same = canon.get
+        control = CONTROL_FLOW
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for rank, n in enumerate(nodes):
+                for o in n.output:
+                    if o:
+                        producer[o] = n
+                        canon[o] = o
+                op = n.op_type
+                if by_op is not None:
+                    e = by_op.get(op)
+                    if e is None:
+                        by_op[op] = (array("q", (rank,)), [n])
                     else:
-                        lst.append(n)
+                        e[0].append(rank)
+                        e[1].append(n)
+                if op in control or (n.domain not in ("", "ai.onnx") and has_subgraph(n)):
+                    self._index_inputs(n)
+                    captures = True  # (what a subgraph reads is not checked here: the sort will do it)
+                    continue
+                for i in n.input:
+                    if i:
+                        lst = get(i)
+                        if lst is None:
+                            consumers[same(i, i)] = [n]
+                        elif lst and lst[-1] is n:  # (a name a node reads twice counts once: only n appends here)
+                            continue
+                        else:
+                            lst.append(n)
+                        if i not in producer:
+                            early.append(i)
+        finally:
+            if collecting:
+                gc.enable()
         return not captures and not any(i in producer for i in early)
 
     def _index_inputs(self, n: NodeProto, captures: bool = True) -> None:

@@ -211,7 +211,7 @@ class ReverseInputs:
     name = "reverse-input"
 
     def run(self, model: Model, ctx: Options) -> PassResult:
-        from rnnfuse.dims import time_flip_source
+        from rnnfuse.time_flips import time_flip_source
 
         g = model.graph
         res = PassResult(self.name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from onnx import NodeProto, helper
 
 from rnnfuse import op_args
-from rnnfuse.dims import time_flip_source
+from rnnfuse.time_flips import time_flip_source
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, attr
 

@@ -1,7 +1,7 @@
 """How a Loop body walks time: which body reads take element i of an invariant tensor along one axis, and
 the proof that the loop runs exactly once per time step.
 
-The index arithmetic is read symbolically (:func:`_int_terms`), so any exporter's spelling of "the
+The index arithmetic is read symbolically (:mod:`rnnfuse.index_terms`), so any exporter's spelling of "the
 iteration number", "T - 1 - i" or "[i, i + 1) on axis a" is recognised, not one graph's node order.
 """
 
@@ -14,6 +14,7 @@ from rnnfuse import op_args
 from rnnfuse.dims import dim_key, root_dim, time_dim_key
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
+from rnnfuse.index_terms import TO_THE_END, one_element, terms
 
 
 def _strip_cast(g: Graph, name: str) -> str:
@@ -98,148 +99,6 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     return None
 
 
-# tf2onnx writes "to the end of the axis" as 1e9 in strided slices (and 1e9 as the step of a shrunk axis): an
-# axis that long would hold 4 GB for every element of the other axes, so 1e9 or more reaches any real axis end
-_TO_THE_END = 10**9
-UNKNOWN = ("?",)
-# types an index passes through unchanged (float: exact below 2**24 steps, which bounds every real loop)
-_EXACT_INDEX_TYPES = (TensorProto.INT64, TensorProto.INT32, TensorProto.UINT64, TensorProto.FLOAT, TensorProto.DOUBLE)
-
-
-def _leaf_terms(arr: np.ndarray) -> list | None:
-    """A constant as terms: integers, booleans (0 / 1), and floats that hold integers (index arithmetic
-    exporters route through float, e.g. tf2onnx's Max of a strided slice's ends)."""
-    if arr.ndim > 1:
-        return None
-    if np.issubdtype(arr.dtype, np.floating):
-        if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
-            return None
-    elif not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
-        return None
-    return [("c", int(v)) for v in arr.ravel()]
-
-
-def _broadcast(*lists):
-    """Term lists of equal length (a single term stands for every position), or None."""
-    if any(t is None for t in lists):
-        return None
-    n = max(len(t) for t in lists)
-    out = [t * n if len(t) == 1 else t for t in lists]
-    return out if all(len(t) == n for t in out) else None
-
-
-def _bounds(t: tuple) -> tuple:
-    """(lowest, highest) value of a term, None for unbounded: i + k and a dimension + k are at least k."""
-    if t[0] == "c":
-        return t[1], t[1]
-    if t[0] in ("i", "d", "ge"):
-        return t[-1], None
-    return None, None
-
-
-def _signs(x: tuple, y: tuple) -> set:
-    """The signs ``x - y`` can have (exact for one symbol on both sides)."""
-    if x[0] == y[0] and x[0] in ("c", "i", "d") and x[:-1] == y[:-1]:
-        d = x[-1] - y[-1]
-        return {(d > 0) - (d < 0)}
-    (x_lo, x_hi), (y_lo, y_hi) = _bounds(x), _bounds(y)
-    d_lo = x_lo - y_hi if x_lo is not None and y_hi is not None else None
-    d_hi = x_hi - y_lo if x_hi is not None and y_lo is not None else None
-    signs = set()
-    if d_lo is None or d_lo < 0:
-        signs.add(-1)
-    if (d_lo is None or d_lo <= 0) and (d_hi is None or d_hi >= 0):
-        signs.add(0)
-    if d_hi is None or d_hi > 0:
-        signs.add(1)
-    return signs
-
-
-_SIGNS_WHERE_TRUE = {  # comparison -> the signs of x - y where it holds
-    "Less": {-1}, "LessOrEqual": {-1, 0}, "Greater": {1}, "GreaterOrEqual": {0, 1}, "Equal": {0},
-}
-
-
-def _elementwise(op: str, terms: list) -> tuple:
-    """One position of a comparison, logic op, Where, Max, Min, Add or Sub over terms."""
-    if op in _SIGNS_WHERE_TRUE:
-        possible = _signs(*terms)
-        return ("c", 1) if possible <= _SIGNS_WHERE_TRUE[op] else ("c", 0) if not possible & _SIGNS_WHERE_TRUE[op] else UNKNOWN
-    if op in ("And", "Or"):
-        absorbing = ("c", 0) if op == "And" else ("c", 1)
-        if absorbing in terms:
-            return absorbing
-        return terms[0] if all(t[0] == "c" for t in terms) else UNKNOWN
-    if op == "Not":
-        return ("c", 1 - terms[0][1]) if terms[0][0] == "c" else UNKNOWN
-    if op == "Where":
-        cond, a, b = terms
-        return a if cond == ("c", 1) else b if cond == ("c", 0) else a if a == b else UNKNOWN
-    if op in ("Max", "Min"):
-        x, y = terms
-        possible = _signs(x, y)
-        x_wins, y_wins = ({0, 1}, {-1, 0}) if op == "Max" else ({-1, 0}, {0, 1})
-        if possible <= x_wins or possible <= y_wins:
-            return x if possible <= x_wins else y
-        if op == "Max":  # at least each side: keep the iteration-number side as a lower bound
-            sym = [t for t in terms if t[0] == "i"]
-            return ("ge",) + sym[0] if sym else UNKNOWN
-        return UNKNOWN
-    x, y = terms  # Add, Sub: a symbol plus or minus a constant, or one symbol minus itself
-    if y[0] == "c":  # (a lower bound stays one when a constant is added or taken away)
-        return x[:-1] + (x[-1] + (y[1] if op == "Add" else -y[1]),) if x[0] != "?" else UNKNOWN
-    if op == "Add" and x[0] == "c":
-        return y[:-1] + (y[-1] + x[1],) if y[0] != "?" else UNKNOWN
-    if op == "Sub" and x[0] == y[0] and x[0] in ("i", "d") and x[:-1] == y[:-1]:
-        return ("c", x[-1] - y[-1])
-    return UNKNOWN
-
-
-def _int_terms(g: Graph, body: Graph, name: str, index_syms: dict[str, int], depth: int = 0) -> list | None:
-    """The integers a small int tensor of the body holds, element by element, as ``("i", k)`` (the iteration
-    number + k), ``("c", v)`` (a constant; booleans are 0 / 1), ``("d", key, k)`` (a tensor dimension + k),
-    ``("ge", "i", k)`` (at least i + k: a Max that could go either way) or ``UNKNOWN``; None if the tensor
-    itself is not understood.
-
-    Enough for the index arithmetic exporters write around a dynamic slice: Concat of Unsqueezed scalars,
-    ``starts + sizes``, jax's negative-index fix-up ``Where(i < 0, i + n, i)``, and tf2onnx's strided-slice
-    masks (``Where(And(strides < 0, mask), 1e9, [0, i])``, ``Max`` with constants) whose conditions are
-    constant or decided by ``i >= 0``."""
-    if depth > 24 or not name:
-        return None
-    if name in index_syms:
-        return [("i", index_syms[name])]
-    c = body.const(name)
-    if c is not None:
-        return _leaf_terms(np.asarray(c))
-    scope = body.scope_of(name)
-    n = scope.producer.get(name) if scope is not None else None
-    if n is None:
-        return None
-    op = n.op_type
-    if op == "Cast" and attr(n, "to") == TensorProto.BOOL:
-        inner = _int_terms(g, body, n.input[0], index_syms, depth + 1)
-        return None if inner is None else [("c", int(t[1] != 0)) if t[0] == "c" else UNKNOWN for t in inner]
-    if op == "Cast" and attr(n, "to") not in _EXACT_INDEX_TYPES:
-        return None  # narrow types wrap or round index values
-    if op in ("Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape"):
-        return _int_terms(g, body, n.input[0], index_syms, depth + 1)
-    if op == "Concat" and attr(n, "axis", 0) in (0, -1):
-        parts = [_int_terms(g, body, i, index_syms, depth + 1) for i in n.input]
-        return None if any(p is None for p in parts) else [t for p in parts for t in p]
-    if op in _SIGNS_WHERE_TRUE or op in ("And", "Or", "Not", "Where", "Max", "Min", "Add", "Sub"):
-        if op in ("Max", "Min") and len(n.input) != 2:
-            return None
-        lists = _broadcast(*(_int_terms(g, body, i, index_syms, depth + 1) for i in n.input))
-        return None if lists is None else [_elementwise(op, list(ts)) for ts in zip(*lists)]
-    k = dim_key(body, name)
-    if k is not None and k[0] == "const":
-        return [("c", k[1])]
-    if k is not None:
-        return [("d", k, 0)]
-    return None
-
-
 def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
     """If body node ``n`` reads element i (the iteration number) of a loop-invariant tensor along one axis:
     (the outer tensor, the axis, "forward" | "reverse"), else None.
@@ -272,10 +131,10 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
         return None
     axis = sq_axes[0]
     axis = axis + rank if axis < 0 else axis
-    starts = _int_terms(g, body, sl.input[1], index_syms)
-    ends = _int_terms(g, body, sl.input[2], index_syms)
-    axes = _int_terms(g, body, sl.input[3], index_syms) if len(sl.input) > 3 and sl.input[3] else [("c", a) for a in range(len(starts or []))]
-    steps = _int_terms(g, body, sl.input[4], index_syms) if len(sl.input) > 4 and sl.input[4] else None
+    starts = terms(body, sl.input[1], index_syms)
+    ends = terms(body, sl.input[2], index_syms)
+    axes = terms(body, sl.input[3], index_syms) if len(sl.input) > 3 and sl.input[3] else [("c", a) for a in range(len(starts or []))]
+    steps = terms(body, sl.input[4], index_syms) if len(sl.input) > 4 and sl.input[4] else None
     if starts is None or ends is None or axes is None or len(starts) != len(ends) or len(axes) != len(starts):
         return None
     steps = steps if steps is not None else [("c", 1)] * len(starts)
@@ -286,7 +145,7 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
         a = a + rank if a < 0 else a
         seen.add(a)
         if a == axis:
-            if st != ("i", 0) or not _one_element(en, step):
+            if st != ("i", 0) or not one_element(en, step):
                 return None
         elif not (st == ("c", 0) and step == ("c", 1) and _covers(g, data, inner, a, en)):
             return None
@@ -295,21 +154,11 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
     return data, axis, "forward"
 
 
-def _one_element(end: tuple, step: tuple) -> bool:
-    """A slice from i with this end and step takes element i alone: ``[i, i + 1)``, or tf2onnx's shrunk axis
-    (a step of 1e9 or more from i, to an end past i)."""
-    if step == ("c", 1):
-        return end == ("i", 1)
-    past_i = (end[0] == "c" and end[1] >= _TO_THE_END) or (end[0] == "i" and end[1] >= 1) or (
-        end[:2] == ("ge", "i") and end[-1] >= 1)
-    return step[0] == "c" and step[1] >= _TO_THE_END and past_i
-
-
 def _covers(g: Graph, data: str, inner: str, axis: int, end) -> bool:
-    """Does a slice end ``end`` (an _int_terms term) reach the end of ``data`` on ``axis``?"""
+    """Does a slice end ``end`` (an index term) reach the end of ``data`` on ``axis``?"""
     if end[0] == "c":
         d = g.model.shape(data)
-        return end[1] >= _TO_THE_END or (d is not None and isinstance(d[axis], int) and end[1] >= d[axis])
+        return end[1] >= TO_THE_END or (d is not None and isinstance(d[axis], int) and end[1] >= d[axis])
     if end[0] == "d" and end[2] == 0:
         keys = {time_dim_key(g, data, axis), ("dim",) + root_dim(g, data, axis), ("dim",) + root_dim(g, inner, axis)}
         return end[1] in keys
@@ -322,8 +171,8 @@ def _full_slice_source(g: Graph, body: Graph, name: str, invariants: dict[str, s
     n = scope.producer.get(name) if scope is not None else None
     if n is None or n.op_type != "Slice" or len(n.input) < 3:
         return None
-    terms = [_int_terms(g, body, i, {}) if i else None for i in list(n.input[1:5]) + [""] * (5 - len(n.input))]
-    starts, ends, _axes, steps = terms
+    args = [terms(body, i) if i else None for i in list(n.input[1:5]) + [""] * (5 - len(n.input))]
+    starts, ends, _axes, steps = args
     if starts is None or ends is None or (len(n.input) > 4 and n.input[4] and steps is None):
         return None
     if any(t != ("c", 0) for t in starts) or any(t[0] != "c" or t[1] < 2**31 - 1 for t in ends):

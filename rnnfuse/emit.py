@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import NodeProto, TensorProto
 
-from .dims import time_flip_source
+from .time_flips import time_flip_source
 from .errors import Decline
 from .graph import Graph, attr
 from .recurrence import NONE, ZERO, Init, Recurrence, SeqOutput

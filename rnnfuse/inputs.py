@@ -32,7 +32,7 @@ def input_projection(g: Graph, src: str, axis: int = 0) -> Projection | None:
     """``src = X0 @ K (+ b)`` with constant K, b (an input projection hoisted out of the loop, as dynamo's
     nn.RNN and Keras' torch backend do). A time flip of a projection is the projection of the flipped input
     (dynamo's backward nn.RNN direction): the flip is recorded, not built."""
-    from rnnfuse.dims import time_flip_source
+    from rnnfuse.time_flips import time_flip_source
 
     inner = time_flip_source(g, src, axis)
     if inner is not None:

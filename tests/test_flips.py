@@ -1,4 +1,4 @@
-"""Spellings of a full time reversal that ``rnnfuse.dims.time_flip_source`` must see, and near misses it must not.
+"""Spellings of a full time reversal that ``rnnfuse.time_flips.time_flip_source`` must see, and near misses it must not.
 
 ``jnp.flip`` on a dynamic axis (flax ``nn.Bidirectional``, hand-written backward scans) is exported by jax2onnx as
 ``Gather(x, (T-1) - Range(0, T, 1))`` with T read from ``Shape(x)``; other writers use ``Range(T-1, -1, -1)`` or
@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rnnfuse.dims import time_flip_source
+from rnnfuse.time_flips import time_flip_source
 from rnnfuse.graph import Model
 
 T, B, F = 5, 3, 2

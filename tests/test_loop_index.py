@@ -1,4 +1,4 @@
-"""The index arithmetic a Loop body writes around its step read, read symbolically (passes/loop_reads.py).
+"""The index arithmetic a Loop body writes around its step read, read symbolically (rnnfuse/index_terms.py).
 
 Terms: ``("i", k)`` is the iteration number + k (never below k), ``("c", v)`` a constant (booleans 0 / 1),
 ``("ge", "i", k)`` at least i + k, ``("?",)`` unknown. tf2onnx's strided slices need comparisons decided by
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from passes.loop_reads import UNKNOWN, _elementwise, _one_element
+from rnnfuse.index_terms import UNKNOWN, elementwise, one_element
 
 I0, I1 = ("i", 0), ("i", 1)
 BIG = 10**9
@@ -47,7 +47,7 @@ def c(v):
     ("Add", [I0, I0], UNKNOWN),
 ])
 def test_elementwise(op, terms, want):
-    assert _elementwise(op, terms) == want
+    assert elementwise(op, terms) == want
 
 
 @pytest.mark.parametrize("end, step, want", [
@@ -62,4 +62,4 @@ def test_elementwise(op, terms, want):
     (UNKNOWN, c(BIG), False),
 ])
 def test_one_element(end, step, want):
-    assert _one_element(end, step) is want
+    assert one_element(end, step) is want

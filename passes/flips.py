@@ -20,27 +20,22 @@ def _flip_of(g: Graph, name: str) -> tuple[str, int] | None:
         return None
     if n.op_type == "ReverseSequence":
         ax = attr(n, "time_axis", 0)
-        return (n.input[0], ax) if time_flip_source(g, name, ax) is not None else None
-    if n.op_type == "Gather":
-        rank = g.model.rank(n.input[0])
-        ax = attr(n, "axis", 0)
-        if ax < 0:
-            if rank is None:
-                return None
-            ax += rank
-        return (n.input[0], ax) if time_flip_source(g, name, ax) is not None else None
-    if n.op_type == "Slice" and len(n.input) >= 5:
-        rank = g.model.rank(n.input[0])
+    elif n.op_type == "Gather":
+        ax = _from_front(g, n.input[0], attr(n, "axis", 0))
+    elif n.op_type == "Slice" and len(n.input) >= 5:
         axes = g.const(n.input[3])
-        if axes is None or axes.size != 1:
-            return None
-        ax = int(axes.ravel()[0])
-        if ax < 0:
-            if rank is None:
-                return None
-            ax += rank
-        return (n.input[0], ax) if time_flip_source(g, name, ax) is not None else None
-    return None
+        ax = _from_front(g, n.input[0], int(axes.ravel()[0])) if axes is not None and axes.size == 1 else None
+    else:
+        return None
+    return (n.input[0], ax) if ax is not None and time_flip_source(g, name, ax) is not None else None
+
+
+def _from_front(g: Graph, data: str, ax: int) -> int | None:
+    """Axis ``ax`` of ``data`` counted from the front (None: counted from the back and the rank unknown)."""
+    if ax >= 0:
+        return ax
+    rank = g.model.rank(data)
+    return None if rank is None else ax + rank
 
 
 def _flip_behind(g: Graph, name: str, axis: int) -> tuple[str, list] | None:

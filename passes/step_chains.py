@@ -187,10 +187,9 @@ def _readers(g: Graph, name: str) -> list[NodeProto]:
     per-step multi-layer state is put together and split again; the other layers' parts do not read it)."""
     out = []
     for use in g.uses(name):
-        if use.op_type != "Concat":
-            out.append(use)
-            continue
         out.append(use)
+        if use.op_type != "Concat":
+            continue
         for o in use.output:
             for s in g.uses(o):
                 part = _part_sliced(g, s) if s.op_type == "Slice" else None

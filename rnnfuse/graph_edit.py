@@ -51,9 +51,10 @@ class Graph(GraphIndex):
 
     def add_initializer(self, array: np.ndarray, hint: str) -> str:
         name = self.fresh(hint)
-        t = numpy_helper.from_array(np.asarray(array).copy(order="C"), name)
-        self.proto.initializer.append(t)
-        self.initializers[name] = t
+        a = np.asarray(array)
+        t = numpy_helper.from_array(a if a.flags.c_contiguous else a.copy(order="C"), name)
+        self.proto.initializer.append(t)  # (a copy: the graph's own message is the one indexed, the first is freed)
+        self.initializers[name] = self.proto.initializer[-1]
         self._arrays[name] = array
         return name
 
@@ -245,11 +246,9 @@ class Graph(GraphIndex):
         consumers, outputs = self.consumers, set(self.output_names)
         unused = [k for k in self.initializers if not consumers.get(k) and k not in outputs and k not in self._inputs]
         if unused or len(self.initializers) != len(self.proto.initializer):
-            drop = set(unused)
-            keep = [t for t in self.proto.initializer if t.name not in drop]
-            del self.proto.initializer[:]
-            self.proto.initializer.extend(keep)
+            _drop_initializers(self.proto.initializer, set(unused))
         self.initializers = {t.name: t for t in self.proto.initializer} if unused else self.initializers
+        self._release_large_arrays()  # (the round is over: its cached weights go, see LARGE_ARRAY)
         if len(self.proto.value_info):
             defined = self.producer.keys() | self.initializers.keys() | self._inputs
             vis = [v for v in self.proto.value_info if v.name in defined]
@@ -353,3 +352,24 @@ class Graph(GraphIndex):
             raise RuntimeError("graph has a cycle after rewriting")
         return out
 
+
+def _drop_initializers(inits, drop: set[str]) -> None:
+    """Remove the initializers named in ``drop`` from the repeated field ``inits``, the others kept in order.
+
+    Runs of dropped entries are deleted in place, last run first, while that costs less than one copy of the
+    list: re-adding the kept tensors instead would copy every kept weight (protobuf copies a message added to
+    a repeated field), which for a weight-heavy model is the whole model once more."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(inits):
+        if t.name in drop:
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+    if len(runs) <= 64:
+        for a, b in reversed(runs):
+            del inits[a:b]
+        return
+    keep = [t for t in inits if t.name not in drop]
+    del inits[:]
+    inits.extend(keep)

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from .model import Model
 
 _EMPTY: frozenset = frozenset()
+# a cached constant value of this many bytes or more (a weight) is dropped once the passes are done reading
+# weights (before a validation run, at the end of a round) and read again from its tensor if asked for again:
+# held on, every weight of a weight-heavy model would sit in memory twice (the proto's bytes and the array)
+LARGE_ARRAY = 1 << 20
 POS_TIE = 1 << 32  # a position's tie-break (the order nodes were added at one anchor) sits below it
 
 
@@ -232,6 +236,21 @@ class GraphIndex:
                     self._local_types[vi.name] = t
         t = self._local_types.get(name)
         return t[1] if t else None
+
+    def release_large_arrays(self) -> None:
+        """Forget the cached values of ``LARGE_ARRAY`` bytes or more, in every scope of this graph's model
+        view (:meth:`const` reads them again from their tensors when asked)."""
+        g = self
+        while g.parent is not None:
+            g = g.parent
+        g._release_large_arrays()
+
+    def _release_large_arrays(self) -> None:
+        arrays = self._arrays
+        for k in [k for k, v in arrays.items() if v is not None and getattr(v, "nbytes", 0) >= LARGE_ARRAY]:
+            del arrays[k]
+        for sub in self._subgraph_views.values():
+            sub._release_large_arrays()
 
     # -- queries -----------------------------------------------------------------------------------------
     def alive(self, node: NodeProto) -> bool:

@@ -35,8 +35,9 @@ def _has_external(proto: onnx.ModelProto) -> bool:
     return uses_external_data(proto)
 
 
-def checker_error(proto: onnx.ModelProto) -> str | None:
-    """The first line of ``onnx.checker``'s complaint (full check), or None when it accepts the model."""
+def checker_error(proto: onnx.ModelProto | bytes) -> str | None:
+    """The first line of ``onnx.checker``'s complaint (full check), or None when it accepts the model
+    (given as a proto or serialised)."""
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as e:  # the checker raises ValidationError, InferenceError, or protobuf errors
@@ -44,8 +45,8 @@ def checker_error(proto: onnx.ModelProto) -> str | None:
     return None
 
 
-def onnxruntime_error(proto: onnx.ModelProto) -> str | None:
-    """Why onnxruntime refuses to load the model, or None when it loads."""
+def onnxruntime_error(proto: onnx.ModelProto | bytes) -> str | None:
+    """Why onnxruntime refuses to load the model (given as a proto or serialised), or None when it loads."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -54,7 +55,8 @@ def onnxruntime_error(proto: onnx.ModelProto) -> str | None:
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        data = proto if isinstance(proto, bytes) else proto.SerializeToString()
+        ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types for invalid graphs
         return _first_line(e)
     return None
@@ -73,10 +75,15 @@ def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]) -> str |
             original.append(before())
         return original[0]
 
-    err = checker_error(after)
+    try:
+        data: onnx.ModelProto | bytes = after.SerializeToString()  # (once, for both checks)
+    except Exception:  # (too large to serialise: each check says so itself)
+        data = after
+    err = checker_error(data)
     if err is not None and checker_error(_before()) is None:
         return f"onnx.checker rejects the rewritten model, which it accepts as given ({err})"
-    err = onnxruntime_error(after)
+    err = onnxruntime_error(data)
+    del data
     if err is not None and onnxruntime_error(_before()) is None:
         return f"onnxruntime cannot load the rewritten model, which it loads as given ({err})"
     return None

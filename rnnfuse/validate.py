@@ -91,7 +91,10 @@ def build_check_model(
             used |= free_names(sg)
     pattern_inputs, extra_nodes, inits = _mask_overrides(keep, masks)
     used |= {i for n in extra_nodes for i in n.input}
-    graph = onnx.GraphProto()
+    m = onnx.ModelProto()
+    m.ir_version = model_proto.ir_version
+    m.opset_import.extend(model_proto.opset_import)
+    graph = m.graph  # (built in place: a graph copied into the model would hold every weight twice)
     graph.name = "rnnfuse_check"
     graph.node.extend(extra_nodes + keep)
     # masks must be computed before the overrides read their shape: sort again
@@ -108,10 +111,6 @@ def build_check_model(
     for k in range(len(masks)):
         graph.output.append(helper.make_tensor_value_info(f"__rnnfuse_mask_{k}/shape2", TensorProto.INT64, [2]))
     _sort_in_place(graph)
-    m = onnx.ModelProto()
-    m.ir_version = model_proto.ir_version
-    m.opset_import.extend(model_proto.opset_import)
-    m.graph.CopyFrom(graph)
     for f in model_proto.functions:
         m.functions.append(f)
     return m, pattern_inputs
@@ -303,12 +302,13 @@ def _first_line(e: Exception) -> str:
     return msg[:200]
 
 
-def _session(ort, model: onnx.ModelProto):
+def _session(ort, model: onnx.ModelProto | bytes):
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
     so.log_severity_level = 4
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
 def failed_run(e: Exception) -> ValidationResult:
@@ -349,7 +349,9 @@ def _check_session(ort, g: Graph, pairs, mask_names):
     proto = g.model.proto
     try:
         check, pattern_inputs = build_check_model(proto, g, pairs, mask_names)
-        return _session(ort, check), pattern_inputs
+        data = check.SerializeToString()
+        del check  # (its weights are in the bytes: not held a third time while onnxruntime copies them)
+        return _session(ort, data), pattern_inputs
     except _Skip as s:
         return ValidationResult(False, str(s))
     except Exception as e:

@@ -292,7 +292,6 @@ def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, sta
     layer, the symbols of its cell's h and c states."""
     where = loop.name or loop.output[0]
     recs: list[Recurrence] = []
-    h_of: dict[int, str] = {}  # layer -> its cell's output state
     cell_states: list[tuple[str, str | None]] = []
     for li, layer in enumerate(layers):
         step_states = layer_states(g, loop, body, layer, body_out=1, node_in=2)
@@ -315,12 +314,11 @@ def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, sta
                                x_batch_first=step_in.x_axis == 1, x_reversed=step_in.x_reversed,
                                x_prep=step_in.x_prep, remove=[loop] + extra_remove, anchor=loop,
                                row_steps=row_steps)
-        h_of[li] = an.rec.h
         cell_states.append((an.rec.h, an.rec.c))
         if step_in.mask_outer is not None and not an.masked:
             rec.notes.append("the body reads a mask but no state depends on it")
         recs.append(rec)
-    check_feeds(layers, h_of)
+    check_feeds(layers, cell_states)
     return recs, cell_states
 
 

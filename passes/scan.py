@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import NodeProto, TensorProto
 
+from rnnfuse.dims import carried_unchanged
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
@@ -29,14 +30,8 @@ from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
 
 
 def _passthrough(body: Graph, k: int) -> bool:
-    out = body.output_names[k]
-    inp = body.input_names[k]
-    while out != inp:
-        p = body.producer.get(out)
-        if p is None or p.op_type != "Identity":
-            return False
-        out = p.input[0]
-    return True
+    """Whether state k is passed on unchanged (a weight or bound threaded through the Scan)."""
+    return carried_unchanged(body, body.output_names[k], body.input_names[k])
 
 
 @dataclass
@@ -70,7 +65,6 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list
     outs, heads = _scan_outputs(g, body, scan, n_state, layers, state_out)
     where = scan.name or scan.output[0]
     recs: list[Recurrence] = []
-    h_of: dict[int, str] = {}  # layer -> its cell's output state
     cell_states: list[tuple[str, str | None]] = []
     for li, layer in enumerate(layers):
         step_states = layer_states(g, scan, body, layer, body_out=0, node_in=0)
@@ -78,10 +72,9 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list
         rec = layer_recurrence("Scan", where, an, layers, li, recs, x=scanned.x_outer, mask=scanned.mask_outer,
                                x_batch_first=scanned.x_axis == 1, x_reversed=bool(scanned.x_dir),
                                x_prep=scanned.x_prep, remove=[scan], anchor=scan)
-        h_of[li] = an.rec.h
         cell_states.append((an.rec.h, an.rec.c))
         recs.append(rec)
-    check_feeds(layers, h_of)
+    check_feeds(layers, cell_states)
     if heads:  # per-step outputs computed from a new h: the head runs on Y after the native op
         passed = {body.input_names[k]: scan.input[k] for k in range(n_state) if _passthrough(body, k)}
         add_heads(body, layers, recs, cell_states, heads, state_out, scanned, passed, set())

@@ -139,10 +139,17 @@ def loop_invariant_init(body: Graph, name: str) -> str | None:
     outs = body.output_names
     if k - 1 >= len(outs):
         return None
-    out = outs[k - 1]
-    while out != name:
+    if not carried_unchanged(body, outs[k - 1], name):
+        return None
+    return loop.input[k] if k < len(loop.input) else None
+
+
+def carried_unchanged(body: Graph, out: str, inp: str) -> bool:
+    """Whether the body output ``out`` is the body input ``inp`` itself, through Identity nodes only: a value
+    a Loop or Scan passes on unchanged from one step to the next."""
+    while out != inp:
         p = body.producer.get(out)
         if p is None or p.op_type != "Identity":
-            return None
+            return False
         out = p.input[0]
-    return loop.input[k] if k < len(loop.input) else None
+    return True

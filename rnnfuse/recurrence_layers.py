@@ -132,13 +132,14 @@ def split_layers(body: Graph, leaves: dict[str, Value], state_out: dict[str, str
     return layers
 
 
-def check_feeds(layers: list[Layer], h_of: dict[int, str]) -> None:
-    """Each layer above the first reads the new *output* (h) of the layer below, not another of its states."""
+def check_feeds(layers: list[Layer], cell_states: list[tuple[str, str | None]]) -> None:
+    """Each layer above the first reads the new *output* (h) of the layer below, not another of its states
+    (``cell_states``: per layer, the symbols of its cell's h and c)."""
     for layer in layers:
         if layer.below is None:
             continue
         below = layers[layer.below]
-        if h_of[layer.below] not in below.feeds.get(layer.x.sym, ()):
+        if cell_states[layer.below][0] not in below.feeds.get(layer.x.sym, ()):
             raise Decline("a cell reads a state of the cell below other than its output")
 
 

@@ -51,6 +51,43 @@ class LoopOpts:
         return "-".join(parts + ([self.miss] if self.miss else []))
 
 
+def _model(nodes: list, name: str, inputs: list, outputs: list, inits: list, opset: int = 17) -> onnx.ModelProto:
+    """The graph as a checked model (IR version 8)."""
+    graph = helper.make_graph(nodes, name, inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _x_sizes(t_index: str = "i0", b_index: str | None = "i1") -> list:
+    """Nodes reading x's time length ``T`` (a scalar) and, with ``b_index``, its batch size ``B1`` ([1]) from
+    its shape; ``t_index`` / ``b_index`` name the [1] initializers holding their axes."""
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]),
+             helper.make_node("Gather", ["xs", t_index], ["T1"], axis=0),
+             helper.make_node("Squeeze", ["T1", "i0"], ["T"])]
+    return nodes + ([helper.make_node("Gather", ["xs", b_index], ["B1"], axis=0)] if b_index else [])
+
+
+def _zero_state(width: str = "iH", shape: str = "hshape", out: str = "h0") -> list:
+    """Nodes making ``out`` = zeros [B, width] (``width``: a [1] initializer)."""
+    return [helper.make_node("Concat", ["B1", width], [shape], axis=0),
+            helper.make_node("Expand", ["zero", shape], [out])]
+
+
+def _tanh_step(xt: str = "xt", W: str = "W", R: str = "R", b: str = "b") -> list:
+    """Nodes of the tanh RNN step ``hn = tanh(xt @ W + h @ R + b)``."""
+    return [helper.make_node("MatMul", [xt, W], ["xw"]), helper.make_node("MatMul", ["h", R], ["hr"]),
+            helper.make_node("Add", ["xw", "hr"], ["s"]), helper.make_node("Add", ["s", b], ["s2"]),
+            helper.make_node("Tanh", ["s2"], ["hn"])]
+
+
+def _loop_counters() -> list:
+    """A Loop body's first two inputs: the iteration number and the condition."""
+    return [helper.make_tensor_value_info("it", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, [])]
+
+
 def weights(seed: int = 0):
     rng = np.random.default_rng(seed)
     return ((rng.standard_normal((F, H)) * 0.5).astype(np.float32), (rng.standard_normal((H, H)) * 0.5).astype(np.float32),
@@ -67,18 +104,9 @@ def build(o: LoopOpts) -> onnx.ModelProto:
              numpy_helper.from_array(np.array(True), "true")]
     t_ax, b_ax = (1, 0) if o.batch_first else (0, 1)
     x_shape = ["B", "T", F] if o.batch_first else ["T", "B", F]
-    nodes = [
-        helper.make_node("Shape", ["x"], ["xs"]),
-        helper.make_node("Gather", ["xs", "iT"], ["T1"], axis=0),
-        helper.make_node("Squeeze", ["T1", "i0"], ["T"]),
-        helper.make_node("Gather", ["xs", "iB"], ["B1"], axis=0),
-        helper.make_node("Concat", ["B1", "iH"], ["hshape"], axis=0),
-        helper.make_node("Expand", ["zero", "hshape"], ["h0"]),
-    ]
+    nodes = _x_sizes("iT", "iB") + _zero_state()
     inits += [numpy_helper.from_array(np.array([t_ax], np.int64), "iT"),
               numpy_helper.from_array(np.array([b_ax], np.int64), "iB")]
-    if o.miss == "x_changes":
-        pass  # x is carried and scaled each step below
 
     # ---- body
     carried = [("h", "h0")]
@@ -117,11 +145,7 @@ def build(o: LoopOpts) -> onnx.ModelProto:
                      helper.make_node("Concat", [first, "en1", "kF"], ["en"], axis=0),
                      helper.make_node("Slice", [xin, "st", "en"], ["xs1"]),
                      helper.make_node("Squeeze", ["xs1", "k1"], ["xt"])]
-    bn_nodes += [helper.make_node("MatMul", ["xt", Wn], ["xw"]),
-                 helper.make_node("MatMul", ["h", Rn], ["hr"]),
-                 helper.make_node("Add", ["xw", "hr"], ["s"]),
-                 helper.make_node("Add", ["s", bn], ["s2"]),
-                 helper.make_node("Tanh", ["s2"], ["hn"])]
+    bn_nodes += _tanh_step("xt", Wn, Rn, bn)
     h_out = "hn"
     if o.cast:
         bn_nodes.append(helper.make_node("Cast", ["hn"], ["hcast"], to=TensorProto.FLOAT))
@@ -140,9 +164,7 @@ def build(o: LoopOpts) -> onnx.ModelProto:
     bn_nodes.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
     bn_nodes.append(helper.make_node("Identity", ["hn"], ["y"]))
     shapes = {"h": [None, H], "xc": x_shape, "Wc": [F, H], "Rc": [H, H], "bc": [H]}
-    body_inputs = [helper.make_tensor_value_info("it", TensorProto.INT64, []),
-                   helper.make_tensor_value_info("cond", TensorProto.BOOL, [])]
-    body_inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, shapes[n]) for n, _ in carried]
+    body_inputs = _loop_counters() + [helper.make_tensor_value_info(n, TensorProto.FLOAT, shapes[n]) for n, _ in carried]
     body_outputs = [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [])]
     body_outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outs]
     body_outputs.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, H]))
@@ -151,12 +173,8 @@ def build(o: LoopOpts) -> onnx.ModelProto:
     nodes.append(helper.make_node("Loop", ["T", "true"] + [init for _, init in carried], loop_outs, body=body))
     graph_outs = [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
                   helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])]
-    graph = helper.make_graph(nodes, "loops", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
-                              graph_outs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", o.opset)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return _model(nodes, "loops", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)], graph_outs, inits,
+                  o.opset)
 
 
 def reference(o: LoopOpts, x: np.ndarray) -> list[np.ndarray]:
@@ -241,17 +259,13 @@ def build_stack(o: StackOpts) -> onnx.ModelProto:
     ws, q = stack_weights(o.cells, o.miss)
     inits = [numpy_helper.from_array(np.array(True), "true"), numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
              numpy_helper.from_array(np.array([0], np.int64), "i0"), numpy_helper.from_array(np.array([1], np.int64), "i1")]
-    nodes = [helper.make_node("Shape", ["x"], ["xs"]),
-             helper.make_node("Gather", ["xs", "i0"], ["T1"], axis=0),
-             helper.make_node("Squeeze", ["T1", "i0"], ["T"]),
-             helper.make_node("Gather", ["xs", "i1"], ["B1"], axis=0)]
+    nodes = _x_sizes()
     body_inits = [numpy_helper.from_array(q, "Q")]
     bn = [helper.make_node("Gather", ["x", "it"], ["u0"], axis=0)]
     for k, (W, R, b) in enumerate(ws):
         h = STACK_H[k]
         inits.append(numpy_helper.from_array(np.array([h], np.int64), f"iH{k}"))
-        nodes += [helper.make_node("Concat", ["B1", f"iH{k}"], [f"hshape{k}"], axis=0),
-                  helper.make_node("Expand", ["zero", f"hshape{k}"], [f"h0_{k}"])]
+        nodes += _zero_state(f"iH{k}", f"hshape{k}", f"h0_{k}")
         body_inits += [numpy_helper.from_array(W, f"W{k}"), numpy_helper.from_array(R, f"R{k}"),
                        numpy_helper.from_array(b, f"b{k}")]
         u = f"u{k}"
@@ -281,8 +295,7 @@ def build_stack(o: StackOpts) -> onnx.ModelProto:
     bn.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
     for j, y in enumerate(ys):
         bn.append(helper.make_node("Identity", [y], [f"y{j}"]))
-    body_inputs = [helper.make_tensor_value_info("it", TensorProto.INT64, []),
-                   helper.make_tensor_value_info("cond", TensorProto.BOOL, [])]
+    body_inputs = _loop_counters()
     body_inputs += [helper.make_tensor_value_info(f"h{k}s", TensorProto.FLOAT, [None, STACK_H[k]]) for k in range(o.cells)]
     body_outputs = [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [])]
     body_outputs += [helper.make_tensor_value_info(f"hn{k}", TensorProto.FLOAT, [None, STACK_H[k]]) for k in range(o.cells)]
@@ -293,12 +306,7 @@ def build_stack(o: StackOpts) -> onnx.ModelProto:
     nodes.append(helper.make_node("Loop", ["T", "true"] + [f"h0_{k}" for k in range(o.cells)], finals + seqs, body=body))
     outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", "B", None]) for n in seqs]
     outs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", STACK_H[k]]) for k, n in enumerate(finals)]
-    graph = helper.make_graph(nodes, "stacked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
-                              outs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return _model(nodes, "stacked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])], outs, inits)
 
 
 def _stack_scan(o: StackOpts, nodes: list, inits: list, bn: list, body_inits: list, top: str) -> onnx.ModelProto:
@@ -342,11 +350,7 @@ def _stack_scan(o: StackOpts, nodes: list, inits: list, bn: list, body_inits: li
     ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])]
     if o.masked:
         ins.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T", "B"]))
-    graph = helper.make_graph(nodes, "stacked_scan", ins, outs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return _model(nodes, "stacked_scan", ins, outs, inits)
 
 
 def stack_reference(o: StackOpts, x: np.ndarray, mask: np.ndarray | None = None) -> list[np.ndarray]:
@@ -420,19 +424,14 @@ def build_head(o: HeadOpts) -> onnx.ModelProto:
     inits += [numpy_helper.from_array(np.array(0.0, np.float32), "zero"), numpy_helper.from_array(np.array(True), "true"),
               numpy_helper.from_array(np.array([0], np.int64), "i0"), numpy_helper.from_array(np.array([1], np.int64), "i1"),
               numpy_helper.from_array(np.array([H], np.int64), "iH")]
-    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["T1"], axis=0),
-             helper.make_node("Squeeze", ["T1", "i0"], ["T"]), helper.make_node("Gather", ["xs", "i1"], ["B1"], axis=0),
-             helper.make_node("Concat", ["B1", "iH"], ["hshape"], axis=0), helper.make_node("Expand", ["zero", "hshape"], ["h0"])]
+    nodes = _x_sizes() + _zero_state()
     body_inits = [numpy_helper.from_array(np.array([0], np.int64), "k0"), numpy_helper.from_array(np.array(1, np.int64), "one")]
     bn = []
     idx = "it"
     if o.reverse:
         bn += [helper.make_node("Sub", ["T", "one"], ["tm1"]), helper.make_node("Sub", ["tm1", "it"], ["rit"])]
         idx = "rit"
-    bn += [helper.make_node("Gather", ["x", idx], ["xt"], axis=0),
-           helper.make_node("MatMul", ["xt", "W"], ["xw"]), helper.make_node("MatMul", ["h", "R"], ["hr"]),
-           helper.make_node("Add", ["xw", "hr"], ["s"]), helper.make_node("Add", ["s", "b"], ["s2"]),
-           helper.make_node("Tanh", ["s2"], ["hn"])]
+    bn += [helper.make_node("Gather", ["x", idx], ["xt"], axis=0)] + _tanh_step()
     kind = o.miss or o.head
     src = "h" if kind == "prev_h" else "hn"
     if kind in ("gemm_relu", "prev_h"):
@@ -462,20 +461,12 @@ def build_head(o: HeadOpts) -> onnx.ModelProto:
                           body_inits)
     bn += [helper.make_node("Identity", ["cond"], ["cond_out"])]
     body = helper.make_graph(
-        bn, "body",
-        [helper.make_tensor_value_info("it", TensorProto.INT64, []), helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("h", TensorProto.FLOAT, [None, H])],
+        bn, "body", _loop_counters() + [helper.make_tensor_value_info("h", TensorProto.FLOAT, [None, H])],
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("hn", TensorProto.FLOAT, [None, H]),
          helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None])],
         body_inits)
     nodes.append(helper.make_node("Loop", ["T", "true", "h0"], ["h_last", "ys"], body=body))
-    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
-                              [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", None]),
-                               helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return _head_model(nodes, "head", inits)
 
 
 def _head_scan(o: HeadOpts, nodes: list, inits: list, bn: list, body_inits: list) -> onnx.ModelProto:
@@ -489,13 +480,14 @@ def _head_scan(o: HeadOpts, nodes: list, inits: list, bn: list, body_inits: list
     if o.reverse:
         attrs["scan_input_directions"] = [1]
     nodes.append(helper.make_node("Scan", ["h0", "x"], ["h_last", "ys"], body=body, **attrs))
-    graph = helper.make_graph(nodes, "head_scan", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
-                              [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", None]),
-                               helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return _head_model(nodes, "head_scan", inits)
+
+
+def _head_model(nodes: list, name: str, inits: list) -> onnx.ModelProto:
+    """x [T, B, F] -> ys (the head of every step's h) and the final h (opset 18: LayerNormalization)."""
+    return _model(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                  [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", None]),
+                   helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits, 18)
 
 
 def head_reference(o: HeadOpts, x: np.ndarray) -> list[np.ndarray]:
@@ -572,9 +564,7 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
              numpy_helper.from_array(np.array(0.0, np.float32), "zero"), numpy_helper.from_array(np.array(True), "true"),
              numpy_helper.from_array(np.array([0], np.int64), "i0"), numpy_helper.from_array(np.array([1], np.int64), "i1"),
              numpy_helper.from_array(np.array([H], np.int64), "iH")]
-    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["T1"], axis=0),
-             helper.make_node("Squeeze", ["T1", "i0"], ["T"]), helper.make_node("Gather", ["xs", "i1"], ["B1"], axis=0),
-             helper.make_node("Concat", ["B1", "iH"], ["hshape"], axis=0), helper.make_node("Expand", ["zero", "hshape"], ["h0"])]
+    nodes = _x_sizes() + _zero_state()
     body_inits = [numpy_helper.from_array(np.array(1, np.int64 if o.dtype == "int64" else np.int32), "one"),
                   numpy_helper.from_array(np.array(1.0, np.float32), "onef"),
                   numpy_helper.from_array(np.array(0.0, np.float32), "zerof")]
@@ -602,9 +592,7 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
     if o.miss == "input_only":
         bn.append(helper.make_node("Mul", ["xt", "mf"], ["xm"]))
         xt = "xm"
-    bn += [helper.make_node("MatMul", [xt, "W"], ["xw"]), helper.make_node("MatMul", ["h", "R"], ["hr"]),
-           helper.make_node("Add", ["xw", "hr"], ["s"]), helper.make_node("Add", ["s", "b"], ["s2"]),
-           helper.make_node("Tanh", ["s2"], ["hn"])]
+    bn += _tanh_step(xt)
     if o.miss == "input_only":
         bn.append(helper.make_node("Identity", ["hn"], ["hk"]))
     elif o.miss == "reset":
@@ -631,21 +619,15 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
         loop_in.append("L")
         loop_out.append("L_last")
     body = helper.make_graph(
-        bn, "body",
-        [helper.make_tensor_value_info("it", TensorProto.INT64, []), helper.make_tensor_value_info("cond", TensorProto.BOOL, [])]
-        + carried_in,
+        bn, "body", _loop_counters() + carried_in,
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [])] + carried_out
         + [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, H])],
         body_inits)
     nodes.append(helper.make_node("Loop", loop_in, loop_out + ["ys"], body=body))
-    graph = helper.make_graph(nodes, "lengths", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F]),
-                                                 helper.make_tensor_value_info("L", it, lshape)],
-                              [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
-                               helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return _model(nodes, "lengths", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F]),
+                                     helper.make_tensor_value_info("L", it, lshape)],
+                  [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
+                   helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
 
 
 def lengths_reference(o: LengthOpts, x: np.ndarray, L: np.ndarray) -> list[np.ndarray]:
@@ -695,8 +677,7 @@ def build_transposed(o: TransposedOpts) -> onnx.ModelProto:
              numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R"), numpy_helper.from_array(b, "b"),
              numpy_helper.from_array(C, "C"), numpy_helper.from_array(np.zeros((TB, H), np.float32), "h0"),
              numpy_helper.from_array(np.array(True), "true"), numpy_helper.from_array(np.array([0], np.int64), "i0")]
-    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["T1"], axis=0),
-             helper.make_node("Squeeze", ["T1", "i0"], ["T"])]
+    nodes = _x_sizes(b_index=None)
     bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)]
 
     def term(v, Wt, W_, out):
@@ -719,19 +700,13 @@ def build_transposed(o: TransposedOpts) -> onnx.ModelProto:
            helper.make_node("Tanh", ["s2"], ["hn"]), helper.make_node("Identity", ["cond"], ["cond_out"]),
            helper.make_node("Identity", ["hn"], ["y"])]
     body = helper.make_graph(
-        bn, "body",
-        [helper.make_tensor_value_info("it", TensorProto.INT64, []), helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("h", TensorProto.FLOAT, [TB, H])],
+        bn, "body", _loop_counters() + [helper.make_tensor_value_info("h", TensorProto.FLOAT, [TB, H])],
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("hn", TensorProto.FLOAT, [TB, H]),
          helper.make_tensor_value_info("y", TensorProto.FLOAT, [TB, H])])
     nodes.append(helper.make_node("Loop", ["T", "true", "h0"], ["h_last", "ys"], body=body))
-    graph = helper.make_graph(nodes, "transposed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", TB, F])],
-                              [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", TB, H]),
-                               helper.make_tensor_value_info("h_last", TensorProto.FLOAT, [TB, H])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return _model(nodes, "transposed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", TB, F])],
+                  [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", TB, H]),
+                   helper.make_tensor_value_info("h_last", TensorProto.FLOAT, [TB, H])], inits)
 
 
 TRANSPOSED_FORMS = [TransposedOpts(op) for op in ("matmul", "gemm", "gemm_ta")]

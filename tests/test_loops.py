@@ -40,43 +40,69 @@ from helpers import assert_close, op_counts, session
 import rnnfuse
 
 
+def _fused_once(model: onnx.ModelProto, front: str | None = None, **counts: int):
+    """``model`` optimized: one recurrence fused (of ``front``, when given), nothing declined, and each op in
+    ``counts`` left that many times (0: gone)."""
+    fused, report = rnnfuse.optimize(model)
+    found = [f for f in report.fused if front is None or f.front == front]
+    assert not report.declined and len(found) == 1, report.to_text()
+    left = op_counts(fused)
+    assert all(left.get(op, 0) == n for op, n in counts.items()), (left, report.to_text())
+    return fused, report
+
+
+def _declined(model: onnx.ModelProto, reason: str = "") -> None:
+    """Nothing fused, a recurrence declined (for ``reason``), the model's ops as they were."""
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert reason in report.declined[0].reason, report.to_text()
+    assert op_counts(fused) == op_counts(model)
+
+
+def _same_outputs(name: str, model: onnx.ModelProto, fused: onnx.ModelProto, runs) -> None:
+    """For each ``(feeds, want)`` of ``runs``, the original and the fused model both give ``want``."""
+    s_orig, s_fused = session(model), session(fused)
+    for feeds, want in runs:
+        got, orig = s_fused.run(None, feeds), s_orig.run(None, feeds)
+        for k, w in enumerate(want):
+            assert_close(orig[k], w, f"{name}/{k}: original vs numpy")
+            assert_close(got[k], w, f"{name}/{k}: fused vs numpy")
+
+
 @pytest.mark.parametrize("o", all_variants(), ids=lambda o: o.name)
 def test_loop_forms_fused(o: LoopOpts):
     model = build(o)
-    fused, report = rnnfuse.optimize(model)
-    assert not report.declined and len(report.fused) == 1, report.to_text()
+    fused, report = _fused_once(model, Loop=0, RNN=1)
     assert report.fused[0].validation.startswith("ok"), report.to_text()
-    counts = op_counts(fused)
-    assert counts.get("Loop", 0) == 0 and counts.get("RNN") == 1, (counts, report.to_text())
     onnx.checker.check_model(fused, full_check=True)
-    s_orig, s_fused = session(model), session(fused)
     rng = np.random.default_rng(1)
-    for batch, steps in ((1, 5), (3, 7), (2, 1)):
-        shape = (batch, steps, 3) if o.batch_first else (steps, batch, 3)
-        x = rng.standard_normal(shape).astype(np.float32)
-        want = reference(o, x)
-        got, orig = s_fused.run(None, {"x": x}), s_orig.run(None, {"x": x})
-        for k in range(2):
-            assert_close(orig[k], want[k], f"{o.name}: original vs numpy")
-            assert_close(got[k], want[k], f"{o.name}: fused vs numpy")
+
+    def runs():
+        for batch, steps in ((1, 5), (3, 7), (2, 1)):
+            x = rng.standard_normal((batch, steps, 3) if o.batch_first else (steps, batch, 3)).astype(np.float32)
+            yield {"x": x}, reference(o, x)
+
+    _same_outputs(o.name, model, fused, runs())
 
 
 @pytest.mark.parametrize("o", NEAR_MISSES, ids=lambda o: o.name)
 def test_loop_near_misses_declined(o: LoopOpts):
-    model = build(o)
-    fused, report = rnnfuse.optimize(model)
-    assert not report.fused and report.declined, report.to_text()
-    assert op_counts(fused) == op_counts(model)
+    _declined(build(o))
+
+
+def _time_major_runs(seed: int, reference_of):
+    """Feeds x [T, B, 3] at (batch, steps) (1, 5), (3, 7), (2, 1), each with ``reference_of(x)``."""
+    rng = np.random.default_rng(seed)
+    for batch, steps in ((1, 5), (3, 7), (2, 1)):
+        x = rng.standard_normal((steps, batch, 3)).astype(np.float32)
+        yield {"x": x}, reference_of(x)
 
 
 @pytest.mark.parametrize("o", STACK_FORMS, ids=lambda o: o.name)
 def test_stacked_cells_one_op_per_cell(o: StackOpts):
     """Several cells per step: one native op per cell, the one above fed by the Y of the one below."""
     model = build_stack(o)
-    fused, report = rnnfuse.optimize(model)
-    assert not report.declined and len(report.fused) == 1, report.to_text()
-    counts = op_counts(fused)
-    assert counts.get("Loop", 0) == 0 and counts.get("RNN") == o.cells, (counts, report.to_text())
+    fused, _ = _fused_once(model, Loop=0, RNN=o.cells)
     rnns = [n for n in fused.graph.node if n.op_type == "RNN"]
     producers = {out: n for n in fused.graph.node for out in n.output}
     for upper in rnns[1:]:  # each op above the first reads another RNN's Y (through a Squeeze at most)
@@ -84,44 +110,21 @@ def test_stacked_cells_one_op_per_cell(o: StackOpts):
         while src.op_type != "RNN":
             src = producers[src.input[0]]
         assert src in rnns and src is not upper
-    s_orig, s_fused = session(model), session(fused)
-    rng = np.random.default_rng(2)
-    for batch, steps in ((1, 5), (3, 7), (2, 1)):
-        x = rng.standard_normal((steps, batch, 3)).astype(np.float32)
-        want = stack_reference(o, x)
-        got, orig = s_fused.run(None, {"x": x}), s_orig.run(None, {"x": x})
-        for k, w in enumerate(want):
-            assert_close(orig[k], w, f"{o.name}/{k}: original vs numpy")
-            assert_close(got[k], w, f"{o.name}/{k}: fused vs numpy")
+    _same_outputs(o.name, model, fused, _time_major_runs(2, lambda x: stack_reference(o, x)))
 
 
 @pytest.mark.parametrize("o", STACK_MISSES, ids=lambda o: o.name)
 def test_stacked_cells_near_misses_declined(o: StackOpts):
-    model = build_stack(o)
-    fused, report = rnnfuse.optimize(model)
-    assert not report.fused and report.declined, report.to_text()
-    assert op_counts(fused) == op_counts(model)
-
+    _declined(build_stack(o))
 
 
 @pytest.mark.parametrize("o", HEAD_FORMS, ids=lambda o: o.name)
 def test_head_in_step_fused(o: HeadOpts):
     """A per-step output computed from h inside the body: one RNN, the head applied to all of Y after it."""
     model = build_head(o)
-    fused, report = rnnfuse.optimize(model)
-    assert not report.declined and len(report.fused) == 1, report.to_text()
-    counts = op_counts(fused)
-    assert counts.get("Loop", 0) == 0 and counts.get("Scan", 0) == 0 and counts.get("RNN") == 1, (counts, report.to_text())
+    fused, _ = _fused_once(model, Loop=0, Scan=0, RNN=1)
     onnx.checker.check_model(fused, full_check=True)
-    s_orig, s_fused = session(model), session(fused)
-    rng = np.random.default_rng(3)
-    for batch, steps in ((1, 5), (3, 7), (2, 1)):
-        x = rng.standard_normal((steps, batch, 3)).astype(np.float32)
-        want = head_reference(o, x)
-        got, orig = s_fused.run(None, {"x": x}), s_orig.run(None, {"x": x})
-        for k, w in enumerate(want):
-            assert_close(orig[k], w, f"{o.name}/{k}: original vs numpy")
-            assert_close(got[k], w, f"{o.name}/{k}: fused vs numpy")
+    _same_outputs(o.name, model, fused, _time_major_runs(3, lambda x: head_reference(o, x)))
 
 
 HEAD_REASONS = {"rows_mean": "not a row-wise op", "transpose": "not a row-wise op", "counter": "iteration number",
@@ -130,11 +133,7 @@ HEAD_REASONS = {"rows_mean": "not a row-wise op", "transpose": "not a row-wise o
 
 @pytest.mark.parametrize("o", HEAD_MISSES, ids=lambda o: o.name)
 def test_head_near_misses_declined(o: HeadOpts):
-    model = build_head(o)
-    fused, report = rnnfuse.optimize(model)
-    assert not report.fused and report.declined, report.to_text()
-    assert HEAD_REASONS[o.miss] in report.declined[0].reason, report.to_text()
-    assert op_counts(fused) == op_counts(model)
+    _declined(build_head(o), HEAD_REASONS[o.miss])
 
 
 @pytest.mark.parametrize("o", LENGTH_FORMS, ids=lambda o: o.name)
@@ -142,61 +141,44 @@ def test_length_mask_in_step_fused(o: LengthOpts):
     """A step mask computed from the iteration number and per-row lengths: one masked RNN whose mask is that
     comparison, built before it; every row length from 0 to past the end."""
     model = build_lengths(o)
-    fused, report = rnnfuse.optimize(model)
-    assert not report.declined and len(report.fused) == 1, report.to_text()
+    fused, report = _fused_once(model, Loop=0, RNN=1)
     assert report.fused[0].masked and report.fused[0].validation.startswith("ok"), report.to_text()
-    counts = op_counts(fused)
-    assert counts.get("Loop", 0) == 0 and counts.get("RNN") == 1, (counts, report.to_text())
     onnx.checker.check_model(fused, full_check=True)
-    s_orig, s_fused = session(model), session(fused)
     rng = np.random.default_rng(4)
     dt = np.int64 if o.dtype == "int64" else np.int32
-    for lens in ([0], [7], [7, 0, 3, 9, -1], [2, 5]):
-        T = 7 if len(lens) > 1 else 5
-        x = rng.standard_normal((T, len(lens), 3)).astype(np.float32)
-        L = np.array(lens, dt).reshape((-1, 1) if o.unit else (-1,))
-        want = lengths_reference(o, x, L)
-        got, orig = s_fused.run(None, {"x": x, "L": L}), s_orig.run(None, {"x": x, "L": L})
-        for k, w in enumerate(want):
-            assert_close(orig[k], w, f"{o.name}/{k}: original vs numpy")
-            assert_close(got[k], w, f"{o.name}/{k}: fused vs numpy")
+
+    def runs():
+        for lens in ([0], [7], [7, 0, 3, 9, -1], [2, 5]):
+            x = rng.standard_normal((7 if len(lens) > 1 else 5, len(lens), 3)).astype(np.float32)
+            L = np.array(lens, dt).reshape((-1, 1) if o.unit else (-1,))
+            yield {"x": x, "L": L}, lengths_reference(o, x, L)
+
+    _same_outputs(o.name, model, fused, runs())
 
 
 @pytest.mark.parametrize("o", LENGTH_MISSES, ids=lambda o: o.name)
 def test_length_mask_near_misses_declined(o: LengthOpts):
-    model = build_lengths(o)
-    fused, report = rnnfuse.optimize(model)
-    assert not report.fused and report.declined, report.to_text()
-    assert op_counts(fused) == op_counts(model)
+    _declined(build_lengths(o))
 
 
 @pytest.mark.parametrize("o", TRANSPOSED_FORMS, ids=lambda o: o.name)
 def test_transposed_matmuls_fused(o: TransposedOpts):
     """Matmuls written as Transpose(W.T @ Transpose(v)) (jax.vmap of a per-example cell): one RNN."""
     model = build_transposed(o)
-    fused, report = rnnfuse.optimize(model)
-    assert not report.declined and len(report.fused) == 1, report.to_text()
-    counts = op_counts(fused)
-    assert counts.get("Loop", 0) == 0 and counts.get("RNN") == 1 and counts.get("Transpose", 0) == 0, (counts, report.to_text())
-    s_orig, s_fused = session(model), session(fused)
+    fused, _ = _fused_once(model, Loop=0, RNN=1, Transpose=0)
     rng = np.random.default_rng(6)
-    for steps in (1, 6):
-        x = rng.standard_normal((steps, TB, 3)).astype(np.float32)
-        o_flat = LoopOpts(cast=False)
-        want = reference(o_flat, x)
-        got, orig = s_fused.run(None, {"x": x}), s_orig.run(None, {"x": x})
-        for k in range(2):
-            assert_close(orig[k], want[k], f"{o.name}/{k}: original vs numpy")
-            assert_close(got[k], want[k], f"{o.name}/{k}: fused vs numpy")
+
+    def runs():
+        for steps in (1, 6):
+            x = rng.standard_normal((steps, TB, 3)).astype(np.float32)
+            yield {"x": x}, reference(LoopOpts(cast=False), x)
+
+    _same_outputs(o.name, model, fused, runs())
 
 
 @pytest.mark.parametrize("o", TRANSPOSED_MISSES, ids=lambda o: o.name)
 def test_transposed_near_misses_declined(o: TransposedOpts):
-    model = build_transposed(o)
-    fused, report = rnnfuse.optimize(model)
-    assert not report.fused and report.declined, report.to_text()
-    assert "mix batch rows" in report.declined[0].reason, report.to_text()
-    assert op_counts(fused) == op_counts(model)
+    _declined(build_transposed(o), "mix batch rows")
 
 
 @pytest.mark.parametrize("o", SCAN_STACK_FORMS, ids=lambda o: o.name)
@@ -204,29 +186,21 @@ def test_scan_stacked_cells_one_op_per_cell(o: StackOpts):
     """Several cells in one Scan body: one native op per cell, the upper one fed by the lower one's Y; masked
     rows post-, pre-padded, gappy and empty; time backwards with scan_input_directions."""
     model = build_stack(o)
-    fused, report = rnnfuse.optimize(model)
     # (a reverse stack's upper op may be rewritten again by the reverse-input pass: findings of its own)
-    assert not report.declined and len([f for f in report.fused if f.front == "Scan"]) == 1, report.to_text()
-    counts = op_counts(fused)
-    assert counts.get("Scan", 0) == 0 and counts.get("RNN") == o.cells, (counts, report.to_text())
+    fused, _ = _fused_once(model, "Scan", Scan=0, RNN=o.cells)
     onnx.checker.check_model(fused, full_check=True)
-    s_orig, s_fused = session(model), session(fused)
     rng = np.random.default_rng(8)
     masks = [np.array([[1, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1], [1, 0, 1, 1, 0, 1, 0], [0] * 7], bool).T,
              np.ones((5, 1), bool)]
-    for m in masks:
-        x = rng.standard_normal((m.shape[0], m.shape[1], 3)).astype(np.float32)
-        feeds = {"x": x, "mask": m} if o.masked else {"x": x}
-        want = stack_reference(o, x, m if o.masked else None)
-        got, orig = s_fused.run(None, feeds), s_orig.run(None, feeds)
-        for k, w in enumerate(want):
-            assert_close(orig[k], w, f"{o.name}/{k}: original vs numpy")
-            assert_close(got[k], w, f"{o.name}/{k}: fused vs numpy")
+
+    def runs():
+        for m in masks:
+            x = rng.standard_normal((m.shape[0], m.shape[1], 3)).astype(np.float32)
+            yield ({"x": x, "mask": m} if o.masked else {"x": x}), stack_reference(o, x, m if o.masked else None)
+
+    _same_outputs(o.name, model, fused, runs())
 
 
 @pytest.mark.parametrize("o", SCAN_STACK_MISSES, ids=lambda o: o.name)
 def test_scan_stacked_cells_near_misses_declined(o: StackOpts):
-    model = build_stack(o)
-    fused, report = rnnfuse.optimize(model)
-    assert not report.fused and report.declined, report.to_text()
-    assert op_counts(fused) == op_counts(model)
+    _declined(build_stack(o))

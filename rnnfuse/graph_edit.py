@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
-from .graph_index import POS_TIE, GraphIndex
+from .graph_index import POS_TIE, GraphIndex, without
 from .protos import has_subgraph, rename_free, set_external, subgraphs
 
 
@@ -100,18 +100,18 @@ class Graph(GraphIndex):
     def remove_nodes(self, nodes: list[NodeProto]) -> None:
         """Remove many nodes at once: each consumer list is filtered once (a weight read by 2,000 unrolled
         steps would otherwise be rescanned per step)."""
-        gone = {id(n) for n in nodes if id(n) not in self._removed}
+        removed, producer, graveyard = self._removed, self.producer, self._graveyard
+        gone = dict(zip(map(id, nodes), nodes))  # (id -> node, first occurrence first)
+        for k in removed.intersection(gone) if removed else ():
+            del gone[k]
         if len(gone) < 64:
             for n in nodes:
                 self.remove_node(n)
             return
-        removed, producer, graveyard = self._removed, self.producer, self._graveyard
-        survivors = [n for n in self.nodes if id(n) not in removed and id(n) not in gone]
+        survivors = without(without(self.nodes, removed), gone.keys()) if removed else without(self.nodes, gone.keys())
         if len(survivors) < len(gone):  # most of the graph goes (a fused chain): index what stays instead
-            for n in nodes:
-                if id(n) in gone and id(n) not in removed:
-                    removed.add(id(n))
-                    graveyard.append(n)
+            removed.update(gone)
+            graveyard.extend(gone.values())
             self.producer.clear()
             self.consumers.clear()
             self._index_all(survivors)
@@ -199,7 +199,7 @@ class Graph(GraphIndex):
         dead = self._dead_nodes()
         self.remove_nodes(dead)
         if dead:
-            self.nodes = [n for n in self.nodes if id(n) not in self._removed]
+            self.nodes = without(self.nodes, self._removed)
         self._pruned = self._state()
         return len(dead)
 
@@ -211,7 +211,7 @@ class Graph(GraphIndex):
         prune, no sort of an order no edit disturbed, no proto rewrite or index rebuild of an unchanged node
         list."""
         removed = self._removed
-        kept = [n for n in self.nodes if id(n) not in removed] if removed else self.nodes
+        kept = without(self.nodes, removed) if removed else self.nodes
         if self._pruned == self._state():
             nodes, dropped = kept, False  # every node left is live
         else:
@@ -265,13 +265,52 @@ class Graph(GraphIndex):
         edits (a fused chain's steps are dead), or when some node is unread, liveness is walked back from the
         outputs: that walk reads the live nodes only."""
         removed = self._removed
-        if not self.edited and not removed:
-            consumers, outs = self.consumers, set(self.output_names)
-            read = {id(n) for o, n in self.producer.items() if o in outs or consumers.get(o)}
-            if all(id(n) in read for n in self.nodes):
-                return []
+        if not self.edited and not removed and self.owners_complete:
+            # the names produced but not read (an empty reader list, left by rewiring before a finalize,
+            # reads nothing) nor output: set operations in C, then only the nodes producing such names are read
+            producer, consumers = self.producer, self.consumers
+            unread = producer.keys() - consumers.keys()
+            if not all(consumers.values()):
+                unread.update(k for k, v in consumers.items() if not v and k in producer)
+            unread.difference_update(self.output_names)
+            sinks = {id(producer[o]): producer[o] for o in unread}
+            sinks = [p for p in sinks.values() if all(o in unread for o in p.output if o and producer.get(o) is p)]
+            if not sinks:
+                return []  # every node has a value that is read or output: nothing is dead (no cycles)
+            if self._input_sorted:  # (no cycle: what is dead is found from the unread nodes back)
+                return self._dead_from_sinks(sinks, unread)
         live = self._live_set()
-        return [n for n in self.nodes if id(n) not in removed and id(n) not in live]
+        return without(self.nodes, live | removed if removed else live)
+
+    def _dead_from_sinks(self, sinks: list[NodeProto], unread: set[str]) -> list[NodeProto]:
+        """The dead nodes of an acyclic graph as loaded, in node-list order, from the indices: the ``sinks``
+        (every value they produce is in ``unread``: not read, not output) are dead, and so is a node all of
+        whose read values are read only by dead nodes. Reads the dead nodes and their producers, not the live
+        graph (a few unused constants in a 100k-node export)."""
+        producer, consumers, outs = self.producer, self.consumers, set(self.output_names)
+        stack = list(sinks)
+        dead: set[int] = set()
+        left: dict[str, int] = {}  # read name -> its readers not yet known dead
+        owned: dict[int, int] = {}  # node -> its read values not yet known to be read only by dead nodes
+        while stack:
+            n = stack.pop()
+            if id(n) in dead:
+                continue
+            dead.add(id(n))
+            for i in dict.fromkeys(itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input):
+                if not i or i in outs or i in unread or i not in producer:
+                    continue
+                c = left.get(i, len(consumers[i])) - 1
+                left[i] = c
+                if c == 0:
+                    p = producer[i]
+                    m = owned.get(id(p))
+                    if m is None:
+                        m = sum(1 for o in dict.fromkeys(p.output) if o and o not in unread and producer.get(o) is p)
+                    owned[id(p)] = m - 1
+                    if m == 1:
+                        stack.append(p)
+        return list(itertools.compress(self.nodes, map(dead.__contains__, map(id, self.nodes))))
 
     def _live_set(self) -> set[int]:
         live: set[int] = set()

@@ -203,5 +203,61 @@ def test_nothing_dead_costs_no_liveness_walk(monkeypatch):
     m = Model(elementwise_chain(400))
     assert m.graph.prune() == 0
     assert walks == []
-    Model(_dead_branches()).graph.prune()
-    assert walks == [10]
+    # dead code in a graph as loaded is found from its unread nodes back, still without a walk
+    assert Model(_dead_branches()).graph.prune() == 6
+    assert walks == []
+    # after an edit (a fused chain's steps die) liveness is walked from the outputs: one walk
+    g = Model(_dead_branches()).graph
+    g.replace_uses("t", "x")
+    assert g.prune() == 7 and walks == [10]
+
+
+def _reference_dead(g: Graph) -> list[str]:
+    """The dead nodes by the definition: not reached from a graph output through producers (captures too)."""
+    live, stack = set(), [g.producer[o] for o in g.output_names if o in g.producer]
+    while stack:
+        n = stack.pop()
+        if id(n) in live:
+            continue
+        live.add(id(n))
+        stack.extend(g.producer[i] for i in [*n.input, *g.implicit_inputs(n)] if i in g.producer)
+    return [n.name for n in g.nodes if id(n) not in live]
+
+
+def _random_graph(rng, n: int, with_loop: bool) -> onnx.ModelProto:
+    """A random acyclic graph in order: nodes of 1-3 inputs and 1-2 outputs (some unread), a few outputs;
+    optionally a Loop whose body captures an outer value."""
+    names, nodes = ["x"], []
+    for k in range(n):
+        ins = [names[int(j)] for j in rng.integers(0, len(names), int(rng.integers(1, 4)))]
+        outs = [f"v{k}_{j}" for j in range(int(rng.integers(1, 3)))]
+        if len(outs) == 2:
+            nodes.append(helper.make_node("Split", ins[:1], outs, name=f"n{k}", axis=0))
+        else:
+            nodes.append(helper.make_node("Sum" if len(ins) > 1 else "Identity", ins, outs, name=f"n{k}"))
+        names.extend(outs)
+    if with_loop:
+        cap = names[int(rng.integers(1, len(names)))]
+        body = helper.make_graph([helper.make_node("Identity", [cap], ["b_out"])], "body",
+                                 [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                                  helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                                 [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                                  helper.make_tensor_value_info("b_out", TensorProto.FLOAT, None)])
+        nodes.append(helper.make_node("Loop", ["", ""], ["loop_out"], name="loop", body=body))
+        names.append("loop_out")
+    outs = sorted({names[int(j)] for j in rng.integers(1, len(names), 3)})
+    g = helper.make_graph(nodes, "r", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dead_nodes_from_the_indices_are_the_unreachable_ones(seed):
+    """However a graph's dead nodes are found (from its indices as loaded, or by a walk after edits), they
+    are exactly the nodes no graph output is computed from, in node order (multi-output nodes with one value
+    read, values read twice by one node, a Loop capturing an outer value)."""
+    rng = np.random.default_rng(seed)
+    g = Model(_random_graph(rng, int(rng.integers(5, 60)), with_loop=seed % 3 == 0)).graph
+    assert [n.name for n in g._dead_nodes()] == _reference_dead(g)
+    g.add_node("Identity", ["x"], name="extra")  # (an edit: the walk)
+    assert [n.name for n in g._dead_nodes()] == _reference_dead(g)

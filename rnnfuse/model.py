@@ -6,12 +6,12 @@ Every pass sees the same :class:`Model`; its main graph (and, through it, every 
 
 from __future__ import annotations
 
-
 import numpy as np
-from onnx import ModelProto, TensorProto, helper, numpy_helper
+from onnx import ModelProto, TensorProto, helper
 
 from .facts import ModelFacts
 from .graph_edit import Graph
+from .graph_index import raw_array
 from .naming import NameAllocator
 from .protos import all_names, has_subgraph, subgraphs
 from .tensor_types import CHEAP_INFERENCE_NODES, declared_types, infer_types
@@ -94,7 +94,7 @@ class Model:
             mm = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
             self._maps.append(mm)
             return mm.reshape(shape)
-        return numpy_helper.to_array(t)
+        return raw_array(t)
 
     @property
     def opset(self) -> int:

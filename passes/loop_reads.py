@@ -202,18 +202,10 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
             raise Decline(f"the loop runs at most {k[1]} iterations, not once per time step")
         else:
             raise Decline("cannot prove the trip count equals the number of time steps")
-    cond_out = body.output_names[0]
-    cond_in = body.input_names[1]
-    for term in _conjuncts(body, cond_out):
-        if term == cond_in:
-            continue
-        c = body.const(term)
-        if c is not None and bool(np.asarray(c).all()):
-            continue
-        n = body.producer.get(term)
-        if n is None or n.op_type not in ("Less", "Greater"):
+    for bound in _bounds(body, body.output_names[0], true=body.input_names[1]):
+        if bound is None:
             raise Decline("the loop condition is not a bound on the iteration number")
-        a, b = (n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0])
+        a, b = bound
         cs = counter_step(body, a)
         if cs is None or cs[0] not in index_syms:
             raise Decline("the loop condition compares something other than the iteration number")
@@ -227,18 +219,27 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
         raise Decline("the loop does not run exactly once per time step")
     # the first iteration must run whenever T >= 1
     cond0 = loop.input[1] if len(loop.input) > 1 else ""
-    if cond0:
-        for term in _conjuncts(g, cond0):
-            c = g.const(term)
-            if c is not None and bool(np.asarray(c).all()):
-                continue
-            n = g.producer.get(term)
-            ok = False
-            if n is not None and n.op_type in ("Less", "Greater"):
-                a, b = (n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0])
-                ok = dim_key(g, a) == ("const", 0) and dim_key(g, b) in T_keys
-            if not ok:
-                raise Decline("cannot prove the loop's first iteration runs")
+    for bound in _bounds(g, cond0) if cond0 else []:
+        if bound is None or dim_key(g, bound[0]) != ("const", 0) or dim_key(g, bound[1]) not in T_keys:
+            raise Decline("cannot prove the loop's first iteration runs")
+
+
+def _bounds(g: Graph, cond: str, true: str = "") -> list[tuple[str, str] | None]:
+    """The conjuncts of the bool ``cond`` that are not true by construction (a constant True, or ``true``):
+    each as ``(a, b)`` when it is ``a < b`` (``Less(a, b)``, ``Greater(b, a)``), None when it is no such bound."""
+    out = []
+    for term in _conjuncts(g, cond):
+        if term == true:
+            continue
+        c = g.const(term)
+        if c is not None and bool(np.asarray(c).all()):
+            continue
+        n = g.producer.get(term)
+        if n is None or n.op_type not in ("Less", "Greater"):
+            out.append(None)
+        else:
+            out.append((n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0]))
+    return out
 
 
 # ---------------------------------------------------------------------------- length masks written by hand

@@ -11,7 +11,7 @@ from typing import Callable
 
 from onnx import NodeProto
 
-from .dataflow import post_order, runtime_values
+from .dataflow import runtime_values
 from .graph import Graph
 from .symbolic import content_key
 
@@ -47,57 +47,76 @@ class Signer:
         g = self.g
         if memo is None:
             memo = {}
-        const_ids, intern = self.const_ids, self._intern
+        if name in memo:
+            return memo[name]
+        intern = self._intern
         runtime = runtime_values(g)
-        producer = g.producer
         # each producer's fields, read once, kept for this walk only (a chain's steps are each walked once:
         # a cache across walks would hold every node's fields); the tensors whose inputs are being signed
         infos: dict[int, tuple] = {}
         walked: dict[str, tuple] = {}
-
-        def open_(cur: str):
-            role = leaves.get(cur)
-            if role is not None:
-                memo[cur] = intern(("leaf", role))
-                return None
-            if cur not in runtime:  # (computed from an input's values: not a constant, no fold attempt)
-                cid = const_ids.get(cur, -1)
-                if cid == -1:
-                    cid = const_ids[cur] = self._const_id(cur)
-                if cid is not None:
-                    memo[cur] = cid
-                    return None
-            p = producer.get(cur)
-            if p is None:
-                return self._outside(cur, fills, foreign, memo)
-            info = infos.get(id(p))
+        # post-order over the region (dataflow.post_order, written out: this loop runs once per tensor of every
+        # step of a 100k-node chain); ``walked`` holds the tensors whose inputs are being signed
+        stack = [name]
+        while stack:
+            cur = stack[-1]
+            if cur in memo:
+                stack.pop()
+                continue
+            info = walked.get(cur)
             if info is None:
-                info = infos[id(p)] = _node_info(p)
-            op = info[2]
-            if op in ("ConstantOfShape", "Expand"):
-                fv = g.fill_value(cur)
-                if fv is not None:
-                    if fills is not None:
-                        fills[cur] = fv
-                    memo[cur] = intern(("fill", fv))
-                    return None
-            elif op in ("Shape", "Size") and info[0][0] not in leaves:
-                q = producer.get(info[0][0])
-                if q is None or not allowed(q):  # the shape of an outside tensor: the same for every step
-                    memo[cur] = intern(("ext-shape", info[0][0], p.SerializeToString()))
-                    visited.add(id(p))
-                    return None
-            if not allowed(p):
-                return self._outside(cur, fills, foreign, memo)
-            walked[cur] = info
-            return info[0]
+                ins = self._open(cur, leaves, allowed, foreign, visited, fills, memo, runtime, infos)
+                if ins is None:
+                    stack.pop()
+                    continue
+                info = walked[cur] = ins
+                pending = [i for i in info[0] if i and i not in memo]
+                if pending:
+                    stack.extend(pending)
+                    continue
+            stack.pop()
+            visited.add(info[5])
+            memo[cur] = intern((info[2], info[3], info[4], info[1].index(cur), tuple([memo[i] if i else -1 for i in info[0]])))
+        return memo[name]
 
-        def close(cur: str) -> int:
-            info = walked[cur]
-            visited.add(id(producer[cur]))
-            return intern((info[2], info[3], info[4], info[1].index(cur), tuple([memo[i] if i else -1 for i in info[0]])))
-
-        return post_order(name, memo, open_, close)
+    def _open(self, cur: str, leaves: dict, allowed, foreign, visited: set, fills: dict | None, memo: dict,
+              runtime, infos: dict) -> tuple | None:
+        """Either ``cur``'s signature goes into ``memo`` (a leaf, a constant, a fill, an outside value) and the
+        answer is None, or its producer's fields (:func:`_node_info`) say which inputs to sign first."""
+        role = leaves.get(cur)
+        if role is not None:
+            memo[cur] = self._intern(("leaf", role))
+            return None
+        if cur not in runtime:  # (computed from an input's values: not a constant, no fold attempt)
+            cid = self.const_ids.get(cur, -1)
+            if cid == -1:
+                cid = self.const_ids[cur] = self._const_id(cur)
+            if cid is not None:
+                memo[cur] = cid
+                return None
+        p = self.g.producer.get(cur)
+        if p is None:
+            return self._outside(cur, fills, foreign, memo)
+        info = infos.get(id(p))
+        if info is None:
+            info = infos[id(p)] = _node_info(p)
+        op = info[2]
+        if op in ("ConstantOfShape", "Expand"):
+            fv = self.g.fill_value(cur)
+            if fv is not None:
+                if fills is not None:
+                    fills[cur] = fv
+                memo[cur] = self._intern(("fill", fv))
+                return None
+        elif op in ("Shape", "Size") and info[0][0] not in leaves:
+            q = self.g.producer.get(info[0][0])
+            if q is None or not allowed(q):  # the shape of an outside tensor: the same for every step
+                memo[cur] = self._intern(("ext-shape", info[0][0], p.SerializeToString()))
+                visited.add(id(p))
+                return None
+        if not allowed(p):
+            return self._outside(cur, fills, foreign, memo)
+        return info
 
     def _const_id(self, name: str) -> int | None:
         """The id of ``name``'s constant value (None: not a constant)."""
@@ -126,7 +145,7 @@ class Signer:
 
 def _node_info(p: NodeProto) -> tuple:
     """What a signature reads of a node, read from the proto once: (inputs, outputs, op_type, domain,
-    attributes as bytes in name order)."""
+    attributes as bytes in name order, the node's id)."""
     atts = p.attribute
     if not atts:
         ak: tuple = ()
@@ -134,7 +153,7 @@ def _node_info(p: NodeProto) -> tuple:
         ak = (atts[0].SerializeToString(),)
     else:
         ak = tuple(a.SerializeToString() for a in sorted(atts, key=_attr_name))
-    return (tuple(p.input), tuple(p.output), p.op_type, p.domain, ak)
+    return (tuple(p.input), tuple(p.output), p.op_type, p.domain, ak, id(p))
 
 
 def _attr_name(a) -> str:

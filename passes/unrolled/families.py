@@ -67,6 +67,7 @@ def _squeezed(g: Graph, name: str, axis: int) -> str | None:
 
 def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
     fams: dict[tuple[str, int], dict[int, str]] = {}
+    runtime_values(g)  # (first: a slice of a runtime value then needs no fold attempt back to the inputs)
     for n in g.nodes_of(*_SLICERS):
         if g.const(n.input[0]) is not None:
             continue

@@ -89,37 +89,77 @@ def prepared_inputs(g: Graph, chain: Chain, limit: int = 16):
     return prepared
 
 
-def extra_values(g: Graph, chain: Chain, iv, chain_nodes: set, state_tensors: set, mask_values: set) -> list[str] | None:
+class Escapes:
+    """The chain's values the rest of the graph reads: ``entries`` lists, in graph order, (node, output, its
+    readers outside the chain other than Shape/Size) for every output of a chain node that has such readers
+    or is a graph output. One scan of the graph serves both questions asked of it (an extra carried value;
+    what the chain outputs); when the chain grows in between (the extra value's nodes join it), only the
+    nodes that joined are scanned, and the old entries lose the readers that joined."""
+
+    def __init__(self, g: Graph, chain_nodes: set):
+        self.g = g
+        self.ids = set(chain_nodes)
+        self.entries = _escaping(g, [n for n in g.live_nodes() if id(n) in chain_nodes], chain_nodes)
+
+    def update(self, chain_nodes: set) -> "Escapes":
+        joined = chain_nodes - self.ids
+        if not joined:
+            return self
+        g = self.g
+        kept = []
+        for nd, o, outside in self.entries:
+            outside = [u for u in outside if id(u) not in joined]
+            if outside or g.is_graph_output(o):
+                kept.append((nd, o, outside))
+        live = g.live_nodes()
+        new = _escaping(g, [n for n in live if id(n) in joined], chain_nodes)
+        if new:  # (in the order of the graph's nodes, as one scan would list them)
+            rank = {id(n): i for i, n in enumerate(live)}
+            kept = sorted(kept + new, key=lambda e: rank[id(e[0])])
+        self.entries = kept
+        self.ids = set(chain_nodes)
+        return self
+
+
+def _escaping(g: Graph, nodes, chain_nodes: set) -> list[tuple]:
+    out = []
+    for nd in nodes:
+        for o in nd.output:
+            if not o:
+                continue
+            outside = [u for u in g.uses(o) if id(u) not in chain_nodes and u.op_type not in ("Shape", "Size")]
+            if outside or g.is_graph_output(o):
+                out.append((nd, o, outside))
+    return out
+
+
+def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: set, mask_values: set) -> list[str] | None:
     """Per step, the one value computed from the cell's inner values by nodes outside h and c (Keras'
     masked output carried next to the state), or None when no step has one."""
+    chain_nodes = escapes.ids
     steps = chain.steps
     side = 1 if chain.direction == "forward" else 0
     k_of = {st.t: k for k, st in enumerate(steps)}
     hang: dict[int, dict[int, NodeProto]] = {}
     stacked: dict[int, set] = {}
     prepared = prepared_inputs(g, chain)
-    for nd in g.live_nodes():
-        if id(nd) not in chain_nodes:
-            continue
+    for nd, o, outside in escapes.entries:
         v = iv.nodes.get(id(nd))
         k = k_of.get(v[side]) if v is not None else None
         if k is None:
             continue
-        for o in nd.output:
-            # (read only inside the chain, or only by shape reads: the common case, checked first)
-            outside = [u for u in g.uses(o) if id(u) not in chain_nodes and u.op_type not in ("Shape", "Size")] if o else []
-            if not outside or o in state_tensors or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, state_tensors, chain_nodes):
-                continue
-            if prepared(o):
-                continue  # a step input's preparation another chain reads too
-            if all(u.op_type == "Unsqueeze" and _stacking(g, u, u.output[0], {o}, chain_nodes) for u in outside):
-                stacked.setdefault(k, set()).add(o)  # an inner value stacked as it is (e.g. m * h_cell)
-                continue
-            for u in outside:
-                uv = iv.nodes.get(id(u))
-                if uv is None or uv[side] != steps[k].t:
-                    raise Decline(f"an inner value of the chain ('{o}') is read outside it")
-                hang.setdefault(k, {})[id(u)] = u
+        if not outside or o in state_tensors or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, state_tensors, chain_nodes):
+            continue
+        if prepared(o):
+            continue  # a step input's preparation another chain reads too
+        if all(u.op_type == "Unsqueeze" and _stacking(g, u, u.output[0], {o}, chain_nodes) for u in outside):
+            stacked.setdefault(k, set()).add(o)  # an inner value stacked as it is (e.g. m * h_cell)
+            continue
+        for u in outside:
+            uv = iv.nodes.get(id(u))
+            if uv is None or uv[side] != steps[k].t:
+                raise Decline(f"an inner value of the chain ('{o}') is read outside it")
+            hang.setdefault(k, {})[id(u)] = u
     if not hang and not stacked:
         return None
     ys: list[str | None] = []
@@ -173,7 +213,7 @@ def find_symbolic(g: Graph, e: StepEval, chain: Chain, k: int, iv, op_type: str,
             continue
     return None
 
-def chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set, mask_values: set) -> tuple[list, dict]:
+def chain_outputs(g: Graph, chain: Chain, series: dict, escapes: Escapes, mask_values: set) -> tuple[list, dict]:
     """What the rest of the graph reads of the chain: stacks of a per-step series ((role, tensor,
     batch_first, reversed)), the last step's values (role -> tensor) and the hidden state of other steps
     read one by one ((k, tensor)). Anything else declines."""
@@ -181,14 +221,13 @@ def chain_outputs(g: Graph, chain: Chain, series: dict, chain_nodes: set, mask_v
     ts = [s.t for s in chain.steps]
     index = {t: (r, k) for r, names in series.items() for k, t in enumerate(names) if t}
     prepared = prepared_inputs(g, chain)
-    for nd in (x for x in g.live_nodes() if id(x) in chain_nodes):
-        for o in nd.output:
-            read = o and (g.is_graph_output(o) or any(id(u) not in chain_nodes and u.op_type not in ("Shape", "Size") for u in g.uses(o)))
-            if not read or o in index or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, index, chain_nodes):
-                continue
-            if not g.is_graph_output(o) and prepared(o):
-                continue  # a step input's preparation another chain reads too
-            raise Decline(f"an inner value of the chain ('{o}') is read outside it")
+    chain_nodes = escapes.ids
+    for nd, o, _ in escapes.entries:
+        if o in index or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, index, chain_nodes):
+            continue
+        if not g.is_graph_output(o) and prepared(o):
+            continue  # a step input's preparation another chain reads too
+        raise Decline(f"an inner value of the chain ('{o}') is read outside it")
     cats: dict[int, list] = {}
     extra: list[tuple[str, int, str]] = []
     for t, (r, k) in index.items():

@@ -28,7 +28,7 @@ from rnnfuse.symbolic import LinAtom, Poly, StepInput, SymTensor, loose_key, sub
 
 from .chains import Chain, Step
 from .families import LengthMask
-from .outputs import chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, order_of, step_output
+from .outputs import Escapes, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, order_of, step_output
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through
 
 
@@ -231,7 +231,8 @@ class _ChainRoles:
         """y: the extra carried value (Keras' previous output), computed from the cells' values outside h and c."""
         g, n, km, last, leaves = self.g, self.n, self.km, self.last, self.leaves
         self.mask_values = mask_values(g, self.chain)
-        ys = extra_values(g, self.chain, self.iv, self.chain_nodes, {t for t in self.h_new + self.c_new if t}, self.mask_values)
+        self.escapes = Escapes(g, self.chain_nodes)
+        ys = extra_values(g, self.chain, self.iv, self.escapes, {t for t in self.h_new + self.c_new if t}, self.mask_values)
         self.ys, self.y_carried, self.y0 = ys, False, None
         if ys is None:
             return
@@ -287,7 +288,7 @@ class _ChainRoles:
     def analyse(self) -> StepAnalysis:
         """The chain's outputs and the reference step's maths -> the cell and the recurrence's states."""
         g, series, ref = self.g, self.series, self.ref
-        stacks, finals, self.step_reads = chain_outputs(g, self.chain, series, self.chain_nodes, self.mask_values)
+        stacks, finals, self.step_reads = chain_outputs(g, self.chain, series, self.escapes.update(self.chain_nodes), self.mask_values)
         h0 = self.h_in[0]
         inits = {
             "h": Init(h0, None, lead_of(g, h0) or 0) if h0 is not None and self.h0_fill is None else Init(),

@@ -10,6 +10,7 @@ Dead nodes and unused initializers are removed when the pipeline finalizes the g
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -72,6 +73,7 @@ class Dedupe:
                 if a and b:
                     g.replace_uses(a, b)
             g.remove_node(n)
+            table.forget()
             n_merged += 1
         model.facts.dedupe_mark = (g.edited, len(g.edited))
         self.full_keys = table.full_keys
@@ -93,6 +95,7 @@ class _DedupeTable:
         self.small: dict[str, object] = {}  # input name -> its full-key form (small constants by content)
         self.seeded: set[str] = set()  # values whose readers are in the table (incremental runs)
         self.const_readers: list | None = None
+        self.found: dict[int, NodeProto | None] = {}  # node -> what inserting it found while seeding
         self.full_keys = 0
         # initializers and Constant outputs: found once (a set lookup per input from then on)
         self.consts = set(g.initializers)
@@ -103,10 +106,12 @@ class _DedupeTable:
         it matters): nodes whose every non-constant input is read by another node too, one of them with the
         same op (a duplicate reads them all), and the nodes reading only constants."""
         g = self.g
-        uses, consts = g.consumers.get, self.consts
+        consumers, consts = g.consumers, self.consts
+        uses = consumers.get
         out: dict[int, NodeProto] = {}
-        for v, cs in g.consumers.items():
-            if len(cs) > 1 and v not in consts:
+        # the values read more than once, picked out in C (a 100k-node chain has few or none)
+        for v, cs in itertools.compress(consumers.items(), map((1).__lt__, map(len, consumers.values()))):
+            if v not in consts:
                 # a duplicate of a reader of v is another reader of v with the same op: readers whose op no
                 # other reader of v has (h read by its step's Gemm and by the output stack) have none
                 kinds: dict = {}
@@ -199,7 +204,7 @@ class _DedupeTable:
     def _seed(self, n: NodeProto, ck: tuple) -> None:
         """Put the nodes ``n`` could equal in the table first (once per value): the readers of its rarest
         non-constant input (a duplicate reads every input ``n`` reads), or, for a node reading only
-        constants, every such node."""
+        constants, every such node. What inserting each found is kept for its own ``match`` (see there)."""
         g = self.g
         names = [i for i, k in zip(n.input, ck[3]) if k is not self._CONST and i]
         if names:
@@ -214,14 +219,26 @@ class _DedupeTable:
             self.seeded.add("")
             group = self._const_readers()
         pos = g.positions
+        found = self.found
         for m in sorted(group, key=lambda m: pos[id(m)]):  # the first in graph order is the one kept
             if self.eligible(m):  # (``n`` too: in its place in that order)
-                self._insert(m, self.coarse(m))
+                found[id(m)] = self._insert(m, ck if m is n else self.coarse(m))
 
     def match(self, n: NodeProto) -> NodeProto | None:
         ck = self.coarse(n)
         self._seed(n, ck)
-        return self._insert(n, ck)
+        # inserting n again finds what inserting it while seeding found, as long as nothing was merged since
+        # (``forget`` empties ``found`` then): the node then kept under its key, still current, or n itself
+        # (no match). Without this every seeded node's full key was computed twice.
+        r = self.found.pop(id(n), _NOT_SEEDED)
+        return self._insert(n, ck) if r is _NOT_SEEDED else r
+
+    def forget(self) -> None:
+        """A merge edited the graph: what seeding found may no longer be what inserting would find."""
+        self.found.clear()
+
+
+_NOT_SEEDED = object()
 
 
 class DropNoOps:

@@ -101,8 +101,8 @@ class GraphIndex:
         """node id -> position * POS_TIE + tie-break (one int, not a tuple, per node: a 100k-node map is
         5 MB smaller): the order :meth:`toposort` keeps among ready nodes."""
         if self._pos_map is None:
-            base = self._pos_base
-            self._pos_map = {id(base[i]): i * POS_TIE for i in range(self._pos_len)}
+            n = self._pos_len  # (built in C: the list may have grown since, by add_node)
+            self._pos_map = dict(zip(map(id, itertools.islice(self._pos_base, n)), range(0, n * POS_TIE, POS_TIE)))
         return self._pos_map
 
     @property

@@ -127,8 +127,7 @@ class _DedupeTable:
             out[id(c)] = c
         if not out:
             return []  # (a plain chain: not even the positions are needed)
-        pos = g.positions
-        return sorted(out.values(), key=lambda n: pos[id(n)])
+        return g.in_position_order(out.values())
 
     def _const_readers(self) -> list[NodeProto]:
         """Nodes with at least one input, all of them constants (a second way to be equal: by value)."""
@@ -218,9 +217,8 @@ class _DedupeTable:
                 return
             self.seeded.add("")
             group = self._const_readers()
-        pos = g.positions
         found = self.found
-        for m in sorted(group, key=lambda m: pos[id(m)]):  # the first in graph order is the one kept
+        for m in g.in_position_order(group):  # the first in graph order is the one kept
             if self.eligible(m):  # (``n`` too: in its place in that order)
                 found[id(m)] = self._insert(m, ck if m is n else self.coarse(m))
 

@@ -42,9 +42,9 @@ class Graph(GraphIndex):
         node = helper.make_node(op_type, inputs, outputs, name=self.fresh(base), domain=domain or None, **attrs)
         self.nodes.append(node)
         self._by_op_add(node)
-        anchor_pos = self._pos.get(id(anchor)) if anchor is not None else None
+        anchor_pos = self.position(anchor) if anchor is not None else None
         at = anchor_pos // POS_TIE if anchor_pos is not None else len(self.nodes)
-        self._pos[id(node)] = at * POS_TIE + next(self._seq)
+        self.place(node, at * POS_TIE + next(self._seq))
         self._index(node)
         self.edited.append(node)
         return outputs
@@ -341,8 +341,7 @@ class Graph(GraphIndex):
         """Stable Kahn sort: among ready nodes, the one with the smallest position goes first.
 
         Already-sorted input (the common case) is detected in one pass and returned in its original order."""
-        pos = self._pos
-        order = sorted(nodes, key=lambda n: pos[id(n)])
+        order = self.in_position_order(nodes)
         index = {id(n): i for i, n in enumerate(order)}
         producer = self.producer
 

@@ -67,8 +67,10 @@ def _squeezed(g: Graph, name: str, axis: int) -> str | None:
 
 def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
     fams: dict[tuple[str, int], dict[int, str]] = {}
-    runtime_values(g)  # (first: a slice of a runtime value then needs no fold attempt back to the inputs)
-    for n in g.nodes_of(*_SLICERS):
+    slicers = g.nodes_of(*_SLICERS)
+    if slicers:  # (first: a slice of a runtime value then needs no fold attempt back to the inputs)
+        runtime_values(g)
+    for n in slicers:
         if g.const(n.input[0]) is not None:
             continue
         if n.op_type == "Split":

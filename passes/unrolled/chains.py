@@ -56,22 +56,21 @@ def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Inter
     for n in order:
         if n.op_type in ("Shape", "Size"):
             continue  # a shape does not depend on values
-        lo = hi = None
+        span = None
         for i in n.input:
             v = get(i)
-            if v is not None:
-                if lo is None:
-                    lo, hi = v
-                else:
-                    if v[0] < lo:
-                        lo = v[0]
-                    if v[1] > hi:
-                        hi = v[1]
-        if lo is not None:
-            iv.nodes[id(n)] = (lo, hi)
+            if v is None or v is span:
+                continue
+            if span is None:
+                span = v
+            elif v[0] < span[0] or v[1] > span[1]:
+                # (most nodes have the span of an input: that tuple is shared, a new one only where spans widen)
+                span = v if v[0] <= span[0] and v[1] >= span[1] else (min(v[0], span[0]), max(v[1], span[1]))
+        if span is not None:
+            iv.nodes[id(n)] = span
             for o in n.output:
                 if o and o not in leaves:
-                    iv[o] = (lo, hi)
+                    iv[o] = span
     return iv
 
 def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops: list | None = None) -> str | None:

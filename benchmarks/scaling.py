@@ -8,7 +8,8 @@ Three graphs, the ends of what a long unrolled model can be:
 
 * ``lstmcell``: a torch loop over ``nn.LSTMCell`` (input 32, hidden 64, batch 4) exported by
   ``torch.onnx.export(dynamo=False)`` (the chain of ``chain_2000.py``): 18 nodes per step, so T = nodes / 18
-  (T=6000 is 108k nodes). rnnfuse fuses it into one LSTM (validated numerically, as always).
+  (T=6000 is 108k nodes). rnnfuse fuses it into one LSTM (validated numerically, as always). Longer chains
+  are a 4-step export stretched to T steps (``stretch_chain``; the export itself takes hours there).
 * ``elementwise``: a chain of Add / Mul / Tanh / Sigmoid on a [batch, 16] tensor, each Add and Mul with a
   weight vector of its own: a big model with nothing to fuse (and nothing to merge).
 * ``wide``: the same LSTMCell loop with input and hidden size 512 (8 MB of weights) and few steps: the
@@ -40,9 +41,87 @@ NODES_PER_STEP = 18  # torch's LSTMCell trace export
 from chain_2000 import export_lstmcell_chain  # noqa: E402
 
 
+MAX_EXPORTED_STEPS = 6000  # torch's trace export of a longer loop takes over an hour here: those are stretched
+
+
 def lstmcell_chain(path: str, nodes: int) -> int:
-    """A torch loop over nn.LSTMCell (input 32, hidden 64) with ``nodes // 18`` steps; returns the node count."""
-    return export_lstmcell_chain(path, max(2, nodes // NODES_PER_STEP))
+    """A torch loop over nn.LSTMCell (input 32, hidden 64) with ``nodes // 18`` steps; returns the node count.
+    Up to ``MAX_EXPORTED_STEPS`` steps it is torch's own export; beyond, a 4-step export stretched (see
+    :func:`stretch_chain`)."""
+    steps = max(2, nodes // NODES_PER_STEP)
+    if steps <= MAX_EXPORTED_STEPS:
+        return export_lstmcell_chain(path, steps)
+    small = path + ".4steps.onnx"
+    export_lstmcell_chain(small, 4)
+    try:
+        return stretch_chain(small, path, steps)
+    finally:
+        os.remove(small)
+
+
+def stretch_chain(src: str, path: str, steps: int) -> int:
+    """Write ``src`` (torch's trace export of a 4-step LSTMCell loop) with ``steps`` steps: steps 4.. are
+    copies of step 3's 18 nodes (same ops, attributes and order: Constant t, Gather x[t], the cell, the
+    Unsqueeze of h for the output stack), each reading the step before it, their names numbered as torch
+    numbers them ('/cell_3/...' -> '/cell_t/...', other names suffixed '_s<t>'); the stack and the declared
+    time dimensions grow to match. What rnnfuse sees is the export's form at any length."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(src)
+    g = m.graph
+    nodes = list(g.node)
+    h_of = {t: f"/cell{'' if t == 0 else f'_{t}'}/Mul_2_output_0" for t in range(4)}
+    c_of = {t: f"/cell{'' if t == 0 else f'_{t}'}/Add_1_output_0" for t in range(4)}
+    # step 3: its Constant index and Gather, its '/cell_3/' nodes, and the Unsqueeze of its h with its axes
+    unsq = next(n for n in nodes if n.op_type == "Unsqueeze" and n.input[0] == h_of[3])
+    gather = next(n for n in nodes if n.op_type == "Gather" and n.output[0] in
+                  {i for c in nodes if c.name.startswith("/cell_3/") for i in c.input})
+    index = next(n for n in nodes if n.output[0] == gather.input[1])
+    axes = next(n for n in nodes if n.output[0] == unsq.input[1])
+    step = [index, gather] + [n for n in nodes if n.name.startswith("/cell_3/")]
+    tail = [axes, unsq]
+    concat = nodes[-1]
+    assert concat.op_type == "Concat" and len(step) == 16, "not the trace export's form"
+
+    def renamed(name: str, t: int) -> str:
+        if name.startswith("/cell_3/"):
+            return f"/cell_{t}/" + name[len("/cell_3/"):]
+        return f"{name}_s{t}"
+
+    first_stack = min(nodes.index(n) for n in nodes if n.op_type == "Unsqueeze")
+    first_stack -= nodes[first_stack - 1].op_type == "Constant"  # (its axes)
+    cells, stacked = nodes[:first_stack], nodes[first_stack: nodes.index(concat)]
+    outs = list(concat.input)
+    for t in range(4, steps):
+        local = {o for n in step + tail for o in n.output}
+        prev_h = h_of[3] if t == 4 else f"/cell_{t - 1}/Mul_2_output_0"
+        prev_c = c_of[3] if t == 4 else f"/cell_{t - 1}/Add_1_output_0"
+        for n in step + tail:
+            c = onnx.NodeProto()
+            c.CopyFrom(n)
+            c.name = renamed(n.name, t)
+            c.output[:] = [renamed(o, t) for o in n.output]
+            c.input[:] = [prev_h if i == h_of[2] else prev_c if i == c_of[2] else
+                          renamed(i, t) if i in local else i for i in n.input]
+            if n is index:
+                v = numpy_helper.to_array(n.attribute[0].t)
+                c.attribute[0].t.CopyFrom(numpy_helper.from_array(np.full_like(v, t), n.attribute[0].t.name))
+            (cells if n in step else stacked).append(c)
+        outs.append(renamed(unsq.output[0], t))
+    # the copies' Unsqueezes go after the cells, as torch writes the stack's inputs after the loop
+    del g.node[:]
+    g.node.extend(cells + stacked)
+    c = onnx.NodeProto()
+    c.CopyFrom(concat)
+    c.input[:] = outs
+    g.node.append(c)
+    for vi in list(g.input) + list(g.output):
+        vi.type.tensor_type.shape.dim[0].dim_value = steps
+    with open(path, "wb") as f:
+        f.write(m.SerializeToString())
+    return len(g.node)
 
 
 def wide_chain(path: str, nodes: int) -> int:
@@ -148,6 +227,14 @@ def measure(src: str, runs: int, trees: dict[str, str | None]) -> dict[str, dict
     return out
 
 
+def compile_tree(tree: str) -> None:
+    """Write the checkout's bytecode before timing it, as ``pip install`` does: where the environment sets
+    PYTHONDONTWRITEBYTECODE (this one does) every run would otherwise compile rnnfuse's modules again, about
+    0.2-0.3 s of CPU per run that no installed copy pays."""
+    dirs = [os.path.join(tree, d) for d in ("rnnfuse", "passes") if os.path.isdir(os.path.join(tree, d))]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *dirs], check=True, capture_output=True)
+
+
 def baseline_mb(tree: str | None = None) -> float:
     return _child([sys.executable, "-c", "import numpy, onnx, onnxruntime, rnnfuse.cli, rnnfuse.pipeline, "
                    "rnnfuse.validate, rnnfuse.passes"], tree)[1]
@@ -213,6 +300,9 @@ def main(argv=None) -> int:
         trees = dict(t.split("=", 1) for t in a.trees.split(","))
         trees = {k: os.path.abspath(v) for k, v in trees.items()}
     os.makedirs(a.cache, exist_ok=True)
+    for tree in trees.values():  # compiled once, as an installed package is (see compile_tree)
+        compile_tree(tree or os.path.dirname(HERE))
+    load_start = os.getloadavg()
     results = []
     for graph in a.graphs.split(","):
         sizes = {"lstmcell": a.lstm_sizes, "wide": a.wide_sizes}.get(graph, a.sizes)
@@ -241,11 +331,15 @@ def main(argv=None) -> int:
         "`elementwise`: Add/Mul/Tanh/Sigmoid chain, nothing to fuse. `wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "
-        f"({', '.join(f'{v:.0f} MB' for v in bases.values())}). onnxruntime runs with 1 thread (validation); "
-        "the optimizer itself is single-threaded.\n\n"
+        f"({', '.join(f'{v:.0f} MB' for v in bases.values())}). The optimizer itself is single-threaded.\n\n"
         + (f"Side by side ({described}): each run of each size alternates between the checkouts.\n\n" if described else "")
         + f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs; load average "
-        f"{load[0]:.1f} at the end), Python {platform.python_version()}.\n\n" + table(results, bases) + "\n"
+        f"{load_start[0]:.1f} at the start, {load[0]:.1f} at the end), Python {platform.python_version()}; "
+        "onnxruntime validation sessions run 1 intra-op and 1 inter-op thread; each checkout's bytecode is "
+        "compiled before the runs (as an installed package's is). "
+        "`lstmcell` above 6,000 steps is torch's 4-step export stretched (`stretch_chain`: step 3's 18 "
+        "nodes copied per step; numerically the export's output, same node count and ops).\n\n"
+        + table(results, bases) + "\n"
     )
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"{a.name}.md"), "w") as f:

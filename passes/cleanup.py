@@ -121,7 +121,7 @@ class _DedupeTable:
                 if len(kinds) == len(cs):
                     continue
                 for c in cs:
-                    if kinds[c.op_type] > 1 and id(c) not in out and all(len(uses(i, ())) > 1 for i in c.input if i and i not in consts):
+                    if kinds[c.op_type] > 1 and id(c) not in out and all(len(uses(i, ())) > 1 for i in c.input[:] if i and i not in consts):
                         out[id(c)] = c
         for c in self._const_readers():
             out[id(c)] = c
@@ -159,7 +159,7 @@ class _DedupeTable:
 
     def coarse(self, n: NodeProto) -> tuple:
         c, consts = self._CONST, self.consts
-        return (n.domain, n.op_type, len(n.output), tuple(c if i in consts else i for i in n.input))
+        return (n.domain, n.op_type, len(n.output), tuple(c if i in consts else i for i in n.input[:]))
 
     def _ref(self, name: str):
         small = self.small
@@ -174,7 +174,7 @@ class _DedupeTable:
 
     def full(self, n: NodeProto) -> tuple:
         self.full_keys += 1
-        return (tuple(self._ref(i) for i in n.input), tuple(a.SerializeToString() for a in n.attribute))
+        return (tuple(self._ref(i) for i in n.input[:]), tuple(a.SerializeToString() for a in n.attribute))
 
     def _current(self, m: NodeProto, ck: tuple, fk: tuple | None) -> bool:
         """Is ``m`` (found in the table) still a live node under these keys? (edits may have rewired it)"""

@@ -322,7 +322,7 @@ class Graph(GraphIndex):
             if k in live or k in removed:
                 continue
             live.add(k)
-            for i in itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input:
+            for i in itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input[:]:
                 p = producer.get(i)
                 if p is not None:
                     stack.append(p)
@@ -346,7 +346,7 @@ class Graph(GraphIndex):
         producer = self.producer
 
         def reads(n):
-            return itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input
+            return itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input[:]
 
         in_order = True
         for i, n in enumerate(order):

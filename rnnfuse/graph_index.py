@@ -220,7 +220,7 @@ class GraphIndex:
         try:
             for rank, n in enumerate(nodes):
                 before = len(producer)
-                for o in n.output:
+                for o in n.output[:]:  # (a slice: protobuf builds the list in one call, faster than iterating)
                     if o:
                         producer[o] = n
                         canon[o] = o
@@ -239,7 +239,7 @@ class GraphIndex:
                     self._index_inputs(n)
                     captures = True  # (what a subgraph reads is not checked here: the sort will do it)
                     continue
-                for i in n.input:
+                for i in n.input[:]:
                     if i:
                         lst = get(i)
                         if lst is None:

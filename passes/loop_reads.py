@@ -11,18 +11,10 @@ import numpy as np
 from onnx import NodeProto, TensorProto
 
 from rnnfuse import op_args
-from rnnfuse.dims import dim_key, root_dim, time_dim_key
+from rnnfuse.dims import dim_key, root_dim, time_dim_key, value_source
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.index_terms import TO_THE_END, one_element, terms
-
-
-def _strip_cast(g: Graph, name: str) -> str:
-    n = g.producer.get(name)
-    while n is not None and n.op_type in ("Cast", "Identity"):
-        name = n.input[0]
-        n = g.producer.get(name)
-    return name
 
 
 def invariant_source(body: Graph, name: str, invariants: dict[str, str]) -> str | None:
@@ -43,8 +35,8 @@ def invariant_source(body: Graph, name: str, invariants: dict[str, str]) -> str 
 
 
 def counter_step(body: Graph, name: str) -> tuple[str, int] | None:
-    """``name`` = (cast of) ``v + k`` for a constant k -> (v, k); (cast of) v -> (v, 0)."""
-    name = _strip_cast(body, name)
+    """``name`` = ``v + k`` for a constant k -> (v, k); v -> (v, 0); each seen through value-keeping casts."""
+    name = value_source(body, name)
     n = body.producer.get(name)
     if n is not None and n.op_type == "Add":
         for a, b in ((0, 1), (1, 0)):
@@ -53,7 +45,7 @@ def counter_step(body: Graph, name: str) -> tuple[str, int] | None:
                 k = np.asarray(c).ravel()[0]
                 if k != int(k):  # i + 0.5 is no step count (a float compare against it differs from i's)
                     return None
-                return _strip_cast(body, n.input[a]), int(k)
+                return value_source(body, n.input[a]), int(k)
         return None
     return name, 0
 
@@ -74,7 +66,7 @@ def _conjuncts(body: Graph, name: str) -> list[str]:
 
 def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str, axis: int = 0) -> str | None:
     """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = data's size on ``axis``) -> "reverse"."""
-    name = _strip_cast(body, idx)
+    name = value_source(body, idx)
     if index_syms.get(name) == 0:
         return "forward"
     n = body.producer.get(name)
@@ -87,9 +79,9 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     k = index_syms[step[0]] + step[1]  # subtracted value is i + k
     T_keys = {time_dim_key(g, data, axis), ("dim",) + root_dim(g, data, axis)}
     # a must be T - 1 + k
-    an = body.producer.get(_strip_cast(body, a)) if body.scope_of(a) is body else None
+    an = body.producer.get(value_source(body, a)) if body.scope_of(a) is body else None
     if an is None:
-        an = g.producer.get(_strip_cast(g, a))
+        an = g.producer.get(value_source(g, a))
     if k == 1 and dim_key(body, a) in T_keys:
         return "reverse"
     if an is not None and an.op_type == "Sub":

@@ -1,17 +1,23 @@
 """Symbolic reasoning about sizes: which tensor dimension an integer value is.
 
 ``dim_key(g, name)`` names the size a scalar (or 1-element) integer tensor holds, as ``("dim", root, axis)``
-or ``("const", value)``, looking through Shape, Gather/Slice of shapes, Cast, Squeeze/Unsqueeze, Transpose
-and shape-preserving unary ops. Two values with equal keys are provably equal. Arithmetic on sizes
+or ``("const", value)``, looking through Shape, Gather/Slice of shapes, Squeeze/Unsqueeze, Transpose,
+shape-preserving unary ops and casts that keep the value (:func:`keeps_value`). Two values with equal keys
+are provably equal. Arithmetic on sizes
 (``T - 1``) is read by :mod:`rnnfuse.index_terms`, time flips by :mod:`rnnfuse.time_flips`.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from onnx import NodeProto, TensorProto
 
 from . import op_args
 from .graph import Graph, attr
+
+# types that hold every index and size unchanged (float and double: exact below 2**24, which bounds every real
+# axis and loop); a narrower type wraps or rounds (int16: 40000 becomes -25536), unsigned wraps -1, bool is v != 0
+_VALUE_TYPES = frozenset({TensorProto.INT64, TensorProto.INT32, TensorProto.FLOAT, TensorProto.DOUBLE})
 
 _SHAPE_PRESERVING = {
     "Identity", "Cast", "Not", "Neg", "Abs", "Sigmoid", "Tanh", "Relu", "Exp", "Log", "Sqrt",
@@ -66,17 +72,10 @@ def dim_key(g: Graph, name: str, depth: int = 0):
         return None
     n = scope.producer[name]
     op = n.op_type
-    if op in ("Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten") and n.input:
+    if (keeps_value(n) or op in ("Squeeze", "Unsqueeze", "Reshape", "Flatten")) and n.input:
         return dim_key(g, n.input[0], depth + 1)
     if op in ("Gather", "Slice"):
-        data = n.input[0]
-        ds = scope.producer.get(data)
-        if ds is None:
-            return None
-        # look through a Cast of the shape
-        while ds is not None and ds.op_type in ("Cast", "Identity"):
-            data = ds.input[0]
-            ds = scope.producer.get(data)
+        ds = scope.producer.get(value_source(scope, n.input[0]))  # the shape, seen through a cast
         if ds is None or ds.op_type != "Shape":
             return None
         if op == "Gather":
@@ -110,6 +109,21 @@ def dim_key(g: Graph, name: str, depth: int = 0):
             return ("dim",) + root_dim(g, src, start)
         return None
     return None
+
+
+def keeps_value(n: NodeProto) -> bool:
+    """Whether node ``n`` hands an index or size on unchanged: an Identity, or a Cast to a type that holds every
+    such value (int64, int32, float, double)."""
+    return n.op_type == "Identity" or (n.op_type == "Cast" and attr(n, "to") in _VALUE_TYPES)
+
+
+def value_source(g: Graph, name: str) -> str:
+    """``name`` seen through the Identity nodes and value-keeping casts of ``g`` that produce it."""
+    n = g.producer.get(name)
+    while n is not None and keeps_value(n):
+        name = n.input[0]
+        n = g.producer.get(name)
+    return name
 
 
 def static_dim(g: Graph, name: str, axis: int) -> int | None:

@@ -17,8 +17,8 @@ jax's negative-index fix-up ``Where(i < 0, i + n, i)``, tf2onnx's strided-slice 
 ``dim + k`` are at least k: ``i + 1 < 0`` is false at every iteration, and the fix-up is ``i`` itself. A
 comparison whose outcome the bounds do not settle stays ``UNKNOWN``, never a guess.
 
-Only exact arithmetic is read: a fraction is no integer (``1.4`` is not ``1``), a cast to a narrow type
-(which wraps or rounds) is not read through, and a cast to bool is ``v != 0``.
+Only exact arithmetic is read: a fraction is no integer (``1.4`` is not ``1``), a cast to a narrow or an
+unsigned type (which wraps or rounds) is not read through, and a cast to bool is ``v != 0``.
 """
 
 from __future__ import annotations
@@ -26,15 +26,13 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from .dims import dim_key
+from .dims import dim_key, keeps_value
 from .graph import Graph, attr
 
 UNKNOWN = ("?",)
 # tf2onnx writes "to the end of the axis" as 1e9 in strided slices (and 1e9 as the step of a shrunk axis): an
 # axis that long would hold 4 GB for every element of the other axes, so 1e9 or more reaches any real axis end
 TO_THE_END = 10**9
-# types an index passes through unchanged (float: exact below 2**24 steps, which bounds every real loop)
-_EXACT_INDEX_TYPES = (TensorProto.INT64, TensorProto.INT32, TensorProto.UINT64, TensorProto.FLOAT, TensorProto.DOUBLE)
 _SIGNS_WHERE_TRUE = {  # comparison -> the signs of x - y where it holds
     "Less": {-1}, "LessOrEqual": {-1, 0}, "Greater": {1}, "GreaterOrEqual": {0, 1}, "Equal": {0},
 }
@@ -68,8 +66,8 @@ def terms(g: Graph, name: str, index_syms: dict[str, int] | None = None, depth: 
     if op == "Cast" and attr(n, "to") == TensorProto.BOOL:
         inner = terms(g, n.input[0], index_syms, depth + 1)
         return None if inner is None else [("c", int(t[1] != 0)) if t[0] == "c" else UNKNOWN for t in inner]
-    if op == "Cast" and attr(n, "to") not in _EXACT_INDEX_TYPES:
-        return None  # narrow types wrap or round index values
+    if op == "Cast" and not keeps_value(n):
+        return None  # narrow and unsigned types wrap or round index values
     if op in ("Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape"):
         return terms(g, n.input[0], index_syms, depth + 1)
     if op == "Concat" and attr(n, "axis", 0) in (0, -1):

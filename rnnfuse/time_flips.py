@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import op_args
-from .dims import dim_key, time_dim_key
+from .dims import dim_key, time_dim_key, value_source
 from .graph import Graph, attr
 from .index_terms import scalar_term, size_term
 
@@ -24,10 +24,7 @@ def _full_lengths(g: Graph, lens: str, x: str, time_axis: int, batch_axis: int) 
         flat = np.asarray(c).ravel()
         return tkey[0] == "const" and flat.size > 0 and bool(np.all(flat == tkey[1]))
     scope = g.scope_of(lens)
-    n = scope.producer.get(lens) if scope else None
-    while n is not None and n.op_type in ("Cast", "Identity"):
-        lens = n.input[0]
-        n = scope.producer.get(lens)
+    n = scope.producer.get(value_source(scope, lens)) if scope else None
     if n is None:
         return False
     if n.op_type in ("Expand", "Tile"):
@@ -48,9 +45,7 @@ def _descending_indices(g: Graph, idx: str, length: tuple) -> bool:
         return (length[0] == "const" and arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer)
                 and arr.tolist() == list(range(length[1] - 1, -1, -1)))
     scope = g.scope_of(idx)
-    n = scope.producer.get(idx) if scope is not None else None
-    while n is not None and n.op_type in ("Cast", "Identity"):
-        n = scope.producer.get(n.input[0])
+    n = scope.producer.get(value_source(scope, idx)) if scope is not None else None
     if n is None:
         return False
     last = size_term(length, -1)

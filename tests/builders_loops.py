@@ -12,6 +12,8 @@ not care about:
 * ``x_carried`` / ``w_carried``: x and the weights enter as loop-carried values passed on unchanged
   (jax2onnx) instead of outer-scope captures; ``passthrough`` = "identity" (an Identity node) or "direct";
 * ``cast``: a float->float Cast on the new state (jax2onnx's "dtype fix");
+* ``cond``: no trip count, the condition ``Cast(i + 1) < Cast(T)`` bounds the loop (int32; int16 is a near
+  miss: it wraps past 32767);
 * near misses (``miss``): ``next_step`` reads ``x[i + 1]``; ``two_steps`` slices ``[i, i + 2)``;
   ``part_batch`` slices only row 0 of the batch; ``x_changes`` carries x as ``x * 1.0001``.
 
@@ -39,6 +41,7 @@ class LoopOpts:
     cast: bool = True
     miss: str = ""  # "" | next_step | two_steps | part_batch | x_changes
     opset: int = 17
+    cond: str = ""  # "": the trip count T bounds the loop; int32 | int16: no trip count, Cast(i + 1) < Cast(T) does
 
     @property
     def batch_first(self) -> bool:
@@ -47,7 +50,7 @@ class LoopOpts:
     @property
     def name(self) -> str:
         parts = [self.read, "xcar" if self.x_carried else "xcap", "wcar" if self.w_carried else "wcap",
-                 self.passthrough, "cast" if self.cast else "nocast", f"o{self.opset}"]
+                 self.passthrough, "cast" if self.cast else "nocast", f"o{self.opset}"] + ([f"cond_{self.cond}"] if self.cond else [])
         return "-".join(parts + ([self.miss] if self.miss else []))
 
 
@@ -161,7 +164,12 @@ def build(o: LoopOpts) -> onnx.ModelProto:
             outs.append(f"{inner}_out")
         else:
             outs.append(inner)
-    bn_nodes.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
+    if o.cond:  # the condition i + 1 < T, compared in the type o.cond
+        to = {"int32": TensorProto.INT32, "int16": TensorProto.INT16}[o.cond]
+        bn_nodes += [helper.make_node("Add", ["it", "one"], ["it_next"]), helper.make_node("Cast", ["it_next"], ["it_c"], to=to),
+                     helper.make_node("Cast", ["T"], ["T_c"], to=to), helper.make_node("Less", ["it_c", "T_c"], ["cond_out"])]
+    else:
+        bn_nodes.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
     bn_nodes.append(helper.make_node("Identity", ["hn"], ["y"]))
     shapes = {"h": [None, H], "xc": x_shape, "Wc": [F, H], "Rc": [H, H], "bc": [H]}
     body_inputs = _loop_counters() + [helper.make_tensor_value_info(n, TensorProto.FLOAT, shapes[n]) for n, _ in carried]
@@ -170,7 +178,7 @@ def build(o: LoopOpts) -> onnx.ModelProto:
     body_outputs.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, H]))
     body = helper.make_graph(bn_nodes, "body", body_inputs, body_outputs, body_inits)
     loop_outs = ["h_last"] + [f"{n}_final" for n, _ in carried[1:]] + ["ys"]
-    nodes.append(helper.make_node("Loop", ["T", "true"] + [init for _, init in carried], loop_outs, body=body))
+    nodes.append(helper.make_node("Loop", ["" if o.cond else "T", "true"] + [init for _, init in carried], loop_outs, body=body))
     graph_outs = [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
                   helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])]
     return _model(nodes, "loops", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)], graph_outs, inits,
@@ -198,6 +206,7 @@ def all_variants() -> list[LoopOpts]:
                     out.append(LoopOpts(read, x_carried, w_carried, passthrough, cast=read != "slice0"))
     out.append(LoopOpts("gather0", opset=13, cast=False))
     out.append(LoopOpts("slice1", opset=21))
+    out.append(LoopOpts("gather0", cond="int32"))
     return out
 
 
@@ -208,6 +217,7 @@ NEAR_MISSES = [
     LoopOpts("slice1", miss="part_batch"),
     LoopOpts("gather0", miss="x_changes"),
     LoopOpts("gather1", x_carried=False, miss="next_step"),
+    LoopOpts("gather0", cond="int16"),  # i + 1 < T in int16: wraps past 32767, so it is no proof of T steps
 ]
 
 

@@ -48,6 +48,7 @@ CASTS = {  # a cast of T - 1 (or of a constant) -> what it reads as; None: not r
     "to float": (TensorProto.FLOAT, "n_minus_1", "T-1"),
     "to int16 (wraps past 32767)": (TensorProto.INT16, "n_minus_1", None),
     "to float16 (rounds past 2048)": (TensorProto.FLOAT16, "n_minus_1", None),
+    "to uint64 (wraps -1)": (TensorProto.UINT64, "n_minus_1", None),
     "to bool of T - 1: unknown, not T - 1": (TensorProto.BOOL, "n_minus_1", [UNKNOWN]),
     "to bool of [0, 3, -2]: v != 0": (TensorProto.BOOL, "c", [("c", 0), ("c", 1), ("c", 1)]),
 }
@@ -60,6 +61,14 @@ def test_casts(name):
     if want == "T-1":
         want = [size_term(dim_key(g, "n"), -1)]
     assert terms(g, "cast") == want
+
+
+@pytest.mark.parametrize("to, same", [(TensorProto.INT32, True), (TensorProto.DOUBLE, True), (TensorProto.INT16, False),
+                                      (TensorProto.UINT8, False), (TensorProto.BOOL, False)])
+def test_a_size_through_a_cast(to, same):
+    """dims.dim_key: a size cast to a type that holds it is the size; a narrower cast is no size at all."""
+    g = _graph([helper.make_node("Cast", ["n"], ["n_cast"], to=to)], [])
+    assert dim_key(g, "n_cast") == (dim_key(g, "n") if same else None)
 
 
 @pytest.mark.parametrize("value, want", [

@@ -261,3 +261,50 @@ def test_dead_nodes_from_the_indices_are_the_unreachable_ones(seed):
     assert [n.name for n in g._dead_nodes()] == _reference_dead(g)
     g.add_node("Identity", ["x"], name="extra")  # (an edit: the walk)
     assert [n.name for n in g._dead_nodes()] == _reference_dead(g)
+
+
+def test_finalize_drops_unused_initializers_in_place():
+    """Unused initializers go without the kept ones being copied (protobuf copies a message re-added to a
+    repeated field: for a weight-heavy model, the whole model once more); order kept, whichever are dropped."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        n = int(rng.integers(1, 12))
+        used = rng.random(n) < 0.5
+        inits = [numpy_helper.from_array(np.full(3, i, np.float32), f"w{i}") for i in range(n)]
+        nodes, cur = [], "x"
+        for i in np.flatnonzero(used):
+            nodes.append(helper.make_node("Add", [cur, f"w{i}"], [f"a{i}"]))
+            cur = f"a{i}"
+        nodes.append(helper.make_node("Identity", [cur], ["y"]))
+        g0 = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])], inits)
+        m = Model(helper.make_model(g0, opset_imports=[helper.make_opsetid("", 17)]))
+        g = m.graph
+        kept = [t for t in m.proto.graph.initializer if t.name in {f"w{i}" for i in np.flatnonzero(used)}]
+        g.add_node("Identity", ["x"], name="edit")  # (an edit, so finalize writes back)
+        g.finalize()
+        assert [t.name for t in m.proto.graph.initializer] == [t.name for t in kept]
+        assert all(a is b for a, b in zip(m.proto.graph.initializer, kept))  # the same messages, not copies
+        assert set(g.initializers) == {t.name for t in kept}
+
+
+def test_positions_order_added_nodes_at_their_anchors():
+    """Nodes sorted by position: the graph's nodes in list order, an added node just after its anchor (after
+    nodes added there before it), one without an anchor at the end; small and large batches alike."""
+    m = Model(elementwise_chain(60))
+    g = m.graph
+    base = list(g.nodes)
+    rng = np.random.default_rng(1)
+    expected = [(i, 0, n) for i, n in enumerate(base)]
+    for k in range(40):
+        anchor = base[int(rng.integers(0, len(base)))] if k % 5 else None
+        out = g.add_node("Identity", ["x"], name=f"added{k}", anchor=anchor)[0]
+        at = base.index(anchor) if anchor is not None else len(base) + k
+        expected.append((at, k + 1, g.producer[out]))
+    want = [n for _, _, n in sorted(expected, key=lambda e: (e[0], e[1]))]
+    everything = list(g.nodes)
+    rng.shuffle(everything)
+    assert g.in_position_order(everything) == want  # (the vectorised path)
+    few = everything[:10]
+    assert g.in_position_order(few) == [n for n in want if any(n is f for f in few)]  # (per node)
+    assert g.toposort(everything) == want  # (nothing reads an added node: the order is the positions')

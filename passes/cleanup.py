@@ -132,6 +132,8 @@ class _DedupeTable:
     def _const_readers(self) -> list[NodeProto]:
         """Nodes with at least one input, all of them constants (a second way to be equal: by value)."""
         if self.const_readers is None:
+            self.const_readers = self.g.const_only_readers()  # (found by the index pass, when still exact)
+        if self.const_readers is None:
             found: dict[int, NodeProto] = {}
             consts, uses = self.consts, self.g.consumers.get
             for v in consts:

@@ -101,6 +101,7 @@ class Graph(GraphIndex):
         """Remove many nodes at once: each consumer list is filtered once (a weight read by 2,000 unrolled
         steps would otherwise be rescanned per step)."""
         removed, producer, graveyard = self._removed, self.producer, self._graveyard
+        self._edits += 1
         gone = dict(zip(map(id, nodes), nodes))  # (id -> node, first occurrence first)
         for k in removed.intersection(gone) if removed else ():
             del gone[k]

@@ -82,6 +82,7 @@ class GraphIndex:
         # the op-type index (nodes_of) is filled by the same pass, which reads every node's op type anyway
         self._by_op = {}
         self._by_op_next = len(self.nodes)
+        self._edits = 0  # index edits so far (what the index pass found stays true while this is unchanged)
         self._input_sorted = self._index_all(self.nodes, self._by_op)
 
     def nodes_and_removed(self):
@@ -193,6 +194,7 @@ class GraphIndex:
 
     def _index(self, n: NodeProto) -> None:
         self.owners_complete = False  # (an edit: who produces what is no longer known from the counts)
+        self._edits += 1
         producer = self.producer
         for o in n.output:
             if o:
@@ -215,12 +217,15 @@ class GraphIndex:
         canon: dict[str, str] = {}
         same = canon.get
         control = CONTROL_FLOW
+        consts = set(self.initializers)  # (and, as the loop goes, Constants' outputs)
+        const_only: list[NodeProto] = []  # nodes reading constants and nothing else (see const_only_readers)
         collecting = gc.isenabled()
         gc.disable()
         try:
             for rank, n in enumerate(nodes):
                 before = len(producer)
-                for o in n.output[:]:  # (a slice: protobuf builds the list in one call, faster than iterating)
+                outs = n.output[:]  # (a slice: protobuf builds the list in one call, faster than iterating)
+                for o in outs:
                     if o:
                         producer[o] = n
                         canon[o] = o
@@ -235,12 +240,20 @@ class GraphIndex:
                     else:
                         e[0].append(rank)
                         e[1].append(n)
+                if op == "Constant":
+                    consts.update(outs)
                 if op in control or (n.domain not in ("", "ai.onnx") and has_subgraph(n)):
                     self._index_inputs(n)
                     captures = True  # (what a subgraph reads is not checked here: the sort will do it)
+                    ins = [i for i in n.input[:] if i]
+                    if ins and consts.issuperset(ins):
+                        const_only.append(n)
                     continue
+                only = 0  # 1: every name read so far is a constant; -1: one is not
                 for i in n.input[:]:
                     if i:
+                        if only >= 0:
+                            only = 1 if i in consts else -1
                         lst = get(i)
                         if lst is None:
                             consumers[same(i, i)] = [n]
@@ -250,12 +263,17 @@ class GraphIndex:
                             lst.append(n)
                         if i not in producer:
                             early.append(i)
+                if only == 1:
+                    const_only.append(n)
         finally:
             if collecting:
                 gc.enable()
         # every node produces a name no other node produces (what _dead_nodes' proof from the indices needs)
         self.owners_complete = lonely == 0 and assigned == len(producer) - had
-        return not captures and not any(i in producer for i in early)
+        in_order = not captures and not any(i in producer for i in early)
+        # (in order, every Constant was seen before its readers: the list is exact until the next edit)
+        self._const_only = (self._edits, const_only if in_order else None)
+        return in_order
 
     def _index_inputs(self, n: NodeProto, captures: bool = True) -> None:
         """n as a consumer of each value it reads once: its inputs and, with ``captures``, what its subgraphs
@@ -272,6 +290,7 @@ class GraphIndex:
 
     def _unindex(self, n: NodeProto) -> None:
         self.owners_complete = False
+        self._edits += 1
         for o in n.output:
             if o and self.producer.get(o) is n:
                 del self.producer[o]
@@ -300,6 +319,13 @@ class GraphIndex:
                     self._local_types[vi.name] = t
         t = self._local_types.get(name)
         return t[1] if t else None
+
+    def const_only_readers(self) -> list[NodeProto] | None:
+        """The nodes that read at least one constant (an initializer or a Constant's output) and nothing
+        else, as the index pass found them, while no edit has happened since and the pass could tell (every
+        Constant before its readers); else None: the caller looks for itself."""
+        edits, found = self._const_only
+        return list(found) if found is not None and edits == self._edits else None
 
     def release_large_arrays(self) -> None:
         """Forget the cached values of ``LARGE_ARRAY`` bytes or more, in every scope of this graph's model

@@ -308,3 +308,31 @@ def test_positions_order_added_nodes_at_their_anchors():
     few = everything[:10]
     assert g.in_position_order(few) == [n for n in want if any(n is f for f in few)]  # (per node)
     assert g.toposort(everything) == want  # (nothing reads an added node: the order is the positions')
+
+
+def test_constant_readers_found_while_indexing():
+    """The index pass lists the nodes reading constants and nothing else (what Dedupe compares by value), so
+    a graph of 100k nodes reading one weight each costs Dedupe no visit of them; the list is exactly the
+    nodes whose every input is an initializer or a Constant's output, and it is not used after an edit."""
+    rng = np.random.default_rng(3)
+    for trial in range(30):
+        inits = [numpy_helper.from_array(np.ones(2, np.float32), f"w{i}") for i in range(3)]
+        nodes, names, consts = [], ["x"], {"w0", "w1", "w2"}
+        for k in range(int(rng.integers(3, 25))):
+            if rng.random() < 0.3:
+                nodes.append(helper.make_node("Constant", [], [f"c{k}"], value=numpy_helper.from_array(np.ones(2, np.float32))))
+                consts.add(f"c{k}")
+                names.append(f"c{k}")
+                continue
+            pool = names + sorted(consts)
+            ins = [pool[int(j)] for j in rng.integers(0, len(pool), int(rng.integers(1, 3)))]
+            nodes.append(helper.make_node("Add" if len(ins) == 2 else "Relu", ins, [f"v{k}"], name=f"n{k}"))
+            names.append(f"v{k}")
+        nodes.append(helper.make_node("Identity", [names[-1]], ["y"]))
+        g0 = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], inits)
+        g = Model(helper.make_model(g0, opset_imports=[helper.make_opsetid("", 17)])).graph
+        want = [n.name for n in g.nodes if n.input and all(i in consts for i in n.input)]
+        assert [n.name for n in g.const_only_readers()] == want
+        g.add_node("Identity", ["w1"], name="added")  # (an edit: Dedupe looks for itself)
+        assert g.const_only_readers() is None

@@ -397,8 +397,10 @@ class GraphIndex:
                 val = self.model.tensor_array(self.initializers[name])
         elif name in self.producer:
             p = self.producer[name]
-            val = _constant_value(p) if p.op_type == "Constant" else None
-            if val is None:
+            val = _constant_value(p, self.model) if p.op_type == "Constant" else None
+            if val is _UNREADABLE:
+                val = None
+            elif val is None:
                 val = fold.fold_output(self, p, name)
         self._arrays[name] = val
         return val
@@ -429,9 +431,16 @@ class GraphIndex:
         return None
 
 
-def _constant_value(node: NodeProto) -> np.ndarray | None:
+_UNREADABLE = object()  # a Constant whose externally stored tensor cannot be read: not a constant, not folded
+
+
+def _constant_value(node: NodeProto, model: "Model"):
     """The value of a Constant holding one tensor of raw bytes, read as :mod:`rnnfuse.fold` reads it, without
-    the folding dispatch (an unrolled export has a few Constants per step); None for any other form."""
+    the folding dispatch (an unrolled export has a few Constants per step); None for any other form.
+
+    A tensor ``onnx.save(convert_attribute=True)`` stored as external data is read from the model's own
+    directory (memory-mapped, as initializers are), never from the working directory, where another file of
+    that name could supply other values; when it cannot be read, the answer is :data:`_UNREADABLE`."""
     attrs = node.attribute
     if len(attrs) != 1 or node.domain not in ("", "ai.onnx"):
         return None
@@ -439,6 +448,11 @@ def _constant_value(node: NodeProto) -> np.ndarray | None:
     if a.name != "value" or a.type != AttributeProto.TENSOR:
         return None
     t = a.t
+    if t.data_location == TensorProto.EXTERNAL:
+        try:
+            return model.tensor_array(t)
+        except Exception:  # (no model directory, a missing or short file, an element type with no array)
+            return _UNREADABLE
     if t.data_type not in _RAW_DTYPES:
         return None
     try:

@@ -33,23 +33,31 @@ def all_tensors(model: ModelProto) -> Iterator[TensorProto]:
         yield from _node_tensors(f.node)
 
 
+def attribute_tensors(model: ModelProto) -> Iterator[TensorProto]:
+    """The tensors nodes hold as attributes (Constant values, ConstantOfShape fills), in the main graph, every
+    subgraph and every local function; no initializer."""
+    yield from _node_tensors(model.graph.node, initializers=False)
+    for f in model.functions:
+        yield from _node_tensors(f.node, initializers=False)
+
+
 def _graph_tensors(g: GraphProto) -> Iterator[TensorProto]:
     yield from g.initializer
     yield from _node_tensors(g.node)
 
 
-def _node_tensors(nodes: Iterable[NodeProto]) -> Iterator[TensorProto]:
+def _node_tensors(nodes: Iterable[NodeProto], initializers: bool = True) -> Iterator[TensorProto]:
     for n in nodes:
         for a in n.attribute:
             if a.type == AttributeProto.TENSOR:
                 yield a.t
             elif a.type == AttributeProto.TENSORS:
                 yield from a.tensors
-            elif a.type == AttributeProto.GRAPH:
-                yield from _graph_tensors(a.g)
-            elif a.type == AttributeProto.GRAPHS:
-                for sg in a.graphs:
-                    yield from _graph_tensors(sg)
+            elif a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
+                for sg in ([a.g] if a.type == AttributeProto.GRAPH else a.graphs):
+                    if initializers:
+                        yield from sg.initializer
+                    yield from _node_tensors(sg.node, initializers)
 
 
 # what a symbolic dimension's name says it is (exporters name them "batch", "seq_len", "T", "N", ...)

@@ -320,3 +320,63 @@ def test_model_onnxruntime_cannot_load(tmp_path):
     assert "onnxruntime cannot run the original" in fused[0]["validation"], fused[0]
     out = onnx.load(tmp_path / "o.onnx")
     assert op_counts(out)["GRU"] == 1 and op_counts(out)["Mystery"] == 1
+
+
+
+def _external_constant_model(tmp_path: Path, fusable: bool) -> tuple[Path, dict, list]:
+    """Every weight a Constant whose tensor ``onnx.save(convert_attribute=True)`` stores as external data
+    (valid ONNX), and a Constant read by two identical MatMuls (Dedupe asks its value); ``fusable``: an
+    unrolled RNN chain whose weights are such Constants (the signer and the emitter read them). Returns the
+    saved path, feeds, and onnxruntime's outputs."""
+    import builders as B
+    from onnx import numpy_helper
+
+    if fusable:
+        m, feeds_fn = B.build(B.Opts(op="RNN", front="chain", static_T=4))
+        feeds, src = feeds_fn(np.random.default_rng(0), 3, 4), "h_T"
+    else:
+        m = helper.make_model(helper.make_graph([], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])], []),
+                              opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 8
+        feeds, src = {"x": np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)}, "x"
+    g = m.graph
+    consts = [helper.make_node("Constant", [], [t.name], value=t) for t in g.initializer]
+    del g.initializer[:]
+    c = numpy_helper.from_array(np.arange(512, dtype=np.float32).reshape(4, 128) * 0.01, "Cval")
+    consts.append(helper.make_node("Constant", [], ["C"], value=c))
+    nodes = consts + list(g.node) + [helper.make_node("MatMul", [src, "C"], ["e1"]), helper.make_node("MatMul", [src, "C"], ["e2"]),
+                                     helper.make_node("Add", ["e1", "e2"], ["E"])]
+    del g.node[:]
+    g.node.extend(nodes)
+    g.output.extend([helper.make_tensor_value_info("E", TensorProto.FLOAT, None)])
+    ref = session(m).run(None, feeds)
+    d = tmp_path / "model"
+    d.mkdir()
+    onnx.save(m, str(d / "in.onnx"), save_as_external_data=True, all_tensors_to_one_file=True, location="in.data",
+              size_threshold=0, convert_attribute=True)
+    stored = onnx.load(str(d / "in.onnx"), load_external_data=False)
+    assert all(n.attribute[0].t.data_location == TensorProto.EXTERNAL for n in stored.graph.node if n.op_type == "Constant")
+    return d / "in.onnx", feeds, ref
+
+
+@pytest.mark.parametrize("decoy", [False, True], ids=["plain", "decoy"])
+@pytest.mark.parametrize("fusable", [False, True], ids=["nothing-to-fuse", "chain"])
+def test_constant_stored_externally_is_read_from_the_models_directory(tmp_path, fusable, decoy):
+    """Its values come from the model's directory whatever the working directory is (reading it there crashed
+    the run), also when the working directory holds a file of the same name with other values."""
+    import onnxruntime as ort
+
+    path, feeds, ref = _external_constant_model(tmp_path, fusable)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if decoy:
+        (elsewhere / "in.data").write_bytes(np.full(1 << 14, 7, np.float32).tobytes())
+    out = tmp_path / "out" / "fused.onnx"
+    out.parent.mkdir()
+    p = run("optimize", path, out, cwd=elsewhere)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for a, b in zip(ref, got):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    fused = onnx.load(str(out), load_external_data=False)
+    assert op_counts(fused).get("RNN", 0) == (1 if fusable else 0), p.stdout

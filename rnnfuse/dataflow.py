@@ -41,7 +41,7 @@ def runtime_values(g: Graph) -> frozenset | set:
             if (op in _SUBGRAPH_OPS or c.domain not in ("", "ai.onnx")) and v not in c.input:
                 continue  # read inside a subgraph only: fold and shape_derived look at explicit inputs
             seen.add(k)
-            for o in c.output:
+            for o in c.output[:]:
                 if o:
                     out.add(o)
                     frontier.append(o)
@@ -150,7 +150,7 @@ def closure(g: Graph, seeds, limit: int = 256) -> tuple[set[str], set[int]]:
             dyn = dynamic_inputs(g, c)
             if all(i in region for i in dyn):
                 ids.add(id(c))
-                for o in c.output:
+                for o in c.output[:]:
                     if o:
                         region.add(o)
                         frontier.append(o)
@@ -160,4 +160,4 @@ def closure(g: Graph, seeds, limit: int = 256) -> tuple[set[str], set[int]]:
 def dynamic_inputs(g: Graph, node) -> list[str]:
     """The inputs of ``node`` that carry runtime values (not constants, not computed from shapes alone)."""
     runtime = runtime_values(g)
-    return [i for i in node.input if i and (i in runtime or (g.const(i) is None and not shape_derived(g, i)))]
+    return [i for i in node.input[:] if i and (i in runtime or (g.const(i) is None and not shape_derived(g, i)))]

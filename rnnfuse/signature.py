@@ -153,7 +153,7 @@ def _node_info(p: NodeProto) -> tuple:
         ak = (atts[0].SerializeToString(),)
     else:
         ak = tuple(a.SerializeToString() for a in sorted(atts, key=_attr_name))
-    return (tuple(p.input), tuple(p.output), p.op_type, p.domain, ak, id(p))
+    return (p.input[:], p.output[:], p.op_type, p.domain, ak, id(p))  # ([:]: upb's fastest copy of the names)
 
 
 def _attr_name(a) -> str:

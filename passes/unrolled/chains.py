@@ -57,7 +57,7 @@ def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Inter
         if n.op_type in ("Shape", "Size"):
             continue  # a shape does not depend on values
         span = None
-        for i in n.input:
+        for i in n.input[:]:  # ([:]: upb's fastest copy of the names)
             v = get(i)
             if v is None or v is span:
                 continue
@@ -68,7 +68,7 @@ def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Inter
                 span = v if v[0] <= span[0] and v[1] >= span[1] else (min(v[0], span[0]), max(v[1], span[1]))
         if span is not None:
             iv.nodes[id(n)] = span
-            for o in n.output:
+            for o in n.output[:]:
                 if o and o not in leaves:
                     iv[o] = span
     return iv

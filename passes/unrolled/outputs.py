@@ -124,7 +124,7 @@ class Escapes:
 def _escaping(g: Graph, nodes, chain_nodes: set) -> list[tuple]:
     out = []
     for nd in nodes:
-        for o in nd.output:
+        for o in nd.output[:]:
             if not o:
                 continue
             outside = [u for u in g.uses(o) if id(u) not in chain_nodes and u.op_type not in ("Shape", "Size")]

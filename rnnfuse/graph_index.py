@@ -457,7 +457,7 @@ def _constant_value(node: NodeProto, model: "Model"):
         return None
     try:
         return raw_array(t)
-    except ValueError:  # (bytes that do not fill the dims: folding says None, and so will the fold)
+    except Exception:  # (bytes that do not fill the dims, a segment, ...: the fold decides, as before this reader)
         return None
 
 

@@ -88,9 +88,16 @@ class Pass(Protocol):
 PassLike = Union[Pass, Callable[[Model, Options], object]]
 
 
-def op_counts(graph: onnx.GraphProto) -> Counter:
+def op_counts(graph: onnx.GraphProto, index=None) -> Counter:
+    """How many nodes of each op type ``graph`` holds, its subgraphs' included, in order of first appearance.
+    ``index``: the graph's GraphIndex, whose op-type index answers for the main graph when it is as loaded
+    (no node of a 100k-node graph is read then)."""
     c: Counter = Counter()
     stack = [graph]
+    known = index.op_type_counts() if index is not None else None
+    if known is not None:
+        c.update(known[0])
+        stack = [sg for n in known[1] for sg in subgraphs(n)]
     while stack:
         g = stack.pop()
         for n in g.node:

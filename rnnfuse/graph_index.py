@@ -219,6 +219,7 @@ class GraphIndex:
         control = CONTROL_FLOW
         consts = set(self.initializers)  # (and, as the loop goes, Constants' outputs)
         const_only: list[NodeProto] = []  # nodes reading constants and nothing else (see const_only_readers)
+        other_domain = False  # whether a node of another domain than ONNX's was seen (see op_type_counts)
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -242,7 +243,12 @@ class GraphIndex:
                         e[1].append(n)
                 if op == "Constant":
                     consts.update(outs)
-                if op in control or (n.domain not in ("", "ai.onnx") and has_subgraph(n)):
+                if op not in control and n.domain not in ("", "ai.onnx"):
+                    other_domain = True
+                    holds = has_subgraph(n)
+                else:
+                    holds = op in control
+                if holds:
                     self._index_inputs(n)
                     captures = True  # (what a subgraph reads is not checked here: the sort will do it)
                     ins = [i for i in n.input[:] if i]
@@ -273,6 +279,7 @@ class GraphIndex:
         in_order = not captures and not any(i in producer for i in early)
         # (in order, every Constant was seen before its readers: the list is exact until the next edit)
         self._const_only = (self._edits, const_only if in_order else None)
+        self._as_read = (self._edits, nodes, not other_domain)
         return in_order
 
     def _index_inputs(self, n: NodeProto, captures: bool = True) -> None:
@@ -319,6 +326,17 @@ class GraphIndex:
                     self._local_types[vi.name] = t
         t = self._local_types.get(name)
         return t[1] if t else None
+
+    def op_type_counts(self) -> tuple[dict[str, int], list[NodeProto]] | None:
+        """(op type -> how many nodes, in order of first appearance; the control-flow nodes, whose graphs
+        hold more, in node order) from the op-type index, while the node list is its proto's as the index
+        pass read it (no edit since) and holds no node of another domain; else None (count from the proto)."""
+        edits, nodes, onnx_only = self._as_read
+        if not onnx_only or edits != self._edits or nodes is not self.nodes or self._by_op is None:
+            return None
+        if len(nodes) != len(self.proto.node):
+            return None
+        return {op: len(e[1]) for op, e in self._by_op.items()}, self.nodes_of(*CONTROL_FLOW)
 
     def const_only_readers(self) -> list[NodeProto] | None:
         """The nodes that read at least one constant (an initializer or a Constant's output) and nothing

@@ -92,7 +92,7 @@ class Pipeline:
         ctx = options or Options()
         rep = Report()
         t0 = time.perf_counter()
-        rep.ops_before = dict(op_counts(model.proto.graph))
+        rep.ops_before = dict(op_counts(model.proto.graph, model.graph))
         reason = unsupported_reason(model.proto)
         if reason is not None:
             rep.notes.append(f"passed through unchanged: {reason}")

@@ -336,3 +336,30 @@ def test_constant_readers_found_while_indexing():
         assert [n.name for n in g.const_only_readers()] == want
         g.add_node("Identity", ["w1"], name="added")  # (an edit: Dedupe looks for itself)
         assert g.const_only_readers() is None
+
+
+def test_op_counts_from_the_index():
+    """The report's op counts of a graph as loaded come from the op-type index (no node read), subgraphs'
+    ops counted as a walk counts them, in the same order; after an edit, or with a node of another domain,
+    the proto is walked."""
+    from rnnfuse.findings import op_counts
+
+    body = helper.make_graph([helper.make_node("Neg", ["x"], ["b_out"]), helper.make_node("Identity", ["c"], ["c_out"])],
+                             "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                                      helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                             [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("b_out", TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Loop", ["", ""], ["l"], body=body),
+             helper.make_node("Add", ["r", "l"], ["a"]), helper.make_node("Relu", ["a"], ["y"])]
+    g0 = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    m = Model(helper.make_model(g0, opset_imports=[helper.make_opsetid("", 17)]))
+    assert m.graph.op_type_counts() is not None
+    assert list(op_counts(m.proto.graph, m.graph).items()) == list(op_counts(m.proto.graph).items()) == [
+        ("Relu", 2), ("Loop", 1), ("Add", 1), ("Neg", 1), ("Identity", 1)]
+    m.graph.add_node("Abs", ["x"], name="edit")
+    assert m.graph.op_type_counts() is None
+    other = helper.make_node("Custom", ["x"], ["z"], domain="my.ops")
+    g1 = helper.make_graph(nodes + [other], "g", list(g0.input), list(g0.output))
+    m1 = helper.make_model(g1, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.ops", 1)])
+    assert Model(m1).graph.op_type_counts() is None

@@ -85,11 +85,14 @@ def load(path: str) -> tuple[onnx.ModelProto, bool]:
 _MODEL_DIRS: dict[int, str] = {}
 
 # A tensor attribute stored as external data (``onnx.save(convert_attribute=True)``: a Constant's value,
-# ConstantOfShape's fill) is read into the model when it is at most this big, so that every reader of
-# attributes sees its values (onnx would look for the file in the working directory, not the model's). A
-# larger Constant stays where it is; its value is memory-mapped from the model's directory when asked
-# (GraphIndex.const), and the output's data file receives it as it receives initializers.
+# ConstantOfShape's fill) is read into the model when it is small, so that every reader of attributes sees its
+# values (onnx would look for the file in the working directory, not the model's): each of at most 16 MiB,
+# 256 MiB in all (a fill or a shape, whatever the total). A larger Constant stays where it is; its value is
+# memory-mapped from the model's directory when asked (GraphIndex.const), and the output's data file receives
+# it as it receives initializers.
 _INLINE_ATTRIBUTE_BYTES = 16 << 20
+_INLINE_ATTRIBUTES_TOTAL = 256 << 20
+_ALWAYS_INLINE_BYTES = 1024
 
 
 def _inline_attribute_tensors(model: onnx.ModelProto, base: str) -> None:
@@ -97,15 +100,18 @@ def _inline_attribute_tensors(model: onnx.ModelProto, base: str) -> None:
 
     from .protos import attribute_tensors
 
+    total = 0
     for t in attribute_tensors(model):
         if t.data_location != onnx.TensorProto.EXTERNAL:
             continue
         info = {e.key: e.value for e in t.external_data}
         size = int(info["length"]) if "length" in info else os.path.getsize(os.path.join(base, info["location"]))
-        if size <= _INLINE_ATTRIBUTE_BYTES:
-            load_external_data_for_tensor(t, base)
-            t.data_location = onnx.TensorProto.DEFAULT
-            del t.external_data[:]
+        if size > _ALWAYS_INLINE_BYTES and (size > _INLINE_ATTRIBUTE_BYTES or total + size > _INLINE_ATTRIBUTES_TOTAL):
+            continue
+        total += size
+        load_external_data_for_tensor(t, base)
+        t.data_location = onnx.TensorProto.DEFAULT
+        del t.external_data[:]
 
 
 def _may_name_external_data(path: str) -> bool:

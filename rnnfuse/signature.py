@@ -11,7 +11,7 @@ from typing import Callable
 
 from onnx import NodeProto
 
-from .dataflow import runtime_values
+from .dataflow import post_order, runtime_values
 from .graph import Graph
 from .symbolic import content_key
 
@@ -55,29 +55,20 @@ class Signer:
         # a cache across walks would hold every node's fields); the tensors whose inputs are being signed
         infos: dict[int, tuple] = {}
         walked: dict[str, tuple] = {}
-        # post-order over the region (dataflow.post_order, written out: this loop runs once per tensor of every
-        # step of a 100k-node chain); ``walked`` holds the tensors whose inputs are being signed
-        stack = [name]
-        while stack:
-            cur = stack[-1]
-            if cur in memo:
-                stack.pop()
-                continue
-            info = walked.get(cur)
+
+        def open_(cur: str):
+            info = self._open(cur, leaves, allowed, foreign, visited, fills, memo, runtime, infos)
             if info is None:
-                ins = self._open(cur, leaves, allowed, foreign, visited, fills, memo, runtime, infos)
-                if ins is None:
-                    stack.pop()
-                    continue
-                info = walked[cur] = ins
-                pending = [i for i in info[0] if i and i not in memo]
-                if pending:
-                    stack.extend(pending)
-                    continue
-            stack.pop()
+                return None
+            walked[cur] = info
+            return info[0]
+
+        def close(cur: str) -> int:
+            info = walked[cur]
             visited.add(info[5])
-            memo[cur] = intern((info[2], info[3], info[4], info[1].index(cur), tuple([memo[i] if i else -1 for i in info[0]])))
-        return memo[name]
+            return intern((info[2], info[3], info[4], info[1].index(cur), tuple([memo[i] if i else -1 for i in info[0]])))
+
+        return post_order(name, memo, open_, close)
 
     def _open(self, cur: str, leaves: dict, allowed, foreign, visited: set, fills: dict | None, memo: dict,
               runtime, infos: dict) -> tuple | None:

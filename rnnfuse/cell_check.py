@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .check_session import is_big_array, open_session
 from .emit import native_attrs
 from .feeds import random_values
 from .graph import Graph
@@ -32,12 +33,9 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
         built = _check_model(g, cell, chk, (W, R, B))
         if isinstance(built, ValidationResult):
             return built
-        m, role_name, pairs = built
+        m, big, role_name, pairs = built
         try:
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = 1
-            so.log_severity_level = 4
-            sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            sess = open_session(ort, m, big)
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             return ValidationResult(False, f"onnxruntime cannot run the step ({msg[:200]})")
@@ -64,8 +62,8 @@ def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
 
 
 def _check_model(g: Graph, cell, chk, weights):
-    """``(model, role -> fed tensor, [(original, native) output pairs])`` for one step, or a ValidationResult
-    saying why it cannot be built."""
+    """``(model, its big tensors kept apart (see rnnfuse.check_session), role -> fed tensor, [(original,
+    native) output pairs])`` for one step, or a ValidationResult saying why it cannot be built."""
     produced = {o for n in chk.nodes for o in n.output}
     nodes = []
     inits = {}
@@ -78,15 +76,11 @@ def _check_model(g: Graph, cell, chk, weights):
                 c = g.const(i)
                 if c is None:
                     return ValidationResult(False, f"the step reads '{i}', which is not constant")
-                inits[i] = numpy_helper.from_array(np.asarray(c), i)
+                inits[i] = np.asarray(c)
     inputs, role_name = _step_inputs(cell, chk, nodes, inits)
     W, R, B = weights
-    extra = [
-        numpy_helper.from_array(W, "__W"),
-        numpy_helper.from_array(R, "__R"),
-        numpy_helper.from_array(B, "__B"),
-        numpy_helper.from_array(np.array([0], np.int64), "__ax0"),
-    ]
+    inits.update({"__W": W, "__R": R, "__B": B})
+    extra = [numpy_helper.from_array(np.array([0], np.int64), "__ax0")]
     xin = "__X"
     nodes.append(helper.make_node("Unsqueeze", [role_name["x"], "__ax0"], [xin]))
     ins = [xin, "__W", "__R", "__B", ""]
@@ -113,11 +107,13 @@ def _check_model(g: Graph, cell, chk, weights):
         nodes.append(helper.make_node("Squeeze", [f"__Y{role}", "__ax0"], [new]))
         pairs.append((name, new))
         outputs += [helper.make_tensor_value_info(name, dt, None), helper.make_tensor_value_info(new, dt, None)]
-    graph = helper.make_graph(nodes, "rnnfuse_cell_check", inputs, outputs, list(inits.values()) + extra)
+    big = {k: a for k, a in inits.items() if is_big_array(a)}
+    small = [numpy_helper.from_array(a, k) for k, a in inits.items() if k not in big]
+    graph = helper.make_graph(nodes, "rnnfuse_cell_check", inputs, outputs, small + extra)
     m = onnx.ModelProto()
     m.CopyFrom(helper.make_model(graph, opset_imports=list(g.model.proto.opset_import)))
     m.ir_version = g.model.proto.ir_version
-    return m, role_name, pairs
+    return m, big, role_name, pairs
 
 
 def _step_inputs(cell, chk, nodes: list, inits: dict) -> tuple[list, dict]:
@@ -133,9 +129,9 @@ def _step_inputs(cell, chk, nodes: list, inits: dict) -> tuple[list, dict]:
             raw = "__x0"
             inputs.append(helper.make_tensor_value_info(raw, dt, ["B", width]))
             extra_nodes = [helper.make_node("MatMul", [raw, "__K"], [name if bias is None else "__xk"])]
-            inits["__K"] = numpy_helper.from_array(np.asarray(K), "__K")
+            inits["__K"] = np.asarray(K)
             if bias is not None:
-                inits["__kb"] = numpy_helper.from_array(np.asarray(bias), "__kb")
+                inits["__kb"] = np.asarray(bias)
                 extra_nodes.append(helper.make_node("Add", ["__xk", "__kb"], [name]))
             nodes[:0] = extra_nodes
             role_name[role] = raw

@@ -12,6 +12,9 @@ tests showed).
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
 from typing import Callable
 
 import onnx
@@ -29,15 +32,9 @@ def _weight_bytes(proto: onnx.ModelProto) -> int:
     return weight_bytes(proto)
 
 
-def _has_external(proto: onnx.ModelProto) -> bool:
-    from .model_io import uses_external_data
-
-    return uses_external_data(proto)
-
-
-def checker_error(proto: onnx.ModelProto | bytes) -> str | None:
+def checker_error(proto: onnx.ModelProto | bytes | str) -> str | None:
     """The first line of ``onnx.checker``'s complaint (full check), or None when it accepts the model
-    (given as a proto or serialised)."""
+    (given as a proto, serialised, or the path of a file)."""
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as e:  # the checker raises ValidationError, InferenceError, or protobuf errors
@@ -45,8 +42,9 @@ def checker_error(proto: onnx.ModelProto | bytes) -> str | None:
     return None
 
 
-def onnxruntime_error(proto: onnx.ModelProto | bytes) -> str | None:
-    """Why onnxruntime refuses to load the model (given as a proto or serialised), or None when it loads."""
+def onnxruntime_error(proto: onnx.ModelProto | bytes | str) -> str | None:
+    """Why onnxruntime refuses to load the model (given as a proto, serialised, or the path of a file), or
+    None when it loads."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -54,8 +52,10 @@ def onnxruntime_error(proto: onnx.ModelProto | bytes) -> str | None:
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if isinstance(proto, str):  # (a weightless copy: pre-packing would only copy its zeros)
+        so.add_session_config_entry("session.disable_prepacking", "1")
     try:
-        data = proto if isinstance(proto, bytes) else proto.SerializeToString()
+        data = proto if isinstance(proto, (bytes, str)) else proto.SerializeToString()
         ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types for invalid graphs
         return _first_line(e)
@@ -66,8 +66,6 @@ def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]) -> str |
     """Why ``after`` is less valid than the model ``before()`` returns, or None when it is not.
 
     ``before`` is called only when ``after`` fails a check (the command line re-reads the input then)."""
-    if _has_external(after) or _weight_bytes(after) > MAX_CHECK_BYTES:
-        return None
     original: list[onnx.ModelProto] = []
 
     def _before() -> onnx.ModelProto:
@@ -75,18 +73,56 @@ def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]) -> str |
             original.append(before())
         return original[0]
 
-    try:
-        data: onnx.ModelProto | bytes = after.SerializeToString()  # (once, for both checks)
-    except Exception:  # (too large to serialise: each check says so itself)
-        data = after
-    err = checker_error(data)
-    if err is not None and checker_error(_before()) is None:
-        return f"onnx.checker rejects the rewritten model, which it accepts as given ({err})"
-    err = onnxruntime_error(data)
-    del data
-    if err is not None and onnxruntime_error(_before()) is None:
+    with _checkable(after) as data:
+        if data is None:
+            return None
+        err = checker_error(data)
+        if err is not None and _check_before(checker_error, _before) is None:
+            return f"onnx.checker rejects the rewritten model, which it accepts as given ({err})"
+        err = onnxruntime_error(data)
+    if err is not None and _check_before(onnxruntime_error, _before) is None:
         return f"onnxruntime cannot load the rewritten model, which it loads as given ({err})"
     return None
+
+
+def _check_before(check: Callable, before: Callable[[], onnx.ModelProto]) -> str | None:
+    with _checkable(before()) as data:
+        return "not checked" if data is None else check(data)
+
+
+@contextlib.contextmanager
+def _checkable(model: onnx.ModelProto):
+    """What the checks read: the serialised model; for a weight-heavy one, or one whose weights are external
+    data, the path of a copy without its weights (see check_session.write_skeleton: the checks never read
+    weight values, and a serialised copy would hold every weight again); None when it cannot be checked (a
+    tensor inside a node or subgraph stored as external data; a model too big to serialise)."""
+    from .check_session import weight_heavy, write_skeleton
+
+    if _external_beyond_initializers(model):
+        yield None
+        return
+    if weight_heavy(model):
+        workdir = tempfile.mkdtemp(prefix="rnnfuse-guard-")
+        try:
+            yield write_skeleton(model, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
+    if _weight_bytes(model) > MAX_CHECK_BYTES:
+        yield None
+        return
+    try:
+        data: onnx.ModelProto | bytes = model.SerializeToString()  # (once, for both checks)
+    except Exception:  # (too large to serialise: each check says so itself)
+        data = model
+    yield data
+
+
+def _external_beyond_initializers(model: onnx.ModelProto) -> bool:
+    """Whether a tensor other than a main-graph initializer is stored as external data."""
+    from .protos import tensors_beyond_initializers
+
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in tensors_beyond_initializers(model))
 
 
 def undo_all(report: Report, reason: str) -> None:

@@ -41,6 +41,13 @@ def attribute_tensors(model: ModelProto) -> Iterator[TensorProto]:
         yield from _node_tensors(f.node, initializers=False)
 
 
+def tensors_beyond_initializers(model: ModelProto) -> Iterator[TensorProto]:
+    """Every tensor of :func:`all_tensors` but the main graph's initializers."""
+    yield from _node_tensors(model.graph.node)
+    for f in model.functions:
+        yield from _node_tensors(f.node)
+
+
 def _graph_tensors(g: GraphProto) -> Iterator[TensorProto]:
     yield from g.initializer
     yield from _node_tensors(g.node)

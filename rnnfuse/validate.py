@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .check_session import Source, is_big, open_session
 from .feeds import index_ranges, input_sizes, random_values, valid_steps
 from .graph import Graph
 from .protos import all_tensors, free_names, rename_free, subgraphs
@@ -80,8 +81,10 @@ class _Skip(Exception):
 
 def build_check_model(
     model_proto: onnx.ModelProto, g: Graph, pairs: list[tuple[str, str]], masks: list[str]
-) -> tuple[onnx.ModelProto, dict[str, str]]:
-    """A model that outputs every old and new tensor, with masks overridden by pattern inputs."""
+) -> tuple[onnx.ModelProto, dict[str, str], dict[str, Source]]:
+    """A model that outputs every old and new tensor, with masks overridden by pattern inputs; its big
+    initializers are not copied into it but returned apart (name -> where their values are), for
+    :func:`rnnfuse.check_session.open_session`."""
     wanted = {n for p in pairs for n in p}
     keep = _needed_nodes(g, wanted)
     used = set()
@@ -98,7 +101,15 @@ def build_check_model(
     graph.name = "rnnfuse_check"
     graph.node.extend(extra_nodes + keep)
     # masks must be computed before the overrides read their shape: sort again
-    graph.initializer.extend([_materialized(g, t) for t in g.proto.initializer if t.name in used] + inits)
+    big: dict[str, Source] = {}
+    for t in g.proto.initializer:
+        if t.name not in used:
+            continue
+        if is_big(t):
+            big[t.name] = _values(g, t)
+        else:
+            graph.initializer.append(_materialized(g, t))
+    graph.initializer.extend(inits)
     for vi in g.proto.input:
         if vi.name in used and vi.name not in g.initializers:
             graph.input.append(vi)
@@ -113,7 +124,7 @@ def build_check_model(
     _sort_in_place(graph)
     for f in model_proto.functions:
         m.functions.append(f)
-    return m, pattern_inputs
+    return m, pattern_inputs, big
 
 
 def _needed_nodes(g: Graph, wanted: set[str]) -> list[onnx.NodeProto]:
@@ -172,6 +183,13 @@ def _mask_overrides(keep: list[onnx.NodeProto], masks: list[str]):
             numpy_helper.from_array(np.array([0, 1], np.int64), f"{over}/c01"),
         ]
     return pattern_inputs, extra_nodes, inits
+
+
+def _values(g: Graph, t: onnx.TensorProto) -> Source:
+    """Where a big initializer's values are: its memory-mapped external data (an array), or its proto."""
+    if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
+        return np.asarray(g.model.tensor_array(t))
+    return t
 
 
 def _materialized(g: Graph, t: onnx.TensorProto) -> onnx.TensorProto:
@@ -302,15 +320,6 @@ def _first_line(e: Exception) -> str:
     return msg[:200]
 
 
-def _session(ort, model: onnx.ModelProto | bytes):
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 4
-    data = model if isinstance(model, bytes) else model.SerializeToString()
-    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
-
-
 def failed_run(e: Exception) -> ValidationResult:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return ValidationResult(False, f"onnxruntime failed on generated inputs ({msg[:200]})")
@@ -348,24 +357,29 @@ def _check_session(ort, g: Graph, pairs, mask_names):
     which side onnxruntime cannot load (the original model, or the rewrite)."""
     proto = g.model.proto
     try:
-        check, pattern_inputs = build_check_model(proto, g, pairs, mask_names)
-        data = check.SerializeToString()
-        del check  # (its weights are in the bytes: not held a third time while onnxruntime copies them)
-        return _session(ort, data), pattern_inputs
+        check, pattern_inputs, big = build_check_model(proto, g, pairs, mask_names)
+        return open_session(ort, check, big), pattern_inputs
     except _Skip as s:
         return ValidationResult(False, str(s))
+    except OSError as e:  # (the file route's temporary directory)
+        return ValidationResult(False, f"cannot write the check model's weights to a temporary directory ({_first_line(e)})")
     except Exception as e:
         msg = _first_line(e)
         # is it the original that onnxruntime cannot run, or the rewrite?
         try:
             only_old = [(a, a) for a, _ in pairs]
-            _session(ort, build_check_model(proto, g, only_old, mask_names)[0])
+            open_session(ort, *_without_patterns(build_check_model(proto, g, only_old, mask_names)))
         except Exception:
             return ValidationResult(False, f"onnxruntime cannot run the original model ({msg})")
         res = ValidationResult(True)
         for p in pairs:
             res.pairs[p] = PairResult(*p, ok=False, detail=f"the rewritten graph does not load in onnxruntime ({msg})")
         return res
+
+
+def _without_patterns(built):
+    check, _, big = built
+    return check, big
 
 
 def _mask_shapes(g: Graph, sess, out_names, feeds: dict, pattern_inputs: dict, size: int):

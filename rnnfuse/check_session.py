@@ -1,0 +1,209 @@
+"""onnxruntime sessions of check models, without copying their weights.
+
+A check model (:mod:`rnnfuse.validate`, :mod:`rnnfuse.cell_check`) computes old and new tensors side by side,
+so it holds the original's weights and the rewrite's. Handed to onnxruntime as serialised bytes, every weight
+is held again in the bytes, again while onnxruntime parses them, again in its tensors and once more when it
+pre-packs the matrix products: for a weight-heavy model that was most of rnnfuse's peak memory (~9x the file).
+
+So a check model with big weights is written to a temporary directory instead: each big tensor's bytes go to
+one data file, written tensor by tensor from wherever they are (the model's proto, a memory-mapped data file,
+an array rnnfuse computed), and the model refers to them as external data, which onnxruntime memory-maps.
+Values that are already arrays in memory are also handed to onnxruntime as they are
+(``SessionOptions.add_initializer``: it computes with that buffer, no copy). The file still holds the real
+values of every tensor, because onnxruntime reads the file, not the handed array, for what it folds while
+loading (a Transpose of a weight, say). Pre-packing is off in these sessions: it would copy every weight a
+matrix product reads; the unpacked kernels compute the same sums (results may differ in the last bit, far
+inside validation's tolerance). Small check models keep the in-memory route: it is faster and they never
+mattered for memory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Union
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+# a tensor at least this big is a "big" tensor: kept out of the check model's proto (below it: copied in)
+BIG_TENSOR_BYTES = 1 << 20
+# check models whose big tensors hold at least this much in all take the file route
+FILE_ROUTE_BYTES = 16 << 20
+_ALIGN = 1 << 16  # onnxruntime memory-maps external data whose offset is a multiple of the allocation granularity
+
+Source = Union[np.ndarray, TensorProto]  # an array (handed to onnxruntime as well), or a tensor held in a proto
+
+
+def tensor_nbytes(t: TensorProto) -> int:
+    """A tensor's data size from its type and dims (0 for strings and unknown types: never treated as big)."""
+    if t.data_type in (TensorProto.STRING, TensorProto.UNDEFINED):
+        return 0
+    try:
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    except (KeyError, TypeError, ValueError):
+        return 0
+    return int(np.prod(t.dims, dtype=np.int64)) * itemsize if len(t.dims) else itemsize
+
+
+def is_big(t: TensorProto) -> bool:
+    return tensor_nbytes(t) >= BIG_TENSOR_BYTES
+
+
+def is_big_array(a: np.ndarray) -> bool:
+    return a.dtype != object and a.nbytes >= BIG_TENSOR_BYTES
+
+
+def options(ort):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 4
+    return so
+
+
+def open_session(ort, model: onnx.ModelProto, big: dict[str, Source]):
+    """An onnxruntime session of ``model`` plus the tensors in ``big`` (name -> where its values are), which
+    ``model``'s graph does not hold. ``model`` gets them as initializers (inline or external data)."""
+    total = sum(s.nbytes if isinstance(s, np.ndarray) else tensor_nbytes(s) for s in big.values())
+    so = options(ort)
+    if total < FILE_ROUTE_BYTES:
+        for name, src in big.items():
+            model.graph.initializer.append(_inline(name, src))
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    workdir = tempfile.mkdtemp(prefix="rnnfuse-check-")
+    try:
+        shared = _write_weights(model, big, os.path.join(workdir, "weights.bin"), "weights.bin")
+        path = os.path.join(workdir, "check.onnx")
+        with open(path, "wb") as f:
+            f.write(model.SerializeToString())
+        so.add_session_config_entry("session.disable_prepacking", "1")
+        values = []
+        for name, arr in shared.items():
+            v = ort.OrtValue.ortvalue_from_numpy(arr)
+            values.append((v, arr))  # both must outlive the session
+            so.add_initializer(name, v)
+        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    sess._rnnfuse_shared = values
+    # the data file stays until the session goes (onnxruntime maps it); then, or at exit, it is removed
+    weakref.finalize(sess, shutil.rmtree, workdir, True)
+    return sess
+
+
+def _inline(name: str, src: Source) -> TensorProto:
+    if isinstance(src, np.ndarray):
+        return numpy_helper.from_array(np.asarray(src), name)
+    t = TensorProto()
+    t.CopyFrom(src)
+    t.name = name
+    return t
+
+
+def _write_weights(model: onnx.ModelProto, big: dict[str, Source], path: str, location: str) -> dict[str, np.ndarray]:
+    """Write every big tensor's bytes to ``path`` and add it to ``model`` as external data there; returns the
+    arrays to hand to onnxruntime as well."""
+    from .protos import set_external
+
+    shared: dict[str, np.ndarray] = {}
+    with open(path, "wb") as f:
+        for name, src in big.items():
+            pos = f.tell()
+            if pos % _ALIGN:
+                f.write(b"\0" * (_ALIGN - pos % _ALIGN))
+                pos = f.tell()
+            t = TensorProto()
+            t.name = name
+            if isinstance(src, np.ndarray):
+                arr = src if src.flags.c_contiguous else np.ascontiguousarray(src)
+                t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+                t.dims.extend(arr.shape)
+                _write_array(f, arr)
+                shared[name] = arr
+                length = arr.nbytes
+            else:
+                t.data_type = src.data_type
+                t.dims.extend(src.dims)
+                if src.HasField("raw_data"):
+                    data = src.raw_data  # (a transient copy of one tensor)
+                    f.write(data)
+                    length = len(data)
+                    del data
+                else:
+                    arr = numpy_helper.to_array(src)
+                    _write_array(f, arr)
+                    length = arr.nbytes
+            set_external(t, location, pos, length)
+            model.graph.initializer.append(t)
+    return shared
+
+
+def _write_array(f, arr: np.ndarray) -> None:
+    """Write a C-contiguous array's bytes in blocks (a memory-mapped array is not read whole into memory)."""
+    flat = arr.reshape(-1)
+    step = max(1, (32 << 20) // max(1, arr.itemsize))
+    for i in range(0, flat.size, step):
+        f.write(memoryview(np.ascontiguousarray(flat[i : i + step])).cast("B"))
+
+
+# -- a model's structure without its weights ---------------------------------------------------------------
+
+def weight_heavy(model: onnx.ModelProto) -> bool:
+    """Whether the main graph's external or big initializers hold at least ``FILE_ROUTE_BYTES``, or any
+    initializer is stored as external data (its file is beside the input, not beside a copy)."""
+    total = 0
+    for t in model.graph.initializer:
+        if t.data_location == TensorProto.EXTERNAL:
+            return True
+        n = tensor_nbytes(t)
+        if n >= BIG_TENSOR_BYTES:
+            total += n
+    return total >= FILE_ROUTE_BYTES
+
+
+def write_skeleton(model: onnx.ModelProto, workdir: str) -> str:
+    """Write ``model`` to ``workdir`` with its big and external initializers pointing into a sparse data file of
+    their size (zeros, neither on disk nor in memory); returns the model's path. For checks of a model's
+    structure and types (``onnx.checker``, whether onnxruntime loads it), which never read those values; the
+    weights are neither copied nor serialised."""
+    from .protos import set_external
+
+    skeleton = onnx.ModelProto()
+    _copy_fields(model, skeleton, skip="graph")
+    _copy_fields(model.graph, skeleton.graph, skip="initializer")
+    end = 0
+    for t in model.graph.initializer:
+        if t.data_location == TensorProto.EXTERNAL or tensor_nbytes(t) >= BIG_TENSOR_BYTES:
+            h = skeleton.graph.initializer.add()
+            h.name, h.data_type = t.name, t.data_type
+            h.dims.extend(t.dims)
+            end += -end % _ALIGN
+            set_external(h, "zeros.bin", end, tensor_nbytes(t))
+            end += tensor_nbytes(t)
+        else:
+            skeleton.graph.initializer.add().CopyFrom(t)
+    with open(os.path.join(workdir, "zeros.bin"), "wb") as f:
+        f.truncate(end)
+    path = os.path.join(workdir, "model.onnx")
+    with open(path, "wb") as f:
+        f.write(skeleton.SerializeToString())
+    return path
+
+
+def _copy_fields(src, dst, skip: str) -> None:
+    """Copy every set field of message ``src`` into ``dst`` but ``skip`` (which may hold every weight)."""
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        target = getattr(dst, fd.name)
+        if hasattr(target, "extend"):  # a repeated field
+            target.extend(value)
+        elif hasattr(target, "CopyFrom"):  # a message
+            target.CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)

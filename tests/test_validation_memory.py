@@ -1,0 +1,145 @@
+"""Validation and the do-no-harm checks of weight-heavy models, without copies of the weights.
+
+Check models whose big tensors hold ``FILE_ROUTE_BYTES`` or more are written to a temporary directory with
+their weights as external data (and arrays handed to onnxruntime as they are); the guard's whole-model checks
+read a copy without weights. Both must reach the same verdicts as the in-memory route: the tests force the file
+route on small hand-built models (including near misses that must be declined) and compare, and build a
+weight-heavy model whose old and new weights differ by a small error that must be caught.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import rnnfuse
+from rnnfuse import check_session, guard
+from rnnfuse.graph import Model
+from rnnfuse.validate import validate
+
+from builders import Opts, run_case
+
+
+@pytest.fixture
+def file_route(monkeypatch):
+    """Every tensor of 64 bytes or more takes the file route; counts the check models written."""
+    monkeypatch.setattr(check_session, "BIG_TENSOR_BYTES", 64)
+    monkeypatch.setattr(check_session, "FILE_ROUTE_BYTES", 0)
+    written = []
+    real = check_session._write_weights
+
+    def counting(*a, **k):
+        written.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(check_session, "_write_weights", counting)
+    return written
+
+
+CASES = [
+    Opts(op="LSTM", H=8),
+    Opts(op="GRU", H=8, front="loop", lbr=1),
+    Opts(op="RNN", H=8, front="loop", mask="where"),
+    Opts(op="LSTM", H=8, front="chain", matmul="gemm_t", static_T=5),
+    Opts(op="GRU", H=8, layers="bidir"),
+    Opts(op="LSTM", H=8, weights="body_init"),
+]
+NEAR_MISSES = ["extra_scale", "state_leak", "lstm_wrong_gate", "peephole", "mask_zero_state", "lstm_c_unmasked"]
+
+
+def _outcome(o: Opts):
+    out = run_case(o, batches=(1, 3), Ts=(1, 5))
+    return out.status, [(f.status, f.cell) for f in out.report.findings], out.fused_err
+
+
+@pytest.mark.parametrize("o", CASES, ids=lambda o: o.label())
+def test_file_route_reaches_the_same_verdict(o, file_route, monkeypatch):
+    forced = _outcome(o)
+    assert file_route, "the file route was not taken"
+    monkeypatch.undo()
+    usual = _outcome(o)
+    assert forced[:2] == usual[:2]
+    assert forced[0] == "fused" and forced[2] < 1e-4
+
+
+@pytest.mark.parametrize("mutation", NEAR_MISSES)
+def test_file_route_declines_near_misses(mutation, file_route):
+    from builders import MUTATIONS, mutation_applies
+
+    o = Opts(op="LSTM", H=8, mutation=mutation, mask="where" if MUTATIONS[mutation][2] else "none")
+    if not mutation_applies(mutation, o):
+        pytest.skip(f"{mutation} does not apply to {o.label()}")
+    out = run_case(o, batches=(1, 3), Ts=(1, 5), check_reference=False)
+    assert out.status != "fused" or out.fused_err < 1e-4, out.text()
+    assert out.fused_mismatch == "", out.text()
+
+
+def _pair_model(H: int, error: float):
+    """y_old = x . transpose(Wt) and y_new = x . W2, with W2 = Wt^T (+ error in one element): 2 x 4 MB of
+    weights, one read through a Transpose that onnxruntime folds while loading (from the data file)."""
+    rng = np.random.default_rng(0)
+    wt = (rng.standard_normal((H, H)) / np.sqrt(H)).astype(np.float32)
+    w2 = np.ascontiguousarray(wt.T)
+    w2[3, 5] += error
+    nodes = [
+        helper.make_node("Transpose", ["Wt"], ["W"]),
+        helper.make_node("MatMul", ["x", "W"], ["y_old"]),
+        helper.make_node("MatMul", ["x", "W2"], ["y_new"]),
+    ]
+    g = helper.make_graph(
+        nodes, "pair", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", H])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", H]) for n in ("y_old", "y_new")],
+        [numpy_helper.from_array(wt, "Wt"), numpy_helper.from_array(w2, "W2")],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("error, ok", [(0.0, True), (1e-2, False)])
+def test_file_route_compares_real_weights(error, ok, monkeypatch):
+    written = []
+    real = check_session._write_weights
+    monkeypatch.setattr(check_session, "_write_weights", lambda *a, **k: written.append(1) or real(*a, **k))
+    monkeypatch.setattr(check_session, "FILE_ROUTE_BYTES", 4 << 20)
+    model = Model(_pair_model(1024, error))
+    res = validate(model.graph, [("y_old", "y_new")], {})
+    assert written, "the 8 MB check model did not take the file route"
+    assert res.ran and res.runs > 0
+    assert res.pairs[("y_old", "y_new")].ok is ok, res.pairs
+
+
+def test_guard_checks_a_weight_heavy_model_without_its_weights(monkeypatch):
+    """The whole-model checks run on a copy without weights and still catch a model onnxruntime refuses."""
+    monkeypatch.setattr(check_session, "FILE_ROUTE_BYTES", 4 << 20)
+    good = _pair_model(1024, 0.0)
+    assert check_session.weight_heavy(good)
+    assert guard.harm(good, lambda: good) is None
+    bad = onnx.ModelProto()
+    bad.CopyFrom(good)
+    bad.graph.node[2].input[1] = "Wt_missing"  # reads a tensor nothing produces
+    reason = guard.harm(bad, lambda: good)
+    assert reason is not None and "Wt_missing" in reason, reason
+
+
+def test_cell_checks_take_the_file_route(file_route, monkeypatch):
+    """A chain too big for whole-model validation is checked cell by cell, through the file route."""
+    from rnnfuse import rewrite
+
+    monkeypatch.setattr(rewrite, "WHOLE_MODEL_LIMIT", 10)
+    out = run_case(Opts(op="GRU", H=8, front="chain", static_T=6), batches=(1, 3))
+    assert out.status == "fused", out.text()
+    assert file_route
+    assert all("per step" in f.validation for f in out.report.findings), [f.validation for f in out.report.findings]
+
+
+def test_weight_heavy_fusion_is_validated_and_exact():
+    """An LSTM of 2 x 8 MB weights fuses through the file route with a validation error in tolerance."""
+    o = Opts(op="LSTM", H=512, F=512)
+    out = run_case(o, batches=(1, 2), Ts=(1, 4), check_reference=False)
+    assert out.status == "fused", out.text()
+    found = out.report.findings
+    assert found and all(f.validation.startswith("ok") for f in found), [f.validation for f in found]
+    assert out.fused_err < 1e-4

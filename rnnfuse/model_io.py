@@ -5,6 +5,11 @@ output an :class:`~rnnfuse.errors.OutputError`. Outputs are written to a tempora
 directory and renamed into place, so a failed run never leaves a partial file and never touches an existing
 output. Models that came with external data, or that would exceed protobuf's 2 GB limit, are written with
 their tensors in a ``<output>.data`` file beside the model.
+
+A large single-file model *lends* its big weights: :func:`load` leaves them in the file and makes them
+external data pointing back into it (see :mod:`rnnfuse.wire`), so they are memory-mapped when a pass reads
+them instead of being held by the parsed proto; :func:`save` writes them back inline, copied from the file
+while the output is written. What the user gets is the same single file.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from .errors import InputError, OutputError
 MIN_OPSET = 7  # the native recurrent ops' semantics rnnfuse emits exist since opset 7
 PROTO_LIMIT = 2**31 - 1
 EXTERNAL_THRESHOLD = 1024  # tensors at least this large go to the external data file
+# a single-file model at least this large lends its initializers of BORROW_MIN_TENSOR bytes or more (below it,
+# parsing the whole file costs less than it is worth)
+BORROW_MIN_FILE = 16 << 20
+BORROW_MIN_TENSOR = 1 << 20
 
 
 def _max_opset() -> int:
@@ -35,12 +44,17 @@ def uses_external_data(model: onnx.ModelProto) -> bool:
     return any(_uses(t) for t in all_tensors(model))
 
 
-def load(path: str) -> tuple[onnx.ModelProto, bool]:
+def load(path: str, borrow: bool = False) -> tuple[onnx.ModelProto, bool]:
     """Load ``path``; returns (model, had_external_data).
 
     External data is *not* read into memory: tensors stay where they are and are memory-mapped when a pass
     needs their values (see :meth:`rnnfuse.graph.Model.tensor_array`), then streamed into the output's data
-    file when it is written. The model's directory is recorded in ``model_dir(model)``."""
+    file when it is written. The model's directory is recorded in ``model_dir(model)``.
+
+    ``borrow=True``: a single file of ``BORROW_MIN_FILE`` bytes or more keeps its big initializers in the file
+    the same way (``borrowed_from(model)`` names it; ``had_external_data`` stays False: the output is one
+    file again). Its proto then has external tensors only :class:`~rnnfuse.graph.Model` (given
+    ``model_dir``) and :func:`save` can read: a caller handing the proto to onnxruntime loads without it."""
     if not path:
         raise InputError("no input file given")
     if not os.path.exists(path):
@@ -53,6 +67,13 @@ def load(path: str) -> tuple[onnx.ModelProto, bool]:
         raise InputError(f"cannot read {path}: {e.strerror}") from None
     if size == 0:
         raise InputError(f"input file is empty: {path}")
+    if borrow and size >= BORROW_MIN_FILE:
+        model = _load_borrowing(path)
+        if model is not None:
+            check_model_header(model, path)
+            _MODEL_DIRS[id(model)] = os.path.dirname(os.path.abspath(path))
+            _BORROWED[id(model)] = os.path.abspath(path)
+            return model, False
     try:
         model = onnx.load(path, load_external_data=False)
     except (DecodeError, ValueError, RuntimeError) as e:
@@ -83,6 +104,83 @@ def load(path: str) -> tuple[onnx.ModelProto, bool]:
 
 
 _MODEL_DIRS: dict[int, str] = {}
+_BORROWED: dict[int, str] = {}  # models whose big initializers stay in their own .onnx file -> that file
+
+
+def borrowed_from(model: onnx.ModelProto) -> str | None:
+    """The single ``.onnx`` file a model loaded with ``borrow=True`` left its big initializers in, or None."""
+    return _BORROWED.get(id(model))
+
+
+def _load_borrowing(path: str) -> onnx.ModelProto | None:
+    """The model of a single-file ``path`` with its big initializers left in the file as external data, or
+    None when it does not apply or anything about the file is unexpected (the caller then loads it whole,
+    with protobuf's own errors for a damaged file)."""
+    import mmap
+
+    from . import wire
+
+    try:
+        f = open(path, "rb")
+    except OSError:
+        return None
+    with f:
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return None
+        try:
+            data, borrowed = _borrowed_bytes(mm, os.path.basename(path))
+        finally:
+            try:
+                mm.close()
+            except BufferError:  # (a slice still referenced: the map goes with it)
+                pass
+    if data is None:
+        return None
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception:  # (protobuf's errors vary: the whole-file load says what is wrong)
+        return None
+    del data
+    # the borrowed bytes must be what the tensor says it is, as numpy_helper would insist when reading them
+    inits = model.graph.initializer
+    for b in borrowed:
+        if b.index >= len(inits):
+            return None
+        t = inits[b.index]
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        except Exception:
+            return None
+        count = 1
+        for d in t.dims:
+            count *= d
+        if t.data_type == onnx.TensorProto.STRING or count * itemsize != b.length or any(d < 0 for d in t.dims):
+            return None
+    return model
+
+
+def _borrowed_bytes(mm, location: str):
+    """(serialized model without the borrowed bytes, what was borrowed), or (None, None)."""
+    from . import wire
+
+    try:
+        pieces, borrowed = wire.borrow_plan(mm, location, BORROW_MIN_TENSOR)
+    except (wire.WireError, UnicodeEncodeError):
+        return None, None
+    if not borrowed:
+        return None, None
+    # a file that may name external data anywhere outside the borrowed bytes (a Constant's, a subgraph's) takes
+    # the external-data path whole: its own directory and data files, and "had external data" on output
+    spans = [0] + [x for b in sorted(borrowed, key=lambda b: b.offset) for x in (b.offset, b.offset + b.length)] + [len(mm)]
+    for a, z in zip(spans[::2], spans[1::2]):
+        if mm.find(b"location", a, z) >= 0:
+            return None, None
+    data = b"".join(pieces)
+    del pieces
+    return data, borrowed
 
 # A tensor attribute stored as external data (``onnx.save(convert_attribute=True)``: a Constant's value,
 # ConstantOfShape's fill) is read into the model when it is small, so that every reader of attributes sees its
@@ -215,13 +313,18 @@ def copy_unchanged(in_path: str, out_path: str) -> None:
 def save(model: onnx.ModelProto, out_path: str, external: bool | None = None, source_dir: str | None = None) -> list[str]:
     """Write ``model`` atomically; returns the files written. ``external=None`` decides by size.
 
-    With external data, every tensor of ``EXTERNAL_THRESHOLD`` bytes or more goes to ``<output>.data``:
-    tensors still stored in the input's data file (``source_dir``) are copied in chunks, never loaded whole."""
+    With external data, every tensor of ``EXTERNAL_THRESHOLD`` bytes or more goes to ``<output>.data``.
+    Without, tensors still stored elsewhere (borrowed from the input file, in the input's data file, spilled)
+    are written inline, copied from there while the file is written. Either way they are copied in chunks,
+    never loaded whole; ``source_dir`` (default: the model's directory) is where relative locations are."""
     out_path = os.path.abspath(out_path)
     parent = os.path.dirname(out_path)
     base = os.path.basename(out_path)
+    if source_dir is None:
+        source_dir = model_dir(model)
+    too_big = estimated_size(model) > PROTO_LIMIT - (64 << 20)
     if external is None:
-        external = estimated_size(model) > PROTO_LIMIT - (64 << 20) or _has_unloaded(model)
+        external = too_big
     tmpdir = None
     try:
         tmpdir = tempfile.mkdtemp(prefix=".rnnfuse-", dir=parent)
@@ -233,10 +336,12 @@ def save(model: onnx.ModelProto, out_path: str, external: bool | None = None, so
             _write_external(model, tmp_data, data_name, source_dir)
             os.replace(tmp_data, os.path.join(parent, data_name))
             written.append(os.path.join(parent, data_name))
-        elif _has_unloaded(model):
-            raise OutputError("the model has tensors in external data; write it with --external-data auto or always")
-        with open(tmp_model, "wb") as f:
-            f.write(model.SerializeToString())
+            with open(tmp_model, "wb") as f:
+                f.write(model.SerializeToString())
+        elif too_big and _has_unloaded(model):
+            raise OutputError("the model is over 2 GB; write it with --external-data auto or always")
+        else:
+            _write_inline(model, tmp_model, source_dir)
         os.replace(tmp_model, out_path)
         return written
     except OSError as e:
@@ -254,41 +359,118 @@ def _has_unloaded(model: onnx.ModelProto) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data") for t in all_tensors(model))
 
 
+def _external_source(t: onnx.TensorProto, source_dir: str | None) -> tuple[str, int, int]:
+    """(file, offset, length) of an unloaded external tensor's bytes."""
+    info = {e.key: e.value for e in t.external_data}
+    loc = info.get("location", "")
+    if not loc or (source_dir is None and not os.path.isabs(loc)):
+        raise ValueError(f"tensor '{t.name}' is stored externally but its file is unknown")
+    src = loc if os.path.isabs(loc) else os.path.join(source_dir, loc)
+    offset = int(info.get("offset", 0))
+    length = int(info.get("length", 0)) or os.path.getsize(src) - offset
+    return src, offset, length
+
+
+def _copy_range(src: str, offset: int, length: int, out, name: str) -> None:
+    """Append ``length`` bytes of ``src`` from ``offset`` to the unbuffered file ``out``: by the kernel where
+    it can (no copy in our memory), else in 16 MiB chunks."""
+    with open(src, "rb") as f:
+        left, pos = length, offset
+        kernel = hasattr(os, "copy_file_range")
+        while left:
+            if kernel:
+                try:
+                    n = os.copy_file_range(f.fileno(), out.fileno(), left, pos)
+                except OSError:  # (another file system, an old kernel: plain reads)
+                    kernel = False
+                    continue
+            else:
+                f.seek(pos)
+                chunk = f.read(min(left, 16 << 20))
+                n = len(chunk)
+                _write_all(out, chunk)
+            if n == 0:
+                raise ValueError(f"external data of '{name}' is truncated")
+            left -= n
+            pos += n
+
+
+def _write_all(out, data) -> None:
+    """``out.write`` on an unbuffered file may write less than it is given."""
+    view = memoryview(data)
+    while len(view):
+        view = view[out.write(view):]
+
+
+def _write_inline(model: onnx.ModelProto, path: str, source_dir: str | None) -> None:
+    """Serialize ``model`` to ``path`` as one file, its unloaded external tensors inline (see :func:`_inline`):
+    those tensors are never held in memory, only the rest of the model's serialization."""
+    with open(path, "wb", buffering=0) as out:
+        _inline(model, out, source_dir)
+
+
+def _inline(model: onnx.ModelProto, out, source_dir: str | None) -> None:
+    """Write ``model`` to ``out``, its unloaded external tensors inline.
+
+    Each such tensor holds a unique marker as its ``raw_data`` while the (now small) model is serialized; the
+    bytes are then written with every marker replaced by the tensor's bytes, copied from their file, and the
+    length prefixes around it rewritten (:func:`rnnfuse.wire.splice_plan`). The tensors are given back their
+    external fields afterwards. The result is the bytes ``onnx.save`` of the fully loaded model writes (a
+    tensor read in from external data has no ``data_location`` field, as if it had always been inline)."""
+    from . import wire
+    from .protos import all_tensors
+
+    holes = [t for t in all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data")]
+    if not holes:
+        _write_all(out, model.SerializeToString())
+        return
+    sources = [_external_source(t, source_dir) for t in holes]
+    prefix = b"\0rnnfuse-hole\0" + os.urandom(16)
+    markers = {prefix + i.to_bytes(4, "little"): i for i in range(len(holes))}
+    kept = [[(e.key, e.value) for e in t.external_data] for t in holes]
+    try:
+        for t, m in zip(holes, markers):
+            del t.external_data[:]
+            t.ClearField("data_location")
+            t.raw_data = m
+        data = model.SerializeToString()
+    finally:
+        for t, entries in zip(holes, kept):
+            t.ClearField("raw_data")
+            del t.external_data[:]
+            for k, v in entries:
+                e = t.external_data.add()
+                e.key, e.value = k, v
+            t.data_location = onnx.TensorProto.EXTERNAL
+    for p in wire.splice_plan(data, markers, [s[2] for s in sources]):
+        if isinstance(p, int):
+            _copy_range(*sources[p], out, holes[p].name)
+        else:
+            _write_all(out, p)
+
+
 def _write_external(model: onnx.ModelProto, data_path: str, location: str, source_dir: str | None) -> None:
     from .protos import all_tensors
 
     from .graph import set_external
 
     align = 4096
-    with open(data_path, "wb") as out:
+    with open(data_path, "wb", buffering=0) as out:
         for t in all_tensors(model):
             unloaded = t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data")
             if not unloaded:
                 if not t.HasField("raw_data") or len(t.raw_data) < EXTERNAL_THRESHOLD:
                     continue
-            pos = out.tell()
+            pos = out.seek(0, os.SEEK_CUR)
             if pos % align:
-                out.write(b"\0" * (align - pos % align))
-                pos = out.tell()
+                _write_all(out, b"\0" * (align - pos % align))
+                pos += align - pos % align
             if unloaded:
-                info = {e.key: e.value for e in t.external_data}
-                if source_dir is None and not os.path.isabs(info["location"]):
-                    raise ValueError(f"tensor '{t.name}' is stored externally but its file is unknown")
-                loc = info["location"]
-                src = loc if os.path.isabs(loc) else os.path.join(source_dir, loc)
-                length = int(info.get("length", 0)) or os.path.getsize(src) - int(info.get("offset", 0))
-                with open(src, "rb") as f:
-                    f.seek(int(info.get("offset", 0)))
-                    left = length
-                    while left:
-                        chunk = f.read(min(left, 64 << 20))
-                        if not chunk:
-                            raise ValueError(f"external data of '{t.name}' is truncated")
-                        out.write(chunk)
-                        left -= len(chunk)
+                src, offset, length = _external_source(t, source_dir)
+                _copy_range(src, offset, length, out, t.name)
             else:
                 length = len(t.raw_data)
-                out.write(t.raw_data)
+                _write_all(out, t.raw_data)
                 t.ClearField("raw_data")
             set_external(t, location, pos, length)
 
@@ -299,5 +481,7 @@ def estimated_size(model: onnx.ModelProto) -> int:
 
     total = 0
     for t in all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data"):
+            total += int(next((e.value for e in t.external_data if e.key == "length"), 0) or 0)
         total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data) + len(t.double_data))
     return total + 4 * len(model.graph.node) * 64

@@ -1,0 +1,233 @@
+"""The protobuf wire format, as far as rnnfuse reads and writes it itself.
+
+A weight-heavy model is mostly the ``raw_data`` bytes of a few initializers. Two jobs need those bytes found
+or placed without protobuf holding them in memory:
+
+- :func:`borrow_plan` (loading): the model's serialization with the big ``raw_data`` fields of the main
+  graph's initializers replaced by external-data entries that point back into the file itself;
+- :func:`splice_plan` (saving): where, in a serialization whose big tensors hold a short marker instead of
+  their bytes, those bytes go, and what every enclosing length prefix becomes.
+
+Both only read a message's top-level fields and step over every field they do not need by its length, so a
+100k-node graph costs one short Python step per node. Anything unexpected raises :class:`WireError`; callers
+then fall back to protobuf's own parser or serializer, which give their usual errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VARINT, I64, LEN, I32 = 0, 1, 2, 5
+
+# field numbers (onnx.proto)
+MODEL_GRAPH = 7
+GRAPH_INITIALIZER = 5
+TENSOR_SEGMENT = 3
+TENSOR_NAME = 8
+TENSOR_RAW_DATA = 9
+TENSOR_EXTERNAL_DATA = 13
+TENSOR_DATA_LOCATION = 14
+# the typed value fields (float_data, int32_data, string_data, int64_data, double_data, uint64_data): a tensor
+# holding one of them beside raw_data is left to protobuf
+TENSOR_TYPED_DATA = frozenset({4, 5, 6, 7, 10, 11})
+ENTRY_KEY, ENTRY_VALUE = 1, 2
+EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
+
+
+class WireError(ValueError):
+    """The bytes are not the protobuf rnnfuse expects (truncated, an unknown wire type, a field twice)."""
+
+
+def read_varint(buf, pos: int, end: int) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it."""
+    result = shift = 0
+    while True:
+        if pos >= end:
+            raise WireError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise WireError("varint longer than 10 bytes")
+
+
+def varint(v: int) -> bytes:
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def tag(number: int, wire_type: int) -> bytes:
+    return varint((number << 3) | wire_type)
+
+
+def length_field(number: int, payload: bytes) -> bytes:
+    return tag(number, LEN) + varint(len(payload)) + payload
+
+
+def fields(buf, start: int, end: int):
+    """``(number, wire_type, field_start, value_start, value_end)`` for each top-level field of the message
+    in ``buf[start:end]``; a varint's value is read with :func:`read_varint` at ``value_start``."""
+    pos = start
+    while pos < end:
+        field_start = pos
+        key, pos = read_varint(buf, pos, end)
+        number, wt = key >> 3, key & 7
+        if number == 0:
+            raise WireError("field number 0")
+        if wt == LEN:
+            n, pos = read_varint(buf, pos, end)
+            value_start, pos = pos, pos + n
+        elif wt == VARINT:
+            value_start = pos
+            _, pos = read_varint(buf, pos, end)
+        elif wt == I64:
+            value_start, pos = pos, pos + 8
+        elif wt == I32:
+            value_start, pos = pos, pos + 4
+        else:  # groups (3, 4) and 6, 7: not in ONNX's messages
+            raise WireError(f"wire type {wt}")
+        if pos > end:
+            raise WireError("a field runs past its message")
+        yield number, wt, field_start, value_start, pos
+
+
+# -- loading: borrow the big raw_data of the main graph's initializers -----------------------------------------
+
+
+@dataclass
+class Borrowed:
+    """One initializer whose bytes stay in the file: its position among the main graph's initializers and
+    where its ``raw_data`` lies in the file."""
+
+    index: int
+    offset: int
+    length: int
+
+
+def borrow_plan(buf, location: str, min_bytes: int) -> tuple[list, list[Borrowed]]:
+    """``(pieces, borrowed)``: the model serialized in ``buf`` (a whole ``.onnx`` file) as a list of byte
+    pieces whose concatenation is the same model with the ``raw_data`` of every main-graph initializer of at
+    least ``min_bytes`` bytes replaced by external data pointing at ``location`` (the file itself), at the
+    absolute offset of those bytes. Pieces are slices of ``buf`` (memoryviews) or short new bytes.
+
+    Raises :class:`WireError` on anything unexpected, including a tensor that already names external data
+    (such a model takes rnnfuse's external-data path as it is)."""
+    end = len(buf)
+    loc = location.encode("utf-8")  # (a name that is no UTF-8 raises UnicodeEncodeError: not borrowed)
+    graph = None
+    for number, wt, fs, vs, ve in fields(buf, 0, end):
+        if number == MODEL_GRAPH:
+            if wt != LEN or graph is not None:
+                raise WireError("the model's graph field is not one message")  # (protobuf would merge two)
+            graph = (fs, vs, ve)
+    if graph is None:
+        raise WireError("no graph")
+    g_fs, g_vs, g_ve = graph
+    view = memoryview(buf)
+    graph_pieces: list = []
+    borrowed: list[Borrowed] = []
+    copied_to = g_vs  # graph bytes up to here are in graph_pieces
+    k = -1
+    for number, wt, fs, vs, ve in fields(buf, g_vs, g_ve):
+        if number != GRAPH_INITIALIZER:
+            continue
+        if wt != LEN:
+            raise WireError("an initializer that is not a message")
+        k += 1
+        raw = _big_raw_data(buf, vs, ve, min_bytes)
+        if raw is None:
+            continue
+        r_fs, r_vs, r_ve = raw
+        entries = b"".join(
+            length_field(TENSOR_EXTERNAL_DATA, length_field(ENTRY_KEY, key) + length_field(ENTRY_VALUE, value))
+            for key, value in ((b"location", loc), (b"offset", str(r_vs).encode()), (b"length", str(r_ve - r_vs).encode()))
+        ) + tag(TENSOR_DATA_LOCATION, VARINT) + varint(EXTERNAL)
+        size = (ve - vs) - (r_ve - r_fs) + len(entries)
+        graph_pieces += [view[copied_to:fs], tag(GRAPH_INITIALIZER, LEN) + varint(size), view[vs:r_fs], view[r_ve:ve], entries]
+        copied_to = ve
+        borrowed.append(Borrowed(k, r_vs, r_ve - r_vs))
+    graph_pieces.append(view[copied_to:g_ve])
+    graph_size = sum(len(p) for p in graph_pieces)
+    pieces = [view[0:g_fs], tag(MODEL_GRAPH, LEN) + varint(graph_size), *graph_pieces, view[g_ve:end]]
+    return pieces, borrowed
+
+
+def _big_raw_data(buf, start: int, end: int, min_bytes: int) -> tuple[int, int, int] | None:
+    """``(field_start, value_start, value_end)`` of the TensorProto's ``raw_data`` when it has at least
+    ``min_bytes`` and nothing else that would make it ambiguous (a second raw_data, a segment, typed values
+    beside it); else None (the tensor stays as it is). External data raises WireError."""
+    raw = None
+    for number, wt, fs, vs, ve in fields(buf, start, end):
+        if number in (TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION):
+            raise WireError("a tensor already stored as external data")
+        if number == TENSOR_RAW_DATA:
+            if wt != LEN:
+                raise WireError("raw_data that is not bytes")
+            if raw is not None:
+                return None
+            raw = (fs, vs, ve)
+        elif number == TENSOR_SEGMENT or number in TENSOR_TYPED_DATA:
+            return None
+    if raw is None or raw[2] - raw[1] < min_bytes:
+        return None
+    return raw
+
+
+# -- saving: splice tensor bytes into a serialization ----------------------------------------------------------
+
+
+def splice_plan(buf, markers: dict[bytes, int], sizes: list[int]) -> list:
+    """The pieces of the message serialized in ``buf`` once each ``raw_data`` field whose value is a marker
+    (``markers``: marker bytes -> hole number) holds ``sizes[hole]`` bytes instead: slices of ``buf``, new
+    tag and length bytes, and ints (the hole numbers, where the caller writes each tensor's bytes). Only
+    messages that contain a marker are walked, and every length prefix on the way to one is rewritten."""
+    positions = []
+    for m in markers:
+        p = buf.find(m)
+        if p < 0 or buf.find(m, p + 1) >= 0:
+            raise WireError("a marker is missing or appears twice")
+        positions.append(p)
+    positions.sort()
+    pieces: list = []
+    _splice(memoryview(buf), buf, 0, len(buf), positions, markers, sizes, pieces)
+    return pieces
+
+
+def _splice(view, buf, start: int, end: int, positions: list[int], markers, sizes, pieces: list) -> int:
+    """Append the pieces of ``buf[start:end]`` (a message's fields) to ``pieces``; returns their new size."""
+    import bisect
+
+    size = 0
+    copied_to = start
+    for number, wt, fs, vs, ve in fields(buf, start, end):
+        if wt != LEN:
+            continue
+        lo = bisect.bisect_left(positions, vs)
+        if lo == len(positions) or positions[lo] >= ve:
+            continue  # no marker inside
+        pieces.append(view[copied_to:fs])
+        size += fs - copied_to
+        copied_to = ve
+        value = bytes(view[vs:ve]) if ve - vs <= 64 else None
+        if number == TENSOR_RAW_DATA and value is not None and value in markers and positions[lo] == vs:
+            hole = markers[value]
+            head = tag(number, LEN) + varint(sizes[hole])
+            pieces += [head, hole]
+            size += len(head) + sizes[hole]
+            continue
+        # a message on the way to a marker: its content first (its size is known only then)
+        inner: list = []
+        inner_size = _splice(view, buf, vs, ve, positions, markers, sizes, inner)
+        head = tag(number, LEN) + varint(inner_size)
+        pieces.append(head)
+        pieces += inner
+        size += len(head) + inner_size
+    pieces.append(view[copied_to:end])
+    return size + end - copied_to

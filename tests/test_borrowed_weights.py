@@ -122,8 +122,9 @@ def test_weight_heavy_model_fuses_into_one_file(heavy, tmp_path):
     "opts,lends",
     [(HEAVY, True), (B.Opts(op="GRU", front="chain", F=256, H=768, static_T=3, mask="where"), True),
      (B.Opts(op="RNN", front="loop", F=64, H=512, mask="where", weights="outer"), True),
+     (B.Opts(op="GRU", front="scan", F=128, H=256, layers="bidir"), True),
      (B.Opts(op="RNN", front="loop", F=64, H=512, weights="body_init"), False)],
-    ids=["scan-lstm", "chain-gru", "loop-rnn", "loop-rnn-body-weights"],
+    ids=["scan-lstm", "chain-gru", "loop-rnn", "scan-bidir-gru", "loop-rnn-body-weights"],
 )
 def test_borrowing_changes_no_output_and_no_report(opts, lends, tmp_path, monkeypatch):
     """The same run with the weights borrowed (every tensor of 64 bytes or more) and loaded whole: the same

@@ -124,6 +124,7 @@ def _write_weights(model: onnx.ModelProto, big: dict[str, Source], path: str, lo
                 t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
                 t.dims.extend(arr.shape)
                 _write_array(f, arr)
+                _drop_pages(arr)
                 shared[name] = arr
                 length = arr.nbytes
             else:
@@ -141,6 +142,24 @@ def _write_weights(model: onnx.ModelProto, big: dict[str, Source], path: str, lo
             set_external(t, location, pos, length)
             model.graph.initializer.append(t)
     return shared
+
+
+def _drop_pages(arr: np.ndarray) -> None:
+    """Let the kernel drop the resident pages of a memory-mapped array (writing it out read them all): they
+    come back from the page cache as onnxruntime computes with them, one weight at a time, instead of every
+    weight of the check model staying in our resident set at once."""
+    import mmap
+
+    a = arr
+    while a is not None:
+        mm = getattr(a, "_mmap", None)
+        if mm is not None:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError, AttributeError):  # (closed, or a platform without madvise)
+                pass
+            return
+        a = getattr(a, "base", None)
 
 
 def _write_array(f, arr: np.ndarray) -> None:

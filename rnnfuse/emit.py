@@ -27,7 +27,8 @@ from .step_heads import apply_head
 
 # weights at least this big are spilled to disk when the model's weights are external data (or borrowed from its
 # file, see rnnfuse.model_io): the new LSTM W/R then never enter the proto, where they would stay until the
-# end and be serialised again on save (75 MB chain of input = hidden = 1536: peak RSS 524 -> 302 MB)
+# end and be serialised again on save (75 MB chain of input = hidden = 1536: peak RSS 524 -> 302 MB), and
+# validation hands their memory-mapped pages to onnxruntime (rnnfuse.check_session)
 SPILL_BYTES = 1 << 20
 GENERAL = "exact"  # any mask: valid steps are gathered to the front, results scattered back
 POST_PADDED = "post-padded"  # the caller guarantees every row's padding is at its end

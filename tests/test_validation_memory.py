@@ -14,7 +14,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import rnnfuse
 from rnnfuse import check_session, guard
 from rnnfuse.graph import Model
 from rnnfuse.validate import validate

@@ -168,7 +168,7 @@ def _borrowed_bytes(mm, location: str):
 
     try:
         pieces, borrowed = wire.borrow_plan(mm, location, BORROW_MIN_TENSOR)
-    except (wire.WireError, UnicodeEncodeError):
+    except (wire.WireError, UnicodeEncodeError, IndexError):
         return None, None
     if not borrowed:
         return None, None

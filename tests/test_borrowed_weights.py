@@ -330,3 +330,42 @@ def test_external_data_never_writes_one_file(tmp_path):
     assert _only_files(tmp_path) == ["in", "out.onnx"]
     for a, b in zip(ref, _ort(out).run(None, feeds)):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_wire_walk_on_damaged_bytes():
+    """Cut or with bytes changed at random, a model is either refused by the walk (WireError: loaded whole
+    then, with protobuf's own verdict) or lent exactly: whenever protobuf parses the bytes, the lent model
+    with each borrowed tensor's bytes put back is the model protobuf parses."""
+    import random
+
+    m, _ = B.build(B.Opts(op="LSTM", front="scan", F=8, H=16, mask="where"))
+    data = m.SerializeToString()
+    rng = random.Random(0)
+    outcomes = {"refused": 0, "lent": 0}
+    for _ in range(3000):
+        d = bytearray(data)
+        if rng.random() < 0.3:
+            d = d[: rng.randrange(len(d))]
+        else:
+            for _ in range(rng.randint(1, 3)):
+                d[rng.randrange(len(d))] = rng.randrange(256)
+        d = bytes(d)
+        try:
+            pieces, borrowed = wire.borrow_plan(d, "m.onnx", 16)
+        except wire.WireError:
+            outcomes["refused"] += 1
+            continue
+        outcomes["lent"] += 1
+        try:
+            whole = onnx.ModelProto.FromString(d)
+        except Exception:
+            continue
+        lent = onnx.ModelProto.FromString(b"".join(pieces))
+        for b in borrowed:
+            t = lent.graph.initializer[b.index]
+            assert t.data_location == TensorProto.EXTERNAL
+            del t.external_data[:]
+            t.ClearField("data_location")
+            t.raw_data = d[b.offset : b.offset + b.length]
+        assert lent == whole
+    assert outcomes["refused"] > 100 and outcomes["lent"] > 100, outcomes

@@ -142,3 +142,49 @@ def test_weight_heavy_fusion_is_validated_and_exact():
     found = out.report.findings
     assert found and all(f.validation.startswith("ok") for f in found), [f.validation for f in found]
     assert out.fused_err < 1e-4
+
+
+MEASURE = r"""
+import json, resource, subprocess, sys
+p = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+print(json.dumps([p.returncode, p.stderr[-400:], resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024]))
+"""
+LIBRARIES = "import numpy, onnx, onnxruntime, rnnfuse.cli, rnnfuse.pipeline, rnnfuse.validate, rnnfuse.passes"
+
+
+def _peak_mb(*cmd: str) -> tuple[int, str, float]:
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", MEASURE, sys.executable, *cmd], capture_output=True, text=True, check=True)
+    return tuple(json.loads(out.stdout))
+
+
+def test_weight_heavy_model_peak_memory_within_3x(tmp_path):
+    """Issue 16's memory goal on a weight-heavy single file (a 72 MB Scan LSTM, input = hidden = 1536): fused
+    and validated through the command line with a peak resident set, above what the libraries take, of at
+    most 3x the file (2.4x when written; ~9x before its weights were borrowed and validation stopped copying
+    them). The output matches the original."""
+    import os
+
+    import onnxruntime as ort
+
+    from builders import build
+
+    o = Opts(op="LSTM", H=1536, F=1536)
+    model, feeds_fn = build(o)
+    src, dst = str(tmp_path / "heavy.onnx"), str(tmp_path / "out.onnx")
+    onnx.save(model, src)
+    size_mb = os.path.getsize(src) / 2**20
+    rc, err, peak = _peak_mb("-m", "rnnfuse", "optimize", src, dst)
+    assert rc == 0, err
+    libraries = _peak_mb("-c", LIBRARIES)[2]
+    assert peak - libraries <= 3 * size_mb, f"peak {peak:.0f} MB, libraries {libraries:.0f} MB, file {size_mb:.0f} MB"
+    fused = onnx.load(dst)
+    assert [n.op_type for n in fused.graph.node].count("LSTM") == 1 and not any(n.op_type == "Scan" for n in fused.graph.node)
+    feeds = feeds_fn(np.random.default_rng(1), 2, 5, "none")
+    want = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = ort.InferenceSession(dst, providers=["CPUExecutionProvider"]).run(None, feeds)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4)

@@ -1,6 +1,6 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
-    python benchmarks/scaling.py [--sizes 25000,50000,100000,200000] [--graphs lstmcell,elementwise,wide]
+    python benchmarks/scaling.py [--sizes 25000,50000,100000,200000] [--graphs lstmcell,elementwise,wide,heavy,heavy_ext]
                                  [--runs 3] [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
 
@@ -14,6 +14,8 @@ Three graphs, the ends of what a long unrolled model can be:
   weight vector of its own: a big model with nothing to fuse (and nothing to merge).
 * ``wide``: the same LSTMCell loop with input and hidden size 512 (8 MB of weights) and few steps: the
   weight-heavy end, where memory is mostly tensor data.
+* ``heavy`` / ``heavy_ext``: that loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all but
+  0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 
 Each graph is timed with the real command line (``python -m rnnfuse optimize IN OUT --json J``, wall clock
 including start-up, load, passes and save) ``--runs`` times; the table gives medians of the wall time, of the
@@ -130,6 +132,38 @@ def wide_chain(path: str, nodes: int) -> int:
     return export_lstmcell_chain(path, max(2, nodes // NODES_PER_STEP), input_size=512, hidden=512)
 
 
+HEAVY_STEPS = 20
+
+
+def heavy_chain(path: str, hidden: int) -> int:
+    """The LSTMCell loop at input = hidden = ``hidden`` for 20 steps, one file: weights are nearly all of it
+    (1536: 75 MB, 2560: 210 MB). The size argument is the hidden size, not a node count (363 nodes)."""
+    return export_lstmcell_chain(path, HEAVY_STEPS, input_size=hidden, hidden=hidden)
+
+
+def heavy_external_chain(path: str, hidden: int) -> int:
+    """:func:`heavy_chain` stored with its tensors in ``PATH.data`` (external data)."""
+    import onnx
+
+    nodes = heavy_chain(path + ".whole", hidden)
+    m = onnx.load(path + ".whole")
+    os.remove(path + ".whole")
+    onnx.save(m, path, save_as_external_data=True, location=os.path.basename(path) + ".data", size_threshold=1024)
+    return nodes
+
+
+def model_bytes(path: str) -> int:
+    """A model's size on disk: the file and the external data files it names."""
+    import onnx
+
+    from rnnfuse.protos import all_tensors
+
+    total = os.path.getsize(path)
+    names = {e.value for t in all_tensors(onnx.load(path, load_external_data=False)) for e in t.external_data
+             if e.key == "location"}
+    return total + sum(os.path.getsize(os.path.join(os.path.dirname(path), n)) for n in names)
+
+
 def elementwise_chain(path: str, nodes: int, width: int = 16) -> int:
     """``nodes`` elementwise nodes in one chain (Add w, Mul w, Tanh, Sigmoid, repeated), nothing to fuse."""
     import numpy as np
@@ -161,7 +195,8 @@ def elementwise_chain(path: str, nodes: int, width: int = 16) -> int:
     return nodes
 
 
-GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wide": wide_chain}
+GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wide": wide_chain,
+              "heavy": heavy_chain, "heavy_ext": heavy_external_chain}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "
@@ -222,7 +257,7 @@ def measure(src: str, runs: int, trees: dict[str, str | None]) -> dict[str, dict
             "wall": statistics.median(a["walls"]), "walls": a["walls"], "cpu": statistics.median(a["cpus"]),
             "peak_mb": statistics.median(a["peaks"]),
             "passes": {k: statistics.median(v) for k, v in a["per_pass"].items()},
-            "nodes_after": a["nodes_after"], "fused": a["fused"], "file_mb": os.path.getsize(src) / 2**20,
+            "nodes_after": a["nodes_after"], "fused": a["fused"], "file_mb": model_bytes(src) / 2**20,
         }
     return out
 
@@ -281,6 +316,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lstm-sizes", default="27000,54000,108000,216000",
                     help="lstmcell node counts (T = nodes // 18: 108000 is T=6000)")
     ap.add_argument("--wide-sizes", default="1800", help="wide node counts (T = nodes // 18)")
+    ap.add_argument("--heavy-sizes", default="1536,2560", help="heavy / heavy_ext hidden sizes (20 steps)")
     ap.add_argument("--name", default="scaling", help="results file name (results/NAME.md, .json)")
     ap.add_argument("--graphs", default="lstmcell,elementwise")
     ap.add_argument("--runs", type=int, default=3)
@@ -305,12 +341,16 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()
     results = []
     for graph in a.graphs.split(","):
-        sizes = {"lstmcell": a.lstm_sizes, "wide": a.wide_sizes}.get(graph, a.sizes)
+        sizes = {"lstmcell": a.lstm_sizes, "wide": a.wide_sizes, "heavy": a.heavy_sizes,
+                 "heavy_ext": a.heavy_sizes}.get(graph, a.sizes)
         for size in (int(s) for s in sizes.split(",") if s):
             src = os.path.join(a.cache, f"scaling_{graph}_{size}.onnx")
             if not os.path.exists(src):
-                GENERATORS[graph](src + ".tmp", size)
-                os.replace(src + ".tmp", src)
+                if graph == "heavy_ext":  # (its data file is named after the model file)
+                    GENERATORS[graph](src, size)
+                else:
+                    GENERATORS[graph](src + ".tmp", size)
+                    os.replace(src + ".tmp", src)
             import onnx
 
             nodes = len(onnx.load(src, load_external_data=False).graph.node)

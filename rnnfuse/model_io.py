@@ -118,8 +118,6 @@ def _load_borrowing(path: str) -> onnx.ModelProto | None:
     with protobuf's own errors for a damaged file)."""
     import mmap
 
-    from . import wire
-
     try:
         f = open(path, "rb")
     except OSError:

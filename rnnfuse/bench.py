@@ -144,14 +144,30 @@ def make_inputs(model: onnx.ModelProto, batch: int, seq_len: int, mask: str, rng
     return feeds
 
 
-def session(model_bytes: bytes, threads: int):
+def _options(threads: int):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+    return so
+
+
+def session(model_bytes: bytes, threads: int):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model_bytes, _options(threads), providers=["CPUExecutionProvider"])
+
+
+def model_session(proto: onnx.ModelProto, tensor_array, threads: int):
+    """A timing session of a model being optimized, whose weights may be external data (the input's files,
+    spilled or borrowed weights: see rnnfuse.check_session.whole_model_session); pre-packed, as deployed."""
+    import onnxruntime as ort
+
+    from .check_session import whole_model_session
+
+    return whole_model_session(ort, proto, tensor_array, _options(threads), prepack=True)
 
 
 def time_side_by_side(sessions: dict, feeds: dict, runs: int, warmup: int) -> dict[str, list[float]]:
@@ -361,8 +377,8 @@ def prefer_faster(source: onnx.ModelProto, model, report, opts, args, progress=l
         c.CopyFrom(source)
         m2 = Model(c, external_dir=model.external_dir)
         Pipeline.default().run(m2, trial_opts)
-        s_native = session(best.SerializeToString(), args.threads)
-        s_orig = session(m2.proto.SerializeToString(), args.threads)
+        s_native = model_session(best, model.tensor_array, args.threads)
+        s_orig = model_session(m2.proto, model.tensor_array, args.threads)
         native_ms = orig_ms = 0.0
         for b in batches:
             feeds = make_inputs(source, b, args.seq_len, "post", rng)

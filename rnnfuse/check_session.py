@@ -12,8 +12,12 @@ Values that are already arrays in memory are also handed to onnxruntime as they 
 (``SessionOptions.add_initializer``: it computes with that buffer, no copy). The file still holds the real
 values of every tensor, because onnxruntime reads the file, not the handed array, for what it folds while
 loading (a Transpose of a weight, say). Pre-packing is off in these sessions: it would copy every weight a
-matrix product reads; the unpacked kernels compute the same sums (results may differ in the last bit, far
-inside validation's tolerance). Small check models keep the in-memory route: it is faster and they never
+matrix product reads. The unpacked kernels add in another order, so results differ in the last bits, more at
+large magnitudes (3e-5 on an LSTM with int8 weights scaled by 50): a failure seen without pre-packing is
+checked again with it (rnnfuse.validate, rnnfuse.cell_check), and stands only if it persists in the
+computation onnxruntime runs by default. Nested tensors stored as external data (a Loop body's initializers)
+are read into the check model (:func:`materialize_nested`): their relative locations name files beside the
+input, not beside the check model. Small check models keep the in-memory route: it is faster and they never
 mattered for memory.
 """
 
@@ -65,22 +69,36 @@ def options(ort):
     return so
 
 
-def open_session(ort, model: onnx.ModelProto, big: dict[str, Source]):
+def takes_file_route(big: dict[str, Source]) -> bool:
+    """Whether :func:`open_session` writes a check model with these big tensors to a temporary directory."""
+    return sum(s.nbytes if isinstance(s, np.ndarray) else tensor_nbytes(s) for s in big.values()) >= FILE_ROUTE_BYTES
+
+
+def open_session(ort, model: onnx.ModelProto, big: dict[str, Source], prepack: bool = False, so=None,
+                 file_route: bool | None = None):
     """An onnxruntime session of ``model`` plus the tensors in ``big`` (name -> where its values are), which
-    ``model``'s graph does not hold. ``model`` gets them as initializers (inline or external data)."""
-    total = sum(s.nbytes if isinstance(s, np.ndarray) else tensor_nbytes(s) for s in big.values())
-    so = options(ort)
-    if total < FILE_ROUTE_BYTES:
+    ``model``'s graph does not hold. ``model`` gets them as initializers (inline or external data).
+
+    ``file_route``: None decides by size (``FILE_ROUTE_BYTES``). On the file route pre-packing is off unless
+    ``prepack``; the session's ``rnnfuse_unpacked`` attribute says whether it was (a verdict reached without it
+    can be checked again with it, see rnnfuse.validate). ``so``: the session options (default: 1 thread)."""
+    so = so if so is not None else options(ort)
+    if file_route is None:
+        file_route = takes_file_route(big)
+    if not file_route:
         for name, src in big.items():
             model.graph.initializer.append(_inline(name, src))
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sess.rnnfuse_route, sess.rnnfuse_unpacked = "memory", False
+        return sess
     workdir = tempfile.mkdtemp(prefix="rnnfuse-check-")
     try:
         shared = _write_weights(model, big, os.path.join(workdir, "weights.bin"), "weights.bin")
         path = os.path.join(workdir, "check.onnx")
         with open(path, "wb") as f:
             f.write(model.SerializeToString())
-        so.add_session_config_entry("session.disable_prepacking", "1")
+        if not prepack:
+            so.add_session_config_entry("session.disable_prepacking", "1")
         values = []
         for name, arr in shared.items():
             v = ort.OrtValue.ortvalue_from_numpy(arr)
@@ -91,9 +109,41 @@ def open_session(ort, model: onnx.ModelProto, big: dict[str, Source]):
         shutil.rmtree(workdir, ignore_errors=True)
         raise
     sess._rnnfuse_shared = values
+    sess.rnnfuse_route, sess.rnnfuse_unpacked = "file", not prepack
     # the data file stays until the session goes (onnxruntime maps it); then, or at exit, it is removed
     weakref.finalize(sess, shutil.rmtree, workdir, True)
     return sess
+
+
+def materialize_nested(model: onnx.ModelProto, tensor_array) -> None:
+    """Read into ``model`` every tensor stored as external data outside its main graph's initializers (a
+    subgraph's initializers, a Constant's value): the check model lives elsewhere than the model its nodes
+    were copied from, so their relative locations would name files that are not there. ``tensor_array``
+    (``Model.tensor_array``) reads them from where they are."""
+    from .protos import tensors_beyond_initializers
+
+    for t in tensors_beyond_initializers(model):
+        if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
+            t.CopyFrom(numpy_helper.from_array(np.asarray(tensor_array(t)), t.name))
+
+
+def whole_model_session(ort, proto: onnx.ModelProto, tensor_array, so, prepack: bool = True):
+    """A session of a whole model whose weights may be external data (the input's files, spilled new weights,
+    weights borrowed from the input file), wherever the process runs: its big and external initializers go
+    through :func:`open_session`'s file route, nested external tensors are read in; ``proto`` is not changed."""
+    light = onnx.ModelProto()
+    _copy_fields(proto, light, skip="graph")
+    _copy_fields(proto.graph, light.graph, skip="initializer")
+    big: dict[str, Source] = {}
+    for t in proto.graph.initializer:
+        if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
+            big[t.name] = np.asarray(tensor_array(t))
+        elif is_big(t):
+            big[t.name] = t
+        else:
+            light.graph.initializer.add().CopyFrom(t)
+    materialize_nested(light, tensor_array)
+    return open_session(ort, light, big, prepack=prepack, so=so, file_route=bool(big))
 
 
 def _inline(name: str, src: Source) -> TensorProto:

@@ -71,6 +71,7 @@ def load(path: str, borrow: bool = False) -> tuple[onnx.ModelProto, bool]:
         model = _load_borrowing(path)
         if model is not None:
             check_model_header(model, path)
+            _forget(model)
             _MODEL_DIRS[id(model)] = os.path.dirname(os.path.abspath(path))
             _BORROWED[id(model)] = os.path.abspath(path)
             return model, False
@@ -83,6 +84,7 @@ def load(path: str, borrow: bool = False) -> tuple[onnx.ModelProto, bool]:
     except Exception as e:  # protobuf raises a variety of errors on garbage
         raise InputError(f"{path} is not a valid ONNX model ({_short(e)})") from None
     check_model_header(model, path)
+    _forget(model)
     external = _may_name_external_data(path) and uses_external_data(model)
     if external:
         base = os.path.dirname(os.path.abspath(path))
@@ -105,6 +107,13 @@ def load(path: str, borrow: bool = False) -> tuple[onnx.ModelProto, bool]:
 
 _MODEL_DIRS: dict[int, str] = {}
 _BORROWED: dict[int, str] = {}  # models whose big initializers stay in their own .onnx file -> that file
+
+
+def _forget(model: onnx.ModelProto) -> None:
+    """Drop what an earlier model at the same address left in the tables above (protos take no weak
+    references, so an entry outlives its model; a process that loads many models must not read a stale one)."""
+    _MODEL_DIRS.pop(id(model), None)
+    _BORROWED.pop(id(model), None)
 
 
 def borrowed_from(model: onnx.ModelProto) -> str | None:

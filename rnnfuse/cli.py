@@ -215,9 +215,8 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
     progress = _Progress(not args.quiet)
     progress(f"loading {args.input}")
     # a big single file lends its weights (they stay in the file, memory-mapped when read, and are copied
-    # back inline on save); --prefer-faster hands whole models to onnxruntime, so it loads them whole
-    borrow = not getattr(args, "prefer_faster", None)
-    proto, had_external = model_io.load(args.input, borrow=borrow)
+    # back inline on save)
+    proto, had_external = model_io.load(args.input, borrow=True)
     model = Model(proto, external_dir=model_io.model_dir(proto))
     opts = Options(validate=not args.no_validate, post_padded=args.post_padded, seed=args.seed, log=None,
                    portable=args.portable)
@@ -235,7 +234,7 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
         report.notes.extend(decisions)
     report.input_path = args.input
     # what is written: the rewritten model, or (nothing fused, or a rewrite that would harm) the input as it was
-    keep_rewrite = settle(report, model.proto, lambda: model_io.load(args.input, borrow=borrow)[0])
+    keep_rewrite = settle(report, model.proto, lambda: model_io.load(args.input, borrow=True)[0])
     if not inspect_only:
         progress(f"writing {args.output}")
         if keep_rewrite:

@@ -204,6 +204,18 @@ def test_external_data_always(heavy, tmp_path):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
 
 
+def test_prefer_faster(heavy, tmp_path):
+    """--prefer-faster times the model with its weights still borrowed (either form may win: both are checked)."""
+    path, feeds, ref = heavy
+    out = tmp_path / "fused.onnx"
+    p = _run("optimize", path, out, "--prefer-faster", "1", "--seq-len", "5")
+    assert p.returncode == 0, p.stderr
+    assert _only_files(tmp_path) == ["fused.onnx"]
+    onnx.checker.check_model(str(out), full_check=True)
+    for a, b in zip(ref, _ort(out).run(None, feeds)):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
+
+
 def test_damaged_big_file_gives_the_same_errors(heavy, tmp_path, monkeypatch):
     """Cut anywhere (in a header, inside a borrowed tensor, just before the end) or with a byte changed, a
     file fails or passes exactly as it does when loaded whole."""

@@ -33,6 +33,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .protos import tensor_nbytes
+
 # a tensor at least this big is a "big" tensor: kept out of the check model's proto (below it: copied in)
 BIG_TENSOR_BYTES = 1 << 20
 # check models whose big tensors hold at least this much in all take the file route
@@ -40,17 +42,6 @@ FILE_ROUTE_BYTES = 16 << 20
 _ALIGN = 1 << 16  # onnxruntime memory-maps external data whose offset is a multiple of the allocation granularity
 
 Source = Union[np.ndarray, TensorProto]  # an array (handed to onnxruntime as well), or a tensor held in a proto
-
-
-def tensor_nbytes(t: TensorProto) -> int:
-    """A tensor's data size from its type and dims (0 for strings and unknown types: never treated as big)."""
-    if t.data_type in (TensorProto.STRING, TensorProto.UNDEFINED):
-        return 0
-    try:
-        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-    except (KeyError, TypeError, ValueError):
-        return 0
-    return int(np.prod(t.dims, dtype=np.int64)) * itemsize if len(t.dims) else itemsize
 
 
 def is_big(t: TensorProto) -> bool:

@@ -22,6 +22,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from .errors import InputError, OutputError
+from .protos import external_length
 
 MIN_OPSET = 7  # the native recurrent ops' semantics rnnfuse emits exist since opset 7
 PROTO_LIMIT = 2**31 - 1
@@ -97,7 +98,7 @@ def load(path: str, borrow: bool = False) -> tuple[onnx.ModelProto, bool]:
             loc = os.path.join(base, info.get("location", ""))
             if not os.path.isfile(loc):
                 raise InputError(f"external data of {path} is missing: {info.get('location', '?')}")
-            need = int(info.get("offset", 0)) + int(info.get("length", 0))
+            need = int(info.get("offset", 0)) + external_length(t)
             if os.path.getsize(loc) < need:
                 raise InputError(f"external data file {info.get('location')} of {path} is truncated")
         _inline_attribute_tensors(model, base)
@@ -209,11 +210,13 @@ def _inline_attribute_tensors(model: onnx.ModelProto, base: str) -> None:
     for t in attribute_tensors(model):
         if t.data_location != onnx.TensorProto.EXTERNAL:
             continue
-        info = {e.key: e.value for e in t.external_data}
-        size = int(info["length"]) if "length" in info else os.path.getsize(os.path.join(base, info["location"]))
+        size = external_length(t)
         if size > _ALWAYS_INLINE_BYTES and (size > _INLINE_ATTRIBUTE_BYTES or total + size > _INLINE_ATTRIBUTES_TOTAL):
             continue
         total += size
+        if not any(e.key == "length" for e in t.external_data):  # (onnx would read to the end of the file)
+            e = t.external_data.add()
+            e.key, e.value = "length", str(size)
         load_external_data_for_tensor(t, base)
         t.data_location = onnx.TensorProto.DEFAULT
         del t.external_data[:]
@@ -374,8 +377,7 @@ def _external_source(t: onnx.TensorProto, source_dir: str | None) -> tuple[str, 
         raise ValueError(f"tensor '{t.name}' is stored externally but its file is unknown")
     src = loc if os.path.isabs(loc) else os.path.join(source_dir, loc)
     offset = int(info.get("offset", 0))
-    length = int(info.get("length", 0)) or os.path.getsize(src) - offset
-    return src, offset, length
+    return src, offset, external_length(t)
 
 
 def _copy_range(src: str, offset: int, length: int, out, name: str) -> None:
@@ -489,6 +491,6 @@ def estimated_size(model: onnx.ModelProto) -> int:
     total = 0
     for t in all_tensors(model):
         if t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data"):
-            total += int(next((e.value for e in t.external_data if e.key == "length"), 0) or 0)
+            total += external_length(t)
         total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data) + len(t.double_data))
     return total + 4 * len(model.graph.node) * 64

@@ -143,6 +143,29 @@ def all_names(g: GraphProto, out: set[str]) -> None:
                 all_names(sg, out)
 
 
+def tensor_nbytes(t: TensorProto) -> int:
+    """A tensor's data size from its type and dims (0 for strings and unknown types)."""
+    if t.data_type in (TensorProto.STRING, TensorProto.UNDEFINED):
+        return 0
+    try:
+        itemsize = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        return 0
+    count = 1
+    for d in t.dims:
+        count *= d
+    return count * itemsize
+
+
+def external_length(t: TensorProto) -> int:
+    """The bytes of an externally stored tensor: its ``length`` entry, or (the entry is optional) its dims
+    times its element size; never "to the end of the file", which would take in every tensor stored after it."""
+    for e in t.external_data:
+        if e.key == "length" and e.value:
+            return int(e.value)
+    return tensor_nbytes(t)
+
+
 def set_external(t: TensorProto, location: str, offset: int, length: int) -> None:
     """Point a tensor at ``length`` bytes of ``location`` from ``offset`` (no data in the proto)."""
     t.ClearField("raw_data")

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .check_session import Source, is_big, materialize_nested, open_session, takes_file_route
 from .feeds import index_ranges, input_sizes, random_values, valid_steps
 from .graph import Graph
-from .protos import all_tensors, free_names, rename_free, subgraphs
+from .protos import all_tensors, external_length, free_names, rename_free, subgraphs
 
 ATOL = 1e-5
 RTOL = 1e-4
@@ -210,7 +210,7 @@ def weight_bytes(proto: onnx.ModelProto) -> int:
     total = 0
     for t in all_tensors(proto):
         if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
-            total += int(next((e.value for e in t.external_data if e.key == "length"), 0) or 0)
+            total += external_length(t)
         else:
             total += len(t.raw_data) + 4 * len(t.float_data) + 8 * len(t.int64_data)
     return total

@@ -238,16 +238,33 @@ def splice_plan(buf, markers: dict[bytes, int], sizes: list[int]) -> list:
     (``markers``: marker bytes -> hole number) holds ``sizes[hole]`` bytes instead: slices of ``buf``, new
     tag and length bytes, and ints (the hole numbers, where the caller writes each tensor's bytes). Only
     messages that contain a marker are walked, and every length prefix on the way to one is rewritten."""
-    positions = []
-    for m in markers:
-        p = buf.find(m)
-        if p < 0 or buf.find(m, p + 1) >= 0:
-            raise WireError("a marker is missing or appears twice")
-        positions.append(p)
-    positions.sort()
+    positions = _marker_positions(buf, markers)
     pieces: list = []
     _splice(memoryview(buf), buf, 0, len(buf), positions, markers, sizes, pieces)
     return pieces
+
+
+def _marker_positions(buf, markers: dict[bytes, int]) -> list[int]:
+    """Where each marker is in ``buf``, sorted; one scan for the prefix they share (a search per marker
+    would be quadratic in the number of tensors). Raises WireError when a marker is missing or repeated."""
+    import os
+
+    size = len(next(iter(markers)))
+    if any(len(m) != size for m in markers):
+        raise WireError("markers of different lengths")
+    prefix = os.path.commonprefix(list(markers))
+    found: dict[bytes, int] = {}
+    p = buf.find(prefix)
+    while p >= 0:
+        m = bytes(buf[p : p + size])
+        if m in markers:
+            if m in found:
+                raise WireError("a marker appears twice")
+            found[m] = p
+        p = buf.find(prefix, p + 1)
+    if len(found) != len(markers):
+        raise WireError("a marker is missing")
+    return sorted(found.values())
 
 
 def _splice(view, buf, start: int, end: int, positions: list[int], markers, sizes, pieces: list) -> int:

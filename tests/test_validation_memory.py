@@ -258,3 +258,79 @@ def rnnfuse_optimize(model):
     import rnnfuse
 
     return rnnfuse.optimize(model)
+
+
+def _strip_lengths(path: str) -> None:
+    """Drop the optional ``length`` entry of every external tensor (offsets stay)."""
+    from rnnfuse.protos import all_tensors
+
+    m = onnx.load(path, load_external_data=False)
+    for t in all_tensors(m):
+        kept = [(e.key, e.value) for e in t.external_data if e.key != "length"]
+        del t.external_data[:]
+        for k, v in kept:
+            e = t.external_data.add()
+            e.key, e.value = k, v
+    with open(path, "wb") as f:
+        f.write(m.SerializeToString())
+
+
+def _two_matmuls():
+    """y = (x . A) . B with A (an initializer) and B (a Constant's value) of 64 KiB: nothing to fuse; both stay
+    in the output as they were."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((128, 128)).astype(np.float32) for _ in range(2))
+    g = helper.make_graph(
+        [helper.make_node("Constant", [], ["B"], value=numpy_helper.from_array(b, "B")),
+         helper.make_node("MatMul", ["x", "A"], ["xa"]), helper.make_node("MatMul", ["xa", "B"], ["y"])], "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 128])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 128])],
+        [numpy_helper.from_array(a, "A")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m, lambda rng: {"x": rng.standard_normal((3, 128)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("external", ["auto", "never"])
+@pytest.mark.parametrize("kind", ["fused", "nothing-to-fuse"])
+def test_external_data_without_lengths(kind, external, tmp_path):
+    """``length`` is optional in external data: a tensor then takes its dims times its element size, not the
+    rest of the file (every tensor but the last took in all those after it: the output did not load)."""
+    import onnxruntime as ort
+
+    from builders import build
+
+    if kind == "fused":
+        model, feeds_fn = build(Opts(op="LSTM", front="scan", F=64, H=128, mask="where"))
+        feeds = feeds_fn(np.random.default_rng(1), 3, 5, "gappy")
+    else:
+        model, feeds_fn = _two_matmuls()
+        feeds = feeds_fn(np.random.default_rng(1))
+    src = str(tmp_path / "m.onnx")
+    onnx.save(model, src, save_as_external_data=True, location="m.bin", size_threshold=1024, convert_attribute=True)
+    _strip_lengths(src)
+    out = str(tmp_path / "o.onnx")
+    r = _cli("optimize", src, out, "--external-data", external)
+    assert r.returncode == 0, r.stderr
+    want = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = ort.InferenceSession(out, providers=["CPUExecutionProvider"]).run(None, feeds)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_truncated_external_data_without_lengths(tmp_path):
+    """A data file too short for the tensors' dims is bad input (exit 3, one line), not an internal error."""
+    import os
+
+    from builders import build
+
+    model, _ = build(Opts(op="LSTM", front="scan", F=64, H=128))
+    src = str(tmp_path / "m.onnx")
+    onnx.save(model, src, save_as_external_data=True, location="m.bin", size_threshold=1024)
+    _strip_lengths(src)
+    data = str(tmp_path / "m.bin")
+    os.truncate(data, os.path.getsize(data) - 100)
+    r = _cli("optimize", src, str(tmp_path / "o.onnx"))
+    assert r.returncode == 3, (r.returncode, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and "truncated" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "o.onnx")

@@ -13,7 +13,9 @@ import json
 
 import onnx
 import os
+import signal
 import sys
+import threading
 
 from . import __version__, progress
 from .errors import ExitCode, RnnfuseError, StrictError, UsageError
@@ -289,6 +291,10 @@ def cmd_bench(args) -> int:
     return run_bench_cli(args)
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     try:
@@ -303,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     # ends, and each full collection of the cyclic GC would scan them all again (~0.2 s of the 108k chain's
     # run, 8-11% of the passes' CPU); the passes make little cyclic garbage, so full collections are kept rare
     gc.set_threshold(700, 10, 1000)
+    # a terminated run (a CI job's timeout, a service stopping) exits through the interpreter's clean-up, which
+    # removes the temporary files it wrote (validation's check models, spilled weights: up to the model's size)
+    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
     try:
         with progress.progress_bar(enabled=not getattr(args, "quiet", False)):
             if args.command == "optimize":
@@ -340,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if handler is not None:  # main() may be called again in the same process (tests, scripts)
             progress.logger.removeHandler(handler)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -393,6 +393,9 @@ def _copy_range(src: str, offset: int, length: int, out, name: str) -> None:
                 except OSError:  # (another file system, an old kernel: plain reads)
                     kernel = False
                     continue
+                if n == 0:  # (some file systems copy nothing rather than fail: plain reads tell)
+                    kernel = False
+                    continue
             else:
                 f.seek(pos)
                 chunk = f.read(min(left, 16 << 20))

@@ -334,3 +334,32 @@ def test_truncated_external_data_without_lengths(tmp_path):
     assert r.returncode == 3, (r.returncode, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1 and "truncated" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "o.onnx")
+
+
+def test_terminated_run_leaves_no_temporary_files(tmp_path):
+    """SIGTERM while validation's check model (or a spilled weight) sits in the temporary directory: the run
+    stops with 143, removes them, and writes no output."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from builders import build
+
+    model, _ = build(Opts(op="LSTM", H=1536, F=1536))
+    src, dst, tmp = str(tmp_path / "m.onnx"), str(tmp_path / "o.onnx"), tmp_path / "tmp"
+    onnx.save(model, src)
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONWARNINGS="ignore")
+    p = subprocess.Popen([sys.executable, "-m", "rnnfuse", "optimize", src, dst, "-q"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(n.startswith("rnnfuse-") for n in os.listdir(tmp)) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert p.poll() is None, "the run ended before it wrote a temporary file"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err)
+    assert os.listdir(tmp) == [], os.listdir(tmp)
+    assert not os.path.exists(dst)

@@ -208,7 +208,7 @@ def _write_array(f, arr: np.ndarray) -> None:
     flat = arr.reshape(-1)
     step = max(1, (32 << 20) // max(1, arr.itemsize))
     for i in range(0, flat.size, step):
-        f.write(memoryview(np.ascontiguousarray(flat[i : i + step])).cast("B"))
+        f.write(memoryview(np.ascontiguousarray(flat[i : i + step]).view(np.uint8)))  # (any element type)
 
 
 # -- a model's structure without its weights ---------------------------------------------------------------

@@ -363,3 +363,18 @@ def test_terminated_run_leaves_no_temporary_files(tmp_path):
     assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err)
     assert os.listdir(tmp) == [], os.listdir(tmp)
     assert not os.path.exists(dst)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bool", "int64", "float32", "bfloat16"])
+def test_check_model_data_file_holds_any_element_type(dtype):
+    """The data file gets every element type's bytes as they are (bfloat16 has no buffer format of its own)."""
+    import io
+
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        a = np.arange(12).astype(ml_dtypes.bfloat16).reshape(3, 4)
+    else:
+        a = (np.arange(12) % 3).astype(dtype).reshape(3, 4)
+    f = io.BytesIO()
+    check_session._write_array(f, a)
+    assert f.getvalue() == a.tobytes()

@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--in-place", action="store_true", help="allow OUTPUT to be the INPUT file")
     o.add_argument("--external-data", choices=["auto", "always", "never"], default="auto",
                    help="write tensors to OUTPUT.data beside the model: 'auto' when the input had external "
-                        "data or the model exceeds 2 GB (default)")
+                        "data or the model exceeds 2 GB (default); 'never' writes one file, external tensors "
+                        "copied in (refused over 2 GB)")
     o.add_argument("--prefer-faster", metavar="BATCHES", type=_batch_list,
                    help="time each fused recurrence against the original form in onnxruntime at these batch sizes "
                         "(e.g. 16 or 1,16; --seq-len, --threads apply) and keep whichever is faster: onnxruntime's "

@@ -16,12 +16,17 @@ from .check_session import is_big_array, materialize_nested, open_session
 from .emit import native_attrs
 from .feeds import random_values
 from .graph import Graph
-from .validate import MAX_VALIDATION_BYTES, PairResult, ValidationResult, compare, failed_run, ort_module
+from .validate import (MAX_VALIDATION_BYTES, PairResult, ValidationResult, checked_as_deployed, compare, failed_run,
+                       ort_module)
 
 
-def validate_cells(g: Graph, rec, seed: int = 0, prepack: bool = False) -> ValidationResult:
-    """Compare each step in ``rec.cell_checks`` with a one-step native op on random inputs. A failure seen
-    without pre-packing (big weights, see rnnfuse.check_session) is checked again with it before it stands."""
+def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
+    """Compare each step in ``rec.cell_checks`` with a one-step native op on random inputs (a failure seen
+    without pre-packing is checked again with it: see validate.checked_as_deployed)."""
+    return checked_as_deployed(lambda prepack: _validate_cells_once(g, rec, seed, prepack))
+
+
+def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationResult:
     ort = ort_module()
     cell = rec.cell
     res = ValidationResult(True)
@@ -60,8 +65,6 @@ def validate_cells(g: Graph, rec, seed: int = 0, prepack: bool = False) -> Valid
             res.runs += 1
             for p in pairs:
                 compare(res.pairs[p], vals[p[0]], vals[p[1]], f"step check {ci}, batch {batch}")
-    if res.unpacked and not prepack and not all(r.ok for r in res.pairs.values()):
-        return validate_cells(g, rec, seed, prepack=True)
     return res
 
 

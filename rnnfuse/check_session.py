@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .model import release_mapped_pages
 from .protos import tensor_nbytes
 
 # a tensor at least this big is a "big" tensor: kept out of the check model's proto (below it: copied in)
@@ -106,6 +107,22 @@ def open_session(ort, model: onnx.ModelProto, big: dict[str, Source], prepack: b
     return sess
 
 
+def initializer_sources(initializers, tensor_array) -> tuple[list[TensorProto], dict[str, Source]]:
+    """Split initializers for :func:`open_session`: ``(kept, big)``, the small ones a check model holds as they
+    are, and the big or externally stored ones with where their values are (a memory-mapped array for
+    external data, read with ``tensor_array``; else the tensor itself)."""
+    kept: list[TensorProto] = []
+    big: dict[str, Source] = {}
+    for t in initializers:
+        if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
+            big[t.name] = np.asarray(tensor_array(t))
+        elif is_big(t):
+            big[t.name] = t
+        else:
+            kept.append(t)
+    return kept, big
+
+
 def materialize_nested(model: onnx.ModelProto, tensor_array) -> None:
     """Read into ``model`` every tensor stored as external data outside its main graph's initializers (a
     subgraph's initializers, a Constant's value): the check model lives elsewhere than the model its nodes
@@ -125,14 +142,8 @@ def whole_model_session(ort, proto: onnx.ModelProto, tensor_array, so, prepack: 
     light = onnx.ModelProto()
     _copy_fields(proto, light, skip="graph")
     _copy_fields(proto.graph, light.graph, skip="initializer")
-    big: dict[str, Source] = {}
-    for t in proto.graph.initializer:
-        if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
-            big[t.name] = np.asarray(tensor_array(t))
-        elif is_big(t):
-            big[t.name] = t
-        else:
-            light.graph.initializer.add().CopyFrom(t)
+    kept, big = initializer_sources(proto.graph.initializer, tensor_array)
+    light.graph.initializer.extend(kept)
     materialize_nested(light, tensor_array)
     return open_session(ort, light, big, prepack=prepack, so=so, file_route=bool(big))
 
@@ -165,7 +176,9 @@ def _write_weights(model: onnx.ModelProto, big: dict[str, Source], path: str, lo
                 t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
                 t.dims.extend(arr.shape)
                 _write_array(f, arr)
-                _drop_pages(arr)
+                # (writing it read every page: they come back as onnxruntime computes with them, one weight at
+                # a time, instead of every weight of the check model staying resident at once)
+                release_mapped_pages(arr)
                 shared[name] = arr
                 length = arr.nbytes
             else:
@@ -183,24 +196,6 @@ def _write_weights(model: onnx.ModelProto, big: dict[str, Source], path: str, lo
             set_external(t, location, pos, length)
             model.graph.initializer.append(t)
     return shared
-
-
-def _drop_pages(arr: np.ndarray) -> None:
-    """Let the kernel drop the resident pages of a memory-mapped array (writing it out read them all): they
-    come back from the page cache as onnxruntime computes with them, one weight at a time, instead of every
-    weight of the check model staying in our resident set at once."""
-    import mmap
-
-    a = arr
-    while a is not None:
-        mm = getattr(a, "_mmap", None)
-        if mm is not None:
-            try:
-                mm.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError, AttributeError):  # (closed, or a platform without madvise)
-                pass
-            return
-        a = getattr(a, "base", None)
 
 
 def _write_array(f, arr: np.ndarray) -> None:

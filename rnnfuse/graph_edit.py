@@ -249,8 +249,7 @@ class Graph(GraphIndex):
         if unused or len(self.initializers) != len(self.proto.initializer):
             _drop_initializers(self.proto.initializer, set(unused))
         self.initializers = {t.name: t for t in self.proto.initializer} if unused else self.initializers
-        self._release_large_arrays()  # (the round is over: its cached weights go, see LARGE_ARRAY)
-        self.model.release_pages()  # (and the resident pages of memory-mapped ones: saving reads them again)
+        self.release_large_arrays()  # (the round is over: its cached weights go, see LARGE_ARRAY, and their pages)
         if len(self.proto.value_info):
             defined = self.producer.keys() | self.initializers.keys() | self._inputs
             vis = [v for v in self.proto.value_info if v.name in defined]

@@ -347,11 +347,13 @@ class GraphIndex:
 
     def release_large_arrays(self) -> None:
         """Forget the cached values of ``LARGE_ARRAY`` bytes or more, in every scope of this graph's model
-        view (:meth:`const` reads them again from their tensors when asked)."""
+        view (:meth:`const` reads them again from their tensors when asked), and let the kernel drop the
+        resident pages of memory-mapped weights (read again from the page cache when needed)."""
         g = self
         while g.parent is not None:
             g = g.parent
         g._release_large_arrays()
+        self.model.release_pages()
 
     def _release_large_arrays(self) -> None:
         arrays = self._arrays

@@ -26,12 +26,6 @@ from .findings import Report
 MAX_CHECK_BYTES = 1 << 30
 
 
-def _weight_bytes(proto: onnx.ModelProto) -> int:
-    from .validate import weight_bytes
-
-    return weight_bytes(proto)
-
-
 def checker_error(proto: onnx.ModelProto | bytes | str) -> str | None:
     """The first line of ``onnx.checker``'s complaint (full check), or None when it accepts the model
     (given as a proto, serialised, or the path of a file)."""
@@ -97,6 +91,7 @@ def _checkable(model: onnx.ModelProto):
     weight values, and a serialised copy would hold every weight again); None when it cannot be checked (a
     tensor inside a node or subgraph stored as external data; a model too big to serialise)."""
     from .check_session import weight_heavy, write_skeleton
+    from .protos import data_bytes
 
     if _external_beyond_initializers(model):
         yield None
@@ -108,7 +103,7 @@ def _checkable(model: onnx.ModelProto):
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         return
-    if _weight_bytes(model) > MAX_CHECK_BYTES:
+    if data_bytes(model) > MAX_CHECK_BYTES:
         yield None
         return
     try:

@@ -67,15 +67,8 @@ class Model:
     def release_pages(self) -> None:
         """Let the kernel drop the pages of memory-mapped external data we have read (they stay cached on
         disk); keeps the resident set small while huge weights are copied."""
-        import mmap
-
         for mm in self._maps:
-            m = getattr(mm, "_mmap", None)
-            if m is not None and hasattr(m, "madvise"):
-                try:
-                    m.madvise(mmap.MADV_DONTNEED)
-                except (OSError, ValueError):
-                    pass
+            release_mapped_pages(mm)
 
     def tensor_array(self, t: TensorProto) -> np.ndarray:
         """A tensor's values; external data is memory-mapped from its file, not loaded."""
@@ -137,3 +130,20 @@ class Model:
             self._declared = declared_types(self.proto)
         if t is not None and self._declared.get(name) is None:
             self._declared[name] = t
+
+
+def release_mapped_pages(arr: np.ndarray) -> None:
+    """Let the kernel drop the resident pages of the file mapping under a memory-mapped array (or a view of
+    one); they come back from the page cache when read again. Anything else is left alone."""
+    import mmap
+
+    a = arr
+    while a is not None:
+        m = getattr(a, "_mmap", None)
+        if m is not None:
+            try:
+                m.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError, AttributeError):  # (closed, or a platform without madvise)
+                pass
+            return
+        a = getattr(a, "base", None)

@@ -22,7 +22,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from .errors import InputError, OutputError
-from .protos import external_length
+from .protos import data_bytes, external_length, tensor_nbytes
 
 MIN_OPSET = 7  # the native recurrent ops' semantics rnnfuse emits exist since opset 7
 PROTO_LIMIT = 2**31 - 1
@@ -158,14 +158,7 @@ def _load_borrowing(path: str) -> onnx.ModelProto | None:
         if b.index >= len(inits):
             return None
         t = inits[b.index]
-        try:
-            itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-        except Exception:
-            return None
-        count = 1
-        for d in t.dims:
-            count *= d
-        if t.data_type == onnx.TensorProto.STRING or count * itemsize != b.length or any(d < 0 for d in t.dims):
+        if any(d < 0 for d in t.dims) or tensor_nbytes(t) != b.length:  # (0 for strings and unknown types)
             return None
     return model
 
@@ -489,11 +482,4 @@ def _write_external(model: onnx.ModelProto, data_path: str, location: str, sourc
 
 def estimated_size(model: onnx.ModelProto) -> int:
     """Serialized size, estimated without serializing (ByteSize fails beyond 2 GB)."""
-    from .protos import all_tensors
-
-    total = 0
-    for t in all_tensors(model):
-        if t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data"):
-            total += external_length(t)
-        total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data) + len(t.double_data))
-    return total + 4 * len(model.graph.node) * 64
+    return data_bytes(model) + 4 * len(model.graph.node) * 64

@@ -166,6 +166,18 @@ def external_length(t: TensorProto) -> int:
     return tensor_nbytes(t)
 
 
+def data_bytes(model: ModelProto) -> int:
+    """The bytes of tensor data a model holds or names: every tensor of :func:`all_tensors`, stored inline
+    (raw or typed values) or as external data."""
+    total = 0
+    for t in all_tensors(model):
+        if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
+            total += external_length(t)
+        else:
+            total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data) + len(t.double_data))
+    return total
+
+
 def set_external(t: TensorProto, location: str, offset: int, length: int) -> None:
     """Point a tensor at ``length`` bytes of ``location`` from ``offset`` (no data in the proto)."""
     t.ClearField("raw_data")

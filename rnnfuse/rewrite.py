@@ -158,7 +158,6 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
     whole = [r for r in rewrites if not (big and r.cell_rec is not None)]
     results: dict[int, object] = {}
     g.release_large_arrays()  # (the weights read while finding these are not needed to validate or commit them)
-    g.model.release_pages()  # (nor the pages of memory-mapped weights they were read from)
     if ctx.validate:
         for r in by_cell:
             vr = validate_cells(g, r.cell_rec, seed=ctx.seed)

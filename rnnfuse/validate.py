@@ -10,16 +10,17 @@ elementwise to a tight tolerance, on the full outputs (padded steps included).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .check_session import Source, is_big, materialize_nested, open_session, takes_file_route
+from .check_session import Source, initializer_sources, materialize_nested, open_session, takes_file_route
 from .feeds import index_ranges, input_sizes, random_values, valid_steps
 from .graph import Graph
-from .protos import all_tensors, external_length, free_names, rename_free, subgraphs
+from .protos import data_bytes, free_names, rename_free, subgraphs
 
 ATOL = 1e-5
 RTOL = 1e-4
@@ -102,15 +103,8 @@ def build_check_model(
     graph.name = "rnnfuse_check"
     graph.node.extend(extra_nodes + keep)
     # masks must be computed before the overrides read their shape: sort again
-    big: dict[str, Source] = {}
-    for t in g.proto.initializer:
-        if t.name not in used:
-            continue
-        if is_big(t):
-            big[t.name] = _values(g, t)
-        else:
-            graph.initializer.append(_materialized(g, t))
-    graph.initializer.extend(inits)
+    kept, big = initializer_sources([t for t in g.proto.initializer if t.name in used], g.model.tensor_array)
+    graph.initializer.extend(kept + inits)
     for vi in g.proto.input:
         if vi.name in used and vi.name not in g.initializers:
             graph.input.append(vi)
@@ -187,33 +181,8 @@ def _mask_overrides(keep: list[onnx.NodeProto], masks: list[str]):
     return pattern_inputs, extra_nodes, inits
 
 
-def _values(g: Graph, t: onnx.TensorProto) -> Source:
-    """Where a big initializer's values are: its memory-mapped external data (an array), or its proto."""
-    if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
-        return np.asarray(g.model.tensor_array(t))
-    return t
-
-
-def _materialized(g: Graph, t: onnx.TensorProto) -> onnx.TensorProto:
-    """A tensor with its data inline (external data is read for the validation model)."""
-    if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
-        return numpy_helper.from_array(np.asarray(g.model.tensor_array(t)), t.name)
-    return t
-
-
 # models whose weights exceed this are not copied into a validation model (it would double their memory)
 MAX_VALIDATION_BYTES = 1 << 30
-
-
-def weight_bytes(proto: onnx.ModelProto) -> int:
-
-    total = 0
-    for t in all_tensors(proto):
-        if t.data_location == TensorProto.EXTERNAL and not t.HasField("raw_data"):
-            total += external_length(t)
-        else:
-            total += len(t.raw_data) + 4 * len(t.float_data) + 8 * len(t.int64_data)
-    return total
 
 
 def _sort_in_place(graph: onnx.GraphProto) -> None:
@@ -263,18 +232,23 @@ def validate(
         return ValidationResult(True)
     ort = ort_module()
     proto = g.model.proto
-    size = weight_bytes(proto)
+    size = data_bytes(proto)
     if size > MAX_VALIDATION_BYTES:
         return ValidationResult(
             False,
             f"the model holds {size / 2**30:.1f} GB of weights; running it again in onnxruntime would exceed "
             "rnnfuse's memory bound (the rewrite is proven from the cell's maths)",
         )
-    res = _validate_once(ort, g, pairs, masks, seed, prepack=False)
+    return checked_as_deployed(lambda prepack: _validate_once(ort, g, pairs, masks, seed, prepack))
+
+
+def checked_as_deployed(run: Callable[[bool], ValidationResult]) -> ValidationResult:
+    """``run(prepack=False)``, and when onnxruntime ran it without pre-packing (the file route turns it off for
+    memory, see rnnfuse.check_session) and a pair failed, ``run(prepack=True)``: pre-packed matrix products
+    add in another order, and a failure stands only if the computation onnxruntime runs by default agrees."""
+    res = run(False)
     if res.ran and res.unpacked and not all(r.ok for r in res.pairs.values()):
-        # pre-packed matrix products round differently: a verdict reached without pre-packing (the file route,
-        # for its memory) stands only if the computation onnxruntime runs by default agrees
-        res = _validate_once(ort, g, pairs, masks, seed, prepack=True)
+        res = run(True)
     return res
 
 

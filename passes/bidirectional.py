@@ -168,6 +168,7 @@ class MergeBidirectional:
     """Pair forward and reverse native ops over the same input and sequence lengths."""
 
     name = "bidirectional"
+    fuses_only_with = frozenset(NATIVE_OPS)  # native ops: what it merges or turns around
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         g = model.graph
@@ -209,6 +210,7 @@ class ReverseInputs:
     ``sequence_lens`` (a per-row length would reverse within the row, not the whole axis)."""
 
     name = "reverse-input"
+    fuses_only_with = frozenset(NATIVE_OPS)  # native ops: what it merges or turns around
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         from rnnfuse.time_flips import time_flip_source

@@ -36,6 +36,7 @@ class Dedupe:
     node's readers; they are looked at again in the same run (a duplicate's readers may now be equal)."""
 
     name = "dedupe"
+    fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)
 
     def __init__(self):
         self.visited = 0  # nodes looked at by the last run (tests check the work is linear in the edits)
@@ -246,6 +247,7 @@ class DropNoOps:
     float->float Casts around every step; they hide shared inputs and time flips from the other passes)."""
 
     name = "drop-no-ops"
+    fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         g = model.graph
@@ -285,6 +287,7 @@ class InlineConstantIfs:
     rank known the branch is fixed, and the plain nodes it holds are what the fusion passes can read."""
 
     name = "inline-ifs"
+    fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         g = model.graph
@@ -340,6 +343,7 @@ class SkipRoundTrips:
     halves of a Bidirectional layer)."""
 
     name = "skip-round-trips"
+    fuses_only_with = frozenset()  # it shortens what this run's rewrites built: nothing of its own
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         from rnnfuse.rewrite import Rewrite, apply_rewrites

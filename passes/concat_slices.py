@@ -91,6 +91,7 @@ def _merged(g: Graph, cat: NodeProto) -> tuple | None:
 
 class MergeConsecutiveSlices:
     name = "merge-slices"
+    fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         g = model.graph

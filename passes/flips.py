@@ -86,6 +86,7 @@ def _compose(p1: list[int], p2: list[int]) -> list[int]:
 
 class CancelFlips:
     name = "cancel-flips"
+    fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         g = model.graph

@@ -412,6 +412,7 @@ class FuseLoops:
     """Rewrite recurrent ``Loop`` nodes of the main graph into native LSTM/GRU/RNN ops."""
 
     name = "loop"
+    fuses_only_with = frozenset({"Loop"})
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         return fuse_nodes(model, ctx, self.name, "Loop", "Loop", loop_recurrence)

@@ -190,6 +190,7 @@ class FuseScans:
     """Rewrite recurrent ``Scan`` nodes of the main graph into native LSTM/GRU/RNN ops."""
 
     name = "scan"
+    fuses_only_with = frozenset({"Scan"})
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         return fuse_nodes(model, ctx, self.name, "Scan", "Scan", scan_recurrence)

@@ -315,6 +315,7 @@ class MergeStepChains:
     """Chains of native ops over consecutive stretches of one sequence become one op."""
 
     name = "step-chains"
+    fuses_only_with = frozenset(KINDS)  # the native ops it merges
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         g = model.graph

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
 from . import __version__, progress
 from .errors import ExitCode, RnnfuseError, StrictError, UsageError
@@ -205,17 +206,23 @@ def _write_json(path: str, data: dict) -> None:
         raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def cmd_optimize(args, inspect_only: bool = False) -> int:
+@dataclass
+class _Run:
+    """What a run of the passes leaves for the output to be written from."""
+
+    report: object  # rnnfuse.Report
+    model: object = None  # the rewritten rnnfuse.graph.Model, when keep_rewrite
+    source_dir: str | None = None  # where the input's external tensors are
+    had_external: bool = False  # the input kept its tensors in a data file
+    keep_rewrite: bool = False  # write the rewritten model (else the input as it was)
+
+
+def _run_passes(args, pipe, progress) -> _Run:
     from . import model_io
     from .graph import Model
     from .guard import settle
-    from .pipeline import Options, Pipeline
+    from .pipeline import Options
 
-    if not inspect_only:
-        model_io.check_writable(args.output, args.input, args.in_place, force=args.force)
-    if args.json and args.json != "-":
-        model_io.check_writable(args.json)
-    progress = _Progress(not args.quiet)
     progress(f"loading {args.input}")
     # a big single file lends its weights (they stay in the file, memory-mapped when read, and are copied
     # back inline on save)
@@ -223,7 +230,6 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
     model = Model(proto, external_dir=model_io.model_dir(proto))
     opts = Options(validate=not args.no_validate, post_padded=args.post_padded, seed=args.seed, log=None,
                    portable=args.portable)
-    pipe = Pipeline.default()  # each pass reports itself (rnnfuse.progress): log lines and the terminal bar
     source = None
     if getattr(args, "prefer_faster", None):
         source = onnx.ModelProto()
@@ -235,29 +241,55 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
         progress("timing native vs original forms")
         model, report, decisions = prefer_faster(source, model, report, opts, args, progress)
         report.notes.extend(decisions)
-    report.input_path = args.input
     # what is written: the rewritten model, or (nothing fused, or a rewrite that would harm) the input as it was
-    keep_rewrite = settle(report, model.proto, lambda: model_io.load(args.input, borrow=True)[0])
+    keep = settle(report, model.proto, lambda: model_io.load(args.input, borrow=True)[0])
+    return _Run(report, model, model_io.model_dir(proto), had_external, keep)
+
+
+def _write_output(args, run: _Run, progress) -> None:
+    from . import model_io
+
+    report = run.report
+    progress(f"writing {args.output}")
+    if run.keep_rewrite:
+        ext = {"auto": None, "always": True, "never": False}[args.external_data]
+        if ext is None and run.had_external:
+            ext = True
+        written = model_io.save(run.model.proto, args.output, external=ext, source_dir=run.source_dir)
+        if len(written) > 1:
+            report.notes.append(f"tensors written to {written[1]}")
+    elif run.had_external:
+        # the input's tensors live in its own data file: write the unchanged model with its tensors
+        # streamed to OUTPUT.data, so the output stands on its own wherever it is
+        original, _ = model_io.load(args.input)
+        written = model_io.save(original, args.output, external=True, source_dir=model_io.model_dir(original))
+        report.notes.append(f"nothing changed: the model is written as it was, tensors in {written[1]}")
+    else:
+        model_io.copy_unchanged(args.input, args.output)
+        if not report.unsupported:
+            report.notes.append("nothing changed: the output is a byte-for-byte copy of the input")
+    report.output_path = args.output
+
+
+def cmd_optimize(args, inspect_only: bool = False) -> int:
+    from . import model_io
+    from .pipeline import Pipeline
+    from .prescreen import report_if_nothing_to_fuse
+
     if not inspect_only:
-        progress(f"writing {args.output}")
-        if keep_rewrite:
-            ext = {"auto": None, "always": True, "never": False}[args.external_data]
-            if ext is None and had_external:
-                ext = True
-            written = model_io.save(model.proto, args.output, external=ext, source_dir=model_io.model_dir(proto))
-            if len(written) > 1:
-                report.notes.append(f"tensors written to {written[1]}")
-        elif had_external:
-            # the input's tensors live in its own data file: write the unchanged model with its tensors
-            # streamed to OUTPUT.data, so the output stands on its own wherever it is
-            original, _ = model_io.load(args.input)
-            written = model_io.save(original, args.output, external=True, source_dir=model_io.model_dir(original))
-            report.notes.append(f"nothing changed: the model is written as it was, tensors in {written[1]}")
-        else:
-            model_io.copy_unchanged(args.input, args.output)
-            if not report.unsupported:
-                report.notes.append("nothing changed: the output is a byte-for-byte copy of the input")
-        report.output_path = args.output
+        model_io.check_writable(args.output, args.input, args.in_place, force=args.force)
+    if args.json and args.json != "-":
+        model_io.check_writable(args.json)
+    progress = _Progress(not args.quiet)
+    pipe = Pipeline.default()  # each pass reports itself (rnnfuse.progress): log lines and the terminal bar
+    progress(f"reading {args.input}")
+    # a model without any op a pass needs comes out as it went in: its bytes say so, no need to load it
+    quick = report_if_nothing_to_fuse(args.input, pipe.fusion_needs())
+    run = _Run(quick) if quick is not None else _run_passes(args, pipe, progress)
+    report = run.report
+    report.input_path = args.input
+    if not inspect_only:
+        _write_output(args, run, progress)
     progress.done()
     if not args.quiet:
         out = _text_stream(args)

@@ -80,6 +80,11 @@ class Options:
 
 
 class Pass(Protocol):
+    """A pass may also say ``fuses_only_with``: the op types (any domain, any depth of subgraph) without which
+    it reports nothing fused or merged. A model none of whose passes can fuse anything is copied as it is,
+    from its file's bytes, without being loaded (:mod:`rnnfuse.prescreen`); a pass that does not say is taken
+    to be able to fuse anything. Clean-ups that only tidy around other passes' rewrites say ``frozenset()``."""
+
     name: str
 
     def run(self, model: Model, ctx: Options) -> PassResult: ...

@@ -86,7 +86,7 @@ def load(path: str, borrow: bool = False) -> tuple[onnx.ModelProto, bool]:
         raise InputError(f"{path} is not a valid ONNX model ({_short(e)})") from None
     check_model_header(model, path)
     _forget(model)
-    external = _may_name_external_data(path) and uses_external_data(model)
+    external = may_name_external_data(path) and uses_external_data(model)
     if external:
         base = os.path.dirname(os.path.abspath(path))
         from .protos import all_tensors
@@ -215,7 +215,7 @@ def _inline_attribute_tensors(model: onnx.ModelProto, base: str) -> None:
         del t.external_data[:]
 
 
-def _may_name_external_data(path: str) -> bool:
+def may_name_external_data(path: str) -> bool:
     """False when the file's bytes never spell ``location``, the key every external tensor must give (in
     any of onnx's formats): a memory scan instead of a walk over every tensor of a 100k-node model."""
     import mmap

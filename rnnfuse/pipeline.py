@@ -81,6 +81,17 @@ class Pipeline:
     def names(self) -> list[str]:
         return [getattr(p, "name", None) or getattr(p, "__name__", type(p).__name__) for p in self.passes]
 
+    def fusion_needs(self) -> frozenset[str] | None:
+        """The op types without which no pass of this pipeline fuses anything (see :class:`Pass`), or None
+        when a pass does not say (then any model may hold something to fuse)."""
+        needs: set[str] = set()
+        for p in self.passes:
+            only = getattr(p, "fuses_only_with", None)
+            if only is None:
+                return None
+            needs |= only
+        return frozenset(needs)
+
     def run(self, model: Model, options: Options | None = None) -> Report:
         """Run the passes over ``model`` in place, round after round, until a round changes nothing.
 

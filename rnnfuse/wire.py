@@ -15,7 +15,9 @@ then fall back to protobuf's own parser or serializer, which give their usual er
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
 
@@ -31,6 +33,15 @@ TENSOR_DATA_LOCATION = 14
 # holding one of them beside raw_data is left to protobuf
 TENSOR_TYPED_DATA = frozenset({4, 5, 6, 7, 10, 11})
 ENTRY_KEY, ENTRY_VALUE = 1, 2
+MODEL_IR_VERSION = 1
+MODEL_OPSET_IMPORT = 8
+OPSET_DOMAIN, OPSET_VERSION = 1, 2
+GRAPH_NODE = 1
+NODE_OP_TYPE = 4
+NODE_ATTRIBUTE = 5
+NODE_DOMAIN = 7
+ATTRIBUTE_GRAPH = 6
+ATTRIBUTE_GRAPHS = 11
 EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
 
 
@@ -98,6 +109,118 @@ def fields(buf, start: int, end: int):
         yield number, wt, field_start, value_start, pos
 
 
+# -- reading: what a model holds, without parsing it ----------------------------------------------------------
+
+
+class OpsetId(NamedTuple):
+    domain: str
+    version: int
+
+
+@dataclass
+class Outline:
+    """What a model file says about itself: enough to decide that no pass has anything to do in it."""
+
+    ir_version: int
+    opset_import: list[OpsetId]
+    ops: Counter  # op type -> nodes of that type, subgraphs' included, in order of first appearance
+
+
+# the ops whose attributes may hold subgraphs (as rnnfuse.protos.subgraphs reads them), and any op of
+# another domain
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+_NODE_KEY = (GRAPH_NODE << 3) | LEN
+_OP_TYPE_KEY = (NODE_OP_TYPE << 3) | LEN
+_DOMAIN_KEY = (NODE_DOMAIN << 3) | LEN
+_ATTRIBUTE_KEY = (NODE_ATTRIBUTE << 3) | LEN
+_SUBGRAPH_KEYS = frozenset({(ATTRIBUTE_GRAPH << 3) | LEN, (ATTRIBUTE_GRAPHS << 3) | LEN})
+
+
+def outline(buf, stop_at: frozenset = frozenset()) -> Outline | None:
+    """The IR version, opset imports and op-type counts (every depth) of the model serialized in ``buf``,
+    read field by field without parsing: a node costs one short step per field, and tensor bytes are stepped
+    over unread (a memory-mapped file is not paged in). None as soon as a node's op type is in ``stop_at``
+    (the caller needs the model itself then). Raises :class:`WireError` on anything unexpected, and when the
+    bytes hold no graph or no IR version (what protobuf and onnx would refuse is left to them)."""
+    end = len(buf)
+    ir_version = 0
+    opsets: list[OpsetId] = []
+    graph = None
+    for number, wt, fs, vs, ve in fields(buf, 0, end):
+        if number == MODEL_IR_VERSION and wt == VARINT:
+            ir_version = read_varint(buf, vs, ve)[0]
+        elif number == MODEL_OPSET_IMPORT and wt == LEN:
+            opsets.append(_opset_id(buf, vs, ve))
+        elif number == MODEL_GRAPH:
+            if wt != LEN or graph is not None:
+                raise WireError("the model's graph field is not one message")
+            graph = (vs, ve)
+        elif number in (MODEL_IR_VERSION, MODEL_OPSET_IMPORT):
+            raise WireError("an IR version or opset import of another wire type")
+    if graph is None or ir_version <= 0:
+        raise WireError("no graph or no IR version")
+    ops: Counter = Counter()
+    stack = [graph]
+    while stack:
+        nested: list = []
+        for key, _, vs, ve in fast_fields(buf, *stack.pop()):
+            if key != _NODE_KEY:
+                continue
+            op, domain, attributes = _node(buf, vs, ve)
+            if op in stop_at:
+                return None
+            ops[op] += 1
+            if attributes and (op in _CONTROL_FLOW or domain not in ("", "ai.onnx")):
+                for a_vs, a_ve in attributes:
+                    nested += [(s, e) for k, _, s, e in fast_fields(buf, a_vs, a_ve) if k in _SUBGRAPH_KEYS]
+        stack += nested  # (a graph's subgraphs after the graph, as rnnfuse.findings.op_counts counts them)
+    return Outline(ir_version, opsets, ops)
+
+
+def _node(buf, start: int, end: int) -> tuple[str, str, list]:
+    """A NodeProto's op type, domain and the spans of its attributes.
+
+    Every field of a NodeProto is length-delimited, and names are short: the common case, a one-byte tag
+    and a length under 16384, is read inline (this loop meets every field of every node of a graph)."""
+    op = domain = b""
+    attributes = []
+    pos = start
+    try:
+        while pos < end:
+            key = buf[pos]
+            n = buf[pos + 1]
+            if 8 <= key < 0x80 and key & 7 == LEN and n < 0x80:
+                vs = pos + 2
+            elif 8 <= key < 0x80 and key & 7 == LEN and buf[pos + 2] < 0x80:
+                n = (n & 0x7F) | (buf[pos + 2] << 7)
+                vs = pos + 3
+            else:  # (a long tag, a long value, another wire type: the general reader)
+                key, _, vs, pos = next(fast_fields(buf, pos, end))
+                n = pos - vs
+            pos = vs + n
+            if key == _OP_TYPE_KEY:
+                op = buf[vs:pos]
+            elif key == _DOMAIN_KEY:
+                domain = buf[vs:pos]
+            elif key == _ATTRIBUTE_KEY:
+                attributes.append((vs, pos))
+    except IndexError:
+        raise WireError("truncated") from None
+    if pos != end:
+        raise WireError("a field runs past its node")
+    return bytes(op).decode("utf-8"), bytes(domain).decode("utf-8"), attributes
+
+
+def _opset_id(buf, start: int, end: int) -> OpsetId:
+    domain, version = "", 0
+    for number, wt, _, vs, ve in fields(buf, start, end):
+        if number == OPSET_DOMAIN and wt == LEN:
+            domain = bytes(buf[vs:ve]).decode("utf-8")
+        elif number == OPSET_VERSION and wt == VARINT:
+            version = read_varint(buf, vs, ve)[0]
+    return OpsetId(domain, version)
+
+
 # -- loading: borrow the big raw_data of the main graph's initializers -----------------------------------------
 
 
@@ -161,11 +284,21 @@ _INITIALIZER_KEY = (GRAPH_INITIALIZER << 3) | LEN
 
 
 def _initializers(buf, start: int, end: int):
-    """``(field_start, value_start, value_end)`` of each initializer of the GraphProto in ``buf[start:end]``.
+    """``(field_start, value_start, value_end)`` of each initializer of the GraphProto in ``buf[start:end]``."""
+    for key, fs, vs, ve in fast_fields(buf, start, end):
+        if key == _INITIALIZER_KEY:
+            yield fs, vs, ve
+        elif key >> 3 == GRAPH_INITIALIZER:
+            raise WireError("an initializer that is not a message")
 
-    :func:`fields` written out for the one loop that meets every node of a graph: one- and two-byte varints
-    (the tags and lengths of nodes) are read inline, a node costs a few bytecodes (0.09 s for 216k nodes, a
-    third of the general walk). A model with nothing to lend pays this much before it is loaded whole."""
+
+def fast_fields(buf, start: int, end: int):
+    """``(key, field_start, value_start, value_end)`` of each top-level field of the message in
+    ``buf[start:end]``; ``key`` is the field number shifted left by 3 with the wire type in the low bits.
+
+    :func:`fields` written out for the loops that meet every node of a graph: one- and two-byte varints (the
+    tags and lengths of nodes and their names) are read inline, so a field costs a few bytecodes (0.09 s for
+    the 216k nodes of a graph, a third of the general walk)."""
     pos = start
     try:
         while pos < end:
@@ -191,22 +324,22 @@ def _initializers(buf, start: int, end: int):
                         n, pos = read_varint(buf, pos, end)
                 vs = pos
                 pos += n
-                if key == _INITIALIZER_KEY:
-                    yield fs, vs, pos
-            elif key >> 3 == GRAPH_INITIALIZER:
-                raise WireError("an initializer that is not a message")
             elif wt == VARINT:
+                vs = pos
                 _, pos = read_varint(buf, pos, end)
             elif wt == I64:
+                vs = pos
                 pos += 8
             elif wt == I32:
+                vs = pos
                 pos += 4
             else:
                 raise WireError(f"wire type {wt}")
+            if pos > end:
+                raise WireError("a field runs past its message")
+            yield key, fs, vs, pos
     except IndexError:
         raise WireError("truncated") from None
-    if pos != end:
-        raise WireError("a field runs past the graph")
 
 
 def _big_raw_data(buf, start: int, end: int, min_bytes: int) -> tuple[int, int, int] | None:

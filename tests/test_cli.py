@@ -97,7 +97,8 @@ def test_nothing_to_fuse_is_success(tmp_path):
 
 def test_cleanups_alone_never_change_a_model(tmp_path):
     """A constant-condition If is inlined to expose recurrences; with nothing to fuse the input comes out as
-    it went in, even though the clean-up pass changed the graph."""
+    it went in, even though the clean-up pass changed the graph. (The MatMul, a weight product no recurrence
+    uses, keeps the model from being copied unexamined: the passes must run.)"""
     out_shape = helper.make_tensor_value_info("v", TensorProto.FLOAT, [2])
     branch = lambda val: helper.make_graph(
         [helper.make_node("Constant", [], ["v"], value=helper.make_tensor("c", TensorProto.FLOAT, [2], val))], "b", [], [out_shape])
@@ -105,11 +106,13 @@ def test_cleanups_alone_never_change_a_model(tmp_path):
         [
             helper.make_node("Constant", [], ["cond"], value=helper.make_tensor("t", TensorProto.BOOL, [], [True])),
             helper.make_node("If", ["cond"], ["v"], then_branch=branch([1.0, 2.0]), else_branch=branch([3.0, 4.0])),
-            helper.make_node("Add", ["x", "v"], ["y"]),
+            helper.make_node("Add", ["x", "v"], ["s"]),
+            helper.make_node("MatMul", ["s", "w"], ["y"]),
         ],
         "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        [helper.make_tensor("w", TensorProto.FLOAT, [2, 2], [1.0, 0.5, -0.5, 2.0])],
     )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8

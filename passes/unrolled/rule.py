@@ -11,6 +11,7 @@ from rnnfuse.graph import Graph, Model
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.signature import Signer
+from rnnfuse.symbolic import weight_ops
 
 from .chains import Chain, find_chains, intervals
 from .families import find_families, length_masks, mask_leaves
@@ -24,6 +25,10 @@ class FuseChains:
     name = "unrolled"
     max_rounds = 8
     max_virtual = 8  # chains of other step inputs tried per round
+
+    @property
+    def fuses_only_with(self) -> frozenset:
+        return weight_ops()  # every cell multiplies its state by a weight matrix
 
     def run(self, model: Model, ctx: Options) -> PassResult:
         g = model.graph

@@ -27,7 +27,7 @@ from .algebra import (
     substitute,
     zero_states,
 )
-from .evaluator import StepEvaluator, content_key, register_handler
+from .evaluator import StepEvaluator, content_key, register_handler, weight_ops
 from .values import (
     ACTIVATIONS,
     BoolMask,
@@ -78,6 +78,7 @@ __all__ = [
     "loose_key",
     "sources",
     "register_handler",
+    "weight_ops",
     "substitute",
     "zero_states",
 ]

@@ -41,9 +41,21 @@ def content_key(graph: Graph, name: str, arr: np.ndarray):
 _HANDLERS: dict[str, Callable] = {**ops_math.HANDLERS, **ops_shape.HANDLERS, **ops_transposed.HANDLERS}
 
 
+# The ops whose semantics multiply a tensor by a weight matrix, the affine map every cell is built around
+# (``matmul_lin`` is reached from these handlers only); any op given semantics later may do so too.
+_WEIGHT_OPS = {"MatMul", "Gemm"}
+
+
 def register_handler(op_type: str, handler: Callable) -> None:
     """Give the evaluator the semantics of an op defined in a higher layer (native cells: :mod:`rnnfuse.cells`)."""
     _HANDLERS[op_type] = handler
+    _WEIGHT_OPS.add(op_type)
+
+
+def weight_ops() -> frozenset[str]:
+    """The op types that can multiply a step's state by a weight matrix. A graph holding none of them holds no
+    cell the evaluator can recognise (a recurrent cell without a recurrent weight is no native op)."""
+    return frozenset(_WEIGHT_OPS)
 
 
 # --------------------------------------------------------------------------------------------------------

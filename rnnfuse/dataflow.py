@@ -27,24 +27,37 @@ def runtime_values(g: Graph) -> frozenset | set:
     out: set[str] = set(g.input_names)  # (an initializer listed as an input can be overridden: not constant)
     frontier = list(out)
     uses = g.consumers.get
-    seen: set[int] = set()
+    hot: set[int] = set()  # the ids of the nodes computing runtime values
+    shapes: set[int] = set()  # the Shape and Size nodes reading them
+    produced = 0  # the hot nodes' (non-empty) outputs, counted with repeats
     while frontier:
         v = frontier.pop()
         for c in uses(v, ()):
             k = id(c)
-            if k in seen:
+            if k in hot or k in shapes:
                 continue
             op = c.op_type
             if op in ("Shape", "Size"):
-                seen.add(k)
+                shapes.add(k)
                 continue
             if (op in _SUBGRAPH_OPS or c.domain not in ("", "ai.onnx")) and v not in c.input:
                 continue  # read inside a subgraph only: fold and shape_derived look at explicit inputs
-            seen.add(k)
+            hot.add(k)
             for o in c.output[:]:
                 if o:
-                    out.add(o)
+                    produced += 1
                     frontier.append(o)
+    # The set is kept for the whole run and holds most of the graph's names: it takes them from the producer
+    # map, whose keys are the strings the index holds anyway, not the fresh copies protobuf makes on each read
+    # of a node's outputs (108k names of an unrolled export: 7.6 MB). What the map lists is exactly the hot
+    # nodes' outputs when each is produced by its node alone (the count says so); else they are read again.
+    names = [o for o, p in g.producer.items() if id(p) in hot]
+    if len(names) == produced:
+        out.update(names)
+    else:
+        for c in g.nodes_and_removed():
+            if id(c) in hot:
+                out.update(o for o in c.output if o)
     facts.runtime = out
     return out
 

@@ -43,16 +43,41 @@ class Chain:
     steps: list  # in processing order
 
 class Intervals(dict):
-    """tensor -> (lo, hi): the range of step indices it depends on; ``nodes`` the same per node id."""
+    """tensor -> (lo, hi): the range of step indices it depends on; ``nodes`` the same per node id.
+
+    The keys are the names the graph's producer map holds (see :func:`intervals`), so the dict is in that
+    map's order; :meth:`in_order` lists the tensors in the order of the walk."""
 
     def __init__(self):
         super().__init__()
         self.nodes: dict[int, tuple[int, int]] = {}
+        self._walk: tuple | None = None  # (the nodes with a span in walk order, the leaves); None: the dict is in walk order
+
+    def in_order(self, end: int, t: int):
+        """(tensor, span) of the tensors whose span ends (``end`` 1) or starts (``end`` 0) at step ``t``: the
+        leaves, then each walked node's outputs, in the order of the walk (a node's span is checked before
+        its outputs are read)."""
+        if self._walk is None:
+            yield from ((x, v) for x, v in self.items() if v[end] == t)
+            return
+        spanned, leaves = self._walk
+        for x in leaves:
+            v = self[x]
+            if v[end] == t:
+                yield x, v
+        for n, v in zip(spanned, self.nodes.values()):
+            if v[end] == t:
+                for o in n.output[:]:
+                    if o and o not in leaves:
+                        yield o, v
 
 def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Intervals:
-    iv = Intervals()
-    iv.update({x: (t, t) for x, t in leaves.items()})
-    get = iv.get
+    walked = Intervals()
+    walked.update({x: (t, t) for x, t in leaves.items()})
+    get = walked.get
+    nodes = walked.nodes
+    spanned = []  # the nodes of ``nodes``, in its order
+    stored = 0
     for n in order:
         if n.op_type in ("Shape", "Size"):
             continue  # a shape does not depend on values
@@ -67,10 +92,22 @@ def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Inter
                 # (most nodes have the span of an input: that tuple is shared, a new one only where spans widen)
                 span = v if v[0] <= span[0] and v[1] >= span[1] else (min(v[0], span[0]), max(v[1], span[1]))
         if span is not None:
-            iv.nodes[id(n)] = span
+            nodes[id(n)] = span
+            spanned.append(n)
             for o in n.output[:]:
                 if o and o not in leaves:
-                    iv[o] = span
+                    walked[o] = span
+                    stored += 1
+    # The walk's keys are the copies protobuf made of each output name (100k names of an unrolled export: 7 MB
+    # held while the chains are recognised); the kept dict takes the same names from the producer map, whose
+    # keys the index holds anyway. Exact when every name was stored once and each is its producer's (counts)
+    iv = Intervals()
+    iv.update((x, walked[x]) for x in leaves)
+    iv.update((o, s) for o in g.producer if (s := get(o)) is not None and o not in leaves)
+    if stored != len(walked) - len(leaves) or len(iv) != len(walked) or len(spanned) != len(nodes):
+        return walked
+    iv.nodes = nodes
+    iv._walk = (spanned, leaves)
     return iv
 
 def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops: list | None = None) -> str | None:

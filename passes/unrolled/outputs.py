@@ -195,13 +195,11 @@ def order_of(g: Graph, ids: set) -> list[NodeProto]:
 def _step_tensors(g: Graph, chain: Chain, k: int, iv, op_type: str) -> list[str]:
     """Outputs of ``op_type`` nodes that belong to step k."""
     t = chain.steps[k].t
-    fwd = chain.direction == "forward"
     out = []
-    for name, v in iv.items():
-        if (v[1] == t) if fwd else (v[0] == t):
-            p = g.producer.get(name)
-            if p is not None and p.op_type == op_type:
-                out.append(name)
+    for name, _ in iv.in_order(1 if chain.direction == "forward" else 0, t):
+        p = g.producer.get(name)
+        if p is not None and p.op_type == op_type:
+            out.append(name)
     return out
 
 def find_symbolic(g: Graph, e: StepEval, chain: Chain, k: int, iv, op_type: str, want: Poly) -> str | None:

@@ -112,8 +112,8 @@ class _ChainRoles:
         end = 1 if self.chain.direction == "forward" else 0  # the interval end that names a value's step
         t, t_prev, iv = self.ts[k], self.ts[k - 1], self.iv
         out = set()
-        for name, span in iv.items():
-            p = self.g.producer.get(name) if span[end] == t else None
+        for name, _ in iv.in_order(end, t):
+            p = self.g.producer.get(name)
             if p is None or not self.allowed[k](p):
                 continue
             out.update(i for i in p.input if i and i != self.h_in[k] and iv.get(i) is not None and iv[i][end] == t_prev)

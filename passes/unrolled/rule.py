@@ -69,6 +69,9 @@ class FuseChains:
             pending = {k: v for k, v in pending.items() if k in seen_now}
             if not recs:
                 break
+            # what the search held (intervals and signatures over the whole graph, the chains' steps) is not
+            # needed to validate and commit: it goes before the rewrites' own memory comes
+            iv = order = signer = lengths = leaves = chain = None
             n_before = len(res.findings)
             apply_recurrences(g, ctx, self.name, recs, res)
             if not any(f.status == "fused" for f in res.findings[n_before:]):

@@ -16,28 +16,37 @@ from .chains import Chain
 
 
 def allowed_fn(g: Graph, chain: Chain, k: int, iv):
-    st = chain.steps[k]
-    t = st.t
-    fwd = chain.direction == "forward"
+    """Whether a node belongs to step k of the chain (a predicate: a bound method, so that what it holds
+    goes as soon as the last caller lets go of it, not at the next full garbage collection as a closure that
+    calls itself through another would)."""
+    return _StepNodes(g, chain, k, iv).allowed
 
-    pulled, nodes, side = st.pulled, iv.nodes, 1 if fwd else 0
-    prev = t - 1 if fwd else t + 1
-    carried_side: dict[int, bool] = {}
 
-    def allowed(n: NodeProto) -> bool:
+class _StepNodes:
+    __slots__ = ("g", "t", "prev", "side", "pulled", "nodes", "carried_side")
+
+    def __init__(self, g: Graph, chain: Chain, k: int, iv):
+        st = chain.steps[k]
+        fwd = chain.direction == "forward"
+        self.g, self.t, self.prev, self.side = g, st.t, st.t - 1 if fwd else st.t + 1, 1 if fwd else 0
+        self.pulled, self.nodes = st.pulled, iv.nodes
+        self.carried_side: dict[int, bool] = {}
+
+    def allowed(self, n: NodeProto) -> bool:
         k = id(n)
-        if k in pulled:
+        if k in self.pulled:
             return True
-        v = nodes.get(k)
+        v = self.nodes.get(k)
         if v is None:
             # constants-and-shapes-only nodes (a zero state's matmul) are evaluated wherever they are read
-            return bool(n.output) and shape_derived(g, n.output[0])
-        return v[side] == t or (v[side] == prev and _carried_side(n))
+            return bool(n.output) and shape_derived(self.g, n.output[0])
+        return v[self.side] == self.t or (v[self.side] == self.prev and self._carried_side(n))
 
-    def _carried_side(n: NodeProto) -> bool:
+    def _carried_side(self, n: NodeProto) -> bool:
         """A node placed in the step before, computed from one carried value and constants only and read only
         by this step (an LSTM peephole p*c): it belongs to this step, as h @ R does."""
         k = id(n)
+        carried_side, g = self.carried_side, self.g
         if k not in carried_side:
             carried_side[k] = False  # (while its consumers are asked)
             # (other inputs must be true constants: 0 + m*new with a runtime-shaped zero is a state itself)
@@ -45,10 +54,8 @@ def allowed_fn(g: Graph, chain: Chain, k: int, iv):
             users = [c for o in n.output if o for c in g.uses(o)]
             carried_side[k] = (n.op_type in _CARRIED_SIDE and len(dyn) == 1 and bool(users)
                                and not any(g.is_graph_output(o) for o in n.output if o)
-                               and all(allowed(c) for c in users))
+                               and all(self.allowed(c) for c in users))
         return carried_side[k]
-
-    return allowed
 
 
 # ops with constants that may sit between a carried value and the step reading it (the recogniser then

@@ -54,14 +54,26 @@ class Model:
             used: set[str] = set(g.producer)
             used.update(g.consumers, g.initializers, g.input_names, g.output_names)
             used.update(v.name for v in self.proto.graph.value_info)
+            # the node names are packed into one string (see NameAllocator), joined a few thousand at a time
+            parts: list[str] = []
+            hashes: list[np.ndarray] = []
+            chunk: list[str] = []
             for n in g.nodes_and_removed():
                 if n.name:
-                    used.add(n.name)
+                    chunk.append(n.name)
+                    if len(chunk) == 4096:
+                        parts.append("\0".join(chunk))
+                        hashes.append(np.fromiter(map(hash, chunk), np.int64, len(chunk)))
+                        chunk = []
                 if has_subgraph(n):
                     used.update(n.input, n.output)
                     for sg in subgraphs(n):
                         all_names(sg, used)
-            self._names = NameAllocator(used)
+            if chunk:
+                parts.append("\0".join(chunk))
+                hashes.append(np.fromiter(map(hash, chunk), np.int64, len(chunk)))
+            packed = ("\0" + "\0".join(parts) + "\0", np.sort(np.concatenate(hashes))) if parts else None
+            self._names = NameAllocator(used, packed)
         return self._names
 
     def release_pages(self) -> None:

@@ -112,11 +112,13 @@ class StepEval:
         for m, sym in st.masks.items():
             leaves[m] = BoolMask(sym, False, g.model.rank(m) == 2)
 
+        seen = self.foreign  # (not through self: the evaluator holding this function would hold self, a cycle)
+
         def foreign(name: str):
             fv = g.fill_value(name)
             if fv is not None:  # a zero (or constant) state of runtime shape, e.g. ConstantOfShape(Shape(x))
                 return Fill(np.array(fv, dtype=np.float32))
-            self.foreign(name)
+            seen(name)
             return SymTensor(Poly.atom(C_STATE), lead_of(g, name) or 0)
 
         self.ev = StepEvaluator(g, leaves, may_evaluate=allowed_fn(g, chain, k, iv), foreign=foreign, content_keys=True)

@@ -102,17 +102,29 @@ class Graph(GraphIndex):
         steps would otherwise be rescanned per step)."""
         removed, producer, graveyard = self._removed, self.producer, self._graveyard
         self._edits += 1
-        gone = dict(zip(map(id, nodes), nodes))  # (id -> node, first occurrence first)
-        for k in removed.intersection(gone) if removed else ():
-            del gone[k]
+        # (a set of ids, not a dict id -> node: this runs at the peak of a fused chain's rewrite, 108k nodes)
+        gone = set(map(id, nodes))
+        if removed:
+            gone -= removed
         if len(gone) < 64:
             for n in nodes:
                 self.remove_node(n)
             return
-        survivors = without(without(self.nodes, removed), gone.keys()) if removed else without(self.nodes, gone.keys())
+        survivors = without(without(self.nodes, removed), gone) if removed else without(self.nodes, gone)
         if len(survivors) < len(gone):  # most of the graph goes (a fused chain): index what stays instead
-            removed.update(gone)
-            graveyard.extend(gone.values())
+            if len(gone) == len(nodes):
+                graveyard.extend(nodes)  # (each once, none removed before)
+            else:
+                first = set()
+                for n in nodes:
+                    k = id(n)
+                    if k in gone and k not in first:
+                        first.add(k)
+                        graveyard.append(n)
+            if removed:
+                removed.update(gone)
+            else:
+                self._removed = gone  # (the set just built: no copy of it)
             self.producer.clear()
             self.consumers.clear()
             self._index_all(survivors)

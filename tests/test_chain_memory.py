@@ -1,0 +1,114 @@
+"""What the unrolled-chain front end keeps in memory: properties, never byte counts.
+
+On a 100k-node unrolled export, memory goes to structures with an entry per tensor or per step. These tests
+pin down the properties that keep them small: the whole-graph name maps hold the index's own strings (not
+the fresh copy protobuf makes on each read of a name), a step's predicates and evaluations are freed by
+reference counting (no cycle keeps them, and what they reach, until a full garbage collection), and fresh
+names do not need a set of every node name.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import builders as B
+from rnnfuse.dataflow import runtime_values
+from rnnfuse.graph import Model
+from rnnfuse.naming import NameAllocator
+from rnnfuse.passes.unrolled import FuseChains
+from rnnfuse.passes.unrolled.chains import intervals
+from rnnfuse.passes.unrolled.families import find_families, length_masks, mask_leaves
+from rnnfuse.pipeline import Options
+
+
+def _chain(T: int = 8, **kw) -> Model:
+    model, _ = B.build(B.default_reverse_form(B.Opts(op="LSTM", front="chain", static_T=T, **kw)))
+    return Model(model)
+
+
+def _producer_strings(g) -> dict[str, int]:
+    return {k: id(k) for k in g.producer}
+
+
+def test_runtime_values_hold_the_index_strings():
+    g = _chain().graph
+    runtime = runtime_values(g)
+    keys = _producer_strings(g)
+    produced = [v for v in runtime if v in keys]
+    assert len(produced) > 8
+    assert all(id(v) == keys[v] for v in produced)  # the same string objects, not equal copies
+
+
+@pytest.mark.parametrize("mask", ["none", "where"])
+def test_intervals_hold_the_index_strings_and_list_steps_in_walk_order(mask):
+    g = _chain(mask=mask).graph
+    fams = find_families(g)
+    order = g.ordered_live_nodes()
+    (src, axis), fam = next((k, f) for k, f in fams.items() if g.model.elem_type(k[0]) != 9)
+    leaves, _, _ = mask_leaves(g, fams, fam, length_masks(g))
+    iv = intervals(g, order, leaves)
+    keys = _producer_strings(g)
+    assert all(id(v) == keys[v] for v in iv if v not in leaves and v in keys)
+    # what the walk's own dict (leaves, then each node's outputs in order) would list, step by step
+    walked = dict((x, iv[x]) for x in leaves)
+    for n in order:
+        span = iv.nodes.get(id(n))
+        if span is not None:
+            walked.update((o, span) for o in n.output if o and o not in leaves)
+    assert walked == dict(iv)
+    for t in sorted(fam):
+        for end in (0, 1):
+            assert list(iv.in_order(end, t)) == [(x, v) for x, v in walked.items() if v[end] == t]
+
+
+def test_step_predicates_and_evaluations_are_freed_without_the_cycle_collector():
+    model = _chain(T=12)
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        res = FuseChains().run(model, Options(validate=False))
+        gc.collect()
+        garbage = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if collecting:
+            gc.enable()
+    assert any(f.status == "fused" for f in res.findings)
+    left = [type(o).__name__ + ":" + getattr(o, "__qualname__", "") for o in garbage]
+    # (each step's predicate reaches the intervals of the whole graph; a cycle would keep them past validation)
+    assert not [s for s in left if "allowed" in s or "StepEval" in s or "_StepNodes" in s], left[:20]
+
+
+def _packed(names: list[str]):
+    return "\0" + "\0".join(names) + "\0", np.sort(np.array([hash(s) for s in names], np.int64))
+
+
+def test_fresh_names_avoid_packed_names_exactly():
+    a = NameAllocator({"x"}, _packed(["n", "n_1", "rnnfuse/Add", "a\0b"]))
+    assert [a.fresh(h) for h in ("x", "n", "n", "rnnfuse/Add", "rnnfuse/Mul", "m")] == \
+        ["x_1", "n_2", "n_3", "rnnfuse/Add_1", "rnnfuse/Mul", "m"]
+    assert a.fresh("a\0b") == "a\0b_1" and a.fresh("a") == "a"  # (a name holding "\0" is one name)
+    # a model optimized before meets its names again and again: after a few hits they become a set
+    b = NameAllocator(set(), _packed(["h"] + [f"h_{i}" for i in range(1, 30)]))
+    assert [b.fresh("h") for _ in range(2)] == ["h_30", "h_31"]
+    assert b._packed is None and "h_29" in b.used
+
+
+def test_model_names_avoid_node_names_without_holding_them():
+    n1 = helper.make_node("Relu", ["x"], ["y"], name="rnnfuse/Relu")
+    n2 = helper.make_node("Neg", ["y"], ["z"], name="z_node")
+    g = helper.make_graph([n1, n2], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])])
+    model = Model(helper.make_model(g))
+    names = model.names
+    assert "rnnfuse/Relu" not in names.used and "z_node" not in names.used  # (packed, not a set of strings)
+    assert names.fresh("rnnfuse/Relu") == "rnnfuse/Relu_1"
+    assert names.fresh("z_node") == "z_node_1"
+    assert names.fresh("y") == "y_1" and names.fresh("w") == "w"

@@ -1,10 +1,10 @@
 """What the unrolled-chain front end keeps in memory: properties, never byte counts.
 
 On a 100k-node unrolled export, memory goes to structures with an entry per tensor or per step. These tests
-pin down the properties that keep them small: the whole-graph name maps hold the index's own strings (not
-the fresh copy protobuf makes on each read of a name), a step's predicates and evaluations are freed by
-reference counting (no cycle keeps them, and what they reach, until a full garbage collection), and fresh
-names do not need a set of every node name.
+pin down the properties that keep them small: the runtime values hold the index's own strings (not the fresh
+copy protobuf makes on each read of a name), the chain intervals keep no map of names at all, a step's
+predicates and evaluations are freed by reference counting (no cycle keeps them, and what they reach, until
+a full garbage collection), and fresh names do not need a set of every node name.
 """
 
 from __future__ import annotations
@@ -44,25 +44,39 @@ def test_runtime_values_hold_the_index_strings():
 
 
 @pytest.mark.parametrize("mask", ["none", "where"])
-def test_intervals_hold_the_index_strings_and_list_steps_in_walk_order(mask):
+def test_intervals_keep_no_map_of_names_and_answer_as_the_walk_by_name(mask):
+    from rnnfuse.passes.unrolled.chains import _intervals_by_name
+
     g = _chain(mask=mask).graph
     fams = find_families(g)
     order = g.ordered_live_nodes()
     (src, axis), fam = next((k, f) for k, f in fams.items() if g.model.elem_type(k[0]) != 9)
     leaves, _, _ = mask_leaves(g, fams, fam, length_masks(g))
     iv = intervals(g, order, leaves)
-    keys = _producer_strings(g)
-    assert all(id(v) == keys[v] for v in iv if v not in leaves and v in keys)
-    # what the walk's own dict (leaves, then each node's outputs in order) would list, step by step
-    walked = dict((x, iv[x]) for x in leaves)
+    assert iv.names is None  # (spans by producer: no entry per tensor name)
+    # the same answers as a walk keeping a map of names (what an invalid graph, a name produced twice, gets)
+    by_name = _intervals_by_name(g, order, leaves)
+    assert by_name.names and iv.nodes == by_name.nodes
     for n in order:
-        span = iv.nodes.get(id(n))
-        if span is not None:
-            walked.update((o, span) for o in n.output if o and o not in leaves)
-    assert walked == dict(iv)
+        for x in [*n.input, *n.output]:
+            assert iv.get(x) == by_name.get(x), x
     for t in sorted(fam):
         for end in (0, 1):
-            assert list(iv.in_order(end, t)) == [(x, v) for x, v in walked.items() if v[end] == t]
+            assert list(iv.in_order(end, t)) == list(by_name.in_order(end, t))
+            assert list(iv.in_order(end, t))
+
+
+def test_intervals_of_a_name_produced_twice_are_the_last_writers():
+    g = _chain().graph
+    fams = find_families(g)
+    order = g.ordered_live_nodes()
+    (src, axis), fam = next((k, f) for k, f in fams.items() if g.model.elem_type(k[0]) != 9)
+    leaves = {x: t for t, x in fam.items()}
+    # a node with a span writes its output twice (invalid, but the walk must not assume otherwise)
+    n = next(n for n in order if n.op_type == "Tanh" and intervals(g, order, leaves).nodes.get(id(n)))
+    n.output.append(n.output[0])
+    iv = intervals(g, order, leaves)
+    assert iv.names is not None and iv.get(n.output[0]) == iv.nodes[id(n)]
 
 
 def test_step_predicates_and_evaluations_are_freed_without_the_cycle_collector():

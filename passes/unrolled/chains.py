@@ -42,49 +42,71 @@ class Chain:
     direction: str
     steps: list  # in processing order
 
-class Intervals(dict):
-    """tensor -> (lo, hi): the range of step indices it depends on; ``nodes`` the same per node id.
+class Intervals:
+    """tensor -> (lo, hi): the range of step indices it depends on (``get``, ``[]``); ``nodes`` the same per
+    node id, in the order of the walk.
 
-    The keys are the names the graph's producer map holds (see :func:`intervals`), so the dict is in that
-    map's order; :meth:`in_order` lists the tensors in the order of the walk."""
+    A tensor's span is its leaf's, else its producer's: no map keyed by tensor name is kept (on a 100k-node
+    unrolled export one would hold 100k names, 11 MB with the copies protobuf makes of them on each read)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, g: Graph, leaves: dict[str, int]):
+        self.leaves = {x: (t, t) for x, t in leaves.items()}
         self.nodes: dict[int, tuple[int, int]] = {}
-        self._walk: tuple | None = None  # (the nodes with a span in walk order, the leaves); None: the dict is in walk order
+        self.spanned: list[NodeProto] = []  # the nodes of ``nodes``, in its order
+        self.producer = g.producer
+        self.names: dict[str, tuple[int, int]] | None = None  # set where a name is produced twice (see intervals)
+
+    def get(self, name: str, default=None):
+        v = self.leaves.get(name)
+        if v is not None:
+            return v
+        if self.names is not None:
+            return self.names.get(name, default)
+        p = self.producer.get(name)
+        return default if p is None else self.nodes.get(id(p), default)
+
+    def __getitem__(self, name: str) -> tuple[int, int]:
+        v = self.get(name)
+        if v is None:
+            raise KeyError(name)
+        return v
 
     def in_order(self, end: int, t: int):
         """(tensor, span) of the tensors whose span ends (``end`` 1) or starts (``end`` 0) at step ``t``: the
         leaves, then each walked node's outputs, in the order of the walk (a node's span is checked before
         its outputs are read)."""
-        if self._walk is None:
-            yield from ((x, v) for x, v in self.items() if v[end] == t)
-            return
-        spanned, leaves = self._walk
-        for x in leaves:
-            v = self[x]
+        leaves = self.leaves
+        for x, v in leaves.items():
             if v[end] == t:
                 yield x, v
-        for n, v in zip(spanned, self.nodes.values()):
+        if self.names is not None:
+            yield from ((x, v) for x, v in self.names.items() if v[end] == t and x not in leaves)
+            return
+        for n, v in zip(self.spanned, self.nodes.values()):
             if v[end] == t:
                 for o in n.output[:]:
                     if o and o not in leaves:
                         yield o, v
 
 def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Intervals:
-    walked = Intervals()
-    walked.update({x: (t, t) for x, t in leaves.items()})
-    get = walked.get
-    nodes = walked.nodes
-    spanned = []  # the nodes of ``nodes``, in its order
-    stored = 0
+    iv = Intervals(g, leaves)
+    nodes, spanned = iv.nodes, iv.spanned
+    leaf, producer, node_span = iv.leaves.get, g.producer.get, nodes.get
+    owned = True  # every output of a node with a span is produced by that node alone, as the producer map says
     for n in order:
         if n.op_type in ("Shape", "Size"):
             continue  # a shape does not depend on values
         span = None
         for i in n.input[:]:  # ([:]: upb's fastest copy of the names)
-            v = get(i)
-            if v is None or v is span:
+            v = leaf(i)
+            if v is None:  # (Intervals.get, inline)
+                p = producer(i)
+                if p is None:
+                    continue
+                v = node_span(id(p))
+                if v is None:
+                    continue
+            if v is span:
                 continue
             if span is None:
                 span = v
@@ -94,20 +116,41 @@ def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Inter
         if span is not None:
             nodes[id(n)] = span
             spanned.append(n)
+            outs = n.output[:]
+            for o in outs:
+                if o and producer(o) is not n:
+                    owned = False
+            if len(outs) > 1 and len(set(outs)) != len(outs):
+                owned = False
+    if owned and len(spanned) == len(nodes):
+        return iv
+    return _intervals_by_name(g, order, leaves)
+
+def _intervals_by_name(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Intervals:
+    """:func:`intervals` for a graph where a name is produced twice (invalid, but read as it is): the walk
+    keeps a map of names, each name's span the last node's that wrote it."""
+    iv = Intervals(g, leaves)
+    names: dict[str, tuple[int, int]] = {}
+    iv.names = names
+    get = iv.get
+    for n in order:
+        if n.op_type in ("Shape", "Size"):
+            continue
+        span = None
+        for i in n.input[:]:
+            v = get(i)
+            if v is None or v is span:
+                continue
+            if span is None:
+                span = v
+            elif v[0] < span[0] or v[1] > span[1]:
+                span = v if v[0] <= span[0] and v[1] >= span[1] else (min(v[0], span[0]), max(v[1], span[1]))
+        if span is not None:
+            iv.nodes[id(n)] = span
+            iv.spanned.append(n)
             for o in n.output[:]:
                 if o and o not in leaves:
-                    walked[o] = span
-                    stored += 1
-    # The walk's keys are the copies protobuf made of each output name (100k names of an unrolled export: 7 MB
-    # held while the chains are recognised); the kept dict takes the same names from the producer map, whose
-    # keys the index holds anyway. Exact when every name was stored once and each is its producer's (counts)
-    iv = Intervals()
-    iv.update((x, walked[x]) for x in leaves)
-    iv.update((o, s) for o in g.producer if (s := get(o)) is not None and o not in leaves)
-    if stored != len(walked) - len(leaves) or len(iv) != len(walked) or len(spanned) != len(nodes):
-        return walked
-    iv.nodes = nodes
-    iv._walk = (spanned, leaves)
+                    names[o] = span
     return iv
 
 def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops: list | None = None) -> str | None:

@@ -126,3 +126,40 @@ def test_model_names_avoid_node_names_without_holding_them():
     assert names.fresh("rnnfuse/Relu") == "rnnfuse/Relu_1"
     assert names.fresh("z_node") == "z_node_1"
     assert names.fresh("y") == "y_1" and names.fresh("w") == "w"
+
+
+@pytest.mark.parametrize("mask", ["none", "where"])
+def test_step_memos_keep_what_is_signed_later_and_sign_alike(mask, monkeypatch):
+    from rnnfuse.passes.unrolled.chains import find_chains
+    from rnnfuse.passes.unrolled.roles import _ChainRoles
+    from rnnfuse.signature import Signer
+
+    def roles(trim: bool):
+        if not trim:
+            monkeypatch.setattr(_ChainRoles, "keep_memo", lambda self, k, names: None)
+        g = _chain(T=10, mask=mask).graph
+        g.prune()
+        fams = find_families(g)
+        order = g.ordered_live_nodes()
+        (src, axis), fam = next((k, f) for k, f in fams.items() if g.model.elem_type(k[0]) != 9)
+        leaves, mask_fam, mask_srcs = mask_leaves(g, fams, fam, length_masks(g))
+        iv = intervals(g, order, leaves)
+        chain = find_chains(g, fam, iv, mask_fam)[0]
+        r = _ChainRoles(g, src, axis, chain, iv, Signer(g), mask_srcs)
+        r.check_layout(), r.step_input(), r.thread_hidden_state()
+        sizes = [len(r.memos[k][1]) for k in range(r.n - 2)]
+        r.find_cell_state(), r.reference_step(), r.complete_cell_state()
+        monkeypatch.undo()
+        return r, sizes
+
+    trimmed, kept = roles(True), roles(False)
+    (a, sizes), (b, full) = trimmed, kept
+    def walked(r):
+        return [n.output[0] for n in r.g.nodes if id(n) in r.chain_nodes]
+
+    assert a.sigs == b.sigs and a.series == b.series and walked(a) == walked(b) and walked(a)
+    assert a.sigs["c"][1] is not None  # (the LSTM's c was signed: from the trimmed memo where trimmed)
+    if mask == "none":
+        assert max(sizes) <= 2 < min(full)  # (h and c of the step; the whole walk otherwise)
+    else:
+        assert sizes == full  # (a masked step's c is a select of what its h walk met: kept whole)

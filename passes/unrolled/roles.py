@@ -104,6 +104,13 @@ class _ChainRoles:
             memo = self.memos[k] = (self.leaves[k], {})
         return self.signer.sign(name, self.leaves[k], self.allowed[k], self.foreign[k], self.chain_nodes, memo=memo[1])
 
+    def keep_memo(self, k: int, names) -> None:
+        """Keep only these names' signatures in step k's memo."""
+        memo = self.memos.get(k)
+        if memo is not None:
+            full = memo[1]
+            self.memos[k] = (memo[0], {x: full[x] for x in names if x is not None and x in full})
+
     def step_output(self, k: int, op_type: str, ref: int) -> str | None:
         return step_output(self.g, self.chain, k, self.iv, self.signer, self.leaves[k], self.allowed[k], op_type, ref)
 
@@ -160,8 +167,16 @@ class _ChainRoles:
             lv.update(st.masks)
             self.leaves.append(lv)
         self.sig_h: list[int | None] = [None] * n
+        # A step's memo names every tensor its h walk met (24 names a step in a torch LSTMCell loop: 16 MB over
+        # 6,000 steps); what is signed later from an unmasked step is its c (its h walk met it: it is what step
+        # k+1 reads besides h) and values computed from h or c. Once step k+1 is signed, step k's memo keeps
+        # just those two: the rest would only be walked again (the memo is a cache: signatures are the same).
+        # A masked step's c is a select of what its h walk met: its memo is kept whole.
+        trim = not any(st.masks for st in steps)
         for k in range(n - 1):
             self.sig_h[k] = self.sign(self.h_new[k], k)
+            if trim and k > 0:
+                self.keep_memo(k - 1, (self.h_new[k - 1], self.foreign[k].name))
 
     def find_cell_state(self) -> None:
         """c (LSTM): what step k reads besides h is what step k-1 computed."""

@@ -1427,6 +1427,20 @@ class Outcome:
         return f"{self.opts.label()}\n{self.report.to_text()}"
 
 
+def assert_prescreen_would_look(model: onnx.ModelProto, report) -> None:
+    """Whatever was fused holds an op some pass says it needs (``fuses_only_with``): the command line, which
+    copies a model holding none of them without loading it (rnnfuse.prescreen), would have run the passes on
+    this one. A pass that learns to fuse a form without saying what it needs fails here, in every hand-built
+    and fuzzed case."""
+    from rnnfuse import wire
+    from rnnfuse.pipeline import Pipeline
+
+    if report.fused:
+        needs = Pipeline.default().fusion_needs()
+        assert wire.outline(model.SerializeToString(), stop_at=needs) is None, (
+            f"fused, but the command line's prescreen would have copied it unexamined (no {sorted(needs)})")
+
+
 def _session(model: onnx.ModelProto):
     from helpers import session
 
@@ -1506,6 +1520,7 @@ def run_case(
 
     model, feeds_fn = build(o)
     fused, report = rnnfuse.optimize(model, **optimize_kwargs)
+    assert_prescreen_would_look(model, report)
     counts = _count(fused)
     before = _count(model)
     n_rec, left = recurrences_left(o, before, counts)

@@ -285,6 +285,10 @@ CHAIN_FAMILIES = {
     "chain_mask_static_batch": dict(mask="where", static_B=4),
     "chain_bidirectional": dict(layers="bidir"),
     "chain_bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),
+    # given initial states: the reverse half's h0 is read at the forward half's last step (and the forward h0 at
+    # the reverse half's last), a value no step computes that is neither half's carried state there
+    "chain_bidirectional_init_inputs": dict(layers="bidir", init="input", static_T=4),
+    "chain_bidirectional_init_inputs_masked": dict(layers="bidir", init="input", mask="where", fill="zero", mask_rank=2),
     # both halves read one Reshape of x_t (noise): input preparation shared by two chains
     "chain_bidirectional_shared_input_prep": dict(layers="bidir", noise=True),
     "chain_bidirectional_shared_input_prep_masked": dict(layers="bidir", noise=True, mask="where", fill="zero", static_T=3),

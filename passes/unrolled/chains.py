@@ -326,8 +326,15 @@ def _thread(fam: dict[int, str], iv, mask_fam: dict[int, dict], found: dict[tupl
         if len(seq) < 2:
             continue
         steps = []
-        for k in seq:
+        for pos, k in enumerate(seq):
             f = found.get((direction, k), _Found())
-            steps.append(Step(k, fam[k], set(f.roots), set(f.pulled), dict(mask_fam.get(k, {})), set(f.weighted)))
+            roots, weighted = set(f.roots), set(f.weighted)
+            if pos:
+                # past its first step a chain carries only what an earlier step computed: a value no step
+                # computes (a given initial state) read at this time index belongs to the chain that starts
+                # here, the other direction of a bidirectional layer
+                roots = {r for r in roots if iv.get(r) is not None}
+                weighted &= roots
+            steps.append(Step(k, fam[k], roots, set(f.pulled), dict(mask_fam.get(k, {})), weighted))
         chains.append(Chain(direction, steps))
     return chains

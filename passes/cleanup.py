@@ -64,7 +64,7 @@ class Dedupe:
                 work, pos = g.edited, base  # readers a merge rewired (a full run's own edits)
             n = work[pos]
             pos += 1
-            if not table.eligible(n):
+            if not table.removable(n):
                 continue
             self.visited += 1
             other = table.match(n)
@@ -150,15 +150,19 @@ class _DedupeTable:
         return self.const_readers
 
     def eligible(self, n: NodeProto) -> bool:
+        """Whether ``n`` may be compared: kept in the table, and merged into an equal node found there."""
         if not self.g.alive(n):
             return False
         op = n.op_type
         if op in _IMPURE or op == "Constant" or op in CONTROL_FLOW:
             return False  # Constants are compared by value where they are read
-        outs = n.output
-        if not outs or (n.domain not in ("", "ai.onnx") and has_subgraph(n)):
-            return False
-        return not self.outputs.intersection(outs)
+        return bool(n.output) and not (n.domain not in ("", "ai.onnx") and has_subgraph(n))
+
+    def removable(self, n: NodeProto) -> bool:
+        """Whether ``n`` may be merged away. A node computing a graph output is not (its name is the
+        model's interface), but it may be the node an equal one merges into: a masked layer's last carried
+        output equals its final state, which the graph returns."""
+        return self.eligible(n) and not self.outputs.intersection(n.output)
 
     def coarse(self, n: NodeProto) -> tuple:
         c, consts = self._CONST, self.consts

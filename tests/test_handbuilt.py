@@ -282,6 +282,10 @@ CHAIN_FAMILIES = {
     "chain_mask_batch_first_reverse": dict(mask="delta", batch_first=True, direction="reverse", init="input"),
     "chain_mask_two_outputs": dict(mask="where", extra_seq=True),
     "chain_mask_only_final_h": dict(mask="where", outputs=("h",)),
+    # the carried output stacked as Y besides the final state: its last step's value equals the returned h_T
+    # (Dedupe merges it into that graph output), earlier steps' merge into the states
+    "chain_mask_carried_output_and_final_h": dict(mask="where", mask_rank=2, carry_src="prev", outputs=("h", "seq"),
+                                                  direct_out=True, static_T=4),
     "chain_mask_static_batch": dict(mask="where", static_B=4),
     "chain_bidirectional": dict(layers="bidir"),
     "chain_bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),

@@ -90,20 +90,37 @@ class Intervals:
 
 def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Intervals:
     iv = Intervals(g, leaves)
-    nodes, spanned = iv.nodes, iv.spanned
+    return iv if _walk_spans(g, order, iv) else _intervals_by_name(g, order, leaves)
+
+def _intervals_by_name(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Intervals:
+    """:func:`intervals` for a graph where a name is produced twice (invalid, but read as it is): the walk
+    keeps a map of names, each name's span the last node's that wrote it."""
+    iv = Intervals(g, leaves)
+    iv.names = {}
+    _walk_spans(g, order, iv)
+    return iv
+
+def _walk_spans(g: Graph, order: list[NodeProto], iv: Intervals) -> bool:
+    """Give each node of ``order`` (and, with ``iv.names``, each of its outputs) the span of its inputs'.
+    Without ``iv.names`` an input's span is its producer's (``Intervals.get``, inline: this loop meets every
+    input of a 100k-node graph); returns whether that was exact, i.e. every spanned node's outputs are
+    produced by that node alone, as the producer map says."""
+    nodes, spanned, names = iv.nodes, iv.spanned, iv.names
     leaf, producer, node_span = iv.leaves.get, g.producer.get, nodes.get
-    owned = True  # every output of a node with a span is produced by that node alone, as the producer map says
+    named = names.get if names is not None else None
+    owned = True
     for n in order:
         if n.op_type in ("Shape", "Size"):
             continue  # a shape does not depend on values
         span = None
         for i in n.input[:]:  # ([:]: upb's fastest copy of the names)
             v = leaf(i)
-            if v is None:  # (Intervals.get, inline)
-                p = producer(i)
-                if p is None:
-                    continue
-                v = node_span(id(p))
+            if v is None:
+                if named is not None:
+                    v = named(i)
+                else:
+                    p = producer(i)
+                    v = node_span(id(p)) if p is not None else None
                 if v is None:
                     continue
             if v is span:
@@ -117,41 +134,17 @@ def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Inter
             nodes[id(n)] = span
             spanned.append(n)
             outs = n.output[:]
+            if names is not None:
+                for o in outs:
+                    if o and o not in iv.leaves:
+                        names[o] = span
+                continue
             for o in outs:
                 if o and producer(o) is not n:
                     owned = False
             if len(outs) > 1 and len(set(outs)) != len(outs):
                 owned = False
-    if owned and len(spanned) == len(nodes):
-        return iv
-    return _intervals_by_name(g, order, leaves)
-
-def _intervals_by_name(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Intervals:
-    """:func:`intervals` for a graph where a name is produced twice (invalid, but read as it is): the walk
-    keeps a map of names, each name's span the last node's that wrote it."""
-    iv = Intervals(g, leaves)
-    names: dict[str, tuple[int, int]] = {}
-    iv.names = names
-    get = iv.get
-    for n in order:
-        if n.op_type in ("Shape", "Size"):
-            continue
-        span = None
-        for i in n.input[:]:
-            v = get(i)
-            if v is None or v is span:
-                continue
-            if span is None:
-                span = v
-            elif v[0] < span[0] or v[1] > span[1]:
-                span = v if v[0] <= span[0] and v[1] >= span[1] else (min(v[0], span[0]), max(v[1], span[1]))
-        if span is not None:
-            iv.nodes[id(n)] = span
-            iv.spanned.append(n)
-            for o in n.output[:]:
-                if o and o not in leaves:
-                    names[o] = span
-    return iv
+    return owned and len(spanned) == len(nodes)
 
 def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops: list | None = None) -> str | None:
     """Walk a combining node's older input back through state-side ops to the carried tensor.

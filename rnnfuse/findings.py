@@ -129,6 +129,12 @@ class Report:
     def findings(self) -> list[Finding]:
         return [f for p in self.passes for f in p.findings]
 
+    def pass_through(self, reason: str) -> None:
+        """The model is not examined, for ``reason`` (see :func:`rnnfuse.model_io.unsupported_reason`)."""
+        self.notes.append(f"passed through unchanged: {reason}")
+        self.unsupported = reason
+        self.ops_after = dict(self.ops_before)
+
     @property
     def fused(self) -> list[Finding]:
         return [f for f in self.findings if f.status in ("fused", "merged")]

@@ -106,9 +106,7 @@ class Pipeline:
         rep.ops_before = dict(op_counts(model.proto.graph, model.graph))
         reason = unsupported_reason(model.proto)
         if reason is not None:
-            rep.notes.append(f"passed through unchanged: {reason}")
-            rep.unsupported = reason
-            rep.ops_after = dict(rep.ops_before)
+            rep.pass_through(reason)
             rep.seconds = time.perf_counter() - t0
             return rep
         rounds: list[list[PassResult]] = []

@@ -40,8 +40,7 @@ def report_if_nothing_to_fuse(path: str, needs: frozenset[str] | None) -> Report
     report = Report(ops_before=dict(found.ops), ops_after=dict(found.ops), rounds=0)
     reason = unsupported_reason(found)
     if reason is not None:
-        report.notes.append(f"passed through unchanged: {reason}")
-        report.unsupported = reason
+        report.pass_through(reason)
     else:
         report.notes.append(f"nothing to fuse: no {', '.join(sorted(needs))} node (the file was read, not loaded)")
     report.seconds = time.perf_counter() - t0

@@ -60,20 +60,23 @@ class Model:
             parts: list[str] = []
             hashes: list[np.ndarray] = []
             chunk: list[str] = []
+
+            def pack() -> None:
+                parts.append("\0".join(chunk))
+                hashes.append(np.fromiter(map(hash, chunk), np.int64, len(chunk)))
+                chunk.clear()
+
             for n in g.nodes_and_removed():
                 if n.name:
                     chunk.append(n.name)
                     if len(chunk) == 4096:
-                        parts.append("\0".join(chunk))
-                        hashes.append(np.fromiter(map(hash, chunk), np.int64, len(chunk)))
-                        chunk = []
+                        pack()
                 if has_subgraph(n):
                     used.update(n.input, n.output)
                     for sg in subgraphs(n):
                         all_names(sg, used)
             if chunk:
-                parts.append("\0".join(chunk))
-                hashes.append(np.fromiter(map(hash, chunk), np.int64, len(chunk)))
+                pack()
             packed = ("\0" + "\0".join(parts) + "\0", np.sort(np.concatenate(hashes))) if parts else None
             self._names = NameAllocator(used, packed)
         return self._names

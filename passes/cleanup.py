@@ -107,11 +107,12 @@ class _DedupeTable:
         it matters): nodes whose every non-constant input is read by another node too, one of them with the
         same op (a duplicate reads them all), and the nodes reading only constants."""
         g = self.g
-        consumers, consts = g.consumers, self.consts
-        uses = consumers.get
+        consumers, consts, uses = g.consumers, self.consts, g.uses
         out: dict[int, NodeProto] = {}
-        # the values read more than once, picked out in C (a 100k-node chain has few or none)
-        for v, cs in itertools.compress(consumers.items(), map((1).__lt__, map(len, consumers.values()))):
+        # the values read more than once (lists of readers, picked out in C: a 100k-node chain has few or none)
+        for v, cs in itertools.compress(consumers.items(), map(list.__instancecheck__, consumers.values())):
+            if len(cs) < 2:
+                continue
             if v not in consts:
                 # a duplicate of a reader of v is another reader of v with the same op: readers whose op no
                 # other reader of v has (h read by its step's Gemm and by the output stack) have none
@@ -122,7 +123,7 @@ class _DedupeTable:
                 if len(kinds) == len(cs):
                     continue
                 for c in cs:
-                    if kinds[c.op_type] > 1 and id(c) not in out and all(len(uses(i, ())) > 1 for i in c.input[:] if i and i not in consts):
+                    if kinds[c.op_type] > 1 and id(c) not in out and all(len(uses(i)) > 1 for i in c.input[:] if i and i not in consts):
                         out[id(c)] = c
         for c in self._const_readers():
             out[id(c)] = c
@@ -136,9 +137,9 @@ class _DedupeTable:
             self.const_readers = self.g.const_only_readers()  # (found by the index pass, when still exact)
         if self.const_readers is None:
             found: dict[int, NodeProto] = {}
-            consts, uses = self.consts, self.g.consumers.get
+            consts, uses = self.consts, self.g.uses
             for v in consts:
-                for c in uses(v, ()):
+                for c in uses(v):
                     if id(c) in found:
                         continue
                     for i in c.input:  # (a plain loop: most readers fail on their first input)

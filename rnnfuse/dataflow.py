@@ -26,13 +26,13 @@ def runtime_values(g: Graph) -> frozenset | set:
         return facts.runtime
     out: set[str] = set(g.input_names)  # (an initializer listed as an input can be overridden: not constant)
     frontier = list(out)
-    uses = g.consumers.get
+    uses = g.uses
     hot: set[int] = set()  # the ids of the nodes computing runtime values
     shapes: set[int] = set()  # the Shape and Size nodes reading them
     produced = 0  # the hot nodes' (non-empty) outputs, counted with repeats
     while frontier:
         v = frontier.pop()
-        for c in uses(v, ()):
+        for c in uses(v):
             k = id(c)
             if k in hot or k in shapes:
                 continue

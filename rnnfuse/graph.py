@@ -17,6 +17,7 @@ This module only gathers the public names; each idea lives in its own module:
 - :mod:`rnnfuse.model`: ``Model``, the proto with its opsets, fresh names, tensor types and weight data;
 - :mod:`rnnfuse.tensor_types`: declared and inferred element types and shapes;
 - :mod:`rnnfuse.naming`: fresh names;
+- :mod:`rnnfuse.tensor_values`: a tensor's values read from its bytes, a Constant's without the fold;
 - :mod:`rnnfuse.protos`: proto utilities (attributes, subgraphs, captured names, external data).
 """
 

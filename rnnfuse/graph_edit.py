@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
-from .graph_index import POS_TIE, GraphIndex, without
+from .graph_index import POS_TIE, GraphIndex, n_readers, without
 from .protos import has_subgraph, rename_free, set_external, subgraphs
 
 
@@ -145,14 +145,17 @@ class Graph(GraphIndex):
         consumers = self.consumers
         for i in touched:
             lst = consumers.get(i)
-            if lst:
-                lst[:] = [c for c in lst if id(c) not in gone]
+            if type(lst) is list:
+                if lst:
+                    lst[:] = [c for c in lst if id(c) not in gone]
+            elif lst is not None and id(lst) in gone:
+                consumers[i] = []
 
     def replace_uses(self, old: str, new: str) -> None:
         """Make every reader of ``old`` (nodes, captures in subgraphs, graph outputs) read ``new``."""
         if old == new:
             return
-        for n in list(self.consumers.get(old, [])):
+        for n in list(self.uses(old)):
             self._unindex(n)
             for i, x in enumerate(n.input):
                 if x == old:
@@ -174,7 +177,7 @@ class Graph(GraphIndex):
         return (
             name not in self.output_names
             and name not in self._inputs
-            and not self.consumers.get(name)
+            and not self.uses(name)
             and self.producer.get(name) is not None
         )
 
@@ -257,7 +260,7 @@ class Graph(GraphIndex):
         self._pruned = self._state()
         # the initializers and value_info entries still read or defined (from the indices, not the nodes)
         consumers, outputs = self.consumers, set(self.output_names)
-        unused = [k for k in self.initializers if not consumers.get(k) and k not in outputs and k not in self._inputs]
+        unused = [k for k in self.initializers if not n_readers(consumers.get(k)) and k not in outputs and k not in self._inputs]
         if unused or len(self.initializers) != len(self.proto.initializer):
             _drop_initializers(self.proto.initializer, set(unused))
         self.initializers = {t.name: t for t in self.proto.initializer} if unused else self.initializers
@@ -313,7 +316,7 @@ class Graph(GraphIndex):
             for i in dict.fromkeys(itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input):
                 if not i or i in outs or i in unread or i not in producer:
                     continue
-                c = left.get(i, len(consumers[i])) - 1
+                c = left.get(i, n_readers(consumers[i])) - 1
                 left[i] = c
                 if c == 0:
                     p = producer[i]

@@ -10,16 +10,16 @@ from __future__ import annotations
 import gc
 import itertools
 import operator
-import sys
 from array import array
 from typing import TYPE_CHECKING
 
 import numpy as np
-from onnx import AttributeProto, GraphProto, NodeProto, TensorProto, numpy_helper
+from onnx import AttributeProto, GraphProto, NodeProto, TensorProto
 
 from . import fold
 from .protos import CONTROL_FLOW, attr, free_names, has_subgraph, subgraphs
 from .tensor_types import type_of
+from .tensor_values import UNREADABLE, constant_value
 
 if TYPE_CHECKING:
     from .model import Model
@@ -30,24 +30,6 @@ _EMPTY: frozenset = frozenset()
 # held on, every weight of a weight-heavy model would sit in memory twice (the proto's bytes and the array)
 LARGE_ARRAY = 1 << 20
 
-# element types whose raw bytes are the array as numpy reads them on a little-endian machine (what
-# numpy_helper.to_array does for them, without its per-call type-table lookups: ~3x faster on the 18,000
-# small Constants of a 6,000-step unrolled export)
-_RAW_DTYPES = {
-    getattr(TensorProto, k): np.dtype(v)
-    for k, v in (("FLOAT", "float32"), ("DOUBLE", "float64"), ("INT8", "int8"), ("INT16", "int16"),
-                 ("INT32", "int32"), ("INT64", "int64"), ("UINT8", "uint8"), ("UINT16", "uint16"),
-                 ("UINT32", "uint32"), ("UINT64", "uint64"), ("BOOL", "bool"))
-} if sys.byteorder == "little" else {}
-
-
-def raw_array(t: TensorProto) -> np.ndarray:
-    """``numpy_helper.to_array(t)`` for a tensor held in the model: the same (read-only) array over its raw
-    bytes, read directly for the common element types."""
-    dtype = _RAW_DTYPES.get(t.data_type)
-    if dtype is not None and t.data_location != TensorProto.EXTERNAL and t.HasField("raw_data") and not t.HasField("segment"):
-        return np.frombuffer(t.raw_data, dtype=dtype).reshape(t.dims)
-    return numpy_helper.to_array(t)
 POS_TIE = 1 << 32  # a position's tie-break (the order nodes were added at one anchor) sits below it
 
 
@@ -71,7 +53,9 @@ class GraphIndex:
         self.output_names = [o.name for o in proto.output]
         self._inputs = set(self.input_names)
         self.producer: dict[str, NodeProto] = {}
-        self.consumers: dict[str, list[NodeProto]] = {}
+        # value -> its reader, or a list of its readers where it has several (or none: one rewired away). Most
+        # values of a chain have one reader: a list each would hold ~90 bytes more a value (108k: 10 MB)
+        self.consumers: dict[str, NodeProto | list[NodeProto]] = {}
         self._implicit: dict[int, set[str]] = {}
         self._arrays: dict[str, np.ndarray | None] = {}
         self._subgraph_views: dict[int, GraphIndex] = {}
@@ -206,10 +190,10 @@ class GraphIndex:
         index of ``nodes_of``, ``nodes`` being the whole node list). Returns whether the nodes are in
         topological order (no node reads a value a later node produces).
 
-        Reading a node's fields is most of the cost (protobuf makes a new string per name per read), so each
-        is read once; a name read before is stored as the string the producer map holds (one string per value
-        name, not one per map), and the cyclic garbage collector, which would scan the whole heap several
-        times while a 100k-node index is built of objects that hold no cycles, waits until the loop is done."""
+        Reading a node's fields is most of the cost (protobuf makes a new string per name per read), so each is
+        read once; a name read before is stored as the string the producer map holds (one string per name), and
+        the cyclic garbage collector (it would scan the whole heap several times while a 100k-node index of
+        objects without cycles is built) waits until the loop is done."""
         producer, consumers, get = self.producer, self.consumers, self.consumers.get
         had, assigned, lonely = len(producer), 0, 0
         early: list[str] = []  # names read before any node produced them (inputs, initializers, or disorder)
@@ -235,12 +219,9 @@ class GraphIndex:
                     lonely += 1
                 op = n.op_type
                 if by_op is not None:
-                    e = by_op.get(op)
-                    if e is None:
-                        by_op[op] = (array("q", (rank,)), [n])
-                    else:
-                        e[0].append(rank)
-                        e[1].append(n)
+                    e = by_op.get(op) or by_op.setdefault(op, (array("q"), []))
+                    e[0].append(rank)
+                    e[1].append(n)
                 if op == "Constant":
                     consts.update(outs)
                 if op not in control and n.domain not in ("", "ai.onnx"):
@@ -262,11 +243,13 @@ class GraphIndex:
                             only = 1 if i in consts else -1
                         lst = get(i)
                         if lst is None:
-                            consumers[same(i, i)] = [n]
-                        elif lst and lst[-1] is n:  # (a name a node reads twice counts once: only n appends here)
-                            continue
-                        else:
+                            consumers[same(i, i)] = n
+                        elif lst is n or (type(lst) is list and lst[-1] is n):
+                            continue  # (a name a node reads twice counts once: only n adds itself here)
+                        elif type(lst) is list:
                             lst.append(n)
+                        else:
+                            consumers[i] = [lst, n]  # (the key stays the string the dict holds)
                         if i not in producer:
                             early.append(i)
                 if only == 1:
@@ -291,9 +274,11 @@ class GraphIndex:
             if i:
                 lst = consumers.get(i)
                 if lst is None:
-                    consumers[i] = [n]
-                else:
+                    consumers[i] = n
+                elif type(lst) is list:
                     lst.append(n)
+                else:
+                    consumers[i] = [lst, n]
 
     def _unindex(self, n: NodeProto) -> None:
         self.owners_complete = False
@@ -301,10 +286,14 @@ class GraphIndex:
         for o in n.output:
             if o and self.producer.get(o) is n:
                 del self.producer[o]
+        consumers = self.consumers
         for i in set(n.input) | self.implicit_inputs(n):
-            lst = self.consumers.get(i)
-            if lst:
-                lst[:] = [c for c in lst if c is not n]
+            lst = consumers.get(i)
+            if type(lst) is list:
+                if lst:
+                    lst[:] = [c for c in lst if c is not n]
+            elif lst is n:
+                consumers[i] = []  # (the name stays known as read, by nothing now, as a list emptied so)
 
     def subgraph(self, node: NodeProto, name: str = "body") -> "GraphIndex":
         """The graph view (of this class) of a node's graph attribute (created once per node)."""
@@ -387,10 +376,12 @@ class GraphIndex:
         return None
 
     def uses(self, name: str) -> list[NodeProto]:
-        return self.consumers.get(name, [])
+        """The nodes reading ``name`` (a value's own list where it has several readers: not to be changed)."""
+        v = self.consumers.get(name)
+        return [] if v is None else v if type(v) is list else [v]
 
     def n_uses(self, name: str) -> int:
-        return len(self.consumers.get(name, [])) + self.output_names.count(name)
+        return n_readers(self.consumers.get(name)) + self.output_names.count(name)
 
     def const(self, name: str) -> np.ndarray | None:
         """The value of ``name`` if it is constant (initializer, Constant, or foldable from constants)."""
@@ -417,8 +408,8 @@ class GraphIndex:
                 val = self.model.tensor_array(self.initializers[name])
         elif name in self.producer:
             p = self.producer[name]
-            val = _constant_value(p, self.model) if p.op_type == "Constant" else None
-            if val is _UNREADABLE:
+            val = constant_value(p, self.model) if p.op_type == "Constant" else None
+            if val is UNREADABLE:
                 val = None
             elif val is None:
                 val = fold.fold_output(self, p, name)
@@ -451,34 +442,9 @@ class GraphIndex:
         return None
 
 
-_UNREADABLE = object()  # a Constant whose externally stored tensor cannot be read: not a constant, not folded
-
-
-def _constant_value(node: NodeProto, model: "Model"):
-    """The value of a Constant holding one tensor of raw bytes, read as :mod:`rnnfuse.fold` reads it, without
-    the folding dispatch (an unrolled export has a few Constants per step); None for any other form.
-
-    A tensor ``onnx.save(convert_attribute=True)`` stored as external data is read from the model's own
-    directory (memory-mapped, as initializers are), never from the working directory, where another file of
-    that name could supply other values; when it cannot be read, the answer is :data:`_UNREADABLE`."""
-    attrs = node.attribute
-    if len(attrs) != 1 or node.domain not in ("", "ai.onnx"):
-        return None
-    a = attrs[0]
-    if a.name != "value" or a.type != AttributeProto.TENSOR:
-        return None
-    t = a.t
-    if t.data_location == TensorProto.EXTERNAL:
-        try:
-            return model.tensor_array(t)
-        except Exception:  # (no model directory, a missing or short file, an element type with no array)
-            return _UNREADABLE
-    if t.data_type not in _RAW_DTYPES:
-        return None
-    try:
-        return raw_array(t)
-    except Exception:  # (bytes that do not fill the dims, a segment, ...: the fold decides, as before this reader)
-        return None
+def n_readers(entry) -> int:
+    """How many readers a consumers entry holds (a node, a list of them, or None)."""
+    return 0 if entry is None else len(entry) if type(entry) is list else 1
 
 
 def without(nodes, ids: set[int]) -> list[NodeProto]:

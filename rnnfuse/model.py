@@ -11,7 +11,7 @@ from onnx import ModelProto, TensorProto, helper
 
 from .facts import ModelFacts
 from .graph_edit import Graph
-from .graph_index import raw_array
+from .tensor_values import raw_array
 from .naming import NameAllocator
 from .protos import all_names, has_subgraph, subgraphs
 from .tensor_types import CHEAP_INFERENCE_NODES, declared_types, infer_types

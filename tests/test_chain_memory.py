@@ -163,3 +163,33 @@ def test_step_memos_keep_what_is_signed_later_and_sign_alike(mask, monkeypatch):
         assert max(sizes) <= 2 < min(full)  # (h and c of the step; the whole walk otherwise)
     else:
         assert sizes == full  # (a masked step's c is a select of what its h walk met: kept whole)
+
+
+def _readers_by_walk(g) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for n in g.live_nodes():
+        for i in dict.fromkeys(n.input):
+            if i:
+                out.setdefault(i, []).append(id(n))
+    return out
+
+
+def test_a_value_read_once_holds_its_reader_without_a_list():
+    g = _chain().graph
+    walked = _readers_by_walk(g)
+    once = [v for v, r in walked.items() if len(r) == 1]
+    assert len(once) > 20 and any(len(r) > 1 for r in walked.values())
+    # (a list per value would hold ~90 bytes more for each of a 100k-node chain's values)
+    assert not any(isinstance(g.consumers[v], list) for v in once)
+    for v, r in walked.items():
+        assert [id(n) for n in g.uses(v)] == r and g.n_uses(v) == len(r) + g.output_names.count(v)
+    # edits keep the same answers as a fresh index: a rewired reader, a removed one, many removed at once
+    tanh = next(n for n in g.nodes if n.op_type == "Tanh")
+    other = next(n for n in g.nodes if n.op_type == "Sigmoid")
+    g.replace_uses(tanh.output[0], other.output[0])
+    g.remove_node(next(n for n in g.nodes if n.op_type == "Mul" and g.alive(n)))
+    g.remove_nodes([n for n in g.nodes if n.op_type == "Add"][:70])
+    walked = _readers_by_walk(g)
+    for v in set(walked) | set(g.consumers):
+        assert [id(n) for n in g.uses(v)] == walked.get(v, []), v
+    assert g.uses(tanh.output[0]) == []

@@ -33,7 +33,10 @@ class Dedupe:
     (op and input names, every constant as one placeholder) and by the full key (small constants by value,
     attributes) only where two share that. A later run looks only at the nodes edits added or rewired since
     (``Graph.edited``): after passes that changed nothing it visits nothing. A merge rewires the merged
-    node's readers; they are looked at again in the same run (a duplicate's readers may now be equal)."""
+    node's readers; they are looked at again in the same run (a duplicate's readers may now be equal).
+    A merged node that computed a graph output leaves the name to an Identity of the value kept (the
+    model's interface stays): a masked layer may return its last carried output beside its final state,
+    two equal values, and the chain is only seen as one layer once they are one."""
 
     name = "dedupe"
     fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)
@@ -64,16 +67,16 @@ class Dedupe:
                 work, pos = g.edited, base  # readers a merge rewired (a full run's own edits)
             n = work[pos]
             pos += 1
-            if not table.removable(n):
+            if not table.eligible(n):
                 continue
             self.visited += 1
             other = table.match(n)
             if other is None:
                 continue
+            g.remove_node(n)
             for a, b in zip(n.output, other.output):
                 if a and b:
-                    g.replace_uses(a, b)
-            g.remove_node(n)
+                    g.replace_uses(a, b)  # (a graph output keeps its name: an Identity of b, or b renamed)
             table.forget()
             n_merged += 1
         model.facts.dedupe_mark = (g.edited, len(g.edited))
@@ -91,7 +94,6 @@ class _DedupeTable:
 
     def __init__(self, g: Graph):
         self.g = g
-        self.outputs = set(g.output_names)
         self.by_coarse: dict[tuple, object] = {}
         self.small: dict[str, object] = {}  # input name -> its full-key form (small constants by content)
         self.seeded: set[str] = set()  # values whose readers are in the table (incremental runs)
@@ -158,12 +160,6 @@ class _DedupeTable:
         if op in _IMPURE or op == "Constant" or op in CONTROL_FLOW:
             return False  # Constants are compared by value where they are read
         return bool(n.output) and not (n.domain not in ("", "ai.onnx") and has_subgraph(n))
-
-    def removable(self, n: NodeProto) -> bool:
-        """Whether ``n`` may be merged away. A node computing a graph output is not (its name is the
-        model's interface), but it may be the node an equal one merges into: a masked layer's last carried
-        output equals its final state, which the graph returns."""
-        return self.eligible(n) and not self.outputs.intersection(n.output)
 
     def coarse(self, n: NodeProto) -> tuple:
         c, consts = self._CONST, self.consts

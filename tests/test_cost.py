@@ -116,24 +116,32 @@ def test_dedupe_merges_by_value_and_cascades():
     assert {n.output[0] for n in g.live_nodes()} == {"a1", "r1", "a3", "r3", "y"}
 
 
-def test_dedupe_merges_into_a_graph_output_but_never_away():
-    """A node computing a graph output keeps its name (the model's interface) but an equal node merges into
-    it: a masked layer's last carried output equals the final state the graph returns."""
+def test_dedupe_merges_graph_outputs_keeping_their_names():
+    """A node computing a graph output may be the node an equal one merges into (a masked layer's last
+    carried output equals the final state the graph returns), and may itself be merged into an earlier equal
+    node: its name (the model's interface) then stays, as an Identity of the value kept."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
     nodes = [
         helper.make_node("Relu", ["x"], ["h_T"]),  # a graph output, first in graph order
         helper.make_node("Relu", ["x"], ["y_last"]),  # its duplicate, read by the stack
         helper.make_node("Neg", ["x"], ["n1"]),
-        helper.make_node("Neg", ["x"], ["n2"]),  # two graph outputs equal to each other: both stay
+        helper.make_node("Neg", ["x"], ["n2"]),  # two graph outputs equal to each other
         helper.make_node("Concat", ["y_last", "n1"], ["Y"], axis=0),
     ]
-    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("Y", "h_T", "n1", "n2")]
-    m = Model(helper.make_model(helper.make_graph(nodes, "g", [x], outs), opset_imports=[helper.make_opsetid("", 17)]))
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [8 if n == "Y" else 4]) for n in ("Y", "h_T", "n1", "n2")]
+    proto = helper.make_model(helper.make_graph(nodes, "g", [x], outs), opset_imports=[helper.make_opsetid("", 17)])
+    m = Model(proto)
     r = Dedupe().run(m, Options())
-    assert r.modified and "merged 1 duplicate nodes" in r.notes[0]
+    assert r.modified and "merged 2 duplicate nodes" in r.notes[0]
     g = m.graph
-    assert {n.output[0] for n in g.live_nodes()} == {"h_T", "n1", "n2", "Y"}
+    live = {n.output[0]: n for n in g.live_nodes()}
+    assert set(live) == {"h_T", "n1", "n2", "Y"}
     assert list(g.producer["Y"].input) == ["h_T", "n1"]
+    assert live["n2"].op_type == "Identity" and list(live["n2"].input) == ["n1"]
+    assert live["n1"].op_type == "Neg"
+    g.finalize()
+    assert [o.name for o in m.proto.graph.output] == ["Y", "h_T", "n1", "n2"]
+    onnx.checker.check_model(m.proto)
 
 
 def test_dedupe_after_edits_visits_only_the_edits():

@@ -286,6 +286,10 @@ CHAIN_FAMILIES = {
     # (Dedupe merges it into that graph output), earlier steps' merge into the states
     "chain_mask_carried_output_and_final_h": dict(mask="where", mask_rank=2, carry_src="prev", outputs=("h", "seq"),
                                                   direct_out=True, static_T=4),
+    # ... and the last carried output returned too, a second graph output equal to h_T (Dedupe leaves its name
+    # to an Identity of h_T)
+    "chain_mask_carried_output_returned": dict(mask="where", carry_src="prev", outputs=("c", "h", "p", "seq"),
+                                               batch_first=True, direct_out=True, static_T=3),
     "chain_mask_static_batch": dict(mask="where", static_B=4),
     "chain_bidirectional": dict(layers="bidir"),
     "chain_bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),

@@ -96,6 +96,8 @@ MUTATIONS = {
     "chain_mask_shifted": ("LSTM GRU RNN", "chain", True, "step t reads the mask of step t+1 (the last step: of step 0)"),
     "chain_state_read_midway": ("LSTM GRU RNN", "chain", False, "the middle step's hidden state is also a graph output"),
     "chain_input_reads_state": ("LSTM GRU RNN", "chain", False, "each step's input is 2 * x_t times the mean of h (not state-independent)"),
+    "second_output_reads_prev": ("LSTM GRU RNN", "scan loop chain", True,
+                                 "beside the carried output, the zero-filled second output adds 0.25 * the previous carried output"),
 }
 
 
@@ -202,6 +204,8 @@ def mutation_fixup(name: str, o: Opts) -> Opts:
         o = o.replace(mask="where")
     if name == "unmasked_copy_final":
         o = o.replace(fill="carry", carry_src="prev", outputs=tuple(sorted(set(o.outputs) | {"p"})))
+    if name == "second_output_reads_prev":
+        o = o.replace(fill="carry", carry_src="prev", extra_seq=True, outputs=tuple(sorted(set(o.outputs) | {"seq"})))
     if name in ("output_is_cell", "output_prev_h", "state_unmasked_output_masked") and "seq" not in o.outputs:
         o = o.replace(outputs=tuple(sorted(set(o.outputs) | {"seq"})))
     acts = o.activations()
@@ -232,6 +236,8 @@ def mutation_applies(name: str, o: Opts) -> bool:
     if name in ("output_is_cell", "output_prev_h", "state_unmasked_output_masked") and "seq" not in o.outputs:
         return False
     if name == "unmasked_copy_final" and not (has_prev(o) and "p" in o.outputs):
+        return False
+    if name == "second_output_reads_prev" and not (has_prev(o) and o.extra_seq and "seq" in o.outputs):
         return False
     return True
 
@@ -754,6 +760,8 @@ def _step(ctx: Ctx, x: str, h: str, c: str | None, p: str | None, m: str | None,
                 y2 = out["h"]
             else:
                 y2 = _select(ctx, m, h_cell, None)
+                if mut == "second_output_reads_prev":
+                    y2 = b.op("Add", y2, b.op("Mul", p, b.f(0.25)))
                 if o.carry_src == "prev":
                     y = _select(ctx, m, h_cell, p)
                     out["p"] = y

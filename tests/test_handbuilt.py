@@ -290,6 +290,12 @@ CHAIN_FAMILIES = {
     # to an Identity of h_T)
     "chain_mask_carried_output_returned": dict(mask="where", carry_src="prev", outputs=("c", "h", "p", "seq"),
                                                batch_first=True, direct_out=True, static_T=3),
+    # two values beyond the states a step: the carried output (from zeros, beside a given h0) and a second
+    # output filled with zeros at masked steps, stacked separately
+    "chain_mask_carried_output_and_zero_filled": dict(mask="where", carry_src="prev", extra_seq=True, init="input",
+                                                      mask_rank=2, outputs=("seq",), static_T=4),
+    "chain_mask_carried_output_and_zero_filled_returned": dict(mask="delta", carry_src="prev", extra_seq=True,
+                                                               init="input_h", outputs=("h", "p", "seq"), static_T=5),
     "chain_mask_static_batch": dict(mask="where", static_B=4),
     "chain_bidirectional": dict(layers="bidir"),
     "chain_bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),

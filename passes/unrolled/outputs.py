@@ -133,9 +133,11 @@ def _escaping(g: Graph, nodes, chain_nodes: set) -> list[tuple]:
     return out
 
 
-def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: set, mask_values: set) -> list[str] | None:
-    """Per step, the one value computed from the cell's inner values by nodes outside h and c (Keras'
-    masked output carried next to the state), or None when no step has one."""
+def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: set, mask_values: set) -> list[list[str]] | None:
+    """Per step, the values computed from the cell's inner values by nodes outside h and c (Keras' masked
+    output carried next to the state; a second output filled otherwise at masked steps), in name order, or
+    None when no step has any. Every step has as many, except the last, whose values may be dead (then
+    found by their signatures once the step before is known)."""
     chain_nodes = escapes.ids
     steps = chain.steps
     side = 1 if chain.direction == "forward" else 0
@@ -162,7 +164,7 @@ def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: se
             hang.setdefault(k, {})[id(u)] = u
     if not hang and not stacked:
         return None
-    ys: list[str | None] = []
+    per_step: list[list[str]] = []
     for k, st in enumerate(steps):
         region = dict(hang.get(k, {}))
         frontier = list(region.values())
@@ -181,13 +183,15 @@ def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: se
                     frontier.append(u)
         tops = {o for nd in region.values() for o in nd.output if o and (g.is_graph_output(o) or any(id(u) not in region for u in g.uses(o)))}
         tops |= stacked.get(k, set())
-        if not tops and k == len(steps) - 1:
-            ys.append(None)  # found by its signature once the step before is known
+        if k == len(steps) - 1 and len(tops) <= len(per_step[0]):
+            per_step.append(sorted(tops))  # (what is missing is found by its signature)
             continue
-        if len(tops) != 1:
-            raise Decline(f"step {st.t} computes {len(tops)} values beyond its states (expected at most one)")
-        ys.append(next(iter(tops)))
-    return ys
+        if not tops:
+            raise Decline(f"step {st.t} computes no value beyond its states where later steps do")
+        if per_step and len(tops) != len(per_step[0]):
+            raise Decline(f"step {st.t} computes {len(tops)} values beyond its states, step {steps[0].t} {len(per_step[0])}")
+        per_step.append(sorted(tops))
+    return per_step
 
 def order_of(g: Graph, ids: set) -> list[NodeProto]:
     return [n for n in g.nodes if id(n) in ids and g.alive(n)]

@@ -243,14 +243,18 @@ class _ChainRoles:
         self.series["c"], self.sigs["c"] = c_new, sig_c
 
     def carried_output(self) -> None:
-        """y: the extra carried value (Keras' previous output), computed from the cells' values outside h and c."""
+        """y: the extra value computed from the cells' values outside h and c (Keras' previous output, carried
+        from step to step, or a per-step value read only by a stack); y2: a second one beside a carried y
+        (the output filled otherwise at masked steps)."""
         g, n, km, last, leaves = self.g, self.n, self.km, self.last, self.leaves
         self.mask_values = mask_values(g, self.chain)
         self.escapes = Escapes(g, self.chain_nodes)
-        ys = extra_values(g, self.chain, self.iv, self.escapes, {t for t in self.h_new + self.c_new if t}, self.mask_values)
-        self.ys, self.y_carried, self.y0 = ys, False, None
-        if ys is None:
+        per_step = extra_values(g, self.chain, self.iv, self.escapes, {t for t in self.h_new + self.c_new if t}, self.mask_values)
+        self.ys, self.y_carried, self.y0 = None, False, None
+        if per_step is None:
             return
+        ys, other = self.extra_series(per_step)
+        self.ys = ys
         self.y_carried = any(ys[k - 1] in inputs_of(g, ys[k], self.allowed[k], leaves[k]) for k in range(1, n) if ys[k] and ys[k - 1])
         if self.y_carried and km == 0:
             raise Decline("a two-step chain carrying an extra value")
@@ -273,6 +277,49 @@ class _ChainRoles:
         self.ref["y"] = self.mid.poly(ys[km])
         self.ref_sig["y"] = sig_y[km]
         self.series["y"], self.sigs["y"] = ys, sig_y
+        if other is not None:
+            self.uncarried_series("y2", other)
+
+    def extra_series(self, per_step: list[list[str]]) -> tuple[list, list | None]:
+        """The per-step extra values as series over the steps: (y, y2). One value a step is y; of two, y is
+        the one that reads the other step's y (the carried output) and y2 the one that reads neither (a
+        value of the last step nothing reads is None, found later by its signature)."""
+        g, n = self.g, self.n
+        if len(per_step[0]) == 1:
+            return [vals[0] if vals else None for vals in per_step], None
+        if len(per_step[0]) > 2:
+            raise Decline(f"step {self.ts[0]} computes {len(per_step[0])} values beyond its states (expected at most two)")
+        ys: list[str | None] = [None] * n
+        other: list[str | None] = [None] * n
+        for k in range(1, n):
+            before = per_step[k - 1]
+            for v in per_step[k]:
+                read = [b for b in before if b in inputs_of(g, v, self.allowed[k], self.leaves[k])]
+                if not read:
+                    other[k] = v if other[k] is None else "?"
+                elif len(read) == 1 and ys[k] is None and ys[k - 1] in (None, read[0]):
+                    ys[k], ys[k - 1] = v, read[0]
+                else:
+                    raise Decline(f"step {self.ts[k]} carries two values beside its states")
+            if ys[k - 1] is None or other[k] == "?":
+                raise Decline(f"the two values step {self.ts[k - 1]} computes beyond its states are not a carried"
+                              " output and another")
+            other[k - 1] = next(b for b in before if b != ys[k - 1])
+        return ys, other
+
+    def uncarried_series(self, role: str, names: list) -> None:
+        """A per-step value no step reads back (stacked as a sequence): its tensor at every step, signed."""
+        n, km, last = self.n, self.km, self.last
+        sigs: list[int | None] = [None] * n
+        for k in range(n):
+            if names[k] is None:  # the last step's value, not reached from its (dead) states
+                names[k] = self.step_output(k, self.g.producer[names[k - 1]].op_type, sigs[km]) if k == last else None
+                if names[k] is None:
+                    raise Decline(f"step {self.ts[k]}'s extra output cannot be found")
+            sigs[k] = self.sign(names[k], k)
+        self.ref[role] = self.mid.poly(names[km])
+        self.ref_sig[role] = sigs[km]
+        self.series[role], self.sigs[role] = names, sigs
 
     def given_initial_output(self, y_first: str) -> str | None:
         """A given initial value of the carried output: the one outside tensor the first step reads."""
@@ -311,12 +358,13 @@ class _ChainRoles:
             "y": Init(self.y0, None, lead_of(g, self.y0) or 0) if self.y0 is not None else Init(),
         }
         states = {"h": H_STATE, "c": C_STATE, "y": Y_STATE}
-        step_states = [StepState(r, ref[r], inits[r], finals.get(r)) for r in series if r != "y" or self.y_carried]
+        carried = [r for r in series if r in ("h", "c") or (r == "y" and self.y_carried)]
+        step_states = [StepState(r, ref[r], inits[r], finals.get(r)) for r in carried]
         outs = [StepOut(ref[r], cat, bf, rev) for r, cat, bf, rev in stacks]
         for r, t in finals.items():
-            if r == "y" and not self.y_carried:
+            if r not in carried:
                 raise Decline("an extra per-step value of the last step is read outside the chain")
-        return analyse(self.x_atom, step_states, outs, {r: states[r] for r in series})
+        return analyse(self.x_atom, step_states, outs, {r: states[r] for r in series if r in states})
 
     def check_every_step(self) -> None:
         """Every step computes the reference step: by structure, or else by its maths."""

@@ -264,7 +264,7 @@ class Graph(GraphIndex):
         if unused or len(self.initializers) != len(self.proto.initializer):
             _drop_initializers(self.proto.initializer, set(unused))
         self.initializers = {t.name: t for t in self.proto.initializer} if unused else self.initializers
-        self.release_large_arrays()  # (the round is over: its cached weights go, see LARGE_ARRAY, and their pages)
+        self.release_arrays()  # (the round is over: its cached values go, and the pages of mapped weights)
         if len(self.proto.value_info):
             defined = self.producer.keys() | self.initializers.keys() | self._inputs
             vis = [v for v in self.proto.value_info if v.name in defined]

@@ -25,10 +25,6 @@ if TYPE_CHECKING:
     from .model import Model
 
 _EMPTY: frozenset = frozenset()
-# a cached constant value of this many bytes or more (a weight) is dropped once the passes are done reading
-# weights (before a validation run, at the end of a round) and read again from its tensor if asked for again:
-# held on, every weight of a weight-heavy model would sit in memory twice (the proto's bytes and the array)
-LARGE_ARRAY = 1 << 20
 
 POS_TIE = 1 << 32  # a position's tie-break (the order nodes were added at one anchor) sits below it
 
@@ -334,22 +330,23 @@ class GraphIndex:
         edits, found = self._const_only
         return list(found) if found is not None and edits == self._edits else None
 
-    def release_large_arrays(self) -> None:
-        """Forget the cached values of ``LARGE_ARRAY`` bytes or more, in every scope of this graph's model
-        view (:meth:`const` reads them again from their tensors when asked), and let the kernel drop the
-        resident pages of memory-mapped weights (read again from the page cache when needed)."""
+    def release_arrays(self) -> None:
+        """Forget the cached constant values in every scope of this graph's model view (:meth:`const` reads
+        them again from their tensors when asked), and let the kernel drop the resident pages of memory-mapped
+        weights (read again from the page cache when needed). Called once the passes are done reading values
+        (before a validation run, at the end of a round): held on, every weight of a weight-heavy model would
+        sit in memory twice (the proto's bytes and the array), and an unrolled chain's per-step Constants
+        (18,000 small arrays at 6,000 steps: 4 MB) would stay through its validation and commit."""
         g = self
         while g.parent is not None:
             g = g.parent
-        g._release_large_arrays()
+        g._release_arrays()
         self.model.release_pages()
 
-    def _release_large_arrays(self) -> None:
-        arrays = self._arrays
-        for k in [k for k, v in arrays.items() if v is not None and getattr(v, "nbytes", 0) >= LARGE_ARRAY]:
-            del arrays[k]
+    def _release_arrays(self) -> None:
+        self._arrays = {}
         for sub in self._subgraph_views.values():
-            sub._release_large_arrays()
+            sub._release_arrays()
 
     # -- queries -----------------------------------------------------------------------------------------
     def alive(self, node: NodeProto) -> bool:

@@ -157,7 +157,7 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
     by_cell = [r for r in rewrites if big and r.cell_rec is not None]
     whole = [r for r in rewrites if not (big and r.cell_rec is not None)]
     results: dict[int, object] = {}
-    g.release_large_arrays()  # (the weights read while finding these are not needed to validate or commit them)
+    g.release_arrays()  # (the values read while finding these are not needed to validate or commit them)
     if ctx.validate:
         for r in by_cell:
             vr = validate_cells(g, r.cell_rec, seed=ctx.seed)

@@ -193,3 +193,29 @@ def test_a_value_read_once_holds_its_reader_without_a_list():
     for v in set(walked) | set(g.consumers):
         assert [id(n) for n in g.uses(v)] == walked.get(v, []), v
     assert g.uses(tanh.output[0]) == []
+
+
+def test_constant_values_read_by_the_search_are_not_held_through_validation(monkeypatch):
+    import rnnfuse.rewrite as rw
+
+    model = _chain(T=10)
+    g = model.graph
+    step_consts = {n.output[0] for n in g.nodes if n.op_type == "Constant"}
+    assert len(step_consts) >= 10
+    held = []
+    real = rw.validate
+
+    def validate(graph, *a, **k):
+        held.append({x for x, v in graph._arrays.items() if v is not None})
+        return real(graph, *a, **k)
+
+    monkeypatch.setattr(rw, "validate", validate)
+    res = FuseChains().run(model, Options())
+    assert any(f.status == "fused" for f in res.findings) and held
+    # (the search read every step's Constants; validation and commit need none of them cached)
+    assert not held[0] & step_consts
+    g = _chain(T=10).graph
+    c = sorted(step_consts)[0]
+    before = g.const(c)
+    g.release_arrays()
+    assert not g._arrays and np.array_equal(g.const(c), before)  # (read again from its tensor when asked)

@@ -15,7 +15,7 @@ from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
 from rnnfuse.recurrence import NONE, Init, Recurrence, SeqOutput
 from rnnfuse.recurrence_layers import owner
-from rnnfuse.step import split_mask
+from rnnfuse.step import unmasked_value
 from rnnfuse.step_heads import find_head
 from rnnfuse.symbolic import Poly
 
@@ -38,8 +38,7 @@ def _new_value_keys(layer, state_out: dict[str, str]) -> dict[str, tuple]:
             p = layer.ev.poly(state_out[sym])
         except Decline:
             continue
-        old, delta, _ = split_mask(p)
-        keys[sym] = (old if delta is None else old.add(delta)).key
+        keys[sym] = unmasked_value(p).key
     return keys
 
 
@@ -65,9 +64,7 @@ def state_output(layers: list, name: str, state_keys: list[set]) -> tuple[int, P
         poly = layers[li].ev.poly(name)
     except Decline:
         return None
-    old, delta, _ = split_mask(poly)
-    new = old if delta is None else old.add(delta)
-    if poly.key in state_keys[li] or new.key in state_keys[li]:
+    if poly.key in state_keys[li] or unmasked_value(poly).key in state_keys[li]:
         return li, poly
     return None
 

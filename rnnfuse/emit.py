@@ -109,7 +109,7 @@ class EmitCache:
     """Shared plumbing across the recurrences of one pass (masks are often shared by a whole stack)."""
 
     def __init__(self):
-        self.masks: dict[str, MaskPlumbing] = {}
+        self.masks: dict[tuple[str, bool], MaskPlumbing] = {}  # (mask, true at padded steps) -> its plumbing
         self.compacted: dict[tuple[str, str], str] = {}
 
 
@@ -128,8 +128,9 @@ def _need_opset(b: Builder, v: int, what: str) -> None:
         raise Decline(f"{what} needs opset {v}; the model has opset {b.opset}")
 
 
-def _mask_plumbing(b: Builder, cache: EmitCache, mask: str, rank: int | None) -> MaskPlumbing:
-    mp = cache.masks.get(mask)
+def _mask_plumbing(b: Builder, cache: EmitCache, mask: str, rank: int | None, padding: bool = False) -> MaskPlumbing:
+    """The [T, B] valid-step mask and the lengths computed from ``mask`` (``padding``: true at padded steps)."""
+    mp = cache.masks.get((mask, padding))
     if mp is not None:
         return mp
     if rank == 3:
@@ -138,11 +139,13 @@ def _mask_plumbing(b: Builder, cache: EmitCache, mask: str, rank: int | None) ->
         m2 = mask
     else:
         raise Decline(f"the mask has rank {rank}; expected [T, B] or [T, B, 1]")
+    if padding:
+        m2 = b.op("Not", m2)
     mi = b.op("Cast", m2, to=TensorProto.INT64)
     lens64 = b.reduce_sum(mi, [0], keepdims=0)
     lens32 = b.op("Cast", lens64, to=TensorProto.INT32)
     mp = MaskPlumbing(m2, mi, lens64, lens32)
-    cache.masks[mask] = mp
+    cache.masks[(mask, padding)] = mp
     b.g.model.facts.seq_lens_mask[lens32] = mask
     return mp
 
@@ -173,7 +176,7 @@ def _cumsum(b: Builder, mp: MaskPlumbing) -> str:
 
 def _compact(b: Builder, cache: EmitCache, mp: MaskPlumbing, x: str, mask: str) -> str:
     """Each row's valid steps moved to the front, in order: x_c[k, b] = x[t_k(b), b]."""
-    key = (x, mask)
+    key = (x, mp.m2)  # (the valid-step mask: one tensor may be read as a valid mask and as a padding mask)
     if key in cache.compacted:
         return cache.compacted[key]
     xc = b.op("Gather", b.op("Flatten", x, axis=2), _compaction_index(b, mp), axis=0)
@@ -247,11 +250,15 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     mp = None
     if mask is not None:
         _need_opset(b, 11, "the mask handling")
-        mp = _mask_plumbing(b, cache, mask, mrank)
+        mp = _mask_plumbing(b, cache, mask, mrank, rec.mask_negated)
         seq_lens = mp.lens32
         path = POST_PADDED if post_padded else GENERAL
         if rec.mask_made:  # a mask computed from lengths: post-padded by construction, or any pattern
             path = LENGTHS if rec.mask_made == "post" else GENERAL
+        if rec.mask_negated:
+            # a padding mask: validation's post-padded patterns are patterns of valid steps, and a mask made
+            # from lengths valid-first is the padding, valid-last
+            path = GENERAL
         if path == GENERAL:
             x = _compact(b, cache, mp, x, mask)
 

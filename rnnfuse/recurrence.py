@@ -108,6 +108,8 @@ class Recurrence:
     h0: Init = field(default_factory=Init)
     c0: Init = field(default_factory=Init)
     mask: str | None = None
+    # ``mask`` is true at padded steps (a padding mask, ``Where(pad, h_prev, h_new)``): the op's is its negation
+    mask_negated: bool = False
     # the front end computed ``mask`` (t compared with per-row lengths): the original graph does not read it,
     # so validation must not override it; "post" when every row's valid steps come first by construction
     mask_made: str = ""

@@ -24,7 +24,7 @@ from onnx import NodeProto
 from .errors import Decline
 from .graph import Graph
 from .recurrence import NONE, ZERO, Init, InputPrep, Recurrence, SeqOutput
-from .step import StepState, split_mask
+from .step import StepState, unmasked_value
 from .symbolic import STATE, STEP_INPUT, Poly, StepEvaluator, StepInput, SymTensor, Value
 from .symbolic import sources as symbolic_sources
 
@@ -115,8 +115,7 @@ def split_layers(body: Graph, leaves: dict[str, Value], state_out: dict[str, str
         for li, layer in enumerate(new_layers, start=len(layers) - len(new_layers)):
             by_key: dict = {}  # a new value -> its step input (a carried copy of h shares h's)
             for s in layer.syms:
-                old, delta, _ = split_mask(polys[s])
-                new_key = (old if delta is None else old.add(delta)).key
+                new_key = unmasked_value(polys[s]).key
                 if new_key in by_key:
                     layer.feeds[by_key[new_key]].add(s)
                     continue
@@ -198,7 +197,8 @@ def layer_recurrence(front: str, where: str, an, layers: list, li: int, recs: li
     if below is not None and below.masked and not an.masked:
         raise Decline("a cell ignores the mask the cell below it keeps to")
     rec = Recurrence(front=front, where=where, cell=an.rec.spec, x=x, h0=an.h0, c0=an.c0,
-                     mask=mask if an.masked else None, seq_outputs=an.seq_outputs, finals=an.finals,
+                     mask=mask if an.masked else None, mask_negated=an.masked and an.mask_negated,
+                     seq_outputs=an.seq_outputs, finals=an.finals,
                      remove=remove if li == 0 else [], anchor=anchor, x_batch_first=x_batch_first,
                      x_reversed=x_reversed, x_prep=x_prep if below is None else InputPrep(), **extra)
     if below is not None:  # the cell below's Y, in time order like x, read in the same order as x

@@ -38,13 +38,16 @@ class StepAnalysis:
     mask_sym: str | None
     h0: Init
     c0: Init
+    mask_negated: bool = False  # the mask is true at padded steps (``Where(pad, old, new)``): valid = not mask
     seq_outputs: list[SeqOutput] = field(default_factory=list)
     finals: list[FinalOutput] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
-def split_mask(p: Poly) -> tuple[Poly, Poly | None, set]:
-    """``p = old + m * delta`` -> (old, delta or None, mask symbols). ``m * m = m`` for a 0/1 mask."""
+def split_mask(p: Poly, negated: bool = False) -> tuple[Poly, Poly | None, set]:
+    """``p = old + m * delta`` -> (old, delta or None, mask symbols). ``m * m = m`` for a 0/1 mask.
+    ``negated``: the mask is true at padded steps, the valid mask is ``v = 1 - m``, and ``p = old' + v * delta'``
+    with ``old' = old + delta`` and ``delta' = -delta`` is what is returned."""
     old, delta = {}, {}
     syms: set = set()
     atoms_old, atoms_delta = {}, {}
@@ -62,7 +65,29 @@ def split_mask(p: Poly) -> tuple[Poly, Poly | None, set]:
     po = Poly(old, atoms_old)
     if not delta:
         return po, None, syms
-    return po, Poly(delta, atoms_delta), syms
+    pd = Poly(delta, atoms_delta)
+    if negated:
+        return po.add(pd), pd.scale(-1.0), syms
+    return po, pd, syms
+
+
+def unmasked_value(p: Poly) -> Poly:
+    """What a masked select ``p = A + m * D`` is at valid steps, whichever way round its mask is read: with a
+    valid mask (true at valid steps) it is ``A + D`` and the other side ``A`` the kept state or zeros; with a
+    padding mask it is ``A``, and ``A + D`` is the kept state (a bare state atom) or zeros. An unmasked ``p`` is
+    itself. Used where the step's states are not known yet; :func:`analyse` reads the mask's sense from them."""
+    a, d, _ = split_mask(p)
+    if d is None:
+        return a
+    b = a.add(d)
+    if (_bare_state(b) and not _bare_state(a)) or (not b.terms and a.terms):
+        return a  # a padding mask
+    return b
+
+
+def _bare_state(p: Poly) -> bool:
+    sa = p.single_atom()
+    return sa is not None and sa[1] == 1.0 and isinstance(sa[0], State)
 
 
 def _reads(p: Poly) -> set:
@@ -83,7 +108,7 @@ def analyse(x: StepInput, states: list[StepState], outs: list[StepOut], state_at
     h0 = by_sym[rec.h].init
     c0 = by_sym[rec.c].init if rec.c else Init()
     masked = un.mask_sym is not None
-    an = StepAnalysis(rec, masked, un.mask_sym, h0, c0)
+    an = StepAnalysis(rec, masked, un.mask_sym, h0, c0, un.negated)
     for o in outs:
         an.seq_outputs.append(_seq_output(o, un.new_cell[rec.h], an, carry_of, by_sym))
     for s in states:
@@ -100,13 +125,15 @@ class _Unmasked:
     masked_states: dict[str, bool]  # state -> whether its update is masked
     zero_fill: set  # carried outputs that hold zeros at masked steps (never read back)
     mask_sym: str | None  # the one mask, if any state is masked
+    negated: bool = False  # the mask is true at padded steps
 
 
 def _unmask(states: list[StepState], state_atoms: dict[str, State]) -> _Unmasked:
+    negated = _padding_mask(states, state_atoms)
     mask_syms: set = set()
-    un = _Unmasked({}, {}, set(), None)
+    un = _Unmasked({}, {}, set(), None, negated)
     for s in states:
-        old, delta, syms = split_mask(s.out_poly)
+        old, delta, syms = split_mask(s.out_poly, negated)
         mask_syms |= syms
         if delta is None:
             un.new_cell[s.sym] = s.out_poly
@@ -122,6 +149,21 @@ def _unmask(states: list[StepState], state_atoms: dict[str, State]) -> _Unmasked
         raise Decline("states are masked by different masks")
     un.mask_sym = next(iter(mask_syms)) if mask_syms else None
     return un
+
+
+def _padding_mask(states: list[StepState], state_atoms: dict[str, State]) -> bool:
+    """Whether the states' mask is true at padded steps: every masked state then keeps its old value (or
+    holds zeros) where the mask is true, ``Where(pad, old, new)``, and not where it is false (a mask read
+    the usual way round fits that reading, and keeps it)."""
+
+    def fits(negated: bool) -> bool:
+        for s in states:
+            old, delta, _ = split_mask(s.out_poly, negated)
+            if delta is not None and old.terms and old.key != Poly.atom(state_atoms[s.sym]).key:
+                return False
+        return True
+
+    return any(split_mask(s.out_poly)[1] is not None for s in states) and not fits(False) and fits(True)
 
 
 def _cell_states(states: list[StepState], un: _Unmasked) -> tuple[list[str], dict[str, str]]:
@@ -157,7 +199,7 @@ def _seq_output(o: StepOut, h_cell: Poly, an: StepAnalysis, carry_of: dict[str, 
     """A per-step output as the native op's Y: the cell output at valid steps, and at masked steps nothing
     (unmasked), zeros, or the carried previous output."""
     rec = an.rec
-    old, delta, syms = split_mask(o.poly)
+    old, delta, syms = split_mask(o.poly, an.mask_negated)
     if syms and syms != {an.mask_sym}:
         raise Decline("a per-step output uses another mask")
     if delta is None:

@@ -123,7 +123,9 @@ class Opts:
     batch_first: bool = False
     init: str = "zeros"  # zeros | input | input_h (h0 an input, c0 zeros) | fill (a constant 0.25 fill) | learned (Expand of a [1, H] row)
     init_form: str = "cos"  # cos: ConstantOfShape;  expand: Expand(scalar, shape)
-    mask: str = "none"  # none | where | where_not | cast_not | cast_sub | delta | pad (the input is True at padding)
+    # none | where | where_not | cast_not | cast_sub | delta; a padding mask (the input is True at padding):
+    # pad (Where(pad, old, new)) | pad_cast (Cast(pad) * old + (1 - Cast(pad)) * new)
+    mask: str = "none"
     mask_rank: int = 3  # 3: bool [T, B, 1];  2: bool [T, B] (Unsqueeze in the body)
     fill: str = "carry"  # carry | zero: what the per-step output holds at masked steps
     carry_src: str = "state"  # carry: the output is the masked h state (from h0) | prev (a separate carried output)
@@ -181,6 +183,10 @@ class Opts:
     def masked(self) -> bool:
         return self.mask != "none"
 
+    def padding(self) -> bool:
+        """Whether the mask input is True at padded steps."""
+        return self.mask in ("pad", "pad_cast")
+
     def wants(self, what: str) -> bool:
         if what == "c" and self.op != "LSTM":
             return False
@@ -194,13 +200,18 @@ def has_prev(o: Opts) -> bool:
     return o.masked() and o.fill == "carry" and o.carry_src == "prev"
 
 
+# mutations written for a mask that is true at valid steps: with a padding mask they are no near miss (the
+# cell state kept where the padding mask is true is the padding mask's cell) or need a float mask
+PADDING_SENSE_MUTATIONS = ("inverted_mask_c", "float_mask")
+
+
 def mutation_fixup(name: str, o: Opts) -> Opts:
     """Adjust ``o`` (mask, outputs, activations) so that mutation ``name`` applies to it and shows."""
     ops, fronts, needs_mask, _ = MUTATIONS[name]
     o = o.replace(mutation=name)
     if needs_mask and not o.masked():
         o = o.replace(mask="where")
-    if o.mask == "pad":
+    if o.padding() and name in PADDING_SENSE_MUTATIONS:
         o = o.replace(mask="where")
     if name == "unmasked_copy_final":
         o = o.replace(fill="carry", carry_src="prev", outputs=tuple(sorted(set(o.outputs) | {"p"})))
@@ -695,6 +706,10 @@ def _select(ctx: Ctx, m: str, new: str, old: str | None) -> str:
     if o.mask == "where_not":
         return b.op("Where", b.op("Not", m), _zeros(ctx, new) if zero else old, new)
     mf = b.op("Cast", m, to=FLOAT)
+    if o.mask == "pad_cast":
+        kept = b.op("Mul", mf, old) if not zero else None
+        fresh = b.op("Mul", b.op("Sub", b.f(1.0), mf), new)
+        return fresh if zero else b.op("Add", kept, fresh)
     if zero:
         return b.op("Mul", new, mf)
     if o.mask == "cast_not":
@@ -713,7 +728,7 @@ def _step(ctx: Ctx, x: str, h: str, c: str | None, p: str | None, m: str | None,
         x = b.op("Dropout", x, seed=3)
     if o.mask_input_too and m is not None and mut != "mask_on_input":
         mm = b.op("Unsqueeze", m, b.i64(1)) if o.mask_rank == 2 else m
-        if o.mask == "pad":
+        if o.padding():
             mm = b.op("Not", mm)
         x = b.op("Mul", x, b.op("Cast", mm, to=FLOAT))
     if mut == "mask_on_input":
@@ -1230,7 +1245,7 @@ def make_feeds(o: Opts, mb: ModelBuilder, rng: np.random.Generator, batch: int, 
         P = mask_pattern(mask_kind, T, batch, rng)
         if o.batch_first:
             P = P.T
-        if o.mask == "pad":
+        if o.padding():
             P = ~P
         P = np.ascontiguousarray(P[..., None] if o.mask_rank == 3 else P)
         feeds["mask"] = P.astype(np.float32) if o.mutation == "float_mask" else P
@@ -1315,7 +1330,7 @@ def expected(o: Opts, feeds: dict) -> list[np.ndarray]:
         mask = m.reshape(m.shape[:2]).astype(bool)
         if o.batch_first:
             mask = mask.T
-        if o.mask == "pad":
+        if o.padding():
             mask = ~mask
     los = _layer_opts(o)
     results = []

@@ -210,6 +210,13 @@ FAMILIES = {
     "mask_batch_first": dict(mask="where", batch_first=True, fill="zero"),
     "mask_batch_first_reverse": dict(mask="delta", batch_first=True, direction="reverse", init="input"),
     "mask_two_outputs": dict(mask="where", extra_seq=True),
+    # a padding mask (True at padded steps): the states keep their value where it is true
+    "mask_padding": dict(mask="pad"),
+    "mask_padding_zero_fill_rank2": dict(mask="pad", fill="zero", mask_rank=2),
+    "mask_padding_cast_prev_output": dict(mask="pad_cast", carry_src="prev", outputs=("seq", "h", "c", "p")),
+    "mask_padding_cast_reverse_batch_first": dict(mask="pad_cast", direction="reverse", batch_first=True, init="input"),
+    "mask_padding_stacked": dict(mask="pad", layers="stack"),
+    "mask_padding_bidirectional": dict(mask="pad", layers="bidir", fill="zero"),
     "unmasked_two_outputs": dict(extra_seq=True),
     "static_time": dict(static_T=7),
     "static_batch_masked": dict(static_B=4, mask="where"),
@@ -296,6 +303,9 @@ CHAIN_FAMILIES = {
                                                       mask_rank=2, outputs=("seq",), static_T=4),
     "chain_mask_carried_output_and_zero_filled_returned": dict(mask="delta", carry_src="prev", extra_seq=True,
                                                                init="input_h", outputs=("h", "p", "seq"), static_T=5),
+    "chain_mask_padding": dict(mask="pad", mask_rank=2),
+    "chain_mask_padding_cast_zero_fill": dict(mask="pad_cast", fill="zero"),
+    "chain_mask_padding_reverse": dict(mask="pad", direction="reverse", init="input"),
     "chain_mask_static_batch": dict(mask="where", static_B=4),
     "chain_bidirectional": dict(layers="bidir"),
     "chain_bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),
@@ -371,7 +381,6 @@ GAPS = [
      "a Softplus that may see values above ~88 is declined (onnxruntime's native Softplus overflows to inf there)"),
     (lambda o: o.front == "loop" and o.direction == "reverse" and o.reverse_form == "index" and o.masked(),
      "a masked Loop reading Gather(X, T-1-i) and Gather(mask, T-1-i) is declined ('mask' is computed at runtime outside the step)"),
-    (lambda o: o.mask == "pad", "a padding mask (True = padded, Where(pad, old, new)) is declined"),
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
     (lambda o: o.front == "chain" and (o.init in ("fill", "learned") or (B.has_prev(o) and o.prev_init == "fill")),
      "an unrolled chain whose first step reads a non-zero constant initial state (folded into the step) is fused "
@@ -433,8 +442,6 @@ GAP_CASES = {
     "gru_sigmoid_exp_loop": O(op="GRU", lbr=1, front="loop", act_form="exp"),
     "lstm_mask_input_too": O(op="LSTM", mask="where", mask_input_too=True),
     "rnn_mask_input_too_loop": O(op="RNN", front="loop", mask="cast_sub", fill="zero", mask_input_too=True),
-    "gru_pad_mask": O(op="GRU", lbr=1, mask="pad"),
-    "rnn_pad_mask_loop": O(op="RNN", front="loop", mask="pad", fill="zero"),
 }
 
 
@@ -505,6 +512,8 @@ def _near_miss_cases():
                 variants = [dict(mask="where")] if needs_mask else [dict(), dict(mask="cast_sub", layout="fused_split", matmul="gemm")]
                 if needs_mask and front == "chain" and mut != "float_mask":  # the mask written from a lengths input
                     variants.append(dict(mask="where", mask_rank=2, lengths="lt"))
+                if needs_mask and mut not in B.PADDING_SENSE_MUTATIONS:  # a padding mask (true at padded steps)
+                    variants.append(dict(mask="pad_cast" if front == "loop" else "pad"))
                 for k, kw in enumerate(variants):
                     o = B.mutation_fixup(mut, _base(op, front, **kw, **({"static_T": 5} if front == "chain" else {})))
                     if not B.mutation_applies(mut, o):

@@ -417,6 +417,7 @@ class _ChainRoles:
             h0=an.h0,
             c0=an.c0,
             mask=mask,
+            mask_negated=an.masked and an.mask_negated,
             seq_outputs=an.seq_outputs,
             finals=[FinalOutput(f.tensor, f.which, f.init, lead_of(g, f.tensor) or 0) for f in an.finals],
             step_reads=[StepRead(t, ts[k] - min(ts) if self.chain.direction == "forward" else max(ts) - ts[k],

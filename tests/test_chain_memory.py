@@ -219,3 +219,28 @@ def test_constant_values_read_by_the_search_are_not_held_through_validation(monk
     before = g.const(c)
     g.release_arrays()
     assert not g._arrays and np.array_equal(g.const(c), before)  # (read again from its tensor when asked)
+
+
+def test_removing_most_of_a_graph_holds_the_ids_of_what_stays_not_of_what_went():
+    g = _chain(T=40).graph
+    before = list(g.nodes)
+    keep = [n for n in before if n.op_type == "Gather"][:3]
+    going = [n for n in before if not any(n is k for k in keep)]
+    going_ids = {id(n) for n in going}
+    g.remove_nodes(going + going[:5])  # (repeats count once)
+    removed = g._removed
+    # (a set of the removed ids would hold an entry per step node of a fused 100k-node chain)
+    assert not removed.ids and len(removed.live) == len(keep)
+    assert all(not g.alive(n) for n in going) and all(g.alive(n) for n in keep)
+    assert [id(n) for n in g.live_nodes()] == [id(n) for n in keep]
+    assert [id(n) for n in g.nodes_of("Gather")] == [id(n) for n in keep]
+    assert len(g._graveyard) == len(going_ids)
+    # what is added after is live; what is removed after is not; the index is the survivors'
+    (out,) = g.add_node("Identity", [keep[0].output[0]])
+    added = g.producer[out]
+    assert g.alive(added) and g.uses(keep[0].output[0]) == [added]
+    g.remove_node(keep[1])
+    assert not g.alive(keep[1]) and [id(n) for n in g.live_nodes()] == [id(keep[0]), id(keep[2]), id(added)]
+    assert all(g.producer.get(o) is None for n in going for o in n.output)
+    g.finalize()
+    assert not g._removed and all(g.alive(n) for n in g.nodes)

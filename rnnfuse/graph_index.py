@@ -17,7 +17,7 @@ import numpy as np
 from onnx import AttributeProto, GraphProto, NodeProto, TensorProto
 
 from . import fold
-from .protos import CONTROL_FLOW, attr, free_names, has_subgraph, subgraphs
+from .protos import CONTROL_FLOW, attr, free_names, has_subgraph, node_field, subgraphs
 from .tensor_types import type_of
 from .tensor_values import UNREADABLE, constant_value
 
@@ -232,7 +232,8 @@ class GraphIndex:
                         const_only.append(n)
                     continue
                 only = 0  # 1: every name read so far is a constant; -1: one is not
-                for i in n.input[:]:
+                # (a Constant reads nothing: its empty input list is not read, see protos.node_field)
+                for i in n.input[:] if op != "Constant" else node_field(n, "input"):
                     if i:
                         if only >= 0:
                             only = 1 if i in consts else -1

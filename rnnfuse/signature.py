@@ -137,14 +137,19 @@ class Signer:
 def _node_info(p: NodeProto) -> tuple:
     """What a signature reads of a node, read from the proto once: (inputs, outputs, op_type, domain,
     attributes as bytes in name order, the node's id)."""
-    atts = p.attribute
-    if not atts:
-        ak: tuple = ()
-    elif len(atts) == 1:
-        ak = (atts[0].SerializeToString(),)
-    else:
-        ak = tuple(a.SerializeToString() for a in sorted(atts, key=_attr_name))
-    return (p.input[:], p.output[:], p.op_type, p.domain, ak, id(p))  # ([:]: upb's fastest copy of the names)
+    ins: list = []
+    ak: tuple = ()
+    # (the fields present: an empty one is not read, see protos.node_field; [:]: upb's fastest copy of names)
+    for field, value in p.ListFields():
+        if field is _INPUT:
+            ins = value[:]
+        elif field is _ATTRIBUTE:
+            ak = (value[0].SerializeToString(),) if len(value) == 1 else \
+                tuple(a.SerializeToString() for a in sorted(value, key=_attr_name))
+    return (ins, p.output[:], p.op_type, p.domain, ak, id(p))
+
+
+_INPUT, _ATTRIBUTE = NodeProto.DESCRIPTOR.fields_by_name["input"], NodeProto.DESCRIPTOR.fields_by_name["attribute"]
 
 
 def _attr_name(a) -> str:

@@ -244,3 +244,37 @@ def test_removing_most_of_a_graph_holds_the_ids_of_what_stays_not_of_what_went()
     assert all(g.producer.get(o) is None for n in going for o in n.output)
     g.finalize()
     assert not g._removed and all(g.alive(n) for n in g.nodes)
+
+
+class _Reads:
+    """A node that records which of its repeated fields were read while empty (protobuf then gives the
+    message's object a map of stand-ins for its unset fields, held as long as the object lives: the graph
+    index holds every node's object)."""
+
+    def __init__(self, node):
+        self._node = node
+        self.empty_reads: list[str] = []
+
+    def __getattr__(self, name):
+        value = getattr(self._node, name)
+        if name in ("input", "output", "attribute") and len(value) == 0:
+            self.empty_reads.append(name)
+        return value
+
+
+def test_the_index_spans_and_signatures_read_no_empty_field_of_a_node():
+    from rnnfuse.signature import _node_info
+
+    g = _chain(T=8).graph
+    nodes = [_Reads(n) for n in g.nodes]
+    assert any(n.op_type == "Constant" for n in nodes) and any(not n._node.attribute for n in nodes)
+    # (what a signature reads of each step node, the index pass, the intervals' walk)
+    infos = [_node_info(n) for n in nodes]
+    assert [i[:5] for i in infos] == [(n.input[:], n.output[:], n.op_type, n.domain,
+                                      tuple(a.SerializeToString() for a in sorted(n.attribute, key=lambda a: a.name)))
+                                      for n in g.nodes]
+    g.producer.clear()
+    g.consumers.clear()
+    g._index_all(nodes)
+    intervals(g, nodes, {})
+    assert not [(n.op_type, n.empty_reads) for n in nodes if n.empty_reads]

@@ -15,6 +15,7 @@ from onnx import NodeProto
 from rnnfuse import op_args
 from rnnfuse.dataflow import closure, dynamic_inputs, lead_of, runtime_values, shape_derived
 from rnnfuse.graph import Graph, attr
+from rnnfuse.protos import node_field
 
 
 # ops a carried state passes through on its way to a combining node (one non-constant input each)
@@ -110,10 +111,12 @@ def _walk_spans(g: Graph, order: list[NodeProto], iv: Intervals) -> bool:
     named = names.get if names is not None else None
     owned = True
     for n in order:
-        if n.op_type in ("Shape", "Size"):
+        op = n.op_type
+        if op in ("Shape", "Size"):
             continue  # a shape does not depend on values
         span = None
-        for i in n.input[:]:  # ([:]: upb's fastest copy of the names)
+        # ([:]: upb's fastest copy of the names; a Constant's empty list is not read, see protos.node_field)
+        for i in n.input[:] if op != "Constant" else node_field(n, "input"):
             v = leaf(i)
             if v is None:
                 if named is not None:

@@ -97,6 +97,35 @@ def post_order(root: str, memo: dict, open_, close):
     return memo[root]
 
 
+def given_constants(g: Graph) -> frozenset | set:
+    """Constants other than zeros broadcast to a runtime shape (``Expand(h0, [B, H])`` of a learned initial
+    state, a ConstantOfShape fill) and the values computed from them and no runtime value (``h0 @ R``): an
+    unrolled chain's given initial state may be one, though it is computed from shapes and constants only.
+    (Zeros are the initial state a first step may fold away.) One walk from the broadcasts, kept in the
+    model's facts like :func:`runtime_values`; a graph without such a broadcast costs an op-index lookup."""
+    if g.parent is not None:
+        return _NONE
+    facts = g.model.facts
+    if facts.given is not None:
+        return facts.given
+    runtime = runtime_values(g)
+    seeds = []
+    for n in g.nodes_of("Expand", "ConstantOfShape", "Tile"):
+        if n.op_type != "ConstantOfShape" and g.const(n.input[0]) is None:
+            continue
+        if n.output[0] not in runtime and g.fill_value(n.output[0]) != 0.0:
+            seeds.append(n.output[0])
+    out, frontier = set(seeds), seeds
+    while frontier:
+        for c in g.uses(frontier.pop()):
+            for o in c.output:
+                if o and o not in out and o not in runtime:
+                    out.add(o)
+                    frontier.append(o)
+    facts.given = out
+    return out
+
+
 def shape_derived(g: Graph, name: str) -> bool:
     """Whether a tensor depends on other tensors' shapes only (never on their values)."""
     memo = g.model.facts.shape_derived

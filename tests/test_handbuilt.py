@@ -307,6 +307,13 @@ CHAIN_FAMILIES = {
     "chain_mask_padding_cast_zero_fill": dict(mask="pad_cast", fill="zero"),
     "chain_mask_padding_reverse": dict(mask="pad", direction="reverse", init="input"),
     "chain_mask_static_batch": dict(mask="where", static_B=4),
+    # a given initial state that is a constant broadcast to the batch (a learned h0/c0 expanded, a fill): read by
+    # the first step as the native op's initial_h/initial_c
+    "chain_learned_init": dict(init="learned"),
+    "chain_learned_init_masked_reverse": dict(init="learned", mask="where", direction="reverse"),
+    "chain_learned_init_bidirectional": dict(init="learned", layers="bidir", static_T=4),
+    "chain_learned_init_stacked": dict(init="learned", layers="stack"),
+    "chain_fill_init_expand": dict(init="fill", init_form="expand", mask="cast_sub"),
     "chain_bidirectional": dict(layers="bidir"),
     "chain_bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),
     # given initial states: the reverse half's h0 is read at the forward half's last step (and the forward h0 at
@@ -382,10 +389,9 @@ GAPS = [
     (lambda o: o.front == "loop" and o.direction == "reverse" and o.reverse_form == "index" and o.masked(),
      "a masked Loop reading Gather(X, T-1-i) and Gather(mask, T-1-i) is declined ('mask' is computed at runtime outside the step)"),
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
-    (lambda o: o.front == "chain" and (o.init in ("fill", "learned") or (B.has_prev(o) and o.prev_init == "fill")),
-     "an unrolled chain whose first step reads a non-zero constant initial state (folded into the step) is fused "
-     "from its second step only: the first step is kept as it is (one op over every step would need the constant "
-     "as initial_h)"),
+    (lambda o: o.front == "chain" and ((o.op == "LSTM" and o.init == "fill") or (B.has_prev(o) and o.prev_init == "fill")),
+     "an unrolled chain whose first step reads one constant fill as both h0 and c0 (equal fills: Dedupe makes them "
+     "one tensor), or a carried output starting from a constant fill, is fused from its second step only"),
 ]
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from onnx import NodeProto
 
 from rnnfuse import op_args
-from rnnfuse.dataflow import closure, dynamic_inputs, lead_of, runtime_values, shape_derived
+from rnnfuse.dataflow import closure, dynamic_inputs, given_constants, lead_of, runtime_values, shape_derived
 from rnnfuse.graph import Graph, attr
 from rnnfuse.protos import node_field
 
@@ -149,7 +149,8 @@ def _walk_spans(g: Graph, order: list[NodeProto], iv: Intervals) -> bool:
                 owned = False
     return owned and len(spanned) == len(nodes)
 
-def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops: list | None = None) -> str | None:
+def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops: list | None = None,
+          given: set = frozenset()) -> str | None:
     """Walk a combining node's older input back through state-side ops to the carried tensor.
 
     Arithmetic with constants is walked only on the combining side of a weight matmul (a bias added to
@@ -162,9 +163,11 @@ def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops
         p = g.producer.get(name)
         if p is None or p.op_type not in _STATE_SIDE:
             return name
-        dyn = dynamic_inputs(g, p)
+        dyn = dynamic_inputs(g, p) or [i for i in p.input if i in given]
         if not dyn:
-            return None  # computed from constants and shapes only: a zero initial state, not a carried value
+            # computed from constants and shapes only: a zero initial state, not a carried value, or a given
+            # constant one (a learned h0 broadcast to the batch)
+            return name if name in given else None
         if len(dyn) != 1:
             return name
         if p.op_type in ("MatMul", "Gemm") and p.input[0] != dyn[0]:
@@ -212,14 +215,16 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
     # values computed from one step's mask alone (its Unsqueeze, Not, Cast): never a carried state, even when
     # another chain's step combines them with this step's values (a backward chain's first, x-only step)
     mask_only = {t: closure(g, ms, 64)[0] for t, ms in mask_fam.items()}
-    regions = {t: _x_region(g, x, mask_only.get(t, set())) for t, x in fam.items()}
-    found = _older_reads(g, fam, iv, mask_fam, mask_only, regions)
+    given = given_constants(g)
+    regions = {t: _x_region(g, x, mask_only.get(t, set()), given) for t, x in fam.items()}
+    found = _older_reads(g, fam, iv, mask_fam, mask_only, regions, given)
     return [chain for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction)]
 
 
-def _x_region(g: Graph, x: str, mask_local: set) -> tuple[set, list[NodeProto]]:
+def _x_region(g: Graph, x: str, mask_local: set, given: set) -> tuple[set, list[NodeProto]]:
     """A step's x-local region (the tensors computed from x_t with constants and the step's mask-only values
-    (a tiled, negated or cast mask) only) and its *combining* nodes, which mix the region with anything else."""
+    (a tiled, negated or cast mask) only) and its *combining* nodes, which mix the region with anything else
+    (a given constant initial state too: see :func:`_given_constants`)."""
     local = {x}
     frontier = [x]
     combining: list[NodeProto] = []
@@ -233,7 +238,7 @@ def _x_region(g: Graph, x: str, mask_local: set) -> tuple[set, list[NodeProto]]:
             if len(c.input) > 8:
                 continue  # a Concat stacking every step's output is no part of a step
             dyn = dynamic_inputs(g, c)
-            if all(i in local or i in mask_local for i in dyn) and not g.implicit_inputs(c):
+            if all(i in local or i in mask_local for i in dyn) and not g.implicit_inputs(c) and not (given and given.intersection(c.input)):
                 for o in c.output:
                     if o:
                         local.add(o)
@@ -244,7 +249,7 @@ def _x_region(g: Graph, x: str, mask_local: set) -> tuple[set, list[NodeProto]]:
 
 
 def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], mask_only: dict[int, set],
-                 regions: dict[int, tuple[set, list]]) -> dict[tuple[str, int], _Found]:
+                 regions: dict[int, tuple[set, list]], given: set) -> dict[tuple[str, int], _Found]:
     """Per (direction, step): the carried tensors its combining nodes read from older steps, walked back
     through state-side ops (:func:`_root`)."""
     xs = {x: t for t, x in fam.items()}
@@ -267,12 +272,12 @@ def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], m
             for i in c.input:
                 if not i or i in local or i in mask_local or i in xs or i in mask_t:
                     continue
-                if i not in runtime and (g.const(i) is not None or shape_derived(g, i)):
+                if i not in runtime and (g.const(i) is not None or shape_derived(g, i)) and i not in given:
                     continue
                 pulled: set = set()
                 ops: list = [c.op_type]
-                r = _root(g, i, iv, pulled, stop, ops=ops)
-                if r is None or r in stop or r in any_mask_only or shape_derived(g, r):
+                r = _root(g, i, iv, pulled, stop, ops=ops, given=given)
+                if r is None or r in stop or r in any_mask_only or (shape_derived(g, r) and r not in given):
                     continue
                 weighted = bool({"MatMul", "Gemm", "Concat"} & set(ops))  # read through the recurrent weights
                 riv = iv.get(r)

@@ -152,9 +152,9 @@ class _ChainRoles:
             h_in[k] = _single_root(steps[k])
         if steps[0].weighted:  # (the first step may also combine its input with a given c0 or carried output)
             h_in[0] = _single_root(steps[0], steps[0].weighted)
-        self.h0_fill = g.fill_value(h_in[0]) if h_in[0] is not None else None
-        if self.h0_fill is not None and self.h0_fill != 0.0:
-            raise Decline(f"the initial hidden state is a constant {self.h0_fill:g}, not zeros")
+        # zeros (the exporter may have folded them into the first step) or a given initial state, even a
+        # constant one (a learned h0 expanded to the batch)
+        self.h0_fill = 0.0 if h_in[0] is not None and g.fill_value(h_in[0]) == 0.0 else None
         self.h_in = h_in
         self.h_new: list[str | None] = [h_in[k + 1] for k in range(n - 1)] + [None]
         self.allowed = [allowed_fn(g, self.chain, k, self.iv) for k in range(n)]

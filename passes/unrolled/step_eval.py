@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto
 
-from rnnfuse.dataflow import lead_of, shape_derived
+from rnnfuse.dataflow import given_constants, lead_of, shape_derived
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
 from rnnfuse.symbolic import BoolMask, Fill, Poly, State, StepEvaluator, StepInput, SymTensor
@@ -23,7 +23,7 @@ def allowed_fn(g: Graph, chain: Chain, k: int, iv):
 
 
 class _StepNodes:
-    __slots__ = ("g", "t", "prev", "side", "pulled", "nodes", "carried_side")
+    __slots__ = ("g", "t", "prev", "side", "pulled", "nodes", "carried_side", "given")
 
     def __init__(self, g: Graph, chain: Chain, k: int, iv):
         st = chain.steps[k]
@@ -31,6 +31,7 @@ class _StepNodes:
         self.g, self.t, self.prev, self.side = g, st.t, st.t - 1 if fwd else st.t + 1, 1 if fwd else 0
         self.pulled, self.nodes = st.pulled, iv.nodes
         self.carried_side: dict[int, bool] = {}
+        self.given = given_constants(g)
 
     def allowed(self, n: NodeProto) -> bool:
         k = id(n)
@@ -38,8 +39,9 @@ class _StepNodes:
             return True
         v = self.nodes.get(k)
         if v is None:
-            # constants-and-shapes-only nodes (a zero state's matmul) are evaluated wherever they are read
-            return bool(n.output) and shape_derived(self.g, n.output[0])
+            # constants-and-shapes-only nodes (a zero state's matmul) are evaluated wherever they are read; a
+            # given constant initial state (a learned c0 broadcast to the batch) is read as an older value
+            return bool(n.output) and shape_derived(self.g, n.output[0]) and n.output[0] not in self.given
         return v[self.side] == self.t or (v[self.side] == self.prev and self._carried_side(n))
 
     def _carried_side(self, n: NodeProto) -> bool:

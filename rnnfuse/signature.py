@@ -11,7 +11,7 @@ from typing import Callable
 
 from onnx import NodeProto
 
-from .dataflow import post_order, runtime_values
+from .dataflow import given_constants, post_order, runtime_values
 from .graph import Graph
 from .symbolic import content_key
 
@@ -51,13 +51,14 @@ class Signer:
             return memo[name]
         intern = self._intern
         runtime = runtime_values(g)
+        given = given_constants(g)  # (a constant initial state a chain carries: signed as a value, not a constant)
         # each producer's fields, read once, kept for this walk only (a chain's steps are each walked once:
         # a cache across walks would hold every node's fields); the tensors whose inputs are being signed
         infos: dict[int, tuple] = {}
         walked: dict[str, tuple] = {}
 
         def open_(cur: str):
-            info = self._open(cur, leaves, allowed, foreign, visited, fills, memo, runtime, infos)
+            info = self._open(cur, leaves, allowed, foreign, visited, fills, memo, runtime, infos, given)
             if info is None:
                 return None
             walked[cur] = info
@@ -71,14 +72,14 @@ class Signer:
         return post_order(name, memo, open_, close)
 
     def _open(self, cur: str, leaves: dict, allowed, foreign, visited: set, fills: dict | None, memo: dict,
-              runtime, infos: dict) -> tuple | None:
+              runtime, infos: dict, given) -> tuple | None:
         """Either ``cur``'s signature goes into ``memo`` (a leaf, a constant, a fill, an outside value) and the
         answer is None, or its producer's fields (:func:`_node_info`) say which inputs to sign first."""
         role = leaves.get(cur)
         if role is not None:
             memo[cur] = self._intern(("leaf", role))
             return None
-        if cur not in runtime:  # (computed from an input's values: not a constant, no fold attempt)
+        if cur not in runtime and cur not in given:  # (computed from an input's values: not a constant, no fold attempt)
             cid = self.const_ids.get(cur, -1)
             if cid == -1:
                 cid = self.const_ids[cur] = self._const_id(cur)
@@ -92,7 +93,7 @@ class Signer:
         if info is None:
             info = infos[id(p)] = _node_info(p)
         op = info[2]
-        if op in ("ConstantOfShape", "Expand"):
+        if op in ("ConstantOfShape", "Expand") and cur not in given:
             fv = self.g.fill_value(cur)
             if fv is not None:
                 if fills is not None:
@@ -106,7 +107,7 @@ class Signer:
                 visited.add(id(p))
                 return None
         if not allowed(p):
-            return self._outside(cur, fills, foreign, memo)
+            return self._outside(cur, fills, foreign, memo, given)
         return info
 
     def _const_id(self, name: str) -> int | None:
@@ -125,9 +126,9 @@ class Signer:
             self.constant_nodes[key] = cid
         return cid
 
-    def _outside(self, cur: str, fills: dict | None, foreign, memo: dict) -> None:
+    def _outside(self, cur: str, fills: dict | None, foreign, memo: dict, given=frozenset()) -> None:
         """A value from outside the region: a filled tensor (a zero state) by its value, else by its role."""
-        fv = self.g.fill_value(cur)
+        fv = self.g.fill_value(cur) if cur not in given else None
         if fv is not None and fills is not None:
             fills[cur] = fv
         memo[cur] = self._intern(("fill", fv) if fv is not None else ("leaf", foreign(cur)))

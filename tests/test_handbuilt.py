@@ -314,6 +314,9 @@ CHAIN_FAMILIES = {
     "chain_learned_init_bidirectional": dict(init="learned", layers="bidir", static_T=4),
     "chain_learned_init_stacked": dict(init="learned", layers="stack"),
     "chain_fill_init_expand": dict(init="fill", init_form="expand", mask="cast_sub"),
+    # ... of a static batch: the broadcast folds to a constant, still read as the state it is
+    "chain_learned_init_static_batch": dict(init="learned", static_B=3, mask="where", mask_rank=2),
+    "chain_fill_init_static_batch_gru_lbr0": dict(init="fill", static_B=3, static_T=3, bias="none", lbr=0),
     "chain_bidirectional": dict(layers="bidir"),
     "chain_bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),
     # given initial states: the reverse half's h0 is read at the forward half's last step (and the forward h0 at

@@ -108,8 +108,9 @@ class StepEval:
         st = chain.steps[k]
         self.foreign = Foreign(st.t, fed_through(g, h_in))
         leaves = {st.x: x_value if x_value is not None else SymTensor(Poly.atom(x_atom))}
+        given = given_constants(g)  # (a constant fill of the batch's shape that is a given initial state: a state)
         if h_in is not None:
-            fv = g.fill_value(h_in)
+            fv = g.fill_value(h_in) if h_in not in given else None
             leaves[h_in] = SymTensor(Poly.atom(H_STATE), lead_of(g, h_in) or 0) if fv is None else Fill(np.array(fv, dtype=np.float32))
         for m, sym in st.masks.items():
             leaves[m] = BoolMask(sym, False, g.model.rank(m) == 2)
@@ -117,13 +118,14 @@ class StepEval:
         seen = self.foreign  # (not through self: the evaluator holding this function would hold self, a cycle)
 
         def foreign(name: str):
-            fv = g.fill_value(name)
+            fv = g.fill_value(name) if name not in given else None
             if fv is not None:  # a zero (or constant) state of runtime shape, e.g. ConstantOfShape(Shape(x))
                 return Fill(np.array(fv, dtype=np.float32))
             seen(name)
             return SymTensor(Poly.atom(C_STATE), lead_of(g, name) or 0)
 
-        self.ev = StepEvaluator(g, leaves, may_evaluate=allowed_fn(g, chain, k, iv), foreign=foreign, content_keys=True)
+        self.ev = StepEvaluator(g, leaves, may_evaluate=allowed_fn(g, chain, k, iv), foreign=foreign, content_keys=True,
+                                not_constant=given)
 
     def poly(self, name: str) -> Poly:
         return self.ev.poly(name)

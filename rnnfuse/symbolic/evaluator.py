@@ -67,7 +67,9 @@ class StepEvaluator:
 
     ``leaves`` seeds tensor names with values (states, step inputs, masks). ``may_evaluate(node)`` limits
     which producers belong to the step (a chain step must not walk into the previous step). A name that is
-    neither a leaf, nor constant, nor produced by an allowed node evaluates to :class:`Opaque`.
+    neither a leaf, nor constant, nor produced by an allowed node evaluates to :class:`Opaque`. ``not_constant``
+    names values that are evaluated from their inputs even when they fold to a constant (what an unrolled
+    chain computes from a constant initial state it carries as a state).
     """
 
     def __init__(
@@ -77,8 +79,10 @@ class StepEvaluator:
         may_evaluate: Callable[[onnx.NodeProto], bool] | None = None,
         foreign: Callable[[str], Value] | None = None,
         content_keys: bool = False,
+        not_constant: frozenset | set = frozenset(),
     ):
         self.graph = graph
+        self.not_constant = not_constant
         self.memo: dict[str, Value] = dict(leaves)
         self.may_evaluate = may_evaluate or (lambda n: True)
         self.opset = graph.model.opset
@@ -102,14 +106,14 @@ class StepEvaluator:
             if cur in self.memo:
                 stack.pop()
                 continue
-            c = self.graph.const(cur) if cur else None
+            c = self.graph.const(cur) if cur and cur not in self.not_constant else None
             if c is not None:
                 self.memo[cur] = Const(c, ConstRef(self._const_key(cur, c), c))
                 stack.pop()
                 continue
             g = self.graph.scope_of(cur)
             node = g.producer.get(cur) if g is self.graph else None
-            if node is not None and node.op_type in ("ConstantOfShape", "Expand"):
+            if node is not None and node.op_type in ("ConstantOfShape", "Expand") and cur not in self.not_constant:
                 fv = self.graph.fill_value(cur)
                 if fv is not None:  # a constant of runtime shape (zero states): its value is all that matters
                     self.memo[cur] = Fill(np.array(fv, dtype=np.float32))

@@ -277,7 +277,10 @@ def steps_describe(c: Case) -> str:
     o = c.opts
     parts = [CELL_TEXT[o["cell"]], ("batch-first [B,T,F]" if c.batch_first else "time-major [T,B,F]"),
              "step inputs " + STEP_INPUTS[o.get("inputs", "plain")], "zero initial state"]
-    if o.get("lengths"):
+    if o.get("lengths") == "pad":
+        parts.append("masked by hand with a padding mask: pad = (t >= lengths); h = where(pad, h, cell); "
+                     "outputs where(pad, 0, cell)")
+    elif o.get("lengths"):
         parts.append("masked by hand: m = (t < lengths).float(); h = m * cell + (1 - m) * h; outputs m * h")
     parts.append("returns (stacked outputs, last h" + (", last c)" if c.family == "lstm" else ")"))
     return "; ".join(parts)
@@ -357,6 +360,13 @@ def steps_module(c: Case):
                     h, cs = h_new, c_new
                     outs.append(h)
                     continue
+                if o.get("lengths") == "pad":  # a padding mask: true past a row's length
+                    pad = (t >= lengths).unsqueeze(1)
+                    h = torch.where(pad, h, h_new)
+                    if self.lstm:
+                        cs = torch.where(pad, cs, c_new)
+                    outs.append(torch.where(pad, torch.zeros_like(h_new), h_new))
+                    continue
                 m = (t < lengths).to(x.dtype).unsqueeze(1)
                 h = m * h_new + (1 - m) * h
                 if self.lstm:
@@ -404,6 +414,10 @@ CASES += [
     steps("rnncell_tanh_trace_lengths_bf", "rnn_tanh", lengths=True, batch_first=True),
     steps("lstmcell_dynamo_lengths", "lstm", exporter="dynamo", time=6, lengths=True),
     steps("grucell_dynamo_lengths_bf", "gru", exporter="dynamo", time=6, lengths=True, batch_first=True),
+    # ... and with a padding mask, true past a row's length: torch.where(pad, h, cell(x_t, h))
+    steps("lstmcell_trace_padding_mask", "lstm", lengths="pad"),
+    steps("grucell_dynamo_padding_mask_bf", "gru", exporter="dynamo", time=6, lengths="pad", batch_first=True),
+    steps("rnncell_tanh_trace_padding_mask", "rnn_tanh", lengths="pad"),
 ]
 
 # --------------------------------------------------------------------------- expectations and descriptions

@@ -276,7 +276,9 @@ def steps_input_specs(c: Case) -> list[tuple[str, tuple]]:
 def steps_describe(c: Case) -> str:
     o = c.opts
     parts = [CELL_TEXT[o["cell"]], ("batch-first [B,T,F]" if c.batch_first else "time-major [T,B,F]"),
-             "step inputs " + STEP_INPUTS[o.get("inputs", "plain")], "zero initial state"]
+             "step inputs " + STEP_INPUTS[o.get("inputs", "plain")],
+             "learned initial state (nn.Parameter h0, c0 expanded to the batch)" if o.get("init") == "learned"
+             else "zero initial state"]
     if o.get("lengths") == "pad":
         parts.append("masked by hand with a padding mask: pad = (t >= lengths); h = where(pad, h, cell); "
                      "outputs where(pad, 0, cell)")
@@ -304,6 +306,9 @@ def steps_module(c: Case):
                 return {"lstm": nn.LSTMCell, "gru": nn.GRUCell}[kind](c.features, c.hidden)
 
             self.cell, self.cell0 = make(), make()  # (cell0: the first step's other cell, or the backward chain's)
+            if o.get("init") == "learned":
+                self.h0 = nn.Parameter(0.3 * torch.randn(1, c.hidden))
+                self.c0 = nn.Parameter(0.3 * torch.randn(1, c.hidden))
 
         def step_inputs(self, x, x2):
             at = (lambda s, t: s[:, t]) if c.batch_first else (lambda s, t: s[t])
@@ -345,8 +350,11 @@ def steps_module(c: Case):
             x2 = rest[0] if o.get("inputs") == "two_seq" else None
             lengths = rest[-1] if o.get("lengths") else None
             batch = x.shape[0 if c.batch_first else 1]
-            h = torch.zeros(batch, c.hidden, dtype=x.dtype)
-            cs = torch.zeros(batch, c.hidden, dtype=x.dtype)
+            if o.get("init") == "learned":
+                h, cs = self.h0.expand(batch, -1), self.c0.expand(batch, -1)
+            else:
+                h = torch.zeros(batch, c.hidden, dtype=x.dtype)
+                cs = torch.zeros(batch, c.hidden, dtype=x.dtype)
             outs = []
             for t, u in enumerate(self.step_inputs(x, x2)):
                 cell = self.cell0 if (t == 0 and o.get("inputs") == "first_cell") else self.cell
@@ -418,6 +426,10 @@ CASES += [
     steps("lstmcell_trace_padding_mask", "lstm", lengths="pad"),
     steps("grucell_dynamo_padding_mask_bf", "gru", exporter="dynamo", time=6, lengths="pad", batch_first=True),
     steps("rnncell_tanh_trace_padding_mask", "rnn_tanh", lengths="pad"),
+    # a learned initial state expanded to the batch: the op's initial_h (and initial_c)
+    steps("lstmcell_trace_learned_init", "lstm", init="learned"),
+    steps("grucell_dynamo_learned_init_lengths", "gru", exporter="dynamo", time=6, init="learned", lengths=True),
+    steps("rnncell_tanh_trace_learned_init_bf", "rnn_tanh", init="learned", batch_first=True),
 ]
 
 # --------------------------------------------------------------------------- expectations and descriptions

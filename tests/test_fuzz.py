@@ -47,6 +47,9 @@ _settings = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
     print_blob=True,
+    # stop at the first failure: searching on for other bugs runs for a wall-clock time, so what a failing run
+    # reports would depend on the machine's load
+    report_multiple_bugs=False,
 )
 
 
@@ -135,7 +138,10 @@ def valid_opts(draw, single=False):
     op = draw(st.sampled_from(["LSTM", "GRU", "RNN"]))
     front = draw(st.sampled_from(["scan", "loop", "chain"]))
     kw: dict = dict(op=op, front=front)
-    kw["seed"] = draw(st.integers(0, 10_000))
+    # (two draws below 100, not one up to 10,000: Hypothesis sometimes draws an integer of magnitude 100 or more
+    # from the literals of whatever project modules are loaded, so a range holding such values made the examples
+    # depend on which other test modules were collected; no draw here spans 100 values)
+    kw["seed"] = 100 * draw(st.integers(0, 99)) + draw(st.integers(0, 99))
     kw["F"] = draw(st.integers(1, 8))
     kw["H"] = draw(_weighted((1, 1), (6, 2), (6, 3), (6, 4), (3, 5), (2, 6), (2, 8)))
     kw["acts"] = draw(activations(op))

@@ -18,7 +18,7 @@ from onnx import NodeProto, helper, numpy_helper
 
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, attr, has_subgraph
-from rnnfuse.protos import CONTROL_FLOW
+from rnnfuse.protos import CONTROL_FLOW, node_field
 
 _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
 
@@ -178,7 +178,8 @@ class _DedupeTable:
 
     def full(self, n: NodeProto) -> tuple:
         self.full_keys += 1
-        return (tuple(self._ref(i) for i in n.input[:]), tuple(a.SerializeToString() for a in n.attribute))
+        # (node_field: an attribute-less node's empty list is not read; its object is the index's, held all round)
+        return (tuple(self._ref(i) for i in n.input[:]), tuple(a.SerializeToString() for a in node_field(n, "attribute")))
 
     def _current(self, m: NodeProto, ck: tuple, fk: tuple | None) -> bool:
         """Is ``m`` (found in the table) still a live node under these keys? (edits may have rewired it)"""

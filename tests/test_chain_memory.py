@@ -262,7 +262,8 @@ class _Reads:
         return value
 
 
-def test_the_index_spans_and_signatures_read_no_empty_field_of_a_node():
+def test_the_index_spans_signatures_and_dedupe_keys_read_no_empty_field_of_a_node():
+    from rnnfuse.passes.cleanup import _DedupeTable
     from rnnfuse.signature import _node_info
 
     g = _chain(T=8).graph
@@ -277,4 +278,7 @@ def test_the_index_spans_and_signatures_read_no_empty_field_of_a_node():
     g.consumers.clear()
     g._index_all(nodes)
     intervals(g, nodes, {})
+    table = _DedupeTable(g)
+    keys = [table.full(n) for n in nodes if n.op_type != "Constant"]
+    assert len(keys) > 20 and any(k[1] for k in keys) and any(not k[1] for k in keys)
     assert not [(n.op_type, n.empty_reads) for n in nodes if n.empty_reads]

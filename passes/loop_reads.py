@@ -77,18 +77,30 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     if step is None or step[0] not in index_syms:
         return None
     k = index_syms[step[0]] + step[1]  # subtracted value is i + k
-    T_keys = {time_dim_key(g, data, axis), ("dim",) + root_dim(g, data, axis)}
+    T_keys = _size_keys(g, time_dim_key(g, data, axis)) | _size_keys(g, ("dim",) + root_dim(g, data, axis))
     # a must be T - 1 + k
     an = body.producer.get(value_source(body, a)) if body.scope_of(a) is body else None
     if an is None:
         an = g.producer.get(value_source(g, a))
-    if k == 1 and dim_key(body, a) in T_keys:
+    if k == 1 and _size_keys(g, dim_key(body, a)) & T_keys:
         return "reverse"
     if an is not None and an.op_type == "Sub":
         c = body.const(an.input[1])
-        if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k and dim_key(body, an.input[0]) in T_keys:
+        if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k and _size_keys(g, dim_key(body, an.input[0])) & T_keys:
             return "reverse"
     return None
+
+
+def _size_keys(g: Graph, key) -> set:
+    """A size's keys: its own, and for a dimension the model declares with a symbolic name, that name (the
+    dims a model names alike are one size: the T of ``Gather(mask, T - 1 - i)`` may be read from x's shape)."""
+    out = {key}
+    if key is not None and key[0] == "dim":
+        t = g.model.known_type(key[1])
+        dims = t[1] if t is not None else None
+        if dims is not None and 0 <= key[2] < len(dims) and isinstance(dims[key[2]], str):
+            out.add(("param", dims[key[2]]))
+    return out
 
 
 def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):

@@ -23,6 +23,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+import rnnfuse
+
 import builders as B
 from reference import GATES, rnn_reference
 
@@ -389,8 +391,6 @@ def _softplus_may_overflow(o: B.Opts) -> bool:
 GAPS = [
     (_softplus_may_overflow,
      "a Softplus that may see values above ~88 is declined (onnxruntime's native Softplus overflows to inf there)"),
-    (lambda o: o.front == "loop" and o.direction == "reverse" and o.reverse_form == "index" and o.masked(),
-     "a masked Loop reading Gather(X, T-1-i) and Gather(mask, T-1-i) is declined ('mask' is computed at runtime outside the step)"),
     (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
     (lambda o: o.front == "chain" and ((o.op == "LSTM" and o.init == "fill") or (B.has_prev(o) and o.prev_init == "fill")),
      "an unrolled chain whose first step reads one constant fill as both h0 and c0 (equal fills: Dedupe makes them "
@@ -557,3 +557,20 @@ def test_near_miss_declined(opts, validate):
 def test_every_mutation_has_a_case():
     ids = {p.values[0].mutation for p in _near_miss_cases()}
     assert ids == set(B.MUTATIONS)
+
+
+def test_reverse_index_mask_of_another_length_declined():
+    """A masked Loop reading ``Gather(X, T-1-i)`` and ``Gather(mask, T-1-i)``, T from X's shape, fuses when the
+    model names the mask's time axis as X's ('T'); with another name the mask may be longer than X, its rows
+    read backwards from another end: declined, the outputs unchanged."""
+    o = B.default_reverse_form(O(op="GRU", front="loop", direction="reverse", reverse_form="index", mask="where"))
+    model, _ = B.build(o)
+    out, rep = rnnfuse.optimize(model)
+    assert [f.status for f in rep.findings] == ["fused"], rep
+    other = onnx.ModelProto()
+    other.CopyFrom(model)
+    mask = next(i for i in other.graph.input if i.name == "mask")
+    mask.type.tensor_type.shape.dim[0].dim_param = "T_mask"
+    out, rep = rnnfuse.optimize(other)
+    assert [f.status for f in rep.findings] == ["declined"], rep
+    assert "mask" in rep.findings[0].reason

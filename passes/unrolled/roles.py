@@ -293,17 +293,19 @@ class _ChainRoles:
         other: list[str | None] = [None] * n
         for k in range(1, n):
             before = per_step[k - 1]
+            fresh = []  # values of step k reading none of step k-1's
             for v in per_step[k]:
                 read = [b for b in before if b in inputs_of(g, v, self.allowed[k], self.leaves[k])]
                 if not read:
-                    other[k] = v if other[k] is None else "?"
+                    fresh.append(v)
                 elif len(read) == 1 and ys[k] is None and ys[k - 1] in (None, read[0]):
                     ys[k], ys[k - 1] = v, read[0]
                 else:
                     raise Decline(f"step {self.ts[k]} carries two values beside its states")
-            if ys[k - 1] is None or other[k] == "?":
+            if ys[k - 1] is None or len(fresh) > 1:
                 raise Decline(f"the two values step {self.ts[k - 1]} computes beyond its states are not a carried"
                               " output and another")
+            other[k] = fresh[0] if fresh else None
             other[k - 1] = next(b for b in before if b != ys[k - 1])
         return ys, other
 

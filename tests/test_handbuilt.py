@@ -574,3 +574,39 @@ def test_reverse_index_mask_of_another_length_declined():
     out, rep = rnnfuse.optimize(other)
     assert [f.status for f in rep.findings] == ["declined"], rep
     assert "mask" in rep.findings[0].reason
+
+
+def test_constant_broadcast_read_by_every_step_is_no_initial_state():
+    """A non-zero constant broadcast to the batch outside the steps is a chain's initial state when its first
+    step alone reads it; one that every step reads (``ones`` for each step's ``1 - z``) is a constant of the
+    cell, folded as before: the chain still fuses whole (it was declined when read as a state)."""
+    o = O(op="GRU", front="chain", static_T=5)
+    model, _ = B.build(o)
+    g = model.graph
+    consts = {n.output[0]: n for n in g.node if n.op_type == "Constant"}
+
+    def is_one(name):
+        n = consts.get(name)
+        return n is not None and np.all(onnx.numpy_helper.to_array(n.attribute[0].t) == 1.0)
+
+    subs = [n for n in g.node if n.op_type == "Sub" and is_one(n.input[0])]
+    assert len(subs) == o.static_T  # one 1 - z a step
+    i64 = lambda v: onnx.numpy_helper.from_array(np.array(v, np.int64))  # noqa: E731
+    ones = [
+        helper.make_node("Shape", ["X"], ["ones_sx"]),
+        helper.make_node("Constant", [], ["ones_b0"], value=i64([1])),
+        helper.make_node("Constant", [], ["ones_b1"], value=i64([2])),
+        helper.make_node("Slice", ["ones_sx", "ones_b0", "ones_b1"], ["ones_B"]),
+        helper.make_node("Constant", [], ["ones_H"], value=i64([o.H])),
+        helper.make_node("Concat", ["ones_B", "ones_H"], ["ones_shape"], axis=0),
+        helper.make_node("Constant", [], ["ones_one"], value=onnx.numpy_helper.from_array(np.array(1.0, np.float32))),
+        helper.make_node("Expand", ["ones_one", "ones_shape"], ["ones"]),
+    ]
+    for n in subs:
+        n.input[0] = "ones"
+    nodes = ones + list(g.node)
+    del g.node[:]
+    g.node.extend(nodes)
+    onnx.checker.check_model(model)
+    _, rep = rnnfuse.optimize(model)
+    assert [(f.status, f.where.endswith(f"steps 0..{o.static_T - 1}: {o.static_T} cells")) for f in rep.findings] == [("fused", True)], rep

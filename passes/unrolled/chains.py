@@ -215,10 +215,45 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
     # values computed from one step's mask alone (its Unsqueeze, Not, Cast): never a carried state, even when
     # another chain's step combines them with this step's values (a backward chain's first, x-only step)
     mask_only = {t: closure(g, ms, 64)[0] for t, ms in mask_fam.items()}
-    given = given_constants(g)
+    given = _initial_state_constants(g, iv, {min(fam), max(fam)})
     regions = {t: _x_region(g, x, mask_only.get(t, set()), given) for t, x in fam.items()}
     found = _older_reads(g, fam, iv, mask_fam, mask_only, regions, given)
     return [chain for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction)]
+
+
+def _initial_state_constants(g: Graph, iv, ends: set[int]) -> set:
+    """The given constants (:func:`rnnfuse.dataflow.given_constants`) that are initial states: read only at
+    the family's first or last time index (``ends``), by a forward or a backward chain's first step (one
+    broadcast may start both halves of a bidirectional layer). A broadcast read at other steps (``ones`` for
+    every step's ``1 - z``) is a constant of the cell and is read as one, as before: it leaves the model's given
+    set, which the step evaluator and the signer read (readers of no known step, e.g. another family's, do
+    not count)."""
+    facts = g.model.facts
+    given = given_constants(g)
+    if not given:
+        return given
+    dropped: set[str] = set()
+    whole = (min(ends), max(ends))
+    producer = g.producer
+    # (names an earlier rewrite removed may stay in the set: they are read by nothing)
+    for seed in [v for v in given if v in producer and not any(i in given for i in producer[v].input)]:
+        part, stack, inside = {seed}, [seed], False
+        while stack:
+            for c in g.uses(stack.pop()):
+                outs = [o for o in c.output if o]
+                if outs and all(o in given for o in outs):
+                    stack.extend(o for o in outs if o not in part)
+                    part.update(outs)
+                    continue
+                # a first step's node depends on its own x alone: (t, t) at either end; one depending on every
+                # step may be another family's (a layer stacked on this one): no step of this family
+                span = iv.nodes.get(id(c))
+                inside |= span is not None and span != whole and not (span[0] == span[1] and span[0] in ends)
+        if inside:
+            dropped |= part
+    if dropped:
+        facts.given = given = given - dropped
+    return given
 
 
 def _x_region(g: Graph, x: str, mask_local: set, given: set) -> tuple[set, list[NodeProto]]:

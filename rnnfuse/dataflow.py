@@ -100,7 +100,8 @@ def post_order(root: str, memo: dict, open_, close):
 def given_constants(g: Graph) -> frozenset | set:
     """Constants other than zeros broadcast to a runtime shape (``Expand(h0, [B, H])`` of a learned initial
     state, a ConstantOfShape fill) and the values computed from them and no runtime value (``h0 @ R``): an
-    unrolled chain's given initial state may be one, though it is computed from shapes and constants only.
+    unrolled chain's given initial state may be one, though it is computed from shapes and constants only
+    (the chain search keeps those its family reads as one: passes/unrolled/chains._initial_state_constants).
     (Zeros are the initial state a first step may fold away.) One walk from the broadcasts, kept in the
     model's facts like :func:`runtime_values`; a graph without such a broadcast costs an op-index lookup."""
     if g.parent is not None:

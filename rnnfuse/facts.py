@@ -14,7 +14,7 @@ class ModelFacts:
     # dataflow queries (rnnfuse.dataflow), memoised per tensor name
     shape_derived: dict = field(default_factory=dict)  # tensor -> computed from shapes and constants only
     runtime: set | None = None  # main-graph tensors computed from input values (rnnfuse.dataflow.runtime_values)
-    given: set | None = None  # broadcast non-zero constants and what they compute (rnnfuse.dataflow.given_constants)
+    given: set | None = None  # non-zero broadcast constants and what they compute (rnnfuse.dataflow.given_constants)
     lead: dict = field(default_factory=dict)  # tensor -> leading unit axes of a [*, B, N] value (or None)
     # constants named by their bytes (rnnfuse.symbolic.content_key): per-step copies of one weight share a key
     content_keys: dict = field(default_factory=dict)

@@ -11,7 +11,7 @@ from typing import Callable
 
 from onnx import NodeProto
 
-from .dataflow import given_constants, post_order, runtime_values
+from .dataflow import post_order, runtime_values
 from .graph import Graph
 from .symbolic import content_key
 
@@ -41,9 +41,10 @@ class Signer:
         return v
 
     def sign(self, name: str, leaves: dict[str, str], allowed, foreign: Callable[[str], str], visited: set,
-             fills: dict | None = None, memo: dict | None = None) -> int:
+             fills: dict | None = None, memo: dict | None = None, given: frozenset = frozenset()) -> int:
         """``memo``: the signatures of a region signed before with the same ``leaves``, ``allowed`` and
-        ``foreign`` (a step's h and then its c: the second walk stops where the first one went)."""
+        ``foreign`` (a step's h and then its c: the second walk stops where the first one went). ``given``:
+        constant initial states the region carries (signed as values, not as the constants they fold to)."""
         g = self.g
         if memo is None:
             memo = {}
@@ -51,7 +52,6 @@ class Signer:
             return memo[name]
         intern = self._intern
         runtime = runtime_values(g)
-        given = given_constants(g)  # (a constant initial state a chain carries: signed as a value, not a constant)
         # each producer's fields, read once, kept for this walk only (a chain's steps are each walked once:
         # a cache across walks would hold every node's fields); the tensors whose inputs are being signed
         infos: dict[int, tuple] = {}

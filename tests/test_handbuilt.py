@@ -319,6 +319,8 @@ CHAIN_FAMILIES = {
     # ... of a static batch: the broadcast folds to a constant, still read as the state it is
     "chain_learned_init_static_batch": dict(init="learned", static_B=3, mask="where", mask_rank=2),
     "chain_fill_init_static_batch_gru_lbr0": dict(init="fill", static_B=3, static_T=3, bias="none", lbr=0),
+    # a stacked layer's filled initial state is sized by the layer below's stacked output (a value of every step)
+    "chain_fill_init_masked_stacked": dict(init="fill", mask="where", mask_rank=2, layers="stack", static_T=3),
     "chain_bidirectional": dict(layers="bidir"),
     "chain_bidirectional_masked": dict(layers="bidir", mask="where", fill="zero"),
     # given initial states: the reverse half's h0 is read at the forward half's last step (and the forward h0 at
@@ -576,11 +578,14 @@ def test_reverse_index_mask_of_another_length_declined():
     assert "mask" in rep.findings[0].reason
 
 
-def test_constant_broadcast_read_by_every_step_is_no_initial_state():
+@pytest.mark.parametrize("init", ["zeros", "learned"])
+@pytest.mark.parametrize("ones", ["shared", "per_step"])
+def test_constant_broadcast_read_by_every_step_is_no_initial_state(ones, init):
     """A non-zero constant broadcast to the batch outside the steps is a chain's initial state when its first
-    step alone reads it; one that every step reads (``ones`` for each step's ``1 - z``) is a constant of the
-    cell, folded as before: the chain still fuses whole (it was declined when read as a state)."""
-    o = O(op="GRU", front="chain", static_T=5)
+    step alone reads it; one that every step reads (``ones`` for each step's ``1 - z``), or one a step makes from
+    its own value's shape (``ones_like(z_t)``), is a constant of the cell, folded as before: the chain still
+    fuses whole, beside a learned initial state too (it was declined, or fused from step 2, when read as one)."""
+    o = O(op="GRU", front="chain", static_T=5, init=init)
     model, _ = B.build(o)
     g = model.graph
     consts = {n.output[0]: n for n in g.node if n.op_type == "Constant"}
@@ -589,22 +594,27 @@ def test_constant_broadcast_read_by_every_step_is_no_initial_state():
         n = consts.get(name)
         return n is not None and np.all(onnx.numpy_helper.to_array(n.attribute[0].t) == 1.0)
 
-    subs = [n for n in g.node if n.op_type == "Sub" and is_one(n.input[0])]
-    assert len(subs) == o.static_T  # one 1 - z a step
     i64 = lambda v: onnx.numpy_helper.from_array(np.array(v, np.int64))  # noqa: E731
-    ones = [
+    one = onnx.numpy_helper.from_array(np.array([1.0], np.float32))
+    nodes = [
         helper.make_node("Shape", ["X"], ["ones_sx"]),
         helper.make_node("Constant", [], ["ones_b0"], value=i64([1])),
         helper.make_node("Constant", [], ["ones_b1"], value=i64([2])),
         helper.make_node("Slice", ["ones_sx", "ones_b0", "ones_b1"], ["ones_B"]),
         helper.make_node("Constant", [], ["ones_H"], value=i64([o.H])),
         helper.make_node("Concat", ["ones_B", "ones_H"], ["ones_shape"], axis=0),
-        helper.make_node("Constant", [], ["ones_one"], value=onnx.numpy_helper.from_array(np.array(1.0, np.float32))),
-        helper.make_node("Expand", ["ones_one", "ones_shape"], ["ones"]),
-    ]
-    for n in subs:
-        n.input[0] = "ones"
-    nodes = ones + list(g.node)
+        helper.make_node("ConstantOfShape", ["ones_shape"], ["ones"], value=one),
+    ] if ones == "shared" else []
+    subs = 0
+    for n in g.node:
+        if n.op_type == "Sub" and is_one(n.input[0]):  # one 1 - z a step
+            subs += 1
+            if ones == "per_step":  # ones_like(z_t)
+                nodes.append(helper.make_node("Shape", [n.input[1]], [f"ones_s{subs}"]))
+                nodes.append(helper.make_node("ConstantOfShape", [f"ones_s{subs}"], [f"ones{subs}"], value=one))
+            n.input[0] = "ones" if ones == "shared" else f"ones{subs}"
+        nodes.append(n)
+    assert subs == o.static_T
     del g.node[:]
     g.node.extend(nodes)
     onnx.checker.check_model(model)

@@ -42,6 +42,8 @@ class _Found:
 class Chain:
     direction: str
     steps: list  # in processing order
+    # broadcast constants the chain's first step may read as its given initial state (_initial_state_constants)
+    given: frozenset = frozenset()
 
 class Intervals:
     """tensor -> (lo, hi): the range of step indices it depends on (``get``, ``[]``); ``nodes`` the same per
@@ -218,26 +220,26 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
     given = _initial_state_constants(g, iv, {min(fam), max(fam)})
     regions = {t: _x_region(g, x, mask_only.get(t, set()), given) for t, x in fam.items()}
     found = _older_reads(g, fam, iv, mask_fam, mask_only, regions, given)
-    return [chain for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction)]
+    return [chain for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction, given)]
 
 
-def _initial_state_constants(g: Graph, iv, ends: set[int]) -> set:
-    """The given constants (:func:`rnnfuse.dataflow.given_constants`) that are initial states: read only at
-    the family's first or last time index (``ends``), by a forward or a backward chain's first step (one
-    broadcast may start both halves of a bidirectional layer). A broadcast read at other steps (``ones`` for
-    every step's ``1 - z``) is a constant of the cell and is read as one, as before: it leaves the model's given
-    set, which the step evaluator and the signer read (readers of no known step, e.g. another family's, do
-    not count)."""
-    facts = g.model.facts
+def _initial_state_constants(g: Graph, iv, ends: set[int]) -> frozenset:
+    """The given constants (:func:`rnnfuse.dataflow.given_constants`) that may be this family's initial states:
+    sized by no value of its steps (not a step's ``ones_like(z_t)``), and read only at the family's first or
+    last time index (``ends``), by a forward or a backward chain's first step (one broadcast may start both
+    halves of a bidirectional layer). A broadcast read at other steps (``ones`` for every step's ``1 - z``) is a
+    constant of the cell and is read as one, as before. Readers outside the family's steps (another family's,
+    e.g. a layer stacked on this one) do not count. The chains carry the set to the step evaluator and the
+    signer."""
     given = given_constants(g)
     if not given:
-        return given
+        return frozenset()
     dropped: set[str] = set()
     whole = (min(ends), max(ends))
     producer = g.producer
     # (names an earlier rewrite removed may stay in the set: they are read by nothing)
     for seed in [v for v in given if v in producer and not any(i in given for i in producer[v].input)]:
-        part, stack, inside = {seed}, [seed], False
+        part, stack, inside = {seed}, [seed], _sized_by_a_step(g, producer[seed], iv, whole)
         while stack:
             for c in g.uses(stack.pop()):
                 outs = [o for o in c.output if o]
@@ -245,15 +247,32 @@ def _initial_state_constants(g: Graph, iv, ends: set[int]) -> set:
                     stack.extend(o for o in outs if o not in part)
                     part.update(outs)
                     continue
-                # a first step's node depends on its own x alone: (t, t) at either end; one depending on every
-                # step may be another family's (a layer stacked on this one): no step of this family
-                span = iv.nodes.get(id(c))
-                inside |= span is not None and span != whole and not (span[0] == span[1] and span[0] in ends)
+                span = iv.nodes.get(id(c))  # (a first step's node depends on its own x alone: (t, t))
+                inside |= span is not None and not (span[0] == span[1] and span[0] in ends)
         if inside:
             dropped |= part
-    if dropped:
-        facts.given = given = given - dropped
-    return given
+    return frozenset(given - dropped)
+
+
+def _sized_by_a_step(g: Graph, broadcast: NodeProto, iv, whole: tuple, limit: int = 32) -> bool:
+    """Whether a broadcast's shape is computed from the shape of a value of one of the family's steps (a
+    value depending on every step, e.g. the stacked output of a layer below, sizes a given state)."""
+    stack, seen = [broadcast.input[0 if broadcast.op_type == "ConstantOfShape" else -1]], set()
+    while stack and len(seen) < limit:
+        cur = stack.pop()
+        if cur in seen or not cur:
+            continue
+        seen.add(cur)
+        p = g.producer.get(cur)
+        if p is None or g.const(cur) is not None:
+            continue
+        if p.op_type in ("Shape", "Size"):
+            span = iv.get(p.input[0])
+            if span is not None and span != whole:
+                return True
+            continue
+        stack.extend(p.input)
+    return len(seen) >= limit
 
 
 def _x_region(g: Graph, x: str, mask_local: set, given: set) -> tuple[set, list[NodeProto]]:
@@ -337,7 +356,7 @@ def _stacks_steps(c: NodeProto, t: int, local: set, local_step: dict, iv) -> boo
 
 
 def _thread(fam: dict[int, str], iv, mask_fam: dict[int, dict], found: dict[tuple[str, int], _Found],
-            direction: str) -> list[Chain]:
+            direction: str, given: frozenset) -> list[Chain]:
     """Link step t to the step before it (in ``direction``) when one of its roots ends there; every run of two
     or more linked steps is a chain."""
     succ: dict[int, int] = {}
@@ -372,5 +391,5 @@ def _thread(fam: dict[int, str], iv, mask_fam: dict[int, dict], found: dict[tupl
                 roots = {r for r in roots if iv.get(r) is not None}
                 weighted &= roots
             steps.append(Step(k, fam[k], roots, set(f.pulled), dict(mask_fam.get(k, {})), weighted))
-        chains.append(Chain(direction, steps))
+        chains.append(Chain(direction, steps, given))
     return chains

@@ -21,7 +21,7 @@ def step_output(g: Graph, chain: Chain, k: int, iv, signer: Signer, leaves: dict
     """The tensor of step k with the reference step's signature ``ref`` (one no later step reads)."""
     for name in _step_tensors(g, chain, k, iv, op_type):
         try:
-            if signer.sign(name, leaves, allowed, Foreign(chain.steps[k].t), set()) == ref:
+            if signer.sign(name, leaves, allowed, Foreign(chain.steps[k].t), set(), given=chain.given) == ref:
                 return name
         except Decline:
             continue

@@ -102,7 +102,8 @@ class _ChainRoles:
         memo = self.memos.get(k)
         if memo is None or memo[0] is not self.leaves[k]:
             memo = self.memos[k] = (self.leaves[k], {})
-        return self.signer.sign(name, self.leaves[k], self.allowed[k], self.foreign[k], self.chain_nodes, memo=memo[1])
+        return self.signer.sign(name, self.leaves[k], self.allowed[k], self.foreign[k], self.chain_nodes, memo=memo[1],
+                                given=self.chain.given)
 
     def keep_memo(self, k: int, names) -> None:
         """Keep only these names' signatures in step k's memo."""
@@ -439,7 +440,7 @@ class _ChainRoles:
             fills: dict = {}
             f = Foreign(ts[k])
             outs_k = {self.h_new[k]: "h"}
-            self.signer.sign(self.h_new[k], self.leaves[k], self.allowed[k], f, visited, fills)
+            self.signer.sign(self.h_new[k], self.leaves[k], self.allowed[k], f, visited, fills, given=self.chain.given)
             if self.lstm and self.c_new[k] is not None:
                 self.signer.sign(self.c_new[k], self.leaves[k], self.allowed[k], f, visited, fills)
                 outs_k[self.c_new[k]] = "c"

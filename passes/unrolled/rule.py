@@ -146,4 +146,4 @@ def _recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer,
     except FirstStepDiffers:
         if len(chain.steps) < 3:
             raise
-        return chain_recurrence(g, src, axis, Chain(chain.direction, chain.steps[1:]), iv, signer, mask_srcs)
+        return chain_recurrence(g, src, axis, Chain(chain.direction, chain.steps[1:], chain.given), iv, signer, mask_srcs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto
 
-from rnnfuse.dataflow import given_constants, lead_of, shape_derived
+from rnnfuse.dataflow import lead_of, shape_derived
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
 from rnnfuse.symbolic import BoolMask, Fill, Poly, State, StepEvaluator, StepInput, SymTensor
@@ -31,7 +31,7 @@ class _StepNodes:
         self.g, self.t, self.prev, self.side = g, st.t, st.t - 1 if fwd else st.t + 1, 1 if fwd else 0
         self.pulled, self.nodes = st.pulled, iv.nodes
         self.carried_side: dict[int, bool] = {}
-        self.given = given_constants(g)
+        self.given = chain.given
 
     def allowed(self, n: NodeProto) -> bool:
         k = id(n)
@@ -108,7 +108,7 @@ class StepEval:
         st = chain.steps[k]
         self.foreign = Foreign(st.t, fed_through(g, h_in))
         leaves = {st.x: x_value if x_value is not None else SymTensor(Poly.atom(x_atom))}
-        given = given_constants(g)  # (a constant fill of the batch's shape that is a given initial state: a state)
+        given = chain.given  # (a constant fill of the batch's shape that is a given initial state: a state)
         if h_in is not None:
             fv = g.fill_value(h_in) if h_in not in given else None
             leaves[h_in] = SymTensor(Poly.atom(H_STATE), lead_of(g, h_in) or 0) if fv is None else Fill(np.array(fv, dtype=np.float32))

@@ -278,7 +278,7 @@ def _sized_by_a_step(g: Graph, broadcast: NodeProto, iv, whole: tuple, limit: in
 def _x_region(g: Graph, x: str, mask_local: set, given: set) -> tuple[set, list[NodeProto]]:
     """A step's x-local region (the tensors computed from x_t with constants and the step's mask-only values
     (a tiled, negated or cast mask) only) and its *combining* nodes, which mix the region with anything else
-    (a given constant initial state too: see :func:`_given_constants`)."""
+    (a given constant initial state too: see :func:`_initial_state_constants`)."""
     local = {x}
     frontier = [x]
     combining: list[NodeProto] = []

@@ -442,7 +442,7 @@ class _ChainRoles:
             outs_k = {self.h_new[k]: "h"}
             self.signer.sign(self.h_new[k], self.leaves[k], self.allowed[k], f, visited, fills, given=self.chain.given)
             if self.lstm and self.c_new[k] is not None:
-                self.signer.sign(self.c_new[k], self.leaves[k], self.allowed[k], f, visited, fills)
+                self.signer.sign(self.c_new[k], self.leaves[k], self.allowed[k], f, visited, fills, given=self.chain.given)
                 outs_k[self.c_new[k]] = "c"
             ins = {v: r for v, r in self.leaves[k].items() if r in ("x", "h")}
             if f.name is not None:

@@ -7,12 +7,12 @@ polynomial of the update splits into the terms with the mask atom and those with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .cells import Recognised, recognise
 from .errors import Decline
 from .recurrence import CARRY, NONE, ZERO, FinalOutput, Init, SeqOutput
-from .symbolic import MASK, STATE, Poly, State, StepInput, sources
+from .symbolic import MASK, STATE, Poly, State, StepInput, masked_inputs, sources, unmask_inputs
 
 
 @dataclass
@@ -102,6 +102,9 @@ def analyse(x: StepInput, states: list[StepState], outs: list[StepOut], state_at
     if not states:
         raise Decline("no carried state")
     un = _unmask(states, state_atoms)
+    if any(masked_inputs(p) for p in [s.out_poly for s in states] + [o.poly for o in outs]):
+        states, outs = _unmask_inputs(states, outs, un)
+        un = _unmask(states, state_atoms)
     cell_syms, carry_of = _cell_states(states, un)
     rec = recognise({c: un.new_cell[c] for c in cell_syms}, x, {c: state_atoms[c] for c in cell_syms})
     by_sym = {s.sym: s for s in states}
@@ -149,6 +152,22 @@ def _unmask(states: list[StepState], state_atoms: dict[str, State]) -> _Unmasked
         raise Decline("states are masked by different masks")
     un.mask_sym = next(iter(mask_syms)) if mask_syms else None
     return un
+
+
+def _unmask_inputs(states: list[StepState], outs: list[StepOut], un: "_Unmasked"):
+    """The states and outputs with the step input read as itself where the cell reads it scaled by the mask
+    (``x * m``, ``Where(m, x, 0)``). Exact when that scaling is 1 at valid steps and the mask is the one the
+    states keep: a masked recurrence shows nothing the cell computes at masked steps (its states are kept
+    there and its outputs carry or hold zeros; an output of the raw cell is declined below)."""
+    if un.mask_sym is None:
+        raise Decline("the step input is multiplied by a mask, but no state is masked (the cell sees other inputs)")
+    valid = 0.0 if un.negated else 1.0
+    states = [replace(s, out_poly=unmask_inputs(s.out_poly, un.mask_sym, valid)) for s in states]
+    outs = [replace(o, poly=unmask_inputs(o.poly, un.mask_sym, valid)) for o in outs]
+    if any(masked_inputs(p) for p in [s.out_poly for s in states] + [o.poly for o in outs]):
+        raise Decline("the step input is multiplied by a mask other than the one the states keep, or is not "
+                      "itself at valid steps")
+    return states, outs
 
 
 def _padding_mask(states: list[StepState], state_atoms: dict[str, State]) -> bool:

@@ -88,6 +88,8 @@ MUTATIONS = {
     "gru_reset_on_input": ("GRU", "scan loop chain", False, "the reset gate multiplies the input part of the candidate"),
     "lstm_c_tanh": ("LSTM", "scan loop chain", False, "the carried cell state is tanh(c_new)"),
     "mask_on_input": ("LSTM GRU RNN", "scan loop chain", True, "the mask zeroes the step input; states update at every step"),
+    "mask_input_inverted": ("LSTM GRU RNN", "scan loop chain", True,
+                            "states are masked, and the step input is zeroed at valid steps (multiplied by the negated mask)"),
     "partial_clip": ("LSTM GRU", "scan loop chain", False, "every gate but the candidate is clipped"),
     "loop_trip_other_dim": ("LSTM GRU RNN", "loop", False, "trip count M = batch size while the condition bounds i by T"),
     "loop_cond_short": ("LSTM GRU RNN", "loop", False, "trip count T, but the condition stops after T-1 steps"),
@@ -729,6 +731,11 @@ def _step(ctx: Ctx, x: str, h: str, c: str | None, p: str | None, m: str | None,
     if o.mask_input_too and m is not None and mut != "mask_on_input":
         mm = b.op("Unsqueeze", m, b.i64(1)) if o.mask_rank == 2 else m
         if o.padding():
+            mm = b.op("Not", mm)
+        x = b.op("Mul", x, b.op("Cast", mm, to=FLOAT))
+    if mut == "mask_input_inverted":
+        mm = b.op("Unsqueeze", m, b.i64(1)) if o.mask_rank == 2 else m
+        if not o.padding():
             mm = b.op("Not", mm)
         x = b.op("Mul", x, b.op("Cast", mm, to=FLOAT))
     if mut == "mask_on_input":

@@ -393,7 +393,6 @@ def _softplus_may_overflow(o: B.Opts) -> bool:
 GAPS = [
     (_softplus_may_overflow,
      "a Softplus that may see values above ~88 is declined (onnxruntime's native Softplus overflows to inf there)"),
-    (lambda o: o.mask_input_too and o.masked(), "a masked cell that also multiplies its input by the mask is declined"),
     (lambda o: o.front == "chain" and ((o.op == "LSTM" and o.init == "fill") or (B.has_prev(o) and o.prev_init == "fill")),
      "an unrolled chain whose first step reads one constant fill as both h0 and c0 (equal fills: Dedupe makes them "
      "one tensor), or a carried output starting from a constant fill, is fused from its second step only"),
@@ -453,6 +452,11 @@ GAP_CASES = {
     "gru_sigmoid_exp_loop": O(op="GRU", lbr=1, front="loop", act_form="exp"),
     "lstm_mask_input_too": O(op="LSTM", mask="where", mask_input_too=True),
     "rnn_mask_input_too_loop": O(op="RNN", front="loop", mask="cast_sub", fill="zero", mask_input_too=True),
+    "gru_gated_row_mask_input_too_loop": O(op="GRU", front="loop", mask="where", mask_input_too=True),
+    "gru_mask_input_too_chain": O(op="GRU", lbr=1, front="chain", static_T=5, mask="delta", mask_input_too=True),
+    "lstm_padding_mask_input_too": O(op="LSTM", mask="pad", mask_input_too=True),
+    "rnn_padding_mask_input_too_chain": O(op="RNN", front="chain", static_T=5, mask="pad_cast", mask_input_too=True),
+    "lstm_bidir_mask_input_too_loop": O(op="LSTM", front="loop", layers="bidir", mask="where", mask_input_too=True),
 }
 
 

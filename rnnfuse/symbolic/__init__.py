@@ -9,6 +9,7 @@ from .algebra import (
     AFFINE,
     GATED_ROW,
     MASK,
+    MASKED_INPUT,
     STATE,
     STEP_INPUT,
     ZERO_ROW,
@@ -23,8 +24,10 @@ from .algebra import (
     StepInput,
     describe,
     loose_key,
+    masked_inputs,
     sources,
     substitute,
+    unmask_inputs,
     zero_states,
 )
 from .evaluator import StepEvaluator, content_key, register_handler, weight_ops
@@ -58,6 +61,7 @@ __all__ = [
     "Lin",
     "LinAtom",
     "MASK",
+    "MASKED_INPUT",
     "Mask",
     "Opaque",
     "Poly",
@@ -76,9 +80,11 @@ __all__ = [
     "content_key",
     "describe",
     "loose_key",
+    "masked_inputs",
     "sources",
     "register_handler",
     "weight_ops",
     "substitute",
+    "unmask_inputs",
     "zero_states",
 ]

@@ -29,6 +29,9 @@ STEP_INPUT = "X"  # the step input: ("X", symbol)
 GATED_ROW = "P"  # a product of a state and gates used as a matmul operand (GRU's r*h): ("P", monomial)
 ZERO_ROW = "Z"  # a matmul operand known to be zero: ("Z",)
 MASK = "M"  # the 0/1 float of a step mask: ("M", symbol)
+# the step input scaled by the step mask, (a + b*m) * x, as a matmul operand (a cell that zeroes its input at
+# padded steps): ("W", mask symbol, input symbol, a, b); it is the input itself where a + b*m = 1
+MASKED_INPUT = "W"
 AFFINE = "L"  # an affine map used elementwise: ("L", lin key)
 ACTIVATION = "A"  # an activation of a polynomial: ("A", name, params, argument key)
 CONTENT = "D"  # a constant named by its bytes: ("D", digest, shape, dtype)
@@ -411,6 +414,46 @@ def zero_states(p: Poly, syms: set[str]) -> Poly:
                 return Poly.const(0.0)
             return Poly.atom(LinAtom(Lin.make(keep, a.lin.biases, a.lin.ncols)))
         return None
+
+    return substitute(p, fn)
+
+
+def masked_inputs(p: Poly) -> set:
+    """The :data:`MASKED_INPUT` keys ``p`` reads, through activations, weight matmuls and gated rows."""
+    out: set = set()
+    stack = [p]
+    while stack:
+        q = stack.pop()
+        for a in q.atoms.values():
+            if isinstance(a, Act):
+                stack.append(a.arg)
+            elif isinstance(a, LinAtom):
+                out.update(s for s in a.lin.sources() if s[0] == MASKED_INPUT)
+                stack.extend(a.lin.rows.values())
+    return out
+
+
+def unmask_inputs(p: Poly, mask_sym: str, valid: float) -> Poly:
+    """``p`` with every step input scaled by mask ``mask_sym``, ``(a + b*m) * x``, that is ``x`` where the mask
+    is ``valid`` (``a + b*valid == 1``) read as ``x``: what the cell computes at valid steps. Other masked inputs stay."""
+
+    def row_key(src):
+        if src[0] == MASKED_INPUT and src[1] == mask_sym and src[3] + src[4] * valid == 1.0:
+            return (STEP_INPUT, src[2])
+        return src
+
+    def fn(a: Atom):
+        if not isinstance(a, LinAtom) or not masked_inputs(Poly.atom(a)):
+            return None
+        terms, rows = [], {}
+        for src, w in a.lin.terms:
+            if src[0] == GATED_ROW and src in a.lin.rows:  # r*h whose gate r reads the input: its key names r
+                row = unmask_inputs(a.lin.rows[src], mask_sym, valid)
+                (mono, _), = row.terms.items()
+                src = (GATED_ROW, mono)
+                rows[src] = row
+            terms.append((row_key(src), w))
+        return Poly.atom(LinAtom(Lin.make(terms, a.lin.biases, a.lin.ncols, rows)))
 
     return substitute(p, fn)
 

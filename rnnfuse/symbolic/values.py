@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import Decline
-from .algebra import GATED_ROW, ZERO_ROW, Act, ConstRef, Lin, LinAtom, Poly, State, StepInput
+from .algebra import GATED_ROW, MASK, MASKED_INPUT, STEP_INPUT, ZERO_ROW, Act, ConstRef, Lin, LinAtom, Poly, State, StepInput
 
 
 class Value:
@@ -177,6 +177,9 @@ def as_rows(v: Value) -> ConcatRows:
                     key = (GATED_ROW, m)
                     width = max((a.ncols or 0) for a in atoms) or None
                     return ConcatRows(((key, width, p),), v.lead)
+        masked = _masked_input(p)
+        if masked is not None:
+            return ConcatRows(((masked, p.atoms[(STEP_INPUT, masked[2])].ncols, p),), v.lead)
         raise Decline(f"a matmul whose left operand is not a step input or state ({p!r})")
     if isinstance(v, Opaque):
         raise Decline(v.why)
@@ -187,6 +190,29 @@ def as_rows(v: Value) -> ConcatRows:
     if isinstance(v, Const):
         raise Decline("a matmul of two constants")
     raise Decline("a matmul of an unsupported value")
+
+
+def _masked_input(p: Poly) -> tuple | None:
+    """The :data:`MASKED_INPUT` key of ``(a + b*m) * x`` (the step input zeroed at masked steps, ``x * m`` or
+    ``Where(m, x, 0)``), or None. Whether it is ``x`` where the cell's result is seen is for
+    :func:`rnnfuse.step.analyse` to say, once it knows the mask the states keep."""
+    a = b = 0.0
+    x = m = None
+    for mono, c in p.terms.items():
+        inputs = [k for k in mono if k[0] == STEP_INPUT]
+        masks = [k for k in mono if k[0] == MASK]
+        if len(inputs) != 1 or len(masks) > 1 or len(mono) != 1 + len(masks) or x not in (None, inputs[0]):
+            return None
+        x = inputs[0]
+        if masks:
+            if m not in (None, masks[0]):
+                return None
+            m, b = masks[0], b + c
+        else:
+            a += c
+    if x is None or m is None:
+        return None
+    return (MASKED_INPUT, m[1], x[1], a, b)
 
 
 def weight_of(v: Value, what: str) -> ConstRef:

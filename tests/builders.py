@@ -264,6 +264,8 @@ def mutation_expressible(name: str, o: Opts) -> bool:
         return True  # ONNX LSTM input P (i, f read the old c, o the new one)
     if name == "extra_scale" and o.op == "RNN" and f[0] == "Tanh":
         return True  # 1.5 * tanh(a) is ScaledTanh(1.5, 1)(a)
+    if name == "mask_input_inverted":
+        return True  # the input is zero at every valid step: a native op with zero input weights computes it
     if name in ("mask_on_input", "loop_shifted_input", "loop_fixed_input"):
         return True  # an unmasked native op over a transformed X (computed outside the recurrence)
     if o.front == "chain" and name in ("output_prev_h", "chain_state_read_midway", "state_unmasked_output_masked"):

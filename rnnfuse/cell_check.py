@@ -60,8 +60,8 @@ def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationR
                 feeds[name] = np.full((batch, cell.hidden), v, np.float32)
             try:
                 vals = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
-            except Exception as e:
-                return failed_run(e)
+            except Exception as e:  # (the step's own nodes ran in the original model: the native cell fails)
+                return failed_run(e, pairs, lambda: True)
             res.runs += 1
             for p in pairs:
                 compare(res.pairs[p], vals[p[0]], vals[p[1]], f"step check {ci}, batch {batch}")

@@ -185,3 +185,31 @@ NEAR_MISS_CASES = ([(build, o, "") for o in NEAR_MISSES]
 @pytest.mark.parametrize("make, o, reason", [pytest.param(*c, id=f"{c[0].__name__}-{c[1].name}") for c in NEAR_MISS_CASES])
 def test_near_misses_declined(make, o, reason: str):
     _declined(make(o), reason)
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+def test_rewrite_onnxruntime_cannot_run_is_declined(op):
+    """A masked Loop that reads only the first T rows of a mask longer than its input (T + 2 rows: a broken
+    TimeDistributed export has one): the original runs, a native op over the whole mask cannot. Validation
+    must decline it, not skip it: a model that ran must not come out unable to."""
+    import builders as HB
+    from rnnfuse.protos import rename_free
+
+    model = HB.build(HB.Opts(op=op, front="loop", mask="where", **({"lbr": 1} if op == "GRU" else {})))
+    model = model[0] if isinstance(model, tuple) else model
+    g = model.graph
+    loop = next(n for n in g.node if n.op_type == "Loop")
+    two = onnx.helper.make_tensor("two_rows", onnx.TensorProto.INT64, [1], [2])
+    zero = onnx.helper.make_tensor("row_zero", onnx.TensorProto.INT64, [1], [0])
+    g.initializer.extend([two, zero])
+    head = onnx.helper.make_node("Slice", ["mask", "row_zero", "two_rows", "row_zero"], ["mask_head"])
+    longer = onnx.helper.make_node("Concat", ["mask", "mask_head"], ["mask_longer"], axis=0)
+    rename_free(loop.attribute[0].g, "mask", "mask_longer")
+    at = list(g.node).index(loop)
+    g.node.insert(at, longer)
+    g.node.insert(at, head)
+    onnx.checker.check_model(model, full_check=True)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert "cannot run the rewrite" in report.declined[0].reason, report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()

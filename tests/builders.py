@@ -135,7 +135,9 @@ class Opts:
     zero_form: str = "const"  # zeros at masked steps (Where forms): const | cos (ConstantOfShape(Shape)) | sub (y - y) | mul0
     outputs: tuple = ("seq", "h", "c")  # which of Y, final h, final c (and "p", the final carried output) to return
     extra_seq: bool = False  # a second per-step output with the other masked-step fill (single layer only)
-    matmul: str = "matmul"  # matmul (MatMul + Add) | gemm | gemm_t (Gemm transB=1) | gemm_ab (alpha=2, beta=0.5)
+    # matmul (MatMul + Add) | gemm | gemm_t (Gemm transB=1) | gemm_ab (alpha=2, beta=0.5) | einsum (bk,kn->bn)
+    # | einsum_t (nk,bk->bn: the weight transposed, first)
+    matmul: str = "matmul"
     layout: str = "separate"  # separate | fused_split | fused_slice
     concat: bool = False  # Concat([x, h]) . [W; R] instead of x.W + h.R (GRU: separate layout only; lbr=0 uses Concat([x, r*h]))
     act_form: str = "op"  # op | clip | maxmin | minmax | relu6: how HardSigmoid / Relu are written; exp: Sigmoid as 1/(1+exp(-x))
@@ -446,6 +448,12 @@ def _mm(ctx: Ctx, a: str, w: np.ndarray, bias: np.ndarray | None, hint: str, rec
         if bias is not None:
             y = b.op("Add", y, ctx.weight(bias, hint + "_b"), hint="addb")
         return y
+    if o.matmul in ("einsum", "einsum_t"):  # (jnp.einsum, torch.einsum); einsum_t: the weight stored [N, K], first
+        if o.matmul == "einsum":
+            y = b.op("Einsum", a, ctx.weight(w, hint, recurrent), equation="bk,kn->bn", hint="einsum")
+        else:
+            y = b.op("Einsum", ctx.weight(np.ascontiguousarray(w.T), hint + "T", recurrent), a, equation="nk,bk->bn", hint="einsum")
+        return y if bias is None else b.op("Add", y, ctx.weight(bias, hint + "_b"), hint="addb")
     attrs = {}
     if o.matmul == "gemm":
         ins = [a, ctx.weight(w, hint, recurrent)]

@@ -169,7 +169,7 @@ def valid_opts(draw, single=False):
         outs.add("seq")
     kw["outputs"] = tuple(sorted(outs))
     kw["extra_seq"] = draw(_weighted((5, False), (1, True)))
-    kw["matmul"] = draw(_weighted((8, "matmul"), (6, "gemm"), (5, "gemm_t"), (1, "gemm_ab")))
+    kw["matmul"] = draw(_weighted((8, "matmul"), (6, "gemm"), (5, "gemm_t"), (1, "gemm_ab"), (1, "einsum"), (1, "einsum_t")))
     kw["layout"] = draw(st.sampled_from(["separate", "fused_split", "fused_slice"]))
     kw["concat"] = draw(st.booleans())
     kw["act_form"] = draw(_weighted((12, "op"), (4, "clip"), (2, "maxmin"), (2, "minmax"), (2, "relu6"), (1, "exp")))

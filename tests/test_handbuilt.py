@@ -159,6 +159,8 @@ FAMILIES = {
     "basic": {},
     "gemm": dict(matmul="gemm"),
     "gemm_transB": dict(matmul="gemm_t", bias="two"),
+    "einsum": dict(matmul="einsum"),
+    "einsum_transposed_weight": dict(matmul="einsum_t", bias="two"),
     "fused_split": dict(layout="fused_split"),
     "fused_slice_perm": dict(layout="fused_slice", perm="rot"),
     "fused_split_perm_gemm": dict(layout="fused_split", perm="rev", matmul="gemm"),
@@ -268,6 +270,7 @@ LOOP_FAMILIES = {
 CHAIN_FAMILIES = {
     "chain_basic": {},
     "chain_gemm_fused_perm": dict(matmul="gemm", layout="fused_split", perm="rev"),
+    "chain_einsum": dict(matmul="einsum_t"),
     "chain_concat_xh": dict(concat=True),
     "chain_slice_steps": dict(step_slice="slice"),
     "chain_split_steps": dict(step_slice="split", bias="two"),

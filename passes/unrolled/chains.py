@@ -19,7 +19,7 @@ from rnnfuse.protos import node_field
 
 
 # ops a carried state passes through on its way to a combining node (one non-constant input each)
-_STATE_SIDE = {"Gemm", "MatMul", "Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Add", "Mul", "Sub", "Cast", "Gather"}
+_STATE_SIDE = {"Gemm", "MatMul", "Einsum", "Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Add", "Mul", "Sub", "Cast", "Gather"}
 
 @dataclass
 class Step:
@@ -178,7 +178,7 @@ def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops
             return name  # combined with a runtime-shaped fill (0 + m * new at a first step): a state itself
         if p.op_type in ("Add", "Sub", "Mul") and read_through_weights:
             return name
-        read_through_weights |= p.op_type in ("MatMul", "Gemm")
+        read_through_weights |= p.op_type in ("MatMul", "Gemm", "Einsum")  # (an Einsum: either operand)
         if not _keeps_rows(g, p):
             return name  # e.g. Slice(h0, layer) of a per-layer initial state: the state starts here
         pulled.add(id(p))
@@ -333,7 +333,7 @@ def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], m
                 r = _root(g, i, iv, pulled, stop, ops=ops, given=given)
                 if r is None or r in stop or r in any_mask_only or (shape_derived(g, r) and r not in given):
                     continue
-                weighted = bool({"MatMul", "Gemm", "Concat"} & set(ops))  # read through the recurrent weights
+                weighted = bool({"MatMul", "Gemm", "Einsum", "Concat"} & set(ops))  # read through the recurrent weights
                 riv = iv.get(r)
                 for direction in ("forward", "reverse"):
                     if riv is not None and not (riv[1] < t if direction == "forward" else riv[0] > t):

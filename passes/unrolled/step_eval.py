@@ -62,7 +62,7 @@ class _StepNodes:
 
 # ops with constants that may sit between a carried value and the step reading it (the recogniser then
 # decides what they mean: p*c is a peephole, c @ P is not)
-_CARRIED_SIDE = {"Mul", "Add", "Sub", "Div", "Neg", "Unsqueeze", "Squeeze", "Identity", "Reshape", "MatMul", "Gemm"}
+_CARRIED_SIDE = {"Mul", "Add", "Sub", "Div", "Neg", "Unsqueeze", "Squeeze", "Identity", "Reshape", "MatMul", "Gemm", "Einsum"}
 
 
 # activations a step's h may come out of: when the step also reads that activation's input, the "h" the

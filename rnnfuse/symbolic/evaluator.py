@@ -43,7 +43,7 @@ _HANDLERS: dict[str, Callable] = {**ops_math.HANDLERS, **ops_shape.HANDLERS, **o
 
 # The ops whose semantics multiply a tensor by a weight matrix, the affine map every cell is built around
 # (``matmul_lin`` is reached from these handlers only); any op given semantics later may do so too.
-_WEIGHT_OPS = {"MatMul", "Gemm"}
+_WEIGHT_OPS = {"MatMul", "Gemm", "Einsum"}
 
 
 def register_handler(op_type: str, handler: Callable) -> None:
@@ -158,7 +158,7 @@ class StepEvaluator:
             raise Decline(f"custom op {node.domain}::{op} in the step")
         for k, v in enumerate(ins):
             if isinstance(v, Opaque):
-                if op in ("MatMul", "Gemm") and k == 1 and v.why.startswith("'"):
+                if op in _WEIGHT_OPS and k == 1 and v.why.startswith("'"):
                     return [Opaque(f"the weights {v.why.split(' ')[0]} of {op} '{node.name or node.output[0]}' are computed at runtime, not constants")] * len(node.output)
                 return [v] * len(node.output)  # keep the first reason, unprefixed
         if any(isinstance(v, ShapeValue) for v in ins) and op not in ("Reshape", "Expand"):
@@ -203,6 +203,11 @@ def _fill_op(ev, node, ins):
         if len(vals) == 1 and (op != "Concat" or all(isinstance(v, Fill) for v in ins if v is not None)):
             return [Fill(fills[0].arr)] * len(node.output)
         raise Decline(f"{op} of a runtime-shaped constant")
+    if op == "Einsum":  # a matmul-shaped Einsum of a zero state: zeros
+        k, _ = ops_math.einsum_as_matmul(node, ins)
+        if not isinstance(ins[k], Fill) or float(ins[k].arr) != 0.0 or isinstance(ins[1 - k], Fill):
+            raise Decline(f"{op} of a runtime-shaped constant")
+        return [Fill(np.array(0.0, dtype=np.float32))]
     if op in ("MatMul", "Gemm"):
         a = ins[0]
         if not isinstance(a, Fill) or float(a.arr) != 0.0 or isinstance(ins[1], Fill):

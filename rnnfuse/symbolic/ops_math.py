@@ -16,6 +16,7 @@ from .values import (
     ACTIVATION_DEFAULTS,
     BoolMask,
     Const,
+    Fill,
     MaskVector,
     SymTensor,
     Value,
@@ -241,6 +242,33 @@ def _matmul(ev, node, ins):
     return [SymTensor(Poly.atom(LinAtom(matmul_lin(row, weight_of(b, "the matmul weight")))), row.lead)]
 
 
+def einsum_as_matmul(node, ins) -> tuple[int, bool]:
+    """``(which operand is the step value, whether the weight is read transposed)`` of an Einsum that is a
+    matmul of a [B, K] step value by a constant [K, N] (``bk,kn->bn``) or its transpose (``bk,nk->bn``),
+    operands in either order (jnp.einsum, torch.einsum); Decline for any other Einsum."""
+    if len(ins) != 2:
+        raise Decline(f"an Einsum of {len(ins)} operands")
+    eq = attr(node, "equation", b"")
+    eq = (eq.decode() if isinstance(eq, bytes) else eq).replace(" ", "")
+    lhs, _, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != 2 or "." in eq or any(len(t) != 2 or len(set(t)) != 2 for t in terms + [out]):
+        raise Decline(f"an Einsum that is not a matmul of two matrices ({eq})")
+    k = 1 if isinstance(ins[0], Const) and not isinstance(ins[0], Fill) else 0
+    step, weight = terms[k], terms[1 - k]
+    b, f = step
+    if out[0] != b or f in out or f not in weight or out[1] not in weight or out[1] == b:
+        raise Decline(f"an Einsum that is not a matmul of a step value by a weight ({eq})")
+    return k, weight.index(f) == 1
+
+
+def _einsum(ev, node, ins):
+    k, transposed = einsum_as_matmul(node, ins)
+    w = weight_of(ins[1 - k], "the Einsum weight")
+    row = as_rows(ins[k])
+    return [SymTensor(Poly.atom(LinAtom(matmul_lin(row, w.T() if transposed else w))), row.lead)]
+
+
 def _gemm(ev, node, ins):
     a, b = ins[0], ins[1]
     if attr(node, "transA", 0):
@@ -321,6 +349,7 @@ HANDLERS: dict[str, Callable] = {
     "Min": _minmax,
     "MatMul": _matmul,
     "Gemm": _gemm,
+    "Einsum": _einsum,
     "Cast": _cast,
     "Not": _not,
     "Where": _where,

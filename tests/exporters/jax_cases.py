@@ -129,6 +129,11 @@ CASES = [
     case("hand_rnn_relu_o17", "hand", "rnn_relu", opset=17),
     case("hand_lstm_masked", "hand", "lstm", mask=True),
     case("hand_gru_masked_o17", "hand", "gru", mask=True, opset=17),
+    case("hand_gru_masked_input", "hand", "gru", mask=True, mask_input=True,
+         notes="x_t * m_t feeds the cell beside the masked state update"),
+    # -- matmuls written with jnp.einsum ("bf,fk->bk"; weights [out, in] read "bf,hf->bh", weight first)
+    case("hand_gru_einsum", "hand", "gru_einsum"),
+    case("hand_rnn_einsum_transposed_o17", "hand", "rnn_einsum_t", opset=17),
     # -- lax.fori_loop reading the step with dynamic_index_in_dim (batch-first, axis 1)
     case("fori_rnn_last_h", "fori", "rnn"),
     case("fori_gru_last_h", "fori", "gru"),
@@ -358,6 +363,23 @@ def build_hand(env: Env, c: Case, seed: int):
             if kind == "rnn_head_prev":
                 return new, h @ V
             return new + 0.5 * tanh(tanh(h @ V) @ P), new @ V
+    elif kind == "gru_einsum":  # Keras' reset_after GRU (gates z, r, h) with jnp.einsum for the matmuls
+        Gx, Gh, gbx, gbh = _weights(rng, (F, 3 * H), (H, 3 * H), (3 * H,), (3 * H,))
+
+        def cell(h, xt):
+            gx = jnp.einsum("bf,fk->bk", xt, Gx) + gbx
+            gh = jnp.einsum("bj,jk->bk", h, Gh) + gbh
+            z = sig(gx[:, :H] + gh[:, :H])
+            r = sig(gx[:, H:2 * H] + gh[:, H:2 * H])
+            n = tanh(gx[:, 2 * H:] + r * gh[:, 2 * H:])
+            h = z * h + (1 - z) * n
+            return h, h
+    elif kind == "rnn_einsum_t":  # weights stored [out, in] (torch's layout), einsum operands either way round
+        WxT, WhT, b = _weights(rng, (H, F), (H, H), (H,))
+
+        def cell(h, xt):
+            h = tanh(jnp.einsum("bf,hf->bh", xt, WxT) + jnp.einsum("hk,bk->bh", WhT, h) + b)
+            return h, h
     elif kind == "rnn_len":
         Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
 
@@ -409,6 +431,8 @@ def build_hand(env: Env, c: Case, seed: int):
         def fn(x, mask):
             def step(carry, inp):
                 xt, mt = inp
+                if c.opts.get("mask_input"):  # the input zeroed at masked steps too
+                    xt = xt * mt[:, None].astype(xt.dtype)
                 new, y = cell(carry, xt)
                 keep = mt[:, None]
                 new = jax.tree_util.tree_map(lambda a, b: jnp.where(keep, a, b), new, carry)
@@ -581,7 +605,8 @@ def expectation(c: Case) -> dict:
     if c.declined:
         return {"declined": c.declined}
     op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN", "lstm_head": "LSTM",
-                                   "gru_head": "GRU", "rnn_head_x": "RNN", "rnn_len": "RNN"}[c.cell]
+                                   "gru_head": "GRU", "rnn_head_x": "RNN", "rnn_len": "RNN", "gru_einsum": "GRU",
+                                   "rnn_einsum_t": "RNN"}[c.cell]
     if c.model == "bidir":  # the flip outside the loops (Range/Sub/Gather) is seen: one bidirectional op
         return {"ops": {op: 1}, "directions": {op: ["bidirectional"]}, "absent": ["Loop", "Scan"]}
     # an LSTM's c read at one step per row (flax's carry at seq_lengths - 1) is a twin op's Y_c

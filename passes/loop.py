@@ -200,7 +200,10 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
         if reversed_reads == {True}:
             raise Decline("a length mask on a step that reads time backwards")
         mask_outer = _LENGTH_MASK
-    return _StepInput(leaves, x_outer if proj is None else proj.x0, x_axis, x_atom, reversed_reads == {True},
+    if proj is not None and proj.time_axis != x_axis and mask_outer is not None:
+        raise Decline("a batch-first input projection with a time-major mask")
+    return _StepInput(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis, x_atom,
+                      reversed_reads == {True},
                       mask_outer, set(x_reads), x_outer, InputPrep(proj.flips) if proj is not None else InputPrep(),
                       lengths)
 

@@ -119,7 +119,7 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves
             proj = input_projection(g, outer, ax)
             if proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
                 x_atom, leaves[inner] = projected_leaf(proj)
-                x_outer, x_prep = proj.x0, InputPrep(proj.flips)
+                x_outer, x_prep, x_axis = proj.x0, InputPrep(proj.flips), proj.time_axis
             else:
                 shape = g.model.shape(outer)
                 x_atom = StepInput("x", shape[2] if shape and isinstance(shape[2], int) else None)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .graph import Graph
+from .graph import Graph, attr
 from .symbolic import StepInput, ConstRef, Lin, LinAtom, Poly, SymTensor
 
 
@@ -26,6 +26,9 @@ class Projection:
     # the steps read the projection time-flipped by these nodes (innermost first): the recurrence reads x0
     # flipped the same way (an InputPrep the emitter builds)
     flips: tuple = ()
+    # x0's time axis (0: [T, B, F]; 1: batch-first): the steps read the projection along another axis when
+    # it was transposed after the matmul (Keras 3 on the JAX backend projects [B, T, F] and transposes)
+    time_axis: int = 0
 
 
 def input_projection(g: Graph, src: str, axis: int = 0) -> Projection | None:
@@ -41,6 +44,9 @@ def input_projection(g: Graph, src: str, axis: int = 0) -> Projection | None:
             return None
         return Projection(proj.x0, proj.K, proj.bias, proj.flips + (g.producer[src],))
     p = g.producer.get(src)
+    if p is not None and p.op_type == "Transpose" and attr(p, "perm", None) in ([1, 0, 2], (1, 0, 2)):
+        proj = input_projection(g, p.input[0], 1 - axis)  # (time and batch swapped: a projection of X0 all the same)
+        return None if proj is None or proj.flips else proj
     bias = None
     if p is not None and p.op_type == "Add":
         a, c = p.input
@@ -58,7 +64,7 @@ def input_projection(g: Graph, src: str, axis: int = 0) -> Projection | None:
         return None
     if bias is not None and bias.shape[0] != K.shape[1]:
         return None
-    return Projection(p.input[0], K, bias)
+    return Projection(p.input[0], K, bias, time_axis=axis)
 
 
 def projected_leaf(proj: Projection) -> tuple[StepInput, SymTensor]:

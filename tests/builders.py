@@ -36,6 +36,7 @@ except ImportError:  # imported as a top-level module (tests/ on sys.path)
 OPSET = 17
 IR_VERSION = 8
 FLOAT = TensorProto.FLOAT
+INT64, BOOL = TensorProto.INT64, TensorProto.BOOL
 INT64_MIN = -(2**63)
 
 DEFAULT_ACTS = {
@@ -126,7 +127,8 @@ class Opts:
     init: str = "zeros"  # zeros | input | input_h (h0 an input, c0 zeros) | fill (a constant 0.25 fill) | learned (Expand of a [1, H] row)
     init_form: str = "cos"  # cos: ConstantOfShape;  expand: Expand(scalar, shape)
     # none | where | where_not | cast_not | cast_sub | delta; a padding mask (the input is True at padding):
-    # pad (Where(pad, old, new)) | pad_cast (Cast(pad) * old + (1 - Cast(pad)) * new)
+    # pad (Where(pad, old, new)) | pad_cast (Cast(pad) * old + (1 - Cast(pad)) * new);
+    # reduce_all: Where(Cast(ReduceMin(Cast(Not(m), int64), -1), bool), old, new) (Keras 3 on the JAX backend)
     mask: str = "none"
     mask_rank: int = 3  # 3: bool [T, B, 1];  2: bool [T, B] (Unsqueeze in the body)
     fill: str = "carry"  # carry | zero: what the per-step output holds at masked steps
@@ -156,6 +158,7 @@ class Opts:
     static_T: int = 0  # declare a fixed number of time steps (0: dynamic)
     static_B: int = 0  # declare a fixed batch size (0: dynamic)
     xproj: bool = False  # probe: x.W (+b) computed outside the recurrence for all steps, the body adds it
+    xproj_transposed: bool = False  # xproj computed on the batch-first input and transposed back (Keras 3 on JAX)
     layers: str = "single"  # single | bidir (forward + reverse over X, outputs concatenated) | stack (two layers)
     step_slice: str = "gather"  # chain: each step's input as gather (Gather(X, t)) | slice (Squeeze(Slice)) | split (Split + Squeeze)
     step_inputs: str = ""  # chain (forward, unmasked, one layer): what step k reads instead of x_k: double (2 * x_k) |
@@ -717,6 +720,9 @@ def _select(ctx: Ctx, m: str, new: str, old: str | None) -> str:
         return b.op("Where", m, _zeros(ctx, new) if zero else old, new)
     if o.mask == "where_not":
         return b.op("Where", b.op("Not", m), _zeros(ctx, new) if zero else old, new)
+    if o.mask == "reduce_all":  # Keras 3 on JAX: is_masked = all(not m, axis=-1, keepdims=True) through int64
+        nm = b.op("Cast", b.op("ReduceMin", b.op("Cast", b.op("Not", m), to=INT64), axes=[-1], keepdims=1), to=BOOL)
+        return b.op("Where", nm, _zeros(ctx, new) if zero else old, new)
     mf = b.op("Cast", m, to=FLOAT)
     if o.mask == "pad_cast":
         kept = b.op("Mul", mf, old) if not zero else None
@@ -862,9 +868,13 @@ def _xproj(ctx: Ctx, X: str) -> tuple[str, int]:
     sw = _written(o)
     order = o.gate_order()
     Wx = np.concatenate([sw[g][0] for g in order], 1)
+    if o.xproj_transposed:  # projected batch-first, then transposed to the time axis the steps read
+        X = ctx.main.op("Transpose", X, perm=[1, 0, 2])
     y = ctx.main.op("MatMul", X, ctx.main.init(Wx, "Wproj"))
     if o.bias != "none":
         y = ctx.main.op("Add", y, ctx.main.init(np.concatenate([sw[g][2] for g in order]), "bproj"))
+    if o.xproj_transposed:
+        y = ctx.main.op("Transpose", y, perm=[1, 0, 2])
     return y, len(order) * o.H
 
 

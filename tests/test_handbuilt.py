@@ -460,6 +460,13 @@ GAP_CASES = {
     "lstm_padding_mask_input_too": O(op="LSTM", mask="pad", mask_input_too=True),
     "rnn_padding_mask_input_too_chain": O(op="RNN", front="chain", static_T=5, mask="pad_cast", mask_input_too=True),
     "lstm_bidir_mask_input_too_loop": O(op="LSTM", front="loop", layers="bidir", mask="where", mask_input_too=True),
+    # Keras 3 on the JAX backend (jax2onnx): the mask's sense through Cast/ReduceMin over its unit axis, and the
+    # input projected batch-first outside the loop, then transposed
+    "lstm_reduce_all_mask_loop": O(op="LSTM", front="loop", mask="reduce_all"),
+    "gru_reduce_all_mask_zero_fill": O(op="GRU", lbr=1, mask="reduce_all", fill="zero", mask_rank=2),
+    "rnn_reduce_all_mask_chain": O(op="RNN", front="chain", static_T=5, mask="reduce_all"),
+    "gru_projection_transposed_loop": O(op="GRU", lbr=1, front="loop", xproj=True, xproj_transposed=True),
+    "lstm_projection_transposed": O(op="LSTM", xproj=True, xproj_transposed=True),
 }
 
 

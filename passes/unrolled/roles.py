@@ -139,6 +139,8 @@ class _ChainRoles:
     def step_input(self) -> None:
         """The step input's leaf: x itself, or x @ K + b when the chain reads a projection computed outside it."""
         self.proj = input_projection(self.g, self.src, self.axis)
+        if self.proj is not None and self.proj.time_axis != self.axis:
+            self.proj = None  # (a projection transposed after the matmul: the chain reads it as computed)
         self.x_value = None
         if self.proj is not None:
             self.x_atom, self.x_value = projected_leaf(self.proj)

@@ -301,12 +301,50 @@ def _cast(ev, node, ins):
         p = Poly.atom(Mask(v.sym))
         p = Poly.const(1.0).sub(p) if v.neg else p
         return [SymTensor(p, 0) if v.unit else MaskVector(p)]
+    if isinstance(v, SymTensor) and _is_mask_value(v.poly):  # a 0/1 mask as a number: any type holds it
+        sense = _mask_sense(v.poly)
+        if to != onnx.TensorProto.BOOL:
+            return [v]
+        if sense is not None:
+            return [BoolMask(sense[0], sense[1], True)]
     if isinstance(v, SymTensor):
         src = ev.graph.model.elem_type(node.input[0])
         if to in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16) and (src is None or src == to):
             return [v]
         raise Decline("a cast of a cell value to another type")
     raise Decline("an unsupported cast")
+
+
+def _is_mask_value(p: Poly) -> bool:
+    """A value of the step mask alone (one value per batch row, [B, 1])."""
+    return bool(p.atoms) and all(isinstance(a, Mask) for a in p.atoms.values())
+
+
+def _mask_sense(p: Poly) -> tuple[str, bool] | None:
+    """``(symbol, negated)`` when ``p`` is the 0/1 step mask ``m`` or ``1 - m``."""
+    if len(p.atoms) != 1:
+        return None
+    (key, a), = p.atoms.items()
+    if p.terms == {(key,): 1.0}:
+        return a.sym, False
+    if p.terms == {(key,): -1.0, (): 1.0}:
+        return a.sym, True
+    return None
+
+
+def _reduce_unit_axis(ev, node, ins):
+    """ReduceMin / ReduceMax of the [B, 1] step mask over its unit axis, keeping it (Keras 3's
+    ``all(not mask, axis=-1, keepdims=True)`` on the JAX backend): the mask itself."""
+    v = ins[0]
+    if not isinstance(v, SymTensor) or not _is_mask_value(v.poly):
+        raise Decline(f"{node.op_type} of a cell value")
+    axes = attr(node, "axes", None)
+    if axes is None and len(ins) > 1 and isinstance(ins[1], Const):
+        axes = [int(a) for a in np.asarray(ins[1].arr).ravel()]
+    rank = v.lead + 2
+    if not attr(node, "keepdims", 1) or not axes or any(a not in (-1, rank - 1) for a in axes):
+        raise Decline(f"{node.op_type} of the step mask over an axis other than its last, or not keeping it")
+    return [v]
 
 
 def _not(ev, node, ins):
@@ -350,6 +388,8 @@ HANDLERS: dict[str, Callable] = {
     "MatMul": _matmul,
     "Gemm": _gemm,
     "Einsum": _einsum,
+    "ReduceMin": _reduce_unit_axis,
+    "ReduceMax": _reduce_unit_axis,
     "Cast": _cast,
     "Not": _not,
     "Where": _where,

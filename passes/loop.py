@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import NodeProto, TensorProto
 
+from rnnfuse.dataflow import rank_of
 from rnnfuse.dims import loop_invariant_init
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
@@ -157,7 +158,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
             continue
         reversed_reads.add(form == "reverse")
         et = g.model.elem_type(data)
-        rank = g.model.rank(data)
+        rank = rank_of(g, data)
         if et == TensorProto.BOOL:
             if mask_outer not in (None, data):
                 raise Decline("two different masks are read")
@@ -165,8 +166,8 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
                 raise Decline("the mask is read along its batch-first time axis")
             if rank not in (2, 3):
                 raise Decline(f"the mask has rank {rank}")
-            if rank == 3 and g.model.shape(data)[2] not in (1,):
-                raise Decline("the mask is not one value per row")
+            if rank == 3 and (g.model.shape(data) or [None] * 3)[2] != 1:
+                raise Decline("the mask is not one value per row (or its last axis is not known to be 1)")
             mask_outer = data
             leaves[n.output[0]] = BoolMask("m", False, rank == 3)
         else:

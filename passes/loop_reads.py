@@ -11,6 +11,7 @@ import numpy as np
 from onnx import NodeProto, TensorProto
 
 from rnnfuse import op_args
+from rnnfuse.dataflow import rank_of
 from rnnfuse.dims import dim_key, root_dim, time_dim_key, value_source
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
@@ -113,7 +114,7 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
     if n.op_type == "Gather" and len(n.input) >= 2:
         # TorchScript writes x[:, t] as Gather(Slice(x, 0:INT_MAX on axis 0), t, axis=1)
         data = _full_slice_source(g, body, n.input[0], invariants) or invariant_source(body, n.input[0], invariants)
-        rank = g.model.rank(data) if data is not None else None
+        rank = rank_of(g, data) if data is not None else None
         if data is None or rank is None:
             return None
         axis = attr(n, "axis", 0)
@@ -127,7 +128,7 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
         return None
     inner = sl.input[0]
     data = invariant_source(body, inner, invariants)
-    rank = g.model.rank(data) if data is not None else None
+    rank = rank_of(g, data) if data is not None else None
     if data is None or rank is None:
         return None
     sq_axes = op_args.axes(n, g.model.opset, op_args.const_reader(body, n))

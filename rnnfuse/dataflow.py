@@ -6,7 +6,9 @@ Answers are memoised in the model's :class:`~rnnfuse.facts.ModelFacts`, so each 
 
 from __future__ import annotations
 
-from .graph import Graph
+import numpy as np
+
+from .graph import Graph, attr
 
 # elementwise (or row-wise) ops whose output has the leading axes of their inputs
 _KEEPS_LEAD = ("Add", "Sub", "Mul", "Div", "Sigmoid", "Tanh", "Relu", "MatMul", "Gemm", "Where", "Identity", "Cast")
@@ -177,6 +179,37 @@ def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
                 out = max(leads) if leads else None
     memo[name] = out
     return out
+
+
+# ops whose output has their first input's rank
+_KEEPS_RANK = ("Relu", "Tanh", "Sigmoid", "Identity", "Cast", "Neg", "Abs", "Exp", "Softmax", "LeakyRelu", "Elu")
+
+
+def rank_of(g: Graph, name: str, depth: int = 0) -> int | None:
+    """The rank of ``name``: the known one (``Model.rank``), or read from how it was computed where the file
+    and shape inference leave it unknown (tf2onnx at opset 13 declares nothing after a Reshape to a computed
+    shape): a Transpose's ``perm``, a Reshape's shape of static length, and ops that keep their input's rank."""
+    r = g.model.rank(name)
+    if r is not None or depth >= 16:
+        return r
+    p = g.producer.get(name)
+    if p is None:
+        return None
+    if p.op_type == "Transpose":
+        perm = attr(p, "perm", None)
+        return len(perm) if perm else rank_of(g, p.input[0], depth + 1)
+    if p.op_type == "Reshape":
+        target = g.const(p.input[1])
+        if target is not None:
+            return int(np.asarray(target).size)
+        shape = g.model.shape(p.input[1])
+        return shape[0] if shape and len(shape) == 1 and isinstance(shape[0], int) else None
+    if p.op_type in _KEEPS_RANK:
+        return rank_of(g, p.input[0], depth + 1)
+    if p.op_type in ("Add", "Sub", "Mul", "Div"):  # broadcasting: the largest rank, when every input's is known
+        ranks = [rank_of(g, i, depth + 1) for i in p.input]
+        return None if None in ranks else max(ranks)
+    return None
 
 
 def closure(g: Graph, seeds, limit: int = 256) -> tuple[set[str], set[int]]:

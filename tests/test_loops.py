@@ -213,3 +213,29 @@ def test_rewrite_onnxruntime_cannot_run_is_declined(op):
     assert not report.fused and report.declined, report.to_text()
     assert "cannot run the rewrite" in report.declined[0].reason, report.to_text()
     assert fused.SerializeToString() == model.SerializeToString()
+
+
+def test_rank_read_from_how_a_tensor_was_computed():
+    """tf2onnx at opset 13 declares nothing after a Reshape to a computed shape, and shape inference gives no
+    rank there: a Loop reading such a tensor was declined ('no per-step input'). ``rank_of`` reads a
+    Transpose's perm, a Reshape's static-length shape and rank-keeping ops."""
+    from onnx import TensorProto, helper
+
+    from rnnfuse.dataflow import rank_of
+    from rnnfuse.graph import Model
+
+    nodes = [
+        helper.make_node("Reshape", ["x", "s"], ["r"]),  # s: an input of unknown length
+        helper.make_node("Relu", ["r"], ["relu"]),
+        helper.make_node("Transpose", ["relu"], ["t"], perm=[1, 0, 2]),
+        helper.make_node("Add", ["t", "bias"], ["a"]),
+        helper.make_node("Reshape", ["x", "s3"], ["r3"]),
+        helper.make_node("Tanh", ["r3"], ["tanh"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None), helper.make_tensor_value_info("s", TensorProto.INT64, None)],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "tanh")],
+        [helper.make_tensor("bias", TensorProto.FLOAT, [2], [0.5, 1.0]), helper.make_tensor("s3", TensorProto.INT64, [3], [2, 1, -1])])
+    g = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])).graph
+    assert [rank_of(g, n) for n in ("r", "relu", "t", "a", "r3", "tanh")] == [None, None, 3, 3, 3, 3]

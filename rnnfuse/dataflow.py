@@ -182,7 +182,7 @@ def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
 
 
 # ops whose output has their first input's rank
-_KEEPS_RANK = ("Relu", "Tanh", "Sigmoid", "Identity", "Cast", "Neg", "Abs", "Exp", "Softmax", "LeakyRelu", "Elu")
+_KEEPS_RANK = ("Relu", "Tanh", "Sigmoid", "Identity", "Cast", "Neg", "Abs", "Exp", "Softmax", "LeakyRelu", "Elu", "Slice")
 
 
 def rank_of(g: Graph, name: str, depth: int = 0) -> int | None:

@@ -134,6 +134,64 @@ def static_dim(g: Graph, name: str, axis: int) -> int | None:
     return d if isinstance(d, int) else None
 
 
+# ops whose output broadcasts their inputs: an extent of the output is one of an input's that is not 1
+_BROADCASTING = {"Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Equal", "And", "Or", "Xor", "Add", "Sub", "Mul",
+                 "Div"}
+
+
+def extent_key(g: Graph, name: str, axis: int, depth: int = 0):
+    """A canonical key for the length of ``name`` along ``axis`` (``("const", n)`` when it is known), read from
+    how the tensor was made where the file leaves it symbolic or unknown: through shape-keeping ops, an
+    Unsqueeze of other axes, a broadcasting op's operand that has the axis, and ``Range(0, n, 1)``'s n (torch's
+    ``arange(T)[:, None] < lengths[None, :]`` mask has the length of the x whose shape gave T). None if unknown."""
+    d = static_dim(g, name, axis)
+    if d is not None:
+        return ("const", d)
+    p = g.producer.get(name)
+    if p is None or depth > 16:
+        return _static(g, ("dim",) + root_dim(g, name, axis))
+    op = p.op_type
+    if op in _SHAPE_PRESERVING or op in ("Cast", "Not", "Identity"):
+        return extent_key(g, p.input[0], axis, depth + 1)
+    if op == "Unsqueeze":
+        axes = op_args.axes(p, g.model.opset, op_args.const_reader(g, p))
+        rank = g.model.rank(name)
+        if axes is None or rank is None:
+            return None
+        axes = sorted(a + rank if a < 0 else a for a in axes)
+        if axis in axes:
+            return ("const", 1)
+        return extent_key(g, p.input[0], axis - sum(a < axis for a in axes), depth + 1)
+    if op == "Range":
+        start, delta = g.const(p.input[0]), g.const(p.input[2])
+        if axis == 0 and start is not None and delta is not None and int(start) == 0 and int(delta) == 1:
+            return _static(g, dim_key(g, p.input[1]))
+        return None
+    if op in _BROADCASTING:
+        rank = g.model.rank(name)
+        keys = set()
+        for i in p.input:
+            r = g.model.rank(i)
+            if rank is None or r is None:
+                return None
+            k = extent_key(g, i, axis - (rank - r), depth + 1) if axis - (rank - r) >= 0 else ("const", 1)
+            if k is None:
+                return None
+            keys.add(k)
+        keys.discard(("const", 1))
+        return keys.pop() if len(keys) == 1 else (("const", 1) if not keys else None)
+    return _static(g, ("dim",) + root_dim(g, name, axis))
+
+
+def _static(g: Graph, key):
+    """``key`` with a dimension the file gives as a number read as that number."""
+    if key is not None and key[0] == "dim":
+        d = static_dim(g, key[1], key[2])
+        if d is not None:
+            return ("const", d)
+    return key
+
+
 def time_dim_key(g: Graph, name: str, axis: int = 0):
     d = static_dim(g, name, axis)
     if d is not None:

@@ -166,6 +166,7 @@ class Opts:
     # the first step through a cell with other weights)
     lengths: str = ""  # chain, masked: the step mask written from an int64 input `lengths` [B] (no `mask` input):
     # lt: Greater(lengths, t) (torch's `t < lengths`) | le: LessOrEqual(t + 1, lengths) | start: LessOrEqual(T - lengths, t) (pre-padded rows)
+    # | arange: one [T, B] mask Less(Range(T)[:, None], lengths[None, :]) sliced per step | arange_float: its Cast to float
     mutation: str | None = None
 
     def activations(self) -> tuple:
@@ -1064,7 +1065,12 @@ def _chain_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, su
     xs = step_input_order(o, slices(Xt), main)
     T = len(xs)
     ms = slices(mask) if mask and not o.lengths else [None] * T
-    if mask and o.lengths:  # the mask of step t compares the lengths with t
+    if mask and o.lengths in ("arange", "arange_float"):  # torch: m = arange(T)[:, None] < lengths[None, :], sliced per step
+        n = main.op("Gather", main.op("Shape", X), main.constant(np.array(tax, np.int64), "tax"))
+        steps = main.op("Range", main.constant(np.array(0, np.int64), "zero"), n, main.constant(np.array(1, np.int64), "one"))
+        m_all = main.op("Less", main.op("Unsqueeze", steps, main.i64(1 - tax)), main.op("Unsqueeze", mask, main.i64(tax)))
+        ms = slices(main.op("Cast", m_all, to=FLOAT) if o.lengths == "arange_float" else m_all)
+    elif mask and o.lengths:  # the mask of step t compares the lengths with t
         first = main.op("Sub", main.constant(np.array(T, np.int64), "T"), mask) if o.lengths == "start" else None
         for t in range(T):
             if o.lengths == "lt":
@@ -1418,8 +1424,11 @@ def check_opts(o: Opts) -> None:
     if o.step_inputs and (o.front != "chain" or o.masked() or o.direction != "forward" or o.layers != "single" or o.xproj
                           or o.step_inputs not in ("double", "diff", "stride2", "perm", "first_other")):
         raise ValueError("step_inputs: a forward unmasked single-layer chain without xproj")
-    if o.lengths and (o.front != "chain" or not o.masked() or o.mask_rank != 2 or o.lengths not in ("lt", "le", "start")):
-        raise ValueError("lengths: a masked chain with mask_rank=2 (each step's mask is [B]), lengths in lt | le | start")
+    if o.lengths and (o.front != "chain" or not o.masked() or o.mask_rank != 2
+                      or o.lengths not in ("lt", "le", "start", "arange", "arange_float")):
+        raise ValueError("lengths: a masked chain with mask_rank=2 (each step's mask is [B]), lengths in lt | le | start | arange")
+    if o.lengths == "arange_float" and o.mask not in ("cast_sub", "delta"):
+        raise ValueError("lengths=arange_float: a float mask is blended (cast_sub | delta), not selected")
 
 
 def build_full(o: Opts):
@@ -1515,7 +1524,17 @@ def _natives(model: onnx.ModelProto) -> dict:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _mismatch(got, want, atol, rtol, what) -> tuple[float, str]:
+def _rounding_noise(session, feeds: dict, ref: list, rng) -> list:
+    """How much the original's outputs move when its float inputs move by a few units in the last place: what
+    float32 rounding alone can do to them. A recurrence with unbounded activations (LeakyRelu gates, a Relu
+    output) grows exponentially and amplifies rounding as much as the fused op's other order of operations;
+    a difference that size is no wrong rewrite."""
+    moved = {k: (v * (1 + 2.0**-22 * rng.choice([-1.0, 1.0], v.shape))).astype(v.dtype) if v.dtype == np.float32 else v
+             for k, v in feeds.items()}
+    return [np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) for a, b in zip(session.run(None, moved), ref)]
+
+
+def _mismatch(got, want, atol, rtol, what, noise=None) -> tuple[float, str]:
     got, want = np.asarray(got), np.asarray(want)
     if got.shape != want.shape:
         return float("inf"), f"{what}: shape {got.shape} != {want.shape}"
@@ -1526,7 +1545,7 @@ def _mismatch(got, want, atol, rtol, what) -> tuple[float, str]:
         return float("inf"), f"{what}: NaN pattern differs"
     diff = np.where(np.isnan(w64), 0.0, np.abs(g64 - w64))
     err = float(diff.max())
-    bad = diff > atol + rtol * np.abs(np.nan_to_num(w64))
+    bad = diff > atol + rtol * np.abs(np.nan_to_num(w64)) + (0.0 if noise is None else 8.0 * np.nan_to_num(noise))
     if np.any(bad):
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
         return err, f"{what}: max abs error {err:.3g}; first at {idx}: got {g64[idx]:.6g}, want {w64[idx]:.6g}"
@@ -1592,6 +1611,7 @@ def run_case(
             msg = str(e).strip().splitlines()[0][:400]
             raise AssertionError(f"BROKEN MODEL: onnxruntime cannot load the optimized model: {msg}\n{out.text()}") from None
     names = [v.name for v in model.graph.output]
+    noise_rng = np.random.default_rng(seed + 7919)  # (apart: the input sets stay what they were)
     do_ref = check_reference and not o.mutation
     for b in batches:
         for T in Ts:
@@ -1607,8 +1627,9 @@ def run_case(
                         out.ref_mismatch = out.ref_mismatch or msg
                 if s_fused is not None:
                     got = s_fused.run(None, feeds)
-                    for name, g, r in zip(names, got, ref):
-                        err, msg = _mismatch(g, r, ATOL, RTOL, f"fused vs original, {name}, {where}")
+                    noise = _rounding_noise(s_orig, feeds, ref, noise_rng)
+                    for name, g, r, nz in zip(names, got, ref, noise):
+                        err, msg = _mismatch(g, r, ATOL, RTOL, f"fused vs original, {name}, {where}", nz)
                         out.fused_err = max(out.fused_err, err)
                         out.fused_mismatch = out.fused_mismatch or msg
     return out

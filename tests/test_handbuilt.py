@@ -466,6 +466,13 @@ GAP_CASES = {
     "gru_reduce_all_mask_zero_fill": O(op="GRU", lbr=1, mask="reduce_all", fill="zero", mask_rank=2),
     "rnn_reduce_all_mask_chain": O(op="RNN", front="chain", static_T=5, mask="reduce_all"),
     "gru_projection_transposed_loop": O(op="GRU", lbr=1, front="loop", xproj=True, xproj_transposed=True),
+    # torch's mask built once (arange(T)[:, None] < lengths[None, :], its T read from x's shape), sliced per step
+    "gru_arange_mask_chain": O(op="GRU", lbr=1, front="chain", static_T=5, mask="where", mask_rank=2, lengths="arange"),
+    "lstm_arange_float_mask_chain": O(op="LSTM", front="chain", static_T=5, mask="cast_sub", mask_rank=2, lengths="arange_float"),
+    "rnn_arange_float_mask_chain_bf": O(op="RNN", front="chain", static_T=5, mask="delta", mask_rank=2, lengths="arange_float",
+                                        batch_first=True),
+    "gru_arange_mask_chain_reverse": O(op="GRU", lbr=1, front="chain", static_T=5, mask="where", mask_rank=2, lengths="arange",
+                                       direction="reverse"),
     "lstm_projection_transposed": O(op="LSTM", xproj=True, xproj_transposed=True),
 }
 

@@ -65,6 +65,28 @@ def _squeezed(g: Graph, name: str, axis: int) -> str | None:
             return u.output[0]
     return None
 
+_FLOATS = (1, 10, 11, 16)  # float, float16, double, bfloat16
+_BOOL = 9
+
+
+def mask_source(g: Graph, src: str) -> str | None:
+    """The bool tensor whose 0/1 values a step-sliced family holds: itself (bool), or the bool a Cast to a float
+    type and an Unsqueeze of a trailing axis made it from (torch's ``(t < lengths).float().unsqueeze(-1)``)."""
+    if g.model.elem_type(src) == _BOOL:
+        return src
+    p = g.producer.get(src)
+    if p is None:
+        return None
+    if p.op_type == "Cast" and attr(p, "to") in _FLOATS and g.model.elem_type(p.input[0]) == _BOOL:
+        return p.input[0]
+    if p.op_type == "Unsqueeze":
+        rank = g.model.rank(p.input[0])
+        axes = op_args.axes(p, g.model.opset, op_args.const_reader(g, p))
+        if rank is not None and axes in ([rank], [-1]):
+            return mask_source(g, p.input[0])
+    return None
+
+
 def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
     fams: dict[tuple[str, int], dict[int, str]] = {}
     slicers = g.nodes_of(*_SLICERS)
@@ -92,20 +114,21 @@ def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
         x = n.output[0]
         if n.op_type == "Slice":
             x = _squeezed(g, x, ax)
+            if x is None and ax == 1 and g.model.rank(src) == 2 and mask_source(g, src) is not None:
+                x = n.output[0]  # mask[:, t:t+1] of a [B, T] mask: the step's [B, 1] mask as it is
             if x is None:
                 continue
         fam = fams.setdefault((src, ax), {})
         if t in fam:
             continue  # the same slice taken twice: keep the first (dedupe makes them one)
         fam[t] = x
-    floats = (1, 10, 11, 16)  # float, float16, double, bfloat16 (bool families are masks)
     out = {}
     for (src, ax), v in fams.items():
         et, rank = g.model.elem_type(src), g.model.rank(src)
-        if len(v) < 2 or (et is not None and et not in floats + (9,)):
+        if len(v) < 2 or (et is not None and et not in _FLOATS + (_BOOL,)):
             continue
-        if rank is not None and rank != 3 and not (et == 9 and rank == 2):
-            continue  # data is [T, B, F] (or batch-first); a mask [T, B, 1] or [T, B]
+        if rank is not None and rank != 3 and not (rank == 2 and mask_source(g, src) is not None):
+            continue  # data is [T, B, F] (or batch-first); a mask [T, B, 1] or [T, B] (bool families are masks)
         out[(src, ax)] = v
     return out
 
@@ -117,7 +140,7 @@ def mask_leaves(g: Graph, fams: dict, fam: dict, length_masks: list | None = Non
     leaves = {x: t for t, x in fam.items()}
     mask_fam: dict[int, dict] = {}
     mask_srcs: dict[str, tuple] = {}
-    bool_fams = [((msrc, maxis), mf) for (msrc, maxis), mf in fams.items() if g.model.elem_type(msrc) == 9]
+    bool_fams = [((mask_source(g, msrc), maxis), mf) for (msrc, maxis), mf in fams.items() if mask_source(g, msrc) is not None]
     for lm in length_masks or ():
         got = lm.slices(set(fam))
         if got is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from rnnfuse.dataflow import lead_of, shape_derived
-from rnnfuse.dims import static_dim
+from rnnfuse.dims import extent_key, static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
 from rnnfuse.inputs import input_projection, projected_leaf
@@ -410,7 +410,8 @@ class _ChainRoles:
             msrc, maxis = self.mask_srcs.get(an.mask_sym, (None, None))
             if isinstance(msrc, LengthMask):  # lengths > t written per step: its [T, B] source, laid out like x
                 msrc, maxis = msrc.source(g, axis, T if T is not None else max(ts) + 1, maxis, anchor), axis
-            elif msrc is None or maxis != axis or static_dim(g, msrc, maxis) != T:
+            elif msrc is None or maxis != axis or (static_dim(g, msrc, maxis) != T
+                                                   and extent_key(g, msrc, maxis) != extent_key(g, src, axis)):
                 raise Decline("the mask is not laid out like the per-step inputs")
             mask = msrc
         steps = None if min(ts) == 0 and T is not None and max(ts) == T - 1 else (min(ts), max(ts) + 1, axis)

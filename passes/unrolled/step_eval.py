@@ -5,12 +5,13 @@ besides h (the LSTM cell state), and its symbolic evaluation.
 from __future__ import annotations
 
 import numpy as np
-from onnx import NodeProto
+from onnx import NodeProto, TensorProto
 
-from rnnfuse.dataflow import lead_of, shape_derived
+from rnnfuse.dataflow import lead_of, rank_of, shape_derived
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
-from rnnfuse.symbolic import BoolMask, Fill, Poly, State, StepEvaluator, StepInput, SymTensor
+from rnnfuse.symbolic import BoolMask, Fill, Mask, Poly, State, StepEvaluator, StepInput, SymTensor
+from rnnfuse.symbolic.values import MaskVector
 
 from .chains import Chain
 
@@ -112,8 +113,12 @@ class StepEval:
         if h_in is not None:
             fv = g.fill_value(h_in) if h_in not in given else None
             leaves[h_in] = SymTensor(Poly.atom(H_STATE), lead_of(g, h_in) or 0) if fv is None else Fill(np.array(fv, dtype=np.float32))
-        for m, sym in st.masks.items():
-            leaves[m] = BoolMask(sym, False, g.model.rank(m) == 2)
+        for m, sym in st.masks.items():  # (a float family is the 0/1 Cast of a bool one: see families.mask_source)
+            unit = rank_of(g, m) == 2
+            if g.model.elem_type(m) == TensorProto.BOOL:
+                leaves[m] = BoolMask(sym, False, unit)
+            else:
+                leaves[m] = SymTensor(Poly.atom(Mask(sym))) if unit else MaskVector(Poly.atom(Mask(sym)))
 
         seen = self.foreign  # (not through self: the evaluator holding this function would hold self, a cycle)
 

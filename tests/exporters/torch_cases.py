@@ -282,6 +282,9 @@ def steps_describe(c: Case) -> str:
     if o.get("lengths") == "pad":
         parts.append("masked by hand with a padding mask: pad = (t >= lengths); h = where(pad, h, cell); "
                      "outputs where(pad, 0, cell)")
+    elif o.get("lengths") in ("arange", "arange_where"):
+        parts.append("masked by hand with one mask arange(T)[:, None] < lengths[None, :] read per step ("
+                     + ("as float: m * cell + (1 - m) * h)" if o["lengths"] == "arange" else "torch.where)"))
     elif o.get("lengths"):
         parts.append("masked by hand: m = (t < lengths).float(); h = m * cell + (1 - m) * h; outputs m * h")
     parts.append("returns (stacked outputs, last h" + (", last c)" if c.family == "lstm" else ")"))
@@ -356,6 +359,14 @@ def steps_module(c: Case):
                 h = torch.zeros(batch, c.hidden, dtype=x.dtype)
                 cs = torch.zeros(batch, c.hidden, dtype=x.dtype)
             outs = []
+            if o.get("lengths") in ("arange", "arange_where"):  # the whole mask once: arange(T)[:, None] < lengths
+                T = x.shape[1 if c.batch_first else 0]
+                if c.batch_first:  # [B, T], read as mask[:, t]
+                    masks = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+                else:  # [T, B], read as mask[t]
+                    masks = torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)
+                if o["lengths"] == "arange":
+                    masks = masks.to(x.dtype).unsqueeze(-1)  # float, [.., .., 1]
             for t, u in enumerate(self.step_inputs(x, x2)):
                 cell = self.cell0 if (t == 0 and o.get("inputs") == "first_cell") else self.cell
                 if o.get("inputs") == "reads_state":
@@ -375,7 +386,16 @@ def steps_module(c: Case):
                         cs = torch.where(pad, cs, c_new)
                     outs.append(torch.where(pad, torch.zeros_like(h_new), h_new))
                     continue
-                m = (t < lengths).to(x.dtype).unsqueeze(1)
+                step_mask = None if lengths is None or "arange" not in str(o.get("lengths")) else (
+                    masks[:, t] if c.batch_first else masks[t])
+                if o.get("lengths") == "arange_where":  # where(mask[t][:, None], new, old)
+                    keep = step_mask.unsqueeze(1)
+                    h = torch.where(keep, h_new, h)
+                    if self.lstm:
+                        cs = torch.where(keep, c_new, cs)
+                    outs.append(torch.where(keep, h_new, torch.zeros_like(h_new)))
+                    continue
+                m = step_mask if o.get("lengths") == "arange" else (t < lengths).to(x.dtype).unsqueeze(1)
                 h = m * h_new + (1 - m) * h
                 if self.lstm:
                     cs = m * c_new + (1 - m) * cs
@@ -426,6 +446,10 @@ CASES += [
     steps("lstmcell_trace_padding_mask", "lstm", lengths="pad"),
     steps("grucell_dynamo_padding_mask_bf", "gru", exporter="dynamo", time=6, lengths="pad", batch_first=True),
     steps("rnncell_tanh_trace_padding_mask", "rnn_tanh", lengths="pad"),
+    # ... and with the whole mask built once, arange(T)[:, None] < lengths[None, :], then read per step
+    steps("grucell_trace_arange_mask", "gru", lengths="arange"),
+    steps("lstmcell_trace_arange_mask_where_bf", "lstm", lengths="arange_where", batch_first=True),
+    steps("lstmcell_dynamo_arange_mask", "lstm", exporter="dynamo", time=6, lengths="arange"),
     # a learned initial state expanded to the batch: the op's initial_h (and initial_c)
     steps("lstmcell_trace_learned_init", "lstm", init="learned"),
     steps("grucell_dynamo_learned_init_lengths", "gru", exporter="dynamo", time=6, init="learned", lengths=True),

@@ -140,11 +140,11 @@ class Opts:
     # matmul (MatMul + Add) | gemm | gemm_t (Gemm transB=1) | gemm_ab (alpha=2, beta=0.5) | einsum (bk,kn->bn)
     # | einsum_t (nk,bk->bn: the weight transposed, first)
     matmul: str = "matmul"
-    layout: str = "separate"  # separate | fused_split | fused_slice
+    layout: str = "separate"  # separate | fused_split | fused_slice | fused_view (Reshape [-1, G, H] + Split + Squeeze) | fused_view_gather
     concat: bool = False  # Concat([x, h]) . [W; R] instead of x.W + h.R (GRU: separate layout only; lbr=0 uses Concat([x, r*h]))
     act_form: str = "op"  # op | clip | maxmin | minmax | relu6: how HardSigmoid / Relu are written; exp: Sigmoid as 1/(1+exp(-x))
     clip_form: str = "op"  # op | minmax
-    gru_update: str = "a"  # a: (1-z)*n + z*h;  b: n + z*(h-n);  c: z*h + n - z*n
+    gru_update: str = "a"  # a: (1-z)*n + z*h;  b: n + z*(h-n);  c: z*h + n - z*n;  lerp: torch.lerp(n, h, z)
     weights: str = "outer"  # outer | body_const | body_init | carried
     perm: tuple | None = None  # storage order of gates in fused weights (names of GATES[op]); None = ONNX order
     state_order: str = "hc"  # LSTM: order of the carried states (hc | ch)
@@ -488,6 +488,11 @@ def _split_cols(ctx: Ctx, y: str, n: int, H: int) -> list[str]:
         return [y]
     if o.layout == "fused_split":
         return b.op("Split", y, b.i64(*([H] * n)), n=n, axis=-1)
+    if o.layout in ("fused_view", "fused_view_gather"):  # torch: gates.view(-1, n, H).unbind(1)
+        v = b.op("Reshape", y, b.i64(-1, n, H))
+        if o.layout == "fused_view_gather":
+            return [b.op("Gather", v, b.constant(np.array(k, np.int64), "k"), axis=1) for k in range(n)]
+        return [b.op("Squeeze", p, b.i64(1)) for p in b.op("Split", v, b.i64(*([1] * n)), n=n, axis=1)]
     return [b.op("Slice", y, b.i64(k * H), b.i64((k + 1) * H), b.i64(1)) for k in range(n)]
 
 
@@ -693,6 +698,10 @@ def _cell(ctx: Ctx, x: str, h: str, c: str | None, xw: dict | None) -> tuple[str
         return b.op("Add", b.op("Mul", b.op("Sub", b.f(1.0), z), n), b.op("Mul", z, h)), None
     if o.gru_update == "b":
         return b.op("Add", n, b.op("Mul", z, b.op("Sub", h, n))), None
+    if o.gru_update == "lerp":  # torch.lerp(n, h, z) as torch.onnx writes it
+        d = b.op("Sub", h, n)
+        near = b.op("Less", b.op("Abs", z), b.f(0.5))
+        return b.op("Where", near, b.op("Add", n, b.op("Mul", z, d)), b.op("Sub", h, b.op("Mul", d, b.op("Sub", b.f(1.0), z)))), None
     return b.op("Sub", b.op("Add", b.op("Mul", z, h), n), b.op("Mul", z, n)), None
 
 
@@ -1564,8 +1573,8 @@ def recurrences_left(o: Opts, before: dict, after: dict) -> tuple[int, int]:
     if o.front != "chain":
         return before.get("Scan", 0) + before.get("Loop", 0), after.get("Scan", 0) + after.get("Loop", 0)
     n = len(_layer_opts(o))
-    mm_before = before.get("MatMul", 0) + before.get("Gemm", 0)
-    mm_after = after.get("MatMul", 0) + after.get("Gemm", 0)
+    mm_before = before.get("MatMul", 0) + before.get("Gemm", 0) + before.get("Einsum", 0)
+    mm_after = after.get("MatMul", 0) + after.get("Gemm", 0) + after.get("Einsum", 0)
     kept = n if o.xproj else 0
     if o.step_inputs == "first_other":
         kept += mm_before // o.static_T  # the first step, another cell, stays as it is

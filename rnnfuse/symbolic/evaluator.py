@@ -156,6 +156,10 @@ class StepEvaluator:
         op = node.op_type
         if node.domain not in ("", "ai.onnx"):
             raise Decline(f"custom op {node.domain}::{op} in the step")
+        if op == "Where":  # (before the condition's reason: a select between equal values needs none)
+            same = ops_math.equal_branches(ins)
+            if same is not None:
+                return [same]
         for k, v in enumerate(ins):
             if isinstance(v, Opaque):
                 if op in _WEIGHT_OPS and k == 1 and v.why.startswith("'"):

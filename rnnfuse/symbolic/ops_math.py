@@ -354,6 +354,15 @@ def _not(ev, node, ins):
     raise Decline("Not of a non-mask value")
 
 
+def equal_branches(ins) -> Value | None:
+    """The value of ``Where(c, a, b)`` whose branches are one polynomial, whatever ``c`` is (torch.lerp is
+    written ``Where(|w| < 0.5, start + w * (end - start), end - (end - start) * (1 - w))``), else None."""
+    if len(ins) != 3 or not all(isinstance(v, SymTensor) for v in ins[1:]):
+        return None
+    a, b = ins[1], ins[2]
+    return SymTensor(a.poly, lead_axes(a, b)) if a.poly.key == b.poly.key else None
+
+
 def _where(ev, node, ins):
     cond, a, b = ins
     if isinstance(cond, Const) and cond.arr.dtype == np.bool_ and cond.arr.size and (cond.arr.all() or not cond.arr.any()):

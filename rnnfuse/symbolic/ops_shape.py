@@ -9,7 +9,8 @@ import numpy as np
 from .. import op_args
 from ..errors import Decline
 from ..graph import attr
-from .values import BoolMask, ConcatRows, Const, MaskVector, ShapeValue, SymTensor, Value, as_rows, elementwise_poly, lead_axes
+from .values import (BoolMask, ConcatRows, Const, MaskVector, ShapeValue, SymTensor, UnitGroups, Value, as_rows,
+                     elementwise_poly, lead_axes)
 
 
 def _shape(ev, node, ins):
@@ -39,8 +40,20 @@ def _norm_axis(ev, node, v: Value, axis: int) -> int:
     return -2
 
 
+def _group_axis(v: UnitGroups, axis: int) -> bool:
+    """Whether ``axis`` of a [B, groups, width] view is its group axis."""
+    return axis in (1, -2)
+
+
 def _split(ev, node, ins):
     v = ins[0]
+    if isinstance(v, UnitGroups):  # gates.view(B, 4, H).unbind(1) (trace): one group per output, kept as [B, 1, H]
+        if not _group_axis(v, attr(node, "axis", 0)):
+            raise Decline("a split of grouped units along another axis than the groups")
+        sizes = op_args.split_sizes(node, ev.opset, lambda i: _const_arg(ins[i], "a split of runtime sizes"))
+        sizes = sizes if sizes is not None else op_args.equal_split(v.groups, len(node.output))
+        starts = np.cumsum([0] + list(sizes))
+        return [UnitGroups(v.take(int(a), int(b)), int(b - a), v.width) for a, b in zip(starts[:-1], starts[1:])]
     axis = _norm_axis(ev, node, v, attr(node, "axis", 0))
     if axis != -1:
         raise Decline("a split that is not along the unit axis")
@@ -61,6 +74,11 @@ def _split(ev, node, ins):
 def _slice(ev, node, ins):
     v = ins[0]
     starts, ends, axes, steps = op_args.slice_args(node, ev.opset, lambda i: _const_arg(ins[i], "a slice with runtime bounds"))
+    if isinstance(v, UnitGroups):  # view[:, k:k+1] (dynamo's unbind): groups k.., kept as an axis
+        if len(axes) != 1 or not _group_axis(v, axes[0]) or steps[0] != 1:
+            raise Decline("a slice of grouped units along another axis than the groups")
+        a, b, _ = slice(starts[0], ends[0]).indices(v.groups)
+        return [UnitGroups(v.take(a, b), b - a, v.width)]
     p = elementwise_poly(v)
     out = p
     for s, e, a, st in zip(starts, ends, axes, steps):
@@ -85,6 +103,11 @@ def _gather(ev, node, ins):
     v, idx = ins
     if not isinstance(idx, Const):
         raise Decline("a gather with runtime indices")
+    if isinstance(v, UnitGroups):  # view[:, k]: group k as a [B, width] value
+        k = int(idx.arr) + (v.groups if int(idx.arr) < 0 else 0) if idx.arr.ndim == 0 else None
+        if k is None or not _group_axis(v, attr(node, "axis", 0)) or not 0 <= k < v.groups:
+            raise Decline("a gather of grouped units that is not one group")
+        return [SymTensor(v.take(k, k + 1))]
     axis = _norm_axis(ev, node, v, attr(node, "axis", 0))
     if axis != -1 or idx.arr.ndim != 1:
         raise Decline("a gather that is not a unit selection")
@@ -135,6 +158,10 @@ def _unsqueeze(ev, node, ins):
 def _squeeze(ev, node, ins):
     v = ins[0]
     axes = _axes_of(ev, node, ins)
+    if isinstance(v, UnitGroups):
+        if v.groups != 1 or axes is None or len(axes) != 1 or not _group_axis(v, axes[0]):
+            raise Decline("a squeeze of grouped units that is not their one group")
+        return [SymTensor(v.poly)]
     if isinstance(v, (SymTensor, ConcatRows)) and v.lead and (axes is None or all(0 <= a < v.lead for a in axes)):
         k = v.lead if axes is None else len(set(axes))
         return [SymTensor(v.poly, v.lead - k) if isinstance(v, SymTensor) else ConcatRows(v.segments, v.lead - k)]
@@ -154,6 +181,8 @@ def _reshape(ev, node, ins):
         return [BoolMask(v.sym, v.neg, True)]  # the [B] step mask as [B, 1], the batch read from a cell value
     if isinstance(v, MaskVector) and isinstance(shp, ShapeValue) and shp.dims == [None, 1]:
         return [SymTensor(v.poly, 0)]
+    if isinstance(shp, ShapeValue) and _unit_groups(v, shp.dims) is not None:  # (the batch read from a value)
+        return [_unit_groups(v, shp.dims)]
     if not isinstance(shp, Const):
         raise Decline("a reshape to a runtime shape")
     shape = [int(s) for s in shp.arr]
@@ -169,7 +198,20 @@ def _reshape(ev, node, ins):
             return [v]
     if isinstance(v, SymTensor) and len(shape) == 3 and shape[0] == 1 and v.lead == 0:
         return [SymTensor(v.poly, 1)]
+    groups = _unit_groups(v, shape)
+    if groups is not None:
+        return [groups]
     raise Decline("a reshape of a cell value")
+
+
+def _unit_groups(v: Value, shape: list) -> UnitGroups | None:
+    """``v`` ([B, N]) reshaped to [B, G, W] with G * W = N, the batch kept (-1, 0 or read from a shape)."""
+    if not isinstance(v, SymTensor) or v.lead or len(shape) != 3 or shape[0] not in (-1, 0, None):
+        return None
+    g, w, n = shape[1], shape[2], v.poly.ncols
+    if not (isinstance(g, int) and isinstance(w, int) and g > 0 and w > 0 and n is not None and g * w == n):
+        return None
+    return UnitGroups(v.poly, g, w)
 
 
 def _expand(ev, node, ins):

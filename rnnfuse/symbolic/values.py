@@ -86,6 +86,20 @@ class BoolMask(Value):
         self.sym, self.neg, self.unit = sym, neg, unit
 
 
+class UnitGroups(Value):
+    """A [B, N] step value viewed as [B, groups, width] (``gates.view(B, 4, H)``, to be unbound into gates):
+    group k is units ``k*width .. (k+1)*width`` of ``poly``."""
+
+    __slots__ = ("poly", "groups", "width")
+
+    def __init__(self, poly: Poly, groups: int, width: int):
+        self.poly, self.groups, self.width = poly, groups, width
+
+    def take(self, start: int, stop: int) -> Poly:
+        """Groups ``start .. stop`` as one polynomial of their units."""
+        return self.poly.cols(start * self.width, stop * self.width)
+
+
 class Opaque(Value):
     __slots__ = ("why",)
 

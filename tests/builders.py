@@ -141,6 +141,7 @@ class Opts:
     # | einsum_t (nk,bk->bn: the weight transposed, first)
     matmul: str = "matmul"
     layout: str = "separate"  # separate | fused_split | fused_slice | fused_view (Reshape [-1, G, H] + Split + Squeeze) | fused_view_gather
+    # | fused_view_batch (the view's batch read from X's shape)
     concat: bool = False  # Concat([x, h]) . [W; R] instead of x.W + h.R (GRU: separate layout only; lbr=0 uses Concat([x, r*h]))
     act_form: str = "op"  # op | clip | maxmin | minmax | relu6: how HardSigmoid / Relu are written; exp: Sigmoid as 1/(1+exp(-x))
     clip_form: str = "op"  # op | minmax
@@ -488,8 +489,12 @@ def _split_cols(ctx: Ctx, y: str, n: int, H: int) -> list[str]:
         return [y]
     if o.layout == "fused_split":
         return b.op("Split", y, b.i64(*([H] * n)), n=n, axis=-1)
-    if o.layout in ("fused_view", "fused_view_gather"):  # torch: gates.view(-1, n, H).unbind(1)
-        v = b.op("Reshape", y, b.i64(-1, n, H))
+    if o.layout in ("fused_view", "fused_view_gather", "fused_view_batch"):  # torch: gates.view(-1, n, H).unbind(1)
+        if o.layout == "fused_view_batch":  # view(x.size(1), n, H) as torch trace writes it: the batch read from X
+            batch = b.op("Gather", b.op("Shape", "X"), b.constant(np.array(0 if o.batch_first else 1, np.int64), "bax"))
+            v = b.op("Reshape", y, b.op("Concat", b.op("Unsqueeze", batch, b.i64(0)), b.i64(n), b.i64(H), axis=0))
+        else:
+            v = b.op("Reshape", y, b.i64(-1, n, H))
         if o.layout == "fused_view_gather":
             return [b.op("Gather", v, b.constant(np.array(k, np.int64), "k"), axis=1) for k in range(n)]
         return [b.op("Squeeze", p, b.i64(1)) for p in b.op("Split", v, b.i64(*([1] * n)), n=n, axis=1)]

@@ -275,6 +275,8 @@ CHAIN_FAMILIES = {
     "chain_gemm_fused_perm": dict(matmul="gemm", layout="fused_split", perm="rev"),
     "chain_einsum": dict(matmul="einsum_t"),
     "chain_gru_lerp": dict(gru_update="lerp"),
+    "chain_view_batch": dict(layout="fused_view_batch"),
+    "chain_view_batch_bf": dict(layout="fused_view_batch", batch_first=True),
     "chain_concat_xh": dict(concat=True),
     "chain_slice_steps": dict(step_slice="slice"),
     "chain_split_steps": dict(step_slice="split", bias="two"),

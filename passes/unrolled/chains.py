@@ -196,7 +196,11 @@ def _unit_groups(g: Graph, name: str, depth: int = 0) -> bool:
         return False
     if p.op_type == "Reshape":
         shape = g.const(p.input[1])
-        return shape is not None and np.asarray(shape).ravel().tolist()[:1] in ([-1], [0]) and np.asarray(shape).size == 3
+        if shape is None:  # [B, G, W] with B read from a shape (torch trace's view(B, 4, H))
+            cat = g.producer.get(p.input[1])
+            return (cat is not None and cat.op_type == "Concat" and len(cat.input) == 3 and shape_derived(g, cat.input[0])
+                    and all(g.const(i) is not None and np.asarray(g.const(i)).size == 1 for i in cat.input[1:]))
+        return np.asarray(shape).ravel().tolist()[:1] in ([-1], [0]) and np.asarray(shape).size == 3
     return p.op_type in ("Split", "Slice") and _unit_groups(g, p.input[0], depth + 1)
 
 

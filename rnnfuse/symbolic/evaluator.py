@@ -95,6 +95,20 @@ class StepEvaluator:
             return (INITIALIZER, name)
         return content_key(self.graph, name, arr)
 
+    def _declared_shape(self, node: onnx.NodeProto) -> Value | None:
+        """``Shape(src)`` of a tensor the step does not compute (the graph input x, read for its batch), from its
+        declared dims: a constant when every dim is a number, a ShapeValue whose None is the batch when exactly one
+        dim is not (torch trace's ``view(x.size(1), 4, H)``); None (read it as usual) otherwise."""
+        src = node.input[0]
+        p = self.graph.producer.get(src)
+        if p is not None and self.may_evaluate(p):
+            return None
+        dims = self.graph.model.shape(src)
+        if dims is None or sum(not isinstance(d, int) for d in dims) > 1:
+            return None
+        dims = [d if isinstance(d, int) else None for d in dims][attr(node, "start", 0):attr(node, "end", None)]
+        return Const(np.array(dims, dtype=np.int64)) if None not in dims else ShapeValue(dims)
+
     # ---- public
     def value(self, name: str) -> Value:
         if name in self.memo:
@@ -117,6 +131,13 @@ class StepEvaluator:
                 fv = self.graph.fill_value(cur)
                 if fv is not None:  # a constant of runtime shape (zero states): its value is all that matters
                     self.memo[cur] = Fill(np.array(fv, dtype=np.float32))
+                    stack.pop()
+                    continue
+            if node is not None and node.op_type == "Shape" and node.input[0] not in self.memo and self.may_evaluate(node):
+                declared = self._declared_shape(node)
+                if declared is not None:  # the shape of a tensor from outside the step: not a value it reads
+                    self.memo[cur] = declared
+                    self.visited_nodes.add(id(node))
                     stack.pop()
                     continue
             if node is None or not self.may_evaluate(node):
@@ -241,6 +262,8 @@ def _shape_op(ev, node, ins):
         return [ShapeValue(dims)]
     if node.op_type in ("Cast", "Identity") and isinstance(v, ShapeValue):
         return [v]
+    if node.op_type in ("Unsqueeze", "Squeeze") and isinstance(v, ShapeValue) and len(v.dims) == 1:
+        return [v]  # one dim as a scalar or a 1-element vector (torch's size(1) before a Concat)
     if node.op_type == "Concat" and attr(node, "axis", 0) in (0, -1):
         # a shape built from a cell value's batch and constants (jax2onnx broadcasts the step mask with it)
         dims: list = []

@@ -9,7 +9,7 @@ import numpy as np
 from .. import op_args
 from ..errors import Decline
 from ..graph import attr
-from .values import (BoolMask, ConcatRows, Const, MaskVector, ShapeValue, SymTensor, UnitGroups, Value, as_rows,
+from .values import (BoolMask, ConcatRows, Const, Fill, MaskVector, RowConst, ShapeValue, SymTensor, UnitGroups, Value, as_rows,
                      elementwise_poly, lead_axes)
 
 
@@ -183,6 +183,11 @@ def _reshape(ev, node, ins):
         return [SymTensor(v.poly, 0)]
     if isinstance(shp, ShapeValue) and _unit_groups(v, shp.dims) is not None:  # (the batch read from a value)
         return [_unit_groups(v, shp.dims)]
+    if isinstance(v, Fill) and isinstance(shp, ShapeValue):
+        return [Fill(v.arr)]  # a constant of runtime shape (a zero state's h @ R) is one value whatever its shape
+    if (isinstance(v, RowConst) and isinstance(shp, ShapeValue) and shp.dims[:1] == [None]
+            and all(isinstance(d, int) for d in shp.dims[1:]) and int(np.prod(shp.dims[1:])) == v.arr.size):
+        return [RowConst(v.arr.reshape([1] + shp.dims[1:]))]  # a bias row broadcast over the batch, viewed
     if not isinstance(shp, Const):
         raise Decline("a reshape to a runtime shape")
     shape = [int(s) for s in shp.arr]

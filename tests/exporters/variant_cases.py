@@ -109,6 +109,10 @@ CELLS = {
     "gru_hs_candidate": (1, "GRU", 5, "GRU (torch formula) whose candidate is clamp(0.3*(W x + r*(U h + b)) + 0.4, 0, 1)"),
     "lstm_hs_output_uneven": (2, None, "near", "LSTM whose output activation is clamp(0.3*f*c + 0.5*i*g + 0.4, 0, 1): "
                                                "no hard_sigmoid of the new cell state"),
+    # (6) other spellings of the textbook cells
+    "lstm_view_gates": (2, "LSTM", 6, "LSTM whose gates are gates.view(-1, 4, H).unbind(1) (not chunk)"),
+    "gru_torch_lerp": (1, "GRU", 6, "GRU (torch formula) with h = torch.lerp(n, h, z)"),
+    "gru_einsum": (1, "GRU", 6, "GRU (torch formula) whose matmuls are torch.einsum('bf,gf->bg', x, W)"),
 }
 
 # what a declined case's reason must name (lower case words, each must occur)
@@ -183,7 +187,7 @@ def _cases() -> list[Case]:
             out.append(Case(f"{cell}_bidir", cell, direction="bidirectional"))
         out.append(Case(f"{cell}_bidir_masked", cell, direction="bidirectional", masked=True))
     # the dynamo exporter and the TorchScript Loop front for one cell of each item
-    for cell in ("lstm_peephole", "gru_flip", "mgu", "lstm_feed", "rnn_leaky"):
+    for cell in ("lstm_peephole", "gru_flip", "mgu", "lstm_feed", "rnn_leaky", "lstm_view_gates", "gru_torch_lerp"):
         out.append(Case(f"{cell}_dynamo_masked", cell, exporter="dynamo", masked=True))
     for cell in ("lstm_peephole", "gru_flip", "mgu", "lstm_feed", "lstm_hardsigmoid"):
         out.append(Case(f"{cell}_script", cell, exporter="script",
@@ -337,8 +341,13 @@ def torch_classes():
             self.hidden = h  # a Python int: reading h.shape would put a Shape of the state into the graph
 
         def forward(self, x, h):
-            ir, iz, in_ = self.ih(x).chunk(3, -1)
-            hh = self.hh(h)
+            if self.update == "einsum":
+                gi = torch.einsum("bf,gf->bg", x, self.ih.weight) + self.ih.bias
+                ir, iz, in_ = gi.chunk(3, -1)
+                hh = torch.einsum("bk,gk->bg", h, self.hh.weight) + self.hh.bias
+            else:
+                ir, iz, in_ = self.ih(x).chunk(3, -1)
+                hh = self.hh(h)
             H = self.hidden
             ar, az = ir + hh[:, :H], iz + hh[:, H:2 * H]
             if self.clip > 0:
@@ -356,11 +365,24 @@ def torch_classes():
                 return z * n + (1 - z) * h
             if self.update == "lerp":
                 return h + z * (n - h)
+            if self.update == "torch_lerp":  # (1-z)*n + z*h, exported as Where(|z| < 0.5, ..., ...)
+                return torch.lerp(n, h, z)
             if self.update == "both":
                 return z * n + z * h
             if self.update == "other":
                 return z * n + (1 - r) * h
             return (1 - z) * n + z * h  # torch's own
+
+    class LSTMView(LSTMBase):
+        def __init__(self, fi: int, h: int):
+            super().__init__(fi, h)
+            self.hidden = h
+
+        def forward(self, x, state: tuple[torch.Tensor, torch.Tensor]):
+            h, c = state
+            ai, af, ag, ao = (self.ih(x) + self.hh(h)).view(-1, 4, self.hidden).unbind(1)
+            c2 = torch.sigmoid(af) * c + torch.sigmoid(ai) * torch.tanh(ag)
+            return torch.sigmoid(ao) * torch.tanh(c2), c2
 
     class MGU(Cell):
         def __init__(self, fi: int, h: int, form: str = "wiki"):
@@ -454,6 +476,9 @@ def torch_classes():
             "lstm_hs_clip": lambda: LSTMActs(fi, h, "hs34", "tanh", "tanh", clip=1.5),
             "gru_hs_candidate": lambda: GRUVariant(fi, h, update="torch", cand="hs34"),
             "lstm_hs_output_uneven": lambda: LSTMActs(fi, h, "sigmoid", "tanh", "hs_uneven"),
+            "lstm_view_gates": lambda: LSTMView(fi, h),
+            "gru_torch_lerp": lambda: GRUVariant(fi, h, update="torch_lerp"),
+            "gru_einsum": lambda: GRUVariant(fi, h, update="einsum"),
         }
         return table[kind]()
 

@@ -647,3 +647,26 @@ def test_constant_broadcast_read_by_every_step_is_no_initial_state(ones, init):
     onnx.checker.check_model(model)
     _, rep = rnnfuse.optimize(model)
     assert [(f.status, f.where.endswith(f"steps 0..{o.static_T - 1}: {o.static_T} cells")) for f in rep.findings] == [("fused", True)], rep
+
+
+@pytest.mark.parametrize("o", [O(op="GRU", lbr=1, front="chain", static_T=5),
+                               O(op="LSTM", front="chain", static_T=5, mask="where", mask_rank=2),
+                               O(op="RNN", front="chain", static_T=5, batch_first=True)],
+                         ids=["gru", "lstm_masked", "rnn_batch_first"])
+def test_input_cast_from_bool_is_data_not_a_mask(o):
+    """A chain's input that is the Cast of a bool tensor (one-hot or binary features) holds 0/1 values like a
+    cast mask family: it is the data, not a candidate mask of itself (it was read as both, and declined)."""
+    model, feeds_fn = B.build(o)
+    g = model.graph
+    x = next(i for i in g.input if i.name == "X")
+    x.name = "X_bool"
+    x.type.tensor_type.elem_type = TensorProto.BOOL
+    g.node.insert(0, helper.make_node("Cast", ["X_bool"], ["X"], to=TensorProto.FLOAT))
+    fused, rep = rnnfuse.optimize(model)
+    assert [f.status for f in rep.findings] == ["fused"], rep.to_text()
+    feeds = feeds_fn(np.random.default_rng(0), 3, 5, "gappy" if o.masked() else "none")
+    feeds["X_bool"] = feeds.pop("X") > 0
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -140,7 +140,9 @@ def mask_leaves(g: Graph, fams: dict, fam: dict, length_masks: list | None = Non
     leaves = {x: t for t, x in fam.items()}
     mask_fam: dict[int, dict] = {}
     mask_srcs: dict[str, tuple] = {}
-    bool_fams = [((mask_source(g, msrc), maxis), mf) for (msrc, maxis), mf in fams.items() if mask_source(g, msrc) is not None]
+    # (not the data family itself: an input cast from bool, a one-hot say, is data that happens to be 0/1)
+    bool_fams = [((mask_source(g, msrc), maxis), mf) for (msrc, maxis), mf in fams.items()
+                 if mf != fam and mask_source(g, msrc) is not None]
     for lm in length_masks or ():
         got = lm.slices(set(fam))
         if got is not None:

@@ -184,6 +184,8 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
     if mask_outer is not None and x_axis != 0:
         raise Decline("a batch-first step input with a time-major mask")
     proj = input_projection(g, x_outer, x_axis)
+    if proj is not None and proj.time_axis != x_axis and (mask_outer is not None or lengths is not None):
+        proj = None  # (X0 batch-first beside a time-major mask: the steps' input is read as computed)
     if proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
         x_atom, x_value = projected_leaf(proj)
     else:
@@ -201,8 +203,6 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
         if reversed_reads == {True}:
             raise Decline("a length mask on a step that reads time backwards")
         mask_outer = _LENGTH_MASK
-    if proj is not None and proj.time_axis != x_axis and mask_outer is not None:
-        raise Decline("a batch-first input projection with a time-major mask")
     return _StepInput(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis, x_atom,
                       reversed_reads == {True},
                       mask_outer, set(x_reads), x_outer, InputPrep(proj.flips) if proj is not None else InputPrep(),

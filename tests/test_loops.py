@@ -239,3 +239,33 @@ def test_rank_read_from_how_a_tensor_was_computed():
         [helper.make_tensor("bias", TensorProto.FLOAT, [2], [0.5, 1.0]), helper.make_tensor("s3", TensorProto.INT64, [3], [2, 1, -1])])
     g = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])).graph
     assert [rank_of(g, n) for n in ("r", "relu", "t", "a", "r3", "tanh")] == [None, None, 3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_dense_before_a_masked_loop_is_its_input(op):
+    """Keras 3 on JAX: Dense on the batch-first input, transposed to the loop's time axis, then a masked layer.
+    The input projection the Transpose rule finds is batch-first beside a time-major mask; the loop then reads
+    the Dense's output as its input, as it did before that rule (a decline for a while)."""
+    import builders as HB
+
+    model = HB.build(HB.Opts(op=op, front="loop", mask="where", F=3, **({"lbr": 1} if op == "GRU" else {})))
+    model = model[0] if isinstance(model, tuple) else model
+    g = model.graph
+    x = next(i for i in g.input if i.name == "X")
+    x.name = "X_bf"
+    dims = x.type.tensor_type.shape.dim
+    dims[0].dim_param, dims[1].dim_param, dims[2].dim_value = "B", "T", 2
+    rng = np.random.default_rng(0)
+    g.initializer.extend([onnx.numpy_helper.from_array(rng.standard_normal((2, 3)).astype(np.float32), "dense_k"),
+                          onnx.numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "dense_b")])
+    for k, n in enumerate([onnx.helper.make_node("MatMul", ["X_bf", "dense_k"], ["dense_mm"]),
+                           onnx.helper.make_node("Add", ["dense_mm", "dense_b"], ["dense_out"]),
+                           onnx.helper.make_node("Transpose", ["dense_out"], ["X"], perm=[1, 0, 2])]):
+        g.node.insert(k, n)
+    onnx.checker.check_model(model, full_check=True)
+    fused, report = _fused_once(model, "Loop", Loop=0)
+    feeds = {"X_bf": rng.standard_normal((3, 6, 2)).astype(np.float32),
+             "mask": np.array([[1] * 6, [1] * 4 + [0] * 2, [0, 1, 1, 0, 1, 1]], bool).T[:, :, None]}
+    want, got = session(model).run(None, feeds), session(fused).run(None, feeds)
+    for a, b in zip(got, want):
+        assert_close(a, b, "fused vs original")

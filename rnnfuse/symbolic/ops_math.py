@@ -338,9 +338,7 @@ def _reduce_unit_axis(ev, node, ins):
     v = ins[0]
     if not isinstance(v, SymTensor) or not _is_mask_value(v.poly):
         raise Decline(f"{node.op_type} of a cell value")
-    axes = attr(node, "axes", None)
-    if axes is None and len(ins) > 1 and isinstance(ins[1], Const):
-        axes = [int(a) for a in np.asarray(ins[1].arr).ravel()]
+    axes = op_args.axes(node, ev.opset, lambda i: ins[i].arr if i < len(ins) and isinstance(ins[i], Const) else None)
     rank = v.lead + 2
     if not attr(node, "keepdims", 1) or not axes or any(a not in (-1, rank - 1) for a in axes):
         raise Decline(f"{node.op_type} of the step mask over an axis other than its last, or not keeping it")

@@ -181,8 +181,9 @@ def _reshape(ev, node, ins):
         return [BoolMask(v.sym, v.neg, True)]  # the [B] step mask as [B, 1], the batch read from a cell value
     if isinstance(v, MaskVector) and isinstance(shp, ShapeValue) and shp.dims == [None, 1]:
         return [SymTensor(v.poly, 0)]
-    if isinstance(shp, ShapeValue) and _unit_groups(v, shp.dims) is not None:  # (the batch read from a value)
-        return [_unit_groups(v, shp.dims)]
+    groups = _unit_groups(v, shp.dims) if isinstance(shp, ShapeValue) else None
+    if groups is not None:  # (the batch read from a value)
+        return [groups]
     if isinstance(v, Fill) and isinstance(shp, ShapeValue):
         return [Fill(v.arr)]  # a constant of runtime shape (a zero state's h @ R) is one value whatever its shape
     if (isinstance(v, RowConst) and isinstance(shp, ShapeValue) and shp.dims[:1] == [None]

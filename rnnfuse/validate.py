@@ -309,16 +309,18 @@ def _first_line(e: Exception) -> str:
     return msg[:200]
 
 
-def failed_run(e: Exception, pairs, original_runs: Callable[[], bool]) -> ValidationResult:
-    """The result of a check run that raised ``e``: when the original alone runs on the same inputs
-    (``original_runs()``), the rewrite is what onnxruntime cannot run, and every pair fails (a model that ran
-    must not come out unable to); otherwise the original cannot run on generated inputs: validation is skipped."""
+def failed_run(e: Exception, pairs, original_runs: Callable[[], bool],
+               original_fails: str = "onnxruntime failed on generated inputs",
+               rewrite_fails: str = "onnxruntime cannot run the rewrite on generated inputs") -> ValidationResult:
+    """The result of a check that raised ``e`` (loading or running it): when the original alone does the same
+    (``original_runs()``), the rewrite is what onnxruntime cannot load or run, and every pair fails (a model that
+    ran must not come out unable to); otherwise the original cannot: validation is skipped."""
     msg = _first_line(e)
     if not original_runs():
-        return ValidationResult(False, f"onnxruntime failed on generated inputs ({msg})")
+        return ValidationResult(False, f"{original_fails} ({msg})")
     res = ValidationResult(True)
     for p in pairs:
-        res.pairs[p] = PairResult(*p, ok=False, detail=f"onnxruntime cannot run the rewrite on generated inputs ({msg})")
+        res.pairs[p] = PairResult(*p, ok=False, detail=f"{rewrite_fails} ({msg})")
     return res
 
 
@@ -352,37 +354,25 @@ def compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
 def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool = False):
     """An onnxruntime session of the check model and its pattern inputs, or the ValidationResult that says
     which side onnxruntime cannot load (the original model, or the rewrite)."""
-    proto = g.model.proto
-    file_route = None
     try:
-        check, pattern_inputs, big = build_check_model(proto, g, pairs, mask_names)
-        file_route = takes_file_route(big)
-        return open_session(ort, check, big, prepack=prepack, file_route=file_route), pattern_inputs
+        check, pattern_inputs, big = build_check_model(g.model.proto, g, pairs, mask_names)
+        return open_session(ort, check, big, prepack=prepack, file_route=takes_file_route(big)), pattern_inputs
     except _Skip as s:
         return ValidationResult(False, str(s))
     except OSError as e:  # (the file route's temporary directory)
         return ValidationResult(False, f"cannot write the check model's weights to a temporary directory ({_first_line(e)})")
-    except Exception as e:
-        msg = _first_line(e)
-        # is it the original that onnxruntime cannot run, or the rewrite? (asked the same way)
-        try:
-            only_old = [(a, a) for a, _ in pairs]
-            check, _, big = build_check_model(proto, g, only_old, mask_names)
-            open_session(ort, check, big, prepack=prepack, file_route=file_route)
-        except Exception:
-            return ValidationResult(False, f"onnxruntime cannot run the original model ({msg})")
-        res = ValidationResult(True)
-        for p in pairs:
-            res.pairs[p] = PairResult(*p, ok=False, detail=f"the rewritten graph does not load in onnxruntime ({msg})")
-        return res
+    except Exception as e:  # is it the original that onnxruntime cannot load, or the rewrite?
+        return failed_run(e, pairs, lambda: _original_runs(ort, g, pairs, mask_names, prepack),
+                          "onnxruntime cannot run the original model", "the rewritten graph does not load in onnxruntime")
 
 
-def _original_runs(ort, g: Graph, pairs, masks, prepack: bool, feeds: dict) -> bool:
-    """Whether the check model of the original tensors alone loads and runs on ``feeds`` (its inputs' part)."""
+def _original_runs(ort, g: Graph, pairs, masks, prepack: bool, feeds: dict | None = None) -> bool:
+    """Whether the check model of the original tensors alone loads (and runs on ``feeds``, their inputs' part)."""
     try:
         check, _, big = build_check_model(g.model.proto, g, [(a, a) for a, _ in pairs], sorted(masks))
-        sess = open_session(ort_module(), check, big, prepack=prepack, file_route=takes_file_route(big))
-        sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})
+        sess = open_session(ort, check, big, prepack=prepack, file_route=takes_file_route(big))
+        if feeds is not None:
+            sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})
     except Exception:
         return False
     return True

@@ -7,9 +7,9 @@ that changes from step to step except h_t and x_t, applying it to every step at 
 ``head(Y[t]) for each t`` = ``head(Y)`` with the time and batch axes flattened into rows. The native op
 computes Y, and the head's nodes, copied out of the step, run once on ``Flatten(Y)`` (and ``Flatten(X)``).
 
-Row independence is proven per op, not assumed: every node between h_t / x_t and the output must be a
-row-wise op on ``[rows, features]`` tensors (elementwise with constants that do not span rows, a matmul
-by a constant matrix, a softmax or a concat / split / slice along the feature axis, ...). A head that
+Row independence is proven per op (:mod:`rnnfuse.row_wise`), not assumed: every node between h_t / x_t and
+the output must be a row-wise op on ``[rows, features]`` tensors (elementwise with constants that do not span
+rows, a matmul by a constant matrix, a softmax or a concat / split / slice along the feature axis, ...). A head that
 reads the state *before* the update (the previous step's h), the cell state c (no native output holds c per
 step), the iteration number, or a runtime tensor of the outer graph is declined with that reason; a head
 that feeds back into the state is not a head at all (the state's maths then include it and the cell is not
@@ -24,20 +24,9 @@ import numpy as np
 from onnx import AttributeProto, NodeProto
 
 from .errors import Decline
-from .graph import Graph, attr
+from .graph import Graph
+from .row_wise import ROW_RANK, check_row_wise, replay
 from .symbolic import Const, SymTensor
-
-# elementwise ops whose every input is a row tensor or a constant that does not span rows
-_ELEMENTWISE = {
-    "Abs", "Acos", "Acosh", "Add", "And", "Asin", "Asinh", "Atan", "Atanh", "BitShift", "Cast", "CastLike",
-    "Ceil", "Celu", "Clip", "Cos", "Cosh", "Div", "Elu", "Equal", "Erf", "Exp", "Floor", "Gelu", "Greater",
-    "GreaterOrEqual", "HardSigmoid", "HardSwish", "Identity", "IsInf", "IsNaN", "LeakyRelu", "Less",
-    "LessOrEqual", "Log", "Max", "Mean", "Min", "Mish", "Mod", "Mul", "Neg", "Not", "Or", "Pow", "PRelu",
-    "Reciprocal", "Relu", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Sin", "Sinh", "Softplus", "Softsign",
-    "Sqrt", "Sub", "Sum", "Tan", "Tanh", "ThresholdedRelu", "Where", "Xor",
-}
-_FEATURE_AXIS_OPS = {"Softmax", "LogSoftmax", "Hardmax", "Concat", "Split", "Flatten", "LayerNormalization"}
-
 
 @dataclass
 class StepHead:
@@ -69,14 +58,14 @@ def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[s
         return v.arr if isinstance(v, Const) else body.const(invariants.get(name, name))
     order: list[NodeProto] = []
     seen: set[str] = set()
-    rows: dict[str, bool] = {}  # tensor -> whether it is a row tensor (False: a constant)
+    rows: dict[str, int] = {}  # tensor -> its rank as a row tensor (0: a constant)
     stack: list[tuple[str, bool]] = [(out, False)]
     while stack:
         name, expanded = stack.pop()
         if expanded:
             n = body.producer[name]
-            _check_row_wise(body, n, rows, const_of)
-            row_out = any(rows.get(i) for i in n.input if i)  # computed from constants alone: no row axis
+            rank = check_row_wise(body, n, rows, const_of)
+            row_out = rank if any(rows.get(i) for i in n.input if i) else 0  # constants alone: no row axis
             for o in n.output:
                 rows[o] = row_out
             order.append(n)
@@ -86,7 +75,7 @@ def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[s
         seen.add(name)
         role = _leaf(body, ev, name, h_key, other_keys, x_reads, invariants, counters, head)
         if role is not None:
-            rows[name] = role
+            rows[name] = ROW_RANK if role else 0
             continue
         n = body.producer[name]
         if n.op_type in ("Loop", "Scan", "If") or any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in n.attribute):
@@ -144,77 +133,6 @@ def _leaf(body: Graph, ev, name: str, h_key, other_keys: dict, x_reads: set[str]
     return None
 
 
-def _axis_is_features(node: NodeProto, default) -> bool:
-    return attr(node, "axis", default) in (1, -1)
-
-
-def _check_row_wise(body: Graph, n: NodeProto, rows: dict[str, bool], const_of) -> None:
-    """Decline unless ``n`` maps [rows, features] tensors to [rows, features] tensors row by row.
-    ``const_of(name)``: the value of a constant the node reads (a weight carried through unchanged too)."""
-    op = n.op_type
-    ins = [i for i in n.input if i]
-    row_ins = [i for i in ins if rows.get(i)]
-    what = f"{op} '{n.name or n.output[0]}'"
-
-    def small(name: str) -> bool:  # a constant that broadcasts along the rows instead of spanning them
-        c = const_of(name)
-        return c is not None and (np.ndim(c) <= 1 or (np.ndim(c) == 2 and np.shape(c)[0] == 1))
-
-    if n.domain not in ("", "ai.onnx"):
-        raise Decline(f"a per-step output is computed by the custom op {n.domain}::{op}")
-    if op in _ELEMENTWISE:
-        if all(rows.get(i) or small(i) for i in ins):
-            return
-        raise Decline(f"{what} of a per-step output combines a row with a constant spanning rows")
-    if op == "MatMul":
-        w = const_of(n.input[1])
-        if rows.get(n.input[0]) and not rows.get(n.input[1]) and w is not None and np.ndim(w) == 2:
-            return
-        raise Decline(f"{what} of a per-step output is not rows times a constant matrix")
-    if op == "Gemm":
-        w = const_of(n.input[1])
-        if (rows.get(n.input[0]) and not attr(n, "transA", 0) and w is not None and np.ndim(w) == 2
-                and (len(n.input) < 3 or not n.input[2] or small(n.input[2]))):
-            return
-        raise Decline(f"{what} of a per-step output is not rows times a constant matrix")
-    if op in ("Softmax", "LogSoftmax", "Hardmax"):
-        if _axis_is_features(n, 1 if body.model.opset < 13 else -1) and row_ins == [n.input[0]]:
-            return
-    elif op == "Concat":
-        if _axis_is_features(n, None) and len(row_ins) == len(ins):
-            return
-    elif op == "Split":
-        sizes = n.input[1] if len(n.input) > 1 else ""
-        if _axis_is_features(n, 0) and len(row_ins) == 1 and (not sizes or const_of(sizes) is not None):
-            return
-    elif op == "Slice":
-        axes = _slice_axes(n, const_of)
-        if axes is not None and all(a in (1, -1) for a in axes) and row_ins == [n.input[0]]:
-            return
-    elif op == "Flatten":
-        if attr(n, "axis", 1) == 1 and row_ins == [n.input[0]]:
-            return
-    elif op == "LayerNormalization":
-        if attr(n, "axis", -1) in (1, -1) and row_ins == [n.input[0]] and all(small(i) for i in ins[1:]):
-            return
-    raise Decline(f"{what} of a per-step output is not a row-wise op (it may mix batch rows or steps)")
-
-
-def _slice_axes(n: NodeProto, const_of) -> list[int] | None:
-    """The axes a Slice cuts, when its starts/ends/axes are constants."""
-    if len(n.input) == 1:  # opset < 10: attributes
-        axes = attr(n, "axes", None)
-        return list(axes) if axes is not None else list(range(len(attr(n, "starts", []))))
-    consts = [const_of(i) if i else None for i in n.input[1:4]]
-    if consts[0] is None or consts[1] is None:
-        return None
-    if len(n.input) > 3 and n.input[3]:
-        if consts[2] is None:
-            return None
-        return [int(a) for a in np.asarray(consts[2]).ravel()]
-    return list(range(np.asarray(consts[0]).size))
-
-
 # --------------------------------------------------------------------------- emission
 
 
@@ -222,7 +140,6 @@ def apply_head(b, head: StepHead, y: str) -> str:
     """``head`` on every step of ``y`` ([T, B, H], time-major, in processing order): [T, B, K].
 
     ``b`` is the emitter's :class:`~rnnfuse.emit.Builder`: the copied nodes are added beside the native op."""
-    g: Graph = b.g
     env: dict[str, str] = {}
     rows = b.op("Flatten", y, axis=2)  # [T*B, H]: every step's rows, step after step
     for name in head.h:
@@ -239,12 +156,7 @@ def apply_head(b, head: StepHead, y: str) -> str:
     for name, arr in head.consts.items():
         env[name] = b.const(arr, "head")
     env.update(head.refs)
-    for n in head.nodes:
-        outs = g.add_node(n.op_type, [env.get(i, i) if i else "" for i in n.input], len(n.output),
-                          name=f"{b.prefix}/head/{n.op_type}", anchor=b.anchor, domain=n.domain)
-        g.producer[outs[0]].attribute.extend(n.attribute)
-        for o, new in zip(n.output, outs):
-            env[o] = new
+    replay(b, head.nodes, env, "head")
     # back to [T, B, K]: the steps and batch rows of y
     shape = b.op("Concat", b.op("Slice", b.op("Shape", y), b.i64(0), b.i64(2), b.i64(0)), b.i64(-1), axis=0)
     return b.op("Reshape", env[head.out], shape)

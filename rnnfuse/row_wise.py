@@ -1,0 +1,157 @@
+"""Row-wise functions: nodes of a step that treat every batch row on its own, and running them on every step.
+
+A step of a recurrence computes some values from the step's rows alone (the new h, the input x_t) and
+constants: a head on the new h (``fc(h_t)``, :mod:`rnnfuse.step_heads`), a mask computed from the input
+(``(x_t != 0).any(-1)``, :mod:`passes.unrolled.derived_masks`, :mod:`passes.loop_reads`). When every node in
+between maps ``[rows, ...]`` tensors to ``[rows, ...]`` tensors row by row, applying it at every step is
+applying it once to all steps with the time and batch axes flattened into rows: ``f(S[t]) for each t`` =
+``f(Flatten(S))`` reshaped back. Row independence is proven per op here (:func:`check_row_wise`), never
+assumed; :func:`replay` copies such nodes onto the flattened rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import NodeProto
+
+from . import op_args
+from .errors import Decline
+from .graph import Graph, attr
+
+# elementwise ops whose every input is a row tensor or a constant that does not span rows
+ELEMENTWISE = frozenset({
+    "Abs", "Acos", "Acosh", "Add", "And", "Asin", "Asinh", "Atan", "Atanh", "BitShift", "Cast", "CastLike",
+    "Ceil", "Celu", "Clip", "Cos", "Cosh", "Div", "Elu", "Equal", "Erf", "Exp", "Floor", "Gelu", "Greater",
+    "GreaterOrEqual", "HardSigmoid", "HardSwish", "Identity", "IsInf", "IsNaN", "LeakyRelu", "Less",
+    "LessOrEqual", "Log", "Max", "Mean", "Min", "Mish", "Mod", "Mul", "Neg", "Not", "Or", "Pow", "PRelu",
+    "Reciprocal", "Relu", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Sin", "Sinh", "Softplus", "Softsign",
+    "Sqrt", "Sub", "Sum", "Tan", "Tanh", "ThresholdedRelu", "Where", "Xor",
+})
+# reductions over a row's features (``any`` / ``all`` are written with ReduceMax / ReduceMin of a cast)
+REDUCTIONS = frozenset({
+    "ReduceMax", "ReduceMin", "ReduceSum", "ReduceMean", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceSumSquare",
+})
+ROW_RANK = 2  # a row tensor is [rows, features]; a reduction without keepdims leaves [rows] (rank 1)
+
+
+def check_row_wise(g: Graph, n: NodeProto, rows: dict[str, int], const_of, role: str = "a per-step output",
+                   reductions: bool = False) -> int:
+    """The rank of what ``n`` computes when it maps row tensors to row tensors row by row; else Decline.
+
+    ``rows``: tensor -> its rank as a row tensor (``ROW_RANK``, or 1 for ``[rows]``), 0 for a constant;
+    ``const_of(name)``: the value of a constant the node reads; ``role`` names what the node computes in the
+    reasons; ``reductions``: whether a reduction over the features (and the Squeeze / Unsqueeze of the unit
+    axis it leaves) is allowed (a head's per-step output keeps its features, a mask reduces them)."""
+    op = n.op_type
+    ins = [i for i in n.input if i]
+    row_ins = [i for i in ins if rows.get(i)]
+    ranks = {rows[i] for i in row_ins}
+    what = f"{op} '{n.name or n.output[0]}'"
+    if n.domain not in ("", "ai.onnx"):
+        raise Decline(f"{role} is computed by the custom op {n.domain}::{op}")
+    if len(ranks) > 1:
+        raise Decline(f"{what} of {role} combines rows of different ranks")
+    rank = ranks.pop() if ranks else ROW_RANK
+
+    def small(name: str) -> bool:  # a constant that broadcasts along the rows instead of spanning them
+        c = const_of(name)
+        return c is not None and (np.ndim(c) < rank or (np.ndim(c) == rank and np.shape(c)[0] == 1))
+
+    if op in ELEMENTWISE:
+        if all(rows.get(i) or small(i) for i in ins):
+            return rank
+        raise Decline(f"{what} of {role} combines a row with a constant spanning rows")
+    if reductions and op in REDUCTIONS | {"Squeeze", "Unsqueeze"} and row_ins == [n.input[0]]:
+        out = _unit_axis_rank(g, n, rank, const_of)
+        if out is not None:
+            return out
+    elif rank != ROW_RANK:
+        pass  # (the ops below are read on [rows, features] tensors only)
+    elif op == "MatMul":
+        w = const_of(n.input[1])
+        if rows.get(n.input[0]) and not rows.get(n.input[1]) and w is not None and np.ndim(w) == 2:
+            return rank
+        raise Decline(f"{what} of {role} is not rows times a constant matrix")
+    elif op == "Gemm":
+        w = const_of(n.input[1])
+        if (rows.get(n.input[0]) and not attr(n, "transA", 0) and w is not None and np.ndim(w) == 2
+                and (len(n.input) < 3 or not n.input[2] or small(n.input[2]))):
+            return rank
+        raise Decline(f"{what} of {role} is not rows times a constant matrix")
+    elif op in ("Softmax", "LogSoftmax", "Hardmax"):
+        if _axis_is_features(n, 1 if g.model.opset < 13 else -1) and row_ins == [n.input[0]]:
+            return rank
+    elif op == "Concat":
+        if _axis_is_features(n, None) and len(row_ins) == len(ins):
+            return rank
+    elif op == "Split":
+        sizes = n.input[1] if len(n.input) > 1 else ""
+        if _axis_is_features(n, 0) and len(row_ins) == 1 and (not sizes or const_of(sizes) is not None):
+            return rank
+    elif op == "Slice":
+        axes = slice_axes(n, const_of)
+        if axes is not None and all(a in (1, -1) for a in axes) and row_ins == [n.input[0]]:
+            return rank
+    elif op == "Flatten":
+        if attr(n, "axis", 1) == 1 and row_ins == [n.input[0]]:
+            return rank
+    elif op == "LayerNormalization":
+        if attr(n, "axis", -1) in (1, -1) and row_ins == [n.input[0]] and all(small(i) for i in ins[1:]):
+            return rank
+    raise Decline(f"{what} of {role} is not a row-wise op (it may mix batch rows or steps)")
+
+
+def _axis_is_features(node: NodeProto, default) -> bool:
+    return attr(node, "axis", default) in (1, -1)
+
+
+def _unit_axis_rank(g: Graph, n: NodeProto, rank: int, const_of) -> int | None:
+    """The rank after a reduction over the features of ``[rows, features]`` (kept as a unit axis or dropped),
+    or after a Squeeze / Unsqueeze of that unit axis; None for any other axis (the rows' axis 0 above all)."""
+    axes = op_args.axes(n, g.model.opset, lambda i: const_of(n.input[i]) if i < len(n.input) and n.input[i] else None)
+    if not axes or len(axes) != 1:
+        return None  # (no axes: a reduction over every axis, a Squeeze of every unit axis, B = 1 included)
+    op = n.op_type
+    if op == "Unsqueeze":
+        return ROW_RANK if rank == 1 and axes[0] in (1, -1) else None
+    if rank != ROW_RANK or axes[0] not in (1, -1):
+        return None
+    if op == "Squeeze":
+        return 1
+    return ROW_RANK if attr(n, "keepdims", 1) else 1
+
+
+def slice_axes(n: NodeProto, const_of) -> list[int] | None:
+    """The axes a Slice cuts, when its starts/ends/axes are constants."""
+    if len(n.input) == 1:  # opset < 10: attributes
+        axes = attr(n, "axes", None)
+        return list(axes) if axes is not None else list(range(len(attr(n, "starts", []))))
+    consts = [const_of(i) if i else None for i in n.input[1:4]]
+    if consts[0] is None or consts[1] is None:
+        return None
+    if len(n.input) > 3 and n.input[3]:
+        if consts[2] is None:
+            return None
+        return [int(a) for a in np.asarray(consts[2]).ravel()]
+    return list(range(np.asarray(consts[0]).size))
+
+
+def replay(b, nodes: list[NodeProto], env: dict[str, str], hint: str) -> dict[str, str]:
+    """Copy ``nodes`` (in evaluation order) beside ``b``'s anchor, each reading ``env[name]`` for every input
+    ``env`` names (the flattened rows, the constants re-homed in the graph) and its own input otherwise;
+    ``env`` gains each copied output. ``b`` is an :class:`~rnnfuse.emit.Builder`."""
+    g: Graph = b.g
+    for n in nodes:
+        outs = g.add_node(n.op_type, [env.get(i, i) if i else "" for i in n.input], len(n.output),
+                          name=f"{b.prefix}/{hint}/{n.op_type}", anchor=b.anchor, domain=n.domain)
+        g.producer[outs[0]].attribute.extend(n.attribute)
+        for o, new in zip(n.output, outs):
+            env[o] = new
+    return env
+
+
+def unflatten(b, rows: str, like: str) -> str:
+    """``rows`` (``[T*B, ...]`` computed on ``Flatten(like, axis=2)``) reshaped to ``like``'s two leading axes."""
+    lead = b.op("Slice", b.op("Shape", like), b.i64(0), b.i64(2), b.i64(0))
+    rest = b.op("Slice", b.op("Shape", rows), b.i64(1), b.i64(2**62), b.i64(0))
+    return b.op("Reshape", rows, b.op("Concat", lead, rest, axis=0))

@@ -97,6 +97,9 @@ MUTATIONS = {
     "unmasked_copy_final": ("LSTM GRU RNN", "scan loop chain", True,
                             "a carried copy of the cell output ignores the mask, and its final value is returned"),
     "chain_mask_shifted": ("LSTM GRU RNN", "chain", True, "step t reads the mask of step t+1 (the last step: of step 0)"),
+    "xmask_prev_step": ("LSTM GRU RNN", "chain", True, "the mask computed from the step input: step t's from x_{t-1} (step 0's from x_0)"),
+    "xmask_batch_rows": ("LSTM GRU RNN", "chain", True,
+                         "the mask computed from the step input is one value for all rows (every row's step valid)"),
     "chain_state_read_midway": ("LSTM GRU RNN", "chain", False, "the middle step's hidden state is also a graph output"),
     "chain_input_reads_state": ("LSTM GRU RNN", "chain", False, "each step's input is 2 * x_t times the mean of h (not state-independent)"),
     "second_output_reads_prev": ("LSTM GRU RNN", "scan loop chain", True,
@@ -168,6 +171,8 @@ class Opts:
     lengths: str = ""  # chain, masked: the step mask written from an int64 input `lengths` [B] (no `mask` input):
     # lt: Greater(lengths, t) (torch's `t < lengths`) | le: LessOrEqual(t + 1, lengths) | start: LessOrEqual(T - lengths, t) (pre-padded rows)
     # | arange: one [T, B] mask Less(Range(T)[:, None], lengths[None, :]) sliced per step | arange_float: its Cast to float
+    # | xmask: no lengths input either: each step's mask is computed from its own x_t, ``(x_t != 0).any(-1)`` (the
+    # input sets zero X at padded steps)
     mutation: str | None = None
 
     def activations(self) -> tuple:
@@ -220,6 +225,8 @@ def mutation_fixup(name: str, o: Opts) -> Opts:
     o = o.replace(mutation=name)
     if needs_mask and not o.masked():
         o = o.replace(mask="where")
+    if name.startswith("xmask_"):
+        o = o.replace(mask="where", mask_rank=2, lengths="xmask")
     if o.padding() and name in PADDING_SENSE_MUTATIONS:
         o = o.replace(mask="where")
     if name == "unmasked_copy_final":
@@ -244,6 +251,10 @@ def mutation_applies(name: str, o: Opts) -> bool:
         return False
     if needs_mask and not o.masked():
         return False
+    if name.startswith("xmask_") and (o.lengths != "xmask" or o.xproj or o.step_inputs):
+        return False
+    if name == "float_mask" and o.lengths:
+        return False  # (the mask is an input of its own)
     acts = o.activations()
     if name == "lstm_wrong_gate" and acts[0] == acts[1]:
         return False  # with f == g the swap is a relabelling of gates
@@ -1084,6 +1095,16 @@ def _chain_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, su
         steps = main.op("Range", main.constant(np.array(0, np.int64), "zero"), n, main.constant(np.array(1, np.int64), "one"))
         m_all = main.op("Less", main.op("Unsqueeze", steps, main.i64(1 - tax)), main.op("Unsqueeze", mask, main.i64(tax)))
         ms = slices(main.op("Cast", m_all, to=FLOAT) if o.lengths == "arange_float" else m_all)
+    elif mask and o.lengths == "xmask":  # a step is padding where its features are all 0: Keras' Masking, per step
+        zero = main.constant(np.array(0.0, np.float32), "zero")
+        x_steps = slices(mask)  # (the model's input "X": a stacked layer's steps keep to the first one's padding)
+        for t in range(T):
+            x_t = x_steps[max(t - 1, 0)] if o.mutation == "xmask_prev_step" else x_steps[t]
+            nonzero = main.op("ReduceMax", main.op("Cast", main.op("Not", main.op("Equal", x_t, zero)), to=FLOAT),
+                              axes=[-1], keepdims=0)
+            if o.mutation == "xmask_batch_rows":
+                nonzero = main.op("ReduceMin", nonzero, axes=[0], keepdims=1)
+            ms[t] = main.op("Cast", nonzero, to=TensorProto.BOOL)
     elif mask and o.lengths:  # the mask of step t compares the lengths with t
         first = main.op("Sub", main.constant(np.array(T, np.int64), "T"), mask) if o.lengths == "start" else None
         for t in range(T):
@@ -1164,7 +1185,9 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
     xs = [Bd, T, o.F] if o.batch_first else [T, Bd, o.F]
     mb.inputs.append(_vi("X", FLOAT, xs))
     mask = None
-    if o.masked() and o.lengths:
+    if o.masked() and o.lengths == "xmask":
+        mask = "X"
+    elif o.masked() and o.lengths:
         mb.inputs.append(_vi("lengths", TensorProto.INT64, [Bd]))
         mask = "lengths"
     elif o.masked():
@@ -1284,8 +1307,12 @@ def mask_pattern(kind: str, T: int, B: int, rng: np.random.Generator) -> np.ndar
 
 def make_feeds(o: Opts, mb: ModelBuilder, rng: np.random.Generator, batch: int, T: int, mask_kind: str = "post") -> dict:
     X = rng.standard_normal((T, batch, o.F)).astype(np.float32)
+    if o.masked() and o.lengths == "xmask":
+        X[~mask_pattern(mask_kind, T, batch, rng)] = 0.0
     feeds = {"X": np.ascontiguousarray(X.transpose(1, 0, 2)) if o.batch_first else X}
-    if o.masked() and o.lengths:  # only post-padded (pre-padded for "start") masks are written with lengths
+    if o.masked() and o.lengths == "xmask":
+        pass
+    elif o.masked() and o.lengths:  # only post-padded (pre-padded for "start") masks are written with lengths
         P = mask_pattern("pre" if o.lengths == "start" else "post", T, batch, rng)
         feeds["lengths"] = P.sum(0).astype(np.int64)
     elif o.masked():
@@ -1368,7 +1395,10 @@ def expected(o: Opts, feeds: dict) -> list[np.ndarray]:
     if o.mutation:
         raise ValueError("no reference for a near miss")
     mask = None
-    if o.masked() and o.lengths:
+    if o.masked() and o.lengths == "xmask":
+        x = feeds["X"].transpose(1, 0, 2) if o.batch_first else feeds["X"]
+        mask = (x != 0).any(-1)
+    elif o.masked() and o.lengths:
         L, T = feeds["lengths"], feeds["X"].shape[1 if o.batch_first else 0]
         steps = np.arange(T)[:, None]
         mask = steps >= T - L[None] if o.lengths == "start" else steps < L[None]
@@ -1439,8 +1469,10 @@ def check_opts(o: Opts) -> None:
                           or o.step_inputs not in ("double", "diff", "stride2", "perm", "first_other")):
         raise ValueError("step_inputs: a forward unmasked single-layer chain without xproj")
     if o.lengths and (o.front != "chain" or not o.masked() or o.mask_rank != 2
-                      or o.lengths not in ("lt", "le", "start", "arange", "arange_float")):
-        raise ValueError("lengths: a masked chain with mask_rank=2 (each step's mask is [B]), lengths in lt | le | start | arange")
+                      or o.lengths not in ("lt", "le", "start", "arange", "arange_float", "xmask")):
+        raise ValueError("lengths: a masked chain with mask_rank=2 (each step's mask is [B]), lengths in lt | le | start | arange | xmask")
+    if o.lengths == "xmask" and (o.padding() or o.step_inputs or o.xproj or o.mutation == "float_mask"):
+        raise ValueError("lengths=xmask: a valid-step mask of x's own steps")
     if o.lengths == "arange_float" and o.mask not in ("cast_sub", "delta"):
         raise ValueError("lengths=arange_float: a float mask is blended (cast_sub | delta), not selected")
 

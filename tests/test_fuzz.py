@@ -192,6 +192,9 @@ def valid_opts(draw, single=False):
         kw["loop_bound"] = draw(st.sampled_from(["M", "cond", "both"] + (["const"] if kw["static_T"] else [])))
         kw["loop_counter"] = draw(st.booleans())
     kw["layers"] = "single" if single else draw(_weighted((8, "single"), (1, "bidir"), (1, "stack")))
+    if front == "chain" and kw["mask"] not in ("none", "pad", "reduce_all") and not kw["xproj"]:
+        if draw(_weighted((10, False), (1, True))):  # the mask computed inside each step from x_t
+            kw.update(lengths="xmask", mask_rank=2)
     o = B.default_reverse_form(B.Opts(**kw))
     if o.layers != "single" and o.mask == "pad":
         o = o.replace(mask="where")

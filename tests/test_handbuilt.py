@@ -472,6 +472,14 @@ GAP_CASES = {
     "gru_reduce_all_mask_zero_fill": O(op="GRU", lbr=1, mask="reduce_all", fill="zero", mask_rank=2),
     "rnn_reduce_all_mask_chain": O(op="RNN", front="chain", static_T=5, mask="reduce_all"),
     "gru_projection_transposed_loop": O(op="GRU", lbr=1, front="loop", xproj=True, xproj_transposed=True),
+    # a mask each step computes from its own input, (x_t != 0).any(-1) (padding: every feature 0)
+    "gru_xmask_chain": O(op="GRU", lbr=1, front="chain", static_T=5, mask="where", mask_rank=2, lengths="xmask"),
+    "lstm_xmask_chain_reverse_bf": O(op="LSTM", front="chain", static_T=5, mask="cast_sub", mask_rank=2,
+                                     lengths="xmask", batch_first=True, direction="reverse"),
+    "rnn_xmask_chain_stacked": O(op="RNN", front="chain", static_T=5, mask="where", mask_rank=2, lengths="xmask",
+                                 layers="stack"),
+    "gru_xmask_chain_bidirectional": O(op="GRU", front="chain", static_T=4, mask="where", mask_rank=2,
+                                       lengths="xmask", layers="bidir", fill="zero"),
     # torch's mask built once (arange(T)[:, None] < lengths[None, :], its T read from x's shape), sliced per step
     "gru_arange_mask_chain": O(op="GRU", lbr=1, front="chain", static_T=5, mask="where", mask_rank=2, lengths="arange"),
     "lstm_arange_float_mask_chain": O(op="LSTM", front="chain", static_T=5, mask="cast_sub", mask_rank=2, lengths="arange_float"),
@@ -550,6 +558,8 @@ def _near_miss_cases():
                 variants = [dict(mask="where")] if needs_mask else [dict(), dict(mask="cast_sub", layout="fused_split", matmul="gemm")]
                 if needs_mask and front == "chain" and mut != "float_mask":  # the mask written from a lengths input
                     variants.append(dict(mask="where", mask_rank=2, lengths="lt"))
+                    # ... or from the step input itself, (x_t != 0).any(-1)
+                    variants.append(dict(mask="where", mask_rank=2, lengths="xmask"))
                 if needs_mask and mut not in B.PADDING_SENSE_MUTATIONS:  # a padding mask (true at padded steps)
                     variants.append(dict(mask="pad_cast" if front == "loop" else "pad"))
                 for k, kw in enumerate(variants):

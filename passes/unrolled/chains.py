@@ -314,7 +314,7 @@ def _x_region(g: Graph, x: str, mask_local: set, given: set) -> tuple[set, list[
             dyn = dynamic_inputs(g, c)
             if all(i in local or i in mask_local for i in dyn) and not g.implicit_inputs(c) and not (given and given.intersection(c.input)):
                 for o in c.output:
-                    if o:
+                    if o and o not in mask_local:  # (a mask computed from x_t is the step's mask, read as one)
                         local.add(o)
                         frontier.append(o)
             else:

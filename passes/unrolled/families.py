@@ -1,7 +1,8 @@
 """Step-slice families: a tensor sliced at constant indices along one axis (``Gather(S, t)``,
 ``Squeeze(Slice(S, t, t+1))``, ``Squeeze(Split(S)[t])``) gives the per-step inputs of an unrolled chain; bool
 families sliced at the same steps are its candidate masks, and so are hand-written length masks
-(``lengths > t`` per step, :class:`LengthMask`).
+(``lengths > t`` per step, :class:`LengthMask`) and masks computed from the step input
+(:mod:`.derived_masks`), both :class:`StepMask`.
 """
 
 from __future__ import annotations
@@ -132,21 +133,20 @@ def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
         out[(src, ax)] = v
     return out
 
-def mask_leaves(g: Graph, fams: dict, fam: dict, length_masks: list | None = None) -> tuple[dict, dict, dict]:
+def mask_leaves(g: Graph, fams: dict, fam: dict, step_masks: list | None = None) -> tuple[dict, dict, dict]:
     """Interval leaves for a data family and the bool families sliced at the same steps (candidate masks):
-    (tensor -> step, step -> {mask slice -> symbol}, symbol -> (mask source, axis)). A hand-written length
-    mask's source is its :class:`LengthMask` (built only for a chain that is fused), its "axis" the offset of
-    its constants from the steps."""
+    (tensor -> step, step -> {mask slice -> symbol}, symbol -> (mask source, axis)). A :class:`StepMask`'s
+    source is itself (built only for a chain that is fused), its "axis" the offset of its steps."""
     leaves = {x: t for t, x in fam.items()}
     mask_fam: dict[int, dict] = {}
     mask_srcs: dict[str, tuple] = {}
     # (not the data family itself: an input cast from bool, a one-hot say, is data that happens to be 0/1)
     bool_fams = [((mask_source(g, msrc), maxis), mf) for (msrc, maxis), mf in fams.items()
                  if mf != fam and mask_source(g, msrc) is not None]
-    for lm in length_masks or ():
-        got = lm.slices(set(fam))
+    for sm in step_masks or ():
+        got = sm.slices(set(fam))
         if got is not None:
-            bool_fams.append(((lm, got[0]), got[1]))  # (a length mask's "axis" is its index offset)
+            bool_fams.append(((sm, got[0]), got[1]))  # (a step mask's "axis" is its index offset)
     for (msrc, maxis), mf in bool_fams:
         if set(mf) != set(fam):
             continue
@@ -165,7 +165,22 @@ def mask_leaves(g: Graph, fams: dict, fam: dict, length_masks: list | None = Non
 _LENGTH_COMPARE = ("Greater", "Less", "GreaterOrEqual", "LessOrEqual")
 
 
-class LengthMask:
+class StepMask:
+    """Per-step masks the graph computes step by step from values that are not per-step slices (lengths, the
+    step's input), which rnnfuse can compute for all steps at once: a candidate mask of a chain like a bool
+    family (:func:`mask_leaves`)."""
+
+    def slices(self, steps: set) -> tuple[int, dict] | None:
+        """``(offset, step -> mask)`` when these masks are those of ``steps`` shifted by one offset, else None."""
+        raise NotImplementedError
+
+    def source(self, g: Graph, axis: int, length: int, off: int, anchor: NodeProto | None) -> str:
+        """The whole mask laid out like the data (time along ``axis``), built for a chain being fused; every
+        step's mask becomes its slice of it."""
+        raise NotImplementedError
+
+
+class LengthMask(StepMask):
     """Per-step masks written as comparisons of one runtime tensor ``L`` (``[B]`` or ``[B, 1]``, the lengths)
     with a constant step index: ``m_t = op(L, t + offset)`` (or ``op(t + offset, L)``). They are the slices of
     ``M = op(L, arange(T) + offset)`` laid out like the data; :meth:`source` builds ``M`` for a chain being

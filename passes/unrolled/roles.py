@@ -27,7 +27,7 @@ from rnnfuse.cells.recognise import fold_offsets
 from rnnfuse.symbolic import LinAtom, Poly, StepInput, SymTensor, loose_key, substitute, zero_states
 
 from .chains import Chain, Step
-from .families import LengthMask
+from .families import StepMask
 from .outputs import Escapes, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, order_of, step_output
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through
 
@@ -408,7 +408,7 @@ class _ChainRoles:
         mask = None
         if an.masked:
             msrc, maxis = self.mask_srcs.get(an.mask_sym, (None, None))
-            if isinstance(msrc, LengthMask):  # lengths > t written per step: its [T, B] source, laid out like x
+            if isinstance(msrc, StepMask):  # lengths > t or f(x_t) written per step: its [T, B] source, like x
                 msrc, maxis = msrc.source(g, axis, T if T is not None else max(ts) + 1, maxis, anchor), axis
             elif msrc is None or maxis != axis or (static_dim(g, msrc, maxis) != T
                                                    and extent_key(g, msrc, maxis) != extent_key(g, src, axis)):

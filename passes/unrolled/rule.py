@@ -14,6 +14,7 @@ from rnnfuse.signature import Signer
 from rnnfuse.symbolic import weight_ops
 
 from .chains import Chain, find_chains, intervals
+from .derived_masks import derived_masks
 from .families import find_families, length_masks, mask_leaves
 from .roles import FirstStepDiffers, chain_recurrence
 from .step_inputs import virtual_families
@@ -51,7 +52,8 @@ class FuseChains:
             for (src, axis), fam in fams.items():
                 if g.model.elem_type(src) == 9:
                     continue  # bool families are masks, read by the chains over the data
-                leaves, mask_fam, mask_srcs = mask_leaves(g, fams, fam, lengths)
+                step_masks = lengths + derived_masks(g, src, axis, fam, signer)
+                leaves, mask_fam, mask_srcs = mask_leaves(g, fams, fam, step_masks)
                 iv = intervals(g, order, leaves)
                 for chain in find_chains(g, fam, iv, mask_fam):
                     key = (src, axis, chain.direction, chain.steps[0].t)
@@ -71,7 +73,7 @@ class FuseChains:
                 break
             # what the search held (intervals and signatures over the whole graph, the chains' steps) is not
             # needed to validate and commit: it goes before the rewrites' own memory comes
-            iv = order = signer = lengths = leaves = chain = None
+            iv = order = signer = lengths = step_masks = leaves = chain = None
             n_before = len(res.findings)
             apply_recurrences(g, ctx, self.name, recs, res)
             if not any(f.status == "fused" for f in res.findings[n_before:]):
@@ -82,10 +84,11 @@ class FuseChains:
         fams = find_families(g)
         order = g.ordered_live_nodes() if fams else []
         lengths = length_masks(g) if fams else []
+        signer = Signer(g)
         for (src, axis), fam in fams.items():
             if g.model.elem_type(src) == 9:
                 continue
-            leaves, mask_fam, _ = mask_leaves(g, fams, fam, lengths)
+            leaves, mask_fam, _ = mask_leaves(g, fams, fam, lengths + derived_masks(g, src, axis, fam, signer))
             iv = intervals(g, order, leaves)
             for chain in find_chains(g, fam, iv, mask_fam):
                 final.add((src, axis, chain.direction, chain.steps[0].t))

@@ -287,6 +287,15 @@ def steps_describe(c: Case) -> str:
                      + ("as float: m * cell + (1 - m) * h)" if o["lengths"] == "arange" else "torch.where)"))
     elif o.get("lengths"):
         parts.append("masked by hand: m = (t < lengths).float(); h = m * cell + (1 - m) * h; outputs m * h")
+    if o.get("xmask"):
+        parts.append("a step of a row is padding where its features are all 0, decided inside each step (" + {
+            "where": "v = (x_t != 0).any(-1).unsqueeze(-1); h = where(v, cell, h); outputs h",
+            "abs_sum": "v = x_t.abs().sum(-1, keepdim=True) > 0; h = where(v, cell, h); outputs h",
+            "float": "m = (x_t != 0).any(-1).unsqueeze(-1).float(); h = m * cell + (1 - m) * h; outputs m * cell",
+            "reset": "near miss: m * cell, the state reset to 0 at padded steps",
+            "batch": "near miss: v = (x_t != 0).any(-1).all(0): one row's padding stops every row",
+            "per_feature": "near miss: v = x_t != 0 with F == H: each hidden unit masked by a feature of its own",
+        }[o["xmask"]] + "); the input sets have post-, pre-padded, gappy and empty rows")
     parts.append("returns (stacked outputs, last h" + (", last c)" if c.family == "lstm" else ")"))
     return "; ".join(parts)
 
@@ -375,6 +384,28 @@ def steps_module(c: Case):
                     h_new, c_new = cell(u, (h, cs))
                 else:
                     h_new, c_new = cell(u, h), None
+                if o.get("xmask"):  # a step is padding where all its features are 0, decided per step
+                    if o["xmask"] == "abs_sum":
+                        v = u.abs().sum(-1, keepdim=True) > 0
+                    elif o["xmask"] == "batch":  # (near miss: one row's padding stops every row)
+                        v = (u != 0).any(-1, keepdim=True).all(0, keepdim=True)
+                    elif o["xmask"] == "per_feature":  # (near miss, F == H: each unit kept where its feature is 0)
+                        v = u != 0
+                    else:
+                        v = (u != 0).any(-1).unsqueeze(-1)
+                    if o["xmask"] in ("float", "reset"):
+                        m = v.to(x.dtype)
+                        keep = (1 - m) * h if o["xmask"] == "float" else 0  # (reset: a near miss)
+                        h = m * h_new + keep
+                        if self.lstm:
+                            cs = m * c_new + ((1 - m) * cs if o["xmask"] == "float" else 0)
+                        outs.append(m * h_new)
+                    else:
+                        h = torch.where(v, h_new, h)
+                        if self.lstm:
+                            cs = torch.where(v, c_new, cs)
+                        outs.append(h)
+                    continue
                 if lengths is None:
                     h, cs = h_new, c_new
                     outs.append(h)
@@ -450,6 +481,15 @@ CASES += [
     steps("grucell_trace_arange_mask", "gru", lengths="arange"),
     steps("lstmcell_trace_arange_mask_where_bf", "lstm", lengths="arange_where", batch_first=True),
     steps("lstmcell_dynamo_arange_mask", "lstm", exporter="dynamo", time=6, lengths="arange"),
+    # a mask decided inside each step from the step input alone (padding: all features 0)
+    steps("grucell_trace_xmask", "gru", xmask="where"),
+    steps("lstmcell_dynamo_xmask_abs_sum_bf", "lstm", exporter="dynamo", time=6, xmask="abs_sum", batch_first=True),
+    steps("rnncell_tanh_trace_xmask_float", "rnn_tanh", xmask="float"),
+    steps("lstmcell_trace_xmask_float_bf", "lstm", xmask="float", batch_first=True),
+    steps("grucell_dynamo_xmask_where", "gru", exporter="dynamo", time=6, xmask="where"),
+    steps("grucell_trace_xmask_reset", "gru", xmask="reset", near_miss=True),
+    steps("lstmcell_dynamo_xmask_batch", "lstm", exporter="dynamo", time=6, xmask="batch", near_miss=True),
+    steps("grucell_trace_xmask_per_feature", "gru", xmask="per_feature", near_miss=True, hidden=FEATURES),
     # a learned initial state expanded to the batch: the op's initial_h (and initial_c)
     steps("lstmcell_trace_learned_init", "lstm", init="learned"),
     steps("grucell_dynamo_learned_init_lengths", "gru", exporter="dynamo", time=6, init="learned", lengths=True),
@@ -600,6 +640,18 @@ def make_inputs(specs, batch: int, time_: int, rng: np.random.Generator) -> dict
         scale = 1.0 if name == "x" else 0.5
         feeds[name] = (scale * rng.standard_normal(dims)).astype(np.float32)
     return feeds
+
+
+def zero_padded_steps(x: np.ndarray, batch_first: bool) -> None:
+    """Zero the padded steps of ``x`` in place, row by row: one row post-padded (batch 1); gappy, pre-padded
+    and empty rows (more rows: then valid, post-padded, ...)."""
+    xs = x if batch_first else x.swapaxes(0, 1)  # (a view: [B, T, F])
+    T = xs.shape[1]
+    first = 1 if xs.shape[0] == 1 else 2
+    for b in range(xs.shape[0]):
+        keep = [np.ones(T, bool), np.arange(T) < T - 3, np.arange(T) % 3 != 1, np.arange(T) >= 2,
+                np.zeros(T, bool)][(first + b) % 5]
+        xs[b, ~keep] = 0.0
 
 
 # --------------------------------------------------------------------------- torch modules
@@ -877,6 +929,8 @@ def generate_torch(c: Case, out_dir: Path) -> dict:
     arrays = {}
     for set_name, batch, time_ in set_specs(c):
         feeds = make_inputs(specs, batch, time_, rng)
+        if c.opts.get("xmask"):
+            zero_padded_steps(feeds["x"], c.batch_first)
         with torch.no_grad():
             outs = flat_outputs(module(*(torch.from_numpy(feeds[n]) for n, _ in specs)))
         if len(outs) != len(model.graph.output):

@@ -15,7 +15,7 @@ are handled here too: the sequence is a per-step output and ``ConcatFromSequence
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from onnx import NodeProto, TensorProto
@@ -30,6 +30,8 @@ from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_state
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
+from rnnfuse.row_wise import on_every_step, row_masks
+from rnnfuse.emit import Builder
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
 from .loop_reads import check_trip_count, counter_step, counting_offset, length_mask, step_read
@@ -62,9 +64,23 @@ class _StepInput:
     x_read_source: str  # the tensor they read element t of (X, or X0 @ K + b)
     x_prep: InputPrep  # the projection's time flips, built by the emitter
     lengths: object = None  # a LengthMask: the step mask is t compared with per-row lengths (built by the emitter)
+    derived: "_DerivedMask | None" = None  # the step mask is computed from x_t in the body
+    x_read_nodes: list = field(default_factory=list)  # the body nodes reading x_t
+
+
+@dataclass
+class _DerivedMask:
+    """A step mask the body computes from x_t alone, row by row (``(x_t != 0).any(-1)``): see
+    :func:`rnnfuse.row_wise.row_masks`."""
+
+    out: str  # the body's mask
+    nodes: list  # the body nodes computing it from x_t
+    unit: bool  # [B, 1] (else [B])
+    consts: dict  # the constants they read (the body's own: copied beside the loop)
 
 
 _LENGTH_MASK = "<the mask t < lengths, built before the native op>"
+_DERIVED_MASK = "<the mask the body computes from x_t, computed for every step before the loop>"
 
 
 def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
@@ -83,6 +99,8 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
                   set(carried.index_syms))
     if step_in.lengths is not None:
         _attach_length_mask(g, recs, step_in)
+    if step_in.derived is not None:
+        _attach_derived_mask(g, body, loop, recs, step_in)
     if len(recs) == 1:
         return recs[0], aliases
     return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
@@ -98,6 +116,45 @@ def _attach_length_mask(g: Graph, recs: list[Recurrence], step_in: _StepInput) -
         if r.mask == _LENGTH_MASK:
             r.x_prep.lengths, r.mask_made = step_in.lengths, "post" if step_in.lengths.valid_first else "any"
             r.notes.append(f"mask: {step_in.lengths.op} of the step and '{step_in.lengths.lengths}' (lengths)")
+
+
+def _attach_derived_mask(g: Graph, body: Graph, loop: NodeProto, recs: list[Recurrence], step_in: _StepInput) -> None:
+    """A mask the body computes from x_t: computed for every step at once beside the loop (``M``, the same
+    row-wise nodes on every step's rows), and the body reads its step of ``M`` where it computed it, so that
+    the original and the rewrite read one mask (the one validation overrides)."""
+    if not any(r.mask == _DERIVED_MASK for r in recs):
+        return
+    d = step_in.derived
+    b = Builder(g, loop, "rnnfuse/step_mask")
+    mask = on_every_step(b, d.nodes, sorted(step_in.x_reads), step_in.x_read_source, d.out, d.consts)
+    dims = (g.model.shape(step_in.x_read_source) or [None, None])[:2]
+    g.model.declare(mask, (TensorProto.BOOL, list(dims) + ([1] if d.unit else [])))
+    read = step_in.x_read_nodes[0]  # Gather(X, i, axis 0): the step's index, as x_t is read
+    body.rewrite_in_place(body.producer[d.out], "Gather", [mask, read.input[1]], axis=0)
+    for r in recs:
+        if r.mask == _DERIVED_MASK:
+            r.mask = mask
+            r.notes.append("mask: computed from the step input in the body, for every step before the loop")
+
+
+def _find_derived_mask(g: Graph, body: Graph, step_in: "_StepInput", invariants: dict[str, str]) -> None:
+    """The one step mask the body computes from x_t (read by ``Gather(X, i)`` on X's time-major axis), if any,
+    becomes the step's mask: its leaf, and ``step_in.derived``."""
+    if not all(n.op_type == "Gather" and attr(n, "axis", 0) == 0 for n in step_in.x_read_nodes):
+        return
+
+    def const_of(name: str):
+        return g.const(invariants[name]) if name in invariants else body.const(name)
+
+    found = row_masks(body, sorted(step_in.x_reads), const_of)
+    if len(found) != 1:
+        return
+    out, nodes, rank = found[0]
+    made = {o for n in nodes for o in n.output} | step_in.x_reads
+    consts = {i: np.asarray(const_of(i)) for n in nodes for i in n.input if i and i not in made}
+    step_in.derived = _DerivedMask(out, nodes, rank == 2, consts)
+    step_in.leaves[out] = BoolMask("m", False, rank == 2)
+    step_in.mask_outer = _DERIVED_MASK
 
 
 def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
@@ -138,6 +195,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
     x_outer = mask_outer = None
     reversed_reads = set()
     x_reads: list[str] = []
+    x_read_nodes: list[NodeProto] = []
     x_axis = None
     lengths = None
     for n in body.nodes:
@@ -179,6 +237,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
                 raise Decline(f"the per-step input is read along axis {axis}")
             x_outer, x_axis = data, axis
             x_reads.append(n.output[0])
+            x_read_nodes.append(n)
     if x_outer is None:
         raise Decline("no per-step input (element i of an invariant tensor) in the body")
     if mask_outer is not None and x_axis != 0:
@@ -203,10 +262,12 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
         if reversed_reads == {True}:
             raise Decline("a length mask on a step that reads time backwards")
         mask_outer = _LENGTH_MASK
-    return _StepInput(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis, x_atom,
-                      reversed_reads == {True},
-                      mask_outer, set(x_reads), x_outer, InputPrep(proj.flips) if proj is not None else InputPrep(),
-                      lengths)
+    step_in = _StepInput(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis,
+                         x_atom, reversed_reads == {True}, mask_outer, set(x_reads), x_outer,
+                         InputPrep(proj.flips) if proj is not None else InputPrep(), lengths, None, x_read_nodes)
+    if mask_outer is None:  # (none read, none compared with lengths: perhaps one computed from x_t)
+        _find_derived_mask(g, body, step_in, carried.invariants)
+    return step_in
 
 
 def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leaves: dict) -> dict[str, State]:

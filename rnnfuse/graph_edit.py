@@ -148,6 +148,28 @@ class Graph(GraphIndex):
             elif lst is not None and id(lst) in gone:
                 consumers[i] = []
 
+    def rewrite_in_place(self, node: NodeProto, op_type: str, inputs: list[str], **attrs) -> None:
+        """Make ``node`` compute ``op_type(inputs)`` into the same outputs, as the same object: in a Loop or Scan
+        body it is the message of the body the node's owner holds (what validation and onnxruntime run), so
+        the owner's captures (what its body reads from outside) are read again."""
+        self._unindex(node)
+        node.op_type, node.domain = op_type, ""
+        del node.input[:]
+        node.input.extend(inputs)
+        del node.attribute[:]
+        node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+        self._index(node)
+        self.edited.append(node)
+        if self.owner is not None and self.parent is not None:
+            self.parent.captures_changed(self.owner)
+
+    def captures_changed(self, node: NodeProto) -> None:
+        """Read again what ``node``'s subgraphs read from outside them (a node inside one was edited)."""
+        self._unindex(node)
+        self._implicit.pop(id(node), None)
+        self._index(node)
+        self.edited.append(node)
+
     def replace_uses(self, old: str, new: str) -> None:
         """Make every reader of ``old`` (nodes, captures in subgraphs, graph outputs) read ``new``."""
         if old == new:

@@ -12,7 +12,7 @@ assumed; :func:`replay` copies such nodes onto the flattened rows.
 from __future__ import annotations
 
 import numpy as np
-from onnx import NodeProto
+from onnx import NodeProto, TensorProto
 
 from . import op_args
 from .errors import Decline
@@ -155,3 +155,102 @@ def unflatten(b, rows: str, like: str) -> str:
     lead = b.op("Slice", b.op("Shape", like), b.i64(0), b.i64(2), b.i64(0))
     rest = b.op("Slice", b.op("Shape", rows), b.i64(1), b.i64(2**62), b.i64(0))
     return b.op("Reshape", rows, b.op("Concat", lead, rest, axis=0))
+
+
+# ---------------------------------------------------------------------------------- masks from the rows
+
+# nodes walked from a step's input at most (a cell reads x_t through a matmul or two; a mask is a few nodes)
+_WALK_LIMIT = 64
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
+# what turns one mask into another without reading anything else: the step evaluator reads these on a mask
+_MASK_VIEWS = frozenset({"Not", "Identity", "Cast", "Unsqueeze", "Squeeze"})
+
+
+def row_masks(g: Graph, xs: list[str], const_of) -> list[tuple[str, list[NodeProto], int]]:
+    """The bool masks a step computes from its input rows ``xs`` (``[B, F]`` tensors, all x_t) and constants
+    alone, row by row, that something else reads (themselves, or as a float cast or negation): each with the
+    nodes computing it from ``xs``, in evaluation order, and its rank: one value per row, ``[B]`` (1) or
+    ``[B, 1]`` (2). ``const_of(name)``: the value of a constant, else None."""
+    rows: dict[str, int] = {x: ROW_RANK for x in xs}
+    walked: list[NodeProto] = []
+    ids: set[int] = set()
+    stack = list(xs)
+    while stack and len(walked) < _WALK_LIMIT:
+        for c in g.uses(stack.pop()):
+            if id(c) in ids or any(i and i not in rows and const_of(i) is None for i in c.input):
+                continue  # (a node also reading a value not computed yet is met again from that value)
+            try:
+                rank = check_row_wise(g, c, rows, const_of, "a step mask", reductions=True)
+            except Decline:
+                continue
+            ids.add(id(c))
+            walked.append(c)
+            for o in c.output:
+                rows[o] = rank
+                stack.append(o)
+    unit = _unit_rows(g, walked, rows, const_of)
+
+    def read_outside(v: str) -> bool:
+        return any(id(u) not in ids for u in g.uses(v))
+
+    roots: dict[str, None] = {}
+    for n in walked:
+        m = n.output[0]
+        if len(n.output) != 1 or g.model.elem_type(m) != TensorProto.BOOL:
+            continue  # (a mask is made a read of the whole mask in its node's place: the node computes it alone)
+        if read_outside(m) or any(u.op_type == "Cast" and attr(u, "to") in _FLOATS and id(u) in ids
+                                  and read_outside(u.output[0]) for u in g.uses(m)):
+            roots[_mask_root(g, m, ids)] = None
+    # one value per row: [B] or [B, 1] (a [B, F] comparison of the features is no step mask)
+    return [(m, _cone(g, m, ids, walked), rows[m]) for m in roots if rows[m] == 1 or m in unit]
+
+
+def _unit_rows(g: Graph, walked: list[NodeProto], rows: dict[str, int], const_of) -> set[str]:
+    """The walked row tensors known to be ``[B, 1]``: a reduction over the features kept as a unit axis, an
+    added unit axis, elementwise ops of those with one-value constants, or a declared shape."""
+    unit: set[str] = set()
+    for n in walked:
+        op, o = n.op_type, n.output[0]
+        if rows[o] != ROW_RANK:
+            continue
+        if op in REDUCTIONS or op == "Unsqueeze":  # (a row-wise reduction keeping a rank-2 row reduced axis 1)
+            unit.add(o)
+        elif op in ELEMENTWISE and all(i in unit if rows.get(i) else np.size(const_of(i)) == 1
+                                       for i in n.input if i):
+            unit.add(o)
+        elif (g.model.shape(o) or [None, None])[1:] == [1]:
+            unit.add(o)
+    return unit
+
+
+def _mask_root(g: Graph, m: str, ids: set[int]) -> str:
+    """The bool ``m`` is a view of (its negation, a cast back to bool, an added unit axis): the mask itself, so
+    that ``m`` and ``Not(m)`` read beside it are one mask, not two."""
+    while True:
+        p = g.producer.get(m)
+        if p is None or id(p) not in ids or p.op_type not in _MASK_VIEWS or g.model.elem_type(p.input[0]) != TensorProto.BOOL:
+            return m
+        m = p.input[0]
+
+
+def _cone(g: Graph, m: str, ids: set[int], walked: list[NodeProto]) -> list[NodeProto]:
+    """The walked nodes ``m`` is computed from, in evaluation order."""
+    need: set[int] = set()
+    stack = [m]
+    while stack:
+        p = g.producer.get(stack.pop())
+        if p is not None and id(p) in ids and id(p) not in need:
+            need.add(id(p))
+            stack.extend(i for i in p.input if i)
+    return [n for n in walked if id(n) in need]
+
+
+def on_every_step(b, nodes: list[NodeProto], xs: list[str], seq: str, out: str, consts: dict[str, np.ndarray]) -> str:
+    """``out`` (computed from the step input rows ``xs`` by ``nodes``) for every step of the sequence ``seq``
+    (``[T, B, F]`` or ``[B, T, F]``) at once, laid out like it: ``[T, B(, 1)]`` or ``[B, T(, 1)]``. ``consts``:
+    the constants the nodes read that the graph beside ``b`` does not hold (a Loop body's own)."""
+    rows = b.op("Flatten", seq, axis=2)  # every (t, b) or (b, t) row
+    env = {x: rows for x in xs}
+    env.update({name: b.const(arr, "step") for name, arr in consts.items()})
+    replay(b, nodes, env, "rows")
+    return unflatten(b, env[out], seq)

@@ -543,11 +543,12 @@ class LengthOpts:
     the iteration number with a graph input ``L`` of per-row lengths.
 
     ``cmp``: ``lt`` Less(i, L); ``gt`` Greater(L, i); ``le1`` LessOrEqual(i + 1, L); ``ge`` GreaterOrEqual(i, L)
-    (valid *from* step L on: pre-padded rows). ``dtype`` int64, or int32 (i cast to int32); ``unit``: L is
+    (valid *from* step L on: pre-padded rows); ``xmask`` no comparison with L: the step's mask is computed from
+    x_t, ``ReduceMax(Cast(x_t != 0), axis 1)`` (a row is padding where its features are all 0). ``dtype`` int64, or int32 (i cast to int32); ``unit``: L is
     [B, 1]; ``keep``: ``muladd`` m*new + (1-m)*h with m cast to float, or ``where`` Where(m, new, h); ``out``:
     ``zero`` the new h where valid, zeros elsewhere, or ``carry`` the kept h. Near misses (``miss``):
     ``reset`` h = m * new (not kept); ``input_only`` the mask multiplies x_t only; ``lengths_change`` L is
-    carried and decremented every step."""
+    carried and decremented every step; ``batch_rows`` (xmask) one mask for all rows, reduced over the batch."""
 
     cmp: str = "lt"
     dtype: str = "int64"
@@ -562,7 +563,9 @@ class LengthOpts:
         return "-".join(parts + ([self.miss] if self.miss else []))
 
 
-def _valid(o: LengthOpts, t: int, L: np.ndarray) -> np.ndarray:
+def _valid(o: LengthOpts, t: int, L: np.ndarray, x: np.ndarray) -> np.ndarray:
+    if o.cmp == "xmask":
+        return (x[t] != 0).any(-1)
     L = L.reshape(-1)
     return {"lt": t < L, "gt": L > t, "le1": t + 1 <= L, "ge": t >= L}[o.cmp]
 
@@ -584,7 +587,14 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
         bn.append(helper.make_node("Cast", ["it"], ["it32"], to=TensorProto.INT32))
         i = "it32"
     L = "Lc" if o.miss == "lengths_change" else "L"
-    if o.cmp == "lt":
+    if o.cmp == "xmask":
+        bn += [helper.make_node("Equal", ["xt", "zerof"], ["x0"]), helper.make_node("Not", ["x0"], ["xn"]),
+               helper.make_node("Cast", ["xn"], ["xnf"], to=TensorProto.FLOAT),
+               helper.make_node("ReduceMax", ["xnf"], ["xany"], axes=[1], keepdims=int(o.unit))]
+        if o.miss == "batch_rows":
+            bn.append(helper.make_node("ReduceMin", ["xany"], ["xall"], axes=[0], keepdims=1))
+        bn.append(helper.make_node("Cast", ["xall" if o.miss == "batch_rows" else "xany"], ["m"], to=TensorProto.BOOL))
+    elif o.cmp == "lt":
         bn.append(helper.make_node("Less", [i, L], ["m"]))
     elif o.cmp == "gt":
         bn.append(helper.make_node("Greater", [L, i], ["m"]))
@@ -645,7 +655,7 @@ def lengths_reference(o: LengthOpts, x: np.ndarray, L: np.ndarray) -> list[np.nd
     h = np.zeros((x.shape[1], H), np.float32)
     ys = []
     for t in range(x.shape[0]):
-        m = _valid(o, t, L)[:, None]
+        m = _valid(o, t, L, x)[:, None]
         hn = np.tanh(x[t] @ W + h @ R + b).astype(np.float32)
         h = np.where(m, hn, h)
         ys.append(np.where(m, hn, 0.0).astype(np.float32) if o.out == "zero" else h)
@@ -656,6 +666,11 @@ LENGTH_FORMS = [LengthOpts(), LengthOpts("gt", out="carry"), LengthOpts("le1", "
                 LengthOpts("lt", keep="where", out="carry"), LengthOpts("gt", "int32", keep="where"),
                 LengthOpts("ge"), LengthOpts("ge", keep="where", out="carry", unit=True)]
 LENGTH_MISSES = [LengthOpts(miss="reset"), LengthOpts(miss="input_only"), LengthOpts(miss="lengths_change")]
+# the mask computed in the step from x_t itself
+XMASK_FORMS = [LengthOpts("xmask", keep="where", out="carry"), LengthOpts("xmask", unit=True),
+               LengthOpts("xmask", keep="where", unit=True)]
+XMASK_MISSES = [LengthOpts("xmask", miss="reset"), LengthOpts("xmask", miss="batch_rows", unit=True),
+                LengthOpts("xmask", miss="input_only")]
 
 
 # --------------------------------------------------------------------------- transposed matmuls (item 9)

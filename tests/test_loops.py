@@ -11,6 +11,8 @@ from builders_loops import (
     HEAD_MISSES,
     LENGTH_FORMS,
     LENGTH_MISSES,
+    XMASK_FORMS,
+    XMASK_MISSES,
     NEAR_MISSES,
     SCAN_STACK_FORMS,
     SCAN_STACK_MISSES,
@@ -137,6 +139,28 @@ def test_length_mask_in_step_fused(o: LengthOpts):
     _same_outputs(o.name, model, fused, runs())
 
 
+@pytest.mark.parametrize("o", XMASK_FORMS, ids=lambda o: o.name)
+def test_mask_from_step_input_fused(o: LengthOpts):
+    """A step mask the body computes from x_t alone (a row is padding where its features are all 0): one masked
+    RNN; the mask computed for every step before it, the body reading its step of that mask (validation's
+    patterns reach both); rows post-, pre-padded, gappy, empty."""
+    model = build_lengths(o)
+    fused, report = _fused_once(model, Loop=0, RNN=1)
+    assert report.fused[0].masked and report.fused[0].validation.startswith("ok"), report.to_text()
+    onnx.checker.check_model(fused, full_check=True)
+    rng = np.random.default_rng(5)
+    L = np.zeros((1, 1) if o.unit else (1,), np.int64)  # (not read)
+
+    def runs():
+        for keep in (np.ones((5, 1), bool), np.array([[1, 1, 0, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1],
+                                                      [1, 1, 1, 1, 0, 0, 0], [0] * 7], bool).T):
+            x = rng.standard_normal(keep.shape + (3,)).astype(np.float32)
+            x[~keep] = 0.0
+            yield {"x": x, "L": L}, lengths_reference(o, x, L)
+
+    _same_outputs(o.name, model, fused, runs())
+
+
 @pytest.mark.parametrize("o", TRANSPOSED_FORMS, ids=lambda o: o.name)
 def test_transposed_matmuls_fused(o: TransposedOpts):
     """Matmuls written as Transpose(W.T @ Transpose(v)) (jax.vmap of a per-example cell): one RNN."""
@@ -178,7 +202,7 @@ HEAD_REASONS = {"rows_mean": "not a row-wise op", "transpose": "not a row-wise o
 NEAR_MISS_CASES = ([(build, o, "") for o in NEAR_MISSES]
                    + [(build_stack, o, "") for o in STACK_MISSES + SCAN_STACK_MISSES]
                    + [(build_head, o, HEAD_REASONS[o.miss]) for o in HEAD_MISSES]
-                   + [(build_lengths, o, "") for o in LENGTH_MISSES]
+                   + [(build_lengths, o, "") for o in LENGTH_MISSES + XMASK_MISSES]
                    + [(build_transposed, o, "mix batch rows") for o in TRANSPOSED_MISSES])
 
 

@@ -16,14 +16,11 @@ import numpy as np
 from onnx import NodeProto, TensorProto
 
 from rnnfuse.errors import Decline
-from rnnfuse.graph import Graph, attr
-from rnnfuse.row_wise import ROW_RANK, check_row_wise, replay, unflatten
+from rnnfuse.graph import Graph
+from rnnfuse.row_wise import on_every_step, row_masks
 from rnnfuse.signature import Signer
 
 from .families import StepMask
-
-# nodes of one step's input walked at most (a cell reads x_t through a matmul or two; a mask is a few nodes)
-_WALK_LIMIT = 64
 
 
 class DerivedMask(StepMask):
@@ -52,8 +49,7 @@ class DerivedMask(StepMask):
         from rnnfuse.emit import Builder  # (emit imports the graph layer only; a top-level import would cycle)
 
         b = Builder(g, g.producer.get(self.steps[min(self.steps)]) or anchor, "rnnfuse/step_mask")
-        env = replay(b, self.nodes, {self.x: b.op("Flatten", self.src, axis=2)}, "rows")  # every (t, b) row
-        mask = unflatten(b, env[self.out], self.src)
+        mask = on_every_step(b, self.nodes, [self.x], self.src, self.out, {})
         lead = (g.model.shape(self.src) or [None, None])[:2]
         tail = (g.model.shape(self.out) or [None] * (g.model.rank(self.out) or 1))[1:]
         g.model.declare(mask, (TensorProto.BOOL, list(lead) + list(tail)))
@@ -74,7 +70,7 @@ def derived_masks(g: Graph, src: str, axis: int, fam: dict[int, str], signer: Si
     found: dict[int, dict[int, str]] = {}  # signature -> step -> mask
     template: dict[int, tuple] = {}
     for t, x in fam.items():
-        for m, nodes in _row_masks(g, x):
+        for m, nodes, _ in row_masks(g, [x], g.const):
             ids = {id(n) for n in nodes}
             try:
                 sig = signer.sign(m, {x: "x"}, lambda p, ids=ids: id(p) in ids, _no_other_input, set())
@@ -87,70 +83,3 @@ def derived_masks(g: Graph, src: str, axis: int, fam: dict[int, str], signer: Si
 
 def _no_other_input(name: str) -> str:
     raise Decline(f"a step mask reads '{name}'")
-
-
-_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
-
-
-def _row_masks(g: Graph, x: str) -> list[tuple[str, list[NodeProto]]]:
-    """The bool masks computed from ``x`` (a step's ``[B, F]`` input) and constants alone, row by row, that
-    something else reads (themselves, or as a float cast or negation): each with the nodes computing it from
-    ``x``, in evaluation order."""
-    rows: dict[str, int] = {x: ROW_RANK}
-    walked: list[NodeProto] = []
-    ids: set[int] = set()
-    stack = [x]
-    while stack and len(walked) < _WALK_LIMIT:
-        for c in g.uses(stack.pop()):
-            if id(c) in ids or any(i and i not in rows and g.const(i) is None for i in c.input):
-                continue  # (a node also reading a value not computed yet is met again from that value)
-            try:
-                rank = check_row_wise(g, c, rows, g.const, "a step mask", reductions=True)
-            except Decline:
-                continue
-            ids.add(id(c))
-            walked.append(c)
-            for o in c.output:
-                rows[o] = rank
-                stack.append(o)
-
-    def read_outside(v: str) -> bool:
-        return any(id(u) not in ids for u in g.uses(v))
-
-    roots: dict[str, None] = {}
-    for n in walked:
-        m = n.output[0]
-        if g.model.elem_type(m) != TensorProto.BOOL:
-            continue
-        if read_outside(m) or any(u.op_type == "Cast" and attr(u, "to") in _FLOATS and id(u) in ids
-                                  and read_outside(u.output[0]) for u in g.uses(m)):
-            roots[_mask_root(g, m, ids)] = None
-    # one value per row: [B] or [B, 1] (a [B, F] comparison of the features is no step mask)
-    return [(m, _cone(g, m, ids, walked)) for m in roots
-            if rows[m] == 1 or (g.model.shape(m) or [None, None])[1:] == [1]]
-
-
-# what turns one mask into another without reading anything else: the step evaluator reads these on a mask
-_MASK_VIEWS = frozenset({"Not", "Identity", "Cast", "Unsqueeze", "Squeeze"})
-
-
-def _mask_root(g: Graph, m: str, ids: set[int]) -> str:
-    """The bool ``m`` is a view of (its negation, a cast back to bool, an added unit axis): the mask itself, so
-    that ``m`` and ``Not(m)`` read beside it are one mask, not two."""
-    while True:
-        p = g.producer.get(m)
-        if p is None or id(p) not in ids or p.op_type not in _MASK_VIEWS or g.model.elem_type(p.input[0]) != TensorProto.BOOL:
-            return m
-        m = p.input[0]
-
-
-def _cone(g: Graph, m: str, ids: set[int], walked: list[NodeProto]) -> list[NodeProto]:
-    """The walked nodes ``m`` is computed from, in evaluation order."""
-    need: set[int] = set()
-    stack = [m]
-    while stack:
-        p = g.producer.get(stack.pop())
-        if p is not None and id(p) in ids and id(p) not in need:
-            need.add(id(p))
-            stack.extend(i for i in p.input if i)
-    return [n for n in walked if id(n) in need]

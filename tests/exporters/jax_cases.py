@@ -131,6 +131,10 @@ CASES = [
     case("hand_gru_masked_o17", "hand", "gru", mask=True, opset=17),
     case("hand_gru_masked_input", "hand", "gru", mask=True, mask_input=True,
          notes="x_t * m_t feeds the cell beside the masked state update"),
+    case("hand_gru_xmask", "hand", "gru", mask=True, xmask=True,
+         notes="no mask input: the step's mask is jnp.any(x_t != 0, -1), computed in the body"),
+    case("hand_lstm_xmask_o17", "hand", "lstm", mask=True, xmask=True, opset=17,
+         notes="no mask input: the step's mask is jnp.any(x_t != 0, -1), computed in the body"),
     # -- matmuls written with jnp.einsum ("bf,fk->bk"; weights [out, in] read "bf,hf->bh", weight first)
     case("hand_gru_einsum", "hand", "gru_einsum"),
     case("hand_rnn_einsum_transposed_o17", "hand", "rnn_einsum_t", opset=17),
@@ -426,11 +430,13 @@ def build_hand(env: Env, c: Case, seed: int):
         return z
 
     if c.masked:
-        specs.append(("mask", ("B", TIME), "bool"))
+        xmask = c.opts.get("xmask")  # no mask input: the step decides from x_t (padding: every feature 0)
+        if not xmask:
+            specs.append(("mask", ("B", TIME), "bool"))
 
-        def fn(x, mask):
+        def fn(x, mask=None):
             def step(carry, inp):
-                xt, mt = inp
+                xt, mt = (inp, jnp.any(inp != 0, axis=-1)) if xmask else inp
                 if c.opts.get("mask_input"):  # the input zeroed at masked steps too
                     xt = xt * mt[:, None].astype(xt.dtype)
                 new, y = cell(carry, xt)
@@ -438,7 +444,8 @@ def build_hand(env: Env, c: Case, seed: int):
                 new = jax.tree_util.tree_map(lambda a, b: jnp.where(keep, a, b), new, carry)
                 return new, jnp.where(keep, y, 0.0)
 
-            _, ys = jax.lax.scan(step, init(x.shape[0]), (jnp.swapaxes(x, 0, 1), jnp.swapaxes(mask, 0, 1)))
+            xs = jnp.swapaxes(x, 0, 1)
+            _, ys = jax.lax.scan(step, init(x.shape[0]), xs if xmask else (xs, jnp.swapaxes(mask, 0, 1)))
             return jnp.swapaxes(ys, 0, 1)
 
         return fn, specs

@@ -30,7 +30,7 @@ from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_state
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
-from rnnfuse.row_wise import on_every_step, row_masks
+from rnnfuse.row_wise import mask_on_every_step, row_masks
 from rnnfuse.emit import Builder
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
@@ -75,7 +75,7 @@ class _DerivedMask:
 
     out: str  # the body's mask
     nodes: list  # the body nodes computing it from x_t
-    unit: bool  # [B, 1] (else [B])
+    rank: int  # 2: [B, 1]; 1: [B]
     consts: dict  # the constants they read (the body's own: copied beside the loop)
 
 
@@ -126,9 +126,7 @@ def _attach_derived_mask(g: Graph, body: Graph, loop: NodeProto, recs: list[Recu
         return
     d = step_in.derived
     b = Builder(g, loop, "rnnfuse/step_mask")
-    mask = on_every_step(b, d.nodes, sorted(step_in.x_reads), step_in.x_read_source, d.out, d.consts)
-    dims = (g.model.shape(step_in.x_read_source) or [None, None])[:2]
-    g.model.declare(mask, (TensorProto.BOOL, list(dims) + ([1] if d.unit else [])))
+    mask = mask_on_every_step(b, d.nodes, sorted(step_in.x_reads), step_in.x_read_source, d.out, d.rank, d.consts)
     read = step_in.x_read_nodes[0]  # Gather(X, i, axis 0): the step's index, as x_t is read
     body.rewrite_in_place(body.producer[d.out], "Gather", [mask, read.input[1]], axis=0)
     for r in recs:
@@ -152,7 +150,7 @@ def _find_derived_mask(g: Graph, body: Graph, step_in: "_StepInput", invariants:
     out, nodes, rank = found[0]
     made = {o for n in nodes for o in n.output} | step_in.x_reads
     consts = {i: np.asarray(const_of(i)) for n in nodes for i in n.input if i and i not in made}
-    step_in.derived = _DerivedMask(out, nodes, rank == 2, consts)
+    step_in.derived = _DerivedMask(out, nodes, rank, consts)
     step_in.leaves[out] = BoolMask("m", False, rank == 2)
     step_in.mask_outer = _DERIVED_MASK
 

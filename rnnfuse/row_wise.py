@@ -245,12 +245,18 @@ def _cone(g: Graph, m: str, ids: set[int], walked: list[NodeProto]) -> list[Node
     return [n for n in walked if id(n) in need]
 
 
-def on_every_step(b, nodes: list[NodeProto], xs: list[str], seq: str, out: str, consts: dict[str, np.ndarray]) -> str:
-    """``out`` (computed from the step input rows ``xs`` by ``nodes``) for every step of the sequence ``seq``
-    (``[T, B, F]`` or ``[B, T, F]``) at once, laid out like it: ``[T, B(, 1)]`` or ``[B, T(, 1)]``. ``consts``:
-    the constants the nodes read that the graph beside ``b`` does not hold (a Loop body's own)."""
+def mask_on_every_step(b, nodes: list[NodeProto], xs: list[str], seq: str, out: str, rank: int,
+                       consts: dict[str, np.ndarray]) -> str:
+    """The mask ``out`` (of ``rank``, computed from the step input rows ``xs`` by ``nodes``: see
+    :func:`row_masks`) for every step of the sequence ``seq`` (``[T, B, F]`` or ``[B, T, F]``) at once, laid
+    out like it: ``[T, B(, 1)]`` or ``[B, T(, 1)]``. ``consts``: the constants the nodes read that the graph
+    beside ``b`` does not hold (a Loop body's own)."""
+    g: Graph = b.g
     rows = b.op("Flatten", seq, axis=2)  # every (t, b) or (b, t) row
     env = {x: rows for x in xs}
     env.update({name: b.const(arr, "step") for name, arr in consts.items()})
     replay(b, nodes, env, "rows")
-    return unflatten(b, env[out], seq)
+    mask = unflatten(b, env[out], seq)
+    lead = (g.model.shape(seq) or [None, None])[:2]
+    g.model.declare(mask, (TensorProto.BOOL, list(lead) + [1] * (rank - 1)))
+    return mask

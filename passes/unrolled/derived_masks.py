@@ -13,11 +13,11 @@ steps read too.
 from __future__ import annotations
 
 import numpy as np
-from onnx import NodeProto, TensorProto
+from onnx import NodeProto
 
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
-from rnnfuse.row_wise import on_every_step, row_masks
+from rnnfuse.row_wise import mask_on_every_step, row_masks
 from rnnfuse.signature import Signer
 
 from .families import StepMask
@@ -27,9 +27,11 @@ class DerivedMask(StepMask):
     """The bool masks ``f(x_t)`` of the steps ``t`` of one data family, ``f`` the same row-wise function (what
     a step reads of its mask, ``.float()`` or ``~m`` say, the step analysis reads as it reads any mask's)."""
 
-    def __init__(self, src: str, axis: int, x: str, out: str, nodes: list[NodeProto], steps: dict[int, str]):
+    def __init__(self, src: str, axis: int, x: str, out: str, nodes: list[NodeProto], rank: int,
+                 steps: dict[int, str]):
         self.src, self.axis = src, axis  # the data the steps slice, and its time axis
         self.x, self.out, self.nodes = x, out, nodes  # one step's input, its mask, the nodes between them
+        self.rank = rank  # the mask's: [B, 1] (2) or [B] (1)
         self.steps = steps  # step -> its mask
         self.built: str | None = None
 
@@ -49,10 +51,7 @@ class DerivedMask(StepMask):
         from rnnfuse.emit import Builder  # (emit imports the graph layer only; a top-level import would cycle)
 
         b = Builder(g, g.producer.get(self.steps[min(self.steps)]) or anchor, "rnnfuse/step_mask")
-        mask = on_every_step(b, self.nodes, [self.x], self.src, self.out, {})
-        lead = (g.model.shape(self.src) or [None, None])[:2]
-        tail = (g.model.shape(self.out) or [None] * (g.model.rank(self.out) or 1))[1:]
-        g.model.declare(mask, (TensorProto.BOOL, list(lead) + list(tail)))
+        mask = mask_on_every_step(b, self.nodes, [self.x], self.src, self.out, self.rank, {})
         for t, m in self.steps.items():
             p = g.producer[m]
             g.remove_node(p)
@@ -70,14 +69,14 @@ def derived_masks(g: Graph, src: str, axis: int, fam: dict[int, str], signer: Si
     found: dict[int, dict[int, str]] = {}  # signature -> step -> mask
     template: dict[int, tuple] = {}
     for t, x in fam.items():
-        for m, nodes, _ in row_masks(g, [x], g.const):
+        for m, nodes, rank in row_masks(g, [x], g.const):
             ids = {id(n) for n in nodes}
             try:
                 sig = signer.sign(m, {x: "x"}, lambda p, ids=ids: id(p) in ids, _no_other_input, set())
             except Decline:
                 continue
             found.setdefault(sig, {})[t] = m
-            template.setdefault(sig, (x, m, nodes))
+            template.setdefault(sig, (x, m, nodes, rank))
     return [DerivedMask(src, axis, *template[sig], steps) for sig, steps in found.items() if set(steps) == set(fam)]
 
 

@@ -23,6 +23,10 @@ from rnnfuse.signature import Signer
 from .families import StepMask
 
 
+# the ops that compute a bool from a float (a mask computed from x_t has one)
+_BOOL_MAKERS = ("Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "IsNaN", "IsInf", "Cast")
+
+
 class DerivedMask(StepMask):
     """The bool masks ``f(x_t)`` of the steps ``t`` of one data family, ``f`` the same row-wise function (what
     a step reads of its mask, ``.float()`` or ``~m`` say, the step analysis reads as it reads any mask's)."""
@@ -64,8 +68,8 @@ class DerivedMask(StepMask):
 def derived_masks(g: Graph, src: str, axis: int, fam: dict[int, str], signer: Signer) -> list[DerivedMask]:
     """The masks every step of the data family ``fam`` (step -> x_t, slices of ``src`` along ``axis``) computes
     the same way from its x_t alone, each row on its own."""
-    if g.model.rank(src) != 3:
-        return []
+    if g.model.rank(src) != 3 or not g.nodes_of(*_BOOL_MAKERS):
+        return []  # (a graph computing no bool value has no such mask: no walk from each step's input)
     found: dict[int, dict[int, str]] = {}  # signature -> step -> mask
     template: dict[int, tuple] = {}
     for t, x in fam.items():

@@ -12,7 +12,6 @@ steps read too.
 
 from __future__ import annotations
 
-import numpy as np
 from onnx import NodeProto
 
 from rnnfuse.errors import Decline
@@ -56,11 +55,7 @@ class DerivedMask(StepMask):
 
         b = Builder(g, g.producer.get(self.steps[min(self.steps)]) or anchor, "rnnfuse/step_mask")
         mask = mask_on_every_step(b, self.nodes, [self.x], self.src, self.out, self.rank, {})
-        for t, m in self.steps.items():
-            p = g.producer[m]
-            g.remove_node(p)
-            g.add_node("Gather", [mask, b.const(np.array(t, np.int64), "t")], outputs=[m],
-                       name="rnnfuse/step_mask/Gather", anchor=p, axis=axis)
+        self.read_steps(g, b, mask, axis, {t: g.producer[m] for t, m in self.steps.items()})
         self.built = mask
         return mask
 

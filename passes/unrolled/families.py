@@ -179,6 +179,13 @@ class StepMask:
         step's mask becomes its slice of it."""
         raise NotImplementedError
 
+    @staticmethod
+    def read_steps(g: Graph, b, mask: str, axis: int, computed: dict[int, NodeProto]) -> None:
+        """Each step's mask node ``computed[t]`` becomes ``Gather(mask, t, axis)``, in place (the same output,
+        its readers as they were)."""
+        for t, n in computed.items():
+            g.rewrite_in_place(n, "Gather", [mask, b.const(np.array(t, np.int64), "t")], axis=axis)
+
 
 class LengthMask(StepMask):
     """Per-step masks written as comparisons of one runtime tensor ``L`` (``[B]`` or ``[B, 1]``, the lengths)
@@ -225,12 +232,7 @@ class LengthMask(StepMask):
             dims[-1] = 1
         dims.insert(axis, length)
         g.model.declare(mask, (9, dims))
-        for c, n in self.nodes.items():
-            if 0 <= c - off < length:
-                out = n.output[0]
-                g.remove_node(n)
-                g.add_node("Gather", [mask, b.const(np.array(c - off, np.int64), "t")], outputs=[out],
-                           name="rnnfuse/length_mask/Gather", anchor=anchor, axis=axis)
+        self.read_steps(g, b, mask, axis, {c - off: n for c, n in self.nodes.items() if 0 <= c - off < length})
         self.built = (axis, length, off, mask)
         return mask
 

@@ -23,6 +23,8 @@ from rnnfuse.recurrence import InputPrep, Recurrence
 from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_states, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
+from rnnfuse.emit import Builder
+from rnnfuse.row_wise import mask_on_every_step, row_masks
 from rnnfuse.step import StepOut, analyse
 from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, SymTensor, StepInput
 
@@ -46,6 +48,7 @@ class _Scanned:
     x_prep: InputPrep  # the projection's time flips, built by the emitter
     x_reads: set[str] = field(default_factory=set)  # the body input that is x_t
     x_read_source: str = ""  # the scanned tensor (X, or X0 @ K + b)
+    derived: tuple | None = None  # (mask, nodes, rank, consts): the step mask the body computes from x_t
 
     @property
     def x_reversed(self) -> bool:
@@ -75,6 +78,8 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list
         cell_states.append((an.rec.h, an.rec.c))
         recs.append(rec)
     check_feeds(layers, cell_states)
+    if scanned.derived is not None and any(r.mask == _DERIVED_MASK for r in recs):
+        _scan_derived_mask(g, body, scan, recs, scanned)
     if heads:  # per-step outputs computed from a new h: the head runs on Y after the native op
         passed = {body.input_names[k]: scan.input[k] for k in range(n_state) if _passthrough(body, k)}
         add_heads(body, layers, recs, cell_states, heads, state_out, scanned, passed, set())
@@ -128,7 +133,57 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves
         raise Decline("no scanned float input")
     if mask_outer is not None and (m_dir, m_axis) != (x_dir, x_axis):
         raise Decline("the mask is scanned differently from the input")
-    return _Scanned(x_outer, x_atom, x_dir, x_axis, mask_outer, x_prep, {x_inner}, x_scanned)
+    scanned = _Scanned(x_outer, x_atom, x_dir, x_axis, mask_outer, x_prep, {x_inner}, x_scanned)
+    if mask_outer is None:  # (none scanned: perhaps one computed from x_t)
+        _find_derived_mask(g, body, scan, n_state, scanned, leaves)
+    return scanned
+
+
+_DERIVED_MASK = "<the mask the body computes from x_t, computed for every step and scanned>"
+
+
+def _find_derived_mask(g: Graph, body: Graph, scan: NodeProto, n_state: int, scanned: _Scanned, leaves: dict) -> None:
+    """The one step mask the body computes from x_t alone, row by row (:func:`rnnfuse.row_wise.row_masks`), if
+    any, becomes the step's mask: its leaf, and ``scanned.derived``."""
+    passed = {body.input_names[k]: scan.input[k] for k in range(n_state) if _passthrough(body, k)}
+
+    def const_of(name: str):
+        return g.const(passed[name]) if name in passed else body.const(name)
+
+    found = row_masks(body, sorted(scanned.x_reads), const_of)
+    if len(found) != 1:
+        return
+    out, nodes, rank = found[0]
+    made = {o for n in nodes for o in n.output} | scanned.x_reads
+    consts = {i: np.asarray(const_of(i)) for n in nodes for i in n.input if i and i not in made}
+    scanned.derived = (out, nodes, rank, consts)
+    leaves[out] = BoolMask("m", False, rank == 2)
+    scanned.mask_outer = _DERIVED_MASK
+
+
+def _scan_derived_mask(g: Graph, body: Graph, scan: NodeProto, recs: list[Recurrence], scanned: _Scanned) -> None:
+    """A mask the body computes from x_t: computed for every step at once beside the Scan (``M``, the same
+    row-wise nodes on every step's rows) and scanned with x, the body reading its step of ``M`` where it
+    computed it, so that the original and the rewrite read one mask (the one validation overrides)."""
+    out, nodes, rank, consts = scanned.derived
+    b = Builder(g, scan, "rnnfuse/step_mask")
+    mask = mask_on_every_step(b, nodes, sorted(scanned.x_reads), scanned.x_read_source, out, rank, consts)
+    step = body.add_input("rnnfuse/step_mask", TensorProto.BOOL, [None] * rank)
+    body.rewrite_in_place(body.producer[out], "Identity", [step])
+    n_scan = attr(scan, "num_scan_inputs")
+    for a in scan.attribute:  # the mask is scanned as x is: the same axis and direction
+        if a.name == "num_scan_inputs":
+            a.i = n_scan + 1
+        elif a.name == "scan_input_axes":
+            a.ints.append(scanned.x_axis)
+        elif a.name == "scan_input_directions":
+            a.ints.append(scanned.x_dir)
+    scan.input.append(mask)
+    g.captures_changed(scan)
+    for r in recs:
+        if r.mask == _DERIVED_MASK:
+            r.mask = mask
+            r.notes.append("mask: computed from the step input in the body, for every step before the scan")
 
 
 def _scan_states(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: dict):

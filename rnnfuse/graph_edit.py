@@ -163,6 +163,14 @@ class Graph(GraphIndex):
         if self.owner is not None and self.parent is not None:
             self.parent.captures_changed(self.owner)
 
+    def add_input(self, hint: str, elem_type: int, dims: list) -> str:
+        """A new input of this graph (a Scan body's, for a new scan input of its owner): its name."""
+        name = self.fresh(hint)
+        self.proto.input.append(helper.make_tensor_value_info(name, elem_type, dims))
+        self.input_names.append(name)
+        self._inputs.add(name)
+        return name
+
     def captures_changed(self, node: NodeProto) -> None:
         """Read again what ``node``'s subgraphs read from outside them (a node inside one was edited)."""
         self._unindex(node)

@@ -556,11 +556,12 @@ class LengthOpts:
     keep: str = "muladd"
     out: str = "zero"
     miss: str = ""
+    front: str = "loop"  # or "scan" (xmask only: x scanned, the mask computed in the body)
 
     @property
     def name(self) -> str:
         parts = [self.cmp, self.dtype, "unit" if self.unit else "vec", self.keep, self.out]
-        return "-".join(parts + ([self.miss] if self.miss else []))
+        return "-".join(parts + ([self.miss] if self.miss else []) + (["scan"] if self.front == "scan" else []))
 
 
 def _valid(o: LengthOpts, t: int, L: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -627,6 +628,8 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
                   else helper.make_node("Mul", ["hn", "mf"], ["y"]))
     else:
         bn.append(helper.make_node("Identity", ["hk"], ["y"]))
+    if o.front == "scan":
+        return _xmask_scan(o, nodes, inits, [n for n in bn if n.output[0] != "xt"], body_inits)
     bn.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
     lshape = ["B", 1] if o.unit else ["B"]
     carried_in = [helper.make_tensor_value_info("h", TensorProto.FLOAT, [None, H])]
@@ -650,6 +653,22 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
                    helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
 
 
+def _xmask_scan(o: LengthOpts, nodes: list, inits: list, bn: list, body_inits: list) -> onnx.ModelProto:
+    """The step with its mask computed from x_t as a Scan body (x scanned; L unused, kept as an input)."""
+    if o.cmp != "xmask" or o.miss in ("lengths_change", "input_only"):
+        raise ValueError("a Scan: the mask computed from x_t")
+    body = helper.make_graph(
+        bn, "body",
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [None, H]), helper.make_tensor_value_info("xt", TensorProto.FLOAT, [None, F])],
+        [helper.make_tensor_value_info("hk", TensorProto.FLOAT, [None, H]), helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, H])],
+        body_inits)
+    nodes.append(helper.make_node("Scan", ["h0", "x"], ["h_last", "ys"], body=body, num_scan_inputs=1))
+    return _model(nodes, "xmask_scan", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F]),
+                                        helper.make_tensor_value_info("L", TensorProto.INT64, ["B", 1] if o.unit else ["B"])],
+                  [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
+                   helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
+
+
 def lengths_reference(o: LengthOpts, x: np.ndarray, L: np.ndarray) -> list[np.ndarray]:
     W, R, b = weights()
     h = np.zeros((x.shape[1], H), np.float32)
@@ -668,9 +687,11 @@ LENGTH_FORMS = [LengthOpts(), LengthOpts("gt", out="carry"), LengthOpts("le1", "
 LENGTH_MISSES = [LengthOpts(miss="reset"), LengthOpts(miss="input_only"), LengthOpts(miss="lengths_change")]
 # the mask computed in the step from x_t itself
 XMASK_FORMS = [LengthOpts("xmask", keep="where", out="carry"), LengthOpts("xmask", unit=True),
-               LengthOpts("xmask", keep="where", unit=True)]
+               LengthOpts("xmask", keep="where", unit=True), LengthOpts("xmask", front="scan"),
+               LengthOpts("xmask", keep="where", out="carry", unit=True, front="scan")]
 XMASK_MISSES = [LengthOpts("xmask", miss="reset"), LengthOpts("xmask", miss="batch_rows", unit=True),
-                LengthOpts("xmask", miss="input_only")]
+                LengthOpts("xmask", miss="input_only"), LengthOpts("xmask", miss="reset", front="scan"),
+                LengthOpts("xmask", miss="batch_rows", front="scan")]
 
 
 # --------------------------------------------------------------------------- transposed matmuls (item 9)

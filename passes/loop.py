@@ -30,7 +30,7 @@ from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_state
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
-from rnnfuse.row_wise import mask_on_every_step, row_masks
+from rnnfuse.row_wise import BodyMask, body_mask, mask_on_every_step
 from rnnfuse.emit import Builder
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
@@ -64,19 +64,8 @@ class _StepInput:
     x_read_source: str  # the tensor they read element t of (X, or X0 @ K + b)
     x_prep: InputPrep  # the projection's time flips, built by the emitter
     lengths: object = None  # a LengthMask: the step mask is t compared with per-row lengths (built by the emitter)
-    derived: "_DerivedMask | None" = None  # the step mask is computed from x_t in the body
+    derived: BodyMask | None = None  # the step mask is computed from x_t in the body
     x_read_nodes: list = field(default_factory=list)  # the body nodes reading x_t
-
-
-@dataclass
-class _DerivedMask:
-    """A step mask the body computes from x_t alone, row by row (``(x_t != 0).any(-1)``): see
-    :func:`rnnfuse.row_wise.row_masks`."""
-
-    out: str  # the body's mask
-    nodes: list  # the body nodes computing it from x_t
-    rank: int  # 2: [B, 1]; 1: [B]
-    consts: dict  # the constants they read (the body's own: copied beside the loop)
 
 
 _LENGTH_MASK = "<the mask t < lengths, built before the native op>"
@@ -144,15 +133,10 @@ def _find_derived_mask(g: Graph, body: Graph, step_in: "_StepInput", invariants:
     def const_of(name: str):
         return g.const(invariants[name]) if name in invariants else body.const(name)
 
-    found = row_masks(body, sorted(step_in.x_reads), const_of)
-    if len(found) != 1:
-        return
-    out, nodes, rank = found[0]
-    made = {o for n in nodes for o in n.output} | step_in.x_reads
-    consts = {i: np.asarray(const_of(i)) for n in nodes for i in n.input if i and i not in made}
-    step_in.derived = _DerivedMask(out, nodes, rank, consts)
-    step_in.leaves[out] = BoolMask("m", False, rank == 2)
-    step_in.mask_outer = _DERIVED_MASK
+    step_in.derived = body_mask(body, step_in.x_reads, const_of)
+    if step_in.derived is not None:
+        step_in.leaves[step_in.derived.out] = BoolMask("m", False, step_in.derived.rank == 2)
+        step_in.mask_outer = _DERIVED_MASK
 
 
 def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:

@@ -24,7 +24,7 @@ from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_state
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.emit import Builder
-from rnnfuse.row_wise import mask_on_every_step, row_masks
+from rnnfuse.row_wise import BodyMask, body_mask, mask_on_every_step
 from rnnfuse.step import StepOut, analyse
 from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, SymTensor, StepInput
 
@@ -48,7 +48,7 @@ class _Scanned:
     x_prep: InputPrep  # the projection's time flips, built by the emitter
     x_reads: set[str] = field(default_factory=set)  # the body input that is x_t
     x_read_source: str = ""  # the scanned tensor (X, or X0 @ K + b)
-    derived: tuple | None = None  # (mask, nodes, rank, consts): the step mask the body computes from x_t
+    derived: BodyMask | None = None  # the step mask the body computes from x_t
 
     @property
     def x_reversed(self) -> bool:
@@ -150,26 +150,21 @@ def _find_derived_mask(g: Graph, body: Graph, scan: NodeProto, n_state: int, sca
     def const_of(name: str):
         return g.const(passed[name]) if name in passed else body.const(name)
 
-    found = row_masks(body, sorted(scanned.x_reads), const_of)
-    if len(found) != 1:
-        return
-    out, nodes, rank = found[0]
-    made = {o for n in nodes for o in n.output} | scanned.x_reads
-    consts = {i: np.asarray(const_of(i)) for n in nodes for i in n.input if i and i not in made}
-    scanned.derived = (out, nodes, rank, consts)
-    leaves[out] = BoolMask("m", False, rank == 2)
-    scanned.mask_outer = _DERIVED_MASK
+    scanned.derived = body_mask(body, scanned.x_reads, const_of)
+    if scanned.derived is not None:
+        leaves[scanned.derived.out] = BoolMask("m", False, scanned.derived.rank == 2)
+        scanned.mask_outer = _DERIVED_MASK
 
 
 def _scan_derived_mask(g: Graph, body: Graph, scan: NodeProto, recs: list[Recurrence], scanned: _Scanned) -> None:
     """A mask the body computes from x_t: computed for every step at once beside the Scan (``M``, the same
     row-wise nodes on every step's rows) and scanned with x, the body reading its step of ``M`` where it
     computed it, so that the original and the rewrite read one mask (the one validation overrides)."""
-    out, nodes, rank, consts = scanned.derived
+    d = scanned.derived
     b = Builder(g, scan, "rnnfuse/step_mask")
-    mask = mask_on_every_step(b, nodes, sorted(scanned.x_reads), scanned.x_read_source, out, rank, consts)
-    step = body.add_input("rnnfuse/step_mask", TensorProto.BOOL, [None] * rank)
-    body.rewrite_in_place(body.producer[out], "Identity", [step])
+    mask = mask_on_every_step(b, d.nodes, sorted(scanned.x_reads), scanned.x_read_source, d.out, d.rank, d.consts)
+    step = body.add_input("rnnfuse/step_mask", TensorProto.BOOL, [None] * d.rank)
+    body.rewrite_in_place(body.producer[d.out], "Identity", [step])
     n_scan = attr(scan, "num_scan_inputs")
     for a in scan.attribute:  # the mask is scanned as x is: the same axis and direction
         if a.name == "num_scan_inputs":

@@ -11,6 +11,8 @@ assumed; :func:`replay` copies such nodes onto the flattened rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from onnx import NodeProto, TensorProto
 
@@ -221,6 +223,28 @@ def _unit_rows(g: Graph, walked: list[NodeProto], rows: dict[str, int], const_of
         elif (g.model.shape(o) or [None, None])[1:] == [1]:
             unit.add(o)
     return unit
+
+
+@dataclass
+class BodyMask:
+    """The one step mask a Loop or Scan body computes from x_t alone (:func:`body_mask`)."""
+
+    out: str  # the body's mask
+    nodes: list  # the body nodes computing it from x_t, in evaluation order
+    rank: int  # 2: [B, 1]; 1: [B]
+    consts: dict  # the constants they read, by value (the body's own: copied beside the loop)
+
+
+def body_mask(body: Graph, xs: set[str], const_of) -> BodyMask | None:
+    """The one mask a body computes from its x_t reads ``xs`` (:func:`row_masks`); None when there is none, or
+    several (the step analysis then says what it reads)."""
+    found = row_masks(body, sorted(xs), const_of)
+    if len(found) != 1:
+        return None
+    out, nodes, rank = found[0]
+    made = {o for n in nodes for o in n.output} | set(xs)
+    consts = {i: np.asarray(const_of(i)) for n in nodes for i in n.input if i and i not in made}
+    return BodyMask(out, nodes, rank, consts)
 
 
 def _mask_root(g: Graph, m: str, ids: set[int]) -> str:

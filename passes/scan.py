@@ -163,8 +163,6 @@ def _scan_derived_mask(g: Graph, body: Graph, scan: NodeProto, recs: list[Recurr
     d = scanned.derived
     b = Builder(g, scan, "rnnfuse/step_mask")
     mask = mask_on_every_step(b, d.nodes, sorted(scanned.x_reads), scanned.x_read_source, d.out, d.rank, d.consts)
-    step = body.add_input("rnnfuse/step_mask", TensorProto.BOOL, [None] * d.rank)
-    body.rewrite_in_place(body.producer[d.out], "Identity", [step])
     n_scan = attr(scan, "num_scan_inputs")
     for a in scan.attribute:  # the mask is scanned as x is: the same axis and direction
         if a.name == "num_scan_inputs":
@@ -174,7 +172,8 @@ def _scan_derived_mask(g: Graph, body: Graph, scan: NodeProto, recs: list[Recurr
         elif a.name == "scan_input_directions":
             a.ints.append(scanned.x_dir)
     scan.input.append(mask)
-    g.captures_changed(scan)
+    step = body.add_input("rnnfuse/step_mask", TensorProto.BOOL, [None] * d.rank)
+    body.rewrite_in_place(body.producer[d.out], "Identity", [step])  # (the Scan's inputs are read again there)
     for r in recs:
         if r.mask == _DERIVED_MASK:
             r.mask = mask

@@ -161,7 +161,7 @@ class Graph(GraphIndex):
         self._index(node)
         self.edited.append(node)
         if self.owner is not None and self.parent is not None:
-            self.parent.captures_changed(self.owner)
+            self.parent.reindex(self.owner)
 
     def add_input(self, hint: str, elem_type: int, dims: list) -> str:
         """A new input of this graph (a Scan body's, for a new scan input of its owner): its name."""
@@ -171,8 +171,9 @@ class Graph(GraphIndex):
         self._inputs.add(name)
         return name
 
-    def captures_changed(self, node: NodeProto) -> None:
-        """Read again what ``node``'s subgraphs read from outside them (a node inside one was edited)."""
+    def reindex(self, node: NodeProto) -> None:
+        """Read ``node``'s inputs and what its subgraphs read from outside them again (an edit of its inputs, or
+        of a node inside one of its subgraphs)."""
         self._unindex(node)
         self._implicit.pop(id(node), None)
         self._index(node)

@@ -168,12 +168,13 @@ _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorPro
 _MASK_VIEWS = frozenset({"Not", "Identity", "Cast", "Unsqueeze", "Squeeze"})
 
 
-def row_masks(g: Graph, xs: list[str], const_of) -> list[tuple[str, list[NodeProto], int]]:
-    """The bool masks a step computes from its input rows ``xs`` (``[B, F]`` tensors, all x_t) and constants
-    alone, row by row, that something else reads (themselves, or as a float cast or negation): each with the
-    nodes computing it from ``xs``, in evaluation order, and its rank: one value per row, ``[B]`` (1) or
-    ``[B, 1]`` (2). ``const_of(name)``: the value of a constant, else None."""
-    rows: dict[str, int] = {x: ROW_RANK for x in xs}
+def row_masks(g: Graph, xs: list[str], const_of, x_rank: int = ROW_RANK) -> list[tuple[str, list[NodeProto], int]]:
+    """The bool masks a step computes from its input rows ``xs`` (all x_t: ``[B, F]`` tensors, or one value a
+    row, ``[B]`` (``x_rank`` 1) or ``[B, 1]`` (``x_rank`` -1: a step's slice of a ``[B, T]`` mask input, say))
+    and constants alone, row by row, that something else reads (themselves, or as a float cast or negation):
+    each with the nodes computing it from ``xs``, in evaluation order, and its rank: one value per row, ``[B]``
+    (1) or ``[B, 1]`` (2). ``const_of(name)``: the value of a constant, else None."""
+    rows: dict[str, int] = {x: abs(x_rank) for x in xs}
     walked: list[NodeProto] = []
     ids: set[int] = set()
     stack = list(xs)
@@ -190,7 +191,7 @@ def row_masks(g: Graph, xs: list[str], const_of) -> list[tuple[str, list[NodePro
             for o in c.output:
                 rows[o] = rank
                 stack.append(o)
-    unit = _unit_rows(g, walked, rows, const_of)
+    unit = _unit_rows(g, walked, rows, const_of, set(xs) if x_rank == -ROW_RANK else set())
 
     def read_outside(v: str) -> bool:
         return any(id(u) not in ids for u in g.uses(v))
@@ -207,10 +208,11 @@ def row_masks(g: Graph, xs: list[str], const_of) -> list[tuple[str, list[NodePro
     return [(m, _cone(g, m, ids, walked), rows[m]) for m in roots if rows[m] == 1 or m in unit]
 
 
-def _unit_rows(g: Graph, walked: list[NodeProto], rows: dict[str, int], const_of) -> set[str]:
-    """The walked row tensors known to be ``[B, 1]``: a reduction over the features kept as a unit axis, an
-    added unit axis, elementwise ops of those with one-value constants, or a declared shape."""
-    unit: set[str] = set()
+def _unit_rows(g: Graph, walked: list[NodeProto], rows: dict[str, int], const_of, unit_xs: set[str]) -> set[str]:
+    """The walked row tensors known to be ``[B, 1]``: inputs known to be (``unit_xs``), a reduction over the
+    features kept as a unit axis, an added unit axis, elementwise ops of those with one-value constants, or a
+    declared shape."""
+    unit: set[str] = set(unit_xs)
     for n in walked:
         op, o = n.op_type, n.output[0]
         if rows[o] != ROW_RANK:
@@ -270,13 +272,16 @@ def _cone(g: Graph, m: str, ids: set[int], walked: list[NodeProto]) -> list[Node
 
 
 def mask_on_every_step(b, nodes: list[NodeProto], xs: list[str], seq: str, out: str, rank: int,
-                       consts: dict[str, np.ndarray]) -> str:
+                       consts: dict[str, np.ndarray], x_rank: int = ROW_RANK) -> str:
     """The mask ``out`` (of ``rank``, computed from the step input rows ``xs`` by ``nodes``: see
-    :func:`row_masks`) for every step of the sequence ``seq`` (``[T, B, F]`` or ``[B, T, F]``) at once, laid
-    out like it: ``[T, B(, 1)]`` or ``[B, T(, 1)]``. ``consts``: the constants the nodes read that the graph
-    beside ``b`` does not hold (a Loop body's own)."""
+    :func:`row_masks`) for every step of the sequence ``seq`` (``[T, B, F]`` or ``[B, T, F]``; ``[T, B]`` or
+    ``[B, T]`` for inputs of one value a row, ``x_rank`` as there) at once, laid out like it: ``[T, B(, 1)]``
+    or ``[B, T(, 1)]``. ``consts``: the constants the nodes read that the graph beside ``b`` does not hold (a
+    Loop body's own)."""
     g: Graph = b.g
-    rows = b.op("Flatten", seq, axis=2)  # every (t, b) or (b, t) row
+    rows = b.op("Flatten", seq, axis=2)  # every (t, b) or (b, t) row ([T * B, 1] for a [T, B] sequence)
+    if x_rank == 1:
+        rows = b.squeeze(rows, [1])  # the rows as the nodes read them: [T * B]
     env = {x: rows for x in xs}
     env.update({name: b.const(arr, "step") for name, arr in consts.items()})
     replay(b, nodes, env, "rows")

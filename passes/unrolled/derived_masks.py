@@ -1,4 +1,5 @@
-"""Step masks computed from the step's own input: ``(x[t] != 0).any(-1)``, ``x[:, t].abs().sum(-1) > 0``.
+"""Step masks computed from the step's own input: ``(x[t] != 0).any(-1)``, ``x[:, t].abs().sum(-1) > 0``, or
+from its slice of a mask that is not bool: ``mask[:, t] > 0`` of a float ``[B, T]`` mask, ``mask[:, t:t+1].bool()``.
 
 A hand-written loop that skips padding without a mask input decides, at each step, from the step's input
 alone whether a row is padding (Keras' ``Masking`` written per step). Such a mask is a function of x_t and
@@ -7,7 +8,7 @@ constants, the same at every step: when every node of it treats each batch row o
 ``M = f(x)``. :class:`DerivedMask` is that family of per-step masks: a candidate mask of the chain like any
 mask family (:func:`.families.mask_leaves`), and for a chain being fused its ``source`` builds ``M`` and makes
 each step read its slice of ``M`` (the same values), so that what validation overrides is what the original
-steps read too.
+steps read too. A float or integer mask input is the same case with ``x`` that tensor (one value a row).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from onnx import NodeProto
 
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
-from rnnfuse.row_wise import mask_on_every_step, row_masks
+from rnnfuse.row_wise import ROW_RANK, mask_on_every_step, row_masks
 from rnnfuse.signature import Signer
 
-from .families import StepMask
+from .families import StepMask, is_row_family
 
 
 # the ops that compute a bool from a float (a mask computed from x_t has one)
@@ -27,13 +28,16 @@ _BOOL_MAKERS = ("Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Is
 
 
 class DerivedMask(StepMask):
-    """The bool masks ``f(x_t)`` of the steps ``t`` of one data family, ``f`` the same row-wise function (what
-    a step reads of its mask, ``.float()`` or ``~m`` say, the step analysis reads as it reads any mask's)."""
+    """The bool masks ``f(x_t)`` of the steps ``t`` of one per-step family, ``f`` the same row-wise function
+    (what a step reads of its mask, ``.float()`` or ``~m`` say, the step analysis reads as it reads any
+    mask's). ``x_t`` is the chain's own step input, or its step's slice of another tensor holding one value a
+    row (a float mask compared with 0)."""
 
-    def __init__(self, src: str, axis: int, x: str, out: str, nodes: list[NodeProto], rank: int,
+    def __init__(self, src: str, axis: int, x_rank: int, x: str, out: str, nodes: list[NodeProto], rank: int,
                  steps: dict[int, str]):
-        self.src, self.axis = src, axis  # the data the steps slice, and its time axis
-        self.x, self.out, self.nodes = x, out, nodes  # one step's input, its mask, the nodes between them
+        self.src, self.axis = src, axis  # the tensor the steps slice, and its time axis
+        self.x_rank = x_rank  # what one step's slice is (see row_wise.row_masks)
+        self.x, self.out, self.nodes = x, out, nodes  # one step's slice, its mask, the nodes between them
         self.rank = rank  # the mask's: [B, 1] (2) or [B] (1)
         self.steps = steps  # step -> its mask
         self.built: str | None = None
@@ -45,38 +49,51 @@ class DerivedMask(StepMask):
         return (0, dict(self.steps)) if set(steps) == set(self.steps) else None
 
     def source(self, g: Graph, axis: int, length: int, off: int, anchor: NodeProto | None) -> str:
-        """The bool ``M = f(x)`` laid out like the data (``[T, B(, 1)]``, ``[B, T(, 1)]`` for time axis 1);
-        each step's bool mask becomes ``Gather(M, t, axis)``."""
+        """The bool ``M = f(S)`` laid out like the sliced tensor ``S`` (``[T, B(, 1)]``, ``[B, T(, 1)]`` for
+        time axis 1); each step's bool mask becomes ``Gather(M, t, axis)``."""
         if self.built is not None:
             return self.built
         if axis != self.axis or off != 0:
-            raise Decline("a mask computed from the step input read by chains laid out differently")
+            raise Decline("a step mask laid out otherwise than the chain's data (another time axis)")
         from rnnfuse.emit import Builder  # (emit imports the graph layer only; a top-level import would cycle)
 
         b = Builder(g, g.producer.get(self.steps[min(self.steps)]) or anchor, "rnnfuse/step_mask")
-        mask = mask_on_every_step(b, self.nodes, [self.x], self.src, self.out, self.rank, {})
+        mask = mask_on_every_step(b, self.nodes, [self.x], self.src, self.out, self.rank, {}, self.x_rank)
         self.read_steps(g, b, mask, axis, {t: g.producer[m] for t, m in self.steps.items()})
         self.built = mask
         return mask
 
 
-def derived_masks(g: Graph, src: str, axis: int, fam: dict[int, str], signer: Signer) -> list[DerivedMask]:
-    """The masks every step of the data family ``fam`` (step -> x_t, slices of ``src`` along ``axis``) computes
-    the same way from its x_t alone, each row on its own."""
-    if g.model.rank(src) != 3 or not g.nodes_of(*_BOOL_MAKERS):
+def derived_masks(g: Graph, fams: dict, data: tuple[str, int], signer: Signer) -> list[DerivedMask]:
+    """The masks every step of the data family ``fams[data]`` (``data`` = (source, time axis)) computes the
+    same way, each row on its own, from its x_t alone, or from its slice of a tensor holding one value a row
+    per step (a float or integer ``[B, T]`` mask input: ``mask[:, t] > 0``, :func:`.families.is_row_family`)
+    sliced at the same steps."""
+    if not g.nodes_of(*_BOOL_MAKERS):
         return []  # (a graph computing no bool value has no such mask: no walk from each step's input)
-    found: dict[int, dict[int, str]] = {}  # signature -> step -> mask
-    template: dict[int, tuple] = {}
-    for t, x in fam.items():
-        for m, nodes, rank in row_masks(g, [x], g.const):
-            ids = {id(n) for n in nodes}
-            try:
-                sig = signer.sign(m, {x: "x"}, lambda p, ids=ids: id(p) in ids, _no_other_input, set())
-            except Decline:
-                continue
-            found.setdefault(sig, {})[t] = m
-            template.setdefault(sig, (x, m, nodes, rank))
-    return [DerivedMask(src, axis, *template[sig], steps) for sig, steps in found.items() if set(steps) == set(fam)]
+    fam = fams[data]
+    sliced = [(data, fam, ROW_RANK)] if g.model.rank(data[0]) == 3 else []
+    for key, other in fams.items():
+        if key != data and set(other) == set(fam) and is_row_family(g, key[0]):
+            # a step's [B, 1] slice as taken, or its [B] value (Gather, or a squeezed slice)
+            one = g.producer.get(next(iter(other.values())))
+            sliced.append((key, other, -ROW_RANK if one is not None and one.op_type == "Slice" else 1))
+    out = []
+    for (src, axis), steps_of, x_rank in sliced:
+        found: dict[int, dict[int, str]] = {}  # signature -> step -> mask
+        template: dict[int, tuple] = {}
+        for t, x in steps_of.items():
+            for m, nodes, rank in row_masks(g, [x], g.const, x_rank):
+                ids = {id(n) for n in nodes}
+                try:
+                    sig = signer.sign(m, {x: "x"}, lambda p, ids=ids: id(p) in ids, _no_other_input, set())
+                except Decline:
+                    continue
+                found.setdefault(sig, {})[t] = m
+                template.setdefault(sig, (x, m, nodes, rank))
+        out += [DerivedMask(src, axis, x_rank, *template[sig], steps) for sig, steps in found.items()
+                if set(steps) == set(fam)]
+    return out
 
 
 def _no_other_input(name: str) -> str:

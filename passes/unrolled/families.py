@@ -115,8 +115,8 @@ def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
         x = n.output[0]
         if n.op_type == "Slice":
             x = _squeezed(g, x, ax)
-            if x is None and ax == 1 and g.model.rank(src) == 2 and mask_source(g, src) is not None:
-                x = n.output[0]  # mask[:, t:t+1] of a [B, T] mask: the step's [B, 1] mask as it is
+            if x is None and ax == 1 and g.model.rank(src) == 2:
+                x = n.output[0]  # mask[:, t:t+1] of a [B, T] mask: the step's [B, 1] mask (or its source) as it is
             if x is None:
                 continue
         fam = fams.setdefault((src, ax), {})
@@ -126,12 +126,21 @@ def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
     out = {}
     for (src, ax), v in fams.items():
         et, rank = g.model.elem_type(src), g.model.rank(src)
-        if len(v) < 2 or (et is not None and et not in _FLOATS + (_BOOL,)):
+        # data is [T, B, F] (or batch-first); a mask [T, B, 1] or [T, B] (bool families are masks); any other
+        # [T, B] or [B, T] tensor holds one value a row per step, what a step may compute its mask from (a float
+        # or integer mask input compared with 0: see row_families)
+        if len(v) < 2 or (rank != 2 and et is not None and et not in _FLOATS + (_BOOL,)):
             continue
-        if rank is not None and rank != 3 and not (rank == 2 and mask_source(g, src) is not None):
-            continue  # data is [T, B, F] (or batch-first); a mask [T, B, 1] or [T, B] (bool families are masks)
+        if rank is not None and rank not in (2, 3):
+            continue
         out[(src, ax)] = v
     return out
+
+
+def is_row_family(g: Graph, src: str) -> bool:
+    """Whether the family of ``src``'s slices holds one value a row per step that is no mask itself (a float
+    or integer ``[B, T]`` tensor): no data of a chain, but a step may compute its mask from it."""
+    return g.model.rank(src) == 2 and mask_source(g, src) is None
 
 def mask_leaves(g: Graph, fams: dict, fam: dict, step_masks: list | None = None) -> tuple[dict, dict, dict]:
     """Interval leaves for a data family and the bool families sliced at the same steps (candidate masks):

@@ -15,7 +15,7 @@ from rnnfuse.symbolic import weight_ops
 
 from .chains import Chain, find_chains, intervals
 from .derived_masks import derived_masks
-from .families import find_families, length_masks, mask_leaves
+from .families import find_families, is_row_family, length_masks, mask_leaves
 from .roles import FirstStepDiffers, chain_recurrence
 from .step_inputs import virtual_families
 
@@ -50,9 +50,9 @@ class FuseChains:
             recs = []
             seen_now: set = set()
             for (src, axis), fam in fams.items():
-                if g.model.elem_type(src) == 9:
-                    continue  # bool families are masks, read by the chains over the data
-                step_masks = lengths + derived_masks(g, src, axis, fam, signer)
+                if g.model.elem_type(src) == 9 or is_row_family(g, src):
+                    continue  # bool families are masks, read by the chains over the data (and so may be others)
+                step_masks = lengths + derived_masks(g, fams, (src, axis), signer)
                 leaves, mask_fam, mask_srcs = mask_leaves(g, fams, fam, step_masks)
                 iv = intervals(g, order, leaves)
                 for chain in find_chains(g, fam, iv, mask_fam):
@@ -86,9 +86,9 @@ class FuseChains:
         lengths = length_masks(g) if fams else []
         signer = Signer(g)
         for (src, axis), fam in fams.items():
-            if g.model.elem_type(src) == 9:
+            if g.model.elem_type(src) == 9 or is_row_family(g, src):
                 continue
-            leaves, mask_fam, _ = mask_leaves(g, fams, fam, lengths + derived_masks(g, src, axis, fam, signer))
+            leaves, mask_fam, _ = mask_leaves(g, fams, fam, lengths + derived_masks(g, fams, (src, axis), signer))
             iv = intervals(g, order, leaves)
             for chain in find_chains(g, fam, iv, mask_fam):
                 final.add((src, axis, chain.direction, chain.steps[0].t))

@@ -26,6 +26,7 @@ from onnx import NodeProto
 
 from rnnfuse.dataflow import dynamic_inputs
 from rnnfuse.graph import Graph
+from .families import is_row_family
 
 # state-independent preparation of a step's input: arithmetic, casts, reshapes and slices (no matmul, no activation)
 _PREP = {"Add", "Sub", "Mul", "Div", "Neg", "Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Concat",
@@ -51,7 +52,7 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     step order (those are the slice families' chains)."""
     slice_src: dict[str, tuple[str, int, int]] = {}
     for (src, axis), fam in fams.items():
-        if g.model.elem_type(src) == 9:
+        if g.model.elem_type(src) == 9 or is_row_family(g, src):
             continue
         for t, x in fam.items():
             slice_src[x] = (src, axis, t)

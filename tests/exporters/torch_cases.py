@@ -270,6 +270,9 @@ def steps_input_specs(c: Case) -> list[tuple[str, tuple]]:
         specs.append(("x2", ("B", 3, c.features) if c.batch_first else (3, "B", c.features)))
     if c.opts.get("lengths"):
         specs.append(("lengths", ("B",)))
+    if c.opts.get("mask_input"):  # laid out like x: [B, T] or [T, B]; int64 for the .bool() form
+        specs.append(("mask_long" if c.opts["mask_input"] == "long_bool" else "mask",
+                      ("B", "T") if c.batch_first else ("T", "B")))
     return specs
 
 
@@ -296,6 +299,15 @@ def steps_describe(c: Case) -> str:
             "batch": "near miss: v = (x_t != 0).any(-1).all(0): one row's padding stops every row",
             "per_feature": "near miss: v = x_t != 0 with F == H: each hidden unit masked by a feature of its own",
         }[o["xmask"]] + "); the input sets have post-, pre-padded, gappy and empty rows")
+    if o.get("mask_input"):
+        parts.append("a [B, T] (or [T, B]) mask input that is not bool, one step's mask computed from its slice (" + {
+            "gt0": "v = mask[:, t:t+1] > 0 (time-major: mask[t].unsqueeze(-1) > 0), float 0/1",
+            "ne0_gather": "v = (mask[:, t] != 0).unsqueeze(-1), float 0/1",
+            "long_bool": "v = mask[:, t].bool().unsqueeze(-1), int64 0/1",
+            "prev": "near miss: v = mask[:, t-1:t] > 0, the previous step's mask",
+            "reads_state": "near miss: v = mask[:, t:t+1] > h[:, :1], the mask compared with the state",
+        }[o["mask_input"]] + "); h = where(v, cell, h); outputs where(v, cell, 0); the input sets have post-, "
+            "pre-padded, gappy and empty rows")
     parts.append("returns (stacked outputs, last h" + (", last c)" if c.family == "lstm" else ")"))
     return "; ".join(parts)
 
@@ -361,6 +373,7 @@ def steps_module(c: Case):
             rest = [v for v in (in1, in2) if v is not None]
             x2 = rest[0] if o.get("inputs") == "two_seq" else None
             lengths = rest[-1] if o.get("lengths") else None
+            mask = rest[-1] if o.get("mask_input") else None
             batch = x.shape[0 if c.batch_first else 1]
             if o.get("init") == "learned":
                 h, cs = self.h0.expand(batch, -1), self.c0.expand(batch, -1)
@@ -384,6 +397,24 @@ def steps_module(c: Case):
                     h_new, c_new = cell(u, (h, cs))
                 else:
                     h_new, c_new = cell(u, h), None
+                if mask is not None:  # one step's mask computed from its slice of a mask that is not bool
+                    form = o["mask_input"]
+                    at = (lambda a, b: mask[:, a:b]) if c.batch_first else (lambda a, b: mask[a].unsqueeze(-1))
+                    if form == "gt0":
+                        v = at(t, t + 1) > 0
+                    elif form == "ne0_gather":
+                        v = ((mask[:, t] if c.batch_first else mask[t]) != 0).unsqueeze(-1)
+                    elif form == "long_bool":
+                        v = (mask[:, t] if c.batch_first else mask[t]).bool().unsqueeze(-1)
+                    elif form == "prev":  # (near miss: the previous step's mask)
+                        v = at(max(t - 1, 0), max(t, 1)) > 0
+                    else:  # reads_state (near miss: compared with the state)
+                        v = at(t, t + 1) > h[:, :1]
+                    h = torch.where(v, h_new, h)
+                    if self.lstm:
+                        cs = torch.where(v, c_new, cs)
+                    outs.append(torch.where(v, h_new, torch.zeros_like(h_new)))
+                    continue
                 if o.get("xmask"):  # a step is padding where all its features are 0, decided per step
                     if o["xmask"] == "abs_sum":
                         v = u.abs().sum(-1, keepdim=True) > 0
@@ -490,6 +521,15 @@ CASES += [
     steps("grucell_trace_xmask_reset", "gru", xmask="reset", near_miss=True),
     steps("lstmcell_dynamo_xmask_batch", "lstm", exporter="dynamo", time=6, xmask="batch", near_miss=True),
     steps("grucell_trace_xmask_per_feature", "gru", xmask="per_feature", near_miss=True, hidden=FEATURES),
+    # ... or from its slice of a mask input that is not bool (float or integer 0/1, compared or cast per step)
+    steps("lstmcell_trace_float_mask_gt0_bf", "lstm", mask_input="gt0", batch_first=True),
+    steps("grucell_trace_float_mask_gt0", "gru", mask_input="gt0"),
+    steps("rnncell_tanh_dynamo_float_mask_ne0_bf", "rnn_tanh", exporter="dynamo", time=6, mask_input="ne0_gather",
+          batch_first=True),
+    steps("grucell_trace_long_mask_bool_bf", "gru", mask_input="long_bool", batch_first=True),
+    steps("lstmcell_dynamo_long_mask_bool", "lstm", exporter="dynamo", time=6, mask_input="long_bool"),
+    steps("grucell_trace_float_mask_prev_step_bf", "gru", mask_input="prev", batch_first=True, near_miss=True),
+    steps("lstmcell_trace_float_mask_reads_state", "lstm", mask_input="reads_state", near_miss=True),
     # a learned initial state expanded to the batch: the op's initial_h (and initial_c)
     steps("lstmcell_trace_learned_init", "lstm", init="learned"),
     steps("grucell_dynamo_learned_init_lengths", "gru", exporter="dynamo", time=6, init="learned", lengths=True),
@@ -637,21 +677,31 @@ def make_inputs(specs, batch: int, time_: int, rng: np.random.Generator) -> dict
         if name == "lengths":  # valid steps per row (post-padded): full, partial and empty rows
             feeds[name] = np.array([(time_ - 2 - 3 * i) % (time_ + 1) for i in range(batch)], np.int64)
             continue
+        if name in ("mask", "mask_long"):  # 0/1 per step and row: the rows of zero_padded_steps' patterns
+            keep = np.stack([_keep_row(time_, batch, b) for b in range(batch)])  # [B, T]
+            if shape[0] == "T":
+                keep = keep.T
+            feeds[name] = keep.astype(np.int64 if name == "mask_long" else np.float32)
+            continue
         scale = 1.0 if name == "x" else 0.5
         feeds[name] = (scale * rng.standard_normal(dims)).astype(np.float32)
     return feeds
+
+
+def _keep_row(T: int, batch: int, b: int) -> np.ndarray:
+    """Which steps of row ``b`` are valid: one row post-padded (batch 1); gappy, pre-padded and empty rows
+    (more rows: then valid, post-padded, ...)."""
+    first = 1 if batch == 1 else 2
+    return [np.ones(T, bool), np.arange(T) < T - 3, np.arange(T) % 3 != 1, np.arange(T) >= 2,
+            np.zeros(T, bool)][(first + b) % 5]
 
 
 def zero_padded_steps(x: np.ndarray, batch_first: bool) -> None:
     """Zero the padded steps of ``x`` in place, row by row: one row post-padded (batch 1); gappy, pre-padded
     and empty rows (more rows: then valid, post-padded, ...)."""
     xs = x if batch_first else x.swapaxes(0, 1)  # (a view: [B, T, F])
-    T = xs.shape[1]
-    first = 1 if xs.shape[0] == 1 else 2
     for b in range(xs.shape[0]):
-        keep = [np.ones(T, bool), np.arange(T) < T - 3, np.arange(T) % 3 != 1, np.arange(T) >= 2,
-                np.zeros(T, bool)][(first + b) % 5]
-        xs[b, ~keep] = 0.0
+        xs[b, ~_keep_row(xs.shape[1], xs.shape[0], b)] = 0.0
 
 
 # --------------------------------------------------------------------------- torch modules

@@ -34,6 +34,7 @@ REDUCTIONS = frozenset({
     "ReduceMax", "ReduceMin", "ReduceSum", "ReduceMean", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceSumSquare",
 })
 ROW_RANK = 2  # a row tensor is [rows, features]; a reduction without keepdims leaves [rows] (rank 1)
+UNIT_ROWS = -ROW_RANK  # (row_masks' x_rank) inputs known to be [rows, 1]: a step's slice of a [B, T] tensor
 
 
 def check_row_wise(g: Graph, n: NodeProto, rows: dict[str, int], const_of, role: str = "a per-step output",
@@ -170,7 +171,7 @@ _MASK_VIEWS = frozenset({"Not", "Identity", "Cast", "Unsqueeze", "Squeeze"})
 
 def row_masks(g: Graph, xs: list[str], const_of, x_rank: int = ROW_RANK) -> list[tuple[str, list[NodeProto], int]]:
     """The bool masks a step computes from its input rows ``xs`` (all x_t: ``[B, F]`` tensors, or one value a
-    row, ``[B]`` (``x_rank`` 1) or ``[B, 1]`` (``x_rank`` -1: a step's slice of a ``[B, T]`` mask input, say))
+    row, ``[B]`` (``x_rank`` 1) or ``[B, 1]`` (``UNIT_ROWS``: a step's slice of a ``[B, T]`` mask input, say))
     and constants alone, row by row, that something else reads (themselves, or as a float cast or negation):
     each with the nodes computing it from ``xs``, in evaluation order, and its rank: one value per row, ``[B]``
     (1) or ``[B, 1]`` (2). ``const_of(name)``: the value of a constant, else None."""
@@ -191,7 +192,7 @@ def row_masks(g: Graph, xs: list[str], const_of, x_rank: int = ROW_RANK) -> list
             for o in c.output:
                 rows[o] = rank
                 stack.append(o)
-    unit = _unit_rows(g, walked, rows, const_of, set(xs) if x_rank == -ROW_RANK else set())
+    unit = _unit_rows(g, walked, rows, const_of, set(xs) if x_rank == UNIT_ROWS else set())
 
     def read_outside(v: str) -> bool:
         return any(id(u) not in ids for u in g.uses(v))

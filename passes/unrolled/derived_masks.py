@@ -17,7 +17,7 @@ from onnx import NodeProto
 
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
-from rnnfuse.row_wise import ROW_RANK, mask_on_every_step, row_masks
+from rnnfuse.row_wise import ROW_RANK, UNIT_ROWS, mask_on_every_step, row_masks
 from rnnfuse.signature import Signer
 
 from .families import StepMask, is_row_family
@@ -77,7 +77,7 @@ def derived_masks(g: Graph, fams: dict, data: tuple[str, int], signer: Signer) -
         if key != data and set(other) == set(fam) and is_row_family(g, key[0]):
             # a step's [B, 1] slice as taken, or its [B] value (Gather, or a squeezed slice)
             one = g.producer.get(next(iter(other.values())))
-            sliced.append((key, other, -ROW_RANK if one is not None and one.op_type == "Slice" else 1))
+            sliced.append((key, other, UNIT_ROWS if one is not None and one.op_type == "Slice" else 1))
     out = []
     for (src, axis), steps_of, x_rank in sliced:
         found: dict[int, dict[int, str]] = {}  # signature -> step -> mask

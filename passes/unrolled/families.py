@@ -128,7 +128,7 @@ def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
         et, rank = g.model.elem_type(src), g.model.rank(src)
         # data is [T, B, F] (or batch-first); a mask [T, B, 1] or [T, B] (bool families are masks); any other
         # [T, B] or [B, T] tensor holds one value a row per step, what a step may compute its mask from (a float
-        # or integer mask input compared with 0: see row_families)
+        # or integer mask input compared with 0: see is_row_family)
         if len(v) < 2 or (rank != 2 and et is not None and et not in _FLOATS + (_BOOL,)):
             continue
         if rank is not None and rank not in (2, 3):

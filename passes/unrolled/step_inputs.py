@@ -26,6 +26,7 @@ from onnx import NodeProto
 
 from rnnfuse.dataflow import dynamic_inputs
 from rnnfuse.graph import Graph
+
 from .families import is_row_family
 
 # state-independent preparation of a step's input: arithmetic, casts, reshapes and slices (no matmul, no activation)

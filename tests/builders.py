@@ -172,7 +172,8 @@ class Opts:
     # lt: Greater(lengths, t) (torch's `t < lengths`) | le: LessOrEqual(t + 1, lengths) | start: LessOrEqual(T - lengths, t) (pre-padded rows)
     # | arange: one [T, B] mask Less(Range(T)[:, None], lengths[None, :]) sliced per step | arange_float: its Cast to float
     # | xmask: no lengths input either: each step's mask is computed from its own x_t, ``(x_t != 0).any(-1)`` (the
-    # input sets zero X at padded steps)
+    # input sets zero X at padded steps) | gt0: the mask input (laid out as without lengths) is float 0/1, each step's
+    # mask its slice compared with 0 (torch's ``mask[:, t] > 0``)
     mutation: str | None = None
 
     def activations(self) -> tuple:
@@ -1105,6 +1106,9 @@ def _chain_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, su
             if o.mutation == "xmask_batch_rows":
                 nonzero = main.op("ReduceMin", nonzero, axes=[0], keepdims=1)
             ms[t] = main.op("Cast", nonzero, to=TensorProto.BOOL)
+    elif mask and o.lengths == "gt0":  # a float 0/1 mask input: each step's mask is its slice > 0
+        zero = main.constant(np.array(0.0, np.float32), "zero")
+        ms = [main.op("Greater", m_t, zero) for m_t in slices(mask)]
     elif mask and o.lengths:  # the mask of step t compares the lengths with t
         first = main.op("Sub", main.constant(np.array(T, np.int64), "T"), mask) if o.lengths == "start" else None
         for t in range(T):
@@ -1187,12 +1191,12 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
     mask = None
     if o.masked() and o.lengths == "xmask":
         mask = "X"
-    elif o.masked() and o.lengths:
+    elif o.masked() and o.lengths not in ("", "gt0"):
         mb.inputs.append(_vi("lengths", TensorProto.INT64, [Bd]))
         mask = "lengths"
     elif o.masked():
         ms = [Bd, T, 1] if o.batch_first else [T, Bd, 1]
-        m_et = FLOAT if o.mutation == "float_mask" else TensorProto.BOOL
+        m_et = FLOAT if o.mutation == "float_mask" or o.lengths == "gt0" else TensorProto.BOOL
         mb.inputs.append(_vi("mask", m_et, ms[: o.mask_rank]))
         mask = "mask"
     los = _layer_opts(o)
@@ -1312,7 +1316,7 @@ def make_feeds(o: Opts, mb: ModelBuilder, rng: np.random.Generator, batch: int, 
     feeds = {"X": np.ascontiguousarray(X.transpose(1, 0, 2)) if o.batch_first else X}
     if o.masked() and o.lengths == "xmask":
         pass
-    elif o.masked() and o.lengths:  # only post-padded (pre-padded for "start") masks are written with lengths
+    elif o.masked() and o.lengths not in ("", "gt0"):  # only post-padded (pre-padded for "start") masks are written with lengths
         P = mask_pattern("pre" if o.lengths == "start" else "post", T, batch, rng)
         feeds["lengths"] = P.sum(0).astype(np.int64)
     elif o.masked():
@@ -1322,7 +1326,7 @@ def make_feeds(o: Opts, mb: ModelBuilder, rng: np.random.Generator, batch: int, 
         if o.padding():
             P = ~P
         P = np.ascontiguousarray(P[..., None] if o.mask_rank == 3 else P)
-        feeds["mask"] = P.astype(np.float32) if o.mutation == "float_mask" else P
+        feeds["mask"] = P.astype(np.float32) if o.mutation == "float_mask" or o.lengths == "gt0" else P
     for k, lo in enumerate(_layer_opts(o)):
         sfx = "" if k == 0 else "_b"
         if o.init in ("input", "input_h"):
@@ -1398,7 +1402,7 @@ def expected(o: Opts, feeds: dict) -> list[np.ndarray]:
     if o.masked() and o.lengths == "xmask":
         x = feeds["X"].transpose(1, 0, 2) if o.batch_first else feeds["X"]
         mask = (x != 0).any(-1)
-    elif o.masked() and o.lengths:
+    elif o.masked() and o.lengths not in ("", "gt0"):
         L, T = feeds["lengths"], feeds["X"].shape[1 if o.batch_first else 0]
         steps = np.arange(T)[:, None]
         mask = steps >= T - L[None] if o.lengths == "start" else steps < L[None]
@@ -1469,10 +1473,10 @@ def check_opts(o: Opts) -> None:
                           or o.step_inputs not in ("double", "diff", "stride2", "perm", "first_other")):
         raise ValueError("step_inputs: a forward unmasked single-layer chain without xproj")
     if o.lengths and (o.front != "chain" or not o.masked() or o.mask_rank != 2
-                      or o.lengths not in ("lt", "le", "start", "arange", "arange_float", "xmask")):
-        raise ValueError("lengths: a masked chain with mask_rank=2 (each step's mask is [B]), lengths in lt | le | start | arange | xmask")
-    if o.lengths == "xmask" and (o.padding() or o.step_inputs or o.xproj or o.mutation == "float_mask"):
-        raise ValueError("lengths=xmask: a valid-step mask of x's own steps")
+                      or o.lengths not in ("lt", "le", "start", "arange", "arange_float", "xmask", "gt0")):
+        raise ValueError("lengths: a masked chain with mask_rank=2 (each step's mask is [B]), lengths in lt | le | start | arange | xmask | gt0")
+    if o.lengths in ("xmask", "gt0") and (o.step_inputs or o.mutation == "float_mask" or (o.lengths == "xmask" and (o.padding() or o.xproj))):
+        raise ValueError("lengths=xmask | gt0: a per-step mask of the steps themselves (no step_inputs, no float_mask mutation)")
     if o.lengths == "arange_float" and o.mask not in ("cast_sub", "delta"):
         raise ValueError("lengths=arange_float: a float mask is blended (cast_sub | delta), not selected")
 

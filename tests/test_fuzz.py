@@ -193,8 +193,10 @@ def valid_opts(draw, single=False):
         kw["loop_counter"] = draw(st.booleans())
     kw["layers"] = "single" if single else draw(_weighted((8, "single"), (1, "bidir"), (1, "stack")))
     if front == "chain" and kw["mask"] not in ("none", "pad", "reduce_all") and not kw["xproj"]:
-        if draw(_weighted((10, False), (1, True))):  # the mask computed inside each step from x_t
-            kw.update(lengths="xmask", mask_rank=2)
+        # the mask computed inside each step from x_t, or from its slice of a float mask input (mask[t] > 0)
+        computed = draw(_weighted((20, ""), (2, "xmask"), (1, "gt0")))
+        if computed:
+            kw.update(lengths=computed, mask_rank=2)
     o = B.default_reverse_form(B.Opts(**kw))
     if o.layers != "single" and o.mask == "pad":
         o = o.replace(mask="where")

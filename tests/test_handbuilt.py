@@ -480,6 +480,14 @@ GAP_CASES = {
                                  layers="stack"),
     "gru_xmask_chain_bidirectional": O(op="GRU", front="chain", static_T=4, mask="where", mask_rank=2,
                                        lengths="xmask", layers="bidir", fill="zero"),
+    # ... or from its slice of a float 0/1 mask input, mask[t] > 0 (any slicing form)
+    "gru_gt0_mask_chain": O(op="GRU", lbr=1, front="chain", static_T=5, mask="where", mask_rank=2, lengths="gt0"),
+    "lstm_gt0_mask_chain_reverse_bf": O(op="LSTM", front="chain", static_T=5, mask="cast_sub", mask_rank=2,
+                                        lengths="gt0", batch_first=True, direction="reverse"),
+    "rnn_gt0_mask_chain_stacked_slice": O(op="RNN", front="chain", static_T=5, mask="where", mask_rank=2,
+                                          lengths="gt0", layers="stack", step_slice="slice"),
+    "gru_gt0_mask_chain_bidirectional_split": O(op="GRU", front="chain", static_T=4, mask="where", mask_rank=2,
+                                                lengths="gt0", layers="bidir", fill="zero", step_slice="split"),
     # torch's mask built once (arange(T)[:, None] < lengths[None, :], its T read from x's shape), sliced per step
     "gru_arange_mask_chain": O(op="GRU", lbr=1, front="chain", static_T=5, mask="where", mask_rank=2, lengths="arange"),
     "lstm_arange_float_mask_chain": O(op="LSTM", front="chain", static_T=5, mask="cast_sub", mask_rank=2, lengths="arange_float"),
@@ -560,6 +568,8 @@ def _near_miss_cases():
                     variants.append(dict(mask="where", mask_rank=2, lengths="lt"))
                     # ... or from the step input itself, (x_t != 0).any(-1)
                     variants.append(dict(mask="where", mask_rank=2, lengths="xmask"))
+                    # ... or from a float mask input's slices, mask[t] > 0
+                    variants.append(dict(mask="where", mask_rank=2, lengths="gt0"))
                 if needs_mask and mut not in B.PADDING_SENSE_MUTATIONS:  # a padding mask (true at padded steps)
                     variants.append(dict(mask="pad_cast" if front == "loop" else "pad"))
                 for k, kw in enumerate(variants):

@@ -30,7 +30,7 @@ from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_state
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
-from rnnfuse.row_wise import BodyMask, body_mask, mask_on_every_step
+from rnnfuse.row_wise import ROW_RANK, BodyMask, body_mask, mask_on_every_step
 from rnnfuse.emit import Builder
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
@@ -64,12 +64,24 @@ class _StepInput:
     x_read_source: str  # the tensor they read element t of (X, or X0 @ K + b)
     x_prep: InputPrep  # the projection's time flips, built by the emitter
     lengths: object = None  # a LengthMask: the step mask is t compared with per-row lengths (built by the emitter)
-    derived: BodyMask | None = None  # the step mask is computed from x_t in the body
+    derived: BodyMask | None = None  # the step mask is computed in the body from what derived_from reads
     x_read_nodes: list = field(default_factory=list)  # the body nodes reading x_t
+    rows: "_RowReads | None" = None  # the step's element of a [T, B] tensor that is no bool mask
+    derived_from: "_RowReads | None" = None  # what the derived mask is computed from: x_t, or rows
+
+
+@dataclass
+class _RowReads:
+    """The body's reads of one step of an outer tensor (``Gather(S, i)`` on its time-major axis 0)."""
+
+    source: str  # S: [T, B, F] (x), or [T, B] (one value a row: a float or integer mask, say)
+    reads: set[str]  # the body tensors holding the step's element
+    nodes: list  # the Gather nodes reading it
+    x_rank: int  # as row_wise.row_masks reads them
 
 
 _LENGTH_MASK = "<the mask t < lengths, built before the native op>"
-_DERIVED_MASK = "<the mask the body computes from x_t, computed for every step before the loop>"
+_DERIVED_MASK = "<the mask the body computes from x_t (or a [T, B] input), computed for every step before the loop>"
 
 
 def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
@@ -113,30 +125,38 @@ def _attach_derived_mask(g: Graph, body: Graph, loop: NodeProto, recs: list[Recu
     the original and the rewrite read one mask (the one validation overrides)."""
     if not any(r.mask == _DERIVED_MASK for r in recs):
         return
-    d = step_in.derived
+    d, src = step_in.derived, step_in.derived_from
     b = Builder(g, loop, "rnnfuse/step_mask")
-    mask = mask_on_every_step(b, d.nodes, sorted(step_in.x_reads), step_in.x_read_source, d.out, d.rank, d.consts)
-    read = step_in.x_read_nodes[0]  # Gather(X, i, axis 0): the step's index, as x_t is read
+    mask = mask_on_every_step(b, d.nodes, sorted(src.reads), src.source, d.out, d.rank, d.consts, src.x_rank)
+    read = src.nodes[0]  # Gather(S, i, axis 0): the step's index, as its element is read
     body.rewrite_in_place(body.producer[d.out], "Gather", [mask, read.input[1]], axis=0)
     for r in recs:
         if r.mask == _DERIVED_MASK:
             r.mask = mask
-            r.notes.append("mask: computed from the step input in the body, for every step before the loop")
+            what = "the step input" if src.x_rank == ROW_RANK else f"'{src.source}'"
+            r.notes.append(f"mask: computed from {what} in the body, for every step before the loop")
 
 
 def _find_derived_mask(g: Graph, body: Graph, step_in: "_StepInput", invariants: dict[str, str]) -> None:
-    """The one step mask the body computes from x_t (read by ``Gather(X, i)`` on X's time-major axis), if any,
-    becomes the step's mask: its leaf, and ``step_in.derived``."""
-    if not all(n.op_type == "Gather" and attr(n, "axis", 0) == 0 for n in step_in.x_read_nodes):
-        return
+    """The one step mask the body computes from the step's element of a ``[T, B]`` input that is no bool mask
+    (a float mask compared with 0) or else from x_t (read by ``Gather(S, i)`` on the time-major axis), if any,
+    becomes the step's mask: its leaf, and ``step_in.derived``. A ``[T, B]`` input read otherwise declines."""
 
     def const_of(name: str):
         return g.const(invariants[name]) if name in invariants else body.const(name)
 
-    step_in.derived = body_mask(body, step_in.x_reads, const_of)
-    if step_in.derived is not None:
-        step_in.leaves[step_in.derived.out] = BoolMask("m", False, step_in.derived.rank == 2)
-        step_in.mask_outer = _DERIVED_MASK
+    x = _RowReads(step_in.x_read_source, step_in.x_reads, step_in.x_read_nodes, ROW_RANK)
+    for src in ([step_in.rows] if step_in.rows is not None else [x]):
+        if not all(n.op_type == "Gather" and attr(n, "axis", 0) == 0 for n in src.nodes):
+            continue
+        step_in.derived = body_mask(body, src.reads, const_of, src.x_rank)
+        if step_in.derived is not None:
+            step_in.leaves[step_in.derived.out] = BoolMask("m", False, step_in.derived.rank == 2)
+            step_in.mask_outer, step_in.derived_from = _DERIVED_MASK, src
+            return
+    if step_in.rows is not None:
+        raise Decline(f"the body reads a step of '{step_in.rows.source}' ([T, B], not bool) other than to compute"
+                      " its mask")
 
 
 def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
@@ -180,6 +200,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
     x_read_nodes: list[NodeProto] = []
     x_axis = None
     lengths = None
+    rows: _RowReads | None = None
     for n in body.nodes:
         lm = length_mask(g, body, n, carried.index_syms, carried.invariants)
         if lm is not None:  # t < lengths written by hand: a step mask computed from the iteration number
@@ -210,6 +231,11 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
                 raise Decline("the mask is not one value per row (or its last axis is not known to be 1)")
             mask_outer = data
             leaves[n.output[0]] = BoolMask("m", False, rank == 3)
+        elif rank == 2 and axis == 0 and (rows is None or rows.source == data):
+            # one value a row per step, no bool: what the body may compute its step mask from
+            rows = rows or _RowReads(data, set(), [], 1)
+            rows.reads.add(n.output[0])
+            rows.nodes.append(n)
         else:
             if x_outer not in (None, data) or x_axis not in (None, axis):
                 raise Decline("two different per-step inputs are read")
@@ -247,7 +273,10 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
     step_in = _StepInput(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis,
                          x_atom, reversed_reads == {True}, mask_outer, set(x_reads), x_outer,
                          InputPrep(proj.flips) if proj is not None else InputPrep(), lengths, None, x_read_nodes)
-    if mask_outer is None:  # (none read, none compared with lengths: perhaps one computed from x_t)
+    step_in.rows = rows
+    if rows is not None and (mask_outer is not None or lengths is not None):
+        raise Decline(f"the body reads a step of '{rows.source}' ([T, B], not bool) beside its mask")
+    if mask_outer is None:  # (none read, none compared with lengths: perhaps one computed from x_t or rows)
         _find_derived_mask(g, body, step_in, carried.invariants)
     return step_in
 

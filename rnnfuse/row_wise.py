@@ -238,10 +238,10 @@ class BodyMask:
     consts: dict  # the constants they read, by value (the body's own: copied beside the loop)
 
 
-def body_mask(body: Graph, xs: set[str], const_of) -> BodyMask | None:
-    """The one mask a body computes from its x_t reads ``xs`` (:func:`row_masks`); None when there is none, or
-    several (the step analysis then says what it reads)."""
-    found = row_masks(body, sorted(xs), const_of)
+def body_mask(body: Graph, xs: set[str], const_of, x_rank: int = ROW_RANK) -> BodyMask | None:
+    """The one mask a body computes from its x_t reads ``xs`` (:func:`row_masks`, ``x_rank`` as there); None
+    when there is none, or several (the step analysis then says what it reads)."""
+    found = row_masks(body, sorted(xs), const_of, x_rank)
     if len(found) != 1:
         return None
     out, nodes, rank = found[0]

@@ -135,6 +135,10 @@ CASES = [
          notes="no mask input: the step's mask is jnp.any(x_t != 0, -1), computed in the body"),
     case("hand_lstm_xmask_o17", "hand", "lstm", mask=True, xmask=True, opset=17,
          notes="no mask input: the step's mask is jnp.any(x_t != 0, -1), computed in the body"),
+    case("hand_gru_float_mask", "hand", "gru", mask=True, fmask="float",
+         notes="the mask input is float 0/1: the step's mask is m_t > 0, computed in the body"),
+    case("hand_lstm_int_mask_o17", "hand", "lstm", mask=True, fmask="int", opset=17,
+         notes="the mask input is int32 0/1: the step's mask is m_t != 0, computed in the body"),
     # -- matmuls written with jnp.einsum ("bf,fk->bk"; weights [out, in] read "bf,hf->bh", weight first)
     case("hand_gru_einsum", "hand", "gru_einsum"),
     case("hand_rnn_einsum_transposed_o17", "hand", "rnn_einsum_t", opset=17),
@@ -431,12 +435,15 @@ def build_hand(env: Env, c: Case, seed: int):
 
     if c.masked:
         xmask = c.opts.get("xmask")  # no mask input: the step decides from x_t (padding: every feature 0)
+        fmask = c.opts.get("fmask")  # a mask input that is no bool: float32 or int32 0/1, compared in the step
         if not xmask:
-            specs.append(("mask", ("B", TIME), "bool"))
+            specs.append(("mask", ("B", TIME), {"float": "float32", "int": "int32"}.get(fmask, "bool")))
 
         def fn(x, mask=None):
             def step(carry, inp):
                 xt, mt = (inp, jnp.any(inp != 0, axis=-1)) if xmask else inp
+                if fmask:
+                    mt = mt > 0 if fmask == "float" else mt != 0
                 if c.opts.get("mask_input"):  # the input zeroed at masked steps too
                     xt = xt * mt[:, None].astype(xt.dtype)
                 new, y = cell(carry, xt)
@@ -589,7 +596,7 @@ def input_sets(c: Case, specs, rng: np.random.Generator) -> dict[str, dict[str, 
                     x[~keep] = 0.0
                 feeds[name] = x
             elif name == "mask":
-                feeds[name] = keep
+                feeds[name] = keep.astype(dtype)
             elif name == "lengths":
                 feeds[name] = lengths
             else:

@@ -30,10 +30,11 @@ from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_state
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
-from rnnfuse.row_wise import ROW_RANK, BodyMask, body_mask, mask_on_every_step
-from rnnfuse.emit import Builder
+from rnnfuse.row_wise import BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
+from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
+                         find_derived_mask)
 from .loop_reads import check_trip_count, counter_step, counting_offset, length_mask, step_read
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly
 
@@ -51,7 +52,7 @@ class _Carried:
 
 
 @dataclass
-class _StepInput:
+class StepReads:
     """The per-step input and mask the body reads: element i of an invariant tensor along its time axis."""
 
     leaves: dict  # body tensor -> its symbolic value: the mask reads and the input reads
@@ -66,22 +67,8 @@ class _StepInput:
     lengths: object = None  # a LengthMask: the step mask is t compared with per-row lengths (built by the emitter)
     derived: BodyMask | None = None  # the step mask is computed in the body from what derived_from reads
     x_read_nodes: list = field(default_factory=list)  # the body nodes reading x_t
-    rows: "_RowReads | None" = None  # the step's element of a [T, B] tensor that is no bool mask
-    derived_from: "_RowReads | None" = None  # what the derived mask is computed from: x_t, or rows
-
-
-@dataclass
-class _RowReads:
-    """The body's reads of one step of an outer tensor (``Gather(S, i)`` on its time-major axis 0)."""
-
-    source: str  # S: [T, B, F] (x), or [T, B] (one value a row: a float or integer mask, say)
-    reads: set[str]  # the body tensors holding the step's element
-    nodes: list  # the Gather nodes reading it
-    x_rank: int  # as row_wise.row_masks reads them
-
-
-_LENGTH_MASK = "<the mask t < lengths, built before the native op>"
-_DERIVED_MASK = "<the mask the body computes from x_t (or a [T, B] input), computed for every step before the loop>"
+    rows: "RowReads | None" = None  # the step's element of a [T, B] tensor that is no bool mask
+    derived_from: "RowReads | None" = None  # what the derived mask is computed from: x_t, or rows
 
 
 def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
@@ -99,64 +86,12 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
         add_heads(body, layers, recs, cell_states, heads, state_out, step_in, carried.invariants,
                   set(carried.index_syms))
     if step_in.lengths is not None:
-        _attach_length_mask(g, recs, step_in)
+        attach_length_mask(g, recs, step_in)
     if step_in.derived is not None:
-        _attach_derived_mask(g, body, loop, recs, step_in)
+        attach_derived_mask(g, body, loop, recs, step_in)
     if len(recs) == 1:
         return recs[0], aliases
     return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
-
-
-def _attach_length_mask(g: Graph, recs: list[Recurrence], step_in: _StepInput) -> None:
-    """A hand-written length mask: the native ops that keep to it get it built by the emitter, before them."""
-    if not any(r.mask == _LENGTH_MASK for r in recs):
-        return
-    if g.model.opset < 11:
-        raise Decline(f"a length mask needs opset 11 (Range); the model has opset {g.model.opset}")
-    for r in recs:
-        if r.mask == _LENGTH_MASK:
-            r.x_prep.lengths, r.mask_made = step_in.lengths, "post" if step_in.lengths.valid_first else "any"
-            r.notes.append(f"mask: {step_in.lengths.op} of the step and '{step_in.lengths.lengths}' (lengths)")
-
-
-def _attach_derived_mask(g: Graph, body: Graph, loop: NodeProto, recs: list[Recurrence], step_in: _StepInput) -> None:
-    """A mask the body computes from x_t: computed for every step at once beside the loop (``M``, the same
-    row-wise nodes on every step's rows), and the body reads its step of ``M`` where it computed it, so that
-    the original and the rewrite read one mask (the one validation overrides)."""
-    if not any(r.mask == _DERIVED_MASK for r in recs):
-        return
-    d, src = step_in.derived, step_in.derived_from
-    b = Builder(g, loop, "rnnfuse/step_mask")
-    mask = mask_on_every_step(b, d.nodes, sorted(src.reads), src.source, d.out, d.rank, d.consts, src.x_rank)
-    read = src.nodes[0]  # Gather(S, i, axis 0): the step's index, as its element is read
-    body.rewrite_in_place(body.producer[d.out], "Gather", [mask, read.input[1]], axis=0)
-    for r in recs:
-        if r.mask == _DERIVED_MASK:
-            r.mask = mask
-            what = "the step input" if src.x_rank == ROW_RANK else f"'{src.source}'"
-            r.notes.append(f"mask: computed from {what} in the body, for every step before the loop")
-
-
-def _find_derived_mask(g: Graph, body: Graph, step_in: "_StepInput", invariants: dict[str, str]) -> None:
-    """The one step mask the body computes from the step's element of a ``[T, B]`` input that is no bool mask
-    (a float mask compared with 0) or else from x_t (read by ``Gather(S, i)`` on the time-major axis), if any,
-    becomes the step's mask: its leaf, and ``step_in.derived``. A ``[T, B]`` input read otherwise declines."""
-
-    def const_of(name: str):
-        return g.const(invariants[name]) if name in invariants else body.const(name)
-
-    x = _RowReads(step_in.x_read_source, step_in.x_reads, step_in.x_read_nodes, ROW_RANK)
-    for src in ([step_in.rows] if step_in.rows is not None else [x]):
-        if not all(n.op_type == "Gather" and attr(n, "axis", 0) == 0 for n in src.nodes):
-            continue
-        step_in.derived = body_mask(body, src.reads, const_of, src.x_rank)
-        if step_in.derived is not None:
-            step_in.leaves[step_in.derived.out] = BoolMask("m", False, step_in.derived.rank == 2)
-            step_in.mask_outer, step_in.derived_from = _DERIVED_MASK, src
-            return
-    if step_in.rows is not None:
-        raise Decline(f"the body reads a step of '{step_in.rows.source}' ([T, B], not bool) other than to compute"
-                      " its mask")
 
 
 def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
@@ -190,7 +125,19 @@ def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
     return out
 
 
-def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _StepInput:
+def _x_leaf(g: Graph, x_outer: str, x_axis: int, masked: bool):
+    """(the input projection the steps read, or None; the step input's atom; its symbolic value)."""
+    proj = input_projection(g, x_outer, x_axis)
+    if proj is not None and proj.time_axis != x_axis and masked:
+        proj = None  # (X0 batch-first beside a time-major mask: the steps' input is read as computed)
+    if proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
+        return (proj, *projected_leaf(proj))
+    shape = g.model.shape(x_outer)
+    x_atom = StepInput("x", shape[2] if shape and isinstance(shape[2], int) else None)
+    return proj, x_atom, SymTensor(Poly.atom(x_atom))
+
+
+def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> StepReads:
     """The step input and mask: element i of an invariant tensor along its time axis; the loop must run once
     per time step of that tensor."""
     leaves: dict = {}
@@ -200,7 +147,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
     x_read_nodes: list[NodeProto] = []
     x_axis = None
     lengths = None
-    rows: _RowReads | None = None
+    rows: RowReads | None = None
     for n in body.nodes:
         lm = length_mask(g, body, n, carried.index_syms, carried.invariants)
         if lm is not None:  # t < lengths written by hand: a step mask computed from the iteration number
@@ -221,19 +168,12 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
         et = g.model.elem_type(data)
         rank = rank_of(g, data)
         if et == TensorProto.BOOL:
-            if mask_outer not in (None, data):
-                raise Decline("two different masks are read")
-            if axis != 0:
-                raise Decline("the mask is read along its batch-first time axis")
-            if rank not in (2, 3):
-                raise Decline(f"the mask has rank {rank}")
-            if rank == 3 and (g.model.shape(data) or [None] * 3)[2] != 1:
-                raise Decline("the mask is not one value per row (or its last axis is not known to be 1)")
+            check_mask_read(g, data, axis, rank, mask_outer)
             mask_outer = data
             leaves[n.output[0]] = BoolMask("m", False, rank == 3)
         elif rank == 2 and axis == 0 and (rows is None or rows.source == data):
             # one value a row per step, no bool: what the body may compute its step mask from
-            rows = rows or _RowReads(data, set(), [], 1)
+            rows = rows or RowReads(data, set(), [], 1)
             rows.reads.add(n.output[0])
             rows.nodes.append(n)
         else:
@@ -250,15 +190,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
         raise Decline("no per-step input (element i of an invariant tensor) in the body")
     if mask_outer is not None and x_axis != 0:
         raise Decline("a batch-first step input with a time-major mask")
-    proj = input_projection(g, x_outer, x_axis)
-    if proj is not None and proj.time_axis != x_axis and (mask_outer is not None or lengths is not None):
-        proj = None  # (X0 batch-first beside a time-major mask: the steps' input is read as computed)
-    if proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
-        x_atom, x_value = projected_leaf(proj)
-    else:
-        shape = g.model.shape(x_outer)
-        x_atom = StepInput("x", shape[2] if shape and isinstance(shape[2], int) else None)
-        x_value = SymTensor(Poly.atom(x_atom))
+    proj, x_atom, x_value = _x_leaf(g, x_outer, x_axis, mask_outer is not None or lengths is not None)
     for r in x_reads:
         leaves[r] = x_value
     if len(reversed_reads) > 1:
@@ -269,15 +201,15 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> _S
             raise Decline("a step reads a mask and computes another from lengths")
         if reversed_reads == {True}:
             raise Decline("a length mask on a step that reads time backwards")
-        mask_outer = _LENGTH_MASK
-    step_in = _StepInput(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis,
+        mask_outer = LENGTH_MASK
+    step_in = StepReads(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis,
                          x_atom, reversed_reads == {True}, mask_outer, set(x_reads), x_outer,
                          InputPrep(proj.flips) if proj is not None else InputPrep(), lengths, None, x_read_nodes)
     step_in.rows = rows
     if rows is not None and (mask_outer is not None or lengths is not None):
         raise Decline(f"the body reads a step of '{rows.source}' ([T, B], not bool) beside its mask")
     if mask_outer is None:  # (none read, none compared with lengths: perhaps one computed from x_t or rows)
-        _find_derived_mask(g, body, step_in, carried.invariants)
+        find_derived_mask(g, body, step_in, carried.invariants)
     return step_in
 
 
@@ -363,7 +295,7 @@ def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) ->
 
 
 def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, states: dict[str, State],
-                       outs_of: dict, last_of: dict, extra_remove: list, step_in: _StepInput):
+                       outs_of: dict, last_of: dict, extra_remove: list, step_in: StepReads):
     """One recurrence per layer of the step, each reading the layer below's Y (the first reads x); and per
     layer, the symbols of its cell's h and c states."""
     where = loop.name or loop.output[0]

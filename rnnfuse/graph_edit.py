@@ -183,7 +183,18 @@ class Graph(GraphIndex):
         """Make every reader of ``old`` (nodes, captures in subgraphs, graph outputs) read ``new``."""
         if old == new:
             return
-        for n in list(self.uses(old)):
+        self.replace_reads(list(self.uses(old)), old, new)
+        if old in self.output_names:
+            self._detach(old)
+            if self.producer.get(new) is not None and self._renamable(new):
+                self._rename_output(new, old)
+            else:
+                self.add_node("Identity", [new], outputs=[old], name=f"rnnfuse/out/{old}")
+
+    def replace_reads(self, readers: list[NodeProto], old: str, new: str) -> None:
+        """Make ``readers`` (some of the nodes reading ``old``) read ``new`` instead; the graph's outputs and
+        the other readers keep ``old``."""
+        for n in readers:
             self._unindex(n)
             for i, x in enumerate(n.input):
                 if x == old:
@@ -194,12 +205,6 @@ class Graph(GraphIndex):
                 self._implicit.pop(id(n), None)
             self._index(n)
             self.edited.append(n)
-        if old in self.output_names:
-            self._detach(old)
-            if self.producer.get(new) is not None and self._renamable(new):
-                self._rename_output(new, old)
-            else:
-                self.add_node("Identity", [new], outputs=[old], name=f"rnnfuse/out/{old}")
 
     def _renamable(self, name: str) -> bool:
         return (

@@ -55,6 +55,29 @@ def test_torch_near_miss_declined(torch_dir, name):
     check_case(case)  # (and it still computes what torch does)
 
 
+def test_declined_chain_leaves_its_split_undone(torch_dir):
+    """The near miss above is declined after its first step's output was split from its state (a copy of
+    the merged node for the stack to read): the graph is left as the chain found it, so what another fusion
+    in the same model writes holds no trace of the attempt."""
+    from rnnfuse.passes.unrolled import FuseChains
+
+    case = _case(torch_dir, "lstmcell_trace_static_first_output_state_learned")
+    model = rnnfuse.Model(onnx.load(case["onnx"]))
+    ctx = rnnfuse.Options()
+    for p in rnnfuse.Pipeline.default().passes[:3]:  # the clean-ups the pipeline runs before the front ends
+        p.run(model, ctx)
+    g = model.graph
+    g.prune()
+
+    def nodes():
+        return [(n.op_type, list(n.input), list(n.output)) for n in g.live_nodes()]
+
+    before = nodes()
+    found = FuseChains().run(model, ctx).findings
+    assert [f.status for f in found] == ["declined"], found
+    assert nodes() == before
+
+
 def _initial_state_nodes(model) -> set:
     """ids of the nodes that only compute the native ops' initial states (h0 = tanh(Linear(z)), ...)."""
     producer = {o: n for n in model.graph.node for o in n.output}

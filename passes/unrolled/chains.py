@@ -75,6 +75,14 @@ class Intervals:
             raise KeyError(name)
         return v
 
+    def add_copy(self, node: NodeProto, of: NodeProto) -> None:
+        """Span ``node``, a copy of the spanned node ``of`` added since the walk, as ``of``."""
+        span = self.nodes[id(of)]
+        self.nodes[id(node)] = span
+        self.spanned.append(node)
+        if self.names is not None:
+            self.names.update((o, span) for o in node.output if o)
+
     def in_order(self, end: int, t: int):
         """(tensor, span) of the tensors whose span ends (``end`` 1) or starts (``end`` 0) at step ``t``: the
         leaves, then each walked node's outputs, in the order of the walk (a node's span is checked before

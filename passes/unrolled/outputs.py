@@ -133,6 +133,42 @@ def _escaping(g: Graph, nodes, chain_nodes: set) -> list[tuple]:
     return out
 
 
+class FirstValueIsState(Decline):
+    """The first step computes no value beyond its states where later steps do: from a zero initial state
+    a masked step's output ``where(m, h', 0)`` and its state ``where(m, h', h0)`` are one expression, which
+    the exporter or :class:`~passes.cleanup.Dedupe` made one node (torch's trace with static shapes)."""
+
+
+def split_first_value(g: Graph, iv, states: list[str], chain_nodes: set):
+    """Give the readers outside the chain of the first step's one state read there (the merged value of
+    :class:`FirstValueIsState`) a copy of its node to read, as every later step's output has one: the
+    value each reader sees is unchanged; the copy spans the steps its original does. Returns the undo, or
+    None when no single such state exists."""
+    outside = {}
+    for s in dict.fromkeys(x for x in states if x):
+        readers = [u for u in g.uses(s) if id(u) not in chain_nodes and u.op_type not in ("Shape", "Size")]
+        if readers:
+            outside[s] = readers
+    if len(outside) != 1:
+        return None
+    (state, readers), = outside.items()
+    p = g.producer.get(state)
+    if p is None or len(p.output) != 1 or g.implicit_inputs(p):
+        return None
+    copy, = g.add_node(p.op_type, list(p.input), name=f"{p.name or p.op_type}/first_output", domain=p.domain,
+                       anchor=p)
+    copy_node = g.producer[copy]
+    copy_node.attribute.extend(p.attribute)
+    g.replace_reads(readers, state, copy)
+    iv.add_copy(copy_node, p)
+
+    def undo() -> None:
+        g.replace_reads([u for u in readers if g.alive(u)], copy, state)
+        g.remove_node(copy_node)
+
+    return undo
+
+
 def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: set, mask_values: set) -> list[list[str]] | None:
     """Per step, the values computed from the cell's inner values by nodes outside h and c (Keras' masked
     output carried next to the state; a second output filled otherwise at masked steps), in name order, or
@@ -187,7 +223,8 @@ def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: se
             per_step.append(sorted(tops))  # (what is missing is found by its signature)
             continue
         if not tops:
-            raise Decline(f"step {st.t} computes no value beyond its states where later steps do")
+            why = f"step {st.t} computes no value beyond its states where later steps do"
+            raise FirstValueIsState(why) if k == 0 else Decline(why)
         if per_step and len(tops) != len(per_step[0]):
             raise Decline(f"step {st.t} computes {len(tops)} values beyond its states, step {steps[0].t} {len(per_step[0])}")
         per_step.append(sorted(tops))

@@ -28,7 +28,8 @@ from rnnfuse.symbolic import LinAtom, Poly, StepInput, SymTensor, loose_key, sub
 
 from .chains import Chain, Step
 from .families import StepMask
-from .outputs import Escapes, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, order_of, step_output
+from .outputs import (Escapes, FirstValueIsState, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values,
+                      order_of, split_first_value, step_output)
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through
 
 
@@ -78,8 +79,17 @@ class _ChainRoles:
         self.ts = [s.t for s in self.steps]
         self.chain_nodes: set[int] = set()
         self.memos: dict[int, tuple] = {}  # step -> (its leaves, the signatures of its tensors so far)
+        self.undo = None  # reverts the one edit recognition may make (split_first_value)
 
     def recurrence(self) -> Recurrence:
+        try:
+            return self.roles()
+        except Decline:
+            if self.undo is not None:
+                self.undo()  # (a declined chain leaves the graph as it found it)
+            raise
+
+    def roles(self) -> Recurrence:
         self.check_layout()
         self.step_input()
         self.thread_hidden_state()
@@ -252,7 +262,15 @@ class _ChainRoles:
         g, n, km, last, leaves = self.g, self.n, self.km, self.last, self.leaves
         self.mask_values = mask_values(g, self.chain)
         self.escapes = Escapes(g, self.chain_nodes)
-        per_step = extra_values(g, self.chain, self.iv, self.escapes, {t for t in self.h_new + self.c_new if t}, self.mask_values)
+        states = {t for t in self.h_new + self.c_new if t}
+        try:
+            per_step = extra_values(g, self.chain, self.iv, self.escapes, states, self.mask_values)
+        except FirstValueIsState:
+            self.undo = split_first_value(g, self.iv, [self.h_new[0], self.c_new[0]], self.chain_nodes)
+            if self.undo is None:
+                raise
+            self.escapes = Escapes(g, self.chain_nodes)
+            per_step = extra_values(g, self.chain, self.iv, self.escapes, states, self.mask_values)
         self.ys, self.y_carried, self.y0 = None, False, None
         if per_step is None:
             return

@@ -306,6 +306,8 @@ def steps_describe(c: Case) -> str:
             "long_bool": "v = mask[:, t].bool().unsqueeze(-1), int64 0/1",
             "prev": "near miss: v = mask[:, t-1:t] > 0, the previous step's mask",
             "reads_state": "near miss: v = mask[:, t:t+1] > h[:, :1], the mask compared with the state",
+            "first_state": "v = mask[:, t:t+1] > 0; step 0's output is its state where(v, cell, h0) (near miss "
+                           "with a learned h0)",
         }[o["mask_input"]] + "); h = where(v, cell, h); outputs where(v, cell, 0); the input sets have post-, "
             "pre-padded, gappy and empty rows")
     parts.append("returns (stacked outputs, last h" + (", last c)" if c.family == "lstm" else ")"))
@@ -400,7 +402,7 @@ def steps_module(c: Case):
                 if mask is not None:  # one step's mask computed from its slice of a mask that is not bool
                     form = o["mask_input"]
                     at = (lambda a, b: mask[:, a:b]) if c.batch_first else (lambda a, b: mask[a].unsqueeze(-1))
-                    if form == "gt0":
+                    if form in ("gt0", "first_state"):
                         v = at(t, t + 1) > 0
                     elif form == "ne0_gather":
                         v = ((mask[:, t] if c.batch_first else mask[t]) != 0).unsqueeze(-1)
@@ -413,6 +415,9 @@ def steps_module(c: Case):
                     h = torch.where(v, h_new, h)
                     if self.lstm:
                         cs = torch.where(v, c_new, cs)
+                    if form == "first_state" and t == 0:
+                        outs.append(h)  # (the state after step 0: the output where(v, cell, 0) only if h0 is 0)
+                        continue
                     outs.append(torch.where(v, h_new, torch.zeros_like(h_new)))
                     continue
                 if o.get("xmask"):  # a step is padding where all its features are 0, decided per step
@@ -528,6 +533,15 @@ CASES += [
           batch_first=True),
     steps("grucell_trace_long_mask_bool_bf", "gru", mask_input="long_bool", batch_first=True),
     steps("lstmcell_dynamo_long_mask_bool", "lstm", exporter="dynamo", time=6, mask_input="long_bool"),
+    # ... exported with static shapes: from the zero state, step 0's output where(v, cell, 0) and its state
+    # where(v, cell, h0) are one expression, and the exporter makes them one node
+    steps("grucell_trace_static_float_mask_gt0", "gru", mask_input="gt0", dynamic_batch=False),
+    steps("lstmcell_trace_static_float_mask_gt0_bf", "lstm", mask_input="gt0", batch_first=True, dynamic_batch=False),
+    steps("rnncell_tanh_dynamo_static_float_mask_gt0", "rnn_tanh", exporter="dynamo", time=6, mask_input="gt0",
+          dynamic_batch=False),
+    steps("grucell_trace_static_first_output_state", "gru", mask_input="first_state", dynamic_batch=False),
+    steps("lstmcell_trace_static_first_output_state_learned", "lstm", mask_input="first_state", init="learned",
+          dynamic_batch=False, near_miss=True),
     steps("grucell_trace_float_mask_prev_step_bf", "gru", mask_input="prev", batch_first=True, near_miss=True),
     steps("lstmcell_trace_float_mask_reads_state", "lstm", mask_input="reads_state", near_miss=True),
     # a learned initial state expanded to the batch: the op's initial_h (and initial_c)

@@ -405,11 +405,6 @@ GAPS = [
     (lambda o: o.front == "chain" and ((o.op == "LSTM" and o.init == "fill") or (B.has_prev(o) and o.prev_init == "fill")),
      "an unrolled chain whose first step reads one constant fill as both h0 and c0 (equal fills: Dedupe makes them "
      "one tensor), or a carried output starting from a constant fill, is fused from its second step only"),
-    (lambda o: (o.front == "chain" and o.op == "LSTM" and o.layout == "fused_split" and o.masked() and o.fill == "zero"
-                and "c" in o.outputs and "h" not in o.outputs),
-     "an unrolled LSTM chain whose gates come from one Split, read for its last c and its zero-filled outputs but not "
-     "its last h, is declined: the last step's output gate, read only by the zero-filled output, is taken for an "
-     "inner value of the chain read outside it"),
 ]
 
 
@@ -462,8 +457,15 @@ GAP_CASES = {
     "lstm_loop_static_time_dynamic_batch": O(op="LSTM", front="loop", static_T=7),
     "rnn_loop_stacked_constant_trip": O(op="RNN", front="loop", static_T=7, static_B=4, loop_bound="const", layers="stack"),
     "lstm_chain_fill_init": O(op="LSTM", front="chain", static_T=5, init="fill"),
+    # the last step's h is dead: its output gate (a Split's output, spanning the step before) is read only by
+    # its zero-filled output
     "lstm_chain_fused_split_last_c_zero_filled": O(op="LSTM", front="chain", static_T=3, layout="fused_split",
                                                    mask="where", fill="zero", outputs=("c", "seq")),
+    "lstm_chain_fused_split_last_c_zero_filled_reverse": O(op="LSTM", front="chain", static_T=5, layout="fused_split",
+                                                           mask="where", fill="zero", outputs=("c", "seq"),
+                                                           direction="reverse"),
+    "gru_chain_fused_split_zero_filled_seq_only": O(op="GRU", lbr=1, front="chain", static_T=4, layout="fused_split",
+                                                    mask="where", fill="zero", outputs=("seq",)),
     "lstm_sigmoid_exp": O(op="LSTM", act_form="exp"),
     "gru_sigmoid_exp_loop": O(op="GRU", lbr=1, front="loop", act_form="exp"),
     "lstm_mask_input_too": O(op="LSTM", mask="where", mask_input_too=True),

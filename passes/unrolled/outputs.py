@@ -89,6 +89,22 @@ def prepared_inputs(g: Graph, chain: Chain, limit: int = 16):
     return prepared
 
 
+def computed_from(g: Graph, values: set, limit: int = 16):
+    """A predicate: whether a tensor is computed from ``values`` and constants alone (within ``limit`` ops)."""
+    memo: dict[str, bool] = {}
+
+    def computed(name: str, depth: int = 0) -> bool:
+        if name in values:
+            return True
+        if name not in memo:
+            p = g.producer.get(name)
+            dyn = dynamic_inputs(g, p) if p is not None and depth < limit and not g.implicit_inputs(p) else None
+            memo[name] = bool(dyn) and all(computed(i, depth + 1) for i in dyn)
+        return memo[name]
+
+    return computed
+
+
 class Escapes:
     """The chain's values the rest of the graph reads: ``entries`` lists, in graph order, (node, output, its
     readers outside the chain other than Shape/Size) for every output of a chain node that has such readers
@@ -181,6 +197,7 @@ def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: se
     hang: dict[int, dict[int, NodeProto]] = {}
     stacked: dict[int, set] = {}
     prepared = prepared_inputs(g, chain)
+    from_states = computed_from(g, state_tensors)
     for nd, o, outside in escapes.entries:
         v = iv.nodes.get(id(nd))
         k = k_of.get(v[side]) if v is not None else None
@@ -195,9 +212,13 @@ def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: se
             continue
         for u in outside:
             uv = iv.nodes.get(id(u))
-            if uv is None or uv[side] != steps[k].t:
+            ku = k_of.get(uv[side]) if uv is not None else None
+            # the part of a step that reads only the states before it (h R, split into gates) spans the step
+            # before: read by that step's value outside the chain (the last step's output gate where its h
+            # is dead and only its zero-filled output reads it), it is that step's
+            if ku is None or not (ku == k or (ku == k + 1 and from_states(o))):
                 raise Decline(f"an inner value of the chain ('{o}') is read outside it")
-            hang.setdefault(k, {})[id(u)] = u
+            hang.setdefault(ku, {})[id(u)] = u
     if not hang and not stacked:
         return None
     per_step: list[list[str]] = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from onnx import NodeProto
 
+from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
 from rnnfuse.row_wise import ROW_RANK, UNIT_ROWS, mask_on_every_step, row_masks
@@ -40,7 +41,7 @@ class DerivedMask(StepMask):
         self.x, self.out, self.nodes = x, out, nodes  # one step's slice, its mask, the nodes between them
         self.rank = rank  # the mask's: [B, 1] (2) or [B] (1)
         self.steps = steps  # step -> its mask
-        self.built: str | None = None
+        self.built: tuple[int, str] | None = None  # (time axis, the mask) once built
 
     def __repr__(self) -> str:
         return f"f({self.src}[t]) -> {self.out}"
@@ -49,18 +50,31 @@ class DerivedMask(StepMask):
         return (0, dict(self.steps)) if set(steps) == set(self.steps) else None
 
     def source(self, g: Graph, axis: int, length: int, off: int, anchor: NodeProto | None) -> str:
-        """The bool ``M = f(S)`` laid out like the sliced tensor ``S`` (``[T, B(, 1)]``, ``[B, T(, 1)]`` for
-        time axis 1); each step's bool mask becomes ``Gather(M, t, axis)``."""
+        """The bool ``M = f(S)`` with time along ``axis`` (the chain data's), ``S`` the sliced tensor
+        (``[T, B(, 1)]`` or ``[B, T(, 1)]``: ``M`` is ``f(S)`` transposed where ``S``'s time axis is another, a
+        ``[B, T]`` float mask beside time-major x); each step's bool mask becomes ``Gather(M, t, axis)``, so
+        that what validation overrides (``M``) is what the original steps read too."""
         if self.built is not None:
-            return self.built
-        if axis != self.axis or off != 0:
-            raise Decline("a step mask laid out otherwise than the chain's data (another time axis)")
+            if self.built[0] != axis:
+                raise Decline("a step mask read by chains laid out differently")
+            return self.built[1]
+        if off != 0:
+            raise Decline("a step mask read from another step than its chain's")
+        steps = static_dim(g, self.src, self.axis)
+        if steps is not None and steps != length:
+            raise Decline(f"the step masks are slices of '{self.src}' ({steps} steps), the chain has {length}")
         from rnnfuse.emit import Builder  # (emit imports the graph layer only; a top-level import would cycle)
 
         b = Builder(g, g.producer.get(self.steps[min(self.steps)]) or anchor, "rnnfuse/step_mask")
         mask = mask_on_every_step(b, self.nodes, [self.x], self.src, self.out, self.rank, {}, self.x_rank)
+        if axis != self.axis:
+            perm = list(range(self.rank + 1))
+            perm[axis], perm[self.axis] = self.axis, axis
+            dims = list(g.model.shape(mask) or [None] * (self.rank + 1))
+            mask = b.op("Transpose", mask, perm=perm)
+            g.model.declare(mask, (9, [dims[i] for i in perm]))
         self.read_steps(g, b, mask, axis, {t: g.producer[m] for t, m in self.steps.items()})
-        self.built = mask
+        self.built = (axis, mask)
         return mask
 
 

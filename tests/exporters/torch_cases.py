@@ -270,10 +270,15 @@ def steps_input_specs(c: Case) -> list[tuple[str, tuple]]:
         specs.append(("x2", ("B", 3, c.features) if c.batch_first else (3, "B", c.features)))
     if c.opts.get("lengths"):
         specs.append(("lengths", ("B",)))
-    if c.opts.get("mask_input"):  # laid out like x: [B, T] or [T, B]; int64 for the .bool() form
+    if c.opts.get("mask_input"):  # laid out like x ([B, T] or [T, B]) unless transposed; int64 for the .bool() form
         specs.append(("mask_long" if c.opts["mask_input"] == "long_bool" else "mask",
-                      ("B", "T") if c.batch_first else ("T", "B")))
+                      ("B", "T") if _mask_batch_first(c) else ("T", "B")))
     return specs
+
+
+def _mask_batch_first(c: Case) -> bool:
+    """Whether the mask input is [B, T]: as x is, or the other way round (``mask_transposed``)."""
+    return c.batch_first != bool(c.opts.get("mask_transposed"))
 
 
 def steps_describe(c: Case) -> str:
@@ -308,7 +313,8 @@ def steps_describe(c: Case) -> str:
             "reads_state": "near miss: v = mask[:, t:t+1] > h[:, :1], the mask compared with the state",
             "first_state": "v = mask[:, t:t+1] > 0; step 0's output is its state where(v, cell, h0) (near miss "
                            "with a learned h0)",
-        }[o["mask_input"]] + "); h = where(v, cell, h); outputs where(v, cell, 0); the input sets have post-, "
+        }[o["mask_input"]] + ("; the mask laid out on the other time axis than x" if o.get("mask_transposed") else "")
+            + "); h = where(v, cell, h); outputs where(v, cell, 0); the input sets have post-, "
             "pre-padded, gappy and empty rows")
     parts.append("returns (stacked outputs, last h" + (", last c)" if c.family == "lstm" else ")"))
     return "; ".join(parts)
@@ -401,13 +407,14 @@ def steps_module(c: Case):
                     h_new, c_new = cell(u, h), None
                 if mask is not None:  # one step's mask computed from its slice of a mask that is not bool
                     form = o["mask_input"]
-                    at = (lambda a, b: mask[:, a:b]) if c.batch_first else (lambda a, b: mask[a].unsqueeze(-1))
+                    mask_bf = _mask_batch_first(c)
+                    at = (lambda a, b: mask[:, a:b]) if mask_bf else (lambda a, b: mask[a].unsqueeze(-1))
                     if form in ("gt0", "first_state"):
                         v = at(t, t + 1) > 0
                     elif form == "ne0_gather":
-                        v = ((mask[:, t] if c.batch_first else mask[t]) != 0).unsqueeze(-1)
+                        v = ((mask[:, t] if mask_bf else mask[t]) != 0).unsqueeze(-1)
                     elif form == "long_bool":
-                        v = (mask[:, t] if c.batch_first else mask[t]).bool().unsqueeze(-1)
+                        v = (mask[:, t] if mask_bf else mask[t]).bool().unsqueeze(-1)
                     elif form == "prev":  # (near miss: the previous step's mask)
                         v = at(max(t - 1, 0), max(t, 1)) > 0
                     else:  # reads_state (near miss: compared with the state)
@@ -542,6 +549,12 @@ CASES += [
     steps("grucell_trace_static_first_output_state", "gru", mask_input="first_state", dynamic_batch=False),
     steps("lstmcell_trace_static_first_output_state_learned", "lstm", mask_input="first_state", init="learned",
           dynamic_batch=False, near_miss=True),
+    # ... laid out [B, T] beside time-major x (or [T, B] beside batch-first x)
+    steps("grucell_trace_float_mask_bt_time_major", "gru", mask_input="gt0", mask_transposed=True),
+    steps("lstmcell_dynamo_long_mask_tb_bf", "lstm", exporter="dynamo", time=6, mask_input="long_bool",
+          mask_transposed=True, batch_first=True),
+    steps("rnncell_tanh_trace_static_float_mask_ne0_bt", "rnn_tanh", mask_input="ne0_gather", mask_transposed=True,
+          dynamic_batch=False),
     steps("grucell_trace_float_mask_prev_step_bf", "gru", mask_input="prev", batch_first=True, near_miss=True),
     steps("lstmcell_trace_float_mask_reads_state", "lstm", mask_input="reads_state", near_miss=True),
     # a learned initial state expanded to the batch: the op's initial_h (and initial_c)

@@ -4,9 +4,10 @@ An unrolled step may read ``2 * x[t]``, ``x[t] - x[t-1]``, every other step, the
 values the cells read are then not the slices of one tensor in step order, so the slice families cannot thread
 them. Here the steps are found from the cells instead:
 
-1. **Preparation.** Values computed from the slices of the data families (and constants, and tensors that
-   depend on no slice) by elementwise, cast and reshaping ops, never by a matmul or an activation: no cell
-   state is among them (every cell has both), so none depends on the recurrence.
+1. **Preparation.** Values computed from the slices of the data families and of the non-bool row families
+   (token ids: an embedding looked up per step is ``Gather(E, tokens[:, t])``), constants and tensors that
+   depend on no slice, by elementwise, cast, reshaping and gathering ops, never by a matmul or an activation:
+   no cell state is among them (every cell has both), so none depends on the recurrence.
 2. **Step inputs.** Prepared values that something else reads: what the cells read, one per step.
 3. **Order.** One topological pass gives every tensor an owner, the step input its computation started
    from. A node that mixes a step input's projection (the input itself, or it through a weight matmul,
@@ -27,7 +28,6 @@ from onnx import NodeProto
 from rnnfuse.dataflow import dynamic_inputs
 from rnnfuse.graph import Graph
 
-from .families import is_row_family
 
 # state-independent preparation of a step's input: arithmetic, casts, reshapes and slices (no matmul, no activation)
 _PREP = {"Add", "Sub", "Mul", "Div", "Neg", "Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Concat",
@@ -53,8 +53,10 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     step order (those are the slice families' chains)."""
     slice_src: dict[str, tuple[str, int, int]] = {}
     for (src, axis), fam in fams.items():
-        if g.model.elem_type(src) == 9 or is_row_family(g, src):
-            continue
+        if g.model.elem_type(src) == 9:
+            continue  # (bool: masks)
+        # (a row family, one value a row, is a step input once prepared into one: an embedding looked up per
+        # step, ``E(tokens[:, t])``)
         for t, x in fam.items():
             slice_src[x] = (src, axis, t)
     if not slice_src:

@@ -56,6 +56,7 @@ import numpy as np
 FEATURES = 5
 HIDDEN = 4
 TIME = 7  # default number of steps
+VOCAB = 11  # rows of the embedding tables of token inputs
 EXPORT_BATCH = 2  # batch of the example inputs of dynamic-batch exports (not 1: torch.export specialises 0/1)
 OPSET = 17  # trace / TorchScript exports; dynamo and Keras use their own default
 ABSENT = ["Loop", "Scan", "SequenceInsert"]
@@ -252,6 +253,8 @@ STEP_INPUTS = {
     "two_seq": "x[t] for t in range(T), then x2[t] for t in range(T2)",
     "first_cell": "x[t], the first step through another cell of the same kind",
     "reads_state": "x[t] * h[:, :1] (near miss: the step input depends on the state)",
+    "embed": "E(tokens[t]): an nn.Embedding looked up per step (tokens int64, laid out like x without features)",
+    "embed_scaled": "E(tokens[t]) * sqrt(F): the lookup scaled per step",
     "shared_reshape_bidir": "x[t].reshape(-1, F) once per step, read by a forward and a backward chain "
                             "(outputs concatenated on features)",
 }
@@ -265,7 +268,7 @@ def steps(name, cell, inputs="plain", exporter="trace", **kw):
 
 def steps_input_specs(c: Case) -> list[tuple[str, tuple]]:
     x = ("B", "T", c.features) if c.batch_first else ("T", "B", c.features)
-    specs = [("x", x)]
+    specs = [("tokens", x[:2]) if c.opts.get("inputs", "").startswith("embed") else ("x", x)]
     if c.opts.get("inputs") == "two_seq":
         specs.append(("x2", ("B", 3, c.features) if c.batch_first else (3, "B", c.features)))
     if c.opts.get("lengths"):
@@ -338,6 +341,8 @@ def steps_module(c: Case):
                 return {"lstm": nn.LSTMCell, "gru": nn.GRUCell}[kind](c.features, c.hidden)
 
             self.cell, self.cell0 = make(), make()  # (cell0: the first step's other cell, or the backward chain's)
+            if o.get("inputs", "").startswith("embed"):
+                self.embed = nn.Embedding(VOCAB, c.features)
             if o.get("init") == "learned":
                 self.h0 = nn.Parameter(0.3 * torch.randn(1, c.hidden))
                 self.c0 = nn.Parameter(0.3 * torch.randn(1, c.hidden))
@@ -354,6 +359,10 @@ def steps_module(c: Case):
                 return [at(x, t) for t in range(0, steps_, 2)]
             if form == "perm":
                 return [at(x, t) for t in perm[:steps_]]
+            if form == "embed":
+                return [self.embed(at(x, t)) for t in range(steps_)]
+            if form == "embed_scaled":
+                return [self.embed(at(x, t)) * c.features ** 0.5 for t in range(steps_)]
             if form == "shared_reshape_bidir":
                 return [at(x, t).reshape(-1, c.features) for t in range(steps_)]
             if form == "two_seq":
@@ -383,11 +392,12 @@ def steps_module(c: Case):
             lengths = rest[-1] if o.get("lengths") else None
             mask = rest[-1] if o.get("mask_input") else None
             batch = x.shape[0 if c.batch_first else 1]
+            dt = x.dtype if x.is_floating_point() else torch.float32  # (x: token ids for an embedding)
             if o.get("init") == "learned":
                 h, cs = self.h0.expand(batch, -1), self.c0.expand(batch, -1)
             else:
-                h = torch.zeros(batch, c.hidden, dtype=x.dtype)
-                cs = torch.zeros(batch, c.hidden, dtype=x.dtype)
+                h = torch.zeros(batch, c.hidden, dtype=dt)
+                cs = torch.zeros(batch, c.hidden, dtype=dt)
             outs = []
             if o.get("lengths") in ("arange", "arange_where"):  # the whole mask once: arange(T)[:, None] < lengths
                 T = x.shape[1 if c.batch_first else 0]
@@ -396,7 +406,7 @@ def steps_module(c: Case):
                 else:  # [T, B], read as mask[t]
                     masks = torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)
                 if o["lengths"] == "arange":
-                    masks = masks.to(x.dtype).unsqueeze(-1)  # float, [.., .., 1]
+                    masks = masks.to(dt).unsqueeze(-1)  # float, [.., .., 1]
             for t, u in enumerate(self.step_inputs(x, x2)):
                 cell = self.cell0 if (t == 0 and o.get("inputs") == "first_cell") else self.cell
                 if o.get("inputs") == "reads_state":
@@ -437,7 +447,7 @@ def steps_module(c: Case):
                     else:
                         v = (u != 0).any(-1).unsqueeze(-1)
                     if o["xmask"] in ("float", "reset"):
-                        m = v.to(x.dtype)
+                        m = v.to(dt)
                         keep = (1 - m) * h if o["xmask"] == "float" else 0  # (reset: a near miss)
                         h = m * h_new + keep
                         if self.lstm:
@@ -503,6 +513,10 @@ CASES += [
     steps("rnncell_tanh_trace_stride2_bf", "rnn_tanh", inputs="stride2", batch_first=True),
     steps("lstmcell_dynamo_permuted_steps", "lstm", inputs="perm", exporter="dynamo"),
     steps("grucell_trace_two_sequences", "gru", inputs="two_seq"),
+    # ... an embedding looked up per step (tokens sliced per step, one id a row)
+    steps("grucell_trace_embed_per_step_bf", "gru", inputs="embed", batch_first=True),
+    steps("lstmcell_dynamo_embed_per_step", "lstm", inputs="embed", exporter="dynamo"),
+    steps("rnncell_tanh_trace_static_embed_scaled", "rnn_tanh", inputs="embed_scaled", dynamic_batch=False),
     steps("lstmcell_trace_first_step_other_cell", "lstm", inputs="first_cell"),
     steps("grucell_dynamo_first_step_other_cell", "gru", inputs="first_cell", exporter="dynamo"),
     steps("lstmcell_trace_bidir_shared_reshape", "lstm", inputs="shared_reshape_bidir"),
@@ -703,6 +717,9 @@ def make_inputs(specs, batch: int, time_: int, rng: np.random.Generator) -> dict
         dims = tuple(batch if d == "B" else time_ if d == "T" else d for d in shape)
         if name == "lengths":  # valid steps per row (post-padded): full, partial and empty rows
             feeds[name] = np.array([(time_ - 2 - 3 * i) % (time_ + 1) for i in range(batch)], np.int64)
+            continue
+        if name == "tokens":  # ids of an embedding's rows
+            feeds[name] = rng.integers(0, VOCAB, size=dims).astype(np.int64)
             continue
         if name in ("mask", "mask_long"):  # 0/1 per step and row: the rows of zero_padded_steps' patterns
             keep = np.stack([_keep_row(time_, batch, b) for b in range(batch)])  # [B, T]

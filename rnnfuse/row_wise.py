@@ -194,16 +194,17 @@ def row_masks(g: Graph, xs: list[str], const_of, x_rank: int = ROW_RANK) -> list
                 stack.append(o)
     unit = _unit_rows(g, walked, rows, const_of, set(xs) if x_rank == UNIT_ROWS else set())
 
-    def read_outside(v: str) -> bool:
-        return any(id(u) not in ids for u in g.uses(v))
+    def read_outside(v: str, views: int = 4) -> bool:
+        """Whether ``v`` is read outside the walk, itself or through views of it (``m.float().unsqueeze(1)``)."""
+        return any(id(u) not in ids or (views and u.op_type in _MASK_VIEWS and read_outside(u.output[0], views - 1))
+                   for u in g.uses(v))
 
     roots: dict[str, None] = {}
     for n in walked:
         m = n.output[0]
         if len(n.output) != 1 or g.model.elem_type(m) != TensorProto.BOOL:
             continue  # (a mask is made a read of the whole mask in its node's place: the node computes it alone)
-        if read_outside(m) or any(u.op_type == "Cast" and attr(u, "to") in _FLOATS and id(u) in ids
-                                  and read_outside(u.output[0]) for u in g.uses(m)):
+        if read_outside(m):
             roots[_mask_root(g, m, ids)] = None
     # one value per row: [B] or [B, 1] (a [B, F] comparison of the features is no step mask)
     return [(m, _cone(g, m, ids, walked), rows[m]) for m in roots if rows[m] == 1 or m in unit]

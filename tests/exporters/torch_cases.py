@@ -307,6 +307,12 @@ def steps_describe(c: Case) -> str:
             "batch": "near miss: v = (x_t != 0).any(-1).all(0): one row's padding stops every row",
             "per_feature": "near miss: v = x_t != 0 with F == H: each hidden unit masked by a feature of its own",
         }[o["xmask"]] + "); the input sets have post-, pre-padded, gappy and empty rows")
+    if o.get("token_mask"):
+        parts.append("masked where the step's token is the padding id 0 (" + {
+            "float": "m = (tokens[:, t] != 0).float().unsqueeze(1); h = m * cell + (1 - m) * h; outputs m * cell",
+            "where": "v = (tokens[:, t] != 0).unsqueeze(1); h = where(v, cell, h); outputs where(v, cell, 0)",
+            "prev": "near miss: the previous step's token decides",
+        }[o["token_mask"]] + "); the input sets have post-, pre-padded, gappy and empty rows")
     if o.get("mask_input"):
         parts.append("a [B, T] (or [T, B]) mask input that is not bool, one step's mask computed from its slice (" + {
             "gt0": "v = mask[:, t:t+1] > 0 (time-major: mask[t].unsqueeze(-1) > 0), float 0/1",
@@ -415,6 +421,22 @@ def steps_module(c: Case):
                     h_new, c_new = cell(u, (h, cs))
                 else:
                     h_new, c_new = cell(u, h), None
+                if o.get("token_mask"):  # a step is padding where its token is 0 (the embedding's padding_idx)
+                    at_t = max(t - 1, 0) if o["token_mask"] == "prev" else t  # (prev: a near miss)
+                    v = ((x[:, at_t] if c.batch_first else x[at_t]) != 0)
+                    if o["token_mask"] == "where":
+                        v = v.unsqueeze(1)
+                        h = torch.where(v, h_new, h)
+                        if self.lstm:
+                            cs = torch.where(v, c_new, cs)
+                        outs.append(torch.where(v, h_new, torch.zeros_like(h_new)))
+                    else:  # float, cast before the unit axis is added: m = (tokens[:, t] != 0).float().unsqueeze(1)
+                        m = v.to(dt).unsqueeze(1)
+                        h = m * h_new + (1 - m) * h
+                        if self.lstm:
+                            cs = m * c_new + (1 - m) * cs
+                        outs.append(m * h_new)
+                    continue
                 if mask is not None:  # one step's mask computed from its slice of a mask that is not bool
                     form = o["mask_input"]
                     mask_bf = _mask_batch_first(c)
@@ -517,6 +539,12 @@ CASES += [
     steps("grucell_trace_embed_per_step_bf", "gru", inputs="embed", batch_first=True),
     steps("lstmcell_dynamo_embed_per_step", "lstm", inputs="embed", exporter="dynamo"),
     steps("rnncell_tanh_trace_static_embed_scaled", "rnn_tanh", inputs="embed_scaled", dynamic_batch=False),
+    # ... masked where the token is the padding id 0
+    steps("grucell_trace_embed_token_mask_bf", "gru", inputs="embed", token_mask="float", batch_first=True),
+    steps("lstmcell_dynamo_embed_token_mask_where", "lstm", inputs="embed", token_mask="where", exporter="dynamo"),
+    steps("lstmcell_trace_static_embed_token_mask", "lstm", inputs="embed", token_mask="float", dynamic_batch=False),
+    steps("grucell_trace_embed_token_mask_prev_bf", "gru", inputs="embed", token_mask="prev", batch_first=True,
+          near_miss=True),
     steps("lstmcell_trace_first_step_other_cell", "lstm", inputs="first_cell"),
     steps("grucell_dynamo_first_step_other_cell", "gru", inputs="first_cell", exporter="dynamo"),
     steps("lstmcell_trace_bidir_shared_reshape", "lstm", inputs="shared_reshape_bidir"),
@@ -718,8 +746,10 @@ def make_inputs(specs, batch: int, time_: int, rng: np.random.Generator) -> dict
         if name == "lengths":  # valid steps per row (post-padded): full, partial and empty rows
             feeds[name] = np.array([(time_ - 2 - 3 * i) % (time_ + 1) for i in range(batch)], np.int64)
             continue
-        if name == "tokens":  # ids of an embedding's rows
-            feeds[name] = rng.integers(0, VOCAB, size=dims).astype(np.int64)
+        if name == "tokens":  # ids of an embedding's rows, 0 (padding) where zero_padded_steps' patterns pad
+            keep = np.stack([_keep_row(time_, batch, b) for b in range(batch)])  # [B, T]
+            ids = rng.integers(1, VOCAB, size=(batch, time_)) * keep
+            feeds[name] = (ids if shape[0] == "B" else ids.T).astype(np.int64)
             continue
         if name in ("mask", "mask_long"):  # 0/1 per step and row: the rows of zero_padded_steps' patterns
             keep = np.stack([_keep_row(time_, batch, b) for b in range(batch)])  # [B, T]

@@ -281,13 +281,20 @@ def mask_on_every_step(b, nodes: list[NodeProto], xs: list[str], seq: str, out: 
     or ``[B, T(, 1)]``. ``consts``: the constants the nodes read that the graph beside ``b`` does not hold (a
     Loop body's own)."""
     g: Graph = b.g
+    mask = on_every_step(b, nodes, xs, seq, out, consts, x_rank)
+    lead = (g.model.shape(seq) or [None, None])[:2]
+    g.model.declare(mask, (TensorProto.BOOL, list(lead) + [1] * (rank - 1)))
+    return mask
+
+
+def on_every_step(b, nodes: list[NodeProto], xs: list[str], seq: str, out: str, consts: dict[str, np.ndarray] | None = None,
+                  x_rank: int = ROW_RANK) -> str:
+    """``out``, computed row by row from the step input rows ``xs`` by ``nodes`` (in evaluation order), for
+    every step of ``seq`` at once, laid out like it (see :func:`mask_on_every_step`)."""
     rows = b.op("Flatten", seq, axis=2)  # every (t, b) or (b, t) row ([T * B, 1] for a [T, B] sequence)
     if x_rank == 1:
         rows = b.squeeze(rows, [1])  # the rows as the nodes read them: [T * B]
     env = {x: rows for x in xs}
-    env.update({name: b.const(arr, "step") for name, arr in consts.items()})
+    env.update({name: b.const(arr, "step") for name, arr in (consts or {}).items()})
     replay(b, nodes, env, "rows")
-    mask = unflatten(b, env[out], seq)
-    lead = (g.model.shape(seq) or [None, None])[:2]
-    g.model.declare(mask, (TensorProto.BOOL, list(lead) + [1] * (rank - 1)))
-    return mask
+    return unflatten(b, env[out], seq)

@@ -16,7 +16,7 @@ from rnnfuse.symbolic import weight_ops
 from .chains import Chain, find_chains, intervals
 from .derived_masks import derived_masks
 from .families import find_families, is_row_family, length_masks, mask_leaves
-from .lookups import Lookups
+from .whole_inputs import WholeInputs
 from .roles import FirstStepDiffers, chain_recurrence
 from .step_inputs import virtual_families
 
@@ -37,7 +37,7 @@ class FuseChains:
         res = PassResult(self.name)
         tried: set = set()
         pending: dict = {}  # chain key -> its decline, reported only if the chain still exists at the end
-        lookups = Lookups(g)
+        whole = WholeInputs(g)
         for _ in range(self.max_rounds):
             fams = find_families(g)
             # dead code (an exporter's unused per-step values) is no reader of a step's values; pruned only
@@ -46,10 +46,10 @@ class FuseChains:
                 fams = find_families(g)
             if not fams:
                 break
-            fams.update(lookups.families(fams))
+            signer = Signer(g)
+            fams.update(whole.families(fams, signer))
             order = g.ordered_live_nodes()
             lengths = length_masks(g)
-            signer = Signer(g)
             recs = []
             seen_now: set = set()
             for (src, axis), fam in fams.items():
@@ -85,10 +85,10 @@ class FuseChains:
         # sliced from one tensor) were not recurrences: only what remains is reported
         final = set()
         fams = find_families(g)
-        fams.update(lookups.families(fams))
+        signer = Signer(g)
+        fams.update(whole.families(fams, signer))
         order = g.ordered_live_nodes() if fams else []
         lengths = length_masks(g) if fams else []
-        signer = Signer(g)
         for (src, axis), fam in fams.items():
             if g.model.elem_type(src) == 9 or is_row_family(g, src):
                 continue
@@ -101,7 +101,7 @@ class FuseChains:
         # (a chain of step inputs that declines for the reason its slice family's chain did is that chain)
         real = {v.reason for k, v in pending.items() if k in final and len(k) == 4}
         res.findings.extend(v for k, v in pending.items() if k in final and (len(k) == 4 or v.reason not in real))
-        lookups.drop_unused()
+        whole.drop_unused()
         return res
 
     def virtual_chains(self, g: Graph, order: list, fams: dict, signer: Signer, tried: set, pending: dict, seen: set) -> list:

@@ -255,6 +255,9 @@ STEP_INPUTS = {
     "reads_state": "x[t] * h[:, :1] (near miss: the step input depends on the state)",
     "embed": "E(tokens[t]): an nn.Embedding looked up per step (tokens int64, laid out like x without features)",
     "embed_scaled": "E(tokens[t]) * sqrt(F): the lookup scaled per step",
+    "mlp": "relu(Linear(x[t])): an input MLP inside the loop",
+    "norm": "LayerNorm(x[t]) inside the loop",
+    "mlp_per_step": "relu(Linear_t(x[t])) with another Linear at each step (near miss: no one map)",
     "shared_reshape_bidir": "x[t].reshape(-1, F) once per step, read by a forward and a backward chain "
                             "(outputs concatenated on features)",
 }
@@ -349,6 +352,10 @@ def steps_module(c: Case):
             self.cell, self.cell0 = make(), make()  # (cell0: the first step's other cell, or the backward chain's)
             if o.get("inputs", "").startswith("embed"):
                 self.embed = nn.Embedding(VOCAB, c.features)
+            if o.get("inputs") in ("mlp", "mlp_per_step"):
+                self.pre = nn.ModuleList(nn.Linear(c.features, c.features) for _ in range(c.time if o["inputs"] == "mlp_per_step" else 1))
+            if o.get("inputs") == "norm":
+                self.norm = nn.LayerNorm(c.features)
             if o.get("init") == "learned":
                 self.h0 = nn.Parameter(0.3 * torch.randn(1, c.hidden))
                 self.c0 = nn.Parameter(0.3 * torch.randn(1, c.hidden))
@@ -367,6 +374,10 @@ def steps_module(c: Case):
                 return [at(x, t) for t in perm[:steps_]]
             if form == "embed":
                 return [self.embed(at(x, t)) for t in range(steps_)]
+            if form in ("mlp", "mlp_per_step"):
+                return [torch.relu(self.pre[t if form == "mlp_per_step" else 0](at(x, t))) for t in range(steps_)]
+            if form == "norm":
+                return [self.norm(at(x, t)) for t in range(steps_)]
             if form == "embed_scaled":
                 return [self.embed(at(x, t)) * c.features ** 0.5 for t in range(steps_)]
             if form == "shared_reshape_bidir":
@@ -525,6 +536,8 @@ def steps_expectation(c: Case, exp: dict) -> dict:
         exp = dict(exp, directions={op: ["bidirectional"]})
     if o.get("inputs") == "first_cell":
         exp = dict(exp, max_cell_ops={"lstm": 9, "gru": 12}.get(c.family, 3))
+    if o.get("inputs") == "mlp":
+        exp = dict(exp, max_cell_ops=2)  # (the input MLP, applied once to the whole sequence: a Gemm and a Relu)
     return exp
 
 
@@ -539,6 +552,12 @@ CASES += [
     steps("grucell_trace_embed_per_step_bf", "gru", inputs="embed", batch_first=True),
     steps("lstmcell_dynamo_embed_per_step", "lstm", inputs="embed", exporter="dynamo"),
     steps("rnncell_tanh_trace_static_embed_scaled", "rnn_tanh", inputs="embed_scaled", dynamic_batch=False),
+    # ... a map of x[t] inside the loop (an input MLP, a LayerNorm): the map applied to the whole sequence once
+    steps("grucell_trace_input_mlp_bf", "gru", inputs="mlp", batch_first=True),
+    steps("lstmcell_dynamo_input_layernorm", "lstm", inputs="norm", exporter="dynamo"),
+    steps("rnncell_tanh_trace_static_input_mlp", "rnn_tanh", inputs="mlp", dynamic_batch=False),
+    steps("grucell_trace_input_layernorm_lengths", "gru", inputs="norm", lengths=True),
+    steps("lstmcell_trace_input_mlp_per_step", "lstm", inputs="mlp_per_step", near_miss=True),
     # ... masked where the token is the padding id 0
     steps("grucell_trace_embed_token_mask_bf", "gru", inputs="embed", token_mask="float", batch_first=True),
     steps("lstmcell_dynamo_embed_token_mask_where", "lstm", inputs="embed", token_mask="where", exporter="dynamo"),

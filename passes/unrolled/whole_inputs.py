@@ -1,0 +1,192 @@
+"""A step input computed from the step's slice alone is the slice of the whole sequence computed at once.
+
+Two forms, each the same at every step of a family:
+
+- **embedding lookups**: ``Gather(E, tokens[:, t])`` (a constant table, rows gathered on axis 0) of an integer
+  row family (:func:`.families.is_row_family`) is ``Gather(E, tokens)[:, t]``;
+- **row-wise maps**: an input MLP or a LayerNorm applied to x_t inside the loop (``relu(x_t W1 + b1)``, ops that
+  provably act row by row: :func:`rnnfuse.row_wise.check_row_wise`) before the cell's input matmul is that map
+  applied to every row of X at once, then sliced.
+
+The whole tensor is built beside the graph and the per-step values become a data family over it, so the chain
+front end threads, masks, reverses and fuses them as it does the slices of x; the per-step values themselves
+stay until a fusion replaces the steps that read them. A whole tensor no fusion reads is removed again
+(:meth:`WholeInputs.drop_unused`).
+"""
+
+from __future__ import annotations
+
+from onnx import NodeProto
+
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph, attr
+from rnnfuse.row_wise import ROW_RANK, check_row_wise, on_every_step
+from rnnfuse.signature import Signer
+
+_INTS = (6, 7)  # int32, int64: token ids
+_FLOATS = (1, 10, 11, 16)
+# what lies between a cell's input matmul and where its result meets the state (gate slices, a bias, views)
+_PLUMBING = {"Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten", "Add", "Sub"}
+_WALK_LIMIT = 64  # nodes walked from one step's slice (an input map and a cell's input side are a few)
+
+
+class WholeInputs:
+    """The whole-sequence inputs built so far, reused from round to round (keyed by what they compute)."""
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self.built: dict[tuple, NodeProto] = {}
+
+    def families(self, fams: dict, signer: Signer) -> dict[tuple[str, int], dict[int, str]]:
+        """New data families among ``fams``' steps: (the whole tensor, its time axis) -> step -> the value it
+        holds at that step."""
+        out = {}
+        for (src, axis), fam in fams.items():
+            et, rank = self.g.model.elem_type(src), self.g.model.rank(src)
+            if et in _INTS and rank == 2:
+                got = self._lookups(src, axis, fam)
+            elif et in _FLOATS and rank == 3:
+                got = self._row_maps(src, axis, fam, signer)
+            else:
+                continue
+            if got is not None:
+                out[got[0]] = got[1]
+        return out
+
+    # -- embedding lookups -------------------------------------------------------------------------------
+    def _lookups(self, tokens: str, axis: int, fam: dict):
+        g = self.g
+        table, steps = None, {}
+        for t, ids in fam.items():
+            found = _lookup_of(g, ids)
+            if found is None or (table is not None and found.input[0] != table):
+                return None
+            table, steps[t] = found.input[0], found.output[0]
+        key = ("lookup", tokens, table)
+        node = self.built.get(key)
+        if node is None or not g.alive(node):
+            out, = g.add_node("Gather", [table, tokens], name="rnnfuse/lookup", anchor=g.producer.get(tokens), axis=0)
+            node = self.built[key] = g.producer[out]
+            dims = list(g.model.shape(tokens) or [None, None]) + [g.const(table).shape[1]]
+            g.model.declare(out, (g.model.elem_type(table), dims))
+        return (node.output[0], axis), steps
+
+    # -- row-wise maps -----------------------------------------------------------------------------------
+    def _row_maps(self, src: str, axis: int, fam: dict, signer: Signer):
+        g = self.g
+        template, steps, sig0 = None, {}, None
+        for t, x in fam.items():
+            found = _mapped_input(g, x)
+            if found is None:
+                return None
+            value, nodes = found
+            ids = {id(n) for n in nodes}
+            try:
+                sig = signer.sign(value, {x: "x"}, lambda p, ids=ids: id(p) in ids, _no_other_input, set())
+            except Decline:
+                return None
+            if sig0 is not None and sig != sig0:
+                return None  # (every step maps its slice the same way, or the steps are no one sequence)
+            sig0, steps[t] = sig, value
+            template = template or (x, value, nodes)
+        key = ("map", src, sig0)
+        node = self.built.get(key)
+        if node is None or not g.alive(node):
+            from rnnfuse.emit import Builder  # (emit imports the graph layer only; a top-level import would cycle)
+
+            x, value, nodes = template
+            b = Builder(g, g.producer.get(x), "rnnfuse/step_input")
+            whole = on_every_step(b, nodes, [x], src, value)
+            node = self.built[key] = g.producer[whole]
+            lead = (g.model.shape(src) or [None, None])[:2]
+            g.model.declare(whole, (g.model.elem_type(src), list(lead) + [(g.model.shape(value) or [None, None])[-1]]))
+        return (node.output[0], axis), steps
+
+    def drop_unused(self) -> None:
+        """Remove the whole tensors no fusion reads (with what computes them alone)."""
+        g = self.g
+        dead, stack = {}, [n for n in self.built.values() if g.alive(n) and not g.uses(n.output[0])]
+        while stack:
+            n = stack.pop()
+            if id(n) in dead or not g.alive(n) or any(g.uses(o) and not all(id(u) in dead for u in g.uses(o))
+                                                      for o in n.output):
+                continue
+            dead[id(n)] = n
+            stack.extend(p for i in n.input if i and (p := g.producer.get(i)) is not None and p.name.startswith("rnnfuse/"))
+        if dead:
+            g.remove_nodes(list(dead.values()))
+        self.built = {k: n for k, n in self.built.items() if g.alive(n)}
+
+
+def _lookup_of(g: Graph, ids: str) -> NodeProto | None:
+    """The one row lookup of a constant 2-D table by ``ids`` (one id a row: ``[B]``), if that is how it is read."""
+    p = g.producer.get(ids)
+    if g.model.rank(ids) not in (1, None) or p is None or p.op_type == "Slice":
+        return None  # (a [B, 1] slice looks up [B, 1, F], no step of the whole lookup)
+    found = [u for u in g.uses(ids) if u.op_type == "Gather" and len(u.input) == 2 and u.input[1] == ids
+             and attr(u, "axis", 0) == 0]
+    if len(found) != 1:
+        return None
+    table = g.const(found[0].input[0])
+    return found[0] if table is not None and table.ndim == 2 else None
+
+
+def _mapped_input(g: Graph, x: str) -> tuple[str, list[NodeProto]] | None:
+    """``(f(x), the nodes computing it from x)`` when what the step's cell reads of its slice ``x`` is a row-wise
+    map of it other than x itself: the input of the cell's input matmul (where its result, through gate slices
+    and a bias, meets the state), or the value the cell reads directly."""
+    rows = {x: ROW_RANK}
+    walked: list[NodeProto] = []
+    ids: set[int] = set()
+    stack = [x]
+    while stack and len(walked) < _WALK_LIMIT:
+        for c in g.uses(stack.pop()):
+            if id(c) in ids or any(i and i not in rows and g.const(i) is None for i in c.input):
+                continue
+            try:
+                rank = check_row_wise(g, c, rows, g.const, "a step input")
+            except Decline:
+                continue
+            ids.add(id(c))
+            walked.append(c)
+            for o in c.output:
+                rows[o] = rank
+                stack.append(o)
+    exits = {v for n in walked for v in n.output if v and any(id(u) not in ids and u.op_type not in ("Shape", "Size")
+                                                             for u in g.uses(v))}
+    exits |= {x} if any(id(u) not in ids and u.op_type not in ("Shape", "Size") for u in g.uses(x)) else set()
+    inputs = {_before_input_matmul(g, v, ids) for v in exits}
+    if len(inputs) != 1:
+        return None
+    value = inputs.pop()
+    if value == x or rows.get(value) != ROW_RANK or g.model.elem_type(value) not in _FLOATS:
+        return None
+    need, todo = set(), [value]
+    while todo:
+        p = g.producer.get(todo.pop())
+        if p is not None and id(p) in ids and id(p) not in need:
+            need.add(id(p))
+            todo.extend(i for i in p.input if i)
+    return value, [n for n in walked if id(n) in need]
+
+
+def _before_input_matmul(g: Graph, v: str, ids: set[int]) -> str:
+    """What the matmul producing ``v`` (through gate slices, a bias, views) multiplies; ``v`` without one."""
+    cur = v
+    for _ in range(8):
+        p = g.producer.get(cur)
+        if p is None or id(p) not in ids:
+            return v
+        if p.op_type in ("MatMul", "Gemm"):
+            return p.input[0]
+        if p.op_type not in _PLUMBING:
+            return v
+        dyn = [i for i in p.input if i and g.const(i) is None]
+        if len(dyn) != 1:
+            return v
+        cur = dyn[0]
+    return v
+
+
+def _no_other_input(name: str) -> str:
+    raise Decline(f"a step input reads '{name}'")

@@ -288,13 +288,15 @@ def mask_on_every_step(b, nodes: list[NodeProto], xs: list[str], seq: str, out: 
 
 
 def on_every_step(b, nodes: list[NodeProto], xs: list[str], seq: str, out: str, consts: dict[str, np.ndarray] | None = None,
-                  x_rank: int = ROW_RANK) -> str:
+                  x_rank: int = ROW_RANK, tiled: dict[str, str] | None = None) -> str:
     """``out``, computed row by row from the step input rows ``xs`` by ``nodes`` (in evaluation order), for
-    every step of ``seq`` at once, laid out like it (see :func:`mask_on_every_step`)."""
+    every step of ``seq`` at once, laid out like it (see :func:`mask_on_every_step`). ``tiled``: other row
+    tensors the nodes read, each already repeated for every step's rows (``[T * B, C]``, in ``seq``'s order)."""
     rows = b.op("Flatten", seq, axis=2)  # every (t, b) or (b, t) row ([T * B, 1] for a [T, B] sequence)
     if x_rank == 1:
         rows = b.squeeze(rows, [1])  # the rows as the nodes read them: [T * B]
     env = {x: rows for x in xs}
+    env.update(tiled or {})
     env.update({name: b.const(arr, "step") for name, arr in (consts or {}).items()})
     replay(b, nodes, env, "rows")
     return unflatten(b, env[out], seq)

@@ -46,7 +46,7 @@ class WholeInputs:
             if et in _INTS and rank == 2:
                 got = self._lookups(src, axis, fam)
             elif et in _FLOATS and rank == 3:
-                got = self._row_maps(src, axis, fam, signer)
+                got = self._row_maps(src, axis, fam, signer, {x for f in fams.values() for x in f.values()})
             else:
                 continue
             if got is not None:
@@ -72,31 +72,37 @@ class WholeInputs:
         return (node.output[0], axis), steps
 
     # -- row-wise maps -----------------------------------------------------------------------------------
-    def _row_maps(self, src: str, axis: int, fam: dict, signer: Signer):
+    def _row_maps(self, src: str, axis: int, fam: dict, signer: Signer, slices: set):
         g = self.g
         template, steps, sig0 = None, {}, None
         for t, x in fam.items():
-            found = _mapped_input(g, x)
+            found = _mapped_input(g, x, slices)
             if found is None:
                 return None
-            value, nodes = found
+            value, nodes, context = found
             ids = {id(n) for n in nodes}
             try:
-                sig = signer.sign(value, {x: "x"}, lambda p, ids=ids: id(p) in ids, _no_other_input, set())
+                sig = signer.sign(value, {x: "x", **{c: f"context {c}" for c in context}},
+                                  lambda p, ids=ids: id(p) in ids, _no_other_input, set())
             except Decline:
                 return None
             if sig0 is not None and sig != sig0:
                 return None  # (every step maps its slice the same way, or the steps are no one sequence)
             sig0, steps[t] = sig, value
-            template = template or (x, value, nodes)
+            template = template or (x, value, nodes, context)
         key = ("map", src, sig0)
         node = self.built.get(key)
         if node is None or not g.alive(node):
             from rnnfuse.emit import Builder  # (emit imports the graph layer only; a top-level import would cycle)
 
-            x, value, nodes = template
+            x, value, nodes, context = template
             b = Builder(g, g.producer.get(x), "rnnfuse/step_input")
-            whole = on_every_step(b, nodes, [x], src, value)
+            # a context row (one per batch row, the same at every step) repeated for every step's rows
+            shape = b.op("Shape", src)
+            tiled = {c: b.op("Flatten", b.op("Expand", b.unsqueeze(c, [axis]), b.op(
+                "Concat", b.op("Slice", shape, b.i64(0), b.i64(2), b.i64(0)), b.op(
+                    "Slice", b.op("Shape", c), b.i64(1), b.i64(2), b.i64(0)), axis=0)), axis=2) for c in context}
+            whole = on_every_step(b, nodes, [x], src, value, tiled=tiled)
             node = self.built[key] = g.producer[whole]
             lead = (g.model.shape(src) or [None, None])[:2]
             g.model.declare(whole, (g.model.elem_type(src), list(lead) + [(g.model.shape(value) or [None, None])[-1]]))
@@ -131,18 +137,26 @@ def _lookup_of(g: Graph, ids: str) -> NodeProto | None:
     return found[0] if table is not None and table.ndim == 2 else None
 
 
-def _mapped_input(g: Graph, x: str) -> tuple[str, list[NodeProto]] | None:
-    """``(f(x), the nodes computing it from x)`` when what the step's cell reads of its slice ``x`` is a row-wise
-    map of it other than x itself: the input of the cell's input matmul (where its result, through gate slices
-    and a bias, meets the state), or the value the cell reads directly."""
+def _mapped_input(g: Graph, x: str, slices: set) -> tuple[str, list[NodeProto], list[str]] | None:
+    """``(f(x), the nodes computing it from x, the context rows it reads)`` when what the step's cell reads of
+    its slice ``x`` is a row-wise map of it other than x itself: the input of the cell's input matmul (where its
+    result, through gate slices and a bias, meets the state), or the value the cell reads directly. A map may
+    read context rows beside x_t (``cat([x_t, z])``, z ``[B, C]``, computed from no step's slice)."""
     rows = {x: ROW_RANK}
+    context: list[str] = []
     walked: list[NodeProto] = []
     ids: set[int] = set()
     stack = [x]
     while stack and len(walked) < _WALK_LIMIT:
         for c in g.uses(stack.pop()):
-            if id(c) in ids or any(i and i not in rows and g.const(i) is None for i in c.input):
+            if id(c) in ids:
                 continue
+            others = [i for i in c.input if i and i not in rows and g.const(i) is None]
+            if others and (c.op_type != "Concat" or not all(_context_row(g, i, x, slices) for i in others)):
+                continue
+            for i in others:
+                rows[i] = ROW_RANK
+                context.append(i)
             try:
                 rank = check_row_wise(g, c, rows, g.const, "a step input")
             except Decline:
@@ -167,7 +181,38 @@ def _mapped_input(g: Graph, x: str) -> tuple[str, list[NodeProto]] | None:
         if p is not None and id(p) in ids and id(p) not in need:
             need.add(id(p))
             todo.extend(i for i in p.input if i)
-    return value, [n for n in walked if id(n) in need]
+    return value, [n for n in walked if id(n) in need], [c for c in context if c in _reads(g, value, ids)]
+
+
+def _reads(g: Graph, value: str, ids: set[int]) -> set[str]:
+    out, todo = set(), [value]
+    while todo:
+        p = g.producer.get(todo.pop())
+        if p is not None and id(p) in ids:
+            out.update(i for i in p.input if i)
+            todo.extend(i for i in p.input if i)
+    return out
+
+
+def _context_row(g: Graph, name: str, x: str, slices: set, limit: int = 64) -> bool:
+    """Whether ``name`` is one row per batch row (``[B, C]`` like x_t ``[B, F]``) computed from no step's slice
+    (a latent, a speaker embedding concatenated to every step's input; never a state, which every step after
+    the first computes from the slices)."""
+    shape, xs = g.model.shape(name), g.model.shape(x)
+    if shape is None or xs is None or len(shape) != 2 or shape[0] is None or shape[0] != xs[0]:
+        return False
+    seen, todo = set(), [name]
+    while todo:
+        cur = todo.pop()
+        if cur in slices or len(seen) > limit:
+            return False
+        if cur in seen:
+            continue
+        seen.add(cur)
+        p = g.producer.get(cur)
+        if p is not None:
+            todo.extend(i for i in p.input if i)
+    return True
 
 
 def _before_input_matmul(g: Graph, v: str, ids: set[int]) -> str:

@@ -57,6 +57,7 @@ FEATURES = 5
 HIDDEN = 4
 TIME = 7  # default number of steps
 VOCAB = 11  # rows of the embedding tables of token inputs
+CONTEXT = 3  # features of a context input concatenated to every step's input
 EXPORT_BATCH = 2  # batch of the example inputs of dynamic-batch exports (not 1: torch.export specialises 0/1)
 OPSET = 17  # trace / TorchScript exports; dynamo and Keras use their own default
 ABSENT = ["Loop", "Scan", "SequenceInsert"]
@@ -257,6 +258,7 @@ STEP_INPUTS = {
     "embed_scaled": "E(tokens[t]) * sqrt(F): the lookup scaled per step",
     "mlp": "relu(Linear(x[t])): an input MLP inside the loop",
     "norm": "LayerNorm(x[t]) inside the loop",
+    "context": "cat([x[t], z]): a context input z [B, C] (a latent, a speaker embedding) beside every step's input",
     "mlp_per_step": "relu(Linear_t(x[t])) with another Linear at each step (near miss: no one map)",
     "shared_reshape_bidir": "x[t].reshape(-1, F) once per step, read by a forward and a backward chain "
                             "(outputs concatenated on features)",
@@ -274,6 +276,8 @@ def steps_input_specs(c: Case) -> list[tuple[str, tuple]]:
     specs = [("tokens", x[:2]) if c.opts.get("inputs", "").startswith("embed") else ("x", x)]
     if c.opts.get("inputs") == "two_seq":
         specs.append(("x2", ("B", 3, c.features) if c.batch_first else (3, "B", c.features)))
+    if c.opts.get("inputs") == "context":
+        specs.append(("z", ("B", CONTEXT)))
     if c.opts.get("lengths"):
         specs.append(("lengths", ("B",)))
     if c.opts.get("mask_input"):  # laid out like x ([B, T] or [T, B]) unless transposed; int64 for the .bool() form
@@ -345,9 +349,10 @@ def steps_module(c: Case):
             kind = o["cell"]
             self.lstm = kind == "lstm"
             def make():
+                f = c.features + (CONTEXT if o.get("inputs") == "context" else 0)
                 if kind.startswith("rnn"):
-                    return nn.RNNCell(c.features, c.hidden, nonlinearity=kind[4:])
-                return {"lstm": nn.LSTMCell, "gru": nn.GRUCell}[kind](c.features, c.hidden)
+                    return nn.RNNCell(f, c.hidden, nonlinearity=kind[4:])
+                return {"lstm": nn.LSTMCell, "gru": nn.GRUCell}[kind](f, c.hidden)
 
             self.cell, self.cell0 = make(), make()  # (cell0: the first step's other cell, or the backward chain's)
             if o.get("inputs", "").startswith("embed"):
@@ -378,6 +383,8 @@ def steps_module(c: Case):
                 return [torch.relu(self.pre[t if form == "mlp_per_step" else 0](at(x, t))) for t in range(steps_)]
             if form == "norm":
                 return [self.norm(at(x, t)) for t in range(steps_)]
+            if form == "context":  # (x2 is z)
+                return [torch.cat([at(x, t), x2], -1) for t in range(steps_)]
             if form == "embed_scaled":
                 return [self.embed(at(x, t)) * c.features ** 0.5 for t in range(steps_)]
             if form == "shared_reshape_bidir":
@@ -405,7 +412,7 @@ def steps_module(c: Case):
                 ys = [self.chain(self.cell, us), self.chain(self.cell0, us[::-1])[::-1]]
                 return torch.cat([torch.stack(y, dim=1 if c.batch_first else 0) for y in ys], -1)
             rest = [v for v in (in1, in2) if v is not None]
-            x2 = rest[0] if o.get("inputs") == "two_seq" else None
+            x2 = rest[0] if o.get("inputs") in ("two_seq", "context") else None  # (context: z)
             lengths = rest[-1] if o.get("lengths") else None
             mask = rest[-1] if o.get("mask_input") else None
             batch = x.shape[0 if c.batch_first else 1]
@@ -558,6 +565,8 @@ CASES += [
     steps("rnncell_tanh_trace_static_input_mlp", "rnn_tanh", inputs="mlp", dynamic_batch=False),
     steps("grucell_trace_input_layernorm_lengths", "gru", inputs="norm", lengths=True),
     steps("lstmcell_trace_input_mlp_per_step", "lstm", inputs="mlp_per_step", near_miss=True),
+    steps("grucell_trace_context_concat", "gru", inputs="context"),
+    steps("lstmcell_dynamo_context_concat_bf", "lstm", inputs="context", exporter="dynamo", batch_first=True),
     # ... masked where the token is the padding id 0
     steps("grucell_trace_embed_token_mask_bf", "gru", inputs="embed", token_mask="float", batch_first=True),
     steps("lstmcell_dynamo_embed_token_mask_where", "lstm", inputs="embed", token_mask="where", exporter="dynamo"),

@@ -176,22 +176,7 @@ def row_masks(g: Graph, xs: list[str], const_of, x_rank: int = ROW_RANK) -> list
     each with the nodes computing it from ``xs``, in evaluation order, and its rank: one value per row, ``[B]``
     (1) or ``[B, 1]`` (2). ``const_of(name)``: the value of a constant, else None."""
     rows: dict[str, int] = {x: abs(x_rank) for x in xs}
-    walked: list[NodeProto] = []
-    ids: set[int] = set()
-    stack = list(xs)
-    while stack and len(walked) < _WALK_LIMIT:
-        for c in g.uses(stack.pop()):
-            if id(c) in ids or any(i and i not in rows and const_of(i) is None for i in c.input):
-                continue  # (a node also reading a value not computed yet is met again from that value)
-            try:
-                rank = check_row_wise(g, c, rows, const_of, "a step mask", reductions=True)
-            except Decline:
-                continue
-            ids.add(id(c))
-            walked.append(c)
-            for o in c.output:
-                rows[o] = rank
-                stack.append(o)
+    walked, ids = walk_rows(g, xs, rows, const_of, "a step mask", reductions=True)
     unit = _unit_rows(g, walked, rows, const_of, set(xs) if x_rank == UNIT_ROWS else set())
 
     def read_outside(v: str, views: int = 4) -> bool:
@@ -207,7 +192,37 @@ def row_masks(g: Graph, xs: list[str], const_of, x_rank: int = ROW_RANK) -> list
         if read_outside(m):
             roots[_mask_root(g, m, ids)] = None
     # one value per row: [B] or [B, 1] (a [B, F] comparison of the features is no step mask)
-    return [(m, _cone(g, m, ids, walked), rows[m]) for m in roots if rows[m] == 1 or m in unit]
+    return [(m, cone(g, m, ids, walked), rows[m]) for m in roots if rows[m] == 1 or m in unit]
+
+
+def walk_rows(g: Graph, xs: list[str], rows: dict[str, int], const_of, role: str, reductions: bool = False,
+              admit=None) -> tuple[list[NodeProto], set[int]]:
+    """The nodes computed from ``xs`` (and constants) that act row by row (:func:`check_row_wise`), in
+    evaluation order, with their ids; ``rows`` gains each one's outputs and their row ranks. ``admit(node,
+    others)``: whether a node that also reads ``others`` (neither rows nor constants) may be walked all the
+    same, those then counting as rows (a context row beside x_t); by default it may not."""
+    walked: list[NodeProto] = []
+    ids: set[int] = set()
+    stack = list(xs)
+    while stack and len(walked) < _WALK_LIMIT:
+        for c in g.uses(stack.pop()):
+            if id(c) in ids:
+                continue
+            others = [i for i in c.input if i and i not in rows and const_of(i) is None]
+            if others and (admit is None or not admit(c, others)):
+                continue  # (a node also reading a value not computed yet is met again from that value)
+            try:
+                rank = check_row_wise(g, c, {**rows, **dict.fromkeys(others, ROW_RANK)} if others else rows,
+                                      const_of, role, reductions=reductions)
+            except Decline:
+                continue
+            rows.update(dict.fromkeys(others, ROW_RANK))
+            ids.add(id(c))
+            walked.append(c)
+            for o in c.output:
+                rows[o] = rank
+                stack.append(o)
+    return walked, ids
 
 
 def _unit_rows(g: Graph, walked: list[NodeProto], rows: dict[str, int], const_of, unit_xs: set[str]) -> set[str]:
@@ -261,7 +276,7 @@ def _mask_root(g: Graph, m: str, ids: set[int]) -> str:
         m = p.input[0]
 
 
-def _cone(g: Graph, m: str, ids: set[int], walked: list[NodeProto]) -> list[NodeProto]:
+def cone(g: Graph, m: str, ids: set[int], walked: list[NodeProto]) -> list[NodeProto]:
     """The walked nodes ``m`` is computed from, in evaluation order."""
     need: set[int] = set()
     stack = [m]

@@ -20,7 +20,7 @@ from onnx import NodeProto
 
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
-from rnnfuse.row_wise import ROW_RANK, check_row_wise, on_every_step
+from rnnfuse.row_wise import ROW_RANK, cone, on_every_step, walk_rows
 from rnnfuse.signature import Signer
 
 _INTS = (6, 7)  # int32, int64: token ids
@@ -143,29 +143,8 @@ def _mapped_input(g: Graph, x: str, slices: set) -> tuple[str, list[NodeProto], 
     result, through gate slices and a bias, meets the state), or the value the cell reads directly. A map may
     read context rows beside x_t (``cat([x_t, z])``, z ``[B, C]``, computed from no step's slice)."""
     rows = {x: ROW_RANK}
-    context: list[str] = []
-    walked: list[NodeProto] = []
-    ids: set[int] = set()
-    stack = [x]
-    while stack and len(walked) < _WALK_LIMIT:
-        for c in g.uses(stack.pop()):
-            if id(c) in ids:
-                continue
-            others = [i for i in c.input if i and i not in rows and g.const(i) is None]
-            if others and (c.op_type != "Concat" or not all(_context_row(g, i, x, slices) for i in others)):
-                continue
-            for i in others:
-                rows[i] = ROW_RANK
-                context.append(i)
-            try:
-                rank = check_row_wise(g, c, rows, g.const, "a step input")
-            except Decline:
-                continue
-            ids.add(id(c))
-            walked.append(c)
-            for o in c.output:
-                rows[o] = rank
-                stack.append(o)
+    walked, ids = walk_rows(g, [x], rows, g.const, "a step input", admit=lambda node, others: (
+        node.op_type == "Concat" and all(_context_row(g, i, x, slices) for i in others)))
     exits = {v for n in walked for v in n.output if v and any(id(u) not in ids and u.op_type not in ("Shape", "Size")
                                                              for u in g.uses(v))}
     exits |= {x} if any(id(u) not in ids and u.op_type not in ("Shape", "Size") for u in g.uses(x)) else set()
@@ -175,23 +154,10 @@ def _mapped_input(g: Graph, x: str, slices: set) -> tuple[str, list[NodeProto], 
     value = inputs.pop()
     if value == x or rows.get(value) != ROW_RANK or g.model.elem_type(value) not in _FLOATS:
         return None
-    need, todo = set(), [value]
-    while todo:
-        p = g.producer.get(todo.pop())
-        if p is not None and id(p) in ids and id(p) not in need:
-            need.add(id(p))
-            todo.extend(i for i in p.input if i)
-    return value, [n for n in walked if id(n) in need], [c for c in context if c in _reads(g, value, ids)]
-
-
-def _reads(g: Graph, value: str, ids: set[int]) -> set[str]:
-    out, todo = set(), [value]
-    while todo:
-        p = g.producer.get(todo.pop())
-        if p is not None and id(p) in ids:
-            out.update(i for i in p.input if i)
-            todo.extend(i for i in p.input if i)
-    return out
+    nodes = cone(g, value, ids, walked)
+    read = {i for n in nodes for i in n.input}
+    made = {o for n in walked for o in n.output}
+    return value, nodes, [r for r in rows if r != x and r not in made and r in read]  # (the context rows)
 
 
 def _context_row(g: Graph, name: str, x: str, slices: set, limit: int = 64) -> bool:

@@ -41,12 +41,15 @@ class WholeInputs:
         """New data families among ``fams``' steps: (the whole tensor, its time axis) -> step -> the value it
         holds at that step."""
         out = {}
+        slices: set | None = None  # every family's step values (what a context row is computed from none of)
         for (src, axis), fam in fams.items():
             et, rank = self.g.model.elem_type(src), self.g.model.rank(src)
             if et in _INTS and rank == 2:
                 got = self._lookups(src, axis, fam)
             elif et in _FLOATS and rank == 3:
-                got = self._row_maps(src, axis, fam, signer, {x for f in fams.values() for x in f.values()})
+                if slices is None:
+                    slices = {x for f in fams.values() for x in f.values()}
+                got = self._row_maps(src, axis, fam, signer, slices)
             else:
                 continue
             if got is not None:

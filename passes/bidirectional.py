@@ -14,6 +14,7 @@ from onnx import NodeProto, helper
 from rnnfuse import portability
 from rnnfuse.cells import native_kind
 from rnnfuse.cells.kinds import KINDS
+from rnnfuse.dataflow import reaches
 from rnnfuse.emit import SPILL_BYTES, Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
@@ -41,21 +42,7 @@ def _inp(n: NodeProto, i: int) -> str:
 
 def _depends_on(g: Graph, name: str, node: NodeProto, limit: int = 100000) -> bool:
     """Whether tensor ``name`` is computed (transitively) from an output of ``node``."""
-    if not name:
-        return False
-    outs = set(node.output)
-    seen, stack = set(), [name]
-    while stack and len(seen) < limit:
-        cur = stack.pop()
-        if cur in outs:
-            return True
-        if cur in seen:
-            continue
-        seen.add(cur)
-        p = g.producer.get(cur)
-        if p is not None:
-            stack.extend(i for i in p.input if i)
-    return False
+    return bool(name) and reaches(g, name, set(node.output), limit) is True
 
 
 def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[str, str]]:

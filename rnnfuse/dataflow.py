@@ -233,6 +233,25 @@ def closure(g: Graph, seeds, limit: int = 256) -> tuple[set[str], set[int]]:
     return region, ids
 
 
+def reaches(g: Graph, name: str, targets, limit: int) -> bool | None:
+    """Whether ``name`` is computed (transitively) from one of ``targets``: True, False when its whole
+    ancestry was read without meeting one, None when ``limit`` tensors were read first (unknown)."""
+    seen, stack = set(), [name]
+    while stack:
+        if len(seen) >= limit:
+            return None
+        cur = stack.pop()
+        if cur in targets:
+            return True
+        if cur in seen:
+            continue
+        seen.add(cur)
+        p = g.producer.get(cur)
+        if p is not None:
+            stack.extend(i for i in p.input if i)
+    return False
+
+
 def dynamic_inputs(g: Graph, node) -> list[str]:
     """The inputs of ``node`` that carry runtime values (not constants, not computed from shapes alone)."""
     runtime = runtime_values(g)

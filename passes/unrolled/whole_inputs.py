@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from onnx import NodeProto
 
+from rnnfuse.dataflow import reaches
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.row_wise import ROW_RANK, cone, on_every_step, walk_rows
@@ -170,18 +171,7 @@ def _context_row(g: Graph, name: str, x: str, slices: set, limit: int = 64) -> b
     shape, xs = g.model.shape(name), g.model.shape(x)
     if shape is None or xs is None or len(shape) != 2 or shape[0] is None or shape[0] != xs[0]:
         return False
-    seen, todo = set(), [name]
-    while todo:
-        cur = todo.pop()
-        if cur in slices or len(seen) > limit:
-            return False
-        if cur in seen:
-            continue
-        seen.add(cur)
-        p = g.producer.get(cur)
-        if p is not None:
-            todo.extend(i for i in p.input if i)
-    return True
+    return reaches(g, name, slices, limit + 1) is False  # (an ancestry longer than ``limit``: not known to be one)
 
 
 def _before_input_matmul(g: Graph, v: str, ids: set[int]) -> str:

@@ -64,6 +64,19 @@ def check_row_wise(g: Graph, n: NodeProto, rows: dict[str, int], const_of, role:
         if all(rows.get(i) or small(i) for i in ins):
             return rank
         raise Decline(f"{what} of {role} combines a row with a constant spanning rows")
+    if op == "Gather" and rank == 1 and row_ins == [n.input[1]] and attr(n, "axis", 0) == 0:
+        table = const_of(n.input[0])  # an embedding lookup: each row's id picks that row's features
+        if table is not None and np.ndim(table) == 2:
+            return ROW_RANK
+        raise Decline(f"{what} of {role} is not a lookup in a constant table")
+    if op in ("Reshape", "Expand") and row_ins == [n.input[0]] and len(ins) == 2:
+        found = row_shape(g, n.input[1], rows, const_of)  # [rows, *dims]: the rows stay rows
+        if found is not None:
+            dims, _ = found
+            out = 1 + len(dims) if op == "Reshape" else max(rank, 1 + len(dims))
+            if out <= ROW_RANK and (op == "Expand" or all(d > 0 or d == -1 for d in dims)):
+                return out
+        raise Decline(f"{what} of {role} does not keep the rows as rows")
     if reductions and op in REDUCTIONS | {"Squeeze", "Unsqueeze"} and row_ins == [n.input[0]]:
         out = _unit_axis_rank(g, n, rank, const_of)
         if out is not None:
@@ -122,6 +135,38 @@ def _unit_axis_rank(g: Graph, n: NodeProto, rank: int, const_of) -> int | None:
     if op == "Squeeze":
         return 1
     return ROW_RANK if attr(n, "keepdims", 1) else 1
+
+
+def row_shape(g: Graph, shape: str, rows: dict[str, int], const_of) -> tuple[list[int], list[NodeProto]] | None:
+    """``(dims, nodes)`` when the shape tensor ``shape`` is ``[rows, *dims]``: the row count read from a row
+    tensor's own shape (``Gather(Shape(r), [0])`` or ``Slice(Shape(r), 0, 1)``), alone or concatenated with
+    constant dims (how jax2onnx broadcasts a ``[B]`` value to ``[B, 1]``); ``nodes`` compute it, in evaluation
+    order. None for any other shape (a constant one bakes the batch size in)."""
+    p = g.producer.get(shape)
+    parts = list(p.input) if p is not None and p.op_type == "Concat" and attr(p, "axis", 0) == 0 else [shape]
+    nodes = [p] if len(parts) > 1 or parts[0] != shape else []
+    first = g.producer.get(parts[0])
+    src = g.producer.get(first.input[0]) if first is not None and first.input else None
+    if src is None or src.op_type != "Shape" or not rows.get(src.input[0]) or len(src.attribute):
+        return None
+    if first.op_type == "Gather":
+        idx = const_of(first.input[1])
+        if idx is None or np.ndim(idx) != 1 or np.size(idx) != 1 or int(np.ravel(idx)[0]) != 0 or attr(first, "axis", 0):
+            return None
+    elif first.op_type == "Slice":
+        bounds = [const_of(i) if i else None for i in list(first.input[1:4]) + [""] * (4 - len(first.input))]
+        if any(b is None or np.size(b) != 1 for b in bounds[:2]) or int(np.ravel(bounds[0])[0]) != 0 or int(
+                np.ravel(bounds[1])[0]) != 1 or (bounds[2] is not None and int(np.ravel(bounds[2])[0]) != 0):
+            return None
+    else:
+        return None
+    dims: list[int] = []
+    for part in parts[1:]:
+        c = const_of(part)
+        if c is None or np.ndim(c) != 1:
+            return None
+        dims += [int(d) for d in c]
+    return dims, [src, first] + nodes
 
 
 def slice_axes(n: NodeProto, const_of) -> list[int] | None:
@@ -187,7 +232,7 @@ def row_masks(g: Graph, xs: list[str], const_of, x_rank: int = ROW_RANK) -> list
     roots: dict[str, None] = {}
     for n in walked:
         m = n.output[0]
-        if len(n.output) != 1 or g.model.elem_type(m) != TensorProto.BOOL:
+        if len(n.output) != 1 or not _is_bool(g, m, ids):
             continue  # (a mask is made a read of the whole mask in its node's place: the node computes it alone)
         if read_outside(m):
             roots[_mask_root(g, m, ids)] = None
@@ -208,7 +253,8 @@ def walk_rows(g: Graph, xs: list[str], rows: dict[str, int], const_of, role: str
         for c in g.uses(stack.pop()):
             if id(c) in ids:
                 continue
-            others = [i for i in c.input if i and i not in rows and const_of(i) is None]
+            others = [i for i in c.input if i and i not in rows and const_of(i) is None
+                      and not (c.op_type in ("Reshape", "Expand") and i == c.input[1])]  # (its shape: checked below)
             if others and (admit is None or not admit(c, others)):
                 continue  # (a node also reading a value not computed yet is met again from that value)
             try:
@@ -217,6 +263,11 @@ def walk_rows(g: Graph, xs: list[str], rows: dict[str, int], const_of, role: str
             except Decline:
                 continue
             rows.update(dict.fromkeys(others, ROW_RANK))
+            if c.op_type in ("Reshape", "Expand"):  # (the nodes reading its rows' shape go with it)
+                for s in row_shape(g, c.input[1], rows, const_of)[1]:
+                    if id(s) not in ids:
+                        ids.add(id(s))
+                        walked.append(s)
             ids.add(id(c))
             walked.append(c)
             for o in c.output:
@@ -232,7 +283,7 @@ def _unit_rows(g: Graph, walked: list[NodeProto], rows: dict[str, int], const_of
     unit: set[str] = set(unit_xs)
     for n in walked:
         op, o = n.op_type, n.output[0]
-        if rows[o] != ROW_RANK:
+        if rows.get(o) != ROW_RANK:  # (a node reading the rows' shape, walked with its Reshape)
             continue
         if op in REDUCTIONS or op == "Unsqueeze":  # (a row-wise reduction keeping a rank-2 row reduced axis 1)
             unit.add(o)
@@ -241,6 +292,9 @@ def _unit_rows(g: Graph, walked: list[NodeProto], rows: dict[str, int], const_of
             unit.add(o)
         elif (g.model.shape(o) or [None, None])[1:] == [1]:
             unit.add(o)
+        elif op in ("Reshape", "Expand") and (op == "Reshape" or n.input[0] in unit) and (
+                row_shape(g, n.input[1], rows, const_of) or [None])[0] == [1]:
+            unit.add(o)  # (one value a row given its unit axis, as jax2onnx broadcasts a [B] value)
     return unit
 
 
@@ -264,6 +318,17 @@ def body_mask(body: Graph, xs: set[str], const_of, x_rank: int = ROW_RANK) -> Bo
     made = {o for n in nodes for o in n.output} | set(xs)
     consts = {i: np.asarray(const_of(i)) for n in nodes for i in n.input if i and i not in made}
     return BodyMask(out, nodes, rank, consts)
+
+
+def _is_bool(g: Graph, v: str, ids: set[int]) -> bool:
+    """Whether ``v`` is a bool: declared so, or a reshape or broadcast (walked in ``ids``) of one."""
+    for _ in range(6):
+        et = g.model.elem_type(v)
+        p = g.producer.get(v)
+        if et is not None or p is None or id(p) not in ids or p.op_type not in ("Reshape", "Expand", "Identity"):
+            return et == TensorProto.BOOL
+        v = p.input[0]
+    return False
 
 
 def _mask_root(g: Graph, m: str, ids: set[int]) -> str:

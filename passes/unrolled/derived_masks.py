@@ -88,10 +88,14 @@ def derived_masks(g: Graph, fams: dict, data: tuple[str, int], signer: Signer) -
     fam = fams[data]
     sliced = [(data, fam, ROW_RANK)] if g.model.rank(data[0]) == 3 else []
     for key, other in fams.items():
-        if key != data and set(other) == set(fam) and is_row_family(g, key[0]):
+        if key == data or set(other) != set(fam):
+            continue
+        if is_row_family(g, key[0]):
             # a step's [B, 1] slice as taken, or its [B] value (Gather, or a squeezed slice)
             one = g.producer.get(next(iter(other.values())))
             sliced.append((key, other, UNIT_ROWS if one is not None and one.op_type == "Slice" else 1))
+        elif g.model.rank(key[0]) == 3:
+            sliced.append((key, other, ROW_RANK))  # (x_t beside a map of it the chain reads: a mask of x_t)
     out = []
     for (src, axis), steps_of, x_rank in sliced:
         found: dict[int, dict[int, str]] = {}  # signature -> step -> mask

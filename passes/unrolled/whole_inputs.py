@@ -21,14 +21,11 @@ from onnx import NodeProto
 from rnnfuse.dataflow import reaches
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
-from rnnfuse.row_wise import ROW_RANK, cone, on_every_step, walk_rows
+from rnnfuse.input_maps import FLOATS, mapped_input, tile_context
+from rnnfuse.row_wise import on_every_step
 from rnnfuse.signature import Signer
 
 _INTS = (6, 7)  # int32, int64: token ids
-_FLOATS = (1, 10, 11, 16)
-# what lies between a cell's input matmul and where its result meets the state (gate slices, a bias, views)
-_PLUMBING = {"Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten", "Add", "Sub"}
-_WALK_LIMIT = 64  # nodes walked from one step's slice (an input map and a cell's input side are a few)
 
 
 class WholeInputs:
@@ -47,7 +44,7 @@ class WholeInputs:
             et, rank = self.g.model.elem_type(src), self.g.model.rank(src)
             if et in _INTS and rank == 2:
                 got = self._lookups(src, axis, fam)
-            elif et in _FLOATS and rank == 3:
+            elif et in FLOATS and rank == 3:
                 if slices is None:
                     slices = {x for f in fams.values() for x in f.values()}
                 got = self._row_maps(src, axis, fam, signer, slices)
@@ -80,10 +77,10 @@ class WholeInputs:
         g = self.g
         template, steps, sig0 = None, {}, None
         for t, x in fam.items():
-            found = _mapped_input(g, x, slices)
+            found = mapped_input(g, [x], g.const, lambda name, x=x: _context_row(g, name, x, slices))
             if found is None:
                 return None
-            value, nodes, context = found
+            value, nodes, context = found.value, found.nodes, found.context
             ids = {id(n) for n in nodes}
             try:
                 sig = signer.sign(value, {x: "x", **{c: f"context {c}" for c in context}},
@@ -102,10 +99,7 @@ class WholeInputs:
             x, value, nodes, context = template
             b = Builder(g, g.producer.get(x), "rnnfuse/step_input")
             # a context row (one per batch row, the same at every step) repeated for every step's rows
-            shape = b.op("Shape", src)
-            tiled = {c: b.op("Flatten", b.op("Expand", b.unsqueeze(c, [axis]), b.op(
-                "Concat", b.op("Slice", shape, b.i64(0), b.i64(2), b.i64(0)), b.op(
-                    "Slice", b.op("Shape", c), b.i64(1), b.i64(2), b.i64(0)), axis=0)), axis=2) for c in context}
+            tiled = {c: tile_context(b, c, src, axis) for c in context}
             whole = on_every_step(b, nodes, [x], src, value, tiled=tiled)
             node = self.built[key] = g.producer[whole]
             lead = (g.model.shape(src) or [None, None])[:2]
@@ -141,29 +135,6 @@ def _lookup_of(g: Graph, ids: str) -> NodeProto | None:
     return found[0] if table is not None and table.ndim == 2 else None
 
 
-def _mapped_input(g: Graph, x: str, slices: set) -> tuple[str, list[NodeProto], list[str]] | None:
-    """``(f(x), the nodes computing it from x, the context rows it reads)`` when what the step's cell reads of
-    its slice ``x`` is a row-wise map of it other than x itself: the input of the cell's input matmul (where its
-    result, through gate slices and a bias, meets the state), or the value the cell reads directly. A map may
-    read context rows beside x_t (``cat([x_t, z])``, z ``[B, C]``, computed from no step's slice)."""
-    rows = {x: ROW_RANK}
-    walked, ids = walk_rows(g, [x], rows, g.const, "a step input", admit=lambda node, others: (
-        node.op_type == "Concat" and all(_context_row(g, i, x, slices) for i in others)))
-    exits = {v for n in walked for v in n.output if v and any(id(u) not in ids and u.op_type not in ("Shape", "Size")
-                                                             for u in g.uses(v))}
-    exits |= {x} if any(id(u) not in ids and u.op_type not in ("Shape", "Size") for u in g.uses(x)) else set()
-    inputs = {_before_input_matmul(g, v, ids) for v in exits}
-    if len(inputs) != 1:
-        return None
-    value = inputs.pop()
-    if value == x or rows.get(value) != ROW_RANK or g.model.elem_type(value) not in _FLOATS:
-        return None
-    nodes = cone(g, value, ids, walked)
-    read = {i for n in nodes for i in n.input}
-    made = {o for n in walked for o in n.output}
-    return value, nodes, [r for r in rows if r != x and r not in made and r in read]  # (the context rows)
-
-
 def _context_row(g: Graph, name: str, x: str, slices: set, limit: int = 64) -> bool:
     """Whether ``name`` is one row per batch row (``[B, C]`` like x_t ``[B, F]``) computed from no step's slice
     (a latent, a speaker embedding concatenated to every step's input; never a state, which every step after
@@ -172,24 +143,6 @@ def _context_row(g: Graph, name: str, x: str, slices: set, limit: int = 64) -> b
     if shape is None or xs is None or len(shape) != 2 or shape[0] is None or shape[0] != xs[0]:
         return False
     return reaches(g, name, slices, limit + 1) is False  # (an ancestry longer than ``limit``: not known to be one)
-
-
-def _before_input_matmul(g: Graph, v: str, ids: set[int]) -> str:
-    """What the matmul producing ``v`` (through gate slices, a bias, views) multiplies; ``v`` without one."""
-    cur = v
-    for _ in range(8):
-        p = g.producer.get(cur)
-        if p is None or id(p) not in ids:
-            return v
-        if p.op_type in ("MatMul", "Gemm"):
-            return p.input[0]
-        if p.op_type not in _PLUMBING:
-            return v
-        dyn = [i for i in p.input if i and g.const(i) is None]
-        if len(dyn) != 1:
-            return v
-        cur = dyn[0]
-    return v
 
 
 def _no_other_input(name: str) -> str:

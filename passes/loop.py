@@ -30,8 +30,9 @@ from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_state
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
-from rnnfuse.row_wise import BodyMask
+from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
+from .loop_inputs import find_input_map
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
                          find_derived_mask)
@@ -67,6 +68,7 @@ class StepReads:
     lengths: object = None  # a LengthMask: the step mask is t compared with per-row lengths (built by the emitter)
     derived: BodyMask | None = None  # the step mask is computed in the body from what derived_from reads
     x_read_nodes: list = field(default_factory=list)  # the body nodes reading x_t
+    x_rank: int = ROW_RANK  # x_t is [B, F]; 1: one id a row ([B]), which the cell reads through a lookup
     rows: "RowReads | None" = None  # the step's element of a [T, B] tensor that is no bool mask
     derived_from: "RowReads | None" = None  # what the derived mask is computed from: x_t, or rows
 
@@ -137,6 +139,25 @@ def _x_leaf(g: Graph, x_outer: str, x_axis: int, masked: bool):
     return proj, x_atom, SymTensor(Poly.atom(x_atom))
 
 
+def _step_leaf(g: Graph, body: Graph, carried: _Carried, x_outer: str, x_axis: int, x_reads: list[str], x_rank: int,
+               masked: bool, leaves: dict):
+    """``(projection, atom, input map)``: the step input's leaf added to ``leaves``, on x_t itself (its
+    input projection's, if the steps read slices of one) or on the row-wise map of it the cell reads instead
+    (an input MLP, a LayerNorm, an embedding lookup of ids: ``x_rank`` 1), which the native op then reads
+    applied to every step."""
+    input_map = find_input_map(g, body, x_outer, x_axis, x_reads, x_rank, carried.invariants)
+    if input_map is not None:
+        x_atom = StepInput("x", input_map.width)
+        leaves[input_map.value] = SymTensor(Poly.atom(x_atom))
+        return None, x_atom, input_map
+    if x_rank == 1:
+        raise Decline("no per-step input (element i of an invariant tensor) in the body")
+    proj, x_atom, x_value = _x_leaf(g, x_outer, x_axis, masked)
+    for r in x_reads:
+        leaves[r] = x_value
+    return proj, x_atom, None
+
+
 def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> StepReads:
     """The step input and mask: element i of an invariant tensor along its time axis; the loop must run once
     per time step of that tensor."""
@@ -186,13 +207,17 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
             x_outer, x_axis = data, axis
             x_reads.append(n.output[0])
             x_read_nodes.append(n)
+    x_rank = ROW_RANK
+    if x_outer is None and rows is not None:  # one value a row: perhaps ids whose lookup the cell reads
+        x_outer, x_axis, x_rank, x_reads, x_read_nodes = rows.source, 0, 1, sorted(rows.reads), rows.nodes
     if x_outer is None:
         raise Decline("no per-step input (element i of an invariant tensor) in the body")
     if mask_outer is not None and x_axis != 0:
         raise Decline("a batch-first step input with a time-major mask")
-    proj, x_atom, x_value = _x_leaf(g, x_outer, x_axis, mask_outer is not None or lengths is not None)
-    for r in x_reads:
-        leaves[r] = x_value
+    proj, x_atom, input_map = _step_leaf(g, body, carried, x_outer, x_axis, x_reads, x_rank,
+                                         mask_outer is not None or lengths is not None, leaves)
+    if input_map is not None and x_rank == 1:
+        rows = None  # (the ids are the step input)
     if len(reversed_reads) > 1:
         raise Decline("the step input and the mask are read in different orders")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
@@ -204,7 +229,8 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
         mask_outer = LENGTH_MASK
     step_in = StepReads(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis,
                          x_atom, reversed_reads == {True}, mask_outer, set(x_reads), x_outer,
-                         InputPrep(proj.flips) if proj is not None else InputPrep(), lengths, None, x_read_nodes)
+                         InputPrep(proj.flips) if proj is not None else InputPrep(input_map=input_map), lengths, None,
+                         x_read_nodes, x_rank=x_rank)
     step_in.rows = rows
     if rows is not None and (mask_outer is not None or lengths is not None):
         raise Decline(f"the body reads a step of '{rows.source}' ([T, B], not bool) beside its mask")

@@ -75,7 +75,7 @@ def find_derived_mask(g: Graph, body: Graph, step_in: StepReads, invariants: dic
     def const_of(name: str):
         return g.const(invariants[name]) if name in invariants else body.const(name)
 
-    x = RowReads(step_in.x_read_source, step_in.x_reads, step_in.x_read_nodes, ROW_RANK)
+    x = RowReads(step_in.x_read_source, step_in.x_reads, step_in.x_read_nodes, step_in.x_rank)
     for src in ([step_in.rows] if step_in.rows is not None else [x]):
         if not all(n.op_type == "Gather" and attr(n, "axis", 0) == 0 for n in src.nodes):
             continue

@@ -24,10 +24,11 @@ from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_state
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.emit import Builder
-from rnnfuse.row_wise import BodyMask, body_mask, mask_on_every_step
+from rnnfuse.row_wise import ROW_RANK, BodyMask, body_mask, mask_on_every_step
 from rnnfuse.step import StepOut, analyse
 from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, SymTensor, StepInput
 
+from .loop_inputs import find_input_map
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
 
 
@@ -121,8 +122,14 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves
                 raise Decline(f"the scanned input has rank {rank}, not 3")
             x_outer, x_dir, x_axis = outer, in_dirs[j], ax
             x_inner, x_scanned = inner, outer
-            proj = input_projection(g, outer, ax)
-            if proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
+            passed = {body.input_names[k]: scan.input[k] for k in range(n_state) if _passthrough(body, k)}
+            input_map = find_input_map(g, body, outer, ax, [inner], ROW_RANK, passed)
+            proj = input_projection(g, outer, ax) if input_map is None else None
+            if input_map is not None:  # the cell reads a row-wise map of x_t: the op reads it on every step
+                x_atom = StepInput("x", input_map.width)
+                leaves[input_map.value] = SymTensor(Poly.atom(x_atom))
+                x_prep = InputPrep(input_map=input_map)
+            elif proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
                 x_atom, leaves[inner] = projected_leaf(proj)
                 x_outer, x_prep, x_axis = proj.x0, InputPrep(proj.flips), proj.time_axis
             else:

@@ -296,9 +296,12 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
 
 
 def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
-    """``rec.x`` and ``rec.mask`` with what the front end found but did not build (``rec.x_prep``): the time
-    flips of x, then the slice of the steps the recurrence runs over (x and mask alike)."""
+    """``rec.x`` and ``rec.mask`` with what the front end found but did not build (``rec.x_prep``): the map of
+    x's rows the cell reads, the time flips of x, then the slice of the steps the recurrence runs over (x and
+    mask alike)."""
     x, mask = rec.x, rec.mask
+    if rec.x_prep.input_map is not None:  # (row-wise: it commutes with the flips and the slice below)
+        x = rec.x_prep.input_map.build(g, x, rec.anchor)
     for flip in rec.x_prep.flips:
         if flip.op_type == "ReverseSequence":
             flipped = g.add_node("ReverseSequence", [x, flip.input[1]], 1, name="rnnfuse/ReverseSequence", anchor=flip,

@@ -97,6 +97,9 @@ class InputPrep:
     # the step mask is the step number compared with per-row lengths (a hand-written length mask): an object
     # whose ``build(graph, x, time_axis, anchor)`` adds the [T, B] mask ([B, T] for time axis 1) and names it
     lengths: object = None
+    # x is a row-wise map of ``Recurrence.x`` (what a Loop body computes from its step before the cell): an
+    # object whose ``build(graph, x, anchor)`` applies it to every step of x at once and names the result
+    input_map: object = None
 
 
 @dataclass

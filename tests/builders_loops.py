@@ -557,11 +557,13 @@ class LengthOpts:
     out: str = "zero"
     miss: str = ""
     front: str = "loop"  # or "scan" (xmask only: x scanned, the mask computed in the body)
+    pre: bool = False  # the cell reads tanh(x_t * P + Q), P and Q per feature: a map of x_t inside the step
 
     @property
     def name(self) -> str:
         parts = [self.cmp, self.dtype, "unit" if self.unit else "vec", self.keep, self.out]
-        return "-".join(parts + ([self.miss] if self.miss else []) + (["scan"] if self.front == "scan" else []))
+        return "-".join(parts + ([self.miss] if self.miss else []) + (["pre"] if self.pre else [])
+                        + (["scan"] if self.front == "scan" else []))
 
 
 def _valid(o: LengthOpts, t: int, L: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -613,6 +615,12 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
     if o.miss == "input_only":
         bn.append(helper.make_node("Mul", ["xt", "mf"], ["xm"]))
         xt = "xm"
+    if o.pre:
+        P, Q = _pre_map()
+        body_inits += [numpy_helper.from_array(P, "P"), numpy_helper.from_array(Q, "Q")]
+        bn += [helper.make_node("Mul", [xt, "P"], ["xp"]), helper.make_node("Add", ["xp", "Q"], ["xq"]),
+               helper.make_node("Tanh", ["xq"], ["xmap"])]
+        xt = "xmap"
     bn += _tanh_step(xt)
     if o.miss == "input_only":
         bn.append(helper.make_node("Identity", ["hn"], ["hk"]))
@@ -669,13 +677,19 @@ def _xmask_scan(o: LengthOpts, nodes: list, inits: list, bn: list, body_inits: l
                    helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
 
 
+def _pre_map() -> tuple[np.ndarray, np.ndarray]:
+    """P and Q of ``LengthOpts.pre``'s map tanh(x_t * P + Q) (per feature)."""
+    return np.array([0.5, -1.5, 2.0], np.float32), np.array([0.1, 0.0, -0.3], np.float32)
+
+
 def lengths_reference(o: LengthOpts, x: np.ndarray, L: np.ndarray) -> list[np.ndarray]:
     W, R, b = weights()
     h = np.zeros((x.shape[1], H), np.float32)
     ys = []
     for t in range(x.shape[0]):
         m = _valid(o, t, L, x)[:, None]
-        hn = np.tanh(x[t] @ W + h @ R + b).astype(np.float32)
+        xt = np.tanh(x[t] * _pre_map()[0] + _pre_map()[1]) if o.pre else x[t]
+        hn = np.tanh(xt @ W + h @ R + b).astype(np.float32)
         h = np.where(m, hn, h)
         ys.append(np.where(m, hn, 0.0).astype(np.float32) if o.out == "zero" else h)
     return [np.stack(ys), h]
@@ -683,12 +697,14 @@ def lengths_reference(o: LengthOpts, x: np.ndarray, L: np.ndarray) -> list[np.nd
 
 LENGTH_FORMS = [LengthOpts(), LengthOpts("gt", out="carry"), LengthOpts("le1", "int32", unit=True),
                 LengthOpts("lt", keep="where", out="carry"), LengthOpts("gt", "int32", keep="where"),
-                LengthOpts("ge"), LengthOpts("ge", keep="where", out="carry", unit=True)]
+                LengthOpts("ge"), LengthOpts("ge", keep="where", out="carry", unit=True),
+                LengthOpts("lt", keep="where", pre=True)]
 LENGTH_MISSES = [LengthOpts(miss="reset"), LengthOpts(miss="input_only"), LengthOpts(miss="lengths_change")]
 # the mask computed in the step from x_t itself
 XMASK_FORMS = [LengthOpts("xmask", keep="where", out="carry"), LengthOpts("xmask", unit=True),
                LengthOpts("xmask", keep="where", unit=True), LengthOpts("xmask", front="scan"),
-               LengthOpts("xmask", keep="where", out="carry", unit=True, front="scan")]
+               LengthOpts("xmask", keep="where", out="carry", unit=True, front="scan"),
+               LengthOpts("xmask", keep="where", pre=True), LengthOpts("xmask", pre=True, front="scan")]
 XMASK_MISSES = [LengthOpts("xmask", miss="reset"), LengthOpts("xmask", miss="batch_rows", unit=True),
                 LengthOpts("xmask", miss="input_only"), LengthOpts("xmask", miss="reset", front="scan"),
                 LengthOpts("xmask", miss="batch_rows", front="scan")]

@@ -43,6 +43,7 @@ import numpy as np
 FEATURES = 3
 HIDDEN = 4
 TIME = 6
+VOCAB = 11  # token ids of the embedding cases
 DEFAULT_OPSET = 23  # jax2onnx's default
 
 MASK_PATTERNS = {
@@ -174,6 +175,23 @@ CASES = [
     case("eqx_gru_vmap_o17", "eqx", "gru", opset=17),
     case("eqx_gru_vmap_dyn_t", "eqx", "gru", dynamic_time=True),
     case("eqx_gru_vmap_head", "eqx", "gru", head=True, notes="the step returns relu(eqx.nn.Linear(h)): a head on h"),
+    # -- x_t mapped row by row inside the step before the cell: the native op reads the map of the whole sequence
+    case("hand_gru_input_mlp", "hand", "gru", prep="mlp", notes="the step's cell reads relu(x_t @ Wi + bi)"),
+    case("hand_lstm_input_affine_o17", "hand", "lstm", prep="affine", opset=17, notes="tanh(x_t * s + t) per feature"),
+    case("hand_rnn_context_concat", "hand", "rnn_relu", prep="context",
+         notes="concat([x_t, z]) @ P, z [B, 2] a graph input the loop carries unchanged"),
+    case("hand_gru_input_mlp_masked", "hand", "gru", prep="mlp", mask=True),
+    case("hand_lstm_input_layernorm", "hand", "lstm", prep="layernorm",
+         notes="LayerNorm written out in the step (jax2onnx broadcasts each row's statistics with Reshape/Expand)"),
+    case("hand_gru_embed", "hand", "gru", prep="embed", notes="scan over token ids: the step looks up E[t_t]"),
+    case("hand_lstm_embed_token_mask_o17", "hand", "lstm", prep="embed", mask=True, opset=17,
+         notes="the step's mask is t_t != 0 (id 0 pads), computed in the body from the same ids"),
+    case("hand_lstm_input_mlp_xmask", "hand", "lstm", prep="mlp", mask=True, xmask=True,
+         notes="the mask jnp.any(x_t != 0) and the input map both read x_t"),
+    case("near_hand_gru_batch_centred", "hand", "gru", prep="batch_centred", declined="unsupported op ReduceSum",
+         notes="x_t minus the batch's mean: the map mixes the rows"),
+    case("near_hand_rnn_state_gated_input", "hand", "rnn_relu", prep="state_gated", declined="unsupported op ReduceSum",
+         notes="x_t * sigmoid(sum(h)): the input depends on the state"),
     # -- the per-step c read at one step per row (flax's carry at seq_lengths - 1): a twin op's Y_c
     case("hand_lstm_c_at_steps", "hand", "lstm", seq_lengths=True, pick="rows",
          notes="returns (hs, cs[lengths - 1, arange(B)]) of a hand-written LSTM step under lax.scan"),
@@ -407,6 +425,28 @@ def build_hand(env: Env, c: Case, seed: int):
         raise ValueError(kind)
     lstm = kind in ("lstm", "lstm_head", "lstm_head_c")
     specs = [("x", ("B", TIME, F), "float32")]
+    prep = c.opts.get("prep")  # what the step does to x_t before its cell (a row-wise map, or a near miss)
+    if prep:
+        Wi, bi, scale, shift, P = _weights(rng, (F, F), (F,), (F,), (F,), (F + 2, F))
+        if prep == "context":  # a context row per example (a latent) concatenated to every step's input
+            specs.append(("z", ("B", 2), "float32"))
+        base = cell
+
+        def cell(carry, xt, z=None):
+            if prep == "mlp":
+                xt = jax.nn.relu(xt @ Wi + bi)
+            elif prep == "affine":
+                xt = tanh(xt * scale + shift)
+            elif prep == "context":
+                xt = jnp.concatenate([xt, z], -1) @ P
+            elif prep == "layernorm":  # written out: mean and variance over the features
+                mu = xt.mean(-1, keepdims=True)
+                xt = (xt - mu) / jnp.sqrt(((xt - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * scale + shift
+            elif prep == "batch_centred":  # near miss: every row minus the batch's mean mixes the rows
+                xt = xt - xt.mean(0, keepdims=True)
+            elif prep == "state_gated":  # near miss: the input scaled by the state is no map of x_t
+                xt = xt * sig(jnp.sum(carry[1] if lstm else carry, -1, keepdims=True))
+            return base(carry, xt)
 
     if kind == "rnn_next":
         def fn(x):
@@ -432,6 +472,24 @@ def build_hand(env: Env, c: Case, seed: int):
         if kind == "rnn_decay":
             return (z, jnp.asarray(Wh))
         return z
+
+    if prep == "embed":  # the step looks its token up: E[tokens[:, t]] (id 0 pads when masked)
+        table = _weights(rng, (VOCAB, F))[0]
+        specs = [("tokens", ("B", TIME), "int32")]
+
+        def fn(tokens):
+            def step(carry, tt):
+                new, y = cell(carry, jnp.asarray(table)[tt])
+                if c.masked:
+                    keep = (tt != 0)[:, None]
+                    new = jax.tree_util.tree_map(lambda a, b: jnp.where(keep, a, b), new, carry)
+                    y = jnp.where(keep, y, 0.0)
+                return new, y
+
+            _, ys = jax.lax.scan(step, init(tokens.shape[0]), jnp.swapaxes(tokens, 0, 1))
+            return jnp.swapaxes(ys, 0, 1)
+
+        return fn, specs
 
     if c.masked:
         xmask = c.opts.get("xmask")  # no mask input: the step decides from x_t (padding: every feature 0)
@@ -488,8 +546,9 @@ def build_hand(env: Env, c: Case, seed: int):
 
         return fn, specs
 
-    def fn(x):
-        last, ys = jax.lax.scan(cell, init(x.shape[0]), jnp.swapaxes(x, 0, 1))
+    def fn(x, z=None):
+        step = cell if z is None else (lambda carry, xt: cell(carry, xt, z))
+        last, ys = jax.lax.scan(step, init(x.shape[0]), jnp.swapaxes(x, 0, 1))
         h = last[1] if lstm else last[0] if kind == "rnn_decay" else last
         ys = jax.tree_util.tree_map(lambda y: jnp.swapaxes(y, 0, 1), ys)
         return (*ys, h) if isinstance(ys, tuple) else (ys, h)
@@ -599,6 +658,11 @@ def input_sets(c: Case, specs, rng: np.random.Generator) -> dict[str, dict[str, 
                 feeds[name] = keep.astype(dtype)
             elif name == "lengths":
                 feeds[name] = lengths
+            elif name == "tokens":
+                ids = rng.integers(1, VOCAB, (batch, steps)).astype(np.int32)
+                if c.masked:
+                    ids[~keep] = 0
+                feeds[name] = ids
             else:
                 feeds[name] = rng.standard_normal((batch,) + tuple(shape[1:])).astype(np.float32)
         sets[set_name] = feeds

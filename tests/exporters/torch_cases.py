@@ -212,6 +212,12 @@ CASES = [
         "prim::ListConstruct, got onnx::Constant'), and calling torch.gru_cell directly gives "
         "'Exporting the operator aten::gru_cell to ONNX opset version 17 is not supported'; so the loop "
         "uses the GRUCell's parameters in PyTorch's GRU formula")),
+    # ... the cell reads a map of its step, applied once to the whole sequence by the fused model
+    script("lstmcell_script_input_mlp", "lstm", inputs="mlp", notes="relu(Linear(x[t])) before the cell"),
+    script("lstmcell_script_input_layernorm", "lstm", inputs="norm", notes="LayerNorm(x[t]) before the cell"),
+    script("lstmcell_script_embed_per_step", "lstm", inputs="embed", notes="E(tokens[t]): tokens [T, B] int64"),
+    script("lstmcell_script_context_concat", "lstm", inputs="context",
+           notes="cat([x[t], z]): z a graph input the body reads from the outer scope"),
     script("lstmcell_script_bf", "lstm", **BF, notes="x[:, t] is Slice(x, 0:INT_MAX) + Gather(axis=1) in the body"),
     script("gru_hand_script_bf", "gru_hand", **BF),
     script("lstmcell_script_rev_bf", "lstm", reverse=True, **BF),
@@ -478,6 +484,8 @@ def steps_module(c: Case):
                     outs.append(torch.where(v, h_new, torch.zeros_like(h_new)))
                     continue
                 if o.get("xmask"):  # a step is padding where all its features are 0, decided per step
+                    if o.get("xmask_of") == "x":  # (decided from the slice itself, the cell reading a map of it)
+                        u = x[:, t] if c.batch_first else x[t]
                     if o["xmask"] == "abs_sum":
                         v = u.abs().sum(-1, keepdim=True) > 0
                     elif o["xmask"] == "batch":  # (near miss: one row's padding stops every row)
@@ -600,6 +608,10 @@ CASES += [
     steps("rnncell_tanh_trace_xmask_float", "rnn_tanh", xmask="float"),
     steps("lstmcell_trace_xmask_float_bf", "lstm", xmask="float", batch_first=True),
     steps("grucell_dynamo_xmask_where", "gru", exporter="dynamo", time=6, xmask="where"),
+    # ... the mask decided from x_t while the cell reads a map of x_t (both read the slice)
+    steps("grucell_trace_input_mlp_xmask", "gru", inputs="mlp", xmask="where", xmask_of="x"),
+    steps("lstmcell_dynamo_input_layernorm_xmask_float_bf", "lstm", exporter="dynamo", inputs="norm", xmask="float",
+          xmask_of="x", batch_first=True),
     steps("grucell_trace_xmask_reset", "gru", xmask="reset", near_miss=True),
     steps("lstmcell_dynamo_xmask_batch", "lstm", exporter="dynamo", time=6, xmask="batch", near_miss=True),
     steps("grucell_trace_xmask_per_feature", "gru", xmask="per_feature", near_miss=True, hidden=FEATURES),
@@ -664,6 +676,8 @@ def expectation(c: Case) -> dict:
         exp["attrs"] = {op: attrs}
     if c.model == "steps":
         return steps_expectation(c, exp)
+    if c.model == "script" and o.get("inputs"):
+        exp["max_cell_ops"] = 2  # (the step input's map, applied once to the whole sequence: a Gemm and a Relu)
     return exp
 
 
@@ -756,7 +770,9 @@ def input_specs(c: Case) -> list[tuple[str, tuple]]:
     if c.model == "steps":
         return steps_input_specs(c)
     x = ("B", "T", c.features) if c.batch_first else ("T", "B", c.features)
-    specs = [("x", x)]
+    specs = [("tokens", x[:2]) if c.opts.get("inputs") == "embed" else ("x", x)]
+    if c.opts.get("inputs") == "context":
+        specs.append(("z", ("B", CONTEXT)))
     if c.opts.get("init") in ("given", "linear"):
         names = ("h0", "c0") if c.family == "lstm" else ("h0",)
         if c.model == "nn":
@@ -973,6 +989,42 @@ def torch_modules():
                     outs.append(h)
             return torch.stack(outs, dim=tdim)
 
+    class ScriptPrepLoop(nn.Module):
+        """Scripted loop over an nn.LSTMCell reading a map of its step (an input MLP, a LayerNorm, an
+        embedding lookup of token ids ``[T, B]``) instead of x[t]."""
+
+        def __init__(self, features, hidden, inputs):
+            super().__init__()
+            self.cell, self.hidden = nn.LSTMCell(features, hidden), hidden
+            self.prep = {"mlp": lambda: nn.Sequential(nn.Linear(features, features), nn.ReLU()),
+                         "norm": lambda: nn.LayerNorm(features),
+                         "embed": lambda: nn.Embedding(VOCAB, features)}[inputs]()
+
+        def forward(self, x):
+            h = torch.zeros(x.size(1), self.hidden)
+            c = torch.zeros(x.size(1), self.hidden)
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                h, c = self.cell(self.prep(x[t]), (h, c))
+                outs.append(h)
+            return torch.stack(outs, dim=0)
+
+    class ScriptContextLoop(nn.Module):
+        """Scripted loop over an nn.LSTMCell reading cat([x[t], z]): z [B, C] is captured by the loop body."""
+
+        def __init__(self, features, hidden):
+            super().__init__()
+            self.cell, self.hidden = nn.LSTMCell(features + CONTEXT, hidden), hidden
+
+        def forward(self, x, z):
+            h = torch.zeros(x.size(1), self.hidden)
+            c = torch.zeros(x.size(1), self.hidden)
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                h, c = self.cell(torch.cat([x[t], z], 1), (h, c))
+                outs.append(h)
+            return torch.stack(outs, dim=0)
+
     class ScriptHLoop(nn.Module):
         """Scripted loop over a single-state hand-written cell (GRUHand / RNNHand)."""
 
@@ -991,7 +1043,7 @@ def torch_modules():
             return torch.stack(outs, dim=tdim)
 
     _nn_classes.update(CellLoop=CellLoop, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
-                       ScriptHLoop=ScriptHLoop)
+                       ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop)
     return _nn_classes
 
 
@@ -1006,6 +1058,11 @@ def build_module(c: Case):
     if c.model == "steps":
         return steps_module(c)
     if c.model == "script":
+        inputs = o.pop("inputs", None)
+        if inputs == "context":
+            return m["ScriptContextLoop"](c.features, c.hidden)
+        if inputs:
+            return m["ScriptPrepLoop"](c.features, c.hidden, inputs)
         if cell == "lstm":
             return m["ScriptLSTMLoop"](c.features, c.hidden, **o)
         return m["ScriptHLoop"](cell, c.features, c.hidden, **o)

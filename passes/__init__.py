@@ -12,6 +12,7 @@ def default_passes() -> list:
     from .concat_slices import MergeConsecutiveSlices
     from .flips import CancelFlips
     from .loop import FuseLoops
+    from .row_writes import AssembleRowWrites
     from .scan import FuseScans
     from .step_chains import MergeStepChains
     from .unrolled import FuseChains
@@ -24,6 +25,7 @@ def default_passes() -> list:
         FuseScans(),
         FuseChains(),  # after the loops: a chain may read a fused layer's output (a stack)
         MergeStepChains(),  # a layer called once per step (decoders): the per-step native ops become one
+        AssembleRowWrites(),  # outputs written into a preallocated buffer row by row (outs[t] = h): Y itself
         ReverseInputs(),  # native ops (fused or exported) reading a time-reversed input run in reverse instead
         Dedupe(),  # the forward and reverse halves of a layer now read one X and one sequence_lens ...
         MergeBidirectional(),  # ... which is what pairing them into one bidirectional op needs

@@ -143,6 +143,11 @@ CASES = [
     loop("rnncell_tanh_trace", "rnn_tanh"),
     loop("rnncell_relu_trace", "rnn_relu"),
     loop("lstmcell_trace_bf", "lstm", **BF),
+    # -- outputs written into a preallocated buffer, outs[t] = h: a chain of T scatters, one per step
+    loop("grucell_trace_output_buffer", "gru", collect="buffer"),
+    loop("lstmcell_dynamo_output_buffer", "lstm", exporter="dynamo", collect="buffer"),
+    loop("rnncell_tanh_dynamo_output_buffer_bf", "rnn_tanh", exporter="dynamo", collect="buffer", **BF),
+    loop("grucell_trace_static_output_buffer", "gru", collect="buffer", dynamic_batch=False),
     loop("grucell_trace_bf", "gru", **BF),
     loop("lstmcell_trace_rev", "lstm", **REV),
     loop("grucell_trace_rev", "gru", **REV),
@@ -676,6 +681,8 @@ def expectation(c: Case) -> dict:
         exp["attrs"] = {op: attrs}
     if c.model == "steps":
         return steps_expectation(c, exp)
+    if o.get("collect") == "buffer":  # the buffer's row writes go with the steps: the buffer is Y
+        exp["absent"] = list(ABSENT) + ["ScatterND", "ScatterElements"]
     if c.model == "script" and o.get("inputs"):
         exp["max_cell_ops"] = 2  # (the step input's map, applied once to the whole sequence: a Gemm and a Relu)
     return exp
@@ -898,10 +905,11 @@ def torch_modules():
         """A Python loop over one cell (or two for a hand-made bidirectional); unrolled by trace / dynamo."""
 
         def __init__(self, cell, features, hidden, bias=True, batch_first=False, reverse=False, order="time",
-                     init="zeros", ret="seq", bidir=False):
+                     init="zeros", ret="seq", bidir=False, collect="stack"):
             super().__init__()
             self.lstm = cell.startswith("lstm")
             self.hidden, self.batch_first, self.init, self.ret = hidden, batch_first, init, ret
+            self.collect = collect  # "buffer": outs = zeros(T, B, H); outs[t] = h (outs[:, t] batch-first)
             self.dirs = [False, True] if bidir else [reverse]
             self.order = order
             self.cells = nn.ModuleList([make_cell(cell, features, hidden, bias) for _ in self.dirs])
@@ -916,6 +924,15 @@ def torch_modules():
                 outs.append(state[0] if self.lstm else state)
             if reverse and self.order == "time":
                 outs.reverse()
+            if self.collect == "buffer":  # a preallocated output written step by step
+                shape = (x.shape[0], steps, self.hidden) if self.batch_first else (steps, x.shape[1], self.hidden)
+                buf = torch.zeros(shape, dtype=x.dtype)
+                for t, h in enumerate(outs):
+                    if self.batch_first:
+                        buf[:, t] = h
+                    else:
+                        buf[t] = h
+                return buf, state
             return torch.stack(outs, dim=1 if self.batch_first else 0), state
 
         def forward(self, x, h0=None, c0=None):

@@ -3,7 +3,8 @@
 A body qualifies when every part of it is accounted for:
 
 * carried values are the cell's states, copies of its output (Keras' "previous output" for masking),
-  pass-through values (weights, bounds) or iteration counters;
+  pass-through values (weights, bounds), iteration counters, or output buffers written at the iteration's row
+  (``outs[t] = h``, :mod:`.loop_buffers`);
 * the step input is ``Gather(X, i)`` of an outer ``[T, B, F]`` tensor by the iteration index, the mask
   likewise from an outer bool ``[T, B(, 1)]`` tensor;
 * the loop provably runs once per time step of X (trip count and condition are T, read symbolically);
@@ -32,6 +33,7 @@ from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
+from .loop_buffers import row_write
 from .loop_inputs import find_input_map
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
@@ -50,6 +52,7 @@ class _Carried:
     invariants: dict[str, str]  # body input -> outer init: values passed through unchanged
     recurrent: list[int]  # the cell's states (and carried copies of its output)
     seqs: list[int]  # carried sequences (TorchScript SequenceInsert outputs)
+    buffers: dict[int, str] = field(default_factory=dict)  # carried buffers written at row i -> the value written
 
 
 @dataclass
@@ -118,6 +121,10 @@ def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
         prod = g.producer.get(init) if init else None
         if prod is not None and prod.op_type == "SequenceEmpty":
             out.seqs.append(k)
+            continue
+        written = row_write(body, bi, bo, set(out.index_syms))
+        if written is not None:  # outs[i] = y: the per-step values stacked (see loop_buffers)
+            out.buffers[k] = written
             continue
         if et is not None and et not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16):
             raise Decline(f"carried value '{bi}' of type {TensorProto.DataType.Name(et)} is not a counter")
@@ -267,6 +274,8 @@ def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leav
     leaves[bin_[1]] = Opaque("the loop condition is used in the cell maths")
     for k in carried.seqs:
         leaves[bin_[2 + k]] = Opaque("a sequence is read inside the step")
+    for k in carried.buffers:
+        leaves[bin_[2 + k]] = Opaque("an output buffer is read inside the step")
     return states
 
 
@@ -295,6 +304,14 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
             last_of.setdefault(li, []).append((poly, outer, last))
             continue
         outs_of[li].append(StepOut(poly, outer))
+    for k, value in carried.buffers.items():  # the buffer after the loop: the written values, time-major
+        outer = loop.output[k] if k < len(loop.output) else ""
+        if outer and g.n_uses(outer):
+            found = state_output(layers, value, state_keys)
+            if found is None:
+                heads.append(HeadCandidate(value, outer))
+            else:
+                outs_of[found[0]].append(StepOut(found[1], outer))
     extra_remove: list[NodeProto] = []
     for k in carried.seqs:
         li, out = _sequence_output(g, body, loop, k, layers, extra_remove, state_keys)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto
 
+from rnnfuse.dataflow import reads_shape_only
 from rnnfuse.dims import static_dim
 from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.graph import Graph, Model, attr
@@ -89,20 +90,12 @@ def _chain(g: Graph, end: NodeProto) -> list[NodeProto] | None:
         p = g.producer.get(chain[-1].input[0])
         if p is None or p.op_type != end.op_type or attr(p, "axis", 0) != attr(end, "axis", 0):
             break
-        if any(u is not chain[-1] and not _reads_shape_only(g, u) for u in g.uses(p.output[0])):
+        if any(u is not chain[-1] and not reads_shape_only(g, u) for u in g.uses(p.output[0])):
             break
         if g.is_graph_output(p.output[0]):
             break
         chain.append(p)
     return chain[::-1] if len(chain) > 1 else None
-
-
-def _reads_shape_only(g: Graph, u: NodeProto) -> bool:
-    """Whether ``u`` reads only the shape of its input: Shape, or Gather(x, constant) read by Shape only."""
-    if u.op_type == "Shape":
-        return True
-    return (u.op_type == "Gather" and g.const(u.input[1]) is not None and not g.is_graph_output(u.output[0])
-            and all(v.op_type == "Shape" for v in g.uses(u.output[0])))
 
 
 def _assembled(g: Graph, chain: list[NodeProto]) -> tuple[str, int, int] | None:
@@ -177,7 +170,7 @@ class AssembleRowWrites:
                 continue
             buf = chain[0].input[0]
             for s in chain[:-1]:  # (a scatter keeps its data's shape: the first buffer's)
-                g.replace_reads([u for u in g.uses(s.output[0]) if _reads_shape_only(g, u)], s.output[0], buf)
+                g.replace_reads([u for u in g.uses(s.output[0]) if reads_shape_only(g, u)], s.output[0], buf)
             res.modified = True
         if res.modified:
             g.prune()

@@ -256,3 +256,12 @@ def dynamic_inputs(g: Graph, node) -> list[str]:
     """The inputs of ``node`` that carry runtime values (not constants, not computed from shapes alone)."""
     runtime = runtime_values(g)
     return [i for i in node.input[:] if i and (i in runtime or (g.const(i) is None and not shape_derived(g, i)))]
+
+
+def reads_shape_only(g: Graph, reader) -> bool:
+    """Whether the node ``reader`` takes nothing of its input but the shape: ``Shape``, or a ``Gather`` of one
+    row read only by ``Shape`` nodes (torch's exporters size a buffer's row update from ``Shape(buf[t])``)."""
+    if reader.op_type == "Shape":
+        return True
+    return (reader.op_type == "Gather" and not g.is_graph_output(reader.output[0])
+            and all(v.op_type == "Shape" for v in g.uses(reader.output[0])))

@@ -773,3 +773,50 @@ def build_transposed(o: TransposedOpts) -> onnx.ModelProto:
 
 TRANSPOSED_FORMS = [TransposedOpts(op) for op in ("matmul", "gemm", "gemm_ta")]
 TRANSPOSED_MISSES = [TransposedOpts(miss="mix_rows")]
+
+
+# --------------------------------------------------------------------------- outputs written into a buffer
+
+
+def build_buffer_loop(miss: str = "") -> onnx.ModelProto:
+    """A Loop over the tanh RNN step that writes each step's h into a carried buffer ``outs`` (zeros [T, B, H])
+    at its iteration's row, as TorchScript writes ``outs[t] = h``: ``ScatterND(outs, [[i]], Unsqueeze(h))``.
+    Near misses (``miss``): ``reads_previous`` the step adds 0.5 * outs[i - 1] to its input's projection (the
+    buffer read for its values); ``row_shifted`` the write goes to row i + 1 (the last value falls off)."""
+    W, R, b = weights()
+    inits = [numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R"), numpy_helper.from_array(b, "b"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero"), numpy_helper.from_array(np.array(True), "true"),
+             numpy_helper.from_array(np.array([0], np.int64), "i0"), numpy_helper.from_array(np.array([1], np.int64), "i1"),
+             numpy_helper.from_array(np.array([H], np.int64), "iH")]
+    nodes = _x_sizes() + _zero_state() + [helper.make_node("Concat", ["T1", "B1", "iH"], ["bshape"], axis=0),
+                                          helper.make_node("Expand", ["zero", "bshape"], ["outs0"])]
+    body_inits = [numpy_helper.from_array(np.array([0, 1], np.int64), "ax01"),
+                  numpy_helper.from_array(np.array(1, np.int64), "one"),
+                  numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+    bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)]
+    if miss == "reads_previous":  # outs[i - 1] (row -1 at the first step: the buffer's last row, zeros then)
+        bn += [helper.make_node("Sub", ["it", "one"], ["prev"]), helper.make_node("Gather", ["outs", "prev"], ["op"], axis=0),
+               helper.make_node("Mul", ["op", "half"], ["oph"])]
+    bn += _tanh_step()
+    h_new = "hn"
+    if miss == "reads_previous":
+        bn.append(helper.make_node("Add", ["hn", "oph"], ["hnp"]))
+        h_new = "hnp"
+    row = "it"
+    if miss == "row_shifted":
+        bn.append(helper.make_node("Add", ["it", "one"], ["it1"]))
+        row = "it1"
+    bn += [helper.make_node("Unsqueeze", [row, "ax01"], ["idx"]),
+           helper.make_node("Unsqueeze", [h_new, "i0"], ["hrow"]),
+           helper.make_node("ScatterND", ["outs", "idx", "hrow"], ["outs_next"]),
+           helper.make_node("Identity", ["cond"], ["cond_out"])]
+    body = helper.make_graph(
+        bn, "body", _loop_counters() + [helper.make_tensor_value_info("h", TensorProto.FLOAT, [None, H]),
+                                        helper.make_tensor_value_info("outs", TensorProto.FLOAT, [None, None, H])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info(h_new, TensorProto.FLOAT, [None, H]),
+         helper.make_tensor_value_info("outs_next", TensorProto.FLOAT, [None, None, H])], body_inits)
+    nodes.append(helper.make_node("Loop", ["T", "true", "h0", "outs0"], ["h_last", "ys"], body=body))
+    return _model(nodes, "buffer_loop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                  [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
+                   helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)

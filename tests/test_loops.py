@@ -28,6 +28,7 @@ from builders_loops import (
     TransposedOpts,
     all_variants,
     build,
+    build_buffer_loop,
     build_head,
     build_lengths,
     build_stack,
@@ -293,3 +294,23 @@ def test_dense_before_a_masked_loop_is_its_input(op):
     want, got = session(model).run(None, feeds), session(fused).run(None, feeds)
     for a, b in zip(got, want):
         assert_close(a, b, "fused vs original")
+
+
+def test_outputs_written_into_a_carried_buffer_fused():
+    """``outs[t] = h`` in the loop (a carried buffer, one ScatterND at the iteration's row a step): the buffer
+    after the loop is the native op's Y; any T and batch."""
+    model = build_buffer_loop()
+    fused, report = _fused_once(model, Loop=0, ScatterND=0, RNN=1)
+    rng = np.random.default_rng(7)
+    runs = []
+    for T_, B_ in ((1, 1), (5, 3), (8, 2)):
+        x = rng.standard_normal((T_, B_, 3)).astype(np.float32)
+        runs.append(({"x": x}, reference(LoopOpts(), x)))
+    _same_outputs("buffer", model, fused, runs)
+
+
+@pytest.mark.parametrize("miss,reason", [("reads_previous", "the iteration number is used"),
+                                         ("row_shifted", "")])
+def test_buffer_near_misses_declined(miss, reason):
+    """A buffer the step reads for its values, or written a row off: no per-step output of a native op."""
+    _declined(build_buffer_loop(miss), reason)

@@ -1,0 +1,64 @@
+"""A Loop that collects its per-step outputs in a carried buffer: ``outs[t] = h`` in a TorchScript loop.
+
+The buffer is a loop-carried tensor the body writes at its iteration's row (``ScatterND(buf, [[i]], row)``,
+the row ``h`` put in the buffer's row shape by ``Reshape(Expand(h, ...))`` or ``Unsqueeze``) and reads for
+nothing but its shape. After a loop that runs once per step of x, a buffer with one row per step holds the
+per-step values stacked time-major, which is what a native op's Y is: the buffer is one more per-step output
+of the step (validation checks the buffer's shape and values against the rewrite). Anything else the body
+does with the buffer leaves it a recurrent value the cell maths cannot read, and the loop is declined.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from rnnfuse.dataflow import reads_shape_only
+from rnnfuse.graph import Graph, attr
+
+_VIEWS = ("Reshape", "Expand", "Unsqueeze", "Identity")  # (what puts a step's value in the buffer's row shape)
+
+
+def row_write(body: Graph, buf_in: str, buf_out: str, iteration: set[str]) -> str | None:
+    """The value the body writes into the carried buffer ``buf_in`` at the iteration's row (the body tensor
+    under the views that shape it as a row), when ``buf_out`` is that write and the body reads ``buf_in`` for
+    nothing else than its shape; else None. ``iteration``: the body tensors that are the iteration number."""
+    s = body.producer.get(buf_out)
+    if s is None or s.op_type != "ScatterND" or s.input[0] != buf_in or attr(s, "reduction", "none") not in (
+            "none", b"none"):
+        return None
+    if not _index_is(body, s.input[1], iteration):
+        return None
+    if any(u is not s and not reads_shape_only(body, u) for u in body.uses(buf_in)):
+        return None
+    value = s.input[2]
+    for _ in range(6):
+        p = body.producer.get(value)
+        if p is None or p.op_type not in _VIEWS:
+            break
+        value = p.input[0]
+    return value
+
+
+def _index_is(body: Graph, idx: str, iteration: set[str]) -> bool:
+    """Whether ``idx`` is ``[[i]]`` for the iteration number i: i with two unit axes added (by Unsqueeze, or a
+    Reshape to [1, 1]), through casts."""
+    added, cur = 0, idx
+    for _ in range(6):
+        if cur in iteration:
+            return added == 2
+        p = body.producer.get(cur)
+        if p is None:
+            return False
+        if p.op_type == "Unsqueeze":
+            axes = body.const(p.input[1]) if len(p.input) > 1 else np.asarray(attr(p, "axes", []))
+            if axes is None:
+                return False
+            added += np.size(axes)
+        elif p.op_type == "Reshape":
+            shape = body.const(p.input[1])
+            if shape is None or [int(d) for d in np.ravel(shape)] != [1, 1]:
+                return False
+            added = 2
+        elif p.op_type not in ("Cast", "Identity"):
+            return False
+        cur = p.input[0]
+    return False

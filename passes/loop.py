@@ -33,7 +33,7 @@ from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
-from .loop_buffers import row_write
+from .loop_buffers import check_buffer_length, row_write
 from .loop_inputs import find_input_map
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
@@ -90,6 +90,8 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
     if heads:
         add_heads(body, layers, recs, cell_states, heads, state_out, step_in, carried.invariants,
                   set(carried.index_syms))
+    for k in carried.buffers:
+        check_buffer_length(g, loop.input[2 + k], step_in.x_read_source, step_in.x_axis)
     if step_in.lengths is not None:
         attach_length_mask(g, recs, step_in)
     if step_in.derived is not None:

@@ -4,14 +4,17 @@ The buffer is a loop-carried tensor the body writes at its iteration's row (``Sc
 the row ``h`` put in the buffer's row shape by ``Reshape(Expand(h, ...))`` or ``Unsqueeze``) and reads for
 nothing but its shape. After a loop that runs once per step of x, a buffer with one row per step holds the
 per-step values stacked time-major, which is what a native op's Y is: the buffer is one more per-step output
-of the step (validation checks the buffer's shape and values against the rewrite). Anything else the body
-does with the buffer leaves it a recurrent value the cell maths cannot read, and the loop is declined.
+of the step. Its length must be provably x's time length (``zeros(x.size(0), B, H)``: read from how the fill
+is shaped, :func:`rnnfuse.dims.extent_key`); anything else the body does with the buffer leaves it a
+recurrent value the cell maths cannot read, and the loop is declined.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from rnnfuse.dataflow import reads_shape_only
+from rnnfuse.dims import extent_key, root_dim, time_dim_key
+from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 
 _VIEWS = ("Reshape", "Expand", "Unsqueeze", "Identity")  # (what puts a step's value in the buffer's row shape)
@@ -62,3 +65,10 @@ def _index_is(body: Graph, idx: str, iteration: set[str]) -> bool:
             return False
         cur = p.input[0]
     return False
+
+
+def check_buffer_length(g: Graph, init: str, x: str, time_axis: int) -> None:
+    """Decline unless the buffer ``init`` has one row per time step of ``x`` (a loop over T steps fills T rows:
+    a longer buffer keeps rows no native output holds, and a fixed length need not be T for every input)."""
+    if extent_key(g, init, 0) not in {time_dim_key(g, x, time_axis), ("dim",) + root_dim(g, x, time_axis)}:
+        raise Decline("an output buffer whose length is not the number of time steps")

@@ -167,6 +167,10 @@ def extent_key(g: Graph, name: str, axis: int, depth: int = 0):
         if axis == 0 and start is not None and delta is not None and int(start) == 0 and int(delta) == 1:
             return _static(g, dim_key(g, p.input[1]))
         return None
+    if op == "ConstantOfShape":
+        return _filled_extent(g, p.input[0], axis)
+    if op == "Expand" and g.const(p.input[0]) is not None and np.size(g.const(p.input[0])) == 1:
+        return _filled_extent(g, p.input[1], axis)  # (one value expanded: the shape's extents)
     if op in _BROADCASTING:
         rank = g.model.rank(name)
         keys = set()
@@ -181,6 +185,23 @@ def extent_key(g: Graph, name: str, axis: int, depth: int = 0):
         keys.discard(("const", 1))
         return keys.pop() if len(keys) == 1 else (("const", 1) if not keys else None)
     return _static(g, ("dim",) + root_dim(g, name, axis))
+
+
+def _filled_extent(g: Graph, shape: str, axis: int):
+    """The key of element ``axis`` of the shape a fill is made with (``zeros(x.size(0), B, H)``: a Concat of
+    one-element pieces), or None."""
+    p = g.producer.get(shape)
+    parts = list(p.input) if p is not None and p.op_type == "Concat" else [shape]
+    at = 0
+    for part in parts:
+        c = g.const(part)
+        size = np.size(c) if c is not None else (1 if dim_key(g, part) is not None else None)
+        if size is None:
+            return None
+        if at <= axis < at + size:
+            return ("const", int(np.ravel(c)[axis - at])) if c is not None else _static(g, dim_key(g, part))
+        at += size
+    return None
 
 
 def _static(g: Graph, key):

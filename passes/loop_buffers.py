@@ -12,6 +12,7 @@ recurrent value the cell maths cannot read, and the loop is declined.
 from __future__ import annotations
 
 import numpy as np
+
 from rnnfuse.dataflow import reads_shape_only
 from rnnfuse.dims import extent_key, root_dim, time_dim_key
 from rnnfuse.errors import Decline

@@ -109,7 +109,6 @@ def _width(g: Graph, source: str, reads: set[str], x_rank: int, found, outer: di
     return int(value.shape[-1]) if value is not None and value.ndim == 2 else None
 
 
-
 _FOLD_DEPTH = 12  # producers folded back from one value (a bias broadcast to the batch is a few views)
 
 

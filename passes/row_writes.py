@@ -117,16 +117,12 @@ def _assembled(g: Graph, chain: list[NodeProto]) -> tuple[str, int, int] | None:
         last[t + length if t < 0 else t] = value  # (a row written twice holds its last write)
     if set(last) != set(range(length)):
         return None
-    sources = {_row_source(g, v) for v in last.values()}
-    if len(sources) != length or None in sources:
+    sources = {t: _row_source(g, v) for t, v in last.items()}
+    if None in sources.values() or len({(y, ax) for y, ax, _ in sources.values()}) != 1:
         return None
-    ys = {(y, ax) for y, ax, _ in sources}
-    if len(ys) != 1:
-        return None
-    y, y_axis = ys.pop()
-    if any(t != (src_t + length if src_t < 0 else src_t) for t, v in last.items()
-           for _, _, src_t in [_row_source(g, v)]):
-        return None
+    y, y_axis, _ = sources[0]
+    if any(t != (src_t + length if src_t < 0 else src_t) for t, (_, _, src_t) in sources.items()):
+        return None  # (row t holds step t of Y)
     if not _recurrent_output(g, y):
         return None
     y_rank = g.model.rank(y)

@@ -62,7 +62,9 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list
     body = g.subgraph(scan)
     n_state = len(scan.input) - attr(scan, "num_scan_inputs")
     leaves: dict = {}
-    scanned = _scanned_inputs(g, body, scan, n_state, leaves)
+    # state inputs passed on unchanged (weights, bounds, context): body input -> the Scan's input
+    passed = {body.input_names[k]: scan.input[k] for k in range(n_state) if _passthrough(body, k)}
+    scanned = _scanned_inputs(g, body, scan, n_state, passed, leaves)
     states, recurrent, aliases = _scan_states(g, body, scan, n_state, leaves)
     state_out = {f"s{k}": body.output_names[k] for k in recurrent}
     layers = split_layers(body, leaves, state_out, scanned.x_atom)
@@ -82,14 +84,14 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list
     if scanned.derived is not None and any(r.mask == _DERIVED_MASK for r in recs):
         _scan_derived_mask(g, body, scan, recs, scanned)
     if heads:  # per-step outputs computed from a new h: the head runs on Y after the native op
-        passed = {body.input_names[k]: scan.input[k] for k in range(n_state) if _passthrough(body, k)}
         add_heads(body, layers, recs, cell_states, heads, state_out, scanned, passed, set())
     if len(recs) == 1:
         return recs[0], aliases
     return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
 
 
-def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: dict) -> _Scanned:
+def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, passed: dict[str, str],
+                    leaves: dict) -> _Scanned:
     """The one float input scanned over time and an optional bool mask scanned the same way; their body
     tensors' symbolic values go into ``leaves``."""
     m = attr(scan, "num_scan_inputs")
@@ -122,7 +124,6 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves
                 raise Decline(f"the scanned input has rank {rank}, not 3")
             x_outer, x_dir, x_axis = outer, in_dirs[j], ax
             x_inner, x_scanned = inner, outer
-            passed = {body.input_names[k]: scan.input[k] for k in range(n_state) if _passthrough(body, k)}
             input_map = find_input_map(g, body, outer, ax, [inner], ROW_RANK, passed)
             proj = input_projection(g, outer, ax) if input_map is None else None
             if input_map is not None:  # the cell reads a row-wise map of x_t: the op reads it on every step
@@ -142,17 +143,16 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves
         raise Decline("the mask is scanned differently from the input")
     scanned = _Scanned(x_outer, x_atom, x_dir, x_axis, mask_outer, x_prep, {x_inner}, x_scanned)
     if mask_outer is None:  # (none scanned: perhaps one computed from x_t)
-        _find_derived_mask(g, body, scan, n_state, scanned, leaves)
+        _find_derived_mask(g, body, passed, scanned, leaves)
     return scanned
 
 
 _DERIVED_MASK = "<the mask the body computes from x_t, computed for every step and scanned>"
 
 
-def _find_derived_mask(g: Graph, body: Graph, scan: NodeProto, n_state: int, scanned: _Scanned, leaves: dict) -> None:
+def _find_derived_mask(g: Graph, body: Graph, passed: dict[str, str], scanned: _Scanned, leaves: dict) -> None:
     """The one step mask the body computes from x_t alone, row by row (:func:`rnnfuse.row_wise.row_masks`), if
     any, becomes the step's mask: its leaf, and ``scanned.derived``."""
-    passed = {body.input_names[k]: scan.input[k] for k in range(n_state) if _passthrough(body, k)}
 
     def const_of(name: str):
         return g.const(passed[name]) if name in passed else body.const(name)

@@ -19,9 +19,8 @@ from typing import Callable
 from onnx import NodeProto, TensorProto
 
 from .graph import Graph
-from .row_wise import ROW_RANK, cone, walk_rows
+from .row_wise import FLOATS, ROW_RANK, cone, walk_rows
 
-FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 # what lies between a cell's input matmul and where its result meets the state (gate slices, a bias, views)
 _PLUMBING = {"Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten", "Add", "Sub"}
 # what only lays a row's values out anew, picks some (a gate's slice of a projected x_t) or casts them: no map

@@ -209,7 +209,7 @@ def unflatten(b, rows: str, like: str) -> str:
 
 # nodes walked from a step's input at most (a cell reads x_t through a matmul or two; a mask is a few nodes)
 _WALK_LIMIT = 64
-_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
+FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
 # what turns one mask into another without reading anything else: the step evaluator reads these on a mask
 _MASK_VIEWS = frozenset({"Not", "Identity", "Cast", "Unsqueeze", "Squeeze"})
 

@@ -15,6 +15,7 @@ from rnnfuse.dataflow import runtime_values
 from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
+from rnnfuse.row_wise import FLOATS
 
 
 _SLICERS = ("Gather", "Slice", "Split")
@@ -66,7 +67,6 @@ def _squeezed(g: Graph, name: str, axis: int) -> str | None:
             return u.output[0]
     return None
 
-_FLOATS = (1, 10, 11, 16)  # float, float16, double, bfloat16
 _BOOL = 9
 
 
@@ -78,7 +78,7 @@ def mask_source(g: Graph, src: str) -> str | None:
     p = g.producer.get(src)
     if p is None:
         return None
-    if p.op_type == "Cast" and attr(p, "to") in _FLOATS and g.model.elem_type(p.input[0]) == _BOOL:
+    if p.op_type == "Cast" and attr(p, "to") in FLOATS and g.model.elem_type(p.input[0]) == _BOOL:
         return p.input[0]
     if p.op_type == "Unsqueeze":
         rank = g.model.rank(p.input[0])
@@ -129,7 +129,7 @@ def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
         # data is [T, B, F] (or batch-first); a mask [T, B, 1] or [T, B] (bool families are masks); any other
         # [T, B] or [B, T] tensor holds one value a row per step, what a step may compute its mask from (a float
         # or integer mask input compared with 0: see is_row_family)
-        if len(v) < 2 or (rank != 2 and et is not None and et not in _FLOATS + (_BOOL,)):
+        if len(v) < 2 or (rank != 2 and et is not None and et not in FLOATS + (_BOOL,)):
             continue
         if rank is not None and rank not in (2, 3):
             continue

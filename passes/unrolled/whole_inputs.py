@@ -21,8 +21,8 @@ from onnx import NodeProto
 from rnnfuse.dataflow import reaches
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
-from rnnfuse.input_maps import FLOATS, mapped_input, tile_context
-from rnnfuse.row_wise import on_every_step
+from rnnfuse.input_maps import mapped_input, tile_context
+from rnnfuse.row_wise import FLOATS, on_every_step
 from rnnfuse.signature import Signer
 
 _INTS = (6, 7)  # int32, int64: token ids

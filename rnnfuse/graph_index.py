@@ -17,6 +17,7 @@ import numpy as np
 from onnx import AttributeProto, GraphProto, NodeProto, TensorProto
 
 from . import fold
+from .deep_walks import fold_deep, folding
 from .protos import CONTROL_FLOW, attr, free_names, has_subgraph, node_field, subgraphs
 from .tensor_types import type_of
 from .tensor_values import UNREADABLE, constant_value
@@ -393,24 +394,25 @@ class GraphIndex:
         g = self.scope_of(name)
         if g is None:
             return None
-        return g._const_local(name)
+        return fold_deep(GraphIndex._const_local, g, name)
 
     def _const_local(self, name: str) -> np.ndarray | None:
+        """The value of ``name``, defined in this scope, folded here (through :func:`fold_deep`)."""
         if name in self._arrays:
             return self._arrays[name]
-        self._arrays[name] = None  # guards cycles
-        val: np.ndarray | None = None
-        if name in self.initializers:
-            if name not in self._inputs:  # an initializer that is also an input can be overridden
-                val = self.model.tensor_array(self.initializers[name])
-        elif name in self.producer:
-            p = self.producer[name]
-            val = constant_value(p, self.model) if p.op_type == "Constant" else None
-            if val is UNREADABLE:
-                val = None
-            elif val is None:
-                val = fold.fold_output(self, p, name)
-        self._arrays[name] = val
+        with folding(self, self._arrays, name):
+            val: np.ndarray | None = None
+            if name in self.initializers:
+                if name not in self._inputs:  # an initializer that is also an input can be overridden
+                    val = self.model.tensor_array(self.initializers[name])
+            elif name in self.producer:
+                p = self.producer[name]
+                val = constant_value(p, self.model) if p.op_type == "Constant" else None
+                if val is UNREADABLE:
+                    val = None
+                elif val is None:
+                    val = fold.fold_output(self, p, name)
+            self._arrays[name] = val
         return val
 
     def fill_value(self, name: str) -> float | None:

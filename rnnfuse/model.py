@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import ModelProto, TensorProto, helper
 
+from .cone_types import ConeTypes
 from .facts import ModelFacts
 from .graph_edit import Graph
 from .tensor_values import raw_array
@@ -30,6 +31,7 @@ class Model:
         self._names: NameAllocator | None = None
         self._types: dict[str, tuple[int, list | None]] | None = None
         self._declared: dict[str, tuple[int, list | None]] | None = None
+        self._cones: ConeTypes | None = None  # (big models: types inferred cone by cone)
         self.graph = Graph(proto.graph, None, self)
         # whether whole-model shape inference is cheap enough to fill in undeclared types (see known_type)
         self._may_infer = len(self.graph.nodes) < CHEAP_INFERENCE_NODES
@@ -118,16 +120,25 @@ class Model:
 
         Inference runs once, on the first query that needs it, on a skeleton of the model (no weight data).
         A model of ``CHEAP_INFERENCE_NODES`` nodes or more never runs it (it would cost seconds on graphs
-        that often declare what the passes need anyway), so a tensor gets the same answer whichever query
-        asks first."""
+        that often declare what the passes need anyway): there a query infers only the nodes the tensor is
+        computed from, within a budget per model (:class:`~rnnfuse.cone_types.ConeTypes`)."""
+        t = self.declared_type(name)
+        if t is None or t[1] is None:
+            if self._may_infer:
+                if self._types is None:
+                    self._types = infer_types(self.proto)
+                t = self._types.get(name, t)
+            else:
+                if self._cones is None:
+                    self._cones = ConeTypes(self)
+                t = self._cones.type_of(name) or t
+        return t
+
+    def declared_type(self, name: str) -> tuple[int, list | None] | None:
+        """What the file or an edit declares about ``name`` (no inference)."""
         if self._declared is None:
             self._declared = declared_types(self.proto)
-        t = self._declared.get(name)
-        if (t is None or t[1] is None) and self._may_infer:
-            if self._types is None:
-                self._types = infer_types(self.proto)
-            t = self._types.get(name, t)
-        return t
+        return self._declared.get(name)
 
     def elem_type(self, name: str) -> int | None:
         t = self.known_type(name)

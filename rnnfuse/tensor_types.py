@@ -34,11 +34,11 @@ def _skeleton(g: GraphProto, keep_bytes: int = 4096) -> GraphProto:
         out.initializer.append(s)
     for n in g.node:
         m = out.node.add()
-        m.CopyFrom(n) if not any(True for _ in subgraphs(n)) else _copy_node_skeleton(n, m, keep_bytes)
+        m.CopyFrom(n) if not any(True for _ in subgraphs(n)) else copy_node_skeleton(n, m, keep_bytes)
     return out
 
 
-def _copy_node_skeleton(n: NodeProto, m: NodeProto, keep_bytes: int) -> None:
+def copy_node_skeleton(n: NodeProto, m: NodeProto, keep_bytes: int) -> None:
     m.op_type, m.domain, m.name = n.op_type, n.domain, n.name
     m.input.extend(n.input)
     m.output.extend(n.output)

@@ -7,6 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import rnnfuse.model
+from rnnfuse.cone_types import ConeTypes
 from rnnfuse.graph import Model
 
 
@@ -31,15 +32,22 @@ def test_one_type_rule_small_model_infers():
 
 
 @pytest.mark.parametrize("first", ["shape", "known_type"])
-def test_one_type_rule_large_model_never_infers(first, monkeypatch):
-    """A model too large to infer cheaply answers from declarations only, whichever query comes first (the
-    type queries used to run whole-model inference for shape/rank/elem_type but not for known_type)."""
+def test_one_type_rule_large_model_infers_only_cones(first, monkeypatch):
+    """A model too large to infer cheaply never runs whole-model inference, whichever query comes first (the
+    type queries used to run it for shape/rank/elem_type but not for known_type): a query infers the nodes
+    its tensor is computed from (rnnfuse.cone_types), within a budget; past it, declarations only."""
     monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 2)
 
     def no_inference(proto):
         raise AssertionError("whole-model inference ran on a large model")
 
     monkeypatch.setattr(rnnfuse.model, "infer_types", no_inference)
+    m = Model(_relu_chain())
+    getattr(m, first)("y")
+    assert m.known_type("y") == (TensorProto.FLOAT, [2, 3])
+    assert m.shape("y") == [2, 3] and m.rank("y") == 2 and m.elem_type("y") == TensorProto.FLOAT
+
+    monkeypatch.setattr(rnnfuse.model, "ConeTypes", lambda model: ConeTypes(model, budget=0))
     m = Model(_relu_chain())
     getattr(m, first)("y")
     assert m.known_type("y") is None

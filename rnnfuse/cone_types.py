@@ -1,0 +1,141 @@
+"""Types of a big graph's tensors, by shape inference over only the nodes each one is computed from.
+
+Whole-model shape inference costs seconds on a 100k-node graph, so a model that big does not run it
+(``tensor_types.CHEAP_INFERENCE_NODES``). Without it, a tensor the file declares no type for had no type at
+all, and a recurrence reading one declined: the per-step slice of a mask (``Gather(mask, t)``) in a long
+unrolled chain, a sequence computed by an elementwise prologue. Such a query needs only the tensor's cone:
+the nodes back from it to values whose types are known (declared by the file, or inferred by an earlier
+query). :class:`ConeTypes` infers that cone alone, on a copy holding small constants' data and the known
+types of what it reads, and remembers every type the cone gave, so a node is inferred at most once.
+
+The work is bounded per model: the nodes walked (and so inferred) over all queries, with a fixed cost for
+each inference, stay under the node count of a model whose whole inference runs (``budget``). A graph with
+nothing to ask pays nothing, a graph asking a lot pays no more than a small model, and a tensor whose cone
+does not fit in what is left has no type, as before. Queries come in the passes' own order, so a model gets
+the same answers on every run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import onnx
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper
+
+from .protos import has_subgraph
+from .tensor_types import CHEAP_INFERENCE_NODES, copy_node_skeleton, type_of
+
+if TYPE_CHECKING:
+    from .model import Model
+
+Type = tuple[int, "list | None"]
+
+# what one inference costs beside its nodes (building the copy, the inference's own set-up), in nodes: a graph
+# asking about thousands of one-node cones (a value per step of a long chain) spends its budget on them too
+CONE_OVERHEAD = 25
+SMALL_CONSTANT_BYTES = 4096  # initializers up to this size go into the cone with their data (Reshape shapes, axes)
+
+
+class ConeTypes:
+    """Inferred types of one model's main-graph tensors, each cone inferred on first need."""
+
+    def __init__(self, model: "Model", budget: int = CHEAP_INFERENCE_NODES):
+        self.model = model
+        self.budget = budget  # nodes that may still be walked or inferred
+        self.types: dict[str, Type] = {}
+        self.settled: set[str] = set()  # outputs of nodes already inferred (typed or not), or given up on
+
+    def type_of(self, name: str) -> Type | None:
+        if name in self.types:
+            return self.types[name]
+        if name in self.settled or self.budget <= 0:
+            return None
+        producer = self.model.graph.producer.get(name)
+        if producer is None:  # (an input, a weight, a subgraph's value: what the file declares, or nothing)
+            return None
+        cone = self._cone(producer)
+        if cone is None:
+            self.settled.add(name)
+            return None
+        self._infer(cone)
+        return self.types.get(name)
+
+    def _known(self, name: str) -> Type | None:
+        t = self.model.declared_type(name)
+        if t is not None and t[1] is not None:
+            return t
+        return self.types.get(name, t)
+
+    def _frontier(self, name: str) -> bool:
+        """Whether the walk stops at ``name``: a graph input or weight, a value of known shape, one settled."""
+        g = self.model.graph
+        if name in self.settled or name in g.initializers or g.is_graph_input(name) or name not in g.producer:
+            return True
+        t = self._known(name)
+        return t is not None and t[1] is not None
+
+    def _cone(self, root: NodeProto) -> list[NodeProto] | None:
+        """The nodes ``root`` is computed from back to the frontier, producers first; None past the budget."""
+        producer = self.model.graph.producer
+        order: list[NodeProto] = []
+        seen: set[int] = set()
+        stack: list[tuple[NodeProto, bool]] = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                order.append(node)
+                continue
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            self.budget -= 1
+            if self.budget < 0:
+                return None
+            stack.append((node, True))
+            for i in node.input:
+                if i and not self._frontier(i):
+                    p = producer[i]
+                    if id(p) not in seen:
+                        stack.append((p, False))
+        return order
+
+    def _infer(self, cone: list[NodeProto]) -> None:
+        self.budget -= CONE_OVERHEAD
+        proto = self.model.proto
+        m = ModelProto()
+        m.ir_version = proto.ir_version
+        m.opset_import.extend(proto.opset_import)
+        m.graph.CopyFrom(self._cone_graph(cone))
+        try:
+            m = onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+        except Exception:  # (inference is a convenience: the tensors stay untyped)
+            pass
+        for vi in m.graph.value_info:
+            t = type_of(vi)
+            if t is not None and t[0] != TensorProto.UNDEFINED:
+                self.types[vi.name] = t
+        for n in cone:
+            self.settled.update(n.output)
+
+    def _cone_graph(self, cone: list[NodeProto]) -> GraphProto:
+        g = self.model.graph
+        out = GraphProto()
+        out.name = "cone"
+        made = {o for n in cone for o in n.output}
+        read: dict[str, None] = {}
+        for n in cone:
+            read.update((i, None) for i in n.input if i and i not in made)
+            copy = out.node.add()
+            if has_subgraph(n):
+                copy_node_skeleton(n, copy, SMALL_CONSTANT_BYTES)
+            else:
+                copy.CopyFrom(n)
+        for name in read:
+            w = g.initializers.get(name)
+            if w is not None and name not in g.input_names and w.data_location != TensorProto.EXTERNAL and w.ByteSize() <= SMALL_CONSTANT_BYTES:
+                out.initializer.append(w)
+                continue
+            t = self._known(name)
+            if t is not None:
+                out.input.append(helper.make_tensor_value_info(name, t[0], t[1]))
+        return out

@@ -1,0 +1,138 @@
+"""Graphs deeper than Python's stack and bigger than whole-model shape inference is run for.
+
+A recurrence is often not the whole model: an encoder of thousands of nodes computes its input, a head of
+thousands reads its output. Two things broke there: constant folding walked back through the producers by
+recursion (a Loop or Scan whose input is 3,000 nodes deep crashed the optimizer), and a model of
+``CHEAP_INFERENCE_NODES`` nodes or more knew no type the file does not declare (a long masked unrolled chain
+declined: its per-step mask slices had no type). These tests build such graphs and check the outcome: fused,
+and the same outputs as the original on post-, pre-padded and gappy masks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import builders as B
+import rnnfuse
+from helpers import session
+from rnnfuse.cone_types import ConeTypes
+from rnnfuse.graph import Model
+
+DEPTH = 3000  # nodes between an input and the recurrence: well past Python's default recursion limit
+
+
+def _neg_chain(nodes: list, src: str, dst: str, depth: int, tag: str) -> None:
+    """``depth`` Neg nodes from ``src`` to ``dst`` (an even depth: the value itself)."""
+    cur = src
+    for k in range(depth):
+        nxt = dst if k == depth - 1 else f"{tag}_{k}"
+        nodes.append(helper.make_node("Neg", [cur], [nxt], name=f"{tag}_neg{k}"))
+        cur = nxt
+
+
+def _behind_deep_chains(model: onnx.ModelProto, depth: int) -> onnx.ModelProto:
+    """The model with every float input computed from a new input by ``depth`` nodes, and every float output
+    read through ``depth`` more (no value_info for any of them, as many exporters write)."""
+    g = model.graph
+    before: list = []
+    for inp in g.input:
+        if inp.type.tensor_type.elem_type == TensorProto.FLOAT:
+            name = inp.name
+            inp.name = f"{name}_raw"
+            _neg_chain(before, inp.name, name, depth, f"{name}_in")
+    after: list = []
+    for out in g.output:
+        if out.type.tensor_type.elem_type == TensorProto.FLOAT:
+            name = out.name
+            out.name = f"{name}_read"
+            _neg_chain(after, name, out.name, depth, f"{name}_out")
+    nodes = before + list(g.node) + after
+    del g.node[:]
+    g.node.extend(nodes)
+    return model
+
+
+def _assert_fused_same(o: B.Opts, model: onnx.ModelProto, feeds_fn, rename: dict | None = None) -> onnx.ModelProto:
+    fused, report = rnnfuse.optimize(model)
+    assert any(n.op_type == o.op for n in fused.graph.node), report.to_text()
+    assert not any(n.op_type in ("Loop", "Scan") for n in fused.graph.node), report.to_text()
+    assert all(f.validation.startswith("ok") for f in report.findings if f.status == "fused"), report.to_text()
+    s_orig, s_fused = session(model), session(fused)
+    rng = np.random.default_rng(0)
+    for batch in (1, 4):
+        for kind in (("post", "pre", "gappy") if o.masked() else ("none",)):
+            feeds = feeds_fn(rng, batch, o.static_T or 7, kind)
+            feeds = {(rename or {}).get(k, k): v for k, v in feeds.items()}
+            for want, got in zip(s_orig.run(None, feeds), s_fused.run(None, feeds)):
+                np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"batch {batch}, mask {kind}")
+    return fused
+
+
+@pytest.mark.parametrize("front", ["scan", "loop"])
+@pytest.mark.parametrize("op,mask", [("GRU", "none"), ("LSTM", "where")])
+def test_recurrence_between_deep_chains_is_fused(front, op, mask):
+    o = B.default_reverse_form(B.Opts(op=op, front=front, mask=mask))
+    model, feeds_fn = B.build(o)
+    floats = {i.name for i in model.graph.input if i.type.tensor_type.elem_type == TensorProto.FLOAT}
+    model = _behind_deep_chains(model, DEPTH)
+    _assert_fused_same(o, model, feeds_fn, {n: f"{n}_raw" for n in floats})
+
+
+def _deep_constant_graph(depth: int) -> onnx.ModelProto:
+    """``v = c + depth`` by ``depth`` Adds of one, all foldable; ``w`` the same chain from the input x."""
+    nodes: list = []
+    for src, dst in (("c", "v"), ("x", "w")):
+        cur = src
+        for k in range(depth):
+            nxt = dst if k == depth - 1 else f"{dst}{k}"
+            nodes.append(helper.make_node("Add", [cur, "one"], [nxt]))
+            cur = nxt
+    inits = [numpy_helper.from_array(np.array([2.0, -1.0], np.float32), "c"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one")]
+    g = helper.make_graph(nodes, "deep", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("v", "w")], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_constant_folding_reaches_through_a_chain_deeper_than_the_stack():
+    depth = 5000
+    g = Model(_deep_constant_graph(depth)).graph
+    np.testing.assert_array_equal(g.const("v"), np.array([2.0 + depth, -1.0 + depth], np.float32))
+    assert g.const("w") is None  # (computed from the input x)
+    assert g.const("v2500") is not None and g.const("w2500") is None  # (what the walks met, remembered)
+
+
+def _masked_chain(op: str, T: int = 6) -> tuple[B.Opts, onnx.ModelProto, object]:
+    o = B.default_reverse_form(B.Opts(op=op, front="chain", mask="where", static_T=T))
+    model, feeds_fn = B.build(o)
+    assert not model.graph.value_info  # (the step slices' types are not declared: inference gives them)
+    return o, model, feeds_fn
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_masked_chain_too_big_for_whole_inference_is_fused(op, monkeypatch):
+    # the same chain as a model of 20,000+ nodes, without the cost of one: the threshold lowered to below it
+    monkeypatch.setattr("rnnfuse.model.CHEAP_INFERENCE_NODES", 50)
+    o, model, feeds_fn = _masked_chain(op)
+    assert len(model.graph.node) > 50
+    _assert_fused_same(o, model, feeds_fn)
+
+
+def test_cone_types_infer_what_a_query_needs_once_within_the_budget():
+    o, model, _ = _masked_chain("GRU", T=3)
+    m = Model(model)
+    cones = ConeTypes(m)
+    mask_slice = next(n for n in model.graph.node if n.op_type == "Gather" and n.input[0] == "mask").output[0]
+    assert cones.type_of(mask_slice) == (TensorProto.BOOL, ["B", 1])
+    spent = cones.budget
+    assert cones.type_of(mask_slice) == (TensorProto.BOOL, ["B", 1]) and cones.budget == spent  # (remembered)
+    where = next(n for n in model.graph.node if n.op_type == "Where")
+    assert cones.type_of(where.output[0])[0] == TensorProto.FLOAT
+    assert cones.budget < spent  # (its cone was walked: the state before it had no declared type)
+    # no budget: no type (and no walk), as a model without inference always had
+    assert ConeTypes(m, budget=0).type_of(where.output[0]) is None
+    poor = ConeTypes(m, budget=2)
+    assert poor.type_of(where.output[0]) is None and poor.budget <= 0

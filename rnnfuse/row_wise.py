@@ -11,6 +11,8 @@ assumed; :func:`replay` copies such nodes onto the flattened rows.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -240,12 +242,19 @@ def row_masks(g: Graph, xs: list[str], const_of, x_rank: int = ROW_RANK) -> list
     return [(m, cone(g, m, ids, walked), rows[m]) for m in roots if rows[m] == 1 or m in unit]
 
 
+def _other_reads(node: NodeProto, rows: dict[str, int], const_of) -> Iterator[str]:
+    """What ``node`` reads beside rows and constants (a Reshape's or Expand's shape is checked apart)."""
+    for i in node.input:
+        if i and i not in rows and const_of(i) is None and not (node.op_type in ("Reshape", "Expand") and i == node.input[1]):
+            yield i
+
+
 def walk_rows(g: Graph, xs: list[str], rows: dict[str, int], const_of, role: str, reductions: bool = False,
               admit=None) -> tuple[list[NodeProto], set[int]]:
     """The nodes computed from ``xs`` (and constants) that act row by row (:func:`check_row_wise`), in
     evaluation order, with their ids; ``rows`` gains each one's outputs and their row ranks. ``admit(node,
-    others)``: whether a node that also reads ``others`` (neither rows nor constants) may be walked all the
-    same, those then counting as rows (a context row beside x_t); by default it may not."""
+    others)``: whether a node that also reads ``others`` (neither rows nor constants; an iterator) may be walked all
+    the same, those then counting as rows (a context row beside x_t); by default it may not."""
     walked: list[NodeProto] = []
     ids: set[int] = set()
     stack = list(xs)
@@ -253,10 +262,15 @@ def walk_rows(g: Graph, xs: list[str], rows: dict[str, int], const_of, role: str
         for c in g.uses(stack.pop()):
             if id(c) in ids:
                 continue
-            others = [i for i in c.input if i and i not in rows and const_of(i) is None
-                      and not (c.op_type in ("Reshape", "Expand") and i == c.input[1])]  # (its shape: checked below)
-            if others and (admit is None or not admit(c, others)):
-                continue  # (a node also reading a value not computed yet is met again from that value)
+            # (lazily: a node reading every step's value, a Concat or Sum of T, is met from every step; most
+            # visits end at its first other read, so the visits cost O(T), not O(T^2))
+            reads_other = _other_reads(c, rows, const_of)
+            first = next(reads_other, None)
+            others: list[str] = []
+            if first is not None:
+                if admit is None or not admit(c, itertools.chain((first,), reads_other)):
+                    continue  # (a node also reading a value not computed yet is met again from that value)
+                others = list(_other_reads(c, rows, const_of))
             try:
                 rank = check_row_wise(g, c, {**rows, **dict.fromkeys(others, ROW_RANK)} if others else rows,
                                       const_of, role, reductions=reductions)

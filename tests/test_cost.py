@@ -185,6 +185,44 @@ def test_fused_chain_work_is_linear_in_its_length(monkeypatch):
     assert sn2 <= 2.5 * sn1 + 16
 
 
+def _steps_summed(T: int) -> onnx.ModelProto:
+    """Per step ``tanh(x[t] @ W)``, no state, every step's result read by one ``Sum`` of T: a node that the
+    walk from each step's x_t meets (as a Concat of every step's output is met in a torch export)."""
+    rng = np.random.default_rng(0)
+    nodes, outs = [], []
+    for t in range(T):
+        nodes.append(helper.make_node("Constant", [], [f"i{t}"], value=numpy_helper.from_array(np.array(t, np.int64))))
+        nodes.append(helper.make_node("Gather", ["x", f"i{t}"], [f"x{t}"], axis=0))
+        nodes.append(helper.make_node("MatMul", [f"x{t}", "W"], [f"m{t}"]))
+        nodes.append(helper.make_node("Tanh", [f"m{t}"], [f"y{t}"]))
+        outs.append(f"y{t}")
+    nodes.append(helper.make_node("Sum", outs, ["y"]))
+    W = numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "W")
+    g = helper.make_graph(nodes, "steps", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 16])], [W])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_node_reading_every_step_costs_a_step_walk_once(monkeypatch):
+    """The walks from each step's x_t (step-input maps) meet the Sum of every step: 4x the steps may cost
+    about 4x the constant lookups, not 16x (each walk used to look at all of the Sum's T inputs)."""
+    calls = {}
+    for T in (50, 200):
+        n = [0]
+        const = Graph.const
+
+        def counted(g, name, _const=const, _n=n):
+            _n[0] += 1
+            return _const(g, name)
+
+        monkeypatch.setattr(Graph, "const", counted)
+        m, report, _ = _run(_steps_summed(T))
+        assert not report.modified
+        calls[T] = n[0]
+        monkeypatch.undo()
+    assert calls[200] < 6 * calls[50], calls
+
+
 def _dead_branches() -> onnx.ModelProto:
     """y = Relu(Add(x, w)); beside it dead code: P = Neg(a) read by Q1 and Q2 (both unread, so P dies with
     them), R = Abs(a) -> S = Abs(R) (a dead chain), and T = Sqrt(x) read by a dead node and by the output."""

@@ -38,6 +38,9 @@ class FuseChains:
         tried: set = set()
         pending: dict = {}  # chain key -> its decline, reported only if the chain still exists at the end
         whole = WholeInputs(g)
+        # what the last search found, while the graph is still the one it searched (nothing committed since):
+        # the chains left to report are then those, and the report needs no second search of the whole graph
+        last: tuple[set, list] | None = None
         for _ in range(self.max_rounds):
             fams = find_families(g)
             # dead code (an exporter's unused per-step values) is no reader of a step's values; pruned only
@@ -45,6 +48,7 @@ class FuseChains:
             if fams and g.prune():
                 fams = find_families(g)
             if not fams:
+                last = (set(), [])
                 break
             signer = Signer(g)
             fams.update(whole.families(fams, signer))
@@ -69,20 +73,44 @@ class FuseChains:
                     except Decline as d:
                         where = f"{chain.direction} chain over '{src}' (axis {axis})"
                         pending[key] = declined(self.name, "chain", where, d.reason)
+            vfams = None
             if not recs:
-                recs = self.virtual_chains(g, order, fams, signer, tried, pending, seen_now)
+                vfams = virtual_families(g, order, fams)
+                recs = self.virtual_chains(g, order, vfams, signer, tried, pending, seen_now)
             pending = {k: v for k, v in pending.items() if k in seen_now}
+            chain_keys = {k for k in seen_now if len(k) == 4}
             if not recs:
+                last = (chain_keys, vfams)
                 break
             # what the search held (intervals and signatures over the whole graph, the chains' steps) is not
             # needed to validate and commit: it goes before the rewrites' own memory comes
             iv = order = signer = lengths = step_masks = leaves = chain = None
-            n_before = len(res.findings)
+            n_before, modified_before = len(res.findings), res.modified
             apply_recurrences(g, ctx, self.name, recs, res)
             if not any(f.status == "fused" for f in res.findings[n_before:]):
+                if res.modified == modified_before:
+                    last = (chain_keys, vfams)
                 break
         # declines of "chains" that disappeared once real chains were fused (e.g. per-layer initial states
         # sliced from one tensor) were not recurrences: only what remains is reported
+        final = self._remaining(g, whole, last)
+        # (a chain of step inputs that declines for the reason its slice family's chain did is that chain)
+        real = {v.reason for k, v in pending.items() if k in final and len(k) == 4}
+        res.findings.extend(v for k, v in pending.items() if k in final and (len(k) == 4 or v.reason not in real))
+        whole.drop_unused()
+        return res
+
+    @staticmethod
+    def _remaining(g: Graph, whole: WholeInputs, last: tuple[set, list | None] | None) -> set:
+        """The keys of the chains the graph holds now: those of ``last`` (the last search, on this same graph:
+        its chain keys, and its virtual families if it listed them), else found by searching again."""
+        if last is not None:
+            chain_keys, vfams = last
+            if vfams is None:
+                fams = find_families(g)
+                fams.update(whole.families(fams, Signer(g)))
+                vfams = virtual_families(g, g.ordered_live_nodes(), fams) if fams else []
+            return chain_keys | {("inputs", vf[0]) for vf in vfams}
         final = set()
         fams = find_families(g)
         signer = Signer(g)
@@ -98,19 +126,15 @@ class FuseChains:
                 final.add((src, axis, chain.direction, chain.steps[0].t))
         if fams:
             final |= {("inputs", vf[0]) for vf in virtual_families(g, order, fams)}
-        # (a chain of step inputs that declines for the reason its slice family's chain did is that chain)
-        real = {v.reason for k, v in pending.items() if k in final and len(k) == 4}
-        res.findings.extend(v for k, v in pending.items() if k in final and (len(k) == 4 or v.reason not in real))
-        whole.drop_unused()
-        return res
+        return final
 
-    def virtual_chains(self, g: Graph, order: list, fams: dict, signer: Signer, tried: set, pending: dict, seen: set) -> list:
+    def virtual_chains(self, g: Graph, order: list, vfams: list, signer: Signer, tried: set, pending: dict, seen: set) -> list:
         """Recurrences of the chains whose steps read other state-independent inputs than the slices of one
-        tensor in step order: their inputs stacked (``Concat`` of ``Unsqueeze``) are the sequence."""
+        tensor in step order (``vfams``): their inputs stacked (``Concat`` of ``Unsqueeze``) are the sequence."""
         recs = []
         # (each family costs one intervals pass over the graph: the longest few are tried, so a graph full of
         # short pseudo-chains stays linear)
-        for vf in sorted(virtual_families(g, order, fams), key=len, reverse=True)[: self.max_virtual]:
+        for vf in sorted(vfams, key=len, reverse=True)[: self.max_virtual]:
             key = ("inputs", vf[0])
             seen.add(key)
             if key in tried:

@@ -48,9 +48,7 @@ def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationR
             return ValidationResult(False, f"onnxruntime cannot run the step ({msg[:200]})")
         for p in pairs:
             res.pairs.setdefault(p, PairResult(*p))
-        static_b = chk.batch
-        runs = ((static_b, 1.0), (static_b, 8.0)) if static_b else ((1, 1.0), (3, 1.0), (4, 8.0))
-        for batch, scale in runs:
+        for run, (batch, scale) in enumerate(_runs(chk)):
             feeds = {}
             for name, role in chk.inputs.items():
                 width = cell.input_size if role == "x" else cell.hidden
@@ -58,14 +56,51 @@ def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationR
                 feeds[name] = random_values((batch, width), np.float32, rng, scale=scale if role == "x" else 1.0)
             for name, v in chk.fills.items():
                 feeds[name] = np.full((batch, cell.hidden), v, np.float32)
+            valid = _feed_masks(chk, feeds, batch, run)
             try:
                 vals = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
             except Exception as e:  # (the step's own nodes ran in the original model: the native cell fails)
                 return failed_run(e, pairs, lambda: True)
             res.runs += 1
-            for p in pairs:
-                compare(res.pairs[p], vals[p[0]], vals[p[1]], f"step check {ci}, batch {batch}")
+            for p, role in zip(pairs, chk.outputs.values()):
+                want = vals[p[1]]
+                if valid is not None:  # (padded rows keep the state the step read)
+                    want = np.where(valid[:, None], want, _state_read(chk, role, feeds, want.shape))
+                compare(res.pairs[p], vals[p[0]], want, f"step check {ci}, batch {batch}")
     return res
+
+
+def _runs(chk) -> list[tuple[int, float]]:
+    """(batch, input scale) of each run; a masked step with a static batch of 1 gets a padded run too."""
+    b = chk.batch
+    if not b:
+        return [(1, 1.0), (3, 1.0), (4, 8.0)]
+    return [(b, 1.0), (b, 8.0)] + ([(b, 1.0)] if chk.masks and b == 1 else [])
+
+
+def _feed_masks(chk, feeds: dict, batch: int, run: int) -> np.ndarray | None:
+    """Feed the step's masks: rows alternately valid and padded, the first row's turn changing with each run
+    (a batch of one is valid in one run, padded in the next). Returns which rows are valid (None: no mask)."""
+    if not chk.masks:
+        return None
+    valid = (np.arange(batch) + run) % 2 == 0
+    on = valid if chk.mask_valid else ~valid
+    for name, (elem, dims) in chk.masks.items():
+        dtype = helper.tensor_dtype_to_np_dtype(elem)
+        feeds[name] = np.broadcast_to(on.reshape((batch,) + (1,) * len(dims)), (batch, *dims)).astype(dtype)
+    return valid
+
+
+def _state_read(chk, role: str, feeds: dict, shape: tuple) -> np.ndarray:
+    """The state ``role`` the step read (its feed; zero where the step starts from folded zeros; else the one
+    value the step's fills hold)."""
+    for name, r in chk.inputs.items():
+        if r == role:
+            return feeds[name]
+    if role in chk.zero:
+        return np.zeros(shape, np.float32)
+    (fill,) = set(chk.fills.values())  # (a state started from a fill: roles.add_cell_checks made sure of one)
+    return np.full(shape, fill, np.float32)
 
 
 def _check_model(g: Graph, cell, chk, weights):
@@ -79,7 +114,7 @@ def _check_model(g: Graph, cell, chk, weights):
         m.CopyFrom(n)
         nodes.append(m)
         for i in n.input:
-            if i and i not in produced and i not in chk.inputs and i not in inits and i not in chk.fills:
+            if i and i not in produced and i not in chk.inputs and i not in inits and i not in chk.fills and i not in chk.masks:
                 c = g.const(i)
                 if c is None:
                     return ValidationResult(False, f"the step reads '{i}', which is not constant")
@@ -148,4 +183,6 @@ def _step_inputs(cell, chk, nodes: list, inits: dict) -> tuple[list, dict]:
         role_name[role] = name
     for name in chk.fills:
         inputs.append(helper.make_tensor_value_info(name, dt, ["B", cell.hidden]))
+    for name, (elem, dims) in chk.masks.items():
+        inputs.append(helper.make_tensor_value_info(name, elem, ["B", *dims]))
     return inputs, role_name

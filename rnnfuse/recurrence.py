@@ -81,6 +81,9 @@ class CellCheck:
     batch: int | None = None  # a batch size baked into the step (static exports), else any
     fills: dict = field(default_factory=dict)  # tensors of runtime shape [B, H] filled with one value
     x_projection: tuple | None = None  # (K, b): the step reads x @ K + b, computed outside the loop
+    # a masked step's mask values -> (elem type, dims after the batch): fed valid at some rows, padding at others
+    masks: dict = field(default_factory=dict)
+    mask_valid: bool = True  # the mask's value at valid rows (False: it is true at padding)
 
 
 @dataclass

@@ -102,8 +102,8 @@ class _ChainRoles:
         an = self.analyse()
         self.check_every_step()
         rec = self.build(an)
-        if not (an.masked or self.y_carried):  # else validated on the whole model, with its masks overridden
-            self.add_cell_checks(rec)
+        if not self.y_carried:  # (a carried output: validated on the whole model, with its masks overridden)
+            self.add_cell_checks(rec, an)
         return rec
 
     def sign(self, name: str, k: int) -> int:
@@ -453,9 +453,12 @@ class _ChainRoles:
             x_prep=InputPrep(self.proj.flips if self.proj is not None else (), steps),
         )
 
-    def add_cell_checks(self, rec: Recurrence) -> None:
-        """What cell-level validation compares (the whole chain may be too big to run in onnxruntime)."""
+    def add_cell_checks(self, rec: Recurrence, an: StepAnalysis) -> None:
+        """What cell-level validation compares (the whole chain may be too big to run in onnxruntime). A masked
+        step is fed its mask (valid rows: the cell's; padded rows: the state read); one whose masks cannot be
+        fed so (several, of unknown type) gets no checks: the whole model is validated."""
         g, ts = self.g, self.ts
+        checks = []
         for k in sorted({self.km, 0}):
             visited: set = set()
             fills: dict = {}
@@ -468,7 +471,30 @@ class _ChainRoles:
             ins = {v: r for v, r in self.leaves[k].items() if r in ("x", "h")}
             if f.name is not None:
                 ins[f.name] = "c"
-            chk = CellCheck(order_of(g, visited), ins, outs_k, self.zero if k == 0 else set(), static_dim(g, self.src, 1 - self.axis), fills)
+            nodes = order_of(g, visited)
+            masks = self._fed_masks(k, nodes, an) if an.masked else {}
+            zero = self.zero if k == 0 else set()
+            if masks is None or (masks and not all(r in ins.values() or r in zero or len(set(fills.values())) == 1
+                                                   for r in outs_k.values())):
+                return  # (a padded row's state must be known: read, zero, or the one fill the step reads)
+            chk = CellCheck(nodes, ins, outs_k, zero, static_dim(g, self.src, 1 - self.axis), fills, masks=masks,
+                            mask_valid=not an.mask_negated)
             if self.proj is not None:
                 chk.x_projection = (self.proj.K, self.proj.bias)
-            rec.cell_checks.append(chk)
+            checks.append(chk)
+        rec.cell_checks.extend(checks)
+
+    def _fed_masks(self, k: int, nodes: list, an: StepAnalysis) -> dict | None:
+        """Step ``k``'s mask values its nodes read -> (elem type, dims after the batch), when they are the
+        analysis' one mask with static trailing dims; else None."""
+        read = {i for n in nodes for i in n.input}
+        masks = {v: r for v, r in self.leaves[k].items() if r not in ("x", "h") and v in read}
+        if set(masks.values()) - {an.mask_sym}:
+            return None
+        out = {}
+        for v in masks:
+            t = self.g.model.known_type(v)
+            if t is None or t[1] is None or not t[1] or not all(isinstance(d, int) for d in t[1][1:]):
+                return None
+            out[v] = (t[0], tuple(t[1][1:]))
+        return out

@@ -1,0 +1,82 @@
+"""Masked unrolled chains too big to run whole are validated step by step, their masks fed.
+
+A big model's chain is validated per step (one step of the original against a one-step native op), not on
+the whole model: a 100k-node masked chain took a minute and 700 MB to check whole. A masked step is fed its
+mask: rows alternately valid and padded, so the check sees the cell at valid rows and the state carried
+at padded ones, under the mask polarity the analysis found. These tests lower the size limit so a small
+chain takes that path, and check that it fuses exactly, that a wrong polarity fails the check, and that a
+step that cannot be checked alone falls back to the whole model instead of going unchecked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import builders as B
+from rnnfuse import cell_check, rewrite
+
+
+@pytest.fixture
+def per_step(monkeypatch):
+    monkeypatch.setattr(rewrite, "WHOLE_MODEL_LIMIT", 0)  # (every chain is "big")
+
+
+def _masked(op: str, mask: str = "where", direction: str = "forward", **kw) -> B.Opts:
+    return B.default_reverse_form(B.Opts(op=op, front="chain", mask=mask, static_T=6, direction=direction, **kw))
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM", "RNN"])
+@pytest.mark.parametrize("mask,direction", [("where", "forward"), ("mul", "reverse"), ("select", "forward")])
+def test_masked_chain_is_validated_per_step_and_exact(op, mask, direction, per_step):
+    out = B.run_case(_masked(op, mask, direction), batches=(1, 3))
+    assert not out.fused_mismatch, out.fused_mismatch
+    assert out.status == "fused", out.text()
+    (f,) = [f for f in out.report.findings if f.status == "fused"]
+    assert f.masked and "per step" in f.validation and f.validation.startswith("ok"), f.validation
+
+
+def test_a_wrong_mask_polarity_fails_the_step_check(per_step, monkeypatch):
+    """Feed each step the opposite of what the check expects (as if the analysis had the polarity wrong):
+    the rows it calls padded are computed by the cell, so the check fails and the chain is declined."""
+    feed = cell_check._feed_masks
+
+    def inverted(chk, feeds, batch, run):
+        valid = feed(chk, feeds, batch, run)
+        for name in chk.masks:
+            feeds[name] = (feeds[name] == 0).astype(feeds[name].dtype)
+        return valid
+
+    monkeypatch.setattr(cell_check, "_feed_masks", inverted)
+    out = B.run_case(_masked("GRU"), batches=(1, 3))
+    assert out.status == "declined", out.text()
+    (f,) = out.report.findings
+    assert f.validation == "failed" and "does not reproduce the step" in f.reason, f.line()
+
+
+def test_a_step_that_cannot_be_checked_alone_is_checked_whole(per_step, monkeypatch):
+    """A cell check that cannot run (here: made to say so) leaves the chain to whole-model validation,
+    never to no validation."""
+    monkeypatch.setattr(cell_check, "_validate_cells_once",
+                        lambda g, rec, seed, prepack: cell_check.ValidationResult(False, "cannot build the step"))
+    for o in (_masked("LSTM"), B.Opts(op="GRU", front="chain", static_T=6)):
+        out = B.run_case(o, batches=(1, 3))
+        assert out.status == "fused", out.text()
+        (f,) = [f for f in out.report.findings if f.status == "fused"]
+        assert f.validation.startswith("ok") and "per step" not in f.validation, f.validation
+
+
+def test_padded_rows_expect_the_state_read():
+    """The expected padded row is the state fed to the step, zero for a folded zero start, else the fill."""
+    from rnnfuse.recurrence import CellCheck
+
+    feeds = {"h_in": np.arange(6, dtype=np.float32).reshape(3, 2)}
+    chk = CellCheck([], {"h_in": "h"}, {"h_out": "h"}, masks={"m": (9, (1,))})
+    np.testing.assert_array_equal(cell_check._state_read(chk, "h", feeds, (3, 2)), feeds["h_in"])
+    zero = CellCheck([], {}, {"h_out": "h"}, zero={"h"})
+    assert not cell_check._state_read(zero, "h", feeds, (3, 2)).any()
+    filled = CellCheck([], {}, {"h_out": "h"}, fills={"f": 0.5})
+    np.testing.assert_array_equal(cell_check._state_read(filled, "h", feeds, (3, 2)), np.full((3, 2), 0.5, np.float32))
+    valid = cell_check._feed_masks(chk, feeds, 3, 1)
+    assert valid.tolist() == [False, True, False] and feeds["m"].dtype == np.bool_ and feeds["m"].shape == (3, 1)
+    assert feeds["m"][:, 0].tolist() == [False, True, False]

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from . import __version__, progress
-from .errors import ExitCode, RnnfuseError, StrictError, UsageError
+from .errors import ExitCode, InputError, RnnfuseError, StrictError, UsageError
 
 EPILOG = """exit codes: 0 ok (also when nothing was fused: the output is then a copy of the input; also for a
 valid model rnnfuse cannot work on, passed through with a note), 2 usage, 3 input is not a loadable ONNX model,
@@ -234,7 +234,13 @@ def _run_passes(args, pipe, progress) -> _Run:
     if getattr(args, "prefer_faster", None):
         source = onnx.ModelProto()
         source.CopyFrom(proto)
-    report = pipe.run(model, opts)
+    try:
+        report = pipe.run(model, opts)
+    except RnnfuseError:
+        raise
+    except Exception as e:
+        _stop_if_invalid(args.input, e)
+        raise
     if source is not None and report.fused:
         from .bench import prefer_faster
 
@@ -244,6 +250,19 @@ def _run_passes(args, pipe, progress) -> _Run:
     # what is written: the rewritten model, or (nothing fused, or a rewrite that would harm) the input as it was
     keep = settle(report, model.proto, lambda: model_io.load(args.input, borrow=True)[0])
     return _Run(report, model, model_io.model_dir(proto), had_external, keep)
+
+
+def _stop_if_invalid(path: str, failure: Exception) -> None:
+    """The passes failed: if the input itself is no valid ONNX (a name defined twice, a cycle), say that, as
+    bad input; else the failure is a bug, reported as one by the caller."""
+    try:
+        onnx.checker.check_model(path)
+    except onnx.checker.ValidationError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{path} is not a valid ONNX model: {first} (the optimizer stopped at "
+                         f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''})") from None
+    except Exception:  # (the checker itself could not run: the original failure stands)
+        return
 
 
 def _write_output(args, run: _Run, progress) -> None:

@@ -125,6 +125,27 @@ def test_cleanups_alone_never_change_a_model(tmp_path):
     assert rep["ops_after"] == rep["ops_before"]
 
 
+def _state_named_like_its_input() -> onnx.ModelProto:
+    """An unrolled tanh cell whose first step writes its state under the name of the initial-state input
+    ('h0', as a generator numbering its steps from 0 would): not single-assignment, a cycle through step 0."""
+    nodes, h = [], "h0"
+    for t in range(3):
+        nodes += [helper.make_node("Constant", [], [f"t{t}"], value=helper.make_tensor("i", TensorProto.INT64, [], [t])),
+                  helper.make_node("Gather", ["x", f"t{t}"], [f"x{t}"]),
+                  helper.make_node("MatMul", [f"x{t}", "w"], [f"xw{t}"]),
+                  helper.make_node("MatMul", [h, "r"], [f"hr{t}"]),
+                  helper.make_node("Add", [f"xw{t}", f"hr{t}"], [f"s{t}"]),
+                  helper.make_node("Tanh", [f"s{t}"], [f"h{t}"])]
+        h = f"h{t}"
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 1, 2]),
+                                       helper.make_tensor_value_info("h0", TensorProto.FLOAT, [1, 2])],
+                          [helper.make_tensor_value_info(h, TensorProto.FLOAT, [1, 2])],
+                          [helper.make_tensor(n, TensorProto.FLOAT, [2, 2], [0.5, -0.5, 0.25, 1.0]) for n in ("w", "r")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
 @pytest.mark.parametrize(
     "make,words",
     [
@@ -134,8 +155,9 @@ def test_cleanups_alone_never_change_a_model(tmp_path):
         (lambda d: _write(d / "text.onnx", b"this is not a model\n" * 20), ["not a valid ONNX model"]),
         (lambda d: _write(d / "trunc.onnx", EXAMPLE.read_bytes()[: EXAMPLE.stat().st_size // 2]), ["not a valid ONNX model"]),
         (lambda d: _write(d / "graphless.onnx", onnx.ModelProto(ir_version=8).SerializeToString()), ["not an ONNX model"]),
+        (lambda d: _save(d / "ssa.onnx", _state_named_like_its_input()), ["not a valid ONNX model", "'h0'"]),
     ],
-    ids=["missing", "directory", "empty", "not-onnx", "truncated", "no-graph"],
+    ids=["missing", "directory", "empty", "not-onnx", "truncated", "no-graph", "name-defined-twice"],
 )
 def test_bad_input(tmp_path, make, words):
     src = make(tmp_path)

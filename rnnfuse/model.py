@@ -14,8 +14,8 @@ from .facts import ModelFacts
 from .graph_edit import Graph
 from .tensor_values import raw_array
 from .naming import NameAllocator
-from .protos import all_names, has_subgraph, subgraphs
-from .tensor_types import CHEAP_INFERENCE_NODES, declared_types, infer_types
+from .protos import CONTROL_FLOW, all_names, has_subgraph, subgraphs
+from .tensor_types import CHEAP_INFERENCE_NODES, CHEAP_INFERENCE_SCOPE_WORK, declared_types, infer_types
 
 
 class Model:
@@ -34,7 +34,8 @@ class Model:
         self._cones: ConeTypes | None = None  # (big models: types inferred cone by cone)
         self.graph = Graph(proto.graph, None, self)
         # whether whole-model shape inference is cheap enough to fill in undeclared types (see known_type)
-        self._may_infer = len(self.graph.nodes) < CHEAP_INFERENCE_NODES
+        n = len(self.graph.nodes)
+        self._may_infer = n < CHEAP_INFERENCE_NODES and n * len(self.graph.nodes_of(*CONTROL_FLOW)) < CHEAP_INFERENCE_SCOPE_WORK
         # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
         self.facts = ModelFacts()
 
@@ -119,8 +120,9 @@ class Model:
         leaves the shape unknown, what shape inference gives, if this model is cheap to infer.
 
         Inference runs once, on the first query that needs it, on a skeleton of the model (no weight data).
-        A model of ``CHEAP_INFERENCE_NODES`` nodes or more never runs it (it would cost seconds on graphs
-        that often declare what the passes need anyway): there a query infers only the nodes the tensor is
+        A model of ``CHEAP_INFERENCE_NODES`` nodes or more, or with so many subgraphs that inference would
+        grow quadratic (``CHEAP_INFERENCE_SCOPE_WORK``), never runs it (it would cost seconds on graphs that
+        often declare what the passes need anyway): there a query infers only the nodes the tensor is
         computed from, within a budget per model (:class:`~rnnfuse.cone_types.ConeTypes`)."""
         t = self.declared_type(name)
         if t is None or t[1] is None:

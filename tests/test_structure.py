@@ -57,6 +57,37 @@ def test_one_type_rule_large_model_infers_only_cones(first, monkeypatch):
     assert m.rank("y") == 2 and m.known_type("y") == (TensorProto.FLOAT, [2, 3])
 
 
+def _loops(n: int):
+    """``n`` Loops in a row, each a Tanh twice of what it carries, a Mul between them (no value_info)."""
+    nodes, cur = [], "x"
+    for i in range(n):
+        body = helper.make_graph(
+            [helper.make_node("Identity", ["c_in"], ["c_out"]), helper.make_node("Tanh", ["v_in"], ["v_out"])], f"b{i}",
+            [helper.make_tensor_value_info("it", TensorProto.INT64, []), helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+             helper.make_tensor_value_info("v_in", TensorProto.FLOAT, None)],
+            [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), helper.make_tensor_value_info("v_out", TensorProto.FLOAT, None)])
+        nodes += [helper.make_node("Loop", ["trip", "cond", cur], [f"l{i}"], body=body),
+                  helper.make_node("Mul", [f"l{i}", "w"], [f"m{i}"])]
+        cur = f"m{i}"
+    inits = [numpy_helper.from_array(np.array(2, np.int64), "trip"), numpy_helper.from_array(np.array(True), "cond"),
+             numpy_helper.from_array(np.ones(3, np.float32), "w")]
+    g = helper.make_graph(nodes, "loops", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info(cur, TensorProto.FLOAT, [2, 3])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_many_subgraphs_skip_whole_inference(monkeypatch):
+    """ONNX inference costs nodes x subgraphs (each subgraph gets every outer value's type): a model past
+    CHEAP_INFERENCE_SCOPE_WORK answers from declarations and cones, like a model with too many nodes."""
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_SCOPE_WORK", 1000)
+    calls = []
+    monkeypatch.setattr(rnnfuse.model, "infer_types", lambda proto: calls.append(1) or {})
+    Model(_loops(3)).known_type("m0")  # (6 nodes x 3 subgraphs: whole inference)
+    assert calls == [1]
+    m = Model(_loops(40))  # (80 nodes x 40 subgraphs)
+    assert m.known_type("m0")[0] == TensorProto.FLOAT and calls == [1]
+
+
 # -- ONNX arguments by opset (rnnfuse.op_args), through the folder that reads them ----------------------
 def _fold(op, inputs, opset, n_out=1, **attrs):
     """Fold one node whose inputs are the given constants (None: an input left out)."""

@@ -1,10 +1,11 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
-    python benchmarks/scaling.py [--sizes 25000,50000,100000,200000] [--graphs lstmcell,elementwise,wide,heavy,heavy_ext]
-                                 [--runs 3] [--trees old=DIR,new=DIR] [--out benchmarks/results]
+    python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
+                                 [--graphs lstmcell,elementwise,steps,masked,loops,wide,heavy,heavy_ext] [--runs 3]
+                                 [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
 
-Three graphs, the ends of what a long unrolled model can be:
+The graphs, the ends of what a long unrolled model can be:
 
 * ``lstmcell``: a torch loop over ``nn.LSTMCell`` (input 32, hidden 64, batch 4) exported by
   ``torch.onnx.export(dynamo=False)`` (the chain of ``chain_2000.py``): 18 nodes per step, so T = nodes / 18
@@ -14,6 +15,12 @@ Three graphs, the ends of what a long unrolled model can be:
   weight vector of its own: a big model with nothing to fuse (and nothing to merge).
 * ``wide``: the same LSTMCell loop with input and hidden size 512 (8 MB of weights) and few steps: the
   weight-heavy end, where memory is mostly tensor data.
+* ``steps``: per step ``tanh(x[t] @ W)`` with no state, all steps summed: time slices and matmuls that are
+  no recurrence, so the chain front end searches the whole graph and fuses nothing.
+* ``masked``: a loop over a tanh cell with a ``[T, B]`` bool mask (``h = where(mask[t], cell(x[t], h), h)``),
+  unrolled as torch's tracer writes it (11 nodes a step): fused into one masked RNN, validated per step.
+* ``loops``: Loops in a row, each with a two-node body (4 nodes a Loop, bodies counted): thousands of
+  subgraphs, nothing to fuse.
 * ``heavy`` / ``heavy_ext``: that loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all but
   0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 
@@ -195,8 +202,98 @@ def elementwise_chain(path: str, nodes: int, width: int = 16) -> int:
     return nodes
 
 
+def _save(path: str, nodes: list, name: str, inputs: list, outputs: list, inits: list) -> int:
+    import onnx
+    from onnx import helper
+
+    m = helper.make_model(helper.make_graph(nodes, name, inputs, outputs, inits),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, path)
+    return len(nodes)
+
+
+def steps_summed(path: str, nodes: int, width: int = 16) -> int:
+    """Per step ``tanh(x[t] @ W)``, no state, all steps summed (4 nodes a step): a graph of time slices and
+    matmuls with nothing to fuse, so the chain front end searches it all and declines nothing."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    T = max(2, nodes // 4)
+    out, stacked = [], []
+    for t in range(T):
+        out.append(helper.make_node("Constant", [], [f"i{t}"], value=numpy_helper.from_array(np.array(t, np.int64))))
+        out += [helper.make_node("Gather", ["x", f"i{t}"], [f"x{t}"], axis=0),
+                helper.make_node("MatMul", [f"x{t}", "W"], [f"m{t}"]), helper.make_node("Tanh", [f"m{t}"], [f"y{t}"])]
+        stacked.append(f"y{t}")
+    out.append(helper.make_node("Sum", stacked, ["y"]))
+    W = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, width)).astype(np.float32) * 0.2, "W")
+    return _save(path, out, "steps_summed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", 8])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", width])], [W])
+
+
+def masked_rnn_chain(path: str, nodes: int, features: int = 8, hidden: int = 16) -> int:
+    """A loop over a tanh cell with a [T, B] bool mask, unrolled as torch's tracer writes it (11 nodes a step:
+    the step's index, its slices of x and the mask, the cell, ``h = where(mask[t], h_new, h)``, the output
+    stacked by Unsqueeze + Concat). rnnfuse fuses it into one masked RNN, validated step by step."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    T = max(2, nodes // 11)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+             for n, s in (("W", (features, hidden)), ("R", (hidden, hidden)), ("b", (hidden,)))]
+    inits += [numpy_helper.from_array(np.array([a], np.int64), f"axis{a}") for a in (0, 1)]
+    out, ys, h = [], [], "h0"
+    for t in range(T):
+        out += [helper.make_node("Constant", [], [f"t{t}"], value=numpy_helper.from_array(np.array(t, np.int64))),
+                helper.make_node("Gather", ["x", f"t{t}"], [f"x{t}"], axis=0),
+                helper.make_node("Gather", ["mask", f"t{t}"], [f"mb{t}"], axis=0),
+                helper.make_node("Unsqueeze", [f"mb{t}", "axis1"], [f"m{t}"]),
+                helper.make_node("MatMul", [f"x{t}", "W"], [f"xw{t}"]),
+                helper.make_node("MatMul", [h, "R"], [f"hr{t}"]),
+                helper.make_node("Add", [f"xw{t}", f"hr{t}"], [f"s{t}"]),
+                helper.make_node("Add", [f"s{t}", "b"], [f"a{t}"]),
+                helper.make_node("Tanh", [f"a{t}"], [f"hn{t}"]),
+                helper.make_node("Where", [f"m{t}", f"hn{t}", h], [f"hs{t}"]),
+                helper.make_node("Unsqueeze", [f"hs{t}", "axis0"], [f"y{t}"])]
+        h = f"hs{t}"
+        ys.append(f"y{t}")
+    out.append(helper.make_node("Concat", ys, ["y"], axis=0))
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", features]),
+              helper.make_tensor_value_info("mask", TensorProto.BOOL, [T, "B"]),
+              helper.make_tensor_value_info("h0", TensorProto.FLOAT, ["B", hidden])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, "B", hidden]),
+               helper.make_tensor_value_info(h, TensorProto.FLOAT, ["B", hidden])]
+    return _save(path, out, "masked_rnn_chain", inputs, outputs, inits)
+
+
+def loops_in_a_row(path: str, nodes: int, width: int = 4) -> int:
+    """``nodes // 4`` Loops in a row (each a 2-node body that carries its value through a Tanh, a Mul
+    between them): thousands of small subgraphs, nothing to fuse. Counts the bodies' nodes too."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    out, cur = [], "x"
+    vi = helper.make_tensor_value_info
+    for i in range(max(1, nodes // 4)):
+        body = helper.make_graph(
+            [helper.make_node("Identity", ["c_in"], ["c_out"]), helper.make_node("Tanh", ["v_in"], ["v_out"])], f"body{i}",
+            [vi("it", TensorProto.INT64, []), vi("c_in", TensorProto.BOOL, []), vi("v_in", TensorProto.FLOAT, None)],
+            [vi("c_out", TensorProto.BOOL, []), vi("v_out", TensorProto.FLOAT, None)])
+        out += [helper.make_node("Loop", ["trip", "cond", cur], [f"l{i}"], body=body),
+                helper.make_node("Mul", [f"l{i}", "w"], [f"m{i}"])]
+        cur = f"m{i}"
+    inits = [numpy_helper.from_array(np.array(2, np.int64), "trip"), numpy_helper.from_array(np.array(True), "cond"),
+             numpy_helper.from_array(np.full(width, 0.9, np.float32), "w")]
+    _save(path, out, "loops_in_a_row", [vi("x", TensorProto.FLOAT, ["B", width])], [vi(cur, TensorProto.FLOAT, ["B", width])],
+          inits)
+    return 2 * len(out)
+
+
 GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wide": wide_chain,
-              "heavy": heavy_chain, "heavy_ext": heavy_external_chain}
+              "heavy": heavy_chain, "heavy_ext": heavy_external_chain, "steps": steps_summed,
+              "masked": masked_rnn_chain, "loops": loops_in_a_row}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "
@@ -368,7 +465,10 @@ def main(argv=None) -> int:
         f"{a.runs} runs; wall time (and CPU time, user + system, which the load of a shared machine inflates "
         "less) includes interpreter start-up, imports, load, passes and save. "
         "`lstmcell`: a torch loop over `nn.LSTMCell` (trace export, 18 nodes/step), fused into one LSTM. "
-        "`elementwise`: Add/Mul/Tanh/Sigmoid chain, nothing to fuse. `wide`: the LSTMCell loop at input and "
+        "`elementwise`: Add/Mul/Tanh/Sigmoid chain, nothing to fuse. `steps`: per-step tanh(x[t] @ W) summed, "
+        "nothing to fuse. `masked`: a masked tanh-cell loop (11 nodes/step), fused into one masked RNN. "
+        "`loops`: Loops in a row with 2-node bodies (4 nodes/Loop, bodies counted), nothing to fuse. "
+        "`wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "
         f"({', '.join(f'{v:.0f} MB' for v in bases.values())}). The optimizer itself is single-threaded.\n\n"

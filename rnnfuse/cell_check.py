@@ -39,7 +39,7 @@ def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationR
         built = _check_model(g, cell, chk, (W, R, B))
         if isinstance(built, ValidationResult):
             return built
-        m, big, role_name, pairs = built
+        m, big, role_name, pairs, dims = built
         try:
             sess = open_session(ort, m, big, prepack=prepack)
             res.unpacked = res.unpacked or sess.rnnfuse_unpacked
@@ -51,11 +51,10 @@ def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationR
         for run, (batch, scale) in enumerate(_runs(chk)):
             feeds = {}
             for name, role in chk.inputs.items():
-                width = cell.input_size if role == "x" else cell.hidden
                 name = role_name[role] if role == "x" else name
-                feeds[name] = random_values((batch, width), np.float32, rng, scale=scale if role == "x" else 1.0)
+                feeds[name] = random_values(_sized(dims[name], batch), np.float32, rng, scale=scale if role == "x" else 1.0)
             for name, v in chk.fills.items():
-                feeds[name] = np.full((batch, cell.hidden), v, np.float32)
+                feeds[name] = np.full(_sized(dims[name], batch), v, np.float32)
             valid = _feed_masks(chk, feeds, batch, run)
             try:
                 vals = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
@@ -66,8 +65,47 @@ def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationR
                 want = vals[p[1]]
                 if valid is not None:  # (padded rows keep the state the step read)
                     want = np.where(valid[:, None], want, _state_read(chk, role, feeds, want.shape))
-                compare(res.pairs[p], vals[p[0]], want, f"step check {ci}, batch {batch}")
+                compare(res.pairs[p], _without_unit_lead(vals[p[0]], want.shape), want, f"step check {ci}, batch {batch}")
     return res
+
+
+def _sized(dims: tuple, batch: int) -> tuple:
+    return tuple(batch if d == "B" else d for d in dims)
+
+
+def _without_unit_lead(a: np.ndarray, shape: tuple) -> np.ndarray:
+    """``a`` without the leading unit axes a step's [1, B, H] state has beside the native [B, H] (torch's
+    per-layer slices of h0), when that is all that differs."""
+    extra = a.ndim - len(shape)
+    if extra > 0 and a.shape[extra:] == tuple(shape) and all(d == 1 for d in a.shape[:extra]):
+        return a.reshape(shape)
+    return a
+
+
+def _fed_dims(g: Graph, cell, chk) -> dict[str, tuple]:
+    """The dims each fed tensor has in the graph, "B" for the batch: a state read with leading unit axes
+    (``[1, B, H]``) is fed so, and a fill with the dims it has (torch's ``h0`` of ``[layers, B, H]``, sliced by
+    the step) where they are known as constants around one batch dim; else ``[B, width]``."""
+    dims: dict[str, tuple] = {}
+    batch_dim = None
+    for name, role in chk.inputs.items():
+        width = cell.input_size if role == "x" else cell.hidden
+        shape = g.model.shape(name)
+        # (the known rank only: a lead guessed through the graph may be wrong, and the check then cannot run)
+        lead = 0 if (role == "x" and chk.x_projection is not None) or not shape else max(len(shape) - 2, 0)
+        dims["__x0" if role == "x" and chk.x_projection is not None else name] = (1,) * lead + ("B", width)
+        if role == "x" and shape and isinstance(shape[-2], str):
+            batch_dim = shape[-2]
+    for name in chk.fills:
+        shape = g.model.shape(name)
+        if shape and all(isinstance(d, int) for d in shape) and chk.batch:
+            dims[name] = tuple(shape)  # (a static export: the batch is the fill's own)
+        elif shape and batch_dim is not None and shape.count(batch_dim) == 1 and all(
+                isinstance(d, int) or d == batch_dim for d in shape):
+            dims[name] = tuple("B" if d == batch_dim else d for d in shape)
+        else:
+            dims[name] = ("B", cell.hidden)
+    return dims
 
 
 def _runs(chk) -> list[tuple[int, float]]:
@@ -96,7 +134,7 @@ def _state_read(chk, role: str, feeds: dict, shape: tuple) -> np.ndarray:
     value the step's fills hold)."""
     for name, r in chk.inputs.items():
         if r == role:
-            return feeds[name]
+            return feeds[name].reshape(shape)  # (a [1, B, H] state read: the rows are the same)
     if role in chk.zero:
         return np.zeros(shape, np.float32)
     (fill,) = set(chk.fills.values())  # (a state started from a fill: roles.add_cell_checks made sure of one)
@@ -119,16 +157,20 @@ def _check_model(g: Graph, cell, chk, weights):
                 if c is None:
                     return ValidationResult(False, f"the step reads '{i}', which is not constant")
                 inits[i] = np.asarray(c)
-    inputs, role_name = _step_inputs(cell, chk, nodes, inits)
+    dims = _fed_dims(g, cell, chk)
+    inputs, role_name = _step_inputs(cell, chk, nodes, inits, dims)
     W, R, B = weights
     inits.update({"__W": W, "__R": R, "__B": B})
-    extra = [numpy_helper.from_array(np.array([0], np.int64), "__ax0")]
+    # the native op's X [1, B, F] and initial states [1, B, H], from x_t and states fed as [B, n] or [1, B, n]
+    extra = [numpy_helper.from_array(np.array([0], np.int64), "__ax0"),
+             numpy_helper.from_array(np.array([1, -1, cell.input_size], np.int64), "__x_seq"),
+             numpy_helper.from_array(np.array([1, -1, cell.hidden], np.int64), "__h_seq")]
     xin = "__X"
-    nodes.append(helper.make_node("Unsqueeze", [role_name["x"], "__ax0"], [xin]))
+    nodes.append(helper.make_node("Reshape", [role_name["x"], "__x_seq"], [xin]))
     ins = [xin, "__W", "__R", "__B", ""]
     for st in cell.kind.states:
         if st in role_name:
-            nodes.append(helper.make_node("Unsqueeze", [role_name[st], "__ax0"], [f"__init_{st}"]))
+            nodes.append(helper.make_node("Reshape", [role_name[st], "__h_seq"], [f"__init_{st}"]))
             ins.append(f"__init_{st}")
         else:
             ins.append("")
@@ -156,21 +198,20 @@ def _check_model(g: Graph, cell, chk, weights):
     m.CopyFrom(helper.make_model(graph, opset_imports=list(g.model.proto.opset_import)))
     m.ir_version = g.model.proto.ir_version
     materialize_nested(m, g.model.tensor_array)
-    return m, big, role_name, pairs
+    return m, big, role_name, pairs, dims
 
 
-def _step_inputs(cell, chk, nodes: list, inits: dict) -> tuple[list, dict]:
+def _step_inputs(cell, chk, nodes: list, inits: dict, dims: dict[str, tuple]) -> tuple[list, dict]:
     """The check model's inputs (the step's x, h, c and runtime-shaped fills) and which tensor is fed per role.
     A step that reads the projected input ``x0 @ K + b`` is fed x0, the projection computed in the model."""
     dt = TensorProto.FLOAT
     inputs = []
     role_name = {}
     for name, role in chk.inputs.items():
-        width = cell.input_size if role == "x" else cell.hidden
         if role == "x" and chk.x_projection is not None:
             K, bias = chk.x_projection
             raw = "__x0"
-            inputs.append(helper.make_tensor_value_info(raw, dt, ["B", width]))
+            inputs.append(helper.make_tensor_value_info(raw, dt, list(dims[raw])))
             extra_nodes = [helper.make_node("MatMul", [raw, "__K"], [name if bias is None else "__xk"])]
             inits["__K"] = np.asarray(K)
             if bias is not None:
@@ -179,10 +220,10 @@ def _step_inputs(cell, chk, nodes: list, inits: dict) -> tuple[list, dict]:
             nodes[:0] = extra_nodes
             role_name[role] = raw
             continue
-        inputs.append(helper.make_tensor_value_info(name, dt, ["B", width]))
+        inputs.append(helper.make_tensor_value_info(name, dt, list(dims[name])))
         role_name[role] = name
     for name in chk.fills:
-        inputs.append(helper.make_tensor_value_info(name, dt, ["B", cell.hidden]))
+        inputs.append(helper.make_tensor_value_info(name, dt, list(dims[name])))
     for name, (elem, dims) in chk.masks.items():
         inputs.append(helper.make_tensor_value_info(name, elem, ["B", *dims]))
     return inputs, role_name

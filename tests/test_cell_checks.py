@@ -1,11 +1,12 @@
-"""Masked unrolled chains too big to run whole are validated step by step, their masks fed.
+"""Unrolled chains in big models are validated step by step: the forms a step's inputs take.
 
 A big model's chain is validated per step (one step of the original against a one-step native op), not on
 the whole model: a 100k-node masked chain took a minute and 700 MB to check whole. A masked step is fed its
 mask: rows alternately valid and padded, so the check sees the cell at valid rows and the state carried
-at padded ones, under the mask polarity the analysis found. These tests lower the size limit so a small
-chain takes that path, and check that it fuses exactly, that a wrong polarity fails the check, and that a
-step that cannot be checked alone falls back to the whole model instead of going unchecked.
+at padded ones, under the mask polarity the analysis found. A step reading a state with a leading unit
+axis (torch dynamo's nn.RNN: ``[1, B, H]`` slices of h0 and of each layer's states) is fed it so. These tests
+lower the size limit so small chains take that path: they fuse exactly, a wrong polarity fails the check,
+and a step that cannot be checked alone falls back to the whole model instead of going unchecked.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import builders as B
+from helpers import check_case, exported_case
 from rnnfuse import cell_check, rewrite
 
 
@@ -80,3 +82,13 @@ def test_padded_rows_expect_the_state_read():
     valid = cell_check._feed_masks(chk, feeds, 3, 1)
     assert valid.tolist() == [False, True, False] and feeds["m"].dtype == np.bool_ and feeds["m"].shape == (3, 1)
     assert feeds["m"][:, 0].tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("name", ["rnn_relu_L2_dynamo_h0", "rnn_tanh_L2_dynamo_bf", "rnn_tanh_bidir_dynamo"])
+def test_dynamo_rnn_states_with_a_unit_lead_are_checked_per_step(torch_dir, name, per_step):
+    """torch dynamo's nn.RNN: each layer's steps read [1, B, H] states (slices of h0, Unsqueezes): checked
+    step by step, fed in that shape, the layers fuse and match torch's own outputs."""
+    fused, report = check_case(exported_case(torch_dir, name))
+    assert not report.declined, report.to_text()
+    chains = [f for f in report.fused if f.pass_name == "unrolled"]
+    assert chains and all("per step" in f.validation for f in chains), report.to_text()

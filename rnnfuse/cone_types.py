@@ -8,11 +8,12 @@ the nodes back from it to values whose types are known (declared by the file, or
 query). :class:`ConeTypes` infers that cone alone, on a copy holding small constants' data and the known
 types of what it reads, and remembers every type the cone gave, so a node is inferred at most once.
 
-The work is bounded per model: the nodes walked (and so inferred) over all queries, with a fixed cost for
-each inference, stay under the node count of a model whose whole inference runs (``budget``). A graph with
-nothing to ask pays nothing, a graph asking a lot pays no more than a small model, and a tensor whose cone
-does not fit in what is left has no type, as before. Queries come in the passes' own order, so a model gets
-the same answers on every run.
+The work is bounded per model and linear in it: the nodes walked (and so inferred) over all queries, with a
+fixed cost for each inference, stay under ``budget``: twice the graph's nodes (a long chain asks about each
+step's values, a cone of one step each: 1,000 steps of a masked GRU cell spend ~43,000 on 24,000 nodes), and
+at least what a model whose whole inference runs costs. A graph with nothing to ask pays nothing, and a
+tensor whose cone does not fit in what is left has no type, as before. Queries come in the passes' own
+order, so a model gets the same answers on every run.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ SMALL_CONSTANT_BYTES = 4096  # initializers up to this size go into the cone wit
 class ConeTypes:
     """Inferred types of one model's main-graph tensors, each cone inferred on first need."""
 
-    def __init__(self, model: "Model", budget: int = CHEAP_INFERENCE_NODES):
+    def __init__(self, model: "Model", budget: int | None = None):
         self.model = model
-        self.budget = budget  # nodes that may still be walked or inferred
+        # nodes that may still be walked or inferred
+        self.budget = max(CHEAP_INFERENCE_NODES, 2 * len(model.graph.nodes)) if budget is None else budget
         self.types: dict[str, Type] = {}
         self.settled: set[str] = set()  # outputs of nodes already inferred (typed or not), or given up on
 
@@ -67,12 +69,16 @@ class ConeTypes:
         return self.types.get(name, t)
 
     def _frontier(self, name: str) -> bool:
-        """Whether the walk stops at ``name``: a graph input or weight, a value of known shape, one settled."""
+        """Whether the walk stops at ``name``: a graph input or weight, a value of known shape, one settled.
+        Not at a Constant or a shape-like value (int64, rank 0 or 1) whose type is known: inference needs
+        their values to size what they shape (``ConstantOfShape(Concat(Shape(x)[0], H))``)."""
         g = self.model.graph
         if name in self.settled or name in g.initializers or g.is_graph_input(name) or name not in g.producer:
             return True
         t = self._known(name)
-        return t is not None and t[1] is not None
+        if t is None or t[1] is None:
+            return False
+        return not (g.producer[name].op_type == "Constant" or (t[0] == TensorProto.INT64 and len(t[1]) <= 1))
 
     def _cone(self, root: NodeProto) -> list[NodeProto] | None:
         """The nodes ``root`` is computed from back to the frontier, producers first; None past the budget."""

@@ -136,3 +136,24 @@ def test_cone_types_infer_what_a_query_needs_once_within_the_budget():
     assert ConeTypes(m, budget=0).type_of(where.output[0]) is None
     poor = ConeTypes(m, budget=2)
     assert poor.type_of(where.output[0]) is None and poor.budget <= 0
+
+
+def test_cone_types_read_shape_values_through_constants():
+    """A zero state sized from the input, as torch's tracer writes ``torch.zeros(B, H)``: the shape values are
+    Constants and shape-like tensors that the file may type; the cone reaches their values all the same."""
+    def const(name, arr):
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(arr)))
+
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]), const("one", np.array(1, np.int64)),
+             helper.make_node("Gather", ["shape", "one"], ["b"]), const("ax", np.array([0], np.int64)),
+             helper.make_node("Unsqueeze", ["b", "ax"], ["b1"]), const("h", np.array([8], np.int64)),
+             helper.make_node("Concat", ["b1", "h"], ["hshape"], axis=0),
+             helper.make_node("ConstantOfShape", ["hshape"], ["h0"], value=numpy_helper.from_array(np.zeros(1, np.float32))),
+             helper.make_node("Tanh", ["h0"], ["y"])]
+    g = helper.make_graph(nodes, "zeros", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, "B", 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          value_info=[helper.make_tensor_value_info("hshape", TensorProto.INT64, [2])])
+    m = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    cones = ConeTypes(m)
+    assert cones.budget == 20000  # (at least a small model's whole inference; twice the nodes of a big one)
+    assert cones.type_of("y") == (TensorProto.FLOAT, ["B", 8])

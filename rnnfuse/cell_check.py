@@ -38,14 +38,14 @@ def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationR
     for ci, chk in enumerate(rec.cell_checks):
         built = _check_model(g, cell, chk, (W, R, B))
         if isinstance(built, ValidationResult):
-            return built
+            return _unless_failed(res, built)
         m, big, role_name, pairs, dims = built
         try:
             sess = open_session(ort, m, big, prepack=prepack)
             res.unpacked = res.unpacked or sess.rnnfuse_unpacked
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return ValidationResult(False, f"onnxruntime cannot run the step ({msg[:200]})")
+            return _unless_failed(res, ValidationResult(False, f"onnxruntime cannot run the step ({msg[:200]})"))
         for p in pairs:
             res.pairs.setdefault(p, PairResult(*p))
         for run, (batch, scale) in enumerate(_runs(chk)):
@@ -106,6 +106,12 @@ def _fed_dims(g: Graph, cell, chk) -> dict[str, tuple]:
         else:
             dims[name] = ("B", cell.hidden)
     return dims
+
+
+def _unless_failed(res: ValidationResult, cannot: ValidationResult) -> ValidationResult:
+    """A later step that cannot be checked makes the checks "not run" (the whole model is then validated),
+    unless an earlier step already failed: that failure stands."""
+    return res if any(not p.ok for p in res.pairs.values()) else cannot
 
 
 def _runs(chk) -> list[tuple[int, float]]:

@@ -23,6 +23,10 @@ from .validate import validate
 # beyond this many nodes, onnxruntime takes seconds just to load the model: recurrences that carry a
 # step-level check (unrolled chains) are validated step by step instead
 WHOLE_MODEL_LIMIT = 4000
+# a masked chain's whole-model run also checks the mask plumbing (lengths, the exact path's compaction, the
+# outputs at padded steps), which its step checks do not: it keeps it up to a model that costs ~5 s to run
+# so; beyond, its steps are checked with their masks fed (a 100k-node masked chain run whole: 57 s, 721 MB)
+MASKED_WHOLE_MODEL_LIMIT = 20000
 
 
 @dataclass
@@ -153,9 +157,10 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
     step checks), judge each, commit the ones that hold; their findings go to ``result`` in order."""
     if not rewrites:
         return
-    big = len(g.nodes) > WHOLE_MODEL_LIMIT
-    by_cell = [r for r in rewrites if big and r.cell_rec is not None]
-    whole = [r for r in rewrites if not (big and r.cell_rec is not None)]
+    n = len(g.nodes)
+    by_cell = [r for r in rewrites if r.cell_rec is not None
+               and n > (MASKED_WHOLE_MODEL_LIMIT if r.cell_rec.mask is not None else WHOLE_MODEL_LIMIT)]
+    whole = [r for r in rewrites if all(r is not c for c in by_cell)]
     results: dict[int, object] = {}
     g.release_arrays()  # (the values read while finding these are not needed to validate or commit them)
     if ctx.validate:

@@ -22,6 +22,7 @@ from rnnfuse import cell_check, rewrite
 @pytest.fixture
 def per_step(monkeypatch):
     monkeypatch.setattr(rewrite, "WHOLE_MODEL_LIMIT", 0)  # (every chain is "big")
+    monkeypatch.setattr(rewrite, "MASKED_WHOLE_MODEL_LIMIT", 0)
 
 
 def _masked(op: str, mask: str = "where", direction: str = "forward", **kw) -> B.Opts:
@@ -92,3 +93,41 @@ def test_dynamo_rnn_states_with_a_unit_lead_are_checked_per_step(torch_dir, name
     assert not report.declined, report.to_text()
     chains = [f for f in report.fused if f.pass_name == "unrolled"]
     assert chains and all("per step" in f.validation for f in chains), report.to_text()
+
+
+def test_masked_chains_of_mid_size_models_are_still_checked_whole(monkeypatch):
+    """Between the two limits (here: any size) a masked chain is validated on the whole model, which also
+    checks its mask plumbing; an unmasked one step by step."""
+    monkeypatch.setattr(rewrite, "WHOLE_MODEL_LIMIT", 0)
+    for o, per_step in ((_masked("GRU"), False), (B.Opts(op="GRU", front="chain", static_T=6), True)):
+        out = B.run_case(o, batches=(1, 3))
+        (f,) = [f for f in out.report.findings if f.status == "fused"]
+        assert f.validation.startswith("ok") and ("per step" in f.validation) == per_step, f.validation
+
+
+def test_a_failed_step_stands_when_a_later_one_cannot_be_checked(per_step, monkeypatch):
+    """The first step check fails; the second cannot be built: the chain is declined (not handed to a
+    whole-model validation that might be skipped)."""
+    build = cell_check._check_model
+    built = []
+
+    def second_unbuildable(g, cell, chk, weights):
+        built.append(chk)
+        if len(built) > 1:
+            return cell_check.ValidationResult(False, "cannot build the step")
+        return build(g, cell, chk, weights)
+
+    feed = cell_check._feed_masks
+
+    def inverted(chk, feeds, batch, run):
+        valid = feed(chk, feeds, batch, run)
+        for name in chk.masks:
+            feeds[name] = (feeds[name] == 0).astype(feeds[name].dtype)
+        return valid
+
+    monkeypatch.setattr(cell_check, "_check_model", second_unbuildable)
+    monkeypatch.setattr(cell_check, "_feed_masks", inverted)
+    out = B.run_case(_masked("LSTM"), batches=(1, 3))
+    assert len(built) == 2 and out.status == "declined", out.text()
+    (f,) = out.report.findings
+    assert f.validation == "failed", f.line()

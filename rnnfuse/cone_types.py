@@ -45,6 +45,7 @@ class ConeTypes:
         # nodes that may still be walked or inferred
         self.budget = max(CHEAP_INFERENCE_NODES, 2 * len(model.graph.nodes)) if budget is None else budget
         self.types: dict[str, Type] = {}
+        self.cones = 0  # inferences run (names the dims each one invents)
         self.settled: set[str] = set()  # outputs of nodes already inferred (typed or not), or given up on
 
     def type_of(self, name: str) -> Type | None:
@@ -116,12 +117,23 @@ class ConeTypes:
             m = onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
         except Exception:  # (inference is a convenience: the tensors stay untyped)
             pass
+        self.cones += 1
         for vi in m.graph.value_info:
             t = type_of(vi)
             if t is not None and t[0] != TensorProto.UNDEFINED:
-                self.types[vi.name] = t
+                self.types[vi.name] = self._own_dims(t)
         for n in cone:
             self.settled.update(n.output)
+
+    def _own_dims(self, t: Type) -> Type:
+        """``t`` with the dims inference named itself (``unk__0``...) made this cone's own: every inference
+        numbers them from 0 again, and two cones' ``unk__0`` are no one dim."""
+        def invented(d) -> bool:  # (a dim an earlier cone named, read here as an input's, is already its own)
+            return isinstance(d, str) and d.startswith("unk__") and "@" not in d
+
+        if t[1] is None or not any(invented(d) for d in t[1]):
+            return t
+        return (t[0], [f"{d}@cone{self.cones}" if invented(d) else d for d in t[1]])
 
     def _cone_graph(self, cone: list[NodeProto]) -> GraphProto:
         g = self.model.graph

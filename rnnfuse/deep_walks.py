@@ -10,6 +10,7 @@ one walk, and the answers are those of an unbounded recursion.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 MAX_FOLD_DEPTH = 200  # nested folds before a walk resumes from a fresh stack
 
 
-class _Depth:
-    value = 0  # folds in progress (one thread runs the passes)
+class _Depth(threading.local):
+    value = 0  # folds in progress in this thread (optimize() may run in several threads at once)
 
 
 _depth = _Depth()

@@ -157,3 +157,35 @@ def test_cone_types_read_shape_values_through_constants():
     cones = ConeTypes(m)
     assert cones.budget == 20000  # (at least a small model's whole inference; twice the nodes of a big one)
     assert cones.type_of("y") == (TensorProto.FLOAT, ["B", 8])
+
+
+def test_deep_folding_in_several_threads_at_once():
+    """The fold depth is counted per thread: concurrent optimizations do not see each other's walks."""
+    import threading
+
+    results, errors = [], []
+
+    def fold():
+        try:
+            results.append(float(Model(_deep_constant_graph(400)).graph.const("v")[0]))
+        except BaseException as e:  # (TooDeep leaking out would land here)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=fold) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [402.0] * 4
+
+
+def test_cone_types_keep_the_dims_each_inference_invents_apart():
+    """Two NonZero results have unknown counts: each inference calls its own 'unk__0', which must not make
+    the two counts one dim."""
+    nodes = [helper.make_node("NonZero", ["x"], ["nz1"]), helper.make_node("Transpose", ["nz1"], ["a"]),
+             helper.make_node("NonZero", ["y"], ["nz2"]), helper.make_node("Transpose", ["nz2"], ["b"])]
+    g = helper.make_graph(nodes, "nz", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in ("x", "y")],
+                          [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in ("a", "b")])
+    cones = ConeTypes(Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])))
+    (ta, tb) = cones.type_of("a"), cones.type_of("b")
+    assert ta[1][1] == 1 and tb[1][1] == 1 and ta[1][0] != tb[1][0], (ta, tb)

@@ -11,8 +11,8 @@ types of what it reads, and remembers every type the cone gave, so a node is inf
 The work is bounded per model and linear in it: the nodes walked (and so inferred) over all queries, with a
 fixed cost for each inference, stay under ``budget``: twice the graph's nodes (a long chain asks about each
 step's values, a cone of one step each: 1,000 steps of a masked GRU cell spend ~43,000 on 24,000 nodes), and
-at least what a model whose whole inference runs costs. A graph with nothing to ask pays nothing, and a
-tensor whose cone does not fit in what is left has no type, as before. Queries come in the passes' own
+at least what a model whose whole inference runs costs; no one cone is bigger than such a model. A graph
+with nothing to ask pays nothing, and a tensor whose cone does not fit has no type, as before. Queries come in the passes' own
 order, so a model gets the same answers on every run.
 """
 
@@ -46,6 +46,9 @@ class ConeTypes:
         self.budget = max(CHEAP_INFERENCE_NODES, 2 * len(model.graph.nodes)) if budget is None else budget
         self.types: dict[str, Type] = {}
         self.cones = 0  # inferences run (names the dims each one invents)
+        # one cone as big as a model whose whole inference is skipped (the output of a 100k-node chain, all of it)
+        # would cost what skipping it saves, and hold a copy of it: such a tensor has no type
+        self.max_cone = CHEAP_INFERENCE_NODES
         self.settled: set[str] = set()  # outputs of nodes already inferred (typed or not), or given up on
 
     def type_of(self, name: str) -> Type | None:
@@ -82,7 +85,8 @@ class ConeTypes:
         return not (g.producer[name].op_type == "Constant" or (t[0] == TensorProto.INT64 and len(t[1]) <= 1))
 
     def _cone(self, root: NodeProto) -> list[NodeProto] | None:
-        """The nodes ``root`` is computed from back to the frontier, producers first; None past the budget."""
+        """The nodes ``root`` is computed from back to the frontier, producers first; None past the budget or
+        past ``max_cone`` nodes."""
         producer = self.model.graph.producer
         order: list[NodeProto] = []
         seen: set[int] = set()
@@ -96,7 +100,7 @@ class ConeTypes:
                 continue
             seen.add(id(node))
             self.budget -= 1
-            if self.budget < 0:
+            if self.budget < 0 or len(seen) > self.max_cone:
                 return None
             stack.append((node, True))
             for i in node.input:

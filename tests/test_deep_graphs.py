@@ -189,3 +189,13 @@ def test_cone_types_keep_the_dims_each_inference_invents_apart():
     cones = ConeTypes(Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])))
     (ta, tb) = cones.type_of("a"), cones.type_of("b")
     assert ta[1][1] == 1 and tb[1][1] == 1 and ta[1][0] != tb[1][0], (ta, tb)
+
+
+def test_a_cone_as_big_as_a_skipped_model_is_not_inferred():
+    """The end of a long chain: its cone is the whole chain, what skipping whole-model inference saves. It
+    gets no type (its walk stops at the limit); a tensor near the input still does."""
+    m = Model(_deep_constant_graph(300))
+    cones = ConeTypes(m)
+    cones.max_cone = 100
+    assert cones.type_of("w") is None
+    assert cones.budget > 0 and cones.type_of("w5") == (TensorProto.FLOAT, [2])

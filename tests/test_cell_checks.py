@@ -39,9 +39,8 @@ def test_masked_chain_is_validated_per_step_and_exact(op, mask, direction, per_s
     assert f.masked and "per step" in f.validation and f.validation.startswith("ok"), f.validation
 
 
-def test_a_wrong_mask_polarity_fails_the_step_check(per_step, monkeypatch):
-    """Feed each step the opposite of what the check expects (as if the analysis had the polarity wrong):
-    the rows it calls padded are computed by the cell, so the check fails and the chain is declined."""
+def _feed_inverted_masks(monkeypatch) -> None:
+    """Step checks feed every mask the opposite of the rows they call valid."""
     feed = cell_check._feed_masks
 
     def inverted(chk, feeds, batch, run):
@@ -51,6 +50,12 @@ def test_a_wrong_mask_polarity_fails_the_step_check(per_step, monkeypatch):
         return valid
 
     monkeypatch.setattr(cell_check, "_feed_masks", inverted)
+
+
+def test_a_wrong_mask_polarity_fails_the_step_check(per_step, monkeypatch):
+    """Feed each step the opposite of what the check expects (as if the analysis had the polarity wrong):
+    the rows it calls padded are computed by the cell, so the check fails and the chain is declined."""
+    _feed_inverted_masks(monkeypatch)
     out = B.run_case(_masked("GRU"), batches=(1, 3))
     assert out.status == "declined", out.text()
     (f,) = out.report.findings
@@ -117,16 +122,8 @@ def test_a_failed_step_stands_when_a_later_one_cannot_be_checked(per_step, monke
             return cell_check.ValidationResult(False, "cannot build the step")
         return build(g, cell, chk, weights)
 
-    feed = cell_check._feed_masks
-
-    def inverted(chk, feeds, batch, run):
-        valid = feed(chk, feeds, batch, run)
-        for name in chk.masks:
-            feeds[name] = (feeds[name] == 0).astype(feeds[name].dtype)
-        return valid
-
     monkeypatch.setattr(cell_check, "_check_model", second_unbuildable)
-    monkeypatch.setattr(cell_check, "_feed_masks", inverted)
+    _feed_inverted_masks(monkeypatch)
     out = B.run_case(_masked("LSTM"), batches=(1, 3))
     assert len(built) == 2 and out.status == "declined", out.text()
     (f,) = out.report.findings

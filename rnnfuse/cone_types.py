@@ -12,8 +12,8 @@ The work is bounded per model and linear in it: the nodes walked (and so inferre
 fixed cost for each inference, stay under ``budget``: twice the graph's nodes (a long chain asks about each
 step's values, a cone of one step each: 1,000 steps of a masked GRU cell spend ~43,000 on 24,000 nodes), and
 at least what a model whose whole inference runs costs; no one cone is bigger than such a model. A graph
-with nothing to ask pays nothing, and a tensor whose cone does not fit has no type, as before. Queries come in the passes' own
-order, so a model gets the same answers on every run.
+with nothing to ask pays nothing, and a tensor whose cone does not fit has no type, as before. Queries come
+in the passes' own order, so a model gets the same answers on every run.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import onnx
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper
 
 from .protos import has_subgraph
-from .tensor_types import CHEAP_INFERENCE_NODES, copy_node_skeleton, type_of
+from .tensor_types import CHEAP_INFERENCE_NODES, SKELETON_DATA_BYTES, copy_node_skeleton, type_of
 
 if TYPE_CHECKING:
     from .model import Model
@@ -34,7 +34,6 @@ Type = tuple[int, "list | None"]
 # what one inference costs beside its nodes (building the copy, the inference's own set-up), in nodes: a graph
 # asking about thousands of one-node cones (a value per step of a long chain) spends its budget on them too
 CONE_OVERHEAD = 25
-SMALL_CONSTANT_BYTES = 4096  # initializers up to this size go into the cone with their data (Reshape shapes, axes)
 
 
 class ConeTypes:
@@ -149,12 +148,12 @@ class ConeTypes:
             read.update((i, None) for i in n.input if i and i not in made)
             copy = out.node.add()
             if has_subgraph(n):
-                copy_node_skeleton(n, copy, SMALL_CONSTANT_BYTES)
+                copy_node_skeleton(n, copy, SKELETON_DATA_BYTES)
             else:
                 copy.CopyFrom(n)
         for name in read:
             w = g.initializers.get(name)
-            if w is not None and name not in g.input_names and w.data_location != TensorProto.EXTERNAL and w.ByteSize() <= SMALL_CONSTANT_BYTES:
+            if w is not None and name not in g.input_names and w.data_location != TensorProto.EXTERNAL and w.ByteSize() <= SKELETON_DATA_BYTES:
                 out.initializer.append(w)
                 continue
             t = self._known(name)

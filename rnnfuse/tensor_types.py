@@ -20,9 +20,11 @@ CHEAP_INFERENCE_NODES = 20000
 # as nodes x subgraphs: 8,000 Loops in a 16k-node graph took 7.9 s (6e-8 s a node a subgraph); below this
 # product it stays under ~0.3 s
 CHEAP_INFERENCE_SCOPE_WORK = 5_000_000
+# initializers up to this size keep their data in what inference sees (Reshape shapes, axes); bigger ones only their type
+SKELETON_DATA_BYTES = 4096
 
 
-def _skeleton(g: GraphProto, keep_bytes: int = 4096) -> GraphProto:
+def _skeleton(g: GraphProto, keep_bytes: int = SKELETON_DATA_BYTES) -> GraphProto:
     out = GraphProto()
     out.name = g.name
     out.input.extend(g.input)

@@ -39,7 +39,7 @@ from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
                          find_derived_mask)
 from .loop_reads import check_trip_count, counter_step, counting_offset, length_mask, step_read
-from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly
+from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly, weight_ops
 
 
 @dataclass
@@ -468,4 +468,4 @@ class FuseLoops:
     fuses_only_with = frozenset({"Loop"})
 
     def run(self, model: Model, ctx: Options) -> PassResult:
-        return fuse_nodes(model, ctx, self.name, "Loop", "Loop", loop_recurrence)
+        return fuse_nodes(model, ctx, self.name, "Loop", "Loop", loop_recurrence, body_needs=weight_ops())

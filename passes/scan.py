@@ -26,7 +26,7 @@ from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.emit import Builder
 from rnnfuse.row_wise import ROW_RANK, BodyMask, body_mask, mask_on_every_step
 from rnnfuse.step import StepOut, analyse
-from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, SymTensor, StepInput
+from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, SymTensor, StepInput, weight_ops
 
 from .loop_inputs import find_input_map
 from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
@@ -249,4 +249,4 @@ class FuseScans:
     fuses_only_with = frozenset({"Scan"})
 
     def run(self, model: Model, ctx: Options) -> PassResult:
-        return fuse_nodes(model, ctx, self.name, "Scan", "Scan", scan_recurrence)
+        return fuse_nodes(model, ctx, self.name, "Scan", "Scan", scan_recurrence, body_needs=weight_ops())

@@ -117,17 +117,33 @@ def subgraphs(node: NodeProto) -> Iterator[GraphProto]:
             yield from a.graphs
 
 
+def holds_op_type(node: NodeProto, op_types: frozenset[str]) -> bool:
+    """Whether a node of one of ``op_types`` is in ``node``'s subgraphs, at any depth."""
+    stack = list(subgraphs(node))
+    while stack:
+        for n in stack.pop().node:
+            if n.op_type in op_types:
+                return True
+            if has_subgraph(n):
+                stack.extend(subgraphs(n))
+    return False
+
+
 def free_names(g: GraphProto) -> set[str]:
     """Names a graph reads that it does not define (its captures from enclosing scopes)."""
-    defined = {i.name for i in g.input} | {i.name for i in g.initializer} | {""}
+    defined = {i.name for i in g.input}
+    defined.update([i.name for i in g.initializer])
+    defined.add("")
     used: set[str] = set()
     for n in g.node:
-        used.update(n.input)
-        for sg in subgraphs(n):
-            used |= free_names(sg)
-        defined.update(n.output)
-    used.update(o.name for o in g.output)
-    return used - defined
+        used.update(n.input[:])  # (a slice: the names listed in one call)
+        defined.update(n.output[:])
+        if has_subgraph(n):  # (most nodes have none: no generator made for them)
+            for sg in subgraphs(n):
+                used |= free_names(sg)
+    used.update([o.name for o in g.output])
+    used -= defined
+    return used
 
 
 def rename_free(g: GraphProto, old: str, new: str) -> None:

@@ -429,3 +429,53 @@ def test_op_counts_from_the_index():
     g1 = helper.make_graph(nodes + [other], "g", list(g0.input), list(g0.output))
     m1 = helper.make_model(g1, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.ops", 1)])
     assert Model(m1).graph.op_type_counts() is None
+
+
+def _loops_in_a_row(n: int, nested_matmul_at: int | None = None) -> onnx.ModelProto:
+    """``n`` Loops in a row, each carrying a value through a Tanh (no cell: nothing multiplies it by a
+    weight); Loop ``nested_matmul_at``'s Tanh reads a MatMul inside an If of its body instead."""
+    vi = helper.make_tensor_value_info
+    nodes, cur = [], "x"
+    for i in range(n):
+        body_nodes = [helper.make_node("Identity", ["c_in"], ["c_out"])]
+        if i == nested_matmul_at:
+            branch = helper.make_graph([helper.make_node("MatMul", ["v_in", "W"], ["p"])], "mm", [],
+                                       [vi("p", TensorProto.FLOAT, None)])
+            body_nodes += [helper.make_node("If", ["c_in"], ["v_p"], then_branch=branch, else_branch=branch),
+                           helper.make_node("Tanh", ["v_p"], ["v_out"])]
+        else:
+            body_nodes.append(helper.make_node("Tanh", ["v_in"], ["v_out"]))
+        body = helper.make_graph(body_nodes, f"body{i}",
+                                 [vi("it", TensorProto.INT64, []), vi("c_in", TensorProto.BOOL, []),
+                                  vi("v_in", TensorProto.FLOAT, None)],
+                                 [vi("c_out", TensorProto.BOOL, []), vi("v_out", TensorProto.FLOAT, None)])
+        nodes.append(helper.make_node("Loop", ["trip", "cond", cur], [f"l{i}"], f"loop{i}", body=body))
+        cur = f"l{i}"
+    inits = [numpy_helper.from_array(np.array(2, np.int64), "trip"), numpy_helper.from_array(np.array(True), "cond"),
+             numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")]
+    g = helper.make_graph(nodes, "loops", [vi("x", TensorProto.FLOAT, ["B", 4])], [vi(cur, TensorProto.FLOAT, ["B", 4])],
+                          inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_loop_without_a_weight_product_is_declined_unindexed(monkeypatch):
+    """A Loop whose body (at any depth) multiplies nothing by a weight holds no cell: it is declined from a
+    scan of its op types, its body never indexed nor typed (25,000 such Loops: 3 s of the pass); one whose
+    body holds a MatMul, even inside an If, is still analysed."""
+    indexed = []
+    subgraph = Graph.subgraph
+
+    def counted(g, node, _sub=subgraph):
+        indexed.append(node.name)
+        return _sub(g, node)
+
+    monkeypatch.setattr(Graph, "subgraph", counted)
+    model = _loops_in_a_row(30, nested_matmul_at=17)
+    before = model.SerializeToString()
+    m, report, _ = _run(model)
+    assert not report.modified and m.proto.SerializeToString() == before
+    assert indexed[:1] == ["loop17"] and set(indexed) == {"loop17"}, indexed
+    loops = {f.where: f for f in report.findings if f.pass_name == "loop"}
+    assert len(loops) == 30 and all(f.status == "declined" for f in loops.values())
+    assert all("multiplies nothing by a weight matrix" in loops[f"loop{i}"].reason for i in range(30) if i != 17)
+    assert "weight matrix" not in loops["loop17"].reason

@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,elementwise,steps,masked,loops,wide,heavy,heavy_ext] [--runs 3]
+                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,wide,heavy,heavy_ext] [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
 
@@ -21,6 +21,8 @@ The graphs, the ends of what a long unrolled model can be:
   unrolled as torch's tracer writes it (11 nodes a step): fused into one masked RNN, validated per step.
 * ``loops``: Loops in a row, each with a two-node body (4 nodes a Loop, bodies counted): thousands of
   subgraphs, nothing to fuse.
+* ``side``: tanh cells side by side over one input, 16 steps each (6 nodes a cell a step, ~1,000 cells at
+  100k nodes): every step of the chain over x reads every cell's state; one RNN per cell, validated per step.
 * ``heavy`` / ``heavy_ext``: that loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all but
   0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 
@@ -291,9 +293,43 @@ def loops_in_a_row(path: str, nodes: int, width: int = 4) -> int:
     return 2 * len(out)
 
 
+def cells_side_by_side(path: str, nodes: int, steps: int = 16, features: int = 8, hidden: int = 16) -> int:
+    """``nodes // (6 * steps)`` tanh cells over the same x, each its own weights and stacked output (a lane
+    each, :mod:`rnnfuse.passes.unrolled.lanes`): many chains over one input."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    cells = max(2, nodes // (6 * steps))
+    vi = helper.make_tensor_value_info
+    out, inits, outputs = [], [numpy_helper.from_array(np.array([0], np.int64), "axis0")], []
+    for t in range(steps):
+        out += [helper.make_node("Constant", [], [f"t{t}"], value=numpy_helper.from_array(np.array(t, np.int64))),
+                helper.make_node("Gather", ["x", f"t{t}"], [f"x{t}"], axis=0)]
+    for c in range(cells):
+        inits += [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), f"{n}{c}")
+                  for n, s in (("W", (features, hidden)), ("R", (hidden, hidden)), ("b", (hidden,)))]
+        h, ys = "h0", []
+        for t in range(steps):
+            p = f"c{c}_{t}_"
+            out += [helper.make_node("MatMul", [f"x{t}", f"W{c}"], [p + "xw"]),
+                    helper.make_node("MatMul", [h, f"R{c}"], [p + "hr"]),
+                    helper.make_node("Add", [p + "xw", p + "hr"], [p + "s"]),
+                    helper.make_node("Add", [p + "s", f"b{c}"], [p + "a"]),
+                    helper.make_node("Tanh", [p + "a"], [p + "h"]),
+                    helper.make_node("Unsqueeze", [p + "h", "axis0"], [p + "y"])]
+            h = p + "h"
+            ys.append(p + "y")
+        out.append(helper.make_node("Concat", ys, [f"y{c}"], axis=0))
+        outputs.append(vi(f"y{c}", TensorProto.FLOAT, [steps, "B", hidden]))
+    return _save(path, out, "cells_side_by_side", [vi("x", TensorProto.FLOAT, [steps, "B", features]),
+                                                   vi("h0", TensorProto.FLOAT, ["B", hidden])], outputs, inits)
+
+
 GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wide": wide_chain,
               "heavy": heavy_chain, "heavy_ext": heavy_external_chain, "steps": steps_summed,
-              "masked": masked_rnn_chain, "loops": loops_in_a_row}
+              "masked": masked_rnn_chain, "loops": loops_in_a_row,
+              "side": cells_side_by_side}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "
@@ -468,6 +504,7 @@ def main(argv=None) -> int:
         "`elementwise`: Add/Mul/Tanh/Sigmoid chain, nothing to fuse. `steps`: per-step tanh(x[t] @ W) summed, "
         "nothing to fuse. `masked`: a masked tanh-cell loop (11 nodes/step), fused into one masked RNN. "
         "`loops`: Loops in a row with 2-node bodies (4 nodes/Loop, bodies counted), nothing to fuse. "
+        "`side`: tanh cells side by side over one input, 16 steps each, one RNN per cell. "
         "`wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "

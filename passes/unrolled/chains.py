@@ -18,6 +18,8 @@ from rnnfuse.dataflow import closure, dynamic_inputs, given_constants, lead_of, 
 from rnnfuse.graph import Graph, attr
 from rnnfuse.protos import node_field
 
+from .lanes import split_lanes
+
 
 # ops a carried state passes through on its way to a combining node (one non-constant input each)
 _STATE_SIDE = {"Gemm", "MatMul", "Einsum", "Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Add", "Mul", "Sub", "Cast", "Gather"}
@@ -30,14 +32,20 @@ class Step:
     pulled: set = field(default_factory=set)  # ids of state-side nodes between a root and the step
     masks: dict = field(default_factory=dict)  # this step's slices of bool families -> mask symbol
     weighted: set = field(default_factory=set)  # the roots read through a weight matmul
+    pulled_of: dict | None = None  # root -> its part of ``pulled`` (kept when the step reads several roots)
+    # cells side by side (:mod:`.lanes`): node id -> the lane whose values it is computed from (-1: several);
+    # the step owns no node of another lane
+    lane_owner: dict | None = None
+    lane: int = -1
+    lane_nodes: list | None = None  # the step's nodes this lane reads or computes, in walk order (in_order)
 
 @dataclass
 class _Found:
     """Per step and direction: older tensors the step reads and the nodes walked to reach them."""
 
     roots: set = field(default_factory=set)
-    pulled: set = field(default_factory=set)
     weighted: set = field(default_factory=set)  # the roots read through a weight matmul (h, not c or a carried output)
+    pulled_of: dict = field(default_factory=dict)  # root -> the nodes walked to reach it (h @ R, its slices)
 
 @dataclass
 class Chain:
@@ -45,6 +53,14 @@ class Chain:
     steps: list  # in processing order
     # broadcast constants the chain's first step may read as its given initial state (_initial_state_constants)
     given: frozenset = frozenset()
+    lane: str = ""  # one of several cells side by side over the same steps: the state its second step reads
+
+    def key(self, src: str, axis: int) -> tuple:
+        """What names this chain from one search to the next (a side-by-side cell by the state it reads)."""
+        return (src, axis, self.direction, self.steps[0].t, self.lane)
+
+    def describe(self, over: str) -> str:
+        return f"{self.direction} chain over {over}" + (f", the cell reading '{self.lane}'" if self.lane else "")
 
 class Intervals:
     """tensor -> (lo, hi): the range of step indices it depends on (``get``, ``[]``); ``nodes`` the same per
@@ -59,6 +75,8 @@ class Intervals:
         self.spanned: list[NodeProto] = []  # the nodes of ``nodes``, in its order
         self.producer = g.producer
         self.names: dict[str, tuple[int, int]] | None = None  # set where a name is produced twice (see intervals)
+        # per span end (0, 1): step -> (its leaves, its nodes in walk order), built when first asked (in_order)
+        self._by_step: list[tuple[dict, dict] | None] = [None, None]
 
     def get(self, name: str, default=None):
         v = self.leaves.get(name)
@@ -82,23 +100,44 @@ class Intervals:
         self.spanned.append(node)
         if self.names is not None:
             self.names.update((o, span) for o in node.output if o)
+        for end, built in enumerate(self._by_step):
+            if built is not None:
+                built[1].setdefault(span[end], []).append(node)
 
-    def in_order(self, end: int, t: int):
+    def in_order(self, end: int, t: int, nodes: list | None = None):
         """(tensor, span) of the tensors whose span ends (``end`` 1) or starts (``end`` 0) at step ``t``: the
         leaves, then each walked node's outputs, in the order of the walk (a node's span is checked before
-        its outputs are read)."""
+        its outputs are read). ``nodes``: the step's nodes to list instead of all (one cell's: Step.lane_nodes)."""
         leaves = self.leaves
-        for x, v in leaves.items():
-            if v[end] == t:
-                yield x, v
+        leaves_at, nodes_at = self._steps(end)
+        for x in leaves_at.get(t, ()):
+            yield x, leaves[x]
         if self.names is not None:
             yield from ((x, v) for x, v in self.names.items() if v[end] == t and x not in leaves)
             return
-        for n, v in zip(self.spanned, self.nodes.values()):
-            if v[end] == t:
-                for o in n.output[:]:
-                    if o and o not in leaves:
-                        yield o, v
+        for n in nodes_at.get(t, ()) if nodes is None else nodes:
+            v = self.nodes[id(n)]
+            for o in n.output[:]:
+                if o and o not in leaves:
+                    yield o, v
+
+    def step_nodes(self, end: int, t: int) -> list[NodeProto]:
+        """The nodes whose span ends (``end`` 1) or starts (0) at step ``t``, in walk order."""
+        return self._steps(end)[1].get(t, [])
+
+    def _steps(self, end: int) -> tuple[dict, dict]:
+        """The leaves and nodes by the step their span ends (starts) at: one pass, then each step's query
+        reads its own (a graph of many chains over one input asks of every chain's steps)."""
+        built = self._by_step[end]
+        if built is None:
+            leaves_at: dict = {}
+            nodes_at: dict = {}
+            for x, v in self.leaves.items():
+                leaves_at.setdefault(v[end], []).append(x)
+            for n, v in zip(self.spanned, self.nodes.values()):
+                nodes_at.setdefault(v[end], []).append(n)
+            built = self._by_step[end] = (leaves_at, nodes_at)
+        return built
 
 def intervals(g: Graph, order: list[NodeProto], leaves: dict[str, int]) -> Intervals:
     iv = Intervals(g, leaves)
@@ -248,7 +287,8 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
     given = _initial_state_constants(g, iv, {min(fam), max(fam)})
     regions = {t: _x_region(g, x, mask_only.get(t, set()), given) for t, x in fam.items()}
     found = _older_reads(g, fam, iv, mask_fam, mask_only, regions, given)
-    return [chain for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction, given)]
+    return [lane for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction, given)
+            for lane in split_lanes(g, chain, iv)]
 
 
 def _initial_state_constants(g: Graph, iv, ends: set[int]) -> frozenset:
@@ -367,12 +407,13 @@ def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], m
                     if riv is not None and not (riv[1] < t if direction == "forward" else riv[0] > t):
                         continue
                     f = found.setdefault((direction, t), _Found())
+                    own = f.pulled_of.setdefault(r, set())
                     if r not in f.roots:
                         f.roots.add(r)
-                        f.pulled |= closure(g, [r])[1]
+                        own |= closure(g, [r])[1]
                     if weighted:
                         f.weighted.add(r)
-                    f.pulled |= pulled
+                    own |= pulled
     return found
 
 
@@ -418,6 +459,8 @@ def _thread(fam: dict[int, str], iv, mask_fam: dict[int, dict], found: dict[tupl
                 # here, the other direction of a bidirectional layer
                 roots = {r for r in roots if iv.get(r) is not None}
                 weighted &= roots
-            steps.append(Step(k, fam[k], roots, set(f.pulled), dict(mask_fam.get(k, {})), weighted))
+            pulled = set().union(*f.pulled_of.values())  # (a dropped root's too, as it was read here)
+            pulled_of = {r: f.pulled_of[r] for r in roots} if len(roots) > 1 else None
+            steps.append(Step(k, fam[k], roots, pulled, dict(mask_fam.get(k, {})), weighted, pulled_of))
         chains.append(Chain(direction, steps, given))
     return chains

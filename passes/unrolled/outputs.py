@@ -115,7 +115,7 @@ class Escapes:
     def __init__(self, g: Graph, chain_nodes: set):
         self.g = g
         self.ids = set(chain_nodes)
-        self.entries = _escaping(g, [n for n in g.live_nodes() if id(n) in chain_nodes], chain_nodes)
+        self.entries = _escaping(g, g.nodes_with_ids(chain_nodes), chain_nodes)
 
     def update(self, chain_nodes: set) -> "Escapes":
         joined = chain_nodes - self.ids
@@ -127,10 +127,9 @@ class Escapes:
             outside = [u for u in outside if id(u) not in joined]
             if outside or g.is_graph_output(o):
                 kept.append((nd, o, outside))
-        live = g.live_nodes()
-        new = _escaping(g, [n for n in live if id(n) in joined], chain_nodes)
+        new = _escaping(g, g.nodes_with_ids(joined), chain_nodes)
         if new:  # (in the order of the graph's nodes, as one scan would list them)
-            rank = {id(n): i for i, n in enumerate(live)}
+            rank = {id(n): i for i, n in enumerate(g.in_position_order([e[0] for e in kept + new]))}
             kept = sorted(kept + new, key=lambda e: rank[id(e[0])])
         self.entries = kept
         self.ids = set(chain_nodes)
@@ -252,13 +251,13 @@ def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: se
     return per_step
 
 def order_of(g: Graph, ids: set) -> list[NodeProto]:
-    return [n for n in g.nodes if id(n) in ids and g.alive(n)]
+    return g.nodes_with_ids(ids)
 
 def _step_tensors(g: Graph, chain: Chain, k: int, iv, op_type: str) -> list[str]:
     """Outputs of ``op_type`` nodes that belong to step k."""
     t = chain.steps[k].t
     out = []
-    for name, _ in iv.in_order(1 if chain.direction == "forward" else 0, t):
+    for name, _ in iv.in_order(1 if chain.direction == "forward" else 0, t, chain.steps[k].lane_nodes):
         p = g.producer.get(name)
         if p is not None and p.op_type == op_type:
             out.append(name)

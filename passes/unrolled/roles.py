@@ -130,7 +130,7 @@ class _ChainRoles:
         end = 1 if self.chain.direction == "forward" else 0  # the interval end that names a value's step
         t, t_prev, iv = self.ts[k], self.ts[k - 1], self.iv
         out = set()
-        for name, _ in iv.in_order(end, t):
+        for name, _ in iv.in_order(end, t, self.steps[k].lane_nodes):
             p = self.g.producer.get(name)
             if p is None or not self.allowed[k](p):
                 continue
@@ -435,7 +435,7 @@ class _ChainRoles:
         steps = None if min(ts) == 0 and T is not None and max(ts) == T - 1 else (min(ts), max(ts) + 1, axis)
         return Recurrence(
             front="chain",
-            where=f"{self.chain.direction} chain over '{src}' (axis {axis}), steps {ts[0]}..{ts[-1]}: {self.n} cells",
+            where=self.chain.describe(f"'{src}' (axis {axis})") + f", steps {ts[0]}..{ts[-1]}: {self.n} cells",
             cell=an.rec.spec,
             x=x,
             h0=an.h0,

@@ -5,6 +5,8 @@ families give nothing more, chains whose steps read other state-independent inpu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rnnfuse.emit import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model
@@ -63,7 +65,7 @@ class FuseChains:
                 leaves, mask_fam, mask_srcs = mask_leaves(g, fams, fam, step_masks)
                 iv = intervals(g, order, leaves)
                 for chain in find_chains(g, fam, iv, mask_fam):
-                    key = (src, axis, chain.direction, chain.steps[0].t)
+                    key = chain.key(src, axis)
                     seen_now.add(key)
                     if key in tried:
                         continue
@@ -71,14 +73,14 @@ class FuseChains:
                     try:
                         recs.append((_recurrence(g, src, axis, chain, iv, signer, mask_srcs), {}))
                     except Decline as d:
-                        where = f"{chain.direction} chain over '{src}' (axis {axis})"
+                        where = chain.describe(f"'{src}' (axis {axis})")
                         pending[key] = declined(self.name, "chain", where, d.reason)
             vfams = None
             if not recs:
                 vfams = virtual_families(g, order, fams)
                 recs = self.virtual_chains(g, order, vfams, signer, tried, pending, seen_now)
             pending = {k: v for k, v in pending.items() if k in seen_now}
-            chain_keys = {k for k in seen_now if len(k) == 4}
+            chain_keys = {k for k in seen_now if len(k) == 5}
             if not recs:
                 last = (chain_keys, vfams)
                 break
@@ -95,8 +97,8 @@ class FuseChains:
         # sliced from one tensor) were not recurrences: only what remains is reported
         final = self._remaining(g, whole, last)
         # (a chain of step inputs that declines for the reason its slice family's chain did is that chain)
-        real = {v.reason for k, v in pending.items() if k in final and len(k) == 4}
-        res.findings.extend(v for k, v in pending.items() if k in final and (len(k) == 4 or v.reason not in real))
+        real = {v.reason for k, v in pending.items() if k in final and len(k) == 5}
+        res.findings.extend(v for k, v in pending.items() if k in final and (len(k) == 5 or v.reason not in real))
         whole.drop_unused()
         return res
 
@@ -123,7 +125,7 @@ class FuseChains:
             leaves, mask_fam, _ = mask_leaves(g, fams, fam, lengths + derived_masks(g, fams, (src, axis), signer))
             iv = intervals(g, order, leaves)
             for chain in find_chains(g, fam, iv, mask_fam):
-                final.add((src, axis, chain.direction, chain.steps[0].t))
+                final.add(chain.key(src, axis))
         if fams:
             final |= {("inputs", vf[0]) for vf in virtual_families(g, order, fams)}
         return final
@@ -159,7 +161,7 @@ class FuseChains:
                 try:
                     rec = _recurrence(g, src, 0, chain, iv, signer, {})
                 except Decline as d:
-                    where = f"forward chain over {vf.describe()}"
+                    where = chain.describe(vf.describe())
                     pending[key] = declined(self.name, "chain", where, d.reason)
                     continue
                 rec.where = rec.where.replace(f"over '{src}' (axis 0)", f"over {vf.describe()}")
@@ -178,4 +180,4 @@ def _recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer,
     except FirstStepDiffers:
         if len(chain.steps) < 3:
             raise
-        return chain_recurrence(g, src, axis, Chain(chain.direction, chain.steps[1:], chain.given), iv, signer, mask_srcs)
+        return chain_recurrence(g, src, axis, replace(chain, steps=chain.steps[1:]), iv, signer, mask_srcs)

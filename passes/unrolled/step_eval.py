@@ -14,6 +14,7 @@ from rnnfuse.symbolic import BoolMask, Fill, Mask, Poly, State, StepEvaluator, S
 from rnnfuse.symbolic.values import MaskVector
 
 from .chains import Chain
+from .lanes import SHARED
 
 
 def allowed_fn(g: Graph, chain: Chain, k: int, iv):
@@ -24,7 +25,7 @@ def allowed_fn(g: Graph, chain: Chain, k: int, iv):
 
 
 class _StepNodes:
-    __slots__ = ("g", "t", "prev", "side", "pulled", "nodes", "carried_side", "given")
+    __slots__ = ("g", "t", "prev", "side", "pulled", "nodes", "carried_side", "given", "lane_owner", "lane")
 
     def __init__(self, g: Graph, chain: Chain, k: int, iv):
         st = chain.steps[k]
@@ -33,9 +34,12 @@ class _StepNodes:
         self.pulled, self.nodes = st.pulled, iv.nodes
         self.carried_side: dict[int, bool] = {}
         self.given = chain.given
+        self.lane_owner, self.lane = st.lane_owner, st.lane
 
     def allowed(self, n: NodeProto) -> bool:
         k = id(n)
+        if self.lane_owner is not None and self.lane_owner.get(k, self.lane) not in (self.lane, SHARED):
+            return False  # another cell's, beside this one in the step (see .lanes)
         if k in self.pulled:
             return True
         v = self.nodes.get(k)

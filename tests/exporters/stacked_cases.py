@@ -197,6 +197,9 @@ class TorchCase:
     reads: str = "stack"
     declined: str = ""  # a near miss: what the decline names
     hidden: int = 0  # the bottom cell's hidden size (0: TORCH_H)
+    # cells side by side: cell 2 reads x_t too (not h1), the step's output cat([h1, h2], -1); near miss
+    # "coupled": cell 1 reads h1 + h2 as its state (its update mixes both states: no native cell)
+    side: str = ""
 
     @property
     def n_findings(self) -> int:
@@ -237,6 +240,11 @@ TORCH_CASES = [
     TorchCase("trace_gru_hidden1", "trace", ("gru",), hidden=1),
     TorchCase("dynamo_lstm_hidden1", "dynamo", ("lstm",), hidden=1),
     TorchCase("trace_rnn_hidden1_bf", "trace", ("rnn",), batch_first=True, hidden=1),
+    # cells side by side over one input (each its own chain of the same steps)
+    TorchCase("trace_gru_lstm_side", "trace", ("gru", "lstm"), side="x"),
+    TorchCase("dynamo_lstm_rnn_side_bf", "dynamo", ("lstm", "rnn"), batch_first=True, side="x"),
+    TorchCase("trace_rnn_gru_side_head", "trace", ("rnn", "gru"), side="x", reads="head"),
+    TorchCase("near_trace_rnn_rnn_coupled", "trace", ("rnn", "rnn"), side="coupled", declined="carried values"),
 ]
 
 
@@ -248,14 +256,14 @@ def torch_module(c: TorchCase):
     k1, k2 = (c.cells + ("",))[:2]
     mk = {"lstm": nn.LSTMCell, "gru": nn.GRUCell, "rnn": nn.RNNCell}
     h1n, h2n = c.hidden or TORCH_H[k1], TORCH_H.get(k2, 1)
-    lstm1, lstm2, bf, reads = k1 == "lstm", k2 == "lstm", c.batch_first, c.reads
+    lstm1, lstm2, bf, reads, side = k1 == "lstm", k2 == "lstm", c.batch_first, c.reads, c.side
 
     class Stack(nn.Module):
         def __init__(self):
             super().__init__()
             self.cell1 = mk[k1](FEATURES, h1n)
-            self.cell2 = mk[k2](h1n, h2n) if k2 else None
-            self.head = nn.Linear(h2n if k2 else h1n, 3)
+            self.cell2 = mk[k2](FEATURES if side else h1n, h2n) if k2 else None
+            self.head = nn.Linear((h1n + h2n if side else h2n) if k2 else h1n, 3)
 
         def forward(self, x):
             b = x.size(0) if bf else x.size(1)
@@ -267,17 +275,18 @@ def torch_module(c: TorchCase):
             ys = []
             for t in range(steps):
                 u = x[:, t] if bf else x[t]
+                h1_in = h1 + h2 if side == "coupled" else h1
                 if lstm1:
-                    h1, c1 = self.cell1(u, (h1, c1))
+                    h1, c1 = self.cell1(u, (h1_in, c1))
                 else:
-                    h1 = self.cell1(u, h1)
-                top = h1
+                    h1 = self.cell1(u, h1_in)
+                top, below = h1, u if side else h1  # (cell 2 beside cell 1 reads x_t)
                 if self.cell2 is not None:
                     if lstm2:
-                        h2, c2 = self.cell2(h1, (h2, c2))
+                        h2, c2 = self.cell2(below, (h2, c2))
                     else:
-                        h2 = self.cell2(h1, h2)
-                    top = h2
+                        h2 = self.cell2(below, h2)
+                    top = torch.cat([h1, h2], -1) if side else h2
                 if reads == "hc":
                     top = torch.cat([h1, c1], -1)
                 ys.append(self.head(top) if reads == "head" else top)

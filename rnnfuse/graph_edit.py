@@ -184,7 +184,7 @@ class Graph(GraphIndex):
         if old == new:
             return
         self.replace_reads(list(self.uses(old)), old, new)
-        if old in self.output_names:
+        if self.is_graph_output(old):
             self._detach(old)
             if self.producer.get(new) is not None and self._renamable(new):
                 self._rename_output(new, old)
@@ -208,7 +208,7 @@ class Graph(GraphIndex):
 
     def _renamable(self, name: str) -> bool:
         return (
-            name not in self.output_names
+            not self.is_graph_output(name)
             and name not in self._inputs
             and not self.uses(name)
             and self.producer.get(name) is not None

@@ -48,6 +48,7 @@ class GraphIndex:
         self.initializers: dict[str, TensorProto] = {t.name: t for t in proto.initializer}
         self.input_names = [i.name for i in proto.input]
         self.output_names = [o.name for o in proto.output]
+        self._outputs = frozenset(self.output_names)  # (a graph of 1,000 outputs is asked per value)
         self._inputs = set(self.input_names)
         self.producer: dict[str, NodeProto] = {}
         # value -> its reader, or a list of its readers where it has several (or none: one rewired away). Most
@@ -357,7 +358,7 @@ class GraphIndex:
         return self._removed.keep(self.nodes)
 
     def is_graph_output(self, name: str) -> bool:
-        return name in self.output_names
+        return name in self._outputs
 
     def is_graph_input(self, name: str) -> bool:
         return name in self._inputs and name not in self.initializers
@@ -379,7 +380,7 @@ class GraphIndex:
         return [] if v is None else v if type(v) is list else [v]
 
     def n_uses(self, name: str) -> int:
-        return n_readers(self.consumers.get(name)) + self.output_names.count(name)
+        return n_readers(self.consumers.get(name)) + (self.output_names.count(name) if name in self._outputs else 0)
 
     def const(self, name: str) -> np.ndarray | None:
         """The value of ``name`` if it is constant (initializer, Constant, or foldable from constants)."""

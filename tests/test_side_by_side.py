@@ -151,3 +151,23 @@ def test_work_of_many_cells_side_by_side_grows_with_the_cells(monkeypatch):
         assert len(report.fused) == lanes, report.to_text()
         listed[lanes] = listed["n"]
     assert 0 < listed[20] < 6 * listed[5], listed
+
+
+def test_lanes_list_their_own_nodes_even_from_a_shared_initial_state(monkeypatch):
+    """One h0 read by every cell: what its first step computes from h0 is still each lane's own (the lanes'
+    node lists together grow with the cells, not with their square: 1,000 cells held 6.9M entries)."""
+    from rnnfuse.passes.unrolled import chains as chains_mod
+
+    split = chains_mod.split_lanes
+    sizes = {}
+
+    def recorded(g, chain, iv):
+        out = split(g, chain, iv)
+        sizes[len(out)] = sum(len(st.lane_nodes or ()) for lane in out for st in lane.steps)
+        return out
+
+    monkeypatch.setattr(chains_mod, "split_lanes", recorded)
+    for lanes in (5, 20):
+        model, _ = lanes_model(lanes, 4, shared_h0=True)
+        rnnfuse.optimize(model, validate=False)
+    assert sizes[5] > 0 and sizes[20] < 5 * sizes[5], sizes

@@ -32,7 +32,9 @@ def split_lanes(g: Graph, chain: Chain, iv) -> list[Chain]:
     lanes = _lanes(g, steps, owners)
     if lanes is None or len(lanes) < 2:
         return [chain]
-    lane_of = [_lane_of(owner, lanes, k) for k, owner in enumerate(owners)]  # (one map a step, shared)
+    # (one map a step, shared by the lanes; step 0's by what each lane's first state is computed from)
+    lane_of = [_first_step_lane_of(g, steps[0], lanes, iv, side)] + [
+        _lane_of(owner, lanes, k) for k, owner in enumerate(owners) if k]
     lane_nodes = [_lane_nodes(g, iv.step_nodes(side, st.t), lane_of[k], owners[k], len(lanes))
                   for k, st in enumerate(steps)]
     out = []
@@ -40,7 +42,7 @@ def split_lanes(g: Graph, chain: Chain, iv) -> list[Chain]:
         lane_steps = []
         for k, st in enumerate(steps):
             own = roots[k]
-            pulled = set().union(*(st.pulled_of.get(r, ()) for r in own)) if st.pulled_of else set(st.pulled)
+            pulled = set().union(*(st.pulled_of.get(r, ()) for r in own)) if st.pulled_of else st.pulled
             lane_steps.append(replace(st, roots=set(own), pulled=pulled, masks=dict(st.masks), weighted=st.weighted & own,
                                       pulled_of=None, lane_owner=lane_of[k][0], lane=lane, lane_nodes=lane_nodes[k][lane]))
         out.append(replace(chain, steps=lane_steps, lane=sorted(roots[1])[0]))
@@ -124,6 +126,28 @@ def _lane_of(owner: dict[int, frozenset], lanes: list[list[frozenset]], k: int) 
             single[n] = SHARED
             several[n] = found
     return single, several
+
+
+def _first_step_lane_of(g: Graph, st: Step, lanes: list[list[frozenset]], iv, side: int) -> tuple[dict, dict]:
+    """:func:`_lane_of` for the first step, whose given state may be every lane's (one h0 read by all the
+    cells: what is computed from it says nothing of the lane): its nodes by the lanes whose second state they
+    compute, walked back from it."""
+    found: dict[int, set] = {}
+    for i, lane in enumerate(lanes):
+        stack = [g.producer.get(r) for r in lane[1]]
+        seen: set[int] = set()
+        while stack:
+            p = stack.pop()
+            if p is None or id(p) in seen:
+                continue
+            span = iv.nodes.get(id(p))
+            if id(p) not in st.pulled and (span is None or span[side] != st.t):
+                continue
+            seen.add(id(p))
+            found.setdefault(id(p), set()).add(i)
+            stack.extend(g.producer.get(x) for x in p.input if x)
+    single = {k: next(iter(v)) if len(v) == 1 else SHARED for k, v in found.items()}
+    return single, {k: v for k, v in found.items() if len(v) > 1}
 
 
 def _lane_nodes(g: Graph, step_nodes: list, lane_of: tuple[dict, dict], owners: dict, n_lanes: int) -> list[list]:

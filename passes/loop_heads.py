@@ -84,15 +84,38 @@ def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: li
             layer.ev.value(cand.name)
             try:
                 head = find_head(body, layer.ev, cand.name, keys[h_sym], other, step_in.x_reads,
-                                 step_in.x_read_source, step_in.x_axis, step_in.x_reversed, invariants, counters)
+                                 step_in.x_read_source, step_in.x_axis, step_in.x_reversed, invariants, counters,
+                                 _lower_cells_h(layers, li, cell_states, state_out))
             except Decline as d:
                 reason = reason or d
                 continue
-            if rec.masked:
+            if rec.masked or any(recs[j].masked for j in head.layer_h.values()):
                 raise Decline("a per-step output computed from h under a mask (a head on masked steps)")
             if head.x and li > 0:
                 raise Decline("a head reads the step input and the output of a cell above the first")
+            for name, j in head.layer_h.items():  # the other cells' Y, handed to this one when emitted
+                head.layer_h[name] = _steps_output(recs[j], j)
             rec.seq_outputs.append(SeqOutput(cand.outer, NONE, Init(), cand.batch_first, cand.reversed, head=head))
             break
         else:
             raise reason
+
+
+def _lower_cells_h(layers: list, li: int, cell_states: list, state_out: dict[str, str]) -> dict:
+    """The new h of each cell below ``li`` as layer ``li``'s evaluator sees it (a cell beside it: its maths;
+    the cell it reads: its step input) -> that cell's index, for a head over several cells' h."""
+    out = {}
+    for j in range(li):
+        try:
+            out[unmasked_value(layers[li].ev.poly(state_out[cell_states[j][0]])).key] = j
+        except Decline:
+            continue
+    return out
+
+
+def _steps_output(rec: Recurrence, j: int) -> str:
+    """An internal sequence output of ``rec`` (cell ``j`` of its step): its Y, time-major in processing order."""
+    name = f"{rec.where}/rnnfuse_cell{j + 1}_steps"
+    if not any(so.tensor == name for so in rec.seq_outputs):
+        rec.seq_outputs.append(SeqOutput(name, NONE, Init(), internal=True))
+    return name

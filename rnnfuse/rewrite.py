@@ -113,6 +113,9 @@ def apply_recurrences(
             continue
         if rec.x_internal:
             rec.x = links[rec.x]
+        for so in rec.seq_outputs:  # a head over cells side by side reads the Y of the cells emitted before
+            if so.head is not None and so.head.layer_h:
+                so.head.layer_h = {name: links.get(y, y) for name, y in so.head.layer_h.items()}
         try:
             em = emit(g, rec, cache, post_padded=ctx.post_padded, portable=getattr(ctx, "portable", False))
         except Decline as d:
@@ -131,7 +134,7 @@ def apply_recurrences(
                      aliases, rec if rec.cell_checks else None)
         if rec.stack and rec.stack in stacks:  # the next layer of a stacked step joins the step's rewrite
             whole = stacks[rec.stack]
-            whole.finding.cell += " -> " + f.cell
+            whole.finding.cell += (" -> " if rec.x_internal else " + ") + f.cell  # (stacked on / beside the last)
             whole.replacements.update(rw.replacements)
             whole.remove += rw.remove
             whole.masks.update(masks)

@@ -41,16 +41,21 @@ class StepHead:
     x_source: str = ""  # the outer tensor x_t is element t of
     x_axis: int = 0  # its time axis (0: [T, B, F]; 1: [B, T, F])
     x_reversed: bool = False  # the step reads x from its last step to its first
+    # body tensors equal to the new h of another cell of the step (a head over cells side by side, e.g.
+    # cat([h1, h2])) -> that cell's Y, time-major in processing order: first the layer's index, then (once
+    # the layer is emitted, see rnnfuse.rewrite) the tensor
+    layer_h: dict = field(default_factory=dict)
 
 
 def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[str], x_source: str, x_axis: int,
-              x_reversed: bool, invariants: dict[str, str], counters: set[str]) -> StepHead:
+              x_reversed: bool, invariants: dict[str, str], counters: set[str], layer_keys: dict | None = None) -> StepHead:
     """The head computing the body tensor ``out`` from the new h, or Decline with the reason it is none.
 
     ``ev``: the step's evaluator (its memo holds the values found so far); ``h_key``: the polynomial key of
     the new h; ``other_keys``: key -> name of the other states' new values (c); ``x_reads``: the body tensors
     that read x_t; ``invariants``: loop-carried values passed through unchanged -> their outer tensor;
-    ``counters``: the iteration number and its copies."""
+    ``counters``: the iteration number and its copies; ``layer_keys``: the polynomial key of another cell's new
+    h (as ``ev`` sees it) -> that cell's layer, for a head reading several cells' h."""
     head = StepHead([], out, x_source=x_source, x_axis=x_axis, x_reversed=x_reversed)
 
     def const_of(name: str):
@@ -73,7 +78,7 @@ def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[s
         if name in seen or not name:
             continue
         seen.add(name)
-        role = _leaf(body, ev, name, h_key, other_keys, x_reads, invariants, counters, head)
+        role = _leaf(body, ev, name, h_key, other_keys, x_reads, invariants, counters, head, layer_keys or {})
         if role is not None:
             rows[name] = ROW_RANK if role else 0
             continue
@@ -93,18 +98,21 @@ def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[s
 
 
 def _leaf(body: Graph, ev, name: str, h_key, other_keys: dict, x_reads: set[str], invariants: dict[str, str],
-          counters: set[str], head: StepHead) -> bool | None:
+          counters: set[str], head: StepHead, layer_keys: dict) -> bool | None:
     """True: a row leaf (h_t, x_t); False: a constant; None: computed by a body node to walk into."""
     v = ev.memo.get(name)
     if isinstance(v, SymTensor):
         key = v.poly.key
-        if key == h_key:
+        if key == h_key or key in layer_keys:
             if v.lead:
                 raise Decline(f"the per-step output reads the new hidden state as a [1, B, H] tensor '{name}'")
             if body.model.rank(name) != 2:  # a batch-1 Squeeze to [H] has h's maths but no row axis
                 raise Decline(f"the per-step output reads the new hidden state as a rank-{body.model.rank(name)} "
                               f"tensor '{name}', not [B, H] rows")
-            head.h.add(name)
+            if key == h_key:
+                head.h.add(name)
+            else:
+                head.layer_h[name] = layer_keys[key]
             return True
         if key in other_keys:
             raise Decline(f"a per-step output reads the new {other_keys[key]} at every step (no native output holds it)")
@@ -144,6 +152,8 @@ def apply_head(b, head: StepHead, y: str) -> str:
     rows = b.op("Flatten", y, axis=2)  # [T*B, H]: every step's rows, step after step
     for name in head.h:
         env[name] = rows
+    for name, other_y in head.layer_h.items():  # (another cell's Y, in the same order)
+        env[name] = b.op("Flatten", other_y, axis=2)
     if head.x:
         x = head.x_source
         if head.x_axis == 1:

@@ -232,8 +232,9 @@ class StackOpts:
 
     ``low_seq``: the bottom cell's per-step h is a loop output too. Near misses (``miss``): ``skip`` cell 2 reads
     ``concat(x_t, h1_new)`` (two step inputs); ``old`` cell 2 reads h1 of the previous step (the state, not the
-    new output); ``feedback`` cell 1 also reads cell 2's state; ``mixed`` a per-step output concatenates both
-    cells' h.
+    new output); ``feedback`` cell 1 also reads cell 2's state; ``mixed_old`` a per-step output concatenates
+    cell 1's state before the step with the top cell's new h. ``mixed``: the per-step output concatenates the
+    bottom and the top cell's new h (a head over two cells' Y), unmasked only.
 
     ``front="scan"`` writes the same step as a ``Scan`` body (x scanned, no iteration number), optionally
     ``masked`` (a scanned [T, B] bool: every cell keeps its h where it is false, the output is zero there) and
@@ -242,6 +243,7 @@ class StackOpts:
     cells: int = 2
     low_seq: bool = False
     miss: str = ""
+    mixed: bool = False
     front: str = "loop"
     masked: bool = False
     reverse: bool = False
@@ -250,7 +252,7 @@ class StackOpts:
     def name(self) -> str:
         opts = [self.front if self.front != "loop" else ""] + ["masked" if self.masked else "", "rev" if self.reverse else ""]
         return "-".join([f"cells{self.cells}"] + [s for s in opts if s] + (["lowseq"] if self.low_seq else [])
-                        + ([self.miss] if self.miss else []))
+                        + (["mixed"] if self.mixed else []) + ([self.miss] if self.miss else []))
 
 
 def stack_weights(cells: int, miss: str = ""):
@@ -297,8 +299,8 @@ def build_stack(o: StackOpts) -> onnx.ModelProto:
     if o.front == "scan":
         return _stack_scan(o, nodes, inits, bn[1:], body_inits, top)
     ys = [top]
-    if o.miss == "mixed":
-        bn.append(helper.make_node("Concat", ["hn0", top], ["ymix"], axis=1))
+    if o.mixed or o.miss == "mixed_old":
+        bn.append(helper.make_node("Concat", ["hn0" if o.mixed else "h0s", top], ["ymix"], axis=1))
         ys = ["ymix"]
     if o.low_seq:
         ys.append("hn0")
@@ -327,8 +329,8 @@ def _stack_scan(o: StackOpts, nodes: list, inits: list, bn: list, body_inits: li
             bn.append(helper.make_node("Where", ["mu", f"hn{k}", f"h{k}s"], [f"hk{k}"]))
         states.append(f"hk{k}" if o.masked else f"hn{k}")
     ys = [top] + (["hn0"] if o.low_seq else [])
-    if o.miss == "mixed":
-        bn.append(helper.make_node("Concat", ["hn0", top], ["ymix"], axis=1))
+    if o.mixed or o.miss == "mixed_old":
+        bn.append(helper.make_node("Concat", ["hn0" if o.mixed else "h0s", top], ["ymix"], axis=1))
         ys = ["ymix"]
     if o.masked:
         bn.insert(0, helper.make_node("Unsqueeze", ["m", "ax1"], ["mu"]))
@@ -379,20 +381,23 @@ def stack_reference(o: StackOpts, x: np.ndarray, mask: np.ndarray | None = None)
             u = new
             if k == 0:
                 lows.append(np.where(m, new, 0.0).astype(np.float32))
-        tops.append(np.where(m, u, 0.0).astype(np.float32))
+        top = np.concatenate([lows[-1], u], -1) if o.mixed else u
+        tops.append(np.where(m, top, 0.0).astype(np.float32))
     if o.reverse:  # scan_output_directions=1: the outputs land back in time order
         tops, lows = tops[::-1], lows[::-1]
     return [np.stack(tops)] + ([np.stack(lows)] if o.low_seq else []) + hs
 
 
-STACK_FORMS = [StackOpts(2), StackOpts(3), StackOpts(2, low_seq=True), StackOpts(3, low_seq=True)]
+STACK_FORMS = [StackOpts(2), StackOpts(3), StackOpts(2, low_seq=True), StackOpts(3, low_seq=True),
+               StackOpts(2, mixed=True), StackOpts(3, mixed=True)]
 STACK_MISSES = [StackOpts(2, miss="skip"), StackOpts(2, miss="old"), StackOpts(2, miss="feedback"),
-                StackOpts(2, miss="mixed")]
+                StackOpts(2, miss="mixed_old")]
 # several cells in one Scan body (issue 14 item 3 for Scan)
 SCAN_STACK_FORMS = [StackOpts(2, front="scan"), StackOpts(3, front="scan", low_seq=True),
                     StackOpts(2, front="scan", masked=True), StackOpts(3, front="scan", masked=True, low_seq=True),
-                    StackOpts(2, front="scan", reverse=True), StackOpts(2, front="scan", masked=True, reverse=True)]
-SCAN_STACK_MISSES = [StackOpts(2, front="scan", miss=m) for m in ("skip", "old", "feedback", "mixed")]
+                    StackOpts(2, front="scan", reverse=True), StackOpts(2, front="scan", masked=True, reverse=True),
+                    StackOpts(3, front="scan", mixed=True), StackOpts(2, front="scan", reverse=True, mixed=True)]
+SCAN_STACK_MISSES = [StackOpts(2, front="scan", miss=m) for m in ("skip", "old", "feedback", "mixed_old")]
 
 
 # --------------------------------------------------------------------------- a head on h inside the step (item 4)

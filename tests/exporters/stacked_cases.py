@@ -245,6 +245,9 @@ TORCH_CASES = [
     TorchCase("dynamo_lstm_rnn_side_bf", "dynamo", ("lstm", "rnn"), batch_first=True, side="x"),
     TorchCase("trace_rnn_gru_side_head", "trace", ("rnn", "gru"), side="x", reads="head"),
     TorchCase("near_trace_rnn_rnn_coupled", "trace", ("rnn", "rnn"), side="coupled", declined="carried values"),
+    # TorchScript: one Loop whose step runs both cells, ys.append(cat([h1, h2])) (a head over both cells' Y)
+    TorchCase("script_lstm_gru_side", "torchscript", ("lstm", "gru"), side="x"),
+    TorchCase("script_gru_rnn_side_head_bf", "torchscript", ("gru", "rnn"), batch_first=True, side="x", reads="head"),
 ]
 
 
@@ -305,7 +308,7 @@ def torch_module(c: TorchCase):
     if c.exporter != "torchscript":
         return Stack()
     # TorchScript compiles every branch: one class per pair of cell kinds, the branches fixed at definition
-    return torch.jit.script(_script_stack(k1, k2, h1n, h2n, bf, reads))
+    return torch.jit.script(_script_stack(k1, k2, h1n, h2n, bf, reads, side))
 
 
 HAND_CELLS = '''
@@ -340,7 +343,7 @@ class RNNHand(nn.Module):
 '''
 
 
-def _script_stack(k1: str, k2: str, h1n: int, h2n: int, bf: bool, reads: str = "stack"):
+def _script_stack(k1: str, k2: str, h1n: int, h2n: int, bf: bool, reads: str = "stack", side: str = ""):
     """A module whose forward is written out for the cell kinds (one or two; TorchScript compiles every branch)
     and the per-step reads (``reads``: see TorchCase)."""
     cls = {"lstm": "nn.LSTMCell", "gru": "GRUHand", "rnn": "RNNHand"}
@@ -352,7 +355,7 @@ def _script_stack(k1: str, k2: str, h1n: int, h2n: int, bf: bool, reads: str = "
             return f"h{k}, c{k} = self.cell{k}({u}, (h{k}, c{k}))"
         return f"h{k} = self.cell{k}({u}, h{k})"
 
-    top = "h2" if k2 else "h1"
+    top = ("torch.cat([h1, h2], -1)" if side else "h2") if k2 else "h1"
     tdim = 1 if bf else 0
     read_src = {
         "stack": f"ys.append({top})",
@@ -374,7 +377,7 @@ def _script_stack(k1: str, k2: str, h1n: int, h2n: int, bf: bool, reads: str = "
              for v in (("h", "c") if kind == "lstm" else ("h",))]
             + [f"ys.append(m * {top})" if reads == "len_zero" else f"ys.append({top})"])
     ret = f"torch.stack(ys, {tdim})" + (f", torch.stack(zs, {tdim})" if reads == "head_x" else "")
-    h_top = h2n if k2 else h1n
+    h_top = (h1n + h2n if side else h2n) if k2 else h1n
     finals = ", ".join((["h1", "c1"] if k1 == "lstm" else ["h1"]) + ((["h2", "c2"] if k2 == "lstm" else ["h2"]) if k2 else []))
 
     code = HAND_CELLS + f'''
@@ -383,7 +386,7 @@ class ScriptStack(nn.Module):
     def __init__(self):
         super().__init__()
         self.cell1 = {cls[k1]}({FEATURES}, {h1n})
-        self.cell2 = {cls[k2] + f"({h1n}, {h2n})" if k2 else "None"}
+        self.cell2 = {cls[k2] + f"({FEATURES if side else h1n}, {h2n})" if k2 else "None"}
         self.head = nn.Linear({h_top}, 3)
         self.proj = nn.Linear({FEATURES}, 3)
 
@@ -399,7 +402,7 @@ class ScriptStack(nn.Module):
             u = x{"[:, t]" if bf else "[t]"}
             {prev_src}
             {step_src(1, k1, "u")}
-            {step_src(2, k2, "h1")}
+            {step_src(2, k2, "u" if side else "h1")}
             {read_src}
         return {ret}, {finals}
 '''
@@ -407,7 +410,7 @@ class ScriptStack(nn.Module):
     import tempfile
 
     # TorchScript reads a class's source from its file: write the module to one
-    path = Path(tempfile.mkdtemp()) / f"script_stack_{k1}_{k2 or 'none'}_{reads}.py"
+    path = Path(tempfile.mkdtemp()) / f"script_stack_{k1}_{k2 or 'none'}_{reads}{'_side' if side else ''}.py"
     path.write_text(code)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)

@@ -158,6 +158,8 @@ CASES = [
     case("hand_gru_head_relu_o17", "hand", "gru_head", opset=17, notes="step returns relu(h @ Wd + bd)"),
     case("hand_rnn_head_x", "hand", "rnn_head_x", notes="step returns (h, tanh(h @ V + x_t @ U)): a head on h and x_t"),
     case("nnx_gru_scan_head", "nnx_scan", "gru", head=True, notes="nnx.GRUCell under lax.scan, nnx.Linear on h"),
+    case("hand_rnn_lstm_side", "hand", "rnn_lstm_side",
+         notes="two cells side by side under one lax.scan, the step returns concatenate([h1, h2]): two ops"),
     case("nnx_lstm_scan_head_dyn_t", "nnx_scan", "lstm", head=True, dynamic_time=True),
     case("near_hand_head_prev_h", "hand", "rnn_head_prev", declined="before the step updates it",
          notes="the step returns dense(h) of the carry *before* the update"),
@@ -379,6 +381,16 @@ def build_hand(env: Env, c: Case, seed: int):
             n = tanh(gx[:, 2 * H:] + r * gh[:, 2 * H:])
             h = (1 - z) * n + z * h
             return h, jax.nn.relu(h @ Wd + bd)
+    elif kind == "rnn_lstm_side":  # an Elman cell and an LSTM side by side on x_t, the step returns both h
+        Wx, Wh, b, Lx, Lh, lb = _weights(rng, (F, H), (H, H), (H,), (F, 4 * H), (H, 4 * H), (4 * H,))
+
+        def cell(carry, xt):
+            h1, c2, h2 = carry
+            h1 = tanh(xt @ Wx + h1 @ Wh + b)
+            i, f, g, o = jnp.split(xt @ Lx + h2 @ Lh + lb, 4, axis=-1)
+            c2 = sig(f) * c2 + sig(i) * tanh(g)
+            h2 = sig(o) * tanh(c2)
+            return (h1, c2, h2), jnp.concatenate([h1, h2], -1)
     elif kind in ("rnn_head_x", "rnn_head_prev", "rnn_head_feedback"):
         Wx, Wh, b, V, U, P = _weights(rng, (F, H), (H, H), (H,), (H, 2), (F, 2), (2, H))
 
@@ -469,6 +481,8 @@ def build_hand(env: Env, c: Case, seed: int):
             z = jnp.zeros((batch, H), jnp.float32)
         if lstm:
             return (z, z)
+        if kind == "rnn_lstm_side":
+            return (z, z, z)
         if kind == "rnn_decay":
             return (z, jnp.asarray(Wh))
         return z
@@ -682,6 +696,8 @@ def graph_ops(graph) -> list[str]:
 def expectation(c: Case) -> dict:
     if c.declined:
         return {"declined": c.declined}
+    if c.cell == "rnn_lstm_side":  # two cells side by side: an op each
+        return {"ops": {"RNN": 1, "LSTM": 1}, "absent": ["Loop", "Scan"]}
     op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN", "lstm_head": "LSTM",
                                    "gru_head": "GRU", "rnn_head_x": "RNN", "rnn_len": "RNN", "gru_einsum": "GRU",
                                    "rnn_einsum_t": "RNN"}[c.cell]

@@ -1,0 +1,159 @@
+"""Graphs built op by op for the cost benchmark (benchmarks/scaling.py): each a shape of 100k-node graph that
+once cost more than the LSTMCell chain and the elementwise chain of issue 16 (see benchmarks/README.md).
+
+Every generator is ``f(path, nodes) -> the node count it wrote``: the graph sized to about ``nodes``."""
+
+from __future__ import annotations
+
+
+def elementwise_chain(path: str, nodes: int, width: int = 16) -> int:
+    """``nodes`` elementwise nodes in one chain (Add w, Mul w, Tanh, Sigmoid, repeated), nothing to fuse."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    g = onnx.GraphProto()
+    g.name = "elementwise_chain"
+    g.input.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", width]))
+    cur = "x"
+    for i in range(nodes):
+        op = ("Add", "Mul", "Tanh", "Sigmoid")[i % 4]
+        out = "y" if i == nodes - 1 else f"v{i}"
+        n = g.node.add()
+        n.op_type, n.name = op, f"{op}_{i}"
+        n.input.append(cur)
+        if op in ("Add", "Mul"):
+            w = (rng.standard_normal(width) * 0.1 + (1.0 if op == "Mul" else 0.0)).astype(np.float32)
+            g.initializer.append(numpy_helper.from_array(w, f"w{i}"))
+            n.input.append(f"w{i}")
+        n.output.append(out)
+        cur = out
+    g.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", width]))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    with open(path, "wb") as f:
+        f.write(m.SerializeToString())
+    return nodes
+
+
+def _save(path: str, nodes: list, name: str, inputs: list, outputs: list, inits: list) -> int:
+    import onnx
+    from onnx import helper
+
+    m = helper.make_model(helper.make_graph(nodes, name, inputs, outputs, inits),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, path)
+    return len(nodes)
+
+
+def steps_summed(path: str, nodes: int, width: int = 16) -> int:
+    """Per step ``tanh(x[t] @ W)``, no state, all steps summed (4 nodes a step): a graph of time slices and
+    matmuls with nothing to fuse, so the chain front end searches it all and declines nothing."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    T = max(2, nodes // 4)
+    out, stacked = [], []
+    for t in range(T):
+        out.append(helper.make_node("Constant", [], [f"i{t}"], value=numpy_helper.from_array(np.array(t, np.int64))))
+        out += [helper.make_node("Gather", ["x", f"i{t}"], [f"x{t}"], axis=0),
+                helper.make_node("MatMul", [f"x{t}", "W"], [f"m{t}"]), helper.make_node("Tanh", [f"m{t}"], [f"y{t}"])]
+        stacked.append(f"y{t}")
+    out.append(helper.make_node("Sum", stacked, ["y"]))
+    W = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, width)).astype(np.float32) * 0.2, "W")
+    return _save(path, out, "steps_summed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", 8])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", width])], [W])
+
+
+def masked_rnn_chain(path: str, nodes: int, features: int = 8, hidden: int = 16) -> int:
+    """A loop over a tanh cell with a [T, B] bool mask, unrolled as torch's tracer writes it (11 nodes a step:
+    the step's index, its slices of x and the mask, the cell, ``h = where(mask[t], h_new, h)``, the output
+    stacked by Unsqueeze + Concat). rnnfuse fuses it into one masked RNN, validated step by step."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    T = max(2, nodes // 11)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+             for n, s in (("W", (features, hidden)), ("R", (hidden, hidden)), ("b", (hidden,)))]
+    inits += [numpy_helper.from_array(np.array([a], np.int64), f"axis{a}") for a in (0, 1)]
+    out, ys, h = [], [], "h0"
+    for t in range(T):
+        out += [helper.make_node("Constant", [], [f"t{t}"], value=numpy_helper.from_array(np.array(t, np.int64))),
+                helper.make_node("Gather", ["x", f"t{t}"], [f"x{t}"], axis=0),
+                helper.make_node("Gather", ["mask", f"t{t}"], [f"mb{t}"], axis=0),
+                helper.make_node("Unsqueeze", [f"mb{t}", "axis1"], [f"m{t}"]),
+                helper.make_node("MatMul", [f"x{t}", "W"], [f"xw{t}"]),
+                helper.make_node("MatMul", [h, "R"], [f"hr{t}"]),
+                helper.make_node("Add", [f"xw{t}", f"hr{t}"], [f"s{t}"]),
+                helper.make_node("Add", [f"s{t}", "b"], [f"a{t}"]),
+                helper.make_node("Tanh", [f"a{t}"], [f"hn{t}"]),
+                helper.make_node("Where", [f"m{t}", f"hn{t}", h], [f"hs{t}"]),
+                helper.make_node("Unsqueeze", [f"hs{t}", "axis0"], [f"y{t}"])]
+        h = f"hs{t}"
+        ys.append(f"y{t}")
+    out.append(helper.make_node("Concat", ys, ["y"], axis=0))
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", features]),
+              helper.make_tensor_value_info("mask", TensorProto.BOOL, [T, "B"]),
+              helper.make_tensor_value_info("h0", TensorProto.FLOAT, ["B", hidden])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, "B", hidden]),
+               helper.make_tensor_value_info(h, TensorProto.FLOAT, ["B", hidden])]
+    return _save(path, out, "masked_rnn_chain", inputs, outputs, inits)
+
+
+def loops_in_a_row(path: str, nodes: int, width: int = 4) -> int:
+    """``nodes // 4`` Loops in a row (each a 2-node body that carries its value through a Tanh, a Mul
+    between them): thousands of small subgraphs, nothing to fuse. Counts the bodies' nodes too."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    out, cur = [], "x"
+    vi = helper.make_tensor_value_info
+    for i in range(max(1, nodes // 4)):
+        body = helper.make_graph(
+            [helper.make_node("Identity", ["c_in"], ["c_out"]), helper.make_node("Tanh", ["v_in"], ["v_out"])], f"body{i}",
+            [vi("it", TensorProto.INT64, []), vi("c_in", TensorProto.BOOL, []), vi("v_in", TensorProto.FLOAT, None)],
+            [vi("c_out", TensorProto.BOOL, []), vi("v_out", TensorProto.FLOAT, None)])
+        out += [helper.make_node("Loop", ["trip", "cond", cur], [f"l{i}"], body=body),
+                helper.make_node("Mul", [f"l{i}", "w"], [f"m{i}"])]
+        cur = f"m{i}"
+    inits = [numpy_helper.from_array(np.array(2, np.int64), "trip"), numpy_helper.from_array(np.array(True), "cond"),
+             numpy_helper.from_array(np.full(width, 0.9, np.float32), "w")]
+    _save(path, out, "loops_in_a_row", [vi("x", TensorProto.FLOAT, ["B", width])], [vi(cur, TensorProto.FLOAT, ["B", width])],
+          inits)
+    return 2 * len(out)
+
+
+def cells_side_by_side(path: str, nodes: int, steps: int = 16, features: int = 8, hidden: int = 16) -> int:
+    """``nodes // (6 * steps)`` tanh cells over the same x, each its own weights and stacked output (a lane
+    each, :mod:`rnnfuse.passes.unrolled.lanes`): many chains over one input."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    cells = max(2, nodes // (6 * steps))
+    vi = helper.make_tensor_value_info
+    out, inits, outputs = [], [numpy_helper.from_array(np.array([0], np.int64), "axis0")], []
+    for t in range(steps):
+        out += [helper.make_node("Constant", [], [f"t{t}"], value=numpy_helper.from_array(np.array(t, np.int64))),
+                helper.make_node("Gather", ["x", f"t{t}"], [f"x{t}"], axis=0)]
+    for c in range(cells):
+        inits += [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), f"{n}{c}")
+                  for n, s in (("W", (features, hidden)), ("R", (hidden, hidden)), ("b", (hidden,)))]
+        h, ys = "h0", []
+        for t in range(steps):
+            p = f"c{c}_{t}_"
+            out += [helper.make_node("MatMul", [f"x{t}", f"W{c}"], [p + "xw"]),
+                    helper.make_node("MatMul", [h, f"R{c}"], [p + "hr"]),
+                    helper.make_node("Add", [p + "xw", p + "hr"], [p + "s"]),
+                    helper.make_node("Add", [p + "s", f"b{c}"], [p + "a"]),
+                    helper.make_node("Tanh", [p + "a"], [p + "h"]),
+                    helper.make_node("Unsqueeze", [p + "h", "axis0"], [p + "y"])]
+            h = p + "h"
+            ys.append(p + "y")
+        out.append(helper.make_node("Concat", ys, [f"y{c}"], axis=0))
+        outputs.append(vi(f"y{c}", TensorProto.FLOAT, [steps, "B", hidden]))
+    return _save(path, out, "cells_side_by_side", [vi("x", TensorProto.FLOAT, [steps, "B", features]),
+                                                   vi("h0", TensorProto.FLOAT, ["B", hidden])], outputs, inits)

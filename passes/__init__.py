@@ -15,6 +15,7 @@ def default_passes() -> list:
     from .row_writes import AssembleRowWrites
     from .scan import FuseScans
     from .step_chains import MergeStepChains
+    from .step_maps import StackStepMaps
     from .unrolled import FuseChains
 
     return [
@@ -26,6 +27,7 @@ def default_passes() -> list:
         FuseChains(),  # after the loops: a chain may read a fused layer's output (a stack)
         MergeStepChains(),  # a layer called once per step (decoders): the per-step native ops become one
         AssembleRowWrites(),  # outputs written into a preallocated buffer row by row (outs[t] = h): Y itself
+        StackStepMaps(),  # a per-step head (fc(h_t), cat([h1_t, h2_t])) stacked on time: applied to Y at once
         ReverseInputs(),  # native ops (fused or exported) reading a time-reversed input run in reverse instead
         Dedupe(),  # the forward and reverse halves of a layer now read one X and one sequence_lens ...
         MergeBidirectional(),  # ... which is what pairing them into one bidirectional op needs

@@ -1,0 +1,79 @@
+"""Per-step copies of a row-wise map over a native op's steps, stacked on time: applied once to the sequence
+(``rnnfuse.passes.step_maps``). Real exports (torch trace and dynamo: a head per step, cat of two cells side by
+side, stack(ys[1:])) go through it in ``test_stacked_cells``; here hand-built stacks and near misses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import rnnfuse
+from helpers import op_counts, session
+
+T, B, F, H, K = 5, 3, 4, 6, 2
+
+
+def stacked_head(axis: int = 0, first: int = 0, miss: str = ""):
+    """An RNN op over x, then per step t (from ``first``): relu(Y[t] @ V + c), unsqueezed on ``axis`` and
+    concatenated. Near misses: ``per_step_weights`` (step t's own V), ``batch_mean`` (a mean over the batch
+    rows, no row-wise map), ``reversed`` (item j reads step T-1-j)."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
+        ("W", rng.standard_normal((1, H, F))), ("R", rng.standard_normal((1, H, H)) * 0.3),
+        ("V", rng.standard_normal((H, K))), ("c", rng.standard_normal(K)))]
+    inits += [numpy_helper.from_array(np.array([1], np.int64), "ax1"),
+              numpy_helper.from_array(np.array([axis], np.int64), "axs"),
+              numpy_helper.from_array(np.array([0], np.int64), "ax0")]
+    nodes = [helper.make_node("RNN", ["x", "W", "R"], ["Y", "Yh"], hidden_size=H),
+             helper.make_node("Squeeze", ["Y", "ax1"], ["Ys"])]
+    items = []
+    for j, t in enumerate(range(first, T)):
+        src = T - 1 - j if miss == "reversed" else t
+        V = "V"
+        if miss == "per_step_weights":
+            V = f"V{t}"
+            inits.append(numpy_helper.from_array(rng.standard_normal((H, K)).astype(np.float32), V))
+        nodes += [helper.make_node("Constant", [], [f"i{t}"], value=numpy_helper.from_array(np.array(src, np.int64))),
+                  helper.make_node("Gather", ["Ys", f"i{t}"], [f"h{t}"], axis=0),
+                  helper.make_node("MatMul", [f"h{t}", V], [f"m{t}"]),
+                  helper.make_node("Add", [f"m{t}", "c"], [f"a{t}"])]
+        last = f"a{t}"
+        if miss == "batch_mean":
+            nodes.append(helper.make_node("ReduceMean", [f"a{t}", "ax0"], [f"r{t}"], keepdims=1))
+            nodes.append(helper.make_node("Sub", [f"a{t}", f"r{t}"], [f"s{t}"]))
+            last = f"s{t}"
+        nodes += [helper.make_node("Relu", [last], [f"y{t}"]),
+                  helper.make_node("Unsqueeze", [f"y{t}", "axs"], [f"u{t}"])]
+        items.append(f"u{t}")
+    nodes.append(helper.make_node("Concat", items, ["out"], axis=axis))
+    shape = [T - first, B, K] if axis == 0 else [B, T - first, K]
+    g = helper.make_graph(nodes, "stacked_head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, B, F])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, shape)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _same_outputs(a, b):
+    x = np.random.default_rng(0).standard_normal((T, B, F)).astype(np.float32)
+    for p, q in zip(session(a).run(None, {"x": x}), session(b).run(None, {"x": x})):
+        np.testing.assert_allclose(p, q, atol=1e-5)
+
+
+@pytest.mark.parametrize("axis,first", [(0, 0), (1, 0), (0, 2), (1, 1)])
+def test_a_stacked_per_step_head_runs_once_on_the_sequence(axis, first):
+    model = stacked_head(axis, first)
+    fused, report = rnnfuse.optimize(model)
+    merged = [f for f in report.findings if f.pass_name == "step-maps" and f.status == "merged"]
+    assert len(merged) == 1, report.to_text()
+    ops = op_counts(fused)
+    assert ops["MatMul"] == 1 and ops["Relu"] == 1 and ops.get("Gather", 0) == 0 and ops.get("Unsqueeze", 0) == 0, ops
+    _same_outputs(model, fused)
+
+
+@pytest.mark.parametrize("miss", ["per_step_weights", "batch_mean", "reversed"])
+def test_maps_that_differ_by_step_or_mix_rows_stay(miss):
+    model = stacked_head(miss=miss)
+    fused, report = rnnfuse.optimize(model)
+    assert not [f for f in report.findings if f.pass_name == "step-maps"], report.to_text()
+    assert op_counts(fused) == op_counts(model)
+    _same_outputs(model, fused)

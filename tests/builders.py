@@ -164,6 +164,7 @@ class Opts:
     xproj: bool = False  # probe: x.W (+b) computed outside the recurrence for all steps, the body adds it
     xproj_transposed: bool = False  # xproj computed on the batch-first input and transposed back (Keras 3 on JAX)
     layers: str = "single"  # single | bidir (forward + reverse over X, outputs concatenated) | stack (two layers)
+    # | side (two cells side by side over X in the same direction, outputs concatenated: one chain, two lanes)
     step_slice: str = "gather"  # chain: each step's input as gather (Gather(X, t)) | slice (Squeeze(Slice)) | split (Split + Squeeze)
     step_inputs: str = ""  # chain (forward, unmasked, one layer): what step k reads instead of x_k: double (2 * x_k) |
     # diff (x_k - x_{k-1}, x_0 first) | stride2 (x_0, x_2, ...) | perm (odd steps, then even ones) | first_other (x_k,
@@ -1179,6 +1180,8 @@ def _layer_opts(o: Opts) -> list[Opts]:
         l1 = o.replace(layers="single", outputs=("seq",))
         l2 = o.replace(layers="single", seed=o.seed + 1, F=o.H)
         return [l1, l2]
+    if o.layers == "side":
+        return [o.replace(layers="single"), o.replace(layers="single", seed=o.seed + 1)]
     raise ValueError(o.layers)
 
 
@@ -1244,14 +1247,14 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
 
     last = results[-1]
     if "seq" in o.outputs:
-        if o.layers == "bidir":
+        if o.layers in ("bidir", "side"):
             ycat = main.op("Concat", results[0]["Y"], results[1]["Y"], axis=-1)
             out(ycat, "Y", ys[:2] + [2 * o.H])
         else:
             out(last["Y"], "Y", ys)
             if last.get("Y2"):
                 out(last["Y2"], "Y2", ys)
-    finals_from = results if o.layers == "bidir" else [last]
+    finals_from = results if o.layers in ("bidir", "side") else [last]
     for k, r in enumerate(finals_from):
         sfx = "" if k == 0 else "_b"
         for s in ("h", "c", "p"):
@@ -1430,13 +1433,13 @@ def expected(o: Opts, feeds: dict) -> list[np.ndarray]:
             x = r["Y"]
     outs = []
     if "seq" in o.outputs:
-        if o.layers == "bidir":
+        if o.layers in ("bidir", "side"):
             outs.append(np.concatenate([results[0]["Y"], results[1]["Y"]], -1))
         else:
             outs.append(results[-1]["Y"])
             if "Y2" in results[-1]:
                 outs.append(results[-1]["Y2"])
-    for r in results if o.layers == "bidir" else results[-1:]:
+    for r in results if o.layers in ("bidir", "side") else results[-1:]:
         for s in ("h", "c", "p"):
             if o.wants(s):
                 outs.append(r[s])
@@ -1447,7 +1450,7 @@ def expected_native(o: Opts) -> dict:
     """The native ops a perfect fuser leaves: ``{op: sorted directions}``."""
     if o.layers == "bidir":
         return {o.op: ["bidirectional"]}
-    if o.layers == "stack":
+    if o.layers in ("stack", "side"):
         return {o.op: sorted([o.direction, o.direction])}
     return {o.op: [o.direction]}
 

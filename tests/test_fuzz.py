@@ -191,7 +191,7 @@ def valid_opts(draw, single=False):
     if front == "loop":
         kw["loop_bound"] = draw(st.sampled_from(["M", "cond", "both"] + (["const"] if kw["static_T"] else [])))
         kw["loop_counter"] = draw(st.booleans())
-    kw["layers"] = "single" if single else draw(_weighted((8, "single"), (1, "bidir"), (1, "stack")))
+    kw["layers"] = "single" if single else draw(_weighted((8, "single"), (1, "bidir"), (1, "stack"), (1, "side")))
     if front == "chain" and kw["mask"] not in ("none", "pad", "reduce_all") and not kw["xproj"]:
         # the mask computed inside each step from x_t, or from its slice of a float mask input (mask[t] > 0)
         computed = draw(_weighted((20, ""), (2, "xmask"), (1, "gt0")))

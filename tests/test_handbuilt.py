@@ -340,6 +340,10 @@ CHAIN_FAMILIES = {
     "chain_bidirectional_shared_input_prep": dict(layers="bidir", noise=True),
     "chain_bidirectional_shared_input_prep_masked": dict(layers="bidir", noise=True, mask="where", fill="zero", static_T=3),
     "chain_stacked_masked": dict(layers="stack", mask="where"),
+    # two cells side by side over x (one chain over x whose every step reads both states: a lane each)
+    "chain_side_by_side": dict(layers="side"),
+    "chain_side_by_side_masked_reverse": dict(layers="side", mask="where", direction="reverse", init="input"),
+    "chain_side_by_side_batch_first_learned_init": dict(layers="side", batch_first=True, init="learned", static_T=4),
     # steps reading other state-independent inputs than x[t] in time order (issue 14 item 7): fused over the
     # stacked inputs; a first step through another cell is kept and the rest fused
     "chain_inputs_double": dict(step_inputs="double"),

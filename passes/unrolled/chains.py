@@ -407,7 +407,9 @@ def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], m
                     if riv is not None and not (riv[1] < t if direction == "forward" else riv[0] > t):
                         continue
                     f = found.setdefault((direction, t), _Found())
-                    own = f.pulled_of.setdefault(r, set())
+                    own = f.pulled_of.get(r)
+                    if own is None:
+                        own = f.pulled_of[r] = set()
                     if r not in f.roots:
                         f.roots.add(r)
                         own |= closure(g, [r])[1]

@@ -60,13 +60,17 @@ class Dedupe:
             work, pos = table.candidates(), 0
         n_merged = 0
         base = len(g.edited)
+        later = _LaterEdits(g.edited, pos) if work is g.edited else None
         while True:
             if pos >= len(work):
                 if work is g.edited or base >= len(g.edited):
                     break
                 work, pos = g.edited, base  # readers a merge rewired (a full run's own edits)
+                later = _LaterEdits(g.edited, pos)
             n = work[pos]
             pos += 1
+            if later is not None and later.again(n, pos - 1):
+                continue  # (edited again further on: looked at there, once, not once per edit)
             if not table.eligible(n):
                 continue
             self.visited += 1
@@ -85,6 +89,24 @@ class Dedupe:
             res.modified = True
             res.notes.append(f"merged {n_merged} duplicate nodes")
         return res
+
+
+class _LaterEdits:
+    """Whether a node of the edit list is edited again further on, by generations of the list: the part
+    there was when asked, then what the walk's own merges appended (a Concat reading 50,000 duplicates is
+    rewired once per merge: looking at it at each of those edits, its whole input list each time, was
+    quadratic; at its last edit it is seen with every merge done)."""
+
+    def __init__(self, edited: list, start: int):
+        self.edited = edited
+        self.end = start
+        self.last: dict[int, int] = {}
+
+    def again(self, n: NodeProto, at: int) -> bool:
+        if at >= self.end:  # a new generation: the last position of each node in it
+            self.last = {id(m): i for i, m in enumerate(self.edited[at:], at)}
+            self.end = len(self.edited)
+        return self.last.get(id(n), at) > at
 
 
 class _DedupeTable:

@@ -14,11 +14,13 @@ import numpy as np
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
 from .graph_index import POS_TIE, GraphIndex, Removed, n_readers, without
-from .protos import has_subgraph, rename_free, set_external, subgraphs
+from .graph_rewire import Rewiring
+from .protos import has_subgraph, set_external
 
 
-class Graph(GraphIndex):
-    """One graph scope with producer/consumer maps (:class:`GraphIndex`) and edit operations."""
+class Graph(Rewiring, GraphIndex):
+    """One graph scope with producer/consumer maps (:class:`GraphIndex`) and edit operations (renaming what
+    nodes read: :class:`~rnnfuse.graph_rewire.Rewiring`)."""
 
     # -- edits -------------------------------------------------------------------------------------------
     def fresh(self, hint: str) -> str:
@@ -176,64 +178,6 @@ class Graph(GraphIndex):
         of a node inside one of its subgraphs)."""
         self._unindex(node)
         self._implicit.pop(id(node), None)
-        self._index(node)
-        self.edited.append(node)
-
-    def replace_uses(self, old: str, new: str) -> None:
-        """Make every reader of ``old`` (nodes, captures in subgraphs, graph outputs) read ``new``."""
-        if old == new:
-            return
-        self.replace_reads(list(self.uses(old)), old, new)
-        if self.is_graph_output(old):
-            self._detach(old)
-            if self.producer.get(new) is not None and self._renamable(new):
-                self._rename_output(new, old)
-            else:
-                self.add_node("Identity", [new], outputs=[old], name=f"rnnfuse/out/{old}")
-
-    def replace_reads(self, readers: list[NodeProto], old: str, new: str) -> None:
-        """Make ``readers`` (some of the nodes reading ``old``) read ``new`` instead; the graph's outputs and
-        the other readers keep ``old``."""
-        for n in readers:
-            self._unindex(n)
-            for i, x in enumerate(n.input):
-                if x == old:
-                    n.input[i] = new
-            if old in self.implicit_inputs(n):
-                for sg in subgraphs(n):
-                    rename_free(sg, old, new)
-                self._implicit.pop(id(n), None)
-            self._index(n)
-            self.edited.append(n)
-
-    def _renamable(self, name: str) -> bool:
-        return (
-            not self.is_graph_output(name)
-            and name not in self._inputs
-            and not self.uses(name)
-            and self.producer.get(name) is not None
-        )
-
-    def _detach(self, old: str) -> None:
-        """The old producer of a graph output gives the name up (it is about to be replaced)."""
-        old_prod = self.producer.get(old)
-        if old_prod is None:
-            return
-        self._unindex(old_prod)
-        for i, o in enumerate(old_prod.output):
-            if o == old:
-                old_prod.output[i] = self.fresh(old + "/detached")
-        if id(old_prod) not in self._removed:
-            self._index(old_prod)
-            self.edited.append(old_prod)
-
-    def _rename_output(self, new: str, old: str) -> None:
-        """Rename the produced tensor ``new`` to ``old`` (used to keep graph output names)."""
-        node = self.producer[new]
-        self._unindex(node)
-        for i, o in enumerate(node.output):
-            if o == new:
-                node.output[i] = old
         self._index(node)
         self.edited.append(node)
 

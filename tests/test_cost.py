@@ -496,3 +496,43 @@ def test_a_loop_state_declared_by_its_body_needs_no_type_inference(monkeypatch):
     m, report, _ = _run(_loops_in_a_row(5, nested_matmul_at=3))
     assert not report.modified
     assert "l2" not in asked, asked  # (loop3's carried init)
+
+
+def _wide_duplicates(n: int) -> onnx.ModelProto:
+    """``n`` Gathers of x by 8 distinct constant indices (so n - 8 duplicates), all read by one Concat."""
+    vi = helper.make_tensor_value_info
+    nodes = [helper.make_node("Gather", ["x", f"i{k}"], [f"g{k}"], axis=0) for k in range(n)]
+    inits = [numpy_helper.from_array(np.array([k % 8], np.int64), f"i{k}") for k in range(n)]
+    inits.append(numpy_helper.from_array(np.eye(4, dtype=np.float32), "W"))
+    nodes += [helper.make_node("Concat", [f"g{k}" for k in range(n)], ["c"], axis=0),
+              helper.make_node("MatMul", ["c", "W"], ["y"])]
+    g = helper.make_graph(nodes, "wide", [vi("x", TensorProto.FLOAT, [8, 4])], [vi("y", TensorProto.FLOAT, [n, 4])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_merging_the_inputs_of_a_wide_node_costs_each_merge_once(monkeypatch):
+    """A Concat reading thousands of duplicates is rewired once per merge: each rewiring renames its positions
+    of one name (the node is not re-indexed, its whole input list read again), and Dedupe looks at it once
+    after the merges, not once per merge (10,000 inputs: 199 s before, 2.4 s)."""
+    reindexed = []
+    unindex = Graph._unindex
+
+    def counted(g, n, _unindex=unindex):
+        if n.op_type == "Concat":
+            reindexed.append(n.name)
+        return _unindex(g, n)
+
+    monkeypatch.setattr(Graph, "_unindex", counted)
+    visited = {}
+    for n in (200, 800):
+        reindexed.clear()
+        m = Model(_wide_duplicates(n))
+        dedupe = Dedupe()
+        res = dedupe.run(m, Options())
+        assert res.modified and len(m.graph.nodes_of("Gather")) == 8
+        cat = m.graph.nodes_of("Concat")[0]
+        assert len(set(cat.input)) == 8 and len(cat.input) == n
+        assert all(m.graph.producer[i].op_type == "Gather" for i in cat.input)
+        assert not reindexed, len(reindexed)
+        visited[n] = dedupe.visited
+    assert visited[800] < 5 * visited[200], visited

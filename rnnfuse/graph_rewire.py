@@ -1,0 +1,124 @@
+"""Edits that rename what nodes read (and keep graph outputs' names), for :class:`rnnfuse.graph_edit.Graph`.
+
+A merge, a fusion or a clean-up makes the readers of one value read another: each reader is re-indexed, except
+a node reading very many values (a Concat or Sum of every step of a long unrolled model), whose positions of
+each name are kept so that renaming one input costs that input, not the node's whole input list.
+"""
+
+from __future__ import annotations
+
+from onnx import NodeProto
+
+from .protos import rename_free, subgraphs
+
+WIDE_READS = 64  # inputs from which a node's positions of each name are kept (see Rewiring._wide_positions)
+
+
+class Rewiring:
+    """Mixed into :class:`~rnnfuse.graph_edit.Graph` (a :class:`~rnnfuse.graph_index.GraphIndex`)."""
+
+    def replace_uses(self, old: str, new: str) -> None:
+        """Make every reader of ``old`` (nodes, captures in subgraphs, graph outputs) read ``new``."""
+        if old == new:
+            return
+        self.replace_reads(list(self.uses(old)), old, new)
+        if self.is_graph_output(old):
+            self._detach(old)
+            if self.producer.get(new) is not None and self._renamable(new):
+                self._rename_output(new, old)
+            else:
+                self.add_node("Identity", [new], outputs=[old], name=f"rnnfuse/out/{old}")
+
+    def replace_reads(self, readers: list[NodeProto], old: str, new: str) -> None:
+        """Make ``readers`` (some of the nodes reading ``old``) read ``new`` instead; the graph's outputs and
+        the other readers keep ``old``."""
+        for n in readers:
+            at = self._wide_positions(n)
+            if at is not None and old not in self.implicit_inputs(n):
+                self._rewire_wide(n, at, old, new)
+                continue
+            self._unindex(n)
+            for i, x in enumerate(n.input):
+                if x == old:
+                    n.input[i] = new
+            if old in self.implicit_inputs(n):
+                for sg in subgraphs(n):
+                    rename_free(sg, old, new)
+                self._implicit.pop(id(n), None)
+            self._index(n)
+            self.edited.append(n)
+
+    # -- nodes reading many values (a Concat or Sum of every step) ---------------------------------------
+    def _wide_positions(self, n: NodeProto) -> dict[str, list[int]] | None:
+        """name -> its positions among ``n``'s inputs, for a node reading ``WIDE_READS`` or more (else None),
+        read once and kept until ``n`` is indexed again: renaming one input of a Concat of 50,000 (a duplicate
+        merged) touches that input, not the whole list, which made merging its duplicates quadratic."""
+        if len(n.input) < WIDE_READS:
+            return None
+        cache = self.__dict__.setdefault("_wide_inputs", {})
+        kept = cache.get(id(n))  # (n itself is kept with its positions: its id stays its own)
+        if kept is None or kept[0] is not n or kept[2] != len(n.input):
+            at: dict[str, list[int]] = {}
+            for i, x in enumerate(n.input[:]):
+                at.setdefault(x, []).append(i)
+            kept = cache[id(n)] = (n, at, len(n.input))
+        return kept[1]
+
+    def _rewire_wide(self, n: NodeProto, at: dict[str, list[int]], old: str, new: str) -> None:
+        """:meth:`replace_reads` of one wide node: its positions of ``old`` renamed, the reader maps moved."""
+        moved = at.pop(old, [])
+        for i in moved:
+            n.input[i] = new
+        at.setdefault(new, []).extend(moved)
+        self._edits += 1
+        self.owners_complete = False
+        consumers = self.consumers
+        lst = consumers.get(old)
+        if type(lst) is list:
+            lst[:] = [c for c in lst if c is not n]
+        elif lst is n:
+            consumers[old] = []  # (the name stays known as read, by nothing now)
+        lst = consumers.get(new)
+        if lst is None or (type(lst) is list and not lst):
+            consumers[new] = n
+        elif type(lst) is list:
+            if not any(c is n for c in lst):
+                lst.append(n)
+        elif lst is not n:
+            consumers[new] = [lst, n]
+        self.edited.append(n)
+
+    def _unindex(self, n: NodeProto) -> None:
+        self.__dict__.get("_wide_inputs", {}).pop(id(n), None)  # (its inputs may change: read again when asked)
+        super()._unindex(n)
+
+    def _renamable(self, name: str) -> bool:
+        return (
+            not self.is_graph_output(name)
+            and name not in self._inputs
+            and not self.uses(name)
+            and self.producer.get(name) is not None
+        )
+
+    def _detach(self, old: str) -> None:
+        """The old producer of a graph output gives the name up (it is about to be replaced)."""
+        old_prod = self.producer.get(old)
+        if old_prod is None:
+            return
+        self._unindex(old_prod)
+        for i, o in enumerate(old_prod.output):
+            if o == old:
+                old_prod.output[i] = self.fresh(old + "/detached")
+        if id(old_prod) not in self._removed:
+            self._index(old_prod)
+            self.edited.append(old_prod)
+
+    def _rename_output(self, new: str, old: str) -> None:
+        """Rename the produced tensor ``new`` to ``old`` (used to keep graph output names)."""
+        node = self.producer[new]
+        self._unindex(node)
+        for i, o in enumerate(node.output):
+            if o == new:
+                node.output[i] = old
+        self._index(node)
+        self.edited.append(node)

@@ -58,9 +58,23 @@ class Dedupe:
             work, pos = g.edited, mark[1]
         else:
             work, pos = table.candidates(), 0
-        n_merged = 0
         base = len(g.edited)
         later = _LaterEdits(g.edited, pos) if work is g.edited else None
+        unfiltered: set[str] = set()  # long reader lists holding merged nodes (filtered once, at the end)
+        try:
+            n_merged = self._merge(g, table, work, pos, base, later, unfiltered)
+        finally:
+            g.drop_removed_readers(unfiltered)
+        model.facts.dedupe_mark = (g.edited, len(g.edited))
+        self.full_keys = table.full_keys
+        if n_merged:
+            res.modified = True
+            res.notes.append(f"merged {n_merged} duplicate nodes")
+        return res
+
+    def _merge(self, g: Graph, table: "_DedupeTable", work: list, pos: int, base: int, later, unfiltered: set) -> int:
+        """Walk ``work`` from ``pos`` (then the edits the merges make) merging each node into an equal one."""
+        n_merged = 0
         while True:
             if pos >= len(work):
                 if work is g.edited or base >= len(g.edited):
@@ -77,18 +91,13 @@ class Dedupe:
             other = table.match(n)
             if other is None:
                 continue
-            g.remove_node(n)
+            g.remove_node(n, unfiltered)
             for a, b in zip(n.output, other.output):
                 if a and b:
                     g.replace_uses(a, b)  # (a graph output keeps its name: an Identity of b, or b renamed)
             table.forget()
             n_merged += 1
-        model.facts.dedupe_mark = (g.edited, len(g.edited))
-        self.full_keys = table.full_keys
-        if n_merged:
-            res.modified = True
-            res.notes.append(f"merged {n_merged} duplicate nodes")
-        return res
+        return n_merged
 
 
 class _LaterEdits:

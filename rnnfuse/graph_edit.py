@@ -94,12 +94,22 @@ class Graph(Rewiring, GraphIndex):
         self.initializers[name] = t
         return name
 
-    def remove_node(self, node: NodeProto) -> None:
+    def remove_node(self, node: NodeProto, defer: set | None = None) -> None:
+        """``defer`` (a set): the reader lists of 64+ readers that ``node`` is in keep it until
+        :meth:`drop_removed_readers` is given the set (their uses list it meanwhile, removed: not ``alive``). Dedupe
+        merging 50,000 duplicates that all read one ``x`` filtered x's reader list at each removal."""
         if id(node) in self._removed:
             return
         self._removed.add(id(node))
         self._graveyard.append(node)  # keep the object alive: its id must not be reused by a new node
-        self._unindex(node)
+        self._unindex(node, defer)
+
+    def drop_removed_readers(self, names) -> None:
+        """Filter the removed nodes out of these values' reader lists (see :meth:`remove_node`)."""
+        for i in names:
+            lst = self.consumers.get(i)
+            if type(lst) is list:
+                lst[:] = self._removed.keep(lst)
 
     def remove_nodes(self, nodes: list[NodeProto]) -> None:
         """Remove many nodes at once: each consumer list is filtered once (a weight read by 2,000 unrolled

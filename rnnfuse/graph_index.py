@@ -278,7 +278,8 @@ class GraphIndex:
                 else:
                     consumers[i] = [lst, n]
 
-    def _unindex(self, n: NodeProto) -> None:
+    def _unindex(self, n: NodeProto, defer: set | None = None) -> None:
+        """``defer``: the long reader lists (64+) of a removed ``n`` are not filtered but named there."""
         self.owners_complete = False
         self._edits += 1
         for o in n.output:
@@ -288,7 +289,9 @@ class GraphIndex:
         for i in set(n.input) | self.implicit_inputs(n):
             lst = consumers.get(i)
             if type(lst) is list:
-                if lst:
+                if defer is not None and len(lst) >= 64:
+                    defer.add(i)
+                elif lst:
                     lst[:] = [c for c in lst if c is not n]
             elif lst is n:
                 consumers[i] = []  # (the name stays known as read, by nothing now, as a list emptied so)

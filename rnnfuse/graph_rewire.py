@@ -33,6 +33,8 @@ class Rewiring:
         """Make ``readers`` (some of the nodes reading ``old``) read ``new`` instead; the graph's outputs and
         the other readers keep ``old``."""
         for n in readers:
+            if not self.alive(n):
+                continue  # (a removed node a long reader list still holds: see Graph.remove_node's ``defer``)
             at = self._wide_positions(n)
             if at is not None and old not in self.implicit_inputs(n):
                 self._rewire_wide(n, at, old, new)
@@ -88,9 +90,9 @@ class Rewiring:
             consumers[new] = [lst, n]
         self.edited.append(n)
 
-    def _unindex(self, n: NodeProto) -> None:
+    def _unindex(self, n: NodeProto, defer: set | None = None) -> None:
         self.__dict__.get("_wide_inputs", {}).pop(id(n), None)  # (its inputs may change: read again when asked)
-        super()._unindex(n)
+        super()._unindex(n, defer)
 
     def _renamable(self, name: str) -> bool:
         return (

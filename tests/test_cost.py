@@ -512,15 +512,16 @@ def _wide_duplicates(n: int) -> onnx.ModelProto:
 
 def test_merging_the_inputs_of_a_wide_node_costs_each_merge_once(monkeypatch):
     """A Concat reading thousands of duplicates is rewired once per merge: each rewiring renames its positions
-    of one name (the node is not re-indexed, its whole input list read again), and Dedupe looks at it once
-    after the merges, not once per merge (10,000 inputs: 199 s before, 2.4 s)."""
+    of one name (the node is not re-indexed, its whole input list read again), Dedupe looks at it once after
+    the merges, not once per merge, and the reader list of the x every duplicate reads is filtered once
+    (10,000 inputs: 199 s before, 1.1 s; 50,000: 4.4 s)."""
     reindexed = []
     unindex = Graph._unindex
 
-    def counted(g, n, _unindex=unindex):
+    def counted(g, n, defer=None, _unindex=unindex):
         if n.op_type == "Concat":
             reindexed.append(n.name)
-        return _unindex(g, n)
+        return _unindex(g, n, defer)
 
     monkeypatch.setattr(Graph, "_unindex", counted)
     visited = {}
@@ -533,6 +534,8 @@ def test_merging_the_inputs_of_a_wide_node_costs_each_merge_once(monkeypatch):
         cat = m.graph.nodes_of("Concat")[0]
         assert len(set(cat.input)) == 8 and len(cat.input) == n
         assert all(m.graph.producer[i].op_type == "Gather" for i in cat.input)
+        # x's reader list, filtered of the merged Gathers once at the end (not at each of n - 8 removals)
+        assert len(m.graph.uses("x")) == 8 and all(m.graph.alive(u) for u in m.graph.uses("x"))
         assert not reindexed, len(reindexed)
         visited[n] = dedupe.visited
     assert visited[800] < 5 * visited[200], visited

@@ -77,3 +77,28 @@ def test_maps_that_differ_by_step_or_mix_rows_stay(miss):
     assert not [f for f in report.findings if f.pass_name == "step-maps"], report.to_text()
     assert op_counts(fused) == op_counts(model)
     _same_outputs(model, fused)
+
+
+def test_a_map_reshaping_to_a_steps_static_shape_stays():
+    """A static batch: the head's ``Reshape(h_t @ V + c, Shape(.)[0:1] ++ [K])`` folds to the constant [B, K],
+    which applied to every step's rows at once would be wrong: the stack stays per step."""
+    model = stacked_head()
+    g = model.graph
+    nodes = []
+    for node in g.node:
+        if node.op_type == "Relu":
+            t = node.input[0]
+            nodes += [helper.make_node("Shape", [t], [f"shape_{t}"]),
+                      helper.make_node("Slice", [f"shape_{t}", "ax0", "one", "ax0"], [f"sh_{t}"]),
+                      helper.make_node("Concat", [f"sh_{t}", "k_dim"], [f"tgt_{t}"], axis=0),
+                      helper.make_node("Reshape", [t, f"tgt_{t}"], [f"rs_{t}"])]
+            node.input[0] = f"rs_{t}"
+        nodes.append(node)
+    del g.node[:]
+    g.node.extend(nodes)
+    g.initializer.extend([numpy_helper.from_array(np.array([K], np.int64), "k_dim"),
+                          numpy_helper.from_array(np.array([1], np.int64), "one")])
+    g.input[0].type.tensor_type.shape.dim[1].dim_value = B  # (the batch is static: the shape folds)
+    fused, report = rnnfuse.optimize(model, validate=False)
+    assert not [f for f in report.findings if f.pass_name == "step-maps" and f.status == "merged"], report.to_text()
+    _same_outputs(model, fused)

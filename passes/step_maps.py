@@ -20,7 +20,7 @@ from rnnfuse.errors import Decline
 from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.rewrite import Rewrite, apply_rewrites
-from rnnfuse.row_wise import ROW_RANK, check_row_wise, replay, unflatten
+from rnnfuse.row_wise import ROW_RANK, check_row_wise, folded_from_shapes, replay, unflatten
 
 _NATIVE = ("LSTM", "GRU", "RNN")
 
@@ -55,20 +55,6 @@ def _step_of(g: Graph, name: str) -> tuple[str, int] | None:
     return p.input[0], int(t)
 
 
-def _from_shapes(g: Graph, name: str, limit: int = 32) -> bool:
-    """Whether the constant ``name`` is folded from a Shape or Size of some tensor (not from constants alone)."""
-    stack, seen = [name], set()
-    while stack and len(seen) < limit:
-        p = g.producer.get(stack.pop())
-        if p is None or id(p) in seen:
-            continue
-        if p.op_type in ("Shape", "Size"):
-            return True
-        seen.add(id(p))
-        stack.extend(i for i in p.input if i)
-    return bool(stack)  # (a cone too deep to read: taken as one)
-
-
 class _Map:
     """One step's copy of the map: its nodes in evaluation order and a signature that is the same for every
     copy of the same map over the same step offsets."""
@@ -92,7 +78,7 @@ class _Map:
             self.steps[name] = (step[0], step[1] - self.item)
             ref = ("step", step[0], step[1] - self.item)
         elif c is not None:  # a weight by its name; a copied constant by its value
-            if _from_shapes(g, name):  # (folded from a step's static shape: it would bake [B, ...] in)
+            if folded_from_shapes(g, name):  # (from a step's static shape: it would bake [B, ...] in)
                 raise Decline(f"'{name}' is computed from the shape of a step")
             self.consts[name] = np.asarray(c)
             ref = ("init", name) if name in g.initializers else ("const", c.dtype.str, c.shape, np.asarray(c).tobytes())

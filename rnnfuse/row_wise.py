@@ -171,6 +171,21 @@ def row_shape(g: Graph, shape: str, rows: dict[str, int], const_of) -> tuple[lis
     return dims, [src, first] + nodes
 
 
+def folded_from_shapes(g: Graph, name: str, limit: int = 32) -> bool:
+    """Whether the constant ``name`` is folded from a Shape or Size of some tensor, not from constants alone: a
+    step's static shape (``Shape(h_t)[0:1] ++ [K]``), which applied to every step's rows at once is wrong."""
+    stack, seen = [name], set()
+    while stack and len(seen) < limit:
+        p = g.producer.get(stack.pop())
+        if p is None or id(p) in seen:
+            continue
+        if p.op_type in ("Shape", "Size"):
+            return True
+        seen.add(id(p))
+        stack.extend(i for i in p.input if i)
+    return bool(stack)  # (a cone too deep to read: taken as one)
+
+
 def slice_axes(n: NodeProto, const_of) -> list[int] | None:
     """The axes a Slice cuts, when its starts/ends/axes are constants."""
     if len(n.input) == 1:  # opset < 10: attributes

@@ -25,7 +25,7 @@ from onnx import AttributeProto, NodeProto
 
 from .errors import Decline
 from .graph import Graph
-from .row_wise import ROW_RANK, check_row_wise, replay
+from .row_wise import ROW_RANK, check_row_wise, folded_from_shapes, replay
 from .symbolic import Const, SymTensor
 
 @dataclass
@@ -128,6 +128,8 @@ def _leaf(body: Graph, ev, name: str, h_key, other_keys: dict, x_reads: set[str]
     c = body.const(name)
     if c is None and isinstance(v, Const):  # computed from constants and pass-through values alone
         c = v.arr
+    if c is not None and folded_from_shapes(body, name):
+        raise Decline(f"a per-step output reads '{name}', folded from a step's shape (not every step's at once)")
     if c is not None:
         head.consts[name] = np.asarray(c)
         return False

@@ -102,3 +102,31 @@ def test_a_map_reshaping_to_a_steps_static_shape_stays():
     fused, report = rnnfuse.optimize(model, validate=False)
     assert not [f for f in report.findings if f.pass_name == "step-maps" and f.status == "merged"], report.to_text()
     _same_outputs(model, fused)
+
+
+def test_a_loop_head_reshaping_to_a_steps_static_shape_is_declined():
+    """The same inside a Loop body (a head on h applied after the native op): a Reshape target folded from the
+    step's static shape would be applied to every step's rows at once; declined with that reason."""
+    import builders_loops as BL
+
+    model = BL.build_head(BL.HeadOpts("gemm_relu"))
+    body = next(n for n in model.graph.node if n.op_type == "Loop").attribute[0].g
+    nodes = []
+    for n in body.node:
+        if n.op_type == "Relu":
+            nodes += [helper.make_node("Shape", ["g"], ["shp"]),
+                      helper.make_node("Slice", ["shp", "k0", "kk1", "k0"], ["sh0"]),
+                      helper.make_node("Concat", ["sh0", "kdim"], ["tgt"], axis=0),
+                      helper.make_node("Reshape", ["g", "tgt"], ["gr"])]
+            n.input[0] = "gr"
+        nodes.append(n)
+    del body.node[:]
+    body.node.extend(nodes)
+    body.initializer.extend([numpy_helper.from_array(np.array([1], np.int64), "kk1"),
+                             numpy_helper.from_array(np.array([BL.HEAD_K], np.int64), "kdim")])
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = B  # (a static batch: the shape folds)
+    fused, report = rnnfuse.optimize(model, validate=False)
+    assert not report.fused and any("folded from a step's shape" in f.reason for f in report.declined), report.to_text()
+    x = np.random.default_rng(1).standard_normal((5, B, 3)).astype(np.float32)
+    for p, q in zip(session(model).run(None, {"x": x}), session(fused).run(None, {"x": x})):
+        np.testing.assert_allclose(p, q, atol=1e-5)

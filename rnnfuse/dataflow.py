@@ -161,6 +161,12 @@ def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
     memo = g.model.facts.lead
     if name in memo:
         return memo[name]
+    p = g.producer.get(name)
+    if p is not None and p.op_type == "Gemm":
+        # (2-D by definition: asking inference instead walked a late step's cone back to the chain's start,
+        # 16,000 nodes for a bidirectional torch trace, queried from its last step)
+        memo[name] = 0
+        return 0
     t = g.model.known_type(name)
     out = None
     if t is not None and t[1] is not None:

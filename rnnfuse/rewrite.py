@@ -82,7 +82,7 @@ def commit(g: Graph, replacements: dict, remove) -> None:
     """Make every reader of each old tensor read its new one, then drop the replaced nodes."""
     model = g.model
     for old, new in replacements.items():
-        t = model.known_type(old)
+        t = model.settled_type(old)
         if t is not None and t[1] is not None:
             model.declare(new, t)  # the new tensor holds what the old one did: same type and shape
         g.replace_uses(old, new)

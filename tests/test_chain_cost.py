@@ -8,6 +8,7 @@ would make a 100k-node chain quadratic).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import builders as B
@@ -16,6 +17,7 @@ import rnnfuse.model
 from rnnfuse.graph import Graph, Model
 from rnnfuse.pipeline import Options, Pipeline
 from rnnfuse.signature import Signer
+from helpers import session
 
 
 class _Counts:
@@ -86,3 +88,62 @@ def test_types_of_a_big_chain_are_not_inferred_along_it(op, matmul, monkeypatch)
         assert [f.status for f in report.findings].count("fused") == 2, report.to_text()
         totals.append(sum(inferred))
     assert 0 < totals[1] <= totals[0] + 8, totals
+
+
+def _stacked_per_step_model(T: int, F: int = 3, H: int = 4):
+    """Two tanh cells per step, the upper one reading the lower one's new h as its input (torch's trace of a
+    loop calling two cells): the lower chain's h is read step by step, not as a stack."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(T)
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "axis0")]
+    for c, f in enumerate((F, H)):
+        inits += [numpy_helper.from_array((rng.standard_normal(s) * 0.5).astype(np.float32), f"{n}{c}")
+                  for n, s in (("W", (f, H)), ("R", (H, H)), ("b", (H,)))]
+    nodes, ys, hs = [], [], ["h0", "h0"]
+    for t in range(T):
+        nodes += [helper.make_node("Constant", [], [f"t{t}"], value=numpy_helper.from_array(np.array(t, np.int64))),
+                  helper.make_node("Gather", ["x", f"t{t}"], [f"x{t}"], axis=0)]
+        below = f"x{t}"
+        for c in range(2):
+            p = f"c{c}_{t}_"
+            nodes += [helper.make_node("MatMul", [below, f"W{c}"], [p + "xw"]),
+                      helper.make_node("MatMul", [hs[c], f"R{c}"], [p + "hr"]),
+                      helper.make_node("Add", [p + "xw", p + "hr"], [p + "s"]),
+                      helper.make_node("Add", [p + "s", f"b{c}"], [p + "a"]),
+                      helper.make_node("Tanh", [p + "a"], [p + "h"])]
+            below = hs[c] = p + "h"
+        nodes.append(helper.make_node("Unsqueeze", [below, "axis0"], [f"y{t}"]))
+        ys.append(f"y{t}")
+    nodes.append(helper.make_node("Concat", ys, ["y"], axis=0))
+    graph = helper.make_graph(nodes, "stacked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", F]),
+                                                 helper.make_tensor_value_info("h0", TensorProto.FLOAT, ["B", H])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, "B", H])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_lower_cells_per_step_reads_are_typed_once(monkeypatch):
+    """The upper cell of a stacked step reads the lower cell's h at every step: each such read is given its
+    step of the lower op's Y, with its leading unit axes. Asked per step in a big model (forced here), that was
+    a type inference per step (1,000 for a torch trace of 1,000 steps); steps computed alike have one answer."""
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
+    inferences = []
+    cone = rnnfuse.cone_types.ConeTypes._cone
+
+    def counted(self, root):
+        inferences.append(root.output[0])
+        return cone(self, root)
+
+    monkeypatch.setattr(rnnfuse.cone_types.ConeTypes, "_cone", counted)
+    counts = []
+    for T in (8, 32):
+        inferences.clear()
+        model = Model(_stacked_per_step_model(T))
+        report = Pipeline.default().run(model, Options(validate=False))
+        assert [f.status for f in report.findings].count("fused") == 2, report.to_text()
+        counts.append(len(inferences))
+        rng = np.random.default_rng(0)
+        feeds = {"x": rng.standard_normal((T, 3, 3)).astype(np.float32), "h0": rng.standard_normal((3, 4)).astype(np.float32)}
+        want = session(_stacked_per_step_model(T)).run(None, feeds)[0]
+        np.testing.assert_allclose(session(model.proto).run(None, feeds)[0], want, atol=1e-5)
+    assert counts[1] == counts[0], counts

@@ -271,6 +271,20 @@ def _computed_from(g: Graph, seeds: list[str], allowed, limit: int = 4096) -> se
     return out
 
 
+def series_leads(g: Graph, names: list[str | None], sigs: list[int | None]) -> list[int]:
+    """The leading unit axes of each step's value in a series (``lead_of``, 0 when unknown), asked of the
+    graph only where the steps change: a step computed like the one before it (equal signatures) from a value
+    of the same lead has that lead too. (Asked per step, a big model inferred a cone per step: 1,000 of them for
+    the first layer of a stacked torch trace, 0.5 s.)"""
+    leads: list[int | None] = []
+    for k, name in enumerate(names):
+        if k >= 2 and sigs[k] is not None and sigs[k] == sigs[k - 1] and leads[k - 1] is not None and leads[k - 1] == leads[k - 2]:
+            leads.append(leads[k - 1])
+        else:
+            leads.append(lead_of(g, name) if name is not None else None)
+    return [lead or 0 for lead in leads]
+
+
 def _step_tensors(g: Graph, chain: Chain, k: int, iv, op_type: str) -> list[str]:
     """Outputs of ``op_type`` nodes that belong to step k."""
     t = chain.steps[k].t

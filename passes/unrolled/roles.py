@@ -28,7 +28,7 @@ from rnnfuse.symbolic import LinAtom, Poly, StepInput, SymTensor, loose_key, sub
 
 from .chains import Chain, Step
 from .families import StepMask
-from .outputs import (Escapes, FirstValueIsState, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values,
+from .outputs import (Escapes, FirstValueIsState, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, series_leads,
                       order_of, split_first_value, step_output)
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through
 
@@ -420,8 +420,7 @@ class _ChainRoles:
 
     def build(self, an: StepAnalysis) -> Recurrence:
         g, src, axis, ts = self.g, self.src, self.axis, self.ts
-        x = src if self.proj is None else self.proj.x0
-        T = static_dim(g, src, axis)
+        x, T, leads = src if self.proj is None else self.proj.x0, static_dim(g, src, axis), series_leads(g, self.h_new, self.sig_h)
         anchor = g.producer.get(self.h_new[-1] or self.c_new[-1] or (self.ys or [None])[-1])
         mask = None
         if an.masked:
@@ -445,8 +444,8 @@ class _ChainRoles:
             seq_outputs=an.seq_outputs,
             finals=[FinalOutput(f.tensor, f.which, f.init, lead_of(g, f.tensor) or 0) for f in an.finals],
             step_reads=[StepRead(t, ts[k] - min(ts) if self.chain.direction == "forward" else max(ts) - ts[k],
-                                 CARRY if an.masked else NONE, an.h0 if an.masked else Init(), lead_of(g, t) or 0)
-                        for k, t in self.step_reads],
+                                 CARRY if an.masked else NONE, an.h0 if an.masked else Init(),
+                                 leads[k] if t == self.h_new[k] else lead_of(g, t) or 0) for k, t in self.step_reads],
             anchor=anchor,
             x_batch_first=axis == 1,
             x_reversed=self.chain.direction == "reverse",

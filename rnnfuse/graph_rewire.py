@@ -1,8 +1,10 @@
 """Edits that rename what nodes read (and keep graph outputs' names), for :class:`rnnfuse.graph_edit.Graph`.
 
-A merge, a fusion or a clean-up makes the readers of one value read another: each reader is re-indexed, except
-a node reading very many values (a Concat or Sum of every step of a long unrolled model), whose positions of
-each name are kept so that renaming one input costs that input, not the node's whole input list.
+A merge, a fusion or a clean-up makes the readers of one value read another: only the reader lists of the old
+and the new name change (not those of the reader's other inputs: a weight every step of a long chain reads has
+a reader list as long as the chain), and a node reading very many values (a Concat or Sum of every step) keeps
+its positions of each name, so that renaming one input costs that input, not the node's whole input list. A
+reader capturing the old name in a subgraph is re-indexed whole.
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ class Rewiring:
         for n in readers:
             if not self.alive(n):
                 continue  # (a removed node a long reader list still holds: see Graph.remove_node's ``defer``)
-            at = self._wide_positions(n)
-            if at is not None and old not in self.implicit_inputs(n):
-                self._rewire_wide(n, at, old, new)
+            if old not in self.implicit_inputs(n):
+                # only the reader lists of old and new change: re-indexing all of n's inputs filtered the list of
+                # each weight it reads, which every step of an unrolled chain reads (quadratic: a stacked
+                # chain's 7,000 per-step reads of the lower cell took 10 s)
+                at = self._wide_positions(n)
+                self._rewire_wide(n, at if at is not None else {old: [i for i, x in enumerate(n.input) if x == old]}, old, new)
                 continue
             self._unindex(n)
             for i, x in enumerate(n.input):
@@ -67,7 +72,8 @@ class Rewiring:
         return kept[1]
 
     def _rewire_wide(self, n: NodeProto, at: dict[str, list[int]], old: str, new: str) -> None:
-        """:meth:`replace_reads` of one wide node: its positions of ``old`` renamed, the reader maps moved."""
+        """:meth:`replace_reads` of one node (``at``: its positions of each name, or of ``old`` at least): those
+        positions renamed, n moved from old's readers to new's."""
         moved = at.pop(old, [])
         for i in moved:
             n.input[i] = new

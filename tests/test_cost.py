@@ -539,3 +539,30 @@ def test_merging_the_inputs_of_a_wide_node_costs_each_merge_once(monkeypatch):
         assert not reindexed, len(reindexed)
         visited[n] = dedupe.visited
     assert visited[800] < 5 * visited[200], visited
+
+
+def test_renaming_a_read_leaves_the_readers_other_inputs_alone(monkeypatch):
+    """Renaming what a node reads re-indexes none of its other inputs: every step of an unrolled chain reads
+    the same weights, and re-indexing a step's matmul filtered the weight's reader list (as long as the chain)
+    at each rename: the per-step reads of a stacked chain's lower cell, 7,000 renames, took 10 s."""
+    n = 64
+    vi = helper.make_tensor_value_info
+    nodes = [helper.make_node("MatMul", [f"a{k}", "W"], [f"m{k}"], name=f"mm{k}") for k in range(n)]
+    nodes += [helper.make_node("Identity", [f"x{k}"], [f"a{k}"]) for k in range(n)]
+    nodes += [helper.make_node("Identity", [f"x{k}"], [f"b{k}"]) for k in range(n)]
+    nodes.append(helper.make_node("Sum", [f"m{k}" for k in range(n)], ["y"]))
+    g = helper.make_graph(nodes, "renames", [vi(f"x{k}", TensorProto.FLOAT, [2, 4]) for k in range(n)],
+                          [vi("y", TensorProto.FLOAT, [2, 4])],
+                          [numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")])
+    m = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    reindexed = []
+    unindex = Graph._unindex
+    monkeypatch.setattr(Graph, "_unindex", lambda g, node, defer=None: (reindexed.append(node.name), unindex(g, node, defer)))
+    readers_of_w = m.graph.uses("W")
+    for k in range(n):
+        m.graph.replace_uses(f"a{k}", f"b{k}")
+    assert not reindexed
+    assert m.graph.uses("W") is readers_of_w and [u.name for u in readers_of_w] == [f"mm{k}" for k in range(n)]
+    for k in range(n):
+        (reader,) = m.graph.uses(f"b{k}")
+        assert reader.name == f"mm{k}" and list(reader.input) == [f"b{k}", "W"] and not m.graph.uses(f"a{k}")

@@ -421,6 +421,7 @@ class _ChainRoles:
     def build(self, an: StepAnalysis) -> Recurrence:
         g, src, axis, ts = self.g, self.src, self.axis, self.ts
         x, T, leads = src if self.proj is None else self.proj.x0, static_dim(g, src, axis), series_leads(g, self.h_new, self.sig_h)
+        first = min(ts) if self.chain.direction == "forward" else max(ts)  # (the step processed first)
         anchor = g.producer.get(self.h_new[-1] or self.c_new[-1] or (self.ys or [None])[-1])
         mask = None
         if an.masked:
@@ -443,7 +444,7 @@ class _ChainRoles:
             mask_negated=an.masked and an.mask_negated,
             seq_outputs=an.seq_outputs,
             finals=[FinalOutput(f.tensor, f.which, f.init, lead_of(g, f.tensor) or 0) for f in an.finals],
-            step_reads=[StepRead(t, ts[k] - min(ts) if self.chain.direction == "forward" else max(ts) - ts[k],
+            step_reads=[StepRead(t, abs(ts[k] - first),  # (its index in processing order)
                                  CARRY if an.masked else NONE, an.h0 if an.masked else Init(),
                                  leads[k] if t == self.h_new[k] else lead_of(g, t) or 0) for k, t in self.step_reads],
             anchor=anchor,

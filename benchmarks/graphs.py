@@ -157,3 +157,53 @@ def cells_side_by_side(path: str, nodes: int, steps: int = 16, features: int = 8
         outputs.append(vi(f"y{c}", TensorProto.FLOAT, [steps, "B", hidden]))
     return _save(path, out, "cells_side_by_side", [vi("x", TensorProto.FLOAT, [steps, "B", features]),
                                                    vi("h0", TensorProto.FLOAT, ["B", hidden])], outputs, inits)
+
+
+def _gemm_tanh_cell(p: str, x: str, h: str, c: str) -> list:
+    """torch's trace of ``nn.RNNCell``: ``tanh(x @ W.T + b_ih + h @ R.T + b_hh)`` as two Gemms (transB)."""
+    from onnx import helper
+
+    return [helper.make_node("Gemm", [x, f"W{c}", f"bi{c}"], [p + "xw"], transB=1),
+            helper.make_node("Gemm", [h, f"R{c}", f"bh{c}"], [p + "hr"], transB=1),
+            helper.make_node("Add", [p + "xw", p + "hr"], [p + "a"]),
+            helper.make_node("Tanh", [p + "a"], [p + "h"])]
+
+
+def two_cells_per_step(path: str, nodes: int, arrangement: str = "bidir", features: int = 8, hidden: int = 16) -> int:
+    """Two tanh cells per step of a torch loop, as torch's tracer writes them (Gemm cells, no types declared
+    inside the graph): ``bidir`` a forward cell over x[t] and a backward one over x[T-1-t], outputs
+    ``cat([stack(yf), stack(yr[::-1])], -1)`` (one bidirectional RNN once fused); ``stacked`` the upper cell
+    reading the lower one's new h at each step, ``stack(y2)`` (two RNNs, the upper reading the lower's Y).
+    ~14 nodes a step."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    T = max(2, nodes // 14)
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "axis0")]
+    for c, f in enumerate((features, features if arrangement == "bidir" else hidden)):
+        inits += [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), f"{n}{c}")
+                  for n, s in ((("W", (hidden, f)), ("R", (hidden, hidden)), ("bi", (hidden,)), ("bh", (hidden,))))]
+    out, ys, hs = [], ([], []), ["h0", "h0"]
+    for t in range(T):
+        below = None
+        for c in range(2):
+            p = f"c{c}_{t}_"
+            if arrangement == "bidir" or c == 0:  # (torch's trace slices x where it is read, once per read)
+                i = T - 1 - t if c == 1 else t
+                out += [helper.make_node("Constant", [], [p + "t"], value=numpy_helper.from_array(np.array(i, np.int64))),
+                        helper.make_node("Gather", ["x", p + "t"], [p + "x"], axis=0)]
+                below = p + "x"
+            out += _gemm_tanh_cell(p, below, hs[c], str(c))
+            out.append(helper.make_node("Unsqueeze", [p + "h", "axis0"], [p + "y"]))
+            below = hs[c] = p + "h"
+            ys[c].append(p + "y")
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, "B", hidden * (2 if arrangement == "bidir" else 1)])]
+    if arrangement == "bidir":
+        out += [helper.make_node("Concat", ys[0], ["yf"], axis=0), helper.make_node("Concat", ys[1][::-1], ["yr"], axis=0),
+                helper.make_node("Concat", ["yf", "yr"], ["y"], axis=-1)]
+    else:
+        out.append(helper.make_node("Concat", ys[1], ["y"], axis=0))
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", features]),
+              helper.make_tensor_value_info("h0", TensorProto.FLOAT, ["B", hidden])]
+    return _save(path, out, f"{arrangement}_chain", inputs, outputs, inits)

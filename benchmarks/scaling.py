@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,wide,heavy,heavy_ext] [--runs 3]
+                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,wide,heavy,heavy_ext] [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
 
@@ -23,6 +23,9 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
   subgraphs, nothing to fuse.
 * ``side``: tanh cells side by side over one input, 16 steps each (6 nodes a cell a step, ~1,000 cells at
   100k nodes): every step of the chain over x reads every cell's state; one RNN per cell, validated per step.
+* ``bidir`` / ``stacked``: two tanh cells a step as torch's tracer writes a loop calling ``nn.RNNCell`` twice
+  (Gemm cells, no types declared inside the graph): a forward and a backward cell over x (one bidirectional RNN
+  once fused), or an upper cell reading the lower one's new h at each step (two RNNs); ~14 nodes a step.
 * ``heavy`` / ``heavy_ext``: that loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all but
   0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 
@@ -50,7 +53,8 @@ sys.path.insert(0, HERE)
 NODES_PER_STEP = 18  # torch's LSTMCell trace export
 
 from chain_2000 import export_lstmcell_chain  # noqa: E402
-from graphs import cells_side_by_side, elementwise_chain, loops_in_a_row, masked_rnn_chain, steps_summed  # noqa: E402
+from graphs import (cells_side_by_side, elementwise_chain, loops_in_a_row, masked_rnn_chain, steps_summed,  # noqa: E402
+                    two_cells_per_step)
 
 
 MAX_EXPORTED_STEPS = 6000  # torch's trace export of a longer loop takes over an hour here: those are stretched
@@ -177,7 +181,9 @@ def model_bytes(path: str) -> int:
 GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wide": wide_chain,
               "heavy": heavy_chain, "heavy_ext": heavy_external_chain, "steps": steps_summed,
               "masked": masked_rnn_chain, "loops": loops_in_a_row,
-              "side": cells_side_by_side}
+              "side": cells_side_by_side,
+              "bidir": lambda path, nodes: two_cells_per_step(path, nodes, "bidir"),
+              "stacked": lambda path, nodes: two_cells_per_step(path, nodes, "stacked")}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "
@@ -353,6 +359,8 @@ def main(argv=None) -> int:
         "nothing to fuse. `masked`: a masked tanh-cell loop (11 nodes/step), fused into one masked RNN. "
         "`loops`: Loops in a row with 2-node bodies (4 nodes/Loop, bodies counted), nothing to fuse. "
         "`side`: tanh cells side by side over one input, 16 steps each, one RNN per cell. "
+        "`bidir` / `stacked`: two Gemm tanh cells a step in torch's trace form (14 nodes/step), a forward and a "
+        "backward one (one bidirectional RNN once fused) or one reading the other's new h (two RNNs). "
         "`wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "

@@ -14,6 +14,7 @@ import pytest
 import builders as B
 import rnnfuse.cone_types
 import rnnfuse.model
+import rnnfuse.passes.unrolled.rule
 from rnnfuse.graph import Graph, Model
 from rnnfuse.pipeline import Options, Pipeline
 from rnnfuse.signature import Signer
@@ -147,3 +148,42 @@ def test_a_lower_cells_per_step_reads_are_typed_once(monkeypatch):
         want = session(_stacked_per_step_model(T)).run(None, feeds)[0]
         np.testing.assert_allclose(session(model.proto).run(None, feeds)[0], want, atol=1e-5)
     assert counts[1] == counts[0], counts
+
+
+def test_a_stacked_masked_chain_is_searched_once_per_step(monkeypatch):
+    """Two masked layers, the upper reading the lower's stacked output: the lower layer's last cell state is
+    dead, so no tensor of its last step matches the reference step's; the tensors of the upper layer, which
+    share that step's interval end, were each signed in vain, walking up the stack (opens per step 300, 370,
+    520 at 12, 24, 48 steps). Only what the step's h computes is signed now, and the work per step is flat."""
+    runs = []
+    for T in (12, 24, 48):
+        counts = _Counts(monkeypatch)
+        model, _ = B.build(B.default_reverse_form(B.Opts(op="LSTM", front="chain", static_T=T, layers="stack", mask="where")))
+        report = Pipeline.default().run(Model(model), Options(validate=False))
+        assert [f.status for f in report.findings].count("fused") == 2, report.to_text()
+        runs.append(counts.opens)
+    o1, o2, o3 = runs
+    assert o2 - o1 == pytest.approx((o3 - o2) / 2, abs=4), runs
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_gate_views_are_no_families_to_search(op, monkeypatch):
+    """A cell's gates viewed as [B, G, W] (``gates.view(B, 4, H)``) and sliced per gate look like a family of G
+    steps, one or two per step: each was tried as a chain, with a walk of the whole graph for its intervals
+    (17 / 33 / 65 walks at 8 / 16 / 32 steps). Values of a long family's steps are not searched as sequences."""
+    walks = []
+    intervals = rnnfuse.passes.unrolled.rule.intervals
+
+    def counted(*args, **kw):
+        walks.append(1)
+        return intervals(*args, **kw)
+
+    monkeypatch.setattr(rnnfuse.passes.unrolled.rule, "intervals", counted)
+    counts = []
+    for T in (8, 32):
+        walks.clear()
+        model, _ = B.build(B.default_reverse_form(B.Opts(op=op, front="chain", static_T=T, layout="fused_view_batch")))
+        report = Pipeline.default().run(Model(model), Options(validate=False))
+        assert [f.status for f in report.findings] == ["fused"], report.to_text()
+        counts.append(len(walks))
+    assert counts[0] == counts[1] <= 4, counts

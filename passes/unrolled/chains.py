@@ -235,7 +235,7 @@ def _root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12, ops
         name = dyn[0]
     return name
 
-def _unit_groups(g: Graph, name: str, depth: int = 0) -> bool:
+def unit_groups(g: Graph, name: str, depth: int = 0) -> bool:
     """Whether ``name`` is a [B, G, W] view of a [B, G*W] value's units (``gates.view(B, 4, H)``) or a slice of
     its groups: axis 1 then cuts units, not rows."""
     p = g.producer.get(name)
@@ -248,7 +248,7 @@ def _unit_groups(g: Graph, name: str, depth: int = 0) -> bool:
             return (cat is not None and cat.op_type == "Concat" and len(cat.input) == 3 and shape_derived(g, cat.input[0])
                     and all(g.const(i) is not None and np.asarray(g.const(i)).size == 1 for i in cat.input[1:]))
         return np.asarray(shape).ravel().tolist()[:1] in ([-1], [0]) and np.asarray(shape).size == 3
-    return p.op_type in ("Split", "Slice") and _unit_groups(g, p.input[0], depth + 1)
+    return p.op_type in ("Split", "Slice") and unit_groups(g, p.input[0], depth + 1)
 
 
 def _keeps_rows(g: Graph, p: NodeProto) -> bool:
@@ -256,9 +256,9 @@ def _keeps_rows(g: Graph, p: NodeProto) -> bool:
     if p.op_type not in ("Split", "Gather", "Slice"):
         if p.op_type in ("Squeeze", "Unsqueeze"):
             axes = op_args.axes(p, g.model.opset, op_args.const_reader(g, p))
-            return axes == [0] or (p.op_type == "Squeeze" and axes == [1] and _unit_groups(g, p.input[0]))
+            return axes == [0] or (p.op_type == "Squeeze" and axes == [1] and unit_groups(g, p.input[0]))
         return True  # (no axis to check: the leading axes are not asked for, which would walk back the chain)
-    if _unit_groups(g, p.input[0]) and (attr(p, "axis", 0) == 1 if p.op_type != "Slice" else True):
+    if unit_groups(g, p.input[0]) and (attr(p, "axis", 0) == 1 if p.op_type != "Slice" else True):
         return True  # groups of units (the evaluator checks the slice is along them)
     last = (lead_of(g, p.input[0]) or 0) + 1
     if p.op_type in ("Split", "Gather"):

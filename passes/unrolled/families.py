@@ -142,6 +142,33 @@ def is_row_family(g: Graph, src: str) -> bool:
     or integer ``[B, T]`` tensor): no data of a chain, but a step may compute its mask from it."""
     return g.model.rank(src) == 2 and mask_source(g, src) is None
 
+def step_sources(g: Graph, fams: dict, min_steps: int = 8) -> set[tuple[str, int]]:
+    """The families whose source is a value of the steps of a long family (``min_steps`` slices or more):
+    computed from its slices, but not from both its first and its last one (a sequence is computed from none,
+    as the input, or from every step, as a layer's stacked output). A cell's gates viewed as ``[B, G, W]``
+    (``gates.view(B, 4, H)``) and sliced per gate look like a family of G steps; trying each such "chain" (one
+    or two per step) searched the whole graph: quadratic in the steps."""
+    out: set[tuple[str, int]] = set()
+    for fam in [fam for fam in fams.values() if len(fam) >= min_steps]:
+        first, last, any_step = _downstream(g, [fam[min(fam)]]), _downstream(g, [fam[max(fam)]]), _downstream(g, fam.values())
+        out.update(key for key, other in fams.items()
+                   if other is not fam and key[0] in any_step and not (key[0] in first and key[0] in last))
+    return out
+
+
+def _downstream(g: Graph, names) -> set[str]:
+    """The values computed from ``names``."""
+    out: set[str] = set()
+    stack = list(names)
+    while stack:
+        for c in g.uses(stack.pop()):
+            for o in c.output:
+                if o and o not in out:
+                    out.add(o)
+                    stack.append(o)
+    return out
+
+
 def mask_leaves(g: Graph, fams: dict, fam: dict, step_masks: list | None = None) -> tuple[dict, dict, dict]:
     """Interval leaves for a data family and the bool families sliced at the same steps (candidate masks):
     (tensor -> step, step -> {mask slice -> symbol}, symbol -> (mask source, axis)). A :class:`StepMask`'s

@@ -17,19 +17,33 @@ from .chains import Chain
 from .step_eval import Foreign, StepEval
 
 
-def step_output(g: Graph, chain: Chain, k: int, iv, signer: Signer, leaves: dict, allowed, op_type: str, ref: int) -> str | None:
-    """The tensor of step k with the reference step's signature ``ref`` (one no later step reads)."""
+def step_output(g: Graph, chain: Chain, k: int, iv, signer: Signer, leaves: dict, allowed, op_type: str, ref: int,
+                reads_h: bool = False) -> str | None:
+    """The tensor of step k with the reference step's signature ``ref`` (one no later step reads). ``reads_h``:
+    the reference tensor is computed from its step's h, so the one sought is computed from step k's."""
     names = _step_tensors(g, chain, k, iv, op_type)
-    # what reads the step's h is signed first: a bidirectional layer's last forward step shares its interval
-    # end with every value of the backward half (4,000 candidates at 1,000 steps, each walked in vain)
+    # A bidirectional layer's last forward step shares its interval end with every value of the backward half,
+    # a stacked layer's last step with the other layer's: thousands of candidates, each walked in vain (and
+    # every one of them when nothing matches: a dead last c, quadratic). What reads h is signed first, and
+    # only that when the reference reads h (equal signatures: the same leaves reached).
     near = _computed_from(g, [name for name, role in leaves.items() if role == "h"], allowed)
-    for name in sorted(names, key=lambda name: name not in near):
+    if reads_h and near is not None:
+        names = [name for name in names if name in near]
+    elif near:
+        names.sort(key=lambda name: name not in near)
+    for name in names:
         try:
             if signer.sign(name, leaves, allowed, Foreign(chain.steps[k].t), set(), given=chain.given) == ref:
                 return name
         except Decline:
             continue
     return None
+
+
+def reads_state(g: Graph, name: str, leaves: dict, allowed) -> bool:
+    """Whether ``name`` is computed from its step's h (a leaf of role "h") through the step's own nodes."""
+    near = _computed_from(g, [leaf for leaf, role in leaves.items() if role == "h"], allowed)
+    return near is not None and name in near
 
 def inputs_of(g: Graph, name: str, allowed, leaves: dict, limit: int = 64) -> set[str]:
     """Tensors read by the part of a step that computes ``name`` (not walking into leaves or other steps)."""
@@ -257,17 +271,21 @@ def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: se
 def order_of(g: Graph, ids: set) -> list[NodeProto]:
     return g.nodes_with_ids(ids)
 
-def _computed_from(g: Graph, seeds: list[str], allowed, limit: int = 4096) -> set[str]:
-    """Values computed from ``seeds`` by nodes ``allowed`` (at most ``limit``: an order, not a proof)."""
+def _computed_from(g: Graph, seeds: list[str], allowed, limit: int = 4096) -> set[str] | None:
+    """Values computed from ``seeds`` by nodes ``allowed``, not through a node reading more than 8 values (a
+    Concat stacking every step's output is no part of a step: past it, a last step's walk reached every step
+    of the layer stacked on it); None past ``limit`` of them (not known)."""
     out: set[str] = set()
     stack = list(seeds)
-    while stack and len(out) < limit:
+    while stack:
         for c in g.uses(stack.pop()):
-            if allowed(c):
+            if len(c.input) <= 8 and allowed(c):
                 for o in c.output:
                     if o and o not in out:
                         out.add(o)
                         stack.append(o)
+        if len(out) > limit:
+            return None
     return out
 
 

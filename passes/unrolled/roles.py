@@ -29,7 +29,7 @@ from rnnfuse.symbolic import LinAtom, Poly, StepInput, SymTensor, loose_key, sub
 from .chains import Chain, Step
 from .families import StepMask
 from .outputs import (Escapes, FirstValueIsState, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, series_leads,
-                      order_of, split_first_value, step_output)
+                      order_of, reads_state, split_first_value, step_output)
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through
 
 
@@ -122,8 +122,9 @@ class _ChainRoles:
             full = memo[1]
             self.memos[k] = (memo[0], {x: full[x] for x in names if x is not None and x in full})
 
-    def step_output(self, k: int, op_type: str, ref: int) -> str | None:
-        return step_output(self.g, self.chain, k, self.iv, self.signer, self.leaves[k], self.allowed[k], op_type, ref)
+    def step_output(self, k: int, op_type: str, ref: int, ref_name: str) -> str | None:
+        reads_h = reads_state(self.g, ref_name, self.leaves[self.km], self.allowed[self.km])  # (ref_name: step km's)
+        return step_output(self.g, self.chain, k, self.iv, self.signer, self.leaves[k], self.allowed[k], op_type, ref, reads_h)
 
     def older_reads(self, k: int) -> set[str]:
         """Values of step k-1 that step k's own nodes read, other than its hidden state."""
@@ -211,7 +212,7 @@ class _ChainRoles:
         g, km, last = self.g, self.km, self.last
         # the last step's h: the tensor with the reference step's structure; in a three-step LSTM chain it is
         # also what tells which value the reference step passes on as c
-        self.h_new[last] = self.step_output(last, g.producer[self.h_new[last - 1]].op_type, self.sig_h[km])
+        self.h_new[last] = self.step_output(last, g.producer[self.h_new[last - 1]].op_type, self.sig_h[km], self.h_new[km])
         if self.h_new[last] is not None:
             self.sig_h[last] = self.sign(self.h_new[last], last)
             if self.lstm and km == last - 1:
@@ -246,10 +247,10 @@ class _ChainRoles:
             return
         g, n, last, c_new = self.g, self.n, self.last, self.c_new
         sig_c: list[int | None] = [None] * n
-        c_new[last - 1] = self.foreign[last].name or self.step_output(last - 1, g.producer[c_new[self.km]].op_type, self.ref_sig["c"])
+        c_new[last - 1] = self.foreign[last].name or self.step_output(last - 1, g.producer[c_new[self.km]].op_type, self.ref_sig["c"], c_new[self.km])
         if c_new[last - 1] is None:
             raise Decline(f"step {self.ts[last]} does not read the cell state")
-        c_new[last] = self.step_output(last, g.producer[c_new[last - 1]].op_type, self.ref_sig["c"])
+        c_new[last] = self.step_output(last, g.producer[c_new[last - 1]].op_type, self.ref_sig["c"], c_new[self.km])
         for k in range(n):
             if c_new[k] is not None:
                 sig_c[k] = self.sign(c_new[k], k)
@@ -288,8 +289,7 @@ class _ChainRoles:
             if self.y_carried and k > 0:
                 leaves[k] = {**leaves[k], ys[k - 1]: "y"}
             if ys[k] is None:  # the last step's value, not reached from its (dead) states
-                op = g.producer[ys[k - 1]].op_type
-                ys[k] = self.step_output(k, op, sig_y[km]) if k == last else None
+                ys[k] = self.step_output(k, g.producer[ys[k - 1]].op_type, sig_y[km], ys[km]) if k == last else None
                 if ys[k] is None:
                     raise Decline(f"step {self.ts[k]}'s carried output cannot be found")
             sig_y[k] = self.sign(ys[k], k)
@@ -336,7 +336,7 @@ class _ChainRoles:
         sigs: list[int | None] = [None] * n
         for k in range(n):
             if names[k] is None:  # the last step's value, not reached from its (dead) states
-                names[k] = self.step_output(k, self.g.producer[names[k - 1]].op_type, sigs[km]) if k == last else None
+                names[k] = self.step_output(k, self.g.producer[names[k - 1]].op_type, sigs[km], names[km]) if k == last else None
                 if names[k] is None:
                     raise Decline(f"step {self.ts[k]}'s extra output cannot be found")
             sigs[k] = self.sign(names[k], k)

@@ -107,7 +107,8 @@ def _lanes(g: Graph, steps: list[Step], owners: list[dict]) -> list[list[frozens
             return None
         per_step[0] = set().union(*(first_of[r] for r in per_step[1]))
         lanes.append([frozenset(s) for s in per_step])
-    return lanes
+    # (in an order of the graph's names, not of string hashes: the same input gives the same output, byte for byte)
+    return sorted(lanes, key=lambda per_step: min(per_step[1]))
 
 
 def _lane_of(owner: dict[int, frozenset], lanes: list[list[frozenset]], k: int) -> tuple[dict[int, int], dict]:

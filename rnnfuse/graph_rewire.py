@@ -42,7 +42,11 @@ class Rewiring:
                 # each weight it reads, which every step of an unrolled chain reads (quadratic: a stacked
                 # chain's 7,000 per-step reads of the lower cell took 10 s)
                 at = self._wide_positions(n)
-                self._rewire_wide(n, at if at is not None else {old: [i for i, x in enumerate(n.input) if x == old]}, old, new)
+                if at is None:
+                    at = {old: [i for i, x in enumerate(n.input) if x == old]}
+                    if not at[old]:
+                        continue  # (n does not read old: nothing to rename, no reader list to change)
+                self._rewire_wide(n, at, old, new)
                 continue
             self._unindex(n)
             for i, x in enumerate(n.input):

@@ -142,17 +142,18 @@ def is_row_family(g: Graph, src: str) -> bool:
     or integer ``[B, T]`` tensor): no data of a chain, but a step may compute its mask from it."""
     return g.model.rank(src) == 2 and mask_source(g, src) is None
 
-def step_sources(g: Graph, fams: dict, min_steps: int = 8) -> set[tuple[str, int]]:
-    """The families whose source is a value of the steps of a long family (``min_steps`` slices or more):
-    computed from its slices, but not from both its first and its last one (a sequence is computed from none,
-    as the input, or from every step, as a layer's stacked output). A cell's gates viewed as ``[B, G, W]``
-    (``gates.view(B, 4, H)``) and sliced per gate look like a family of G steps; trying each such "chain" (one
-    or two per step) searched the whole graph: quadratic in the steps."""
+def step_sources(g: Graph, fams: dict, keys: list, min_steps: int = 8) -> set[tuple[str, int]]:
+    """Of the families ``keys``, those whose source is a value of the steps of a long family (``min_steps``
+    slices or more): computed from its slices, but not from both its first and its last one (a sequence is
+    computed from none, as the input, or from every step, as a layer's stacked output). A cell's gates viewed as
+    ``[B, G, W]`` (``gates.view(B, 4, H)``) and sliced per gate look like a family of G steps; trying each such
+    "chain" (one or two per step) searched the whole graph: quadratic in the steps. (Three walks of the graph
+    per long family, only when there are ``keys``.)"""
     out: set[tuple[str, int]] = set()
-    for fam in [fam for fam in fams.values() if len(fam) >= min_steps]:
+    for fam in [fam for fam in fams.values() if len(fam) >= min_steps] if keys else ():
         first, last, any_step = _downstream(g, [fam[min(fam)]]), _downstream(g, [fam[max(fam)]]), _downstream(g, fam.values())
-        out.update(key for key, other in fams.items()
-                   if other is not fam and key[0] in any_step and not (key[0] in first and key[0] in last))
+        out.update(key for key in keys
+                   if fams[key] is not fam and key[0] in any_step and not (key[0] in first and key[0] in last))
     return out
 
 

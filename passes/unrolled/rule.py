@@ -59,7 +59,7 @@ class FuseChains:
             recs = []
             seen_now: set = set()
             # (a cell's gates viewed as [B, G, W] within one step and sliced per gate: no steps of a sequence)
-            gate_views = {key for key in step_sources(g, fams) if unit_groups(g, key[0])}
+            gate_views = step_sources(g, fams, [key for key in fams if unit_groups(g, key[0])])
             for (src, axis), fam in fams.items():
                 if g.model.elem_type(src) == 9 or is_row_family(g, src) or (src, axis) in gate_views:
                     continue  # bool families are masks, read by the chains over the data (and so may be others)

@@ -239,6 +239,23 @@ def closure(g: Graph, seeds, limit: int = 256) -> tuple[set[str], set[int]]:
     return region, ids
 
 
+def descendants(g: Graph, seeds, through=None, limit: int | None = None) -> set[str] | None:
+    """The tensors computed from ``seeds`` (transitively), by nodes ``through(node)`` accepts (default: all);
+    None once more than ``limit`` were found (unknown)."""
+    out: set[str] = set()
+    stack = list(seeds)
+    while stack:
+        for c in g.uses(stack.pop()):
+            if through is None or through(c):
+                for o in c.output:
+                    if o and o not in out:
+                        out.add(o)
+                        stack.append(o)
+        if limit is not None and len(out) > limit:
+            return None
+    return out
+
+
 def reaches(g: Graph, name: str, targets, limit: int) -> bool | None:
     """Whether ``name`` is computed (transitively) from one of ``targets``: True, False when its whole
     ancestry was read without meeting one, None when ``limit`` tensors were read first (unknown)."""

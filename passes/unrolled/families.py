@@ -11,7 +11,7 @@ import numpy as np
 from onnx import NodeProto
 
 from rnnfuse import op_args
-from rnnfuse.dataflow import runtime_values
+from rnnfuse.dataflow import descendants, runtime_values
 from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
@@ -151,22 +151,9 @@ def step_sources(g: Graph, fams: dict, keys: list, min_steps: int = 8) -> set[tu
     per long family, only when there are ``keys``.)"""
     out: set[tuple[str, int]] = set()
     for fam in [fam for fam in fams.values() if len(fam) >= min_steps] if keys else ():
-        first, last, any_step = _downstream(g, [fam[min(fam)]]), _downstream(g, [fam[max(fam)]]), _downstream(g, fam.values())
+        first, last, any_step = descendants(g, [fam[min(fam)]]), descendants(g, [fam[max(fam)]]), descendants(g, fam.values())
         out.update(key for key in keys
                    if fams[key] is not fam and key[0] in any_step and not (key[0] in first and key[0] in last))
-    return out
-
-
-def _downstream(g: Graph, names) -> set[str]:
-    """The values computed from ``names``."""
-    out: set[str] = set()
-    stack = list(names)
-    while stack:
-        for c in g.uses(stack.pop()):
-            for o in c.output:
-                if o and o not in out:
-                    out.add(o)
-                    stack.append(o)
     return out
 
 

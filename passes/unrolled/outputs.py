@@ -7,7 +7,7 @@ from __future__ import annotations
 from onnx import NodeProto
 
 from rnnfuse import op_args
-from rnnfuse.dataflow import closure, dynamic_inputs, lead_of, shape_derived
+from rnnfuse.dataflow import closure, descendants, dynamic_inputs, lead_of, shape_derived
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.signature import Signer
@@ -275,18 +275,7 @@ def _computed_from(g: Graph, seeds: list[str], allowed, limit: int = 4096) -> se
     """Values computed from ``seeds`` by nodes ``allowed``, not through a node reading more than 8 values (a
     Concat stacking every step's output is no part of a step: past it, a last step's walk reached every step
     of the layer stacked on it); None past ``limit`` of them (not known)."""
-    out: set[str] = set()
-    stack = list(seeds)
-    while stack:
-        for c in g.uses(stack.pop()):
-            if len(c.input) <= 8 and allowed(c):
-                for o in c.output:
-                    if o and o not in out:
-                        out.add(o)
-                        stack.append(o)
-        if len(out) > limit:
-            return None
-    return out
+    return descendants(g, seeds, lambda c: len(c.input) <= 8 and allowed(c), limit)
 
 
 def series_leads(g: Graph, names: list[str | None], sigs: list[int | None]) -> list[int]:

@@ -34,6 +34,9 @@ class Rewiring:
     def replace_reads(self, readers: list[NodeProto], old: str, new: str) -> None:
         """Make ``readers`` (some of the nodes reading ``old``) read ``new`` instead; the graph's outputs and
         the other readers keep ``old``."""
+        if old == new:
+            return
+        left_old: set[int] = set()  # readers renamed wholly: dropped from old's reader list in one filter at the end
         for n in readers:
             if not self.alive(n):
                 continue  # (a removed node a long reader list still holds: see Graph.remove_node's ``defer``)
@@ -44,9 +47,10 @@ class Rewiring:
                 at = self._wide_positions(n)
                 if at is None:
                     at = {old: [i for i, x in enumerate(n.input) if x == old]}
-                    if not at[old]:
-                        continue  # (n does not read old: nothing to rename, no reader list to change)
+                if not at.get(old):
+                    continue  # (n does not read old: nothing to rename, no reader list to change)
                 self._rewire_wide(n, at, old, new)
+                left_old.add(id(n))
                 continue
             self._unindex(n)
             for i, x in enumerate(n.input):
@@ -58,6 +62,17 @@ class Rewiring:
                 self._implicit.pop(id(n), None)
             self._index(n)
             self.edited.append(n)
+        if left_old:
+            self._drop_readers(old, left_old)
+
+    def _drop_readers(self, name: str, gone: set[int]) -> None:
+        """Take the nodes of ``gone`` (ids) off ``name``'s reader list, in one pass over it: removing them one
+        by one made renaming every reader of a value read by every step of a chain quadratic."""
+        lst = self.consumers.get(name)
+        if type(lst) is list:
+            lst[:] = [c for c in lst if id(c) not in gone]
+        elif lst is not None and id(lst) in gone:
+            self.consumers[name] = []  # (the name stays known as read, by nothing now)
 
     # -- nodes reading many values (a Concat or Sum of every step) ---------------------------------------
     def _wide_positions(self, n: NodeProto) -> dict[str, list[int]] | None:
@@ -77,27 +92,26 @@ class Rewiring:
 
     def _rewire_wide(self, n: NodeProto, at: dict[str, list[int]], old: str, new: str) -> None:
         """:meth:`replace_reads` of one node (``at``: its positions of each name, or of ``old`` at least): those
-        positions renamed, n moved from old's readers to new's."""
+        positions renamed, n added to new's readers (the caller takes it off old's, see :meth:`_drop_readers`)."""
         moved = at.pop(old, [])
+        # n is on new's reader list already exactly when it read new before (the index lists every reader of
+        # each name it reads): asking that of n's own inputs, not searching a list every step may be on
+        read_new = (new in at if len(n.input) >= WIDE_READS else any(x == new for x in n.input)) or (
+            new in self.implicit_inputs(n))
         for i in moved:
             n.input[i] = new
         at.setdefault(new, []).extend(moved)
         self._edits += 1
         self.owners_complete = False
         consumers = self.consumers
-        lst = consumers.get(old)
-        if type(lst) is list:
-            lst[:] = [c for c in lst if c is not n]
-        elif lst is n:
-            consumers[old] = []  # (the name stays known as read, by nothing now)
         lst = consumers.get(new)
         if lst is None or (type(lst) is list and not lst):
             consumers[new] = n
-        elif type(lst) is list:
-            if not any(c is n for c in lst):
+        elif not read_new:
+            if type(lst) is list:
                 lst.append(n)
-        elif lst is not n:
-            consumers[new] = [lst, n]
+            else:
+                consumers[new] = [lst, n]
         self.edited.append(n)
 
     def _unindex(self, n: NodeProto, defer: set | None = None) -> None:

@@ -187,3 +187,33 @@ def test_gate_views_are_no_families_to_search(op, monkeypatch):
         assert [f.status for f in report.findings] == ["fused"], report.to_text()
         counts.append(len(walks))
     assert counts[0] == counts[1] <= 4, counts
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_gate_views_cost_no_type_inference_per_step(op, monkeypatch):
+    """In a model too big to infer whole (forced here), a type asked is a cone inferred: two a step were asked
+    for the [B, G, W] gate views while families were filtered by type (before they were known as values of a
+    step), and the final h's leading axes, asked alone, walked the chain back to its start (as far as the
+    biggest cone, for each value ``lead_of`` followed). Neither grows with the steps now."""
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
+    monkeypatch.setattr(rnnfuse.cone_types, "CHEAP_INFERENCE_NODES", 2000)  # (the biggest cone: past 32 steps)
+    cones, walked = [], []
+    cone = rnnfuse.cone_types.ConeTypes._cone
+
+    def counted(self, root):
+        budget = self.budget
+        nodes = cone(self, root)
+        cones.append(root.output[0])
+        walked.append(budget - self.budget)
+        return nodes
+
+    monkeypatch.setattr(rnnfuse.cone_types.ConeTypes, "_cone", counted)
+    work = []
+    for T in (32, 64):
+        cones.clear()
+        walked.clear()
+        model, _ = B.build(B.default_reverse_form(B.Opts(op=op, front="chain", static_T=T, layout="fused_view_batch")))
+        report = Pipeline.default().run(Model(model), Options(validate=False))
+        assert [f.status for f in report.findings] == ["fused"], report.to_text()
+        work.append((len(cones), sum(walked)))
+    assert work[1] == work[0] and work[0][0] <= 8, work

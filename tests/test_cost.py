@@ -7,6 +7,9 @@ costs no liveness walk), and that these counts do not grow faster than the graph
 
 from __future__ import annotations
 
+import cProfile
+import pstats
+
 import numpy as np
 import onnx
 import pytest
@@ -566,3 +569,49 @@ def test_renaming_a_read_leaves_the_readers_other_inputs_alone(monkeypatch):
     for k in range(n):
         (reader,) = m.graph.uses(f"b{k}")
         assert reader.name == f"mm{k}" and list(reader.input) == [f"b{k}", "W"] and not m.graph.uses(f"a{k}")
+
+
+def _steps_reading_copies(n: int) -> onnx.ModelProto:
+    """n steps, each reading its own copy of one value (``Shape(x)``: a traced ``view`` reads the batch at every
+    step), and a Concat of every step: once merged, the copy kept is read by every step."""
+    vi = helper.make_tensor_value_info
+    nodes = [helper.make_node("Shape", ["x"], [f"s{k}"], name=f"shape{k}") for k in range(n)]
+    nodes += [helper.make_node("Add", [f"s{k}", f"i{k}"], [f"a{k}"], name=f"add{k}") for k in range(n)]
+    nodes.append(helper.make_node("Concat", [f"a{k}" for k in range(n)], ["y"], axis=0))
+    inputs = [vi("x", TensorProto.FLOAT, [2, 4])] + [vi(f"i{k}", TensorProto.INT64, [2]) for k in range(n)]
+    g = helper.make_graph(nodes, "copies", inputs, [vi("y", TensorProto.INT64, [2 * n])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_merging_copies_every_step_reads_is_linear():
+    """Each merge moved a step onto the kept copy's reader list after searching that list for it (it grows to
+    every step: quadratic, 8.4 million comparisons for a 1,024-step gate-view LSTM); whether a node already
+    reads a name is a question about the node's own inputs. Work counted in Python calls, never timed."""
+    calls = {}
+    for n in (200, 800):
+        m = Model(_steps_reading_copies(n))
+        prof = cProfile.Profile()
+        prof.enable()
+        res = Dedupe().run(m, Options())
+        prof.disable()
+        g = m.graph
+        assert res.modified and len(g.nodes_of("Shape")) == 1
+        kept = g.nodes_of("Shape")[0].output[0]
+        assert sorted(u.name for u in g.uses(kept)) == sorted(f"add{k}" for k in range(n))
+        assert all(not g.uses(f"s{k}") for k in range(n) if f"s{k}" != kept)
+        calls[n] = pstats.Stats(prof).total_calls
+    assert calls[800] < 5 * calls[200], calls
+
+
+def test_renaming_what_a_wide_node_does_not_read_changes_nothing():
+    """A node reading many values keeps its positions of each name: asked to rename a name it does not read, it
+    was put on the new name's reader list all the same (and an empty position list kept for it)."""
+    g = Model(_steps_reading_copies(70)).graph
+    cat = g.nodes_of("Concat")[0]
+    before = list(cat.input)
+    g.replace_reads([cat], "s3", "s5")  # (cat reads neither)
+    assert list(cat.input) == before
+    assert [u.name for u in g.uses("s5")] == ["add5"] and [u.name for u in g.uses("s3")] == ["add3"]
+    g.replace_reads([cat], "a3", "a5")
+    g.replace_reads([cat], "s3", "a5")
+    assert cat.input[3] == cat.input[5] == "a5" and not g.uses("a3") and [u is cat for u in g.uses("a5")] == [True]

@@ -17,8 +17,11 @@ from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.row_wise import FLOATS
 
+from .chains import unit_groups
+
 
 _SLICERS = ("Gather", "Slice", "Split")
+STEP_SOURCE_MIN_STEPS = 8  # slices of a family whose steps' values are no sequences themselves (step_sources)
 
 def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
     """(source, axis, index) if ``node`` takes one slice at a constant index (rank kept or reduced)."""
@@ -89,6 +92,34 @@ def mask_source(g: Graph, src: str) -> str | None:
 
 
 def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
+    """(source, axis) -> {step: the step's slice} of every family that may be the steps of a sequence: data,
+    a mask, a row family. A cell's gates viewed as ``[B, G, W]`` and sliced per gate are values of a step (see
+    :func:`step_sources`): left out before their types are asked, which costs an inference each (two a step)."""
+    fams = _slice_families(g)
+    views = [key for key in fams if unit_groups(g, key[0])]
+    if views:
+        typed_long = {key: v for key, v in fams.items() if len(v) >= STEP_SOURCE_MIN_STEPS and _may_be_steps(g, key, v)}
+        gone = step_sources(g, {**typed_long, **{key: fams[key] for key in views}}, views)
+        fams = {key: v for key, v in fams.items() if key not in gone}
+    return {key: v for key, v in fams.items() if _may_be_steps(g, key, v)}
+
+
+def _may_be_steps(g: Graph, key: tuple[str, int], fam: dict[int, str]) -> bool:
+    """Whether a family's source may be a sequence by its type: data is [T, B, F] (or batch-first); a mask
+    [T, B, 1] or [T, B] (bool families are masks); any other [T, B] or [B, T] tensor holds one value a row per
+    step, what a step may compute its mask from (a float or integer mask input compared with 0: see
+    is_row_family)."""
+    src = key[0]
+    if len(fam) < 2:
+        return False
+    et, rank = g.model.elem_type(src), g.model.rank(src)
+    if rank != 2 and et is not None and et not in FLOATS + (_BOOL,):
+        return False
+    return rank is None or rank in (2, 3)
+
+
+def _slice_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
+    """(source, axis) -> {index: slice} of every tensor sliced at constant indices along one axis."""
     fams: dict[tuple[str, int], dict[int, str]] = {}
     slicers = g.nodes_of(*_SLICERS)
     if slicers:  # (first: a slice of a runtime value then needs no fold attempt back to the inputs)
@@ -123,18 +154,7 @@ def find_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
         if t in fam:
             continue  # the same slice taken twice: keep the first (dedupe makes them one)
         fam[t] = x
-    out = {}
-    for (src, ax), v in fams.items():
-        et, rank = g.model.elem_type(src), g.model.rank(src)
-        # data is [T, B, F] (or batch-first); a mask [T, B, 1] or [T, B] (bool families are masks); any other
-        # [T, B] or [B, T] tensor holds one value a row per step, what a step may compute its mask from (a float
-        # or integer mask input compared with 0: see is_row_family)
-        if len(v) < 2 or (rank != 2 and et is not None and et not in FLOATS + (_BOOL,)):
-            continue
-        if rank is not None and rank not in (2, 3):
-            continue
-        out[(src, ax)] = v
-    return out
+    return fams
 
 
 def is_row_family(g: Graph, src: str) -> bool:
@@ -142,7 +162,7 @@ def is_row_family(g: Graph, src: str) -> bool:
     or integer ``[B, T]`` tensor): no data of a chain, but a step may compute its mask from it."""
     return g.model.rank(src) == 2 and mask_source(g, src) is None
 
-def step_sources(g: Graph, fams: dict, keys: list, min_steps: int = 8) -> set[tuple[str, int]]:
+def step_sources(g: Graph, fams: dict, keys: list, min_steps: int = STEP_SOURCE_MIN_STEPS) -> set[tuple[str, int]]:
     """Of the families ``keys``, those whose source is a value of the steps of a long family (``min_steps``
     slices or more): computed from its slices, but not from both its first and its last one (a sequence is
     computed from none, as the input, or from every step, as a layer's stacked output). A cell's gates viewed as

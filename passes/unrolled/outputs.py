@@ -292,6 +292,18 @@ def series_leads(g: Graph, names: list[str | None], sigs: list[int | None]) -> l
     return [lead or 0 for lead in leads]
 
 
+def value_lead(g: Graph, name: str, series: dict[str, list], sigs: dict[str, list]) -> int:
+    """The leading unit axes of ``name`` (0 when unknown): by :func:`series_leads` when it is a value of one of
+    the chain's per-step ``series`` (role -> names), else ``lead_of``. (The last step's h asked on its own, in a
+    big graph where no type is declared, walked its cone back to the chain's start, once for every value
+    ``lead_of`` followed.)"""
+    for role, names in series.items():
+        if name in names:
+            k = names.index(name)
+            return series_leads(g, names[: k + 1], sigs[role][: k + 1])[k]
+    return lead_of(g, name) or 0
+
+
 def _step_tensors(g: Graph, chain: Chain, k: int, iv, op_type: str) -> list[str]:
     """Outputs of ``op_type`` nodes that belong to step k."""
     t = chain.steps[k].t

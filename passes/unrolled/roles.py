@@ -29,7 +29,7 @@ from rnnfuse.symbolic import LinAtom, Poly, StepInput, SymTensor, loose_key, sub
 from .chains import Chain, Step
 from .families import StepMask
 from .outputs import (Escapes, FirstValueIsState, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, series_leads,
-                      order_of, reads_state, split_first_value, step_output)
+                      order_of, reads_state, split_first_value, step_output, value_lead)
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through
 
 
@@ -443,7 +443,7 @@ class _ChainRoles:
             mask=mask,
             mask_negated=an.masked and an.mask_negated,
             seq_outputs=an.seq_outputs,
-            finals=[FinalOutput(f.tensor, f.which, f.init, lead_of(g, f.tensor) or 0) for f in an.finals],
+            finals=[FinalOutput(f.tensor, f.which, f.init, value_lead(g, f.tensor, self.series, self.sigs)) for f in an.finals],
             step_reads=[StepRead(t, abs(ts[k] - first),  # (its index in processing order)
                                  CARRY if an.masked else NONE, an.h0 if an.masked else Init(),
                                  leads[k] if t == self.h_new[k] else lead_of(g, t) or 0) for k, t in self.step_reads],

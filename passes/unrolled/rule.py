@@ -15,9 +15,9 @@ from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.signature import Signer
 from rnnfuse.symbolic import weight_ops
 
-from .chains import Chain, find_chains, intervals, unit_groups
+from .chains import Chain, find_chains, intervals
 from .derived_masks import derived_masks
-from .families import find_families, is_row_family, length_masks, mask_leaves, step_sources
+from .families import find_families, is_row_family, length_masks, mask_leaves
 from .whole_inputs import WholeInputs
 from .roles import FirstStepDiffers, chain_recurrence
 from .step_inputs import virtual_families
@@ -58,10 +58,8 @@ class FuseChains:
             lengths = length_masks(g)
             recs = []
             seen_now: set = set()
-            # (a cell's gates viewed as [B, G, W] within one step and sliced per gate: no steps of a sequence)
-            gate_views = step_sources(g, fams, [key for key in fams if unit_groups(g, key[0])])
             for (src, axis), fam in fams.items():
-                if g.model.elem_type(src) == 9 or is_row_family(g, src) or (src, axis) in gate_views:
+                if g.model.elem_type(src) == 9 or is_row_family(g, src):
                     continue  # bool families are masks, read by the chains over the data (and so may be others)
                 step_masks = lengths + derived_masks(g, fams, (src, axis), signer)
                 leaves, mask_fam, mask_srcs = mask_leaves(g, fams, fam, step_masks)

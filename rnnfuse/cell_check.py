@@ -19,6 +19,8 @@ from .graph import Graph
 from .validate import (MAX_VALIDATION_BYTES, PairResult, ValidationResult, checked_as_deployed, compare, failed_run,
                        ort_module)
 
+MAX_SHAPE_SOURCE_BYTES = 1 << 26  # a tensor a step reads the shape of is fed as zeros up to this size (at batch 4)
+
 
 def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
     """Compare each step in ``rec.cell_checks`` with a one-step native op on random inputs (a failure seen
@@ -39,7 +41,7 @@ def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationR
         built = _check_model(g, cell, chk, (W, R, B))
         if isinstance(built, ValidationResult):
             return _unless_failed(res, built)
-        m, big, role_name, pairs, dims = built
+        m, big, role_name, pairs, dims, shaped = built
         try:
             sess = open_session(ort, m, big, prepack=prepack)
             res.unpacked = res.unpacked or sess.rnnfuse_unpacked
@@ -55,6 +57,8 @@ def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationR
                 feeds[name] = random_values(_sized(dims[name], batch), np.float32, rng, scale=scale if role == "x" else 1.0)
             for name, v in chk.fills.items():
                 feeds[name] = np.full(_sized(dims[name], batch), v, np.float32)
+            for name, dtype in shaped.items():  # (only their shapes are read)
+                feeds[name] = np.zeros(_sized(dims[name], batch), dtype)
             valid = _feed_masks(chk, feeds, batch, run)
             try:
                 vals = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
@@ -153,6 +157,8 @@ def _check_model(g: Graph, cell, chk, weights):
     produced = {o for n in chk.nodes for o in n.output}
     nodes = []
     inits = {}
+    dims = _fed_dims(g, cell, chk)
+    shaped: dict[str, np.dtype] = {}
     for n in chk.nodes:
         m = onnx.NodeProto()
         m.CopyFrom(n)
@@ -160,11 +166,13 @@ def _check_model(g: Graph, cell, chk, weights):
         for i in n.input:
             if i and i not in produced and i not in chk.inputs and i not in inits and i not in chk.fills and i not in chk.masks:
                 c = g.const(i)
-                if c is None:
+                if c is not None:
+                    inits[i] = np.asarray(c)
+                elif i not in shaped and not _shape_source(g, chk, i, dims, shaped):
                     return ValidationResult(False, f"the step reads '{i}', which is not constant")
-                inits[i] = np.asarray(c)
-    dims = _fed_dims(g, cell, chk)
     inputs, role_name = _step_inputs(cell, chk, nodes, inits, dims)
+    inputs += [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(dt), list(dims[name]))
+               for name, dt in shaped.items()]
     W, R, B = weights
     inits.update({"__W": W, "__R": R, "__B": B})
     # the native op's X [1, B, F] and initial states [1, B, H], from x_t and states fed as [B, n] or [1, B, n]
@@ -204,7 +212,28 @@ def _check_model(g: Graph, cell, chk, weights):
     m.CopyFrom(helper.make_model(graph, opset_imports=list(g.model.proto.opset_import)))
     m.ir_version = g.model.proto.ir_version
     materialize_nested(m, g.model.tensor_array)
-    return m, big, role_name, pairs, dims
+    return m, big, role_name, pairs, dims, shaped
+
+
+def _shape_source(g: Graph, chk, name: str, dims: dict, shaped: dict) -> bool:
+    """Whether the step reads ``name`` (a graph input, say the whole sequence) only through its shape (``Shape``,
+    ``Size``: torch's trace of ``gates.view(x.size(1), 4, H)`` reads the batch from x at every step) and its
+    dims are known, the batch dim as the step's x has it: then the check is fed zeros of those dims (batch
+    sized per run), recorded in ``dims`` and ``shaped``. Any other dim unknown: the step cannot be run alone."""
+    if any(i == name and n.op_type not in ("Shape", "Size") for n in chk.nodes for i in n.input):
+        return False
+    t = g.model.known_type(name)
+    batch = next(((g.model.shape(x) or [None, None])[-2] for x, role in chk.inputs.items() if role == "x"), None)
+    if t is None or t[1] is None or not all(isinstance(d, int) or (d == batch and isinstance(d, str)) for d in t[1]):
+        return False
+    if not isinstance(batch, str) and chk.batch is None:
+        return False  # (the runs' batches are not the static one its dims hold: the step would see another)
+    fed = tuple("B" if d == batch and isinstance(d, str) else d for d in t[1])
+    dtype = helper.tensor_dtype_to_np_dtype(t[0])
+    if np.prod(_sized(fed, 4), dtype=np.float64) * dtype.itemsize > MAX_SHAPE_SOURCE_BYTES:
+        return False
+    dims[name], shaped[name] = fed, dtype
+    return True
 
 
 def _step_inputs(cell, chk, nodes: list, inits: dict, dims: dict[str, tuple]) -> tuple[list, dict]:

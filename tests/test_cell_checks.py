@@ -128,3 +128,57 @@ def test_a_failed_step_stands_when_a_later_one_cannot_be_checked(per_step, monke
     assert len(built) == 2 and out.status == "declined", out.text()
     (f,) = out.report.findings
     assert f.validation == "failed", f.line()
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_a_step_reading_the_batch_from_the_input_shape_is_checked_per_step(op, batch_first, per_step):
+    """torch's trace of ``gates.view(x.size(1), 4, H)``: every step reads the batch from the whole input's
+    shape. The step check is fed zeros of the input's dims (the batch its own), since only the shape is read;
+    it used to be "not constant", and a 1,000-step chain (32k nodes) was validated whole: 3.5 s of loading."""
+    o = B.default_reverse_form(B.Opts(op=op, front="chain", static_T=6, layout="fused_view_batch", batch_first=batch_first))
+    out = B.run_case(o, batches=(1, 3))
+    assert not out.fused_mismatch and out.status == "fused", out.text()
+    (f,) = out.report.findings
+    assert "per step" in f.validation and f.validation.startswith("ok"), f.validation
+
+
+def test_a_wrong_cell_reading_the_input_shape_fails_its_step_check(per_step, monkeypatch):
+    """The step check of such a step compares: a native op given slightly wrong weights fails it."""
+    build = cell_check._check_model
+
+    def wrong_weights(g, cell, chk, weights):
+        W, R, Bias = weights
+        return build(g, cell, chk, (W * np.float32(1.01), R, Bias))
+
+    monkeypatch.setattr(cell_check, "_check_model", wrong_weights)
+    out = B.run_case(B.default_reverse_form(B.Opts(op="LSTM", front="chain", static_T=6, layout="fused_view_batch")),
+                     batches=(1, 3))
+    assert out.status == "declined", out.text()
+    (f,) = out.report.findings
+    assert f.validation == "failed" and "does not reproduce the step" in f.reason, f.line()
+
+
+def test_only_a_tensor_read_for_its_shape_with_known_dims_is_fed_as_zeros():
+    """What the step check may feed as zeros: a tensor only ``Shape`` reads, with static dims but the batch."""
+    from onnx import TensorProto, helper
+
+    from rnnfuse.graph import Model
+    from rnnfuse.recurrence import CellCheck
+
+    def case(x_dims, reader="Shape", batch=None, xt_dims=("B", 3)):
+        vi = helper.make_tensor_value_info
+        nodes = [helper.make_node(reader, ["x"], ["s"]), helper.make_node("Identity", ["xt"], ["y"])]
+        g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, x_dims), vi("xt", TensorProto.FLOAT, list(xt_dims))],
+                              [vi("s", TensorProto.FLOAT, None), vi("y", TensorProto.FLOAT, list(xt_dims))])
+        model = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+        chk = CellCheck(list(model.graph.nodes), {"xt": "x"}, {"y": "h"}, batch=batch)
+        dims, shaped = {}, {}
+        return cell_check._shape_source(model.graph, chk, "x", dims, shaped), dims.get("x")
+
+    assert case([5, "B", 3]) == (True, (5, "B", 3))
+    assert case([5, "B", 3], reader="Relu") == (False, None)  # (its values are read)
+    assert case(["T", "B", 3]) == (False, None)  # (a dim not known: the step might read it)
+    assert case([5, 2, 3], xt_dims=(2, 3)) == (False, None)  # (a static batch the runs do not keep)
+    assert case([5, 2, 3], xt_dims=(2, 3), batch=2) == (True, (5, 2, 3))
+    assert case([1 << 20, "B", 64]) == (False, None)  # (too big to feed)

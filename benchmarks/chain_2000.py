@@ -48,6 +48,37 @@ def export_lstmcell_chain(path: str, steps: int, input_size: int = 32, hidden: i
     return len(onnx.load(path, load_external_data=False).graph.node)
 
 
+def export_view_chain(path: str, steps: int, input_size: int = 8, hidden: int = 16, batch: int = 3) -> int:
+    """A torch loop over a hand-written LSTM cell whose gates are viewed per gate, ``gates.view(x.size(1), 4,
+    H).unbind(1)``, exported with ``torch.onnx.export(dynamo=False)`` and a dynamic batch (32 nodes per step:
+    every step reads the batch from x's shape); returns the node count."""
+    import onnx
+    import torch
+
+    warnings.filterwarnings("ignore")
+
+    class ViewChain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ih, self.hh = torch.nn.Linear(input_size, 4 * hidden), torch.nn.Linear(hidden, 4 * hidden)
+
+        def forward(self, x):
+            h = torch.zeros(x.size(1), hidden)
+            c = torch.zeros(x.size(1), hidden)
+            outs = []
+            for t in range(x.size(0)):
+                i, f, g, o = (self.ih(x[t]) + self.hh(h)).view(x.size(1), 4, hidden).unbind(1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+                outs.append(h)
+            return torch.stack(outs)
+
+    torch.manual_seed(0)
+    torch.onnx.export(ViewChain().eval(), (torch.randn(steps, batch, input_size),), path, dynamo=False,
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {1: "B"}, "y": {1: "B"}})
+    return len(onnx.load(path, load_external_data=False).graph.node)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)

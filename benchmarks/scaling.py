@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,wide,heavy,heavy_ext] [--runs 3]
+                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,wide,heavy,heavy_ext] [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
 
@@ -26,6 +26,9 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
 * ``bidir`` / ``stacked``: two tanh cells a step as torch's tracer writes a loop calling ``nn.RNNCell`` twice
   (Gemm cells, no types declared inside the graph): a forward and a backward cell over x (one bidirectional RNN
   once fused), or an upper cell reading the lower one's new h at each step (two RNNs); ~14 nodes a step.
+* ``views``: a torch loop over a hand-written LSTM cell viewing its gates per gate (``gates.view(x.size(1), 4,
+  H).unbind(1)``), torch's trace export with a dynamic batch (32 nodes a step, each reading the batch from x's
+  shape; T = nodes / 32, exported at every size: ~2 minutes at 100k nodes): one LSTM once fused.
 * ``heavy`` / ``heavy_ext``: that loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all but
   0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 
@@ -51,8 +54,9 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 NODES_PER_STEP = 18  # torch's LSTMCell trace export
+VIEW_NODES_PER_STEP = 32  # torch's trace export of a hand-written LSTM cell with gates.view(B, 4, H)
 
-from chain_2000 import export_lstmcell_chain  # noqa: E402
+from chain_2000 import export_lstmcell_chain, export_view_chain  # noqa: E402
 from graphs import (cells_side_by_side, elementwise_chain, loops_in_a_row, masked_rnn_chain, steps_summed,  # noqa: E402
                     two_cells_per_step)
 
@@ -183,7 +187,8 @@ GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wid
               "masked": masked_rnn_chain, "loops": loops_in_a_row,
               "side": cells_side_by_side,
               "bidir": lambda path, nodes: two_cells_per_step(path, nodes, "bidir"),
-              "stacked": lambda path, nodes: two_cells_per_step(path, nodes, "stacked")}
+              "stacked": lambda path, nodes: two_cells_per_step(path, nodes, "stacked"),
+              "views": lambda path, nodes: export_view_chain(path, max(2, nodes // VIEW_NODES_PER_STEP))}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "
@@ -361,6 +366,8 @@ def main(argv=None) -> int:
         "`side`: tanh cells side by side over one input, 16 steps each, one RNN per cell. "
         "`bidir` / `stacked`: two Gemm tanh cells a step in torch's trace form (14 nodes/step), a forward and a "
         "backward one (one bidirectional RNN once fused) or one reading the other's new h (two RNNs). "
+        "`views`: a torch loop over a hand-written LSTM cell, `gates.view(x.size(1), 4, H).unbind(1)` (trace "
+        "export with a dynamic batch, 32 nodes/step: each step reads the batch from x's shape), one LSTM. "
         "`wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "

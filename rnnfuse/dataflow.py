@@ -239,10 +239,11 @@ def closure(g: Graph, seeds, limit: int = 256) -> tuple[set[str], set[int]]:
     return region, ids
 
 
-def descendants(g: Graph, seeds, through=None, limit: int | None = None) -> set[str] | None:
+def descendants(g: Graph, seeds, through=None, limit: int | None = None, known: set[str] | None = None) -> set[str] | None:
     """The tensors computed from ``seeds`` (transitively), by nodes ``through(node)`` accepts (default: all);
-    None once more than ``limit`` were found (unknown)."""
-    out: set[str] = set()
+    None once more than ``limit`` were found (unknown). ``known``: the descendants of other seeds (a result of
+    this function), included and not walked again."""
+    out: set[str] = set(known) if known else set()
     stack = list(seeds)
     while stack:
         for c in g.uses(stack.pop()):

@@ -167,11 +167,13 @@ def step_sources(g: Graph, fams: dict, keys: list, min_steps: int = STEP_SOURCE_
     slices or more): computed from its slices, but not from both its first and its last one (a sequence is
     computed from none, as the input, or from every step, as a layer's stacked output). A cell's gates viewed as
     ``[B, G, W]`` (``gates.view(B, 4, H)``) and sliced per gate look like a family of G steps; trying each such
-    "chain" (one or two per step) searched the whole graph: quadratic in the steps. (Three walks of the graph
-    per long family, only when there are ``keys``.)"""
+    "chain" (one or two per step) searched the whole graph: quadratic in the steps. (Per long family, only when
+    there are ``keys``: a walk from its first slice, one from its last, and from the others only what the
+    first's did not reach.)"""
     out: set[tuple[str, int]] = set()
     for fam in [fam for fam in fams.values() if len(fam) >= min_steps] if keys else ():
-        first, last, any_step = descendants(g, [fam[min(fam)]]), descendants(g, [fam[max(fam)]]), descendants(g, fam.values())
+        first, last = descendants(g, [fam[min(fam)]]), descendants(g, [fam[max(fam)]])
+        any_step = descendants(g, fam.values(), known=first)  # (a chain's later steps are the first's descendants)
         out.update(key for key in keys
                    if fams[key] is not fam and key[0] in any_step and not (key[0] in first and key[0] in last))
     return out

@@ -151,14 +151,19 @@ class Graph(Rewiring, GraphIndex):
             touched.update(n.input)
             if has_subgraph(n):
                 touched |= self.implicit_inputs(n)
+        self._drop_readers(touched, gone)
+
+    def _drop_readers(self, names, gone: set[int]) -> None:
+        """Take the nodes of ``gone`` (ids) off these values' reader lists, each list filtered once (removing
+        them one by one is quadratic when every step of a chain reads one value)."""
         consumers = self.consumers
-        for i in touched:
+        for i in names:
             lst = consumers.get(i)
             if type(lst) is list:
                 if lst:
                     lst[:] = [c for c in lst if id(c) not in gone]
             elif lst is not None and id(lst) in gone:
-                consumers[i] = []
+                consumers[i] = []  # (the name stays known as read, by nothing now)
 
     def rewrite_in_place(self, node: NodeProto, op_type: str, inputs: list[str], **attrs) -> None:
         """Make ``node`` compute ``op_type(inputs)`` into the same outputs, as the same object: in a Loop or Scan

@@ -62,17 +62,8 @@ class Rewiring:
                 self._implicit.pop(id(n), None)
             self._index(n)
             self.edited.append(n)
-        if left_old:
-            self._drop_readers(old, left_old)
-
-    def _drop_readers(self, name: str, gone: set[int]) -> None:
-        """Take the nodes of ``gone`` (ids) off ``name``'s reader list, in one pass over it: removing them one
-        by one made renaming every reader of a value read by every step of a chain quadratic."""
-        lst = self.consumers.get(name)
-        if type(lst) is list:
-            lst[:] = [c for c in lst if id(c) not in gone]
-        elif lst is not None and id(lst) in gone:
-            self.consumers[name] = []  # (the name stays known as read, by nothing now)
+        if left_old:  # (one filter of old's list: searched per reader, renaming every step's read was quadratic)
+            self._drop_readers([old], left_old)
 
     # -- nodes reading many values (a Concat or Sum of every step) ---------------------------------------
     def _wide_positions(self, n: NodeProto) -> dict[str, list[int]] | None:
@@ -92,7 +83,7 @@ class Rewiring:
 
     def _rewire_wide(self, n: NodeProto, at: dict[str, list[int]], old: str, new: str) -> None:
         """:meth:`replace_reads` of one node (``at``: its positions of each name, or of ``old`` at least): those
-        positions renamed, n added to new's readers (the caller takes it off old's, see :meth:`_drop_readers`)."""
+        positions renamed, n added to new's readers (the caller takes it off old's, see ``Graph._drop_readers``)."""
         moved = at.pop(old, [])
         # n is on new's reader list already exactly when it read new before (the index lists every reader of
         # each name it reads): asking that of n's own inputs, not searching a list every step may be on

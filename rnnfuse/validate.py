@@ -124,25 +124,28 @@ def build_check_model(
 
 
 def _needed_nodes(g: Graph, wanted: set[str]) -> list[onnx.NodeProto]:
-    """Copies of the live nodes the ``wanted`` tensors are computed from, in topological order."""
-    nodes = g.toposort(g.live_nodes())
-    live: set[int] = set()
+    """Copies of the live nodes the ``wanted`` tensors are computed from, in topological order.
+
+    Only that cone is sorted: a recurrence near the inputs of a 100,000-node model has a cone of a few
+    hundred nodes, and sorting the whole graph for it (once per validation) cost ~0.4 s each."""
+    seen: set[int] = set()
+    cone: list[onnx.NodeProto] = []
     stack = [g.producer[n] for n in wanted if n in g.producer]
     while stack:
         n = stack.pop()
-        if id(n) in live:
+        if id(n) in seen:
             continue
-        live.add(id(n))
+        seen.add(id(n))
+        cone.append(n)
         for i in itertools.chain(n.input, g.implicit_inputs(n)):
             p = g.producer.get(i)
-            if p is not None and id(p) not in live:
+            if p is not None and id(p) not in seen:
                 stack.append(p)
     keep = []
-    for n in nodes:
-        if id(n) in live:
-            m = onnx.NodeProto()
-            m.CopyFrom(n)
-            keep.append(m)
+    for n in g.toposort([n for n in cone if g.alive(n)]):
+        m = onnx.NodeProto()
+        m.CopyFrom(n)
+        keep.append(m)
     return keep
 
 

@@ -8,16 +8,18 @@ the old outputs sees the same values; cleanup then folds slices into what reads 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from onnx import NodeProto, helper
 
 from rnnfuse import portability
 from rnnfuse.cells import native_kind
 from rnnfuse.cells.kinds import KINDS
-from rnnfuse.dataflow import reaches
 from rnnfuse.emit import SPILL_BYTES, Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
+from rnnfuse.protos import has_subgraph
 from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.rewrite import Rewrite, apply_rewrites
 
@@ -40,9 +42,42 @@ def _inp(n: NodeProto, i: int) -> str:
     return n.input[i] if len(n.input) > i else ""
 
 
-def _depends_on(g: Graph, name: str, node: NodeProto, limit: int = 100000) -> bool:
-    """Whether tensor ``name`` is computed (transitively) from an output of ``node``."""
-    return bool(name) and reaches(g, name, set(node.output), limit) is True
+def _merge_closes_a_cycle(g: Graph, fw: NodeProto, bw: NodeProto, partner: dict[int, NodeProto],
+                          budget: list[int]) -> bool | None:
+    """Whether the op merging ``fw`` and ``bw`` would read its own output: one of the two computed, through
+    any path, from the other, the pairs merged before (``partner``: node id -> the node it merges with)
+    counted as one node each. Two pairs that each look independent can close a cycle between them: a torch
+    loop stepping a forward and a backward cell over x, fused as two chains a direction, paired the first
+    forward half with the backward half that starts from the other backward half's state, and the other way
+    round. Walks back from the two ops' inputs; None when ``budget`` (nodes, shared by the pass's pairs) ran
+    out first: not proven free of a cycle."""
+    targets = {id(fw), id(bw)}
+    seen: set[int] = set()
+    stack: list[NodeProto] = []
+
+    def push_producers(n: NodeProto) -> None:
+        for i in itertools.chain(n.input, g.implicit_inputs(n)) if has_subgraph(n) else n.input:
+            p = g.producer.get(i) if i else None
+            if p is not None and id(p) not in seen:
+                stack.append(p)
+
+    push_producers(fw)
+    push_producers(bw)
+    while stack:
+        n = stack.pop()
+        if id(n) in targets:
+            return True
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        budget[0] -= 1
+        if budget[0] < 0:
+            return None
+        push_producers(n)
+        merged_with = partner.get(id(n))
+        if merged_with is not None and id(merged_with) not in seen:
+            stack.append(merged_with)  # (one op once merged: it reads what its partner reads)
+    return False
 
 
 def merge_pair(g: Graph, fw: NodeProto, bw: NodeProto) -> tuple[NodeProto, dict[str, str]]:
@@ -119,8 +154,6 @@ def _merged_inputs(g: Graph, b: Builder, fw: NodeProto, bw: NodeProto, kind, H: 
         if not a and not c:
             ins.append("")
             continue
-        if _depends_on(g, a, bw) or _depends_on(g, c, fw):
-            raise Decline("one direction's initial state is computed from the other")
         ref = a or c
         zeros = lambda: b.op("Mul", ref, b.const(np.array(0, dtype=np.float32), "zero_f"))  # noqa: E731
         ins.append(b.op("Concat", a or zeros(), c or zeros(), axis=0))
@@ -171,14 +204,23 @@ class MergeBidirectional:
             groups.setdefault(key, {"forward": [], "reverse": []})[d].append(n)
         known = model.facts.seq_lens_mask
         rewrites = []
+        partner: dict[int, NodeProto] = {}  # the pairs merged so far, each node -> the other
+        budget = [max(4 * len(g.nodes), 100_000)]  # (nodes walked back over all the pairs' cycle checks)
         for key, dirs in groups.items():
             for fw, bw in zip(dirs["forward"], dirs["reverse"]):
                 where = f"{fw.name or fw.output[0]} + {bw.name or bw.output[0]}"
                 try:
+                    cycle = _merge_closes_a_cycle(g, fw, bw, partner, budget)
+                    if cycle is None:
+                        raise Decline("not proven free of a cycle: the walk back from the pair's inputs ran out of its bound")
+                    if cycle:
+                        raise Decline("one direction is computed from the other (directly, or through a pair merged "
+                                      "before): one op would read its own output")
                     native, repl = merge_pair(g, fw, bw)
                 except Decline as e:
                     res.findings.append(Finding(self.name, f"{fw.op_type} pair", where, "declined", reason=e.reason))
                     continue
+                partner[id(fw)], partner[id(bw)] = bw, fw
                 f = Finding(self.name, f"{fw.op_type} pair", where, "merged", cell=f"{fw.op_type}(hidden={attr(fw, 'hidden_size')})",
                             direction="bidirectional", hidden=attr(fw, "hidden_size"))
                 masks = {known[_inp(fw, 4)]: ("any", 0)} if _inp(fw, 4) in known else {}

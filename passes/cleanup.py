@@ -134,6 +134,11 @@ class _DedupeTable:
         # initializers and Constant outputs: found once (a set lookup per input from then on)
         self.consts = set(g.initializers)
         self.consts.update(o for n in g.nodes_of("Constant") for o in n.output)
+        # small values computed from those and static shapes alone, compared by value too: torch's trace of
+        # x[x.shape[0] - 1 - t] (a backward cell stepped beside a forward one) reads the slice the forward
+        # cell reads as x[t'], through an index of its own
+        self.shape_consts = _small_shape_constants(g, self.consts)
+        self.consts |= self.shape_consts
 
     def candidates(self) -> list[NodeProto]:
         """The nodes that may equal another, in graph order (topological for the input model, which is where
@@ -202,7 +207,8 @@ class _DedupeTable:
             g = self.g
             p = g.producer.get(name)
             t = g.initializers.get(name)
-            direct = (t is not None and math.prod(t.dims) <= 64) or (p is not None and p.op_type == "Constant")
+            direct = ((t is not None and math.prod(t.dims) <= 64) or (p is not None and p.op_type == "Constant")
+                      or name in self.shape_consts)
             c = g.const(name) if name and direct else None  # (a large weight is never read for this)
             small[name] = ("=", c.dtype.str, c.shape, c.tobytes()) if c is not None and c.size <= 64 else name
         return small[name]
@@ -273,6 +279,30 @@ class _DedupeTable:
 
 
 _NOT_SEEDED = object()
+
+# what index arithmetic on shapes is written with (torch's trace of x.shape[0] - 1 - t, a view's sizes)
+_SHAPE_ARITH = ("Shape", "Size", "Gather", "Slice", "Squeeze", "Unsqueeze", "Concat", "Cast", "Add", "Sub", "Mul",
+                "Div", "Neg", "Reshape")
+
+
+def _small_shape_constants(g: Graph, consts: set[str]) -> set[str]:
+    """The values of 64 elements or fewer computed from ``consts`` and tensors' shapes alone that fold to a
+    constant (the shapes they read are static). Walks the nodes of index-arithmetic op types once, in graph
+    order; a value computed from anything else (a runtime value) is not folded, so this costs a fold only
+    where shapes are computed with."""
+    derived: set[str] = set()
+    for n in g.nodes_of(*_SHAPE_ARITH):
+        if n.op_type in ("Shape", "Size") or all(not i or i in consts or i in derived for i in n.input[:]):
+            derived.update(o for o in n.output[:] if o)
+    out = set()
+    for v in derived:
+        p = g.producer.get(v)
+        if p is None or p.op_type in ("Shape", "Size"):
+            continue  # (a whole shape is no index; what is computed from it is looked at)
+        c = g.const(v)
+        if c is not None and c.size <= 64:
+            out.add(v)
+    return out
 
 
 class DropNoOps:

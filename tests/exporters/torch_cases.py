@@ -157,6 +157,10 @@ CASES = [
     loop("lstmcell_trace_bidir", "lstm", **BI),
     loop("grucell_trace_bidir", "gru", **BI),
     loop("rnncell_relu_trace_bidir_bf", "rnn_relu", **BI, **BF),
+    # both cells stepped in one loop, the backward one reading x[T - 1 - t] through Shape arithmetic: the
+    # two halves' slices of x had two index forms (fused as four half chains, whose merge closed a cycle)
+    loop("grucell_trace_bidir_interleaved", "gru", **BI, order="interleaved", time=10),
+    loop("lstmcell_trace_bidir_interleaved_bf", "lstm", **BI, **BF, order="interleaved", time=9),
     loop("lstmcell_trace_h0c0", "lstm", **H0),
     loop("grucell_trace_h0", "gru", **H0),
     loop("rnncell_tanh_trace_h0_bf", "rnn_tanh", **H0, **BF),
@@ -732,7 +736,10 @@ def describe(c: Case) -> str:
         init = "given h0" if o.get("init") == "given" else "no initial state"
         return f"{cls}({', '.join(args)}), {init}; returns (output, h_n[, c_n])"
     parts = [CELL_TEXT[o["cell"]] + ("" if o.get("bias", True) else " bias=False"), layout]
-    if o.get("bidir"):
+    if o.get("bidir") and o.get("order") == "interleaved":
+        parts.append("one loop stepping a forward cell on x[t] and a backward cell on x[T-1-t] (T = x.shape[0]), "
+                     "outputs concatenated on features")
+    elif o.get("bidir"):
         parts.append("two chains (forward and backward) over the same x, outputs concatenated on features")
     elif o.get("reverse"):
         loop_text = "for i in range(x.size(0)): t = T-1-i" if c.model == "script" else "for t in reversed(range(T))"
@@ -941,6 +948,20 @@ def torch_modules():
                 return buf, state
             return torch.stack(outs, dim=1 if self.batch_first else 0), state
 
+        def interleaved(self, x, state0):
+            """The forward and the backward cell stepped in one loop, the backward one reading x[T - 1 - t]
+            with T = x.shape[0] read when run (the trace writes that index as Shape arithmetic, not as the
+            constant the forward cell's x[t'] has)."""
+            steps = x.shape[1 if self.batch_first else 0]
+            states, outs = [state0, state0], [[], []]
+            for t in range(steps):
+                for k, idx in enumerate((t, steps - 1 - t)):
+                    states[k] = self.cells[k](x[:, idx] if self.batch_first else x[idx], states[k])
+                    outs[k].append(states[k][0] if self.lstm else states[k])
+            outs[1].reverse()
+            ys = [torch.stack(o, dim=1 if self.batch_first else 0) for o in outs]
+            return ys, [s for st in states for s in (st if self.lstm else [st])]
+
         def forward(self, x, h0=None, c0=None):
             if self.init == "zeros":
                 batch = x.shape[0 if self.batch_first else 1]
@@ -950,7 +971,9 @@ def torch_modules():
                 h0 = torch.tanh(self.init_proj(h0))
                 c0 = self.init_proj(c0) if self.lstm else None
             ys, states = [], []
-            for cell, reverse in zip(self.cells, self.dirs):
+            if self.order == "interleaved":
+                ys, states = self.interleaved(x, (h0, c0) if self.lstm else h0)
+            for cell, reverse in zip(self.cells, self.dirs) if self.order != "interleaved" else ():
                 y, state = self.chain(cell, x, (h0, c0) if self.lstm else h0, reverse)
                 ys.append(y)
                 states.extend(state if self.lstm else [state])

@@ -1,0 +1,246 @@
+"""The part of a rewritten model that differs from its input, as a model of its own.
+
+The do-no-harm guard (:mod:`rnnfuse.guard`) asks whether onnxruntime loads the rewritten model. Creating a
+session costs onnxruntime more than linear time in the nodes (onnxruntime 1.32, one thread, optimizations
+off: an elementwise chain of 25,000 / 50,000 / 100,000 nodes loads in 1.4 / 3.9 / 13 s), and for a big
+model with a small fusion (a recurrence among 100,000 other nodes) that one load was most of the run.
+
+What can make the rewritten model fail to load where its input loaded lies in the nodes the run changed and
+in the nodes a changed *type* reaches. Every other node is one of the input's nodes, byte for byte, reading
+values defined as they were or of the types they had, and onnxruntime decides whether it takes a node (its
+kernel, its type and shape inference) from the node and the types it reads. The region is therefore: the
+nodes not found byte for byte among the input's, plus each unchanged node reading a value whose definition
+changed (a changed producer, a changed initializer or declared type) unless ONNX shape inference gives that
+value the same known type in both models; the outputs of a node taken in are followed in turn. What the
+region reads from outside becomes its typed graph inputs (initializers copied), and everything it computes
+that is read outside it, or not read at all, its outputs, so onnxruntime keeps every node of it.
+
+Where the region cannot stand alone (a value it reads has no type ONNX inference can tell, the graph's
+interface, IR version, opsets or functions changed, the weights are big or external) or is not much smaller
+than the model, :func:`region_model` returns None and the guard loads the whole model as before.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import ModelProto, NodeProto, TensorProto
+
+from .protos import free_names, has_subgraph, subgraphs
+
+# below this many nodes onnxruntime loads a whole model in well under a second: the guard loads it whole
+SCOPED_NODES = 10_000
+# a region holding more than this share of the model's nodes saves too little to be worth building
+MAX_REGION_SHARE = 0.25
+# ONNX shape inference serialises the model it is given: weights held in memory beyond this are not copied
+# for it (the guard loads such a model whole, from a copy without its weights: rnnfuse.check_session)
+MAX_INLINE_BYTES = 64 << 20
+# initializers up to this size are compared by value (a Reshape's target drives inference); beyond, by
+# type and dims (weights, whose values no shape inference reads)
+COMPARED_BY_VALUE_BYTES = 1 << 16
+
+
+def region_model(after: ModelProto, before: ModelProto) -> ModelProto | None:
+    """The changed region of ``after`` (the rewritten model) against ``before`` (its input), as a model
+    onnxruntime loads on its own; None when the whole model must be loaded instead (see the module)."""
+    if not _same_frame(after, before) or _inline_bytes(after) + _inline_bytes(before) > MAX_INLINE_BYTES:
+        return None
+    nodes = list(after.graph.node)
+    limit = int(MAX_REGION_SHARE * len(nodes))
+    old_nodes = {n.SerializeToString() for n in before.graph.node}
+    changed = [i for i, n in enumerate(nodes) if n.SerializeToString() not in old_nodes]
+    del old_nodes
+    if len(changed) > limit:
+        return None
+    region = set(changed)
+    producer_of = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    readers = _readers(nodes)
+    # values whose definition changed: produced by a changed node, or an initializer or declared type that
+    # is not what it was
+    redefined = {o for i in changed for o in nodes[i].output if o}
+    redefined |= _changed_initializers(after, before)
+    declared_after, declared_before = _declared(after.graph.value_info), _declared(before.graph.value_info)
+    for name in declared_after.keys() | declared_before.keys():
+        if declared_after.get(name) != declared_before.get(name):
+            redefined.add(name)
+            if name in producer_of:  # (the declaration is checked against what its producer computes)
+                region.add(producer_of[name])
+    types: list = []  # (after's inferred types, before's: inferred once, when first needed)
+    queue = [name for name in redefined if any(r not in region for r in readers.get(name, ()))]
+    seen = set(queue)
+    while queue:
+        name = queue.pop()
+        outside = [r for r in readers.get(name, ()) if r not in region]
+        if not outside:
+            continue
+        if not types:
+            types.extend((_inferred_types(after), _inferred_types(before)))
+            if None in types:
+                return None
+        if _same_known_type(types[0].get(name), types[1].get(name)):
+            continue  # the readers see the type they saw: the change stops here
+        for r in outside:
+            region.add(r)
+            for o in nodes[r].output:
+                if o and o not in seen:
+                    seen.add(o)
+                    queue.append(o)
+        if len(region) > limit:
+            return None
+    return _standalone(after, [nodes[i] for i in sorted(region)], readers, region, types[0] if types else None)
+
+
+def _same_frame(after: ModelProto, before: ModelProto) -> bool:
+    """Whether the two models share IR version, opsets, local functions and the graph's inputs and outputs:
+    a region says nothing about a change there."""
+    if after.ir_version != before.ir_version:
+        return False
+    if sorted((o.domain, o.version) for o in after.opset_import) != sorted((o.domain, o.version) for o in before.opset_import):
+        return False
+    return (_serialized(after.functions) == _serialized(before.functions)
+            and _serialized(after.graph.input) == _serialized(before.graph.input)
+            and _serialized(after.graph.output) == _serialized(before.graph.output))
+
+
+def _inline_bytes(model: ModelProto) -> int:
+    """The bytes of initializer data held in the proto (external data is not)."""
+    return sum(t.ByteSize() for t in model.graph.initializer if t.data_location != TensorProto.EXTERNAL)
+
+
+def _serialized(messages) -> list[bytes]:
+    return [m.SerializeToString() for m in messages]
+
+
+def _readers(nodes: list[NodeProto]) -> dict[str, list[int]]:
+    """Value name -> the positions of the nodes reading it, through their subgraphs' captures too."""
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        names = set(n.input[:])
+        if has_subgraph(n):
+            for sg in subgraphs(n):
+                names |= free_names(sg)
+        names.discard("")
+        for name in names:
+            readers.setdefault(name, []).append(i)
+    return readers
+
+
+def _initializer_key(t: TensorProto):
+    if t.data_location == TensorProto.EXTERNAL or t.ByteSize() > COMPARED_BY_VALUE_BYTES:
+        return (t.data_type, tuple(t.dims), t.data_location)
+    return t.SerializeToString()
+
+
+def _changed_initializers(after: ModelProto, before: ModelProto) -> set[str]:
+    """Initializer names of ``after`` that ``before`` has not, or has with another type, shape or (small
+    ones) value."""
+    old = {t.name: t for t in before.graph.initializer}
+    return {t.name for t in after.graph.initializer
+            if t.name not in old or _initializer_key(t) != _initializer_key(old[t.name])}
+
+
+def _declared(value_infos) -> dict[str, bytes]:
+    return {v.name: v.type.SerializeToString() for v in value_infos}
+
+
+def _inferred_types(model: ModelProto) -> dict[str, bytes] | None:
+    """Value name -> its type as ONNX shape inference gives it (declared inputs and outputs included); a
+    value inference cannot type is absent. None when inference fails."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # (inference errors: the region cannot be judged, the whole model is loaded)
+        return None
+    g = inferred.graph
+    types = {}
+    for vi in (*g.input, *g.output, *g.value_info):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            types[vi.name] = vi.type.SerializeToString()
+        elif vi.type.WhichOneof("value") not in (None, "tensor_type"):
+            types[vi.name] = vi.type.SerializeToString()  # (sequences, optionals: compared whole)
+    for t in g.initializer:
+        types.setdefault(t.name, _tensor_type(t).SerializeToString())
+    return types
+
+
+def _same_known_type(a: bytes | None, b: bytes | None) -> bool:
+    """Whether two inferred types are known and the same, the dims inference invented on its own (``unk__N``,
+    numbered in the order it meets them, so not the same names in two models) taken as unknown dims."""
+    if a is None or b is None:
+        return False
+    if a == b:
+        return True
+    ta, tb = onnx.TypeProto(), onnx.TypeProto()
+    ta.ParseFromString(a)
+    tb.ParseFromString(b)
+    for t in (ta, tb):
+        if t.HasField("tensor_type"):
+            for d in t.tensor_type.shape.dim:
+                if d.dim_param.startswith("unk__"):
+                    d.ClearField("dim_param")
+    return ta.SerializeToString(deterministic=True) == tb.SerializeToString(deterministic=True)
+
+
+def _tensor_type(t: TensorProto) -> onnx.TypeProto:
+    tp = onnx.TypeProto()
+    tp.tensor_type.elem_type = t.data_type
+    for d in t.dims:
+        tp.tensor_type.shape.dim.add().dim_value = d
+    return tp
+
+
+def _standalone(after: ModelProto, nodes: list[NodeProto], readers: dict[str, list[int]], region: set[int],
+                types: dict[str, bytes] | None) -> ModelProto | None:
+    """``nodes`` (in ``after``'s order) as a model: what they read from outside as typed inputs or copied
+    initializers; what they compute that is read outside them, not read, or a graph output, as outputs."""
+    produced = {o for n in nodes for o in n.output if o}
+    read: list[str] = []
+    for n in nodes:
+        names = list(n.input)
+        if has_subgraph(n):
+            for sg in subgraphs(n):
+                names += sorted(free_names(sg))
+        read += [x for x in names if x and x not in produced]
+    read = list(dict.fromkeys(read))
+    g = after.graph
+    inits = {t.name: t for t in g.initializer}
+    graph_inputs = {v.name: v for v in g.input}
+    m = onnx.ModelProto()
+    m.ir_version = after.ir_version
+    m.opset_import.extend(after.opset_import)
+    m.functions.extend(after.functions)
+    sub = m.graph
+    sub.name = "rnnfuse_changed_region"
+    sub.node.extend(nodes)
+    for name in read:
+        if name in inits:
+            sub.initializer.add().CopyFrom(inits[name])
+        elif name in graph_inputs:
+            sub.input.add().CopyFrom(graph_inputs[name])
+        else:
+            if types is None:
+                types = _inferred_types(after)
+            if types is None or name not in types:
+                return None  # (a value of unknown type: onnxruntime cannot take it as an input)
+            vi = sub.input.add()
+            vi.name = name
+            vi.type.ParseFromString(types[name])
+    graph_outputs = {v.name: v for v in g.output}
+    declared = {v.name: v for v in g.value_info if v.name in produced}
+    outputs: set[str] = set()
+    for n in nodes:
+        for o in n.output:
+            if not o or o in outputs:
+                continue
+            if o in graph_outputs:
+                sub.output.add().CopyFrom(graph_outputs[o])
+            elif o not in readers or any(r not in region for r in readers[o]):
+                if o in declared:
+                    sub.output.add().CopyFrom(declared[o])
+                else:
+                    sub.output.add().name = o  # (untyped: onnxruntime infers it)
+            else:
+                continue
+            outputs.add(o)
+    if not outputs:
+        return None
+    sub.value_info.extend(v for name, v in declared.items() if name not in outputs)
+    return m

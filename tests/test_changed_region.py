@@ -1,0 +1,121 @@
+"""The do-no-harm guard loads only what changed in a big rewritten model (rnnfuse.changed_region).
+
+onnxruntime's session creation grows faster than the nodes (an elementwise chain of 25k / 50k / 100k nodes:
+1.4 / 3.9 / 13 s), so a big model with a small fusion spent most of its run in the guard's whole-model load.
+The region is the changed nodes and the unchanged ones a changed type reaches; these tests force the region
+route on small models (``SCOPED_NODES``) and check what it includes, what it decides, and that the rewritten
+model is the same either way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import rnnfuse.changed_region as region
+import rnnfuse.guard as guard
+from rnnfuse.pipeline import Pipeline
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "keras_masked_bigru_lstm.onnx")
+
+
+def _example_with_a_head(extra: int) -> onnx.ModelProto:
+    """The shipped Keras model (two masked Loops and a bidirectional pair to fuse) with ``extra`` elementwise
+    nodes reading its output: a model most of which the fusion does not touch."""
+    m = onnx.load(EXAMPLE)
+    g = m.graph
+    out = g.output[0]
+    width = out.type.tensor_type.shape.dim[-1].dim_value
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((width, width)).astype(np.float32) * 0.1, "head_W")
+    g.initializer.append(w)
+    x = out.name
+    for i in range(extra // 4):
+        p = f"head{i}_"
+        g.node.extend([helper.make_node("MatMul", [x, "head_W"], [p + "a"]), helper.make_node("Tanh", [p + "a"], [p + "b"]),
+                       helper.make_node("Add", [p + "b", x], [p + "c"]), helper.make_node("Sigmoid", [p + "c"], [p + "d"])])
+        x = p + "d"
+    elem = out.type.tensor_type.elem_type
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info(x, elem, None))
+    return m
+
+
+def _loads(monkeypatch) -> list[int]:
+    """The node counts of the models the guard hands onnxruntime."""
+    seen: list[int] = []
+    real = guard.onnxruntime_error
+
+    def counted(data):
+        m = onnx.load(data, load_external_data=False) if isinstance(data, str) else onnx.load_from_string(
+            data if isinstance(data, bytes) else data.SerializeToString())
+        seen.append(len(m.graph.node))
+        return real(data)
+
+    monkeypatch.setattr(guard, "onnxruntime_error", counted)
+    return seen
+
+
+def _outputs(m: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x})
+
+
+def test_a_big_model_with_a_small_fusion_loads_only_its_changed_region(monkeypatch):
+    src = _example_with_a_head(200)
+    whole, _ = Pipeline.default()(src)  # (the model is small: the guard loads it whole)
+    monkeypatch.setattr(region, "SCOPED_NODES", 0)
+    loads = _loads(monkeypatch)
+    out, report = Pipeline.default()(src)
+    assert report.fused
+    assert out.SerializeToString() == whole.SerializeToString()
+    assert loads and max(loads) < len(out.graph.node) // 4, (loads, len(out.graph.node))
+    x = np.random.default_rng(1).standard_normal((2, 9, src.graph.input[0].type.tensor_type.shape.dim[-1].dim_value or 4))
+    x[1, 6:] = 0.0  # (a padded row: the Keras model masks zero steps)
+    x = x.astype(np.float32)
+    for a, b in zip(_outputs(out, x), _outputs(src, x)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _cast_then_tanh(to: int, tail: int = 60) -> onnx.ModelProto:
+    """x -> Cast(to) -> Tanh -> Shape -> Reshape(x, that shape) -> ``tail`` Relus -> y: the Tanh reads the Cast,
+    the Shape's type (int64 [2]) does not depend on what it reads the shape of."""
+    nodes = [helper.make_node("Cast", ["x"], ["c"], to=to), helper.make_node("Tanh", ["c"], ["t"]),
+             helper.make_node("Shape", ["t"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["r0"])]
+    for i in range(tail):
+        nodes.append(helper.make_node("Relu", [f"r{i}"], [f"r{i + 1}"]))
+    g = helper.make_graph(nodes, "cast_tanh", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                          [helper.make_tensor_value_info(f"r{tail}", TensorProto.FLOAT, [3, 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_the_region_follows_a_changed_type_until_the_types_agree():
+    before = _cast_then_tanh(TensorProto.FLOAT)
+    after = _cast_then_tanh(TensorProto.INT32)  # (Tanh takes no int32: onnxruntime refuses the node)
+    sub = region.region_model(after, before)
+    assert sub is not None
+    assert [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape"]  # (the Relus read what they read)
+    with pytest.raises(Exception):
+        ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_the_guard_refuses_a_rewrite_whose_region_does_not_load(monkeypatch):
+    monkeypatch.setattr(region, "SCOPED_NODES", 0)
+    before, after = _cast_then_tanh(TensorProto.FLOAT), _cast_then_tanh(TensorProto.INT32)
+    assert guard.harm(after, lambda: before) is not None
+    same = _cast_then_tanh(TensorProto.FLOAT)
+    assert guard.harm(same, lambda: before) is None
+
+
+def test_an_unchanged_model_has_an_empty_region_and_a_changed_interface_none():
+    before = _cast_then_tanh(TensorProto.FLOAT)
+    assert region.region_model(_cast_then_tanh(TensorProto.FLOAT), before) is None  # (nothing to load)
+    renamed = _cast_then_tanh(TensorProto.FLOAT)
+    renamed.graph.output[0].name = "r59"
+    assert region.region_model(renamed, before) is None

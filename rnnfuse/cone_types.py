@@ -45,8 +45,9 @@ class ConeTypes:
         self.budget = max(CHEAP_INFERENCE_NODES, 2 * len(model.graph.nodes)) if budget is None else budget
         self.types: dict[str, Type] = {}
         self.cones = 0  # inferences run (names the dims each one invents)
-        # one cone as big as a model whose whole inference is skipped (the output of a 100k-node chain, all of it)
-        # would cost what skipping it saves, and hold a copy of it: such a tensor has no type
+        # a cone is inferred in pieces of at most this many nodes, producers first, each piece reading the types
+        # the pieces before it gave: a copy of a 100k-node cone at once held ~150 MB, and a recurrence behind
+        # a 20,000-node prologue was declined when its input's cone was given up on instead
         self.max_cone = CHEAP_INFERENCE_NODES
         self.settled: set[str] = set()  # outputs of nodes already inferred (typed or not), or given up on
 
@@ -62,7 +63,8 @@ class ConeTypes:
         if cone is None:
             self.settled.add(name)
             return None
-        self._infer(cone)
+        for start in range(0, len(cone), self.max_cone):  # (producers first: a piece reads what those before typed)
+            self._infer(cone[start:start + self.max_cone])
         return self.types.get(name)
 
     def _known(self, name: str) -> Type | None:
@@ -84,8 +86,7 @@ class ConeTypes:
         return not (g.producer[name].op_type == "Constant" or (t[0] == TensorProto.INT64 and len(t[1]) <= 1))
 
     def _cone(self, root: NodeProto) -> list[NodeProto] | None:
-        """The nodes ``root`` is computed from back to the frontier, producers first; None past the budget or
-        past ``max_cone`` nodes."""
+        """The nodes ``root`` is computed from back to the frontier, producers first; None past the budget."""
         producer = self.model.graph.producer
         order: list[NodeProto] = []
         seen: set[int] = set()
@@ -99,7 +100,7 @@ class ConeTypes:
                 continue
             seen.add(id(node))
             self.budget -= 1
-            if self.budget < 0 or len(seen) > self.max_cone:
+            if self.budget < 0:
                 return None
             stack.append((node, True))
             for i in node.input:

@@ -191,11 +191,62 @@ def test_cone_types_keep_the_dims_each_inference_invents_apart():
     assert ta[1][1] == 1 and tb[1][1] == 1 and ta[1][0] != tb[1][0], (ta, tb)
 
 
-def test_a_cone_as_big_as_a_skipped_model_is_not_inferred():
-    """The end of a long chain: its cone is the whole chain, what skipping whole-model inference saves. It
-    gets no type (its walk stops at the limit); a tensor near the input still does."""
-    m = Model(_deep_constant_graph(300))
-    cones = ConeTypes(m)
+def test_a_cone_bigger_than_one_inference_is_inferred_in_pieces(monkeypatch):
+    """The end of a long chain: its cone is the whole chain. It is inferred in pieces of at most ``max_cone``
+    nodes, producers first, each piece reading the types those before it gave (one copy of the whole cone held
+    ~150 MB at 100k nodes; given up on instead, a recurrence behind a 20,000-node prologue had an input of no
+    type and was declined). The walk still stops at the model's budget."""
+    pieces: list[int] = []
+    infer = ConeTypes._infer
+
+    def counted(self, cone):
+        pieces.append(len(cone))
+        return infer(self, cone)
+
+    monkeypatch.setattr(ConeTypes, "_infer", counted)
+    cones = ConeTypes(Model(_deep_constant_graph(300)))
     cones.max_cone = 100
-    assert cones.type_of("w") is None
-    assert cones.budget > 0 and cones.type_of("w5") == (TensorProto.FLOAT, [2])
+    assert cones.type_of("w") == (TensorProto.FLOAT, [2])
+    assert pieces == [100, 100, 100], pieces
+    assert cones.type_of("w150") == (TensorProto.FLOAT, [2]) and len(pieces) == 3  # (typed on the way)
+    assert ConeTypes(Model(_deep_constant_graph(300)), budget=150).type_of("w") is None
+
+
+def test_a_loop_behind_a_prologue_too_big_to_infer_at_once_is_fused(monkeypatch):
+    """The shipped Keras model (two masked Loops and a bidirectional pair) whose input is computed by a chain
+    of ``x * 1 + 0`` nodes longer than one inference may take (forced small here; 20,000 nodes otherwise): the
+    Loops' inputs have types only through their cone, inferred in pieces. Given up on, the Loops were declined
+    ('two different per-step inputs are read')."""
+    import os
+
+    import rnnfuse.cone_types
+    import rnnfuse.model
+
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 300)
+    monkeypatch.setattr(rnnfuse.cone_types, "CHEAP_INFERENCE_NODES", 300)
+    m = onnx.load(os.path.join(os.path.dirname(__file__), "..", "examples", "keras_masked_bigru_lstm.onnx"))
+    g = m.graph
+    x = g.input[0].name
+    g.input[0].name = "raw_x"
+    g.initializer.extend([numpy_helper.from_array(np.array(1.0, np.float32), "p_one"),
+                          numpy_helper.from_array(np.array(0.0, np.float32), "p_zero")])
+    prologue, cur = [], "raw_x"
+    for i in range(400):
+        out = x if i == 399 else f"p{i}_a"
+        prologue += [helper.make_node("Mul", [cur, "p_one"], [f"p{i}_m"]), helper.make_node("Add", [f"p{i}_m", "p_zero"], [out])]
+        cur = out
+    body = list(g.node)
+    del g.node[:]
+    g.node.extend(prologue + body)
+    src = onnx.ModelProto()
+    src.CopyFrom(m)
+    out, report = rnnfuse.optimize(m)
+    assert sorted(f.status for f in report.findings) == ["fused", "fused", "fused", "merged"], report.to_text()
+    feats = m.graph.input[0].type.tensor_type.shape.dim[-1].dim_value
+    xv = np.random.default_rng(0).standard_normal((3, 7, feats)).astype(np.float32)
+    xv[1, 5:] = 0.0  # (post-padded)
+    xv[2, :2] = 0.0  # (pre-padded)
+    want = session(src).run(None, {"raw_x": xv})
+    got = session(out).run(None, {"raw_x": xv})
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -126,18 +126,18 @@ class _DedupeTable:
     def __init__(self, g: Graph):
         self.g = g
         self.by_coarse: dict[tuple, object] = {}
-        self.small: dict[str, object] = {}  # input name -> its full-key form (small constants by content)
         self.seeded: set[str] = set()  # values whose readers are in the table (incremental runs)
         self.const_readers: list | None = None
         self.found: dict[int, NodeProto | None] = {}  # node -> what inserting it found while seeding
         self.full_keys = 0
+        self.small: dict[str, object] = {}  # input name -> its full-key form (small constants by content)
         # initializers and Constant outputs: found once (a set lookup per input from then on)
         self.consts = set(g.initializers)
         self.consts.update(o for n in g.nodes_of("Constant") for o in n.output)
         # small values computed from those and static shapes alone, compared by value too: torch's trace of
         # x[x.shape[0] - 1 - t] (a backward cell stepped beside a forward one) reads the slice the forward
         # cell reads as x[t'], through an index of its own
-        self.shape_consts = _small_shape_constants(g, self.consts)
+        self.shape_consts = _small_shape_constants(g, self.consts, self.small)
         self.consts |= self.shape_consts
 
     def candidates(self) -> list[NodeProto]:
@@ -285,23 +285,44 @@ _SHAPE_ARITH = ("Shape", "Size", "Gather", "Slice", "Squeeze", "Unsqueeze", "Con
                 "Div", "Neg", "Reshape")
 
 
-def _small_shape_constants(g: Graph, consts: set[str]) -> set[str]:
+def _small_shape_constants(g: Graph, consts: set[str], small: dict[str, object]) -> set[str]:
     """The values of 64 elements or fewer computed from ``consts`` and tensors' shapes alone that fold to a
     constant (the shapes they read are static). Walks the nodes of index-arithmetic op types once, in graph
-    order; a value computed from anything else (a runtime value) is not folded, so this costs a fold only
-    where shapes are computed with."""
-    derived: set[str] = set()
-    for n in g.nodes_of(*_SHAPE_ARITH):
-        if n.op_type in ("Shape", "Size") or all(not i or i in consts or i in derived for i in n.input[:]):
-            derived.update(o for o in n.output[:] if o)
+    order; a value computed from anything else (a runtime value) is not folded. Values computed the same way
+    (every step of a torch trace reads ``x.shape[1]`` through a Shape and a Gather of its own) are folded
+    once: the fold is asked per distinct computation, keyed like Dedupe's full keys (``small``: the table's
+    cache of constants' full-key forms, filled here for the inputs met)."""
+    derived: dict[str, tuple] = {}  # value -> how it is computed (op, attributes, inputs' keys)
+    folds: dict[tuple, bool] = {}
     out = set()
-    for v in derived:
-        p = g.producer.get(v)
-        if p is None or p.op_type in ("Shape", "Size"):
-            continue  # (a whole shape is no index; what is computed from it is looked at)
-        c = g.const(v)
-        if c is not None and c.size <= 64:
-            out.add(v)
+
+    def key_of(i: str):
+        if i in derived:
+            return derived[i]
+        if i not in small:
+            t = g.initializers.get(i)
+            p = g.producer.get(i)
+            direct = (t is not None and math.prod(t.dims) <= 64) or (p is not None and p.op_type == "Constant")
+            c = g.const(i) if direct else None
+            small[i] = ("=", c.dtype.str, c.shape, c.tobytes()) if c is not None and c.size <= 64 else i
+        return small[i]
+
+    for n in g.nodes_of(*_SHAPE_ARITH):
+        if n.op_type not in ("Shape", "Size") and not all(not i or i in consts or i in derived for i in n.input[:]):
+            continue
+        base = (n.op_type, n.domain, tuple(key_of(i) if i else "" for i in n.input[:]),
+                tuple(a.SerializeToString() for a in node_field(n, "attribute")))
+        for k, o in enumerate(n.output[:]):
+            if not o:
+                continue
+            derived[o] = key = base + (k,)
+            if n.op_type in ("Shape", "Size"):
+                continue  # (a whole shape is no index; what is computed from it is looked at)
+            if key not in folds:
+                c = g.const(o)
+                folds[key] = c is not None and c.size <= 64
+            if folds[key]:
+                out.add(o)
     return out
 
 

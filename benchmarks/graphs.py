@@ -5,6 +5,8 @@ Every generator is ``f(path, nodes) -> the node count it wrote``: the graph size
 
 from __future__ import annotations
 
+import os
+
 
 def elementwise_chain(path: str, nodes: int, width: int = 16) -> int:
     """``nodes`` elementwise nodes in one chain (Add w, Mul w, Tanh, Sigmoid, repeated), nothing to fuse."""
@@ -207,3 +209,61 @@ def two_cells_per_step(path: str, nodes: int, arrangement: str = "bidir", featur
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", features]),
               helper.make_tensor_value_info("h0", TensorProto.FLOAT, ["B", hidden])]
     return _save(path, out, f"{arrangement}_chain", inputs, outputs, inits)
+
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "keras_masked_bigru_lstm.onnx")
+
+
+def recurrence_then_head(path: str, nodes: int) -> int:
+    """The shipped Keras model (a masked bidirectional GRU and an LSTM: two Loops to fuse, a pair to merge)
+    followed by ``nodes`` nodes reading its output (MatMul, Tanh, Add, Sigmoid, repeated): a big model with a
+    small fusion. The do-no-harm check loaded all of it in onnxruntime (whose load grows faster than the
+    nodes)."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    m = onnx.load(EXAMPLE)
+    g = m.graph
+    out = g.output[0]
+    width = out.type.tensor_type.shape.dim[-1].dim_value
+    g.initializer.append(numpy_helper.from_array(
+        (np.random.default_rng(0).standard_normal((width, width)) * 0.1).astype(np.float32), "head_W"))
+    x = out.name
+    for i in range(max(1, nodes // 4)):
+        p = f"head{i}_"
+        g.node.extend([helper.make_node("MatMul", [x, "head_W"], [p + "a"]), helper.make_node("Tanh", [p + "a"], [p + "b"]),
+                       helper.make_node("Add", [p + "b", x], [p + "c"]), helper.make_node("Sigmoid", [p + "c"], [p + "d"])])
+        x = p + "d"
+    elem = out.type.tensor_type.elem_type
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info(x, elem, None))
+    onnx.save(m, path)
+    return len(g.node)
+
+
+def prologue_then_recurrence(path: str, nodes: int) -> int:
+    """The shipped Keras model with its input computed by ``nodes`` nodes (``x * 1 + 0``, repeated): a
+    recurrence behind a long prologue. Past 20,000 nodes the Loops' inputs had no type (their cone was given
+    up on) and the Loops were declined; every validation runs the prologue too."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    m = onnx.load(EXAMPLE)
+    g = m.graph
+    x = g.input[0].name
+    g.input[0].name = "raw_x"
+    g.initializer.extend([numpy_helper.from_array(np.array(1.0, np.float32), "pre_one"),
+                          numpy_helper.from_array(np.array(0.0, np.float32), "pre_zero")])
+    cur, pre = "raw_x", []
+    half = max(1, nodes // 2)
+    for i in range(half):
+        out = x if i == half - 1 else f"pre{i}_a"
+        pre += [helper.make_node("Mul", [cur, "pre_one"], [f"pre{i}_m"]), helper.make_node("Add", [f"pre{i}_m", "pre_zero"], [out])]
+        cur = out
+    body = list(g.node)
+    del g.node[:]
+    g.node.extend(pre + body)
+    onnx.save(m, path)
+    return len(g.node)

@@ -57,8 +57,8 @@ NODES_PER_STEP = 18  # torch's LSTMCell trace export
 VIEW_NODES_PER_STEP = 32  # torch's trace export of a hand-written LSTM cell with gates.view(B, 4, H)
 
 from chain_2000 import export_lstmcell_chain, export_view_chain  # noqa: E402
-from graphs import (cells_side_by_side, elementwise_chain, loops_in_a_row, masked_rnn_chain, steps_summed,  # noqa: E402
-                    two_cells_per_step)
+from graphs import (cells_side_by_side, elementwise_chain, loops_in_a_row, masked_rnn_chain,  # noqa: E402
+                    prologue_then_recurrence, recurrence_then_head, steps_summed, two_cells_per_step)
 
 
 MAX_EXPORTED_STEPS = 6000  # torch's trace export of a longer loop takes over an hour here: those are stretched
@@ -188,7 +188,8 @@ GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wid
               "side": cells_side_by_side,
               "bidir": lambda path, nodes: two_cells_per_step(path, nodes, "bidir"),
               "stacked": lambda path, nodes: two_cells_per_step(path, nodes, "stacked"),
-              "views": lambda path, nodes: export_view_chain(path, max(2, nodes // VIEW_NODES_PER_STEP))}
+              "views": lambda path, nodes: export_view_chain(path, max(2, nodes // VIEW_NODES_PER_STEP)),
+              "head": recurrence_then_head, "prologue": prologue_then_recurrence}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "
@@ -368,6 +369,9 @@ def main(argv=None) -> int:
         "backward one (one bidirectional RNN once fused) or one reading the other's new h (two RNNs). "
         "`views`: a torch loop over a hand-written LSTM cell, `gates.view(x.size(1), 4, H).unbind(1)` (trace "
         "export with a dynamic batch, 32 nodes/step: each step reads the batch from x's shape), one LSTM. "
+        "`head` / `prologue`: the shipped Keras example (two masked Loops and a bidirectional pair to fuse) with "
+        "the given number of nodes reading its output (MatMul/Tanh/Add/Sigmoid) or computing its input "
+        "(x * 1 + 0): a big model with a small fusion. "
         "`wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "

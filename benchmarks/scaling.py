@@ -46,6 +46,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -268,6 +269,48 @@ def baseline_mb(tree: str | None = None) -> float:
                    "rnnfuse.validate, rnnfuse.passes"], tree)[1]
 
 
+FLOOR = "import onnx, sys; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])"
+
+
+def floor(src: str, runs: int) -> dict:
+    """The floor the issue names: ``onnx.load`` + ``onnx.save`` of the model in a fresh process (medians of
+    ``runs``): wall seconds, peak RSS, and the peak of a process that only imports onnx."""
+    d = tempfile.mkdtemp(prefix="rnnfuse-floor-")
+    try:
+        walls, peaks = [], []
+        for _ in range(runs):
+            wall, peak, rc, err, _cpu = _child([sys.executable, "-c", FLOOR, src, os.path.join(d, "out.onnx")])
+            if rc:
+                raise RuntimeError(f"onnx.load + onnx.save of {src} exited {rc}: {err}")
+            walls.append(wall)
+            peaks.append(peak)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    base = _child([sys.executable, "-c", "import onnx"])[1]
+    return {"wall": statistics.median(walls), "peak_mb": statistics.median(peaks), "base_mb": base}
+
+
+def floor_table(results: list[dict], bases: dict[str, float]) -> str:
+    """Peak memory of each graph's run beside what loading and saving it alone costs."""
+    trees = list(bases)
+    lines = ["| graph | nodes | file MB | load+save s | load+save RSS - onnx MB | x file | "
+             + " | ".join(f"rnnfuse{f' ({t})' if len(trees) > 1 else ''} RSS - libs MB, x floor" for t in trees) + " |",
+             "|---" * (6 + len(trees)) + "|"]
+    for r in results:
+        fl = r.get("floor")
+        if not fl:
+            continue
+        file_mb = next(iter(r["m"].values()))["file_mb"]
+        extra = fl["peak_mb"] - fl["base_mb"]
+        cells = []
+        for t in trees:
+            mine = r["m"][t]["peak_mb"] - bases[t]
+            cells.append(f"{mine:.0f}, {mine / extra:.1f}x")
+        lines.append(f"| {r['graph']} | {r['nodes']:,} | {file_mb:.1f} | {fl['wall']:.2f} | {extra:.0f} | "
+                     f"{extra / file_mb:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(results: list[dict], bases: dict[str, float]) -> str:
     """The summary table (one row per graph, size and tree) and the per-pass split."""
     trees = list(bases)
@@ -313,6 +356,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="scaling", help="results file name (results/NAME.md, .json)")
     ap.add_argument("--graphs", default="lstmcell,elementwise")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--floor", action="store_true", help="also time onnx.load + onnx.save of each graph (the floor)")
     ap.add_argument("--trees", default="", help="NAME=DIR,...: rnnfuse checkouts to run side by side "
                     "(default: the one this script imports)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -352,6 +396,10 @@ def main(argv=None) -> int:
                 print(f"{graph} {nodes} [{tree}]: wall {m['wall']:.2f} s, CPU {m['cpu']:.2f} s, peak {m['peak_mb']:.0f} MB, "
                       f"passes {m['passes']['(all passes)']:.2f} s", flush=True)
             results.append({"graph": graph, "nodes": nodes, "m": ms})
+            if a.floor:
+                results[-1]["floor"] = fl = floor(src, a.runs)
+                print(f"{graph} {nodes} [onnx.load + onnx.save]: wall {fl['wall']:.2f} s, peak {fl['peak_mb']:.0f} MB "
+                      f"(import onnx: {fl['base_mb']:.0f} MB)", flush=True)
     bases = {tree: baseline_mb(path) for tree, path in trees.items()}
     load = os.getloadavg()
     described = ", ".join(f"`{k}` = {v}" for k, v in trees.items() if v)
@@ -384,6 +432,9 @@ def main(argv=None) -> int:
         "`lstmcell` above 6,000 steps is torch's 4-step export stretched (`stretch_chain`: step 3's 18 "
         "nodes copied per step; numerically the export's output, same node count and ops).\n\n"
         + table(results, bases) + "\n"
+        + ("\nMemory beside the floor the issue names, `onnx.load` + `onnx.save` of the same file in a fresh "
+           "process (its peak minus a process that only imports onnx):\n\n" + floor_table(results, bases) + "\n"
+           if any("floor" in r for r in results) else "")
     )
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"{a.name}.md"), "w") as f:

@@ -286,8 +286,8 @@ _SHAPE_ARITH = ("Shape", "Size", "Gather", "Slice", "Squeeze", "Unsqueeze", "Con
 
 
 def _small_shape_constants(g: Graph, consts: set[str], small: dict[str, object]) -> set[str]:
-    """The values of 64 elements or fewer computed from ``consts`` and tensors' shapes alone that fold to a
-    constant (the shapes they read are static). Walks the nodes of index-arithmetic op types once, in graph
+    """The values of 64 elements or fewer computed from ``consts`` and the shapes of tensors the file types
+    (graph inputs, declared values) alone that fold to a constant (the dims they read are static). Walks the nodes of index-arithmetic op types once, in graph
     order; a value computed from anything else (a runtime value) is not folded. Values computed the same way
     (every step of a torch trace reads ``x.shape[1]`` through a Shape and a Gather of its own) are folded
     once: the fold is asked per distinct computation, keyed like Dedupe's full keys (``small``: the table's
@@ -308,7 +308,11 @@ def _small_shape_constants(g: Graph, consts: set[str], small: dict[str, object])
         return small[i]
 
     for n in g.nodes_of(*_SHAPE_ARITH):
-        if n.op_type not in ("Shape", "Size") and not all(not i or i in consts or i in derived for i in n.input[:]):
+        if n.op_type in ("Shape", "Size"):
+            t = g.model.declared_type(n.input[0])
+            if t is None or t[1] is None:
+                continue  # (the shape of a value the file types: no inference is started for a clean-up)
+        elif not all(not i or i in consts or i in derived for i in n.input[:]):
             continue
         base = (n.op_type, n.domain, tuple(key_of(i) if i else "" for i in n.input[:]),
                 tuple(a.SerializeToString() for a in node_field(n, "attribute")))

@@ -50,18 +50,21 @@ class ConeTypes:
         # a 20,000-node prologue was declined when its input's cone was given up on instead
         self.max_cone = CHEAP_INFERENCE_NODES
         self.settled: set[str] = set()  # outputs of nodes already inferred (typed or not), or given up on
+        self.too_big: set[str] = set()  # names whose cone does not fit one inference (asked in one piece)
 
-    def type_of(self, name: str) -> Type | None:
+    def type_of(self, name: str, one_piece: bool = False) -> Type | None:
+        """The type inference gives ``name``; with ``one_piece``, only if its cone fits one inference (a
+        bigger cone is left for a query that needs the answer: see Model.known_type)."""
         if name in self.types:
             return self.types[name]
-        if name in self.settled or self.budget <= 0:
+        if name in self.settled or self.budget <= 0 or (one_piece and name in self.too_big):
             return None
         producer = self.model.graph.producer.get(name)
         if producer is None:  # (an input, a weight, a subgraph's value: what the file declares, or nothing)
             return None
-        cone = self._cone(producer)
+        cone = self._cone(producer, self.max_cone if one_piece else None)
         if cone is None:
-            self.settled.add(name)
+            (self.too_big if one_piece else self.settled).add(name)
             return None
         for start in range(0, len(cone), self.max_cone):  # (producers first: a piece reads what those before typed)
             self._infer(cone[start:start + self.max_cone])
@@ -85,8 +88,9 @@ class ConeTypes:
             return False
         return not (g.producer[name].op_type == "Constant" or (t[0] == TensorProto.INT64 and len(t[1]) <= 1))
 
-    def _cone(self, root: NodeProto) -> list[NodeProto] | None:
-        """The nodes ``root`` is computed from back to the frontier, producers first; None past the budget."""
+    def _cone(self, root: NodeProto, limit: int | None = None) -> list[NodeProto] | None:
+        """The nodes ``root`` is computed from back to the frontier, producers first; None past the budget or
+        past ``limit`` nodes."""
         producer = self.model.graph.producer
         order: list[NodeProto] = []
         seen: set[int] = set()
@@ -100,7 +104,7 @@ class ConeTypes:
                 continue
             seen.add(id(node))
             self.budget -= 1
-            if self.budget < 0:
+            if self.budget < 0 or (limit is not None and len(seen) > limit):
                 return None
             stack.append((node, True))
             for i in node.input:

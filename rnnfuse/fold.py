@@ -220,7 +220,9 @@ def _reference(node, inputs, opset) -> list[np.ndarray] | None:
 
 
 def _known_shape(graph: "Graph", name: str) -> list | None:
-    t = graph.model.known_type(name)
+    """The shape of ``name`` as far as it is known: a fold decides on it, so a big model infers the whole of
+    the tensor's cone if it must (see Model.known_type)."""
+    t = graph.model.known_type(name, whole_cone=True)
     return t[1] if t else None
 
 
@@ -230,7 +232,7 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
         return None
     if node.op_type == "Shape":
         # Shape of a tensor with a fully static declared shape is constant even if the tensor is not
-        shape = graph.model.shape(node.input[0])
+        shape = _known_shape(graph, node.input[0])
         if shape is not None and all(isinstance(d, int) for d in shape) and graph.const(node.input[0]) is None:
             start, end = attr(node, "start", 0), attr(node, "end", None)
             return np.array(shape, dtype=np.int64)[start:end]

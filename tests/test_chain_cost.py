@@ -74,8 +74,8 @@ def test_types_of_a_big_chain_are_not_inferred_along_it(op, matmul, monkeypatch)
     inferred: list[int] = []
     cone = rnnfuse.cone_types.ConeTypes._cone
 
-    def counted(self, root):
-        nodes = cone(self, root)
+    def counted(self, root, *limit):
+        nodes = cone(self, root, *limit)
         inferred.append(len(nodes) if nodes else 0)
         return nodes
 
@@ -131,9 +131,9 @@ def test_a_lower_cells_per_step_reads_are_typed_once(monkeypatch):
     inferences = []
     cone = rnnfuse.cone_types.ConeTypes._cone
 
-    def counted(self, root):
+    def counted(self, root, *limit):
         inferences.append(root.output[0])
-        return cone(self, root)
+        return cone(self, root, *limit)
 
     monkeypatch.setattr(rnnfuse.cone_types.ConeTypes, "_cone", counted)
     counts = []
@@ -200,9 +200,9 @@ def test_gate_views_cost_no_type_inference_per_step(op, monkeypatch):
     cones, walked = [], []
     cone = rnnfuse.cone_types.ConeTypes._cone
 
-    def counted(self, root):
+    def counted(self, root, *limit):
         budget = self.budget
-        nodes = cone(self, root)
+        nodes = cone(self, root, *limit)
         cones.append(root.output[0])
         walked.append(budget - self.budget)
         return nodes

@@ -11,7 +11,8 @@ values defined as they were or of the types they had, and onnxruntime decides wh
 kernel, its type and shape inference) from the node and the types it reads. The region is therefore: the
 nodes not found byte for byte among the input's, plus each unchanged node reading a value whose definition
 changed (a changed producer, a changed initializer or declared type) unless ONNX shape inference gives that
-value the same known type in both models; the outputs of a node taken in are followed in turn. What the
+value the same known type in both models (a changed constant is followed whatever its type: a reader's
+inference may read its value); the outputs of a node taken in are followed in turn. What the
 region reads from outside becomes its typed graph inputs (initializers copied), and everything it computes
 that is read outside it, or not read at all, its outputs, so onnxruntime keeps every node of it.
 
@@ -57,7 +58,11 @@ def region_model(after: ModelProto, before: ModelProto) -> ModelProto | None:
     # values whose definition changed: produced by a changed node, or an initializer or declared type that
     # is not what it was
     redefined = {o for i in changed for o in nodes[i].output if o}
-    redefined |= _changed_initializers(after, before)
+    # constants whose definition changed are followed whatever their type: a reader's inference may read their
+    # value (a Reshape's target), which no type comparison sees
+    by_value = _changed_initializers(after, before)
+    by_value |= {o for i in changed if nodes[i].op_type == "Constant" for o in nodes[i].output if o}
+    redefined |= by_value
     declared_after, declared_before = _declared(after.graph.value_info), _declared(before.graph.value_info)
     for name in declared_after.keys() | declared_before.keys():
         if declared_after.get(name) != declared_before.get(name):
@@ -76,7 +81,7 @@ def region_model(after: ModelProto, before: ModelProto) -> ModelProto | None:
             types.extend((_inferred_types(after), _inferred_types(before)))
             if None in types:
                 return None
-        if _same_known_type(types[0].get(name), types[1].get(name)):
+        if name not in by_value and _same_known_type(types[0].get(name), types[1].get(name)):
             continue  # the readers see the type they saw: the change stops here
         for r in outside:
             region.add(r)

@@ -119,3 +119,32 @@ def test_an_unchanged_model_has_an_empty_region_and_a_changed_interface_none():
     renamed = _cast_then_tanh(TensorProto.FLOAT)
     renamed.graph.output[0].name = "r59"
     assert region.region_model(renamed, before) is None
+
+
+def _reshaped(target: list[int], tail: int = 60) -> onnx.ModelProto:
+    """x -> Reshape(x, Constant(target)) -> Shape (an output), and x -> ``tail`` Relus (the other output): the
+    Reshape's inference reads the constant's value; the Shape's type (int64 [2]) does not depend on it."""
+    nodes = [helper.make_node("Constant", [], ["target"], value=numpy_helper.from_array(np.array(target, np.int64))),
+             helper.make_node("Reshape", ["x", "target"], ["r"]), helper.make_node("Shape", ["r"], ["s"]),
+             helper.make_node("Relu", ["x"], ["y0"])]
+    for i in range(tail):
+        nodes.append(helper.make_node("Relu", [f"y{i}"], [f"y{i + 1}"]))
+    g = helper.make_graph(nodes, "reshaped", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                          [helper.make_tensor_value_info("s", TensorProto.INT64, None),
+                           helper.make_tensor_value_info(f"y{tail}", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_a_changed_constant_is_followed_whatever_its_type():
+    """int64 [2] before and after, but the Reshape reading it infers another shape, or fails (two -1s): it is
+    taken in, not stopped at by the type comparison."""
+    sub = region.region_model(_reshaped([-1, -1]), _reshaped([4, 3]))
+    assert sub is not None
+    assert [n.op_type for n in sub.graph.node] == ["Constant", "Reshape", "Shape"]
+    with pytest.raises(Exception):
+        ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+    same = region.region_model(_reshaped([2, 6]), _reshaped([4, 3]))
+    assert same is not None and [n.op_type for n in same.graph.node] == ["Constant", "Reshape", "Shape"]
+    ort.InferenceSession(same.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -202,16 +202,7 @@ class _DedupeTable:
         return (n.domain, n.op_type, len(n.output), tuple(c if i in consts else i for i in n.input[:]))
 
     def _ref(self, name: str):
-        small = self.small
-        if name not in small:
-            g = self.g
-            p = g.producer.get(name)
-            t = g.initializers.get(name)
-            direct = ((t is not None and math.prod(t.dims) <= 64) or (p is not None and p.op_type == "Constant")
-                      or name in self.shape_consts)
-            c = g.const(name) if name and direct else None  # (a large weight is never read for this)
-            small[name] = ("=", c.dtype.str, c.shape, c.tobytes()) if c is not None and c.size <= 64 else name
-        return small[name]
+        return _value_key(self.g, name, self.small, self.shape_consts)
 
     def full(self, n: NodeProto) -> tuple:
         self.full_keys += 1
@@ -280,6 +271,20 @@ class _DedupeTable:
 
 _NOT_SEEDED = object()
 
+def _value_key(g: Graph, name: str, small: dict[str, object], folded) -> object:
+    """How Dedupe compares an input: a small constant (an initializer of 64 elements or fewer, a Constant's
+    value, or one of the ``folded`` shape constants) by its content, anything else by its name; cached in
+    ``small``. A large weight is never read for this."""
+    if name not in small:
+        p = g.producer.get(name)
+        t = g.initializers.get(name)
+        direct = ((t is not None and math.prod(t.dims) <= 64) or (p is not None and p.op_type == "Constant")
+                  or name in folded)
+        c = g.const(name) if name and direct else None
+        small[name] = ("=", c.dtype.str, c.shape, c.tobytes()) if c is not None and c.size <= 64 else name
+    return small[name]
+
+
 # what index arithmetic on shapes is written with (torch's trace of x.shape[0] - 1 - t, a view's sizes)
 _SHAPE_ARITH = ("Shape", "Size", "Gather", "Slice", "Squeeze", "Unsqueeze", "Concat", "Cast", "Add", "Sub", "Mul",
                 "Div", "Neg", "Reshape")
@@ -297,15 +302,7 @@ def _small_shape_constants(g: Graph, consts: set[str], small: dict[str, object])
     out = set()
 
     def key_of(i: str):
-        if i in derived:
-            return derived[i]
-        if i not in small:
-            t = g.initializers.get(i)
-            p = g.producer.get(i)
-            direct = (t is not None and math.prod(t.dims) <= 64) or (p is not None and p.op_type == "Constant")
-            c = g.const(i) if direct else None
-            small[i] = ("=", c.dtype.str, c.shape, c.tobytes()) if c is not None and c.size <= 64 else i
-        return small[i]
+        return derived[i] if i in derived else _value_key(g, i, small, ())
 
     for n in g.nodes_of(*_SHAPE_ARITH):
         if n.op_type in ("Shape", "Size"):

@@ -10,6 +10,7 @@ model is the same either way.
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import onnx
@@ -21,28 +22,19 @@ import rnnfuse.changed_region as region
 import rnnfuse.guard as guard
 from rnnfuse.pipeline import Pipeline
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "keras_masked_bigru_lstm.onnx")
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 
 
-def _example_with_a_head(extra: int) -> onnx.ModelProto:
-    """The shipped Keras model (two masked Loops and a bidirectional pair to fuse) with ``extra`` elementwise
-    nodes reading its output: a model most of which the fusion does not touch."""
-    m = onnx.load(EXAMPLE)
-    g = m.graph
-    out = g.output[0]
-    width = out.type.tensor_type.shape.dim[-1].dim_value
-    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((width, width)).astype(np.float32) * 0.1, "head_W")
-    g.initializer.append(w)
-    x = out.name
-    for i in range(extra // 4):
-        p = f"head{i}_"
-        g.node.extend([helper.make_node("MatMul", [x, "head_W"], [p + "a"]), helper.make_node("Tanh", [p + "a"], [p + "b"]),
-                       helper.make_node("Add", [p + "b", x], [p + "c"]), helper.make_node("Sigmoid", [p + "c"], [p + "d"])])
-        x = p + "d"
-    elem = out.type.tensor_type.elem_type
-    del g.output[:]
-    g.output.append(helper.make_tensor_value_info(x, elem, None))
-    return m
+def _example_with_a_head(extra: int, tmp_path) -> onnx.ModelProto:
+    """The benchmark's 'head' graph: the shipped Keras model (two masked Loops and a bidirectional pair to
+    fuse) with ``extra`` nodes reading its output, a model most of which the fusion does not touch."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from graphs import recurrence_then_head
+    finally:
+        sys.path.remove(BENCHMARKS)
+    recurrence_then_head(str(tmp_path / "head.onnx"), extra)
+    return onnx.load(str(tmp_path / "head.onnx"))
 
 
 def _loads(monkeypatch) -> list[int]:
@@ -65,8 +57,8 @@ def _outputs(m: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
     return sess.run(None, {sess.get_inputs()[0].name: x})
 
 
-def test_a_big_model_with_a_small_fusion_loads_only_its_changed_region(monkeypatch):
-    src = _example_with_a_head(200)
+def test_a_big_model_with_a_small_fusion_loads_only_its_changed_region(monkeypatch, tmp_path):
+    src = _example_with_a_head(200, tmp_path)
     whole, _ = Pipeline.default()(src)  # (the model is small: the guard loads it whole)
     monkeypatch.setattr(region, "SCOPED_NODES", 0)
     loads = _loads(monkeypatch)

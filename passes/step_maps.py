@@ -84,7 +84,9 @@ class _Map:
             ref = ("init", name) if name in g.initializers else ("const", c.dtype.str, c.shape, np.asarray(c).tobytes())
         else:
             p = g.producer.get(name)
-            if p is None or name in walking or len(self.nodes) > 64:
+            # (bounded by the values walked, not the nodes kept: those are kept once their inputs are walked,
+            # so a map reading back into a long declined chain recursed through all of it first)
+            if p is None or name in walking or len(walking) > 64:
                 raise Decline(f"'{name}' is no step of a native op's output, constant or mapped value")
             walking.add(name)
             ins = tuple(self._ref(i, walking) if i else ("",) for i in p.input)

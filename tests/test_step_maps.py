@@ -130,3 +130,29 @@ def test_a_loop_head_reshaping_to_a_steps_static_shape_is_declined():
     x = np.random.default_rng(1).standard_normal((5, B, 3)).astype(np.float32)
     for p, q in zip(session(model).run(None, {"x": x}), session(fused).run(None, {"x": x})):
         np.testing.assert_allclose(p, q, atol=1e-5)
+
+
+def test_a_map_reading_a_long_computation_is_declined_without_recursing_through_it():
+    """Each step's item adds a value computed by 3,000 nodes from another input (in a real export: the other
+    half of a declined chain). The walk of a step's map is bounded by the values it walks: it was bounded by
+    the nodes it kept, which are kept only once their inputs are walked (RecursionError, 'internal error')."""
+    model = stacked_head()
+    g = model.graph
+    g.input.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [B, K]))
+    nodes, cur = [], "z"
+    for i in range(3000):
+        nodes.append(helper.make_node("Tanh" if i % 2 else "Relu", [cur], [f"deep{i}"]))
+        cur = f"deep{i}"
+    for n in g.node:
+        if n.op_type == "Relu" and n.input[0].startswith("a"):  # (a step's relu(a_t) becomes relu(a_t + deep))
+            nodes.append(helper.make_node("Add", [n.input[0], cur], [f"{n.input[0]}_deep"]))
+            n.input[0] = f"{n.input[0]}_deep"
+        nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
+    fused, report = rnnfuse.optimize(model)
+    assert not [f for f in report.findings if f.pass_name == "step-maps" and f.status == "merged"], report.to_text()
+    feeds = {"x": np.random.default_rng(0).standard_normal((T, B, F)).astype(np.float32),
+             "z": np.random.default_rng(1).standard_normal((B, K)).astype(np.float32)}
+    for p, q in zip(session(model).run(None, feeds), session(fused).run(None, feeds)):
+        np.testing.assert_allclose(q, p, atol=1e-5)

@@ -14,7 +14,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from . import op_args
-from .protos import attr
+from .protos import attr, node_field
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -112,7 +112,7 @@ def _layout(node: onnx.NodeProto, inputs: list, opset: int):
         return [np.take(x, inputs[1].astype(np.int64), axis=attr(node, "axis", 0))]
     if op == "Shape":
         shape = np.array(x.shape, dtype=np.int64)
-        start, end = attr(node, "start", 0), attr(node, "end", None)
+        start, end = _shape_range(node)
         return [shape[start:end]]
     if op == "Size":
         return [np.array(x.size, dtype=np.int64)]
@@ -219,6 +219,18 @@ def _reference(node, inputs, opset) -> list[np.ndarray] | None:
         return None
 
 
+def _shape_range(shape_node: onnx.NodeProto) -> tuple[int, int | None]:
+    """A Shape node's ``start`` and ``end`` (opset 15), read without touching an empty attribute list (see
+    protos.node_field: Dedupe folds the shapes of every step of a chain)."""
+    start, end = 0, None
+    for a in node_field(shape_node, "attribute"):
+        if a.name == "start":
+            start = a.i
+        elif a.name == "end":
+            end = a.i
+    return start, end
+
+
 def _known_shape(graph: "Graph", name: str) -> list | None:
     """The shape of ``name`` as far as it is known: a fold decides on it, so a big model infers the whole of
     the tensor's cone if it must (see Model.known_type)."""
@@ -234,7 +246,7 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
         # Shape of a tensor with a fully static declared shape is constant even if the tensor is not
         shape = _known_shape(graph, node.input[0])
         if shape is not None and all(isinstance(d, int) for d in shape) and graph.const(node.input[0]) is None:
-            start, end = attr(node, "start", 0), attr(node, "end", None)
+            start, end = _shape_range(node)
             return np.array(shape, dtype=np.int64)[start:end]
     if node.op_type in ("Gather", "Slice") and len(node.input) >= 2:
         # static entries of the shape of a tensor whose other dims are dynamic (torch's chunk sizes,
@@ -243,7 +255,7 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
         if p is not None and p.op_type == "Shape":
             shape = _known_shape(graph, p.input[0])
             if shape is not None:
-                start, end = attr(p, "start", 0), attr(p, "end", None)
+                start, end = _shape_range(p)
                 dims = list(shape)[start:end]
                 idx = [graph.const(i) if i else None for i in node.input[1:]]
                 if node.op_type == "Gather" and idx[0] is not None and attr(node, "axis", 0) == 0:

@@ -35,6 +35,8 @@ MAX_REGION_SHARE = 0.25
 # ONNX shape inference serialises the model it is given: weights held in memory beyond this are not copied
 # for it (the guard loads such a model whole, from a copy without its weights: rnnfuse.check_session)
 MAX_INLINE_BYTES = 64 << 20
+# initializers up to this size keep their data in a cone inferred alone (shapes, axes); bigger ones their type
+SMALL_CONSTANT_BYTES = 4096
 # initializers up to this size are compared by value (a Reshape's target drives inference); beyond, by
 # type and dims (weights, whose values no shape inference reads)
 COMPARED_BY_VALUE_BYTES = 1 << 16
@@ -69,29 +71,29 @@ def region_model(after: ModelProto, before: ModelProto) -> ModelProto | None:
             redefined.add(name)
             if name in producer_of:  # (the declaration is checked against what its producer computes)
                 region.add(producer_of[name])
-    types: list = []  # (after's inferred types, before's: inferred once, when first needed)
-    queue = [name for name in redefined if any(r not in region for r in readers.get(name, ()))]
-    seen = set(queue)
-    while queue:
-        name = queue.pop()
-        outside = [r for r in readers.get(name, ()) if r not in region]
-        if not outside:
-            continue
-        if not types:
-            types.extend((_inferred_types(after), _inferred_types(before)))
-            if None in types:
-                return None
-        if name not in by_value and _same_known_type(types[0].get(name), types[1].get(name)):
-            continue  # the readers see the type they saw: the change stops here
-        for r in outside:
-            region.add(r)
-            for o in nodes[r].output:
-                if o and o not in seen:
-                    seen.add(o)
-                    queue.append(o)
-        if len(region) > limit:
+    types_after, types_before = _Types(after), _Types(before)
+    wave = [name for name in redefined if any(r not in region for r in readers.get(name, ()))]
+    seen = set(wave)
+    while wave:  # (in waves: the values of one wave are typed by one inference per model)
+        if types_after.ask(wave) is None or types_before.ask(wave) is None:
             return None
-    return _standalone(after, [nodes[i] for i in sorted(region)], readers, region, types[0] if types else None)
+        next_wave = []
+        for name in wave:
+            outside = [r for r in readers.get(name, ()) if r not in region]
+            if not outside:
+                continue
+            if name not in by_value and _same_known_type(types_after.types.get(name), types_before.types.get(name)):
+                continue  # the readers see the type they saw: the change stops here
+            for r in outside:
+                region.add(r)
+                for o in nodes[r].output:
+                    if o and o not in seen:
+                        seen.add(o)
+                        next_wave.append(o)
+            if len(region) > limit:
+                return None
+        wave = next_wave
+    return _standalone(after, [nodes[i] for i in sorted(region)], readers, region, types_after)
 
 
 def _same_frame(after: ModelProto, before: ModelProto) -> bool:
@@ -147,6 +149,83 @@ def _declared(value_infos) -> dict[str, bytes]:
     return {v.name: v.type.SerializeToString() for v in value_infos}
 
 
+class _Types:
+    """Inferred types of one model's values, each inferred over the nodes it is computed from: the values
+    asked together are typed by one inference of their cones (a copy holding small constants' data and the
+    others' types), or of the whole model once those cones are a big part of it. A value inference cannot
+    type is absent from ``types``."""
+
+    def __init__(self, model: ModelProto):
+        self.model = model
+        self.nodes = list(model.graph.node)
+        self.producer = {o: i for i, n in enumerate(self.nodes) for o in n.output if o}
+        self.types: dict[str, bytes] = {}
+        self.asked: set[str] = set()
+        self.whole = False
+
+    def ask(self, names) -> "_Types | None":
+        """Type ``names`` (those not asked before); None when inference fails."""
+        want = [n for n in names if n not in self.asked]
+        if not want or self.whole:
+            return self
+        self.asked.update(want)
+        cone = self._cone(want)
+        got = _inferred_types(self.model if cone is None else self._cone_model(cone, want))
+        if got is None:
+            return None
+        self.whole = cone is None
+        self.types.update(got)
+        return self
+
+    def _cone(self, names: list[str]) -> list[int] | None:
+        """The positions of the nodes ``names`` are computed from, in graph order; None past a quarter of the
+        model (then it is inferred whole)."""
+        seen: set[int] = set()
+        stack = [self.producer[n] for n in names if n in self.producer]
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if 4 * len(seen) > len(self.nodes):
+                return None
+            n = self.nodes[i]
+            reads = list(n.input)
+            if has_subgraph(n):
+                for sg in subgraphs(n):
+                    reads += free_names(sg)
+            stack.extend(self.producer[r] for r in reads if r in self.producer and self.producer[r] not in seen)
+        return sorted(seen)
+
+    def _cone_model(self, cone: list[int], names: list[str]) -> ModelProto:
+        g = self.model.graph
+        m = ModelProto()
+        m.ir_version = self.model.ir_version
+        m.opset_import.extend(self.model.opset_import)
+        m.functions.extend(self.model.functions)
+        sub = m.graph
+        sub.node.extend(self.nodes[i] for i in cone)
+        produced = {o for i in cone for o in self.nodes[i].output if o}
+        needed = {i for n in sub.node for i in n.input if i and i not in produced}
+        for n in sub.node:
+            if has_subgraph(n):
+                for sg in subgraphs(n):
+                    needed |= free_names(sg) - produced
+        sub.input.extend(v for v in g.input if v.name in needed)
+        for t in g.initializer:
+            if t.name in needed:
+                kept = sub.initializer.add()
+                if t.data_location == TensorProto.EXTERNAL or t.ByteSize() > SMALL_CONSTANT_BYTES:
+                    kept.name, kept.data_type = t.name, t.data_type  # (a weight: its type is what inference reads)
+                    kept.dims.extend(t.dims)
+                else:
+                    kept.CopyFrom(t)
+        sub.value_info.extend(v for v in g.value_info if v.name in produced)
+        for name in names:
+            sub.output.add().name = name
+        return m
+
+
 def _inferred_types(model: ModelProto) -> dict[str, bytes] | None:
     """Value name -> its type as ONNX shape inference gives it (declared inputs and outputs included); a
     value inference cannot type is absent. None when inference fails."""
@@ -193,7 +272,7 @@ def _tensor_type(t: TensorProto) -> onnx.TypeProto:
 
 
 def _standalone(after: ModelProto, nodes: list[NodeProto], readers: dict[str, list[int]], region: set[int],
-                types: dict[str, bytes] | None) -> ModelProto | None:
+                types: "_Types") -> ModelProto | None:
     """``nodes`` (in ``after``'s order) as a model: what they read from outside as typed inputs or copied
     initializers; what they compute that is read outside them, not read, or a graph output, as outputs."""
     produced = {o for n in nodes for o in n.output if o}
@@ -215,19 +294,20 @@ def _standalone(after: ModelProto, nodes: list[NodeProto], readers: dict[str, li
     sub = m.graph
     sub.name = "rnnfuse_changed_region"
     sub.node.extend(nodes)
+    computed = [name for name in read if name not in inits and name not in graph_inputs]
+    if computed and types.ask(computed) is None:
+        return None
     for name in read:
         if name in inits:
             sub.initializer.add().CopyFrom(inits[name])
         elif name in graph_inputs:
             sub.input.add().CopyFrom(graph_inputs[name])
         else:
-            if types is None:
-                types = _inferred_types(after)
-            if types is None or name not in types:
+            if name not in types.types:
                 return None  # (a value of unknown type: onnxruntime cannot take it as an input)
             vi = sub.input.add()
             vi.name = name
-            vi.type.ParseFromString(types[name])
+            vi.type.ParseFromString(types.types[name])
     graph_outputs = {v.name: v for v in g.output}
     declared = {v.name: v for v in g.value_info if v.name in produced}
     outputs: set[str] = set()

@@ -11,9 +11,11 @@ types of what it reads, and remembers every type the cone gave, so a node is inf
 The work is bounded per model and linear in it: the nodes walked (and so inferred) over all queries, with a
 fixed cost for each inference, stay under ``budget``: twice the graph's nodes (a long chain asks about each
 step's values, a cone of one step each: 1,000 steps of a masked GRU cell spend ~43,000 on 24,000 nodes), and
-at least what a model whose whole inference runs costs; no one cone is bigger than such a model. A graph
-with nothing to ask pays nothing, and a tensor whose cone does not fit has no type, as before. Queries come
-in the passes' own order, so a model gets the same answers on every run.
+at least what a model whose whole inference runs costs. No one inference is bigger than such a model: a
+query that decides a fold (``one_piece=False``) has a bigger cone inferred in pieces of that size, producers
+first; a query that only filters (the default of ``Model.known_type``) gets no type from a cone that does not
+fit one piece. A graph with nothing to ask pays nothing. Queries come in the passes' own order, so a model
+gets the same answers on every run.
 """
 
 from __future__ import annotations

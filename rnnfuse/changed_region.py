@@ -16,9 +16,11 @@ inference may read its value); the outputs of a node taken in are followed in tu
 region reads from outside becomes its typed graph inputs (initializers copied), and everything it computes
 that is read outside it, or not read at all, its outputs, so onnxruntime keeps every node of it.
 
-Where the region cannot stand alone (a value it reads has no type ONNX inference can tell, the graph's
-interface, IR version, opsets or functions changed, the weights are big or external) or is not much smaller
-than the model, :func:`region_model` returns None and the guard loads the whole model as before.
+Where the region cannot stand alone (a value it reads has no type ONNX inference can tell; the graph's
+interface, IR version, opsets or functions changed; over 64 MB of weights held in memory, which inference
+would copy) or is not much smaller than the model, :func:`region_model` returns None and the guard loads the
+whole model as before. Weights stored as external data (a big file's, lent by rnnfuse.model_io) are no
+obstacle: the region is loaded from a copy whose big weights read zeros, as the whole model would be.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def region_model(after: ModelProto, before: ModelProto) -> ModelProto | None:
     wave = [name for name in redefined if any(r not in region for r in readers.get(name, ()))]
     seen = set(wave)
     while wave:  # (in waves: the values of one wave are typed by one inference per model)
+        wave = [name for name in wave if any(r not in region for r in readers.get(name, ()))]
         if types_after.ask(wave) is None or types_before.ask(wave) is None:
             return None
         next_wave = []

@@ -271,6 +271,7 @@ class _DedupeTable:
 
 _NOT_SEEDED = object()
 
+
 def _value_key(g: Graph, name: str, small: dict[str, object], folded) -> object:
     """How Dedupe compares an input: a small constant (an initializer of 64 elements or fewer, a Constant's
     value, or one of the ``folded`` shape constants) by its content, anything else by its name; cached in
@@ -292,11 +293,12 @@ _SHAPE_ARITH = ("Shape", "Size", "Gather", "Slice", "Squeeze", "Unsqueeze", "Con
 
 def _small_shape_constants(g: Graph, consts: set[str], small: dict[str, object]) -> set[str]:
     """The values of 64 elements or fewer computed from ``consts`` and the shapes of tensors the file types
-    (graph inputs, declared values) alone that fold to a constant (the dims they read are static). Walks the nodes of index-arithmetic op types once, in graph
-    order; a value computed from anything else (a runtime value) is not folded. Values computed the same way
-    (every step of a torch trace reads ``x.shape[1]`` through a Shape and a Gather of its own) are folded
-    once: the fold is asked per distinct computation, keyed like Dedupe's full keys (``small``: the table's
-    cache of constants' full-key forms, filled here for the inputs met)."""
+    (graph inputs, declared values) alone that fold to a constant (the dims they read are static). Walks the
+    nodes of index-arithmetic op types once, in graph order; a value computed from anything else (a runtime
+    value) is not folded. Values computed the same way (every step of a torch trace reads ``x.shape[1]``
+    through a Shape and a Gather of its own) are folded once: the fold is asked per distinct computation,
+    keyed like Dedupe's full keys (``small``: the table's cache of constants' full-key forms, filled here for
+    the inputs met)."""
     derived: dict[str, tuple] = {}  # value -> how it is computed (op, attributes, inputs' keys)
     folds: dict[tuple, bool] = {}
     out = set()

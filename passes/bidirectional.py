@@ -42,41 +42,63 @@ def _inp(n: NodeProto, i: int) -> str:
     return n.input[i] if len(n.input) > i else ""
 
 
-def _merge_closes_a_cycle(g: Graph, fw: NodeProto, bw: NodeProto, partner: dict[int, NodeProto],
-                          budget: list[int]) -> bool | None:
+class _OpAncestry:
+    """Which of the pass's native ops each node is computed from, through any path: one walk back over the
+    graph, memoized per node and shared by every pair the pass checks (a pass with many pairs reads each node
+    once; a walk per pair read the whole upstream of a deep model once a pair)."""
+
+    def __init__(self, g: Graph, ops: list[NodeProto]):
+        self.g = g
+        self.ops = {id(n): n for n in ops}
+        self.memo: dict[int, frozenset] = {}
+
+    def _producers(self, n: NodeProto) -> list[NodeProto]:
+        g = self.g
+        reads = itertools.chain(n.input, g.implicit_inputs(n)) if has_subgraph(n) else n.input
+        return [p for p in (g.producer.get(i) for i in reads if i) if p is not None]
+
+    def of(self, node: NodeProto) -> frozenset:
+        """The ids of the ops among ``node``'s ancestors (itself not counted)."""
+        memo, ops = self.memo, self.ops
+        stack = [(node, False)]
+        while stack:  # (iterative: an unrolled prologue is 100,000 nodes deep)
+            n, expanded = stack.pop()
+            if id(n) in memo:
+                continue
+            producers = self._producers(n)
+            if not expanded:
+                stack.append((n, True))
+                stack.extend((p, False) for p in producers if id(p) not in memo)
+                continue
+            parts = [memo[id(p)] for p in producers]
+            own = frozenset(id(p) for p in producers if id(p) in ops)
+            if own or len({id(x) for x in parts}) > 1:
+                memo[id(n)] = own.union(*parts)
+            else:  # (most nodes: one set, shared, not a copy a node)
+                memo[id(n)] = parts[0] if parts else frozenset()
+        return memo[id(node)]
+
+
+def _merge_closes_a_cycle(ancestry: _OpAncestry, fw: NodeProto, bw: NodeProto, partner: dict[int, NodeProto]) -> bool:
     """Whether the op merging ``fw`` and ``bw`` would read its own output: one of the two computed, through
     any path, from the other, the pairs merged before (``partner``: node id -> the node it merges with)
     counted as one node each. Two pairs that each look independent can close a cycle between them: a torch
     loop stepping a forward and a backward cell over x, fused as two chains a direction, paired the first
     forward half with the backward half that starts from the other backward half's state, and the other way
-    round. Walks back from the two ops' inputs; None when ``budget`` (nodes, shared by the pass's pairs) ran
-    out first: not proven free of a cycle."""
-    targets = {id(fw), id(bw)}
+    round."""
+    start = {id(fw), id(bw)}
+    frontier = set(ancestry.of(fw) | ancestry.of(bw))
     seen: set[int] = set()
-    stack: list[NodeProto] = []
-
-    def push_producers(n: NodeProto) -> None:
-        for i in itertools.chain(n.input, g.implicit_inputs(n)) if has_subgraph(n) else n.input:
-            p = g.producer.get(i) if i else None
-            if p is not None and id(p) not in seen:
-                stack.append(p)
-
-    push_producers(fw)
-    push_producers(bw)
-    while stack:
-        n = stack.pop()
-        if id(n) in targets:
+    while frontier:
+        k = frontier.pop()
+        if k in start:
             return True
-        if id(n) in seen:
+        if k in seen:
             continue
-        seen.add(id(n))
-        budget[0] -= 1
-        if budget[0] < 0:
-            return None
-        push_producers(n)
-        merged_with = partner.get(id(n))
+        seen.add(k)
+        merged_with = partner.get(k)  # (one op once merged: it reads what its partner reads)
         if merged_with is not None and id(merged_with) not in seen:
-            stack.append(merged_with)  # (one op once merged: it reads what its partner reads)
+            frontier |= ancestry.of(merged_with)
     return False
 
 
@@ -205,15 +227,12 @@ class MergeBidirectional:
         known = model.facts.seq_lens_mask
         rewrites = []
         partner: dict[int, NodeProto] = {}  # the pairs merged so far, each node -> the other
-        budget = [max(4 * len(g.nodes), 100_000)]  # (nodes walked back over all the pairs' cycle checks)
+        ancestry = _OpAncestry(g, [n for dirs in groups.values() for d in dirs.values() for n in d])
         for key, dirs in groups.items():
             for fw, bw in zip(dirs["forward"], dirs["reverse"]):
                 where = f"{fw.name or fw.output[0]} + {bw.name or bw.output[0]}"
                 try:
-                    cycle = _merge_closes_a_cycle(g, fw, bw, partner, budget)
-                    if cycle is None:
-                        raise Decline("not proven free of a cycle: the walk back from the pair's inputs ran out of its bound")
-                    if cycle:
+                    if _merge_closes_a_cycle(ancestry, fw, bw, partner):
                         raise Decline("one direction is computed from the other (directly, or through a pair merged "
                                       "before): one op would read its own output")
                     native, repl = merge_pair(g, fw, bw)

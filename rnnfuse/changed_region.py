@@ -29,6 +29,7 @@ import onnx
 from onnx import ModelProto, NodeProto, TensorProto
 
 from .protos import free_names, has_subgraph, subgraphs
+from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, skeleton_initializer
 
 # below this many nodes onnxruntime loads a whole model in well under a second: the guard loads it whole
 SCOPED_NODES = 10_000
@@ -37,8 +38,6 @@ MAX_REGION_SHARE = 0.25
 # ONNX shape inference serialises the model it is given: weights held in memory beyond this are not copied
 # for it (the guard loads such a model whole, from a copy without its weights: rnnfuse.check_session)
 MAX_INLINE_BYTES = 64 << 20
-# initializers up to this size keep their data in a cone inferred alone (shapes, axes); bigger ones their type
-SMALL_CONSTANT_BYTES = 4096
 # initializers up to this size are compared by value (a Reshape's target drives inference); beyond, by
 # type and dims (weights, whose values no shape inference reads)
 COMPARED_BY_VALUE_BYTES = 1 << 16
@@ -154,9 +153,10 @@ def _declared(value_infos) -> dict[str, bytes]:
 
 class _Types:
     """Inferred types of one model's values, each inferred over the nodes it is computed from: the values
-    asked together are typed by one inference of their cones (a copy holding small constants' data and the
-    others' types), or of the whole model once those cones are a big part of it. A value inference cannot
-    type is absent from ``types``."""
+    asked together are typed by one inference of their cones, or of the whole model once those cones are a
+    big part of it (later questions are then answered from it); either on a copy holding small constants'
+    data and only the types of weights (tensor_types.skeleton_initializer). A value inference cannot type is
+    absent from ``types``."""
 
     def __init__(self, model: ModelProto):
         self.model = model
@@ -173,10 +173,10 @@ class _Types:
             return self
         self.asked.update(want)
         cone = self._cone(want)
-        got = _inferred_types(self.model if cone is None else self._cone_model(cone, want))
+        self.whole = cone is None
+        got = _inferred_types(self._cone_model(range(len(self.nodes)) if cone is None else cone, want))
         if got is None:
             return None
-        self.whole = cone is None
         self.types.update(got)
         return self
 
@@ -200,38 +200,40 @@ class _Types:
             stack.extend(self.producer[r] for r in reads if r in self.producer and self.producer[r] not in seen)
         return sorted(seen)
 
-    def _cone_model(self, cone: list[int], names: list[str]) -> ModelProto:
+    def _cone_model(self, cone, names: list[str]) -> ModelProto:
+        """The nodes at positions ``cone`` (graph order) as a model for inference, ``names`` its outputs."""
         g = self.model.graph
         m = ModelProto()
         m.ir_version = self.model.ir_version
         m.opset_import.extend(self.model.opset_import)
         m.functions.extend(self.model.functions)
         sub = m.graph
-        sub.node.extend(self.nodes[i] for i in cone)
-        produced = {o for i in cone for o in self.nodes[i].output if o}
+        for i in cone:
+            n = self.nodes[i]
+            copy = sub.node.add()
+            copy.CopyFrom(n) if not has_subgraph(n) else copy_node_skeleton(n, copy, SKELETON_DATA_BYTES)
+        produced = {o for n in sub.node for o in n.output if o}
         needed = {i for n in sub.node for i in n.input if i and i not in produced}
         for n in sub.node:
             if has_subgraph(n):
                 for sg in subgraphs(n):
                     needed |= free_names(sg) - produced
         sub.input.extend(v for v in g.input if v.name in needed)
-        for t in g.initializer:
-            if t.name in needed:
-                kept = sub.initializer.add()
-                if t.data_location == TensorProto.EXTERNAL or t.ByteSize() > SMALL_CONSTANT_BYTES:
-                    kept.name, kept.data_type = t.name, t.data_type  # (a weight: its type is what inference reads)
-                    kept.dims.extend(t.dims)
-                else:
-                    kept.CopyFrom(t)
-        sub.value_info.extend(v for v in g.value_info if v.name in produced)
-        for name in names:
-            sub.output.add().name = name
+        sub.initializer.extend(skeleton_initializer(t) for t in g.initializer if t.name in needed)
+        declared = {v.name: v for v in (*g.value_info, *g.output) if v.name in produced}
+        for name in names:  # (a graph output keeps its declared type, as in the model)
+            out = sub.output.add()
+            if name in declared:
+                out.CopyFrom(declared[name])
+            else:
+                out.name = name
+        sub.value_info.extend(v for name, v in declared.items() if name not in names)
         return m
 
 
 def _inferred_types(model: ModelProto) -> dict[str, bytes] | None:
-    """Value name -> its type as ONNX shape inference gives it (declared inputs and outputs included); a
-    value inference cannot type is absent. None when inference fails."""
+    """Value name -> its type as ONNX shape inference gives ``model`` (a cone model: declared inputs and
+    outputs included); a value inference cannot type is absent. None when inference fails."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model)
     except Exception:  # (inference errors: the region cannot be judged, the whole model is loaded)

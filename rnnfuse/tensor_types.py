@@ -30,18 +30,23 @@ def _skeleton(g: GraphProto, keep_bytes: int = SKELETON_DATA_BYTES) -> GraphProt
     out.input.extend(g.input)
     out.output.extend(g.output)
     out.value_info.extend(g.value_info)
-    for t in g.initializer:
-        s = TensorProto()
-        s.name = t.name
-        s.data_type = t.data_type
-        s.dims.extend(t.dims)
-        if t.data_location != TensorProto.EXTERNAL and t.ByteSize() <= keep_bytes:
-            s.CopyFrom(t)
-        out.initializer.append(s)
+    out.initializer.extend(skeleton_initializer(t, keep_bytes) for t in g.initializer)
     for n in g.node:
         m = out.node.add()
         m.CopyFrom(n) if not any(True for _ in subgraphs(n)) else copy_node_skeleton(n, m, keep_bytes)
     return out
+
+
+def skeleton_initializer(t: TensorProto, keep_bytes: int = SKELETON_DATA_BYTES) -> TensorProto:
+    """``t`` as shape inference needs it: whole when it is held inline and small (a Reshape's target, an
+    axis), else only its name, type and dims (a weight, whose values no inference reads)."""
+    s = TensorProto()
+    if t.data_location != TensorProto.EXTERNAL and t.ByteSize() <= keep_bytes:
+        s.CopyFrom(t)
+    else:
+        s.name, s.data_type = t.name, t.data_type
+        s.dims.extend(t.dims)
+    return s
 
 
 def copy_node_skeleton(n: NodeProto, m: NodeProto, keep_bytes: int) -> None:

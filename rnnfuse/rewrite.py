@@ -18,7 +18,7 @@ from .graph import Graph
 from .protos import holds_op_type
 from .findings import Finding, Options, PassResult
 from .recurrence import Recurrence
-from .cell_check import validate_cells
+from .cell_check import validate_cells_together
 from .validate import validate
 
 # beyond this many nodes, onnxruntime takes seconds just to load the model: recurrences that carry a
@@ -168,8 +168,7 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
     results: dict[int, object] = {}
     g.release_arrays()  # (the values read while finding these are not needed to validate or commit them)
     if ctx.validate:
-        for r in by_cell:
-            vr = validate_cells(g, r.cell_rec, seed=ctx.seed)
+        for r, vr in zip(by_cell, validate_cells_together(g, [r.cell_rec for r in by_cell], seed=ctx.seed)):
             if not vr.ran:  # (a step that cannot be checked alone, e.g. reading a runtime value: the whole model is)
                 whole.append(r)
                 continue

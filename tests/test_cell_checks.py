@@ -182,3 +182,51 @@ def test_only_a_tensor_read_for_its_shape_with_known_dims_is_fed_as_zeros():
     assert case([5, 2, 3], xt_dims=(2, 3)) == (False, None)  # (a static batch the runs do not keep)
     assert case([5, 2, 3], xt_dims=(2, 3), batch=2) == (True, (5, 2, 3))
     assert case([1 << 20, "B", 64]) == (False, None)  # (too big to feed)
+
+
+def _lanes_case():
+    from test_side_by_side import lanes_model
+
+    return lanes_model(6, 5, shared_h0=False)[0]
+
+
+def test_step_checks_of_several_chains_share_sessions_with_the_verdicts_of_checks_alone(per_step, monkeypatch):
+    """Six cells side by side, each chain checked per step: their step checks run in shared sessions (far
+    fewer than one a step), each chain getting the runs and errors it gets checked alone, and the same output."""
+    import rnnfuse
+
+    model = _lanes_case()
+    opened = []
+    open_session = cell_check.open_session
+    monkeypatch.setattr(cell_check, "open_session", lambda *a, **k: opened.append(1) or open_session(*a, **k))
+    shared, shared_report = rnnfuse.optimize(model)
+    shared_sessions = len(opened)
+    monkeypatch.setattr(cell_check, "STEPS_PER_SESSION", 1)
+    opened.clear()
+    alone, alone_report = rnnfuse.optimize(model)
+    assert len(shared_report.fused) == 6 and not shared_report.declined, shared_report.to_text()
+    checks = len(opened)
+    assert checks >= 6 and shared_sessions <= checks // 3, (shared_sessions, checks)
+    assert [f.validation for f in shared_report.fused] == [f.validation for f in alone_report.fused]
+    assert all("per step" in f.validation for f in shared_report.fused)
+    assert shared.SerializeToString() == alone.SerializeToString()
+
+
+def test_a_chain_failing_its_shared_step_check_is_declined_and_the_others_kept(per_step, monkeypatch):
+    """One chain's native cell is given wrong weights: checked with the others it fails, is checked alone
+    (failing again: declined, its step kept), and the chains sharing its sessions fuse."""
+    import rnnfuse
+
+    build = cell_check._check_model
+
+    def lane_two_wrong(g, cell, chk, weights):
+        if any(n.output[0].startswith("c2_") for n in chk.nodes):
+            W, R, Bias = weights
+            weights = (W * np.float32(1.01), R, Bias)
+        return build(g, cell, chk, weights)
+
+    monkeypatch.setattr(cell_check, "_check_model", lane_two_wrong)
+    _, report = rnnfuse.optimize(_lanes_case())
+    (bad,) = report.declined
+    assert bad.validation == "failed" and "does not reproduce the step" in bad.reason, bad.line()
+    assert len(report.fused) == 5 and all(f.validation.startswith("ok (per step") for f in report.fused)

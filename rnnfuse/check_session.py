@@ -27,14 +27,17 @@ import os
 import shutil
 import tempfile
 import weakref
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .model import release_mapped_pages
-from .protos import tensor_nbytes
+from .protos import free_names, subgraphs, tensor_nbytes
+
+if TYPE_CHECKING:
+    from .graph import Graph
 
 # a tensor at least this big is a "big" tensor: kept out of the check model's proto (below it: copied in)
 BIG_TENSOR_BYTES = 1 << 20
@@ -262,3 +265,36 @@ def _copy_fields(src, dst, skip: str) -> None:
             target.CopyFrom(value)
         else:
             setattr(dst, fd.name, value)
+
+
+def model_of(g: "Graph", nodes: list[onnx.NodeProto], outputs: list, given: dict[str, np.dtype], name: str,
+             extra_initializers: list | None = None) -> tuple[onnx.ModelProto, dict[str, Source]]:
+    """A model of ``nodes`` (copies, in topological order) of ``g``'s model, with the weights and graph inputs
+    they read, the tensors in ``given`` (name -> dtype) as inputs too, and ``outputs``; its big weights are
+    returned apart (see :func:`rnnfuse.check_session.open_session`)."""
+    used = set()
+    for n in nodes:
+        used.update(n.input)
+        for sg in subgraphs(n):
+            used |= free_names(sg)
+    proto = g.model.proto
+    m = onnx.ModelProto()
+    m.ir_version = proto.ir_version
+    m.opset_import.extend(proto.opset_import)
+    graph = m.graph  # (built in place: a graph copied into the model would hold every weight twice)
+    graph.name = name
+    graph.node.extend(nodes)
+    kept, big = initializer_sources([t for t in g.proto.initializer if t.name in used and t.name not in given],
+                                    g.model.tensor_array)
+    graph.initializer.extend(kept + (extra_initializers or []))
+    for vi in g.proto.input:
+        if vi.name in used and vi.name not in g.initializers and vi.name not in given:
+            graph.input.append(vi)
+    for tname, dtype in given.items():
+        if tname in used:
+            graph.input.append(helper.make_tensor_value_info(tname, helper.np_dtype_to_tensor_dtype(dtype), None))
+    graph.output.extend(outputs)
+    for f in proto.functions:
+        m.functions.append(f)
+    materialize_nested(m, g.model.tensor_array)
+    return m, big

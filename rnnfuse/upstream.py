@@ -1,0 +1,250 @@
+"""A check model's shared upstream, run apart and once.
+
+A validation (:mod:`rnnfuse.validate`) computes old and new tensors from the model's inputs through every node
+they are computed from. Part of that cone is the same computation for both sides: the nodes an old and a new
+tensor are both computed from and that read no mask the validation overrides ("the shared upstream": a
+prologue, an encoder, a convolutional backbone). Its values do not depend on the rewrite, so:
+
+* when it is big, it runs in a session of its own once per generated input set, and the check model starts
+  where it ends, its last values fed as inputs (the check model runs each input set up to five times: once
+  to learn the masks' shapes, once per padding pattern);
+* its values are kept for the optimizer run, each under a digest of what computes it (the cone's ops,
+  attributes and subgraphs; weights by name, type and, when small, value; graph inputs by name) and of the
+  inputs it was computed from: a later validation whose cone holds the same computation starts from them
+  instead of running it again. (A recurrence behind a 100,000-node prologue was validated three times, by the
+  Loop front end, the bidirectional merge and the stacked-input clean-up, each loading and running the
+  prologue in onnxruntime.)
+
+Both sides of the check still read the same values at the cut, computed by onnxruntime from the same inputs,
+so the comparison is the one the whole check model made. rnnfuse never rewrites a weight in place (new
+weights get new names): a big weight is known by its name, type, shape and size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import NodeProto, TensorProto
+
+from .check_session import model_of
+from .graph import Graph
+from .protos import has_subgraph, tensor_nbytes
+
+# a shared upstream of fewer nodes (and lighter weights) stays in the check model: a session of its own costs
+# more than running it with the rest
+MIN_NODES = 1000
+MIN_WEIGHT_BYTES = 8 << 20
+# values kept for later validations, at most this much in all (each input set is small: batch <= 4, T <= 9)
+KEPT_BYTES = 256 << 20
+_SMALL_WEIGHT_BYTES = 1 << 16  # weights this small are known by their value too
+
+
+@dataclass
+class Cut:
+    """Where a check model starts: ``nodes`` (the cone's nodes it still holds, in topological order) and the
+    tensors it is fed instead of computing them, with their value for each input set."""
+
+    nodes: list[NodeProto]
+    given: dict[str, list[np.ndarray]] = field(default_factory=dict)
+
+
+class KeptValues:
+    """Values of shared upstreams computed during one optimizer run: digest of a tensor's computation and of
+    the inputs it was computed from -> its value."""
+
+    def __init__(self, budget: int = KEPT_BYTES):
+        self.values: dict[tuple[bytes, bytes], np.ndarray] = {}
+        self.digests: set[bytes] = set()  # (of the computations kept for some inputs: one lookup a tensor)
+        self.budget = budget
+
+    def put(self, key: tuple[bytes, bytes], value: np.ndarray) -> None:
+        if key not in self.values and value.nbytes <= self.budget:
+            self.values[key] = value
+            self.digests.add(key[0])
+            self.budget -= value.nbytes
+
+
+def kept_values(g: Graph) -> KeptValues:
+    """The model's kept values (made on first use; they live as long as the model being optimized)."""
+    kv = getattr(g.model, "_upstream_values", None)
+    if kv is None:
+        kv = g.model._upstream_values = KeptValues()
+    return kv
+
+
+def cut(ort, g: Graph, cone: list[NodeProto], pairs: list[tuple[str, str]], masks: list[str],
+        inputs: list[dict[str, np.ndarray]], open_session) -> Cut:
+    """Where the check model of ``pairs`` over ``cone`` (their cone, topologically sorted) starts, for the
+    input sets ``inputs``: after the values kept from earlier validations, and after this validation's shared
+    upstream when it is big (run here, its values kept). Anything that cannot be cut (a value that is not a
+    tensor, a session that fails) leaves the check model whole from there: it is what decides."""
+    kept = kept_values(g)
+    digests, from_masks = _digests(g, cone, set(masks))
+    fed = [_inputs_digest(x) for x in inputs]
+    given: dict[str, list[np.ndarray]] = {}
+    if kept.values:
+        for name, d in digests.items():
+            # (a value computed from a mask this validation overrides is computed again, from the override)
+            if d in kept.digests and name not in from_masks:
+                values = [kept.values.get((d, f)) for f in fed]
+                if all(v is not None for v in values):
+                    given[name] = values
+    wanted = {n for p in pairs for n in p}
+    nodes = _needed(g, cone, wanted, given) if given else cone
+    shared = _shared_upstream(g, nodes, pairs, from_masks)
+    if not _worth_running_apart(g, shared) or any(o in wanted for n in shared for o in n.output):
+        return Cut(nodes, given)
+    ids = {id(n) for n in shared}
+    boundary = _boundary(g, nodes, ids, set(masks))
+    try:
+        values = _run_upstream(ort, g, shared, boundary, given, inputs, open_session)
+    except Exception:  # (the check model holds it again, and says what fails)
+        return Cut(nodes, given)
+    if values is None:
+        return Cut(nodes, given)
+    for name, per_set in values.items():
+        for f, v in zip(fed, per_set):
+            kept.put((digests[name], f), v)
+    rest = [n for n in nodes if id(n) not in ids]
+    read = {i for n in rest for i in _reads(g, n)}
+    return Cut(rest, {**{k: v for k, v in given.items() if k in read}, **values})
+
+
+_DIGEST = 16
+_NO_INPUT = bytes(_DIGEST + 2)
+
+
+def _digests(g: Graph, cone: list[NodeProto], masks: set[str]) -> tuple[dict[str, bytes], set[str]]:
+    """Every tensor the cone (in topological order) computes -> a digest of its computation (the graph
+    inputs and weights it reads included): equal digests, same values from the same inputs. And which of
+    them are computed from one of ``masks``. One pass: this walks every node of a cone that may hold a
+    100,000-node prologue, once a validation."""
+    out: dict[str, bytes] = {}
+    from_masks: set[str] = set()
+    blake2b = hashlib.blake2b
+    initializers, input_names = g.initializers, g.input_names
+
+    def leaf(name: str) -> bytes:
+        w = initializers.get(name)
+        if w is None or name in input_names:
+            d = blake2b(b"in\0" + name.encode(), digest_size=_DIGEST).digest()
+        else:
+            h = blake2b(f"w\0{name}\0{w.data_type}\0{tuple(w.dims)}\0".encode(), digest_size=_DIGEST)
+            if tensor_nbytes(w) <= _SMALL_WEIGHT_BYTES and w.data_location != TensorProto.EXTERNAL:
+                h.update(w.SerializeToString())
+            else:
+                h.update(str(tensor_nbytes(w)).encode())
+            d = h.digest()
+        out[name] = d = d + b"\xff\xff"
+        return d
+
+    for n in cone:
+        reads = _reads(g, n)
+        attrs = b"".join(a.SerializeToString() for a in n.attribute) if n.attribute else b""
+        parts = [f"{n.domain}\0{n.op_type}\0{len(n.input)}\0{len(attrs)}\0".encode(), attrs]
+        for i in reads:
+            parts.append((out.get(i) or leaf(i)) if i else _NO_INPUT)
+            if i in masks or i in from_masks:
+                from_masks.update(n.output)
+        base = blake2b(b"".join(parts), digest_size=_DIGEST).digest()
+        for k, o in enumerate(n.output):
+            if o:
+                out[o] = base + k.to_bytes(2, "little")
+    return out, from_masks
+
+
+def _inputs_digest(feeds: dict[str, np.ndarray]) -> bytes:
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    for name in sorted(feeds):
+        a = np.ascontiguousarray(feeds[name])
+        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.tobytes())
+    return h.digest()
+
+
+def _reads(g: Graph, n: NodeProto):
+    """What ``n`` reads: its inputs, then (a node with subgraphs) the outer values they capture, sorted."""
+    if not has_subgraph(n):
+        return n.input
+    return [*n.input, "", *sorted(g.implicit_inputs(n))]
+
+
+def _needed(g: Graph, cone: list[NodeProto], wanted: set[str], given: dict) -> list[NodeProto]:
+    """The nodes of ``cone`` the wanted tensors still need once the ``given`` ones are fed, in its order."""
+    producer = g.producer
+    seen: set[int] = set()
+    stack = [producer[w] for w in wanted if w in producer and w not in given]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        for i in _reads(g, n):
+            if i and i not in given:
+                p = producer.get(i)
+                if p is not None and id(p) not in seen:
+                    stack.append(p)
+    return [n for n in cone if id(n) in seen]
+
+
+def _shared_upstream(g: Graph, nodes: list[NodeProto], pairs, from_masks: set[str]) -> list[NodeProto]:
+    """The nodes both an old and a new tensor are computed from, computing nothing from an overridden mask,
+    in order (one pass back over ``nodes``, topologically sorted)."""
+    old = {a for a, _ in pairs}
+    new = {b for _, b in pairs}
+    shared: set[int] = set()
+    for n in reversed(nodes):
+        for_old = any(o in old for o in n.output)
+        for_new = any(o in new for o in n.output)
+        if for_old:
+            old.update(_reads(g, n))
+        if for_new:
+            new.update(_reads(g, n))
+        if for_old and for_new and not any(o in from_masks for o in n.output):
+            shared.add(id(n))
+    return [n for n in nodes if id(n) in shared]
+
+
+def _worth_running_apart(g: Graph, shared: list[NodeProto]) -> bool:
+    if len(shared) >= MIN_NODES:
+        return True
+    weights = {i for n in shared for i in n.input if i in g.initializers}
+    return sum(tensor_nbytes(g.initializers[w]) for w in weights) >= MIN_WEIGHT_BYTES
+
+
+def _boundary(g: Graph, nodes: list[NodeProto], shared: set[int], masks: set[str]) -> list[str]:
+    """What the shared upstream hands on: its tensors read by the check model's other nodes, and the masks
+    it computes (their overrides read their shapes)."""
+    made = {o for n in nodes if id(n) in shared for o in n.output if o}
+    out: dict[str, None] = {}
+    for n in nodes:
+        if id(n) not in shared:
+            out.update((i, None) for i in _reads(g, n) if i in made)
+    out.update((m, None) for m in sorted(masks) if m in made)
+    return list(out)
+
+
+def _run_upstream(ort, g: Graph, shared: list[NodeProto], boundary: list[str], given: dict, inputs: list[dict],
+                  open_session) -> dict[str, list[np.ndarray]] | None:
+    """The boundary tensors' values for each input set, from a session of the shared upstream alone (None
+    when one is not a tensor)."""
+    copies = []
+    for n in shared:
+        c = NodeProto()
+        c.CopyFrom(n)
+        copies.append(c)
+    given_types = {k: v[0].dtype for k, v in given.items()}
+    m, big = model_of(g, copies, [onnx.ValueInfoProto(name=b) for b in boundary], given_types, "rnnfuse_upstream")
+    sess = open_session(ort, m, big)
+    fed = [i.name for i in sess.get_inputs()]
+    values: dict[str, list[np.ndarray]] = {b: [] for b in boundary}
+    for k, feeds in enumerate(inputs):
+        outs = sess.run(boundary, {name: given[name][k] if name in given else feeds[name] for name in fed})
+        for b, v in zip(boundary, outs):
+            if not isinstance(v, np.ndarray):
+                return None
+            values[b].append(v)
+    return values

@@ -1,0 +1,142 @@
+"""Validation runs a big shared upstream apart, once per optimizer run (rnnfuse.upstream).
+
+The check model of a rewrite computes old and new tensors from the model's inputs. The nodes both sides are
+computed from (a prologue, a backbone), reading no overridden mask, run in a session of their own when big,
+and their values are kept for later validations of the same run whose cones hold the same computation. These
+tests: a recurrence behind a long prologue is validated three times with the prologue run once, and fuses
+exactly; a wrong rewrite is still caught with the prologue cut off; a value computed from a mask the
+validation overrides is never taken from what was kept; and the digests tell computations apart.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import rnnfuse
+from helpers import op_counts, session
+from rnnfuse import rewrite, upstream
+from rnnfuse.graph import Model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def prologue_model(tmp_path_factory):
+    """The shipped Keras model (a masked bidirectional GRU, an LSTM) behind a 2,000-node prologue."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from graphs import prologue_then_recurrence
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    path = tmp_path_factory.mktemp("prologue") / "prologue.onnx"
+    prologue_then_recurrence(str(path), 2000)
+    return onnx.load(str(path))
+
+
+def _counting_upstream_runs(monkeypatch) -> list:
+    runs = []
+    run = upstream._run_upstream
+
+    def counted(*a, **k):
+        runs.append(len(a[2]))  # (the shared upstream's nodes)
+        return run(*a, **k)
+
+    monkeypatch.setattr(upstream, "_run_upstream", counted)
+    return runs
+
+
+def _feeds(model: onnx.ModelProto, rng, batch: int = 3, steps: int = 7) -> dict:
+    (x,) = model.graph.input
+    dims = [d.dim_value or {0: batch, 1: steps}[k] for k, d in enumerate(x.type.tensor_type.shape.dim)]
+    a = rng.standard_normal(dims).astype(np.float32)
+    a[1, 4:] = 0.0  # (a padded row: Keras masks the steps whose features are all zero)
+    a[2, :2] = 0.0
+    return {x.name: a}
+
+
+def test_a_recurrence_behind_a_long_prologue_runs_the_prologue_once(prologue_model, monkeypatch):
+    runs = _counting_upstream_runs(monkeypatch)
+    validations = []
+    validate = rewrite.validate
+    monkeypatch.setattr(rewrite, "validate", lambda *a, **k: validations.append(1) or validate(*a, **k))
+    fused, report = rnnfuse.optimize(prologue_model)
+    assert len(report.fused) == 4 and not report.declined, report.to_text()  # (three Loops, a merged pair)
+    assert all(f.validation.startswith("ok") for f in report.findings if f.status in ("fused", "merged"))
+    assert op_counts(fused).get("Loop", 0) == 0
+    assert len(validations) >= 3 and len(runs) == 1 and runs[0] >= 2000, (validations, runs)
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        feeds = _feeds(prologue_model, rng)
+        for a, b in zip(session(fused).run(None, feeds), session(prologue_model).run(None, feeds)):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_wrong_rewrite_is_caught_with_the_prologue_cut_off(prologue_model, monkeypatch):
+    """The native LSTM is emitted with a clip its cell does not have: the check model, fed the prologue's
+    values, fails it; the GRUs, emitted right, fuse."""
+    runs = _counting_upstream_runs(monkeypatch)
+    emit = rewrite.emit
+
+    def clipped(g, rec, *a, **k):
+        em = emit(g, rec, *a, **k)
+        if em.native.op_type == "LSTM":
+            em.native.attribute.append(helper.make_attribute("clip", 0.05))
+        return em
+
+    monkeypatch.setattr(rewrite, "emit", clipped)
+    fused, report = rnnfuse.optimize(prologue_model)
+    (bad,) = report.declined
+    assert bad.validation == "failed" and "LSTM" in bad.cell, bad.line()
+    assert runs and op_counts(fused).get("GRU", 0) >= 1 and op_counts(fused).get("Loop", 0) == 1
+
+
+def _graph(nodes, inputs, outputs, inits=()):
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "g", [vi(n, TensorProto.FLOAT, ["B", 4]) for n in inputs],
+                          [vi(n, TensorProto.FLOAT, None) for n in outputs], list(inits))
+    return Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])).graph
+
+
+def test_a_value_computed_from_an_overridden_mask_is_computed_again():
+    """``y`` reads the mask ``m``; ``z`` does not. Both were kept by an earlier validation: one that overrides
+    ``m`` is given ``z`` and computes ``y`` again from the override, one that does not is given both."""
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["m"]),
+             helper.make_node("Where", ["m", "x", "zero"], ["y"]),
+             helper.make_node("Relu", ["x"], ["z"]),
+             helper.make_node("Add", ["y", "z"], ["old"]),
+             helper.make_node("Add", ["z", "y"], ["new"])]
+    g = _graph(nodes, ["x"], ["old", "new"], [numpy_helper.from_array(np.zeros(1, np.float32), "zero")])
+    inputs = [{"x": np.ones((2, 4), np.float32)}]
+    digests, _ = upstream._digests(g, list(g.nodes), set())
+    kept = upstream.kept_values(g)
+    fed = upstream._inputs_digest(inputs[0])
+    for name in ("y", "z"):
+        kept.put((digests[name], fed), np.ones((2, 4), np.float32))
+
+    def given(masks):
+        c = upstream.cut(None, g, list(g.nodes), [("old", "new")], masks, inputs, None)
+        return sorted(c.given), sorted(n.output[0] for n in c.nodes)
+
+    assert given(["m"]) == (["z"], ["m", "new", "old", "y"])
+    assert given([]) == (["y", "z"], ["new", "old"])
+
+
+def test_digests_tell_computations_apart():
+    """Same ops on the same inputs: the same digest, whatever the tensors are called; another op, another
+    attribute, another weight value or another input: another digest."""
+    def digest(op="Relu", src="x", w=1.0, alpha=None, out="a"):
+        attrs = {"alpha": alpha} if alpha is not None else {}
+        nodes = [helper.make_node("Mul", [src, "w"], ["t"]), helper.make_node(op, ["t"], [out], **attrs)]
+        g = _graph(nodes, ["x", "x2"], [out], [numpy_helper.from_array(np.full(4, w, np.float32), "w")])
+        return upstream._digests(g, list(g.nodes), set())[0][out]
+
+    base = digest()
+    assert digest(out="renamed") == base
+    assert len({base, digest(op="Sigmoid"), digest(src="x2"), digest(w=2.0), digest("LeakyRelu", alpha=0.1),
+                digest("LeakyRelu", alpha=0.2)}) == 6

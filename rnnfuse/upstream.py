@@ -209,6 +209,8 @@ def _shared_upstream(g: Graph, nodes: list[NodeProto], pairs, from_masks: set[st
 
 
 def _worth_running_apart(g: Graph, shared: list[NodeProto]) -> bool:
+    if not shared:
+        return False
     if len(shared) >= MIN_NODES:
         return True
     weights = {i for n in shared for i in n.input if i in g.initializers}

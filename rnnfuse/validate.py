@@ -83,7 +83,7 @@ class _Skip(Exception):
 
 
 def build_check_model(
-    model_proto: onnx.ModelProto, g: Graph, pairs: list[tuple[str, str]], masks: list[str], start: Cut | None = None
+    g: Graph, pairs: list[tuple[str, str]], masks: list[str], start: Cut | None = None
 ) -> tuple[onnx.ModelProto, dict[str, str], dict[str, Source]]:
     """A model that outputs every old and new tensor, with masks overridden by pattern inputs; its big
     initializers are not copied into it but returned apart (name -> where their values are), for
@@ -254,20 +254,19 @@ def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepa
         res.pairs[p] = PairResult(*p)
     pattern_rng = np.random.default_rng([seed, 1])
 
-    def failed(e: Exception, feeds: dict) -> ValidationResult:
-        return failed_run(e, pairs, lambda: _original_runs(ort, g, pairs, masks, prepack, feeds))
+    def failed(e: Exception, feeds: dict, k: int) -> ValidationResult:
+        # (the original alone reads graph inputs where the check model may be fed values: give it those too)
+        every = {**inputs[k], **feeds}
+        return failed_run(e, pairs, lambda: _original_runs(ort, g, pairs, masks, prepack, every))
 
     kinds_any = ["post", "pre", "gappy", "full"]
     kinds_post = ["post", "full"]
     for k, (b, t, scale) in enumerate(CONFIGS):
         feeds = {name: v for name, v in inputs[k].items() if name in fed}
         feeds.update((name, values[k]) for name, values in given.items() if name in fed)
-        # (a failed run is tried on the original alone, which reads graph inputs where this is fed values)
-        def failed_here(e: Exception, run_feeds: dict, k: int = k) -> ValidationResult:
-            return failed(e, {**inputs[k], **run_feeds})
-
         # learn each mask's [T, B] with an all-true pattern, then feed exact patterns of each kind
-        shapes = _mask_shapes(g, sess, out_names, feeds, pattern_inputs, max(b, t, 4), failed_here) if pattern_inputs else {}
+        shapes = _mask_shapes(g, sess, out_names, feeds, pattern_inputs, max(b, t, 4),
+                              lambda e, f, k=k: failed(e, f, k)) if pattern_inputs else {}
         if isinstance(shapes, ValidationResult):
             return shapes
         n_kinds = len(kinds_any) if any(v[0] == "any" for v in masks.values()) else len(kinds_post)
@@ -283,7 +282,7 @@ def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepa
             try:
                 outs = sess.run(None, feeds)
             except Exception as e:
-                return failed_here(e, feeds)
+                return failed(e, feeds, k)
             res.runs += 1
             vals = dict(zip(out_names, outs))
             for p in pairs:
@@ -345,8 +344,8 @@ def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: list
     try:
         wanted = {n for p in pairs for n in p}
         start = cut(ort, g, cone_of(g, wanted), pairs, mask_names, inputs,
-                             lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack, file_route=takes_file_route(big)))
-        check, pattern_inputs, big = build_check_model(g.model.proto, g, pairs, mask_names, start)
+                    lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack, file_route=takes_file_route(big)))
+        check, pattern_inputs, big = build_check_model(g, pairs, mask_names, start)
         sess = open_session(ort, check, big, prepack=prepack, file_route=takes_file_route(big))
         return sess, pattern_inputs, start.given
     except _Skip as s:
@@ -361,7 +360,7 @@ def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: list
 def _original_runs(ort, g: Graph, pairs, masks, prepack: bool, feeds: dict | None = None) -> bool:
     """Whether the check model of the original tensors alone loads (and runs on ``feeds``, their inputs' part)."""
     try:
-        check, _, big = build_check_model(g.model.proto, g, [(a, a) for a, _ in pairs], sorted(masks))
+        check, _, big = build_check_model(g, [(a, a) for a, _ in pairs], sorted(masks))
         sess = open_session(ort, check, big, prepack=prepack, file_route=takes_file_route(big))
         if feeds is not None:
             sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})

@@ -140,3 +140,23 @@ def test_digests_tell_computations_apart():
     assert digest(out="renamed") == base
     assert len({base, digest(op="Sigmoid"), digest(src="x2"), digest(w=2.0), digest("LeakyRelu", alpha=0.1),
                 digest("LeakyRelu", alpha=0.2)}) == 6
+
+
+def test_what_onnxruntime_cannot_run_is_judged_as_with_the_whole_check_model(monkeypatch):
+    """With every shared upstream run apart: a model whose prologue onnxruntime cannot load (a custom op) is
+    still left unvalidated for that reason, and a rewrite onnxruntime cannot run where the original runs is
+    still declined for it (the original alone is tried on every input it reads, graph inputs included)."""
+    import test_loops
+    from builders import Opts, build
+    from test_cli import _with_custom_op
+
+    monkeypatch.setattr(upstream, "MIN_NODES", 1)
+    runs = _counting_upstream_runs(monkeypatch)
+    model, _ = build(Opts(op="GRU", lbr=1))
+    _, report = rnnfuse.optimize(_with_custom_op(model))
+    (f,) = report.fused
+    assert f.validation.startswith("skipped") and "onnxruntime cannot run the original" in f.validation, f.line()
+    assert runs, "the custom op's prologue was not tried apart"
+    runs.clear()
+    test_loops.test_rewrite_onnxruntime_cannot_run_is_declined("GRU")
+    assert runs, "the mask's prologue was not run apart"

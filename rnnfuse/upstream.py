@@ -37,8 +37,10 @@ from .protos import has_subgraph, tensor_nbytes
 # more than running it with the rest
 MIN_NODES = 1000
 MIN_WEIGHT_BYTES = 8 << 20
-# values kept for later validations, at most this much in all (each input set is small: batch <= 4, T <= 9)
-KEPT_BYTES = 256 << 20
+# values kept for later validations, at most this much in all (each input set is small: batch <= 4, T <= 9,
+# but static shapes keep their size: images, say); a cut whose values are bigger than CUT_BYTES is not made
+KEPT_BYTES = 64 << 20
+CUT_BYTES = 64 << 20
 _SMALL_WEIGHT_BYTES = 1 << 16  # weights this small are known by their value too
 
 
@@ -103,7 +105,7 @@ def cut(ort, g: Graph, cone: list[NodeProto], pairs: list[tuple[str, str]], mask
         values = _run_upstream(ort, g, shared, boundary, given, inputs, open_session)
     except Exception:  # (the check model holds it again, and says what fails)
         return Cut(nodes, given)
-    if values is None:
+    if values is None or sum(v.nbytes for per_set in values.values() for v in per_set) > CUT_BYTES:
         return Cut(nodes, given)
     for name, per_set in values.items():
         for f, v in zip(fed, per_set):

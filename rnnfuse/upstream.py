@@ -77,12 +77,13 @@ def kept_values(g: Graph) -> KeptValues:
     return kv
 
 
-def cut(ort, g: Graph, cone: list[NodeProto], pairs: list[tuple[str, str]], masks: list[str],
-        inputs: list[dict[str, np.ndarray]], open_session) -> Cut:
+def cut(ort, g: Graph, cone: list[NodeProto], pairs: list[tuple[str, str]], masks: list[str], inputs,
+        open_session) -> Cut:
     """Where the check model of ``pairs`` over ``cone`` (their cone, topologically sorted) starts, for the
-    input sets ``inputs``: after the values kept from earlier validations, and after this validation's shared
-    upstream when it is big (run here, its values kept). Anything that cannot be cut (a value that is not a
-    tensor, a session that fails) leaves the check model whole from there: it is what decides."""
+    input sets ``inputs`` (a sequence of feeds, each made as it is read: validate.InputSets): after the values
+    kept from earlier validations, and after this validation's shared upstream when it is big (run here, its
+    values kept). Anything that cannot be cut (a value that is not a tensor, a session that fails) leaves the
+    check model whole from there: it is what decides."""
     kept = kept_values(g)
     digests, from_masks = _digests(g, cone, set(masks))
     fed = [_inputs_digest(x) for x in inputs]
@@ -231,7 +232,7 @@ def _boundary(g: Graph, nodes: list[NodeProto], shared: set[int], masks: set[str
     return list(out)
 
 
-def _run_upstream(ort, g: Graph, shared: list[NodeProto], boundary: list[str], given: dict, inputs: list[dict],
+def _run_upstream(ort, g: Graph, shared: list[NodeProto], boundary: list[str], given: dict, inputs,
                   open_session) -> dict[str, list[np.ndarray]] | None:
     """The boundary tensors' values for each input set, from a session of the shared upstream alone (None
     when one is not a tensor)."""

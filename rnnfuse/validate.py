@@ -123,7 +123,8 @@ def cone_of(g: Graph, wanted: set[str]) -> list[onnx.NodeProto]:
     producer = g.producer
     seen: set[int] = set()
     order: list[onnx.NodeProto] = []
-    stack: list[tuple[onnx.NodeProto, bool]] = [(producer[n], False) for n in sorted(wanted, reverse=True) if n in producer]
+    roots = sorted((n for n in wanted if n in producer), reverse=True)
+    stack: list[tuple[onnx.NodeProto, bool]] = [(producer[n], False) for n in roots]
     while stack:
         n, expanded = stack.pop()
         if expanded:
@@ -233,13 +234,31 @@ def checked_as_deployed(run: Callable[[bool], ValidationResult]) -> ValidationRe
 CONFIGS = [(1, 6, 1.0), (4, 9, 1.0), (3, 5, 8.0), (2, 1, 1.0)]
 
 
+class InputSets:
+    """The generated input sets of a validation, one per config, each made again whenever it is asked for:
+    a model with big inputs holds one set at a time, as before the sets were needed twice (rnnfuse.upstream
+    runs the shared upstream on them first). Each set comes from a generator of its own, seeded by the seed
+    and the set's number: the same sets for every validation of a run, whatever masks each overrides, so
+    values computed from them can be kept."""
+
+    def __init__(self, g: Graph, seed: int):
+        self.g, self.seed, self.ranges = g, seed, index_ranges(g)
+
+    def __len__(self) -> int:
+        return len(CONFIGS)
+
+    def __getitem__(self, k: int) -> dict[str, np.ndarray]:
+        b, t, scale = CONFIGS[k]
+        return _inputs_for(self.g, {}, b, t, scale, np.random.default_rng([self.seed, k]), self.ranges)
+
+    def __iter__(self):
+        return (self[k] for k in range(len(self)))
+
+
 def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepack: bool) -> ValidationResult:
-    # the inputs come from a generator of their own: the same sets for every validation of a run (whatever
-    # masks each overrides), so values computed from them can be kept (rnnfuse.upstream)
-    rng = np.random.default_rng(seed)
-    ranges = index_ranges(g)
+    inputs = InputSets(g, seed)
     try:
-        inputs = [_inputs_for(g, {}, b, t, scale, rng, ranges) for b, t, scale in CONFIGS]
+        inputs[0]  # (an input without a declared shape cannot be generated: said before anything is built)
     except _Skip as s:
         return ValidationResult(False, str(s))
     loaded = _check_session(ort, g, pairs, sorted(masks), prepack, inputs)
@@ -262,7 +281,7 @@ def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepa
     kinds_any = ["post", "pre", "gappy", "full"]
     kinds_post = ["post", "full"]
     for k, (b, t, scale) in enumerate(CONFIGS):
-        feeds = {name: v for name, v in inputs[k].items() if name in fed}
+        feeds = {name: v for name, v in inputs[k].items() if name in fed}  # (made again: see InputSets)
         feeds.update((name, values[k]) for name, values in given.items() if name in fed)
         # learn each mask's [T, B] with an all-true pattern, then feed exact patterns of each kind
         shapes = _mask_shapes(g, sess, out_names, feeds, pattern_inputs, max(b, t, 4),
@@ -337,7 +356,7 @@ def compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
         r.detail = r.detail or f"max abs error {err:.3g} ({where})"
 
 
-def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: list[dict]):
+def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: InputSets):
     """An onnxruntime session of the check model, its pattern inputs and the values it is fed instead of
     computing them (per input set, see rnnfuse.upstream), or the ValidationResult that says which side
     onnxruntime cannot load (the original model, or the rewrite)."""

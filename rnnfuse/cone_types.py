@@ -128,10 +128,17 @@ class ConeTypes:
         except Exception:  # (inference is a convenience: the tensors stay untyped)
             pass
         self.cones += 1
+        # (a long chain's values mostly share a few types: each distinct one is read once; every name gets
+        # its own list of dims)
+        read: dict[bytes, Type | None] = {}
         for vi in m.graph.value_info:
-            t = type_of(vi)
-            if t is not None and t[0] != TensorProto.UNDEFINED:
-                self.types[vi.name] = self._own_dims(t)
+            key = vi.type.SerializeToString()
+            if key not in read:
+                t = type_of(vi)
+                read[key] = self._own_dims(t) if t is not None and t[0] != TensorProto.UNDEFINED else None
+            t = read[key]
+            if t is not None:
+                self.types[vi.name] = (t[0], None if t[1] is None else list(t[1]))
         for n in cone:
             self.settled.update(n.output)
 

@@ -122,7 +122,7 @@ class ConeTypes:
         m = ModelProto()
         m.ir_version = proto.ir_version
         m.opset_import.extend(proto.opset_import)
-        m.graph.CopyFrom(self._cone_graph(cone))
+        self._cone_graph(cone, m.graph)  # (built in place: a graph copied in is every node copied twice)
         try:
             m = onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
         except Exception:  # (inference is a convenience: the tensors stay untyped)
@@ -152,19 +152,24 @@ class ConeTypes:
             return t
         return (t[0], [f"{d}@cone{self.cones}" if invented(d) else d for d in t[1]])
 
-    def _cone_graph(self, cone: list[NodeProto]) -> GraphProto:
+    def _cone_graph(self, cone: list[NodeProto], out: GraphProto) -> None:
+        """Fill ``out`` with the cone's nodes (a node with subgraphs as its skeleton), the small weights they
+        read and the known types of the other values they read, as inputs."""
         g = self.model.graph
-        out = GraphProto()
         out.name = "cone"
         made = {o for n in cone for o in n.output}
         read: dict[str, None] = {}
         for n in cone:
             read.update((i, None) for i in n.input if i and i not in made)
-            copy = out.node.add()
-            if has_subgraph(n):
-                copy_node_skeleton(n, copy, SKELETON_DATA_BYTES)
-            else:
-                copy.CopyFrom(n)
+        if not any(has_subgraph(n) for n in cone):
+            out.node.extend(cone)
+        else:
+            for n in cone:
+                copy = out.node.add()
+                if has_subgraph(n):
+                    copy_node_skeleton(n, copy, SKELETON_DATA_BYTES)
+                else:
+                    copy.CopyFrom(n)
         for name in read:
             w = g.initializers.get(name)
             if w is not None and name not in g.input_names and w.data_location != TensorProto.EXTERNAL and w.ByteSize() <= SKELETON_DATA_BYTES:
@@ -173,4 +178,3 @@ class ConeTypes:
             t = self._known(name)
             if t is not None:
                 out.input.append(helper.make_tensor_value_info(name, t[0], t[1]))
-        return out

@@ -269,7 +269,7 @@ def _copy_fields(src, dst, skip: str) -> None:
 
 def model_of(g: "Graph", nodes: list[onnx.NodeProto], outputs: list, given: dict[str, np.dtype], name: str,
              extra_initializers: list | None = None) -> tuple[onnx.ModelProto, dict[str, Source]]:
-    """A model of ``nodes`` (copies, in topological order) of ``g``'s model, with the weights and graph inputs
+    """A model of ``nodes`` (in topological order; copied into it) of ``g``'s model, with the weights and graph inputs
     they read, the tensors in ``given`` (name -> dtype) as inputs too, and ``outputs``; its big weights are
     returned apart (see :func:`rnnfuse.check_session.open_session`)."""
     used = set()

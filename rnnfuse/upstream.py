@@ -236,13 +236,9 @@ def _run_upstream(ort, g: Graph, shared: list[NodeProto], boundary: list[str], g
                   open_session) -> dict[str, list[np.ndarray]] | None:
     """The boundary tensors' values for each input set, from a session of the shared upstream alone (None
     when one is not a tensor)."""
-    copies = []
-    for n in shared:
-        c = NodeProto()
-        c.CopyFrom(n)
-        copies.append(c)
     given_types = {k: v[0].dtype for k, v in given.items()}
-    m, big = model_of(g, copies, [onnx.ValueInfoProto(name=b) for b in boundary], given_types, "rnnfuse_upstream")
+    # (the graph's own nodes: the model copies them as it takes them, and nothing here changes them)
+    m, big = model_of(g, shared, [onnx.ValueInfoProto(name=b) for b in boundary], given_types, "rnnfuse_upstream")
     sess = open_session(ort, m, big)
     fed = [i.name for i in sess.get_inputs()]
     values: dict[str, list[np.ndarray]] = {b: [] for b in boundary}

@@ -86,9 +86,10 @@ def cut(ort, g: Graph, cone: list[NodeProto], pairs: list[tuple[str, str]], mask
     check model whole from there: it is what decides."""
     kept = kept_values(g)
     digests, from_masks = _digests(g, cone, set(masks))
-    fed = [_inputs_digest(x) for x in inputs]
+    fed: list[bytes] = []  # (the input sets' digests, when needed: each set is made again to be read)
     given: dict[str, list[np.ndarray]] = {}
     if kept.values:
+        fed = [_inputs_digest(x) for x in inputs]
         for name, d in digests.items():
             # (a value computed from a mask this validation overrides is computed again, from the override)
             if d in kept.digests and name not in from_masks:
@@ -108,6 +109,7 @@ def cut(ort, g: Graph, cone: list[NodeProto], pairs: list[tuple[str, str]], mask
         return Cut(nodes, given)
     if values is None or sum(v.nbytes for per_set in values.values() for v in per_set) > CUT_BYTES:
         return Cut(nodes, given)
+    fed = fed or [_inputs_digest(x) for x in inputs]
     for name, per_set in values.items():
         for f, v in zip(fed, per_set):
             kept.put((digests[name], f), v)

@@ -235,11 +235,11 @@ CONFIGS = [(1, 6, 1.0), (4, 9, 1.0), (3, 5, 8.0), (2, 1, 1.0)]
 
 
 class InputSets:
-    """The generated input sets of a validation, one per config, each made again whenever it is asked for:
-    a model with big inputs holds one set at a time, as before the sets were needed twice (rnnfuse.upstream
-    runs the shared upstream on them first). Each set comes from a generator of its own, seeded by the seed
-    and the set's number: the same sets for every validation of a run, whatever masks each overrides, so
-    values computed from them can be kept."""
+    """The generated input sets of a validation, one per config, each made again whenever it is asked for, so
+    a model with big inputs holds one set at a time although the sets are read more than once (rnnfuse.upstream
+    digests them and runs the shared upstream on them before the check model runs them). Each set comes from
+    a generator of its own, seeded by the seed and the set's number: the same sets for every validation of a
+    run, whatever masks each overrides, so values computed from them can be kept."""
 
     def __init__(self, g: Graph, seed: int):
         self.g, self.seed, self.ranges = g, seed, index_ranges(g)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -78,7 +79,16 @@ def build(path: str) -> None:
         f.write(m.SerializeToString())
 
 
-def test_over_2gb_with_external_data(tmp_path):
+@pytest.fixture
+def big_dir(tmp_path):
+    """A directory for the test's ~5 GB of models, emptied when it ends (pytest keeps its last three runs'
+    temporary directories: 15 GB of a disk for models nobody reads again)."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_over_2gb_with_external_data(big_dir):
+    tmp_path = big_dir
     src, out = str(tmp_path / "big.onnx"), str(tmp_path / "big.fused.onnx")
     build(src)
     size = os.path.getsize(src) + os.path.getsize(src + ".data")

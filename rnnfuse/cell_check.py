@@ -8,8 +8,6 @@ and both results as outputs.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -171,7 +169,7 @@ def _run_shared(ort, part: list, results: list) -> set[int]:
     """Run the step checks ``part`` in one session, each renamed under a prefix of its own; record their
     comparisons in ``results``. Returns the recurrences to validate alone (all of them, if the shared session
     fails to load or run)."""
-    models = [_prefixed(built[0], f"__s{k}/") for k, (_, _, _, built, _) in enumerate(part)]
+    models = [onnx.compose.add_prefix(built[0], f"__s{k}/") for k, (_, _, _, built, _) in enumerate(part)]
     merged = onnx.ModelProto()
     merged.ir_version = models[0].ir_version
     merged.opset_import.extend(models[0].opset_import)
@@ -197,26 +195,6 @@ def _run_shared(ort, part: list, results: list) -> set[int]:
     except Exception:  # (each is checked alone, where a failure is attributed)
         return {u[0] for u in part}
     return set()
-
-
-def _prefixed(m: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
-    """A copy of check model ``m`` (no subgraphs) with every tensor and node name under ``prefix``."""
-    out = onnx.ModelProto()
-    out.CopyFrom(m)
-    g = out.graph
-    for n in g.node:
-        n.name = prefix + n.name if n.name else ""
-        for i, x in enumerate(n.input):
-            if x:
-                n.input[i] = prefix + x
-        for i, x in enumerate(n.output):
-            if x:
-                n.output[i] = prefix + x
-    for vi in itertools.chain(g.input, g.output, g.value_info):
-        vi.name = prefix + vi.name
-    for t in g.initializer:
-        t.name = prefix + t.name
-    return out
 
 
 def _sized(dims: tuple, batch: int) -> tuple:

@@ -8,8 +8,6 @@ the old outputs sees the same values; cleanup then folds slices into what reads 
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 from onnx import NodeProto, helper
 
@@ -19,7 +17,6 @@ from rnnfuse.cells.kinds import KINDS
 from rnnfuse.emit import SPILL_BYTES, Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
-from rnnfuse.protos import has_subgraph
 from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.rewrite import Rewrite, apply_rewrites
 
@@ -54,8 +51,7 @@ class _OpAncestry:
 
     def _producers(self, n: NodeProto) -> list[NodeProto]:
         g = self.g
-        reads = itertools.chain(n.input, g.implicit_inputs(n)) if has_subgraph(n) else n.input
-        return [p for p in (g.producer.get(i) for i in reads if i) if p is not None]
+        return [p for p in (g.producer.get(i) for i in g.reads(n) if i) if p is not None]
 
     def of(self, node: NodeProto) -> frozenset:
         """The ids of the ops among ``node``'s ancestors (itself not counted)."""

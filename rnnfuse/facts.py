@@ -25,3 +25,5 @@ class ModelFacts:
     spill_dir: str | None = None  # where large new initializers are written as external data
     # passes/cleanup.Dedupe: (the graph's edit list, how much of it was already deduplicated)
     dedupe_mark: tuple | None = None
+    # validation's kept values of shared upstreams (rnnfuse.upstream.KeptValues), keyed by what computes them
+    upstream_values: object | None = None

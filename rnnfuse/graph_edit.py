@@ -305,7 +305,7 @@ class Graph(Rewiring, GraphIndex):
             if id(n) in dead:
                 continue
             dead.add(id(n))
-            for i in dict.fromkeys(itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input):
+            for i in dict.fromkeys(self.reads(n)):
                 if not i or i in outs or i in unread or i not in producer:
                     continue
                 c = left.get(i, n_readers(consumers[i])) - 1
@@ -330,7 +330,7 @@ class Graph(Rewiring, GraphIndex):
             if k in live or k in removed:
                 continue
             live.add(k)
-            for i in itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input[:]:
+            for i in self.reads(n):
                 p = producer.get(i)
                 if p is not None:
                     stack.append(p)
@@ -365,17 +365,46 @@ class Graph(Rewiring, GraphIndex):
             return live
         return self.toposort(live)
 
+    def reads(self, node: NodeProto) -> list[str]:
+        """What ``node`` reads: its inputs, then (a node with subgraphs) the outer values its subgraphs
+        capture, sorted (the walks over the graph follow both, in the same order in every process)."""
+        if not has_subgraph(node):
+            return node.input[:]
+        return [*node.input, *sorted(self.implicit_inputs(node))]
+
+    def cone(self, names, stop=()) -> list[NodeProto]:
+        """The live nodes ``names`` are computed from, not past the values in ``stop``, producers first: the
+        order of one depth-first walk back from them (each node after what it reads). Only that cone is
+        walked (validation's check models: sorting the whole graph for a cone of a few hundred nodes cost
+        ~0.4 s a validation at 100k nodes; walking and then sorting a 100k-node cone ~0.45 s, the walk alone
+        ~0.15 s)."""
+        producer = self.producer
+        seen: set[int] = set()
+        order: list[NodeProto] = []
+        roots = sorted((n for n in names if n in producer and n not in stop), reverse=True)
+        stack: list[tuple[NodeProto, bool]] = [(producer[n], False) for n in roots]
+        while stack:
+            n, expanded = stack.pop()
+            if expanded:
+                order.append(n)
+                continue
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            stack.append((n, True))
+            for i in reversed(self.reads(n)):
+                p = producer.get(i)
+                if p is not None and id(p) not in seen and i not in stop:
+                    stack.append((p, False))
+        return [n for n in order if self.alive(n)]
+
     def toposort(self, nodes: list[NodeProto]) -> list[NodeProto]:
         """Stable Kahn sort: among ready nodes, the one with the smallest position goes first.
 
         Already-sorted input (the common case) is detected in one pass and returned in its original order."""
         order = self.in_position_order(nodes)
         index = {id(n): i for i, n in enumerate(order)}
-        producer = self.producer
-
-        def reads(n):
-            return itertools.chain(n.input, self.implicit_inputs(n)) if has_subgraph(n) else n.input[:]
-
+        producer, reads = self.producer, self.reads
         in_order = True
         for i, n in enumerate(order):
             for x in reads(n):

@@ -31,7 +31,7 @@ from onnx import NodeProto, TensorProto
 
 from .check_session import model_of
 from .graph import Graph
-from .protos import has_subgraph, tensor_nbytes
+from .protos import tensor_nbytes
 
 # a shared upstream of fewer nodes (and lighter weights) stays in the check model: a session of its own costs
 # more than running it with the rest
@@ -70,11 +70,11 @@ class KeptValues:
 
 
 def kept_values(g: Graph) -> KeptValues:
-    """The model's kept values (made on first use; they live as long as the model being optimized)."""
-    kv = getattr(g.model, "_upstream_values", None)
-    if kv is None:
-        kv = g.model._upstream_values = KeptValues()
-    return kv
+    """The model's kept values (made on first use; in its facts, so they carry over to the next round)."""
+    facts = g.model.facts
+    if facts.upstream_values is None:
+        facts.upstream_values = KeptValues()
+    return facts.upstream_values
 
 
 def cut(ort, g: Graph, cone: list[NodeProto], pairs: list[tuple[str, str]], masks: list[str], inputs,
@@ -97,12 +97,12 @@ def cut(ort, g: Graph, cone: list[NodeProto], pairs: list[tuple[str, str]], mask
                 if all(v is not None for v in values):
                     given[name] = values
     wanted = {n for p in pairs for n in p}
-    nodes = _needed(g, cone, wanted, given) if given else cone
+    nodes = g.cone(wanted, given) if given else cone  # (what is still needed once the kept values are fed)
     shared = _shared_upstream(g, nodes, pairs, from_masks)
     if not _worth_running_apart(g, shared) or any(o in wanted for n in shared for o in n.output):
         return Cut(nodes, given)
     ids = {id(n) for n in shared}
-    boundary = _boundary(g, nodes, ids, set(masks))
+    boundary = _boundary(g, nodes, ids)
     try:
         values = _run_upstream(ort, g, shared, boundary, given, inputs, open_session)
     except Exception:  # (the check model holds it again, and says what fails)
@@ -114,7 +114,7 @@ def cut(ort, g: Graph, cone: list[NodeProto], pairs: list[tuple[str, str]], mask
         for f, v in zip(fed, per_set):
             kept.put((digests[name], f), v)
     rest = [n for n in nodes if id(n) not in ids]
-    read = {i for n in rest for i in _reads(g, n)}
+    read = {i for n in rest for i in g.reads(n)}
     return Cut(rest, {**{k: v for k, v in given.items() if k in read}, **values})
 
 
@@ -147,7 +147,7 @@ def _digests(g: Graph, cone: list[NodeProto], masks: set[str]) -> tuple[dict[str
         return d
 
     for n in cone:
-        reads = _reads(g, n)
+        reads = g.reads(n)  # (the prefix's input count marks where the captured values begin)
         attrs = b"".join(a.SerializeToString() for a in n.attribute) if n.attribute else b""
         parts = [f"{n.domain}\0{n.op_type}\0{len(n.input)}\0{len(attrs)}\0".encode(), attrs]
         for i in reads:
@@ -170,31 +170,6 @@ def _inputs_digest(feeds: dict[str, np.ndarray]) -> bytes:
     return h.digest()
 
 
-def _reads(g: Graph, n: NodeProto):
-    """What ``n`` reads: its inputs, then (a node with subgraphs) the outer values they capture, sorted."""
-    if not has_subgraph(n):
-        return n.input
-    return [*n.input, "", *sorted(g.implicit_inputs(n))]
-
-
-def _needed(g: Graph, cone: list[NodeProto], wanted: set[str], given: dict) -> list[NodeProto]:
-    """The nodes of ``cone`` the wanted tensors still need once the ``given`` ones are fed, in its order."""
-    producer = g.producer
-    seen: set[int] = set()
-    stack = [producer[w] for w in wanted if w in producer and w not in given]
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        for i in _reads(g, n):
-            if i and i not in given:
-                p = producer.get(i)
-                if p is not None and id(p) not in seen:
-                    stack.append(p)
-    return [n for n in cone if id(n) in seen]
-
-
 def _shared_upstream(g: Graph, nodes: list[NodeProto], pairs, from_masks: set[str]) -> list[NodeProto]:
     """The nodes both an old and a new tensor are computed from, computing nothing from an overridden mask,
     in order (one pass back over ``nodes``, topologically sorted)."""
@@ -205,9 +180,9 @@ def _shared_upstream(g: Graph, nodes: list[NodeProto], pairs, from_masks: set[st
         for_old = any(o in old for o in n.output)
         for_new = any(o in new for o in n.output)
         if for_old:
-            old.update(_reads(g, n))
+            old.update(g.reads(n))
         if for_new:
-            new.update(_reads(g, n))
+            new.update(g.reads(n))
         if for_old and for_new and not any(o in from_masks for o in n.output):
             shared.add(id(n))
     return [n for n in nodes if id(n) in shared]
@@ -222,15 +197,14 @@ def _worth_running_apart(g: Graph, shared: list[NodeProto]) -> bool:
     return sum(tensor_nbytes(g.initializers[w]) for w in weights) >= MIN_WEIGHT_BYTES
 
 
-def _boundary(g: Graph, nodes: list[NodeProto], shared: set[int], masks: set[str]) -> list[str]:
-    """What the shared upstream hands on: its tensors read by the check model's other nodes, and the masks
-    it computes (their overrides read their shapes)."""
+def _boundary(g: Graph, nodes: list[NodeProto], shared: set[int]) -> list[str]:
+    """What the shared upstream hands on: its tensors read by the check model's other nodes (a mask it
+    computes among them: what reads a mask is never shared, and the mask's override reads it too)."""
     made = {o for n in nodes if id(n) in shared for o in n.output if o}
     out: dict[str, None] = {}
     for n in nodes:
         if id(n) not in shared:
-            out.update((i, None) for i in _reads(g, n) if i in made)
-    out.update((m, None) for m in sorted(masks) if m in made)
+            out.update((i, None) for i in g.reads(n) if i in made)
     return list(out)
 
 

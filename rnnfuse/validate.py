@@ -9,7 +9,6 @@ elementwise to a tight tolerance, on the full outputs (padded steps included).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .check_session import Source, model_of, open_session, takes_file_route
 from .feeds import index_ranges, input_sizes, random_values, valid_steps
 from .graph import Graph
-from .protos import data_bytes, has_subgraph, rename_free, subgraphs
+from .protos import data_bytes, rename_free, subgraphs
 from .upstream import Cut, cut
 
 ATOL = 1e-5
@@ -91,7 +90,7 @@ def build_check_model(
     instead of computing them (see rnnfuse.upstream); by default the whole cone of the compared tensors."""
     wanted = {n for p in pairs for n in p}
     if start is None:
-        start = Cut(cone_of(g, wanted))
+        start = Cut(g.cone(wanted))
     keep = []
     for n in start.nodes:
         m = onnx.NodeProto()
@@ -111,35 +110,6 @@ def build_check_model(
     for mname, pname in pattern_inputs.items():
         m.graph.input.append(helper.make_tensor_value_info(pname, TensorProto.BOOL, [None, None]))
     return m, pattern_inputs, big
-
-
-def cone_of(g: Graph, wanted: set[str]) -> list[onnx.NodeProto]:
-    """The live nodes the ``wanted`` tensors are computed from, producers first: the order of one depth-first
-    walk back from them (each node after what it reads).
-
-    Only that cone is walked: a recurrence near the inputs of a 100,000-node model has a cone of a few
-    hundred nodes, and sorting the whole graph for it (once per validation) cost ~0.4 s each; a walk and a
-    sort of a cone that big cost ~0.45 s a validation, the walk alone ~0.15 s."""
-    producer = g.producer
-    seen: set[int] = set()
-    order: list[onnx.NodeProto] = []
-    roots = sorted((n for n in wanted if n in producer), reverse=True)
-    stack: list[tuple[onnx.NodeProto, bool]] = [(producer[n], False) for n in roots]
-    while stack:
-        n, expanded = stack.pop()
-        if expanded:
-            order.append(n)
-            continue
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        stack.append((n, True))
-        reads = itertools.chain(n.input, sorted(g.implicit_inputs(n))) if has_subgraph(n) else n.input
-        for i in reversed(list(reads)):
-            p = producer.get(i)
-            if p is not None and id(p) not in seen:
-                stack.append((p, False))
-    return [n for n in order if g.alive(n)]
 
 
 def _mask_overrides(keep: list[onnx.NodeProto], masks: list[str]):
@@ -362,7 +332,7 @@ def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: Inpu
     onnxruntime cannot load (the original model, or the rewrite)."""
     try:
         wanted = {n for p in pairs for n in p}
-        start = cut(ort, g, cone_of(g, wanted), pairs, mask_names, inputs,
+        start = cut(ort, g, g.cone(wanted), pairs, mask_names, inputs,
                     lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack, file_route=takes_file_route(big)))
         check, pattern_inputs, big = build_check_model(g, pairs, mask_names, start)
         sess = open_session(ort, check, big, prepack=prepack, file_route=takes_file_route(big))

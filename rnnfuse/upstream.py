@@ -41,6 +41,8 @@ MIN_WEIGHT_BYTES = 8 << 20
 # but static shapes keep their size: images, say); a cut whose values are bigger than CUT_BYTES is not made
 KEPT_BYTES = 64 << 20
 CUT_BYTES = 64 << 20
+# the shared upstream runs in sessions of this many nodes at most (see _run_upstream)
+PIECE_NODES = 10_000
 _SMALL_WEIGHT_BYTES = 1 << 16  # weights this small are known by their value too
 
 
@@ -210,18 +212,40 @@ def _boundary(g: Graph, nodes: list[NodeProto], shared: set[int]) -> list[str]:
 
 def _run_upstream(ort, g: Graph, shared: list[NodeProto], boundary: list[str], given: dict, inputs,
                   open_session) -> dict[str, list[np.ndarray]] | None:
-    """The boundary tensors' values for each input set, from a session of the shared upstream alone (None
-    when one is not a tensor)."""
-    given_types = {k: v[0].dtype for k, v in given.items()}
-    # (the graph's own nodes: the model copies them as it takes them, and nothing here changes them)
-    m, big = model_of(g, shared, [onnx.ValueInfoProto(name=b) for b in boundary], given_types, "rnnfuse_upstream")
-    sess = open_session(ort, m, big)
-    fed = [i.name for i in sess.get_inputs()]
-    values: dict[str, list[np.ndarray]] = {b: [] for b in boundary}
-    for k, feeds in enumerate(inputs):
-        outs = sess.run(boundary, {name: given[name][k] if name in given else feeds[name] for name in fed})
-        for b, v in zip(boundary, outs):
-            if not isinstance(v, np.ndarray):
-                return None
-            values[b].append(v)
-    return values
+    """The boundary tensors' values for each input set, from sessions of the shared upstream alone, in
+    pieces of ``PIECE_NODES`` nodes run one after the other (each piece fed what earlier ones computed).
+    None when a value handed from piece to piece is not a tensor, or they hold more than ``CUT_BYTES``.
+
+    Why pieces: onnxruntime holds several KB per node while a session is open (a 100,000-node prologue's
+    session took 280 MB, twice what the rest of the run held), and its session set-up grows faster than the
+    nodes; a piece's session is closed before the next one opens, so only the values crossing a cut are held
+    between them."""
+    pieces = [shared[i:i + PIECE_NODES] for i in range(0, len(shared), PIECE_NODES)]
+    last_reader: dict[str, int] = {}  # value -> the last piece reading it (boundary values: past the end)
+    for k, piece in enumerate(pieces):
+        for n in piece:
+            for i in g.reads(n):
+                last_reader[i] = k
+    for b in boundary:
+        last_reader[b] = len(pieces)
+    values: dict[str, list[np.ndarray]] = dict(given)
+    for k, piece in enumerate(pieces):
+        outputs = [o for n in piece for o in n.output if o and last_reader.get(o, -1) > k]
+        # (the graph's own nodes: the model copies them as it takes them, and nothing here changes them)
+        m, big = model_of(g, piece, [onnx.ValueInfoProto(name=o) for o in outputs], values, "rnnfuse_upstream")
+        sess = open_session(ort, m, big)
+        del m
+        fed = [i.name for i in sess.get_inputs()]
+        computed: dict[str, list[np.ndarray]] = {o: [] for o in outputs}
+        for s, feeds in enumerate(inputs):
+            outs = sess.run(outputs, {name: values[name][s] if name in values else feeds[name] for name in fed})
+            for o, v in zip(outputs, outs):
+                if not isinstance(v, np.ndarray):
+                    return None
+                computed[o].append(v)
+        del sess
+        values.update(computed)
+        values = {name: v for name, v in values.items() if last_reader.get(name, -1) > k}
+        if sum(v.nbytes for per_set in values.values() for v in per_set) > CUT_BYTES:
+            return None
+    return {b: values[b] for b in boundary}

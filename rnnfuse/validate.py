@@ -105,8 +105,7 @@ def build_check_model(
         outputs.append(helper.make_tensor_value_info(name, et, None))
     for k in range(len(masks)):
         outputs.append(helper.make_tensor_value_info(f"__rnnfuse_mask_{k}/shape2", TensorProto.INT64, [2]))
-    given = {name: values[0].dtype for name, values in start.given.items()}
-    m, big = model_of(g, nodes, outputs, given, "rnnfuse_check", inits)
+    m, big = model_of(g, nodes, outputs, start.given, "rnnfuse_check", inits)
     for mname, pname in pattern_inputs.items():
         m.graph.input.append(helper.make_tensor_value_info(pname, TensorProto.BOOL, [None, None]))
     return m, pattern_inputs, big

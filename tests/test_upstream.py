@@ -20,10 +20,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 import rnnfuse
 from helpers import op_counts, session
-from rnnfuse import rewrite, upstream
+from rnnfuse import check_session, rewrite, upstream
 from rnnfuse.graph import Model
 
 ROOT = Path(__file__).resolve().parents[1]
+PROLOGUE_NODES = 2000
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def prologue_model(tmp_path_factory):
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     path = tmp_path_factory.mktemp("prologue") / "prologue.onnx"
-    prologue_then_recurrence(str(path), 2000)
+    prologue_then_recurrence(str(path), PROLOGUE_NODES)
     return onnx.load(str(path))
 
 
@@ -75,6 +76,34 @@ def test_a_recurrence_behind_a_long_prologue_runs_the_prologue_once(prologue_mod
         feeds = _feeds(prologue_model, rng)
         for a, b in zip(session(fused).run(None, feeds), session(prologue_model).run(None, feeds)):
             np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_the_prologue_runs_in_pieces_with_the_values_of_one_session(prologue_model, monkeypatch):
+    """With sessions of 300 nodes, the 2,000-node prologue runs in 7+ pieces, one after the other, each fed
+    what the earlier ones computed: the boundary values are those of one session over it all, and the
+    optimizer's output is the same bytes."""
+    ort = pytest.importorskip("onnxruntime")
+    sessions = []
+
+    def counted(ort, m, big):
+        sessions.append(len(m.graph.node))
+        return check_session.open_session(ort, m, big)
+
+    g = Model(prologue_model).graph
+    prologue = [n for n in g.nodes if n.input[1:] and n.input[1] in ("pre_one", "pre_zero")]  # (x * 1 + 0)
+    boundary = [prologue[-1].output[0]]
+    rng = np.random.default_rng(1)
+    inputs = [_feeds(prologue_model, rng, batch=b) for b in (3, 4)]
+    whole = upstream._run_upstream(ort, g, prologue, boundary, {}, inputs, counted)
+    monkeypatch.setattr(upstream, "PIECE_NODES", 300)
+    pieces = upstream._run_upstream(ort, g, prologue, boundary, {}, inputs, counted)
+    assert sessions[0] == len(prologue) >= 2000 and len(sessions) - 1 >= 7 and max(sessions[1:]) <= 300, sessions
+    for a, b in zip(whole[boundary[0]], pieces[boundary[0]]):
+        np.testing.assert_array_equal(a, b)
+    whole_model, _ = rnnfuse.optimize(prologue_model)
+    monkeypatch.setattr(upstream, "PIECE_NODES", 300)
+    in_pieces, _ = rnnfuse.optimize(prologue_model)
+    assert in_pieces.SerializeToString() == whole_model.SerializeToString()
 
 
 def test_a_wrong_rewrite_is_caught_with_the_prologue_cut_off(prologue_model, monkeypatch):

@@ -67,12 +67,19 @@ def region_model(after: ModelProto, before: ModelProto) -> ModelProto | None:
     by_value |= {o for i in changed if nodes[i].op_type == "Constant" for o in nodes[i].output if o}
     redefined |= by_value
     declared_after, declared_before = _declared(after.graph.value_info), _declared(before.graph.value_info)
+    redeclared = set()
     for name in declared_after.keys() | declared_before.keys():
         if declared_after.get(name) != declared_before.get(name):
-            redefined.add(name)
+            redeclared.add(name)
             if name in producer_of:  # (the declaration is checked against what its producer computes)
                 region.add(producer_of[name])
-    types_after, types_before = _Types(after), _Types(before)
+    redefined |= redeclared
+    types_after = _Types(after)
+    # (values both models compute from the same nodes, inputs and declarations are typed alike: the input's
+    # inference stops at them and takes the rewritten model's types, so a big unchanged upstream, a prologue
+    # of 100,000 nodes, is inferred once, not once per model)
+    alike = _typed_alike(after, nodes, set(changed), by_value | redeclared)
+    types_before = _Types(before, alike=alike, types_from=types_after)
     wave = [name for name in redefined if any(r not in region for r in readers.get(name, ()))]
     seen = set(wave)
     while wave:  # (in waves: the values of one wave are typed by one inference per model)
@@ -96,6 +103,31 @@ def region_model(after: ModelProto, before: ModelProto) -> ModelProto | None:
                 return None
         wave = next_wave
     return _standalone(after, [nodes[i] for i in sorted(region)], readers, region, types_after)
+
+
+def _typed_alike(after: ModelProto, nodes: list[NodeProto], changed: set[int], redefined: set[str]) -> set[str]:
+    """The values ONNX inference types alike in ``after`` and in its input: outputs of unchanged nodes (byte
+    for byte one of the input's) reading only graph inputs, initializers of the same type and dims, and such
+    values (their subgraphs' captures too), minus the ``redefined`` ones (another declared type, another
+    small constant), which their readers do not see alike either. ``nodes``: ``after``'s, in graph order
+    (topological: a node met before what it reads is left out, which only costs inference). The graph's
+    inputs are the same in both models (see _same_frame)."""
+    alike = {v.name for v in after.graph.input} | {t.name for t in after.graph.initializer}
+    alike -= redefined
+    alike.add("")  # (an omitted optional input)
+    for i, n in enumerate(nodes):
+        if i in changed:
+            continue
+        if has_subgraph(n):
+            reads = set(n.input[:])
+            for sg in subgraphs(n):
+                reads |= free_names(sg)
+        else:
+            reads = n.input[:]
+        if alike.issuperset(reads):
+            alike.update(o for o in n.output if o not in redefined)
+    alike.discard("")
+    return alike
 
 
 def _same_frame(after: ModelProto, before: ModelProto) -> bool:
@@ -158,13 +190,16 @@ class _Types:
     data and only the types of weights (tensor_types.skeleton_initializer). A value inference cannot type is
     absent from ``types``."""
 
-    def __init__(self, model: ModelProto):
+    def __init__(self, model: ModelProto, alike: set[str] = frozenset(), types_from: "_Types | None" = None):
+        """``alike``: values ``model`` computes as the model of ``types_from`` does (same nodes from the same
+        inputs and weights); inference stops at those ``types_from`` has typed and takes its types."""
         self.model = model
         self.nodes = list(model.graph.node)
         self.producer = {o: i for i, n in enumerate(self.nodes) for o in n.output if o}
         self.types: dict[str, bytes] = {}
         self.asked: set[str] = set()
         self.whole = False
+        self.alike, self.types_from = alike, types_from
 
     def ask(self, names) -> "_Types | None":
         """Type ``names`` (those not asked before); None when inference fails."""
@@ -172,19 +207,27 @@ class _Types:
         if not want or self.whole:
             return self
         self.asked.update(want)
-        cone = self._cone(want)
+        borrowed = self._borrowed()
+        cone = self._cone(want, borrowed)
         self.whole = cone is None
-        got = _inferred_types(self._cone_model(range(len(self.nodes)) if cone is None else cone, want))
+        got = _inferred_types(self._cone_model(range(len(self.nodes)) if cone is None else cone, want, borrowed))
         if got is None:
             return None
         self.types.update(got)
         return self
 
-    def _cone(self, names: list[str]) -> list[int] | None:
-        """The positions of the nodes ``names`` are computed from, in graph order; None past a quarter of the
-        model (then it is inferred whole)."""
+    def _borrowed(self) -> dict[str, bytes]:
+        """The alike values' types as the other model's inference gave them."""
+        if self.types_from is None:
+            return {}
+        known = self.types_from.types
+        return {name: known[name] for name in self.alike if name in known}
+
+    def _cone(self, names: list[str], borrowed: dict[str, bytes]) -> list[int] | None:
+        """The positions of the nodes ``names`` are computed from, not past the ``borrowed`` values, in graph
+        order; None past a quarter of the model (then it is inferred whole)."""
         seen: set[int] = set()
-        stack = [self.producer[n] for n in names if n in self.producer]
+        stack = [self.producer[n] for n in names if n in self.producer and n not in borrowed]
         while stack:
             i = stack.pop()
             if i in seen:
@@ -197,11 +240,13 @@ class _Types:
             if has_subgraph(n):
                 for sg in subgraphs(n):
                     reads += free_names(sg)
-            stack.extend(self.producer[r] for r in reads if r in self.producer and self.producer[r] not in seen)
+            stack.extend(self.producer[r] for r in reads
+                         if r in self.producer and r not in borrowed and self.producer[r] not in seen)
         return sorted(seen)
 
-    def _cone_model(self, cone, names: list[str]) -> ModelProto:
-        """The nodes at positions ``cone`` (graph order) as a model for inference, ``names`` its outputs."""
+    def _cone_model(self, cone, names: list[str], borrowed: dict[str, bytes]) -> ModelProto:
+        """The nodes at positions ``cone`` (graph order) as a model for inference, ``names`` its outputs and
+        the ``borrowed`` values it reads typed inputs."""
         g = self.model.graph
         m = ModelProto()
         m.ir_version = self.model.ir_version
@@ -220,6 +265,10 @@ class _Types:
                     needed |= free_names(sg) - produced
         sub.input.extend(v for v in g.input if v.name in needed)
         sub.initializer.extend(skeleton_initializer(t) for t in g.initializer if t.name in needed)
+        for name in sorted(needed & borrowed.keys()):
+            vi = sub.input.add()
+            vi.name = name
+            vi.type.ParseFromString(borrowed[name])
         declared = {v.name: v for v in (*g.value_info, *g.output) if v.name in produced}
         for name in names:  # (a graph output keeps its declared type, as in the model)
             out = sub.output.add()

@@ -140,3 +140,36 @@ def test_a_changed_constant_is_followed_whatever_its_type():
     same = region.region_model(_reshaped([2, 6]), _reshaped([4, 3]))
     assert same is not None and [n.op_type for n in same.graph.node] == ["Constant", "Reshape", "Shape"]
     ort.InferenceSession(same.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _behind_an_upstream(m: onnx.ModelProto, length: int) -> onnx.ModelProto:
+    """``m`` reading, instead of its input x, the end of a chain of ``length`` Relus computing it from x."""
+    chain = [helper.make_node("Relu", ["x" if i == 0 else f"u{i - 1}"], [f"u{i}"]) for i in range(length)]
+    for n in m.graph.node:
+        n.input[:] = [f"u{length - 1}" if i == "x" else i for i in n.input]
+    nodes = chain + list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    return m
+
+
+def test_an_unchanged_upstream_is_typed_once_for_both_models(monkeypatch):
+    """The input model's inference stops at the values both models compute alike and takes the rewritten
+    model's types: the 300-Relu upstream is inferred in one of the two, and the region is what it was. A
+    value whose declared type differs between the models is not taken over: inference goes past it."""
+    inferred: list[int] = []
+    real = region._inferred_types
+    monkeypatch.setattr(region, "_inferred_types", lambda m: inferred.append(len(m.graph.node)) or real(m))
+    before = _behind_an_upstream(_cast_then_tanh(TensorProto.FLOAT), 300)
+    after = _behind_an_upstream(_cast_then_tanh(TensorProto.INT32), 300)
+    sub = region.region_model(after, before)
+    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape"]
+    assert inferred[0] >= 300 and max(inferred[1:]) < 10, inferred
+    assert [(i.name, i.type.tensor_type.elem_type) for i in sub.graph.input] == [("u299", TensorProto.FLOAT)]
+
+    inferred.clear()
+    redeclared = _behind_an_upstream(_cast_then_tanh(TensorProto.INT32), 300)
+    redeclared.graph.value_info.append(helper.make_tensor_value_info("u150", TensorProto.FLOAT, [3, 4]))
+    sub = region.region_model(redeclared, before)
+    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Relu", "Cast", "Tanh", "Shape"]
+    assert inferred[0] >= 300 and inferred[1] > 150, inferred  # (the input model inferred past u150)

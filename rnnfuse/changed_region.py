@@ -16,6 +16,10 @@ inference may read its value); the outputs of a node taken in are followed in tu
 region reads from outside becomes its typed graph inputs (initializers copied), and everything it computes
 that is read outside it, or not read at all, its outputs, so onnxruntime keeps every node of it.
 
+The region is checked as a model of its own, by onnx.checker and onnxruntime; what neither can see from it is
+the wiring of the whole graph around it (a name defined twice, a value read before it is computed, an
+output nothing computes), which :func:`wiring_error` checks in one pass.
+
 Where the region cannot stand alone (a value it reads has no type ONNX inference can tell; the graph's
 interface, IR version, opsets or functions changed; over 64 MB of weights held in memory, which inference
 would copy) or is not much smaller than the model, :func:`region_model` returns None and the guard loads the
@@ -103,6 +107,34 @@ def region_model(after: ModelProto, before: ModelProto) -> ModelProto | None:
                 return None
         wave = next_wave
     return _standalone(after, [nodes[i] for i in sorted(region)], readers, region, types_after)
+
+
+def wiring_error(model: ModelProto) -> str | None:
+    """What is wrong with how the main graph's nodes connect, as onnx.checker would find it in the whole
+    model and not in a region of it: a value defined twice (by two nodes, or by a node and a graph input or
+    initializer), a value read (by a node or captured by its subgraphs) before anything defines it, a graph
+    output nothing defines. None when the wiring is sound. One pass over the nodes."""
+    g = model.graph
+    defined = {v.name for v in g.input}
+    for t in g.initializer:
+        defined.add(t.name)
+    for n in g.node:
+        reads = n.input[:]
+        if has_subgraph(n):
+            for sg in subgraphs(n):
+                reads += sorted(free_names(sg))
+        for name in reads:
+            if name and name not in defined:
+                return f"{n.op_type} node {n.name!r} reads {name!r} before it is defined"
+        for o in n.output:
+            if o:
+                if o in defined:
+                    return f"{o!r} is defined twice"
+                defined.add(o)
+    for v in g.output:
+        if v.name not in defined:
+            return f"graph output {v.name!r} is not defined"
+    return None
 
 
 def _typed_alike(after: ModelProto, nodes: list[NodeProto], changed: set[int], redefined: set[str]) -> set[str]:
@@ -208,6 +240,10 @@ class _Types:
             return self
         self.asked.update(want)
         borrowed = self._borrowed()
+        self.types.update((n, borrowed[n]) for n in want if n in borrowed)
+        want = [n for n in want if n not in borrowed]
+        if not want:
+            return self
         cone = self._cone(want, borrowed)
         self.whole = cone is None
         got = _inferred_types(self._cone_model(range(len(self.nodes)) if cone is None else cone, want, borrowed))
@@ -382,4 +418,18 @@ def _standalone(after: ModelProto, nodes: list[NodeProto], readers: dict[str, li
     if not outputs:
         return None
     sub.value_info.extend(v for name, v in declared.items() if name not in outputs)
+    _type_outputs(m)
     return m
+
+
+def _type_outputs(m: ModelProto) -> None:
+    """Give the region's undeclared outputs the types ONNX inference gives them in the region (onnx.checker
+    wants every graph output typed; onnxruntime would infer them itself). An output inference cannot type
+    stays untyped, and the checker's complaint about it sends the guard to the whole model."""
+    untyped = [o for o in m.graph.output if not o.HasField("type")]
+    if not untyped:
+        return
+    types = _inferred_types(m)
+    for o in untyped:
+        if types and o.name in types:
+            o.type.ParseFromString(types[o.name])

@@ -173,3 +173,61 @@ def test_an_unchanged_upstream_is_typed_once_for_both_models(monkeypatch):
     sub = region.region_model(redeclared, before)
     assert sub is not None and [n.op_type for n in sub.graph.node] == ["Relu", "Cast", "Tanh", "Shape"]
     assert inferred[0] >= 300 and inferred[1] > 150, inferred  # (the input model inferred past u150)
+
+
+def _edited(m: onnx.ModelProto, nodes: list) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(m)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def _relus(tail: int = 60) -> onnx.ModelProto:
+    """x [3, 4] -> ``tail`` Relus -> y: every value typed float [3, 4]."""
+    nodes = [helper.make_node("Relu", ["x" if i == 0 else f"r{i}"], [f"r{i + 1}"]) for i in range(tail)]
+    g = helper.make_graph(nodes, "relus", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                          [helper.make_tensor_value_info(f"r{tail}", TensorProto.FLOAT, [3, 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_the_guard_checks_the_wiring_around_a_region_that_passes(monkeypatch):
+    """A region that passes both checks on its own can still break the whole graph: its new node defines a
+    name an untouched node defines too, or sits after a node reading what it computes. The wiring check sends
+    the guard to the whole model, whose checks refuse both; a sound edit of the same size passes."""
+    monkeypatch.setattr(region, "SCOPED_NODES", 0)
+    checked = []
+    real = guard.checker_error
+    monkeypatch.setattr(guard, "checker_error", lambda data: checked.append(data) or real(data))
+    before = _relus()
+    nodes = list(before.graph.node)
+    twice = _edited(before, [helper.make_node("Identity", ["x"], ["r30"])] + nodes)
+    late = _edited(before, nodes[:10] + nodes[11:] + [helper.make_node("Sigmoid", ["r10"], ["r11"])])
+    sound = _edited(before, nodes[:10] + [helper.make_node("Sigmoid", ["r10"], ["r11"])] + nodes[11:])
+    assert region.wiring_error(twice) == "'r30' is defined twice"
+    assert "reads 'r11' before it is defined" in region.wiring_error(late)
+    for after in (twice, late, sound):
+        sub = region.region_model(after, before)
+        assert sub is not None and len(sub.graph.node) == 1 and guard.checker_error(sub.SerializeToString()) is None
+    for after in (twice, late):
+        assert guard.harm(after, lambda: before) is not None
+    checked.clear()
+    assert region.wiring_error(sound) is None and guard.harm(sound, lambda: before) is None
+    assert [len(onnx.load_from_string(d).graph.node) for d in checked] == [1]  # (the region alone)
+
+
+def test_wiring_errors_in_graph_outputs_and_subgraph_captures():
+    before = _cast_then_tanh(TensorProto.FLOAT)
+    assert region.wiring_error(before) is None
+    lost = _edited(before, list(before.graph.node)[:-1])
+    assert region.wiring_error(lost) == "graph output 'r60' is not defined"
+    body = helper.make_graph([helper.make_node("Identity", ["r10"], ["o"])], "then",
+                             [], [helper.make_tensor_value_info("o", TensorProto.FLOAT, None)])
+    cond = helper.make_node("Constant", [], ["cond"], value=numpy_helper.from_array(np.array(True)))
+    branch = helper.make_node("If", ["cond"], ["b"], then_branch=body, else_branch=body)
+    nodes = list(before.graph.node)
+    early = _edited(before, [cond, branch] + nodes)  # (the If captures r10 before the Relu computing it)
+    assert "reads 'r10' before it is defined" in region.wiring_error(early)
+    assert region.wiring_error(_edited(before, nodes + [cond, branch])) is None

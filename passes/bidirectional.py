@@ -39,6 +39,31 @@ def _inp(n: NodeProto, i: int) -> str:
     return n.input[i] if len(n.input) > i else ""
 
 
+# the ops' downstream is walked up to this many nodes; past it, the ancestry walks go all the way up
+DOWNSTREAM_WALK = 20_000
+
+
+def _downstream(g: Graph, ops: list[NodeProto], limit: int) -> set[int] | None:
+    """The ids of ``ops`` and of every node computed from one of them (their readers, those nodes' readers,
+    and so on; a subgraph's capture counts as a read); None past ``limit`` nodes. Only these can have an op
+    among their ancestors: a model whose ops sit behind a long prologue (100,000 nodes) then walks back over
+    the few nodes after the ops, not over the prologue."""
+    seen = {id(n) for n in ops}
+    stack = list(ops)
+    while stack:
+        n = stack.pop()
+        for o in n.output:
+            if not o:
+                continue
+            for r in g.uses(o):
+                if id(r) not in seen:
+                    seen.add(id(r))
+                    if len(seen) > limit:
+                        return None
+                    stack.append(r)
+    return seen
+
+
 class _OpAncestry:
     """Which of the pass's native ops each node is computed from, through any path: one walk back over the
     graph, memoized per node and shared by every pair the pass checks (a pass with many pairs reads each node
@@ -48,10 +73,15 @@ class _OpAncestry:
         self.g = g
         self.ops = {id(n): n for n in ops}
         self.memo: dict[int, frozenset] = {}
+        self.downstream = _downstream(g, ops, DOWNSTREAM_WALK)
 
     def _producers(self, n: NodeProto) -> list[NodeProto]:
-        g = self.g
-        return [p for p in (g.producer.get(i) for i in g.reads(n) if i) if p is not None]
+        g, downstream = self.g, self.downstream
+        producers = (g.producer.get(i) for i in g.reads(n) if i)
+        if downstream is None:
+            return [p for p in producers if p is not None]
+        # (a producer computed from no op has no op among its ancestors: the walk does not go up there)
+        return [p for p in producers if p is not None and id(p) in downstream]
 
     def of(self, node: NodeProto) -> frozenset:
         """The ids of the ops among ``node``'s ancestors (itself not counted)."""

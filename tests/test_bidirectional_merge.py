@@ -10,6 +10,7 @@ pair's forward half starts from the first pair's forward state ("graph has a cyc
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
@@ -89,3 +90,40 @@ def test_independent_pairs_are_all_merged():
     model.graph.finalize()
     assert [f.status for f in res.findings] == ["merged", "merged"], [(f.status, f.reason) for f in res.findings]
     np.testing.assert_allclose(_run(model.proto, feeds), want, rtol=1e-5, atol=1e-6)
+
+
+def _behind_a_prologue(m: onnx.ModelProto, length: int) -> onnx.ModelProto:
+    """``m`` with its X and h0 computed by ``length`` Identity nodes each from the graph's inputs X0, h00."""
+    pre = []
+    for name in ("X", "h0"):
+        for i in range(length):
+            src = f"{name}0" if i == 0 else f"{name}_pre{i - 1}"
+            pre.append(helper.make_node("Identity", [src], [name if i == length - 1 else f"{name}_pre{i}"]))
+    for vi in m.graph.input:
+        vi.name += "0"
+    nodes = pre + list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    return m
+
+
+@pytest.mark.parametrize("walk", ["pruned", "whole"])
+def test_cycles_are_found_behind_a_long_prologue_without_walking_it(monkeypatch, walk):
+    """The ancestry walk goes up only through nodes computed from an op: behind 2 x 500 prologue nodes it
+    visits the few nodes after the ops, and finds the same cycle as the walk over everything (the downstream
+    too big to walk: DOWNSTREAM_WALK 0)."""
+    import rnnfuse.passes.bidirectional as bidirectional
+
+    if walk == "whole":
+        monkeypatch.setattr(bidirectional, "DOWNSTREAM_WALK", 0)
+    made = []
+    init = bidirectional._OpAncestry.__init__
+    monkeypatch.setattr(bidirectional._OpAncestry, "__init__", lambda self, *a: made.append(self) or init(self, *a))
+    model = Model(_behind_a_prologue(_crossed_pairs(), 500))
+    res = MergeBidirectional().run(model, Options())
+    model.graph.finalize()
+    statuses = sorted((f.status, f.reason) for f in res.findings)
+    assert [s for s, _ in statuses] == ["declined", "merged"], statuses
+    assert "computed from the other" in statuses[0][1]
+    (ancestry,) = made
+    assert (len(ancestry.memo) < 20) if walk == "pruned" else (len(ancestry.memo) > 1000), len(ancestry.memo)

@@ -5,9 +5,10 @@ the fusion passes. They are not the product: when nothing was fused, the caller 
 it was (the command line copies the input file byte for byte). When something was fused, the rewritten model
 must be at least as valid as the input: if the input passes ``onnx.checker`` (full check, strict shape
 inference) or loads in onnxruntime, the output must too; otherwise every rewrite is undone and the findings
-say why. A big model is judged by the part the run changed (rnnfuse.changed_region) when that part passes. Each rewrite was already validated numerically; this guards the graph as a whole (a clean-up can
+say why. Each rewrite was already validated numerically; this guards the graph as a whole (a clean-up can
 expose a shape that strict inference refuses, as the ``affine_grid`` function expansions in onnx's backend
-tests showed).
+tests showed). A big model is judged by the part the run changed (rnnfuse.changed_region) when that part
+passes both checks and the graph around it is wired soundly; otherwise by the whole.
 """
 
 from __future__ import annotations

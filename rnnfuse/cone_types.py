@@ -54,6 +54,17 @@ class ConeTypes:
         self.settled: set[str] = set()  # outputs of nodes already inferred (typed or not), or given up on
         self.too_big: set[str] = set()  # names whose cone does not fit one inference (asked in one piece)
 
+    def carried_over(self, model: "Model", retyped: set[str]) -> "ConeTypes":
+        """The types for ``model``, the next round's view of this one's proto: those inferred here, but for
+        the ``retyped`` values (defined anew this round, or computed from one that was) and values gone.
+        The count of cones carries over too: the dims a cone invented are named after it, and a new cone
+        must not give another dim the same name."""
+        carried = ConeTypes(model)
+        producer = model.graph.producer
+        carried.types = {k: t for k, t in self.types.items() if k in producer and k not in retyped}
+        carried.cones = self.cones
+        return carried
+
     def type_of(self, name: str, one_piece: bool = False) -> Type | None:
         """The type inference gives ``name``; with ``one_piece``, only if its cone fits one inference (a
         bigger cone is left for a query that needs the answer: see Model.known_type)."""

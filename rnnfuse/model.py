@@ -41,10 +41,15 @@ class Model:
 
     def next_round(self) -> "Model":
         """A fresh view of the same proto for another round of passes (see ``Pipeline.run``): indices, names
-        and types are rebuilt from the graph as it now is; the facts passes left and open memory maps carry over."""
+        and types are rebuilt from the graph as it now is; the facts passes left and open memory maps carry over,
+        and so do the inferred types of values the round did not touch."""
         m = Model(self.proto, external_dir=self.external_dir)
         m.facts = self.facts
         m._maps = self._maps
+        if self._cones is not None and self.graph.retyped is not None and not m._may_infer:
+            # (the types inferred this round of values the round did not touch, nor computed anything they
+            # are computed from: a recurrence behind a 100,000-node prologue inferred it again each round)
+            m._cones = self._cones.carried_over(m, self.graph.retyped)
         return m
 
     @property

@@ -254,3 +254,32 @@ def test_a_loop_behind_a_prologue_too_big_to_infer_at_once_is_fused(monkeypatch)
     got = session(out).run(None, {"raw_x": xv})
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_next_round_keeps_the_types_of_what_the_round_left_alone(monkeypatch):
+    """x -> 60 Relus (r0..r59) -> Tanh (t) -> NonZero (nz) -> Transpose (y), in a model too big for whole
+    inference (forced small). The round replaces the Tanh: the next round's view keeps the inferred types of
+    the Relus' values, which it would otherwise infer again (a 100,000-node prologue, each round), and not
+    those of the values computed from the replacement. Its count of cones carries over, so a dim a later cone
+    invents is not named like one an earlier cone invented (the two NonZero counts stay two dims)."""
+    monkeypatch.setattr("rnnfuse.model.CHEAP_INFERENCE_NODES", 10)
+    nodes = [helper.make_node("Relu", ["x" if i == 0 else f"r{i - 1}"], [f"r{i}"]) for i in range(60)]
+    nodes += [helper.make_node("Tanh", ["r59"], ["t"]), helper.make_node("NonZero", ["t"], ["nz"]),
+              helper.make_node("Transpose", ["nz"], ["y"])]
+    g = helper.make_graph(nodes, "relus", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.INT64, None)])
+    m = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    before = m.known_type("y", whole_cone=True)
+    assert m.known_type("r30") == (TensorProto.FLOAT, [4]) and before[1][1] == 1
+    graph = m.graph
+    (sig,) = graph.add_node("Sigmoid", ["r59"])
+    graph.replace_uses("t", sig)
+    graph.prune()
+    graph.finalize()
+    assert {"t", "nz", "y"} <= graph.retyped and "r59" not in graph.retyped
+    nxt = m.next_round()
+    carried = nxt._cones.types
+    assert all(f"r{i}" in carried for i in range(60)) and "nz" not in carried and "y" not in carried
+    assert nxt._cones.cones == m._cones.cones >= 1
+    after = nxt.known_type("y", whole_cone=True)
+    assert after[1][1] == 1 and after[1][0] != before[1][0], (before, after)

@@ -196,6 +196,18 @@ class Graph(Rewiring, GraphIndex):
         self._index(node)
         self.edited.append(node)
 
+    def edit_mark(self) -> tuple:
+        """A mark of the edit log as it is now, for :meth:`edited_since`."""
+        return (self.edited, len(self.edited), len(self._graveyard))
+
+    def edited_since(self, mark: tuple) -> list[NodeProto] | None:
+        """The nodes added, rewired or removed since ``mark`` was taken; None when the log was reset since
+        (:meth:`finalize`: the round is over)."""
+        log, n_edited, n_removed = mark
+        if log is not self.edited:
+            return None
+        return self.edited[n_edited:] + self._graveyard[n_removed:]
+
     def _state(self) -> tuple[int, int]:
         """Changes so far (nodes added or rewired, nodes removed): equal states mean the same graph."""
         return (len(self.edited), len(self._graveyard))

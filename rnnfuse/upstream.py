@@ -31,7 +31,7 @@ from onnx import NodeProto, TensorProto
 
 from .check_session import model_of
 from .graph import Graph
-from .protos import tensor_nbytes
+from .protos import has_subgraph, tensor_nbytes
 
 # a shared upstream of fewer nodes (and lighter weights) stays in the check model: a session of its own costs
 # more than running it with the rest
@@ -63,6 +63,7 @@ class KeptValues:
         self.values: dict[tuple[bytes, bytes], np.ndarray] = {}
         self.digests: set[bytes] = set()  # (of the computations kept for some inputs: one lookup a tensor)
         self.budget = budget
+        self.runs: list[_UpstreamRun] = []  # (the upstreams run in this round, while their nodes stand unedited)
 
     def put(self, key: tuple[bytes, bytes], value: np.ndarray) -> None:
         if key not in self.values and value.nbytes <= self.budget:
@@ -79,27 +80,38 @@ def kept_values(g: Graph) -> KeptValues:
     return facts.upstream_values
 
 
-def cut(ort, g: Graph, cone: list[NodeProto], pairs: list[tuple[str, str]], masks: list[str], inputs,
-        open_session) -> Cut:
-    """Where the check model of ``pairs`` over ``cone`` (their cone, topologically sorted) starts, for the
-    input sets ``inputs`` (a sequence of feeds, each made as it is read: validate.InputSets): after the values
-    kept from earlier validations, and after this validation's shared upstream when it is big (run here, its
-    values kept). Anything that cannot be cut (a value that is not a tensor, a session that fails) leaves the
-    check model whole from there: it is what decides."""
+def cut(ort, g: Graph, pairs: list[tuple[str, str]], masks: list[str], inputs, open_session) -> Cut:
+    """Where the check model of ``pairs`` starts, for the input sets ``inputs`` (a sequence of feeds, each made
+    as it is read: validate.InputSets): after the values kept from earlier validations, and after this
+    validation's shared upstream when it is big (run here, its values kept). Anything that cannot be cut (a
+    value that is not a tensor, a session that fails) leaves the check model whole from there: it is what
+    decides."""
     kept = kept_values(g)
-    digests, from_masks = _digests(g, cone, set(masks))
+    wanted = {n for p in pairs for n in p}
     fed: list[bytes] = []  # (the input sets' digests, when needed: each set is made again to be read)
     given: dict[str, list[np.ndarray]] = {}
+    known: dict[str, bytes] = {}
+    kept.runs = [run for run in kept.runs if g.edited_since(run.mark) is not None]  # (an earlier round's: gone)
     if kept.values:
         fed = [_inputs_digest(x) for x in inputs]
+        # (an upstream run earlier this round, none of its nodes edited since: its values stand, and the cone
+        # is not walked past them, nor digested: a 100,000-node prologue walked twice a validation)
+        for run in kept.runs:
+            for name, d in run.standing(g, masks).items():
+                values = [kept.values.get((d, f)) for f in fed]
+                if name not in wanted and all(v is not None for v in values):
+                    given[name], known[name] = values, d
+    cone = g.cone(wanted, given)
+    digests, from_masks = _digests(g, cone, set(masks), known)
+    if kept.values:
         for name, d in digests.items():
             # (a value computed from a mask this validation overrides is computed again, from the override)
-            if d in kept.digests and name not in from_masks:
+            if d in kept.digests and name not in from_masks and name not in given:
                 values = [kept.values.get((d, f)) for f in fed]
                 if all(v is not None for v in values):
                     given[name] = values
-    wanted = {n for p in pairs for n in p}
-    nodes = g.cone(wanted, given) if given else cone  # (what is still needed once the kept values are fed)
+    # (what is still needed once the kept values are fed)
+    nodes = g.cone(wanted, given) if len(given) > len(known) else cone
     shared = _shared_upstream(g, nodes, pairs, from_masks)
     if not _worth_running_apart(g, shared) or any(o in wanted for n in shared for o in n.output):
         return Cut(nodes, given)
@@ -115,6 +127,8 @@ def cut(ort, g: Graph, cone: list[NodeProto], pairs: list[tuple[str, str]], mask
     for name, per_set in values.items():
         for f, v in zip(fed, per_set):
             kept.put((digests[name], f), v)
+    if not any(i in given for n in shared for i in g.reads(n)) and not any(has_subgraph(n) for n in shared):
+        kept.runs.append(_UpstreamRun(g, shared, {name: digests[name] for name in values}))
     rest = [n for n in nodes if id(n) not in ids]
     read = {i for n in rest for i in g.reads(n)}
     return Cut(rest, {**{k: v for k, v in given.items() if k in read}, **values})
@@ -124,12 +138,54 @@ _DIGEST = 16
 _NO_INPUT = bytes(_DIGEST + 2)
 
 
-def _digests(g: Graph, cone: list[NodeProto], masks: set[str]) -> tuple[dict[str, bytes], set[str]]:
+class _UpstreamRun:
+    """A shared upstream run this round (its values kept under ``boundary``: name -> digest), reading only
+    graph inputs and weights, holding no subgraph. A later validation of the round takes its boundary
+    values without walking or digesting the upstream again (a 100,000-node prologue was walked twice a
+    validation) as long as the graph's edit log shows none of its nodes rewired and no new node computing a
+    value they computed (nodes of it removed since were dead, or that would show). A new round (a finalized
+    graph, another view) ends its standing: digests alone find its values again."""
+
+    def __init__(self, g: Graph, nodes: list[NodeProto], boundary: dict[str, bytes]):
+        self.ids = {id(n) for n in nodes}
+        self.nodes = nodes  # (held: their ids stay theirs)
+        self.outputs = {o for n in nodes for o in n.output if o}
+        self.inputs = {i for n in nodes for i in n.input if i in g.input_names}  # (graph inputs it reads)
+        self.boundary = boundary
+        self.mark = g.edit_mark()
+
+    def standing(self, g: Graph, masks: list[str]) -> dict[str, bytes]:
+        """Its boundary values (name -> digest) that are still what it computed, computed from none of
+        ``masks`` (a validation overriding a mask computes what reads it again, from the override)."""
+        since = g.edited_since(self.mark)
+        if since is None:  # (finalized since, or another graph's)
+            return {}
+        ids, outputs = self.ids, self.outputs
+        for n in since:
+            if (id(n) in ids and g.alive(n)) or (id(n) not in ids and any(o in outputs for o in n.output)):
+                return {}  # (one of its nodes rewired, or a new node computing one of its values)
+        # what the masks it computes or reads reach within it, walked forward from them (a mask's own value is
+        # what the check overrides it from: it stands)
+        reached: set[str] = set()
+        stack = [m for m in masks if m in outputs or m in self.inputs]
+        while stack:
+            for r in g.uses(stack.pop()):
+                if id(r) in ids:
+                    for o in r.output:
+                        if o and o not in reached:
+                            reached.add(o)
+                            stack.append(o)
+        producer = g.producer
+        return {b: d for b, d in self.boundary.items() if b not in reached and id(producer.get(b)) in ids}
+
+
+def _digests(g: Graph, cone: list[NodeProto], masks: set[str], known: dict[str, bytes] | None = None
+             ) -> tuple[dict[str, bytes], set[str]]:
     """Every tensor the cone (in topological order) computes -> a digest of its computation (the graph
-    inputs and weights it reads included): equal digests, same values from the same inputs. And which of
-    them are computed from one of ``masks``. One pass: this walks every node of a cone that may hold a
-    100,000-node prologue, once a validation."""
-    out: dict[str, bytes] = {}
+    inputs and weights it reads included; the ``known`` values' digests given): equal digests, same values
+    from the same inputs. And which of them are computed from one of ``masks``. One pass: this walks every
+    node of a cone that may hold a 100,000-node prologue."""
+    out: dict[str, bytes] = dict(known or {})
     from_masks: set[str] = set()
     blake2b = hashlib.blake2b
     initializers, input_names = g.initializers, g.input_names

@@ -330,8 +330,7 @@ def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: Inpu
     computing them (per input set, see rnnfuse.upstream), or the ValidationResult that says which side
     onnxruntime cannot load (the original model, or the rewrite)."""
     try:
-        wanted = {n for p in pairs for n in p}
-        start = cut(ort, g, g.cone(wanted), pairs, mask_names, inputs,
+        start = cut(ort, g, pairs, mask_names, inputs,
                     lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack, file_route=takes_file_route(big)))
         check, pattern_inputs, big = build_check_model(g, pairs, mask_names, start)
         sess = open_session(ort, check, big, prepack=prepack, file_route=takes_file_route(big))

@@ -149,11 +149,60 @@ def test_a_value_computed_from_an_overridden_mask_is_computed_again():
         kept.put((digests[name], fed), np.ones((2, 4), np.float32))
 
     def given(masks):
-        c = upstream.cut(None, g, list(g.nodes), [("old", "new")], masks, inputs, None)
+        c = upstream.cut(None, g, [("old", "new")], masks, inputs, None)
         return sorted(c.given), sorted(n.output[0] for n in c.nodes)
 
     assert given(["m"]) == (["z"], ["m", "new", "old", "y"])
     assert given([]) == (["y", "z"], ["new", "old"])
+
+
+def test_later_validations_take_the_upstream_run_without_walking_it(prologue_model, monkeypatch):
+    """The Loops' validation runs the 2,000-node prologue and digests it; the bidirectional merge's and the
+    clean-up's validations, later in the round, none of the prologue's nodes edited since, take its values
+    and digest only the few nodes after them. The output is the same bytes as with every cone digested."""
+    digested: list[int] = []
+    digests = upstream._digests
+    monkeypatch.setattr(upstream, "_digests", lambda g, cone, *a: digested.append(len(cone)) or digests(g, cone, *a))
+    fused, report = rnnfuse.optimize(prologue_model)
+    assert len(report.fused) == 4 and len(digested) >= 3, (digested, report.to_text())
+    assert digested[0] >= PROLOGUE_NODES and max(digested[1:]) < 300, digested
+    monkeypatch.setattr(upstream._UpstreamRun, "standing", lambda self, g, masks: {})
+    walked, _ = rnnfuse.optimize(prologue_model)
+    assert walked.SerializeToString() == fused.SerializeToString()
+
+
+def _upstream_run(nodes, boundary):
+    g = _graph(nodes, ["x"], ["out"], [numpy_helper.from_array(np.zeros(1, np.float32), "zero")])
+    run = upstream._UpstreamRun(g, [n for n in g.nodes if n.output[0] != "out"], {b: b.encode() for b in boundary})
+    return g, run
+
+
+def test_an_upstream_run_stands_until_one_of_its_nodes_is_rewired_or_recomputed():
+    """m = x > 0, y = where(m, x, 0), z = relu(x), all run apart; out reads them. The run stands as long as
+    the edit log shows none of its nodes rewired and no new node computing one of its values; a node of it
+    removed as dead does not end it. A mask it computes: what reads the mask is not taken (a validation
+    overriding it computes that again), the mask itself is."""
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["m"]), helper.make_node("Where", ["m", "x", "zero"], ["y"]),
+             helper.make_node("Relu", ["x"], ["z"]), helper.make_node("Tanh", ["x"], ["dead"]),
+             helper.make_node("Sum", ["y", "z"], ["out"])]
+    g, run = _upstream_run(nodes, ["m", "y", "z"])
+    assert sorted(run.standing(g, [])) == ["m", "y", "z"]
+    assert sorted(run.standing(g, ["m"])) == ["m", "z"]
+    assert run.standing(g, ["x"]) == {}  # (a graph input every one of them is computed from)
+    g.remove_node(g.producer["dead"])
+    assert sorted(run.standing(g, [])) == ["m", "y", "z"]
+    (abs_x,) = g.add_node("Abs", ["x"])
+    g.replace_reads([g.producer["z"]], "x", abs_x)  # (z's node rewired: its value is another)
+    assert run.standing(g, []) == {}
+
+    g, run = _upstream_run(nodes, ["m", "y", "z"])
+    g.remove_node(g.producer["z"])
+    g.add_node("Neg", ["x"], outputs=["z"])  # (z computed anew under its name)
+    assert run.standing(g, []) == {}
+    g.finalize()
+    g2, run2 = _upstream_run(nodes, ["m"])
+    g2.finalize()  # (a new round: the log the run was marked on is gone)
+    assert run2.standing(g2, []) == {}
 
 
 def test_digests_tell_computations_apart():

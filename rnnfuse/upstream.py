@@ -13,7 +13,8 @@ prologue, an encoder, a convolutional backbone). Its values do not depend on the
   inputs it was computed from: a later validation whose cone holds the same computation starts from them
   instead of running it again. (A recurrence behind a 100,000-node prologue was validated three times, by the
   Loop front end, the bidirectional merge and the stacked-input clean-up, each loading and running the
-  prologue in onnxruntime.)
+  prologue in onnxruntime.) Within the round that ran it, while the graph's edit log shows none of its nodes
+  edited, a later validation takes its values without walking or digesting it at all (:class:`_UpstreamRun`).
 
 Both sides of the check still read the same values at the cut, computed by onnxruntime from the same inputs,
 so the comparison is the one the whole check model made. rnnfuse never rewrites a weight in place (new

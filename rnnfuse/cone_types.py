@@ -54,14 +54,23 @@ class ConeTypes:
         self.settled: set[str] = set()  # outputs of nodes already inferred (typed or not), or given up on
         self.too_big: set[str] = set()  # names whose cone does not fit one inference (asked in one piece)
 
-    def carried_over(self, model: "Model", retyped: set[str]) -> "ConeTypes":
+    def carried_over(self, model: "Model", redefined: list[str]) -> "ConeTypes":
         """The types for ``model``, the next round's view of this one's proto: those inferred here, but for
-        the ``retyped`` values (defined anew this round, or computed from one that was) and values gone.
-        The count of cones carries over too: the dims a cone invented are named after it, and a new cone
-        must not give another dim the same name."""
+        the values gone, the ``redefined`` ones (the round's new or rewired nodes' outputs, its removed
+        nodes') and every value computed from one of those, whose inferred types may differ now (only
+        that downstream is walked). The count of cones carries over too: the dims a cone invented are named
+        after it, and a new cone must not give another dim the same name."""
+        g = model.graph
+        retyped: set[str] = set()
+        stack = list(redefined)
+        while stack:
+            v = stack.pop()
+            if v not in retyped:
+                retyped.add(v)
+                for r in g.uses(v):  # (a subgraph's capture counts as a read)
+                    stack.extend(o for o in r.output if o and o not in retyped)
         carried = ConeTypes(model)
-        producer = model.graph.producer
-        carried.types = {k: t for k, t in self.types.items() if k in producer and k not in retyped}
+        carried.types = {k: t for k, t in self.types.items() if k in g.producer and k not in retyped}
         carried.cones = self.cones
         return carried
 

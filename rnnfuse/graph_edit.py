@@ -22,6 +22,9 @@ class Graph(Rewiring, GraphIndex):
     """One graph scope with producer/consumer maps (:class:`GraphIndex`) and edit operations (renaming what
     nodes read: :class:`~rnnfuse.graph_rewire.Rewiring`)."""
 
+    # what the last finalize's round defined anew: the outputs of nodes it added, rewired or removed
+    redefined: list[str] | None = None
+
     # -- edits -------------------------------------------------------------------------------------------
     def fresh(self, hint: str) -> str:
         return self.model.names.fresh(hint)
@@ -231,8 +234,7 @@ class Graph(Rewiring, GraphIndex):
         prune, no sort of an order no edit disturbed, no proto rewrite or index rebuild of an unchanged node
         list."""
         removed = self._removed
-        # (what this round defined anew: the outputs of nodes added, rewired or removed)
-        redefined = [o for n in itertools.chain(self.edited, self._graveyard) for o in n.output if o]
+        self.redefined = [o for n in itertools.chain(self.edited, self._graveyard) for o in n.output if o]
         kept = removed.keep(self.nodes) if removed else self.nodes
         if self._pruned == self._state():
             nodes, dropped = kept, False  # every node left is live
@@ -277,22 +279,6 @@ class Graph(Rewiring, GraphIndex):
             if len(vis) != len(self.proto.value_info):
                 del self.proto.value_info[:]
                 self.proto.value_info.extend(vis)
-        self.retyped = self._computed_from(redefined)
-
-    def _computed_from(self, names) -> set[str]:
-        """``names`` and every value computed from one of them (through readers, a subgraph's capture
-        counting as a read): the values whose inferred types may differ from what they were before the
-        edits that defined ``names`` anew. Walks only that downstream."""
-        out: set[str] = set()
-        stack = list(names)
-        while stack:
-            v = stack.pop()
-            if v in out:
-                continue
-            out.add(v)
-            for r in self.uses(v):
-                stack.extend(o for o in r.output if o and o not in out)
-        return out
 
     def _dead_nodes(self) -> list[NodeProto]:
         """The nodes no graph output is computed from, in node-list order.

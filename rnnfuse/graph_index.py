@@ -60,8 +60,6 @@ class GraphIndex:
         # nodes added or rewired (inputs or outputs renamed) since the graph was built or finalized, in edit
         # order: what an incremental pass (Dedupe after a fusion) has to look at again; finalize starts a new list
         self.edited: list[NodeProto] = []
-        # the values the last finalize may have given other types (see Graph.finalize); None before one
-        self.retyped: set[str] | None = None
         self._pruned: tuple | None = None  # _state() when the last prune (or finalize) left only live nodes
         # the op-type index (nodes_of) is filled by the same pass, which reads every node's op type anyway
         self._by_op = {}

@@ -46,10 +46,10 @@ class Model:
         m = Model(self.proto, external_dir=self.external_dir)
         m.facts = self.facts
         m._maps = self._maps
-        if self._cones is not None and self.graph.retyped is not None and not m._may_infer:
+        if self._cones is not None and self.graph.redefined is not None and not m._may_infer:
             # (the types inferred this round of values the round did not touch, nor computed anything they
             # are computed from: a recurrence behind a 100,000-node prologue inferred it again each round)
-            m._cones = self._cones.carried_over(m, self.graph.retyped)
+            m._cones = self._cones.carried_over(m, self.graph.redefined)
         return m
 
     @property

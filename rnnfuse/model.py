@@ -50,6 +50,9 @@ class Model:
             # (the types inferred this round of values the round did not touch, nor computed anything they
             # are computed from: a recurrence behind a 100,000-node prologue inferred it again each round)
             m._cones = self._cones.carried_over(m, self.graph.redefined)
+        self._cones = None  # (this view is done: what it inferred lives on in the next one, or is stale)
+        if self.facts.upstream_values is not None:
+            self.facts.upstream_values.runs.clear()  # (their standing ends with the round)
         return m
 
     @property

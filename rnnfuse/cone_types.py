@@ -58,20 +58,25 @@ class ConeTypes:
         """The types for ``model``, the next round's view of this one's proto: those inferred here, but for
         the values gone, the ``redefined`` ones (the round's new or rewired nodes' outputs, its removed
         nodes') and every value computed from one of those, whose inferred types may differ now (only
-        that downstream is walked). The count of cones carries over too: the dims a cone invented are named
-        after it, and a new cone must not give another dim the same name."""
+        that downstream is walked, and no further than there are types to keep: a small fusion before a
+        100,000-node head would walk the head to keep a few types; then none is kept). The count of cones
+        carries over too: the dims a cone invented are named after it, and a new cone must not give another
+        dim the same name."""
         g = model.graph
+        carried = ConeTypes(model)
+        carried.cones = self.cones
+        limit = max(len(self.types), 1000)
         retyped: set[str] = set()
         stack = list(redefined)
         while stack:
             v = stack.pop()
             if v not in retyped:
                 retyped.add(v)
+                if len(retyped) > limit:
+                    return carried
                 for r in g.uses(v):  # (a subgraph's capture counts as a read)
                     stack.extend(o for o in r.output if o and o not in retyped)
-        carried = ConeTypes(model)
         carried.types = {k: t for k, t in self.types.items() if k in g.producer and k not in retyped}
-        carried.cones = self.cones
         return carried
 
     def type_of(self, name: str, one_piece: bool = False) -> Type | None:

@@ -284,3 +284,24 @@ def test_the_next_round_keeps_the_types_of_what_the_round_left_alone(monkeypatch
     assert nxt._cones.cones == cones >= 1 and m._cones is None  # (the finished view lets its types go)
     after = nxt.known_type("y", whole_cone=True)
     assert after[1][1] == 1 and after[1][0] != before[1][0], (before, after)
+
+
+def test_the_next_round_keeps_no_types_when_finding_them_would_walk_a_big_downstream(monkeypatch):
+    """x -> 50 Relus (a0..a49, typed) and x -> Tanh (t) -> 1,500 Relus (a head). The round replaces the Tanh:
+    telling which types still hold walks what is computed from it, the whole head, to keep 50 types; the walk
+    stops past max(types, 1,000) values and the next round keeps none (it infers again what it asks)."""
+    monkeypatch.setattr("rnnfuse.model.CHEAP_INFERENCE_NODES", 10)
+    nodes = [helper.make_node("Relu", ["x" if i == 0 else f"a{i - 1}"], [f"a{i}"]) for i in range(50)]
+    nodes.append(helper.make_node("Tanh", ["x"], ["t"]))
+    nodes += [helper.make_node("Relu", ["t" if i == 0 else f"h{i - 1}"], [f"h{i}"]) for i in range(1500)]
+    g = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a49", "h1499")])
+    m = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    assert m.known_type("a49") == (TensorProto.FLOAT, [4])
+    graph = m.graph
+    (sig,) = graph.add_node("Sigmoid", ["x"])
+    graph.replace_uses("t", sig)
+    graph.prune()
+    graph.finalize()
+    nxt = m.next_round()
+    assert nxt._cones.types == {} and nxt.known_type("a49") == (TensorProto.FLOAT, [4])

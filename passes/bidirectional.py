@@ -43,27 +43,6 @@ def _inp(n: NodeProto, i: int) -> str:
 DOWNSTREAM_WALK = 20_000
 
 
-def _downstream(g: Graph, ops: list[NodeProto], limit: int) -> set[int] | None:
-    """The ids of ``ops`` and of every node computed from one of them (their readers, those nodes' readers,
-    and so on; a subgraph's capture counts as a read); None past ``limit`` nodes. Only these can have an op
-    among their ancestors: a model whose ops sit behind a long prologue (100,000 nodes) then walks back over
-    the few nodes after the ops, not over the prologue."""
-    seen = {id(n) for n in ops}
-    stack = list(ops)
-    while stack:
-        n = stack.pop()
-        for o in n.output:
-            if not o:
-                continue
-            for r in g.uses(o):
-                if id(r) not in seen:
-                    seen.add(id(r))
-                    if len(seen) > limit:
-                        return None
-                    stack.append(r)
-    return seen
-
-
 class _OpAncestry:
     """Which of the pass's native ops each node is computed from, through any path: one walk back over the
     graph, memoized per node and shared by every pair the pass checks (a pass with many pairs reads each node
@@ -73,7 +52,10 @@ class _OpAncestry:
         self.g = g
         self.ops = {id(n): n for n in ops}
         self.memo: dict[int, frozenset] = {}
-        self.downstream = _downstream(g, ops, DOWNSTREAM_WALK)
+        # (a node computed from no op has no op among its ancestors: the walks below do not go up there; a
+        # model whose ops sit behind a 100,000-node prologue walks the few nodes after them)
+        after = g.downstream([o for n in ops for o in n.output if o], DOWNSTREAM_WALK - len(ops))
+        self.downstream = None if after is None else {id(n) for n in ops} | {id(n) for n in after}
 
     def _producers(self, n: NodeProto) -> list[NodeProto]:
         g, downstream = self.g, self.downstream

@@ -32,7 +32,7 @@ from __future__ import annotations
 import onnx
 from onnx import ModelProto, NodeProto, TensorProto
 
-from .protos import free_names, has_subgraph, subgraphs
+from .protos import free_names, has_subgraph, reads_of, subgraphs
 from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, skeleton_initializer
 
 # below this many nodes onnxruntime loads a whole model in well under a second: the guard loads it whole
@@ -119,11 +119,7 @@ def wiring_error(model: ModelProto) -> str | None:
     for t in g.initializer:
         defined.add(t.name)
     for n in g.node:
-        reads = n.input[:]
-        if has_subgraph(n):
-            for sg in subgraphs(n):
-                reads += sorted(free_names(sg))
-        for name in reads:
+        for name in reads_of(n):
             if name and name not in defined:
                 return f"{n.op_type} node {n.name!r} reads {name!r} before it is defined"
         for o in n.output:
@@ -150,13 +146,7 @@ def _typed_alike(after: ModelProto, nodes: list[NodeProto], changed: set[int], r
     for i, n in enumerate(nodes):
         if i in changed:
             continue
-        if has_subgraph(n):
-            reads = set(n.input[:])
-            for sg in subgraphs(n):
-                reads |= free_names(sg)
-        else:
-            reads = n.input[:]
-        if alike.issuperset(reads):
+        if alike.issuperset(reads_of(n)):
             alike.update(o for o in n.output if o not in redefined)
     alike.discard("")
     return alike
@@ -187,10 +177,7 @@ def _readers(nodes: list[NodeProto]) -> dict[str, list[int]]:
     """Value name -> the positions of the nodes reading it, through their subgraphs' captures too."""
     readers: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
-        names = set(n.input[:])
-        if has_subgraph(n):
-            for sg in subgraphs(n):
-                names |= free_names(sg)
+        names = set(reads_of(n))
         names.discard("")
         for name in names:
             readers.setdefault(name, []).append(i)
@@ -271,12 +258,7 @@ class _Types:
             seen.add(i)
             if 4 * len(seen) > len(self.nodes):
                 return None
-            n = self.nodes[i]
-            reads = list(n.input)
-            if has_subgraph(n):
-                for sg in subgraphs(n):
-                    reads += free_names(sg)
-            stack.extend(self.producer[r] for r in reads
+            stack.extend(self.producer[r] for r in reads_of(self.nodes[i])
                          if r in self.producer and r not in borrowed and self.producer[r] not in seen)
         return sorted(seen)
 
@@ -368,11 +350,7 @@ def _standalone(after: ModelProto, nodes: list[NodeProto], readers: dict[str, li
     produced = {o for n in nodes for o in n.output if o}
     read: list[str] = []
     for n in nodes:
-        names = list(n.input)
-        if has_subgraph(n):
-            for sg in subgraphs(n):
-                names += sorted(free_names(sg))
-        read += [x for x in names if x and x not in produced]
+        read += [x for x in reads_of(n) if x and x not in produced]
     read = list(dict.fromkeys(read))
     g = after.graph
     inits = {t.name: t for t in g.initializer}

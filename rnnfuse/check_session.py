@@ -34,7 +34,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .model import release_mapped_pages
-from .protos import free_names, subgraphs, tensor_nbytes
+from .protos import reads_of, tensor_nbytes
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -287,9 +287,7 @@ def model_of(g: "Graph", nodes: list[onnx.NodeProto], outputs: list, given: dict
     :func:`rnnfuse.check_session.open_session`)."""
     used = set()
     for n in nodes:
-        used.update(n.input)
-        for sg in subgraphs(n):
-            used |= free_names(sg)
+        used.update(reads_of(n))
     proto = g.model.proto
     m = onnx.ModelProto()
     m.ir_version = proto.ir_version

@@ -58,24 +58,17 @@ class ConeTypes:
         """The types for ``model``, the next round's view of this one's proto: those inferred here, but for
         the values gone, the ``redefined`` ones (the round's new or rewired nodes' outputs, its removed
         nodes') and every value computed from one of those, whose inferred types may differ now (only
-        that downstream is walked, and no further than there are types to keep: a small fusion before a
-        100,000-node head would walk the head to keep a few types; then none is kept). The count of cones
+        that downstream is walked, over no more nodes than there are types to keep, 1,000 at least: a small
+        fusion before a 100,000-node head would walk the head to keep a few types; then none is kept). The count of cones
         carries over too: the dims a cone invented are named after it, and a new cone must not give another
         dim the same name."""
         g = model.graph
         carried = ConeTypes(model)
         carried.cones = self.cones
-        limit = max(len(self.types), 1000)
-        retyped: set[str] = set()
-        stack = list(redefined)
-        while stack:
-            v = stack.pop()
-            if v not in retyped:
-                retyped.add(v)
-                if len(retyped) > limit:
-                    return carried
-                for r in g.uses(v):  # (a subgraph's capture counts as a read)
-                    stack.extend(o for o in r.output if o and o not in retyped)
+        after = g.downstream(redefined, max(len(self.types), 1000))
+        if after is None:
+            return carried
+        retyped = set(redefined).union(*(n.output for n in after))
         carried.types = {k: t for k, t in self.types.items() if k in g.producer and k not in retyped}
         return carried
 

@@ -146,6 +146,17 @@ def free_names(g: GraphProto) -> set[str]:
     return used
 
 
+def reads_of(node: NodeProto) -> list[str]:
+    """What ``node`` reads: its inputs, then the outer names its subgraphs capture, sorted (a node of a bare
+    proto; a graph's own index keeps the captures: rnnfuse.graph_walks.Walks.reads)."""
+    if not has_subgraph(node):
+        return node.input[:]
+    captured: set[str] = set()
+    for sg in subgraphs(node):
+        captured |= free_names(sg)
+    return [*node.input, *sorted(captured)]
+
+
 def rename_free(g: GraphProto, old: str, new: str) -> None:
     """Rename reads of an outer-scope name inside a subgraph (and its nested subgraphs)."""
     for n in g.node:

@@ -102,8 +102,7 @@ class GraphIndex:
         i = int(np.searchsorted(ids, k))
         return int(order[i]) * POS_TIE if i < len(ids) and int(ids[i]) == k else None
 
-    def place(self, node: NodeProto, key: int) -> None:
-        """Give an added node its sort key."""
+    def place(self, node: NodeProto, key: int) -> None:  # (an added node's sort key)
         self._pos_added[id(node)] = key
 
     def in_position_order(self, nodes) -> list[NodeProto]:
@@ -392,9 +391,10 @@ class GraphIndex:
         arrays = self._arrays
         if name in arrays:  # (computed for this scope before: this scope defines it)
             return arrays[name]
-        runtime = self.model.facts.runtime
-        if runtime is not None and self.parent is None and name in runtime:
-            return None  # computed from an input's values (dataflow.runtime_values): no fold walk back through it
+        if self.parent is None and name in self.producer:
+            from .dataflow import runtime_values  # (dataflow's walks build on the graph index)
+            if name in runtime_values(self):  # (one walk for the run: a fold walked back to the inputs per value)
+                return None  # computed from an input's values: no constant
         g = self.scope_of(name)
         if g is None:
             return None

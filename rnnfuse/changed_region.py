@@ -29,6 +29,8 @@ obstacle: the region is loaded from a copy whose big weights read zeros, as the 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import onnx
 from onnx import ModelProto, NodeProto, TensorProto
 
@@ -46,10 +48,18 @@ MAX_INLINE_BYTES = 64 << 20
 # type and dims (weights, whose values no shape inference reads)
 COMPARED_BY_VALUE_BYTES = 1 << 16
 
+# what an optimizer run knows of a value's type without new inference: name -> (elem_type, dims) or None
+Established = Callable[[str], "tuple[int, list | None] | None"]
 
-def region_model(after: ModelProto, before: ModelProto) -> ModelProto | None:
+
+def region_model(after: ModelProto, before: ModelProto, established: Established | None = None) -> ModelProto | None:
     """The changed region of ``after`` (the rewritten model) against ``before`` (its input), as a model
-    onnxruntime loads on its own; None when the whole model must be loaded instead (see the module)."""
+    onnxruntime loads on its own; None when the whole model must be loaded instead (see the module).
+
+    ``established``: the types the run already inferred for values (name -> (elem_type, dims) or None; it
+    infers nothing new), taken for the values both models type alike, where inference stops. ONNX inference
+    over the same unchanged nodes from the same inputs gave them: the optimizer typed a 100,000-node
+    prologue to analyse the recurrence behind it, and the guard need not infer it again (0.8 s)."""
     if not _same_frame(after, before) or _inline_bytes(after) + _inline_bytes(before) > MAX_INLINE_BYTES:
         return None
     nodes = list(after.graph.node)
@@ -78,12 +88,13 @@ def region_model(after: ModelProto, before: ModelProto) -> ModelProto | None:
             if name in producer_of:  # (the declaration is checked against what its producer computes)
                 region.add(producer_of[name])
     redefined |= redeclared
-    types_after = _Types(after)
-    # (values both models compute from the same nodes, inputs and declarations are typed alike: the input's
-    # inference stops at them and takes the rewritten model's types, so a big unchanged upstream, a prologue
-    # of 100,000 nodes, is inferred once, not once per model)
+    # (values both models compute from the same nodes, inputs and declarations are typed alike: inference
+    # stops at those the run typed, and the input's stops at those the rewritten model's inference typed, so
+    # a big unchanged upstream, a prologue of 100,000 nodes, is inferred at most once, not once per model)
     alike = _typed_alike(after, nodes, set(changed), by_value | redeclared)
-    types_before = _Types(before, alike=alike, types_from=types_after)
+    known = _established_types(established)
+    types_after = _Types(after, lambda name: known(name) if name in alike else None)
+    types_before = _Types(before, lambda name: (types_after.types.get(name) or known(name)) if name in alike else None)
     wave = [name for name in redefined if any(r not in region for r in readers.get(name, ()))]
     seen = set(wave)
     while wave:  # (in waves: the values of one wave are typed by one inference per model)
@@ -209,16 +220,17 @@ class _Types:
     data and only the types of weights (tensor_types.skeleton_initializer). A value inference cannot type is
     absent from ``types``."""
 
-    def __init__(self, model: ModelProto, alike: set[str] = frozenset(), types_from: "_Types | None" = None):
-        """``alike``: values ``model`` computes as the model of ``types_from`` does (same nodes from the same
-        inputs and weights); inference stops at those ``types_from`` has typed and takes its types."""
+    def __init__(self, model: ModelProto, borrow: Callable[[str], bytes | None] = lambda name: None):
+        """``borrow``: a value's type known from elsewhere (for values computed as in a model already typed:
+        the same nodes from the same inputs and weights), or None; inference stops at such values."""
         self.model = model
         self.nodes = list(model.graph.node)
         self.producer = {o: i for i, n in enumerate(self.nodes) for o in n.output if o}
         self.types: dict[str, bytes] = {}
         self.asked: set[str] = set()
         self.whole = False
-        self.alike, self.types_from = alike, types_from
+        self.borrow = borrow
+        self.borrowed: dict[str, bytes] = {}  # (the values a walk stopped at, with the types taken for them)
 
     def ask(self, names) -> "_Types | None":
         """Type ``names`` (those not asked before); None when inference fails."""
@@ -226,31 +238,31 @@ class _Types:
         if not want or self.whole:
             return self
         self.asked.update(want)
-        borrowed = self._borrowed()
-        self.types.update((n, borrowed[n]) for n in want if n in borrowed)
-        want = [n for n in want if n not in borrowed]
+        self.types.update((n, t) for n in want if (t := self._borrowed(n)) is not None)
+        want = [n for n in want if n not in self.borrowed]
         if not want:
             return self
-        cone = self._cone(want, borrowed)
+        cone = self._cone(want)
         self.whole = cone is None
-        got = _inferred_types(self._cone_model(range(len(self.nodes)) if cone is None else cone, want, borrowed))
+        got = _inferred_types(self._cone_model(range(len(self.nodes)) if cone is None else cone, want))
         if got is None:
             return None
         self.types.update(got)
         return self
 
-    def _borrowed(self) -> dict[str, bytes]:
-        """The alike values' types as the other model's inference gave them."""
-        if self.types_from is None:
-            return {}
-        known = self.types_from.types
-        return {name: known[name] for name in self.alike if name in known}
+    def _borrowed(self, name: str) -> bytes | None:
+        t = self.borrowed.get(name)
+        if t is None:
+            t = self.borrow(name)  # (an answer of None may change: asked again)
+            if t is not None:
+                self.borrowed[name] = t
+        return t
 
-    def _cone(self, names: list[str], borrowed: dict[str, bytes]) -> list[int] | None:
-        """The positions of the nodes ``names`` are computed from, not past the ``borrowed`` values, in graph
-        order; None past a quarter of the model (then it is inferred whole)."""
+    def _cone(self, names: list[str]) -> list[int] | None:
+        """The positions of the nodes ``names`` are computed from, not past the values whose types are
+        borrowed, in graph order; None past a quarter of the model (then it is inferred whole)."""
         seen: set[int] = set()
-        stack = [self.producer[n] for n in names if n in self.producer and n not in borrowed]
+        stack = [self.producer[n] for n in names if n in self.producer and self._borrowed(n) is None]
         while stack:
             i = stack.pop()
             if i in seen:
@@ -259,12 +271,13 @@ class _Types:
             if 4 * len(seen) > len(self.nodes):
                 return None
             stack.extend(self.producer[r] for r in reads_of(self.nodes[i])
-                         if r in self.producer and r not in borrowed and self.producer[r] not in seen)
+                         if r in self.producer and self.producer[r] not in seen and self._borrowed(r) is None)
         return sorted(seen)
 
-    def _cone_model(self, cone, names: list[str], borrowed: dict[str, bytes]) -> ModelProto:
+    def _cone_model(self, cone, names: list[str]) -> ModelProto:
         """The nodes at positions ``cone`` (graph order) as a model for inference, ``names`` its outputs and
-        the ``borrowed`` values it reads typed inputs."""
+        the values it reads whose types are borrowed typed inputs."""
+        borrowed = self.borrowed
         g = self.model.graph
         m = ModelProto()
         m.ir_version = self.model.ir_version
@@ -315,6 +328,33 @@ def _inferred_types(model: ModelProto) -> dict[str, bytes] | None:
     for t in g.initializer:
         types.setdefault(t.name, _tensor_type(t).SerializeToString())
     return types
+
+
+def _established_types(established: Established | None) -> Callable[[str], bytes | None]:
+    """``established`` as serialised TypeProtos (a type of unknown rank is no answer: inference decides)."""
+    if established is None:
+        return lambda name: None
+    out: dict[str, bytes | None] = {}
+
+    def known(name: str) -> bytes | None:
+        if name not in out:
+            t = established(name)
+            if t is None or t[1] is None:
+                out[name] = None
+            else:
+                tp = onnx.TypeProto()
+                tp.tensor_type.elem_type = t[0]
+                shape = tp.tensor_type.shape
+                for d in t[1]:
+                    dim = shape.dim.add()
+                    if isinstance(d, int):
+                        dim.dim_value = d
+                    elif isinstance(d, str):
+                        dim.dim_param = d
+                out[name] = tp.SerializeToString()
+        return out[name]
+
+    return known
 
 
 def _same_known_type(a: bytes | None, b: bytes | None) -> bool:

@@ -248,7 +248,7 @@ def _run_passes(args, pipe, progress) -> _Run:
         model, report, decisions = prefer_faster(source, model, report, opts, args, progress)
         report.notes.extend(decisions)
     # what is written: the rewritten model, or (nothing fused, or a rewrite that would harm) the input as it was
-    keep = settle(report, model.proto, lambda: model_io.load(args.input, borrow=True)[0])
+    keep = settle(report, model.proto, lambda: model_io.load(args.input, borrow=True)[0], model.established_type)
     return _Run(report, model, model_io.model_dir(proto), had_external, keep)
 
 

@@ -57,10 +57,11 @@ def onnxruntime_error(proto: onnx.ModelProto | bytes | str) -> str | None:
     return None
 
 
-def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]) -> str | None:
+def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto], established=None) -> str | None:
     """Why ``after`` is less valid than the model ``before()`` returns, or None when it is not.
 
-    ``before`` is called only when ``after`` fails a check (the command line re-reads the input then)."""
+    ``before`` is called only when ``after`` fails a check (the command line re-reads the input then).
+    ``established``: types the run inferred (see changed_region.region_model), or None."""
     original: list[onnx.ModelProto] = []
 
     def _before() -> onnx.ModelProto:
@@ -71,7 +72,7 @@ def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]) -> str |
     with _checkable(after) as data:
         if data is None:
             return None
-        if _region_passes(after, _before):
+        if _region_passes(after, _before, established):
             return None
         err = checker_error(data)
         if err is not None and _check_before(checker_error, _before) is None:
@@ -82,7 +83,7 @@ def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]) -> str |
     return None
 
 
-def _region_passes(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]) -> bool:
+def _region_passes(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto], established) -> bool:
     """Whether the part of a big rewritten model that differs from its input (see rnnfuse.changed_region)
     passes both checks, and the whole graph's wiring is sound: then the whole model passes where the input
     did, and the whole is neither loaded (onnxruntime's load grows faster than the nodes: 13 s for 100,000)
@@ -93,7 +94,7 @@ def _region_passes(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]
 
     if len(after.graph.node) < SCOPED_NODES:
         return False
-    region = region_model(after, before())
+    region = region_model(after, before(), established)
     if region is None or wiring_error(after) is not None:
         return False
     with _checkable(region) as data:
@@ -152,15 +153,17 @@ def undo_all(report: Report, reason: str) -> None:
     report.notes.append(f"every rewrite was undone: {reason}")
 
 
-def settle(report: Report, after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]) -> bool:
+def settle(report: Report, after: onnx.ModelProto, before: Callable[[], onnx.ModelProto], established=None) -> bool:
     """Decide whether the run's rewritten model is kept; returns True when it is.
 
     False means the caller must hand back the input unchanged: nothing was fused (clean-ups alone never
-    change a model), the model was passed through as unsupported, or the rewrite would harm it."""
+    change a model), the model was passed through as unsupported, or the rewrite would harm it.
+    ``established``: the run's :meth:`~rnnfuse.model.Model.established_type` (what it inferred is not
+    inferred again for the values it left as they were)."""
     if not report.fused:
         report.ops_after = dict(report.ops_before)
         return False
-    reason = harm(after, before)
+    reason = harm(after, before, established)
     if reason is not None:
         undo_all(report, reason)
         return False

@@ -32,6 +32,7 @@ class Model:
         self._types: dict[str, tuple[int, list | None]] | None = None
         self._declared: dict[str, tuple[int, list | None]] | None = None
         self._cones: ConeTypes | None = None  # (big models: types inferred cone by cone)
+        self._next: Model | None = None  # (the next round's view, once there is one)
         self.graph = Graph(proto.graph, None, self)
         # whether whole-model shape inference is cheap enough to fill in undeclared types (see known_type)
         n = len(self.graph.nodes)
@@ -51,6 +52,7 @@ class Model:
             # are computed from: a recurrence behind a 100,000-node prologue inferred it again each round)
             m._cones = self._cones.carried_over(m, self.graph.redefined)
         self._cones = None  # (this view is done: what it inferred lives on in the next one, or is stale)
+        self._next = m
         if self.facts.upstream_values is not None:
             self.facts.upstream_values.runs.clear()  # (their standing ends with the round)
         return m
@@ -158,6 +160,19 @@ class Model:
         t = self.declared_type(name)
         if (t is None or t[1] is None) and self._cones is not None:
             t = self._cones.types.get(name) or t
+        return t
+
+    def established_type(self, name: str) -> tuple[int, list | None] | None:
+        """What the run knows of ``name``'s type without inferring anything: what the file or an edit
+        declares, else what an inference already gave it (the whole model's, or a cone's); asked of a view
+        a later round replaced, the latest view answers."""
+        m = self
+        while m._next is not None:
+            m = m._next
+        t = m.declared_type(name)
+        if t is None or t[1] is None:
+            inferred = m._types if m._types is not None else m._cones.types if m._cones is not None else {}
+            t = inferred.get(name) or t
         return t
 
     def declared_type(self, name: str) -> tuple[int, list | None] | None:

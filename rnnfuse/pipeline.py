@@ -153,7 +153,7 @@ class Pipeline:
         work.CopyFrom(proto)
         model = Model(work)
         rep = self.run(model, Options(**options))
-        if settle(rep, model.proto, lambda: proto):
+        if settle(rep, model.proto, lambda: proto, model.established_type):
             result = model.proto
         else:
             result = onnx.ModelProto()

@@ -175,6 +175,37 @@ def test_an_unchanged_upstream_is_typed_once_for_both_models(monkeypatch):
     assert inferred[0] >= 300 and inferred[1] > 150, inferred  # (the input model inferred past u150)
 
 
+def test_types_the_run_established_spare_inferring_an_unchanged_upstream(monkeypatch):
+    """Types the optimizer already inferred (``established``) are taken for the values both models compute
+    alike, and inference stops there: the 300-Relu upstream is inferred in neither model, and the region is
+    what it was. They are not taken for a value the rewrite computes anew (the Cast's output), whose type the
+    region's own inference decides."""
+    inferred: list[int] = []
+    real = region._inferred_types
+    monkeypatch.setattr(region, "_inferred_types", lambda m: inferred.append(len(m.graph.node)) or real(m))
+    before = _behind_an_upstream(_cast_then_tanh(TensorProto.FLOAT), 300)
+    after = _behind_an_upstream(_cast_then_tanh(TensorProto.INT32), 300)
+    asked: list[str] = []
+    cast_out = next(n.output[0] for n in after.graph.node if n.op_type == "Cast")
+
+    def established(name):
+        asked.append(name)
+        return (TensorProto.DOUBLE, ["b", 4]) if name == cast_out else (TensorProto.FLOAT, ["b", 4])
+
+    sub = region.region_model(after, before, established)
+    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape"]
+    assert inferred and max(inferred) < 10, inferred  # (no inference reached into the upstream)
+    assert cast_out not in asked
+    (x,) = sub.graph.input
+    assert x.name == "u299" and x.type.tensor_type.elem_type == TensorProto.FLOAT
+    assert [d.dim_param or d.dim_value for d in x.type.tensor_type.shape.dim] == ["b", 4]
+
+    inferred.clear()  # (a type of unknown rank is no answer: inference decides, as without)
+    sub = region.region_model(after, before, lambda name: (TensorProto.FLOAT, None))
+    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape"]
+    assert inferred[0] >= 300, inferred
+
+
 def _edited(m: onnx.ModelProto, nodes: list) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(m)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import operator
+from typing import TYPE_CHECKING
 
 import numpy as np
 from onnx import NodeProto, TensorProto, helper, numpy_helper
@@ -17,6 +18,9 @@ from .graph_index import POS_TIE, GraphIndex, Removed, n_readers, without
 from .graph_rewire import Rewiring
 from .graph_walks import Walks
 from .protos import has_subgraph, set_external
+
+if TYPE_CHECKING:
+    from .model import Model
 
 
 class Graph(Rewiring, Walks, GraphIndex):
@@ -282,6 +286,20 @@ class Graph(Rewiring, Walks, GraphIndex):
                 del self.proto.value_info[:]
                 self.proto.value_info.extend(vis)
 
+    def next_view(self, model: "Model") -> "Graph":
+        """This main graph, just finalized, as the graph of ``model`` (the next round's view of the same
+        proto): finalize left its index exact (the proto's node messages, their order, producers and
+        readers), so the next round takes it over instead of indexing 100,000 nodes again; what belongs to a
+        round starts afresh (cached constants, subgraph views, the edit log, declared types read again)."""
+        assert self.parent is None and not self.edited and not self._graveyard and not self._removed, "not finalized"
+        g = object.__new__(type(self))
+        g.__dict__.update(self.__dict__)
+        g.model = model
+        g._arrays, g._subgraph_views, g._removed, g._graveyard, g.edited = {}, {}, Removed(), [], []
+        for per_round in ("_local_types", "_wide_inputs", "redefined"):
+            g.__dict__.pop(per_round, None)
+        return g
+
     def _dead_nodes(self) -> list[NodeProto]:
         """The nodes no graph output is computed from, in node-list order.
 
@@ -384,51 +402,56 @@ class Graph(Rewiring, Walks, GraphIndex):
         return self.toposort(live)
 
     def toposort(self, nodes: list[NodeProto]) -> list[NodeProto]:
-        """Stable Kahn sort: among ready nodes, the one with the smallest position goes first.
+        """The stable topological order of ``nodes``: among the nodes whose producers are all placed, the one
+        with the smallest position goes first (Kahn's order, a heap of ready nodes).
 
-        Already-sorted input (the common case) is detected in one pass and returned in its original order."""
+        Computed by one scan in position order: a node whose producers are all placed is placed; one still
+        waiting for a producer is parked until its last one is placed, and parked nodes freed so go before
+        the scan moves on, smallest position first (they are then exactly the ready nodes of smaller
+        position). Which nodes must be looked at: in a list that was in order (as read, or as finalize left
+        it) only an edit can have broken it, and only where it added or rewired a node -- every other node
+        keeps its place and its inputs, and a name a new node computes is read by readers found from it --
+        so while nothing is parked, only those nodes' reads are read, not a 100,000-node graph around a small
+        fusion; a list that was not in order has every node's reads read."""
         order = self.in_position_order(nodes)
         index = {id(n): i for i, n in enumerate(order)}
+        check: set[int] | None = None  # (None: every node)
+        if self._input_sorted:
+            check = {id(n) for n in self.edited if id(n) in index}
+            for n in [n for n in self.edited if id(n) in index]:
+                check.update(id(r) for o in n.output if o for r in self.uses(o) if id(r) in index)
         producer, reads = self.producer, self.reads
-        in_order = True
-        for i, n in enumerate(order):
-            for x in reads(n):
-                p = producer.get(x)
-                if p is not None and index.get(id(p), -1) > i:
-                    in_order = False
-                    break
-            if not in_order:
-                break
-        if in_order:
-            return order
-        preds: list[list[int]] = []
-        for i, n in enumerate(order):
-            ps = []
-            for x in reads(n):
-                p = producer.get(x)
-                if p is not None:
-                    j = index.get(id(p))
-                    if j is not None and j != i:
-                        ps.append(j)
-            preds.append(ps)
-        indeg = [0] * len(order)
-        succ: list[list[int]] = [[] for _ in order]
-        for i, ps in enumerate(preds):
-            uniq = set(ps)
-            indeg[i] = len(uniq)
-            for j in uniq:
-                succ[j].append(i)
-        heap = [i for i in range(len(order)) if indeg[i] == 0]
-        heapq.heapify(heap)
         out: list[NodeProto] = []
-        while heap:
-            i = heapq.heappop(heap)
-            out.append(order[i])
-            for s2 in succ[i]:
-                indeg[s2] -= 1
-                if indeg[s2] == 0:
-                    heapq.heappush(heap, s2)
-        if len(out) != len(order):
+        waits: dict[int, int] = {}  # parked node -> how many of its producers are not placed yet
+        waiters: dict[int, list[NodeProto]] = {}  # producer -> the parked nodes waiting for it
+        freed: list[tuple[int, NodeProto]] = []  # (heap by position) parked nodes whose producers are all placed
+
+        def place(n: NodeProto) -> None:
+            out.append(n)
+            for w in waiters.pop(id(n), ()):
+                waits[id(w)] -= 1
+                if not waits[id(w)]:
+                    del waits[id(w)]
+                    heapq.heappush(freed, (index[id(w)], w))
+
+        for i, n in enumerate(order):
+            while freed:
+                place(heapq.heappop(freed)[1])
+            if waits or check is None or id(n) in check:
+                pending = {}
+                for x in reads(n):
+                    p = producer.get(x)
+                    if p is not None and (index.get(id(p), -1) > i or id(p) in waits):
+                        pending[id(p)] = p
+                if pending:
+                    waits[id(n)] = len(pending)
+                    for p in pending.values():
+                        waiters.setdefault(id(p), []).append(n)
+                    continue
+            place(n)
+        while freed:
+            place(heapq.heappop(freed)[1])
+        if waits:
             raise RuntimeError("graph has a cycle after rewriting")
         return out
 

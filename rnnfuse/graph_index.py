@@ -193,7 +193,6 @@ class GraphIndex:
         producer, consumers, get = self.producer, self.consumers, self.consumers.get
         had, assigned, lonely = len(producer), 0, 0
         early: list[str] = []  # names read before any node produced them (inputs, initializers, or disorder)
-        captures = False
         canon: dict[str, str] = {}
         same = canon.get
         control = CONTROL_FLOW
@@ -226,8 +225,8 @@ class GraphIndex:
                 else:
                     holds = op in control
                 if holds:
-                    self._index_inputs(n)
-                    captures = True  # (what a subgraph reads is not checked here: the sort will do it)
+                    self._index_inputs(n)  # (its subgraphs' captures too: those read before they are produced count)
+                    early.extend(i for i in itertools.chain(n.input, self.implicit_inputs(n)) if i and i not in producer)
                     ins = [i for i in n.input[:] if i]
                     if ins and consts.issuperset(ins):
                         const_only.append(n)
@@ -256,7 +255,7 @@ class GraphIndex:
                 gc.enable()
         # every node produces a name no other node produces (what _dead_nodes' proof from the indices needs)
         self.owners_complete = lonely == 0 and assigned == len(producer) - had
-        in_order = not captures and not any(i in producer for i in early)
+        in_order = not any(i in producer for i in early)
         # (in order, every Constant was seen before its readers: the list is exact until the next edit)
         self._const_only = (self._edits, const_only if in_order else None)
         self._as_read = (self._edits, nodes, not other_domain)

@@ -21,7 +21,9 @@ from .tensor_types import CHEAP_INFERENCE_NODES, CHEAP_INFERENCE_SCOPE_WORK, dec
 class Model:
     """The model being optimized: opsets, fresh names, type information and the main :class:`Graph`."""
 
-    def __init__(self, proto: ModelProto, external_dir: str | None = None):
+    def __init__(self, proto: ModelProto, external_dir: str | None = None, index_from: Graph | None = None):
+        """``index_from``: the finalized main graph of an earlier view of ``proto``, whose index this one takes
+        over (see Graph.next_view)."""
         self.proto = proto
         self.external_dir = external_dir  # where tensors stored as external data live (read lazily)
         self._maps: list = []
@@ -33,7 +35,7 @@ class Model:
         self._declared: dict[str, tuple[int, list | None]] | None = None
         self._cones: ConeTypes | None = None  # (big models: types inferred cone by cone)
         self._next: Model | None = None  # (the next round's view, once there is one)
-        self.graph = Graph(proto.graph, None, self)
+        self.graph = Graph(proto.graph, None, self) if index_from is None else index_from.next_view(self)
         # whether whole-model shape inference is cheap enough to fill in undeclared types (see known_type)
         n = len(self.graph.nodes)
         self._may_infer = n < CHEAP_INFERENCE_NODES and n * len(self.graph.nodes_of(*CONTROL_FLOW)) < CHEAP_INFERENCE_SCOPE_WORK
@@ -41,10 +43,11 @@ class Model:
         self.facts = ModelFacts()
 
     def next_round(self) -> "Model":
-        """A fresh view of the same proto for another round of passes (see ``Pipeline.run``): indices, names
-        and types are rebuilt from the graph as it now is; the facts passes left and open memory maps carry over,
-        and so do the inferred types of values the round did not touch."""
-        m = Model(self.proto, external_dir=self.external_dir)
+        """A fresh view of the same proto for another round of passes (see ``Pipeline.run``): names and types
+        are rebuilt from the graph as it now is, its index taken over from this round's finalized graph; the
+        facts passes left and open memory maps carry over, and so do the inferred types of values the round
+        did not touch."""
+        m = Model(self.proto, external_dir=self.external_dir, index_from=self.graph)
         m.facts = self.facts
         m._maps = self._maps
         if self._cones is not None and self.graph.redefined is not None and not m._may_infer:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -102,8 +103,9 @@ def cut(ort, g: Graph, pairs: list[tuple[str, str]], masks: list[str], inputs, o
                 values = [kept.values.get((d, f)) for f in fed]
                 if name not in wanted and all(v is not None for v in values):
                     given[name], known[name] = values, d
-    cone = g.cone(wanted, given)
-    digests, from_masks = _digests(g, cone, set(masks), known)
+    reads = _reads_once(g)
+    cone = g.cone(wanted, given, reads)
+    digests, from_masks = _digests(g, cone, set(masks), known, reads)
     if kept.values:
         for name, d in digests.items():
             # (a value computed from a mask this validation overrides is computed again, from the override)
@@ -112,14 +114,14 @@ def cut(ort, g: Graph, pairs: list[tuple[str, str]], masks: list[str], inputs, o
                 if all(v is not None for v in values):
                     given[name] = values
     # (what is still needed once the kept values are fed)
-    nodes = g.cone(wanted, given) if len(given) > len(known) else cone
-    shared = _shared_upstream(g, nodes, pairs, from_masks)
+    nodes = g.cone(wanted, given, reads) if len(given) > len(known) else cone
+    shared = _shared_upstream(nodes, pairs, from_masks, reads)
     if not _worth_running_apart(g, shared) or any(o in wanted for n in shared for o in n.output):
         return Cut(nodes, given)
     ids = {id(n) for n in shared}
-    boundary = _boundary(g, nodes, ids)
+    boundary = _boundary(g, nodes, ids, reads)
     try:
-        values = _run_upstream(ort, g, shared, boundary, given, inputs, open_session)
+        values = _run_upstream(ort, g, shared, boundary, given, inputs, open_session, reads)
     except Exception:  # (the check model holds it again, and says what fails)
         return Cut(nodes, given)
     if values is None or sum(v.nbytes for per_set in values.values() for v in per_set) > CUT_BYTES:
@@ -128,10 +130,10 @@ def cut(ort, g: Graph, pairs: list[tuple[str, str]], masks: list[str], inputs, o
     for name, per_set in values.items():
         for f, v in zip(fed, per_set):
             kept.put((digests[name], f), v)
-    if not any(i in given for n in shared for i in g.reads(n)) and not any(has_subgraph(n) for n in shared):
-        kept.runs.append(_UpstreamRun(g, shared, {name: digests[name] for name in values}))
+    if not any(i in given for n in shared for i in reads(n)) and not any(has_subgraph(n) for n in shared):
+        kept.runs.append(_UpstreamRun(g, shared, {name: digests[name] for name in values}, reads))
     rest = [n for n in nodes if id(n) not in ids]
-    read = {i for n in rest for i in g.reads(n)}
+    read = {i for n in rest for i in reads(n)}
     return Cut(rest, {**{k: v for k, v in given.items() if k in read}, **values})
 
 
@@ -147,11 +149,12 @@ class _UpstreamRun:
     value they computed (nodes of it removed since were dead, or that would show). A new round (a finalized
     graph, another view) ends its standing: digests alone find its values again."""
 
-    def __init__(self, g: Graph, nodes: list[NodeProto], boundary: dict[str, bytes]):
-        self.ids = {id(n) for n in nodes}
+    def __init__(self, g: Graph, nodes: list[NodeProto], boundary: dict[str, bytes], reads=None):
+        self.ids = ids = {id(n) for n in nodes}
         self.nodes = nodes  # (held: their ids stay theirs)
-        self.outputs = {o for n in nodes for o in n.output if o}
-        self.inputs = {i for n in nodes for i in n.input if i in g.input_names}  # (graph inputs it reads)
+        self.outputs = {o for o, p in g.producer.items() if id(p) in ids}  # (the index's names: no node read)
+        inputs = set(g.input_names)
+        self.inputs = {i for n in nodes for i in (reads or g.reads)(n) if i in inputs}  # (graph inputs it reads)
         self.boundary = boundary
         self.mark = g.edit_mark()
 
@@ -180,8 +183,22 @@ class _UpstreamRun:
         return {b: d for b, d in self.boundary.items() if b not in reached and id(producer.get(b)) in ids}
 
 
-def _digests(g: Graph, cone: list[NodeProto], masks: set[str], known: dict[str, bytes] | None = None
-             ) -> tuple[dict[str, bytes], set[str]]:
+def _reads_once(g: Graph) -> Callable[[NodeProto], list[str]]:
+    """``g.reads``, each node's answer kept for the validation: protobuf builds a new string per name at each
+    read of a node's inputs, and a validation walks its cone (a 100,000-node prologue) five times."""
+    memo: dict[int, list[str]] = {}
+
+    def reads(n: NodeProto) -> list[str]:
+        r = memo.get(id(n))
+        if r is None:
+            r = memo[id(n)] = g.reads(n)
+        return r
+
+    return reads
+
+
+def _digests(g: Graph, cone: list[NodeProto], masks: set[str], known: dict[str, bytes] | None = None,
+             reads: Callable[[NodeProto], list[str]] | None = None) -> tuple[dict[str, bytes], set[str]]:
     """Every tensor the cone (in topological order) computes -> a digest of its computation (the graph
     inputs and weights it reads included; the ``known`` values' digests given): equal digests, same values
     from the same inputs. And which of them are computed from one of ``masks``. One pass: this walks every
@@ -205,11 +222,12 @@ def _digests(g: Graph, cone: list[NodeProto], masks: set[str], known: dict[str, 
         out[name] = d = d + b"\xff\xff"
         return d
 
+    reads = reads or g.reads
     for n in cone:
-        reads = g.reads(n)  # (the prefix's input count marks where the captured values begin)
+        read = reads(n)  # (the prefix's input count marks where the captured values begin)
         attrs = b"".join(a.SerializeToString() for a in n.attribute) if n.attribute else b""
         parts = [f"{n.domain}\0{n.op_type}\0{len(n.input)}\0{len(attrs)}\0".encode(), attrs]
-        for i in reads:
+        for i in read:
             parts.append((out.get(i) or leaf(i)) if i else _NO_INPUT)
             if i in masks or i in from_masks:
                 from_masks.update(n.output)
@@ -229,20 +247,21 @@ def _inputs_digest(feeds: dict[str, np.ndarray]) -> bytes:
     return h.digest()
 
 
-def _shared_upstream(g: Graph, nodes: list[NodeProto], pairs, from_masks: set[str]) -> list[NodeProto]:
+def _shared_upstream(nodes: list[NodeProto], pairs, from_masks: set[str], reads) -> list[NodeProto]:
     """The nodes both an old and a new tensor are computed from, computing nothing from an overridden mask,
     in order (one pass back over ``nodes``, topologically sorted)."""
     old = {a for a, _ in pairs}
     new = {b for _, b in pairs}
     shared: set[int] = set()
     for n in reversed(nodes):
-        for_old = any(o in old for o in n.output)
-        for_new = any(o in new for o in n.output)
+        outputs = n.output
+        for_old = not old.isdisjoint(outputs)
+        for_new = not new.isdisjoint(outputs)
         if for_old:
-            old.update(g.reads(n))
+            old.update(reads(n))
         if for_new:
-            new.update(g.reads(n))
-        if for_old and for_new and not any(o in from_masks for o in n.output):
+            new.update(reads(n))
+        if for_old and for_new and from_masks.isdisjoint(outputs):
             shared.add(id(n))
     return [n for n in nodes if id(n) in shared]
 
@@ -256,19 +275,19 @@ def _worth_running_apart(g: Graph, shared: list[NodeProto]) -> bool:
     return sum(tensor_nbytes(g.initializers[w]) for w in weights) >= MIN_WEIGHT_BYTES
 
 
-def _boundary(g: Graph, nodes: list[NodeProto], shared: set[int]) -> list[str]:
+def _boundary(g: Graph, nodes: list[NodeProto], shared: set[int], reads) -> list[str]:
     """What the shared upstream hands on: its tensors read by the check model's other nodes (a mask it
     computes among them: what reads a mask is never shared, and the mask's override reads it too)."""
-    made = {o for n in nodes if id(n) in shared for o in n.output if o}
+    made = {o for o, p in g.producer.items() if id(p) in shared}  # (the index's names: no node read)
     out: dict[str, None] = {}
     for n in nodes:
         if id(n) not in shared:
-            out.update((i, None) for i in g.reads(n) if i in made)
+            out.update((i, None) for i in reads(n) if i in made)
     return list(out)
 
 
 def _run_upstream(ort, g: Graph, shared: list[NodeProto], boundary: list[str], given: dict, inputs,
-                  open_session) -> dict[str, list[np.ndarray]] | None:
+                  open_session, reads=None) -> dict[str, list[np.ndarray]] | None:
     """The boundary tensors' values for each input set, from sessions of the shared upstream alone, in
     pieces of ``PIECE_NODES`` nodes run one after the other (each piece fed what earlier ones computed).
     None when a value handed from piece to piece is not a tensor, or they hold more than ``CUT_BYTES``.
@@ -281,7 +300,7 @@ def _run_upstream(ort, g: Graph, shared: list[NodeProto], boundary: list[str], g
     last_reader: dict[str, int] = {}  # value -> the last piece reading it (boundary values: past the end)
     for k, piece in enumerate(pieces):
         for n in piece:
-            for i in g.reads(n):
+            for i in (reads or g.reads)(n):
                 last_reader[i] = k
     for b in boundary:
         last_reader[b] = len(pieces)

@@ -105,7 +105,7 @@ class ConeTypes:
         producer = g.producer
         # (the frontier tested here, inline: a prologue of 100,000 nodes has 200,000 reads, and the method
         # calls of a test each were most of the walk)
-        settled, initializers, inputs = self.settled, g.initializers, g._inputs
+        settled, initializers, inputs = self.settled, g.initializers, set(g.input_names)
         declared, types, int64 = self.model.declared_type, self.types, TensorProto.INT64
         order: list[NodeProto] = []
         seen: set[int] = set()

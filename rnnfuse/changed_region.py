@@ -93,7 +93,7 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
     # a big unchanged upstream, a prologue of 100,000 nodes, is inferred at most once, not once per model)
     alike = _typed_alike(after, nodes, set(changed), by_value | redeclared)
     known = _established_types(established)
-    types_after = _Types(after, lambda name: known(name) if name in alike else None)
+    types_after = _Types(after, lambda name: known(name) if name in alike else None, nodes, producer_of)
     types_before = _Types(before, lambda name: (types_after.types.get(name) or known(name)) if name in alike else None)
     wave = [name for name in redefined if any(r not in region for r in readers.get(name, ()))]
     seen = set(wave)
@@ -220,12 +220,14 @@ class _Types:
     data and only the types of weights (tensor_types.skeleton_initializer). A value inference cannot type is
     absent from ``types``."""
 
-    def __init__(self, model: ModelProto, borrow: Callable[[str], bytes | None] = lambda name: None):
+    def __init__(self, model: ModelProto, borrow: Callable[[str], bytes | None] = lambda name: None,
+                 nodes: list[NodeProto] | None = None, producer: dict[str, int] | None = None):
         """``borrow``: a value's type known from elsewhere (for values computed as in a model already typed:
-        the same nodes from the same inputs and weights), or None; inference stops at such values."""
+        the same nodes from the same inputs and weights), or None; inference stops at such values. ``nodes``
+        and ``producer`` (value -> its producer's position): the model's, when the caller has them."""
         self.model = model
-        self.nodes = list(model.graph.node)
-        self.producer = {o: i for i, n in enumerate(self.nodes) for o in n.output if o}
+        self.nodes = list(model.graph.node) if nodes is None else nodes
+        self.producer = {o: i for i, n in enumerate(self.nodes) for o in n.output if o} if producer is None else producer
         self.types: dict[str, bytes] = {}
         self.asked: set[str] = set()
         self.whole = False

@@ -30,6 +30,9 @@ class Graph(Rewiring, Walks, GraphIndex):
 
     # what the last finalize's round defined anew: the outputs of nodes it added, rewired or removed
     redefined: list[str] | None = None
+    # the values that lost a reader since the graph was built or last pruned or finalized (None: not known);
+    # with the edited nodes, where the next prune looks for dead nodes (set in GraphIndex.__init__)
+    _lost: set[str] | None
 
     # -- edits -------------------------------------------------------------------------------------------
     def fresh(self, hint: str) -> str:
@@ -142,6 +145,7 @@ class Graph(Rewiring, Walks, GraphIndex):
             survivors = list(itertools.compress(live, map(operator.not_, flags)))
             graveyard.extend(itertools.compress(live, flags))
             removed.keep_only(survivors)
+            self._lost = None  # (what lost a reader is not tracked through a re-index: the next prune walks)
             self.producer.clear()
             self.consumers.clear()
             self._index_all(survivors)
@@ -166,6 +170,8 @@ class Graph(Rewiring, Walks, GraphIndex):
         """Take the nodes of ``gone`` (ids) off these values' reader lists, each list filtered once (removing
         them one by one is quadratic when every step of a chain reads one value)."""
         consumers = self.consumers
+        if self._lost is not None:
+            self._lost.update(names)
         for i in names:
             lst = consumers.get(i)
             if type(lst) is list:
@@ -230,6 +236,7 @@ class Graph(Rewiring, Walks, GraphIndex):
         if dead:
             self.nodes = self._removed.keep(self.nodes)
         self._pruned = self._state()
+        self._lost = set()  # (every node left is live)
         return len(dead)
 
     # -- finalize ----------------------------------------------------------------------------------------
@@ -272,6 +279,7 @@ class Graph(Rewiring, Walks, GraphIndex):
             self._implicit.clear()
             self._index_all(nodes)
         self._pruned = self._state()
+        self._lost = set()  # (every node left is live)
         # the initializers and value_info entries still read or defined (from the indices, not the nodes)
         consumers, outputs = self.consumers, set(self.output_names)
         unused = [k for k in self.initializers if not n_readers(consumers.get(k)) and k not in outputs and k not in self._inputs]
@@ -306,9 +314,15 @@ class Graph(Rewiring, Walks, GraphIndex):
         A graph no edit has touched yet (as loaded: dead code there is rare) is first checked from the
         indices alone: if every node has an output that is read or is a graph output, nothing is dead (ONNX
         graphs have no cycles), which one pass over the value names proves without reading any node. After
-        edits (a fused chain's steps are dead), or when some node is unread, liveness is walked back from the
-        outputs: that walk reads the live nodes only."""
+        edits, only what they touched is looked at (:meth:`newly_dead`): the nodes edited and the producers of
+        values that lost a reader since the last prune or finalize left every node live (or since the graph
+        was built, with its unread values' producers: its own dead code). Otherwise liveness is walked back
+        from the outputs: that walk reads the live nodes only."""
         removed = self._removed
+        if self._lost is not None and (self.edited or removed):
+            since = self._pruned[0] if self._pruned is not None else 0
+            sinks = [] if self._pruned is not None else self._unread_producers()
+            return self.newly_dead(self.edited[since:] + sinks, self._lost)
         if not self.edited and not removed and self.owners_complete:
             # the names produced but not read (an empty reader list, left by rewiring before a finalize,
             # reads nothing) nor output: set operations in C, then only the nodes producing such names are read
@@ -325,52 +339,6 @@ class Graph(Rewiring, Walks, GraphIndex):
                 return self._dead_from_sinks(sinks, unread)
         live = self._live_set()
         return without(removed.keep(self.nodes), live)
-
-    def _dead_from_sinks(self, sinks: list[NodeProto], unread: set[str]) -> list[NodeProto]:
-        """The dead nodes of an acyclic graph as loaded, in node-list order, from the indices: the ``sinks``
-        (every value they produce is in ``unread``: not read, not output) are dead, and so is a node all of
-        whose read values are read only by dead nodes. Reads the dead nodes and their producers, not the live
-        graph (a few unused constants in a 100k-node export)."""
-        producer, consumers, outs = self.producer, self.consumers, set(self.output_names)
-        stack = list(sinks)
-        dead: set[int] = set()
-        left: dict[str, int] = {}  # read name -> its readers not yet known dead
-        owned: dict[int, int] = {}  # node -> its read values not yet known to be read only by dead nodes
-        while stack:
-            n = stack.pop()
-            if id(n) in dead:
-                continue
-            dead.add(id(n))
-            for i in dict.fromkeys(self.reads(n)):
-                if not i or i in outs or i in unread or i not in producer:
-                    continue
-                c = left.get(i, n_readers(consumers[i])) - 1
-                left[i] = c
-                if c == 0:
-                    p = producer[i]
-                    m = owned.get(id(p))
-                    if m is None:
-                        m = sum(1 for o in dict.fromkeys(p.output) if o and o not in unread and producer.get(o) is p)
-                    owned[id(p)] = m - 1
-                    if m == 1:
-                        stack.append(p)
-        return list(itertools.compress(self.nodes, map(dead.__contains__, map(id, self.nodes))))
-
-    def _live_set(self) -> set[int]:
-        live: set[int] = set()
-        removed, producer = self._removed, self.producer
-        stack = [producer[o] for o in self.output_names if o in producer]
-        while stack:
-            n = stack.pop()
-            k = id(n)
-            if k in live or k in removed:
-                continue
-            live.add(k)
-            for i in self.reads(n):
-                p = producer.get(i)
-                if p is not None:
-                    stack.append(p)
-        return live
 
     def nodes_with_ids(self, ids) -> list[NodeProto]:
         """The live nodes whose ids are ``ids``, in node-list order, found through the position index rather

@@ -61,15 +61,14 @@ class GraphIndex:
         # order: what an incremental pass (Dedupe after a fusion) has to look at again; finalize starts a new list
         self.edited: list[NodeProto] = []
         self._pruned: tuple | None = None  # _state() when the last prune (or finalize) left only live nodes
+        self._lost: set[str] | None = set()  # values that lost a reader since then, or since built (Graph.prune)
         # the op-type index (nodes_of) is filled by the same pass, which reads every node's op type anyway
         self._by_op = {}
         self._by_op_next = len(self.nodes)
         self._edits = 0  # index edits so far (what the index pass found stays true while this is unchanged)
         self._input_sorted = self._index_all(self.nodes, self._by_op)
 
-    def nodes_and_removed(self):
-        """The nodes this scope holds and those removed since it was last finalized (their names stay taken
-        until the graph is written back)."""
+    def nodes_and_removed(self):  # (those removed since the last finalize too: their names stay taken until then)
         return itertools.chain(self.nodes, self._graveyard)
 
     # -- positions ---------------------------------------------------------------------------------------

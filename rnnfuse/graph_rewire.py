@@ -107,6 +107,8 @@ class Rewiring:
 
     def _unindex(self, n: NodeProto, defer: set | None = None) -> None:
         self.__dict__.get("_wide_inputs", {}).pop(id(n), None)  # (its inputs may change: read again when asked)
+        if self._lost is not None:  # (what n reads may lose its last reader: see Graph.prune)
+            self._lost.update(self.reads(n))
         super()._unindex(n, defer)
 
     def _renamable(self, name: str) -> bool:

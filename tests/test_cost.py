@@ -259,8 +259,8 @@ def test_prune_removes_exactly_what_no_output_needs():
 
 
 def test_nothing_dead_costs_no_liveness_walk(monkeypatch):
-    """A graph with nothing dead is proven so from its indices (no walk over every node's inputs); a dead
-    branch costs one walk."""
+    """A graph with nothing dead is proven so from its indices (no walk over every node's inputs); dead code
+    as loaded, and what an edit kills, are found from the unread values and the edits (no walk either)."""
     walks = []
     orig = Graph._live_set
 
@@ -275,10 +275,13 @@ def test_nothing_dead_costs_no_liveness_walk(monkeypatch):
     # dead code in a graph as loaded is found from its unread nodes back, still without a walk
     assert Model(_dead_branches()).graph.prune() == 6
     assert walks == []
-    # after an edit (a fused chain's steps die) liveness is walked from the outputs: one walk
+    # after an edit (a fused chain's steps die): from the edited nodes, the values that lost a reader and the
+    # graph's unread ones back, the same nodes as the walk from the outputs
     g = Model(_dead_branches()).graph
     g.replace_uses("t", "x")
-    assert g.prune() == 7 and walks == [10]
+    everything, want = [n.name for n in g.live_nodes()], _reference_dead(g)
+    assert g.prune() == 7 and walks == []
+    assert [n.name for n in g.live_nodes()] == [k for k in everything if k not in want]
 
 
 def _reference_dead(g: Graph) -> list[str]:
@@ -453,6 +456,58 @@ def test_sort_is_kahns_stable_order_and_reads_only_edited_nodes(monkeypatch):
     assert order == _stable_kahn(g, g.live_nodes())
     at = {id(n): i for i, n in enumerate(order)}
     assert at[id(g.producer[feeder])] < at[id(late)]
+
+
+def test_prune_after_edits_finds_what_a_walk_from_the_outputs_finds(monkeypatch):
+    """Dead nodes after edits are found from what the edits touched (Walks.newly_dead): the same nodes as
+    the walk back from the outputs finds, on random graphs with dead code of their own, after random removals,
+    rewirings and additions (some read by nothing), pruned once or twice; and a prune after a small edit of
+    a long chain looks at a handful of nodes, not the chain."""
+    rng = np.random.default_rng(5)
+    checked = found = 0
+    for trial in range(300):
+        nodes, names = [], ["x"]
+        for k in range(int(rng.integers(3, 30))):
+            ins = [names[int(j)] for j in rng.integers(0, len(names), int(rng.integers(1, 3)))]
+            nodes.append(helper.make_node("Add" if len(ins) == 2 else "Relu", ins, [f"v{k}"], name=f"n{k}"))
+            names.append(f"v{k}")
+        outs = sorted({names[-1], names[int(rng.integers(1, len(names)))]})
+        g0 = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                               [helper.make_tensor_value_info(v, TensorProto.FLOAT, [2]) for v in outs])
+        g = Model(helper.make_model(g0, opset_imports=[helper.make_opsetid("", 17)])).graph
+        for prune_round in range(int(rng.integers(1, 3))):
+            for _ in range(int(rng.integers(1, 5))):
+                live = g.live_nodes()
+                kind = rng.random()
+                if kind < 0.3 and len(live) > 1:
+                    victim = live[int(rng.integers(0, len(live)))]
+                    if not any(g.is_graph_output(o) or g.uses(o) for o in victim.output):
+                        g.remove_node(victim)
+                elif kind < 0.7:
+                    target = names[int(rng.integers(1, len(names)))]
+                    readers = [r for r in g.uses(target) if g.alive(r)]
+                    if target in g.producer and readers:
+                        src = g.producer[target].input[0]  # (an input of its producer: no cycle)
+                        g.replace_reads([readers[int(rng.integers(0, len(readers)))]], target, src)
+                else:
+                    names.append(g.add_node("Relu", [names[int(rng.integers(0, len(names)))]])[0])
+            want = {id(n) for n in g.live_nodes()} - g._live_set()
+            got = g._dead_nodes()
+            assert {id(n) for n in got} == want, trial
+            checked += 1
+            found += bool(want)
+            g.prune()
+    assert checked > 300 and found > 100, (checked, found)
+
+    g = Model(elementwise_chain(2000)).graph
+    assert g.prune() == 0
+    mid = g.nodes[1000]
+    g.replace_reads(g.uses(mid.output[0]), mid.output[0], mid.input[0])  # (mid is read by nothing now)
+    read: list[int] = []
+    reads = Graph.reads
+    monkeypatch.setattr(Graph, "reads", lambda self, n: read.append(1) or reads(self, n))
+    assert g.prune() >= 1 and not g.alive(mid)
+    assert len(read) < 50, len(read)
 
 
 def test_the_next_round_takes_over_the_finalized_index(monkeypatch):

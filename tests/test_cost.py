@@ -382,6 +382,16 @@ def test_positions_order_added_nodes_at_their_anchors():
     assert g.toposort(everything) == want  # (nothing reads an added node: the order is the positions')
 
 
+def _random_dag(rng, at_least: int) -> tuple[list, list[str]]:
+    """Relu and Add nodes over x, in order, each reading values made before it: (nodes, value names)."""
+    nodes, names = [], ["x"]
+    for k in range(int(rng.integers(at_least, 30))):
+        ins = [names[int(j)] for j in rng.integers(0, len(names), int(rng.integers(1, 3)))]
+        nodes.append(helper.make_node("Add" if len(ins) == 2 else "Relu", ins, [f"v{k}"], name=f"n{k}"))
+        names.append(f"v{k}")
+    return nodes, names
+
+
 def _stable_kahn(g, nodes):
     """The reference order: Kahn's algorithm, the ready node of smallest position first."""
     import heapq
@@ -413,11 +423,7 @@ def test_sort_is_kahns_stable_order_and_reads_only_edited_nodes(monkeypatch):
     rng = np.random.default_rng(11)
     compared = reordered = 0
     for trial in range(400):
-        nodes, names = [], ["x"]
-        for k in range(int(rng.integers(2, 30))):
-            ins = [names[int(j)] for j in rng.integers(0, len(names), int(rng.integers(1, 3)))]
-            nodes.append(helper.make_node("Add" if len(ins) == 2 else "Relu", ins, [f"v{k}"], name=f"n{k}"))
-            names.append(f"v{k}")
+        nodes, names = _random_dag(rng, 2)
         if trial % 3 == 0:
             nodes = [nodes[int(i)] for i in rng.permutation(len(nodes))]
         g0 = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
@@ -466,11 +472,7 @@ def test_prune_after_edits_finds_what_a_walk_from_the_outputs_finds(monkeypatch)
     rng = np.random.default_rng(5)
     checked = found = 0
     for trial in range(300):
-        nodes, names = [], ["x"]
-        for k in range(int(rng.integers(3, 30))):
-            ins = [names[int(j)] for j in rng.integers(0, len(names), int(rng.integers(1, 3)))]
-            nodes.append(helper.make_node("Add" if len(ins) == 2 else "Relu", ins, [f"v{k}"], name=f"n{k}"))
-            names.append(f"v{k}")
+        nodes, names = _random_dag(rng, 3)
         outs = sorted({names[-1], names[int(rng.integers(1, len(names)))]})
         g0 = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                                [helper.make_tensor_value_info(v, TensorProto.FLOAT, [2]) for v in outs])

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 def default_passes() -> list:
     from .bidirectional import MergeBidirectional, ReverseInputs
-    from .cleanup import Dedupe, DropNoOps, InlineConstantIfs, SkipRoundTrips
+    from .cleanup import DropNoOps, InlineConstantIfs, SkipRoundTrips
+    from .dedupe import Dedupe
     from .concat_slices import MergeConsecutiveSlices
     from .flips import CancelFlips
     from .loop import FuseLoops

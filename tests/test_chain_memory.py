@@ -263,7 +263,7 @@ class _Reads:
 
 
 def test_the_index_spans_signatures_and_dedupe_keys_read_no_empty_field_of_a_node():
-    from rnnfuse.passes.cleanup import _DedupeTable
+    from rnnfuse.passes.dedupe import _DedupeTable
     from rnnfuse.signature import _node_info
 
     g = _chain(T=8).graph

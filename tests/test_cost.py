@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 import builders as B
 from rnnfuse.graph import Graph, Model
 from rnnfuse.pipeline import Options, Pipeline
-from rnnfuse.passes.cleanup import Dedupe
+from rnnfuse.passes.dedupe import Dedupe
 
 
 def elementwise_chain(n: int, width: int = 4) -> onnx.ModelProto:

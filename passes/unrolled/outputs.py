@@ -169,7 +169,7 @@ def _escaping(g: Graph, nodes, chain_nodes: set) -> list[tuple]:
 class FirstValueIsState(Decline):
     """The first step computes no value beyond its states where later steps do: from a zero initial state
     a masked step's output ``where(m, h', 0)`` and its state ``where(m, h', h0)`` are one expression, which
-    the exporter or :class:`~passes.cleanup.Dedupe` made one node (torch's trace with static shapes)."""
+    the exporter or :class:`~passes.dedupe.Dedupe` made one node (torch's trace with static shapes)."""
 
 
 def split_first_value(g: Graph, iv, states: list[str], chain_nodes: set):

@@ -1,0 +1,334 @@
+"""Common-subexpression elimination: nodes with the same op, attributes and inputs compute the same values.
+
+Exporters recompute a layer's mask per layer and a step's index arithmetic per step; rnnfuse shares such
+plumbing this way, which is what lets the other passes see one layer, one chain, one input. See
+:class:`Dedupe`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from onnx import NodeProto
+
+from rnnfuse.findings import Options, PassResult
+from rnnfuse.graph import Graph, Model, has_subgraph
+from rnnfuse.protos import CONTROL_FLOW, node_field
+
+_IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
+
+
+class Dedupe:
+    """Common-subexpression elimination, linear in the graph and then in the edits.
+
+    Two nodes can only be equal if they read the same values (constants aside, which count by content), so
+    a node is compared only with the other readers of its rarest non-constant input, and only nodes that
+    have such company are looked at: the first run takes the readers of values read more than once (and the
+    nodes reading only constants), in graph order -- a plain chain has none. Nodes are keyed by names first
+    (op and input names, every constant as one placeholder) and by the full key (small constants by value,
+    attributes) only where two share that. A later run looks only at the nodes edits added or rewired since
+    (``Graph.edited``): after passes that changed nothing it visits nothing. A merge rewires the merged
+    node's readers; they are looked at again in the same run (a duplicate's readers may now be equal).
+    A merged node that computed a graph output leaves the name to an Identity of the value kept (the
+    model's interface stays): a masked layer may return its last carried output beside its final state,
+    two equal values, and the chain is only seen as one layer once they are one."""
+
+    name = "dedupe"
+    fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)
+
+    def __init__(self):
+        self.visited = 0  # nodes looked at by the last run (tests check the work is linear in the edits)
+        self.full_keys = 0  # of which compared by the full key
+
+    def run(self, model: Model, ctx: Options) -> PassResult:
+        g = model.graph
+        res = PassResult(self.name)
+        mark = model.facts.dedupe_mark
+        incremental = mark is not None and mark[0] is g.edited
+        self.visited = self.full_keys = 0
+        if incremental and mark[1] == len(g.edited):
+            return res  # no edit since the last run
+        table = _DedupeTable(g)
+        if incremental:
+            work, pos = g.edited, mark[1]
+        else:
+            work, pos = table.candidates(), 0
+        base = len(g.edited)
+        later = _LaterEdits(g.edited, pos) if work is g.edited else None
+        unfiltered: set[str] = set()  # long reader lists holding merged nodes (filtered once, at the end)
+        try:
+            n_merged = self._merge(g, table, work, pos, base, later, unfiltered)
+        finally:
+            g.drop_removed_readers(unfiltered)
+        model.facts.dedupe_mark = (g.edited, len(g.edited))
+        self.full_keys = table.full_keys
+        if n_merged:
+            res.modified = True
+            res.notes.append(f"merged {n_merged} duplicate nodes")
+        return res
+
+    def _merge(self, g: Graph, table: "_DedupeTable", work: list, pos: int, base: int, later, unfiltered: set) -> int:
+        """Walk ``work`` from ``pos`` (then the edits the merges make) merging each node into an equal one."""
+        n_merged = 0
+        while True:
+            if pos >= len(work):
+                if work is g.edited or base >= len(g.edited):
+                    break
+                work, pos = g.edited, base  # readers a merge rewired (a full run's own edits)
+                later = _LaterEdits(g.edited, pos)
+            n = work[pos]
+            pos += 1
+            if later is not None and later.again(n, pos - 1):
+                continue  # (edited again further on: looked at there, once, not once per edit)
+            if not table.eligible(n):
+                continue
+            self.visited += 1
+            other = table.match(n)
+            if other is None:
+                continue
+            g.remove_node(n, unfiltered)
+            for a, b in zip(n.output, other.output):
+                if a and b:
+                    g.replace_uses(a, b)  # (a graph output keeps its name: an Identity of b, or b renamed)
+            table.forget()
+            n_merged += 1
+        return n_merged
+
+
+class _LaterEdits:
+    """Whether a node of the edit list is edited again further on, by generations of the list: the part
+    there was when asked, then what the walk's own merges appended (a Concat reading 50,000 duplicates is
+    rewired once per merge: looking at it at each of those edits, its whole input list each time, was
+    quadratic; at its last edit it is seen with every merge done)."""
+
+    def __init__(self, edited: list, start: int):
+        self.edited = edited
+        self.end = start
+        self.last: dict[int, int] = {}
+
+    def again(self, n: NodeProto, at: int) -> bool:
+        if at >= self.end:  # a new generation: the last position of each node in it
+            self.last = {id(m): i for i, m in enumerate(self.edited[at:], at)}
+            self.end = len(self.edited)
+        return self.last.get(id(n), at) > at
+
+
+class _DedupeTable:
+    """Nodes by key, for one Dedupe run: coarse key (names) -> one node, or full key -> node once two share it."""
+
+    _CONST = ("const",)  # the coarse key's stand-in for any initializer or Constant input
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self.by_coarse: dict[tuple, object] = {}
+        self.seeded: set[str] = set()  # values whose readers are in the table (incremental runs)
+        self.const_readers: list | None = None
+        self.found: dict[int, NodeProto | None] = {}  # node -> what inserting it found while seeding
+        self.full_keys = 0
+        self.small: dict[str, object] = {}  # input name -> its full-key form (small constants by content)
+        # initializers and Constant outputs: found once (a set lookup per input from then on)
+        self.consts = set(g.initializers)
+        self.consts.update(o for n in g.nodes_of("Constant") for o in n.output)
+        # small values computed from those and static shapes alone, compared by value too: torch's trace of
+        # x[x.shape[0] - 1 - t] (a backward cell stepped beside a forward one) reads the slice the forward
+        # cell reads as x[t'], through an index of its own
+        self.shape_consts = _small_shape_constants(g, self.consts, self.small)
+        self.consts |= self.shape_consts
+
+    def candidates(self) -> list[NodeProto]:
+        """The nodes that may equal another, in graph order (topological for the input model, which is where
+        it matters): nodes whose every non-constant input is read by another node too, one of them with the
+        same op (a duplicate reads them all), and the nodes reading only constants."""
+        g = self.g
+        consumers, consts, uses = g.consumers, self.consts, g.uses
+        out: dict[int, NodeProto] = {}
+        # the values read more than once (lists of readers, picked out in C: a 100k-node chain has few or none)
+        for v, cs in itertools.compress(consumers.items(), map(list.__instancecheck__, consumers.values())):
+            if len(cs) < 2:
+                continue
+            if v not in consts:
+                # a duplicate of a reader of v is another reader of v with the same op: readers whose op no
+                # other reader of v has (h read by its step's Gemm and by the output stack) have none
+                kinds: dict = {}
+                for c in cs:
+                    k = c.op_type
+                    kinds[k] = kinds.get(k, 0) + 1
+                if len(kinds) == len(cs):
+                    continue
+                for c in cs:
+                    if kinds[c.op_type] > 1 and id(c) not in out and all(len(uses(i)) > 1 for i in c.input[:] if i and i not in consts):
+                        out[id(c)] = c
+        for c in self._const_readers():
+            out[id(c)] = c
+        if not out:
+            return []  # (a plain chain: not even the positions are needed)
+        return g.in_position_order(out.values())
+
+    def _const_readers(self) -> list[NodeProto]:
+        """Nodes with at least one input, all of them constants (a second way to be equal: by value)."""
+        if self.const_readers is None:
+            self.const_readers = self.g.const_only_readers()  # (found by the index pass, when still exact)
+        if self.const_readers is None:
+            found: dict[int, NodeProto] = {}
+            consts, uses = self.consts, self.g.uses
+            for v in consts:
+                for c in uses(v):
+                    if id(c) in found:
+                        continue
+                    for i in c.input:  # (a plain loop: most readers fail on their first input)
+                        if i and i not in consts:
+                            break
+                    else:
+                        found[id(c)] = c
+            self.const_readers = list(found.values())
+        return self.const_readers
+
+    def eligible(self, n: NodeProto) -> bool:
+        """Whether ``n`` may be compared: kept in the table, and merged into an equal node found there."""
+        if not self.g.alive(n):
+            return False
+        op = n.op_type
+        if op in _IMPURE or op == "Constant" or op in CONTROL_FLOW:
+            return False  # Constants are compared by value where they are read
+        return bool(n.output) and not (n.domain not in ("", "ai.onnx") and has_subgraph(n))
+
+    def coarse(self, n: NodeProto) -> tuple:
+        c, consts = self._CONST, self.consts
+        return (n.domain, n.op_type, len(n.output), tuple(c if i in consts else i for i in n.input[:]))
+
+    def _ref(self, name: str):
+        return _value_key(self.g, name, self.small, self.shape_consts)
+
+    def full(self, n: NodeProto) -> tuple:
+        self.full_keys += 1
+        # (node_field: an attribute-less node's empty list is not read; its object is the index's, held all round)
+        return (tuple(self._ref(i) for i in n.input[:]), tuple(a.SerializeToString() for a in node_field(n, "attribute")))
+
+    def _current(self, m: NodeProto, ck: tuple, fk: tuple | None) -> bool:
+        """Is ``m`` (found in the table) still a live node under these keys? (edits may have rewired it)"""
+        if not self.eligible(m) or self.coarse(m) != ck:
+            return False
+        return fk is None or self.full(m) == fk
+
+    def _insert(self, n: NodeProto, ck: tuple) -> NodeProto | None:
+        """Put ``n`` in the table; returns the node already there with the same full key, if any."""
+        e = self.by_coarse.get(ck)
+        if e is None or e is n:
+            self.by_coarse[ck] = n
+            return None
+        if not isinstance(e, dict):
+            if not self._current(e, ck, None):
+                self.by_coarse[ck] = n
+                return None
+            e = self.by_coarse[ck] = {self.full(e): e}
+        fk = self.full(n)
+        m = e.get(fk)
+        if m is None or m is n or not self._current(m, ck, fk):
+            e[fk] = n
+            return None
+        return m
+
+    def _seed(self, n: NodeProto, ck: tuple) -> None:
+        """Put the nodes ``n`` could equal in the table first (once per value): the readers of its rarest
+        non-constant input (a duplicate reads every input ``n`` reads), or, for a node reading only
+        constants, every such node. What inserting each found is kept for its own ``match`` (see there)."""
+        g = self.g
+        names = [i for i, k in zip(n.input, ck[3]) if k is not self._CONST and i]
+        if names:
+            v = min(names, key=lambda i: len(g.uses(i)))
+            if v in self.seeded:
+                return
+            self.seeded.add(v)
+            group = list(g.uses(v))
+        else:
+            if "" in self.seeded:
+                return
+            self.seeded.add("")
+            group = self._const_readers()
+        found = self.found
+        for m in g.in_position_order(group):  # the first in graph order is the one kept
+            if self.eligible(m):  # (``n`` too: in its place in that order)
+                found[id(m)] = self._insert(m, ck if m is n else self.coarse(m))
+
+    def match(self, n: NodeProto) -> NodeProto | None:
+        ck = self.coarse(n)
+        self._seed(n, ck)
+        # inserting n again finds what inserting it while seeding found, as long as nothing was merged since
+        # (``forget`` empties ``found`` then): the node then kept under its key, still current, or n itself
+        # (no match). Without this every seeded node's full key was computed twice.
+        r = self.found.pop(id(n), _NOT_SEEDED)
+        return self._insert(n, ck) if r is _NOT_SEEDED else r
+
+    def forget(self) -> None:
+        """A merge edited the graph: what seeding found may no longer be what inserting would find."""
+        self.found.clear()
+
+
+_NOT_SEEDED = object()
+
+
+def _value_key(g: Graph, name: str, small: dict[str, object], folded) -> object:
+    """How Dedupe compares an input: a small constant (an initializer of 64 elements or fewer, a Constant's
+    value, or one of the ``folded`` shape constants) by its content, anything else by its name; cached in
+    ``small``. A large weight is never read for this."""
+    if name not in small:
+        p = g.producer.get(name)
+        t = g.initializers.get(name)
+        direct = ((t is not None and math.prod(t.dims) <= 64) or (p is not None and p.op_type == "Constant")
+                  or name in folded)
+        c = g.const(name) if name and direct else None
+        small[name] = ("=", c.dtype.str, c.shape, c.tobytes()) if c is not None and c.size <= 64 else name
+    return small[name]
+
+
+# what index arithmetic on shapes is written with (torch's trace of x.shape[0] - 1 - t, a view's sizes)
+_SHAPE_ARITH = ("Shape", "Size", "Gather", "Slice", "Squeeze", "Unsqueeze", "Concat", "Cast", "Add", "Sub", "Mul",
+                "Div", "Neg", "Reshape")
+
+
+def _small_shape_constants(g: Graph, consts: set[str], small: dict[str, object]) -> set[str]:
+    """The values of 64 elements or fewer computed from ``consts`` and the shapes of tensors the file types
+    (graph inputs, declared values) alone that fold to a constant (the dims they read are static). Walks the
+    nodes of index-arithmetic op types once, in graph order; a value computed from anything else (a runtime
+    value) is not folded. Values computed the same way (every step of a torch trace reads ``x.shape[1]``
+    through a Shape and a Gather of its own) are folded once: the fold is asked per distinct computation,
+    keyed like Dedupe's full keys (``small``: the table's cache of constants' full-key forms, filled here for
+    the inputs met)."""
+    derived: dict[str, tuple] = {}  # value -> how it is computed (op, attributes, inputs' keys)
+    folds: dict[tuple, bool] = {}
+    out = set()
+
+    def key_of(i: str):
+        return derived[i] if i in derived else _value_key(g, i, small, ())
+
+    for n in g.nodes_of(*_SHAPE_ARITH):
+        if n.op_type in ("Shape", "Size"):
+            t = g.model.declared_type(n.input[0])
+            if t is None or t[1] is None:
+                continue  # (the shape of a value the file types: no inference is started for a clean-up)
+        elif not _reads_only(n, consts, derived):
+            continue
+        base = (n.op_type, n.domain, tuple(key_of(i) if i else "" for i in n.input[:]),
+                tuple(a.SerializeToString() for a in node_field(n, "attribute")))
+        for k, o in enumerate(n.output[:]):
+            if not o:
+                continue
+            derived[o] = key = base + (k,)
+            if n.op_type in ("Shape", "Size"):
+                continue  # (a whole shape is no index; what is computed from it is looked at)
+            if key not in folds:
+                c = g.const(o)
+                folds[key] = c is not None and c.size <= 64
+            if folds[key]:
+                out.add(o)
+    return out
+
+
+def _reads_only(n: NodeProto, consts: set, derived: dict) -> bool:
+    """Whether every input of ``n`` is in ``consts`` or ``derived`` (a loop that stops at the first that is
+    not, over the field: a slice of it made every name of 100,000 nodes, four times a run)."""
+    for i in n.input:
+        if i and i not in consts and i not in derived:
+            return False
+    return True

@@ -71,7 +71,8 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
         return None
     region = set(changed)
     producer_of = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    readers = _readers(nodes)
+    reads = [reads_of(n) for n in nodes]  # (read once: protobuf makes new strings at every read of a field)
+    readers = _readers(reads)
     # values whose definition changed: produced by a changed node, or an initializer or declared type that
     # is not what it was
     redefined = {o for i in changed for o in nodes[i].output if o}
@@ -91,7 +92,7 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
     # (values both models compute from the same nodes, inputs and declarations are typed alike: inference
     # stops at those the run typed, and the input's stops at those the rewritten model's inference typed, so
     # a big unchanged upstream, a prologue of 100,000 nodes, is inferred at most once, not once per model)
-    alike = _typed_alike(after, nodes, set(changed), by_value | redeclared)
+    alike = _typed_alike(after, nodes, reads, set(changed), by_value | redeclared)
     known = _established_types(established)
     types_after = _Types(after, lambda name: known(name) if name in alike else None, nodes, producer_of)
     types_before = _Types(before, lambda name: (types_after.types.get(name) or known(name)) if name in alike else None)
@@ -144,20 +145,21 @@ def wiring_error(model: ModelProto) -> str | None:
     return None
 
 
-def _typed_alike(after: ModelProto, nodes: list[NodeProto], changed: set[int], redefined: set[str]) -> set[str]:
+def _typed_alike(after: ModelProto, nodes: list[NodeProto], reads: list[list[str]], changed: set[int],
+                 redefined: set[str]) -> set[str]:
     """The values ONNX inference types alike in ``after`` and in its input: outputs of unchanged nodes (byte
     for byte one of the input's) reading only graph inputs, initializers of the same type and dims, and such
     values (their subgraphs' captures too), minus the ``redefined`` ones (another declared type, another
     small constant), which their readers do not see alike either. ``nodes``: ``after``'s, in graph order
-    (topological: a node met before what it reads is left out, which only costs inference). The graph's
-    inputs are the same in both models (see _same_frame)."""
+    (topological: a node met before what it reads is left out, which only costs inference), ``reads`` what
+    each reads (protos.reads_of). The graph's inputs are the same in both models (see _same_frame)."""
     alike = {v.name for v in after.graph.input} | {t.name for t in after.graph.initializer}
     alike -= redefined
     alike.add("")  # (an omitted optional input)
     for i, n in enumerate(nodes):
         if i in changed:
             continue
-        if alike.issuperset(reads_of(n)):
+        if alike.issuperset(reads[i]):
             alike.update(o for o in n.output if o not in redefined)
     alike.discard("")
     return alike
@@ -184,11 +186,12 @@ def _serialized(messages) -> list[bytes]:
     return [m.SerializeToString() for m in messages]
 
 
-def _readers(nodes: list[NodeProto]) -> dict[str, list[int]]:
-    """Value name -> the positions of the nodes reading it, through their subgraphs' captures too."""
+def _readers(reads: list[list[str]]) -> dict[str, list[int]]:
+    """Value name -> the positions of the nodes reading it (``reads``: what each node reads, through its
+    subgraphs' captures too)."""
     readers: dict[str, list[int]] = {}
-    for i, n in enumerate(nodes):
-        names = set(reads_of(n))
+    for i, read in enumerate(reads):
+        names = set(read)
         names.discard("")
         for name in names:
             readers.setdefault(name, []).append(i)

@@ -69,10 +69,10 @@ def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto], establis
             original.append(before())
         return original[0]
 
+    if not _can_check(after) or _region_passes(after, _before, established):
+        return None  # (its changed region passes: the whole is not serialised or written for the checks)
     with _checkable(after) as data:
         if data is None:
-            return None
-        if _region_passes(after, _before, established):
             return None
         err = checker_error(data)
         if err is not None and _check_before(checker_error, _before) is None:
@@ -113,9 +113,8 @@ def _checkable(model: onnx.ModelProto):
     weight values, and a serialised copy would hold every weight again); None when it cannot be checked (a
     tensor inside a node or subgraph stored as external data; a model too big to serialise)."""
     from .check_session import weight_heavy, write_skeleton
-    from .protos import data_bytes
 
-    if _external_beyond_initializers(model):
+    if not _can_check(model):
         yield None
         return
     if weight_heavy(model):
@@ -125,14 +124,20 @@ def _checkable(model: onnx.ModelProto):
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         return
-    if data_bytes(model) > MAX_CHECK_BYTES:
-        yield None
-        return
     try:
         data: onnx.ModelProto | bytes = model.SerializeToString()  # (once, for both checks)
     except Exception:  # (too large to serialise: each check says so itself)
         data = model
     yield data
+
+
+def _can_check(model: onnx.ModelProto) -> bool:
+    """Whether :func:`_checkable` gives the checks something to read (no tensor beyond the main graph's
+    initializers stored as external data; not over ``MAX_CHECK_BYTES`` of data held, unless weight-heavy)."""
+    from .check_session import weight_heavy
+    from .protos import data_bytes
+
+    return not _external_beyond_initializers(model) and (weight_heavy(model) or data_bytes(model) <= MAX_CHECK_BYTES)
 
 
 def _external_beyond_initializers(model: onnx.ModelProto) -> bool:

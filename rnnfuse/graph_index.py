@@ -391,9 +391,12 @@ class GraphIndex:
         arrays = self._arrays
         if name in arrays:  # (computed for this scope before: this scope defines it)
             return arrays[name]
-        if self.parent is None and name in self.producer:
-            from .dataflow import runtime_values  # (dataflow's walks build on the graph index)
-            if name in runtime_values(self):  # (one walk for the run: a fold walked back to the inputs per value)
+        if self.parent is None and name in self.producer:  # (the run's one walk, kept: else a fold walked back)
+            runtime = self.model.facts.runtime
+            if runtime is None:
+                from .dataflow import runtime_values  # (dataflow's walks build on the graph index)
+                runtime = runtime_values(self)
+            if name in runtime:
                 return None  # computed from an input's values: no constant
         g = self.scope_of(name)
         if g is None:

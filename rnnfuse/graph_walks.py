@@ -71,11 +71,11 @@ class Walks:
                     stack.extend(o for o in r.output if o)
         return out
 
-    def newly_dead(self, edited, lost) -> list[NodeProto]:
+    def newly_dead(self, touched: list[NodeProto]) -> list[NodeProto]:
         """The live nodes no graph output is computed from, in node-list order, when every node was live
-        before some edits: such a node is one of the ``edited`` ones (added or rewired since), the producer of
-        a value in ``lost`` (it lost a reader since), or one whose every reader is such a dead node. Only
-        those are looked at, not the 100,000 live nodes around a fusion that a walk from the outputs reads."""
+        before some edits: such a node is one of the ``touched`` ones (edited since, or the producer of a
+        value that lost a reader since), or one whose every reader is such a dead node. Only those are looked
+        at, not the 100,000 live nodes around a fusion that a walk from the outputs reads."""
         producer, dead = self.producer, set()
 
         def dies(p: NodeProto) -> bool:
@@ -86,7 +86,7 @@ class Walks:
                     return False
             return True
 
-        stack = list(edited) + [producer[v] for v in lost if v in producer]
+        stack = list(touched)
         while stack:
             p = stack.pop()
             if dies(p):
@@ -131,7 +131,8 @@ class Walks:
                         stack.append(p)
         return list(itertools.compress(self.nodes, map(dead.__contains__, map(id, self.nodes))))
 
-    def _live_set(self) -> set[int]:
+    def _live_set(self, limit: int | None = None) -> set[int] | None:
+        """The ids of the nodes a graph output is computed from; None past ``limit`` of them."""
         live: set[int] = set()
         removed, producer = self._removed, self.producer
         stack = [producer[o] for o in self.output_names if o in producer]
@@ -141,6 +142,8 @@ class Walks:
             if k in live or k in removed:
                 continue
             live.add(k)
+            if limit is not None and len(live) > limit:
+                return None
             for i in self.reads(n):
                 p = producer.get(i)
                 if p is not None:

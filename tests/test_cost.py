@@ -260,13 +260,14 @@ def test_prune_removes_exactly_what_no_output_needs():
 
 def test_nothing_dead_costs_no_liveness_walk(monkeypatch):
     """A graph with nothing dead is proven so from its indices (no walk over every node's inputs); dead code
-    as loaded, and what an edit kills, are found from the unread values and the edits (no walk either)."""
+    as loaded too, from its unread values; what an edit kills, by the shorter of the walks from the outputs
+    and from what the edit touched."""
     walks = []
     orig = Graph._live_set
 
-    def counted(g):
+    def counted(g, limit=None):
         walks.append(len(g.nodes))
-        return orig(g)
+        return orig(g, limit)
 
     monkeypatch.setattr(Graph, "_live_set", counted)
     m = Model(elementwise_chain(400))
@@ -280,7 +281,7 @@ def test_nothing_dead_costs_no_liveness_walk(monkeypatch):
     g = Model(_dead_branches()).graph
     g.replace_uses("t", "x")
     everything, want = [n.name for n in g.live_nodes()], _reference_dead(g)
-    assert g.prune() == 7 and walks == []
+    assert g.prune() == 7 and len(walks) <= 1  # (a walk from the outputs, bounded: this graph is small)
     assert [n.name for n in g.live_nodes()] == [k for k in everything if k not in want]
 
 
@@ -469,6 +470,9 @@ def test_prune_after_edits_finds_what_a_walk_from_the_outputs_finds(monkeypatch)
     the walk back from the outputs finds, on random graphs with dead code of their own, after random removals,
     rewirings and additions (some read by nothing), pruned once or twice; and a prune after a small edit of
     a long chain looks at a handful of nodes, not the chain."""
+    walk = Graph._live_set
+    # (the walk from the outputs given up at once, whatever its limit: newly_dead decides every time)
+    monkeypatch.setattr(Graph, "_live_set", lambda g, limit=None: None if limit is not None else walk(g))
     rng = np.random.default_rng(5)
     checked = found = 0
     for trial in range(300):
@@ -501,6 +505,7 @@ def test_prune_after_edits_finds_what_a_walk_from_the_outputs_finds(monkeypatch)
             g.prune()
     assert checked > 300 and found > 100, (checked, found)
 
+    monkeypatch.undo()
     g = Model(elementwise_chain(2000)).graph
     assert g.prune() == 0
     mid = g.nodes[1000]
@@ -509,7 +514,18 @@ def test_prune_after_edits_finds_what_a_walk_from_the_outputs_finds(monkeypatch)
     reads = Graph.reads
     monkeypatch.setattr(Graph, "reads", lambda self, n: read.append(1) or reads(self, n))
     assert g.prune() >= 1 and not g.alive(mid)
-    assert len(read) < 50, len(read)
+    assert len(read) < 150, len(read)  # (the walk from the outputs tried up to its bound, 4 x 2 + 64 nodes)
+    monkeypatch.undo()
+
+    # a fused chain: its steps all dead, a few live nodes left: the walk from the outputs is the cheaper
+    g = Model(elementwise_chain(2000)).graph
+    assert g.prune() == 0
+    last = g.producer[g.output_names[0]]
+    g.replace_reads([last], last.input[0], "x")  # (the output now reads x: every other node is dead)
+    dead_calls: list[int] = []
+    newly = Graph.newly_dead
+    monkeypatch.setattr(Graph, "newly_dead", lambda g, touched: dead_calls.append(1) or newly(g, touched))
+    assert g.prune() == 1999 and dead_calls == [] and [n.name for n in g.live_nodes()] == [last.name]
 
 
 def test_the_next_round_takes_over_the_finalized_index(monkeypatch):

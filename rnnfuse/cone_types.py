@@ -53,6 +53,8 @@ class ConeTypes:
         self.max_cone = CHEAP_INFERENCE_NODES
         self.settled: set[str] = set()  # outputs of nodes already inferred (typed or not), or given up on
         self.too_big: set[str] = set()  # names whose cone does not fit one inference (asked in one piece)
+        # names typed by an inference that read a type an edit declared, or one typed so (Model.established_type)
+        self.from_edits: set[str] = set()
 
     def carried_over(self, model: "Model", redefined: list[str]) -> "ConeTypes":
         """The types for ``model``, the next round's view of this one's proto: those inferred here, but for
@@ -70,6 +72,7 @@ class ConeTypes:
             return carried
         retyped = set(redefined).union(*(n.output for n in after))
         carried.types = {k: t for k, t in self.types.items() if k in g.producer and k not in retyped}
+        carried.from_edits = {k for k in self.from_edits if k in carried.types}
         return carried
 
     def type_of(self, name: str, one_piece: bool = False) -> Type | None:
@@ -139,7 +142,7 @@ class ConeTypes:
         m = ModelProto()
         m.ir_version = proto.ir_version
         m.opset_import.extend(proto.opset_import)
-        made = self._cone_graph(cone, m.graph)  # (built in place: a graph copied in is every node copied twice)
+        made, from_edits = self._cone_graph(cone, m.graph)  # (built in place: a graph copied in is every node copied twice)
         try:
             m = onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
         except Exception:  # (inference is a convenience: the tensors stay untyped)
@@ -156,6 +159,8 @@ class ConeTypes:
             t = read[key]
             if t is not None:
                 self.types[vi.name] = (t[0], None if t[1] is None else list(t[1]))
+                if from_edits:
+                    self.from_edits.add(vi.name)
         self.settled |= made
 
     def _own_dims(self, t: Type) -> Type:
@@ -168,9 +173,10 @@ class ConeTypes:
             return t
         return (t[0], [f"{d}@cone{self.cones}" if invented(d) else d for d in t[1]])
 
-    def _cone_graph(self, cone: list[NodeProto], out: GraphProto) -> set[str]:
+    def _cone_graph(self, cone: list[NodeProto], out: GraphProto) -> tuple[set[str], bool]:
         """Fill ``out`` with the cone's nodes (a node with subgraphs as its skeleton), the small weights they
-        read and the known types of the other values they read, as inputs; returns what the nodes compute."""
+        read and the known types of the other values they read, as inputs; returns what the nodes compute, and
+        whether an input's type is one an edit declared or was inferred from one."""
         g = self.model.graph
         out.name = "cone"
         made = {o for n in cone for o in n.output}
@@ -186,6 +192,7 @@ class ConeTypes:
                     copy_node_skeleton(n, copy, SKELETON_DATA_BYTES)
                 else:
                     copy.CopyFrom(n)
+        from_edits = False
         for name in read:
             w = g.initializers.get(name)
             if w is not None and name not in g.input_names and w.data_location != TensorProto.EXTERNAL and w.ByteSize() <= SKELETON_DATA_BYTES:
@@ -194,4 +201,5 @@ class ConeTypes:
             t = self._known(name)
             if t is not None:
                 out.input.append(helper.make_tensor_value_info(name, t[0], t[1]))
-        return made
+                from_edits = from_edits or name in self.model.declared_by_edits or name in self.from_edits
+        return made, from_edits

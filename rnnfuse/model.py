@@ -35,6 +35,7 @@ class Model:
         self._declared: dict[str, tuple[int, list | None]] | None = None
         self._cones: ConeTypes | None = None  # (big models: types inferred cone by cone)
         self._next: Model | None = None  # (the next round's view, once there is one)
+        self.declared_by_edits: set[str] = set()  # (the names of the types :meth:`declare` recorded)
         self.graph = Graph(proto.graph, None, self) if index_from is None else index_from.next_view(self)
         # whether whole-model shape inference is cheap enough to fill in undeclared types (see known_type)
         n = len(self.graph.nodes)
@@ -166,16 +167,20 @@ class Model:
         return t
 
     def established_type(self, name: str) -> tuple[int, list | None] | None:
-        """What the run knows of ``name``'s type without inferring anything: what the file or an edit
-        declares, else what an inference already gave it (the whole model's, or a cone's); asked of a view
-        a later round replaced, the latest view answers."""
+        """What the run knows of ``name``'s type without inferring anything: what the file declares, else what
+        an inference already gave it (the whole model's, or a cone's); asked of a view a later round replaced,
+        the latest view answers. Not what an edit declared, nor a type inferred from one (the optimizer's own
+        belief: the do-no-harm guard takes these answers instead of inferring, and must not check the
+        optimizer against itself)."""
         m = self
         while m._next is not None:
             m = m._next
-        t = m.declared_type(name)
+        t = None if name in m.declared_by_edits else m.declared_type(name)
         if t is None or t[1] is None:
-            inferred = m._types if m._types is not None else m._cones.types if m._cones is not None else {}
-            t = inferred.get(name) or t
+            if m._types is not None:
+                t = m._types.get(name) or t
+            elif m._cones is not None and name not in m._cones.from_edits:
+                t = m._cones.types.get(name) or t
         return t
 
     def declared_type(self, name: str) -> tuple[int, list | None] | None:
@@ -202,6 +207,7 @@ class Model:
             self._declared = declared_types(self.proto)
         if t is not None and self._declared.get(name) is None:
             self._declared[name] = t
+            self.declared_by_edits.add(name)
 
 
 def release_mapped_pages(arr: np.ndarray) -> None:

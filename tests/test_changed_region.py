@@ -206,6 +206,37 @@ def test_types_the_run_established_spare_inferring_an_unchanged_upstream(monkeyp
     assert inferred[0] >= 300, inferred
 
 
+def test_types_the_optimizer_declared_are_not_established(monkeypatch):
+    """What an edit declared (Model.declare: the optimizer's belief about a value it rewired readers to), and
+    what a cone inferred from such a type, is no established type: the guard infers those values itself. A
+    wrong declaration of an unchanged value must not let a region through that its own inference refuses."""
+    def model(weight: str) -> onnx.ModelProto:
+        nodes = [helper.make_node("Relu", ["x"], ["v"], name="r")]
+        nodes += [helper.make_node("Neg", ["x" if k == 0 else f"f{k - 1}"], [f"f{k}"], name=f"f{k}") for k in range(30)]
+        nodes.append(helper.make_node("MatMul", ["v", weight], ["y"], name=f"mm_{weight}"))
+        inits = [numpy_helper.from_array(np.ones((3, 5), np.float32), "W3"),
+                 numpy_helper.from_array(np.ones((4, 5), np.float32), "W4")]
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5]),
+                               helper.make_tensor_value_info("f29", TensorProto.FLOAT, [2, 4])], inits)
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+    from rnnfuse.cone_types import ConeTypes
+    from rnnfuse.graph import Model
+
+    monkeypatch.setattr(region, "SCOPED_NODES", 0)
+    before, after = model("W4"), model("W3")  # (v is [2, 4]: v @ W3 cannot load)
+    m = Model(after)
+    m.declare("v", (TensorProto.FLOAT, [2, 3]))  # (a wrong belief about an unchanged value)
+    assert m.established_type("v") is None
+    assert guard.harm(after, lambda: before, m.established_type) is not None  # (refused, as without the types)
+    assert guard.harm(after, lambda: before) is not None
+
+    cones = ConeTypes(m)  # (a cone reading the declared type: what it infers is the optimizer's belief too)
+    assert cones.type_of("y", one_piece=True) is not None and "y" in cones.from_edits
+    assert cones.type_of("f29", one_piece=True) is not None and "f29" not in cones.from_edits
+
+
 def _edited(m: onnx.ModelProto, nodes: list) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(m)

@@ -344,19 +344,7 @@ def _established_types(established: Established | None) -> Callable[[str], bytes
     def known(name: str) -> bytes | None:
         if name not in out:
             t = established(name)
-            if t is None or t[1] is None:
-                out[name] = None
-            else:
-                tp = onnx.TypeProto()
-                tp.tensor_type.elem_type = t[0]
-                shape = tp.tensor_type.shape
-                for d in t[1]:
-                    dim = shape.dim.add()
-                    if isinstance(d, int):
-                        dim.dim_value = d
-                    elif isinstance(d, str):
-                        dim.dim_param = d
-                out[name] = tp.SerializeToString()
+            out[name] = None if t is None or t[1] is None else onnx.helper.make_tensor_type_proto(t[0], t[1]).SerializeToString()
         return out[name]
 
     return known

@@ -321,7 +321,7 @@ class Graph(Rewiring, Walks, GraphIndex):
         removed = self._removed
         if self._lost is not None and (self.edited or removed):
             since = self._pruned[0] if self._pruned is not None else 0
-            sinks = [] if self._pruned is not None else self._unread_producers()
+            sinks = [] if self._pruned is not None else [self.producer[o] for o in self._unread()]
             touched = self.edited[since:] + sinks + [self.producer[v] for v in self._lost if v in self.producer]
             # (the walk from the outputs over the live nodes when they are not many more than the touched
             # ones, which the other walk costs a few times over: a fused chain leaves 100,000 dead steps and a
@@ -329,12 +329,9 @@ class Graph(Rewiring, Walks, GraphIndex):
             live = self._live_set(4 * len(touched) + 64)
             return self.newly_dead(touched) if live is None else without(removed.keep(self.nodes), live)
         if not self.edited and not removed and self.owners_complete:
-            # the names produced but not read (an empty reader list, left by rewiring before a finalize,
-            # reads nothing) nor output: set operations in C, then only the nodes producing such names are read
-            producer, consumers = self.producer, self.consumers
-            unread = producer.keys() - consumers.keys()
-            if not all(consumers.values()):
-                unread.update(k for k, v in consumers.items() if not v and k in producer)
+            # the names produced but neither read nor output; then only the nodes producing such names are read
+            producer = self.producer
+            unread = self._unread()
             unread.difference_update(self.output_names)
             sinks = {id(producer[o]): producer[o] for o in unread}
             sinks = [p for p in sinks.values() if all(o in unread for o in p.output if o and producer.get(o) is p)]
@@ -390,8 +387,9 @@ class Graph(Rewiring, Walks, GraphIndex):
         index = {id(n): i for i, n in enumerate(order)}
         check: set[int] | None = None  # (None: every node)
         if self._input_sorted:
-            check = {id(n) for n in self.edited if id(n) in index}
-            for n in [n for n in self.edited if id(n) in index]:
+            edited = [n for n in self.edited if id(n) in index]
+            check = {id(n) for n in edited}
+            for n in edited:
                 check.update(id(r) for o in n.output if o for r in self.uses(o) if id(r) in index)
         producer, reads = self.producer, self.reads
         out: list[NodeProto] = []

@@ -94,12 +94,14 @@ class Walks:
                 stack.extend(q for i in self.reads(p) if (q := producer.get(i)) is not None and id(q) not in dead)
         return self.nodes_with_ids(dead) if dead else []
 
-    def _unread_producers(self) -> list[NodeProto]:
-        """The producers of values no node reads (an emptied reader list included): set operations in C."""
+    def _unread(self) -> set[str]:
+        """The values nodes produce and no node reads (an emptied reader list, left by rewiring before a
+        finalize, reads nothing): set operations in C, no node read."""
         producer, consumers = self.producer, self.consumers
         unread = producer.keys() - consumers.keys()
-        unread.update(k for k, v in consumers.items() if not v and k in producer)
-        return [producer[o] for o in unread]
+        if not all(consumers.values()):
+            unread.update(k for k, v in consumers.items() if not v and k in producer)
+        return unread
 
     def _dead_from_sinks(self, sinks: list[NodeProto], unread: set[str]) -> list[NodeProto]:
         """The dead nodes of an acyclic graph as loaded, in node-list order, from the indices: the ``sinks``

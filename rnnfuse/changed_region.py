@@ -52,14 +52,23 @@ COMPARED_BY_VALUE_BYTES = 1 << 16
 Established = Callable[[str], "tuple[int, list | None] | None"]
 
 
-def region_model(after: ModelProto, before: ModelProto, established: Established | None = None) -> ModelProto | None:
+def node_reads(model: ModelProto) -> list[list[str]]:
+    """What each node of the main graph reads (its inputs and its subgraphs' captures, protos.reads_of), in
+    graph order: read once for :func:`region_model` and :func:`wiring_error` (protobuf makes new strings at
+    every read of a field)."""
+    return [reads_of(n) for n in model.graph.node]
+
+
+def region_model(after: ModelProto, before: ModelProto, established: Established | None = None,
+                 reads: list[list[str]] | None = None) -> ModelProto | None:
     """The changed region of ``after`` (the rewritten model) against ``before`` (its input), as a model
     onnxruntime loads on its own; None when the whole model must be loaded instead (see the module).
 
     ``established``: the types the run already inferred for values (name -> (elem_type, dims) or None; it
     infers nothing new), taken for the values both models type alike, where inference stops. ONNX inference
     over the same unchanged nodes from the same inputs gave them: the optimizer typed a 100,000-node
-    prologue to analyse the recurrence behind it, and the guard need not infer it again (0.8 s)."""
+    prologue to analyse the recurrence behind it, and the guard need not infer it again (0.8 s). ``reads``:
+    :func:`node_reads` of ``after``, when the caller has it."""
     if not _same_frame(after, before) or _inline_bytes(after) + _inline_bytes(before) > MAX_INLINE_BYTES:
         return None
     nodes = list(after.graph.node)
@@ -71,7 +80,7 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
         return None
     region = set(changed)
     producer_of = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    reads = [reads_of(n) for n in nodes]  # (read once: protobuf makes new strings at every read of a field)
+    reads = node_reads(after) if reads is None else reads
     readers = _readers(reads)
     # values whose definition changed: produced by a changed node, or an initializer or declared type that
     # is not what it was
@@ -92,10 +101,10 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
     # (values both models compute from the same nodes, inputs and declarations are typed alike: inference
     # stops at those the run typed, and the input's stops at those the rewritten model's inference typed, so
     # a big unchanged upstream, a prologue of 100,000 nodes, is inferred at most once, not once per model)
-    alike = _typed_alike(after, nodes, reads, set(changed), by_value | redeclared)
+    alike = _typed_alike(after, producer_of, readers, nodes, changed, by_value | redeclared)
     known = _established_types(established)
-    types_after = _Types(after, lambda name: known(name) if name in alike else None, nodes, producer_of)
-    types_before = _Types(before, lambda name: (types_after.types.get(name) or known(name)) if name in alike else None)
+    types_after = _Types(after, lambda name: known(name) if alike(name) else None, nodes, producer_of)
+    types_before = _Types(before, lambda name: (types_after.types.get(name) or known(name)) if alike(name) else None)
     wave = [name for name in redefined if any(r not in region for r in readers.get(name, ()))]
     seen = set(wave)
     while wave:  # (in waves: the values of one wave are typed by one inference per model)
@@ -121,17 +130,18 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
     return _standalone(after, [nodes[i] for i in sorted(region)], readers, region, types_after)
 
 
-def wiring_error(model: ModelProto) -> str | None:
+def wiring_error(model: ModelProto, reads: list[list[str]] | None = None) -> str | None:
     """What is wrong with how the main graph's nodes connect, as onnx.checker would find it in the whole
     model and not in a region of it: a value defined twice (by two nodes, or by a node and a graph input or
     initializer), a value read (by a node or captured by its subgraphs) before anything defines it, a graph
-    output nothing defines. None when the wiring is sound. One pass over the nodes."""
+    output nothing defines. None when the wiring is sound. One pass over the nodes (``reads``: their
+    :func:`node_reads`, when the caller has it)."""
     g = model.graph
     defined = {v.name for v in g.input}
     for t in g.initializer:
         defined.add(t.name)
-    for n in g.node:
-        for name in reads_of(n):
+    for n, read in zip(g.node, node_reads(model) if reads is None else reads):
+        for name in read:
             if name and name not in defined:
                 return f"{n.op_type} node {n.name!r} reads {name!r} before it is defined"
         for o in n.output:
@@ -145,24 +155,31 @@ def wiring_error(model: ModelProto) -> str | None:
     return None
 
 
-def _typed_alike(after: ModelProto, nodes: list[NodeProto], reads: list[list[str]], changed: set[int],
-                 redefined: set[str]) -> set[str]:
-    """The values ONNX inference types alike in ``after`` and in its input: outputs of unchanged nodes (byte
-    for byte one of the input's) reading only graph inputs, initializers of the same type and dims, and such
-    values (their subgraphs' captures too), minus the ``redefined`` ones (another declared type, another
-    small constant), which their readers do not see alike either. ``nodes``: ``after``'s, in graph order
-    (topological: a node met before what it reads is left out, which only costs inference), ``reads`` what
-    each reads (protos.reads_of). The graph's inputs are the same in both models (see _same_frame)."""
-    alike = {v.name for v in after.graph.input} | {t.name for t in after.graph.initializer}
-    alike -= redefined
-    alike.add("")  # (an omitted optional input)
-    for i, n in enumerate(nodes):
-        if i in changed:
-            continue
-        if alike.issuperset(reads[i]):
-            alike.update(o for o in n.output if o not in redefined)
-    alike.discard("")
-    return alike
+def _typed_alike(after: ModelProto, producer_of: dict[str, int], readers: dict[str, list[int]],
+                 nodes: list[NodeProto], changed: list[int], redefined: set[str]) -> Callable[[str], bool]:
+    """Whether ONNX inference types a value alike in ``after`` and in its input: a graph input or
+    initializer, or an output of an unchanged node (byte for byte one of the input's) whose reads are such
+    values (its subgraphs' captures too), and not one of the ``redefined`` (another declared type, another
+    small constant), which their readers do not see alike either. Asked as its complement: what the changed
+    nodes' outputs and the redefined values reach, walked forward over ``readers`` (value -> the positions
+    of its readers), is the only part not alike: a fusion at the end of a 100,000-node prologue walks what
+    follows it, not the prologue. That holds in a graph in order whose every read is defined, which the guard
+    asks of the whole graph too (wiring_error): elsewhere the region is not used. The graph's inputs are
+    the same in both models (see _same_frame)."""
+    defined = {v.name for v in after.graph.input} | {t.name for t in after.graph.initializer}
+    reached = set(redefined)
+    reached.update(o for i in changed for o in nodes[i].output if o)
+    wave = list(reached)
+    taken: set[int] = set()
+    while wave:
+        for r in readers.get(wave.pop(), ()):
+            if r not in taken:
+                taken.add(r)
+                for o in nodes[r].output:
+                    if o and o not in reached:
+                        reached.add(o)
+                        wave.append(o)
+    return lambda name: name not in reached and (name in producer_of or name in defined)
 
 
 def _same_frame(after: ModelProto, before: ModelProto) -> bool:
@@ -229,13 +246,24 @@ class _Types:
         the same nodes from the same inputs and weights), or None; inference stops at such values. ``nodes``
         and ``producer`` (value -> its producer's position): the model's, when the caller has them."""
         self.model = model
-        self.nodes = list(model.graph.node) if nodes is None else nodes
-        self.producer = {o: i for i, n in enumerate(self.nodes) for o in n.output if o} if producer is None else producer
+        self._nodes, self._producer = nodes, producer  # (the input model's are listed only if a cone is walked)
         self.types: dict[str, bytes] = {}
         self.asked: set[str] = set()
         self.whole = False
         self.borrow = borrow
         self.borrowed: dict[str, bytes] = {}  # (the values a walk stopped at, with the types taken for them)
+
+    @property
+    def nodes(self) -> list[NodeProto]:
+        if self._nodes is None:
+            self._nodes = list(self.model.graph.node)
+        return self._nodes
+
+    @property
+    def producer(self) -> dict[str, int]:
+        if self._producer is None:
+            self._producer = {o: i for i, n in enumerate(self.nodes) for o in n.output if o}
+        return self._producer
 
     def ask(self, names) -> "_Types | None":
         """Type ``names`` (those not asked before); None when inference fails."""

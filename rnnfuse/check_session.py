@@ -280,14 +280,15 @@ def fed_input(name: str, values: list[np.ndarray]) -> onnx.ValueInfoProto:
 
 
 def model_of(g: "Graph", nodes: list[onnx.NodeProto], outputs: list, given: dict[str, list[np.ndarray]], name: str,
-             extra_initializers: list | None = None) -> tuple[onnx.ModelProto, dict[str, Source]]:
+             extra_initializers: list | None = None, reads=reads_of) -> tuple[onnx.ModelProto, dict[str, Source]]:
     """A model of ``nodes`` (in topological order; copied into it) of ``g``'s model, with the weights and graph inputs
     they read, the tensors in ``given`` (name -> the values it will be fed, one per input set) as inputs too
     (see :func:`fed_input`), and ``outputs``; its big weights are returned apart (see
-    :func:`rnnfuse.check_session.open_session`)."""
+    :func:`rnnfuse.check_session.open_session`). ``reads``: what a node reads (protos.reads_of, or a caller's
+    memo of it)."""
     used = set()
     for n in nodes:
-        used.update(reads_of(n))
+        used.update(reads(n))
     proto = g.model.proto
     m = onnx.ModelProto()
     m.ir_version = proto.ir_version

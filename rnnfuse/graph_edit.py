@@ -17,6 +17,7 @@ from onnx import NodeProto, TensorProto, helper, numpy_helper
 from .graph_index import POS_TIE, GraphIndex, Removed, n_readers, without
 from .graph_rewire import Rewiring
 from .graph_walks import Walks
+from .node_list import write_back
 from .protos import has_subgraph, set_external
 
 if TYPE_CHECKING:
@@ -246,38 +247,39 @@ class Graph(Rewiring, Walks, GraphIndex):
         Linear, and it does no whole-graph work it can prove unneeded: no liveness walk right after a
         prune, no sort of an order no edit disturbed, no proto rewrite or index rebuild of an unchanged node
         list."""
-        removed = self._removed
         self.redefined = [o for n in itertools.chain(self.edited, self._graveyard) for o in n.output if o]
-        kept = removed.keep(self.nodes) if removed else self.nodes
-        if self._pruned == self._state():
-            nodes, dropped = kept, False  # every node left is live
-        else:
-            dead = {id(n) for n in self._dead_nodes()}
-            nodes = [n for n in kept if id(n) not in dead] if dead else kept
-            dropped = bool(dead)
+        removed = self._removed
+        nodes = removed.keep(self.nodes) if removed else self.nodes
+        dead = [] if self._pruned == self._state() else self._dead_nodes()  # (else every node left is live)
+        if dead:
+            gone = set(map(id, dead))
+            nodes = [n for n in nodes if id(n) not in gone]
         sort = bool(self.edited) or not self._input_sorted
         if sort:
             nodes = self.toposort(nodes)
-        # the same length and nothing removed, dropped or re-sorted: the proto's own list, as it is
+        copies: list | None = []
+        # the same length and nothing removed or re-sorted: the proto's own list, as it is
         if len(nodes) != len(self.proto.node) or (
-            (removed or dropped or sort) and any(a is not b for a, b in zip(nodes, self.proto.node))
+            (removed or sort) and any(a is not b for a, b in zip(nodes, self.proto.node))
         ):
-            del self.proto.node[:]
-            self.proto.node.extend(nodes)
-            nodes = list(self.proto.node)  # extend copies: index the messages the proto holds
-            dropped = True
+            copies = write_back(self.proto.node, nodes)
+            nodes = list(self.proto.node)  # (the messages the proto holds: the nodes it held, and copies)
+        if dead and copies is not None:
+            self.remove_nodes(dead)  # (off the index as a prune takes them; a rewrite indexes the rest anew)
         self.nodes = nodes
         self._pos_from(nodes)
-        self._by_op = None  # (new messages, a new order)
+        self._by_op = None  # (a new order)
         self._removed = Removed()
         self._graveyard.clear()
         self.edited = []
         self._input_sorted = True
-        if dropped:  # (otherwise the indices are exact: edits kept them so, and no dead node is left in them)
+        if copies is None:  # (every message is new: the index is built again)
             self.producer.clear()
             self.consumers.clear()
             self._implicit.clear()
             self._index_all(nodes)
+        else:
+            self._take_copies(copies, nodes)
         self._pruned = self._state()
         self._lost = set()  # (every node left is live)
         # the initializers and value_info entries still read or defined (from the indices, not the nodes)
@@ -293,6 +295,29 @@ class Graph(Rewiring, Walks, GraphIndex):
             if len(vis) != len(self.proto.value_info):
                 del self.proto.value_info[:]
                 self.proto.value_info.extend(vis)
+
+    def _take_copies(self, copies: list[tuple[NodeProto, NodeProto]], nodes: list[NodeProto]) -> None:
+        """The index, exact for the nodes the proto held before finalize, made to name the proto's copies of the
+        nodes added this round (each value's reader list rewritten once); what is keyed by the id of a node
+        no longer listed is dropped (its object goes now: the id may come back)."""
+        self._edits += 1  # (what the last index pass found is not known to hold)
+        producer, consumers, swap = self.producer, self.consumers, {id(n): c for n, c in copies}
+        names: set[str] = set()
+        for node, copy in copies:
+            for o in node.output:
+                if o and producer.get(o) is node:
+                    producer[o] = copy
+            names.update(node.input)
+            names |= self.implicit_inputs(node)
+        for name in names:
+            lst = consumers.get(name)
+            if type(lst) is list:
+                lst[:] = [swap.get(id(c), c) for c in lst]
+            elif lst is not None:
+                consumers[name] = swap.get(id(lst), lst)
+        live = set(map(id, nodes))
+        self._implicit = {k: v for k, v in self._implicit.items() if k in live}
+        self._subgraph_views = {k: v for k, v in self._subgraph_views.items() if k in live}
 
     def next_view(self, model: "Model") -> "Graph":
         """This main graph, just finalized, as the graph of ``model`` (the next round's view of the same

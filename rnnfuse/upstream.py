@@ -296,19 +296,31 @@ def _run_upstream(ort, g: Graph, shared: list[NodeProto], boundary: list[str], g
     session took 280 MB, twice what the rest of the run held), and its session set-up grows faster than the
     nodes; a piece's session is closed before the next one opens, so only the values crossing a cut are held
     between them."""
+    reads = reads or g.reads
     pieces = [shared[i:i + PIECE_NODES] for i in range(0, len(shared), PIECE_NODES)]
     last_reader: dict[str, int] = {}  # value -> the last piece reading it (boundary values: past the end)
+    piece_of: dict[int, int] = {}
     for k, piece in enumerate(pieces):
         for n in piece:
-            for i in (reads or g.reads)(n):
+            piece_of[id(n)] = k
+            for i in reads(n):
                 last_reader[i] = k
     for b in boundary:
         last_reader[b] = len(pieces)
+    # what each piece hands on: its values a later piece reads (found from the index's producers, in the order
+    # they are first read: no node's outputs read again)
+    handed: list[list[str]] = [[] for _ in pieces]
+    producer = g.producer
+    for name, last in last_reader.items():
+        k = piece_of.get(id(producer.get(name)))
+        if k is not None and last > k:
+            handed[k].append(name)
     values: dict[str, list[np.ndarray]] = dict(given)
     for k, piece in enumerate(pieces):
-        outputs = [o for n in piece for o in n.output if o and last_reader.get(o, -1) > k]
+        outputs = handed[k]
         # (the graph's own nodes: the model copies them as it takes them, and nothing here changes them)
-        m, big = model_of(g, piece, [onnx.ValueInfoProto(name=o) for o in outputs], values, "rnnfuse_upstream")
+        m, big = model_of(g, piece, [onnx.ValueInfoProto(name=o) for o in outputs], values, "rnnfuse_upstream",
+                          reads=reads)
         sess = open_session(ort, m, big)
         del m
         fed = [i.name for i in sess.get_inputs()]

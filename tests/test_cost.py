@@ -395,6 +395,48 @@ def test_finalize_drops_unused_initializers_in_place():
         assert set(g.initializers) == {t.name for t in kept}
 
 
+@pytest.mark.parametrize("kept_share", [0.9, 0.1])
+def test_finalize_moves_the_nodes_the_proto_holds_instead_of_copying_them(kept_share, monkeypatch):
+    """A small edit in a big graph: the nodes the proto held stay its messages (same objects, sorted in
+    place), the added ones become the proto's copies, named so by the index, and no index pass runs; when
+    most of the graph goes, the few left are written whole and indexed again. Either way the index is that
+    of a fresh view of the proto, and its reader lists name live proto messages only."""
+    from rnnfuse.graph_index import GraphIndex
+
+    n = 400
+    nodes = [helper.make_node("Relu", ["x" if k == 0 else f"r{k - 1}"], [f"r{k}"], name=f"n{k}") for k in range(n)]
+    g0 = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                           [helper.make_tensor_value_info(f"r{n - 1}", TensorProto.FLOAT, [3])])
+    m = Model(helper.make_model(g0, opset_imports=[helper.make_opsetid("", 17)]))
+    g = m.graph
+    held = list(m.proto.graph.node)
+    cut = int(n * (1 - kept_share))  # (r{cut} is computed again by new nodes reading r0 and x: the Relus between go dead)
+    a = g.add_node("Add", ["r0", "x"], name="added", anchor=held[cut])[0]
+    b = g.add_node("Neg", [a], name="added_too", anchor=held[cut])[0]
+    g.replace_uses(f"r{cut}", b)
+    indexed: list[int] = []
+    real = GraphIndex._index_all
+    monkeypatch.setattr(GraphIndex, "_index_all", lambda g, nodes, by_op=None: indexed.append(len(nodes)) or real(g, nodes, by_op))
+    g.finalize()
+    monkeypatch.undo()
+    proto_nodes = list(m.proto.graph.node)
+    assert [x.op_type for x in proto_nodes][:3] == ["Relu", "Add", "Neg"]  # (placed by the sort, the dead Relus gone)
+    assert len(proto_nodes) == n - cut + 2
+    assert g.nodes == proto_nodes and all(x is y for x, y in zip(g.nodes, proto_nodes))
+    survivors = [x for x in held if x.name in {y.name for y in proto_nodes}]
+    if kept_share > 0.5:
+        assert indexed == [] and all(any(x is y for y in proto_nodes) for x in survivors)
+    else:
+        assert indexed == [len(proto_nodes)]
+    ids = {id(x) for x in proto_nodes}
+    assert all(id(p) in ids for p in g.producer.values())
+    assert all(id(c) in ids for v in g.consumers.values() for c in (v if type(v) is list else [v]))
+    fresh = Model(m.proto).graph
+    assert {k: v.name for k, v in g.producer.items()} == {k: v.name for k, v in fresh.producer.items()}
+    readers = lambda gr: {k: sorted(c.name for c in gr.uses(k)) for k in gr.consumers if gr.uses(k)}  # noqa: E731
+    assert readers(g) == readers(fresh)
+
+
 def test_positions_order_added_nodes_at_their_anchors():
     """Nodes sorted by position: the graph's nodes in list order, an added node just after its anchor (after
     nodes added there before it), one without an anchor at the end; small and large batches alike."""

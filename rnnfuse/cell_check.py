@@ -169,14 +169,13 @@ def _run_shared(ort, part: list, results: list) -> set[int]:
     """Run the step checks ``part`` in one session, each renamed under a prefix of its own; record their
     comparisons in ``results``. Returns the recurrences to validate alone (all of them, if the shared session
     fails to load or run)."""
-    models = [onnx.compose.add_prefix(built[0], f"__s{k}/") for k, (_, _, _, built, _) in enumerate(part)]
+    first = part[0][3][0]
     merged = onnx.ModelProto()
-    merged.ir_version = models[0].ir_version
-    merged.opset_import.extend(models[0].opset_import)
+    merged.ir_version = first.ir_version
+    merged.opset_import.extend(first.opset_import)
     merged.graph.name = "rnnfuse_cell_checks"
-    for m in models:
-        for field in ("node", "input", "output", "initializer"):
-            getattr(merged.graph, field).extend(getattr(m.graph, field))
+    for k, (_, _, _, built, _) in enumerate(part):
+        _append_renamed(merged.graph, built[0].graph, f"__s{k}/")
     try:
         sess = open_session(ort, merged, {})
         out_names = [o.name for o in sess.get_outputs()]
@@ -195,6 +194,29 @@ def _run_shared(ort, part: list, results: list) -> set[int]:
     except Exception:  # (each is checked alone, where a failure is attributed)
         return {u[0] for u in part}
     return set()
+
+
+def _append_renamed(into: onnx.GraphProto, graph: onnx.GraphProto, prefix: str) -> None:
+    """Append ``graph``'s nodes, inputs, outputs, declarations and initializers to ``into``, every name under
+    ``prefix``: a step check's model beside others in one session (onnx.compose.add_prefix copies the whole
+    model first and renames what a step check never holds; shared step checks hold no subgraph)."""
+    def renamed(names) -> list[str]:
+        return [prefix + x if x else "" for x in names]
+
+    for n in graph.node:
+        c = into.node.add()
+        c.CopyFrom(n)
+        del c.input[:], c.output[:]
+        c.input.extend(renamed(n.input))
+        c.output.extend(renamed(n.output))
+        if n.name:
+            c.name = prefix + n.name
+    for field in ("input", "output", "value_info", "initializer"):
+        target = getattr(into, field)
+        for v in getattr(graph, field):
+            c = target.add()
+            c.CopyFrom(v)
+            c.name = prefix + v.name
 
 
 def _sized(dims: tuple, batch: int) -> tuple:

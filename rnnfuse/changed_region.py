@@ -52,26 +52,56 @@ COMPARED_BY_VALUE_BYTES = 1 << 16
 Established = Callable[[str], "tuple[int, list | None] | None"]
 
 
-def node_reads(model: ModelProto) -> list[list[str]]:
-    """What each node of the main graph reads (its inputs and its subgraphs' captures, protos.reads_of), in
-    graph order: read once for :func:`region_model` and :func:`wiring_error` (protobuf makes new strings at
-    every read of a field)."""
-    return [reads_of(n) for n in model.graph.node]
+class NodeScan:
+    """One pass over a model's main-graph nodes, what the guard's questions about them need: the position of
+    each value's producer and of its readers (inputs and captures, protos.reads_of), and the first fault in
+    their wiring (:func:`wiring_error`). Protobuf makes new strings at every read of a
+    node's fields: the region's maps and the wiring check read a 100,000-node graph four times over."""
+
+    def __init__(self, model: ModelProto):
+        g = model.graph
+        self.nodes: list[NodeProto] = list(g.node)
+        self.producer: dict[str, int] = {}  # value -> the position of its (last) producer
+        self.readers: dict[str, list[int]] = {}  # value -> the positions of the nodes reading it, in order
+        self.fault: str | None = None
+        producer, readers, fault = self.producer, self.readers, None
+        outer = {v.name for v in g.input} | {t.name for t in g.initializer}
+        for i, n in enumerate(self.nodes):
+            for name in reads_of(n):
+                if not name:
+                    continue
+                if fault is None and name not in producer and name not in outer:
+                    fault = f"{n.op_type} node {n.name!r} reads {name!r} before it is defined"
+                lst = readers.get(name)
+                if lst is None:
+                    readers[name] = [i]
+                elif lst[-1] != i:  # (a name a node reads twice: one entry)
+                    lst.append(i)
+            for o in n.output:
+                if o:
+                    if fault is None and (o in producer or o in outer):
+                        fault = f"{o!r} is defined twice"
+                    producer[o] = i
+        if fault is None:
+            lost = next((v.name for v in g.output if v.name not in producer and v.name not in outer), None)
+            fault = None if lost is None else f"graph output {lost!r} is not defined"
+        self.fault = fault
 
 
 def region_model(after: ModelProto, before: ModelProto, established: Established | None = None,
-                 reads: list[list[str]] | None = None) -> ModelProto | None:
+                 scan: NodeScan | None = None) -> ModelProto | None:
     """The changed region of ``after`` (the rewritten model) against ``before`` (its input), as a model
     onnxruntime loads on its own; None when the whole model must be loaded instead (see the module).
 
     ``established``: the types the run already inferred for values (name -> (elem_type, dims) or None; it
     infers nothing new), taken for the values both models type alike, where inference stops. ONNX inference
     over the same unchanged nodes from the same inputs gave them: the optimizer typed a 100,000-node
-    prologue to analyse the recurrence behind it, and the guard need not infer it again (0.8 s). ``reads``:
-    :func:`node_reads` of ``after``, when the caller has it."""
+    prologue to analyse the recurrence behind it, and the guard need not infer it again (0.8 s). ``scan``:
+    ``after``'s :class:`NodeScan`, when the caller has it."""
     if not _same_frame(after, before) or _inline_bytes(after) + _inline_bytes(before) > MAX_INLINE_BYTES:
         return None
-    nodes = list(after.graph.node)
+    scan = NodeScan(after) if scan is None else scan
+    nodes, producer_of, readers = scan.nodes, scan.producer, scan.readers
     limit = int(MAX_REGION_SHARE * len(nodes))
     old_nodes = {n.SerializeToString() for n in before.graph.node}
     changed = [i for i, n in enumerate(nodes) if n.SerializeToString() not in old_nodes]
@@ -79,9 +109,6 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
     if len(changed) > limit:
         return None
     region = set(changed)
-    producer_of = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    reads = node_reads(after) if reads is None else reads
-    readers = _readers(reads)
     # values whose definition changed: produced by a changed node, or an initializer or declared type that
     # is not what it was
     redefined = {o for i in changed for o in nodes[i].output if o}
@@ -130,29 +157,13 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
     return _standalone(after, [nodes[i] for i in sorted(region)], readers, region, types_after)
 
 
-def wiring_error(model: ModelProto, reads: list[list[str]] | None = None) -> str | None:
+def wiring_error(model: ModelProto, scan: NodeScan | None = None) -> str | None:
     """What is wrong with how the main graph's nodes connect, as onnx.checker would find it in the whole
     model and not in a region of it: a value defined twice (by two nodes, or by a node and a graph input or
     initializer), a value read (by a node or captured by its subgraphs) before anything defines it, a graph
-    output nothing defines. None when the wiring is sound. One pass over the nodes (``reads``: their
-    :func:`node_reads`, when the caller has it)."""
-    g = model.graph
-    defined = {v.name for v in g.input}
-    for t in g.initializer:
-        defined.add(t.name)
-    for n, read in zip(g.node, node_reads(model) if reads is None else reads):
-        for name in read:
-            if name and name not in defined:
-                return f"{n.op_type} node {n.name!r} reads {name!r} before it is defined"
-        for o in n.output:
-            if o:
-                if o in defined:
-                    return f"{o!r} is defined twice"
-                defined.add(o)
-    for v in g.output:
-        if v.name not in defined:
-            return f"graph output {v.name!r} is not defined"
-    return None
+    output nothing defines (the first such fault in node order). None when the wiring is sound. One pass over
+    the nodes (:class:`NodeScan`; ``scan``: the caller's, when it has one)."""
+    return (NodeScan(model) if scan is None else scan).fault
 
 
 def _typed_alike(after: ModelProto, producer_of: dict[str, int], readers: dict[str, list[int]],
@@ -201,18 +212,6 @@ def _inline_bytes(model: ModelProto) -> int:
 
 def _serialized(messages) -> list[bytes]:
     return [m.SerializeToString() for m in messages]
-
-
-def _readers(reads: list[list[str]]) -> dict[str, list[int]]:
-    """Value name -> the positions of the nodes reading it (``reads``: what each node reads, through its
-    subgraphs' captures too)."""
-    readers: dict[str, list[int]] = {}
-    for i, read in enumerate(reads):
-        names = set(read)
-        names.discard("")
-        for name in names:
-            readers.setdefault(name, []).append(i)
-    return readers
 
 
 def _initializer_key(t: TensorProto):

@@ -90,13 +90,15 @@ def _region_passes(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]
     nor checked (the checker's copy and strict inference of 100,000 nodes: 0.5 s and 170 MB). False (check
     the whole, as for a small model) when the model is small, the region cannot stand alone, or a check of
     it fails: what the whole model's checks say then decides."""
-    from .changed_region import SCOPED_NODES, node_reads, region_model, wiring_error
+    from .changed_region import SCOPED_NODES, NodeScan, region_model, wiring_error
 
     if len(after.graph.node) < SCOPED_NODES:
         return False
-    reads = node_reads(after)
-    region = region_model(after, before(), established, reads)
-    if region is None or wiring_error(after, reads) is not None:
+    scan = NodeScan(after)  # (the nodes read once for both questions)
+    if wiring_error(after, scan) is not None:
+        return False
+    region = region_model(after, before(), established, scan)
+    if region is None:
         return False
     with _checkable(region) as data:
         return data is not None and checker_error(data) is None and onnxruntime_error(data) is None

@@ -180,9 +180,10 @@ class ConeTypes:
         g = self.model.graph
         out.name = "cone"
         made = {o for n in cone for o in n.output}
-        read: dict[str, None] = {}
+        names: list[str] = []
         for n in cone:
-            read.update((i, None) for i in n.input if i and i not in made)
+            names += n.input  # (gathered in C, filtered once: a filter per input was half this method)
+        read = {i: None for i in dict.fromkeys(names) if i and i not in made}
         if not any(has_subgraph(n) for n in cone):
             out.node.extend(cone)
         else:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # (the chains module splits its chains with this one)
     from .chains import Chain, Step
 
 SHARED = -1  # a node computed from the states of several lanes (a head over both cells' h): no lane's own
+_NO_LANES: frozenset = frozenset()
 
 
 def split_lanes(g: Graph, chain: Chain, iv) -> list[Chain]:
@@ -54,21 +55,30 @@ def _owners(g: Graph, st: Step, iv, side: int) -> dict[int, frozenset]:
     the step, and the state-side nodes walked to reach each state: h @ R)."""
     reach: dict[int, set] = {}
     pulled_of = st.pulled_of or {r: st.pulled for r in st.roots}
+    # (the readers taken from the index directly and the outputs pushed as read, empty names too, which no
+    # node reads: one walk a state over every step of 1,000 cells side by side)
+    consumers, spans, t = g.consumers, iv.nodes, st.t
     for r in st.roots:
         mine = pulled_of.get(r, ())
         stack, seen = [r], set()
         while stack:
-            v = stack.pop()
-            for c in g.uses(v):
+            readers = consumers.get(stack.pop())
+            if readers is None:
+                continue
+            for c in readers if type(readers) is list else (readers,):
                 k = id(c)
                 if k in seen:
                     continue
-                span = iv.nodes.get(k)
-                if k not in mine and (span is None or span[side] != st.t):
+                span = spans.get(k)
+                if k not in mine and (span is None or span[side] != t):
                     continue
                 seen.add(k)
-                reach.setdefault(k, set()).add(r)
-                stack.extend(o for o in c.output[:] if o)
+                got = reach.get(k)
+                if got is None:
+                    reach[k] = {r}
+                else:
+                    got.add(r)
+                stack += c.output
     return {k: frozenset(v) for k, v in reach.items()}
 
 
@@ -120,12 +130,16 @@ def _lane_of(owner: dict[int, frozenset], lanes: list[list[frozenset]], k: int) 
             lane_of_root.setdefault(r, set()).add(i)  # (step 0's given state may be everyone's)
     single, several = {}, {}
     for n, roots in owner.items():
-        found = set().union(*(lane_of_root.get(r, ()) for r in roots))
+        if len(roots) == 1:  # (most nodes: one state's)
+            (r,) = roots
+            found = lane_of_root.get(r, _NO_LANES)
+        else:
+            found = set().union(*(lane_of_root.get(r, ()) for r in roots))
         if len(found) == 1:
             single[n] = next(iter(found))
         else:
             single[n] = SHARED
-            several[n] = found
+            several[n] = set(found)  # (its own: a single state's is the shared map's set)
     return single, several
 
 

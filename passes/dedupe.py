@@ -334,9 +334,9 @@ def _maybe_from_constants(g: Graph, nodes: list[NodeProto]) -> list[NodeProto]:
     if len(nodes) < 1000:
         return nodes  # (each is looked at: cheaper than the walk when the run has not made it yet)
     runtime = runtime_values(g)
-    if not runtime:
-        return nodes
     producer = g.producer
+    if 2 * len(runtime) < len(producer):
+        return nodes  # (most values are not known to come from inputs, those after a Loop say: a filter keeps most)
     keep = {id(producer[o]) for o in producer.keys() - runtime}
     return [n for n in nodes if id(n) in keep]
 

@@ -12,22 +12,23 @@ import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
-from onnx import NodeProto, TensorProto, helper, numpy_helper
+from onnx import NodeProto, helper
 
 from .graph_index import POS_TIE, GraphIndex, Removed, n_readers, without
 from .graph_rewire import Rewiring
 from .graph_walks import Walks
+from .graph_weights import Weights
 from .node_list import write_back
-from .protos import has_subgraph, set_external
+from .protos import has_subgraph, node_field
 
 if TYPE_CHECKING:
     from .model import Model
 
 
-class Graph(Rewiring, Walks, GraphIndex):
+class Graph(Rewiring, Walks, Weights, GraphIndex):
     """One graph scope with producer/consumer maps (:class:`GraphIndex`), walks over its dataflow
     (:class:`~rnnfuse.graph_walks.Walks`) and edit operations (renaming what nodes read:
-    :class:`~rnnfuse.graph_rewire.Rewiring`)."""
+    :class:`~rnnfuse.graph_rewire.Rewiring`; new weights: :class:`~rnnfuse.graph_weights.Weights`)."""
 
     # what the last finalize's round defined anew: the outputs of nodes it added, rewired or removed
     redefined: list[str] | None = None
@@ -65,47 +66,6 @@ class Graph(Rewiring, Walks, GraphIndex):
         self._index(node)
         self.edited.append(node)
         return outputs
-
-    def add_initializer(self, array: np.ndarray, hint: str) -> str:
-        name = self.fresh(hint)
-        a = np.asarray(array)
-        t = numpy_helper.from_array(a if a.flags.c_contiguous else a.copy(order="C"), name)
-        self.proto.initializer.append(t)  # (a copy: the graph's own message is the one indexed, the first is freed)
-        self.initializers[name] = self.proto.initializer[-1]
-        self._arrays[name] = array
-        return name
-
-    def add_spilled_initializer(self, parts: list, shape: tuple, dtype, hint: str) -> str:
-        """An initializer of ``shape`` whose data is the concatenation of ``parts`` (in C order), written
-        block by block to a spill file and kept external."""
-        import atexit
-        import os
-        import shutil
-        import tempfile
-
-        spill = self.model.facts.spill_dir
-        if spill is None:
-            spill = tempfile.mkdtemp(prefix="rnnfuse-spill-")
-            atexit.register(shutil.rmtree, spill, True)
-            self.model.facts.spill_dir = spill
-        name = self.fresh(hint)
-        path = os.path.join(spill, f"{len(os.listdir(spill))}.bin")
-        # written one block of rows at a time, so no copy of the whole tensor is ever held in memory
-        with open(path, "wb") as f:
-            for p in parts:
-                q = p if p.ndim <= 2 else p.reshape(-1, p.shape[-1])
-                block = max(1, (32 << 20) // max(1, int(np.prod(q.shape[1:])) * np.dtype(dtype).itemsize))
-                for r in range(0, int(q.shape[0]), block):
-                    f.write(np.ascontiguousarray(q[r : r + block], dtype=dtype).tobytes())
-                    self.model.release_pages()
-        t = TensorProto()
-        t.name = name
-        t.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-        t.dims.extend(shape)
-        set_external(t, path, 0, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        self.proto.initializer.append(t)
-        self.initializers[name] = t
-        return name
 
     def remove_node(self, node: NodeProto, defer: set | None = None) -> None:
         """``defer`` (a set): the reader lists of 64+ readers that ``node`` is in keep it until
@@ -271,7 +231,7 @@ class Graph(Rewiring, Walks, GraphIndex):
         self._by_op = None  # (a new order)
         self._removed = Removed()
         self._graveyard.clear()
-        self.edited = []
+        edited, self.edited = self.edited, []
         self._input_sorted = True
         if copies is None:  # (every message is new: the index is built again)
             self.producer.clear()
@@ -280,6 +240,7 @@ class Graph(Rewiring, Walks, GraphIndex):
             self._index_all(nodes)
         else:
             self._take_copies(copies, nodes)
+            self._carry_const_only(edited, copies)
         self._pruned = self._state()
         self._lost = set()  # (every node left is live)
         # the initializers and value_info entries still read or defined (from the indices, not the nodes)
@@ -318,6 +279,30 @@ class Graph(Rewiring, Walks, GraphIndex):
         live = set(map(id, nodes))
         self._implicit = {k: v for k, v in self._implicit.items() if k in live}
         self._subgraph_views = {k: v for k, v in self._subgraph_views.items() if k in live}
+
+    def _carry_const_only(self, edited: list[NodeProto], copies: list[tuple[NodeProto, NodeProto]]) -> None:
+        """Dedupe's nodes that read constants only (GraphIndex.const_only_readers), carried through a finalize
+        that kept the index instead of left for the next round's first Dedupe to find over every constant's
+        readers (50,000 weights of a big head): those the last index pass listed, the nodes edited since
+        and the readers of what they compute, each tested again."""
+        found = self._const_only[1]
+        if found is None:  # (the index pass could not tell: the next run looks for itself)
+            return
+        live = set(map(id, self.nodes))
+        copy_of = {id(n): c for n, c in copies}
+        consts = set(self.initializers)
+        consts.update(o for n in self.nodes_of("Constant") for o in n.output)
+        ask: dict[int, NodeProto] = {}
+        for n in itertools.chain(found, (copy_of.get(id(n), n) for n in edited)):
+            ask[id(n)] = n
+            for o in n.output if n.op_type == "Constant" else ():
+                ask.update((id(r), r) for r in self.uses(o))
+        out = []
+        for n in ask.values():
+            ins = [i for i in node_field(n, "input") if i]
+            if id(n) in live and ins and consts.issuperset(ins):
+                out.append(n)
+        self._const_only = (self._edits, out)
 
     def next_view(self, model: "Model") -> "Graph":
         """This main graph, just finalized, as the graph of ``model`` (the next round's view of the same

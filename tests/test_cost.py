@@ -405,11 +405,17 @@ def test_finalize_moves_the_nodes_the_proto_holds_instead_of_copying_them(kept_s
 
     n = 400
     nodes = [helper.make_node("Relu", ["x" if k == 0 else f"r{k - 1}"], [f"r{k}"], name=f"n{k}") for k in range(n)]
+    nodes += [helper.make_node("Mul", ["w", "w"], ["ww"], name="squares"),  # (reads constants only: Dedupe's list)
+              helper.make_node("Add", ["ww", "x"], ["wx"], name="kept_reader")]
     g0 = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
-                           [helper.make_tensor_value_info(f"r{n - 1}", TensorProto.FLOAT, [3])])
+                           [helper.make_tensor_value_info(f"r{n - 1}", TensorProto.FLOAT, [3]),
+                            helper.make_tensor_value_info("wx", TensorProto.FLOAT, [3])],
+                           [numpy_helper.from_array(np.ones(3, np.float32), "w")])
     m = Model(helper.make_model(g0, opset_imports=[helper.make_opsetid("", 17)]))
     g = m.graph
     held = list(m.proto.graph.node)
+    # the square becomes a negation (a new node reading the weight only; the Mul goes dead)
+    g.replace_uses("ww", g.add_node("Neg", ["w"], name="negation")[0])
     cut = int(n * (1 - kept_share))  # (r{cut} is computed again by new nodes reading r0 and x: the Relus between go dead)
     a = g.add_node("Add", ["r0", "x"], name="added", anchor=held[cut])[0]
     b = g.add_node("Neg", [a], name="added_too", anchor=held[cut])[0]
@@ -421,7 +427,7 @@ def test_finalize_moves_the_nodes_the_proto_holds_instead_of_copying_them(kept_s
     monkeypatch.undo()
     proto_nodes = list(m.proto.graph.node)
     assert [x.op_type for x in proto_nodes][:3] == ["Relu", "Add", "Neg"]  # (placed by the sort, the dead Relus gone)
-    assert len(proto_nodes) == n - cut + 2
+    assert len(proto_nodes) == n - cut + 2 + 2
     assert g.nodes == proto_nodes and all(x is y for x, y in zip(g.nodes, proto_nodes))
     survivors = [x for x in held if x.name in {y.name for y in proto_nodes}]
     if kept_share > 0.5:
@@ -435,6 +441,10 @@ def test_finalize_moves_the_nodes_the_proto_holds_instead_of_copying_them(kept_s
     assert {k: v.name for k, v in g.producer.items()} == {k: v.name for k, v in fresh.producer.items()}
     readers = lambda gr: {k: sorted(c.name for c in gr.uses(k)) for k in gr.consumers if gr.uses(k)}  # noqa: E731
     assert readers(g) == readers(fresh)
+    # Dedupe's nodes reading constants only: carried (or found again), the same as a fresh index pass lists
+    carried = g.const_only_readers()
+    assert carried is not None and sorted(x.name for x in carried) == sorted(x.name for x in fresh.const_only_readers())
+    assert [x.op_type for x in carried] == ["Neg"] and all(id(x) in ids for x in carried)
 
 
 def test_positions_order_added_nodes_at_their_anchors():

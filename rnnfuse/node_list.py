@@ -36,4 +36,8 @@ def write_back(field, nodes: list[NodeProto]) -> list[tuple[NodeProto, NodeProto
     gone = len(nodes)  # (the messages no longer listed sort after the rest, and are cut off)
     field.sort(key=lambda m: rank.get(id(m), gone))
     del field[len(nodes):]
+    # (upb and the pure-Python protobuf move messages on a sort; were one to copy them, the index would name
+    # messages the proto no longer holds: then it is built again, as after a rewrite)
+    if any(a is not copy_of.get(id(b), b) for a, b in zip(field, nodes)):
+        return None
     return list(zip(new, copies))

@@ -447,6 +447,30 @@ def test_finalize_moves_the_nodes_the_proto_holds_instead_of_copying_them(kept_s
     assert [x.op_type for x in carried] == ["Neg"] and all(id(x) in ids for x in carried)
 
 
+def test_write_back_hands_the_index_over_only_when_the_messages_stayed():
+    """node_list.write_back moves the field's messages; a field whose sort copied them instead (no protobuf
+    does today) is reported as rewritten, so the caller indexes it anew rather than trust stale objects."""
+    from rnnfuse.node_list import write_back
+
+    class CopyingSort(list):
+        def sort(self, key=None):
+            ordered = sorted(self, key=key)
+            self[:] = []
+            for n in ordered:
+                c = onnx.NodeProto()
+                c.CopyFrom(n)
+                self.append(c)
+
+    nodes = [helper.make_node("Relu", [f"v{k}"], [f"v{k + 1}"]) for k in range(10)]
+    added = helper.make_node("Neg", ["v3"], ["w"])
+    order = nodes[:4] + [added] + nodes[4:9]  # (the last Relu removed)
+    field = list(nodes)
+    copies = write_back(field, order)
+    assert copies == [(added, added)] and all(a is b for a, b in zip(field, order)) and len(field) == 10
+    field = CopyingSort(nodes)
+    assert write_back(field, order) is None and [n.output[0] for n in field] == [n.output[0] for n in order]
+
+
 def test_positions_order_added_nodes_at_their_anchors():
     """Nodes sorted by position: the graph's nodes in list order, an added node just after its anchor (after
     nodes added there before it), one without an anchor at the end; small and large batches alike."""

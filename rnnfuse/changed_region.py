@@ -64,8 +64,9 @@ class NodeScan:
         self.producer: dict[str, int] = {}  # value -> the position of its (last) producer
         self.readers: dict[str, list[int]] = {}  # value -> the positions of the nodes reading it, in order
         self.fault: str | None = None
+        # the names defined outside the nodes: graph inputs and initializers
+        self.outer = outer = {v.name for v in g.input} | {t.name for t in g.initializer}
         producer, readers, fault = self.producer, self.readers, None
-        outer = {v.name for v in g.input} | {t.name for t in g.initializer}
         for i, n in enumerate(self.nodes):
             for name in reads_of(n):
                 if not name:
@@ -128,7 +129,7 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
     # (values both models compute from the same nodes, inputs and declarations are typed alike: inference
     # stops at those the run typed, and the input's stops at those the rewritten model's inference typed, so
     # a big unchanged upstream, a prologue of 100,000 nodes, is inferred at most once, not once per model)
-    alike = _typed_alike(after, producer_of, readers, nodes, changed, by_value | redeclared)
+    alike = _typed_alike(scan, redefined)
     known = _established_types(established)
     types_after = _Types(after, lambda name: known(name) if alike(name) else None, nodes, producer_of)
     types_before = _Types(before, lambda name: (types_after.types.get(name) or known(name)) if alike(name) else None)
@@ -166,20 +167,18 @@ def wiring_error(model: ModelProto, scan: NodeScan | None = None) -> str | None:
     return (NodeScan(model) if scan is None else scan).fault
 
 
-def _typed_alike(after: ModelProto, producer_of: dict[str, int], readers: dict[str, list[int]],
-                 nodes: list[NodeProto], changed: list[int], redefined: set[str]) -> Callable[[str], bool]:
-    """Whether ONNX inference types a value alike in ``after`` and in its input: a graph input or
-    initializer, or an output of an unchanged node (byte for byte one of the input's) whose reads are such
-    values (its subgraphs' captures too), and not one of the ``redefined`` (another declared type, another
-    small constant), which their readers do not see alike either. Asked as its complement: what the changed
-    nodes' outputs and the redefined values reach, walked forward over ``readers`` (value -> the positions
-    of its readers), is the only part not alike: a fusion at the end of a 100,000-node prologue walks what
-    follows it, not the prologue. That holds in a graph in order whose every read is defined, which the guard
-    asks of the whole graph too (wiring_error): elsewhere the region is not used. The graph's inputs are
-    the same in both models (see _same_frame)."""
-    defined = {v.name for v in after.graph.input} | {t.name for t in after.graph.initializer}
+def _typed_alike(scan: NodeScan, redefined: set[str]) -> Callable[[str], bool]:
+    """Whether ONNX inference types a value alike in the rewritten model (``scan``'s) and in its input: a
+    graph input or initializer, or an output of an unchanged node (byte for byte one of the input's) whose
+    reads are such values (its subgraphs' captures too), and not one of the ``redefined`` (the changed
+    nodes' outputs; another declared type, another small constant), which their readers do not see alike
+    either. Asked as its complement: what the redefined values reach, walked forward over the scan's readers,
+    is the only part not alike: a fusion at the end of a 100,000-node prologue walks what follows it, not
+    the prologue. That holds in a graph in order whose every read is defined, which the guard asks of the
+    whole graph too (wiring_error): elsewhere the region is not used. The graph's inputs are the same in
+    both models (see _same_frame)."""
+    nodes, readers, producer, outer = scan.nodes, scan.readers, scan.producer, scan.outer
     reached = set(redefined)
-    reached.update(o for i in changed for o in nodes[i].output if o)
     wave = list(reached)
     taken: set[int] = set()
     while wave:
@@ -190,7 +189,7 @@ def _typed_alike(after: ModelProto, producer_of: dict[str, int], readers: dict[s
                     if o and o not in reached:
                         reached.add(o)
                         wave.append(o)
-    return lambda name: name not in reached and (name in producer_of or name in defined)
+    return lambda name: name not in reached and (name in producer or name in outer)
 
 
 def _same_frame(after: ModelProto, before: ModelProto) -> bool:

@@ -239,8 +239,9 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
             self._implicit.clear()
             self._index_all(nodes)
         else:
-            self._take_copies(copies, nodes)
-            self._carry_const_only(edited, copies)
+            live = set(map(id, nodes))
+            swap = self._take_copies(copies, live)
+            self._carry_const_only(edited, swap, live)
         self._pruned = self._state()
         self._lost = set()  # (every node left is live)
         # the initializers and value_info entries still read or defined (from the indices, not the nodes)
@@ -257,10 +258,11 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
                 del self.proto.value_info[:]
                 self.proto.value_info.extend(vis)
 
-    def _take_copies(self, copies: list[tuple[NodeProto, NodeProto]], nodes: list[NodeProto]) -> None:
+    def _take_copies(self, copies: list[tuple[NodeProto, NodeProto]], live: set[int]) -> dict[int, NodeProto]:
         """The index, exact for the nodes the proto held before finalize, made to name the proto's copies of the
         nodes added this round (each value's reader list rewritten once); what is keyed by the id of a node
-        no longer listed is dropped (its object goes now: the id may come back)."""
+        not ``live`` (the ids of the listed nodes) is dropped (its object goes now: the id may come back).
+        Returns a node's id -> its copy."""
         self._edits += 1  # (what the last index pass found is not known to hold)
         producer, consumers, swap = self.producer, self.consumers, {id(n): c for n, c in copies}
         names: set[str] = set()
@@ -268,28 +270,26 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
             for o in node.output:
                 if o and producer.get(o) is node:
                     producer[o] = copy
-            names.update(node.input)
-            names |= self.implicit_inputs(node)
+            names.update(self.reads(node))
         for name in names:
             lst = consumers.get(name)
             if type(lst) is list:
                 lst[:] = [swap.get(id(c), c) for c in lst]
             elif lst is not None:
                 consumers[name] = swap.get(id(lst), lst)
-        live = set(map(id, nodes))
         self._implicit = {k: v for k, v in self._implicit.items() if k in live}
         self._subgraph_views = {k: v for k, v in self._subgraph_views.items() if k in live}
+        return swap
 
-    def _carry_const_only(self, edited: list[NodeProto], copies: list[tuple[NodeProto, NodeProto]]) -> None:
+    def _carry_const_only(self, edited: list[NodeProto], copy_of: dict[int, NodeProto], live: set[int]) -> None:
         """Dedupe's nodes that read constants only (GraphIndex.const_only_readers), carried through a finalize
         that kept the index instead of left for the next round's first Dedupe to find over every constant's
         readers (50,000 weights of a big head): those the last index pass listed, the nodes edited since
-        and the readers of what they compute, each tested again."""
+        (``copy_of``: an added node's id -> the proto's copy) and the readers of an edited Constant, each
+        tested again; ``live``: the ids of the nodes listed."""
         found = self._const_only[1]
         if found is None:  # (the index pass could not tell: the next run looks for itself)
             return
-        live = set(map(id, self.nodes))
-        copy_of = {id(n): c for n, c in copies}
         consts = set(self.initializers)
         consts.update(o for n in self.nodes_of("Constant") for o in n.output)
         ask: dict[int, NodeProto] = {}

@@ -3,16 +3,20 @@
 Used instead of whole-model validation when the model is too big to run cheaply (long unrolled chains): every
 other step was proven identical to the checked ones structurally or symbolically. A check model holds the
 step's nodes (constants copied in), the same inputs fed to a native op with the recognised cell's weights,
-and both results as outputs.
+and both results as outputs. The native op is fed its own ``[1, B, n]`` views of the step's ``[B, n]`` x and
+states and its ``[1, B, H]`` states are compared as ``[B, H]`` in numpy: a reshape node is onnxruntime set-up
+time, paid per step and session (2,082 steps of cells side by side).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .check_session import is_big_array, materialize_nested, open_session
+from .check_session import Source, is_big_array, materialize_nested, open_session
 from .emit import native_attrs
 from .feeds import random_values
 from .graph import Graph
@@ -23,13 +27,26 @@ from .validate import (MAX_VALIDATION_BYTES, PairResult, ValidationResult, check
 MAX_SHAPE_SOURCE_BYTES = 1 << 26  # a tensor a step reads the shape of is fed as zeros up to this size (at batch 4)
 
 
+@dataclass
+class StepModel:
+    """A step check's model and what running it takes."""
+
+    model: onnx.ModelProto
+    big: dict[str, Source]  # its big tensors, kept apart (see rnnfuse.check_session)
+    role_name: dict[str, str]  # role ("x", "h", "c") -> the tensor fed for it
+    pairs: list[tuple[str, str]]  # (the original's output, the native op's output)
+    dims: dict[str, tuple]  # fed tensor -> its dims, "B" for the batch
+    shaped: dict[str, np.dtype]  # tensors fed as zeros, only their shapes read
+    views: dict[str, str] = field(default_factory=dict)  # native input -> the fed tensor it is a [1, B, n] view of
+
+
 def validate_cells(g: Graph, rec, seed: int = 0) -> ValidationResult:
-    """Compare each step in ``rec.cell_checks`` with a one-step native op on random inputs (a failure seen
-    without pre-packing is checked again with it: see validate.checked_as_deployed)."""
-    return checked_as_deployed(lambda prepack: _validate_cells_once(g, rec, seed, prepack))
+    """Compare each step in ``rec.cell_checks`` with a one-step native op on random inputs (light sessions
+    first: a failure is checked again as deployed, see validate.checked_as_deployed)."""
+    return checked_as_deployed(lambda as_deployed: _validate_cells_once(g, rec, seed, as_deployed))
 
 
-def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationResult:
+def _validate_cells_once(g: Graph, rec, seed: int, as_deployed: bool) -> ValidationResult:
     ort = ort_module()
     cell = rec.cell
     res = ValidationResult(True)
@@ -42,17 +59,17 @@ def _validate_cells_once(g: Graph, rec, seed: int, prepack: bool) -> ValidationR
         built = _check_model(g, cell, chk, weights)
         if isinstance(built, ValidationResult):
             return _unless_failed(res, built)
-        m, big, role_name, pairs, dims, shaped = built
+        pairs = built.pairs
         try:
-            sess = open_session(ort, m, big, prepack=prepack)
-            res.unpacked = res.unpacked or sess.rnnfuse_unpacked
+            sess = open_session(ort, built.model, built.big, prepack=as_deployed, light=not as_deployed)
+            res.light = res.light or sess.rnnfuse_light
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             return _unless_failed(res, ValidationResult(False, f"onnxruntime cannot run the step ({msg[:200]})"))
         for p in pairs:
             res.pairs.setdefault(p, PairResult(*p))
         for run, (batch, scale) in enumerate(_runs(chk)):
-            feeds, valid = _step_feeds(chk, role_name, dims, shaped, batch, scale, run, rng)
+            feeds, valid = _step_feeds(chk, built, batch, scale, run, rng)
             try:
                 vals = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
             except Exception as e:  # (the step's own nodes ran in the original model: the native cell fails)
@@ -69,23 +86,26 @@ def _weights_too_big(cell) -> ValidationResult | None:
     return None
 
 
-def _step_feeds(chk, role_name: dict, dims: dict, shaped: dict, batch: int, scale: float, run: int, rng):
-    """One run's feeds of a step check (random x and states, fills, zeros read for their shape, masks) and
-    which rows are valid (None: the step has no mask)."""
+def _step_feeds(chk, built: StepModel, batch: int, scale: float, run: int, rng):
+    """One run's feeds of a step check (random x and states, fills, zeros read for their shape, masks, the
+    native op's views) and which rows are valid (None: the step has no mask)."""
     feeds = {}
+    dims = built.dims
     for name, role in chk.inputs.items():
-        name = role_name[role] if role == "x" else name
+        name = built.role_name[role] if role == "x" else name
         feeds[name] = random_values(_sized(dims[name], batch), np.float32, rng, scale=scale if role == "x" else 1.0)
     for name, v in chk.fills.items():
         feeds[name] = np.full(_sized(dims[name], batch), v, np.float32)
-    for name, dtype in shaped.items():  # (only their shapes are read)
+    for name, dtype in built.shaped.items():  # (only their shapes are read)
         feeds[name] = np.zeros(_sized(dims[name], batch), dtype)
+    for view, name in built.views.items():
+        feeds[view] = feeds[name].reshape(1, batch, -1)
     return feeds, _feed_masks(chk, feeds, batch, run)
 
 
 def _compare_step(res: ValidationResult, chk, pairs: list, vals: dict, feeds: dict, valid, where: str) -> None:
     for p, role in zip(pairs, chk.outputs.values()):
-        want = vals[p[1]]
+        want = vals[p[1]][0]  # (the native op's [1, B, H] state)
         if valid is not None:  # (padded rows keep the state the step read)
             want = np.where(valid[:, None], want, _state_read(chk, role, feeds, want.shape))
         compare(res.pairs[p], _without_unit_lead(vals[p[0]], want.shape), want, where)
@@ -129,7 +149,7 @@ def validate_cells_together(g: Graph, recs: list, seed: int = 0) -> list[Validat
         for ci, chk, built, runs in steps:
             key = tuple(_runs(chk))
             pending.setdefault(key, []).append((ri, ci, chk, built, runs))
-            pending_bytes[key] = pending_bytes.get(key, 0) + built[0].ByteSize()
+            pending_bytes[key] = pending_bytes.get(key, 0) + built.model.ByteSize()
             if len(pending[key]) >= STEPS_PER_SESSION or pending_bytes[key] >= SHARED_SESSION_BYTES:
                 flush(key)
     for key in list(pending):
@@ -154,37 +174,36 @@ def _shareable_steps(g: Graph, rec, seed: int) -> list | None:
         built = _check_model(g, cell, chk, weights)
         if isinstance(built, ValidationResult):
             return None
-        m, big, role_name, pairs, dims, shaped = built
-        if big or any(has_subgraph(n) for n in m.graph.node):
+        if built.big or any(has_subgraph(n) for n in built.model.graph.node):
             return None
         runs = []
         for run, (batch, scale) in enumerate(_runs(chk)):
-            feeds, valid = _step_feeds(chk, role_name, dims, shaped, batch, scale, run, rng)
+            feeds, valid = _step_feeds(chk, built, batch, scale, run, rng)
             runs.append((feeds, valid, batch))
         steps.append((ci, chk, built, runs))
     return steps
 
 
 def _run_shared(ort, part: list, results: list) -> set[int]:
-    """Run the step checks ``part`` in one session, each renamed under a prefix of its own; record their
+    """Run the step checks ``part`` in one light session, each renamed under a prefix of its own; record their
     comparisons in ``results``. Returns the recurrences to validate alone (all of them, if the shared session
     fails to load or run)."""
-    first = part[0][3][0]
+    first = part[0][3].model
     merged = onnx.ModelProto()
     merged.ir_version = first.ir_version
     merged.opset_import.extend(first.opset_import)
     merged.graph.name = "rnnfuse_cell_checks"
     for k, (_, _, _, built, _) in enumerate(part):
-        _append_renamed(merged.graph, built[0].graph, f"__s{k}/")
+        _append_renamed(merged.graph, built.model.graph, f"__s{k}/")
     try:
-        sess = open_session(ort, merged, {})
+        sess = open_session(ort, merged, {}, light=True)
         out_names = [o.name for o in sess.get_outputs()]
         for run in range(len(part[0][4])):
             feeds = {f"__s{k}/{name}": v for k, u in enumerate(part) for name, v in u[4][run][0].items()}
             vals = dict(zip(out_names, sess.run(None, feeds)))
             for k, (ri, ci, chk, built, runs) in enumerate(part):
                 step_feeds, valid, batch = runs[run]
-                pairs = built[3]
+                pairs = built.pairs
                 res = results[ri]
                 for p in pairs:
                     res.pairs.setdefault(p, PairResult(*p))
@@ -211,9 +230,9 @@ def _append_renamed(into: onnx.GraphProto, graph: onnx.GraphProto, prefix: str) 
         c.output.extend(renamed(n.output))
         if n.name:
             c.name = prefix + n.name
-    for field in ("input", "output", "value_info", "initializer"):
-        target = getattr(into, field)
-        for v in getattr(graph, field):
+    for listed in ("input", "output", "value_info", "initializer"):
+        target = getattr(into, listed)
+        for v in getattr(graph, listed):
             c = target.add()
             c.CopyFrom(v)
             c.name = prefix + v.name
@@ -297,18 +316,14 @@ def _state_read(chk, role: str, feeds: dict, shape: tuple) -> np.ndarray:
     return np.full(shape, fill, np.float32)
 
 
-def _check_model(g: Graph, cell, chk, weights):
-    """``(model, its big tensors kept apart (see rnnfuse.check_session), role -> fed tensor, [(original,
-    native) output pairs])`` for one step, or a ValidationResult saying why it cannot be built."""
+def _check_model(g: Graph, cell, chk, weights) -> StepModel | ValidationResult:
+    """One step's check model (:class:`StepModel`), or a ValidationResult saying why it cannot be built."""
     produced = {o for n in chk.nodes for o in n.output}
-    nodes = []
+    nodes = list(chk.nodes)  # (copied once, into the model's graph)
     inits = {}
     dims = _fed_dims(g, cell, chk)
     shaped: dict[str, np.dtype] = {}
     for n in chk.nodes:
-        m = onnx.NodeProto()
-        m.CopyFrom(n)
-        nodes.append(m)
         for i in n.input:
             if i and i not in produced and i not in chk.inputs and i not in inits and i not in chk.fills and i not in chk.masks:
                 c = g.const(i)
@@ -321,16 +336,17 @@ def _check_model(g: Graph, cell, chk, weights):
                for name, dt in shaped.items()]
     W, R, B = weights
     inits.update({"__W": W, "__R": R, "__B": B})
-    # the native op's X [1, B, F] and initial states [1, B, H], from x_t and states fed as [B, n] or [1, B, n]
-    extra = [numpy_helper.from_array(np.array([0], np.int64), "__ax0"),
-             numpy_helper.from_array(np.array([1, -1, cell.input_size], np.int64), "__x_seq"),
-             numpy_helper.from_array(np.array([1, -1, cell.hidden], np.int64), "__h_seq")]
-    xin = "__X"
-    nodes.append(helper.make_node("Reshape", [role_name["x"], "__x_seq"], [xin]))
-    ins = [xin, "__W", "__R", "__B", ""]
+    # the native op's X [1, B, F] and initial states [1, B, H]: views of x_t and the states fed as [B, n] or
+    # [1, B, n], fed beside them
+    dt = TensorProto.FLOAT
+    views = {"__X": role_name["x"]}
+    inputs.append(helper.make_tensor_value_info("__X", dt, [1, "B", cell.input_size]))
+    ins = ["__X", "__W", "__R", "__B", ""]
+    extra = []
     for st in cell.kind.states:
         if st in role_name:
-            nodes.append(helper.make_node("Reshape", [role_name[st], "__h_seq"], [f"__init_{st}"]))
+            views[f"__init_{st}"] = role_name[st]
+            inputs.append(helper.make_tensor_value_info(f"__init_{st}", dt, [1, "B", cell.hidden]))
             ins.append(f"__init_{st}")
         else:
             ins.append("")
@@ -345,20 +361,21 @@ def _check_model(g: Graph, cell, chk, weights):
     nodes.append(helper.make_node(cell.op, ins, outs, **native_attrs(cell, "forward")))
     pairs = []
     outputs = []
-    dt = TensorProto.FLOAT
     for name, role in chk.outputs.items():
-        new = f"__new_{role}"
-        nodes.append(helper.make_node("Squeeze", [f"__Y{role}", "__ax0"], [new]))
-        pairs.append((name, new))
-        outputs += [helper.make_tensor_value_info(name, dt, None), helper.make_tensor_value_info(new, dt, None)]
+        pairs.append((name, f"__Y{role}"))  # (compared as [B, H]: _compare_step)
+        outputs += [helper.make_tensor_value_info(name, dt, None), helper.make_tensor_value_info(f"__Y{role}", dt, None)]
     big = {k: a for k, a in inits.items() if is_big_array(a)}
-    small = [numpy_helper.from_array(a, k) for k, a in inits.items() if k not in big]
-    graph = helper.make_graph(nodes, "rnnfuse_cell_check", inputs, outputs, small + extra)
     m = onnx.ModelProto()
-    m.CopyFrom(helper.make_model(graph, opset_imports=list(g.model.proto.opset_import)))
     m.ir_version = g.model.proto.ir_version
+    m.opset_import.extend(g.model.proto.opset_import)
+    graph = m.graph
+    graph.name = "rnnfuse_cell_check"
+    graph.node.extend(nodes)
+    graph.input.extend(inputs)
+    graph.output.extend(outputs)
+    graph.initializer.extend([numpy_helper.from_array(a, k) for k, a in inits.items() if k not in big] + extra)
     materialize_nested(m, g.model.tensor_array)
-    return m, big, role_name, pairs, dims, shaped
+    return StepModel(m, big, role_name, pairs, dims, shaped, views)
 
 
 def _shape_source(g: Graph, chk, name: str, dims: dict, shaped: dict) -> bool:

@@ -41,7 +41,7 @@ class ValidationResult:
     skipped_reason: str = ""
     pairs: dict = field(default_factory=dict)  # (old, new) -> PairResult
     runs: int = 0
-    unpacked: bool = False  # onnxruntime ran without pre-packing (see rnnfuse.check_session)
+    light: bool = False  # onnxruntime ran lighter than deployed: no pre-packing or graph optimizations (check_session)
 
     def error_for(self, pairs: list[tuple[str, str]]) -> tuple[bool, float, str]:
         ok, err, detail = True, 0.0, ""
@@ -186,15 +186,16 @@ def validate(
             f"the model holds {size / 2**30:.1f} GB of weights; running it again in onnxruntime would exceed "
             "rnnfuse's memory bound (the rewrite is proven from the cell's maths)",
         )
-    return checked_as_deployed(lambda prepack: _validate_once(ort, g, pairs, masks, seed, prepack))
+    return checked_as_deployed(lambda as_deployed: _validate_once(ort, g, pairs, masks, seed, prepack=as_deployed))
 
 
 def checked_as_deployed(run: Callable[[bool], ValidationResult]) -> ValidationResult:
-    """``run(prepack=False)``, and when onnxruntime ran it without pre-packing (the file route turns it off for
-    memory, see rnnfuse.check_session) and a pair failed, ``run(prepack=True)``: pre-packed matrix products
-    add in another order, and a failure stands only if the computation onnxruntime runs by default agrees."""
+    """``run(as_deployed=False)``, and when onnxruntime ran it lighter than deployed (without pre-packing, as
+    the file route does for memory, or without graph optimizations, as small step checks do for speed: see
+    rnnfuse.check_session) and a pair failed, ``run(as_deployed=True)``: pre-packed or fused kernels add in
+    another order, and a failure stands only if the computation onnxruntime runs by default agrees."""
     res = run(False)
-    if res.ran and res.unpacked and not all(r.ok for r in res.pairs.values()):
+    if res.ran and res.light and not all(r.ok for r in res.pairs.values()):
         res = run(True)
     return res
 
@@ -237,7 +238,7 @@ def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepa
     out_names = [o.name for o in sess.get_outputs()]
     # the check model keeps only the inputs the compared tensors depend on: feed just those
     fed = {i.name for i in sess.get_inputs()}
-    res = ValidationResult(True, unpacked=sess.rnnfuse_unpacked)
+    res = ValidationResult(True, light=sess.rnnfuse_light)
     for p in pairs:
         res.pairs[p] = PairResult(*p)
     pattern_rng = np.random.default_rng([seed, 1])

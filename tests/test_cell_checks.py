@@ -62,6 +62,49 @@ def test_a_wrong_mask_polarity_fails_the_step_check(per_step, monkeypatch):
     assert f.validation == "failed" and "does not reproduce the step" in f.reason, f.line()
 
 
+def _light_sessions_skewed(monkeypatch, skew_deployed: bool = False) -> list:
+    """Step-check sessions whose native outputs (``__Y*``) come out 0.01 off: light ones (no graph
+    optimizations), and as-deployed ones too if ``skew_deployed``. Returns the list of each opened
+    session's ``light``."""
+    opened = []
+    open_session = cell_check.open_session
+
+    def skewed(*a, light=False, **k):
+        sess = open_session(*a, light=light, **k)
+        opened.append(light)
+        if light or skew_deployed:
+            run, names = sess.run, [o.name for o in sess.get_outputs()]
+            sess.run = lambda outs, feeds: [v + np.float32(0.01) if n.rsplit("/", 1)[-1].startswith("__Y") else v
+                                            for n, v in zip(names, run(outs, feeds))]
+        return sess
+
+    monkeypatch.setattr(cell_check, "open_session", skewed)
+    return opened
+
+
+@pytest.mark.parametrize("side_by_side", [False, True])
+@pytest.mark.parametrize("skew_deployed", [False, True])
+def test_a_step_failing_light_is_judged_as_deployed(per_step, monkeypatch, side_by_side, skew_deployed):
+    """Step checks run first in light sessions (no onnxruntime graph optimizations: cheaper to set up); a
+    failure there is checked again as onnxruntime runs by default, and only a failure there declines. One
+    chain (checked alone) and six side by side (their checks sharing sessions)."""
+    import rnnfuse
+
+    opened = _light_sessions_skewed(monkeypatch, skew_deployed)
+    if side_by_side:
+        _, report = rnnfuse.optimize(_lanes_case())
+    else:
+        report = B.run_case(B.Opts(op="GRU", front="chain", static_T=6), batches=(1, 3)).report
+    assert True in opened and False in opened, opened
+    chains = [f for f in report.findings if f.pass_name == "unrolled"]
+    assert len(chains) == (6 if side_by_side else 1), report.to_text()
+    for f in chains:
+        if skew_deployed:
+            assert f.status == "declined" and "does not reproduce the step" in f.reason, f.line()
+        else:
+            assert f.status == "fused" and f.validation.startswith("ok (per step"), f.line()
+
+
 def test_a_step_that_cannot_be_checked_alone_is_checked_whole(per_step, monkeypatch):
     """A cell check that cannot run (here: made to say so) leaves the chain to whole-model validation,
     never to no validation."""
@@ -112,13 +155,14 @@ def test_masked_chains_of_mid_size_models_are_still_checked_whole(monkeypatch):
 
 def test_a_failed_step_stands_when_a_later_one_cannot_be_checked(per_step, monkeypatch):
     """The first step check fails; the second cannot be built: the chain is declined (not handed to a
-    whole-model validation that might be skipped)."""
+    whole-model validation that might be skipped), whether checked light or again as deployed."""
     build = cell_check._check_model
     built = []
 
     def second_unbuildable(g, cell, chk, weights):
-        built.append(chk)
-        if len(built) > 1:
+        if not any(c is chk for c in built):
+            built.append(chk)
+        if chk is not built[0]:
             return cell_check.ValidationResult(False, "cannot build the step")
         return build(g, cell, chk, weights)
 

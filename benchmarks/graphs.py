@@ -1,7 +1,8 @@
 """Graphs built op by op for the cost benchmark (benchmarks/scaling.py): each a shape of 100k-node graph that
 once cost more than the LSTMCell chain and the elementwise chain of issue 16 (see benchmarks/README.md).
 
-Every generator is ``f(path, nodes) -> the node count it wrote``: the graph sized to about ``nodes``."""
+Every generator is ``f(path, nodes) -> the node count it wrote``: the graph sized to about ``nodes``. The
+``*_model`` builders behind two of them are also the tests' (tests/test_family_cost.py), at a test's size."""
 
 from __future__ import annotations
 
@@ -267,3 +268,90 @@ def prologue_then_recurrence(path: str, nodes: int) -> int:
     g.node.extend(pre + body)
     onnx.save(m, path)
     return len(g.node)
+
+
+def _blocks_model(nodes, inits, x_shape, out, out_shape, extra_inputs=()):
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape), *extra_inputs],
+                          [helper.make_tensor_value_info(out, TensorProto.FLOAT, out_shape)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def unbind_stack_model(blocks: int, steps: int = 16, width: int = 4):
+    """torch's ``torch.stack([relu(x_t @ W) for x_t in x.unbind(1)], 1)``, block after block over [B, S, F]:
+    every block a family of ``steps`` slices, no step reading another."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    F = width
+    rng = np.random.default_rng(0)
+    nodes, inits, cur = [], [], "x"
+    inits.append(numpy_helper.from_array(np.array([1], np.int64), "ax1"))
+    for b in range(blocks):
+        w = f"w{b}"
+        inits.append(numpy_helper.from_array(rng.standard_normal((F, F)).astype(np.float32), w))
+        parts = [f"b{b}_s{t}" for t in range(steps)]
+        nodes.append(helper.make_node("Split", [cur], parts, axis=1))
+        outs = []
+        for t, p in enumerate(parts):
+            nodes += [helper.make_node("Squeeze", [p, "ax1"], [f"{p}_x"]),
+                      helper.make_node("MatMul", [f"{p}_x", w], [f"{p}_m"]),
+                      helper.make_node("Relu", [f"{p}_m"], [f"{p}_r"]),
+                      helper.make_node("Unsqueeze", [f"{p}_r", "ax1"], [f"{p}_u"])]
+            outs.append(f"{p}_u")
+        cur = f"b{b}_y"
+        nodes.append(helper.make_node("Concat", outs, [cur], axis=1))
+    return _blocks_model(nodes, inits, ["B", steps, F], cur, ["B", steps, F])
+
+
+def attention_model(blocks: int, width: int = 4):
+    """Self-attention, block after block over [B, T, F]: q, k, v the slices of one [3, B, T, F] tensor (a
+    family of three steps of a 4-d source, whose "steps" combine: q @ k^T, then @ v), as torch traces
+    nn.MultiheadAttention."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    F = width
+    rng = np.random.default_rng(0)
+    nodes, inits, cur = [], [], "x"
+    inits += [numpy_helper.from_array(np.array(i, np.int64), f"i{i}") for i in range(3)]
+    for b in range(blocks):
+        w = f"w{b}"
+        inits.append(numpy_helper.from_array(rng.standard_normal((F, 3 * F)).astype(np.float32), w))
+        p = f"b{b}_"
+        nodes += [helper.make_node("MatMul", [cur, w], [p + "qkv"]),
+                  helper.make_node("Reshape", [p + "qkv", "qkv_shape"], [p + "r"]),
+                  helper.make_node("Transpose", [p + "r"], [p + "t"], perm=[2, 0, 1, 3])]
+        # (torch's trace of ``q, k, v = qkv.unbind(0)``: a Gather of each index)
+        nodes += [helper.make_node("Gather", [p + "t", f"i{i}"], [p + s], axis=0) for i, s in enumerate("qkv")]
+        nodes += [helper.make_node("Transpose", [p + "k"], [p + "kt"], perm=[0, 2, 1]),
+                  helper.make_node("MatMul", [p + "q", p + "kt"], [p + "s"]),
+                  helper.make_node("Softmax", [p + "s"], [p + "a"], axis=-1),
+                  helper.make_node("MatMul", [p + "a", p + "v"], [p + "o"]),
+                  helper.make_node("Add", [cur, p + "o"], [p + "y"])]
+        cur = p + "y"
+    # (the view's shape a runtime value: the source's rank is not known, as in the trace of a 600-layer
+    # transformer, whose every layer's family was searched and its "chains" declined for their layout)
+    shape = helper.make_tensor_value_info("qkv_shape", TensorProto.INT64, ["n"])
+    return _blocks_model(nodes, inits, ["B", "T", F], cur, ["B", "T", F], [shape])
+
+
+def unbind_stack_blocks(path: str, nodes: int, steps: int = 16) -> int:
+    """:func:`unbind_stack_model` of about ``nodes`` nodes (4 a step and a Split and a Concat a block)."""
+    import onnx
+
+    m = unbind_stack_model(max(1, nodes // (4 * steps + 2)), steps)
+    onnx.save(m, path)
+    return len(m.graph.node)
+
+
+def attention_blocks(path: str, nodes: int) -> int:
+    """:func:`attention_model` of about ``nodes`` nodes (11 a block)."""
+    import onnx
+
+    m = attention_model(max(1, nodes // 11))
+    onnx.save(m, path)
+    return len(m.graph.node)

@@ -1,7 +1,8 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,wide,heavy,heavy_ext] [--runs 3]
+                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,wide,heavy,heavy_ext]
+                                 [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
 
@@ -29,6 +30,10 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
 * ``views``: a torch loop over a hand-written LSTM cell viewing its gates per gate (``gates.view(x.size(1), 4,
   H).unbind(1)``), torch's trace export with a dynamic batch (32 nodes a step, each reading the batch from x's
   shape; T = nodes / 32, exported at every size: ~2 minutes at 100k nodes): one LSTM once fused.
+* ``blocks``: torch's ``stack([relu(x_t @ W) for x_t in x.unbind(1)], 1)`` block after block over a [B, 16, 4]
+  tensor (66 nodes a block): 1,500 step-sliced families at 100k nodes, none holding a chain.
+* ``attention``: self-attention block after block, q, k and v the ``unbind(0)`` of one 4-d tensor of a runtime
+  shape (11 nodes a block): ~9,000 families whose "steps" combine, none a sequence a native op reads.
 * ``heavy`` / ``heavy_ext``: that loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all but
   0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 
@@ -58,8 +63,9 @@ NODES_PER_STEP = 18  # torch's LSTMCell trace export
 VIEW_NODES_PER_STEP = 32  # torch's trace export of a hand-written LSTM cell with gates.view(B, 4, H)
 
 from chain_2000 import export_lstmcell_chain, export_view_chain  # noqa: E402
-from graphs import (cells_side_by_side, elementwise_chain, loops_in_a_row, masked_rnn_chain,  # noqa: E402
-                    prologue_then_recurrence, recurrence_then_head, steps_summed, two_cells_per_step)
+from graphs import (attention_blocks, cells_side_by_side, elementwise_chain, loops_in_a_row,  # noqa: E402
+                    masked_rnn_chain, prologue_then_recurrence, recurrence_then_head, steps_summed,
+                    two_cells_per_step, unbind_stack_blocks)
 
 
 MAX_EXPORTED_STEPS = 6000  # torch's trace export of a longer loop takes over an hour here: those are stretched
@@ -190,7 +196,8 @@ GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wid
               "bidir": lambda path, nodes: two_cells_per_step(path, nodes, "bidir"),
               "stacked": lambda path, nodes: two_cells_per_step(path, nodes, "stacked"),
               "views": lambda path, nodes: export_view_chain(path, max(2, nodes // VIEW_NODES_PER_STEP)),
-              "head": recurrence_then_head, "prologue": prologue_then_recurrence}
+              "head": recurrence_then_head, "prologue": prologue_then_recurrence,
+              "blocks": unbind_stack_blocks, "attention": attention_blocks}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "

@@ -179,16 +179,29 @@ def step_sources(g: Graph, fams: dict, keys: list, min_steps: int = STEP_SOURCE_
     return out
 
 
-def mask_leaves(g: Graph, fams: dict, fam: dict, step_masks: list | None = None) -> tuple[dict, dict, dict]:
+def bool_families(g: Graph, fams: dict) -> list[tuple[tuple[str, int], dict]]:
+    """``((mask source, axis), family)`` of the families of ``fams`` that slice a bool tensor (or its float
+    cast): the candidate masks of every data family, listed once for all of them (per data family, it was
+    a type query per family: quadratic in a graph of 1,500 families)."""
+    out = []
+    for (msrc, maxis), mf in fams.items():
+        m = mask_source(g, msrc)
+        if m is not None:
+            out.append(((m, maxis), mf))
+    return out
+
+
+def mask_leaves(g: Graph, fams: dict, fam: dict, step_masks: list | None = None,
+                bools: list | None = None) -> tuple[dict, dict, dict]:
     """Interval leaves for a data family and the bool families sliced at the same steps (candidate masks):
     (tensor -> step, step -> {mask slice -> symbol}, symbol -> (mask source, axis)). A :class:`StepMask`'s
-    source is itself (built only for a chain that is fused), its "axis" the offset of its steps."""
+    source is itself (built only for a chain that is fused), its "axis" the offset of its steps. ``bools``:
+    :func:`bool_families` of ``fams``, if the caller has it."""
     leaves = {x: t for t, x in fam.items()}
     mask_fam: dict[int, dict] = {}
     mask_srcs: dict[str, tuple] = {}
     # (not the data family itself: an input cast from bool, a one-hot say, is data that happens to be 0/1)
-    bool_fams = [((mask_source(g, msrc), maxis), mf) for (msrc, maxis), mf in fams.items()
-                 if mf != fam and mask_source(g, msrc) is not None]
+    bool_fams = [(key, mf) for key, mf in (bool_families(g, fams) if bools is None else bools) if mf != fam]
     for sm in step_masks or ():
         got = sm.slices(set(fam))
         if got is not None:

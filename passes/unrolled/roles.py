@@ -42,6 +42,15 @@ def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Si
     return _ChainRoles(g, src, axis, chain, iv, signer, mask_srcs).recurrence()
 
 
+def layout_decline(g: Graph, src: str, axis: int) -> str | None:
+    """Why no chain over slices of ``src`` along ``axis`` is fused, whatever its steps hold: the native ops
+    read a ``[T, B, F]`` (or, transposed, ``[B, T, F]``) sequence. None: the layout fits."""
+    rank = g.model.rank(src)
+    if rank != 3 or axis not in (0, 1):
+        return f"the per-step inputs are slices of a rank-{rank} tensor along axis {axis}"
+    return None
+
+
 def _zero_step_key(p: Poly):
     """A first step's maths compared by value: a matmul of the zero state leaves its bias alone, which the
     exporter may fold into a constant (hidden size 1: ``b_hh`` is a scalar offset or coefficient) where the
@@ -141,9 +150,9 @@ class _ChainRoles:
 
     # ---- the steps
     def check_layout(self) -> None:
-        rank = self.g.model.rank(self.src)
-        if rank != 3 or self.axis not in (0, 1):
-            raise Decline(f"the per-step inputs are slices of a rank-{rank} tensor along axis {self.axis}")
+        reason = layout_decline(self.g, self.src, self.axis)
+        if reason is not None:
+            raise Decline(reason)
         if sorted(self.ts) != list(range(min(self.ts), max(self.ts) + 1)):
             raise Decline("the chain skips time steps")
 

@@ -6,6 +6,7 @@ families give nothing more, chains whose steps read other state-independent inpu
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 from rnnfuse.emit import Builder
 from rnnfuse.errors import Decline
@@ -15,11 +16,11 @@ from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.signature import Signer
 from rnnfuse.symbolic import weight_ops
 
-from .chains import Chain, find_chains, intervals
+from .chains import Chain, find_chains, intervals, may_hold_chains
 from .derived_masks import derived_masks
-from .families import find_families, is_row_family, length_masks, mask_leaves
+from .families import bool_families, find_families, is_row_family, length_masks, mask_leaves
 from .whole_inputs import WholeInputs
-from .roles import FirstStepDiffers, chain_recurrence
+from .roles import FirstStepDiffers, chain_recurrence, layout_decline
 from .step_inputs import virtual_families
 
 
@@ -43,6 +44,7 @@ class FuseChains:
         # what the last search found, while the graph is still the one it searched (nothing committed since):
         # the chains left to report are then those, and the report needs no second search of the whole graph
         last: tuple[set, list] | None = None
+        not_sequences: set[str] = set()  # sources of slice families skipped for their layout
         for _ in range(self.max_rounds):
             fams = find_families(g)
             # dead code (an exporter's unused per-step values) is no reader of a step's values; pruned only
@@ -55,16 +57,15 @@ class FuseChains:
             signer = Signer(g)
             fams.update(whole.families(fams, signer))
             order = g.ordered_live_nodes()
-            lengths = length_masks(g)
+            search = _Search(fams, bool_families(g, fams), order, length_masks(g), signer)
             recs = []
             seen_now: set = set()
-            for (src, axis), fam in fams.items():
-                if g.model.elem_type(src) == 9 or is_row_family(g, src):
-                    continue  # bool families are masks, read by the chains over the data (and so may be others)
-                step_masks = lengths + derived_masks(g, fams, (src, axis), signer)
-                leaves, mask_fam, mask_srcs = mask_leaves(g, fams, fam, step_masks)
-                iv = intervals(g, order, leaves)
-                for chain in find_chains(g, fam, iv, mask_fam):
+            for src, axis in fams:
+                found = _family_chains(g, search, src, axis, not_sequences)
+                if found is None:
+                    continue
+                iv, chains, mask_srcs = found
+                for chain in chains:
                     key = chain.key(src, axis)
                     seen_now.add(key)
                     if key in tried:
@@ -86,7 +87,7 @@ class FuseChains:
                 break
             # what the search held (intervals and signatures over the whole graph, the chains' steps) is not
             # needed to validate and commit: it goes before the rewrites' own memory comes
-            iv = order = signer = lengths = step_masks = leaves = chain = None
+            iv = order = signer = search = chain = None
             n_before, modified_before = len(res.findings), res.modified
             apply_recurrences(g, ctx, self.name, recs, res)
             if not any(f.status == "fused" for f in res.findings[n_before:]):
@@ -100,6 +101,9 @@ class FuseChains:
         real = {v.reason for k, v in pending.items() if k in final and len(k) == 5}
         res.findings.extend(v for k, v in pending.items() if k in final and (len(k) == 5 or v.reason not in real))
         whole.drop_unused()
+        if not_sequences:
+            res.notes.append(f"{len(not_sequences)} tensor(s) sliced into steps that combine values are not [T, B, F] "
+                             f"or [B, T, F] sequences (e.g. '{min(not_sequences)}'): no chain searched over them")
         return res
 
     @staticmethod
@@ -118,14 +122,10 @@ class FuseChains:
         signer = Signer(g)
         fams.update(whole.families(fams, signer))
         order = g.ordered_live_nodes() if fams else []
-        lengths = length_masks(g) if fams else []
-        for (src, axis), fam in fams.items():
-            if g.model.elem_type(src) == 9 or is_row_family(g, src):
-                continue
-            leaves, mask_fam, _ = mask_leaves(g, fams, fam, lengths + derived_masks(g, fams, (src, axis), signer))
-            iv = intervals(g, order, leaves)
-            for chain in find_chains(g, fam, iv, mask_fam):
-                final.add(chain.key(src, axis))
+        search = _Search(fams, bool_families(g, fams), order, length_masks(g) if fams else [], signer)
+        for src, axis in fams:
+            found = _family_chains(g, search, src, axis, set())
+            final.update(chain.key(src, axis) for chain in (found[1] if found is not None else ()))
         if fams:
             final |= {("inputs", vf[0]) for vf in virtual_families(g, order, fams)}
         return final
@@ -170,6 +170,39 @@ class FuseChains:
                 g.remove_nodes(made)
             recs.extend(got)
         return recs
+
+
+class _Search(NamedTuple):
+    """What a round's search for chains holds for every family."""
+
+    fams: dict  # (source, axis) -> {step: slice}
+    bools: list  # families.bool_families of fams
+    order: list  # the live nodes in graph order
+    lengths: list  # families.length_masks
+    signer: Signer
+
+
+def _family_chains(g: Graph, search: _Search, src: str, axis: int, not_sequences: set):
+    """``(intervals, chains, mask sources)`` of the slice family ``(src, axis)``, or None when it can hold no
+    chain rnnfuse fuses: a bool family (masks, read by the chains over the data), a family of rows, slices of
+    a tensor that is no ``[T, B, F]`` or ``[B, T, F]`` sequence (every chain over it would be declined for its
+    layout), or one whose steps combine their values with nothing that may come from another step (see
+    chains.may_hold_chains). Only the others cost an intervals walk, which reads everything downstream. A
+    family of non-sequence slices whose steps do combine values is listed in ``not_sequences`` (its chains are
+    not searched: the report says how many)."""
+    if g.model.elem_type(src) == 9 or is_row_family(g, src):
+        return None
+    fam = search.fams[(src, axis)]
+    if layout_decline(g, src, axis) is not None:
+        if may_hold_chains(g, fam):
+            not_sequences.add(src)
+        return None
+    step_masks = search.lengths + derived_masks(g, search.fams, (src, axis), search.signer)
+    leaves, mask_fam, mask_srcs = mask_leaves(g, search.fams, fam, step_masks, search.bools)
+    if not may_hold_chains(g, fam, mask_fam):
+        return None
+    iv = intervals(g, search.order, leaves)
+    return iv, find_chains(g, fam, iv, mask_fam), mask_srcs
 
 
 def _recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict):

@@ -5,7 +5,7 @@ thread chains the search gives every node the span of steps it depends on (``int
 everything downstream of the family. A graph of many families that hold no chain paid it per family:
 a 600-layer transformer (each layer's q, k and v an ``unbind`` of one tensor) took 98 s, 1,500
 ``unbind``/``stack`` blocks 11 minutes. Now a family is walked only if its steps' own regions combine a
-step's values with something that may come from another step (``chains.may_hold_chains``) and its source is
+step's values with something that may come from another step (``family_filter.may_hold_chains``) and its source is
 a ``[T, B, F]`` / ``[B, T, F]`` sequence. Counted, never timed; and the shortcut must never hide a chain:
 every family whose chains the full search threads passes the pre-check, over the hand-built chain cases.
 """
@@ -22,7 +22,8 @@ import builders as B
 import rnnfuse
 import rnnfuse.passes.unrolled.rule as rule
 from rnnfuse.graph import Model
-from rnnfuse.passes.unrolled.chains import find_chains, intervals, may_hold_chains
+from rnnfuse.passes.unrolled.chains import find_chains, intervals
+from rnnfuse.passes.unrolled.family_filter import may_hold_chains
 from rnnfuse.passes.unrolled.derived_masks import derived_masks
 from rnnfuse.passes.unrolled.families import find_families, is_row_family, length_masks, mask_leaves
 from rnnfuse.passes.unrolled.whole_inputs import WholeInputs

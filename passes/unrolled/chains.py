@@ -285,43 +285,10 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
     # another chain's step combines them with this step's values (a backward chain's first, x-only step)
     mask_only = {t: closure(g, ms, 64)[0] for t, ms in mask_fam.items()}
     given = _initial_state_constants(g, iv, {min(fam), max(fam)})
-    regions = {t: _x_region(g, x, mask_only.get(t, set()), given) for t, x in fam.items()}
+    regions = {t: x_region(g, x, mask_only.get(t, set()), given) for t, x in fam.items()}
     found = _older_reads(g, fam, iv, mask_fam, mask_only, regions, given)
     return [lane for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction, given)
             for lane in split_lanes(g, chain, iv)]
-
-
-def may_hold_chains(g: Graph, fam: dict[int, str], mask_fam: dict[int, dict] | None = None) -> bool:
-    """Whether some step of the family combines its x-local values with a value that may come from another
-    step: what :func:`find_chains` looks for first (``_older_reads``), asked of the steps' x-local regions
-    alone, each bounded by its combining nodes, with no intervals. Intervals walk everything downstream of
-    the family, and a graph of many families that hold no chain paid that walk per family: a 600-layer
-    transformer's per-layer unbind of q, k and v, 1,500 unbind/stack blocks (quadratic: 99,000 nodes took
-    11 minutes). No chain is missed: the regions are taken with every given constant (find_chains keeps a
-    subset, see :func:`_initial_state_constants`), so a node its regions hold as local is here local too or
-    combining itself, reading a given constant, which counts; the inputs skipped are those _older_reads
-    skips whatever the intervals say."""
-    mask_fam = mask_fam or {}
-    given = given_constants(g)
-    runtime = runtime_values(g)
-    xs = set(fam.values())
-    regions = {}
-    for t, x in fam.items():
-        mask_local = closure(g, mask_fam[t], 64)[0] if t in mask_fam else set()
-        regions[t] = (mask_local, *_x_region(g, x, mask_local, given))
-    local_step = {v: t for t, (_, local, _) in regions.items() for v in local}
-    for t, (mask_local, local, combining) in regions.items():
-        mask_t = mask_fam.get(t, {})
-        for c in combining:
-            if c.op_type == "Concat" and len({local_step[i] for i in c.input if i in local_step} - {t}) > 1:
-                continue  # (it stacks several other steps' values: see _stacks_steps)
-            for i in c.input:
-                if not i or i in local or i in mask_local or i in xs or i in mask_t:
-                    continue
-                if i not in runtime and i not in given and (g.const(i) is not None or shape_derived(g, i)):
-                    continue
-                return True
-    return False
 
 
 def _initial_state_constants(g: Graph, iv, ends: set[int]) -> frozenset:
@@ -376,7 +343,7 @@ def _sized_by_a_step(g: Graph, broadcast: NodeProto, iv, whole: tuple, limit: in
     return len(seen) >= limit
 
 
-def _x_region(g: Graph, x: str, mask_local: set, given: set) -> tuple[set, list[NodeProto]]:
+def x_region(g: Graph, x: str, mask_local: set, given: set) -> tuple[set, list[NodeProto]]:
     """A step's x-local region (the tensors computed from x_t with constants and the step's mask-only values
     (a tiled, negated or cast mask) only) and its *combining* nodes, which mix the region with anything else
     (a given constant initial state too: see :func:`_initial_state_constants`)."""

@@ -28,6 +28,7 @@ from rnnfuse.symbolic import LinAtom, Poly, StepInput, SymTensor, loose_key, sub
 
 from .chains import Chain, Step
 from .families import StepMask
+from .family_filter import layout_decline
 from .outputs import (Escapes, FirstValueIsState, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, series_leads,
                       order_of, reads_state, split_first_value, step_output, value_lead)
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through
@@ -40,15 +41,6 @@ class FirstStepDiffers(Decline):
 def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None = None) -> Recurrence:
     """The recurrence an unrolled chain computes (Decline with the reason when it is not one native cell)."""
     return _ChainRoles(g, src, axis, chain, iv, signer, mask_srcs).recurrence()
-
-
-def layout_decline(g: Graph, src: str, axis: int) -> str | None:
-    """Why no chain over slices of ``src`` along ``axis`` is fused, whatever its steps hold: the native ops
-    read a ``[T, B, F]`` (or, transposed, ``[B, T, F]``) sequence. None: the layout fits."""
-    rank = g.model.rank(src)
-    if rank != 3 or axis not in (0, 1):
-        return f"the per-step inputs are slices of a rank-{rank} tensor along axis {axis}"
-    return None
 
 
 def _zero_step_key(p: Poly):
@@ -150,8 +142,7 @@ class _ChainRoles:
 
     # ---- the steps
     def check_layout(self) -> None:
-        reason = layout_decline(self.g, self.src, self.axis)
-        if reason is not None:
+        if (reason := layout_decline(self.g, self.src, self.axis)) is not None:
             raise Decline(reason)
         if sorted(self.ts) != list(range(min(self.ts), max(self.ts) + 1)):
             raise Decline("the chain skips time steps")

@@ -16,11 +16,12 @@ from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.signature import Signer
 from rnnfuse.symbolic import weight_ops
 
-from .chains import Chain, find_chains, intervals, may_hold_chains
+from .chains import Chain, find_chains, intervals
 from .derived_masks import derived_masks
 from .families import bool_families, find_families, is_row_family, length_masks, mask_leaves
 from .whole_inputs import WholeInputs
-from .roles import FirstStepDiffers, chain_recurrence, layout_decline
+from .family_filter import layout_decline, may_hold_chains
+from .roles import FirstStepDiffers, chain_recurrence
 from .step_inputs import virtual_families
 
 
@@ -44,7 +45,7 @@ class FuseChains:
         # what the last search found, while the graph is still the one it searched (nothing committed since):
         # the chains left to report are then those, and the report needs no second search of the whole graph
         last: tuple[set, list] | None = None
-        not_sequences: set[str] = set()  # sources of slice families skipped for their layout
+        not_sequences: set[str] = set()  # sources of slice families skipped for their layout, whose steps combine
         for _ in range(self.max_rounds):
             fams = find_families(g)
             # dead code (an exporter's unused per-step values) is no reader of a step's values; pruned only
@@ -55,13 +56,15 @@ class FuseChains:
                 last = (set(), [])
                 break
             signer = Signer(g)
-            fams.update(whole.families(fams, signer))
+            may_chain = _MayChain(g, fams)
+            fams.update(whole.families(fams, signer, may_chain))
+            not_sequences = may_chain.not_sequences  # (the last round's: what the graph holds at the end)
             order = g.ordered_live_nodes()
-            search = _Search(fams, bool_families(g, fams), order, length_masks(g), signer)
+            search = _Search(fams, bool_families(g, fams), order, length_masks(g), signer, may_chain)
             recs = []
             seen_now: set = set()
             for src, axis in fams:
-                found = _family_chains(g, search, src, axis, not_sequences)
+                found = _family_chains(g, search, src, axis)
                 if found is None:
                     continue
                 iv, chains, mask_srcs = found
@@ -114,17 +117,18 @@ class FuseChains:
             chain_keys, vfams = last
             if vfams is None:
                 fams = find_families(g)
-                fams.update(whole.families(fams, Signer(g)))
+                fams.update(whole.families(fams, Signer(g), _MayChain(g, fams)))
                 vfams = virtual_families(g, g.ordered_live_nodes(), fams) if fams else []
             return chain_keys | {("inputs", vf[0]) for vf in vfams}
         final = set()
         fams = find_families(g)
         signer = Signer(g)
-        fams.update(whole.families(fams, signer))
+        may_chain = _MayChain(g, fams)
+        fams.update(whole.families(fams, signer, may_chain))
         order = g.ordered_live_nodes() if fams else []
-        search = _Search(fams, bool_families(g, fams), order, length_masks(g) if fams else [], signer)
+        search = _Search(fams, bool_families(g, fams), order, length_masks(g) if fams else [], signer, may_chain)
         for src, axis in fams:
-            found = _family_chains(g, search, src, axis, set())
+            found = _family_chains(g, search, src, axis)
             final.update(chain.key(src, axis) for chain in (found[1] if found is not None else ()))
         if fams:
             final |= {("inputs", vf[0]) for vf in virtual_families(g, order, fams)}
@@ -172,6 +176,33 @@ class FuseChains:
         return recs
 
 
+class _MayChain:
+    """Whether a family may hold a chain rnnfuse fuses (family_filter: its layout, and its steps combining
+    values with something from outside their own regions), asked once a family a round: first without its
+    masks (whether to build its whole-sequence input maps, see whole_inputs: a family that cannot chain
+    gives maps that cannot either, their steps' regions being parts of its steps'), then with them (whether
+    to walk its intervals). Without the masks more nodes combine, so a family that cannot chain without
+    them cannot with them."""
+
+    def __init__(self, g: Graph, fams: dict):
+        self.g, self.fams = g, fams
+        self.unmasked: dict[tuple, bool] = {}
+        self.not_sequences: set[str] = set()  # sources of families declined for their layout, whose steps combine
+
+    def __call__(self, key: tuple, mask_fam: dict | None = None) -> bool:
+        found = self.unmasked.get(key)
+        if found is None:
+            src, axis = key
+            fam = self.fams[key]
+            found = self.unmasked[key] = may_hold_chains(self.g, fam)
+            if found and layout_decline(self.g, src, axis) is not None:
+                self.not_sequences.add(src)
+                found = self.unmasked[key] = False
+        if not found or not mask_fam:
+            return found
+        return may_hold_chains(self.g, self.fams[key], mask_fam)
+
+
 class _Search(NamedTuple):
     """What a round's search for chains holds for every family."""
 
@@ -180,26 +211,21 @@ class _Search(NamedTuple):
     order: list  # the live nodes in graph order
     lengths: list  # families.length_masks
     signer: Signer
+    may_chain: _MayChain
 
 
-def _family_chains(g: Graph, search: _Search, src: str, axis: int, not_sequences: set):
+def _family_chains(g: Graph, search: _Search, src: str, axis: int):
     """``(intervals, chains, mask sources)`` of the slice family ``(src, axis)``, or None when it can hold no
-    chain rnnfuse fuses: a bool family (masks, read by the chains over the data), a family of rows, slices of
-    a tensor that is no ``[T, B, F]`` or ``[B, T, F]`` sequence (every chain over it would be declined for its
-    layout), or one whose steps combine their values with nothing that may come from another step (see
-    chains.may_hold_chains). Only the others cost an intervals walk, which reads everything downstream. A
-    family of non-sequence slices whose steps do combine values is listed in ``not_sequences`` (its chains are
-    not searched: the report says how many)."""
-    if g.model.elem_type(src) == 9 or is_row_family(g, src):
+    chain rnnfuse fuses: a bool family (masks, read by the chains over the data), a family of rows, or one
+    :class:`_MayChain` rules out (slices of no ``[T, B, F]`` / ``[B, T, F]`` sequence, whose every chain would
+    be declined for its layout; steps that combine their values with nothing that may come from another
+    step). Only the others cost an intervals walk, which reads everything downstream."""
+    if g.model.elem_type(src) == 9 or is_row_family(g, src) or not search.may_chain((src, axis)):
         return None
     fam = search.fams[(src, axis)]
-    if layout_decline(g, src, axis) is not None:
-        if may_hold_chains(g, fam):
-            not_sequences.add(src)
-        return None
     step_masks = search.lengths + derived_masks(g, search.fams, (src, axis), search.signer)
     leaves, mask_fam, mask_srcs = mask_leaves(g, search.fams, fam, step_masks, search.bools)
-    if not may_hold_chains(g, fam, mask_fam):
+    if not search.may_chain((src, axis), mask_fam):
         return None
     iv = intervals(g, search.order, leaves)
     return iv, find_chains(g, fam, iv, mask_fam), mask_srcs

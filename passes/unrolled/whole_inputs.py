@@ -35,16 +35,17 @@ class WholeInputs:
         self.g = g
         self.built: dict[tuple, NodeProto] = {}
 
-    def families(self, fams: dict, signer: Signer) -> dict[tuple[str, int], dict[int, str]]:
+    def families(self, fams: dict, signer: Signer, may_chain=None) -> dict[tuple[str, int], dict[int, str]]:
         """New data families among ``fams``' steps: (the whole tensor, its time axis) -> step -> the value it
-        holds at that step."""
+        holds at that step. ``may_chain(key)``: whether a data family may hold a chain (its maps are built only
+        then: 1,500 unbind/stack blocks, none a chain, built 1,500 whole inputs to remove them again)."""
         out = {}
         slices: set | None = None  # every family's step values (what a context row is computed from none of)
         for (src, axis), fam in fams.items():
             et, rank = self.g.model.elem_type(src), self.g.model.rank(src)
             if et in _INTS and rank == 2:
                 got = self._lookups(src, axis, fam)
-            elif et in FLOATS and rank == 3:
+            elif et in FLOATS and rank == 3 and (may_chain is None or may_chain((src, axis))):
                 if slices is None:
                     slices = {x for f in fams.values() for x in f.values()}
                 got = self._row_maps(src, axis, fam, signer, slices)

@@ -124,7 +124,11 @@ def _slice_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
     slicers = g.nodes_of(*_SLICERS)
     if slicers:  # (first: a slice of a runtime value then needs no fold attempt back to the inputs)
         runtime_values(g)
+    producer = g.producer
     for n in slicers:
+        p = producer.get(n.input[0])
+        if p is not None and p.op_type in ("Shape", "Size"):
+            continue  # (a shape is 1-D: no sequence, and a fold attempt infers its input's type: 1,200 a transformer)
         if g.const(n.input[0]) is not None:
             continue
         if n.op_type == "Split":

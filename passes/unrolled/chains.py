@@ -392,9 +392,7 @@ def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], m
             if c.op_type == "Concat" and _stacks_steps(c, t, local, local_step, iv):
                 continue
             for i in c.input:
-                if not i or i in local or i in mask_local or i in xs or i in mask_t:
-                    continue
-                if i not in runtime and (g.const(i) is not None or shape_derived(g, i)) and i not in given:
+                if not may_read_older(g, i, (local, mask_local, xs, mask_t), runtime, given):
                     continue
                 pulled: set = set()
                 ops: list = [c.op_type]
@@ -417,6 +415,16 @@ def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], m
                         f.weighted.add(r)
                     own |= pulled
     return found
+
+
+def may_read_older(g: Graph, i: str, own: tuple, runtime, given) -> bool:
+    """Whether input ``i`` of a step's combining node may be a value of an older step: not empty, none of the
+    step's own (``own``: collections of its x-local values, mask-local values, the family's slices, the step's
+    masks), and a runtime value or a given constant (not a constant or shape computed from constants). What
+    _older_reads walks back, and what family_filter.may_hold_chains asks of every combining node."""
+    if not i or any(i in part for part in own):
+        return False
+    return i in runtime or i in given or (g.const(i) is None and not shape_derived(g, i))
 
 
 def _stacks_steps(c: NodeProto, t: int, local: set, local_step: dict, iv) -> bool:

@@ -9,10 +9,10 @@ family: quadratic. A family is searched only if its source is a sequence a nativ
 
 from __future__ import annotations
 
-from rnnfuse.dataflow import closure, given_constants, runtime_values, shape_derived
+from rnnfuse.dataflow import closure, given_constants, runtime_values
 from rnnfuse.graph import Graph
 
-from .chains import x_region
+from .chains import may_read_older, x_region
 
 
 def layout_decline(g: Graph, src: str, axis: int) -> str | None:
@@ -46,10 +46,6 @@ def may_hold_chains(g: Graph, fam: dict[int, str], mask_fam: dict[int, dict] | N
         for c in combining:
             if c.op_type == "Concat" and len({local_step[i] for i in c.input if i in local_step} - {t}) > 1:
                 continue  # (it stacks several other steps' values: as chains.find_chains skips it)
-            for i in c.input:
-                if not i or i in local or i in mask_local or i in xs or i in mask_t:
-                    continue
-                if i not in runtime and i not in given and (g.const(i) is not None or shape_derived(g, i)):
-                    continue
+            if any(may_read_older(g, i, (local, mask_local, xs, mask_t), runtime, given) for i in c.input):
                 return True
     return False

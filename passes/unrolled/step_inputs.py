@@ -64,14 +64,10 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     # 1. preparation: values computed from slices (and slice-free tensors) without a matmul or an activation
     sliced: set[str] = set(slice_src)  # tensors depending on some slice
     prep: set[str] = set(slice_src)
-    # (each node's runtime inputs, asked once for the three walks below: only those of nodes that read a
-    # slice's values are kept, the others read none in any walk)
-    dyn_of: dict[int, list[str]] = {}
     for n in order:
         dyn = dynamic_inputs(g, n)
         if not any(i in sliced for i in dyn):
             continue
-        dyn_of[id(n)] = dyn
         sliced.update(o for o in n.output if o)
         if n.op_type in _PREP and not g.implicit_inputs(n) and all(i in prep or i not in sliced for i in dyn) and (
                 n.op_type != "Concat" or (len(n.input) <= 8 and all(i in prep for i in n.input))):
@@ -82,7 +78,7 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     for n in order:
         if n.op_type in ("Shape", "Size") or (n.output and n.output[0] in prep):
             continue
-        for i in dyn_of.get(id(n), ()):
+        for i in dynamic_inputs(g, n):
             if i in prep and i not in inputs:
                 inputs[i] = len(inputs)
     if len(inputs) < 2:
@@ -95,7 +91,7 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     for n in order:
         if n.output and n.output[0] in prep:
             continue
-        dyn = dyn_of.get(id(n), ())
+        dyn = dynamic_inputs(g, n)
         owners = {owner[i] for i in dyn if i in owner}
         if not owners:
             continue

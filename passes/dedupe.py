@@ -134,8 +134,14 @@ class _DedupeTable:
         # small values computed from those and static shapes alone, compared by value too: torch's trace of
         # x[x.shape[0] - 1 - t] (a backward cell stepped beside a forward one) reads the slice the forward
         # cell reads as x[t'], through an index of its own
-        self.shape_consts = _small_shape_constants(g, self.consts, self.small)
+        self.constant_keys: dict[bytes, object] = {}  # a Constant's attribute bytes -> its full-key form
+        self.shape_consts = _small_shape_constants(g, self.consts, self.small, self.constant_keys)
         self.consts |= self.shape_consts
+        # the constants a coarse key holds as one placeholder: not the weights of more than 64 elements, which
+        # the full key compares by name anyway (1,041 cells side by side read each step's x_t through 1,041
+        # weights: under one placeholder they were 16,000 nodes of one coarse key, each given a full key)
+        self.placeholder = self.consts - {name for name, t in g.initializers.items() if math.prod(t.dims) > 64}
+        self.fulls: dict[int, tuple] = {}  # node id -> (node, its inputs, its full key): see ``full``
 
     def candidates(self) -> list[NodeProto]:
         """The nodes that may equal another, in graph order (topological for the input model, which is where
@@ -195,16 +201,24 @@ class _DedupeTable:
         return bool(n.output) and not (n.domain not in ("", "ai.onnx") and has_subgraph(n))
 
     def coarse(self, n: NodeProto) -> tuple:
-        c, consts = self._CONST, self.consts
-        return (n.domain, n.op_type, len(n.output), tuple(c if i in consts else i for i in n.input[:]))
+        c, placeholder = self._CONST, self.placeholder
+        return (n.domain, n.op_type, len(n.output), tuple(c if i in placeholder else i for i in n.input[:]))
 
     def _ref(self, name: str):
-        return _value_key(self.g, name, self.small, self.shape_consts)
+        return _value_key(self.g, name, self.small, self.shape_consts, self.constant_keys)
 
     def full(self, n: NodeProto) -> tuple:
+        """The full key; kept per node while its inputs stay the same (a node is keyed when seeded, when
+        matched and each time it is found as a match: merges rewire inputs, nothing else a key reads)."""
+        ins = n.input[:]
+        kept = self.fulls.get(id(n))
+        if kept is not None and kept[0] is n and kept[1] == ins:
+            return kept[2]
         self.full_keys += 1
         # (node_field: an attribute-less node's empty list is not read; its object is the index's, held all round)
-        return (tuple(self._ref(i) for i in n.input[:]), tuple(a.SerializeToString() for a in node_field(n, "attribute")))
+        key = (tuple([self._ref(i) for i in ins]), tuple(a.SerializeToString() for a in node_field(n, "attribute")))
+        self.fulls[id(n)] = (n, ins, key)
+        return key
 
     def _current(self, m: NodeProto, ck: tuple, fk: tuple | None) -> bool:
         """Is ``m`` (found in the table) still a live node under these keys? (edits may have rewired it)"""
@@ -269,18 +283,28 @@ class _DedupeTable:
 _NOT_SEEDED = object()
 
 
-def _value_key(g: Graph, name: str, small: dict[str, object], folded) -> object:
+def _value_key(g: Graph, name: str, small: dict[str, object], folded, constant_keys: dict[bytes, object]) -> object:
     """How Dedupe compares an input: a small constant (an initializer of 64 elements or fewer, a Constant's
     value, or one of the ``folded`` shape constants) by its content, anything else by its name; cached in
-    ``small``. A large weight is never read for this."""
+    ``small``. A large weight is never read for this. ``constant_keys``: Constants' forms by their attribute
+    bytes (a trace writes a Constant per use of the same index: each distinct one is read once)."""
     if name not in small:
         p = g.producer.get(name)
-        t = g.initializers.get(name)
-        direct = ((t is not None and math.prod(t.dims) <= 64) or (p is not None and p.op_type == "Constant")
-                  or name in folded)
-        c = g.const(name) if name and direct else None
-        small[name] = ("=", c.dtype.str, c.shape, c.tobytes()) if c is not None and c.size <= 64 else name
+        if p is not None and p.op_type == "Constant" and p.domain in ("", "ai.onnx"):
+            raw = b"".join(a.SerializeToString() for a in p.attribute)
+            if raw not in constant_keys:
+                constant_keys[raw] = _content_key(g.const(name))
+            small[name] = constant_keys[raw] or name
+        else:
+            t = g.initializers.get(name)
+            direct = (t is not None and math.prod(t.dims) <= 64) or name in folded
+            small[name] = _content_key(g.const(name) if name and direct else None) or name
     return small[name]
+
+
+def _content_key(c) -> tuple | None:
+    """A constant's full-key form: its content, when it has 64 elements or fewer (else None)."""
+    return ("=", c.dtype.str, c.shape, c.tobytes()) if c is not None and c.size <= 64 else None
 
 
 # what index arithmetic on shapes is written with (torch's trace of x.shape[0] - 1 - t, a view's sizes)
@@ -288,20 +312,20 @@ _SHAPE_ARITH = ("Shape", "Size", "Gather", "Slice", "Squeeze", "Unsqueeze", "Con
                 "Div", "Neg", "Reshape")
 
 
-def _small_shape_constants(g: Graph, consts: set[str], small: dict[str, object]) -> set[str]:
+def _small_shape_constants(g: Graph, consts: set[str], small: dict[str, object], constant_keys: dict) -> set[str]:
     """The values of 64 elements or fewer computed from ``consts`` and the shapes of tensors the file types
     (graph inputs, declared values) alone that fold to a constant (the dims they read are static). Walks the
     nodes of index-arithmetic op types once, in graph order; a value computed from anything else (a runtime
     value) is not folded. Values computed the same way (every step of a torch trace reads ``x.shape[1]``
     through a Shape and a Gather of its own) are folded once: the fold is asked per distinct computation,
-    keyed like Dedupe's full keys (``small``: the table's cache of constants' full-key forms, filled here for
-    the inputs met)."""
+    keyed like Dedupe's full keys (``small``, ``constant_keys``: the table's caches of constants' full-key
+    forms, filled here for the inputs met)."""
     derived: dict[str, tuple] = {}  # value -> how it is computed (op, attributes, inputs' keys)
     folds: dict[tuple, bool] = {}
     out = set()
 
     def key_of(i: str):
-        return derived[i] if i in derived else _value_key(g, i, small, ())
+        return derived[i] if i in derived else _value_key(g, i, small, (), constant_keys)
 
     for n in _maybe_from_constants(g, g.nodes_of(*_SHAPE_ARITH)):
         if n.op_type in ("Shape", "Size"):

@@ -119,6 +119,44 @@ def test_dedupe_merges_by_value_and_cascades():
     assert {n.output[0] for n in g.live_nodes()} == {"a1", "r1", "a3", "r3", "y"}
 
 
+def _many_readers(cells: int) -> onnx.ModelProto:
+    """x read by ``cells`` MatMuls through weights of their own (cells side by side) and by one more MatMul
+    through the first weight (a duplicate); ``cells`` Gathers of x's shape at index 0, each index a Constant
+    of its own (a trace's per-use constants), and one at index 1."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((9, 8)).astype(np.float32), f"w{i}") for i in range(cells)]
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in range(cells)]
+    nodes += [helper.make_node("MatMul", ["x", "w0"], ["dup"]), helper.make_node("Shape", ["x"], ["s"])]
+    for i in range(cells + 1):
+        nodes += [helper.make_node("Constant", [], [f"i{i}"], value=numpy_helper.from_array(np.array(int(i == cells)))),
+                  helper.make_node("Gather", ["s", f"i{i}"], [f"d{i}"])]
+    outs = [f"y{i}" for i in range(cells)] + ["dup"]
+    nodes.append(helper.make_node("Concat", [f"d{i}" for i in range(cells + 1)], ["dims"], axis=0))
+    g = helper.make_graph(nodes, "readers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 9])],
+                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, ["B", 8]) for o in outs]
+                          + [helper.make_tensor_value_info("dims", TensorProto.INT64, [])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("cells", [8, 64])
+def test_dedupe_keys_weights_by_name_and_each_node_once(cells):
+    """A big weight's full-key form is its name, so the coarse key holds it by name: the MatMuls of cells side
+    by side share no coarse key (none gets a full key) but the duplicate pair; the Gathers, whose Constant
+    indices are small and compared by value, get one full key each, however many matches look at the node
+    kept, and equal Constants are read once."""
+    m = Model(_many_readers(cells))
+    d = Dedupe()
+    r = d.run(m, Options())
+    g = m.graph
+    assert r.modified and f"merged {cells} duplicate nodes" in r.notes[0]  # the MatMul and the index-0 Gathers
+    assert len([n for n in g.live_nodes() if n.op_type == "MatMul"]) == cells
+    gathers = [n for n in g.live_nodes() if n.op_type == "Gather"]
+    assert sorted(n.output[0] for n in gathers) == ["d0", f"d{cells}"]
+    assert d.full_keys == 2 + (cells + 1)
+
+
 @pytest.mark.parametrize("padding", [10, 3000])
 def test_dedupe_folds_shape_arithmetic_without_visiting_runtime_nodes(padding, monkeypatch):
     """``x[x.shape[0] - 1]`` and ``x[3]`` (x of static shape [4, 3]) are one value: Dedupe folds the index

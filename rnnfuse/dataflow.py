@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import op_args
 from .graph import Graph, attr
 
 # elementwise (or row-wise) ops whose output has the leading axes of their inputs
@@ -185,6 +186,36 @@ def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
                 out = max(leads) if leads else None
     memo[name] = out
     return out
+
+
+def settled_rank(g: Graph, name: str, depth: int = 0) -> int | None:
+    """The rank of ``name`` where it costs no inference: what :meth:`Model.settled_type` holds (declared, or
+    established by an earlier query), else read from an op that fixes its output's rank: a Transpose's
+    ``perm``, a Squeeze or Unsqueeze with known axes, a Reshape to a constant shape, ops that keep their input's
+    rank. Exact where it answers (None otherwise), so a filter may reject by it what inference would: a
+    600-layer transformer's q, k, v are slices of a rank-4 tensor, 600 cones inferred to learn that."""
+    t = g.model.settled_type(name)
+    if t is not None and t[1] is not None:
+        return len(t[1])
+    p = g.producer.get(name)
+    if p is None or depth >= 16 or p.domain not in ("", "ai.onnx"):
+        return None
+    op = p.op_type
+    if op == "Transpose":
+        perm = attr(p, "perm", None)
+        return len(perm) if perm else settled_rank(g, p.input[0], depth + 1)
+    if op in ("Squeeze", "Unsqueeze"):
+        axes = op_args.axes(p, g.model.opset, op_args.const_reader(g, p))
+        inner = settled_rank(g, p.input[0], depth + 1) if axes is not None else None
+        if inner is None:
+            return None  # (a Squeeze of no axes drops every unit axis: what the shape says)
+        return inner - len(axes) if op == "Squeeze" else inner + len(axes)
+    if op == "Reshape":
+        target = g.const(p.input[1])
+        return None if target is None else int(np.asarray(target).size)
+    if op in _KEEPS_RANK:
+        return settled_rank(g, p.input[0], depth + 1)
+    return None
 
 
 # ops whose output has their first input's rank

@@ -11,7 +11,7 @@ import numpy as np
 from onnx import NodeProto
 
 from rnnfuse import op_args
-from rnnfuse.dataflow import descendants, runtime_values
+from rnnfuse.dataflow import descendants, runtime_values, settled_rank
 from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
@@ -112,6 +112,8 @@ def _may_be_steps(g: Graph, key: tuple[str, int], fam: dict[int, str]) -> bool:
     src = key[0]
     if len(fam) < 2:
         return False
+    if settled_rank(g, src) not in (None, 2, 3):
+        return False  # (no inference asked: a transformer's 600 q, k, v unbinds of a rank-4 tensor)
     et, rank = g.model.elem_type(src), g.model.rank(src)
     if rank != 2 and et is not None and et not in FLOATS + (_BOOL,):
         return False

@@ -22,7 +22,7 @@ _LAYOUT = ("Squeeze", "Transpose", "Identity")
 
 
 def _piece(g: Graph, name: str) -> tuple | None:
-    """``name`` = layout(Slice(src, [s], [e], [axis])): (src, axis, s, e, the layout node or None)."""
+    """``name`` = layout(Slice(src, [s], [e], [axis])): (src, axis as written, s, e, the layout node or None)."""
     p = g.producer.get(name)
     layout = None
     if p is not None and p.op_type in _LAYOUT and len(g.uses(name)) <= 1:
@@ -30,14 +30,11 @@ def _piece(g: Graph, name: str) -> tuple | None:
     if p is None or p.op_type != "Slice" or len(g.uses(p.output[0])) > 1:
         return None
     starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, op_args.const_reader(g, p))
-    rank = g.model.rank(p.input[0])
-    if None in (starts, ends, rank) or len(starts) != 1 or (steps is not None and steps != [1]):
+    if None in (starts, ends) or len(starts) != 1 or (steps is not None and steps != [1]):
         return None
-    axis = (axes or [0])[0]
-    axis = axis + rank if axis < 0 else axis
     if starts[0] < 0 or ends[0] < starts[0]:
         return None
-    return p.input[0], axis, starts[0], ends[0], layout
+    return p.input[0], (axes or [0])[0], starts[0], ends[0], layout
 
 
 def _same_layout(g: Graph, a: NodeProto | None, b: NodeProto | None) -> bool:
@@ -72,17 +69,21 @@ def _moved_axis(g: Graph, layout: NodeProto | None, axis: int, rank: int) -> int
 def _merged(g: Graph, cat: NodeProto) -> tuple | None:
     """(source, axis, start, end, layout) when every input of ``cat`` is the next piece of one tensor."""
     pieces = [_piece(g, i) for i in cat.input]
-    if len(pieces) < 2 or any(p is None for p in pieces):
+    if len(pieces) < 2 or any(p is None for p in pieces) or any(p[0] != pieces[0][0] for p in pieces):
         return None
-    src, axis, start, end, layout = pieces[0]
+    src = pieces[0][0]
+    rank = g.model.rank(src)  # (asked once the pieces are slices of one tensor: a type may cost an inference)
+    if rank is None:
+        return None
+    _, axis, start, end, layout = pieces[0]
+    axis = axis + rank if axis < 0 else axis
     for p in pieces[1:]:
-        if p[0] != src or p[1] != axis or p[2] != end or not _same_layout(g, p[4], layout):
+        if (p[1] + rank if p[1] < 0 else p[1]) != axis or p[2] != end or not _same_layout(g, p[4], layout):
             return None
         end = p[3]
-    rank = g.model.rank(src)
     cat_axis = attr(cat, "axis", 0)
     out_rank = g.model.rank(cat.output[0])
-    if rank is None or out_rank is None:
+    if out_rank is None:
         return None
     if _moved_axis(g, layout, axis, rank) != (cat_axis + out_rank if cat_axis < 0 else cat_axis):
         return None

@@ -159,6 +159,8 @@ class StackStepMaps:
     def run(self, model: Model, ctx: Options) -> PassResult:
         g = model.graph
         res = PassResult(self.name)
+        if not g.nodes_of(*_NATIVE):
+            return res  # (no step to map: a Concat's items are not asked their ranks, a cone inferred each)
         rewrites = []
         for cat in g.nodes_of("Concat"):
             found = _stacked_map(g, cat)

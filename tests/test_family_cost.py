@@ -32,7 +32,7 @@ from rnnfuse.signature import Signer
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 try:
-    from graphs import attention_model, unbind_stack_model  # (the benchmark's generators, at a test's size)
+    from graphs import attention_model, cells_side_by_side, unbind_stack_model  # (the benchmark's generators, at a test's size)
 finally:
     sys.path.remove(BENCHMARKS)
 
@@ -85,6 +85,30 @@ def test_a_chain_family_is_still_walked_and_fused(monkeypatch):
     walks = _count_intervals(monkeypatch)
     out = B.run_case(B.Opts(op="GRU", front="chain", static_T=6), batches=(1, 3))
     assert out.status == "fused" and len(walks) >= 1, out.text()
+
+
+def test_the_search_takes_the_pre_checks_regions(tmp_path, monkeypatch):
+    """The pre-check walks each step's x-local region; the chain search over the same graph, with the same
+    (no) given constants and masks, takes those instead of walking them again: one walk a step."""
+    import onnx
+
+    import rnnfuse.passes.unrolled.chains as chains
+    import rnnfuse.passes.unrolled.family_filter as family_filter
+
+    walked = []
+    real = chains.x_region
+
+    def counted(g, x, *rest):
+        walked.append(x)
+        return real(g, x, *rest)
+
+    monkeypatch.setattr(chains, "x_region", counted)
+    monkeypatch.setattr(family_filter, "x_region", counted)
+    path = str(tmp_path / "side.onnx")
+    cells_side_by_side(path, 2000)
+    out, report = rnnfuse.optimize(onnx.load(path))
+    assert len([f for f in report.findings if f.status == "fused"]) >= 2, report.to_text()
+    assert len(walked) == len(set(walked)) == 16, walked
 
 
 def _chain_cases() -> list:

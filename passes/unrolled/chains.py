@@ -278,14 +278,20 @@ def _keeps_rows(g: Graph, p: NodeProto) -> bool:
         return True
 
 
-def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | None = None) -> list[Chain]:
-    """Thread the steps of a family into chains (forward and backward)."""
+def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | None = None, known=None) -> list[Chain]:
+    """Thread the steps of a family into chains (forward and backward). ``known``: the steps' regions the
+    pre-check computed (family_filter.KnownRegions), used when they were taken with this search's given
+    constants."""
     mask_fam = mask_fam or {}
-    # values computed from one step's mask alone (its Unsqueeze, Not, Cast): never a carried state, even when
-    # another chain's step combines them with this step's values (a backward chain's first, x-only step)
-    mask_only = {t: closure(g, ms, 64)[0] for t, ms in mask_fam.items()}
     given = _initial_state_constants(g, iv, {min(fam), max(fam)})
-    regions = {t: x_region(g, x, mask_only.get(t, set()), given) for t, x in fam.items()}
+    if known is not None and known.given == given:
+        mask_only = {t: known.regions[t][0] if t in known.regions else closure(g, ms, 64)[0] for t, ms in mask_fam.items()}
+        regions = {t: r[1:] for t, r in known.regions.items()}
+    else:
+        # values computed from one step's mask alone (its Unsqueeze, Not, Cast): never a carried state, even when
+        # another chain's step combines them with this step's values (a backward chain's first, x-only step)
+        mask_only = {t: closure(g, ms, 64)[0] for t, ms in mask_fam.items()}
+        regions = {t: x_region(g, x, mask_only.get(t, set()), given) for t, x in fam.items()}
     found = _older_reads(g, fam, iv, mask_fam, mask_only, regions, given)
     return [lane for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction, given)
             for lane in split_lanes(g, chain, iv)]

@@ -20,7 +20,7 @@ from .chains import Chain, find_chains, intervals
 from .derived_masks import derived_masks
 from .families import bool_families, find_families, is_row_family, length_masks, mask_leaves
 from .whole_inputs import WholeInputs
-from .family_filter import layout_decline, may_hold_chains
+from .family_filter import KnownRegions, layout_decline, may_hold_chains
 from .roles import FirstStepDiffers, chain_recurrence
 from .step_inputs import virtual_families
 
@@ -188,19 +188,31 @@ class _MayChain:
         self.g, self.fams = g, fams
         self.unmasked: dict[tuple, bool] = {}
         self.not_sequences: set[str] = set()  # sources of families declined for their layout, whose steps combine
+        self.regions: dict[tuple, KnownRegions] = {}  # what the last call for a family that passed computed
 
     def __call__(self, key: tuple, mask_fam: dict | None = None) -> bool:
         found = self.unmasked.get(key)
         if found is None:
             src, axis = key
             fam = self.fams[key]
-            found = self.unmasked[key] = may_hold_chains(self.g, fam)
+            regions: dict = {}
+            found = self.unmasked[key] = may_hold_chains(self.g, fam, regions=regions)
             if found and layout_decline(self.g, src, axis) is not None:
                 self.not_sequences.add(src)
                 found = self.unmasked[key] = False
+            if found:
+                self.regions[key] = KnownRegions(self.g, None, regions)
         if not found or not mask_fam:
             return found
-        return may_hold_chains(self.g, self.fams[key], mask_fam)
+        regions = {}
+        found = may_hold_chains(self.g, self.fams[key], mask_fam, regions)
+        self.regions[key] = KnownRegions(self.g, mask_fam, regions)
+        return found
+
+    def known_regions(self, key: tuple, mask_fam: dict | None) -> KnownRegions | None:
+        """The regions the last call for ``key`` computed, if the graph and the masks are still those (once)."""
+        known = self.regions.pop(key, None)
+        return known if known is not None and known.usable(self.g, mask_fam) else None
 
 
 class _Search(NamedTuple):
@@ -228,7 +240,7 @@ def _family_chains(g: Graph, search: _Search, src: str, axis: int):
     if not search.may_chain((src, axis), mask_fam):
         return None
     iv = intervals(g, search.order, leaves)
-    return iv, find_chains(g, fam, iv, mask_fam), mask_srcs
+    return iv, find_chains(g, fam, iv, mask_fam, search.may_chain.known_regions((src, axis), mask_fam)), mask_srcs
 
 
 def _recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict):

@@ -29,6 +29,11 @@ _VIEWS = {"Reshape", "Expand", "Squeeze", "Unsqueeze", "Identity", "Flatten", "C
 # the ops that make a bool: a value computed from one is a step mask, or arithmetic on it, not the input
 _BOOL_OPS = {"Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "Not", "And", "Or", "Xor", "IsNaN",
              "IsInf"}
+# ops whose outputs the ONNX type constraints make numeric, never bool: their type need not be asked (a cone
+# inference each, where the model is too big to infer whole: 1,041 cells side by side read x_t each)
+_NEVER_BOOL = {"MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Tanh", "Sigmoid", "Relu", "LeakyRelu",
+               "Elu", "Selu", "Softplus", "Softsign", "HardSigmoid", "Exp", "Log", "Sqrt", "Pow", "Erf", "Softmax",
+               "LogSoftmax", "LayerNormalization", "Einsum", "ReduceSum", "ReduceMean", "Max", "Min", "Clip"}
 
 
 @dataclass
@@ -88,8 +93,8 @@ def _mask_values(g: Graph, walked: list[NodeProto]) -> set[str]:
     out: set[str] = set()
     for n in walked:
         read = n.input[1:] if n.op_type == "Where" else n.input  # (a select by a mask is no arithmetic on it)
-        if n.op_type in _BOOL_OPS or any(i in out for i in read) or any(
-                g.model.elem_type(o) == TensorProto.BOOL for o in n.output):
+        if n.op_type in _BOOL_OPS or any(i in out for i in read) or (not (n.op_type in _NEVER_BOOL and n.domain in ("", "ai.onnx")) and any(
+                g.model.elem_type(o) == TensorProto.BOOL for o in n.output)):
             out.update(o for o in n.output if o)
     return out
 

@@ -939,3 +939,25 @@ def test_renaming_what_a_wide_node_does_not_read_changes_nothing():
     g.replace_reads([cat], "a3", "a5")
     g.replace_reads([cat], "s3", "a5")
     assert cat.input[3] == cat.input[5] == "a5" and not g.uses("a3") and [u is cat for u in g.uses("a5")] == [True]
+
+
+def test_a_step_map_asks_no_type_of_values_that_are_never_bool(monkeypatch):
+    """Whether a step's walked value is a mask asks its type only where the op may make a bool: x_t read by
+    cells side by side through MatMuls and Adds (numeric by ONNX's type constraints) costs no type query (a
+    cone inference each in a big model); a Cast may make a bool and is asked."""
+    from rnnfuse import input_maps
+    from rnnfuse.model import Model as M
+
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"]) for i in range(4)]
+    nodes += [helper.make_node("Add", [f"m{i}", f"w{i}"], [f"a{i}"]) for i in range(4)]
+    nodes.append(helper.make_node("Cast", ["x"], ["b"], to=TensorProto.BOOL))
+    inits = [numpy_helper.from_array(np.ones((3, 3), np.float32), f"w{i}") for i in range(4)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 3])],
+                              [helper.make_tensor_value_info(f"a{i}", TensorProto.FLOAT, None) for i in range(4)]
+                              + [helper.make_tensor_value_info("b", TensorProto.BOOL, None)], inits)
+    m = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    asked = []
+    real = M.elem_type
+    monkeypatch.setattr(M, "elem_type", lambda self, name: asked.append(name) or real(self, name))
+    assert input_maps._mask_values(m.graph, list(m.graph.nodes)) == {"b"}
+    assert asked == ["b"]

@@ -205,16 +205,25 @@ def settled_rank(g: Graph, name: str, depth: int = 0) -> int | None:
         perm = attr(p, "perm", None)
         return len(perm) if perm else settled_rank(g, p.input[0], depth + 1)
     if op in ("Squeeze", "Unsqueeze"):
-        axes = op_args.axes(p, g.model.opset, op_args.const_reader(g, p))
+        axes = op_args.axes(p, g.model.opset, lambda i: _literal(g, p.input[i]))
         inner = settled_rank(g, p.input[0], depth + 1) if axes is not None else None
         if inner is None:
             return None  # (a Squeeze of no axes drops every unit axis: what the shape says)
         return inner - len(axes) if op == "Squeeze" else inner + len(axes)
-    if op == "Reshape":
-        target = g.const(p.input[1])
-        return None if target is None else int(np.asarray(target).size)
+    if op == "Reshape":  # (as many axes as the shape it is given has entries)
+        shape = g.model.settled_type(p.input[1])
+        n = shape[1][0] if shape is not None and shape[1] is not None and len(shape[1]) == 1 else None
+        return n if isinstance(n, int) else None
     if op in _KEEPS_RANK:
         return settled_rank(g, p.input[0], depth + 1)
+    return None
+
+
+def _literal(g: Graph, name: str) -> np.ndarray | None:
+    """The value of an initializer or a Constant's output (no fold: a fold may infer types)."""
+    p = g.producer.get(name)
+    if name in g.initializers or (p is not None and p.op_type == "Constant"):
+        return g.const(name)
     return None
 
 

@@ -146,9 +146,10 @@ class _DedupeTable:
     def candidates(self) -> list[NodeProto]:
         """The nodes that may equal another, in graph order (topological for the input model, which is where
         it matters): nodes whose every non-constant input is read by another node too, one of them with the
-        same op (a duplicate reads them all), and the nodes reading only constants."""
+        same coarse key (a duplicate reads them all, and has the same coarse key), and the nodes reading only
+        constants."""
         g = self.g
-        consumers, consts, uses = g.consumers, self.consts, g.uses
+        consumers, consts, uses, coarse = g.consumers, self.consts, g.uses, self.coarse
         out: dict[int, NodeProto] = {}
         # the values read more than once (lists of readers, picked out in C: a 100k-node chain has few or none)
         for v, cs in itertools.compress(consumers.items(), map(list.__instancecheck__, consumers.values())):
@@ -163,9 +164,18 @@ class _DedupeTable:
                     kinds[k] = kinds.get(k, 0) + 1
                 if len(kinds) == len(cs):
                     continue
+                # ... and the same coarse key: x_t read by 1,041 cells' MatMuls, each through its own weight
+                # (held by name), has no duplicate among them
+                alike: dict = {}
                 for c in cs:
-                    if kinds[c.op_type] > 1 and id(c) not in out and all(len(uses(i)) > 1 for i in c.input[:] if i and i not in consts):
-                        out[id(c)] = c
+                    if kinds[c.op_type] > 1 and id(c) not in out:
+                        alike.setdefault(coarse(c), []).append(c)
+                for group in alike.values():
+                    if len(group) < 2:
+                        continue
+                    for c in group:
+                        if all(len(uses(i)) > 1 for i in c.input[:] if i and i not in consts):
+                            out[id(c)] = c
         for c in self._const_readers():
             out[id(c)] = c
         if not out:

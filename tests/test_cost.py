@@ -143,7 +143,7 @@ def _many_readers(cells: int) -> onnx.ModelProto:
 @pytest.mark.parametrize("cells", [8, 64])
 def test_dedupe_keys_weights_by_name_and_each_node_once(cells):
     """A big weight's full-key form is its name, so the coarse key holds it by name: the MatMuls of cells side
-    by side share no coarse key (none gets a full key) but the duplicate pair; the Gathers, whose Constant
+    by side share no coarse key (none is looked at or gets a full key) but the duplicate pair; the Gathers, whose Constant
     indices are small and compared by value, get one full key each, however many matches look at the node
     kept, and equal Constants are read once."""
     m = Model(_many_readers(cells))
@@ -155,6 +155,10 @@ def test_dedupe_keys_weights_by_name_and_each_node_once(cells):
     gathers = [n for n in g.live_nodes() if n.op_type == "Gather"]
     assert sorted(n.output[0] for n in gathers) == ["d0", f"d{cells}"]
     assert d.full_keys == 2 + (cells + 1)
+    # looked at: the two MatMuls of one coarse key and the Gathers (the other MatMuls, alone under their
+    # coarse keys among x's readers, can have no duplicate), then the Concat the merges rewired and the
+    # Identity that keeps the merged MatMul's output name
+    assert d.visited == 2 + (cells + 1) + 2
 
 
 @pytest.mark.parametrize("padding", [10, 3000])

@@ -111,6 +111,8 @@ class EmitCache:
     def __init__(self):
         self.masks: dict[tuple[str, bool], MaskPlumbing] = {}  # (mask, true at padded steps) -> its plumbing
         self.compacted: dict[tuple[str, str], str] = {}
+        # a given initial state -> its [1, B, H] view (cells side by side read one h0: 1,041 equal Unsqueezes)
+        self.init_views: dict[str, str] = {}
 
 
 @dataclass
@@ -218,12 +220,16 @@ def _i64_tensor(v: int):
     return numpy_helper.from_array(np.array([v], dtype=np.int64))
 
 
-def _init_state(b: Builder, init: Init, x: str, hidden: int) -> str:
+def _init_state(b: Builder, init: Init, x: str, hidden: int, cache: EmitCache) -> str:
     """``[1, B, H]`` initial state input for the native op ('' when zeros)."""
     if init.is_zero:
         return ""
     if init.tensor is not None:
-        return init.tensor if init.lead else b.unsqueeze(init.tensor, [0])
+        if init.lead:
+            return init.tensor
+        if init.tensor not in cache.init_views:
+            cache.init_views[init.tensor] = b.unsqueeze(init.tensor, [0])
+        return cache.init_views[init.tensor]
     B = b.dim(x, 1)
     shape = b.op("Concat", b.i64(1), B, b.i64(hidden), axis=0)
     return b.op("Expand", b.const(np.array(init.fill, np.float32), "fill"), shape)
@@ -266,7 +272,7 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     ins = [x, b.stacked(Ws, "W"), b.stacked(Rs, "R"), b.stacked(Bs, "B") if cell.has_bias() else "", seq_lens]
     kind = cell.kind
     inits = {"h": rec.h0, "c": rec.c0}
-    ins += [_init_state(b, inits[s], x, cell.hidden) for s in kind.states]
+    ins += [_init_state(b, inits[s], x, cell.hidden, cache) for s in kind.states]
     extras = kind.extra_arrays(cell)  # e.g. an LSTM's peepholes P
     ins += [b.const(extras[name][None], name) if name in extras else "" for name in kind.extra_inputs]
     while ins and ins[-1] == "":

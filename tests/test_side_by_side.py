@@ -117,6 +117,11 @@ def test_each_cell_beside_the_others_is_its_own_native_op(masked, reverse, share
     assert len(report.fused) == lanes and not report.declined, report.to_text()
     assert op_counts(fused).get("RNN", 0) == lanes and "Tanh" not in op_counts(fused)
     assert len({f.where for f in report.fused}) == lanes  # each lane named by the state it reads
+    # a shared h0 is viewed as [1, B, H] once for all the cells (not once a cell, the copies merged after)
+    h0_views = [n for n in fused.graph.node if n.op_type == "Unsqueeze" and n.input[0] == "h0"]
+    assert len(h0_views) == (1 if shared_h0 else 0), h0_views
+    if not masked:  # (nothing for Dedupe to merge: no copies of the view were made)
+        assert not any(n.startswith("merged") for p in report.passes if p.name == "dedupe" for n in p.notes), report.to_text()
     rng = np.random.default_rng(7)
     for B, kind in ((1, "post"), (5, "pre"), (5, "gappy")):
         feeds = _feeds(model, rng, T, B, masked, kind)

@@ -206,7 +206,10 @@ class _MayChain:
             return found
         regions = {}
         found = may_hold_chains(self.g, self.fams[key], mask_fam, regions)
-        self.regions[key] = KnownRegions(self.g, mask_fam, regions)
+        if found:
+            self.regions[key] = KnownRegions(self.g, mask_fam, regions)
+        else:
+            self.regions.pop(key, None)  # (no search follows: the unmasked regions are not held to the round's end)
         return found
 
     def known_regions(self, key: tuple, mask_fam: dict | None) -> KnownRegions | None:

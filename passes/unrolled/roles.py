@@ -103,8 +103,7 @@ class _ChainRoles:
         an = self.analyse()
         self.check_every_step()
         rec = self.build(an)
-        if not self.y_carried:  # (a carried output: validated on the whole model, with its masks overridden)
-            self.add_cell_checks(rec, an)
+        self.add_cell_checks(rec, an)  # (a carried output's select is proven as a masked h's: the cell is checked)
         return rec
 
     def sign(self, name: str, k: int) -> int:

@@ -163,6 +163,8 @@ def _with_overrides(keep: list[onnx.NodeProto], overrides: dict[str, list[onnx.N
 
 # models whose weights exceed this are not copied into a validation model (it would double their memory)
 MAX_VALIDATION_BYTES = 1 << 30
+# check models of more nodes than this are run without graph optimizations first (see _check_session)
+LIGHT_CHECK_NODES = 10_000
 
 
 def validate(
@@ -334,7 +336,11 @@ def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: Inpu
         start = cut(ort, g, pairs, mask_names, inputs,
                     lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack, file_route=takes_file_route(big)))
         check, pattern_inputs, big = build_check_model(g, pairs, mask_names, start)
-        sess = open_session(ort, check, big, prepack=prepack, file_route=takes_file_route(big))
+        # a big check model runs first without graph optimizations, as small step checks do (a failure is
+        # checked again as deployed): onnxruntime's optimizers cost more than linear time in the nodes (a
+        # 100k-node model of 5,400 one-step LSTMs, torch's nn.LSTM called per step: minutes to load)
+        light = not prepack and len(check.graph.node) > LIGHT_CHECK_NODES
+        sess = open_session(ort, check, big, prepack=prepack, file_route=takes_file_route(big), light=light)
         return sess, pattern_inputs, start.given
     except _Skip as s:
         return ValidationResult(False, str(s))

@@ -147,3 +147,31 @@ def test_reverse_ops_are_left_alone():
     fused, report = rnnfuse.optimize(model)
     assert op_counts(fused)["GRU"] == 2, report.to_text()
     _same_outputs(model, fused)
+
+
+@pytest.mark.parametrize("skew_light", [False, True])
+def test_a_big_check_model_runs_light_first_and_as_deployed_on_a_failure(skew_light, monkeypatch):
+    """A check model of many nodes runs first without onnxruntime's graph optimizations (5,400 one-step
+    LSTMs, torch's nn.LSTM called per step: minutes to load optimised, seconds light); a failure seen light is
+    checked again as deployed, where it passes (made here: light sessions' merged outputs skewed)."""
+    from rnnfuse import validate
+
+    monkeypatch.setattr(validate, "LIGHT_CHECK_NODES", 0)  # (every check model is "big")
+    opened = []
+    real = validate.open_session
+
+    def spying(*a, light=False, **k):
+        sess = real(*a, light=light, **k)
+        opened.append(light)
+        if light and skew_light:
+            run, names = sess.run, [o.name for o in sess.get_outputs()]
+            sess.run = lambda outs, feeds: [v + np.float32(0.01) if n.startswith("rnnfuse/") else v
+                                            for n, v in zip(names, run(outs, feeds))]
+        return sess
+
+    monkeypatch.setattr(validate, "open_session", spying)
+    model = chain_model("LSTM", (1, 1, 1, 1))
+    fused, report = rnnfuse.optimize(model)
+    assert op_counts(fused)["LSTM"] == 1, report.to_text()
+    assert opened[0] is True and (False in opened) == skew_light, opened
+    _same_outputs(model, fused)

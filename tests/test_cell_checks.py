@@ -298,3 +298,13 @@ def test_a_chain_failing_its_shared_step_check_is_declined_and_the_others_kept(p
     (bad,) = report.declined
     assert bad.validation == "failed" and "does not reproduce the step" in bad.reason, bad.line()
     assert len(report.fused) == 5 and all(f.validation.startswith("ok (per step") for f in report.fused)
+
+
+@pytest.mark.parametrize("init,kinds", [("input", 1), ("zeros", 2)])
+def test_the_first_step_is_checked_apart_only_when_it_differs(init, kinds, per_step):
+    """A first step signed as the reference step (a given h0: the same nodes and constants) would repeat the
+    reference's check number for number; one that starts from a folded zero state is checked as well."""
+    out = B.run_case(B.Opts(op="GRU", front="chain", static_T=6, init=init), batches=(1, 3))
+    assert not out.fused_mismatch and out.status == "fused", out.text()
+    (f,) = [f for f in out.report.findings if f.status == "fused"]
+    assert f"per step, {kinds} step kinds" in f.validation, f.validation

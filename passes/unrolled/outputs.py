@@ -21,17 +21,7 @@ def step_output(g: Graph, chain: Chain, k: int, iv, signer: Signer, leaves: dict
                 reads_h: bool = False) -> str | None:
     """The tensor of step k with the reference step's signature ``ref`` (one no later step reads). ``reads_h``:
     the reference tensor is computed from its step's h, so the one sought is computed from step k's."""
-    names = _step_tensors(g, chain, k, iv, op_type)
-    # A bidirectional layer's last forward step shares its interval end with every value of the backward half,
-    # a stacked layer's last step with the other layer's: thousands of candidates, each walked in vain (and
-    # every one of them when nothing matches: a dead last c, quadratic). What reads h is signed first, and
-    # only that when the reference reads h (equal signatures: the same leaves reached).
-    near = _computed_from(g, [name for name, role in leaves.items() if role == "h"], allowed)
-    if reads_h and near is not None:
-        names = [name for name in names if name in near]
-    elif near:
-        names.sort(key=lambda name: name not in near)
-    for name in names:
+    for name in _candidates(g, chain, k, iv, op_type, leaves, allowed, reads_h):
         try:
             if signer.sign(name, leaves, allowed, Foreign(chain.steps[k].t), set(), given=chain.given) == ref:
                 return name
@@ -314,8 +304,26 @@ def _step_tensors(g: Graph, chain: Chain, k: int, iv, op_type: str) -> list[str]
             out.append(name)
     return out
 
-def find_symbolic(g: Graph, e: StepEval, chain: Chain, k: int, iv, op_type: str, want: Poly) -> str | None:
-    for name in _step_tensors(g, chain, k, iv, op_type):
+def _candidates(g: Graph, chain: Chain, k: int, iv, op_type: str, leaves: dict, allowed, reads_h: bool) -> list[str]:
+    """Step k's ``op_type`` tensors that may be the one sought. A bidirectional layer's last forward step
+    shares its interval end with every value of the backward half, a stacked layer's last step with the other
+    layer's: thousands of candidates, each walked in vain (and every one of them when nothing matches: a dead
+    last h or c, quadratic). What reads h comes first, and only that when the one sought reads h (the same
+    leaves reached)."""
+    names = _step_tensors(g, chain, k, iv, op_type)
+    near = _computed_from(g, [name for name, role in leaves.items() if role == "h"], allowed)
+    if reads_h and near is not None:
+        names = [name for name in names if name in near]
+    elif near:
+        names.sort(key=lambda name: name not in near)
+    return names
+
+
+def find_symbolic(g: Graph, e: StepEval, chain: Chain, k: int, iv, op_type: str, want: Poly, leaves: dict, allowed,
+                  reads_h: bool) -> str | None:
+    """The tensor of step k whose maths (``e``: the step evaluated) are ``want`` (found as
+    :func:`step_output` finds one by signature)."""
+    for name in _candidates(g, chain, k, iv, op_type, leaves, allowed, reads_h):
         try:
             if e.poly(name).key == want.key:
                 return name

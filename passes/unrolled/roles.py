@@ -13,8 +13,6 @@ that the exporter folded into constants: it must equal the cell with that state 
 
 from __future__ import annotations
 
-import numpy as np
-
 from rnnfuse.dataflow import lead_of, shape_derived
 from rnnfuse.dims import extent_key, static_dim
 from rnnfuse.errors import Decline
@@ -23,15 +21,14 @@ from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.recurrence import CARRY, NONE, CellCheck, FinalOutput, Init, InputPrep, Recurrence, StepRead
 from rnnfuse.signature import Signer
 from rnnfuse.step import StepAnalysis, StepOut, StepState, analyse
-from rnnfuse.cells.recognise import fold_offsets
-from rnnfuse.symbolic import LinAtom, Poly, StepInput, SymTensor, loose_key, substitute, zero_states
+from rnnfuse.symbolic import Poly, StepInput, SymTensor, zero_states
 
 from .chains import Chain, Step
 from .families import StepMask
 from .family_filter import layout_decline
 from .outputs import (Escapes, FirstValueIsState, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, series_leads,
                       order_of, reads_state, split_first_value, step_output, value_lead)
-from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through
+from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through, same_at_zero_state
 
 
 class FirstStepDiffers(Decline):
@@ -41,21 +38,6 @@ class FirstStepDiffers(Decline):
 def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None = None) -> Recurrence:
     """The recurrence an unrolled chain computes (Decline with the reason when it is not one native cell)."""
     return _ChainRoles(g, src, axis, chain, iv, signer, mask_srcs).recurrence()
-
-
-def _zero_step_key(p: Poly):
-    """A first step's maths compared by value: a matmul of the zero state leaves its bias alone, which the
-    exporter may fold into a constant (hidden size 1: ``b_hh`` is a scalar offset or coefficient) where the
-    reference step with its state set to zero keeps a bias-only affine map."""
-
-    def scalar_bias(a):
-        if isinstance(a, LinAtom) and not a.lin.terms:
-            b = a.lin.bias_sum()
-            if b is not None and b.size and np.all(b == b.ravel()[0]):
-                return Poly.const(float(b.ravel()[0]))
-        return None
-
-    return loose_key(fold_offsets(substitute(p, scalar_bias)))
 
 
 def _single_root(st: Step, roots: set | None = None) -> str:
@@ -114,6 +96,14 @@ class _ChainRoles:
             memo = self.memos[k] = (self.leaves[k], {})
         return self.signer.sign(name, self.leaves[k], self.allowed[k], self.foreign[k], self.chain_nodes, memo=memo[1],
                                 given=self.chain.given)
+
+    def add_leaves(self, k: int, extra: dict) -> None:
+        """Step k reads ``extra`` as leaves too. Its memo stays when it holds none of them: a walk memoises
+        every tensor it meets, so no signature in it read them (a Keras step's y walk then stops where h's went)."""
+        memo = self.memos.pop(k, None)
+        self.leaves[k] = {**self.leaves[k], **extra}
+        if memo is not None and not any(v in memo[1] for v in extra):
+            self.memos[k] = (self.leaves[k], memo[1])
 
     def keep_memo(self, k: int, names) -> None:
         """Keep only these names' signatures in step k's memo."""
@@ -234,7 +224,9 @@ class _ChainRoles:
         # returns only the carried output, and the exporter drops the last state updates)
         if self.h_new[last] is None:
             e = StepEval(g, self.chain, last, self.iv, self.h_in[last], self.x_atom, self.x_value)
-            self.h_new[last] = find_symbolic(g, e, self.chain, last, self.iv, g.producer[self.h_new[last - 1]].op_type, self.ref["h"])
+            self.h_new[last] = find_symbolic(g, e, self.chain, last, self.iv, g.producer[self.h_new[last - 1]].op_type, self.ref["h"],
+                                             self.leaves[last], self.allowed[last],
+                                             reads_state(g, self.h_new[km], self.leaves[km], self.allowed[km]))
             if self.h_new[last] is not None:
                 self.sig_h[last] = self.sign(self.h_new[last], last)
         self.series: dict[str, list] = {"h": self.h_new}
@@ -283,10 +275,10 @@ class _ChainRoles:
         if self.y_carried and ys[0] is not None:
             self.y0 = self.given_initial_output(ys[0])
             if self.y0 is not None:
-                leaves[0] = {**leaves[0], self.y0: "y"}
+                self.add_leaves(0, {self.y0: "y"})
         for k in range(n):
             if self.y_carried and k > 0:
-                leaves[k] = {**leaves[k], ys[k - 1]: "y"}
+                self.add_leaves(k, {ys[k - 1]: "y"})
             if ys[k] is None:  # the last step's value, not reached from its (dead) states
                 ys[k] = self.step_output(k, g.producer[ys[k - 1]].op_type, sig_y[km], ys[km]) if k == last else None
                 if ys[k] is None:
@@ -411,7 +403,7 @@ class _ChainRoles:
                 self.chain_nodes |= e.ev.visited_nodes
                 if k == 0 and zero:
                     z = zero_states(ref[r], zero)
-                    if loose_key(p) != loose_key(z) and _zero_step_key(p) != _zero_step_key(z):
+                    if not same_at_zero_state(p, z):
                         raise FirstStepDiffers(f"the first step is not the cell with a zero initial state ({r})")
                 elif p.key != ref[r].key:
                     why = f"step {self.ts[k]} computes a different cell than step {self.ts[self.km]} ({r})"
@@ -458,7 +450,10 @@ class _ChainRoles:
         fed so (several, of unknown type) gets no checks: the whole model is validated."""
         g, ts = self.g, self.ts
         checks = []
-        for k in sorted({self.km, 0}):
+        # the first step too, unless it is signed as the reference (the same nodes, constants and roles: the
+        # same numbers; a folded zero state, say, makes it differ)
+        same = not self.zero and all(self.sigs[r][0] == self.ref_sig[r] for r in ("h", "c") if r in self.sigs)
+        for k in sorted({self.km} if same else {self.km, 0}):
             visited: set = set()
             fills: dict = {}
             f = Foreign(ts[k])

@@ -10,7 +10,9 @@ from onnx import NodeProto, TensorProto
 from rnnfuse.dataflow import lead_of, rank_of, shape_derived
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
-from rnnfuse.symbolic import BoolMask, Fill, Mask, Poly, State, StepEvaluator, StepInput, SymTensor
+from rnnfuse.cells.recognise import fold_offsets
+from rnnfuse.symbolic import (BoolMask, Fill, LinAtom, Mask, Poly, State, StepEvaluator, StepInput, SymTensor, loose_key,
+                              substitute)
 from rnnfuse.symbolic.values import MaskVector
 
 from .chains import Chain
@@ -138,3 +140,22 @@ class StepEval:
 
     def poly(self, name: str) -> Poly:
         return self.ev.poly(name)
+
+
+def same_at_zero_state(p: Poly, zeroed: Poly) -> bool:
+    """Whether a first step's maths ``p`` is the reference cell with its initial states at zero (``zeroed``),
+    compared loosely, or else by value: a matmul of the zero state leaves its bias alone, which the exporter
+    may fold into a constant (hidden size 1: ``b_hh`` is a scalar offset or coefficient) where the reference
+    step with its state set to zero keeps a bias-only affine map."""
+
+    def scalar_bias(a):
+        if isinstance(a, LinAtom) and not a.lin.terms:
+            b = a.lin.bias_sum()
+            if b is not None and b.size and np.all(b == b.ravel()[0]):
+                return Poly.const(float(b.ravel()[0]))
+        return None
+
+    def by_value(q: Poly):
+        return loose_key(fold_offsets(substitute(q, scalar_bias)))
+
+    return loose_key(p) == loose_key(zeroed) or by_value(p) == by_value(zeroed)

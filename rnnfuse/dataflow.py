@@ -10,6 +10,7 @@ import numpy as np
 
 from . import op_args
 from .graph import Graph, attr
+from .protos import has_subgraph
 
 # elementwise (or row-wise) ops whose output has the leading axes of their inputs
 _KEEPS_LEAD = ("Add", "Sub", "Mul", "Div", "Sigmoid", "Tanh", "Relu", "MatMul", "Gemm", "Where", "Identity", "Cast")
@@ -114,9 +115,10 @@ def given_constants(g: Graph) -> frozenset | set:
         return facts.given
     runtime = runtime_values(g)
     seeds = []
+    sized: dict[str, bool] = {}
     for n in g.nodes_of("Expand", "ConstantOfShape", "Tile"):
-        if n.op_type != "ConstantOfShape" and g.const(n.input[0]) is None:
-            continue
+        if n.op_type != "ConstantOfShape" and (_reads_a_shape(g, n.input[0], runtime, sized) or g.const(n.input[0]) is None):
+            continue  # (a broadcast length, Expand(T, [B]): no learned value, and folding T infers a whole layer's types)
         if n.output[0] not in runtime and g.fill_value(n.output[0]) != 0.0:
             seeds.append(n.output[0])
     out, frontier = set(seeds), seeds
@@ -130,22 +132,48 @@ def given_constants(g: Graph) -> frozenset | set:
     return out
 
 
+def _reads_a_shape(g: Graph, name: str, runtime, memo: dict) -> bool:
+    """Whether a value computed from no runtime value reads some tensor's Shape or Size (no fold asked)."""
+    producer = g.producer
+
+    def open_(cur):
+        p = producer.get(cur)
+        if p is None or cur in runtime:
+            memo[cur] = False
+            return None
+        if p.op_type in ("Shape", "Size"):
+            memo[cur] = True
+            return None
+        return p.input
+
+    def close(cur) -> bool:
+        return any(memo.get(i, False) for i in producer[cur].input if i)
+
+    return post_order(name, memo, open_, close)
+
+
 def shape_derived(g: Graph, name: str) -> bool:
     """Whether a tensor depends on other tensors' shapes only (never on their values)."""
     memo = g.model.facts.shape_derived
     if name in memo:
         return memo[name]
-    if name in runtime_values(g):
+    runtime = runtime_values(g)
+    if name in runtime:
         return False
     producer, const = g.producer, g.const
 
+    # (read from the ops, no fold: folding a Shape infers its tensor's cone, and a computed value folds only
+    # when what it reads is constant or a shape, which this walk finds anyway)
     def open_(cur):
         p = producer.get(cur)
-        if p is None or const(cur) is not None:
-            memo[cur] = const(cur) is not None
-            return None
-        if p.op_type in ("Shape", "Size"):
+        if p is not None and p.op_type in ("Shape", "Size"):
             memo[cur] = True
+            return None
+        if cur in runtime:
+            memo[cur] = False
+            return None
+        if p is None or p.op_type == "Constant" or has_subgraph(p):
+            memo[cur] = const(cur) is not None
             return None
         return p.input
 
@@ -216,6 +244,49 @@ def settled_rank(g: Graph, name: str, depth: int = 0) -> int | None:
         return n if isinstance(n, int) else None
     if op in _KEEPS_RANK:
         return settled_rank(g, p.input[0], depth + 1)
+    if op == "Gemm":
+        return 2
+    if op in ("Add", "Sub", "Mul", "Div"):  # (broadcasting: the largest rank, every input's known)
+        ranks = [settled_rank(g, i, depth + 1) for i in p.input]
+        return None if None in ranks else max(ranks)
+    return None
+
+
+# ops whose output has their first input's shape
+_SAME_SHAPE = ("Relu", "Tanh", "Sigmoid", "Identity", "Cast", "Neg", "Abs", "Exp", "Softmax", "LeakyRelu", "Elu")
+
+
+def settled_dim(g: Graph, name: str, axis: int, depth: int = 0) -> int | None:
+    """Extent ``axis`` of ``name`` where it costs no inference (as :func:`settled_rank`): a settled type's, else
+    read from the op: a Gemm's or a MatMul's output width from its weight, a broadcast's from the operand that
+    has the axis, shape-keeping ops. Exact where it answers: torch's ``chunk`` of a step's ``x @ W.T + b``
+    slices at bounds computed from ``Shape(...)[1]``, one cone inference a step (5 s for 1,900 steps)."""
+    t = g.model.settled_type(name)
+    dims = t[1] if t is not None else None
+    if dims is not None and -len(dims) <= axis < len(dims) and isinstance(dims[axis], int):
+        return dims[axis]
+    p = g.producer.get(name)
+    if p is None or depth >= 16 or p.domain not in ("", "ai.onnx"):
+        return None
+    op, rank = p.op_type, len(dims) if dims is not None else None
+    if op in _SAME_SHAPE:
+        return settled_dim(g, p.input[0], axis, depth + 1)
+    if op == "Gemm":  # (2-D: [M, N])
+        if axis not in (-2, -1, 0, 1):
+            return None
+        col = axis % 2
+        return settled_dim(g, p.input[col], 1 - col if attr(p, "transA" if col == 0 else "transB", 0) else col, depth + 1)
+    if op == "MatMul" and (axis == -1 or (rank is not None and axis == rank - 1)):
+        w = p.input[1]
+        return settled_dim(g, w, -1, depth + 1) if (settled_rank(g, w) or 0) >= 2 else None
+    if op in ("Add", "Sub", "Mul", "Div"):
+        ranks = [settled_rank(g, i) for i in p.input]
+        if None in ranks:
+            return None
+        pos = axis - max(ranks) if axis >= 0 else axis  # (counted from the end, as broadcasting aligns)
+        found = [settled_dim(g, i, pos, depth + 1) if r >= -pos else 1 for i, r in zip(p.input, ranks)]
+        wide = [d for d in found if d is not None and d != 1]
+        return wide[0] if wide else (1 if None not in found else None)
     return None
 
 
@@ -319,7 +390,8 @@ def reaches(g: Graph, name: str, targets, limit: int) -> bool | None:
 def dynamic_inputs(g: Graph, node) -> list[str]:
     """The inputs of ``node`` that carry runtime values (not constants, not computed from shapes alone)."""
     runtime = runtime_values(g)
-    return [i for i in node.input[:] if i and (i in runtime or (g.const(i) is None and not shape_derived(g, i)))]
+    # (not shape_derived: no constant either, asked without folding a Shape, whose fold infers a cone's types)
+    return [i for i in node.input[:] if i and (i in runtime or not shape_derived(g, i))]
 
 
 def reads_shape_only(g: Graph, reader) -> bool:

@@ -424,21 +424,22 @@ class GraphIndex:
 
     def fill_value(self, name: str) -> float | None:
         """If ``name`` is a tensor filled with one value (of any, possibly dynamic, shape), that value."""
+        g = self.scope_of(name)
+        n = g.producer.get(name) if g is not None else None
+        # (read off the node before any fold: folding ConstantOfShape(Shape(y)) infers y's whole cone's types)
+        if n is not None and n.op_type == "ConstantOfShape":
+            v = attr(n, "value")
+            return 0.0 if v is None else float(np.asarray(v).ravel()[0])
+        if n is not None and n.op_type == "Expand":
+            return g.fill_value(n.input[0])
         c = self.const(name)
         if c is not None:
             flat = np.asarray(c).ravel()
             if flat.size and np.all(flat == flat[0]):
                 return float(flat[0])
             return None
-        g = self.scope_of(name)
-        if g is None or name not in g.producer:
+        if n is None:
             return None
-        n = g.producer[name]
-        if n.op_type == "ConstantOfShape":
-            v = attr(n, "value")
-            return 0.0 if v is None else float(np.asarray(v).ravel()[0])
-        if n.op_type == "Expand":
-            return g.fill_value(n.input[0])
         if n.op_type in ("Identity", "Cast") and n.input:
             return g.fill_value(n.input[0])
         if n.op_type in ("Mul",):

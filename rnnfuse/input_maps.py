@@ -19,21 +19,13 @@ from typing import Callable
 from onnx import NodeProto, TensorProto
 
 from .graph import Graph
-from .row_wise import FLOATS, ROW_RANK, cone, walk_rows
+from .row_wise import BOOL_OPS, FLOATS, ROW_RANK, cone, op_makes_bool, walk_rows
 
 # what lies between a cell's input matmul and where its result meets the state (gate slices, a bias, views)
 _PLUMBING = {"Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten", "Add", "Sub"}
 # what only lays a row's values out anew, picks some (a gate's slice of a projected x_t) or casts them: no map
 # of x_t on its own (the cell maths reads through them)
 _VIEWS = {"Reshape", "Expand", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Cast", "CastLike", "Slice", "Split"}
-# the ops that make a bool: a value computed from one is a step mask, or arithmetic on it, not the input
-_BOOL_OPS = {"Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "Not", "And", "Or", "Xor", "IsNaN",
-             "IsInf"}
-# ops whose outputs the ONNX type constraints make numeric, never bool: their type need not be asked (a cone
-# inference each, where the model is too big to infer whole: 1,041 cells side by side read x_t each)
-_NEVER_BOOL = {"MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Tanh", "Sigmoid", "Relu", "LeakyRelu",
-               "Elu", "Selu", "Softplus", "Softsign", "HardSigmoid", "Exp", "Log", "Sqrt", "Pow", "Erf", "Softmax",
-               "LogSoftmax", "LayerNormalization", "Einsum", "ReduceSum", "ReduceMean", "Max", "Min", "Clip"}
 
 
 @dataclass
@@ -93,7 +85,7 @@ def _mask_values(g: Graph, walked: list[NodeProto]) -> set[str]:
     out: set[str] = set()
     for n in walked:
         read = n.input[1:] if n.op_type == "Where" else n.input  # (a select by a mask is no arithmetic on it)
-        if n.op_type in _BOOL_OPS or any(i in out for i in read) or (not (n.op_type in _NEVER_BOOL and n.domain in ("", "ai.onnx")) and any(
+        if n.op_type in BOOL_OPS or any(i in out for i in read) or (op_makes_bool(n) is None and any(
                 g.model.elem_type(o) == TensorProto.BOOL for o in n.output)):
             out.update(o for o in n.output if o)
     return out

@@ -229,6 +229,23 @@ _WALK_LIMIT = 64
 FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
 # what turns one mask into another without reading anything else: the step evaluator reads these on a mask
 _MASK_VIEWS = frozenset({"Not", "Identity", "Cast", "Unsqueeze", "Squeeze"})
+# the ops that make a bool: a value computed from one is a step mask, or arithmetic on it, not the input
+BOOL_OPS = frozenset({"Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "Not", "And", "Or", "Xor", "IsNaN",
+                      "IsInf"})
+# ops whose outputs the ONNX type constraints make numeric, never bool: their type need not be asked (a cone
+# inference each, where the model is too big to infer whole: 1,041 cells side by side read x_t each)
+_NEVER_BOOL = frozenset({"MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Tanh", "Sigmoid", "Relu",
+                         "LeakyRelu", "Elu", "Selu", "Softplus", "Softsign", "HardSigmoid", "Exp", "Log", "Sqrt", "Pow",
+                         "Erf", "Softmax", "LogSoftmax", "LayerNormalization", "Einsum", "ReduceSum", "ReduceMean",
+                         "Max", "Min", "Clip"})
+
+
+def op_makes_bool(n: NodeProto) -> bool | None:
+    """Whether ``n``'s op makes its outputs bool (True), never does (False), or it depends on the types read
+    (None): what the ONNX standard ops fix, no type asked."""
+    if n.domain not in ("", "ai.onnx"):
+        return None
+    return True if n.op_type in BOOL_OPS else False if n.op_type in _NEVER_BOOL else None
 
 
 def row_masks(g: Graph, xs: list[str], const_of, x_rank: int = ROW_RANK) -> list[tuple[str, list[NodeProto], int]]:
@@ -254,7 +271,7 @@ def row_masks(g: Graph, xs: list[str], const_of, x_rank: int = ROW_RANK) -> list
         if read_outside(m):
             roots[_mask_root(g, m, ids)] = None
     # one value per row: [B] or [B, 1] (a [B, F] comparison of the features is no step mask)
-    return [(m, cone(g, m, ids, walked), rows[m]) for m in roots if rows[m] == 1 or m in unit]
+    return [(m, cone(g, m, ids, walked), rows[m]) for m in roots if rows[m] == 1 or unit(m)]
 
 
 def _other_reads(node: NodeProto, rows: dict[str, int], const_of) -> Iterator[str]:
@@ -305,25 +322,33 @@ def walk_rows(g: Graph, xs: list[str], rows: dict[str, int], const_of, role: str
     return walked, ids
 
 
-def _unit_rows(g: Graph, walked: list[NodeProto], rows: dict[str, int], const_of, unit_xs: set[str]) -> set[str]:
-    """The walked row tensors known to be ``[B, 1]``: inputs known to be (``unit_xs``), a reduction over the
-    features kept as a unit axis, an added unit axis, elementwise ops of those with one-value constants, or a
-    declared shape."""
-    unit: set[str] = set(unit_xs)
-    for n in walked:
-        op, o = n.op_type, n.output[0]
-        if rows.get(o) != ROW_RANK:  # (a node reading the rows' shape, walked with its Reshape)
-            continue
-        if op in REDUCTIONS or op == "Unsqueeze":  # (a row-wise reduction keeping a rank-2 row reduced axis 1)
-            unit.add(o)
-        elif op in ELEMENTWISE and all(i in unit if rows.get(i) else np.size(const_of(i)) == 1
-                                       for i in n.input if i):
-            unit.add(o)
-        elif (g.model.shape(o) or [None, None])[1:] == [1]:
-            unit.add(o)
-        elif op in ("Reshape", "Expand") and (op == "Reshape" or n.input[0] in unit) and (
-                row_shape(g, n.input[1], rows, const_of) or [None])[0] == [1]:
-            unit.add(o)  # (one value a row given its unit axis, as jax2onnx broadcasts a [B] value)
+def _unit_rows(g: Graph, walked: list[NodeProto], rows: dict[str, int], const_of, unit_xs: set[str]):
+    """Whether a walked row tensor is known to be ``[B, 1]``: an input known to be (``unit_xs``), a reduction
+    over the features kept as a unit axis, an added unit axis, elementwise ops of those with one-value
+    constants, or a declared shape. Asked of the candidate masks only, and of what they are computed from as
+    far as the answer needs: a type is asked of no other value (each is an inference in a big graph: a
+    1,800-step Keras layer's per-step projections spent the whole model's inference budget, 6,581 queries)."""
+    made = {n.output[0]: n for n in walked}
+    memo: dict[str, bool] = dict.fromkeys(unit_xs, True)
+
+    def unit(o: str) -> bool:
+        got = memo.get(o)
+        if got is not None:
+            return got
+        memo[o] = False  # (until decided)
+        n = made.get(o)
+        if n is None or rows.get(o) != ROW_RANK:  # (a node reading the rows' shape, walked with its Reshape)
+            return False
+        op = n.op_type
+        memo[o] = (op in REDUCTIONS or op == "Unsqueeze"  # (a row-wise reduction keeping a rank-2 row reduced axis 1)
+                   or (op in ELEMENTWISE and all(unit(i) if rows.get(i) else np.size(const_of(i)) == 1
+                                                 for i in n.input if i))
+                   or (g.model.shape(o) or [None, None])[1:] == [1]
+                   # (one value a row given its unit axis, as jax2onnx broadcasts a [B] value)
+                   or (op in ("Reshape", "Expand") and (op == "Reshape" or unit(n.input[0]))
+                       and (row_shape(g, n.input[1], rows, const_of) or [None])[0] == [1]))
+        return memo[o]
+
     return unit
 
 
@@ -352,8 +377,11 @@ def body_mask(body: Graph, xs: set[str], const_of, x_rank: int = ROW_RANK) -> Bo
 def _is_bool(g: Graph, v: str, ids: set[int]) -> bool:
     """Whether ``v`` is a bool: declared so, or a reshape or broadcast (walked in ``ids``) of one."""
     for _ in range(6):
-        et = g.model.elem_type(v)
         p = g.producer.get(v)
+        fixed = op_makes_bool(p) if p is not None else None
+        if fixed is not None:  # (no type asked: a 1,800-step Keras layer's walked values spent half the budget)
+            return fixed
+        et = g.model.elem_type(v)
         if et is not None or p is None or id(p) not in ids or p.op_type not in ("Reshape", "Expand", "Identity"):
             return et == TensorProto.BOOL
         v = p.input[0]

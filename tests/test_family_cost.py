@@ -173,3 +173,44 @@ def test_settled_rank_is_exact_where_it_answers():
     shapes = {v.name: len(v.type.tensor_type.shape.dim) for v in list(inferred.value_info) + list(inferred.output)
               if v.type.tensor_type.HasField("shape")}
     assert all(shapes[o] == r for o, r in got.items() if r is not None and o in shapes)
+
+
+def test_settled_dim_is_exact_where_it_answers(monkeypatch):
+    """An extent read from how a tensor was made (a Gemm's or MatMul's width from its weight, transposed or
+    not, a broadcast's from the operand that has the axis, shape-keeping ops), no inference: torch's chunk
+    bounds, ``Shape(x @ W.T + b)[1] // 3``, fold so. None where only the data would say; where it answers,
+    shape inference agrees, and ``Gather(Shape(v), i)`` folds to it."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    import rnnfuse.model
+    from rnnfuse.dataflow import settled_dim
+
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)  # (a big model's view: no inference at all)
+    nodes = [helper.make_node("Reshape", ["x", "runtime_shape"], ["r"]),  # [?, ?]: from the data
+             helper.make_node("Gemm", ["r", "w", "b"], ["gt"], transB=1),  # [?, 12]
+             helper.make_node("Gemm", ["r", "w2"], ["g"]),  # [?, 6]
+             helper.make_node("MatMul", ["r", "w2"], ["mm"]),  # [?, 6]
+             helper.make_node("Add", ["gt", "row"], ["add"]),  # [?, 12]
+             helper.make_node("Mul", ["r", "one"], ["mul"]),  # [?, ?]: the scalar broadcasts, r says nothing
+             helper.make_node("Sigmoid", ["add"], ["sig"]),
+             helper.make_node("Shape", ["sig"], ["s"]), helper.make_node("Gather", ["s", "i1"], ["width"], axis=0)]
+    inits = [numpy_helper.from_array(np.ones((12, 5), np.float32), "w"), numpy_helper.from_array(np.ones(12, np.float32), "b"),
+             numpy_helper.from_array(np.ones((5, 6), np.float32), "w2"), numpy_helper.from_array(np.ones((1, 12), np.float32), "row"),
+             numpy_helper.from_array(np.ones((), np.float32), "one"), numpy_helper.from_array(np.array(1, np.int64), "i1")]
+    outs = ["gt", "g", "mm", "add", "mul", "sig"]
+    graph = helper.make_graph(nodes, "dims", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 5]),
+                                              helper.make_tensor_value_info("runtime_shape", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs + ["width"]], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = Model(model).graph
+    got = {(o, ax): settled_dim(g, o, ax) for o in outs for ax in (0, 1, -1)}
+    assert {k: v for k, v in got.items() if v is not None} == {
+        ("gt", 1): 12, ("gt", -1): 12, ("g", 1): 6, ("g", -1): 6, ("mm", -1): 6, ("add", 1): 12, ("add", -1): 12,
+        ("sig", 1): 12, ("sig", -1): 12}
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
+    dims = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            for v in list(inferred.value_info) + list(inferred.output) if v.type.tensor_type.HasField("shape")}
+    assert all(dims[o][ax] == d for (o, ax), d in got.items() if d is not None and o in dims and dims[o][ax] is not None)
+    assert g.const("width").tolist() == 12

@@ -260,20 +260,24 @@ def _keeps_rows(g: Graph, p: NodeProto) -> bool:
         return True  # (no axis to check: the leading axes are not asked for, which would walk back the chain)
     if unit_groups(g, p.input[0]) and (attr(p, "axis", 0) == 1 if p.op_type != "Slice" else True):
         return True  # groups of units (the evaluator checks the slice is along them)
-    last = (lead_of(g, p.input[0]) or 0) + 1
+    # (the last axis is asked its number only when it is not -1: a value's lead follows its producers back,
+    # as far as a whole chain of masked steps, with a type query at each)
+    def units_axis(ax: int) -> bool:
+        return ax == -1 or ax == (lead_of(g, p.input[0]) or 0) + 1
+
     if p.op_type in ("Split", "Gather"):
-        return attr(p, "axis", 0) in (-1, last)
+        return units_axis(attr(p, "axis", 0))
     if p.op_type == "Slice":
         starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, op_args.const_reader(g, p))
         if axes is None:
             return False
-        if all(ax in (-1, last) for ax in axes):
+        if all(units_axis(ax) for ax in axes):
             return True  # units only (bounds may come from shapes, as in torch's chunk)
         if starts is None or ends is None or steps is None:
             return False
         for s0, e0, ax, st in zip(starts, ends, axes, steps):
             full = s0 == 0 and e0 >= 2**31 - 1 and st == 1
-            if not full and ax not in (-1, last):
+            if not full and not units_axis(ax):
                 return False
         return True
 

@@ -11,7 +11,7 @@ import numpy as np
 from onnx import NodeProto
 
 from rnnfuse import op_args
-from rnnfuse.dataflow import descendants, runtime_values, settled_rank
+from rnnfuse.dataflow import descendants, runtime_values, settled_rank, shape_derived
 from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
@@ -124,14 +124,11 @@ def _slice_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
     """(source, axis) -> {index: slice} of every tensor sliced at constant indices along one axis."""
     fams: dict[tuple[str, int], dict[int, str]] = {}
     slicers = g.nodes_of(*_SLICERS)
-    if slicers:  # (first: a slice of a runtime value then needs no fold attempt back to the inputs)
-        runtime_values(g)
-    producer = g.producer
+    runtime = runtime_values(g) if slicers else frozenset()  # (a slice of a runtime value needs no walk back)
     for n in slicers:
-        p = producer.get(n.input[0])
-        if p is not None and p.op_type in ("Shape", "Size"):
-            continue  # (a shape is 1-D: no sequence, and a fold attempt infers its input's type: 1,200 a transformer)
-        if g.const(n.input[0]) is not None:
+        if n.input[0] not in runtime and shape_derived(g, n.input[0]):
+            # a constant or a shape (Keras' ``Cast(Shape(x))[0]``): no sequence, asked without folding (a fold
+            # of a shape infers its tensor's type: 1,200 cones a transformer, a whole Keras layer's here)
             continue
         if n.op_type == "Split":
             ax = attr(n, "axis", 0)

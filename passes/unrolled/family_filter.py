@@ -9,7 +9,7 @@ family: quadratic. A family is searched only if its source is a sequence a nativ
 
 from __future__ import annotations
 
-from rnnfuse.dataflow import closure, given_constants, runtime_values
+from rnnfuse.dataflow import closure, given_constants, runtime_values, settled_rank
 from rnnfuse.graph import Graph
 
 from .chains import may_read_older, x_region
@@ -19,6 +19,8 @@ def layout_decline(g: Graph, src: str, axis: int) -> str | None:
     """Why no chain over slices of ``src`` along ``axis`` is fused, whatever its steps hold: the native ops
     read a ``[T, B, F]`` (or, transposed, ``[B, T, F]``) sequence. None: the layout fits."""
     rank = g.model.rank(src)
+    if rank is None:  # (a cone too big to infer as a filter, a stacked layer's input: what its op says)
+        rank = settled_rank(g, src)
     if rank != 3 or axis not in (0, 1):
         return f"the per-step inputs are slices of a rank-{rank} tensor along axis {axis}"
     return None

@@ -214,3 +214,27 @@ def test_settled_dim_is_exact_where_it_answers(monkeypatch):
             for v in list(inferred.value_info) + list(inferred.output) if v.type.tensor_type.HasField("shape")}
     assert all(dims[o][ax] == d for (o, ax), d in got.items() if d is not None and o in dims and dims[o][ax] is not None)
     assert g.const("width").tolist() == 12
+
+
+def test_a_sequence_too_deep_to_infer_as_a_filter_keeps_its_layout(monkeypatch):
+    """A stacked layer's input (the layer below's outputs, transposed) has a cone too big for a filter's type
+    query in a big model; its rank is what its op fixes (``settled_rank``): the family is searched, not
+    declined as a "rank-None" tensor (a tf_keras LSTM -> SimpleRNN of 99k nodes fused the second layer only in
+    a second round, after an unrelated fold had typed the first layer)."""
+    import onnx
+    from onnx import helper
+
+    import rnnfuse.cone_types
+    import rnnfuse.model
+    from rnnfuse.passes.unrolled.family_filter import layout_decline
+
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
+    monkeypatch.setattr(rnnfuse.cone_types, "CHEAP_INFERENCE_NODES", 8)  # (a filter infers 8 nodes at most)
+    nodes = [helper.make_node("Tanh", ["x" if i == 0 else f"t{i - 1}"], [f"t{i}"]) for i in range(40)]
+    nodes.append(helper.make_node("Transpose", ["t39"], ["seq"], perm=[1, 0, 2]))
+    graph = helper.make_graph(nodes, "deep", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", 7, 3])],
+                              [helper.make_tensor_value_info("seq", onnx.TensorProto.FLOAT, None)])
+    g = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).graph
+    assert g.model.rank("seq") is None  # (as a filter: not inferred)
+    assert layout_decline(g, "seq", 0) is None
+    assert "rank-3" in layout_decline(g, "seq", 2)

@@ -23,6 +23,7 @@ from onnx import NodeProto
 
 from rnnfuse import op_args
 from rnnfuse.cells import native_kind
+from rnnfuse.dataflow import settled_dim
 from rnnfuse.cells.kinds import KINDS
 from rnnfuse.emit import Builder
 from rnnfuse.errors import Decline
@@ -99,8 +100,10 @@ def _carried_from(g: Graph, name: str) -> tuple[str, list[NodeProto]]:
 def _steps(g: Graph, b: Builder, n: NodeProto) -> int | str:
     """How many steps op ``n`` runs: a number when the shape says, else a 1-element tensor read at run time."""
     shape = g.model.shape(n.input[0])
-    if shape and isinstance(shape[0], int) and shape[0] > 0:
-        return shape[0]
+    # (else what its ops fix, no inference: torch's x[:, t:t+1] transposed, where the cone is too big to type)
+    steps = shape[0] if shape and isinstance(shape[0], int) else settled_dim(g, n.input[0], 0)
+    if steps is not None and steps > 0:
+        return steps
     return b.dim(n.input[0], 0)
 
 

@@ -287,7 +287,29 @@ def settled_dim(g: Graph, name: str, axis: int, depth: int = 0) -> int | None:
         found = [settled_dim(g, i, pos, depth + 1) if r >= -pos else 1 for i, r in zip(p.input, ranks)]
         wide = [d for d in found if d is not None and d != 1]
         return wide[0] if wide else (1 if None not in found else None)
+    if op == "Transpose":  # (axis k of the output is axis perm[k] of the input)
+        perm = attr(p, "perm", None)
+        if not perm or not -len(perm) <= axis < len(perm):
+            return None
+        return settled_dim(g, p.input[0], perm[axis], depth + 1)
+    if op == "Slice":
+        return _sliced_dim(g, p, axis, depth)
     return None
+
+
+def _sliced_dim(g: Graph, p, axis: int, depth: int) -> int | None:
+    """:func:`settled_dim` of a Slice's output: the input's extent, cut by the literal bounds on that axis."""
+    starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, lambda i: _literal(g, p.input[i]))
+    rank = settled_rank(g, p.input[0])
+    if None in (starts, ends, axes, steps) or rank is None or not -rank <= axis < rank:
+        return None
+    axis %= rank
+    d = settled_dim(g, p.input[0], axis, depth + 1)
+    cut = [k for k, a in enumerate(axes) if a % rank == axis]
+    if d is None or not cut:
+        return d
+    k = cut[0]
+    return len(range(*slice(starts[k], ends[k], steps[k]).indices(d)))
 
 
 def _literal(g: Graph, name: str) -> np.ndarray | None:

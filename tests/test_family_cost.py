@@ -177,7 +177,8 @@ def test_settled_rank_is_exact_where_it_answers():
 
 def test_settled_dim_is_exact_where_it_answers(monkeypatch):
     """An extent read from how a tensor was made (a Gemm's or MatMul's width from its weight, transposed or
-    not, a broadcast's from the operand that has the axis, shape-keeping ops), no inference: torch's chunk
+    not, a broadcast's from the operand that has the axis, a Transpose's, a Slice's cut by its literal bounds,
+    shape-keeping ops), no inference: torch's chunk
     bounds, ``Shape(x @ W.T + b)[1] // 3``, fold so. None where only the data would say; where it answers,
     shape inference agrees, and ``Gather(Shape(v), i)`` folds to it."""
     import numpy as np
@@ -195,12 +196,19 @@ def test_settled_dim_is_exact_where_it_answers(monkeypatch):
              helper.make_node("Add", ["gt", "row"], ["add"]),  # [?, 12]
              helper.make_node("Mul", ["r", "one"], ["mul"]),  # [?, ?]: the scalar broadcasts, r says nothing
              helper.make_node("Sigmoid", ["add"], ["sig"]),
-             helper.make_node("Shape", ["sig"], ["s"]), helper.make_node("Gather", ["s", "i1"], ["width"], axis=0)]
+             helper.make_node("Shape", ["sig"], ["s"]), helper.make_node("Gather", ["s", "i1"], ["width"], axis=0),
+             helper.make_node("Slice", ["x3", "st", "en", "ax"], ["step"]),  # x3[:, 2:3]: [?, 1, 4]
+             helper.make_node("Transpose", ["step"], ["tm"], perm=[1, 0, 2]),  # [1, ?, 4]
+             helper.make_node("Slice", ["x3", "st", "big", "axm"], ["tail"])]  # x3[..., 2:]: [?, 6, 2]
     inits = [numpy_helper.from_array(np.ones((12, 5), np.float32), "w"), numpy_helper.from_array(np.ones(12, np.float32), "b"),
              numpy_helper.from_array(np.ones((5, 6), np.float32), "w2"), numpy_helper.from_array(np.ones((1, 12), np.float32), "row"),
-             numpy_helper.from_array(np.ones((), np.float32), "one"), numpy_helper.from_array(np.array(1, np.int64), "i1")]
-    outs = ["gt", "g", "mm", "add", "mul", "sig"]
+             numpy_helper.from_array(np.ones((), np.float32), "one"), numpy_helper.from_array(np.array(1, np.int64), "i1"),
+             numpy_helper.from_array(np.array([2], np.int64), "st"), numpy_helper.from_array(np.array([3], np.int64), "en"),
+             numpy_helper.from_array(np.array([1], np.int64), "ax"), numpy_helper.from_array(np.array([2**62], np.int64), "big"),
+             numpy_helper.from_array(np.array([-1], np.int64), "axm")]
+    outs = ["gt", "g", "mm", "add", "mul", "sig", "step", "tm", "tail"]
     graph = helper.make_graph(nodes, "dims", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 5]),
+                                              helper.make_tensor_value_info("x3", TensorProto.FLOAT, ["B", 6, 4]),
                                               helper.make_tensor_value_info("runtime_shape", TensorProto.INT64, [2])],
                               [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs + ["width"]], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -208,7 +216,8 @@ def test_settled_dim_is_exact_where_it_answers(monkeypatch):
     got = {(o, ax): settled_dim(g, o, ax) for o in outs for ax in (0, 1, -1)}
     assert {k: v for k, v in got.items() if v is not None} == {
         ("gt", 1): 12, ("gt", -1): 12, ("g", 1): 6, ("g", -1): 6, ("mm", -1): 6, ("add", 1): 12, ("add", -1): 12,
-        ("sig", 1): 12, ("sig", -1): 12}
+        ("sig", 1): 12, ("sig", -1): 12, ("step", 1): 1, ("step", -1): 4, ("tm", 0): 1, ("tm", -1): 4,
+        ("tail", 1): 6, ("tail", -1): 2}
     inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
     dims = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
             for v in list(inferred.value_info) + list(inferred.output) if v.type.tensor_type.HasField("shape")}

@@ -23,8 +23,8 @@ from onnx import NodeProto
 
 from rnnfuse import op_args
 from rnnfuse.cells import native_kind
-from rnnfuse.dataflow import settled_dim
 from rnnfuse.cells.kinds import KINDS
+from rnnfuse.dataflow import settled_dim
 from rnnfuse.emit import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.findings import Finding, Options, PassResult

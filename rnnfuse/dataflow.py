@@ -216,12 +216,22 @@ def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
     return out
 
 
-def settled_rank(g: Graph, name: str, depth: int = 0) -> int | None:
+def settled_rank(g: Graph, name: str, depth: int = 0, memo: dict | None = None) -> int | None:
     """The rank of ``name`` where it costs no inference: what :meth:`Model.settled_type` holds (declared, or
     established by an earlier query), else read from an op that fixes its output's rank: a Transpose's
     ``perm``, a Squeeze or Unsqueeze with known axes, a Reshape to a constant shape, ops that keep their input's
     rank. Exact where it answers (None otherwise), so a filter may reject by it what inference would: a
     600-layer transformer's q, k, v are slices of a rank-4 tensor, 600 cones inferred to learn that."""
+    # (memoised per query by depth, so an answer is the one the plain recursion gives: a broadcast reads every
+    # input, and a GRU step's ``(1 - z) * n + z * h`` reaches the step before twice: a walk per path, unshared)
+    memo = {} if memo is None else memo
+    key = ("rank", name, depth)
+    if key not in memo:
+        memo[key] = _settled_rank(g, name, depth, memo)
+    return memo[key]
+
+
+def _settled_rank(g: Graph, name: str, depth: int, memo: dict) -> int | None:
     t = g.model.settled_type(name)
     if t is not None and t[1] is not None:
         return len(t[1])
@@ -231,10 +241,10 @@ def settled_rank(g: Graph, name: str, depth: int = 0) -> int | None:
     op = p.op_type
     if op == "Transpose":
         perm = attr(p, "perm", None)
-        return len(perm) if perm else settled_rank(g, p.input[0], depth + 1)
+        return len(perm) if perm else settled_rank(g, p.input[0], depth + 1, memo)
     if op in ("Squeeze", "Unsqueeze"):
         axes = op_args.axes(p, g.model.opset, lambda i: _literal(g, p.input[i]))
-        inner = settled_rank(g, p.input[0], depth + 1) if axes is not None else None
+        inner = settled_rank(g, p.input[0], depth + 1, memo) if axes is not None else None
         if inner is None:
             return None  # (a Squeeze of no axes drops every unit axis: what the shape says)
         return inner - len(axes) if op == "Squeeze" else inner + len(axes)
@@ -243,11 +253,11 @@ def settled_rank(g: Graph, name: str, depth: int = 0) -> int | None:
         n = shape[1][0] if shape is not None and shape[1] is not None and len(shape[1]) == 1 else None
         return n if isinstance(n, int) else None
     if op in _KEEPS_RANK:
-        return settled_rank(g, p.input[0], depth + 1)
+        return settled_rank(g, p.input[0], depth + 1, memo)
     if op == "Gemm":
         return 2
     if op in ("Add", "Sub", "Mul", "Div"):  # (broadcasting: the largest rank, every input's known)
-        ranks = [settled_rank(g, i, depth + 1) for i in p.input]
+        ranks = [settled_rank(g, i, depth + 1, memo) for i in p.input]
         return None if None in ranks else max(ranks)
     return None
 
@@ -256,11 +266,19 @@ def settled_rank(g: Graph, name: str, depth: int = 0) -> int | None:
 _SAME_SHAPE = ("Relu", "Tanh", "Sigmoid", "Identity", "Cast", "Neg", "Abs", "Exp", "Softmax", "LeakyRelu", "Elu")
 
 
-def settled_dim(g: Graph, name: str, axis: int, depth: int = 0) -> int | None:
+def settled_dim(g: Graph, name: str, axis: int, depth: int = 0, memo: dict | None = None) -> int | None:
     """Extent ``axis`` of ``name`` where it costs no inference (as :func:`settled_rank`): a settled type's, else
     read from the op: a Gemm's or a MatMul's output width from its weight, a broadcast's from the operand that
     has the axis, shape-keeping ops. Exact where it answers: torch's ``chunk`` of a step's ``x @ W.T + b``
     slices at bounds computed from ``Shape(...)[1]``, one cone inference a step (5 s for 1,900 steps)."""
+    memo = {} if memo is None else memo  # (per query, as settled_rank's)
+    key = ("dim", name, axis, depth)
+    if key not in memo:
+        memo[key] = _settled_dim(g, name, axis, depth, memo)
+    return memo[key]
+
+
+def _settled_dim(g: Graph, name: str, axis: int, depth: int, memo: dict) -> int | None:
     t = g.model.settled_type(name)
     dims = t[1] if t is not None else None
     if dims is not None and -len(dims) <= axis < len(dims) and isinstance(dims[axis], int):
@@ -270,41 +288,42 @@ def settled_dim(g: Graph, name: str, axis: int, depth: int = 0) -> int | None:
         return None
     op, rank = p.op_type, len(dims) if dims is not None else None
     if op in _SAME_SHAPE:
-        return settled_dim(g, p.input[0], axis, depth + 1)
+        return settled_dim(g, p.input[0], axis, depth + 1, memo)
     if op == "Gemm":  # (2-D: [M, N])
         if axis not in (-2, -1, 0, 1):
             return None
         col = axis % 2
-        return settled_dim(g, p.input[col], 1 - col if attr(p, "transA" if col == 0 else "transB", 0) else col, depth + 1)
+        return settled_dim(g, p.input[col], 1 - col if attr(p, "transA" if col == 0 else "transB", 0) else col,
+                           depth + 1, memo)
     if op == "MatMul" and (axis == -1 or (rank is not None and axis == rank - 1)):
         w = p.input[1]
-        return settled_dim(g, w, -1, depth + 1) if (settled_rank(g, w) or 0) >= 2 else None
+        return settled_dim(g, w, -1, depth + 1, memo) if (settled_rank(g, w, 0, memo) or 0) >= 2 else None
     if op in ("Add", "Sub", "Mul", "Div"):
-        ranks = [settled_rank(g, i) for i in p.input]
+        ranks = [settled_rank(g, i, 0, memo) for i in p.input]
         if None in ranks:
             return None
         pos = axis - max(ranks) if axis >= 0 else axis  # (counted from the end, as broadcasting aligns)
-        found = [settled_dim(g, i, pos, depth + 1) if r >= -pos else 1 for i, r in zip(p.input, ranks)]
+        found = [settled_dim(g, i, pos, depth + 1, memo) if r >= -pos else 1 for i, r in zip(p.input, ranks)]
         wide = [d for d in found if d is not None and d != 1]
         return wide[0] if wide else (1 if None not in found else None)
     if op == "Transpose":  # (axis k of the output is axis perm[k] of the input)
         perm = attr(p, "perm", None)
         if not perm or not -len(perm) <= axis < len(perm):
             return None
-        return settled_dim(g, p.input[0], perm[axis], depth + 1)
+        return settled_dim(g, p.input[0], perm[axis], depth + 1, memo)
     if op == "Slice":
-        return _sliced_dim(g, p, axis, depth)
+        return _sliced_dim(g, p, axis, depth, memo)
     return None
 
 
-def _sliced_dim(g: Graph, p, axis: int, depth: int) -> int | None:
+def _sliced_dim(g: Graph, p, axis: int, depth: int, memo: dict) -> int | None:
     """:func:`settled_dim` of a Slice's output: the input's extent, cut by the literal bounds on that axis."""
     starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, lambda i: _literal(g, p.input[i]))
-    rank = settled_rank(g, p.input[0])
+    rank = settled_rank(g, p.input[0], 0, memo)
     if None in (starts, ends, axes, steps) or rank is None or not -rank <= axis < rank:
         return None
     axis %= rank
-    d = settled_dim(g, p.input[0], axis, depth + 1)
+    d = settled_dim(g, p.input[0], axis, depth + 1, memo)
     cut = [k for k, a in enumerate(axes) if a % rank == axis]
     if d is None or not cut:
         return d
@@ -321,7 +340,7 @@ def _literal(g: Graph, name: str) -> np.ndarray | None:
 
 
 # ops whose output has their first input's rank
-_KEEPS_RANK = ("Relu", "Tanh", "Sigmoid", "Identity", "Cast", "Neg", "Abs", "Exp", "Softmax", "LeakyRelu", "Elu", "Slice")
+_KEEPS_RANK = _SAME_SHAPE + ("Slice",)
 
 
 def rank_of(g: Graph, name: str, depth: int = 0) -> int | None:

@@ -247,3 +247,29 @@ def test_a_sequence_too_deep_to_infer_as_a_filter_keeps_its_layout(monkeypatch):
     assert g.model.rank("seq") is None  # (as a filter: not inferred)
     assert layout_decline(g, "seq", 0) is None
     assert "rank-3" in layout_decline(g, "seq", 2)
+
+
+def test_settled_rank_and_dim_walk_a_branching_chain_once_a_level(monkeypatch):
+    """A GRU step's ``(1 - z) * n + z * h`` reads the step before twice: asked of a late step, the op-by-op
+    answer reaches each value once per depth (the same answer as the plain recursion), not once per path."""
+    from onnx import helper
+
+    import rnnfuse.model
+    from rnnfuse.dataflow import settled_dim, settled_rank
+    from rnnfuse.model import Model as M
+
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
+    nodes = []
+    for k in range(30):
+        h = "h" if k == 0 else f"s{k - 1}"
+        nodes += [helper.make_node("Tanh", [h], [f"a{k}"]), helper.make_node("Sigmoid", [h], [f"b{k}"]),
+                  helper.make_node("Add", [f"a{k}", f"b{k}"], [f"s{k}"])]
+    graph = helper.make_graph(nodes, "branching", [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["B", 4])],
+                              [helper.make_tensor_value_info("s29", TensorProto.FLOAT, None)])
+    g = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).graph
+    asked = []
+    real = M.settled_type
+    monkeypatch.setattr(M, "settled_type", lambda self, name: asked.append(name) or real(self, name))
+    assert settled_rank(g, "s5") == 2 and settled_dim(g, "s5", 1) == 4  # (h within the depth limit)
+    assert settled_rank(g, "s29") is None and settled_dim(g, "s29", 1) is None  # (past it: not known so)
+    assert len(asked) < 400, len(asked)  # (153; the plain recursion: 4,344, doubling with each step reached)

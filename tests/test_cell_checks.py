@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import builders as B
-from helpers import check_case, exported_case
+from helpers import check_case, exported_case, skewed_sessions
 from rnnfuse import cell_check, rewrite
 
 
@@ -90,20 +90,8 @@ def _light_sessions_skewed(monkeypatch, skew_deployed: bool = False) -> list:
     """Step-check sessions whose native outputs (``__Y*``) come out 0.01 off: light ones (no graph
     optimizations), and as-deployed ones too if ``skew_deployed``. Returns the list of each opened
     session's ``light``."""
-    opened = []
-    open_session = cell_check.open_session
-
-    def skewed(*a, light=False, **k):
-        sess = open_session(*a, light=light, **k)
-        opened.append(light)
-        if light or skew_deployed:
-            run, names = sess.run, [o.name for o in sess.get_outputs()]
-            sess.run = lambda outs, feeds: [v + np.float32(0.01) if n.rsplit("/", 1)[-1].startswith("__Y") else v
-                                            for n, v in zip(names, run(outs, feeds))]
-        return sess
-
-    monkeypatch.setattr(cell_check, "open_session", skewed)
-    return opened
+    return skewed_sessions(monkeypatch, cell_check, lambda light: light or skew_deployed,
+                           lambda name: name.rsplit("/", 1)[-1].startswith("__Y"))
 
 
 @pytest.mark.parametrize("side_by_side", [False, True])

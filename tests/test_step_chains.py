@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import rnnfuse
-from helpers import op_counts, session
+from helpers import op_counts, session, skewed_sessions
 
 F, H, B = 3, 4, 2
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -157,19 +157,8 @@ def test_a_big_check_model_runs_light_first_and_as_deployed_on_a_failure(skew_li
     from rnnfuse import validate
 
     monkeypatch.setattr(validate, "LIGHT_CHECK_NODES", 0)  # (every check model is "big")
-    opened = []
-    real = validate.open_session
-
-    def spying(*a, light=False, **k):
-        sess = real(*a, light=light, **k)
-        opened.append(light)
-        if light and skew_light:
-            run, names = sess.run, [o.name for o in sess.get_outputs()]
-            sess.run = lambda outs, feeds: [v + np.float32(0.01) if n.startswith("rnnfuse/") else v
-                                            for n, v in zip(names, run(outs, feeds))]
-        return sess
-
-    monkeypatch.setattr(validate, "open_session", spying)
+    opened = skewed_sessions(monkeypatch, validate, lambda light: light and skew_light,
+                             lambda name: name.startswith("rnnfuse/"))
     model = chain_model("LSTM", (1, 1, 1, 1))
     fused, report = rnnfuse.optimize(model)
     assert op_counts(fused)["LSTM"] == 1, report.to_text()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import op_args
+from .cells.kinds import output_dims
 from .graph import Graph, attr
 from .protos import has_subgraph
 
@@ -259,7 +260,10 @@ def _settled_rank(g: Graph, name: str, depth: int, memo: dict) -> int | None:
     if op in ("Add", "Sub", "Mul", "Div"):  # (broadcasting: the largest rank, every input's known)
         ranks = [settled_rank(g, i, depth + 1, memo) for i in p.input]
         return None if None in ranks else max(ranks)
-    return None
+    if op == "Concat":  # (every input has the output's rank)
+        return next((r for r in (settled_rank(g, i, depth + 1, memo) for i in p.input if i) if r is not None), None)
+    native = output_dims(p, list(p.output).index(name))
+    return None if native is None else len(native)
 
 
 # ops whose output has their first input's shape
@@ -313,7 +317,51 @@ def _settled_dim(g: Graph, name: str, axis: int, depth: int, memo: dict) -> int 
         return settled_dim(g, p.input[0], perm[axis], depth + 1, memo)
     if op == "Slice":
         return _sliced_dim(g, p, axis, depth, memo)
-    return None
+    if op == "Concat":
+        return _concatenated_dim(g, p, axis, depth, memo)
+    if op in ("Squeeze", "Unsqueeze"):
+        return _unit_axes_dim(g, p, axis, depth, memo)
+    native = output_dims(p, list(p.output).index(name))  # (a native recurrent op: the spec fixes its outputs)
+    if native is None or not -len(native) <= axis < len(native):
+        return None
+    d = native[axis]
+    return d if isinstance(d, int) else settled_dim(g, p.input[d[0]] if len(p.input) > d[0] else "", d[1],
+                                                    depth + 1, memo)
+
+
+def _unit_axes_dim(g: Graph, p, axis: int, depth: int, memo: dict) -> int | None:
+    """:func:`settled_dim` of a Squeeze's or an Unsqueeze's output with literal axes: the input's extent on
+    the axis this one was (an inserted axis: 1)."""
+    axes = op_args.axes(p, g.model.opset, lambda i: _literal(g, p.input[i]))
+    rank_in = settled_rank(g, p.input[0], 0, memo)
+    if axes is None or rank_in is None:
+        return None
+    squeeze = p.op_type == "Squeeze"
+    rank = rank_in - len(axes) if squeeze else rank_in + len(axes)
+    if not -rank <= axis < rank:
+        return None
+    axis %= rank
+    if squeeze:  # (the output's axes are the input's but the squeezed ones, in order)
+        gone = {a % rank_in for a in axes}
+        kept = [a for a in range(rank_in) if a not in gone]
+        return settled_dim(g, p.input[0], kept[axis], depth + 1, memo)
+    added = {a % rank for a in axes}
+    if axis in added:
+        return 1
+    return settled_dim(g, p.input[0], axis - sum(1 for a in added if a < axis), depth + 1, memo)
+
+
+def _concatenated_dim(g: Graph, p, axis: int, depth: int, memo: dict) -> int | None:
+    """:func:`settled_dim` of a Concat's output: the sum of the inputs' extents on the joined axis, else any
+    input's (they all share it)."""
+    parts = [i for i in p.input if i]
+    rank = settled_rank(g, p.output[0], 0, memo)
+    if rank is None or not -rank <= axis < rank or not parts:
+        return None
+    if axis % rank == attr(p, "axis", 0) % rank:
+        dims = [settled_dim(g, i, axis, depth + 1, memo) for i in parts]
+        return None if None in dims else sum(dims)
+    return next((d for d in (settled_dim(g, i, axis, depth + 1, memo) for i in parts) if d is not None), None)
 
 
 def _sliced_dim(g: Graph, p, axis: int, depth: int, memo: dict) -> int | None:

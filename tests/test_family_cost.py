@@ -225,6 +225,60 @@ def test_settled_dim_is_exact_where_it_answers(monkeypatch):
     assert g.const("width").tolist() == 12
 
 
+def test_settled_dims_of_native_ops_concats_and_unit_axes(monkeypatch):
+    """What the ONNX spec fixes of a native recurrent op's outputs (directions and ``hidden_size`` from the
+    attributes, else the hidden size from ``R``; the sequence and the batch from ``X``, by ``layout``), a
+    Concat's (the inputs' extents summed on its axis, shared on the others) and a Squeeze's or an Unsqueeze's
+    with literal axes: a per-step state ``Concat(Y_h of layer 1, Y_h of layer 2)`` sliced per layer is read
+    so in a model too big to type it (torch's nn.LSTM called per step: its chain broke where the type budget
+    ran out). Exact where it answers: shape inference agrees."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    import rnnfuse.model
+    from rnnfuse.dataflow import settled_dim, settled_rank
+
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)  # (a big model's view: no inference at all)
+    H, F = 4, 3
+    w = {f"{k}{d}": numpy_helper.from_array(np.ones(s, np.float32), f"{k}{d}") for d in (1, 2)
+         for k, s in (("W", (d, 4 * H, F)), ("R", (d, 4 * H, H)))}
+    nodes = [helper.make_node("LSTM", ["x", "W1", "R1"], ["y", "yh", "yc"], hidden_size=H),  # x [5, B, 3]
+             helper.make_node("LSTM", ["xb", "W2", "R2"], ["yb", "yhb"], hidden_size=H, layout=1,
+                              direction="bidirectional"),  # xb [B, 6, 3]
+             helper.make_node("LSTM", ["x", "W1", "R1"], ["yn", "yhn"]),  # (no hidden_size: R's)
+             helper.make_node("Concat", ["yh", "yc"], ["cat0"], axis=0),  # [2, B, 4]
+             helper.make_node("Concat", ["yh", "runtime"], ["catr"], axis=-1),  # [1, B, ?]
+             helper.make_node("Squeeze", ["y", "ax1"], ["sq"]),  # [5, B, 4]
+             helper.make_node("Unsqueeze", ["sq", "axes_u"], ["usq"])]  # [5, 1, B, 1, 4]
+    inits = list(w.values()) + [numpy_helper.from_array(np.array([1], np.int64), "ax1"),
+                                numpy_helper.from_array(np.array([1, -2], np.int64), "axes_u")]
+    outs = ["y", "yh", "yc", "yb", "yhb", "yn", "yhn", "cat0", "catr", "sq", "usq"]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, "B", F]),
+              helper.make_tensor_value_info("xb", TensorProto.FLOAT, ["B", 6, F]),
+              helper.make_tensor_value_info("runtime", TensorProto.FLOAT, None)]
+    graph = helper.make_graph(nodes, "native", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+                                                          for o in outs], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = Model(model).graph
+    ranks = {o: settled_rank(g, o) for o in outs}
+    assert ranks == {"y": 4, "yh": 3, "yc": 3, "yb": 4, "yhb": 3, "yn": 4, "yhn": 3, "cat0": 3, "catr": 3, "sq": 3,
+                     "usq": 5}
+    got = {(o, ax): settled_dim(g, o, ax) for o in outs for ax in range(-ranks[o], ranks[o])}
+    assert {k: v for k, v in got.items() if v is not None and k[1] >= 0} == {
+        ("y", 0): 5, ("y", 1): 1, ("y", 3): 4, ("yh", 0): 1, ("yh", 2): 4, ("yc", 0): 1, ("yc", 2): 4,
+        ("yb", 1): 6, ("yb", 2): 2, ("yb", 3): 4, ("yhb", 1): 2, ("yhb", 2): 4,
+        ("yn", 0): 5, ("yn", 1): 1, ("yn", 3): 4, ("yhn", 0): 1, ("yhn", 2): 4,
+        ("cat0", 0): 2, ("cat0", 2): 4, ("catr", 0): 1,
+        ("sq", 0): 5, ("sq", 2): 4, ("usq", 0): 5, ("usq", 1): 1, ("usq", 3): 1, ("usq", 4): 4}
+    assert got[("usq", -2)] == 1 and got[("yb", -1)] == 4 and got[("catr", -1)] is None
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    dims = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            for v in list(inferred.value_info) + list(inferred.output) if v.type.tensor_type.HasField("shape")}
+    assert all(len(dims[o]) == r for o, r in ranks.items() if o in dims)
+    assert all(dims[o][ax] == d for (o, ax), d in got.items() if d is not None and o in dims and dims[o][ax] is not None)
+
+
 def test_a_sequence_too_deep_to_infer_as_a_filter_keeps_its_layout(monkeypatch):
     """A stacked layer's input (the layer below's outputs, transposed) has a cone too big for a filter's type
     query in a big model; its rank is what its op fixes (``settled_rank``): the family is searched, not

@@ -164,3 +164,99 @@ def test_a_big_check_model_runs_light_first_and_as_deployed_on_a_failure(skew_li
     assert op_counts(fused)["LSTM"] == 1, report.to_text()
     assert opened[0] is True and (False in opened) == skew_light, opened
     _same_outputs(model, fused)
+
+
+def per_step_layers(T=6, layers=2, op="LSTM"):
+    """torch's ``nn.LSTM(num_layers=2)`` called once per step, as its trace writes it: x [T, B, F] sliced a step
+    at a time, the state of both layers one [2, B, H] tensor (a Concat of each layer's Y_h per step, sliced
+    per layer by the next), the upper layer reading the lower's Y squeezed, the output the upper layer's
+    squeezed Ys concatenated. No types declared but the inputs' (a model too big to infer reads it so)."""
+    rng = np.random.default_rng(3)
+    lstm = op == "LSTM"
+    inits = [numpy_helper.from_array(np.array([v], np.int64), f"i{v}") for v in range(max(T, layers) + 1)]
+    for layer in range(layers):
+        inits += _weights(op, rng, f"l{layer}_", F if layer == 0 else H)
+    nodes, ys = [], []
+    states = {"h": "h0"} | ({"c": "c0"} if lstm else {})
+    for t in range(T):
+        nodes.append(helper.make_node("Slice", ["x", f"i{t}", f"i{t + 1}", "i0"], [f"x{t}"]))
+        inp, finals = f"x{t}", {s: [] for s in states}
+        for layer in range(layers):
+            inits_t = []
+            for s, v in states.items():
+                nodes.append(helper.make_node("Slice", [v, f"i{layer}", f"i{layer + 1}", "i0"], [f"{s}{t}_{layer}"]))
+                inits_t.append(f"{s}{t}_{layer}")
+            outs = [f"y{t}_{layer}"] + [f"{s}n{t}_{layer}" for s in states]
+            w = f"l{layer}_"
+            nodes.append(helper.make_node(op, [inp, f"{w}W", f"{w}R", f"{w}B", ""] + inits_t, outs, hidden_size=H))
+            for s, o in zip(states, outs[1:]):
+                finals[s].append(o)
+            nodes.append(helper.make_node("Squeeze", [outs[0], "i1"], [f"ys{t}_{layer}"]))
+            inp = f"ys{t}_{layer}"
+        ys.append(inp)
+        for s in states:
+            nodes.append(helper.make_node("Concat", finals[s], [f"{s}cat{t}"], axis=0))
+            states[s] = f"{s}cat{t}"
+    nodes.append(helper.make_node("Concat", ys, ["y"], axis=0))
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", F])] + [
+        helper.make_tensor_value_info(f"{s}0", TensorProto.FLOAT, [layers, "B", H]) for s in ("h", "c")[:1 + lstm]]
+    outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ["y"] + list(states.values())]
+    graph = helper.make_graph(nodes, "per_step", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_layers_link_by_what_the_ops_fix_without_types(op, monkeypatch):
+    """In a model too big to infer, where no type query answers (the budget spent), each step's per-layer
+    Slice of the [layers, B, H] state is still known to take one layer's Y_h whole: the spec fixes a native
+    op's output dims. Every step links, and one op per layer is left (5% of a 2,700-step chain was linked only
+    in a second round, after the first round's types ran out)."""
+    import rnnfuse.model
+    from rnnfuse.cone_types import ConeTypes
+
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
+    monkeypatch.setattr(ConeTypes, "type_of", lambda self, name, one_piece=False: None)
+    model = per_step_layers(op=op)
+    fused, report = rnnfuse.optimize(model)
+    assert op_counts(fused)[op] == 2, report.to_text()
+    assert "merged 6" in report.to_text()
+    monkeypatch.undo()
+    _same_outputs(model, fused)
+
+
+def test_a_big_model_checks_the_first_ops_of_a_merge(monkeypatch):
+    """Beyond the whole-model limit a merge is validated on its first ``PREFIX_OPS`` ops of each chain, merged
+    the same way beside it (never connected): the rest is the same op, from the state the one before ended in,
+    as the links prove. The check model holds those ops alone."""
+    from rnnfuse.passes import step_chains
+    from rnnfuse import rewrite, validate
+
+    monkeypatch.setattr(rewrite, "WHOLE_MODEL_LIMIT", 0)
+    checked = []
+    real = validate.validate
+    monkeypatch.setattr(rewrite, "validate", lambda g, pairs, *a, **k: checked.append([p[0] for p in pairs]) or
+                        real(g, pairs, *a, **k))
+    model = per_step_layers(T=9)
+    fused, report = rnnfuse.optimize(model)
+    assert op_counts(fused)["LSTM"] == 2, report.to_text()
+    assert f"the first {step_chains.PREFIX_OPS} ops of each chain merged" in report.to_text()
+    (pairs,) = checked
+    steps = {int(name.split("_")[0].lstrip("yhcn")) for name in pairs}  # (y3_0: step 3, layer 0)
+    assert steps == set(range(step_chains.PREFIX_OPS)), pairs
+    assert len(fused.graph.node) < 20  # (no check op left behind; the pieces merged)
+    _same_outputs(model, fused)
+
+
+def test_a_wrong_merge_fails_its_prefix_check(monkeypatch):
+    """The prefix check decides: a merge whose rows are cut wrongly (each op said to run 2 steps, not 1) is
+    declined in a big model, the ops left as they were."""
+    from rnnfuse.passes import step_chains
+    from rnnfuse import rewrite
+
+    monkeypatch.setattr(rewrite, "WHOLE_MODEL_LIMIT", 0)
+    monkeypatch.setattr(step_chains, "_steps", lambda flow, b, n: 2)
+    model = per_step_layers(T=9)
+    fused, report = rnnfuse.optimize(model)
+    assert op_counts(fused)["LSTM"] == 18, report.to_text()
+    assert "the merged op differs" in report.to_text()
+    _same_outputs(model, fused)

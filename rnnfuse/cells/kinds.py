@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..protos import attr
 from .gru import GRU
 from .kind import CellKind
 from .lstm import LSTM
@@ -19,3 +20,20 @@ def native_kind(node) -> CellKind | None:
     if node.domain not in ("", "ai.onnx"):
         return None
     return KINDS.get(node.op_type)
+
+
+def output_dims(node, k: int) -> tuple | None:
+    """The dims of a native op's output ``k`` (``Y``, then the final states) as the ONNX spec fixes them: an
+    int where the attributes say (directions, ``hidden_size``), else ``(input index, axis)`` of the input the
+    extent is taken from (the sequence and the batch from ``X``; the hidden size from ``R`` when the attribute
+    is absent). None for an output the op does not have."""
+    kind = native_kind(node)
+    if kind is None or not 0 <= k < kind.n_outputs:
+        return None
+    directions = 2 if attr(node, "direction", "forward") == "bidirectional" else 1
+    hidden = attr(node, "hidden_size", None) or (2, 2)  # (R is [directions, gates * H, H])
+    seq_first = not attr(node, "layout", 0)
+    seq, batch = ((0, 0), (0, 1)) if seq_first else ((0, 1), (0, 0))
+    if k == 0:  # Y: [seq, directions, batch, H], or [batch, seq, directions, H] with layout 1
+        return (seq, directions, batch, hidden) if seq_first else (batch, seq, directions, hidden)
+    return (directions, batch, hidden) if seq_first else (batch, directions, hidden)

@@ -2,10 +2,12 @@
 
 Merging per-step ops into one (passes/step_chains.py) leaves both ends of the sequence in pieces: the merged
 op reads ``Concat(x[0:1], x[1:2], ..., x[T-1:T])`` and the model's output is ``Concat(Y[0:1], ..., Y[T-1:T])``
-(each piece perhaps through the same Squeeze or Transpose), T nodes each, where one slice says the same.
+(each piece perhaps through the same Squeezes, Unsqueezes or Transposes), T nodes each, where one slice says
+the same.
 Exact: slices ``[s_1, e_1), [e_1, e_2), ...`` of one axis with non-negative constant bounds and step 1,
-clamped to the axis length, concatenated along that axis are ``[s_1, e_n)`` clamped the same way; a Squeeze
-of another axis or a Transpose applied to every piece alike is applied once to the whole.
+clamped to the axis length, concatenated along that axis are ``[s_1, e_n)`` clamped the same way; layout ops
+applied to every piece alike (a Squeeze of another axis, an Unsqueeze, a Transpose) that carry the sliced axis
+to the concatenated one are applied once to the whole.
 """
 
 from __future__ import annotations
@@ -14,19 +16,23 @@ import numpy as np
 from onnx import NodeProto, helper
 
 from rnnfuse import op_args
+from rnnfuse.dataflow import settled_rank
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, attr
 
 # per-piece layout ops that commute with slicing: the sliced axis moves through them (_moved_axis)
-_LAYOUT = ("Squeeze", "Transpose", "Identity")
+_LAYOUT = ("Squeeze", "Unsqueeze", "Transpose", "Identity")
 
 
 def _piece(g: Graph, name: str) -> tuple | None:
-    """``name`` = layout(Slice(src, [s], [e], [axis])): (src, axis as written, s, e, the layout node or None)."""
+    """``name`` = layouts(Slice(src, [s], [e], [axis])), each layout op read by the next alone: (src, axis as
+    written, s, e, the layout ops from the Slice out). torch's per-step output is ``Y[t:t+1]`` squeezed, then
+    transposed to batch-first: two layout ops."""
+    layouts = []
     p = g.producer.get(name)
-    layout = None
-    if p is not None and p.op_type in _LAYOUT and len(g.uses(name)) <= 1:
-        layout, p = p, g.producer.get(p.input[0])
+    while p is not None and p.op_type in _LAYOUT and len(g.uses(p.output[0])) <= 1:
+        layouts.append(p)
+        p = g.producer.get(p.input[0])
     if p is None or p.op_type != "Slice" or len(g.uses(p.output[0])) > 1:
         return None
     starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, op_args.const_reader(g, p))
@@ -34,12 +40,10 @@ def _piece(g: Graph, name: str) -> tuple | None:
         return None
     if starts[0] < 0 or ends[0] < starts[0]:
         return None
-    return p.input[0], (axes or [0])[0], starts[0], ends[0], layout
+    return p.input[0], (axes or [0])[0], starts[0], ends[0], layouts[::-1]
 
 
-def _same_layout(g: Graph, a: NodeProto | None, b: NodeProto | None) -> bool:
-    if a is None or b is None:
-        return a is b
+def _same_layout(g: Graph, a: NodeProto, b: NodeProto) -> bool:
     if a.op_type != b.op_type or len(a.input) != len(b.input):
         return False
     if [x.SerializeToString() for x in a.attribute] != [x.SerializeToString() for x in b.attribute]:
@@ -52,42 +56,56 @@ def _same_layout(g: Graph, a: NodeProto | None, b: NodeProto | None) -> bool:
     return True
 
 
-def _moved_axis(g: Graph, layout: NodeProto | None, axis: int, rank: int) -> int | None:
-    """Where the sliced ``axis`` is after the layout op (None: the op drops or is unsure of it)."""
-    if layout is None or layout.op_type == "Identity":
-        return axis
+def _moved_axis(g: Graph, layout: NodeProto, axis: int, rank: int) -> tuple[int, int] | None:
+    """Where the sliced ``axis`` of a rank-``rank`` input is after the layout op, and the op's output rank
+    (None: the op drops the axis or is unsure of it)."""
+    if layout.op_type == "Identity":
+        return axis, rank
     if layout.op_type == "Transpose":
         perm = attr(layout, "perm")
-        return list(perm).index(axis) if perm is not None and axis in perm else None
+        return (list(perm).index(axis), rank) if perm is not None and axis in perm else None
     axes = op_args.axes(layout, g.model.opset, op_args.const_reader(g, layout))
     if axes is None:
         return None
-    axes = [a + rank if a < 0 else a for a in axes]
-    return None if axis in axes else axis - sum(1 for a in axes if a < axis)
+    if layout.op_type == "Squeeze":
+        axes = [a % rank for a in axes]
+        return None if axis in axes else (axis - sum(1 for a in axes if a < axis), rank - len(axes))
+    out_rank = rank + len(axes)  # (Unsqueeze: its axes are the output's)
+    added = sorted(a % out_rank for a in axes)
+    for a in added:  # (the input's axes fill the output's other places, in order)
+        if a <= axis:
+            axis += 1
+    return axis, out_rank
 
 
 def _merged(g: Graph, cat: NodeProto) -> tuple | None:
-    """(source, axis, start, end, layout) when every input of ``cat`` is the next piece of one tensor."""
+    """(source, axis, start, end, layout ops) when every input of ``cat`` is the next piece of one tensor,
+    each through the same layout ops."""
     pieces = [_piece(g, i) for i in cat.input]
     if len(pieces) < 2 or any(p is None for p in pieces) or any(p[0] != pieces[0][0] for p in pieces):
         return None
     src = pieces[0][0]
-    rank = g.model.rank(src)  # (asked once the pieces are slices of one tensor: a type may cost an inference)
+    # (asked once the pieces are slices of one tensor: a type may cost an inference; a native op's Y needs none)
+    rank = settled_rank(g, src)
+    rank = g.model.rank(src) if rank is None else rank
     if rank is None:
         return None
-    _, axis, start, end, layout = pieces[0]
+    _, axis, start, end, layouts = pieces[0]
     axis = axis + rank if axis < 0 else axis
     for p in pieces[1:]:
-        if (p[1] + rank if p[1] < 0 else p[1]) != axis or p[2] != end or not _same_layout(g, p[4], layout):
+        if (p[1] + rank if p[1] < 0 else p[1]) != axis or p[2] != end or len(p[4]) != len(layouts) or not all(
+                _same_layout(g, a, b) for a, b in zip(p[4], layouts)):
             return None
         end = p[3]
-    cat_axis = attr(cat, "axis", 0)
-    out_rank = g.model.rank(cat.output[0])
-    if out_rank is None:
+    moved, out_rank = axis, rank
+    for layout in layouts:
+        step = _moved_axis(g, layout, moved, out_rank)
+        if step is None:
+            return None
+        moved, out_rank = step
+    if moved != attr(cat, "axis", 0) % out_rank:
         return None
-    if _moved_axis(g, layout, axis, rank) != (cat_axis + out_rank if cat_axis < 0 else cat_axis):
-        return None
-    return src, axis, start, end, layout
+    return src, axis, start, end, layouts
 
 
 class MergeConsecutiveSlices:
@@ -106,11 +124,11 @@ class MergeConsecutiveSlices:
             found = _merged(g, cat)
             if found is None:
                 continue
-            src, axis, start, end, layout = found
+            src, axis, start, end, layouts = found
             consts = [g.add_initializer(np.array([v], np.int64), f"rnnfuse/slice_{k}") for k, v in
                       (("start", start), ("end", end), ("axis", axis))]
             new = g.add_node("Slice", [src] + consts, 1, name="rnnfuse/Slice", anchor=cat)[0]
-            if layout is not None:
+            for layout in layouts:  # (applied once to the whole, in the pieces' order)
                 attrs = {a.name: helper.get_attribute_value(a) for a in layout.attribute}
                 new = g.add_node(layout.op_type, [new] + list(layout.input[1:]), 1, name=f"rnnfuse/{layout.op_type}",
                                  anchor=cat, **attrs)[0]

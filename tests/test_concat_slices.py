@@ -1,5 +1,5 @@
-"""``MergeConsecutiveSlices``: a Concat of consecutive slices of one tensor (each through the same Squeeze or
-Transpose) becomes one slice, and nothing else does. Each case runs the pass alone and compares the graph with
+"""``MergeConsecutiveSlices``: a Concat of consecutive slices of one tensor (each through the same layout ops:
+Squeeze, Unsqueeze, Transpose) becomes one slice, and nothing else does. Each case runs the pass alone and compares the graph with
 the original in onnxruntime, with the time axis both longer and shorter than the slices reach (clamping)."""
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ def _i64(name, v):
     return numpy_helper.from_array(np.asarray(v, np.int64), name)
 
 
-def concat_of_slices(bounds, *, axis=0, cat_axis=None, layout=None, sources=None, steps=None):
-    """y [T, 1, B, H] cut into ``bounds`` along ``axis``, each piece through ``layout`` (None, ("Squeeze", [1]),
-    ("Transpose", perm)), concatenated along ``cat_axis``."""
+def concat_of_slices(bounds, *, axis=0, cat_axis=None, layout=None, sources=None, steps=None, layouts=None):
+    """y [T, 1, B, H] cut into ``bounds`` along ``axis``, each piece through ``layout`` (None, one layout op
+    ("Squeeze", axes), ("Unsqueeze", axes), ("Transpose", perm), or a list of them applied in order; piece k
+    through ``layouts[k]`` where given), concatenated along ``cat_axis``."""
     nodes, inits, pieces = [], [], []
     for k, (s, e) in enumerate(bounds):
         src = (sources or {}).get(k, "y")
@@ -31,13 +32,15 @@ def concat_of_slices(bounds, *, axis=0, cat_axis=None, layout=None, sources=None
             inits.append(_i64(f"st{k}", [steps[k]]))
         nodes.append(helper.make_node("Slice", ins, [f"p{k}"]))
         out = f"p{k}"
-        if layout and layout[0] == "Squeeze":
-            inits.append(_i64(f"q{k}", layout[1]))  # a copy of the axes per piece, as exporters write it
-            nodes.append(helper.make_node("Squeeze", [out, f"q{k}"], [f"l{k}"]))
-            out = f"l{k}"
-        elif layout and layout[0] == "Transpose":
-            nodes.append(helper.make_node("Transpose", [out], [f"l{k}"], perm=layout[1]))
-            out = f"l{k}"
+        ops = (layouts or {}).get(k, layout)
+        ops = [] if ops is None else [ops] if isinstance(ops[0], str) else ops
+        for j, (op, arg) in enumerate(ops):
+            if op == "Transpose":
+                nodes.append(helper.make_node("Transpose", [out], [f"l{k}_{j}"], perm=arg))
+            else:  # (a copy of the axes per piece, as exporters write it)
+                inits.append(_i64(f"q{k}_{j}", arg))
+                nodes.append(helper.make_node(op, [out, f"q{k}_{j}"], [f"l{k}_{j}"]))
+            out = f"l{k}_{j}"
         pieces.append(out)
     nodes.append(helper.make_node("Concat", pieces, ["out"], axis=axis if cat_axis is None else cat_axis))
     inputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 1, "B", 3]),
@@ -70,7 +73,12 @@ STEPS = [(0, 1), (1, 2), (2, 3), (3, 4)]
     dict(bounds=STEPS, layout=("Squeeze", [1]), cat_axis=0),  # torch.cat of squeezed per-step outputs
     dict(bounds=STEPS, axis=2, layout=("Squeeze", [1]), cat_axis=1),
     dict(bounds=STEPS, layout=("Transpose", [2, 0, 1, 3]), cat_axis=1),  # batch-first pieces
-], ids=["steps", "stretches", "squeezed", "squeezed_axis2", "transposed"])
+    # torch's per-step output of a merged chain: Y[t:t+1] squeezed, then made batch-first
+    dict(bounds=STEPS, layout=[("Squeeze", [1]), ("Transpose", [1, 0, 2])], cat_axis=1),
+    dict(bounds=STEPS, layout=[("Squeeze", [1]), ("Unsqueeze", [0])], cat_axis=1),
+    dict(bounds=STEPS, layout=[("Unsqueeze", [-1]), ("Squeeze", [-1])], cat_axis=0),
+], ids=["steps", "stretches", "squeezed", "squeezed_axis2", "transposed", "squeezed_transposed", "unsqueezed",
+        "negative_axes"])
 def test_consecutive_slices_become_one(kw):
     model = concat_of_slices(**kw)
     modified, out = _merged(model)
@@ -88,7 +96,12 @@ def test_consecutive_slices_become_one(kw):
     dict(bounds=STEPS[:3], cat_axis=2),  # cut along time, put together along batch
     dict(bounds=STEPS[:3], layout=("Squeeze", [0]), cat_axis=0),  # the squeeze drops the sliced axis itself
     dict(bounds=STEPS, steps=[1, 1, 2, 1]),  # a step of 2
-], ids=["gap", "overlap", "order", "other_source", "other_axis", "squeezed_away", "strided"])
+    # layout ops that take time to another axis than the one put together; one piece's ops differ
+    dict(bounds=STEPS[:3], layout=[("Squeeze", [1]), ("Transpose", [1, 0, 2])], cat_axis=0),
+    dict(bounds=STEPS, layout=[("Squeeze", [1]), ("Unsqueeze", [0])], cat_axis=1,
+         layouts={2: [("Squeeze", [1]), ("Unsqueeze", [1])]}),
+], ids=["gap", "overlap", "order", "other_source", "other_axis", "squeezed_away", "strided", "time_moved_elsewhere",
+        "other_layout"])
 def test_near_misses_are_left(kw):
     model = concat_of_slices(**kw)
     modified, out = _merged(model)

@@ -115,8 +115,9 @@ def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
             out.invariants[bi] = inv
             continue
         step = counter_step(body, bo)
-        c0 = g.const(init) if init else None
-        if step is not None and step[0] == bi and step[1] == 1 and c0 is not None and np.asarray(c0).size == 1 and int(np.asarray(c0).ravel()[0]) == 0:
+        counts = step is not None and step[0] == bi and step[1] == 1
+        c0 = g.const(init) if init and counts else None  # (a fold asked of a counter's start only)
+        if counts and c0 is not None and np.asarray(c0).size == 1 and int(np.asarray(c0).ravel()[0]) == 0:
             out.index_syms[bi] = 0
             continue
         prod = g.producer.get(init) if init else None

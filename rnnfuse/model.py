@@ -154,6 +154,15 @@ class Model:
                 t = self._cones.type_of(name, one_piece=not whole_cone) or t
         return t
 
+    def settle_types(self, names) -> None:
+        """Infer the types of ``names`` whole (within the budget: see :meth:`known_type`) before an analysis
+        that decides on them: a Loop's reads its inputs' ranks and dims in many places, each a filter's query
+        that gets nothing from a cone too big for one inference (a Loop behind a 100,000-node prologue)."""
+        if self._may_infer:
+            return  # (the whole model's inference answers every query)
+        for name in names:
+            self.known_type(name, whole_cone=True)
+
     def settled_type(self, name: str) -> tuple[int, list | None] | None:
         """:meth:`known_type` where it costs no new walk: in a model inferred in one piece, the same; in a big
         one, what the file or an edit declares or an earlier query's cone established. For facts worth keeping

@@ -218,6 +218,9 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
         try:
             if body_needs and not holds_op_type(node, body_needs):
                 raise Decline(f"no cell: its body multiplies nothing by a weight matrix ({', '.join(sorted(body_needs))})")
+            # (its analysis decides on the types of what it reads from outside, asked in many places as
+            # filters: inferred whole first, not left to whatever an earlier query happened to infer)
+            g.model.settle_types([i for i in node.input if i] + sorted(g.implicit_inputs(node)))
             found = recurrence_of(g, node)
             recs.extend(found if isinstance(found, list) else [found])  # a list: the layers of a stacked step
         except Decline as d:

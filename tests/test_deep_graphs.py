@@ -220,7 +220,8 @@ def test_a_loop_behind_a_prologue_too_big_to_infer_at_once_is_fused(monkeypatch)
     """The shipped Keras model (two masked Loops and a bidirectional pair) whose input is computed by a chain
     of ``x * 1 + 0`` nodes longer than one inference may take (forced small here; 20,000 nodes otherwise): the
     Loops' inputs have types only through their cone, inferred in pieces. Given up on, the Loops were declined
-    ('two different per-step inputs are read')."""
+    ('two different per-step inputs are read'); the analysis asks its inputs' types whole before deciding
+    (Model.settle_types), not relying on an earlier fold to have inferred them."""
     import os
 
     import rnnfuse.cone_types

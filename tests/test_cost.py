@@ -1038,3 +1038,30 @@ def test_a_carried_output_is_signed_where_the_states_walks_stopped(monkeypatch):
     _, report = optimize(model)
     assert [f.status for f in report.findings if f.pass_name == "unrolled"] == ["fused"], report.to_text()
     assert opened[0] < 1.5 * len(model.graph.node), (opened[0], len(model.graph.node))
+
+
+def test_no_op_copies_of_one_weight_are_read_through_in_one_filter(monkeypatch):
+    """torch writes an Identity of each weight per call of a layer (2,700 calls: 2,700 readers of one
+    initializer). Reading them through removes each copy without rescanning the weight's reader list per
+    copy (quadratic: 1 s there): long lists are filtered once at the end, and come out exact."""
+    from rnnfuse.graph_edit import Graph as EditGraph
+    from rnnfuse.passes.cleanup import DropNoOps
+
+    n = 300
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "W")
+    nodes = []
+    for i in range(n):
+        nodes += [helper.make_node("Identity", ["W"], [f"w{i}"]), helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"])]
+    nodes.append(helper.make_node("Sum", [f"y{i}" for i in range(n)], ["y"]))
+    g = helper.make_graph(nodes, "copies", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 4])], [w])
+    m = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    filtered = []
+    real = EditGraph.drop_removed_readers
+    monkeypatch.setattr(EditGraph, "drop_removed_readers", lambda self, names: filtered.append(set(names)) or
+                        real(self, names))
+    res = DropNoOps().run(m, Options())
+    assert res.modified and filtered == [{"W"}]  # (one filter of W's list, for all 300 copies)
+    readers = m.graph.uses("W")
+    assert sorted(r.output[0] for r in readers) == sorted(f"y{i}" for i in range(n))
+    assert all(m.graph.alive(r) and r.op_type == "MatMul" for r in readers)

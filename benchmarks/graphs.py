@@ -355,3 +355,63 @@ def attention_blocks(path: str, nodes: int) -> int:
     m = attention_model(max(1, nodes // 11))
     onnx.save(m, path)
     return len(m.graph.node)
+
+
+def layer_called_per_step(path: str, nodes: int, features: int = 8, hidden: int = 16) -> int:
+    """torch's trace of a 2-layer ``nn.LSTM(batch_first=True)`` called once per step with the state carried by
+    hand (``y_t, (h, c) = lstm(x[:, t:t+1], (h, c))``, outputs ``cat(ys, 1)``), as torch 2.13 writes it: per
+    call an Identity of each weight, the [2, B, H] states sliced per layer and put together again, the step
+    input transposed to time-major, each layer's Y squeezed, the output piece transposed back, a Constant per
+    bound (~30 nodes a step). The per-call merge (passes/step_chains.py) leaves one LSTM per layer."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    T = max(2, nodes // 30)
+    inits, out = [], []
+    for layer, width in enumerate((features, hidden)):
+        for k, shape in (("W", (1, 4 * hidden, width)), ("R", (1, 4 * hidden, hidden)), ("B", (1, 8 * hidden))):
+            inits.append(numpy_helper.from_array((0.3 * rng.standard_normal(shape)).astype(np.float32), f"{k}{layer}"))
+    k = 0
+
+    def const(v) -> str:
+        nonlocal k
+        k += 1
+        out.append(helper.make_node("Constant", [], [f"k{k}"], value=numpy_helper.from_array(np.array(v, np.int64))))
+        return f"k{k}"
+
+    out += [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", const(0)], ["batch"], axis=0),
+            helper.make_node("Unsqueeze", ["batch", const([0])], ["batch1"]),
+            helper.make_node("Concat", [const([2]), "batch1", const([hidden])], ["state_shape"], axis=0),
+            helper.make_node("ConstantOfShape", ["state_shape"], ["zeros"],
+                             value=numpy_helper.from_array(np.zeros(1, np.float32)))]
+    h, c, pieces = "zeros", "zeros", []
+    for t in range(T):
+        out += [helper.make_node("Slice", ["x", const([t]), const([t + 1]), const([1])], [f"x{t}"]),
+                helper.make_node("Transpose", [f"x{t}"], [f"xt{t}"], perm=[1, 0, 2])]
+        inp, hs, cs = f"xt{t}", [], []
+        for layer in range(2):
+            ws = []
+            for w in "WRB":
+                out.append(helper.make_node("Identity", [f"{w}{layer}"], [f"{w}{layer}_{t}"]))
+                ws.append(f"{w}{layer}_{t}")
+            bounds = (const([layer]), const([layer + 1]), const([0]))
+            out += [helper.make_node("Slice", [h, *bounds], [f"h{t}_{layer}"]),
+                    helper.make_node("Slice", [c, *bounds], [f"c{t}_{layer}"]),
+                    helper.make_node("LSTM", [inp, *ws, "", f"h{t}_{layer}", f"c{t}_{layer}"],
+                                     [f"y{t}_{layer}", f"yh{t}_{layer}", f"yc{t}_{layer}"], hidden_size=hidden),
+                    helper.make_node("Squeeze", [f"y{t}_{layer}", const([1])], [f"ys{t}_{layer}"])]
+            inp = f"ys{t}_{layer}"
+            hs.append(f"yh{t}_{layer}")
+            cs.append(f"yc{t}_{layer}")
+        out += [helper.make_node("Concat", hs, [f"hcat{t}"], axis=0), helper.make_node("Concat", cs, [f"ccat{t}"], axis=0),
+                helper.make_node("Transpose", [inp], [f"piece{t}"], perm=[1, 0, 2])]
+        h, c = f"hcat{t}", f"ccat{t}"
+        pieces.append(f"piece{t}")
+    out += [helper.make_node("Concat", pieces, ["y"], axis=1), helper.make_node("Identity", [h], ["h_n"]),
+            helper.make_node("Identity", [c], ["c_n"])]
+    return _save(path, out, "layer_called_per_step",
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", T, features])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", T, hidden]),
+                  helper.make_tensor_value_info("h_n", TensorProto.FLOAT, [2, "B", hidden]),
+                  helper.make_tensor_value_info("c_n", TensorProto.FLOAT, [2, "B", hidden])], inits)

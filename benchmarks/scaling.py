@@ -63,9 +63,9 @@ NODES_PER_STEP = 18  # torch's LSTMCell trace export
 VIEW_NODES_PER_STEP = 32  # torch's trace export of a hand-written LSTM cell with gates.view(B, 4, H)
 
 from chain_2000 import export_lstmcell_chain, export_view_chain  # noqa: E402
-from graphs import (attention_blocks, cells_side_by_side, elementwise_chain, loops_in_a_row,  # noqa: E402
-                    masked_rnn_chain, prologue_then_recurrence, recurrence_then_head, steps_summed,
-                    two_cells_per_step, unbind_stack_blocks)
+from graphs import (attention_blocks, cells_side_by_side, elementwise_chain, layer_called_per_step,  # noqa: E402
+                    loops_in_a_row, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
+                    steps_summed, two_cells_per_step, unbind_stack_blocks)
 
 
 MAX_EXPORTED_STEPS = 6000  # torch's trace export of a longer loop takes over an hour here: those are stretched
@@ -197,7 +197,7 @@ GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wid
               "stacked": lambda path, nodes: two_cells_per_step(path, nodes, "stacked"),
               "views": lambda path, nodes: export_view_chain(path, max(2, nodes // VIEW_NODES_PER_STEP)),
               "head": recurrence_then_head, "prologue": prologue_then_recurrence,
-              "blocks": unbind_stack_blocks, "attention": attention_blocks}
+              "blocks": unbind_stack_blocks, "attention": attention_blocks, "stepcalls": layer_called_per_step}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "

@@ -16,6 +16,8 @@ class ModelFacts:
     runtime: set | None = None  # main-graph tensors computed from input values (rnnfuse.dataflow.runtime_values)
     given: set | None = None  # non-zero broadcast constants and what they compute (rnnfuse.dataflow.given_constants)
     lead: dict = field(default_factory=dict)  # tensor -> leading unit axes of a [*, B, N] value (or None)
+    # ("d", tensor) -> its dims as its ops fix them, ("v", shape tensor) -> its values (rnnfuse.op_shapes)
+    op_shapes: dict = field(default_factory=dict)
     # constants named by their bytes (rnnfuse.symbolic.content_key): per-step copies of one weight share a key
     content_keys: dict = field(default_factory=dict)
     # what the emitter built, for the passes after it

@@ -238,6 +238,31 @@ def _known_shape(graph: "Graph", name: str) -> list | None:
     return t[1] if t else None
 
 
+def _static_shape(graph: "Graph", name: str) -> list | None:
+    """``name``'s shape when every extent is a number, else None; a shape its ops fix (numbers, or a symbol
+    somewhere) is not inferred to learn that (:func:`rnnfuse.op_shapes.op_dims`)."""
+    from .op_shapes import op_dims  # (its walks build on the graph index, which folds through here)
+
+    fixed = op_dims(graph, name)
+    if fixed is not None and any(isinstance(d, str) for d in fixed):
+        return None
+    if fixed is not None and all(isinstance(d, int) for d in fixed):
+        return list(fixed)
+    shape = _known_shape(graph, name)
+    return shape if shape is not None and all(isinstance(d, int) for d in shape) else None
+
+
+def _fixed_picks(graph: "Graph", name: str) -> np.ndarray | None:
+    """A pick of a Shape's entries (``Gather(Shape(x), i)``, a Slice of it) where the ops fix them all as
+    numbers (:func:`rnnfuse.op_shapes.shape_value`; None: not known so)."""
+    from .op_shapes import shape_value
+
+    v = shape_value(graph, name)
+    if isinstance(v, int) or (isinstance(v, tuple) and all(isinstance(d, int) for d in v)):
+        return np.array(v, dtype=np.int64)
+    return None
+
+
 def _settled_picks(graph: "Graph", node: onnx.NodeProto, shape_node: onnx.NodeProto) -> np.ndarray | None:
     """``Gather(Shape(x), idx)`` read from how x was made, where that costs no inference
     (:func:`rnnfuse.dataflow.settled_dim`; None: not known so)."""
@@ -259,15 +284,17 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
         return None
     if node.op_type == "Shape":
         # Shape of a tensor with a fully static declared shape is constant even if the tensor is not
-        shape = _known_shape(graph, node.input[0])
-        if shape is not None and all(isinstance(d, int) for d in shape) and graph.const(node.input[0]) is None:
+        shape = _static_shape(graph, node.input[0])
+        if shape is not None and graph.const(node.input[0]) is None:
             start, end = _shape_range(node)
             return np.array(shape, dtype=np.int64)[start:end]
     if node.op_type in ("Gather", "Slice") and len(node.input) >= 2:
         # static entries of the shape of a tensor whose other dims are dynamic (torch's chunk sizes,
         # Keras' time-step count): Gather/Slice of Shape(x) where the entries picked are known
         p = graph.producer.get(node.input[0])
-        settled = _settled_picks(graph, node, p) if p is not None and p.op_type == "Shape" else None
+        settled = _fixed_picks(graph, name) if p is not None and p.op_type == "Shape" else None
+        if settled is None and p is not None and p.op_type == "Shape":
+            settled = _settled_picks(graph, node, p)
         if settled is not None:
             return settled
         if p is not None and p.op_type == "Shape":
@@ -293,8 +320,8 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
                         return picked.astype(np.int64)
     if node.op_type == "Size":
         # the size of a tensor of static shape (e.g. Shape(x) of a tensor of known rank) is constant
-        shape = _known_shape(graph, node.input[0])
-        if shape is not None and all(isinstance(d, int) for d in shape) and graph.const(node.input[0]) is None:
+        shape = _static_shape(graph, node.input[0])
+        if shape is not None and graph.const(node.input[0]) is None:
             return np.array(int(np.prod(shape)), dtype=np.int64)
     vals = []
     for i in node.input:

@@ -1,0 +1,353 @@
+"""Shapes the ops fix: each tensor's dims read from how it is made, with no shape inference.
+
+A fold of ``Shape(h)`` asks whether h's shape is static; in a big model that meant inferring h's cone, and a
+long chain asks it of every step (torch's ``where(m, h, zeros_like(h))`` writes ``ConstantOfShape(Shape(h))``
+each step: 1,640 cone inferences to learn, each time, that the batch is symbolic). Here the dims of every
+tensor are worked out once from the types the file (or an edit) declares and the ops' shape rules, one
+bottom-up walk over what the tensor is computed from, memoised for the run (tensor names are never reused,
+and a rewrite replaces a tensor by one of the same values: the dims stay true).
+
+A dim is an int, a str (a symbolic extent: it varies at run time), or None (not known here); the dims are
+None when the rank is not known. Exact where it answers: every rule gives what ONNX defines the op's output
+to be, a symbolic extent only where it is carried unchanged (a cut or an arithmetic of one is not known).
+"""
+
+from __future__ import annotations
+
+from . import op_args
+from .cells.kinds import output_dims
+from .dataflow import post_order
+from .graph import Graph
+from .protos import attr, node_field
+
+Dims = "tuple | None"
+
+# ops whose output has their first input's shape
+_SAME_SHAPE = frozenset(("Relu", "Tanh", "Sigmoid", "Identity", "Cast", "CastLike", "Neg", "Abs", "Exp", "Log",
+                         "Sqrt", "Reciprocal", "Softmax", "LogSoftmax", "LeakyRelu", "Elu", "Selu", "Erf", "Not",
+                         "Floor", "Ceil", "Round", "Sign", "HardSigmoid", "Softplus", "Softsign", "Clip", "Gelu"))
+# ops broadcasting all their inputs to one another (multidirectional broadcasting)
+_BROADCAST = frozenset(("Add", "Sub", "Mul", "Div", "Pow", "Mod", "Where", "And", "Or", "Xor", "Equal", "Less",
+                        "Greater", "LessOrEqual", "GreaterOrEqual", "Max", "Min", "Sum", "Mean"))
+_FIRST_INPUT = frozenset(("Transpose", "Squeeze", "Unsqueeze", "Slice", "Reshape", "Shape")) | _SAME_SHAPE
+
+
+def op_dims(g: Graph, name: str):
+    """The dims of main-graph tensor ``name`` as its ops fix them (see the module's docstring), or None."""
+    return _fixed(g, (_DIMS, name))
+
+
+def shape_value(g: Graph, name: str):
+    """The values of a small integer tensor that holds a shape or part of one, as its ops fix them: a tuple of
+    ints, symbols (str) and None (not known) for a 1-D tensor, one such element for a scalar, None when not
+    known at all. A symbol is an extent read by ``Shape`` that is symbolic (see :func:`op_dims`)."""
+    return _fixed(g, (_VALUE, name))
+
+
+def known_rank(g: Graph, name: str) -> int | None:
+    """``name``'s rank: what its ops fix, else what its type says (a query that only filters: no cone too big
+    for one inference is inferred; a stack of 6,660 steps asked each step's rank, and the budget ran out)."""
+    dims = op_dims(g, name)
+    return len(dims) if dims is not None else g.model.rank(name)
+
+
+def varies_at_run_time(g: Graph, name: str) -> bool:
+    """Whether an extent of ``name`` is provably symbolic: its Shape folds to no constant."""
+    dims = op_dims(g, name)
+    return dims is not None and any(isinstance(d, str) for d in dims)
+
+
+# what a walk works out: a tensor's dims, or a shape tensor's values (one walk for both: a step's zeros_like(h)
+# reads the dims of h, which are the previous step's zeros' dims, read from that step's Shape(h)...)
+_DIMS, _VALUE = "d", "v"
+
+
+def _fixed(g: Graph, key: tuple):
+    if g.parent is not None or not key[1]:
+        return None  # (a subgraph's values: what a body reads from outside is not followed)
+    memo = g.model.facts.op_shapes
+    return post_order(key, memo, lambda cur: _open(g, cur, memo), lambda cur: _close(g, cur, memo))
+
+
+def _open(g: Graph, key: tuple, memo: dict):
+    return _open_dims(g, key, memo) if key[0] == _DIMS else _open_value(g, key, memo)
+
+
+def _close(g: Graph, key: tuple, memo: dict):
+    return _close_dims(g, key[1], memo) if key[0] == _DIMS else _close_value(g, key[1], memo)
+
+
+def _open_dims(g: Graph, key: tuple, memo: dict):
+    cur = key[1]
+    t = g.model.declared_type(cur)
+    if t is not None and t[1] is not None:
+        memo[key] = tuple(t[1])
+        return None
+    p = g.producer.get(cur)
+    if p is None or p.domain not in ("", "ai.onnx"):
+        memo[key] = None
+        return None
+    op = p.op_type
+    if op in ("Reshape", "Expand"):  # (the data's dims and the shape's values)
+        return [(_DIMS, p.input[0]), (_VALUE, p.input[1])]
+    if op == "ConstantOfShape":
+        return [(_VALUE, p.input[0])]
+    if op in _FIRST_INPUT:
+        return [(_DIMS, p.input[0])]
+    if op in _BROADCAST or op in ("Concat", "MatMul", "Gemm"):
+        return [(_DIMS, i) for i in p.input if i]
+    if op == "Gather":
+        return [(_DIMS, p.input[0]), (_DIMS, p.input[1])]
+    native = output_dims(p, list(p.output).index(cur))
+    if native is not None:
+        return [(_DIMS, i) for i in sorted({p.input[d[0]] for d in native if isinstance(d, tuple)
+                                            and len(p.input) > d[0]} - {""})]
+    memo[key] = None
+    return None
+
+
+def _close_dims(g: Graph, cur: str, memo: dict):
+    p = g.producer[cur]
+    op = p.op_type
+    ins = [memo.get((_DIMS, i)) if i else None for i in p.input]
+    first = ins[0] if ins else None
+    if op in _SAME_SHAPE:
+        return first
+    if op in _BROADCAST:
+        return _broadcast([d for i, d in zip(p.input, ins) if i])
+    if op == "Transpose":
+        if first is None:
+            return None
+        perm = _attr(p, "perm", None) or list(range(len(first)))[::-1]
+        return tuple(first[k] for k in perm) if sorted(perm) == list(range(len(first))) else None
+    if op in ("Squeeze", "Unsqueeze"):
+        return _unit_axes(g, p, first)
+    if op == "Slice":
+        return _sliced(g, p, first)
+    if op == "Concat":
+        return _concatenated(p, ins)
+    if op == "Gemm":
+        return _gemm(p, ins)
+    if op == "MatMul":
+        return _matmul(ins)
+    if op == "Gather":
+        return _gathered(p, ins)
+    if op == "Reshape":
+        return _reshaped(p, first, memo.get((_VALUE, p.input[1])))
+    if op == "ConstantOfShape":
+        value = memo.get((_VALUE, p.input[0]))
+        return value if isinstance(value, tuple) else None
+    if op == "Expand":
+        value = memo.get((_VALUE, p.input[1]))
+        return _broadcast([first, value]) if isinstance(value, tuple) else None
+    if op == "Shape":
+        if first is None:
+            return None
+        start, end = _attr(p, "start", 0), _attr(p, "end", None)
+        return (len(range(len(first))[start:end]),)
+    native = output_dims(p, list(p.output).index(cur))
+    if native is None:
+        return None
+    out = []
+    for d in native:
+        if isinstance(d, int):
+            out.append(d)
+            continue
+        src = memo.get((_DIMS, p.input[d[0]])) if len(p.input) > d[0] and p.input[d[0]] else None
+        out.append(src[d[1]] if src is not None and -len(src) <= d[1] < len(src) else None)
+    return tuple(out)
+
+
+def _broadcast(dims: list):
+    """Multidirectional broadcasting: aligned from the end; a number other than 1 is the extent (the others
+    must match it), else a symbol when every operand's extent there is known, else 1 when all are 1."""
+    if any(d is None for d in dims):
+        return None
+    rank = max((len(d) for d in dims), default=0)
+    out = []
+    for k in range(-rank, 0):
+        here = [d[k] if len(d) >= -k else 1 for d in dims]
+        wide = [x for x in here if isinstance(x, int) and x != 1]
+        if wide:
+            out.append(wide[0])
+        elif None in here:
+            out.append(None)
+        else:
+            symbols = [x for x in here if isinstance(x, str)]
+            out.append(symbols[0] if symbols else 1)
+    return tuple(out)
+
+
+def _attr(p, name: str, default=None):
+    """``attr`` without reading an empty attribute list (see protos.node_field: most step nodes have none)."""
+    return attr(p, name, default) if node_field(p, "attribute") else default
+
+
+def _literal(g: Graph, name: str):
+    """An initializer's or a Constant's value (no fold: this walk must not start one)."""
+    p = g.producer.get(name)
+    if name in g.initializers or (p is not None and p.op_type == "Constant"):
+        return g.const(name)
+    return None
+
+
+def _unit_axes(g: Graph, p, first):
+    axes = op_args.axes(p, g.model.opset, lambda i: _literal(g, p.input[i]))
+    if first is None or axes is None:
+        return None
+    if p.op_type == "Squeeze":
+        gone = {a % len(first) for a in axes} if first else set()
+        return tuple(d for k, d in enumerate(first) if k not in gone)
+    rank = len(first) + len(axes)
+    added = {a % rank for a in axes}
+    if len(added) != len(axes):
+        return None  # (an axis named twice: an invalid model, left to the runtime to say)
+    rest = iter(first)
+    return tuple(1 if k in added else next(rest) for k in range(rank))
+
+
+def _sliced(g: Graph, p, first):
+    if first is None:
+        return None
+    literal = lambda i: _literal(g, p.input[i])  # noqa: E731
+    starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, literal)
+    if axes is None:
+        return None  # (which axes it cuts is not known)
+    rank = len(first)
+    if not rank:
+        return None
+    out = list(first)
+    for k, a in enumerate(axes):
+        a %= rank
+        d = first[a]
+        known = None not in (starts, ends, steps) and isinstance(d, int)
+        out[a] = len(range(*slice(starts[k], ends[k], steps[k]).indices(d))) if known else None
+    return tuple(out)
+
+
+def _concatenated(p, ins: list):
+    known = [d for d in ins if d is not None]
+    if not known:
+        return None
+    rank = len(known[0])
+    axis = _attr(p, "axis", 0) % rank if rank else 0
+    out = []
+    for k in range(rank):
+        here = [d[k] if d is not None else None for d in ins]
+        if k == axis:
+            out.append(sum(here) if all(isinstance(x, int) for x in here) else None)
+            continue
+        ints = [x for x in here if isinstance(x, int)]
+        symbols = [x for x in here if isinstance(x, str)]
+        out.append(ints[0] if ints else symbols[0] if symbols else None)
+    return tuple(out)
+
+
+def _gemm(p, ins: list):
+    a, b = (ins + [None, None])[:2]
+    m = (a[1] if _attr(p, "transA", 0) else a[0]) if a is not None and len(a) == 2 else None
+    n = (b[0] if _attr(p, "transB", 0) else b[1]) if b is not None and len(b) == 2 else None
+    return (m, n)
+
+
+def _matmul(ins: list):
+    a, b = (ins + [None, None])[:2]
+    if a is None or b is None or not a or not b:
+        return None
+    a2 = (1,) + a if len(a) == 1 else a
+    b2 = b + (1,) if len(b) == 1 else b
+    batch = _broadcast([a2[:-2], b2[:-2]])
+    out = batch + (a2[-2], b2[-1])
+    if len(a) == 1:
+        out = out[:-2] + out[-1:]
+    if len(b) == 1:
+        out = out[:-1]
+    return out
+
+
+def _gathered(p, ins: list):
+    data, idx = (ins + [None, None])[:2]
+    if data is None or idx is None or not data:
+        return None
+    axis = _attr(p, "axis", 0) % len(data)
+    return data[:axis] + idx + data[axis + 1:]
+
+
+def _reshaped(p, first, shape):
+    if not isinstance(shape, tuple) or None in shape:
+        return None  # (an entry not known: which axis takes what the data's size leaves is not known)
+    out = []
+    for k, v in enumerate(shape):
+        if isinstance(v, str) or v > 0:
+            out.append(v)
+        elif v == 0 and not _attr(p, "allowzero", 0):
+            out.append(first[k] if first is not None and k < len(first) else None)
+        else:
+            out.append(None)  # (-1, or an empty axis asked for: what the data's size leaves)
+    return tuple(out)
+
+
+# ops computing a shape tensor's values from others (torch's ``zeros(x.size(0), H)``: Concat(Unsqueeze(Gather(
+# Shape(x), 0)), [H]))
+_SHAPE_ARITH = frozenset(("Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cast", "Identity", "Slice"))
+
+
+def _open_value(g: Graph, key: tuple, memo: dict):
+    cur = key[1]
+    c = _literal(g, cur)
+    if c is not None:
+        memo[key] = _as_value(c)
+        return None
+    p = g.producer.get(cur)
+    if p is None or p.domain not in ("", "ai.onnx") or p.op_type not in _SHAPE_ARITH:
+        memo[key] = None
+        return None
+    if p.op_type == "Shape":
+        return [(_DIMS, p.input[0])]
+    return [(_VALUE, p.input[0])] if p.op_type != "Concat" else [(_VALUE, i) for i in p.input if i]
+
+
+def _close_value(g: Graph, cur: str, memo: dict):
+    p = g.producer[cur]
+    op = p.op_type
+    first = memo.get((_VALUE, p.input[0])) if p.input else None
+    if op == "Shape":
+        dims = memo.get((_DIMS, p.input[0]))
+        return None if dims is None else dims[_attr(p, "start", 0):_attr(p, "end", None)]
+    if op in ("Cast", "Identity"):
+        return first
+    if op == "Concat":
+        parts = [memo.get((_VALUE, i)) for i in p.input if i]
+        return None if any(not isinstance(v, tuple) for v in parts) else sum(parts, ())
+    literal = lambda i: _literal(g, p.input[i])  # noqa: E731
+    if op == "Gather":
+        idx = _literal(g, p.input[1])
+        if not isinstance(first, tuple) or idx is None or idx.ndim > 1 or _attr(p, "axis", 0) not in (0, -1):
+            return None
+        picks = [int(i) for i in idx.ravel()]
+        if not all(-len(first) <= i < len(first) for i in picks):
+            return None
+        return first[picks[0]] if idx.ndim == 0 else tuple(first[i] for i in picks)
+    if op == "Unsqueeze":
+        axes = op_args.axes(p, g.model.opset, literal)
+        return (first,) if axes is not None and len(axes) == 1 and not isinstance(first, tuple) else None
+    if op == "Squeeze":
+        axes = op_args.axes(p, g.model.opset, literal)
+        return first[0] if isinstance(first, tuple) and len(first) == 1 and axes in (None, [0], [-1]) else None
+    if op == "Slice":
+        starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, literal)
+        if not isinstance(first, tuple) or None in (starts, ends, axes, steps) or len(starts) != 1 or \
+                axes[0] not in (0, -1):
+            return None
+        return first[slice(starts[0], ends[0], steps[0])]
+    return None
+
+
+def _as_value(c):
+    """A literal's values in shape_value's form (only small integer tensors of rank 0 or 1)."""
+    import numpy as np
+
+    a = np.asarray(c)
+    if a.ndim > 1 or a.size > 64 or not np.issubdtype(a.dtype, np.integer):
+        return None
+    return int(a) if a.ndim == 0 else tuple(int(x) for x in a)

@@ -1,0 +1,140 @@
+"""Shapes the ops fix (rnnfuse/op_shapes.py): every tensor's dims read from the declared types and the ops'
+shape rules, no inference. Exact where it answers (ONNX shape inference agrees on every number, and a symbol
+is only said where inference cannot give a number either), and it spares a big model's folds their cone
+inferences: torch's ``where(m, h, zeros_like(h))`` asks each step whether ``Shape(h)`` is a constant."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+import rnnfuse.model
+from rnnfuse.cone_types import ConeTypes
+from rnnfuse.graph import Model
+from rnnfuse.op_shapes import op_dims, shape_value
+
+
+def _i64(name, v):
+    return numpy_helper.from_array(np.asarray(v, np.int64), name)
+
+
+def _mixed_model():
+    """One graph using every rule: x [B, 6, 4], a [B, 1] mask, an LSTM, shape arithmetic on x's shape."""
+    H = 3
+    w = [numpy_helper.from_array(np.ones((4, 5), np.float32), "w"), numpy_helper.from_array(np.ones((5,), np.float32), "b"),
+         numpy_helper.from_array(np.ones((1, 4 * H, 4), np.float32), "W"),
+         numpy_helper.from_array(np.ones((1, 4 * H, H), np.float32), "R"),
+         _i64("i0", 0), _i64("i1", [1]), _i64("i2", [2]), _i64("ax0", [0]), _i64("ax1", [1]), _i64("ax_1", [-1]),
+         _i64("five", [5]), _i64("big", [2**40]), _i64("shape0m1", [0, -1]), _i64("shape_r", [6, -1]), _i64("two", 2)]
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["tx"], perm=[1, 0, 2]),  # [6, B, 4]
+        helper.make_node("Transpose", ["x"], ["tx3"], perm=[2, 0, 1]),  # [4, B, 6]
+        helper.make_node("MatMul", ["x", "w"], ["mm"]),  # [B, 6, 5]
+        helper.make_node("Add", ["mm", "b"], ["mmb"]),  # [B, 6, 5]
+        helper.make_node("Gather", ["x", "two"], ["x2"], axis=1),  # [B, 4]
+        helper.make_node("Gemm", ["x2", "w"], ["g"]),  # [B, 5]
+        helper.make_node("Where", ["m", "g", "zero"], ["wh"]),  # [B, 5]
+        helper.make_node("Slice", ["x", "i1", "i2", "ax1"], ["sl"]),  # [B, 1, 4]
+        helper.make_node("Slice", ["x", "i1", "big", "ax0"], ["sl_b"]),  # [?, 6, 4]: a symbolic extent cut
+        helper.make_node("Squeeze", ["sl", "ax1"], ["sq"]),  # [B, 4]
+        helper.make_node("Unsqueeze", ["sq", "ax_1"], ["usq"]),  # [B, 4, 1]
+        helper.make_node("Concat", ["sl", "x"], ["cat"], axis=1),  # [B, 7, 4]
+        helper.make_node("Concat", ["sl", "runtime3"], ["cat_r"], axis=1),  # [B, ?, 4]
+        helper.make_node("Shape", ["x"], ["xs"]),
+        helper.make_node("Gather", ["xs", "i0"], ["batch"], axis=0),  # B
+        helper.make_node("Unsqueeze", ["batch", "ax0"], ["batch1"]),  # [B]
+        helper.make_node("Concat", ["batch1", "five"], ["zshape"], axis=0),  # [B, 5]
+        helper.make_node("ConstantOfShape", ["zshape"], ["zeros"]),  # [B, 5]
+        helper.make_node("Expand", ["b", "zshape"], ["bx"]),  # [B, 5]
+        helper.make_node("Reshape", ["x", "shape0m1"], ["flat"]),  # [B, 24]: -1 not read here
+        helper.make_node("Reshape", ["x", "zshape"], ["rs"]),  # [B, 5]: (not run: a shape read only)
+        helper.make_node("Shape", ["x"], ["xs_tail"], start=-2),  # [2]
+        helper.make_node("Transpose", ["x"], ["xtt"], perm=[1, 0, 2]),
+        helper.make_node("LSTM", ["xtt", "W", "R"], ["y", "yh", "yc"], hidden_size=H),  # [6, 1, B, 3], [1, B, 3]
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 6, 4]),
+              helper.make_tensor_value_info("m", TensorProto.BOOL, ["B", 1]),
+              helper.make_tensor_value_info("zero", TensorProto.FLOAT, []),
+              helper.make_tensor_value_info("runtime3", TensorProto.FLOAT, None)]
+    outs = ["tx", "tx3", "mm", "mmb", "x2", "g", "wh", "sl", "sl_b", "sq", "usq", "cat", "cat_r", "zeros", "bx", "flat", "rs",
+            "xs_tail", "y", "yh", "yc"]
+    graph = helper.make_graph(nodes, "mixed", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+                                                        for o in outs], w)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), outs
+
+
+def test_dims_fixed_by_the_ops_agree_with_shape_inference(monkeypatch):
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)  # (a big model's view)
+    model, outs = _mixed_model()
+    g = Model(model).graph
+    got = {o: op_dims(g, o) for o in outs}
+    assert got == {
+        "tx": (6, "B", 4), "tx3": (4, "B", 6), "mm": ("B", 6, 5), "mmb": ("B", 6, 5), "x2": ("B", 4), "g": ("B", 5), "wh": ("B", 5),
+        "sl": ("B", 1, 4), "sl_b": (None, 6, 4), "sq": ("B", 4), "usq": ("B", 4, 1), "cat": ("B", 7, 4),
+        "cat_r": ("B", None, 4), "zeros": ("B", 5), "bx": ("B", 5), "flat": ("B", None), "rs": ("B", 5),
+        "xs_tail": (2,), "y": (6, 1, "B", 3), "yh": (1, "B", 3), "yc": (1, "B", 3)}
+    assert shape_value(g, "zshape") == ("B", 5) and shape_value(g, "batch") == "B"
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
+    dims = {v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in v.type.tensor_type.shape.dim]
+            for v in list(inferred.value_info) + list(inferred.output) if v.type.tensor_type.HasField("shape")}
+    checked = 0
+    for o, ds in got.items():
+        if o not in dims or ds is None:
+            continue
+        assert len(dims[o]) == len(ds), o
+        for mine, theirs in zip(ds, dims[o]):
+            if isinstance(mine, int):
+                assert theirs == mine, (o, ds, dims[o])
+                checked += 1
+            elif isinstance(mine, str):
+                assert not isinstance(theirs, int), (o, ds, dims[o])  # (a symbol: inference has no number either)
+    assert checked > 20
+
+
+def _masked_chain(T: int, batch="B"):
+    """torch's trace of ``h = where(m[:, t:t+1], tanh(x[:, t] @ W + h @ U), zeros_like(h))``, T steps, h0 =
+    zeros(x.size(0), H): each step's ``zeros_like(h)`` is ``ConstantOfShape(Shape(h))``."""
+    H, F = 4, 3
+    inits = [numpy_helper.from_array(np.full((F, H), 0.1, np.float32), "W"),
+             numpy_helper.from_array(np.full((H, H), 0.1, np.float32), "U"),
+             _i64("i0", 0), _i64("ax0", [0]), _i64("Hs", [H])]
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["bat0"], axis=0),
+             helper.make_node("Unsqueeze", ["bat0", "ax0"], ["bat1"]),
+             helper.make_node("Concat", ["bat1", "Hs"], ["hshape"], axis=0),
+             helper.make_node("ConstantOfShape", ["hshape"], ["hinit"])]
+    h = "hinit"
+    for t in range(T):
+        inits += [_i64(f"t{t}", t), _i64(f"s{t}", [t]), _i64(f"e{t}", [t + 1])]
+        nodes += [helper.make_node("Gather", ["x", f"t{t}"], [f"x{t}"], axis=1),
+                  helper.make_node("MatMul", [f"x{t}", "W"], [f"a{t}"]), helper.make_node("MatMul", [h, "U"], [f"b{t}"]),
+                  helper.make_node("Add", [f"a{t}", f"b{t}"], [f"c{t}"]), helper.make_node("Tanh", [f"c{t}"], [f"n{t}"]),
+                  helper.make_node("Slice", ["m", f"s{t}", f"e{t}", "ax1"], [f"m{t}"]),
+                  helper.make_node("Shape", [f"n{t}"], [f"ns{t}"]),
+                  helper.make_node("ConstantOfShape", [f"ns{t}"], [f"z{t}"]),
+                  helper.make_node("Where", [f"m{t}", f"n{t}", f"z{t}"], [f"h{t}"])]
+        h = f"h{t}"
+    inits.append(_i64("ax1", [1]))
+    graph = helper.make_graph(nodes, "masked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, T, F]),
+                                                helper.make_tensor_value_info("m", TensorProto.BOOL, [batch, T])],
+                              [helper.make_tensor_value_info(h, TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_symbolic_shape_is_not_inferred_to_be_declined_as_a_constant(monkeypatch):
+    """Deep in a 2,000-step chain, each step's ``zeros_like(h)`` is no constant (the batch is symbolic): the
+    ops say so, every step, and not one cone inference is started (each was one a step: 1,640 in a torch
+    export). With a static batch, the same zeros fold to a constant of the right shape, also without one."""
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
+    asked = []
+    real = ConeTypes.type_of
+    monkeypatch.setattr(ConeTypes, "type_of", lambda self, name, one_piece=False: asked.append(name) or
+                        real(self, name, one_piece))
+    T = 2000
+    g = Model(_masked_chain(T)).graph
+    assert all(g.const(f"z{t}") is None for t in (T - 1, 0, T // 2))
+    assert op_dims(g, f"h{T - 1}") == ("B", 4)
+    g = Model(_masked_chain(T, batch=2)).graph
+    z = g.const(f"z{T - 1}")
+    assert z is not None and z.shape == (2, 4) and not z.any()
+    assert asked == []

@@ -4,8 +4,9 @@ the map applied once to the whole sequence.
 What an unrolled export computes from each step's h without carrying it (a head ``fc(h_t)`` stacked on time,
 ``cat([h1_t, h2_t])`` of two cells side by side) is still there per step once the cells are fused: T copies
 of the map, each on its step ``Gather(Y, t)``, then T Unsqueezes and a Concat (a torch trace of a 100-step
-loop with a per-step head keeps ~400 small nodes next to one LSTM). When every copy is the same map on the
-same steps' offsets and the map treats every batch row on its own (proven per op by :mod:`rnnfuse.row_wise`:
+loop with a per-step head keeps ~400 small nodes next to one LSTM). When every copy is the same map, each
+reading the step after (or before: a backward cell's steps stacked in the forward order, read flipped once)
+the one the previous copy read, and the map treats every batch row on its own (proven per op by :mod:`rnnfuse.row_wise`:
 elementwise with constants that do not span rows, a matmul by a constant, concat along features ...), the
 stack is the map applied to every step's rows at once: ``map(Flatten(Y))`` reshaped to ``[T, B, K]``.
 """
@@ -15,10 +16,12 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto
 
+from rnnfuse import rewrite
 from rnnfuse.emit import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.graph import Graph, Model, attr
+from rnnfuse.op_shapes import known_rank
 from rnnfuse.rewrite import Rewrite, apply_rewrites
 from rnnfuse.row_wise import ROW_RANK, check_row_wise, folded_from_shapes, replay, unflatten
 
@@ -33,15 +36,25 @@ def _unsqueezed(g: Graph, name: str, axis: int) -> str | None:
     axes = g.const(p.input[1]) if len(p.input) > 1 else attr(p, "axes")
     if axes is None or [int(a) for a in np.asarray(axes).ravel()] not in ([axis], [axis - 3]):
         return None
-    return p.input[0] if g.model.rank(p.input[0]) == 2 else None
+    return p.input[0] if known_rank(g, p.input[0]) == 2 else None
 
 
 def _native_sequence(g: Graph, seq: str) -> bool:
-    """Whether ``seq`` ([T, B, H]) is a native recurrent op's Y with its direction axis squeezed."""
-    p = g.producer.get(seq)
-    if p is not None and p.op_type == "Squeeze":
-        p = g.producer.get(p.input[0])
-    return p is not None and p.op_type in _NATIVE and g.model.rank(seq) == 3
+    """Whether ``seq`` ([T, B, H]) is a native recurrent op's Y, its direction axis squeezed, perhaps sliced
+    on the way (one direction of a bidirectional op, a time flip: how the bidirectional merge and the
+    emitter hand a direction on). Only where the pass looks: any [T, B, H] tensor's rows are steps and batch
+    rows, which is all the map's proof reads."""
+    if known_rank(g, seq) != 3:
+        return False
+    name = seq
+    for _ in range(4):
+        p = g.producer.get(name)
+        if p is None or p.op_type not in _NATIVE + ("Squeeze", "Slice"):
+            return False
+        if p.op_type in _NATIVE:
+            return p.output[0] == name  # (Y, not a final state)
+        name = p.input[0]
+    return False
 
 
 def _step_of(g: Graph, name: str) -> tuple[str, int] | None:
@@ -56,14 +69,14 @@ def _step_of(g: Graph, name: str) -> tuple[str, int] | None:
 
 
 class _Map:
-    """One step's copy of the map: its nodes in evaluation order and a signature that is the same for every
-    copy of the same map over the same step offsets."""
+    """One step's copy of the map: its nodes in evaluation order, the steps it reads, and a signature that is the
+    same for every copy of the same map (which steps each copy reads: :func:`_step_runs`)."""
 
     def __init__(self, g: Graph, out: str, item: int):
         self.g, self.item = g, item
         self.nodes: list[NodeProto] = []
         self._index: dict[int, int] = {}  # node id -> its place in ``nodes``
-        self.steps: dict[str, tuple[str, int]] = {}  # tensor -> (sequence, offset of its step from the item's)
+        self.steps: dict[str, tuple[str, int]] = {}  # tensor -> (sequence, its step), in the order read
         self.consts: dict[str, np.ndarray] = {}
         self.refs: dict[str, tuple] = {}
         self.signature = (self._ref(out, set()), tuple(self._node_key(n) for n in self.nodes))
@@ -74,9 +87,9 @@ class _Map:
         g = self.g
         step = _step_of(g, name)
         c = g.const(name) if step is None else None
-        if step is not None:
-            self.steps[name] = (step[0], step[1] - self.item)
-            ref = ("step", step[0], step[1] - self.item)
+        if step is not None:  # (which step is read where: the same place in every copy; its step per copy,
+            self.steps[name] = step  # forward or backward with the item, _step_runs)
+            ref = ("step", step[0], len(self.steps) - 1)
         elif c is not None:  # a weight by its name; a copied constant by its value
             if folded_from_shapes(g, name):  # (from a step's static shape: it would bake [B, ...] in)
                 raise Decline(f"'{name}' is computed from the shape of a step")
@@ -119,6 +132,9 @@ def _stacked_map(g: Graph, cat: NodeProto) -> tuple[_Map, int, int] | None:
     first = maps[0]
     if not first.steps or any(m.signature != first.signature for m in maps[1:]):
         return None
+    runs = _step_runs(maps)
+    if runs is None:
+        return None
     rows = {name: ROW_RANK for name in first.steps}
     rows.update({name: 0 for name in first.consts})
     try:
@@ -128,18 +144,39 @@ def _stacked_map(g: Graph, cat: NodeProto) -> tuple[_Map, int, int] | None:
                 rows[o] = rank_out if any(rows.get(i) for i in n.input if i) else 0
     except Decline:
         return None
-    return first, axis, len(items)
+    return first, axis, len(items), runs
 
 
-def _emit(g: Graph, cat: NodeProto, m: _Map, axis: int, n_steps: int) -> str:
-    """The map applied once to steps [offset, offset + n_steps) of each sequence it reads, stacked on ``axis``."""
+def _step_runs(maps: list[_Map]) -> list[tuple[int, int]] | None:
+    """For each step the maps read (in the order read): ``(first step, +1 or -1)`` when copy k reads step
+    ``first + k`` of its sequence, or ``first - k`` (a backward cell's output stacked in the forward order:
+    torch's ``cat([hf[t], hb[T - 1 - t]])``); None when a read follows neither."""
+    runs = []
+    reads = [list(m.steps.values()) for m in maps]
+    for k, (_, start) in enumerate(reads[0]):
+        steps = [r[k][1] for r in reads]
+        if all(t == start + j for j, t in enumerate(steps)):
+            runs.append((start, 1))
+        elif all(t == start - j for j, t in enumerate(steps)):
+            runs.append((start, -1))
+        else:
+            return None
+    return runs
+
+
+def _emit(g: Graph, cat: NodeProto, m: _Map, axis: int, n_steps: int, runs: list[tuple[int, int]]) -> str:
+    """The map applied once to the steps each read runs over (``runs``: from a first step, forward or
+    backward, ``n_steps`` of them) of the sequence it reads, stacked on ``axis``."""
     b = Builder(g, cat, "rnnfuse/step_maps")
     env: dict[str, str] = {}
     like = None
-    for name, (seq, offset) in m.steps.items():
+    for (name, (seq, _)), (start, direction) in zip(m.steps.items(), runs):
         part, shape = seq, g.model.shape(seq)
-        if offset or not shape or shape[0] != n_steps:
-            part = b.op("Slice", seq, b.i64(offset), b.i64(offset + n_steps), b.i64(0))
+        if direction < 0:  # (rows start, start - 1, ...: a slice with step -1; past row 0 when it ends there)
+            end = start - n_steps if start - n_steps >= 0 else -(2**62)
+            part = b.op("Slice", seq, b.i64(start), b.i64(end), b.i64(0), b.i64(-1))
+        elif start or not shape or shape[0] != n_steps:
+            part = b.op("Slice", seq, b.i64(start), b.i64(start + n_steps), b.i64(0))
         like = like or part
         env[name] = b.op("Flatten", part, axis=2)
     for name, arr in m.consts.items():
@@ -162,15 +199,34 @@ class StackStepMaps:
         if not g.nodes_of(*_NATIVE):
             return res  # (no step to map: a Concat's items are not asked their ranks, a cone inferred each)
         rewrites = []
+        big = len(g.nodes) > rewrite.WHOLE_MODEL_LIMIT  # (validated whole, else on its first copies)
         for cat in g.nodes_of("Concat"):
             found = _stacked_map(g, cat)
             if found is None:
                 continue
-            m, axis, n_steps = found
-            new = _emit(g, cat, m, axis, n_steps)
+            m, axis, n_steps, runs = found
+            new = _emit(g, cat, m, axis, n_steps, runs)
             ops = "+".join(n.op_type for n in m.nodes)
             f = Finding(self.name, "stacked steps", cat.name or cat.output[0], "merged",
                         cell=f"{n_steps} per-step {ops} -> one over the sequence" if ops else f"{n_steps} steps -> one slice")
-            rewrites.append(Rewrite(f, {cat.output[0]: new}))
-        apply_rewrites(g, ctx, rewrites, res)
+            rw = Rewrite(f, {cat.output[0]: new})
+            if big and n_steps > PREFIX_COPIES:
+                rw.proxy = _prefix_check(g, cat, m, axis, runs)
+                rw.proxy_how = f"the first {PREFIX_COPIES} copies stacked"
+            rewrites.append(rw)
+        apply_rewrites(g, ctx, rewrites, res)  # (and the prefix checks' nodes, never connected, pruned)
         return res
+
+
+# the copies of a map a big model's check stacks (_prefix_check)
+PREFIX_COPIES = 4
+
+
+def _prefix_check(g: Graph, cat: NodeProto, m: _Map, axis: int, runs: list[tuple[int, int]]) -> dict[str, str]:
+    """What a big model validates in place of a stack: the stack of the first ``PREFIX_COPIES`` copies
+    (a Concat of theirs, added beside) against the map applied once to their steps. Every other copy is the
+    same map (its signature) on the step after the one before (``runs``), each op proven row-wise; what a
+    prefix does not see is proven so. 6,660 copies validated whole were a 33,000-node check model."""
+    b = Builder(g, cat, "rnnfuse/step_maps_check")
+    first = b.op("Concat", *cat.input[:PREFIX_COPIES], axis=attr(cat, "axis", 0))
+    return {first: _emit(g, cat, m, axis, PREFIX_COPIES, runs)}

@@ -17,7 +17,8 @@ T, B, F, H, K = 5, 3, 4, 6, 2
 def stacked_head(axis: int = 0, first: int = 0, miss: str = ""):
     """An RNN op over x, then per step t (from ``first``): relu(Y[t] @ V + c), unsqueezed on ``axis`` and
     concatenated. Near misses: ``per_step_weights`` (step t's own V), ``batch_mean`` (a mean over the batch
-    rows, no row-wise map), ``reversed`` (item j reads step T-1-j)."""
+    rows, no row-wise map), ``shuffled`` (item j reads step (2 j) mod T: neither forward nor backward).
+    ``backward``: item j reads step T-1-j (a backward cell's steps stacked in the forward order), no miss."""
     rng = np.random.default_rng(3)
     inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
         ("W", rng.standard_normal((1, H, F))), ("R", rng.standard_normal((1, H, H)) * 0.3),
@@ -29,7 +30,7 @@ def stacked_head(axis: int = 0, first: int = 0, miss: str = ""):
              helper.make_node("Squeeze", ["Y", "ax1"], ["Ys"])]
     items = []
     for j, t in enumerate(range(first, T)):
-        src = T - 1 - j if miss == "reversed" else t
+        src = T - 1 - j if miss == "backward" else (2 * j) % T if miss == "shuffled" else t
         V = "V"
         if miss == "per_step_weights":
             V = f"V{t}"
@@ -61,7 +62,18 @@ def _same_outputs(a, b):
 
 @pytest.mark.parametrize("axis,first", [(0, 0), (1, 0), (0, 2), (1, 1)])
 def test_a_stacked_per_step_head_runs_once_on_the_sequence(axis, first):
-    model = stacked_head(axis, first)
+    _fused_once(stacked_head(axis, first))
+
+
+@pytest.mark.parametrize("axis, first", [(0, 0), (1, 0), (0, 1)])
+def test_steps_read_backward_are_flipped_once(axis, first):
+    """Item j reads step T-1-j (torch's ``cat([hf[t], hb[T - 1 - t]])`` of a hand-written bidirectional loop:
+    6,660 such copies were left beside one bidirectional op): the map runs once on the steps read backward,
+    one slice with step -1 (from the last step, to row 0 included)."""
+    _fused_once(stacked_head(axis, first, miss="backward"))
+
+
+def _fused_once(model):
     fused, report = rnnfuse.optimize(model)
     merged = [f for f in report.findings if f.pass_name == "step-maps" and f.status == "merged"]
     assert len(merged) == 1, report.to_text()
@@ -70,7 +82,7 @@ def test_a_stacked_per_step_head_runs_once_on_the_sequence(axis, first):
     _same_outputs(model, fused)
 
 
-@pytest.mark.parametrize("miss", ["per_step_weights", "batch_mean", "reversed"])
+@pytest.mark.parametrize("miss", ["per_step_weights", "batch_mean", "shuffled"])
 def test_maps_that_differ_by_step_or_mix_rows_stay(miss):
     model = stacked_head(miss=miss)
     fused, report = rnnfuse.optimize(model)
@@ -156,3 +168,22 @@ def test_a_map_reading_a_long_computation_is_declined_without_recursing_through_
              "z": np.random.default_rng(1).standard_normal((B, K)).astype(np.float32)}
     for p, q in zip(session(model).run(None, feeds), session(fused).run(None, feeds)):
         np.testing.assert_allclose(q, p, atol=1e-5)
+
+
+def test_a_big_model_checks_the_first_copies_of_a_stack(monkeypatch):
+    """Beyond the whole-model limit a stack is validated on its first copies stacked (a Concat of theirs added
+    beside, never connected) against the map run once on their steps; the rest is the same map on the next
+    steps. A stack read the wrong way (each copy said to read the step after, not the one before) fails it."""
+    from rnnfuse import rewrite
+    from rnnfuse.passes import step_maps
+
+    monkeypatch.setattr(rewrite, "WHOLE_MODEL_LIMIT", 0)
+    model = stacked_head(miss="backward")
+    fused, report = rnnfuse.optimize(model)
+    assert f"the first {step_maps.PREFIX_COPIES} copies stacked" in report.to_text()
+    assert op_counts(fused).get("Gather", 0) == 0 and "step_maps_check" not in str(fused.graph.node)
+    _same_outputs(model, fused)
+    monkeypatch.setattr(step_maps, "_step_runs", lambda maps: [(m[1], 1) for m in maps[0].steps.values()])
+    fused, report = rnnfuse.optimize(model)
+    assert "declined" in report.to_text() and op_counts(fused) == op_counts(model), report.to_text()
+    _same_outputs(model, fused)

@@ -186,8 +186,8 @@ def shape_derived(g: Graph, name: str) -> bool:
 
 
 def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
-    """How many leading unit axes a [*, B, N] value has: the known rank - 2 (``Model.known_type``), or
-    followed through Unsqueeze/Squeeze(axis 0) and elementwise ops."""
+    """How many leading unit axes a [*, B, N] value has: the known rank - 2 (what its ops fix, else
+    ``Model.known_type``), or followed through Unsqueeze/Squeeze(axis 0) and elementwise ops."""
     memo = g.model.facts.lead
     if name in memo:
         return memo[name]
@@ -197,7 +197,12 @@ def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
         # 16,000 nodes for a bidirectional torch trace, queried from its last step)
         memo[name] = 0
         return 0
-    t = g.model.known_type(name)
+    from .op_shapes import op_dims  # (op_shapes builds on dataflow's walks)
+
+    # (the rank its ops fix first: inferring each step's output cone cost a hand-written bidirectional RNN
+    # of 6,660 steps 0.4 s)
+    dims = op_dims(g, name)
+    t = (None, dims) if dims is not None else g.model.known_type(name)
     out = None
     if t is not None and t[1] is not None:
         out = max(len(t[1]) - 2, 0)

@@ -243,7 +243,8 @@ def _static_shape(graph: "Graph", name: str) -> list | None:
     somewhere) is not inferred to learn that (:func:`rnnfuse.op_shapes.op_dims`)."""
     from .op_shapes import op_dims  # (its walks build on the graph index, which folds through here)
 
-    fixed = op_dims(graph, name)
+    t = graph.model.settled_type(name)  # (what is known already costs nothing: a 100k-node prologue's walk)
+    fixed = tuple(t[1]) if t is not None and t[1] is not None else op_dims(graph, name)
     if fixed is not None and any(isinstance(d, str) for d in fixed):
         return None
     if fixed is not None and all(isinstance(d, int) for d in fixed):

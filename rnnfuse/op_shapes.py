@@ -3,8 +3,9 @@
 A fold of ``Shape(h)`` asks whether h's shape is static; in a big model that meant inferring h's cone, and a
 long chain asks it of every step (torch's ``where(m, h, zeros_like(h))`` writes ``ConstantOfShape(Shape(h))``
 each step: 1,640 cone inferences to learn, each time, that the batch is symbolic). Here the dims of every
-tensor are worked out once from the types the file (or an edit) declares and the ops' shape rules, one
-bottom-up walk over what the tensor is computed from, memoised for the run (tensor names are never reused,
+tensor are worked out once from the types known without a new inference (what the file or an edit declares,
+what an inference already run established) and the ops' shape rules, one bottom-up walk over what the tensor
+is computed from, memoised for the run (tensor names are never reused,
 and a rewrite replaces a tensor by one of the same values: the dims stay true).
 
 A dim is an int, a str (a symbolic extent: it varies at run time), or None (not known here); the dims are
@@ -44,11 +45,20 @@ def shape_value(g: Graph, name: str):
     return _fixed(g, (_VALUE, name))
 
 
-def known_rank(g: Graph, name: str) -> int | None:
-    """``name``'s rank: what its ops fix, else what its type says (a query that only filters: no cone too big
-    for one inference is inferred; a stack of 6,660 steps asked each step's rank, and the budget ran out)."""
+def known_dims(g: Graph, name: str):
+    """``name``'s dims: known already or fixed by its ops (:func:`op_dims`), else what a type query gives (one
+    that only filters: no cone too big for one inference is inferred; a stack of 6,660 steps asked each step's
+    rank, and the budget ran out)."""
     dims = op_dims(g, name)
-    return len(dims) if dims is not None else g.model.rank(name)
+    if dims is None:
+        t = g.model.known_type(name)
+        dims = tuple(t[1]) if t is not None and t[1] is not None else None
+    return dims
+
+
+def known_rank(g: Graph, name: str) -> int | None:
+    dims = known_dims(g, name)
+    return None if dims is None else len(dims)
 
 
 def varies_at_run_time(g: Graph, name: str) -> bool:
@@ -79,7 +89,8 @@ def _close(g: Graph, key: tuple, memo: dict):
 
 def _open_dims(g: Graph, key: tuple, memo: dict):
     cur = key[1]
-    t = g.model.declared_type(cur)
+    # (declared, or established by an inference already run: a walk stops there, not 100,000 prologue nodes on)
+    t = g.model.settled_type(cur)
     if t is not None and t[1] is not None:
         memo[key] = tuple(t[1])
         return None

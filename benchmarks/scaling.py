@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,wide,heavy,heavy_ext]
+                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,wide,heavy,heavy_ext]
                                  [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
@@ -427,6 +427,8 @@ def main(argv=None) -> int:
         "`head` / `prologue`: the shipped Keras example (two masked Loops and a bidirectional pair to fuse) with "
         "the given number of nodes reading its output (MatMul/Tanh/Add/Sigmoid) or computing its input "
         "(x * 1 + 0): a big model with a small fusion. "
+        "`stepcalls`: torch's trace of a 2-layer `nn.LSTM` called once per step (~30 nodes/step), merged into one "
+        "LSTM per layer. "
         "`wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "

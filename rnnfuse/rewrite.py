@@ -43,7 +43,8 @@ class Rewrite:
     cell_rec: Recurrence | None = None  # a recurrence with step checks: validated per step in a big model
     gate: Callable[[Finding], bool] | None = None  # a last word before judging (False: leave it uncommitted)
     # pairs validated in place of the replacements: a smaller rewrite proven to stand for this one, built beside
-    # it and never connected (a big model's merge of per-step native ops: passes/step_chains.prefix_check)
+    # it and never connected (a big model's merge of per-step native ops, a stack of per-step maps: their
+    # first few, passes/step_chains.prefix_check and passes/step_maps._prefix_check)
     proxy: dict | None = None
     proxy_how: str = ""  # what the proxy is, for the finding's validation note
 

@@ -246,7 +246,7 @@ def _settled_rank(g: Graph, name: str, depth: int, memo: dict) -> int | None:
         perm = attr(p, "perm", None)
         return len(perm) if perm else settled_rank(g, p.input[0], depth + 1, memo)
     if op in ("Squeeze", "Unsqueeze"):
-        axes = op_args.axes(p, g.model.opset, lambda i: _literal(g, p.input[i]))
+        axes = op_args.axes(p, g.model.opset, lambda i: literal_value(g, p.input[i]))
         inner = settled_rank(g, p.input[0], depth + 1, memo) if axes is not None else None
         if inner is None:
             return None  # (a Squeeze of no axes drops every unit axis: what the shape says)
@@ -334,7 +334,7 @@ def _settled_dim(g: Graph, name: str, axis: int, depth: int, memo: dict) -> int 
 def _unit_axes_dim(g: Graph, p, axis: int, depth: int, memo: dict) -> int | None:
     """:func:`settled_dim` of a Squeeze's or an Unsqueeze's output with literal axes: the input's extent on
     the axis this one was (an inserted axis: 1)."""
-    axes = op_args.axes(p, g.model.opset, lambda i: _literal(g, p.input[i]))
+    axes = op_args.axes(p, g.model.opset, lambda i: literal_value(g, p.input[i]))
     rank_in = settled_rank(g, p.input[0], 0, memo)
     if axes is None or rank_in is None:
         return None
@@ -373,7 +373,7 @@ def _concatenated_dim(g: Graph, p, axis: int, depth: int, memo: dict) -> int | N
 
 def _sliced_dim(g: Graph, p, axis: int, depth: int, memo: dict) -> int | None:
     """:func:`settled_dim` of a Slice's output: the input's extent, cut by the literal bounds on that axis."""
-    starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, lambda i: _literal(g, p.input[i]))
+    starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, lambda i: literal_value(g, p.input[i]))
     rank = settled_rank(g, p.input[0], 0, memo)
     if None in (starts, ends, axes, steps) or rank is None or not -rank <= axis < rank:
         return None
@@ -386,8 +386,9 @@ def _sliced_dim(g: Graph, p, axis: int, depth: int, memo: dict) -> int | None:
     return len(range(*slice(starts[k], ends[k], steps[k]).indices(d)))
 
 
-def _literal(g: Graph, name: str) -> np.ndarray | None:
-    """The value of an initializer or a Constant's output (no fold: a fold may infer types)."""
+def literal_value(g: Graph, name: str) -> np.ndarray | None:
+    """The value of an initializer or a Constant's output (no fold: a fold may infer types, and a walk that
+    reads shapes without inference must not start one)."""
     p = g.producer.get(name)
     if name in g.initializers or (p is not None and p.op_type == "Constant"):
         return g.const(name)

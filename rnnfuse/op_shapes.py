@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from . import op_args
 from .cells.kinds import output_dims
-from .dataflow import post_order
+from .dataflow import literal_value, post_order
 from .graph import Graph
 from .protos import attr, node_field
 
@@ -194,16 +194,8 @@ def _attr(p, name: str, default=None):
     return attr(p, name, default) if node_field(p, "attribute") else default
 
 
-def _literal(g: Graph, name: str):
-    """An initializer's or a Constant's value (no fold: this walk must not start one)."""
-    p = g.producer.get(name)
-    if name in g.initializers or (p is not None and p.op_type == "Constant"):
-        return g.const(name)
-    return None
-
-
 def _unit_axes(g: Graph, p, first):
-    axes = op_args.axes(p, g.model.opset, lambda i: _literal(g, p.input[i]))
+    axes = op_args.axes(p, g.model.opset, lambda i: literal_value(g, p.input[i]))
     if first is None or axes is None:
         return None
     if p.op_type == "Squeeze":
@@ -220,7 +212,7 @@ def _unit_axes(g: Graph, p, first):
 def _sliced(g: Graph, p, first):
     if first is None:
         return None
-    literal = lambda i: _literal(g, p.input[i])  # noqa: E731
+    literal = lambda i: literal_value(g, p.input[i])  # noqa: E731
     starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, literal)
     if axes is None:
         return None  # (which axes it cuts is not known)
@@ -305,7 +297,7 @@ _SHAPE_ARITH = frozenset(("Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "
 
 def _open_value(g: Graph, key: tuple, memo: dict):
     cur = key[1]
-    c = _literal(g, cur)
+    c = literal_value(g, cur)
     if c is not None:
         memo[key] = _as_value(c)
         return None
@@ -330,9 +322,9 @@ def _close_value(g: Graph, cur: str, memo: dict):
     if op == "Concat":
         parts = [memo.get((_VALUE, i)) for i in p.input if i]
         return None if any(not isinstance(v, tuple) for v in parts) else sum(parts, ())
-    literal = lambda i: _literal(g, p.input[i])  # noqa: E731
+    literal = lambda i: literal_value(g, p.input[i])  # noqa: E731
     if op == "Gather":
-        idx = _literal(g, p.input[1])
+        idx = literal_value(g, p.input[1])
         if not isinstance(first, tuple) or idx is None or idx.ndim > 1 or _attr(p, "axis", 0) not in (0, -1):
             return None
         picks = [int(i) for i in idx.ravel()]

@@ -89,21 +89,18 @@ class _StateFlow:
     def __init__(self, g: Graph):
         self.g = g
         self._parts: dict[int, tuple[str, NodeProto] | None] = {}
-        # settled_dim / settled_rank answers, shared by the run's queries (nothing the pass asks about is
-        # rewired before its rewrites are committed; each state's Concat reaches the same ops' outputs)
-        self._settled: dict = {}
 
     def extent(self, name: str, axis: int) -> int | None:
         """Extent ``axis`` of ``name``: what the ops fix first (no inference: a per-step state's Concat of native
         ops' ``Y_h``), else what its type says."""
-        d = settled_dim(self.g, name, axis, memo=self._settled)
+        d = settled_dim(self.g, name, axis)
         if d is None:
             shape = self.g.model.shape(name)
             d = shape[axis] if shape and -len(shape) <= axis < len(shape) else None
         return d if isinstance(d, int) else None
 
     def rank(self, name: str) -> int | None:
-        r = settled_rank(self.g, name, memo=self._settled)
+        r = settled_rank(self.g, name)
         return r if r is not None else self.g.model.rank(name)
 
     def part_sliced(self, n: NodeProto) -> tuple[str, NodeProto] | None:

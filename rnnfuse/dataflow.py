@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import op_args
-from .cells.kinds import output_dims
 from .graph import Graph, attr
 from .protos import has_subgraph
 
@@ -219,171 +217,34 @@ def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
     return out
 
 
-def settled_rank(g: Graph, name: str, depth: int = 0, memo: dict | None = None) -> int | None:
-    """The rank of ``name`` where it costs no inference: what :meth:`Model.settled_type` holds (declared, or
-    established by an earlier query), else read from an op that fixes its output's rank: a Transpose's
-    ``perm``, a Squeeze or Unsqueeze with known axes, a Reshape to a constant shape, ops that keep their input's
-    rank. Exact where it answers (None otherwise), so a filter may reject by it what inference would: a
-    600-layer transformer's q, k, v are slices of a rank-4 tensor, 600 cones inferred to learn that."""
-    # (memoised per query by depth, so an answer is the one the plain recursion gives: a broadcast reads every
-    # input, and a GRU step's ``(1 - z) * n + z * h`` reaches the step before twice: a walk per path, unshared)
-    memo = {} if memo is None else memo
-    key = ("rank", name, depth)
-    if key not in memo:
-        memo[key] = _settled_rank(g, name, depth, memo)
-    return memo[key]
+def settled_rank(g: Graph, name: str) -> int | None:
+    """The rank of ``name`` where it costs no inference: what a settled type says, else what its ops fix
+    (:func:`rnnfuse.op_shapes.op_dims`). Exact where it answers (None otherwise), so a filter may reject by it
+    what inference would: a 600-layer transformer's q, k, v are slices of a rank-4 tensor, 600 cones inferred
+    to learn that."""
+    from .op_shapes import op_dims  # (op_shapes builds on dataflow's walks)
+
+    dims = op_dims(g, name)
+    return None if dims is None else len(dims)
 
 
-def _settled_rank(g: Graph, name: str, depth: int, memo: dict) -> int | None:
-    t = g.model.settled_type(name)
-    if t is not None and t[1] is not None:
-        return len(t[1])
+def settled_dim(g: Graph, name: str, axis: int) -> int | None:
+    """Extent ``axis`` of ``name`` where it costs no inference, as a number (None: not known so, or symbolic):
+    what its ops fix (:func:`rnnfuse.op_shapes.op_dims`), and a MatMul's width from its weight where the other
+    operand's rank is not known (the dims cannot say that alone). torch's ``chunk`` of a step's
+    ``x @ W.T + b`` slices at bounds computed from ``Shape(...)[1]``: a cone inference a step (5 s for 1,900
+    steps) to learn a number the weight says."""
+    from .op_shapes import op_dims
+
+    dims = op_dims(g, name)
+    if dims is not None:
+        d = dims[axis] if -len(dims) <= axis < len(dims) else None
+        return d if isinstance(d, int) else None
     p = g.producer.get(name)
-    if p is None or depth >= 16 or p.domain not in ("", "ai.onnx"):
+    if p is None or p.op_type != "MatMul" or axis != -1 or p.domain not in ("", "ai.onnx"):
         return None
-    op = p.op_type
-    if op == "Transpose":
-        perm = attr(p, "perm", None)
-        return len(perm) if perm else settled_rank(g, p.input[0], depth + 1, memo)
-    if op in ("Squeeze", "Unsqueeze"):
-        axes = op_args.axes(p, g.model.opset, lambda i: literal_value(g, p.input[i]))
-        inner = settled_rank(g, p.input[0], depth + 1, memo) if axes is not None else None
-        if inner is None:
-            return None  # (a Squeeze of no axes drops every unit axis: what the shape says)
-        return inner - len(axes) if op == "Squeeze" else inner + len(axes)
-    if op == "Reshape":  # (as many axes as the shape it is given has entries)
-        shape = g.model.settled_type(p.input[1])
-        n = shape[1][0] if shape is not None and shape[1] is not None and len(shape[1]) == 1 else None
-        return n if isinstance(n, int) else None
-    if op in _KEEPS_RANK:
-        return settled_rank(g, p.input[0], depth + 1, memo)
-    if op == "Gemm":
-        return 2
-    if op in ("Add", "Sub", "Mul", "Div"):  # (broadcasting: the largest rank, every input's known)
-        ranks = [settled_rank(g, i, depth + 1, memo) for i in p.input]
-        return None if None in ranks else max(ranks)
-    if op == "Concat":  # (every input has the output's rank: the first is asked, a walk each was 0.25 s for
-        return settled_rank(g, p.input[0], depth + 1, memo) if p.input else None  # 1,500 stacks of 16)
-    native = output_dims(p, list(p.output).index(name))
-    return None if native is None else len(native)
-
-
-# ops whose output has their first input's shape
-_SAME_SHAPE = ("Relu", "Tanh", "Sigmoid", "Identity", "Cast", "Neg", "Abs", "Exp", "Softmax", "LeakyRelu", "Elu")
-
-
-def settled_dim(g: Graph, name: str, axis: int, depth: int = 0, memo: dict | None = None) -> int | None:
-    """Extent ``axis`` of ``name`` where it costs no inference (as :func:`settled_rank`): a settled type's, else
-    read from the op: a Gemm's or a MatMul's output width from its weight, a broadcast's from the operand that
-    has the axis, shape-keeping ops. Exact where it answers: torch's ``chunk`` of a step's ``x @ W.T + b``
-    slices at bounds computed from ``Shape(...)[1]``, one cone inference a step (5 s for 1,900 steps)."""
-    memo = {} if memo is None else memo  # (per query, as settled_rank's)
-    key = ("dim", name, axis, depth)
-    if key not in memo:
-        memo[key] = _settled_dim(g, name, axis, depth, memo)
-    return memo[key]
-
-
-def _settled_dim(g: Graph, name: str, axis: int, depth: int, memo: dict) -> int | None:
-    t = g.model.settled_type(name)
-    dims = t[1] if t is not None else None
-    if dims is not None and -len(dims) <= axis < len(dims) and isinstance(dims[axis], int):
-        return dims[axis]
-    p = g.producer.get(name)
-    if p is None or depth >= 16 or p.domain not in ("", "ai.onnx"):
-        return None
-    op, rank = p.op_type, len(dims) if dims is not None else None
-    if op in _SAME_SHAPE:
-        return settled_dim(g, p.input[0], axis, depth + 1, memo)
-    if op == "Gemm":  # (2-D: [M, N])
-        if axis not in (-2, -1, 0, 1):
-            return None
-        col = axis % 2
-        return settled_dim(g, p.input[col], 1 - col if attr(p, "transA" if col == 0 else "transB", 0) else col,
-                           depth + 1, memo)
-    if op == "MatMul" and (axis == -1 or (rank is not None and axis == rank - 1)):
-        w = p.input[1]
-        return settled_dim(g, w, -1, depth + 1, memo) if (settled_rank(g, w, 0, memo) or 0) >= 2 else None
-    if op in ("Add", "Sub", "Mul", "Div"):
-        ranks = [settled_rank(g, i, 0, memo) for i in p.input]
-        if None in ranks:
-            return None
-        pos = axis - max(ranks) if axis >= 0 else axis  # (counted from the end, as broadcasting aligns)
-        found = [settled_dim(g, i, pos, depth + 1, memo) if r >= -pos else 1 for i, r in zip(p.input, ranks)]
-        wide = [d for d in found if d is not None and d != 1]
-        return wide[0] if wide else (1 if None not in found else None)
-    if op == "Transpose":  # (axis k of the output is axis perm[k] of the input)
-        perm = attr(p, "perm", None)
-        if not perm or not -len(perm) <= axis < len(perm):
-            return None
-        return settled_dim(g, p.input[0], perm[axis], depth + 1, memo)
-    if op == "Slice":
-        return _sliced_dim(g, p, axis, depth, memo)
-    if op == "Concat":
-        return _concatenated_dim(g, p, axis, depth, memo)
-    if op in ("Squeeze", "Unsqueeze"):
-        return _unit_axes_dim(g, p, axis, depth, memo)
-    native = output_dims(p, list(p.output).index(name))  # (a native recurrent op: the spec fixes its outputs)
-    if native is None or not -len(native) <= axis < len(native):
-        return None
-    d = native[axis]
-    return d if isinstance(d, int) else settled_dim(g, p.input[d[0]] if len(p.input) > d[0] else "", d[1],
-                                                    depth + 1, memo)
-
-
-def _unit_axes_dim(g: Graph, p, axis: int, depth: int, memo: dict) -> int | None:
-    """:func:`settled_dim` of a Squeeze's or an Unsqueeze's output with literal axes: the input's extent on
-    the axis this one was (an inserted axis: 1)."""
-    axes = op_args.axes(p, g.model.opset, lambda i: literal_value(g, p.input[i]))
-    rank_in = settled_rank(g, p.input[0], 0, memo)
-    if axes is None or rank_in is None:
-        return None
-    squeeze = p.op_type == "Squeeze"
-    rank = rank_in - len(axes) if squeeze else rank_in + len(axes)
-    if not -rank <= axis < rank:
-        return None
-    axis %= rank
-    if squeeze:  # (the output's axes are the input's but the squeezed ones, in order)
-        gone = {a % rank_in for a in axes}
-        kept = [a for a in range(rank_in) if a not in gone]
-        return settled_dim(g, p.input[0], kept[axis], depth + 1, memo)
-    added = {a % rank for a in axes}
-    if axis in added:
-        return 1
-    return settled_dim(g, p.input[0], axis - sum(1 for a in added if a < axis), depth + 1, memo)
-
-
-def _concatenated_dim(g: Graph, p, axis: int, depth: int, memo: dict) -> int | None:
-    """:func:`settled_dim` of a Concat's output: the sum of the inputs' extents on the joined axis, else the
-    first input's (they all share it)."""
-    parts = [i for i in p.input if i]
-    rank = settled_rank(g, p.output[0], 0, memo)
-    if rank is None or not -rank <= axis < rank or not parts:
-        return None
-    if axis % rank == attr(p, "axis", 0) % rank:
-        total = 0
-        for i in parts:  # (stops at the first not known)
-            d = settled_dim(g, i, axis, depth + 1, memo)
-            if d is None:
-                return None
-            total += d
-        return total
-    return settled_dim(g, parts[0], axis, depth + 1, memo)  # (the inputs share it: the first is asked)
-
-
-def _sliced_dim(g: Graph, p, axis: int, depth: int, memo: dict) -> int | None:
-    """:func:`settled_dim` of a Slice's output: the input's extent, cut by the literal bounds on that axis."""
-    starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, lambda i: literal_value(g, p.input[i]))
-    rank = settled_rank(g, p.input[0], 0, memo)
-    if None in (starts, ends, axes, steps) or rank is None or not -rank <= axis < rank:
-        return None
-    axis %= rank
-    d = settled_dim(g, p.input[0], axis, depth + 1, memo)
-    cut = [k for k, a in enumerate(axes) if a % rank == axis]
-    if d is None or not cut:
-        return d
-    k = cut[0]
-    return len(range(*slice(starts[k], ends[k], steps[k]).indices(d)))
+    w = op_dims(g, p.input[1])
+    return w[-1] if w is not None and len(w) >= 2 and isinstance(w[-1], int) else None
 
 
 def literal_value(g: Graph, name: str) -> np.ndarray | None:
@@ -396,13 +257,16 @@ def literal_value(g: Graph, name: str) -> np.ndarray | None:
 
 
 # ops whose output has their first input's rank
-_KEEPS_RANK = _SAME_SHAPE + ("Slice",)
+_KEEPS_RANK = ("Relu", "Tanh", "Sigmoid", "Identity", "Cast", "Neg", "Abs", "Exp", "Softmax", "LeakyRelu", "Elu",
+               "Slice")
 
 
 def rank_of(g: Graph, name: str, depth: int = 0) -> int | None:
     """The rank of ``name``: the known one (``Model.rank``), or read from how it was computed where the file
     and shape inference leave it unknown (tf2onnx at opset 13 declares nothing after a Reshape to a computed
-    shape): a Transpose's ``perm``, a Reshape's shape of static length, and ops that keep their input's rank."""
+    shape): a Transpose's ``perm``, a Reshape's shape of static length, and ops that keep their input's rank.
+    Unlike :func:`settled_rank` it infers and folds at each step back (the Loop front end's questions: an
+    answer missed declines a loop, and the loops' graphs are small), hence its own few rules."""
     r = g.model.rank(name)
     if r is not None or depth >= 16:
         return r

@@ -264,21 +264,6 @@ def _fixed_picks(graph: "Graph", name: str) -> np.ndarray | None:
     return None
 
 
-def _settled_picks(graph: "Graph", node: onnx.NodeProto, shape_node: onnx.NodeProto) -> np.ndarray | None:
-    """``Gather(Shape(x), idx)`` read from how x was made, where that costs no inference
-    (:func:`rnnfuse.dataflow.settled_dim`; None: not known so)."""
-    if node.op_type != "Gather" or attr(node, "axis", 0) != 0 or _shape_range(shape_node) != (0, None):
-        return None
-    idx = graph.const(node.input[1])
-    if idx is None or not np.issubdtype(np.asarray(idx).dtype, np.integer):
-        return None
-    from .dataflow import settled_dim  # (dataflow's walks build on the graph index, which folds through here)
-
-    idx = np.asarray(idx)
-    dims = [settled_dim(graph, shape_node.input[0], int(i)) for i in idx.ravel()]
-    return None if None in dims else np.array(dims, dtype=np.int64).reshape(idx.shape)
-
-
 def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray | None:
     """Fold the output ``name`` of ``node`` if all of the node's inputs are constants."""
     if node.op_type in ("Loop", "Scan", "If", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"):
@@ -294,8 +279,6 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
         # Keras' time-step count): Gather/Slice of Shape(x) where the entries picked are known
         p = graph.producer.get(node.input[0])
         settled = _fixed_picks(graph, name) if p is not None and p.op_type == "Shape" else None
-        if settled is None and p is not None and p.op_type == "Shape":
-            settled = _settled_picks(graph, node, p)
         if settled is not None:
             return settled
         if p is not None and p.op_type == "Shape":

@@ -73,9 +73,11 @@ _DIMS, _VALUE = "d", "v"
 
 
 def _fixed(g: Graph, key: tuple):
-    if g.parent is not None or not key[1]:
-        return None  # (a subgraph's values: what a body reads from outside is not followed)
-    memo = g.model.facts.op_shapes
+    if not key[1]:
+        return None
+    # (a body's answers are kept for one query only: its index may be rebuilt while the run's memo lives; what
+    # it reads from outside is not followed, only what a settled type says)
+    memo = g.model.facts.op_shapes if g.parent is None else {}
     return post_order(key, memo, lambda cur: _open(g, cur, memo), lambda cur: _close(g, cur, memo))
 
 
@@ -99,7 +101,9 @@ def _open_dims(g: Graph, key: tuple, memo: dict):
         memo[key] = None
         return None
     op = p.op_type
-    if op in ("Reshape", "Expand"):  # (the data's dims and the shape's values)
+    if op == "Reshape":  # (the data's dims, the shape's values, and its length: the rank where they are not known)
+        return [(_DIMS, p.input[0]), (_VALUE, p.input[1]), (_DIMS, p.input[1])]
+    if op == "Expand":  # (the data's dims and the shape's values)
         return [(_DIMS, p.input[0]), (_VALUE, p.input[1])]
     if op == "ConstantOfShape":
         return [(_VALUE, p.input[0])]
@@ -127,9 +131,10 @@ def _close_dims(g: Graph, cur: str, memo: dict):
     if op in _BROADCAST:
         return _broadcast([d for i, d in zip(p.input, ins) if i])
     if op == "Transpose":
-        if first is None:
-            return None
-        perm = _attr(p, "perm", None) or list(range(len(first)))[::-1]
+        perm = _attr(p, "perm", None)
+        if first is None:  # (the perm says the rank)
+            return (None,) * len(perm) if perm else None
+        perm = perm or list(range(len(first)))[::-1]
         return tuple(first[k] for k in perm) if sorted(perm) == list(range(len(first))) else None
     if op in ("Squeeze", "Unsqueeze"):
         return _unit_axes(g, p, first)
@@ -144,7 +149,7 @@ def _close_dims(g: Graph, cur: str, memo: dict):
     if op == "Gather":
         return _gathered(p, ins)
     if op == "Reshape":
-        return _reshaped(p, first, memo.get((_VALUE, p.input[1])))
+        return _reshaped(p, first, memo.get((_VALUE, p.input[1])), memo.get((_DIMS, p.input[1])))
     if op == "ConstantOfShape":
         value = memo.get((_VALUE, p.input[0]))
         return value if isinstance(value, tuple) else None
@@ -214,11 +219,11 @@ def _sliced(g: Graph, p, first):
         return None
     literal = lambda i: literal_value(g, p.input[i])  # noqa: E731
     starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, literal)
-    if axes is None:
-        return None  # (which axes it cuts is not known)
     rank = len(first)
     if not rank:
         return None
+    if axes is None:
+        return (None,) * rank  # (which axes it cuts is not known: only the rank, which a Slice keeps)
     out = list(first)
     for k, a in enumerate(axes):
         a %= rank
@@ -276,12 +281,15 @@ def _gathered(p, ins: list):
     return data[:axis] + idx + data[axis + 1:]
 
 
-def _reshaped(p, first, shape):
-    if not isinstance(shape, tuple) or None in shape:
-        return None  # (an entry not known: which axis takes what the data's size leaves is not known)
+def _reshaped(p, first, shape, shape_dims):
+    if not isinstance(shape, tuple):  # (as many axes as the shape has entries)
+        n = shape_dims[0] if shape_dims is not None and len(shape_dims) == 1 else None
+        return (None,) * n if isinstance(n, int) else None
     out = []
     for k, v in enumerate(shape):
-        if isinstance(v, str) or v > 0:
+        if v is None:
+            out.append(None)  # (an entry not known: a number, a copy of the data's, or what its size leaves)
+        elif isinstance(v, str) or v > 0:
             out.append(v)
         elif v == 0 and not _attr(p, "allowzero", 0):
             out.append(first[k] if first is not None and k < len(first) else None)

@@ -52,13 +52,20 @@ def _mixed_model():
         helper.make_node("Shape", ["x"], ["xs_tail"], start=-2),  # [2]
         helper.make_node("Transpose", ["x"], ["xtt"], perm=[1, 0, 2]),
         helper.make_node("LSTM", ["xtt", "W", "R"], ["y", "yh", "yc"], hidden_size=H),  # [6, 1, B, 3], [1, B, 3]
+        # only the rank known: a shape of runtime values but known length, a perm of an input of unknown shape,
+        # a Slice of runtime axes
+        helper.make_node("Reshape", ["x", "runtime_shape"], ["rs_rt"]),  # [?, ?, ?]
+        helper.make_node("Transpose", ["runtime3"], ["t_rt"], perm=[1, 0, 2]),  # [?, ?, ?]
+        helper.make_node("Slice", ["x", "i1", "i2", "runtime_axes"], ["sl_rt"]),  # [?, ?, ?]
     ]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 6, 4]),
               helper.make_tensor_value_info("m", TensorProto.BOOL, ["B", 1]),
               helper.make_tensor_value_info("zero", TensorProto.FLOAT, []),
-              helper.make_tensor_value_info("runtime3", TensorProto.FLOAT, None)]
+              helper.make_tensor_value_info("runtime3", TensorProto.FLOAT, None),
+              helper.make_tensor_value_info("runtime_shape", TensorProto.INT64, [3]),
+              helper.make_tensor_value_info("runtime_axes", TensorProto.INT64, [1])]
     outs = ["tx", "tx3", "mm", "mmb", "x2", "g", "wh", "sl", "sl_b", "sq", "usq", "cat", "cat_r", "zeros", "bx", "flat", "rs",
-            "xs_tail", "y", "yh", "yc"]
+            "xs_tail", "y", "yh", "yc", "rs_rt", "t_rt", "sl_rt"]
     graph = helper.make_graph(nodes, "mixed", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
                                                         for o in outs], w)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), outs
@@ -73,7 +80,8 @@ def test_dims_fixed_by_the_ops_agree_with_shape_inference(monkeypatch):
         "tx": (6, "B", 4), "tx3": (4, "B", 6), "mm": ("B", 6, 5), "mmb": ("B", 6, 5), "x2": ("B", 4), "g": ("B", 5), "wh": ("B", 5),
         "sl": ("B", 1, 4), "sl_b": (None, 6, 4), "sq": ("B", 4), "usq": ("B", 4, 1), "cat": ("B", 7, 4),
         "cat_r": ("B", None, 4), "zeros": ("B", 5), "bx": ("B", 5), "flat": ("B", None), "rs": ("B", 5),
-        "xs_tail": (2,), "y": (6, 1, "B", 3), "yh": (1, "B", 3), "yc": (1, "B", 3)}
+        "xs_tail": (2,), "y": (6, 1, "B", 3), "yh": (1, "B", 3), "yc": (1, "B", 3),
+        "rs_rt": (None,) * 3, "t_rt": (None,) * 3, "sl_rt": (None,) * 3}
     assert shape_value(g, "zshape") == ("B", 5) and shape_value(g, "batch") == "B"
     inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
     dims = {v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in v.type.tensor_type.shape.dim]

@@ -397,12 +397,19 @@ def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: 
         if fo.lead:
             v = b.unsqueeze(v, [0])
         repl[fo.tensor] = v
+    # the state after step k: that step of the hidden-state sequence (processing order), kept at masked steps.
+    # The sequence is built once for all steps reading it alike (a backward chain of 6,660 steps read each
+    # built its own flip of Y, and a masked one its own gather of Y back to the steps: T copies of [T, B, H])
+    step_seqs: dict[tuple, str] = {}
     for sr in rec.step_reads:
-        # the state after step k: that step of the hidden-state sequence (processing order), kept at masked steps
-        v = _seq_output(b, SeqOutput("", sr.fill, sr.init), Y3, finals["h"], mp, path, direction)
-        if direction == "reverse":
-            v = b.flip0(v)
-        v = b.op("Gather", v, b.const(np.array(sr.step, np.int64), "step"), axis=0)
+        key = (sr.fill,) if sr.fill == NONE else (sr.fill, sr.init.tensor, sr.init.fill, sr.init.lead)
+        seq = step_seqs.get(key)
+        if seq is None:
+            seq = _seq_output(b, SeqOutput("", sr.fill, sr.init), Y3, finals["h"], mp, path, direction)
+            if direction == "reverse":
+                seq = b.flip0(seq)
+            step_seqs[key] = seq
+        v = b.op("Gather", seq, b.const(np.array(sr.step, np.int64), "step"), axis=0)
         repl[sr.tensor] = b.unsqueeze(v, [0]) if sr.lead else v
     # every replacement gets a tensor of its own (a graph output may take over its name)
     seen: set[str] = set()

@@ -1065,3 +1065,59 @@ def test_no_op_copies_of_one_weight_are_read_through_in_one_filter(monkeypatch):
     readers = m.graph.uses("W")
     assert sorted(r.output[0] for r in readers) == sorted(f"y{i}" for i in range(n))
     assert all(m.graph.alive(r) and r.op_type == "MatMul" for r in readers)
+
+
+def _backward_chain_read_per_step(T: int) -> onnx.ModelProto:
+    """A backward tanh RNN unrolled over T steps, each step's h read beside the chain (``relu(h_t)`` stacked in
+    time order): torch's hand-written bidirectional loop reads its backward cell's states so."""
+    rng = np.random.default_rng(0)
+    F, H = 3, 4
+    inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
+        ("W", rng.standard_normal((F, H))), ("R", rng.standard_normal((H, H)) * 0.3), ("b", rng.standard_normal(H)))]
+    inits += [numpy_helper.from_array(np.array([0], np.int64), "ax0")]
+    nodes, h = [], "h_init"
+    for t in range(T - 1, -1, -1):
+        inits.append(numpy_helper.from_array(np.array(t, np.int64), f"i{t}"))
+        nodes += [helper.make_node("Gather", ["x", f"i{t}"], [f"x{t}"], axis=0),
+                  helper.make_node("MatMul", [f"x{t}", "W"], [f"xw{t}"]),
+                  helper.make_node("MatMul", [h, "R"], [f"hr{t}"]),
+                  helper.make_node("Add", [f"xw{t}", f"hr{t}"], [f"s{t}"]),
+                  helper.make_node("Add", [f"s{t}", "b"], [f"p{t}"]),
+                  helper.make_node("Tanh", [f"p{t}"], [f"h{t}"]),
+                  helper.make_node("Relu", [f"h{t}"], [f"r{t}"]),
+                  helper.make_node("Unsqueeze", [f"r{t}", "ax0"], [f"u{t}"])]
+        h = f"h{t}"
+    nodes.append(helper.make_node("Concat", [f"u{t}" for t in range(T)], ["out"], axis=0))
+    g = helper.make_graph(nodes, "backward_read_per_step",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", F]),
+                           helper.make_tensor_value_info("h_init", TensorProto.FLOAT, ["B", H])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, [T, "B", H])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_backward_chains_step_reads_share_one_flip(monkeypatch):
+    """Each step read of a backward chain is a row of Y read backward: the emitter builds that flip once, not
+    once a read (6,660 Slices of a whole [T, B, H] sequence for a hand-written bidirectional torch loop, which
+    Dedupe then merged and the next round's search walked). The Slices added do not grow with T."""
+    from helpers import session
+
+    added = {}
+    for T in (6, 12):
+        model = _backward_chain_read_per_step(T)
+        slices = [0]
+        add = Graph.add_node
+
+        def counted(g, op_type, *args, _add=add, _n=slices, **kw):
+            _n[0] += op_type == "Slice"
+            return _add(g, op_type, *args, **kw)
+
+        monkeypatch.setattr(Graph, "add_node", counted)
+        m, report, _ = _run(model)
+        monkeypatch.undo()
+        assert any(f.status == "fused" for f in report.findings), report.to_text()
+        added[T] = slices[0]
+        rng = np.random.default_rng(1)
+        feeds = {"x": rng.standard_normal((T, 2, 3)).astype(np.float32),
+                 "h_init": rng.standard_normal((2, 4)).astype(np.float32)}
+        np.testing.assert_allclose(session(m.proto).run(None, feeds)[0], session(model).run(None, feeds)[0], atol=1e-5)
+    assert added[6] == added[12] >= 1, added

@@ -296,9 +296,17 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
         # another chain's step combines them with this step's values (a backward chain's first, x-only step)
         mask_only = {t: closure(g, ms, 64)[0] for t, ms in mask_fam.items()}
         regions = {t: x_region(g, x, mask_only.get(t, set()), given) for t, x in fam.items()}
-    found = _older_reads(g, fam, iv, mask_fam, mask_only, regions, given)
-    return [lane for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction, given)
-            for lane in split_lanes(g, chain, iv)]
+    # (an input depending on no step never links two (nor does what it is computed from): walked back only for the
+    # chains' steps, where it may be an initial state; a fused layer's output read per step walked 6,660 steps')
+    skipped: set[int] = set()
+    found = _older_reads(g, fam, iv, mask_fam, mask_only, regions, given, skipped=skipped)
+    chains = [chain for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction, given)]
+    redo = {st.t for chain in chains for st in chain.steps} & skipped
+    if redo:
+        found = {key: f for key, f in found.items() if key[1] not in redo}
+        found.update(_older_reads(g, fam, iv, mask_fam, mask_only, regions, given, only=redo))
+        chains = [chain for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction, given)]
+    return [lane for chain in chains for lane in split_lanes(g, chain, iv)]
 
 
 def _initial_state_constants(g: Graph, iv, ends: set[int]) -> frozenset:
@@ -381,7 +389,8 @@ def x_region(g: Graph, x: str, mask_local: set, given: set) -> tuple[set, list[N
 
 
 def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], mask_only: dict[int, set],
-                 regions: dict[int, tuple[set, list]], given: set) -> dict[tuple[str, int], _Found]:
+                 regions: dict[int, tuple[set, list]], given: set, skipped: set | None = None,
+                 only: set | None = None) -> dict[tuple[str, int], _Found]:
     """Per (direction, step): the carried tensors its combining nodes read from older steps, walked back
     through state-side ops (:func:`_root`)."""
     xs = {x: t for t, x in fam.items()}
@@ -395,6 +404,8 @@ def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], m
     # step's values (x-local only at a chain's first step), e.g. input feeding's Concat(x_1, y_0)
     local_step = {v: t for t, (local, _) in regions.items() for v in local}
     for t in fam:
+        if only is not None and t not in only:
+            continue
         local, combining = regions[t]
         mask_local = mask_only.get(t, set())
         mask_t = mask_fam.get(t, {})
@@ -402,6 +413,9 @@ def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], m
             if c.op_type == "Concat" and _stacks_steps(c, t, local, local_step, iv):
                 continue
             for i in c.input:
+                if skipped is not None and i and iv.get(i) is None:
+                    skipped.add(t)
+                    continue
                 if not may_read_older(g, i, (local, mask_local, xs, mask_t), runtime, given):
                     continue
                 pulled: set = set()

@@ -359,7 +359,7 @@ def chain_outputs(g: Graph, chain: Chain, series: dict, escapes: Escapes, mask_v
                     continue
             if id(u) in chain_nodes:
                 continue
-            if u.op_type == "Concat" and lead_of(g, t) == 1 and attr(u, "axis") == 0:
+            if u.op_type == "Concat" and attr(u, "axis") == 0 and lead_of(g, t) == 1:
                 cats.setdefault(id(u), [u, r, []])[2].append((k, None))  # [1, B, H] states concatenated on time
                 continue
             extra.append((r, k, t))

@@ -415,3 +415,46 @@ def layer_called_per_step(path: str, nodes: int, features: int = 8, hidden: int 
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", T, hidden]),
                   helper.make_tensor_value_info("h_n", TensorProto.FLOAT, [2, "B", hidden]),
                   helper.make_tensor_value_info("c_n", TensorProto.FLOAT, [2, "B", hidden])], inits)
+
+
+def backward_loop_read_stacked(path: str, nodes: int, features: int = 8, hidden: int = 16) -> int:
+    """torch's trace of a hand-written bidirectional relu RNN: a loop over the steps with one cell, a second loop
+    over them backward with another, the outputs ``stack([cat([hf[t], hb[t]], 1) for t], 1)`` (14 nodes a
+    step). Fused: one bidirectional RNN, and the per-step cat read from its output once (passes/step_maps.py:
+    the backward states are read in the forward order, step T-1-k by the k-th step of the loop)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    T = max(2, nodes // 14)
+    inits = [numpy_helper.from_array((0.3 * rng.standard_normal(shape)).astype(np.float32), name)
+             for name, shape in (("Wf", (features, hidden)), ("Rf", (hidden, hidden)), ("bf", (hidden,)),
+                                 ("Wb", (features, hidden)), ("Rb", (hidden, hidden)), ("bb", (hidden,)))]
+    inits += [numpy_helper.from_array(np.array([0], np.int64), "ax0"), numpy_helper.from_array(np.array([1], np.int64), "ax1"),
+              numpy_helper.from_array(np.array([hidden], np.int64), "width")]
+    out = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["batch"], axis=0),
+           helper.make_node("Unsqueeze", ["batch", "ax0"], ["batch1"]),
+           helper.make_node("Concat", ["batch1", "width"], ["state_shape"], axis=0),
+           helper.make_node("ConstantOfShape", ["state_shape"], ["zeros"],
+                            value=numpy_helper.from_array(np.zeros(1, np.float32)))]
+    for t in range(T):
+        inits.append(numpy_helper.from_array(np.array(t, np.int64), f"i{t}"))
+    states = {}
+    for d, steps in (("f", range(T)), ("b", range(T - 1, -1, -1))):
+        h = "zeros"
+        for t in steps:
+            p = f"{d}{t}_"
+            out += [helper.make_node("Gather", ["x", f"i{t}"], [p + "x"], axis=1),
+                    helper.make_node("MatMul", [p + "x", f"W{d}"], [p + "xw"]),
+                    helper.make_node("MatMul", [h, f"R{d}"], [p + "hr"]),
+                    helper.make_node("Add", [p + "xw", p + "hr"], [p + "s"]),
+                    helper.make_node("Add", [p + "s", f"b{d}"], [p + "a"]),
+                    helper.make_node("Relu", [p + "a"], [p + "h"])]
+            h = states[d, t] = p + "h"
+    for t in range(T):
+        out += [helper.make_node("Concat", [states["f", t], states["b", t]], [f"cat{t}"], axis=1),
+                helper.make_node("Unsqueeze", [f"cat{t}", "ax1"], [f"u{t}"])]
+    out.append(helper.make_node("Concat", [f"u{t}" for t in range(T)], ["y"], axis=1))
+    return _save(path, out, "backward_loop_read_stacked",
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", T, features])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", T, 2 * hidden])], inits)

@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,wide,heavy,heavy_ext]
+                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,wide,heavy,heavy_ext]
                                  [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
@@ -34,8 +34,12 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
   tensor (66 nodes a block): 1,500 step-sliced families at 100k nodes, none holding a chain.
 * ``attention``: self-attention block after block, q, k and v the ``unbind(0)`` of one 4-d tensor of a runtime
   shape (11 nodes a block): ~9,000 families whose "steps" combine, none a sequence a native op reads.
-* ``heavy`` / ``heavy_ext``: that loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all but
-  0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
+* ``stepcalls``: torch's trace of a 2-layer ``nn.LSTM`` called once per step, the state carried by hand (~30
+  nodes a step): one LSTM per layer once the per-call ops are merged.
+* ``backreads``: torch's trace of a hand-written bidirectional relu RNN, a forward loop then a backward one,
+  ``stack(cat([hf[t], hb[t]], 1))`` (14 nodes a step): one bidirectional RNN, every step's cat read from it once.
+* ``heavy`` / ``heavy_ext``: the LSTMCell loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all
+  but 0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 
 Each graph is timed with the real command line (``python -m rnnfuse optimize IN OUT --json J``, wall clock
 including start-up, load, passes and save) ``--runs`` times; the table gives medians of the wall time, of the
@@ -63,7 +67,7 @@ NODES_PER_STEP = 18  # torch's LSTMCell trace export
 VIEW_NODES_PER_STEP = 32  # torch's trace export of a hand-written LSTM cell with gates.view(B, 4, H)
 
 from chain_2000 import export_lstmcell_chain, export_view_chain  # noqa: E402
-from graphs import (attention_blocks, cells_side_by_side, elementwise_chain, layer_called_per_step,  # noqa: E402
+from graphs import (attention_blocks, backward_loop_read_stacked, cells_side_by_side, elementwise_chain, layer_called_per_step,  # noqa: E402
                     loops_in_a_row, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
                     steps_summed, two_cells_per_step, unbind_stack_blocks)
 
@@ -197,7 +201,8 @@ GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wid
               "stacked": lambda path, nodes: two_cells_per_step(path, nodes, "stacked"),
               "views": lambda path, nodes: export_view_chain(path, max(2, nodes // VIEW_NODES_PER_STEP)),
               "head": recurrence_then_head, "prologue": prologue_then_recurrence,
-              "blocks": unbind_stack_blocks, "attention": attention_blocks, "stepcalls": layer_called_per_step}
+              "blocks": unbind_stack_blocks, "attention": attention_blocks, "stepcalls": layer_called_per_step,
+              "backreads": backward_loop_read_stacked}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "
@@ -429,6 +434,8 @@ def main(argv=None) -> int:
         "(x * 1 + 0): a big model with a small fusion. "
         "`stepcalls`: torch's trace of a 2-layer `nn.LSTM` called once per step (~30 nodes/step), merged into one "
         "LSTM per layer. "
+        "`backreads`: torch's trace of a hand-written bidirectional relu RNN (a forward loop, then a backward one, "
+        "outputs `stack(cat([hf[t], hb[t]], 1))`, 14 nodes/step), one bidirectional RNN and the stack read from it. "
         "`wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "

@@ -219,13 +219,12 @@ def lead_of(g: Graph, name: str, depth: int = 0) -> int | None:
 
 def settled_rank(g: Graph, name: str) -> int | None:
     """The rank of ``name`` where it costs no inference: what a settled type says, else what its ops fix
-    (:func:`rnnfuse.op_shapes.op_dims`). Exact where it answers (None otherwise), so a filter may reject by it
+    (:func:`rnnfuse.op_shapes.op_rank`). Exact where it answers (None otherwise), so a filter may reject by it
     what inference would: a 600-layer transformer's q, k, v are slices of a rank-4 tensor, 600 cones inferred
     to learn that."""
-    from .op_shapes import op_dims  # (op_shapes builds on dataflow's walks)
+    from .op_shapes import op_rank  # (op_shapes builds on dataflow's walks)
 
-    dims = op_dims(g, name)
-    return None if dims is None else len(dims)
+    return op_rank(g, name)
 
 
 def settled_dim(g: Graph, name: str, axis: int) -> int | None:

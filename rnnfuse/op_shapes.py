@@ -45,6 +45,14 @@ def shape_value(g: Graph, name: str):
     return _fixed(g, (_VALUE, name))
 
 
+def op_rank(g: Graph, name: str) -> int | None:
+    """The rank of main-graph tensor ``name`` as its ops fix it: :func:`op_dims`' rules read for the rank alone,
+    which often stop sooner (a Transpose's ``perm`` says it without its input: 9,000 attention families asked
+    each walked back through every block before it for their dims)."""
+    dims = g.model.facts.op_shapes.get((_DIMS, name)) if g.parent is None else None
+    return len(dims) if dims is not None else _fixed(g, (_RANK, name))
+
+
 def known_dims(g: Graph, name: str):
     """``name``'s dims: known already or fixed by its ops (:func:`op_dims`), else what a type query gives (one
     that only filters: no cone too big for one inference is inferred; a stack of 6,660 steps asked each step's
@@ -69,7 +77,7 @@ def varies_at_run_time(g: Graph, name: str) -> bool:
 
 # what a walk works out: a tensor's dims, or a shape tensor's values (one walk for both: a step's zeros_like(h)
 # reads the dims of h, which are the previous step's zeros' dims, read from that step's Shape(h)...)
-_DIMS, _VALUE = "d", "v"
+_DIMS, _VALUE, _RANK = "d", "v", "r"
 
 
 def _fixed(g: Graph, key: tuple):
@@ -82,11 +90,15 @@ def _fixed(g: Graph, key: tuple):
 
 
 def _open(g: Graph, key: tuple, memo: dict):
-    return _open_dims(g, key, memo) if key[0] == _DIMS else _open_value(g, key, memo)
+    kind = key[0]
+    return _open_dims(g, key, memo) if kind == _DIMS else _open_rank(g, key, memo) if kind == _RANK else \
+        _open_value(g, key, memo)
 
 
 def _close(g: Graph, key: tuple, memo: dict):
-    return _close_dims(g, key[1], memo) if key[0] == _DIMS else _close_value(g, key[1], memo)
+    kind = key[0]
+    return _close_dims(g, key[1], memo) if kind == _DIMS else _close_rank(g, key[1], memo) if kind == _RANK else \
+        _close_value(g, key[1], memo)
 
 
 def _open_dims(g: Graph, key: tuple, memo: dict):
@@ -296,6 +308,63 @@ def _reshaped(p, first, shape, shape_dims):
         else:
             out.append(None)  # (-1, or an empty axis asked for: what the data's size leaves)
     return tuple(out)
+
+
+def _open_rank(g: Graph, key: tuple, memo: dict):
+    cur = key[1]
+    dims = memo.get((_DIMS, cur))
+    t = g.model.settled_type(cur) if dims is None else None
+    if dims is not None or (t is not None and t[1] is not None):
+        memo[key] = len(dims if dims is not None else t[1])
+        return None
+    p = g.producer.get(cur)
+    op = p.op_type if p is not None and p.domain in ("", "ai.onnx") else None
+    fixed = None
+    if op == "Transpose" and _attr(p, "perm", None):
+        fixed = len(_attr(p, "perm"))
+    elif op in ("Gemm", "Shape"):
+        fixed = 2 if op == "Gemm" else 1
+    elif op in _SAME_SHAPE or op in ("Transpose", "Slice", "Squeeze", "Unsqueeze"):
+        return [(_RANK, p.input[0])]
+    elif op in ("Reshape", "ConstantOfShape"):  # (as many axes as the shape has entries)
+        return [(_DIMS, p.input[-1])]
+    elif op == "Expand":
+        return [(_RANK, p.input[0]), (_DIMS, p.input[1])]
+    elif op in _BROADCAST or op in ("MatMul", "Gather"):
+        return [(_RANK, i) for i in p.input if i]
+    elif op == "Concat" and p.input and p.input[0]:  # (every input has the output's rank)
+        return [(_RANK, p.input[0])]
+    elif op is not None:
+        native = output_dims(p, list(p.output).index(cur))
+        fixed = None if native is None else len(native)
+    memo[key] = fixed
+    return None
+
+
+def _close_rank(g: Graph, cur: str, memo: dict):
+    p = g.producer[cur]
+    op = p.op_type
+    ranks = [memo.get((_RANK, i)) if i else None for i in p.input]
+    if op in ("Reshape", "ConstantOfShape", "Expand"):
+        shape = memo.get((_DIMS, p.input[-1]))
+        n = shape[0] if shape is not None and len(shape) == 1 and isinstance(shape[0], int) else None
+        return n if op != "Expand" or n is None or ranks[0] is None else max(n, ranks[0])
+    if op in _BROADCAST:
+        known = [r for i, r in zip(p.input, ranks) if i]
+        return None if None in known else max(known, default=None)
+    if None in ranks[:2 if op in ("MatMul", "Gather") else 1]:
+        return None
+    if op == "MatMul":  # (a 1-D operand loses its axis)
+        a, b = ranks[:2]
+        return max(a, b) - (a == 1) - (b == 1) if max(a, b) > 1 else 0
+    if op == "Gather":
+        return ranks[0] - 1 + ranks[1]
+    if op in ("Squeeze", "Unsqueeze"):
+        axes = op_args.axes(p, g.model.opset, lambda i: literal_value(g, p.input[i]))
+        if axes is None:
+            return None  # (a Squeeze of no axes drops every unit axis: what the data says)
+        return ranks[0] - len(axes) if op == "Squeeze" else ranks[0] + len(axes)
+    return ranks[0]  # (same-shape ops, Slice, Concat, a Transpose reversing its input's axes)
 
 
 # ops computing a shape tensor's values from others (torch's ``zeros(x.size(0), H)``: Concat(Unsqueeze(Gather(

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import rnnfuse.model
 from rnnfuse.cone_types import ConeTypes
 from rnnfuse.graph import Model
-from rnnfuse.op_shapes import op_dims, shape_value
+from rnnfuse.op_shapes import op_dims, op_rank, shape_value
 
 
 def _i64(name, v):
@@ -98,6 +98,29 @@ def test_dims_fixed_by_the_ops_agree_with_shape_inference(monkeypatch):
             elif isinstance(mine, str):
                 assert not isinstance(theirs, int), (o, ds, dims[o])  # (a symbol: inference has no number either)
     assert checked > 20
+
+
+def test_ranks_fixed_by_the_ops_are_the_dims_length_without_the_walk(monkeypatch):
+    """``op_rank`` reads the same rules for the rank alone: the length of every dims ``op_dims`` gives (asked on
+    a fresh view, so no answer of one serves the other), and a Transpose's ``perm`` answers without its input,
+    which is never asked (9,000 attention families walked back through every block before theirs)."""
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
+    model, outs = _mixed_model()
+    dims = {o: op_dims(Model(model).graph, o) for o in outs}
+    g = Model(model).graph
+    ranks = {o: op_rank(g, o) for o in outs}
+    assert ranks == {o: None if d is None else len(d) for o, d in dims.items()}
+    asked = []
+    real = rnnfuse.model.Model.settled_type
+    monkeypatch.setattr(rnnfuse.model.Model, "settled_type", lambda self, name: asked.append(name) or real(self, name))
+    tx = helper.make_node("Transpose", ["deep"], ["t"], perm=[1, 0, 2])
+    chain = [helper.make_node("Relu", [f"r{k}"], [f"r{k + 1}"]) for k in range(50)]
+    graph = helper.make_graph(chain + [helper.make_node("Identity", ["r50"], ["deep"]), tx], "deep",
+                              [helper.make_tensor_value_info("r0", TensorProto.FLOAT, ["B", 2, 3])],
+                              [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])
+    g = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).graph
+    assert op_rank(g, "t") == 3 and asked == ["t"]
+    assert op_rank(g, "r50") == 3 and len(asked) == 52  # (no perm to say it: the walk to r0)
 
 
 def _masked_chain(T: int, batch="B"):

@@ -300,12 +300,12 @@ def find_chains(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict] | N
     # chains' steps, where it may be an initial state; a fused layer's output read per step walked 6,660 steps')
     skipped: set[int] = set()
     found = _older_reads(g, fam, iv, mask_fam, mask_only, regions, given, skipped=skipped)
-    chains = [chain for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction, given)]
-    redo = {st.t for chain in chains for st in chain.steps} & skipped
-    if redo:
+    runs = [(direction, seq) for direction in ("forward", "reverse") for seq in _linked_runs(fam, iv, found, direction)]
+    redo = {t for _, seq in runs for t in seq} & skipped
+    if redo:  # (the links stand: what these walks add are roots of no step)
         found = {key: f for key, f in found.items() if key[1] not in redo}
         found.update(_older_reads(g, fam, iv, mask_fam, mask_only, regions, given, only=redo))
-        chains = [chain for direction in ("forward", "reverse") for chain in _thread(fam, iv, mask_fam, found, direction, given)]
+    chains = [_chain(direction, seq, fam, iv, mask_fam, found, given) for direction, seq in runs]
     return [lane for chain in chains for lane in split_lanes(g, chain, iv)]
 
 
@@ -413,10 +413,10 @@ def _older_reads(g: Graph, fam: dict[int, str], iv, mask_fam: dict[int, dict], m
             if c.op_type == "Concat" and _stacks_steps(c, t, local, local_step, iv):
                 continue
             for i in c.input:
-                if skipped is not None and i and iv.get(i) is None:
-                    skipped.add(t)
-                    continue
                 if not may_read_older(g, i, (local, mask_local, xs, mask_t), runtime, given):
+                    continue
+                if skipped is not None and iv.get(i) is None:  # (after the cheap test: a weight is no reason to redo)
+                    skipped.add(t)
                     continue
                 pulled: set = set()
                 ops: list = [c.op_type]
@@ -458,12 +458,10 @@ def _stacks_steps(c: NodeProto, t: int, local: set, local_step: dict, iv) -> boo
     return len(others) + len(spans) > 1
 
 
-def _thread(fam: dict[int, str], iv, mask_fam: dict[int, dict], found: dict[tuple[str, int], _Found],
-            direction: str, given: frozenset) -> list[Chain]:
+def _linked_runs(fam: dict[int, str], iv, found: dict[tuple[str, int], _Found], direction: str) -> list[list[int]]:
     """Link step t to the step before it (in ``direction``) when one of its roots ends there; every run of two
-    or more linked steps is a chain."""
-    succ: dict[int, int] = {}
-    has_pred: set[int] = set()
+    or more linked steps is a chain's (:func:`_chain`)."""
+    succ, has_pred = {}, set()  # (step -> the step linked after it; the steps linked to one before)
     for t in fam:
         pred = t - 1 if direction == "forward" else t + 1
         f = found.get((direction, t))
@@ -474,27 +472,29 @@ def _thread(fam: dict[int, str], iv, mask_fam: dict[int, dict], found: dict[tupl
             if riv is not None and (riv[1] if direction == "forward" else riv[0]) == pred:
                 succ[pred] = t
                 has_pred.add(t)
-    chains: list[Chain] = []
+    runs = []
     for t in sorted(fam, reverse=(direction == "reverse")):
         if t in has_pred or t not in succ:
             continue
         seq = [t]
         while seq[-1] in succ:
             seq.append(succ[seq[-1]])
-        if len(seq) < 2:
-            continue
-        steps = []
-        for pos, k in enumerate(seq):
-            f = found.get((direction, k), _Found())
-            roots, weighted = set(f.roots), set(f.weighted)
-            if pos:
-                # past its first step a chain carries only what an earlier step computed: a value no step
-                # computes (a given initial state) read at this time index belongs to the chain that starts
-                # here, the other direction of a bidirectional layer
-                roots = {r for r in roots if iv.get(r) is not None}
-                weighted &= roots
-            pulled = set().union(*f.pulled_of.values())  # (a dropped root's too, as it was read here)
-            pulled_of = {r: f.pulled_of[r] for r in roots} if len(roots) > 1 else None
-            steps.append(Step(k, fam[k], roots, pulled, dict(mask_fam.get(k, {})), weighted, pulled_of))
-        chains.append(Chain(direction, steps, given))
-    return chains
+        if len(seq) >= 2:
+            runs.append(seq)
+    return runs
+
+
+def _chain(direction: str, seq: list[int], fam: dict[int, str], iv, mask_fam: dict, found: dict, given) -> Chain:
+    steps = []
+    for pos, k in enumerate(seq):
+        f = found.get((direction, k), _Found())
+        roots, weighted = set(f.roots), set(f.weighted)
+        if pos:
+            # past its first step a chain carries only what an earlier step computed: a value no step computes (a
+            # given initial state) read at this time index is the start of the bidirectional layer's other chain
+            roots = {r for r in roots if iv.get(r) is not None}
+            weighted &= roots
+        pulled = set().union(*f.pulled_of.values())  # (a dropped root's too, as it was read here)
+        pulled_of = {r: f.pulled_of[r] for r in roots} if len(roots) > 1 else None
+        steps.append(Step(k, fam[k], roots, pulled, dict(mask_fam.get(k, {})), weighted, pulled_of))
+    return Chain(direction, steps, given)

@@ -293,10 +293,16 @@ def _gathered(p, ins: list):
     return data[:axis] + idx + data[axis + 1:]
 
 
+def _entry_count(shape_dims) -> int | None:
+    """How many entries a 1-D shape tensor of these dims holds (None: not known, or not 1-D)."""
+    n = shape_dims[0] if shape_dims is not None and len(shape_dims) == 1 else None
+    return n if isinstance(n, int) else None
+
+
 def _reshaped(p, first, shape, shape_dims):
     if not isinstance(shape, tuple):  # (as many axes as the shape has entries)
-        n = shape_dims[0] if shape_dims is not None and len(shape_dims) == 1 else None
-        return (None,) * n if isinstance(n, int) else None
+        n = _entry_count(shape_dims)
+        return (None,) * n if n is not None else None
     out = []
     for k, v in enumerate(shape):
         if v is None:
@@ -346,8 +352,7 @@ def _close_rank(g: Graph, cur: str, memo: dict):
     op = p.op_type
     ranks = [memo.get((_RANK, i)) if i else None for i in p.input]
     if op in ("Reshape", "ConstantOfShape", "Expand"):
-        shape = memo.get((_DIMS, p.input[-1]))
-        n = shape[0] if shape is not None and len(shape) == 1 and isinstance(shape[0], int) else None
+        n = _entry_count(memo.get((_DIMS, p.input[-1])))
         return n if op != "Expand" or n is None or ranks[0] is None else max(n, ranks[0])
     if op in _BROADCAST:
         known = [r for i, r in zip(p.input, ranks) if i]

@@ -14,7 +14,7 @@ from onnx import NodeProto, helper
 from rnnfuse import portability
 from rnnfuse.cells import native_kind
 from rnnfuse.cells.kinds import KINDS
-from rnnfuse.emit import SPILL_BYTES, Builder
+from rnnfuse.builder import SPILL_BYTES, Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Finding, Options, PassResult

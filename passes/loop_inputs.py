@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import NodeProto, TensorProto
 
-from rnnfuse.emit import Builder
+from rnnfuse.builder import Builder
 from rnnfuse.fold import evaluate
 from rnnfuse.graph import Graph, has_subgraph
 from rnnfuse.input_maps import mapped_input, tile_context

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from onnx import NodeProto
 
-from rnnfuse.emit import Builder
+from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.recurrence import Recurrence

@@ -23,7 +23,7 @@ from rnnfuse.recurrence import InputPrep, Recurrence
 from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_states, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
-from rnnfuse.emit import Builder
+from rnnfuse.builder import Builder
 from rnnfuse.row_wise import ROW_RANK, BodyMask, body_mask, mask_on_every_step
 from rnnfuse.step import StepOut, analyse
 from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, SymTensor, StepInput, weight_ops

@@ -17,7 +17,7 @@ import numpy as np
 from onnx import NodeProto
 
 from rnnfuse import rewrite
-from rnnfuse.emit import Builder
+from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.graph import Graph, Model, attr

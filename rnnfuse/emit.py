@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import NodeProto, TensorProto
 
+from .builder import Builder
 from .time_flips import time_flip_source
 from .errors import Decline
 from .graph import Graph, attr
@@ -25,73 +26,9 @@ from .recurrence import NONE, ZERO, Init, Recurrence, SeqOutput
 from .row_steps import emit_row_step
 from .step_heads import apply_head
 
-# weights at least this big are spilled to disk when the model's weights are external data (or borrowed from its
-# file, see rnnfuse.model_io): the new LSTM W/R then never enter the proto, where they would stay until the
-# end and be serialised again on save (75 MB chain of input = hidden = 1536: peak RSS 524 -> 302 MB), and
-# validation hands their memory-mapped pages to onnxruntime (rnnfuse.check_session)
-SPILL_BYTES = 1 << 20
 GENERAL = "exact"  # any mask: valid steps are gathered to the front, results scattered back
 POST_PADDED = "post-padded"  # the caller guarantees every row's padding is at its end
 LENGTHS = "lengths"  # the mask is t < lengths, built by rnnfuse: every row's valid steps come first
-
-
-class Builder:
-    """Adds nodes near an anchor, with opset-aware helpers."""
-
-    def __init__(self, g: Graph, anchor: NodeProto | None, prefix: str):
-        self.g, self.anchor, self.prefix = g, anchor, prefix
-        self.opset = g.model.opset
-        self._consts: dict = {}
-
-    def op(self, op_type: str, *inputs: str, n: int = 1, **attrs):
-        outs = self.g.add_node(op_type, list(inputs), n, name=f"{self.prefix}/{op_type}", anchor=self.anchor, **attrs)
-        return outs if n > 1 else outs[0]
-
-    def const(self, arr, hint: str = "const") -> str:
-        arr = np.asarray(arr)
-        key = (hint, arr.dtype.str, arr.shape, arr.tobytes()) if arr.size <= 16 else None
-        if key is not None and key in self._consts:
-            return self._consts[key]
-        name = self.g.add_initializer(arr, f"{self.prefix}/{hint}")
-        if key is not None:
-            self._consts[key] = name
-        return name
-
-    def stacked(self, parts: list, hint: str, dtype=np.float32) -> str:
-        """An initializer ``concat(parts)[None]``: big ones are written straight to a spill file (external
-        data, memory-mapped) instead of being built in memory -- models loaded with external data only."""
-        rows = sum(int(p.shape[0]) for p in parts)
-        tail = tuple(parts[0].shape[1:])
-        nbytes = rows * int(np.prod(tail) if tail else 1) * np.dtype(dtype).itemsize
-        if nbytes < SPILL_BYTES or self.g.model.external_dir is None:
-            return self.const(np.concatenate(parts, 0)[None].astype(dtype, copy=False), hint)
-        return self.g.add_spilled_initializer(parts, (1, rows) + tail, dtype, f"{self.prefix}/{hint}")
-
-    def i64(self, *vals) -> str:
-        return self.const(np.array(vals, dtype=np.int64), "i64")
-
-    def squeeze(self, x: str, axes: list[int]) -> str:
-        if self.opset >= 13:
-            return self.op("Squeeze", x, self.i64(*axes))
-        return self.op("Squeeze", x, axes=axes)
-
-    def unsqueeze(self, x: str, axes: list[int]) -> str:
-        if self.opset >= 13:
-            return self.op("Unsqueeze", x, self.i64(*axes))
-        return self.op("Unsqueeze", x, axes=axes)
-
-    def reduce_sum(self, x: str, axes: list[int], keepdims: int = 0) -> str:
-        if self.opset >= 13:
-            return self.op("ReduceSum", x, self.i64(*axes), keepdims=keepdims)
-        return self.op("ReduceSum", x, axes=axes, keepdims=keepdims)
-
-    def flip0(self, x: str) -> str:
-        """Reverse axis 0."""
-        return self.op("Slice", x, self.i64(-1), self.i64(-(2**63)), self.i64(0), self.i64(-1))
-
-    def dim(self, x: str, axis: int) -> str:
-        """``shape(x)[axis]`` as a 1-element int64 tensor."""
-        return self.op("Slice", self.op("Shape", x), self.i64(axis), self.i64(axis + 1), self.i64(0))
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from onnx import NodeProto
 
+from rnnfuse.builder import Builder
 from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
@@ -63,7 +64,6 @@ class DerivedMask(StepMask):
         steps = static_dim(g, self.src, self.axis)
         if steps is not None and steps != length:
             raise Decline(f"the step masks are slices of '{self.src}' ({steps} steps), the chain has {length}")
-        from rnnfuse.emit import Builder  # (emit imports the graph layer only; a top-level import would cycle)
 
         b = Builder(g, g.producer.get(self.steps[min(self.steps)]) or anchor, "rnnfuse/step_mask")
         mask = mask_on_every_step(b, self.nodes, [self.x], self.src, self.out, self.rank, {}, self.x_rank)

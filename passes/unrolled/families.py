@@ -11,6 +11,7 @@ import numpy as np
 from onnx import NodeProto
 
 from rnnfuse import op_args
+from rnnfuse.builder import Builder
 from rnnfuse.dataflow import descendants, runtime_values, settled_rank, shape_derived
 from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
@@ -280,7 +281,6 @@ class LengthMask(StepMask):
             if self.built[:3] != (axis, length, off):
                 raise Decline("a length mask read by chains laid out differently")
             return self.built[3]
-        from rnnfuse.emit import Builder  # (emit imports the graph layer only; a top-level import would cycle)
 
         b = Builder(g, anchor, "rnnfuse/length_mask")
         rank = (g.model.rank(self.lengths) or 1) + 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
-from rnnfuse.emit import Builder
+from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model
 from rnnfuse.findings import Options, PassResult

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from onnx import NodeProto
 
+from rnnfuse.builder import Builder
 from rnnfuse.dataflow import reaches
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
@@ -95,7 +96,6 @@ class WholeInputs:
         key = ("map", src, sig0)
         node = self.built.get(key)
         if node is None or not g.alive(node):
-            from rnnfuse.emit import Builder  # (emit imports the graph layer only; a top-level import would cycle)
 
             x, value, nodes, context = template
             b = Builder(g, g.producer.get(x), "rnnfuse/step_input")

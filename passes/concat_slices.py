@@ -1,9 +1,9 @@
 """``MergeConsecutiveSlices``: a Concat of consecutive slices of one tensor is one slice of it.
 
 Merging per-step ops into one (passes/step_chains.py) leaves both ends of the sequence in pieces: the merged
-op reads ``Concat(x[0:1], x[1:2], ..., x[T-1:T])`` and the model's output is ``Concat(Y[0:1], ..., Y[T-1:T])``
-(each piece perhaps through the same Squeezes, Unsqueezes or Transposes), T nodes each, where one slice says
-the same.
+op reads ``Concat(x[0:1], x[1:2], ..., x[T-1:T])`` and the model's output is the Concat of the parts of
+``Split(Y)`` (each piece perhaps through the same Squeezes, Unsqueezes or Transposes), T nodes each, where one
+slice says the same. A Split's consecutive parts are consecutive slices: the same rule takes them.
 Exact: slices ``[s_1, e_1), [e_1, e_2), ...`` of one axis with non-negative constant bounds and step 1,
 clamped to the axis length, concatenated along that axis are ``[s_1, e_n)`` clamped the same way; layout ops
 applied to every piece alike (a Squeeze of another axis, an Unsqueeze, a Transpose) that carry the sliced axis
@@ -24,15 +24,27 @@ from rnnfuse.graph import Graph, Model, attr
 _LAYOUT = ("Squeeze", "Unsqueeze", "Transpose", "Identity")
 
 
-def _piece(g: Graph, name: str) -> tuple | None:
-    """``name`` = layouts(Slice(src, [s], [e], [axis])), each layout op read by the next alone: (src, axis as
-    written, s, e, the layout ops from the Slice out). torch's per-step output is ``Y[t:t+1]`` squeezed, then
-    transposed to batch-first: two layout ops."""
+def _piece(g: Graph, name: str, bounds: dict) -> tuple | None:
+    """``name`` = layouts(Slice(src, [s], [e], [axis])) or layouts(Split(src)[k]), each layout op read by the
+    next alone: (src, axis as written, s, e, the layout ops from the cut out). torch's per-step output is
+    ``Y[t:t+1]`` squeezed, then transposed to batch-first: two layout ops. ``bounds``: each Split's parts'
+    bounds, worked out once (a merged chain's Y is cut into thousands)."""
     layouts = []
     p = g.producer.get(name)
     while p is not None and p.op_type in _LAYOUT and len(g.uses(p.output[0])) <= 1:
         layouts.append(p)
-        p = g.producer.get(p.input[0])
+        name = p.input[0]
+        p = g.producer.get(name)
+    if p is not None and p.op_type == "Split" and len(g.uses(name)) <= 1:
+        if id(p) not in bounds:
+            sizes = op_args.split_sizes(p, g.model.opset, op_args.const_reader(g, p))
+            ends = np.cumsum(sizes).tolist() if sizes is not None and min(sizes, default=-1) >= 0 else None
+            # (the node is held beside its bounds: a node the pass adds cannot take a freed one's id)
+            bounds[id(p)] = (p, ends and {o: (e - s, e) for o, s, e in zip(p.output, sizes, ends)})
+        cut = bounds[id(p)][1]
+        if not cut or name not in cut:
+            return None
+        return p.input[0], attr(p, "axis", 0), cut[name][0], cut[name][1], layouts[::-1]
     if p is None or p.op_type != "Slice" or len(g.uses(p.output[0])) > 1:
         return None
     starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, op_args.const_reader(g, p))
@@ -78,10 +90,10 @@ def _moved_axis(g: Graph, layout: NodeProto, axis: int, rank: int) -> tuple[int,
     return axis, out_rank
 
 
-def _merged(g: Graph, cat: NodeProto) -> tuple | None:
+def _merged(g: Graph, cat: NodeProto, bounds: dict) -> tuple | None:
     """(source, axis, start, end, layout ops) when every input of ``cat`` is the next piece of one tensor,
     each through the same layout ops."""
-    pieces = [_piece(g, i) for i in cat.input]
+    pieces = [_piece(g, i, bounds) for i in cat.input]
     if len(pieces) < 2 or any(p is None for p in pieces) or any(p[0] != pieces[0][0] for p in pieces):
         return None
     src = pieces[0][0]
@@ -116,12 +128,13 @@ class MergeConsecutiveSlices:
         g = model.graph
         res = PassResult(self.name)
         merged = 0
+        bounds: dict = {}
         if model.opset < 10:  # (Slice bounds as inputs)
             return res
         for cat in g.nodes_of("Concat"):
             if not g.alive(cat):
                 continue
-            found = _merged(g, cat)
+            found = _merged(g, cat, bounds)
             if found is None:
                 continue
             src, axis, start, end, layouts = found

@@ -25,7 +25,7 @@ from rnnfuse import op_args, rewrite
 from rnnfuse.cells import native_kind
 from rnnfuse.cells.kinds import KINDS
 from rnnfuse.dataflow import settled_dim, settled_rank
-from rnnfuse.emit import Builder
+from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.graph import Graph, Model, attr
@@ -311,18 +311,26 @@ def _merged(flow: _StateFlow, chain: list[NodeProto], read_h, read_y) -> dict[st
     outs = g.add_node(kind.op, [x] + list(head.input[1:]), 1 + n_states, name=f"rnnfuse/{kind.op}", anchor=head,
                       **attrs)
     repl: dict[str, str] = {}
+    steps = [_steps(flow, b, n) for n in chain]
+    # (each op's rows of Y: one Split where every op's step count is a number, else a Slice each)
+    rows = b.split(outs[0], steps) if all(isinstance(s, int) for s in steps) else None
     start: int | str = 0
-    for n in chain:
-        end = _plus(b, start, _steps(flow, b, n))
+    for k, n in enumerate(chain):
+        end = _plus(b, start, steps[k])
         y, y_h = _inp_out(n, 0), _inp_out(n, 1)
         if y and read_y(y):
-            repl[y] = b.op("Slice", outs[0], _tensor(b, start), _tensor(b, end), b.i64(0))
+            repl[y] = rows[k] if rows else b.op("Slice", outs[0], _tensor(b, start), _tensor(b, end), b.i64(0))
         if n is last:
-            for k in range(1, 1 + n_states):
-                if _inp_out(n, k):
-                    repl[n.output[k]] = outs[k]
+            for j in range(1, 1 + n_states):
+                if _inp_out(n, j):
+                    repl[n.output[j]] = outs[j]
         elif y_h and read_h(y_h):
-            repl[y_h] = b.squeeze(b.op("Slice", outs[0], _tensor(b, _plus(b, end, -1)), _tensor(b, end), b.i64(0)), [0])
+            if rows:  # (the last of its rows; constants shared by every stretch of one length)
+                last_row = rows[k] if steps[k] == 1 else b.op("Slice", rows[k], b.i64(steps[k] - 1), b.i64(steps[k]),
+                                                               b.i64(0))
+            else:
+                last_row = b.op("Slice", outs[0], _tensor(b, _plus(b, end, -1)), _tensor(b, end), b.i64(0))
+            repl[y_h] = b.squeeze(last_row, [0])
         start = end
     return repl
 

@@ -1,5 +1,5 @@
 """``Builder``: adds the nodes and constants a rewrite emits, next to an anchor node, in the forms the model's
-opset takes (a Squeeze's axes as an attribute or an input ...)."""
+opset takes (a Squeeze's axes as an attribute or an input, a Split's sizes ...)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ class Builder:
 
     def i64(self, *vals) -> str:
         return self.const(np.array(vals, dtype=np.int64), "i64")
+
+    def split(self, x: str, sizes: list[int], axis: int = 0) -> list[str]:
+        """``x`` cut along ``axis`` into consecutive parts of ``sizes`` (two or more): one node, where a Slice
+        per part needs two constants of its own."""
+        if self.opset >= 13:
+            return self.op("Split", x, self.i64(*sizes), n=len(sizes), axis=axis)
+        return self.op("Split", x, n=len(sizes), axis=axis, split=list(sizes))
 
     def squeeze(self, x: str, axes: list[int]) -> str:
         if self.opset >= 13:

@@ -107,3 +107,73 @@ def test_near_misses_are_left(kw):
     modified, out = _merged(model)
     assert not modified
     _same(model, out)
+
+
+def concat_of_split_parts(sizes, order, *, layout=None, cat_axis=0, runtime_sizes=False, read_twice=None):
+    """y [T, 1, B, 3] (T = the sum of ``sizes``) cut by one Split along time, the parts ``order`` names each
+    through ``layout`` (as in :func:`concat_of_slices`), concatenated along ``cat_axis``; ``read_twice``: a
+    part also read by another node."""
+    parts = [f"part{k}" for k in range(len(sizes))]
+    nodes = [helper.make_node("Split", ["y", "sizes"], parts, axis=0)]
+    inits = [] if runtime_sizes else [_i64("sizes", sizes)]
+    pieces = []
+    for k in order:
+        out = parts[k]
+        if layout is not None:
+            inits.append(_i64(f"q{k}", layout[1]))
+            nodes.append(helper.make_node(layout[0], [out, f"q{k}"], [f"l{k}"]))
+            out = f"l{k}"
+        pieces.append(out)
+    nodes.append(helper.make_node("Concat", pieces, ["out"], axis=cat_axis))
+    if read_twice is not None:
+        nodes.append(helper.make_node("Relu", [parts[read_twice]], ["other"]))
+    T = sum(sizes)
+    inputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, 1, "B", 3])]
+    if runtime_sizes:
+        inputs.append(helper.make_tensor_value_info("sizes", TensorProto.INT64, [len(sizes)]))
+    outputs = ["out"] + (["other"] if read_twice is not None else [])
+    graph = helper.make_graph(nodes, "cat", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+                                                     for o in outputs], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return onnx.shape_inference.infer_shapes(model), T
+
+
+def _same_split(a, b, T, sizes):
+    rng = np.random.default_rng(0)
+    for batch in (1, 2):
+        feeds = {"y": rng.standard_normal((T, 1, batch, 3)).astype(np.float32)}
+        if any(i.name == "sizes" for i in a.graph.input):
+            feeds["sizes"] = np.asarray(sizes, np.int64)
+        for x, y in zip(session(a).run(None, feeds), session(b).run(None, feeds)):
+            np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.parametrize("sizes, order, kw", [
+    ([1, 1, 1, 1], [0, 1, 2, 3], {}),  # every part: the whole sequence
+    ([1, 2, 3], [0, 1, 2], {}),  # stretches of different lengths
+    ([1, 1, 1, 1], [1, 2], {}),  # a run of parts in the middle
+    ([1, 1, 1, 1], [0, 1, 2, 3], dict(layout=("Squeeze", [1]))),  # squeezed per-step parts (a merged chain's Y)
+], ids=["all", "stretches", "middle", "squeezed"])
+def test_consecutive_parts_of_a_split_become_one_slice(sizes, order, kw):
+    """step_chains cuts a merged op's Y into each op's rows with one Split: the parts put together again
+    are a Slice of Y, like consecutive slices."""
+    model, T = concat_of_split_parts(sizes, order, **kw)
+    modified, out = _merged(model)
+    assert modified
+    assert "Concat" not in [n.op_type for n in out.graph.node]
+    assert [n.op_type for n in out.graph.node].count("Slice") == 1
+    _same_split(model, out, T, sizes)
+
+
+@pytest.mark.parametrize("sizes, order, kw", [
+    ([1, 1, 1], [1, 0], {}),  # out of order
+    ([1, 1, 1], [0, 2], {}),  # a gap
+    ([1, 1, 1], [0, 1, 2], dict(runtime_sizes=True)),  # sizes known only at run time
+    ([1, 1, 1], [0, 1, 2], dict(read_twice=1)),  # a part read elsewhere too
+    ([1, 1, 1], [0, 1, 2], dict(layout=("Squeeze", [1]), cat_axis=1)),  # put together along batch
+], ids=["order", "gap", "runtime_sizes", "read_twice", "other_axis"])
+def test_parts_of_a_split_near_misses_are_left(sizes, order, kw):
+    model, T = concat_of_split_parts(sizes, order, **kw)
+    modified, out = _merged(model)
+    assert not modified
+    _same_split(model, out, T, sizes)

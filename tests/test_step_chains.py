@@ -117,6 +117,22 @@ def test_chain_of_stretches_becomes_one_op(op, steps):
     _same_outputs(model, fused)
 
 
+@pytest.mark.parametrize("steps", [(1, 1, 1, 1, 1), (2, 3, 1)])
+def test_each_ops_rows_are_parts_of_one_split(steps):
+    """What replaces each op's Y is its part of one Split of the merged Y, not a Slice and two constants of its
+    own (a 3,333-op chain left 10,000 nodes for every clean-up to walk and merge-slices to merge again); the
+    part is the op's rows, and the last of them its Y_h."""
+    from rnnfuse.passes.step_chains import MergeStepChains
+
+    model = chain_model("LSTM", steps)
+    fused, report = rnnfuse.optimize(model, passes=[MergeStepChains()])
+    lstm = next(n for n in fused.graph.node if n.op_type == "LSTM")
+    readers = [n for n in fused.graph.node if lstm.output[0] in n.input]
+    assert [n.op_type for n in readers] == ["Split"], report.to_text()
+    assert len(readers[0].output) == len(steps)
+    _same_outputs(model, fused)
+
+
 @pytest.mark.parametrize("case, why", [
     (dict(feedback=True), "computed from op"),
     (dict(read_c=True), "cell state after step 1 is read outside"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph import Graph, attr
+from .graph import Graph
 from .protos import has_subgraph
 
 # elementwise (or row-wise) ops whose output has the leading axes of their inputs
@@ -255,38 +255,15 @@ def literal_value(g: Graph, name: str) -> np.ndarray | None:
     return None
 
 
-# ops whose output has their first input's rank
-_KEEPS_RANK = ("Relu", "Tanh", "Sigmoid", "Identity", "Cast", "Neg", "Abs", "Exp", "Softmax", "LeakyRelu", "Elu",
-               "Slice")
+def rank_of(g: Graph, name: str) -> int | None:
+    """The rank of ``name``: the known one (``Model.rank``: declared, or inferred -- the Loop front end's
+    questions, where an answer missed declines a loop and the graphs are small), else what its ops fix where
+    the file and shape inference leave it unknown (:func:`rnnfuse.op_shapes.op_rank`: tf2onnx at opset 13
+    declares nothing after a Reshape to a computed shape; a Transpose's ``perm`` says the rank of its output)."""
+    from .op_shapes import op_rank  # (op_shapes builds on dataflow's walks)
 
-
-def rank_of(g: Graph, name: str, depth: int = 0) -> int | None:
-    """The rank of ``name``: the known one (``Model.rank``), or read from how it was computed where the file
-    and shape inference leave it unknown (tf2onnx at opset 13 declares nothing after a Reshape to a computed
-    shape): a Transpose's ``perm``, a Reshape's shape of static length, and ops that keep their input's rank.
-    Unlike :func:`settled_rank` it infers and folds at each step back (the Loop front end's questions: an
-    answer missed declines a loop, and the loops' graphs are small), hence its own few rules."""
     r = g.model.rank(name)
-    if r is not None or depth >= 16:
-        return r
-    p = g.producer.get(name)
-    if p is None:
-        return None
-    if p.op_type == "Transpose":
-        perm = attr(p, "perm", None)
-        return len(perm) if perm else rank_of(g, p.input[0], depth + 1)
-    if p.op_type == "Reshape":
-        target = g.const(p.input[1])
-        if target is not None:
-            return int(np.asarray(target).size)
-        shape = g.model.shape(p.input[1])
-        return shape[0] if shape and len(shape) == 1 and isinstance(shape[0], int) else None
-    if p.op_type in _KEEPS_RANK:
-        return rank_of(g, p.input[0], depth + 1)
-    if p.op_type in ("Add", "Sub", "Mul", "Div"):  # broadcasting: the largest rank, when every input's is known
-        ranks = [rank_of(g, i, depth + 1) for i in p.input]
-        return None if None in ranks else max(ranks)
-    return None
+    return r if r is not None else op_rank(g, name)
 
 
 def closure(g: Graph, seeds, limit: int = 256) -> tuple[set[str], set[int]]:

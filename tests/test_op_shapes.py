@@ -169,3 +169,24 @@ def test_a_symbolic_shape_is_not_inferred_to_be_declined_as_a_constant(monkeypat
     z = g.const(f"z{T - 1}")
     assert z is not None and z.shape == (2, 4) and not z.any()
     assert asked == []
+
+
+def test_rank_of_reads_the_ops_where_inference_gives_no_rank():
+    """dataflow.rank_of (the Loop front end's rank question): the known rank, else what the ops fix. Behind an
+    op inference knows nothing of (another domain's), a Transpose's perm, a same-rank op on it, a Reshape to a
+    constant shape and a broadcast still say their ranks; nothing says the custom op's own."""
+    from rnnfuse.dataflow import rank_of
+
+    nodes = [helper.make_node("Mystery", ["x"], ["u"], domain="custom"),
+             helper.make_node("Transpose", ["u"], ["t"], perm=[1, 0, 2]),
+             helper.make_node("Relu", ["t"], ["r"]),
+             helper.make_node("Reshape", ["u", "shape4"], ["re"]),
+             helper.make_node("Add", ["r", "bias"], ["a"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("a", "re")],
+                              [_i64("shape4", [2, 3, -1, 1]), numpy_helper.from_array(np.ones(5, np.float32), "bias")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom", 1)])
+    g = Model(model).graph
+    assert all(g.model.rank(n) is None for n in ("u", "t", "r", "re", "a"))  # (inference says nothing here)
+    assert [rank_of(g, n) for n in ("u", "t", "r", "re", "a")] == [None, 3, 3, 4, 3]
+    assert rank_of(g, "x") == 2

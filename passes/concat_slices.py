@@ -25,17 +25,18 @@ _LAYOUT = ("Squeeze", "Unsqueeze", "Transpose", "Identity")
 
 
 def _piece(g: Graph, name: str, bounds: dict) -> tuple | None:
-    """``name`` = layouts(Slice(src, [s], [e], [axis])) or layouts(Split(src)[k]), each layout op read by the
-    next alone: (src, axis as written, s, e, the layout ops from the cut out). torch's per-step output is
-    ``Y[t:t+1]`` squeezed, then transposed to batch-first: two layout ops. ``bounds``: each Split's parts'
-    bounds, worked out once (a merged chain's Y is cut into thousands)."""
+    """``name`` = layouts(Slice(src, [s], [e], [axis])) or layouts(Split(src)[k]): (src, axis as written, s, e,
+    the layout ops from the cut out). torch's per-step output is ``Y[t:t+1]`` squeezed, then transposed to
+    batch-first: two layout ops. A piece read elsewhere too stays for those readers (torch's trace reads the
+    batch size off the first step's ``x[0:1]``). ``bounds``: each Split's parts' bounds, worked out once (a
+    merged chain's Y is cut into thousands)."""
     layouts = []
     p = g.producer.get(name)
-    while p is not None and p.op_type in _LAYOUT and len(g.uses(p.output[0])) <= 1:
+    while p is not None and p.op_type in _LAYOUT:
         layouts.append(p)
         name = p.input[0]
         p = g.producer.get(name)
-    if p is not None and p.op_type == "Split" and len(g.uses(name)) <= 1:
+    if p is not None and p.op_type == "Split":
         if id(p) not in bounds:
             sizes = op_args.split_sizes(p, g.model.opset, op_args.const_reader(g, p))
             ends = np.cumsum(sizes).tolist() if sizes is not None and min(sizes, default=-1) >= 0 else None
@@ -45,7 +46,7 @@ def _piece(g: Graph, name: str, bounds: dict) -> tuple | None:
         if not cut or name not in cut:
             return None
         return p.input[0], attr(p, "axis", 0), cut[name][0], cut[name][1], layouts[::-1]
-    if p is None or p.op_type != "Slice" or len(g.uses(p.output[0])) > 1:
+    if p is None or p.op_type != "Slice":
         return None
     starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, op_args.const_reader(g, p))
     if None in (starts, ends) or len(starts) != 1 or (steps is not None and steps != [1]):

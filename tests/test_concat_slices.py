@@ -19,10 +19,12 @@ def _i64(name, v):
     return numpy_helper.from_array(np.asarray(v, np.int64), name)
 
 
-def concat_of_slices(bounds, *, axis=0, cat_axis=None, layout=None, sources=None, steps=None, layouts=None):
+def concat_of_slices(bounds, *, axis=0, cat_axis=None, layout=None, sources=None, steps=None, layouts=None,
+                     read_twice=None):
     """y [T, 1, B, H] cut into ``bounds`` along ``axis``, each piece through ``layout`` (None, one layout op
     ("Squeeze", axes), ("Unsqueeze", axes), ("Transpose", perm), or a list of them applied in order; piece k
-    through ``layouts[k]`` where given), concatenated along ``cat_axis``."""
+    through ``layouts[k]`` where given), concatenated along ``cat_axis``; slice ``read_twice`` also read by
+    another node (a graph output)."""
     nodes, inits, pieces = [], [], []
     for k, (s, e) in enumerate(bounds):
         src = (sources or {}).get(k, "y")
@@ -43,9 +45,14 @@ def concat_of_slices(bounds, *, axis=0, cat_axis=None, layout=None, sources=None
             out = f"l{k}_{j}"
         pieces.append(out)
     nodes.append(helper.make_node("Concat", pieces, ["out"], axis=axis if cat_axis is None else cat_axis))
+    outputs = ["out"]
+    if read_twice is not None:
+        nodes.append(helper.make_node("Shape", [f"p{read_twice}"], ["other"]))
+        outputs.append("other")
     inputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 1, "B", 3]),
               helper.make_tensor_value_info("z", TensorProto.FLOAT, ["T", 1, "B", 3])]
-    graph = helper.make_graph(nodes, "cat", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
+    graph = helper.make_graph(nodes, "cat", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT if o == "out"
+                                                     else TensorProto.INT64, None) for o in outputs], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     return onnx.shape_inference.infer_shapes(model)
 
@@ -77,13 +84,15 @@ STEPS = [(0, 1), (1, 2), (2, 3), (3, 4)]
     dict(bounds=STEPS, layout=[("Squeeze", [1]), ("Transpose", [1, 0, 2])], cat_axis=1),
     dict(bounds=STEPS, layout=[("Squeeze", [1]), ("Unsqueeze", [0])], cat_axis=1),
     dict(bounds=STEPS, layout=[("Unsqueeze", [-1]), ("Squeeze", [-1])], cat_axis=0),
+    # torch's trace reads the batch size off the first step's x[0:1]: that slice stays for its other reader
+    dict(bounds=STEPS, read_twice=0),
 ], ids=["steps", "stretches", "squeezed", "squeezed_axis2", "transposed", "squeezed_transposed", "unsqueezed",
-        "negative_axes"])
+        "negative_axes", "read_twice"])
 def test_consecutive_slices_become_one(kw):
     model = concat_of_slices(**kw)
     modified, out = _merged(model)
     assert modified
-    assert [n.op_type for n in out.graph.node].count("Slice") == 1
+    assert [n.op_type for n in out.graph.node].count("Slice") == 1 + (kw.get("read_twice") is not None)
     assert "Concat" not in [n.op_type for n in out.graph.node]
     _same(model, out)
 
@@ -153,7 +162,8 @@ def _same_split(a, b, T, sizes):
     ([1, 2, 3], [0, 1, 2], {}),  # stretches of different lengths
     ([1, 1, 1, 1], [1, 2], {}),  # a run of parts in the middle
     ([1, 1, 1, 1], [0, 1, 2, 3], dict(layout=("Squeeze", [1]))),  # squeezed per-step parts (a merged chain's Y)
-], ids=["all", "stretches", "middle", "squeezed"])
+    ([1, 1, 1], [0, 1, 2], dict(read_twice=1)),  # a part read elsewhere too: it stays for that reader
+], ids=["all", "stretches", "middle", "squeezed", "read_twice"])
 def test_consecutive_parts_of_a_split_become_one_slice(sizes, order, kw):
     """step_chains cuts a merged op's Y into each op's rows with one Split: the parts put together again
     are a Slice of Y, like consecutive slices."""
@@ -169,9 +179,8 @@ def test_consecutive_parts_of_a_split_become_one_slice(sizes, order, kw):
     ([1, 1, 1], [1, 0], {}),  # out of order
     ([1, 1, 1], [0, 2], {}),  # a gap
     ([1, 1, 1], [0, 1, 2], dict(runtime_sizes=True)),  # sizes known only at run time
-    ([1, 1, 1], [0, 1, 2], dict(read_twice=1)),  # a part read elsewhere too
     ([1, 1, 1], [0, 1, 2], dict(layout=("Squeeze", [1]), cat_axis=1)),  # put together along batch
-], ids=["order", "gap", "runtime_sizes", "read_twice", "other_axis"])
+], ids=["order", "gap", "runtime_sizes", "other_axis"])
 def test_parts_of_a_split_near_misses_are_left(sizes, order, kw):
     model, T = concat_of_split_parts(sizes, order, **kw)
     modified, out = _merged(model)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto
 
-from rnnfuse import rewrite
+from rnnfuse import op_args, rewrite
 from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.findings import Finding, Options, PassResult
@@ -57,23 +57,57 @@ def _native_sequence(g: Graph, seq: str) -> bool:
     return False
 
 
-def _step_of(g: Graph, name: str) -> tuple[str, int] | None:
-    """``(seq, t)`` when ``name`` is step t of a native op's sequence: ``Gather(seq, t)`` on its time axis."""
+def _step_of(g: Graph, name: str, splits: dict) -> tuple[str, int] | None:
+    """``(seq, t)`` when ``name`` is step t of a native op's sequence: ``Gather(seq, t)`` on its time axis, or a
+    row of a part of ``Split(Y)``, Y a one-direction native op's own ``[T, 1, B, H]`` output (seq is Y then):
+    what step_chains leaves of torch's ``y, state = rnn(x[t:t+1], state); head(y[0])`` per step, the part's
+    direction axis squeezed and its row taken by ``Gather(., i)`` or ``Squeeze(., [0])``. ``splits``: each
+    Split's parts' first steps, worked out once a run."""
     p = g.producer.get(name)
-    if p is None or p.op_type != "Gather" or attr(p, "axis", 0) != 0:
+    if p is None or p.op_type not in ("Gather", "Squeeze") or p.domain not in ("", "ai.onnx"):
         return None
-    t = g.const(p.input[1])
-    if t is None or np.asarray(t).ndim != 0 or int(t) < 0 or not _native_sequence(g, p.input[0]):
+    if p.op_type == "Gather":
+        t = g.const(p.input[1]) if attr(p, "axis", 0) == 0 else None
+        if t is None or np.asarray(t).ndim != 0 or int(t) < 0:
+            return None
+        row = int(t)
+    elif _squeezed_axes(g, p) == [0]:
+        row = 0
+    else:
         return None
-    return p.input[0], int(t)
+    v = g.producer.get(p.input[0])  # (a part with its direction axis squeezed: looked at first, no rank asked)
+    cut = g.producer.get(v.input[0]) if v is not None and _squeezed_axes(g, v) == [1] else None
+    if cut is None or cut.op_type != "Split" or attr(cut, "axis", 0) != 0 or not _native_y(g, cut.input[0]):
+        return (p.input[0], row) if p.op_type == "Gather" and _native_sequence(g, p.input[0]) else None
+    if id(cut) not in splits:
+        sizes = op_args.split_sizes(cut, g.model.opset, lambda i: g.const(cut.input[i]))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist() if sizes else None
+        splits[id(cut)] = (cut, sizes and {o: (s, n) for o, s, n in zip(cut.output, starts, sizes)})
+    part = (splits[id(cut)][1] or {}).get(v.input[0])  # (first step, steps): a Squeeze takes a part of one
+    fits = part is not None and (row < part[1] if p.op_type == "Gather" else part[1] == 1)
+    return (cut.input[0], part[0] + row) if fits else None
+
+
+def _squeezed_axes(g: Graph, p: NodeProto) -> list[int] | None:
+    if p.op_type != "Squeeze":
+        return None
+    axes = op_args.axes(p, g.model.opset, lambda i: g.const(p.input[i]))
+    return None if axes is None else [int(a) for a in axes]
+
+
+def _native_y(g: Graph, y: str) -> bool:
+    """Whether ``y`` is a one-direction, sequence-first native op's ``Y`` ([T, 1, B, H])."""
+    p = g.producer.get(y)
+    return (p is not None and p.op_type in _NATIVE and p.domain in ("", "ai.onnx") and p.output[0] == y
+            and attr(p, "direction", "forward") != "bidirectional" and not attr(p, "layout", 0))
 
 
 class _Map:
     """One step's copy of the map: its nodes in evaluation order, the steps it reads, and a signature that is the
     same for every copy of the same map (which steps each copy reads: :func:`_step_runs`)."""
 
-    def __init__(self, g: Graph, out: str, item: int):
-        self.g, self.item = g, item
+    def __init__(self, g: Graph, out: str, item: int, splits: dict):
+        self.g, self.item, self.splits = g, item, splits
         self.nodes: list[NodeProto] = []
         self._index: dict[int, int] = {}  # node id -> its place in ``nodes``
         self.steps: dict[str, tuple[str, int]] = {}  # tensor -> (sequence, its step), in the order read
@@ -85,7 +119,7 @@ class _Map:
         if name in self.refs:
             return self.refs[name]
         g = self.g
-        step = _step_of(g, name)
+        step = _step_of(g, name, self.splits)
         c = g.const(name) if step is None else None
         if step is not None:  # (which step is read where: the same place in every copy; its step per copy,
             self.steps[name] = step  # forward or backward with the item, _step_runs)
@@ -115,7 +149,7 @@ class _Map:
         return (n.op_type, n.domain, tuple(a.SerializeToString() for a in n.attribute))
 
 
-def _stacked_map(g: Graph, cat: NodeProto) -> tuple[_Map, int, int] | None:
+def _stacked_map(g: Graph, cat: NodeProto, splits: dict) -> tuple[_Map, int, int] | None:
     """``(the first step's map, the stacking axis, the number of steps)`` when every input of ``cat`` stacks
     the same row-wise map of the steps of native ops' sequences; None when it is not such a stack."""
     axis = attr(cat, "axis", 0)
@@ -127,12 +161,12 @@ def _stacked_map(g: Graph, cat: NodeProto) -> tuple[_Map, int, int] | None:
         return None
     # (a copy unlike the first ends the look: 6,660 copies were walked before the first was compared)
     try:
-        first = _Map(g, items[0], 0)
+        first = _Map(g, items[0], 0, splits)
         if not first.steps:
             return None
         maps = [first]
         for k in range(1, len(items)):
-            m = _Map(g, items[k], k)
+            m = _Map(g, items[k], k, splits)
             if m.signature != first.signature:
                 return None
             maps.append(m)
@@ -177,6 +211,8 @@ def _emit(g: Graph, cat: NodeProto, m: _Map, axis: int, n_steps: int, runs: list
     env: dict[str, str] = {}
     like = None
     for (name, (seq, _)), (start, direction) in zip(m.steps.items(), runs):
+        if _native_y(g, seq):  # (a native op's own Y, [T, 1, B, H]: its direction axis squeezed first)
+            seq = b.squeeze(seq, [1])
         part, shape = seq, g.model.shape(seq)
         if direction < 0:  # (rows start, start - 1, ...: a slice with step -1; past row 0 when it ends there)
             end = start - n_steps if start - n_steps >= 0 else -(2**62)
@@ -206,8 +242,9 @@ class StackStepMaps:
             return res  # (no step to map: a Concat's items are not asked their ranks, a cone inferred each)
         rewrites = []
         big = len(g.nodes) > rewrite.WHOLE_MODEL_LIMIT  # (validated whole, else on its first copies)
+        splits: dict = {}  # (see _step_of)
         for cat in g.nodes_of("Concat"):
-            found = _stacked_map(g, cat)
+            found = _stacked_map(g, cat, splits)
             if found is None:
                 continue
             m, axis, n_steps, runs = found

@@ -187,3 +187,64 @@ def test_a_big_model_checks_the_first_copies_of_a_stack(monkeypatch):
     fused, report = rnnfuse.optimize(model)
     assert "declined" in report.to_text() and op_counts(fused) == op_counts(model), report.to_text()
     _same_outputs(model, fused)
+
+
+def per_call_head(row: str = "gather", shuffled: bool = False):
+    """Decoder-style torch: one RNN op per step over x[t:t+1] carrying the state by hand, and per step
+    relu(y[0] @ V + c) stacked on time (``y`` the op's [1, 1, B, H] Y with its direction axis squeezed, its row
+    taken by ``Gather(., 0)`` or ``Squeeze(., [0])``). step_chains merges the ops and leaves each op's part of
+    one Split of the merged Y; the stacked map then runs once. ``shuffled``: item j reads op (2 j) mod T."""
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
+        ("W", rng.standard_normal((1, H, F))), ("R", rng.standard_normal((1, H, H)) * 0.3),
+        ("V", rng.standard_normal((H, K))), ("c", rng.standard_normal(K)))]
+    inits += [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (
+        ("ax0", [0]), ("ax1", [1]), ("zero", 0))]
+    nodes, items, h = [], [], "h0"
+    for t in range(T):
+        inits += [numpy_helper.from_array(np.array([t], np.int64), f"s{t}"),
+                  numpy_helper.from_array(np.array([t + 1], np.int64), f"e{t}")]
+        nodes += [helper.make_node("Slice", ["x", f"s{t}", f"e{t}", "ax0"], [f"x{t}"]),
+                  helper.make_node("RNN", [f"x{t}", "W", "R", "", "", h], [f"Y{t}", f"h{t + 1}"], hidden_size=H),
+                  helper.make_node("Squeeze", [f"Y{t}", "ax1"], [f"ys{t}"])]
+        h = f"h{t + 1}"
+    for j in range(T):
+        t = (2 * j) % T if shuffled else j
+        take = (helper.make_node("Gather", [f"ys{t}", "zero"], [f"r{j}"], axis=0) if row == "gather" else
+                helper.make_node("Squeeze", [f"ys{t}", "ax0"], [f"r{j}"]))
+        nodes += [take, helper.make_node("MatMul", [f"r{j}", "V"], [f"m{j}"]),
+                  helper.make_node("Add", [f"m{j}", "c"], [f"a{j}"]), helper.make_node("Relu", [f"a{j}"], [f"y{j}"]),
+                  helper.make_node("Unsqueeze", [f"y{j}", "ax0"], [f"u{j}"])]
+        items.append(f"u{j}")
+    nodes.append(helper.make_node("Concat", items, ["out"], axis=0))
+    g = helper.make_graph(nodes, "per_call_head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, B, F]),
+                                                   helper.make_tensor_value_info("h0", TensorProto.FLOAT, [1, B, H])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, [T, B, K])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _same_outputs_h0(a, b):
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((T, B, F)).astype(np.float32), "h0": rng.standard_normal((1, B, H)).astype(np.float32)}
+    for p, q in zip(session(a).run(None, feeds), session(b).run(None, feeds)):
+        np.testing.assert_allclose(p, q, atol=1e-5)
+
+
+@pytest.mark.parametrize("row", ["gather", "squeeze"])
+def test_a_head_on_each_calls_output_runs_once_after_the_calls_merge(row):
+    model = per_call_head(row)
+    fused, report = rnnfuse.optimize(model)
+    merged = {f.pass_name for f in report.findings if f.status == "merged"}
+    assert merged == {"step-chains", "step-maps"}, report.to_text()
+    ops = op_counts(fused)
+    assert ops["RNN"] == 1 and ops["MatMul"] == 1 and ops["Relu"] == 1 and ops.get("Split", 0) == 0, ops
+    _same_outputs_h0(model, fused)
+
+
+def test_a_head_on_the_calls_outputs_in_another_order_stays():
+    model = per_call_head(shuffled=True)
+    fused, report = rnnfuse.optimize(model)
+    assert not [f for f in report.findings if f.pass_name == "step-maps"], report.to_text()
+    ops = op_counts(fused)
+    assert ops["RNN"] == 1 and ops["MatMul"] == T, ops  # (the calls merge; the heads stay, one per step)
+    _same_outputs_h0(model, fused)

@@ -58,41 +58,97 @@ def _native_sequence(g: Graph, seq: str) -> bool:
 
 
 def _step_of(g: Graph, name: str, splits: dict) -> tuple[str, int] | None:
-    """``(seq, t)`` when ``name`` is step t of a native op's sequence: ``Gather(seq, t)`` on its time axis, or a
-    row of a part of ``Split(Y)``, Y a one-direction native op's own ``[T, 1, B, H]`` output (seq is Y then):
-    what step_chains leaves of torch's ``y, state = rnn(x[t:t+1], state); head(y[0])`` per step, the part's
-    direction axis squeezed and its row taken by ``Gather(., i)`` or ``Squeeze(., [0])``. ``splits``: each
-    Split's parts' first steps, worked out once a run."""
+    """``(seq, t)`` when ``name`` is step t of a native op's sequence: ``Gather(seq, t)`` on its time axis, or
+    the rows of a one-step part of ``Split(Y)``, Y a one-direction native op's own ``[T, 1, B, H]`` output (seq
+    is Y then): what step_chains leaves of torch's ``y, state = rnn(x[t:t+1], state); head(y[0])`` per call.
+    ``splits``: each Split's parts' first steps, worked out once a run."""
     p = g.producer.get(name)
-    if p is None or p.op_type not in ("Gather", "Squeeze") or p.domain not in ("", "ai.onnx"):
+    if p is None or p.domain not in ("", "ai.onnx"):
         return None
-    if p.op_type == "Gather":
-        t = g.const(p.input[1]) if attr(p, "axis", 0) == 0 else None
-        if t is None or np.asarray(t).ndim != 0 or int(t) < 0:
+    found = _part_rows(g, name, splits)
+    if found is not None or p.op_type != "Gather" or attr(p, "axis", 0) != 0:
+        return found
+    t = g.const(p.input[1])
+    if t is None or np.asarray(t).ndim != 0 or int(t) < 0 or not _native_sequence(g, p.input[0]):
+        return None
+    return p.input[0], int(t)
+
+
+# ops that only view a tensor's elements (in memory order, where no axis of more than one element is moved past
+# another)
+_VIEWS = ("Squeeze", "Unsqueeze", "Reshape", "Transpose", "Gather", "Identity")
+
+
+def _part_rows(g: Graph, name: str, splits: dict) -> tuple[str, int] | None:
+    """``(Y, t)`` when ``name`` is the ``[B, H]`` rows of part t of ``Split(Y)`` (one step; Y a one-direction
+    native op's output), reached by views that only drop, add or move axes of one element: trace squeezes the
+    direction axis and takes ``[0]``, dynamo transposes, reshapes and takes ``[0]``. The axes are followed as
+    unit (1), batch ("b") and hidden ("h"); every view keeps the elements' order, so rows stay rows."""
+    views = []
+    cur = name
+    while len(views) <= 8:
+        p = g.producer.get(cur)
+        if p is None or p.domain not in ("", "ai.onnx") or p.op_type not in _VIEWS + ("Split",):
             return None
-        row = int(t)
-    elif _squeezed_axes(g, p) == [0]:
-        row = 0
+        if p.op_type == "Split":
+            break
+        views.append(p)
+        cur = p.input[0]
     else:
         return None
-    v = g.producer.get(p.input[0])  # (a part with its direction axis squeezed: looked at first, no rank asked)
-    cut = g.producer.get(v.input[0]) if v is not None and _squeezed_axes(g, v) == [1] else None
-    if cut is None or cut.op_type != "Split" or attr(cut, "axis", 0) != 0 or not _native_y(g, cut.input[0]):
-        return (p.input[0], row) if p.op_type == "Gather" and _native_sequence(g, p.input[0]) else None
-    if id(cut) not in splits:
-        sizes = op_args.split_sizes(cut, g.model.opset, lambda i: g.const(cut.input[i]))
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist() if sizes else None
-        splits[id(cut)] = (cut, sizes and {o: (s, n) for o, s, n in zip(cut.output, starts, sizes)})
-    part = (splits[id(cut)][1] or {}).get(v.input[0])  # (first step, steps): a Squeeze takes a part of one
-    fits = part is not None and (row < part[1] if p.op_type == "Gather" else part[1] == 1)
-    return (cut.input[0], part[0] + row) if fits else None
-
-
-def _squeezed_axes(g: Graph, p: NodeProto) -> list[int] | None:
-    if p.op_type != "Squeeze":
+    if not views or attr(p, "axis", 0) != 0 or not _native_y(g, p.input[0]):
         return None
-    axes = op_args.axes(p, g.model.opset, lambda i: g.const(p.input[i]))
-    return None if axes is None else [int(a) for a in axes]
+    if id(p) not in splits:
+        sizes = op_args.split_sizes(p, g.model.opset, lambda i: g.const(p.input[i]))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist() if sizes else None
+        splits[id(p)] = (p, sizes and {o: (s, n) for o, s, n in zip(p.output, starts, sizes)})
+    part = (splits[id(p)][1] or {}).get(cur)
+    hidden = attr(g.producer[p.input[0]], "hidden_size", None)
+    if part is None or part[1] != 1 or not isinstance(hidden, int) or hidden < 2:
+        return None
+    dims = [1, 1, "b", "h"]  # the part: [1 step, 1 direction, B, H]
+    for v in reversed(views):
+        dims = _viewed(g, v, dims, hidden)
+        if dims is None:
+            return None
+    return (p.input[0], part[0]) if dims == ["b", "h"] else None
+
+
+def _viewed(g: Graph, v: NodeProto, dims: list, hidden: int) -> list | None:
+    """The axes after view ``v`` (see _part_rows), or None where it may move the rows or is not known."""
+    op, rank = v.op_type, len(dims)
+    const = lambda i: g.const(v.input[i])  # noqa: E731
+    if op == "Identity":
+        return dims
+    if op == "Transpose":
+        perm = attr(v, "perm", None) or list(range(rank))[::-1]
+        if sorted(perm) != list(range(rank)):
+            return None
+        out = [dims[k] for k in perm]
+        return out if [d for d in out if d != 1] == [d for d in dims if d != 1] else None
+    if op == "Gather":
+        idx, axis = const(1), attr(v, "axis", 0)
+        ok = idx is not None and np.asarray(idx).ndim == 0 and int(idx) in (0, -1) and -rank <= axis < rank
+        return dims[:axis % rank] + dims[axis % rank + 1:] if ok and dims[axis % rank] == 1 else None
+    if op in ("Squeeze", "Unsqueeze"):
+        axes = op_args.axes(v, g.model.opset, const)
+        if axes is None:
+            return None  # (a Squeeze of every unit axis: the batch too, where it is 1)
+        if op == "Squeeze":
+            gone = {a % rank for a in axes} if all(-rank <= a < rank for a in axes) else set()
+            return [d for k, d in enumerate(dims) if k not in gone] if gone and all(dims[k] == 1 for k in gone) else None
+        out_rank = rank + len(axes)
+        added = {a % out_rank for a in axes}
+        rest = iter(dims)
+        return [1 if k in added else next(rest) for k in range(out_rank)] if len(added) == len(axes) else None
+    shape = const(1)  # (Reshape: to a constant shape whose entries other than 1 are the batch, then H)
+    if shape is None or (attr(v, "allowzero", 0) and 0 in np.asarray(shape)):  # (a 0 that is no copy: empty)
+        return None
+    entries = [dims[k] if x == 0 and k < rank else int(x) for k, x in enumerate(np.asarray(shape).ravel())]
+    wide = [k for k, x in enumerate(entries) if x != 1]
+    if len(wide) != 2 or entries[wide[1]] not in (hidden, "h") or entries[wide[0]] not in (-1, "b"):
+        return None
+    return [1 if k not in wide else "b" if k == wide[0] else "h" for k in range(len(entries))]
 
 
 def _native_y(g: Graph, y: str) -> bool:

@@ -193,13 +193,14 @@ def per_call_head(row: str = "gather", shuffled: bool = False):
     """Decoder-style torch: one RNN op per step over x[t:t+1] carrying the state by hand, and per step
     relu(y[0] @ V + c) stacked on time (``y`` the op's [1, 1, B, H] Y with its direction axis squeezed, its row
     taken by ``Gather(., 0)`` or ``Squeeze(., [0])``). step_chains merges the ops and leaves each op's part of
-    one Split of the merged Y; the stacked map then runs once. ``shuffled``: item j reads op (2 j) mod T."""
+    one Split of the merged Y; the stacked map then runs once. ``shuffled``: item j reads op (2 j) mod T;
+    ``row="scrambled"``: a [B, H] view of the output that is no rows."""
     rng = np.random.default_rng(4)
     inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
         ("W", rng.standard_normal((1, H, F))), ("R", rng.standard_normal((1, H, H)) * 0.3),
         ("V", rng.standard_normal((H, K))), ("c", rng.standard_normal(K)))]
     inits += [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (
-        ("ax0", [0]), ("ax1", [1]), ("zero", 0))]
+        ("ax0", [0]), ("ax1", [1]), ("zero", 0), ("h_first", [H, -1]))]
     nodes, items, h = [], [], "h0"
     for t in range(T):
         inits += [numpy_helper.from_array(np.array([t], np.int64), f"s{t}"),
@@ -210,9 +211,13 @@ def per_call_head(row: str = "gather", shuffled: bool = False):
         h = f"h{t + 1}"
     for j in range(T):
         t = (2 * j) % T if shuffled else j
-        take = (helper.make_node("Gather", [f"ys{t}", "zero"], [f"r{j}"], axis=0) if row == "gather" else
-                helper.make_node("Squeeze", [f"ys{t}", "ax0"], [f"r{j}"]))
-        nodes += [take, helper.make_node("MatMul", [f"r{j}", "V"], [f"m{j}"]),
+        if row == "scrambled":  # (a [B, H]-shaped view that is no rows: the elements read H-major, transposed)
+            nodes += [helper.make_node("Reshape", [f"ys{t}", "h_first"], [f"hb{j}"]),
+                      helper.make_node("Transpose", [f"hb{j}"], [f"r{j}"], perm=[1, 0])]
+        else:
+            nodes.append(helper.make_node("Gather", [f"ys{t}", "zero"], [f"r{j}"], axis=0) if row == "gather" else
+                         helper.make_node("Squeeze", [f"ys{t}", "ax0"], [f"r{j}"]))
+        nodes += [helper.make_node("MatMul", [f"r{j}", "V"], [f"m{j}"]),
                   helper.make_node("Add", [f"m{j}", "c"], [f"a{j}"]), helper.make_node("Relu", [f"a{j}"], [f"y{j}"]),
                   helper.make_node("Unsqueeze", [f"y{j}", "ax0"], [f"u{j}"])]
         items.append(f"u{j}")
@@ -241,8 +246,11 @@ def test_a_head_on_each_calls_output_runs_once_after_the_calls_merge(row):
     _same_outputs_h0(model, fused)
 
 
-def test_a_head_on_the_calls_outputs_in_another_order_stays():
-    model = per_call_head(shuffled=True)
+@pytest.mark.parametrize("case", [dict(shuffled=True), dict(row="scrambled")], ids=["shuffled", "scrambled"])
+def test_a_head_on_the_calls_outputs_in_another_order_stays(case):
+    """Items reading the calls in another order, or views of a call's output that are not its rows (the same
+    shape, the elements in another order): the calls merge, the heads stay."""
+    model = per_call_head(**case)
     fused, report = rnnfuse.optimize(model)
     assert not [f for f in report.findings if f.pass_name == "step-maps"], report.to_text()
     ops = op_counts(fused)

@@ -208,6 +208,9 @@ CASES = [
     nnrnn("lstm_steps_dynamo_L2_h0", "lstm", stretch=1, layers=2, init="given",
           notes="two layers: both cell states share one Concat per call, so the layers merge together"),
     nnrnn("lstm_steps_trace_L2_bf", "lstm", exporter="trace", stretch=2, layers=2, **BF),
+    nnrnn("gru_steps_head_trace", "gru", exporter="trace", stretch=1, head=True,
+          notes="decoder style with a head per call: tanh(fc(y[0])) stacked on time; the head runs once"),
+    nnrnn("lstm_steps_head_dynamo", "lstm", stretch=1, head=True),
     nnrnn("lstm_native_dynamo", "lstm", notes="control: nn.LSTM exports as a native LSTM already"),
     nnrnn("gru_native_dynamo_bf", "gru", **BF, notes="control: nn.GRU exports as a native GRU already"),
     # -- TorchScript: Loop + SequenceInsert + ConcatFromSequence, dynamic batch and time
@@ -695,6 +698,8 @@ def expectation(c: Case) -> dict:
         exp["absent"] = list(ABSENT) + ["ScatterND", "ScatterElements"]
     if c.model == "script" and o.get("inputs"):
         exp["max_cell_ops"] = 2  # (the step input's map, applied once to the whole sequence: a Gemm and a Relu)
+    if c.model == "nn" and o.get("head"):
+        exp["max_cell_ops"] = 2  # (the per-call head, applied once to the whole sequence: a Gemm and a Tanh)
     return exp
 
 
@@ -734,7 +739,8 @@ def describe(c: Case) -> str:
         if o.get("bidir"):
             args.append("bidirectional=True")
         init = "given h0" if o.get("init") == "given" else "no initial state"
-        return f"{cls}({', '.join(args)}), {init}; returns (output, h_n[, c_n])"
+        out = "tanh(Linear(y[0])) of each call, stacked" if o.get("head") else "output"
+        return f"{cls}({', '.join(args)}), {init}; returns ({out}, h_n[, c_n])"
     parts = [CELL_TEXT[o["cell"]] + ("" if o.get("bias", True) else " bias=False"), layout]
     if o.get("bidir") and o.get("order") == "interleaved":
         parts.append("one loop stepping a forward cell on x[t] and a backward cell on x[T-1-t] (T = x.shape[0]), "
@@ -988,8 +994,9 @@ def torch_modules():
         """nn.RNN / nn.LSTM / nn.GRU on the whole sequence; returns (output, h_n[, c_n])."""
 
         def __init__(self, cell, features, hidden, layers=1, batch_first=False, bidir=False, init="zeros",
-                     stretch=0):
+                     stretch=0, head=False):
             super().__init__()
+            self.head = nn.Linear(hidden, 3) if head else None  # (time-major, one step a call)
             self.stretch, self.tdim = stretch, 1 if batch_first else 0
             kw = dict(num_layers=layers, batch_first=batch_first, bidirectional=bidir)
             if cell == "lstm":
@@ -1008,7 +1015,7 @@ def torch_modules():
                 ys, T = [], x.shape[self.tdim]
                 for t in range(0, T, self.stretch):
                     y, state = self.rnn(x.narrow(self.tdim, t, min(self.stretch, T - t)), state)
-                    ys.append(y)
+                    ys.append(y if self.head is None else torch.tanh(self.head(y[0])).unsqueeze(0))
                 y = torch.cat(ys, self.tdim)
             return (y, *state) if self.lstm else (y, state)
 

@@ -79,6 +79,36 @@ def export_view_chain(path: str, steps: int, input_size: int = 8, hidden: int = 
     return len(onnx.load(path, load_external_data=False).graph.node)
 
 
+CALL_HEAD_NODES_PER_STEP = 16
+
+
+def export_calls_with_head(path: str, steps: int, input_size: int = 8, hidden: int = 16, batch: int = 3) -> int:
+    """Decoder-style torch: ``nn.LSTM`` called once per step, the state carried by hand, and a head per call,
+    ``tanh(Linear(y[0]))`` stacked on time; ``torch.onnx.export(dynamo=False)`` with a dynamic batch (16 nodes per
+    step); returns the node count."""
+    import onnx
+    import torch
+
+    warnings.filterwarnings("ignore")
+
+    class CallsWithHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = torch.nn.LSTM(input_size, hidden), torch.nn.Linear(hidden, 4)
+
+        def forward(self, x):
+            state, ys = None, []
+            for t in range(x.shape[0]):
+                y, state = self.rnn(x[t:t + 1], state)
+                ys.append(torch.tanh(self.head(y[0])))
+            return torch.stack(ys, 0)
+
+    torch.manual_seed(0)
+    torch.onnx.export(CallsWithHead().eval(), (torch.randn(steps, batch, input_size),), path, dynamo=False,
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {1: "B"}}, opset_version=17)
+    return len(onnx.load(path, load_external_data=False).graph.node)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)

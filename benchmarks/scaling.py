@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,wide,heavy,heavy_ext]
+                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,callhead,wide,heavy,heavy_ext]
                                  [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
@@ -38,6 +38,9 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
   nodes a step): one LSTM per layer once the per-call ops are merged.
 * ``backreads``: torch's trace of a hand-written bidirectional relu RNN, a forward loop then a backward one,
   ``stack(cat([hf[t], hb[t]], 1))`` (14 nodes a step): one bidirectional RNN, every step's cat read from it once.
+* ``callhead``: torch's trace of ``nn.LSTM`` called once per step with a head per call, ``tanh(Linear(y[0]))``
+  stacked on time (16 nodes a step; exported at every size: ~6 minutes at 96k nodes): one LSTM and the head
+  applied once.
 * ``heavy`` / ``heavy_ext``: the LSTMCell loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all
   but 0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 
@@ -66,7 +69,7 @@ sys.path.insert(0, HERE)
 NODES_PER_STEP = 18  # torch's LSTMCell trace export
 VIEW_NODES_PER_STEP = 32  # torch's trace export of a hand-written LSTM cell with gates.view(B, 4, H)
 
-from chain_2000 import export_lstmcell_chain, export_view_chain  # noqa: E402
+from chain_2000 import CALL_HEAD_NODES_PER_STEP, export_calls_with_head, export_lstmcell_chain, export_view_chain  # noqa: E402
 from graphs import (attention_blocks, backward_loop_read_stacked, cells_side_by_side, elementwise_chain, layer_called_per_step,  # noqa: E402
                     loops_in_a_row, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
                     steps_summed, two_cells_per_step, unbind_stack_blocks)
@@ -202,7 +205,8 @@ GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wid
               "views": lambda path, nodes: export_view_chain(path, max(2, nodes // VIEW_NODES_PER_STEP)),
               "head": recurrence_then_head, "prologue": prologue_then_recurrence,
               "blocks": unbind_stack_blocks, "attention": attention_blocks, "stepcalls": layer_called_per_step,
-              "backreads": backward_loop_read_stacked}
+              "backreads": backward_loop_read_stacked,
+              "callhead": lambda path, nodes: export_calls_with_head(path, max(2, nodes // CALL_HEAD_NODES_PER_STEP))}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "
@@ -436,6 +440,8 @@ def main(argv=None) -> int:
         "LSTM per layer. "
         "`backreads`: torch's trace of a hand-written bidirectional relu RNN (a forward loop, then a backward one, "
         "outputs `stack(cat([hf[t], hb[t]], 1))`, 14 nodes/step), one bidirectional RNN and the stack read from it. "
+        "`callhead`: torch's trace of `nn.LSTM` called once per step with a head per call, `tanh(Linear(y[0]))` "
+        "stacked (16 nodes/step), one LSTM and the head applied once. "
         "`wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "

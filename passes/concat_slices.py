@@ -37,11 +37,8 @@ def _piece(g: Graph, name: str, bounds: dict) -> tuple | None:
         name = p.input[0]
         p = g.producer.get(name)
     if p is not None and p.op_type == "Split":
-        if id(p) not in bounds:
-            sizes = op_args.split_sizes(p, g.model.opset, op_args.const_reader(g, p))
-            ends = np.cumsum(sizes).tolist() if sizes is not None and min(sizes, default=-1) >= 0 else None
-            # (the node is held beside its bounds: a node the pass adds cannot take a freed one's id)
-            bounds[id(p)] = (p, ends and {o: (e - s, e) for o, s, e in zip(p.output, sizes, ends)})
+        if id(p) not in bounds:  # (the node is held beside its bounds: a node the pass adds cannot take its id)
+            bounds[id(p)] = (p, op_args.split_bounds(p, g.model.opset, op_args.const_reader(g, p)))
         cut = bounds[id(p)][1]
         if not cut or name not in cut:
             return None

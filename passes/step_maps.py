@@ -61,7 +61,7 @@ def _step_of(g: Graph, name: str, splits: dict) -> tuple[str, int] | None:
     """``(seq, t)`` when ``name`` is step t of a native op's sequence: ``Gather(seq, t)`` on its time axis, or
     the rows of a one-step part of ``Split(Y)``, Y a one-direction native op's own ``[T, 1, B, H]`` output (seq
     is Y then): what step_chains leaves of torch's ``y, state = rnn(x[t:t+1], state); head(y[0])`` per call.
-    ``splits``: each Split's parts' first steps, worked out once a run."""
+    ``splits``: each Split's parts' bounds, worked out once a run."""
     p = g.producer.get(name)
     if p is None or p.domain not in ("", "ai.onnx"):
         return None
@@ -98,13 +98,11 @@ def _part_rows(g: Graph, name: str, splits: dict) -> tuple[str, int] | None:
         return None
     if not views or attr(p, "axis", 0) != 0 or not _native_y(g, p.input[0]):
         return None
-    if id(p) not in splits:
-        sizes = op_args.split_sizes(p, g.model.opset, lambda i: g.const(p.input[i]))
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist() if sizes else None
-        splits[id(p)] = (p, sizes and {o: (s, n) for o, s, n in zip(p.output, starts, sizes)})
+    if id(p) not in splits:  # (the node is held beside its bounds: no later node takes its id)
+        splits[id(p)] = (p, op_args.split_bounds(p, g.model.opset, op_args.const_reader(g, p)))
     part = (splits[id(p)][1] or {}).get(cur)
     hidden = attr(g.producer[p.input[0]], "hidden_size", None)
-    if part is None or part[1] != 1 or not isinstance(hidden, int) or hidden < 2:
+    if part is None or part[1] - part[0] != 1 or not isinstance(hidden, int) or hidden < 2:
         return None
     dims = [1, 1, "b", "h"]  # the part: [1 step, 1 direction, B, H]
     for v in reversed(views):

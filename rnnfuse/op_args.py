@@ -53,6 +53,16 @@ def split_sizes(node: NodeProto, opset: int, value: Value) -> list[int] | None:
     return _input_ints(node, 1, value)
 
 
+def split_bounds(node: NodeProto, opset: int, value: Value) -> dict[str, tuple[int, int]] | None:
+    """Each output of a Split with given sizes: its ``[start, end)`` along the split axis; None when the sizes
+    are not given (equal parts) or not known, or one is negative."""
+    sizes = split_sizes(node, opset, value)
+    if not sizes or min(sizes) < 0:
+        return None
+    ends = np.cumsum(sizes).tolist()
+    return {o: (e - n, e) for o, n, e in zip(node.output, sizes, ends)}
+
+
 def equal_split(size: int, parts: int) -> list[int]:
     """The sizes of a Split into ``parts`` without sizes: equal, the last one smaller if it must be."""
     step = -(-size // parts)

@@ -27,6 +27,7 @@ def default_passes() -> list:
         FuseScans(),
         FuseChains(),  # after the loops: a chain may read a fused layer's output (a stack)
         MergeStepChains(),  # a layer called once per step (decoders): the per-step native ops become one
+        MergeConsecutiveSlices(),  # ... reading x cut in steps: one slice, before the passes below validate over it
         AssembleRowWrites(),  # outputs written into a preallocated buffer row by row (outs[t] = h): Y itself
         StackStepMaps(),  # a per-step head (fc(h_t), cat([h1_t, h2_t])) stacked on time: applied to Y at once
         ReverseInputs(),  # native ops (fused or exported) reading a time-reversed input run in reverse instead

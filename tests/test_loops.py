@@ -314,3 +314,59 @@ def test_outputs_written_into_a_carried_buffer_fused():
 def test_buffer_near_misses_declined(miss, reason):
     """A buffer the step reads for its values, or written a row off: no per-step output of a native op."""
     _declined(build_buffer_loop(miss), reason)
+
+
+def _deep_loop(head_ops: int = 0, cell_tanhs: int = 1) -> onnx.ModelProto:
+    """A Loop over a tanh cell (h' = tanh(x_t W + h R + b), applied ``cell_tanhs`` times over) whose per-step
+    output is h' through ``head_ops`` elementwise ops (Mul, Add, Tanh, Sigmoid in turn)."""
+    from onnx import TensorProto as TP, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    F, H = 3, 4
+    body = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0), helper.make_node("MatMul", ["xt", "W"], ["xw"]),
+            helper.make_node("MatMul", ["h", "R"], ["hr"]), helper.make_node("Add", ["xw", "hr"], ["s"]),
+            helper.make_node("Add", ["s", "b"], ["a0"]), helper.make_node("Identity", ["cond"], ["cond_out"])]
+    for k in range(cell_tanhs):
+        body.append(helper.make_node("Tanh", [f"a{k}"], [f"a{k + 1}"]))
+    cur = f"a{cell_tanhs}"
+    body.append(helper.make_node("Identity", [cur], ["hn"]))
+    for k in range(head_ops):
+        op = ("Mul", "Add", "Tanh", "Sigmoid")[k % 4]
+        body.append(helper.make_node(op, [cur, "half"] if op in ("Mul", "Add") else [cur], [f"e{k}"]))
+        cur = f"e{k}"
+    body.append(helper.make_node("Identity", [cur], ["yt"]))
+    graph = helper.make_graph(body, "body", [helper.make_tensor_value_info("it", TP.INT64, []),
+                                             helper.make_tensor_value_info("cond", TP.BOOL, []),
+                                             helper.make_tensor_value_info("h", TP.FLOAT, ["B", H])],
+                              [helper.make_tensor_value_info("cond_out", TP.BOOL, []),
+                               helper.make_tensor_value_info("hn", TP.FLOAT, ["B", H]),
+                               helper.make_tensor_value_info("yt", TP.FLOAT, ["B", H])])
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "zero"], ["T"], axis=0),
+             helper.make_node("Shape", ["x"], ["xs1"]), helper.make_node("Gather", ["xs1", "one"], ["nb"], axis=0),
+             helper.make_node("Unsqueeze", ["nb", "zero1"], ["nb1"]), helper.make_node("Concat", ["nb1", "width"], ["hs"], axis=0),
+             helper.make_node("ConstantOfShape", ["hs"], ["h0"], value=numpy_helper.from_array(np.zeros(1, np.float32))),
+             helper.make_node("Loop", ["T", "true", "h0"], ["hT", "ys"], body=graph)]
+    inits = [numpy_helper.from_array((0.5 * rng.standard_normal(s)).astype(np.float32), n)
+             for n, s in (("W", (F, H)), ("R", (H, H)), ("b", (H,)))]
+    inits += [numpy_helper.from_array(np.float32(0.5), "half"), numpy_helper.from_array(np.int64(0), "zero"),
+              numpy_helper.from_array(np.int64(1), "one"), numpy_helper.from_array(np.array([0], np.int64), "zero1"),
+              numpy_helper.from_array(np.array([H], np.int64), "width"), numpy_helper.from_array(np.array(True), "true")]
+    main = helper.make_graph(nodes, "deep", [helper.make_tensor_value_info("x", TP.FLOAT, ["T", "B", F])],
+                             [helper.make_tensor_value_info("ys", TP.FLOAT, ["T", "B", H]),
+                              helper.make_tensor_value_info("hT", TP.FLOAT, ["B", H])], inits)
+    return helper.make_model(main, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_head_too_deep_to_read_symbolically_is_replayed():
+    """A per-step head of 600 elementwise ops (300 activations nested) is no maths the recogniser reads: it is
+    declined as such (Python ran out of stack on it, an internal error) and replayed on the op's Y."""
+    model = _deep_loop(head_ops=600)
+    fused, _ = _fused_once(model, Loop=0, RNN=1)
+    x = np.random.default_rng(1).standard_normal((5, 2, 3)).astype(np.float32)
+    for got, want in zip(session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})):
+        assert_close(got, want, "deep head")
+
+
+def test_a_cell_nesting_too_deep_is_declined_with_a_reason():
+    """h' = tanh(tanh(... tanh(x W + h R + b))), 80 deep: no native cell, and too deep to read: declined."""
+    _declined(_deep_loop(cell_tanhs=80), "nest more than")

@@ -140,8 +140,15 @@ class Lin:
 # atoms and polynomials
 
 
+# how deep atoms may nest (an activation of a polynomial over activations ...): a cell nests a handful, a head
+# inside a loop body a few dozen at most. Keys are nested tuples, sorted by their text and walked by recursive
+# functions: a 10,000-op elementwise head in a Loop's body ran Python out of stack. Deeper maths is declined.
+MAX_NESTING = 64
+
+
 class Atom:
     __slots__ = ("key", "ncols")
+    depth = 1  # atoms nested in this one, itself included (a leaf: 1)
 
 
 class State(Atom):
@@ -168,21 +175,29 @@ class StepInput(Atom):
 
 
 class LinAtom(Atom):
-    __slots__ = ("lin",)
+    __slots__ = ("lin", "depth")
 
     def __init__(self, lin: Lin):
+        self.depth = _nested(1 + max((p.depth for p in lin.rows.values()), default=0))  # (gated rows: r*h)
         self.lin, self.ncols, self.key = lin, lin.ncols, (AFFINE, lin.key)
 
 
 class Act(Atom):
     """An elementwise activation ``kind(params)`` applied to polynomial ``arg``."""
 
-    __slots__ = ("kind", "params", "arg")
+    __slots__ = ("kind", "params", "arg", "depth")
 
     def __init__(self, kind: str, params: tuple, arg: "Poly"):
+        self.depth = _nested(1 + arg.depth)
         self.kind, self.params, self.arg = kind, tuple(float(p) for p in params), arg
         self.ncols = arg.ncols
         self.key = (ACTIVATION, kind, self.params, arg.key)
+
+
+def _nested(depth: int) -> int:
+    if depth > MAX_NESTING:
+        raise Decline(f"the maths nest more than {MAX_NESTING} activations deep")
+    return depth
 
 
 class Poly:
@@ -209,6 +224,10 @@ class Poly:
         if self._key is None:
             self._key = tuple(sorted(((m, c) for m, c in self.terms.items()), key=repr))
         return self._key
+
+    @property
+    def depth(self) -> int:
+        return max((a.depth for a in self.atoms.values()), default=0)
 
     @property
     def ncols(self) -> int | None:

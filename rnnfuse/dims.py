@@ -13,6 +13,7 @@ import numpy as np
 from onnx import NodeProto, TensorProto
 
 from . import op_args
+from .cells.kinds import native_kind, output_dims
 from .graph import Graph, attr
 
 # types that hold every index and size unchanged (float and double: exact below 2**24, which bounds every real
@@ -45,11 +46,48 @@ def root_dim(g: Graph, name: str, axis: int, depth: int = 0) -> tuple[str, int]:
                 return (name, axis)
             name, axis = n.input[0], perm[axis]
             continue
+        if n.op_type in ("Squeeze", "Unsqueeze") and axis >= 0:
+            inner = _unit_axis_source(g, n, axis)
+            if inner is None:
+                return (name, axis)
+            name, axis = n.input[0], inner
+            continue
+        if native_kind(n) is not None and axis >= 0:
+            # (a native op's outputs take the sequence and batch extents from X: a stacked layer's trip count
+            # is its input's, read off the layer below)
+            dims = output_dims(n, list(n.output).index(name))
+            if dims is None or axis >= len(dims) or not isinstance(dims[axis], tuple):
+                return (name, axis)
+            k, axis = dims[axis]
+            name = n.input[k]
+            continue
         if n.op_type in ("Where",) and len(n.input) == 3:
             # a select keeps the shape of its value inputs when they all have the same rank and dims
             return (name, axis)
         return (name, axis)
     return (name, axis)
+
+
+def _unit_axis_source(g: Graph, n: NodeProto, axis: int) -> int | None:
+    """The input axis that Squeeze / Unsqueeze ``n`` carries to its output's ``axis`` (None: the axis is one
+    Unsqueeze adds, or the axes are unknown)."""
+    axes = op_args.axes(n, g.model.opset, op_args.const_reader(g, n))
+    if not axes:
+        return None
+    if n.op_type == "Squeeze":
+        rank = g.model.rank(n.input[0])
+        if rank is None and any(a < 0 for a in axes):
+            return None
+        dropped = sorted(a % rank if a < 0 else a for a in axes)
+        for a in dropped:  # (the input's other axes fill the output's places, in order)
+            if a <= axis:
+                axis += 1
+        return axis
+    rank = g.model.rank(n.output[0])
+    if rank is None and any(a < 0 for a in axes):
+        return None
+    added = {a % rank if a < 0 else a for a in axes}
+    return None if axis in added else axis - sum(1 for a in added if a < axis)
 
 
 def dim_key(g: Graph, name: str, depth: int = 0):

@@ -237,6 +237,9 @@ CASES = [
     script("lstmcell_script_bf", "lstm", **BF, notes="x[:, t] is Slice(x, 0:INT_MAX) + Gather(axis=1) in the body"),
     script("gru_hand_script_bf", "gru_hand", **BF),
     script("lstmcell_script_rev_bf", "lstm", reverse=True, **BF),
+    script("gru_hand_script_2layers", "gru_hand", layers=2, notes=(
+        "the second layer's Loop reads the first's stacked outputs and runs x.size(0) times, read once for both")),
+    script("lstmcell_script_2layers_bf", "lstm", layers=2, **BF),
     script("rnn_hand_script", "rnn_hand", notes=(
         "nn.RNNCell fails like nn.GRUCell (aten::__contains__ / aten::rnn_tanh_cell unsupported); "
         "tanh(Linear_ih(x_t) + Linear_hh(h)) with the RNNCell's parameters instead")),
@@ -753,6 +756,8 @@ def describe(c: Case) -> str:
         parts.append(f"{loop_text}, outputs stacked in {order}")
     elif c.model == "script":
         parts.append("for t in range(x.size(0)), list append, torch.stack")
+        if o.get("layers", 1) > 1:
+            parts.append(f"{o['layers']} such loops stacked, each over the one before's outputs, steps = x.size(0) read once")
     parts.append("initial state given as inputs" if o.get("init") == "given" else "zero initial state (torch.zeros)")
     parts.append({
         "seq": "returns stacked h",
@@ -1022,25 +1027,27 @@ def torch_modules():
     class ScriptLSTMLoop(nn.Module):
         """Scripted loop over an nn.LSTMCell; T is the dynamic trip count of an ONNX Loop."""
 
-        def __init__(self, features, hidden, reverse=False, batch_first=False):
+        def __init__(self, features, hidden, reverse=False, batch_first=False, layers=1):
             super().__init__()
-            self.cell, self.hidden, self.reverse = nn.LSTMCell(features, hidden), hidden, reverse
-            self.batch_first = batch_first
+            self.cells = nn.ModuleList(nn.LSTMCell(features if k == 0 else hidden, hidden) for k in range(layers))
+            self.hidden, self.reverse, self.batch_first = hidden, reverse, batch_first
 
         def forward(self, x):
             tdim = 1 if self.batch_first else 0
-            h = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
-            c = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
-            outs: list[torch.Tensor] = []
-            steps = x.size(tdim)
-            for i in range(steps):
-                t = steps - 1 - i if self.reverse else i
-                h, c = self.cell(x[:, t] if self.batch_first else x[t], (h, c))
-                if self.reverse:  # not outs.reverse() after the loop: the exporter silently drops it
-                    outs.insert(0, h)
-                else:
-                    outs.append(h)
-            return torch.stack(outs, dim=tdim)
+            steps = x.size(tdim)  # (read once: every layer's Loop runs this many iterations)
+            for cell in self.cells:
+                h = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
+                c = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
+                outs: list[torch.Tensor] = []
+                for i in range(steps):
+                    t = steps - 1 - i if self.reverse else i
+                    h, c = cell(x[:, t] if self.batch_first else x[t], (h, c))
+                    if self.reverse:  # not outs.reverse() after the loop: the exporter silently drops it
+                        outs.insert(0, h)
+                    else:
+                        outs.append(h)
+                x = torch.stack(outs, dim=tdim)
+            return x
 
     class ScriptPrepLoop(nn.Module):
         """Scripted loop over an nn.LSTMCell reading a map of its step (an input MLP, a LayerNorm, an
@@ -1098,19 +1105,22 @@ def torch_modules():
     class ScriptHLoop(nn.Module):
         """Scripted loop over a single-state hand-written cell (GRUHand / RNNHand)."""
 
-        def __init__(self, cell, features, hidden, batch_first=False):
+        def __init__(self, cell, features, hidden, batch_first=False, layers=1):
             super().__init__()
-            self.cell, self.hidden = make_cell(cell, features, hidden), hidden
-            self.batch_first = batch_first
+            self.cells = nn.ModuleList(make_cell(cell, features if k == 0 else hidden, hidden) for k in range(layers))
+            self.hidden, self.batch_first = hidden, batch_first
 
         def forward(self, x):
             tdim = 1 if self.batch_first else 0
-            h = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
-            outs: list[torch.Tensor] = []
-            for t in range(x.size(tdim)):
-                h = self.cell(x[:, t] if self.batch_first else x[t], h)
-                outs.append(h)
-            return torch.stack(outs, dim=tdim)
+            steps = x.size(tdim)  # (read once: every layer's Loop runs this many iterations)
+            for cell in self.cells:
+                h = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
+                outs: list[torch.Tensor] = []
+                for t in range(steps):
+                    h = cell(x[:, t] if self.batch_first else x[t], h)
+                    outs.append(h)
+                x = torch.stack(outs, dim=tdim)
+            return x
 
     _nn_classes.update(CellLoop=CellLoop, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,

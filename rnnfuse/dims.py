@@ -61,11 +61,44 @@ def root_dim(g: Graph, name: str, axis: int, depth: int = 0) -> tuple[str, int]:
             k, axis = dims[axis]
             name = n.input[k]
             continue
+        if n.op_type == "Loop" and axis == 0:
+            # (a scan output stacks one row per iteration: a Loop whose condition stays true runs its trip
+            # count, and TorchScript's stacked loops all run x.size(0), read once before the first)
+            trips = _trip_count_dim(g, scope, n, name)
+            if trips is None:
+                return (name, axis)
+            name, axis = trips
+            continue
         if n.op_type in ("Where",) and len(n.input) == 3:
             # a select keeps the shape of its value inputs when they all have the same rank and dims
             return (name, axis)
         return (name, axis)
     return (name, axis)
+
+
+def _trip_count_dim(g: Graph, scope: Graph, loop: NodeProto, name: str) -> tuple[str, int] | None:
+    """(tensor, axis) whose extent Loop ``loop``'s scan output ``name`` has on axis 0: the trip count's, where
+    it is one (``Gather(Shape(t), a)``), the loop's condition is true on entry and the body passes it on
+    unchanged (or returns a constant true)."""
+    outs = list(loop.output)
+    if len(loop.input) < 2 or not loop.input[0] or name not in outs:
+        return None
+    body = scope.subgraph(loop)
+    n_carried = len(loop.input) - 2
+    if outs.index(name) < n_carried:
+        return None  # (a carried value, not a scan output)
+    if loop.input[1] and not _true(scope, loop.input[1]):
+        return None
+    cond_out, cond_in = body.output_names[0], body.input_names[1]
+    if not (carried_unchanged(body, cond_out, cond_in) or _true(body, cond_out)):
+        return None
+    key = dim_key(g, loop.input[0])
+    return key[1:] if key is not None and key[0] == "dim" else None
+
+
+def _true(g: Graph, name: str) -> bool:
+    c = g.const(name)
+    return c is not None and np.asarray(c).size == 1 and bool(np.asarray(c).ravel()[0])
 
 
 def _unit_axis_source(g: Graph, n: NodeProto, axis: int) -> int | None:

@@ -109,6 +109,48 @@ def export_calls_with_head(path: str, steps: int, input_size: int = 8, hidden: i
     return len(onnx.load(path, load_external_data=False).graph.node)
 
 
+# nodes a step of torch's trace export of each loop export_cell_loops writes
+CELL_LOOP_NODES_PER_STEP = {"grucell": 20, "rnncell": 8, "grustack": 36, "grubi": 39}
+
+
+def export_cell_loops(path: str, steps: int, kind: str, features: int = 8, hidden: int = 16, batch: int = 3) -> int:
+    """Torch loops over a cell on a batch-first ``x[:, t]``, outputs stacked on axis 1, exported with
+    ``torch.onnx.export(dynamo=False)``: ``grucell`` (nn.GRUCell), ``rnncell`` (nn.RNNCell, tanh), ``grustack``
+    (two GRUCells a step, the second reading the first's new h) or ``grubi`` (a GRUCell loop forward, a second
+    one backward, outputs concatenated on features); returns the node count."""
+    import onnx
+    import torch
+
+    warnings.filterwarnings("ignore")
+
+    class CellLoops(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            make = torch.nn.RNNCell if kind == "rnncell" else torch.nn.GRUCell
+            self.first = make(features, hidden)
+            self.second = torch.nn.GRUCell(hidden if kind == "grustack" else features, hidden)
+
+        def forward(self, x):
+            h = g = torch.zeros(x.shape[0], hidden)
+            outs, back = [], []
+            for t in range(x.shape[1]):
+                h = self.first(x[:, t], h)
+                if kind == "grustack":
+                    g = self.second(h, g)
+                outs.append(g if kind == "grustack" else h)
+            if kind == "grubi":
+                for t in reversed(range(x.shape[1])):
+                    g = self.second(x[:, t], g)
+                    back.insert(0, g)
+                return torch.cat([torch.stack(outs, 1), torch.stack(back, 1)], -1)
+            return torch.stack(outs, 1)
+
+    torch.manual_seed(0)
+    torch.onnx.export(CellLoops().eval(), (torch.randn(batch, steps, features),), path, dynamo=False,
+                      input_names=["x"], output_names=["y"], opset_version=17)
+    return len(onnx.load(path, load_external_data=False).graph.node)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)

@@ -69,7 +69,8 @@ sys.path.insert(0, HERE)
 NODES_PER_STEP = 18  # torch's LSTMCell trace export
 VIEW_NODES_PER_STEP = 32  # torch's trace export of a hand-written LSTM cell with gates.view(B, 4, H)
 
-from chain_2000 import CALL_HEAD_NODES_PER_STEP, export_calls_with_head, export_lstmcell_chain, export_view_chain  # noqa: E402
+from chain_2000 import (CALL_HEAD_NODES_PER_STEP, CELL_LOOP_NODES_PER_STEP, export_calls_with_head, export_cell_loops,  # noqa: E402
+                        export_lstmcell_chain, export_view_chain)
 from graphs import (attention_blocks, backward_loop_read_stacked, cells_side_by_side, elementwise_chain, layer_called_per_step,  # noqa: E402
                     loops_in_a_row, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
                     steps_summed, two_cells_per_step, unbind_stack_blocks)
@@ -206,7 +207,9 @@ GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wid
               "head": recurrence_then_head, "prologue": prologue_then_recurrence,
               "blocks": unbind_stack_blocks, "attention": attention_blocks, "stepcalls": layer_called_per_step,
               "backreads": backward_loop_read_stacked,
-              "callhead": lambda path, nodes: export_calls_with_head(path, max(2, nodes // CALL_HEAD_NODES_PER_STEP))}
+              "callhead": lambda path, nodes: export_calls_with_head(path, max(2, nodes // CALL_HEAD_NODES_PER_STEP)),
+              **{kind: (lambda path, nodes, kind=kind, n=n: export_cell_loops(path, max(2, nodes // n), kind))
+                 for kind, n in CELL_LOOP_NODES_PER_STEP.items()}}
 
 PEAK = ("import json, resource, subprocess, sys, time; t0 = time.perf_counter(); "
         "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); t = time.perf_counter() - t0; "
@@ -442,6 +445,9 @@ def main(argv=None) -> int:
         "outputs `stack(cat([hf[t], hb[t]], 1))`, 14 nodes/step), one bidirectional RNN and the stack read from it. "
         "`callhead`: torch's trace of `nn.LSTM` called once per step with a head per call, `tanh(Linear(y[0]))` "
         "stacked (16 nodes/step), one LSTM and the head applied once. "
+        "`grucell` / `rnncell` / `grustack` / `grubi`: torch's trace of loops over `nn.GRUCell` / `nn.RNNCell` on a "
+        "batch-first `x[:, t]` (20 / 8 nodes/step), two GRUCells a step, the second over the first's h (36), or a "
+        "forward and a backward GRUCell loop concatenated (39): one GRU / RNN, two GRUs, one bidirectional GRU. "
         "`wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "

@@ -23,7 +23,7 @@ import rnnfuse
 import rnnfuse.passes.unrolled.rule as rule
 from rnnfuse.graph import Model
 from rnnfuse.passes.unrolled.chains import find_chains, intervals
-from rnnfuse.passes.unrolled.family_filter import KnownRegions, may_hold_chains, reads_a_step
+from rnnfuse.passes.unrolled.family_filter import may_hold_chains
 from rnnfuse.passes.unrolled.derived_masks import derived_masks
 from rnnfuse.passes.unrolled.families import find_families, is_row_family, length_masks, mask_leaves
 from rnnfuse.passes.unrolled.whole_inputs import WholeInputs
@@ -32,7 +32,7 @@ from rnnfuse.signature import Signer
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 try:
-    from graphs import attention_model, backward_loop_read_stacked, cells_side_by_side, unbind_stack_model  # (the benchmark's generators, at a test's size)
+    from graphs import attention_model, cells_side_by_side, unbind_stack_model  # (the benchmark's generators, at a test's size)
 finally:
     sys.path.remove(BENCHMARKS)
 
@@ -137,30 +137,8 @@ def test_every_family_the_search_threads_into_chains_passes_the_precheck():
             if find_chains(g, fam, intervals(g, order, leaves), mask_fam):
                 threaded += 1
                 # (the pass asks without the masks first: that answer gates the masked one, and the input maps)
-                assert may_hold_chains(g, fam) and may_hold_chains(g, fam, mask_fam, regions := {}), o.label()
-                # (and some older-step candidate is computed from the walk's leaves)
-                assert reads_a_step(g, fam, KnownRegions(g, mask_fam, regions), leaves), o.label()
+                assert may_hold_chains(g, fam) and may_hold_chains(g, fam, mask_fam), o.label()
     assert threaded >= 400, threaded
-
-
-def test_a_fused_layers_rows_combined_per_step_cost_no_walk(tmp_path, monkeypatch):
-    """A forward and a backward loop, fused, leave their rows read per step and concatenated with the other
-    layer's (``cat([hf[t], hb[t]])``): both row families pass may_hold_chains (each step combines its row with
-    a value from elsewhere), but nothing either combines with is computed from its own rows, so neither is
-    walked in the second round. One walk in all (the input's family), one bidirectional op, outputs kept."""
-    import numpy as np
-    import onnx
-
-    from helpers import op_counts, session
-
-    walks = _count_intervals(monkeypatch)
-    path = str(tmp_path / "backreads.onnx")
-    backward_loop_read_stacked(path, 14 * 12)
-    model = onnx.load(path)
-    out, report = rnnfuse.optimize(model)
-    assert op_counts(out).get("RNN") == 1 and len(walks) == 1, (walks, report.to_text())
-    x = {"x": np.random.default_rng(0).standard_normal((3, 12, 8)).astype(np.float32)}
-    np.testing.assert_allclose(session(out).run(None, x)[0], session(model).run(None, x)[0], atol=1e-5)
 
 
 def test_settled_rank_is_exact_where_it_answers():

@@ -39,63 +39,21 @@ def may_hold_chains(g: Graph, fam: dict[int, str], mask_fam: dict[int, dict] | N
     use them when its own given constants are those: see :class:`KnownRegions`)."""
     mask_fam = mask_fam or {}
     given = given_constants(g)
+    runtime = runtime_values(g)
+    xs = set(fam.values())
     regions = {} if regions is None else regions
     for t, x in fam.items():
         mask_local = closure(g, mask_fam[t], 64)[0] if t in mask_fam else set()
         regions[t] = (mask_local, *x_region(g, x, mask_local, given))
-    return next(_older_candidates(g, fam, mask_fam, regions, given), None) is not None
-
-
-def reads_a_step(g: Graph, fam: dict[int, str], known: "KnownRegions", leaves: dict[str, int]) -> bool:
-    """Whether some older-step candidate of :func:`may_hold_chains` (the steps' regions ``known``) is computed
-    from a leaf of the family's intervals walk (``leaves``: its steps' values and masks), or is a given
-    constant. find_chains links a step to an older one only through an input that has an interval (it skips
-    the others before walking back), and a value has one exactly when a leaf reaches it through inputs
-    other than a Shape's or Size's (chains._walk_spans). A fused layer's rows read per step and combined with
-    another layer's rows (``cat([hf[t], hb[t]])``) pass may_hold_chains, and then cost a walk of everything
-    downstream for nothing. A given constant counts whatever it depends on: it bounds the regions here,
-    where find_chains' regions may take the node reading it as local and go on. Each value is walked back
-    once (what reaches no leaf is remembered)."""
-    producer = g.producer
-    no_leaf: set[str] = set()
-
-    def reached(name: str) -> bool:
-        if name in no_leaf:
-            return False
-        seen, stack = {name}, [name]
-        while stack:
-            p = producer.get(stack.pop())
-            if p is None or p.op_type in ("Shape", "Size"):
-                continue
-            for i in p.input:  # (explicit inputs: what the intervals walk follows)
-                if not i or i in seen or i in no_leaf:
-                    continue
-                if i in leaves:
-                    return True
-                seen.add(i)
-                stack.append(i)
-        no_leaf.update(seen)
-        return False
-
-    given = known.given
-    return any(i in given or i in leaves or reached(i)
-               for i in _older_candidates(g, fam, known.mask_fam, known.regions, given))
-
-
-def _older_candidates(g: Graph, fam: dict[int, str], mask_fam: dict[int, dict], regions: dict, given):
-    """The inputs of the steps' combining nodes (``regions``, as :func:`may_hold_chains` takes them) that may be
-    an older step's value (:func:`chains.may_read_older`), lazily."""
-    runtime = runtime_values(g)
-    xs = set(fam.values())
     local_step = {v: t for t, (_, local, _) in regions.items() for v in local}
     for t, (mask_local, local, combining) in regions.items():
         mask_t = mask_fam.get(t, {})
         for c in combining:
             if c.op_type == "Concat" and len({local_step[i] for i in c.input if i in local_step} - {t}) > 1:
                 continue  # (it stacks several other steps' values: as chains.find_chains skips it)
-            for i in c.input:
-                if may_read_older(g, i, (local, mask_local, xs, mask_t), runtime, given):
-                    yield i
+            if any(may_read_older(g, i, (local, mask_local, xs, mask_t), runtime, given) for i in c.input):
+                return True
+    return False
 
 
 class KnownRegions:

@@ -20,7 +20,7 @@ from .chains import Chain, find_chains, intervals
 from .derived_masks import derived_masks
 from .families import bool_families, find_families, is_row_family, length_masks, mask_leaves
 from .whole_inputs import WholeInputs
-from .family_filter import KnownRegions, layout_decline, may_hold_chains, reads_a_step
+from .family_filter import KnownRegions, layout_decline, may_hold_chains
 from .roles import FirstStepDiffers, chain_recurrence
 from .step_inputs import virtual_families
 
@@ -212,15 +212,6 @@ class _MayChain:
             self.regions.pop(key, None)  # (no search follows: the unmasked regions are not held to the round's end)
         return found
 
-    def reads_a_step(self, key: tuple, mask_fam: dict | None, leaves: dict) -> bool:
-        """Whether a family that passed may yet link steps: some older-step candidate of its steps is computed
-        from its interval leaves (family_filter.reads_a_step, over the regions the last call took; without
-        them, True)."""
-        known = self.regions.get(key)
-        if known is None or not known.usable(self.g, mask_fam):
-            return True
-        return reads_a_step(self.g, self.fams[key], known, leaves)
-
     def known_regions(self, key: tuple, mask_fam: dict | None) -> KnownRegions | None:
         """The regions the last call for ``key`` computed, if the graph and the masks are still those (once)."""
         known = self.regions.pop(key, None)
@@ -243,14 +234,13 @@ def _family_chains(g: Graph, search: _Search, src: str, axis: int):
     chain rnnfuse fuses: a bool family (masks, read by the chains over the data), a family of rows, or one
     :class:`_MayChain` rules out (slices of no ``[T, B, F]`` / ``[B, T, F]`` sequence, whose every chain would
     be declined for its layout; steps that combine their values with nothing that may come from another
-    step, or with nothing computed from a step's values). Only the others cost an intervals walk, which reads
-    everything downstream."""
+    step). Only the others cost an intervals walk, which reads everything downstream."""
     if g.model.elem_type(src) == 9 or is_row_family(g, src) or not search.may_chain((src, axis)):
         return None
     fam = search.fams[(src, axis)]
     step_masks = search.lengths + derived_masks(g, search.fams, (src, axis), search.signer)
     leaves, mask_fam, mask_srcs = mask_leaves(g, search.fams, fam, step_masks, search.bools)
-    if not search.may_chain((src, axis), mask_fam) or not search.may_chain.reads_a_step((src, axis), mask_fam, leaves):
+    if not search.may_chain((src, axis), mask_fam):
         return None
     iv = intervals(g, search.order, leaves)
     return iv, find_chains(g, fam, iv, mask_fam, search.may_chain.known_regions((src, axis), mask_fam)), mask_srcs

@@ -47,7 +47,7 @@ def root_dim(g: Graph, name: str, axis: int, depth: int = 0) -> tuple[str, int]:
             name, axis = n.input[0], perm[axis]
             continue
         if n.op_type in ("Squeeze", "Unsqueeze") and axis >= 0:
-            inner = _unit_axis_source(g, n, axis)
+            inner = _unit_axis_source(scope, n, axis)
             if inner is None:
                 return (name, axis)
             name, axis = n.input[0], inner
@@ -64,7 +64,7 @@ def root_dim(g: Graph, name: str, axis: int, depth: int = 0) -> tuple[str, int]:
         if n.op_type == "Loop" and axis == 0:
             # (a scan output stacks one row per iteration: a Loop whose condition stays true runs its trip
             # count, and TorchScript's stacked loops all run x.size(0), read once before the first)
-            trips = _trip_count_dim(g, scope, n, name)
+            trips = _trip_count_dim(scope, n, name)
             if trips is None:
                 return (name, axis)
             name, axis = trips
@@ -76,7 +76,7 @@ def root_dim(g: Graph, name: str, axis: int, depth: int = 0) -> tuple[str, int]:
     return (name, axis)
 
 
-def _trip_count_dim(g: Graph, scope: Graph, loop: NodeProto, name: str) -> tuple[str, int] | None:
+def _trip_count_dim(scope: Graph, loop: NodeProto, name: str) -> tuple[str, int] | None:
     """(tensor, axis) whose extent Loop ``loop``'s scan output ``name`` has on axis 0: the trip count's, where
     it is one (``Gather(Shape(t), a)``), the loop's condition is true on entry and the body passes it on
     unchanged (or returns a constant true)."""
@@ -92,7 +92,7 @@ def _trip_count_dim(g: Graph, scope: Graph, loop: NodeProto, name: str) -> tuple
     cond_out, cond_in = body.output_names[0], body.input_names[1]
     if not (carried_unchanged(body, cond_out, cond_in) or _true(body, cond_out)):
         return None
-    key = dim_key(g, loop.input[0])
+    key = dim_key(scope, loop.input[0])  # (the Loop's own scope: it may sit in another body)
     return key[1:] if key is not None and key[0] == "dim" else None
 
 

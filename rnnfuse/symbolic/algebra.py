@@ -196,7 +196,7 @@ class Act(Atom):
 
 def _nested(depth: int) -> int:
     if depth > MAX_NESTING:
-        raise Decline(f"the maths nest more than {MAX_NESTING} activations deep")
+        raise Decline(f"the maths nest more than {MAX_NESTING} atoms deep (activations of activations ...)")
     return depth
 
 

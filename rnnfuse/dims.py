@@ -107,20 +107,17 @@ def _unit_axis_source(g: Graph, n: NodeProto, axis: int) -> int | None:
     axes = op_args.axes(n, g.model.opset, op_args.const_reader(g, n))
     if not axes:
         return None
-    if n.op_type == "Squeeze":
-        rank = g.model.rank(n.input[0])
-        if rank is None and any(a < 0 for a in axes):
+    if any(a < 0 for a in axes):  # (a rank is asked only for negative axes: it may cost an inference)
+        rank = g.model.rank(n.input[0] if n.op_type == "Squeeze" else n.output[0])
+        if rank is None:
             return None
-        dropped = sorted(a % rank if a < 0 else a for a in axes)
-        for a in dropped:  # (the input's other axes fill the output's places, in order)
+        axes = [a % rank for a in axes]
+    if n.op_type == "Squeeze":
+        for a in sorted(axes):  # (the input's other axes fill the output's places, in order)
             if a <= axis:
                 axis += 1
         return axis
-    rank = g.model.rank(n.output[0])
-    if rank is None and any(a < 0 for a in axes):
-        return None
-    added = {a % rank if a < 0 else a for a in axes}
-    return None if axis in added else axis - sum(1 for a in added if a < axis)
+    return None if axis in axes else axis - sum(1 for a in set(axes) if a < axis)
 
 
 def dim_key(g: Graph, name: str, depth: int = 0):

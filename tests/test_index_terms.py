@@ -122,3 +122,28 @@ def test_a_size_the_loop_carries_unchanged_and_the_iteration_number():
     assert terms(body, "last") == [size_term(T, -1)]
     assert terms(body, "fixed", {"it": 0}) == [("i", 0)]
     assert terms(body, "fixed") is None  # without the iteration number it is not understood
+
+
+@pytest.mark.parametrize("op, axes, shape", [
+    ("Squeeze", [1], (5, 1, 3, 2)), ("Squeeze", [0, 2], (1, 5, 1, 3)), ("Squeeze", [-1], (5, 3, 1)),
+    ("Unsqueeze", [1], (5, 3, 2)), ("Unsqueeze", [0, -1], (5, 3)), ("Unsqueeze", [-2], (5, 3)),
+])
+def test_a_dim_seen_through_squeeze_and_unsqueeze(op, axes, shape):
+    """root_dim carries each axis of a Squeeze / Unsqueeze output to the input axis of the same extent (the
+    input's other axes have other sizes), and stops at an axis Unsqueeze adds."""
+    from rnnfuse.dims import root_dim
+
+    x = np.zeros(shape, np.float32)
+    y = np.squeeze(x, tuple(axes)) if op == "Squeeze" else np.expand_dims(x, tuple(axes))
+    graph = helper.make_graph([helper.make_node(op, ["x", "axes"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(y.shape))],
+                              [numpy_helper.from_array(np.array(axes, np.int64), "axes")])
+    g = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).graph
+    added = {a % y.ndim for a in axes} if op == "Unsqueeze" else set()
+    for out_axis in range(y.ndim):
+        got = root_dim(g, "y", out_axis)
+        if out_axis in added:
+            assert got == ("y", out_axis)
+        else:
+            assert got[0] == "x" and shape[got[1]] == y.shape[out_axis] and shape.count(shape[got[1]]) == 1, got

@@ -13,7 +13,7 @@ import numpy as np
 from onnx import NodeProto, TensorProto
 
 from . import op_args
-from .cells.kinds import native_kind, output_dims
+from .cells.kinds import output_dims
 from .graph import Graph, attr
 
 # types that hold every index and size unchanged (float and double: exact below 2**24, which bounds every real
@@ -52,11 +52,11 @@ def root_dim(g: Graph, name: str, axis: int, depth: int = 0) -> tuple[str, int]:
                 return (name, axis)
             name, axis = n.input[0], inner
             continue
-        if native_kind(n) is not None and axis >= 0:
+        dims = output_dims(n, name) if axis >= 0 else None
+        if dims is not None:
             # (a native op's outputs take the sequence and batch extents from X: a stacked layer's trip count
             # is its input's, read off the layer below)
-            dims = output_dims(n, list(n.output).index(name))
-            if dims is None or axis >= len(dims) or not isinstance(dims[axis], tuple):
+            if axis >= len(dims) or not isinstance(dims[axis], tuple):
                 return (name, axis)
             k, axis = dims[axis]
             name = n.input[k]

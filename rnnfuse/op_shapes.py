@@ -16,7 +16,7 @@ to be, a symbolic extent only where it is carried unchanged (a cut or an arithme
 from __future__ import annotations
 
 from . import op_args
-from .cells.kinds import native_kind, output_dims
+from .cells.kinds import output_dims
 from .dataflow import literal_value, post_order
 from .graph import Graph
 from .protos import attr, node_field
@@ -125,18 +125,12 @@ def _open_dims(g: Graph, key: tuple, memo: dict):
         return [(_DIMS, i) for i in p.input if i]
     if op == "Gather":
         return [(_DIMS, p.input[0]), (_DIMS, p.input[1])]
-    native = _native_dims(p, cur)
+    native = output_dims(p, cur)
     if native is not None:
         return [(_DIMS, i) for i in sorted({p.input[d[0]] for d in native if isinstance(d, tuple)
                                             and len(p.input) > d[0]} - {""})]
     memo[key] = None
     return None
-
-
-def _native_dims(p, cur: str):
-    """:func:`output_dims` of a native op's output ``cur``; None for any other op (found before the output's
-    place is looked up: a Split of a merged chain's Y has thousands of outputs, asked one by one)."""
-    return output_dims(p, list(p.output).index(cur)) if native_kind(p) is not None else None
 
 
 def _close_dims(g: Graph, cur: str, memo: dict):
@@ -179,7 +173,7 @@ def _close_dims(g: Graph, cur: str, memo: dict):
             return None
         start, end = _attr(p, "start", 0), _attr(p, "end", None)
         return (len(range(len(first))[start:end]),)
-    native = _native_dims(p, cur)
+    native = output_dims(p, cur)
     if native is None:
         return None
     out = []
@@ -347,7 +341,7 @@ def _open_rank(g: Graph, key: tuple, memo: dict):
     elif op == "Concat" and p.input and p.input[0]:  # (every input has the output's rank)
         return [(_RANK, p.input[0])]
     elif op is not None:
-        native = _native_dims(p, cur)
+        native = output_dims(p, cur)
         fixed = None if native is None else len(native)
     memo[key] = fixed
     return None

@@ -22,13 +22,17 @@ def native_kind(node) -> CellKind | None:
     return KINDS.get(node.op_type)
 
 
-def output_dims(node, k: int) -> tuple | None:
-    """The dims of a native op's output ``k`` (``Y``, then the final states) as the ONNX spec fixes them: an
+def output_dims(node, name: str) -> tuple | None:
+    """The dims of a native op's output ``name`` (``Y``, then the final states) as the ONNX spec fixes them: an
     int where the attributes say (directions, ``hidden_size``), else ``(input index, axis)`` of the input the
     extent is taken from (the sequence and the batch from ``X``; the hidden size from ``R`` when the attribute
-    is absent). None for an output the op does not have."""
+    is absent). None for any other op, or an output the op does not have. (The kind is asked before the
+    output's place is looked up: a Split of a merged chain's Y has thousands of outputs, asked one by one.)"""
     kind = native_kind(node)
-    if kind is None or not 0 <= k < kind.n_outputs:
+    if kind is None:
+        return None
+    k = list(node.output).index(name)
+    if not 0 <= k < kind.n_outputs:
         return None
     directions = 2 if attr(node, "direction", "forward") == "bidirectional" else 1
     hidden = attr(node, "hidden_size", None) or (2, 2)  # (R is [directions, gates * H, H])

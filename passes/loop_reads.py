@@ -12,7 +12,7 @@ from onnx import NodeProto, TensorProto
 
 from rnnfuse import op_args
 from rnnfuse.dataflow import rank_of
-from rnnfuse.dims import dim_key, root_dim, time_dim_key, value_source
+from rnnfuse.dims import condition_bounds, dim_key, root_dim, time_dim_key, value_source
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.index_terms import TO_THE_END, one_element, terms
@@ -49,20 +49,6 @@ def counter_step(body: Graph, name: str) -> tuple[str, int] | None:
                 return value_source(body, n.input[a]), int(k)
         return None
     return name, 0
-
-
-def _conjuncts(body: Graph, name: str) -> list[str]:
-    out, stack = [], [name]
-    while stack:
-        cur = stack.pop()
-        n = body.producer.get(cur)
-        if n is not None and n.op_type == "And":
-            stack.extend(n.input)
-        elif n is not None and n.op_type == "Identity":
-            stack.append(n.input[0])
-        else:
-            out.append(cur)
-    return out
 
 
 def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str, axis: int = 0) -> str | None:
@@ -207,7 +193,7 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
             raise Decline(f"the loop runs at most {k[1]} iterations, not once per time step")
         else:
             raise Decline("cannot prove the trip count equals the number of time steps")
-    for bound in _bounds(body, body.output_names[0], true=body.input_names[1]):
+    for bound in condition_bounds(body, body.output_names[0], true=body.input_names[1]):
         if bound is None:
             raise Decline("the loop condition is not a bound on the iteration number")
         a, b = bound
@@ -224,27 +210,9 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
         raise Decline("the loop does not run exactly once per time step")
     # the first iteration must run whenever T >= 1
     cond0 = loop.input[1] if len(loop.input) > 1 else ""
-    for bound in _bounds(g, cond0) if cond0 else []:
+    for bound in condition_bounds(g, cond0) if cond0 else []:
         if bound is None or dim_key(g, bound[0]) != ("const", 0) or dim_key(g, bound[1]) not in T_keys:
             raise Decline("cannot prove the loop's first iteration runs")
-
-
-def _bounds(g: Graph, cond: str, true: str = "") -> list[tuple[str, str] | None]:
-    """The conjuncts of the bool ``cond`` that are not true by construction (a constant True, or ``true``):
-    each as ``(a, b)`` when it is ``a < b`` (``Less(a, b)``, ``Greater(b, a)``), None when it is no such bound."""
-    out = []
-    for term in _conjuncts(g, cond):
-        if term == true:
-            continue
-        c = g.const(term)
-        if c is not None and bool(np.asarray(c).all()):
-            continue
-        n = g.producer.get(term)
-        if n is None or n.op_type not in ("Less", "Greater"):
-            out.append(None)
-        else:
-            out.append((n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0]))
-    return out
 
 
 # ---------------------------------------------------------------------------- length masks written by hand

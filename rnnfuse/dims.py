@@ -4,7 +4,8 @@
 or ``("const", value)``, looking through Shape, Gather/Slice of shapes, Squeeze/Unsqueeze, Transpose,
 shape-preserving unary ops and casts that keep the value (:func:`keeps_value`). Two values with equal keys
 are provably equal. Arithmetic on sizes
-(``T - 1``) is read by :mod:`rnnfuse.index_terms`, time flips by :mod:`rnnfuse.time_flips`.
+(``T - 1``) is read by :mod:`rnnfuse.index_terms`, time flips by :mod:`rnnfuse.time_flips`. A Loop's trip count
+and condition bound the extents it stacks (:func:`condition_bounds`).
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def root_dim(g: Graph, name: str, axis: int, depth: int = 0) -> tuple[str, int]:
 
 def _trip_count_dim(scope: Graph, loop: NodeProto, name: str) -> tuple[str, int] | None:
     """(tensor, axis) whose extent Loop ``loop``'s scan output ``name`` has on axis 0: the trip count's, where
-    it is one (``Gather(Shape(t), a)``), the loop's condition is true on entry and the body passes it on
-    unchanged (or returns a constant true)."""
+    it is one (``Gather(Shape(t), a)``) and the loop's condition is true by construction, on entry and after
+    every iteration (:func:`condition_bounds`: none)."""
     outs = list(loop.output)
     if len(loop.input) < 2 or not loop.input[0] or name not in outs:
         return None
@@ -87,18 +88,45 @@ def _trip_count_dim(scope: Graph, loop: NodeProto, name: str) -> tuple[str, int]
     n_carried = len(loop.input) - 2
     if outs.index(name) < n_carried:
         return None  # (a carried value, not a scan output)
-    if loop.input[1] and not _true(scope, loop.input[1]):
+    if loop.input[1] and condition_bounds(scope, loop.input[1]):
         return None
-    cond_out, cond_in = body.output_names[0], body.input_names[1]
-    if not (carried_unchanged(body, cond_out, cond_in) or _true(body, cond_out)):
+    if condition_bounds(body, body.output_names[0], true=body.input_names[1]):
         return None
     key = dim_key(scope, loop.input[0])  # (the Loop's own scope: it may sit in another body)
     return key[1:] if key is not None and key[0] == "dim" else None
 
 
-def _true(g: Graph, name: str) -> bool:
-    c = g.const(name)
-    return c is not None and np.asarray(c).size == 1 and bool(np.asarray(c).ravel()[0])
+def condition_bounds(g: Graph, cond: str, true: str = "") -> list[tuple[str, str] | None]:
+    """The conjuncts of a Loop's bool condition ``cond`` (through And and Identity) that are not true by
+    construction (a constant True, or ``true``: the body's condition input, passed on): each as ``(a, b)`` when
+    it is ``a < b`` (``Less(a, b)``, ``Greater(b, a)``), None when it is no such bound. Empty: always true."""
+    out = []
+    for term in _conjuncts(g, cond):
+        if term == true:
+            continue
+        c = g.const(term)
+        if c is not None and bool(np.asarray(c).all()):
+            continue
+        n = g.producer.get(term)
+        if n is None or n.op_type not in ("Less", "Greater"):
+            out.append(None)
+        else:
+            out.append((n.input[0], n.input[1]) if n.op_type == "Less" else (n.input[1], n.input[0]))
+    return out
+
+
+def _conjuncts(g: Graph, name: str) -> list[str]:
+    out, stack = [], [name]
+    while stack:
+        cur = stack.pop()
+        n = g.producer.get(cur)
+        if n is not None and n.op_type == "And":
+            stack.extend(n.input)
+        elif n is not None and n.op_type == "Identity":
+            stack.append(n.input[0])
+        else:
+            out.append(cur)
+    return out
 
 
 def _unit_axis_source(g: Graph, n: NodeProto, axis: int) -> int | None:

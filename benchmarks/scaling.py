@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,callhead,wide,heavy,heavy_ext]
+                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,callhead,grucell,rnncell,grustack,grubi,wide,heavy,heavy_ext]
                                  [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
@@ -41,6 +41,9 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
 * ``callhead``: torch's trace of ``nn.LSTM`` called once per step with a head per call, ``tanh(Linear(y[0]))``
   stacked on time (16 nodes a step; exported at every size: ~6 minutes at 96k nodes): one LSTM and the head
   applied once.
+* ``grucell`` / ``rnncell`` / ``grustack`` / ``grubi``: torch's trace of loops over ``nn.GRUCell`` / ``nn.RNNCell``
+  on a batch-first ``x[:, t]`` (20 / 8 nodes a step), two GRUCells a step (36), a forward and a backward GRUCell
+  loop concatenated (39): one GRU / RNN, two GRUs, one bidirectional GRU.
 * ``heavy`` / ``heavy_ext``: the LSTMCell loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all
   but 0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 

@@ -825,3 +825,63 @@ def build_buffer_loop(miss: str = "") -> onnx.ModelProto:
     return _model(nodes, "buffer_loop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
                   [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
                    helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
+
+
+def build_deep_loop(head_ops: int = 0, cell_tanhs: int = 1) -> onnx.ModelProto:
+    """A Loop over the tanh cell (``h' = tanh(x_t W + h R + b)``, its tanh applied ``cell_tanhs`` times over)
+    whose per-step output is h' through ``head_ops`` elementwise ops (Mul, Add, Tanh, Sigmoid in turn)."""
+    W, R, b = weights()
+    body = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0), *_tanh_step(),
+            helper.make_node("Identity", ["cond"], ["cond_out"])]
+    cur = "hn"
+    for k in range(1, cell_tanhs):
+        body.append(helper.make_node("Tanh", [cur], [f"hn{k}"]))
+        cur = f"hn{k}"
+    state = cur
+    for k in range(head_ops):
+        op = ("Mul", "Add", "Tanh", "Sigmoid")[k % 4]
+        body.append(helper.make_node(op, [cur, "half"] if op in ("Mul", "Add") else [cur], [f"e{k}"]))
+        cur = f"e{k}"
+    body.append(helper.make_node("Identity", [cur], ["yt"]))
+    graph = helper.make_graph(body, "body", _loop_counters() + [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["B", H])],
+                              [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+                               helper.make_tensor_value_info(state, TensorProto.FLOAT, ["B", H]),
+                               helper.make_tensor_value_info("yt", TensorProto.FLOAT, ["B", H])])
+    nodes = _x_sizes() + _zero_state() + [helper.make_node("Loop", ["T", "true", "h0"], ["hT", "ys"], body=graph)]
+    inits = [numpy_helper.from_array(v, n) for n, v in (("W", W), ("R", R), ("b", b))]
+    inits += [numpy_helper.from_array(v, n) for n, v in (
+        ("half", np.float32(0.5)), ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)),
+        ("iH", np.array([H], np.int64)), ("zero", np.zeros(1, np.float32)), ("true", np.array(True)))]
+    return _model(nodes, "deep", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                  [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
+                   helper.make_tensor_value_info("hT", TensorProto.FLOAT, ["B", H])], inits)
+
+
+def build_stacked_loops(layers: int, stop_after: int | None = None) -> onnx.ModelProto:
+    """``layers`` tanh-cell Loops, each over the one before's stacked outputs, all with the trip count
+    ``x.shape[0]`` read once (TorchScript's ``steps = x.size(0)`` before stacked loops); x is [T, 1, H].
+    ``stop_after``: the first Loop's condition turns false after that many iterations (its outputs are then
+    shorter than x)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("i0", np.array([0], np.int64)), ("true", np.array(True)), ("h0", np.zeros((1, H), np.float32)),
+        ("stop", np.int64(stop_after or 0)), ("one", np.int64(1)))]
+    nodes = _x_sizes(b_index=None)
+    inp = "x"
+    for k in range(layers):
+        inits += [numpy_helper.from_array((0.4 * rng.standard_normal(s)).astype(np.float32), f"{n}{k}")
+                  for n, s in (("W", (H, H)), ("R", (H, H)), ("b", (H,)))]
+        body = [helper.make_node("Gather", [inp, "it"], ["xt"], axis=0), *_tanh_step(W=f"W{k}", R=f"R{k}", b=f"b{k}"),
+                helper.make_node("Identity", ["hn"], ["yt"])]
+        if stop_after and k == 0:
+            body += [helper.make_node("Add", ["it", "one"], ["next"]), helper.make_node("Less", ["next", "stop"], ["cond_out"])]
+        else:
+            body.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
+        graph = helper.make_graph(body, f"body{k}", _loop_counters() + [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, H])],
+                                  [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+                                   helper.make_tensor_value_info("hn", TensorProto.FLOAT, [1, H]),
+                                   helper.make_tensor_value_info("yt", TensorProto.FLOAT, [1, H])])
+        nodes.append(helper.make_node("Loop", ["T", "true", "h0"], [f"h_last{k}", f"ys{k}"], body=graph))
+        inp = f"ys{k}"
+    return _model(nodes, "stacked_loops", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 1, H])],
+                  [helper.make_tensor_value_info(inp, TensorProto.FLOAT, ["S", 1, H])], inits)

@@ -29,9 +29,11 @@ from builders_loops import (
     all_variants,
     build,
     build_buffer_loop,
+    build_deep_loop,
     build_head,
     build_lengths,
     build_stack,
+    build_stacked_loops,
     build_transposed,
     head_reference,
     lengths_reference,
@@ -316,51 +318,10 @@ def test_buffer_near_misses_declined(miss, reason):
     _declined(build_buffer_loop(miss), reason)
 
 
-def _deep_loop(head_ops: int = 0, cell_tanhs: int = 1) -> onnx.ModelProto:
-    """A Loop over a tanh cell (h' = tanh(x_t W + h R + b), applied ``cell_tanhs`` times over) whose per-step
-    output is h' through ``head_ops`` elementwise ops (Mul, Add, Tanh, Sigmoid in turn)."""
-    from onnx import TensorProto as TP, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    F, H = 3, 4
-    body = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0), helper.make_node("MatMul", ["xt", "W"], ["xw"]),
-            helper.make_node("MatMul", ["h", "R"], ["hr"]), helper.make_node("Add", ["xw", "hr"], ["s"]),
-            helper.make_node("Add", ["s", "b"], ["a0"]), helper.make_node("Identity", ["cond"], ["cond_out"])]
-    for k in range(cell_tanhs):
-        body.append(helper.make_node("Tanh", [f"a{k}"], [f"a{k + 1}"]))
-    cur = f"a{cell_tanhs}"
-    body.append(helper.make_node("Identity", [cur], ["hn"]))
-    for k in range(head_ops):
-        op = ("Mul", "Add", "Tanh", "Sigmoid")[k % 4]
-        body.append(helper.make_node(op, [cur, "half"] if op in ("Mul", "Add") else [cur], [f"e{k}"]))
-        cur = f"e{k}"
-    body.append(helper.make_node("Identity", [cur], ["yt"]))
-    graph = helper.make_graph(body, "body", [helper.make_tensor_value_info("it", TP.INT64, []),
-                                             helper.make_tensor_value_info("cond", TP.BOOL, []),
-                                             helper.make_tensor_value_info("h", TP.FLOAT, ["B", H])],
-                              [helper.make_tensor_value_info("cond_out", TP.BOOL, []),
-                               helper.make_tensor_value_info("hn", TP.FLOAT, ["B", H]),
-                               helper.make_tensor_value_info("yt", TP.FLOAT, ["B", H])])
-    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "zero"], ["T"], axis=0),
-             helper.make_node("Shape", ["x"], ["xs1"]), helper.make_node("Gather", ["xs1", "one"], ["nb"], axis=0),
-             helper.make_node("Unsqueeze", ["nb", "zero1"], ["nb1"]), helper.make_node("Concat", ["nb1", "width"], ["hs"], axis=0),
-             helper.make_node("ConstantOfShape", ["hs"], ["h0"], value=numpy_helper.from_array(np.zeros(1, np.float32))),
-             helper.make_node("Loop", ["T", "true", "h0"], ["hT", "ys"], body=graph)]
-    inits = [numpy_helper.from_array((0.5 * rng.standard_normal(s)).astype(np.float32), n)
-             for n, s in (("W", (F, H)), ("R", (H, H)), ("b", (H,)))]
-    inits += [numpy_helper.from_array(np.float32(0.5), "half"), numpy_helper.from_array(np.int64(0), "zero"),
-              numpy_helper.from_array(np.int64(1), "one"), numpy_helper.from_array(np.array([0], np.int64), "zero1"),
-              numpy_helper.from_array(np.array([H], np.int64), "width"), numpy_helper.from_array(np.array(True), "true")]
-    main = helper.make_graph(nodes, "deep", [helper.make_tensor_value_info("x", TP.FLOAT, ["T", "B", F])],
-                             [helper.make_tensor_value_info("ys", TP.FLOAT, ["T", "B", H]),
-                              helper.make_tensor_value_info("hT", TP.FLOAT, ["B", H])], inits)
-    return helper.make_model(main, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-
-
 def test_a_head_too_deep_to_read_symbolically_is_replayed():
     """A per-step head of 600 elementwise ops (300 activations nested) is no maths the recogniser reads: it is
     declined as such (Python ran out of stack on it, an internal error) and replayed on the op's Y."""
-    model = _deep_loop(head_ops=600)
+    model = build_deep_loop(head_ops=600)
     fused, _ = _fused_once(model, Loop=0, RNN=1)
     x = np.random.default_rng(1).standard_normal((5, 2, 3)).astype(np.float32)
     for got, want in zip(session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})):
@@ -369,46 +330,7 @@ def test_a_head_too_deep_to_read_symbolically_is_replayed():
 
 def test_a_cell_nesting_too_deep_is_declined_with_a_reason():
     """h' = tanh(tanh(... tanh(x W + h R + b))), 80 deep: no native cell, and too deep to read: declined."""
-    _declined(_deep_loop(cell_tanhs=80), "nest more than")
-
-
-def _stacked_loops(layers: int, stop_after: int | None = None) -> onnx.ModelProto:
-    """``layers`` tanh-cell Loops, each over the one before's stacked outputs, all with the trip count
-    ``x.shape[0]`` read once (TorchScript's ``steps = x.size(0)`` before stacked loops). ``stop_after``: the
-    first Loop's condition turns false after that many iterations (its outputs are then shorter than x)."""
-    from onnx import TensorProto as TP, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    H = 4
-    inits = [numpy_helper.from_array(np.int64(0), "zero"), numpy_helper.from_array(np.array(True), "true"),
-             numpy_helper.from_array(np.zeros((1, H), np.float32), "h0"),
-             numpy_helper.from_array(np.int64(stop_after or 0), "stop")]
-    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "zero"], ["T"], axis=0)]
-    inp = "x"
-    for k in range(layers):
-        inits += [numpy_helper.from_array((0.4 * rng.standard_normal(s)).astype(np.float32), f"{n}{k}")
-                  for n, s in (("W", (H, H)), ("R", (H, H)), ("b", (H,)))]
-        body = [helper.make_node("Gather", [inp, "it"], ["xt"], axis=0), helper.make_node("MatMul", ["xt", f"W{k}"], ["xw"]),
-                helper.make_node("MatMul", ["h", f"R{k}"], ["hr"]), helper.make_node("Add", ["xw", "hr"], ["s"]),
-                helper.make_node("Add", ["s", f"b{k}"], ["a"]), helper.make_node("Tanh", ["a"], ["hn"]),
-                helper.make_node("Identity", ["hn"], ["yt"])]
-        if stop_after and k == 0:
-            body += [helper.make_node("Add", ["it", "one"], ["next"]),
-                     helper.make_node("Less", ["next", "stop"], ["cond_out"])]
-            inits.append(numpy_helper.from_array(np.int64(1), "one"))
-        else:
-            body.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
-        graph = helper.make_graph(body, f"body{k}", [helper.make_tensor_value_info("it", TP.INT64, []),
-                                                     helper.make_tensor_value_info("cond", TP.BOOL, []),
-                                                     helper.make_tensor_value_info("h", TP.FLOAT, [1, H])],
-                                  [helper.make_tensor_value_info("cond_out", TP.BOOL, []),
-                                   helper.make_tensor_value_info("hn", TP.FLOAT, [1, H]),
-                                   helper.make_tensor_value_info("yt", TP.FLOAT, [1, H])])
-        nodes.append(helper.make_node("Loop", ["T", "true", "h0"], [f"h_last{k}", f"ys{k}"], body=graph))
-        inp = f"ys{k}"
-    main = helper.make_graph(nodes, "stacked_loops", [helper.make_tensor_value_info("x", TP.FLOAT, ["T", 1, H])],
-                             [helper.make_tensor_value_info(inp, TP.FLOAT, None)], inits)
-    return helper.make_model(main, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    _declined(build_deep_loop(cell_tanhs=80), "nest more than")
 
 
 def _outputs_kept(model: onnx.ModelProto, fused: onnx.ModelProto, steps: int = 6) -> None:
@@ -418,22 +340,23 @@ def _outputs_kept(model: onnx.ModelProto, fused: onnx.ModelProto, steps: int = 6
         assert_close(got, want, "stacked loops")
 
 
-def test_stacked_loops_sharing_one_trip_count_all_fuse_in_one_pass():
+def test_stacked_loops_sharing_one_trip_count_all_fuse():
     """Each Loop's input is the Loop before's scan output, one row per iteration: as many rows as its trip
-    count when its condition stays true. All five layers fuse in the one pass (they took a round each, and
-    the pipeline's rounds ran out at six)."""
-    model = _stacked_loops(5)
-    from rnnfuse.passes.loop import FuseLoops
+    count when its condition stays true. More layers than the pipeline has rounds all fuse (one layer took a
+    round each, and the rounds ran out: 6 of 8 fused)."""
+    from rnnfuse.pipeline import MAX_ROUNDS
 
-    fused, report = rnnfuse.optimize(model, passes=[FuseLoops()])
-    assert op_counts(fused).get("RNN") == 5 and "Loop" not in op_counts(fused), report.to_text()
+    layers = MAX_ROUNDS + 2
+    model = build_stacked_loops(layers)
+    fused, report = rnnfuse.optimize(model)
+    assert op_counts(fused).get("RNN") == layers and "Loop" not in op_counts(fused), report.to_text()
     _outputs_kept(model, fused)
 
 
 def test_a_loop_over_one_that_stops_early_is_not_read_as_running_its_trip_count():
     """The first Loop's condition turns false after 3 iterations: its outputs have 3 rows, not x.shape[0].
     The Loop over them must not be fused as running T steps (the model runs only for T <= 3)."""
-    model = _stacked_loops(2, stop_after=3)
+    model = build_stacked_loops(2, stop_after=3)
     fused, report = rnnfuse.optimize(model)
     assert op_counts(fused).get("Loop", 0) == 2, report.to_text()
     assert "cannot prove the trip count" in report.to_text(), report.to_text()

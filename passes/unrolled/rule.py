@@ -9,8 +9,10 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from rnnfuse.builder import Builder
+from rnnfuse.cells.kinds import KINDS
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model
+from rnnfuse.protos import CONTROL_FLOW
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.rewrite import apply_recurrences, declined
 from rnnfuse.signature import Signer
@@ -92,10 +94,18 @@ class FuseChains:
             # needed to validate and commit: it goes before the rewrites' own memory comes
             iv = order = signer = search = chain = None
             n_before, modified_before = len(res.findings), res.modified
+            mark = g.edit_mark()
             apply_recurrences(g, ctx, self.name, recs, res)
             if not any(f.status == "fused" for f in res.findings[n_before:]):
                 if res.modified == modified_before:
                     last = (chain_keys, vfams)
+                break
+            if not _feeds_a_cell(g, mark):
+                # no new chain can be this round's doing: the search of the rest waits for the pipeline's next
+                # round (the graph changed, so there is one), which sees it after the clean-ups shrank it (a
+                # bidirectional layer's 14,000 per-step reads, merged by step-maps); only declines, if any, ask
+                # which chains are left now
+                last = None if pending else (set(), [])
                 break
         # declines of "chains" that disappeared once real chains were fused (e.g. per-layer initial states
         # sliced from one tensor) were not recurrences: only what remains is reported
@@ -244,6 +254,19 @@ def _family_chains(g: Graph, search: _Search, src: str, axis: int):
         return None
     iv = intervals(g, search.order, leaves)
     return iv, find_chains(g, fam, iv, mask_fam, search.may_chain.known_regions((src, axis), mask_fam)), mask_srcs
+
+
+def _feeds_a_cell(g: Graph, mark: tuple) -> bool:
+    """Whether what the native ops emitted since ``mark`` compute is read, directly or not, by a matmul (or
+    a node holding subgraphs): the only way a fusion makes a new chain is by turning the values a cell reads
+    into steps of a new family (a stacked layer's cells read the fused layer's per-step outputs). Emitted
+    native ops downstream (a stack fused at once) are no such cell."""
+    edited = g.edited_since(mark)
+    if edited is None:
+        return True
+    made = [o for n in edited if n.op_type in KINDS and g.alive(n) for o in n.output if o]
+    cells = weight_ops() | CONTROL_FLOW
+    return any(n.op_type in cells for n in g.downstream(made))
 
 
 def _recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict):

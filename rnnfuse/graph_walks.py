@@ -71,6 +71,20 @@ class Walks:
                     stack.extend(o for o in r.output if o)
         return out
 
+    def feeds_op(self, names, op_types) -> bool:
+        """Whether a node of one of ``op_types`` is computed from ``names`` (:meth:`downstream`, stopping at the
+        first such node)."""
+        seen: set[int] = set()
+        stack = list(names)
+        while stack:
+            for r in self.uses(stack.pop()):
+                if id(r) not in seen:
+                    if r.op_type in op_types:
+                        return True
+                    seen.add(id(r))
+                    stack.extend(o for o in r.output if o)
+        return False
+
     def newly_dead(self, touched: list[NodeProto]) -> list[NodeProto]:
         """The live nodes no graph output is computed from, in node-list order, when every node was live
         before some edits: such a node is one of the ``touched`` ones (edited since, or the producer of a

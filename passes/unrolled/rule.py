@@ -265,8 +265,7 @@ def _feeds_a_cell(g: Graph, mark: tuple) -> bool:
     if edited is None:
         return True
     made = [o for n in edited if n.op_type in KINDS and g.alive(n) for o in n.output if o]
-    cells = weight_ops() | CONTROL_FLOW
-    return any(n.op_type in cells for n in g.downstream(made))
+    return g.feeds_op(made, weight_ops() | CONTROL_FLOW)
 
 
 def _recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict):

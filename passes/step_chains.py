@@ -23,7 +23,7 @@ from onnx import NodeProto
 
 from rnnfuse import op_args, rewrite
 from rnnfuse.cells import native_kind
-from rnnfuse.cells.kinds import KINDS
+from rnnfuse.cells.kinds import KINDS, output_dims
 from rnnfuse.dataflow import settled_dim, settled_rank
 from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
@@ -46,8 +46,10 @@ def _is_whole_slice(flow: "_StateFlow", n: NodeProto) -> bool:
     """A Slice that keeps every element (dynamo's ``h[0:1]`` of a one-layer state)."""
     g = flow.g
     starts, ends, axes, steps = op_args.slice_args(n, g.model.opset, op_args.const_reader(g, n))
+    if None in (starts, ends) or any(starts) or (steps is not None and any(s != 1 for s in steps)):
+        return False  # (before the rank: the other layers' parts of a multi-layer state start further on)
     rank = flow.rank(n.input[0])
-    if None in (starts, ends, rank) or (steps is not None and any(s != 1 for s in steps)):
+    if rank is None:
         return False
     axes = axes if axes is not None else list(range(len(starts)))
     for start, end, axis in zip(starts, ends, axes):
@@ -89,19 +91,61 @@ class _StateFlow:
     def __init__(self, g: Graph):
         self.g = g
         self._parts: dict[int, tuple[str, NodeProto] | None] = {}
+        self._dims: dict[str, tuple | None] = {}  # (a per-step state is asked for by each layer's Slice)
+        self._dims: dict[str, tuple | None] = {}  # (each per-step state is asked for by both layers' Slices)
 
     def extent(self, name: str, axis: int) -> int | None:
-        """Extent ``axis`` of ``name``: what the ops fix first (no inference: a per-step state's Concat of native
-        ops' ``Y_h``), else what its type says."""
-        d = settled_dim(self.g, name, axis)
+        """Extent ``axis`` of ``name``: what the state's own ops say (:meth:`_state_extent`), else what the ops
+        fix first (no inference), else what its type says."""
+        d = self._state_extent(name, axis)
+        if d is None:
+            d = settled_dim(self.g, name, axis)
         if d is None:
             shape = self.g.model.shape(name)
             d = shape[axis] if shape and -len(shape) <= axis < len(shape) else None
         return d if isinstance(d, int) else None
 
     def rank(self, name: str) -> int | None:
-        r = settled_rank(self.g, name)
+        r = self._state_rank(name)
+        if r is None:
+            r = settled_rank(self.g, name)
         return r if r is not None else self.g.model.rank(name)
+
+    # A state is a native op's output, or a Concat of such (a multi-layer state): their attributes say the
+    # directions and the hidden size, and a Concat's extent along its axis is its parts'. Read so, a Slice of
+    # a per-step state is judged without the dims walk back to the batch of each step's x (20,000 states of a
+    # layer called per step: half of this pass' time). One Concat deep, no more: a Concat of Concats (outputs
+    # gathered step by step) is no state, and is left to the general walk.
+    def _state_dims(self, name: str) -> tuple | None:
+        """``name``'s dims as :func:`output_dims` gives them, a Concat's along its axis summed (None where
+        a part's is not a number)."""
+        if name not in self._dims:
+            self._dims[name] = self._dims_of_state(name)
+        return self._dims[name]
+
+    def _dims_of_state(self, name: str) -> tuple | None:
+        p = self.g.producer.get(name)
+        if p is None:
+            return None
+        dims = output_dims(p, name)
+        if dims is not None or p.op_type != "Concat" or p.domain not in ("", "ai.onnx") or not p.input:
+            return dims
+        parts = [output_dims(q, i) if (q := self.g.producer.get(i)) is not None else None for i in p.input]
+        if any(d is None or len(d) != len(parts[0]) for d in parts):
+            return None
+        axis = attr(p, "axis", 0) % len(parts[0])
+        extents = [d[axis] for d in parts]
+        total = sum(extents) if all(isinstance(e, int) for e in extents) else None
+        return tuple(total if k == axis else d for k, d in enumerate(parts[0]))
+
+    def _state_rank(self, name: str) -> int | None:
+        dims = self._state_dims(name)
+        return None if dims is None else len(dims)
+
+    def _state_extent(self, name: str, axis: int) -> int | None:
+        dims = self._state_dims(name)
+        d = dims[axis] if dims is not None and -len(dims) <= axis < len(dims) else None
+        return d if isinstance(d, int) else None  # (else taken from an input: the general walk's)
 
     def part_sliced(self, n: NodeProto) -> tuple[str, NodeProto] | None:
         """If Slice ``n`` takes exactly one input of a Concat along the concatenated axis (a multi-layer

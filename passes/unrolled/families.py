@@ -21,7 +21,7 @@ from rnnfuse.row_wise import FLOATS
 from .chains import unit_groups
 
 
-_SLICERS = ("Gather", "Slice", "Split")
+SLICERS = ("Gather", "Slice", "Split")  # the ops that take a step of a sequence
 STEP_SOURCE_MIN_STEPS = 8  # slices of a family whose steps' values are no sequences themselves (step_sources)
 
 def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
@@ -124,7 +124,7 @@ def _may_be_steps(g: Graph, key: tuple[str, int], fam: dict[int, str]) -> bool:
 def _slice_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
     """(source, axis) -> {index: slice} of every tensor sliced at constant indices along one axis."""
     fams: dict[tuple[str, int], dict[int, str]] = {}
-    slicers = g.nodes_of(*_SLICERS)
+    slicers = g.nodes_of(*SLICERS)
     runtime = runtime_values(g) if slicers else frozenset()  # (a slice of a runtime value needs no walk back)
     for n in slicers:
         if n.input[0] not in runtime and shape_derived(g, n.input[0]):

@@ -20,7 +20,7 @@ from rnnfuse.symbolic import weight_ops
 
 from .chains import Chain, find_chains, intervals
 from .derived_masks import derived_masks
-from .families import bool_families, find_families, is_row_family, length_masks, mask_leaves
+from .families import SLICERS, bool_families, find_families, is_row_family, length_masks, mask_leaves
 from .whole_inputs import WholeInputs
 from .family_filter import KnownRegions, layout_decline, may_hold_chains
 from .roles import FirstStepDiffers, chain_recurrence
@@ -65,6 +65,7 @@ class FuseChains:
             search = _Search(fams, bool_families(g, fams), order, length_masks(g), signer, may_chain)
             recs = []
             seen_now: set = set()
+            chained: set[str] = set()  # the sources of this round's chains
             for src, axis in fams:
                 found = _family_chains(g, search, src, axis)
                 if found is None:
@@ -76,6 +77,7 @@ class FuseChains:
                     if key in tried:
                         continue
                     tried.add(key)
+                    chained.add(src)
                     try:
                         recs.append((_recurrence(g, src, axis, chain, iv, signer, mask_srcs), {}))
                     except Decline as d:
@@ -100,11 +102,10 @@ class FuseChains:
                 if res.modified == modified_before:
                     last = (chain_keys, vfams)
                 break
-            if not _feeds_a_cell(g, mark):
-                # no new chain can be this round's doing: the search of the rest waits for the pipeline's next
-                # round (the graph changed, so there is one), which sees it after the clean-ups shrank it (a
-                # bidirectional layer's 14,000 per-step reads, merged by step-maps); only declines, if any, ask
-                # which chains are left now
+            if not _may_expose_chains(g, mark, chained):
+                # the search of the rest waits for the pipeline's next round (the graph changed, so there is
+                # one), which sees it after the clean-ups shrank it (a bidirectional layer's 14,000 per-step
+                # reads, merged by step-maps); only declines, if any, ask which chains are left now
                 last = None if pending else (set(), [])
                 break
         # declines of "chains" that disappeared once real chains were fused (e.g. per-layer initial states
@@ -256,13 +257,24 @@ def _family_chains(g: Graph, search: _Search, src: str, axis: int):
     return iv, find_chains(g, fam, iv, mask_fam, search.may_chain.known_regions((src, axis), mask_fam)), mask_srcs
 
 
-def _feeds_a_cell(g: Graph, mark: tuple) -> bool:
-    """Whether what the native ops emitted since ``mark`` compute is read, directly or not, by a matmul (or
-    a node holding subgraphs): the only way a fusion makes a new chain is by turning the values a cell reads
-    into steps of a new family (a stacked layer's cells read the fused layer's per-step outputs). Emitted
-    native ops downstream (a stack fused at once) are no such cell."""
+def _may_expose_chains(g: Graph, mark: tuple, sources: set[str]) -> bool:
+    """Whether the round that fused chains from ``sources`` (its edits since ``mark``) may have made chains
+    the next round would find. A fusion does by what it adds and by what it removes:
+
+    - a stacked layer's cells read the fused layer's per-step outputs, now the steps of a new family: asked as
+      whether a matmul (or a node holding subgraphs) reads, directly or not, what an emitted native op
+      computes (emitted native ops downstream, a stack fused at once, are no such cell);
+    - a family holds one value a step, the first slice met: where a step was sliced twice (no dedupe run
+      before), the other slices' chain is found once the first chain's are gone, as another slicer of a
+      source that remains once the dead nodes are dropped.
+
+    Otherwise the next round could only find what this one did not, once the rest of the graph changed: left
+    to the pipeline's next round."""
     edited = g.edited_since(mark)
     if edited is None:
+        return True
+    g.prune()  # (the graph's next finalize or round would: it does not do it twice)
+    if any(r.op_type in SLICERS for src in sources for r in g.uses(src)):
         return True
     made = [o for n in edited if n.op_type in KINDS and g.alive(n) for o in n.output if o]
     return g.feeds_op(made, weight_ops() | CONTROL_FLOW)

@@ -63,26 +63,8 @@ class FuseChains:
             not_sequences = may_chain.not_sequences  # (the last round's: what the graph holds at the end)
             order = g.ordered_live_nodes()
             search = _Search(fams, bool_families(g, fams), order, length_masks(g), signer, may_chain)
-            recs = []
             seen_now: set = set()
-            chained: set[str] = set()  # the sources of this round's chains
-            for src, axis in fams:
-                found = _family_chains(g, search, src, axis)
-                if found is None:
-                    continue
-                iv, chains, mask_srcs = found
-                for chain in chains:
-                    key = chain.key(src, axis)
-                    seen_now.add(key)
-                    if key in tried:
-                        continue
-                    tried.add(key)
-                    chained.add(src)
-                    try:
-                        recs.append((_recurrence(g, src, axis, chain, iv, signer, mask_srcs), {}))
-                    except Decline as d:
-                        where = chain.describe(f"'{src}' (axis {axis})")
-                        pending[key] = declined(self.name, "chain", where, d.reason)
+            recs, chained = self.slice_chains(g, search, tried, pending, seen_now)
             vfams = None
             if not recs:
                 vfams = virtual_families(g, order, fams)
@@ -94,7 +76,7 @@ class FuseChains:
                 break
             # what the search held (intervals and signatures over the whole graph, the chains' steps) is not
             # needed to validate and commit: it goes before the rewrites' own memory comes
-            iv = order = signer = search = chain = None
+            order = signer = search = None
             n_before, modified_before = len(res.findings), res.modified
             mark = g.edit_mark()
             apply_recurrences(g, ctx, self.name, recs, res)
@@ -119,6 +101,29 @@ class FuseChains:
             res.notes.append(f"{len(not_sequences)} tensor(s) sliced into steps that combine values are not [T, B, F] "
                              f"or [B, T, F] sequences (e.g. '{min(not_sequences)}'): no chain searched over them")
         return res
+
+    def slice_chains(self, g: Graph, search: "_Search", tried: set, pending: dict, seen: set) -> tuple[list, set[str]]:
+        """The recurrences of the chains over the slice families of ``search`` not ``tried`` before (each
+        chain's key added to ``seen`` and ``tried``, its decline to ``pending``), and the sources of the chains."""
+        recs, chained = [], set()
+        for src, axis in search.fams:
+            found = _family_chains(g, search, src, axis)
+            if found is None:
+                continue
+            iv, chains, mask_srcs = found
+            for chain in chains:
+                key = chain.key(src, axis)
+                seen.add(key)
+                if key in tried:
+                    continue
+                tried.add(key)
+                chained.add(src)
+                try:
+                    recs.append((_recurrence(g, src, axis, chain, iv, search.signer, mask_srcs), {}))
+                except Decline as d:
+                    where = chain.describe(f"'{src}' (axis {axis})")
+                    pending[key] = declined(self.name, "chain", where, d.reason)
+        return recs, chained
 
     @staticmethod
     def _remaining(g: Graph, whole: WholeInputs, last: tuple[set, list | None] | None) -> set:

@@ -92,7 +92,6 @@ class _StateFlow:
         self.g = g
         self._parts: dict[int, tuple[str, NodeProto] | None] = {}
         self._dims: dict[str, tuple | None] = {}  # (a per-step state is asked for by each layer's Slice)
-        self._dims: dict[str, tuple | None] = {}  # (each per-step state is asked for by both layers' Slices)
 
     def extent(self, name: str, axis: int) -> int | None:
         """Extent ``axis`` of ``name``: what the state's own ops say (:meth:`_state_extent`), else what the ops

@@ -257,6 +257,26 @@ def test_layers_link_by_what_the_ops_fix_without_types(op, monkeypatch):
     _same_outputs(model, fused)
 
 
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_the_state_links_are_read_off_the_ops_that_make_the_states(op, monkeypatch):
+    """Whether a Slice of the [layers, B, H] state takes one layer's Y_h whole is read off the native ops'
+    attributes and the state's Concat, with no dims walk: each per-step state's walked back through its call's
+    input to x's batch (20,000 states in the generated 100k-node ``stepcalls``, half of the pass' time)."""
+    import rnnfuse.passes.step_chains as step_chains
+
+    asked = []
+    for name in ("settled_dim", "settled_rank"):
+        real = getattr(step_chains, name)
+        monkeypatch.setattr(step_chains, name, lambda g, t, *a, _real=real: asked.append(t) or _real(g, t, *a))
+    model = per_step_layers(op=op)
+    natives = [n for n in model.graph.node if n.op_type == op]
+    states = {o for n in natives for o in n.output[1:]}
+    states |= {n.output[0] for n in model.graph.node if n.op_type == "Concat" and set(n.input) <= states}
+    fused, report = rnnfuse.optimize(model)
+    assert op_counts(fused)[op] == 2, report.to_text()
+    assert asked and not states & set(asked), sorted(states & set(asked))[:4]
+
+
 def test_a_big_model_checks_the_first_ops_of_a_merge(monkeypatch):
     """Beyond the whole-model limit a merge is validated on its first ``PREFIX_OPS`` ops of each chain, merged
     the same way beside it (never connected): the rest is the same op, from the state the one before ended in,

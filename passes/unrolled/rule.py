@@ -102,7 +102,8 @@ class FuseChains:
                              f"or [B, T, F] sequences (e.g. '{min(not_sequences)}'): no chain searched over them")
         return res
 
-    def slice_chains(self, g: Graph, search: "_Search", tried: set, pending: dict, seen: set) -> tuple[list, set[str]]:
+    def slice_chains(self, g: Graph, search: "_Search", tried: set, pending: dict, seen: set
+                     ) -> tuple[list, set[str]]:
         """The recurrences of the chains over the slice families of ``search`` not ``tried`` before (each
         chain's key added to ``seen`` and ``tried``, its decline to ``pending``), and the sources of the chains."""
         recs, chained = [], set()

@@ -29,6 +29,7 @@ from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.graph import Graph, Model, attr
+from rnnfuse.op_shapes import concatenated_dims
 from rnnfuse.rewrite import Rewrite, apply_rewrites
 
 # what carries a state from one op to the next without changing it
@@ -116,8 +117,8 @@ class _StateFlow:
     # layer called per step: half of this pass' time). One Concat deep, no more: a Concat of Concats (outputs
     # gathered step by step) is no state, and is left to the general walk.
     def _state_dims(self, name: str) -> tuple | None:
-        """``name``'s dims as :func:`output_dims` gives them, a Concat's along its axis summed (None where
-        a part's is not a number)."""
+        """``name``'s dims as :func:`output_dims` gives them, a Concat's of such as
+        :func:`~rnnfuse.op_shapes.concatenated_dims` puts them together (a ``(input, axis)`` entry is no number)."""
         if name not in self._dims:
             self._dims[name] = self._dims_of_state(name)
         return self._dims[name]
@@ -129,13 +130,8 @@ class _StateFlow:
         dims = output_dims(p, name)
         if dims is not None or p.op_type != "Concat" or p.domain not in ("", "ai.onnx") or not p.input:
             return dims
-        parts = [output_dims(q, i) if (q := self.g.producer.get(i)) is not None else None for i in p.input]
-        if any(d is None or len(d) != len(parts[0]) for d in parts):
-            return None
-        axis = attr(p, "axis", 0) % len(parts[0])
-        extents = [d[axis] for d in parts]
-        total = sum(extents) if all(isinstance(e, int) for e in extents) else None
-        return tuple(total if k == axis else d for k, d in enumerate(parts[0]))
+        return concatenated_dims(p, [output_dims(q, i) if (q := self.g.producer.get(i)) is not None else None
+                                     for i in p.input])
 
     def _state_rank(self, name: str) -> int | None:
         dims = self._state_dims(name)

@@ -153,7 +153,7 @@ def _close_dims(g: Graph, cur: str, memo: dict):
     if op == "Slice":
         return _sliced(g, p, first)
     if op == "Concat":
-        return _concatenated(p, ins)
+        return concatenated_dims(p, ins)
     if op == "Gemm":
         return _gemm(p, ins)
     if op == "MatMul":
@@ -245,7 +245,9 @@ def _sliced(g: Graph, p, first):
     return tuple(out)
 
 
-def _concatenated(p, ins: list):
+def concatenated_dims(p, ins: list):
+    """The dims of Concat ``p``'s output from its inputs' (``ins``, None where not known): the extents along
+    its axis summed, the others as any input fixes them."""
     known = [d for d in ins if d is not None]
     if not known:
         return None

@@ -58,32 +58,28 @@ class Walks:
         """The nodes computed from ``names``: their readers (a subgraph's capture counts as a read), those
         nodes' readers, and so on, each once, in the order met; None past ``limit`` nodes (a caller that only
         saves work with the answer stops there)."""
-        seen: set[int] = set()
         out: list[NodeProto] = []
-        stack = list(names)
-        while stack:
-            for r in self.uses(stack.pop()):
-                if id(r) not in seen:
-                    seen.add(id(r))
-                    out.append(r)
-                    if limit is not None and len(out) > limit:
-                        return None
-                    stack.extend(o for o in r.output if o)
+        for r in self._readers_on(names):
+            out.append(r)
+            if limit is not None and len(out) > limit:
+                return None
         return out
 
     def feeds_op(self, names, op_types) -> bool:
         """Whether a node of one of ``op_types`` is computed from ``names`` (:meth:`downstream`, stopping at the
         first such node)."""
+        return any(r.op_type in op_types for r in self._readers_on(names))
+
+    def _readers_on(self, names):
+        """:meth:`downstream`'s nodes, one at a time (a caller may stop early)."""
         seen: set[int] = set()
         stack = list(names)
         while stack:
             for r in self.uses(stack.pop()):
                 if id(r) not in seen:
-                    if r.op_type in op_types:
-                        return True
                     seen.add(id(r))
+                    yield r
                     stack.extend(o for o in r.output if o)
-        return False
 
     def newly_dead(self, touched: list[NodeProto]) -> list[NodeProto]:
         """The live nodes no graph output is computed from, in node-list order, when every node was live

@@ -58,6 +58,7 @@ each size alternates between them, so they see the same load). Writes ``results/
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -292,32 +293,48 @@ def baseline_mb(tree: str | None = None) -> float:
 
 
 FLOOR = "import onnx, sys; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])"
+# the same round trip through onnx-ir, the in-memory IR onnxscript's rewriter and optimizer work on (measured
+# only where it is installed: it is no dependency of rnnfuse)
+FLOOR_IR = "import onnx_ir, sys; onnx_ir.save(onnx_ir.load(sys.argv[1]), sys.argv[2])"
 
 
-def floor(src: str, runs: int) -> dict:
-    """The floor the issue names: ``onnx.load`` + ``onnx.save`` of the model in a fresh process (medians of
-    ``runs``): wall seconds, peak RSS, and the peak of a process that only imports onnx."""
+def _round_trip(code: str, src: str, runs: int, what: str) -> tuple[float, float]:
+    """Median wall seconds and peak RSS MB of ``code`` loading ``src`` and saving it, in fresh processes."""
     d = tempfile.mkdtemp(prefix="rnnfuse-floor-")
     try:
         walls, peaks = [], []
         for _ in range(runs):
-            wall, peak, rc, err, _cpu = _child([sys.executable, "-c", FLOOR, src, os.path.join(d, "out.onnx")])
+            wall, peak, rc, err, _cpu = _child([sys.executable, "-c", code, src, os.path.join(d, "out.onnx")])
             if rc:
-                raise RuntimeError(f"onnx.load + onnx.save of {src} exited {rc}: {err}")
+                raise RuntimeError(f"{what} of {src} exited {rc}: {err}")
             walls.append(wall)
             peaks.append(peak)
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    base = _child([sys.executable, "-c", "import onnx"])[1]
-    return {"wall": statistics.median(walls), "peak_mb": statistics.median(peaks), "base_mb": base}
+    return statistics.median(walls), statistics.median(peaks)
+
+
+def floor(src: str, runs: int) -> dict:
+    """The floor the issue names: ``onnx.load`` + ``onnx.save`` of the model in a fresh process (medians of
+    ``runs``): wall seconds, peak RSS, and the peak of a process that only imports onnx; and, where onnx-ir is
+    installed, the same for its ``load`` + ``save`` (``ir_wall``, ``ir_peak_mb``, ``ir_base_mb``)."""
+    wall, peak = _round_trip(FLOOR, src, runs, "onnx.load + onnx.save")
+    out = {"wall": wall, "peak_mb": peak, "base_mb": _child([sys.executable, "-c", "import onnx"])[1]}
+    if importlib.util.find_spec("onnx_ir") is not None:
+        out["ir_wall"], out["ir_peak_mb"] = _round_trip(FLOOR_IR, src, runs, "onnx_ir.load + onnx_ir.save")
+        out["ir_base_mb"] = _child([sys.executable, "-c", "import onnx_ir"])[1]
+    return out
 
 
 def floor_table(results: list[dict], bases: dict[str, float]) -> str:
-    """Peak memory of each graph's run beside what loading and saving it alone costs."""
+    """Peak memory of each graph's run beside what loading and saving it alone costs (with onnx, and with
+    onnx-ir where it was measured)."""
     trees = list(bases)
+    with_ir = any("ir_wall" in (r.get("floor") or {}) for r in results)
     lines = ["| graph | nodes | file MB | load+save s | load+save RSS - onnx MB | x file | "
+             + ("onnx-ir load+save s | onnx-ir RSS - onnx_ir MB | x file | " if with_ir else "")
              + " | ".join(f"rnnfuse{f' ({t})' if len(trees) > 1 else ''} RSS - libs MB, x floor" for t in trees) + " |",
-             "|---" * (6 + len(trees)) + "|"]
+             "|---" * (6 + 3 * with_ir + len(trees)) + "|"]
     for r in results:
         fl = r.get("floor")
         if not fl:
@@ -328,8 +345,13 @@ def floor_table(results: list[dict], bases: dict[str, float]) -> str:
         for t in trees:
             mine = r["m"][t]["peak_mb"] - bases[t]
             cells.append(f"{mine:.0f}, {mine / extra:.1f}x")
+        ir = ""
+        if with_ir:
+            ir_extra = fl["ir_peak_mb"] - fl["ir_base_mb"] if "ir_wall" in fl else None
+            ir = (f"{fl['ir_wall']:.2f} | {ir_extra:.0f} | {ir_extra / file_mb:.1f} | " if ir_extra is not None
+                  else "- | - | - | ")
         lines.append(f"| {r['graph']} | {r['nodes']:,} | {file_mb:.1f} | {fl['wall']:.2f} | {extra:.0f} | "
-                     f"{extra / file_mb:.1f} | " + " | ".join(cells) + " |")
+                     f"{extra / file_mb:.1f} | " + ir + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -421,7 +443,8 @@ def main(argv=None) -> int:
             if a.floor:
                 results[-1]["floor"] = fl = floor(src, a.runs)
                 print(f"{graph} {nodes} [onnx.load + onnx.save]: wall {fl['wall']:.2f} s, peak {fl['peak_mb']:.0f} MB "
-                      f"(import onnx: {fl['base_mb']:.0f} MB)", flush=True)
+                      f"(import onnx: {fl['base_mb']:.0f} MB)" + (f"; [onnx_ir]: wall {fl['ir_wall']:.2f} s, peak "
+                      f"{fl['ir_peak_mb']:.0f} MB" if "ir_wall" in fl else ""), flush=True)
     bases = {tree: baseline_mb(path) for tree, path in trees.items()}
     load = os.getloadavg()
     described = ", ".join(f"`{k}` = {v}" for k, v in trees.items() if v)
@@ -464,7 +487,9 @@ def main(argv=None) -> int:
         "nodes copied per step; numerically the export's output, same node count and ops).\n\n"
         + table(results, bases) + "\n"
         + ("\nMemory beside the floor the issue names, `onnx.load` + `onnx.save` of the same file in a fresh "
-           "process (its peak minus a process that only imports onnx):\n\n" + floor_table(results, bases) + "\n"
+           "process (its peak minus a process that only imports onnx; and, where onnx-ir is installed, "
+           "`onnx_ir.load` + `onnx_ir.save`, the IR onnxscript's rewriter works on, minus a process that only "
+           "imports onnx_ir):\n\n" + floor_table(results, bases) + "\n"
            if any("floor" in r for r in results) else "")
     )
     os.makedirs(a.out, exist_ok=True)

@@ -173,7 +173,7 @@ class _DedupeTable:
                 for group in alike.values():
                     if len(group) < 2:
                         continue
-                    for c in group:
+                    for c in self._alike_by_value(group):
                         if all(len(uses(i)) > 1 for i in c.input[:] if i and i not in consts):
                             out[id(c)] = c
         for c in self._const_readers():
@@ -181,6 +181,21 @@ class _DedupeTable:
         if not out:
             return []  # (a plain chain: not even the positions are needed)
         return g.in_position_order(out.values())
+
+    def _alike_by_value(self, group: list[NodeProto]) -> list[NodeProto]:
+        """The nodes of ``group`` (one coarse key) whose inputs, the small constants by value, are another's
+        too. A duplicate has the same inputs as the node it equals (what the full key compares), so the others
+        can equal nothing: a trace's per-step ``x[t]`` (a Gather or Slice of x at an index of its own) is
+        thousands of nodes under one coarse key, none equal to another, and each was given a full key."""
+        placeholder = self.placeholder
+        if self._CONST not in self.coarse(group[0])[3]:
+            return group  # (no constant among the inputs: the coarse key holds every input's name)
+        ref = self._ref
+        by_inputs: dict[tuple, list[NodeProto]] = {}
+        for c in group:
+            key = tuple([ref(i) if i in placeholder else i for i in c.input[:]])
+            by_inputs.setdefault(key, []).append(c)
+        return [c for same in by_inputs.values() if len(same) > 1 for c in same]
 
     def _const_readers(self) -> list[NodeProto]:
         """Nodes with at least one input, all of them constants (a second way to be equal: by value)."""

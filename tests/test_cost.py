@@ -155,10 +155,45 @@ def test_dedupe_keys_weights_by_name_and_each_node_once(cells):
     gathers = [n for n in g.live_nodes() if n.op_type == "Gather"]
     assert sorted(n.output[0] for n in gathers) == ["d0", f"d{cells}"]
     assert d.full_keys == 2 + (cells + 1)
-    # looked at: the two MatMuls of one coarse key and the Gathers (the other MatMuls, alone under their
-    # coarse keys among x's readers, can have no duplicate), then the Concat the merges rewired and the
-    # Identity that keeps the merged MatMul's output name
-    assert d.visited == 2 + (cells + 1) + 2
+    # looked at: the two MatMuls of one coarse key and the index-0 Gathers (the other MatMuls, alone under
+    # their coarse keys among x's readers, and the index-1 Gather, alone with its index among the Gathers of
+    # one coarse key, can have no duplicate), then the Concat the merges rewired and the Identity that keeps
+    # the merged MatMul's output name
+    assert d.visited == 2 + cells + 2
+
+
+def _per_step_reads(steps: int, twice: int | None) -> onnx.ModelProto:
+    """A trace's per-step reads of x: ``x[t]`` for each step, each a Gather at a Constant index of its own,
+    summed; with ``twice``, that step is read a second time (a backward cell's ``x[T-1-t']``), through a
+    Constant of the same value."""
+    nodes, outs = [], []
+    reads = list(range(steps)) + ([twice] if twice is not None else [])
+    for k, t in enumerate(reads):
+        nodes += [helper.make_node("Constant", [], [f"i{k}"], value=numpy_helper.from_array(np.array(t, np.int64))),
+                  helper.make_node("Gather", ["x", f"i{k}"], [f"x{k}"], axis=0)]
+        outs.append(f"x{k}")
+    nodes.append(helper.make_node("Sum", outs, ["y"]))
+    g = helper.make_graph(nodes, "reads", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [steps, "B", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_dedupe_looks_only_at_reads_whose_constants_are_another_reads_too():
+    """Thousands of ``x[t]`` under one coarse key (the index a constant) are each alone with its index: none
+    is looked at, none gets a full key. A step read twice is still merged (its copy and it are looked at)."""
+    m = Model(_per_step_reads(300, None))
+    d = Dedupe()
+    r = d.run(m, Options())
+    assert not r.modified and d.visited == 0 and d.full_keys == 0
+    m = Model(_per_step_reads(300, 7))
+    d = Dedupe()
+    r = d.run(m, Options())
+    assert r.modified and "merged 1 duplicate nodes" in r.notes[0]
+    assert len([n for n in m.graph.live_nodes() if n.op_type == "Gather"]) == 300
+    assert m.graph.producer["y"].input[-1] == "x7"  # (x300, the second read of step 7, merged into x7)
+    assert d.visited == 2 + 1  # the pair, then the Sum the merge rewired
 
 
 @pytest.mark.parametrize("padding", [10, 3000])

@@ -18,6 +18,8 @@ class ModelFacts:
     lead: dict = field(default_factory=dict)  # tensor -> leading unit axes of a [*, B, N] value (or None)
     # ("d", tensor) -> its dims as its ops fix them, ("v", shape tensor) -> its values (rnnfuse.op_shapes)
     op_shapes: dict = field(default_factory=dict)
+    # tensor -> its element type as its ops fix it (rnnfuse.elem_types)
+    elem_types: dict = field(default_factory=dict)
     # constants named by their bytes (rnnfuse.symbolic.content_key): per-step copies of one weight share a key
     content_keys: dict = field(default_factory=dict)
     # what the emitter built, for the passes after it

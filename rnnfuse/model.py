@@ -141,7 +141,9 @@ class Model:
         that fits one inference; ``whole_cone``: any cone within the budget, inferred in pieces. A query
         whose answer decides what can be folded says so (a recurrence behind a 20,000-node prologue needs
         its input's shape); the many that only filter do not (each family source of a 100k-node trace asked
-        through the whole chain: 78,000 nodes of inference, 1.1 s and 57 MB)."""
+        through the whole chain: 78,000 nodes of inference, 1.1 s and 57 MB). In such a model :meth:`rank` and
+        :meth:`elem_type` take what the ops fix first (exact, no inference; the dims' symbols are inference's
+        to name, so this rule stays the one for dims)."""
         t = self.declared_type(name)
         if t is None or t[1] is None:
             if self._may_infer:
@@ -199,6 +201,19 @@ class Model:
         return self._declared.get(name)
 
     def elem_type(self, name: str) -> int | None:
+        """``name``'s element type. In a model too big to infer whole, what the file declares or the ops fix
+        (:func:`rnnfuse.elem_types.op_elem_type`) before any cone inference: an element type is asked of every
+        tensor sliced into steps, and a cone inferred to learn it (its dims unasked) cost a model of 3,000
+        unbind / stack blocks 2 s."""
+        if not self._may_infer:
+            t = self.declared_type(name)
+            if t is not None and t[0]:
+                return t[0]
+            from .elem_types import op_elem_type  # (the walk builds on the graph this module builds)
+
+            et = op_elem_type(self.graph, name)
+            if et is not None:
+                return et
         t = self.known_type(name)
         return t[0] if t else None
 
@@ -207,6 +222,14 @@ class Model:
         return t[1] if t else None
 
     def rank(self, name: str) -> int | None:
+        """``name``'s rank. In a model too big to infer whole, what the ops fix
+        (:func:`rnnfuse.op_shapes.op_rank`) before any cone inference (see :meth:`elem_type`)."""
+        if not self._may_infer:
+            from .op_shapes import op_rank  # (the walk builds on the graph this module builds)
+
+            r = op_rank(self.graph, name)
+            if r is not None:
+                return r
         s = self.shape(name)
         return None if s is None else len(s)
 

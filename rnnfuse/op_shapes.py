@@ -332,7 +332,7 @@ def _open_rank(g: Graph, key: tuple, memo: dict):
         fixed = len(_attr(p, "perm"))
     elif op in ("Gemm", "Shape"):
         fixed = 2 if op == "Gemm" else 1
-    elif op in _SAME_SHAPE or op in ("Transpose", "Slice", "Squeeze", "Unsqueeze"):
+    elif op in _SAME_SHAPE or op in ("Transpose", "Slice", "Squeeze", "Unsqueeze", "Split"):
         return [(_RANK, p.input[0])]
     elif op in ("Reshape", "ConstantOfShape"):  # (as many axes as the shape has entries)
         return [(_DIMS, p.input[-1])]
@@ -371,7 +371,7 @@ def _close_rank(g: Graph, cur: str, memo: dict):
         if axes is None:
             return None  # (a Squeeze of no axes drops every unit axis: what the data says)
         return ranks[0] - len(axes) if op == "Squeeze" else ranks[0] + len(axes)
-    return ranks[0]  # (same-shape ops, Slice, Concat, a Transpose reversing its input's axes)
+    return ranks[0]  # (same-shape ops, Slice, Split, Concat, a Transpose reversing its input's axes)
 
 
 # ops computing a shape tensor's values from others (torch's ``zeros(x.size(0), H)``: Concat(Unsqueeze(Gather(

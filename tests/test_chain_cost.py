@@ -90,7 +90,9 @@ def test_types_of_a_big_chain_are_not_inferred_along_it(op, matmul, monkeypatch)
         report = Pipeline.default().run(Model(model), Options(validate=False))
         assert [f.status for f in report.findings].count("fused") == 2, report.to_text()
         totals.append(sum(inferred))
-    assert 0 < totals[1] <= totals[0] + 8, totals
+    # (the ranks and element types these queries ask are now read off the ops, no cone inferred at all; a
+    # query that does infer must still not walk the chain)
+    assert totals[1] <= totals[0] + 8, totals
 
 
 def _stacked_per_step_model(T: int, F: int = 3, H: int = 4):

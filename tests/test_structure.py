@@ -35,7 +35,9 @@ def test_one_type_rule_small_model_infers():
 def test_one_type_rule_large_model_infers_only_cones(first, monkeypatch):
     """A model too large to infer cheaply never runs whole-model inference, whichever query comes first (the
     type queries used to run it for shape/rank/elem_type but not for known_type): a query infers the nodes
-    its tensor is computed from (rnnfuse.cone_types), within a budget; past it, declarations only."""
+    its tensor is computed from (rnnfuse.cone_types), within a budget; past it, declarations only -- and,
+    for a rank or an element type, what the ops fix (op_shapes.op_rank, elem_types.op_elem_type: exact, no
+    inference; the dims' symbols are inference's to name)."""
     monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 2)
 
     def no_inference(proto):
@@ -51,7 +53,7 @@ def test_one_type_rule_large_model_infers_only_cones(first, monkeypatch):
     m = Model(_relu_chain())
     getattr(m, first)("y")
     assert m.known_type("y") is None
-    assert m.shape("y") is None and m.rank("y") is None and m.elem_type("y") is None
+    assert m.shape("y") is None and m.rank("y") == 2 and m.elem_type("y") == TensorProto.FLOAT  # (Relus of x)
     assert m.shape("x") == [2, 3]  # declared: known at any size
     m.declare("y", (TensorProto.FLOAT, [2, 3]))  # what an edit declares counts like the file
     assert m.rank("y") == 2 and m.known_type("y") == (TensorProto.FLOAT, [2, 3])

@@ -30,8 +30,8 @@ class Dedupe:
     (op and input names, every constant as one placeholder) and by the full key (small constants by value,
     attributes) only where two share that. A later run looks only at the nodes edits added or rewired since
     (``Graph.edited``): after passes that changed nothing it visits nothing. A merge rewires the merged
-    node's readers; they are looked at again in the same run (a duplicate's readers may now be equal).
-    A merged node that computed a graph output leaves the name to an Identity of the value kept (the
+    node's readers; they are looked at again in the same run (a duplicate's readers may now be equal), and
+    so are the nodes matching them finds equal to another, wherever they are. A merged node that computed a graph output leaves the name to an Identity of the value kept (the
     model's interface stays): a masked layer may return its last carried output beside its final state,
     two equal values, and the chain is only seen as one layer once they are one."""
 
@@ -70,14 +70,22 @@ class Dedupe:
         return res
 
     def _merge(self, g: Graph, table: "_DedupeTable", work: list, pos: int, base: int, later, unfiltered: set) -> int:
-        """Walk ``work`` from ``pos`` (then the edits the merges make) merging each node into an equal one."""
+        """Walk ``work`` from ``pos``, then the edits the merges make, then the nodes seeding found equal to
+        another that no walk looked at, merging each node into an equal one."""
         n_merged = 0
+        edits_from = base  # the first of this run's own edits not walked yet (readers a merge rewired)
         while True:
             if pos >= len(work):
-                if work is g.edited or base >= len(g.edited):
+                if work is g.edited:
+                    edits_from = len(g.edited)
+                if edits_from < len(g.edited):
+                    work, pos = g.edited, edits_from
+                    later = _LaterEdits(g.edited, pos)
+                    continue
+                work, pos, later = table.unvisited_duplicates(), 0, None
+                if not work:
                     break
-                work, pos = g.edited, base  # readers a merge rewired (a full run's own edits)
-                later = _LaterEdits(g.edited, pos)
+                continue
             n = work[pos]
             pos += 1
             if later is not None and later.again(n, pos - 1):
@@ -126,6 +134,9 @@ class _DedupeTable:
         self.seeded: set[str] = set()  # values whose readers are in the table (incremental runs)
         self.const_readers: list | None = None
         self.found: dict[int, NodeProto | None] = {}  # node -> what inserting it found while seeding
+        # nodes seeding found equal to one kept before them: a merge's rewired reader seeds its new twins, which
+        # need not be candidates (nor edited) and were left unmerged
+        self.duplicates: list[NodeProto] = []
         self.full_keys = 0
         self.small: dict[str, object] = {}  # input name -> its full-key form (small constants by content)
         # initializers and Constant outputs: found once (a set lookup per input from then on)
@@ -146,8 +157,8 @@ class _DedupeTable:
     def candidates(self) -> list[NodeProto]:
         """The nodes that may equal another, in graph order (topological for the input model, which is where
         it matters): nodes whose every non-constant input is read by another node too, one of them with the
-        same coarse key (a duplicate reads them all, and has the same coarse key), and the nodes reading only
-        constants."""
+        same coarse key and the same inputs, small constants by value (a duplicate reads them all, and has
+        the same coarse key), and the nodes reading only constants."""
         g = self.g
         consumers, consts, uses, coarse = g.consumers, self.consts, g.uses, self.coarse
         out: dict[int, NodeProto] = {}
@@ -289,7 +300,15 @@ class _DedupeTable:
         found = self.found
         for m in g.in_position_order(group):  # the first in graph order is the one kept
             if self.eligible(m):  # (``n`` too: in its place in that order)
-                found[id(m)] = self._insert(m, ck if m is n else self.coarse(m))
+                kept = found[id(m)] = self._insert(m, ck if m is n else self.coarse(m))
+                if kept is not None and m is not n:
+                    self.duplicates.append(m)
+
+    def unvisited_duplicates(self) -> list[NodeProto]:
+        """The nodes seeding found equal to another that are still in the graph (a walk merged the others)."""
+        out = [m for m in self.duplicates if self.g.alive(m)]
+        self.duplicates = []
+        return out
 
     def match(self, n: NodeProto) -> NodeProto | None:
         ck = self.coarse(n)

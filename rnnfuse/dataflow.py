@@ -257,9 +257,10 @@ def literal_value(g: Graph, name: str) -> np.ndarray | None:
 
 def rank_of(g: Graph, name: str) -> int | None:
     """The rank of ``name``: the known one (``Model.rank``: declared, or inferred -- the Loop front end's
-    questions, where an answer missed declines a loop and the graphs are small), else what its ops fix where
-    the file and shape inference leave it unknown (:func:`rnnfuse.op_shapes.op_rank`: tf2onnx at opset 13
-    declares nothing after a Reshape to a computed shape; a Transpose's ``perm`` says the rank of its output)."""
+    questions, where an answer missed declines a loop and the graphs are small; in a model too big to infer
+    whole it reads the ops first), else what its ops fix where the file and shape inference leave it unknown
+    (:func:`rnnfuse.op_shapes.op_rank`: tf2onnx at opset 13 declares nothing after a Reshape to a computed
+    shape; a Transpose's ``perm`` says the rank of its output)."""
     from .op_shapes import op_rank  # (op_shapes builds on dataflow's walks)
 
     r = g.model.rank(name)

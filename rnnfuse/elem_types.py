@@ -82,7 +82,7 @@ def _fixed_by_op(p: NodeProto) -> int | None:
         return attr(p, "to", None) or None
     if op == "ConstantOfShape":
         v = _tensor_attr(p, "value")
-        return v.data_type if v is not None else TensorProto.FLOAT  # (no value: float zeros)
+        return (v.data_type or None) if v is not None else TensorProto.FLOAT  # (no value: float zeros)
     if op == "Constant":
         if len(p.attribute) != 1:
             return None

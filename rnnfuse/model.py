@@ -201,10 +201,10 @@ class Model:
         return self._declared.get(name)
 
     def elem_type(self, name: str) -> int | None:
-        """``name``'s element type. In a model too big to infer whole, what the file declares or the ops fix
-        (:func:`rnnfuse.elem_types.op_elem_type`) before any cone inference: an element type is asked of every
-        tensor sliced into steps, and a cone inferred to learn it (its dims unasked) cost a model of 3,000
-        unbind / stack blocks 2 s."""
+        """``name``'s element type. In a model too big to infer whole, what the file or an edit declares, or
+        what the ops fix (:func:`rnnfuse.elem_types.op_elem_type`), before any cone inference: an element type
+        is asked of every tensor sliced into steps, and a cone inferred to learn it (its dims unasked) cost a
+        model of 3,000 unbind / stack blocks 2 s."""
         if not self._may_infer:
             t = self.declared_type(name)
             if t is not None and t[0]:

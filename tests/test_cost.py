@@ -196,6 +196,39 @@ def test_dedupe_looks_only_at_reads_whose_constants_are_another_reads_too():
     assert d.visited == 2 + 1  # the pair, then the Sum the merge rewired
 
 
+def _twins_after_a_merge(read_elsewhere: bool) -> onnx.ModelProto:
+    """``a`` and ``b`` equal (Relu of x), ``x[0]`` read from each: ``n2 = b[0]`` comes first, ``n1 = a[0]``
+    after it; with ``read_elsewhere`` also ``n3 = a[1]``. Once b is merged into a, n2 and n1 are one value."""
+    const = [helper.make_node("Constant", [], [f"c{v}"], value=numpy_helper.from_array(np.array(v, np.int64))) for v in (0, 1)]
+    nodes = const + [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Relu", ["x"], ["b"]),
+                     helper.make_node("Gather", ["b", "c0"], ["n2"]), helper.make_node("Gather", ["a", "c0"], ["n1"])]
+    outs = ["n1", "n2"] + (["n3"] if read_elsewhere else [])
+    if read_elsewhere:
+        nodes.append(helper.make_node("Gather", ["a", "c1"], ["n3"]))
+    nodes.append(helper.make_node("Concat", outs, ["y"], axis=0))
+    g = helper.make_graph(nodes, "twins", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("read_elsewhere", [True, False])
+def test_dedupe_merges_the_twins_a_merge_makes(read_elsewhere):
+    """Merging b into a rewires n2 to read a: its twin n1, in no list the run walks (not a candidate, not
+    edited), is found while n2 is matched and merged in the same run, the first in graph order kept; a second
+    run finds nothing left (before, n1 stayed: always without n3, and with n3 once candidates were filtered
+    by their constants' values)."""
+    m = Model(_twins_after_a_merge(read_elsewhere))
+    r = Dedupe().run(m, Options())
+    assert r.modified and "merged 2 duplicate nodes" in r.notes[0]
+    gathers = [n for n in m.graph.live_nodes() if n.op_type == "Gather"]
+    assert [(n.output[0], n.input[0]) for n in gathers if n.input[1] == "c0"] == [("n2", "a")]
+    m.graph.finalize()
+    again = Dedupe()
+    assert not again.run(Model(m.proto), Options()).modified
+
+
 @pytest.mark.parametrize("padding", [10, 3000])
 def test_dedupe_folds_shape_arithmetic_without_visiting_runtime_nodes(padding, monkeypatch):
     """``x[x.shape[0] - 1]`` and ``x[3]`` (x of static shape [4, 3]) are one value: Dedupe folds the index

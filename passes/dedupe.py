@@ -31,9 +31,10 @@ class Dedupe:
     attributes) only where two share that. A later run looks only at the nodes edits added or rewired since
     (``Graph.edited``): after passes that changed nothing it visits nothing. A merge rewires the merged
     node's readers; they are looked at again in the same run (a duplicate's readers may now be equal), and
-    so are the nodes matching them finds equal to another, wherever they are. A merged node that computed a graph output leaves the name to an Identity of the value kept (the
-    model's interface stays): a masked layer may return its last carried output beside its final state,
-    two equal values, and the chain is only seen as one layer once they are one."""
+    so are the nodes matching them finds equal to another, wherever they are. A merged node that computed
+    a graph output leaves the name to an Identity of the value kept (the model's interface stays): a masked
+    layer may return its last carried output beside its final state, two equal values, and the chain is
+    only seen as one layer once they are one."""
 
     name = "dedupe"
     fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)

@@ -199,14 +199,11 @@ class _DedupeTable:
         too. A duplicate has the same inputs as the node it equals (what the full key compares), so the others
         can equal nothing: a trace's per-step ``x[t]`` (a Gather or Slice of x at an index of its own) is
         thousands of nodes under one coarse key, none equal to another, and each was given a full key."""
-        placeholder = self.placeholder
         if self._CONST not in self.coarse(group[0])[3]:
             return group  # (no constant among the inputs: the coarse key holds every input's name)
-        ref = self._ref
         by_inputs: dict[tuple, list[NodeProto]] = {}
         for c in group:
-            key = tuple([ref(i) if i in placeholder else i for i in c.input[:]])
-            by_inputs.setdefault(key, []).append(c)
+            by_inputs.setdefault(self._inputs_key(c.input[:]), []).append(c)
         return [c for same in by_inputs.values() if len(same) > 1 for c in same]
 
     def _const_readers(self) -> list[NodeProto]:
@@ -241,8 +238,10 @@ class _DedupeTable:
         c, placeholder = self._CONST, self.placeholder
         return (n.domain, n.op_type, len(n.output), tuple(c if i in placeholder else i for i in n.input[:]))
 
-    def _ref(self, name: str):
-        return _value_key(self.g, name, self.small, self.shape_consts, self.constant_keys)
+    def _inputs_key(self, ins: list[str]) -> tuple:
+        """The full key's part for the inputs: each by name, small constants by value (:func:`_value_key`)."""
+        g, small, folded, constant_keys = self.g, self.small, self.shape_consts, self.constant_keys
+        return tuple([_value_key(g, i, small, folded, constant_keys) for i in ins])
 
     def full(self, n: NodeProto) -> tuple:
         """The full key; kept per node while its inputs stay the same (a node is keyed when seeded, when
@@ -253,7 +252,7 @@ class _DedupeTable:
             return kept[2]
         self.full_keys += 1
         # (node_field: an attribute-less node's empty list is not read; its object is the index's, held all round)
-        key = (tuple([self._ref(i) for i in ins]), tuple(a.SerializeToString() for a in node_field(n, "attribute")))
+        key = (self._inputs_key(ins), tuple(a.SerializeToString() for a in node_field(n, "attribute")))
         self.fulls[id(n)] = (n, ins, key)
         return key
 

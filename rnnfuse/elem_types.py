@@ -54,21 +54,25 @@ def _open(g: Graph, cur: str, memo: dict):
     if p is None or p.domain not in ("", "ai.onnx"):
         memo[cur] = None
         return None
-    op = p.op_type
-    if op in _AS_FIRST and p.input and p.input[0]:
-        return [p.input[0]]
-    if op == "Where" and len(p.input) == 3:
-        return [p.input[1]]
-    if op == "CastLike" and len(p.input) == 2:
-        return [p.input[1]]
+    src = _typed_like(p)
+    if src:
+        return [src]
     memo[cur] = _fixed_by_op(p)
     return None
 
 
 def _close(g: Graph, cur: str, memo: dict):
-    p = g.producer[cur]
-    src = p.input[1] if p.op_type in ("Where", "CastLike") else p.input[0]
-    return memo.get(src)
+    return memo.get(_typed_like(g.producer[cur]))
+
+
+def _typed_like(p: NodeProto) -> str | None:
+    """The input whose element type the op's outputs have (None: the op fixes it, or no rule)."""
+    op, ins = p.op_type, p.input
+    if op in _AS_FIRST and ins:
+        return ins[0]
+    if (op == "Where" and len(ins) == 3) or (op == "CastLike" and len(ins) == 2):
+        return ins[1]
+    return None
 
 
 def _fixed_by_op(p: NodeProto) -> int | None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 from onnx import NodeProto
 
 from rnnfuse.dataflow import runtime_values
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, has_subgraph
 from rnnfuse.protos import CONTROL_FLOW, node_field
+from rnnfuse.tensor_values import constant_value
 
 _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
 
@@ -154,6 +156,7 @@ class _DedupeTable:
         # weights: under one placeholder they were 16,000 nodes of one coarse key, each given a full key)
         self.placeholder = self.consts - {name for name, t in g.initializers.items() if math.prod(t.dims) > 64}
         self.fulls: dict[int, tuple] = {}  # node id -> (node, its inputs, its full key): see ``full``
+        self.inputs_keys: dict[int, tuple] = {}  # node id -> (node, its inputs, their key), as the candidates found it
 
     def candidates(self) -> list[NodeProto]:
         """The nodes that may equal another, in graph order (topological for the input model, which is where
@@ -202,8 +205,12 @@ class _DedupeTable:
         if self._CONST not in self.coarse(group[0])[3]:
             return group  # (no constant among the inputs: the coarse key holds every input's name)
         by_inputs: dict[tuple, list[NodeProto]] = {}
+        inputs_keys = self.inputs_keys
         for c in group:
-            by_inputs.setdefault(self._inputs_key(c.input[:]), []).append(c)
+            ins = c.input[:]
+            key = self._inputs_key(ins)
+            by_inputs.setdefault(key, []).append(c)
+            inputs_keys[id(c)] = (c, ins, key)  # (a node kept here is given a full key next: this is its first part)
         return [c for same in by_inputs.values() if len(same) > 1 for c in same]
 
     def _const_readers(self) -> list[NodeProto]:
@@ -251,8 +258,10 @@ class _DedupeTable:
         if kept is not None and kept[0] is n and kept[1] == ins:
             return kept[2]
         self.full_keys += 1
+        first = self.inputs_keys.pop(id(n), None)
+        inputs_key = first[2] if first is not None and first[0] is n and first[1] == ins else self._inputs_key(ins)
         # (node_field: an attribute-less node's empty list is not read; its object is the index's, held all round)
-        key = (self._inputs_key(ins), tuple(a.SerializeToString() for a in node_field(n, "attribute")))
+        key = (inputs_key, tuple(a.SerializeToString() for a in node_field(n, "attribute")))
         self.fulls[id(n)] = (n, ins, key)
         return key
 
@@ -337,7 +346,10 @@ def _value_key(g: Graph, name: str, small: dict[str, object], folded, constant_k
         if p is not None and p.op_type == "Constant" and p.domain in ("", "ai.onnx"):
             raw = b"".join(a.SerializeToString() for a in p.attribute)
             if raw not in constant_keys:
-                constant_keys[raw] = _content_key(g.const(name))
+                # (its tensor read directly: a trace's 25,000 per-step indices each went through the fold
+                # machinery and stayed in the graph's constant cache; any other form is folded as before)
+                value = constant_value(p, g.model)
+                constant_keys[raw] = _content_key(value if isinstance(value, np.ndarray) else g.const(name))
             small[name] = constant_keys[raw] or name
         else:
             t = g.initializers.get(name)

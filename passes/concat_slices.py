@@ -45,7 +45,7 @@ def _piece(g: Graph, name: str, bounds: dict) -> tuple | None:
         return p.input[0], attr(p, "axis", 0), cut[name][0], cut[name][1], layouts[::-1]
     if p is None or p.op_type != "Slice":
         return None
-    starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, op_args.const_reader(g, p))
+    starts, ends, axes, steps = op_args.slice_args_of(g, p)
     if None in (starts, ends) or len(starts) != 1 or (steps is not None and steps != [1]):
         return None
     if starts[0] < 0 or ends[0] < starts[0]:

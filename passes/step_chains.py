@@ -46,7 +46,7 @@ def _inp(n: NodeProto, i: int) -> str:
 def _is_whole_slice(flow: "_StateFlow", n: NodeProto) -> bool:
     """A Slice that keeps every element (dynamo's ``h[0:1]`` of a one-layer state)."""
     g = flow.g
-    starts, ends, axes, steps = op_args.slice_args(n, g.model.opset, op_args.const_reader(g, n))
+    starts, ends, axes, steps = op_args.slice_args_of(g, n)
     if None in (starts, ends) or any(starts) or (steps is not None and any(s != 1 for s in steps)):
         return False  # (before the rank: the other layers' parts of a multi-layer state start further on)
     rank = flow.rank(n.input[0])
@@ -66,7 +66,7 @@ def _part_of_concat(flow: "_StateFlow", n: NodeProto) -> tuple[str, NodeProto] |
     cat = g.producer.get(n.input[0])
     if cat is None or cat.op_type != "Concat":
         return None
-    starts, ends, axes, steps = op_args.slice_args(n, g.model.opset, op_args.const_reader(g, n))
+    starts, ends, axes, steps = op_args.slice_args_of(g, n)
     rank = flow.rank(n.input[0])
     if None in (starts, ends, rank) or len(starts) != 1 or (steps is not None and steps != [1]):
         return None

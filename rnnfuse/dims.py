@@ -180,7 +180,7 @@ def dim_key(g: Graph, name: str, depth: int = 0):
                 return None
             k = int(np.asarray(idx).ravel()[0])
         else:
-            starts, ends, _, _ = op_args.slice_args(n, g.model.opset, op_args.const_reader(g, n))
+            starts, ends, _, _ = op_args.slice_args_of(g, n)
             if not starts or not ends:
                 return None
             s, e = starts[0], ends[0]

@@ -41,7 +41,6 @@ class GraphIndex:
         self.owner = owner  # the node whose attribute this graph is (None for the main graph)
         self.nodes: list[NodeProto] = list(proto.node)
         self._pos_from(self.nodes)
-        self._by_op: dict[str, tuple[array, list]] | None = None  # op type -> (ranks, nodes) (nodes_of)
         self._seq = itertools.count(1)
         self._removed = Removed()
         self._graveyard: list[NodeProto] = []
@@ -56,6 +55,7 @@ class GraphIndex:
         self.consumers: dict[str, NodeProto | list[NodeProto]] = {}
         self._implicit: dict[int, set[str]] = {}
         self._arrays: dict[str, np.ndarray | None] = {}
+        self.memo: dict[str, dict] = {}  # what readers compute from those constants (op_args.slice_args_of): dropped with them
         self._subgraph_views: dict[int, GraphIndex] = {}
         # nodes added or rewired (inputs or outputs renamed) since the graph was built or finalized, in edit
         # order: what an incremental pass (Dedupe after a fusion) has to look at again; finalize starts a new list
@@ -63,7 +63,7 @@ class GraphIndex:
         self._pruned: tuple | None = None  # _state() when the last prune (or finalize) left only live nodes
         self._lost: set[str] | None = set()  # values that lost a reader since then, or since built (Graph.prune)
         # the op-type index (nodes_of) is filled by the same pass, which reads every node's op type anyway
-        self._by_op = {}
+        self._by_op: dict[str, tuple[array, list]] | None = {}  # op type -> (ranks, nodes) (nodes_of)
         self._by_op_next = len(self.nodes)
         self._edits = 0  # index edits so far (what the index pass found stays true while this is unchanged)
         self._input_sorted = self._index_all(self.nodes, self._by_op)
@@ -348,7 +348,7 @@ class GraphIndex:
         self.model.release_pages()
 
     def _release_arrays(self) -> None:
-        self._arrays = {}
+        self._arrays, self.memo = {}, {}
         for sub in self._subgraph_views.values():
             sub._release_arrays()
 

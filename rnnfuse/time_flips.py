@@ -77,7 +77,7 @@ def time_flip_source(g: Graph, name: str, time_axis: int = 0) -> str | None:
             return n.input[0]
         return None
     if n.op_type == "Slice":
-        starts, ends, axes, steps = op_args.slice_args(n, g.model.opset, op_args.const_reader(g, n))
+        starts, ends, axes, steps = op_args.slice_args_of(g, n)
         if starts is None or ends is None or axes is None or steps is None:
             return None
         rank = g.model.rank(n.input[0])

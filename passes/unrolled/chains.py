@@ -268,7 +268,7 @@ def _keeps_rows(g: Graph, p: NodeProto) -> bool:
     if p.op_type in ("Split", "Gather"):
         return units_axis(attr(p, "axis", 0))
     if p.op_type == "Slice":
-        starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, op_args.const_reader(g, p))
+        starts, ends, axes, steps = op_args.slice_args_of(g, p)
         if axes is None:
             return False
         if all(units_axis(ax) for ax in axes):

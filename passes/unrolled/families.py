@@ -34,7 +34,7 @@ def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
         ax = attr(node, "axis", 0)
         t = int(idx)
     elif node.op_type == "Slice":
-        starts, ends, axes, steps = op_args.slice_args(node, g.model.opset, op_args.const_reader(g, node))
+        starts, ends, axes, steps = op_args.slice_args_of(g, node)
         if not starts or not ends or len(starts) != 1 or not axes or steps != [1]:
             return None
         ax, t, e = axes[0], starts[0], ends[0]

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from onnx import NodeProto, helper
 
-from .graph_index import POS_TIE, GraphIndex, Removed, n_readers, without
+from .graph_index import POS_TIE, GraphIndex, n_readers
 from .graph_rewire import Rewiring
 from .graph_walks import Walks
 from .graph_weights import Weights
 from .node_list import write_back
 from .protos import has_subgraph, node_field
+from .removed_nodes import Removed, without
 
 if TYPE_CHECKING:
     from .model import Model

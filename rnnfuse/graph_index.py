@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import operator
 from array import array
 from typing import TYPE_CHECKING
 
@@ -19,6 +18,7 @@ from onnx import AttributeProto, GraphProto, NodeProto, TensorProto
 from . import fold
 from .deep_walks import fold_deep, folding
 from .protos import CONTROL_FLOW, attr, free_names, has_subgraph, node_field, subgraphs
+from .removed_nodes import Removed
 from .tensor_types import type_of
 from .tensor_values import UNREADABLE, constant_value
 
@@ -407,14 +407,16 @@ class GraphIndex:
         """The value of ``name``, defined in this scope, folded here (through :func:`fold_deep`)."""
         if name in self._arrays:
             return self._arrays[name]
+        p = self.producer.get(name) if name not in self.initializers else None
+        val = constant_value(p, self.model) if p is not None and p.op_type == "Constant" else None
+        if type(val) is np.ndarray:  # (the common Constant: read, it reads nothing: no depth count or cycle guard)
+            self._arrays[name] = val
+            return val
         with folding(self, self._arrays, name):
-            val: np.ndarray | None = None
             if name in self.initializers:
                 if name not in self._inputs:  # an initializer that is also an input can be overridden
                     val = self.model.tensor_array(self.initializers[name])
-            elif name in self.producer:
-                p = self.producer[name]
-                val = constant_value(p, self.model) if p.op_type == "Constant" else None
+            elif p is not None:
                 if val is UNREADABLE:
                     val = None
                 elif val is None:
@@ -449,52 +451,6 @@ class GraphIndex:
         return None
 
 
-class Removed:
-    """Which nodes of a scope were removed since it was last finalized, by id: the removed ones, or, once most
-    of the scope went at once (a fused chain), the live ones (:meth:`keep_only`): a set of the 108k ids of a
-    fused chain's steps would hold 7.5 MB (the int objects and the table) while the chain is committed.
-    ``k in removed`` asks about a node's id. A node the graph holds must stay referenced (its id is not
-    reused): the graph's graveyard keeps the removed ones."""
-
-    __slots__ = ("ids", "live")
-
-    def __init__(self):
-        self.ids: set[int] = set()  # removed (while ``live`` is None)
-        self.live: set[int] | None = None  # else: the ids of the nodes not removed
-
-    def __contains__(self, k: int) -> bool:
-        return k in self.ids if self.live is None else k not in self.live
-
-    def __bool__(self) -> bool:
-        return bool(self.ids) or self.live is not None
-
-    def add(self, k: int) -> None:
-        if self.live is None:
-            self.ids.add(k)
-        else:
-            self.live.discard(k)
-
-    def added(self, k: int) -> None:
-        """A node added to the scope: live."""
-        if self.live is not None:
-            self.live.add(k)
-
-    def keep_only(self, nodes) -> None:
-        """Every node of the scope not in ``nodes`` is removed (and stays so; ``nodes`` stay live)."""
-        self.ids, self.live = set(), set(map(id, nodes))
-
-    def keep(self, nodes) -> list[NodeProto]:
-        """The nodes not removed, in order (the loops run in C)."""
-        if self.live is not None:
-            return list(itertools.compress(nodes, map(self.live.__contains__, map(id, nodes))))
-        return without(nodes, self.ids) if self.ids else list(nodes)
-
-
 def n_readers(entry) -> int:
     """How many readers a consumers entry holds (a node, a list of them, or None)."""
     return 0 if entry is None else len(entry) if type(entry) is list else 1
-
-
-def without(nodes, ids: set[int]) -> list[NodeProto]:
-    """The nodes whose id is not in ``ids``, in order (the loops run in C: a few ms for 100k nodes)."""
-    return list(itertools.compress(nodes, map(operator.not_, map(ids.__contains__, map(id, nodes)))))

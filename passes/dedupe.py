@@ -243,7 +243,7 @@ class _DedupeTable:
 
     def coarse(self, n: NodeProto) -> tuple:
         c, placeholder = self._CONST, self.placeholder
-        return (n.domain, n.op_type, len(n.output), tuple(c if i in placeholder else i for i in n.input[:]))
+        return (n.domain, n.op_type, len(n.output), tuple([c if i in placeholder else i for i in n.input[:]]))
 
     def _inputs_key(self, ins: list[str]) -> tuple:
         """The full key's part for the inputs: each by name, small constants by value (:func:`_value_key`)."""

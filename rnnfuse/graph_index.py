@@ -320,12 +320,21 @@ class GraphIndex:
         """(op type -> how many nodes, in order of first appearance; the control-flow nodes, whose graphs
         hold more, in node order) from the op-type index, while the node list is its proto's as the index
         pass read it (no edit since) and holds no node of another domain; else None (count from the proto)."""
-        edits, nodes, onnx_only = self._as_read
-        if not onnx_only or edits != self._edits or nodes is not self.nodes or self._by_op is None:
-            return None
-        if len(nodes) != len(self.proto.node):
+        if not self._as_loaded():
             return None
         return {op: len(e[1]) for op, e in self._by_op.items()}, self.nodes_of(*CONTROL_FLOW)
+
+    def nodes_as_loaded(self, *op_types: str) -> list[NodeProto] | None:
+        """The nodes of these op types in node order, from the op-type index, under the condition of
+        :meth:`op_type_counts`; else None (read the proto's nodes)."""
+        return self.nodes_of(*op_types) if self._as_loaded() else None
+
+    def _as_loaded(self) -> bool:
+        """Whether the node list is its proto's as the index pass read it (no edit since), every node of
+        ONNX's domain."""
+        edits, nodes, onnx_only = self._as_read
+        return onnx_only and edits == self._edits and nodes is self.nodes and self._by_op is not None and \
+            len(nodes) == len(self.proto.node)
 
     def const_only_readers(self) -> list[NodeProto] | None:
         """The nodes that read at least one constant (an initializer or a Constant's output) and nothing

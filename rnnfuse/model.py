@@ -197,7 +197,7 @@ class Model:
     def declared_type(self, name: str) -> tuple[int, list | None] | None:
         """What the file or an edit declares about ``name`` (no inference)."""
         if self._declared is None:
-            self._declared = declared_types(self.proto)
+            self._declared = declared_types(self.proto, self.graph)
         return self._declared.get(name)
 
     def elem_type(self, name: str) -> int | None:
@@ -236,7 +236,7 @@ class Model:
     def declare(self, name: str, t) -> None:
         """Record the type (elem_type, dims) of a tensor an edit created, unless one is known."""
         if self._declared is None:
-            self._declared = declared_types(self.proto)
+            self._declared = declared_types(self.proto, self.graph)
         if t is not None and self._declared.get(name) is None:
             self._declared[name] = t
             self.declared_by_edits.add(name)

@@ -1,0 +1,150 @@
+"""What the passes remember between questions: a Slice's bounds, the file's declared types from the op index,
+and Dedupe's findings across merges. Each memo must give the answer a fresh computation gives, and be asked
+again when what it read changed."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from rnnfuse import op_args
+from rnnfuse.findings import Options
+from rnnfuse.graph import Model
+from rnnfuse.passes import dedupe as dedupe_module
+from rnnfuse.passes.dedupe import Dedupe
+from rnnfuse.tensor_types import declared_types
+
+
+def _const(name: str, value) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(value, np.int64)))
+
+
+def _model(nodes, inputs, outputs, opset: int = 17) -> onnx.ModelProto:
+    g = helper.make_graph(nodes, "g", inputs, outputs)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    return m
+
+
+def _slices(steps: int) -> onnx.ModelProto:
+    """x[t:t+1] for each t, each bound a Constant of its own (a trace's form), concatenated back."""
+    nodes = [_const("ax", [0])]
+    for t in range(steps):
+        nodes += [_const(f"s{t}", [t]), _const(f"e{t}", [t + 1]),
+                  helper.make_node("Slice", ["x", f"s{t}", f"e{t}", "ax"], [f"x{t}"])]
+    nodes.append(helper.make_node("Concat", [f"x{t}" for t in range(steps)], ["y"], axis=0))
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [steps, 2])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [steps, 2])])
+
+
+def test_a_slices_bounds_are_read_once_per_node_until_the_constants_go(monkeypatch):
+    model = Model(_slices(20))
+    g = model.graph
+    computed = []
+    real = op_args.slice_args
+    monkeypatch.setattr(op_args, "slice_args", lambda n, *a: computed.append(n.output[0]) or real(n, *a))
+    slices = g.nodes_of("Slice")
+    first = [op_args.slice_args_of(g, n) for n in slices]
+    again = [op_args.slice_args_of(g, n) for n in slices]
+    assert again == first and len(computed) == 20  # (asked twice, computed once)
+    assert first[3] == ([3], [4], [0], [1])
+    g.release_arrays()  # (the constants read go: so does what was computed from them)
+    assert [op_args.slice_args_of(g, n) for n in slices] == first and len(computed) == 40
+    # a node whose bounds now read other values is read again
+    g.replace_uses("s3", "s5")
+    assert op_args.slice_args_of(g, slices[3]) == ([5], [4], [0], [1]) and len(computed) == 41
+
+
+def _typed_model(foreign: bool = False) -> onnx.ModelProto:
+    body = helper.make_graph(
+        [_const("k", 2), helper.make_node("Add", ["c_in", "k"], ["c_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("c_in", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("cond", TensorProto.BOOL, []), helper.make_tensor_value_info("c_out", TensorProto.INT64, [])],
+        value_info=[helper.make_tensor_value_info("k", TensorProto.INT64, [])])
+    nodes = [_const("n", 3), _const("c0", 0), helper.make_node("Constant", [], ["t"], value_float=1.5),
+             helper.make_node("Loop", ["n", "", "c0"], ["c"], body=body),
+             helper.make_node("Cast", ["c"], ["y"], to=TensorProto.FLOAT)]
+    if foreign:
+        nodes.append(helper.make_node("Custom", ["y"], ["z"], domain="my.domain"))
+    return _model(nodes, [], [helper.make_tensor_value_info("z" if foreign else "y", TensorProto.FLOAT, [])])
+
+
+def test_declared_types_from_the_op_index_are_those_of_a_read_of_every_node():
+    for foreign in (False, True):
+        proto = _typed_model(foreign)
+        model = Model(proto)
+        g = model.graph
+        assert declared_types(proto, g) == declared_types(proto)
+        assert declared_types(proto)["n"] == (TensorProto.INT64, []) and "k" in declared_types(proto)
+        # (a node of another domain may hold graphs the index does not list: the nodes are read instead)
+        assert (g.nodes_as_loaded("Constant") is None) == foreign
+    g = Model(_typed_model()).graph
+    assert [n.output[0] for n in g.nodes_as_loaded("Constant", "Loop")] == ["n", "c0", "t", "c"]
+    g.add_node("Identity", ["y"])
+    assert g.nodes_as_loaded("Constant") is None  # (an edit since: the index no longer lists the file's nodes)
+
+
+def _random_graph(seed: int) -> onnx.ModelProto:
+    """Reads of x through Gathers at a few constant indices, elementwise ops on them, some values graph outputs
+    as well as read: many duplicates, and merges that make more."""
+    r = random.Random(seed)
+    nodes = [_const(f"c{k}", r.randint(0, 1)) for k in range(3)]
+    vals = ["x"]
+    for i in range(r.randint(4, 30)):
+        op = r.choice(["Relu", "Add", "Gather", "Gather", "Neg", "Mul", "Sub"])
+        if op in ("Relu", "Neg"):
+            nodes.append(helper.make_node(op, [r.choice(vals)], [f"v{i}"]))
+        elif op in ("Add", "Mul", "Sub"):
+            nodes.append(helper.make_node(op, [r.choice(vals), r.choice(vals)], [f"v{i}"]))
+        else:
+            nodes.append(helper.make_node("Gather", [r.choice(vals), f"c{r.randint(0, 2)}"], [f"v{i}"], axis=0))
+        vals.append(f"v{i}")
+    read = {i for n in nodes for i in n.input}
+    ends = [v for v in vals[1:] if v not in read] or [vals[-1]]
+    also = [v for v in vals[1:] if v not in ends and r.random() < 0.15]
+    nodes.append(helper.make_node("Concat", ends, ["y"], axis=0))
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2] * 12)],
+                  [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ["y"] + also])
+
+
+def _deduped(proto: onnx.ModelProto) -> tuple[list, list]:
+    model = Model(proto)
+    report = Dedupe().run(model, Options())
+    return [(n.op_type, tuple(n.input), tuple(n.output)) for n in model.graph.live_nodes()], report.notes
+
+
+def test_dedupe_forgets_only_what_a_merge_changed(monkeypatch):
+    """A merge keeps what matching found about the nodes it did not touch: the same merges, the same nodes
+    kept, as forgetting every finding at each merge gives; and fewer nodes put in the table again."""
+    inserts = {"kept": 0, "all": 0}
+    real_insert = dedupe_module._DedupeTable._insert
+
+    def counting(which):
+        def insert(self, n, ck):
+            inserts[which] += 1
+            return real_insert(self, n, ck)
+        return insert
+
+    real_forget = dedupe_module._DedupeTable.forget
+
+    def forget_all(self, merged, rewired):
+        real_forget(self, merged, rewired)
+        self.found.clear()
+
+    merged = 0
+    for seed in range(4000):  # (a merge whose rewired reader's finding would stand wrongly: ~1 graph in 800)
+        proto = _random_graph(seed)
+        monkeypatch.setattr(dedupe_module._DedupeTable, "_insert", counting("kept"))
+        kept = _deduped(onnx.ModelProto.FromString(proto.SerializeToString()))
+        monkeypatch.setattr(dedupe_module._DedupeTable, "_insert", counting("all"))
+        monkeypatch.setattr(dedupe_module._DedupeTable, "forget", forget_all)
+        forgot = _deduped(proto)
+        monkeypatch.setattr(dedupe_module._DedupeTable, "forget", real_forget)
+        assert kept == forgot, seed
+        merged += bool(kept[1])
+    assert merged > 2000  # (the graphs do merge)
+    assert inserts["kept"] < inserts["all"]

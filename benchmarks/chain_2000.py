@@ -109,6 +109,41 @@ def export_calls_with_head(path: str, steps: int, input_size: int = 8, hidden: i
     return len(onnx.load(path, load_external_data=False).graph.node)
 
 
+CHUNK_HEAD_NODES_PER_STEP = 37  # torch's trace of the hand-written chunk cell with a head per step
+
+
+def export_chunk_cell_with_head(path: str, steps: int, features: int = 8, hidden: int = 32, batch: int = 3) -> int:
+    """A hand-written LSTM cell, ``(x[t] @ Wi + h @ Wh).chunk(4, 1)``, with a ``Linear`` head on each step's h,
+    stacked on time; ``torch.onnx.export(dynamo=False)`` with a dynamic batch: each step's four gate slices
+    have bounds computed from that step's ``Shape`` (37 nodes per step); returns the node count."""
+    import onnx
+    import torch
+
+    warnings.filterwarnings("ignore")
+
+    class ChunkCellWithHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wi, self.wh = torch.nn.Linear(features, 4 * hidden), torch.nn.Linear(hidden, 4 * hidden)
+            self.head = torch.nn.Linear(hidden, 8)
+
+        def forward(self, x):
+            h = torch.zeros(x.shape[1], hidden)
+            c = torch.zeros(x.shape[1], hidden)
+            ys = []
+            for t in range(x.shape[0]):
+                i, f, g, o = (self.wi(x[t]) + self.wh(h)).chunk(4, 1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+                ys.append(self.head(h))
+            return torch.stack(ys)
+
+    torch.manual_seed(0)
+    torch.onnx.export(ChunkCellWithHead().eval(), (torch.randn(steps, batch, features),), path, dynamo=False,
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {1: "B"}}, opset_version=17)
+    return len(onnx.load(path, load_external_data=False).graph.node)
+
+
 # nodes a step of torch's trace export of each loop export_cell_loops writes
 CELL_LOOP_NODES_PER_STEP = {"grucell": 20, "rnncell": 8, "grustack": 36, "grubi": 39}
 

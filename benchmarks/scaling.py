@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,callhead,grucell,rnncell,grustack,grubi,wide,heavy,heavy_ext]
+                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,callhead,chunkhead,grucell,rnncell,grustack,grubi,wide,heavy,heavy_ext]
                                  [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
@@ -41,6 +41,9 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
 * ``callhead``: torch's trace of ``nn.LSTM`` called once per step with a head per call, ``tanh(Linear(y[0]))``
   stacked on time (16 nodes a step; exported at every size: ~6 minutes at 96k nodes): one LSTM and the head
   applied once.
+* ``chunkhead``: torch's trace of a hand-written LSTM cell whose gates are ``(x[t] @ Wi + h @ Wh).chunk(4, 1)``
+  (each step's slice bounds computed from its own ``Shape``) with a ``Linear`` head per step, stacked (37 nodes
+  a step): one LSTM and the head applied once.
 * ``grucell`` / ``rnncell`` / ``grustack`` / ``grubi``: torch's trace of loops over ``nn.GRUCell`` / ``nn.RNNCell``
   on a batch-first ``x[:, t]`` (20 / 8 nodes a step), two GRUCells a step (36), a forward and a backward GRUCell
   loop concatenated (39): one GRU / RNN, two GRUs, one bidirectional GRU.
@@ -73,8 +76,9 @@ sys.path.insert(0, HERE)
 NODES_PER_STEP = 18  # torch's LSTMCell trace export
 VIEW_NODES_PER_STEP = 32  # torch's trace export of a hand-written LSTM cell with gates.view(B, 4, H)
 
-from chain_2000 import (CALL_HEAD_NODES_PER_STEP, CELL_LOOP_NODES_PER_STEP, export_calls_with_head, export_cell_loops,  # noqa: E402
-                        export_lstmcell_chain, export_view_chain)
+from chain_2000 import (CALL_HEAD_NODES_PER_STEP, CELL_LOOP_NODES_PER_STEP, CHUNK_HEAD_NODES_PER_STEP,  # noqa: E402
+                        export_calls_with_head, export_cell_loops, export_chunk_cell_with_head, export_lstmcell_chain,
+                        export_view_chain)
 from graphs import (attention_blocks, backward_loop_read_stacked, cells_side_by_side, elementwise_chain, layer_called_per_step,  # noqa: E402
                     loops_in_a_row, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
                     steps_summed, two_cells_per_step, unbind_stack_blocks)
@@ -212,6 +216,7 @@ GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wid
               "blocks": unbind_stack_blocks, "attention": attention_blocks, "stepcalls": layer_called_per_step,
               "backreads": backward_loop_read_stacked,
               "callhead": lambda path, nodes: export_calls_with_head(path, max(2, nodes // CALL_HEAD_NODES_PER_STEP)),
+              "chunkhead": lambda path, nodes: export_chunk_cell_with_head(path, max(2, nodes // CHUNK_HEAD_NODES_PER_STEP)),
               **{kind: (lambda path, nodes, kind=kind, n=n: export_cell_loops(path, max(2, nodes // n), kind))
                  for kind, n in CELL_LOOP_NODES_PER_STEP.items()}}
 
@@ -471,6 +476,8 @@ def main(argv=None) -> int:
         "outputs `stack(cat([hf[t], hb[t]], 1))`, 14 nodes/step), one bidirectional RNN and the stack read from it. "
         "`callhead`: torch's trace of `nn.LSTM` called once per step with a head per call, `tanh(Linear(y[0]))` "
         "stacked (16 nodes/step), one LSTM and the head applied once. "
+        "`chunkhead`: torch's trace of a hand-written LSTM cell with `gates.chunk(4, 1)` (slice bounds from each "
+        "step's shape) and a `Linear` head per step, stacked (37 nodes/step), one LSTM and the head applied once. "
         "`grucell` / `rnncell` / `grustack` / `grubi`: torch's trace of loops over `nn.GRUCell` / `nn.RNNCell` on a "
         "batch-first `x[:, t]` (20 / 8 nodes/step), two GRUCells a step, the second over the first's h (36), or a "
         "forward and a backward GRUCell loop concatenated (39): one GRU / RNN, two GRUs, one bidirectional GRU. "

@@ -55,7 +55,6 @@ class GraphIndex:
         self.consumers: dict[str, NodeProto | list[NodeProto]] = {}
         self._implicit: dict[int, set[str]] = {}
         self._arrays: dict[str, np.ndarray | None] = {}
-        self.memo: dict[str, dict] = {}  # what readers compute from those constants (op_args.slice_args_of): dropped with them
         self._subgraph_views: dict[int, GraphIndex] = {}
         # nodes added or rewired (inputs or outputs renamed) since the graph was built or finalized, in edit
         # order: what an incremental pass (Dedupe after a fusion) has to look at again; finalize starts a new list
@@ -357,7 +356,7 @@ class GraphIndex:
         self.model.release_pages()
 
     def _release_arrays(self) -> None:
-        self._arrays, self.memo = {}, {}
+        self._arrays = {}
         for sub in self._subgraph_views.values():
             sub._release_arrays()
 

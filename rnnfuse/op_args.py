@@ -30,7 +30,7 @@ def given(node: NodeProto, i: int) -> bool:
 
 
 def ints(v) -> list[int] | None:
-    return None if v is None else [int(x) for x in np.asarray(v).ravel()]
+    return None if v is None else [int(x) for x in np.asarray(v).ravel().tolist()]
 
 
 def _input_ints(node: NodeProto, i: int, value: Value) -> list[int] | None:
@@ -69,36 +69,33 @@ def equal_split(size: int, parts: int) -> list[int]:
     return [min(step, size - i * step) for i in range(parts)]
 
 
-def slice_args(node: NodeProto, opset: int, value: Value):
+def slice_args(node: NodeProto, opset: int, value: Value, ins: list[str] | None = None):
     """A Slice's ``(starts, ends, axes, steps)`` as lists of ints. Axes the node leaves out are the first
     ``len(starts)`` ones and steps it leaves out are 1; an argument that is not known is None (and so are
-    the defaults that depend on it)."""
+    the defaults that depend on it). ``ins``: the node's inputs, when the caller has read them."""
     if opset < 10:
         starts, ends = attr(node, "starts"), attr(node, "ends")
         axes_ = attr(node, "axes", list(range(len(starts))) if starts is not None else None)
         return starts, ends, axes_, [1] * len(starts) if starts is not None else None
-    starts, ends = _input_ints(node, 1, value), _input_ints(node, 2, value)
+    ins = node.input[:] if ins is None else ins
+
+    def read(i: int) -> list[int] | None:
+        return ints(value(i)) if len(ins) > i and ins[i] else None
+
+    starts, ends = read(1), read(2)
     default_axes = list(range(len(starts))) if starts is not None else None
-    axes_ = _input_ints(node, 3, value) if given(node, 3) else default_axes
-    steps = _input_ints(node, 4, value) if given(node, 4) else ([1] * len(starts) if starts is not None else None)
+    axes_ = read(3) if len(ins) > 3 and ins[3] else default_axes
+    steps = read(4) if len(ins) > 4 and ins[4] else ([1] * len(starts) if starts is not None else None)
     return starts, ends, axes_, steps
 
 
 def slice_args_of(g, node: NodeProto):
-    """:func:`slice_args` of a Slice of scope ``g``, its bounds read as ``g.const`` gives them; remembered per
-    node while its inputs stay the same, for as long as ``g`` keeps the constants it read (``g.memo``). The
-    front ends ask about each per-step Slice of a trace several times (torch's ``nn.LSTM`` called per step:
-    16,669 Slices asked 49,992 times, 1.35 s). The lists are shared: callers read them, never change them."""
-    memo = g.memo.get("slice_args")
-    if memo is None:
-        memo = g.memo["slice_args"] = {}
+    """:func:`slice_args` of a Slice of scope ``g``, its bounds read as ``g.const`` gives them, the node's
+    inputs read once (the front ends ask this of every per-step Slice of a trace, most of them more than once:
+    torch's ``nn.LSTM`` called per step, 16,669 Slices asked 49,992 times)."""
     ins = node.input[:]
-    kept = memo.get(id(node))
-    if kept is not None and kept[0] is node and kept[1] == ins:
-        return kept[2]
-    args = slice_args(node, g.model.opset, const_reader(g, node))
-    memo[id(node)] = (node, ins, args)
-    return args
+    const = g.const
+    return slice_args(node, g.model.opset, lambda i: const(ins[i]), ins)
 
 
 def clip_bounds(node: NodeProto, opset: int, value: Value) -> tuple:

@@ -29,17 +29,6 @@ def _model(nodes, inputs, outputs, opset: int = 17) -> onnx.ModelProto:
     return m
 
 
-def _slices(steps: int) -> onnx.ModelProto:
-    """x[t:t+1] for each t, each bound a Constant of its own (a trace's form), concatenated back."""
-    nodes = [_const("ax", [0])]
-    for t in range(steps):
-        nodes += [_const(f"s{t}", [t]), _const(f"e{t}", [t + 1]),
-                  helper.make_node("Slice", ["x", f"s{t}", f"e{t}", "ax"], [f"x{t}"])]
-    nodes.append(helper.make_node("Concat", [f"x{t}" for t in range(steps)], ["y"], axis=0))
-    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [steps, 2])],
-                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [steps, 2])])
-
-
 def test_a_slices_bounds_read_from_its_inputs_once_are_those_slice_args_reads():
     """op_args.slice_args_of reads the node's inputs once; what it gives is what slice_args gives, defaults
     (axes and steps left out, or given as empty names) included, and it follows a rewired bound."""

@@ -196,9 +196,13 @@ class Model:
 
     def declared_type(self, name: str) -> tuple[int, list | None] | None:
         """What the file or an edit declares about ``name`` (no inference)."""
+        return self._declared_types().get(name)
+
+    def _declared_types(self) -> dict[str, tuple[int, list | None]]:
+        """What the file declares, read the first time it is asked, and what edits declared since."""
         if self._declared is None:
             self._declared = declared_types(self.proto, self.graph)
-        return self._declared.get(name)
+        return self._declared
 
     def elem_type(self, name: str) -> int | None:
         """``name``'s element type. In a model too big to infer whole, what the file or an edit declares, or
@@ -235,10 +239,9 @@ class Model:
 
     def declare(self, name: str, t) -> None:
         """Record the type (elem_type, dims) of a tensor an edit created, unless one is known."""
-        if self._declared is None:
-            self._declared = declared_types(self.proto, self.graph)
-        if t is not None and self._declared.get(name) is None:
-            self._declared[name] = t
+        declared = self._declared_types()
+        if t is not None and declared.get(name) is None:
+            declared[name] = t
             self.declared_by_edits.add(name)
 
 

@@ -26,7 +26,12 @@ _REDUCE_AXES_INPUT_SINCE = 18  # every other Reduce*
 
 def given(node: NodeProto, i: int) -> bool:
     """Whether the node gives input ``i`` (optional inputs are left out or named "")."""
-    return len(node.input) > i and bool(node.input[i])
+    return given_in(node.input, i)
+
+
+def given_in(ins, i: int) -> bool:
+    """:func:`given` over a node's inputs already read."""
+    return len(ins) > i and bool(ins[i])
 
 
 def ints(v) -> list[int] | None:
@@ -80,12 +85,12 @@ def slice_args(node: NodeProto, opset: int, value: Value, ins: list[str] | None 
     ins = node.input[:] if ins is None else ins
 
     def read(i: int) -> list[int] | None:
-        return ints(value(i)) if len(ins) > i and ins[i] else None
+        return ints(value(i)) if given_in(ins, i) else None
 
     starts, ends = read(1), read(2)
     default_axes = list(range(len(starts))) if starts is not None else None
-    axes_ = read(3) if len(ins) > 3 and ins[3] else default_axes
-    steps = read(4) if len(ins) > 4 and ins[4] else ([1] * len(starts) if starts is not None else None)
+    axes_ = read(3) if given_in(ins, 3) else default_axes
+    steps = read(4) if given_in(ins, 4) else ([1] * len(starts) if starts is not None else None)
     return starts, ends, axes_, steps
 
 

@@ -6,6 +6,7 @@ import re
 from typing import Iterable, Iterator
 
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
+from onnx import defs as onnx_defs
 
 
 def attr(node: NodeProto, name: str, default=None):
@@ -55,10 +56,11 @@ def _graph_tensors(g: GraphProto) -> Iterator[TensorProto]:
 
 def _node_tensors(nodes: Iterable[NodeProto], initializers: bool = True) -> Iterator[TensorProto]:
     for n in nodes:
-        attributes = n.attribute
-        if not attributes:  # (most nodes: one test, not a loop over an empty field; half the walk of 100,000)
+        # (only a node that may hold a tensor is asked for its attributes: most nodes have none, and the first
+        # read of an empty field leaves a map on the node's object for as long as it lives, see node_field)
+        if n.op_type not in TENSOR_ATTRIBUTE_OPS and n.domain in ONNX_DOMAINS:
             continue
-        for a in attributes:
+        for a in n.attribute:
             if a.type == AttributeProto.TENSOR:
                 yield a.t
             elif a.type == AttributeProto.TENSORS:
@@ -88,6 +90,11 @@ def dim_role(name) -> str | None:
 
 # -- subgraphs (Loop, Scan, If bodies, and graph attributes of other domains' nodes) --------------------
 CONTROL_FLOW = frozenset({"Loop", "Scan", "If", "SequenceMap"})
+ONNX_DOMAINS = ("", "ai.onnx")
+# The ops of ONNX's own domain with an attribute that holds a tensor or a graph, in any opset (tests/
+# test_protos.py pins the set to onnx's schemas). A node of another op of that domain holding one is invalid:
+# onnx's checker and onnxruntime refuse an attribute the op's schema does not have.
+TENSOR_ATTRIBUTE_OPS = frozenset({"Constant", "ConstantOfShape"}) | CONTROL_FLOW
 
 _NODE_FIELDS = NodeProto.DESCRIPTOR.fields_by_name
 
@@ -104,6 +111,29 @@ def node_field(node: NodeProto, name: str):
         if field is want:
             return value
     return ()
+
+
+_TAKES_ATTRIBUTES: dict[tuple[str, int | None], bool] = {}
+
+
+def takes_attributes(op_type: str, domain: str, opsets: dict[str, int]) -> bool:
+    """Whether the schema of ``op_type`` at the model's ``opsets`` (domain -> version) has any attribute; True
+    for an op onnx has no schema of. A node of an op without attributes holds none, or the model is invalid
+    (onnx's checker and onnxruntime refuse an attribute the schema lacks), so its attribute field need not
+    be read (see node_field for why not reading it matters)."""
+    if domain not in ONNX_DOMAINS or op_type in TENSOR_ATTRIBUTE_OPS:
+        return True
+    key = (op_type, opsets.get(""))
+    known = _TAKES_ATTRIBUTES.get(key)
+    if known is None:
+        version = key[1]
+        try:  # (no opset, or newer than onnx knows, whose op may have gained one: read as it is)
+            known = version is None or version > onnx_defs.onnx_opset_version() or \
+                bool(onnx_defs.get_schema(op_type, version, "").attributes)
+        except Exception:  # (an op onnx has no schema of at that opset)
+            known = True
+        _TAKES_ATTRIBUTES[key] = known
+    return known
 
 
 def has_subgraph(node: NodeProto) -> bool:

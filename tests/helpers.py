@@ -168,3 +168,16 @@ def skewed_sessions(monkeypatch, module, skew, skewed_output) -> list:
 
     monkeypatch.setattr(module, "open_session", skewed)
     return opened
+
+
+class AttributeReads:
+    """A node that records the reads of its attribute field (upb gives a node's object a map of stand-ins at
+    the first read of an empty repeated field, held as long as the object lives: see rnnfuse.protos.node_field)."""
+
+    def __init__(self, node, reads: list):
+        self._node, self._reads = node, reads
+
+    def __getattr__(self, name):
+        if name == "attribute":
+            self._reads.append(self._node.op_type)
+        return getattr(self._node, name)

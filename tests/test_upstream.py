@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import rnnfuse
-from helpers import op_counts, session
+from helpers import AttributeReads, op_counts, session
 from rnnfuse import check_session, rewrite, upstream
 from rnnfuse.graph import Model
 
@@ -218,6 +218,23 @@ def test_digests_tell_computations_apart():
     assert digest(out="renamed") == base
     assert len({base, digest(op="Sigmoid"), digest(src="x2"), digest(w=2.0), digest("LeakyRelu", alpha=0.1),
                 digest("LeakyRelu", alpha=0.2)}) == 6
+
+
+def test_digests_read_the_attributes_of_ops_that_take_some_only():
+    """At opset 17 Add, Mul and MatMul take no attribute: their field is not read. Gather's axis is, and
+    still tells two Gathers apart."""
+    def digests(axis):
+        nodes = [helper.make_node("Mul", ["x", "w"], ["t"]), helper.make_node("MatMul", ["t", "t"], ["u"]),
+                 helper.make_node("Add", ["u", "x"], ["v"]), helper.make_node("Gather", ["v", "i"], ["y"], axis=axis)]
+        g = _graph(nodes, ["x"], ["y"], [numpy_helper.from_array(np.ones(4, np.float32), "w"),
+                                         numpy_helper.from_array(np.zeros(1, np.int64), "i")])
+        read: list = []
+        cone = [AttributeReads(n, read) for n in g.nodes]
+        return upstream._digests(g, cone, set(), reads=lambda n: list(n.input))[0]["y"], read
+
+    (d0, read), (d1, _) = digests(0), digests(1)
+    assert read == ["Gather"]
+    assert d0 != d1
 
 
 def test_what_onnxruntime_cannot_run_is_judged_as_with_the_whole_check_model(monkeypatch):

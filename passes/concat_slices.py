@@ -77,15 +77,10 @@ def _moved_axis(g: Graph, layout: NodeProto, axis: int, rank: int) -> tuple[int,
     axes = op_args.axes(layout, g.model.opset, op_args.const_reader(g, layout))
     if axes is None:
         return None
-    if layout.op_type == "Squeeze":
-        axes = [a % rank for a in axes]
-        return None if axis in axes else (axis - sum(1 for a in axes if a < axis), rank - len(axes))
-    out_rank = rank + len(axes)  # (Unsqueeze: its axes are the output's)
-    added = sorted(a % out_rank for a in axes)
-    for a in added:  # (the input's axes fill the output's other places, in order)
-        if a <= axis:
-            axis += 1
-    return axis, out_rank
+    # (the input's axis each of the output's axes is, None for one an Unsqueeze adds)
+    out = op_args.squeezed(list(range(rank)), axes) if layout.op_type == "Squeeze" else \
+        op_args.unsqueezed(list(range(rank)), axes, fill=None)
+    return None if out is None or axis not in out else (out.index(axis), len(out))
 
 
 def _merged(g: Graph, cat: NodeProto, bounds: dict) -> tuple | None:

@@ -132,13 +132,12 @@ def _viewed(g: Graph, v: NodeProto, dims: list, hidden: int) -> list | None:
         axes = op_args.axes(v, g.model.opset, const)
         if axes is None:
             return None  # (a Squeeze of every unit axis: the batch too, where it is 1)
-        if op == "Squeeze":
-            gone = {a % rank for a in axes} if all(-rank <= a < rank for a in axes) else set()
-            return [d for k, d in enumerate(dims) if k not in gone] if gone and all(dims[k] == 1 for k in gone) else None
-        out_rank = rank + len(axes)
-        added = {a % out_rank for a in axes}
-        rest = iter(dims)
-        return [1 if k in added else next(rest) for k in range(out_rank)] if len(added) == len(axes) else None
+        if op == "Unsqueeze":
+            return op_args.unsqueezed(dims, axes)
+        kept = op_args.squeezed(list(range(rank)), axes)  # (the axes it keeps: those it drops must be units)
+        if not axes or kept is None or any(dims[k] != 1 for k in range(rank) if k not in kept):
+            return None
+        return [dims[k] for k in kept]
     shape = const(1)  # (Reshape: to a constant shape whose entries other than 1 are the batch, then H)
     if shape is None or (attr(v, "allowzero", 0) and 0 in np.asarray(shape)):  # (a 0 that is no copy: empty)
         return None

@@ -252,12 +252,13 @@ def extent_key(g: Graph, name: str, axis: int, depth: int = 0):
     if op == "Unsqueeze":
         axes = op_args.axes(p, g.model.opset, op_args.const_reader(g, p))
         rank = g.model.rank(name)
-        if axes is None or rank is None:
+        if axes is None or rank is None or not -rank <= axis < rank:
             return None
-        axes = sorted(a + rank if a < 0 else a for a in axes)
-        if axis in axes:
-            return ("const", 1)
-        return extent_key(g, p.input[0], axis - sum(a < axis for a in axes), depth + 1)
+        axis %= rank
+        source = op_args.unsqueezed(list(range(rank - len(axes))), axes, fill=None)  # (each axis' input axis)
+        if source is None:
+            return None
+        return ("const", 1) if source[axis] is None else extent_key(g, p.input[0], source[axis], depth + 1)
     if op == "Range":
         start, delta = g.const(p.input[0]), g.const(p.input[2])
         if axis == 0 and start is not None and delta is not None and int(start) == 0 and int(delta) == 1:

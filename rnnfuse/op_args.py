@@ -51,6 +51,28 @@ def axes(node: NodeProto, opset: int, value: Value) -> list[int] | None:
     return _input_ints(node, 1, value)
 
 
+def squeezed(dims: list, axes: list[int]) -> list | None:
+    """``dims`` (one entry an axis of a tensor: its extent, its role, its number) without the ``axes`` a
+    Squeeze names (negative ones count from the end); None when one is out of range or named twice."""
+    rank = len(dims)
+    gone = {a % rank for a in axes if -rank <= a < rank}
+    if len(gone) != len(axes):
+        return None
+    return [d for k, d in enumerate(dims) if k not in gone]
+
+
+def unsqueezed(dims: list, axes: list[int], fill=1) -> list | None:
+    """``dims`` with ``fill`` at the ``axes`` an Unsqueeze adds (the output's: negative ones count from its
+    end), the input's entries filling the other places in order; None when one is out of range or named
+    twice."""
+    rank = len(dims) + len(axes)
+    added = {a % rank for a in axes if -rank <= a < rank}
+    if len(added) != len(axes):
+        return None
+    rest = iter(dims)
+    return [fill if k in added else next(rest) for k in range(rank)]
+
+
 def split_sizes(node: NodeProto, opset: int, value: Value) -> list[int] | None:
     """A Split's part sizes; None for equal parts (none given) or sizes that are not known."""
     if opset < 13:

@@ -215,15 +215,9 @@ def _unit_axes(g: Graph, p, first):
     axes = op_args.axes(p, g.model.opset, lambda i: literal_value(g, p.input[i]))
     if first is None or axes is None:
         return None
-    if p.op_type == "Squeeze":
-        gone = {a % len(first) for a in axes} if first else set()
-        return tuple(d for k, d in enumerate(first) if k not in gone)
-    rank = len(first) + len(axes)
-    added = {a % rank for a in axes}
-    if len(added) != len(axes):
-        return None  # (an axis named twice: an invalid model, left to the runtime to say)
-    rest = iter(first)
-    return tuple(1 if k in added else next(rest) for k in range(rank))
+    # (an axis out of range or named twice: an invalid model, left to the runtime to say)
+    out = op_args.squeezed(list(first), axes) if p.op_type == "Squeeze" else op_args.unsqueezed(list(first), axes)
+    return None if out is None else tuple(out)
 
 
 def _sliced(g: Graph, p, first):

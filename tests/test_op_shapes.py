@@ -190,3 +190,17 @@ def test_rank_of_reads_the_ops_where_inference_gives_no_rank():
     assert all(g.model.rank(n) is None for n in ("u", "t", "r", "re", "a"))  # (inference says nothing here)
     assert [rank_of(g, n) for n in ("u", "t", "r", "re", "a")] == [None, 3, 3, 4, 3]
     assert rank_of(g, "x") == 2
+
+
+def test_squeezed_and_unsqueezed_dims():
+    """The axis arithmetic of Squeeze and Unsqueeze that the shape, layout and extent readers share: negative
+    axes count from the end (of the output, for Unsqueeze); an axis out of range or named twice is None."""
+    from rnnfuse.op_args import squeezed, unsqueezed
+
+    assert squeezed(["t", 1, "b", 1], [1, -1]) == ["t", "b"]
+    assert squeezed(list(range(3)), [0]) == [1, 2]
+    assert squeezed([1, 2], [2]) is None and squeezed([1, 1], [0, -2]) is None
+    assert unsqueezed(["b", "h"], [0]) == [1, "b", "h"]
+    assert unsqueezed(["b", "h"], [-1, 1]) == ["b", 1, "h", 1]
+    assert unsqueezed(list(range(2)), [0, 2], fill=None) == [None, 0, None, 1]
+    assert unsqueezed(["b"], [2]) is None and unsqueezed(["b"], [0, -3]) is None

@@ -29,36 +29,44 @@ def attr(node: NodeProto, name: str, default=None):
 def all_tensors(model: ModelProto) -> Iterator[TensorProto]:
     """Every tensor a model holds: initializers and tensor attributes (Constant values), in the main graph,
     every subgraph and every local function."""
-    yield from _graph_tensors(model.graph)
+    opset = _onnx_opset(model)
+    yield from _graph_tensors(model.graph, opset)
     for f in model.functions:
-        yield from _node_tensors(f.node)
+        yield from _node_tensors(f.node, opset)
 
 
 def attribute_tensors(model: ModelProto) -> Iterator[TensorProto]:
     """The tensors nodes hold as attributes (Constant values, ConstantOfShape fills), in the main graph, every
     subgraph and every local function; no initializer."""
-    yield from _node_tensors(model.graph.node, initializers=False)
+    opset = _onnx_opset(model)
+    yield from _node_tensors(model.graph.node, opset, initializers=False)
     for f in model.functions:
-        yield from _node_tensors(f.node, initializers=False)
+        yield from _node_tensors(f.node, opset, initializers=False)
 
 
 def tensors_beyond_initializers(model: ModelProto) -> Iterator[TensorProto]:
     """Every tensor of :func:`all_tensors` but the main graph's initializers."""
-    yield from _node_tensors(model.graph.node)
+    opset = _onnx_opset(model)
+    yield from _node_tensors(model.graph.node, opset)
     for f in model.functions:
-        yield from _node_tensors(f.node)
+        yield from _node_tensors(f.node, opset)
 
 
-def _graph_tensors(g: GraphProto) -> Iterator[TensorProto]:
+def _onnx_opset(model: ModelProto) -> int | None:
+    """The version of ONNX's own domain the model imports (None: none)."""
+    return next((imp.version for imp in model.opset_import if imp.domain in ONNX_DOMAINS), None)
+
+
+def _graph_tensors(g: GraphProto, opset: int | None) -> Iterator[TensorProto]:
     yield from g.initializer
-    yield from _node_tensors(g.node)
+    yield from _node_tensors(g.node, opset)
 
 
-def _node_tensors(nodes: Iterable[NodeProto], initializers: bool = True) -> Iterator[TensorProto]:
+def _node_tensors(nodes: Iterable[NodeProto], opset: int | None, initializers: bool = True) -> Iterator[TensorProto]:
     for n in nodes:
         # (only a node that may hold a tensor is asked for its attributes: most nodes have none, and the first
         # read of an empty field leaves a map on the node's object for as long as it lives, see node_field)
-        if n.op_type not in TENSOR_ATTRIBUTE_OPS and n.domain in ONNX_DOMAINS:
+        if n.domain in ONNX_DOMAINS and not may_hold_tensors(n.op_type, opset):
             continue
         for a in n.attribute:
             if a.type == AttributeProto.TENSOR:
@@ -69,7 +77,7 @@ def _node_tensors(nodes: Iterable[NodeProto], initializers: bool = True) -> Iter
                 for sg in ([a.g] if a.type == AttributeProto.GRAPH else a.graphs):
                     if initializers:
                         yield from sg.initializer
-                    yield from _node_tensors(sg.node, initializers)
+                    yield from _node_tensors(sg.node, opset, initializers)
 
 
 # what a symbolic dimension's name says it is (exporters name them "batch", "seq_len", "T", "N", ...)
@@ -91,10 +99,6 @@ def dim_role(name) -> str | None:
 # -- subgraphs (Loop, Scan, If bodies, and graph attributes of other domains' nodes) --------------------
 CONTROL_FLOW = frozenset({"Loop", "Scan", "If", "SequenceMap"})
 ONNX_DOMAINS = ("", "ai.onnx")
-# The ops of ONNX's own domain with an attribute that holds a tensor or a graph, in any opset (tests/
-# test_protos.py pins the set to onnx's schemas). A node of another op of that domain holding one is invalid:
-# onnx's checker and onnxruntime refuse an attribute the op's schema does not have.
-TENSOR_ATTRIBUTE_OPS = frozenset({"Constant", "ConstantOfShape"}) | CONTROL_FLOW
 
 _NODE_FIELDS = NodeProto.DESCRIPTOR.fields_by_name
 
@@ -113,35 +117,53 @@ def node_field(node: NodeProto, name: str):
     return ()
 
 
-_TAKES_ATTRIBUTES: dict[tuple[str, int | None], bool] = {}
+# What a node of ONNX's domain may hold, by op type and opset, from onnx's schemas: a node whose op's schema has
+# no such attribute holds none, or the model is invalid (onnx's checker and onnxruntime refuse an attribute
+# the schema does not have), so its attribute field need not be read (see node_field for why that matters).
+# An op onnx has no schema of at that opset (a model-local function called in ONNX's domain, a newer opset's
+# op) is read as it is.
+_HOLDING = frozenset({AttributeProto.TENSOR, AttributeProto.TENSORS, AttributeProto.SPARSE_TENSOR,
+                      AttributeProto.SPARSE_TENSORS, AttributeProto.GRAPH, AttributeProto.GRAPHS})
+_SCHEMA_ATTRIBUTES: dict[tuple[str, int | None], tuple[bool, bool] | None] = {}
+
+
+def _schema_attributes(op_type: str, opset: int | None) -> tuple[bool, bool] | None:
+    """(whether the op's schema at ``opset`` has any attribute, whether one holds a tensor or a graph); None
+    when onnx has no schema of it there."""
+    key = (op_type, opset)
+    if key not in _SCHEMA_ATTRIBUTES:
+        found = None
+        if opset is not None and opset <= onnx_defs.onnx_opset_version():
+            try:
+                kinds = {a.type for a in onnx_defs.get_schema(op_type, opset, "").attributes.values()}
+                found = (bool(kinds), bool(kinds & _HOLDING))
+            except Exception:  # (no schema of that op at that opset)
+                pass
+        _SCHEMA_ATTRIBUTES[key] = found
+    return _SCHEMA_ATTRIBUTES[key]
+
+
+def may_hold_tensors(op_type: str, opset: int | None) -> bool:
+    """Whether a node of ONNX's domain may hold a tensor or a graph in its attributes at ``opset``."""
+    known = _schema_attributes(op_type, opset)
+    return known is None or known[1]
 
 
 def takes_attributes(op_type: str, domain: str, opsets: dict[str, int]) -> bool:
-    """Whether the schema of ``op_type`` at the model's ``opsets`` (domain -> version) has any attribute; True
-    for an op onnx has no schema of. A node of an op without attributes holds none, or the model is invalid
-    (onnx's checker and onnxruntime refuse an attribute the schema lacks), so its attribute field need not
-    be read (see node_field for why not reading it matters)."""
-    if domain not in ONNX_DOMAINS or op_type in TENSOR_ATTRIBUTE_OPS:
+    """Whether a node may have attributes: any of another domain, one of ONNX's whose op's schema at the
+    model's ``opsets`` (domain -> version) has some."""
+    if domain not in ONNX_DOMAINS:
         return True
-    key = (op_type, opsets.get(""))
-    known = _TAKES_ATTRIBUTES.get(key)
-    if known is None:
-        version = key[1]
-        try:  # (no opset, or newer than onnx knows, whose op may have gained one: read as it is)
-            known = version is None or version > onnx_defs.onnx_opset_version() or \
-                bool(onnx_defs.get_schema(op_type, version, "").attributes)
-        except Exception:  # (an op onnx has no schema of at that opset)
-            known = True
-        _TAKES_ATTRIBUTES[key] = known
-    return known
+    known = _schema_attributes(op_type, opsets.get(""))
+    return known is None or known[0]
 
 
 def has_subgraph(node: NodeProto) -> bool:
-    return node.op_type in CONTROL_FLOW or (node.domain not in ("", "ai.onnx") and any(True for _ in subgraphs(node)))
+    return node.op_type in CONTROL_FLOW or (node.domain not in ONNX_DOMAINS and any(True for _ in subgraphs(node)))
 
 
 def subgraphs(node: NodeProto) -> Iterator[GraphProto]:
-    if node.domain in ("", "ai.onnx") and node.op_type not in CONTROL_FLOW:
+    if node.domain in ONNX_DOMAINS and node.op_type not in CONTROL_FLOW:
         return
     for a in node.attribute:
         if a.type == AttributeProto.GRAPH:

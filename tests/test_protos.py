@@ -11,18 +11,30 @@ import numpy as np
 from onnx import AttributeProto, TensorProto, defs, helper, numpy_helper
 
 from helpers import AttributeReads
-from rnnfuse.protos import TENSOR_ATTRIBUTE_OPS, all_tensors, data_bytes, takes_attributes
+from rnnfuse.protos import all_tensors, data_bytes, may_hold_tensors, takes_attributes
 
 _HOLDING = {AttributeProto.TENSOR, AttributeProto.TENSORS, AttributeProto.SPARSE_TENSOR,
             AttributeProto.SPARSE_TENSORS, AttributeProto.GRAPH, AttributeProto.GRAPHS}
 
 
-def test_the_tensor_attribute_ops_are_those_of_onnx_schemas():
-    """Every op of ONNX's domain with a tensor or graph attribute in some opset, and no other: a release of
-    onnx that gives another op one fails this test (its tensors would go unseen)."""
-    schemas = defs.get_all_schemas_with_history()
-    holding = {s.name for s in schemas if s.domain == "" and any(a.type in _HOLDING for a in s.attributes.values())}
-    assert holding == set(TENSOR_ATTRIBUTE_OPS)
+def test_what_a_node_may_hold_is_read_off_onnx_schemas():
+    """For every op of ONNX's domain at every opset it has a schema for: a tensor or graph attribute may be
+    held exactly where the schema has one, attributes taken exactly where it has any (whatever onnx release
+    is installed: the answers come from its schemas)."""
+    latest: dict[str, list] = {}
+    for schema in defs.get_all_schemas_with_history():
+        if schema.domain == "":
+            latest.setdefault(schema.name, []).append(schema)
+    checked = 0
+    for name, versions in latest.items():
+        for schema in versions:
+            kinds = {a.type for a in schema.attributes.values()}
+            opset = schema.since_version
+            assert may_hold_tensors(name, opset) == bool(kinds & _HOLDING), (name, opset)
+            assert takes_attributes(name, "", {"": opset}) == bool(kinds), (name, opset)
+            checked += 1
+    assert checked > 300
+    assert may_hold_tensors("Constant", 17) and may_hold_tensors("Loop", 17) and not may_hold_tensors("Add", 17)
 
 
 def test_takes_attributes_follows_the_schema_of_the_models_opset():
@@ -32,8 +44,9 @@ def test_takes_attributes_follows_the_schema_of_the_models_opset():
     assert takes_attributes("Gather", "ai.onnx", {"": 17})
     # what onnx does not know is read as it is: another domain, an unknown op, an opset newer than onnx's
     assert takes_attributes("Add", "com.example", {"": 17, "com.example": 1})
-    assert takes_attributes("NoSuchOp", "", {"": 17})
+    assert takes_attributes("NoSuchOp", "", {"": 17}) and may_hold_tensors("NoSuchOp", 17)
     assert takes_attributes("Add", "", {"": defs.onnx_opset_version() + 1})
+    assert may_hold_tensors("Add", defs.onnx_opset_version() + 1) and may_hold_tensors("Add", None)
     assert takes_attributes("Add", "", {})
 
 
@@ -67,6 +80,7 @@ def test_all_tensors_reads_the_attributes_of_nodes_that_may_hold_tensors_only():
     assert data_bytes(m) == 4 * (2 + 5 + 3 + 7 + 11 + 1)
     read: list = []
     proxy = SimpleNamespace(graph=SimpleNamespace(node=[AttributeReads(n, read) for n in m.graph.node],
-                                                  initializer=m.graph.initializer), functions=[])
+                                                  initializer=m.graph.initializer), functions=[],
+                            opset_import=m.opset_import)
     assert sorted(t.name for t in all_tensors(proxy)) == ["av", "bw", "kv", "tv", "wi", "zv"]
     assert read == ["Constant", "ConstantOfShape", "Loop", "Custom"]

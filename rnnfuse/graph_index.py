@@ -97,7 +97,7 @@ class GraphIndex:
         if p is not None:
             return p
         ids, order = self._sorted_ids()
-        i = int(np.searchsorted(ids, k))
+        i = int(ids.searchsorted(k))  # (the method: the module function wraps it, 1.7 against 0.7 µs)
         return int(order[i]) * POS_TIE if i < len(ids) and int(ids[i]) == k else None
 
     def place(self, node: NodeProto, key: int) -> None:  # (an added node's sort key)

@@ -135,17 +135,18 @@ def _unit_axis_source(g: Graph, n: NodeProto, axis: int) -> int | None:
     axes = op_args.axes(n, g.model.opset, op_args.const_reader(g, n))
     if not axes:
         return None
+    squeeze = n.op_type == "Squeeze"
     if any(a < 0 for a in axes):  # (a rank is asked only for negative axes: it may cost an inference)
-        rank = g.model.rank(n.input[0] if n.op_type == "Squeeze" else n.output[0])
+        rank = g.model.rank(n.input[0] if squeeze else n.output[0])
         if rank is None:
             return None
-        axes = [a % rank for a in axes]
-    if n.op_type == "Squeeze":
-        for a in sorted(axes):  # (the input's other axes fill the output's places, in order)
-            if a <= axis:
-                axis += 1
-        return axis
-    return None if axis in axes else axis - sum(1 for a in set(axes) if a < axis)
+    else:  # (any rank holding the axes and ``axis`` maps it alike: the axes after it do not move it)
+        rank = max(*axes, axis) + 1 + len(axes)
+    if squeeze:
+        kept = op_args.squeezed(list(range(rank)), axes)  # (the input axis at each output place)
+        return kept[axis] if kept is not None and axis < len(kept) else None
+    source = op_args.unsqueezed(list(range(rank - len(axes))), axes, fill=None)
+    return source[axis] if source is not None and axis < len(source) else None
 
 
 def dim_key(g: Graph, name: str, depth: int = 0):

@@ -22,7 +22,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from .errors import InputError, OutputError
-from .protos import data_bytes, external_length, tensor_nbytes
+from .protos import data_bytes, default_opset, external_length, tensor_nbytes
 
 MIN_OPSET = 7  # the native recurrent ops' semantics rnnfuse emits exist since opset 7
 PROTO_LIMIT = 2**31 - 1
@@ -255,14 +255,6 @@ def unsupported_reason(model: onnx.ModelProto) -> str | None:
     if opset > _max_opset():
         return f"it uses opset {opset}, newer than the installed onnx supports ({_max_opset()})"
     return None
-
-
-def default_opset(model: onnx.ModelProto) -> int | None:
-    """The default-domain opset a model imports (IR < 3 models imported opset 1 implicitly)."""
-    for imp in model.opset_import:
-        if imp.domain in ("", "ai.onnx"):
-            return imp.version
-    return 1 if model.ir_version < 3 else None
 
 
 def _short(e: Exception) -> str:

@@ -29,7 +29,7 @@ def attr(node: NodeProto, name: str, default=None):
 def all_tensors(model: ModelProto) -> Iterator[TensorProto]:
     """Every tensor a model holds: initializers and tensor attributes (Constant values), in the main graph,
     every subgraph and every local function."""
-    opset = _onnx_opset(model)
+    opset = default_opset(model)
     yield from _graph_tensors(model.graph, opset)
     for f in model.functions:
         yield from _node_tensors(f.node, opset)
@@ -38,7 +38,7 @@ def all_tensors(model: ModelProto) -> Iterator[TensorProto]:
 def attribute_tensors(model: ModelProto) -> Iterator[TensorProto]:
     """The tensors nodes hold as attributes (Constant values, ConstantOfShape fills), in the main graph, every
     subgraph and every local function; no initializer."""
-    opset = _onnx_opset(model)
+    opset = default_opset(model)
     yield from _node_tensors(model.graph.node, opset, initializers=False)
     for f in model.functions:
         yield from _node_tensors(f.node, opset, initializers=False)
@@ -46,15 +46,18 @@ def attribute_tensors(model: ModelProto) -> Iterator[TensorProto]:
 
 def tensors_beyond_initializers(model: ModelProto) -> Iterator[TensorProto]:
     """Every tensor of :func:`all_tensors` but the main graph's initializers."""
-    opset = _onnx_opset(model)
+    opset = default_opset(model)
     yield from _node_tensors(model.graph.node, opset)
     for f in model.functions:
         yield from _node_tensors(f.node, opset)
 
 
-def _onnx_opset(model: ModelProto) -> int | None:
-    """The version of ONNX's own domain the model imports (None: none)."""
-    return next((imp.version for imp in model.opset_import if imp.domain in ONNX_DOMAINS), None)
+def default_opset(model: ModelProto) -> int | None:
+    """The default-domain opset a model imports (IR < 3 models imported opset 1 implicitly)."""
+    for imp in model.opset_import:
+        if imp.domain in ONNX_DOMAINS:
+            return imp.version
+    return 1 if model.ir_version < 3 else None
 
 
 def _graph_tensors(g: GraphProto, opset: int | None) -> Iterator[TensorProto]:
@@ -149,12 +152,12 @@ def may_hold_tensors(op_type: str, opset: int | None) -> bool:
     return known is None or known[1]
 
 
-def takes_attributes(op_type: str, domain: str, opsets: dict[str, int]) -> bool:
-    """Whether a node may have attributes: any of another domain, one of ONNX's whose op's schema at the
-    model's ``opsets`` (domain -> version) has some."""
+def takes_attributes(op_type: str, domain: str, opset: int | None) -> bool:
+    """Whether a node may have attributes: any of another domain, one of ONNX's whose op's schema at
+    ``opset`` (the model's, of ONNX's domain) has some."""
     if domain not in ONNX_DOMAINS:
         return True
-    known = _schema_attributes(op_type, opsets.get(""))
+    known = _schema_attributes(op_type, opset)
     return known is None or known[0]
 
 

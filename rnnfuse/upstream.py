@@ -223,14 +223,14 @@ def _digests(g: Graph, cone: list[NodeProto], masks: set[str], known: dict[str, 
         return d
 
     reads = reads or g.reads
-    opsets = g.model.opsets
+    opset = g.model.opset
     for n in cone:
         read = reads(n)  # (the prefix's input count marks where the captured values begin)
         domain, op = n.domain, n.op_type
         # (the attributes of an op that takes none are not read: a 100,000-node prologue of Adds and Muls left a
         # map on each node's object at the first read of its empty field, 36 MB, see protos.node_field)
         attrs = b"".join(a.SerializeToString() for a in n.attribute) \
-            if takes_attributes(op, domain, opsets) else b""
+            if takes_attributes(op, domain, opset) else b""
         parts = [f"{domain}\0{op}\0{len(n.input)}\0{len(attrs)}\0".encode(), attrs]
         for i in read:
             parts.append((out.get(i) or leaf(i)) if i else _NO_INPUT)

@@ -42,13 +42,15 @@ def onnxruntime_error(proto: onnx.ModelProto | bytes | str) -> str | None:
     None when it loads."""
     import onnxruntime as ort
 
+    from .check_session import without_prepacking
+
     so = ort.SessionOptions()
     so.log_severity_level = 4
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if isinstance(proto, str):  # (a weightless copy: pre-packing would only copy its zeros)
-        so.add_session_config_entry("session.disable_prepacking", "1")
+        without_prepacking(so)
     try:
         data = proto if isinstance(proto, (bytes, str)) else proto.SerializeToString()
         ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])

@@ -123,6 +123,36 @@ def test_guard_checks_a_weight_heavy_model_without_its_weights(monkeypatch):
     assert reason is not None and "Wt_missing" in reason, reason
 
 
+def test_sessions_without_prepacking_plan_no_memory_pattern(monkeypatch):
+    """Every session rnnfuse opens with pre-packing off (the guard's weightless copy, the file route of a check)
+    has the memory pattern off too: onnxruntime then lays initializers out by the pattern's planner, whose
+    cost grows with the square of the initializers (a 50k-node model with 25k weights took 20 s to load)."""
+    import onnxruntime as ort
+
+    opened = []
+    real = ort.InferenceSession
+
+    def recording(model, so=None, *a, **k):
+        try:
+            prepacking_off = so.get_session_config_entry("session.disable_prepacking") == "1"
+        except Exception:  # (onnxruntime raises for an entry never set)
+            prepacking_off = False
+        opened.append((prepacking_off, so.enable_mem_pattern))
+        return real(model, so, *a, **k)
+
+    monkeypatch.setattr(ort, "InferenceSession", recording)
+    monkeypatch.setattr(check_session, "FILE_ROUTE_BYTES", 4 << 20)
+    model = _pair_model(1024, 0.0)
+    assert check_session.weight_heavy(model)
+    assert guard.harm(model, lambda: model) is None  # (the guard's whole-model load: a copy without weights)
+    m = Model(model)
+    res = validate(m.graph, [("y_old", "y_new")], {})
+    assert res.ran, res  # (a check on the file route)
+    without = [pattern for prepacking_off, pattern in opened if prepacking_off]
+    assert len(without) >= 2, opened
+    assert not any(without), opened
+
+
 def test_cell_checks_take_the_file_route(file_route, monkeypatch):
     """A chain too big for whole-model validation is checked cell by cell, through the file route."""
     from rnnfuse import rewrite

@@ -141,3 +141,39 @@ def test_dedupe_forgets_only_what_a_merge_changed(monkeypatch):
         merged += bool(kept[1])
     assert merged > 2000  # (the graphs do merge)
     assert inserts["kept"] < inserts["all"]
+
+
+def test_declared_types_of_one_type_are_held_once_and_read_only():
+    """A file declaring each value's type (torch's dynamo, jax2onnx) declares thousands of values of a few
+    types: each type is held once, its dims shared and read-only, and the answers are the file's."""
+    import copy
+
+    from rnnfuse.tensor_types import SharedDims
+
+    n = 200
+    nodes, x = [], "x"
+    for k in range(n):
+        nodes.append(helper.make_node("Add" if k % 2 else "Mul", [x, f"w{k}"], [f"v{k}"]))
+        x = f"v{k}"
+    inits = [numpy_helper.from_array(np.full(16, 0.5, np.float32), f"w{k}") for k in range(n)]
+    declared = [helper.make_tensor_value_info(f"v{k}", TensorProto.FLOAT, ["B", 16]) for k in range(n - 1)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16])],
+                          [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["B", 16])], inits, value_info=declared)
+    proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    types = declared_types(proto)
+    assert all(types[f"v{k}"] == (TensorProto.FLOAT, ["B", 16]) for k in range(n))
+    assert all(types[f"w{k}"] == (TensorProto.FLOAT, [16]) for k in range(n))
+    assert len({id(types[f"v{k}"]) for k in range(n)} | {id(types["x"])}) == 1  # (x is declared alike)
+    assert len({id(types[f"w{k}"]) for k in range(n)}) == 1
+    dims = Model(proto).known_type("v7")[1]
+    assert isinstance(dims, SharedDims)
+    for change in (lambda d: d.append(1), lambda d: d.__setitem__(0, 2), lambda d: d.insert(0, 1), lambda d: d.sort()):
+        try:
+            change(dims)
+        except TypeError:
+            continue
+        raise AssertionError("a shared declared type's dims were changed")
+    assert types["v0"] == (TensorProto.FLOAT, ["B", 16])  # (unchanged for every value of that type)
+    mine = copy.copy(dims)
+    mine.append(1)  # (a copy is the caller's own)
+    assert type(mine) is list and dims == ["B", 16] and dims[:1] == ["B"] and list(dims) + [3] == ["B", 16, 3]

@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,callhead,chunkhead,grucell,rnncell,grustack,grubi,wide,heavy,heavy_ext]
+                                 [--graphs lstmcell,declared,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,callhead,chunkhead,grucell,rnncell,grustack,grubi,annotated,wide,heavy,heavy_ext]
                                  [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
@@ -12,6 +12,8 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
   ``torch.onnx.export(dynamo=False)`` (the chain of ``chain_2000.py``): 18 nodes per step, so T = nodes / 18
   (T=6000 is 108k nodes). rnnfuse fuses it into one LSTM (validated numerically, as always). Longer chains
   are a 4-step export stretched to T steps (``stretch_chain``; the export itself takes hours there).
+* ``declared``: the same chain with every value's type declared (``value_info``), as torch's dynamo, jax2onnx
+  and models saved after onnx's shape inference write them (126,000 declarations at 108k nodes).
 * ``elementwise``: a chain of Add / Mul / Tanh / Sigmoid on a [batch, 16] tensor, each Add and Mul with a
   weight vector of its own: a big model with nothing to fuse (and nothing to merge).
 * ``wide``: the same LSTMCell loop with input and hidden size 512 (8 MB of weights) and few steps: the
@@ -47,6 +49,9 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
 * ``grucell`` / ``rnncell`` / ``grustack`` / ``grubi``: torch's trace of loops over ``nn.GRUCell`` / ``nn.RNNCell``
   on a batch-first ``x[:, t]`` (20 / 8 nodes a step), two GRUCells a step (36), a forward and a backward GRUCell
   loop concatenated (39): one GRU / RNN, two GRUs, one bidirectional GRU.
+* ``annotated``: ``head`` (the shipped Keras example and a 100,000-node head after it, ``benchmarks/graphs.py``)
+  with ~400 bytes of metadata on every node, as torch's dynamo exporter writes them: a small fusion in a big
+  model whose bytes are mostly metadata.
 * ``heavy`` / ``heavy_ext``: the LSTMCell loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all
   but 0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 
@@ -167,6 +172,37 @@ def stretch_chain(src: str, path: str, steps: int) -> int:
     return len(g.node)
 
 
+def declared_chain(path: str, nodes: int) -> int:
+    """:func:`lstmcell_chain` with every value's type declared (``value_info``), as torch's dynamo, jax2onnx or a
+    model saved after onnx's shape inference write them: 126,000 declarations at 108k nodes, five types."""
+    import onnx
+
+    count = lstmcell_chain(path, nodes)
+    onnx.save(onnx.shape_inference.infer_shapes(onnx.load(path)), path)
+    return count
+
+
+# what torch's dynamo exporter writes on every node (bytes each): ~400 bytes a node
+_DYNAMO_METADATA = (("namespace", 72), ("pkg.torch.onnx.class_hierarchy", 66), ("pkg.torch.onnx.fx_node", 113),
+                    ("pkg.torch.onnx.name_scopes", 22), ("pkg.torch.onnx.stack_trace", 155))
+
+
+def annotated_head(path: str, nodes: int) -> int:
+    """:func:`recurrence_then_head` with ~400 bytes of metadata on every node, as torch's dynamo exporter
+    writes them (its namespace, module path, FX node and stack trace): a big model with a small fusion whose
+    nodes are mostly metadata (58 MB at 100k nodes)."""
+    import onnx
+
+    count = recurrence_then_head(path, nodes)
+    m = onnx.load(path)
+    for i, n in enumerate(m.graph.node):
+        for key, size in _DYNAMO_METADATA:
+            p = n.metadata_props.add()
+            p.key, p.value = key, (f"{key}:{i}:" * (size // len(key) + 1))[:size]
+    onnx.save(m, path)
+    return count
+
+
 def wide_chain(path: str, nodes: int) -> int:
     """The LSTMCell loop with input and hidden size 512 (8 MB of weights), ``nodes // 18`` steps. (At 1024 the
     first step's Gemm of the zero state with a 4M-element weight is not folded, and the chain is declined.)"""
@@ -205,14 +241,14 @@ def model_bytes(path: str) -> int:
     return total + sum(os.path.getsize(os.path.join(os.path.dirname(path), n)) for n in names)
 
 
-GENERATORS = {"lstmcell": lstmcell_chain, "elementwise": elementwise_chain, "wide": wide_chain,
+GENERATORS = {"lstmcell": lstmcell_chain, "declared": declared_chain, "elementwise": elementwise_chain, "wide": wide_chain,
               "heavy": heavy_chain, "heavy_ext": heavy_external_chain, "steps": steps_summed,
               "masked": masked_rnn_chain, "loops": loops_in_a_row,
               "side": cells_side_by_side,
               "bidir": lambda path, nodes: two_cells_per_step(path, nodes, "bidir"),
               "stacked": lambda path, nodes: two_cells_per_step(path, nodes, "stacked"),
               "views": lambda path, nodes: export_view_chain(path, max(2, nodes // VIEW_NODES_PER_STEP)),
-              "head": recurrence_then_head, "prologue": prologue_then_recurrence,
+              "head": recurrence_then_head, "annotated": annotated_head, "prologue": prologue_then_recurrence,
               "blocks": unbind_stack_blocks, "attention": attention_blocks, "stepcalls": layer_called_per_step,
               "backreads": backward_loop_read_stacked,
               "callhead": lambda path, nodes: export_calls_with_head(path, max(2, nodes // CALL_HEAD_NODES_PER_STEP)),
@@ -427,7 +463,7 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()
     results = []
     for graph in a.graphs.split(","):
-        sizes = {"lstmcell": a.lstm_sizes, "wide": a.wide_sizes, "heavy": a.heavy_sizes,
+        sizes = {"lstmcell": a.lstm_sizes, "declared": a.lstm_sizes, "wide": a.wide_sizes, "heavy": a.heavy_sizes,
                  "heavy_ext": a.heavy_sizes}.get(graph, a.sizes)
         for size in (int(s) for s in sizes.split(",") if s):
             src = os.path.join(a.cache, f"scaling_{graph}_{size}.onnx")

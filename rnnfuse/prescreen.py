@@ -18,7 +18,7 @@ import time
 
 from .findings import Report
 from .model_io import may_name_external_data, unsupported_reason
-from .wire import WireError, outline
+from .wire import WireError, may_name_an_op, outline
 
 
 def report_if_nothing_to_fuse(path: str, needs: frozenset[str] | None) -> Report | None:
@@ -32,6 +32,8 @@ def report_if_nothing_to_fuse(path: str, needs: frozenset[str] | None) -> Report
         if not os.path.isfile(path) or os.path.getsize(path) == 0 or may_name_external_data(path):
             return None
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            if may_name_an_op(mm, needs):
+                return None  # (the full path decides, as it would after the walk found one)
             found = outline(mm, stop_at=needs)
     except (OSError, ValueError, WireError):  # (UnicodeDecodeError is a ValueError)
         return None

@@ -207,6 +207,15 @@ def outline(buf, stop_at: frozenset = frozenset()) -> Outline | None:
     return Outline(ir_version, opsets, ops)
 
 
+def may_name_an_op(buf, ops) -> bool:
+    """Whether the bytes hold a node's op-type field naming one of ``ops`` as an encoder writes it (the tag,
+    a one-byte length, the name), anywhere: a byte search, ~1 ms a MB. True may be a false alarm (the same
+    bytes inside a name or a weight); False says only that no such field is written the usual way (a
+    longer length encoding is legal): :func:`outline` alone reads every node. A model whose recurrence
+    comes after a 100,000-node prologue was walked node by node to its end to learn that it has one."""
+    return any(buf.find(bytes([_OP_TYPE_KEY, len(op)]) + op.encode()) >= 0 for op in ops if 0 < len(op.encode()) < 0x80)
+
+
 def _node(buf, start: int, end: int) -> tuple[str, str, list]:
     """A NodeProto's op type, domain and the spans of its attributes.
 

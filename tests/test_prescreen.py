@@ -85,6 +85,55 @@ def test_a_needed_op_at_any_depth_stops_the_walk(inner, custom):
     assert wire.outline(data, stop_at=frozenset({"Gemm"})) is not None  # (a near miss: no Gemm anywhere)
 
 
+def test_the_byte_search_finds_every_needed_op_written_the_usual_way():
+    # each needed op, two subgraphs deep or at the top, is found by the search alone
+    for op in sorted(NEEDS):
+        m = elementwise_model(20)
+        m.graph.node.insert(10, helper.make_node(op, ["t9"], ["extra"]))
+        assert wire.may_name_an_op(m.SerializeToString(), frozenset({op})), op
+    assert wire.may_name_an_op(nested_model("MatMul").SerializeToString(), NEEDS)
+    assert not wire.may_name_an_op(elementwise_model(200).SerializeToString(), NEEDS)
+
+
+def test_a_false_alarm_of_the_byte_search_takes_the_full_path_to_the_same_output(tmp_path, monkeypatch):
+    # a doc string holding the bytes of a Loop op-type field: the search says maybe, the full run fuses nothing
+    m = elementwise_model(30)
+    m.graph.doc_string = "\x22\x04Loop"
+    src = tmp_path / "alarm.onnx"
+    onnx.save(m, src)
+    assert wire.may_name_an_op(src.read_bytes(), NEEDS)
+    assert wire.outline(src.read_bytes(), stop_at=NEEDS) is not None  # (the walk: no Loop node)
+    code, out, d = _optimize(tmp_path, src)
+    assert code == 0 and d["passes"] and out.read_bytes() == src.read_bytes()
+
+
+def test_an_op_type_with_a_long_length_encoding_is_still_found_by_the_walk():
+    # protobuf reads a length written in two bytes (0x84 0x00) as 4: the byte search misses it, the walk does not
+    m = elementwise_model(5)
+    m.graph.node[2].op_type = "Loop"  # (not a valid Loop: only its bytes matter here)
+    data = m.SerializeToString()
+    usual = bytes([0x22, 4]) + b"Loop"
+    longer = bytes([0x22, 0x84, 0x00]) + b"Loop"
+    assert data.count(usual) == 1
+    # the node, the graph and the model grow by one byte each: rewrite their lengths by re-encoding the pieces
+    node = m.graph.node[2].SerializeToString().replace(usual, longer)
+    rest = onnx.ModelProto()
+    rest.CopyFrom(m)
+    del rest.graph.node[:]
+    nodes = [n.SerializeToString() if k != 2 else node for k, n in enumerate(m.graph.node)]
+    graph_rest = rest.graph.SerializeToString()
+    graph = b"".join(bytes([0x0A]) + _varint(len(b)) + b for b in nodes) + graph_rest
+    model_rest = rest.SerializeToString().replace(bytes([0x3A]) + _varint(len(graph_rest)) + graph_rest, b"")
+    data = model_rest + bytes([0x3A]) + _varint(len(graph)) + graph
+    assert onnx.load_from_string(data).graph.node[2].op_type == "Loop"  # (protobuf reads it)
+    assert not wire.may_name_an_op(data, NEEDS)
+    assert wire.outline(data, stop_at=NEEDS) is None
+
+
+def _varint(v: int) -> bytes:
+    return wire.varint(v)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "no-graph", "zero-ir", "garbage"])
 def test_damaged_bytes_are_not_outlined(damage):
     data = elementwise_model().SerializeToString()

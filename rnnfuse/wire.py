@@ -15,6 +15,7 @@ then fall back to protobuf's own parser or serializer, which give their usual er
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -209,11 +210,16 @@ def outline(buf, stop_at: frozenset = frozenset()) -> Outline | None:
 
 def may_name_an_op(buf, ops) -> bool:
     """Whether the bytes hold a node's op-type field naming one of ``ops`` as an encoder writes it (the tag,
-    a one-byte length, the name), anywhere: a byte search, ~1 ms a MB. True may be a false alarm (the same
-    bytes inside a name or a weight); False says only that no such field is written the usual way (a
-    longer length encoding is legal): :func:`outline` alone reads every node. A model whose recurrence
-    comes after a 100,000-node prologue was walked node by node to its end to learn that it has one."""
-    return any(buf.find(bytes([_OP_TYPE_KEY, len(op)]) + op.encode()) >= 0 for op in ops if 0 < len(op.encode()) < 0x80)
+    a one-byte length, the name), anywhere: one regular-expression scan that stops at the first (a 7 MB
+    file with none: ~6 ms). True may be a false alarm (the same bytes inside a name or a weight); False says
+    only that no such field is written the usual way (a longer length encoding is legal): :func:`outline`
+    alone reads every node. A model whose recurrence comes after a 100,000-node prologue was walked node by
+    node to its end to learn that it has one."""
+    names = sorted((op.encode() for op in ops if 0 < len(op.encode()) < 0x80), key=len, reverse=True)
+    if not names:
+        return False
+    fields = re.compile(re.escape(bytes([_OP_TYPE_KEY])) + b"(?:" + b"|".join(re.escape(bytes([len(n)]) + n) for n in names) + b")")
+    return fields.search(buf) is not None
 
 
 def _node(buf, start: int, end: int) -> tuple[str, str, list]:

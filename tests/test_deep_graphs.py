@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import builders as B
 import rnnfuse
+import rnnfuse.cone_types
 from helpers import session
 from rnnfuse.cone_types import ConeTypes
 from rnnfuse.graph import Model
@@ -204,6 +205,8 @@ def test_a_cone_bigger_than_one_inference_is_inferred_in_pieces(monkeypatch):
         return infer(self, cone)
 
     monkeypatch.setattr(ConeTypes, "_infer", counted)
+    # (inference's pieces: the elementwise rule, which types this chain of Adds without any, is off here)
+    monkeypatch.setattr(rnnfuse.cone_types, "typed_by_rule", lambda cone, *args: ({}, list(cone)))
     cones = ConeTypes(Model(_deep_constant_graph(300)))
     cones.max_cone = 100
     # a query that only filters (the default of Model.known_type) infers no more than one piece: a family

@@ -1,0 +1,182 @@
+"""The elementwise float types rnnfuse works out itself (rnnfuse.elementwise_types) are ONNX shape inference's,
+and everything else is left to inference: random elementwise graphs compared node by node with
+onnx.shape_inference, near misses declined, and a big model's cone queries giving the same answers with the
+rule as with inference alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import rnnfuse.cone_types
+import rnnfuse.model
+from rnnfuse.elementwise_types import BINARY, UNARY, typed_by_rule
+from rnnfuse.model import Model
+from rnnfuse.tensor_types import declared_types, type_of
+
+F, D, H16, I64 = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.INT64
+_NP = {F: np.float32, D: np.float64, H16: np.float16, I64: np.int64}
+
+
+def _inferred(m: onnx.ModelProto) -> dict:
+    g = onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True).graph
+    return {vi.name: type_of(vi) for vi in [*g.value_info, *g.output]}
+
+
+def _random_model(rng, elem: int, dims: list, n: int) -> onnx.ModelProto:
+    """A chain over x (type ``elem``, ``dims``) of random unary and binary ops, the second operand a constant
+    (an initializer or a Constant node) of a shape that broadcasts against x's, or an earlier value."""
+    nodes, inits, values = [], [], ["x"]
+    for k in range(n):
+        cur = values[-1]
+        if rng.random() < 0.4:
+            nodes.append(helper.make_node(str(rng.choice(sorted(UNARY))), [cur], [f"v{k}"]))
+        else:
+            op = str(rng.choice(sorted(BINARY)))
+            r = int(rng.integers(0, len(dims) + 2))  # (one more than x's rank: a leading axis broadcast in)
+            kept = dims[max(len(dims) - r, 0):]
+            shape = [2] * (r - len(kept)) + [d if isinstance(d, int) and rng.random() < 0.5 else 1 for d in kept]
+            arr = (rng.random(shape) + 0.5).astype(_NP[elem])
+            choice = rng.random()
+            if choice < 0.4:
+                other = f"c{k}"
+                inits.append(numpy_helper.from_array(arr, other))
+            elif choice < 0.7:
+                other = f"k{k}"
+                nodes.append(helper.make_node("Constant", [], [other], value=numpy_helper.from_array(arr)))
+            else:
+                other = str(rng.choice(values))
+            ins = [cur, other] if rng.random() < 0.7 else [other, cur]
+            nodes.append(helper.make_node(op, ins, [f"v{k}"]))
+        values.append(f"v{k}")
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", elem, dims)],
+                          [helper.make_tensor_value_info(values[-1], elem, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_rule_gives_what_inference_gives(seed):
+    rng = np.random.default_rng(seed)
+    elem = [F, D, H16][seed % 3]
+    dims = [["B", "T", 8], [4, "N"], [], [3, 1, 5], ["B", 1, "T", 2]][seed % 5]
+    m = _random_model(rng, elem, dims, 40)
+    declared = declared_types(m)
+    typed, rest = typed_by_rule(list(m.graph.node), declared.get)
+    inferred = _inferred(m)
+    assert typed and not rest  # (every node of such a chain is the rule's)
+    for name, t in typed.items():
+        want = inferred.get(name) or declared.get(name)  # (a Constant's type is declared)
+        assert want == t, (name, t, want)
+
+
+@pytest.mark.parametrize("case", ["two-symbols", "number-vs-symbol", "unknown-dim", "int64", "grows-rank-unknown",
+                                  "mixed-elem", "other-domain", "new-op", "unknown-rank"])
+def test_near_misses_are_left_to_inference(case):
+    x_type, c_shape, c_elem, op, domain = (F, ["B", 4]), [1, 4], F, "Add", ""
+    y_type = None
+    if case == "two-symbols":  # B against C: inference does not know they are one
+        y_type = (F, ["C", 4])
+    elif case == "number-vs-symbol":
+        y_type = (F, [3, 4])
+    elif case == "unknown-dim":  # inference names an unknown dim itself
+        x_type = (F, [None, 4])
+    elif case == "int64":  # shape arithmetic: inference propagates values too
+        x_type, c_elem = (I64, ["B", 4]), I64
+    elif case == "grows-rank-unknown":
+        c_shape = [5, 1, 1]
+        x_type = (F, ["B", None])
+    elif case == "mixed-elem":
+        c_elem = D
+    elif case == "other-domain":
+        domain = "my.ops"
+    elif case == "new-op":  # (Gelu: ONNX's since opset 20 only)
+        op = "Gelu"
+    elif case == "unknown-rank":
+        x_type = (F, None)
+    inits = [numpy_helper.from_array(np.ones(c_shape, _NP[c_elem]), "c")]
+    second = "y" if y_type is not None else "c"
+    node = helper.make_node(op, ["x", second] if op != "Gelu" else ["x"], ["out"], domain=domain)
+    ins = [helper.make_tensor_value_info("x", *x_type)]
+    if y_type is not None:
+        ins.append(helper.make_tensor_value_info("y", *y_type))
+    m = helper.make_model(helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("out", F, None)], inits))
+    declared = declared_types(m)
+    typed, rest = typed_by_rule([node], declared.get)
+    assert not typed and rest == [node]
+
+
+def test_a_node_after_one_left_to_inference_is_left_too():
+    # MatMul is inference's; the Add reading it cannot be typed before inference has run
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    b = numpy_helper.from_array(np.ones((3,), np.float32), "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Tanh", ["x"], ["t"])]
+    m = helper.make_model(helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["B", 4])],
+                                            [helper.make_tensor_value_info("a", F, None)], [w, b]))
+    typed, rest = typed_by_rule(list(m.graph.node), declared_types(m).get)
+    assert typed == {"t": (F, ["B", 4])} and [n.op_type for n in rest] == ["MatMul", "Add"]
+
+
+def _prologue_model(n: int) -> onnx.ModelProto:
+    """x * s + b repeated, then a MatMul and a Tanh: a big model's cone of rule and inference nodes."""
+    nodes, prev = [], "x"
+    for k in range(n):
+        op = ("Mul", "Add", "Sigmoid")[k % 3]
+        nodes.append(helper.make_node(op, [prev] if op == "Sigmoid" else [prev, "s" if op == "Mul" else "b"], [f"p{k}"]))
+        prev = f"p{k}"
+    nodes += [helper.make_node("MatMul", [prev, "w"], ["m"]), helper.make_node("Add", ["m", "b2"], ["a"]),
+              helper.make_node("Reshape", ["a", "shape"], ["r"]), helper.make_node("Tanh", ["r"], ["y"]),
+              # a float Constant made a shape by a Cast: were its value propagated, only inference could say so
+              helper.make_node("Constant", [], ["fshape"], value=numpy_helper.from_array(np.array([0, 0, 5], np.float32))),
+              helper.make_node("Mul", ["fshape", "s"], ["fshape2"]),
+              helper.make_node("Cast", ["fshape2"], ["ishape"], to=TensorProto.INT64),
+              helper.make_node("Reshape", ["a", "ishape"], ["r2"])]
+    inits = [numpy_helper.from_array(np.float32(2.0).reshape(()), "s"),
+             numpy_helper.from_array(np.ones((8,), np.float32), "b"),
+             numpy_helper.from_array(np.ones((8, 5), np.float32), "w"),
+             numpy_helper.from_array(np.ones((5,), np.float32), "b2"),
+             numpy_helper.from_array(np.array([0, 0, 5], np.int64), "shape")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["B", "T", 8])],
+                          [helper.make_tensor_value_info("y", F, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _named_alike(types: dict) -> dict:
+    """The types with the dims inference invented (``unk__0@cone3``: named after the inference that made
+    them, whose count differs when fewer run) renamed in order of first appearance."""
+    names: dict[str, str] = {}
+    out = {}
+    for k in sorted(types):
+        t = types[k]
+        if t is not None and t[1] is not None:
+            t = (t[0], [names.setdefault(d, f"invented{len(names)}") if isinstance(d, str) and "@cone" in d else d
+                        for d in t[1]])
+        out[k] = t
+    return out
+
+
+def test_a_big_models_cone_queries_answer_as_inference_alone_does(monkeypatch):
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)  # (a big model's view: cone inference)
+    monkeypatch.setattr(rnnfuse.cone_types, "CHEAP_INFERENCE_NODES", 100)  # (pieces of 100 nodes)
+    proto = _prologue_model(450)
+    names = [o for n in proto.graph.node for o in n.output]
+    inferred_nodes: list[int] = []
+    infer = rnnfuse.cone_types.ConeTypes._infer
+
+    def counted(self, cone):
+        inferred_nodes.append(len(cone))
+        return infer(self, cone)
+
+    monkeypatch.setattr(rnnfuse.cone_types.ConeTypes, "_infer", counted)
+    with_rule = Model(onnx.ModelProto.FromString(proto.SerializeToString()))
+    got = {name: with_rule.known_type(name, whole_cone=True) for name in reversed(names)}
+    rule_inferred = sum(inferred_nodes)
+    inferred_nodes.clear()
+    monkeypatch.setattr(rnnfuse.cone_types, "typed_by_rule", lambda cone, *args: ({}, list(cone)))
+    alone = Model(onnx.ModelProto.FromString(proto.SerializeToString()))
+    want = {name: alone.known_type(name, whole_cone=True) for name in reversed(names)}
+    assert _named_alike(got) == _named_alike(want)
+    assert got["p449"] == (F, ["B", "T", 8]) and got["fshape2"] == (F, [3])
+    assert rule_inferred < 10 and sum(inferred_nodes) >= 450  # the prologue typed by the rule, not inferred

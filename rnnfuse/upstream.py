@@ -139,6 +139,7 @@ def cut(ort, g: Graph, pairs: list[tuple[str, str]], masks: list[str], inputs, o
 
 _DIGEST = 16
 _NO_INPUT = bytes(_DIGEST + 2)
+_FIRST_OUTPUT = (0).to_bytes(2, "little")
 
 
 class _UpstreamRun:
@@ -224,20 +225,39 @@ def _digests(g: Graph, cone: list[NodeProto], masks: set[str], known: dict[str, 
 
     reads = reads or g.reads
     opset = g.model.opset
+    # (op, domain) -> whether its nodes may have attributes; (op, domain, inputs) -> the digest's header for a
+    # node without: a 100,000-node prologue asks for a few of each
+    takes: dict[tuple, bool] = {}
+    headers: dict[tuple, bytes] = {}
     for n in cone:
         read = reads(n)  # (the prefix's input count marks where the captured values begin)
         domain, op = n.domain, n.op_type
+        kind = (op, domain)
+        with_attributes = takes.get(kind)
+        if with_attributes is None:
+            with_attributes = takes[kind] = takes_attributes(op, domain, opset)
         # (the attributes of an op that takes none are not read: a 100,000-node prologue of Adds and Muls left a
         # map on each node's object at the first read of its empty field, 36 MB, see protos.node_field)
-        attrs = b"".join(a.SerializeToString() for a in n.attribute) \
-            if takes_attributes(op, domain, opset) else b""
-        parts = [f"{domain}\0{op}\0{len(n.input)}\0{len(attrs)}\0".encode(), attrs]
+        if with_attributes:
+            attrs = b"".join(a.SerializeToString() for a in n.attribute)
+            parts = [f"{domain}\0{op}\0{len(n.input)}\0{len(attrs)}\0".encode(), attrs]
+        else:
+            key = (op, domain, len(n.input))
+            header = headers.get(key)
+            if header is None:
+                header = headers[key] = f"{domain}\0{op}\0{len(n.input)}\0{0}\0".encode()
+            parts = [header]
         for i in read:
             parts.append((out.get(i) or leaf(i)) if i else _NO_INPUT)
             if i in masks or i in from_masks:
                 from_masks.update(n.output)
         base = blake2b(b"".join(parts), digest_size=_DIGEST).digest()
-        for k, o in enumerate(n.output):
+        outs = n.output[:]
+        if len(outs) == 1:
+            if outs[0]:
+                out[outs[0]] = base + _FIRST_OUTPUT
+            continue
+        for k, o in enumerate(outs):
             if o:
                 out[o] = base + k.to_bytes(2, "little")
     return out, from_masks

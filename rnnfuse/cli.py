@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import uuid
 from dataclasses import dataclass
 
 from . import __version__, progress
@@ -187,8 +188,24 @@ def _text_stream(args):
     return sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
 
 
+def _json_text(data: dict) -> str:
+    """The report as indented JSON, each finding on a line of its own. json's indented encoder is Python (a
+    report of 50,000 declined Loops took it 0.8 s); the findings, nearly all of a big report, go through its
+    compact one, in C (0.15 s), each put in place of a marker no string of the report can hold."""
+    marker = f"rnnfuse-findings-{uuid.uuid4().hex}-"
+    passes = data.get("passes") or []
+    lists = [p.get("findings") or [] for p in passes]
+    shown = {**data, "passes": [{**p, "findings": f"{marker}{k}"} for k, p in enumerate(passes)]} if passes else data
+    text = json.dumps(shown, indent=2, sort_keys=False, default=str)
+    encode = json.JSONEncoder(default=str).encode  # (one encoder: json.dumps with an option makes one a call)
+    for k, found in enumerate(lists):
+        rows = ",\n".join("        " + encode(f) for f in found)
+        text = text.replace(f'"{marker}{k}"', f"[\n{rows}\n      ]" if found else "[]", 1)
+    return text
+
+
 def _write_json(path: str, data: dict) -> None:
-    text = json.dumps(data, indent=2, sort_keys=False, default=str)
+    text = _json_text(data)
     if path == "-":
         print(text)
         return

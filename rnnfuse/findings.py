@@ -5,8 +5,9 @@ read. Below the passes and the pipeline, so both import it and neither imports t
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Protocol, Union
 
 import onnx
@@ -32,6 +33,13 @@ class Finding:
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # shown on the report line (e.g. not portable to OpenVINO)
 
+    def to_dict(self) -> dict:
+        """The finding's fields (its lists copied): ``dataclasses.asdict`` copies deeply, field by field, and
+        a report of 50,000 declined Loops took 0.9 s to build so."""
+        d = {name: getattr(self, name) for name in _finding_fields()}
+        d["notes"], d["warnings"] = list(self.notes), list(self.warnings)
+        return d
+
     def line(self) -> str:
         head = f"{self.front} '{self.where}'"
         if self.status in ("declined", "kept"):
@@ -51,6 +59,11 @@ class Finding:
         for w in self.warnings:
             s += f" [{w}]"
         return s
+
+
+@functools.lru_cache(maxsize=None)
+def _finding_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(Finding))
 
 
 @dataclass
@@ -165,7 +178,7 @@ class Report:
                     "modified": p.modified,
                     "seconds": round(p.seconds, 4),
                     "notes": p.notes,
-                    "findings": [asdict(f) for f in p.findings],
+                    "findings": [f.to_dict() for f in p.findings],
                 }
                 for p in self.passes
             ],

@@ -405,3 +405,44 @@ def test_constant_stored_externally_is_read_from_the_models_directory(tmp_path, 
         np.testing.assert_allclose(b, a, atol=1e-5)
     fused = onnx.load(str(out), load_external_data=False)
     assert op_counts(fused).get("RNN", 0) == (1 if fusable else 0), p.stdout
+
+
+def test_json_report_of_many_findings_is_the_report_one_finding_a_line(tmp_path):
+    """A model of many Loops with no cell: each is declined with its reason; the JSON report holds every
+    finding (the report's own fields), one a line, and parses to what json's own encoder gives."""
+    from dataclasses import fields
+
+    import rnnfuse.cli as cli
+    from rnnfuse.findings import Finding, Report
+
+    vi = helper.make_tensor_value_info
+    nodes, cur = [], "x"
+    for i in range(30):
+        body = helper.make_graph(
+            [helper.make_node("Identity", ["c_in"], ["c_out"]), helper.make_node("Tanh", ["v_in"], ["v_out"])],
+            f"body{i}", [vi("it", TensorProto.INT64, []), vi("c_in", TensorProto.BOOL, []), vi("v_in", TensorProto.FLOAT, None)],
+            [vi("c_out", TensorProto.BOOL, []), vi("v_out", TensorProto.FLOAT, None)])
+        nodes.append(helper.make_node("Loop", ["trip", "cond", cur], [f"l{i}"], body=body))
+        cur = f"l{i}"
+    inits = [onnx.numpy_helper.from_array(np.array(2, np.int64), "trip"),
+             onnx.numpy_helper.from_array(np.array(True), "cond")]
+    m = helper.make_model(helper.make_graph(nodes, "loops", [vi("x", TensorProto.FLOAT, ["B", 4])],
+                                            [vi(cur, TensorProto.FLOAT, ["B", 4])], inits),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    src, out, js = tmp_path / "loops.onnx", tmp_path / "out.onnx", tmp_path / "r.json"
+    onnx.save(m, src)
+    assert cli.main(["optimize", str(src), str(out), "-q", "--json", str(js)]) == 0
+    text = js.read_text()
+    d = json.loads(text)
+    found = [f for p in d["passes"] for f in p["findings"]]
+    assert len(found) >= 30 and {f["where"] for f in found} >= {f"l{i}" for i in range(30)}
+    assert all(f["status"] == "declined" and f["reason"] for f in found)
+    assert set(found[0]) == {f.name for f in fields(Finding)}
+    assert sum(1 for line in text.splitlines() if line.lstrip().startswith('{"pass_name"')) == len(found)
+    # strings that look like the writer's own markers, quotes, newlines, non-ASCII: the same JSON either way
+    r = Report()
+    r.notes = ['"rnnfuse-findings-0"', "a\nb", "ü"]
+    d2 = r.to_dict()
+    d2["passes"] = [{"name": "p", "findings": [Finding("p", "Loop", 'w"}, {', "declined", "x\ny").to_dict()]},
+                    {"name": "q", "findings": []}]
+    assert json.loads(cli._json_text(d2)) == json.loads(json.dumps(d2))

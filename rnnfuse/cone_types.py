@@ -98,7 +98,10 @@ class ConeTypes:
     def _typed_by_rule(self, cone: list[NodeProto]) -> list[NodeProto]:
         """Type the cone's elementwise float nodes as inference would (:mod:`rnnfuse.elementwise_types`: a
         100,000-node prologue scaling and shifting a recurrence's input took 0.8 s of inference); returns the
-        nodes left for inference, in order. Each input is read as the inference's copy would give it."""
+        nodes left for inference, in order. Each input is read as the inference's copy would give it. (From
+        opset 7, where Add and the like broadcast as the rule does: every model rnnfuse works on.)"""
+        if self.model.opset < 7:
+            return cone
         g = self.model.graph
         initializers, inputs = g.initializers, set(g.input_names)
 

@@ -55,6 +55,9 @@ class GraphIndex:
         self.consumers: dict[str, NodeProto | list[NodeProto]] = {}
         self._implicit: dict[int, set[str]] = {}
         self._arrays: dict[str, np.ndarray | None] = {}
+        # a Slice's inputs -> its bounds, where all are constants (op_args.slice_args_of: asked of each per-step
+        # Slice of a trace by several front ends and passes; a name's constant value never changes in a run)
+        self.slice_args_memo: dict[tuple, tuple] = {}
         self._subgraph_views: dict[int, GraphIndex] = {}
         # nodes added or rewired (inputs or outputs renamed) since the graph was built or finalized, in edit
         # order: what an incremental pass (Dedupe after a fusion) has to look at again; finalize starts a new list

@@ -119,10 +119,22 @@ def slice_args(node: NodeProto, opset: int, value: Value, ins: list[str] | None 
 def slice_args_of(g, node: NodeProto):
     """:func:`slice_args` of a Slice of scope ``g``, its bounds read as ``g.const`` gives them, the node's
     inputs read once (the front ends ask this of every per-step Slice of a trace, most of them more than once:
-    torch's ``nn.LSTM`` called per step, 16,669 Slices asked 49,992 times)."""
+    torch's ``nn.LSTM`` called per step, 16,669 Slices asked 49,992 times). Bounds all constant are kept by
+    the Slice's inputs in ``g.slice_args_memo`` (a GraphIndex's): a name's constant value never changes in a run."""
     ins = node.input[:]
     const = g.const
-    return slice_args(node, g.model.opset, lambda i: const(ins[i]), ins)
+    opset = g.model.opset
+    memo = getattr(g, "slice_args_memo", None) if opset >= 10 else None  # (before opset 10: attributes)
+    if memo is None:
+        return slice_args(node, opset, lambda i: const(ins[i]), ins)
+    key = tuple(ins)
+    got = memo.get(key)
+    if got is None:
+        got = slice_args(node, opset, lambda i: const(ins[i]), ins)
+        if None in got:
+            return got  # (a bound not known now: asked again, never kept)
+        memo[key] = got
+    return tuple(list(a) for a in got)  # (the caller's own lists)
 
 
 def clip_bounds(node: NodeProto, opset: int, value: Value) -> tuple:

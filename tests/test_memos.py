@@ -1,4 +1,4 @@
-"""Shortcuts the passes take to an answer: a Slice's bounds read from its inputs once, the file's declared types
+"""Shortcuts the passes take to an answer: a Slice's bounds read from its inputs once (and kept, when constant), the file's declared types
 from the op index, Dedupe's findings kept across merges. Each must give the answer the long way gives, and
 follow an edit of what it read."""
 
@@ -49,6 +49,12 @@ def test_a_slices_bounds_read_from_its_inputs_once_are_those_slice_args_reads():
     assert op_args.slice_args_of(g, slices[4])[1] is None  # (a bound computed at run time: not known)
     g.replace_uses("e2", "e1")
     assert op_args.slice_args_of(g, slices[1]) == ([0], [1], [0], [1])
+    # bounds all constant are kept by the Slice's inputs; each call's lists are the caller's own
+    first = op_args.slice_args_of(g, slices[0])
+    first[0].append(99)
+    assert op_args.slice_args_of(g, slices[0]) == ([0], [1], [0], [1])
+    assert tuple(slices[0].input) in g.slice_args_memo
+    assert tuple(slices[4].input) not in g.slice_args_memo  # (a bound not known: never kept)
 
 
 def _typed_model(foreign: bool = False) -> onnx.ModelProto:

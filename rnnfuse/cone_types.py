@@ -98,21 +98,12 @@ class ConeTypes:
     def _typed_by_rule(self, cone: list[NodeProto]) -> list[NodeProto]:
         """Type the cone's elementwise float nodes as inference would (:mod:`rnnfuse.elementwise_types`: a
         100,000-node prologue scaling and shifting a recurrence's input took 0.8 s of inference); returns the
-        nodes left for inference, in order. Each input is read as the inference's copy would give it. (From
-        opset 7, where Add and the like broadcast as the rule does: every model rnnfuse works on.)"""
+        nodes left for inference, in order. Each input is read as :meth:`_known` gives it, which is what the
+        inference's copy reads (a small weight held whole has its declared type). (From opset 7, where Add and
+        the like broadcast as the rule does: every model rnnfuse works on.)"""
         if self.model.opset < 7:
             return cone
-        g = self.model.graph
-        initializers, inputs = g.initializers, set(g.input_names)
-
-        def as_inference_reads(name: str) -> Type | None:
-            w = initializers.get(name)
-            if w is not None and name not in inputs and w.data_location != TensorProto.EXTERNAL \
-                    and w.ByteSize() <= SKELETON_DATA_BYTES:
-                return (w.data_type, list(w.dims))  # (the copy holds it: see _cone_graph)
-            return self._known(name)
-
-        typed, rest = typed_by_rule(cone, as_inference_reads, self.model.declared_by_edits, self.from_edits)
+        typed, rest = typed_by_rule(cone, self._known, self.model.declared_by_edits, self.from_edits)
         self.types.update(typed)
         self.settled.update(typed)
         return rest

@@ -68,7 +68,7 @@ def typed_by_rule(nodes: list[NodeProto], known: Callable[[str], "Type | None"],
         if len(outs) != 1 or not outs[0]:
             pass
         elif op == "Constant":
-            t = _constant(n)
+            t = read(outs[0])  # (a Constant's type is the one its tensor declares)
         elif unary:
             t = read(ins[0]) if len(ins) == 1 else None
         elif len(ins) == 2:
@@ -114,13 +114,3 @@ def _binary(a: tuple, b: tuple) -> tuple | None:
             return None
     out.reverse()
     return (a[0], tuple(out))
-
-
-def _constant(n: NodeProto) -> Type | None:
-    """A Constant holding a float tensor in ``value``: that tensor's type (what inference gives it)."""
-    if len(n.attribute) != 1 or n.attribute[0].name != "value" or n.input[:]:
-        return None
-    v = n.attribute[0].t
-    if v.data_type not in FLOATS:
-        return None
-    return (v.data_type, tuple(v.dims))

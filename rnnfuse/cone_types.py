@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import onnx
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper
 
-from .elementwise_types import typed_by_rule
+from .rule_types import typed_by_rule
 from .protos import has_subgraph
 from .tensor_types import CHEAP_INFERENCE_NODES, SKELETON_DATA_BYTES, copy_node_skeleton, type_of
 
@@ -96,7 +96,7 @@ class ConeTypes:
         return self.types.get(name)
 
     def _typed_by_rule(self, cone: list[NodeProto]) -> list[NodeProto]:
-        """Type the cone's elementwise float nodes as inference would (:mod:`rnnfuse.elementwise_types`: a
+        """Type the cone's elementwise float nodes as inference would (:mod:`rnnfuse.rule_types`: a
         100,000-node prologue scaling and shifting a recurrence's input took 0.8 s of inference); returns the
         nodes left for inference, in order. Each input is read as :meth:`_known` gives it, which is what the
         inference's copy reads (a small weight held whole has its declared type). (From opset 7, where Add and

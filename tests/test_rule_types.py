@@ -1,7 +1,7 @@
-"""The elementwise float types rnnfuse works out itself (rnnfuse.elementwise_types) are ONNX shape inference's,
-and everything else is left to inference: random elementwise graphs compared node by node with
-onnx.shape_inference, near misses declined, and a big model's cone queries giving the same answers with the
-rule as with inference alone."""
+"""The float types rnnfuse works out itself (rnnfuse.rule_types) are ONNX shape inference's, and everything
+else is left to inference: random elementwise graphs and matrix products compared with onnx.shape_inference,
+near misses declined, and a big model's cone queries giving the same answers with the rule as with inference
+alone."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import rnnfuse.cone_types
 import rnnfuse.model
-from rnnfuse.elementwise_types import BINARY, UNARY, typed_by_rule
+from rnnfuse.rule_types import BINARY, UNARY, typed_by_rule
 from rnnfuse.model import Model
 from rnnfuse.tensor_types import declared_types, type_of
 
@@ -108,15 +108,106 @@ def test_near_misses_are_left_to_inference(case):
 
 
 def test_a_node_after_one_left_to_inference_is_left_too():
-    # MatMul is inference's; the Add reading it cannot be typed before inference has run
-    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
-    b = numpy_helper.from_array(np.ones((3,), np.float32), "b")
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["a"]),
+    # Transpose is inference's; the Add reading it cannot be typed before inference has run
+    b = numpy_helper.from_array(np.ones((1,), np.float32), "b")
+    nodes = [helper.make_node("Transpose", ["x"], ["m"], perm=[1, 0]), helper.make_node("Add", ["m", "b"], ["a"]),
              helper.make_node("Tanh", ["x"], ["t"])]
     m = helper.make_model(helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["B", 4])],
-                                            [helper.make_tensor_value_info("a", F, None)], [w, b]))
+                                            [helper.make_tensor_value_info("a", F, None)], [b]))
     typed, rest = typed_by_rule(list(m.graph.node), declared_types(m).get)
-    assert typed == {"t": (F, ["B", 4])} and [n.op_type for n in rest] == ["MatMul", "Add"]
+    assert typed == {"t": (F, ["B", 4])} and [n.op_type for n in rest] == ["Transpose", "Add"]
+
+
+def _product_model(op: str, a: list, b: list, elem: int = F, **attrs) -> onnx.ModelProto:
+    ins = [helper.make_tensor_value_info("a", elem, a), helper.make_tensor_value_info("b", elem, b)]
+    node = helper.make_node(op, ["a", "b"], ["y"], **attrs)
+    g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("y", elem, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _strictly_inferred(m: onnx.ModelProto):
+    """The output's type strict inference gives, or "error" when it rejects the model."""
+    try:
+        g = onnx.shape_inference.infer_shapes(m, strict_mode=True).graph
+    except onnx.shape_inference.InferenceError:
+        return "error"
+    return type_of(g.output[0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_matrix_products_are_typed_as_inference_types_them(seed):
+    """Random MatMul and Gemm operands (numbers, symbols, ones, ranks 1-4): where the rule answers it is
+    inference's answer, and it answers wherever the operands plainly agree (K the same dim, the leading dims
+    equal or 1)."""
+    rng = np.random.default_rng(seed)
+    pool = [1, 3, 8, "B", "T"]
+    answered = 0
+    for _ in range(150):
+        op = "Gemm" if rng.random() < 0.3 else "MatMul"
+        rank_a, rank_b = (2, 2) if op == "Gemm" else (int(rng.integers(1, 5)), int(rng.integers(1, 5)))
+        a = [pool[int(rng.integers(len(pool)))] for _ in range(rank_a)]
+        b = [pool[int(rng.integers(len(pool)))] for _ in range(rank_b)]
+        attrs = {}
+        if op == "Gemm":
+            attrs = {"transA": int(rng.integers(2)), "transB": int(rng.integers(2))}
+            k_at = (0 if attrs["transA"] else 1, 1 if attrs["transB"] else 0)
+        else:
+            k_at = (rank_a - 1, max(rank_b - 2, 0))
+        if rng.random() < 0.7:  # (mostly products that agree)
+            b[k_at[1]] = a[k_at[0]]
+        m = _product_model(op, a, b, [F, D, H16][int(rng.integers(3))], **attrs)
+        typed, rest = typed_by_rule(list(m.graph.node), declared_types(m).get)
+        want = _strictly_inferred(m)
+        if "y" in typed:
+            answered += 1
+            assert typed["y"] == want, (op, a, b, attrs, typed["y"], want)
+        elif want != "error" and rank_a >= 2 and rank_b >= 2 and a[k_at[0]] == b[k_at[1]] and all(
+                x == y or 1 in (x, y) for x, y in zip(a[-3::-1], b[-3::-1])):
+            raise AssertionError(f"left to inference: {op} {a} {b} {attrs} -> {want}")
+    assert answered >= 40
+
+
+@pytest.mark.parametrize("case", ["k-differs", "k-symbol-vs-number", "rank-1", "gemm-rank-3", "mixed-elem",
+                                  "gemm-trans-as-float", "lead-number-vs-symbol"])
+def test_matrix_product_near_misses_are_left_to_inference(case):
+    op, a, b, elem_b, attrs = "MatMul", ["B", 8], [8, 16], F, {}
+    if case == "k-differs":  # (inference rejects it)
+        b = [9, 16]
+    elif case == "k-symbol-vs-number":
+        a = ["B", "K"]
+    elif case == "rank-1":
+        b = [8]
+    elif case == "gemm-rank-3":
+        op, a = "Gemm", [2, "B", 8]
+    elif case == "mixed-elem":
+        elem_b = D
+    elif case == "gemm-trans-as-float":
+        op, attrs = "Gemm", {"transB": 1.0}
+        b = [16, 8]
+    elif case == "lead-number-vs-symbol":  # (inference takes the number; the rule does not guess)
+        a, b = [3, "B", 8], ["T", 8, 16]
+    ins = [helper.make_tensor_value_info("a", F, a), helper.make_tensor_value_info("b", elem_b, b)]
+    node = helper.make_node(op, ["a", "b"], ["y"], **attrs)
+    m = helper.make_model(helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("y", F, None)]))
+    typed, rest = typed_by_rule([node], declared_types(m).get)
+    assert not typed and rest == [node]
+
+
+def test_a_cells_first_step_is_typed_by_the_rule():
+    """tanh(x_0 @ W + h0 @ R + b) and a Gemm beside it: what each of 1,041 cells side by side had inferred."""
+    inits = [numpy_helper.from_array(np.ones(s, np.float32), n) for n, s in
+             [("W", (8, 16)), ("R", (16, 16)), ("b", (16,)), ("Wt", (16, 8))]]
+    nodes = [helper.make_node("MatMul", ["x0", "W"], ["xw"]), helper.make_node("MatMul", ["h0", "R"], ["hr"]),
+             helper.make_node("Add", ["xw", "hr"], ["s"]), helper.make_node("Add", ["s", "b"], ["a"]),
+             helper.make_node("Tanh", ["a"], ["h"]),
+             helper.make_node("Gemm", ["x0", "Wt", "b"], ["g"], transB=1, alpha=0.5)]
+    ins = [helper.make_tensor_value_info("x0", F, ["B", 8]), helper.make_tensor_value_info("h0", F, ["B", 16])]
+    m = helper.make_model(helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("h", F, None)], inits),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    typed, rest = typed_by_rule(list(m.graph.node), declared_types(m).get)
+    assert not rest and typed == {k: (F, ["B", 16]) for k in ("xw", "hr", "s", "a", "h", "g")}
+    inferred = _inferred(m)
+    assert all(inferred[k] == t for k, t in typed.items() if k in inferred)
 
 
 def _prologue_model(n: int) -> onnx.ModelProto:

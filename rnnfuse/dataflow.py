@@ -27,7 +27,14 @@ def runtime_values(g: Graph) -> frozenset | set:
     facts = g.model.facts
     if facts.runtime is not None:
         return facts.runtime
-    out: set[str] = set(g.input_names)  # (an initializer listed as an input can be overridden: not constant)
+    facts.runtime = out = values_computed_from(g, g.input_names)
+    return out
+
+
+def values_computed_from(g: Graph, inputs: list[str]) -> set[str]:
+    """``inputs`` and the tensors of scope ``g`` computed from their values (through any ops but Shape and
+    Size, explicit inputs only): :func:`runtime_values`' walk, for any scope and inputs (a body's own)."""
+    out: set[str] = set(inputs)  # (an initializer listed as an input can be overridden: not constant)
     frontier = list(out)
     uses = g.uses
     hot: set[int] = set()  # the ids of the nodes computing runtime values
@@ -61,7 +68,6 @@ def runtime_values(g: Graph) -> frozenset | set:
         for c in g.nodes_and_removed():
             if id(c) in hot:
                 out.update(o for o in c.output if o)
-    facts.runtime = out
     return out
 
 

@@ -55,6 +55,7 @@ class GraphIndex:
         self.consumers: dict[str, NodeProto | list[NodeProto]] = {}
         self._implicit: dict[int, set[str]] = {}
         self._arrays: dict[str, np.ndarray | None] = {}
+        self._scope_runtime: set | None = None  # (a body's: see _runtime)
         # a Slice's inputs -> its bounds, where all are constants (op_args.slice_args_of: asked of each per-step
         # Slice of a trace by several front ends and passes; a name's constant value never changes in a run)
         self.slice_args_memo: dict[tuple, tuple] = {}
@@ -360,6 +361,7 @@ class GraphIndex:
 
     def _release_arrays(self) -> None:
         self._arrays = {}
+        self._scope_runtime = None  # (the round's edits may have given a body new values)
         for sub in self._subgraph_views.values():
             sub._release_arrays()
 
@@ -402,17 +404,26 @@ class GraphIndex:
         arrays = self._arrays
         if name in arrays:  # (computed for this scope before: this scope defines it)
             return arrays[name]
-        if self.parent is None and name in self.producer:  # (the run's one walk, kept: else a fold walked back)
-            runtime = self.model.facts.runtime
-            if runtime is None:
-                from .dataflow import runtime_values  # (dataflow's walks build on the graph index)
-                runtime = runtime_values(self)
-            if name in runtime:
-                return None  # computed from an input's values: no constant
+        if name in self.producer and name in self._runtime():  # (else a fold walked back through every value)
+            return None  # computed from an input's values: no constant
         g = self.scope_of(name)
         if g is None:
             return None
         return fold_deep(GraphIndex._const_local, g, name)
+
+    def _runtime(self) -> "set | frozenset":
+        """The values of this scope computed from its inputs' values (:func:`rnnfuse.dataflow.runtime_values`
+        for the main graph; for a body, from its own inputs: the iteration number, the carried states, the
+        scanned slices, which differ per iteration). One walk a scope, kept for the round: a Loop body's
+        100,000-op head was folded back node by node (60 us each) to learn it is not constant."""
+        from .dataflow import runtime_values, values_computed_from  # (dataflow's walks build on the graph index)
+
+        if self.parent is None:
+            runtime = self.model.facts.runtime
+            return runtime if runtime is not None else runtime_values(self)
+        if self._scope_runtime is None:
+            self._scope_runtime = values_computed_from(self, self.input_names)
+        return self._scope_runtime
 
     def _const_local(self, name: str) -> np.ndarray | None:
         """The value of ``name``, defined in this scope, folded here (through :func:`fold_deep`)."""

@@ -183,3 +183,37 @@ def test_declared_types_of_one_type_are_held_once_and_read_only():
     mine = copy.copy(dims)
     mine.append(1)  # (a copy is the caller's own)
     assert type(mine) is list and dims == ["B", 16] and dims[:1] == ["B"] and list(dims) + [3] == ["B", 16, 3]
+
+
+def test_a_loop_bodys_values_computed_from_its_inputs_are_known_not_constant_without_a_fold(monkeypatch):
+    """GraphIndex.const in a Loop body: a value computed from the body's inputs (the iteration number, a
+    carried state) is no constant, known from one walk of the body (a 100,000-op head in a body was folded
+    back node by node); values of constants alone, in the body or outside it, still fold."""
+    from rnnfuse import fold, graph_index
+
+    f = TensorProto.FLOAT
+    n = 400
+    body_nodes = [helper.make_node("Identity", ["cond"], ["cond_out"]),
+                  helper.make_node("Cast", ["it"], ["itf"], to=f), helper.make_node("Add", ["h", "itf"], ["e0"])]
+    body_nodes += [helper.make_node(("Tanh", "Sigmoid")[k % 2], [f"e{k}"], [f"e{k + 1}"]) for k in range(n)]
+    body_nodes += [helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.float32(1.0).reshape(()))),
+                   helper.make_node("Add", ["one", "outer"], ["two"]), helper.make_node("Mul", [f"e{n}", "two"], ["hn"])]
+    body = helper.make_graph(body_nodes, "body", [helper.make_tensor_value_info("it", TensorProto.INT64, []),
+                                                  helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                                                  helper.make_tensor_value_info("h", f, ["B", 2])],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("hn", f, ["B", 2])])
+    nodes = [_const("trip", 3), helper.make_node("Loop", ["trip", "", "h0"], ["hT"], body=body),
+             helper.make_node("Constant", [], ["outer"], value=numpy_helper.from_array(np.float32(1.0).reshape(())))]
+    model = Model(_model(nodes, [helper.make_tensor_value_info("h0", f, ["B", 2])],
+                         [helper.make_tensor_value_info("hT", f, ["B", 2])]))
+    g = model.graph
+    bg = g.subgraph(g.nodes_of("Loop")[0])
+    folds: list[str] = []
+    fold_output = fold.fold_output
+    monkeypatch.setattr(fold, "fold_output", lambda scope, node, name: folds.append(name) or fold_output(scope, node, name))
+    assert bg.const(f"e{n}") is None and bg.const("hn") is None and bg.const("itf") is None
+    assert folds == []  # (known from the walk: no fold started)
+    assert float(bg.const("two")) == 2.0 and "two" in folds  # (constants in and around the body still fold)
+    assert bg._runtime() >= {"it", "cond", "h", "cond_out", "itf", "e0", f"e{n}", "hn"} and "two" not in bg._runtime()
+    assert graph_index.GraphIndex._runtime(g) is not bg._runtime()  # (each scope its own walk)

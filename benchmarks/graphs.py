@@ -215,6 +215,51 @@ def two_cells_per_step(path: str, nodes: int, arrangement: str = "bidir", featur
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "keras_masked_bigru_lstm.onnx")
 
 
+def loop_with_head(path: str, nodes: int, features: int = 3, hidden: int = 4) -> int:
+    """A Loop over the steps of x whose body holds a tanh cell and a per-step head of ``nodes`` elementwise ops
+    on its new h (``sigmoid(tanh(h * 0.5 + 0.5))``, repeated), its result the Loop's scan output: a head inside
+    the loop, as a Keras layer's ``TimeDistributed`` or a JAX scan body writes it, grown to the graph's size
+    (bodies counted). Fused: one RNN, the head applied once to every step (``rnnfuse.row_wise``); the
+    validation and the do-no-harm guard each load a model holding the head in onnxruntime."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    body = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0), helper.make_node("MatMul", ["xt", "W"], ["xw"]),
+            helper.make_node("MatMul", ["h", "R"], ["hr"]), helper.make_node("Add", ["xw", "hr"], ["s"]),
+            helper.make_node("Add", ["s", "b"], ["s2"]), helper.make_node("Tanh", ["s2"], ["hn"]),
+            helper.make_node("Identity", ["cond"], ["cond_out"])]
+    prev = "hn"
+    for k in range(max(4, nodes - 15)):
+        op = ("Mul", "Add", "Tanh", "Sigmoid")[k % 4]
+        body.append(helper.make_node(op, [prev, "half"] if op in ("Mul", "Add") else [prev], [f"e{k}"]))
+        prev = f"e{k}"
+    body.append(helper.make_node("Identity", [prev], ["yt"]))
+    f = TensorProto.FLOAT
+    body_graph = helper.make_graph(
+        body, "body", [helper.make_tensor_value_info("it", TensorProto.INT64, []),
+                       helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                       helper.make_tensor_value_info("h", f, ["B", hidden])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("hn", f, ["B", hidden]),
+         helper.make_tensor_value_info("yt", f, ["B", hidden])])
+    inits = [numpy_helper.from_array((0.5 * rng.standard_normal(s)).astype(np.float32), n)
+             for n, s in (("W", (features, hidden)), ("R", (hidden, hidden)), ("b", (hidden,)))]
+    inits += [numpy_helper.from_array(np.float32(0.5).reshape(()), "half"),
+              numpy_helper.from_array(np.array(0, np.int64), "i0"), numpy_helper.from_array(np.array(1, np.int64), "i1"),
+              numpy_helper.from_array(np.array([hidden], np.int64), "iH"),
+              numpy_helper.from_array(np.zeros((1, 1), np.float32), "zero"), numpy_helper.from_array(np.array(True), "true")]
+    top = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["T"], axis=0),
+           helper.make_node("Gather", ["xs", "i1"], ["B1"], axis=0),
+           helper.make_node("Reshape", ["B1", "one"], ["B2"]),
+           helper.make_node("Concat", ["B2", "iH"], ["hshape"], axis=0), helper.make_node("Expand", ["zero", "hshape"], ["h0"]),
+           helper.make_node("Loop", ["T", "true", "h0"], ["hT", "ys"], body=body_graph)]
+    inits.append(numpy_helper.from_array(np.array([1], np.int64), "one"))
+    _save(path, top, "loop_with_head", [helper.make_tensor_value_info("x", f, ["T", "B", features])],
+          [helper.make_tensor_value_info("ys", f, ["T", "B", hidden]), helper.make_tensor_value_info("hT", f, ["B", hidden])],
+          inits)
+    return len(top) + len(body)
+
+
 def recurrence_then_head(path: str, nodes: int) -> int:
     """The shipped Keras model (a masked bidirectional GRU and an LSTM: two Loops to fuse, a pair to merge)
     followed by ``nodes`` nodes reading its output (MatMul, Tanh, Add, Sigmoid, repeated): a big model with a

@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,declared,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,callhead,chunkhead,grucell,rnncell,grustack,grubi,annotated,wide,heavy,heavy_ext]
+                                 [--graphs lstmcell,declared,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,loophead,callhead,chunkhead,grucell,rnncell,grustack,grubi,annotated,wide,heavy,heavy_ext]
                                  [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
@@ -40,6 +40,10 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
   nodes a step): one LSTM per layer once the per-call ops are merged.
 * ``backreads``: torch's trace of a hand-written bidirectional relu RNN, a forward loop then a backward one,
   ``stack(cat([hf[t], hb[t]], 1))`` (14 nodes a step): one bidirectional RNN, every step's cat read from it once.
+* ``loophead``: a Loop over x whose body holds a tanh cell and a per-step head of elementwise ops on its new h
+  (the head is the graph's size, bodies counted): one RNN once fused, the head applied once to every step.
+  The validation and the do-no-harm guard each load a model holding the head in onnxruntime, whose load grows
+  faster than the nodes.
 * ``callhead``: torch's trace of ``nn.LSTM`` called once per step with a head per call, ``tanh(Linear(y[0]))``
   stacked on time (16 nodes a step; exported at every size: ~6 minutes at 96k nodes): one LSTM and the head
   applied once.
@@ -85,7 +89,7 @@ from chain_2000 import (CALL_HEAD_NODES_PER_STEP, CELL_LOOP_NODES_PER_STEP, CHUN
                         export_calls_with_head, export_cell_loops, export_chunk_cell_with_head, export_lstmcell_chain,
                         export_view_chain)
 from graphs import (attention_blocks, backward_loop_read_stacked, cells_side_by_side, elementwise_chain, layer_called_per_step,  # noqa: E402
-                    loops_in_a_row, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
+                    loop_with_head, loops_in_a_row, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
                     steps_summed, two_cells_per_step, unbind_stack_blocks)
 
 
@@ -250,7 +254,7 @@ GENERATORS = {"lstmcell": lstmcell_chain, "declared": declared_chain, "elementwi
               "views": lambda path, nodes: export_view_chain(path, max(2, nodes // VIEW_NODES_PER_STEP)),
               "head": recurrence_then_head, "annotated": annotated_head, "prologue": prologue_then_recurrence,
               "blocks": unbind_stack_blocks, "attention": attention_blocks, "stepcalls": layer_called_per_step,
-              "backreads": backward_loop_read_stacked,
+              "backreads": backward_loop_read_stacked, "loophead": loop_with_head,
               "callhead": lambda path, nodes: export_calls_with_head(path, max(2, nodes // CALL_HEAD_NODES_PER_STEP)),
               "chunkhead": lambda path, nodes: export_chunk_cell_with_head(path, max(2, nodes // CHUNK_HEAD_NODES_PER_STEP)),
               **{kind: (lambda path, nodes, kind=kind, n=n: export_cell_loops(path, max(2, nodes // n), kind))
@@ -510,6 +514,8 @@ def main(argv=None) -> int:
         "LSTM per layer. "
         "`backreads`: torch's trace of a hand-written bidirectional relu RNN (a forward loop, then a backward one, "
         "outputs `stack(cat([hf[t], hb[t]], 1))`, 14 nodes/step), one bidirectional RNN and the stack read from it. "
+        "`loophead`: a Loop whose body holds a tanh cell and a per-step head of elementwise ops (the graph's size, "
+        "bodies counted), one RNN and the head applied once. "
         "`callhead`: torch's trace of `nn.LSTM` called once per step with a head per call, `tanh(Linear(y[0]))` "
         "stacked (16 nodes/step), one LSTM and the head applied once. "
         "`chunkhead`: torch's trace of a hand-written LSTM cell with `gates.chunk(4, 1)` (slice bounds from each "

@@ -297,14 +297,24 @@ def _run_once(src: str, tree: str | None, acc: dict) -> None:
             k = seen[p["name"]] = seen.get(p["name"], 0) + 1
             per_pass.setdefault(p["name"] + (f"#{k}" if k > 1 else ""), []).append(p["seconds"])
         per_pass.setdefault("(all passes)", []).append(report["seconds"])
-        import onnx
-
-        acc["nodes_after"] = len(onnx.load(dst, load_external_data=False).graph.node)
+        acc["nodes_after"] = report["nodes_after"]  # (bodies counted)
         acc["fused"] = sum(1 for p in report["passes"] for f in p["findings"] if f["status"] == "fused")
     finally:
         for f in os.listdir(d):
             os.remove(os.path.join(d, f))
         os.rmdir(d)
+
+
+def _count_nodes(path: str) -> int:
+    """The nodes of the model at ``path``, those of its subgraphs (Loop, Scan and If bodies) counted."""
+    import onnx
+
+    from rnnfuse.protos import subgraphs
+
+    def count(g) -> int:
+        return sum(1 + sum(count(sg) for sg in subgraphs(n)) for n in g.node)
+
+    return count(onnx.load(path, load_external_data=False).graph)
 
 
 def measure(src: str, runs: int, trees: dict[str, str | None]) -> dict[str, dict]:
@@ -477,9 +487,7 @@ def main(argv=None) -> int:
                 else:
                     GENERATORS[graph](src + ".tmp", size)
                     os.replace(src + ".tmp", src)
-            import onnx
-
-            nodes = len(onnx.load(src, load_external_data=False).graph.node)
+            nodes = _count_nodes(src)
             ms = measure(src, a.runs, trees)
             for tree, m in ms.items():
                 print(f"{graph} {nodes} [{tree}]: wall {m['wall']:.2f} s, CPU {m['cpu']:.2f} s, peak {m['peak_mb']:.0f} MB, "

@@ -416,12 +416,16 @@ class GraphIndex:
         for the main graph; for a body, from its own inputs: the iteration number, the carried states, the
         scanned slices, which differ per iteration). One walk a scope, kept for the round: a Loop body's
         100,000-op head was folded back node by node (60 us each) to learn it is not constant."""
-        from .dataflow import runtime_values, values_computed_from  # (dataflow's walks build on the graph index)
-
         if self.parent is None:
             runtime = self.model.facts.runtime
-            return runtime if runtime is not None else runtime_values(self)
+            if runtime is not None:
+                return runtime  # (asked per constant query: no import on this path)
+            from .dataflow import runtime_values  # (dataflow's walks build on the graph index)
+
+            return runtime_values(self)
         if self._scope_runtime is None:
+            from .dataflow import values_computed_from
+
             self._scope_runtime = values_computed_from(self, self.input_names)
         return self._scope_runtime
 

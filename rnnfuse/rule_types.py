@@ -83,7 +83,7 @@ def typed_by_rule(nodes: list[NodeProto], known: Callable[[str], "Type | None"],
         elif unary:
             t = read(ins[0]) if len(ins) == 1 else None
         elif op in PRODUCTS:
-            if len(ins) >= 2 and (op == "Gemm" or len(ins) == 2):
+            if len(ins) == 2 or (op == "Gemm" and len(ins) == 3):
                 a, b = read(ins[0]), read(ins[1])
                 if a is not None and b is not None:
                     t = _product(n, a, b)

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from onnx import AttributeProto, NodeProto, TensorProto
+from onnx import NodeProto, TensorProto
 
-from .protos import ONNX_DOMAINS
+from .protos import ONNX_DOMAINS, attr
 
 Type = tuple[int, "list | None"]
 
@@ -134,10 +134,8 @@ def _product(n: NodeProto, a: tuple, b: tuple) -> tuple | None:
 
 def _int_attr(n: NodeProto, name: str) -> int | None:
     """An int attribute's value, 0 when the node leaves it out; None when it is given as anything else."""
-    for a in n.attribute:
-        if a.name == name:
-            return a.i if a.type == AttributeProto.INT else None
-    return 0
+    v = attr(n, name, 0)
+    return v if isinstance(v, int) else None
 
 
 def _binary(a: tuple, b: tuple) -> tuple | None:

@@ -54,18 +54,18 @@ def _open(g: Graph, cur: str, memo: dict):
     if p is None or p.domain not in ("", "ai.onnx"):
         memo[cur] = None
         return None
-    src = _typed_like(p)
+    src = typed_like(p)
     if src:
         return [src]
-    memo[cur] = _fixed_by_op(p)
+    memo[cur] = fixed_by_op(p)
     return None
 
 
 def _close(g: Graph, cur: str, memo: dict):
-    return memo.get(_typed_like(g.producer[cur]))
+    return memo.get(typed_like(g.producer[cur]))
 
 
-def _typed_like(p: NodeProto) -> str | None:
+def typed_like(p: NodeProto) -> str | None:
     """The input whose element type the op's outputs have (None: the op fixes it, or no rule)."""
     op, ins = p.op_type, p.input
     if op in _AS_FIRST and ins:
@@ -75,7 +75,7 @@ def _typed_like(p: NodeProto) -> str | None:
     return None
 
 
-def _fixed_by_op(p: NodeProto) -> int | None:
+def fixed_by_op(p: NodeProto) -> int | None:
     """The element type an op gives whatever its inputs' (None when it does not say)."""
     op = p.op_type
     if op in _BOOL_OUT:

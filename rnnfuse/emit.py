@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from onnx import NodeProto, TensorProto
+from onnx import NodeProto, TensorProto, helper
 
 from .builder import Builder
 from .time_flips import time_flip_source
@@ -60,6 +60,10 @@ class Emission:
     direction: str
     mask: str | None  # the mask tensor of the original graph that both versions read
     mask_time_axis: int = 0
+    # a big head's probe points (rnnfuse.step_heads.probe_points): original tensor -> {body tensor -> (its
+    # rows on every step, laid out as the original tensor; its element type)}: what validation compares in
+    # place of the head
+    head_probes: dict[str, dict[str, tuple[str, int]]] = field(default_factory=dict)
 
 
 def _need_opset(b: Builder, v: int, what: str) -> None:
@@ -227,7 +231,9 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     Y3 = b.squeeze(outs[0], [1])
     if native_dir != direction:
         Y3 = b.op("ReverseSequence", Y3, mp.lens64, batch_axis=1, time_axis=0)  # what a reverse op's Y holds
-    repl = _replacements(b, rec, Y3, finals, mp, path, direction)
+    head_probes: dict[str, dict[str, tuple[str, int]]] = {}
+    row_type = helper.np_dtype_to_tensor_dtype(np.asarray(Ws[0]).dtype)  # (the native op's: X, W, R and Y alike)
+    repl = _replacements(b, rec, Y3, finals, mp, path, direction, head_probes, row_type)
     for rs in rec.row_steps:  # a state at one step per row: a twin op whose sequence_lens end at that step
         if direction != "forward" or mp is not None:
             raise Decline("a state read at one step per row of a masked or reverse recurrence")
@@ -235,7 +241,7 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     _declare_outputs(g, rec, x_in, repl)
     # validation overrides a mask the original reads too; a mask made from lengths it must leave as it is
     return Emission(native, repl, path, direction, mask_source if mp is not None and not rec.mask_made else None,
-                    mask_time_axis)
+                    mask_time_axis, head_probes)
 
 
 def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
@@ -305,20 +311,21 @@ def _time_major_input(b: Builder, rec: Recurrence, x: str, mask: str | None):
     return x, mask, mrank, mask_source, mask_time_axis, "reverse" if reverse else "forward"
 
 
-def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: str, direction: str) -> dict[str, str]:
-    """Original tensor -> the adapter computing it from the native op's outputs."""
+def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: str, direction: str,
+                  head_probes: dict, row_type: int) -> dict[str, str]:
+    """Original tensor -> the adapter computing it from the native op's outputs (``head_probes`` gains the
+    probe points of each big head, see :class:`Emission`; ``row_type``: the element type of Y)."""
     repl: dict[str, str] = {}
     for so in rec.seq_outputs:
         v = _seq_output(b, so, Y3, finals["h"], mp, path, direction)
         if direction == "reverse":
             v = b.flip0(v)
+        probes: dict[str, tuple[str, int]] | None = {} if so.head is not None and so.head.probes else None
         if so.head is not None:  # a per-step head on h: applied to every step at once, in processing order
-            v = apply_head(b, so.head, v)
-        if so.reversed:
-            v = b.flip0(v)
-        if so.batch_first:
-            v = b.op("Transpose", v, perm=[1, 0, 2])
-        repl[so.tensor] = v
+            v = apply_head(b, so.head, v, probes, row_type)
+        repl[so.tensor] = _as_stacked(b, so, v)
+        if probes:
+            head_probes[so.tensor] = {name: (_as_stacked(b, so, t), et) for name, (t, et) in probes.items()}
     for fo in rec.finals:
         src_t = finals.get(fo.which)
         if src_t is None:
@@ -356,6 +363,15 @@ def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: 
         seen.add(repl[k])
     return repl
 
+
+
+def _as_stacked(b: Builder, so, v: str) -> str:
+    """Steps ``v`` ([T, B, ...] in processing order) laid out as the original stacks ``so``'s steps."""
+    if so.reversed:
+        v = b.flip0(v)
+    if so.batch_first:
+        v = b.op("Transpose", v, perm=[1, 0, 2])
+    return v
 
 def _declare_outputs(g: Graph, rec: Recurrence, x: str, repl: dict) -> None:
     """What the new tensors are, for the passes that read them next (a stacked layer slices a sequence output);

@@ -19,6 +19,7 @@ from .protos import holds_op_type
 from .findings import Finding, Options, PassResult
 from .recurrence import Recurrence
 from .cell_check import validate_cells_together
+from .head_probes import probe_pairs
 from .validate import validate
 
 # beyond this many nodes, onnxruntime takes seconds just to load the model: recurrences that carry a
@@ -142,6 +143,9 @@ def apply_recurrences(
         masks = {em.mask: ("post" if em.path == "post-padded" else "any", em.mask_time_axis)} if em.mask else {}
         rw = Rewrite(f, em.replacements, tuple(rec.remove), masks, "the native op does not reproduce the original",
                      aliases, rec if rec.cell_checks else None)
+        if em.head_probes and not rec.stack and rec.anchor is not None:  # (a stacked step: validated whole)
+            rw.proxy = probe_pairs(g, rec.anchor, em.replacements, em.head_probes)
+            rw.proxy_how = "the head at its probe points" if rw.proxy is not None else ""
         if rec.stack and rec.stack in stacks:  # the next layer of a stacked step joins the step's rewrite
             whole = stacks[rec.stack]
             whole.finding.cell += (" -> " if rec.x_internal else " + ") + f.cell  # (stacked on / beside the last)
@@ -190,6 +194,11 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
             vr = validate(g, pairs, masks, seed=ctx.seed)
             for r in whole:
                 results[id(r)] = vr
+                if r.proxy is not None and not vr.ran:
+                    # (a check that did not run is the original's failing, judged as skipped: a proxy is the
+                    # optimizer's own construction, so the rewrite's own pairs are what may say so)
+                    r.proxy, r.proxy_how = None, ""
+                    results[id(r)] = validate(g, r.checked_pairs(), r.masks, seed=ctx.seed)
     for r in rewrites:
         f = r.finding
         result.findings.append(f)

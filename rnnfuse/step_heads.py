@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from onnx import AttributeProto, NodeProto
+from onnx import AttributeProto, NodeProto, helper
 
+from .elem_types import fixed_by_op, typed_like
 from .errors import Decline
 from .graph import Graph
 from .row_wise import ROW_RANK, check_row_wise, folded_from_shapes, replay
@@ -45,6 +46,10 @@ class StepHead:
     # cat([h1, h2])) -> that cell's Y, time-major in processing order: first the layer's index, then (once
     # the layer is emitted, see rnnfuse.rewrite) the tensor
     layer_h: dict = field(default_factory=dict)
+    rank: dict[str, int] = field(default_factory=dict)  # tensor the nodes compute -> its rank as a row tensor (0: constant)
+    # a head too big to validate whole: the body tensors validation compares in its place (probe_points);
+    # empty for a head validated whole
+    probes: list[str] = field(default_factory=list)
 
 
 def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[str], x_source: str, x_axis: int,
@@ -72,7 +77,7 @@ def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[s
             rank = check_row_wise(body, n, rows, const_of)
             row_out = rank if any(rows.get(i) for i in n.input if i) else 0  # constants alone: no row axis
             for o in n.output:
-                rows[o] = row_out
+                rows[o] = head.rank[o] = row_out
             order.append(n)
             continue
         if name in seen or not name:
@@ -94,7 +99,45 @@ def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[s
         if id(n) not in done:
             done.add(id(n))
             head.nodes.append(n)
+    head.probes = probe_points(head)
     return head
+
+
+# A head of more nodes than this is validated at its probe points, not whole: the check model holds a head
+# twice (inside the original loop, and replayed), and a 100,000-op head was 7.5 s of onnxruntime loads.
+PROBED_ABOVE = 256
+# the head's nodes whose outputs a probe check compares, in evaluation order (the first read only leaves)
+PROBE_NODES = 8
+
+
+def probe_points(head: StepHead) -> list[str]:
+    """The body tensors a big head is validated at in place of its output ([] for a head validated whole).
+
+    They are every row leaf the head reads (h_t, x_t, another cell's h: how each reaches the rows) and the
+    row outputs of its first ``PROBE_NODES`` nodes (the copying, constants re-homed). The rest needs no run:
+    each node is a row-wise op (proven by :func:`check_row_wise` when the head was found), copied with its
+    attributes by :func:`replay`, and reads only values shown equal so -- leaves, constants, earlier nodes."""
+    if len(head.nodes) <= PROBED_ABOVE:
+        return []
+    points = sorted(head.h) + sorted(head.x) + sorted(head.layer_h)
+    return points + [o for n in head.nodes[:PROBE_NODES] for o in n.output if head.rank.get(o) == ROW_RANK]
+
+
+def _probe_types(b, head: StepHead, row_type: int) -> dict[str, int | None]:
+    """The element type of each probe point, as the ops fix it (rnnfuse.elem_types) from the rows' (the
+    cell's) and the constants' (None where no op rule says): no shape inference of a body this big."""
+    known: dict[str, int | None] = {name: row_type for name in [*head.h, *head.x, *head.layer_h]}
+    for name, arr in head.consts.items():
+        known[name] = helper.np_dtype_to_tensor_dtype(arr.dtype)
+    for name, outer in head.refs.items():
+        c = b.g.const(outer)
+        known[name] = helper.np_dtype_to_tensor_dtype(np.asarray(c).dtype) if c is not None else None
+    for n in head.nodes[:PROBE_NODES]:
+        src = typed_like(n)
+        et = known.get(src) if src else fixed_by_op(n)
+        for o in n.output:
+            known[o] = et
+    return {name: known.get(name) for name in head.probes}
 
 
 def _leaf(body: Graph, ev, name: str, h_key, other_keys: dict, x_reads: set[str], invariants: dict[str, str],
@@ -146,10 +189,12 @@ def _leaf(body: Graph, ev, name: str, h_key, other_keys: dict, x_reads: set[str]
 # --------------------------------------------------------------------------- emission
 
 
-def apply_head(b, head: StepHead, y: str) -> str:
+def apply_head(b, head: StepHead, y: str, probes: dict | None = None, row_type: int = 0) -> str:
     """``head`` on every step of ``y`` ([T, B, H], time-major, in processing order): [T, B, K].
 
-    ``b`` is the emitter's :class:`~rnnfuse.emit.Builder`: the copied nodes are added beside the native op."""
+    ``b`` is the emitter's :class:`~rnnfuse.emit.Builder`: the copied nodes are added beside the native op.
+    ``probes`` (a dict): gains each of the head's probe points of a known element type -> (its rows on every
+    step, [T, B, ...] as the output; that type), the rows being of type ``row_type``."""
     env: dict[str, str] = {}
     rows = b.op("Flatten", y, axis=2)  # [T*B, H]: every step's rows, step after step
     for name in head.h:
@@ -171,4 +216,9 @@ def apply_head(b, head: StepHead, y: str) -> str:
     replay(b, head.nodes, env, "head")
     # back to [T, B, K]: the steps and batch rows of y
     shape = b.op("Concat", b.op("Slice", b.op("Shape", y), b.i64(0), b.i64(2), b.i64(0)), b.i64(-1), axis=0)
-    return b.op("Reshape", env[head.out], shape)
+    out = b.op("Reshape", env[head.out], shape)
+    if probes is not None:  # (after the output: the names it is given do not depend on the probes)
+        for name, et in _probe_types(b, head, row_type).items():
+            if et:
+                probes[name] = (b.op("Reshape", env[name], shape), et)
+    return out

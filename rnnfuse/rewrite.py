@@ -87,18 +87,21 @@ def judge(f: Finding, vr, pairs: list, fail_reason: str, how: str = "") -> bool:
     return True
 
 
-def commit(g: Graph, replacements: dict, remove) -> None:
-    """Make every reader of each old tensor read its new one, then drop the replaced nodes."""
+def commit(g: Graph, replacements: dict, remove, long_lists: set[str] | None = None) -> None:
+    """Make every reader of each old tensor read its new one, then drop the replaced nodes. ``long_lists``
+    (a set): gains the values read by 64+ nodes whose reader lists still hold removed nodes, for the caller
+    to filter once (see :meth:`Graph.remove_node`); by default they are filtered here."""
     model = g.model
     for old, new in replacements.items():
         t = model.settled_type(old)
         if t is not None and t[1] is not None:
             model.declare(new, t)  # the new tensor holds what the old one did: same type and shape
         g.replace_uses(old, new)
-    long_lists: set[str] = set()  # (values read by 64+ nodes: filtered once, not per node removed; a merged
-    for n in remove:  # chain of 2,700 native ops read one weight each: 0.6 s of rescans)
-        g.remove_node(n, long_lists)
-    g.drop_removed_readers(long_lists)
+    deferred: set[str] = set() if long_lists is None else long_lists
+    for n in remove:  # (a merged chain of 2,700 native ops read one weight each: 0.6 s of rescans)
+        g.remove_node(n, deferred)
+    if long_lists is None:
+        g.drop_removed_readers(deferred)
 
 
 def apply_recurrences(
@@ -199,6 +202,9 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
                     # optimizer's own construction, so the rewrite's own pairs are what may say so)
                     r.proxy, r.proxy_how = None, ""
                     results[id(r)] = validate(g, r.checked_pairs(), r.masks, seed=ctx.seed)
+    # (the reader lists that still hold removed nodes are filtered once, after every commit: 1,600 stacked
+    # Loops all read one trip count, and filtering its list per commit was quadratic)
+    long_lists: set[str] = set()
     for r in rewrites:
         f = r.finding
         result.findings.append(f)
@@ -209,8 +215,9 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
                 continue
         elif f.status == "declined":
             continue
-        commit(g, {**r.replacements, **r.aliases}, r.remove)
+        commit(g, {**r.replacements, **r.aliases}, r.remove, long_lists)
         result.modified = True
+    g.drop_removed_readers(long_lists)
     if result.modified and prune:
         g.prune()
 

@@ -1189,3 +1189,62 @@ def test_a_backward_chains_step_reads_share_one_flip(monkeypatch):
                  "h_init": rng.standard_normal((2, 4)).astype(np.float32)}
         np.testing.assert_allclose(session(m.proto).run(None, feeds)[0], session(model).run(None, feeds)[0], atol=1e-5)
     assert added[6] == added[12] >= 1, added
+
+
+def test_committing_stacked_loops_filters_a_shared_reader_list_once(monkeypatch):
+    """80 stacked Loops all read one trip count ``T``, each capturing the Loop below's output: committing them
+    renamed each capture by re-indexing its Loop (filtering T's reader list) and filtered T's list again after
+    each commit, quadratic in the Loops (1,600 Loops: 0.7 s of commits, now 0.1 s). The captures are renamed
+    in place, and the long lists are filtered once after every commit."""
+    from builders_loops import build_stacked_loops
+
+    import rnnfuse
+
+    long_filters: list[str] = []  # names whose reader list of 64+ was filtered
+    unindex, drop = Graph._unindex, Graph.drop_removed_readers
+
+    def counted_unindex(g, node, defer=None):
+        if defer is None:
+            long_filters.extend(i for i in set(node.input) | g.implicit_inputs(node) if len(g.uses(i)) >= 64)
+        return unindex(g, node, defer)
+
+    def counted_drop(g, names):
+        long_filters.extend(i for i in names if len(g.uses(i)) >= 64)
+        return drop(g, names)
+
+    monkeypatch.setattr(Graph, "_unindex", counted_unindex)
+    monkeypatch.setattr(Graph, "drop_removed_readers", counted_drop)
+    model = build_stacked_loops(80)
+    fused, report = rnnfuse.optimize(model)
+    assert len(report.fused) == 80 and not report.declined, report.to_text()
+    assert long_filters.count("T") <= 2, long_filters.count("T")
+    x = np.random.default_rng(0).standard_normal((5, 1, 4)).astype(np.float32)
+    from helpers import session
+
+    for got, want in zip(session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_renaming_a_value_a_loop_captures_leaves_the_loops_other_reads_alone(monkeypatch):
+    """A Loop whose body reads ``a`` from outside, renamed to ``b``: the body reads ``b``, the Loop is on b's
+    reader list and off a's, its captures say so, and no other reader list is filtered (no re-index)."""
+    vi = helper.make_tensor_value_info
+    body = helper.make_graph(
+        [helper.make_node("Add", ["h", "a"], ["hn"]), helper.make_node("Identity", ["cond"], ["cond_out"])], "body",
+        [vi("it", TensorProto.INT64, []), vi("cond", TensorProto.BOOL, []), vi("h", TensorProto.FLOAT, [2])],
+        [vi("cond_out", TensorProto.BOOL, []), vi("hn", TensorProto.FLOAT, [2])])
+    nodes = [helper.make_node("Identity", ["x"], ["a"]), helper.make_node("Neg", ["x"], ["b"]),
+             helper.make_node("Loop", ["T", "", "x"], ["y"], body=body, name="loop")]
+    g = helper.make_graph(nodes, "captures", [vi("x", TensorProto.FLOAT, [2]), vi("T", TensorProto.INT64, [])],
+                          [vi("y", TensorProto.FLOAT, [2])])
+    m = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    reindexed = []
+    unindex = Graph._unindex
+    monkeypatch.setattr(Graph, "_unindex", lambda g, node, defer=None: (reindexed.append(node.name), unindex(g, node, defer)))
+    loop = m.graph.producer["y"]
+    m.graph.replace_reads([loop], "a", "b")
+    assert not reindexed
+    assert m.graph.implicit_inputs(loop) == {"b"}
+    assert [u.name for u in m.graph.uses("b")] == ["loop"] and not m.graph.uses("a")
+    assert [u.name for u in m.graph.uses("T")] == ["loop"] and list(loop.input) == ["T", "", "x"]
+    assert [n.input[1] for n in loop.attribute[0].g.node if n.op_type == "Add"] == ["b"]

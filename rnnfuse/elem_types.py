@@ -18,6 +18,7 @@ from onnx import AttributeProto, NodeProto, TensorProto
 
 from .dataflow import post_order
 from .graph import Graph
+from .op_shapes import loop_output_type
 from .protos import attr
 
 # ops whose output has the element type of their first input
@@ -57,6 +58,10 @@ def _open(g: Graph, cur: str, memo: dict):
     src = typed_like(p)
     if src:
         return [src]
+    if p.op_type in ("Loop", "Scan"):  # (as its body declares the value)
+        declared = loop_output_type(g, p, cur)
+        memo[cur] = declared[0] if declared is not None else None
+        return None
     memo[cur] = fixed_by_op(p)
     return None
 

@@ -310,14 +310,18 @@ class GraphIndex:
         """The shape this graph itself declares for ``name`` (its inputs, outputs, value_info).
 
         Sibling subgraphs may reuse names, so a body's own declarations beat the model-wide map."""
+        t = self.local_type(name)
+        return t[1] if t else None
+
+    def local_type(self, name: str) -> tuple[int, list | None] | None:
+        """(element type, shape) as this graph itself declares them for ``name`` (see :meth:`local_shape`)."""
         if not hasattr(self, "_local_types"):
             self._local_types = {}
             for vi in itertools.chain(self.proto.input, self.proto.output, self.proto.value_info):
                 t = type_of(vi)
                 if t is not None:
                     self._local_types[vi.name] = t
-        t = self._local_types.get(name)
-        return t[1] if t else None
+        return self._local_types.get(name)
 
     def op_type_counts(self) -> tuple[dict[str, int], list[NodeProto]] | None:
         """(op type -> how many nodes, in order of first appearance; the control-flow nodes, whose graphs

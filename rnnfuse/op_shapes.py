@@ -15,6 +15,8 @@ to be, a symbolic extent only where it is carried unchanged (a cut or an arithme
 
 from __future__ import annotations
 
+from onnx import NodeProto
+
 from . import op_args
 from .cells.kinds import output_dims
 from .dataflow import literal_value, post_order
@@ -129,8 +131,36 @@ def _open_dims(g: Graph, key: tuple, memo: dict):
     if native is not None:
         return [(_DIMS, i) for i in sorted({p.input[d[0]] for d in native if isinstance(d, tuple)
                                             and len(p.input) > d[0]} - {""})]
-    memo[key] = None
+    declared = loop_output_type(g, p, cur) if op in ("Loop", "Scan") else None
+    memo[key] = declared[1] if declared is not None else None
     return None
+
+
+def loop_output_type(g: Graph, node: NodeProto, name: str) -> tuple[int, tuple | None] | None:
+    """(element type, dims) of output ``name`` of Loop or Scan ``node`` of ``g`` as its body declares the value:
+    a carried value has the body output's dims, a scan output one axis more where the steps are stacked (its
+    extent not known here). Numbers only (a body's symbols are its own: None in their place). A stack of
+    1,600 Loops, each reading the one below: the rank of each one's input took a cone inference through every
+    Loop below it, and above ~770 of them the cone was too big to infer (the Loops were declined)."""
+    body = g.subgraph(node)
+    outs, k = body.output_names, list(node.output).index(name)
+    if node.op_type == "Loop":
+        lead, n_states, axes = 1, len(node.input) - 2, ()
+    elif g.model.opset >= 9:  # (Scan-8 has a batch axis of its own)
+        lead, n_states = 0, len(body.input_names) - attr(node, "num_scan_inputs", 0)
+        axes = attr(node, "scan_output_axes", None) or ()
+    else:
+        return None
+    t = body.local_type(outs[lead + k]) if lead + k < len(outs) else None
+    if t is None or not t[0]:
+        return None
+    dims = None if t[1] is None else tuple(d if isinstance(d, int) else None for d in t[1])
+    if dims is None or k < n_states:
+        return t[0], dims
+    j = k - n_states
+    axis = axes[j] if j < len(axes) else 0
+    axis = axis + len(dims) + 1 if axis < 0 else axis
+    return (t[0], dims[:axis] + (None,) + dims[axis:]) if 0 <= axis <= len(dims) else (t[0], None)
 
 
 def _close_dims(g: Graph, cur: str, memo: dict):
@@ -336,6 +366,9 @@ def _open_rank(g: Graph, key: tuple, memo: dict):
         return [(_RANK, i) for i in p.input if i]
     elif op == "Concat" and p.input and p.input[0]:  # (every input has the output's rank)
         return [(_RANK, p.input[0])]
+    elif op in ("Loop", "Scan"):
+        declared = loop_output_type(g, p, cur)
+        fixed = None if declared is None or declared[1] is None else len(declared[1])
     elif op is not None:
         native = output_dims(p, cur)
         fixed = None if native is None else len(native)

@@ -361,3 +361,19 @@ def test_a_loop_over_one_that_stops_early_is_not_read_as_running_its_trip_count(
     assert op_counts(fused).get("Loop", 0) == 2, report.to_text()
     assert "cannot prove the trip count" in report.to_text(), report.to_text()
     _outputs_kept(model, fused, steps=3)
+
+
+def test_stacked_loops_in_a_big_model_fuse_in_one_round(monkeypatch):
+    """In a model too big to infer whole, each Loop's step input is the stacked output of the Loop below: its
+    rank is what that Loop's body declares (rnnfuse.op_shapes.loop_output_type), not a cone inference through
+    every Loop below it. The cone budget ran out above ~770 of 2,777 stacked Loops: the rest were declined,
+    fused round after round as the ones below were, and the top three never."""
+    import rnnfuse.cone_types
+    import rnnfuse.model
+
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)  # (a big model's view)
+    monkeypatch.setattr(rnnfuse.cone_types, "CHEAP_INFERENCE_NODES", 100)  # (a budget of 100 nodes)
+    model = build_stacked_loops(40)
+    fused, report = rnnfuse.optimize(model)
+    assert len(report.fused) == 40 and not report.declined and report.rounds == 2, report.to_text()
+    _outputs_kept(model, fused)

@@ -260,6 +260,37 @@ def loop_with_head(path: str, nodes: int, features: int = 3, hidden: int = 4) ->
     return len(top) + len(body)
 
 
+def stacked_loops(path: str, nodes: int, hidden: int = 4) -> int:
+    """Loops stacked on one another (``nodes // 9`` of them, bodies counted): each a tanh cell over the stacked
+    per-step outputs of the Loop below, all with the trip count ``x.shape[0]`` (TorchScript's loop per layer,
+    a deep stack of them). Fused: one RNN per Loop, every one validated in one check model; every Loop reads
+    the one trip count and captures the output of the one below."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    f, vi = TensorProto.FLOAT, helper.make_tensor_value_info
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "i0"), numpy_helper.from_array(np.array(True), "true"),
+             numpy_helper.from_array(np.zeros((1, hidden), np.float32), "h0")]
+    top = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["T1"], axis=0),
+           helper.make_node("Squeeze", ["T1", "i0"], ["T"])]
+    cur = "x"
+    for k in range(max(1, (nodes - 3) // 9)):
+        inits += [numpy_helper.from_array((0.4 * rng.standard_normal(s)).astype(np.float32), f"{n}{k}")
+                  for n, s in (("W", (hidden, hidden)), ("R", (hidden, hidden)), ("b", (hidden,)))]
+        body = [helper.make_node("Gather", [cur, "it"], ["xt"], axis=0), helper.make_node("MatMul", ["xt", f"W{k}"], ["xw"]),
+                helper.make_node("MatMul", ["h", f"R{k}"], ["hr"]), helper.make_node("Add", ["xw", "hr"], ["s"]),
+                helper.make_node("Add", ["s", f"b{k}"], ["s2"]), helper.make_node("Tanh", ["s2"], ["hn"]),
+                helper.make_node("Identity", ["hn"], ["yt"]), helper.make_node("Identity", ["cond"], ["cond_out"])]
+        graph = helper.make_graph(body, f"body{k}", [vi("it", TensorProto.INT64, []), vi("cond", TensorProto.BOOL, []),
+                                                     vi("h", f, [1, hidden])],
+                                  [vi("cond_out", TensorProto.BOOL, []), vi("hn", f, [1, hidden]), vi("yt", f, [1, hidden])])
+        top.append(helper.make_node("Loop", ["T", "true", "h0"], [f"h_last{k}", f"ys{k}"], body=graph))
+        cur = f"ys{k}"
+    _save(path, top, "stacked_loops", [vi("x", f, ["T", 1, hidden])], [vi(cur, f, ["S", 1, hidden])], inits)
+    return 3 + 9 * (len(top) - 3)
+
+
 def recurrence_then_head(path: str, nodes: int) -> int:
     """The shipped Keras model (a masked bidirectional GRU and an LSTM: two Loops to fuse, a pair to merge)
     followed by ``nodes`` nodes reading its output (MatMul, Tanh, Add, Sigmoid, repeated): a big model with a

@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,declared,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,loophead,callhead,chunkhead,grucell,rnncell,grustack,grubi,annotated,wide,heavy,heavy_ext]
+                                 [--graphs lstmcell,declared,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,loophead,loopstack,callhead,chunkhead,grucell,rnncell,grustack,grubi,annotated,wide,heavy,heavy_ext]
                                  [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
@@ -44,6 +44,8 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
   (the head is the graph's size, bodies counted): one RNN once fused, the head applied once to every step.
   The validation and the do-no-harm guard each load a model holding the head in onnxruntime, whose load grows
   faster than the nodes.
+* ``loopstack``: Loops stacked on one another, each a tanh cell over the stacked outputs of the Loop below, all
+  reading one trip count (9 nodes a Loop, bodies counted): one RNN per Loop, all validated in one check model.
 * ``callhead``: torch's trace of ``nn.LSTM`` called once per step with a head per call, ``tanh(Linear(y[0]))``
   stacked on time (16 nodes a step; exported at every size: ~6 minutes at 96k nodes): one LSTM and the head
   applied once.
@@ -89,7 +91,7 @@ from chain_2000 import (CALL_HEAD_NODES_PER_STEP, CELL_LOOP_NODES_PER_STEP, CHUN
                         export_calls_with_head, export_cell_loops, export_chunk_cell_with_head, export_lstmcell_chain,
                         export_view_chain)
 from graphs import (attention_blocks, backward_loop_read_stacked, cells_side_by_side, elementwise_chain, layer_called_per_step,  # noqa: E402
-                    loop_with_head, loops_in_a_row, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
+                    loop_with_head, loops_in_a_row, stacked_loops, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
                     steps_summed, two_cells_per_step, unbind_stack_blocks)
 
 
@@ -254,7 +256,7 @@ GENERATORS = {"lstmcell": lstmcell_chain, "declared": declared_chain, "elementwi
               "views": lambda path, nodes: export_view_chain(path, max(2, nodes // VIEW_NODES_PER_STEP)),
               "head": recurrence_then_head, "annotated": annotated_head, "prologue": prologue_then_recurrence,
               "blocks": unbind_stack_blocks, "attention": attention_blocks, "stepcalls": layer_called_per_step,
-              "backreads": backward_loop_read_stacked, "loophead": loop_with_head,
+              "backreads": backward_loop_read_stacked, "loophead": loop_with_head, "loopstack": stacked_loops,
               "callhead": lambda path, nodes: export_calls_with_head(path, max(2, nodes // CALL_HEAD_NODES_PER_STEP)),
               "chunkhead": lambda path, nodes: export_chunk_cell_with_head(path, max(2, nodes // CHUNK_HEAD_NODES_PER_STEP)),
               **{kind: (lambda path, nodes, kind=kind, n=n: export_cell_loops(path, max(2, nodes // n), kind))
@@ -524,6 +526,8 @@ def main(argv=None) -> int:
         "outputs `stack(cat([hf[t], hb[t]], 1))`, 14 nodes/step), one bidirectional RNN and the stack read from it. "
         "`loophead`: a Loop whose body holds a tanh cell and a per-step head of elementwise ops (the graph's size, "
         "bodies counted), one RNN and the head applied once. "
+        "`loopstack`: Loops stacked on one another, a tanh cell each over the outputs of the one below, all reading "
+        "one trip count (9 nodes a Loop, bodies counted), one RNN per Loop. "
         "`callhead`: torch's trace of `nn.LSTM` called once per step with a head per call, `tanh(Linear(y[0]))` "
         "stacked (16 nodes/step), one LSTM and the head applied once. "
         "`chunkhead`: torch's trace of a hand-written LSTM cell with `gates.chunk(4, 1)` (slice bounds from each "

@@ -192,6 +192,18 @@ def holds_op_type(node: NodeProto, op_types: frozenset[str]) -> bool:
     return False
 
 
+def nodes_within(g: GraphProto) -> int:
+    """How many nodes ``g`` holds, its subgraphs' at any depth included."""
+    count, stack = 0, [g]
+    while stack:
+        nodes = stack.pop().node
+        count += len(nodes)
+        for n in nodes:
+            if has_subgraph(n):
+                stack.extend(subgraphs(n))
+    return count
+
+
 def free_names(g: GraphProto) -> set[str]:
     """Names a graph reads that it does not define (its captures from enclosing scopes)."""
     defined = {i.name for i in g.input}

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .check_session import Source, model_of, open_session, takes_file_route
 from .feeds import index_ranges, input_sizes, random_values, valid_steps
 from .graph import Graph
-from .protos import data_bytes, rename_free, subgraphs
+from .protos import data_bytes, nodes_within, rename_free, subgraphs
 from .upstream import Cut, cut
 
 ATOL = 1e-5
@@ -163,7 +163,8 @@ def _with_overrides(keep: list[onnx.NodeProto], overrides: dict[str, list[onnx.N
 
 # models whose weights exceed this are not copied into a validation model (it would double their memory)
 MAX_VALIDATION_BYTES = 1 << 30
-# check models of more nodes than this are run without graph optimizations first (see _check_session)
+# check models of more nodes than this (their bodies' included) are run without graph optimizations first (see
+# _check_session)
 LIGHT_CHECK_NODES = 10_000
 
 
@@ -338,8 +339,9 @@ def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: Inpu
         check, pattern_inputs, big = build_check_model(g, pairs, mask_names, start)
         # a big check model runs first without graph optimizations, as small step checks do (a failure is
         # checked again as deployed): onnxruntime's optimizers cost more than linear time in the nodes (a
-        # 100k-node model of 5,400 one-step LSTMs, torch's nn.LSTM called per step: minutes to load)
-        light = not prepack and len(check.graph.node) > LIGHT_CHECK_NODES
+        # 100k-node model of 5,400 one-step LSTMs, torch's nn.LSTM called per step: minutes to load), and
+        # they optimize every Loop body too (1,600 stacked Loops and their RNNs: 2.0 s to load, 0.9 s without)
+        light = not prepack and (len(check.graph.node) > LIGHT_CHECK_NODES or nodes_within(check.graph) > LIGHT_CHECK_NODES)
         sess = open_session(ort, check, big, prepack=prepack, file_route=takes_file_route(big), light=light)
         return sess, pattern_inputs, start.given
     except _Skip as s:

@@ -35,16 +35,16 @@ class RowStep:
 def row_step_reads(g: Graph, outer: str, loop: NodeProto) -> list[tuple[str, str]]:
     """``[(tensor, step)]`` when every reader of the stacked per-step output ``outer`` ([T, B, H]) takes one
     step per batch row (see the module doc), else []."""
-    if g.is_graph_output(outer):
-        return []
+    uses = g.uses(outer)
+    if g.is_graph_output(outer) or any(u.op_type != "GatherND" or u.input[0] != outer or attr(u, "batch_dims", 0) != 0
+                                       for u in uses):
+        return []  # (asked before the shape: the first shape asked of a model with 1,600 Loops inferred it whole)
     shape = g.model.shape(outer)
     if not shape or len(shape) != 3 or not isinstance(shape[1], int):
         return []
     batch = shape[1]
     out = []
-    for u in g.uses(outer):
-        if u.op_type != "GatherND" or u.input[0] != outer or attr(u, "batch_dims", 0) != 0:
-            return []
+    for u in uses:
         step = _step_column(g, u.input[1], batch)
         if step is None or _reads_node(g, step, loop):
             return []

@@ -39,7 +39,9 @@ class Model:
         self.graph = Graph(proto.graph, None, self) if index_from is None else index_from.next_view(self)
         # whether whole-model shape inference is cheap enough to fill in undeclared types (see known_type)
         n = len(self.graph.nodes)
-        self._may_infer = n < CHEAP_INFERENCE_NODES and n * len(self.graph.nodes_of(*CONTROL_FLOW)) < CHEAP_INFERENCE_SCOPE_WORK
+        # (every subgraph is handed the types of the values around it: the graph's initializers count too)
+        scope = n + len(self.graph.initializers)
+        self._may_infer = n < CHEAP_INFERENCE_NODES and scope * len(self.graph.nodes_of(*CONTROL_FLOW)) < CHEAP_INFERENCE_SCOPE_WORK
         # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
         self.facts = ModelFacts()
 

@@ -90,6 +90,19 @@ def test_many_subgraphs_skip_whole_inference(monkeypatch):
     assert m.known_type("m0")[0] == TensorProto.FLOAT and calls == [1]
 
 
+def test_initializers_count_in_the_work_of_inferring_subgraphs(monkeypatch):
+    """The values each subgraph is handed include the graph's initializers: 6 Loops in a graph of 12 nodes and
+    1,203 initializers are past the bound (1,215 x 6), though its nodes alone are not (12 x 6). (1,600 Loops
+    of a tanh cell each, 3 weights a Loop: 1.8 s of inference.)"""
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_SCOPE_WORK", 1000)
+    calls = []
+    monkeypatch.setattr(rnnfuse.model, "infer_types", lambda proto: calls.append(1) or {})
+    model = _loops(6)
+    model.graph.initializer.extend(numpy_helper.from_array(np.ones(1, np.float32), f"unused{k}") for k in range(1200))
+    m = Model(model)
+    assert m.known_type("m0")[0] == TensorProto.FLOAT and calls == []
+
+
 # -- ONNX arguments by opset (rnnfuse.op_args), through the folder that reads them ----------------------
 def _fold(op, inputs, opset, n_out=1, **attrs):
     """Fold one node whose inputs are the given constants (None: an input left out)."""

@@ -94,6 +94,8 @@ def check_case(case: dict, sets: list[str] | None = None, **optimize_kwargs) -> 
         assert counts.get(op, 0) == n, f"{case['name']}: {counts.get(op, 0)} {op} instead of {n}\n{report.to_text()}"
     if "directions" in expect:
         assert directions(fused) == {k: sorted(v) for k, v in expect["directions"].items()}, report.to_text()
+    if "validated" in expect:  # (how the rewrite was validated, e.g. a big head "at its probe points")
+        assert all(expect["validated"] in f.validation for f in report.fused), report.to_text()
     for op, want in expect.get("attrs", {}).items():
         for node in (n for n in fused.graph.node if n.op_type == op):
             got = native_attrs(node)

@@ -157,6 +157,8 @@ CASES = [
     case("hand_lstm_head", "hand", "lstm_head", notes="step returns dense(h) = h @ Wd + bd per step"),
     case("hand_gru_head_relu_o17", "hand", "gru_head", opset=17, notes="step returns relu(h @ Wd + bd)"),
     case("hand_rnn_head_x", "hand", "rnn_head_x", notes="step returns (h, tanh(h @ V + x_t @ U)): a head on h and x_t"),
+    case("hand_rnn_big_head", "hand", "rnn_big_head", notes=(
+        "the step returns a head of 320 elementwise ops on h and x_t: validated at its probe points, not whole")),
     case("nnx_gru_scan_head", "nnx_scan", "gru", head=True, notes="nnx.GRUCell under lax.scan, nnx.Linear on h"),
     case("hand_rnn_lstm_side", "hand", "rnn_lstm_side",
          notes="two cells side by side under one lax.scan, the step returns concatenate([h1, h2]): two ops"),
@@ -391,6 +393,15 @@ def build_hand(env: Env, c: Case, seed: int):
             c2 = sig(f) * c2 + sig(i) * tanh(g)
             h2 = sig(o) * tanh(c2)
             return (h1, c2, h2), jnp.concatenate([h1, h2], -1)
+    elif kind == "rnn_big_head":  # a head past rnnfuse.step_heads.PROBED_ABOVE, reading x_t deep inside it
+        Wx, Wh, b, U = _weights(rng, (F, H), (H, H), (H,), (F, H))
+
+        def cell(h, xt):
+            new = tanh(xt @ Wx + h @ Wh + b)
+            y = new
+            for k in range(80):  # 4 ops each
+                y = sig(tanh(y * 0.5 + (xt @ U if k == 40 else 0.25)))
+            return new, y
     elif kind in ("rnn_head_x", "rnn_head_prev", "rnn_head_feedback"):
         Wx, Wh, b, V, U, P = _weights(rng, (F, H), (H, H), (H,), (H, 2), (F, 2), (2, H))
 
@@ -700,7 +711,9 @@ def expectation(c: Case) -> dict:
         return {"ops": {"RNN": 1, "LSTM": 1}, "absent": ["Loop", "Scan"]}
     op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN", "lstm_head": "LSTM",
                                    "gru_head": "GRU", "rnn_head_x": "RNN", "rnn_len": "RNN", "gru_einsum": "GRU",
-                                   "rnn_einsum_t": "RNN"}[c.cell]
+                                   "rnn_einsum_t": "RNN", "rnn_big_head": "RNN"}[c.cell]
+    if c.cell == "rnn_big_head":
+        return {"ops": {op: 1}, "absent": ["Loop", "Scan"], "validated": "probe points"}
     if c.model == "bidir":  # the flip outside the loops (Range/Sub/Gather) is seen: one bidirectional op
         return {"ops": {op: 1}, "directions": {op: ["bidirectional"]}, "absent": ["Loop", "Scan"]}
     # an LSTM's c read at one step per row (flax's carry at seq_lengths - 1) is a twin op's Y_c

@@ -104,8 +104,10 @@ def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[s
 
 
 # A head of more nodes than this is validated at its probe points, not whole: the check model holds a head
-# twice (inside the original loop, and replayed), and a 100,000-op head was 7.5 s of onnxruntime loads.
-PROBED_ABOVE = 256
+# twice (inside the original loop, and replayed), and a 100,000-op head was 7.5 s of onnxruntime loads. Below
+# it the whole check costs little (a 2,000-op head: a check model of ~4,000 nodes, tenths of a second), so it
+# runs: correctness first, as for unrolled chains (rnnfuse.rewrite.WHOLE_MODEL_LIMIT).
+PROBED_ABOVE = 2000
 # the head's nodes whose outputs a probe check compares, in evaluation order (the first read only leaves)
 PROBE_NODES = 8
 

@@ -90,11 +90,11 @@ def _same_outputs(model: onnx.ModelProto, fused: onnx.ModelProto) -> None:
             assert_close(a, e, f"T={T}, B={B}")
 
 
-@pytest.mark.parametrize("front,x_at,reversed_output", [("loop", None, False), ("loop", 200, False),
-                                                        ("scan", None, False), ("scan", 200, True)])
+@pytest.mark.parametrize("front,x_at,reversed_output", [("loop", None, False), ("loop", 1000, False),
+                                                        ("scan", None, False), ("scan", 1000, True)])
 def test_a_big_head_is_validated_at_its_probe_points(monkeypatch, front, x_at, reversed_output):
     """Fused, the head checked at its probe points by a check model far smaller than the head, and the
-    outputs the original's (the step input read 200 ops deep, a Scan output stacked backwards)."""
+    outputs the original's (the step input read 1,000 ops deep, a Scan output stacked backwards)."""
     model = build_big_head(front, x_at=x_at, reversed_output=reversed_output)
     sizes = _check_model_sizes(monkeypatch)
     fused, report = rnnfuse.optimize(model)
@@ -136,8 +136,8 @@ def test_a_fault_at_a_probe_point_declines_the_rewrite(monkeypatch):
 
 
 def test_a_big_head_that_is_not_row_wise_deep_inside_is_declined():
-    """A sum over the batch 250 ops into the head: the row-wise proof still covers every op, probed or not."""
-    fused, report = rnnfuse.optimize(build_big_head(batch_reduce_at=250))
+    """A sum over the batch 1,500 ops into the head: the row-wise proof still covers every op, probed or not."""
+    fused, report = rnnfuse.optimize(build_big_head(batch_reduce_at=1500))
     assert not report.fused and report.declined, report.to_text()
     assert "ReduceSum" in report.declined[0].reason, report.to_text()
 

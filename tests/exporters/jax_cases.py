@@ -158,7 +158,7 @@ CASES = [
     case("hand_gru_head_relu_o17", "hand", "gru_head", opset=17, notes="step returns relu(h @ Wd + bd)"),
     case("hand_rnn_head_x", "hand", "rnn_head_x", notes="step returns (h, tanh(h @ V + x_t @ U)): a head on h and x_t"),
     case("hand_rnn_big_head", "hand", "rnn_big_head", notes=(
-        "the step returns a head of 320 elementwise ops on h and x_t: validated at its probe points, not whole")),
+        "the step returns a head of 2,080 elementwise ops on h and x_t: validated at its probe points, not whole")),
     case("nnx_gru_scan_head", "nnx_scan", "gru", head=True, notes="nnx.GRUCell under lax.scan, nnx.Linear on h"),
     case("hand_rnn_lstm_side", "hand", "rnn_lstm_side",
          notes="two cells side by side under one lax.scan, the step returns concatenate([h1, h2]): two ops"),
@@ -399,8 +399,8 @@ def build_hand(env: Env, c: Case, seed: int):
         def cell(h, xt):
             new = tanh(xt @ Wx + h @ Wh + b)
             y = new
-            for k in range(80):  # 4 ops each
-                y = sig(tanh(y * 0.5 + (xt @ U if k == 40 else 0.25)))
+            for k in range(520):  # 4 ops each
+                y = sig(tanh(y * 0.5 + (xt @ U if k == 260 else 0.25)))
             return new, y
     elif kind in ("rnn_head_x", "rnn_head_prev", "rnn_head_feedback"):
         Wx, Wh, b, V, U, P = _weights(rng, (F, H), (H, H), (H,), (H, 2), (F, 2), (2, H))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from onnx import GraphProto, NodeProto, helper
 
 from .graph import Graph, attr
-from .protos import free_names, has_subgraph, subgraphs
+from .protos import carried_layout, free_names, has_subgraph, subgraphs
 
 
 def probe_pairs(g: Graph, node: NodeProto, replacements: dict[str, str],
@@ -26,9 +26,10 @@ def probe_pairs(g: Graph, node: NodeProto, replacements: dict[str, str],
     ``head_probes``: :attr:`rnnfuse.emit.Emission.head_probes`."""
     if node.op_type not in ("Loop", "Scan") or node.domain not in ("", "ai.onnx") or g.parent is not None:
         return None
+    if node.op_type == "Scan" and g.model.opset < 9:  # (Scan-8 reads sequence lengths first: another layout)
+        return None
     body = attr(node, "body")
-    lead = 1 if node.op_type == "Loop" else 0  # (a Loop's body outputs its condition first)
-    n_states = len(body.input) - (2 if node.op_type == "Loop" else attr(node, "num_scan_inputs", 0))
+    lead, n_states = carried_layout(node)
     position = {o: k for k, o in enumerate(node.output) if o}
     if any(old not in position for old in replacements) or n_states < 0:
         return None

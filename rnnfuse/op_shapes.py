@@ -21,7 +21,7 @@ from . import op_args
 from .cells.kinds import output_dims
 from .dataflow import literal_value, post_order
 from .graph import Graph
-from .protos import attr, node_field
+from .protos import attr, carried_layout, node_field
 
 Dims = "tuple | None"
 
@@ -142,15 +142,12 @@ def loop_output_type(g: Graph, node: NodeProto, name: str) -> tuple[int, tuple |
     extent not known here). Numbers only (a body's symbols are its own: None in their place). A stack of
     1,600 Loops, each reading the one below: the rank of each one's input took a cone inference through every
     Loop below it, and above ~770 of them the cone was too big to infer (the Loops were declined)."""
+    if node.op_type == "Scan" and g.model.opset < 9:  # (Scan-8 has a batch axis of its own)
+        return None
     body = g.subgraph(node)
     outs, k = body.output_names, list(node.output).index(name)
-    if node.op_type == "Loop":
-        lead, n_states, axes = 1, len(node.input) - 2, ()
-    elif g.model.opset >= 9:  # (Scan-8 has a batch axis of its own)
-        lead, n_states = 0, len(body.input_names) - attr(node, "num_scan_inputs", 0)
-        axes = attr(node, "scan_output_axes", None) or ()
-    else:
-        return None
+    lead, n_states = carried_layout(node)
+    axes = (attr(node, "scan_output_axes", None) or ()) if node.op_type == "Scan" else ()
     t = body.local_type(outs[lead + k]) if lead + k < len(outs) else None
     if t is None or not t[0]:
         return None

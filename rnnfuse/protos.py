@@ -192,6 +192,15 @@ def holds_op_type(node: NodeProto, op_types: frozenset[str]) -> bool:
     return False
 
 
+def carried_layout(node: NodeProto) -> tuple[int, int]:
+    """(where a Loop's or Scan's body outputs its carried values, how many it carries): a Loop's body outputs
+    its condition first and carries the inputs after the trip count and condition; a Scan (opset 9+) carries
+    the inputs before its ``num_scan_inputs`` scanned ones. Its scan outputs follow the carried ones."""
+    if node.op_type == "Loop":
+        return 1, len(node.input) - 2
+    return 0, len(node.input) - attr(node, "num_scan_inputs", 0)
+
+
 def nodes_within(g: GraphProto) -> int:
     """How many nodes ``g`` holds, its subgraphs' at any depth included."""
     count, stack = 0, [g]

@@ -138,8 +138,9 @@ def _open_dims(g: Graph, key: tuple, memo: dict):
 
 def loop_output_type(g: Graph, node: NodeProto, name: str) -> tuple[int, tuple | None] | None:
     """(element type, dims) of output ``name`` of Loop or Scan ``node`` of ``g`` as its body declares the value:
-    a carried value has the body output's dims, a scan output one axis more where the steps are stacked (its
-    extent not known here). Numbers only (a body's symbols are its own: None in their place). A stack of
+    a carried value has the body output's rank (its dims are the initial value's when the loop runs no
+    iteration), a scan output the body output's dims and one axis more where the steps are stacked (its extent
+    not known here). Numbers only (a body's symbols are its own: None in their place). A stack of
     1,600 Loops, each reading the one below: the rank of each one's input took a cone inference through every
     Loop below it, and above ~770 of them the cone was too big to infer (the Loops were declined)."""
     if node.op_type == "Scan" and g.model.opset < 9:  # (Scan-8 has a batch axis of its own)
@@ -153,7 +154,7 @@ def loop_output_type(g: Graph, node: NodeProto, name: str) -> tuple[int, tuple |
         return None
     dims = None if t[1] is None else tuple(d if isinstance(d, int) else None for d in t[1])
     if dims is None or k < n_states:
-        return t[0], dims
+        return t[0], None if dims is None else (None,) * len(dims)
     j = k - n_states
     axis = axes[j] if j < len(axes) else 0
     axis = axis + len(dims) + 1 if axis < 0 else axis

@@ -24,6 +24,7 @@ import numpy as np
 from onnx import AttributeProto, NodeProto, helper
 
 from .elem_types import fixed_by_op, typed_like
+from .dataflow import literal_value
 from .errors import Decline
 from .graph import Graph
 from .row_wise import ROW_RANK, check_row_wise, folded_from_shapes, replay
@@ -47,6 +48,7 @@ class StepHead:
     # the layer is emitted, see rnnfuse.rewrite) the tensor
     layer_h: dict = field(default_factory=dict)
     rank: dict[str, int] = field(default_factory=dict)  # tensor the nodes compute -> its rank as a row tensor (0: constant)
+    folded: set[str] = field(default_factory=set)  # constants of ``consts`` rnnfuse folded (no literal)
     # a head too big to validate whole: the body tensors validation compares in its place (probe_points);
     # empty for a head validated whole
     probes: list[str] = field(default_factory=list)
@@ -118,17 +120,24 @@ def probe_points(head: StepHead) -> list[str]:
     They are every row leaf the head reads (h_t, x_t, another cell's h: how each reaches the rows) and the
     row outputs of its first ``PROBE_NODES`` nodes (the copying, constants re-homed). The rest needs no run:
     each node is a row-wise op (proven by :func:`check_row_wise` when the head was found), copied with its
-    attributes by :func:`replay`, and reads only values shown equal so -- leaves, constants, earlier nodes."""
-    if len(head.nodes) <= PROBED_ABOVE:
+    attributes by :func:`replay`, and reads only values shown equal so -- leaves, constants, earlier nodes.
+
+    Validated whole instead: a head whose output is not ``[rows, features]`` (its reshape back to the steps is
+    then not the probes' own), or that reads a constant rnnfuse folded (a literal is copied as it is; a value
+    folded by rnnfuse's own evaluator is onnxruntime's to confirm)."""
+    if len(head.nodes) <= PROBED_ABOVE or head.rank.get(head.out) != ROW_RANK or head.folded:
         return []
     points = sorted(head.h) + sorted(head.x) + sorted(head.layer_h)
     return points + [o for n in head.nodes[:PROBE_NODES] for o in n.output if head.rank.get(o) == ROW_RANK]
 
 
-def _probe_types(b, head: StepHead, row_type: int) -> dict[str, int | None]:
+def _probe_types(b, head: StepHead, row_type: int) -> dict[str, int] | None:
     """The element type of each probe point, as the ops fix it (rnnfuse.elem_types) from the rows' (the
-    cell's) and the constants' (None where no op rule says): no shape inference of a body this big."""
-    known: dict[str, int | None] = {name: row_type for name in [*head.h, *head.x, *head.layer_h]}
+    cell's h: the native op's type; x_t: its source's) and the constants': no shape inference of a body this
+    big. None when one is not known so (the head is then validated whole)."""
+    known: dict[str, int | None] = {name: row_type for name in [*head.h, *head.layer_h]}
+    x_type = b.g.model.elem_type(head.x_source) if head.x else None
+    known.update((name, x_type) for name in head.x)
     for name, arr in head.consts.items():
         known[name] = helper.np_dtype_to_tensor_dtype(arr.dtype)
     for name, outer in head.refs.items():
@@ -139,7 +148,8 @@ def _probe_types(b, head: StepHead, row_type: int) -> dict[str, int | None]:
         et = known.get(src) if src else fixed_by_op(n)
         for o in n.output:
             known[o] = et
-    return {name: known.get(name) for name in head.probes}
+    types = {name: known.get(name) for name in head.probes}
+    return None if None in types.values() else types
 
 
 def _leaf(body: Graph, ev, name: str, h_key, other_keys: dict, x_reads: set[str], invariants: dict[str, str],
@@ -177,6 +187,8 @@ def _leaf(body: Graph, ev, name: str, h_key, other_keys: dict, x_reads: set[str]
         raise Decline(f"a per-step output reads '{name}', folded from a step's shape (not every step's at once)")
     if c is not None:
         head.consts[name] = np.asarray(c)
+        if literal_value(body, name) is None:
+            head.folded.add(name)  # (a value rnnfuse computed: onnxruntime never checks it in a probe check)
         return False
     if name in body.input_names:
         if name in invariants:
@@ -195,8 +207,8 @@ def apply_head(b, head: StepHead, y: str, probes: dict | None = None, row_type: 
     """``head`` on every step of ``y`` ([T, B, H], time-major, in processing order): [T, B, K].
 
     ``b`` is the emitter's :class:`~rnnfuse.emit.Builder`: the copied nodes are added beside the native op.
-    ``probes`` (a dict): gains each of the head's probe points of a known element type -> (its rows on every
-    step, [T, B, ...] as the output; that type), the rows being of type ``row_type``."""
+    ``probes`` (a dict): gains each of the head's probe points -> (its rows on every step, [T, B, ...] as the
+    output; its element type), the rows being of type ``row_type``; none when a type is not known."""
     env: dict[str, str] = {}
     rows = b.op("Flatten", y, axis=2)  # [T*B, H]: every step's rows, step after step
     for name in head.h:
@@ -219,8 +231,8 @@ def apply_head(b, head: StepHead, y: str, probes: dict | None = None, row_type: 
     # back to [T, B, K]: the steps and batch rows of y
     shape = b.op("Concat", b.op("Slice", b.op("Shape", y), b.i64(0), b.i64(2), b.i64(0)), b.i64(-1), axis=0)
     out = b.op("Reshape", env[head.out], shape)
-    if probes is not None:  # (after the output: the names it is given do not depend on the probes)
-        for name, et in _probe_types(b, head, row_type).items():
-            if et:
-                probes[name] = (b.op("Reshape", env[name], shape), et)
+    types = _probe_types(b, head, row_type) if probes is not None else None
+    if types is not None:  # (after the output: the names it is given do not depend on the probes)
+        for name, et in types.items():
+            probes[name] = (b.op("Reshape", env[name], shape), et)
     return out

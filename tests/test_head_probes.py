@@ -147,9 +147,8 @@ def test_a_big_head_that_is_not_row_wise_deep_inside_is_declined():
     assert "ReduceSum" in report.declined[0].reason, report.to_text()
 
 
-def test_a_probe_check_that_cannot_run_falls_back_to_the_whole_check(monkeypatch):
-    """The loop copy is the optimizer's own construction: when onnxruntime cannot run it (here a body missing
-    a node), the rewrite is validated whole instead of being judged unvalidatable."""
+def _break_the_loop_copy(monkeypatch) -> None:
+    """Every loop copy a probe check builds loses its body's first node: onnxruntime cannot load it."""
     from rnnfuse import head_probes
 
     real = head_probes._body_computing
@@ -160,6 +159,12 @@ def test_a_probe_check_that_cannot_run_falls_back_to_the_whole_check(monkeypatch
         return built
 
     monkeypatch.setattr(head_probes, "_body_computing", broken)
+
+
+def test_a_probe_check_that_cannot_run_falls_back_to_the_whole_check(monkeypatch):
+    """The loop copy is the optimizer's own construction: when onnxruntime cannot run it (here a body missing
+    a node), the rewrite is validated whole instead of being judged unvalidatable."""
+    _break_the_loop_copy(monkeypatch)
     model = build_big_head()
     fused, report = rnnfuse.optimize(model)
     assert len(report.fused) == 1, report.to_text()
@@ -193,16 +198,7 @@ def test_a_head_whose_output_is_not_rows_and_features_has_no_probe_points():
 def test_a_probe_check_that_cannot_run_checks_the_whole_batch_again(monkeypatch):
     """The loop copy is in the check model of every rewrite validated with it: when it cannot run, every one
     of them is checked again on its own pairs (a second Loop beside the big head's is not left unvalidated)."""
-    from rnnfuse import head_probes
-
-    real = head_probes._body_computing
-
-    def broken(body, outputs, extra):
-        built = real(body, outputs, extra)
-        del built.node[0]
-        return built
-
-    monkeypatch.setattr(head_probes, "_body_computing", broken)
+    _break_the_loop_copy(monkeypatch)
     model = build_big_head()
     g = model.graph
     second = onnx.NodeProto()

@@ -19,6 +19,7 @@ from rnnfuse.dims import carried_unchanged
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
+from rnnfuse.protos import scan_output_layout
 from rnnfuse.recurrence import InputPrep, Recurrence
 from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_states, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
@@ -220,8 +221,7 @@ def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, layers: 
     ones that are no state of the step (perhaps heads on a new h)."""
     bout = body.output_names
     n_scan_out = len(bout) - n_state
-    out_dirs = attr(scan, "scan_output_directions") or [0] * n_scan_out
-    out_axes = attr(scan, "scan_output_axes") or [0] * n_scan_out
+    out_axes, out_dirs = scan_output_layout(scan, n_scan_out)
     outs: dict[int, list[StepOut]] = {i: [] for i in range(len(layers))}
     heads: list[HeadCandidate] = []
     state_keys = state_value_keys(layers, state_out)

@@ -21,7 +21,7 @@ from . import op_args
 from .cells.kinds import output_dims
 from .dataflow import literal_value, post_order
 from .graph import Graph
-from .protos import attr, carried_layout, node_field
+from .protos import attr, carried_layout, node_field, scan_output_layout
 
 Dims = "tuple | None"
 
@@ -148,7 +148,6 @@ def loop_output_type(g: Graph, node: NodeProto, name: str) -> tuple[int, tuple |
     body = g.subgraph(node)
     outs, k = body.output_names, list(node.output).index(name)
     lead, n_states = carried_layout(node)
-    axes = (attr(node, "scan_output_axes", None) or ()) if node.op_type == "Scan" else ()
     t = body.local_type(outs[lead + k]) if lead + k < len(outs) else None
     if t is None or not t[0]:
         return None
@@ -156,6 +155,7 @@ def loop_output_type(g: Graph, node: NodeProto, name: str) -> tuple[int, tuple |
     if dims is None or k < n_states:
         return t[0], None if dims is None else (None,) * len(dims)
     j = k - n_states
+    axes, _ = scan_output_layout(node, len(node.output) - n_states)
     axis = axes[j] if j < len(axes) else 0
     axis = axis + len(dims) + 1 if axis < 0 else axis
     return (t[0], dims[:axis] + (None,) + dims[axis:]) if 0 <= axis <= len(dims) else (t[0], None)

@@ -201,6 +201,15 @@ def carried_layout(node: NodeProto) -> tuple[int, int]:
     return 0, len(node.input) - attr(node, "num_scan_inputs", 0)
 
 
+def scan_output_layout(node: NodeProto, n_scans: int) -> tuple[list[int], list[int]]:
+    """A Scan's ``scan_output_axes`` and ``scan_output_directions`` as given, each all 0 where left out (a
+    Loop stacks every scan output along axis 0, forward: all 0 too)."""
+    if node.op_type != "Scan":
+        return [0] * n_scans, [0] * n_scans
+    return (list(attr(node, "scan_output_axes", None) or [0] * n_scans),
+            list(attr(node, "scan_output_directions", None) or [0] * n_scans))
+
+
 def nodes_within(g: GraphProto) -> int:
     """How many nodes ``g`` holds, its subgraphs' at any depth included."""
     count, stack = 0, [g]

@@ -364,7 +364,6 @@ def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: 
     return repl
 
 
-
 def _as_stacked(b: Builder, so, v: str) -> str:
     """Steps ``v`` ([T, B, ...] in processing order) laid out as the original stacks ``so``'s steps."""
     if so.reversed:
@@ -372,6 +371,7 @@ def _as_stacked(b: Builder, so, v: str) -> str:
     if so.batch_first:
         v = b.op("Transpose", v, perm=[1, 0, 2])
     return v
+
 
 def _declare_outputs(g: Graph, rec: Recurrence, x: str, repl: dict) -> None:
     """What the new tensors are, for the passes that read them next (a stacked layer slices a sequence output);

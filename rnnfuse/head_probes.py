@@ -15,7 +15,7 @@ from __future__ import annotations
 from onnx import GraphProto, NodeProto, helper
 
 from .graph import Graph, attr
-from .protos import carried_layout, free_names, has_subgraph, subgraphs
+from .protos import carried_layout, scan_output_layout
 
 
 def probe_pairs(g: Graph, node: NodeProto, replacements: dict[str, str],
@@ -33,7 +33,7 @@ def probe_pairs(g: Graph, node: NodeProto, replacements: dict[str, str],
     position = {o: k for k, o in enumerate(node.output) if o}
     if any(old not in position for old in replacements) or n_states < 0:
         return None
-    axes, directions = _scan_layout(node, len(node.output) - n_states)
+    axes, directions = scan_output_layout(node, len(node.output) - n_states)
     outputs = [body.output[k] for k in range(lead + n_states)]  # the condition and the states, kept
     kept = list(range(n_states))  # the node's outputs the copy keeps, in its order
     probed: list[tuple[int, str, str, int]] = []  # (the head's scan output, body tensor, new tensor, its type)
@@ -50,7 +50,7 @@ def probe_pairs(g: Graph, node: NodeProto, replacements: dict[str, str],
     copies = [helper.make_node("Identity", [name], [f"rnnfuse_probe_{j}/{name}"]) for j, (_, name, _, _) in enumerate(probed)]
     outputs += [helper.make_tensor_value_info(c.output[0], et, None) for c, (_, _, _, et) in zip(copies, probed)]
     copy_outs = g.add_node(node.op_type, list(node.input), len(outputs) - lead, name=f"{node.name or 'loop'}/probe",
-                           anchor=node, domain=node.domain, body=_body_computing(body, outputs, copies))
+                           anchor=node, domain=node.domain, body=_body_computing(g.subgraph(node), outputs, copies))
     copy = g.producer[copy_outs[0]]
     scans = [k - n_states for k in kept[n_states:]] + [k - n_states for k, _, _, _ in probed]
     for a in node.attribute:
@@ -71,39 +71,17 @@ def probe_pairs(g: Graph, node: NodeProto, replacements: dict[str, str],
     return pairs
 
 
-def _scan_layout(node: NodeProto, n_scans: int) -> tuple[list[int], list[int]]:
-    """A Scan's ``scan_output_axes`` and ``scan_output_directions`` in full (0 where not given)."""
-    axes = list(attr(node, "scan_output_axes", []) or []) + [0] * n_scans
-    directions = list(attr(node, "scan_output_directions", []) or []) + [0] * n_scans
-    return axes[:n_scans], directions[:n_scans]
-
-
-def _body_computing(body: GraphProto, outputs: list, extra: list[NodeProto]) -> GraphProto:
-    """A copy of ``body`` with nodes ``extra`` added and ``outputs`` (value infos) as its outputs, holding only
-    the nodes and initializers they are computed from (one walk back from them, nested subgraphs' captures
-    included)."""
-    producer = {o: n for n in [*body.node, *extra] for o in n.output if o}
-    needed: set[int] = set()
-    seen: set[str] = set()
-    stack = [o.name for o in outputs]
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        n = producer.get(name)
-        if n is None or id(n) in needed:
-            continue
-        needed.add(id(n))
-        stack.extend(i for i in n.input if i)
-        if has_subgraph(n):
-            for sg in subgraphs(n):
-                stack.extend(free_names(sg))
-    out = GraphProto(name=body.name)
-    out.node.extend(n for n in [*body.node, *extra] if id(n) in needed)
-    out.input.extend(body.input)
+def _body_computing(body: Graph, outputs: list, extra: list[NodeProto]) -> GraphProto:
+    """A copy of loop body ``body`` (its index) with nodes ``extra`` (reading its values) added and ``outputs``
+    (value infos) as its outputs, holding only the nodes and initializers they are computed from: the index's
+    cone of what they read, nested subgraphs' captures included."""
+    extra_outs = {o for n in extra for o in n.output}
+    nodes = body.cone([o.name for o in outputs if o.name not in extra_outs] + [i for n in extra for i in n.input])
+    read = {i for n in [*nodes, *extra] for i in body.reads(n)} | {o.name for o in outputs}
+    out = GraphProto(name=body.proto.name)
+    out.node.extend([*nodes, *extra])
+    out.input.extend(body.proto.input)
     out.output.extend(outputs)
-    out.initializer.extend(t for t in body.initializer if t.name in seen)
-    out.sparse_initializer.extend(t for t in body.sparse_initializer if t.values.name in seen)
+    out.initializer.extend(t for t in body.proto.initializer if t.name in read)
+    out.sparse_initializer.extend(t for t in body.proto.sparse_initializer if t.values.name in read)
     return out
-

@@ -99,7 +99,7 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
     over the same unchanged nodes from the same inputs gave them: the optimizer typed a 100,000-node
     prologue to analyse the recurrence behind it, and the guard need not infer it again (0.8 s). ``scan``:
     ``after``'s :class:`NodeScan`, when the caller has it."""
-    if not _same_frame(after, before) or _inline_bytes(after) + _inline_bytes(before) > MAX_INLINE_BYTES:
+    if not _same_frame(after, before) or inline_bytes(after) + inline_bytes(before) > MAX_INLINE_BYTES:
         return None
     scan = NodeScan(after) if scan is None else scan
     nodes, producer_of, readers = scan.nodes, scan.producer, scan.readers
@@ -215,7 +215,7 @@ def _same_frame(after: ModelProto, before: ModelProto) -> bool:
             and _serialized(after.graph.output) == _serialized(before.graph.output))
 
 
-def _inline_bytes(model: ModelProto) -> int:
+def inline_bytes(model: ModelProto) -> int:
     """The bytes of initializer data held in the proto (external data is not)."""
     return sum(t.ByteSize() for t in model.graph.initializer if t.data_location != TensorProto.EXTERNAL)
 

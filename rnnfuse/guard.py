@@ -8,7 +8,8 @@ inference) or loads in onnxruntime, the output must too; otherwise every rewrite
 say why. Each rewrite was already validated numerically; this guards the graph as a whole (a clean-up can
 expose a shape that strict inference refuses, as the ``affine_grid`` function expansions in onnx's backend
 tests showed). A big model is judged by the part the run changed (rnnfuse.changed_region) when that part
-passes both checks and the graph around it is wired soundly; otherwise by the whole.
+passes both checks and the graph around it is wired soundly; otherwise by the whole, which onnxruntime is
+handed in pieces when it is big (rnnfuse.load_in_pieces: its load grows faster than the nodes).
 """
 
 from __future__ import annotations
@@ -71,39 +72,75 @@ def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto], establis
             original.append(before())
         return original[0]
 
-    if not _can_check(after) or _region_passes(after, _before, established):
+    from .changed_region import SCOPED_NODES, NodeScan
+
+    # (a big model's nodes read once for the region, the wiring and the pieces)
+    scan = NodeScan(after) if len(after.graph.node) >= SCOPED_NODES else None
+    if not _can_check(after) or _region_passes(after, _before, established, scan):
         return None  # (its changed region passes: the whole is not serialised or written for the checks)
     with _checkable(after) as data:
         if data is None:
             return None
-        err = checker_error(data)
+        pieces = _pieces(after, data, scan)
+        err, types = _checker_error_typing(data, pieces)
         if err is not None and _check_before(checker_error, _before) is None:
             return f"onnx.checker rejects the rewritten model, which it accepts as given ({err})"
-        err = onnxruntime_error(data)
+        err = _load_error(data, pieces, types)
     if err is not None and _check_before(onnxruntime_error, _before) is None:
         return f"onnxruntime cannot load the rewritten model, which it loads as given ({err})"
     return None
 
 
-def _region_passes(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto], established) -> bool:
+def _region_passes(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto], established, scan) -> bool:
     """Whether the part of a big rewritten model that differs from its input (see rnnfuse.changed_region)
     passes both checks, and the whole graph's wiring is sound: then the whole model passes where the input
     did, and the whole is neither loaded (onnxruntime's load grows faster than the nodes: 13 s for 100,000)
     nor checked (the checker's copy and strict inference of 100,000 nodes: 0.5 s and 170 MB). False (check
     the whole, as for a small model) when the model is small, the region cannot stand alone, or a check of
     it fails: what the whole model's checks say then decides."""
-    from .changed_region import SCOPED_NODES, NodeScan, region_model, wiring_error
+    from .changed_region import region_model, wiring_error
 
-    if len(after.graph.node) < SCOPED_NODES:
-        return False
-    scan = NodeScan(after)  # (the nodes read once for both questions)
-    if wiring_error(after, scan) is not None:
+    if scan is None or wiring_error(after, scan) is not None:
         return False
     region = region_model(after, before(), established, scan)
     if region is None:
         return False
     with _checkable(region) as data:
-        return data is not None and checker_error(data) is None and onnxruntime_error(data) is None
+        if data is None:
+            return False
+        pieces = _pieces(region, data)
+        err, types = _checker_error_typing(data, pieces)
+        return err is None and _load_error(data, pieces, types) is None
+
+
+def _pieces(model: onnx.ModelProto, data, scan=None):
+    """``model`` cut into pieces onnxruntime loads one by one (rnnfuse.load_in_pieces), or None: small, not
+    serialised (a copy without weights is loaded whole), or not to be judged by pieces."""
+    from .load_in_pieces import Pieces
+
+    return Pieces.cut(model, scan) if isinstance(data, bytes) else None
+
+
+def _checker_error_typing(data, pieces) -> tuple[str | None, dict | None]:
+    """:func:`checker_error`, and when ``pieces`` need them, the types the checker's inference gives the
+    values crossing between them (None: not all typed). The full check is the structural check and strict
+    inference with types checked, run as two steps here to keep what inference found."""
+    if pieces is None or not pieces.crossing:
+        return checker_error(data), ({} if pieces is not None else None)
+    try:
+        onnx.checker.check_model(data)
+        inferred = onnx.shape_inference.infer_shapes(data, check_type=True, strict_mode=True)
+    except Exception as e:  # the checker raises ValidationError, InferenceError, or protobuf errors
+        return _first_line(e), None
+    return None, pieces.types_of(inferred)
+
+
+def _load_error(data, pieces, types) -> str | None:
+    """Why onnxruntime refuses the model: None when every piece of a cut model loads; otherwise (a piece
+    refused, a crossing value untyped, or not cut) what loading the whole model says."""
+    if pieces is not None and types is not None and pieces.load(types):
+        return None
+    return onnxruntime_error(data)
 
 
 def _check_before(check: Callable, before: Callable[[], onnx.ModelProto]) -> str | None:

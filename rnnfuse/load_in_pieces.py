@@ -1,0 +1,163 @@
+"""Whether onnxruntime loads a big model, asked of consecutive pieces of its main graph.
+
+onnxruntime's session set-up grows faster than the nodes, whatever they are (1.32, one thread, optimizations
+off: a plain chain of Tanh nodes loads in 0.49 / 1.19 / 3.34 s at 25,000 / 50,000 / 100,000 nodes, and the
+100,000-op head a fused Loop replays in 5.1 s). The do-no-harm guard loads every fused model it cannot
+judge by its changed region alone, so that load set the growth of a run on such a model.
+
+The same argument that lets the guard judge a model by its changed region (rnnfuse.changed_region) lets it
+judge one by pieces: onnxruntime decides whether it takes a node from the node and the types it reads.
+Each piece is a run of consecutive nodes, the values it reads from earlier pieces declared as its inputs
+with the types ONNX inference gives them in the whole model (the checker's strict inference has just
+succeeded on it), the initializers and graph inputs it reads copied, the declared types of its values
+kept (onnxruntime checks a declaration against what it infers), and everything it computes that is read
+later, not read at all, or a graph output, as its outputs. The whole graph's wiring (a name defined twice,
+a value read before it is defined) is what no piece can see: the pieces are only cut from a model whose
+wiring :class:`~rnnfuse.changed_region.NodeScan` found sound.
+
+Only a pass is taken from the pieces. A piece that fails to load, a value of a type inference cannot give,
+a model whose weights would be copied into many pieces (weight data beyond ``MAX_INLINE_BYTES``, external
+data), or a model too small to gain: the whole model is loaded, as before, and its load alone says what is
+wrong.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import ModelProto, NodeProto
+
+from .changed_region import MAX_INLINE_BYTES, NodeScan, inline_bytes
+from .protos import has_subgraph, nodes_within, reads_of, subgraphs
+
+# nodes a piece holds at most (subgraphs' nodes counted): onnxruntime loads 10,000 in ~0.15 s
+PIECE_NODES = 10_000
+
+
+class Pieces:
+    """A big model cut into pieces onnxruntime loads one by one (see the module). ``crossing``: the values
+    one piece computes and a later one reads, whose types the whole model's inference must give."""
+
+    def __init__(self, model: ModelProto, scan: NodeScan, spans: list[tuple[int, int]]):
+        self.model, self.scan, self.spans = model, scan, spans
+        self.reads, self.outputs = _boundaries(scan, spans, {v.name for v in model.graph.output})
+        self.crossing = {name for names in self.reads for name in names if name in scan.producer}
+
+    @classmethod
+    def cut(cls, model: ModelProto, scan: NodeScan | None = None) -> "Pieces | None":
+        """The pieces of ``model`` (``scan``: its NodeScan, when the caller has it); None when it is not
+        worth cutting or cannot be judged by pieces."""
+        g = model.graph
+        if len(g.node) < 2 * PIECE_NODES or g.sparse_initializer or inline_bytes(model) > MAX_INLINE_BYTES:
+            return None
+        scan = NodeScan(model) if scan is None else scan
+        if scan.fault is not None:
+            return None
+        spans = _cut(scan.nodes)
+        return cls(model, scan, spans) if len(spans) > 1 else None
+
+    def load(self, types: dict[str, bytes]) -> bool:
+        """Whether every piece loads, its inputs from earlier pieces typed by ``types`` (:meth:`types_of`)."""
+        from .guard import onnxruntime_error
+
+        frame = _Frame(self.model.graph)
+        for (start, stop), read, out in zip(self.spans, self.reads, self.outputs):
+            piece = _piece_model(self.model, frame, self.scan.nodes[start:stop], read, out, types)
+            if onnxruntime_error(piece.SerializeToString()) is not None:
+                return False
+        return True
+
+    def types_of(self, inferred: ModelProto) -> dict[str, bytes] | None:
+        """The crossing values' serialised types in ``inferred`` (the model as ONNX inference typed it); None
+        when one has none."""
+        g, names = inferred.graph, self.crossing
+        types = {v.name: v.type.SerializeToString() for v in (*g.value_info, *g.output) if v.name in names and v.HasField("type")}
+        return types if len(types) == len(names) else None
+
+
+class _Frame:
+    """What every piece copies from the whole graph, by name: initializers, graph inputs and outputs, declared
+    value types."""
+
+    def __init__(self, g: onnx.GraphProto):
+        self.initializers = {t.name: t for t in g.initializer}
+        self.inputs = {v.name: v for v in g.input}
+        self.outputs = {v.name: v for v in g.output}
+        self.declared = {v.name: v for v in g.value_info}
+
+
+def _cut(nodes: list[NodeProto]) -> list[tuple[int, int]]:
+    """Runs of consecutive positions holding at most ``PIECE_NODES`` nodes each, subgraphs included (a node
+    whose subgraphs hold more is a piece of its own)."""
+    pieces: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, n in enumerate(nodes):
+        k = 1 + (sum(nodes_within(sg) for sg in subgraphs(n)) if has_subgraph(n) else 0)
+        if size and size + k > PIECE_NODES:
+            pieces.append((start, i))
+            start, size = i, 0
+        size += k
+    if size:
+        pieces.append((start, len(nodes)))
+    return pieces
+
+
+def _boundaries(scan: NodeScan, pieces: list[tuple[int, int]], graph_outputs: set[str]
+                ) -> tuple[list[list[str]], list[list[str]]]:
+    """Per piece, the names it reads from outside itself (earlier pieces, graph inputs, initializers) and
+    those it computes that a later piece reads, nothing reads, or the graph outputs: one pass over the scan's
+    maps."""
+    piece_of = [0] * len(scan.nodes)
+    for k, (start, stop) in enumerate(pieces):
+        piece_of[start:stop] = [k] * (stop - start)
+    reads: list[list[str]] = [[] for _ in pieces]
+    outputs: list[list[str]] = [[] for _ in pieces]
+    producer, readers = scan.producer, scan.readers
+    for name, at in readers.items():
+        home = piece_of[producer[name]] if name in producer else -1
+        last = home
+        for r in at:  # (positions in order: each reading piece once)
+            k = piece_of[r]
+            if k != home and k != last:
+                reads[k].append(name)
+                last = k
+        if home >= 0 and (last != home or name in graph_outputs):
+            outputs[home].append(name)
+    for name, at in producer.items():
+        if name not in readers:  # (read by nothing: an output, so onnxruntime keeps its node)
+            outputs[piece_of[at]].append(name)
+    return reads, outputs
+
+
+def _piece_model(model: ModelProto, frame: _Frame, nodes: list[NodeProto], read: list[str], out: list[str],
+                 types: dict[str, bytes]) -> ModelProto:
+    """``nodes`` as a model (see the module): ``read`` its inputs, ``out`` its outputs."""
+    m = ModelProto()
+    m.ir_version = model.ir_version
+    m.opset_import.extend(model.opset_import)
+    m.functions.extend(model.functions)
+    sub = m.graph
+    sub.name = "rnnfuse_piece"
+    sub.node.extend(nodes)
+    for name in read:
+        if name in frame.inputs:  # (an input with a default stays an input: its value is not a constant)
+            sub.input.add().CopyFrom(frame.inputs[name])
+        if name in frame.initializers:
+            sub.initializer.add().CopyFrom(frame.initializers[name])
+        elif name not in frame.inputs:
+            vi = sub.input.add()
+            vi.name = name
+            vi.type.ParseFromString(types[name])
+    declared = {o: frame.declared[o] for n in nodes for o in n.output if o in frame.declared}
+    for name in out:
+        vi = sub.output.add()
+        if name in frame.outputs:
+            vi.CopyFrom(frame.outputs[name])
+            declared.pop(name, None)
+        elif name in declared:
+            vi.CopyFrom(declared.pop(name))
+        else:
+            vi.name = name
+            if name in types:
+                vi.type.ParseFromString(types[name])
+    sub.value_info.extend(declared.values())
+    return m

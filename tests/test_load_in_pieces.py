@@ -1,0 +1,202 @@
+"""The do-no-harm guard loads a big model in pieces (rnnfuse.load_in_pieces).
+
+onnxruntime's session set-up grows faster than the nodes; a fused Loop whose body held a 100,000-op head
+hands the guard a model it cannot judge by its changed region, and the whole-model load was a third of the
+run. These tests cut small models (``PIECE_NODES`` lowered) and check what each piece holds, that a model
+whose pieces load passes without a whole load, and that anything the pieces cannot settle is loaded whole.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import rnnfuse.guard as guard
+import rnnfuse.load_in_pieces as pieces_mod
+from rnnfuse.changed_region import NodeScan
+from rnnfuse.load_in_pieces import Pieces
+from rnnfuse.pipeline import Pipeline
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+OPSET = [helper.make_opsetid("", 17)]
+
+
+def _model(nodes, inputs=("x",), outputs=(("y", TensorProto.FLOAT),), initializers=(), value_info=(),
+           input_types=None) -> onnx.ModelProto:
+    input_types = input_types or {}
+    g = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info(i, input_types.get(i, TensorProto.FLOAT), [2, 3]) for i in inputs],
+        [helper.make_tensor_value_info(o, t, [2, 3]) for o, t in outputs], list(initializers), value_info=list(value_info))
+    return helper.make_model(g, opset_imports=OPSET, ir_version=8)
+
+
+def _relu_chain(n: int, src: str = "x", prefix: str = "r") -> list:
+    nodes, prev = [], src
+    for i in range(n):
+        nodes.append(helper.make_node("Relu", [prev], [f"{prefix}{i}"]))
+        prev = f"{prefix}{i}"
+    return nodes
+
+
+def _loads(monkeypatch) -> list[int]:
+    """The node counts of the models handed to onnxruntime (the guard's and the pieces' loads)."""
+    seen: list[int] = []
+    real = guard.onnxruntime_error
+
+    def counted(data):
+        m = onnx.load_from_string(data if isinstance(data, bytes) else data.SerializeToString())
+        seen.append(len(m.graph.node))
+        return real(data)
+
+    monkeypatch.setattr(guard, "onnxruntime_error", counted)
+    return seen
+
+
+def _types(model: onnx.ModelProto, p: Pieces) -> dict | None:
+    err, types = guard._checker_error_typing(model.SerializeToString(), p)
+    assert err is None, err
+    return types
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    monkeypatch.setattr(pieces_mod, "PIECE_NODES", 100)
+
+
+def test_a_chain_is_cut_into_pieces_that_each_load(small_pieces, monkeypatch):
+    nodes = _relu_chain(1000)
+    nodes.append(helper.make_node("Identity", ["r999"], ["y"]))
+    m = _model(nodes)
+    p = Pieces.cut(m)
+    assert p is not None and len(p.spans) == 11
+    assert all(stop - start <= 100 for start, stop in p.spans)
+    assert p.crossing == {f"r{i}" for i in range(99, 1000, 100)}
+    loads = _loads(monkeypatch)
+    assert guard._load_error(m.SerializeToString(), p, _types(m, p)) is None
+    assert len(loads) == 11 and max(loads) <= 100  # (never the whole model)
+
+
+def test_a_piece_reads_far_back_keeps_unread_values_and_outputs_read_inside(small_pieces):
+    # x -> 450 Relus; a Mul at the end reads r5 (four pieces back); r200 is a graph output also read in its
+    # own piece; a Neg of r300 is read by nothing
+    nodes = _relu_chain(450)
+    nodes += [helper.make_node("Neg", ["r300"], ["dead"]), helper.make_node("Mul", ["r449", "r5"], ["y"]),
+              helper.make_node("Add", ["y", "w"], ["z"])]
+    w = numpy_helper.from_array(np.ones((2, 3), np.float32), "w")
+    m = _model(nodes, outputs=(("y", TensorProto.FLOAT), ("z", TensorProto.FLOAT), ("r200", TensorProto.FLOAT)),
+               initializers=[w])
+    p = Pieces.cut(m)
+    last = len(p.spans) - 1
+    assert "r5" in p.reads[last] and "w" in p.reads[last]
+    k200 = next(k for k, (a, b) in enumerate(p.spans) if a <= 200 < b)
+    k300 = next(k for k, (a, b) in enumerate(p.spans) if a <= 300 < b)
+    assert "r200" in p.outputs[k200]
+    assert "dead" in p.outputs[last] or "dead" in p.outputs[k300]
+    types = _types(m, p)
+    assert types is not None and p.load(types)
+    piece = pieces_mod._piece_model(m, pieces_mod._Frame(m.graph), NodeScan(m).nodes[slice(*p.spans[last])],
+                                    p.reads[last], p.outputs[last], types)
+    assert [t.name for t in piece.graph.initializer] == ["w"]
+    assert {v.name for v in piece.graph.input} >= {"r5", f"r{p.spans[last][0] - 1}"}
+
+
+def test_an_input_with_a_default_stays_an_input_in_its_piece(small_pieces):
+    nodes = _relu_chain(300)
+    nodes.append(helper.make_node("Add", ["r299", "bias"], ["y"]))
+    bias = numpy_helper.from_array(np.zeros((2, 3), np.float32), "bias")
+    m = _model(nodes, inputs=("x", "bias"), initializers=[bias])
+    p = Pieces.cut(m)
+    last = len(p.spans) - 1
+    piece = pieces_mod._piece_model(m, pieces_mod._Frame(m.graph), NodeScan(m).nodes[slice(*p.spans[last])],
+                                    p.reads[last], p.outputs[last], _types(m, p))
+    assert "bias" in {v.name for v in piece.graph.input} and "bias" in {t.name for t in piece.graph.initializer}
+
+
+def test_a_subgraph_capture_crosses_pieces(small_pieces):
+    # an If deep in the chain whose branches read r10 (nine pieces... one piece back) by capture
+    nodes = _relu_chain(250)
+    then = helper.make_graph([helper.make_node("Add", ["r10", "r249"], ["t_out"])], "then", [],
+                             [helper.make_tensor_value_info("t_out", TensorProto.FLOAT, [2, 3])])
+    other = helper.make_graph([helper.make_node("Sub", ["r10", "r249"], ["e_out"])], "else", [],
+                              [helper.make_tensor_value_info("e_out", TensorProto.FLOAT, [2, 3])])
+    nodes.append(helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other))
+    m = _model(nodes, inputs=("x", "cond"), input_types={"cond": TensorProto.BOOL})
+    m.graph.input[1].type.tensor_type.shape.Clear()
+    p = Pieces.cut(m)
+    assert "r10" in p.crossing and "r10" in p.reads[-1]
+    types = _types(m, p)
+    assert types is not None and p.load(types)
+
+
+def test_a_piece_that_does_not_load_sends_the_guard_to_the_whole_model(small_pieces, monkeypatch):
+    # a declared type deep in the chain that onnxruntime's inference contradicts: the piece holding it fails,
+    # and what is reported is the whole model's load
+    nodes = _relu_chain(500)
+    nodes.append(helper.make_node("Identity", ["r499"], ["y"]))
+    m = _model(nodes, value_info=[helper.make_tensor_value_info("r250", TensorProto.FLOAT, [2, 3])])
+    p = Pieces.cut(m)
+    types = _types(m, p)
+    m.graph.value_info[0].type.tensor_type.elem_type = TensorProto.INT64  # (after inference: the checker would refuse it)
+    p = Pieces.cut(m)
+    assert not p.load(types)
+    loads = _loads(monkeypatch)
+    err = guard._load_error(m.SerializeToString(), p, types)
+    assert err is not None and loads[-1] == len(m.graph.node)
+
+
+def test_a_crossing_value_inference_cannot_type_is_loaded_whole(small_pieces, monkeypatch):
+    nodes = _relu_chain(150)
+    nodes.append(helper.make_node("Mystery", ["r149"], ["u"], domain="custom.unknown"))
+    nodes += _relu_chain(150, "u", "s")
+    nodes.append(helper.make_node("Identity", ["s149"], ["y"]))
+    m = _model(nodes)
+    m.opset_import.append(helper.make_opsetid("custom.unknown", 1))
+    p = Pieces.cut(m)
+    inferred = onnx.shape_inference.infer_shapes(m)
+    # (no type after the unknown op: the pieces after it cannot be declared)
+    assert any(name.startswith("s") for name in p.crossing) and p.types_of(inferred) is None
+    loads = _loads(monkeypatch)
+    assert guard._load_error(m.SerializeToString(), p, None) is not None  # (onnxruntime has no Mystery)
+    assert loads == [len(m.graph.node)]
+
+
+def test_a_model_with_faulty_wiring_or_too_small_is_not_cut(small_pieces):
+    assert Pieces.cut(_model(_relu_chain(150) + [helper.make_node("Identity", ["r149"], ["y"])])) is None
+    nodes = _relu_chain(500) + [helper.make_node("Identity", ["r499"], ["y"])]
+    nodes[300].input[0] = "r400"  # (read before it is defined)
+    assert Pieces.cut(_model(nodes)) is None
+
+
+def test_a_fused_loop_with_a_big_head_is_guarded_in_pieces(monkeypatch, tmp_path):
+    """The benchmark's ``loophead`` graph: the fused model replays the head outside the loop; the guard takes
+    it in pieces and hands back the same model as a whole load would."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from graphs import loop_with_head
+    finally:
+        sys.path.remove(BENCHMARKS)
+    path = str(tmp_path / "loophead.onnx")
+    loop_with_head(path, 3000)
+    src = onnx.load(path)
+    whole, report = Pipeline.default()(src)
+    assert report.fused
+    monkeypatch.setattr(pieces_mod, "PIECE_NODES", 500)
+    loads = _loads(monkeypatch)
+    out, report = Pipeline.default()(src)
+    assert report.fused and out.SerializeToString() == whole.SerializeToString()
+    assert len(out.graph.node) > 2000
+    guard_loads = [n for n in loads if n <= 500]
+    assert len(guard_loads) >= len(out.graph.node) // 500 and len(out.graph.node) not in loads
+    x = np.random.default_rng(0).standard_normal([d.dim_value or 2 for d in src.graph.input[0].type.tensor_type.shape.dim])
+    feeds = {src.graph.input[0].name: x.astype(np.float32)}
+    a = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    b = ort.InferenceSession(src.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for u, v in zip(a, b):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)

@@ -93,7 +93,7 @@ class Dedupe:
             pos += 1
             if later is not None and later.again(n, pos - 1):
                 continue  # (edited again further on: looked at there, once, not once per edit)
-            if not table.eligible(n):
+            if not table.eligible(n) or table.alone(n):
                 continue
             self.visited += 1
             other = table.match(n)
@@ -242,6 +242,19 @@ class _DedupeTable:
         if op in _IMPURE or op == "Constant" or op in CONTROL_FLOW:
             return False  # Constants are compared by value where they are read
         return bool(n.output) and not (n.domain not in ("", "ai.onnx") and has_subgraph(n))
+
+    def alone(self, n: NodeProto) -> bool:
+        """Whether ``n`` reads a value no other node reads (constants aside, which count by content): a node
+        equal to it would read that value too, so none is, until an edit gives the value another reader, which
+        is then looked at and finds ``n`` among that value's readers. (A fused loop's head replayed once is
+        100,000 new nodes, each the one reader of the one before: each was seeded and inserted.)"""
+        readers, consts = self.g.consumers, self.consts
+        for i in n.input[:]:
+            if i and i not in consts:
+                r = readers.get(i)
+                if type(r) is not list or len(r) < 2:  # (one reader is held as the node itself)
+                    return True
+        return False
 
     def coarse(self, n: NodeProto) -> tuple:
         c, placeholder = self._CONST, self.placeholder

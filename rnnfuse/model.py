@@ -14,7 +14,7 @@ from .facts import ModelFacts
 from .graph_edit import Graph
 from .tensor_values import raw_array
 from .naming import NameAllocator
-from .protos import CONTROL_FLOW, all_names, has_subgraph, subgraphs
+from .protos import CONTROL_FLOW, all_names, has_subgraph, nodes_within, subgraphs
 from .tensor_types import CHEAP_INFERENCE_NODES, CHEAP_INFERENCE_SCOPE_WORK, declared_types, infer_types
 
 
@@ -39,9 +39,16 @@ class Model:
         self.graph = Graph(proto.graph, None, self) if index_from is None else index_from.next_view(self)
         # whether whole-model shape inference is cheap enough to fill in undeclared types (see known_type)
         n = len(self.graph.nodes)
+        control_flow = self.graph.nodes_of(*CONTROL_FLOW)
+        # (inference walks the bodies too: a Loop whose body holds a 100,000-op head is no small model; counted
+        # only as far as the bound)
+        for c in control_flow:
+            if n >= CHEAP_INFERENCE_NODES:
+                break
+            n += sum(nodes_within(sg, CHEAP_INFERENCE_NODES) for sg in subgraphs(c))
         # (every subgraph is handed the types of the values around it: the graph's initializers count too)
-        scope = n + len(self.graph.initializers)
-        self._may_infer = n < CHEAP_INFERENCE_NODES and scope * len(self.graph.nodes_of(*CONTROL_FLOW)) < CHEAP_INFERENCE_SCOPE_WORK
+        scope = len(self.graph.nodes) + len(self.graph.initializers)
+        self._may_infer = n < CHEAP_INFERENCE_NODES and scope * len(control_flow) < CHEAP_INFERENCE_SCOPE_WORK
         # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
         self.facts = ModelFacts()
 

@@ -210,12 +210,14 @@ def scan_output_layout(node: NodeProto, n_scans: int) -> tuple[list[int], list[i
             list(attr(node, "scan_output_directions", None) or [0] * n_scans))
 
 
-def nodes_within(g: GraphProto) -> int:
-    """How many nodes ``g`` holds, its subgraphs' at any depth included."""
+def nodes_within(g: GraphProto, limit: int | None = None) -> int:
+    """How many nodes ``g`` holds, its subgraphs' at any depth included; counting stops past ``limit``."""
     count, stack = 0, [g]
     while stack:
         nodes = stack.pop().node
         count += len(nodes)
+        if limit is not None and count > limit:
+            return count
         for n in nodes:
             if has_subgraph(n):
                 stack.extend(subgraphs(n))

@@ -208,7 +208,7 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         Linear, and it does no whole-graph work it can prove unneeded: no liveness walk right after a
         prune, no sort of an order no edit disturbed, no proto rewrite or index rebuild of an unchanged node
         list."""
-        self.redefined = [o for n in itertools.chain(self.edited, self._graveyard) for o in n.output if o]
+        touched = [*self.edited, *self._graveyard]  # (whose outputs are ``redefined``, when asked: see the end)
         removed = self._removed
         nodes = removed.keep(self.nodes) if removed else self.nodes
         dead = [] if self._pruned == self._state() else self._dead_nodes()  # (else every node left is live)
@@ -245,6 +245,10 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
             self._carry_const_only(edited, swap, live)
         self._pruned = self._state()
         self._lost = set()  # (every node left is live)
+        # (what the next round carries over of the types this one inferred cone by cone; a graph the next round
+        # infers whole carries none: reading the outputs of the 100,000 nodes a fused chain removed took 0.2 s)
+        self.redefined = [o for n in touched for o in n.output if o] if (
+            self.model is not None and self.model.types_by_cone and not self.model.infers_whole(self)) else None
         # the initializers and value_info entries still read or defined (from the indices, not the nodes)
         consumers, outputs = self.consumers, set(self.output_names)
         unused = [k for k in self.initializers if not n_readers(consumers.get(k)) and k not in outputs and k not in self._inputs]

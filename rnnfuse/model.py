@@ -38,19 +38,30 @@ class Model:
         self.declared_by_edits: set[str] = set()  # (the names of the types :meth:`declare` recorded)
         self.graph = Graph(proto.graph, None, self) if index_from is None else index_from.next_view(self)
         # whether whole-model shape inference is cheap enough to fill in undeclared types (see known_type)
-        n = len(self.graph.nodes)
-        control_flow = self.graph.nodes_of(*CONTROL_FLOW)
-        # (inference walks the bodies too: a Loop whose body holds a 100,000-op head is no small model; counted
-        # only as far as the bound)
+        self._may_infer = self.infers_whole(self.graph)
+        # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
+        self.facts = ModelFacts()
+
+    @staticmethod
+    def infers_whole(g) -> bool:
+        """Whether a model whose main graph is ``g`` is inferred at once to fill in undeclared types (see
+        :meth:`known_type`): its nodes, its bodies' counted too (a Loop whose body holds a 100,000-op head
+        is no small model; counted only as far as the bound), under ``CHEAP_INFERENCE_NODES``, and its
+        values times its subgraphs under ``CHEAP_INFERENCE_SCOPE_WORK`` (every subgraph is handed the types
+        of the values around it: the graph's initializers count too)."""
+        n = len(g.nodes)
+        control_flow = g.nodes_of(*CONTROL_FLOW)
         for c in control_flow:
             if n >= CHEAP_INFERENCE_NODES:
                 break
             n += sum(nodes_within(sg, CHEAP_INFERENCE_NODES) for sg in subgraphs(c))
-        # (every subgraph is handed the types of the values around it: the graph's initializers count too)
-        scope = len(self.graph.nodes) + len(self.graph.initializers)
-        self._may_infer = n < CHEAP_INFERENCE_NODES and scope * len(control_flow) < CHEAP_INFERENCE_SCOPE_WORK
-        # facts passes leave for later passes (e.g. which mask a sequence_lens tensor was computed from)
-        self.facts = ModelFacts()
+        scope = len(g.nodes) + len(g.initializers)
+        return n < CHEAP_INFERENCE_NODES and scope * len(control_flow) < CHEAP_INFERENCE_SCOPE_WORK
+
+    @property
+    def types_by_cone(self) -> bool:
+        """Whether this view inferred types cone by cone (what :meth:`next_round` carries over)."""
+        return self._cones is not None
 
     def next_round(self) -> "Model":
         """A fresh view of the same proto for another round of passes (see ``Pipeline.run``): names and types

@@ -1248,3 +1248,53 @@ def test_renaming_a_value_a_loop_captures_leaves_the_loops_other_reads_alone(mon
     assert [u.name for u in m.graph.uses("b")] == ["loop"] and not m.graph.uses("a")
     assert [u.name for u in m.graph.uses("T")] == ["loop"] and list(loop.input) == ["T", "", "x"]
     assert [n.input[1] for n in loop.attribute[0].g.node if n.op_type == "Add"] == ["b"]
+
+
+def _loop_with_body(ops: int) -> onnx.ModelProto:
+    """A Loop whose body applies ``ops`` Relus to a captured x each iteration (scan output)."""
+    body_nodes, cur = [], "x"
+    for i in range(ops):
+        body_nodes.append(helper.make_node("Relu", [cur], [f"b{i}"]))
+        cur = f"b{i}"
+    body_nodes += [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Identity", [cur], ["scan"])]
+    body = helper.make_graph(body_nodes, "body", [helper.make_tensor_value_info("it", TensorProto.INT64, []),
+                                                  helper.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+                              helper.make_tensor_value_info("scan", TensorProto.FLOAT, ["B", 4])])
+    loop = helper.make_node("Loop", ["n", ""], ["ys"], body=body)
+    g = helper.make_graph([loop], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4]),
+                                        helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+                          [helper.make_tensor_value_info("ys", TensorProto.FLOAT, [None, "B", 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_a_loops_body_counts_toward_inferring_the_whole_model(monkeypatch):
+    """Whole-model inference walks every body: a Loop whose body holds a big head is no small model (a
+    100,000-op head inferred twice over to type one check output)."""
+    import rnnfuse.model
+
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 100)
+    assert Model(_loop_with_body(50))._may_infer
+    assert not Model(_loop_with_body(150))._may_infer
+
+
+def test_finalize_lists_what_it_redefined_only_for_types_carried_over(monkeypatch):
+    """The outputs of the nodes a round added, rewired or removed are read only where the next round carries
+    over types inferred cone by cone (a fused chain's 100,000 removed nodes were read for nothing)."""
+    import rnnfuse.model
+
+    def edited_and_finalized(m: Model) -> Graph:
+        g = m.graph
+        out = g.add_node("Relu", ["v2"])[0]
+        g.replace_uses("v3", out)
+        g.finalize()
+        return g
+
+    assert edited_and_finalized(Model(elementwise_chain(12))).redefined is None  # (inferred whole: no cones)
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 4)
+    m = Model(elementwise_chain(12))
+    assert m.known_type("v5") is not None and m.types_by_cone  # (a cone query)
+    g = edited_and_finalized(m)
+    assert g.redefined is not None and g.producer["v4"].input[0] in g.redefined

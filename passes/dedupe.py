@@ -94,7 +94,7 @@ class Dedupe:
             if later is not None and later.again(n, pos - 1):
                 continue  # (edited again further on: looked at there, once, not once per edit)
             if not table.eligible(n) or table.alone(n):
-                continue
+                continue  # (a node a merge rewired is never alone: see _DedupeTable.alone)
             self.visited += 1
             other = table.match(n)
             if other is None:
@@ -247,7 +247,11 @@ class _DedupeTable:
         """Whether ``n`` reads a value no other node reads (constants aside, which count by content): a node
         equal to it would read that value too, so none is, until an edit gives the value another reader, which
         is then looked at and finds ``n`` among that value's readers. (A fused loop's head replayed once is
-        100,000 new nodes, each the one reader of the one before: each was seeded and inserted.)"""
+        100,000 new nodes, each the one reader of the one before: each was seeded and inserted.) Not a node
+        a merge of this run rewired: the values it now reads may have been seeded before it read them, and
+        their next reader would not find it unless it is in the table under its new key."""
+        if id(n) in self.changed:
+            return False
         readers, consts = self.g.consumers, self.consts
         for i in n.input[:]:
             if i and i not in consts:

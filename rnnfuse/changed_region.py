@@ -67,7 +67,12 @@ class NodeScan:
         # the names defined outside the nodes: graph inputs and initializers
         self.outer = outer = {v.name for v in g.input} | {t.name for t in g.initializer}
         producer, readers, fault = self.producer, self.readers, None
+        named: set[str] = set()  # (onnxruntime refuses two nodes of one name; the checker does not)
         for i, n in enumerate(self.nodes):
+            if n.name:
+                if fault is None and n.name in named:
+                    fault = f"two nodes are named {n.name!r}"
+                named.add(n.name)
             for name in reads_of(n):
                 if not name:
                     continue
@@ -153,7 +158,7 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
             if len(region) > limit:
                 return None
         wave = next_wave
-    return _standalone(after, [nodes[i] for i in sorted(region)], readers, region, types_after)
+    return _standalone(after, [nodes[i] for i in sorted(region)], scan, region, types_after)
 
 
 def _changed_nodes(nodes: list[NodeProto], before: ModelProto) -> list[int]:
@@ -413,15 +418,27 @@ def _tensor_type(t: TensorProto) -> onnx.TypeProto:
     return tp
 
 
-def _standalone(after: ModelProto, nodes: list[NodeProto], readers: dict[str, list[int]], region: set[int],
+def constant_node(scan: NodeScan, name: str) -> NodeProto | None:
+    """The Constant node producing ``name``, if one does: onnxruntime makes it an initializer, which a kernel
+    may check when it is built (a Resize's scales), so a part of the model reading one is given the node."""
+    n = scan.nodes[scan.producer[name]] if name in scan.producer else None
+    return n if n is not None and n.op_type == "Constant" and n.domain in ("", "ai.onnx") else None
+
+
+def _standalone(after: ModelProto, nodes: list[NodeProto], scan: NodeScan, region: set[int],
                 types: "_Types") -> ModelProto | None:
-    """``nodes`` (in ``after``'s order) as a model: what they read from outside as typed inputs or copied
-    initializers; what they compute that is read outside them, not read, or a graph output, as outputs."""
-    produced = {o for n in nodes for o in n.output if o}
+    """``nodes`` (in ``after``'s order) as a model: what they read from outside as typed inputs, copied
+    initializers or copied Constant nodes; what they compute that is read outside them, not read, or a
+    graph output, as outputs."""
+    readers, produced = scan.readers, {o for n in nodes for o in n.output if o}
     read: list[str] = []
     for n in nodes:
         read += [x for x in reads_of(n) if x and x not in produced]
     read = list(dict.fromkeys(read))
+    constants = [c for name in read if (c := constant_node(scan, name)) is not None]
+    if constants:
+        nodes = constants + nodes
+        read = [name for name in read if constant_node(scan, name) is None]
     g = after.graph
     inits = {t.name: t for t in g.initializer}
     graph_inputs = {v.name: v for v in g.input}

@@ -74,9 +74,11 @@ def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto], establis
 
     from .changed_region import SCOPED_NODES, NodeScan
 
+    if not _can_check(after):
+        return None
     # (a big model's nodes read once for the region, the wiring and the pieces)
     scan = NodeScan(after) if len(after.graph.node) >= SCOPED_NODES else None
-    if not _can_check(after) or _region_passes(after, _before, established, scan):
+    if _region_passes(after, _before, established, scan):
         return None  # (its changed region passes: the whole is not serialised or written for the checks)
     with _checkable(after) as data:
         if data is None:
@@ -122,16 +124,19 @@ def _pieces(model: onnx.ModelProto, data, scan=None):
 
 
 def _checker_error_typing(data, pieces) -> tuple[str | None, dict | None]:
-    """:func:`checker_error`, and when ``pieces`` need them, the types the checker's inference gives the
-    values crossing between them (None: not all typed). The full check is the structural check and strict
-    inference with types checked, run as two steps here to keep what inference found."""
-    if pieces is None or not pieces.crossing:
-        return checker_error(data), ({} if pieces is not None else None)
+    """:func:`checker_error`, and when ``pieces`` need them, the types of the values crossing between them
+    (None: not all typed, or the checker refused the model). Those are inferred with data propagation, as
+    onnxruntime's load infers them (a Reshape to ``Shape(w)`` has w's dims there, and a piece declared
+    with fewer would check less); the checker's verdict stays its own (no propagation)."""
+    err = checker_error(data)
+    if err is not None or pieces is None:
+        return err, None
+    if not pieces.crossing:
+        return None, {}
     try:
-        onnx.checker.check_model(data)
-        inferred = onnx.shape_inference.infer_shapes(data, check_type=True, strict_mode=True)
-    except Exception as e:  # the checker raises ValidationError, InferenceError, or protobuf errors
-        return _first_line(e), None
+        inferred = onnx.shape_inference.infer_shapes(data, data_prop=True)
+    except Exception:  # (whatever it raises: no types, the whole model is loaded)
+        return None, None
     return None, pieces.types_of(inferred)
 
 

@@ -6,14 +6,18 @@ off: a plain chain of Tanh nodes loads in 0.49 / 1.19 / 3.34 s at 25,000 / 50,00
 judge by its changed region alone, so that load set the growth of a run on such a model.
 
 The same argument that lets the guard judge a model by its changed region (rnnfuse.changed_region) lets it
-judge one by pieces: onnxruntime decides whether it takes a node from the node and the types it reads.
-Each piece is a run of consecutive nodes, the values it reads from earlier pieces declared as its inputs
-with the types ONNX inference gives them in the whole model (the checker's strict inference has just
-succeeded on it), the initializers and graph inputs it reads copied, the declared types of its values
-kept (onnxruntime checks a declaration against what it infers), and everything it computes that is read
-later, not read at all, or a graph output, as its outputs. The whole graph's wiring (a name defined twice,
-a value read before it is defined) is what no piece can see: the pieces are only cut from a model whose
-wiring :class:`~rnnfuse.changed_region.NodeScan` found sound.
+judge one by pieces: onnxruntime decides whether it takes a node from the node, the types it reads and the
+constant values it reads. Each piece is a run of consecutive nodes; the values it reads from earlier pieces
+are declared as its inputs with the types ONNX inference gives them in the whole model, inferred with data
+propagation as onnxruntime's load infers them (a Reshape to ``Shape(w)`` has w's dims); a Constant node it
+reads is copied into it (onnxruntime makes Constants initializers, and a kernel may check their values when
+it is built: a Resize's scales); the initializers and graph inputs it reads are copied, the declared types
+of its values kept (onnxruntime checks a declaration against what it infers), and everything it computes
+that is read later, not read at all, or a graph output, is an output. What no piece can see is the whole
+graph's wiring (a name defined twice, a value read before it is defined, two nodes of one name): the pieces
+are only cut from a model in which :class:`~rnnfuse.changed_region.NodeScan` found none of that. What is
+assumed: onnxruntime knows no more of a value crossing a cut than ONNX inference with data propagation
+(both run the same ops' inference functions; a dim neither can compute, ``T * B`` say, is unknown to both).
 
 Only a pass is taken from the pieces. A piece that fails to load, a value of a type inference cannot give,
 a model whose weights would be copied into many pieces (weight data beyond ``MAX_INLINE_BYTES``, external
@@ -26,8 +30,8 @@ from __future__ import annotations
 import onnx
 from onnx import ModelProto, NodeProto
 
-from .changed_region import MAX_INLINE_BYTES, NodeScan, inline_bytes
-from .protos import has_subgraph, nodes_within, reads_of, subgraphs
+from .changed_region import MAX_INLINE_BYTES, NodeScan, constant_node, inline_bytes
+from .protos import has_subgraph, nodes_within, subgraphs
 
 # nodes a piece holds at most (subgraphs' nodes counted): onnxruntime loads 10,000 in ~0.15 s
 PIECE_NODES = 10_000
@@ -40,6 +44,13 @@ class Pieces:
     def __init__(self, model: ModelProto, scan: NodeScan, spans: list[tuple[int, int]]):
         self.model, self.scan, self.spans = model, scan, spans
         self.reads, self.outputs = _boundaries(scan, spans, {v.name for v in model.graph.output})
+        # a Constant read across a cut is copied into the reading piece (changed_region.constant_node)
+        self.constants: list[list[NodeProto]] = [[] for _ in spans]
+        for k, names in enumerate(self.reads):
+            copied = [c for name in names if (c := constant_node(scan, name)) is not None]
+            if copied:
+                self.constants[k] = copied
+                self.reads[k] = [name for name in names if constant_node(scan, name) is None]
         self.crossing = {name for names in self.reads for name in names if name in scan.producer}
 
     @classmethod
@@ -60,8 +71,8 @@ class Pieces:
         from .guard import onnxruntime_error
 
         frame = _Frame(self.model.graph)
-        for (start, stop), read, out in zip(self.spans, self.reads, self.outputs):
-            piece = _piece_model(self.model, frame, self.scan.nodes[start:stop], read, out, types)
+        for (start, stop), read, out, copied in zip(self.spans, self.reads, self.outputs, self.constants):
+            piece = _piece_model(self.model, frame, copied + self.scan.nodes[start:stop], read, out, types)
             if onnxruntime_error(piece.SerializeToString()) is not None:
                 return False
         return True

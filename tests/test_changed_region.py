@@ -142,6 +142,18 @@ def test_a_changed_constant_is_followed_whatever_its_type():
     ort.InferenceSession(same.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
+def test_a_region_reading_a_constant_holds_the_constant_node():
+    """onnxruntime makes a Constant an initializer, and a kernel may check its value when it is built: a
+    changed Reshape reading an unchanged Constant takes the node in, not a typed input hiding its value."""
+    before = _reshaped([4, 3])
+    after = _reshaped([4, 3])
+    after.graph.node[1].name = "renamed"  # (a changed node: not found among the input's, field for field)
+    sub = region.region_model(after, before)
+    assert sub is not None
+    assert [n.op_type for n in sub.graph.node][:2] == ["Constant", "Reshape"]
+    assert [v.name for v in sub.graph.input] == ["x"]
+
+
 def _behind_an_upstream(m: onnx.ModelProto, length: int) -> onnx.ModelProto:
     """``m`` reading, instead of its input x, the end of a chain of ``length`` Relus computing it from x."""
     chain = [helper.make_node("Relu", ["x" if i == 0 else f"u{i - 1}"], [f"u{i}"]) for i in range(length)]

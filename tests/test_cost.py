@@ -157,9 +157,9 @@ def test_dedupe_keys_weights_by_name_and_each_node_once(cells):
     assert d.full_keys == 2 + (cells + 1)
     # looked at: the two MatMuls of one coarse key and the index-0 Gathers (the other MatMuls, alone under
     # their coarse keys among x's readers, and the index-1 Gather, alone with its index among the Gathers of
-    # one coarse key, can have no duplicate); not the Concat the merges rewired nor the Identity that keeps
-    # the merged MatMul's output name: each is the only reader of a value it reads
-    assert d.visited == 2 + cells
+    # one coarse key, can have no duplicate), then the Concat the merges rewired and the Identity that keeps
+    # the merged MatMul's output name
+    assert d.visited == 2 + cells + 2
 
 
 def _per_step_reads(steps: int, twice: int | None) -> onnx.ModelProto:
@@ -193,7 +193,7 @@ def test_dedupe_looks_only_at_reads_whose_constants_are_another_reads_too():
     assert r.modified and "merged 1 duplicate nodes" in r.notes[0]
     assert len([n for n in m.graph.live_nodes() if n.op_type == "Gather"]) == 300
     assert m.graph.producer["y"].input[-1] == "x7"  # (x300, the second read of step 7, merged into x7)
-    assert d.visited == 2  # the pair (not the Sum the merge rewired: the one reader of x7)
+    assert d.visited == 2 + 1  # the pair, then the Sum the merge rewired
 
 
 def _twins_after_a_merge(read_elsewhere: bool) -> onnx.ModelProto:
@@ -1298,3 +1298,23 @@ def test_finalize_lists_what_it_redefined_only_for_types_carried_over(monkeypatc
     assert m.known_type("v5") is not None and m.types_by_cone  # (a cone query)
     g = edited_and_finalized(m)
     assert g.redefined is not None and g.producer["v4"].input[0] in g.redefined
+
+
+def test_a_node_a_merge_rewired_is_kept_in_the_table_though_it_reads_a_value_alone():
+    """q = Add(v, yb) absorbs its twin p, then a merge rewires it to Add(v, ya): v has no other reader now,
+    but v was seeded before, so q must still be keyed anew, or r, rewired to Add(v, ya) a generation later
+    (its rarest input v, already seeded), finds nothing. Skipping nodes that read a value alone skips only
+    nodes no merge of the run rewired."""
+    N = helper.make_node
+    nodes = [N("Sigmoid", ["x"], ["s1"]), N("Sigmoid", ["x"], ["s2"]), N("Relu", ["x"], ["w1"]), N("Relu", ["x"], ["w2"]),
+             N("Cos", ["s1"], ["ya"]), N("Cos", ["s2"], ["yb"]), N("Neg", ["w1"], ["u1"]), N("Neg", ["w2"], ["u2"]),
+             N("Exp", ["u1"], ["v"]), N("Exp", ["u2"], ["v2"]), N("Add", ["v", "yb"], ["q"]), N("Add", ["v", "yb"], ["p"]),
+             N("Add", ["v2", "ya"], ["r"]), N("Sum", ["p", "q", "r"], ["out"])]
+    vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3])  # noqa: E731
+    m = helper.make_model(helper.make_graph(nodes, "rewired", [vi("x")], [vi("out")]), opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    model = Model(m)
+    r = Dedupe().run(model, Options())
+    g = model.graph
+    assert "merged 7 duplicate nodes" in r.notes[0]
+    assert [n.output[0] for n in g.live_nodes() if n.op_type == "Add"] == ["q"]

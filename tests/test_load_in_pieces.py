@@ -120,7 +120,7 @@ def test_an_input_with_a_default_stays_an_input_in_its_piece(small_pieces):
 
 
 def test_a_subgraph_capture_crosses_pieces(small_pieces):
-    # an If deep in the chain whose branches read r10 (nine pieces... one piece back) by capture
+    # an If at the end of the chain whose branches read r10, two pieces back, by capture
     nodes = _relu_chain(250)
     then = helper.make_graph([helper.make_node("Add", ["r10", "r249"], ["t_out"])], "then", [],
                              [helper.make_tensor_value_info("t_out", TensorProto.FLOAT, [2, 3])])
@@ -162,8 +162,10 @@ def test_a_crossing_value_inference_cannot_type_is_loaded_whole(small_pieces, mo
     inferred = onnx.shape_inference.infer_shapes(m)
     # (no type after the unknown op: the pieces after it cannot be declared)
     assert any(name.startswith("s") for name in p.crossing) and p.types_of(inferred) is None
+    err, types = guard._checker_error_typing(m.SerializeToString(), p)
+    assert err is None and types is None  # (the checker takes an op of a domain it does not know)
     loads = _loads(monkeypatch)
-    assert guard._load_error(m.SerializeToString(), p, None) is not None  # (onnxruntime has no Mystery)
+    assert guard._load_error(m.SerializeToString(), p, types) is not None  # (onnxruntime has no Mystery)
     assert loads == [len(m.graph.node)]
 
 
@@ -200,3 +202,70 @@ def test_a_fused_loop_with_a_big_head_is_guarded_in_pieces(monkeypatch, tmp_path
     b = ort.InferenceSession(src.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     for u, v in zip(a, b):
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
+
+
+# -- what the pieces alone cannot see: each case passes piece by piece where the whole load fails -------------
+
+def _pieces_verdict(m: onnx.ModelProto) -> bool:
+    """Whether the guard would take the model as loading from its pieces alone."""
+    data = m.SerializeToString()
+    p = Pieces.cut(m)
+    if p is None:
+        return False
+    err, types = guard._checker_error_typing(data, p)
+    return err is None and types is not None and p.load(types)
+
+
+def test_two_nodes_of_one_name_are_loaded_whole(small_pieces):
+    # onnxruntime refuses two nodes of one name, the checker does not; in two pieces each loads
+    nodes = [helper.make_node("Relu", [f"r{i - 1}" if i else "x"], [f"r{i}"], name=f"n{i}") for i in range(250)]
+    nodes.append(helper.make_node("Identity", ["r249"], ["y"], name="n5"))
+    m = _model(nodes)
+    assert guard.checker_error(m.SerializeToString()) is None
+    assert Pieces.cut(m) is None and not _pieces_verdict(m)
+    assert guard.onnxruntime_error(m.SerializeToString()) is not None
+
+
+def test_a_constant_read_across_a_cut_is_copied_into_the_reading_piece(small_pieces):
+    # onnxruntime checks a Resize's constant scales when it builds the kernel (each must be > 0): read as a
+    # typed input of a later piece, the bad scale would load
+    const = helper.make_node("Constant", [], ["sc"], value=helper.make_tensor("v", TensorProto.FLOAT, [4], [1.0, 1.0, 0.0, 2.0]))
+    nodes = [const, *_relu_chain(250), helper.make_node("Resize", ["r249", "", "sc"], ["y"])]
+    m = _model(nodes)
+    for v in (m.graph.input[0], m.graph.output[0]):
+        v.type.tensor_type.shape.Clear()
+        for d in ([1, 1, 2, 2] if v.name == "x" else ["n", "c", "h", "w"]):
+            dim = v.type.tensor_type.shape.dim.add()
+            if isinstance(d, int):
+                dim.dim_value = d
+            else:
+                dim.dim_param = d
+    p = Pieces.cut(m)
+    assert "sc" not in p.crossing and any(c.output[0] == "sc" for c in p.constants[-1])
+    assert not _pieces_verdict(m)
+    assert guard.onnxruntime_error(m.SerializeToString()) is not None
+    # a good scale loads, piece by piece
+    m.graph.node[0].attribute[0].t.CopyFrom(helper.make_tensor("v", TensorProto.FLOAT, [4], [1.0, 1.0, 1.0, 2.0]))
+    assert _pieces_verdict(m)
+
+
+def test_crossing_types_carry_what_data_propagation_knows(small_pieces):
+    # Reshape(x, Shape(w)) is [6, 1] to onnxruntime's load (it propagates shape values), [unk, unk] to plain
+    # inference: declared so, a later piece would accept a MatMul with a [4, 5] weight
+    w = numpy_helper.from_array(np.zeros((6, 1), np.float32), "w")
+    b = numpy_helper.from_array(np.zeros((4, 5), np.float32), "B")
+    nodes = [helper.make_node("Shape", ["w"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["r"]),
+             *_relu_chain(249, "r", "q"), helper.make_node("MatMul", ["q248", "B"], ["y"])]
+    m = _model(nodes, initializers=[w, b])
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 3
+    m.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 2
+    del m.graph.output[0].type.tensor_type.shape.dim[:]
+    m.graph.output[0].type.tensor_type.shape.dim.add().dim_param = "a"
+    m.graph.output[0].type.tensor_type.shape.dim.add().dim_value = 5
+    p = Pieces.cut(m)
+    _, types = guard._checker_error_typing(m.SerializeToString(), p)
+    crossing = onnx.TypeProto()
+    crossing.ParseFromString(types[sorted(p.crossing)[0]])
+    assert [d.dim_value for d in crossing.tensor_type.shape.dim] == [6, 1]
+    assert not _pieces_verdict(m)
+    assert guard.onnxruntime_error(m.SerializeToString()) is not None

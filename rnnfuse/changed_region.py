@@ -34,7 +34,7 @@ from typing import Callable
 import onnx
 from onnx import ModelProto, NodeProto, TensorProto
 
-from .protos import free_names, has_subgraph, reads_of, subgraphs
+from .protos import free_names, has_subgraph, part_model, reads_of, subgraphs
 from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, skeleton_initializer
 
 # below this many nodes onnxruntime loads a whole model in well under a second: the guard loads it whole
@@ -442,22 +442,17 @@ def _standalone(after: ModelProto, nodes: list[NodeProto], scan: NodeScan, regio
     g = after.graph
     inits = {t.name: t for t in g.initializer}
     graph_inputs = {v.name: v for v in g.input}
-    m = onnx.ModelProto()
-    m.ir_version = after.ir_version
-    m.opset_import.extend(after.opset_import)
-    m.functions.extend(after.functions)
+    m = part_model(after, "rnnfuse_changed_region", nodes)
     sub = m.graph
-    sub.name = "rnnfuse_changed_region"
-    sub.node.extend(nodes)
     computed = [name for name in read if name not in inits and name not in graph_inputs]
     if computed and types.ask(computed) is None:
         return None
     for name in read:
+        if name in graph_inputs:  # (an input with a default stays an input: its value is not a constant)
+            sub.input.add().CopyFrom(graph_inputs[name])
         if name in inits:
             sub.initializer.add().CopyFrom(inits[name])
-        elif name in graph_inputs:
-            sub.input.add().CopyFrom(graph_inputs[name])
-        else:
+        elif name not in graph_inputs:
             if name not in types.types:
                 return None  # (a value of unknown type: onnxruntime cannot take it as an input)
             vi = sub.input.add()

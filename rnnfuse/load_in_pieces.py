@@ -31,7 +31,7 @@ import onnx
 from onnx import ModelProto, NodeProto
 
 from .changed_region import MAX_INLINE_BYTES, NodeScan, constant_node, inline_bytes
-from .protos import has_subgraph, nodes_within, subgraphs
+from .protos import has_subgraph, nodes_within, part_model, subgraphs
 
 # nodes a piece holds at most (subgraphs' nodes counted): onnxruntime loads 10,000 in ~0.15 s
 PIECE_NODES = 10_000
@@ -142,13 +142,8 @@ def _boundaries(scan: NodeScan, pieces: list[tuple[int, int]], graph_outputs: se
 def _piece_model(model: ModelProto, frame: _Frame, nodes: list[NodeProto], read: list[str], out: list[str],
                  types: dict[str, bytes]) -> ModelProto:
     """``nodes`` as a model (see the module): ``read`` its inputs, ``out`` its outputs."""
-    m = ModelProto()
-    m.ir_version = model.ir_version
-    m.opset_import.extend(model.opset_import)
-    m.functions.extend(model.functions)
+    m = part_model(model, "rnnfuse_piece", nodes)
     sub = m.graph
-    sub.name = "rnnfuse_piece"
-    sub.node.extend(nodes)
     for name in read:
         if name in frame.inputs:  # (an input with a default stays an input: its value is not a constant)
             sub.input.add().CopyFrom(frame.inputs[name])

@@ -35,7 +35,7 @@ import onnx
 from onnx import ModelProto, NodeProto, TensorProto
 
 from .protos import free_names, has_subgraph, part_model, reads_of, subgraphs
-from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, skeleton_initializer
+from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, may_carry_shape_values, skeleton_initializer
 
 # below this many nodes onnxruntime loads a whole model in well under a second: the guard loads it whole
 SCOPED_NODES = 10_000
@@ -362,7 +362,7 @@ def _inferred_types(model: ModelProto) -> dict[str, bytes] | None:
     """Value name -> its type as ONNX shape inference gives ``model`` (a cone model: declared inputs and
     outputs included); a value inference cannot type is absent. None when inference fails."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)  # (as onnxruntime's load infers)
     except Exception:  # (inference errors: the region cannot be judged, the whole model is loaded)
         return None
     g = inferred.graph
@@ -453,8 +453,8 @@ def _standalone(after: ModelProto, nodes: list[NodeProto], scan: NodeScan, regio
         if name in inits:
             sub.initializer.add().CopyFrom(inits[name])
         elif name not in graph_inputs:
-            if name not in types.types:
-                return None  # (a value of unknown type: onnxruntime cannot take it as an input)
+            if name not in types.types or may_carry_shape_values(types.types[name]):
+                return None  # (of unknown type, or of contents a typed input would hide: the whole is loaded)
             vi = sub.input.add()
             vi.name = name
             vi.type.ParseFromString(types.types[name])

@@ -15,9 +15,12 @@ it is built: a Resize's scales); the initializers and graph inputs it reads are 
 of its values kept (onnxruntime checks a declaration against what it infers), and everything it computes
 that is read later, not read at all, or a graph output, is an output. What no piece can see is the whole
 graph's wiring (a name defined twice, a value read before it is defined, two nodes of one name): the pieces
-are only cut from a model in which :class:`~rnnfuse.changed_region.NodeScan` found none of that. What is
-assumed: onnxruntime knows no more of a value crossing a cut than ONNX inference with data propagation
-(both run the same ops' inference functions; a dim neither can compute, ``T * B`` say, is unknown to both).
+are only cut from a model in which :class:`~rnnfuse.changed_region.NodeScan` found none of that. Nor can a
+piece know the contents of a small integer tensor computed in an earlier one (a ``Shape``, a ``Gather`` of
+it), which onnxruntime's load carries along: such a value crossing a cut sends the model to a whole load.
+What is assumed: onnxruntime knows no more of a value crossing a cut than ONNX inference with data
+propagation (both run the same ops' inference functions; a dim neither can compute, ``T * B`` say, is
+unknown to both).
 
 Only a pass is taken from the pieces. A piece that fails to load, a value of a type inference cannot give,
 a model whose weights would be copied into many pieces (weight data beyond ``MAX_INLINE_BYTES``, external
@@ -32,6 +35,7 @@ from onnx import ModelProto, NodeProto
 
 from .changed_region import MAX_INLINE_BYTES, NodeScan, constant_node, inline_bytes
 from .protos import has_subgraph, nodes_within, part_model, subgraphs
+from .tensor_types import may_carry_shape_values
 
 # nodes a piece holds at most (subgraphs' nodes counted): onnxruntime loads 10,000 in ~0.15 s
 PIECE_NODES = 10_000
@@ -82,7 +86,9 @@ class Pieces:
         when one has none."""
         g, names = inferred.graph, self.crossing
         types = {v.name: v.type.SerializeToString() for v in (*g.value_info, *g.output) if v.name in names and v.HasField("type")}
-        return types if len(types) == len(names) else None
+        if len(types) != len(names) or any(map(may_carry_shape_values, types.values())):
+            return None  # (a shape value crossing a cut: its contents, known to the whole load, would be hidden)
+        return types
 
 
 class _Frame:

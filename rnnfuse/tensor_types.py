@@ -67,6 +67,23 @@ def copy_node_skeleton(n: NodeProto, m: NodeProto, keep_bytes: int) -> None:
             b.CopyFrom(a)
 
 
+_INTEGERS = frozenset({TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64, TensorProto.UINT8,
+                       TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64})
+
+
+def may_carry_shape_values(serialized_type: bytes) -> bool:
+    """Whether a value of this (serialised) type may be one whose contents inference propagates as data: an
+    integer tensor of rank 0 or 1, or of unknown rank (a ``Shape``, a ``Gather`` of it, a ``Concat`` of
+    such). onnxruntime's load knows such a value's contents when it is computed from shapes it knows; a part
+    of the model that takes it as a typed input does not, and would accept what the whole refuses."""
+    t = onnx.TypeProto()
+    t.ParseFromString(serialized_type)
+    if not t.HasField("tensor_type"):
+        return False
+    tt = t.tensor_type
+    return tt.elem_type in _INTEGERS and (not tt.HasField("shape") or len(tt.shape.dim) <= 1)
+
+
 def type_of(vi: onnx.ValueInfoProto) -> tuple[int, list | None] | None:
     t = vi.type
     if not t.HasField("tensor_type"):

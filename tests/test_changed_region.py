@@ -154,6 +154,32 @@ def test_a_region_reading_a_constant_holds_the_constant_node():
     assert [v.name for v in sub.graph.input] == ["x"]
 
 
+def _reshaped_by_a_weight(b_rows: int) -> onnx.ModelProto:
+    """r = Reshape(x, Shape(w [6, 1])), read by MatMul(r, B [b_rows, 5]) after 40 unrelated Relus."""
+    w = numpy_helper.from_array(np.zeros((6, 1), np.float32), "w")
+    b = numpy_helper.from_array(np.zeros((b_rows, 5), np.float32), f"B{b_rows}")
+    chain = [helper.make_node("Relu", ["z" if i == 0 else f"q{i - 1}"], [f"q{i}"]) for i in range(40)]
+    nodes = [helper.make_node("Shape", ["w"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["r"]), *chain,
+             helper.make_node("MatMul", ["r", b.name], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3, 2]) for n in ("x", "z")],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", 5]),
+                           helper.make_tensor_value_info("q39", TensorProto.FLOAT, [3, 2])], [w, b])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_regions_inputs_are_typed_as_onnxruntimes_load_types_them():
+    """Only the MatMul changed; the value it reads is [6, 1] to onnxruntime's load (it propagates Shape(w)),
+    unknown dims to inference without data propagation: typed so, the region would load where the whole
+    model does not."""
+    before, after = _reshaped_by_a_weight(1), _reshaped_by_a_weight(4)
+    assert guard.onnxruntime_error(after.SerializeToString()) is not None
+    sub = region.region_model(after, before)
+    assert [n.op_type for n in sub.graph.node] == ["MatMul"]
+    r = next(i for i in sub.graph.input if i.name == "r")
+    assert [d.dim_value for d in r.type.tensor_type.shape.dim] == [6, 1]
+    assert not guard._region_passes(after, lambda: before, None, region.NodeScan(after))
+
+
 def _behind_an_upstream(m: onnx.ModelProto, length: int) -> onnx.ModelProto:
     """``m`` reading, instead of its input x, the end of a chain of ``length`` Relus computing it from x."""
     chain = [helper.make_node("Relu", ["x" if i == 0 else f"u{i - 1}"], [f"u{i}"]) for i in range(length)]

@@ -269,3 +269,22 @@ def test_crossing_types_carry_what_data_propagation_knows(small_pieces):
     assert [d.dim_value for d in crossing.tensor_type.shape.dim] == [6, 1]
     assert not _pieces_verdict(m)
     assert guard.onnxruntime_error(m.SerializeToString()) is not None
+
+
+def test_a_shape_value_crossing_a_cut_loads_the_whole_model(small_pieces, monkeypatch):
+    # Shape(w) is [6, 1] to onnxruntime's load, which carries the contents of small integer tensors; a later
+    # piece taking it as a typed int64 [2] input would accept the Reshape and the MatMul the whole refuses
+    w = numpy_helper.from_array(np.zeros((6, 1), np.float32), "w")
+    b = numpy_helper.from_array(np.zeros((4, 5), np.float32), "B")
+    nodes = [helper.make_node("Shape", ["w"], ["s"]), *_relu_chain(249, "x", "q"),
+             helper.make_node("Reshape", ["q248", "s"], ["r"]), helper.make_node("MatMul", ["r", "B"], ["y"])]
+    m = _model(nodes, initializers=[w, b])
+    del m.graph.output[0].type.tensor_type.shape.dim[:]
+    m.graph.output[0].type.tensor_type.shape.dim.add().dim_param = "a"
+    m.graph.output[0].type.tensor_type.shape.dim.add().dim_value = 5
+    p = Pieces.cut(m)
+    assert "s" in p.crossing
+    err, types = guard._checker_error_typing(m.SerializeToString(), p)
+    assert err is None and types is None
+    loads = _loads(monkeypatch)
+    assert guard._load_error(m.SerializeToString(), p, types) is not None and loads == [len(m.graph.node)]

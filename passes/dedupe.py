@@ -166,7 +166,7 @@ class _DedupeTable:
         same coarse key and the same inputs, small constants by value (a duplicate reads them all, and has
         the same coarse key), and the nodes reading only constants."""
         g = self.g
-        consumers, consts, uses, coarse = g.consumers, self.consts, g.uses, self.coarse
+        consumers, consts, coarse = g.consumers, self.consts, self.coarse
         out: dict[int, NodeProto] = {}
         # the values read more than once (lists of readers, picked out in C: a 100k-node chain has few or none)
         for v, cs in itertools.compress(consumers.items(), map(list.__instancecheck__, consumers.values())):
@@ -191,7 +191,7 @@ class _DedupeTable:
                     if len(group) < 2:
                         continue
                     for c in self._alike_by_value(group):
-                        if all(len(uses(i)) > 1 for i in c.input[:] if i and i not in consts):
+                        if not self.alone(c):
                             out[id(c)] = c
         for c in self._const_readers():
             out[id(c)] = c

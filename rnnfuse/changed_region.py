@@ -34,7 +34,8 @@ from typing import Callable
 import onnx
 from onnx import ModelProto, NodeProto, TensorProto
 
-from .protos import free_names, has_subgraph, part_model, reads_of, subgraphs
+from .model_parts import Frame, part_model, split_constants
+from .protos import free_names, has_subgraph, reads_of, subgraphs
 from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, may_carry_shape_values, skeleton_initializer
 
 # below this many nodes onnxruntime loads a whole model in well under a second: the guard loads it whole
@@ -418,55 +419,32 @@ def _tensor_type(t: TensorProto) -> onnx.TypeProto:
     return tp
 
 
-def constant_node(scan: NodeScan, name: str) -> NodeProto | None:
-    """The Constant node producing ``name``, if one does: onnxruntime makes it an initializer, which a kernel
-    may check when it is built (a Resize's scales), so a part of the model reading one is given the node."""
-    n = scan.nodes[scan.producer[name]] if name in scan.producer else None
-    return n if n is not None and n.op_type == "Constant" and n.domain in ("", "ai.onnx") else None
-
-
 def _standalone(after: ModelProto, nodes: list[NodeProto], scan: NodeScan, region: set[int],
                 types: "_Types") -> ModelProto | None:
     """``nodes`` (in ``after``'s order) as a model: what they read from outside as typed inputs, copied
     initializers or copied Constant nodes; what they compute that is read outside them, not read, or a
     graph output, as outputs."""
     readers, produced = scan.readers, {o for n in nodes for o in n.output if o}
-    read: list[str] = []
-    for n in nodes:
-        read += [x for x in reads_of(n) if x and x not in produced]
-    read = list(dict.fromkeys(read))
-    constants = [c for name in read if (c := constant_node(scan, name)) is not None]
-    if constants:
-        nodes = constants + nodes
-        read = [name for name in read if constant_node(scan, name) is None]
-    g = after.graph
-    inits = {t.name: t for t in g.initializer}
-    graph_inputs = {v.name: v for v in g.input}
+    read = list(dict.fromkeys(x for n in nodes for x in reads_of(n) if x and x not in produced))
+    constants, read = split_constants(scan, read)
+    frame = Frame(after.graph)
+    computed = [name for name in read if name not in frame.initializers and name not in frame.inputs]
+    # (of unknown type, or of contents a typed input would hide: the whole is loaded)
+    if computed and (types.ask(computed) is None or any(
+            name not in types.types or may_carry_shape_values(types.types[name]) for name in computed)):
+        return None
+    nodes = constants + nodes
     m = part_model(after, "rnnfuse_changed_region", nodes)
     sub = m.graph
-    computed = [name for name in read if name not in inits and name not in graph_inputs]
-    if computed and types.ask(computed) is None:
-        return None
-    for name in read:
-        if name in graph_inputs:  # (an input with a default stays an input: its value is not a constant)
-            sub.input.add().CopyFrom(graph_inputs[name])
-        if name in inits:
-            sub.initializer.add().CopyFrom(inits[name])
-        elif name not in graph_inputs:
-            if name not in types.types or may_carry_shape_values(types.types[name]):
-                return None  # (of unknown type, or of contents a typed input would hide: the whole is loaded)
-            vi = sub.input.add()
-            vi.name = name
-            vi.type.ParseFromString(types.types[name])
-    graph_outputs = {v.name: v for v in g.output}
-    declared = {v.name: v for v in g.value_info if v.name in produced}
+    frame.declare_reads(sub, read, types.types)
+    declared = {name: frame.declared[name] for name in produced if name in frame.declared}
     outputs: set[str] = set()
     for n in nodes:
         for o in n.output:
             if not o or o in outputs:
                 continue
-            if o in graph_outputs:
-                sub.output.add().CopyFrom(graph_outputs[o])
+            if o in frame.outputs:
+                sub.output.add().CopyFrom(frame.outputs[o])
             elif o not in readers or any(r not in region for r in readers[o]):
                 if o in declared:
                     sub.output.add().CopyFrom(declared[o])

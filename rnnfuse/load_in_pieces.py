@@ -30,11 +30,11 @@ wrong.
 
 from __future__ import annotations
 
-import onnx
 from onnx import ModelProto, NodeProto
 
-from .changed_region import MAX_INLINE_BYTES, NodeScan, constant_node, inline_bytes
-from .protos import has_subgraph, nodes_within, part_model, subgraphs
+from .changed_region import MAX_INLINE_BYTES, NodeScan, inline_bytes
+from .model_parts import Frame, part_model, split_constants
+from .protos import has_subgraph, nodes_within, subgraphs
 from .tensor_types import may_carry_shape_values
 
 # nodes a piece holds at most (subgraphs' nodes counted): onnxruntime loads 10,000 in ~0.15-0.25 s
@@ -48,13 +48,10 @@ class Pieces:
     def __init__(self, model: ModelProto, scan: NodeScan, spans: list[tuple[int, int]]):
         self.model, self.scan, self.spans = model, scan, spans
         self.reads, self.outputs = _boundaries(scan, spans, {v.name for v in model.graph.output})
-        # a Constant read across a cut is copied into the reading piece (changed_region.constant_node)
+        # a Constant read across a cut is copied into the reading piece (model_parts.split_constants)
         self.constants: list[list[NodeProto]] = [[] for _ in spans]
         for k, names in enumerate(self.reads):
-            copied = [c for name in names if (c := constant_node(scan, name)) is not None]
-            if copied:
-                self.constants[k] = copied
-                self.reads[k] = [name for name in names if constant_node(scan, name) is None]
+            self.constants[k], self.reads[k] = split_constants(scan, names)
         self.crossing = {name for names in self.reads for name in names if name in scan.producer}
 
     @classmethod
@@ -74,7 +71,7 @@ class Pieces:
         """Whether every piece loads, its inputs from earlier pieces typed by ``types`` (:meth:`types_of`)."""
         from .guard import onnxruntime_error
 
-        frame = _Frame(self.model.graph)
+        frame = Frame(self.model.graph)
         for (start, stop), read, out, copied in zip(self.spans, self.reads, self.outputs, self.constants):
             piece = _piece_model(self.model, frame, copied + self.scan.nodes[start:stop], read, out, types)
             if onnxruntime_error(piece.SerializeToString()) is not None:
@@ -89,17 +86,6 @@ class Pieces:
         if len(types) != len(names) or any(map(may_carry_shape_values, types.values())):
             return None  # (a shape value crossing a cut: its contents, known to the whole load, would be hidden)
         return types
-
-
-class _Frame:
-    """What every piece copies from the whole graph, by name: initializers, graph inputs and outputs, declared
-    value types."""
-
-    def __init__(self, g: onnx.GraphProto):
-        self.initializers = {t.name: t for t in g.initializer}
-        self.inputs = {v.name: v for v in g.input}
-        self.outputs = {v.name: v for v in g.output}
-        self.declared = {v.name: v for v in g.value_info}
 
 
 def _cut(nodes: list[NodeProto]) -> list[tuple[int, int]]:
@@ -145,20 +131,12 @@ def _boundaries(scan: NodeScan, pieces: list[tuple[int, int]], graph_outputs: se
     return reads, outputs
 
 
-def _piece_model(model: ModelProto, frame: _Frame, nodes: list[NodeProto], read: list[str], out: list[str],
+def _piece_model(model: ModelProto, frame: Frame, nodes: list[NodeProto], read: list[str], out: list[str],
                  types: dict[str, bytes]) -> ModelProto:
     """``nodes`` as a model (see the module): ``read`` its inputs, ``out`` its outputs."""
     m = part_model(model, "rnnfuse_piece", nodes)
     sub = m.graph
-    for name in read:
-        if name in frame.inputs:  # (an input with a default stays an input: its value is not a constant)
-            sub.input.add().CopyFrom(frame.inputs[name])
-        if name in frame.initializers:
-            sub.initializer.add().CopyFrom(frame.initializers[name])
-        elif name not in frame.inputs:
-            vi = sub.input.add()
-            vi.name = name
-            vi.type.ParseFromString(types[name])
+    frame.declare_reads(sub, read, types)
     declared = {o: frame.declared[o] for n in nodes for o in n.output if o in frame.declared}
     for name in out:
         vi = sub.output.add()

@@ -325,13 +325,3 @@ def set_external(t: TensorProto, location: str, offset: int, length: int) -> Non
         e.key, e.value = k, v
     t.data_location = TensorProto.EXTERNAL
 
-
-def part_model(whole: ModelProto, name: str, nodes: list[NodeProto]) -> ModelProto:
-    """A model of ``nodes`` with ``whole``'s IR version, opsets and functions (its graph's interface is the
-    caller's to fill in)."""
-    m = ModelProto(ir_version=whole.ir_version)
-    m.opset_import.extend(whole.opset_import)
-    m.functions.extend(whole.functions)
-    m.graph.name = name
-    m.graph.node.extend(nodes)
-    return m

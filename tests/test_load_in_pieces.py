@@ -21,6 +21,7 @@ import rnnfuse.guard as guard
 import rnnfuse.load_in_pieces as pieces_mod
 from rnnfuse.changed_region import NodeScan
 from rnnfuse.load_in_pieces import Pieces
+from rnnfuse.model_parts import Frame
 from rnnfuse.pipeline import Pipeline
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
@@ -101,7 +102,7 @@ def test_a_piece_reads_far_back_keeps_unread_values_and_outputs_read_inside(smal
     assert "dead" in p.outputs[last] or "dead" in p.outputs[k300]
     types = _types(m, p)
     assert types is not None and p.load(types)
-    piece = pieces_mod._piece_model(m, pieces_mod._Frame(m.graph), NodeScan(m).nodes[slice(*p.spans[last])],
+    piece = pieces_mod._piece_model(m, Frame(m.graph), NodeScan(m).nodes[slice(*p.spans[last])],
                                     p.reads[last], p.outputs[last], types)
     assert [t.name for t in piece.graph.initializer] == ["w"]
     assert {v.name for v in piece.graph.input} >= {"r5", f"r{p.spans[last][0] - 1}"}
@@ -114,7 +115,7 @@ def test_an_input_with_a_default_stays_an_input_in_its_piece(small_pieces):
     m = _model(nodes, inputs=("x", "bias"), initializers=[bias])
     p = Pieces.cut(m)
     last = len(p.spans) - 1
-    piece = pieces_mod._piece_model(m, pieces_mod._Frame(m.graph), NodeScan(m).nodes[slice(*p.spans[last])],
+    piece = pieces_mod._piece_model(m, Frame(m.graph), NodeScan(m).nodes[slice(*p.spans[last])],
                                     p.reads[last], p.outputs[last], _types(m, p))
     assert "bias" in {v.name for v in piece.graph.input} and "bias" in {t.name for t in piece.graph.initializer}
 

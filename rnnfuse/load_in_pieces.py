@@ -34,7 +34,7 @@ from onnx import ModelProto, NodeProto
 
 from .changed_region import MAX_INLINE_BYTES, NodeScan, inline_bytes
 from .model_parts import Frame, part_model, split_constants
-from .protos import has_subgraph, nodes_within, subgraphs
+from .piecewise_runs import piece_bounds
 from .tensor_types import may_carry_shape_values
 
 # nodes a piece holds at most (subgraphs' nodes counted): onnxruntime loads 10,000 in ~0.15-0.25 s
@@ -64,7 +64,7 @@ class Pieces:
         scan = NodeScan(model) if scan is None else scan
         if scan.fault is not None:
             return None
-        spans = _cut(scan.nodes)
+        spans = piece_bounds(scan.nodes, PIECE_NODES)
         return cls(model, scan, spans) if len(spans) > 1 else None
 
     def load(self, types: dict[str, bytes]) -> bool:
@@ -86,22 +86,6 @@ class Pieces:
         if len(types) != len(names) or any(map(may_carry_shape_values, types.values())):
             return None  # (a shape value crossing a cut: its contents, known to the whole load, would be hidden)
         return types
-
-
-def _cut(nodes: list[NodeProto]) -> list[tuple[int, int]]:
-    """Runs of consecutive positions holding at most ``PIECE_NODES`` nodes each, subgraphs included (a node
-    whose subgraphs hold more is a piece of its own)."""
-    pieces: list[tuple[int, int]] = []
-    start, size = 0, 0
-    for i, n in enumerate(nodes):
-        k = 1 + (sum(nodes_within(sg) for sg in subgraphs(n)) if has_subgraph(n) else 0)
-        if size and size + k > PIECE_NODES:
-            pieces.append((start, i))
-            start, size = i, 0
-        size += k
-    if size:
-        pieces.append((start, len(nodes)))
-    return pieces
 
 
 def _boundaries(scan: NodeScan, pieces: list[tuple[int, int]], graph_outputs: set[str]

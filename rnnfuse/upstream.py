@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import onnx
 from onnx import NodeProto, TensorProto
 
-from .check_session import model_of
+from .piecewise_runs import run_in_pieces
 from .graph import Graph
 from .protos import has_subgraph, takes_attributes, tensor_nbytes
 
@@ -314,51 +313,11 @@ def _boundary(g: Graph, nodes: list[NodeProto], shared: set[int], reads) -> list
 def _run_upstream(ort, g: Graph, shared: list[NodeProto], boundary: list[str], given: dict, inputs,
                   open_session, reads=None) -> dict[str, list[np.ndarray]] | None:
     """The boundary tensors' values for each input set, from sessions of the shared upstream alone, in
-    pieces of ``PIECE_NODES`` nodes run one after the other (each piece fed what earlier ones computed).
-    None when a value handed from piece to piece is not a tensor, or they hold more than ``CUT_BYTES``.
+    pieces of ``PIECE_NODES`` nodes (their subgraphs' counted) run one after the other, each fed what earlier
+    ones computed (:func:`rnnfuse.piecewise_runs.run_in_pieces`). None when a value handed from piece to piece
+    is not a tensor, or they hold more than ``CUT_BYTES``.
 
     Why pieces: onnxruntime holds several KB per node while a session is open (a 100,000-node prologue's
     session took 280 MB, twice what the rest of the run held), and its session set-up grows faster than the
-    nodes; a piece's session is closed before the next one opens, so only the values crossing a cut are held
-    between them."""
-    reads = reads or g.reads
-    pieces = [shared[i:i + PIECE_NODES] for i in range(0, len(shared), PIECE_NODES)]
-    last_reader: dict[str, int] = {}  # value -> the last piece reading it (boundary values: past the end)
-    piece_of: dict[int, int] = {}
-    for k, piece in enumerate(pieces):
-        for n in piece:
-            piece_of[id(n)] = k
-            for i in reads(n):
-                last_reader[i] = k
-    for b in boundary:
-        last_reader[b] = len(pieces)
-    # what each piece hands on: its values a later piece reads (found from the index's producers, in the order
-    # they are first read: no node's outputs read again)
-    handed: list[list[str]] = [[] for _ in pieces]
-    producer = g.producer
-    for name, last in last_reader.items():
-        k = piece_of.get(id(producer.get(name)))
-        if k is not None and last > k:
-            handed[k].append(name)
-    values: dict[str, list[np.ndarray]] = dict(given)
-    for k, piece in enumerate(pieces):
-        outputs = handed[k]
-        # (the graph's own nodes: the model copies them as it takes them, and nothing here changes them)
-        m, big = model_of(g, piece, [onnx.ValueInfoProto(name=o) for o in outputs], values, "rnnfuse_upstream",
-                          reads=reads)
-        sess = open_session(ort, m, big)
-        del m
-        fed = [i.name for i in sess.get_inputs()]
-        computed: dict[str, list[np.ndarray]] = {o: [] for o in outputs}
-        for s, feeds in enumerate(inputs):
-            outs = sess.run(outputs, {name: values[name][s] if name in values else feeds[name] for name in fed})
-            for o, v in zip(outputs, outs):
-                if not isinstance(v, np.ndarray):
-                    return None
-                computed[o].append(v)
-        del sess
-        values.update(computed)
-        values = {name: v for name, v in values.items() if last_reader.get(name, -1) > k}
-        if sum(v.nbytes for per_set in values.values() for v in per_set) > CUT_BYTES:
-            return None
-    return {b: values[b] for b in boundary}
+    nodes; a piece's session is closed before the next one opens."""
+    return run_in_pieces(ort, g, shared, boundary, given, inputs, open_session, PIECE_NODES, CUT_BYTES, reads)

@@ -20,7 +20,8 @@ from .check_session import Source, model_of, open_session, takes_file_route
 from .feeds import index_ranges, input_sizes, random_values, valid_steps
 from .graph import Graph
 from .protos import data_bytes, nodes_within, rename_free, subgraphs
-from .upstream import Cut, cut
+from .piecewise_runs import run_in_pieces, weight
+from .upstream import CUT_BYTES, Cut, cut
 
 ATOL = 1e-5
 RTOL = 1e-4
@@ -166,6 +167,11 @@ MAX_VALIDATION_BYTES = 1 << 30
 # check models of more nodes than this (their bodies' included) are run without graph optimizations first (see
 # _check_session)
 LIGHT_CHECK_NODES = 10_000
+# a check model without masks of more nodes than this (bodies counted) runs in pieces of CHECK_PIECE_NODES, one
+# session after the other (see _compare_in_pieces): onnxruntime's set-up grows faster than the nodes, and holds
+# several KB a node while a session is open
+PIECEWISE_CHECK_NODES = 20_000
+CHECK_PIECE_NODES = 10_000
 
 
 def validate(
@@ -234,7 +240,14 @@ def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepa
         inputs[0]  # (an input without a declared shape cannot be generated: said before anything is built)
     except _Skip as s:
         return ValidationResult(False, str(s))
-    loaded = _check_session(ort, g, pairs, sorted(masks), prepack, inputs)
+    start = None
+    if not masks:  # (a check without masks runs each input set once: it can run in pieces)
+        start = _start(ort, g, pairs, [], prepack, inputs)
+        if start is not None and _weight_over(start.nodes, PIECEWISE_CHECK_NODES):
+            res = _compare_in_pieces(ort, g, pairs, start, inputs, prepack)
+            if res is not None:
+                return res
+    loaded = _check_session(ort, g, pairs, sorted(masks), prepack, inputs, start)
     if isinstance(loaded, ValidationResult):
         return loaded
     sess, pattern_inputs, given = loaded
@@ -329,13 +342,78 @@ def compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
         r.detail = r.detail or f"max abs error {err:.3g} ({where})"
 
 
-def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: InputSets):
+def _start(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: InputSets) -> Cut | None:
+    """Where the check model starts (rnnfuse.upstream.cut), or None when finding it raised (the check
+    session's path finds it again, and says what fails)."""
+    try:
+        return cut(ort, g, pairs, mask_names, inputs,
+                   lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack, file_route=takes_file_route(big)))
+    except Exception:
+        return None
+
+
+def _weight_over(nodes: list, limit: int) -> bool:
+    """Whether ``nodes`` are more than ``limit`` nodes for a session, their subgraphs' counted."""
+    total = 0
+    for n in nodes:
+        total += weight(n)
+        if total > limit:
+            return True
+    return False
+
+
+def _compare_in_pieces(ort, g: Graph, pairs, start: Cut, inputs: InputSets, prepack: bool) -> ValidationResult | None:
+    """The check of ``pairs`` (no mask overridden) with the check model's nodes run in pieces of
+    ``CHECK_PIECE_NODES`` (rnnfuse.piecewise_runs), each pair compared as soon as both its tensors are computed
+    and its values then let go. Each input set runs once, as in the whole check model, and the values are the
+    same: the pieces run the same nodes on the same inputs, handing on exact tensors. None when the pieces
+    cannot run it (a value that is not a tensor, too many bytes held, a piece that fails to load or run): the
+    whole check model then decides, and says what fails. Light sessions, as a big check model's are (a failure
+    is checked again as deployed)."""
+    left: dict[str, int] = {}  # tensor -> its pairs not compared yet
+    for p in pairs:
+        for name in set(p):
+            left[name] = left.get(name, 0) + 1
+    res = ValidationResult(True, light=not prepack, runs=len(CONFIGS))
+    for p in pairs:
+        res.pairs[p] = PairResult(*p)
+    of_name: dict[str, list[tuple[str, str]]] = {}
+    for p in pairs:
+        for name in set(p):
+            of_name.setdefault(name, []).append(p)
+    got: dict[str, list[np.ndarray]] = {}
+
+    def take(name: str, values: list[np.ndarray]) -> None:
+        got[name] = values
+        for p in of_name[name]:
+            if p[0] in got and p[1] in got:
+                for k, (b, t, _) in enumerate(CONFIGS):
+                    compare(res.pairs[p], got[p[0]][k], got[p[1]][k], f"batch {b}, T={t}")
+                for x in set(p):
+                    left[x] -= 1
+                    if not left[x]:
+                        del got[x]
+
+    for name in [x for x in left if x in start.given]:  # (an old tensor an earlier validation computed: fed)
+        take(name, start.given[name])
+    try:
+        done = run_in_pieces(ort, g, start.nodes, [x for x in left if x not in start.given], start.given, inputs,
+                             lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack,
+                                                               file_route=takes_file_route(big), light=not prepack),
+                             CHECK_PIECE_NODES, CUT_BYTES, take=take)
+    except Exception:
+        return None
+    return res if done is not None and not got else None
+
+
+def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: InputSets, start: Cut | None = None):
     """An onnxruntime session of the check model, its pattern inputs and the values it is fed instead of
     computing them (per input set, see rnnfuse.upstream), or the ValidationResult that says which side
-    onnxruntime cannot load (the original model, or the rewrite)."""
+    onnxruntime cannot load (the original model, or the rewrite). ``start``: where it starts, when found."""
     try:
-        start = cut(ort, g, pairs, mask_names, inputs,
-                    lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack, file_route=takes_file_route(big)))
+        if start is None:
+            start = cut(ort, g, pairs, mask_names, inputs,
+                        lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack, file_route=takes_file_route(big)))
         check, pattern_inputs, big = build_check_model(g, pairs, mask_names, start)
         # a big check model runs first without graph optimizations, as small step checks do (a failure is
         # checked again as deployed): onnxruntime's optimizers cost more than linear time in the nodes (a

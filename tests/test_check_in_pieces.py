@@ -1,0 +1,179 @@
+"""A big check model without masks runs in pieces (rnnfuse.validate._compare_in_pieces, rnnfuse.piecewise_runs).
+
+Loops stacked on one another are validated in one check model that holds every original Loop and every RNN.
+Past ``PIECEWISE_CHECK_NODES`` (lowered here) its nodes run as consecutive pieces of at most
+``CHECK_PIECE_NODES``, one session after the other, each fed what the earlier ones computed. These tests: the
+pieces give the output one session gives, byte for byte, and every piece holds at most its share; a wrong
+rewrite is caught in pieces, and only that one; pieces that cannot run leave the check to one session, which
+decides as before; a masked check never runs in pieces (its patterns run the model several times).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import rnnfuse
+from helpers import op_counts, session
+from rnnfuse import check_session, piecewise_runs, rewrite, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPS = 40
+PIECE = 60  # nodes a piece holds at most, bodies counted (a Loop and its body are 9)
+
+
+@pytest.fixture(scope="module")
+def stacked(tmp_path_factory) -> onnx.ModelProto:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from graphs import stacked_loops
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    path = tmp_path_factory.mktemp("stacked") / "stacked.onnx"
+    stacked_loops(str(path), 3 + 9 * LOOPS)
+    return onnx.load(str(path))
+
+
+@pytest.fixture
+def pieces(monkeypatch) -> list[int]:
+    """Check models of more than 100 nodes run in pieces of PIECE; the sessions of the pieces, by node count
+    (bodies counted), are listed."""
+    monkeypatch.setattr(validate, "PIECEWISE_CHECK_NODES", 100)
+    monkeypatch.setattr(validate, "CHECK_PIECE_NODES", PIECE)
+    sizes: list[int] = []
+    opened = validate.open_session
+
+    def counted(ort, m, big, **k):
+        if m.graph.name == "rnnfuse_piece":
+            sizes.append(sum(piecewise_runs.weight(n) for n in m.graph.node))
+        return opened(ort, m, big, **k)
+
+    monkeypatch.setattr(validate, "open_session", counted)
+    return sizes
+
+
+def _agrees_with_the_original(fused: onnx.ModelProto, original: onnx.ModelProto) -> None:
+    rng = np.random.default_rng(0)
+    for t in (1, 7):
+        x = rng.standard_normal((t, 1, 4)).astype(np.float32)
+        (want,) = session(original).run(None, {"x": x})
+        (got,) = session(fused).run(None, {"x": x})
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_stacked_loops_checked_in_pieces_fuse_as_with_one_session(stacked, pieces):
+    in_pieces, report = rnnfuse.optimize(stacked)
+    assert len(report.fused) == LOOPS and not report.declined, report.to_text()
+    assert all(f.validation.startswith("ok") for f in report.fused)
+    # the check model (40 Loops of 9 nodes and the RNNs) ran as many pieces, none over its share
+    assert len(pieces) >= 8 and max(pieces) <= PIECE, pieces
+    assert op_counts(in_pieces).get("Loop", 0) == 0 and op_counts(in_pieces)["RNN"] == LOOPS
+    _agrees_with_the_original(in_pieces, stacked)
+
+
+def test_the_pieces_give_the_bytes_one_session_gives(stacked, monkeypatch):
+    whole, whole_report = rnnfuse.optimize(stacked)
+    monkeypatch.setattr(validate, "PIECEWISE_CHECK_NODES", 100)
+    monkeypatch.setattr(validate, "CHECK_PIECE_NODES", PIECE)
+    ran = []
+    run = validate.run_in_pieces
+    monkeypatch.setattr(validate, "run_in_pieces", lambda *a, **k: ran.append(1) or run(*a, **k))
+    in_pieces, report = rnnfuse.optimize(stacked)
+    assert ran and in_pieces.SerializeToString() == whole.SerializeToString()
+    assert [f.status for f in report.findings] == [f.status for f in whole_report.findings]
+
+
+def test_a_wrong_rewrite_is_caught_in_pieces(stacked, pieces, monkeypatch):
+    """The RNN of one Loop in the middle of the stack is emitted with a clip its cell does not have: the check,
+    in pieces, fails that one; the others fuse."""
+    emit = rewrite.emit
+    middle = f"h_last{LOOPS // 2}"  # (the Loop's first output names it)
+
+    def clip_one(g, rec, *a, **k):
+        em = emit(g, rec, *a, **k)
+        if rec.where == middle:
+            em.native.attribute.append(helper.make_attribute("clip", 0.05))
+        return em
+
+    monkeypatch.setattr(rewrite, "emit", clip_one)
+    fused, report = rnnfuse.optimize(stacked)
+    assert pieces and len(report.fused) == LOOPS - 1, report.to_text()
+    (bad,) = report.declined
+    assert bad.where == middle and bad.validation == "failed", bad.line()
+    assert op_counts(fused)["Loop"] == 1
+    _agrees_with_the_original(fused, stacked)
+
+
+def test_pieces_that_cannot_run_leave_the_check_to_one_session(stacked, pieces, monkeypatch):
+    """A piece's session that fails to load: the whole check model runs instead, and decides."""
+    def failing(*a, **k):
+        raise RuntimeError("a piece does not load")
+
+    monkeypatch.setattr(validate, "run_in_pieces", failing)
+    whole_sessions = []
+    opened = check_session.open_session
+
+    def counted(ort, m, big, **k):
+        whole_sessions.append(m.graph.name)
+        return opened(ort, m, big, **k)
+
+    monkeypatch.setattr(validate, "open_session", counted)
+    fused, report = rnnfuse.optimize(stacked)
+    assert len(report.fused) == LOOPS and "rnnfuse_check" in whole_sessions
+    _agrees_with_the_original(fused, stacked)
+
+
+def test_a_masked_check_never_runs_in_pieces(pieces, monkeypatch):
+    """The shipped Keras model's masked Loops are checked with mask patterns, each input set run several
+    times: in one session, however low the bound; its unmasked checks may run in pieces."""
+    masked_checks, piece_checks = [], []
+    once, check, compare = validate._validate_once, validate._check_session, validate._compare_in_pieces
+    current: list = [None]
+
+    def validate_once(ort, g, pairs, masks, *a, **k):
+        current[0] = masks
+        return once(ort, g, pairs, masks, *a, **k)
+
+    monkeypatch.setattr(validate, "_validate_once", validate_once)
+    monkeypatch.setattr(validate, "_check_session",
+                        lambda *a, **k: masked_checks.append(bool(current[0])) or check(*a, **k))
+    monkeypatch.setattr(validate, "_compare_in_pieces",
+                        lambda *a, **k: piece_checks.append(dict(current[0])) or compare(*a, **k))
+    monkeypatch.setattr(validate, "PIECEWISE_CHECK_NODES", 0)
+    fused, report = rnnfuse.optimize(onnx.load(str(ROOT / "examples" / "keras_masked_bigru_lstm.onnx")))
+    assert len(report.fused) >= 3 and any(masked_checks), report.to_text()
+    assert all(not masks for masks in piece_checks)
+
+
+def test_run_in_pieces_hands_each_wanted_value_once_and_holds_it_while_read(stacked):
+    """The values of the stack's every Loop output, from pieces of 20 nodes, are those of one session; with
+    ``take`` each is handed over once, and nothing is returned."""
+    import onnxruntime as ort
+
+    from rnnfuse.graph import Model
+
+    g = Model(stacked).graph
+    nodes = list(g.nodes)
+    wanted = [n.output[1] for n in nodes if n.op_type == "Loop"]
+    inputs = [{"x": np.random.default_rng(s).standard_normal((5, 1, 4)).astype(np.float32)} for s in range(2)]
+    opened = []
+
+    def open_(ort_, m, big):
+        opened.append(len(m.graph.node))
+        return check_session.open_session(ort_, m, big)
+
+    whole = piecewise_runs.run_in_pieces(ort, g, nodes, wanted, {}, inputs, open_, 10**6, 1 << 30)
+    assert opened == [len(nodes)]
+    taken: dict[str, list] = {}
+    got = piecewise_runs.run_in_pieces(ort, g, nodes, wanted, {}, inputs, open_, 20, 1 << 30,
+                                       take=lambda name, values: taken.setdefault(name, []).append(values))
+    assert got == {} and len(opened) > 1 + LOOPS * 9 // 20 and max(opened[1:]) <= 20 // 9 + 3
+    assert sorted(taken) == sorted(wanted) and all(len(v) == 1 for v in taken.values())
+    for name in wanted:
+        for a, b in zip(whole[name], taken[name][0]):
+            np.testing.assert_array_equal(a, b)

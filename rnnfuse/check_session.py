@@ -316,7 +316,10 @@ def model_of(g: "Graph", nodes: list[onnx.NodeProto], outputs: list, given: dict
     graph = m.graph  # (built in place: a graph copied into the model would hold every weight twice)
     graph.name = name
     graph.node.extend(nodes)
-    kept, big = initializer_sources([t for t in g.proto.initializer if t.name in used and t.name not in given],
+    # (looked up by name, in name order: a piece of a graph with 33,000 weights reads a few of them, and going
+    # through them all for each piece of a long run made the runs quadratic)
+    inits = g.initializers
+    kept, big = initializer_sources([inits[i] for i in sorted(used) if i in inits and i not in given],
                                     g.model.tensor_array)
     graph.initializer.extend(kept + (extra_initializers or []))
     for vi in g.proto.input:

@@ -37,8 +37,10 @@ from .model_parts import Frame, part_model, split_constants
 from .piecewise_runs import piece_bounds
 from .tensor_types import may_carry_shape_values
 
-# nodes a piece holds at most (subgraphs' nodes counted): onnxruntime loads 10,000 in ~0.15-0.25 s
-PIECE_NODES = 10_000
+# a model of fewer main-graph nodes is loaded whole (its load is cheap enough), a bigger one in pieces of at
+# most PIECE_NODES nodes (subgraphs' counted): see rnnfuse.piecewise_runs for why that size
+MIN_CUT_NODES = 20_000
+PIECE_NODES = 2_500
 
 
 class Pieces:
@@ -59,7 +61,7 @@ class Pieces:
         """The pieces of ``model`` (``scan``: its NodeScan, when the caller has it); None when it is not
         worth cutting or cannot be judged by pieces."""
         g = model.graph
-        if len(g.node) < 2 * PIECE_NODES or g.sparse_initializer or inline_bytes(model) > MAX_INLINE_BYTES:
+        if len(g.node) < MIN_CUT_NODES or g.sparse_initializer or inline_bytes(model) > MAX_INLINE_BYTES:
             return None
         scan = NodeScan(model) if scan is None else scan
         if scan.fault is not None:

@@ -43,7 +43,7 @@ MIN_WEIGHT_BYTES = 8 << 20
 KEPT_BYTES = 64 << 20
 CUT_BYTES = 64 << 20
 # the shared upstream runs in sessions of this many nodes at most (see _run_upstream)
-PIECE_NODES = 10_000
+PIECE_NODES = 2_500
 _SMALL_WEIGHT_BYTES = 1 << 16  # weights this small are known by their value too
 
 

@@ -171,7 +171,7 @@ LIGHT_CHECK_NODES = 10_000
 # session after the other (see _compare_in_pieces): onnxruntime's set-up grows faster than the nodes, and holds
 # several KB a node while a session is open
 PIECEWISE_CHECK_NODES = 20_000
-CHECK_PIECE_NODES = 10_000
+CHECK_PIECE_NODES = 2_500
 
 
 def validate(

@@ -69,6 +69,7 @@ def _types(model: onnx.ModelProto, p: Pieces) -> dict | None:
 @pytest.fixture
 def small_pieces(monkeypatch):
     monkeypatch.setattr(pieces_mod, "PIECE_NODES", 100)
+    monkeypatch.setattr(pieces_mod, "MIN_CUT_NODES", 200)
 
 
 def test_a_chain_is_cut_into_pieces_that_each_load(small_pieces, monkeypatch):
@@ -191,6 +192,7 @@ def test_a_fused_loop_with_a_big_head_is_guarded_in_pieces(monkeypatch, tmp_path
     whole, report = Pipeline.default()(src)
     assert report.fused
     monkeypatch.setattr(pieces_mod, "PIECE_NODES", 500)
+    monkeypatch.setattr(pieces_mod, "MIN_CUT_NODES", 1000)
     loads = _loads(monkeypatch)
     out, report = Pipeline.default()(src)
     assert report.fused and out.SerializeToString() == whole.SerializeToString()

@@ -58,15 +58,34 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         if outputs is None:
             outputs = [self.fresh(f"{base}:{i}" if n_outputs > 1 else base) for i in range(n_outputs)]
         node = helper.make_node(op_type, inputs, outputs, name=self.fresh(base), domain=domain or None, **attrs)
+        self._append(node, self.position(anchor) if anchor is not None else None)
+        return outputs
+
+    def add_copies(self, nodes: list[NodeProto], env: dict[str, str], base: str, anchor: NodeProto | None = None) -> None:
+        """Append a copy of each of ``nodes`` (in evaluation order; named as add_node names ``base/op``), reading
+        ``env[name]`` for each input ``env`` names; ``env`` gains the copies' outputs (a replayed head: 100,000)."""
+        anchor_pos = self.position(anchor) if anchor is not None else None
+        fresh = self.fresh
+        for n in nodes:
+            hint, outs = f"{base}/{n.op_type}", n.output[:]
+            new = [fresh(f"{hint}:{i}" if len(outs) > 1 else hint) for i in range(len(outs))]
+            node = NodeProto(op_type=n.op_type, name=fresh(hint), input=[env.get(i, i) if i else "" for i in n.input],
+                             output=new)
+            if n.domain:
+                node.domain = n.domain
+            node.attribute.extend(n.attribute)
+            self._append(node, anchor_pos)
+            env.update(zip(outs, new))
+
+    def _append(self, node: NodeProto, anchor_pos: int | None) -> None:
+        """Put a new node in the graph and its index, placed near the anchor's position when there is one."""
         self.nodes.append(node)
         self._removed.added(id(node))
         self._by_op_add(node)
-        anchor_pos = self.position(anchor) if anchor is not None else None
         at = anchor_pos // POS_TIE if anchor_pos is not None else len(self.nodes)
         self.place(node, at * POS_TIE + next(self._seq))
         self._index(node)
         self.edited.append(node)
-        return outputs
 
     def remove_node(self, node: NodeProto, defer: set | None = None) -> None:
         """``defer`` (a set): the reader lists of 64+ readers that ``node`` is in keep it until

@@ -205,13 +205,7 @@ def replay(b, nodes: list[NodeProto], env: dict[str, str], hint: str) -> dict[st
     """Copy ``nodes`` (in evaluation order) beside ``b``'s anchor, each reading ``env[name]`` for every input
     ``env`` names (the flattened rows, the constants re-homed in the graph) and its own input otherwise;
     ``env`` gains each copied output. ``b`` is an :class:`~rnnfuse.emit.Builder`."""
-    g: Graph = b.g
-    for n in nodes:
-        outs = g.add_node(n.op_type, [env.get(i, i) if i else "" for i in n.input], len(n.output),
-                          name=f"{b.prefix}/{hint}/{n.op_type}", anchor=b.anchor, domain=n.domain)
-        g.producer[outs[0]].attribute.extend(n.attribute)
-        for o, new in zip(n.output, outs):
-            env[o] = new
+    b.g.add_copies(nodes, env, f"{b.prefix}/{hint}", anchor=b.anchor)
     return env
 
 

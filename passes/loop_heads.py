@@ -59,6 +59,8 @@ def state_value_keys(layers: list, state_out: dict[str, str]) -> list[set]:
 def state_output(layers: list, name: str, state_keys: list[set]) -> tuple[int, Poly] | None:
     """(layer, polynomial) of a per-step output that is (a masked copy of) one of the step's states, or None:
     an output computed from them (a head) or one the cell maths cannot express."""
+    if _far_from_states(layers, name):
+        return None  # (a head of 100,000 ops was evaluated symbolically just to learn it is none of the states)
     try:
         li = owner(layers, name)
         poly = layers[li].ev.poly(name)
@@ -67,6 +69,31 @@ def state_output(layers: list, name: str, state_keys: list[set]) -> tuple[int, P
     if poly.key in state_keys[li] or unmasked_value(poly).key in state_keys[li]:
         return li, poly
     return None
+
+
+# a masked copy of a state is a few ops on top of the state's maths (a Where on the mask, a Mul by it, a Cast):
+# an output needing more of the step's nodes than this beyond what the states' own maths evaluated is no state
+COPY_OPS = 64
+
+
+def _far_from_states(layers: list, name: str) -> bool:
+    """Whether more than ``COPY_OPS`` of the step's nodes compute ``name`` beyond the tensors the layers'
+    evaluators already hold (their states' maths, evaluated by :func:`state_value_keys`): a bounded walk back."""
+    memos = [layer.ev.memo for layer in layers]
+    body = layers[0].ev.graph
+    stack, seen = [name], set()
+    while stack:
+        cur = stack.pop()
+        if not cur or any(cur in memo for memo in memos):
+            continue
+        p = body.producer.get(cur)
+        if p is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if len(seen) > COPY_OPS:
+            return True
+        stack.extend(p.input)
+    return False
 
 
 def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: list, heads: list[HeadCandidate],

@@ -1318,3 +1318,54 @@ def test_a_node_a_merge_rewired_is_kept_in_the_table_though_it_reads_a_value_alo
     g = model.graph
     assert "merged 7 duplicate nodes" in r.notes[0]
     assert [n.output[0] for n in g.live_nodes() if n.op_type == "Add"] == ["q"]
+
+
+def _loop_with_head(tmp_path, head: list[str]) -> onnx.ModelProto:
+    """benchmarks/graphs.loop_with_head with its per-step head replaced by ``head`` (op types, each on the one
+    before, ``Mul``/``Add`` by 0.5), the first reading the new h, the last the scan output's ``yt``."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        from graphs import loop_with_head
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    path = str(tmp_path / "loophead.onnx")
+    loop_with_head(path, 20)
+    m = onnx.load(path)
+    body = next(n for n in m.graph.node if n.op_type == "Loop").attribute[0].g
+    cell = [n for n in body.node if n.output[0] in ("xt", "xw", "hr", "s", "s2", "hn", "cond_out")]
+    prev, nodes = "hn", []
+    for k, op in enumerate(head):
+        out = "yt" if k == len(head) - 1 else f"e{k}"
+        nodes.append(helper.make_node(op, [prev, "half"] if op in ("Mul", "Add") else [prev], [out]))
+        prev = out
+    del body.node[:]
+    body.node.extend(cell + nodes)
+    return m
+
+
+@pytest.mark.parametrize("head, a_state", [(["Identity"] * 40, True), (["Identity"] * 100, False),
+                                           (["Mul", "Add", "Tanh", "Sigmoid"] * 75, False)])
+def test_a_long_per_step_output_is_not_evaluated_as_a_state(tmp_path, monkeypatch, head, a_state):
+    """A Loop's per-step output more than ``COPY_OPS`` ops beyond the step's states is a head, without its
+    maths evaluated (a 100,000-op head took 1 s to learn it is none of the states); within the bound it is
+    evaluated, and 40 Identities of h are h. Either way the Loop fuses, and the model computes what it did."""
+    from helpers import session
+    from rnnfuse import optimize
+    from rnnfuse.passes import loop_heads
+
+    asked = []
+    owner = loop_heads.owner
+    monkeypatch.setattr(loop_heads, "owner", lambda layers, name: asked.append(name) or owner(layers, name))
+    m = _loop_with_head(tmp_path, head)
+    fused, report = optimize(m)
+    assert len(report.fused) == 1, report.to_text()
+    assert ("yt" in asked) == a_state, asked
+    if "Tanh" in head:  # (a head: its ops applied once to every step after the RNN; Identities are dropped)
+        assert sum(n.op_type in head for n in fused.graph.node) >= len(head)
+    x = np.random.default_rng(0).standard_normal((5, 2, 3)).astype(np.float32)
+    for a, b in zip(session(fused).run(None, {"x": x}), session(m).run(None, {"x": x})):
+        np.testing.assert_allclose(a, b, atol=1e-5)

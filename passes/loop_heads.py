@@ -96,6 +96,31 @@ def _far_from_states(layers: list, name: str) -> bool:
     return False
 
 
+def _evaluate_near_states(body: Graph, ev, name: str) -> None:
+    """Evaluate in ``ev`` the tensors ``name`` is computed from that lie within ``COPY_OPS`` ops of what ``ev``
+    holds (the states' maths), bottom-up; further ones stay unevaluated. :func:`find_head` reads a tensor's
+    value to know whether it is a state (h, c) or a constant, and a tensor that far from the states is neither
+    (it walks into it: its ops are the head's). A 100,000-op head was evaluated symbolically whole for this."""
+    order: list[str] = []  # the body tensors computing ``name``, down to what ev holds, in evaluation order
+    seen: set[str] = set()
+    stack = [(name, False)]
+    while stack:
+        cur, expanded = stack.pop()
+        if expanded:
+            order.append(cur)
+        elif cur and cur not in seen and cur not in ev.memo:
+            seen.add(cur)
+            p = body.producer.get(cur)
+            if p is not None:  # (an outside value is evaluated where a node near the states reads it)
+                stack.append((cur, True))
+                stack.extend((i, False) for i in p.input)
+    depth: dict[str, int] = {}
+    for cur in order:
+        depth[cur] = d = 1 + max((depth.get(i, 0) for i in body.producer[cur].input), default=0)
+        if d <= COPY_OPS:
+            ev.value(cur)  # (its inputs are held or evaluated just before: one node's evaluation)
+
+
 def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: list, heads: list[HeadCandidate],
               state_out: dict[str, str], step_in, invariants: dict[str, str], counters: set[str]) -> None:
     """Per-step outputs computed from a layer's new h: that layer's Y with the head applied after the op.
@@ -108,7 +133,7 @@ def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: li
             keys = _new_value_keys(layer, state_out)
             other = {k: f"state {s} (the cell state c)" if s == c_sym else f"state {s}"
                      for s, k in keys.items() if s != h_sym and k != keys[h_sym]}
-            layer.ev.value(cand.name)
+            _evaluate_near_states(body, layer.ev, cand.name)
             try:
                 head = find_head(body, layer.ev, cand.name, keys[h_sym], other, step_in.x_reads,
                                  step_in.x_read_source, step_in.x_axis, step_in.x_reversed, invariants, counters,

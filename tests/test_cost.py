@@ -1357,13 +1357,20 @@ def test_a_long_per_step_output_is_not_evaluated_as_a_state(tmp_path, monkeypatc
     from rnnfuse import optimize
     from rnnfuse.passes import loop_heads
 
-    asked = []
+    from rnnfuse.symbolic.evaluator import StepEvaluator
+
+    asked, evaluated = [], []
     owner = loop_heads.owner
     monkeypatch.setattr(loop_heads, "owner", lambda layers, name: asked.append(name) or owner(layers, name))
+    eval_node = StepEvaluator._eval_node
+    monkeypatch.setattr(StepEvaluator, "_eval_node", lambda ev, n, ins: evaluated.append(n.op_type) or eval_node(ev, n, ins))
     m = _loop_with_head(tmp_path, head)
     fused, report = optimize(m)
     assert len(report.fused) == 1, report.to_text()
     assert ("yt" in asked) == a_state, asked
+    # (the head's ops evaluated symbolically: all of a state's copy, at most COPY_OPS of a head)
+    n_head = sum(op in head for op in evaluated)  # (the cell's own Add and Tanh among them)
+    assert (n_head >= len(head)) if a_state else (n_head <= loop_heads.COPY_OPS + 8), (n_head, evaluated[:20])
     if "Tanh" in head:  # (a head: its ops applied once to every step after the RNN; Identities are dropped)
         assert sum(n.op_type in head for n in fused.graph.node) >= len(head)
     x = np.random.default_rng(0).standard_normal((5, 2, 3)).astype(np.float32)

@@ -17,7 +17,7 @@ from rnnfuse.recurrence import NONE, Init, Recurrence, SeqOutput
 from rnnfuse.recurrence_layers import owner
 from rnnfuse.step import unmasked_value
 from rnnfuse.step_heads import find_head
-from rnnfuse.symbolic import Poly
+from rnnfuse.symbolic import BoolMask, Poly
 
 
 @dataclass
@@ -78,8 +78,12 @@ COPY_OPS = 64
 
 def _far_from_states(layers: list, name: str) -> bool:
     """Whether more than ``COPY_OPS`` of the step's nodes compute ``name`` beyond the tensors the layers'
-    evaluators already hold (their states' maths, evaluated by :func:`state_value_keys`): a bounded walk back."""
+    evaluators already hold (their states' maths, evaluated by :func:`state_value_keys`): a bounded walk back.
+    Never in a masked step (a mask among the evaluators' leaves): a head is declined there, so each per-step
+    output is evaluated in full, as a masked copy of a state however many ops it takes."""
     memos = [layer.ev.memo for layer in layers]
+    if any(isinstance(v, BoolMask) for memo in memos for v in memo.values()):
+        return False
     body = layers[0].ev.graph
     stack, seen = [name], set()
     while stack:

@@ -172,6 +172,9 @@ LIGHT_CHECK_NODES = 10_000
 # several KB a node while a session is open
 PIECEWISE_CHECK_NODES = 20_000
 CHECK_PIECE_NODES = 2_500
+# the old tensors a check in pieces holds until their new partners are computed, at most (the whole check model
+# holds every compared tensor of one input set at once; the pieces hold the four sets)
+CHECK_HELD_BYTES = 256 << 20
 
 
 def validate(
@@ -241,10 +244,12 @@ def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepa
     except _Skip as s:
         return ValidationResult(False, str(s))
     start = None
-    if not masks:  # (a check without masks runs each input set once: it can run in pieces)
+    # a check without masks runs each input set once: it can run in pieces, light (a failure is checked again as
+    # deployed in one session, as onnxruntime would run it: its optimizers fuse across what would be a cut)
+    if not masks and not prepack:
         start = _start(ort, g, pairs, [], prepack, inputs)
         if start is not None and _weight_over(start.nodes, PIECEWISE_CHECK_NODES):
-            res = _compare_in_pieces(ort, g, pairs, start, inputs, prepack)
+            res = _compare_in_pieces(ort, g, pairs, start, inputs)
             if res is not None:
                 return res
     loaded = _check_session(ort, g, pairs, sorted(masks), prepack, inputs, start)
@@ -362,29 +367,28 @@ def _weight_over(nodes: list, limit: int) -> bool:
     return False
 
 
-def _compare_in_pieces(ort, g: Graph, pairs, start: Cut, inputs: InputSets, prepack: bool) -> ValidationResult | None:
+def _compare_in_pieces(ort, g: Graph, pairs, start: Cut, inputs: InputSets) -> ValidationResult | None:
     """The check of ``pairs`` (no mask overridden) with the check model's nodes run in pieces of
     ``CHECK_PIECE_NODES`` (rnnfuse.piecewise_runs), each pair compared as soon as both its tensors are computed
     and its values then let go. Each input set runs once, as in the whole check model, and the values are the
     same: the pieces run the same nodes on the same inputs, handing on exact tensors. None when the pieces
     cannot run it (a value that is not a tensor, too many bytes held, a piece that fails to load or run): the
     whole check model then decides, and says what fails. Light sessions, as a big check model's are (a failure
-    is checked again as deployed)."""
+    is checked again as deployed, in one session)."""
     left: dict[str, int] = {}  # tensor -> its pairs not compared yet
-    for p in pairs:
-        for name in set(p):
-            left[name] = left.get(name, 0) + 1
-    res = ValidationResult(True, light=not prepack, runs=len(CONFIGS))
+    of_name: dict[str, list[tuple[str, str]]] = {}
+    res = ValidationResult(True, light=True, runs=len(CONFIGS))
     for p in pairs:
         res.pairs[p] = PairResult(*p)
-    of_name: dict[str, list[tuple[str, str]]] = {}
-    for p in pairs:
         for name in set(p):
+            left[name] = left.get(name, 0) + 1
             of_name.setdefault(name, []).append(p)
     got: dict[str, list[np.ndarray]] = {}
+    held = [0]  # the bytes of ``got``: values waiting for their pair's other tensor
 
     def take(name: str, values: list[np.ndarray]) -> None:
         got[name] = values
+        held[0] += sum(v.nbytes for v in values)
         for p in of_name[name]:
             if p[0] in got and p[1] in got:
                 for k, (b, t, _) in enumerate(CONFIGS):
@@ -392,14 +396,15 @@ def _compare_in_pieces(ort, g: Graph, pairs, start: Cut, inputs: InputSets, prep
                 for x in set(p):
                     left[x] -= 1
                     if not left[x]:
-                        del got[x]
+                        held[0] -= sum(v.nbytes for v in got.pop(x))
+        if held[0] > CHECK_HELD_BYTES:
+            raise MemoryError("the values waiting for their pairs")  # (the whole check model runs instead)
 
-    for name in [x for x in left if x in start.given]:  # (an old tensor an earlier validation computed: fed)
-        take(name, start.given[name])
     try:
+        for name in [x for x in left if x in start.given]:  # (an old tensor an earlier validation computed: fed)
+            take(name, start.given[name])
         done = run_in_pieces(ort, g, start.nodes, [x for x in left if x not in start.given], start.given, inputs,
-                             lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack,
-                                                               file_route=takes_file_route(big), light=not prepack),
+                             lambda ort_, m, big: open_session(ort_, m, big, file_route=takes_file_route(big), light=True),
                              CHECK_PIECE_NODES, CUT_BYTES, take=take)
     except Exception:
         return None

@@ -3,9 +3,11 @@
 Loops stacked on one another are validated in one check model that holds every original Loop and every RNN.
 Past ``PIECEWISE_CHECK_NODES`` (lowered here) its nodes run as consecutive pieces of at most
 ``CHECK_PIECE_NODES``, one session after the other, each fed what the earlier ones computed. These tests: the
-pieces give the output one session gives, byte for byte, and every piece holds at most its share; a wrong
-rewrite is caught in pieces, and only that one; pieces that cannot run leave the check to one session, which
-decides as before; a masked check never runs in pieces (its patterns run the model several times).
+pieces give the output one session gives, byte for byte, every piece holds at most its share, and no whole
+check model runs beside them; a wrong rewrite is caught in pieces, and only that one (its failure checked
+again as deployed, in one session); an old tensor fed to the check is compared as fed; pieces that cannot run
+(a failing piece, too many bytes waiting) leave the check to one session, which decides as before; a masked
+check never runs in pieces (its patterns run the model several times).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def pieces(monkeypatch) -> list[int]:
     def counted(ort, m, big, **k):
         if m.graph.name == "rnnfuse_piece":
             sizes.append(sum(piecewise_runs.weight(n) for n in m.graph.node))
+        elif m.graph.name == "rnnfuse_check":
+            sizes.append("whole")  # (a check model run in one session: the pieces' verdict was not taken)
         return opened(ort, m, big, **k)
 
     monkeypatch.setattr(validate, "open_session", counted)
@@ -71,7 +75,7 @@ def test_stacked_loops_checked_in_pieces_fuse_as_with_one_session(stacked, piece
     assert len(report.fused) == LOOPS and not report.declined, report.to_text()
     assert all(f.validation.startswith("ok") for f in report.fused)
     # the check model (40 Loops of 9 nodes and the RNNs) ran as many pieces, none over its share
-    assert len(pieces) >= 8 and max(pieces) <= PIECE, pieces
+    assert "whole" not in pieces and len(pieces) >= 8 and max(pieces) <= PIECE, pieces
     assert op_counts(in_pieces).get("Loop", 0) == 0 and op_counts(in_pieces)["RNN"] == LOOPS
     _agrees_with_the_original(in_pieces, stacked)
 
@@ -102,29 +106,54 @@ def test_a_wrong_rewrite_is_caught_in_pieces(stacked, pieces, monkeypatch):
 
     monkeypatch.setattr(rewrite, "emit", clip_one)
     fused, report = rnnfuse.optimize(stacked)
-    assert pieces and len(report.fused) == LOOPS - 1, report.to_text()
+    assert len(report.fused) == LOOPS - 1, report.to_text()
+    # the first check, of all 40, ran in pieces
+    # (and the failure was checked again as deployed, in one session: "whole")
+    assert "whole" in pieces and len(pieces[:pieces.index("whole")]) >= 8, pieces
     (bad,) = report.declined
     assert bad.where == middle and bad.validation == "failed", bad.line()
     assert op_counts(fused)["Loop"] == 1
     _agrees_with_the_original(fused, stacked)
 
 
-def test_pieces_that_cannot_run_leave_the_check_to_one_session(stacked, pieces, monkeypatch):
-    """A piece's session that fails to load: the whole check model runs instead, and decides."""
-    def failing(*a, **k):
-        raise RuntimeError("a piece does not load")
+def test_a_pair_whose_old_tensor_is_fed_is_compared_with_the_fed_value():
+    """A check model may be fed the old tensor itself (an earlier validation kept it: ``start.given``): the
+    pieces compare the new tensor with that value, and a value off by 0.01 fails the pair."""
+    import onnxruntime as ort
 
-    monkeypatch.setattr(validate, "run_in_pieces", failing)
-    whole_sessions = []
-    opened = check_session.open_session
+    from rnnfuse.graph import Model
+    from rnnfuse.upstream import Cut
 
-    def counted(ort, m, big, **k):
-        whole_sessions.append(m.graph.name)
-        return opened(ort, m, big, **k)
+    f = onnx.TensorProto.FLOAT
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Tanh", ["a"], ["b"]),
+             helper.make_node("Sigmoid", ["b"], ["old"]), helper.make_node("Sigmoid", ["b"], ["new0"]),
+             helper.make_node("Identity", ["new0"], ["new"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["T", "B", 3])],
+                              [helper.make_tensor_value_info("old", f, None), helper.make_tensor_value_info("new", f, None)])
+    g = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])).graph
+    inputs = validate.InputSets(g, 0)
+    a = [np.maximum(s["x"], 0) for s in inputs]
+    old = [(1 / (1 + np.exp(-np.tanh(x)))).astype(np.float32) for x in a]
+    by = {n.output[0]: n for n in g.nodes}
+    for off, ok in ((0.0, True), (0.01, False)):
+        start = Cut([by["b"], by["new0"], by["new"]], {"a": a, "old": [o + np.float32(off) for o in old]})
+        res = validate._compare_in_pieces(ort, g, [("old", "new")], start, inputs)
+        assert res.pairs[("old", "new")].ok == ok, res.pairs
 
-    monkeypatch.setattr(validate, "open_session", counted)
+
+@pytest.mark.parametrize("why", ["a piece fails", "too much held"])
+def test_pieces_that_cannot_run_leave_the_check_to_one_session(stacked, pieces, monkeypatch, why):
+    """A piece's session that fails to load, or old tensors waiting for their partners past
+    ``CHECK_HELD_BYTES``: the whole check model runs instead, and decides."""
+    if why == "a piece fails":
+        def failing(*a, **k):
+            raise RuntimeError("a piece does not load")
+
+        monkeypatch.setattr(validate, "run_in_pieces", failing)
+    else:
+        monkeypatch.setattr(validate, "CHECK_HELD_BYTES", 0)
     fused, report = rnnfuse.optimize(stacked)
-    assert len(report.fused) == LOOPS and "rnnfuse_check" in whole_sessions
+    assert len(report.fused) == LOOPS and "whole" in pieces, report.to_text()
     _agrees_with_the_original(fused, stacked)
 
 

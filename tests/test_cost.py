@@ -1376,3 +1376,31 @@ def test_a_long_per_step_output_is_not_evaluated_as_a_state(tmp_path, monkeypatc
     x = np.random.default_rng(0).standard_normal((5, 2, 3)).astype(np.float32)
     for a, b in zip(session(fused).run(None, {"x": x}), session(m).run(None, {"x": x})):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_masked_copy_of_a_state_far_from_it_is_still_the_state():
+    """The Keras example's forward GRU writes its masked h to the per-step TensorArray through 70 Identities:
+    further than ``COPY_OPS`` from the states, but in a masked step no output is a head, so each is evaluated
+    in full and still proven the state (it was declined while the bound applied to masked steps too)."""
+    from pathlib import Path
+
+    from helpers import session
+    from rnnfuse import optimize
+
+    m = onnx.load(str(Path(__file__).resolve().parents[1] / "examples" / "keras_masked_bigru_lstm.onnx"))
+    _, plain = optimize(m)
+    loop = next(n for n in m.graph.node if n.op_type == "Loop" and "forward_gru" in n.name)
+    body = loop.attribute[0].g
+    write = next(n for n in body.node if n.output[0].endswith("TensorListSetItem:0"))
+    src, at = write.input[0], list(body.node).index(write)
+    for k in range(70):
+        body.node.insert(at + k, helper.make_node("Identity", [src], [f"copy{k}"]))
+        src = f"copy{k}"
+    write.input[0] = src
+    fused, report = optimize(m)
+    assert len(report.fused) == len(plain.fused) and not report.declined, report.to_text()
+    x = np.random.default_rng(0).standard_normal((3, 7, 4)).astype(np.float32)
+    x[1, 4:] = 0.0  # (padded steps: Keras masks a step whose features are all zero)
+    name = m.graph.input[0].name
+    for a, b in zip(session(fused).run(None, {name: x}), session(m).run(None, {name: x})):
+        np.testing.assert_allclose(a, b, atol=1e-5)

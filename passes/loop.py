@@ -35,7 +35,7 @@ from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_buffers import check_buffer_length, row_write
 from .loop_inputs import find_input_map
-from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
+from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
                          find_derived_mask)
 from .loop_reads import check_trip_count, counter_step, counting_offset, length_mask, step_read
@@ -77,6 +77,10 @@ class StepReads:
 
 
 def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
+    return with_far_outputs(lambda far: _loop_recurrence(g, loop, far))
+
+
+def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
     body = g.subgraph(loop)
     carried = _carried_values(g, body, loop)
     step_in = _step_input(g, body, loop, carried)
@@ -84,7 +88,7 @@ def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list
     states = _body_leaves(g, body, loop, carried, leaves)
     state_out = {f"s{k}": body.output_names[1 + k] for k in carried.recurrent}
     layers = split_layers(body, leaves, state_out, step_in.x_atom)
-    outs_of, last_of, heads, extra_remove = _per_step_outputs(g, body, loop, carried, layers, state_out)
+    outs_of, last_of, heads, extra_remove = _per_step_outputs(g, body, loop, carried, layers, state_out, far)
     aliases = _final_aliases(g, body, loop, carried)
     recs, cell_states = _layer_recurrences(g, body, loop, layers, states, outs_of, last_of, extra_remove, step_in)
     if heads:
@@ -291,7 +295,7 @@ def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leav
 
 
 def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, layers: list,
-                      state_out: dict[str, str]):
+                      state_out: dict[str, str], far: FarOutputs):
     """The used per-step outputs, by layer: stacked ones (``outs_of``), ones read only at their last step
     (``last_of``: (poly, outer, [(tensor, lead)])), outputs that are no state of the step (``heads``: perhaps
     a head on a new h), and the carried sequences' stacking nodes to remove."""
@@ -300,7 +304,7 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
     outs_of: dict[int, list[StepOut]] = {i: [] for i in range(len(layers))}
     last_of: dict[int, list] = {}
     heads: list[HeadCandidate] = []
-    state_keys = state_value_keys(layers, state_out)
+    state_keys = state_value_keys(layers, state_out, far)
     for j in range(carried.n_scan):
         outer = loop.output[n_carried + j] if n_carried + j < len(loop.output) else ""
         if not outer or not g.n_uses(outer):

@@ -42,9 +42,40 @@ def _new_value_keys(layer, state_out: dict[str, str]) -> dict[str, tuple]:
     return keys
 
 
-def state_value_keys(layers: list, state_out: dict[str, str]) -> list[set]:
+@dataclass
+class FarOutputs:
+    """Whether a per-step output far from the step's states (more than ``COPY_OPS`` nodes beyond their maths)
+    may be taken for a head without evaluating it (``allowed``), and whether one was (``taken``). A step that
+    then declines is looked at again with it off (:func:`with_far_outputs`): a state copied through many ops
+    (70 Identities) is a head to the shortcut, and the head path declines some of what the state path fuses
+    (a c read at its last step, a TorchScript sequence)."""
+
+    allowed: bool = True
+    taken: bool = False
+
+
+def with_far_outputs(analyse):
+    """``analyse(far)`` with the shortcut on, and again with it off if the step declined after taking it."""
+    far = FarOutputs()
+    try:
+        return analyse(far)
+    except Decline:
+        if not far.taken:
+            raise
+    return analyse(FarOutputs(allowed=False))
+
+
+class StateKeys(list):
+    """Per layer, the polynomial keys of its states' new values (a list of sets), with the step's
+    :class:`FarOutputs` and whether it is masked (a head is declined in a masked step: the shortcut is off)."""
+
+    far: FarOutputs
+    masked: bool
+
+
+def state_value_keys(layers: list, state_out: dict[str, str], far: FarOutputs | None = None) -> StateKeys:
     """Per layer: the polynomial keys of its states' updates and of their unmasked new values."""
-    out = []
+    out = StateKeys()
     for layer in layers:
         keys = set(_new_value_keys(layer, state_out).values())
         for sym in layer.syms:
@@ -53,13 +84,18 @@ def state_value_keys(layers: list, state_out: dict[str, str]) -> list[set]:
             except Decline:
                 continue
         out.append(keys)
+    out.far = far if far is not None else FarOutputs(allowed=False)
+    # (every mask enters a step as a BoolMask leaf, which each layer's evaluator starts from)
+    out.masked = any(isinstance(v, BoolMask) for layer in layers for v in layer.ev.memo.values())
     return out
 
 
-def state_output(layers: list, name: str, state_keys: list[set]) -> tuple[int, Poly] | None:
+def state_output(layers: list, name: str, state_keys: StateKeys) -> tuple[int, Poly] | None:
     """(layer, polynomial) of a per-step output that is (a masked copy of) one of the step's states, or None:
     an output computed from them (a head) or one the cell maths cannot express."""
-    if _far_from_states(layers, name):
+    far = state_keys.far
+    if far.allowed and not state_keys.masked and _far_from_states(layers, name):
+        far.taken = True
         return None  # (a head of 100,000 ops was evaluated symbolically just to learn it is none of the states)
     try:
         li = owner(layers, name)
@@ -72,18 +108,15 @@ def state_output(layers: list, name: str, state_keys: list[set]) -> tuple[int, P
 
 
 # a masked copy of a state is a few ops on top of the state's maths (a Where on the mask, a Mul by it, a Cast):
-# an output needing more of the step's nodes than this beyond what the states' own maths evaluated is no state
+# an output needing more of the step's nodes than this beyond what the states' own maths evaluated is taken for
+# a head, unevaluated (see FarOutputs)
 COPY_OPS = 64
 
 
 def _far_from_states(layers: list, name: str) -> bool:
     """Whether more than ``COPY_OPS`` of the step's nodes compute ``name`` beyond the tensors the layers'
-    evaluators already hold (their states' maths, evaluated by :func:`state_value_keys`): a bounded walk back.
-    Never in a masked step (a mask among the evaluators' leaves): a head is declined there, so each per-step
-    output is evaluated in full, as a masked copy of a state however many ops it takes."""
+    evaluators already hold (their states' maths, evaluated by :func:`state_value_keys`): a bounded walk back."""
     memos = [layer.ev.memo for layer in layers]
-    if any(isinstance(v, BoolMask) for memo in memos for v in memo.values()):
-        return False
     body = layers[0].ev.graph
     stack, seen = [name], set()
     while stack:

@@ -30,7 +30,7 @@ from rnnfuse.step import StepOut, analyse
 from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, SymTensor, StepInput, weight_ops
 
 from .loop_inputs import find_input_map
-from .loop_heads import HeadCandidate, add_heads, state_output, state_value_keys
+from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
 
 
 def _passthrough(body: Graph, k: int) -> bool:
@@ -58,6 +58,10 @@ class _Scanned:
 
 
 def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
+    return with_far_outputs(lambda far: _scan_recurrence(g, scan, far))
+
+
+def _scan_recurrence(g: Graph, scan: NodeProto, far: FarOutputs):
     if g.model.opset < 9:
         raise Decline("Scan before opset 9 (batched form with sequence_lens)")
     body = g.subgraph(scan)
@@ -69,7 +73,7 @@ def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list
     states, recurrent, aliases = _scan_states(g, body, scan, n_state, leaves)
     state_out = {f"s{k}": body.output_names[k] for k in recurrent}
     layers = split_layers(body, leaves, state_out, scanned.x_atom)
-    outs, heads = _scan_outputs(g, body, scan, n_state, layers, state_out)
+    outs, heads = _scan_outputs(g, body, scan, n_state, layers, state_out, far)
     where = scan.name or scan.output[0]
     recs: list[Recurrence] = []
     cell_states: list[tuple[str, str | None]] = []
@@ -216,7 +220,8 @@ def _scan_states(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: d
     return states, recurrent, aliases
 
 
-def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, layers: list, state_out: dict[str, str]):
+def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, layers: list, state_out: dict[str, str],
+                  far: FarOutputs):
     """The used scan outputs by layer (``scan_output_axes`` / ``scan_output_directions`` honoured), and the
     ones that are no state of the step (perhaps heads on a new h)."""
     bout = body.output_names
@@ -224,7 +229,7 @@ def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, layers: 
     out_axes, out_dirs = scan_output_layout(scan, n_scan_out)
     outs: dict[int, list[StepOut]] = {i: [] for i in range(len(layers))}
     heads: list[HeadCandidate] = []
-    state_keys = state_value_keys(layers, state_out)
+    state_keys = state_value_keys(layers, state_out, far)
     for j in range(n_scan_out):
         outer = scan.output[n_state + j] if n_state + j < len(scan.output) else ""
         if not outer or not g.n_uses(outer):

@@ -1404,3 +1404,78 @@ def test_a_masked_copy_of_a_state_far_from_it_is_still_the_state():
     name = m.graph.input[0].name
     for a, b in zip(session(fused).run(None, {name: x}), session(m).run(None, {name: x})):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _far_copy_loop(form: str, copies: int) -> onnx.ModelProto:
+    """A Loop over x's steps whose per-step output is a state copied through ``copies`` Identities: ``c_last``,
+    an LSTM's c stacked and read only at its last step (``cs[-1]``); ``sequence``, a tanh cell's h inserted
+    into a sequence and stacked with ConcatFromSequence (TorchScript's form)."""
+    rng = np.random.default_rng(0)
+    vi, f, feat, hid = helper.make_tensor_value_info, TensorProto.FLOAT, 3, 4
+    gates = 4 if form == "c_last" else 1
+    body = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0), helper.make_node("MatMul", ["xt", "W"], ["xw"]),
+            helper.make_node("MatMul", ["h", "R"], ["hr"]), helper.make_node("Add", ["xw", "hr"], ["s"]),
+            helper.make_node("Identity", ["cond"], ["cond_out"])]
+    if form == "c_last":
+        body += [helper.make_node("Split", ["s", "sp"], ["gi", "go", "gf", "gc"], axis=1),
+                 helper.make_node("Sigmoid", ["gi"], ["i"]), helper.make_node("Sigmoid", ["go"], ["o"]),
+                 helper.make_node("Sigmoid", ["gf"], ["f"]), helper.make_node("Tanh", ["gc"], ["cc"]),
+                 helper.make_node("Mul", ["f", "c"], ["fc"]), helper.make_node("Mul", ["i", "cc"], ["ic"]),
+                 helper.make_node("Add", ["fc", "ic"], ["cn"]), helper.make_node("Tanh", ["cn"], ["tc"]),
+                 helper.make_node("Mul", ["o", "tc"], ["hn"])]
+        src = "cn"
+    else:
+        body.append(helper.make_node("Tanh", ["s"], ["hn"]))
+        src = "hn"
+    for k in range(copies):
+        body.append(helper.make_node("Identity", [src], [f"copy{k}"]))
+        src = f"copy{k}"
+    state = [vi("h", f, ["B", hid])] + ([vi("c", f, ["B", hid])] if form == "c_last" else [])
+    new = [vi("hn", f, ["B", hid])] + ([vi("cn", f, ["B", hid])] if form == "c_last" else [])
+    if form == "c_last":
+        body.append(helper.make_node("Identity", [src], ["ct"]))
+        ins, outs, extra = state, new + [vi("ct", f, ["B", hid])], []
+    else:
+        body += [helper.make_node("Unsqueeze", [src, "ax0"], ["u"]), helper.make_node("SequenceInsert", ["seq", "u"], ["seq_out"])]
+        ins = state + [helper.make_tensor_sequence_value_info("seq", f, None)]
+        outs, extra = new + [helper.make_tensor_sequence_value_info("seq_out", f, None)], [numpy_helper.from_array(np.array([0], np.int64), "ax0")]
+    graph = helper.make_graph(body, "body", [vi("it", TensorProto.INT64, []), vi("cond", TensorProto.BOOL, [])] + ins,
+                              [vi("cond_out", TensorProto.BOOL, [])] + outs, extra)
+    inits = [numpy_helper.from_array((0.5 * rng.standard_normal(s)).astype(np.float32), n)
+             for n, s in (("W", (feat, gates * hid)), ("R", (hid, gates * hid)))]
+    inits += [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
+              (("sp", [hid] * 4), ("i0", 0), ("i1", 1), ("iH", [hid]), ("one", [1]), ("last", -1))]
+    inits += [numpy_helper.from_array(np.zeros((1, 1), np.float32), "zero"), numpy_helper.from_array(np.array(True), "true")]
+    top = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["T"], axis=0),
+           helper.make_node("Gather", ["xs", "i1"], ["B1"], axis=0), helper.make_node("Reshape", ["B1", "one"], ["B2"]),
+           helper.make_node("Concat", ["B2", "iH"], ["hshape"], axis=0), helper.make_node("Expand", ["zero", "hshape"], ["h0"])]
+    if form == "c_last":
+        top += [helper.make_node("Loop", ["T", "true", "h0", "h0"], ["hT", "cT", "cs"], body=graph),
+                helper.make_node("Gather", ["cs", "last"], ["y"], axis=0)]
+        out = vi("y", f, ["B", hid])
+    else:
+        top += [helper.make_node("SequenceEmpty", [], ["s0"], dtype=f),
+                helper.make_node("Loop", ["T", "true", "h0", "s0"], ["hT", "seqT"], body=graph),
+                helper.make_node("ConcatFromSequence", ["seqT"], ["y"], axis=0)]
+        out = vi("y", f, ["T", "B", hid])
+    m = helper.make_model(helper.make_graph(top, "far", [vi("x", f, ["T", "B", feat])], [out], inits),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("form", ["c_last", "sequence"])
+def test_a_state_copied_far_is_looked_at_again_when_its_step_declines(form):
+    """A state copied through 70 Identities is taken for a head by the far-from-states shortcut, and the head
+    path declines these forms (c read at its last step; a sequence stacked by ConcatFromSequence): the Loop is
+    analysed again with every output evaluated, and fuses as it did before the shortcut."""
+    from helpers import session
+    from rnnfuse import optimize
+
+    for copies in (0, 70):
+        m = _far_copy_loop(form, copies)
+        fused, report = optimize(m)
+        assert len(report.fused) == 1 and not report.declined, report.to_text()
+        assert not any(n.op_type == "Loop" for n in fused.graph.node)
+        x = np.random.default_rng(1).standard_normal((5, 2, 3)).astype(np.float32)
+        np.testing.assert_allclose(session(fused).run(None, {"x": x})[0], session(m).run(None, {"x": x})[0], atol=1e-5)

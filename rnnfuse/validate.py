@@ -347,12 +347,18 @@ def compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
         r.detail = r.detail or f"max abs error {err:.3g} ({where})"
 
 
+def _cut(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: InputSets) -> Cut:
+    """Where the check model starts (rnnfuse.upstream.cut: the shared upstream run apart in sessions like the
+    check model's)."""
+    return cut(ort, g, pairs, mask_names, inputs,
+               lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack, file_route=takes_file_route(big)))
+
+
 def _start(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: InputSets) -> Cut | None:
-    """Where the check model starts (rnnfuse.upstream.cut), or None when finding it raised (the check
-    session's path finds it again, and says what fails)."""
+    """:func:`_cut`, or None when finding it raised (the check session's path finds it again, and says what
+    fails)."""
     try:
-        return cut(ort, g, pairs, mask_names, inputs,
-                   lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack, file_route=takes_file_route(big)))
+        return _cut(ort, g, pairs, mask_names, prepack, inputs)
     except Exception:
         return None
 
@@ -375,14 +381,13 @@ def _compare_in_pieces(ort, g: Graph, pairs, start: Cut, inputs: InputSets) -> V
     cannot run it (a value that is not a tensor, too many bytes held, a piece that fails to load or run): the
     whole check model then decides, and says what fails. Light sessions, as a big check model's are (a failure
     is checked again as deployed, in one session)."""
-    left: dict[str, int] = {}  # tensor -> its pairs not compared yet
-    of_name: dict[str, list[tuple[str, str]]] = {}
+    of_name: dict[str, list[tuple[str, str]]] = {}  # tensor -> the pairs it is in
     res = ValidationResult(True, light=True, runs=len(CONFIGS))
     for p in pairs:
         res.pairs[p] = PairResult(*p)
         for name in set(p):
-            left[name] = left.get(name, 0) + 1
             of_name.setdefault(name, []).append(p)
+    left = {name: len(ps) for name, ps in of_name.items()}  # tensor -> its pairs not compared yet
     got: dict[str, list[np.ndarray]] = {}
     held = [0]  # the bytes of ``got``: values waiting for their pair's other tensor
 
@@ -417,8 +422,7 @@ def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: Inpu
     onnxruntime cannot load (the original model, or the rewrite). ``start``: where it starts, when found."""
     try:
         if start is None:
-            start = cut(ort, g, pairs, mask_names, inputs,
-                        lambda ort_, m, big: open_session(ort_, m, big, prepack=prepack, file_route=takes_file_route(big)))
+            start = _cut(ort, g, pairs, mask_names, prepack, inputs)
         check, pattern_inputs, big = build_check_model(g, pairs, mask_names, start)
         # a big check model runs first without graph optimizations, as small step checks do (a failure is
         # checked again as deployed): onnxruntime's optimizers cost more than linear time in the nodes (a

@@ -291,3 +291,54 @@ def test_a_shape_value_crossing_a_cut_loads_the_whole_model(small_pieces, monkey
     assert err is None and types is None
     loads = _loads(monkeypatch)
     assert guard._load_error(m.SerializeToString(), p, types) is not None and loads == [len(m.graph.node)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_pieces_loaded_side_by_side_give_the_verdict_of_one_by_one(small_pieces, monkeypatch, threads):
+    # the same chain as above, its pieces loaded on 1-3 threads: each piece once, never the whole; then a
+    # declared type one piece contradicts: False however many load at once
+    monkeypatch.setattr(pieces_mod, "load_threads", lambda: threads)
+    nodes = _relu_chain(1000)
+    nodes.append(helper.make_node("Identity", ["r999"], ["y"]))
+    m = _model(nodes, value_info=[helper.make_tensor_value_info("r650", TensorProto.FLOAT, [2, 3])])
+    p = Pieces.cut(m)
+    types = _types(m, p)
+    loads = _loads(monkeypatch)
+    assert p.load(types)
+    assert sorted(loads) == sorted(stop - start for start, stop in p.spans) and len(loads) == 11
+    m.graph.value_info[0].type.tensor_type.elem_type = TensorProto.INT64
+    p = Pieces.cut(m)
+    loads.clear()
+    assert not p.load(types)
+    assert len(loads) <= 7 + threads + 1  # (the failing piece is the seventh: at most so many more were drawn)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_all_pass_draws_lazily_and_stops_at_the_first_complaint(threads):
+    drawn: list[int] = []
+
+    def items(n):
+        for i in range(n):
+            drawn.append(i)
+            yield i
+
+    checked: list[int] = []
+
+    def check(i):
+        checked.append(i)
+        return "bad" if i == 5 else None
+
+    assert pieces_mod.all_pass(items(5), check, threads) and sorted(checked) == [0, 1, 2, 3, 4]
+    drawn.clear()
+    checked.clear()
+    assert not pieces_mod.all_pass(items(100), check, threads)
+    assert 5 in checked and len(drawn) <= 5 + threads + 1
+    assert not pieces_mod.all_pass(iter([5, 0, 0]), check, threads)
+    assert pieces_mod.all_pass(iter([]), check, threads)
+
+
+def test_load_threads_follow_the_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert pieces_mod.load_threads() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert pieces_mod.load_threads() == pieces_mod.MAX_LOAD_THREADS

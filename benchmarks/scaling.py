@@ -294,10 +294,18 @@ def _run_once(src: str, tree: str | None, acc: dict) -> None:
         with open(rep) as f:
             report = json.load(f)
         per_pass = acc.setdefault("per_pass", {})
+        # the command's phases around the passes, in brackets (the report's "phases": the load, the do-no-harm
+        # guard, the write; older checkouts report none), the load before the passes and the rest after them
+        phases = report.get("phases", {})
+        if "load" in phases:
+            per_pass.setdefault("[load]", []).append(phases["load"])
         seen: dict = {}
         for p in report["passes"]:  # a pass that runs twice is listed twice: dedupe, dedupe#2
             k = seen[p["name"]] = seen.get(p["name"], 0) + 1
             per_pass.setdefault(p["name"] + (f"#{k}" if k > 1 else ""), []).append(p["seconds"])
+        for name, secs in phases.items():
+            if name != "load":
+                per_pass.setdefault(f"[{name}]", []).append(secs)
         per_pass.setdefault("(all passes)", []).append(report["seconds"])
         acc["nodes_after"] = report["nodes_after"]  # (bodies counted)
         acc["fused"] = sum(1 for p in report["passes"] for f in p["findings"] if f["status"] == "fused")
@@ -422,6 +430,9 @@ def table(results: list[dict], bases: dict[str, float]) -> str:
             for k in m["passes"]:
                 if k not in names and k != "(all passes)":
                     names.append(k)
+    if "[load]" in names:  # (the load comes first, whichever tree's report named it)
+        names.remove("[load]")
+        names.insert(0, "[load]")
     head = ("| graph | nodes |" + (" code |" if tree_col else "") + " file MB | wall s | CPU s | passes s (wall) | "
             "outside passes s | peak RSS MB | RSS - libs MB | x file | nodes after |")
     lines = [head, "|---" * (11 + tree_col) + "|"]
@@ -435,7 +446,8 @@ def table(results: list[dict], bases: dict[str, float]) -> str:
                          f"{m['wall'] - passes:.2f} | {m['peak_mb']:.0f} | {extra:.0f} | {extra / m['file_mb']:.1f} | "
                          f"{m['nodes_after']:,} |")
     lines.append("")
-    lines.append("Per pass (median seconds, wall):")
+    lines.append("Per pass, and in brackets the command's phases around the passes where its report gives them "
+                 "(median seconds, wall; '-': not reported):")
     lines.append("")
     lines.append("| graph | nodes |" + (" code |" if tree_col else "") + " " + " | ".join(names) + " |")
     lines.append("|---|---|" + ("---|" if tree_col else "") + "---|" * len(names))
@@ -443,7 +455,8 @@ def table(results: list[dict], bases: dict[str, float]) -> str:
         for tree in trees:
             p = r["m"][tree]["passes"]
             lines.append(f"| {r['graph']} | {r['nodes']:,} |" + (f" {tree} |" if tree_col else "") + " " +
-                         " | ".join(f"{p.get(k, 0):.3f}" for k in names) + " |")
+                         " | ".join(f"{p[k]:.3f}" if k in p else ("-" if k.startswith("[") else "0.000")
+                                    for k in names) + " |")
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -241,10 +242,12 @@ def _run_passes(args, pipe, progress) -> _Run:
     from .pipeline import Options
 
     progress(f"loading {args.input}")
+    t0 = time.perf_counter()
     # a big single file lends its weights (they stay in the file, memory-mapped when read, and are copied
     # back inline on save)
     proto, had_external = model_io.load(args.input, borrow=True)
     model = Model(proto, external_dir=model_io.model_dir(proto))
+    loaded = time.perf_counter() - t0
     opts = Options(validate=not args.no_validate, post_padded=args.post_padded, seed=args.seed, log=None,
                    portable=args.portable)
     source = None
@@ -258,14 +261,19 @@ def _run_passes(args, pipe, progress) -> _Run:
     except Exception as e:
         _stop_if_invalid(args.input, e)
         raise
+    report.phases["load"] = loaded
     if source is not None and report.fused:
         from .bench import prefer_faster
 
         progress("timing native vs original forms")
+        t0 = time.perf_counter()
         model, report, decisions = prefer_faster(source, model, report, opts, args, progress)
         report.notes.extend(decisions)
+        report.phases["timing"] = time.perf_counter() - t0
     # what is written: the rewritten model, or (nothing fused, or a rewrite that would harm) the input as it was
+    t0 = time.perf_counter()
     keep = settle(report, model.proto, lambda: model_io.load(args.input, borrow=True)[0], model.established_type)
+    report.phases["guard"] = time.perf_counter() - t0  # (the passes: report.seconds)
     return _Run(report, model, model_io.model_dir(proto), had_external, keep)
 
 
@@ -325,7 +333,10 @@ def cmd_optimize(args, inspect_only: bool = False) -> int:
     report = run.report
     report.input_path = args.input
     if not inspect_only:
+        t0 = time.perf_counter()
         _write_output(args, run, progress)
+        if report.phases:  # (a run of the passes; a model passed through is only copied)
+            report.phases["write"] = time.perf_counter() - t0
     progress.done()
     if not args.quiet:
         out = _text_stream(args)

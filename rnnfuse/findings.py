@@ -137,6 +137,9 @@ class Report:
     notes: list[str] = field(default_factory=list)
     rounds: int = 1  # how many rounds of passes ran (see Pipeline.run)
     unsupported: str = ""  # why the model was passed through without running any pass
+    # seconds of each phase of a command-line run around the passes (load, guard, write; the passes are
+    # ``seconds``): where a big model's time goes outside the passes, in the JSON report
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def findings(self) -> list[Finding]:
@@ -172,6 +175,7 @@ class Report:
             "notes": self.notes,
             "rounds": self.rounds,
             "unsupported": self.unsupported,
+            **({"phases": {k: round(v, 4) for k, v in self.phases.items()}} if self.phases else {}),
             "passes": [
                 {
                     "name": p.name,

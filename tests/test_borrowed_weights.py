@@ -7,6 +7,8 @@ for one file in, a byte-for-byte copy when nothing is fused, the same errors for
 
 from __future__ import annotations
 
+import json
+
 import os
 import shutil
 import subprocess
@@ -208,8 +210,11 @@ def test_prefer_faster(heavy, tmp_path):
     """--prefer-faster times the model with its weights still borrowed (either form may win: both are checked)."""
     path, feeds, ref = heavy
     out = tmp_path / "fused.onnx"
-    p = _run("optimize", path, out, "--prefer-faster", "1", "--seq-len", "5")
+    p = _run("optimize", path, out, "--prefer-faster", "1", "--seq-len", "5", "--json", tmp_path / "r.json")
     assert p.returncode == 0, p.stderr
+    # (the timing is a phase of its own in the report, between the passes and the guard)
+    assert list(json.loads((tmp_path / "r.json").read_text())["phases"]) == ["load", "timing", "guard", "write"]
+    (tmp_path / "r.json").unlink()
     assert _only_files(tmp_path) == ["fused.onnx"]
     onnx.checker.check_model(str(out), full_check=True)
     for a, b in zip(ref, _ort(out).run(None, feeds)):

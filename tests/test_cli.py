@@ -65,6 +65,9 @@ def test_optimize_example(tmp_path):
     statuses = [f["status"] for p_ in rep["passes"] for f in p_["findings"]]
     assert statuses.count("fused") == 3 and statuses.count("merged") == 1
     assert rep["ops_before"]["Loop"] == 3 and "Loop" not in rep["ops_after"]
+    # the command's phases around the passes, in the order they ran (the passes' own time is "seconds")
+    assert list(rep["phases"]) == ["load", "guard", "write"]
+    assert all(isinstance(v, float) and v >= 0 for v in rep["phases"].values())
     # the example ships with Keras' own answer on a pre-padded and a post-padded row
     d = np.load(EXAMPLE.with_suffix(".npz"))
     y = session(m).run(None, {"features": d["features"]})[0]
@@ -446,3 +449,17 @@ def test_json_report_of_many_findings_is_the_report_one_finding_a_line(tmp_path)
     d2["passes"] = [{"name": "p", "findings": [Finding("p", "Loop", 'w"}, {', "declined", "x\ny").to_dict()]},
                     {"name": "q", "findings": []}]
     assert json.loads(cli._json_text(d2)) == json.loads(json.dumps(d2))
+
+
+def test_a_model_with_nothing_to_fuse_reports_no_phases(tmp_path):
+    # its bytes say no pass has anything to do: it is copied, nothing is loaded, guarded or written anew
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    src = _save(tmp_path / "relu.onnx", m)
+    p = run("optimize", src, tmp_path / "o.onnx", "--json", tmp_path / "r.json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert "phases" not in rep and (tmp_path / "o.onnx").read_bytes() == src.read_bytes()

@@ -18,7 +18,7 @@ from .graph_index import POS_TIE, GraphIndex, n_readers
 from .graph_rewire import Rewiring
 from .graph_walks import Walks
 from .graph_weights import Weights
-from .node_list import write_back
+from .node_list import drop_initializers, write_back
 from .protos import has_subgraph, node_field
 from .removed_nodes import Removed, without
 
@@ -257,6 +257,7 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
             self.producer.clear()
             self.consumers.clear()
             self._implicit.clear()
+            self._subgraph_views.clear()  # (by the ids of the messages gone: a fused Loop's held its body's index)
             self._index_all(nodes)
         else:
             live = set(map(id, nodes))
@@ -268,7 +269,7 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         consumers, outputs = self.consumers, set(self.output_names)
         unused = [k for k in self.initializers if not n_readers(consumers.get(k)) and k not in outputs and k not in self._inputs]
         if unused or len(self.initializers) != len(self.proto.initializer):
-            _drop_initializers(self.proto.initializer, set(unused))
+            drop_initializers(self.proto.initializer, set(unused))
         self.initializers = {t.name: t for t in self.proto.initializer} if unused else self.initializers
         # (after the drop, which the next round's choice counts: what it carries over of the types this one
         # inferred cone by cone; a graph it infers whole carries none, and reading the outputs of the 100,000
@@ -465,28 +466,6 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         if waits:
             raise RuntimeError("graph has a cycle after rewriting")
         return out
-
-
-def _drop_initializers(inits, drop: set[str]) -> None:
-    """Remove the initializers named in ``drop`` from the repeated field ``inits``, the others kept in order.
-
-    Runs of dropped entries are deleted in place, last run first, while that costs less than one copy of the
-    list: re-adding the kept tensors instead would copy every kept weight (protobuf copies a message added to
-    a repeated field), which for a weight-heavy model is the whole model once more."""
-    runs: list[tuple[int, int]] = []
-    for i, t in enumerate(inits):
-        if t.name in drop:
-            if runs and runs[-1][1] == i:
-                runs[-1] = (runs[-1][0], i + 1)
-            else:
-                runs.append((i, i + 1))
-    if len(runs) <= 64:
-        for a, b in reversed(runs):
-            del inits[a:b]
-        return
-    keep = [t for t in inits if t.name not in drop]
-    del inits[:]
-    inits.extend(keep)
 
 
 def _among(nodes: list[NodeProto], others: list[NodeProto]) -> list[bool]:

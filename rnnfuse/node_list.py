@@ -1,4 +1,5 @@
-"""Writing a scope's node list back into its GraphProto, moving the messages it holds instead of copying them.
+"""Writing a scope's node list back into its GraphProto, moving the messages it holds instead of copying them
+(and dropping initializers from one in place).
 
 Protobuf copies a message appended to a repeated field, so rebuilding ``graph.node`` from a Python list
 (``del graph.node[:]; graph.node.extend(nodes)``) makes every node a new message: the graph index, which
@@ -41,3 +42,25 @@ def write_back(field, nodes: list[NodeProto]) -> list[tuple[NodeProto, NodeProto
     if any(a is not copy_of.get(id(b), b) for a, b in zip(field, nodes)):
         return None
     return list(zip(new, copies))
+
+
+def drop_initializers(inits, drop: set[str]) -> None:
+    """Remove the initializers named in ``drop`` from the repeated field ``inits``, the others kept in order.
+
+    Runs of dropped entries are deleted in place, last run first, while that costs less than one copy of the
+    list: re-adding the kept tensors instead would copy every kept weight (protobuf copies a message added to
+    a repeated field), which for a weight-heavy model is the whole model once more."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(inits):
+        if t.name in drop:
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+    if len(runs) <= 64:
+        for a, b in reversed(runs):
+            del inits[a:b]
+        return
+    keep = [t for t in inits if t.name not in drop]
+    del inits[:]
+    inits.extend(keep)

@@ -116,7 +116,7 @@ def _region_passes(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto]
 
 
 def _pieces(model: onnx.ModelProto, data, scan=None):
-    """``model`` cut into pieces onnxruntime loads one by one (rnnfuse.load_in_pieces), or None: small, not
+    """``model`` cut into pieces onnxruntime loads apart (rnnfuse.load_in_pieces), or None: small, not
     serialised (a copy without weights is loaded whole), or not to be judged by pieces."""
     from .load_in_pieces import Pieces
 

@@ -47,6 +47,7 @@ from .tensor_types import may_carry_shape_values
 MIN_CUT_NODES = 20_000
 PIECE_NODES = 2_500
 MAX_LOAD_THREADS = 4  # (pieces loading at once; see load_threads)
+IN_FLIGHT_BYTES = 16 << 20  # (the serialised pieces waiting or loading at once; see all_pass)
 
 
 class Pieces:
@@ -78,10 +79,10 @@ class Pieces:
     def load(self, types: dict[str, bytes]) -> bool:
         """Whether every piece loads, its inputs from earlier pieces typed by ``types`` (:meth:`types_of`).
 
-        The pieces load side by side on :func:`load_threads` threads: onnxruntime's session set-up runs without
-        the GIL, so while sessions are set up the next pieces are built. Measured (2 cores, onnxruntime 1.32):
-        the 100,000-op head a fused Loop replays, 40 pieces, 1.7 -> 1.0 s; 11,111 stacked Loops' RNNs, 2.5 ->
-        0.9 s. The first piece that fails stops the building of the rest."""
+        The pieces load side by side (:func:`all_pass` on :func:`load_threads` threads), built in this thread
+        while sessions are set up in the others: onnxruntime 1.32 sets a session up without holding the GIL
+        (measured, 2 cores: the 100,000-op head a fused Loop replays, 40 pieces, 1.7 -> 1.0 s; 11,111 stacked
+        Loops' RNNs, 2.5 -> 0.9 s). An onnxruntime that holds it loads them one at a time all the same."""
         from .guard import onnxruntime_error
 
         frame = Frame(self.model.graph)
@@ -100,8 +101,7 @@ class Pieces:
 
 
 def load_threads() -> int:
-    """How many pieces load at once: the cores this process may run on, at most ``MAX_LOAD_THREADS`` (each
-    piece's session is set up on one thread and held until it is judged)."""
+    """How many pieces load at once: the cores this process may run on, at most ``MAX_LOAD_THREADS``."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # (not on Linux)
@@ -109,30 +109,44 @@ def load_threads() -> int:
     return max(1, min(cores, MAX_LOAD_THREADS))
 
 
-def all_pass(items: Iterator, check: Callable[[object], str | None], threads: int) -> bool:
-    """Whether ``check`` finds nothing wrong (returns None) with each of ``items``, checked on ``threads``
-    threads. Items are drawn from the iterator only while fewer than ``threads + 1`` wait or run (what is
-    built is held until checked); at the first complaint no more are drawn, those not started are dropped,
-    and the answer is False."""
+def all_pass(items: Iterator[bytes], check: Callable[[bytes], str | None], threads: int,
+             max_bytes: int = IN_FLIGHT_BYTES) -> bool:
+    """Whether ``check`` finds nothing wrong (returns None) with each of ``items`` (serialised models), checked
+    on ``threads`` threads: the answer checking them one by one gives.
+
+    The items are handed to the threads in order, one more than the threads at most (one ready to start), and
+    only while their bytes stay within ``max_bytes`` (one is always handed on): each piece's session holds its
+    own copy of the weights the piece reads, so pieces that copy big shared weights load one at a time, as they
+    did. The next item is drawn while those are checked. At the first complaint, in the items' order, the
+    answer is False: none is drawn after it, those not started are dropped, and the checks running finish
+    first. What ``check`` raises is raised; what the iterator raises too, once the items drawn before it are
+    judged (a complaint among them is the answer)."""
     if threads <= 1:
         return all(check(item) is None for item in items)
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        waiting: collections.deque = collections.deque()
-        for item in items:
-            waiting.append(pool.submit(check, item))
-            while len(waiting) > threads:
-                if waiting.popleft().result() is not None:
-                    return _drop(waiting)
-        while waiting:
-            if waiting.popleft().result() is not None:
-                return _drop(waiting)
-    return True
-
-
-def _drop(waiting) -> bool:
-    for f in waiting:
-        f.cancel()  # (one already running finishes; the pool's exit waits for it)
-    return False
+    pool = ThreadPoolExecutor(max_workers=threads)
+    waiting: collections.deque = collections.deque()  # (future, bytes) in the items' order
+    held = 0
+    try:
+        it = iter(items)
+        while True:
+            try:
+                item = next(it, None)
+            except Exception:
+                if not all(f.result() is None for f, _ in waiting):
+                    return False
+                raise
+            if item is None:
+                return all(f.result() is None for f, _ in waiting)
+            while waiting and (len(waiting) > threads or held + len(item) > max_bytes):
+                f, size = waiting.popleft()  # (the next one, built, waits for room)
+                held -= size
+                if f.result() is not None:
+                    return False
+            waiting.append((pool.submit(check, item), len(item)))
+            held += len(item)
+            del item
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _boundaries(scan: NodeScan, pieces: list[tuple[int, int]], graph_outputs: set[str]

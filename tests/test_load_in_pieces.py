@@ -295,46 +295,98 @@ def test_a_shape_value_crossing_a_cut_loads_the_whole_model(small_pieces, monkey
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_pieces_loaded_side_by_side_give_the_verdict_of_one_by_one(small_pieces, monkeypatch, threads):
-    # the same chain as above, its pieces loaded on 1-3 threads: each piece once, never the whole; then a
-    # declared type one piece contradicts: False however many load at once
+    # a chain of 21 pieces loaded on 1-3 threads: each piece once, never the whole; then a declared type the
+    # seventh piece contradicts: False however many load at once, and no piece built or loaded past those
+    # being checked beside it
     monkeypatch.setattr(pieces_mod, "load_threads", lambda: threads)
-    nodes = _relu_chain(1000)
-    nodes.append(helper.make_node("Identity", ["r999"], ["y"]))
+    given: list[int] = []
+    real_all_pass = pieces_mod.all_pass
+    monkeypatch.setattr(pieces_mod, "all_pass", lambda items, check, n: given.append(n) or real_all_pass(items, check, n))
+    built: list[int] = []
+    real_build = pieces_mod._piece_model
+    monkeypatch.setattr(pieces_mod, "_piece_model", lambda *a: built.append(1) or real_build(*a))
+    nodes = _relu_chain(2000)
+    nodes.append(helper.make_node("Identity", ["r1999"], ["y"]))
     m = _model(nodes, value_info=[helper.make_tensor_value_info("r650", TensorProto.FLOAT, [2, 3])])
     p = Pieces.cut(m)
     types = _types(m, p)
     loads = _loads(monkeypatch)
-    assert p.load(types)
-    assert sorted(loads) == sorted(stop - start for start, stop in p.spans) and len(loads) == 11
+    assert p.load(types) and given == [threads]
+    assert sorted(loads) == sorted(stop - start for start, stop in p.spans) and len(loads) == 21 == len(built)
     m.graph.value_info[0].type.tensor_type.elem_type = TensorProto.INT64
     p = Pieces.cut(m)
     loads.clear()
+    built.clear()
     assert not p.load(types)
-    assert len(loads) <= 7 + threads + 1  # (the failing piece is the seventh: at most so many more were drawn)
+    assert 7 <= len(loads) <= 7 + (threads > 1) * threads and len(built) <= 8 + threads
+
+
+def _items(n: int, drawn: list, bad=(), broken=(), size: int = 1):
+    for i in range(n):
+        if i in broken:
+            raise MemoryError(f"building item {i}")
+        drawn.append(i)
+        yield bytes([i % 256]) * size if i not in bad else b"bad" + bytes(size)
+
+
+def _checker(seen: list, running: list, peak: list, pause: float = 0.0):
+    import threading
+    import time
+
+    lock = threading.Lock()
+
+    def check(item: bytes):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(pause)
+        seen.append(item)
+        with lock:
+            running[0] -= 1
+        if item.startswith(b"bad"):
+            return "bad"
+        if item.startswith(b"raise"):
+            raise RuntimeError("the check itself failed")
+        return None
+
+    return check
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_all_pass_draws_lazily_and_stops_at_the_first_complaint(threads):
-    drawn: list[int] = []
-
-    def items(n):
-        for i in range(n):
-            drawn.append(i)
-            yield i
-
-    checked: list[int] = []
-
-    def check(i):
-        checked.append(i)
-        return "bad" if i == 5 else None
-
-    assert pieces_mod.all_pass(items(5), check, threads) and sorted(checked) == [0, 1, 2, 3, 4]
+    drawn, seen, running, peak = [], [], [0], [0]
+    check = _checker(seen, running, peak, pause=0.01)
+    assert pieces_mod.all_pass(_items(12, drawn), check, threads) and len(seen) == 12
+    assert peak[0] == threads  # (they do run side by side, as many as asked)
     drawn.clear()
-    checked.clear()
-    assert not pieces_mod.all_pass(items(100), check, threads)
-    assert 5 in checked and len(drawn) <= 5 + threads + 1
-    assert not pieces_mod.all_pass(iter([5, 0, 0]), check, threads)
+    seen.clear()
+    assert not pieces_mod.all_pass(_items(100, drawn, bad={5}), check, threads)
+    assert 5 in drawn and len(drawn) <= 7 + threads and len(seen) <= 6 + (threads > 1) * threads
+    assert not pieces_mod.all_pass(iter([b"bad", b"", b""]), check, threads)
     assert pieces_mod.all_pass(iter([]), check, threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_all_pass_raises_what_check_raises_and_judges_before_a_failed_draw(threads):
+    check = _checker([], [0], [0])
+    with pytest.raises(RuntimeError, match="check itself"):
+        pieces_mod.all_pass(iter([b"", b"raise", b""]), check, threads)
+    # an item that cannot be built after one that fails: the answer is the complaint, as one by one
+    assert not pieces_mod.all_pass(_items(10, [], bad={1}, broken={2}), check, threads)
+    with pytest.raises(MemoryError):
+        pieces_mod.all_pass(_items(10, [], broken={2}), check, threads)
+
+
+def test_big_items_are_checked_one_at_a_time():
+    # items whose bytes pass the budget together never wait or load side by side (their sessions each hold
+    # a copy of what they read): one at a time, as on one thread
+    seen, running, peak = [], [0], [0]
+    check = _checker(seen, running, peak, pause=0.01)
+    assert pieces_mod.all_pass(_items(6, [], size=3000), check, 4, max_bytes=5000)
+    assert peak[0] == 1 and len(seen) == 6
+    peak[0] = 0
+    assert pieces_mod.all_pass(_items(6, [], size=3000), check, 4, max_bytes=7000)
+    assert peak[0] == 2
 
 
 def test_load_threads_follow_the_cores(monkeypatch):

@@ -551,7 +551,8 @@ def main(argv=None) -> int:
         "`wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "
-        f"({', '.join(f'{v:.0f} MB' for v in bases.values())}). The optimizer itself is single-threaded.\n\n"
+        f"({', '.join(f'{v:.0f} MB' for v in bases.values())}). The optimizer runs on one thread; the do-no-harm "
+        "guard loads a big model's pieces on up to as many threads as cores (4 at most).\n\n"
         + (f"Side by side ({described}): each run of each size alternates between the checkouts.\n\n" if described else "")
         + f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs; load average "
         f"{load_start[0]:.1f} at the start, {load[0]:.1f} at the end), Python {platform.python_version()}; "

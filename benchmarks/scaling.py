@@ -430,9 +430,9 @@ def table(results: list[dict], bases: dict[str, float]) -> str:
             for k in m["passes"]:
                 if k not in names and k != "(all passes)":
                     names.append(k)
-    if "[load]" in names:  # (the load comes first, whichever tree's report named it)
-        names.remove("[load]")
-        names.insert(0, "[load]")
+    # (the load first, the other phases last, whichever graph or tree's report named them first)
+    names = [k for k in names if k == "[load]"] + [k for k in names if not k.startswith("[")] + \
+        [k for k in names if k.startswith("[") and k != "[load]"]
     head = ("| graph | nodes |" + (" code |" if tree_col else "") + " file MB | wall s | CPU s | passes s (wall) | "
             "outside passes s | peak RSS MB | RSS - libs MB | x file | nodes after |")
     lines = [head, "|---" * (11 + tree_col) + "|"]

@@ -8,7 +8,6 @@ for one file in, a byte-for-byte copy when nothing is fused, the same errors for
 from __future__ import annotations
 
 import json
-
 import os
 import shutil
 import subprocess
@@ -148,7 +147,6 @@ def test_borrowing_changes_no_output_and_no_report(opts, lends, tmp_path, monkey
     assert spy.borrowed[0] is None and spy.borrowed[1] == (str(src) if lends else None)
     assert (outs["whole"] / "out.onnx").read_bytes() == (outs["borrowed"] / "out.onnx").read_bytes()
     assert op_counts(onnx.load(str(outs["whole"] / "out.onnx")))[opts.op] == 1
-    import json
 
     def report(d):
         r = json.loads((d / "r.json").read_text())

@@ -463,3 +463,21 @@ def test_a_model_with_nothing_to_fuse_reports_no_phases(tmp_path):
     assert p.returncode == 0, p.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
     assert "phases" not in rep and (tmp_path / "o.onnx").read_bytes() == src.read_bytes()
+
+
+@pytest.mark.parametrize("original_wins", [False, True])
+def test_prefer_faster_reports_every_phase_whichever_form_wins(tmp_path, monkeypatch, original_wins):
+    # a form kept as it was runs the passes again and hands back a new report: the load is still in it
+    import builders as B
+    from rnnfuse import bench, cli
+
+    m, _ = B.build(B.Opts(op="LSTM", front="scan", F=4, H=8, mask="where"))
+    src = _save(tmp_path / "m.onnx", m)
+    times = {"native": [2.0], "original": [1.0]} if original_wins else {"native": [1.0], "original": [2.0]}
+    monkeypatch.setattr(bench, "time_side_by_side", lambda sessions, feeds, runs, warmup: times)
+    assert cli.main(["optimize", str(src), str(tmp_path / "o.onnx"), "--prefer-faster", "1", "--seq-len", "3",
+                     "--json", str(tmp_path / "r.json"), "-q"]) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert list(rep["phases"]) == ["load", "timing", "guard", "write"]
+    kept = op_counts(onnx.load(str(tmp_path / "o.onnx"))).get("LSTM", 0) == 0
+    assert kept == original_wins

@@ -117,12 +117,7 @@ def test_cleanups_alone_never_change_a_model(tmp_path):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
         [helper.make_tensor("w", TensorProto.FLOAT, [2, 2], [1.0, 0.5, -0.5, 2.0])],
     )
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    src = _save(tmp_path / "if.onnx", m)
-    p = run("optimize", src, tmp_path / "o.onnx", "--json", tmp_path / "r.json")
-    assert p.returncode == 0, p.stderr
-    rep = json.loads((tmp_path / "r.json").read_text())
+    src, rep = _optimized_report(tmp_path, g, "if.onnx")
     assert any(ps["modified"] for ps in rep["passes"] if ps["name"] == "inline-ifs"), rep["passes"]
     assert (tmp_path / "o.onnx").read_bytes() == src.read_bytes()
     assert rep["ops_after"] == rep["ops_before"]
@@ -226,6 +221,17 @@ def test_existing_output_is_replaced_only_with_force(tmp_path):
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
+def _optimized_report(tmp_path: Path, graph: onnx.GraphProto, name: str) -> tuple[Path, dict]:
+    """The model of ``graph`` (opset 17) saved as ``name``, optimized by the CLI to o.onnx: its path and the
+    JSON report."""
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    src = _save(tmp_path / name, m)
+    p = run("optimize", src, tmp_path / "o.onnx", "--json", tmp_path / "r.json")
+    assert p.returncode == 0, p.stderr
+    return src, json.loads((tmp_path / "r.json").read_text())
 
 
 def _save(path: Path, m: onnx.ModelProto) -> Path:
@@ -456,12 +462,7 @@ def test_a_model_with_nothing_to_fuse_reports_no_phases(tmp_path):
     g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    src = _save(tmp_path / "relu.onnx", m)
-    p = run("optimize", src, tmp_path / "o.onnx", "--json", tmp_path / "r.json")
-    assert p.returncode == 0, p.stderr
-    rep = json.loads((tmp_path / "r.json").read_text())
+    src, rep = _optimized_report(tmp_path, g, "relu.onnx")
     assert "phases" not in rep and (tmp_path / "o.onnx").read_bytes() == src.read_bytes()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rnnfuse.dataflow import post_order
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
 from rnnfuse.recurrence import NONE, Init, Recurrence, SeqOutput
@@ -138,24 +139,22 @@ def _evaluate_near_states(body: Graph, ev, name: str) -> None:
     holds (the states' maths), bottom-up; further ones stay unevaluated. :func:`find_head` reads a tensor's
     value to know whether it is a state (h, c) or a constant, and a tensor that far from the states is neither
     (it walks into it: its ops are the head's). A 100,000-op head was evaluated symbolically whole for this."""
-    order: list[str] = []  # the body tensors computing ``name``, down to what ev holds, in evaluation order
-    seen: set[str] = set()
-    stack = [(name, False)]
-    while stack:
-        cur, expanded = stack.pop()
-        if expanded:
-            order.append(cur)
-        elif cur and cur not in seen and cur not in ev.memo:
-            seen.add(cur)
-            p = body.producer.get(cur)
-            if p is not None:  # (an outside value is evaluated where a node near the states reads it)
-                stack.append((cur, True))
-                stack.extend((i, False) for i in p.input)
-    depth: dict[str, int] = {}
-    for cur in order:
-        depth[cur] = d = 1 + max((depth.get(i, 0) for i in body.producer[cur].input), default=0)
+    depth: dict[str, int] = {}  # body tensor -> ops beyond what ev holds (0: held, or from outside the body)
+
+    def open_(cur: str):
+        p = body.producer.get(cur)
+        if p is None or cur in ev.memo:  # (an outside value is evaluated where a node near the states reads it)
+            depth[cur] = 0
+            return None
+        return p.input
+
+    def close(cur: str) -> int:
+        d = 1 + max((depth[i] for i in body.producer[cur].input if i), default=0)
         if d <= COPY_OPS:
             ev.value(cur)  # (its inputs are held or evaluated just before: one node's evaluation)
+        return d
+
+    post_order(name, depth, open_, close)
 
 
 def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: list, heads: list[HeadCandidate],

@@ -35,7 +35,7 @@ from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_buffers import check_buffer_length, row_write
 from .loop_inputs import find_input_map
-from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
+from .loop_heads import FarOutputs, HeadCandidate, StateKeys, add_heads, state_output, state_value_keys, with_far_outputs
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
                          find_derived_mask)
 from .loop_reads import check_trip_count, counter_step, counting_offset, length_mask, step_read
@@ -432,7 +432,7 @@ def _final_role(poly: Poly, step_states: list[StepState], an) -> tuple[str, Init
 
 
 def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list, extra_remove,
-                     state_keys: list[set]) -> tuple[int | None, StepOut | HeadCandidate]:
+                     state_keys: StateKeys) -> tuple[int | None, StepOut | HeadCandidate]:
     """A carried sequence built by SequenceInsert(seq, y) each step and stacked by ConcatFromSequence: (its
     layer, the output), or (None, a head candidate) when y is no state of the step."""
     bi, bo = body.input_names[2 + k], body.output_names[1 + k]

@@ -66,17 +66,20 @@ def with_far_outputs(analyse):
     return analyse(FarOutputs(allowed=False))
 
 
-class StateKeys(list):
-    """Per layer, the polynomial keys of its states' new values (a list of sets), with the step's
-    :class:`FarOutputs` and whether it is masked (a head is declined in a masked step: the shortcut is off)."""
+@dataclass
+class StateKeys:
+    """What tells a per-step output that is one of the step's states: per layer, the polynomial keys of its
+    states' new values (``per_layer``), with the step's :class:`FarOutputs` and whether it is masked (a head
+    is declined in a masked step: the shortcut is off)."""
 
+    per_layer: list[set]
     far: FarOutputs
     masked: bool
 
 
 def state_value_keys(layers: list, state_out: dict[str, str], far: FarOutputs | None = None) -> StateKeys:
     """Per layer: the polynomial keys of its states' updates and of their unmasked new values."""
-    out = StateKeys()
+    per_layer = []
     for layer in layers:
         keys = set(_new_value_keys(layer, state_out).values())
         for sym in layer.syms:
@@ -84,11 +87,10 @@ def state_value_keys(layers: list, state_out: dict[str, str], far: FarOutputs | 
                 keys.add(layer.ev.poly(state_out[sym]).key)
             except Decline:
                 continue
-        out.append(keys)
-    out.far = far if far is not None else FarOutputs(allowed=False)
+        per_layer.append(keys)
     # (every mask enters a step as a BoolMask leaf, which each layer's evaluator starts from)
-    out.masked = any(isinstance(v, BoolMask) for layer in layers for v in layer.ev.memo.values())
-    return out
+    masked = any(isinstance(v, BoolMask) for layer in layers for v in layer.ev.memo.values())
+    return StateKeys(per_layer, far if far is not None else FarOutputs(allowed=False), masked)
 
 
 def state_output(layers: list, name: str, state_keys: StateKeys) -> tuple[int, Poly] | None:
@@ -103,7 +105,8 @@ def state_output(layers: list, name: str, state_keys: StateKeys) -> tuple[int, P
         poly = layers[li].ev.poly(name)
     except Decline:
         return None
-    if poly.key in state_keys[li] or unmasked_value(poly).key in state_keys[li]:
+    keys = state_keys.per_layer[li]
+    if poly.key in keys or unmasked_value(poly).key in keys:
         return li, poly
     return None
 

@@ -40,9 +40,10 @@ from onnx import ModelProto, NodeProto
 from .changed_region import MAX_INLINE_BYTES, NodeScan, inline_bytes
 from .model_parts import Frame, part_model, split_constants
 from .piecewise_runs import piece_bounds
+from .protos import nodes_within
 from .tensor_types import may_carry_shape_values
 
-# a model of fewer main-graph nodes is loaded whole (its load is cheap enough), a bigger one in pieces of at
+# a model of fewer nodes (subgraphs' counted) is loaded whole (its load is cheap enough), a bigger one in pieces of at
 # most PIECE_NODES nodes (subgraphs' counted): see rnnfuse.piecewise_runs for why that size
 MIN_CUT_NODES = 20_000
 PIECE_NODES = 2_500
@@ -68,7 +69,7 @@ class Pieces:
         """The pieces of ``model`` (``scan``: its NodeScan, when the caller has it); None when it is not
         worth cutting or cannot be judged by pieces."""
         g = model.graph
-        if len(g.node) < MIN_CUT_NODES or g.sparse_initializer or inline_bytes(model) > MAX_INLINE_BYTES:
+        if nodes_within(g, MIN_CUT_NODES) < MIN_CUT_NODES or g.sparse_initializer or inline_bytes(model) > MAX_INLINE_BYTES:
             return None
         scan = NodeScan(model) if scan is None else scan
         if scan.fault is not None:

@@ -22,6 +22,7 @@ import rnnfuse.load_in_pieces as pieces_mod
 from rnnfuse.changed_region import NodeScan
 from rnnfuse.load_in_pieces import Pieces
 from rnnfuse.model_parts import Frame
+from rnnfuse.piecewise_runs import weight
 from rnnfuse.pipeline import Pipeline
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
@@ -176,6 +177,28 @@ def test_a_model_with_faulty_wiring_or_too_small_is_not_cut(small_pieces):
     nodes = _relu_chain(500) + [helper.make_node("Identity", ["r499"], ["y"])]
     nodes[300].input[0] = "r400"  # (read before it is defined)
     assert Pieces.cut(_model(nodes)) is None
+
+
+def test_a_model_big_by_its_subgraphs_is_cut(small_pieces, monkeypatch):
+    # 150 main-graph nodes (fewer than MIN_CUT_NODES) of which 10 Ifs hold 20 nodes a branch: cut all the same,
+    # by the nodes onnxruntime sets up, each piece at most PIECE_NODES of them
+    nodes = _relu_chain(100)
+    for k in range(10):
+        cur = f"r{99 + 4 * k}" if k == 0 else f"if{k - 1}"
+        branches = [helper.make_graph(_relu_chain(20, cur, f"b{k}{side}_"), f"b{k}{side}", [],
+                                      [helper.make_tensor_value_info(f"b{k}{side}_19", TensorProto.FLOAT, [2, 3])])
+                    for side in ("t", "e")]
+        nodes.append(helper.make_node("If", ["cond"], [f"if{k}"], then_branch=branches[0], else_branch=branches[1]))
+    nodes += _relu_chain(39, "if9", "z") + [helper.make_node("Identity", ["z38"], ["y"])]
+    m = _model(nodes, inputs=("x", "cond"), input_types={"cond": TensorProto.BOOL})
+    m.graph.input[1].type.tensor_type.shape.Clear()
+    assert len(m.graph.node) < pieces_mod.MIN_CUT_NODES
+    p = Pieces.cut(m)
+    assert p is not None and len(p.spans) > 1
+    assert all(sum(weight(n) for n in m.graph.node[a:b]) <= pieces_mod.PIECE_NODES for a, b in p.spans)
+    loads = _loads(monkeypatch)
+    assert guard._load_error(m.SerializeToString(), p, _types(m, p)) is None
+    assert len(loads) == len(p.spans)  # (never the whole model)
 
 
 def test_a_fused_loop_with_a_big_head_is_guarded_in_pieces(monkeypatch, tmp_path):

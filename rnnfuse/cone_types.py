@@ -200,6 +200,15 @@ class ConeTypes:
         for n in cone:
             names += n.input  # (gathered in C, filtered once: a filter per input was half this method)
         read = {i: None for i in dict.fromkeys(names) if i and i not in made}
+        # a Constant read from outside the cone (settled by an earlier cone, or in an earlier piece of this one)
+        # is copied in, not declared: data propagation must see its value. Declared, its readers are inferred
+        # as if it held anything, and onnx's propagation is not sound then: a Slice of a shape with unknown
+        # starts passes the whole shape on (2,400 Reshapes to computed shapes were typed rank 100, not 3)
+        constants = [p for p in map(g.producer.get, read)
+                     if p is not None and p.op_type == "Constant" and p.ByteSize() <= SKELETON_DATA_BYTES]
+        for p in constants:
+            out.node.append(p)
+            del read[p.output[0]]
         if not any(has_subgraph(n) for n in cone):
             out.node.extend(cone)
         else:

@@ -219,6 +219,39 @@ def test_a_cone_bigger_than_one_inference_is_inferred_in_pieces(monkeypatch):
     assert ConeTypes(Model(_deep_constant_graph(300)), budget=150).type_of("w") is None
 
 
+def test_a_constant_an_earlier_piece_inferred_is_read_by_value():
+    """Shape arithmetic too long for one inference: each link slices a shape from a Constant start. A start
+    made by a node of an earlier piece was declared to the next piece by its type alone, and onnx's data
+    propagation then takes a Slice of unknown starts for the whole shape: the Reshape at the end was typed
+    rank 22, not 3 (in 30-node pieces). The Constant is copied into the piece that reads it."""
+    def const(name, arr):
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(arr)))
+
+    nodes, cur = [const("k0", np.array([4, 3, 2], np.int64))], "k0"
+    for i in range(20):
+        p = f"k{i}_"
+        nodes += [const(p + "zeros", np.zeros(1, np.float32)), const(p + "one", np.array([1], np.int64)),
+                  helper.make_node("Expand", [p + "zeros", cur], [p + "e"]),
+                  helper.make_node("Reshape", [p + "e", cur], [p + "r"]),
+                  helper.make_node("Shape", [p + "r"], [p + "sh"]),
+                  helper.make_node("Gather", [p + "sh", "z1"], [p + "d0"], axis=0),
+                  helper.make_node("Slice", [p + "sh", p + "one", "big"], [p + "rest"]),
+                  helper.make_node("Concat", [p + "d0", p + "rest"], [p + "nxt"], axis=0)]
+        cur = p + "nxt"
+    nodes.append(helper.make_node("Reshape", ["xraw", cur], ["x"]))
+    g = helper.make_graph(nodes, "shapes", [helper.make_tensor_value_info("xraw", TensorProto.FLOAT, [24])],
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(np.array([0], np.int64), "z1"),
+                           numpy_helper.from_array(np.array([100], np.int64), "big")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    whole = ConeTypes(Model(model)).type_of("x")
+    assert whole is not None and len(whole[1]) == 3, whole
+    cones = ConeTypes(Model(model))
+    cones.max_cone = 30
+    t = cones.type_of("x")
+    assert cones.cones > 1 and t is not None and len(t[1]) == 3, t
+
+
 def test_a_loop_behind_a_prologue_too_big_to_infer_at_once_is_fused(monkeypatch):
     """The shipped Keras model (two masked Loops and a bidirectional pair) whose input is computed by a chain
     of ``x * 1 + 0`` nodes longer than one inference may take (forced small here; 20,000 nodes otherwise): the

@@ -69,6 +69,9 @@ class InlineConstantIfs:
         g = model.graph
         res = PassResult(self.name)
         done = 0
+        # (the reader lists of what many branches capture, a weight every If reads, are filtered once at the
+        # end, not at each removal: 2,273 Ifs inlined took 0.45 / 0.87 / 2.15 s at 25k / 50k / 100k nodes)
+        long_readers: set[str] = set()
         for n in g.nodes_of("If"):
             if not g.alive(n) or n.domain not in ("", "ai.onnx"):
                 continue
@@ -76,8 +79,9 @@ class InlineConstantIfs:
             if cond is None or np.asarray(cond).size != 1:
                 continue
             branch = attr(n, "then_branch" if bool(np.asarray(cond).ravel()[0]) else "else_branch")
-            if branch is not None and _inline_branch(g, n, branch):
+            if branch is not None and _inline_branch(g, n, branch, long_readers):
                 done += 1
+        g.drop_removed_readers(long_readers)
         if done:
             g.prune()
             res.modified = True
@@ -85,7 +89,9 @@ class InlineConstantIfs:
         return res
 
 
-def _inline_branch(g: Graph, node: NodeProto, branch) -> bool:
+def _inline_branch(g: Graph, node: NodeProto, branch, long_readers: set[str]) -> bool:
+    """Splice ``branch`` in place of the If ``node`` (the long reader lists it is removed from are named in
+    ``long_readers``, see Graph.remove_node); False when it cannot be."""
     if any(has_subgraph(b) for b in branch.node) or len(branch.output) != len(node.output) or branch.input:
         return False
     local: dict[str, str] = {}
@@ -105,7 +111,7 @@ def _inline_branch(g: Graph, node: NodeProto, branch) -> bool:
     for o, bo in zip(node.output, branch.output):
         if o:
             g.replace_uses(o, local.get(bo.name, bo.name))
-    g.remove_node(node)
+    g.remove_node(node, long_readers)
     return True
 
 

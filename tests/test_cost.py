@@ -1135,6 +1135,36 @@ def test_no_op_copies_of_one_weight_are_read_through_in_one_filter(monkeypatch):
     assert all(m.graph.alive(r) and r.op_type == "MatMul" for r in readers)
 
 
+def test_constant_ifs_capturing_one_weight_are_inlined_in_one_filter(monkeypatch):
+    """Constant-condition Ifs whose branches all capture one weight: the weight's reader list holds every If
+    and every inlined reader, and filtering it at each removal was quadratic (2,273 Ifs: 0.45 / 0.87 /
+    2.15 s at 25k / 50k / 100k nodes). Long lists are filtered once at the end, and come out exact."""
+    from rnnfuse.graph_edit import Graph as EditGraph
+    from rnnfuse.passes.cleanup import InlineConstantIfs
+
+    n = 100
+    inits = [numpy_helper.from_array(np.ones((4, 4), np.float32), "W"), numpy_helper.from_array(np.array(True), "yes")]
+    nodes, cur = [], "x"
+    for i in range(n):
+        branches = [helper.make_graph([helper.make_node(op, [cur, "W"], [f"{op}{i}"])], f"{op}{i}", [],
+                                      [helper.make_tensor_value_info(f"{op}{i}", TensorProto.FLOAT, ["B", 4])])
+                    for op in ("MatMul", "Add")]
+        nodes.append(helper.make_node("If", ["yes"], [f"if{i}"], then_branch=branches[0], else_branch=branches[1]))
+        cur = f"if{i}"
+    g = helper.make_graph(nodes, "ifs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4])],
+                          [helper.make_tensor_value_info(cur, TensorProto.FLOAT, ["B", 4])], inits)
+    m = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    filtered = []
+    real = EditGraph.drop_removed_readers
+    monkeypatch.setattr(EditGraph, "drop_removed_readers", lambda self, names: filtered.append(set(names)) or
+                        real(self, names))
+    res = InlineConstantIfs().run(m, Options())
+    assert res.modified and filtered == [{"W", "yes"}]  # (one filter of each list all 100 Ifs are in)
+    readers = m.graph.uses("W")
+    assert len(readers) == n and all(m.graph.alive(r) and r.op_type == "MatMul" for r in readers)
+    assert not m.graph.nodes_of("If") or not any(m.graph.alive(x) for x in m.graph.nodes_of("If"))
+
+
 def _backward_chain_read_per_step(T: int) -> onnx.ModelProto:
     """A backward tanh RNN unrolled over T steps, each step's h read beside the chain (``relu(h_t)`` stacked in
     time order): torch's hand-written bidirectional loop reads its backward cell's states so."""

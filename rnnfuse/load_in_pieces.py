@@ -40,11 +40,12 @@ from onnx import ModelProto, NodeProto
 from .changed_region import MAX_INLINE_BYTES, NodeScan, inline_bytes
 from .model_parts import Frame, part_model, split_constants
 from .piecewise_runs import piece_bounds
-from .protos import nodes_within
+from .protos import call_sizes, nodes_within
 from .tensor_types import may_carry_shape_values
 
-# a model of fewer nodes (subgraphs' counted) is loaded whole (its load is cheap enough), a bigger one in pieces of at
-# most PIECE_NODES nodes (subgraphs' counted): see rnnfuse.piecewise_runs for why that size
+# a model of fewer nodes is loaded whole (its load is cheap enough), a bigger one in pieces of at most
+# PIECE_NODES nodes: see rnnfuse.piecewise_runs for why that size (nodes counted as onnxruntime sets them up:
+# subgraphs' and the bodies of the model-local functions called)
 MIN_CUT_NODES = 20_000
 PIECE_NODES = 2_500
 MAX_LOAD_THREADS = 4  # (pieces loading at once; see load_threads)
@@ -68,13 +69,13 @@ class Pieces:
     def cut(cls, model: ModelProto, scan: NodeScan | None = None) -> "Pieces | None":
         """The pieces of ``model`` (``scan``: its NodeScan, when the caller has it); None when it is not
         worth cutting or cannot be judged by pieces."""
-        g = model.graph
-        if nodes_within(g, MIN_CUT_NODES) < MIN_CUT_NODES or g.sparse_initializer or inline_bytes(model) > MAX_INLINE_BYTES:
+        g, calls = model.graph, call_sizes(model)
+        if nodes_within(g, MIN_CUT_NODES, calls) < MIN_CUT_NODES or g.sparse_initializer or inline_bytes(model) > MAX_INLINE_BYTES:
             return None
         scan = NodeScan(model) if scan is None else scan
         if scan.fault is not None:
             return None
-        spans = piece_bounds(scan.nodes, PIECE_NODES)
+        spans = piece_bounds(scan.nodes, PIECE_NODES, calls)
         return cls(model, scan, spans) if len(spans) > 1 else None
 
     def load(self, types: dict[str, bytes]) -> bool:

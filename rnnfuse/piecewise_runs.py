@@ -24,21 +24,23 @@ from onnx import NodeProto
 
 from .check_session import model_of
 from .graph import Graph
-from .protos import has_subgraph, nodes_within, subgraphs
+from .protos import call_key, has_subgraph, nodes_within, subgraphs
 
 
-def weight(n: NodeProto) -> int:
-    """How many nodes ``n`` is for a session: itself and its subgraphs' nodes at any depth."""
-    return 1 + (sum(nodes_within(sg) for sg in subgraphs(n)) if has_subgraph(n) else 0)
+def weight(n: NodeProto, calls: dict | None = None) -> int:
+    """How many nodes ``n`` is for a session: itself and its subgraphs' nodes at any depth (``calls``, see
+    protos.call_sizes: and the nodes a call of a model-local function expands to)."""
+    own = 1 + (calls.get(call_key(n), 0) if calls else 0)
+    return own + (sum(nodes_within(sg, calls=calls) for sg in subgraphs(n)) if has_subgraph(n) else 0)
 
 
-def piece_bounds(nodes: list[NodeProto], limit: int) -> list[tuple[int, int]]:
+def piece_bounds(nodes: list[NodeProto], limit: int, calls: dict | None = None) -> list[tuple[int, int]]:
     """Runs of consecutive positions of ``nodes`` holding at most ``limit`` nodes each, subgraphs included (a
-    node whose subgraphs hold more is a piece of its own)."""
+    node whose subgraphs hold more is a piece of its own; ``calls``: see :func:`weight`)."""
     pieces: list[tuple[int, int]] = []
     start, size = 0, 0
     for i, n in enumerate(nodes):
-        k = weight(n)
+        k = weight(n, calls)
         if size and size + k > limit:
             pieces.append((start, i))
             start, size = i, 0

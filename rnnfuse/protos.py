@@ -210,18 +210,47 @@ def scan_output_layout(node: NodeProto, n_scans: int) -> tuple[list[int], list[i
             list(attr(node, "scan_output_directions", None) or [0] * n_scans))
 
 
-def nodes_within(g: GraphProto, limit: int | None = None) -> int:
-    """How many nodes ``g`` holds, its subgraphs' at any depth included; counting stops past ``limit``."""
+def nodes_within(g: GraphProto, limit: int | None = None, calls: dict | None = None) -> int:
+    """How many nodes ``g`` holds, its subgraphs' at any depth included; counting stops past ``limit``.
+    ``calls`` (:func:`call_sizes`): a call of a model-local function counts the nodes it expands to too."""
     count, stack = 0, [g]
     while stack:
         nodes = stack.pop().node
         count += len(nodes)
+        if calls:
+            count += sum(calls.get(call_key(n), 0) for n in nodes)
         if limit is not None and count > limit:
             return count
         for n in nodes:
             if has_subgraph(n):
                 stack.extend(subgraphs(n))
     return count
+
+
+def call_key(n: NodeProto) -> tuple[str, str, str]:
+    """What names the function a node calls: domain, name, overload."""
+    return n.domain, n.op_type, n.overload
+
+
+def call_sizes(model: ModelProto) -> dict[tuple[str, str, str], int]:
+    """Each model-local function (by :func:`call_key`) -> the nodes a call of it expands to: its body's, the
+    subgraphs' in it and those of the local functions it calls (onnxruntime inlines them all at a load)."""
+    bodies = {(f.domain, f.name, f.overload): f for f in model.functions}
+    sizes: dict[tuple[str, str, str], int] = {}
+
+    def size(key) -> int:  # (ONNX forbids a function calling itself, directly or not: the recursion ends)
+        if key not in sizes:
+            sizes[key] = 0  # (a cycle in a malformed model counts nothing more, and stops)
+            sizes[key] = sum(1 + size_of_called(n) + sum(nodes_within(sg) for sg in subgraphs(n)) for n in bodies[key].node)
+        return sizes[key]
+
+    def size_of_called(n: NodeProto) -> int:
+        key = call_key(n)
+        return size(key) if key in bodies else 0
+
+    for key in bodies:
+        size(key)
+    return sizes
 
 
 def free_names(g: GraphProto) -> set[str]:

@@ -23,6 +23,7 @@ from rnnfuse.changed_region import NodeScan
 from rnnfuse.load_in_pieces import Pieces
 from rnnfuse.model_parts import Frame
 from rnnfuse.piecewise_runs import weight
+from rnnfuse.protos import call_sizes, nodes_within
 from rnnfuse.pipeline import Pipeline
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
@@ -196,6 +197,44 @@ def test_a_model_big_by_its_subgraphs_is_cut(small_pieces, monkeypatch):
     p = Pieces.cut(m)
     assert p is not None and len(p.spans) > 1
     assert all(sum(weight(n) for n in m.graph.node[a:b]) <= pieces_mod.PIECE_NODES for a, b in p.spans)
+    loads = _loads(monkeypatch)
+    assert guard._load_error(m.SerializeToString(), p, _types(m, p)) is None
+    assert len(loads) == len(p.spans)  # (never the whole model)
+
+
+def _relu_function(name: str, n: int, calls: str | None = None) -> onnx.FunctionProto:
+    """A model-local function of ``n`` Relus in a row (and a call of ``calls`` after them)."""
+    nodes = _relu_chain(n, "a", "f")
+    out = f"f{n - 1}"
+    if calls:
+        nodes.append(helper.make_node(calls, [out], ["g"], domain="local"))
+        out = "g"
+    return helper.make_function("local", name, ["a"], [out], nodes, OPSET + [helper.make_opsetid("local", 1)])
+
+
+def test_a_call_counts_the_nodes_its_function_expands_to():
+    m = _model([helper.make_node("Outer", ["x"], ["y"], domain="local")])
+    m.functions.extend([_relu_function("Inner", 3), _relu_function("Outer", 2, calls="Inner")])
+    assert call_sizes(m) == {("local", "Inner", ""): 3, ("local", "Outer", ""): 6}  # (2 Relus, a call, 3 Relus)
+    assert nodes_within(m.graph) == 1 and nodes_within(m.graph, calls=call_sizes(m)) == 7
+
+
+def test_a_model_big_by_its_function_calls_is_cut(small_pieces, monkeypatch):
+    # 40 calls of a 10-node local function: 40 main-graph nodes (fewer than MIN_CUT_NODES), 440 as onnxruntime
+    # sets them up (it inlines each call): cut, each piece at most PIECE_NODES of those
+    nodes, cur = [], "x"
+    for k in range(40):
+        nodes.append(helper.make_node("Ten", [cur], [f"c{k}"], domain="local"))
+        cur = f"c{k}"
+    nodes.append(helper.make_node("Identity", [cur], ["y"]))
+    m = _model(nodes)
+    m.opset_import.append(helper.make_opsetid("local", 1))
+    m.functions.append(_relu_function("Ten", 10))
+    calls = call_sizes(m)
+    assert len(m.graph.node) < pieces_mod.MIN_CUT_NODES
+    p = Pieces.cut(m)
+    assert p is not None and len(p.spans) > 1
+    assert all(sum(weight(n, calls) for n in m.graph.node[a:b]) <= pieces_mod.PIECE_NODES for a, b in p.spans)
     loads = _loads(monkeypatch)
     assert guard._load_error(m.SerializeToString(), p, _types(m, p)) is None
     assert len(loads) == len(p.spans)  # (never the whole model)

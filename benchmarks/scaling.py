@@ -90,6 +90,7 @@ VIEW_NODES_PER_STEP = 32  # torch's trace export of a hand-written LSTM cell wit
 from chain_2000 import (CALL_HEAD_NODES_PER_STEP, CELL_LOOP_NODES_PER_STEP, CHUNK_HEAD_NODES_PER_STEP,  # noqa: E402
                         export_calls_with_head, export_cell_loops, export_chunk_cell_with_head, export_lstmcell_chain,
                         export_view_chain)
+from scoped_graphs import function_calls, ifs_in_a_row, scans_in_a_row, shape_arithmetic  # noqa: E402
 from graphs import (attention_blocks, backward_loop_read_stacked, cells_side_by_side, elementwise_chain, layer_called_per_step,  # noqa: E402
                     loop_with_head, loops_in_a_row, stacked_loops, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
                     steps_summed, two_cells_per_step, unbind_stack_blocks)
@@ -259,6 +260,8 @@ GENERATORS = {"lstmcell": lstmcell_chain, "declared": declared_chain, "elementwi
               "backreads": backward_loop_read_stacked, "loophead": loop_with_head, "loopstack": stacked_loops,
               "callhead": lambda path, nodes: export_calls_with_head(path, max(2, nodes // CALL_HEAD_NODES_PER_STEP)),
               "chunkhead": lambda path, nodes: export_chunk_cell_with_head(path, max(2, nodes // CHUNK_HEAD_NODES_PER_STEP)),
+              "ifs": ifs_in_a_row, "constifs": lambda path, nodes: ifs_in_a_row(path, nodes, constant=True),
+              "scans": scans_in_a_row, "calls": function_calls, "shapes": shape_arithmetic,
               **{kind: (lambda path, nodes, kind=kind, n=n: export_cell_loops(path, max(2, nodes // n), kind))
                  for kind, n in CELL_LOOP_NODES_PER_STEP.items()}}
 

@@ -319,15 +319,14 @@ def _run_once(src: str, tree: str | None, acc: dict) -> None:
 
 
 def _count_nodes(path: str) -> int:
-    """The nodes of the model at ``path``, those of its subgraphs (Loop, Scan and If bodies) counted."""
+    """The nodes of the model at ``path``, those of its subgraphs (Loop, Scan and If bodies) and what its calls
+    of local functions expand to counted."""
     import onnx
 
-    from rnnfuse.protos import subgraphs
+    from rnnfuse.protos import call_sizes, nodes_within
 
-    def count(g) -> int:
-        return sum(1 + sum(count(sg) for sg in subgraphs(n)) for n in g.node)
-
-    return count(onnx.load(path, load_external_data=False).graph)
+    m = onnx.load(path, load_external_data=False)
+    return nodes_within(m.graph, calls=call_sizes(m))
 
 
 def measure(src: str, runs: int, trees: dict[str, str | None]) -> dict[str, dict]:
@@ -551,6 +550,12 @@ def main(argv=None) -> int:
         "`grucell` / `rnncell` / `grustack` / `grubi`: torch's trace of loops over `nn.GRUCell` / `nn.RNNCell` on a "
         "batch-first `x[:, t]` (20 / 8 nodes/step), two GRUCells a step, the second over the first's h (36), or a "
         "forward and a backward GRUCell loop concatenated (39): one GRU / RNN, two GRUs, one bidirectional GRU. "
+        "`ifs` / `constifs`: Ifs in a row, each between two 20-node branches that capture the If before's "
+        "output, on a computed / a constant condition (inlined); `scans`: Scans in a row carrying an "
+        "elementwise state (22 nodes a Scan, bodies counted), nothing to fuse; `calls`: calls of 10-node "
+        "model-local functions (11 nodes a call, counting what it expands to); `shapes`: constant-foldable "
+        "shape arithmetic (9 nodes a link) giving the shape a recurrence's input is reshaped to; each of these "
+        "five with a 16-step unrolled tanh RNN to fuse. "
         "`wide`: the LSTMCell loop at input and "
         "hidden size 512 (weights dominate the file). "
         "'RSS - libs' is the peak minus a process that only imports the libraries "

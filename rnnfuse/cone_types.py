@@ -205,7 +205,8 @@ class ConeTypes:
         # as if it held anything, and onnx's propagation is not sound then: a Slice of a shape with unknown
         # starts passes the whole shape on (2,400 Reshapes to computed shapes were typed rank 100, not 3)
         constants = [p for p in map(g.producer.get, read)
-                     if p is not None and p.op_type == "Constant" and p.ByteSize() <= SKELETON_DATA_BYTES]
+                     if p is not None and p.op_type == "Constant" and p.domain in ("", "ai.onnx")
+                     and p.ByteSize() <= SKELETON_DATA_BYTES]
         for p in constants:
             out.node.append(p)
             del read[p.output[0]]

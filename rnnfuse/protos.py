@@ -234,23 +234,35 @@ def call_key(n: NodeProto) -> tuple[str, str, str]:
 
 def call_sizes(model: ModelProto) -> dict[tuple[str, str, str], int]:
     """Each model-local function (by :func:`call_key`) -> the nodes a call of it expands to: its body's, the
-    subgraphs' in it and those of the local functions it calls (onnxruntime inlines them all at a load)."""
+    subgraphs' in it and what the local functions it calls (there too) expand to (onnxruntime inlines them all
+    at a load). Callees are sized first, on a stack of its own (a chain of 400 nested functions is no
+    recursion); a call back into a function being sized (a cycle, which ONNX forbids) counts nothing more."""
     bodies = {(f.domain, f.name, f.overload): f for f in model.functions}
     sizes: dict[tuple[str, str, str], int] = {}
-
-    def size(key) -> int:  # (ONNX forbids a function calling itself, directly or not: the recursion ends)
-        if key not in sizes:
-            sizes[key] = 0  # (a cycle in a malformed model counts nothing more, and stops)
-            sizes[key] = sum(1 + size_of_called(n) + sum(nodes_within(sg) for sg in subgraphs(n)) for n in bodies[key].node)
-        return sizes[key]
-
-    def size_of_called(n: NodeProto) -> int:
-        key = call_key(n)
-        return size(key) if key in bodies else 0
-
-    for key in bodies:
-        size(key)
+    for root in bodies:
+        stack, open_ = [(root, False)], set()
+        while stack:
+            key, callees_sized = stack.pop()
+            if callees_sized:
+                sizes[key] = nodes_within(bodies[key], calls=sizes)  # (a FunctionProto holds .node as a graph does)
+                open_.discard(key)
+                continue
+            if key in sizes or key in open_:
+                continue
+            open_.add(key)
+            stack.append((key, True))
+            stack.extend((k, False) for k in map(call_key, _nodes_within(bodies[key])) if k in bodies and k not in sizes)
     return sizes
+
+
+def _nodes_within(g) -> Iterator[NodeProto]:
+    """The nodes of ``g`` (a graph or a function) and of its subgraphs at any depth."""
+    stack = [g]
+    while stack:
+        for n in stack.pop().node:
+            yield n
+            if has_subgraph(n):
+                stack.extend(subgraphs(n))
 
 
 def free_names(g: GraphProto) -> set[str]:

@@ -219,6 +219,26 @@ def test_a_call_counts_the_nodes_its_function_expands_to():
     assert nodes_within(m.graph) == 1 and nodes_within(m.graph, calls=call_sizes(m)) == 7
 
 
+def test_call_sizes_count_calls_in_subgraphs_and_deep_nesting():
+    # a call inside a function's If counts what it expands to; a chain of 400 nested functions is sized
+    # without recursion (Python's limit was hit at ~330)
+    ops = OPSET + [helper.make_opsetid("local", 1)]
+    branches = [helper.make_graph([helper.make_node("Inner", ["a"], [f"{side}_out"], domain="local")], side, [],
+                                  [helper.make_tensor_value_info(f"{side}_out", TensorProto.FLOAT, [2, 3])])
+                for side in ("then", "else")]
+    outer = helper.make_function("local", "Outer", ["a", "c"], ["o"],
+                                 [helper.make_node("If", ["c"], ["o"], then_branch=branches[0], else_branch=branches[1])], ops)
+    m = _model([])
+    m.functions.extend([outer, _relu_function("Inner", 10)])
+    assert call_sizes(m)[("local", "Outer", "")] == 1 + 2 * (1 + 10)
+    deep = _model([])
+    deep.functions.extend(helper.make_function("local", f"F{k}", ["a"], ["f0"], [helper.make_node(
+        f"F{k + 1}", ["a"], ["f0"], domain="local") if k < 399 else helper.make_node("Relu", ["a"], ["f0"])], ops)
+        for k in range(400))
+    sizes = call_sizes(deep)
+    assert sizes[("local", "F0", "")] == 400 and sizes[("local", "F399", "")] == 1
+
+
 def test_a_model_big_by_its_function_calls_is_cut(small_pieces, monkeypatch):
     # 40 calls of a 10-node local function: 40 main-graph nodes (fewer than MIN_CUT_NODES), 440 as onnxruntime
     # sets them up (it inlines each call): cut, each piece at most PIECE_NODES of those

@@ -1108,11 +1108,21 @@ def test_a_carried_output_is_signed_where_the_states_walks_stopped(monkeypatch):
     assert opened[0] < 1.5 * len(model.graph.node), (opened[0], len(model.graph.node))
 
 
+def _run_counting_list_filters(monkeypatch, cleanup, m: Model):
+    """Run the pass ``cleanup`` on ``m``: its result, and the names of each deferred filter of long reader lists."""
+    from rnnfuse.graph_edit import Graph as EditGraph
+
+    filtered = []
+    real = EditGraph.drop_removed_readers
+    monkeypatch.setattr(EditGraph, "drop_removed_readers", lambda self, names: filtered.append(set(names)) or
+                        real(self, names))
+    return cleanup.run(m, Options()), filtered
+
+
 def test_no_op_copies_of_one_weight_are_read_through_in_one_filter(monkeypatch):
     """torch writes an Identity of each weight per call of a layer (2,700 calls: 2,700 readers of one
     initializer). Reading them through removes each copy without rescanning the weight's reader list per
     copy (quadratic: 1 s there): long lists are filtered once at the end, and come out exact."""
-    from rnnfuse.graph_edit import Graph as EditGraph
     from rnnfuse.passes.cleanup import DropNoOps
 
     n = 300
@@ -1124,11 +1134,7 @@ def test_no_op_copies_of_one_weight_are_read_through_in_one_filter(monkeypatch):
     g = helper.make_graph(nodes, "copies", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 4])], [w])
     m = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
-    filtered = []
-    real = EditGraph.drop_removed_readers
-    monkeypatch.setattr(EditGraph, "drop_removed_readers", lambda self, names: filtered.append(set(names)) or
-                        real(self, names))
-    res = DropNoOps().run(m, Options())
+    res, filtered = _run_counting_list_filters(monkeypatch, DropNoOps(), m)
     assert res.modified and filtered == [{"W"}]  # (one filter of W's list, for all 300 copies)
     readers = m.graph.uses("W")
     assert sorted(r.output[0] for r in readers) == sorted(f"y{i}" for i in range(n))
@@ -1139,7 +1145,6 @@ def test_constant_ifs_capturing_one_weight_are_inlined_in_one_filter(monkeypatch
     """Constant-condition Ifs whose branches all capture one weight: the weight's reader list holds every If
     and every inlined reader, and filtering it at each removal was quadratic (2,273 Ifs: 0.45 / 0.87 /
     2.15 s at 25k / 50k / 100k nodes). Long lists are filtered once at the end, and come out exact."""
-    from rnnfuse.graph_edit import Graph as EditGraph
     from rnnfuse.passes.cleanup import InlineConstantIfs
 
     n = 100
@@ -1154,11 +1159,7 @@ def test_constant_ifs_capturing_one_weight_are_inlined_in_one_filter(monkeypatch
     g = helper.make_graph(nodes, "ifs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4])],
                           [helper.make_tensor_value_info(cur, TensorProto.FLOAT, ["B", 4])], inits)
     m = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
-    filtered = []
-    real = EditGraph.drop_removed_readers
-    monkeypatch.setattr(EditGraph, "drop_removed_readers", lambda self, names: filtered.append(set(names)) or
-                        real(self, names))
-    res = InlineConstantIfs().run(m, Options())
+    res, filtered = _run_counting_list_filters(monkeypatch, InlineConstantIfs(), m)
     assert res.modified and filtered == [{"W", "yes"}]  # (one filter of each list all 100 Ifs are in)
     readers = m.graph.uses("W")
     assert len(readers) == n and all(m.graph.alive(r) and r.op_type == "MatMul" for r in readers)

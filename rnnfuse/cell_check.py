@@ -69,7 +69,11 @@ def _validate_cells_once(g: Graph, rec, seed: int, as_deployed: bool) -> Validat
         for p in pairs:
             res.pairs.setdefault(p, PairResult(*p))
         for run, (batch, scale) in enumerate(_runs(chk)):
-            feeds, valid = _step_feeds(chk, built, batch, scale, run, rng)
+            try:
+                feeds, valid = _step_feeds(chk, built, batch, scale, run, rng)
+            except (ValueError, MemoryError) as e:  # (dims no array takes: a type inference got wrong, rank 99)
+                reason = f"the step's inputs cannot be made ({str(e).strip()[:200] or type(e).__name__})"
+                return _unless_failed(res, ValidationResult(False, reason))
             try:
                 vals = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
             except Exception as e:  # (the step's own nodes ran in the original model: the native cell fails)
@@ -178,7 +182,11 @@ def _shareable_steps(g: Graph, rec, seed: int) -> list | None:
             return None
         runs = []
         for run, (batch, scale) in enumerate(_runs(chk)):
-            feeds, valid = _step_feeds(chk, built, batch, scale, run, rng)
+            try:
+                feeds, valid = _step_feeds(chk, built, batch, scale, run, rng)
+            except (ValueError, MemoryError) as e:  # (dims no array takes: a type inference got wrong, rank 99)
+                reason = f"the step's inputs cannot be made ({str(e).strip()[:200] or type(e).__name__})"
+                return _unless_failed(res, ValidationResult(False, reason))
             runs.append((feeds, valid, batch))
         steps.append((ci, chk, built, runs))
     return steps

@@ -132,12 +132,18 @@ def test_a_step_that_cannot_be_checked_alone_is_checked_whole(per_step, monkeypa
 def test_a_step_whose_inputs_cannot_be_made_is_checked_whole(per_step, monkeypatch):
     """Dims no array takes (a type onnx's data propagation got wrong: rank 99) were an internal error of the
     whole run; the step is left to whole-model validation, as one that cannot be checked alone."""
+    import rnnfuse
+
     monkeypatch.setattr(cell_check, "_sized", lambda dims, batch: [1] * 99)
     for o in (_masked("LSTM"), B.Opts(op="GRU", front="chain", static_T=6)):
         out = B.run_case(o, batches=(1, 3))
         assert out.status == "fused", out.text()
         (f,) = [f for f in out.report.findings if f.status == "fused"]
         assert f.validation.startswith("ok") and "per step" not in f.validation, f.validation
+    _, report = rnnfuse.optimize(_lanes_case())  # (six chains side by side: their checks would share sessions)
+    chains = [f for f in report.findings if f.pass_name == "unrolled"]
+    assert len(chains) == 6 and all(f.status == "fused" and "per step" not in f.validation for f in chains), \
+        report.to_text()
 
 
 def test_padded_rows_expect_the_state_read():

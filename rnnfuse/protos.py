@@ -182,14 +182,7 @@ def subgraphs(node: NodeProto) -> Iterator[GraphProto]:
 
 def holds_op_type(node: NodeProto, op_types: frozenset[str]) -> bool:
     """Whether a node of one of ``op_types`` is in ``node``'s subgraphs, at any depth."""
-    stack = list(subgraphs(node))
-    while stack:
-        for n in stack.pop().node:
-            if n.op_type in op_types:
-                return True
-            if has_subgraph(n):
-                stack.extend(subgraphs(n))
-    return False
+    return any(n.op_type in op_types for sg in subgraphs(node) for n in nodes_under(sg))
 
 
 def carried_layout(node: NodeProto) -> tuple[int, int]:
@@ -251,11 +244,11 @@ def call_sizes(model: ModelProto) -> dict[tuple[str, str, str], int]:
                 continue
             open_.add(key)
             stack.append((key, True))
-            stack.extend((k, False) for k in map(call_key, _nodes_within(bodies[key])) if k in bodies and k not in sizes)
+            stack.extend((k, False) for k in map(call_key, nodes_under(bodies[key])) if k in bodies and k not in sizes)
     return sizes
 
 
-def _nodes_within(g) -> Iterator[NodeProto]:
+def nodes_under(g) -> Iterator[NodeProto]:
     """The nodes of ``g`` (a graph or a function) and of its subgraphs at any depth."""
     stack = [g]
     while stack:

@@ -20,6 +20,7 @@ from onnx import NodeProto
 from . import op_args
 from .cells.kinds import output_dims
 from .dataflow import literal_value, post_order
+from .shape_arith import ARITH, arith, cast
 from .graph import Graph
 from .protos import attr, carried_layout, node_field, scan_output_layout
 
@@ -400,8 +401,9 @@ def _close_rank(g: Graph, cur: str, memo: dict):
 
 
 # ops computing a shape tensor's values from others (torch's ``zeros(x.size(0), H)``: Concat(Unsqueeze(Gather(
-# Shape(x), 0)), [H]))
-_SHAPE_ARITH = frozenset(("Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cast", "Identity", "Slice"))
+# Shape(x), 0)), [H]); its ``x.size(0) * 2``: Mul)
+_SHAPE_ARITH = frozenset(("Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cast", "Identity", "Slice")) | \
+    frozenset(ARITH)
 
 
 def _open_value(g: Graph, key: tuple, memo: dict):
@@ -416,7 +418,8 @@ def _open_value(g: Graph, key: tuple, memo: dict):
         return None
     if p.op_type == "Shape":
         return [(_DIMS, p.input[0])]
-    return [(_VALUE, p.input[0])] if p.op_type != "Concat" else [(_VALUE, i) for i in p.input if i]
+    return [(_VALUE, p.input[0])] if p.op_type not in ARITH and p.op_type != "Concat" else \
+        [(_VALUE, i) for i in p.input if i]
 
 
 def _close_value(g: Graph, cur: str, memo: dict):
@@ -426,8 +429,12 @@ def _close_value(g: Graph, cur: str, memo: dict):
     if op == "Shape":
         dims = memo.get((_DIMS, p.input[0]))
         return None if dims is None else dims[_attr(p, "start", 0):_attr(p, "end", None)]
-    if op in ("Cast", "Identity"):
+    if op == "Identity":
         return first
+    if op == "Cast":
+        return cast(_attr(p, "to"), first)
+    if op in ARITH:
+        return arith(op, first, memo.get((_VALUE, p.input[1])) if len(p.input) == 2 else None)
     if op == "Concat":
         parts = [memo.get((_VALUE, i)) for i in p.input if i]
         return None if any(not isinstance(v, tuple) for v in parts) else sum(parts, ())

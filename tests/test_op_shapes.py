@@ -252,3 +252,102 @@ def test_loop_and_scan_outputs_have_their_bodies_declared_dims(monkeypatch):
     assert g.model.elem_type("ws") == TensorProto.DOUBLE and g.model.elem_type("ys") == TensorProto.FLOAT
     old = Model(_loop_and_scan_model(opset=8)).graph
     assert op_dims(old, "zs") is None and op_rank(old, "zs") is None
+
+
+def _arithmetic_model():
+    """Shape arithmetic on x [B, 6, 4]'s shape, as torch's traces write it (``x.size(1) * 2``, ``x.size(0) + 0``,
+    ``numel // 4``), each result a graph output; the values onnxruntime computes are the oracle."""
+    i = lambda name, v: _i64(name, v)  # noqa: E731
+    inits = [i("i0", 0), i("i1", 1), i("i2", 2), i("one", [1]), i("zero", [0]), i("two", 2), i("four", 4), i("three", 3),
+             i("huge", 1 << 23), i("pair", [2, 3]), i("triple", [1, 2, 3]), i("to_end", [2**63 - 1])]
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]),
+             helper.make_node("Gather", ["xs", "i0"], ["b"], axis=0),
+             helper.make_node("Gather", ["xs", "i1"], ["t"], axis=0),
+             helper.make_node("Mul", ["t", "two"], ["t2"]),  # 12
+             helper.make_node("Add", ["t2", "four"], ["t2p4"]),  # 16
+             helper.make_node("Sub", ["t2p4", "t"], ["t2p4mt"]),  # 10
+             helper.make_node("Div", ["t2", "four"], ["t2d4"]),  # 3: exact
+             helper.make_node("Div", ["t", "four"], ["td4"]),  # 1 in int64, 1.5 in float: not said
+             helper.make_node("Mul", ["xs", "one"], ["xs1"]),  # (B, 6, 4): the symbol kept
+             helper.make_node("Add", ["zero", "xs"], ["xs0"]),  # (B, 6, 4)
+             helper.make_node("Mul", ["b", "two"], ["b2"]),  # 2B: not known
+             helper.make_node("Mul", ["xs", "pair"], ["bad"]),  # lengths 3 and 2: no broadcast
+             helper.make_node("Mul", ["xs", "triple"], ["xs123"]),  # (B, 12, 12)
+             helper.make_node("Mul", ["t", "huge"], ["big"]),  # 6 * 2^23: past float32's exact integers
+             helper.make_node("Cast", ["t2"], ["t2f"], to=TensorProto.FLOAT),
+             helper.make_node("Cast", ["three"], ["three_f"], to=TensorProto.FLOAT),
+             helper.make_node("Div", ["t2f", "three_f"], ["t2f3"]),  # 4.0
+             helper.make_node("Div", ["t2f", "half"], ["t2h"]),  # a float literal: not a shape value
+             helper.make_node("Cast", ["t"], ["tbool"], to=TensorProto.BOOL),  # True: not the number 6
+             helper.make_node("Cast", ["to_end"], ["to_end32"], to=TensorProto.INT32)]  # -1: not the int64 maximum
+    inits.append(numpy_helper.from_array(np.array(0.5, np.float32), "half"))
+    outs = {"t2": 12, "t2p4": 16, "t2p4mt": 10, "t2d4": 3, "td4": None, "xs1": ("B", 6, 4), "xs0": ("B", 6, 4),
+            "b2": None, "bad": None, "xs123": ("B", 12, 12), "big": None, "t2f3": 4, "t2h": None,
+            "tbool": None, "to_end32": (None,)}
+    elem = {"t2f3": TensorProto.FLOAT, "t2h": TensorProto.FLOAT, "tbool": TensorProto.BOOL, "to_end32": TensorProto.INT32}
+    graph = helper.make_graph(nodes, "arith", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 6, 4])],
+                              [helper.make_tensor_value_info(o, elem.get(o, TensorProto.INT64), None) for o in outs], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), outs
+
+
+def test_shape_arithmetic_values_are_what_onnxruntime_computes(monkeypatch):
+    """Add, Sub, Mul and Div on shape values: a number where both sides are numbers and every type the value
+    may be held in computes it exactly (a Div only where it divides: int64 truncates where float does not);
+    the other side kept where one is the operation's identity (``x * 1``: the symbolic batch too); nothing
+    where a length does not broadcast, a product leaves float32's exact integers, or a Cast changes the
+    numbers (to bool). Every number said is the one onnxruntime computes, for two batch sizes."""
+    import onnxruntime as ort
+
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
+    model, want = _arithmetic_model()
+    g = Model(model).graph
+    got = {o: shape_value(g, o) for o in want}
+    assert got == want
+    runnable = onnx.ModelProto()
+    runnable.CopyFrom(model)  # (without the Mul of lengths 3 and 2: onnxruntime refuses the model)
+    del runnable.graph.node[[n.output[0] for n in runnable.graph.node].index("bad")]
+    del runnable.graph.output[[o.name for o in runnable.graph.output].index("bad")]
+    sess = ort.InferenceSession(runnable.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o for o in want if o != "bad"]
+    for batch in (1, 5):
+        ran = dict(zip(names, sess.run(names, {"x": np.zeros((batch, 6, 4), np.float32)})))
+        for o, v in got.items():
+            if v is None or o == "bad":
+                continue
+            said = v if isinstance(v, tuple) else (v,)
+            assert np.ravel(ran[o]).shape == (len(said),), (o, ran[o], v)
+            for d, computed in zip(said, np.ravel(ran[o]).tolist()):
+                assert d is None or computed == (batch if d == "B" else d), (o, ran[o], v)
+
+
+def test_a_chain_of_shape_arithmetic_folds_without_inference(monkeypatch):
+    """A tensor reshaped to the end of 3,000 links of shape arithmetic (``Shape(Reshape(Expand(0, s), s))`` cut
+    and joined again, times one: each link's values the one before's): its Shape folds from the ops alone,
+    no cone inferred (each link's fold of a Shape inferred a cone through every link before it: the benchmark's
+    100k-node ``shapes`` graph spent 8 of its 11 s there)."""
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
+    asked = []
+    real = ConeTypes.type_of
+    monkeypatch.setattr(ConeTypes, "type_of", lambda self, name, one_piece=False: asked.append(name) or
+                        real(self, name, one_piece))
+    links = 3000
+    inits = [_i64("first", [0]), _i64("to_end", [100]), _i64("one", [1]), _i64("k0", [4, 3, 2]),
+             numpy_helper.from_array(np.zeros(1, np.float32), "zeros")]
+    nodes, cur = [], "k0"
+    for k in range(links):
+        p = f"k{k}_"
+        nodes += [helper.make_node("Expand", ["zeros", cur], [p + "e"]), helper.make_node("Reshape", [p + "e", cur], [p + "r"]),
+                  helper.make_node("Shape", [p + "r"], [p + "sh"]),
+                  helper.make_node("Gather", [p + "sh", "first"], [p + "d0"], axis=0),
+                  helper.make_node("Slice", [p + "sh", "one", "to_end"], [p + "rest"]),
+                  helper.make_node("Concat", [p + "d0", p + "rest"], [p + "cat"], axis=0),
+                  helper.make_node("Mul", [p + "cat", "one"], [p + "next"])]
+        cur = p + "next"
+    nodes.append(helper.make_node("Reshape", ["flat", cur], ["rx"]))
+    nodes.append(helper.make_node("Shape", ["rx"], ["rx_shape"]))
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("flat", TensorProto.FLOAT, [24])],
+                              [helper.make_tensor_value_info("rx_shape", TensorProto.INT64, None)], inits)
+    g = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).graph
+    assert op_dims(g, "rx") == (4, 3, 2)
+    assert g.const("rx_shape").tolist() == [4, 3, 2]
+    assert asked == []

@@ -61,10 +61,15 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
             slice_src[x] = (src, axis, t)
     if not slice_src:
         return []
+    order = _reached(g, order, slice_src)
     # 1. preparation: values computed from slices (and slice-free tensors) without a matmul or an activation
     sliced: set[str] = set(slice_src)  # tensors depending on some slice
     prep: set[str] = set(slice_src)
+    # (each loop asks a node's dynamic inputs only when one of its inputs is of interest: those are a subset of
+    # its inputs, and asking is a walk's memo lookup per input, seconds over every node of a 100k-node graph)
     for n in order:
+        if not any(i in sliced for i in n.input):
+            continue
         dyn = dynamic_inputs(g, n)
         if not any(i in sliced for i in dyn):
             continue
@@ -76,7 +81,7 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     # 2. step inputs: prepared values read by something else
     inputs: dict[str, int] = {}
     for n in order:
-        if n.op_type in ("Shape", "Size") or (n.output and n.output[0] in prep):
+        if n.op_type in ("Shape", "Size") or (n.output and n.output[0] in prep) or not any(i in prep for i in n.input):
             continue
         for i in dynamic_inputs(g, n):
             if i in prep and i not in inputs:
@@ -89,7 +94,7 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     succ: dict[str, str | None] = {}  # (None: more than one step reads this one's state)
     depth: dict[str, int] = {}
     for n in order:
-        if n.output and n.output[0] in prep:
+        if (n.output and n.output[0] in prep) or not any(i in owner for i in n.input):
             continue
         dyn = dynamic_inputs(g, n)
         owners = {owner[i] for i in dyn if i in owner}
@@ -117,6 +122,22 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
         sources = sorted({src for s in seq for src in _sources(g, s, slice_src)})
         out.append(VirtualFamily(seq, sources))
     return out
+
+
+def _reached(g: Graph, order: list[NodeProto], sliced) -> list[NodeProto]:
+    """The nodes of ``order`` (in that order) that read, directly or not, a value of ``sliced``: every node the
+    walks below can take (each reads a value computed from a slice), not the other 99% of a 100k-node graph
+    whose chain is a few steps."""
+    reach: set[int] = set()
+    seen, stack = set(sliced), list(sliced)
+    while stack:
+        for reader in g.uses(stack.pop()):
+            if id(reader) not in reach:
+                reach.add(id(reader))
+                fresh = [o for o in reader.output if o and o not in seen]
+                seen.update(fresh)
+                stack.extend(fresh)
+    return [n for n in order if id(n) in reach]
 
 
 def _link(g: Graph, n: NodeProto, dyn: list[str], owner: dict, inputs: dict, pred: dict, succ: dict, depth: dict):

@@ -27,7 +27,7 @@ from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.recurrence import FinalOutput, Init, InputPrep, Recurrence
-from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_states, split_layers
+from rnnfuse.recurrence_layers import cells_first, check_feeds, layer_recurrence, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
@@ -88,9 +88,11 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
     states = _body_leaves(g, body, loop, carried, leaves)
     state_out = {f"s{k}": body.output_names[1 + k] for k in carried.recurrent}
     layers = split_layers(body, leaves, state_out, step_in.x_atom)
+    layer_step_states = cells_first(g, loop, body, layers, states, body_out=1, node_in=2)
     outs_of, last_of, heads, extra_remove = _per_step_outputs(g, body, loop, carried, layers, state_out, far)
     aliases = _final_aliases(g, body, loop, carried)
-    recs, cell_states = _layer_recurrences(g, body, loop, layers, states, outs_of, last_of, extra_remove, step_in)
+    recs, cell_states = _layer_recurrences(loop, layers, layer_step_states, states, outs_of, last_of, extra_remove,
+                                           step_in)
     if heads:
         add_heads(body, layers, recs, cell_states, heads, state_out, step_in, carried.invariants,
                   set(carried.index_syms))
@@ -352,15 +354,15 @@ def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) ->
     return aliases
 
 
-def _layer_recurrences(g: Graph, body: Graph, loop: NodeProto, layers: list, states: dict[str, State],
+def _layer_recurrences(loop: NodeProto, layers: list, layer_step_states: list, states: dict[str, State],
                        outs_of: dict, last_of: dict, extra_remove: list, step_in: StepReads):
-    """One recurrence per layer of the step, each reading the layer below's Y (the first reads x); and per
-    layer, the symbols of its cell's h and c states."""
+    """One recurrence per layer of the step (``layer_step_states``: each one's carried states), each reading
+    the layer below's Y (the first reads x); and per layer, the symbols of its cell's h and c states."""
     where = loop.name or loop.output[0]
     recs: list[Recurrence] = []
     cell_states: list[tuple[str, str | None]] = []
     for li, layer in enumerate(layers):
-        step_states = layer_states(g, loop, body, layer, body_out=1, node_in=2)
+        step_states = layer_step_states[li]
         an = analyse(layer.x, step_states, outs_of[li], states)
         finals, stacked, row_steps = [], [], []
         for poly, outer, reads in last_of.get(li, []):

@@ -21,7 +21,7 @@ from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.protos import scan_output_layout
 from rnnfuse.recurrence import InputPrep, Recurrence
-from rnnfuse.recurrence_layers import check_feeds, layer_recurrence, layer_states, split_layers
+from rnnfuse.recurrence_layers import cells_first, check_feeds, layer_recurrence, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.builder import Builder
@@ -73,13 +73,13 @@ def _scan_recurrence(g: Graph, scan: NodeProto, far: FarOutputs):
     states, recurrent, aliases = _scan_states(g, body, scan, n_state, leaves)
     state_out = {f"s{k}": body.output_names[k] for k in recurrent}
     layers = split_layers(body, leaves, state_out, scanned.x_atom)
+    layer_step_states = cells_first(g, scan, body, layers, states, body_out=0, node_in=0)
     outs, heads = _scan_outputs(g, body, scan, n_state, layers, state_out, far)
     where = scan.name or scan.output[0]
     recs: list[Recurrence] = []
     cell_states: list[tuple[str, str | None]] = []
     for li, layer in enumerate(layers):
-        step_states = layer_states(g, scan, body, layer, body_out=0, node_in=0)
-        an = analyse(layer.x, step_states, outs[li], states)
+        an = analyse(layer.x, layer_step_states[li], outs[li], states)
         rec = layer_recurrence("Scan", where, an, layers, li, recs, x=scanned.x_outer, mask=scanned.mask_outer,
                                x_batch_first=scanned.x_axis == 1, x_reversed=bool(scanned.x_dir),
                                x_prep=scanned.x_prep, remove=[scan], anchor=scan)

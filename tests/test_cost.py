@@ -1510,3 +1510,74 @@ def test_a_state_copied_far_is_looked_at_again_when_its_step_declines(form):
         assert not any(n.op_type == "Loop" for n in fused.graph.node)
         x = np.random.default_rng(1).standard_normal((5, 2, 3)).astype(np.float32)
         np.testing.assert_allclose(session(fused).run(None, {"x": x})[0], session(m).run(None, {"x": x})[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("front", ["scan", "loop"])
+def test_a_step_that_is_no_cell_is_declined_before_its_outputs_are_evaluated(front, monkeypatch):
+    """A Scan's or Loop's carried state is recognised as a native cell (or not) before its per-step outputs
+    are evaluated: a step that is no cell (here a square where the RNN has ``tanh``) is declined on its cell,
+    its head never evaluated (4,545 such Scans with an 18-op head spent a quarter of their analysis there);
+    the same step with ``tanh`` is analysed on to its head and fused."""
+    import builders_loops as BL
+    import rnnfuse.passes.loop as loop_pass
+    import rnnfuse.passes.scan as scan_pass
+
+    module = scan_pass if front == "scan" else loop_pass
+    asked = []
+    real = module.state_output
+    monkeypatch.setattr(module, "state_output", lambda layers, name, keys: asked.append(name) or real(layers, name, keys))
+    model = BL.build_head(BL.HeadOpts(head="softmax", front=front))
+    m, report, _ = _run(model)
+    assert report.modified and asked, report.findings
+    model = BL.build_head(BL.HeadOpts(head="softmax", front=front))  # (the run rewrote the first in place)
+    body = next(n for n in model.graph.node if n.op_type in ("Scan", "Loop")).attribute[0].g
+    act = next(n for n in body.node if n.op_type == "Tanh")
+    act.op_type, act.input[:] = "Mul", [act.input[0], act.input[0]]  # (a square: maths, but no cell's)
+    asked.clear()
+    m, report, _ = _run(model)
+    declined = [f for f in report.findings if f.pass_name == front]
+    assert not report.modified and len(declined) == 1 and declined[0].status == "declined", report.findings
+    assert asked == [], asked
+
+
+def _steps_beside_unrelated(T: int, unrelated: int) -> onnx.ModelProto:
+    """A T-step tanh RNN unrolled over x's slices, and beside it ``unrelated`` Relus on another input."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal((3, 3)).astype(np.float32), "R")]
+    nodes, h = [], "h0"
+    for t in range(T):
+        inits.append(numpy_helper.from_array(np.array(t, np.int64), f"i{t}"))
+        nodes += [helper.make_node("Gather", ["x", f"i{t}"], [f"x{t}"], axis=0),
+                  helper.make_node("MatMul", [f"x{t}", "W"], [f"a{t}"]), helper.make_node("MatMul", [h, "R"], [f"b{t}"]),
+                  helper.make_node("Add", [f"a{t}", f"b{t}"], [f"s{t}"]), helper.make_node("Tanh", [f"s{t}"], [f"hs{t}"])]
+        h = f"hs{t}"
+    cur = "z"
+    for k in range(unrelated):
+        nodes.append(helper.make_node("Relu", [cur], [f"z{k}"]))
+        cur = f"z{k}"
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "beside", [vi("x", TensorProto.FLOAT, [T, "B", 4]), vi("h0", TensorProto.FLOAT, ["B", 3]),
+                                            vi("z", TensorProto.FLOAT, ["B", 3])],
+                          [vi(h, TensorProto.FLOAT, ["B", 3]), vi(cur, TensorProto.FLOAT, ["B", 3])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_steps_found_through_their_cells_cost_the_nodes_the_slices_reach(monkeypatch):
+    """The search for step inputs threaded through their cells (passes/unrolled/step_inputs.py) looks at the
+    nodes computed from the slices, not at the rest of the graph: as many questions beside 50 unrelated nodes
+    as beside 5,000 (it asked each of a 100k-node graph's nodes three times, for a 16-step chain)."""
+    import rnnfuse.passes.unrolled.step_inputs as step_inputs
+
+    counts = {}
+    for unrelated in (50, 5000):
+        asked = []
+        real = step_inputs.dynamic_inputs
+        monkeypatch.setattr(step_inputs, "dynamic_inputs", lambda g, n: asked.append(n.name) or real(g, n))
+        g = Model(_steps_beside_unrelated(6, unrelated)).graph
+        fams = {("x", 0): {t: f"x{t}" for t in range(6)}}
+        found = step_inputs.virtual_families(g, g.ordered_live_nodes(), fams)
+        counts[unrelated] = len(asked)
+        assert found == []  # (the slices in step order: the slice families' chain, not a virtual one)
+        monkeypatch.undo()
+    assert 0 < counts[50] == counts[5000], counts

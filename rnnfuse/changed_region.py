@@ -292,7 +292,9 @@ class _Types:
             return self
         cone = self._cone(want)
         self.whole = cone is None
-        got = _inferred_types(self._cone_model(range(len(self.nodes)) if cone is None else cone, want))
+        # (handed over serialised: the cone's copy is let go before inference makes its own two, the whole
+        # model's when the cone is most of it)
+        got = _inferred_types(self._cone_model(range(len(self.nodes)) if cone is None else cone, want).SerializeToString())
         if got is None:
             return None
         self.types.update(got)
@@ -359,7 +361,7 @@ class _Types:
         return m
 
 
-def _inferred_types(model: ModelProto) -> dict[str, bytes] | None:
+def _inferred_types(model: "ModelProto | bytes") -> dict[str, bytes] | None:
     """Value name -> its type as ONNX shape inference gives ``model`` (a cone model: declared inputs and
     outputs included); a value inference cannot type is absent. None when inference fails."""
     try:

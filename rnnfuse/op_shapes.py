@@ -402,12 +402,17 @@ def _close_rank(g: Graph, cur: str, memo: dict):
 
 # ops computing a shape tensor's values from others (torch's ``zeros(x.size(0), H)``: Concat(Unsqueeze(Gather(
 # Shape(x), 0)), [H]); its ``x.size(0) * 2``: Mul)
+_SHAPE_VALUE_SIZE = 64  # (the most entries a literal read as a shape value has)
 _SHAPE_ARITH = frozenset(("Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cast", "Identity", "Slice")) | \
     frozenset(ARITH)
 
 
 def _open_value(g: Graph, key: tuple, memo: dict):
     cur = key[1]
+    init = g.initializers.get(cur)
+    if init is not None and (len(init.dims) > 1 or (init.dims and init.dims[0] > _SHAPE_VALUE_SIZE)):
+        memo[key] = None  # (a weight, met by a walk through arithmetic: not read to learn it is no shape)
+        return None
     c = literal_value(g, cur)
     if c is not None:
         memo[key] = _as_value(c)
@@ -467,6 +472,6 @@ def _as_value(c):
     import numpy as np
 
     a = np.asarray(c)
-    if a.ndim > 1 or a.size > 64 or not np.issubdtype(a.dtype, np.integer):
+    if a.ndim > 1 or a.size > _SHAPE_VALUE_SIZE or not np.issubdtype(a.dtype, np.integer):
         return None
     return int(a) if a.ndim == 0 else tuple(int(x) for x in a)

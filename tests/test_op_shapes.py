@@ -351,3 +351,25 @@ def test_a_chain_of_shape_arithmetic_folds_without_inference(monkeypatch):
     assert op_dims(g, "rx") == (4, 3, 2)
     assert g.const("rx_shape").tolist() == [4, 3, 2]
     assert asked == []
+
+
+def test_a_walk_through_arithmetic_reads_no_weight(monkeypatch):
+    """A shape computed from a float tensor (``Cast(Mul(h, W))``: arithmetic that is no shape's) is no shape
+    value, and the walk that learns it does not read the weight it meets (a walk into a network's maths read
+    every weight there into memory to find each too big to be one)."""
+    read = []
+    real = rnnfuse.model.Model.tensor_array
+    monkeypatch.setattr(rnnfuse.model.Model, "tensor_array", lambda self, t, *a, **k: read.append(t.name) or real(self, t, *a, **k))
+    inits = [numpy_helper.from_array(np.ones((4, 3), np.float32), "W"), numpy_helper.from_array(np.ones(3, np.float32), "b")]
+    nodes = [helper.make_node("MatMul", ["h", "W"], ["hw"]), helper.make_node("Mul", ["hw", "b"], ["hwb"]),
+             helper.make_node("ReduceMax", ["hwb"], ["m"], keepdims=0),
+             helper.make_node("Mul", ["hwb", "W2"], ["scaled"]), helper.make_node("Cast", ["scaled"], ["shape"], to=TensorProto.INT64),
+             helper.make_node("Reshape", ["x", "shape"], ["r"])]
+    inits.append(numpy_helper.from_array(np.ones((2, 3), np.float32), "W2"))
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "g", [vi("h", TensorProto.FLOAT, [2, 4]), vi("x", TensorProto.FLOAT, [6])],
+                              [vi("r", TensorProto.FLOAT, None)], inits)
+    g = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).graph
+    assert shape_value(g, "shape") is None
+    assert op_dims(g, "r") in (None, (None, None))
+    assert "W2" not in read and "W" not in read, read

@@ -343,7 +343,8 @@ class _Types:
         g.input.extend(src.input)
         g.initializer.extend(skeleton_initializer(t) for t in src.initializer)
         g.output.extend(src.output)
-        g.value_info.extend(src.value_info)
+        produced = self.producer
+        g.value_info.extend(v for v in src.value_info if v.name in produced)  # (not an input's or a weight's)
         return m
 
     def _cone_model(self, cone, names: list[str]) -> ModelProto:

@@ -468,10 +468,11 @@ def _close_value(g: Graph, cur: str, memo: dict):
 
 
 def _as_value(c):
-    """A literal's values in shape_value's form (only small integer tensors of rank 0 or 1)."""
+    """A literal's values in shape_value's form (only small int32 / int64 tensors of rank 0 or 1: arithmetic in
+    a narrower or unsigned type wraps where Python's does not)."""
     import numpy as np
 
     a = np.asarray(c)
-    if a.ndim > 1 or a.size > _SHAPE_VALUE_SIZE or not np.issubdtype(a.dtype, np.integer):
+    if a.ndim > 1 or a.size > _SHAPE_VALUE_SIZE or a.dtype not in (np.int32, np.int64):
         return None
     return int(a) if a.ndim == 0 else tuple(int(x) for x in a)

@@ -9,17 +9,20 @@ ARITH = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, 
          "Div": lambda a, b: a // b if b and a % b == 0 else None}  # (exact division only: int and float agree)
 # Cast targets that keep a shape value's numbers (below EXACT_BELOW): float, int32, int64, double (not bool, nor
 # narrow or unsigned ints: a difference may be negative)
-_VALUE_KEEPING_CASTS = frozenset((1, 6, 7, 11))
+_FLOAT = 1
+_VALUE_KEEPING_CASTS = frozenset((_FLOAT, 6, 7, 11))
 # the largest magnitude arithmetic answers: every type the values may be held in (Cast to float) is exact below
 EXACT_BELOW = 1 << 24
 
 
 def cast(to: int, value):
-    """A shape value Cast to element type ``to``: the same numbers where the type holds them exactly (a symbol is
-    an extent: kept), else None (a Cast to int32 of the int64 maximum, torch's "to the end")."""
+    """A shape value Cast to element type ``to``: the same numbers where the type holds them exactly, else None
+    (a Cast to int32 of the int64 maximum, torch's "to the end"); a symbol (an extent) kept, but not in a float,
+    whose integers stop being exact at 2^24."""
     if value is None or to not in _VALUE_KEEPING_CASTS:
         return None
-    keep = lambda x: x if type(x) is not int or -EXACT_BELOW < x < EXACT_BELOW else None  # noqa: E731
+    keep = lambda x: (x if -EXACT_BELOW < x < EXACT_BELOW else None) if type(x) is int else \
+        None if to == _FLOAT else x  # noqa: E731
     return tuple(map(keep, value)) if isinstance(value, tuple) else keep(value)
 
 

@@ -401,3 +401,22 @@ def test_wiring_errors_in_graph_outputs_and_subgraph_captures():
     early = _edited(before, [cond, branch] + nodes)  # (the If captures r10 before the Relu computing it)
     assert "reads 'r10' before it is defined" in region.wiring_error(early)
     assert region.wiring_error(_edited(before, nodes + [cond, branch])) is None
+
+
+@pytest.mark.parametrize("declared", [("W", TensorProto.FLOAT, [4, 3]), ("W", TensorProto.DOUBLE, [5, 3]),
+                                      ("x", TensorProto.FLOAT, ["B", 7])])
+def test_a_model_inferred_whole_types_as_its_cone_would(declared):
+    """The whole model copied in bulk for inference (its values' cones are most of it) gives the types a copy of
+    every node's cone gives: a declaration of an input's or a weight's, which the cone copy leaves out, is left
+    out too (a stale one made the inference fail, or typed the input as declared instead of as given)."""
+    W = numpy_helper.from_array(np.ones((5, 3), np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"]), helper.make_node("Relu", ["y"], ["z"])]
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, ["B", 5])], [vi("z", TensorProto.FLOAT, None)], [W],
+                          value_info=[vi(*declared)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    types = region._Types(m)
+    by_cone = region._inferred_types(types._cone_model(range(len(types.nodes)), ["y", "z"]))
+    whole = region._inferred_types(types._whole_model().SerializeToString())
+    assert by_cone is not None and whole is not None
+    assert {k: whole.get(k) for k in ("x", "W", "y", "z")} == {k: by_cone.get(k) for k in ("x", "W", "y", "z")}

@@ -279,12 +279,18 @@ def _arithmetic_model():
              helper.make_node("Div", ["t2f", "three_f"], ["t2f3"]),  # 4.0
              helper.make_node("Div", ["t2f", "half"], ["t2h"]),  # a float literal: not a shape value
              helper.make_node("Cast", ["t"], ["tbool"], to=TensorProto.BOOL),  # True: not the number 6
-             helper.make_node("Cast", ["to_end"], ["to_end32"], to=TensorProto.INT32)]  # -1: not the int64 maximum
+             helper.make_node("Cast", ["to_end"], ["to_end32"], to=TensorProto.INT32),  # -1: not the int64 maximum
+             helper.make_node("Sub", ["u3", "u5"], ["u_diff"]),  # uint8: 254, not -2
+             helper.make_node("Cast", ["u_diff"], ["u_diff64"], to=TensorProto.INT64),
+             helper.make_node("Cast", ["xs"], ["xsf"], to=TensorProto.FLOAT)]  # (B, 6, 4): B past 2^24 is not B
     inits.append(numpy_helper.from_array(np.array(0.5, np.float32), "half"))
+    inits += [numpy_helper.from_array(np.array([3], np.uint8), "u3"), numpy_helper.from_array(np.array([5], np.uint8), "u5")]
     outs = {"t2": 12, "t2p4": 16, "t2p4mt": 10, "t2d4": 3, "td4": None, "xs1": ("B", 6, 4), "xs0": ("B", 6, 4),
             "b2": None, "bad": None, "xs123": ("B", 12, 12), "big": None, "t2f3": 4, "t2h": None,
-            "tbool": None, "to_end32": (None,)}
-    elem = {"t2f3": TensorProto.FLOAT, "t2h": TensorProto.FLOAT, "tbool": TensorProto.BOOL, "to_end32": TensorProto.INT32}
+            "tbool": None, "to_end32": (None,),
+            "u_diff64": None, "xsf": (None, 6, 4)}
+    elem = {"t2f3": TensorProto.FLOAT, "t2h": TensorProto.FLOAT, "tbool": TensorProto.BOOL, "to_end32": TensorProto.INT32,
+            "xsf": TensorProto.FLOAT}
     graph = helper.make_graph(nodes, "arith", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 6, 4])],
                               [helper.make_tensor_value_info(o, elem.get(o, TensorProto.INT64), None) for o in outs], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), outs
@@ -294,8 +300,9 @@ def test_shape_arithmetic_values_are_what_onnxruntime_computes(monkeypatch):
     """Add, Sub, Mul and Div on shape values: a number where both sides are numbers and every type the value
     may be held in computes it exactly (a Div only where it divides: int64 truncates where float does not);
     the other side kept where one is the operation's identity (``x * 1``: the symbolic batch too); nothing
-    where a length does not broadcast, a product leaves float32's exact integers, or a Cast changes the
-    numbers (to bool). Every number said is the one onnxruntime computes, for two batch sizes."""
+    where a length does not broadcast, a product leaves float32's exact integers, a Cast changes the
+    numbers (to bool) or a float holds a symbol (exact only below 2^24), nor for values held in a narrow or
+    unsigned int (uint8 3 - 5 is 254). Every number said is the one onnxruntime computes, for two batch sizes."""
     import onnxruntime as ort
 
     monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)

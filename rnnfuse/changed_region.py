@@ -336,17 +336,15 @@ class _Types:
         m.functions.extend(self.model.functions)
         g = m.graph
         g.node.extend(src.node)
-        for n in g.node:
-            if has_subgraph(n):
-                whole = NodeProto()
-                whole.CopyFrom(n)
-                n.Clear()
-                copy_node_skeleton(whole, n, SKELETON_DATA_BYTES)
+        for i in [i for i, n in enumerate(self.nodes) if has_subgraph(n)]:
+            g.node[i].Clear()
+            copy_node_skeleton(self.nodes[i], g.node[i], SKELETON_DATA_BYTES)
         g.input.extend(src.input)
         g.initializer.extend(skeleton_initializer(t) for t in src.initializer)
         g.output.extend(src.output)
-        produced = self.producer
-        g.value_info.extend(v for v in src.value_info if v.name in produced)  # (not an input's or a weight's)
+        if len(src.value_info):
+            produced = self.producer
+            g.value_info.extend(v for v in src.value_info if v.name in produced)  # (not an input's or a weight's)
         return m
 
     def _cone_model(self, cone, names: list[str]) -> ModelProto:

@@ -440,3 +440,25 @@ def test_a_rewrite_that_removed_over_a_quarter_of_the_input_infers_it_whole_with
     sub = region.region_model(after, before)
     assert sub is not None and [n.op_type for n in sub.graph.node] == ["Relu"]
     assert True not in walked, walked
+
+
+def test_a_model_inferred_whole_holds_its_subgraphs_as_skeletons():
+    """The whole-model copy holds a node with subgraphs as a skeleton (a branch's weight without its data) and
+    types what the cone copy types."""
+    vi = helper.make_tensor_value_info
+    branch = lambda name: helper.make_graph(  # noqa: E731
+        [helper.make_node("MatMul", ["y", "k" + name], ["o" + name])], name, [], [vi("o" + name, TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.ones((64, 64), np.float32), "k" + name)])
+    nodes = [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("ReduceSum", ["y"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["z"], then_branch=branch("t"), else_branch=branch("e"))]
+    g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, [2, 64])], [vi("z", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(np.array(0.0, np.float32), "zero")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    types = region._Types(m)
+    whole = types._whole_model()
+    assert whole.ByteSize() < 4 * 64 * 64 // 2 < m.ByteSize()
+    assert [n.op_type for n in whole.graph.node] == [n.op_type for n in m.graph.node]
+    by_cone = region._inferred_types(types._cone_model(range(len(types.nodes)), ["z"]))
+    got = region._inferred_types(whole.SerializeToString())
+    assert by_cone is not None and got is not None and got.get("z") == by_cone.get("z") is not None

@@ -152,15 +152,21 @@ def _masked_chain(T: int, batch="B"):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _big_model_cone_queries(monkeypatch) -> list[str]:
+    """A big model's view (no whole inference), and the list every cone inference's question is added to."""
+    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
+    asked: list[str] = []
+    real = ConeTypes.type_of
+    monkeypatch.setattr(ConeTypes, "type_of", lambda self, name, one_piece=False: asked.append(name) or
+                        real(self, name, one_piece))
+    return asked
+
+
 def test_a_symbolic_shape_is_not_inferred_to_be_declined_as_a_constant(monkeypatch):
     """Deep in a 2,000-step chain, each step's ``zeros_like(h)`` is no constant (the batch is symbolic): the
     ops say so, every step, and not one cone inference is started (each was one a step: 1,640 in a torch
     export). With a static batch, the same zeros fold to a constant of the right shape, also without one."""
-    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
-    asked = []
-    real = ConeTypes.type_of
-    monkeypatch.setattr(ConeTypes, "type_of", lambda self, name, one_piece=False: asked.append(name) or
-                        real(self, name, one_piece))
+    asked = _big_model_cone_queries(monkeypatch)
     T = 2000
     g = Model(_masked_chain(T)).graph
     assert all(g.const(f"z{t}") is None for t in (T - 1, 0, T // 2))
@@ -332,11 +338,7 @@ def test_a_chain_of_shape_arithmetic_folds_without_inference(monkeypatch):
     and joined again, times one: each link's values the one before's): its Shape folds from the ops alone,
     no cone inferred (each link's fold of a Shape inferred a cone through every link before it: the benchmark's
     100k-node ``shapes`` graph spent 8 of its 11 s there)."""
-    monkeypatch.setattr(rnnfuse.model, "CHEAP_INFERENCE_NODES", 0)
-    asked = []
-    real = ConeTypes.type_of
-    monkeypatch.setattr(ConeTypes, "type_of", lambda self, name, one_piece=False: asked.append(name) or
-                        real(self, name, one_piece))
+    asked = _big_model_cone_queries(monkeypatch)
     links = 3000
     inits = [_i64("first", [0]), _i64("to_end", [100]), _i64("one", [1]), _i64("k0", [4, 3, 2]),
              numpy_helper.from_array(np.zeros(1, np.float32), "zeros")]

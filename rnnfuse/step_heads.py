@@ -21,12 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from onnx import AttributeProto, NodeProto, helper
+from onnx import NodeProto, helper
 
 from .elem_types import fixed_by_op, typed_like
 from .dataflow import literal_value
 from .errors import Decline
 from .graph import Graph
+from .protos import has_subgraph
 from .row_wise import ROW_RANK, check_row_wise, folded_from_shapes, replay
 from .symbolic import Const, SymTensor
 
@@ -90,7 +91,7 @@ def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[s
             rows[name] = ROW_RANK if role else 0
             continue
         n = body.producer[name]
-        if n.op_type in ("Loop", "Scan", "If") or any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in n.attribute):
+        if has_subgraph(n):  # (a control-flow op, or another domain's op holding a graph)
             raise Decline(f"the per-step output '{out}' is computed by a {n.op_type} inside the step")
         stack.append((name, True))
         stack.extend((i, False) for i in n.input if i and i not in seen)

@@ -147,6 +147,22 @@ def test_a_big_head_that_is_not_row_wise_deep_inside_is_declined():
     assert "ReduceSum" in report.declined[0].reason, report.to_text()
 
 
+def test_a_head_computed_by_control_flow_inside_the_step_is_declined():
+    """An op of the head that holds a subgraph (an If deep in the head) is no row-wise op: the Loop is declined,
+    and the reason names it."""
+    model = build_big_head()
+    body = next(n for n in model.graph.node if n.op_type == "Loop").attribute[0].g
+    at = next(i for i, n in enumerate(body.node) if n.op_type == "Tanh" and n.output[0] != "hn")
+    old = body.node[at]
+    branch = lambda op, name: helper.make_graph([helper.make_node(op, [old.input[0]], [name])], name, [],  # noqa: E731
+                                                [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)])
+    body.node[at].CopyFrom(helper.make_node("If", ["cond"], [old.output[0]], then_branch=branch("Tanh", "t_out"),
+                                            else_branch=branch("Sigmoid", "e_out")))
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert "If inside the step" in report.declined[0].reason, report.to_text()
+
+
 def _break_the_loop_copy(monkeypatch) -> None:
     """Every loop copy a probe check builds loses its body's first node: onnxruntime cannot load it."""
     from rnnfuse import head_probes

@@ -31,3 +31,7 @@ class ModelFacts:
     dedupe_mark: tuple | None = None
     # validation's kept values of shared upstreams (rnnfuse.upstream.KeptValues), keyed by what computes them
     upstream_values: object | None = None
+    # Loop / Scan declines kept for the next round, and what the last round's edits defined and read
+    # (rnnfuse.kept_declines)
+    kept_declines: object | None = None
+    round_edits: object | None = None

@@ -18,6 +18,7 @@ from .graph_index import POS_TIE, GraphIndex, n_readers
 from .graph_rewire import Rewiring
 from .graph_walks import Walks
 from .graph_weights import Weights
+from .kept_declines import edits_of
 from .node_list import drop_initializers, write_back
 from .protos import has_subgraph, node_field
 from .removed_nodes import Removed, without
@@ -234,6 +235,9 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         if dead:
             gone = set(map(id, dead))
             nodes = [n for n in nodes if id(n) not in gone]
+        facts = self.model.facts if self.model is not None else None
+        if facts is not None and facts.kept_declines is not None and facts.kept_declines.reasons:
+            facts.round_edits = edits_of([*touched, *dead])  # (what a kept decline must not have been reached by)
         sort = bool(self.edited) or not self._input_sorted
         if sort:
             nodes = self.toposort(nodes)

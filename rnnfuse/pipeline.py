@@ -111,6 +111,8 @@ class Pipeline:
             return rep
         rounds: list[list[PassResult]] = []
         view = model
+        # (declines are kept from one round to the next of this run, not from an earlier run on the same model)
+        model.facts.kept_declines = model.facts.round_edits = None
         written = False  # whether a round wrote its graph back to the proto
         while True:
             results = []

@@ -20,6 +20,7 @@ from .findings import Finding, Options, PassResult
 from .recurrence import Recurrence
 from .cell_check import validate_cells_together
 from .head_probes import probe_pairs
+from .kept_declines import KeptDeclines, unaffected
 from .validate import validate
 
 # beyond this many nodes, onnxruntime takes seconds just to load the model: recurrences that carry a
@@ -233,7 +234,21 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
     g = model.graph
     res = PassResult(pass_name)
     recs = []
+    facts = g.model.facts
+    if facts.kept_declines is None:
+        facts.kept_declines = KeptDeclines()
+    kept, fresh = facts.kept_declines, []
+
+    def unaffected_here():
+        if not fresh:  # (one walk a pass, and only where a decline was kept: see rnnfuse.kept_declines)
+            fresh.append(unaffected(g, facts.round_edits))
+        return fresh[0]
+
     for node in g.nodes_of(op_type):
+        reason = kept.kept(pass_name, node, unaffected_here)
+        if reason is not None:
+            res.findings.append(declined(pass_name, front, node.name or node.output[0], reason))
+            continue
         try:
             if body_needs and not holds_op_type(node, body_needs):
                 raise Decline(f"no cell: its body multiplies nothing by a weight matrix ({', '.join(sorted(body_needs))})")
@@ -244,5 +259,6 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
             recs.extend(found if isinstance(found, list) else [found])  # a list: the layers of a stacked step
         except Decline as d:
             res.findings.append(declined(pass_name, front, node.name or node.output[0], d.reason))
+            kept.keep(pass_name, node, d.reason)
     apply_recurrences(g, ctx, pass_name, recs, res)
     return res

@@ -1581,3 +1581,48 @@ def test_steps_found_through_their_cells_cost_the_nodes_the_slices_reach(monkeyp
         assert found == []  # (the slices in step order: the slice families' chain, not a virtual one)
         monkeypatch.undo()
     assert 0 < counts[50] == counts[5000], counts
+
+
+def _scans_beside_a_chain(scans: int, start: str = "scan_init") -> onnx.ModelProto:
+    """The 6-step unrolled tanh RNN of ``_steps_beside_unrelated`` (fused: a second round of passes follows),
+    and beside it ``scans`` Scans in a row over z [T, B, 3], each carrying ``s' = (s @ w) * s + z_t`` (no native
+    cell: declined), the first one's initial state ``start``: a graph input of its own, ``h0`` (which the chain's
+    first step reads too) or ``hs5`` (the chain's final h)."""
+    model = _steps_beside_unrelated(6, 0)
+    g = model.graph
+    vi = helper.make_tensor_value_info
+    body = helper.make_graph([helper.make_node("MatMul", ["s_in", "w"], ["sw"]), helper.make_node("Mul", ["sw", "s_in"], ["sq"]),
+                              helper.make_node("Add", ["sq", "zt"], ["s_out"]), helper.make_node("Identity", ["s_out"], ["y"])],
+                             "body",
+                             [vi("s_in", TensorProto.FLOAT, ["B", 3]), vi("zt", TensorProto.FLOAT, ["B", 3])],
+                             [vi("s_out", TensorProto.FLOAT, ["B", 3]), vi("y", TensorProto.FLOAT, ["B", 3])])
+    g.initializer.append(numpy_helper.from_array(np.full((3, 3), 0.2, np.float32), "w"))
+    del g.input[2:]
+    g.input.extend([vi("zs", TensorProto.FLOAT, [5, "B", 3]), vi("scan_init", TensorProto.FLOAT, ["B", 3])])
+    state = start
+    for k in range(scans):
+        g.node.append(helper.make_node("Scan", [state, "zs"], [f"sN{k}", f"ys{k}"], body=body, num_scan_inputs=1,
+                                       name=f"scan{k}"))
+        state = f"sN{k}"
+    del g.output[1:]
+    g.output.append(vi(state, TensorProto.FLOAT, ["B", 3]))
+    return model
+
+
+@pytest.mark.parametrize("start, again", [("scan_init", set()), ("h0", {0}), ("hs5", set(range(8)))])
+def test_a_scan_declined_last_round_is_not_analysed_again_unless_an_edit_reached_it(start, again, monkeypatch):
+    """A fusion starts a second round of passes: the Scans it did not reach keep last round's decline, with
+    its reason, and are not analysed again (rnnfuse.kept_declines). Analysed again: a Scan that reads what the
+    fused chain read (its readers changed), and one whose initial state the chain computes, with every Scan
+    after it in the row."""
+    import rnnfuse.passes.scan as scan_pass
+
+    analysed = []
+    real = scan_pass.scan_recurrence
+    monkeypatch.setattr(scan_pass, "scan_recurrence", lambda g, node: analysed.append(node.name) or real(g, node))
+    m, report, _ = _run(_scans_beside_a_chain(8, start))
+    assert report.rounds == 2 and any(f.status == "fused" for f in report.findings), report.to_text()
+    declined = {f.where: f.reason for f in report.findings if f.pass_name == "scan"}
+    assert sorted(declined) == [f"scan{k}" for k in range(8)] and len(set(declined.values())) == 1, declined
+    counts = {k: analysed.count(f"scan{k}") for k in range(8)}
+    assert counts == {k: 2 if k in again else 1 for k in range(8)}, counts

@@ -56,6 +56,9 @@ class ConeTypes:
         self.too_big: set[str] = set()  # names whose cone does not fit one inference (asked in one piece)
         # names typed by an inference that read a type an edit declared, or one typed so (Model.established_type)
         self.from_edits: set[str] = set()
+        # whether a question got less than one inference of its whole cone would give (given up on past the
+        # budget or a piece's size, or inferred in pieces, which lose the shape values crossing a cut)
+        self.incomplete = False
 
     def carried_over(self, model: "Model", redefined: list[str]) -> "ConeTypes":
         """The types for ``model``, the next round's view of this one's proto: those inferred here, but for
@@ -89,8 +92,10 @@ class ConeTypes:
         cone = self._cone(producer, self.max_cone if one_piece else None)
         if cone is None:
             (self.too_big if one_piece else self.settled).add(name)
+            self.incomplete = True
             return None
         cone = self._typed_by_rule(cone)
+        self.incomplete |= len(cone) > self.max_cone
         for start in range(0, len(cone), self.max_cone):  # (producers first: a piece reads what those before typed)
             self._infer(cone[start:start + self.max_cone])
         return self.types.get(name)

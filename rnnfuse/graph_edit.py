@@ -236,8 +236,10 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
             gone = set(map(id, dead))
             nodes = [n for n in nodes if id(n) not in gone]
         facts = self.model.facts if self.model is not None else None
-        if facts is not None and facts.kept_declines is not None and facts.kept_declines.reasons:
-            facts.round_edits = edits_of([*touched, *dead])  # (what a kept decline must not have been reached by)
+        if facts is not None and facts.kept_declines is not None:
+            facts.kept_declines.close_round(self.model)
+            if facts.kept_declines.reasons:  # (what a kept decline must not have been reached by)
+                facts.round_edits = edits_of([*touched, *dead])
         sort = bool(self.edited) or not self._input_sorted
         if sort:
             nodes = self.toposort(nodes)

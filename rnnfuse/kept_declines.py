@@ -69,23 +69,41 @@ def unaffected(g, last_round: RoundEdits | None) -> Callable[[NodeProto], bool]:
 
 
 class KeptDeclines:
-    """Decline reasons by pass and node (its first output: a value's name is never reused), valid as of the
-    round they were last given or confirmed in."""
+    """Decline reasons by pass and node (its op and outputs: a value's name is never reused), given or confirmed
+    last round; a round's own are kept for the next one only when its type queries were all answered whole
+    (a decline for want of a type may not stand when the next round infers with a fresh budget or the whole
+    model at once)."""
 
     def __init__(self):
-        self.reasons: dict[tuple[str, str], str] = {}
+        self.reasons: dict[tuple, str] = {}  # last round's
+        self.this_round: dict[tuple, str] = {}
+        self.whole_inference: bool | None = None  # whether last round inferred the whole model at once
 
-    def kept(self, pass_name: str, node: NodeProto, fresh: Callable[[], Callable[[NodeProto], bool]]) -> str | None:
+    def kept(self, pass_name: str, node: NodeProto, model,
+             fresh: Callable[[], Callable[[NodeProto], bool]]) -> str | None:
         """The reason ``node`` was declined for last round, if nothing reached it since (``fresh()``: the
-        predicate, built on first need)."""
-        reason = self.reasons.get((pass_name, _key(node)))
-        if reason is None or not fresh()(node):
+        predicate, built on first need) and types are inferred as they were."""
+        key = _key(pass_name, node)
+        reason = self.reasons.get(key) if key is not None else None
+        if reason is None or model.inferred_at_once != self.whole_inference or not fresh()(node):
             return None
+        self.this_round[key] = reason
         return reason
 
     def keep(self, pass_name: str, node: NodeProto, reason: str) -> None:
-        self.reasons[(pass_name, _key(node))] = reason
+        key = _key(pass_name, node)
+        if key is not None:
+            self.this_round[key] = reason
+
+    def close_round(self, model) -> None:
+        """The round is over (``Graph.finalize``): what it declined or confirmed is what the next one may keep."""
+        complete = model.types_complete()
+        self.reasons = self.this_round if complete else {}
+        self.this_round = {}
+        self.whole_inference = model.inferred_at_once
 
 
-def _key(node: NodeProto) -> str:
-    return node.output[0] if len(node.output) and node.output[0] else node.name
+def _key(pass_name: str, node: NodeProto) -> tuple | None:
+    """The node by its op and outputs (None when it has no named output: two such nodes could not be told apart)."""
+    outputs = tuple(node.output)
+    return (pass_name, node.op_type, outputs) if any(outputs) else None

@@ -176,6 +176,16 @@ class Model:
                 t = self._cones.type_of(name, one_piece=not whole_cone) or t
         return t
 
+    @property
+    def inferred_at_once(self) -> bool:
+        """Whether this view fills in undeclared types by one inference of the whole model (see known_type)."""
+        return self._may_infer
+
+    def types_complete(self) -> bool:
+        """Whether every type query so far got what one inference of its value's whole cone gives (none was
+        given up on or inferred in pieces): an answer a later round, with a fresh budget, would give too."""
+        return self._cones is None or not self._cones.incomplete
+
     def settle_types(self, names) -> None:
         """Infer the types of ``names`` whole (within the budget: see :meth:`known_type`) before an analysis
         that decides on them: a Loop's reads its inputs' ranks and dims in many places, each a filter's query

@@ -245,7 +245,7 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
         return fresh[0]
 
     for node in g.nodes_of(op_type):
-        reason = kept.kept(pass_name, node, unaffected_here)
+        reason = kept.kept(pass_name, node, g.model, unaffected_here)
         if reason is not None:
             res.findings.append(declined(pass_name, front, node.name or node.output[0], reason))
             continue

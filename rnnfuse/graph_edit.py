@@ -197,6 +197,10 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         """A mark of the edit log as it is now, for :meth:`edited_since`."""
         return (self.edited, len(self.edited), len(self._graveyard))
 
+    def edited_this_round(self) -> list[NodeProto]:
+        """The nodes added, rewired or removed since the last :meth:`finalize`."""
+        return [*self.edited, *self._graveyard]
+
     def edited_since(self, mark: tuple) -> list[NodeProto] | None:
         """The nodes added, rewired or removed since ``mark`` was taken; None when the log was reset since
         (:meth:`finalize`: the round is over)."""
@@ -228,7 +232,7 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         Linear, and it does no whole-graph work it can prove unneeded: no liveness walk right after a
         prune, no sort of an order no edit disturbed, no proto rewrite or index rebuild of an unchanged node
         list."""
-        touched = [*self.edited, *self._graveyard]  # (whose outputs are ``redefined``, when asked: see the end)
+        touched = self.edited_this_round()  # (whose outputs are ``redefined``, when asked: see the end)
         removed = self._removed
         nodes = removed.keep(self.nodes) if removed else self.nodes
         dead = [] if self._pruned == self._state() else self._dead_nodes()  # (else every node left is live)

@@ -51,7 +51,7 @@ def unaffected(g, last_round: RoundEdits | None) -> Callable[[NodeProto], bool]:
     """Whether no edit of the last round (``last_round``) nor of this one so far has reached a node of ``g``'s
     main graph (see the module). Built once per pass: one walk forward from the values the edits defined."""
     edits = RoundEdits(set(last_round.defined), set(last_round.read)) if last_round is not None else RoundEdits()
-    edits.add(g.edited_since((g.edited, 0, 0)) or [])
+    edits.add(g.edited_this_round())
     dirty = set(edits.defined)
     for n in g.downstream(list(edits.defined)) or []:
         dirty.update(o for o in n.output if o)

@@ -61,7 +61,10 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
             slice_src[x] = (src, axis, t)
     if not slice_src:
         return []
-    order = _reached(g, order, slice_src)
+    # (only the nodes computed from a slice: every node the walks below can take, not the other 99% of a
+    # 100k-node graph whose chain is a few steps)
+    reached = set(map(id, g.downstream(list(slice_src))))
+    order = [n for n in order if id(n) in reached]
     # 1. preparation: values computed from slices (and slice-free tensors) without a matmul or an activation
     sliced: set[str] = set(slice_src)  # tensors depending on some slice
     prep: set[str] = set(slice_src)
@@ -122,22 +125,6 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
         sources = sorted({src for s in seq for src in _sources(g, s, slice_src)})
         out.append(VirtualFamily(seq, sources))
     return out
-
-
-def _reached(g: Graph, order: list[NodeProto], sliced) -> list[NodeProto]:
-    """The nodes of ``order`` (in that order) that read, directly or not, a value of ``sliced``: every node the
-    walks below can take (each reads a value computed from a slice), not the other 99% of a 100k-node graph
-    whose chain is a few steps."""
-    reach: set[int] = set()
-    seen, stack = set(sliced), list(sliced)
-    while stack:
-        for reader in g.uses(stack.pop()):
-            if id(reader) not in reach:
-                reach.add(id(reader))
-                fresh = [o for o in reader.output if o and o not in seen]
-                seen.update(fresh)
-                stack.extend(fresh)
-    return [n for n in order if id(n) in reach]
 
 
 def _link(g: Graph, n: NodeProto, dyn: list[str], owner: dict, inputs: dict, pred: dict, succ: dict, depth: dict):

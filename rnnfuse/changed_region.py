@@ -31,12 +31,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-import onnx
 from onnx import ModelProto, NodeProto, TensorProto
 
+from . import region_types
 from .model_parts import Frame, part_model, split_constants
-from .protos import free_names, has_subgraph, reads_of, subgraphs
-from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, may_carry_shape_values, skeleton_initializer
+from .protos import reads_of
+from .region_types import MAX_CONE_SHARE, Established, InferredTypes, established_types, same_known_type
+from .tensor_types import may_carry_shape_values
 
 # below this many nodes onnxruntime loads a whole model in well under a second: the guard loads it whole
 SCOPED_NODES = 10_000
@@ -48,9 +49,6 @@ MAX_INLINE_BYTES = 64 << 20
 # initializers up to this size are compared by value (a Reshape's target drives inference); beyond, by
 # type and dims (weights, whose values no shape inference reads)
 COMPARED_BY_VALUE_BYTES = 1 << 16
-
-# what an optimizer run knows of a value's type without new inference: name -> (elem_type, dims) or None
-Established = Callable[[str], "tuple[int, list | None] | None"]
 
 
 class NodeScan:
@@ -134,12 +132,12 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
     # stops at those the run typed, and the input's stops at those the rewritten model's inference typed, so
     # a big unchanged upstream, a prologue of 100,000 nodes, is inferred at most once, not once per model)
     alike = _typed_alike(scan, redefined)
-    known = _established_types(established)
-    types_after = _Types(after, lambda name: known(name) if alike(name) else None, nodes, producer_of)
-    # (a rewrite that removed over a quarter of the input: the cones of the values it replaced are most of it)
+    known = established_types(established)
+    types_after = InferredTypes(after, lambda name: known(name) if alike(name) else None, nodes, producer_of)
+    # (a rewrite that removed over half the input: the cones of the values it replaced are most of it)
     removed = len(before.graph.node) - (len(nodes) - len(changed))
-    types_before = _Types(before, lambda name: (types_after.types.get(name) or known(name)) if alike(name) else None,
-                          whole=4 * removed > len(before.graph.node))
+    types_before = InferredTypes(before, lambda name: (types_after.types.get(name) or known(name)) if alike(name) else None,
+                                 whole=removed > MAX_CONE_SHARE * len(before.graph.node))
     wave = [name for name in redefined if any(r not in region for r in readers.get(name, ()))]
     seen = set(wave)
     while wave:  # (in waves: the values of one wave are typed by one inference per model)
@@ -151,7 +149,7 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
             outside = [r for r in readers.get(name, ()) if r not in region]
             if not outside:
                 continue
-            if name not in by_value and _same_known_type(types_after.types.get(name), types_before.types.get(name)):
+            if name not in by_value and same_known_type(types_after.types.get(name), types_before.types.get(name)):
                 continue  # the readers see the type they saw: the change stops here
             for r in outside:
                 region.add(r)
@@ -251,201 +249,8 @@ def _declared(value_infos) -> dict[str, bytes]:
     return {v.name: v.type.SerializeToString() for v in value_infos}
 
 
-class _Types:
-    """Inferred types of one model's values, each inferred over the nodes it is computed from: the values
-    asked together are typed by one inference of their cones, or of the whole model once those cones are a
-    big part of it (later questions are then answered from it); either on a copy holding small constants'
-    data and only the types of weights (tensor_types.skeleton_initializer). A value inference cannot type is
-    absent from ``types``."""
-
-    def __init__(self, model: ModelProto, borrow: Callable[[str], bytes | None] = lambda name: None,
-                 nodes: list[NodeProto] | None = None, producer: dict[str, int] | None = None, whole: bool = False):
-        """``borrow``: a value's type known from elsewhere (for values computed as in a model already typed:
-        the same nodes from the same inputs and weights), or None; inference stops at such values. ``nodes``
-        and ``producer`` (value -> its producer's position): the model's, when the caller has them. ``whole``:
-        infer the whole model at the first question, not walking a cone first that would prove too big."""
-        self.model = model
-        self._nodes, self._producer = nodes, producer  # (the input model's are listed only if a cone is walked)
-        self.types: dict[str, bytes] = {}
-        self.asked: set[str] = set()
-        self.whole, self.whole_first = False, whole
-        self.borrow = borrow
-        self.borrowed: dict[str, bytes] = {}  # (the values a walk stopped at, with the types taken for them)
-
-    @property
-    def nodes(self) -> list[NodeProto]:
-        if self._nodes is None:
-            self._nodes = list(self.model.graph.node)
-        return self._nodes
-
-    @property
-    def producer(self) -> dict[str, int]:
-        if self._producer is None:
-            self._producer = {o: i for i, n in enumerate(self.nodes) for o in n.output if o}
-        return self._producer
-
-    def ask(self, names) -> "_Types | None":
-        """Type ``names`` (those not asked before); None when inference fails."""
-        want = [n for n in names if n not in self.asked]
-        if not want or self.whole:
-            return self
-        self.asked.update(want)
-        self.types.update((n, t) for n in want if (t := self._borrowed(n)) is not None)
-        want = [n for n in want if n not in self.borrowed]
-        if not want:
-            return self
-        cone = None if self.whole_first else self._cone(want)
-        self.whole = cone is None
-        # (handed over serialised: the copy is let go before inference makes its own two)
-        got = _inferred_types((self._whole_model() if cone is None else self._cone_model(cone, want)).SerializeToString())
-        if got is None:
-            return None
-        self.types.update(got)
-        return self
-
-    def _borrowed(self, name: str) -> bytes | None:
-        t = self.borrowed.get(name)
-        if t is None:
-            t = self.borrow(name)  # (an answer of None may change: asked again)
-            if t is not None:
-                self.borrowed[name] = t
-        return t
-
-    def _cone(self, names: list[str]) -> list[int] | None:
-        """The positions of the nodes ``names`` are computed from, not past the values whose types are
-        borrowed, in graph order; None past a quarter of the model (then it is inferred whole)."""
-        seen: set[int] = set()
-        stack = [self.producer[n] for n in names if n in self.producer and self._borrowed(n) is None]
-        while stack:
-            i = stack.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            if 4 * len(seen) > len(self.nodes):
-                return None
-            stack.extend(self.producer[r] for r in reads_of(self.nodes[i])
-                         if r in self.producer and self.producer[r] not in seen and self._borrowed(r) is None)
-        return sorted(seen)
-
-    def _whole_model(self) -> ModelProto:
-        """The whole model as :meth:`_cone_model` would copy every node, in bulk (node by node, what each reads
-        worked out, 0.5 s at 100,000 nodes): a node holding subgraphs as a skeleton, initializers too."""
-        src, m = self.model.graph, ModelProto()
-        m.ir_version = self.model.ir_version
-        m.opset_import.extend(self.model.opset_import)
-        m.functions.extend(self.model.functions)
-        g = m.graph
-        g.node.extend(src.node)
-        for i in [i for i, n in enumerate(self.nodes) if has_subgraph(n)]:
-            g.node[i].Clear()
-            copy_node_skeleton(self.nodes[i], g.node[i], SKELETON_DATA_BYTES)
-        g.input.extend(src.input)
-        g.initializer.extend(skeleton_initializer(t) for t in src.initializer)
-        g.output.extend(src.output)
-        if len(src.value_info):
-            produced = self.producer
-            g.value_info.extend(v for v in src.value_info if v.name in produced)  # (not an input's or a weight's)
-        return m
-
-    def _cone_model(self, cone, names: list[str]) -> ModelProto:
-        """The nodes at positions ``cone`` (graph order) as a model for inference, ``names`` its outputs and
-        the values it reads whose types are borrowed typed inputs."""
-        borrowed = self.borrowed
-        g = self.model.graph
-        m = ModelProto()
-        m.ir_version = self.model.ir_version
-        m.opset_import.extend(self.model.opset_import)
-        m.functions.extend(self.model.functions)
-        sub = m.graph
-        for i in cone:
-            n = self.nodes[i]
-            copy = sub.node.add()
-            copy.CopyFrom(n) if not has_subgraph(n) else copy_node_skeleton(n, copy, SKELETON_DATA_BYTES)
-        produced = {o for n in sub.node for o in n.output if o}
-        needed = {i for n in sub.node for i in n.input if i and i not in produced}
-        for n in sub.node:
-            if has_subgraph(n):
-                for sg in subgraphs(n):
-                    needed |= free_names(sg) - produced
-        sub.input.extend(v for v in g.input if v.name in needed)
-        sub.initializer.extend(skeleton_initializer(t) for t in g.initializer if t.name in needed)
-        for name in sorted(needed & borrowed.keys()):
-            vi = sub.input.add()
-            vi.name = name
-            vi.type.ParseFromString(borrowed[name])
-        declared = {v.name: v for v in (*g.value_info, *g.output) if v.name in produced}
-        for name in names:  # (a graph output keeps its declared type, as in the model)
-            out = sub.output.add()
-            if name in declared:
-                out.CopyFrom(declared[name])
-            else:
-                out.name = name
-        sub.value_info.extend(v for name, v in declared.items() if name not in names)
-        return m
-
-
-def _inferred_types(model: "ModelProto | bytes") -> dict[str, bytes] | None:
-    """Value name -> its type as ONNX shape inference gives ``model`` (a cone model: declared inputs and
-    outputs included); a value inference cannot type is absent. None when inference fails."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)  # (as onnxruntime's load infers)
-    except Exception:  # (inference errors: the region cannot be judged, the whole model is loaded)
-        return None
-    g = inferred.graph
-    types = {}
-    for vi in (*g.input, *g.output, *g.value_info):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-            types[vi.name] = vi.type.SerializeToString()
-        elif vi.type.WhichOneof("value") not in (None, "tensor_type"):
-            types[vi.name] = vi.type.SerializeToString()  # (sequences, optionals: compared whole)
-    for t in g.initializer:
-        types.setdefault(t.name, _tensor_type(t).SerializeToString())
-    return types
-
-
-def _established_types(established: Established | None) -> Callable[[str], bytes | None]:
-    """``established`` as serialised TypeProtos (a type of unknown rank is no answer: inference decides)."""
-    if established is None:
-        return lambda name: None
-    out: dict[str, bytes | None] = {}
-
-    def known(name: str) -> bytes | None:
-        if name not in out:
-            t = established(name)
-            out[name] = None if t is None or t[1] is None else onnx.helper.make_tensor_type_proto(t[0], t[1]).SerializeToString()
-        return out[name]
-
-    return known
-
-
-def _same_known_type(a: bytes | None, b: bytes | None) -> bool:
-    """Whether two inferred types are known and the same, the dims inference invented on its own (``unk__N``,
-    numbered in the order it meets them, so not the same names in two models) taken as unknown dims."""
-    if a is None or b is None:
-        return False
-    if a == b:
-        return True
-    ta, tb = onnx.TypeProto(), onnx.TypeProto()
-    ta.ParseFromString(a)
-    tb.ParseFromString(b)
-    for t in (ta, tb):
-        if t.HasField("tensor_type"):
-            for d in t.tensor_type.shape.dim:
-                if d.dim_param.startswith("unk__"):
-                    d.ClearField("dim_param")
-    return ta.SerializeToString(deterministic=True) == tb.SerializeToString(deterministic=True)
-
-
-def _tensor_type(t: TensorProto) -> onnx.TypeProto:
-    tp = onnx.TypeProto()
-    tp.tensor_type.elem_type = t.data_type
-    for d in t.dims:
-        tp.tensor_type.shape.dim.add().dim_value = d
-    return tp
-
-
 def _standalone(after: ModelProto, nodes: list[NodeProto], scan: NodeScan, region: set[int],
-                types: "_Types") -> ModelProto | None:
+                types: "InferredTypes") -> ModelProto | None:
     """``nodes`` (in ``after``'s order) as a model: what they read from outside as typed inputs, copied
     initializers or copied Constant nodes; what they compute that is read outside them, not read, or a
     graph output, as outputs."""
@@ -492,7 +297,7 @@ def _type_outputs(m: ModelProto) -> None:
     untyped = [o for o in m.graph.output if not o.HasField("type")]
     if not untyped:
         return
-    types = _inferred_types(m)
+    types = region_types.inferred_types(m)
     for o in untyped:
         if types and o.name in types:
             o.type.ParseFromString(types[o.name])

@@ -19,6 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import rnnfuse.changed_region as region
+import rnnfuse.region_types as region_types
 import rnnfuse.guard as guard
 from rnnfuse.pipeline import Pipeline
 
@@ -261,8 +262,8 @@ def test_an_unchanged_upstream_is_typed_once_for_both_models(monkeypatch):
     model's types: the 300-Relu upstream is inferred in one of the two, and the region is what it was. A
     value whose declared type differs between the models is not taken over: inference goes past it."""
     inferred: list[int] = []
-    real = region._inferred_types
-    monkeypatch.setattr(region, "_inferred_types", lambda m: inferred.append(_node_count(m)) or real(m))
+    real = region_types.inferred_types
+    monkeypatch.setattr(region_types, "inferred_types", lambda m: inferred.append(_node_count(m)) or real(m))
     before = _behind_an_upstream(_cast_then_tanh(TensorProto.FLOAT), 300)
     after = _behind_an_upstream(_cast_then_tanh(TensorProto.INT32), 300)
     sub = region.region_model(after, before)
@@ -284,8 +285,8 @@ def test_types_the_run_established_spare_inferring_an_unchanged_upstream(monkeyp
     what it was. They are not taken for a value the rewrite computes anew (the Cast's output), whose type the
     region's own inference decides."""
     inferred: list[int] = []
-    real = region._inferred_types
-    monkeypatch.setattr(region, "_inferred_types", lambda m: inferred.append(_node_count(m)) or real(m))
+    real = region_types.inferred_types
+    monkeypatch.setattr(region_types, "inferred_types", lambda m: inferred.append(_node_count(m)) or real(m))
     before = _behind_an_upstream(_cast_then_tanh(TensorProto.FLOAT), 300)
     after = _behind_an_upstream(_cast_then_tanh(TensorProto.INT32), 300)
     asked: list[str] = []
@@ -415,31 +416,36 @@ def test_a_model_inferred_whole_types_as_its_cone_would(declared):
     g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, ["B", 5])], [vi("z", TensorProto.FLOAT, None)], [W],
                           value_info=[vi(*declared)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    types = region._Types(m)
-    by_cone = region._inferred_types(types._cone_model(range(len(types.nodes)), ["y", "z"]))
-    whole = region._inferred_types(types._whole_model().SerializeToString())
+    types = region_types.InferredTypes(m)
+    by_cone = region_types.inferred_types(types._cone_model(range(len(types.nodes)), ["y", "z"]))
+    whole = region_types.inferred_types(types._whole_model().SerializeToString())
     assert by_cone is not None and whole is not None
     assert {k: whole.get(k) for k in ("x", "W", "y", "z")} == {k: by_cone.get(k) for k in ("x", "W", "y", "z")}
 
 
-def test_a_rewrite_that_removed_over_a_quarter_of_the_input_infers_it_whole_without_a_walk(monkeypatch):
-    """A rewrite that replaced a third of its input (a 300-node chain by one node) asks the input model the types of
-    the values the chain computed, whose cones are the chain: it is inferred whole at once, no cone walked first
-    (each walk gave up after a quarter of the model: 25,000 nodes of a 100,000-node unrolled chain), and the
-    region and its types are what they were."""
+@pytest.mark.parametrize("removed, kept, whole", [(600, 300, True), (300, 600, False)])
+def test_a_rewrite_that_removed_over_half_of_the_input_infers_it_whole_without_a_walk(monkeypatch, removed, kept, whole):
+    """A rewrite that replaced two thirds of its input (a 600-node chain by one node) asks the input model the
+    types of the values the chain computed, whose cones are the chain: it is inferred whole at once, no cone
+    walked first (a walk gives up past half the model). One that replaced a third infers the chain's cone alone,
+    not the 600 nodes after it. Either way the region and its types are what they were."""
     vi = helper.make_tensor_value_info
-    chain = [helper.make_node("Relu", ["x" if i == 0 else f"u{i - 1}"], [f"u{i}"]) for i in range(300)]
-    tail = [helper.make_node("Tanh", ["u299" if i == 0 else f"t{i - 1}"], ["z" if i == 599 else f"t{i}"]) for i in range(600)]
+    last = f"u{removed - 1}"
+    chain = [helper.make_node("Relu", ["x" if i == 0 else f"u{i - 1}"], [f"u{i}"]) for i in range(removed)]
+    tail = [helper.make_node("Tanh", [last if i == 0 else f"t{i - 1}"], ["z" if i == kept - 1 else f"t{i}"])
+            for i in range(kept)]
     io = ([vi("x", TensorProto.FLOAT, ["B", 4])], [vi("z", TensorProto.FLOAT, None)])
     before = helper.make_model(helper.make_graph(chain + tail, "g", *io), opset_imports=[helper.make_opsetid("", 17)])
-    after = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["u299"])] + tail, "g", *io),
+    after = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], [last])] + tail, "g", *io),
                               opset_imports=[helper.make_opsetid("", 17)])
-    walked = []
-    real = region._Types._cone
-    monkeypatch.setattr(region._Types, "_cone", lambda self, names: walked.append(self.model is before) or real(self, names))
+    walked, inferred_whole = [], []
+    real_cone, real_whole = region_types.InferredTypes._cone, region_types.InferredTypes._whole_model
+    monkeypatch.setattr(region_types.InferredTypes, "_cone", lambda self, names: walked.append(self.model is before) or real_cone(self, names))
+    monkeypatch.setattr(region_types.InferredTypes, "_whole_model",
+                        lambda self: inferred_whole.append(self.model is before) or real_whole(self))
     sub = region.region_model(after, before)
     assert sub is not None and [n.op_type for n in sub.graph.node] == ["Relu"]
-    assert True not in walked, walked
+    assert (True in walked) is not whole and (True in inferred_whole) is whole, (walked, inferred_whole)
 
 
 def test_a_model_inferred_whole_holds_its_subgraphs_as_skeletons():
@@ -455,10 +461,10 @@ def test_a_model_inferred_whole_holds_its_subgraphs_as_skeletons():
     g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, [2, 64])], [vi("z", TensorProto.FLOAT, None)],
                           [numpy_helper.from_array(np.array(0.0, np.float32), "zero")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    types = region._Types(m)
+    types = region_types.InferredTypes(m)
     whole = types._whole_model()
     assert whole.ByteSize() < 4 * 64 * 64 // 2 < m.ByteSize()
     assert [n.op_type for n in whole.graph.node] == [n.op_type for n in m.graph.node]
-    by_cone = region._inferred_types(types._cone_model(range(len(types.nodes)), ["z"]))
-    got = region._inferred_types(whole.SerializeToString())
+    by_cone = region_types.inferred_types(types._cone_model(range(len(types.nodes)), ["z"]))
+    got = region_types.inferred_types(whole.SerializeToString())
     assert by_cone is not None and got is not None and got.get("z") == by_cone.get("z") is not None

@@ -29,14 +29,15 @@ _NATIVE = ("LSTM", "GRU", "RNN")
 
 
 def _unsqueezed(g: Graph, name: str, axis: int) -> str | None:
-    """``v`` when ``name`` is ``Unsqueeze(v, [axis])`` read by nothing else (the stacking of one step)."""
+    """``v`` when ``name`` is ``Unsqueeze(v, [axis])`` read by nothing else (the stacking of one step; v's rank,
+    2, is asked once v proves to be mapped from a step: _stacked_map)."""
     p = g.producer.get(name)
     if p is None or p.op_type != "Unsqueeze" or g.n_uses(name) != 1 or g.is_graph_output(name):
         return None
     axes = g.const(p.input[1]) if len(p.input) > 1 else attr(p, "axes")
     if axes is None or [int(a) for a in np.asarray(axes).ravel()] not in ([axis], [axis - 3]):
         return None
-    return p.input[0] if known_rank(g, p.input[0]) == 2 else None
+    return p.input[0]
 
 
 def _native_sequence(g: Graph, seq: str) -> bool:
@@ -44,15 +45,13 @@ def _native_sequence(g: Graph, seq: str) -> bool:
     on the way (one direction of a bidirectional op, a time flip: how the bidirectional merge and the
     emitter hand a direction on). Only where the pass looks: any [T, B, H] tensor's rows are steps and batch
     rows, which is all the map's proof reads."""
-    if known_rank(g, seq) != 3:
-        return False
     name = seq
     for _ in range(4):
         p = g.producer.get(name)
         if p is None or p.op_type not in _NATIVE + ("Squeeze", "Slice"):
             return False
-        if p.op_type in _NATIVE:
-            return p.output[0] == name  # (Y, not a final state)
+        if p.op_type in _NATIVE:  # (Y, not a final state; its rank asked last: a type may be inferred for it)
+            return p.output[0] == name and known_rank(g, seq) == 3
         name = p.input[0]
     return False
 
@@ -225,8 +224,10 @@ def _stacked_map(g: Graph, cat: NodeProto, splits: dict) -> tuple[_Map, int, int
             maps.append(m)
     except Decline:
         return None
+    # (each item's rank asked only now: a Concat of Unsqueezed scalars, a shape's assembly in every block of a
+    # dynamic-shape transformer, inferred a cone per item to learn it was not rank 2)
     runs = _step_runs(maps)
-    if runs is None:
+    if runs is None or any(known_rank(g, item) != 2 for item in items):
         return None
     rows = {name: ROW_RANK for name in first.steps}
     rows.update({name: 0 for name in first.consts})

@@ -189,6 +189,44 @@ def test_a_big_model_checks_the_first_copies_of_a_stack(monkeypatch):
     _same_outputs(model, fused)
 
 
+def test_a_shapes_assembly_beside_a_native_op_is_not_asked_its_ranks(monkeypatch):
+    """A dynamic-shape export assembles shapes from unsqueezed scalars in every block (``Concat(Unsqueeze(
+    Gather(Shape(y), 0)), Unsqueeze(Gather(Shape(y), 1)), [-1])`` feeding a Reshape); beside a native op, each
+    such Concat looked like a stack of steps and each scalar's rank was asked, a type inferred for it (1.7 s
+    of a 100,000-node transformer with one LSTM). The scalars are no steps, which their producers tell: no rank
+    is asked of them, and the real stack beside them is still merged, outputs unchanged."""
+    from rnnfuse.passes import step_maps
+
+    model = stacked_head()
+    g = model.graph
+    g.input[0].type.tensor_type.shape.dim[1].dim_param = "B"  # (a dynamic batch: the scalars fold to nothing)
+    del g.output[0].type.tensor_type.shape.dim[:]
+    g.initializer.extend([numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (
+        ("zero_i", 0), ("one_i", 1), ("minus_one", [-1]), ("ax0_", [0]))])
+    cur, scalars = "out", []
+    for k in range(20):  # (a chain of reshapes, each to a shape assembled from its input's dims)
+        p = f"blk{k}_"
+        g.node.extend([
+            helper.make_node("Shape", [cur], [p + "shape"]),
+            helper.make_node("Gather", [p + "shape", "zero_i"], [p + "d0"], axis=0),
+            helper.make_node("Gather", [p + "shape", "one_i"], [p + "d1"], axis=0),
+            helper.make_node("Unsqueeze", [p + "d0", "ax0_"], [p + "u0"]),
+            helper.make_node("Unsqueeze", [p + "d1", "ax0_"], [p + "u1"]),
+            helper.make_node("Concat", [p + "u0", p + "u1", "minus_one"], [p + "to"], axis=0),
+            helper.make_node("Reshape", [cur, p + "to"], [p + "r"]),
+            helper.make_node("Tanh", [p + "r"], [p + "y"])])
+        scalars += [p + "d0", p + "d1"]
+        cur = p + "y"
+    g.output[0].name = cur
+    asked = []
+    real = step_maps.known_rank
+    monkeypatch.setattr(step_maps, "known_rank", lambda graph, name: asked.append(name) or real(graph, name))
+    fused, report = rnnfuse.optimize(model)
+    assert [f for f in report.findings if f.pass_name == "step-maps" and f.status == "merged"], report.to_text()
+    assert asked and not set(asked) & set(scalars), asked
+    _same_outputs(model, fused)
+
+
 def per_call_head(row: str = "gather", shuffled: bool = False):
     """Decoder-style torch: one RNN op per step over x[t:t+1] carrying the state by hand, and per step
     relu(y[0] @ V + c) stacked on time (``y`` the op's [1, 1, B, H] Y with its direction axis squeezed, its row

@@ -255,7 +255,7 @@ def _run_passes(args, pipe, progress) -> _Run:
         source = onnx.ModelProto()
         source.CopyFrom(proto)
     try:
-        report = pipe.run(model, opts)
+        report = pipe.run(model, opts, write_unfused=False)  # (settled below)
     except RnnfuseError:
         raise
     except Exception as e:

@@ -1,0 +1,48 @@
+"""Dynamic-shape transformers from torch's tracer beside a recurrence (``tests/exporters/transformer_cases.py``,
+exported during the test run): every block assembles shapes from unsqueezed scalars, which the passes must
+pass over without asking anything of them. Outputs are compared with torch's own, on two batch sizes."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+import rnnfuse
+from conftest import generate
+from helpers import check_case, exported_case
+
+
+@pytest.fixture(scope="module")
+def transformer_dir(tmp_path_factory):
+    return generate(tmp_path_factory, "transformer_cases.py", [], "transformers")
+
+
+@pytest.fixture
+def ranks_asked(monkeypatch):
+    """The values whose rank step-maps asks (each may cost a type inference of the value's cone)."""
+    from rnnfuse.passes import step_maps
+
+    asked: list[str] = []
+    real = step_maps.known_rank
+    monkeypatch.setattr(step_maps, "known_rank", lambda g, name: asked.append(name) or real(g, name))
+    return asked
+
+
+def test_a_transformer_beside_a_native_lstm_comes_out_as_it_went_in(transformer_dir, ranks_asked):
+    """nn.LSTM then three blocks, dynamic batch and time: nothing to fuse, the model handed back as it was,
+    and no shape scalar asked its rank (each block's ``Concat`` of them looked like a stack of steps)."""
+    case = exported_case(transformer_dir, "tf_lstm_trace")
+    original = onnx.load(case["onnx"])
+    fused, report = rnnfuse.optimize(original)
+    assert not report.fused and not report.declined, report.to_text()
+    assert fused.SerializeToString() == original.SerializeToString()
+    assert ranks_asked == []
+    check_case(case)  # (the export computes what torch does, at batch 1 and 3, 5 and 9 steps)
+
+
+def test_an_lstmcell_loop_before_transformer_blocks_is_fused(transformer_dir, ranks_asked):
+    """A traced LSTMCell loop, its steps stacked into three blocks: one LSTM, the blocks as they were, outputs
+    (the head's and the last h) equal to torch's at batch 1 and 4."""
+    fused, report = check_case(exported_case(transformer_dir, "lstmcell_tf_trace"))
+    assert [f.cell for f in report.fused] == ["LSTM(hidden=16)"], report.to_text()
+    assert ranks_asked == []

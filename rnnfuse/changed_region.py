@@ -42,7 +42,7 @@ from .tensor_types import may_carry_shape_values
 # below this many nodes onnxruntime loads a whole model in well under a second: the guard loads it whole
 SCOPED_NODES = 10_000
 # a region holding more than this share of the model's nodes saves too little to be worth building
-MAX_REGION_SHARE = 0.25
+MAX_REGION_SHARE = 0.5
 # ONNX shape inference serialises the model it is given: weights held in memory beyond this are not copied
 # for it (the guard loads such a model whole, from a copy without its weights: rnnfuse.check_session)
 MAX_INLINE_BYTES = 64 << 20
@@ -149,7 +149,10 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
             outside = [r for r in readers.get(name, ()) if r not in region]
             if not outside:
                 continue
-            if name not in by_value and same_known_type(types_after.types.get(name), types_before.types.get(name)):
+            t = types_after.types.get(name)
+            # (a value whose contents inference propagates, a Reshape's target, is followed like a constant:
+            # the same type may hold other contents)
+            if name not in by_value and not may_carry_shape_values(t or b"") and same_known_type(t, types_before.types.get(name)):
                 continue  # the readers see the type they saw: the change stops here
             for r in outside:
                 region.add(r)
@@ -160,7 +163,39 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
             if len(region) > limit:
                 return None
         wave = next_wave
+    if not _with_shape_sources(scan, region, types_after, limit):
+        return None
     return _standalone(after, [nodes[i] for i in sorted(region)], scan, region, types_after)
+
+
+def _with_shape_sources(scan: NodeScan, region: set[int], types: InferredTypes, limit: int) -> bool:
+    """Add to ``region`` the nodes computing the values it reads whose contents inference propagates as data
+    (a Shape, a Gather or Concat of its entries: tensor_types.may_carry_shape_values), and theirs in turn, back
+    to values that carry none (a typed input would hide those contents from the region's inference, which would
+    accept what the whole model's refuses). A torch export's blocks assemble every Reshape's target from the
+    scalars of a Shape: a fusion beside them, whose clean-ups renamed what their Concats read, was judged by
+    loading the whole model. False when a read has no type inference can tell, or the region grows past
+    ``limit``."""
+    nodes, producer = scan.nodes, scan.producer
+    produced = {o for i in region for o in nodes[i].output if o}
+    pending = list(dict.fromkeys(x for i in region for x in reads_of(nodes[i]) if x and x not in produced))
+    while pending:
+        _, outside = split_constants(scan, pending)  # (a Constant node is copied into the region as it is)
+        computed = [name for name in outside if name in producer]  # (not a graph input or an initializer)
+        if computed and (types.ask(computed) is None or any(name not in types.types for name in computed)):
+            return False
+        pending = []
+        for name in computed:
+            i = producer[name]
+            if i in region or not may_carry_shape_values(types.types[name]):
+                continue
+            region.add(i)
+            produced.update(o for o in nodes[i].output if o)
+            pending.extend(x for x in reads_of(nodes[i]) if x and x not in produced)
+        if len(region) > limit:
+            return False
+        pending = list(dict.fromkeys(x for x in pending if x not in produced))
+    return True
 
 
 def _changed_nodes(nodes: list[NodeProto], before: ModelProto) -> list[int]:
@@ -259,9 +294,8 @@ def _standalone(after: ModelProto, nodes: list[NodeProto], scan: NodeScan, regio
     constants, read = split_constants(scan, read)
     frame = Frame(after.graph)
     computed = [name for name in read if name not in frame.initializers and name not in frame.inputs]
-    # (of unknown type, or of contents a typed input would hide: the whole is loaded)
-    if computed and (types.ask(computed) is None or any(
-            name not in types.types or may_carry_shape_values(types.types[name]) for name in computed)):
+    # (typed by _with_shape_sources, which took in what computes those whose contents a typed input would hide)
+    if any(name not in types.types or may_carry_shape_values(types.types[name]) for name in computed):
         return None
     nodes = constants + nodes
     m = part_model(after, "rnnfuse_changed_region", nodes)

@@ -11,7 +11,7 @@ import onnx
 from onnx import ModelProto, NodeProto, TensorProto
 
 from .protos import free_names, has_subgraph, reads_of, subgraphs
-from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, skeleton_initializer
+from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, may_carry_shape_values, skeleton_initializer
 
 # a value's type is inferred over the nodes it is computed from up to this share of the model; beyond, over the
 # whole model (copied in bulk: per node, a cone's walk and copy cost ~0.6x what inference does)
@@ -83,9 +83,11 @@ class InferredTypes:
 
     def _cone(self, names: list[str]) -> list[int] | None:
         """The positions of the nodes ``names`` are computed from, not past the values whose types are
-        borrowed, in graph order; None past half the model (MAX_CONE_SHARE) (then it is inferred whole)."""
+        borrowed (but for those whose contents inference propagates: declared as inputs, they would hide what
+        a Reshape's inference reads), in graph order; None past half the model (MAX_CONE_SHARE) (then it is
+        inferred whole)."""
         seen: set[int] = set()
-        stack = [self.producer[n] for n in names if n in self.producer and self._borrowed(n) is None]
+        stack = [self.producer[n] for n in names if n in self.producer and not self._stops_at(n)]
         while stack:
             i = stack.pop()
             if i in seen:
@@ -94,8 +96,12 @@ class InferredTypes:
             if len(seen) > MAX_CONE_SHARE * len(self.nodes):
                 return None
             stack.extend(self.producer[r] for r in reads_of(self.nodes[i])
-                         if r in self.producer and self.producer[r] not in seen and self._borrowed(r) is None)
+                         if r in self.producer and self.producer[r] not in seen and not self._stops_at(r))
         return sorted(seen)
+
+    def _stops_at(self, name: str) -> bool:
+        t = self._borrowed(name)
+        return t is not None and not may_carry_shape_values(t)
 
     def _whole_model(self) -> ModelProto:
         """The whole model as :meth:`_cone_model` would copy every node, in bulk (node by node, what each reads

@@ -153,7 +153,8 @@ def test_the_region_follows_a_changed_type_until_the_types_agree():
     after = _cast_then_tanh(TensorProto.INT32)  # (Tanh takes no int32: onnxruntime refuses the node)
     sub = region.region_model(after, before)
     assert sub is not None
-    assert [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape"]  # (the Relus read what they read)
+    # (the Shape's output is followed, its contents a Reshape's target; the Relus read what they read)
+    assert [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape", "Reshape"]
     with pytest.raises(Exception):
         ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -267,7 +268,7 @@ def test_an_unchanged_upstream_is_typed_once_for_both_models(monkeypatch):
     before = _behind_an_upstream(_cast_then_tanh(TensorProto.FLOAT), 300)
     after = _behind_an_upstream(_cast_then_tanh(TensorProto.INT32), 300)
     sub = region.region_model(after, before)
-    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape"]
+    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape", "Reshape"]
     assert inferred[0] >= 300 and max(inferred[1:]) < 10, inferred
     assert [(i.name, i.type.tensor_type.elem_type) for i in sub.graph.input] == [("u299", TensorProto.FLOAT)]
 
@@ -275,7 +276,7 @@ def test_an_unchanged_upstream_is_typed_once_for_both_models(monkeypatch):
     redeclared = _behind_an_upstream(_cast_then_tanh(TensorProto.INT32), 300)
     redeclared.graph.value_info.append(helper.make_tensor_value_info("u150", TensorProto.FLOAT, [3, 4]))
     sub = region.region_model(redeclared, before)
-    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Relu", "Cast", "Tanh", "Shape"]
+    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Relu", "Cast", "Tanh", "Shape", "Reshape"]
     assert inferred[0] >= 300 and inferred[1] > 150, inferred  # (the input model inferred past u150)
 
 
@@ -297,7 +298,7 @@ def test_types_the_run_established_spare_inferring_an_unchanged_upstream(monkeyp
         return (TensorProto.DOUBLE, ["b", 4]) if name == cast_out else (TensorProto.FLOAT, ["b", 4])
 
     sub = region.region_model(after, before, established)
-    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape"]
+    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape", "Reshape"]
     assert inferred and max(inferred) < 10, inferred  # (no inference reached into the upstream)
     assert cast_out not in asked
     # (nor for what is computed from it: the values the changed Cast reaches, walked forward)
@@ -311,7 +312,7 @@ def test_types_the_run_established_spare_inferring_an_unchanged_upstream(monkeyp
 
     inferred.clear()  # (a type of unknown rank is no answer: inference decides, as without)
     sub = region.region_model(after, before, lambda name: (TensorProto.FLOAT, None))
-    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape"]
+    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Cast", "Tanh", "Shape", "Reshape"]
     assert inferred[0] >= 300, inferred
 
 
@@ -468,3 +469,56 @@ def test_a_model_inferred_whole_holds_its_subgraphs_as_skeletons():
     by_cone = region_types.inferred_types(types._cone_model(range(len(types.nodes)), ["z"]))
     got = region_types.inferred_types(whole.SerializeToString())
     assert by_cone is not None and got is not None and got.get("z") == by_cone.get("z") is not None
+
+
+def _reshaped_to_assembled_shape(last: int, renamed: bool) -> onnx.ModelProto:
+    """``reshape(relu(x), concat(unsqueeze(shape(x)[0]), k)) @ w`` (w [4, 5], then 20 Tanhs) with x [3, 4], k =
+    [last]: a torch export's ``view(B, -1)``. ``renamed``: the Concat reads k under another name (as a merge of equal
+    constants leaves it), so the Concat is a changed node whose reads are computed from a shape."""
+    k = "k_merged" if renamed else "k"
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "zero"], ["d0"], axis=0),
+             helper.make_node("Unsqueeze", ["d0", "axes"], ["u0"]), helper.make_node("Concat", ["u0", k], ["to"], axis=0),
+             helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Reshape", ["r", "to"], ["y"]),
+             helper.make_node("MatMul", ["y", "w"], ["t0"])]
+    nodes += [helper.make_node("Tanh", [f"t{i}"], ["z" if i == 19 else f"t{i + 1}"]) for i in range(20)]  # (a tail:
+    # the region a small part of the model)
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", 0), ("axes", [0]), (k, [last]))]
+    inits.append(numpy_helper.from_array(np.ones((4, 5), np.float32), "w"))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_region_reading_values_computed_from_a_shape_holds_what_computes_them():
+    """A changed Concat reading a Shape's entry: a typed input would hide the entry's value from the region's
+    inference, so the nodes computing it join the region, back to x (it was judged by loading the whole
+    model: 5,000 such Concats in a torch transformer beside a fused loop, 3 s). The region passes where the
+    model loads."""
+    before, after = _reshaped_to_assembled_shape(-1, False), _reshaped_to_assembled_shape(-1, True)
+    sub = region.region_model(after, before)
+    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Shape", "Gather", "Unsqueeze", "Concat", "Reshape"]
+    assert [i.name for i in sub.graph.input if i.name not in {t.name for t in sub.graph.initializer}] == ["x", "r"]
+    assert guard._region_passes(after, lambda: before, None, region.NodeScan(after))
+
+
+def _reshaped_to_a_shape(of_transposed: bool) -> onnx.ModelProto:
+    """``reshape(relu(x), shape(s)) @ w`` (x [3, 4], w [4, 5], then 20 Tanhs), s = x, or x transposed."""
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),
+             helper.make_node("Shape", ["xt" if of_transposed else "x"], ["to"]), helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Reshape", ["r", "to"], ["y"]), helper.make_node("MatMul", ["y", "w"], ["t0"])]
+    nodes += [helper.make_node("Tanh", [f"t{i}"], ["z" if i == 19 else f"t{i + 1}"]) for i in range(20)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(np.ones((4, 5), np.float32), "w")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_changed_shape_value_is_followed_to_its_readers():
+    """A changed Shape whose output has the type it had (int64 [2]) but other contents ([4, 3] where it was
+    [3, 4]): onnxruntime's load reads them into the Reshape's output, which the MatMul after it cannot take.
+    The readers of such a value are followed like a constant's, and the region fails where the whole model
+    does (its type unchanged, the change stopped at the Shape, and the region passed)."""
+    before, after = _reshaped_to_a_shape(False), _reshaped_to_a_shape(True)
+    assert guard.onnxruntime_error(before.SerializeToString()) is None
+    assert guard.onnxruntime_error(after.SerializeToString()) is not None
+    assert not guard._region_passes(after, lambda: before, None, region.NodeScan(after))

@@ -58,6 +58,9 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
 * ``annotated``: ``head`` (the shipped Keras example and a 100,000-node head after it, ``benchmarks/graphs.py``)
   with ~400 bytes of metadata on every node, as torch's dynamo exporter writes them: a small fusion in a big
   model whose bytes are mostly metadata.
+* ``transformer`` / ``celltransformer``: torch's trace of a dynamic-shape transformer (every block assembling
+  its Reshapes' targets from a Shape's scalars) after ``nn.LSTM`` (nothing to fuse) or after a loop over
+  ``nn.LSTMCell`` holding ~40% of the nodes (one LSTM): ``transformer_graphs.py``.
 * ``heavy`` / ``heavy_ext``: the LSTMCell loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all
   but 0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 
@@ -91,6 +94,7 @@ from chain_2000 import (CALL_HEAD_NODES_PER_STEP, CELL_LOOP_NODES_PER_STEP, CHUN
                         export_calls_with_head, export_cell_loops, export_chunk_cell_with_head, export_lstmcell_chain,
                         export_view_chain)
 from scoped_graphs import function_calls, ifs_in_a_row, scans_in_a_row, shape_arithmetic  # noqa: E402
+from transformer_graphs import transformer_after_cell_loop, transformer_after_lstm  # noqa: E402
 from graphs import (attention_blocks, backward_loop_read_stacked, cells_side_by_side, elementwise_chain, layer_called_per_step,  # noqa: E402
                     loop_with_head, loops_in_a_row, stacked_loops, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
                     steps_summed, two_cells_per_step, unbind_stack_blocks)
@@ -262,6 +266,7 @@ GENERATORS = {"lstmcell": lstmcell_chain, "declared": declared_chain, "elementwi
               "chunkhead": lambda path, nodes: export_chunk_cell_with_head(path, max(2, nodes // CHUNK_HEAD_NODES_PER_STEP)),
               "ifs": ifs_in_a_row, "constifs": lambda path, nodes: ifs_in_a_row(path, nodes, constant=True),
               "scans": scans_in_a_row, "calls": function_calls, "shapes": shape_arithmetic,
+              "transformer": transformer_after_lstm, "celltransformer": transformer_after_cell_loop,
               **{kind: (lambda path, nodes, kind=kind, n=n: export_cell_loops(path, max(2, nodes // n), kind))
                  for kind, n in CELL_LOOP_NODES_PER_STEP.items()}}
 

@@ -27,7 +27,7 @@ VOCAB, D, HEADS, FF, BLOCKS = 29, 16, 4, 32, 3
 FEATURES, STEPS = 8, 6
 
 
-def _modules():
+def modules():
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -89,7 +89,7 @@ def _modules():
     return LstmThenBlocks, CellLoopThenBlocks
 
 
-def _export(module, example, names, outputs, dynamic, path: Path) -> None:
+def export(module, example, names, outputs, dynamic, path: Path) -> None:
     import torch
 
     with torch.no_grad():
@@ -104,7 +104,7 @@ def generate(out: Path) -> list[str]:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    LstmThenBlocks, CellLoopThenBlocks = _modules()
+    LstmThenBlocks, CellLoopThenBlocks = modules()
     written = []
 
     def save(name, module, feeds_by_set, expect, notes):
@@ -123,13 +123,13 @@ def generate(out: Path) -> list[str]:
         written.append(name)
 
     m = LstmThenBlocks().eval()
-    _export(m, (torch.randint(0, VOCAB, (2, 7)),), ["tokens"], ["logits"],
+    export(m, (torch.randint(0, VOCAB, (2, 7)),), ["tokens"], ["logits"],
             {"tokens": {0: "B", 1: "T"}, "logits": {0: "B", 1: "T"}}, out / "tf_lstm_trace.onnx")
     sets = {f"b{b}_t{t}": {"tokens": rng.integers(0, VOCAB, (b, t)).astype(np.int64)} for b, t in ((1, 5), (3, 9))}
     save("tf_lstm_trace", m, sets, {"ops": {"LSTM": 1}}, "nn.LSTM then transformer blocks: nothing to fuse")
 
     m = CellLoopThenBlocks().eval()
-    _export(m, (torch.randn(2, STEPS, FEATURES),), ["x"], ["y", "h"],
+    export(m, (torch.randn(2, STEPS, FEATURES),), ["x"], ["y", "h"],
             {"x": {0: "B"}, "y": {0: "B"}, "h": {0: "B"}}, out / "lstmcell_tf_trace.onnx")
     sets = {f"b{b}": {"x": rng.standard_normal((b, STEPS, FEATURES)).astype(np.float32)} for b in (1, 4)}
     save("lstmcell_tf_trace", m, sets, {"ops": {"LSTM": 1}},

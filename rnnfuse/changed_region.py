@@ -12,9 +12,11 @@ kernel, its type and shape inference) from the node and the types it reads. The 
 nodes not found among the input's (equal field for field), plus each unchanged node reading a value whose definition
 changed (a changed producer, a changed initializer or declared type) unless ONNX shape inference gives that
 value the same known type in both models (a changed constant is followed whatever its type: a reader's
-inference may read its value); the outputs of a node taken in are followed in turn. What the
-region reads from outside becomes its typed graph inputs (initializers copied), and everything it computes
-that is read outside it, or not read at all, its outputs, so onnxruntime keeps every node of it.
+inference may read its value, and so is a value whose contents inference propagates, a Shape's entries); the
+outputs of a node taken in are followed in turn. What the region reads from outside becomes its typed graph
+inputs (initializers and Constant nodes copied; the nodes computing a value whose contents inference
+propagates are taken in, back to values that carry none), and everything it computes that is read outside
+it, or not read at all, its outputs, so onnxruntime keeps every node of it.
 
 The region is checked as a model of its own, by onnx.checker and onnxruntime; what neither can see from it is
 the wiring of the whole graph around it (a name defined twice, a value read before it is computed, an

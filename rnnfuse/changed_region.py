@@ -39,7 +39,6 @@ from . import region_types
 from .model_parts import Frame, part_model, split_constants
 from .protos import reads_of
 from .region_types import MAX_CONE_SHARE, Established, InferredTypes, established_types, same_known_type
-from .tensor_types import may_carry_shape_values
 
 # below this many nodes onnxruntime loads a whole model in well under a second: the guard loads it whole
 SCOPED_NODES = 10_000
@@ -152,9 +151,9 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
             if not outside:
                 continue
             t = types_after.types.get(name)
-            # (a value whose contents inference propagates, a Reshape's target, is followed like a constant:
-            # the same type may hold other contents)
-            if name not in by_value and not may_carry_shape_values(t or b"") and same_known_type(t, types_before.types.get(name)):
+            # (a value whose contents the load knows, a Reshape's target, is followed like a constant: the same
+            # type may hold other contents)
+            if name not in by_value and not types_after.load_time.carries(name, t) and same_known_type(t, types_before.types.get(name)):
                 continue  # the readers see the type they saw: the change stops here
             for r in outside:
                 region.add(r)
@@ -171,9 +170,9 @@ def region_model(after: ModelProto, before: ModelProto, established: Established
 
 
 def _with_shape_sources(scan: NodeScan, region: set[int], types: InferredTypes, limit: int) -> bool:
-    """Add to ``region`` the nodes computing the values it reads whose contents inference propagates as data
-    (a Shape, a Gather or Concat of its entries: tensor_types.may_carry_shape_values), and theirs in turn, back
-    to values that carry none (a typed input would hide those contents from the region's inference, which would
+    """Add to ``region`` the nodes computing the values it reads whose contents the load knows (a Shape, a
+    Gather or Concat of its entries: rnnfuse.load_time_values), and theirs in turn, back to values that carry
+    none (a typed input would hide those contents from the region's inference, which would
     accept what the whole model's refuses). A torch export's blocks assemble every Reshape's target from the
     scalars of a Shape: a fusion beside them, whose clean-ups renamed what their Concats read, was judged by
     loading the whole model. False when a read has no type inference can tell, or the region grows past
@@ -189,7 +188,7 @@ def _with_shape_sources(scan: NodeScan, region: set[int], types: InferredTypes, 
         pending = []
         for name in computed:
             i = producer[name]
-            if i in region or not may_carry_shape_values(types.types[name]):
+            if i in region or not types.load_time.carries(name, types.types[name]):
                 continue
             region.add(i)
             produced.update(o for o in nodes[i].output if o)
@@ -297,7 +296,7 @@ def _standalone(after: ModelProto, nodes: list[NodeProto], scan: NodeScan, regio
     frame = Frame(after.graph)
     computed = [name for name in read if name not in frame.initializers and name not in frame.inputs]
     # (typed by _with_shape_sources, which took in what computes those whose contents a typed input would hide)
-    if any(name not in types.types or may_carry_shape_values(types.types[name]) for name in computed):
+    if any(name not in types.types or types.load_time.carries(name, types.types[name]) for name in computed):
         return None
     nodes = constants + nodes
     m = part_model(after, "rnnfuse_changed_region", nodes)

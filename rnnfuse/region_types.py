@@ -11,7 +11,8 @@ import onnx
 from onnx import ModelProto, NodeProto, TensorProto
 
 from .protos import free_names, has_subgraph, reads_of, subgraphs
-from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, may_carry_shape_values, skeleton_initializer
+from .load_time_values import LoadTimeValues
+from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, skeleton_initializer
 
 # a value's type is inferred over the nodes it is computed from up to this share of the model; beyond, over the
 # whole model (copied in bulk: per node, a cone's walk and copy cost ~0.6x what inference does)
@@ -31,7 +32,8 @@ class InferredTypes:
     def __init__(self, model: ModelProto, borrow: Callable[[str], bytes | None] = lambda name: None,
                  nodes: list[NodeProto] | None = None, producer: dict[str, int] | None = None, whole: bool = False):
         """``borrow``: a value's type known from elsewhere (for values computed as in a model already typed:
-        the same nodes from the same inputs and weights), or None; inference stops at such values. ``nodes``
+        the same nodes from the same inputs and weights), or None; inference stops at such values (but for
+        those whose contents the load knows, rnnfuse.load_time_values: it walks through). ``nodes``
         and ``producer`` (value -> its producer's position): the model's, when the caller has them. ``whole``:
         infer the whole model at the first question, not walking a cone first that would prove too big."""
         self.model = model
@@ -41,6 +43,7 @@ class InferredTypes:
         self.whole, self.whole_first = False, whole
         self.borrow = borrow
         self.borrowed: dict[str, bytes] = {}  # (the values a walk stopped at, with the types taken for them)
+        self._load_time: LoadTimeValues | None = None
 
     @property
     def nodes(self) -> list[NodeProto]:
@@ -56,7 +59,7 @@ class InferredTypes:
 
     def ask(self, names) -> "InferredTypes | None":
         """Type ``names`` (those not asked before); None when inference fails."""
-        want = [n for n in names if n not in self.asked]
+        want = [n for n in names if n not in self.asked and n not in self.types]  # (typed by an earlier cone)
         if not want or self.whole:
             return self
         self.asked.update(want)
@@ -83,8 +86,8 @@ class InferredTypes:
 
     def _cone(self, names: list[str]) -> list[int] | None:
         """The positions of the nodes ``names`` are computed from, not past the values whose types are
-        borrowed (but for those whose contents inference propagates: declared as inputs, they would hide what
-        a Reshape's inference reads), in graph order; None past half the model (MAX_CONE_SHARE) (then it is
+        borrowed (but for those whose contents the load knows: declared as inputs, they would hide what a
+        Reshape's inference reads), in graph order; None past half the model (MAX_CONE_SHARE) (then it is
         inferred whole)."""
         seen: set[int] = set()
         stack = [self.producer[n] for n in names if n in self.producer and not self._stops_at(n)]
@@ -99,9 +102,16 @@ class InferredTypes:
                          if r in self.producer and self.producer[r] not in seen and not self._stops_at(r))
         return sorted(seen)
 
+    @property
+    def load_time(self) -> LoadTimeValues:
+        """Which of the model's values its load may know the contents of (rnnfuse.load_time_values)."""
+        if self._load_time is None:
+            self._load_time = LoadTimeValues(self.model.graph, self.nodes, self.producer)
+        return self._load_time
+
     def _stops_at(self, name: str) -> bool:
         t = self._borrowed(name)
-        return t is not None and not may_carry_shape_values(t)
+        return t is not None and not self.load_time.carries(name, t)
 
     def _whole_model(self) -> ModelProto:
         """The whole model as :meth:`_cone_model` would copy every node, in bulk (node by node, what each reads

@@ -8,6 +8,7 @@ for models with gigabytes of weights.
 from __future__ import annotations
 
 import itertools
+import math
 
 import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
@@ -67,21 +68,33 @@ def copy_node_skeleton(n: NodeProto, m: NodeProto, keep_bytes: int) -> None:
             b.CopyFrom(a)
 
 
-_INTEGERS = frozenset({TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64, TensorProto.UINT8,
-                       TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64})
+# what a tensor of shape values can be on its way: onnxruntime's load carries a Shape's entries through a Cast
+# to a float and back, and through an Unsqueeze to rank 2 and a Squeeze (a review probed onnxruntime 1.32)
+_NOT_SHAPE_VALUES = frozenset({TensorProto.STRING, TensorProto.UNDEFINED})
+# a tensor of known shape holding more elements than this is no shape's values (ranks stay far below it)
+SHAPE_VALUE_ELEMENTS = 64
 
 
 def may_carry_shape_values(serialized_type: bytes) -> bool:
-    """Whether a value of this (serialised) type may be one whose contents inference propagates as data: an
-    integer tensor of rank 0 or 1, or of unknown rank (a ``Shape``, a ``Gather`` of it, a ``Concat`` of
-    such). onnxruntime's load knows such a value's contents when it is computed from shapes it knows; a part
-    of the model that takes it as a typed input does not, and would accept what the whole refuses."""
+    """Whether a value of this (serialised) type may be one whose contents inference propagates as data (a
+    ``Shape``, a ``Gather`` of it, a ``Concat`` of such, a Cast of those to float, an Unsqueeze of them): a
+    numeric or bool tensor of unknown rank, of rank 0 or 1 (but for a vector known longer than
+    ``SHAPE_VALUE_ELEMENTS``), or of a known shape of at most ``SHAPE_VALUE_ELEMENTS`` elements. onnxruntime's
+    load knows such a value's contents when it is computed from shapes it knows; a part of the model that takes
+    it as a typed input does not, and would accept what the whole refuses."""
     t = onnx.TypeProto()
     t.ParseFromString(serialized_type)
     if not t.HasField("tensor_type"):
         return False
     tt = t.tensor_type
-    return tt.elem_type in _INTEGERS and (not tt.HasField("shape") or len(tt.shape.dim) <= 1)
+    if tt.elem_type in _NOT_SHAPE_VALUES:
+        return False
+    if not tt.HasField("shape"):
+        return True
+    dims = tt.shape.dim
+    if any(not d.HasField("dim_value") for d in dims):
+        return len(dims) <= 1
+    return math.prod(d.dim_value for d in dims) <= SHAPE_VALUE_ELEMENTS
 
 
 def type_of(vi: onnx.ValueInfoProto) -> tuple[int, list | None] | None:

@@ -522,3 +522,79 @@ def test_a_changed_shape_value_is_followed_to_its_readers():
     assert guard.onnxruntime_error(before.SerializeToString()) is None
     assert guard.onnxruntime_error(after.SerializeToString()) is not None
     assert not guard._region_passes(after, lambda: before, None, region.NodeScan(after))
+
+
+def _target_through(kind: str, src: str, tag: str) -> tuple[list, str]:
+    """Nodes computing an int64 [2] Reshape target from Shape(src), through a float Cast and back, or an
+    Unsqueeze to rank 2 and a Squeeze: onnxruntime's load carries the shape's entries through both."""
+    nodes = [helper.make_node("Shape", [src], [f"{tag}_shape"])]
+    if kind == "float":
+        nodes += [helper.make_node("Cast", [f"{tag}_shape"], [f"{tag}_f"], to=TensorProto.FLOAT),
+                  helper.make_node("Cast", [f"{tag}_f"], [f"{tag}_t"], to=TensorProto.INT64)]
+    else:
+        nodes += [helper.make_node("Unsqueeze", [f"{tag}_shape", "ax0"], [f"{tag}_u"]),
+                  helper.make_node("Squeeze", [f"{tag}_u", "ax0"], [f"{tag}_t"])]
+    return nodes, f"{tag}_t"
+
+
+def _reshaped_through(kind: str, transposed: bool) -> onnx.ModelProto:
+    """``reshape(relu(x), target(s)) @ w`` with s = relu(x) (the input) or transpose(x) (the rewrite: the only
+    changed node), x [3, 4], w [4, 5], then 40 Tanhs from x."""
+    src = (helper.make_node("Transpose", ["x"], ["s"], perm=[1, 0]) if transposed else helper.make_node("Relu", ["x"], ["s"]))
+    target, to = _target_through(kind, "s", "c")
+    nodes = [src, *target, helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Reshape", ["r", to], ["y"]),
+             helper.make_node("MatMul", ["y", "w"], ["t0"])]
+    nodes += [helper.make_node("Tanh", ["x" if i == 0 else f"q{i - 1}"], ["z" if i == 39 else f"q{i}"]) for i in range(40)]
+    inits = [numpy_helper.from_array(np.ones((4, 5), np.float32), "w"), numpy_helper.from_array(np.array([0], np.int64), "ax0")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [3, 4]),
+                           helper.make_tensor_value_info("t0", TensorProto.FLOAT, ["m", "n"])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("kind", ["float", "rank2"])
+def test_shape_values_carried_through_a_float_or_a_higher_rank_are_followed(kind):
+    """A shape's entries cast to a float and back, or unsqueezed to rank 2 and squeezed: onnxruntime's load
+    still knows them (a review's probe), so they are no place to cut the region at, nor to stop following a
+    change. The Shape's source transposed: same types all the way, other contents, a MatMul that refuses them;
+    the region passed (the values were taken for shape-free and declared as a typed input)."""
+    before, after = _reshaped_through(kind, False), _reshaped_through(kind, True)
+    assert guard.onnxruntime_error(before.SerializeToString()) is None
+    assert guard.onnxruntime_error(after.SerializeToString()) is not None
+    assert not guard._region_passes(after, lambda: before, None, region.NodeScan(after))
+
+
+def test_values_the_load_knows_are_computed_from_shapes_and_constants():
+    """Which values a load may know the contents of (rnnfuse.load_time_values): a Shape's entries and what is
+    computed from them and constants, through any op; not what reads a graph input's contents, nor an If's
+    output. A 5,000-input Concat is decided in one walk."""
+    from rnnfuse.load_time_values import LoadTimeValues
+
+    branch = helper.make_graph([helper.make_node("Identity", ["d"], ["b"])], "b", [],
+                               [helper.make_tensor_value_info("b", TensorProto.INT64, [])])
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Shape", ["r"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["d"], axis=0), helper.make_node("Add", ["d", "n"], ["mixed"]),
+             helper.make_node("Cast", ["d"], ["f"], to=TensorProto.FLOAT), helper.make_node("Concat", ["f"] * 5000, ["wide"], axis=0),
+             helper.make_node("If", ["c"], ["chosen"], then_branch=branch, else_branch=branch),
+             helper.make_node("Mul", ["d", "zero"], ["scaled"])]
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, [3, 4]), vi("n", TensorProto.INT64, []), vi("c", TensorProto.BOOL, [])],
+                          [], [numpy_helper.from_array(np.array(0, np.int64), "zero")])
+    at_load = LoadTimeValues(g, list(g.node), {o: i for i, n in enumerate(g.node) for o in n.output})
+    assert {v: at_load.at_load(v) for v in ("r", "s", "d", "mixed", "f", "wide", "chosen", "scaled", "x", "zero")} == {
+        "r": False, "s": True, "d": True, "mixed": False, "f": True, "wide": True, "chosen": False, "scaled": True,
+        "x": False, "zero": True}
+
+
+def test_a_small_static_upstream_computed_from_an_input_stays_outside_the_region(monkeypatch):
+    """Values of a few elements computed from a graph input's contents (a [3, 4] chain from x) are no shape
+    values: the region does not take in the 300 nodes computing what it reads, and a cone inferred for them
+    is inferred once (a name an earlier cone typed is not asked again)."""
+    inferred: list[int] = []
+    real = region_types.inferred_types
+    monkeypatch.setattr(region_types, "inferred_types", lambda m: inferred.append(_node_count(m)) or real(m))
+    before = _behind_an_upstream(_cast_then_tanh(TensorProto.FLOAT), 300)
+    after = _behind_an_upstream(_cast_then_tanh(TensorProto.INT32), 300)
+    sub = region.region_model(after, before)
+    assert sub is not None and len(sub.graph.node) < 10, [n.op_type for n in sub.graph.node]
+    assert sum(1 for k in inferred if k >= 300) == 1, inferred

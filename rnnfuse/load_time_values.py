@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from onnx import GraphProto, NodeProto
 
+from .dataflow import post_order
 from .protos import has_subgraph
 from .tensor_types import may_carry_shape_values
 
@@ -46,38 +47,13 @@ class LoadTimeValues:
         return (serialized_type is None or may_carry_shape_values(serialized_type)) and self.at_load(name)
 
     def at_load(self, name: str) -> bool:
-        """Whether ``name`` is computed from shapes and constants alone (or may be: see the module). One walk
-        back over what it is computed from, each value decided once, a node's reads one at a time: a runtime
-        value found ends the walk there."""
-        known = self.known
-        walking: dict[str, list] = {}  # value -> [what its producer reads, how many of them are decided True]
-        stack = [name]
-        while stack:
-            v = stack[-1]
-            if v in known:
-                stack.pop()
-                continue
-            if v not in walking:
-                reads = self._reads(v)
-                if reads is None:  # (decided by its producer alone)
-                    stack.pop()
-                    continue
-                walking[v] = [reads, 0]
-            entry = walking[v]
-            reads, k = entry
-            while k < len(reads) and known.get(reads[k]) is True:
-                k += 1
-            entry[1] = k
-            if k == len(reads) or known.get(reads[k]) is False:
-                known[v] = k == len(reads)
-                del walking[v]
-                stack.pop()
-            else:
-                stack.append(reads[k])
-        return known[name]
+        """Whether ``name`` is computed from shapes and constants alone (see the module): one walk back over
+        what it is computed from, each value decided once for all questions."""
+        return post_order(name, self.known, self._open, self._close)
 
-    def _reads(self, v: str) -> list[str] | None:
-        """What ``v``'s producer reads, each to be decided; None when ``v`` is decided without them (recorded)."""
+    def _open(self, v: str) -> list[str] | None:
+        """What ``v``'s producer reads, each to be decided first; None when ``v`` is decided without them
+        (recorded)."""
         i = self.producer.get(v)
         if i is None:  # (a graph input, runtime data; an initializer, a constant)
             self.known[v] = v in self.constants
@@ -91,3 +67,6 @@ class LoadTimeValues:
             self.known[v] = False
             return None
         return reads
+
+    def _close(self, v: str) -> bool:
+        return all(self.known[x] for x in self.nodes[self.producer[v]].input if x)

@@ -584,17 +584,3 @@ def test_values_the_load_knows_are_computed_from_shapes_and_constants():
     assert {v: at_load.at_load(v) for v in ("r", "s", "d", "mixed", "f", "wide", "chosen", "scaled", "x", "zero")} == {
         "r": False, "s": True, "d": True, "mixed": False, "f": True, "wide": True, "chosen": False, "scaled": True,
         "x": False, "zero": True}
-
-
-def test_a_small_static_upstream_computed_from_an_input_stays_outside_the_region(monkeypatch):
-    """Values of a few elements computed from a graph input's contents (a [3, 4] chain from x) are no shape
-    values: the region does not take in the 300 nodes computing what it reads, and a cone inferred for them
-    is inferred once (a name an earlier cone typed is not asked again)."""
-    inferred: list[int] = []
-    real = region_types.inferred_types
-    monkeypatch.setattr(region_types, "inferred_types", lambda m: inferred.append(_node_count(m)) or real(m))
-    before = _behind_an_upstream(_cast_then_tanh(TensorProto.FLOAT), 300)
-    after = _behind_an_upstream(_cast_then_tanh(TensorProto.INT32), 300)
-    sub = region.region_model(after, before)
-    assert sub is not None and len(sub.graph.node) < 10, [n.op_type for n in sub.graph.node]
-    assert sum(1 for k in inferred if k >= 300) == 1, inferred

@@ -16,8 +16,9 @@ of its values kept (onnxruntime checks a declaration against what it infers), an
 that is read later, not read at all, or a graph output, is an output. What no piece can see is the whole
 graph's wiring (a name defined twice, a value read before it is defined, two nodes of one name): the pieces
 are only cut from a model in which :class:`~rnnfuse.changed_region.NodeScan` found none of that. Nor can a
-piece know the contents of a small integer tensor computed in an earlier one (a ``Shape``, a ``Gather`` of
-it), which onnxruntime's load carries along: such a value crossing a cut sends the model to a whole load.
+piece know the contents of a shape's values computed in an earlier one (a ``Shape``, a ``Gather`` of it:
+rnnfuse.load_time_values), which onnxruntime's load carries along: such a value crossing a cut sends the
+model to a whole load.
 What is assumed: onnxruntime knows no more of a value crossing a cut than ONNX inference with data
 propagation (both run the same ops' inference functions; a dim neither can compute, ``T * B`` say, is
 unknown to both).

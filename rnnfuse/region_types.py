@@ -10,8 +10,8 @@ from typing import Callable
 import onnx
 from onnx import ModelProto, NodeProto, TensorProto
 
-from .protos import free_names, has_subgraph, reads_of, subgraphs
 from .load_time_values import LoadTimeValues
+from .protos import free_names, has_subgraph, reads_of, subgraphs
 from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, skeleton_initializer
 
 # a value's type is inferred over the nodes it is computed from up to this share of the model; beyond, over the

@@ -350,11 +350,13 @@ def _sized_by_a_step(g: Graph, broadcast: NodeProto, iv, whole: tuple, limit: in
             continue
         seen.add(cur)
         p = g.producer.get(cur)
-        if p is None or g.const(cur) is not None:
+        if p is None or cur in g.initializers or p.op_type == "Constant":
             continue
         if p.op_type in ("Shape", "Size"):
             span = iv.get(p.input[0])
-            if span is not None and span != whole:
+            # (folded only here, a step's static shape being no size from it: folding every value walked
+            # inferred the type of each transformer block's input, its causal mask a broadcast, 1.5 s)
+            if span is not None and span != whole and g.const(cur) is None:
                 return True
             continue
         stack.extend(p.input)

@@ -341,25 +341,22 @@ def _initial_state_constants(g: Graph, iv, ends: set[int]) -> frozenset:
 
 
 def _sized_by_a_step(g: Graph, broadcast: NodeProto, iv, whole: tuple, limit: int = 32) -> bool:
-    """Whether a broadcast's shape is computed from the shape of a value of one of the family's steps (a
-    value depending on every step, e.g. the stacked output of a layer below, sizes a given state)."""
+    """Whether a broadcast's shape is computed from the shape of a value of one of the family's steps (a value
+    depending on every step, e.g. the stacked output of a layer below, sizes a given state); only that Shape is
+    folded (folding every value walked inferred a type for each transformer block's mask, a broadcast)."""
     stack, seen = [broadcast.input[0 if broadcast.op_type == "ConstantOfShape" else -1]], set()
     while stack and len(seen) < limit:
         cur = stack.pop()
-        if cur in seen or not cur:
-            continue
+        p = None if cur in seen else g.producer.get(cur)  # (no empty name: none is stacked)
         seen.add(cur)
-        p = g.producer.get(cur)
         if p is None or cur in g.initializers or p.op_type == "Constant":
             continue
         if p.op_type in ("Shape", "Size"):
             span = iv.get(p.input[0])
-            # (folded only here, a step's static shape being no size from it: folding every value walked
-            # inferred the type of each transformer block's input, its causal mask a broadcast, 1.5 s)
             if span is not None and span != whole and g.const(cur) is None:
                 return True
             continue
-        stack.extend(p.input)
+        stack.extend(x for x in p.input if x)
     return len(seen) >= limit
 
 

@@ -294,10 +294,7 @@ def _standalone(after: ModelProto, nodes: list[NodeProto], scan: NodeScan, regio
     read = list(dict.fromkeys(x for n in nodes for x in reads_of(n) if x and x not in produced))
     constants, read = split_constants(scan, read)
     frame = Frame(after.graph)
-    computed = [name for name in read if name not in frame.initializers and name not in frame.inputs]
-    # (typed by _with_shape_sources, which took in what computes those whose contents a typed input would hide)
-    if any(name not in types.types or types.load_time.carries(name, types.types[name]) for name in computed):
-        return None
+    # (every read a node computes is typed and carries no contents the load knows: _with_shape_sources saw to it)
     nodes = constants + nodes
     m = part_model(after, "rnnfuse_changed_region", nodes)
     sub = m.graph

@@ -16,10 +16,10 @@ from onnx import NodeProto
 from rnnfuse.dataflow import runtime_values
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, has_subgraph
-from rnnfuse.protos import CONTROL_FLOW, node_field
+from rnnfuse.protos import CONTROL_FLOW, RANDOM_OPS, node_field
 from rnnfuse.tensor_values import constant_value
 
-_IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
+_IMPURE = RANDOM_OPS | {"Dropout"}  # (Dropout: random in training mode)
 
 
 class Dedupe:

@@ -9,7 +9,8 @@ What can make the rewritten model fail to load where its input loaded lies in th
 in the nodes a changed *type* reaches. Every other node is one of the input's nodes, field for field, reading
 values defined as they were or of the types they had, and onnxruntime decides whether it takes a node (its
 kernel, its type and shape inference) from the node and the types it reads. The region is therefore: the
-nodes not found among the input's (equal field for field), plus each unchanged node reading a value whose definition
+nodes not found among the input's (equal field for field, or but for reading the same values under the names
+the clean-ups gave them: rnnfuse.same_values), plus each unchanged node reading a value whose definition
 changed (a changed producer, a changed initializer or declared type) unless ONNX shape inference gives that
 value the same known type in both models (a changed constant is followed whatever its type: a reader's
 inference may read its value, and so is a value whose contents inference propagates, a Shape's entries); the
@@ -39,6 +40,7 @@ from . import region_types
 from .model_parts import Frame, part_model, split_constants
 from .protos import reads_of
 from .region_types import MAX_CONE_SHARE, Established, InferredTypes, established_types, same_known_type
+from .same_values import SameValues
 
 # below this many nodes onnxruntime loads a whole model in well under a second: the guard loads it whole
 SCOPED_NODES = 10_000
@@ -206,10 +208,14 @@ def _changed_nodes(nodes: list[NodeProto], before: ModelProto) -> list[int]:
     ~400 bytes of metadata: the digests of both models' nodes took 0.52 s at 100,000 nodes, this 0.3 s, and
     the bytes themselves, held at once, 57 MB). Equality and the bytes differ only on floats: a NaN attribute
     is unequal to itself (the node counts as changed: the region grows), and -0.0 equals 0.0 (a zero's sign
-    decides nothing about whether a model loads)."""
-    old = {tuple(n.output[:]): n for n in before.graph.node}
-    get = old.get
-    return [i for i, n in enumerate(nodes) if get(tuple(n.output[:])) != n]
+    decides nothing about whether a model loads). A node equal to the input's but for reading the same values
+    under other names (a merged duplicate's, a merged constant's: rnnfuse.same_values) is not changed: 6,008
+    readers of a torch trace's merged shape arithmetic were, and made a region of 10,807 nodes."""
+    same = SameValues(before)
+    old = same.node_of
+    changed = [(i, o) for i, n in enumerate(nodes) if (o := old(n)) != n]
+    # (a node reading the values its input's node read, under the names clean-ups gave them, is unchanged)
+    return [i for i, o in changed if o is None or not same.reads_alike(nodes[i], o)]
 
 
 def wiring_error(model: ModelProto, scan: NodeScan | None = None) -> str | None:
@@ -223,7 +229,7 @@ def wiring_error(model: ModelProto, scan: NodeScan | None = None) -> str | None:
 
 def _typed_alike(scan: NodeScan, redefined: set[str]) -> Callable[[str], bool]:
     """Whether ONNX inference types a value alike in the rewritten model (``scan``'s) and in its input: a
-    graph input or initializer, or an output of an unchanged node (one of the input's, field for field) whose
+    graph input or initializer, or an output of an unchanged node (see _changed_nodes) whose
     reads are such values (its subgraphs' captures too), and not one of the ``redefined`` (the changed
     nodes' outputs; another declared type, another small constant), which their readers do not see alike
     either. Asked as its complement: what the redefined values reach, walked forward over the scan's readers,

@@ -14,7 +14,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from . import op_args
-from .protos import attr, node_field
+from .protos import RANDOM_OPS, attr, node_field
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -266,7 +266,7 @@ def _fixed_picks(graph: "Graph", name: str) -> np.ndarray | None:
 
 def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray | None:
     """Fold the output ``name`` of ``node`` if all of the node's inputs are constants."""
-    if node.op_type in ("Loop", "Scan", "If", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"):
+    if node.op_type in ("Loop", "Scan", "If") or node.op_type in RANDOM_OPS:
         return None
     if node.op_type == "Shape":
         # Shape of a tensor with a fully static declared shape is constant even if the tensor is not

@@ -106,6 +106,8 @@ def dim_role(name) -> str | None:
 
 # -- subgraphs (Loop, Scan, If bodies, and graph attributes of other domains' nodes) --------------------
 CONTROL_FLOW = frozenset({"Loop", "Scan", "If", "SequenceMap"})
+# ops whose two calls on the same inputs need not give the same values
+RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
 ONNX_DOMAINS = ("", "ai.onnx")
 
 _NODE_FIELDS = NodeProto.DESCRIPTOR.fields_by_name

@@ -10,9 +10,10 @@ whole models (1.6 s) and loaded by onnxruntime (0.9 s), for one fused op.
 
 Two values are taken to be the same by how they are computed in the input model, never by inferred types:
 equal names; two constants of equal type, dims and bytes (initializers no graph input may override, or
-Constant nodes of equal attributes); or outputs at the same position of two nodes of the same op, domain
-and attributes reading values that are the same in turn (not a random op, not a Dropout, not a node holding
-subgraphs). Such values have the same type, and onnxruntime's load knows the contents of both or of neither.
+Constant nodes of equal attributes); or outputs at the same position of two nodes of the same op, domain,
+attributes and number of outputs reading values that are the same in turn (not a random op, not a Dropout,
+not a node holding subgraphs); either way declared alike (or neither declared). Such values have the same
+type, and onnxruntime's load knows the contents of both or of neither.
 
 Copies are read through where that stays true: a Cast of a Cast to the same type. Reading past an Identity
 (ONNX infers no contents through it) or past a Cast of a Shape or a constant (an onnxruntime release may pass
@@ -23,7 +24,7 @@ reading its scale, a MatMul its weight).
 
 from __future__ import annotations
 
-from onnx import ModelProto, NodeProto, TensorProto
+from onnx import AttributeProto, ModelProto, NodeProto, TensorProto
 
 from .protos import ONNX_DOMAINS, RANDOM_OPS, has_subgraph
 
@@ -54,6 +55,9 @@ class SameValues:
         self.inputs = {v.name for v in g.input}
         # (an initializer that is also a graph input is a default a caller may override: not a constant)
         self.constants = {t.name: t for t in g.initializer if t.name not in self.inputs}
+        # (a declared type is what inference starts from where it can tell less: two values computed alike are
+        # the same to their readers only if declared alike)
+        self.declared = {v.name: v.type.SerializeToString() for v in (*g.value_info, *g.output)}
         self._memo: dict[tuple[str, str], bool] = {}
 
     def node_of(self, after: NodeProto) -> NodeProto | None:
@@ -61,9 +65,6 @@ class SameValues:
         outputs = after.output[:]
         n = self.producer.get(next((o for o in outputs if o), "")) if outputs else None
         return n if n is not None and n.output[:] == outputs else None
-
-    def _defined(self, name: str) -> bool:
-        return name in self.producer or name in self.inputs or name in self.constants
 
     def reads_alike(self, after: NodeProto, before: NodeProto) -> bool:
         """Whether ``after`` (a node of the rewritten model) is ``before`` (the input's node of the same
@@ -77,7 +78,7 @@ class SameValues:
         if not renamed or not _equal_but_inputs(after, before):
             return False
         blind = after.op_type in _CONTENTS_BLIND and after.domain in ONNX_DOMAINS
-        return all(self._defined(a) and self._same(a, b, MAX_DEPTH, blind) for a, b in renamed)
+        return all(self._same(a, b, MAX_DEPTH, blind) for a, b in renamed)  # (a name the input has not: unequal)
 
     def _same(self, a: str, b: str, depth: int, blind: bool = False) -> bool:
         """Whether ``a`` and ``b`` are the same value, for a reader ``blind`` to contents or not (within the
@@ -85,7 +86,7 @@ class SameValues:
         a, b = self._past_copies(a, blind), self._past_copies(b, blind)
         if a == b:
             return True
-        if not a or not b or depth == 0:
+        if not a or not b or depth == 0 or self.declared.get(a) != self.declared.get(b):
             return False
         key = (a, b) if a < b else (b, a)
         known = self._memo.get(key)
@@ -98,8 +99,8 @@ class SameValues:
         if ta is not None or tb is not None:
             return ta is not None and tb is not None and _same_tensor(ta, tb)
         na, nb = self.producer.get(a), self.producer.get(b)
-        if na is None or nb is None or list(na.output).index(a) != list(nb.output).index(b):
-            return False  # (a graph input is only itself)
+        if na is None or nb is None or len(na.output) != len(nb.output) or list(na.output).index(a) != list(nb.output).index(b):
+            return False  # (a graph input is only itself; a Split's outputs are sized by how many it has)
         if (na.op_type != nb.op_type or na.domain != nb.domain or na.overload != nb.overload
                 or len(na.input) != len(nb.input) or na.attribute != nb.attribute):
             return False
@@ -116,12 +117,12 @@ class SameValues:
             n = self.producer.get(name)
             if n is None:
                 return name
-            if n.domain not in ONNX_DOMAINS or len(n.input) != 1:
-                return name
+            if n.domain not in ONNX_DOMAINS or len(n.input) != 1 or name in self.declared:
+                return name  # (a declared copy may be declared otherwise than what it copies)
             if n.op_type == "Identity" and blind:
                 name = n.input[0]
-            elif n.op_type == "Cast" and len(n.attribute) == 1 and n.attribute[0].name == "to" \
-                    and n.attribute[0].i == self._evident_elem_type(n.input[0], blind):
+            elif n.op_type == "Cast" and (to := _cast_target(n)) is not None and len(n.attribute) == 1 \
+                    and to == self._evident_elem_type(n.input[0], blind):
                 name = n.input[0]
             else:
                 return name
@@ -133,7 +134,7 @@ class SameValues:
         n = self.producer.get(name)
         n = None if n is None or n.domain not in ONNX_DOMAINS else n
         if n is not None and n.op_type == "Cast":
-            return next((a.i for a in n.attribute if a.name == "to"), None)
+            return _cast_target(n)
         if not blind:
             return None
         t = self.constants.get(name)
@@ -142,6 +143,11 @@ class SameValues:
         if n is not None and n.op_type == "Constant" and len(n.attribute) == 1 and n.attribute[0].name == "value":
             return n.attribute[0].t.data_type
         return None if n is None else _FIXED_ELEM_TYPE.get(n.op_type)
+
+
+def _cast_target(n: NodeProto) -> int | None:
+    """A Cast's element type (None from Cast-1, which names it by a string)."""
+    return next((a.i for a in n.attribute if a.name == "to" and a.type == AttributeProto.INT), None)
 
 
 def _equal_but_inputs(after: NodeProto, before: NodeProto) -> bool:

@@ -163,3 +163,60 @@ def test_a_cast_of_a_constant_is_read_through_only_by_ops_blind_to_contents(op, 
     cast.attribute.append(helper.make_attribute("to", before.graph.initializer[0].data_type))
     after = _renamed(before, {"wi"}, {"wi": "w"})
     assert _changed_ops(after, before) == changed
+
+
+def _reader_renamed(nodes, reads: str, renamed_to: str, initializers=(), value_info=(), opset: int = 18):
+    """``nodes`` then ``Add(reads, c)`` -> y, and the same model with the Add reading ``renamed_to``."""
+    c = numpy_helper.from_array(np.ones(2, np.float32), "c")
+    before = _model([*nodes, helper.make_node("Add", [reads, "c"], ["y"])], [c, *initializers])
+    before.graph.value_info.extend(value_info)
+    before.opset_import[0].version = opset
+    return _renamed(before, set(), {reads: renamed_to}), before
+
+
+def test_outputs_at_one_place_of_nodes_with_other_output_counts_differ():
+    """Output 0 of a 2-way Split of x and of a 3-way one: same op, attributes, input and place, other sizes."""
+    nodes = [helper.make_node("Split", ["x"], ["p0", "p1"], axis=1), helper.make_node("Split", ["x"], ["q0", "q1", "q2"], axis=1)]
+    after, before = _reader_renamed(nodes, "q0", "p0")
+    assert _changed_ops(after, before) == ["Add"]
+    after, before = _reader_renamed(nodes[:1], "p1", "p0")  # (another output of the same node)
+    assert _changed_ops(after, before) == ["Add"]
+
+
+def test_values_computed_alike_but_declared_otherwise_differ():
+    """Two equal Reshapes by a runtime target, declared [2, 3] and [3, 2]; an Identity declared otherwise than
+    the weight it copies, read by a MatMul (blind to contents, not to types)."""
+    s = helper.make_tensor_value_info("s", I64, [2])
+    nodes = [helper.make_node("Reshape", ["x", "s"], ["r1"]), helper.make_node("Reshape", ["x", "s"], ["r2"])]
+    declared = [helper.make_tensor_value_info("r1", F, [2, 3]), helper.make_tensor_value_info("r2", F, [3, 2])]
+    after, before = _reader_renamed(nodes, "r2", "r1", value_info=declared)
+    before.graph.input.append(s)
+    after.graph.input.append(s)
+    assert _changed_ops(after, before) == ["Add"]
+    del before.graph.value_info[:]  # (neither declared: the same value)
+    assert _changed_ops(after, before) == []
+
+    w = numpy_helper.from_array(np.ones((4, 2), np.float32), "w")
+    before = _model([helper.make_node("Identity", ["w"], ["wi"]), helper.make_node("MatMul", ["x", "wi"], ["y"])], [w])
+    before.graph.value_info.append(helper.make_tensor_value_info("wi", F, [4, 5]))
+    after = _renamed(before, {"wi"}, {"wi": "w"})
+    assert _changed_ops(after, before) == ["MatMul"]
+
+
+def test_a_cast_naming_its_type_by_a_string_is_not_read_through():
+    """Cast-1 names its target by a string: Cast(Cast(x, 'INT32'), 'FLOAT') is no Cast of a Cast to one type."""
+    nodes = [helper.make_node("Cast", ["x"], ["ci"], to="INT32"), helper.make_node("Cast", ["ci"], ["cf"], to="FLOAT")]
+    after, before = _reader_renamed(nodes, "cf", "ci", opset=5)
+    assert _changed_ops(after, before) == ["Add"]
+
+
+def test_other_ops_or_other_constants_differ():
+    """Relu(x) is not Abs(x); equal bytes are not the same tensor under other dims or another element type."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Abs", ["x"], ["b"])]
+    after, before = _reader_renamed(nodes, "b", "a")
+    assert _changed_ops(after, before) == ["Add"]
+    flat = numpy_helper.from_array(np.zeros(4, np.float32), "flat")
+    for other in (numpy_helper.from_array(np.zeros((2, 2), np.float32), "other"),
+                  numpy_helper.from_array(np.zeros(4, np.int32), "other")):
+        after, before = _reader_renamed([], "other", "flat", initializers=[flat, other])
+        assert _changed_ops(after, before) == ["Add"]

@@ -24,6 +24,7 @@ reading its scale, a MatMul its weight).
 
 from __future__ import annotations
 
+import onnx
 from onnx import AttributeProto, ModelProto, NodeProto, TensorProto
 
 from .protos import ONNX_DOMAINS, RANDOM_OPS, has_subgraph
@@ -55,20 +56,29 @@ class SameValues:
         self.inputs = {v.name for v in g.input}
         # (an initializer that is also a graph input is a default a caller may override: not a constant)
         self.constants = {t.name: t for t in g.initializer if t.name not in self.inputs}
-        # (a declared type is what inference starts from where it can tell less: two values computed alike are
-        # the same to their readers only if declared alike)
-        self.declared = {v.name: v.type.SerializeToString() for v in (*g.value_info, *g.output)}
+        self._graph = g
+        self._declared: dict[str, onnx.ValueInfoProto] | None = None
         self._memo: dict[tuple[str, str], bool] = {}
 
     def node_of(self, after: NodeProto) -> NodeProto | None:
-        """The input's node computing the outputs ``after`` computes (the same names, in the same places)."""
-        outputs = after.output[:]
-        n = self.producer.get(next((o for o in outputs if o), "")) if outputs else None
-        return n if n is not None and n.output[:] == outputs else None
+        """The input's node computing ``after``'s first output (equal to ``after`` or not)."""
+        return self.producer.get(after.output[0]) if len(after.output) else None
+
+    @property
+    def declared(self) -> dict[str, onnx.ValueInfoProto]:
+        """The values the input declares a type of (a declared type is what inference starts from where it can
+        tell less: two values computed alike are the same to their readers only if declared alike)."""
+        if self._declared is None:
+            self._declared = {v.name: v for v in (*self._graph.value_info, *self._graph.output)}
+        return self._declared
+
+    def _declared_alike(self, a: str, b: str) -> bool:
+        da, db = self.declared.get(a), self.declared.get(b)
+        return da is None and db is None or (da is not None and db is not None and da.type == db.type)
 
     def reads_alike(self, after: NodeProto, before: NodeProto) -> bool:
-        """Whether ``after`` (a node of the rewritten model) is ``before`` (the input's node of the same
-        outputs) reading the same values, some under other names: each name ``after`` reads is one of the
+        """Whether ``after`` (a node of the rewritten model) is ``before`` (an input's node: :meth:`node_of`)
+        but for reading the same values, some under other names: each name ``after`` reads is one of the
         input's, and the same value there as what ``before`` read at that place. The values ``after``
         reads may still differ from the input's by what the rewrite changed upstream; the guard follows
         those as it follows every reader."""
@@ -86,7 +96,7 @@ class SameValues:
         a, b = self._past_copies(a, blind), self._past_copies(b, blind)
         if a == b:
             return True
-        if not a or not b or depth == 0 or self.declared.get(a) != self.declared.get(b):
+        if not a or not b or depth == 0 or not self._declared_alike(a, b):
             return False
         key = (a, b) if a < b else (b, a)
         known = self._memo.get(key)

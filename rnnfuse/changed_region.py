@@ -212,10 +212,13 @@ def _changed_nodes(nodes: list[NodeProto], before: ModelProto) -> list[int]:
     under other names (a merged duplicate's, a merged constant's: rnnfuse.same_values) is not changed: 6,008
     readers of a torch trace's merged shape arithmetic were, and made a region of 10,807 nodes."""
     same = SameValues(before)
-    old = same.node_of  # (the same outputs are compared by the equality, or by reads_alike)
-    changed = [(i, o) for i, n in enumerate(nodes) if (o := old(n)) != n]
-    # (a node reading the values its input's node read, under the names clean-ups gave them, is unchanged)
-    return [i for i, o in changed if o is None or not same.reads_alike(nodes[i], o)]
+    old = same.by_first_output.get  # (the other outputs are compared by the equality, or by reads_alike)
+    changed = [(i, o) for i, n in enumerate(nodes) if (o := old(next(iter(n.output), ""))) != n]
+    # (a node reading the values its input's node read, under the names clean-ups gave them, is unchanged; one
+    # reading what a new node computes, a fused op's output, is not: no comparison, no index of the input)
+    fresh = {x for i, o in changed if o is None for x in nodes[i].output}
+    return [i for i, o in changed
+            if o is None or not fresh.isdisjoint(nodes[i].input) or not same.reads_alike(nodes[i], o)]
 
 
 def wiring_error(model: ModelProto, scan: NodeScan | None = None) -> str | None:

@@ -340,5 +340,5 @@ def _type_outputs(m: ModelProto) -> None:
         return
     types = region_types.inferred_types(m)
     for o in untyped:
-        if types and o.name in types:
+        if types is not None and o.name in types:
             o.type.ParseFromString(types[o.name])

@@ -50,10 +50,11 @@ class Frame:
         self.outputs = {v.name: v for v in g.output}
         self.declared = {v.name: v for v in g.value_info}
 
-    def declare_reads(self, sub: onnx.GraphProto, read: list[str], types: dict[str, bytes]) -> None:
+    def declare_reads(self, sub: onnx.GraphProto, read: list[str], types) -> None:
         """Make ``read``, what a part of the model reads from outside it, the inputs of its graph ``sub``: a
         graph input as declared (one with a default stays an input beside its initializer: its value is not a
-        constant), an initializer copied, any other value a typed input (``types`` holds them all)."""
+        constant), an initializer copied, any other value a typed input (``types``, name -> serialised type,
+        holds them all)."""
         for name in read:
             if name in self.inputs:
                 sub.input.add().CopyFrom(self.inputs[name])

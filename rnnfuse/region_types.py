@@ -38,7 +38,7 @@ class InferredTypes:
         infer the whole model at the first question, not walking a cone first that would prove too big."""
         self.model = model
         self._nodes, self._producer = nodes, producer  # (the input model's are listed only if a cone is walked)
-        self.types: dict[str, bytes] = {}
+        self.types = TypeTable()
         self.asked: set[str] = set()
         self.whole, self.whole_first = False, whole
         self.borrow = borrow
@@ -173,23 +173,92 @@ def _node_skeleton(n: NodeProto) -> NodeProto:
     return skeleton
 
 
-def inferred_types(model: "ModelProto | bytes") -> dict[str, bytes] | None:
+def inferred_types(model: "ModelProto | bytes") -> "InferredGraphTypes | None":
     """Value name -> its type as ONNX shape inference gives ``model`` (a cone model: declared inputs and
     outputs included); a value inference cannot type is absent. None when inference fails."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)  # (as onnxruntime's load infers)
     except Exception:  # (inference errors: the region cannot be judged, the whole model is loaded)
         return None
-    g = inferred.graph
-    types = {}
-    for vi in (*g.input, *g.output, *g.value_info):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-            types[vi.name] = vi.type.SerializeToString()
-        elif vi.type.WhichOneof("value") not in (None, "tensor_type"):
-            types[vi.name] = vi.type.SerializeToString()  # (sequences, optionals: compared whole)
-    for t in g.initializer:
-        types.setdefault(t.name, _tensor_type(t).SerializeToString())
-    return types
+    return InferredGraphTypes(inferred)
+
+
+class InferredGraphTypes:
+    """The types one inference gave (name -> serialised TypeProto), read from its graph as asked: of the
+    100,000 types a whole model's inference gives, the region asks a few dozen, and serialising them all took
+    0.2 s. A name's type is its last declaration of a known type among the graph's inputs, outputs and
+    value_info (sequences, optionals: compared whole), else its initializer's."""
+
+    def __init__(self, model: ModelProto):
+        g = model.graph
+        self._model = model  # (the declarations below are its)
+        self._declared = [{vi.name: vi for vi in g.value_info}, {vi.name: vi for vi in g.output},
+                          {vi.name: vi for vi in g.input}]  # (latest first)
+        self._initializers = {t.name: t for t in g.initializer}
+        self._read: dict[str, bytes | None] = {}
+
+    def get(self, name: str, default=None):
+        if name not in self._read:
+            self._read[name] = self._type_of(name)
+        t = self._read[name]
+        return default if t is None else t
+
+    def _type_of(self, name: str) -> bytes | None:
+        for declared in self._declared:
+            vi = declared.get(name)
+            if vi is not None:
+                if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                    return vi.type.SerializeToString()
+                if vi.type.WhichOneof("value") not in (None, "tensor_type"):
+                    return vi.type.SerializeToString()
+        t = self._initializers.get(name)
+        return None if t is None else _tensor_type(t).SerializeToString()
+
+    def __contains__(self, name: str) -> bool:
+        return self.get(name) is not None
+
+    def __getitem__(self, name: str) -> bytes:
+        t = self.get(name)
+        if t is None:
+            raise KeyError(name)
+        return t
+
+
+class TypeTable:
+    """Value name -> serialised type, from several inferences and from types set by hand, a later answer
+    before an earlier one (as dict.update would have it), each inference's read as asked
+    (:class:`InferredGraphTypes`)."""
+
+    def __init__(self):
+        self._layers: list = []  # (dicts and InferredGraphTypes, oldest first)
+
+    def update(self, types) -> None:
+        """Add ``types``: an InferredGraphTypes, or (name, type) pairs."""
+        if isinstance(types, InferredGraphTypes):
+            self._layers.append(types)
+            return
+        pairs = dict(types)
+        if pairs:
+            if self._layers and isinstance(self._layers[-1], dict):
+                self._layers[-1].update(pairs)
+            else:
+                self._layers.append(pairs)
+
+    def get(self, name: str, default=None):
+        for layer in reversed(self._layers):
+            t = layer.get(name)
+            if t is not None:
+                return t
+        return default
+
+    def __contains__(self, name: str) -> bool:
+        return self.get(name) is not None
+
+    def __getitem__(self, name: str) -> bytes:
+        t = self.get(name)
+        if t is None:
+            raise KeyError(name)
+        return t
 
 
 def established_types(established: Established | None) -> Callable[[str], bytes | None]:

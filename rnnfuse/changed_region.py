@@ -40,7 +40,7 @@ from . import region_types
 from .model_parts import Frame, part_model, split_constants
 from .protos import reads_of
 from .region_types import MAX_CONE_SHARE, Established, InferredTypes, established_types, same_known_type
-from .same_values import SameValues
+from .same_values import SameValues, first_output
 
 # below this many nodes onnxruntime loads a whole model in well under a second: the guard loads it whole
 SCOPED_NODES = 10_000
@@ -213,10 +213,10 @@ def _changed_nodes(nodes: list[NodeProto], before: ModelProto) -> list[int]:
     readers of a torch trace's merged shape arithmetic were, and made a region of 10,807 nodes."""
     same = SameValues(before)
     old = same.by_first_output.get  # (the other outputs are compared by the equality, or by reads_alike)
-    changed = [(i, o) for i, n in enumerate(nodes) if (o := old(next(iter(n.output), ""))) != n]
+    changed = [(i, o) for i, n in enumerate(nodes) if (o := old(next(iter(n.output), "") or first_output(n))) != n]
     # (a node reading the values its input's node read, under the names clean-ups gave them, is unchanged; one
     # reading what a new node computes, a fused op's output, is not: no comparison, no index of the input)
-    fresh = {x for i, o in changed if o is None for x in nodes[i].output}
+    fresh = {x for i, o in changed if o is None for x in nodes[i].output if x}
     return [i for i, o in changed
             if o is None or not fresh.isdisjoint(nodes[i].input) or not same.reads_alike(nodes[i], o)]
 

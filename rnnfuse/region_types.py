@@ -73,7 +73,9 @@ class InferredTypes:
         got = inferred_types((self._whole_model() if cone is None else self._cone_model(cone, want)).SerializeToString())
         if got is None:
             return None
-        self.types.update(got)
+        # (a whole model's types are read as asked, its inferred graph kept: there is one; a cone's are read at
+        # once and the graph let go: many waves re-infer a shared upstream, and keeping each graph took 720 MB)
+        self.types.update(got if cone is None else got.as_dict())
         return self
 
     def _borrowed(self, name: str) -> bytes | None:
@@ -183,7 +185,23 @@ def inferred_types(model: "ModelProto | bytes") -> "InferredGraphTypes | None":
     return InferredGraphTypes(inferred)
 
 
-class InferredGraphTypes:
+class _TypeLookup:
+    """``in`` and ``[]`` over a ``get`` (name -> serialised type, or None)."""
+
+    def get(self, name: str, default=None):
+        raise NotImplementedError
+
+    def __contains__(self, name: str) -> bool:
+        return self.get(name) is not None
+
+    def __getitem__(self, name: str) -> bytes:
+        t = self.get(name)
+        if t is None:
+            raise KeyError(name)
+        return t
+
+
+class InferredGraphTypes(_TypeLookup):
     """The types one inference gave (name -> serialised TypeProto), read from its graph as asked: of the
     100,000 types a whole model's inference gives, the region asks a few dozen, and serialising them all took
     0.2 s. A name's type is its last declaration of a known type among the graph's inputs, outputs and
@@ -203,28 +221,26 @@ class InferredGraphTypes:
         t = self._read[name]
         return default if t is None else t
 
+    def as_dict(self) -> dict[str, bytes]:
+        """Every type, read at once."""
+        g, types = self._model.graph, {}
+        for vi in (*g.input, *g.output, *g.value_info):
+            if (t := _known_type(vi)) is not None:
+                types[vi.name] = t
+        for t in g.initializer:
+            types.setdefault(t.name, _tensor_type(t).SerializeToString())
+        return types
+
     def _type_of(self, name: str) -> bytes | None:
         for declared in self._declared:
             vi = declared.get(name)
-            if vi is not None:
-                if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-                    return vi.type.SerializeToString()
-                if vi.type.WhichOneof("value") not in (None, "tensor_type"):
-                    return vi.type.SerializeToString()
+            if vi is not None and (t := _known_type(vi)) is not None:
+                return t
         t = self._initializers.get(name)
         return None if t is None else _tensor_type(t).SerializeToString()
 
-    def __contains__(self, name: str) -> bool:
-        return self.get(name) is not None
 
-    def __getitem__(self, name: str) -> bytes:
-        t = self.get(name)
-        if t is None:
-            raise KeyError(name)
-        return t
-
-
-class TypeTable:
+class TypeTable(_TypeLookup):
     """Value name -> serialised type, from several inferences and from types set by hand, a later answer
     before an earlier one (as dict.update would have it), each inference's read as asked
     (:class:`InferredGraphTypes`)."""
@@ -251,14 +267,13 @@ class TypeTable:
                 return t
         return default
 
-    def __contains__(self, name: str) -> bool:
-        return self.get(name) is not None
 
-    def __getitem__(self, name: str) -> bytes:
-        t = self.get(name)
-        if t is None:
-            raise KeyError(name)
-        return t
+def _known_type(vi: onnx.ValueInfoProto) -> bytes | None:
+    """A declaration's type, serialised, when it says something (a tensor's element type; a sequence's or an
+    optional's type, compared whole)."""
+    if vi.type.HasField("tensor_type"):
+        return vi.type.SerializeToString() if vi.type.tensor_type.elem_type else None
+    return vi.type.SerializeToString() if vi.type.WhichOneof("value") is not None else None
 
 
 def established_types(established: Established | None) -> Callable[[str], bytes | None]:

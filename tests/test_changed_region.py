@@ -584,3 +584,23 @@ def test_values_the_load_knows_are_computed_from_shapes_and_constants():
     assert {v: at_load.at_load(v) for v in ("r", "s", "d", "mixed", "f", "wide", "chosen", "scaled", "x", "zero")} == {
         "r": False, "s": True, "d": True, "mixed": False, "f": True, "wide": True, "chosen": False, "scaled": True,
         "x": False, "zero": True}
+
+
+def test_a_cones_inferred_graph_is_let_go_and_a_whole_models_read_as_asked():
+    """Each wave of a change infers a cone, which may hold a big shared upstream: its types are read at once
+    and its inferred graph let go (keeping each took 720 MB over 300 waves of a 2,000-node upstream). A whole
+    model is inferred once; its types are read as asked."""
+    vi = helper.make_tensor_value_info
+    nodes = [helper.make_node("Relu", ["x" if i == 0 else f"r{i - 1}"], [f"r{i}"]) for i in range(40)]
+    nodes.append(helper.make_node("Tanh", ["r39"], ["z"]))
+    m = helper.make_model(helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, ["B", 4])], [vi("z", TensorProto.FLOAT, None)]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    cone = region_types.InferredTypes(m)
+    assert cone.ask(["r5"]) is not None and not cone.whole
+    assert cone.ask(["r9"]) is not None and not cone.whole
+    assert all(isinstance(layer, dict) for layer in cone.types._layers)
+    assert cone.types.get("r5") == cone.types.get("r9") is not None
+    whole = region_types.InferredTypes(m, whole=True)
+    assert whole.ask(["r30"]) is not None and whole.whole
+    assert [type(layer) for layer in whole.types._layers] == [region_types.InferredGraphTypes]
+    assert whole.types.get("r30") == cone.types.get("r5") and "z" in whole.types

@@ -220,3 +220,20 @@ def test_other_ops_or_other_constants_differ():
                   numpy_helper.from_array(np.zeros(4, np.int32), "other")):
         after, before = _reader_renamed([], "other", "flat", initializers=[flat, other])
         assert _changed_ops(after, before) == ["Add"]
+
+
+def test_omitted_outputs_and_inputs_are_no_values():
+    """A node whose first output is omitted (an LSTM without Y) is found by its next one; a new node's omitted
+    output is no value its renamed readers' omitted inputs would read."""
+    w = numpy_helper.from_array(np.ones((1, 4, 4), np.float32), "W")
+    before = _model([helper.make_node("LSTM", ["x", "W", "W"], ["", "h"], hidden_size=1),
+                     helper.make_node("Relu", ["h"], ["y"])], [w])
+    after = _renamed(before, set(), {})
+    assert _changed_ops(after, before) == []
+
+    scales = [helper.make_node("Constant", [], [f"s{k}"], value=numpy_helper.from_array(np.ones(2, np.float32), "v"))
+              for k in (1, 2)]
+    before = _model([*scales, helper.make_node("Resize", ["x", "", "s2"], ["y"])])
+    after = _renamed(before, {"s2"}, {"s2": "s1"})
+    after.graph.node.append(helper.make_node("Dropout", ["x"], ["d", ""]))  # (new: its mask omitted)
+    assert _changed_ops(after, before) == ["Dropout"]

@@ -16,10 +16,9 @@ from onnx import NodeProto
 from rnnfuse.dataflow import runtime_values
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, has_subgraph
-from rnnfuse.protos import CONTROL_FLOW, RANDOM_OPS, node_field
+from rnnfuse.protos import CONTROL_FLOW, UNREPEATABLE_OPS, node_field
 from rnnfuse.tensor_values import constant_value
 
-_IMPURE = RANDOM_OPS | {"Dropout"}  # (Dropout: random in training mode)
 
 
 class Dedupe:
@@ -239,7 +238,7 @@ class _DedupeTable:
         if not self.g.alive(n):
             return False
         op = n.op_type
-        if op in _IMPURE or op == "Constant" or op in CONTROL_FLOW:
+        if op in UNREPEATABLE_OPS or op == "Constant" or op in CONTROL_FLOW:
             return False  # Constants are compared by value where they are read
         return bool(n.output) and not (n.domain not in ("", "ai.onnx") and has_subgraph(n))
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from onnx import GraphProto, NodeProto
 
 from .dataflow import post_order
-from .protos import has_subgraph
+from .protos import fixed_initializers, has_subgraph
 from .tensor_types import may_carry_shape_values
 
 _FROM_SHAPES = ("Shape", "Size", "Constant")
@@ -37,9 +37,7 @@ class LoadTimeValues:
 
     def __init__(self, graph: GraphProto, nodes: list[NodeProto], producer: dict[str, int]):
         self.nodes, self.producer = nodes, producer
-        inputs = {v.name for v in graph.input}
-        # (an initializer that is also a graph input is a default a caller may override: runtime data)
-        self.constants = {t.name for t in graph.initializer if t.name not in inputs}
+        self.constants = fixed_initializers(graph)  # (one a graph input may override is runtime data)
         self.known: dict[str, bool] = {}
 
     def carries(self, name: str, serialized_type: bytes | None) -> bool:

@@ -108,6 +108,8 @@ def dim_role(name) -> str | None:
 CONTROL_FLOW = frozenset({"Loop", "Scan", "If", "SequenceMap"})
 # ops whose two calls on the same inputs need not give the same values
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
+# ... and with Dropout (random in training mode): ops no two calls of which are taken to compute the same values
+UNREPEATABLE_OPS = RANDOM_OPS | {"Dropout"}
 ONNX_DOMAINS = ("", "ai.onnx")
 
 _NODE_FIELDS = NodeProto.DESCRIPTOR.fields_by_name
@@ -275,6 +277,13 @@ def free_names(g: GraphProto) -> set[str]:
     used.update([o.name for o in g.output])
     used -= defined
     return used
+
+
+def fixed_initializers(g: GraphProto) -> dict[str, TensorProto]:
+    """A graph's initializers by name, but those that are also graph inputs: such an initializer is a default a
+    caller may override, runtime data rather than a constant."""
+    inputs = {v.name for v in g.input}
+    return {t.name: t for t in g.initializer if t.name not in inputs}
 
 
 def reads_of(node: NodeProto) -> list[str]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import onnx
 from onnx import AttributeProto, ModelProto, NodeProto, TensorProto
 
-from .protos import ONNX_DOMAINS, RANDOM_OPS, has_subgraph
+from .protos import ONNX_DOMAINS, UNREPEATABLE_OPS, fixed_initializers, has_subgraph
 
 # how deep two computations are compared before they are taken to differ (the answer is then "changed": the
 # guard's region grows, nothing unsound)
@@ -69,9 +69,7 @@ class SameValues:
         g = self._graph
         self.producer = {o: n for n in g.node for o in n.output}
         self.producer.pop("", None)  # (an omitted optional output: no value)
-        inputs = {v.name for v in g.input}
-        # (an initializer that is also a graph input is a default a caller may override: not a constant)
-        self.constants = {t.name: t for t in g.initializer if t.name not in inputs}
+        self.constants = fixed_initializers(g)
         # (a declared type is what inference starts from where it can tell less: two values computed alike
         # are the same to their readers only if declared alike)
         self.declared = {v.name: v for v in (*g.value_info, *g.output)}
@@ -120,7 +118,7 @@ class SameValues:
         if (na.op_type != nb.op_type or na.domain != nb.domain or na.overload != nb.overload
                 or len(na.input) != len(nb.input) or na.attribute != nb.attribute):
             return False
-        if na.op_type in RANDOM_OPS or na.op_type == "Dropout" or has_subgraph(na):
+        if na.op_type in UNREPEATABLE_OPS or has_subgraph(na):
             return False
         return all(x == y or self._same(x, y, depth - 1) for x, y in zip(na.input, nb.input))
 

@@ -604,3 +604,39 @@ def test_a_cones_inferred_graph_is_let_go_and_a_whole_models_read_as_asked():
     assert whole.ask(["r30"]) is not None and whole.whole
     assert [type(layer) for layer in whole.types._layers] == [region_types.InferredGraphTypes]
     assert whole.types.get("r30") == cone.types.get("r5") and "z" in whole.types
+
+
+def _spreading_change(rewritten: bool, upstream: int, spread: int, declared: bool) -> onnx.ModelProto:
+    """``upstream`` Relus, then one node the rewrite changed (a Relu made an Unsqueeze: rank 2 -> 3), then
+    ``spread`` Relus whose type differs in the two models (one wave each), a ReduceSum to a float scalar
+    in both (the change stops there) and a Neg; ``declared``: every value computed declared without a type."""
+    mk, vi = helper.make_node, helper.make_tensor_value_info
+    nodes = [mk("Relu", ["x" if i == 0 else f"p{i - 1}"], [f"p{i}"]) for i in range(upstream)]
+    last = f"p{upstream - 1}"
+    nodes.append(mk("Unsqueeze", [last, "axes"], ["m"]) if rewritten else mk("Relu", [last], ["m"]))
+    nodes += [mk("Relu", ["m" if i == 0 else f"k{i - 1}"], [f"k{i}"]) for i in range(spread)]
+    nodes += [mk("ReduceSum", [f"k{spread - 1}"], ["s"], keepdims=0), mk("Neg", ["s"], ["z"])]
+    g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, ["B", 4])], [vi("z", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(np.array([0], np.int64), "axes")],
+                          value_info=[vi(o, TensorProto.FLOAT, None) for n in nodes for o in n.output][:-1] if declared else None)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_change_spreading_wave_by_wave_infers_each_node_once(monkeypatch, declared):
+    """Each wave of a change types the values it reaches by inferring their cone; a cone stops at the values an
+    earlier wave typed (declared with those types), so 40 waves down a chain behind a 400-node upstream infer
+    the upstream once per model, not once a wave (16,000 nodes: 40 waves of the whole cone). The region and
+    the types it reads are those one inference of everything gives."""
+    monkeypatch.setattr(region_types, "MAX_CONE_SHARE", 0.99)  # (cones, not whole models: the waves are what is tested)
+    inferred: list[int] = []
+    real = region_types.inferred_types
+    monkeypatch.setattr(region_types, "inferred_types", lambda m: inferred.append(_node_count(m)) or real(m))
+    after, before = (_spreading_change(rewritten, 400, 40, declared) for rewritten in (True, False))
+    sub = region.region_model(after, before)
+    assert sub is not None and [n.op_type for n in sub.graph.node] == ["Unsqueeze", *["Relu"] * 40, "ReduceSum"]
+    assert len(inferred) > 40 and sum(inferred) < 2 * (400 + 40) + 3 * len(inferred), inferred
+    assert [(i.name, [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]) for i in sub.graph.input] == [
+        ("p399", ["B", 4])]
+    outputs = {o.name: o.type.tensor_type for o in sub.graph.output}
+    assert outputs["s"].elem_type == TensorProto.FLOAT and len(outputs["s"].shape.dim) == 0

@@ -66,9 +66,16 @@ class NodeScan:
         self.producer: dict[str, int] = {}  # value -> the position of its (last) producer
         self.readers: dict[str, list[int]] = {}  # value -> the positions of the nodes reading it, in order
         self.fault: str | None = None
-        # the names defined outside the nodes: graph inputs and initializers
-        self.outer = outer = {v.name for v in g.input} | {t.name for t in g.initializer}
+        # the names defined outside the nodes: graph inputs and initializers (each named once in its field:
+        # the checker refuses a second initializer of a name, which a region copying one of them would hide)
         producer, readers, fault = self.producer, self.readers, None
+        inputs, weights = [v.name for v in g.input], [t.name for t in g.initializer]
+        self.outer = outer = set(inputs) | set(weights)
+        for what, names in (("graph input", inputs), ("initializer", weights)):
+            if fault is None and len(set(names)) != len(names):
+                seen: set[str] = set()
+                twice = next(name for name in names if name in seen or seen.add(name))
+                fault = f"two {what}s are named {twice!r}"
         named: set[str] = set()  # (onnxruntime refuses two nodes of one name; the checker does not)
         for i, n in enumerate(self.nodes):
             if n.name:

@@ -71,17 +71,17 @@ def copy_node_skeleton(n: NodeProto, m: NodeProto, keep_bytes: int) -> None:
 # what a tensor of shape values can be on its way: onnxruntime's load carries a Shape's entries through a Cast
 # to a float and back, and through an Unsqueeze to rank 2 and a Squeeze (a review probed onnxruntime 1.32)
 _NOT_SHAPE_VALUES = frozenset({TensorProto.STRING, TensorProto.UNDEFINED})
-# a tensor of known shape holding more elements than this is no shape's values (ranks stay far below it)
+# a tensor of rank 2 or more holding more elements than this is no shape's values (ranks stay far below it)
 SHAPE_VALUE_ELEMENTS = 64
 
 
 def may_carry_shape_values(serialized_type: bytes) -> bool:
-    """Whether a value of this (serialised) type may be one whose contents inference propagates as data (a
-    ``Shape``, a ``Gather`` of it, a ``Concat`` of such, a Cast of those to float, an Unsqueeze of them): a
-    numeric or bool tensor of unknown rank, of rank 0 or 1 (but for a vector known longer than
-    ``SHAPE_VALUE_ELEMENTS``), or of a known shape of at most ``SHAPE_VALUE_ELEMENTS`` elements. onnxruntime's
-    load knows such a value's contents when it is computed from shapes it knows; a part of the model that takes
-    it as a typed input does not, and would accept what the whole refuses."""
+    """Whether a value of this (serialised) type may be one whose contents inference reads or propagates as
+    data (a ``Shape``, a ``Gather`` of it, a ``Concat`` of such, a Cast of those to float, an Unsqueeze of them;
+    a Split's sizes, a Tile's repeats): a numeric or bool tensor of unknown rank, of rank 0 or 1 whatever its
+    length (a Constant ``[1] * T`` splitting T steps), or of a known shape of at most ``SHAPE_VALUE_ELEMENTS``
+    elements. onnxruntime's load knows such a value's contents when it is computed from shapes and constants;
+    a part of the model that takes it as a typed input does not, and would accept what the whole refuses."""
     t = onnx.TypeProto()
     t.ParseFromString(serialized_type)
     if not t.HasField("tensor_type"):
@@ -92,9 +92,9 @@ def may_carry_shape_values(serialized_type: bytes) -> bool:
     if not tt.HasField("shape"):
         return True
     dims = tt.shape.dim
-    if any(not d.HasField("dim_value") for d in dims):
-        return len(dims) <= 1
-    return math.prod(d.dim_value for d in dims) <= SHAPE_VALUE_ELEMENTS
+    if len(dims) <= 1:
+        return True
+    return all(d.HasField("dim_value") for d in dims) and math.prod(d.dim_value for d in dims) <= SHAPE_VALUE_ELEMENTS
 
 
 def type_of(vi: onnx.ValueInfoProto) -> tuple[int, list | None] | None:

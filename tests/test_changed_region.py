@@ -640,3 +640,57 @@ def test_a_change_spreading_wave_by_wave_infers_each_node_once(monkeypatch, decl
         ("p399", ["B", 4])]
     outputs = {o.name: o.type.tensor_type for o in sub.graph.output}
     assert outputs["s"].elem_type == TensorProto.FLOAT and len(outputs["s"].shape.dim) == 0
+
+
+def _split_by_a_long_constant(rewritten: bool, steps: int = 100) -> onnx.ModelProto:
+    """A Constant ``[1] * steps`` read by the changed node's cone (``m = x * Unsqueeze(Cast(C))``, was a
+    Concat) and then, a wave later, by a Split as its sizes; the Split's first part is added to a [1, 5]
+    weight. The rewritten ``m`` has 2 columns where the input's had 5: onnxruntime and the checker refuse the
+    Add in the rewritten model only, and only their reading of C's 100 entries tells them so."""
+    mk, vi = helper.make_node, helper.make_tensor_value_info
+    nodes = [mk("Constant", [], ["C"], value=numpy_helper.from_array(np.ones(steps, np.int64), "C")),
+             mk("Cast", ["C"], ["Cf"], to=TensorProto.FLOAT), mk("Unsqueeze", ["Cf", "one"], ["Cu"]),
+             mk("Mul", ["x", "Cu"], ["m"]) if rewritten else mk("Concat", ["x", "y"], ["m"], axis=1),
+             mk("Split", ["m", "C"], [f"o{i}" for i in range(steps)], axis=0), mk("Add", ["o0", "B"], ["z"])]
+    nodes += [mk("Relu", ["p" if i == 0 else f"p{i - 1}"], [f"p{i}"]) for i in range(14)]
+    weights = [numpy_helper.from_array(np.array([1], np.int64), "one"), numpy_helper.from_array(np.zeros((1, 5), np.float32), "B")]
+    g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, [steps, 2]), vi("y", TensorProto.FLOAT, [steps, 3]),
+                                       vi("p", TensorProto.FLOAT, [3])],
+                          [vi("z", TensorProto.FLOAT, ["a", "b"]), vi("p13", TensorProto.FLOAT, [3])], weights)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_long_constant_a_split_reads_is_not_cut_at(monkeypatch):
+    """A vector of any length computed at load time (here a Constant of 100 entries, a Split's sizes) is
+    walked through, never declared as a cone's or the region's typed input: inference reads its contents,
+    and the Add the rewrite broke is found. (A 64-entry limit on what counts as such let a later wave's cone
+    stop at C, typed by the first, and the region passed.)"""
+    monkeypatch.setattr(region, "SCOPED_NODES", 10)
+    after, before = _split_by_a_long_constant(True), _split_by_a_long_constant(False)
+    sub = region.region_model(after, before)
+    assert sub is not None and "Add" in [n.op_type for n in sub.graph.node]
+    assert "C" not in {i.name for i in sub.graph.input}
+    assert "Incompatible dimensions" in (guard.harm(after, lambda: before) or "")
+    assert guard.harm(_split_by_a_long_constant(False), lambda: before) is None
+
+
+def test_an_initializer_named_twice_is_a_wiring_fault(monkeypatch):
+    """A rewrite adding a second initializer of a name the input has: the checker refuses the model, so the
+    region (which copies one of them) does not judge it; the whole model's checks do."""
+    monkeypatch.setattr(region, "SCOPED_NODES", 10)
+    mk, vi = helper.make_node, helper.make_tensor_value_info
+
+    def model(weights):
+        nodes = [mk("Relu", ["w"], ["wr"]), mk("ReduceSum", ["wr"], ["s"], keepdims=0), mk("Neg", ["s"], ["z"])]
+        nodes += [mk("Relu", ["p" if i == 0 else f"p{i - 1}"], [f"p{i}"]) for i in range(14)]
+        g = helper.make_graph(nodes, "g", [vi("p", TensorProto.FLOAT, [3])],
+                              [vi("z", TensorProto.FLOAT, []), vi("p13", TensorProto.FLOAT, [3])],
+                              [numpy_helper.from_array(np.zeros(shape, np.float32), "w") for shape in weights])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+    before = model([(2, 3)])
+    for added in [(2, 5), (2, 3)]:
+        after = model([added, (2, 3)])
+        assert region.NodeScan(after).fault == "two initializers are named 'w'"
+        assert "not unique" in (guard.harm(after, lambda: before) or "")
+    assert region.NodeScan(before).fault is None and guard.harm(model([(2, 3)]), lambda: before) is None

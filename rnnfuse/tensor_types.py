@@ -71,15 +71,18 @@ def copy_node_skeleton(n: NodeProto, m: NodeProto, keep_bytes: int) -> None:
 # what a tensor of shape values can be on its way: onnxruntime's load carries a Shape's entries through a Cast
 # to a float and back, and through an Unsqueeze to rank 2 and a Squeeze (a review probed onnxruntime 1.32)
 _NOT_SHAPE_VALUES = frozenset({TensorProto.STRING, TensorProto.UNDEFINED})
-# a tensor of rank 2 or more holding more elements than this is no shape's values (ranks stay far below it)
+# a tensor holding more elements than this is no shape's values (ranks stay far below it); but a vector of
+# integers of any length may be sizes inference reads (a Split's: one entry a part)
 SHAPE_VALUE_ELEMENTS = 64
+_INTEGERS = frozenset({TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64, TensorProto.UINT8,
+                       TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64, TensorProto.BOOL})
 
 
 def may_carry_shape_values(serialized_type: bytes) -> bool:
     """Whether a value of this (serialised) type may be one whose contents inference reads or propagates as
     data (a ``Shape``, a ``Gather`` of it, a ``Concat`` of such, a Cast of those to float, an Unsqueeze of them;
-    a Split's sizes, a Tile's repeats): a numeric or bool tensor of unknown rank, of rank 0 or 1 whatever its
-    length (a Constant ``[1] * T`` splitting T steps), or of a known shape of at most ``SHAPE_VALUE_ELEMENTS``
+    a Split's sizes): a numeric or bool tensor of unknown rank, of rank 0 or 1 (a vector of integers whatever its
+    length: a Constant ``[1] * T`` splitting T steps), or of a known shape of at most ``SHAPE_VALUE_ELEMENTS``
     elements. onnxruntime's load knows such a value's contents when it is computed from shapes and constants;
     a part of the model that takes it as a typed input does not, and would accept what the whole refuses."""
     t = onnx.TypeProto()
@@ -92,9 +95,9 @@ def may_carry_shape_values(serialized_type: bytes) -> bool:
     if not tt.HasField("shape"):
         return True
     dims = tt.shape.dim
-    if len(dims) <= 1:
-        return True
-    return all(d.HasField("dim_value") for d in dims) and math.prod(d.dim_value for d in dims) <= SHAPE_VALUE_ELEMENTS
+    if any(not d.HasField("dim_value") for d in dims):
+        return len(dims) <= 1
+    return math.prod(d.dim_value for d in dims) <= SHAPE_VALUE_ELEMENTS or (len(dims) == 1 and tt.elem_type in _INTEGERS)
 
 
 def type_of(vi: onnx.ValueInfoProto) -> tuple[int, list | None] | None:

@@ -694,3 +694,22 @@ def test_an_initializer_named_twice_is_a_wiring_fault(monkeypatch):
         assert region.NodeScan(after).fault == "two initializers are named 'w'"
         assert "not unique" in (guard.harm(after, lambda: before) or "")
     assert region.NodeScan(before).fault is None and guard.harm(model([(2, 3)]), lambda: before) is None
+
+
+@pytest.mark.parametrize("elem_type, dims, carries", [
+    (TensorProto.INT64, [100], True),  # (a Split's sizes, one a step)
+    (TensorProto.BOOL, [1000], True),
+    (TensorProto.FLOAT, [64], True),  # (a Shape's entries cast to float)
+    (TensorProto.FLOAT, [65], False),  # (a bias: no inference reads a float vector that long)
+    (TensorProto.INT64, ["T"], True),
+    (TensorProto.INT64, [2, 3], True),
+    (TensorProto.INT64, [2, 100], False),
+    (TensorProto.INT64, ["B", 3], False),
+    (TensorProto.INT64, None, True),
+    (TensorProto.STRING, [2], False),
+])
+def test_which_types_may_hold_contents_inference_reads(elem_type, dims, carries):
+    from rnnfuse.tensor_types import may_carry_shape_values
+
+    t = helper.make_tensor_type_proto(elem_type, dims)
+    assert may_carry_shape_values(t.SerializeToString()) is carries

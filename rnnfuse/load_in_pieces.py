@@ -40,7 +40,7 @@ from onnx import ModelProto, NodeProto
 
 from .changed_region import MAX_INLINE_BYTES, NodeScan, inline_bytes
 from .load_time_values import LoadTimeValues
-from .model_parts import Frame, part_model, split_constants
+from .model_parts import Frame, LocalFunctions, part_model, split_constants
 from .piecewise_runs import piece_bounds
 from .protos import call_sizes, nodes_within
 
@@ -88,8 +88,8 @@ class Pieces:
         Loops' RNNs, 2.5 -> 0.9 s). An onnxruntime that holds it loads them one at a time all the same."""
         from .guard import onnxruntime_error
 
-        frame = Frame(self.model.graph)
-        built = (_piece_model(self.model, frame, copied + self.scan.nodes[start:stop], read, out, types).SerializeToString()
+        frame, functions = Frame(self.model.graph), LocalFunctions(self.model.functions)
+        built = (_piece_model(self.model, frame, copied + self.scan.nodes[start:stop], read, out, types, functions).SerializeToString()
                  for (start, stop), read, out, copied in zip(self.spans, self.reads, self.outputs, self.constants))
         return all_pass(built, onnxruntime_error, load_threads())
 
@@ -181,9 +181,9 @@ def _boundaries(scan: NodeScan, pieces: list[tuple[int, int]], graph_outputs: se
 
 
 def _piece_model(model: ModelProto, frame: Frame, nodes: list[NodeProto], read: list[str], out: list[str],
-                 types: dict[str, bytes]) -> ModelProto:
-    """``nodes`` as a model (see the module): ``read`` its inputs, ``out`` its outputs."""
-    m = part_model(model, "rnnfuse_piece", nodes)
+                 types: dict[str, bytes], functions: LocalFunctions | None = None) -> ModelProto:
+    """``nodes`` as a model (see the module): ``read`` its inputs, ``out`` its outputs; the functions they call."""
+    m = part_model(model, "rnnfuse_piece", nodes, functions)
     sub = m.graph
     frame.declare_reads(sub, read, types)
     declared = {o: frame.declared[o] for n in nodes for o in n.output if o in frame.declared}

@@ -11,19 +11,47 @@ from typing import TYPE_CHECKING
 import onnx
 from onnx import ModelProto, NodeProto
 
+from .protos import call_key, has_subgraph, subgraphs
+
 if TYPE_CHECKING:
     from .changed_region import NodeScan
 
 
-def part_model(whole: ModelProto, name: str, nodes: list[NodeProto]) -> ModelProto:
-    """A model of ``nodes`` with ``whole``'s IR version, opsets and functions (its graph's interface is the
-    caller's to fill in)."""
+def part_model(whole: ModelProto, name: str, nodes: list[NodeProto], functions: "LocalFunctions | None" = None) -> ModelProto:
+    """A model of ``nodes`` with ``whole``'s IR version, opsets and functions: those ``nodes`` need when
+    ``functions`` (``whole``'s) is given, else all (its graph's interface is the caller's to fill in)."""
     m = ModelProto(ir_version=whole.ir_version)
     m.opset_import.extend(whole.opset_import)
-    m.functions.extend(whole.functions)
+    m.functions.extend(whole.functions if functions is None else functions.needed_by(nodes))
     m.graph.name = name
     m.graph.node.extend(nodes)
     return m
+
+
+class LocalFunctions:
+    """A model's local functions, and which of them some of its nodes need: those the nodes call (in their
+    subgraphs too) and those these call in turn. A part of the model copies only those: 100 pieces of a model
+    of 5,000 functions each copying all made the pieces' load quadratic."""
+
+    def __init__(self, functions):
+        self.functions = list(functions)
+        self.place = {(f.domain, f.name, f.overload): i for i, f in enumerate(self.functions)}
+
+    def needed_by(self, nodes) -> list:
+        """The functions ``nodes`` need, in the model's order."""
+        if not self.place:
+            return []
+        found: set[int] = set()
+        stack = [nodes]
+        while stack:
+            for n in stack.pop():
+                k = self.place.get(call_key(n))
+                if k is not None and k not in found:
+                    found.add(k)
+                    stack.append(self.functions[k].node)
+                if has_subgraph(n):
+                    stack.extend(sg.node for sg in subgraphs(n))
+        return [self.functions[k] for k in sorted(found)]
 
 
 def split_constants(scan: NodeScan, read: list[str]) -> tuple[list[NodeProto], list[str]]:

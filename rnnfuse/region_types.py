@@ -11,6 +11,7 @@ import onnx
 from onnx import ModelProto, NodeProto, TensorProto
 
 from .load_time_values import LoadTimeValues
+from .model_parts import LocalFunctions
 from .protos import free_names, has_subgraph, reads_of, subgraphs
 from .tensor_types import SKELETON_DATA_BYTES, copy_node_skeleton, skeleton_initializer
 
@@ -45,6 +46,7 @@ class InferredTypes:
         self.borrowed: dict[str, bytes] = {}  # (the values a walk stopped at, with the types taken for them)
         self._load_time: LoadTimeValues | None = None
         self._maps: dict[str, dict] = {}  # (see _by_name)
+        self._functions: LocalFunctions | None = None
 
     @property
     def nodes(self) -> list[NodeProto]:
@@ -152,16 +154,19 @@ class InferredTypes:
         m = ModelProto()
         m.ir_version = self.model.ir_version
         m.opset_import.extend(self.model.opset_import)
-        m.functions.extend(self.model.functions)
         sub = m.graph
         sub.node.extend(_node_skeleton(n) if has_subgraph(n) else n for n in map(self.nodes.__getitem__, cone))
+        if self._functions is None:
+            self._functions = LocalFunctions(self.model.functions)
+        m.functions.extend(self._functions.needed_by(sub.node))  # (a cone a wave: not every function each)
         produced = {o for n in sub.node for o in n.output if o}
         needed = {i for n in sub.node for i in n.input if i and i not in produced}
         for n in sub.node:
             if has_subgraph(n):
                 for sg in subgraphs(n):
                     needed |= free_names(sg) - produced
-        sub.input.extend(v for v in g.input if v.name in needed)
+        inputs = self._by_name("input")
+        sub.input.extend(g.input[inputs[name]] for name in sorted(needed & inputs.keys()))
         weights = self._by_name("initializer")
         sub.initializer.extend(skeleton_initializer(g.initializer[weights[name]]) for name in sorted(needed & weights.keys()))
         for name in sorted(needed & borrowed.keys()):
@@ -181,13 +186,13 @@ class InferredTypes:
         return m
 
     def _by_name(self, field: str) -> dict[str, int]:
-        """Name -> place of the model graph's ``initializer`` entries, or of its ``value_info`` then ``output``
-        declarations (the last of a name): mapped once for every cone (a wave a cone, each scanning 40,000
+        """Name -> place of the model graph's ``input`` or ``initializer`` entries, or of its ``value_info`` then
+        ``output`` declarations (the last of a name): mapped once for every cone (a wave a cone, each scanning 40,000
         declarations, took 19 s), by place (a map of 80,000 protobuf messages' Python objects took 28 MB)."""
         found = self._maps.get(field)
         if found is None:
             g = self.model.graph
-            entries = g.initializer if field == "initializer" else (*g.value_info, *g.output)
+            entries = (*g.value_info, *g.output) if field == "value_info" else getattr(g, field)
             found = self._maps[field] = {e.name: i for i, e in enumerate(entries)}
         return found
 

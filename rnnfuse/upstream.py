@@ -206,7 +206,7 @@ def _digests(g: Graph, cone: list[NodeProto], masks: set[str], known: dict[str, 
     out: dict[str, bytes] = dict(known or {})
     from_masks: set[str] = set()
     blake2b = hashlib.blake2b
-    initializers, input_names = g.initializers, g.input_names
+    initializers, input_names = g.initializers, set(g.input_names)  # (a set: a leaf each, 10,000 inputs)
 
     def leaf(name: str) -> bytes:
         w = initializers.get(name)

@@ -260,6 +260,42 @@ def test_a_model_big_by_its_function_calls_is_cut(small_pieces, monkeypatch):
     assert len(loads) == len(p.spans)  # (never the whole model)
 
 
+def test_a_piece_holds_only_the_functions_its_nodes_need(small_pieces, monkeypatch):
+    """Each piece copies the local functions its nodes call, in subgraphs too, and those these call in turn,
+    in the model's order; not every function of the model (100 pieces of a model of 5,000 functions each
+    copying all made the load quadratic). The pieces still load."""
+    from rnnfuse.model_parts import LocalFunctions
+
+    ops = OPSET + [helper.make_opsetid("local", 1)]
+    nodes, cur = [], "x"
+    for k in range(40):
+        nodes.append(helper.make_node(f"Ten{k}", [cur], [f"c{k}"], domain="local"))
+        cur = f"c{k}"
+    nodes.append(helper.make_node("Identity", [cur], ["y"]))
+    m = _model(nodes)
+    m.opset_import.append(helper.make_opsetid("local", 1))
+    branches = [helper.make_graph([helper.make_node("Inner", ["a"], [f"{side}_out"], domain="local")], side, [],
+                                  [helper.make_tensor_value_info(f"{side}_out", TensorProto.FLOAT, [2, 3])])
+                for side in ("then", "else")]
+    m.functions.append(helper.make_function("local", "Ten0", ["a"], ["o"], [
+        helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.array(True), "c")),
+        helper.make_node("If", ["c"], ["o"], then_branch=branches[0], else_branch=branches[1])], ops))
+    m.functions.extend([_relu_function(f"Ten{k}", 10) for k in range(1, 40)] + [_relu_function("Inner", 3),
+                                                                                  _relu_function("Unused", 3)])
+    needed = LocalFunctions(m.functions).needed_by(m.graph.node[:2])
+    assert [f.name for f in needed] == ["Ten0", "Ten1", "Inner"]
+    p = Pieces.cut(m)
+    assert p is not None and len(p.spans) > 2
+    built = []
+    real = pieces_mod._piece_model
+    monkeypatch.setattr(pieces_mod, "_piece_model", lambda *a: built.append(real(*a)) or built[-1])
+    assert guard._load_error(m.SerializeToString(), p, _types(m, p)) is None
+    assert len(built) == len(p.spans)
+    for piece in built:
+        called = {n.op_type for n in piece.graph.node if n.domain == "local"}
+        assert {f.name for f in piece.functions} == called | ({"Inner"} if "Ten0" in called else set())
+
+
 def test_a_fused_loop_with_a_big_head_is_guarded_in_pieces(monkeypatch, tmp_path):
     """The benchmark's ``loophead`` graph: the fused model replays the head outside the loop; the guard takes
     it in pieces and hands back the same model as a whole load would."""

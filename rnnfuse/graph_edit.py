@@ -166,14 +166,24 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         """Make ``node`` compute ``op_type(inputs)`` into the same outputs, as the same object: in a Loop or Scan
         body it is the message of the body the node's owner holds (what validation and onnxruntime run), so
         the owner's captures (what its body reads from outside) are read again."""
-        self._unindex(node)
-        node.op_type, node.domain = op_type, ""
-        del node.input[:]
-        node.input.extend(inputs)
-        del node.attribute[:]
-        node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
-        self._index(node)
-        self.edited.append(node)
+        self.rewrite_many_in_place([(node, op_type, inputs, attrs)])
+
+    def rewrite_many_in_place(self, rewrites) -> None:
+        """:meth:`rewrite_in_place` of each ``(node, op_type, inputs, attrs)``, the reader list of each value they
+        read before filtered once (every step's mask reads the lengths: a filter per step was quadratic)."""
+        rewrites, before = list(rewrites), set()
+        for node, *_ in rewrites:
+            before.update(x for x in node.input if x)
+            before |= self.implicit_inputs(node)
+        self._drop_readers(before, {id(node) for node, *_ in rewrites})
+        for node, op_type, inputs, attrs in rewrites:
+            node.op_type, node.domain = op_type, ""
+            del node.input[:]
+            node.input.extend(inputs)
+            del node.attribute[:]
+            node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+            self._index(node)  # (its outputs are its own still; its reads are indexed anew)
+            self.edited.append(node)
         if self.owner is not None and self.parent is not None:
             self.parent.reindex(self.owner)
 

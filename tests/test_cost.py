@@ -1742,3 +1742,25 @@ def test_double_time_reversals_are_cancelled_in_one_filter(monkeypatch):
         readers = m.graph.uses(bound)
         assert len(readers) == n and all(m.graph.alive(r) and r.output[0].startswith("f") for r in readers)
     assert sorted(r.input[0] for r in m.graph.nodes_of("Tanh") if m.graph.alive(r)) == sorted(f"a{i}" for i in range(n))
+
+
+def test_masks_from_lengths_are_read_again_in_one_filter(monkeypatch):
+    """Every step's mask of a chain masked from a lengths input compares the lengths with its step index;
+    once fused, each becomes a Gather of the whole mask in place. The lengths' reader list (every step's
+    comparison) is filtered once for all of them, not once a step (quadratic: 1 s at 10,000 steps)."""
+    from rnnfuse import optimize
+    from rnnfuse.graph_edit import Graph as EditGraph
+    from rnnfuse.graph_index import GraphIndex
+
+    T = 48
+    unindexed: list[str] = []
+    real_unindex, real_drop = GraphIndex._unindex, EditGraph._drop_readers
+    monkeypatch.setattr(GraphIndex, "_unindex", lambda self, n, defer=None: (
+        unindexed.append(n.op_type) if "lengths" in n.input else None) or real_unindex(self, n, defer))
+    dropped: list[int] = []
+    monkeypatch.setattr(EditGraph, "_drop_readers", lambda self, names, gone: (
+        dropped.append(len(gone)) if "lengths" in names else None) or real_drop(self, names, gone))
+    model, _ = B.build(B.Opts(op="RNN", front="chain", mask="where", mask_rank=2, lengths="lt", static_T=T))
+    _, report = optimize(model)
+    assert [f.status for f in report.findings if f.pass_name == "unrolled"] == ["fused"], report.to_text()
+    assert T in dropped and len(unindexed) < 4, (dropped, unindexed)

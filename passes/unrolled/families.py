@@ -246,8 +246,8 @@ class StepMask:
     def read_steps(g: Graph, b, mask: str, axis: int, computed: dict[int, NodeProto]) -> None:
         """Each step's mask node ``computed[t]`` becomes ``Gather(mask, t, axis)``, in place (the same output,
         its readers as they were)."""
-        for t, n in computed.items():
-            g.rewrite_in_place(n, "Gather", [mask, b.const(np.array(t, np.int64), "t")], axis=axis)
+        g.rewrite_many_in_place((n, "Gather", [mask, b.const(np.array(t, np.int64), "t")], {"axis": axis})
+                                for t, n in computed.items())
 
 
 class LengthMask(StepMask):

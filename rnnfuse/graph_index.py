@@ -7,6 +7,7 @@ scopes count as uses of the capturing node, so dead-code removal and use-replace
 
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 from array import array
@@ -48,6 +49,7 @@ class GraphIndex:
         self.input_names = [i.name for i in proto.input]
         self.output_names = [o.name for o in proto.output]
         self._outputs = frozenset(self.output_names)  # (a graph of 1,000 outputs is asked per value)
+        self._output_repeats = {k: c for k, c in collections.Counter(self.output_names).items() if c > 1}
         self._inputs = set(self.input_names)
         self.producer: dict[str, NodeProto] = {}
         # value -> its reader, or a list of its readers where it has several (or none: one rewired away). Most
@@ -399,7 +401,7 @@ class GraphIndex:
         return [] if v is None else v if type(v) is list else [v]
 
     def n_uses(self, name: str) -> int:
-        return n_readers(self.consumers.get(name)) + (self.output_names.count(name) if name in self._outputs else 0)
+        return n_readers(self.consumers.get(name)) + (self._output_repeats.get(name, 1) if name in self._outputs else 0)
 
     def const(self, name: str) -> np.ndarray | None:
         """The value of ``name`` if it is constant (initializer, Constant, or foldable from constants)."""

@@ -1764,3 +1764,32 @@ def test_masks_from_lengths_are_read_again_in_one_filter(monkeypatch):
     _, report = optimize(model)
     assert [f.status for f in report.findings if f.pass_name == "unrolled"] == ["fused"], report.to_text()
     assert T in dropped and len(unindexed) < 4, (dropped, unindexed)
+
+
+def test_giving_up_a_graph_output_keeps_the_producers_reads_indexed(monkeypatch):
+    """A rewrite replacing a graph output renames its old producer's output: the node reads what it read, so
+    no reader list of its inputs is filtered (11,000 stacked Loops read one trip count: filtering its list at
+    each Loop whose final state is an output was quadratic). n_uses counts a twice-listed output twice."""
+    from rnnfuse.graph_index import GraphIndex
+
+    vi, n = helper.make_tensor_value_info, 80
+    nodes = [helper.make_node("Mul", ["x", "k"], [f"y{i}"]) for i in range(n)]
+    outs = [vi(f"y{i}", TensorProto.FLOAT, [2]) for i in range(n)] + [vi("y0", TensorProto.FLOAT, [2])]
+    g = helper.make_graph(nodes, "outs", [vi("x", TensorProto.FLOAT, [2]), vi("k", TensorProto.FLOAT, [2])], outs)
+    m = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    gr = m.graph
+    assert gr.n_uses("y0") == 2 and gr.n_uses("y1") == 1 and gr.n_uses("x") == n
+    unindexed = []
+    real = GraphIndex._unindex
+    monkeypatch.setattr(GraphIndex, "_unindex", lambda self, node, defer=None: unindexed.append(node) or real(self, node, defer))
+    for i in range(1, n):
+        new = gr.add_node("Neg", ["x"])[0]
+        gr.replace_uses(f"y{i}", new)
+    assert unindexed == []
+    assert len(gr.uses("x")) == 2 * n - 1 and len(gr.uses("k")) == n
+    muls = [node for node in gr.nodes if node.op_type == "Mul"]
+    assert [node.output[0].split("/")[0] for node in muls] == [f"y{i}" for i in range(n)]
+    for old in muls[1:]:
+        assert old.output[0].endswith("/detached") and gr.producer[old.output[0]] is old
+    for i in range(1, n):
+        assert gr.producer[f"y{i}"].op_type in ("Neg", "Identity") and f"y{i}" in gr.output_names

@@ -313,3 +313,23 @@ def test_the_first_step_is_checked_apart_only_when_it_differs(init, kinds, per_s
     assert not out.fused_mismatch and out.status == "fused", out.text()
     (f,) = [f for f in out.report.findings if f.status == "fused"]
     assert f"per step, {kinds} step kinds" in f.validation, f.validation
+
+
+def test_a_mask_rewritten_in_place_that_fails_to_run_declines_the_chain(monkeypatch):
+    """A chain masked from lengths makes every step's comparison read its slice of the whole mask, in place:
+    the original steps read it too, so when onnxruntime cannot run what was built, the check model of the
+    original tensors alone fails as well. That is no sign the input model cannot run (validation skipped, the
+    rewrite applied): the chain is declined. (Here each step reads a slice past the mask's end.)"""
+    import rnnfuse
+    from rnnfuse.passes.unrolled import families
+
+    def out_of_range(g, b, mask, axis, computed):
+        for t, n in computed.items():
+            g.rewrite_in_place(n, "Gather", [mask, b.const(np.array(t + 1000, np.int64), "t")], axis=axis)
+
+    model, _ = B.build(B.Opts(op="RNN", front="chain", mask="where", mask_rank=2, lengths="lt", static_T=5))
+    monkeypatch.setattr(families.StepMask, "read_steps", staticmethod(out_of_range))
+    out, report = rnnfuse.optimize(model)
+    chains = [f for f in report.findings if f.pass_name == "unrolled"]
+    assert chains and all(f.status == "declined" for f in chains), report.to_text()
+    assert not any(n.op_type == "RNN" for n in out.graph.node)

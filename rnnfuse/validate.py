@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .check_session import Source, model_of, open_session, takes_file_route
 from .feeds import index_ranges, input_sizes, random_values, valid_steps
 from .graph import Graph
-from .protos import data_bytes, nodes_within, rename_free, subgraphs
+from .protos import data_bytes, nodes_within, rename_reads
 from .piecewise_runs import run_in_pieces, weight
 from .upstream import CUT_BYTES, Cut, cut
 
@@ -118,16 +118,11 @@ def _mask_overrides(keep: list[onnx.NodeProto], masks: list[str]):
     pattern input, mask -> the nodes computing its override, their constants)."""
     pattern_inputs: dict[str, str] = {}
     overrides: dict[str, list[onnx.NodeProto]] = {}
+    rename_reads((), {mname: f"__rnnfuse_mask_{k}" for k, mname in enumerate(masks)}, keep)  # (one walk)
     for k, mname in enumerate(masks):
         pname = f"__rnnfuse_pattern_{k}"
         over = f"__rnnfuse_mask_{k}"
         pattern_inputs[mname] = pname
-        for n in keep:
-            for i, x in enumerate(n.input):
-                if x == mname:
-                    n.input[i] = over
-            for sg in subgraphs(n):
-                rename_free(sg, mname, over)
         sh, sh2, sl = f"{over}/shape", f"{over}/shape2", f"{over}/slice"
         overrides[mname] = [
             helper.make_node("Shape", [mname], [sh]),

@@ -1,7 +1,7 @@
 """How the optimizer's cost grows with the graph: 25k / 50k / 100k / 200k nodes, through the command line.
 
     python benchmarks/scaling.py [--sizes 25000,50000,100000,200000]
-                                 [--graphs lstmcell,declared,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,loophead,loopstack,callhead,chunkhead,grucell,rnncell,grustack,grubi,annotated,wide,heavy,heavy_ext]
+                                 [--graphs lstmcell,declared,elementwise,steps,masked,loops,side,bidir,stacked,views,blocks,attention,stepcalls,backreads,loophead,loopstack,callhead,chunkhead,grucell,rnncell,grustack,grubi,annotated,wide,heavy,heavy_ext,lengths,maskloops,flips,loopouts,sideinputs]
                                  [--runs 3]
                                  [--trees old=DIR,new=DIR] [--out benchmarks/results]
     python benchmarks/scaling.py --generate elementwise --nodes 100000 OUT.onnx    # just write one graph
@@ -61,6 +61,9 @@ The graphs, the ends of what a long unrolled model can be (those built op by op:
 * ``transformer`` / ``celltransformer``: torch's trace of a dynamic-shape transformer (every block assembling
   its Reshapes' targets from a Shape's scalars) after ``nn.LSTM`` (nothing to fuse) or after a loop over
   ``nn.LSTMCell`` holding ~40% of the nodes (one LSTM): ``transformer_graphs.py``.
+* ``lengths``, ``maskloops``, ``flips``, ``loopouts``, ``sideinputs``: graphs whose cost once grew faster than
+  they do (masks from lengths, masked Loops on one trip count, double time reversals, Loops whose final
+  states are graph outputs, cells side by side on inputs of their own): ``growth_graphs.py``.
 * ``heavy`` / ``heavy_ext``: the LSTMCell loop at input = hidden = 1536 and 2560 for 20 steps (75 and 210 MB, all
   but 0.1 MB of it weights), one file / tensors in external data; ``--heavy-sizes`` gives the hidden sizes.
 
@@ -95,6 +98,7 @@ from chain_2000 import (CALL_HEAD_NODES_PER_STEP, CELL_LOOP_NODES_PER_STEP, CHUN
                         export_view_chain)
 from scoped_graphs import function_calls, ifs_in_a_row, scans_in_a_row, shape_arithmetic  # noqa: E402
 from transformer_graphs import transformer_after_cell_loop, transformer_after_lstm  # noqa: E402
+from growth_graphs import GROWTH_GENERATORS  # noqa: E402
 from graphs import (attention_blocks, backward_loop_read_stacked, cells_side_by_side, elementwise_chain, layer_called_per_step,  # noqa: E402
                     loop_with_head, loops_in_a_row, stacked_loops, masked_rnn_chain, prologue_then_recurrence, recurrence_then_head,
                     steps_summed, two_cells_per_step, unbind_stack_blocks)
@@ -267,6 +271,7 @@ GENERATORS = {"lstmcell": lstmcell_chain, "declared": declared_chain, "elementwi
               "ifs": ifs_in_a_row, "constifs": lambda path, nodes: ifs_in_a_row(path, nodes, constant=True),
               "scans": scans_in_a_row, "calls": function_calls, "shapes": shape_arithmetic,
               "transformer": transformer_after_lstm, "celltransformer": transformer_after_cell_loop,
+              **GROWTH_GENERATORS,
               **{kind: (lambda path, nodes, kind=kind, n=n: export_cell_loops(path, max(2, nodes // n), kind))
                  for kind, n in CELL_LOOP_NODES_PER_STEP.items()}}
 

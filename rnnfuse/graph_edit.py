@@ -163,9 +163,8 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
                 consumers[i] = []  # (the name stays known as read, by nothing now)
 
     def rewrite_in_place(self, node: NodeProto, op_type: str, inputs: list[str], **attrs) -> None:
-        """Make ``node`` compute ``op_type(inputs)`` into the same outputs, as the same object: in a Loop or Scan
-        body it is the message of the body the node's owner holds (what validation and onnxruntime run), so
-        the owner's captures (what its body reads from outside) are read again."""
+        """Make ``node`` compute ``op_type(inputs)`` into the same outputs, as the same object (in a body, the message
+        its owner holds: what validation and onnxruntime run; the owner's captures are read again)."""
         self.rewrite_many_in_place([(node, op_type, inputs, attrs)])
 
     def rewrite_many_in_place(self, rewrites) -> None:
@@ -173,13 +172,15 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         read before filtered once (every step's mask reads the lengths: a filter per step was quadratic)."""
         rewrites, before = list(rewrites), set()
         for node, *_ in rewrites:
-            before.update(x for x in node.input if x)
-            before |= self.implicit_inputs(node)
-        self._drop_readers(before, {id(node) for node, *_ in rewrites})
+            before.update(x for x in (*node.input, *self.implicit_inputs(node)) if x)
+        wide, g, ids = self.__dict__.get("_wide_inputs", {}), self, {id(n) for n, *_ in rewrites}
+        self._drop_readers(before, ids)
+        while g is not None:  # (the round's nodes that compute otherwise than the input's did: validate._original_runs)
+            g.__dict__.setdefault("in_place", set()).update(ids)
+            ids, g = {id(g.owner)} if g.owner is not None else set(), g.parent
         for node, op_type, inputs, attrs in rewrites:
-            node.op_type, node.domain = op_type, ""
-            del node.input[:]
-            node.input.extend(inputs)
+            wide.pop(id(node), None)  # (positions of its inputs read before: read again when asked)
+            node.op_type, node.domain, node.input[:] = op_type, "", inputs
             del node.attribute[:]
             node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
             self._index(node)  # (its outputs are its own still; its reads are indexed anew)
@@ -239,9 +240,8 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
     def finalize(self) -> None:
         """Remove dead nodes and unused initializers, topologically sort, and write back to the proto.
 
-        Linear, and it does no whole-graph work it can prove unneeded: no liveness walk right after a
-        prune, no sort of an order no edit disturbed, no proto rewrite or index rebuild of an unchanged node
-        list."""
+        Linear, and no whole-graph work it can prove unneeded: no liveness walk right after a prune, no sort of
+        an order no edit disturbed, no proto rewrite or index rebuild of an unchanged node list."""
         touched = self.edited_this_round()  # (whose outputs are ``redefined``, when asked: see the end)
         removed = self._removed
         nodes = removed.keep(self.nodes) if removed else self.nodes
@@ -272,6 +272,7 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         self._removed = Removed()
         self._graveyard.clear()
         edited, self.edited = self.edited, []
+        self.__dict__.pop("in_place", None)
         self._input_sorted = True
         if copies is None:  # (every message is new: the index is built again)
             self.producer.clear()
@@ -360,7 +361,7 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         g.__dict__.update(self.__dict__)
         g.model = model
         g._arrays, g._subgraph_views, g._removed, g._graveyard, g.edited = {}, {}, Removed(), [], []
-        for per_round in ("_local_types", "_wide_inputs", "redefined"):
+        for per_round in ("_local_types", "_wide_inputs", "redefined", "in_place"):
             g.__dict__.pop(per_round, None)
         return g
 

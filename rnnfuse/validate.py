@@ -437,14 +437,17 @@ def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: Inpu
 
 def _original_runs(ort, g: Graph, pairs, masks, prepack: bool, feeds: dict | None = None) -> bool:
     """Whether the check model of the original tensors alone loads (and runs on ``feeds``, their inputs' part).
-    Taken as True when it holds a node this round edited (a step's mask made to read its slice of the whole
-    mask, in place): the original tensors then read what the rewrite built, and their failing says nothing
-    of the input model (a rewrite onnxruntime could not run was applied, its validation skipped)."""
+    Taken as True when it holds a node this round rewrote in place (a step's mask made to read its slice of
+    the whole mask, Graph.rewrite_many_in_place): the original tensors then read what a rewrite built, and
+    their failing says nothing of the input model (a rewrite onnxruntime could not run was applied, its
+    validation skipped)."""
     try:
         check, _, big = build_check_model(g, [(a, a) for a, _ in pairs], sorted(masks))
-        edited = {o for n in g.edited if g.alive(n) for o in n.output if o}
-        if edited and any(o in edited for n in check.graph.node for o in n.output):
-            return True
+        in_place = g.__dict__.get("in_place")
+        if in_place:
+            rebuilt = {o for n in g.nodes if id(n) in in_place for o in n.output if o}
+            if any(o in rebuilt for n in check.graph.node for o in n.output):
+                return True
         sess = open_session(ort, check, big, prepack=prepack, file_route=takes_file_route(big))
         if feeds is not None:
             sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})

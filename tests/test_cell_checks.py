@@ -333,3 +333,29 @@ def test_a_mask_rewritten_in_place_that_fails_to_run_declines_the_chain(monkeypa
     chains = [f for f in report.findings if f.pass_name == "unrolled"]
     assert chains and all(f.status == "declined" for f in chains), report.to_text()
     assert not any(n.op_type == "RNN" for n in out.graph.node)
+
+
+def test_an_input_that_cannot_run_still_skips_validation_past_other_edits():
+    """An input model onnxruntime cannot run (a custom op feeding the recurrence), an Identity after the
+    custom op that DropNoOps reads through: a node another pass rewired this round is no rewrite's own
+    construction, so the check's failing is still the input's, and the rewrite rests on its symbolic proof
+    (validation skipped) as without the Identity."""
+    import onnx
+    import rnnfuse
+    from onnx import helper
+
+    model, _ = B.build(B.Opts(op="GRU", lbr=1))
+    g = model.graph
+    x = g.input[0]
+    raw, mid = x.name + "_raw", x.name + "_mid"
+    g.node.insert(0, helper.make_node("Identity", [mid], [x.name], name="id_after_custom"))
+    g.node.insert(0, helper.make_node("Mystery", [raw], [mid], domain="com.example.custom"))
+    for name in (mid, x.name):
+        g.value_info.add().CopyFrom(onnx.helper.make_tensor_value_info(name, x.type.tensor_type.elem_type, None))
+        g.value_info[-1].type.CopyFrom(x.type)
+    x.name = raw
+    model.opset_import.append(helper.make_opsetid("com.example.custom", 1))
+    out, report = rnnfuse.optimize(model)
+    fused = [f for f in report.findings if f.status == "fused"]
+    assert fused and "onnxruntime cannot run the original" in fused[0].validation, report.to_text()
+    assert any(n.op_type == "GRU" for n in out.graph.node)

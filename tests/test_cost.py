@@ -1823,3 +1823,20 @@ def test_mask_overrides_rename_every_mask_in_one_walk(monkeypatch):
             assert list(nested.g.node[0].input) == ["__rnnfuse_mask_1"]
             assert nested.g.output[0].name == "__rnnfuse_mask_2"
     assert patterns == {f"m{k}": f"__rnnfuse_pattern_{k}" for k in range(3)} and len(overrides) == 3
+
+
+def test_a_wide_node_rewritten_in_place_reads_its_new_inputs_again():
+    """Renaming a read of a node of 64+ inputs uses the positions of its inputs, kept once read; a node
+    rewritten in place reads other names at other positions, so a later rename must not use the old ones."""
+    n, vi = 64, helper.make_tensor_value_info
+    ins = [vi(f"a{i}", TensorProto.FLOAT, [1]) for i in range(n)] + [vi(v, TensorProto.FLOAT, [1]) for v in ("z", "w")]
+    g = helper.make_graph([helper.make_node("Concat", [f"a{i}" for i in range(n)], ["y"], axis=0)], "wide", ins,
+                          [vi("y", TensorProto.FLOAT, [n])])
+    gr = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])).graph
+    cat = gr.producer["y"]
+    gr.replace_uses("a0", "z")  # (the positions of cat's inputs are read, and kept)
+    reversed_ = [f"a{i}" for i in range(n - 1, 0, -1)] + ["z"]
+    gr.rewrite_in_place(cat, "Concat", reversed_, axis=0)
+    gr.replace_uses("a1", "w")
+    assert [i for i, x in enumerate(cat.input) if x == "w"] == [n - 2] and "a1" not in cat.input
+    assert set(cat.input) == set(reversed_) - {"a1"} | {"w"}

@@ -90,6 +90,8 @@ def run_in_pieces(ort, g: Graph, nodes: list[NodeProto], wanted: list[str], give
             handed[k][w] = None
             taken[k].append(w)
     values: dict[str, list[np.ndarray]] = dict(given)
+    if len(bounds) > 1:
+        inputs = _made_once(inputs, max_bytes)
     for k, (a, b) in enumerate(bounds):
         outputs = list(handed[k])
         # (the graph's own nodes: the model copies them as it takes them, and nothing here changes them)
@@ -113,3 +115,19 @@ def run_in_pieces(ort, g: Graph, nodes: list[NodeProto], wanted: list[str], give
         if sum(v.nbytes for per_set in values.values() for v in per_set) > max_bytes:
             return None
     return {w: values[w] for w in wanted} if take is None else {}
+
+
+def _made_once(inputs, max_bytes: int):
+    """The input sets as a list, each made once, when together they hold at most ``max_bytes``; else ``inputs``
+    as given (a sequence that makes each set again when asked, one at a time: see validate.InputSets). Each
+    piece feeds every set, and making all of a model's graph inputs again per piece was pieces x inputs (a
+    model of thousands of graph inputs)."""
+    if isinstance(inputs, list) or not (hasattr(inputs, "__len__") and hasattr(inputs, "__getitem__")):
+        return inputs
+    made, held = [], 0
+    for k in range(len(inputs)):
+        made.append(inputs[k])
+        held += sum(v.nbytes for v in made[-1].values())
+        if held > max_bytes:
+            return inputs
+    return made

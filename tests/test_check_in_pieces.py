@@ -206,3 +206,44 @@ def test_run_in_pieces_hands_each_wanted_value_once_and_holds_it_while_read(stac
     for name in wanted:
         for a, b in zip(whole[name], taken[name][0]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_input_sets_are_made_once_for_all_pieces_when_small(stacked):
+    """Every piece feeds every input set; a sequence that makes each set again when asked (validate.InputSets)
+    is asked once per set for the whole run when the sets together fit ``max_bytes`` (made again per piece, a
+    model of thousands of graph inputs generated them all per piece), and per piece otherwise; the values are
+    the same either way."""
+    import onnxruntime as ort
+
+    from rnnfuse.graph import Model
+
+    class Sets:
+        def __init__(self):
+            self.made = 0
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, k):
+            self.made += 1
+            return {"x": np.random.default_rng(k).standard_normal((5, 1, 4)).astype(np.float32)}
+
+        def __iter__(self):
+            return (self[k] for k in range(len(self)))
+
+    g = Model(stacked).graph
+    nodes = list(g.nodes)
+    wanted = [n.output[1] for n in nodes if n.op_type == "Loop"]
+    opened = []
+
+    def open_(ort_, m, big):
+        opened.append(1)
+        return check_session.open_session(ort_, m, big)
+
+    small, tight = Sets(), Sets()
+    got = piecewise_runs.run_in_pieces(ort, g, nodes, wanted, {}, small, open_, 20, 1 << 30)
+    pieces = len(opened)
+    assert pieces > 2 and small.made == 3
+    again = piecewise_runs.run_in_pieces(ort, g, nodes, wanted, {}, tight, open_, 20, 100)
+    assert again is None or all(np.array_equal(a, b) for w in wanted for a, b in zip(got[w], again[w]))
+    assert tight.made > 3  # (80 bytes a set: over the budget, made again when a piece asks)

@@ -135,26 +135,22 @@ class Rewiring:
         old_prod = self.producer.get(old)
         if old_prod is None:
             return
-        # (only the name it gives up changes, not what it reads: re-indexing it filtered the reader list of each
-        # of its inputs, a trip count 11,000 stacked Loops read, at every Loop whose final state is an output)
-        fresh = self.fresh(old + "/detached")
-        for i, o in enumerate(old_prod.output):
-            if o == old:
-                old_prod.output[i] = fresh
-        del self.producer[old]
-        self._edits += 1
-        self.owners_complete = False
-        if id(old_prod) not in self._removed:
-            self.producer[fresh] = old_prod
-            self.edited.append(old_prod)
+        self._rename_produced(old_prod, old, self.fresh(old + "/detached"), id(old_prod) not in self._removed)
 
     def _rename_output(self, new: str, old: str) -> None:
         """Rename the produced tensor ``new`` to ``old`` (used to keep graph output names)."""
-        node = self.producer.pop(new)  # (what it reads stays indexed: see _detach)
+        self._rename_produced(self.producer[new], new, old)
+
+    def _rename_produced(self, node: NodeProto, old: str, new: str, live: bool = True) -> None:
+        """``node``'s output ``old`` renamed ``new``: only the producer map changes, not what it reads (re-indexing
+        it filtered the reader list of each of its inputs, a trip count 11,000 stacked Loops read, at every Loop
+        whose final state is a graph output). ``live``: the node is not removed (indexed as the producer)."""
         for i, o in enumerate(node.output):
-            if o == new:
-                node.output[i] = old
-        self.producer[old] = node
+            if o == old:
+                node.output[i] = new
+        del self.producer[old]
         self._edits += 1
         self.owners_complete = False
-        self.edited.append(node)
+        if live:
+            self.producer[new] = node
+            self.edited.append(node)

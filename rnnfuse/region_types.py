@@ -120,11 +120,11 @@ class InferredTypes:
         wave at a time infers each node once, not the shared upstream once a wave), unless the load knows its
         contents. (Declared as an input of the next cone: inference names the dims it invents ``unk__N`` avoiding
         the names its inputs use, and the guard compares such dims as unknown.)"""
-        t = self._borrowed(name)
-        if t is None and (t := self.types.get(name)) is not None and not self.load_time.carries(name, t):
-            self.borrowed[name] = t  # (declared with that type by _cone_model)
-            return True
-        return t is not None and not self.load_time.carries(name, t)
+        t = self._borrowed(name) or self.types.get(name)
+        if t is None or self.load_time.carries(name, t):
+            return False
+        self.borrowed.setdefault(name, t)  # (a type an earlier question gave: declared so by _cone_model)
+        return True
 
     def _whole_model(self) -> ModelProto:
         """The whole model as :meth:`_cone_model` would copy every node, in bulk (node by node, what each reads

@@ -329,7 +329,6 @@ def model_of(g: "Graph", nodes: list[onnx.NodeProto], outputs: list, given: dict
         if tname in used:
             graph.input.append(fed_input(tname, values))
     graph.output.extend(outputs)
-    for f in proto.functions:
-        m.functions.append(f)
+    m.functions.extend(g.model.local_functions.needed_by(graph.node))  # (its nodes' and their subgraphs' calls)
     materialize_nested(m, g.model.tensor_array)
     return m, big

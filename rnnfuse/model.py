@@ -13,6 +13,7 @@ from .cone_types import ConeTypes
 from .facts import ModelFacts
 from .graph_edit import Graph
 from .tensor_values import raw_array
+from .model_parts import LocalFunctions
 from .naming import NameAllocator
 from .protos import CONTROL_FLOW, all_names, has_subgraph, nodes_within, subgraphs
 from .tensor_types import CHEAP_INFERENCE_NODES, CHEAP_INFERENCE_SCOPE_WORK, declared_types, infer_types
@@ -35,6 +36,7 @@ class Model:
         self._declared: dict[str, tuple[int, list | None]] | None = None
         self._cones: ConeTypes | None = None  # (big models: types inferred cone by cone)
         self._next: Model | None = None  # (the next round's view, once there is one)
+        self._functions: LocalFunctions | None = None  # (see local_functions)
         self.declared_by_edits: set[str] = set()  # (the names of the types :meth:`declare` recorded)
         self.graph = Graph(proto.graph, None, self) if index_from is None else index_from.next_view(self)
         # whether whole-model shape inference is cheap enough to fill in undeclared types (see known_type)
@@ -80,6 +82,15 @@ class Model:
         if self.facts.upstream_values is not None:
             self.facts.upstream_values.runs.clear()  # (their standing ends with the round)
         return m
+
+    @property
+    def local_functions(self) -> LocalFunctions:
+        """The model's local functions, and which of them some nodes need: a check model or a piece of one
+        copies only those (each of 40 pieces copying all of 5,000 functions was pieces x functions). Listed
+        once a view: no pass adds or removes a function."""
+        if self._functions is None or len(self._functions.functions) != len(self.proto.functions):
+            self._functions = LocalFunctions(self.proto.functions)
+        return self._functions
 
     @property
     def names(self) -> NameAllocator:

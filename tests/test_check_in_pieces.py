@@ -247,3 +247,51 @@ def test_input_sets_are_made_once_for_all_pieces_when_small(stacked):
     again = piecewise_runs.run_in_pieces(ort, g, nodes, wanted, {}, tight, open_, 20, 100)
     assert again is None or all(np.array_equal(a, b) for w in wanted for a, b in zip(got[w], again[w]))
     assert tight.made > 3  # (80 bytes a set: over the budget, made again when a piece asks)
+
+
+def _with_functions(model: onnx.ModelProto, unused: int) -> onnx.ModelProto:
+    """``model`` with ``unused`` local functions nothing calls, and ``Outer`` (which calls ``Inner``, a Relu)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    opset = [helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+    m.opset_import.append(helper.make_opsetid("local", 1))
+    m.functions.extend(helper.make_function("local", f"Unused{i}", ["a"], ["b"], [helper.make_node("Neg", ["a"], ["b"])],
+                                            opset) for i in range(unused))
+    m.functions.append(helper.make_function("local", "Inner", ["a"], ["b"], [helper.make_node("Relu", ["a"], ["b"])], opset))
+    m.functions.append(helper.make_function("local", "Outer", ["a"], ["b"],
+                                            [helper.make_node("Inner", ["a"], ["b"], domain="local")], opset))
+    return m
+
+
+def test_a_check_model_holds_the_functions_its_nodes_call_only():
+    """A check model or piece copies the local functions its nodes call, and those these call, in the model's
+    order: not every function of the model (each of 40 pieces copying 5,000 was pieces x functions)."""
+    from rnnfuse.graph import Model
+
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])
+    z = helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [2, 3])
+    graph = helper.make_graph([helper.make_node("Outer", ["x"], ["y"], domain="local"), helper.make_node("Neg", ["y"], ["z"])],
+                              "g", [x], [z])
+    m = _with_functions(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), unused=30)
+    g = Model(m).graph
+    calls, neg = g.nodes
+    assert not check_session.model_of(g, [neg], [z], {"y": [np.zeros((2, 3), np.float32)]}, "part")[0].functions
+    part, _ = check_session.model_of(g, [calls], [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], {},
+                                     "part")
+    assert [f.name for f in part.functions] == ["Inner", "Outer"]
+    xv = np.array([[-1, 2, -3], [4, -5, 6]], np.float32)
+    (got,) = session(part).run(None, {"x": xv})
+    np.testing.assert_array_equal(got, np.maximum(xv, 0))
+
+
+def test_pieces_of_a_model_with_many_functions_copy_none_they_do_not_call(stacked, pieces, monkeypatch):
+    """Stacked Loops beside 200 local functions nothing calls: checked in pieces as before, every piece (and the
+    fused model) free of the unused functions' copies, the output as the original's."""
+    model = _with_functions(stacked, unused=200)
+    held = []
+    opened = validate.open_session
+    monkeypatch.setattr(validate, "open_session", lambda ort, m, big, **k: held.append(len(m.functions)) or opened(ort, m, big, **k))
+    fused, report = rnnfuse.optimize(model)
+    assert len(report.fused) == LOOPS and not report.declined, report.to_text()
+    assert "whole" not in pieces and len(pieces) >= 8 and held and not any(held), (pieces, held)
+    _agrees_with_the_original(fused, stacked)

@@ -15,6 +15,7 @@ from onnx import NodeProto
 from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
+from rnnfuse.mask_proof import body_mask_differs
 from rnnfuse.recurrence import Recurrence
 from rnnfuse.row_wise import ROW_RANK, body_mask, mask_on_every_step
 from rnnfuse.symbolic import BoolMask
@@ -58,6 +59,10 @@ def attach_derived_mask(g: Graph, body: Graph, loop: NodeProto, recs: list[Recur
     d, src = step_in.derived, step_in.derived_from
     b = Builder(g, loop, "rnnfuse/step_mask")
     mask = mask_on_every_step(b, d.nodes, sorted(src.reads), src.source, d.out, d.rank, d.consts, src.x_rank)
+    # (validation compares the op with the body given M: that M is what the body computed is proven here)
+    why = body_mask_differs(g, mask, 0, src.source, 0, sorted(src.reads), d.nodes, d.out, d.consts)
+    if why is not None:
+        raise Decline(why)
     read = src.nodes[0]  # Gather(S, i, axis 0): the step's index, as its element is read
     body.rewrite_in_place(body.producer[d.out], "Gather", [mask, read.input[1]], axis=0)
     for r in recs:

@@ -23,6 +23,7 @@ from rnnfuse.protos import scan_output_layout
 from rnnfuse.recurrence import InputPrep, Recurrence
 from rnnfuse.recurrence_layers import cells_first, check_feeds, layer_recurrence, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
+from rnnfuse.mask_proof import body_mask_differs
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.builder import Builder
 from rnnfuse.row_wise import ROW_RANK, BodyMask, body_mask, mask_on_every_step
@@ -175,6 +176,13 @@ def _scan_derived_mask(g: Graph, body: Graph, scan: NodeProto, recs: list[Recurr
     d = scanned.derived
     b = Builder(g, scan, "rnnfuse/step_mask")
     mask = mask_on_every_step(b, d.nodes, sorted(scanned.x_reads), scanned.x_read_source, d.out, d.rank, d.consts)
+    # (validation compares the op with the body given M: that M is what the body computed is proven here; M is
+    # scanned as x is, the body's x_t a slice of the scanned tensor along its own scan axis)
+    axis = _scan_axis(g, scan, scanned.x_read_source)
+    why = None if axis is None else body_mask_differs(g, mask, scanned.x_axis, scanned.x_read_source, axis,
+                                                      sorted(scanned.x_reads), d.nodes, d.out, d.consts)
+    if why is not None:
+        raise Decline(why)
     n_scan = attr(scan, "num_scan_inputs")
     for a in scan.attribute:  # the mask is scanned as x is: the same axis and direction
         if a.name == "num_scan_inputs":
@@ -190,6 +198,17 @@ def _scan_derived_mask(g: Graph, body: Graph, scan: NodeProto, recs: list[Recurr
         if r.mask == _DERIVED_MASK:
             r.mask = mask
             r.notes.append("mask: computed from the step input in the body, for every step before the scan")
+
+
+def _scan_axis(g: Graph, scan: NodeProto, outer: str) -> int | None:
+    """The axis the Scan slices its input ``outer`` along (None: not one of its scanned inputs)."""
+    m = attr(scan, "num_scan_inputs")
+    scanned = list(scan.input[len(scan.input) - m:])
+    if outer not in scanned:
+        return None
+    axis = (attr(scan, "scan_input_axes") or [0] * m)[scanned.index(outer)]
+    rank = g.model.rank(outer)
+    return axis % rank if rank else axis
 
 
 def _scan_states(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: dict):

@@ -43,6 +43,7 @@ class DerivedMask(StepMask):
         self.rank = rank  # the mask's: [B, 1] (2) or [B] (1)
         self.steps = steps  # step -> its mask
         self.built: tuple[int, str] | None = None  # (time axis, the mask) once built
+        self.proof_source = (src, axis)
 
     def __repr__(self) -> str:
         return f"f({self.src}[t]) -> {self.out}"
@@ -73,7 +74,7 @@ class DerivedMask(StepMask):
             dims = list(g.model.shape(mask) or [None] * (self.rank + 1))
             mask = b.op("Transpose", mask, perm=perm)
             g.model.declare(mask, (9, [dims[i] for i in perm]))
-        self.read_steps(g, b, mask, axis, {t: g.producer[m] for t, m in self.steps.items()})
+        self.read_steps(g, b, mask, axis, length, {t: g.producer[m] for t, m in self.steps.items()})
         self.built = (axis, mask)
         return mask
 

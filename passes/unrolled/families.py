@@ -16,6 +16,7 @@ from rnnfuse.dataflow import descendants, runtime_values, settled_rank, shape_de
 from rnnfuse.dims import static_dim
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
+from rnnfuse.mask_proof import step_masks_differ
 from rnnfuse.row_wise import FLOATS
 
 from .chains import unit_groups
@@ -242,10 +243,18 @@ class StepMask:
         step's mask becomes its slice of it."""
         raise NotImplementedError
 
-    @staticmethod
-    def read_steps(g: Graph, b, mask: str, axis: int, computed: dict[int, NodeProto]) -> None:
+    # the tensor the steps' masks are computed from, and its time axis (None: lengths, not sliced per step)
+    proof_source: tuple[str, int | None]
+
+    def read_steps(self, g: Graph, b, mask: str, axis: int, length: int, computed: dict[int, NodeProto]) -> None:
         """Each step's mask node ``computed[t]`` becomes ``Gather(mask, t, axis)``, in place (the same output,
-        its readers as they were)."""
+        its readers as they were), once ``mask`` (``length`` steps) is shown to hold what each computed
+        (rnnfuse.mask_proof: validation compares the steps given the mask, never the masks themselves)."""
+        source, source_axis = self.proof_source
+        why = step_masks_differ(g, mask, axis, {t: n.output[0] for t, n in computed.items()}, source, length,
+                                source_axis)
+        if why is not None:
+            raise Decline(why)
         g.rewrite_many_in_place((n, "Gather", [mask, b.const(np.array(t, np.int64), "t")], {"axis": axis})
                                 for t, n in computed.items())
 
@@ -261,6 +270,7 @@ class LengthMask(StepMask):
         self.lengths, self.op, self.pos, self.dtype = lengths, op, pos, dtype
         self.nodes = nodes  # constant step index -> the comparison node
         self.built: tuple | None = None  # (axis, length, offset, source) once built
+        self.proof_source = (lengths, None)
 
     def __repr__(self) -> str:
         return f"{self.op}({self.lengths}, t)"
@@ -294,7 +304,7 @@ class LengthMask(StepMask):
             dims[-1] = 1
         dims.insert(axis, length)
         g.model.declare(mask, (9, dims))
-        self.read_steps(g, b, mask, axis, {c - off: n for c, n in self.nodes.items() if 0 <= c - off < length})
+        self.read_steps(g, b, mask, axis, length, {c - off: n for c, n in self.nodes.items() if 0 <= c - off < length})
         self.built = (axis, length, off, mask)
         return mask
 

@@ -1,0 +1,178 @@
+"""A mask built for every step at once, proven equal to what each step computed, before the steps read it.
+
+A recurrence whose steps compute their own masks (``t < L`` per step, ``(x[t] != 0).any(-1)``, ``mask[t] > 0``;
+an unrolled chain's steps, or a Loop's or Scan's body) is fused with one mask ``M`` built for all steps, and
+each step then reads its slice of ``M`` in place of what it computed, so that what validation overrides with
+its patterns (``M``) is what the original steps read too (passes/unrolled/families.StepMask,
+passes/loop_masks, passes/scan). Validation compares the fused op with the steps *given* ``M``: it never sees
+the masks the steps computed, and a wrong ``M`` passed it. This module is that missing comparison: the nodes
+each step computed its mask with and the nodes building ``M`` run side by side in onnxruntime on values of the
+one tensor both are computed from (the lengths, or the sliced input), made to flip the masks (lengths across
+the whole time range, rows of zeros and rows holding one zero among random ones), and each step's mask must
+come out equal, element for element (every step, or 256 spread over a longer chain). A mask that differs
+declines the recurrence. One that cannot be checked this way (its steps read other runtime values, a dim the
+values must have is unknown, onnxruntime cannot run the check) is left to the analysis that built it, as
+before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import NodeProto, TensorProto, helper, numpy_helper
+
+from .graph import Graph
+
+# batch sizes of the value sets (a batch of one, and one big enough to hold every kind of row)
+BATCHES = (1, 6)
+# a check of more nodes than this is not built (a step mask is a handful of nodes a step)
+MAX_PROOF_NODES = 20_000
+# steps checked at most: a longer chain's first and last ones and others spread between (a mask is built the
+# same way for every step: an offset, an axis or a negation gone wrong shows at most of them)
+MAX_PROOF_STEPS = 256
+_FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def step_masks_differ(g: Graph, mask: str, axis: int, steps: dict[int, str], source: str, length: int,
+                      source_axis: int | None = None) -> str | None:
+    """Why ``Gather(mask, t, axis)`` is not what the graph computes as ``steps[t]`` (step -> its mask tensor)
+    for some step ``t``, on value sets of ``source``, the tensor both are computed from: lengths (``[B]`` or
+    ``[B, 1]``, ``source_axis`` None) or a tensor sliced per step (``[T, B(, F)]`` / ``[B, T(, F)]``, time along
+    ``source_axis``, ``length`` steps). None when every step agrees, or when the check cannot be made (see the
+    module)."""
+    values = _value_sets(g, source, length, source_axis)
+    if values is None:
+        return None
+    steps = {t: steps[t] for t in _spread(sorted(steps))}
+    nodes = g.cone([*steps.values(), mask], stop={source})
+    if len(nodes) > MAX_PROOF_NODES:
+        return None
+    gathers, indices, outputs = [], [], []
+    for t, name in sorted(steps.items()):
+        idx, new = f"__rnnfuse_proof_t{t}", f"__rnnfuse_proof_m{t}"
+        indices.append(numpy_helper.from_array(np.array(t, np.int64), idx))
+        gathers.append(helper.make_node("Gather", [mask, idx], [new], axis=axis))
+        outputs += [name, new]
+    return _run_differs(g, nodes + gathers, source, values, indices, outputs, sorted(steps))
+
+
+def body_mask_differs(g: Graph, mask: str, mask_axis: int, source: str, source_axis: int, reads: list[str],
+                      nodes: list[NodeProto], out: str, consts: dict[str, np.ndarray]) -> str | None:
+    """:func:`step_masks_differ` for a mask a Loop or Scan body computes: ``nodes`` (the body's, in evaluation
+    order) compute ``out`` from ``reads``, the step's slice of ``source`` along ``source_axis`` (a Loop's
+    ``Gather(S, i)``, a Scan's scanned input), reading ``consts`` (name -> value) besides; the body is to read
+    ``Gather(mask, t, mask_axis)`` instead. Each step of the value sets is computed both ways."""
+    t = g.model.known_type(source)
+    steps = t[1][source_axis] if t is not None and t[1] is not None and source_axis < len(t[1]) else None
+    length = steps if isinstance(steps, int) and steps > 0 else 5  # (a static extent may be built into M's nodes)
+    values = _value_sets(g, source, length, source_axis)
+    if values is None:
+        return None
+    checked = _spread(list(range(length)))
+    outer = g.cone([mask], stop={source})
+    if len(outer) + len(checked) * (len(nodes) + len(reads) + 1) > MAX_PROOF_NODES:
+        return None
+    indices = [numpy_helper.from_array(np.array(k, np.int64), f"__rnnfuse_proof_t{k}") for k in checked]
+    indices += [numpy_helper.from_array(np.asarray(v), f"__rnnfuse_proof_c/{name}") for name, v in consts.items()]
+    made = {o for n in nodes for o in n.output if o}
+    copies, outputs = [], []
+    for k in checked:
+        own = {name: f"{name}/rnnfuse_proof_step{k}" for name in [*reads, *made]}
+        own.update((name, f"__rnnfuse_proof_c/{name}") for name in consts)
+        copies += [helper.make_node("Gather", [source, f"__rnnfuse_proof_t{k}"], [own[r]], axis=source_axis) for r in reads]
+        for n in nodes:
+            c = onnx.NodeProto()
+            c.CopyFrom(n)
+            c.input[:] = [own.get(i, i) for i in n.input]
+            c.output[:] = [own.get(o, o) for o in n.output]
+            copies.append(c)
+        copies.append(helper.make_node("Gather", [mask, f"__rnnfuse_proof_t{k}"], [f"__rnnfuse_proof_m{k}"], axis=mask_axis))
+        outputs += [own[out], f"__rnnfuse_proof_m{k}"]
+    return _run_differs(g, outer + copies, source, values, indices, outputs, checked)
+
+
+def _spread(steps: list[int]) -> list[int]:
+    """``steps`` (sorted), or past :data:`MAX_PROOF_STEPS` the first and last quarter of that many and the
+    rest spread evenly between."""
+    if len(steps) <= MAX_PROOF_STEPS:
+        return steps
+    edge = MAX_PROOF_STEPS // 4
+    picked = {*steps[:edge], *steps[-edge:]}
+    picked.update(steps[int(k)] for k in np.linspace(edge, len(steps) - edge - 1, MAX_PROOF_STEPS - 2 * edge))
+    return sorted(picked)
+
+
+def _run_differs(g: Graph, nodes: list[NodeProto], source: str, values: list[np.ndarray], initializers: list,
+                 outputs: list[str], steps: list[int]) -> str | None:
+    """Run ``nodes`` on each value set of ``source`` and compare ``outputs`` in pairs (step ``steps[k]``'s own
+    mask, then the built one's slice); why they differ, or None (also when the check cannot run)."""
+    if not _reads_only(g, nodes, source, {t.name for t in initializers}):
+        return None
+    import onnxruntime as ort
+
+    from .check_session import model_of, open_session, options
+
+    m, big = model_of(g, nodes, [onnx.ValueInfoProto(name=o) for o in outputs], {source: values},
+                      "rnnfuse_mask_proof", initializers)
+    try:
+        sess = open_session(ort, m, big, so=options(ort), light=True)
+        runs = [sess.run(outputs, {source: v}) for v in values]
+    except Exception:  # (onnxruntime cannot run the check: the analysis' word stands)
+        return None
+    for batch, got in zip(BATCHES, runs):
+        for t, old, new in zip(steps, got[0::2], got[1::2]):
+            if old.shape != new.shape or not np.array_equal(old, new, equal_nan=old.dtype.kind == "f"):
+                return f"the mask built for every step is not the one step {t} computes (batch of {batch})"
+    return None
+
+
+def _reads_only(g: Graph, nodes: list[NodeProto], source: str, given: set[str]) -> bool:
+    """Whether ``nodes`` read nothing at run time but ``source`` and what they compute (weights and the
+    ``given`` initializers aside)."""
+    made = {o for n in nodes for o in n.output if o}
+    return all(i in made or i == source or i in g.initializers or i in given for n in nodes for i in g.reads(n) if i)
+
+
+def _value_sets(g: Graph, source: str, length: int, source_axis: int | None) -> list[np.ndarray] | None:
+    """Values of ``source`` that flip the step masks computed from it, one set a batch size: lengths from below
+    zero to past the last step; a sliced tensor's rows of zeros, rows holding one zero and rows of random
+    values (one value a row, a float mask: zeros, ones, negatives and fractions). None when its type, or a dim
+    beyond time and batch, is unknown."""
+    t = g.model.known_type(source)
+    if t is None or t[1] is None or not t[0]:
+        return None
+    elem, dims = t
+    np_type = helper.tensor_dtype_to_np_dtype(elem)
+    out = []
+    for k, batch in enumerate(BATCHES):
+        rng = np.random.default_rng([len(dims), length, k])
+        if source_axis is None:  # lengths: [B] or [B, 1]
+            if len(dims) not in (1, 2):
+                return None
+            out.append(rng.integers(-2, length + 3, size=[batch] + [1] * (len(dims) - 1)).astype(np_type))
+            continue
+        if len(dims) < 2 or source_axis not in (0, 1) or any(not isinstance(d, int) for d in dims[2:]):
+            return None
+        shape = [0, 0] + list(dims[2:])
+        shape[source_axis], shape[1 - source_axis] = length, batch
+        out.append(_rows(rng, shape, np_type, elem))
+    return out
+
+
+def _rows(rng, shape: list[int], np_type, elem: int) -> np.ndarray:
+    """Random values in ``shape`` whose rows (the last axis beyond the first two) are zeros, hold one zero, or
+    are random; one value a row (rank 2): zeros, ones, negatives and fractions."""
+    if elem == TensorProto.BOOL:
+        return rng.random(shape) < 0.5
+    if len(shape) == 2:
+        return rng.choice(np.array([0.0, 1.0, -1.0, 0.5, 2.0]), size=shape).astype(np_type)
+    if elem in _FLOATS:
+        v = rng.standard_normal(shape)
+    else:
+        v = rng.integers(-3, 4, size=shape)
+    kind = rng.integers(0, 3, size=shape[:2])
+    v[kind == 0] = 0
+    one = np.argwhere(kind == 1)
+    for a, b in one:
+        v[a, b].flat[rng.integers(0, max(1, v[a, b].size))] = 0
+    return v.astype(np_type)

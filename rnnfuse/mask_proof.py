@@ -22,6 +22,7 @@ import onnx
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
 from .graph import Graph
+from .progress import logger
 
 # batch sizes of the value sets (a batch of one, and one big enough to hold every kind of row)
 BATCHES = (1, 6)
@@ -30,6 +31,11 @@ MAX_PROOF_NODES = 20_000
 # steps checked at most: a longer chain's first and last ones and others spread between (a mask is built the
 # same way for every step: an offset, an axis or a negation gone wrong shows at most of them)
 MAX_PROOF_STEPS = 256
+# value sets of lengths at most (a batch the type fixes: the lengths wanted run over several), the bytes of the
+# sliced tensor's sets at most, and the constants the rows are made to hold at most
+MAX_PROOF_SETS = 64
+MAX_PROOF_BYTES = 64 << 20
+MAX_MARKS = 8
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
@@ -40,12 +46,12 @@ def step_masks_differ(g: Graph, mask: str, axis: int, steps: dict[int, str], sou
     ``[B, 1]``, ``source_axis`` None) or a tensor sliced per step (``[T, B(, F)]`` / ``[B, T(, F)]``, time along
     ``source_axis``, ``length`` steps). None when every step agrees, or when the check cannot be made (see the
     module)."""
-    values = _value_sets(g, source, length, source_axis)
-    if values is None:
-        return None
     steps = {t: steps[t] for t in _spread(sorted(steps))}
     nodes = g.cone([*steps.values(), mask], stop={source})
     if len(nodes) > MAX_PROOF_NODES:
+        return None
+    values = _value_sets(g, source, length, source_axis, sorted(steps), _marks(g, nodes, {}))
+    if values is None:
         return None
     gathers, indices, outputs = [], [], []
     for t, name in sorted(steps.items()):
@@ -65,12 +71,12 @@ def body_mask_differs(g: Graph, mask: str, mask_axis: int, source: str, source_a
     t = g.model.known_type(source)
     steps = t[1][source_axis] if t is not None and t[1] is not None and source_axis < len(t[1]) else None
     length = steps if isinstance(steps, int) and steps > 0 else 5  # (a static extent may be built into M's nodes)
-    values = _value_sets(g, source, length, source_axis)
-    if values is None:
-        return None
     checked = _spread(list(range(length)))
     outer = g.cone([mask], stop={source})
     if len(outer) + len(checked) * (len(nodes) + len(reads) + 1) > MAX_PROOF_NODES:
+        return None
+    values = _value_sets(g, source, length, source_axis, checked, _marks(g, nodes, consts))
+    if values is None:
         return None
     indices = [numpy_helper.from_array(np.array(k, np.int64), f"__rnnfuse_proof_t{k}") for k in checked]
     indices += [numpy_helper.from_array(np.asarray(v), f"__rnnfuse_proof_c/{name}") for name, v in consts.items()]
@@ -85,6 +91,7 @@ def body_mask_differs(g: Graph, mask: str, mask_axis: int, source: str, source_a
             c.CopyFrom(n)
             c.input[:] = [own.get(i, i) for i in n.input]
             c.output[:] = [own.get(o, o) for o in n.output]
+            c.name = ""  # (one copy a step: onnxruntime refuses two nodes of one name)
             copies.append(c)
         copies.append(helper.make_node("Gather", [mask, f"__rnnfuse_proof_t{k}"], [f"__rnnfuse_proof_m{k}"], axis=mask_axis))
         outputs += [own[out], f"__rnnfuse_proof_m{k}"]
@@ -117,12 +124,13 @@ def _run_differs(g: Graph, nodes: list[NodeProto], source: str, values: list[np.
     try:
         sess = open_session(ort, m, big, so=options(ort), light=True)
         runs = [sess.run(outputs, {source: v}) for v in values]
-    except Exception:  # (onnxruntime cannot run the check: the analysis' word stands)
+    except Exception as e:  # (onnxruntime cannot run the check: the analysis' word stands)
+        logger.debug("the step masks of '%s' are not proven: %s", source, str(e).strip().splitlines()[:1])
         return None
-    for batch, got in zip(BATCHES, runs):
+    for k, got in enumerate(runs):
         for t, old, new in zip(steps, got[0::2], got[1::2]):
             if old.shape != new.shape or not np.array_equal(old, new, equal_nan=old.dtype.kind == "f"):
-                return f"the mask built for every step is not the one step {t} computes (batch of {batch})"
+                return f"the mask built for every step is not the one step {t} computes (value set {k + 1} of {len(runs)})"
     return None
 
 
@@ -133,46 +141,71 @@ def _reads_only(g: Graph, nodes: list[NodeProto], source: str, given: set[str]) 
     return all(i in made or i == source or i in g.initializers or i in given for n in nodes for i in g.reads(n) if i)
 
 
-def _value_sets(g: Graph, source: str, length: int, source_axis: int | None) -> list[np.ndarray] | None:
-    """Values of ``source`` that flip the step masks computed from it, one set a batch size: lengths from below
-    zero to past the last step; a sliced tensor's rows of zeros, rows holding one zero and rows of random
-    values (one value a row, a float mask: zeros, ones, negatives and fractions). None when its type, or a dim
-    beyond time and batch, is unknown."""
+def _marks(g: Graph, nodes: list[NodeProto], consts: dict[str, np.ndarray]) -> list[float]:
+    """The values of the small constants ``nodes`` read (what a mask compares with: 0, a pad value, a token id,
+    a threshold), at most :data:`MAX_MARKS` of them."""
+    found: list[float] = []
+    for n in nodes:
+        for i in n.input:
+            c = consts.get(i) if i in consts else (g.const(i) if i in g.initializers or i in g.producer else None)
+            if c is None or np.asarray(c).size > 16 or np.asarray(c).dtype.kind not in "biuf":
+                continue
+            found += [float(v) for v in np.asarray(c).ravel() if np.isfinite(v) and float(v) not in found]
+    return found[:MAX_MARKS]
+
+
+def _value_sets(g: Graph, source: str, length: int, source_axis: int | None, checked: list[int],
+                marks: list[float]) -> list[np.ndarray] | None:
+    """Values of ``source`` that flip the step masks computed from it: lengths at and beside each checked step
+    and past both ends; a sliced tensor's rows filled with 0 or with a value the mask nodes compare with
+    (``marks``), rows holding one such value, random rows (one value a row, a float mask: those values and
+    their neighbours). The batch the source's type fixes, else 1 and 6. None when its type, or a dim beyond
+    time and batch, is unknown."""
     t = g.model.known_type(source)
     if t is None or t[1] is None or not t[0]:
         return None
     elem, dims = t
     np_type = helper.tensor_dtype_to_np_dtype(elem)
+    if source_axis is None:  # lengths: [B] or [B, 1]
+        return None if len(dims) not in (1, 2) else _lengths(dims, length, checked, np_type)
+    if len(dims) < 2 or source_axis not in (0, 1) or any(not isinstance(d, int) for d in dims[2:]):
+        return None
+    fixed = dims[1 - source_axis]
     out = []
-    for k, batch in enumerate(BATCHES):
-        rng = np.random.default_rng([len(dims), length, k])
-        if source_axis is None:  # lengths: [B] or [B, 1]
-            if len(dims) not in (1, 2):
-                return None
-            out.append(rng.integers(-2, length + 3, size=[batch] + [1] * (len(dims) - 1)).astype(np_type))
-            continue
-        if len(dims) < 2 or source_axis not in (0, 1) or any(not isinstance(d, int) for d in dims[2:]):
-            return None
+    for k, batch in enumerate([fixed] if isinstance(fixed, int) and fixed > 0 else BATCHES):
         shape = [0, 0] + list(dims[2:])
         shape[source_axis], shape[1 - source_axis] = length, batch
-        out.append(_rows(rng, shape, np_type, elem))
-    return out
+        out.append(_rows(np.random.default_rng([len(dims), length, k]), shape, np_type, elem, marks))
+    return out if sum(v.nbytes for v in out) <= MAX_PROOF_BYTES else None
 
 
-def _rows(rng, shape: list[int], np_type, elem: int) -> np.ndarray:
-    """Random values in ``shape`` whose rows (the last axis beyond the first two) are zeros, hold one zero, or
-    are random; one value a row (rank 2): zeros, ones, negatives and fractions."""
+def _lengths(dims: list, length: int, checked: list[int], np_type) -> list[np.ndarray] | None:
+    """Lengths that put a boundary at and beside every checked step (an offset gone wrong shows only at the
+    step a row's length ends at), and below zero and past the end; in sets of the batch the type fixes (at
+    most :data:`MAX_PROOF_SETS`), else one set of all and one of a single row."""
+    want = sorted({v for s in checked for v in (s - 1, s, s + 1, s + 2)} | {-2, -1, 0, length, length + 1, length + 2})
+    batch = dims[0] if isinstance(dims[0], int) and dims[0] > 0 else None
+    sets = [want[k:k + batch] for k in range(0, len(want), batch)] if batch else [want, want[-1:]]
+    if len(sets) > MAX_PROOF_SETS:
+        return None
+    tail = [1] * (len(dims) - 1)
+    return [np.array((s * batch)[:batch] if batch else s).astype(np_type).reshape([-1] + tail) for s in sets]
+
+
+def _rows(rng, shape: list[int], np_type, elem: int, marks: list[float]) -> np.ndarray:
+    """Random values in ``shape`` whose rows (the axes beyond the first two) are filled with 0 or a mark, hold
+    one such value, or are random; one value a row (rank 2): 0, the marks and their neighbours, 1, -1, 0.5, 2."""
     if elem == TensorProto.BOOL:
         return rng.random(shape) < 0.5
+    step = 0.5 if elem in _FLOATS else 1
+    special = np.array(sorted({0.0, *marks}))
     if len(shape) == 2:
-        return rng.choice(np.array([0.0, 1.0, -1.0, 0.5, 2.0]), size=shape).astype(np_type)
-    if elem in _FLOATS:
-        v = rng.standard_normal(shape)
-    else:
-        v = rng.integers(-3, 4, size=shape)
+        near = sorted({0.0, 1.0, -1.0, 0.5, 2.0} | {m + d for m in marks for d in (-step, 0.0, step)})
+        return rng.choice(np.array(near), size=shape).astype(np_type)
+    v = rng.standard_normal(shape) if elem in _FLOATS else rng.integers(-3, 4, size=shape).astype(np.float64)
     kind = rng.integers(0, 3, size=shape[:2])
-    v[kind == 0] = 0
-    one = np.argwhere(kind == 1)
-    for a, b in one:
-        v[a, b].flat[rng.integers(0, max(1, v[a, b].size))] = 0
+    for a, b in np.argwhere(kind == 0):
+        v[a, b] = rng.choice(special)
+    for a, b in np.argwhere(kind == 1):
+        v[a, b].flat[rng.integers(0, max(1, v[a, b].size))] = rng.choice(special)
     return v.astype(np_type)

@@ -16,7 +16,7 @@ import pytest
 import builders as B
 import rnnfuse
 from builders_loops import XMASK_FORMS, build_lengths
-from rnnfuse import check_session
+from rnnfuse import check_session, mask_proof
 from rnnfuse.passes import loop_masks, scan
 from rnnfuse.passes.unrolled import derived_masks, families
 
@@ -88,12 +88,22 @@ def _negated(real):
     return negated
 
 
+def _named(model):
+    """Every body node named, as exporters name them (a body replayed once per step must not repeat a name)."""
+    for n in model.graph.node:
+        for a in n.attribute:
+            for k, b in enumerate(a.g.node):
+                b.name = f"{b.op_type}_{k}"
+    return model
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["unnamed", "named"])
 @pytest.mark.parametrize("o", [o for o in XMASK_FORMS if o.front in ("loop", "scan")][:4], ids=lambda o: o.name)
-def test_a_loop_or_scan_body_mask_built_wrong_is_declined(o, monkeypatch):
+def test_a_loop_or_scan_body_mask_built_wrong_is_declined(o, named, monkeypatch):
     """The same for a mask a Loop or Scan body computes from x_t: built for every step beside the loop, it is
     proven against the body's own nodes replayed on each step's slice; a negated one declines the loop (its
     validation would have passed: it compares the op with the body given the built mask)."""
-    model = build_lengths(o)
+    model = _named(build_lengths(o)) if named else build_lengths(o)
     fused, report = rnnfuse.optimize(model)
     assert [f.status for f in report.findings] == ["fused"], report.to_text()
     for mod in (loop_masks, scan):
@@ -102,3 +112,51 @@ def test_a_loop_or_scan_body_mask_built_wrong_is_declined(o, monkeypatch):
     (f,) = report.findings
     assert f.status == "declined" and f.reason.startswith("the mask built for every step is not the one step"), report.to_text()
     assert kept.SerializeToString() == model.SerializeToString()
+
+
+def test_a_long_chain_masked_from_lengths_built_one_step_off_is_declined(monkeypatch):
+    """Past 256 steps the proof compares 256 of them, with lengths ending at and beside each: an offset gone
+    wrong shows only at the step a row's length ends at, and random lengths missed it at 433 steps."""
+    monkeypatch.setattr(families, "np", _ShiftedArange())
+    out = B.run_case(O(op="RNN", front="chain", static_T=433, mask="where", mask_rank=2, lengths="lt"), batches=(3,))
+    assert out.status == "declined" and not out.fused_mismatch, out.text()
+
+
+def _padded_steps(T: int, pad: float):
+    """x [T, B, 3] whose step t's mask is any(x_t != pad), and M built from x rotated by one step (wrong)."""
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+
+    from rnnfuse.model import Model
+
+    nodes = []
+
+    def mask_of(x: str, tag, axis: int) -> str:
+        nodes.extend([helper.make_node("Equal", [x, "pad"], [f"e{tag}"]), helper.make_node("Not", [f"e{tag}"], [f"n{tag}"]),
+                      helper.make_node("Cast", [f"n{tag}"], [f"f{tag}"], to=TP.FLOAT),
+                      helper.make_node("ReduceMax", [f"f{tag}"], [f"r{tag}"], axes=[axis], keepdims=0),
+                      helper.make_node("Cast", [f"r{tag}"], [f"m{tag}"], to=TP.BOOL)])
+        return f"m{tag}"
+
+    inits = [numpy_helper.from_array(np.array(pad, np.float32), "pad")] + [
+        numpy_helper.from_array(np.array(v, np.int64), k) for k, v in (("one", [1]), ("big", [2**40]), ("zero", [0]))]
+    steps = {}
+    for t in range(T):
+        inits.append(numpy_helper.from_array(np.array(t, np.int64), f"c{t}"))
+        nodes.append(helper.make_node("Gather", ["x", f"c{t}"], [f"x{t}"], axis=0))
+        steps[t] = mask_of(f"x{t}", t, 1)
+    nodes += [helper.make_node("Slice", ["x", "one", "big", "zero"], ["xa"]),
+              helper.make_node("Slice", ["x", "zero", "one", "zero"], ["xb"]), helper.make_node("Concat", ["xa", "xb"], ["xr"], axis=0)]
+    wrong = mask_of("xr", "M", 2)
+    outs = [helper.make_tensor_value_info(m, TP.BOOL, None) for m in [*steps.values(), wrong]]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, [T, "B", 3])], outs, inits)
+    return Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])).graph, wrong, steps
+
+
+@pytest.mark.parametrize("pad", [0.0, -1.0, 1.0])
+def test_rows_hold_the_values_a_step_mask_compares_with(pad):
+    """A mask ``any(x_t != pad)``: the value sets' rows are filled with the pad value too, whatever it is
+    (rows of 0 alone never flip a mask of pad -1: a mask built a step late passed)."""
+    g, wrong, steps = _padded_steps(6, pad)
+    why = mask_proof.step_masks_differ(g, wrong, 0, steps, "x", 6, 0)
+    assert why is not None and why.startswith("the mask built for every step is not the one step"), why

@@ -36,6 +36,8 @@ MAX_PROOF_STEPS = 256
 MAX_PROOF_SETS = 64
 MAX_PROOF_BYTES = 64 << 20
 MAX_MARKS = 8
+# lengths a value set holds at most where the type fixes no batch
+MAX_LENGTHS_BATCH = 128
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
@@ -184,12 +186,13 @@ def _lengths(dims: list, length: int, checked: list[int], np_type) -> list[np.nd
     step a row's length ends at), and below zero and past the end; in sets of the batch the type fixes (at
     most :data:`MAX_PROOF_SETS`), else one set of all and one of a single row."""
     want = sorted({v for s in checked for v in (s - 1, s, s + 1, s + 2)} | {-2, -1, 0, length, length + 1, length + 2})
-    batch = dims[0] if isinstance(dims[0], int) and dims[0] > 0 else None
-    sets = [want[k:k + batch] for k in range(0, len(want), batch)] if batch else [want, want[-1:]]
+    fixed = dims[0] if isinstance(dims[0], int) and dims[0] > 0 else None
+    batch = fixed or MAX_LENGTHS_BATCH  # (a set's whole mask is [T, batch]: 20 MB a run at 20,000 steps of 1,000 rows)
+    sets = [want[k:k + batch] for k in range(0, len(want), batch)] + ([] if fixed else [want[-1:]])
     if len(sets) > MAX_PROOF_SETS:
         return None
     tail = [1] * (len(dims) - 1)
-    return [np.array((s * batch)[:batch] if batch else s).astype(np_type).reshape([-1] + tail) for s in sets]
+    return [np.array((s * batch)[:batch] if fixed else s).astype(np_type).reshape([-1] + tail) for s in sets]
 
 
 def _rows(rng, shape: list[int], np_type, elem: int, marks: list[float]) -> np.ndarray:

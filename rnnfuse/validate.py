@@ -458,12 +458,12 @@ def _original_runs(ort, g: Graph, pairs, masks, prepack: bool, feeds: dict | Non
 
 def _mask_shapes(g: Graph, sess, out_names, feeds: dict, pattern_inputs: dict, size: int, failed):
     """Each overridden mask's [T, B], learned by one run with all-true patterns larger than any mask (or
-    the ValidationResult of a failed run)."""
-    big = 4 * size + 64
-    for mname in pattern_inputs:  # (a static time dimension may be longer than the generated T)
-        big = max([big] + [d for d in (g.model.shape(mname) or []) if isinstance(d, int)])
+    the ValidationResult of a failed run): each axis as long as the generated sizes allow for, or as the mask's
+    static extent along it (a static T of 200,000 made a square pattern of 37 GiB)."""
+    least = 4 * size + 64
     for mname, pname in pattern_inputs.items():
-        feeds[pname] = np.ones((big, big), dtype=bool)
+        lead = ((g.model.shape(mname) or []) + [None, None])[:2]
+        feeds[pname] = np.ones([max(least, d) if isinstance(d, int) else least for d in lead], dtype=bool)
     try:
         outs = sess.run(None, feeds)
     except Exception as e:

@@ -458,12 +458,15 @@ def _original_runs(ort, g: Graph, pairs, masks, prepack: bool, feeds: dict | Non
 
 def _mask_shapes(g: Graph, sess, out_names, feeds: dict, pattern_inputs: dict, size: int, failed):
     """Each overridden mask's [T, B], learned by one run with all-true patterns larger than any mask (or
-    the ValidationResult of a failed run): each axis as long as the generated sizes allow for, or as the mask's
-    static extent along it (a static T of 200,000 made a square pattern of 37 GiB)."""
+    the ValidationResult of a failed run): each axis as long as the mask's static extent along it, or the
+    generated sizes' bound along a named (symbolic) one; an unknown one as long as the longest static extent
+    of any mask (a static T of 200,000 made every pattern square: 37 GiB)."""
     least = 4 * size + 64
+    leads = {mname: ((g.model.shape(mname) or [None, None]) + [None, None])[:2] for mname in pattern_inputs}
+    longest = max([least] + [d for lead in leads.values() for d in lead if isinstance(d, int)])
     for mname, pname in pattern_inputs.items():
-        lead = ((g.model.shape(mname) or []) + [None, None])[:2]
-        feeds[pname] = np.ones([max(least, d) if isinstance(d, int) else least for d in lead], dtype=bool)
+        sizes = [max(least, d) if isinstance(d, int) else least if isinstance(d, str) else longest for d in leads[mname]]
+        feeds[pname] = np.ones(sizes, dtype=bool)
     try:
         outs = sess.run(None, feeds)
     except Exception as e:

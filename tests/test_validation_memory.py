@@ -412,13 +412,14 @@ def test_check_model_data_file_holds_any_element_type(dtype):
 
 def test_the_all_true_mask_patterns_grow_along_each_axis_alone():
     """The run that learns each overridden mask's [T, B] feeds an all-true pattern at least as long as the
-    mask along each axis: a static T of 200,000 made it square, 37 GiB; now T by the generated sizes' bound."""
+    mask along each axis: a static T of 200,000 made it square, 37 GiB; now T by the generated sizes' bound
+    where the batch is named, and the longest static extent where an axis is unknown."""
     from rnnfuse import validate as V
 
     class Shapes:
         @staticmethod
         def shape(name):
-            return {"m": [3000, "B", 1], "n": ["B", 5000]}[name]
+            return {"m": [3000, "B", 1], "n": ["B", 5000], "u": [None, "B"]}[name]
 
     class G:
         model = Shapes()
@@ -428,10 +429,11 @@ def test_the_all_true_mask_patterns_grow_along_each_axis_alone():
     class Session:
         def run(self, _, feeds):
             fed.update((k, v.shape) for k, v in feeds.items())
-            return [np.array([3000, 2]), np.array([2, 5000])]
+            return [np.array([3000, 2]), np.array([2, 5000]), np.array([4000, 2])]
 
-    got = V._mask_shapes(G(), Session(), ["__rnnfuse_mask_0/shape2", "__rnnfuse_mask_1/shape2"], {}, {"m": "p0", "n": "p1"},
-                         7, None)
+    names = ["__rnnfuse_mask_0/shape2", "__rnnfuse_mask_1/shape2", "__rnnfuse_mask_2/shape2"]
+    got = V._mask_shapes(G(), Session(), names, {}, {"m": "p0", "n": "p1", "u": "p2"}, 7, None)
     least = 4 * 7 + 64
-    assert fed == {"p0": (3000, least), "p1": (least, 5000)}
-    assert got == {"m": (3000, 2), "n": (2, 5000)}
+    # (an axis of unknown extent may be as long as any mask's static one: as long as the longest)
+    assert fed == {"p0": (3000, least), "p1": (least, 5000), "p2": (5000, least)}
+    assert got == {"m": (3000, 2), "n": (2, 5000), "u": (4000, 2)}

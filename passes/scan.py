@@ -51,6 +51,7 @@ class _Scanned:
     x_prep: InputPrep  # the projection's time flips, built by the emitter
     x_reads: set[str] = field(default_factory=set)  # the body input that is x_t
     x_read_source: str = ""  # the scanned tensor (X, or X0 @ K + b)
+    x_read_axis: int = 0  # the axis the Scan slices it along (x_axis is X0's when the steps read a projection)
     derived: BodyMask | None = None  # the step mask the body computes from x_t
 
     @property
@@ -129,7 +130,7 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, passed
             if rank != 3:
                 raise Decline(f"the scanned input has rank {rank}, not 3")
             x_outer, x_dir, x_axis = outer, in_dirs[j], ax
-            x_inner, x_scanned = inner, outer
+            x_inner, x_scanned, x_scanned_axis = inner, outer, ax
             input_map = find_input_map(g, body, outer, ax, [inner], ROW_RANK, passed)
             proj = input_projection(g, outer, ax) if input_map is None else None
             if input_map is not None:  # the cell reads a row-wise map of x_t: the op reads it on every step
@@ -147,7 +148,7 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, passed
         raise Decline("no scanned float input")
     if mask_outer is not None and (m_dir, m_axis) != (x_dir, x_axis):
         raise Decline("the mask is scanned differently from the input")
-    scanned = _Scanned(x_outer, x_atom, x_dir, x_axis, mask_outer, x_prep, {x_inner}, x_scanned)
+    scanned = _Scanned(x_outer, x_atom, x_dir, x_axis, mask_outer, x_prep, {x_inner}, x_scanned, x_scanned_axis)
     if mask_outer is None:  # (none scanned: perhaps one computed from x_t)
         _find_derived_mask(g, body, passed, scanned, leaves)
     return scanned
@@ -178,9 +179,8 @@ def _scan_derived_mask(g: Graph, body: Graph, scan: NodeProto, recs: list[Recurr
     mask = mask_on_every_step(b, d.nodes, sorted(scanned.x_reads), scanned.x_read_source, d.out, d.rank, d.consts)
     # (validation compares the op with the body given M: that M is what the body computed is proven here; M is
     # scanned as x is, the body's x_t a slice of the scanned tensor along its own scan axis)
-    axis = _scan_axis(g, scan, scanned.x_read_source)
-    why = None if axis is None else body_mask_differs(g, mask, scanned.x_axis, scanned.x_read_source, axis,
-                                                      sorted(scanned.x_reads), d.nodes, d.out, d.consts)
+    why = body_mask_differs(g, mask, scanned.x_axis, scanned.x_read_source, scanned.x_read_axis,
+                            sorted(scanned.x_reads), d.nodes, d.out, d.consts)
     if why is not None:
         raise Decline(why)
     n_scan = attr(scan, "num_scan_inputs")
@@ -198,17 +198,6 @@ def _scan_derived_mask(g: Graph, body: Graph, scan: NodeProto, recs: list[Recurr
         if r.mask == _DERIVED_MASK:
             r.mask = mask
             r.notes.append("mask: computed from the step input in the body, for every step before the scan")
-
-
-def _scan_axis(g: Graph, scan: NodeProto, outer: str) -> int | None:
-    """The axis the Scan slices its input ``outer`` along (None: not one of its scanned inputs)."""
-    m = attr(scan, "num_scan_inputs")
-    scanned = list(scan.input[len(scan.input) - m:])
-    if outer not in scanned:
-        return None
-    axis = (attr(scan, "scan_input_axes") or [0] * m)[scanned.index(outer)]
-    rank = g.model.rank(outer)
-    return axis % rank if rank else axis
 
 
 def _scan_states(g: Graph, body: Graph, scan: NodeProto, n_state: int, leaves: dict):

@@ -23,6 +23,7 @@ from onnx import NodeProto, TensorProto, helper, numpy_helper
 
 from .graph import Graph
 from .progress import logger
+from .row_wise import FLOATS
 
 # batch sizes of the value sets (a batch of one, and one big enough to hold every kind of row)
 BATCHES = (1, 6)
@@ -38,7 +39,6 @@ MAX_PROOF_BYTES = 64 << 20
 MAX_MARKS = 8
 # lengths a value set holds at most where the type fixes no batch
 MAX_LENGTHS_BATCH = 128
-_FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
 def step_masks_differ(g: Graph, mask: str, axis: int, steps: dict[int, str], source: str, length: int,
@@ -200,12 +200,12 @@ def _rows(rng, shape: list[int], np_type, elem: int, marks: list[float]) -> np.n
     one such value, or are random; one value a row (rank 2): 0, the marks and their neighbours, 1, -1, 0.5, 2."""
     if elem == TensorProto.BOOL:
         return rng.random(shape) < 0.5
-    step = 0.5 if elem in _FLOATS else 1
+    step = 0.5 if elem in FLOATS else 1
     special = np.array(sorted({0.0, *marks}))
     if len(shape) == 2:
         near = sorted({0.0, 1.0, -1.0, 0.5, 2.0} | {m + d for m in marks for d in (-step, 0.0, step)})
         return rng.choice(np.array(near), size=shape).astype(np_type)
-    v = rng.standard_normal(shape) if elem in _FLOATS else rng.integers(-3, 4, size=shape).astype(np.float64)
+    v = rng.standard_normal(shape) if elem in FLOATS else rng.integers(-3, 4, size=shape).astype(np.float64)
     kind = rng.integers(0, 3, size=shape[:2])
     for a, b in np.argwhere(kind == 0):
         v[a, b] = rng.choice(special)

@@ -52,7 +52,7 @@ def skeleton_initializer(t: TensorProto, keep_bytes: int = SKELETON_DATA_BYTES) 
 
 
 def copy_node_skeleton(n: NodeProto, m: NodeProto, keep_bytes: int) -> None:
-    m.op_type, m.domain, m.name = n.op_type, n.domain, n.name
+    m.op_type, m.domain, m.name, m.overload = n.op_type, n.domain, n.name, n.overload
     m.input.extend(n.input)
     m.output.extend(n.output)
     for a in n.attribute:

@@ -713,3 +713,17 @@ def test_which_types_may_hold_contents_inference_reads(elem_type, dims, carries)
 
     t = helper.make_tensor_type_proto(elem_type, dims)
     assert may_carry_shape_values(t.SerializeToString()) is carries
+
+
+def test_a_skeleton_of_a_node_with_subgraphs_calls_the_same_function_overload():
+    """A node holding a subgraph keeps the function overload it calls in its skeleton: without it, inference of
+    the skeleton would resolve the call to another overload of the same function (or to none)."""
+    from rnnfuse.tensor_types import copy_node_skeleton
+    body = helper.make_graph([helper.make_node("Identity", ["a"], ["b"])], "body", [],
+                             [helper.make_tensor_value_info("b", TensorProto.FLOAT, None)])
+    n = helper.make_node("Apply", ["a"], ["c"], domain="local", body=body)
+    n.overload = "v2"
+    m = onnx.NodeProto()
+    copy_node_skeleton(n, m, 0)
+    assert (m.domain, m.op_type, m.overload) == ("local", "Apply", "v2")
+    assert [nn.op_type for nn in m.attribute[0].g.node] == ["Identity"]

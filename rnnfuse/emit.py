@@ -190,6 +190,7 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
         raise Decline(f"opset {b.opset} is older than the native recurrent ops' opset 7")
     _need_opset(b, 10, "the rewrite")
     x_in, mask_in = prepared_input(g, rec)
+    _need_float(g, x_in)
     x, mask, mrank, mask_source, mask_time_axis, direction = _time_major_input(b, rec, x_in, mask_in)
 
     path = "unmasked"
@@ -242,6 +243,16 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     # validation overrides a mask the original reads too; a mask made from lengths it must leave as it is
     return Emission(native, repl, path, direction, mask_source if mp is not None and not rec.mask_made else None,
                     mask_time_axis, head_probes)
+
+
+def _need_float(g: Graph, x: str) -> None:
+    """Decline a recurrence whose sequence is not float32: the native op's weights, fills and states are built
+    as float (a float16 or double cell's op would bind its type to two element types and not load, and an
+    original that does not load in onnxruntime either would then take it unvalidated)."""
+    et = g.model.elem_type(x)
+    if et and et != TensorProto.FLOAT:
+        raise Decline(f"the recurrence computes in {TensorProto.DataType.Name(et).lower()}: rnnfuse builds "
+                      "float32 native ops only")
 
 
 def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:

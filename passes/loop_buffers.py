@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from rnnfuse.dataflow import reads_shape_only
-from rnnfuse.dims import extent_key, root_dim, time_dim_key
+from rnnfuse.dims import extent_key, time_keys
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 
@@ -71,5 +71,5 @@ def _index_is(body: Graph, idx: str, iteration: set[str]) -> bool:
 def check_buffer_length(g: Graph, init: str, x: str, time_axis: int) -> None:
     """Decline unless the buffer ``init`` has one row per time step of ``x`` (a loop over T steps fills T rows:
     a longer buffer keeps rows no native output holds, and a fixed length need not be T for every input)."""
-    if extent_key(g, init, 0) not in {time_dim_key(g, x, time_axis), ("dim",) + root_dim(g, x, time_axis)}:
+    if extent_key(g, init, 0) not in time_keys(g, x, time_axis):
         raise Decline("an output buffer whose length is not the number of time steps")

@@ -12,7 +12,7 @@ from onnx import NodeProto, TensorProto
 
 from rnnfuse import op_args
 from rnnfuse.dataflow import rank_of
-from rnnfuse.dims import condition_bounds, dim_key, root_dim, time_dim_key, value_source
+from rnnfuse.dims import condition_bounds, dim_key, root_dim, time_dim_key, time_keys, value_source
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.index_terms import TO_THE_END, one_element, terms
@@ -64,7 +64,7 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     if step is None or step[0] not in index_syms:
         return None
     k = index_syms[step[0]] + step[1]  # subtracted value is i + k
-    T_keys = _size_keys(g, time_dim_key(g, data, axis)) | _size_keys(g, ("dim",) + root_dim(g, data, axis))
+    T_keys = set().union(*(_size_keys(g, k) for k in time_keys(g, data, axis)))
     # a must be T - 1 + k
     an = body.producer.get(value_source(body, a)) if body.scope_of(a) is body else None
     if an is None:
@@ -151,7 +151,7 @@ def _covers(g: Graph, data: str, inner: str, axis: int, end) -> bool:
         d = g.model.shape(data)
         return end[1] >= TO_THE_END or (d is not None and isinstance(d[axis], int) and end[1] >= d[axis])
     if end[0] == "d" and end[2] == 0:
-        keys = {time_dim_key(g, data, axis), ("dim",) + root_dim(g, data, axis), ("dim",) + root_dim(g, inner, axis)}
+        keys = time_keys(g, data, axis) | {("dim",) + root_dim(g, inner, axis)}
         return end[1] in keys
     return False
 
@@ -179,8 +179,8 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
 
     ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
     and counters starting at 0)."""
-    T_keys = {time_dim_key(g, x, axis), ("dim",) + root_dim(g, x, axis)}
-    T = time_dim_key(g, x, axis)
+    T_keys = time_keys(g, x, axis)
+    T = next((k for k in T_keys if k[0] == "const"), time_dim_key(g, x, axis))
     deltas: list[int] = []
     M = loop.input[0] if loop.input else ""
     if M:

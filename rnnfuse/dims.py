@@ -318,6 +318,18 @@ def time_dim_key(g: Graph, name: str, axis: int = 0):
     return ("dim",) + root_dim(g, name, axis)
 
 
+def time_keys(g: Graph, name: str, axis: int = 0) -> set:
+    """Every key ``name``'s extent along ``axis`` goes by: its canonical (tensor, axis) through shape-keeping
+    producers, and the number the file gives for it or for that root (a symbolic name declared on the way,
+    jax2onnx's for a Loop's stacked outputs, hides a static T of the tensor they were computed from)."""
+    root = root_dim(g, name, axis)
+    keys = {time_dim_key(g, name, axis), ("dim",) + root}
+    d = static_dim(g, *root)
+    if d is not None:
+        keys.add(("const", d))
+    return keys
+
+
 def loop_invariant_init(body: Graph, name: str) -> str | None:
     """If ``name`` is a Loop body input carried through unchanged, the Loop input that initialises it."""
     loop = body.owner

@@ -353,6 +353,39 @@ def test_stacked_loops_sharing_one_trip_count_all_fuse():
     _outputs_kept(model, fused)
 
 
+def _static_loops_through_a_relu(declared: str) -> onnx.ModelProto:
+    """Two stacked tanh Loops over x [6, 1, H] that both run a constant 6 iterations, a Relu between them, the
+    first Loop's outputs and the Relu's declared with the time dim ``declared`` (jax2onnx names a Loop's
+    stacked outputs' dim with a sentinel though T is static)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = build_stacked_loops(2)
+    g = model.graph
+    g.input[0].type.tensor_type.shape.dim[0].Clear()
+    g.input[0].type.tensor_type.shape.dim[0].dim_value = 6
+    g.initializer.append(numpy_helper.from_array(np.array(6, np.int64), "six"))
+    loops = [n for n in g.node if n.op_type == "Loop"]
+    for loop in loops:
+        loop.input[0] = "six"
+    for n in loops[1].attribute[0].g.node:
+        n.input[:] = ["relu0" if i == "ys0" else i for i in n.input]
+    at = list(g.node).index(loops[0]) + 1
+    g.node.insert(at, helper.make_node("Relu", ["ys0"], ["relu0"]))
+    g.value_info.extend(helper.make_tensor_value_info(v, TensorProto.FLOAT, [declared, 1, 4]) for v in ("ys0", "relu0"))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_a_constant_trip_count_matches_a_static_time_dim_a_declared_name_hides():
+    """The upper Loop runs 6 iterations over relu(the lower one's outputs), whose dim the file names
+    symbolically; followed back through the Relu and the lower op to x, that dim is the static 6 (it was
+    declined as "runs at most 6 iterations, not once per time step", a probe's jax2onnx export)."""
+    model = _static_loops_through_a_relu("JAX2ONNX_DYNAMIC_DIM_SENTINEL")
+    fused, report = rnnfuse.optimize(model)
+    assert op_counts(fused).get("RNN") == 2 and "Loop" not in op_counts(fused), report.to_text()
+    _outputs_kept(model, fused)
+
+
 def test_a_loop_over_one_that_stops_early_is_not_read_as_running_its_trip_count():
     """The first Loop's condition turns false after 3 iterations: its outputs have 3 rows, not x.shape[0].
     The Loop over them must not be fused as running T steps (the model runs only for T <= 3)."""

@@ -48,7 +48,7 @@ class _Carried:
 
     n: int  # carried values
     n_scan: int  # per-step (scan) outputs of the body
-    index_syms: dict[str, int]  # body input -> 0: the iteration number and counters that follow it
+    index_syms: dict[str, int]  # body input -> its offset: the iteration number (0) and counters that follow it
     invariants: dict[str, str]  # body input -> outer init: values passed through unchanged
     recurrent: list[int]  # the cell's states (and carried copies of its output)
     seqs: list[int]  # carried sequences (TorchScript SequenceInsert outputs)
@@ -123,14 +123,15 @@ def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
         step = counter_step(body, bo)
         counts = step is not None and step[0] == bi and step[1] == 1
         c0 = g.const(init) if init and counts else None  # (a fold asked of a counter's start only)
-        if counts and c0 is not None and np.asarray(c0).size == 1 and int(np.asarray(c0).ravel()[0]) == 0:
-            out.index_syms[bi] = 0
+        if counts and c0 is not None and np.asarray(c0).size == 1 and np.asarray(c0).dtype.kind in "iu":
+            out.index_syms[bi] = int(np.asarray(c0).ravel()[0])  # the iteration number plus its start (a jax
+            # carry's t from 1, compared as t <= L)
             continue
         prod = g.producer.get(init) if init else None
         if prod is not None and prod.op_type == "SequenceEmpty":
             out.seqs.append(k)
             continue
-        written = row_write(body, bi, bo, set(out.index_syms))
+        written = row_write(body, bi, bo, {name for name, start in out.index_syms.items() if start == 0})
         if written is not None:  # outs[i] = y: the per-step values stacked (see loop_buffers)
             out.buffers[k] = written
             continue

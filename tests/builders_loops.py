@@ -547,13 +547,16 @@ class LengthOpts:
     """A Loop over the tanh RNN step whose state is kept where a hand-written mask is false; the mask compares
     the iteration number with a graph input ``L`` of per-row lengths.
 
-    ``cmp``: ``lt`` Less(i, L); ``gt`` Greater(L, i); ``le1`` LessOrEqual(i + 1, L); ``ge`` GreaterOrEqual(i, L)
+    ``cmp``: ``lt`` Less(i, L); ``gt`` Greater(L, i); ``le1`` LessOrEqual(i + 1, L); ``le`` LessOrEqual(i, L);
+    ``ge`` GreaterOrEqual(i, L)
     (valid *from* step L on: pre-padded rows); ``xmask`` no comparison with L: the step's mask is computed from
     x_t, ``ReduceMax(Cast(x_t != 0), axis 1)`` (a row is padding where its features are all 0). ``dtype`` int64, or int32 (i cast to int32); ``unit``: L is
     [B, 1]; ``keep``: ``muladd`` m*new + (1-m)*h with m cast to float, or ``where`` Where(m, new, h); ``out``:
     ``zero`` the new h where valid, zeros elsewhere, or ``carry`` the kept h. Near misses (``miss``):
     ``reset`` h = m * new (not kept); ``input_only`` the mask multiplies x_t only; ``lengths_change`` L is
-    carried and decremented every step; ``batch_rows`` (xmask) one mask for all rows, reduced over the batch."""
+    carried and decremented every step; ``batch_rows`` (xmask) one mask for all rows, reduced over the batch.
+    ``counter``: the compared i is a carried counter starting there, not the iteration number (a jax carry's
+    ``t`` from 1, compared as ``t <= L``)."""
 
     cmp: str = "lt"
     dtype: str = "int64"
@@ -563,10 +566,12 @@ class LengthOpts:
     miss: str = ""
     front: str = "loop"  # or "scan" (xmask only: x scanned, the mask computed in the body)
     pre: bool = False  # the cell reads tanh(x_t * P + Q), P and Q per feature: a map of x_t inside the step
+    counter: int | None = None
 
     @property
     def name(self) -> str:
         parts = [self.cmp, self.dtype, "unit" if self.unit else "vec", self.keep, self.out]
+        parts += [] if self.counter is None else [f"from{self.counter}"]
         return "-".join(parts + ([self.miss] if self.miss else []) + (["pre"] if self.pre else [])
                         + (["scan"] if self.front == "scan" else []))
 
@@ -575,7 +580,8 @@ def _valid(o: LengthOpts, t: int, L: np.ndarray, x: np.ndarray) -> np.ndarray:
     if o.cmp == "xmask":
         return (x[t] != 0).any(-1)
     L = L.reshape(-1)
-    return {"lt": t < L, "gt": L > t, "le1": t + 1 <= L, "ge": t >= L}[o.cmp]
+    t += o.counter or 0
+    return {"lt": t < L, "gt": L > t, "le1": t + 1 <= L, "le": t <= L, "ge": t >= L}[o.cmp]
 
 
 def build_lengths(o: LengthOpts) -> onnx.ModelProto:
@@ -591,7 +597,11 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
                   numpy_helper.from_array(np.array(0.0, np.float32), "zerof")]
     bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)]
     i = "it"
-    if o.dtype == "int32":
+    if o.counter is not None:
+        i = "tc"
+        bn.append(helper.make_node("Add", ["tc", "one"], ["tn"]))
+        inits.append(numpy_helper.from_array(np.array(o.counter, np.int64 if o.dtype == "int64" else np.int32), "t0"))
+    elif o.dtype == "int32":
         bn.append(helper.make_node("Cast", ["it"], ["it32"], to=TensorProto.INT32))
         i = "it32"
     L = "Lc" if o.miss == "lengths_change" else "L"
@@ -608,6 +618,8 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
         bn.append(helper.make_node("Greater", [L, i], ["m"]))
     elif o.cmp == "le1":
         bn += [helper.make_node("Add", [i, "one"], ["i1p"]), helper.make_node("LessOrEqual", ["i1p", L], ["m"])]
+    elif o.cmp == "le":
+        bn.append(helper.make_node("LessOrEqual", [i, L], ["m"]))
     else:
         bn.append(helper.make_node("GreaterOrEqual", [i, L], ["m"]))
     m = "m"
@@ -648,6 +660,11 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
     carried_in = [helper.make_tensor_value_info("h", TensorProto.FLOAT, [None, H])]
     carried_out = [helper.make_tensor_value_info("hk", TensorProto.FLOAT, [None, H])]
     loop_in, loop_out = ["T", "true", "h0"], ["h_last"]
+    if o.counter is not None:
+        carried_in.append(helper.make_tensor_value_info("tc", it, []))
+        carried_out.append(helper.make_tensor_value_info("tn", it, []))
+        loop_in.append("t0")
+        loop_out.append("t_last")
     if o.miss == "lengths_change":
         bn.append(helper.make_node("Sub", ["Lc", "one"], ["Lnext"]))
         carried_in.append(helper.make_tensor_value_info("Lc", it, lshape))
@@ -703,7 +720,8 @@ def lengths_reference(o: LengthOpts, x: np.ndarray, L: np.ndarray) -> list[np.nd
 LENGTH_FORMS = [LengthOpts(), LengthOpts("gt", out="carry"), LengthOpts("le1", "int32", unit=True),
                 LengthOpts("lt", keep="where", out="carry"), LengthOpts("gt", "int32", keep="where"),
                 LengthOpts("ge"), LengthOpts("ge", keep="where", out="carry", unit=True),
-                LengthOpts("lt", keep="where", pre=True)]
+                LengthOpts("lt", keep="where", pre=True), LengthOpts("le", counter=1),
+                LengthOpts("lt", "int32", keep="where", out="carry", counter=2), LengthOpts("ge", counter=-1)]
 LENGTH_MISSES = [LengthOpts(miss="reset"), LengthOpts(miss="input_only"), LengthOpts(miss="lengths_change")]
 # the mask computed in the step from x_t itself
 XMASK_FORMS = [LengthOpts("xmask", keep="where", out="carry"), LengthOpts("xmask", unit=True),

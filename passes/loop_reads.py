@@ -52,7 +52,8 @@ def counter_step(body: Graph, name: str) -> tuple[str, int] | None:
 
 
 def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str, axis: int = 0) -> str | None:
-    """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = data's size on ``axis``) -> "reverse"."""
+    """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = data's size on ``axis``) or ``-1 - i``
+    -> "reverse"."""
     name = value_source(body, idx)
     if index_syms.get(name) == 0:
         return "forward"
@@ -64,6 +65,9 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     if step is None or step[0] not in index_syms:
         return None
     k = index_syms[step[0]] + step[1]  # subtracted value is i + k
+    ca = body.const(a)
+    if ca is not None and np.asarray(ca).size == 1 and int(np.asarray(ca).ravel()[0]) == k - 1:
+        return "reverse"  # -1 - i: a negative index counts from the end (-1 - i >= -T for every i < T)
     T_keys = set().union(*(_size_keys(g, k) for k in time_keys(g, data, axis)))
     # a must be T - 1 + k
     an = body.producer.get(value_source(body, a)) if body.scope_of(a) is body else None

@@ -123,7 +123,7 @@ class Opts:
     uniform_bias: bool = False  # every gate's bias vector holds one value (e.g. Keras unit_forget_bias)
     forget_bias: float = 0.0  # LSTM: a scalar added to the forget gate (TF BasicLSTMCell style)
     direction: str = "forward"  # forward | reverse
-    reverse_form: str = "native"  # native: scan_input_directions=1 (Scan); Loop: flip (Slice step -1 outside) | revseq (ReverseSequence) | index (Gather(X, T-1-i))
+    reverse_form: str = "native"  # native: scan_input_directions=1 (Scan); Loop: flip (Slice step -1 outside) | revseq (ReverseSequence) | index (Gather(X, T-1-i)) | negindex (Gather(X, -1-i))
     out_time_order: bool = True  # reverse only: per-step outputs in time order (else in processing order)
     flip_out: bool = False  # additionally reverse the per-step output along time (scan_output_directions)
     batch_first: bool = False
@@ -994,7 +994,7 @@ def _loop_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suf
     if o.xproj:
         Xt, width = _xproj(ctx, Xt)
     rev = o.direction == "reverse"
-    if rev and o.reverse_form != "index":
+    if rev and o.reverse_form not in ("index", "negindex"):
         Xt = _flip0(main, Xt, o.reverse_form)
         if Mt:
             Mt = _flip0(main, Mt, o.reverse_form)
@@ -1013,6 +1013,8 @@ def _loop_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suf
     if rev and o.reverse_form == "index":
         Tb = body.op("Gather", body.op("Shape", Xt), body.constant(np.array(0, np.int64), "zero"), axis=0)
         idx = body.op("Sub", body.op("Sub", Tb, body.constant(np.array(1, np.int64), "one")), step_no)
+    elif rev and o.reverse_form == "negindex":  # a negative index counts from the end
+        idx = body.op("Sub", body.constant(np.array(-1, np.int64), "minus_one"), step_no)
     else:
         idx = step_no
     x_idx = idx
@@ -1458,7 +1460,7 @@ def expected_native(o: Opts) -> dict:
 def check_opts(o: Opts) -> None:
     if o.op not in GATES:
         raise ValueError(o.op)
-    if o.front == "scan" and o.reverse_form in ("index", "flip", "revseq"):
+    if o.front == "scan" and o.reverse_form in ("index", "negindex", "flip", "revseq"):
         raise ValueError("Scan reverses with scan_input_directions (reverse_form='native')")
     if o.front == "loop" and o.direction == "reverse" and o.reverse_form == "native":
         raise ValueError("a reverse Loop needs reverse_form='flip' or 'index'")

@@ -264,6 +264,8 @@ LOOP_FAMILIES = {
     "loop_reverse_reversesequence": dict(direction="reverse", reverse_form="revseq", mask="where"),
     "loop_reverse_index": dict(direction="reverse", reverse_form="index"),
     "loop_reverse_index_counter_masked": dict(direction="reverse", reverse_form="index", loop_counter=True, mask="where"),
+    "loop_reverse_negative_index": dict(direction="reverse", reverse_form="negindex"),
+    "loop_reverse_negative_index_masked": dict(direction="reverse", reverse_form="negindex", mask="where"),
     "loop_constant_trip_count": dict(static_T=7, loop_bound="const"),
     "loop_bidir_reversesequence": dict(layers="bidir", reverse_form="revseq", direct_out=True),
 }

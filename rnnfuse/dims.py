@@ -318,6 +318,16 @@ def time_dim_key(g: Graph, name: str, axis: int = 0):
     return ("dim",) + root_dim(g, name, axis)
 
 
+def untransposed(g: Graph, name: str, axis: int) -> tuple[str, int] | None:
+    """``(S, 1 - axis)`` when ``name`` is ``Transpose(S)`` swapping its first two axes (the rest kept) and ``axis``
+    is one of them: the same slices read along S's own axis. Else None."""
+    n = g.producer.get(name)
+    rank = g.model.rank(n.input[0]) if n is not None and n.op_type == "Transpose" else None
+    if rank is None or axis not in (0, 1) or list(attr(n, "perm") or []) != [1, 0, *range(2, rank)]:
+        return None
+    return n.input[0], 1 - axis
+
+
 def time_keys(g: Graph, name: str, axis: int = 0) -> set:
     """Every key ``name``'s extent along ``axis`` goes by: its canonical (tensor, axis) through shape-keeping
     producers, and the number the file gives for it or for that root (a symbolic name declared on the way,

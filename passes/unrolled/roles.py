@@ -14,7 +14,7 @@ that the exporter folded into constants: it must equal the cell with that state 
 from __future__ import annotations
 
 from rnnfuse.dataflow import lead_of, shape_derived
-from rnnfuse.dims import extent_key, static_dim
+from rnnfuse.dims import extent_key, static_dim, untransposed
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
 from rnnfuse.inputs import input_projection, projected_leaf
@@ -411,12 +411,15 @@ class _ChainRoles:
 
     def build(self, an: StepAnalysis) -> Recurrence:
         g, src, axis, ts = self.g, self.src, self.axis, self.ts
+        msrc, maxis = self.mask_srcs.get(an.mask_sym, (None, None)) if an.masked else (None, None)
+        if maxis not in (None, axis) and self.proj is None and not isinstance(msrc, StepMask):
+            src, axis = untransposed(g, src, axis) or (src, axis)  # (x read from a time-major copy of a batch-first
+            # tensor, the mask from its own [B, T]: jax2onnx's unrolled loops; both read batch-first)
         x, T, leads = src if self.proj is None else self.proj.x0, static_dim(g, src, axis), series_leads(g, self.h_new, self.sig_h)
         first = min(ts) if self.chain.direction == "forward" else max(ts)  # (the step processed first)
         anchor = g.producer.get(self.h_new[-1] or self.c_new[-1] or (self.ys or [None])[-1])
         mask = None
         if an.masked:
-            msrc, maxis = self.mask_srcs.get(an.mask_sym, (None, None))
             if isinstance(msrc, StepMask):  # lengths > t or f(x_t) written per step: its [T, B] source, like x
                 msrc, maxis = msrc.source(g, axis, T if T is not None else max(ts) + 1, maxis, anchor), axis
             elif msrc is None or maxis != axis or (static_dim(g, msrc, maxis) != T

@@ -62,7 +62,7 @@ ONNX_OP = {"lstm": "LSTM", "olstm": "LSTM", "gru": "GRU", "simple": "RNN", "simp
 @dataclass(frozen=True)
 class Case:
     name: str
-    model: str  # "rnn" | "bidir" | "nnx_scan" | "hand" | "fori"
+    model: str  # "rnn" | "bidir" | "nnx_scan" | "hand" | "fori" | "pyfor" | "eqx"
     cell: str  # lstm | olstm | gru | simple | simple_relu (model "hand": lstm | gru | rnn | ...)
     opset: int = DEFAULT_OPSET
     dynamic_time: bool = False
@@ -146,6 +146,10 @@ CASES = [
     # -- lax.fori_loop reading the step with dynamic_index_in_dim (batch-first, axis 1)
     case("fori_rnn_last_h", "fori", "rnn"),
     case("fori_gru_last_h", "fori", "gru"),
+    # -- a Python for loop (an unrolled chain): x read from a time-major copy, the [B, T] mask sliced as it is
+    case("pyfor_rnn", "pyfor", "rnn"),
+    case("pyfor_gru_masked", "pyfor", "gru", mask=True,
+         notes="h = where(mask[:, t:t+1], cell(h, x[:, t]), h): x Gathered from Transpose(x), the mask Sliced batch-first"),
     # -- near misses
     case("near_hand_weight_decays", "hand", "rnn_decay", declined="not a constant"),
     case("near_hand_reads_next_step", "hand", "rnn_next", declined="per-step input"),
@@ -581,26 +585,51 @@ def build_hand(env: Env, c: Case, seed: int):
     return fn, specs
 
 
+def _small_cell(env: Env, kind: str, rng):
+    """``cell(h, x_t)`` on closed-over weights: a tanh RNN ("rnn") or torch's GRU formula (linear_before_reset)."""
+    jnp, jax = env.jnp, env.jax
+    H, F = HIDDEN, FEATURES
+    sig, tanh = jax.nn.sigmoid, jnp.tanh
+    if kind == "rnn":
+        Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
+        return lambda h, xt: tanh(xt @ Wx + h @ Wh + b)
+    Wx, Wh, bx, bh = _weights(rng, (F, 3 * H), (H, 3 * H), (3 * H,), (3 * H,))
+
+    def cell(h, xt):
+        gx, gh = xt @ Wx + bx, h @ Wh + bh
+        r = sig(gx[:, :H] + gh[:, :H])
+        z = sig(gx[:, H:2 * H] + gh[:, H:2 * H])
+        n = tanh(gx[:, 2 * H:] + r * gh[:, 2 * H:])
+        return (1 - z) * n + z * h
+
+    return cell
+
+
+def build_pyfor(env: Env, c: Case, seed: int):
+    """A Python for loop over the steps reading x[:, t] (jax2onnx writes every step: an unrolled chain, x read
+    from one time-major copy); masked: h kept where mask[:, t:t + 1], the [B, T] bool input sliced as it is.
+    Returns the stacked states (batch-first) and the last one."""
+    jnp = env.jnp
+    cell = _small_cell(env, c.cell, np.random.default_rng(seed))
+
+    def fn(x, *mask):
+        with env.original_shape():
+            h = jnp.zeros((x.shape[0], HIDDEN), jnp.float32)
+        ys = []
+        for t in range(TIME):
+            new = cell(h, x[:, t])
+            h = jnp.where(mask[0][:, t:t + 1], new, h) if mask else new
+            ys.append(h)
+        return jnp.stack(ys, 1), h
+
+    return fn, [("x", ("B", TIME, FEATURES), "float32")] + ([("mask", ("B", TIME), "bool")] if c.masked else [])
+
+
 def build_fori(env: Env, c: Case, seed: int):
     """lax.fori_loop over t reading x[:, t] with dynamic_index_in_dim; returns the last state."""
     jnp, jax = env.jnp, env.jax
-    rng = np.random.default_rng(seed)
     H, F = HIDDEN, FEATURES
-    sig, tanh = jax.nn.sigmoid, jnp.tanh
-    if c.cell == "rnn":
-        Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
-
-        def cell(h, xt):
-            return tanh(xt @ Wx + h @ Wh + b)
-    else:
-        Wx, Wh, bx, bh = _weights(rng, (F, 3 * H), (H, 3 * H), (3 * H,), (3 * H,))
-
-        def cell(h, xt):  # torch's GRU formula (linear_before_reset)
-            gx, gh = xt @ Wx + bx, h @ Wh + bh
-            r = sig(gx[:, :H] + gh[:, :H])
-            z = sig(gx[:, H:2 * H] + gh[:, H:2 * H])
-            n = tanh(gx[:, 2 * H:] + r * gh[:, 2 * H:])
-            return (1 - z) * n + z * h
+    cell = _small_cell(env, c.cell, np.random.default_rng(seed))
 
     if c.lengths:  # the state kept where t >= lengths[b]
         def fn(x, lengths):
@@ -654,7 +683,8 @@ def build_eqx(env: Env, c: Case, seed: int):
     return jax.vmap(one), [("x", ("B", "T" if c.dynamic_time else TIME, FEATURES), "float32")]
 
 
-BUILDERS = {"rnn": build_rnn, "eqx": build_eqx, "bidir": build_rnn, "nnx_scan": build_nnx_scan, "hand": build_hand, "fori": build_fori}
+BUILDERS = {"rnn": build_rnn, "eqx": build_eqx, "bidir": build_rnn, "nnx_scan": build_nnx_scan, "hand": build_hand, "fori": build_fori,
+            "pyfor": build_pyfor}
 
 
 # --------------------------------------------------------------------------- inputs, export, files

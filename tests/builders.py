@@ -146,7 +146,7 @@ class Opts:
     layout: str = "separate"  # separate | fused_split | fused_slice | fused_view (Reshape [-1, G, H] + Split + Squeeze) | fused_view_gather
     # | fused_view_batch (the view's batch read from X's shape)
     concat: bool = False  # Concat([x, h]) . [W; R] instead of x.W + h.R (GRU: separate layout only; lbr=0 uses Concat([x, r*h]))
-    act_form: str = "op"  # op | clip | maxmin | minmax | relu6: how HardSigmoid / Relu are written; exp: Sigmoid as 1/(1+exp(-x))
+    act_form: str = "op"  # op | clip | maxmin | minmax | relu6: how HardSigmoid / Relu are written; exp: Sigmoid as 1/(1+exp(-x)); clip0: a clipped Relu as Clip(x, 0, clip)
     clip_form: str = "op"  # op | minmax
     gru_update: str = "a"  # a: (1-z)*n + z*h;  b: n + z*(h-n);  c: z*h + n - z*n;  lerp: torch.lerp(n, h, z)
     weights: str = "outer"  # outer | body_const | body_init | carried
@@ -524,6 +524,8 @@ def _clip(ctx: Ctx, x: str, lo: float, hi: float) -> str:
 def _act(ctx: Ctx, kind: str, params: tuple, x: str, clip: bool = True) -> str:
     """An activation of a gate pre-activation (clipped first when the cell has a clip)."""
     b, o = ctx.body, ctx.o
+    if kind == "Relu" and o.act_form == "clip0" and clip and o.clip is not None and not o.mutation:
+        return b.op("Clip", x, b.f(0.0), b.f(o.clip))  # Relu(clip(x, -c, c)) as one Clip (Keras' relu6)
     if clip:
         if o.mutation == "asym_clip":
             x = _clip(ctx, x, -2.0, 3.0)

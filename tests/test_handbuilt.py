@@ -255,6 +255,10 @@ OP_FAMILIES = {
     "rnn_acts_leaky": ("RNN", dict(acts=(("LeakyRelu", (0.2,)),))),
     "rnn_acts_thresholded": ("RNN", dict(acts=(("ThresholdedRelu", (0.1,)),))),
     "rnn_acts_softplus_clip": ("RNN", dict(acts=(("Softplus", ()),), clip=1.5)),
+    # a gate clipped to [0, c] (Keras' relu6) or [-c, c] (a hard tanh) and no activation: Relu or Affine(1, 0) with clip c
+    "rnn_acts_relu6": ("RNN", dict(acts=(("Relu", ()),), clip=6.0, act_form="clip0")),
+    "rnn_acts_relu_clip": ("RNN", dict(acts=(("Relu", ()),), clip=2.0)),
+    "rnn_acts_hard_tanh": ("RNN", dict(acts=(("Affine", (1.0, 0.0)),), clip=1.0)),
 }
 LOOP_FAMILIES = {
     "loop_cond_bound": dict(loop_bound="cond"),
@@ -705,3 +709,13 @@ def test_input_cast_from_bool_is_data_not_a_mask(o):
     got = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("front", ["scan", "loop"])
+def test_a_gate_only_clipped_asymmetrically_is_declined(front):
+    """A gate clipped to [-2, 3] with no activation after it is no activation of a native op's clip (Relu's
+    [0, c] and the identity's [-c, c] are): declined, and the model's outputs are kept."""
+    o = B.default_reverse_form(O(op="RNN", front=front, acts=(("Affine", (1.0, 0.0)),), mutation="asym_clip"))
+    out = B.run_case(o, batches=(1, 4), Ts=(3,), always_compare=True)
+    assert out.status == "declined" and not out.fused_mismatch, out.text()
+    assert "not an activation of an affine map" in out.report.declined[0].reason, out.text()

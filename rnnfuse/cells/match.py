@@ -13,9 +13,27 @@ def gate_parts(p, what: str):
     """``act(lin)`` or ``act(clip(lin))`` (a Poly or an Act atom) -> ``((name, params), lin, clip)``."""
     sa = p.single_atom() if isinstance(p, Poly) else None
     atom = sa[0] if sa and sa[1] == 1.0 else p if isinstance(p, Act) else None
-    if not isinstance(atom, Act) or atom.kind == "Clip":
+    if isinstance(atom, Act) and atom.kind == "Clip":
+        return _clip_gate(atom, what)
+    if not isinstance(atom, Act):
         raise Decline(f"{what} is not an activation of an affine map")
     return _act_arg(atom, what)
+
+
+def _clip_gate(atom: Act, what: str):
+    """A gate clipped to [0, c] (Keras' relu6) is Relu of the gate clipped to [-c, c], one clipped to [-c, c] (a
+    hard tanh) the identity of it, Affine(1, 0): ONNX's clip bounds a gate's input, before its activation."""
+    lo, hi = atom.params
+    sa, offset = atom.arg.single_atom(), atom.arg.as_lin_offset()
+    if sa and sa[1] == 1.0 and isinstance(sa[0], LinAtom):
+        lin = sa[0].lin
+    elif offset is not None and offset[1] == 1.0:
+        lin = with_uniform_bias(offset[0], offset[2])
+    else:
+        lin = None
+    if lin is None or not hi > 0 or lo not in (0.0, -hi):
+        raise Decline(f"{what} is not an activation of an affine map")
+    return (("Relu", ()) if lo == 0 else ("Affine", (1.0, 0.0))), lin, hi
 
 
 def _act_arg(atom: Act, what: str):

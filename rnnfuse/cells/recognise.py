@@ -52,7 +52,30 @@ def recognise(new: dict[str, Poly], x: StepInput, states: dict[str, State]) -> R
 
 
 def _same(a: Poly, b: Poly) -> bool:
-    return a.key == b.key or fold_offsets(a).key == fold_offsets(b).key
+    if a.key == b.key:
+        return True
+    a, b = fold_offsets(a), fold_offsets(b)
+    return a.key == b.key or canonical_clips(a).key == canonical_clips(b).key
+
+
+def canonical_clips(p: Poly) -> Poly:
+    """One form for what a clip and an activation spell two ways: ``Relu(Clip(a, -c, c))`` is ``Clip(a, 0, c)``
+    (a native op's clip before its Relu; Keras' relu6), and ``Affine(s, t)(a)`` is ``s*a + t`` (a native op's
+    linear activation; a graph's clip alone)."""
+
+    def fn(atom):
+        if not isinstance(atom, Act):
+            return None
+        arg = canonical_clips(atom.arg)
+        sa = arg.single_atom()
+        inner = sa[0] if sa and sa[1] == 1.0 else None
+        if atom.kind == "Relu" and isinstance(inner, Act) and inner.kind == "Clip" and inner.params[0] == -inner.params[1]:
+            return Poly.atom(Act("Clip", (0.0, inner.params[1]), inner.arg))
+        if atom.kind == "Affine":
+            return arg.scale(atom.params[0]).add(Poly.const(atom.params[1]))
+        return Poly.atom(Act(atom.kind, atom.params, arg))
+
+    return substitute(p, fn)
 
 
 def fold_offsets(p: Poly) -> Poly:

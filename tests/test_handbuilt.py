@@ -255,6 +255,10 @@ OP_FAMILIES = {
     "rnn_acts_leaky": ("RNN", dict(acts=(("LeakyRelu", (0.2,)),))),
     "rnn_acts_thresholded": ("RNN", dict(acts=(("ThresholdedRelu", (0.1,)),))),
     "rnn_acts_softplus_clip": ("RNN", dict(acts=(("Softplus", ()),), clip=1.5)),
+    # an LSTM without activation on its candidate, its output or both (Keras' activation=None): Affine(1, 0)
+    "lstm_acts_linear": ("LSTM", dict(acts=(("Sigmoid", ()), ("Affine", (1.0, 0.0)), ("Affine", (1.0, 0.0))))),
+    "lstm_acts_linear_candidate": ("LSTM", dict(acts=(("Sigmoid", ()), ("Affine", (1.0, 0.0)), ("Tanh", ())))),
+    "lstm_acts_linear_output": ("LSTM", dict(acts=(("HardSigmoid", (0.2, 0.5)), ("Tanh", ()), ("Affine", (1.0, 0.0))))),
     # a gate clipped to [0, c] (Keras' relu6) or [-c, c] (a hard tanh) and no activation: Relu or Affine(1, 0) with clip c
     "rnn_acts_relu6": ("RNN", dict(acts=(("Relu", ()),), clip=6.0, act_form="clip0")),
     "rnn_acts_relu_clip": ("RNN", dict(acts=(("Relu", ()),), clip=2.0)),

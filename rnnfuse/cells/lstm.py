@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import Decline
 from ..symbolic import ACTIVATIONS, Act, LinAtom, Poly, State
 from .kind import CellKind, activate, gate
-from .match import SOFTPLUS_WHY, check_sources, gate_parts, make_spec
+from .match import IDENTITY, SOFTPLUS_WHY, check_sources, gate_parts, make_spec
 from .spec import act_name
 
 PEEPHOLE_GATES = ("i", "o", "f")  # ONNX's order of P
@@ -54,7 +54,7 @@ class LstmKind(CellKind):
                 f"gate activations differ (i={act_name(i_act)}, f={act_name(f_act)}, o={act_name(o_act)}); "
                 "a native LSTM applies one activation to i, f and o"
             )
-        if h_act_atom.kind not in ACTIVATIONS:
+        if h_act_atom.kind not in ACTIVATIONS and (h_act_atom.kind, h_act_atom.params) != IDENTITY:
             raise Decline(f"the output activation {h_act_atom.kind} is not available in native ops")
         if h_act_atom.kind == "Softplus":  # (its argument, the cell state, is never clipped)
             raise Decline(f"the output activation is Softplus: {SOFTPLUS_WHY}")
@@ -177,15 +177,19 @@ def _forget_and_input_terms(pc: Poly, cs):
         atoms = [pc.atoms[k] for k in m]
         if len(atoms) == 2 and cs.key in m:
             fc = next(a for a in atoms if a.key != cs.key)
-        elif len(atoms) == 2 and all(isinstance(a, Act) for a in atoms):
-            ig = atoms
+        elif len(atoms) == 2 and all(isinstance(a, (Act, LinAtom)) for a in atoms) and any(isinstance(a, Act) for a in atoms):
+            ig = atoms  # a gate and the candidate (an affine map itself when it has no activation)
     if fc is None or ig is None:
         raise Decline(f"the cell state update is not f*c + i*g ({pc!r})")
     return fc, ig
 
 
 def _output_factors(ph: Poly, pc: Poly):
-    """``h' = o * act(c')``: the activation of the new cell state, and the output gate."""
+    """``h' = o * act(c')``: the activation of the new cell state, and the output gate. ``o * c'`` (no output
+    activation) is the identity, Affine(1, 0), of c'."""
+    for a in ph.atoms.values():
+        if isinstance(a, Act) and len(ph.terms) == len(pc.terms) > 1 and Poly.atom(a).mul(pc).key == ph.key:
+            return Act(*IDENTITY, pc), a
     if len(ph.terms) != 1 or list(ph.terms.values())[0] != 1.0:
         raise Decline(f"the hidden output is not o*act(c) ({ph!r})")
     (m,) = ph.terms

@@ -12,12 +12,18 @@ from .spec import CellSpec
 def gate_parts(p, what: str):
     """``act(lin)`` or ``act(clip(lin))`` (a Poly or an Act atom) -> ``((name, params), lin, clip)``."""
     sa = p.single_atom() if isinstance(p, Poly) else None
-    atom = sa[0] if sa and sa[1] == 1.0 else p if isinstance(p, Act) else None
+    atom = sa[0] if sa and sa[1] == 1.0 else p if isinstance(p, (Act, LinAtom)) else None
     if isinstance(atom, Act) and atom.kind == "Clip":
         return _clip_gate(atom, what)
+    if isinstance(atom, LinAtom):  # no activation (Keras' activation=None): the identity, Affine(1, 0)
+        return IDENTITY, atom.lin, None
     if not isinstance(atom, Act):
         raise Decline(f"{what} is not an activation of an affine map")
     return _act_arg(atom, what)
+
+
+# a native op's linear activation (ONNX Affine with alpha 1, beta 0)
+IDENTITY = ("Affine", (1.0, 0.0))
 
 
 def _clip_gate(atom: Act, what: str):
@@ -33,7 +39,7 @@ def _clip_gate(atom: Act, what: str):
         lin = None
     if lin is None or not hi > 0 or lo not in (0.0, -hi):
         raise Decline(f"{what} is not an activation of an affine map")
-    return (("Relu", ()) if lo == 0 else ("Affine", (1.0, 0.0))), lin, hi
+    return (("Relu", ()) if lo == 0 else IDENTITY), lin, hi
 
 
 def _act_arg(atom: Act, what: str):

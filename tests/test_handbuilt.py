@@ -461,6 +461,9 @@ GAP_CASES = {
     "gru_hidden_1_gated_state": O(op="GRU", F=2, H=1),
     "lstm_scalar_forget_bias": O(op="LSTM", forget_bias=1.0),
     "lstm_scalar_forget_bias_loop": O(op="LSTM", front="loop", forget_bias=1.0, mask="where"),
+    # TF1's peephole LSTMCell written as a Keras cell: the forget gate adds 1.0 beside its peephole
+    "lstm_peephole_forget_bias": O(op="LSTM", forget_bias=1.0, mutation="peephole"),
+    "lstm_peephole_forget_bias_loop": O(op="LSTM", front="loop", forget_bias=1.0, mutation="peephole", mask="where"),
     "lstm_gemm_beta": O(op="LSTM", matmul="gemm_ab", bias="two"),
     "gru_gemm_beta": O(op="GRU", lbr=1, matmul="gemm_ab"),
     "rnn_gemm_beta_fused": O(op="RNN", matmul="gemm_ab", layout="fused_split"),

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import Decline
 from ..symbolic import ACTIVATIONS, Act, LinAtom, Poly, State
 from .kind import CellKind, activate, gate
-from .match import IDENTITY, SOFTPLUS_WHY, check_sources, gate_parts, make_spec
+from .match import IDENTITY, SOFTPLUS_WHY, check_sources, gate_parts, make_spec, split_scalar_offset, with_uniform_bias
 from .spec import act_name
 
 PEEPHOLE_GATES = ("i", "o", "f")  # ONNX's order of P
@@ -126,7 +126,9 @@ def _peephole(atom, what: str, own_c: Poly, other_c: Poly, cs: State):
     if len(lin_terms) != 1 or next(iter(lin_terms.values())) != 1.0:
         raise Decline(f"{what} reads the cell state elementwise, not as x@W + h@R + b + p*c ({arg!r})")
     (lin_m,) = lin_terms
-    rest = Poly({m: coef for m, coef in arg.terms.items() if m != lin_m}, arg.atoms)
+    # (a scalar besides, TF's forget_bias of 1, adds to the gate's bias like any other)
+    rest, offset = split_scalar_offset(Poly({m: coef for m, coef in arg.terms.items() if m != lin_m}, arg.atoms))
+    lin_atom = arg.atoms[lin_m[0]] if not offset else LinAtom(with_uniform_bias(arg.atoms[lin_m[0]].lin, offset))
     mult = _multiplier(rest, own_c)
     if mult is None:
         if _multiplier(rest, other_c) is not None:
@@ -134,7 +136,7 @@ def _peephole(atom, what: str, own_c: Poly, other_c: Poly, cs: State):
             raise Decline(f"{what}'s peephole reads the {which} cell state; a native LSTM's "
                           f"{'output gate reads the new' if which == 'previous' else 'input and forget gates read the previous'} one")
         raise Decline(f"{what} reads the cell state, but not as a diagonal peephole p*c ({arg!r})")
-    return Act(atom.kind, atom.params, Poly.atom(arg.atoms[lin_m[0]])), mult
+    return Act(atom.kind, atom.params, Poly.atom(lin_atom)), mult
 
 
 def _multiplier(rest: Poly, c: Poly) -> Poly | None:

@@ -259,6 +259,10 @@ OP_FAMILIES = {
     "lstm_acts_linear": ("LSTM", dict(acts=(("Sigmoid", ()), ("Affine", (1.0, 0.0)), ("Affine", (1.0, 0.0))))),
     "lstm_acts_linear_candidate": ("LSTM", dict(acts=(("Sigmoid", ()), ("Affine", (1.0, 0.0)), ("Tanh", ())))),
     "lstm_acts_linear_output": ("LSTM", dict(acts=(("HardSigmoid", (0.2, 0.5)), ("Tanh", ()), ("Affine", (1.0, 0.0))))),
+    # a GRU without a candidate activation: the blend's candidate is the affine map itself (one term, or
+    # x@W + r*(h@R + b): several)
+    "gru_acts_linear": ("GRU", dict(acts=(("Sigmoid", ()), ("Affine", (1.0, 0.0))))),
+    "gru_lbr_acts_linear": ("GRU", dict(lbr=1, acts=(("HardSigmoid", (0.2, 0.5)), ("Affine", (1.0, 0.0))))),
     # a gate clipped to [0, c] (Keras' relu6) or [-c, c] (a hard tanh) and no activation: Relu or Affine(1, 0) with clip c
     "rnn_acts_relu6": ("RNN", dict(acts=(("Relu", ()),), clip=6.0, act_form="clip0")),
     "rnn_acts_relu_clip": ("RNN", dict(acts=(("Relu", ()),), clip=2.0)),
@@ -461,6 +465,8 @@ GAP_CASES = {
     "gru_hidden_1_gated_state": O(op="GRU", F=2, H=1),
     "lstm_scalar_forget_bias": O(op="LSTM", forget_bias=1.0),
     "lstm_scalar_forget_bias_loop": O(op="LSTM", front="loop", forget_bias=1.0, mask="where"),
+    "gru_linear_update_takes_candidate_chain": O(op="GRU", lbr=1, front="chain", static_T=5, mutation="gru_swapped_update",
+                                                 acts=(("Sigmoid", ()), ("Affine", (1.0, 0.0)))),
     # TF1's peephole LSTMCell written as a Keras cell: the forget gate adds 1.0 beside its peephole
     "lstm_peephole_forget_bias": O(op="LSTM", forget_bias=1.0, mutation="peephole"),
     "lstm_peephole_forget_bias_loop": O(op="LSTM", front="loop", forget_bias=1.0, mutation="peephole", mask="where"),

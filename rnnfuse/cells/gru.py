@@ -17,7 +17,7 @@ from ..errors import Decline
 from ..graph import attr
 from ..symbolic import ACTIVATIONS, GATED_ROW, Act, LinAtom, Poly
 from .kind import CellKind, activate, bias_of, gate, split_biases, weight_block
-from .match import SOFTPLUS_SAFE, SOFTPLUS_WHY, check_sources, gate_parts, make_spec, split_scalar_offset, with_uniform_bias
+from .match import IDENTITY, SOFTPLUS_SAFE, SOFTPLUS_WHY, check_sources, gate_parts, make_spec, split_scalar_offset, with_uniform_bias
 
 
 class GruKind(CellKind):
@@ -38,15 +38,18 @@ class GruKind(CellKind):
     def match(self, new, x, states, h, c):
         p = new[h]
         hs = states[h]
-        z, n, flipped = _update_and_candidate(p, hs)
+        try:
+            z, n, flipped = _update_and_candidate(p, hs)
+        except Decline as d:
+            z, n, flipped = _blend_of_linear_candidate(p, hs, d)
         z_act, z_lin, clip_z = gate_parts(z, "the update gate")
         if flipped and not _complement_is_reflection(z_act):
             raise Decline(f"the update gate takes the candidate (z*n + (1-z)*h) and its activation {z_act[0]} "
                           "has no exact 1 - a(x) = a(-x), so it cannot become a native z by negated weights")
-        arg, clip_n = _unclipped(n.arg)
-        if n.kind not in ACTIVATIONS:
-            raise Decline(f"the candidate activation {n.kind} is not available in native ops")
-        if n.kind == "Softplus" and (clip_n is None or clip_n > SOFTPLUS_SAFE):
+        (arg, clip_n), n_act = (_unclipped(n.arg), (n.kind, n.params)) if isinstance(n, Act) else ((n, None), IDENTITY)
+        if n_act[0] not in ACTIVATIONS and n_act != IDENTITY:
+            raise Decline(f"the candidate activation {n_act[0]} is not available in native ops")
+        if n_act[0] == "Softplus" and (clip_n is None or clip_n > SOFTPLUS_SAFE):
             raise Decline(f"the candidate activation is Softplus: {SOFTPLUS_WHY}")
         # a candidate bias whose entries are all equal is a scalar term outside both forms' affine parts; it adds
         # to the input part's bias (outside the reset product in either form)
@@ -72,7 +75,7 @@ class GruKind(CellKind):
         gates = {"z": z_lin, "r": r_lin, "h": h_lin}
         if flipped:
             extra["update_takes_candidate"] = True
-        spec = make_spec(self, x, hs, gates, (z_act, (n.kind, n.params)), clip_z, extra)
+        spec = make_spec(self, x, hs, gates, (z_act, n_act), clip_z, extra)
         rec = extra.get("rec_h")
         if rec is not None and rec.ncols != spec.hidden:
             raise Decline("the recurrent candidate part has the wrong width")
@@ -148,6 +151,29 @@ def _update_and_candidate(p: Poly, hs):
         raise Decline(f"the new state is not {blend}")
     if not isinstance(n, Act) or not isinstance(z, Act):
         raise Decline(f"the new state is not {blend}")
+    return z, n, flipped
+
+
+def _blend_of_linear_candidate(p: Poly, hs, why: Decline):
+    """:func:`_update_and_candidate` for a candidate without activation (Keras' activation=None): ``n`` is then
+    the affine map itself, one term (``x@W + (r*h)@R + b``) or several (``x@W + r*(h@R + b)``), so the blend
+    has more terms. z is the gate multiplying h; n what the blend holds beside it; the blend re-built from them
+    must be ``p``. Else ``why`` stands."""
+    with_h = [(m, c) for m, c in p.terms.items() if len(m) == 2 and hs.key in m]
+    z = p.atoms[next(k for k in with_h[0][0] if k != hs.key)] if len(with_h) == 1 else None
+    if z is None or not isinstance(z, Act) or with_h[0][1] not in (1.0, -1.0):
+        raise why
+    flipped = with_h[0][1] == -1.0  # h + z*n - z*h
+    rest = {m: c for m, c in p.terms.items() if m != with_h[0][0] and not (flipped and m == (hs.key,))}
+    if flipped:  # the terms of z*n, z taken out of each
+        if p.terms.get((hs.key,)) != 1.0 or any(z.key not in m for m in rest):
+            raise why
+        rest = {tuple(k for i, k in enumerate(m) if i != m.index(z.key)): c for m, c in rest.items()}
+    n = Poly({m: c for m, c in rest.items() if z.key not in m}, p.atoms)
+    zp, h = Poly.atom(z), Poly.atom(hs)
+    blend = h.add(zp.mul(n)).sub(zp.mul(h)) if flipped else n.sub(zp.mul(n)).add(zp.mul(h))
+    if not n.terms or n.is_const() or blend.key != p.key:
+        raise why
     return z, n, flipped
 
 

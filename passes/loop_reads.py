@@ -8,7 +8,7 @@ iteration number", "T - 1 - i" or "[i, i + 1) on axis a" is recognised, not one 
 from __future__ import annotations
 
 import numpy as np
-from onnx import NodeProto, TensorProto
+from onnx import NodeProto, TensorProto, helper
 
 from rnnfuse import op_args
 from rnnfuse.dataflow import rank_of
@@ -244,6 +244,7 @@ def counting_offset(g: Graph, data: str) -> int | None:
 
 
 _COMPARE = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
+_SIGNED = {TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64}
 
 
 def length_mask(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
@@ -259,25 +260,51 @@ def length_mask(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int],
         step = counter_step(body, n.input[side])
         if step is None or step[0] not in index_syms:
             continue
-        lengths = invariant_source(body, n.input[1 - side], invariants)
+        lengths, sign, shift = _lengths_operand(body, n.input[1 - side], invariants)
         if lengths is None or body.defines(lengths):
             return None
         shape = g.model.shape(lengths)
         if shape is None or len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1):
             return None
-        return LengthMask(lengths, n.op_type, index_syms[step[0]] + step[1], side == 0, len(shape) == 2)
+        if sign < 0 and g.model.elem_type(lengths) not in _SIGNED:  # (the mask negates the lengths as they are)
+            return None
+        return LengthMask(lengths, n.op_type, index_syms[step[0]] + step[1], side == 0, len(shape) == 2, sign, shift)
     return None
 
 
-class LengthMask:
-    """mask[t, b] = ``op(t + offset, lengths[b])`` (``step_first``) or ``op(lengths[b], t + offset)``."""
+def _lengths_operand(body: Graph, name: str, invariants: dict[str, str]) -> tuple[str | None, int, int]:
+    """``(L, sign, shift)`` when ``name`` is ``sign * L + shift`` for a loop-invariant tensor L and a scalar integer
+    constant shift, computed in the body (jax's pre-padded ``t >= T - lengths``): L itself, ``c - L``, ``L + c``,
+    ``L - c``. ``(None, 1, 0)`` otherwise."""
+    outer = invariant_source(body, name, invariants)
+    if outer is not None:
+        return outer, 1, 0
+    n = body.producer.get(name)
+    if n is None or n.op_type not in ("Add", "Sub") or len(n.input) != 2:
+        return None, 1, 0
+    for k in (0, 1):
+        c = body.const(n.input[k])
+        v = invariant_source(body, n.input[1 - k], invariants)
+        if c is None or v is None or np.size(c) != 1 or np.asarray(c).dtype.kind not in "iu":
+            continue
+        c = int(np.ravel(c)[0])
+        if n.op_type == "Add":
+            return v, 1, c
+        return (v, -1, c) if k == 0 else (v, 1, -c)
+    return None, 1, 0
 
-    def __init__(self, lengths: str, op: str, offset: int, step_first: bool, unit: bool):
+
+class LengthMask:
+    """mask[t, b] = ``op(t + offset, L[b])`` (``step_first``) or ``op(L[b], t + offset)``, where L is
+    ``sign * lengths + shift``."""
+
+    def __init__(self, lengths: str, op: str, offset: int, step_first: bool, unit: bool, sign: int = 1, shift: int = 0):
         self.lengths, self.op, self.offset, self.step_first, self.unit = lengths, op, offset, step_first, unit
+        self.sign, self.shift = sign, shift
 
     @property
     def key(self) -> tuple:
-        return (self.lengths, self.op, self.offset, self.step_first)
+        return (self.lengths, self.op, self.offset, self.step_first, self.sign, self.shift)
 
     def build(self, g: Graph, x: str, time_axis: int, anchor: NodeProto) -> str:
         """The mask laid out like ``x`` (built once per layout: every layer of a stacked step keeps to it)."""
@@ -309,6 +336,11 @@ def build_length_mask(g: Graph, lm: LengthMask, x: str, time_axis: int, anchor: 
     if et is not None and et != TensorProto.INT64:  # compare in the lengths' type, as the body does
         t = op("Cast", t, to=et)
     lens = op("Reshape", lm.lengths, const([-1]))
+    if lm.sign < 0:
+        lens = op("Neg", lens)
+    if lm.shift:  # (in the lengths' type, as the body adds it)
+        lens = op("Add", lens, g.add_initializer(np.array(lm.shift, helper.tensor_dtype_to_np_dtype(et or TensorProto.INT64)),
+                                                 "rnnfuse/length_mask/shift"))
     shape_t, shape_l = ([1, -1], [-1, 1]) if time_axis == 1 else ([-1, 1], [1, -1])
     t, lens = op("Reshape", t, const(shape_t)), op("Reshape", lens, const(shape_l))
     mask = op(lm.op, t, lens) if lm.step_first else op(lm.op, lens, t)

@@ -556,7 +556,8 @@ class LengthOpts:
     ``reset`` h = m * new (not kept); ``input_only`` the mask multiplies x_t only; ``lengths_change`` L is
     carried and decremented every step; ``batch_rows`` (xmask) one mask for all rows, reduced over the batch.
     ``counter``: the compared i is a carried counter starting there, not the iteration number (a jax carry's
-    ``t`` from 1, compared as ``t <= L``)."""
+    ``t`` from 1, compared as ``t <= L``). ``l_expr``: the compared lengths are computed in the body, ``5-L``
+    (jax's pre-padded ``t >= T - lengths``), ``L+1`` or ``L-1``."""
 
     cmp: str = "lt"
     dtype: str = "int64"
@@ -567,11 +568,13 @@ class LengthOpts:
     front: str = "loop"  # or "scan" (xmask only: x scanned, the mask computed in the body)
     pre: bool = False  # the cell reads tanh(x_t * P + Q), P and Q per feature: a map of x_t inside the step
     counter: int | None = None
+    l_expr: str = ""
 
     @property
     def name(self) -> str:
         parts = [self.cmp, self.dtype, "unit" if self.unit else "vec", self.keep, self.out]
         parts += [] if self.counter is None else [f"from{self.counter}"]
+        parts += [self.l_expr] if self.l_expr else []
         return "-".join(parts + ([self.miss] if self.miss else []) + (["pre"] if self.pre else [])
                         + (["scan"] if self.front == "scan" else []))
 
@@ -579,7 +582,7 @@ class LengthOpts:
 def _valid(o: LengthOpts, t: int, L: np.ndarray, x: np.ndarray) -> np.ndarray:
     if o.cmp == "xmask":
         return (x[t] != 0).any(-1)
-    L = L.reshape(-1)
+    L = {"": L, "5-L": 5 - L, "L+1": L + 1, "L-1": L - 1}[o.l_expr].reshape(-1)
     t += o.counter or 0
     return {"lt": t < L, "gt": L > t, "le1": t + 1 <= L, "le": t <= L, "ge": t >= L}[o.cmp]
 
@@ -605,6 +608,12 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
         bn.append(helper.make_node("Cast", ["it"], ["it32"], to=TensorProto.INT32))
         i = "it32"
     L = "Lc" if o.miss == "lengths_change" else "L"
+    if o.l_expr:  # the compared lengths computed in the body from L and a constant
+        c = np.array(5 if o.l_expr == "5-L" else 1, np.int64 if o.dtype == "int64" else np.int32)
+        body_inits.append(numpy_helper.from_array(c, "lc"))
+        ins = ["lc", L] if o.l_expr == "5-L" else [L, "lc"]
+        bn.append(helper.make_node("Add" if o.l_expr == "L+1" else "Sub", ins, ["Lx"]))
+        L = "Lx"
     if o.cmp == "xmask":
         bn += [helper.make_node("Equal", ["xt", "zerof"], ["x0"]), helper.make_node("Not", ["x0"], ["xn"]),
                helper.make_node("Cast", ["xn"], ["xnf"], to=TensorProto.FLOAT),
@@ -721,7 +730,9 @@ LENGTH_FORMS = [LengthOpts(), LengthOpts("gt", out="carry"), LengthOpts("le1", "
                 LengthOpts("lt", keep="where", out="carry"), LengthOpts("gt", "int32", keep="where"),
                 LengthOpts("ge"), LengthOpts("ge", keep="where", out="carry", unit=True),
                 LengthOpts("lt", keep="where", pre=True), LengthOpts("le", counter=1),
-                LengthOpts("lt", "int32", keep="where", out="carry", counter=2), LengthOpts("ge", counter=-1)]
+                LengthOpts("lt", "int32", keep="where", out="carry", counter=2), LengthOpts("ge", counter=-1),
+                LengthOpts("ge", "int32", keep="where", l_expr="5-L"), LengthOpts("lt", l_expr="L+1", out="carry"),
+                LengthOpts("gt", l_expr="L-1", unit=True), LengthOpts("lt", l_expr="5-L")]
 LENGTH_MISSES = [LengthOpts(miss="reset"), LengthOpts(miss="input_only"), LengthOpts(miss="lengths_change")]
 # the mask computed in the step from x_t itself
 XMASK_FORMS = [LengthOpts("xmask", keep="where", out="carry"), LengthOpts("xmask", unit=True),

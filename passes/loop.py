@@ -33,7 +33,7 @@ from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
-from .loop_buffers import check_buffer_length, row_write
+from .loop_buffers import accumulated, check_buffer_length, row_write
 from .loop_inputs import find_input_map
 from .loop_heads import FarOutputs, HeadCandidate, StateKeys, add_heads, state_output, state_value_keys, with_far_outputs
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
@@ -53,6 +53,7 @@ class _Carried:
     recurrent: list[int]  # the cell's states (and carried copies of its output)
     seqs: list[int]  # carried sequences (TorchScript SequenceInsert outputs)
     buffers: dict[int, str] = field(default_factory=dict)  # carried buffers written at row i -> the value written
+    accums: dict[int, str] = field(default_factory=dict)  # carried sums of a per-step value -> the value summed
 
 
 @dataclass
@@ -134,6 +135,10 @@ def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
         written = row_write(body, bi, bo, {name for name, start in out.index_syms.items() if start == 0})
         if written is not None:  # outs[i] = y: the per-step values stacked (see loop_buffers)
             out.buffers[k] = written
+            continue
+        summed = accumulated(body, bi, bo)
+        if summed is not None:  # acc = acc + y: the per-step values summed (see loop_buffers)
+            out.accums[k] = summed
             continue
         # the body's declaration of the value, else its outer init's type (inferred, in a big model: a chain
         # of 25,000 Loops asked it of each Loop's init, 1 s)
@@ -292,8 +297,8 @@ def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leav
     leaves[bin_[1]] = Opaque("the loop condition is used in the cell maths")
     for k in carried.seqs:
         leaves[bin_[2 + k]] = Opaque("a sequence is read inside the step")
-    for k in carried.buffers:
-        leaves[bin_[2 + k]] = Opaque("an output buffer is read inside the step")
+    for k in [*carried.buffers, *carried.accums]:
+        leaves[bin_[2 + k]] = Opaque("an output buffer or a running sum is read inside the step")
     return states
 
 
@@ -322,14 +327,16 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
             last_of.setdefault(li, []).append((poly, outer, last))
             continue
         outs_of[li].append(StepOut(poly, outer))
-    for k, value in carried.buffers.items():  # the buffer after the loop: the written values, time-major
+    # the buffer after the loop: the written values, time-major; a running sum: its start plus theirs
+    for k, value in [*carried.buffers.items(), *carried.accums.items()]:
         outer = loop.output[k] if k < len(loop.output) else ""
+        start = loop.input[2 + k] if k in carried.accums else ""
         if outer and g.n_uses(outer):
             found = state_output(layers, value, state_keys)
             if found is None:
-                heads.append(HeadCandidate(value, outer))
+                heads.append(HeadCandidate(value, outer, accumulate=start))
             else:
-                outs_of[found[0]].append(StepOut(found[1], outer))
+                outs_of[found[0]].append(StepOut(found[1], outer, accumulate=start))
     extra_remove: list[NodeProto] = []
     for k in carried.seqs:
         li, out = _sequence_output(g, body, loop, k, layers, extra_remove, state_keys)

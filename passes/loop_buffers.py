@@ -1,4 +1,5 @@
-"""A Loop that collects its per-step outputs in a carried buffer: ``outs[t] = h`` in a TorchScript loop.
+"""A Loop that collects its per-step outputs in a carried buffer: ``outs[t] = h`` in a TorchScript loop, or
+sums them in a carried accumulator: ``acc = acc + y`` (a running sum in a jax carry or a TorchScript loop).
 
 The buffer is a loop-carried tensor the body writes at its iteration's row (``ScatterND(buf, [[i]], row)``,
 the row ``h`` put in the buffer's row shape by ``Reshape(Expand(h, ...))`` or ``Unsqueeze``) and reads for
@@ -6,12 +7,15 @@ nothing but its shape. After a loop that runs once per step of x, a buffer with 
 per-step values stacked time-major, which is what a native op's Y is: the buffer is one more per-step output
 of the step. Its length must be provably x's time length (``zeros(x.size(0), B, H)``: read from how the fill
 is shaped, :func:`rnnfuse.dims.extent_key`); anything else the body does with the buffer leaves it a
-recurrent value the cell maths cannot read, and the loop is declined.
+recurrent value the cell maths cannot read, and the loop is declined. An accumulator read for nothing but
+its own sum is no state of the cell either: after the loop it holds its start plus every step's ``y``, which
+the native op's Y gives summed over time.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
 
 from rnnfuse.dataflow import reads_shape_only
 from rnnfuse.dims import extent_key, time_keys
@@ -40,6 +44,26 @@ def row_write(body: Graph, buf_in: str, buf_out: str, iteration: set[str]) -> st
             break
         value = p.input[0]
     return value
+
+
+def accumulated(body: Graph, acc_in: str, acc_out: str) -> str | None:
+    """The per-step value ``y`` when the carried ``acc_in`` only sums it, ``acc_out = acc_in + y`` (either order),
+    and the body reads ``acc_in`` for nothing else and hands ``acc_out`` on as nothing else (so y is not
+    computed from the sum, and no per-step output holds partial sums); else None."""
+    if body.uses(acc_out) or body.output_names.count(acc_out) != 1:
+        return None
+    s = body.producer.get(acc_out)
+    for _ in range(4):  # (through what keeps the value: jax2onnx casts each carried output to its own type)
+        if s is None or not (s.op_type == "Identity" or (s.op_type == "Cast" and attr(s, "to") == TensorProto.FLOAT)):
+            break
+        if len(body.uses(s.input[0])) != 1:
+            return None
+        s = body.producer.get(s.input[0])
+    if s is None or s.op_type != "Add" or len(s.input) != 2 or acc_in not in s.input or s.input[0] == s.input[1]:
+        return None
+    if len(body.uses(acc_in)) != 1:
+        return None
+    return s.input[1] if s.input[0] == acc_in else s.input[0]
 
 
 def _index_is(body: Graph, idx: str, iteration: set[str]) -> bool:

@@ -29,6 +29,7 @@ class HeadCandidate:
     outer: str  # the stacked output
     batch_first: bool = False
     reversed: bool = False
+    accumulate: str = ""  # a running sum's start (see rnnfuse.recurrence.SeqOutput)
 
 
 def _new_value_keys(layer, state_out: dict[str, str]) -> dict[str, tuple]:
@@ -186,7 +187,8 @@ def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: li
                 raise Decline("a head reads the step input and the output of a cell above the first")
             for name, j in head.layer_h.items():  # the other cells' Y, handed to this one when emitted
                 head.layer_h[name] = _steps_output(recs[j], j)
-            rec.seq_outputs.append(SeqOutput(cand.outer, NONE, Init(), cand.batch_first, cand.reversed, head=head))
+            rec.seq_outputs.append(SeqOutput(cand.outer, NONE, Init(), cand.batch_first, cand.reversed, head=head,
+                                             accumulate=cand.accumulate))
             break
         else:
             raise reason

@@ -334,6 +334,11 @@ def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: 
         probes: dict[str, tuple[str, int]] | None = {} if so.head is not None and so.head.probes else None
         if so.head is not None:  # a per-step head on h: applied to every step at once, in processing order
             v = apply_head(b, so.head, v, probes, row_type)
+        if so.accumulate:  # a running sum: its start plus every step's value (in any order: a sum)
+            if probes:
+                raise Decline("a running sum of a head checked at its probe points")
+            repl[so.tensor] = b.op("Add", so.accumulate, b.reduce_sum(v, [0]))
+            continue
         repl[so.tensor] = _as_stacked(b, so, v)
         if probes:
             head_probes[so.tensor] = {name: (_as_stacked(b, so, t), et) for name, (t, et) in probes.items()}
@@ -394,7 +399,7 @@ def _declare_outputs(g: Graph, rec: Recurrence, x: str, repl: dict) -> None:
     T, B = (xs[1], xs[0]) if rec.x_batch_first else (xs[0], xs[1])
     for so in rec.seq_outputs:
         width = hidden if so.head is None else None
-        g.model.declare(repl[so.tensor], (et, [B, T, width] if so.batch_first else [T, B, width]))
+        g.model.declare(repl[so.tensor], (et, [B, width] if so.accumulate else [B, T, width] if so.batch_first else [T, B, width]))
     for fo in list(rec.finals) + list(rec.step_reads):
         g.model.declare(repl[fo.tensor], (et, [1, B, hidden] if fo.lead else [B, hidden]))
 

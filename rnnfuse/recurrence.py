@@ -45,6 +45,8 @@ class SeqOutput:
     reversed: bool = False  # the tensor is stacked in reverse processing order
     internal: bool = False  # not a tensor of the graph: the input of the next layer of the same step
     head: object = None  # a rnnfuse.step_heads.StepHead applied to every step (the output is head(h_t))
+    # the tensor is this start plus every step's value (a carried running sum, acc = acc + y_t), not the steps
+    accumulate: str = ""
 
 
 @dataclass

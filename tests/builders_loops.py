@@ -914,3 +914,59 @@ def build_stacked_loops(layers: int, stop_after: int | None = None) -> onnx.Mode
         inp = f"ys{k}"
     return _model(nodes, "stacked_loops", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 1, H])],
                   [helper.make_tensor_value_info(inp, TensorProto.FLOAT, ["S", 1, H])], inits)
+
+
+# --------------------------------------------------------------------------- a running sum carried beside the cell
+
+
+RUNNING_SUM_FORMS = ("h", "head", "cast", "sum_first")
+RUNNING_SUM_MISSES = ("reads_sum", "partial_sums", "scaled")
+
+
+def build_running_sum(form: str) -> onnx.ModelProto:
+    """The tanh RNN step over x [T, B, F] carrying ``acc``, a running sum beside h (a jax carry ``(h, acc)``, a
+    TorchScript ``acc = acc + h``); outputs the stacked h, the last h and the last acc. Forms: ``h`` acc + h;
+    ``head`` acc + relu(h @ D); ``cast`` acc + h cast to float (jax2onnx's carried-output casts);
+    ``sum_first`` h + acc. Near misses: ``reads_sum`` the new state adds 0.1 * acc; ``partial_sums`` the sum after every
+    step is a per-step output too; ``scaled`` acc = 0.9 * acc + h."""
+    W, R, b = weights()
+    D = (np.random.default_rng(3).standard_normal((H, 2)) * 0.5).astype(np.float32)
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("W", W), ("R", R), ("b", b), ("D", D), ("zero", np.array(0.0, np.float32)), ("true", np.array(True)),
+        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)),
+        ("iA", np.array([2 if form == "head" else H], np.int64)))]
+    nodes = _x_sizes() + _zero_state() + _zero_state("iA", "ashape", "acc0")
+    body_inits = [numpy_helper.from_array(np.array(0.1, np.float32), "k"), numpy_helper.from_array(np.array(0.9, np.float32), "decay")]
+    bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)] + _tanh_step()
+    h_new = "hn"
+    if form == "reads_sum":  # the new state reads the sum: tanh(..) + 0.1 * acc
+        bn += [helper.make_node("Mul", ["acc", "k"], ["ka"]), helper.make_node("Add", ["hn", "ka"], ["hr_"])]
+        h_new = "hr_"
+    y = h_new
+    if form == "head":
+        bn += [helper.make_node("MatMul", ["hn", "D"], ["hd"]), helper.make_node("Relu", ["hd"], ["hy"])]
+        y = "hy"
+    acc = "acc"
+    if form == "scaled":
+        bn.append(helper.make_node("Mul", ["acc", "decay"], ["acc_d"]))
+        acc = "acc_d"
+    bn.append(helper.make_node("Add", [y, acc] if form == "sum_first" else [acc, y], ["acc_n"]))
+    acc_out = "acc_n"
+    if form == "cast":
+        bn.append(helper.make_node("Cast", ["acc_n"], ["acc_c"], to=TensorProto.FLOAT))
+        acc_out = "acc_c"
+    bn += [helper.make_node("Identity", ["cond"], ["cond_out"]), helper.make_node("Identity", [h_new], ["yt"])]
+    A = 2 if form == "head" else H
+    vi = lambda n, *dims: helper.make_tensor_value_info(n, TensorProto.FLOAT, list(dims))  # noqa: E731
+    outs = [vi(acc_out, None, A), vi("yt", None, H)]
+    if form == "partial_sums":
+        bn.append(helper.make_node("Identity", [acc_out], ["acc_t"]))
+        outs.append(vi("acc_t", None, A))
+    body = helper.make_graph(bn, "body", _loop_counters() + [vi("h", None, H), vi("acc", None, A)],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), vi(h_new, None, H)] + outs,
+                             body_inits)
+    loop_outs = ["h_last", "acc_last", "ys"] + (["accs"] if form == "partial_sums" else [])
+    nodes.append(helper.make_node("Loop", ["T", "true", "h0", "acc0"], loop_outs, body=body))
+    return _model(nodes, "running_sum", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                  [vi("h_last", None, H), vi("acc_last", None, A), vi("ys", None, None, H)]
+                  + ([vi("accs", None, None, A)] if form == "partial_sums" else []), inits)

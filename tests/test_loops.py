@@ -11,6 +11,8 @@ from builders_loops import (
     HEAD_MISSES,
     LENGTH_FORMS,
     LENGTH_MISSES,
+    RUNNING_SUM_FORMS,
+    RUNNING_SUM_MISSES,
     XMASK_FORMS,
     XMASK_MISSES,
     NEAR_MISSES,
@@ -33,6 +35,7 @@ from builders_loops import (
     build_head,
     build_lengths,
     build_stack,
+    build_running_sum,
     build_stacked_loops,
     build_transposed,
     head_reference,
@@ -425,3 +428,26 @@ def test_a_check_model_big_by_its_loop_bodies_runs_light_first(monkeypatch):
     fused, report = rnnfuse.optimize(model)
     assert len(report.fused) == 4 and opened[0] is True, (opened, report.to_text())
     _outputs_kept(model, fused)
+
+
+@pytest.mark.parametrize("form", RUNNING_SUM_FORMS)
+def test_a_running_sum_beside_the_cell_is_its_outputs_summed(form):
+    """A carried ``acc = acc + y`` read for nothing but its sum (y the new h, or a head on it; a jax carry, a
+    TorchScript running sum) is no state of the cell: one RNN, and the last acc is its start plus the sum of
+    every step's y (it was declined as '2 recurrent states'). Outputs kept at T = 1 and 6, batch 1 and 3."""
+    model = build_running_sum(form)
+    fused, report = _fused_once(model, Loop=0, RNN=1)
+    assert report.fused[0].validation.startswith("ok"), report.to_text()
+    onnx.checker.check_model(fused, full_check=True)
+    rng = np.random.default_rng(6)
+    for T, B in ((1, 1), (6, 3)):
+        x = rng.standard_normal((T, B, 3)).astype(np.float32)
+        for got, want in zip(session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})):
+            assert_close(got, want, form)
+
+
+@pytest.mark.parametrize("form", RUNNING_SUM_MISSES)
+def test_a_sum_the_step_reads_or_scales_or_outputs_per_step_is_declined(form):
+    """The new state reads the sum, the sum decays (0.9 * acc + h), or its value after every step is a per-step
+    output: no running sum a native op's outputs give; declined, the model unchanged."""
+    _declined(build_running_sum(form))

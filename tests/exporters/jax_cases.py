@@ -150,6 +150,9 @@ CASES = [
     case("pyfor_rnn", "pyfor", "rnn"),
     case("pyfor_gru_masked", "pyfor", "gru", mask=True,
          notes="h = where(mask[:, t:t+1], cell(h, x[:, t]), h): x Gathered from Transpose(x), the mask Sliced batch-first"),
+    # -- a running sum carried beside the cell (acc + h), its mean returned: the op's Y summed over time
+    case("hand_lstm_running_sum", "hand", "lstm", running_sum=True),
+    case("hand_gru_running_sum_o17", "hand", "gru", running_sum=True, opset=17),
     # -- near misses
     case("near_hand_weight_decays", "hand", "rnn_decay", declined="not a constant"),
     case("near_hand_reads_next_step", "hand", "rnn_next", declined="per-step input"),
@@ -572,6 +575,19 @@ def build_hand(env: Env, c: Case, seed: int):
 
             _, (cs, hs) = jax.lax.scan(step, init(x.shape[0]), jnp.swapaxes(x, 0, 1))
             return jnp.swapaxes(hs, 0, 1), cs[lengths - 1, rows]
+
+        return fn, specs
+
+    if c.opts.get("running_sum"):  # (carry, acc): acc + y summed beside the cell, its mean returned
+        def fn(x):
+            def step(carry, xt):
+                inner, y = cell(carry[0], xt)
+                return (inner, carry[1] + y), y
+
+            with env.original_shape():
+                acc0 = jnp.zeros((x.shape[0], H), jnp.float32)
+            (_, acc), ys = jax.lax.scan(step, (init(x.shape[0]), acc0), jnp.swapaxes(x, 0, 1))
+            return jnp.swapaxes(ys, 0, 1), acc / TIME
 
         return fn, specs
 

@@ -38,7 +38,7 @@ from .loop_inputs import find_input_map
 from .loop_heads import FarOutputs, HeadCandidate, StateKeys, add_heads, state_output, state_value_keys, with_far_outputs
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
                          find_derived_mask)
-from .loop_reads import check_trip_count, counter_step, counting_offset, length_mask, step_read
+from .loop_reads import check_trip_count, counter_step, counting_offset, length_mask, same_time_length, step_read
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly, weight_ops
 
 
@@ -124,8 +124,9 @@ def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
         step = counter_step(body, bo)
         counts = step is not None and step[0] == bi and step[1] == 1
         c0 = g.const(init) if init and counts else None  # (a fold asked of a counter's start only)
-        if counts and c0 is not None and np.asarray(c0).size == 1 and np.asarray(c0).dtype.kind in "iu":
-            out.index_syms[bi] = int(np.asarray(c0).ravel()[0])  # the iteration number plus its start (a jax
+        start = float(np.asarray(c0).ravel()[0]) if c0 is not None and np.asarray(c0).size == 1 else None
+        if counts and start is not None and np.asarray(c0).dtype.kind in "iuf" and start.is_integer():
+            out.index_syms[bi] = int(start)  # the iteration number plus its start (a jax
             # carry's t from 1, compared as t <= L)
             continue
         prod = g.producer.get(init) if init else None
@@ -251,6 +252,9 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     if len(reversed_reads) > 1:
         raise Decline("the step input and the mask are read in different orders")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
+    for other in {mask_outer, rows.source if rows is not None else None} - {None, x_outer}:
+        if not same_time_length(g, other, 0, x_outer, x_axis):
+            raise Decline(f"'{other}' is read per step but its time length is not provably the input's")
     if lengths is not None:
         if mask_outer is not None:
             raise Decline("a step reads a mask and computes another from lengths")

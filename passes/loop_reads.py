@@ -12,10 +12,11 @@ from onnx import NodeProto, TensorProto, helper
 
 from rnnfuse import op_args
 from rnnfuse.dataflow import rank_of
-from rnnfuse.dims import condition_bounds, dim_key, root_dim, time_dim_key, time_keys, value_source
+from rnnfuse.dims import condition_bounds, dim_key, extent_key, root_dim, time_dim_key, time_keys, value_source
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.index_terms import TO_THE_END, one_element, terms
+from rnnfuse.time_flips import time_flip_source
 
 
 def invariant_source(body: Graph, name: str, invariants: dict[str, str]) -> str | None:
@@ -68,7 +69,7 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     ca = body.const(a)
     if ca is not None and np.asarray(ca).size == 1 and int(np.asarray(ca).ravel()[0]) == k - 1:
         return "reverse"  # -1 - i: a negative index counts from the end (-1 - i >= -T for every i < T)
-    T_keys = set().union(*(_size_keys(g, k) for k in time_keys(g, data, axis)))
+    T_keys = set().union(*(_size_keys(g, key) for key in time_keys(g, data, axis)))
     # a must be T - 1 + k
     an = body.producer.get(value_source(body, a)) if body.scope_of(a) is body else None
     if an is None:
@@ -92,6 +93,25 @@ def _size_keys(g: Graph, key) -> set:
         if dims is not None and 0 <= key[2] < len(dims) and isinstance(dims[key[2]], str):
             out.add(("param", dims[key[2]]))
     return out
+
+
+def same_time_length(g: Graph, data: str, axis: int, x: str, x_axis: int) -> bool:
+    """Whether ``data``'s extent along ``axis`` is provably x's time length: one number, one declared name, or
+    one axis of a tensor both were made from. (A loop reads a longer mask's first T rows, or its rows from its
+    own end at ``-1 - i``: a native op would read all of them.)"""
+    data, x = _unflipped(g, data, axis), _unflipped(g, x, x_axis)
+    mine = _size_keys(g, extent_key(g, data, axis)) - {None}
+    return bool(mine & set().union(*(_size_keys(g, k) for k in time_keys(g, x, x_axis))))
+
+
+def _unflipped(g: Graph, name: str, axis: int) -> str:
+    """``name`` seen through its time flips (a flip keeps the extent: a backward layer's x and mask)."""
+    for _ in range(8):
+        src = time_flip_source(g, name, axis)
+        if src is None:
+            break
+        name = src
+    return name
 
 
 def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
@@ -339,8 +359,8 @@ def build_length_mask(g: Graph, lm: LengthMask, x: str, time_axis: int, anchor: 
     if lm.sign < 0:
         lens = op("Neg", lens)
     if lm.shift:  # (in the lengths' type, as the body adds it)
-        lens = op("Add", lens, g.add_initializer(np.array(lm.shift, helper.tensor_dtype_to_np_dtype(et or TensorProto.INT64)),
-                                                 "rnnfuse/length_mask/shift"))
+        shift = np.array(lm.shift, helper.tensor_dtype_to_np_dtype(et or TensorProto.INT64))
+        lens = op("Add", lens, g.add_initializer(shift, "rnnfuse/length_mask/shift"))
     shape_t, shape_l = ([1, -1], [-1, 1]) if time_axis == 1 else ([-1, 1], [1, -1])
     t, lens = op("Reshape", t, const(shape_t)), op("Reshape", lens, const(shape_l))
     mask = op(lm.op, t, lens) if lm.step_first else op(lm.op, lens, t)

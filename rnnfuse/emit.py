@@ -399,7 +399,8 @@ def _declare_outputs(g: Graph, rec: Recurrence, x: str, repl: dict) -> None:
     T, B = (xs[1], xs[0]) if rec.x_batch_first else (xs[0], xs[1])
     for so in rec.seq_outputs:
         width = hidden if so.head is None else None
-        g.model.declare(repl[so.tensor], (et, [B, width] if so.accumulate else [B, T, width] if so.batch_first else [T, B, width]))
+        dims = [B, width] if so.accumulate else [B, T, width] if so.batch_first else [T, B, width]
+        g.model.declare(repl[so.tensor], (et, dims))
     for fo in list(rec.finals) + list(rec.step_reads):
         g.model.declare(repl[fo.tensor], (et, [1, B, hidden] if fo.lead else [B, hidden]))
 

@@ -114,7 +114,8 @@ def analyse(x: StepInput, states: list[StepState], outs: list[StepOut], state_at
     masked = un.mask_sym is not None
     an = StepAnalysis(rec, masked, un.mask_sym, h0, c0, un.negated)
     for o in outs:
-        an.seq_outputs.append(replace(_seq_output(o, un.new_cell[rec.h], an, carry_of, by_sym), accumulate=o.accumulate))
+        so = _seq_output(o, un.new_cell[rec.h], an, carry_of, by_sym)
+        an.seq_outputs.append(replace(so, accumulate=o.accumulate))
     for s in states:
         if s.final:
             an.finals.append(_final_output(s, an, carry_of, un.zero_fill))

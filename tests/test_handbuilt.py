@@ -640,11 +640,15 @@ def test_every_mutation_has_a_case():
     assert ids == set(B.MUTATIONS)
 
 
-def test_reverse_index_mask_of_another_length_declined():
-    """A masked Loop reading ``Gather(X, T-1-i)`` and ``Gather(mask, T-1-i)``, T from X's shape, fuses when the
-    model names the mask's time axis as X's ('T'); with another name the mask may be longer than X, its rows
-    read backwards from another end: declined, the outputs unchanged."""
-    o = B.default_reverse_form(O(op="GRU", front="loop", direction="reverse", reverse_form="index", mask="where"))
+@pytest.mark.parametrize("read", ["forward", "index", "negindex"])
+def test_a_loop_mask_of_another_length_declined(read):
+    """A masked Loop reading ``mask[i]``, ``mask[T-1-i]`` (T from X's shape) or ``mask[-1-i]`` beside X's step
+    fuses when the model names the mask's time axis as X's ('T'); with another name the mask may be longer
+    than X: the loop reads its first T rows, or its rows backwards from its own end, a native op all of them
+    (forward and -1-i fused, and the rewrite failed or differed where the original ran; a review's probe).
+    Declined, the outputs unchanged."""
+    kw = {} if read == "forward" else dict(direction="reverse", reverse_form=read)
+    o = B.default_reverse_form(O(op="GRU", front="loop", mask="where", **kw))
     model, _ = B.build(o)
     out, rep = rnnfuse.optimize(model)
     assert [f.status for f in rep.findings] == ["fused"], rep
@@ -732,3 +736,30 @@ def test_a_gate_only_clipped_asymmetrically_is_declined(front):
     out = B.run_case(o, batches=(1, 4), Ts=(3,), always_compare=True)
     assert out.status == "declined" and not out.fused_mismatch, out.text()
     assert "not an activation of an affine map" in out.report.declined[0].reason, out.text()
+
+
+@pytest.mark.parametrize("act", ["Tanh", ""])
+def test_a_blend_with_a_state_squared_is_declined_not_a_crash(act):
+    """``h' = (1-z)*n + z*h + h*h``: the ``h*h`` term holds no gate beside h. It made the GRU matcher's search
+    for the gate raise StopIteration out of optimize (a review's probe); now it is no blend, declined."""
+    from onnx import TensorProto, helper as oh, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = lambda name, *s: numpy_helper.from_array((0.5 * rng.standard_normal(s)).astype(np.float32), name)  # noqa: E731
+    n = oh.make_node
+    body = [n("MatMul", ["xt", "Wz"], ["a"]), n("MatMul", ["h", "Rz"], ["b"]), n("Add", ["a", "b"], ["zs"]),
+            n("Sigmoid", ["zs"], ["z"]), n("MatMul", ["xt", "Wn"], ["c"]), n("MatMul", ["h", "Rn"], ["d"]),
+            n("Add", ["c", "d"], ["ns"]), (n(act, ["ns"], ["nn"]) if act else n("Identity", ["ns"], ["nn"])),
+            n("Sub", ["one", "z"], ["omz"]), n("Mul", ["omz", "nn"], ["p"]), n("Mul", ["z", "h"], ["q"]),
+            n("Mul", ["h", "h"], ["hh"]), n("Add", ["p", "q"], ["pq"]), n("Add", ["pq", "hh"], ["h_new"]),
+            n("Identity", ["h_new"], ["y"])]
+    vi = lambda name, *s: oh.make_tensor_value_info(name, TensorProto.FLOAT, list(s))  # noqa: E731
+    g = oh.make_graph(body, "body", [vi("h", None, 4), vi("xt", None, 3)], [vi("h_new", None, 4), vi("y", None, 4)],
+                      [w("Wz", 3, 4), w("Rz", 4, 4), w("Wn", 3, 4), w("Rn", 4, 4),
+                       numpy_helper.from_array(np.array(1.0, np.float32), "one")])
+    main = oh.make_graph([n("Scan", ["h0", "x"], ["h_last", "ys"], body=g, num_scan_inputs=1)], "m",
+                         [vi("h0", None, 4), vi("x", None, None, 3)], [vi("h_last", None, 4), vi("ys", None, None, 4)])
+    model = oh.make_model(main, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    out, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert out.SerializeToString() == model.SerializeToString()

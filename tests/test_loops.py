@@ -218,10 +218,11 @@ def test_near_misses_declined(make, o, reason: str):
 
 
 @pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
-def test_rewrite_onnxruntime_cannot_run_is_declined(op):
+def test_rewrite_onnxruntime_cannot_run_is_declined(op, monkeypatch):
     """A masked Loop that reads only the first T rows of a mask longer than its input (T + 2 rows: a broken
-    TimeDistributed export has one): the original runs, a native op over the whole mask cannot. Validation
-    must decline it, not skip it: a model that ran must not come out unable to."""
+    TimeDistributed export has one): the original runs, a native op over the whole mask cannot. The mask's
+    length is not provably x's, so it is declined before a rewrite is built; and were it taken as equal,
+    validation must decline it, not skip it: a model that ran must not come out unable to."""
     import builders as HB
     from rnnfuse.protos import rename_free
 
@@ -239,6 +240,14 @@ def test_rewrite_onnxruntime_cannot_run_is_declined(op):
     g.node.insert(at, longer)
     g.node.insert(at, head)
     onnx.checker.check_model(model, full_check=True)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert "time length is not provably the input's" in report.declined[0].reason, report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()
+    # and were the lengths taken as equal, validation would decline it: the rewrite cannot run
+    import rnnfuse.passes.loop as loop_pass
+
+    monkeypatch.setattr(loop_pass, "same_time_length", lambda *a: True)
     fused, report = rnnfuse.optimize(model)
     assert not report.fused and report.declined, report.to_text()
     assert "cannot run the rewrite" in report.declined[0].reason, report.to_text()
@@ -451,3 +460,36 @@ def test_a_sum_the_step_reads_or_scales_or_outputs_per_step_is_declined(form):
     """The new state reads the sum, the sum decays (0.9 * acc + h), or its value after every step is a per-step
     output: no running sum a native op's outputs give; declined, the model unchanged."""
     _declined(build_running_sum(form))
+
+
+def test_a_float_counter_from_a_whole_number_counts_the_iterations():
+    """A float counter carried from 0.0 and compared with float lengths (``t < Lf``) is the iteration number,
+    as an integer one is (a start read as an integer only declined it; a review's probe)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = build_lengths(LengthOpts("lt"))
+    g = model.graph
+    loop = next(n for n in g.node if n.op_type == "Loop")
+    body = loop.attribute[0].g
+    g.initializer.append(numpy_helper.from_array(np.array(0.0, np.float32), "tf0"))
+    g.node.insert(0, helper.make_node("Cast", ["L"], ["Lf"], to=TensorProto.FLOAT))
+    body.initializer.append(numpy_helper.from_array(np.array(1.0, np.float32), "one_f"))
+    body.node.append(helper.make_node("Add", ["tf", "one_f"], ["tfn"]))
+    for n in body.node:
+        if n.op_type == "Less":
+            n.input[:] = ["tf", "Lf"]
+    carried = len(loop.input) - 2
+    loop.input.append("tf0")
+    loop.output[:] = list(loop.output[:carried]) + ["tf_last"] + list(loop.output[carried:])
+    body.input.append(helper.make_tensor_value_info("tf", TensorProto.FLOAT, []))
+    outs = list(body.output)
+    del body.output[:]
+    body.output.extend(outs[:1 + carried] + [helper.make_tensor_value_info("tfn", TensorProto.FLOAT, [])] + outs[1 + carried:])
+    onnx.checker.check_model(model, full_check=True)
+    fused, report = _fused_once(model, Loop=0, RNN=1)
+    rng = np.random.default_rng(3)
+    for T in (4, 5):
+        x = rng.standard_normal((T, 3, 3)).astype(np.float32)
+        L = rng.integers(0, T + 1, (3,)).astype(np.int64)
+        for got, want in zip(session(fused).run(None, {"x": x, "L": L}), session(model).run(None, {"x": x, "L": L})):
+            assert_close(got, want, "float counter")

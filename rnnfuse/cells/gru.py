@@ -17,7 +17,8 @@ from ..errors import Decline
 from ..graph import attr
 from ..symbolic import ACTIVATIONS, GATED_ROW, Act, LinAtom, Poly
 from .kind import CellKind, activate, bias_of, gate, split_biases, weight_block
-from .match import IDENTITY, SOFTPLUS_SAFE, SOFTPLUS_WHY, check_sources, gate_parts, make_spec, split_scalar_offset, with_uniform_bias
+from .match import (IDENTITY, SOFTPLUS_SAFE, SOFTPLUS_WHY, check_sources, gate_parts, make_spec, split_scalar_offset,
+                    with_uniform_bias)
 
 
 class GruKind(CellKind):
@@ -128,7 +129,7 @@ def _update_and_candidate(p: Poly, hs):
         atoms = [p.atoms[k] for k in m]
         if len(atoms) == 1:
             singles.append((atoms[0], coef))
-        elif len(atoms) == 2 and hs.key in m:
+        elif len(atoms) == 2 and hs.key in m and any(a.key != hs.key for a in atoms):
             with_h.append((next(a for a in atoms if a.key != hs.key), coef))
         elif len(atoms) == 2:
             products.append((atoms, coef))
@@ -159,7 +160,7 @@ def _blend_of_linear_candidate(p: Poly, hs, why: Decline):
     the affine map itself, one term (``x@W + (r*h)@R + b``) or several (``x@W + r*(h@R + b)``), so the blend
     has more terms. z is the gate multiplying h; n what the blend holds beside it; the blend re-built from them
     must be ``p``. Else ``why`` stands."""
-    with_h = [(m, c) for m, c in p.terms.items() if len(m) == 2 and hs.key in m]
+    with_h = [(m, c) for m, c in p.terms.items() if len(m) == 2 and hs.key in m and m != (hs.key, hs.key)]
     z = p.atoms[next(k for k in with_h[0][0] if k != hs.key)] if len(with_h) == 1 else None
     if z is None or not isinstance(z, Act) or with_h[0][1] not in (1.0, -1.0):
         raise why

@@ -179,7 +179,8 @@ def _forget_and_input_terms(pc: Poly, cs):
         atoms = [pc.atoms[k] for k in m]
         if len(atoms) == 2 and cs.key in m:
             fc = next(a for a in atoms if a.key != cs.key)
-        elif len(atoms) == 2 and all(isinstance(a, (Act, LinAtom)) for a in atoms) and any(isinstance(a, Act) for a in atoms):
+        elif len(atoms) == 2 and all(isinstance(a, (Act, LinAtom)) for a in atoms) and \
+                any(isinstance(a, Act) for a in atoms):
             ig = atoms  # a gate and the candidate (an affine map itself when it has no activation)
     if fc is None or ig is None:
         raise Decline(f"the cell state update is not f*c + i*g ({pc!r})")

@@ -30,16 +30,20 @@ def _clip_gate(atom: Act, what: str):
     """A gate clipped to [0, c] (Keras' relu6) is Relu of the gate clipped to [-c, c], one clipped to [-c, c] (a
     hard tanh) the identity of it, Affine(1, 0): ONNX's clip bounds a gate's input, before its activation."""
     lo, hi = atom.params
-    sa, offset = atom.arg.single_atom(), atom.arg.as_lin_offset()
-    if sa and sa[1] == 1.0 and isinstance(sa[0], LinAtom):
-        lin = sa[0].lin
-    elif offset is not None and offset[1] == 1.0:
-        lin = with_uniform_bias(offset[0], offset[2])
-    else:
-        lin = None
+    lin = _affine_map(atom.arg)
     if lin is None or not hi > 0 or lo not in (0.0, -hi):
         raise Decline(f"{what} is not an activation of an affine map")
     return (("Relu", ()) if lo == 0 else IDENTITY), lin, hi
+
+
+def _affine_map(arg: Poly) -> Lin | None:
+    """``arg`` as one affine map of x and h: a single map, or one plus a scalar (a bias whose entries are all
+    equal: hidden size 1, TF's forget_bias); else None."""
+    sa = arg.single_atom()
+    if sa and sa[1] == 1.0 and isinstance(sa[0], LinAtom):
+        return sa[0].lin
+    offset = arg.as_lin_offset()
+    return with_uniform_bias(offset[0], offset[2]) if offset is not None and offset[1] == 1.0 else None
 
 
 def _act_arg(atom: Act, what: str):
@@ -52,13 +56,8 @@ def _act_arg(atom: Act, what: str):
             raise Decline(f"{what} has an asymmetric clip [{lo:g}, {hi:g}]")
         clip = hi
         arg = sa[0].arg
-        sa = arg.single_atom()
-    if not (sa and sa[1] == 1.0 and isinstance(sa[0], LinAtom)):
-        lo = arg.as_lin_offset()
-        if lo is not None and lo[1] == 1.0:
-            # lin + b with a scalar b: a bias whose entries are all equal (hidden size 1, TF's forget_bias)
-            lin, _, b = lo
-            return (atom.kind, atom.params), with_uniform_bias(lin, b), clip
+    lin = _affine_map(arg)
+    if lin is None:
         states = sorted({a.sym for a in arg.atoms.values() if isinstance(a, State)})
         if states:
             raise Decline(f"{what} reads state {', '.join(states)} elementwise (peephole weights?): {atom.kind} of {arg!r}")
@@ -67,7 +66,7 @@ def _act_arg(atom: Act, what: str):
         raise Decline(f"{what} uses activation {atom.kind}, which native ops do not have")
     if atom.kind == "Softplus" and (clip is None or clip > SOFTPLUS_SAFE):
         raise Decline(f"{what} uses Softplus: {SOFTPLUS_WHY}; exact only with a clip of at most {SOFTPLUS_SAFE:g}")
-    return (atom.kind, atom.params), sa[0].lin, clip
+    return (atom.kind, atom.params), lin, clip
 
 
 def with_uniform_bias(lin: Lin, b: float) -> Lin:

@@ -69,7 +69,8 @@ def canonical_clips(p: Poly) -> Poly:
         arg = canonical_clips(atom.arg)
         sa = arg.single_atom()
         inner = sa[0] if sa and sa[1] == 1.0 else None
-        if atom.kind == "Relu" and isinstance(inner, Act) and inner.kind == "Clip" and inner.params[0] == -inner.params[1]:
+        clip = inner.params if isinstance(inner, Act) and inner.kind == "Clip" else None
+        if atom.kind == "Relu" and clip is not None and clip[1] > 0 and clip[0] == -clip[1]:
             return Poly.atom(Act("Clip", (0.0, inner.params[1]), inner.arg))
         if atom.kind == "Affine":
             return arg.scale(atom.params[0]).add(Poly.const(atom.params[1]))

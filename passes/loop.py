@@ -38,7 +38,7 @@ from .loop_inputs import find_input_map
 from .loop_heads import FarOutputs, HeadCandidate, StateKeys, add_heads, state_output, state_value_keys, with_far_outputs
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
                          find_derived_mask)
-from .loop_reads import check_trip_count, counter_step, counting_offset, length_mask, same_time_length, step_read
+from .loop_reads import check_step_lengths, check_trip_count, counter_step, counting_offset, length_mask, step_read
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly, weight_ops
 
 
@@ -252,9 +252,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     if len(reversed_reads) > 1:
         raise Decline("the step input and the mask are read in different orders")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
-    for other in {mask_outer, rows.source if rows is not None else None} - {None, x_outer}:
-        if not same_time_length(g, other, 0, x_outer, x_axis):
-            raise Decline(f"'{other}' is read per step but its time length is not provably the input's")
+    check_step_lengths(g, {mask_outer, rows.source if rows is not None else None} - {None, x_outer}, x_outer, x_axis)
     if lengths is not None:
         if mask_outer is not None:
             raise Decline("a step reads a mask and computes another from lengths")

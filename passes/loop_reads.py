@@ -104,6 +104,13 @@ def same_time_length(g: Graph, data: str, axis: int, x: str, x_axis: int) -> boo
     return bool(mine & set().union(*(_size_keys(g, k) for k in time_keys(g, x, x_axis))))
 
 
+def check_step_lengths(g: Graph, others: set, x: str, x_axis: int) -> None:
+    """Decline unless each tensor of ``others`` the body reads per step (time-major) has x's time length."""
+    for other in sorted(others):
+        if not same_time_length(g, other, 0, x, x_axis):
+            raise Decline(f"'{other}' is read per step but its time length is not provably the input's")
+
+
 def _unflipped(g: Graph, name: str, axis: int) -> str:
     """``name`` seen through its time flips (a flip keeps the extent: a backward layer's x and mask)."""
     for _ in range(8):

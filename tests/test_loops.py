@@ -245,9 +245,9 @@ def test_rewrite_onnxruntime_cannot_run_is_declined(op, monkeypatch):
     assert "time length is not provably the input's" in report.declined[0].reason, report.to_text()
     assert fused.SerializeToString() == model.SerializeToString()
     # and were the lengths taken as equal, validation would decline it: the rewrite cannot run
-    import rnnfuse.passes.loop as loop_pass
+    import rnnfuse.passes.loop_reads as loop_reads
 
-    monkeypatch.setattr(loop_pass, "same_time_length", lambda *a: True)
+    monkeypatch.setattr(loop_reads, "same_time_length", lambda *a: True)
     fused, report = rnnfuse.optimize(model)
     assert not report.fused and report.declined, report.to_text()
     assert "cannot run the rewrite" in report.declined[0].reason, report.to_text()

@@ -216,7 +216,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
         if offset is not None:  # element i of (s, s + 1, ...): the iteration number, plus s
             carried.index_syms[n.output[0]] = offset
             continue
-        reversed_reads.add(form == "reverse")
+        reversed_reads.add(form)
         et = g.model.elem_type(data)
         rank = rank_of(g, data)
         if et == TensorProto.BOOL:
@@ -252,15 +252,15 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     if len(reversed_reads) > 1:
         raise Decline("the step input and the mask are read in different orders")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
-    check_step_lengths(g, {mask_outer, rows.source if rows is not None else None} - {None, x_outer}, x_outer, x_axis)
+    check_step_lengths(g, {mask_outer, rows and rows.source} - {None, x_outer}, x_outer, x_axis, reversed_reads)
     if lengths is not None:
         if mask_outer is not None:
             raise Decline("a step reads a mask and computes another from lengths")
-        if reversed_reads == {True}:
+        if reversed_reads - {"forward"}:
             raise Decline("a length mask on a step that reads time backwards")
         mask_outer = LENGTH_MASK
     step_in = StepReads(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis,
-                         x_atom, reversed_reads == {True}, mask_outer, set(x_reads), x_outer,
+                         x_atom, bool(reversed_reads - {"forward"}), mask_outer, set(x_reads), x_outer,
                          InputPrep(proj.flips) if proj is not None else InputPrep(input_map=input_map), lengths, None,
                          x_read_nodes, x_rank=x_rank)
     step_in.rows = rows

@@ -53,8 +53,8 @@ def counter_step(body: Graph, name: str) -> tuple[str, int] | None:
 
 
 def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str, axis: int = 0) -> str | None:
-    """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = data's size on ``axis``) or ``-1 - i``
-    -> "reverse"."""
+    """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = data's size on ``axis``) -> "reverse",
+    ``-1 - i`` -> "reverse_end" (from the data's own end, whatever its length)."""
     name = value_source(body, idx)
     if index_syms.get(name) == 0:
         return "forward"
@@ -68,7 +68,7 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     k = index_syms[step[0]] + step[1]  # subtracted value is i + k
     ca = body.const(a)
     if ca is not None and np.asarray(ca).size == 1 and int(np.asarray(ca).ravel()[0]) == k - 1:
-        return "reverse"  # -1 - i: a negative index counts from the end (-1 - i >= -T for every i < T)
+        return "reverse_end"  # -1 - i: a negative index counts from the end (-1 - i >= -T for every i < T)
     T_keys = set().union(*(_size_keys(g, key) for key in time_keys(g, data, axis)))
     # a must be T - 1 + k
     an = body.producer.get(value_source(body, a)) if body.scope_of(a) is body else None
@@ -104,11 +104,28 @@ def same_time_length(g: Graph, data: str, axis: int, x: str, x_axis: int) -> boo
     return bool(mine & set().union(*(_size_keys(g, k) for k in time_keys(g, x, x_axis))))
 
 
-def check_step_lengths(g: Graph, others: set, x: str, x_axis: int) -> None:
-    """Decline unless each tensor of ``others`` the body reads per step (time-major) has x's time length."""
+def check_step_lengths(g: Graph, others: set, x: str, x_axis: int, read_forms: set) -> None:
+    """Decline a tensor of ``others`` the body reads per step (time-major) whose time length may differ from x's:
+    one read from its own end (``-1 - i``) unless its length is provably x's; one read from its start when the
+    file gives the two lengths apart (two numbers, or two names of graph inputs). (A length the file leaves
+    unknown, a mask computed from x, say, is left to validation, as before.) ``read_forms``: how the body's
+    step reads index time (see :func:`_index_form`)."""
+    from_end = "reverse_end" in read_forms
     for other in sorted(others):
-        if not same_time_length(g, other, 0, x, x_axis):
+        if not same_time_length(g, other, 0, x, x_axis) and (from_end or _declared_apart(g, other, 0, x, x_axis)):
             raise Decline(f"'{other}' is read per step but its time length is not provably the input's")
+
+
+def _declared_apart(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> bool:
+    """Whether the file gives ``a``'s and ``b``'s extents as two different numbers, or as two different names of
+    graph inputs (a name an exporter makes up for an intermediate's unknown dim says nothing)."""
+    a, b = _unflipped(g, a, a_axis), _unflipped(g, b, b_axis)
+    dims = []
+    for name, axis in ((a, a_axis), (b, b_axis)):
+        shape = g.model.shape(name) or []
+        d = shape[axis] if axis < len(shape) else None
+        dims.append(d if isinstance(d, int) or (isinstance(d, str) and name in g.input_names) else None)
+    return None not in dims and dims[0] != dims[1]
 
 
 def _unflipped(g: Graph, name: str, axis: int) -> str:

@@ -156,8 +156,12 @@ def gate(lin: Lin, act, clip: float | None) -> Poly:
 
 
 def activate(act, arg: Poly, clip: float | None) -> Poly:
+    """``act(clip(arg))``. Affine(a, b) is the polynomial ``a * arg + b``: the symbolic evaluator never builds an
+    Affine atom, so a linear gate (an Elman cell without activation, Keras' activation=None) reads as the graph's."""
     if clip is not None:
         arg = Poly.atom(Act("Clip", (-clip, clip), arg))
+    if act[0] == "Affine":
+        return arg.scale(act[1][0]).add(Poly.const(act[1][1]))
     return Poly.atom(Act(act[0], act[1], arg))
 
 

@@ -85,7 +85,7 @@ class LstmKind(CellKind):
         g = gate(spec.gates["c"], g_act, spec.clip)
         c_new = f.mul(c).add(i.mul(g))
         o = activate(f_act, pre("o", c_new), spec.clip)
-        h_new = o.mul(Poly.atom(Act(h_act[0], h_act[1], c_new)))
+        h_new = o.mul(activate(h_act, c_new, None))
         return {"h": h_new, "c": c_new}
 
     def extra_arrays(self, spec, dtype=np.float32) -> dict:

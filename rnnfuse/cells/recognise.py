@@ -60,8 +60,8 @@ def _same(a: Poly, b: Poly) -> bool:
 
 def canonical_clips(p: Poly) -> Poly:
     """One form for what a clip and an activation spell two ways: ``Relu(Clip(a, -c, c))`` is ``Clip(a, 0, c)``
-    (a native op's clip before its Relu; Keras' relu6), and ``Affine(s, t)(a)`` is ``s*a + t`` (a native op's
-    linear activation; a graph's clip alone)."""
+    (a native op's clip before its Relu; Keras' relu6). (An Affine activation is a polynomial already: see
+    :func:`rnnfuse.cells.kind.activate`.)"""
 
     def fn(atom):
         if not isinstance(atom, Act):
@@ -72,8 +72,6 @@ def canonical_clips(p: Poly) -> Poly:
         clip = inner.params if isinstance(inner, Act) and inner.kind == "Clip" else None
         if atom.kind == "Relu" and clip is not None and clip[1] > 0 and clip[0] == -clip[1]:
             return Poly.atom(Act("Clip", (0.0, inner.params[1]), inner.arg))
-        if atom.kind == "Affine":
-            return arg.scale(atom.params[0]).add(Poly.const(atom.params[1]))
         return Poly.atom(Act(atom.kind, atom.params, arg))
 
     return substitute(p, fn)

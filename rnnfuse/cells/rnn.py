@@ -35,10 +35,6 @@ class RnnKind(CellKind):
         return make_spec(self, x, hs, {"i": lin}, (act,), clip)
 
     def step_polys(self, spec, x, h, c):
-        (name, params), = spec.acts
-        if name == "Affine" and spec.clip is None:
-            # a * lin + b is a polynomial (the symbolic evaluator never builds an Affine atom)
-            return {"h": Poly.atom(LinAtom(spec.gates["i"])).scale(params[0]).add(Poly.const(params[1]))}
         return {"h": gate(spec.gates["i"], spec.acts[0], spec.clip)}
 
 

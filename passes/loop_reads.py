@@ -69,7 +69,7 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     ca = body.const(a)
     if ca is not None and np.asarray(ca).size == 1 and int(np.asarray(ca).ravel()[0]) == k - 1:
         return "reverse_end"  # -1 - i: a negative index counts from the end (-1 - i >= -T for every i < T)
-    T_keys = set().union(*(_size_keys(g, key) for key in time_keys(g, data, axis)))
+    T_keys = _time_size_keys(g, data, axis)
     # a must be T - 1 + k
     an = body.producer.get(value_source(body, a)) if body.scope_of(a) is body else None
     if an is None:
@@ -95,13 +95,17 @@ def _size_keys(g: Graph, key) -> set:
     return out
 
 
-def same_time_length(g: Graph, data: str, axis: int, x: str, x_axis: int) -> bool:
-    """Whether ``data``'s extent along ``axis`` is provably x's time length: one number, one declared name, or
-    one axis of a tensor both were made from. (A loop reads a longer mask's first T rows, or its rows from its
-    own end at ``-1 - i``: a native op would read all of them.)"""
-    data, x = _unflipped(g, data, axis), _unflipped(g, x, x_axis)
+def _time_size_keys(g: Graph, name: str, axis: int) -> set:
+    """Every key of ``name``'s time extent (:func:`rnnfuse.dims.time_keys`) with the names it is declared by."""
+    return set().union(*(_size_keys(g, key) for key in time_keys(g, name, axis)))
+
+
+def _same_time_length(g: Graph, data: str, axis: int, x: str, x_axis: int) -> bool:
+    """Whether ``data``'s extent along ``axis`` is provably x's time length (both seen through their time
+    flips): one number, one declared name, or one axis of a tensor both were made from. (A loop reads a longer
+    mask's first T rows, or its rows from its own end at ``-1 - i``: a native op would read all of them.)"""
     mine = _size_keys(g, extent_key(g, data, axis)) - {None}
-    return bool(mine & set().union(*(_size_keys(g, k) for k in time_keys(g, x, x_axis))))
+    return bool(mine & _time_size_keys(g, x, x_axis))
 
 
 def check_step_lengths(g: Graph, others: set, x: str, x_axis: int, read_forms: set) -> None:
@@ -111,15 +115,17 @@ def check_step_lengths(g: Graph, others: set, x: str, x_axis: int, read_forms: s
     unknown, a mask computed from x, say, is left to validation, as before.) ``read_forms``: how the body's
     step reads index time (see :func:`_index_form`)."""
     from_end = "reverse_end" in read_forms
+    x = _unflipped(g, x, x_axis)
     for other in sorted(others):
-        if not same_time_length(g, other, 0, x, x_axis) and (from_end or _declared_apart(g, other, 0, x, x_axis)):
+        data = _unflipped(g, other, 0)
+        if not _same_time_length(g, data, 0, x, x_axis) and (from_end or _declared_apart(g, data, 0, x, x_axis)):
             raise Decline(f"'{other}' is read per step but its time length is not provably the input's")
 
 
 def _declared_apart(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> bool:
-    """Whether the file gives ``a``'s and ``b``'s extents as two different numbers, or as two different names of
-    graph inputs (a name an exporter makes up for an intermediate's unknown dim says nothing)."""
-    a, b = _unflipped(g, a, a_axis), _unflipped(g, b, b_axis)
+    """Whether the file gives ``a``'s and ``b``'s extents (both seen through their time flips) as two different
+    numbers, or as two different names of graph inputs (a name an exporter makes up for an intermediate's
+    unknown dim says nothing)."""
     dims = []
     for name, axis in ((a, a_axis), (b, b_axis)):
         shape = g.model.shape(name) or []

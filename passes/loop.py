@@ -26,7 +26,7 @@ from rnnfuse.dims import loop_invariant_init
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
-from rnnfuse.recurrence import FinalOutput, Init, InputPrep, Recurrence
+from rnnfuse.recurrence import CountOutput, FinalOutput, Init, InputPrep, Recurrence
 from rnnfuse.recurrence_layers import cells_first, check_feeds, layer_recurrence, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf
 from rnnfuse.rewrite import fuse_nodes
@@ -91,7 +91,7 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
     layers = split_layers(body, leaves, state_out, step_in.x_atom)
     layer_step_states = cells_first(g, loop, body, layers, states, body_out=1, node_in=2)
     outs_of, last_of, heads, extra_remove = _per_step_outputs(g, body, loop, carried, layers, state_out, far)
-    aliases = _final_aliases(g, body, loop, carried)
+    aliases, counts = _final_aliases(g, body, loop, carried, step_in)
     recs, cell_states = _layer_recurrences(loop, layers, layer_step_states, states, outs_of, last_of, extra_remove,
                                            step_in)
     if heads:
@@ -103,6 +103,7 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
         attach_length_mask(g, recs, step_in)
     if step_in.derived is not None:
         attach_derived_mask(g, body, loop, recs, step_in)
+    recs[0].counts = counts
     if len(recs) == 1:
         return recs[0], aliases
     return [(r, aliases if i == 0 else {}) for i, r in enumerate(recs)]
@@ -349,9 +350,11 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
     return outs_of, last_of, heads, extra_remove
 
 
-def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> dict[str, str]:
-    """Used final values of pass-through carried values: each is its outer init."""
+def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, step_in: StepReads):
+    """Used final values of pass-through carried values (each is its outer init) and of counters (their start
+    plus the number of time steps, which the loop was proven to run)."""
     aliases: dict[str, str] = {}
+    counts: list[CountOutput] = []
     for k in range(carried.n):
         final = loop.output[k] if k < len(loop.output) else ""
         if not final or not g.n_uses(final):
@@ -360,8 +363,8 @@ def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) ->
         if bi in carried.invariants:
             aliases[final] = carried.invariants[bi]
         elif bi in carried.index_syms:
-            raise Decline("the loop's final iteration count is used")
-    return aliases
+            counts.append(CountOutput(final, loop.input[2 + k], step_in.x_outer, step_in.x_axis))
+    return aliases, counts
 
 
 def _layer_recurrences(loop: NodeProto, layers: list, layer_step_states: list, states: dict[str, State],

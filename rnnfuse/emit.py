@@ -22,7 +22,7 @@ from .builder import Builder
 from .time_flips import time_flip_source
 from .errors import Decline
 from .graph import Graph, attr
-from .recurrence import NONE, ZERO, Init, Recurrence, SeqOutput
+from .recurrence import NONE, ZERO, CountOutput, Init, Recurrence, SeqOutput
 from .row_steps import emit_row_step
 from .step_heads import apply_head
 
@@ -239,10 +239,21 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
         if direction != "forward" or mp is not None:
             raise Decline("a state read at one step per row of a masked or reverse recurrence")
         repl[rs.tensor] = emit_row_step(b, rs, kind.op, ins, kind.n_outputs, kind.output_of(rs.which), attrs)
+    for co in rec.counts:
+        repl[co.tensor] = _final_count(b, co)
     _declare_outputs(g, rec, x_in, repl)
     # validation overrides a mask the original reads too; a mask made from lengths it must leave as it is
     return Emission(native, repl, path, direction, mask_source if mp is not None and not rec.mask_made else None,
                     mask_time_axis, head_probes)
+
+
+def _final_count(b: Builder, co: CountOutput) -> str:
+    """A counter's final value: its start plus the number of steps, in the counter's type and shape."""
+    steps = b.op("Gather", b.op("Shape", co.of), b.const(np.array(co.axis, np.int64), "axis"), axis=0)
+    et = b.g.model.elem_type(co.start)
+    if not et:
+        raise Decline(f"the type of the counter '{co.start}' is unknown")
+    return b.op("Add", co.start, b.op("Cast", steps, to=et))
 
 
 def _need_float(g: Graph, x: str) -> None:

@@ -70,6 +70,18 @@ class FinalOutput:
 
 
 @dataclass
+class CountOutput:
+    """The final value of a counter the loop carried beside the cell (``t = t + 1`` each step, from ``start``):
+    ``start`` plus the number of steps, which is the time extent of ``of`` on ``axis`` (the loop was proven to
+    run once per step of it)."""
+
+    tensor: str  # the counter's final value in the original graph
+    start: str  # the counter's initial value
+    of: str  # a tensor whose ``axis`` is the time axis
+    axis: int
+
+
+@dataclass
 class CellCheck:
     """One step of the original graph, to compare numerically with a one-step native op.
 
@@ -125,6 +137,7 @@ class Recurrence:
     finals: list[FinalOutput] = field(default_factory=list)
     step_reads: list[StepRead] = field(default_factory=list)
     row_steps: list = field(default_factory=list)  # rnnfuse.row_steps.RowStep: a state at one step per row
+    counts: list[CountOutput] = field(default_factory=list)  # final values of counters carried beside the cell
     remove: list[NodeProto] = field(default_factory=list)  # nodes that die with the rewrite
     anchor: NodeProto | None = None
     x_batch_first: bool = False  # x is [B, T, F]

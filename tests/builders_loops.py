@@ -970,3 +970,47 @@ def build_running_sum(form: str) -> onnx.ModelProto:
     return _model(nodes, "running_sum", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
                   [vi("h_last", None, H), vi("acc_last", None, A), vi("ys", None, None, H)]
                   + ([vi("accs", None, None, A)] if form == "partial_sums" else []), inits)
+
+
+COUNTER_FORMS = ("int64", "int32_from_1", "float", "shape_1", "scaled_by_h")
+COUNTER_MISSES = ("steps_by_2", "runtime_start")
+
+
+def build_counted_loop(form: str) -> onnx.ModelProto:
+    """The tanh RNN step over x [T, B, F] carrying a counter ``t = t + 1`` beside h (a jax carry ``(h, t)``)
+    whose final value the graph uses; outputs the stacked h, the last h and the final counter (``scaled_by_h``:
+    the last h times the counter, as a mean by hand). Forms: ``int64`` from 0, ``int32_from_1`` int32 from 1,
+    ``float`` float from 0.0, ``shape_1`` int64 [1] from 0. Near misses: ``steps_by_2`` t = t + 2 (no counter of
+    steps: its final value is no state a native op gives); ``runtime_start`` t starts at a graph input."""
+    W, R, b = weights()
+    dtype = {"int32_from_1": np.int32, "float": np.float32}.get(form, np.int64)
+    start = np.array([0] if form == "shape_1" else 1 if form == "int32_from_1" else 0, dtype)
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("W", W), ("R", R), ("b", b), ("zero", np.array(0.0, np.float32)), ("true", np.array(True)),
+        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)))]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])]
+    if form == "runtime_start":
+        inputs.append(helper.make_tensor_value_info("t0", TensorProto.INT64, []))
+    else:
+        inits.append(numpy_helper.from_array(start, "t0"))
+    et = helper.np_dtype_to_tensor_dtype(start.dtype)
+    step = np.array(2 if form == "steps_by_2" else 1, dtype).reshape(start.shape)
+    bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)] + _tanh_step() + [
+        helper.make_node("Add", ["t", "one"], ["tn"]), helper.make_node("Identity", ["cond"], ["cond_out"]),
+        helper.make_node("Identity", ["hn"], ["yt"])]
+    vi = lambda n, *dims, t=TensorProto.FLOAT: helper.make_tensor_value_info(n, t, list(dims))  # noqa: E731
+    tdims = list(start.shape)
+    body = helper.make_graph(bn, "body", _loop_counters() + [vi("h", None, H), vi("t", *tdims, t=et)],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), vi("hn", None, H),
+                              vi("tn", *tdims, t=et), vi("yt", None, H)],
+                             [numpy_helper.from_array(step, "one")])
+    nodes = _x_sizes() + _zero_state() + [helper.make_node("Loop", ["T", "true", "h0", "t0"], ["h_last", "t_last", "ys"],
+                                                            body=body)]
+    outs = [vi("ys", None, None, H), vi("h_last", None, H)]
+    if form == "scaled_by_h":  # h * float(t)
+        nodes += [helper.make_node("Cast", ["t_last"], ["t_f"], to=TensorProto.FLOAT),
+                  helper.make_node("Mul", ["h_last", "t_f"], ["h_t"])]
+        outs.append(vi("h_t", None, H))
+    else:
+        outs.append(vi("t_last", *tdims, t=et))
+    return _model(nodes, "counted", inputs, outs, inits)

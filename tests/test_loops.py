@@ -12,6 +12,8 @@ from builders_loops import (
     LENGTH_FORMS,
     LENGTH_MISSES,
     RUNNING_SUM_FORMS,
+    COUNTER_FORMS,
+    COUNTER_MISSES,
     RUNNING_SUM_MISSES,
     XMASK_FORMS,
     XMASK_MISSES,
@@ -36,6 +38,7 @@ from builders_loops import (
     build_lengths,
     build_stack,
     build_running_sum,
+    build_counted_loop,
     build_stacked_loops,
     build_transposed,
     head_reference,
@@ -452,6 +455,39 @@ def test_a_sum_the_step_reads_or_scales_or_outputs_per_step_is_declined(form):
     """The new state reads the sum, the sum decays (0.9 * acc + h), or its value after every step is a per-step
     output: no running sum a native op's outputs give; declined, the model unchanged."""
     _declined(build_running_sum(form))
+
+
+@pytest.mark.parametrize("form", COUNTER_FORMS)
+def test_a_counter_carried_beside_the_cell_ends_at_its_start_plus_the_steps(form):
+    """A counter ``t = t + 1`` carried beside h whose final value the graph uses (a jax carry ``(h, t)``; was
+    declined as "the loop's final iteration count is used"): one RNN, and the final counter is its start plus
+    x's number of steps, in its own type and shape. Outputs the same at T = 1 and 6, batch 1 and 3."""
+    model = build_counted_loop(form)
+    fused, report = _fused_once(model, Loop=0, RNN=1)
+    assert report.fused[0].validation.startswith("ok"), report.to_text()
+    onnx.checker.check_model(fused, full_check=True)
+    rng = np.random.default_rng(7)
+    for T, B in ((1, 1), (6, 3)):
+        x = rng.standard_normal((T, B, 3)).astype(np.float32)
+        for got, want in zip(session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})):
+            assert got.dtype == want.dtype and got.shape == want.shape, form
+            assert_close(got, want, form)
+
+
+def test_a_wrong_final_count_fails_validation(monkeypatch):
+    """The final counter is one of the pairs validation compares: a count built without the steps is caught."""
+    from rnnfuse import emit
+
+    monkeypatch.setattr(emit, "_final_count", lambda b, co: b.op("Identity", co.start))
+    fused, report = rnnfuse.optimize(build_counted_loop("int64"))
+    assert not report.fused and "does not reproduce" in report.declined[0].reason, report.to_text()
+    assert op_counts(fused)["Loop"] == 1
+
+
+@pytest.mark.parametrize("form", COUNTER_MISSES)
+def test_a_counter_by_two_or_from_a_runtime_start_is_declined(form):
+    """A counter stepping by 2, or one whose start the graph computes at runtime: declined, the model as it was."""
+    _declined(build_counted_loop(form))
 
 
 def test_a_float_counter_from_a_whole_number_counts_the_iterations():

@@ -153,6 +153,9 @@ CASES = [
     # -- a running sum carried beside the cell (acc + h), its mean returned: the op's Y summed over time
     case("hand_lstm_running_sum", "hand", "lstm", running_sum=True),
     case("hand_gru_running_sum_o17", "hand", "gru", running_sum=True, opset=17),
+    # -- a step counter carried beside the cell, (h, t + 1), its final value used: start plus the steps
+    case("hand_lstm_counter", "hand", "lstm", counter=True, notes="returns ys and h_last * t_final (a mean by hand)"),
+    case("hand_rnn_counter_dyn_t_o17", "hand", "rnn_relu", counter=True, dynamic_time=True, opset=17),
     # -- near misses
     case("near_hand_weight_decays", "hand", "rnn_decay", declined="not a constant"),
     case("near_hand_reads_next_step", "hand", "rnn_next", declined="per-step input"),
@@ -454,7 +457,7 @@ def build_hand(env: Env, c: Case, seed: int):
     else:
         raise ValueError(kind)
     lstm = kind in ("lstm", "lstm_head", "lstm_head_c")
-    specs = [("x", ("B", TIME, F), "float32")]
+    specs = [("x", ("B", "T" if c.dynamic_time else TIME, F), "float32")]
     prep = c.opts.get("prep")  # what the step does to x_t before its cell (a row-wise map, or a near miss)
     if prep:
         Wi, bi, scale, shift, P = _weights(rng, (F, F), (F,), (F,), (F,), (F + 2, F))
@@ -588,6 +591,18 @@ def build_hand(env: Env, c: Case, seed: int):
                 acc0 = jnp.zeros((x.shape[0], H), jnp.float32)
             (_, acc), ys = jax.lax.scan(step, (init(x.shape[0]), acc0), jnp.swapaxes(x, 0, 1))
             return jnp.swapaxes(ys, 0, 1), acc / TIME
+
+        return fn, specs
+
+    if c.opts.get("counter"):  # (carry, t): t + 1 each step beside the cell, the final t used
+        def fn(x):
+            def step(carry, xt):
+                inner, y = cell(carry[0], xt)
+                return (inner, carry[1] + 1), y
+
+            (last, t), ys = jax.lax.scan(step, (init(x.shape[0]), jnp.int32(0)), jnp.swapaxes(x, 0, 1))
+            h = last[1] if lstm else last
+            return jnp.swapaxes(ys, 0, 1), h * t.astype(jnp.float32)
 
         return fn, specs
 

@@ -24,7 +24,7 @@ from onnx import NodeProto, TensorProto
 from rnnfuse.dataflow import rank_of
 from rnnfuse.dims import loop_invariant_init
 from rnnfuse.errors import Decline
-from rnnfuse.graph import Graph, Model, attr
+from rnnfuse.graph import Graph, Model
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.recurrence import CountOutput, FinalOutput, Init, InputPrep, Recurrence
 from rnnfuse.recurrence_layers import cells_first, check_feeds, layer_recurrence, split_layers
@@ -35,7 +35,8 @@ from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_buffers import accumulated, check_buffer_length, row_write
 from .loop_inputs import find_input_map
-from .loop_heads import FarOutputs, HeadCandidate, StateKeys, add_heads, state_output, state_value_keys, with_far_outputs
+from .loop_outputs import last_step_reads, sequence_output
+from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
                          find_derived_mask)
 from .loop_reads import check_step_lengths, check_trip_count, counter_step, counting_offset, length_mask, step_read
@@ -342,7 +343,7 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
                 outs_of[found[0]].append(StepOut(found[1], outer, accumulate=start))
     extra_remove: list[NodeProto] = []
     for k in carried.seqs:
-        li, out = _sequence_output(g, body, loop, k, layers, extra_remove, state_keys)
+        li, out = sequence_output(g, body, loop, k, layers, extra_remove, state_keys)
         if li is None:
             heads.append(out)
         else:
@@ -403,38 +404,6 @@ def _layer_recurrences(loop: NodeProto, layers: list, layer_step_states: list, s
     return recs, cell_states
 
 
-def last_step_reads(g: Graph, outer: str) -> list[tuple[str, int]]:
-    """``[(tensor, lead)]`` when every reader of the stacked output ``outer`` ([T, B, H]) takes its last step:
-    ``Gather(outer, -1)`` ([B, H]), ``Slice(outer, -1, end, axis 0)`` ([1, B, H]) or its Squeeze on axis 0;
-    else []."""
-    out = []
-    if g.is_graph_output(outer):
-        return []
-    for u in g.uses(outer):
-        if u.op_type == "Gather" and attr(u, "axis", 0) == 0 and u.input[0] == outer:
-            idx = g.const(u.input[1])
-            if idx is None or idx.size != 1 or idx.ndim != 0 or int(idx) != -1:
-                return []
-            out.append((u.output[0], 0))
-            continue
-        if u.op_type != "Slice" or u.input[0] != outer or len(u.input) < 4:
-            return []
-        args = [g.const(i) if i else None for i in list(u.input[1:5]) + [""] * (5 - len(u.input))]
-        starts, ends, axes, steps = args
-        if any(a is None for a in (starts, ends, axes)) or [int(v) for v in axes.ravel()] != [0]:
-            return []
-        if int(starts.ravel()[0]) != -1 or int(ends.ravel()[0]) < 2**31 - 1 or (steps is not None and int(steps.ravel()[0]) != 1):
-            return []
-        sq = g.uses(u.output[0])
-        if len(sq) == 1 and sq[0].op_type == "Squeeze" and not g.is_graph_output(u.output[0]):
-            ax = g.const(sq[0].input[1]) if len(sq[0].input) > 1 else np.asarray(attr(sq[0], "axes", []))
-            if ax is not None and [int(v) for v in np.asarray(ax).ravel()] == [0]:
-                out.append((sq[0].output[0], 0))
-                continue
-        out.append((u.output[0], 1))
-    return out
-
-
 def _final_role(poly: Poly, step_states: list[StepState], an) -> tuple[str, Init] | None:
     """The cell state a per-step output read only at its last step is: ("h" | "c", the value with no valid
     step), or None (another per-step output, handled as a stacked one)."""
@@ -444,49 +413,6 @@ def _final_role(poly: Poly, step_states: list[StepState], an) -> tuple[str, Init
         if st.sym in (an.rec.h, an.rec.c):
             return "h" if st.sym == an.rec.h else "c", st.init if an.masked else Init()
     return None
-
-
-def _sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list, extra_remove,
-                     state_keys: StateKeys) -> tuple[int | None, StepOut | HeadCandidate]:
-    """A carried sequence built by SequenceInsert(seq, y) each step and stacked by ConcatFromSequence: (its
-    layer, the output), or (None, a head candidate) when y is no state of the step."""
-    bi, bo = body.input_names[2 + k], body.output_names[1 + k]
-    n = body.producer.get(bo)
-    if n is None or n.op_type != "SequenceInsert" or n.input[0] != bi:
-        raise Decline("a carried sequence that is not appended to once per step")
-    prepend = False
-    if len(n.input) > 2 and n.input[2]:
-        pos = body.const(n.input[2])
-        if pos is None or np.asarray(pos).size != 1 or int(np.asarray(pos).ravel()[0]) != 0:
-            raise Decline("a carried sequence inserted into at a runtime position")
-        prepend = True
-    final = loop.output[k]
-    users = g.uses(final)
-    if g.is_graph_output(final) or len(users) != 1 or users[0].op_type != "ConcatFromSequence":
-        raise Decline("a sequence output that is not stacked with ConcatFromSequence")
-    cat = users[0]
-    axis, new_axis = attr(cat, "axis", 0), attr(cat, "new_axis", 0)
-    found = state_output(layers, n.input[1], state_keys)
-    if found is None:  # a head computes [B, K] from h: stacked like h
-        if not (new_axis == 1 and axis in (0, 1)):
-            raise Decline("the per-step outputs are stacked along an unsupported axis")
-        extra_remove.append(cat)
-        return None, HeadCandidate(n.input[1], cat.output[0], batch_first=axis == 1, reversed=prepend)
-    li = found[0]
-    val = layers[li].ev.value(n.input[1])
-    if not isinstance(val, SymTensor):
-        raise Decline("the appended value is not a cell output")
-    lead = val.lead
-    # element [1, B, H] concatenated on axis 0, or [B, H] stacked with new_axis on axis 0 (time-major),
-    # or on axis 1 (batch-first: torch.stack(outs, dim=1))
-    if (new_axis == 1 and axis == 0 and lead == 0) or (new_axis == 0 and axis == 0 and lead == 1):
-        batch_first = False
-    elif new_axis == 1 and axis == 1 and lead == 0:
-        batch_first = True
-    else:
-        raise Decline("the per-step outputs are stacked along an unsupported axis")
-    extra_remove.append(cat)
-    return li, StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, batch_first=batch_first)
 
 
 class FuseLoops:

@@ -1,0 +1,90 @@
+"""How a Loop's per-step outputs are read after it: stacked outputs of which only the last step is read (the
+final value of the state they track), and TorchScript's carried sequences (``SequenceInsert`` once per step,
+stacked by ``ConcatFromSequence``)."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import NodeProto
+
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph, attr
+from rnnfuse.step import StepOut
+from rnnfuse.symbolic import SymTensor, Poly
+from .loop_heads import HeadCandidate, StateKeys, state_output
+
+
+def last_step_reads(g: Graph, outer: str) -> list[tuple[str, int]]:
+    """``[(tensor, lead)]`` when every reader of the stacked output ``outer`` ([T, B, H]) takes its last step:
+    ``Gather(outer, -1)`` ([B, H]), ``Slice(outer, -1, end, axis 0)`` ([1, B, H]) or its Squeeze on axis 0;
+    else []."""
+    out = []
+    if g.is_graph_output(outer):
+        return []
+    for u in g.uses(outer):
+        if u.op_type == "Gather" and attr(u, "axis", 0) == 0 and u.input[0] == outer:
+            idx = g.const(u.input[1])
+            if idx is None or idx.size != 1 or idx.ndim != 0 or int(idx) != -1:
+                return []
+            out.append((u.output[0], 0))
+            continue
+        if u.op_type != "Slice" or u.input[0] != outer or len(u.input) < 4:
+            return []
+        args = [g.const(i) if i else None for i in list(u.input[1:5]) + [""] * (5 - len(u.input))]
+        starts, ends, axes, steps = args
+        if any(a is None for a in (starts, ends, axes)) or [int(v) for v in axes.ravel()] != [0]:
+            return []
+        if int(starts.ravel()[0]) != -1 or int(ends.ravel()[0]) < 2**31 - 1 or (steps is not None and int(steps.ravel()[0]) != 1):
+            return []
+        sq = g.uses(u.output[0])
+        if len(sq) == 1 and sq[0].op_type == "Squeeze" and not g.is_graph_output(u.output[0]):
+            ax = g.const(sq[0].input[1]) if len(sq[0].input) > 1 else np.asarray(attr(sq[0], "axes", []))
+            if ax is not None and [int(v) for v in np.asarray(ax).ravel()] == [0]:
+                out.append((sq[0].output[0], 0))
+                continue
+        out.append((u.output[0], 1))
+    return out
+
+
+
+def sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list, extra_remove,
+                     state_keys: StateKeys) -> tuple[int | None, StepOut | HeadCandidate]:
+    """A carried sequence built by SequenceInsert(seq, y) each step and stacked by ConcatFromSequence: (its
+    layer, the output), or (None, a head candidate) when y is no state of the step."""
+    bi, bo = body.input_names[2 + k], body.output_names[1 + k]
+    n = body.producer.get(bo)
+    if n is None or n.op_type != "SequenceInsert" or n.input[0] != bi:
+        raise Decline("a carried sequence that is not appended to once per step")
+    prepend = False
+    if len(n.input) > 2 and n.input[2]:
+        pos = body.const(n.input[2])
+        if pos is None or np.asarray(pos).size != 1 or int(np.asarray(pos).ravel()[0]) != 0:
+            raise Decline("a carried sequence inserted into at a runtime position")
+        prepend = True
+    final = loop.output[k]
+    users = g.uses(final)
+    if g.is_graph_output(final) or len(users) != 1 or users[0].op_type != "ConcatFromSequence":
+        raise Decline("a sequence output that is not stacked with ConcatFromSequence")
+    cat = users[0]
+    axis, new_axis = attr(cat, "axis", 0), attr(cat, "new_axis", 0)
+    found = state_output(layers, n.input[1], state_keys)
+    if found is None:  # a head computes [B, K] from h: stacked like h
+        if not (new_axis == 1 and axis in (0, 1)):
+            raise Decline("the per-step outputs are stacked along an unsupported axis")
+        extra_remove.append(cat)
+        return None, HeadCandidate(n.input[1], cat.output[0], batch_first=axis == 1, reversed=prepend)
+    li = found[0]
+    val = layers[li].ev.value(n.input[1])
+    if not isinstance(val, SymTensor):
+        raise Decline("the appended value is not a cell output")
+    lead = val.lead
+    # element [1, B, H] concatenated on axis 0, or [B, H] stacked with new_axis on axis 0 (time-major),
+    # or on axis 1 (batch-first: torch.stack(outs, dim=1))
+    if (new_axis == 1 and axis == 0 and lead == 0) or (new_axis == 0 and axis == 0 and lead == 1):
+        batch_first = False
+    elif new_axis == 1 and axis == 1 and lead == 0:
+        batch_first = True
+    else:
+        raise Decline("the per-step outputs are stacked along an unsupported axis")
+    extra_remove.append(cat)
+    return li, StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, batch_first=batch_first)

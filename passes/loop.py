@@ -22,7 +22,7 @@ import numpy as np
 from onnx import NodeProto, TensorProto
 
 from rnnfuse.dataflow import rank_of
-from rnnfuse.dims import loop_invariant_init
+from rnnfuse.dims import fixed_batch, loop_invariant_init
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model
 from rnnfuse.findings import Options, PassResult
@@ -34,7 +34,7 @@ from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_buffers import accumulated, check_buffer_length, row_write
-from .loop_inputs import find_input_map
+from .loop_inputs import find_input_map, side_by_side
 from .loop_outputs import last_step_reads, sequence_output
 from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
@@ -89,7 +89,7 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
     leaves = dict(step_in.leaves)
     states = _body_leaves(g, body, loop, carried, leaves)
     state_out = {f"s{k}": body.output_names[1 + k] for k in carried.recurrent}
-    layers = split_layers(body, leaves, state_out, step_in.x_atom)
+    layers = split_layers(body, leaves, state_out, step_in.x_atom, fixed_batch(g, step_in.x_outer, step_in.x_axis))
     layer_step_states = cells_first(g, loop, body, layers, states, body_out=1, node_in=2)
     outs_of, last_of, heads, extra_remove = _per_step_outputs(g, body, loop, carried, layers, state_out, far)
     aliases, counts = _final_aliases(g, body, loop, carried, step_in)
@@ -191,24 +191,30 @@ def _step_leaf(g: Graph, body: Graph, carried: _Carried, x_outer: str, x_axis: i
     return proj, x_atom, None
 
 
-def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> StepReads:
-    """The step input and mask: element i of an invariant tensor along its time axis; the loop must run once
-    per time step of that tensor."""
-    leaves: dict = {}
-    x_outer = mask_outer = None
-    reversed_reads = set()
-    x_reads: list[str] = []
-    x_read_nodes: list[NodeProto] = []
-    x_axis = None
-    lengths = None
+@dataclass
+class _BodyReads:
+    """What a body reads per step, sorted: the input's reads by the tensor they read (several: sequences read side
+    by side), the mask, a length mask, a [T, B] tensor of rows, and how the reads index time."""
+
+    leaves: dict = field(default_factory=dict)
+    x_parts: dict = field(default_factory=dict)  # tensor read as the step input -> its body read nodes
+    x_axis: int | None = None
+    mask_outer: str | None = None
+    lengths: object = None
     rows: RowReads | None = None
+    forms: set = field(default_factory=set)  # "forward" | "reverse" | "reverse_end"
+
+
+def _body_reads(g: Graph, body: Graph, carried: _Carried) -> _BodyReads:
+    """Sort the body's per-step reads (element i of an invariant tensor, a length mask computed from i)."""
+    r = _BodyReads()
     for n in body.nodes:
         lm = length_mask(g, body, n, carried.index_syms, carried.invariants)
         if lm is not None:  # t < lengths written by hand: a step mask computed from the iteration number
-            if lengths is not None and lengths.key != lm.key:
+            if r.lengths is not None and r.lengths.key != lm.key:
                 raise Decline("two different length masks are computed")
-            lengths = lm
-            leaves[n.output[0]] = BoolMask("m", False, lm.unit)
+            r.lengths = lm
+            r.leaves[n.output[0]] = BoolMask("m", False, lm.unit)
             continue
         read = step_read(g, body, n, carried.index_syms, carried.invariants)
         if read is None:
@@ -218,28 +224,38 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
         if offset is not None:  # element i of (s, s + 1, ...): the iteration number, plus s
             carried.index_syms[n.output[0]] = offset
             continue
-        reversed_reads.add(form)
+        r.forms.add(form)
         et = g.model.elem_type(data)
         rank = rank_of(g, data)
         if et == TensorProto.BOOL:
-            check_mask_read(g, data, axis, rank, mask_outer)
-            mask_outer = data
-            leaves[n.output[0]] = BoolMask("m", False, rank == 3)
-        elif rank == 2 and axis == 0 and (rows is None or rows.source == data):
+            check_mask_read(g, data, axis, rank, r.mask_outer)
+            r.mask_outer = data
+            r.leaves[n.output[0]] = BoolMask("m", False, rank == 3)
+        elif rank == 2 and axis == 0 and (r.rows is None or r.rows.source == data):
             # one value a row per step, no bool: what the body may compute its step mask from
-            rows = rows or RowReads(data, set(), [], 1)
-            rows.reads.add(n.output[0])
-            rows.nodes.append(n)
+            r.rows = r.rows or RowReads(data, set(), [], 1)
+            r.rows.reads.add(n.output[0])
+            r.rows.nodes.append(n)
         else:
-            if x_outer not in (None, data) or x_axis not in (None, axis):
-                raise Decline("two different per-step inputs are read")
+            if r.x_axis not in (None, axis):
+                raise Decline("two per-step inputs are read along different axes")
             if rank != 3:
                 raise Decline(f"the per-step input has rank {rank}, not [T, B, F]")
             if axis not in (0, 1):
                 raise Decline(f"the per-step input is read along axis {axis}")
-            x_outer, x_axis = data, axis
-            x_reads.append(n.output[0])
-            x_read_nodes.append(n)
+            r.x_axis = axis
+            r.x_parts.setdefault(data, []).append(n)
+    return r
+
+
+def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> StepReads:
+    """The step input and mask: element i of an invariant tensor along its time axis; the loop must run once
+    per time step of that tensor."""
+    r = _body_reads(g, body, carried)
+    leaves, mask_outer, lengths, rows, x_axis = r.leaves, r.mask_outer, r.lengths, r.rows, r.x_axis
+    x_outer = next(iter(r.x_parts), None)
+    x_read_nodes = r.x_parts.get(x_outer, [])
+    x_reads = [n.output[0] for n in x_read_nodes]
     x_rank = ROW_RANK
     if x_outer is None and rows is not None:  # one value a row: perhaps ids whose lookup the cell reads
         x_outer, x_axis, x_rank, x_reads, x_read_nodes = rows.source, 0, 1, sorted(rows.reads), rows.nodes
@@ -247,23 +263,28 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
         raise Decline("no per-step input (element i of an invariant tensor) in the body")
     if mask_outer is not None and x_axis != 0:
         raise Decline("a batch-first step input with a time-major mask")
-    proj, x_atom, input_map = _step_leaf(g, body, carried, x_outer, x_axis, x_reads, x_rank,
-                                         mask_outer is not None or lengths is not None, leaves)
+    side: tuple = ()
+    if len(r.x_parts) > 1:  # sequences read side by side: the native op reads them concatenated on features
+        x_atom, side = side_by_side(g, {d: [n.output[0] for n in ns] for d, ns in r.x_parts.items()}, x_axis, leaves)
+        proj = input_map = None
+    else:
+        proj, x_atom, input_map = _step_leaf(g, body, carried, x_outer, x_axis, x_reads, x_rank,
+                                             mask_outer is not None or lengths is not None, leaves)
     if input_map is not None and x_rank == 1:
         rows = None  # (the ids are the step input)
-    if len(reversed_reads) > 1:
+    if len(r.forms) > 1:
         raise Decline("the step input and the mask are read in different orders")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
-    check_step_lengths(g, {mask_outer, rows and rows.source} - {None, x_outer}, x_outer, x_axis, reversed_reads)
+    check_step_lengths(g, {mask_outer, rows and rows.source} - {None, x_outer}, x_outer, x_axis, r.forms)
     if lengths is not None:
         if mask_outer is not None:
             raise Decline("a step reads a mask and computes another from lengths")
-        if reversed_reads - {"forward"}:
+        if r.forms - {"forward"}:
             raise Decline("a length mask on a step that reads time backwards")
         mask_outer = LENGTH_MASK
+    prep = InputPrep(proj.flips) if proj is not None else InputPrep(input_map=input_map, side_by_side=side)
     step_in = StepReads(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis,
-                         x_atom, bool(reversed_reads - {"forward"}), mask_outer, set(x_reads), x_outer,
-                         InputPrep(proj.flips) if proj is not None else InputPrep(input_map=input_map), lengths, None,
+                         x_atom, bool(r.forms - {"forward"}), mask_outer, set(x_reads), x_outer, prep, lengths, None,
                          x_read_nodes, x_rank=x_rank)
     step_in.rows = rows
     if rows is not None and (mask_outer is not None or lengths is not None):

@@ -16,10 +16,13 @@ import numpy as np
 from onnx import NodeProto, TensorProto
 
 from rnnfuse.builder import Builder
+from rnnfuse.errors import Decline
 from rnnfuse.fold import evaluate
 from rnnfuse.graph import Graph, has_subgraph
 from rnnfuse.input_maps import mapped_input, tile_context
 from rnnfuse.row_wise import on_every_step
+from rnnfuse.symbolic import Poly, StepInput, StepInputPart, SymTensor
+from .loop_reads import same_time_length
 
 
 @dataclass
@@ -107,6 +110,34 @@ def _width(g: Graph, source: str, reads: set[str], x_rank: int, found, outer: di
         env.update(zip(n.output, out))
     value = env.get(found.value)
     return int(value.shape[-1]) if value is not None and value.ndim == 2 else None
+
+
+def side_by_side(g: Graph, parts: dict[str, list[str]], axis: int, leaves: dict) -> tuple[StepInput, tuple]:
+    """Several sequences a step reads side by side (``lax.scan`` over ``(x, x2)``, both feeding the cell): the
+    native op reads them concatenated on features, in the order the body first reads them. Each read's leaf is
+    its columns of that concatenation, so ``x_t @ W1 + x2_t @ W2`` is one input weight ``[W1; W2]``. Returns
+    the step input's atom and the sequences after the first. ``parts``: each sequence -> the body tensors
+    holding its step. Each must be float [T, B, F] of a static width and provably the first one's time length
+    (a concatenation of different lengths would fail where a loop ran; a Scan requires one length, but
+    validation cannot feed a file that declares two)."""
+    names = list(parts)
+    widths = []
+    for name in names:
+        shape = g.model.shape(name) or []
+        width = shape[2] if len(shape) == 3 and isinstance(shape[2], int) else None
+        if g.model.elem_type(name) != TensorProto.FLOAT or width is None:
+            raise Decline(f"the step reads '{name}' beside another sequence, and it is no float [T, B, F] of a "
+                          "static width")
+        if not same_time_length(g, name, names[0], axis):
+            raise Decline(f"the step reads '{name}' beside '{names[0]}', and their time lengths are not provably one")
+        widths.append(width)
+    total, start = sum(widths), 0
+    for name, width in zip(names, widths):
+        part = SymTensor(Poly.atom(StepInputPart("x", start, start + width, total)))
+        for read in parts[name]:
+            leaves[read] = part
+        start += width
+    return StepInput("x", total), tuple(names[1:])
 
 
 _FOLD_DEPTH = 12  # producers folded back from one value (a bias broadcast to the batch is a few views)

@@ -52,6 +52,10 @@ def counter_step(body: Graph, name: str) -> tuple[str, int] | None:
     return name, 0
 
 
+def _one_of(ts: list | None, term: tuple) -> bool:
+    return ts is not None and len(ts) == 1 and ts[0] == term
+
+
 def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str, axis: int = 0) -> str | None:
     """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = data's size on ``axis``) -> "reverse",
     ``-1 - i`` -> "reverse_end" (from the data's own end, whatever its length)."""
@@ -59,6 +63,10 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     if index_syms.get(name) == 0:
         return "forward"
     n = body.producer.get(name)
+    if n is not None and n.op_type == "Reshape" and _one_of(terms(body, idx, index_syms), ("i", 0)):
+        shape = body.const(n.input[1])
+        if shape is not None and np.asarray(shape).size == 0:  # a scalar: jax's Reshape(Where(i < 0, i + T, i), [])
+            return "forward"
     if n is None or n.op_type != "Sub":
         return None
     a, b = n.input
@@ -108,6 +116,12 @@ def _same_time_length(g: Graph, data: str, axis: int, x: str, x_axis: int) -> bo
     return bool(mine & _time_size_keys(g, x, x_axis))
 
 
+def same_time_length(g: Graph, data: str, x: str, axis: int) -> bool:
+    """Whether ``data`` and ``x`` provably have one time length along ``axis`` (both seen through their time
+    flips)."""
+    return _same_time_length(g, _unflipped(g, data, axis), axis, _unflipped(g, x, axis), axis)
+
+
 def check_step_lengths(g: Graph, others: set, x: str, x_axis: int, read_forms: set) -> None:
     """Decline a tensor of ``others`` the body reads per step (time-major) whose time length may differ from x's:
     one read from its own end (``-1 - i``) unless its length is provably x's; one read from its start when the
@@ -154,11 +168,19 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
     if n.op_type == "Gather" and len(n.input) >= 2:
         # TorchScript writes x[:, t] as Gather(Slice(x, 0:INT_MAX on axis 0), t, axis=1)
         data = _full_slice_source(g, body, n.input[0], invariants) or invariant_source(body, n.input[0], invariants)
+        perm = None
+        if data is None:  # jax's x[:, t] with a traced t: Gather(Transpose(x), t) of a transpose in the body
+            data, perm = _transposed_invariant(body, n.input[0], invariants)
         rank = rank_of(g, data) if data is not None else None
         if data is None or rank is None:
             return None
         axis = attr(n, "axis", 0)
         axis = axis + rank if axis < 0 else axis
+        if perm is not None:  # element t along the transpose's axis is element t along the source's perm[axis],
+            rest = [p for k, p in enumerate(perm) if k != axis]  # the same tensor when the other axes keep order
+            if len(perm) != rank or rest != sorted(rest):
+                return None
+            axis = perm[axis]
         form = _index_form(g, body, n.input[1], index_syms, data, axis)
         return (data, axis, form) if form is not None else None
     if n.op_type != "Squeeze":
@@ -197,6 +219,16 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
     if axis not in seen:
         return None
     return data, axis, "forward"
+
+
+def _transposed_invariant(body: Graph, name: str, invariants: dict[str, str]) -> tuple[str | None, list | None]:
+    """``name`` = Transpose(D, perm) computed in the body from a loop invariant D: (D's outer tensor, perm)."""
+    n = body.producer.get(name)
+    if n is None or n.op_type != "Transpose":
+        return None, None
+    src = invariant_source(body, n.input[0], invariants)
+    perm = attr(n, "perm")
+    return (src, list(perm)) if src is not None and perm is not None else (None, None)
 
 
 def _covers(g: Graph, data: str, inner: str, axis: int, end) -> bool:

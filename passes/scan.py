@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import NodeProto, TensorProto
 
-from rnnfuse.dims import carried_unchanged
+from rnnfuse.dims import carried_unchanged, fixed_batch
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult
@@ -30,7 +30,7 @@ from rnnfuse.row_wise import ROW_RANK, BodyMask, body_mask, mask_on_every_step
 from rnnfuse.step import StepOut, analyse
 from rnnfuse.symbolic import Const, BoolMask, Opaque, Poly, State, SymTensor, StepInput, weight_ops
 
-from .loop_inputs import find_input_map
+from .loop_inputs import find_input_map, side_by_side
 from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
 
 
@@ -74,7 +74,7 @@ def _scan_recurrence(g: Graph, scan: NodeProto, far: FarOutputs):
     scanned = _scanned_inputs(g, body, scan, n_state, passed, leaves)
     states, recurrent, aliases = _scan_states(g, body, scan, n_state, leaves)
     state_out = {f"s{k}": body.output_names[k] for k in recurrent}
-    layers = split_layers(body, leaves, state_out, scanned.x_atom)
+    layers = split_layers(body, leaves, state_out, scanned.x_atom, fixed_batch(g, scanned.x_outer, scanned.x_axis))
     layer_step_states = cells_first(g, scan, body, layers, states, body_out=0, node_in=0)
     outs, heads = _scan_outputs(g, body, scan, n_state, layers, state_out, far)
     where = scan.name or scan.output[0]
@@ -99,8 +99,8 @@ def _scan_recurrence(g: Graph, scan: NodeProto, far: FarOutputs):
 
 def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, passed: dict[str, str],
                     leaves: dict) -> _Scanned:
-    """The one float input scanned over time and an optional bool mask scanned the same way; their body
-    tensors' symbolic values go into ``leaves``."""
+    """The float input scanned over time (or several side by side, scanned alike) and an optional bool mask
+    scanned the same way; their body tensors' symbolic values go into ``leaves``."""
     m = attr(scan, "num_scan_inputs")
     bin_ = body.input_names
     in_dirs = attr(scan, "scan_input_directions") or [0] * m
@@ -109,6 +109,7 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, passed
     x_atom = None
     x_dir = x_axis = None
     x_prep = InputPrep()
+    floats: list[tuple[str, str, int, int]] = []  # the float inputs scanned: (outer, body input, direction, axis)
     for j in range(m):
         outer = scan.input[n_state + j]
         inner = bin_[n_state + j]
@@ -125,25 +126,32 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, passed
             mask_outer, m_dir, m_axis = outer, in_dirs[j], ax
             leaves[inner] = BoolMask("m", False, rank == 3)
         else:
-            if x_outer is not None:
-                raise Decline("more than one scanned input")
             if rank != 3:
                 raise Decline(f"the scanned input has rank {rank}, not 3")
-            x_outer, x_dir, x_axis = outer, in_dirs[j], ax
-            x_inner, x_scanned, x_scanned_axis = inner, outer, ax
-            input_map = find_input_map(g, body, outer, ax, [inner], ROW_RANK, passed)
-            proj = input_projection(g, outer, ax) if input_map is None else None
-            if input_map is not None:  # the cell reads a row-wise map of x_t: the op reads it on every step
-                x_atom = StepInput("x", input_map.width)
-                leaves[input_map.value] = SymTensor(Poly.atom(x_atom))
-                x_prep = InputPrep(input_map=input_map)
-            elif proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
-                x_atom, leaves[inner] = projected_leaf(proj)
-                x_outer, x_prep, x_axis = proj.x0, InputPrep(proj.flips), proj.time_axis
-            else:
-                shape = g.model.shape(outer)
-                x_atom = StepInput("x", shape[2] if shape and isinstance(shape[2], int) else None)
-                leaves[inner] = SymTensor(Poly.atom(x_atom))
+            floats.append((outer, inner, in_dirs[j], ax))
+    if len({(d, ax) for _, _, d, ax in floats}) > 1:
+        raise Decline("two inputs are scanned in different directions or along different axes")
+    if len(floats) > 1:  # sequences scanned side by side: the native op reads them concatenated on features
+        x_outer, x_inner, x_dir, x_axis = floats[0]
+        x_scanned, x_scanned_axis = x_outer, x_axis
+        x_atom, side = side_by_side(g, {o: [i] for o, i, _, _ in floats}, x_axis, leaves)
+        x_prep = InputPrep(side_by_side=side)
+    elif floats:
+        x_outer, x_inner, x_dir, x_axis = floats[0]
+        x_scanned, x_scanned_axis = x_outer, x_axis
+        input_map = find_input_map(g, body, x_outer, x_axis, [x_inner], ROW_RANK, passed)
+        proj = input_projection(g, x_outer, x_axis) if input_map is None else None
+        if input_map is not None:  # the cell reads a row-wise map of x_t: the op reads it on every step
+            x_atom = StepInput("x", input_map.width)
+            leaves[input_map.value] = SymTensor(Poly.atom(x_atom))
+            x_prep = InputPrep(input_map=input_map)
+        elif proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
+            x_atom, leaves[x_inner] = projected_leaf(proj)
+            x_outer, x_prep, x_axis = proj.x0, InputPrep(proj.flips), proj.time_axis
+        else:
+            shape = g.model.shape(x_outer)
+            x_atom = StepInput("x", shape[2] if shape and isinstance(shape[2], int) else None)
+            leaves[x_inner] = SymTensor(Poly.atom(x_atom))
     if x_outer is None:
         raise Decline("no scanned float input")
     if mask_outer is not None and (m_dir, m_axis) != (x_dir, x_axis):

@@ -223,6 +223,18 @@ def value_source(g: Graph, name: str) -> str:
     return name
 
 
+def takes_whole_axis(g: Graph, src: str, axis: int, start: int, end: int) -> bool:
+    """Whether a slice ``start:end`` (step 1) takes every element of ``src``'s ``axis``: from its start to the
+    end, or over its static extent (jax's static slices name every axis: ``[0, t, 0]:[B, t + 1, F]``)."""
+    if start == 0 and end >= 2**31 - 1:
+        return True
+    rank = g.model.rank(src) if axis < 0 else None
+    if axis < 0 and rank is None:
+        return False
+    d = static_dim(g, src, axis + rank if axis < 0 else axis)
+    return d is not None and (start == 0 or start <= -d) and end >= d
+
+
 def static_dim(g: Graph, name: str, axis: int) -> int | None:
     s = g.model.shape(name)
     if s is None or axis >= len(s) or axis < -len(s):
@@ -366,3 +378,11 @@ def carried_unchanged(body: Graph, out: str, inp: str) -> bool:
             return False
         out = p.input[0]
     return True
+
+
+def fixed_batch(g: Graph, x: str, time_axis: int) -> int | None:
+    """The batch size of the sequence ``x`` ([T, B, F], or [B, T, F] with ``time_axis`` 1) when the model fixes
+    it (a static export), else None."""
+    shape = g.model.shape(x) or []
+    b = shape[1 - time_axis] if len(shape) == 3 and time_axis in (0, 1) else None
+    return b if isinstance(b, int) and b > 0 else None

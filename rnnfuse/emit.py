@@ -271,6 +271,8 @@ def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
     x's rows the cell reads, the time flips of x, then the slice of the steps the recurrence runs over (x and
     mask alike)."""
     x, mask = rec.x, rec.mask
+    if rec.x_prep.side_by_side:  # sequences read beside x: one input, their features after x's
+        x = _side_by_side(g, x, rec.x_prep.side_by_side, rec.anchor)
     if rec.x_prep.input_map is not None:  # (row-wise: it commutes with the flips and the slice below)
         x = rec.x_prep.input_map.build(g, x, rec.anchor)
     for flip in rec.x_prep.flips:
@@ -294,6 +296,15 @@ def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
     if rec.x_prep.lengths is not None:  # the mask is t compared with lengths: built from them, laid out like x
         mask = rec.x_prep.lengths.build(g, rec.x, 1 if rec.x_batch_first else 0, rec.anchor)
     return x, mask
+
+
+def _side_by_side(g: Graph, x: str, others: tuple, anchor) -> str:
+    """``x`` and ``others`` ([T, B, F_k] or [B, T, F_k] alike) concatenated on features, declared so."""
+    shapes = [g.model.shape(name) or [None] * 3 for name in (x, *others)]
+    width = sum(s[2] for s in shapes) if all(isinstance(s[2], int) for s in shapes) else None
+    cat = g.add_node("Concat", [x, *others], 1, name="rnnfuse/Concat", anchor=anchor, axis=2)[0]
+    g.model.declare(cat, (TensorProto.FLOAT, [shapes[0][0], shapes[0][1], width]))
+    return cat
 
 
 def _steps_of(g: Graph, x: str, consts: list[str], start: int, stop: int, axis: int, anchor) -> str:

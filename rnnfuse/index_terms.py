@@ -70,6 +70,9 @@ def terms(g: Graph, name: str, index_syms: dict[str, int] | None = None, depth: 
         return None  # narrow and unsigned types wrap or round index values
     if op in ("Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape"):
         return terms(g, n.input[0], index_syms, depth + 1)
+    if op == "Expand":  # to a shape of one element (jax's broadcast of a scalar index): the elements as they are
+        shape = g.const(n.input[1])
+        return terms(g, n.input[0], index_syms, depth + 1) if shape is not None and int(np.prod(shape)) == 1 else None
     if op == "Concat" and attr(n, "axis", 0) in (0, -1):
         parts = [terms(g, i, index_syms, depth + 1) for i in n.input]
         return None if any(p is None for p in parts) else [t for p in parts for t in p]

@@ -117,6 +117,9 @@ class InputPrep:
     # x is a row-wise map of ``Recurrence.x`` (what a Loop body computes from its step before the cell): an
     # object whose ``build(graph, x, anchor)`` applies it to every step of x at once and names the result
     input_map: object = None
+    # sequences the steps read beside x (``lax.scan`` over ``(x, x2)``): the op reads x and these concatenated
+    # on features, in this order
+    side_by_side: tuple = ()
 
 
 @dataclass

@@ -63,9 +63,11 @@ def _groups(polys: dict[str, Poly]) -> list[list[str]]:
     return list(out.values())
 
 
-def split_layers(body: Graph, leaves: dict[str, Value], state_out: dict[str, str], x: StepInput) -> list[Layer]:
+def split_layers(body: Graph, leaves: dict[str, Value], state_out: dict[str, str], x: StepInput,
+                 batch: int | None = None) -> list[Layer]:
     """The layers of a step whose carried states ``state_out`` (sym -> the body tensor of its new value) are
-    updated from the step input ``x``; one layer for an ordinary single-cell step. Declines with the reason a
+    updated from the step input ``x``; one layer for an ordinary single-cell step (``batch``: the batch size
+    the model fixes, if it does). Declines with the reason a
     state has no polynomial when no further layer can be read."""
     layers: list[Layer] = []
     producer_of: dict[str, int | None] = {x.sym: None}  # step input sym -> the layer whose output it is
@@ -74,6 +76,7 @@ def split_layers(body: Graph, leaves: dict[str, Value], state_out: dict[str, str
     level_leaves = dict(leaves)
     while remaining:
         ev = StepEvaluator(body, level_leaves)
+        ev.batch = batch
         polys: dict[str, Poly] = {}
         first_error: Decline | None = None
         for s in remaining:

@@ -1014,3 +1014,133 @@ def build_counted_loop(form: str) -> onnx.ModelProto:
     else:
         outs.append(vi("t_last", *tdims, t=et))
     return _model(nodes, "counted", inputs, outs, inits)
+
+
+TWO_SEQUENCE_FORMS = ("sum", "cat", "cat_h_between", "batch_first", "static_T")
+TWO_SEQUENCE_MISSES = ("lengths_apart", "squared", "unknown_width")
+Z = 2  # the second sequence's features
+
+
+def build_two_sequences(form: str, front: str = "loop") -> onnx.ModelProto:
+    """A tanh RNN step reading two sequences side by side, x [T, B, F] and z [T, B, 2] (``lax.scan`` over
+    ``(x, z)``): ``tanh(x_t @ W + z_t @ V + h @ R + b)``. Forms: ``sum`` two matmuls; ``cat`` one matmul of
+    ``concat([x_t, z_t])``; ``cat_h_between`` of ``concat([z_t, h, x_t])``; ``batch_first`` both [B, T, .] read
+    on axis 1; ``static_T`` both 6 steps long. Near misses: ``lengths_apart`` z declared with a time length of
+    its own (``T2``); ``squared`` the cell reads ``(z_t * z_t) @ V``; ``unknown_width`` z's width is a name.
+    ``front="scan"``: the same step as a Scan body scanning x and z (``reversed``: both backwards;
+    ``directions_apart``: z backwards only, a near miss)."""
+    W, R, b = weights()
+    V = (np.random.default_rng(5).standard_normal((Z, H)) * 0.5).astype(np.float32)
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("W", W), ("R", R), ("b", b), ("V", V), ("zero", np.array(0.0, np.float32)), ("true", np.array(True)),
+        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)))]
+    if form == "cat_h_between":
+        inits.append(numpy_helper.from_array(np.concatenate([V, R, W]), "M"))
+    elif form == "cat":
+        inits.append(numpy_helper.from_array(np.concatenate([W, V]), "M"))
+    bf = form == "batch_first"
+    T = 6 if form == "static_T" else "T"
+    x_shape, z_shape = ["B", T, F] if bf else [T, "B", F], ["B", T, Z] if bf else [T, "B", Z]
+    if form == "lengths_apart":
+        z_shape[0] = "T2"
+    if form == "unknown_width":
+        z_shape[2] = "Zw"
+    nodes = _x_sizes("i1" if bf else "i0", "i0" if bf else "i1") + _zero_state()
+    bn = [] if front == "scan" else [helper.make_node("Gather", ["x", "it"], ["xt"], axis=int(bf)),
+                                     helper.make_node("Gather", ["z", "it"], ["zt"], axis=int(bf))]
+    if form in ("cat", "cat_h_between"):
+        parts = ["xt", "zt"] if form == "cat" else ["zt", "h", "xt"]
+        bn += [helper.make_node("Concat", parts, ["xz"], axis=1), helper.make_node("MatMul", ["xz", "M"], ["xw"])]
+        bn += [helper.make_node("Identity", ["xw"], ["s"])] if form == "cat_h_between" else [
+            helper.make_node("MatMul", ["h", "R"], ["hr"]), helper.make_node("Add", ["xw", "hr"], ["s"])]
+        bn += [helper.make_node("Add", ["s", "b"], ["s2"]), helper.make_node("Tanh", ["s2"], ["hn"])]
+    else:
+        z_in = "zt"
+        if form == "squared":
+            bn.append(helper.make_node("Mul", ["zt", "zt"], ["zz"]))
+            z_in = "zz"
+        bn += [helper.make_node("MatMul", [z_in, "V"], ["zv"]), helper.make_node("MatMul", ["xt", "W"], ["xw0"]),
+               helper.make_node("Add", ["xw0", "zv"], ["xw"]), helper.make_node("MatMul", ["h", "R"], ["hr"]),
+               helper.make_node("Add", ["xw", "hr"], ["s"]), helper.make_node("Add", ["s", "b"], ["s2"]),
+               helper.make_node("Tanh", ["s2"], ["hn"])]
+    vi = lambda n, *dims: helper.make_tensor_value_info(n, TensorProto.FLOAT, list(dims))  # noqa: E731
+    if front == "scan":
+        bn.append(helper.make_node("Identity", ["hn"], ["yt"]))
+        body = helper.make_graph(bn, "body", [vi("h", None, H), vi("xt", None, F), vi("zt", None, Z)],
+                                 [vi("hn", None, H), vi("yt", None, H)])
+        attrs = dict(num_scan_inputs=2, scan_input_axes=[int(bf)] * 2)
+        if form in ("reversed", "directions_apart"):
+            attrs["scan_input_directions"] = [int(form == "reversed"), 1]
+        nodes.append(helper.make_node("Scan", ["h0", "x", "z"], ["h_last", "ys"], body=body, **attrs))
+        return _model(nodes, "two_sequences_scan", [vi("x", *x_shape), vi("z", *z_shape)],
+                      [vi("h_last", None, H), vi("ys", None, None, H)], inits)
+    bn += [helper.make_node("Identity", ["cond"], ["cond_out"]), helper.make_node("Identity", ["hn"], ["yt"])]
+    body = helper.make_graph(bn, "body", _loop_counters() + [vi("h", None, H)],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), vi("hn", None, H),
+                              vi("yt", None, H)])
+    nodes.append(helper.make_node("Loop", ["T", "true", "h0"], ["h_last", "ys"], body=body))
+    return _model(nodes, "two_sequences", [vi("x", *x_shape), vi("z", *z_shape)],
+                  [vi("ys", None, None, H), vi("h_last", None, H)], inits)
+
+
+def build_batch_sliced(end: int, batch: int = 3) -> onnx.ModelProto:
+    """The tanh RNN step over x [T, batch, F] (the batch size fixed, as a static export fixes it) whose
+    pre-activation is sliced ``[0:end]`` on the batch axis and ``[0:H]`` on units, every axis named (jax2onnx's
+    ``gx[:, :H]`` at a static batch): the whole batch when ``end >= batch``; else rows dropped, a near miss."""
+    W, R, b = weights()
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("W", W), ("R", R), ("b", b), ("h0", np.zeros((batch, H), np.float32)), ("true", np.array(True)),
+        ("T", np.array(6, np.int64)), ("st", np.array([0, 0], np.int64)), ("en", np.array([end, H], np.int64)),
+        ("ax", np.array([0, 1], np.int64)))]
+    bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)] + _tanh_step()
+    bn[-1] = helper.make_node("Slice", ["s2", "st", "en", "ax"], ["s3"])
+    bn += [helper.make_node("Tanh", ["s3"], ["hn"]), helper.make_node("Identity", ["cond"], ["cond_out"]),
+           helper.make_node("Identity", ["hn"], ["yt"])]
+    vi = lambda n, *dims: helper.make_tensor_value_info(n, TensorProto.FLOAT, list(dims))  # noqa: E731
+    body = helper.make_graph(bn, "body", _loop_counters() + [vi("h", None, H)],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), vi("hn", None, H),
+                              vi("yt", None, H)])
+    nodes = [helper.make_node("Loop", ["T", "true", "h0"], ["h_last", "ys"], body=body)]
+    return _model(nodes, "batch_sliced", [vi("x", 6, batch, F)], [vi("ys", 6, None, H), vi("h_last", None, H)], inits)
+
+
+TRACED_READ_FORMS = ("batch_first", "time_major_expand")
+TRACED_READ_MISSES = ("perm_mixes_axes", "next_step")
+
+
+def build_traced_read(form: str) -> onnx.ModelProto:
+    """The tanh RNN step reading x_t as jax2onnx writes ``x[:, t]`` with a traced t: ``Gather(Transpose(x, perm),
+    Reshape(Expand(Where(i < 0, i + T, i), [1]), []))``, x carried through the loop unchanged. Forms:
+    ``batch_first`` x [B, T, F], perm [1, 0, 2]; ``time_major_expand`` x [T, B, F], perm [0, 1, 2]. Near misses:
+    ``perm_mixes_axes`` perm [1, 2, 0] (x_t would be [F, B]); ``next_step`` the index is ``i + 1``."""
+    W, R, b = weights()
+    bf = form != "time_major_expand"
+    perm = {"batch_first": [1, 0, 2], "time_major_expand": [0, 1, 2], "perm_mixes_axes": [1, 2, 0],
+            "next_step": [1, 0, 2]}[form]
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("W", W), ("R", R), ("b", b), ("zero", np.array(0.0, np.float32)), ("true", np.array(True)),
+        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)))]
+    nodes = _x_sizes("i1" if bf else "i0", "i0" if bf else "i1") + _zero_state()
+    body_inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("c0", np.array(0, np.int64)), ("cT", np.array(6, np.int64)), ("c1", np.array(1, np.int64)),
+        ("one_shape", np.array([1], np.int64)), ("scalar_shape", np.zeros(0, np.int64)))]
+    t = "it"
+    bn = []
+    if form == "next_step":
+        bn.append(helper.make_node("Add", ["it", "c1"], ["it1"]))
+        t = "it1"
+    bn += [helper.make_node("Less", [t, "c0"], ["neg"]), helper.make_node("Add", [t, "cT"], ["wrapped"]),
+           helper.make_node("Where", ["neg", "wrapped", t], ["fixed"]),
+           helper.make_node("Expand", ["fixed", "one_shape"], ["fixed1"]),
+           helper.make_node("Reshape", ["fixed1", "scalar_shape"], ["idx"]),
+           helper.make_node("Transpose", ["xc"], ["xT"], perm=perm),
+           helper.make_node("Gather", ["xT", "idx"], ["xt"], axis=0)] + _tanh_step()
+    bn += [helper.make_node("Identity", ["cond"], ["cond_out"]), helper.make_node("Identity", ["xc"], ["xc_out"]),
+           helper.make_node("Identity", ["hn"], ["yt"])]
+    vi = lambda n, *dims: helper.make_tensor_value_info(n, TensorProto.FLOAT, list(dims))  # noqa: E731
+    x_shape = ["B", 6, F] if bf else [6, "B", F]
+    body = helper.make_graph(bn, "body", _loop_counters() + [vi("h", None, H), vi("xc", *x_shape)],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), vi("hn", None, H),
+                              vi("xc_out", *x_shape), vi("yt", None, H)], body_inits)
+    nodes.append(helper.make_node("Loop", ["T", "true", "h0", "x"], ["h_last", "x_last", "ys"], body=body))
+    return _model(nodes, "traced_read", [vi("x", *x_shape)], [vi("ys", None, None, H), vi("h_last", None, H)], inits)

@@ -13,6 +13,10 @@ from builders_loops import (
     LENGTH_MISSES,
     RUNNING_SUM_FORMS,
     COUNTER_FORMS,
+    TWO_SEQUENCE_FORMS,
+    TRACED_READ_FORMS,
+    TRACED_READ_MISSES,
+    TWO_SEQUENCE_MISSES,
     COUNTER_MISSES,
     RUNNING_SUM_MISSES,
     XMASK_FORMS,
@@ -39,6 +43,9 @@ from builders_loops import (
     build_stack,
     build_running_sum,
     build_counted_loop,
+    build_two_sequences,
+    build_batch_sliced,
+    build_traced_read,
     build_stacked_loops,
     build_transposed,
     head_reference,
@@ -488,6 +495,92 @@ def test_a_wrong_final_count_fails_validation(monkeypatch):
 def test_a_counter_by_two_or_from_a_runtime_start_is_declined(form):
     """A counter stepping by 2, or one whose start the graph computes at runtime: declined, the model as it was."""
     _declined(build_counted_loop(form))
+
+
+@pytest.mark.parametrize("form", TWO_SEQUENCE_FORMS)
+def test_two_sequences_read_side_by_side_are_one_input_concatenated_on_features(form):
+    """A step reading x_t and z_t side by side (``lax.scan`` over ``(x, z)``; was declined as "two different
+    per-step inputs are read"): one RNN over ``concat([x, z], -1)`` whose input weight is ``[W; V]``, however
+    the step spells the product (two matmuls, one of ``concat([x_t, z_t])``, ``concat([z_t, h, x_t])``),
+    time-major or batch-first. Outputs the same at T = 1 and 6, batch 1 and 3."""
+    model = build_two_sequences(form)
+    fused, report = _fused_once(model, Loop=0, RNN=1)
+    assert report.fused[0].validation.startswith("ok"), report.to_text()
+    onnx.checker.check_model(fused, full_check=True)
+    rng = np.random.default_rng(8)
+    for T, B in ((6, 1), (6, 3)) if form == "static_T" else ((1, 1), (6, 3)):
+        shape = (B, T) if form == "batch_first" else (T, B)
+        feeds = {"x": rng.standard_normal(shape + (3,)).astype(np.float32),
+                 "z": rng.standard_normal(shape + (2,)).astype(np.float32)}
+        for got, want in zip(session(fused).run(None, feeds), session(model).run(None, feeds)):
+            assert_close(got, want, form)
+
+
+@pytest.mark.parametrize("form", ["sum", "cat", "batch_first", "reversed"])
+def test_two_inputs_a_scan_scans_side_by_side_are_one_input(form):
+    """The same step as a Scan body scanning x and z (alike: forward, backward, batch-first): one RNN over their
+    concatenation on features, the outputs the same."""
+    model = build_two_sequences(form, "scan")
+    fused, report = _fused_once(model, Scan=0, RNN=1)
+    assert report.fused[0].validation.startswith("ok"), report.to_text()
+    rng = np.random.default_rng(9)
+    shape = (3, 6) if form == "batch_first" else (6, 3)
+    feeds = {"x": rng.standard_normal(shape + (3,)).astype(np.float32),
+             "z": rng.standard_normal(shape + (2,)).astype(np.float32)}
+    for got, want in zip(session(fused).run(None, feeds), session(model).run(None, feeds)):
+        assert_close(got, want, form)
+
+
+@pytest.mark.parametrize("form", ["directions_apart", "lengths_apart", "squared"])
+def test_two_scanned_inputs_scanned_apart_or_of_lengths_declared_apart_are_declined(form):
+    """z scanned backwards beside a forward x, declared with a time length of its own (validation could not feed
+    the file: a Scan requires one), or read squared: declined."""
+    _declined(build_two_sequences(form, "scan"))
+
+
+@pytest.mark.parametrize("form", TWO_SEQUENCE_MISSES)
+def test_a_second_sequence_of_another_length_or_read_elementwise_is_declined(form):
+    """The second sequence declared with a time length of its own (a concatenation would fail where the loop
+    ran), read squared before its matmul (no part of the input's affine map), or of a width only named:
+    declined, the model as it was."""
+    _declined(build_two_sequences(form))
+
+
+@pytest.mark.parametrize("end", [3, 5])
+def test_a_slice_over_the_whole_fixed_batch_changes_nothing(end):
+    """A model that fixes its batch size (3) slicing the cell's pre-activation [0:end] on the batch axis with
+    end >= 3 (jax2onnx's ``gx[:, :H]`` at a static batch names every axis; was declined as "a slice along the
+    batch axis"): fused, the outputs the same."""
+    model = build_batch_sliced(end)
+    fused, report = _fused_once(model, Loop=0, RNN=1)
+    x = np.random.default_rng(10).standard_normal((6, 3, 3)).astype(np.float32)
+    for got, want in zip(session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})):
+        assert_close(got, want, f"end {end}")
+
+
+def test_a_slice_dropping_rows_of_the_fixed_batch_is_declined():
+    """[0:1] of a batch of 3 drops rows (what follows broadcasts row 0): declined."""
+    _declined(build_batch_sliced(1), "a slice along the batch axis")
+
+
+@pytest.mark.parametrize("form", TRACED_READ_FORMS)
+def test_a_traced_index_into_a_transpose_of_x_reads_the_step(form):
+    """jax2onnx's ``x[:, t]`` with a traced t (a scan over arange, a fori_loop, a counter in the carry): a
+    Transpose of the carried x in the body, gathered at ``Reshape(Expand(Where(i < 0, i + T, i)))``; was
+    declined as "no per-step input". One RNN, the outputs the same at batch 1 and 3."""
+    model = build_traced_read(form)
+    fused, report = _fused_once(model, Loop=0, RNN=1)
+    rng = np.random.default_rng(11)
+    for B in (1, 3):
+        x = rng.standard_normal((B, 6, 3) if form == "batch_first" else (6, B, 3)).astype(np.float32)
+        for got, want in zip(session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})):
+            assert_close(got, want, form)
+
+
+@pytest.mark.parametrize("form", TRACED_READ_MISSES)
+def test_a_transpose_that_reorders_the_step_or_an_index_of_the_next_step_is_declined(form):
+    """A transpose whose step is [F, B] (perm [1, 2, 0]), or an index ``i + 1``: no step read; declined."""
+    _declined(build_traced_read(form))
 
 
 def test_a_float_counter_from_a_whole_number_counts_the_iterations():

@@ -15,6 +15,7 @@ from onnx import NodeProto
 
 from rnnfuse import op_args
 from rnnfuse.dataflow import closure, dynamic_inputs, given_constants, lead_of, runtime_values, shape_derived
+from rnnfuse.dims import takes_whole_axis
 from rnnfuse.graph import Graph, attr
 from rnnfuse.protos import node_field
 
@@ -276,7 +277,7 @@ def _keeps_rows(g: Graph, p: NodeProto) -> bool:
         if starts is None or ends is None or steps is None:
             return False
         for s0, e0, ax, st in zip(starts, ends, axes, steps):
-            full = s0 == 0 and e0 >= 2**31 - 1 and st == 1
+            full = st == 1 and takes_whole_axis(g, p.input[0], ax, s0, e0)  # (or over its static extent)
             if not full and not units_axis(ax):
                 return False
         return True

@@ -13,7 +13,7 @@ from onnx import NodeProto
 from rnnfuse import op_args
 from rnnfuse.builder import Builder
 from rnnfuse.dataflow import descendants, runtime_values, settled_rank, shape_derived
-from rnnfuse.dims import static_dim
+from rnnfuse.dims import static_dim, takes_whole_axis
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.mask_proof import step_masks_differ
@@ -36,9 +36,14 @@ def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
         t = int(idx)
     elif node.op_type == "Slice":
         starts, ends, axes, steps = op_args.slice_args_of(g, node)
-        if not starts or not ends or len(starts) != 1 or not axes or steps != [1]:
+        if not starts or not ends or not axes or not steps or len(starts) != len(axes) or set(steps) != {1}:
             return None
-        ax, t, e = axes[0], starts[0], ends[0]
+        # one axis sliced to one step; any other taken whole (jax's static slices name every axis)
+        cut = [0] if len(axes) == 1 else [k for k in range(len(axes)) if not takes_whole_axis(g, src, axes[k],
+                                                                                               starts[k], ends[k])]
+        if len(cut) != 1:
+            return None
+        ax, t, e = axes[cut[0]], starts[cut[0]], ends[cut[0]]
         if e != t + 1 and not (t == -1 and e >= 2**31 - 1):
             return None
     else:

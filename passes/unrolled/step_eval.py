@@ -137,6 +137,9 @@ class StepEval:
 
         self.ev = StepEvaluator(g, leaves, may_evaluate=allowed_fn(g, chain, k, iv), foreign=foreign, content_keys=True,
                                 not_constant=given)
+        shape = g.model.shape(st.x) or []  # ([B, F], or [1, B, F]: the batch size, when the model fixes it)
+        rows = shape[-2] if len(shape) >= 2 else None
+        self.ev.batch = rows if isinstance(rows, int) and rows > 0 else None
 
     def poly(self, name: str) -> Poly:
         return self.ev.poly(name)

@@ -1,7 +1,8 @@
 """Symbolic evaluation of one recurrence step (see :mod:`.evaluator`).
 
-Bottom-up: :mod:`.algebra` (constants, affine maps, atoms, polynomials), :mod:`.values` (what a tensor
-evaluates to), :mod:`.ops_math` / :mod:`.ops_shape` (ONNX op semantics), :mod:`.evaluator` (the walk).
+Bottom-up: :mod:`.algebra` (constants, affine maps, atoms, polynomials), :mod:`.poly_walks` (walks over
+their atoms), :mod:`.values` (what a tensor evaluates to), :mod:`.ops_math` / :mod:`.ops_shape` (ONNX op
+semantics), :mod:`.evaluator` (the walk).
 """
 
 from .algebra import (
@@ -22,14 +23,10 @@ from .algebra import (
     Poly,
     State,
     StepInput,
+    StepInputPart,
     describe,
-    loose_key,
-    masked_inputs,
-    sources,
-    substitute,
-    unmask_inputs,
-    zero_states,
 )
+from .poly_walks import loose_key, masked_inputs, sources, substitute, unmask_inputs, zero_states
 from .evaluator import StepEvaluator, content_key, register_handler, weight_ops
 from .values import (
     ACTIVATIONS,
@@ -72,6 +69,7 @@ __all__ = [
     "State",
     "StepEvaluator",
     "StepInput",
+    "StepInputPart",
     "SymTensor",
     "Value",
     "ZERO_ROW",

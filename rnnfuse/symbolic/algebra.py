@@ -4,9 +4,11 @@
 * :class:`Lin` -- an affine map of leaf rows: ``sum(src_k @ W_k) + sum(b_j)``; weights are exact slices
   (views) of the model's constants, never recomputed.
 * atoms -- :class:`State` (a carried state h/c), :class:`Mask` (the 0/1 float of a step mask),
-  :class:`StepInput` (the step input x), :class:`LinAtom` (a Lin used elementwise) and :class:`Act` (an
+  :class:`StepInput` (the step input x; :class:`StepInputPart`, columns of it), :class:`LinAtom` (a Lin used elementwise) and :class:`Act` (an
   activation applied to a polynomial).
 * :class:`Poly` -- a polynomial with scalar coefficients over atoms (a dict from sorted atom-key tuples).
+
+Walks over a polynomial's atoms (substitution, the sources it reads) are :mod:`.poly_walks`.
 
 Keys are tuples whose first element says what kind of leaf or atom they name (the tags below). The tags
 are single letters because keys are sorted by their text: other letters would reorder terms, and with them
@@ -17,8 +19,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Callable
-
 import numpy as np
 
 from ..errors import Decline
@@ -26,6 +26,7 @@ from ..errors import Decline
 # what a key names (first element of a source key of a Lin term, or of an atom key)
 STATE = "S"  # a carried state: ("S", symbol)
 STEP_INPUT = "X"  # the step input: ("X", symbol)
+STEP_INPUT_PART = "C"  # columns of the step input: ("C", symbol, start, stop, total)
 GATED_ROW = "P"  # a product of a state and gates used as a matmul operand (GRU's r*h): ("P", monomial)
 ZERO_ROW = "Z"  # a matmul operand known to be zero: ("Z",)
 MASK = "M"  # the 0/1 float of a step mask: ("M", symbol)
@@ -65,6 +66,14 @@ class ConstRef:
         if start == 0 and stop == self.arr.shape[0]:
             return self
         return ConstRef((self.key, "r", start, stop), self.arr[start:stop])
+
+    def placed_rows(self, start: int, total: int) -> "ConstRef":
+        """This [n, k] weight as rows ``start .. start + n`` of a [total, k] one whose other rows are zero."""
+        if start == 0 and total == self.arr.shape[0]:
+            return self
+        arr = np.zeros((total,) + self.arr.shape[1:], self.arr.dtype)
+        arr[start:start + self.arr.shape[0]] = self.arr
+        return ConstRef((self.key, "at", start, total), arr)
 
     def scaled(self, c: float) -> "ConstRef":
         if c == 1.0:
@@ -172,6 +181,19 @@ class StepInput(Atom):
 
     def __init__(self, sym: str, ncols: int | None):
         self.sym, self.ncols, self.key = sym, ncols, (STEP_INPUT, sym)
+
+
+class StepInputPart(Atom):
+    """Columns ``[start, stop)`` of the step input ``sym`` (``total`` wide): one of several sequences a step reads
+    side by side, which the native op reads concatenated on features. Only a weight matmul reads it (as the
+    whole input times the weight placed at its rows, zeros elsewhere); anywhere else it is an atom no cell
+    knows, and the step is declined."""
+
+    __slots__ = ("sym", "start", "stop", "total")
+
+    def __init__(self, sym: str, start: int, stop: int, total: int):
+        self.sym, self.start, self.stop, self.total = sym, start, stop, total
+        self.ncols, self.key = stop - start, (STEP_INPUT_PART, sym, start, stop, total)
 
 
 class LinAtom(Atom):
@@ -349,6 +371,8 @@ def describe(a: Atom) -> str:
         return "mask"
     if isinstance(a, StepInput):
         return "x"
+    if isinstance(a, StepInputPart):
+        return f"x[{a.start}:{a.stop}]"
     if isinstance(a, LinAtom):
         srcs = ",".join(sorted(_src_name(s) for s in a.lin.sources())) or "const"
         return f"lin({srcs})"
@@ -361,134 +385,3 @@ def _src_name(s) -> str:
     if s[0] in (STATE, STEP_INPUT):
         return s[1]
     return "gated"
-
-
-# --------------------------------------------------------------------------------------------------------
-# substitution and loose comparison (chains whose first step saw a zero initial state)
-
-
-def substitute(p: Poly, fn: Callable[[Atom], Poly | None]) -> Poly:
-    """Replace atoms by polynomials (``fn`` returns None to keep an atom); recurses into arguments."""
-    cache: dict = {}
-
-    def atom_poly(a: Atom) -> Poly:
-        if a.key in cache:
-            return cache[a.key]
-        r = fn(a)
-        if r is None:
-            if isinstance(a, Act):
-                r = Poly.atom(Act(a.kind, a.params, substitute(a.arg, fn)))
-            else:
-                r = Poly.atom(a)
-        cache[a.key] = r
-        return r
-
-    out = Poly.const(0.0)
-    for mono, c in p.terms.items():
-        term = Poly.const(c)
-        for k in mono:
-            term = term.mul(atom_poly(p.atoms[k]))
-        out = out.add(term)
-    return out
-
-
-def sources(p: Poly, follow_gated_rows: bool = False) -> set:
-    """The keys of the states and step inputs ``p`` reads, through activations and weight matmuls.
-
-    A gated row (GRU's ``r * h`` as a matmul operand) counts the states its product names; with
-    ``follow_gated_rows`` its own polynomial is walked instead, so the states and inputs its gates read count
-    too (which layer of a stacked step a state belongs to)."""
-    out: set = set()
-    stack = [p]
-    while stack:
-        q = stack.pop()
-        for a in q.atoms.values():
-            if isinstance(a, (State, StepInput)):
-                out.add(a.key)
-            elif isinstance(a, Act):
-                stack.append(a.arg)
-            elif isinstance(a, LinAtom):
-                for s in a.lin.sources():
-                    if s[0] in (STATE, STEP_INPUT):
-                        out.add(s)
-                    elif s[0] == GATED_ROW:
-                        if not follow_gated_rows:
-                            out.update(k for k in s[1] if k[0] == STATE)
-                        elif s in a.lin.rows:
-                            stack.append(a.lin.rows[s])
-    return out
-
-
-def zero_states(p: Poly, syms: set[str]) -> Poly:
-    """``p`` with the given states set to zero (their matmul terms dropped too)."""
-
-    def fn(a: Atom):
-        if isinstance(a, State) and a.sym in syms:
-            return Poly.const(0.0)
-        if isinstance(a, LinAtom):
-            keep = [(s, w) for s, w in a.lin.terms if not (s[0] == STATE and s[1] in syms) and not (s[0] == GATED_ROW and any(k[0] == STATE and k[1] in syms for k in s[1]))]
-            if len(keep) == len(a.lin.terms):
-                return None
-            if not keep and not a.lin.biases:
-                return Poly.const(0.0)
-            return Poly.atom(LinAtom(Lin.make(keep, a.lin.biases, a.lin.ncols)))
-        return None
-
-    return substitute(p, fn)
-
-
-def masked_inputs(p: Poly) -> set:
-    """The :data:`MASKED_INPUT` keys ``p`` reads, through activations, weight matmuls and gated rows."""
-    out: set = set()
-    stack = [p]
-    while stack:
-        q = stack.pop()
-        for a in q.atoms.values():
-            if isinstance(a, Act):
-                stack.append(a.arg)
-            elif isinstance(a, LinAtom):
-                out.update(s for s in a.lin.sources() if s[0] == MASKED_INPUT)
-                stack.extend(a.lin.rows.values())
-    return out
-
-
-def unmask_inputs(p: Poly, mask_sym: str, valid: float) -> Poly:
-    """``p`` with every step input scaled by mask ``mask_sym``, ``(a + b*m) * x``, that is ``x`` where the mask
-    is ``valid`` (``a + b*valid == 1``) read as ``x``: what the cell computes at valid steps. Other masked inputs stay."""
-
-    def row_key(src):
-        if src[0] == MASKED_INPUT and src[1] == mask_sym and src[3] + src[4] * valid == 1.0:
-            return (STEP_INPUT, src[2])
-        return src
-
-    def fn(a: Atom):
-        if not isinstance(a, LinAtom) or not masked_inputs(Poly.atom(a)):
-            return None
-        terms, rows = [], {}
-        for src, w in a.lin.terms:
-            if src[0] == GATED_ROW and src in a.lin.rows:  # r*h whose gate r reads the input: its key names r
-                row = unmask_inputs(a.lin.rows[src], mask_sym, valid)
-                (mono, _), = row.terms.items()
-                src = (GATED_ROW, mono)
-                rows[src] = row
-            terms.append((row_key(src), w))
-        return Poly.atom(LinAtom(Lin.make(terms, a.lin.biases, a.lin.ncols, rows)))
-
-    return substitute(p, fn)
-
-
-def loose_key(p: Poly):
-    """Like ``p.key`` but biases compare by value (a folded ``0 @ W + b`` equals ``b``)."""
-
-    def akey(a: Atom):
-        if isinstance(a, LinAtom):
-            s = a.lin.bias_sum()
-            return (AFFINE, tuple(sorted(repr((t[0], t[1].key)) for t in a.lin.terms)), None if s is None else s.tobytes())
-        if isinstance(a, Act):
-            return (ACTIVATION, a.kind, a.params, loose_key(a.arg))
-        return a.key
-
-    items = []
-    for mono, c in p.terms.items():
-        items.append((tuple(sorted(repr(akey(p.atoms[k])) for k in mono)), c))
-    return tuple(sorted(items, key=repr))

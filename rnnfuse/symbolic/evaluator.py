@@ -83,6 +83,9 @@ class StepEvaluator:
     ):
         self.graph = graph
         self.not_constant = not_constant
+        # the batch size when the model fixes it (a static export): a slice over all of it along the batch axis
+        # (jax's ``gx[:, :H]`` written with ends [B, H]) then changes nothing
+        self.batch: int | None = None
         self.memo: dict[str, Value] = dict(leaves)
         self.may_evaluate = may_evaluate or (lambda n: True)
         self.opset = graph.model.opset

@@ -93,10 +93,19 @@ def _slice(ev, node, ins):
                 n = e
             s0, e0, _ = slice(s, e).indices(n)
             out = out.cols(s0, e0)
-        else:
-            if not (s == 0 and st == 1 and e >= 2**31 - 1):
-                raise Decline("a slice along the batch axis")
+        elif not _whole_batch(ev, s, e, st):
+            raise Decline("a slice along the batch axis")
     return [SymTensor(out, lead_axes(v))]
+
+
+def _whole_batch(ev, start: int, end: int, step: int) -> bool:
+    """Whether a slice ``start:end:step`` along the batch axis takes every row: to the end, or to a fixed batch
+    size or past it."""
+    if step != 1:
+        return False
+    if end >= 2**31 - 1:
+        return start == 0 or (ev.batch is not None and start <= -ev.batch)
+    return ev.batch is not None and end >= ev.batch and (start == 0 or start <= -ev.batch)
 
 
 def _gather(ev, node, ins):

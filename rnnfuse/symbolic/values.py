@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import Decline
-from .algebra import GATED_ROW, MASK, MASKED_INPUT, STEP_INPUT, ZERO_ROW, Act, ConstRef, Lin, LinAtom, Poly, State, StepInput
+from .algebra import (GATED_ROW, MASK, MASKED_INPUT, STEP_INPUT, STEP_INPUT_PART, ZERO_ROW, Act, ConstRef, Lin, LinAtom,
+                      Poly, State, StepInput)
 
 
 class Value:
@@ -184,7 +185,7 @@ def as_rows(v: Value) -> ConcatRows:
             (m, c), = p.terms.items()
             if c == 1.0 and m:
                 atoms = [p.atoms[k] for k in m]
-                if len(atoms) == 1 and isinstance(atoms[0], (State, StepInput)):
+                if len(atoms) == 1 and (isinstance(atoms[0], (State, StepInput)) or atoms[0].key[0] == STEP_INPUT_PART):
                     a = atoms[0]
                     return ConcatRows(((a.key, a.ncols, p),), v.lead)
                 if any(isinstance(a, State) for a in atoms) and all(isinstance(a, (State, Act)) for a in atoms):
@@ -259,7 +260,11 @@ def matmul_lin(row: ConcatRows, w: ConstRef) -> Lin:
             if len(row.segments) != 1:
                 raise Decline("a concatenation of inputs of unknown width")
             width = w.arr.shape[0]
-        terms.append((src, w.rows(r0, r0 + width)))
+        if src[0] == STEP_INPUT_PART:  # columns of the step input: its weight placed at their rows
+            _, sym, start, _, total = src
+            terms.append(((STEP_INPUT, sym), w.rows(r0, r0 + width).placed_rows(start, total)))
+        else:
+            terms.append((src, w.rows(r0, r0 + width)))
         r0 += width
     if r0 != w.arr.shape[0]:
         raise Decline(f"matmul widths do not match ({r0} vs {w.arr.shape[0]})")

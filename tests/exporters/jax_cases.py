@@ -80,6 +80,8 @@ class Case:
 
     @property
     def sets(self) -> list[str]:
+        if self.opts.get("static_batch"):  # exported with the batch size fixed: fed that batch only
+            return [f"b{self.opts['static_batch']}"]
         if self.masked:
             return list(MASK_PATTERNS)
         if self.lengths:
@@ -153,6 +155,16 @@ CASES = [
     # -- a running sum carried beside the cell (acc + h), its mean returned: the op's Y summed over time
     case("hand_lstm_running_sum", "hand", "lstm", running_sum=True),
     case("hand_gru_running_sum_o17", "hand", "gru", running_sum=True, opset=17),
+    # -- two sequences scanned side by side, (x, x2), the cell reading concatenate([x_t, x2_t]): one op over both
+    case("hand_gru_two_seqs", "hand", "gru", second=2),
+    case("hand_lstm_two_seqs_dyn_t_o17", "hand", "lstm", second=1, dynamic_time=True, opset=17),
+    # -- x[:, t] with a traced t (jax2onnx: a transpose of x in the body, the index's negative fix-up, Reshape)
+    case("hand_gru_traced_read_arange", "hand", "gru", traced_read="arange"),
+    case("hand_lstm_traced_read_counter_o17", "hand", "lstm", traced_read="counter", opset=17),
+    # -- the batch size fixed in the export: the gates' slices gx[:, :H] name it (ends [B, H]), whole rows
+    case("pyfor_gru_static_batch", "pyfor", "gru", static_batch=3,
+         notes="the unrolled steps read Slice(x, [0, t, 0], [3, t + 1, 3]): every axis named"),
+    case("fori_gru_static_batch1_o17", "fori", "gru", static_batch=1, opset=17),
     # -- a step counter carried beside the cell, (h, t + 1), its final value used: start plus the steps
     case("hand_lstm_counter", "hand", "lstm", counter=True, notes="returns ys and h_last * t_final (a mean by hand)"),
     case("hand_rnn_counter_dyn_t_o17", "hand", "rnn_relu", counter=True, dynamic_time=True, opset=17),
@@ -349,7 +361,7 @@ def build_hand(env: Env, c: Case, seed: int):
     jnp, jax = env.jnp, env.jax
     rng = np.random.default_rng(seed)
     sig, tanh = jax.nn.sigmoid, jnp.tanh
-    H, F = HIDDEN, FEATURES
+    H, F = HIDDEN, FEATURES + c.opts.get("second", 0)  # (a second sequence read beside x: the cell reads both)
     kind = c.cell
     if kind == "lstm":
         Wx, Wh, b = _weights(rng, (F, 4 * H), (H, 4 * H), (4 * H,))
@@ -457,7 +469,7 @@ def build_hand(env: Env, c: Case, seed: int):
     else:
         raise ValueError(kind)
     lstm = kind in ("lstm", "lstm_head", "lstm_head_c")
-    specs = [("x", ("B", "T" if c.dynamic_time else TIME, F), "float32")]
+    specs = [("x", ("B", "T" if c.dynamic_time else TIME, FEATURES), "float32")]
     prep = c.opts.get("prep")  # what the step does to x_t before its cell (a row-wise map, or a near miss)
     if prep:
         Wi, bi, scale, shift, P = _weights(rng, (F, F), (F,), (F,), (F,), (F + 2, F))
@@ -591,6 +603,36 @@ def build_hand(env: Env, c: Case, seed: int):
                 acc0 = jnp.zeros((x.shape[0], H), jnp.float32)
             (_, acc), ys = jax.lax.scan(step, (init(x.shape[0]), acc0), jnp.swapaxes(x, 0, 1))
             return jnp.swapaxes(ys, 0, 1), acc / TIME
+
+        return fn, specs
+
+    if c.opts.get("second"):  # lax.scan over (x, x2): the cell reads concatenate([x_t, x2_t])
+        specs.append(("x2", ("B", "T" if c.dynamic_time else TIME, c.opts["second"]), "float32"))
+
+        def fn(x, x2):
+            def step(carry, inp):
+                return cell(carry, jnp.concatenate(inp, -1))
+
+            last, ys = jax.lax.scan(step, init(x.shape[0]), (jnp.swapaxes(x, 0, 1), jnp.swapaxes(x2, 0, 1)))
+            return jnp.swapaxes(ys, 0, 1), last[1] if lstm else last
+
+        return fn, specs
+
+    if c.opts.get("traced_read"):  # x[:, t] with a traced t: Gather(Transpose(x), Reshape(Where(t < 0, t + T, t)))
+        def fn(x):
+            x = jnp.asarray(x)  # (JAX's own run passes numpy, which a traced index cannot read)
+            if c.opts["traced_read"] == "arange":  # lax.scan over arange(T)
+                def step(carry, t):
+                    return cell(carry, x[:, t])
+
+                _, ys = jax.lax.scan(step, init(x.shape[0]), jnp.arange(TIME))
+            else:  # lax.scan(length=T) with no xs, the step counted in the carry
+                def step(carry, _):
+                    inner, y = cell(carry[0], x[:, carry[1]])
+                    return (inner, carry[1] + 1), y
+
+                _, ys = jax.lax.scan(step, (init(x.shape[0]), jnp.int32(0)), None, length=TIME)
+            return jnp.swapaxes(ys, 0, 1)
 
         return fn, specs
 
@@ -744,6 +786,8 @@ def input_sets(c: Case, specs, rng: np.random.Generator) -> dict[str, dict[str, 
                 feeds[name] = keep.astype(dtype)
             elif name == "lengths":
                 feeds[name] = lengths
+            elif name == "x2":  # a second sequence beside x: as many steps
+                feeds[name] = rng.standard_normal((batch, steps, shape[2])).astype(np.float32)
             elif name == "tokens":
                 ids = rng.integers(1, VOCAB, (batch, steps)).astype(np.int32)
                 if c.masked:
@@ -788,6 +832,8 @@ def generate(env: Env, c: Case, out_dir: Path) -> dict:
     seed = zlib.crc32(c.name.encode()) % (2**31)
     rng = np.random.default_rng(seed)
     fn, specs = BUILDERS[c.model](env, c, seed)
+    if c.opts.get("static_batch"):  # the batch size fixed in the export: jax2onnx's slices then name it
+        specs = [(n, tuple(c.opts["static_batch"] if d == "B" else d for d in shape), dt) for n, shape, dt in specs]
     jax = env.jax
     shapes = []
     for name, shape, dtype in specs:

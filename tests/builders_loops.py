@@ -1144,3 +1144,39 @@ def build_traced_read(form: str) -> onnx.ModelProto:
                               vi("xc_out", *x_shape), vi("yt", None, H)], body_inits)
     nodes.append(helper.make_node("Loop", ["T", "true", "h0", "x"], ["h_last", "x_last", "ys"], body=body))
     return _model(nodes, "traced_read", [vi("x", *x_shape)], [vi("ys", None, None, H), vi("h_last", None, H)], inits)
+
+
+WHERE_ELU_FORMS = ("exp_of_x", "exp_of_min0")
+WHERE_ELU_MISSES = ("offset_not_alpha", "above_one")
+
+
+def build_where_elu(form: str) -> onnx.ModelProto:
+    """The RNN step with its activation written out as an elu, ``Where(a > 0, a, 1.3 * (exp(a) - 1))``
+    (``exp_of_min0``: exp of ``Where(a > 0, 0, a)``, as jax's own elu writes its expm1). Near misses:
+    ``offset_not_alpha`` 1.3 * exp(a) - 1; ``above_one`` the comparison a > 1."""
+    W, R, b = weights()
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("W", W), ("R", R), ("b", b), ("zero", np.array(0.0, np.float32)), ("true", np.array(True)),
+        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)))]
+    body_inits = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (
+        ("c0", 0.0), ("c1", 1.0), ("alpha", 1.3), ("t", 1.0 if form == "above_one" else 0.0))]
+    nodes = _x_sizes() + _zero_state()
+    bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)] + _tanh_step()[:-1]  # s2 = x W + h R + b
+    bn.append(helper.make_node("Greater", ["s2", "t"], ["pos"]))
+    e_in = "s2"
+    if form == "exp_of_min0":
+        bn.append(helper.make_node("Where", ["pos", "c0", "s2"], ["neg_part"]))
+        e_in = "neg_part"
+    bn += [helper.make_node("Exp", [e_in], ["e"])]
+    if form == "offset_not_alpha":
+        bn += [helper.make_node("Mul", ["e", "alpha"], ["ae"]), helper.make_node("Sub", ["ae", "c1"], ["below"])]
+    else:
+        bn += [helper.make_node("Sub", ["e", "c1"], ["em1"]), helper.make_node("Mul", ["alpha", "em1"], ["below"])]
+    bn += [helper.make_node("Where", ["pos", "s2", "below"], ["hn"]), helper.make_node("Identity", ["cond"], ["cond_out"]),
+           helper.make_node("Identity", ["hn"], ["yt"])]
+    vi = lambda n, *dims: helper.make_tensor_value_info(n, TensorProto.FLOAT, list(dims))  # noqa: E731
+    body = helper.make_graph(bn, "body", _loop_counters() + [vi("h", None, H)],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), vi("hn", None, H),
+                              vi("yt", None, H)], body_inits)
+    nodes.append(helper.make_node("Loop", ["T", "true", "h0"], ["h_last", "ys"], body=body))
+    return _model(nodes, "where_elu", [vi("x", "T", "B", F)], [vi("ys", None, None, H), vi("h_last", None, H)], inits)

@@ -15,6 +15,8 @@ from builders_loops import (
     COUNTER_FORMS,
     TWO_SEQUENCE_FORMS,
     TRACED_READ_FORMS,
+    WHERE_ELU_FORMS,
+    WHERE_ELU_MISSES,
     TRACED_READ_MISSES,
     TWO_SEQUENCE_MISSES,
     COUNTER_MISSES,
@@ -46,6 +48,7 @@ from builders_loops import (
     build_two_sequences,
     build_batch_sliced,
     build_traced_read,
+    build_where_elu,
     build_stacked_loops,
     build_transposed,
     head_reference,
@@ -581,6 +584,25 @@ def test_a_traced_index_into_a_transpose_of_x_reads_the_step(form):
 def test_a_transpose_that_reorders_the_step_or_an_index_of_the_next_step_is_declined(form):
     """A transpose whose step is [F, B] (perm [1, 2, 0]), or an index ``i + 1``: no step read; declined."""
     _declined(build_traced_read(form))
+
+
+@pytest.mark.parametrize("form", WHERE_ELU_FORMS)
+def test_an_elu_written_with_where_and_exp_is_the_native_elu(form):
+    """``Where(a > 0, a, alpha * (exp(a) - 1))``, the exp's argument a or ``Where(a > 0, 0, a)`` (jax's own elu,
+    bound by reference before export, writes no Elu op): RNN with Elu(alpha); was declined as "Where on a
+    comparison of a cell value that is not a thresholded relu"."""
+    model = build_where_elu(form)
+    fused, report = _fused_once(model, Loop=0, RNN=1)
+    assert "Elu(1.3)" in report.fused[0].cell, report.to_text()
+    x = np.random.default_rng(12).standard_normal((6, 3, 3)).astype(np.float32) * 3
+    for got, want in zip(session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})):
+        assert_close(got, want, form)
+
+
+@pytest.mark.parametrize("form", WHERE_ELU_MISSES)
+def test_an_elu_like_where_of_another_offset_or_threshold_is_declined(form):
+    """``1.3 * exp(a) - 1`` (not alpha times exp(a) - 1), or the comparison a > 1: no elu; declined."""
+    _declined(build_where_elu(form))
 
 
 def test_a_float_counter_from_a_whole_number_counts_the_iterations():

@@ -181,6 +181,27 @@ class _Above(Value):
         self.poly, self.t, self.lead = poly, t, lead
 
 
+def _above_where(cond: _Above, pa: Poly, pb: Poly) -> Poly | None:
+    """``Where(x > t, pa, pb)`` as an activation of x: ThresholdedRelu(t) (``x``, ``0``), min(x, 0) (``0``, ``x``:
+    the input jax's elu gives its expm1, which only the negative branch reads), Elu(alpha) (``x``,
+    ``alpha * exp(x) - alpha``, the exp's argument x or min(x, 0)); else None."""
+    x, zero = cond.poly, Poly.const(0.0)
+    if pa.key == x.key and pb.key == zero.key:
+        return Poly.atom(Act("ThresholdedRelu", (cond.t,), x))
+    if cond.t != 0.0:
+        return None
+    below = _clip_poly(x, float("-inf"), 0.0)
+    if pa.key == zero.key and pb.key == x.key:
+        return below
+    if pa.key != x.key or len(pb.terms) != 2 or () not in pb.terms:
+        return None
+    (m, alpha), = ((m, c) for m, c in pb.terms.items() if m != ())
+    e = pb.atoms[m[0]] if len(m) == 1 else None
+    if not (isinstance(e, Act) and e.kind == "Exp" and e.arg.key in (x.key, below.key)) or pb.terms[()] != -alpha:
+        return None
+    return Poly.atom(Act("Elu", (alpha,), x))
+
+
 def _greater(ev, node, ins):
     a, b = ins
     if not isinstance(b, Const):
@@ -365,10 +386,11 @@ def _where(ev, node, ins):
     cond, a, b = ins
     if isinstance(cond, Const) and cond.arr.dtype == np.bool_ and cond.arr.size and (cond.arr.all() or not cond.arr.any()):
         return [a if cond.arr.all() else b]  # a constant condition (Keras on torch: ``t < T`` with T static)
-    if isinstance(cond, _Above):  # Where(x > t, x, 0): ThresholdedRelu(t)(x)
-        if elementwise_poly(a).key == cond.poly.key and elementwise_poly(b).key == Poly.const(0.0).key:
-            return [SymTensor(Poly.atom(Act("ThresholdedRelu", (cond.t,), cond.poly)), lead_axes(a, b))]
-        raise Decline("Where on a comparison of a cell value that is not a thresholded relu")
+    if isinstance(cond, _Above):  # Where(x > t, x, 0): ThresholdedRelu(t)(x); Where(x > 0, x, a*(exp(x) - 1)): Elu(a)
+        p = _above_where(cond, elementwise_poly(a), elementwise_poly(b))
+        if p is None:
+            raise Decline("Where on a comparison of a cell value that is not a thresholded relu or an elu")
+        return [SymTensor(p, lead_axes(a, b))]
     if not isinstance(cond, BoolMask):
         raise Decline("Where with a condition that is not the step mask")
     if not cond.unit:

@@ -158,6 +158,8 @@ CASES = [
     # -- two sequences scanned side by side, (x, x2), the cell reading concatenate([x_t, x2_t]): one op over both
     case("hand_gru_two_seqs", "hand", "gru", second=2),
     case("hand_lstm_two_seqs_dyn_t_o17", "hand", "lstm", second=1, dynamic_time=True, opset=17),
+    # -- an activation bound by reference before export: jax's own elu, written with Where, Exp and Sub
+    case("hand_rnn_elu_ref", "hand", "rnn_elu_ref"),
     # -- x[:, t] with a traced t (jax2onnx: a transpose of x in the body, the index's negative fix-up, Reshape)
     case("hand_gru_traced_read_arange", "hand", "gru", traced_read="arange"),
     case("hand_lstm_traced_read_counter_o17", "hand", "lstm", traced_read="counter", opset=17),
@@ -379,6 +381,13 @@ def build_hand(env: Env, c: Case, seed: int):
             z, r = jnp.split(sig(jnp.concatenate([xt, h], -1) @ W + bz), 2, axis=-1)
             n = tanh(jnp.concatenate([xt, r * h], -1) @ Wc + bc)
             h = (1 - z) * h + z * n if kind == "gru_flipped" else (1 - z) * n + z * h
+            return h, h
+    elif kind == "rnn_elu_ref":  # an activation bound before export (flax's activation_fn=nn.elu): jax's own
+        Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))  # where(x > 0, x, expm1(where(x > 0, 0, x))), no Elu op
+        act = jax.nn.elu
+
+        def cell(h, xt):
+            h = act(xt @ Wx + h @ Wh + b)
             return h, h
     elif kind == "rnn_relu":
         Wx, Wh, b = _weights(rng, (F, H), (H, H), (H,))
@@ -815,7 +824,7 @@ def expectation(c: Case) -> dict:
     if c.cell == "rnn_lstm_side":  # two cells side by side: an op each
         return {"ops": {"RNN": 1, "LSTM": 1}, "absent": ["Loop", "Scan"]}
     op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN", "lstm_head": "LSTM",
-                                   "gru_head": "GRU", "rnn_head_x": "RNN", "rnn_len": "RNN", "gru_einsum": "GRU",
+                                   "gru_head": "GRU", "rnn_head_x": "RNN", "rnn_elu_ref": "RNN", "rnn_len": "RNN", "gru_einsum": "GRU",
                                    "rnn_einsum_t": "RNN", "rnn_big_head": "RNN"}[c.cell]
     if c.cell == "rnn_big_head":
         return {"ops": {op: 1}, "absent": ["Loop", "Scan"], "validated": "probe points"}

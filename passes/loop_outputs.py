@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto
 
+from rnnfuse import op_args
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.step import StepOut
@@ -67,14 +68,19 @@ def sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list
         raise Decline("a sequence output that is not stacked with ConcatFromSequence")
     cat = users[0]
     axis, new_axis = attr(cat, "axis", 0), attr(cat, "new_axis", 0)
-    found = state_output(layers, n.input[1], state_keys)
+    appended = n.input[1]
+    u = body.producer.get(appended)
+    if (new_axis, axis) == (0, 1) and u is not None and u.op_type == "Unsqueeze" and op_args.axes(
+            u, g.model.opset, op_args.const_reader(body, u)) == [1]:
+        appended, new_axis = u.input[0], 1  # cat([h[:, None] ...], 1) is stack([h ...], 1) (TorchScript, batch-first)
+    found = state_output(layers, appended, state_keys)
     if found is None:  # a head computes [B, K] from h: stacked like h
         if not (new_axis == 1 and axis in (0, 1)):
             raise Decline("the per-step outputs are stacked along an unsupported axis")
         extra_remove.append(cat)
-        return None, HeadCandidate(n.input[1], cat.output[0], batch_first=axis == 1, reversed=prepend)
+        return None, HeadCandidate(appended, cat.output[0], batch_first=axis == 1, reversed=prepend)
     li = found[0]
-    val = layers[li].ev.value(n.input[1])
+    val = layers[li].ev.value(appended)
     if not isinstance(val, SymTensor):
         raise Decline("the appended value is not a cell output")
     lead = val.lead

@@ -235,6 +235,9 @@ CASES = [
     script("lstmcell_script_output_buffer_extra_row", "lstm", collect="buffer", extra_rows=1, near_miss=True,
            notes="zeros(T + 1, B, H): the last row is never written (no native output holds it)"),
     script("lstmcell_script_bf", "lstm", **BF, notes="x[:, t] is Slice(x, 0:INT_MAX) + Gather(axis=1) in the body"),
+    script("lstmcell_script_cat_bf", "lstm", cat=True, **BF,
+           notes="outs.append(h.unsqueeze(1)); torch.cat(outs, 1): ConcatFromSequence(axis=1) of [B, 1, H]"),
+    script("lstmcell_script_cat", "lstm", cat=True, notes="outs.append(h.unsqueeze(0)); torch.cat(outs, 0)"),
     script("gru_hand_script_bf", "gru_hand", **BF),
     script("lstmcell_script_rev_bf", "lstm", reverse=True, **BF),
     script("gru_hand_script_2layers", "gru_hand", layers=2, notes=(
@@ -1027,10 +1030,11 @@ def torch_modules():
     class ScriptLSTMLoop(nn.Module):
         """Scripted loop over an nn.LSTMCell; T is the dynamic trip count of an ONNX Loop."""
 
-        def __init__(self, features, hidden, reverse=False, batch_first=False, layers=1):
+        def __init__(self, features, hidden, reverse=False, batch_first=False, layers=1, cat=False):
             super().__init__()
             self.cells = nn.ModuleList(nn.LSTMCell(features if k == 0 else hidden, hidden) for k in range(layers))
             self.hidden, self.reverse, self.batch_first = hidden, reverse, batch_first
+            self.cat = cat  # outs.append(h.unsqueeze(tdim)), then torch.cat(outs, tdim): no stack
 
         def forward(self, x):
             tdim = 1 if self.batch_first else 0
@@ -1045,8 +1049,8 @@ def torch_modules():
                     if self.reverse:  # not outs.reverse() after the loop: the exporter silently drops it
                         outs.insert(0, h)
                     else:
-                        outs.append(h)
-                x = torch.stack(outs, dim=tdim)
+                        outs.append(h.unsqueeze(tdim) if self.cat else h)
+                x = torch.cat(outs, dim=tdim) if self.cat else torch.stack(outs, dim=tdim)
             return x
 
     class ScriptPrepLoop(nn.Module):

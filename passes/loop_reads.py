@@ -354,10 +354,11 @@ def length_mask(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int],
     return None
 
 
-def _lengths_operand(body: Graph, name: str, invariants: dict[str, str]) -> tuple[str | None, int, int]:
-    """``(L, sign, shift)`` when ``name`` is ``sign * L + shift`` for a loop-invariant tensor L and a scalar integer
-    constant shift, computed in the body (jax's pre-padded ``t >= T - lengths``): L itself, ``c - L``, ``L + c``,
-    ``L - c``. ``(None, 1, 0)`` otherwise."""
+def _lengths_operand(body: Graph, name: str, invariants: dict[str, str]) -> tuple[str | None, int, int | str]:
+    """``(L, sign, shift)`` when ``name`` is ``sign * L + shift`` for a loop-invariant tensor L, computed in the
+    body (jax's pre-padded ``t >= T - lengths``, TorchScript's ``Neg(lengths) + T``): L itself, ``c - L``,
+    ``L + c``, ``L - c``, ``-L + c``, the shift ``c`` a scalar integer constant, or the name of a loop-invariant
+    scalar the body adds (x's time length, read outside). ``(None, 1, 0)`` otherwise."""
     outer = invariant_source(body, name, invariants)
     if outer is not None:
         return outer, 1, 0
@@ -365,15 +366,41 @@ def _lengths_operand(body: Graph, name: str, invariants: dict[str, str]) -> tupl
     if n is None or n.op_type not in ("Add", "Sub") or len(n.input) != 2:
         return None, 1, 0
     for k in (0, 1):
-        c = body.const(n.input[k])
-        v = invariant_source(body, n.input[1 - k], invariants)
-        if c is None or v is None or np.size(c) != 1 or np.asarray(c).dtype.kind not in "iu":
+        c = _shift(body, n.input[k], invariants)
+        v, sign = _signed_invariant(body, n.input[1 - k], invariants)
+        if c is None or v is None:
             continue
-        c = int(np.ravel(c)[0])
         if n.op_type == "Add":
-            return v, 1, c
-        return (v, -1, c) if k == 0 else (v, 1, -c)
+            return v, sign, c
+        if k == 0:  # c - (sign * L)
+            return v, -sign, c
+        if isinstance(c, int):  # (sign * L) - c
+            return v, sign, -c
     return None, 1, 0
+
+
+def _shift(body: Graph, name: str, invariants: dict[str, str]) -> int | str | None:
+    """A scalar integer constant, or the outer name of a loop-invariant scalar that is no constant; else None."""
+    c = body.const(name)
+    if c is not None:
+        return int(np.ravel(c)[0]) if np.size(c) == 1 and np.asarray(c).dtype.kind in "iu" else None
+    outer = invariant_source(body, name, invariants)
+    shape = body.model.shape(outer) if outer is not None else None
+    scalar = shape is not None and all(isinstance(d, int) for d in shape) and int(np.prod(shape or [1])) == 1
+    return outer if scalar else None
+
+
+def _signed_invariant(body: Graph, name: str, invariants: dict[str, str]) -> tuple[str | None, int]:
+    """``(L, 1)`` for a loop-invariant L, ``(L, -1)`` for ``Neg(L)``; else ``(None, 1)``."""
+    outer = invariant_source(body, name, invariants)
+    if outer is not None:
+        return outer, 1
+    n = body.producer.get(name)
+    if n is not None and n.op_type == "Neg":
+        outer = invariant_source(body, n.input[0], invariants)
+        if outer is not None:
+            return outer, -1
+    return None, 1
 
 
 class LengthMask:
@@ -420,7 +447,9 @@ def build_length_mask(g: Graph, lm: LengthMask, x: str, time_axis: int, anchor: 
     lens = op("Reshape", lm.lengths, const([-1]))
     if lm.sign < 0:
         lens = op("Neg", lens)
-    if lm.shift:  # (in the lengths' type, as the body adds it)
+    if isinstance(lm.shift, str):  # a scalar the body adds, read as it does (in the lengths' type)
+        lens = op("Add", lens, lm.shift)
+    elif lm.shift:  # (in the lengths' type, as the body adds it)
         shift = np.array(lm.shift, helper.tensor_dtype_to_np_dtype(et or TensorProto.INT64))
         lens = op("Add", lens, g.add_initializer(shift, "rnnfuse/length_mask/shift"))
     shape_t, shape_l = ([1, -1], [-1, 1]) if time_axis == 1 else ([-1, 1], [1, -1])

@@ -557,7 +557,8 @@ class LengthOpts:
     carried and decremented every step; ``batch_rows`` (xmask) one mask for all rows, reduced over the batch.
     ``counter``: the compared i is a carried counter starting there, not the iteration number (a jax carry's
     ``t`` from 1, compared as ``t <= L``). ``l_expr``: the compared lengths are computed in the body, ``5-L``
-    (jax's pre-padded ``t >= T - lengths``), ``L+1`` or ``L-1``."""
+    (jax's pre-padded ``t >= T - lengths``), ``L+1`` or ``L-1``; ``T-L``: ``Neg(L) + T``, T x's time length
+    read outside the loop (TorchScript's pre-padded mask)."""
 
     cmp: str = "lt"
     dtype: str = "int64"
@@ -582,7 +583,7 @@ class LengthOpts:
 def _valid(o: LengthOpts, t: int, L: np.ndarray, x: np.ndarray) -> np.ndarray:
     if o.cmp == "xmask":
         return (x[t] != 0).any(-1)
-    L = {"": L, "5-L": 5 - L, "L+1": L + 1, "L-1": L - 1}[o.l_expr].reshape(-1)
+    L = {"": L, "5-L": 5 - L, "L+1": L + 1, "L-1": L - 1, "T-L": x.shape[0] - L}[o.l_expr].reshape(-1)
     t += o.counter or 0
     return {"lt": t < L, "gt": L > t, "le1": t + 1 <= L, "le": t <= L, "ge": t >= L}[o.cmp]
 
@@ -608,7 +609,14 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
         bn.append(helper.make_node("Cast", ["it"], ["it32"], to=TensorProto.INT32))
         i = "it32"
     L = "Lc" if o.miss == "lengths_change" else "L"
-    if o.l_expr:  # the compared lengths computed in the body from L and a constant
+    if o.l_expr == "T-L":  # Neg(L) + T, T x's time length read outside (TorchScript's pre-padded t >= T - lengths)
+        T_l = "T"
+        if o.dtype == "int32":
+            nodes.append(helper.make_node("Cast", ["T"], ["T32"], to=TensorProto.INT32))
+            T_l = "T32"
+        bn += [helper.make_node("Neg", [L], ["Ln"]), helper.make_node("Add", ["Ln", T_l], ["Lx"])]
+        L = "Lx"
+    elif o.l_expr:  # the compared lengths computed in the body from L and a constant
         c = np.array(5 if o.l_expr == "5-L" else 1, np.int64 if o.dtype == "int64" else np.int32)
         body_inits.append(numpy_helper.from_array(c, "lc"))
         ins = ["lc", L] if o.l_expr == "5-L" else [L, "lc"]
@@ -732,7 +740,8 @@ LENGTH_FORMS = [LengthOpts(), LengthOpts("gt", out="carry"), LengthOpts("le1", "
                 LengthOpts("lt", keep="where", pre=True), LengthOpts("le", counter=1),
                 LengthOpts("lt", "int32", keep="where", out="carry", counter=2), LengthOpts("ge", counter=-1),
                 LengthOpts("ge", "int32", keep="where", l_expr="5-L"), LengthOpts("lt", l_expr="L+1", out="carry"),
-                LengthOpts("gt", l_expr="L-1", unit=True), LengthOpts("lt", l_expr="5-L")]
+                LengthOpts("gt", l_expr="L-1", unit=True), LengthOpts("lt", l_expr="5-L"),
+                LengthOpts("le", l_expr="T-L"), LengthOpts("lt", "int32", keep="where", out="carry", l_expr="T-L")]
 LENGTH_MISSES = [LengthOpts(miss="reset"), LengthOpts(miss="input_only"), LengthOpts(miss="lengths_change")]
 # the mask computed in the step from x_t itself
 XMASK_FORMS = [LengthOpts("xmask", keep="where", out="carry"), LengthOpts("xmask", unit=True),

@@ -238,6 +238,9 @@ CASES = [
     script("lstmcell_script_cat_bf", "lstm", cat=True, **BF,
            notes="outs.append(h.unsqueeze(1)); torch.cat(outs, 1): ConcatFromSequence(axis=1) of [B, 1, H]"),
     script("lstmcell_script_cat", "lstm", cat=True, notes="outs.append(h.unsqueeze(0)); torch.cat(outs, 0)"),
+    script("gru_hand_script_lengths", "gru_hand", lengths=True, notes="h = where(t < lengths, cell, h)"),
+    script("rnn_hand_script_lengths_pre", "rnn_hand", lengths=True, pre=True,
+           notes="pre-padded by hand: t >= T - lengths, written Neg(lengths) + T in the body"),
     script("gru_hand_script_bf", "gru_hand", **BF),
     script("lstmcell_script_rev_bf", "lstm", reverse=True, **BF),
     script("gru_hand_script_2layers", "gru_hand", layers=2, notes=(
@@ -807,6 +810,8 @@ def input_specs(c: Case) -> list[tuple[str, tuple]]:
     specs = [("tokens", x[:2]) if c.opts.get("inputs") == "embed" else ("x", x)]
     if c.opts.get("inputs") == "context":
         specs.append(("z", ("B", CONTEXT)))
+    if c.model == "script" and c.opts.get("lengths"):
+        specs.append(("lengths", ("B",)))
     if c.opts.get("init") in ("given", "linear"):
         names = ("h0", "c0") if c.family == "lstm" else ("h0",)
         if c.model == "nn":
@@ -1126,9 +1131,27 @@ def torch_modules():
                 x = torch.stack(outs, dim=tdim)
             return x
 
+    class ScriptLengthsLoop(nn.Module):
+        """Scripted loop over a hand-written single-state cell masked by hand with lengths: ``pre``: rows valid
+        at their last ``lengths`` steps, ``t >= T - lengths`` (pre-padded); else ``t < lengths``."""
+
+        def __init__(self, cell, features, hidden, pre=False):
+            super().__init__()
+            self.cell, self.hidden, self.pre = make_cell(cell, features, hidden), hidden, pre
+
+        def forward(self, x, lengths):
+            steps = x.size(0)
+            h = torch.zeros(x.size(1), self.hidden, dtype=x.dtype)
+            outs: list[torch.Tensor] = []
+            for t in range(steps):
+                m = (t >= steps - lengths) if self.pre else (t < lengths)
+                h = torch.where(m.unsqueeze(1), self.cell(x[t], h), h)
+                outs.append(h)
+            return torch.stack(outs), h
+
     _nn_classes.update(CellLoop=CellLoop, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
-                       ScriptBufferLoop=ScriptBufferLoop)
+                       ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop)
     return _nn_classes
 
 
@@ -1146,6 +1169,8 @@ def build_module(c: Case):
         inputs = o.pop("inputs", None)
         if o.pop("collect", None) == "buffer":
             return m["ScriptBufferLoop"](c.features, c.hidden, o.get("extra_rows", 0))
+        if o.pop("lengths", None):
+            return m["ScriptLengthsLoop"](cell, c.features, c.hidden, **o)
         if inputs == "context":
             return m["ScriptContextLoop"](c.features, c.hidden)
         if inputs:

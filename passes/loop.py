@@ -33,7 +33,7 @@ from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
-from .loop_buffers import accumulated, check_buffer_length, row_write
+from .loop_buffers import accumulated, check_buffer_length, grown, row_write
 from .loop_inputs import find_input_map, side_by_side
 from .loop_outputs import last_step_reads, sequence_output
 from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
@@ -54,6 +54,7 @@ class _Carried:
     recurrent: list[int]  # the cell's states (and carried copies of its output)
     seqs: list[int]  # carried sequences (TorchScript SequenceInsert outputs)
     buffers: dict[int, str] = field(default_factory=dict)  # carried buffers written at row i -> the value written
+    grown: dict[int, int] = field(default_factory=dict)  # buffers grown by one row a step instead -> their axis
     accums: dict[int, str] = field(default_factory=dict)  # carried sums of a per-step value -> the value summed
 
 
@@ -98,7 +99,7 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
     if heads:
         add_heads(body, layers, recs, cell_states, heads, state_out, step_in, carried.invariants,
                   set(carried.index_syms))
-    for k in carried.buffers:
+    for k in set(carried.buffers) - set(carried.grown):  # (a grown one has a row a step by construction)
         check_buffer_length(g, loop.input[2 + k], step_in.x_read_source, step_in.x_axis)
     if step_in.lengths is not None:
         attach_length_mask(g, recs, step_in)
@@ -138,6 +139,10 @@ def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
         written = row_write(body, bi, bo, {name for name, start in out.index_syms.items() if start == 0})
         if written is not None:  # outs[i] = y: the per-step values stacked (see loop_buffers)
             out.buffers[k] = written
+            continue
+        grew = grown(g, body, bi, bo, init) if init else None
+        if grew is not None:  # out = cat([out, y[None]]): the per-step values stacked (see loop_buffers)
+            out.buffers[k], out.grown[k] = grew
             continue
         summed = accumulated(body, bi, bo)
         if summed is not None:  # acc = acc + y: the per-step values summed (see loop_buffers)
@@ -358,10 +363,11 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
         start = loop.input[2 + k] if k in carried.accums else ""
         if outer and g.n_uses(outer):
             found = state_output(layers, value, state_keys)
+            bf = carried.grown.get(k) == 1  # (grown along axis 1: batch-first)
             if found is None:
-                heads.append(HeadCandidate(value, outer, accumulate=start))
+                heads.append(HeadCandidate(value, outer, accumulate=start, batch_first=bf))
             else:
-                outs_of[found[0]].append(StepOut(found[1], outer, accumulate=start))
+                outs_of[found[0]].append(StepOut(found[1], outer, accumulate=start, batch_first=bf))
     extra_remove: list[NodeProto] = []
     for k in carried.seqs:
         li, out = sequence_output(g, body, loop, k, layers, extra_remove, state_keys)

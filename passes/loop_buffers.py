@@ -46,6 +46,28 @@ def row_write(body: Graph, buf_in: str, buf_out: str, iteration: set[str]) -> st
     return value
 
 
+def grown(g: Graph, body: Graph, buf_in: str, buf_out: str, init: str) -> tuple[str, int] | None:
+    """``(y, axis)`` when the carried ``buf_in`` starts empty along ``axis`` (0 or 1) and each step appends
+    ``y`` to it there, ``buf_out = Concat([buf_in, Unsqueeze(y, axis)], axis)`` (TorchScript's
+    ``out = torch.cat([out, h.unsqueeze(1)], 1)``), the body reading ``buf_in`` for nothing else; else None.
+    After a loop that runs once per step of x it holds the per-step values stacked along ``axis``."""
+    cat = body.producer.get(buf_out)
+    if cat is None or cat.op_type != "Concat" or len(cat.input) != 2 or cat.input[0] != buf_in:
+        return None
+    axis = attr(cat, "axis", 0)
+    u = body.producer.get(cat.input[1])
+    if axis not in (0, 1) or u is None or u.op_type != "Unsqueeze" or body.uses(cat.input[1]) != [cat]:
+        return None
+    axes = body.const(u.input[1]) if len(u.input) > 1 else np.asarray(attr(u, "axes", []))
+    if axes is None or [int(a) for a in np.ravel(axes)] != [axis]:
+        return None
+    if any(n is not cat and not reads_shape_only(body, n) for n in body.uses(buf_in)):
+        return None
+    if extent_key(g, init, axis) != ("const", 0):  # (empty to begin with: every row is one step's)
+        return None
+    return u.input[0], axis
+
+
 def accumulated(body: Graph, acc_in: str, acc_out: str) -> str | None:
     """The per-step value ``y`` when the carried ``acc_in`` only sums it, ``acc_out = acc_in + y`` (either order),
     and the body reads ``acc_in`` for nothing else and hands ``acc_out`` on as nothing else (so y is not

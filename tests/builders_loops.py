@@ -1189,3 +1189,34 @@ def build_where_elu(form: str) -> onnx.ModelProto:
                               vi("yt", None, H)], body_inits)
     nodes.append(helper.make_node("Loop", ["T", "true", "h0"], ["h_last", "ys"], body=body))
     return _model(nodes, "where_elu", [vi("x", "T", "B", F)], [vi("ys", None, None, H), vi("h_last", None, H)], inits)
+
+
+GROWN_FORMS = ("time_major", "batch_first")
+GROWN_MISSES = ("starts_with_a_row", "prepends")
+
+
+def build_grown_buffer(form: str) -> onnx.ModelProto:
+    """The tanh RNN step over x [T, B, F] whose outputs are collected by growing a carried tensor, ``out =
+    Concat([out, Unsqueeze(h, a)], a)`` from an empty one (TorchScript's ``out = torch.cat([out, h.unsqueeze(1)],
+    1)``): ``time_major`` a = 0 from zeros [0, B, H]; ``batch_first`` a = 1 from zeros [B, 0, H]. Near misses:
+    ``starts_with_a_row`` from zeros [1, B, H] (a row no step wrote); ``prepends`` Concat([h[None], out])."""
+    W, R, b = weights()
+    a = 1 if form == "batch_first" else 0
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("W", W), ("R", R), ("b", b), ("zero", np.array(0.0, np.float32)), ("true", np.array(True)),
+        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)),
+        ("rows0", np.array([1 if form == "starts_with_a_row" else 0], np.int64)))]
+    nodes = _x_sizes() + _zero_state()
+    nodes += [helper.make_node("Concat", ["B1", "rows0", "iH"] if a else ["rows0", "B1", "iH"], ["oshape"], axis=0),
+              helper.make_node("Expand", ["zero", "oshape"], ["out0"])]
+    body_inits = [numpy_helper.from_array(np.array([a], np.int64), "ax")]
+    bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)] + _tanh_step() + [
+        helper.make_node("Unsqueeze", ["hn", "ax"], ["row"]),
+        helper.make_node("Concat", ["row", "out"] if form == "prepends" else ["out", "row"], ["out_n"], axis=a),
+        helper.make_node("Identity", ["cond"], ["cond_out"])]
+    vi = lambda n, *dims: helper.make_tensor_value_info(n, TensorProto.FLOAT, list(dims))  # noqa: E731
+    body = helper.make_graph(bn, "body", _loop_counters() + [vi("h", None, H), vi("out", None, None, H)],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), vi("hn", None, H),
+                              vi("out_n", None, None, H)], body_inits)
+    nodes.append(helper.make_node("Loop", ["T", "true", "h0", "out0"], ["h_last", "ys"], body=body))
+    return _model(nodes, "grown", [vi("x", "T", "B", F)], [vi("ys", None, None, H), vi("h_last", None, H)], inits)

@@ -16,6 +16,8 @@ from builders_loops import (
     TWO_SEQUENCE_FORMS,
     TRACED_READ_FORMS,
     WHERE_ELU_FORMS,
+    GROWN_FORMS,
+    GROWN_MISSES,
     WHERE_ELU_MISSES,
     TRACED_READ_MISSES,
     TWO_SEQUENCE_MISSES,
@@ -49,6 +51,7 @@ from builders_loops import (
     build_batch_sliced,
     build_traced_read,
     build_where_elu,
+    build_grown_buffer,
     build_stacked_loops,
     build_transposed,
     head_reference,
@@ -603,6 +606,25 @@ def test_an_elu_written_with_where_and_exp_is_the_native_elu(form):
 def test_an_elu_like_where_of_another_offset_or_threshold_is_declined(form):
     """``1.3 * exp(a) - 1`` (not alpha times exp(a) - 1), or the comparison a > 1: no elu; declined."""
     _declined(build_where_elu(form))
+
+
+@pytest.mark.parametrize("form", GROWN_FORMS)
+def test_a_tensor_grown_by_a_row_a_step_is_the_stacked_outputs(form):
+    """``out = Concat([out, h[None]], a)`` from an empty tensor (TorchScript's growing ``torch.cat``; was
+    declined as a state no cell reads): the op's Y, time-major or batch-first. Outputs the same at T = 1 and 6."""
+    model = build_grown_buffer(form)
+    fused, report = _fused_once(model, Loop=0, RNN=1)
+    rng = np.random.default_rng(13)
+    for T, B in ((1, 1), (6, 3)):
+        x = rng.standard_normal((T, B, 3)).astype(np.float32)
+        for got, want in zip(session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})):
+            assert_close(got, want, form)
+
+
+@pytest.mark.parametrize("form", GROWN_MISSES)
+def test_a_grown_tensor_with_a_first_row_of_its_own_or_prepended_to_is_declined(form):
+    """Grown from a row of zeros no step wrote, or each step's row put first: declined."""
+    _declined(build_grown_buffer(form))
 
 
 def test_a_float_counter_from_a_whole_number_counts_the_iterations():

@@ -238,6 +238,8 @@ CASES = [
     script("lstmcell_script_cat_bf", "lstm", cat=True, **BF,
            notes="outs.append(h.unsqueeze(1)); torch.cat(outs, 1): ConcatFromSequence(axis=1) of [B, 1, H]"),
     script("lstmcell_script_cat", "lstm", cat=True, notes="outs.append(h.unsqueeze(0)); torch.cat(outs, 0)"),
+    script("lstmcell_script_grown_bf", "lstm", grow=True, **BF,
+           notes="out = torch.cat([out, h.unsqueeze(1)], 1) from torch.zeros(B, 0, H): a carried tensor grown a row a step"),
     script("gru_hand_script_lengths", "gru_hand", lengths=True, notes="h = where(t < lengths, cell, h)"),
     script("rnn_hand_script_lengths_pre", "rnn_hand", lengths=True, pre=True,
            notes="pre-padded by hand: t >= T - lengths, written Neg(lengths) + T in the body"),
@@ -1035,11 +1037,12 @@ def torch_modules():
     class ScriptLSTMLoop(nn.Module):
         """Scripted loop over an nn.LSTMCell; T is the dynamic trip count of an ONNX Loop."""
 
-        def __init__(self, features, hidden, reverse=False, batch_first=False, layers=1, cat=False):
+        def __init__(self, features, hidden, reverse=False, batch_first=False, layers=1, cat=False, grow=False):
             super().__init__()
             self.cells = nn.ModuleList(nn.LSTMCell(features if k == 0 else hidden, hidden) for k in range(layers))
             self.hidden, self.reverse, self.batch_first = hidden, reverse, batch_first
             self.cat = cat  # outs.append(h.unsqueeze(tdim)), then torch.cat(outs, tdim): no stack
+            self.grow = grow  # out = torch.cat([out, h.unsqueeze(tdim)], tdim) from an empty tensor
 
         def forward(self, x):
             tdim = 1 if self.batch_first else 0
@@ -1048,14 +1051,18 @@ def torch_modules():
                 h = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
                 c = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
                 outs: list[torch.Tensor] = []
+                grown = torch.zeros(x.size(1 - tdim), 0, self.hidden) if tdim else torch.zeros(0, x.size(1), self.hidden)
                 for i in range(steps):
                     t = steps - 1 - i if self.reverse else i
                     h, c = cell(x[:, t] if self.batch_first else x[t], (h, c))
+                    if self.grow:
+                        grown = torch.cat([grown, h.unsqueeze(tdim)], tdim)
+                        continue
                     if self.reverse:  # not outs.reverse() after the loop: the exporter silently drops it
                         outs.insert(0, h)
                     else:
                         outs.append(h.unsqueeze(tdim) if self.cat else h)
-                x = torch.cat(outs, dim=tdim) if self.cat else torch.stack(outs, dim=tdim)
+                x = grown if self.grow else torch.cat(outs, dim=tdim) if self.cat else torch.stack(outs, dim=tdim)
             return x
 
     class ScriptPrepLoop(nn.Module):

@@ -238,7 +238,9 @@ class StackOpts:
 
     ``front="scan"`` writes the same step as a ``Scan`` body (x scanned, no iteration number), optionally
     ``masked`` (a scanned [T, B] bool: every cell keeps its h where it is false, the output is zero there) and
-    ``reverse`` (``scan_input_directions=1``, outputs stacked in processing order)."""
+    ``reverse`` (``scan_input_directions=1``, outputs stacked in processing order); ``reads_kept`` (masked):
+    cell k reads the kept h of the cell below, ``Where(m, new, old)``, as a jax step written by hand does
+    (``miss="kept_swapped"``: ``Where(m, old, new)``, the input held where the mask is valid)."""
 
     cells: int = 2
     low_seq: bool = False
@@ -247,10 +249,12 @@ class StackOpts:
     front: str = "loop"
     masked: bool = False
     reverse: bool = False
+    reads_kept: bool = False  # (masked) cell k reads the kept h of the cell below, Where(m, new, old) (jax)
 
     @property
     def name(self) -> str:
-        opts = [self.front if self.front != "loop" else ""] + ["masked" if self.masked else "", "rev" if self.reverse else ""]
+        opts = [self.front if self.front != "loop" else ""] + ["masked" if self.masked else "", "rev" if self.reverse else "",
+                                                               "kept" if self.reads_kept else ""]
         return "-".join([f"cells{self.cells}"] + [s for s in opts if s] + (["lowseq"] if self.low_seq else [])
                         + (["mixed"] if self.mixed else []) + ([self.miss] if self.miss else []))
 
@@ -285,6 +289,10 @@ def build_stack(o: StackOpts) -> onnx.ModelProto:
             bn.append(helper.make_node("Concat", ["u0", "hn0"], ["u1"], axis=1))
         elif k == 1 and o.miss == "old":
             u = "h0s"
+        elif k > 0 and o.reads_kept:  # the kept h of the cell below, Where(m, new, old), as a jax step writes it
+            new_old = [f"hn{k - 1}", f"h{k - 1}s"][::-1 if o.miss == "kept_swapped" else 1]  # (a near miss: swapped)
+            bn += [helper.make_node("Where", ["mu", *new_old], [f"hk{k - 1}"]),
+                   helper.make_node("Identity", [f"hk{k - 1}"], [u])]
         elif k > 0:
             bn.append(helper.make_node("Identity", [f"hn{k - 1}"], [u]))
         bn += [helper.make_node("MatMul", [u, f"W{k}"], [f"xw{k}"]),
@@ -324,8 +332,9 @@ def build_stack(o: StackOpts) -> onnx.ModelProto:
 def _stack_scan(o: StackOpts, nodes: list, inits: list, bn: list, body_inits: list, top: str) -> onnx.ModelProto:
     """The stacked step (its nodes after the read of x_t, ``u0``) as a Scan body."""
     states = []
+    made = {n.output[0] for n in bn}
     for k in range(o.cells):
-        if o.masked:  # h kept where the mask is false
+        if o.masked and f"hk{k}" not in made:  # h kept where the mask is false
             bn.append(helper.make_node("Where", ["mu", f"hn{k}", f"h{k}s"], [f"hk{k}"]))
         states.append(f"hk{k}" if o.masked else f"hn{k}")
     ys = [top] + (["hn0"] if o.low_seq else [])
@@ -396,8 +405,11 @@ STACK_MISSES = [StackOpts(2, miss="skip"), StackOpts(2, miss="old"), StackOpts(2
 SCAN_STACK_FORMS = [StackOpts(2, front="scan"), StackOpts(3, front="scan", low_seq=True),
                     StackOpts(2, front="scan", masked=True), StackOpts(3, front="scan", masked=True, low_seq=True),
                     StackOpts(2, front="scan", reverse=True), StackOpts(2, front="scan", masked=True, reverse=True),
-                    StackOpts(3, front="scan", mixed=True), StackOpts(2, front="scan", reverse=True, mixed=True)]
-SCAN_STACK_MISSES = [StackOpts(2, front="scan", miss=m) for m in ("skip", "old", "feedback", "mixed_old")]
+                    StackOpts(3, front="scan", mixed=True), StackOpts(2, front="scan", reverse=True, mixed=True),
+                    StackOpts(2, front="scan", masked=True, reads_kept=True),
+                    StackOpts(3, front="scan", masked=True, reverse=True, reads_kept=True, low_seq=True)]
+SCAN_STACK_MISSES = [StackOpts(2, front="scan", miss=m) for m in ("skip", "old", "feedback", "mixed_old")] + [
+    StackOpts(2, front="scan", masked=True, reads_kept=True, miss="kept_swapped")]
 
 
 # --------------------------------------------------------------------------- a head on h inside the step (item 4)

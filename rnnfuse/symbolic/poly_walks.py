@@ -56,6 +56,8 @@ def sources(p: Poly, follow_gated_rows: bool = False) -> set:
                 for s in a.lin.sources():
                     if s[0] in (STATE, STEP_INPUT):
                         out.add(s)
+                    elif s[0] == MASKED_INPUT and len(s) > 5:  # (the input where the mask is valid, a state held
+                        out.add((STEP_INPUT, s[2]))  # elsewhere: the cell below's output, the held state its own)
                     elif s[0] == GATED_ROW:
                         if not follow_gated_rows:
                             out.update(k for k in s[1] if k[0] == STATE)
@@ -102,7 +104,8 @@ def unmask_inputs(p: Poly, mask_sym: str, valid: float) -> Poly:
     is ``valid`` (``a + b*valid == 1``) read as ``x``: what the cell computes at valid steps. Other masked inputs stay."""
 
     def row_key(src):
-        if src[0] == MASKED_INPUT and src[1] == mask_sym and src[3] + src[4] * valid == 1.0:
+        # (a state held at masked steps beside the input, src[5], must be zero where the mask is valid)
+        if src[0] == MASKED_INPUT and src[1] == mask_sym and src[3] + src[4] * valid == 1.0 and src[5:] in ((), (valid,)):
             return (STEP_INPUT, src[2])
         return src
 

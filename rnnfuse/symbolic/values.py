@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import Decline
-from .algebra import (GATED_ROW, MASK, MASKED_INPUT, STEP_INPUT, STEP_INPUT_PART, ZERO_ROW, Act, ConstRef, Lin, LinAtom,
+from .algebra import (GATED_ROW, MASK, MASKED_INPUT, STATE, STEP_INPUT, STEP_INPUT_PART, ZERO_ROW, Act, ConstRef, Lin, LinAtom,
                       Poly, State, StepInput)
 
 
@@ -210,24 +210,42 @@ def as_rows(v: Value) -> ConcatRows:
 def _masked_input(p: Poly) -> tuple | None:
     """The :data:`MASKED_INPUT` key of ``(a + b*m) * x`` (the step input zeroed at masked steps, ``x * m`` or
     ``Where(m, x, 0)``), or None. Whether it is ``x`` where the cell's result is seen is for
-    :func:`rnnfuse.step.analyse` to say, once it knows the mask the states keep."""
+    :func:`rnnfuse.step.analyse` to say, once it knows the mask the states keep.
+
+    Also ``m*x + (1 - m)*S`` for a state S (the cell below's masked new state, ``Where(m, new, h)``, read by a
+    cell stacked on it in the same step): x where m is 1, whatever at masked steps; its key ends with the mask
+    value at which the held part is zero (1.0 here; 0.0 for ``(1 - m)*x + m*S``)."""
     a = b = 0.0
     x = m = None
+    held: dict = {}  # state key -> [coefficient of S, coefficient of m*S]
     for mono, c in p.terms.items():
         inputs = [k for k in mono if k[0] == STEP_INPUT]
         masks = [k for k in mono if k[0] == MASK]
-        if len(inputs) != 1 or len(masks) > 1 or len(mono) != 1 + len(masks) or x not in (None, inputs[0]):
+        states = [k for k in mono if k[0] == STATE]
+        if len(masks) > 1 or len(mono) != len(inputs) + len(masks) + len(states) or len(inputs) + len(states) != 1:
             return None
-        x = inputs[0]
         if masks:
             if m not in (None, masks[0]):
                 return None
-            m, b = masks[0], b + c
+            m = masks[0]
+        if states:
+            held.setdefault(states[0], [0.0, 0.0])[1 if masks else 0] += c
+            continue
+        if x not in (None, inputs[0]):
+            return None
+        x = inputs[0]
+        if masks:
+            b += c
         else:
             a += c
     if x is None or m is None:
         return None
-    return (MASKED_INPUT, m[1], x[1], a, b)
+    if not held:
+        return (MASKED_INPUT, m[1], x[1], a, b)
+    zero_at = {1.0 if cs[0] == -cs[1] else 0.0 if cs[0] == 0.0 else None for cs in held.values()}
+    if len(zero_at) != 1 or None in zero_at:
+        return None
+    return (MASKED_INPUT, m[1], x[1], a, b, zero_at.pop())
 
 
 def weight_of(v: Value, what: str) -> ConstRef:

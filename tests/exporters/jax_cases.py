@@ -158,6 +158,8 @@ CASES = [
     # -- two sequences scanned side by side, (x, x2), the cell reading concatenate([x_t, x2_t]): one op over both
     case("hand_gru_two_seqs", "hand", "gru", second=2),
     case("hand_lstm_two_seqs_dyn_t_o17", "hand", "lstm", second=1, dynamic_time=True, opset=17),
+    # -- two cells a masked step, the upper reading the lower's kept h (where(m, new, h1)): two masked ops
+    case("hand_rnn_stacked_masked_kept", "hand", "rnn_relu", mask=True, stacked_kept=True),
     # -- an activation bound by reference before export: jax's own elu, written with Where, Exp and Sub
     case("hand_rnn_elu_ref", "hand", "rnn_elu_ref"),
     # -- x[:, t] with a traced t (jax2onnx: a transpose of x in the body, the index's negative fix-up, Reshape)
@@ -547,6 +549,25 @@ def build_hand(env: Env, c: Case, seed: int):
 
         return fn, specs
 
+    if c.opts.get("stacked_kept"):  # two tanh cells a masked step, the upper reading the lower's kept h
+        Wx2, Wh2, b2 = _weights(rng, (H, H), (H, H), (H,))
+        specs.append(("mask", ("B", TIME), "bool"))
+
+        def fn(x, mask):
+            def step(carry, inp):
+                xt, mt = inp
+                keep = mt[:, None]
+                h1 = jnp.where(keep, cell(carry[0], xt)[0], carry[0])
+                h2 = jnp.where(keep, tanh(h1 @ Wx2 + carry[1] @ Wh2 + b2), carry[1])
+                return (h1, h2), jnp.where(keep, h2, 0.0)
+
+            with env.original_shape():
+                z = jnp.zeros((x.shape[0], H), jnp.float32)
+            _, ys = jax.lax.scan(step, (z, z), (jnp.swapaxes(x, 0, 1), jnp.swapaxes(mask, 0, 1)))
+            return jnp.swapaxes(ys, 0, 1)
+
+        return fn, specs
+
     if c.masked:
         xmask = c.opts.get("xmask")  # no mask input: the step decides from x_t (padding: every feature 0)
         fmask = c.opts.get("fmask")  # a mask input that is no bool: float32 or int32 0/1, compared in the step
@@ -828,6 +849,8 @@ def expectation(c: Case) -> dict:
                                    "rnn_einsum_t": "RNN", "rnn_big_head": "RNN"}[c.cell]
     if c.cell == "rnn_big_head":
         return {"ops": {op: 1}, "absent": ["Loop", "Scan"], "validated": "probe points"}
+    if c.opts.get("stacked_kept"):  # (and a tanh cell above it)
+        return {"ops": {"RNN": 2}, "absent": ["Loop", "Scan"]}
     if c.model == "bidir":  # the flip outside the loops (Range/Sub/Gather) is seen: one bidirectional op
         return {"ops": {op: 1}, "directions": {op: ["bidirectional"]}, "absent": ["Loop", "Scan"]}
     # an LSTM's c read at one step per row (flax's carry at seq_lengths - 1) is a twin op's Y_c

@@ -39,7 +39,8 @@ from .loop_outputs import last_step_reads, sequence_output
 from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
                          find_derived_mask)
-from .loop_reads import check_step_lengths, check_trip_count, counter_step, counting_offset, length_mask, step_read
+from .loop_lengths import counting_offset, length_mask
+from .loop_reads import check_step_lengths, check_trip_count, counter_step, step_read
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly, weight_ops
 
 

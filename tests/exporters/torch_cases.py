@@ -238,6 +238,10 @@ CASES = [
     script("lstmcell_script_cat_bf", "lstm", cat=True, **BF,
            notes="outs.append(h.unsqueeze(1)); torch.cat(outs, 1): ConcatFromSequence(axis=1) of [B, 1, H]"),
     script("lstmcell_script_cat", "lstm", cat=True, notes="outs.append(h.unsqueeze(0)); torch.cat(outs, 0)"),
+    script("lstmcell_script_rev_range", "lstm", rev_range=1, notes="for t in range(T - 1, -1, -1): outs in processing order"),
+    script("lstmcell_script_rev_range_bf", "lstm", rev_range=1, **BF),
+    script("lstmcell_script_rev_range_skips_last", "lstm", rev_range=2, near_miss=True,
+           notes="range(T - 2, -1, -1): T - 1 iterations, the last step never read"),
     script("lstmcell_script_grown_bf", "lstm", grow=True, **BF,
            notes="out = torch.cat([out, h.unsqueeze(1)], 1) from torch.zeros(B, 0, H): a carried tensor grown a row a step"),
     script("gru_hand_script_lengths", "gru_hand", lengths=True, notes="h = where(t < lengths, cell, h)"),
@@ -691,7 +695,7 @@ def expectation(c: Case) -> dict:
             exp["attrs"] = {"GRU": {"linear_before_reset": 1}}
         return exp
     op = ONNX_OP[c.family if c.model != "keras" else {"LSTM": "lstm", "GRU": "gru", "SimpleRNN": "rnn"}[o["cell"]]]
-    direction = "bidirectional" if o.get("bidir") else "reverse" if o.get("reverse") else "forward"
+    direction = "bidirectional" if o.get("bidir") else "reverse" if o.get("reverse") or o.get("rev_range") else "forward"
     n = o.get("layers", 1)
     exp = {"ops": {op: n}, "absent": ABSENT, "directions": {op: [direction] * n}, "max_cell_ops": 0}
     attrs = {}
@@ -1138,6 +1142,24 @@ def torch_modules():
                 x = torch.stack(outs, dim=tdim)
             return x
 
+    class ScriptRevRangeLoop(nn.Module):
+        """Scripted ``for t in range(T - skip, -1, -1)`` over an nn.LSTMCell, the outputs stacked in processing
+        order (skip 1: every step, backwards; 2: the last step never read, a near miss)."""
+
+        def __init__(self, features, hidden, rev_range=1, batch_first=False, near_miss=False):
+            super().__init__()
+            self.cell, self.hidden, self.skip, self.batch_first = nn.LSTMCell(features, hidden), hidden, rev_range, batch_first
+
+        def forward(self, x):
+            tdim = 1 if self.batch_first else 0
+            h = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
+            c = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(tdim) - self.skip, -1, -1):
+                h, c = self.cell(x[:, t] if self.batch_first else x[t], (h, c))
+                outs.append(h)
+            return torch.stack(outs, dim=tdim)
+
     class ScriptLengthsLoop(nn.Module):
         """Scripted loop over a hand-written single-state cell masked by hand with lengths: ``pre``: rows valid
         at their last ``lengths`` steps, ``t >= T - lengths`` (pre-padded); else ``t < lengths``."""
@@ -1158,7 +1180,8 @@ def torch_modules():
 
     _nn_classes.update(CellLoop=CellLoop, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
-                       ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop)
+                       ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
+                       ScriptRevRangeLoop=ScriptRevRangeLoop)
     return _nn_classes
 
 
@@ -1178,6 +1201,8 @@ def build_module(c: Case):
             return m["ScriptBufferLoop"](c.features, c.hidden, o.get("extra_rows", 0))
         if o.pop("lengths", None):
             return m["ScriptLengthsLoop"](cell, c.features, c.hidden, **o)
+        if o.get("rev_range"):
+            return m["ScriptRevRangeLoop"](c.features, c.hidden, **o)
         if inputs == "context":
             return m["ScriptContextLoop"](c.features, c.hidden)
         if inputs:

@@ -89,7 +89,7 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
     carried = _carried_values(g, body, loop)
     step_in = _step_input(g, body, loop, carried)
     leaves = dict(step_in.leaves)
-    states = _body_leaves(g, body, loop, carried, leaves)
+    states = _body_leaves(g, body, loop, carried, leaves, {step_in.x_read_source, step_in.x_outer})
     state_out = {f"s{k}": body.output_names[1 + k] for k in carried.recurrent}
     layers = split_layers(body, leaves, state_out, step_in.x_atom, fixed_batch(g, step_in.x_outer, step_in.x_axis))
     layer_step_states = cells_first(g, loop, body, layers, states, body_out=1, node_in=2)
@@ -300,7 +300,8 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     return step_in
 
 
-def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leaves: dict) -> dict[str, State]:
+def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leaves: dict,
+                 sequences: set) -> dict[str, State]:
     """Add the symbolic values of the body's other inputs to ``leaves``: a state atom per recurrent value,
     constants for pass-through values, and opaque values for what the cell maths must not read. Returns the
     states by symbol."""
@@ -322,7 +323,8 @@ def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leav
         if fv is not None:
             leaves[bi] = Const(np.array(fv, dtype=np.float32))
         else:
-            leaves[bi] = Opaque(f"loop-carried '{bi}' is computed at runtime (weights not constant?)")
+            leaves[bi] = Opaque(f"the sequence of the per-step input ('{bi}') is read other than at the iteration's step"
+                                if init in sequences else f"loop-carried '{bi}' is computed at runtime (weights not constant?)")
     for name in carried.index_syms:
         leaves.setdefault(name, Opaque("the iteration number is used in the cell maths"))
     leaves[bin_[1]] = Opaque("the loop condition is used in the cell maths")

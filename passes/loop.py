@@ -44,6 +44,10 @@ from .loop_reads import check_step_lengths, check_trip_count, counter_step, step
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly, weight_ops
 
 
+_WHOLE_TYPES = {TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64, TensorProto.UINT8,
+                TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64}  # (a sum of them wraps as Cast(T) + start)
+
+
 @dataclass
 class _Carried:
     """What each carried value of a Loop is (by its position k among the carried values)."""
@@ -394,6 +398,8 @@ def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, st
         if bi in carried.invariants:
             aliases[final] = carried.invariants[bi]
         elif bi in carried.index_syms:
+            if g.model.elem_type(loop.input[2 + k]) not in _WHOLE_TYPES:  # (float16 stops counting at 2048)
+                raise Decline("the final value of a counter that is no integer is used")
             counts.append(CountOutput(final, loop.input[2 + k], step_in.x_outer, step_in.x_axis))
     return aliases, counts
 

@@ -22,7 +22,7 @@ from rnnfuse.graph import Graph, has_subgraph
 from rnnfuse.input_maps import mapped_input, tile_context
 from rnnfuse.row_wise import on_every_step
 from rnnfuse.symbolic import Poly, StepInput, StepInputPart, SymTensor
-from .loop_reads import same_time_length
+from .loop_reads import same_extent, same_time_length
 
 
 @dataclass
@@ -118,8 +118,8 @@ def side_by_side(g: Graph, parts: dict[str, list[str]], axis: int, leaves: dict)
     its columns of that concatenation, so ``x_t @ W1 + x2_t @ W2`` is one input weight ``[W1; W2]``. Returns
     the step input's atom and the sequences after the first. ``parts``: each sequence -> the body tensors
     holding its step. Each must be float [T, B, F] of a static width and provably the first one's time length
-    (a concatenation of different lengths would fail where a loop ran; a Scan requires one length, but
-    validation cannot feed a file that declares two)."""
+    and batch size (a concatenation of different lengths would fail where a loop ran; a Scan requires one
+    length, but validation cannot feed a file that declares two; a batch of 1 broadcasts in the step)."""
     names = list(parts)
     widths = []
     for name in names:
@@ -130,6 +130,8 @@ def side_by_side(g: Graph, parts: dict[str, list[str]], axis: int, leaves: dict)
                           "static width")
         if not same_time_length(g, name, names[0], axis):
             raise Decline(f"the step reads '{name}' beside '{names[0]}', and their time lengths are not provably one")
+        if not same_extent(g, name, names[0], 1 - axis):  # (a batch of 1 broadcast beside x's would run too)
+            raise Decline(f"the step reads '{name}' beside '{names[0]}', and their batch sizes are not provably one")
         widths.append(width)
     total, start = sum(widths), 0
     for name, width in zip(names, widths):

@@ -143,6 +143,11 @@ def same_time_length(g: Graph, data: str, x: str, axis: int) -> bool:
     return _same_time_length(g, _unflipped(g, data, axis), axis, _unflipped(g, x, axis), axis)
 
 
+def same_extent(g: Graph, a: str, b: str, axis: int) -> bool:
+    """Whether ``a`` and ``b`` provably have one extent along ``axis`` (a batch axis, say)."""
+    return _same_time_length(g, a, axis, b, axis)
+
+
 def check_step_lengths(g: Graph, others: set, x: str, x_axis: int, read_forms: set) -> None:
     """Decline a tensor of ``others`` the body reads per step (time-major) whose time length may differ from x's:
     one read from its own end (``-1 - i``) unless its length is provably x's; one read from its start when the

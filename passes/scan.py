@@ -134,7 +134,10 @@ def _scanned_inputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, passed
     if len(floats) > 1:  # sequences scanned side by side: the native op reads them concatenated on features
         x_outer, x_inner, x_dir, x_axis = floats[0]
         x_scanned, x_scanned_axis = x_outer, x_axis
-        x_atom, side = side_by_side(g, {o: [i] for o, i, _, _ in floats}, x_axis, leaves)
+        parts: dict[str, list[str]] = {}
+        for outer, inner, _, _ in floats:  # (one tensor scanned twice is one sequence read by both)
+            parts.setdefault(outer, []).append(inner)
+        x_atom, side = side_by_side(g, parts, x_axis, leaves)
         x_prep = InputPrep(side_by_side=side)
     elif floats:
         x_outer, x_inner, x_dir, x_axis = floats[0]

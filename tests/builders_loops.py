@@ -993,16 +993,17 @@ def build_running_sum(form: str) -> onnx.ModelProto:
                   + ([vi("accs", None, None, A)] if form == "partial_sums" else []), inits)
 
 
-COUNTER_FORMS = ("int64", "int32_from_1", "float", "shape_1", "scaled_by_h")
-COUNTER_MISSES = ("steps_by_2", "runtime_start")
+COUNTER_FORMS = ("int64", "int32_from_1", "shape_1", "scaled_by_h")
+COUNTER_MISSES = ("steps_by_2", "runtime_start", "float")
 
 
 def build_counted_loop(form: str) -> onnx.ModelProto:
     """The tanh RNN step over x [T, B, F] carrying a counter ``t = t + 1`` beside h (a jax carry ``(h, t)``)
     whose final value the graph uses; outputs the stacked h, the last h and the final counter (``scaled_by_h``:
     the last h times the counter, as a mean by hand). Forms: ``int64`` from 0, ``int32_from_1`` int32 from 1,
-    ``float`` float from 0.0, ``shape_1`` int64 [1] from 0. Near misses: ``steps_by_2`` t = t + 2 (no counter of
-    steps: its final value is no state a native op gives); ``runtime_start`` t starts at a graph input."""
+    ``shape_1`` int64 [1] from 0. Near misses: ``steps_by_2`` t = t + 2 (no counter of steps: its final value is
+    no state a native op gives); ``runtime_start`` t starts at a graph input; ``float`` float from 0.0 (a float
+    stops counting where its integers run out: float16 at 2048, float32 at 2**24)."""
     W, R, b = weights()
     dtype = {"int32_from_1": np.int32, "float": np.float32}.get(form, np.int64)
     start = np.array([0] if form == "shape_1" else 1 if form == "int32_from_1" else 0, dtype)
@@ -1038,7 +1039,7 @@ def build_counted_loop(form: str) -> onnx.ModelProto:
 
 
 TWO_SEQUENCE_FORMS = ("sum", "cat", "cat_h_between", "batch_first", "static_T")
-TWO_SEQUENCE_MISSES = ("lengths_apart", "squared", "unknown_width")
+TWO_SEQUENCE_MISSES = ("lengths_apart", "squared", "unknown_width", "batch_apart")
 Z = 2  # the second sequence's features
 
 
@@ -1047,7 +1048,8 @@ def build_two_sequences(form: str, front: str = "loop") -> onnx.ModelProto:
     ``(x, z)``): ``tanh(x_t @ W + z_t @ V + h @ R + b)``. Forms: ``sum`` two matmuls; ``cat`` one matmul of
     ``concat([x_t, z_t])``; ``cat_h_between`` of ``concat([z_t, h, x_t])``; ``batch_first`` both [B, T, .] read
     on axis 1; ``static_T`` both 6 steps long. Near misses: ``lengths_apart`` z declared with a time length of
-    its own (``T2``); ``squared`` the cell reads ``(z_t * z_t) @ V``; ``unknown_width`` z's width is a name.
+    its own (``T2``); ``squared`` the cell reads ``(z_t * z_t) @ V``; ``unknown_width`` z's width is a name;
+    ``batch_apart`` z's batch is a name of its own (N = 1 broadcasts in the step).
     ``front="scan"``: the same step as a Scan body scanning x and z (``reversed``: both backwards;
     ``directions_apart``: z backwards only, a near miss)."""
     W, R, b = weights()
@@ -1066,6 +1068,8 @@ def build_two_sequences(form: str, front: str = "loop") -> onnx.ModelProto:
         z_shape[0] = "T2"
     if form == "unknown_width":
         z_shape[2] = "Zw"
+    if form == "batch_apart":  # (a batch of 1 broadcasts beside x's in the step: the concatenation would not)
+        z_shape[1] = "N"
     nodes = _x_sizes("i1" if bf else "i0", "i0" if bf else "i1") + _zero_state()
     bn = [] if front == "scan" else [helper.make_node("Gather", ["x", "it"], ["xt"], axis=int(bf)),
                                      helper.make_node("Gather", ["z", "it"], ["zt"], axis=int(bf))]

@@ -498,8 +498,9 @@ def test_a_wrong_final_count_fails_validation(monkeypatch):
 
 
 @pytest.mark.parametrize("form", COUNTER_MISSES)
-def test_a_counter_by_two_or_from_a_runtime_start_is_declined(form):
-    """A counter stepping by 2, or one whose start the graph computes at runtime: declined, the model as it was."""
+def test_a_counter_by_two_from_a_runtime_start_or_of_floats_is_declined(form):
+    """A counter stepping by 2, one whose start the graph computes at runtime, or a float one (it stops counting
+    where its type runs out of integers, which no input validation feeds reaches): declined, the model as it was."""
     _declined(build_counted_loop(form))
 
 
@@ -546,9 +547,9 @@ def test_two_scanned_inputs_scanned_apart_or_of_lengths_declared_apart_are_decli
 
 @pytest.mark.parametrize("form", TWO_SEQUENCE_MISSES)
 def test_a_second_sequence_of_another_length_or_read_elementwise_is_declined(form):
-    """The second sequence declared with a time length of its own (a concatenation would fail where the loop
-    ran), read squared before its matmul (no part of the input's affine map), or of a width only named:
-    declined, the model as it was."""
+    """The second sequence declared with a time length or a batch of its own (a concatenation would fail where
+    the loop ran: a batch of 1 broadcasts in the step), read squared before its matmul (no part of the input's
+    affine map), or of a width only named: declined, the model as it was."""
     _declined(build_two_sequences(form))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
+from rnnfuse import op_args
 from rnnfuse.dataflow import reads_shape_only
 from rnnfuse.dims import extent_key, time_keys
 from rnnfuse.errors import Decline
@@ -58,8 +59,7 @@ def grown(g: Graph, body: Graph, buf_in: str, buf_out: str, init: str) -> tuple[
     u = body.producer.get(cat.input[1])
     if axis not in (0, 1) or u is None or u.op_type != "Unsqueeze" or body.uses(cat.input[1]) != [cat]:
         return None
-    axes = body.const(u.input[1]) if len(u.input) > 1 else np.asarray(attr(u, "axes", []))
-    if axes is None or [int(a) for a in np.ravel(axes)] != [axis]:
+    if op_args.axes(u, g.model.opset, op_args.const_reader(body, u)) != [axis]:
         return None
     if any(n is not cat and not reads_shape_only(body, n) for n in body.uses(buf_in)):
         return None

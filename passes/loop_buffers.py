@@ -99,10 +99,10 @@ def _index_is(body: Graph, idx: str, iteration: set[str]) -> bool:
         if p is None:
             return False
         if p.op_type == "Unsqueeze":
-            axes = body.const(p.input[1]) if len(p.input) > 1 else np.asarray(attr(p, "axes", []))
+            axes = op_args.axes(p, body.model.opset, op_args.const_reader(body, p))
             if axes is None:
                 return False
-            added += np.size(axes)
+            added += len(axes)
         elif p.op_type == "Reshape":
             shape = body.const(p.input[1])
             if shape is None or [int(d) for d in np.ravel(shape)] != [1, 1]:

@@ -29,18 +29,14 @@ def last_step_reads(g: Graph, outer: str) -> list[tuple[str, int]]:
                 return []
             out.append((u.output[0], 0))
             continue
-        if u.op_type != "Slice" or u.input[0] != outer or len(u.input) < 4:
+        if u.op_type != "Slice" or u.input[0] != outer:
             return []
-        args = [g.const(i) if i else None for i in list(u.input[1:5]) + [""] * (5 - len(u.input))]
-        starts, ends, axes, steps = args
-        if any(a is None for a in (starts, ends, axes)) or [int(v) for v in axes.ravel()] != [0]:
-            return []
-        if int(starts.ravel()[0]) != -1 or int(ends.ravel()[0]) < 2**31 - 1 or (steps is not None and int(steps.ravel()[0]) != 1):
+        starts, ends, axes, steps = op_args.slice_args_of(g, u)
+        if axes != [0] or starts != [-1] or ends is None or ends[0] < 2**31 - 1 or steps != [1]:
             return []
         sq = g.uses(u.output[0])
         if len(sq) == 1 and sq[0].op_type == "Squeeze" and not g.is_graph_output(u.output[0]):
-            ax = g.const(sq[0].input[1]) if len(sq[0].input) > 1 else np.asarray(attr(sq[0], "axes", []))
-            if ax is not None and [int(v) for v in np.asarray(ax).ravel()] == [0]:
+            if op_args.axes(sq[0], g.model.opset, op_args.const_reader(g, sq[0])) == [0]:
                 out.append((sq[0].output[0], 0))
                 continue
         out.append((u.output[0], 1))

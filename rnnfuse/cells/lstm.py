@@ -5,6 +5,11 @@ of the previous cell state, the output gate ``p ⊙ c'`` of the new one, each wi
 without a peephole has zeros). The matcher reads them from the gate arguments; any other way a gate reads
 the cell state (the output gate reading the old c, a matrix ``c @ P``, a peephole inside the clip) is
 declined with what differed. A native LSTM with ``P`` met inside a step is still declined.
+
+Coupled input and forget gates (CIFG, ``c' = (1 - i)*c + i*g`` or ``f*c + (1 - f)*g``): the gate written as
+one minus the other is, for a sigmoid or a hard sigmoid centred on 0.5, the same activation of the other's
+negated affine map, so an ordinary LSTM computes it with those weights (ONNX's ``input_forget`` would say the
+same, but OpenVINO ignores it: measured, it computes a free forget gate).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ class LstmKind(CellKind):
     def match(self, new, x, states, h, c):
         pc, ph = new[c], new[h]
         hs, cs = states[h], states[c]
-        fc, ig = _forget_and_input_terms(pc, cs)
+        coupled = _coupled_gates(pc, cs)
+        fc, ig, coupled = coupled if coupled else (*_forget_and_input_terms(pc, cs), None)
         h_act_atom, o_atom = _output_factors(ph, pc)
         old_c, new_c = Poly.atom(cs), pc
         peep = {}
@@ -66,11 +72,18 @@ class LstmKind(CellKind):
             check_sources(lin, {x.key, hs.key}, f"LSTM gate {g}")
         acts = (f_act, g_act, (h_act_atom.kind, h_act_atom.params))
         peep = {g: m for g, m in peep.items() if m is not None}
-        return make_spec(self, x, hs, gates, acts, clips.pop(), {"peepholes": peep} if peep else None)
+        extra = {"peepholes": peep} if peep else {}
+        if coupled:
+            extra["coupled"] = coupled
+        return make_spec(self, x, hs, gates, acts, clips.pop(), extra)
 
     def describe_extras(self, spec):
         peep = spec.extra.get("peepholes")
-        return ["peepholes=" + ",".join(g for g in PEEPHOLE_GATES if g in peep)] if peep else []
+        out = ["peepholes=" + ",".join(g for g in PEEPHOLE_GATES if g in peep)] if peep else []
+        coupled = spec.extra.get("coupled")
+        if coupled:
+            out.append("forget gate = 1 - input gate" if coupled == "f" else "input gate = 1 - forget gate")
+        return out
 
     def step_polys(self, spec, x, h, c):
         f_act, g_act, h_act = spec.acts
@@ -82,6 +95,13 @@ class LstmKind(CellKind):
 
         i = activate(f_act, pre("i", c), spec.clip)
         f = activate(f_act, pre("f", c), spec.clip)
+        # coupled gates: the one written as one minus the other is, for the symmetric activations a coupling
+        # is read with, that activation of the other's negated map (see _coupled_gates), which the weights hold
+        coupled = spec.extra.get("coupled")
+        if coupled == "f":
+            f = Poly.const(1.0).sub(i)
+        elif coupled == "i":
+            i = Poly.const(1.0).sub(f)
         g = gate(spec.gates["c"], g_act, spec.clip)
         c_new = f.mul(c).add(i.mul(g))
         o = activate(f_act, pre("o", c_new), spec.clip)
@@ -185,6 +205,55 @@ def _forget_and_input_terms(pc: Poly, cs):
     if fc is None or ig is None:
         raise Decline(f"the cell state update is not f*c + i*g ({pc!r})")
     return fc, ig
+
+
+def _coupled_gates(pc: Poly, cs: State):
+    """A cell whose input and forget gates are coupled (CIFG: ``c' = (1 - i)*c + i*g``, or ``f*c + (1 - f)*g``)
+    read as an ordinary LSTM's ``f*c + i*g``: ``(the forget gate atom, [the input gate, the candidate], which
+    gate is the dependent one: "f" or "i")``, or None when ``pc`` has not that form. The gate written as one minus the other is that other gate's
+    activation of its negated affine map, ``1 - sigmoid(z) = sigmoid(-z)`` (so the native op needs no
+    ``input_forget``, which OpenVINO ignores: measured, it computes a free forget gate).
+    Declined when the gates' activation has no such mirror."""
+    if len(pc.terms) != 3:
+        return None
+    one = {m[0]: coef for m, coef in pc.terms.items() if len(m) == 1}
+    two = {m: coef for m, coef in pc.terms.items() if len(m) == 2}
+    if len(one) != 1 or len(two) != 2 or set(one.values()) != {1.0}:
+        return None
+    (single,) = one
+    with_c = [m for m in two if cs.key in m]
+    without = [m for m in two if cs.key not in m]
+    if len(with_c) != 1 or len(without) != 1:
+        return None
+    (mc,), (mg,) = with_c, without
+    gate_key = next(k for k in mc if k != cs.key)
+    if gate_key not in mg:
+        return None
+    other_key = next((k for k in mg if k != gate_key), None)
+    if other_key is None:
+        return None
+    gate, other = pc.atoms[gate_key], pc.atoms[other_key]
+    if single == cs.key and two[mc] == -1.0 and two[mg] == 1.0:  # c - i*c + i*g: f = 1 - i
+        i_atom, g_atom = gate, other
+        return _mirrored(i_atom, "the forget gate (1 - the input gate)"), [i_atom, g_atom], "f"
+    if single == other_key and two[mc] == 1.0 and two[mg] == -1.0:  # f*c + g - f*g: i = 1 - f
+        return gate, [_mirrored(gate, "the input gate (1 - the forget gate)"), other], "i"
+    return None
+
+
+def _mirrored(gate, what: str) -> Act:
+    """``1 - gate`` as one gate: the same activation of the negated affine map (sigmoid, and a hard sigmoid
+    centred on 0.5, are symmetric: ``1 - a(z) = a(-z)``)."""
+    if not isinstance(gate, Act):
+        raise Decline(f"{what} is not one minus an activation")
+    act, lin, clip = gate_parts(gate, what)
+    name, params = act
+    if not (name == "Sigmoid" or (name == "HardSigmoid" and len(params) == 2 and params[1] == 0.5)):
+        raise Decline(f"{what} is 1 - {act_name(act)}(z), which is no {act_name(act)} of an affine map")
+    arg = Poly.atom(LinAtom(lin.scaled(-1.0)))
+    if clip is not None:  # (a symmetric clip: clip(-z) = -clip(z))
+        arg = Poly.atom(Act("Clip", (-clip, clip), arg))
+    return Act(name, params, arg)
 
 
 def _output_factors(ph: Poly, pc: Poly):

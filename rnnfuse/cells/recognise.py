@@ -4,7 +4,7 @@ One recogniser serves every front end. It reads the cell's maths from the canoni
 :mod:`rnnfuse.symbolic` (so node order, Gemm vs MatMul, Split vs Slice do not matter); each kind's matcher
 extracts the gate weights as exact slices of the model's constants; then the step polynomials are
 *re-derived* from the spec and must be identical to what the graph computes. Anything the spec does not
-capture (an extra term, a peephole, a scaled state, a coupled gate) makes the two differ, and the cell is
+capture (an extra term, a peephole on the wrong cell state, a scaled state) makes the two differ, and the cell is
 declined.
 """
 

@@ -67,6 +67,13 @@ CELLS = {
     "lstm_peephole_i_only": (2, "LSTM", 1, "a peephole on the input gate only (P rows of o and f are zero)"),
     "lstm_peephole_o_oldc": (2, None, "near", "the output gate's peephole reads the previous cell state, not the new one"),
     "lstm_peephole_matrix": (2, None, "near", "a full matrix from c into the input gate (c_prev @ P), not a diagonal peephole"),
+    # (2) one gate written as one minus another: a coupled input-forget gate LSTM (CIFG), ...
+    "lstm_cifg": (2, "LSTM", 2, "CIFG LSTM: c = (1-i)*c + i*g (the forget gate is 1 - the input gate)"),
+    "lstm_cifg_forget": (2, "LSTM", 2, "CIFG LSTM coupled through the forget gate: c = f*c + (1-f)*g"),
+    "lstm_cifg_lerp": (2, "LSTM", 2, "CIFG LSTM written as a lerp: c = c + i*(g - c)"),
+    "lstm_cifg_hardsigmoid": (2, "LSTM", 2, "CIFG LSTM with F.hardsigmoid gates (1 - hs(x) = hs(-x) for beta 0.5)"),
+    "lstm_cifg_hs04": (2, None, "near", "CIFG LSTM with hard_sigmoid(0.3, 0.4) gates: 1 - hs(x) is no hard_sigmoid of -x"),
+    "lstm_cifg_other_gate": (2, None, "near", "c = (1-i)*c + o*g: the candidate is scaled by another gate than the coupled one"),
     # (2) GRU with the update gate the other way round
     "gru_flip": (1, "GRU", 2, "torch GRU formula with h = z*n + (1-z)*h (linear_before_reset=1)"),
     "gru_flip_lbr0": (1, "GRU", 2, "h = z*n + (1-z)*h with the reset gate on the state: U_n(r*h) (linear_before_reset=0)"),
@@ -119,6 +126,8 @@ CELLS = {
 DECLINE_WORDS = {
     "lstm_peephole_o_oldc": ["output gate"],
     "lstm_peephole_matrix": ["state"],
+    "lstm_cifg_hs04": ["forget gate", "hardsigmoid"],
+    "lstm_cifg_other_gate": ["cell state update"],
     "gru_update_both": ["update"],
     "gru_flip_hs04": ["update", "hardsigmoid"],
     "gru_update_other_gate": ["update"],
@@ -134,6 +143,7 @@ DECLINE_WORDS = {
 # ONNX attributes a fused case must carry (checked on every native op of the case's kind)
 EXPECT_ATTRS = {
     "gru_flip": {"linear_before_reset": 1},
+    "lstm_cifg_hardsigmoid": {"activations": ["HardSigmoid", "Tanh", "Tanh"]},
     "gru_flip_lbr0": {"linear_before_reset": 0},
     "gru_flip_lerp": {"linear_before_reset": 1},
     "gru_flip_hardsigmoid": {"linear_before_reset": 1, "activations": ["HardSigmoid", "Tanh"]},
@@ -328,6 +338,28 @@ def torch_classes():
                 return self.act(self.gate, ao) * torch.clamp(0.3 * fc + 0.5 * ig + 0.4, 0.0, 1.0), c2
             return self.act(self.gate, ao) * self.act(self.out, c2), c2
 
+    class LSTMCoupled(Cell):
+        """A coupled input-forget gate LSTM: three gates (i or f, g, o), the missing one one minus the other."""
+
+        def __init__(self, fi: int, h: int, form: str = "input", gate: str = "sigmoid"):
+            super().__init__()
+            self.ih, self.hh = lin(fi, 3 * h), lin(h, 3 * h)
+            self.form, self.gate = form, gate
+
+        def forward(self, x, state: tuple[torch.Tensor, torch.Tensor]):
+            h, c = state
+            a, ag, ao = (self.ih(x) + self.hh(h)).chunk(3, -1)
+            k, g, o = self.act(self.gate, a), torch.tanh(ag), self.act(self.gate, ao)
+            if self.form == "forget":  # k is the forget gate
+                c2 = k * c + (1 - k) * g
+            elif self.form == "lerp":
+                c2 = c + k * (g - c)
+            elif self.form == "other":  # near miss: the candidate scaled by o, not by the coupled gate
+                c2 = (1 - k) * c + o * g
+            else:
+                c2 = (1 - k) * c + k * g
+            return o * torch.tanh(c2), c2
+
     class GRUVariant(Cell):
         """torch's r, z, n chunks; ``update`` says how z combines n and h."""
 
@@ -439,6 +471,12 @@ def torch_classes():
             "lstm_peephole_i_only": lambda: LSTMPeephole(fi, h, gates="i"),
             "lstm_peephole_o_oldc": lambda: LSTMPeephole(fi, h, o_old=True),
             "lstm_peephole_matrix": lambda: LSTMPeepMatrix(fi, h),
+            "lstm_cifg": lambda: LSTMCoupled(fi, h),
+            "lstm_cifg_forget": lambda: LSTMCoupled(fi, h, form="forget"),
+            "lstm_cifg_lerp": lambda: LSTMCoupled(fi, h, form="lerp"),
+            "lstm_cifg_hardsigmoid": lambda: LSTMCoupled(fi, h, gate="hardsigmoid"),
+            "lstm_cifg_hs04": lambda: LSTMCoupled(fi, h, gate="hs34"),
+            "lstm_cifg_other_gate": lambda: LSTMCoupled(fi, h, form="other"),
             "gru_flip": lambda: GRUVariant(fi, h),
             "gru_flip_lbr0": lambda: GRUVariant(fi, h, lbr=False),
             "gru_flip_lerp": lambda: GRUVariant(fi, h, update="lerp"),

@@ -34,6 +34,7 @@ from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_buffers import accumulated, check_buffer_length, grown, row_write
+from .loop_writes import ScatteredWrite, scattered_write, write_axis
 from .loop_inputs import find_input_map, side_by_side
 from .loop_outputs import last_step_reads, sequence_output
 from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
@@ -60,6 +61,7 @@ class _Carried:
     seqs: list[int]  # carried sequences (TorchScript SequenceInsert outputs)
     buffers: dict[int, str] = field(default_factory=dict)  # carried buffers written at row i -> the value written
     grown: dict[int, int] = field(default_factory=dict)  # buffers grown by one row a step instead -> their axis
+    scattered: dict[int, ScatteredWrite] = field(default_factory=dict)  # buffers written by index arithmetic
     accums: dict[int, str] = field(default_factory=dict)  # carried sums of a per-step value -> the value summed
 
 
@@ -97,7 +99,8 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
     state_out = {f"s{k}": body.output_names[1 + k] for k in carried.recurrent}
     layers = split_layers(body, leaves, state_out, step_in.x_atom, fixed_batch(g, step_in.x_outer, step_in.x_axis))
     layer_step_states = cells_first(g, loop, body, layers, states, body_out=1, node_in=2)
-    outs_of, last_of, heads, extra_remove = _per_step_outputs(g, body, loop, carried, layers, state_out, far)
+    outs_of, last_of, heads, extra_remove = _per_step_outputs(g, body, loop, carried, layers, state_out, far,
+                                                              fixed_batch(g, step_in.x_outer, step_in.x_axis))
     aliases, counts = _final_aliases(g, body, loop, carried, step_in)
     recs, cell_states = _layer_recurrences(loop, layers, layer_step_states, states, outs_of, last_of, extra_remove,
                                            step_in)
@@ -105,7 +108,8 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
         add_heads(body, layers, recs, cell_states, heads, state_out, step_in, carried.invariants,
                   set(carried.index_syms))
     for k in set(carried.buffers) - set(carried.grown):  # (a grown one has a row a step by construction)
-        check_buffer_length(g, loop.input[2 + k], step_in.x_read_source, step_in.x_axis)
+        axis = carried.scattered[k].axis if k in carried.scattered else 0
+        check_buffer_length(g, loop.input[2 + k], step_in.x_read_source, step_in.x_axis, axis)
     if step_in.lengths is not None:
         attach_length_mask(g, recs, step_in)
     if step_in.derived is not None:
@@ -141,9 +145,14 @@ def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
         if prod is not None and prod.op_type == "SequenceEmpty":
             out.seqs.append(k)
             continue
-        written = row_write(body, bi, bo, {name for name, start in out.index_syms.items() if start == 0})
+        iteration = {name for name, start in out.index_syms.items() if start == 0}
+        written = row_write(body, bi, bo, iteration)
         if written is not None:  # outs[i] = y: the per-step values stacked (see loop_buffers)
             out.buffers[k] = written
+            continue
+        scattered = scattered_write(body, bi, bo, iteration)
+        if scattered is not None:  # ys.at[:, i].set(y): the per-step values stacked (see loop_writes)
+            out.buffers[k], out.scattered[k] = scattered.value, scattered
             continue
         grew = grown(g, body, bi, bo, init) if init else None
         if grew is not None:  # out = cat([out, y[None]]): the per-step values stacked (see loop_buffers)
@@ -340,10 +349,11 @@ def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leav
 
 
 def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, layers: list,
-                      state_out: dict[str, str], far: FarOutputs):
+                      state_out: dict[str, str], far: FarOutputs, batch: int | None):
     """The used per-step outputs, by layer: stacked ones (``outs_of``), ones read only at their last step
     (``last_of``: (poly, outer, [(tensor, lead)])), outputs that are no state of the step (``heads``: perhaps
-    a head on a new h), and the carried sequences' stacking nodes to remove."""
+    a head on a new h), and the carried sequences' stacking nodes to remove. ``batch``: the batch size the
+    model fixes, if any."""
     bout = body.output_names
     n_carried = carried.n
     outs_of: dict[int, list[StepOut]] = {i: [] for i in range(len(layers))}
@@ -371,6 +381,13 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
         if outer and g.n_uses(outer):
             found = state_output(layers, value, state_keys)
             bf = carried.grown.get(k) == 1  # (grown along axis 1: batch-first)
+            if k in carried.scattered:  # (its placement read by running it, at the state's width)
+                if found is None or found[1].ncols is None:
+                    raise Decline("an output buffer written by index arithmetic with a value that is no state of "
+                                  "the step")
+                trip = g.const(loop.input[0]) if loop.input[0] else None
+                bf = write_axis(g, carried.scattered[k], found[1].ncols, batch,
+                                int(trip) if trip is not None and np.size(trip) == 1 else None) == 1
             if found is None:
                 heads.append(HeadCandidate(value, outer, accumulate=start, batch_first=bf))
             else:

@@ -114,8 +114,9 @@ def _index_is(body: Graph, idx: str, iteration: set[str]) -> bool:
     return False
 
 
-def check_buffer_length(g: Graph, init: str, x: str, time_axis: int) -> None:
-    """Decline unless the buffer ``init`` has one row per time step of ``x`` (a loop over T steps fills T rows:
-    a longer buffer keeps rows no native output holds, and a fixed length need not be T for every input)."""
-    if extent_key(g, init, 0) not in time_keys(g, x, time_axis):
+def check_buffer_length(g: Graph, init: str, x: str, time_axis: int, axis: int = 0) -> None:
+    """Decline unless the buffer ``init`` has one row per time step of ``x`` along its ``axis`` (a loop over T
+    steps fills T rows: a longer buffer keeps rows no native output holds, and a fixed length need not be T
+    for every input)."""
+    if extent_key(g, init, axis) not in time_keys(g, x, time_axis):
         raise Decline("an output buffer whose length is not the number of time steps")

@@ -1236,3 +1236,55 @@ def build_grown_buffer(form: str) -> onnx.ModelProto:
                               vi("out_n", None, None, H)], body_inits)
     nodes.append(helper.make_node("Loop", ["T", "true", "h0", "out0"], ["h_last", "ys"], body=body))
     return _model(nodes, "grown", [vi("x", "T", "B", F)], [vi("ys", None, None, H), vi("h_last", None, H)], inits)
+
+
+def build_scattered_buffer(form: str) -> onnx.ModelProto:
+    """The tanh RNN step over x [T, B, F] writing each step's h into a batch-first buffer ``outs`` (zeros [B, T,
+    H]) by one ScatterND over an index grid built from the iteration number and the buffer's shape: ``idx =
+    Concat([Range(0, B)[:, None], Expand(i, [B, 1])], 1)`` ([B, 2]: row b, slot i), the updates h itself
+    (``outs[:, i] = h``). Near misses: ``reversed`` the slot is T - 1 - i (read from the buffer's shape);
+    ``data_index`` the slot is ArgMax of h's first row (computed from a value, not from i); ``adds`` the
+    ScatterND adds h to the slot (reduction add); ``scaled`` the updates are 2 * h (a value no state holds)."""
+    W, R, b = weights()
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("W", W), ("R", R), ("b", b), ("zero", np.array(0.0, np.float32)), ("true", np.array(True)),
+        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)))]
+    nodes = _x_sizes() + _zero_state() + [helper.make_node("Concat", ["B1", "T1", "iH"], ["oshape"], axis=0),
+                                          helper.make_node("Expand", ["zero", "oshape"], ["outs0"])]
+    body_inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("s0", np.array(0, np.int64)), ("s1", np.array(1, np.int64)), ("a0", np.array([0], np.int64)),
+        ("a1", np.array([1], np.int64)), ("one1", np.array([1], np.int64)), ("two", np.array(2.0, np.float32)))]
+    bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)] + _tanh_step() + [
+        helper.make_node("Shape", ["outs"], ["os"]),
+        helper.make_node("Gather", ["os", "s0"], ["Bn"], axis=0),
+        helper.make_node("Range", ["s0", "Bn", "s1"], ["rows"]),
+        helper.make_node("Unsqueeze", ["rows", "a1"], ["rows2"]),
+        helper.make_node("Unsqueeze", ["Bn", "a0"], ["Bn1"]),
+        helper.make_node("Concat", ["Bn1", "one1"], ["colshape"], axis=0)]
+    slot = "it"
+    if form == "reversed":  # T - 1 - i
+        bn += [helper.make_node("Gather", ["os", "s1"], ["Tn"], axis=0), helper.make_node("Sub", ["Tn", "s1"], ["Tm1"]),
+               helper.make_node("Sub", ["Tm1", "it"], ["rev"])]
+        slot = "rev"
+    elif form == "data_index":  # ArgMax of h's first row: a slot in [0, H) read from a value
+        bn += [helper.make_node("Gather", ["hn", "s0"], ["h0row"], axis=0),
+               helper.make_node("ArgMax", ["h0row"], ["am"], axis=0, keepdims=0)]
+        slot = "am"
+    upd = "hn"
+    if form == "scaled":
+        bn.append(helper.make_node("Mul", ["hn", "two"], ["hn2"]))
+        upd = "hn2"
+    bn += [helper.make_node("Unsqueeze", [slot, "a0"], ["slot1"]),
+           helper.make_node("Unsqueeze", ["slot1", "a0"], ["slot2"]),
+           helper.make_node("Expand", ["slot2", "colshape"], ["col"]),
+           helper.make_node("Concat", ["rows2", "col"], ["idx"], axis=1),
+           helper.make_node("ScatterND", ["outs", "idx", upd], ["outs_next"],
+                            **({"reduction": "add"} if form == "adds" else {})),
+           helper.make_node("Identity", ["cond"], ["cond_out"])]
+    vi = lambda n, *dims: helper.make_tensor_value_info(n, TensorProto.FLOAT, list(dims))  # noqa: E731
+    body = helper.make_graph(bn, "body", _loop_counters() + [vi("h", None, H), vi("outs", None, None, H)],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), vi("hn", None, H),
+                              vi("outs_next", None, None, H)], body_inits)
+    nodes.append(helper.make_node("Loop", ["T", "true", "h0", "outs0"], ["h_last", "ys"], body=body))
+    return _model(nodes, "scattered", [vi("x", "T", "B", F)], [vi("ys", "B", "T", H), vi("h_last", "B", H)], inits,
+                  opset=18)

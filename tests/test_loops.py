@@ -52,6 +52,7 @@ from builders_loops import (
     build_traced_read,
     build_where_elu,
     build_grown_buffer,
+    build_scattered_buffer,
     build_stacked_loops,
     build_transposed,
     head_reference,
@@ -331,11 +332,35 @@ def test_outputs_written_into_a_carried_buffer_fused():
     _same_outputs("buffer", model, fused, runs)
 
 
-@pytest.mark.parametrize("miss,reason", [("reads_previous", "the iteration number is used"),
+@pytest.mark.parametrize("miss,reason", [("reads_previous", "buffer read inside the step"),
                                          ("row_shifted", "")])
 def test_buffer_near_misses_declined(miss, reason):
     """A buffer the step reads for its values, or written a row off: no per-step output of a native op."""
     _declined(build_buffer_loop(miss), reason)
+
+
+def test_buffer_written_through_an_index_grid_fused():
+    """``outs[:, i] = h`` written by one ScatterND over an index grid computed from i and the buffer's shape
+    (jax2onnx's ``ys.at[:, t].set(h)``, TorchScript's ``outs[:, t, :] = h``): read by running the write, the
+    buffer after the loop is the native op's Y batch-first; any T and batch."""
+    model = build_scattered_buffer("batch_first")
+    fused, report = _fused_once(model, Loop=0, ScatterND=0, RNN=1)
+    rng = np.random.default_rng(8)
+    runs = []
+    for T_, B_ in ((1, 1), (5, 3), (8, 2)):
+        x = rng.standard_normal((T_, B_, 3)).astype(np.float32)
+        ys, h_last = reference(LoopOpts(), x)
+        runs.append(({"x": x}, [np.transpose(ys, (1, 0, 2)), h_last]))
+    _same_outputs("scattered", model, fused, runs)
+
+
+@pytest.mark.parametrize("form,reason", [("reversed", "iteration's slot"), ("data_index", "slots the iteration"),
+                                         ("adds", "slots the iteration"),
+                                         ("scaled", "no state of the step")])
+def test_scattered_buffer_near_misses_declined(form, reason):
+    """A grid write at another slot than the iteration's, at a slot computed from a value, one that adds, or
+    one writing a value no state holds: declined, the model as it was."""
+    _declined(build_scattered_buffer(form), reason)
 
 
 def test_a_head_too_deep_to_read_symbolically_is_replayed():

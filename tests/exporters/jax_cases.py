@@ -169,6 +169,14 @@ CASES = [
     case("pyfor_gru_static_batch", "pyfor", "gru", static_batch=3,
          notes="the unrolled steps read Slice(x, [0, t, 0], [3, t + 1, 3]): every axis named"),
     case("fori_gru_static_batch1_o17", "fori", "gru", static_batch=1, opset=17),
+    # -- a fori_loop filling a preallocated buffer: one ScatterND over a grid of indices built from t and shapes
+    case("fori_rnn_buffer_at_tm", "fori", "rnn", buffer="at_tm", notes="ys = ys.at[t].set(h) on a [T, B, H] buffer"),
+    case("fori_gru_buffer_at_bf", "fori", "gru", buffer="at_bf", notes="ys = ys.at[:, t].set(h) on a [B, T, H] buffer"),
+    case("fori_gru_buffer_dus_o17", "fori", "gru", buffer="dus", opset=17,
+         notes="ys = lax.dynamic_update_slice(ys, h[:, None], (0, t, 0)) on a [B, T, H] buffer"),
+    case("fori_rnn_buffer_static_batch", "fori", "rnn", buffer="at_bf", static_batch=3),
+    case("near_fori_buffer_next_slot", "fori", "rnn", buffer="next", declined="iteration's slot",
+         notes="ys.at[:, (t + 1) % T].set(h): every slot written, each one step late"),
     # -- a step counter carried beside the cell, (h, t + 1), its final value used: start plus the steps
     case("hand_lstm_counter", "hand", "lstm", counter=True, notes="returns ys and h_last * t_final (a mean by hand)"),
     case("hand_rnn_counter_dyn_t_o17", "hand", "rnn_relu", counter=True, dynamic_time=True, opset=17),
@@ -747,6 +755,30 @@ def build_fori(env: Env, c: Case, seed: int):
             return jax.lax.fori_loop(0, TIME, body, (h0, x, lengths))[0]
 
         return fn, [("x", ("B", TIME, F), "float32"), ("lengths", ("B",), "int32")]
+
+    buffer = c.opts.get("buffer")
+    if buffer:  # the states written into a preallocated buffer, returned with the last one
+        def write(ys, t, h):
+            if buffer == "at_tm":
+                return ys.at[t].set(h)
+            if buffer == "dus":
+                return jax.lax.dynamic_update_slice(ys, h[:, None], (0, t, 0))
+            return ys.at[:, (t + 1) % TIME if buffer == "next" else t].set(h)
+
+        def fn(x):
+            with env.original_shape():
+                h0 = jnp.zeros((x.shape[0], H), jnp.float32)
+                ys0 = jnp.zeros((TIME, x.shape[0], H) if buffer == "at_tm" else (x.shape[0], TIME, H), jnp.float32)
+
+            def body(t, carry):
+                h, ys, xs = carry
+                h = cell(h, jax.lax.dynamic_index_in_dim(xs, t, axis=1, keepdims=False))
+                return h, write(ys, t, h), xs
+
+            h, ys, _ = jax.lax.fori_loop(0, TIME, body, (h0, ys0, x))
+            return ys, h
+
+        return fn, [("x", ("B", TIME, F), "float32")]
 
     def fn(x):
         with env.original_shape():

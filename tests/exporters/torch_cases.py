@@ -234,6 +234,12 @@ CASES = [
     script("lstmcell_script_output_buffer", "lstm", collect="buffer"),
     script("lstmcell_script_output_buffer_extra_row", "lstm", collect="buffer", extra_rows=1, near_miss=True,
            notes="zeros(T + 1, B, H): the last row is never written (no native output holds it)"),
+    script("lstmcell_script_output_buffer_colon", "lstm", collect="buffer", write="colon",
+           notes="outs[t, :, :] = h: one ScatterND over an index grid of Range + Expand + Concat"),
+    script("lstmcell_script_output_buffer_bf", "lstm", collect="buffer", write="bf",
+           notes="outs = zeros(B, T, H); outs[:, t, :] = h: the grid's time column is t"),
+    script("lstmcell_script_output_buffer_bf_extra_row", "lstm", collect="buffer", write="bf", extra_rows=1,
+           near_miss=True, notes="zeros(B, T + 1, H) written at [:, t, :]: the last slot is never written"),
     script("lstmcell_script_bf", "lstm", **BF, notes="x[:, t] is Slice(x, 0:INT_MAX) + Gather(axis=1) in the body"),
     script("lstmcell_script_cat_bf", "lstm", cat=True, **BF,
            notes="outs.append(h.unsqueeze(1)); torch.cat(outs, 1): ConcatFromSequence(axis=1) of [B, 1, H]"),
@@ -1093,17 +1099,26 @@ def torch_modules():
         """Scripted loop over an nn.LSTMCell writing each step's h into a preallocated buffer: outs[t] = h
         (``extra_rows``: a buffer longer than the loop, whose last rows keep their zeros: a near miss)."""
 
-        def __init__(self, features, hidden, extra_rows=0):
+        def __init__(self, features, hidden, extra_rows=0, write="row"):
             super().__init__()
             self.cell, self.hidden, self.extra_rows = nn.LSTMCell(features, hidden), hidden, extra_rows
+            self.write = write  # "row": outs[t] = h; "colon": outs[t, :, :] = h; "bf": outs[:, t, :] = h ([B, T, H])
 
         def forward(self, x):
             h = torch.zeros(x.size(1), self.hidden)
             c = torch.zeros(x.size(1), self.hidden)
-            outs = torch.zeros(x.size(0) + self.extra_rows, x.size(1), self.hidden)
+            if self.write == "bf":
+                outs = torch.zeros(x.size(1), x.size(0) + self.extra_rows, self.hidden)
+            else:
+                outs = torch.zeros(x.size(0) + self.extra_rows, x.size(1), self.hidden)
             for t in range(x.size(0)):
                 h, c = self.cell(x[t], (h, c))
-                outs[t] = h
+                if self.write == "colon":
+                    outs[t, :, :] = h
+                elif self.write == "bf":
+                    outs[:, t, :] = h
+                else:
+                    outs[t] = h
             return outs
 
     class ScriptContextLoop(nn.Module):
@@ -1198,7 +1213,7 @@ def build_module(c: Case):
     if c.model == "script":
         inputs = o.pop("inputs", None)
         if o.pop("collect", None) == "buffer":
-            return m["ScriptBufferLoop"](c.features, c.hidden, o.get("extra_rows", 0))
+            return m["ScriptBufferLoop"](c.features, c.hidden, o.get("extra_rows", 0), o.get("write", "row"))
         if o.pop("lengths", None):
             return m["ScriptLengthsLoop"](cell, c.features, c.hidden, **o)
         if o.get("rev_range"):

@@ -47,6 +47,12 @@ def root_dim(g: Graph, name: str, axis: int, depth: int = 0) -> tuple[str, int]:
                 return (name, axis)
             name, axis = n.input[0], perm[axis]
             continue
+        if axis >= 0 and rank is not None and n.op_type in _LEADING_FROM_FIRST:
+            inner = _leading_source(g, n, rank, axis)
+            if inner is None:
+                return (name, axis)
+            name = inner
+            continue
         if n.op_type in ("Squeeze", "Unsqueeze") and axis >= 0:
             inner = _unit_axis_source(scope, n, axis)
             if inner is None:
@@ -75,6 +81,29 @@ def root_dim(g: Graph, name: str, axis: int, depth: int = 0) -> tuple[str, int]:
             return (name, axis)
         return (name, axis)
     return (name, axis)
+
+
+# ops whose output takes some axes from one operand alone: a matmul by a matrix its leading axes from the left
+# operand (an input projection x @ W, [T, B, F] @ [F, G]), and a broadcasting op the axes only one operand has
+# (its bias: x @ W + b)
+_LEADING_FROM_FIRST = {"MatMul", "Add", "Sub", "Mul", "Div"}
+
+
+def _leading_source(g: Graph, n: NodeProto, rank: int, axis: int) -> str | None:
+    """The input of ``n`` (output rank ``rank``) whose extent on ``axis`` its output has on that axis, when
+    one input alone gives it; else None."""
+    if len(n.input) != 2:
+        return None
+    ranks = [g.model.rank(i) for i in n.input]
+    if None in ranks:
+        return None
+    if n.op_type == "MatMul":  # ([.., M, K] @ [K, N]: the leading axes and M are the left operand's)
+        return n.input[0] if ranks[1] == 2 and ranks[0] == rank >= 2 and axis < rank - 1 else None
+    full = [i for i, r in zip(n.input, ranks) if r == rank]
+    short = [r for r in ranks if r != rank]
+    if len(full) == 1 and all(axis < rank - r for r in short):
+        return full[0]
+    return None
 
 
 def _trip_count_dim(scope: Graph, loop: NodeProto, name: str) -> tuple[str, int] | None:

@@ -57,14 +57,43 @@ def input_projection(g: Graph, src: str, axis: int = 0) -> Projection | None:
             return None
         bias = bias.reshape(-1)
         p = g.producer.get(a)
-    if p is None or p.op_type != "MatMul":
+    if p is not None and p.op_type == "Einsum":
+        found = _einsum_projection(g, p)
+        if found is None:
+            return None
+        x0, K = found
+    elif p is not None and p.op_type == "MatMul":
+        x0, K = p.input[0], g.const(p.input[1])
+    else:
         return None
-    K = g.const(p.input[1])
-    if K is None or K.ndim != 2 or g.model.rank(p.input[0]) != 3:
+    if K is None or K.ndim != 2 or g.model.rank(x0) != 3:
         return None
     if bias is not None and bias.shape[0] != K.shape[1]:
         return None
-    return Projection(p.input[0], K, bias, time_axis=axis)
+    return Projection(x0, K, bias, time_axis=axis)
+
+
+def _einsum_projection(g: Graph, p) -> tuple[str, np.ndarray] | None:
+    """``(X0, K)`` when Einsum ``p`` is ``X0 @ K`` for a [.., .., F] X0 and a constant matrix (jnp's
+    ``x @ W`` of a 3-D x: ``abc,cd->abd``; ``abc,dc->abd`` reads the weight transposed; either operand first)."""
+    if len(p.input) != 2:
+        return None
+    eq = attr(p, "equation", b"")
+    eq = (eq.decode() if isinstance(eq, bytes) else eq).replace(" ", "")
+    lhs, _, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != 2 or "." in eq:
+        return None
+    k = 1 if len(terms[0]) == 2 else 0  # (the 3-D operand)
+    x_term, w_term = terms[k], terms[1 - k]
+    W = g.const(p.input[1 - k])
+    if W is None or W.ndim != 2 or len(x_term) != 3 or len(set(x_term)) != 3 or len(w_term) != 2 or len(out) != 3:
+        return None
+    a, b, c = x_term
+    d = out[2]
+    if out[:2] != a + b or d in x_term or set(w_term) != {c, d}:
+        return None
+    return p.input[k], (W if w_term == c + d else np.ascontiguousarray(W.T))
 
 
 def projected_leaf(proj: Projection) -> tuple[StepInput, SymTensor]:

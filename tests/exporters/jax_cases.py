@@ -177,6 +177,9 @@ CASES = [
     case("fori_rnn_buffer_static_batch", "fori", "rnn", buffer="at_bf", static_batch=3),
     case("near_fori_buffer_next_slot", "fori", "rnn", buffer="next", declined="iteration's slot",
          notes="ys.at[:, (t + 1) % T].set(h): every slot written, each one step late"),
+    # -- the input projection hoisted out of the scan (x @ W + b, an Einsum to jax2onnx), the step adding h @ U
+    case("hand_lstm_hoisted_proj", "hand", "lstm", hoisted="matmul"),
+    case("hand_lstm_hoisted_proj_einsum_dyn_t_o17", "hand", "lstm", hoisted="einsum", dynamic_time=True, opset=17),
     # -- a step counter carried beside the cell, (h, t + 1), its final value used: start plus the steps
     case("hand_lstm_counter", "hand", "lstm", counter=True, notes="returns ys and h_last * t_final (a mean by hand)"),
     case("hand_rnn_counter_dyn_t_o17", "hand", "rnn_relu", counter=True, dynamic_time=True, opset=17),
@@ -671,6 +674,22 @@ def build_hand(env: Env, c: Case, seed: int):
 
                 _, ys = jax.lax.scan(step, (init(x.shape[0]), jnp.int32(0)), None, length=TIME)
             return jnp.swapaxes(ys, 0, 1)
+
+        return fn, specs
+
+    if c.opts.get("hoisted") and kind == "lstm":  # the input projection computed before the scan, read per step
+        def fn(x):
+            xp = jnp.einsum("btf,fg->btg", x, Wx) + b if c.opts["hoisted"] == "einsum" else x @ Wx + b
+
+            def step(carry, gt):
+                c_, h = carry
+                i, f, g, o = jnp.split(gt + h @ Wh, 4, axis=-1)
+                c_ = sig(f) * c_ + sig(i) * tanh(g)
+                h = sig(o) * tanh(c_)
+                return (c_, h), h
+
+            last, ys = jax.lax.scan(step, init(x.shape[0]), jnp.swapaxes(xp, 0, 1))
+            return jnp.swapaxes(ys, 0, 1), last[1]
 
         return fn, specs
 

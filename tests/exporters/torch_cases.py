@@ -230,6 +230,8 @@ CASES = [
     script("lstmcell_script_embed_per_step", "lstm", inputs="embed", notes="E(tokens[t]): tokens [T, B] int64"),
     script("lstmcell_script_context_concat", "lstm", inputs="context",
            notes="cat([x[t], z]): z a graph input the body reads from the outer scope"),
+    script("lstm_hand_script_hoisted_proj", "lstm", inputs="hoisted",
+           notes="xp = ih(x) before the loop, xp[t] + hh(h) in it: the loop counts x's steps, reads xp's"),
     # ... the outputs written into a preallocated buffer, outs[t] = h: a carried buffer, one ScatterND a step
     script("lstmcell_script_output_buffer", "lstm", collect="buffer"),
     script("lstmcell_script_output_buffer_extra_row", "lstm", collect="buffer", extra_rows=1, near_miss=True,
@@ -1121,6 +1123,26 @@ def torch_modules():
                     outs[t] = h
             return outs
 
+    class ScriptHoistedLoop(nn.Module):
+        """Scripted LSTM loop reading an input projection computed once before it: ``xp = ih(x)``, then per
+        step ``xp[t] + hh(h)`` split into the gates (the loop runs x.size(0) times but reads xp)."""
+
+        def __init__(self, features, hidden):
+            super().__init__()
+            self.ih, self.hh, self.hidden = nn.Linear(features, 4 * hidden), nn.Linear(hidden, 4 * hidden), hidden
+
+        def forward(self, x):
+            xp = self.ih(x)
+            h = torch.zeros(x.size(1), self.hidden)
+            c = torch.zeros(x.size(1), self.hidden)
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                i, f, g, o = (xp[t] + self.hh(h)).chunk(4, 1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+                outs.append(h)
+            return torch.stack(outs, dim=0)
+
     class ScriptContextLoop(nn.Module):
         """Scripted loop over an nn.LSTMCell reading cat([x[t], z]): z [B, C] is captured by the loop body."""
 
@@ -1196,6 +1218,7 @@ def torch_modules():
     _nn_classes.update(CellLoop=CellLoop, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
+                       ScriptHoistedLoop=ScriptHoistedLoop,
                        ScriptRevRangeLoop=ScriptRevRangeLoop)
     return _nn_classes
 
@@ -1220,6 +1243,8 @@ def build_module(c: Case):
             return m["ScriptRevRangeLoop"](c.features, c.hidden, **o)
         if inputs == "context":
             return m["ScriptContextLoop"](c.features, c.hidden)
+        if inputs == "hoisted":
+            return m["ScriptHoistedLoop"](c.features, c.hidden)
         if inputs:
             return m["ScriptPrepLoop"](c.features, c.hidden, inputs)
         if cell == "lstm":

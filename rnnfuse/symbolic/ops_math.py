@@ -35,9 +35,9 @@ def _binary(ev, node, ins):
     pa, pb = elementwise_poly(a), elementwise_poly(b)
     op = node.op_type
     if op == "Add":
-        return [SymTensor(pa.add(pb), lead)]
+        return [SymTensor(_activation_identity(pa.add(pb)), lead)]
     if op == "Sub":
-        return [SymTensor(pa.sub(pb), lead)]
+        return [SymTensor(_activation_identity(pa.sub(pb)), lead)]
     if op == "Mul":
         if pb.is_const():
             return [SymTensor(_scale(pa, pb.const_value()), lead)]
@@ -56,6 +56,30 @@ def _binary(ev, node, ins):
             raise Decline("division by zero")
         return [SymTensor(_scale(pa, 1.0 / pb.const_value()), lead)]
     raise Decline(op)
+
+
+def _activation_identity(p: Poly) -> Poly:
+    """One activation written through another: ``0.5 * tanh(0.5 * z) + 0.5`` is ``sigmoid(z)``, and ``2 *
+    sigmoid(2 * z) - 1`` is ``tanh(z)`` (exact identities; the native op computes the activation itself).
+    Any other sum is left as it is."""
+    if len(p.terms) != 2 or () not in p.terms:
+        return p
+    b = p.terms[()]
+    ((m, coeff),) = [(m, c) for m, c in p.terms.items() if m != ()]
+    if len(m) != 1 or not isinstance(p.atoms[m[0]], Act):
+        return p
+    atom = p.atoms[m[0]]
+    if atom.kind in ("Tanh", "ScaledTanh"):
+        alpha, beta = atom.params if atom.kind == "ScaledTanh" else (1.0, 1.0)
+        if _near(coeff * alpha, 0.5) and _near(b, 0.5):  # 0.5 * tanh(beta * a) + 0.5 = sigmoid(2 * beta * a)
+            return Poly.atom(Act("Sigmoid", (), atom.arg.scale(2.0 * beta)))
+    if atom.kind == "Sigmoid" and _near(coeff, 2.0) and _near(b, -1.0):  # 2 * sigmoid(a) - 1 = tanh(a / 2)
+        return _tanh(atom.arg.scale(0.5))
+    return p
+
+
+def _near(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-7 * abs(b)
 
 
 def _scale(p: Poly, c: float) -> Poly:

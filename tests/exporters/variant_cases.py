@@ -111,6 +111,10 @@ CELLS = {
     "lstm_sigmoid_exp": (2, "LSTM", 5, "LSTM whose gates are written 1/(1 + exp(-a)) (the logistic sigmoid spelled out)"),
     "gru_sigmoid_exp": (1, "GRU", 5, "GRU (torch formula) whose gates are written exp(a)/(1 + exp(a)) and 1/(1 + exp(-a))"),
     "lstm_sigmoid_exp_shift": (2, None, "near", "LSTM gates written 1/(2 + exp(-a)): not a sigmoid"),
+    "lstm_sigmoid_via_tanh": (2, "LSTM", 5, "LSTM whose gates are 0.5*tanh(0.5*a) + 0.5 and whose tanh are 2*sigmoid(2*a) - 1"),
+    "gru_sigmoid_via_tanh": (1, "GRU", 5, "GRU (torch formula) with gates 0.5*tanh(0.5*a) + 0.5, candidate 2*sigmoid(2*a) - 1"),
+    "rnn_tanh_via_sigmoid": (1, "RNN", 5, "Elman RNN whose tanh is written 2*sigmoid(2*a) - 1"),
+    "lstm_sigmoid_via_tanh_off": (2, None, "near", "LSTM gates written 0.5*tanh(0.5*a) + 0.45: not a sigmoid"),
     "lstm_hs_output": (2, "LSTM", 5, "LSTM whose output activation is clamp(0.3*c + 0.4, 0, 1) (hard_sigmoid of the cell state)"),
     "lstm_hs_clip": (2, "LSTM", 5, "LSTM with clamp(0.3*a + 0.4, 0, 1) gates of pre-activations clamped to [-1.5, 1.5]"),
     "gru_hs_candidate": (1, "GRU", 5, "GRU (torch formula) whose candidate is clamp(0.3*(W x + r*(U h + b)) + 0.4, 0, 1)"),
@@ -137,6 +141,7 @@ DECLINE_WORDS = {
     "lstm_clip_cell": ["cell state"],
     "rnn_softplus": ["softplus"],
     "lstm_sigmoid_exp_shift": ["not 1 + exp(q)"],
+    "lstm_sigmoid_via_tanh_off": ["scaledtanh"],
     "lstm_hs_output_uneven": ["output activation"],
 }
 
@@ -163,6 +168,7 @@ EXPECT_ATTRS = {
     "lstm_clip": {"clip": 1.5},
     "gru_clip": {"clip": 1.2},
     "gru_sigmoid_exp": {"linear_before_reset": 1},
+    "gru_sigmoid_via_tanh": {"linear_before_reset": 1},
     "lstm_hs_output": {"activations": ["Sigmoid", "Tanh", "HardSigmoid"]},
     "lstm_hs_clip": {"activations": ["HardSigmoid", "Tanh", "Tanh"], "clip": 1.5},
     "gru_hs_candidate": {"activations": ["Sigmoid", "HardSigmoid"], "linear_before_reset": 1},
@@ -273,6 +279,12 @@ def torch_classes():
                 return 1.0 / (1.0 + torch.exp(-a))
             if kind == "sigexp_ratio":  # (exp(a) stays finite for these weights)
                 return torch.exp(a) / (1.0 + torch.exp(a))
+            if kind == "sig_tanh":  # the logistic sigmoid through tanh
+                return 0.5 * torch.tanh(0.5 * a) + 0.5
+            if kind == "sig_tanh_off":
+                return 0.5 * torch.tanh(0.5 * a) + 0.45
+            if kind == "tanh_sig":  # tanh through the logistic sigmoid
+                return 2.0 * torch.sigmoid(2.0 * a) - 1.0
             if kind == "sigexp_shift":
                 return 1.0 / (2.0 + torch.exp(-a))
             if kind == "thresholded":
@@ -510,6 +522,10 @@ def torch_classes():
             "lstm_sigmoid_exp": lambda: LSTMActs(fi, h, "sigexp", "tanh", "tanh"),
             "gru_sigmoid_exp": lambda: GRUVariant(fi, h, update="torch", gate="sigexp"),
             "lstm_sigmoid_exp_shift": lambda: LSTMActs(fi, h, "sigexp_shift", "tanh", "tanh"),
+            "lstm_sigmoid_via_tanh": lambda: LSTMActs(fi, h, "sig_tanh", "tanh_sig", "tanh_sig"),
+            "gru_sigmoid_via_tanh": lambda: GRUVariant(fi, h, update="torch", gate="sig_tanh", cand="tanh_sig"),
+            "rnn_tanh_via_sigmoid": lambda: Elman(fi, h, "tanh_sig"),
+            "lstm_sigmoid_via_tanh_off": lambda: LSTMActs(fi, h, "sig_tanh_off", "tanh", "tanh"),
             "lstm_hs_output": lambda: LSTMActs(fi, h, "sigmoid", "tanh", "hs34"),
             "lstm_hs_clip": lambda: LSTMActs(fi, h, "hs34", "tanh", "tanh", clip=1.5),
             "gru_hs_candidate": lambda: GRUVariant(fi, h, update="torch", cand="hs34"),

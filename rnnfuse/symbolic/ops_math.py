@@ -197,26 +197,38 @@ def _logistic(num: Poly, den: Poly) -> Poly | None:
 
 
 class _Above(Value):
-    """``x > t`` for a cell value x and a scalar t: only usable as ``Where(x > t, x, 0)`` (ThresholdedRelu)."""
+    """``x > t`` (``strict``) or ``x >= t`` for a cell value x and a scalar t, or (``negated``) its negation
+    (``x <= t``, ``x < t``): only usable as a Where's condition that makes an activation of x (see
+    :func:`_above_where`)."""
 
-    __slots__ = ("poly", "t", "lead")
+    __slots__ = ("poly", "t", "lead", "strict", "negated")
 
-    def __init__(self, poly: Poly, t: float, lead: int):
-        self.poly, self.t, self.lead = poly, t, lead
+    def __init__(self, poly: Poly, t: float, lead: int, strict: bool = True, negated: bool = False):
+        self.poly, self.t, self.lead, self.strict, self.negated = poly, t, lead, strict, negated
 
 
 def _above_where(cond: _Above, pa: Poly, pb: Poly) -> Poly | None:
-    """``Where(x > t, pa, pb)`` as an activation of x: ThresholdedRelu(t) (``x``, ``0``), min(x, 0) (``0``, ``x``:
-    the input jax's elu gives its expm1, which only the negative branch reads), Elu(alpha) (``x``,
-    ``alpha * exp(x) - alpha``, the exp's argument x or min(x, 0)); else None."""
-    x, zero = cond.poly, Poly.const(0.0)
-    if pa.key == x.key and pb.key == zero.key:
-        return Poly.atom(Act("ThresholdedRelu", (cond.t,), x))
-    if cond.t != 0.0:
+    """``Where(x > t, pa, pb)`` (or ``x >= t``) as an activation of x: ThresholdedRelu(t) (``x``, ``0``, strict);
+    the branches meeting at t, so that the comparison's strictness does not matter: max(x, t) (``x``, ``t``),
+    min(x, t) (``t``, ``x``: at t = 0 the input jax's elu gives its expm1, which only the negative branch reads),
+    a clip of x to [lo, hi] (one branch a bound, the other x clipped at the other bound: jax's hard_tanh),
+    LeakyRelu(alpha) (``x``, ``alpha * x``, t = 0), Elu(alpha) (``x``, ``alpha * exp(x) - alpha``, the exp's
+    argument x or min(x, 0), t = 0); else None."""
+    if cond.negated:  # (x <= t is not x > t: the branches swap)
+        pa, pb = pb, pa
+    x, t = cond.poly, cond.t
+    if pa.key == x.key and pb.key == Poly.const(0.0).key and cond.strict:
+        return Poly.atom(Act("ThresholdedRelu", (t,), x))
+    clipped = _where_clip(x, t, pa, pb)
+    if clipped is not None:
+        return clipped
+    if t != 0.0:
         return None
     below = _clip_poly(x, float("-inf"), 0.0)
-    if pa.key == zero.key and pb.key == x.key:
-        return below
+    if pa.key == x.key and pb.terms and set(pb.terms) == set(x.terms) and () not in x.terms:
+        ratios = {pb.terms[m] / c for m, c in x.terms.items()}
+        if len(ratios) == 1 and next(iter(ratios)) != 1.0:  # x above 0, alpha * x below it
+            return Poly.atom(Act("LeakyRelu", (ratios.pop(),), x))
     if pa.key != x.key or len(pb.terms) != 2 or () not in pb.terms:
         return None
     (m, alpha), = ((m, c) for m, c in pb.terms.items() if m != ())
@@ -226,11 +238,42 @@ def _above_where(cond: _Above, pa: Poly, pb: Poly) -> Poly | None:
     return Poly.atom(Act("Elu", (alpha,), x))
 
 
+def _where_clip(x: Poly, t: float, pa: Poly, pb: Poly) -> Poly | None:
+    """``Where(x > t, pa, pb)`` when it is x clipped (both branches equal at x = t): max(x, t), min(x, t), or
+    clip(x, lo, t) / clip(x, t, hi) with the other bound inside the branch that is x."""
+    inf = float("inf")
+    bound = Poly.const(t).key
+    if pa.key == x.key and pb.key == bound:
+        return _clip_poly(x, t, inf)
+    if pa.key == bound and pb.key == x.key:
+        return _clip_poly(x, -inf, t)
+    for branch, other, lo_side in ((pb, pa, False), (pa, pb, True)):
+        sa = branch.single_atom()
+        c = sa[0] if sa and sa[1] == 1.0 and isinstance(sa[0], Act) and sa[0].kind == "Clip" else None
+        if c is None or c.arg.key != x.key or other.key != bound:
+            continue
+        lo, hi = c.params
+        if lo_side and lo == -inf and t <= hi:  # Where(x > t, min(x, hi), t)
+            return _clip_poly(x, t, hi)
+        if not lo_side and hi == inf and lo <= t:  # Where(x > t, t, max(x, lo))
+            return _clip_poly(x, lo, t)
+    return None
+
+
+# comparison op -> (whether the cell value is the first operand, strict, negated) read as x > t / x >= t
+_COMPARISONS = {("Greater", 0): (True, False), ("GreaterOrEqual", 0): (False, False), ("Less", 0): (False, True),
+                ("LessOrEqual", 0): (True, True), ("Greater", 1): (False, True), ("GreaterOrEqual", 1): (True, True),
+                ("Less", 1): (True, False), ("LessOrEqual", 1): (False, False)}
+
+
 def _greater(ev, node, ins):
     a, b = ins
-    if not isinstance(b, Const):
+    k = 1 if isinstance(a, Const) and not isinstance(b, Const) else 0
+    x, t = (a, b) if k == 0 else (b, a)
+    if not isinstance(t, Const):
         raise Decline("a comparison of two cell values")
-    return [_Above(elementwise_poly(a), _scalar(b, "the threshold"), lead_axes(a))]
+    strict, negated = _COMPARISONS[(node.op_type, k)]
+    return [_Above(elementwise_poly(x), _scalar(t, "the threshold"), lead_axes(x), strict, negated)]
 
 
 def _clip_poly(p: Poly, lo: float, hi: float) -> Poly:
@@ -413,7 +456,8 @@ def _where(ev, node, ins):
     if isinstance(cond, _Above):  # Where(x > t, x, 0): ThresholdedRelu(t)(x); Where(x > 0, x, a*(exp(x) - 1)): Elu(a)
         p = _above_where(cond, elementwise_poly(a), elementwise_poly(b))
         if p is None:
-            raise Decline("Where on a comparison of a cell value that is not a thresholded relu or an elu")
+            raise Decline("Where on a comparison of a cell value that is not a thresholded or leaky relu, an elu "
+                          "or a clip")
         return [SymTensor(p, lead_axes(a, b))]
     if not isinstance(cond, BoolMask):
         raise Decline("Where with a condition that is not the step mask")
@@ -452,4 +496,5 @@ for _k in ACTIVATIONS:
 HANDLERS["Abs"] = _abs
 HANDLERS["Exp"] = _exp
 HANDLERS["Reciprocal"] = _reciprocal
-HANDLERS["Greater"] = _greater
+for _k in ("Greater", "GreaterOrEqual", "Less", "LessOrEqual"):
+    HANDLERS[_k] = _greater

@@ -105,6 +105,10 @@ CELLS = {
     "rnn_scaledtanh": (1, "RNN", 5, "Elman RNN with 1.7*tanh(0.6*a) (ScaledTanh)"),
     "rnn_affine": (1, "RNN", 5, "Elman RNN with 0.5*a + 0.1 (Affine)"),
     "rnn_thresholded": (1, "RNN", 5, "Elman RNN with a thresholded relu (a if a > 0.3 else 0)"),
+    "rnn_leaky_where": (1, "RNN", 5, "Elman RNN with a leaky relu written torch.where(a < 0, 0.1*a, a)"),
+    "rnn_hardtanh_where": (1, "RNN", 5, "Elman RNN with a hard tanh written where(a > 1, 1, where(a < -1, -1, a)) (jax's)"),
+    "rnn_leaky_where_off": (1, None, "near", "torch.where(a > 0.5, a, 0.1*a): the branches do not meet at the threshold"),
+    "rnn_clip_where_gap": (1, None, "near", "where(a > 1, 1.2, where(a < -1, -1, a)): a jump at the bound, no clip"),
     "lstm_clip": (2, "LSTM", 5, "LSTM whose four gate pre-activations are clamped to [-1.5, 1.5] (clip=1.5)"),
     "gru_clip": (1, "GRU", 5, "GRU (torch formula) whose gate pre-activations are clamped to [-1.2, 1.2] (clip=1.2)"),
     "lstm_clip_cell": (2, None, "near", "LSTM that clamps the cell state to [-1.5, 1.5], not the gate inputs"),
@@ -141,6 +145,8 @@ DECLINE_WORDS = {
     "lstm_clip_cell": ["cell state"],
     "rnn_softplus": ["softplus"],
     "lstm_sigmoid_exp_shift": ["not 1 + exp(q)"],
+    "rnn_leaky_where_off": ["where"],
+    "rnn_clip_where_gap": ["where"],
     "lstm_sigmoid_via_tanh_off": ["scaledtanh"],
     "lstm_hs_output_uneven": ["output activation"],
 }
@@ -165,6 +171,8 @@ EXPECT_ATTRS = {
     "rnn_scaledtanh": {"activations": ["ScaledTanh"]},
     "rnn_affine": {"activations": ["Affine"]},
     "rnn_thresholded": {"activations": ["ThresholdedRelu"]},
+    "rnn_leaky_where": {"activations": ["LeakyRelu"]},
+    "rnn_hardtanh_where": {"activations": ["Affine"], "clip": 1.0},
     "lstm_clip": {"clip": 1.5},
     "gru_clip": {"clip": 1.2},
     "gru_sigmoid_exp": {"linear_before_reset": 1},
@@ -287,6 +295,14 @@ def torch_classes():
                 return 2.0 * torch.sigmoid(2.0 * a) - 1.0
             if kind == "sigexp_shift":
                 return 1.0 / (2.0 + torch.exp(-a))
+            if kind == "leaky_where":
+                return torch.where(a < 0, 0.1 * a, a)
+            if kind == "leaky_where_off":
+                return torch.where(a > 0.5, a, 0.1 * a)
+            if kind == "hardtanh_where":
+                return torch.where(a > 1.0, torch.ones_like(a), torch.where(a < -1.0, -torch.ones_like(a), a))
+            if kind == "clip_where_gap":
+                return torch.where(a > 1.0, 1.2 * torch.ones_like(a), torch.where(a < -1.0, -torch.ones_like(a), a))
             if kind == "thresholded":
                 return torch.where(a > 0.3, a, torch.zeros_like(a))
             raise ValueError(kind)
@@ -516,6 +532,10 @@ def torch_classes():
             "rnn_scaledtanh": lambda: Elman(fi, h, "scaledtanh"),
             "rnn_affine": lambda: Elman(fi, h, "affine"),
             "rnn_thresholded": lambda: Elman(fi, h, "thresholded"),
+            "rnn_leaky_where": lambda: Elman(fi, h, "leaky_where"),
+            "rnn_hardtanh_where": lambda: Elman(fi, h, "hardtanh_where"),
+            "rnn_leaky_where_off": lambda: Elman(fi, h, "leaky_where_off"),
+            "rnn_clip_where_gap": lambda: Elman(fi, h, "clip_where_gap"),
             "lstm_clip": lambda: LSTMActs(fi, h, "sigmoid", "tanh", "tanh", clip=1.5),
             "gru_clip": lambda: GRUVariant(fi, h, update="torch", clip=1.2),
             "lstm_clip_cell": lambda: LSTMActs(fi, h, "sigmoid", "tanh", "tanh", clip_cell=1.5),

@@ -87,8 +87,8 @@ def input_sizes(name: str, shape: list, dims: dict, batch: int, time: int) -> tu
     (:func:`~rnnfuse.protos.dim_role`), else by its position among this input's symbolic dimensions: the first
     is the batch, the second the time axis -- except that in a rank-3 (or more) input whose first two
     dimensions have exactly one static one, the symbolic one takes the role of its own position (``[2, ?, F]``
-    is a fixed batch with a free time axis, ``[?, 50, F]`` a free batch, batch-first). Any further symbolic
-    dimension is ``OTHER_DIM_SIZE``. ``dims`` (dimension name, or input and position for an unnamed one ->
+    is a fixed batch with a free time axis, ``[?, 50, F]`` a free batch, batch-first, ``[?, F, ?]`` features
+    first: batch, then time). Any further symbolic dimension is ``OTHER_DIM_SIZE``. ``dims`` (dimension name, or input and position for an unnamed one ->
     (size, role)) is shared by the inputs of one run, so one name is one size everywhere."""
     from .protos import dim_role
 
@@ -106,9 +106,11 @@ def input_sizes(name: str, shape: list, dims: dict, batch: int, time: int) -> tu
             if role is None and sym_pos < 2:
                 pos = sym_pos
                 lead = [isinstance(x, int) and x > 0 for x in shape[:2]]
-                if len(shape) >= 3 and lead.count(True) == 1:
+                if len(shape) >= 3 and lead.count(True) == 1 and len(concrete) < 2:
                     pos = len(concrete)
                 role = ("batch", "time")[pos]
+                if role in roles:  # ([?, F, ?], features first: the later one is the other role)
+                    role = next((r for r in ("batch", "time") if r not in roles), None)
             dims[key] = (batch, "batch") if role == "batch" else (time, "time") if role == "time" else (OTHER_DIM_SIZE, None)
         sym_pos += 1
         concrete.append(dims[key][0])

@@ -458,6 +458,10 @@ def test_input_sizes_by_name_then_by_position_in_each_input():
     # one static leading dim: the symbolic one keeps the role of its position
     assert input_sizes("a", [3, None, 5], {}, 2, 7)[0] == [3, 7, 5]
     assert input_sizes("b", [None, 50, 5], {}, 2, 7)[0] == [2, 50, 5]
+    # features first ([B, F, T], a Permute before the recurrence, or a channels-first input beside it): the
+    # second symbolic dim is the time axis (it crashed validation: IndexError)
+    assert input_sizes("c", [None, 5, None], {}, 2, 7) == ([2, 5, 7], ["batch", None, "time"])
+    assert input_sizes("d", [None, 3, None, None], {}, 2, 7)[0] == [2, 3, 7, OTHER_DIM_SIZE]
 
 
 def test_validation_and_benchmarks_size_inputs_alike():

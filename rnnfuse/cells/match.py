@@ -52,7 +52,9 @@ def _act_arg(atom: Act, what: str):
     sa = arg.single_atom()
     if sa and sa[1] == 1.0 and isinstance(sa[0], Act) and sa[0].kind == "Clip":
         lo, hi = sa[0].params
-        if lo != -hi or hi <= 0:
+        # (a relu of z clipped to [lo, hi] with lo <= 0 is the relu of z clipped to [-hi, hi]: Keras'
+        # relu(max_value=3), written Relu, Min and Max)
+        if (lo != -hi or hi <= 0) and not (atom.kind == "Relu" and lo <= 0 < hi):
             raise Decline(f"{what} has an asymmetric clip [{lo:g}, {hi:g}]")
         clip = hi
         arg = sa[0].arg

@@ -59,8 +59,9 @@ def _same(a: Poly, b: Poly) -> bool:
 
 
 def canonical_clips(p: Poly) -> Poly:
-    """One form for what a clip and an activation spell two ways: ``Relu(Clip(a, -c, c))`` is ``Clip(a, 0, c)``
-    (a native op's clip before its Relu; Keras' relu6). (An Affine activation is a polynomial already: see
+    """One form for what a clip and an activation spell two ways: ``Relu(Clip(a, lo, c))`` for any lo <= 0 is
+    ``Clip(a, 0, c)`` (a native op's clip before its Relu, lo = -c; Keras' relu6; its relu(max_value=c), written
+    Relu, Min and Max). (An Affine activation is a polynomial already: see
     :func:`rnnfuse.cells.kind.activate`.)"""
 
     def fn(atom):
@@ -70,7 +71,7 @@ def canonical_clips(p: Poly) -> Poly:
         sa = arg.single_atom()
         inner = sa[0] if sa and sa[1] == 1.0 else None
         clip = inner.params if isinstance(inner, Act) and inner.kind == "Clip" else None
-        if atom.kind == "Relu" and clip is not None and clip[1] > 0 and clip[0] == -clip[1]:
+        if atom.kind == "Relu" and clip is not None and clip[1] > 0 and clip[0] <= 0:  # (any lower bound <= 0)
             return Poly.atom(Act("Clip", (0.0, inner.params[1]), inner.arg))
         return Poly.atom(Act(atom.kind, atom.params, arg))
 

@@ -31,6 +31,8 @@ from .values import (
 
 def _binary(ev, node, ins):
     a, b = ins
+    if node.op_type == "Mul" and isinstance(a, _Indicator) != isinstance(b, _Indicator):
+        return [_indicated(a, b) if isinstance(a, _Indicator) else _indicated(b, a)]
     lead = lead_axes(a, b)
     pa, pb = elementwise_poly(a), elementwise_poly(b)
     op = node.op_type
@@ -400,7 +402,30 @@ def _cast(ev, node, ins):
         if to in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16) and (src is None or src == to):
             return [v]
         raise Decline("a cast of a cell value to another type")
+    if isinstance(v, _Above) and to in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16):
+        return [_Indicator(v)]  # (tf2onnx's float select: Cast(x > t) * a + Cast(Not(x > t)) * b)
     raise Decline("an unsupported cast")
+
+
+class _Indicator(Value):
+    """``Cast(x > t)``: 1 where the comparison holds, else 0; only usable as a factor (see :func:`_indicated`)."""
+
+    __slots__ = ("cond", "lead")
+
+    def __init__(self, cond: _Above):
+        self.cond, self.lead = cond, cond.lead
+
+
+def _indicated(ind: _Indicator, other) -> SymTensor:
+    """``Cast(x > t) * p``: ``Where(x > t, p, 0)``, when that is an activation of x (x times its own step: a
+    thresholded relu) or zero (a zero else-branch of a select); Decline otherwise."""
+    p = elementwise_poly(other)
+    if p.key == Poly.const(0.0).key:
+        return SymTensor(p, lead_axes(other))
+    q = _above_where(ind.cond, p, Poly.const(0.0))
+    if q is None:
+        raise Decline("a step function of a cell value that makes no activation")
+    return SymTensor(q, lead_axes(other))
 
 
 def _is_mask_value(p: Poly) -> bool:
@@ -437,6 +462,8 @@ def _not(ev, node, ins):
     v = ins[0]
     if isinstance(v, BoolMask):
         return [BoolMask(v.sym, not v.neg, v.unit)]
+    if isinstance(v, _Above):
+        return [_Above(v.poly, v.t, v.lead, v.strict, not v.negated)]
     raise Decline("Not of a non-mask value")
 
 

@@ -103,6 +103,7 @@ class Case:
     name: str
     rnns: tuple  # Rnn layers, applied in order
     front: str = "none"  # "none" | "masking" (Masking(0.0)) | "embedding" (mask_zero=True) | "embedding_nomask"
+    # | "permute" (x given features first, [B, F, T], and Permute((2, 1)) before the first layer)
     state_out: bool = False  # last layer has return_state=True; all its outputs are model outputs
     state_in: bool = False  # last layer gets initial_state from extra model inputs h0 (, c0)
     static: bool = False  # batch and time fixed in the input signature
@@ -147,6 +148,11 @@ CASES = [
     case("lstm_state_masked_seq", lstm(), masked=True, state_out=True),
     case("lstm_init_seq", lstm(), state_in=True),
     case("lstm_init_masked_last", lstm(False), masked=True, state_in=True),
+    # relu with arguments: max_value (Relu, Min, Max: a relu clipped at 3) and threshold (a select: ThresholdedRelu)
+    case("rnn_relu_max3_seq", rnn(activation="relu_max3")),
+    case("rnn_relu_threshold1_masked_seq", rnn(activation="relu_threshold1"), masked=True),
+    # x given features first, [B, F, T] (its two symbolic dims apart: validation crashed sizing it)
+    case("gru_features_first_seq", gru(), front="permute"),
     # GRU (reset_after=True is the Keras default; "v1" = reset_after=False)
     case("gru_seq", gru()),
     case("gru_last", gru(False)),
@@ -242,6 +248,7 @@ def describe(c: Case) -> str:
         "masking": ["Masking(0.0)"],
         "embedding": [f"Embedding({VOCAB}, {EMBED_DIM}, mask_zero=True)"],
         "embedding_nomask": [f"Embedding({VOCAB}, {EMBED_DIM})"],
+        "permute": ["x [B, F, T]", "Permute((2, 1))"],
     }[c.front]
     parts = front + [r.describe() for r in c.rnns]
     if c.state_out:
@@ -300,6 +307,8 @@ def input_sets(c: Case, rng: np.random.Generator) -> dict[str, dict[str, np.ndar
             x = rng.standard_normal((batch, TIME, FEATURES)).astype(np.float32)
             x[x == 0] = 0.5  # a real step is never an exact mask value
             x[~keep] = 0.0
+            if c.front == "permute":
+                x = np.ascontiguousarray(x.transpose(0, 2, 1))
         feeds = {"x": x}
         if c.state_in:
             layer = c.rnns[-1]
@@ -325,6 +334,9 @@ def build_model(keras, c: Case, rng: np.random.Generator):
     if c.tokens:
         x = model_input("x", (time_dim,), "int32")
         front = keras.layers.Embedding(VOCAB, EMBED_DIM, mask_zero=c.masked, name="embedding")
+    elif c.front == "permute":
+        x = model_input("x", (FEATURES, time_dim))
+        front = keras.layers.Permute((2, 1), name="permute")
     else:
         x = model_input("x", (time_dim, FEATURES))
         front = keras.layers.Masking(0.0, name="masking") if c.masked else None
@@ -339,7 +351,7 @@ def build_model(keras, c: Case, rng: np.random.Generator):
             return_sequences=spec.seq,
             return_state=last and c.state_out,
             name=name,
-            **dict(spec.opts),
+            **{k: _activation(keras, v) if k == "activation" else v for k, v in spec.opts},
         )
         if spec.merge is not None:
             layer = keras.layers.Bidirectional(layer, merge_mode=spec.merge, name=f"bidirectional{i}")
@@ -359,6 +371,18 @@ def build_model(keras, c: Case, rng: np.random.Generator):
     for w in model.weights:
         w.assign((0.5 * rng.standard_normal(tuple(w.shape))).astype(np.float32))
     return model, specs
+
+
+# activations with arguments, named for the case tables (keras.activations.relu takes both in Keras 3 and tf_keras)
+CUSTOM_ACTIVATIONS = {"relu_max3": dict(max_value=3.0), "relu_threshold1": dict(threshold=1.0)}
+
+
+def _activation(keras, name):
+    """A layer's activation argument: the name, or the relu with arguments it stands for."""
+    if name not in CUSTOM_ACTIVATIONS:
+        return name
+    kwargs = CUSTOM_ACTIVATIONS[name]
+    return lambda x: keras.activations.relu(x, **kwargs)
 
 
 def keras_reference(model, feeds: dict[str, np.ndarray], input_names: list[str]) -> list[np.ndarray]:

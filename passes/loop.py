@@ -219,6 +219,7 @@ class _BodyReads:
     x_parts: dict = field(default_factory=dict)  # tensor read as the step input -> its body read nodes
     x_axis: int | None = None
     mask_outer: str | None = None
+    mask_axis: int = 0
     lengths: object = None
     rows: RowReads | None = None
     forms: set = field(default_factory=set)  # "forward" | "reverse" | "reverse_end"
@@ -248,8 +249,8 @@ def _body_reads(g: Graph, body: Graph, carried: _Carried) -> _BodyReads:
         rank = rank_of(g, data)
         if et == TensorProto.BOOL:
             check_mask_read(g, data, axis, rank, r.mask_outer)
-            r.mask_outer = data
-            r.leaves[n.output[0]] = BoolMask("m", False, rank == 3)
+            r.mask_outer, r.mask_axis = data, axis
+            r.leaves[n.output[0]] = BoolMask("m", False, rank == 3 or n.op_type == "Slice")  # ([B, 1] a row)
         elif rank == 2 and axis == 0 and (r.rows is None or r.rows.source == data):
             # one value a row per step, no bool: what the body may compute its step mask from
             r.rows = r.rows or RowReads(data, set(), [], 1)
@@ -280,8 +281,8 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
         x_outer, x_axis, x_rank, x_reads, x_read_nodes = rows.source, 0, 1, sorted(rows.reads), rows.nodes
     if x_outer is None:
         raise Decline("no per-step input (element i of an invariant tensor) in the body")
-    if mask_outer is not None and x_axis != 0:
-        raise Decline("a batch-first step input with a time-major mask")
+    if mask_outer is not None and x_axis != r.mask_axis:
+        raise Decline("the step input and the mask are read along different time axes")
     side: tuple = ()
     if len(r.x_parts) > 1:  # sequences read side by side: the native op reads them concatenated on features
         x_atom, side = side_by_side(g, {d: [n.output[0] for n in ns] for d, ns in r.x_parts.items()}, x_axis, leaves)
@@ -294,7 +295,8 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     if len(r.forms) > 1:
         raise Decline("the step input and the mask are read in different orders")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
-    check_step_lengths(g, {mask_outer, rows and rows.source} - {None, x_outer}, x_outer, x_axis, r.forms)
+    others = {mask_outer: r.mask_axis, rows and rows.source: 0}
+    check_step_lengths(g, {k: a for k, a in others.items() if k not in (None, x_outer)}, x_outer, x_axis, r.forms)
     if lengths is not None:
         if mask_outer is not None:
             raise Decline("a step reads a mask and computes another from lengths")

@@ -95,11 +95,12 @@ def find_derived_mask(g: Graph, body: Graph, step_in: StepReads, invariants: dic
 
 
 def check_mask_read(g: Graph, data: str, axis: int, rank: int | None, mask_outer: str | None) -> None:
-    """A bool mask read by the body: one, time-major, one value a row."""
+    """A bool mask read by the body: one, along axis 0 or 1 (batch-first, as the step input must be too), one
+    value a row."""
     if mask_outer not in (None, data):
         raise Decline("two different masks are read")
-    if axis != 0:
-        raise Decline("the mask is read along its batch-first time axis")
+    if axis not in (0, 1):
+        raise Decline(f"the mask is read along axis {axis}")
     if rank not in (2, 3):
         raise Decline(f"the mask has rank {rank}")
     if rank == 3 and (g.model.shape(data) or [None] * 3)[2] != 1:

@@ -8,7 +8,7 @@ iteration number", "T - 1 - i" or "[i, i + 1) on axis a" is recognised, not one 
 from __future__ import annotations
 
 import numpy as np
-from onnx import NodeProto
+from onnx import NodeProto, TensorProto
 
 from rnnfuse import op_args
 from rnnfuse.dataflow import rank_of
@@ -148,17 +148,17 @@ def same_extent(g: Graph, a: str, b: str, axis: int) -> bool:
     return _same_time_length(g, a, axis, b, axis)
 
 
-def check_step_lengths(g: Graph, others: set, x: str, x_axis: int, read_forms: set) -> None:
-    """Decline a tensor of ``others`` the body reads per step (time-major) whose time length may differ from x's:
+def check_step_lengths(g: Graph, others: dict[str, int], x: str, x_axis: int, read_forms: set) -> None:
+    """Decline a tensor of ``others`` (-> its time axis) the body reads per step whose time length may differ from x's:
     one read from its own end (``-1 - i``) unless its length is provably x's; one read from its start when the
     file gives the two lengths apart (two numbers, or two names of graph inputs). (A length the file leaves
     unknown, a mask computed from x, say, is left to validation, as before.) ``read_forms``: how the body's
     step reads index time (see :func:`_index_form`)."""
     from_end = "reverse_end" in read_forms
     x = _unflipped(g, x, x_axis)
-    for other in sorted(others):
-        data = _unflipped(g, other, 0)
-        if not _same_time_length(g, data, 0, x, x_axis) and (from_end or _declared_apart(g, data, 0, x, x_axis)):
+    for other, axis in sorted(others.items()):
+        data = _unflipped(g, other, axis)
+        if not _same_time_length(g, data, axis, x, x_axis) and (from_end or _declared_apart(g, data, axis, x, x_axis)):
             raise Decline(f"'{other}' is read per step but its time length is not provably the input's")
 
 
@@ -209,21 +209,25 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
             axis = perm[axis]
         form = _index_form(g, body, n.input[1], index_syms, data, axis)
         return (data, axis, form) if form is not None else None
-    if n.op_type != "Squeeze":
+    kept = n.op_type == "Slice"  # (a [B, T] mask's step kept as a [B, 1] column: TorchScript's pad[:, t:t+1])
+    if n.op_type != "Squeeze" and not kept:
         return None
-    sl = body.producer.get(n.input[0])
+    sl = n if kept else body.producer.get(n.input[0])
     if sl is None or sl.op_type != "Slice" or len(sl.input) < 3:
         return None
     inner = sl.input[0]
-    data = invariant_source(body, inner, invariants)
+    data = invariant_source(body, inner, invariants) or _full_slice_source(g, body, inner, invariants)
     rank = rank_of(g, data) if data is not None else None
-    if data is None or rank is None:
+    if data is None or rank is None or (kept and (rank != 2 or g.model.elem_type(data) != TensorProto.BOOL)):
         return None
-    sq_axes = op_args.axes(n, g.model.opset, op_args.const_reader(body, n))
-    if sq_axes is None or len(sq_axes) != 1:
-        return None
-    axis = sq_axes[0]
-    axis = axis + rank if axis < 0 else axis
+    if kept:
+        axis = None  # (the one axis the Slice takes one element of, below)
+    else:
+        sq_axes = op_args.axes(n, g.model.opset, op_args.const_reader(body, n))
+        if sq_axes is None or len(sq_axes) != 1:
+            return None
+        axis = sq_axes[0]
+        axis = axis + rank if axis < 0 else axis
     starts = terms(body, sl.input[1], index_syms)
     ends = terms(body, sl.input[2], index_syms)
     axes = terms(body, sl.input[3], index_syms) if len(sl.input) > 3 and sl.input[3] else [("c", a) for a in range(len(starts or []))]
@@ -233,6 +237,11 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
     steps = steps if steps is not None else [("c", 1)] * len(starts)
     if any(a[0] != "c" for a in axes) or len(steps) != len(starts):
         return None
+    if kept:
+        stepped = [a + rank if a < 0 else a for (_, a), st in zip(axes, starts) if st == ("i", 0)]
+        if len(stepped) != 1:
+            return None
+        axis = stepped[0]
     seen = set()
     for (_, a), st, en, step in zip(axes, starts, ends, steps):
         a = a + rank if a < 0 else a

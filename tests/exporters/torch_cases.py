@@ -230,6 +230,10 @@ CASES = [
     script("lstmcell_script_embed_per_step", "lstm", inputs="embed", notes="E(tokens[t]): tokens [T, B] int64"),
     script("lstmcell_script_context_concat", "lstm", inputs="context",
            notes="cat([x[t], z]): z a graph input the body reads from the outer scope"),
+    script("lstmcell_script_padding_mask_bf", "lstm", bool_mask="pad", **BF,
+           notes="pad [B, T] bool read as pad[:, t:t+1] (a Slice keeping the column): h = where(p, h, cell)"),
+    script("lstmcell_script_bool_mask_bf", "lstm", bool_mask="valid", **BF,
+           notes="mask [B, T] bool read as mask[:, t].unsqueeze(1): h = where(m, cell, h)"),
     script("lstm_hand_script_hoisted_proj", "lstm", inputs="hoisted",
            notes="xp = ih(x) before the loop, xp[t] + hh(h) in it: the loop counts x's steps, reads xp's"),
     # ... the outputs written into a preallocated buffer, outs[t] = h: a carried buffer, one ScatterND a step
@@ -826,6 +830,8 @@ def input_specs(c: Case) -> list[tuple[str, tuple]]:
         specs.append(("z", ("B", CONTEXT)))
     if c.model == "script" and c.opts.get("lengths"):
         specs.append(("lengths", ("B",)))
+    if c.model == "script" and c.opts.get("bool_mask"):  # [B, T] bool: true at valid steps, or padding ("pad")
+        specs.append(("pad" if c.opts["bool_mask"] == "pad" else "mask_bool", ("B", "T")))
     if c.opts.get("init") in ("given", "linear"):
         names = ("h0", "c0") if c.family == "lstm" else ("h0",)
         if c.model == "nn":
@@ -847,6 +853,10 @@ def make_inputs(specs, batch: int, time_: int, rng: np.random.Generator) -> dict
             keep = np.stack([_keep_row(time_, batch, b) for b in range(batch)])  # [B, T]
             ids = rng.integers(1, VOCAB, size=(batch, time_)) * keep
             feeds[name] = (ids if shape[0] == "B" else ids.T).astype(np.int64)
+            continue
+        if name in ("mask_bool", "pad"):  # bool per step and row, batch-first: valid steps, or their negation
+            keep = np.stack([_keep_row(time_, batch, b) for b in range(batch)])  # [B, T]
+            feeds[name] = keep if name == "mask_bool" else ~keep
             continue
         if name in ("mask", "mask_long"):  # 0/1 per step and row: the rows of zero_padded_steps' patterns
             keep = np.stack([_keep_row(time_, batch, b) for b in range(batch)])  # [B, T]
@@ -1143,6 +1153,31 @@ def torch_modules():
                 outs.append(h)
             return torch.stack(outs, dim=0)
 
+    class ScriptMaskLoop(nn.Module):
+        """Scripted LSTM loop over batch-first x [B, T, F] with a [B, T] bool mask read per step:
+        ``pad[:, t:t+1]`` (a padding mask, true past a row's length: the states kept, the output 0 there) or
+        ``mask[:, t]`` (true at valid steps, unsqueezed: the states kept at the others, the output the kept h)."""
+
+        def __init__(self, features, hidden, form):
+            super().__init__()
+            self.cell, self.hidden, self.pad = nn.LSTMCell(features, hidden), hidden, form == "pad"
+
+        def forward(self, x, mask):
+            h = torch.zeros(x.size(0), self.hidden)
+            c = torch.zeros(x.size(0), self.hidden)
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(1)):
+                h2, c2 = self.cell(x[:, t], (h, c))
+                if self.pad:
+                    p = mask[:, t:t + 1]
+                    h, c = torch.where(p, h, h2), torch.where(p, c, c2)
+                    outs.append(torch.where(p, torch.zeros_like(h2), h2))
+                else:
+                    m = mask[:, t].unsqueeze(1)
+                    h, c = torch.where(m, h2, h), torch.where(m, c2, c)
+                    outs.append(h)
+            return torch.stack(outs, 1)
+
     class ScriptContextLoop(nn.Module):
         """Scripted loop over an nn.LSTMCell reading cat([x[t], z]): z [B, C] is captured by the loop body."""
 
@@ -1218,7 +1253,7 @@ def torch_modules():
     _nn_classes.update(CellLoop=CellLoop, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
-                       ScriptHoistedLoop=ScriptHoistedLoop,
+                       ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop,
                        ScriptRevRangeLoop=ScriptRevRangeLoop)
     return _nn_classes
 
@@ -1245,6 +1280,8 @@ def build_module(c: Case):
             return m["ScriptContextLoop"](c.features, c.hidden)
         if inputs == "hoisted":
             return m["ScriptHoistedLoop"](c.features, c.hidden)
+        if o.get("bool_mask"):
+            return m["ScriptMaskLoop"](c.features, c.hidden, o["bool_mask"])
         if inputs:
             return m["ScriptPrepLoop"](c.features, c.hidden, inputs)
         if cell == "lstm":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, TensorProto, helper
 
-from rnnfuse.graph import Graph
+from rnnfuse.graph import Graph, attr
 from .loop_reads import counter_step, invariant_source
 
 
@@ -86,15 +86,40 @@ def _lengths_operand(body: Graph, name: str, invariants: dict[str, str]) -> tupl
     return None, 1, 0
 
 
-def _shift(body: Graph, name: str, invariants: dict[str, str]) -> int | str | None:
-    """A scalar integer constant, or the outer name of a loop-invariant scalar that is no constant; else None."""
+def _shift(body: Graph, name: str, invariants: dict[str, str]) -> int | str | tuple | None:
+    """A scalar integer constant, the outer name of a loop-invariant scalar that is no constant, or ``("dim",
+    D, k)``: an outer tensor D's extent on axis k, which the body reads itself (jax2onnx's ``T - lengths`` with
+    T from the scanned tensor's shape); else None."""
     c = body.const(name)
     if c is not None:
         return int(np.ravel(c)[0]) if np.size(c) == 1 and np.asarray(c).dtype.kind in "iu" else None
     outer = invariant_source(body, name, invariants)
     shape = body.model.shape(outer) if outer is not None else None
     scalar = shape is not None and all(isinstance(d, int) for d in shape) and int(np.prod(shape or [1])) == 1
-    return outer if scalar else None
+    return outer if scalar else _outer_extent(body, name)
+
+
+def _outer_extent(body: Graph, name: str) -> tuple | None:
+    """``("dim", D, k)`` when ``name`` is ``Gather(Shape(D), k)`` of a tensor D of an enclosing scope, as a
+    scalar (through Cast, Reshape, Squeeze: the value stays the extent); else None."""
+    for _ in range(8):
+        n = body.producer.get(name)
+        if n is None:
+            return None
+        if n.op_type in ("Cast", "Reshape", "Squeeze", "Identity"):
+            name = n.input[0]
+            continue
+        if n.op_type != "Gather" or attr(n, "axis", 0) != 0:
+            return None
+        sh = body.producer.get(n.input[0])
+        k = body.const(n.input[1])
+        if sh is None or sh.op_type != "Shape" or k is None or np.size(k) != 1 or len(sh.attribute):
+            return None
+        src = sh.input[0]
+        if body.defines(src) or body.scope_of(src) is None:
+            return None
+        return ("dim", src, int(np.ravel(k)[0]))
+    return None
 
 
 def _signed_invariant(body: Graph, name: str, invariants: dict[str, str]) -> tuple[str | None, int]:
@@ -156,6 +181,10 @@ def build_length_mask(g: Graph, lm: LengthMask, x: str, time_axis: int, anchor: 
         lens = op("Neg", lens)
     if isinstance(lm.shift, str):  # a scalar the body adds, read as it does (in the lengths' type)
         lens = op("Add", lens, lm.shift)
+    elif isinstance(lm.shift, tuple):  # an outer tensor's extent the body reads and adds (in the lengths' type)
+        _, src, k = lm.shift
+        extent = op("Gather", op("Shape", src), const(k), axis=0)
+        lens = op("Add", lens, op("Cast", extent, to=et or TensorProto.INT64))
     elif lm.shift:  # (in the lengths' type, as the body adds it)
         shift = np.array(lm.shift, helper.tensor_dtype_to_np_dtype(et or TensorProto.INT64))
         lens = op("Add", lens, g.add_initializer(shift, "rnnfuse/length_mask/shift"))

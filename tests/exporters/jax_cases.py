@@ -208,6 +208,8 @@ CASES = [
          notes="the step returns dense(c): the per-step cell state, which no native output holds"),
     # -- issue 14 item 8 for Loops: a length mask written by hand, m = t < lengths, states kept past the length
     case("fori_gru_lengths", "fori", "gru", seq_lengths=True, edges=True, notes="fori_loop: h = where(t < lengths, cell(x_t, h), h)"),
+    case("hand_rnn_scan_lengths_prepadded_dyn_t", "hand", "rnn_len", seq_lengths=True, edges=True, prepadded=True,
+         dynamic_time=True, notes="t >= T - lengths with T = x.shape[1] read in the step and t counted in the carry"),
     case("hand_rnn_scan_lengths", "hand", "rnn_len", seq_lengths=True, edges=True,
          notes="lax.scan over (x_t, t): h = m*cell + (1-m)*h with m = t < lengths, outputs m * h"),
     # -- issue 14 item 9: Equinox cells (per example: W @ x + U @ h) batched with jax.vmap around lax.scan; the
@@ -600,6 +602,24 @@ def build_hand(env: Env, c: Case, seed: int):
             xs = jnp.swapaxes(x, 0, 1)
             _, ys = jax.lax.scan(step, init(x.shape[0]), xs if xmask else (xs, jnp.swapaxes(mask, 0, 1)))
             return jnp.swapaxes(ys, 0, 1)
+
+        return fn, specs
+
+    if kind == "rnn_len" and c.opts.get("prepadded"):  # valid steps last: t >= T - lengths, T read from x's shape
+        specs = [("x", ("B", "T" if c.dynamic_time else TIME, F), "float32"), ("lengths", ("B",), "int32")]
+
+        def fn(x, lengths):
+            def step(carry, xt):
+                h, t = carry
+                valid = (t >= x.shape[1] - lengths)[:, None]
+                new, _ = cell(h, xt)
+                h = jnp.where(valid, new, h)
+                return (h, t + 1), jnp.where(valid, h, 0.0)
+
+            with env.original_shape():
+                h0 = jnp.zeros((x.shape[0], H), jnp.float32)
+            (last, _), ys = jax.lax.scan(step, (h0, jnp.int32(0)), jnp.swapaxes(x, 0, 1))
+            return jnp.swapaxes(ys, 0, 1), last
 
         return fn, specs
 

@@ -34,7 +34,7 @@ from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_buffers import accumulated, check_buffer_length, grown, row_write
-from .loop_writes import ScatteredWrite, scattered_write, write_axis
+from .loop_writes import ScatteredWrite, check_buffer_rows, scattered_write, write_axis
 from .loop_inputs import find_input_map, side_by_side
 from .loop_outputs import last_step_reads, sequence_output
 from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
@@ -108,8 +108,12 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
         add_heads(body, layers, recs, cell_states, heads, state_out, step_in, carried.invariants,
                   set(carried.index_syms))
     for k in set(carried.buffers) - set(carried.grown):  # (a grown one has a row a step by construction)
-        axis = carried.scattered[k].axis if k in carried.scattered else 0
-        check_buffer_length(g, loop.input[2 + k], step_in.x_read_source, step_in.x_axis, axis)
+        w = carried.scattered.get(k)
+        if w is not None and w.axis is None:
+            continue  # (its output is unused: what it holds matters to no one)
+        check_buffer_length(g, loop.input[2 + k], step_in.x_read_source, step_in.x_axis, w.axis if w else 0)
+        if w is not None:
+            check_buffer_rows(g, loop.input[2 + k], w, step_in.x_read_source, step_in.x_axis)
     if step_in.lengths is not None:
         attach_length_mask(g, recs, step_in)
     if step_in.derived is not None:

@@ -148,6 +148,11 @@ def same_extent(g: Graph, a: str, b: str, axis: int) -> bool:
     return _same_time_length(g, a, axis, b, axis)
 
 
+def same_extent_along(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> bool:
+    """Whether ``a`` along ``a_axis`` and ``b`` along ``b_axis`` provably have one extent."""
+    return _same_time_length(g, a, a_axis, b, b_axis)
+
+
 def check_step_lengths(g: Graph, others: dict[str, int], x: str, x_axis: int, read_forms: set) -> None:
     """Decline a tensor of ``others`` (-> its time axis) the body reads per step whose time length may differ from x's:
     one read from its own end (``-1 - i``) unless its length is provably x's; one read from its start when the

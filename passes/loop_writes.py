@@ -33,15 +33,20 @@ import onnx
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
 from rnnfuse.check_session import options
+from rnnfuse.dims import extent_key
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.protos import has_subgraph
+from .loop_reads import same_extent_along
 
 # ops that only move elements: op -> the positions of the inputs whose elements they move (the others must be
 # index values: shapes, axes, positions)
 _MOVES = {"Reshape": (0,), "Expand": (0,), "Unsqueeze": (0,), "Squeeze": (0,), "Identity": (0,), "Flatten": (0,),
           "Transpose": (0,), "Gather": (0,), "Slice": (0,), "ScatterND": (0, 2), "Concat": None}
 _INDEX, _DATA = "index", "data"
+# ops whose constant operands are numbers the slot is computed with (not axes or positions in a shape)
+_ARITHMETIC = {"Add", "Sub", "Mul", "Div", "Mod", "Min", "Max", "Clip", "Range", "Less", "LessOrEqual", "Greater",
+               "GreaterOrEqual", "Equal", "Neg", "Abs"}
 _MAX_SLOTS = 64  # (iterations probed: every one up to this many slots, else this many spread over them)
 
 
@@ -56,7 +61,9 @@ class ScatteredWrite:
     iteration: list[str]  # the body tensors the write reads that are the iteration number
     types: dict[str, int] = field(default_factory=dict)  # element types of its inputs (declared by the body)
     consts: dict[str, np.ndarray] = field(default_factory=dict)  # the values it reads from outside its nodes
+    numbers: dict[str, np.ndarray] = field(default_factory=dict)  # constants its index arithmetic computes with
     axis: int | None = None  # the buffer's time axis, once run (write_axis)
+    hidden: int | None = None  # the width of what it writes, once run
 
 
 def scattered_write(body: Graph, buf_in: str, buf_out: str, iteration: set[str]) -> ScatteredWrite | None:
@@ -89,7 +96,9 @@ def scattered_write(body: Graph, buf_in: str, buf_out: str, iteration: set[str])
     declared = {i.name: i.type.tensor_type.elem_type for i in body.proto.input if i.type.HasField("tensor_type")}
     types = {i: declared.get(i) or TensorProto.INT64 for i in read_iteration}
     types[buf_in] = declared.get(buf_in) or TensorProto.FLOAT
-    return ScatteredWrite(y, nodes, buf_in, s.output[0], read_iteration, types, consts)
+    numbers = {i: np.asarray(body.const(i)) for n in nodes if n.op_type in _ARITHMETIC for i in n.input
+               if i and body.const(i) is not None}
+    return ScatteredWrite(y, nodes, buf_in, s.output[0], read_iteration, types, consts, numbers)
 
 
 def _written_value(body: Graph, upd: str) -> str | None:
@@ -169,12 +178,44 @@ def write_axis(g: Graph, w: ScatteredWrite, hidden: int, batch: int | None, trip
     except Exception as e:  # (a write onnxruntime cannot load alone: no placement to read)
         raise Decline(f"an output buffer's write could not be run alone ({str(e).splitlines()[0][:120]})")
     rng = np.random.default_rng(0)
-    found = [a for a in (0, 1) if _places(sess, w, a, hidden, [batch] if batch else [1, 3], [trip] if trip else [3, 5], rng)]
+    if not trip and _fixed_numbers(w):
+        raise Decline("an output buffer written at slots computed with numbers of its own (the loop's length "
+                      "is not fixed: where the write goes for other lengths is not what a run at a few shows)")
+    # (sizes on both sides of each other and of the width: a slot clamped at the width or the batch shows)
+    batches = [batch] if batch else [1, 3, hidden + 2]
+    lengths = [trip] if trip else [3, 5, hidden + max(batches) + 3]
+    found = [a for a in (0, 1) if _places(sess, w, a, hidden, batches, lengths, rng)]
     if len(found) != 1:
         raise Decline("an output buffer written by index arithmetic that does not put the step's value at the "
                       "iteration's slot")
-    w.axis = found[0]
+    w.axis, w.hidden = found[0], hidden
     return w.axis
+
+
+def check_buffer_rows(g: Graph, init: str, w: ScatteredWrite, x: str, x_axis: int) -> None:
+    """Decline unless the buffer ``init`` is [T, B, H] (or [B, T, H]) with x's batch size and the written value's
+    width: a grid write may fill part of a wider or longer-batched buffer, whose rest no native output holds
+    (the placement was read at buffers exactly y's size)."""
+    if g.model.rank(init) != 3 or extent_key(g, init, 2) != ("const", w.hidden):
+        raise Decline("an output buffer written by index arithmetic whose width is not provably the state's")
+    if not same_extent_along(g, init, 1 - w.axis, x, 1 - x_axis):
+        raise Decline("an output buffer written by index arithmetic whose batch size is not provably the input's")
+
+
+def _fixed_numbers(w: ScatteredWrite) -> list:
+    """The numbers the write's index arithmetic uses that are no 0 or +-1 and no slice bound to the end: a
+    slot clamped at 15 (``Min(i, 15)``) is i for every length a run at a few short ones shows, and not after.
+    Exporters build their grids from the iteration number and the shapes, with 0, 1 and -1 alone."""
+    big = 2**31 - 1
+    odd = []
+    for name, value in w.numbers.items():
+        arr = np.asarray(value)
+        if arr.dtype.kind not in "iuf":
+            continue
+        vals = arr.ravel()
+        if any(v not in (0, 1, -1) and abs(v) < big for v in vals.tolist()):
+            odd.append(name)
+    return odd
 
 
 def _places(sess, w: ScatteredWrite, axis: int, hidden: int, batches, lengths, rng) -> bool:

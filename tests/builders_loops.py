@@ -1244,16 +1244,20 @@ def build_scattered_buffer(form: str) -> onnx.ModelProto:
     Concat([Range(0, B)[:, None], Expand(i, [B, 1])], 1)`` ([B, 2]: row b, slot i), the updates h itself
     (``outs[:, i] = h``). Near misses: ``reversed`` the slot is T - 1 - i (read from the buffer's shape);
     ``data_index`` the slot is ArgMax of h's first row (computed from a value, not from i); ``adds`` the
-    ScatterND adds h to the slot (reduction add); ``scaled`` the updates are 2 * h (a value no state holds)."""
+    ScatterND adds h to the slot (reduction add); ``scaled`` the updates are 2 * h (a value no state holds);
+    ``clamped`` the slot is Min(i, 15) (i at every length up to 16, not after); ``wider`` the buffer is H + 1
+    wide (the grid fills its first H columns). ``unused``: the buffer's final value is no output (fused)."""
     W, R, b = weights()
     inits = [numpy_helper.from_array(v, n) for n, v in (
         ("W", W), ("R", R), ("b", b), ("zero", np.array(0.0, np.float32)), ("true", np.array(True)),
-        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)))]
-    nodes = _x_sizes() + _zero_state() + [helper.make_node("Concat", ["B1", "T1", "iH"], ["oshape"], axis=0),
+        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)),
+        ("iW", np.array([H + 1 if form == "wider" else H], np.int64)))]
+    nodes = _x_sizes() + _zero_state() + [helper.make_node("Concat", ["B1", "T1", "iW"], ["oshape"], axis=0),
                                           helper.make_node("Expand", ["zero", "oshape"], ["outs0"])]
     body_inits = [numpy_helper.from_array(v, n) for n, v in (
         ("s0", np.array(0, np.int64)), ("s1", np.array(1, np.int64)), ("a0", np.array([0], np.int64)),
-        ("a1", np.array([1], np.int64)), ("one1", np.array([1], np.int64)), ("two", np.array(2.0, np.float32)))]
+        ("a1", np.array([1], np.int64)), ("one1", np.array([1], np.int64)), ("two", np.array(2.0, np.float32)),
+        ("s15", np.array(15, np.int64)))]
     bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)] + _tanh_step() + [
         helper.make_node("Shape", ["outs"], ["os"]),
         helper.make_node("Gather", ["os", "s0"], ["Bn"], axis=0),
@@ -1266,6 +1270,9 @@ def build_scattered_buffer(form: str) -> onnx.ModelProto:
         bn += [helper.make_node("Gather", ["os", "s1"], ["Tn"], axis=0), helper.make_node("Sub", ["Tn", "s1"], ["Tm1"]),
                helper.make_node("Sub", ["Tm1", "it"], ["rev"])]
         slot = "rev"
+    elif form == "clamped":
+        bn.append(helper.make_node("Min", ["it", "s15"], ["clamp"]))
+        slot = "clamp"
     elif form == "data_index":  # ArgMax of h's first row: a slot in [0, H) read from a value
         bn += [helper.make_node("Gather", ["hn", "s0"], ["h0row"], axis=0),
                helper.make_node("ArgMax", ["h0row"], ["am"], axis=0, keepdims=0)]
@@ -1286,5 +1293,5 @@ def build_scattered_buffer(form: str) -> onnx.ModelProto:
                              [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), vi("hn", None, H),
                               vi("outs_next", None, None, H)], body_inits)
     nodes.append(helper.make_node("Loop", ["T", "true", "h0", "outs0"], ["h_last", "ys"], body=body))
-    return _model(nodes, "scattered", [vi("x", "T", "B", F)], [vi("ys", "B", "T", H), vi("h_last", "B", H)], inits,
-                  opset=18)
+    outs = [vi("h_last", "B", H)] if form == "unused" else [vi("ys", "B", "T", None), vi("h_last", "B", H)]
+    return _model(nodes, "scattered", [vi("x", "T", "B", F)], outs, inits, opset=18)

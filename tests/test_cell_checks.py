@@ -359,3 +359,17 @@ def test_an_input_that_cannot_run_still_skips_validation_past_other_edits():
     fused = [f for f in report.findings if f.status == "fused"]
     assert fused and "onnxruntime cannot run the original" in fused[0].validation, report.to_text()
     assert any(n.op_type == "GRU" for n in out.graph.node)
+
+
+def test_a_cell_state_squared_is_no_coupled_gate():
+    """``c' = c - c*c + i*g`` has the three terms of a coupled input-forget gate, but no gate multiplies c (it
+    was an internal error, StopIteration: a review's repro): not read as one."""
+    from rnnfuse.cells.lstm import _coupled_gates
+    from rnnfuse.symbolic import Act, Poly, State
+
+    c, h = State("s0", 4), State("s1", 4)
+    i = Poly.atom(Act("Sigmoid", (), Poly.atom(h)))
+    g = Poly.atom(Act("Tanh", (), Poly.atom(h).scale(2.0)))
+    pc = Poly.atom(c).sub(Poly.atom(c).mul(Poly.atom(c))).add(i.mul(g))
+    assert len(pc.terms) == 3
+    assert _coupled_gates(pc, c) is None

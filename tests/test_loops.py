@@ -355,12 +355,23 @@ def test_buffer_written_through_an_index_grid_fused():
 
 
 @pytest.mark.parametrize("form,reason", [("reversed", "iteration's slot"), ("data_index", "slots the iteration"),
-                                         ("adds", "slots the iteration"),
+                                         ("adds", "slots the iteration"), ("clamped", "numbers of its own"),
+                                         ("wider", "width"),
                                          ("scaled", "no state of the step")])
 def test_scattered_buffer_near_misses_declined(form, reason):
-    """A grid write at another slot than the iteration's, at a slot computed from a value, one that adds, or
-    one writing a value no state holds: declined, the model as it was."""
+    """A grid write at another slot than the iteration's, at a slot computed from a value, one that adds, one
+    writing a value no state holds, one clamped at a number (right at every length a run of a few shows, wrong
+    past 16: a review's repro), or one filling part of a wider buffer: declined, the model as it was."""
     _declined(build_scattered_buffer(form), reason)
+
+
+def test_scattered_buffer_left_unread_is_fused():
+    """The buffer's final value no output (nothing reads what it holds): the loop fuses (it was an internal
+    error: its placement, never run, was asked of the length check)."""
+    model = build_scattered_buffer("unused")
+    fused, _ = _fused_once(model, Loop=0, RNN=1)
+    x = np.random.default_rng(9).standard_normal((20, 3, 3)).astype(np.float32)
+    assert_close(session(fused).run(None, {"x": x})[0], reference(LoopOpts(), x)[1], "h_last")
 
 
 def test_a_head_too_deep_to_read_symbolically_is_replayed():

@@ -226,8 +226,8 @@ def _coupled_gates(pc: Poly, cs: State):
     if len(with_c) != 1 or len(without) != 1:
         return None
     (mc,), (mg,) = with_c, without
-    gate_key = next(k for k in mc if k != cs.key)
-    if gate_key not in mg:
+    gate_key = next((k for k in mc if k != cs.key), None)  # (None: c * c)
+    if gate_key is None or gate_key not in mg:
         return None
     other_key = next((k for k in mg if k != gate_key), None)
     if other_key is None:

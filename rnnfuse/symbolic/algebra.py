@@ -289,24 +289,27 @@ class Poly:
         return Poly(t, {**self.atoms, **other.atoms}).canon()
 
     def canon(self) -> "Poly":
-        """Merge affine terms with equal coefficients into one Lin (x·W + h·R + b is one gate input)."""
+        """Merge affine terms with equal coefficients into one Lin (x·W + h·R + b is one gate input); terms of
+        opposite coefficients merge too, the negative ones' weights negated (exact): ``x·W - h·U`` is
+        ``x·W + h·(-U)``."""
         lins = [(m, c) for m, c in self.terms.items() if len(m) == 1 and m[0][0] == AFFINE]
         if len(lins) < 2:
             return self
-        by_coeff: dict[float, list] = {}
+        by_size: dict[float, list] = {}
         for m, c in lins:
-            by_coeff.setdefault(c, []).append(m)
-        if all(len(v) == 1 for v in by_coeff.values()):
+            by_size.setdefault(abs(c), []).append((m, c))
+        if all(len(v) == 1 for v in by_size.values()):
             return self
         t = dict(self.terms)
         atoms = dict(self.atoms)
-        for c, ms in by_coeff.items():
-            if len(ms) < 2:
+        for size, mcs in by_size.items():
+            if len(mcs) < 2:
                 continue
-            lin = atoms[ms[0][0]].lin
-            for m in ms[1:]:
-                lin = lin.plus(atoms[m[0]].lin)
-            for m in ms:
+            c = size if any(c > 0 for _, c in mcs) else -size  # (all negative: kept as a negative coefficient)
+            lin = None
+            for m, ci in mcs:
+                part = atoms[m[0]].lin if ci == c else atoms[m[0]].lin.scaled(-1.0)
+                lin = part if lin is None else lin.plus(part)
                 t.pop(m)
             a = LinAtom(lin)
             atoms[a.key] = a

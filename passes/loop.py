@@ -28,7 +28,7 @@ from rnnfuse.graph import Graph, Model
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.recurrence import CountOutput, FinalOutput, Init, InputPrep, Recurrence
 from rnnfuse.recurrence_layers import cells_first, check_feeds, layer_recurrence, split_layers
-from rnnfuse.inputs import input_projection, projected_leaf
+from rnnfuse.inputs import input_projection, projected_leaf, reading_projections
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
@@ -87,7 +87,7 @@ class StepReads:
 
 
 def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
-    return with_far_outputs(lambda far: _loop_recurrence(g, loop, far))
+    return reading_projections(lambda: with_far_outputs(lambda far: _loop_recurrence(g, loop, far)))
 
 
 def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):

@@ -22,7 +22,7 @@ from rnnfuse.findings import Options, PassResult
 from rnnfuse.protos import scan_output_layout
 from rnnfuse.recurrence import InputPrep, Recurrence
 from rnnfuse.recurrence_layers import cells_first, check_feeds, layer_recurrence, split_layers
-from rnnfuse.inputs import input_projection, projected_leaf
+from rnnfuse.inputs import input_projection, projected_leaf, reading_projections
 from rnnfuse.mask_proof import body_mask_differs
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.builder import Builder
@@ -60,7 +60,7 @@ class _Scanned:
 
 
 def scan_recurrence(g: Graph, scan: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
-    return with_far_outputs(lambda far: _scan_recurrence(g, scan, far))
+    return reading_projections(lambda: with_far_outputs(lambda far: _scan_recurrence(g, scan, far)))
 
 
 def _scan_recurrence(g: Graph, scan: NodeProto, far: FarOutputs):

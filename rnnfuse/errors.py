@@ -54,3 +54,9 @@ class Decline(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class ProjectedAgain(Decline):
+    """A step multiplies the projection it was read through by weights again (a Linear before an LSTMCell):
+    the front end reads the projection as the op's input as computed instead (see
+    :func:`rnnfuse.inputs.reading_projections`)."""

@@ -8,10 +8,12 @@ lets the native op take ``X0`` with ``W = K^T``.
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import ProjectedAgain
 from .graph import Graph, attr
 from .symbolic import StepInput, ConstRef, Lin, LinAtom, Poly, SymTensor
 
@@ -31,11 +33,34 @@ class Projection:
     time_axis: int = 0
 
 
+# set while a front end analyses a step again reading a projection as the op's input as computed
+_AS_COMPUTED = contextvars.ContextVar("rnnfuse_projection_as_computed", default=False)
+
+
+def reading_projections(analyse):
+    """``analyse()``, reading an input projection computed before the steps as one (the op reads X0, the
+    projection's weights go into its W); when the step multiplies the projected value by weights again (a
+    Linear over the sequence, then an LSTMCell: the cell's own input matmul), ``analyse()`` once more with
+    the projection read as the op's input, as computed."""
+    try:
+        return analyse()
+    except ProjectedAgain:
+        token = _AS_COMPUTED.set(True)
+        try:
+            return analyse()
+        finally:
+            _AS_COMPUTED.reset(token)
+
+
 def input_projection(g: Graph, src: str, axis: int = 0) -> Projection | None:
     """``src = X0 @ K (+ b)`` with constant K, b (an input projection hoisted out of the loop, as dynamo's
     nn.RNN and Keras' torch backend do). A time flip of a projection is the projection of the flipped input
-    (dynamo's backward nn.RNN direction): the flip is recorded, not built."""
+    (dynamo's backward nn.RNN direction): the flip is recorded, not built. None while
+    :func:`reading_projections` reads projections as computed."""
     from rnnfuse.time_flips import time_flip_source
+
+    if _AS_COMPUTED.get():
+        return None
 
     inner = time_flip_source(g, src, axis)
     if inner is not None:

@@ -17,7 +17,7 @@ from rnnfuse.dataflow import lead_of, shape_derived
 from rnnfuse.dims import extent_key, static_dim, untransposed
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
-from rnnfuse.inputs import input_projection, projected_leaf
+from rnnfuse.inputs import input_projection, projected_leaf, reading_projections
 from rnnfuse.recurrence import CARRY, NONE, CellCheck, FinalOutput, Init, InputPrep, Recurrence, StepRead
 from rnnfuse.signature import Signer
 from rnnfuse.step import StepAnalysis, StepOut, StepState, analyse
@@ -37,7 +37,7 @@ class FirstStepDiffers(Decline):
 
 def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None = None) -> Recurrence:
     """The recurrence an unrolled chain computes (Decline with the reason when it is not one native cell)."""
-    return _ChainRoles(g, src, axis, chain, iv, signer, mask_srcs).recurrence()
+    return reading_projections(lambda: _ChainRoles(g, src, axis, chain, iv, signer, mask_srcs).recurrence())
 
 
 def _single_root(st: Step, roots: set | None = None) -> str:

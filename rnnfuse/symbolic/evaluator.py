@@ -165,7 +165,7 @@ class StepEvaluator:
             try:
                 outs = self._eval_node(node, ins)
             except Decline as d:
-                outs = [Opaque(f"{node.op_type} '{node.name or node.output[0]}': {d.reason}")] * len(node.output)
+                outs = [Opaque(f"{node.op_type} '{node.name or node.output[0]}': {d.reason}", type(d))] * len(node.output)
             for o, v in zip(node.output, outs):
                 if o:
                     self.memo[o] = v

@@ -1,4 +1,5 @@
-"""Step semantics of ONNX arithmetic, activations, matmuls, casts and the mask's Where/Not."""
+"""Step semantics of ONNX arithmetic, activations, matmuls, casts and the mask's Where/Not (activations written
+piecewise, with clips and comparisons, are read in :mod:`.ops_piecewise`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from .. import op_args
 from ..errors import Decline
 from ..graph import attr
 from .algebra import Act, LinAtom, Mask, Poly
+from .ops_piecewise import Above, Indicator, above_where, clip_poly, compare, hard_sigmoid, indicated, scalar
 from .values import (
     ACTIVATIONS,
     ACTIVATION_DEFAULTS,
@@ -31,8 +33,8 @@ from .values import (
 
 def _binary(ev, node, ins):
     a, b = ins
-    if node.op_type == "Mul" and isinstance(a, _Indicator) != isinstance(b, _Indicator):
-        return [_indicated(a, b) if isinstance(a, _Indicator) else _indicated(b, a)]
+    if node.op_type == "Mul" and isinstance(a, Indicator) != isinstance(b, Indicator):
+        return [indicated(a, b) if isinstance(a, Indicator) else indicated(b, a)]
     lead = lead_axes(a, b)
     pa, pb = elementwise_poly(a), elementwise_poly(b)
     op = node.op_type
@@ -92,7 +94,7 @@ def _scale(p: Poly, c: float) -> Poly:
         if isinstance(atom, Act) and atom.kind == "Clip" and atom.params[0] == 0.0 and atom.params[1] > 0:
             k = atom.params[1]
             if abs(coeff * c * k - 1.0) < 1e-6:
-                hs = _hard_sigmoid(atom.arg, 1.0 / k)
+                hs = hard_sigmoid(atom.arg, 1.0 / k)
                 if hs is not None:
                     return hs
         if isinstance(atom, Act) and atom.kind in ("Tanh", "ScaledTanh"):
@@ -101,19 +103,6 @@ def _scale(p: Poly, c: float) -> Poly:
             if abs(alpha * coeff * c) not in (0.0, 1.0):
                 return Poly.atom(Act("ScaledTanh", (alpha * coeff * c, beta), atom.arg))
     return p.scale(c)
-
-
-def _hard_sigmoid(arg: Poly, s: float) -> Poly | None:
-    """``s * (a*P + b)`` clipped to [0, 1] is HardSigmoid(a*s, b*s)(P), where a is the coefficient every
-    non-constant term of ``arg`` shares: P is a gate's affine map, a clipped one (Clip(a*clip(x)+b, 0, 1)),
-    an LSTM's new cell state ``f*c + i*g`` or a GRU candidate's ``x@W + r*(h@R + b)`` -- the argument the
-    native op's activation receives. Terms with different coefficients have no one such reading."""
-    coefs = {c for m, c in arg.terms.items() if m != ()}
-    if len(coefs) != 1:
-        return None
-    (a,) = coefs
-    unit = Poly({m: 1.0 for m in arg.terms if m != ()}, arg.atoms)
-    return Poly.atom(Act("HardSigmoid", (a * s, arg.const_value() * s), unit))
 
 
 def _neg(ev, node, ins):
@@ -198,110 +187,9 @@ def _logistic(num: Poly, den: Poly) -> Poly | None:
     return sig.scale(num.const_value()) if num.is_const() else num.mul(sig)
 
 
-class _Above(Value):
-    """``x > t`` (``strict``) or ``x >= t`` for a cell value x and a scalar t, or (``negated``) its negation
-    (``x <= t``, ``x < t``): only usable as a Where's condition that makes an activation of x (see
-    :func:`_above_where`)."""
-
-    __slots__ = ("poly", "t", "lead", "strict", "negated")
-
-    def __init__(self, poly: Poly, t: float, lead: int, strict: bool = True, negated: bool = False):
-        self.poly, self.t, self.lead, self.strict, self.negated = poly, t, lead, strict, negated
-
-
-def _above_where(cond: _Above, pa: Poly, pb: Poly) -> Poly | None:
-    """``Where(x > t, pa, pb)`` (or ``x >= t``) as an activation of x: ThresholdedRelu(t) (``x``, ``0``, strict);
-    the branches meeting at t, so that the comparison's strictness does not matter: max(x, t) (``x``, ``t``),
-    min(x, t) (``t``, ``x``: at t = 0 the input jax's elu gives its expm1, which only the negative branch reads),
-    a clip of x to [lo, hi] (one branch a bound, the other x clipped at the other bound: jax's hard_tanh),
-    LeakyRelu(alpha) (``x``, ``alpha * x``, t = 0), Elu(alpha) (``x``, ``alpha * exp(x) - alpha``, the exp's
-    argument x or min(x, 0), t = 0); else None."""
-    if cond.negated:  # (x <= t is not x > t: the branches swap)
-        pa, pb = pb, pa
-    x, t = cond.poly, cond.t
-    if pa.key == x.key and pb.key == Poly.const(0.0).key and cond.strict:
-        return Poly.atom(Act("ThresholdedRelu", (t,), x))
-    clipped = _where_clip(x, t, pa, pb)
-    if clipped is not None:
-        return clipped
-    if t != 0.0:
-        return None
-    below = _clip_poly(x, float("-inf"), 0.0)
-    if pa.key == x.key and pb.terms and set(pb.terms) == set(x.terms) and () not in x.terms:
-        ratios = {pb.terms[m] / c for m, c in x.terms.items()}
-        if len(ratios) == 1 and next(iter(ratios)) != 1.0:  # x above 0, alpha * x below it
-            return Poly.atom(Act("LeakyRelu", (ratios.pop(),), x))
-    if pa.key != x.key or len(pb.terms) != 2 or () not in pb.terms:
-        return None
-    (m, alpha), = ((m, c) for m, c in pb.terms.items() if m != ())
-    e = pb.atoms[m[0]] if len(m) == 1 else None
-    if not (isinstance(e, Act) and e.kind == "Exp" and e.arg.key in (x.key, below.key)) or pb.terms[()] != -alpha:
-        return None
-    return Poly.atom(Act("Elu", (alpha,), x))
-
-
-def _where_clip(x: Poly, t: float, pa: Poly, pb: Poly) -> Poly | None:
-    """``Where(x > t, pa, pb)`` when it is x clipped (both branches equal at x = t): max(x, t), min(x, t), or
-    clip(x, lo, t) / clip(x, t, hi) with the other bound inside the branch that is x."""
-    inf = float("inf")
-    bound = Poly.const(t).key
-    if pa.key == x.key and pb.key == bound:
-        return _clip_poly(x, t, inf)
-    if pa.key == bound and pb.key == x.key:
-        return _clip_poly(x, -inf, t)
-    for branch, other, lo_side in ((pb, pa, False), (pa, pb, True)):
-        sa = branch.single_atom()
-        c = sa[0] if sa and sa[1] == 1.0 and isinstance(sa[0], Act) and sa[0].kind == "Clip" else None
-        if c is None or c.arg.key != x.key or other.key != bound:
-            continue
-        lo, hi = c.params
-        if lo_side and lo == -inf and t <= hi:  # Where(x > t, min(x, hi), t)
-            return _clip_poly(x, t, hi)
-        if not lo_side and hi == inf and lo <= t:  # Where(x > t, t, max(x, lo))
-            return _clip_poly(x, lo, t)
-    return None
-
-
-# comparison op -> (whether the cell value is the first operand, strict, negated) read as x > t / x >= t
-_COMPARISONS = {("Greater", 0): (True, False), ("GreaterOrEqual", 0): (False, False), ("Less", 0): (False, True),
-                ("LessOrEqual", 0): (True, True), ("Greater", 1): (False, True), ("GreaterOrEqual", 1): (True, True),
-                ("Less", 1): (True, False), ("LessOrEqual", 1): (False, False)}
-
-
-def _greater(ev, node, ins):
-    a, b = ins
-    k = 1 if isinstance(a, Const) and not isinstance(b, Const) else 0
-    x, t = (a, b) if k == 0 else (b, a)
-    if not isinstance(t, Const):
-        raise Decline("a comparison of two cell values")
-    strict, negated = _COMPARISONS[(node.op_type, k)]
-    return [_Above(elementwise_poly(x), _scalar(t, "the threshold"), lead_axes(x), strict, negated)]
-
-
-def _clip_poly(p: Poly, lo: float, hi: float) -> Poly:
-    if lo == 0.0 and hi == 1.0:
-        hs = _hard_sigmoid(p, 1.0)
-        if hs is not None:
-            return hs
-    if lo == 0.0 and hi == float("inf"):
-        return Poly.atom(Act("Relu", (), p))
-    return Poly.atom(Act("Clip", (lo, hi), p))
-
-
-def _scalar(v: Value | None, what: str) -> float | None:
-    if v is None:
-        return None
-    if not isinstance(v, Const):
-        raise Decline(f"{what} is not a constant")
-    flat = v.arr.ravel()
-    if flat.size == 0 or not np.all(flat == flat[0]):
-        raise Decline(f"{what} is not a scalar")
-    return float(flat[0])
-
-
 def _clip(ev, node, ins):
-    lo, hi = op_args.clip_bounds(node, ev.opset, lambda i: _scalar(ins[i], ("Clip min", "Clip max")[i - 1]))
-    return [SymTensor(_clip_poly(elementwise_poly(ins[0]), lo, hi), lead_axes(ins[0]))]
+    lo, hi = op_args.clip_bounds(node, ev.opset, lambda i: scalar(ins[i], ("Clip min", "Clip max")[i - 1]))
+    return [SymTensor(clip_poly(elementwise_poly(ins[0]), lo, hi), lead_axes(ins[0]))]
 
 
 def _minmax(ev, node, ins):
@@ -310,20 +198,20 @@ def _minmax(ev, node, ins):
     a, b = ins
     if isinstance(a, Const):
         a, b = b, a
-    c = _scalar(b, f"{node.op_type} operand")
+    c = scalar(b, f"{node.op_type} operand")
     p = elementwise_poly(a)
     sa = p.single_atom()
     if node.op_type == "Max":
         # Max(Clip(x, -inf, hi), lo) -> Clip(x, lo, hi);  Max(x, 0) -> Relu
         if sa and isinstance(sa[0], Act) and sa[0].kind == "Clip" and sa[1] == 1.0 and sa[0].params[0] == float("-inf"):
-            return [SymTensor(_clip_poly(sa[0].arg, c, sa[0].params[1]), lead_axes(a))]
-        return [SymTensor(_clip_poly(p, c, float("inf")), lead_axes(a))]
+            return [SymTensor(clip_poly(sa[0].arg, c, sa[0].params[1]), lead_axes(a))]
+        return [SymTensor(clip_poly(p, c, float("inf")), lead_axes(a))]
     if sa and isinstance(sa[0], Act) and sa[1] == 1.0:
         if sa[0].kind == "Clip" and sa[0].params[1] == float("inf"):
-            return [SymTensor(_clip_poly(sa[0].arg, sa[0].params[0], c), lead_axes(a))]
+            return [SymTensor(clip_poly(sa[0].arg, sa[0].params[0], c), lead_axes(a))]
         if sa[0].kind == "Relu":
-            return [SymTensor(_clip_poly(sa[0].arg, 0.0, c), lead_axes(a))]
-    return [SymTensor(_clip_poly(p, float("-inf"), c), lead_axes(a))]
+            return [SymTensor(clip_poly(sa[0].arg, 0.0, c), lead_axes(a))]
+    return [SymTensor(clip_poly(p, float("-inf"), c), lead_axes(a))]
 
 
 def _matmul(ev, node, ins):
@@ -402,30 +290,9 @@ def _cast(ev, node, ins):
         if to in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16) and (src is None or src == to):
             return [v]
         raise Decline("a cast of a cell value to another type")
-    if isinstance(v, _Above) and to in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16):
-        return [_Indicator(v)]  # (tf2onnx's float select: Cast(x > t) * a + Cast(Not(x > t)) * b)
+    if isinstance(v, Above) and to in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16):
+        return [Indicator(v)]  # (tf2onnx's float select: Cast(x > t) * a + Cast(Not(x > t)) * b)
     raise Decline("an unsupported cast")
-
-
-class _Indicator(Value):
-    """``Cast(x > t)``: 1 where the comparison holds, else 0; only usable as a factor (see :func:`_indicated`)."""
-
-    __slots__ = ("cond", "lead")
-
-    def __init__(self, cond: _Above):
-        self.cond, self.lead = cond, cond.lead
-
-
-def _indicated(ind: _Indicator, other) -> SymTensor:
-    """``Cast(x > t) * p``: ``Where(x > t, p, 0)``, when that is an activation of x (x times its own step: a
-    thresholded relu) or zero (a zero else-branch of a select); Decline otherwise."""
-    p = elementwise_poly(other)
-    if p.key == Poly.const(0.0).key:
-        return SymTensor(p, lead_axes(other))
-    q = _above_where(ind.cond, p, Poly.const(0.0))
-    if q is None:
-        raise Decline("a step function of a cell value that makes no activation")
-    return SymTensor(q, lead_axes(other))
 
 
 def _is_mask_value(p: Poly) -> bool:
@@ -462,8 +329,8 @@ def _not(ev, node, ins):
     v = ins[0]
     if isinstance(v, BoolMask):
         return [BoolMask(v.sym, not v.neg, v.unit)]
-    if isinstance(v, _Above):
-        return [_Above(v.poly, v.t, v.lead, v.strict, not v.negated)]
+    if isinstance(v, Above):
+        return [Above(v.poly, v.t, v.lead, v.strict, not v.negated)]
     raise Decline("Not of a non-mask value")
 
 
@@ -480,8 +347,8 @@ def _where(ev, node, ins):
     cond, a, b = ins
     if isinstance(cond, Const) and cond.arr.dtype == np.bool_ and cond.arr.size and (cond.arr.all() or not cond.arr.any()):
         return [a if cond.arr.all() else b]  # a constant condition (Keras on torch: ``t < T`` with T static)
-    if isinstance(cond, _Above):  # Where(x > t, x, 0): ThresholdedRelu(t)(x); Where(x > 0, x, a*(exp(x) - 1)): Elu(a)
-        p = _above_where(cond, elementwise_poly(a), elementwise_poly(b))
+    if isinstance(cond, Above):  # Where(x > t, x, 0): ThresholdedRelu(t)(x); Where(x > 0, x, a*(exp(x) - 1)): Elu(a)
+        p = above_where(cond, elementwise_poly(a), elementwise_poly(b))
         if p is None:
             raise Decline("Where on a comparison of a cell value that is not a thresholded or leaky relu, an elu "
                           "or a clip")
@@ -524,4 +391,4 @@ HANDLERS["Abs"] = _abs
 HANDLERS["Exp"] = _exp
 HANDLERS["Reciprocal"] = _reciprocal
 for _k in ("Greater", "GreaterOrEqual", "Less", "LessOrEqual"):
-    HANDLERS[_k] = _greater
+    HANDLERS[_k] = compare

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import Decline
+from ..errors import Decline, ProjectedAgain
 from .algebra import (GATED_ROW, MASK, MASKED_INPUT, STATE, STEP_INPUT, STEP_INPUT_PART, ZERO_ROW, Act, ConstRef, Lin, LinAtom,
                       Poly, State, StepInput)
 
@@ -102,10 +102,13 @@ class UnitGroups(Value):
 
 
 class Opaque(Value):
-    __slots__ = ("why",)
+    """A value with no symbolic form, and why; ``error`` the kind of Decline it raises where it is used (a
+    :class:`~rnnfuse.errors.ProjectedAgain` makes the front end read the step's input another way)."""
 
-    def __init__(self, why: str):
-        self.why = why
+    __slots__ = ("why", "error")
+
+    def __init__(self, why: str, error: type = Decline):
+        self.why, self.error = why, error
 
 
 # activations whose ONNX RNN names and params rnnfuse knows
@@ -141,7 +144,7 @@ def as_poly(v: Value, what: str = "value") -> Poly:
             return v.segments[0][2]
         raise Decline("a concatenation of inputs is used elementwise")
     if isinstance(v, Opaque):
-        raise Decline(v.why)
+        raise v.error(v.why)
     if isinstance(v, BoolMask):
         raise Decline("a boolean mask is used as a number without Cast")
     raise Decline(f"{what} has no symbolic form")
@@ -195,9 +198,13 @@ def as_rows(v: Value) -> ConcatRows:
         masked = _masked_input(p)
         if masked is not None:
             return ConcatRows(((masked, p.atoms[(STEP_INPUT, masked[2])].ncols, p),), v.lead)
+        sa = p.single_atom()
+        if sa is not None and isinstance(sa[0], LinAtom) and sa[0].lin.sources() and \
+                all(src[0] == STEP_INPUT for src in sa[0].lin.sources()):  # (the step input read as x @ K + b)
+            raise ProjectedAgain(f"a matmul whose left operand is an affine map of the step input ({p!r})")
         raise Decline(f"a matmul whose left operand is not a step input or state ({p!r})")
     if isinstance(v, Opaque):
-        raise Decline(v.why)
+        raise v.error(v.why)
     if isinstance(v, Fill) and float(v.arr) == 0.0:
         return ConcatRows((((ZERO_ROW,), None, Poly.const(0.0)),))  # a zero state of runtime shape, e.g. concat([x, 0])
     if isinstance(v, Const) and not isinstance(v, RowConst) and v.arr.ndim == 2 and v.arr.size and not v.arr.any():

@@ -177,6 +177,8 @@ CASES = [
     case("fori_rnn_buffer_static_batch", "fori", "rnn", buffer="at_bf", static_batch=3),
     case("near_fori_buffer_next_slot", "fori", "rnn", buffer="next", declined="iteration's slot",
          notes="ys.at[:, (t + 1) % T].set(h): every slot written, each one step late"),
+    case("hand_lstm_dense_before", "hand", "lstm", dense_before=True,
+         notes="x @ Wd + bd over the sequence, then a scan whose step multiplies x_t by its own Wx"),
     # -- the input projection hoisted out of the scan (x @ W + b, an Einsum to jax2onnx), the step adding h @ U
     case("hand_lstm_hoisted_proj", "hand", "lstm", hoisted="matmul"),
     case("hand_lstm_hoisted_proj_einsum_dyn_t_o17", "hand", "lstm", hoisted="einsum", dynamic_time=True, opset=17),
@@ -725,7 +727,11 @@ def build_hand(env: Env, c: Case, seed: int):
 
         return fn, specs
 
+    dense = _weights(rng, (F, F), (F,)) if c.opts.get("dense_before") else None
+
     def fn(x, z=None):
+        if dense is not None:  # a Dense over the sequence (no activation) before the scan: the cell's x_t @ Wx again
+            x = x @ dense[0] + dense[1]
         step = cell if z is None else (lambda carry, xt: cell(carry, xt, z))
         last, ys = jax.lax.scan(step, init(x.shape[0]), jnp.swapaxes(x, 0, 1))
         h = last[1] if lstm else last[0] if kind == "rnn_decay" else last

@@ -143,6 +143,9 @@ CASES = [
     loop("rnncell_tanh_trace", "rnn_tanh"),
     loop("rnncell_relu_trace", "rnn_relu"),
     loop("lstmcell_trace_bf", "lstm", **BF),
+    # -- a Linear over the sequence (no activation) before the loop: the cell multiplies its rows again
+    loop("lstmcell_trace_linear_before", "lstm", prep="linear"),
+    loop("grucell_dynamo_linear_before_bf", "gru", exporter="dynamo", prep="linear", **BF),
     # -- outputs written into a preallocated buffer, outs[t] = h: a chain of T scatters, one per step
     loop("grucell_trace_output_buffer", "gru", collect="buffer"),
     loop("lstmcell_dynamo_output_buffer", "lstm", exporter="dynamo", collect="buffer"),
@@ -234,6 +237,8 @@ CASES = [
            notes="pad [B, T] bool read as pad[:, t:t+1] (a Slice keeping the column): h = where(p, h, cell)"),
     script("lstmcell_script_bool_mask_bf", "lstm", bool_mask="valid", **BF,
            notes="mask [B, T] bool read as mask[:, t].unsqueeze(1): h = where(m, cell, h)"),
+    script("lstmcell_script_linear_before", "lstm", inputs="linear_before",
+           notes="xq = Linear(x) (no activation) before the loop, LSTMCell(xq[t]): the op reads xq as computed"),
     script("lstm_hand_script_hoisted_proj", "lstm", inputs="hoisted",
            notes="xp = ih(x) before the loop, xp[t] + hh(h) in it: the loop counts x's steps, reads xp's"),
     # ... the outputs written into a preallocated buffer, outs[t] = h: a carried buffer, one ScatterND a step
@@ -961,8 +966,11 @@ def torch_modules():
         """A Python loop over one cell (or two for a hand-made bidirectional); unrolled by trace / dynamo."""
 
         def __init__(self, cell, features, hidden, bias=True, batch_first=False, reverse=False, order="time",
-                     init="zeros", ret="seq", bidir=False, collect="stack"):
+                     init="zeros", ret="seq", bidir=False, collect="stack", prep=""):
             super().__init__()
+            # "linear": a Linear over the whole sequence (no activation) before the loop; the cell's own input
+            # matmul then multiplies it again
+            self.prep = nn.Linear(features, features) if prep == "linear" else None
             self.lstm = cell.startswith("lstm")
             self.hidden, self.batch_first, self.init, self.ret = hidden, batch_first, init, ret
             self.collect = collect  # "buffer": outs = zeros(T, B, H); outs[t] = h (outs[:, t] batch-first)
@@ -1006,6 +1014,8 @@ def torch_modules():
             return ys, [s for st in states for s in (st if self.lstm else [st])]
 
         def forward(self, x, h0=None, c0=None):
+            if self.prep is not None:
+                x = self.prep(x)
             if self.init == "zeros":
                 batch = x.shape[0 if self.batch_first else 1]
                 h0 = torch.zeros(batch, self.hidden, dtype=x.dtype)
@@ -1137,15 +1147,24 @@ def torch_modules():
         """Scripted LSTM loop reading an input projection computed once before it: ``xp = ih(x)``, then per
         step ``xp[t] + hh(h)`` split into the gates (the loop runs x.size(0) times but reads xp)."""
 
-        def __init__(self, features, hidden):
+        def __init__(self, features, hidden, cell_after=False):
             super().__init__()
             self.ih, self.hh, self.hidden = nn.Linear(features, 4 * hidden), nn.Linear(hidden, 4 * hidden), hidden
+            # cell_after: a Linear(F, F) over x before the loop, an nn.LSTMCell reading its rows (a second matmul)
+            self.cell_after = cell_after
+            self.pre, self.cell = nn.Linear(features, features), nn.LSTMCell(features, hidden)
 
         def forward(self, x):
-            xp = self.ih(x)
             h = torch.zeros(x.size(1), self.hidden)
             c = torch.zeros(x.size(1), self.hidden)
             outs: list[torch.Tensor] = []
+            if self.cell_after:
+                xq = self.pre(x)
+                for t in range(x.size(0)):
+                    h, c = self.cell(xq[t], (h, c))
+                    outs.append(h)
+                return torch.stack(outs, dim=0)
+            xp = self.ih(x)
             for t in range(x.size(0)):
                 i, f, g, o = (xp[t] + self.hh(h)).chunk(4, 1)
                 c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
@@ -1278,8 +1297,8 @@ def build_module(c: Case):
             return m["ScriptRevRangeLoop"](c.features, c.hidden, **o)
         if inputs == "context":
             return m["ScriptContextLoop"](c.features, c.hidden)
-        if inputs == "hoisted":
-            return m["ScriptHoistedLoop"](c.features, c.hidden)
+        if inputs in ("hoisted", "linear_before"):
+            return m["ScriptHoistedLoop"](c.features, c.hidden, inputs == "linear_before")
         if o.get("bool_mask"):
             return m["ScriptMaskLoop"](c.features, c.hidden, o["bool_mask"])
         if inputs:

@@ -118,6 +118,7 @@ CELLS = {
     "lstm_sigmoid_via_tanh": (2, "LSTM", 5, "LSTM whose gates are 0.5*tanh(0.5*a) + 0.5 and whose tanh are 2*sigmoid(2*a) - 1"),
     "gru_sigmoid_via_tanh": (1, "GRU", 5, "GRU (torch formula) with gates 0.5*tanh(0.5*a) + 0.5, candidate 2*sigmoid(2*a) - 1"),
     "rnn_tanh_via_sigmoid": (1, "RNN", 5, "Elman RNN whose tanh is written 2*sigmoid(2*a) - 1"),
+    "rnn_neg_state": (1, "RNN", 6, "Elman RNN tanh(ih(x) - hh(h)): the recurrent term subtracted (R negated)"),
     "lstm_sigmoid_via_tanh_off": (2, None, "near", "LSTM gates written 0.5*tanh(0.5*a) + 0.45: not a sigmoid"),
     "lstm_hs_output": (2, "LSTM", 5, "LSTM whose output activation is clamp(0.3*c + 0.4, 0, 1) (hard_sigmoid of the cell state)"),
     "lstm_hs_clip": (2, "LSTM", 5, "LSTM with clamp(0.3*a + 0.4, 0, 1) gates of pre-activations clamped to [-1.5, 1.5]"),
@@ -485,12 +486,12 @@ def torch_classes():
             return self.cell(torch.cat([x, h], -1), h)
 
     class Elman(Cell):
-        def __init__(self, fi: int, h: int, act: str):
+        def __init__(self, fi: int, h: int, act: str, subtract: bool = False):
             super().__init__()
-            self.ih, self.hh, self.kind = lin(fi, h), lin(h, h), act
+            self.ih, self.hh, self.kind, self.subtract = lin(fi, h), lin(h, h), act, subtract
 
         def forward(self, x, h):
-            return self.act(self.kind, self.ih(x) + self.hh(h))
+            return self.act(self.kind, self.ih(x) - self.hh(h) if self.subtract else self.ih(x) + self.hh(h))
 
     def make_cell(kind: str, fi: int, h: int):
         table = {
@@ -545,6 +546,7 @@ def torch_classes():
             "lstm_sigmoid_via_tanh": lambda: LSTMActs(fi, h, "sig_tanh", "tanh_sig", "tanh_sig"),
             "gru_sigmoid_via_tanh": lambda: GRUVariant(fi, h, update="torch", gate="sig_tanh", cand="tanh_sig"),
             "rnn_tanh_via_sigmoid": lambda: Elman(fi, h, "tanh_sig"),
+            "rnn_neg_state": lambda: Elman(fi, h, "tanh", subtract=True),
             "lstm_sigmoid_via_tanh_off": lambda: LSTMActs(fi, h, "sig_tanh_off", "tanh", "tanh"),
             "lstm_hs_output": lambda: LSTMActs(fi, h, "sigmoid", "tanh", "hs34"),
             "lstm_hs_clip": lambda: LSTMActs(fi, h, "hs34", "tanh", "tanh", clip=1.5),

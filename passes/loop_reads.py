@@ -329,7 +329,8 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
 
     ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
     and counters starting at 0)."""
-    T_keys = time_keys(g, x, axis)
+    # (a time flip keeps the length: torch.flip(x, [1])[:, t] in a loop over x.size(1) counts the unflipped x)
+    T_keys = time_keys(g, x, axis) | time_keys(g, _unflipped(g, x, axis), axis)
     T = next((k for k in T_keys if k[0] == "const"), time_dim_key(g, x, axis))
     deltas: list[int] = []
     M = loop.input[0] if loop.input else ""

@@ -47,6 +47,12 @@ def root_dim(g: Graph, name: str, axis: int, depth: int = 0) -> tuple[str, int]:
                 return (name, axis)
             name, axis = n.input[0], perm[axis]
             continue
+        if axis >= 0 and n.op_type == "Gather" and len(n.input) == 2:  # (an embedding lookup: the ids' axes)
+            inner = _gather_source(g, n, axis)
+            if inner is None:
+                return (name, axis)
+            name, axis = inner
+            continue
         if axis >= 0 and rank is not None and n.op_type in _LEADING_FROM_FIRST:
             inner = _leading_source(g, n, rank, axis)
             if inner is None:
@@ -104,6 +110,22 @@ def _leading_source(g: Graph, n: NodeProto, rank: int, axis: int) -> str | None:
     if len(full) == 1 and all(axis < rank - r for r in short):
         return full[0]
     return None
+
+
+def _gather_source(g: Graph, n: NodeProto, axis: int) -> tuple[str, int] | None:
+    """``(tensor, axis)`` whose extent ``Gather(data, ids, axis=a)`` has on its output ``axis``: the ids' axes
+    take the place of data's axis a (``E[tokens]``: [B, T] ids, [B, T, F] rows), data's other axes keep
+    theirs. None when a rank is not known."""
+    a = attr(n, "axis", 0)
+    r_data, r_ids = g.model.rank(n.input[0]), g.model.rank(n.input[1])
+    if r_data is None or r_ids is None:
+        return None
+    a = a + r_data if a < 0 else a
+    if axis < a:
+        return n.input[0], axis
+    if axis < a + r_ids:
+        return n.input[1], axis - a
+    return n.input[0], axis - r_ids + 1
 
 
 def _trip_count_dim(scope: Graph, loop: NodeProto, name: str) -> tuple[str, int] | None:

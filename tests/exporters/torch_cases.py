@@ -237,6 +237,10 @@ CASES = [
            notes="pad [B, T] bool read as pad[:, t:t+1] (a Slice keeping the column): h = where(p, h, cell)"),
     script("lstmcell_script_bool_mask_bf", "lstm", bool_mask="valid", **BF,
            notes="mask [B, T] bool read as mask[:, t].unsqueeze(1): h = where(m, cell, h)"),
+    script("lstmcell_script_embed_before", "lstm", inputs="embed_before",
+           notes="E(tokens) before a loop over tokens.size(0) reading its rows: the trip count is the ids' length"),
+    script("lstmcell_script_flip_before", "lstm", inputs="flip_before", reverse=True,
+           notes="torch.flip(x, [0]) before a loop over x.size(0) reading its rows: a reverse op"),
     script("lstmcell_script_linear_before", "lstm", inputs="linear_before",
            notes="xq = Linear(x) (no activation) before the loop, LSTMCell(xq[t]): the op reads xq as computed"),
     script("lstm_hand_script_hoisted_proj", "lstm", inputs="hoisted",
@@ -830,7 +834,7 @@ def input_specs(c: Case) -> list[tuple[str, tuple]]:
     if c.model == "steps":
         return steps_input_specs(c)
     x = ("B", "T", c.features) if c.batch_first else ("T", "B", c.features)
-    specs = [("tokens", x[:2]) if c.opts.get("inputs") == "embed" else ("x", x)]
+    specs = [("tokens", x[:2]) if c.opts.get("inputs") in ("embed", "embed_before") else ("x", x)]
     if c.opts.get("inputs") == "context":
         specs.append(("z", ("B", CONTEXT)))
     if c.model == "script" and c.opts.get("lengths"):
@@ -1197,6 +1201,26 @@ def torch_modules():
                     outs.append(h)
             return torch.stack(outs, 1)
 
+    class ScriptBeforeLoop(nn.Module):
+        """Scripted LSTMCell loop over x.size(0) reading, at step t, a tensor computed before the loop with x's
+        time axis: the embedding rows of [T, B] token ids (``embed_before``), or x flipped in time
+        (``flip_before``: torch.flip(x, [0])[t], a backward direction)."""
+
+        def __init__(self, features, hidden, kind):
+            super().__init__()
+            self.cell, self.hidden, self.embeds = nn.LSTMCell(features, hidden), hidden, kind == "embed_before"
+            self.embed = nn.Embedding(VOCAB, features)
+
+        def forward(self, x):
+            xs = self.embed(x) if self.embeds else torch.flip(x, [0])
+            h = torch.zeros(x.size(1), self.hidden)
+            c = torch.zeros(x.size(1), self.hidden)
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                h, c = self.cell(xs[t], (h, c))
+                outs.append(h)
+            return torch.stack(outs, dim=0)
+
     class ScriptContextLoop(nn.Module):
         """Scripted loop over an nn.LSTMCell reading cat([x[t], z]): z [B, C] is captured by the loop body."""
 
@@ -1273,6 +1297,7 @@ def torch_modules():
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop,
+                       ScriptBeforeLoop=ScriptBeforeLoop,
                        ScriptRevRangeLoop=ScriptRevRangeLoop)
     return _nn_classes
 
@@ -1297,6 +1322,8 @@ def build_module(c: Case):
             return m["ScriptRevRangeLoop"](c.features, c.hidden, **o)
         if inputs == "context":
             return m["ScriptContextLoop"](c.features, c.hidden)
+        if inputs in ("embed_before", "flip_before"):
+            return m["ScriptBeforeLoop"](c.features, c.hidden, inputs)
         if inputs in ("hoisted", "linear_before"):
             return m["ScriptHoistedLoop"](c.features, c.hidden, inputs == "linear_before")
         if o.get("bool_mask"):

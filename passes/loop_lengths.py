@@ -34,6 +34,7 @@ def counting_offset(g: Graph, data: str) -> int | None:
 
 _COMPARE = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
 _SIGNED = {TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64}
+_WIDE = {TensorProto.INT32, TensorProto.INT64, TensorProto.FLOAT, TensorProto.DOUBLE}  # (hold any extent a run has)
 
 
 def length_mask(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
@@ -106,8 +107,8 @@ def _outer_extent(body: Graph, name: str) -> tuple | None:
         n = body.producer.get(name)
         if n is None:
             return None
-        if n.op_type in ("Cast", "Reshape", "Squeeze", "Identity"):
-            name = n.input[0]
+        if n.op_type in ("Reshape", "Squeeze", "Identity") or (n.op_type == "Cast" and attr(n, "to") in _WIDE):
+            name = n.input[0]  # (a cast to a narrow type would wrap a long extent: not the extent then)
             continue
         if n.op_type != "Gather" or attr(n, "axis", 0) != 0:
             return None

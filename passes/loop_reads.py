@@ -244,7 +244,7 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
         return None
     if kept:
         stepped = [a + rank if a < 0 else a for (_, a), st in zip(axes, starts) if st == ("i", 0)]
-        if len(stepped) != 1:
+        if len(stepped) != 1 or stepped[0] != rank - 1:  # (the kept column of a [B, T] mask: [B, 1], a row each)
             return None
         axis = stepped[0]
     seen = set()

@@ -14,10 +14,14 @@ running it:
   and slices at such indices); nothing else in the write reads a value. The buffer itself is read by nothing
   but the write (its shape included).
 - **Placement** (:func:`write_axis`): the write's nodes, copied into a model of their own, are run for every
-  iteration of a buffer of T slots, at batch 1 and 3 (the model's own batch when it fixes one), on distinct
-  random values: the write must put ``y`` at slot i along one axis (0: time-major ``[T, B, H]``, 1:
-  batch-first ``[B, T, H]``) and keep every other element. Elements that are only moved are then accounted
-  for exactly at those shapes; the rewrite's validation runs the whole loop at the model's input sizes.
+  iteration of buffers of several lengths and batch sizes (on both sides of the width and of a fixed length;
+  the model's own length and batch where it fixes them), on distinct random values: the write must put ``y``
+  at slot i along one axis (0: time-major ``[T, B, H]``, 1: batch-first ``[B, T, H]``) and keep every other
+  element. A run shows the sizes it was run at; a slot that changes only at other sizes is kept out by what
+  the indices may be computed with: integer moves, comparisons and position arithmetic (no reduction, no cast
+  to a narrow type), with no number but 0, +-1 and the extents the file fixes where the length or the batch
+  is free (``Min(i, 15)`` is i at every length up to 16). The buffer must be [T, B, H] with x's batch and
+  the state's width, and the rewrite's validation runs the whole loop at the model's input sizes.
 
 After a loop that runs once per step of x over a buffer with one slot per step, the buffer holds the per-step
 values stacked along that axis: one more per-step output of the step (:mod:`.loop_buffers` reads the simpler
@@ -46,7 +50,7 @@ _MOVES = {"Reshape": (0,), "Expand": (0,), "Unsqueeze": (0,), "Squeeze": (0,), "
 _INDEX, _DATA = "index", "data"
 # ops whose constant operands are numbers the slot is computed with (not axes or positions in a shape)
 _ARITHMETIC = {"Add", "Sub", "Mul", "Div", "Mod", "Min", "Max", "Clip", "Range", "Less", "LessOrEqual", "Greater",
-               "GreaterOrEqual", "Equal", "Neg", "Abs"}
+               "GreaterOrEqual", "Equal", "Neg", "Abs", "ReduceProd", "ReduceSum"}
 _MAX_SLOTS = 64  # (iterations probed: every one up to this many slots, else this many spread over them)
 
 
@@ -149,11 +153,24 @@ def _kind(body: Graph, name: str, kinds: dict, nodes: list, consts: dict) -> str
     return kinds.get(name)
 
 
+# what index arithmetic may use: moving and comparing integers, the arithmetic of positions; no reduction, no
+# cast to a narrow type (Cast(i, INT8) is i for 128 steps, then wraps), nothing a run at a few sizes would not show
+_INDEX_OPS = {"Shape", "Size", "Constant", "ConstantOfShape", "Identity", "Reshape", "Expand", "Unsqueeze", "Squeeze",
+              "Concat", "Gather", "Slice", "Transpose", "Flatten", "Range", "NonZero", "Where", "And", "Or", "Not",
+              "Add", "Sub", "Mul", "Div", "Mod", "Neg", "Min", "Max", "Less", "LessOrEqual", "Greater",
+              "GreaterOrEqual", "Equal", "Cast", "ReduceProd", "ReduceSum"}
+_INDEX_CASTS = {TensorProto.INT32, TensorProto.INT64, TensorProto.BOOL}
+
+
 def _node_kind(p: NodeProto, kinds: dict) -> str | None:
     ins = [kinds.get(i) if i else _INDEX for i in p.input]
     if None in ins:
         return None
-    if p.op_type in ("Shape", "Size") or all(k == _INDEX for k in ins):
+    if p.op_type in ("Shape", "Size"):
+        return _INDEX
+    if all(k == _INDEX for k in ins):
+        if p.op_type not in _INDEX_OPS or (p.op_type == "Cast" and attr(p, "to") not in _INDEX_CASTS):
+            return None
         return _INDEX
     moved = _MOVES.get(p.op_type, ())
     if moved is None:  # (Concat: every input moved)
@@ -178,11 +195,12 @@ def write_axis(g: Graph, w: ScatteredWrite, hidden: int, batch: int | None, trip
     except Exception as e:  # (a write onnxruntime cannot load alone: no placement to read)
         raise Decline(f"an output buffer's write could not be run alone ({str(e).splitlines()[0][:120]})")
     rng = np.random.default_rng(0)
-    if not trip and _fixed_numbers(w):
-        raise Decline("an output buffer written at slots computed with numbers of its own (the loop's length "
-                      "is not fixed: where the write goes for other lengths is not what a run at a few shows)")
-    # (sizes on both sides of each other and of the width: a slot clamped at the width or the batch shows)
-    batches = [batch] if batch else [1, 3, hidden + 2]
+    sizes = {hidden} | ({trip} if trip else set())  # (the extents the file fixes: jax2onnx computes with them)
+    if not (trip and batch) and _fixed_numbers(w, {0, 1, -1} | sizes | {-n for n in sizes}):
+        raise Decline("an output buffer written at slots computed with numbers of its own (the loop's length or "
+                      "batch is not fixed: where the write goes at other sizes is not what a run at a few shows)")
+    # (sizes on both sides of each other, of the width and of a fixed length: a slot clamped at one of them shows)
+    batches = [batch] if batch else sorted({1, 3, hidden + 2} | ({trip + 2, trip + hidden + 2} if trip else set()))
     lengths = [trip] if trip else [3, 5, hidden + max(batches) + 3]
     found = [a for a in (0, 1) if _places(sess, w, a, hidden, batches, lengths, rng)]
     if len(found) != 1:
@@ -202,18 +220,18 @@ def check_buffer_rows(g: Graph, init: str, w: ScatteredWrite, x: str, x_axis: in
         raise Decline("an output buffer written by index arithmetic whose batch size is not provably the input's")
 
 
-def _fixed_numbers(w: ScatteredWrite) -> list:
-    """The numbers the write's index arithmetic uses that are no 0 or +-1 and no slice bound to the end: a
+def _fixed_numbers(w: ScatteredWrite, allowed: set) -> list:
+    """The numbers the write's index arithmetic uses that are not ``allowed`` and no slice bound to the end: a
     slot clamped at 15 (``Min(i, 15)``) is i for every length a run at a few short ones shows, and not after.
-    Exporters build their grids from the iteration number and the shapes, with 0, 1 and -1 alone."""
+    Exporters build their grids from the iteration number and the shapes, with 0, 1 and -1 alone (and a fixed
+    length: jax wraps a negative index by adding it)."""
     big = 2**31 - 1
     odd = []
     for name, value in w.numbers.items():
         arr = np.asarray(value)
         if arr.dtype.kind not in "iuf":
             continue
-        vals = arr.ravel()
-        if any(v not in (0, 1, -1) and abs(v) < big for v in vals.tolist()):
+        if any(v not in allowed and abs(v) < big for v in arr.ravel().tolist()):
             odd.append(name)
     return odd
 

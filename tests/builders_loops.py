@@ -1245,7 +1245,8 @@ def build_scattered_buffer(form: str) -> onnx.ModelProto:
     (``outs[:, i] = h``). Near misses: ``reversed`` the slot is T - 1 - i (read from the buffer's shape);
     ``data_index`` the slot is ArgMax of h's first row (computed from a value, not from i); ``adds`` the
     ScatterND adds h to the slot (reduction add); ``scaled`` the updates are 2 * h (a value no state holds);
-    ``clamped`` the slot is Min(i, 15) (i at every length up to 16, not after); ``wider`` the buffer is H + 1
+    ``clamped`` the slot is Min(i, 15) (i at every length up to 16, not after), ``reduced`` the same as
+    ReduceMin(Concat([i], [15])), ``wrapped`` Cast(Cast(i, INT8), INT64); ``wider`` the buffer is H + 1
     wide (the grid fills its first H columns). ``unused``: the buffer's final value is no output (fused)."""
     W, R, b = weights()
     inits = [numpy_helper.from_array(v, n) for n, v in (
@@ -1273,6 +1274,15 @@ def build_scattered_buffer(form: str) -> onnx.ModelProto:
     elif form == "clamped":
         bn.append(helper.make_node("Min", ["it", "s15"], ["clamp"]))
         slot = "clamp"
+    elif form == "reduced":  # Min(i, 15) as ReduceMin(Concat([i], [15])): the 15 hidden from the arithmetic
+        bn += [helper.make_node("Unsqueeze", ["it", "a0"], ["it1"]), helper.make_node("Unsqueeze", ["s15", "a0"], ["c15"]),
+               helper.make_node("Concat", ["it1", "c15"], ["both"], axis=0),
+               helper.make_node("ReduceMin", ["both"], ["rmin"], keepdims=0)]
+        slot = "rmin"
+    elif form == "wrapped":  # Cast(Cast(i, INT8), INT64): i for 128 steps, then negative
+        bn += [helper.make_node("Cast", ["it"], ["it8"], to=TensorProto.INT8),
+               helper.make_node("Cast", ["it8"], ["itw"], to=TensorProto.INT64)]
+        slot = "itw"
     elif form == "data_index":  # ArgMax of h's first row: a slot in [0, H) read from a value
         bn += [helper.make_node("Gather", ["hn", "s0"], ["h0row"], axis=0),
                helper.make_node("ArgMax", ["h0row"], ["am"], axis=0, keepdims=0)]

@@ -356,6 +356,7 @@ def test_buffer_written_through_an_index_grid_fused():
 
 @pytest.mark.parametrize("form,reason", [("reversed", "iteration's slot"), ("data_index", "slots the iteration"),
                                          ("adds", "slots the iteration"), ("clamped", "numbers of its own"),
+                                         ("reduced", "slots the iteration"), ("wrapped", "slots the iteration"),
                                          ("wider", "width"),
                                          ("scaled", "no state of the step")])
 def test_scattered_buffer_near_misses_declined(form, reason):

@@ -52,6 +52,7 @@ _INDEX, _DATA = "index", "data"
 _ARITHMETIC = {"Add", "Sub", "Mul", "Div", "Mod", "Min", "Max", "Clip", "Range", "Less", "LessOrEqual", "Greater",
                "GreaterOrEqual", "Equal", "Neg", "Abs", "ReduceProd", "ReduceSum"}
 _MAX_SLOTS = 64  # (iterations probed: every one up to this many slots, else this many spread over them)
+_PROBE_ELEMENTS = 1 << 20  # (a probe buffer past this many elements is run at batch 1 and 3 only)
 
 
 @dataclass
@@ -199,10 +200,12 @@ def write_axis(g: Graph, w: ScatteredWrite, hidden: int, batch: int | None, trip
     if not (trip and batch) and _fixed_numbers(w, {0, 1, -1} | sizes | {-n for n in sizes}):
         raise Decline("an output buffer written at slots computed with numbers of its own (the loop's length or "
                       "batch is not fixed: where the write goes at other sizes is not what a run at a few shows)")
-    # (sizes on both sides of each other, of the width and of a fixed length: a slot clamped at one of them shows)
+    # (sizes on both sides of each other, of the width and of a fixed length: a slot clamped at one of them
+    # shows; the larger ones only while a buffer stays small, a few MB: a 6,000-step loop is run at batch 1, 3)
     batches = [batch] if batch else sorted({1, 3, hidden + 2} | ({trip + 2, trip + hidden + 2} if trip else set()))
     lengths = [trip] if trip else [3, 5, hidden + max(batches) + 3]
-    found = [a for a in (0, 1) if _places(sess, w, a, hidden, batches, lengths, rng)]
+    sizes = [(b, t) for b in batches for t in lengths if b * t * hidden <= _PROBE_ELEMENTS or b in (1, 3, batch)]
+    found = [a for a in (0, 1) if _places(sess, w, a, hidden, sizes, rng)]
     if len(found) != 1:
         raise Decline("an output buffer written by index arithmetic that does not put the step's value at the "
                       "iteration's slot")
@@ -236,26 +239,26 @@ def _fixed_numbers(w: ScatteredWrite, allowed: set) -> list:
     return odd
 
 
-def _places(sess, w: ScatteredWrite, axis: int, hidden: int, batches, lengths, rng) -> bool:
-    """Whether every run puts y at slot i along ``axis`` and keeps the rest of the buffer."""
+def _places(sess, w: ScatteredWrite, axis: int, hidden: int, sizes, rng) -> bool:
+    """Whether every run (``sizes``: (batch, length) pairs) puts y at slot i along ``axis`` and keeps the rest
+    of the buffer."""
     dtype = helper.tensor_dtype_to_np_dtype(w.types[w.buffer])
-    for b in batches:
-        for t in lengths:
-            steps = range(t) if t <= _MAX_SLOTS else np.unique(np.linspace(0, t - 1, _MAX_SLOTS).astype(int))
-            for i in steps:
-                buf = rng.standard_normal((t, b, hidden) if axis == 0 else (b, t, hidden)).astype(dtype)
-                y = (rng.standard_normal((b, hidden)) + 10.0).astype(dtype)  # (apart from every buffer value)
-                feeds = {w.buffer: buf, w.value: y}
-                for name in w.iteration:
-                    feeds[name] = np.array(i, dtype=helper.tensor_dtype_to_np_dtype(w.types[name]))
-                try:
-                    (got,) = sess.run([w.out], feeds)
-                except Exception:
-                    return False
-                want = buf.copy()
-                np.moveaxis(want, axis, 0)[i] = y
-                if got.shape != want.shape or not np.array_equal(got, want):
-                    return False
+    for b, t in sizes:
+        steps = range(t) if t <= _MAX_SLOTS else np.unique(np.linspace(0, t - 1, _MAX_SLOTS).astype(int))
+        for i in steps:
+            buf = rng.standard_normal((t, b, hidden) if axis == 0 else (b, t, hidden)).astype(dtype)
+            y = (rng.standard_normal((b, hidden)) + 10.0).astype(dtype)  # (apart from every buffer value)
+            feeds = {w.buffer: buf, w.value: y}
+            for name in w.iteration:
+                feeds[name] = np.array(i, dtype=helper.tensor_dtype_to_np_dtype(w.types[name]))
+            try:
+                (got,) = sess.run([w.out], feeds)
+            except Exception:
+                return False
+            want = buf.copy()
+            np.moveaxis(want, axis, 0)[i] = y
+            if got.shape != want.shape or not np.array_equal(got, want):
+                return False
     return True
 
 

@@ -736,6 +736,8 @@ def expectation(c: Case) -> dict:
         exp["max_cell_ops"] = 2  # (the step input's map, applied once to the whole sequence: a Gemm and a Relu)
     if c.model == "nn" and o.get("head"):
         exp["max_cell_ops"] = 2  # (the per-call head, applied once to the whole sequence: a Gemm and a Tanh)
+    if o.get("prep") == "linear":
+        exp["max_cell_ops"] = 1  # (the model's own Linear over the sequence before the loop: the op's input)
     return exp
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, TensorProto, helper
 
-from rnnfuse.graph import Graph, attr
+from rnnfuse.dims import dim_key
+from rnnfuse.graph import Graph
 from .loop_reads import counter_step, invariant_source
 
 
@@ -34,7 +35,6 @@ def counting_offset(g: Graph, data: str) -> int | None:
 
 _COMPARE = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
 _SIGNED = {TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64}
-_WIDE = {TensorProto.INT32, TensorProto.INT64, TensorProto.FLOAT, TensorProto.DOUBLE}  # (hold any extent a run has)
 
 
 def length_mask(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
@@ -101,26 +101,14 @@ def _shift(body: Graph, name: str, invariants: dict[str, str]) -> int | str | tu
 
 
 def _outer_extent(body: Graph, name: str) -> tuple | None:
-    """``("dim", D, k)`` when ``name`` is ``Gather(Shape(D), k)`` of a tensor D of an enclosing scope, as a
-    scalar (through Cast, Reshape, Squeeze: the value stays the extent); else None."""
-    for _ in range(8):
-        n = body.producer.get(name)
-        if n is None:
-            return None
-        if n.op_type in ("Reshape", "Squeeze", "Identity") or (n.op_type == "Cast" and attr(n, "to") in _WIDE):
-            name = n.input[0]  # (a cast to a narrow type would wrap a long extent: not the extent then)
-            continue
-        if n.op_type != "Gather" or attr(n, "axis", 0) != 0:
-            return None
-        sh = body.producer.get(n.input[0])
-        k = body.const(n.input[1])
-        if sh is None or sh.op_type != "Shape" or k is None or np.size(k) != 1 or len(sh.attribute):
-            return None
-        src = sh.input[0]
-        if body.defines(src) or body.scope_of(src) is None:
-            return None
-        return ("dim", src, int(np.ravel(k)[0]))
-    return None
+    """``("dim", D, k)`` when ``name`` holds the extent of axis k of a tensor D of an enclosing scope (read as
+    :func:`rnnfuse.dims.dim_key` reads a size: ``Gather(Shape(D), k)`` and its spellings, through the ops that
+    keep the value); else None."""
+    key = dim_key(body, name)
+    if key is None or key[0] != "dim":
+        return None
+    src = key[1]
+    return None if body.defines(src) or body.scope_of(src) is None else key
 
 
 def _signed_invariant(body: Graph, name: str, invariants: dict[str, str]) -> tuple[str | None, int]:

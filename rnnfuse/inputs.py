@@ -15,6 +15,7 @@ import numpy as np
 
 from .errors import ProjectedAgain
 from .graph import Graph, attr
+from .op_args import einsum_matmul, einsum_terms
 from .symbolic import StepInput, ConstRef, Lin, LinAtom, Poly, SymTensor
 
 
@@ -101,24 +102,15 @@ def input_projection(g: Graph, src: str, axis: int = 0) -> Projection | None:
 def _einsum_projection(g: Graph, p) -> tuple[str, np.ndarray] | None:
     """``(X0, K)`` when Einsum ``p`` is ``X0 @ K`` for a [.., .., F] X0 and a constant matrix (jnp's
     ``x @ W`` of a 3-D x: ``abc,cd->abd``; ``abc,dc->abd`` reads the weight transposed; either operand first)."""
-    if len(p.input) != 2:
+    terms = einsum_terms(p)
+    if len(p.input) != 2 or terms is None or len(terms[0]) != 2:
         return None
-    eq = attr(p, "equation", b"")
-    eq = (eq.decode() if isinstance(eq, bytes) else eq).replace(" ", "")
-    lhs, _, out = eq.partition("->")
-    terms = lhs.split(",")
-    if len(terms) != 2 or "." in eq:
-        return None
-    k = 1 if len(terms[0]) == 2 else 0  # (the 3-D operand)
-    x_term, w_term = terms[k], terms[1 - k]
+    k = 1 if len(terms[0][0]) == 2 else 0  # (the 3-D operand)
     W = g.const(p.input[1 - k])
-    if W is None or W.ndim != 2 or len(x_term) != 3 or len(set(x_term)) != 3 or len(w_term) != 2 or len(out) != 3:
+    transposed = einsum_matmul(p, k) if len(terms[0][k]) == 3 else None
+    if W is None or W.ndim != 2 or transposed is None:
         return None
-    a, b, c = x_term
-    d = out[2]
-    if out[:2] != a + b or d in x_term or set(w_term) != {c, d}:
-        return None
-    return p.input[k], (W if w_term == c + d else np.ascontiguousarray(W.T))
+    return p.input[k], (np.ascontiguousarray(W.T) if transposed else W)
 
 
 def projected_leaf(proj: Projection) -> tuple[StepInput, SymTensor]:

@@ -150,3 +150,36 @@ def clip_bounds(node: NodeProto, opset: int, value: Value) -> tuple:
 def const_reader(g, node: NodeProto) -> Value:
     """``value`` for a node of graph ``g``: its inputs' constant values (``Graph.const``)."""
     return lambda i: g.const(node.input[i])
+
+
+def einsum_equation(node: NodeProto) -> str:
+    """An Einsum's equation, spaces dropped."""
+    eq = attr(node, "equation", b"")
+    return (eq.decode() if isinstance(eq, bytes) else eq).replace(" ", "")
+
+
+def einsum_terms(node: NodeProto) -> tuple[list[str], str] | None:
+    """An Einsum's operand terms and output term, or None for an equation with an ellipsis or no explicit
+    output."""
+    eq = einsum_equation(node)
+    lhs, arrow, out = eq.partition("->")
+    if not arrow or "." in eq:
+        return None
+    return lhs.split(","), out
+
+
+def einsum_matmul(node: NodeProto, data: int) -> bool | None:
+    """Whether the Einsum ``node`` is ``operand[data] @ W`` for a matrix W, reading W transposed: True for
+    ``...k,nk->...n``, False for ``...k,kn->...n`` (the data term's leading letters kept in order, its last one
+    contracted, either operand first); None for any other equation."""
+    parsed = einsum_terms(node)
+    if parsed is None or len(parsed[0]) != 2:
+        return None
+    terms, out = parsed
+    step, weight = terms[data], terms[1 - data]
+    if len(weight) != 2 or not step or len(set(step)) != len(step) or len(out) != len(step):
+        return None
+    f, d = step[-1], out[-1]
+    if out[:-1] != step[:-1] or d in step or set(weight) != {f, d}:
+        return None
+    return weight.index(f) == 1

@@ -226,18 +226,14 @@ def einsum_as_matmul(node, ins) -> tuple[int, bool]:
     operands in either order (jnp.einsum, torch.einsum); Decline for any other Einsum."""
     if len(ins) != 2:
         raise Decline(f"an Einsum of {len(ins)} operands")
-    eq = attr(node, "equation", b"")
-    eq = (eq.decode() if isinstance(eq, bytes) else eq).replace(" ", "")
-    lhs, _, out = eq.partition("->")
-    terms = lhs.split(",")
-    if len(terms) != 2 or "." in eq or any(len(t) != 2 or len(set(t)) != 2 for t in terms + [out]):
-        raise Decline(f"an Einsum that is not a matmul of two matrices ({eq})")
+    eq = op_args.einsum_terms(node)
+    if eq is None or len(eq[0]) != 2 or any(len(t) != 2 for t in eq[0] + [eq[1]]):
+        raise Decline(f"an Einsum that is not a matmul of two matrices ({op_args.einsum_equation(node)})")
     k = 1 if isinstance(ins[0], Const) and not isinstance(ins[0], Fill) else 0
-    step, weight = terms[k], terms[1 - k]
-    b, f = step
-    if out[0] != b or f in out or f not in weight or out[1] not in weight or out[1] == b:
-        raise Decline(f"an Einsum that is not a matmul of a step value by a weight ({eq})")
-    return k, weight.index(f) == 1
+    transposed = op_args.einsum_matmul(node, k)
+    if transposed is None:
+        raise Decline(f"an Einsum that is not a matmul of a step value by a weight ({op_args.einsum_equation(node)})")
+    return k, transposed
 
 
 def _einsum(ev, node, ins):

@@ -34,6 +34,7 @@ from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, StepState, analyse
 from .loop_buffers import accumulated, check_buffer_length, grown, row_write
+from .loop_split import fuse_parts
 from .loop_writes import ScatteredWrite, check_buffer_rows, scattered_write, write_axis
 from .loop_inputs import find_input_map, side_by_side
 from .loop_outputs import last_step_reads, sequence_output
@@ -297,7 +298,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     if input_map is not None and x_rank == 1:
         rows = None  # (the ids are the step input)
     if len(r.forms) > 1:
-        raise Decline("the step input and the mask are read in different orders")
+        raise Decline(f"one recurrence reads its per-step inputs in {len(r.forms)} orders ({', '.join(sorted(r.forms))})")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
     others = {mask_outer: r.mask_axis, rows and rows.source: 0}
     check_step_lengths(g, {k: a for k, a in others.items() if k not in (None, x_outer)}, x_outer, x_axis, r.forms)
@@ -481,4 +482,5 @@ class FuseLoops:
     fuses_only_with = frozenset({"Loop"})
 
     def run(self, model: Model, ctx: Options) -> PassResult:
-        return fuse_nodes(model, ctx, self.name, "Loop", "Loop", loop_recurrence, body_needs=weight_ops())
+        return fuse_nodes(model, ctx, self.name, "Loop", "Loop", loop_recurrence, body_needs=weight_ops(),
+                          parts_of=fuse_parts)

@@ -82,7 +82,41 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
         shape = body.const(n.input[1])
         if shape is not None and np.asarray(shape).size == 0:  # a scalar: jax's Reshape(Where(i < 0, i + T, i), [])
             return "forward"
-    if n is not None and n.op_type == "Add":  # a + i * -1 (TorchScript's range(T - 1, -1, -1): start + i * step)
+    found = _minus_index(body, n, index_syms)
+    if found is None:
+        return None
+    a, k, shift = found  # the index is a - (i + k) + shift
+    ca = body.const(a)
+    if ca is not None and np.asarray(ca).size == 1 and int(np.asarray(ca).ravel()[0]) + shift == k - 1:
+        return "reverse_end"  # -1 - i: a negative index counts from the end (-1 - i >= -T for every i < T)
+    T_keys = _time_size_keys(g, data, axis)
+    # a must be T - 1 + k - shift
+    an = body.producer.get(value_source(body, a)) if body.scope_of(a) is body else None
+    if an is None:
+        an = g.producer.get(value_source(g, a))
+    if k - shift == 1 and _size_keys(g, dim_key(body, a)) & T_keys:
+        return "reverse"
+    if an is not None and an.op_type == "Sub":
+        c = body.const(an.input[1])
+        if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k + shift and _size_keys(g, dim_key(body, an.input[0])) & T_keys:
+            return "reverse"
+    return None
+
+
+def _minus_index(body: Graph, n: NodeProto | None, index_syms: dict[str, int]) -> tuple[str, int, int] | None:
+    """``(a, k, shift)`` when node ``n`` computes ``a - (i + k) + shift`` (i the iteration number): ``a - i``,
+    ``a + i * -1`` (TorchScript's range(T - 1, -1, -1): start + i * step), and either with a constant added or
+    subtracted after it (``(T - i) - 1``)."""
+    shift = 0
+    if n is not None and n.op_type in ("Add", "Sub") and len(n.input) == 2:
+        for j in ((1,) if n.op_type == "Sub" else (1, 0)):
+            c = body.const(n.input[j])
+            inner = body.producer.get(value_source(body, n.input[1 - j]))
+            if c is not None and np.size(c) == 1 and np.asarray(c).dtype.kind in "iu" and inner is not None \
+                    and inner.op_type in ("Add", "Sub"):
+                shift, n = (-1 if n.op_type == "Sub" else 1) * int(np.ravel(c)[0]), inner
+                break
+    if n is not None and n.op_type == "Add":
         neg = [k for k in (0, 1) if _negated(body, n.input[k]) is not None]
         if len(neg) != 1:
             return None
@@ -94,22 +128,7 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     step = counter_step(body, b)
     if step is None or step[0] not in index_syms:
         return None
-    k = index_syms[step[0]] + step[1]  # subtracted value is i + k
-    ca = body.const(a)
-    if ca is not None and np.asarray(ca).size == 1 and int(np.asarray(ca).ravel()[0]) == k - 1:
-        return "reverse_end"  # -1 - i: a negative index counts from the end (-1 - i >= -T for every i < T)
-    T_keys = _time_size_keys(g, data, axis)
-    # a must be T - 1 + k
-    an = body.producer.get(value_source(body, a)) if body.scope_of(a) is body else None
-    if an is None:
-        an = g.producer.get(value_source(g, a))
-    if k == 1 and _size_keys(g, dim_key(body, a)) & T_keys:
-        return "reverse"
-    if an is not None and an.op_type == "Sub":
-        c = body.const(an.input[1])
-        if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k and _size_keys(g, dim_key(body, an.input[0])) & T_keys:
-            return "reverse"
-    return None
+    return a, index_syms[step[0]] + step[1], shift
 
 
 def _size_keys(g: Graph, key) -> set:
@@ -332,11 +351,13 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
     # (a time flip keeps the length: torch.flip(x, [1])[:, t] in a loop over x.size(1) counts the unflipped x)
     T_keys = time_keys(g, x, axis) | time_keys(g, _unflipped(g, x, axis), axis)
     T = next((k for k in T_keys if k[0] == "const"), time_dim_key(g, x, axis))
+    # (and the name the model declares it by: a loop counting x.size(0) may step z, declared [time, B, F] too)
+    T_keys = set().union(*(_size_keys(g, key) for key in T_keys)) - {None}
     deltas: list[int] = []
     M = loop.input[0] if loop.input else ""
     if M:
         k = dim_key(g, M) or _range_count(g, M, T_keys)
-        if k in T_keys:
+        if _size_keys(g, k) & T_keys:
             deltas.append(0)
         elif k is not None and k[0] == "const" and (k[1] >= 2**31 - 1 or (T[0] == "const" and k[1] >= T[1])):
             pass  # a bound at least T: the condition decides
@@ -352,7 +373,7 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
         if cs is None or cs[0] not in index_syms:
             raise Decline("the loop condition compares something other than the iteration number")
         k = index_syms[cs[0]] + cs[1]  # the compared value is i + k
-        if dim_key(body, b) not in T_keys:
+        if not _size_keys(g, dim_key(body, b)) & T_keys:
             raise Decline("the loop condition's bound is not the number of time steps")
         deltas.append(1 - k)
     if not deltas:
@@ -362,5 +383,5 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
     # the first iteration must run whenever T >= 1
     cond0 = loop.input[1] if len(loop.input) > 1 else ""
     for bound in condition_bounds(g, cond0) if cond0 else []:
-        if bound is None or dim_key(g, bound[0]) != ("const", 0) or dim_key(g, bound[1]) not in T_keys:
+        if bound is None or dim_key(g, bound[0]) != ("const", 0) or not _size_keys(g, dim_key(g, bound[1])) & T_keys:
             raise Decline("cannot prove the loop's first iteration runs")

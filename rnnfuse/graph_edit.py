@@ -59,7 +59,7 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         if outputs is None:
             outputs = [self.fresh(f"{base}:{i}" if n_outputs > 1 else base) for i in range(n_outputs)]
         node = helper.make_node(op_type, inputs, outputs, name=self.fresh(base), domain=domain or None, **attrs)
-        self._append(node, self.position(anchor) if anchor is not None else None)
+        self.append_node(node, self.position(anchor) if anchor is not None else None)
         return outputs
 
     def add_copies(self, nodes: list[NodeProto], env: dict[str, str], base: str, anchor: NodeProto | None = None) -> None:
@@ -75,11 +75,11 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
             if n.domain:
                 node.domain = n.domain
             node.attribute.extend(n.attribute)
-            self._append(node, anchor_pos)
+            self.append_node(node, anchor_pos)
             env.update(zip(outs, new))
 
-    def _append(self, node: NodeProto, anchor_pos: int | None) -> None:
-        """Put a new node in the graph and its index, placed near the anchor's position when there is one."""
+    def append_node(self, node: NodeProto, anchor_pos: int | None) -> None:
+        """Put a new node (with its subgraphs) in the graph and its index, near ``anchor_pos`` when given."""
         self.nodes.append(node)
         self._removed.added(id(node))
         self._by_op_add(node)

@@ -226,11 +226,14 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
 
 
 def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, recurrence_of,
-               body_needs: frozenset[str] = frozenset()) -> PassResult:
+               body_needs: frozenset[str] = frozenset(), parts_of=None) -> PassResult:
     """The body of a front end that looks at every ``op_type`` node (Loop, Scan): find, then apply.
     ``body_needs``: op types of which a body must hold one to be worth analysing (a weight product: a body
     without one holds no cell); any other is declined after a scan of its op types, its graph not indexed
-    (25,000 small Loops with no cell: 3 s of indexing and type queries saved)."""
+    (25,000 small Loops with no cell: 3 s of indexing and type queries saved). ``parts_of(g, node,
+    recurrence_of)``: ``(recurrences, [(part, reason)], node)`` of the parts a node splits into, tried before
+    the node whole (see passes.loop_split): the parts' recurrences and declines, or none and the node to
+    analyse whole (the node, or its copy)."""
     g = model.graph
     res = PassResult(pass_name)
     recs = []
@@ -249,12 +252,22 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
         if reason is not None:
             res.findings.append(declined(pass_name, front, node.name or node.output[0], reason))
             continue
+        if body_needs and not holds_op_type(node, body_needs):
+            reason = f"no cell: its body multiplies nothing by a weight matrix ({', '.join(sorted(body_needs))})"
+            res.findings.append(declined(pass_name, front, node.name or node.output[0], reason))
+            kept.keep(pass_name, node, reason)
+            continue
         try:
-            if body_needs and not holds_op_type(node, body_needs):
-                raise Decline(f"no cell: its body multiplies nothing by a weight matrix ({', '.join(sorted(body_needs))})")
             # (its analysis decides on the types of what it reads from outside, asked in many places as
             # filters: inferred whole first, not left to whatever an earlier query happened to infer)
             g.model.settle_types([i for i in node.input if i] + sorted(g.implicit_inputs(node)))
+            if parts_of is not None:
+                part_recs, part_declines, node = parts_of(g, node, recurrence_of)
+                if part_recs:
+                    recs.extend(part_recs)
+                    res.findings.extend(declined(pass_name, front, p.name or p.output[0], why)
+                                        for p, why in part_declines)
+                    continue
             found = recurrence_of(g, node)
             recs.extend(found if isinstance(found, list) else [found])  # a list: the layers of a stacked step
         except Decline as d:

@@ -157,6 +157,9 @@ CASES = [
     case("hand_gru_running_sum_o17", "hand", "gru", running_sum=True, opset=17),
     # -- two sequences scanned side by side, (x, x2), the cell reading concatenate([x_t, x2_t]): one op over both
     case("hand_gru_two_seqs", "hand", "gru", second=2),
+    # both directions stepped in one scan (jax2onnx refuses reverse=True): the Loop split, the halves merged
+    case("hand_rnn_bidir_one_scan", "hand", "rnn_relu", bidir_scan=True),
+    case("hand_rnn_bidir_one_scan_dyn_t_o17", "hand", "rnn_relu", bidir_scan=True, dynamic_time=True, opset=17),
     case("hand_lstm_two_seqs_dyn_t_o17", "hand", "lstm", second=1, dynamic_time=True, opset=17),
     # -- two cells a masked step, the upper reading the lower's kept h (where(m, new, h1)): two masked ops
     case("hand_rnn_stacked_masked_kept", "hand", "rnn_relu", mask=True, stacked_kept=True),
@@ -669,6 +672,24 @@ def build_hand(env: Env, c: Case, seed: int):
 
         return fn, specs
 
+    if c.opts.get("bidir_scan"):  # both directions in one scan over (x, x[::-1]), the backward ys flipped back
+        Bx, Bh, bb = _weights(rng, (F, H), (H, H), (H,))
+
+        def fn(x):
+            def step(carry, inp):
+                xt, xr = inp
+                hf, _ = cell(carry[0], xt)
+                hb = jax.nn.relu(xr @ Bx + carry[1] @ Bh + bb)
+                return (hf, hb), (hf, hb)
+
+            xs = jnp.swapaxes(x, 0, 1)
+            with env.original_shape():
+                h0 = jnp.zeros((x.shape[0], H), jnp.float32)
+            _, (yf, yb) = jax.lax.scan(step, (h0, h0), (xs, xs[::-1]))
+            return jnp.swapaxes(jnp.concatenate([yf, yb[::-1]], -1), 0, 1)
+
+        return fn, specs
+
     if c.opts.get("second"):  # lax.scan over (x, x2): the cell reads concatenate([x_t, x2_t])
         specs.append(("x2", ("B", "T" if c.dynamic_time else TIME, c.opts["second"]), "float32"))
 
@@ -928,6 +949,9 @@ def expectation(c: Case) -> dict:
         return {"ops": {op: 1}, "absent": ["Loop", "Scan"], "validated": "probe points"}
     if c.opts.get("stacked_kept"):  # (and a tanh cell above it)
         return {"ops": {"RNN": 2}, "absent": ["Loop", "Scan"]}
+    if c.opts.get("bidir_scan"):  # a forward op and a reverse one, not merged: jnp's xs[::-1] here is a Gather by
+        # a reversed iota (Range, Mul, Add, its own reversal, Reshape, Expand), which no time flip reads yet
+        return {"ops": {op: 2}, "directions": {op: ["forward", "reverse"]}, "absent": ["Loop", "Scan"]}
     if c.model == "bidir":  # the flip outside the loops (Range/Sub/Gather) is seen: one bidirectional op
         return {"ops": {op: 1}, "directions": {op: ["bidirectional"]}, "absent": ["Loop", "Scan"]}
     # an LSTM's c read at one step per row (flax's carry at seq_lengths - 1) is a twin op's Y_c

@@ -273,6 +273,14 @@ CASES = [
     script("gru_hand_script_2layers", "gru_hand", layers=2, notes=(
         "the second layer's Loop reads the first's stacked outputs and runs x.size(0) times, read once for both")),
     script("lstmcell_script_2layers_bf", "lstm", layers=2, **BF),
+    # -- two recurrences stepped in one Loop, neither reading the other: one Loop each, then merged
+    script("lstmcell_script_bidir_one_loop", "lstm", **BI,
+           notes="hf = fw(x[t], hf); hb = bw(x[T-1-t], hb) in one loop; outs_b.insert(0, hb); cat on features"),
+    script("lstmcell_script_bidir_one_loop_bf", "lstm", **BI, **BF),
+    script("lstmcell_script_bidir_one_loop_coupled", "lstm", **BI, coupled=True, near_miss=True,
+           notes="the backward cell reads hb + hf: one recurrence reading x both ways (no native op)"),
+    script("lstmcell_script_two_cells", "lstm", inputs="two_cells",
+           notes="an LSTMCell over x[t] and a hand GRU over z[t] in one loop, neither reading the other"),
     script("rnn_hand_script", "rnn_hand", notes=(
         "nn.RNNCell fails like nn.GRUCell (aten::__contains__ / aten::rnn_tanh_cell unsupported); "
         "tanh(Linear_ih(x_t) + Linear_hh(h)) with the RNNCell's parameters instead")),
@@ -730,6 +738,9 @@ def expectation(c: Case) -> dict:
         return steps_expectation(c, exp)
     if c.model == "script" and o.get("near_miss"):  # the Loop stays as it is
         return {"declined": True, "ops": {}, "absent": []}
+    if o.get("inputs") == "two_cells":  # (the Loop split in two: an LSTM over x, a GRU over z)
+        return {"ops": {"LSTM": 1, "GRU": 1}, "absent": ABSENT, "directions": {"LSTM": ["forward"], "GRU": ["forward"]},
+                "max_cell_ops": 0, "attrs": {"GRU": {"linear_before_reset": 1}}}
     if o.get("collect") == "buffer":  # the buffer's row writes go with the steps: the buffer is Y
         exp["absent"] = list(ABSENT) + ["ScatterND", "ScatterElements"]
     if c.model == "script" and o.get("inputs"):
@@ -839,6 +850,8 @@ def input_specs(c: Case) -> list[tuple[str, tuple]]:
     specs = [("tokens", x[:2]) if c.opts.get("inputs") in ("embed", "embed_before") else ("x", x)]
     if c.opts.get("inputs") == "context":
         specs.append(("z", ("B", CONTEXT)))
+    if c.opts.get("inputs") == "two_cells":  # (a second sequence, as x)
+        specs.append(("z", x))
     if c.model == "script" and c.opts.get("lengths"):
         specs.append(("lengths", ("B",)))
     if c.model == "script" and c.opts.get("bool_mask"):  # [B, T] bool: true at valid steps, or padding ("pad")
@@ -1295,12 +1308,58 @@ def torch_modules():
                 outs.append(h)
             return torch.stack(outs), h
 
+    class ScriptBidirLoop(nn.Module):
+        """Scripted loop stepping a forward and a backward nn.LSTMCell together: hf from x[t], hb from
+        x[T - 1 - t] (a bidirectional layer by hand, in one Loop); ``coupled``: the backward cell also reads hf
+        (one recurrence reading x both ways: no native op, a near miss)."""
+
+        def __init__(self, features, hidden, batch_first=False, coupled=False, **_):
+            super().__init__()
+            self.fw, self.bw = nn.LSTMCell(features, hidden), nn.LSTMCell(features, hidden)
+            self.hidden, self.batch_first, self.coupled = hidden, batch_first, coupled
+
+        def forward(self, x):
+            tdim = 1 if self.batch_first else 0
+            steps, batch = x.size(tdim), x.size(1 - tdim)
+            hf, cf = torch.zeros(batch, self.hidden, dtype=x.dtype), torch.zeros(batch, self.hidden, dtype=x.dtype)
+            hb, cb = torch.zeros(batch, self.hidden, dtype=x.dtype), torch.zeros(batch, self.hidden, dtype=x.dtype)
+            outs_f: list[torch.Tensor] = []
+            outs_b: list[torch.Tensor] = []
+            for i in range(steps):
+                j = steps - 1 - i
+                hf, cf = self.fw(x[:, i] if self.batch_first else x[i], (hf, cf))
+                hb, cb = self.bw(x[:, j] if self.batch_first else x[j], (hb + hf if self.coupled else hb, cb))
+                outs_f.append(hf)
+                outs_b.insert(0, hb)  # (not outs_b.reverse() after the loop: the exporter drops it)
+            return torch.cat([torch.stack(outs_f, tdim), torch.stack(outs_b, tdim)], -1)
+
+    class ScriptTwoCellsLoop(nn.Module):
+        """Scripted loop stepping two cells side by side over two inputs (an nn.LSTMCell over x[t], a hand GRU
+        over z[t]), neither reading the other: two encoders in one Loop."""
+
+        def __init__(self, features, hidden, **_):
+            super().__init__()
+            self.a, self.b = nn.LSTMCell(features, hidden), make_cell("gru_hand", features, hidden)
+            self.hidden = hidden
+
+        def forward(self, x, z):
+            batch = x.size(1)
+            h, c = torch.zeros(batch, self.hidden, dtype=x.dtype), torch.zeros(batch, self.hidden, dtype=x.dtype)
+            g = torch.zeros(batch, self.hidden, dtype=x.dtype)
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                h, c = self.a(x[t], (h, c))
+                g = self.b(z[t], g)
+                outs.append(h)
+            return torch.stack(outs), g
+
     _nn_classes.update(CellLoop=CellLoop, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop,
                        ScriptBeforeLoop=ScriptBeforeLoop,
-                       ScriptRevRangeLoop=ScriptRevRangeLoop)
+                       ScriptRevRangeLoop=ScriptRevRangeLoop, ScriptBidirLoop=ScriptBidirLoop,
+                       ScriptTwoCellsLoop=ScriptTwoCellsLoop)
     return _nn_classes
 
 
@@ -1330,6 +1389,10 @@ def build_module(c: Case):
             return m["ScriptHoistedLoop"](c.features, c.hidden, inputs == "linear_before")
         if o.get("bool_mask"):
             return m["ScriptMaskLoop"](c.features, c.hidden, o["bool_mask"])
+        if o.get("bidir"):
+            return m["ScriptBidirLoop"](c.features, c.hidden, **o)
+        if inputs == "two_cells":
+            return m["ScriptTwoCellsLoop"](c.features, c.hidden)
         if inputs:
             return m["ScriptPrepLoop"](c.features, c.hidden, inputs)
         if cell == "lstm":

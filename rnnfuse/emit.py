@@ -331,9 +331,9 @@ def _time_major_input(b: Builder, rec: Recurrence, x: str, mask: str | None):
         raise Decline(f"the mask has rank {mrank}")
     if rec.x_batch_first:
         x = b.op("Transpose", x, perm=[1, 0, 2])
-        if mask is not None:
-            mask = b.op("Transpose", mask, perm=[1, 0, 2][:mrank])
-            mask_time_axis = 1
+    if mask is not None and (rec.x_batch_first if rec.mask_batch_first is None else rec.mask_batch_first):
+        mask = b.op("Transpose", mask, perm=[1, 0, 2][:mrank])
+        mask_time_axis = 1
     reverse = rec.x_reversed  # the front end already knows the processing order is backwards in time
     if not reverse and not rec.x_batch_first:
         src = time_flip_source(g, x, 0)

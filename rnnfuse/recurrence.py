@@ -131,6 +131,7 @@ class Recurrence:
     h0: Init = field(default_factory=Init)
     c0: Init = field(default_factory=Init)
     mask: str | None = None
+    mask_batch_first: bool | None = None  # the mask's layout where it is not x's ([B, T] beside a time-major x)
     # ``mask`` is true at padded steps (a padding mask, ``Where(pad, h_prev, h_new)``): the op's is its negation
     mask_negated: bool = False
     # the front end computed ``mask`` (t compared with per-row lengths): the original graph does not read it,

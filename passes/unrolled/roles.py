@@ -422,11 +422,12 @@ class _ChainRoles:
         if an.masked:
             if isinstance(msrc, StepMask):  # lengths > t or f(x_t) written per step: its [T, B] source, like x
                 msrc, maxis = msrc.source(g, axis, T if T is not None else max(ts) + 1, maxis, anchor), axis
-            elif msrc is None or maxis != axis or (static_dim(g, msrc, maxis) != T
-                                                   and extent_key(g, msrc, maxis) != extent_key(g, src, axis)):
+            elif msrc is None or (static_dim(g, msrc, maxis) != T and extent_key(g, msrc, maxis) != extent_key(g, src, axis)):
                 raise Decline("the mask is not laid out like the per-step inputs")
             mask = msrc
         steps = None if min(ts) == 0 and T is not None and max(ts) == T - 1 else (min(ts), max(ts) + 1, axis)
+        if mask is not None and maxis != axis and (steps is not None or maxis not in (0, 1)):  # (else swapped: emit)
+            raise Decline("the mask is laid out otherwise than the per-step inputs")
         return Recurrence(
             front="chain",
             where=self.chain.describe(f"'{src}' (axis {axis})") + f", steps {ts[0]}..{ts[-1]}: {self.n} cells",
@@ -435,6 +436,7 @@ class _ChainRoles:
             h0=an.h0,
             c0=an.c0,
             mask=mask,
+            mask_batch_first=None if mask is None or maxis == axis else maxis == 1,
             mask_negated=an.masked and an.mask_negated,
             seq_outputs=an.seq_outputs,
             finals=[FinalOutput(f.tensor, f.which, f.init, value_lead(g, f.tensor, self.series, self.sigs)) for f in an.finals],
@@ -495,3 +497,4 @@ class _ChainRoles:
                 return None
             out[v] = (t[0], tuple(t[1][1:]))
         return out
+

@@ -491,7 +491,7 @@ def steps_module(c: Case):
             outs = []
             if o.get("lengths") in ("arange", "arange_where"):  # the whole mask once: arange(T)[:, None] < lengths
                 T = x.shape[1 if c.batch_first else 0]
-                if c.batch_first:  # [B, T], read as mask[:, t]
+                if c.batch_first or o.get("mask_bt"):  # [B, T], read as mask[:, t] (mask_bt: beside a time-major x)
                     masks = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
                 else:  # [T, B], read as mask[t]
                     masks = torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)
@@ -579,7 +579,7 @@ def steps_module(c: Case):
                     outs.append(torch.where(pad, torch.zeros_like(h_new), h_new))
                     continue
                 step_mask = None if lengths is None or "arange" not in str(o.get("lengths")) else (
-                    masks[:, t] if c.batch_first else masks[t])
+                    masks[:, t] if c.batch_first or o.get("mask_bt") else masks[t])
                 if o.get("lengths") == "arange_where":  # where(mask[t][:, None], new, old)
                     keep = step_mask.unsqueeze(1)
                     h = torch.where(keep, h_new, h)
@@ -661,6 +661,10 @@ CASES += [
     # ... and with the whole mask built once, arange(T)[:, None] < lengths[None, :], then read per step
     steps("grucell_trace_arange_mask", "gru", lengths="arange"),
     steps("lstmcell_trace_arange_mask_where_bf", "lstm", lengths="arange_where", batch_first=True),
+    steps("lstmcell_trace_arange_mask_where_bt_time_major", "lstm", lengths="arange_where", mask_bt=True,
+          notes="the [B, T] mask arange(T)[None] < lengths[:, None] read as mask[:, t] beside a time-major x"),
+    steps("grucell_dynamo_arange_mask_where_bt_time_major", "gru", lengths="arange_where", mask_bt=True,
+          exporter="dynamo"),
     steps("lstmcell_dynamo_arange_mask", "lstm", exporter="dynamo", time=6, lengths="arange"),
     # a mask decided inside each step from the step input alone (padding: all features 0)
     steps("grucell_trace_xmask", "gru", xmask="where"),

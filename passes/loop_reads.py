@@ -343,6 +343,21 @@ def _range_count(g: Graph, M: str, T_keys: set):
     return T
 
 
+def _time_length_test(g: Graph, T_keys: set):
+    """Whether a size key is x's time length: one of ``T_keys``, or an axis of another tensor that the model
+    declares by the same name (a loop counting x.size(0) may step z, declared [time, B, F] too; not another
+    axis of x itself, which a file declaring [N, N, F] would make "equal" to T)."""
+    named = set().union(*(_size_keys(g, key) for key in T_keys)) - T_keys - {None}
+    roots = {key[1] for key in T_keys if key is not None and key[0] == "dim"}
+
+    def is_T(key) -> bool:
+        if key in T_keys:
+            return True
+        return key is not None and key[0] == "dim" and key[1] not in roots and bool(_size_keys(g, key) & named)
+
+    return is_T
+
+
 def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int], axis: int = 0) -> None:
     """Prove the loop runs exactly T iterations (x's size on ``axis``), or Decline.
 
@@ -351,13 +366,12 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
     # (a time flip keeps the length: torch.flip(x, [1])[:, t] in a loop over x.size(1) counts the unflipped x)
     T_keys = time_keys(g, x, axis) | time_keys(g, _unflipped(g, x, axis), axis)
     T = next((k for k in T_keys if k[0] == "const"), time_dim_key(g, x, axis))
-    # (and the name the model declares it by: a loop counting x.size(0) may step z, declared [time, B, F] too)
-    T_keys = set().union(*(_size_keys(g, key) for key in T_keys)) - {None}
+    is_T = _time_length_test(g, T_keys)
     deltas: list[int] = []
     M = loop.input[0] if loop.input else ""
     if M:
         k = dim_key(g, M) or _range_count(g, M, T_keys)
-        if _size_keys(g, k) & T_keys:
+        if is_T(k):
             deltas.append(0)
         elif k is not None and k[0] == "const" and (k[1] >= 2**31 - 1 or (T[0] == "const" and k[1] >= T[1])):
             pass  # a bound at least T: the condition decides
@@ -373,7 +387,7 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
         if cs is None or cs[0] not in index_syms:
             raise Decline("the loop condition compares something other than the iteration number")
         k = index_syms[cs[0]] + cs[1]  # the compared value is i + k
-        if not _size_keys(g, dim_key(body, b)) & T_keys:
+        if not is_T(dim_key(body, b)):
             raise Decline("the loop condition's bound is not the number of time steps")
         deltas.append(1 - k)
     if not deltas:
@@ -383,5 +397,5 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
     # the first iteration must run whenever T >= 1
     cond0 = loop.input[1] if len(loop.input) > 1 else ""
     for bound in condition_bounds(g, cond0) if cond0 else []:
-        if bound is None or dim_key(g, bound[0]) != ("const", 0) or not _size_keys(g, dim_key(g, bound[1])) & T_keys:
+        if bound is None or dim_key(g, bound[0]) != ("const", 0) or not is_T(dim_key(g, bound[1])):
             raise Decline("cannot prove the loop's first iteration runs")

@@ -18,6 +18,8 @@ fewer than two groups: not split.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from onnx import AttributeProto, GraphProto, NodeProto
 
 from rnnfuse.errors import Decline
@@ -29,14 +31,15 @@ _NOT_COPIED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUnifo
                "Bernoulli", "Dropout"}  # (a copy may draw other numbers: Dropout's training_mode may be fed)
 
 
-def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, NodeProto]:
-    """``(recurrences, [(part, its decline reason)], node)``: when ``loop`` splits (see the module) and at least
-    one of its parts is a recurrence, their recurrences and the others' declines, the parts in the Loop's place;
-    otherwise no recurrence and the Loop in the graph, ``node``: ``loop`` itself, or an equal copy of it where
-    its parts were tried and put back (the removed node stays removed)."""
+def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, NodeProto, Callable[[], None] | None]:
+    """``(recurrences, [(part, its decline reason)], node, settle)``: when ``loop`` splits (see the module) and
+    at least one of its parts is a recurrence, their recurrences and the others' declines, the parts in the
+    Loop's place, and ``settle``, to call once the recurrences were applied or declined: it puts the Loop back
+    when no part was fused after all (validation may decline them all). Otherwise no recurrence and the Loop in
+    the graph, ``node``: ``loop`` itself, or an equal copy of it where its parts were tried and put back."""
     parts = split_loop(g, loop)
     if parts is None:
-        return [], [], loop
+        return [], [], loop, None
     at = g.position(loop)
     g.remove_node(loop)
     for p in parts:
@@ -49,14 +52,20 @@ def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, No
             recs.extend(found if isinstance(found, list) else [found])
         except Decline as d:
             declines.append((p, d.reason))
+
+    def put_back() -> NodeProto | None:
+        if any(not g.alive(p) for p in parts):
+            return None  # (a part was fused: the others stay Loops of their own)
+        for p in parts:
+            g.remove_node(p)
+        back = NodeProto()
+        back.CopyFrom(loop)  # (the removed node stays removed: a copy goes back)
+        g.append_node(back, at)
+        return back
+
     if recs:
-        return recs, declines, loop
-    for p in parts:
-        g.remove_node(p)
-    back = NodeProto()
-    back.CopyFrom(loop)
-    g.append_node(back, at)
-    return [], [], back
+        return recs, declines, loop, put_back
+    return [], [], put_back(), None
 
 
 def split_loop(g: Graph, loop: NodeProto) -> list[NodeProto] | None:
@@ -186,7 +195,8 @@ def _part(g: Graph, loop: NodeProto, body: GraphProto, i: int, carried: list[int
             owned.add(shared_k)
         return name
 
-    part = NodeProto(op_type="Loop", name=(loop.name + suffix) if loop.name else "", domain=loop.domain)
+    part = NodeProto(op_type="Loop", name=g.fresh(loop.name + suffix) if loop.name and suffix else loop.name,
+                     domain=loop.domain)
     part.input.extend([loop.input[0], loop.input[1]] + [loop.input[2 + k] for k in carried])
     part.output.extend([final(k, k if k in shared else None) for k in carried] + [final(n_carried + j, None) for j in scans])
     part.attribute.add(name="body", type=AttributeProto.GRAPH).g.CopyFrom(sub)

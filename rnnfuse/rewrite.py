@@ -231,12 +231,12 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
     ``body_needs``: op types of which a body must hold one to be worth analysing (a weight product: a body
     without one holds no cell); any other is declined after a scan of its op types, its graph not indexed
     (25,000 small Loops with no cell: 3 s of indexing and type queries saved). ``parts_of(g, node,
-    recurrence_of)``: ``(recurrences, [(part, reason)], node)`` of the parts a node splits into, tried before
-    the node whole (see passes.loop_split): the parts' recurrences and declines, or none and the node to
-    analyse whole (the node, or its copy)."""
+    recurrence_of)``: ``(recurrences, [(part, reason)], node, settle)`` of the parts a node splits into, tried
+    before the node whole (see passes.loop_split): the parts' recurrences and declines and what to call once
+    they were applied, or none and the node to analyse whole (the node, or its copy)."""
     g = model.graph
     res = PassResult(pass_name)
-    recs = []
+    recs, settles = [], []
     facts = g.model.facts
     if facts.kept_declines is None:
         facts.kept_declines = KeptDeclines()
@@ -262,9 +262,10 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
             # filters: inferred whole first, not left to whatever an earlier query happened to infer)
             g.model.settle_types([i for i in node.input if i] + sorted(g.implicit_inputs(node)))
             if parts_of is not None:
-                part_recs, part_declines, node = parts_of(g, node, recurrence_of)
+                part_recs, part_declines, node, settle = parts_of(g, node, recurrence_of)
                 if part_recs:
                     recs.extend(part_recs)
+                    settles.append(settle)
                     res.findings.extend(declined(pass_name, front, p.name or p.output[0], why)
                                         for p, why in part_declines)
                     continue
@@ -274,4 +275,6 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
             res.findings.append(declined(pass_name, front, node.name or node.output[0], d.reason))
             kept.keep(pass_name, node, d.reason)
     apply_recurrences(g, ctx, pass_name, recs, res)
+    for settle in settles:
+        settle()
     return res

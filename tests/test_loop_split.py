@@ -34,7 +34,7 @@ def _cell(tag: str, xt: str, h: str, act: str = "Tanh", extra: str | None = None
                     helper.make_node(act, [f"z{tag}"], [f"h{tag}n"])]
 
 
-def build(form: str, act: str = "Tanh") -> onnx.ModelProto:
+def build(form: str, act: str = "Tanh", act_b: str | None = None) -> onnx.ModelProto:
     """A Loop over x's T steps carrying a forward state (x[i]) and a backward one (x[T - 1 - i]), each a tanh
     RNN cell, emitting both per step (the backward one in iteration order). Forms: ``bidir``; ``carried``
     (jax: the forward weight W carried through unchanged, and a counter k = k + 1 the forward step reads x
@@ -59,7 +59,7 @@ def build(form: str, act: str = "Tanh") -> onnx.ModelProto:
           helper.make_node("Gather", ["x", "j"], ["xb"], axis=0)]
     if carried:
         bn.append(helper.make_node("Add", ["k", "one"], ["kn"]))
-    bn += _cell("f", "xf", "hf", act) + _cell("b", "xb", "hb", act, extra="hf" if form == "coupled" else None)
+    bn += _cell("f", "xf", "hf", act) + _cell("b", "xb", "hb", act_b or act, extra="hf" if form == "coupled" else None)
     if carried:  # (the forward cell's W read from the carried copy)
         bn[[n.output[0] for n in bn].index("xwf")].input[1] = "Wc"
     if form == "cond_reads_state":
@@ -142,26 +142,65 @@ def test_dependent_recurrences_not_split(form, reason):
     assert fused.SerializeToString() == model.SerializeToString()
 
 
-def test_parts_that_do_not_fuse_are_put_back():
-    """A Loop that splits into two parts of which none is a native cell (Sin), in a model where another Loop
-    fuses: the first Loop is left as it was, one node, its body unchanged."""
-    other = build("bidir")
-    split = build("bidir", act="Sin")
-    # the two models side by side in one graph, each with its own input: the Sin model's names prefixed
-    renamed = onnx.compose.add_prefix(split, "sin_")
+def _beside(other: onnx.ModelProto, prefixed: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
+    """Two models side by side in one graph, each with its own inputs, the second's names prefixed."""
+    renamed = onnx.compose.add_prefix(prefixed, prefix)
     graph = helper.make_graph(list(other.graph.node) + list(renamed.graph.node), "both",
-                              [other.graph.input[0], renamed.graph.input[0]],
+                              list(other.graph.input) + list(renamed.graph.input),
                               list(other.graph.output) + list(renamed.graph.output),
                               list(other.graph.initializer) + list(renamed.graph.initializer))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
-    fused, report = rnnfuse.optimize(model)
-    assert len([f for f in report.fused if f.front == "Loop"]) == 2 and len(report.declined) == 1, report.to_text()
-    loops = [n for n in fused.graph.node if n.op_type == "Loop"]
-    want = next(n for n in model.graph.node if n.op_type == "Loop" and n.name.startswith("sin_"))
-    assert len(loops) == 1 and loops[0].SerializeToString() == want.SerializeToString(), report.to_text()
+    return model
+
+
+def _same_outputs(model: onnx.ModelProto, fused: onnx.ModelProto) -> None:
     rng = np.random.default_rng(4)
-    feeds = {name: rng.standard_normal((5, 2, F)).astype(np.float32) for name in ("x", "sin_x")}
+    feeds = {i.name: rng.standard_normal((5, 2, F)).astype(np.float32) for i in model.graph.input}
     for a, b in zip(session(model).run(None, feeds), session(fused).run(None, feeds)):
-        assert_close(b, a, "the model beside the put-back loop")
+        assert_close(b, a, "the original model vs the fused one")
+
+
+@pytest.mark.parametrize("act,options", [("Sin", {}), ("HardSigmoid", {"portable": True})])
+def test_parts_that_do_not_fuse_are_put_back(act, options):
+    """A Loop that splits into two parts none of which is fused, in a model where another Loop fuses: the
+    first Loop is left as it was, one node. Sin: no part is a native cell; HardSigmoid with ``portable``: each
+    part is one, declined only when applied (OpenVINO compiles no HardSigmoid RNN)."""
+    model = _beside(build("bidir"), build("bidir", act=act), "other_")
+    fused, report = rnnfuse.optimize(model, **options)
+    assert len([f for f in report.fused if f.front == "Loop"]) == 2 and report.declined, report.to_text()
+    loops = [n for n in fused.graph.node if n.op_type == "Loop"]
+    want = next(n for n in model.graph.node if n.op_type == "Loop" and n.name.startswith("other_"))
+    assert len(loops) == 1 and loops[0].SerializeToString() == want.SerializeToString(), report.to_text()
+    _same_outputs(model, fused)
+
+
+def test_part_names_are_fresh():
+    """A node already named as a part would be (``loop/part1``), the part left a Loop (a Sin cell): the part
+    takes another name, so the model still loads and the other parts stay fused."""
+    model = build("bidir", act_b="Sin")
+    model.graph.node.append(helper.make_node("Identity", ["x"], ["x_copy"], name="loop/part1"))  # (stays: read)
+    model.graph.output.append(helper.make_tensor_value_info("x_copy", TensorProto.FLOAT, ["T", "B", F]))
+    model = _beside(model, build("bidir"), "other_")
+    fused, report = rnnfuse.optimize(model)
+    assert len([f for f in report.fused if f.front == "Loop"]) == 3, report.to_text()
+    assert [n.op_type for n in fused.graph.node].count("Loop") == 1
+    names = [n.name for n in fused.graph.node if n.name]
+    assert len(names) == len(set(names))
+    _same_outputs(model, fused)
+
+
+def test_trip_count_named_like_another_axis_of_x():
+    """x declared [N, N, F] and a Loop running x.shape[1] times over x's rows: the same name on two axes of x
+    is no proof that the loop runs once per time step (onnxruntime runs T != B): declined."""
+    model = build("bidir")
+    x = model.graph.input[0].type.tensor_type.shape.dim
+    x[0].dim_param = x[1].dim_param = "N"
+    body = next(a.g for a in model.graph.node[-1].attribute if a.name == "body")
+    body.node[1].input[0] = "T"  # (the reversed read counts the same T)
+    t_node = next(n for n in model.graph.node if n.output[0] == "T1")
+    t_node.input[1] = "i1"  # T is x.shape[1] now
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()

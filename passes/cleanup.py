@@ -11,12 +11,15 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, helper, numpy_helper
 
+from rnnfuse.dims import static_dim
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, attr, has_subgraph
+from rnnfuse.index_order import in_order, length_term
 
 class DropNoOps:
-    """Casts to the type a value already has, and Identities, read through (torch exports a chain of
-    float->float Casts around every step; they hide shared inputs and time flips from the other passes)."""
+    """Casts to the type a value already has, Identities, and Gathers of a whole axis in order, read through
+    (torch exports a chain of float->float Casts around every step; they hide shared inputs and time flips from
+    the other passes; jax2onnx gathers a scanned tensor by indices 0 .. T-1 computed from a reversed iota)."""
 
     name = "drop-no-ops"
     fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)
@@ -36,11 +39,32 @@ class DropNoOps:
             g.replace_uses(n.output[0], n.input[0])
             g.remove_node(n, long_lists)
             done += 1
+        for n in g.nodes_of("Gather"):
+            if g.alive(n) and not g.is_graph_output(n.output[0]) and _gathers_all_in_order(g, n):
+                g.replace_uses(n.output[0], n.input[0])
+                g.remove_node(n, long_lists)
+                done += 1
         g.drop_removed_readers(long_lists)
         if done:
             res.modified = True
-            res.notes.append(f"read through {done} no-op Cast/Identity node(s)")
+            res.notes.append(f"read through {done} no-op Cast/Identity/Gather node(s)")
         return res
+
+
+def _gathers_all_in_order(g: Graph, n) -> bool:
+    """Whether Gather ``n`` takes every element of its data's axis, in order: indices 0 .. n-1 in a vector,
+    n the axis' length (read from how both are computed, see rnnfuse.index_order)."""
+    if len(n.input) != 2:
+        return False
+    size = in_order(g, n.input[1])
+    if size is None or g.model.rank(n.input[1]) != 1:
+        return False
+    data, axis = n.input[0], attr(n, "axis", 0)
+    rank = g.model.rank(data)
+    if rank is None or not -rank <= axis < rank:
+        return False
+    axis %= rank
+    return size == length_term(g, data, axis) or (size[0] == "c" and static_dim(g, data, axis) == size[1])
 
 
 def _certain_type(g: Graph, name: str) -> int | None:

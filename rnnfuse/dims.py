@@ -249,13 +249,15 @@ def dim_key(g: Graph, name: str, depth: int = 0):
         k += start if start >= 0 else (rank or 0)
         root = root_dim(g, src, k)
         return ("dim",) + root
-    if op == "Shape":
+    if op == "Shape":  # (one dim: Shape(x, start=k) of the last, or Shape(x, start=k, end=k + 1))
         src = n.input[0]
         rank = g.model.rank(src)
+        if rank is None:
+            return None
         start, end = attr(n, "start", 0) or 0, attr(n, "end", None)
-        if rank is not None and end is None and rank - start == 1:
-            return ("dim",) + root_dim(g, src, start)
-        return None
+        start, end = (v + rank if v < 0 else v for v in (start, rank if end is None else end))
+        start, end = min(max(start, 0), rank), min(max(end, 0), rank)
+        return ("dim",) + root_dim(g, src, start) if end - start == 1 else None
     return None
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from . import op_args
 from .dims import dim_key, time_dim_key, value_source
 from .graph import Graph, attr
+from .index_order import reversed_order
 from .index_terms import scalar_term, size_term
 
 
@@ -50,16 +51,16 @@ def _descending_indices(g: Graph, idx: str, length: tuple) -> bool:
         return False
     last = size_term(length, -1)
     if n.op_type == "Range" and len(n.input) == 3:
-        return [scalar_term(g, i) for i in n.input] == [last, ("c", -1), ("c", -1)]
-    if n.op_type == "Sub" and len(n.input) == 2:
-        if g.model.shape(n.input[0]) not in ([], [1]):  # a [1, 1] start would add an axis to the Gather
-            return False
+        if [scalar_term(g, i) for i in n.input] == [last, ("c", -1), ("c", -1)]:
+            return True
+    elif n.op_type == "Sub" and len(n.input) == 2 and g.model.shape(n.input[0]) in ([], [1]):
+        # (a [1, 1] start would add an axis to the Gather)
         r = scope.producer.get(n.input[1])
-        if r is None or r.op_type != "Range" or len(r.input) != 3:
-            return False
-        return (scalar_term(g, n.input[0]) == last
-                and [scalar_term(g, i) for i in r.input] == [("c", 0), size_term(length), ("c", 1)])
-    return False
+        if (r is not None and r.op_type == "Range" and len(r.input) == 3 and scalar_term(g, n.input[0]) == last
+                and [scalar_term(g, i) for i in r.input] == [("c", 0), size_term(length), ("c", 1)]):
+            return True
+    # (other spellings: an iota reversed by arithmetic or a Gather, reshaped, broadcast to its own shape)
+    return g.model.rank(idx) == 1 and reversed_order(g, idx) == size_term(length)
 
 
 def time_flip_source(g: Graph, name: str, time_axis: int = 0) -> str | None:

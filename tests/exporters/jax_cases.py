@@ -949,10 +949,9 @@ def expectation(c: Case) -> dict:
         return {"ops": {op: 1}, "absent": ["Loop", "Scan"], "validated": "probe points"}
     if c.opts.get("stacked_kept"):  # (and a tanh cell above it)
         return {"ops": {"RNN": 2}, "absent": ["Loop", "Scan"]}
-    if c.opts.get("bidir_scan"):  # a forward op and a reverse one, not merged: jnp's xs[::-1] here is a Gather by
-        # a reversed iota (Range, Mul, Add, its own reversal, Reshape, Expand), which no time flip reads yet
-        return {"ops": {op: 2}, "directions": {op: ["forward", "reverse"]}, "absent": ["Loop", "Scan"]}
-    if c.model == "bidir":  # the flip outside the loops (Range/Sub/Gather) is seen: one bidirectional op
+    # (bidir_scan: the Loop split; jax2onnx feeds xs as a Gather of x by 0 .. T-1 computed as a reversed
+    # reversed iota, read through, so both halves read x and merge)
+    if c.model == "bidir" or c.opts.get("bidir_scan"):  # the flip outside the loops (Range/Sub/Gather) is seen: one bidirectional op
         return {"ops": {op: 1}, "directions": {op: ["bidirectional"]}, "absent": ["Loop", "Scan"]}
     # an LSTM's c read at one step per row (flax's carry at seq_lengths - 1) is a twin op's Y_c
     twin = op == "LSTM" and (c.opts.get("pick") == "rows" or (c.model == "rnn" and c.lengths))

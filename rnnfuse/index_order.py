@@ -1,0 +1,149 @@
+"""Index vectors that hold 0, 1, .., n-1 or n-1, .., 0, read from how they are computed, for every n.
+
+A Gather of a tensor's own rows in order is the tensor itself, and one in reverse order is its time flip; an
+exporter may compute such indices in more ways than a constant or one ``Range``: jax2onnx writes ``xs[::-1]``
+fed to a scan as ``(n - 1) + -1 * Cast(Range(0, n, 1))`` reversed again by a Gather, reshaped to [n, 1],
+broadcast to that same shape and flattened: the rows in order. What is read here is exact for every n, from
+the ops alone:
+
+* an arithmetic run is ``(sign, offset, n)``: element k holds ``offset + sign * k`` (sign +-1, offset and n as
+  :mod:`rnnfuse.index_terms` size terms); a constant vector, ``Range(s, l, +-1)``, Cast to a type that keeps
+  every index, ``Mul`` by -1 (of a run starting at 0), and adding or subtracting a scalar keep it one;
+* ``Gather(v, w)`` of a run v by a run w over v's own n (in order or reversed) is v or v reversed;
+* Reshape, Squeeze, Unsqueeze and Flatten keep the elements in order; ``Expand(Reshape(v, s), s2)`` with s and
+  s2 provably one shape (no 0 or -1 in s) is that Reshape.
+
+Anything else is not read (None). A caller checks the rank of the vector it gathers with.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .dims import keeps_value, root_dim
+from .graph import Graph, attr
+from .index_terms import scalar_term, size_term, terms
+
+_DEPTH = 16
+_IN_ORDER = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
+
+
+def _plus(a: tuple | None, k: int) -> tuple | None:
+    """A size term plus k."""
+    if a is None or a[0] not in ("c", "d"):
+        return None
+    return ("c", a[1] + k) if a[0] == "c" else ("d", a[1], a[2] + k)
+
+
+def _negated(a: tuple | None) -> tuple | None:
+    return ("c", -a[1]) if a is not None and a[0] == "c" else None
+
+
+def arithmetic_run(g: Graph, name: str, depth: int = 0) -> tuple[int, tuple, tuple] | None:
+    """``(sign, offset, n)`` when ``name`` holds ``offset + sign * k`` for k = 0 .. n-1, else None."""
+    if depth > _DEPTH or not name:
+        return None
+    c = g.const(name)
+    if c is not None:
+        arr = np.asarray(c)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.size == 0:
+            return None
+        for sign in (1, -1):
+            if np.array_equal(arr, arr[0] + sign * np.arange(arr.size)):
+                return sign, ("c", int(arr[0])), ("c", int(arr.size))
+        return None
+    scope = g.scope_of(name)
+    n = scope.producer.get(name) if scope is not None else None
+    if n is None:
+        return None
+    op = n.op_type
+    if op in _IN_ORDER or (op == "Cast" and keeps_value(n)):
+        return arithmetic_run(g, n.input[0], depth + 1)
+    if op == "Range" and len(n.input) == 3:
+        start, limit, delta = (scalar_term(g, i) for i in n.input)
+        if delta == ("c", 1) and start == ("c", 0):
+            return 1, start, limit
+        if delta == ("c", -1) and limit == ("c", -1):
+            return -1, start, _plus(start, 1)
+        return None
+    if op == "Expand" and len(n.input) == 2:
+        inner = scope.producer.get(n.input[0])
+        if inner is None or inner.op_type != "Reshape" or not _same_shape(g, inner.input[1], n.input[1]):
+            return None
+        return arithmetic_run(g, n.input[0], depth + 1)
+    if op == "Gather" and len(n.input) == 2 and attr(n, "axis", 0) == 0:
+        v, w = arithmetic_run(g, n.input[0], depth + 1), arithmetic_run(g, n.input[1], depth + 1)
+        if v is None or w is None or v[2] is None or w[2] not in (v[2], length_term(g, n.input[0], 0)):
+            return None
+        if w[0] == 1 and w[1] == ("c", 0):
+            return v
+        if w[0] == -1 and w[1] == _plus(w[2], -1):  # v reversed
+            last = _last(v)
+            return (-v[0], last, v[2]) if last is not None else None
+        return None
+    return _affine(g, n, depth)
+
+
+def _last(run: tuple) -> tuple | None:
+    """The last element of a run, as a term: offset + sign * (n - 1)."""
+    sign, offset, n = run
+    if offset == ("c", 0) and sign == 1:
+        return _plus(n, -1)
+    if sign == -1 and offset == _plus(n, -1):
+        return ("c", 0)
+    if offset[0] == "c" and n[0] == "c":
+        return ("c", offset[1] + sign * (n[1] - 1))
+    return None
+
+
+def _affine(g: Graph, n, depth: int) -> tuple | None:
+    """A run times +-1, plus a scalar, minus a scalar, or a scalar minus a run."""
+    op = n.op_type
+    if op not in ("Add", "Sub", "Mul") or len(n.input) != 2:
+        return None
+    for k in (0, 1):
+        run = arithmetic_run(g, n.input[k], depth + 1)
+        a = scalar_term(g, n.input[1 - k])
+        if run is None or a is None:
+            continue
+        sign, offset, size = run
+        if op == "Mul":
+            if a == ("c", 1):
+                return run
+            return (-sign, offset, size) if a == ("c", -1) and offset == ("c", 0) else None
+        if op == "Sub" and k == 1:  # a - run
+            if offset[0] != "c":
+                return None
+            return -sign, _plus(a, -offset[1]), size
+        if op == "Sub":  # run - a
+            a = _negated(a)
+            if a is None:
+                return None
+        if offset == ("c", 0):
+            return sign, a, size
+        return (sign, _plus(offset, a[1]), size) if a[0] == "c" else None
+    return None
+
+
+def length_term(g: Graph, name: str, axis: int) -> tuple:
+    """The size term of ``name``'s extent along ``axis`` as ``Shape(name)[axis]`` reads it."""
+    return size_term(("dim",) + root_dim(g, name, axis))
+
+
+def _same_shape(g: Graph, a: str, b: str) -> bool:
+    """Whether two shape vectors provably hold the same dims (and neither a 0 or -1, which a Reshape reads
+    otherwise than an Expand)."""
+    ta, tb = terms(g, a), terms(g, b)
+    return ta is not None and ta == tb and all(t[0] in ("c", "d") and t not in (("c", 0), ("c", -1)) for t in ta)
+
+
+def in_order(g: Graph, name: str) -> tuple | None:
+    """n when ``name`` holds 0, 1, .., n-1 (a size term), else None."""
+    run = arithmetic_run(g, name)
+    return run[2] if run is not None and run[0] == 1 and run[1] == ("c", 0) else None
+
+
+def reversed_order(g: Graph, name: str) -> tuple | None:
+    """n when ``name`` holds n-1, .., 1, 0 (a size term), else None."""
+    run = arithmetic_run(g, name)
+    return run[2] if run is not None and run[0] == -1 and run[1] == _plus(run[2], -1) else None

@@ -1,0 +1,116 @@
+"""Index vectors read as 0 .. n-1 or n-1 .. 0 from how they are computed (rnnfuse/index_order.py), and the
+Gathers they make no-ops (DropNoOps) or time flips; near misses are not read."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from helpers import session
+
+from rnnfuse.model import Model
+from rnnfuse.index_order import arithmetic_run, in_order, reversed_order
+from rnnfuse.time_flips import time_flip_source
+from rnnfuse.passes.cleanup import DropNoOps
+from rnnfuse.findings import Options
+
+F = 3
+
+
+def _consts():
+    vals = {"zero": 0, "one": 1, "two": 2, "minus_one": -1}
+    out = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in vals.items()]
+    return out + [numpy_helper.from_array(np.array([0], np.int64), "ax0"), numpy_helper.from_array(np.array([1], np.int64), "c1"),
+                  numpy_helper.from_array(np.array([-1], np.int64), "flat")]
+
+
+def _index_nodes(form: str) -> list:
+    """Nodes computing ``idx`` from T = x.shape[0] (scalar ``T``): forms read as in order (``up_*``),
+    reversed (``down_*``) or not read (``miss_*``)."""
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "zero"], ["T"], axis=0),
+             helper.make_node("Range", ["zero", "T", "one"], ["iota"])]
+    if form == "up_range":
+        nodes.append(helper.make_node("Identity", ["iota"], ["idx"]))
+    elif form in ("up_jax", "miss_jax_other_shape"):  # jax2onnx: ((T-1) + -1 * iota) reversed by a Gather, broadcast, flat
+        nodes += [helper.make_node("Cast", ["iota"], ["iota_i32"], to=TensorProto.INT32),
+                  helper.make_node("Cast", ["iota_i32"], ["iota64"], to=TensorProto.INT64),
+                  helper.make_node("Mul", ["minus_one", "iota64"], ["neg"]),
+                  helper.make_node("Sub", ["T", "one"], ["last"]),
+                  helper.make_node("Add", ["last", "neg"], ["down"]),
+                  helper.make_node("Shape", ["down"], ["ds"]), helper.make_node("Gather", ["ds", "zero"], ["n"], axis=0),
+                  helper.make_node("Sub", ["n", "one"], ["nl"]), helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+                  helper.make_node("Sub", ["nl", "r"], ["rev"]),
+                  helper.make_node("Gather", ["down", "rev"], ["up"], axis=0),
+                  helper.make_node("Shape", ["up"], ["us"]), helper.make_node("Gather", ["us", "ax0"], ["n1"], axis=0),
+                  helper.make_node("Concat", ["n1", "c1"], ["s1"], axis=0),
+                  helper.make_node("Concat", ["n1", "c1" if form == "up_jax" else "n1"], ["s2"], axis=0),
+                  helper.make_node("Reshape", ["up", "s1"], ["col"]), helper.make_node("Expand", ["col", "s2"], ["wide"]),
+                  helper.make_node("Reshape", ["wide", "flat"], ["idx"])]
+    elif form == "down_sub":  # (T - 1) - iota, written (T - iota) - 1
+        nodes += [helper.make_node("Sub", ["T", "iota"], ["tm"]), helper.make_node("Sub", ["tm", "one"], ["idx"])]
+    elif form == "miss_step2":
+        nodes[-1] = helper.make_node("Range", ["zero", "T", "two"], ["idx"])
+    elif form == "miss_from1":
+        nodes[-1] = helper.make_node("Range", ["one", "T", "one"], ["iota1"])
+        nodes.append(helper.make_node("Sub", ["iota1", "one"], ["idx0"]))  # 0 .. T-2: one short
+        nodes.append(helper.make_node("Identity", ["idx0"], ["idx"]))
+    elif form == "miss_column":  # in order, but [T, 1]: the Gather adds an axis
+        nodes += [helper.make_node("Unsqueeze", ["iota", "c1"], ["idx"])]
+    elif form == "miss_off_by_one":  # (T - 2) - iota
+        nodes += [helper.make_node("Sub", ["T", "two"], ["t2"]), helper.make_node("Sub", ["t2", "iota"], ["idx"])]
+    return nodes
+
+
+def _model(form: str) -> onnx.ModelProto:
+    nodes = _index_nodes(form) + [helper.make_node("Gather", ["x", "idx"], ["rows"], axis=0),
+                                  helper.make_node("Neg", ["rows"], ["y"])]
+    graph = helper.make_graph(nodes, "index", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 1, None, F] if form == "miss_column"
+                                                             else [None, None, F])], _consts())
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("form,order", [("up_range", "up"), ("up_jax", "up"), ("down_sub", "down"),
+                                        ("miss_step2", None), ("miss_from1", None), ("miss_column", "up"),
+                                        ("miss_off_by_one", None), ("miss_jax_other_shape", None)])
+def test_index_orders(form, order):
+    """What each index vector is read as; the model's own values agree (x's rows gathered, T of 1 and 5)."""
+    model = _model(form)
+    g = Model(onnx.ModelProto.FromString(model.SerializeToString())).graph
+    up, down = in_order(g, "idx"), reversed_order(g, "idx")
+    assert ("up" if up else "down" if down else None) == order, arithmetic_run(g, "idx")
+    sess = session(model)
+    for T in (1, 5):
+        x = np.random.default_rng(T).standard_normal((T, 2, F)).astype(np.float32)
+        try:
+            y = sess.run(None, {"x": x})[0]
+        except Exception:
+            assert order is None  # (a near miss may index past the end)
+            continue
+        if order == "up" and form != "miss_column":
+            np.testing.assert_array_equal(y, -x)
+        if order == "down":
+            np.testing.assert_array_equal(y, -x[::-1])
+
+
+@pytest.mark.parametrize("form,dropped", [("up_range", True), ("up_jax", True), ("miss_column", False),
+                                          ("miss_from1", False), ("miss_jax_other_shape", False)])
+def test_gather_of_every_row_in_order_is_read_through(form, dropped):
+    """DropNoOps reads a Gather of 0 .. T-1 along x's rows as x itself; not a [T, 1] index or a short one."""
+    model = Model(_model(form))
+    DropNoOps().run(model, Options())
+    gathers = [n for n in model.graph.live_nodes() if n.op_type == "Gather" and n.input[0] == "x"]
+    assert (not gathers) == dropped
+
+
+def test_reversed_iota_is_a_time_flip():
+    """(T - i) - 1 over i = 0 .. T-1 gathers x's rows backwards: a time flip of x."""
+    g = Model(_model("down_sub")).graph
+    assert time_flip_source(g, "rows", 0) == "x"
+    g = Model(_model("miss_off_by_one")).graph
+    assert time_flip_source(g, "rows", 0) is None

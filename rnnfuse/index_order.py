@@ -9,7 +9,8 @@ the ops alone:
 * an arithmetic run is ``(sign, offset, n)``: element k holds ``offset + sign * k`` (sign +-1, offset and n as
   :mod:`rnnfuse.index_terms` size terms); a constant vector, ``Range(s, l, +-1)``, Cast to a type that keeps
   every index, ``Mul`` by -1 (of a run starting at 0), and adding or subtracting a scalar keep it one;
-* ``Gather(v, w)`` of a run v by a run w over v's own n (in order or reversed) is v or v reversed;
+* ``Gather(v, w)`` of a run vector v by a run vector w over v's own n (in order or reversed) is v or v
+  reversed;
 * Reshape, Squeeze, Unsqueeze and Flatten keep the elements in order; ``Expand(Reshape(v, s), s2)`` with s and
   s2 provably one shape (no 0 or -1 in s) is that Reshape.
 
@@ -72,6 +73,8 @@ def arithmetic_run(g: Graph, name: str, depth: int = 0) -> tuple[int, tuple, tup
             return None
         return arithmetic_run(g, n.input[0], depth + 1)
     if op == "Gather" and len(n.input) == 2 and attr(n, "axis", 0) == 0:
+        if g.model.rank(n.input[0]) != 1 or g.model.rank(n.input[1]) != 1:
+            return None  # (rows of a [m, 2] reordered are no reversal of its elements)
         v, w = arithmetic_run(g, n.input[0], depth + 1), arithmetic_run(g, n.input[1], depth + 1)
         if v is None or w is None or v[2] is None or w[2] not in (v[2], length_term(g, n.input[0], 0)):
             return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -114,3 +115,29 @@ def test_reversed_iota_is_a_time_flip():
     assert time_flip_source(g, "rows", 0) == "x"
     g = Model(_model("miss_off_by_one")).graph
     assert time_flip_source(g, "rows", 0) is None
+
+
+def test_rows_reordered_are_no_reversed_run():
+    """0 .. n-1 viewed [n/2, 2] and its rows gathered backwards: 4, 5, 2, 3, 0, 1 for n = 6, no run (a rank-1
+    Gather of the same values would be 5 .. 0)."""
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "zero"], ["n"], axis=0),
+             helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+             helper.make_node("Reshape", ["r", "pairs"], ["v"]),
+             helper.make_node("Shape", ["v"], ["vs"]), helper.make_node("Gather", ["vs", "zero"], ["m"], axis=0),
+             helper.make_node("Sub", ["m", "one"], ["m1"]),
+             helper.make_node("Range", ["m1", "minus_one", "minus_one"], ["back"]),
+             helper.make_node("Gather", ["v", "back"], ["w"], axis=0),
+             helper.make_node("Reshape", ["w", "flat"], ["idx"])]
+    inits = _consts() + [numpy_helper.from_array(np.array([-1, 2], np.int64), "pairs")]
+    graph = helper.make_graph(nodes, "rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+                              [helper.make_tensor_value_info("idx", TensorProto.INT64, [None])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    so = ort.SessionOptions()  # (onnxruntime 1.32's graph optimizations make this model return [])
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    got = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+        None, {"x": np.zeros(6, np.float32)})[0]
+    assert got.tolist() == [4, 5, 2, 3, 0, 1]
+    g = Model(model).graph
+    assert reversed_order(g, "idx") is None and in_order(g, "idx") is None

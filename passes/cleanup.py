@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, helper, numpy_helper
 
-from rnnfuse.dims import static_dim
+from rnnfuse.dims import root_dim
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, attr, has_subgraph
 from rnnfuse.index_order import in_order, length_term
@@ -64,7 +64,15 @@ def _gathers_all_in_order(g: Graph, n) -> bool:
     if rank is None or not -rank <= axis < rank:
         return False
     axis %= rank
-    return size == length_term(g, data, axis) or (size[0] == "c" and static_dim(g, data, axis) == size[1])
+    if size == length_term(g, data, axis):
+        return True
+    # a number: the extent a graph input declares (onnxruntime holds a run to it) or a weight has, at the root of
+    # the data's axis (not an intermediate value's declaration, which an earlier tool may have left stale)
+    root, root_axis = root_dim(g, data, axis)
+    if size[0] != "c" or not (g.is_graph_input(root) or g.const(root) is not None):
+        return False
+    shape = g.model.shape(root) if g.is_graph_input(root) else list(np.shape(g.const(root)))
+    return shape is not None and 0 <= root_axis < len(shape) and shape[root_axis] == size[1]
 
 
 def _certain_type(g: Graph, name: str) -> int | None:

@@ -239,26 +239,25 @@ def dim_key(g: Graph, name: str, depth: int = 0):
             if e != s + 1 and not (s == -1 and e >= 2**31 - 1):
                 return None
             k = s
-        start = attr(ds, "start", 0) or 0
-        src = ds.input[0]
-        rank = g.model.rank(src)
-        if k < 0:
-            if rank is None:
-                return None
-            k += rank
-        k += start if start >= 0 else (rank or 0)
-        root = root_dim(g, src, k)
-        return ("dim",) + root
-    if op == "Shape":  # (one dim: Shape(x, start=k) of the last, or Shape(x, start=k, end=k + 1))
-        src = n.input[0]
-        rank = g.model.rank(src)
-        if rank is None:
+        dims = _shape_dims(g, ds)
+        if dims is None or not -len(dims) <= k < len(dims):
             return None
-        start, end = attr(n, "start", 0) or 0, attr(n, "end", None)
-        start, end = (v + rank if v < 0 else v for v in (start, rank if end is None else end))
-        start, end = min(max(start, 0), rank), min(max(end, 0), rank)
-        return ("dim",) + root_dim(g, src, start) if end - start == 1 else None
+        return ("dim",) + root_dim(g, ds.input[0], dims[k])
+    if op == "Shape":  # (one dim: Shape(x, start=k) of the last, or Shape(x, start=k, end=k + 1))
+        dims = _shape_dims(g, n)
+        return ("dim",) + root_dim(g, n.input[0], dims[0]) if dims is not None and len(dims) == 1 else None
     return None
+
+
+def _shape_dims(g: Graph, shape: NodeProto) -> list[int] | None:
+    """The axes of its input a ``Shape`` node gives, in order (``start`` and ``end`` clamped as ONNX does, from
+    the rank when either is negative or ``end`` is given); None where the rank is needed and not known."""
+    start, end = attr(shape, "start", 0) or 0, attr(shape, "end", None)
+    rank = g.model.rank(shape.input[0])
+    if rank is None:
+        return None
+    start, end = (v + rank if v < 0 else v for v in (start, rank if end is None else end))
+    return list(range(min(max(start, 0), rank), min(max(end, 0), rank)))
 
 
 def keeps_value(n: NodeProto) -> bool:

@@ -7,12 +7,12 @@ broadcast to that same shape and flattened: the rows in order. What is read here
 the ops alone:
 
 * an arithmetic run is ``(sign, offset, n)``: element k holds ``offset + sign * k`` (sign +-1, offset and n as
-  :mod:`rnnfuse.index_terms` size terms); a constant vector, ``Range(s, l, +-1)``, Cast to a type that keeps
-  every index, ``Mul`` by -1 (of a run starting at 0), and adding or subtracting a scalar keep it one;
+  :mod:`rnnfuse.index_terms` size terms); a constant vector, an integer ``Range(s, l, +-1)``, Cast to int32 or
+  int64, ``Mul`` by -1 (of a run starting at 0), and adding or subtracting a scalar keep it one;
 * ``Gather(v, w)`` of a run vector v by a run vector w over v's own n (in order or reversed) is v or v
   reversed;
 * Reshape, Squeeze, Unsqueeze and Flatten keep the elements in order; ``Expand(Reshape(v, s), s2)`` with s and
-  s2 provably one shape (no 0 or -1 in s) is that Reshape.
+  s2 both provably [n, 1, .., 1] is that Reshape.
 
 Anything else is not read (None). A caller checks the rank of the vector it gathers with.
 """
@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dims import keeps_value, root_dim
+from onnx import TensorProto
+
+from .dims import root_dim
 from .graph import Graph, attr
 from .index_terms import scalar_term, size_term, terms
 
 _DEPTH = 16
+_INTEGERS = (TensorProto.INT32, TensorProto.INT64)  # (what an index run is computed in: no float rounding)
 _IN_ORDER = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
 
 
@@ -58,9 +61,9 @@ def arithmetic_run(g: Graph, name: str, depth: int = 0) -> tuple[int, tuple, tup
     if n is None:
         return None
     op = n.op_type
-    if op in _IN_ORDER or (op == "Cast" and keeps_value(n)):
+    if op in _IN_ORDER or (op == "Cast" and attr(n, "to") in _INTEGERS):
         return arithmetic_run(g, n.input[0], depth + 1)
-    if op == "Range" and len(n.input) == 3:
+    if op == "Range" and len(n.input) == 3 and g.model.elem_type(name) in _INTEGERS:  # (a float run rounds)
         start, limit, delta = (scalar_term(g, i) for i in n.input)
         if delta == ("c", 1) and start == ("c", 0):
             return 1, start, limit
@@ -69,9 +72,11 @@ def arithmetic_run(g: Graph, name: str, depth: int = 0) -> tuple[int, tuple, tup
         return None
     if op == "Expand" and len(n.input) == 2:
         inner = scope.producer.get(n.input[0])
-        if inner is None or inner.op_type != "Reshape" or not _same_shape(g, inner.input[1], n.input[1]):
+        run = arithmetic_run(g, n.input[0], depth + 1) if inner is not None and inner.op_type == "Reshape" else None
+        if run is None or g.model.rank(inner.input[0]) != 1:
             return None
-        return arithmetic_run(g, n.input[0], depth + 1)
+        lengths = {run[2], length_term(g, inner.input[0], 0)}  # (the vector reshaped holds the run's n)
+        return run if _column(g, inner.input[1], lengths) and _column(g, n.input[1], lengths) else None
     if op == "Gather" and len(n.input) == 2 and attr(n, "axis", 0) == 0:
         if g.model.rank(n.input[0]) != 1 or g.model.rank(n.input[1]) != 1:
             return None  # (rows of a [m, 2] reordered are no reversal of its elements)
@@ -133,11 +138,12 @@ def length_term(g: Graph, name: str, axis: int) -> tuple:
     return size_term(("dim",) + root_dim(g, name, axis))
 
 
-def _same_shape(g: Graph, a: str, b: str) -> bool:
-    """Whether two shape vectors provably hold the same dims (and neither a 0 or -1, which a Reshape reads
-    otherwise than an Expand)."""
-    ta, tb = terms(g, a), terms(g, b)
-    return ta is not None and ta == tb and all(t[0] in ("c", "d") and t not in (("c", 0), ("c", -1)) for t in ta)
+def _column(g: Graph, shape: str, n: set) -> bool:
+    """Whether a shape vector is provably [n, 1, .., 1], n the run's length (one of the size terms ``n``): a
+    Reshape to it and an Expand to it then keep the run as it is, n = 0 included (no other dim that a Reshape
+    would copy from its input where it is 0 and an Expand would not)."""
+    ts = terms(g, shape)
+    return ts is not None and len(ts) >= 1 and ts[0] in n and all(t == ("c", 1) for t in ts[1:])
 
 
 def in_order(g: Graph, name: str) -> tuple | None:

@@ -141,3 +141,57 @@ def test_rows_reordered_are_no_reversed_run():
     assert got.tolist() == [4, 5, 2, 3, 0, 1]
     g = Model(model).graph
     assert reversed_order(g, "idx") is None and in_order(g, "idx") is None
+
+
+def _graph_model(nodes, inputs, outputs, inits, value_info=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, _consts() + inits, value_info=list(value_info))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_shape_range_read_as_its_own_axes():
+    """``Gather(Shape(p, end=1), -1)`` is p's dim 0 (not its last), ``Gather(Shape(p, start=-1), 0)`` its last
+    (not its first), whether p's rank is known or not (then: not read)."""
+    from rnnfuse.dims import dim_key
+    nodes = [helper.make_node("Shape", ["p"], ["s_end"], end=1), helper.make_node("Gather", ["s_end", "minus_one"], ["a"], axis=0),
+             helper.make_node("Shape", ["p"], ["s_start"], start=-1), helper.make_node("Gather", ["s_start", "zero"], ["b"], axis=0),
+             helper.make_node("Reshape", ["pin", "shp"], ["q"]),
+             helper.make_node("Shape", ["q"], ["q_start"], start=-1), helper.make_node("Gather", ["q_start", "zero"], ["c"], axis=0)]
+    model = _graph_model(nodes, [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["A", "B", "C"]),
+                                 helper.make_tensor_value_info("pin", TensorProto.FLOAT, [None]),
+                                 helper.make_tensor_value_info("shp", TensorProto.INT64, [None])],
+                         [helper.make_tensor_value_info(k, TensorProto.INT64, []) for k in "abc"], [])
+    g = Model(model).graph
+    assert dim_key(g, "a") == ("dim", "p", 0) and dim_key(g, "b") == ("dim", "p", 2) and dim_key(g, "c") is None
+
+
+def test_runs_not_read_where_a_size_could_round_or_copy():
+    """A float Range cast back (float rounds past 2**24) and an Expand to [B - 1, 1] beside a Reshape to it
+    (a 0 there is copied by the Reshape, not by the Expand) are no runs."""
+    nodes = _index_nodes("up_range") + [
+        helper.make_node("Cast", ["T"], ["Tf"], to=TensorProto.FLOAT),
+        helper.make_node("Range", ["zf", "Tf", "of"], ["rf"]), helper.make_node("Cast", ["rf"], ["float_idx"], to=TensorProto.INT64),
+        helper.make_node("Gather", ["xs", "one"], ["B"], axis=0), helper.make_node("Sub", ["B", "one"], ["B1"]),
+        helper.make_node("Unsqueeze", ["B1", "ax0"], ["B1v"]), helper.make_node("Concat", ["B1v", "c1"], ["s"], axis=0),
+        helper.make_node("Reshape", ["iota", "s"], ["col"]), helper.make_node("Expand", ["col", "s"], ["wide"]),
+        helper.make_node("Reshape", ["wide", "flat"], ["expand_idx"])]
+    inits = [numpy_helper.from_array(np.array(0.0, np.float32), "zf"), numpy_helper.from_array(np.array(1.0, np.float32), "of")]
+    model = _graph_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                         [helper.make_tensor_value_info(k, TensorProto.INT64, [None]) for k in ("float_idx", "expand_idx")], inits)
+    g = Model(model).graph
+    assert arithmetic_run(g, "float_idx") is None and arithmetic_run(g, "expand_idx") is None
+
+
+def test_a_stale_declared_extent_is_not_trusted():
+    """q = Relu(x) declared [4, B, F] while x is [T, B, F]: a Gather of q's rows 0 .. 3 is kept (at T = 6 it
+    takes four of six rows)."""
+    nodes = [helper.make_node("Relu", ["x"], ["q"]), helper.make_node("Gather", ["q", "four"], ["rows"], axis=0),
+             helper.make_node("Neg", ["rows"], ["y"])]
+    model = _graph_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, None, F])],
+                         [numpy_helper.from_array(np.arange(4, dtype=np.int64), "four")],
+                         [helper.make_tensor_value_info("q", TensorProto.FLOAT, [4, None, F])])
+    m = Model(model)
+    DropNoOps().run(m, Options())
+    assert any(n.op_type == "Gather" for n in m.graph.live_nodes())

@@ -48,7 +48,7 @@ class DerivedMask(StepMask):
     def __repr__(self) -> str:
         return f"f({self.src}[t]) -> {self.out}"
 
-    def slices(self, steps: set) -> tuple[int, dict] | None:
+    def slices(self, steps: set, g=None, data=None) -> tuple[int, dict] | None:
         return (0, dict(self.steps)) if set(steps) == set(self.steps) else None
 
     def source(self, g: Graph, axis: int, length: int, off: int, anchor: NodeProto | None) -> str:

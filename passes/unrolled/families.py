@@ -213,7 +213,7 @@ def mask_leaves(g: Graph, fams: dict, fam: dict, step_masks: list | None = None,
     # (not the data family itself: an input cast from bool, a one-hot say, is data that happens to be 0/1)
     bool_fams = [(key, mf) for key, mf in (bool_families(g, fams) if bools is None else bools) if mf != fam]
     for sm in step_masks or ():
-        got = sm.slices(set(fam))
+        got = sm.slices(set(fam), g, fam)
         if got is not None:
             bool_fams.append(((sm, got[0]), got[1]))  # (a step mask's "axis" is its index offset)
     for (msrc, maxis), mf in bool_fams:
@@ -239,8 +239,9 @@ class StepMask:
     step's input), which rnnfuse can compute for all steps at once: a candidate mask of a chain like a bool
     family (:func:`mask_leaves`)."""
 
-    def slices(self, steps: set) -> tuple[int, dict] | None:
-        """``(offset, step -> mask)`` when these masks are those of ``steps`` shifted by one offset, else None."""
+    def slices(self, steps: set, g: Graph | None = None, data: dict | None = None) -> tuple[object, dict] | None:
+        """``(offset, step -> mask)`` when these masks are those of ``steps`` shifted by one offset, else None
+        (``data``: the chain's data slice of each step, where the steps' order is to be read from the graph)."""
         raise NotImplementedError
 
     def source(self, g: Graph, axis: int, length: int, off: int, anchor: NodeProto | None) -> str:
@@ -280,18 +281,26 @@ class LengthMask(StepMask):
     def __repr__(self) -> str:
         return f"{self.op}({self.lengths}, t)"
 
-    def slices(self, steps: set) -> tuple[int, dict] | None:
-        """``(offset, step -> mask slice)`` when the comparisons' indices are ``steps`` shifted by one offset."""
+    def slices(self, steps: set, g: Graph | None = None, data: dict | None = None) -> tuple[tuple, dict] | None:
+        """``((offset, sign), step -> mask slice)`` when the comparisons' indices are ``offset + sign * t`` over
+        ``steps``: rising (``t < L``) or falling (a pre-padded ``L >= T - t``). Where both fit (consecutive
+        indices), the first step's data slice ``data[t]`` decides: the comparison its step's nodes meet first."""
         if not steps:
             return None
-        off = min(self.nodes) - min(steps)
-        if {c - off for c in self.nodes} != set(steps):
+        t0 = min(steps)
+        fits = [(off, sign) for off, sign in ((min(self.nodes) - t0, 1), (max(self.nodes) + t0, -1))
+                if {sign * (c - off) for c in self.nodes} == set(steps)]
+        if not fits:
             return None
-        return off, {c - off: n.output[0] for c, n in self.nodes.items()}
+        if len(fits) == 2 and g is not None and data is not None:  # (the lowest index's step says which)
+            step = _nearest_step(g, self.nodes[min(self.nodes)].output[0], {x: t for t, x in data.items()})
+            fits = fits[1:] if step == max(steps) != t0 else fits
+        off, sign = fits[0]
+        return (off, sign), {sign * (c - off): n.output[0] for c, n in self.nodes.items()}
 
-    def source(self, g: Graph, axis: int, length: int, off: int, anchor: NodeProto | None) -> str:
-        """``M`` over steps ``0..length-1`` along ``axis`` (the data's time axis); the comparisons of those
-        steps become ``Gather(M, t, axis)``."""
+    def source(self, g: Graph, axis: int, length: int, off: tuple, anchor: NodeProto | None) -> str:
+        """``M`` over steps ``0..length-1`` along ``axis`` (the data's time axis), ``off``: the indices'
+        ``(offset, sign)``; the comparisons of those steps become ``Gather(M, t, axis)``."""
         if self.built is not None:
             if self.built[:3] != (axis, length, off):
                 raise Decline("a length mask read by chains laid out differently")
@@ -301,7 +310,8 @@ class LengthMask(StepMask):
         rank = (g.model.rank(self.lengths) or 1) + 1
         shape = [1] * rank
         shape[axis] = length
-        steps = b.const((np.arange(length) + off).astype(self.dtype).reshape(shape), "steps")
+        offset, sign = off
+        steps = b.const((offset + sign * np.arange(length)).astype(self.dtype).reshape(shape), "steps")
         lengths = b.unsqueeze(self.lengths, [axis])
         mask = b.op(self.op, *((lengths, steps) if self.pos == 0 else (steps, lengths)))
         dims: list = [None] * (rank - 1)
@@ -309,7 +319,8 @@ class LengthMask(StepMask):
             dims[-1] = 1
         dims.insert(axis, length)
         g.model.declare(mask, (9, dims))
-        self.read_steps(g, b, mask, axis, length, {c - off: n for c, n in self.nodes.items() if 0 <= c - off < length})
+        self.read_steps(g, b, mask, axis, length,
+                        {sign * (c - offset): n for c, n in self.nodes.items() if 0 <= sign * (c - offset) < length})
         self.built = (axis, length, off, mask)
         return mask
 
@@ -345,3 +356,25 @@ def length_masks(g: Graph) -> list[LengthMask]:
         dtypes[key] = cv.dtype
     return [LengthMask(L, op, pos, dtypes[(L, op, pos)], nodes)
             for (L, op, pos), nodes in groups.items() if len(nodes) >= 2]
+
+
+def _nearest_step(g: Graph, mask: str, step_of: dict, budget: int = 2048) -> int | None:
+    """The step whose data slice the nodes reading ``mask`` (two readers deep: a select, its Unsqueeze) are
+    computed from first, going back op by op: a step's select reads that step's cell, the step before's only
+    through it. None where none is found within ``budget`` nodes."""
+    start = [n for n in g.uses(mask)]
+    start += [m for n in start for o in n.output for m in g.uses(o)]
+    seen = {id(n) for n in start}
+    frontier = start
+    while frontier and len(seen) < budget:
+        nxt = []
+        for n in frontier:
+            for i in n.input:
+                if i in step_of:
+                    return step_of[i]
+                p = g.producer.get(i)
+                if p is not None and id(p) not in seen and i != mask:
+                    seen.add(id(p))
+                    nxt.append(p)
+        frontier = nxt
+    return None

@@ -366,6 +366,8 @@ def steps_describe(c: Case) -> str:
     if o.get("lengths") == "pad":
         parts.append("masked by hand with a padding mask: pad = (t >= lengths); h = where(pad, h, cell); "
                      "outputs where(pad, 0, cell)")
+    elif o.get("lengths") == "pre_where":
+        parts.append("pre-padded by hand: v = (lengths >= T - t); h = where(v, cell, h); outputs where(v, cell, 0)")
     elif o.get("lengths") in ("arange", "arange_where"):
         parts.append("masked by hand with one mask arange(T)[:, None] < lengths[None, :] read per step ("
                      + ("as float: m * cell + (1 - m) * h)" if o["lengths"] == "arange" else "torch.where)"))
@@ -578,6 +580,13 @@ def steps_module(c: Case):
                         cs = torch.where(pad, cs, c_new)
                     outs.append(torch.where(pad, torch.zeros_like(h_new), h_new))
                     continue
+                if o.get("lengths") == "pre_where":  # valid steps last: v = (lengths >= T - t), T = x.shape[0]
+                    keep = (lengths >= x.shape[1 if c.batch_first else 0] - t).unsqueeze(1)
+                    h = torch.where(keep, h_new, h)
+                    if self.lstm:
+                        cs = torch.where(keep, c_new, cs)
+                    outs.append(torch.where(keep, h_new, torch.zeros_like(h_new)))
+                    continue
                 step_mask = None if lengths is None or "arange" not in str(o.get("lengths")) else (
                     masks[:, t] if c.batch_first or o.get("mask_bt") else masks[t])
                 if o.get("lengths") == "arange_where":  # where(mask[t][:, None], new, old)
@@ -661,6 +670,9 @@ CASES += [
     # ... and with the whole mask built once, arange(T)[:, None] < lengths[None, :], then read per step
     steps("grucell_trace_arange_mask", "gru", lengths="arange"),
     steps("lstmcell_trace_arange_mask_where_bf", "lstm", lengths="arange_where", batch_first=True),
+    steps("rnncell_tanh_trace_prepadded_where", "rnn_tanh", lengths="pre_where",
+          notes="v = lengths >= T - t per step: the comparisons' constants fall with t (traced Greater(L, T-1-t))"),
+    steps("lstmcell_dynamo_prepadded_where_bf", "lstm", lengths="pre_where", batch_first=True, exporter="dynamo"),
     steps("lstmcell_trace_arange_mask_where_bt_time_major", "lstm", lengths="arange_where", mask_bt=True,
           notes="the [B, T] mask arange(T)[None] < lengths[:, None] read as mask[:, t] beside a time-major x"),
     steps("grucell_dynamo_arange_mask_where_bt_time_major", "gru", lengths="arange_where", mask_bt=True,

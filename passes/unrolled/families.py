@@ -292,9 +292,10 @@ class LengthMask(StepMask):
                 if {sign * (c - off) for c in self.nodes} == set(steps)]
         if not fits:
             return None
-        if len(fits) == 2 and g is not None and data is not None:  # (the lowest index's step says which)
-            step = _nearest_step(g, self.nodes[min(self.nodes)].output[0], {x: t for t, x in data.items()})
-            fits = fits[1:] if step == max(steps) != t0 else fits
+        if len(fits) == 2 and g is not None and data is not None:  # (both ends' steps must say "falling")
+            step_of = {x: t for t, x in data.items()}
+            low, high = (_nearest_step(g, self.nodes[c].output[0], step_of) for c in (min(self.nodes), max(self.nodes)))
+            fits = fits[1:] if (low, high) == (max(steps), t0) != (t0, max(steps)) else fits
         off, sign = fits[0]
         return (off, sign), {sign * (c - off): n.output[0] for c, n in self.nodes.items()}
 
@@ -359,22 +360,32 @@ def length_masks(g: Graph) -> list[LengthMask]:
 
 
 def _nearest_step(g: Graph, mask: str, step_of: dict, budget: int = 2048) -> int | None:
-    """The step whose data slice the nodes reading ``mask`` (two readers deep: a select, its Unsqueeze) are
-    computed from first, going back op by op: a step's select reads that step's cell, the step before's only
-    through it. None where none is found within ``budget`` nodes."""
-    start = [n for n in g.uses(mask)]
-    start += [m for n in start for o in n.output for m in g.uses(o)]
-    seen = {id(n) for n in start}
-    frontier = start
-    while frontier and len(seen) < budget:
+    """The step whose data slice the values ``mask`` is combined with (by the nodes reading it, or what is
+    computed from it alone: an Unsqueeze, a Cast, ``1 - m``) are computed from first, going back op by op: a
+    step's select reads that step's cell, the step before's only through it. None where none is found within
+    ``budget`` nodes."""
+    alone, frontier, others = {mask}, [mask], []
+    for _ in range(4):
         nxt = []
-        for n in frontier:
-            for i in n.input:
-                if i in step_of:
-                    return step_of[i]
-                p = g.producer.get(i)
-                if p is not None and id(p) not in seen and i != mask:
-                    seen.add(id(p))
-                    nxt.append(p)
+        for v in frontier:
+            for n in g.uses(v):
+                rest = [i for i in n.input if i and i not in alone and g.const(i) is None]
+                if rest:
+                    others += rest
+                elif not alone.issuperset(n.output):
+                    alone.update(n.output)
+                    nxt.extend(n.output)
         frontier = nxt
+    seen: set[int] = set()
+    level = others
+    while level and len(seen) < budget:
+        nxt = []
+        for v in level:
+            if v in step_of:
+                return step_of[v]
+            p = g.producer.get(v)
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                nxt.extend(i for i in p.input if i and i not in alone)
+        level = nxt
     return None

@@ -366,6 +366,8 @@ def steps_describe(c: Case) -> str:
     if o.get("lengths") == "pad":
         parts.append("masked by hand with a padding mask: pad = (t >= lengths); h = where(pad, h, cell); "
                      "outputs where(pad, 0, cell)")
+    elif o.get("lengths") == "pre_blend":
+        parts.append("pre-padded by hand: m = (lengths >= T - t).float(); h = m * cell + (1 - m) * h; outputs m * h")
     elif o.get("lengths") == "pre_where":
         parts.append("pre-padded by hand: v = (lengths >= T - t); h = where(v, cell, h); outputs where(v, cell, 0)")
     elif o.get("lengths") in ("arange", "arange_where"):
@@ -596,12 +598,17 @@ def steps_module(c: Case):
                         cs = torch.where(keep, c_new, cs)
                     outs.append(torch.where(keep, h_new, torch.zeros_like(h_new)))
                     continue
-                m = step_mask if o.get("lengths") == "arange" else (t < lengths).to(x.dtype).unsqueeze(1)
+                if o.get("lengths") == "pre_blend":  # valid steps last, as a float blend
+                    m = (lengths >= x.shape[1 if c.batch_first else 0] - t).to(x.dtype).unsqueeze(1)
+                else:
+                    m = step_mask if o.get("lengths") == "arange" else (t < lengths).to(x.dtype).unsqueeze(1)
                 h = m * h_new + (1 - m) * h
                 if self.lstm:
                     cs = m * c_new + (1 - m) * cs
                 outs.append(m * h_new)
             y = torch.stack(outs, dim=1 if c.batch_first else 0)
+            if o.get("final_gate"):  # empty rows' last state zeroed after the loop (lengths > 0 is step 0's mask too)
+                h = torch.where((lengths > 0).unsqueeze(1), h, torch.zeros_like(h))
             return (y, h, cs) if self.lstm else (y, h)
 
     return StepInputsLoop()
@@ -673,6 +680,9 @@ CASES += [
     steps("rnncell_tanh_trace_prepadded_where", "rnn_tanh", lengths="pre_where",
           notes="v = lengths >= T - t per step: the comparisons' constants fall with t (traced Greater(L, T-1-t))"),
     steps("lstmcell_dynamo_prepadded_where_bf", "lstm", lengths="pre_where", batch_first=True, exporter="dynamo"),
+    steps("grucell_trace_prepadded_blend", "gru", lengths="pre_blend"),
+    steps("grucell_trace_lengths_final_gate", "gru", lengths=True, final_gate=True,
+          notes="after the loop h = where(lengths > 0, h, 0): the same Greater(lengths, 0) as step 0's mask"),
     steps("lstmcell_trace_arange_mask_where_bt_time_major", "lstm", lengths="arange_where", mask_bt=True,
           notes="the [B, T] mask arange(T)[None] < lengths[:, None] read as mask[:, t] beside a time-major x"),
     steps("grucell_dynamo_arange_mask_where_bt_time_major", "gru", lengths="arange_where", mask_bt=True,

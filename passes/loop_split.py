@@ -82,7 +82,7 @@ def split_loop(g: Graph, loop: NodeProto) -> list[NodeProto] | None:
     reads = _carried_reads(body, b_in[2:])
     out_reads = [reads.get(o, 0) for o in b_out]
     shared = {k for k in range(n_carried)
-              if out_reads[1 + k] & ~(1 << k) == 0 and not _multiplies(producer, b_out[1 + k], b_in)}
+              if out_reads[1 + k] & ~(1 << k) == 0 and not _multiplies(producer, b_out[1 + k])}
     groups = _groups(n_carried, out_reads, shared)
     if groups is None or len(set(groups.values())) < 2:
         return None
@@ -116,7 +116,7 @@ def _carried_reads(body: GraphProto, carried: list[str]) -> dict[str, int]:
     return reads
 
 
-def _multiplies(producer: dict, name: str, b_in: list[str]) -> bool:
+def _multiplies(producer: dict, name: str) -> bool:
     """Whether the body computes ``name`` with a weight product (a state, not a counter or a pass-through)."""
     ops, seen, todo = weight_ops(), set(), [name]
     while todo:

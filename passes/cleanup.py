@@ -56,8 +56,11 @@ def _gathers_all_in_order(g: Graph, n) -> bool:
     n the axis' length (read from how both are computed, see rnnfuse.index_order)."""
     if len(n.input) != 2:
         return False
+    c = g.const(n.input[1])
+    if c is not None and (np.ndim(c) != 1 or np.size(c) < 2):  # (a constant's rank is its own: no inference)
+        return False
     size = in_order(g, n.input[1])
-    if size is None or g.model.rank(n.input[1]) != 1:
+    if size is None or (c is None and g.model.rank(n.input[1]) != 1):
         return False
     data, axis = n.input[0], attr(n, "axis", 0)
     rank = g.model.rank(data)

@@ -284,7 +284,8 @@ class LengthMask(StepMask):
     def slices(self, steps: set, g: Graph | None = None, data: dict | None = None) -> tuple[tuple, dict] | None:
         """``((offset, sign), step -> mask slice)`` when the comparisons' indices are ``offset + sign * t`` over
         ``steps``: rising (``t < L``) or falling (a pre-padded ``L >= T - t``). Where both fit (consecutive
-        indices), the first step's data slice ``data[t]`` decides: the comparison its step's nodes meet first."""
+        indices), falling only when both ends say so: the lowest constant's mask is combined with values computed
+        from the last step's data slice (``data``: step -> slice) first, the highest constant's with the first's."""
         if not steps:
             return None
         t0 = min(steps)

@@ -25,6 +25,7 @@ from onnx import AttributeProto, GraphProto, NodeProto
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
 from rnnfuse.protos import has_subgraph
+from rnnfuse.rewrite import recurrences_of
 from rnnfuse.symbolic import weight_ops
 
 _NOT_COPIED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
@@ -47,9 +48,7 @@ def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, No
     recs, declines = [], []
     for p in parts:
         try:
-            g.model.settle_types([i for i in p.input if i] + sorted(g.implicit_inputs(p)))
-            found = recurrence_of(g, p)
-            recs.extend(found if isinstance(found, list) else [found])
+            recs.extend(recurrences_of(g, p, recurrence_of))
         except Decline as d:
             declines.append((p, d.reason))
 

@@ -25,7 +25,7 @@ from onnx import TensorProto
 
 from .dims import root_dim
 from .graph import Graph, attr
-from .index_terms import scalar_term, size_term, terms
+from .index_terms import elementwise, scalar_term, size_term, terms
 
 _DEPTH = 16
 _INTEGERS = (TensorProto.INT32, TensorProto.INT64)  # (what an index run is computed in: no float rounding)
@@ -33,10 +33,8 @@ _IN_ORDER = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
 
 
 def _plus(a: tuple | None, k: int) -> tuple | None:
-    """A size term plus k."""
-    if a is None or a[0] not in ("c", "d"):
-        return None
-    return ("c", a[1] + k) if a[0] == "c" else ("d", a[1], a[2] + k)
+    """A size term plus k (index_terms' term arithmetic), None for no size term."""
+    return elementwise("Add", [a, ("c", k)]) if a is not None and a[0] in ("c", "d") else None
 
 
 def _negated(a: tuple | None) -> tuple | None:

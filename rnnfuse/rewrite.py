@@ -225,6 +225,15 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
         g.prune()
 
 
+def recurrences_of(g, node, recurrence_of) -> list:
+    """The recurrences ``recurrence_of`` finds in ``node`` (one, or the layers of a stacked step), the types of
+    what it reads from outside settled first: its analysis decides on them, asked in many places as filters,
+    so they are inferred whole, not left to whatever an earlier query happened to infer. Declines raise."""
+    g.model.settle_types([i for i in node.input if i] + sorted(g.implicit_inputs(node)))
+    found = recurrence_of(g, node)
+    return found if isinstance(found, list) else [found]
+
+
 def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, recurrence_of,
                body_needs: frozenset[str] = frozenset(), parts_of=None) -> PassResult:
     """The body of a front end that looks at every ``op_type`` node (Loop, Scan): find, then apply.
@@ -258,9 +267,6 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
             kept.keep(pass_name, node, reason)
             continue
         try:
-            # (its analysis decides on the types of what it reads from outside, asked in many places as
-            # filters: inferred whole first, not left to whatever an earlier query happened to infer)
-            g.model.settle_types([i for i in node.input if i] + sorted(g.implicit_inputs(node)))
             if parts_of is not None:
                 part_recs, part_declines, node, settle = parts_of(g, node, recurrence_of)
                 if part_recs:
@@ -269,8 +275,7 @@ def fuse_nodes(model, ctx: Options, pass_name: str, op_type: str, front: str, re
                     res.findings.extend(declined(pass_name, front, p.name or p.output[0], why)
                                         for p, why in part_declines)
                     continue
-            found = recurrence_of(g, node)
-            recs.extend(found if isinstance(found, list) else [found])  # a list: the layers of a stacked step
+            recs.extend(recurrences_of(g, node, recurrence_of))
         except Decline as d:
             res.findings.append(declined(pass_name, front, node.name or node.output[0], d.reason))
             kept.keep(pass_name, node, d.reason)

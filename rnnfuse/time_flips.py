@@ -60,7 +60,7 @@ def _descending_indices(g: Graph, idx: str, length: tuple) -> bool:
                 and [scalar_term(g, i) for i in r.input] == [("c", 0), size_term(length), ("c", 1)]):
             return True
     # (other spellings: an iota reversed by arithmetic or a Gather, reshaped, broadcast to its own shape)
-    return g.model.rank(idx) == 1 and reversed_order(g, idx) == size_term(length)
+    return reversed_order(g, idx) == size_term(length) and g.model.rank(idx) == 1
 
 
 def time_flip_source(g: Graph, name: str, time_axis: int = 0) -> str | None:

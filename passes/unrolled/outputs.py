@@ -67,17 +67,19 @@ def _stacking(g: Graph, nd: NodeProto, o: str, states, chain_nodes: set) -> bool
     return nd.op_type == "Unsqueeze" and nd.input[0] in states and not g.is_graph_output(o) and all(
         c.op_type == "Concat" for c in g.uses(o) if id(c) not in chain_nodes)
 
-# ops that prepare a step's input without reading a state: no matmul, no activation (every cell has both)
+# ops that prepare a step's input without reading a state, linear maps included (``x_t @ W_ih`` split into
+# gates): no activation (every cell applies one, so no cell output is among what they compute)
 _PREPARE = {"Add", "Sub", "Mul", "Div", "Neg", "Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Transpose",
-            "Flatten", "Dropout"}
+            "Flatten", "Dropout", "MatMul", "Gemm", "Split", "Slice"}
 
 
 def prepared_inputs(g: Graph, chain: Chain, limit: int = 16):
-    """A predicate: whether a tensor is the preparation of a step's input (``Reshape(x_t)``, ``2 * x_t``:
-    computed from the step's slice and constants by the ops of :data:`_PREPARE`). Such a value is read by
-    the step's cell but depends on no state, so another chain may read it too (the two halves of a
-    bidirectional layer sharing one preparation of x_t). A value computed from the input alone through a
-    matmul or an activation (a first step's cell output, its state folded to zero) is no preparation."""
+    """A predicate: whether a tensor is the preparation of a step's input (``Reshape(x_t)``, ``2 * x_t``,
+    ``x_t @ W_ih + b_ih``: computed from the step's slice and constants by the ops of :data:`_PREPARE`). Such
+    a value is read by the step's cell but depends on no state, so another chain may read it too: the two
+    halves of a bidirectional layer sharing one preparation of x_t, or one cell run forward and backward over
+    x, whose projection of each x_t the exporter computed once for both. A value computed from the input alone
+    through an activation (a first step's cell output, its state folded to zero) is no preparation."""
     xs = {st.x for st in chain.steps}
     memo: dict[str, bool] = {}
 
@@ -95,6 +97,17 @@ def prepared_inputs(g: Graph, chain: Chain, limit: int = 16):
         return ok
 
     return prepared
+
+
+def read_by_others(g: Graph, chain: Chain, initial: set):
+    """A predicate: whether an inner value of the chain may be read outside it too, because it is computed
+    from what the chain is given and stays computed for its other readers once the chain is fused: a step
+    input's preparation (:func:`prepared_inputs`), or a part of the first step computed from the chain's
+    initial states and constants alone (two chains starting from one state, whose ``h0 @ R`` the exporter
+    computed once for both: one cell run forward and backward from zeros)."""
+    prepared = prepared_inputs(g, chain)
+    from_initial = computed_from(g, initial) if initial else (lambda name: False)
+    return lambda name: prepared(name) or from_initial(name)
 
 
 def computed_from(g: Graph, values: set, limit: int = 16):
@@ -192,7 +205,8 @@ def split_first_value(g: Graph, iv, states: list[str], chain_nodes: set):
     return undo
 
 
-def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: set, mask_values: set) -> list[list[str]] | None:
+def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: set, mask_values: set,
+                 initial: set) -> list[list[str]] | None:
     """Per step, the values computed from the cell's inner values by nodes outside h and c (Keras' masked
     output carried next to the state; a second output filled otherwise at masked steps), in name order, or
     None when no step has any. Every step has as many, except the last, whose values may be dead (then
@@ -203,7 +217,7 @@ def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: se
     k_of = {st.t: k for k, st in enumerate(steps)}
     hang: dict[int, dict[int, NodeProto]] = {}
     stacked: dict[int, set] = {}
-    prepared = prepared_inputs(g, chain)
+    shared = read_by_others(g, chain, initial)
     from_states = computed_from(g, state_tensors)
     for nd, o, outside in escapes.entries:
         v = iv.nodes.get(id(nd))
@@ -212,8 +226,8 @@ def extra_values(g: Graph, chain: Chain, iv, escapes: Escapes, state_tensors: se
             continue
         if not outside or o in state_tensors or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, state_tensors, chain_nodes):
             continue
-        if prepared(o):
-            continue  # a step input's preparation another chain reads too
+        if shared(o):
+            continue  # (a step input's preparation or the initial states' part another chain reads too)
         if all(u.op_type == "Unsqueeze" and _stacking(g, u, u.output[0], {o}, chain_nodes) for u in outside):
             stacked.setdefault(k, set()).add(o)  # an inner value stacked as it is (e.g. m * h_cell)
             continue
@@ -331,20 +345,21 @@ def find_symbolic(g: Graph, e: StepEval, chain: Chain, k: int, iv, op_type: str,
             continue
     return None
 
-def chain_outputs(g: Graph, chain: Chain, series: dict, escapes: Escapes, mask_values: set) -> tuple[list, dict]:
+def chain_outputs(g: Graph, chain: Chain, series: dict, escapes: Escapes, mask_values: set,
+                  initial: set) -> tuple[list, dict]:
     """What the rest of the graph reads of the chain: stacks of a per-step series ((role, tensor,
     batch_first, reversed)), the last step's values (role -> tensor) and the hidden state of other steps
     read one by one ((k, tensor)). Anything else declines."""
     n = len(chain.steps)
     ts = [s.t for s in chain.steps]
     index = {t: (r, k) for r, names in series.items() for k, t in enumerate(names) if t}
-    prepared = prepared_inputs(g, chain)
+    shared = read_by_others(g, chain, initial)
     chain_nodes = escapes.ids
     for nd, o, _ in escapes.entries:
         if o in index or o in mask_values or shape_derived(g, o) or _stacking(g, nd, o, index, chain_nodes):
             continue
-        if not g.is_graph_output(o) and prepared(o):
-            continue  # a step input's preparation another chain reads too
+        if not g.is_graph_output(o) and shared(o):
+            continue
         raise Decline(f"an inner value of the chain ('{o}') is read outside it")
     cats: dict[int, list] = {}
     extra: list[tuple[str, int, str]] = []

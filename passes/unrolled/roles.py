@@ -107,10 +107,8 @@ class _ChainRoles:
 
     def keep_memo(self, k: int, names) -> None:
         """Keep only these names' signatures in step k's memo."""
-        memo = self.memos.get(k)
-        if memo is not None:
-            full = memo[1]
-            self.memos[k] = (memo[0], {x: full[x] for x in names if x is not None and x in full})
+        if (memo := self.memos.get(k)) is not None:
+            self.memos[k] = (memo[0], {x: memo[1][x] for x in names if x is not None and x in memo[1]})
 
     def step_output(self, k: int, op_type: str, ref: int, ref_name: str) -> str | None:
         reads_h = reads_state(self.g, ref_name, self.leaves[self.km], self.allowed[self.km])  # (ref_name: step km's)
@@ -255,14 +253,15 @@ class _ChainRoles:
         self.mask_values = mask_values(g, self.chain)
         self.escapes = Escapes(g, self.chain_nodes)
         states = {t for t in self.h_new + self.c_new if t}
+        self.initial = {t for t in (self.h_in[0], self.foreign[0].name) if t}  # (what the first step is given)
         try:
-            per_step = extra_values(g, self.chain, self.iv, self.escapes, states, self.mask_values)
+            per_step = extra_values(g, self.chain, self.iv, self.escapes, states, self.mask_values, self.initial)
         except FirstValueIsState:
             self.undo = split_first_value(g, self.iv, [self.h_new[0], self.c_new[0]], self.chain_nodes)
             if self.undo is None:
                 raise
             self.escapes = Escapes(g, self.chain_nodes)
-            per_step = extra_values(g, self.chain, self.iv, self.escapes, states, self.mask_values)
+            per_step = extra_values(g, self.chain, self.iv, self.escapes, states, self.mask_values, self.initial)
         self.ys, self.y_carried, self.y0 = None, False, None
         if per_step is None:
             return
@@ -364,7 +363,8 @@ class _ChainRoles:
     def analyse(self) -> StepAnalysis:
         """The chain's outputs and the reference step's maths -> the cell and the recurrence's states."""
         g, series, ref = self.g, self.series, self.ref
-        stacks, finals, self.step_reads = chain_outputs(g, self.chain, series, self.escapes.update(self.chain_nodes), self.mask_values)
+        stacks, finals, self.step_reads = chain_outputs(g, self.chain, series, self.escapes.update(self.chain_nodes),
+                                                        self.mask_values, self.initial)
         h0 = self.h_in[0]
         inits = {
             "h": Init(h0, None, lead_of(g, h0) or 0) if h0 is not None and self.h0_fill is None else Init(),

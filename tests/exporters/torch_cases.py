@@ -164,6 +164,12 @@ CASES = [
     # two halves' slices of x had two index forms (fused as four half chains, whose merge closed a cycle)
     loop("grucell_trace_bidir_interleaved", "gru", **BI, order="interleaved", time=10),
     loop("lstmcell_trace_bidir_interleaved_bf", "lstm", **BI, **BF, order="interleaved", time=9),
+    # -- one cell run forward and backward: each x_t's input projection (and, from a given h0, h0's) is
+    # computed once and read by both chains
+    loop("grucell_trace_bidir_shared_cell", "gru", **BI, order="interleaved", shared=True),
+    loop("lstmcell_dynamo_bidir_shared_cell_h0", "lstm", exporter="dynamo", **BI, **H0, order="interleaved",
+         shared=True),
+    loop("rnncell_tanh_trace_bidir_shared_cell_bf", "rnn_tanh", **BI, **BF, shared=True),
     loop("lstmcell_trace_h0c0", "lstm", **H0),
     loop("grucell_trace_h0", "gru", **H0),
     loop("rnncell_tanh_trace_h0_bf", "rnn_tanh", **H0, **BF),
@@ -817,6 +823,8 @@ def describe(c: Case) -> str:
         out = "tanh(Linear(y[0])) of each call, stacked" if o.get("head") else "output"
         return f"{cls}({', '.join(args)}), {init}; returns ({out}, h_n[, c_n])"
     parts = [CELL_TEXT[o["cell"]] + ("" if o.get("bias", True) else " bias=False"), layout]
+    if o.get("shared"):
+        parts.append("one cell for both directions")
     if o.get("bidir") and o.get("order") == "interleaved":
         parts.append("one loop stepping a forward cell on x[t] and a backward cell on x[T-1-t] (T = x.shape[0]), "
                      "outputs concatenated on features")
@@ -1011,7 +1019,7 @@ def torch_modules():
         """A Python loop over one cell (or two for a hand-made bidirectional); unrolled by trace / dynamo."""
 
         def __init__(self, cell, features, hidden, bias=True, batch_first=False, reverse=False, order="time",
-                     init="zeros", ret="seq", bidir=False, collect="stack", prep=""):
+                     init="zeros", ret="seq", bidir=False, collect="stack", prep="", shared=False):
             super().__init__()
             # "linear": a Linear over the whole sequence (no activation) before the loop; the cell's own input
             # matmul then multiplies it again
@@ -1022,6 +1030,8 @@ def torch_modules():
             self.dirs = [False, True] if bidir else [reverse]
             self.order = order
             self.cells = nn.ModuleList([make_cell(cell, features, hidden, bias) for _ in self.dirs])
+            if shared:  # one cell run both ways: the exporter computes each x_t's projection once for both
+                self.cells = nn.ModuleList([self.cells[0]] * len(self.dirs))
             if init == "linear":  # the initial state is computed by the graph (a decoder started from a code)
                 self.init_proj = nn.Linear(hidden, hidden)
 

@@ -396,9 +396,9 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
                 bf = write_axis(g, carried.scattered[k], found[1].ncols, batch,
                                 int(trip) if trip is not None and np.size(trip) == 1 else None) == 1
             if found is None:
-                heads.append(HeadCandidate(value, outer, accumulate=start, batch_first=bf))
+                heads.append(HeadCandidate(value, outer, accumulate=start, time_axis=int(bf)))
             else:
-                outs_of[found[0]].append(StepOut(found[1], outer, accumulate=start, batch_first=bf))
+                outs_of[found[0]].append(StepOut(found[1], outer, accumulate=start, time_axis=int(bf)))
     extra_remove: list[NodeProto] = []
     for k in carried.seqs:
         li, out = sequence_output(g, body, loop, k, layers, extra_remove, state_keys)

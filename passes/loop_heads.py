@@ -27,7 +27,7 @@ class HeadCandidate:
 
     name: str  # the body tensor
     outer: str  # the stacked output
-    batch_first: bool = False
+    time_axis: int = 0  # (as SeqOutput's)
     reversed: bool = False
     accumulate: str = ""  # a running sum's start (see rnnfuse.recurrence.SeqOutput)
 
@@ -187,7 +187,7 @@ def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: li
                 raise Decline("a head reads the step input and the output of a cell above the first")
             for name, j in head.layer_h.items():  # the other cells' Y, handed to this one when emitted
                 head.layer_h[name] = _steps_output(recs[j], j)
-            rec.seq_outputs.append(SeqOutput(cand.outer, NONE, Init(), cand.batch_first, cand.reversed, head=head,
+            rec.seq_outputs.append(SeqOutput(cand.outer, NONE, Init(), cand.time_axis, cand.reversed, head=head,
                                              accumulate=cand.accumulate))
             break
         else:

@@ -66,27 +66,22 @@ def sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list
     axis, new_axis = attr(cat, "axis", 0), attr(cat, "new_axis", 0)
     appended = n.input[1]
     u = body.producer.get(appended)
-    if (new_axis, axis) == (0, 1) and u is not None and u.op_type == "Unsqueeze" and op_args.axes(
-            u, g.model.opset, op_args.const_reader(body, u)) == [1]:
-        appended, new_axis = u.input[0], 1  # cat([h[:, None] ...], 1) is stack([h ...], 1) (TorchScript, batch-first)
+    if new_axis == 0 and axis in (1, 2) and u is not None and u.op_type == "Unsqueeze" and op_args.axes(
+            u, g.model.opset, op_args.const_reader(body, u)) == [axis]:
+        appended, new_axis = u.input[0], 1  # cat([h.unsqueeze(a) ...], a) is stack([h ...], a) (TorchScript)
     found = state_output(layers, appended, state_keys)
     if found is None:  # a head computes [B, K] from h: stacked like h
-        if not (new_axis == 1 and axis in (0, 1)):
+        if not (new_axis == 1 and axis in (0, 1, 2)):
             raise Decline("the per-step outputs are stacked along an unsupported axis")
         extra_remove.append(cat)
-        return None, HeadCandidate(appended, cat.output[0], batch_first=axis == 1, reversed=prepend)
+        return None, HeadCandidate(appended, cat.output[0], time_axis=axis, reversed=prepend)
     li = found[0]
     val = layers[li].ev.value(appended)
     if not isinstance(val, SymTensor):
         raise Decline("the appended value is not a cell output")
-    lead = val.lead
-    # element [1, B, H] concatenated on axis 0, or [B, H] stacked with new_axis on axis 0 (time-major),
-    # or on axis 1 (batch-first: torch.stack(outs, dim=1))
-    if (new_axis == 1 and axis == 0 and lead == 0) or (new_axis == 0 and axis == 0 and lead == 1):
-        batch_first = False
-    elif new_axis == 1 and axis == 1 and lead == 0:
-        batch_first = True
-    else:
+    # element [1, B, H] concatenated on axis 0 (time-major), or [B, H] stacked with new_axis on axis 0, 1
+    # (batch-first: torch.stack(outs, dim=1)) or 2 (time last: torch.stack(outs, dim=2))
+    if not ((new_axis == 1 and axis in (0, 1, 2) and val.lead == 0) or (new_axis == 0 and axis == 0 and val.lead == 1)):
         raise Decline("the per-step outputs are stacked along an unsupported axis")
     extra_remove.append(cat)
-    return li, StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, batch_first=batch_first)
+    return li, StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, time_axis=axis)

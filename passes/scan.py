@@ -259,10 +259,10 @@ def _scan_outputs(g: Graph, body: Graph, scan: NodeProto, n_state: int, layers: 
             raise Decline(f"a scan output stacked along axis {out_axes[j]}")
         found = state_output(layers, bout[n_state + j], state_keys)
         if found is None:
-            heads.append(HeadCandidate(bout[n_state + j], outer, batch_first=ax == 1, reversed=bool(out_dirs[j])))
+            heads.append(HeadCandidate(bout[n_state + j], outer, time_axis=ax, reversed=bool(out_dirs[j])))
             continue
         li, poly = found
-        outs[li].append(StepOut(poly, outer, batch_first=ax == 1, reversed=bool(out_dirs[j])))
+        outs[li].append(StepOut(poly, outer, time_axis=ax, reversed=bool(out_dirs[j])))
     return outs, heads
 
 

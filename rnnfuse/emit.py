@@ -406,8 +406,8 @@ def _as_stacked(b: Builder, so, v: str) -> str:
     """Steps ``v`` ([T, B, ...] in processing order) laid out as the original stacks ``so``'s steps."""
     if so.reversed:
         v = b.flip0(v)
-    if so.batch_first:
-        v = b.op("Transpose", v, perm=[1, 0, 2])
+    if so.time_axis:
+        v = b.op("Transpose", v, perm=[1, 0, 2] if so.time_axis == 1 else [1, 2, 0])
     return v
 
 
@@ -421,7 +421,7 @@ def _declare_outputs(g: Graph, rec: Recurrence, x: str, repl: dict) -> None:
     T, B = (xs[1], xs[0]) if rec.x_batch_first else (xs[0], xs[1])
     for so in rec.seq_outputs:
         width = hidden if so.head is None else None
-        dims = [B, width] if so.accumulate else [B, T, width] if so.batch_first else [T, B, width]
+        dims = [B, width] if so.accumulate else [[T, B, width], [B, T, width], [B, width, T]][so.time_axis]
         g.model.declare(repl[so.tensor], (et, dims))
     for fo in list(rec.finals) + list(rec.step_reads):
         g.model.declare(repl[fo.tensor], (et, [1, B, hidden] if fo.lead else [B, hidden]))

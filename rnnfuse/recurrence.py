@@ -41,7 +41,7 @@ class SeqOutput:
     tensor: str  # [T, B, H], time-major, in processing order
     fill: str = NONE  # CARRY | ZERO | NONE
     init: Init = field(default_factory=Init)  # CARRY: the output before the first valid step
-    batch_first: bool = False  # the tensor is [B, T, H] (Scan with scan_output_axes=1)
+    time_axis: int = 0  # the tensor is [T, B, H] (0), [B, T, H] (1: torch.stack(outs, 1)) or [B, H, T] (2)
     reversed: bool = False  # the tensor is stacked in reverse processing order
     internal: bool = False  # not a tensor of the graph: the input of the next layer of the same step
     head: object = None  # a rnnfuse.step_heads.StepHead applied to every step (the output is head(h_t))

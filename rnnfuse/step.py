@@ -27,7 +27,7 @@ class StepState:
 class StepOut:
     poly: Poly
     outer: str  # outer tensor holding the stacked outputs
-    batch_first: bool = False
+    time_axis: int = 0  # where the stacked steps' time axis is: [T, B, H] 0, [B, T, H] 1, [B, H, T] 2
     reversed: bool = False
     accumulate: str = ""  # a running sum's start (see rnnfuse.recurrence.SeqOutput)
 
@@ -227,17 +227,17 @@ def _seq_output(o: StepOut, h_cell: Poly, an: StepAnalysis, carry_of: dict[str, 
         if old.key == h_cell.key:
             if an.masked:
                 raise Decline("a per-step output ignores the mask (the cell runs on masked steps)")
-            return SeqOutput(o.outer, NONE, Init(), o.batch_first, o.reversed)
+            return SeqOutput(o.outer, NONE, Init(), o.time_axis, o.reversed)
         # the new value of a masked state read as a whole
         raise Decline(f"a per-step output is not the cell output ({o.poly!r})")
     new = old.add(delta)
     if new.key != h_cell.key:
         raise Decline("a per-step output is not the cell's hidden output")
     if not old.terms:
-        return SeqOutput(o.outer, ZERO, Init(), o.batch_first, o.reversed)
+        return SeqOutput(o.outer, ZERO, Init(), o.time_axis, o.reversed)
     sa = old.single_atom()
     if sa and sa[1] == 1.0 and isinstance(sa[0], State) and (sa[0].sym == rec.h or carry_of.get(sa[0].sym) == rec.h):
-        return SeqOutput(o.outer, CARRY, by_sym[sa[0].sym].init, o.batch_first, o.reversed)
+        return SeqOutput(o.outer, CARRY, by_sym[sa[0].sym].init, o.time_axis, o.reversed)
     raise Decline(f"masked steps of a per-step output hold {old!r}")
 
 

@@ -348,7 +348,7 @@ def find_symbolic(g: Graph, e: StepEval, chain: Chain, k: int, iv, op_type: str,
 def chain_outputs(g: Graph, chain: Chain, series: dict, escapes: Escapes, mask_values: set,
                   initial: set) -> tuple[list, dict]:
     """What the rest of the graph reads of the chain: stacks of a per-step series ((role, tensor,
-    batch_first, reversed)), the last step's values (role -> tensor) and the hidden state of other steps
+    time axis, reversed)), the last step's values (role -> tensor) and the hidden state of other steps
     read one by one ((k, tensor)). Anything else declines."""
     n = len(chain.steps)
     ts = [s.t for s in chain.steps]
@@ -404,7 +404,7 @@ def chain_outputs(g: Graph, chain: Chain, series: dict, escapes: Escapes, mask_v
     return stacks, finals, step_reads
 
 def _stack_output(g: Graph, chain: Chain, cat: NodeProto, items, names) -> tuple | None:
-    """``Concat(Unsqueeze(v_k, a) for every step, axis=a)`` -> (tensor, batch_first, reversed)."""
+    """``Concat(Unsqueeze(v_k, a) for every step, axis=a)`` -> (tensor, its time axis, reversed)."""
     n = len(chain.steps)
     axis = attr(cat, "axis")
     direct = all(u is None for _, u in items)  # [1, B, H] states concatenated as they are
@@ -431,8 +431,8 @@ def _stack_output(g: Graph, chain: Chain, cat: NodeProto, items, names) -> tuple
             return None
     if axis < 0:
         axis += 3
-    if axis not in (0, 1):
-        return None
+    if axis not in (0, 1, 2) or (axis == 2 and lead_of(g, names[ks[0]]) != 0):
+        return None  # ([B, H] steps stacked on the last axis: [B, H, T], torch.stack(outs, 2))
     ts = [chain.steps[k].t for k in ks]
     if ts == sorted(ts):
         time_order = True
@@ -441,4 +441,4 @@ def _stack_output(g: Graph, chain: Chain, cat: NodeProto, items, names) -> tuple
     else:
         return None
     processing_order = time_order == (chain.direction == "forward")
-    return cat.output[0], axis == 1, not processing_order
+    return cat.output[0], axis, not processing_order

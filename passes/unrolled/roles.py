@@ -374,7 +374,7 @@ class _ChainRoles:
         states = {"h": H_STATE, "c": C_STATE, "y": Y_STATE}
         carried = [r for r in series if r in ("h", "c") or (r == "y" and self.y_carried)]
         step_states = [StepState(r, ref[r], inits[r], finals.get(r)) for r in carried]
-        outs = [StepOut(ref[r], cat, bf, rev) for r, cat, bf, rev in stacks]
+        outs = [StepOut(ref[r], cat, axis, rev) for r, cat, axis, rev in stacks]
         for r, t in finals.items():
             if r not in carried:
                 raise Decline("an extra per-step value of the last step is read outside the chain")

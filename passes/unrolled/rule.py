@@ -97,6 +97,7 @@ class FuseChains:
         real = {v.reason for k, v in pending.items() if k in final and len(k) == 5}
         res.findings.extend(v for k, v in pending.items() if k in final and (len(k) == 5 or v.reason not in real))
         whole.drop_unused()
+        not_sequences -= whole.time_major_sources()  # (searched over their time-major copies)
         if not_sequences:
             res.notes.append(f"{len(not_sequences)} tensor(s) sliced into steps that combine values are not [T, B, F] "
                              f"or [B, T, F] sequences (e.g. '{min(not_sequences)}'): no chain searched over them")
@@ -204,6 +205,7 @@ class _MayChain:
     def __init__(self, g: Graph, fams: dict):
         self.g, self.fams = g, fams
         self.unmasked: dict[tuple, bool] = {}
+        self.combining: dict[tuple, bool] = {}  # whether the family's steps combine values, its layout aside
         self.not_sequences: set[str] = set()  # sources of families declined for their layout, whose steps combine
         self.regions: dict[tuple, KnownRegions] = {}  # what the last call for a family that passed computed
 
@@ -213,7 +215,7 @@ class _MayChain:
             src, axis = key
             fam = self.fams[key]
             regions: dict = {}
-            found = self.unmasked[key] = may_hold_chains(self.g, fam, regions=regions)
+            found = self.unmasked[key] = self.combining[key] = may_hold_chains(self.g, fam, regions=regions)
             if found and layout_decline(self.g, src, axis) is not None:
                 self.not_sequences.add(src)
                 found = self.unmasked[key] = False
@@ -228,6 +230,13 @@ class _MayChain:
         else:
             self.regions.pop(key, None)  # (no search follows: the unmasked regions are not held to the round's end)
         return found
+
+    def combines(self, key: tuple) -> bool:
+        """Whether some step of the family combines its values with another's, whatever its layout (whether a
+        family over another axis is worth a copy in a layout the native ops read)."""
+        if key not in self.combining:
+            self.combining[key] = may_hold_chains(self.g, self.fams[key])
+        return self.combining[key]
 
     def known_regions(self, key: tuple, mask_fam: dict | None) -> KnownRegions | None:
         """The regions the last call for ``key`` computed, if the graph and the masks are still those (once)."""

@@ -1,12 +1,14 @@
 """A step input computed from the step's slice alone is the slice of the whole sequence computed at once.
 
-Two forms, each the same at every step of a family:
+Three forms, each the same at every step of a family:
 
 - **embedding lookups**: ``Gather(E, tokens[:, t])`` (a constant table, rows gathered on axis 0) of an integer
   row family (:func:`.families.is_row_family`) is ``Gather(E, tokens)[:, t]``;
 - **row-wise maps**: an input MLP or a LayerNorm applied to x_t inside the loop (``relu(x_t W1 + b1)``, ops that
   provably act row by row: :func:`rnnfuse.row_wise.check_row_wise`) before the cell's input matmul is that map
-  applied to every row of X at once, then sliced.
+  applied to every row of X at once, then sliced;
+- **the time axis last**: ``x[:, :, t]`` of a ``[B, F, T]`` x (a Conv1d's output read step by step) is the
+  step of the time-major ``Transpose(x, [2, 0, 1])``, the layout the native ops read.
 
 The whole tensor is built beside the graph and the per-step values become a data family over it, so the chain
 front end threads, masks, reverses and fuses them as it does the slices of x; the per-step values themselves
@@ -46,6 +48,8 @@ class WholeInputs:
             et, rank = self.g.model.elem_type(src), self.g.model.rank(src)
             if et in _INTS and rank == 2:
                 got = self._lookups(src, axis, fam)
+            elif et in FLOATS and rank == 3 and axis == 2 and may_chain is not None and may_chain.combines((src, axis)):
+                got = self._time_major(src, fam)
             elif et in FLOATS and rank == 3 and (may_chain is None or may_chain((src, axis))):
                 if slices is None:
                     slices = {x for f in fams.values() for x in f.values()}
@@ -73,6 +77,25 @@ class WholeInputs:
             dims = list(g.model.shape(tokens) or [None, None]) + [g.const(table).shape[1]]
             g.model.declare(out, (g.model.elem_type(table), dims))
         return (node.output[0], axis), steps
+
+    # -- the time axis last ----------------------------------------------------------------------------
+    def _time_major(self, src: str, fam: dict):
+        g = self.g
+        if any(g.model.rank(x) != 2 for x in fam.values()):
+            return None  # (a [B, F, 1] slice kept unsqueezed is no step of the copy, whose slices are [1, B, F])
+        key = ("time-major", src)
+        node = self.built.get(key)
+        if node is None or not g.alive(node):
+            out, = g.add_node("Transpose", [src], name=f"rnnfuse/{src}/time_major", anchor=g.producer.get(src),
+                              perm=[2, 0, 1])
+            node = self.built[key] = g.producer[out]
+            b, f, t = g.model.shape(src) or [None, None, None]
+            g.model.declare(out, (g.model.elem_type(src), [t, b, f]))
+        return (node.output[0], 0), dict(fam)
+
+    def time_major_sources(self) -> set[str]:
+        """The sources given a time-major copy (their chains are searched over it)."""
+        return {key[1] for key in self.built if key[0] == "time-major"}
 
     # -- row-wise maps -----------------------------------------------------------------------------------
     def _row_maps(self, src: str, axis: int, fam: dict, signer: Signer, slices: set):

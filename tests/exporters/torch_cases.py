@@ -170,6 +170,10 @@ CASES = [
     loop("lstmcell_dynamo_bidir_shared_cell_h0", "lstm", exporter="dynamo", **BI, **H0, order="interleaved",
          shared=True),
     loop("rnncell_tanh_trace_bidir_shared_cell_bf", "rnn_tanh", **BI, **BF, shared=True),
+    # -- the time axis last: a Conv1d's [B, F, T] read as x[:, :, t], outputs torch.stack(outs, 2)
+    loop("lstmcell_trace_conv_time_last", "lstm", **BF, time_last=True),
+    loop("grucell_dynamo_conv_time_last_rev", "gru", exporter="dynamo", **BF, **REV, time_last=True),
+    loop("rnncell_tanh_trace_conv_time_last_bidir", "rnn_tanh", **BF, **BI, time_last=True),
     loop("lstmcell_trace_h0c0", "lstm", **H0),
     loop("grucell_trace_h0", "gru", **H0),
     loop("rnncell_tanh_trace_h0_bf", "rnn_tanh", **H0, **BF),
@@ -265,6 +269,10 @@ CASES = [
     script("lstmcell_script_cat_bf", "lstm", cat=True, **BF,
            notes="outs.append(h.unsqueeze(1)); torch.cat(outs, 1): ConcatFromSequence(axis=1) of [B, 1, H]"),
     script("lstmcell_script_cat", "lstm", cat=True, notes="outs.append(h.unsqueeze(0)); torch.cat(outs, 0)"),
+    script("lstmcell_script_stack_time_last", "lstm", out_axis=2,
+           notes="torch.stack(outs, 2): [B, H, T], ConcatFromSequence(new_axis=1, axis=2)"),
+    script("lstmcell_script_cat_time_last_bf", "lstm", cat=True, out_axis=2, **BF,
+           notes="outs.append(h.unsqueeze(2)); torch.cat(outs, 2): [B, H, T] from a batch-first x"),
     script("lstmcell_script_rev_range", "lstm", rev_range=1, notes="for t in range(T - 1, -1, -1): outs in processing order"),
     script("lstmcell_script_rev_range_bf", "lstm", rev_range=1, **BF),
     script("lstmcell_script_rev_range_skips_last", "lstm", rev_range=2, near_miss=True,
@@ -825,6 +833,8 @@ def describe(c: Case) -> str:
     parts = [CELL_TEXT[o["cell"]] + ("" if o.get("bias", True) else " bias=False"), layout]
     if o.get("shared"):
         parts.append("one cell for both directions")
+    if o.get("time_last"):
+        parts.append("a Conv1d over x.transpose(1, 2), read as x[:, :, t], outputs torch.stack(outs, 2)")
     if o.get("bidir") and o.get("order") == "interleaved":
         parts.append("one loop stepping a forward cell on x[t] and a backward cell on x[T-1-t] (T = x.shape[0]), "
                      "outputs concatenated on features")
@@ -1019,11 +1029,14 @@ def torch_modules():
         """A Python loop over one cell (or two for a hand-made bidirectional); unrolled by trace / dynamo."""
 
         def __init__(self, cell, features, hidden, bias=True, batch_first=False, reverse=False, order="time",
-                     init="zeros", ret="seq", bidir=False, collect="stack", prep="", shared=False):
+                     init="zeros", ret="seq", bidir=False, collect="stack", prep="", shared=False, time_last=False):
             super().__init__()
             # "linear": a Linear over the whole sequence (no activation) before the loop; the cell's own input
             # matmul then multiplies it again
             self.prep = nn.Linear(features, features) if prep == "linear" else None
+            # a Conv1d over the batch-first x's channels first, [B, F, T], read a step at a time as
+            # x[:, :, t] and stacked as torch.stack(outs, 2) (an audio front end's layout)
+            self.conv = nn.Conv1d(features, features, 3, padding=1) if time_last else None
             self.lstm = cell.startswith("lstm")
             self.hidden, self.batch_first, self.init, self.ret = hidden, batch_first, init, ret
             self.collect = collect  # "buffer": outs = zeros(T, B, H); outs[t] = h (outs[:, t] batch-first)
@@ -1036,6 +1049,8 @@ def torch_modules():
                 self.init_proj = nn.Linear(hidden, hidden)
 
         def chain(self, cell, x, state, reverse):
+            if self.conv is not None:
+                return self.time_last_chain(cell, x, state, reverse)
             steps = x.shape[1 if self.batch_first else 0]
             outs = []
             for t in (reversed(range(steps)) if reverse else range(steps)):
@@ -1054,6 +1069,13 @@ def torch_modules():
                 return buf, state
             return torch.stack(outs, dim=1 if self.batch_first else 0), state
 
+        def time_last_chain(self, cell, x, state, reverse):
+            outs = []
+            for t in (reversed(range(x.shape[2])) if reverse else range(x.shape[2])):
+                state = cell(x[:, :, t], state)
+                outs.append(state[0] if self.lstm else state)
+            return torch.stack(outs[::-1] if reverse else outs, 2), state
+
         def interleaved(self, x, state0):
             """The forward and the backward cell stepped in one loop, the backward one reading x[T - 1 - t]
             with T = x.shape[0] read when run (the trace writes that index as Shape arithmetic, not as the
@@ -1071,6 +1093,8 @@ def torch_modules():
         def forward(self, x, h0=None, c0=None):
             if self.prep is not None:
                 x = self.prep(x)
+            if self.conv is not None:  # (batch-first x: [B, T, F] -> [B, F, T])
+                x = self.conv(x.transpose(1, 2))
             if self.init == "zeros":
                 batch = x.shape[0 if self.batch_first else 1]
                 h0 = torch.zeros(batch, self.hidden, dtype=x.dtype)
@@ -1085,7 +1109,7 @@ def torch_modules():
                 y, state = self.chain(cell, x, (h0, c0) if self.lstm else h0, reverse)
                 ys.append(y)
                 states.extend(state if self.lstm else [state])
-            y = ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, 1 if self.conv is not None else -1)
             if self.ret == "seq":
                 return y
             if self.ret == "last":
@@ -1124,15 +1148,18 @@ def torch_modules():
     class ScriptLSTMLoop(nn.Module):
         """Scripted loop over an nn.LSTMCell; T is the dynamic trip count of an ONNX Loop."""
 
-        def __init__(self, features, hidden, reverse=False, batch_first=False, layers=1, cat=False, grow=False):
+        def __init__(self, features, hidden, reverse=False, batch_first=False, layers=1, cat=False, grow=False,
+                     out_axis=-1):
             super().__init__()
             self.cells = nn.ModuleList(nn.LSTMCell(features if k == 0 else hidden, hidden) for k in range(layers))
+            self.out_axis = out_axis  # the axis the outputs are stacked on (one layer), else x's time axis
             self.hidden, self.reverse, self.batch_first = hidden, reverse, batch_first
             self.cat = cat  # outs.append(h.unsqueeze(tdim)), then torch.cat(outs, tdim): no stack
             self.grow = grow  # out = torch.cat([out, h.unsqueeze(tdim)], tdim) from an empty tensor
 
         def forward(self, x):
             tdim = 1 if self.batch_first else 0
+            odim = self.out_axis if self.out_axis >= 0 else tdim
             steps = x.size(tdim)  # (read once: every layer's Loop runs this many iterations)
             for cell in self.cells:
                 h = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
@@ -1148,8 +1175,8 @@ def torch_modules():
                     if self.reverse:  # not outs.reverse() after the loop: the exporter silently drops it
                         outs.insert(0, h)
                     else:
-                        outs.append(h.unsqueeze(tdim) if self.cat else h)
-                x = grown if self.grow else torch.cat(outs, dim=tdim) if self.cat else torch.stack(outs, dim=tdim)
+                        outs.append(h.unsqueeze(odim) if self.cat else h)
+                x = grown if self.grow else torch.cat(outs, dim=odim) if self.cat else torch.stack(outs, dim=odim)
             return x
 
     class ScriptPrepLoop(nn.Module):

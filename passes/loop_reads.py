@@ -12,7 +12,7 @@ from onnx import NodeProto, TensorProto
 
 from rnnfuse import op_args
 from rnnfuse.dataflow import rank_of
-from rnnfuse.dims import condition_bounds, dim_key, extent_key, root_dim, time_dim_key, time_keys, value_source
+from rnnfuse.dims import condition_bounds, dim_key, extent_key, root_dim, time_dim_key, time_keys, unit_chunks, value_source
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.index_terms import TO_THE_END, one_element, terms
@@ -214,7 +214,12 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
 
     Recognised reads: ``Gather(D, i, axis=a)`` (tf2onnx, jax2onnx; a = 1 for TorchScript's ``x[:, t]``) and
     ``Squeeze(Slice(D, starts, ends, axes), [a])`` taking ``[i, i + 1)`` on axis a and everything on the
-    other axes (jax's ``dynamic_slice`` / ``dynamic_index_in_dim``, strided-slice reads)."""
+    other axes (jax's ``dynamic_slice`` / ``dynamic_index_in_dim``, strided-slice reads), and ``SequenceAt(S, i)``
+    of ``S = SplitToSequence(D, axis=a)`` into one-element chunks (TorchScript's ``for x_t in x.unbind(a)``)."""
+    if n.op_type == "SequenceAt" and len(n.input) == 2:
+        src = unit_chunks(g, invariant_source(body, n.input[0], invariants) or "")
+        form = _index_form(g, body, n.input[1], index_syms, *src) if src is not None else None
+        return (*src, form) if form is not None else None
     if n.op_type == "Gather" and len(n.input) >= 2:
         # TorchScript writes x[:, t] as Gather(Slice(x, 0:INT_MAX on axis 0), t, axis=1)
         data = _full_slice_source(g, body, n.input[0], invariants) or invariant_source(body, n.input[0], invariants)
@@ -371,8 +376,8 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
     M = loop.input[0] if loop.input else ""
     if M:
         k = dim_key(g, M) or _range_count(g, M, T_keys)
-        if is_T(k):
-            deltas.append(0)
+        if is_T(k) or (k is not None and k[0] == "min" and all(is_T(one) for one in k[1:])):
+            deltas.append(0)  # (the least of several sizes, each T: zip(x.unbind(1), mask.unbind(1)))
         elif k is not None and k[0] == "const" and (k[1] >= 2**31 - 1 or (T[0] == "const" and k[1] >= T[1])):
             pass  # a bound at least T: the condition decides
         elif k is not None and k[0] == "const":

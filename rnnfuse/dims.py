@@ -246,7 +246,53 @@ def dim_key(g: Graph, name: str, depth: int = 0):
     if op == "Shape":  # (one dim: Shape(x, start=k) of the last, or Shape(x, start=k, end=k + 1))
         dims = _shape_dims(g, n)
         return ("dim",) + root_dim(g, n.input[0], dims[0]) if dims is not None and len(dims) == 1 else None
+    if op == "SequenceLength":  # (the number of x.unbind(a)'s elements: x's size on a)
+        src = unit_chunks(g, n.input[0])
+        return ("dim",) + root_dim(g, *src) if src is not None else None
+    if op in ("ReduceMin", "Min"):
+        return _least(g, n, depth)
     return None
+
+
+def _least(g: Graph, n: NodeProto, depth: int):
+    """The key of ``min(a, b, ...)`` (``Min``, or ``ReduceMin`` of a Concat of one-element values): the one
+    size left once those at least 2**31 - 1 (no size) are dropped (TorchScript's ``enumerate(x)`` runs
+    ``min(INT64_MAX, x.size(0))`` times), the least constant, or ``("min", key, ...)`` of several sizes."""
+    parts = list(n.input)
+    if n.op_type == "ReduceMin":
+        cat = g.scope_of(n.input[0]).producer.get(n.input[0])
+        if cat is None or cat.op_type != "Concat" or len(n.input) > 1 and n.input[1]:
+            return None  # (the reduced axes as an input: not asked)
+        parts = list(cat.input)
+    keys = [dim_key(g, p, depth + 1) for p in parts if p]
+    if not keys or None in keys:
+        return None
+    if all(k[0] == "const" for k in keys):
+        return ("const", min(k[1] for k in keys))
+    known = {k for k in keys if not (k[0] == "const" and k[1] >= 2**31 - 1)}
+    if len(known) == 1:
+        return known.pop()
+    # (several sizes: ("min", ...) of them, equal to each only where they are one: zip(x.unbind(1), m.unbind(1)))
+    return ("min",) + tuple(sorted(known, key=repr)) if all(k[0] != "min" for k in known) else None
+
+
+def unit_chunks(g: Graph, seq: str) -> tuple[str, int] | None:
+    """``(D, a)`` when ``seq`` is ``SplitToSequence(D, axis=a, keepdims=0)`` into one-element chunks with the
+    axis dropped: ``x.unbind(a)`` as TorchScript writes it (a scalar ``split`` of 1, whose chunks onnxruntime
+    squeezes by ``keepdims=0`` and so TorchScript reads as ``[B, F]``; no split: one element each). Else None."""
+    scope = g.scope_of(seq) if seq else None
+    n = scope.producer.get(seq) if scope is not None else None
+    if n is None or n.op_type != "SplitToSequence" or attr(n, "keepdims", 1) != 0:
+        return None
+    if len(n.input) > 1 and n.input[1]:
+        split = g.const(n.input[1])
+        if split is None or np.asarray(split).shape != () or int(split) != 1:
+            return None
+    rank = g.model.rank(n.input[0])
+    axis = attr(n, "axis", 0)
+    if rank is None or not -rank <= axis < rank:
+        return None
+    return n.input[0], axis + rank if axis < 0 else axis
 
 
 def _shape_dims(g: Graph, shape: NodeProto) -> list[int] | None:

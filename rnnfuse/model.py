@@ -286,6 +286,12 @@ class Model:
             self.declared_by_edits.add(name)
 
 
+    def restate(self, name: str, t) -> None:
+        """Replace what the file declared about ``name`` (a rank it did not have: see rewrite.commit)."""
+        self._declared_types()[name] = t
+        self.declared_by_edits.add(name)
+
+
 def release_mapped_pages(arr: np.ndarray) -> None:
     """Let the kernel drop the resident pages of the file mapping under a memory-mapped array (or a view of
     one); they come back from the page cache when read again. Anything else is left alone."""

@@ -154,8 +154,8 @@ class _ChainRoles:
         if steps[0].weighted:  # (the first step may also combine its input with a given c0 or carried output)
             h_in[0] = _single_root(steps[0], steps[0].weighted)
         # zeros (the exporter may have folded them into the first step) or a given initial state, even a
-        # constant one (a learned h0 expanded to the batch)
-        self.h0_fill = 0.0 if h_in[0] is not None and g.fill_value(h_in[0]) == 0.0 else None
+        # constant one (a learned h0 expanded to the batch; a fill in chain.given is one, as StepEval reads it)
+        self.h0_fill = 0.0 if h_in[0] not in (None, *self.chain.given) and g.fill_value(h_in[0]) == 0.0 else None
         self.h_in = h_in
         self.h_new: list[str | None] = [h_in[k + 1] for k in range(n - 1)] + [None]
         self.allowed = [allowed_fn(g, self.chain, k, self.iv) for k in range(n)]

@@ -174,6 +174,9 @@ CASES = [
     loop("lstmcell_trace_conv_time_last", "lstm", **BF, time_last=True),
     loop("grucell_dynamo_conv_time_last_rev", "gru", exporter="dynamo", **BF, **REV, time_last=True),
     loop("rnncell_tanh_trace_conv_time_last_bidir", "rnn_tanh", **BF, **BI, time_last=True),
+    loop("grucell_trace_zeros_expanded", "gru", init="expand",
+         notes="h0 = zeros_like(x[0, :, :1]).expand(-1, H): a broadcast fill read as the given initial state"),
+    loop("lstmcell_trace_zeros_expanded_bf", "lstm", init="expand", **BF),
     loop("lstmcell_trace_h0c0", "lstm", **H0),
     loop("grucell_trace_h0", "gru", **H0),
     loop("rnncell_tanh_trace_h0_bf", "rnn_tanh", **H0, **BF),
@@ -245,6 +248,13 @@ CASES = [
            notes="cat([x[t], z]): z a graph input the body reads from the outer scope"),
     script("lstmcell_script_padding_mask_bf", "lstm", bool_mask="pad", **BF,
            notes="pad [B, T] bool read as pad[:, t:t+1] (a Slice keeping the column): h = where(p, h, cell)"),
+    # -- loops that iterate over x (TorchScript writes x.unbind(a) as SplitToSequence, declaring its steps one
+    # axis too many: the fused outputs' declarations are restated)
+    script("gru_hand_script_unbind", "gru_hand", inputs="unbind", notes="for x_t in x.unbind(0)"),
+    script("rnn_hand_script_unbind_bf", "rnn_hand", inputs="unbind_bf", **BF, notes="for x_t in x.unbind(1)"),
+    script("gru_hand_script_enumerate", "gru_hand", inputs="enumerate", notes="for t, x_t in enumerate(x)"),
+    script("gru_hand_script_zip_mask_bf", "gru_hand", inputs="zip_mask", bool_mask="valid", **BF,
+           notes="for x_t, m_t in zip(x.unbind(1), mask.unbind(1)): h = where(m_t, cell, h)"),
     script("lstmcell_script_bool_mask_bf", "lstm", bool_mask="valid", **BF,
            notes="mask [B, T] bool read as mask[:, t].unsqueeze(1): h = where(m, cell, h)"),
     script("lstmcell_script_embed_before", "lstm", inputs="embed_before",
@@ -1099,6 +1109,10 @@ def torch_modules():
                 batch = x.shape[0 if self.batch_first else 1]
                 h0 = torch.zeros(batch, self.hidden, dtype=x.dtype)
                 c0 = torch.zeros(batch, self.hidden, dtype=x.dtype) if self.lstm else None
+            if self.init == "expand":  # zeros shaped from x: one column, expanded to the hidden size
+                col = x[:, 0, :1] if self.batch_first else x[0, :, :1]
+                h0 = torch.zeros_like(col).expand(-1, self.hidden)
+                c0 = torch.zeros_like(col).expand(-1, self.hidden) if self.lstm else None
             if self.init == "linear":
                 h0 = torch.tanh(self.init_proj(h0))
                 c0 = self.init_proj(c0) if self.lstm else None
@@ -1279,6 +1293,42 @@ def torch_modules():
                     outs.append(h)
             return torch.stack(outs, 1)
 
+    class ScriptIterLoop(nn.Module):
+        """Scripted loops over a single-state hand cell that iterate over x instead of ``range(x.size(0))``:
+        ``for x_t in x.unbind(a)`` (SplitToSequence + SequenceAt, the trip count its SequenceLength), ``for t,
+        x_t in enumerate(x)`` (run min(INT64_MAX, x.size(0)) times). (An nn.*Cell checks its input's rank
+        with an If on the step's dim, which a SequenceAt element leaves unknown: not fused.)"""
+
+        def __init__(self, cell, features, hidden, kind):
+            super().__init__()
+            self.cell, self.hidden, self.kind = make_cell(cell, features, hidden), hidden, kind
+
+        def forward(self, x):
+            tdim = 1 if self.kind == "unbind_bf" else 0
+            h = torch.zeros(x.size(1 - tdim), self.hidden)
+            outs: list[torch.Tensor] = []
+            if self.kind == "enumerate":
+                for t, x_t in enumerate(x):
+                    h = self.cell(x_t, h)
+                    outs.append(h)
+            else:
+                for x_t in x.unbind(tdim):
+                    h = self.cell(x_t, h)
+                    outs.append(h)
+            return torch.stack(outs, tdim), h
+
+    class ScriptZipMaskLoop(ScriptIterLoop):
+        """``for x_t, m_t in zip(x.unbind(1), mask.unbind(1))`` over batch-first x and a [B, T] bool mask: the
+        trip count the least of the two lengths, ``h = where(m_t, cell, h)``."""
+
+        def forward(self, x, mask):
+            h = torch.zeros(x.size(0), self.hidden)
+            outs: list[torch.Tensor] = []
+            for x_t, m_t in zip(x.unbind(1), mask.unbind(1)):
+                h = torch.where(m_t.unsqueeze(1), self.cell(x_t, h), h)
+                outs.append(h)
+            return torch.stack(outs, 1), h
+
     class ScriptBeforeLoop(nn.Module):
         """Scripted LSTMCell loop over x.size(0) reading, at step t, a tensor computed before the loop with x's
         time axis: the embedding rows of [T, B] token ids (``embed_before``), or x flipped in time
@@ -1419,7 +1469,8 @@ def torch_modules():
     _nn_classes.update(CellLoop=CellLoop, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
-                       ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop,
+                       ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
+                       ScriptZipMaskLoop=ScriptZipMaskLoop,
                        ScriptBeforeLoop=ScriptBeforeLoop,
                        ScriptRevRangeLoop=ScriptRevRangeLoop, ScriptBidirLoop=ScriptBidirLoop,
                        ScriptTwoCellsLoop=ScriptTwoCellsLoop)
@@ -1450,6 +1501,8 @@ def build_module(c: Case):
             return m["ScriptBeforeLoop"](c.features, c.hidden, inputs)
         if inputs in ("hoisted", "linear_before"):
             return m["ScriptHoistedLoop"](c.features, c.hidden, inputs == "linear_before")
+        if inputs in ("unbind", "unbind_bf", "enumerate", "zip_mask"):
+            return m["ScriptZipMaskLoop" if inputs == "zip_mask" else "ScriptIterLoop"](cell, c.features, c.hidden, inputs)
         if o.get("bool_mask"):
             return m["ScriptMaskLoop"](c.features, c.hidden, o["bool_mask"])
         if o.get("bidir"):

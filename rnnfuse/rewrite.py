@@ -88,15 +88,16 @@ def judge(f: Finding, vr, pairs: list, fail_reason: str, how: str = "") -> bool:
     return True
 
 
-def commit(g: Graph, replacements: dict, remove, long_lists: set[str] | None = None, validated: bool = False) -> None:
+def commit(g: Graph, replacements: dict, remove, long_lists: set[str] | None = None,
+           ranks: dict[str, int] | None = None) -> None:
     """Make every reader of each old tensor read its new one, then drop the replaced nodes. ``long_lists``
     (a set): gains the values read by 64+ nodes whose reader lists still hold removed nodes, for the caller
-    to filter once (see :meth:`Graph.remove_node`); by default they are filtered here. ``validated``: the
-    rewrite's outputs were compared with the original's (see :func:`_restated`)."""
+    to filter once (see :meth:`Graph.remove_node`); by default they are filtered here. ``ranks``: old tensor
+    -> its rank as validation ran it (see :func:`_restated`)."""
     model = g.model
     for old, new in replacements.items():
         t = model.settled_type(old)
-        if validated and _restated(g, old, new, t):
+        if ranks and old in ranks and _restated(g, old, new, t, ranks[old]):
             pass
         elif t is not None and t[1] is not None:
             model.declare(new, t)  # the new tensor holds what the old one did: same type and shape
@@ -108,14 +109,14 @@ def commit(g: Graph, replacements: dict, remove, long_lists: set[str] | None = N
         g.drop_removed_readers(deferred)
 
 
-def _restated(g: Graph, old: str, new: str, t) -> bool:
-    """Whether the file's declared rank of a replaced graph output was not the rank it has, now restated as the
-    new tensor's. Validation compared the two tensors whole (shapes too), so the original computes the new
-    one's rank: TorchScript declares ``x.unbind(a)``'s steps, and what is stacked from them, one axis too many
-    (its ``SplitToSequence`` with ``split=1``, whose chunks onnxruntime squeezes by ``keepdims=0``), which
-    strict shape inference then refuses beside the native op's true rank."""
+def _restated(g: Graph, old: str, new: str, t, rank: int) -> bool:
+    """Whether the file declares a replaced tensor with another rank than the ``rank`` validation ran it at
+    (the original's, equal to the new tensor's), the new tensor's declaration then taken where it has that
+    rank (for a graph output, restated). TorchScript declares ``x.unbind(a)``'s steps, and what is stacked
+    from them, one axis too many (its ``SplitToSequence`` with ``split=1``, whose chunks onnxruntime squeezes
+    by ``keepdims=0``), which strict shape inference then refuses beside the native op's true rank."""
     mine = g.model.declared_type(new)
-    if t is None or t[1] is None or mine is None or mine[1] is None or len(mine[1]) == len(t[1]):
+    if t is None or t[1] is None or len(t[1]) == rank or mine is None or mine[1] is None or len(mine[1]) != rank:
         return False
     if not g.is_graph_output(old):
         return True  # (the old tensor goes: its declaration is not carried over)
@@ -246,7 +247,9 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
                 continue
         elif f.status == "declined":
             continue
-        commit(g, {**r.replacements, **r.aliases}, r.remove, long_lists, validated=f.validation.startswith("ok"))
+        vr = results.get(id(r))
+        commit(g, {**r.replacements, **r.aliases}, r.remove, long_lists,
+               vr.ranks() if vr is not None and f.validation.startswith("ok") else None)
         result.modified = True
     g.drop_removed_readers(long_lists)
     if result.modified and prune:

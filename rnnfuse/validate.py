@@ -34,6 +34,7 @@ class PairResult:
     max_abs: float = 0.0
     ok: bool = True
     detail: str = ""
+    rank: int | None = None  # the compared tensors' rank, as run (None: never compared)
 
 
 @dataclass
@@ -43,6 +44,10 @@ class ValidationResult:
     pairs: dict = field(default_factory=dict)  # (old, new) -> PairResult
     runs: int = 0
     light: bool = False  # onnxruntime ran lighter than deployed: no pre-packing or graph optimizations (check_session)
+
+    def ranks(self) -> dict[str, int]:
+        """Each compared original tensor -> its rank as run (what the file declares may differ)."""
+        return {old: r.rank for (old, _), r in self.pairs.items() if r.ok and r.rank is not None}
 
     def error_for(self, pairs: list[tuple[str, str]]) -> tuple[bool, float, str]:
         ok, err, detail = True, 0.0, ""
@@ -331,6 +336,7 @@ def compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
         r.ok = False
         r.detail = r.detail or f"shape {c.shape} instead of {a.shape} ({where})"
         return
+    r.rank = a.ndim
     if a.size == 0:
         return
     if not np.issubdtype(a.dtype, np.floating):

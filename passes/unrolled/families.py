@@ -60,12 +60,19 @@ def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
         t += d
     return src, ax, t
 
-def _squeezed(g: Graph, name: str, axis: int) -> str | None:
-    """The single consumer of ``name`` that drops ``axis`` (Squeeze/Reshape), if any."""
+def _squeezed(g: Graph, name: str, axis: int, unit: bool = False) -> str | None:
+    """The single consumer of ``name`` that drops ``axis``: a Squeeze (which fails when run on a longer
+    piece), or where the piece is known to hold one element along ``axis`` (``unit``), a Gather of its element
+    0 there (``p[:, 0]`` of each piece of ``x.chunk(T, 1)``); if any."""
     users = g.uses(name)
     if len(users) != 1:
         return None
     u = users[0]
+    if unit and u.op_type == "Gather" and len(u.input) == 2:
+        idx, at = g.const(u.input[1]), attr(u, "axis", 0)
+        if at < 0:
+            at += g.model.rank(name) or 0  # (unknown rank: a negative axis, no match)
+        return u.output[0] if at == axis and idx is not None and np.asarray(idx).shape == () and int(idx) in (0, -1) else None
     if u.op_type == "Squeeze":
         axes = op_args.axes(u, g.model.opset, op_args.const_reader(g, u))
         if axes is not None and any(a < 0 for a in axes):
@@ -144,8 +151,9 @@ def _slice_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
                 if rank is None:
                     continue
                 ax += rank
+            unit = _unit_parts(g, n, ax)
             for t, o in enumerate(n.output):
-                x = _squeezed(g, o, ax)
+                x = _squeezed(g, o, ax, unit)
                 if x is not None:
                     fams.setdefault((n.input[0], ax), {})[t] = x
             continue
@@ -155,7 +163,7 @@ def _slice_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
         src, ax, t = ai
         x = n.output[0]
         if n.op_type == "Slice":
-            x = _squeezed(g, x, ax)
+            x = _squeezed(g, x, ax, unit=True)  # (one element: [t, t + 1))
             if x is None and ax == 1 and g.model.rank(src) == 2:
                 x = n.output[0]  # mask[:, t:t+1] of a [B, T] mask: the step's [B, 1] mask (or its source) as it is
             if x is None:
@@ -165,6 +173,15 @@ def _slice_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
             continue  # the same slice taken twice: keep the first (dedupe makes them one)
         fam[t] = x
     return fams
+
+
+def _unit_parts(g: Graph, split: NodeProto, axis: int) -> bool:
+    """Whether every part of ``split`` is known to hold one element along ``axis``: its ``split`` sizes are
+    all 1, or none are given and the axis is as long as there are parts."""
+    if len(split.input) > 1 and split.input[1]:
+        sizes = g.const(split.input[1])
+        return sizes is not None and bool(np.all(np.asarray(sizes) == 1))
+    return static_dim(g, split.input[0], axis) == len(split.output)
 
 
 def is_row_family(g: Graph, src: str) -> bool:

@@ -352,6 +352,7 @@ STEP_INPUTS = {
     "mlp_per_step": "relu(Linear_t(x[t])) with another Linear at each step (near miss: no one map)",
     "shared_reshape_bidir": "x[t].reshape(-1, F) once per step, read by a forward and a backward chain "
                             "(outputs concatenated on features)",
+    "chunk_index": "p[0] (p[:, 0] batch-first) of each piece of x.chunk(T): a Split's parts, each gathered at 0",
 }
 
 
@@ -483,6 +484,9 @@ def steps_module(c: Case):
                 return [self.embed(at(x, t)) * c.features ** 0.5 for t in range(steps_)]
             if form == "shared_reshape_bidir":
                 return [at(x, t).reshape(-1, c.features) for t in range(steps_)]
+            if form == "chunk_index":  # (static T: Split(num_outputs=T), each piece's element 0 gathered)
+                ax = 1 if c.batch_first else 0
+                return [p[:, 0] if c.batch_first else p[0] for p in x.chunk(steps_, ax)]
             if form == "two_seq":
                 return [at(x, t) for t in range(steps_)] + [at(x2, t) for t in range(x2.shape[1 if c.batch_first else 0])]
             return [at(x, t) for t in range(steps_)]
@@ -662,6 +666,8 @@ CASES += [
     steps("grucell_dynamo_diff_x", "gru", inputs="diff", exporter="dynamo"),
     steps("rnncell_tanh_trace_stride2_bf", "rnn_tanh", inputs="stride2", batch_first=True),
     steps("lstmcell_dynamo_permuted_steps", "lstm", inputs="perm", exporter="dynamo"),
+    steps("grucell_dynamo_chunk_index_bf", "gru", inputs="chunk_index", exporter="dynamo", batch_first=True),
+    steps("rnncell_tanh_dynamo_chunk_index", "rnn_tanh", inputs="chunk_index", exporter="dynamo"),
     steps("grucell_trace_two_sequences", "gru", inputs="two_seq"),
     # ... an embedding looked up per step (tokens sliced per step, one id a row)
     steps("grucell_trace_embed_per_step_bf", "gru", inputs="embed", batch_first=True),

@@ -1,0 +1,87 @@
+"""How an unrolled chain's steps may be read out of x (hand-built): ``p[0]`` of each piece of ``x.chunk(T)``
+is step t only when every piece holds one step; x[:, :, t] of a ``[B, F, T]`` x is step t of x's time-major
+copy. Outputs are compared with the original's in onnxruntime; near misses are not fused."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+from onnx import helper as oh
+from onnx import numpy_helper as nh
+
+import rnnfuse
+
+T, F, H = 6, 3, 4
+
+
+def _chain_model(read: str, parts: int = T) -> onnx.ModelProto:
+    """A tanh-RNN chain over the steps ``read`` takes out of x, outputs stacked on a new axis 0.
+    ``read``: "chunk" (Split(x, num_outputs=parts) on axis 0, each piece's element 0 gathered), "last_axis"
+    (x is [B, F, T], step t = Gather(x, t, axis=2))."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(rng.standard_normal((F, H)).astype(np.float32) * 0.5, "W"),
+             nh.from_array(rng.standard_normal((H, H)).astype(np.float32) * 0.5, "R"),
+             nh.from_array(np.array(0, np.int64), "zero"), nh.from_array(np.array([0], np.int64), "axis0")]
+    inits += [nh.from_array(np.array(t, np.int64), f"i{t}") for t in range(T)]
+    nodes = []
+    if read == "chunk":
+        pieces = [f"piece{k}" for k in range(parts)]
+        nodes.append(oh.make_node("Split", ["x"], pieces, axis=0, num_outputs=parts))
+        xs = []
+        for k, p in enumerate(pieces):
+            nodes.append(oh.make_node("Gather", [p, "zero"], [f"x{k}"], axis=0))
+            xs.append(f"x{k}")
+        x_info = oh.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", F])
+    else:
+        xs = [f"x{t}" for t in range(T)]
+        nodes += [oh.make_node("Gather", ["x", f"i{t}"], [xs[t]], axis=2) for t in range(T)]
+        x_info = oh.make_tensor_value_info("x", TensorProto.FLOAT, ["B", F, T])
+    h, ys = "h0", []
+    for k, x_t in enumerate(xs):
+        nodes += [oh.make_node("MatMul", [x_t, "W"], [f"xw{k}"]), oh.make_node("MatMul", [h, "R"], [f"hr{k}"]),
+                  oh.make_node("Add", [f"xw{k}", f"hr{k}"], [f"pre{k}"]), oh.make_node("Tanh", [f"pre{k}"], [f"h_{k}"]),
+                  oh.make_node("Unsqueeze", [f"h_{k}", "axis0"], [f"y{k}"])]
+        h = f"h_{k}"
+        ys.append(f"y{k}")
+    nodes.append(oh.make_node("Concat", ys, ["y"], axis=0))
+    graph = oh.make_graph(nodes, "chain", [x_info, oh.make_tensor_value_info("h0", TensorProto.FLOAT, ["B", H])],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, [len(xs), "B", H])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _same_outputs(a: onnx.ModelProto, b: onnx.ModelProto, x_shape) -> None:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    for batch in (1, 3):
+        rng = np.random.default_rng(batch)
+        feeds = {"x": rng.standard_normal([batch if d == "B" else d for d in x_shape]).astype(np.float32),
+                 "h0": rng.standard_normal((batch, H)).astype(np.float32)}
+        want, got = (ort.InferenceSession(m.SerializeToString(), opts).run(None, feeds) for m in (a, b))
+        np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+
+
+def _natives(model: onnx.ModelProto) -> int:
+    return sum(n.op_type in ("RNN", "GRU", "LSTM") for n in model.graph.node)
+
+
+@pytest.mark.parametrize("read,x_shape", [("chunk", [T, "B", F]), ("last_axis", ["B", F, T])])
+def test_steps_read_so_fuse(read, x_shape):
+    model = _chain_model(read)
+    fused, report = rnnfuse.optimize(model)
+    assert _natives(fused) == 1 and not report.declined, report.to_text()
+    assert len(fused.graph.node) <= 6, [n.op_type for n in fused.graph.node]
+    _same_outputs(model, fused, x_shape)
+
+
+def test_pieces_of_two_steps_are_no_steps():
+    """x.chunk(T / 2): each piece holds two steps, so its element 0 is every other step of x: no chain over
+    x (a native op over x would read every step)."""
+    model = _chain_model("chunk", parts=T // 2)
+    fused, report = rnnfuse.optimize(model)
+    assert _natives(fused) == 0, report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()

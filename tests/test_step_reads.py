@@ -19,20 +19,24 @@ T, F, H = 6, 3, 4
 
 def _chain_model(read: str, parts: int = T) -> onnx.ModelProto:
     """A tanh-RNN chain over the steps ``read`` takes out of x, outputs stacked on a new axis 0.
-    ``read``: "chunk" (Split(x, num_outputs=parts) on axis 0, each piece's element 0 gathered), "last_axis"
-    (x is [B, F, T], step t = Gather(x, t, axis=2))."""
+    ``read``: "chunk" (Split(x, num_outputs=parts) on axis 0, each piece's element 0 gathered; "chunk_t" after
+    a Transpose [1, 0, 2] of the piece, as jax2onnx writes ``p[0]``), "last_axis" (x is [B, F, T], step t =
+    Gather(x, t, axis=2))."""
     rng = np.random.default_rng(0)
     inits = [nh.from_array(rng.standard_normal((F, H)).astype(np.float32) * 0.5, "W"),
              nh.from_array(rng.standard_normal((H, H)).astype(np.float32) * 0.5, "R"),
              nh.from_array(np.array(0, np.int64), "zero"), nh.from_array(np.array([0], np.int64), "axis0")]
     inits += [nh.from_array(np.array(t, np.int64), f"i{t}") for t in range(T)]
     nodes = []
-    if read == "chunk":
+    if read.startswith("chunk"):
         pieces = [f"piece{k}" for k in range(parts)]
         nodes.append(oh.make_node("Split", ["x"], pieces, axis=0, num_outputs=parts))
         xs = []
         for k, p in enumerate(pieces):
-            nodes.append(oh.make_node("Gather", [p, "zero"], [f"x{k}"], axis=0))
+            if read == "chunk_t":
+                nodes.append(oh.make_node("Transpose", [p], [f"{p}_t"], perm=[1, 0, 2]))
+            nodes.append(oh.make_node("Gather", [p if read == "chunk" else f"{p}_t", "zero"], [f"x{k}"],
+                                      axis=0 if read == "chunk" else 1))
             xs.append(f"x{k}")
         x_info = oh.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", F])
     else:
@@ -69,7 +73,7 @@ def _natives(model: onnx.ModelProto) -> int:
     return sum(n.op_type in ("RNN", "GRU", "LSTM") for n in model.graph.node)
 
 
-@pytest.mark.parametrize("read,x_shape", [("chunk", [T, "B", F]), ("last_axis", ["B", F, T])])
+@pytest.mark.parametrize("read,x_shape", [("chunk", [T, "B", F]), ("chunk_t", [T, "B", F]), ("last_axis", ["B", F, T])])
 def test_steps_read_so_fuse(read, x_shape):
     model = _chain_model(read)
     fused, report = rnnfuse.optimize(model)

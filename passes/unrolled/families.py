@@ -63,11 +63,17 @@ def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
 def _squeezed(g: Graph, name: str, axis: int, unit: bool = False) -> str | None:
     """The single consumer of ``name`` that drops ``axis``: a Squeeze (which fails when run on a longer
     piece), or where the piece is known to hold one element along ``axis`` (``unit``), a Gather of its element
-    0 there (``p[:, 0]`` of each piece of ``x.chunk(T, 1)``); if any."""
+    0 there (``p[:, 0]`` of each piece of ``x.chunk(T, 1)``), also after a Transpose that keeps the other axes
+    in order (jax2onnx's ``p[:, 0]``: ``Gather(Transpose(p, [1, 0, 2]), 0)``); if any."""
     users = g.uses(name)
     if len(users) != 1:
         return None
     u = users[0]
+    perm = list(attr(u, "perm") or []) if unit and u.op_type == "Transpose" else []
+    rest = [a for a in perm if a != axis]
+    if axis in perm and rest == sorted(rest) and len(g.uses(u.output[0])) == 1:
+        name, axis = u.output[0], perm.index(axis)  # (the axis moved, the others as they were: the same rows)
+        u = g.uses(name)[0]
     if unit and u.op_type == "Gather" and len(u.input) == 2:
         idx, at = g.const(u.input[1]), attr(u, "axis", 0)
         if at < 0:

@@ -150,6 +150,8 @@ CASES = [
     case("fori_gru_last_h", "fori", "gru"),
     # -- a Python for loop (an unrolled chain): x read from a time-major copy, the [B, T] mask sliced as it is
     case("pyfor_rnn", "pyfor", "rnn"),
+    case("pyfor_gru_split_index", "pyfor", "gru", split_index=True,
+         notes="[p[:, 0] for p in jnp.split(x, T, 1)]: each piece's element 0, Gather(Transpose(piece, [1, 0, 2]), 0)"),
     case("pyfor_gru_masked", "pyfor", "gru", mask=True,
          notes="h = where(mask[:, t:t+1], cell(h, x[:, t]), h): x Gathered from Transpose(x), the mask Sliced batch-first"),
     # -- a running sum carried beside the cell (acc + h), its mean returned: the op's Y summed over time
@@ -793,8 +795,9 @@ def build_pyfor(env: Env, c: Case, seed: int):
         with env.original_shape():
             h = jnp.zeros((x.shape[0], HIDDEN), jnp.float32)
         ys = []
+        steps = [p[:, 0] for p in jnp.split(x, TIME, 1)] if c.opts.get("split_index") else None
         for t in range(TIME):
-            new = cell(h, x[:, t])
+            new = cell(h, x[:, t] if steps is None else steps[t])
             h = jnp.where(mask[0][:, t:t + 1], new, h) if mask else new
             ys.append(h)
         return jnp.stack(ys, 1), h

@@ -237,6 +237,7 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
     # (the reader lists that still hold removed nodes are filtered once, after every commit: 1,600 stacked
     # Loops all read one trip count, and filtering its list per commit was quadratic)
     long_lists: set[str] = set()
+    ranks: dict[int, dict[str, int]] = {}  # id(validation result) -> its compared tensors' ranks
     for r in rewrites:
         f = r.finding
         result.findings.append(f)
@@ -248,8 +249,10 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
         elif f.status == "declined":
             continue
         vr = results.get(id(r))
+        if vr is not None and id(vr) not in ranks:  # (one map per validation: 11,000 Loops share one)
+            ranks[id(vr)] = vr.ranks()
         commit(g, {**r.replacements, **r.aliases}, r.remove, long_lists,
-               vr.ranks() if vr is not None and f.validation.startswith("ok") else None)
+               ranks[id(vr)] if vr is not None and f.validation.startswith("ok") else None)
         result.modified = True
     g.drop_removed_readers(long_lists)
     if result.modified and prune:

@@ -285,7 +285,6 @@ class Model:
             declared[name] = t
             self.declared_by_edits.add(name)
 
-
     def restate(self, name: str, t) -> None:
         """Replace what the file declared about ``name`` (a rank it did not have: see rewrite.commit)."""
         self._declared_types()[name] = t

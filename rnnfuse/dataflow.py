@@ -129,6 +129,8 @@ def given_constants(g: Graph) -> frozenset | set:
     out, frontier = set(seeds), seeds
     while frontier:
         for c in g.uses(frontier.pop()):
+            if c.op_type == "Expand" and g.fill_value(c.output[0]) == 0.0:
+                continue  # (zeros broadcast to a shape computed from a fill: torch's zeros.expand(-1, H))
             for o in c.output:
                 if o and o not in out and o not in runtime:
                     out.add(o)

@@ -177,6 +177,9 @@ CASES = [
     loop("grucell_trace_zeros_expanded", "gru", init="expand",
          notes="h0 = zeros_like(x[0, :, :1]).expand(-1, H): a broadcast fill read as the given initial state"),
     loop("lstmcell_trace_zeros_expanded_bf", "lstm", init="expand", **BF),
+    loop("lstmcell_trace_zeros_expanded_one_state", "lstm", init="expand_one",
+         notes="h = c = zeros_like(x[0, :, :1]).expand(-1, H): one zero fill as both states, its shape computed "
+               "from a ones fill (torch's expand(-1, H))"),
     loop("lstmcell_trace_h0c0", "lstm", **H0),
     loop("grucell_trace_h0", "gru", **H0),
     loop("rnncell_tanh_trace_h0_bf", "rnn_tanh", **H0, **BF),
@@ -1115,10 +1118,10 @@ def torch_modules():
                 batch = x.shape[0 if self.batch_first else 1]
                 h0 = torch.zeros(batch, self.hidden, dtype=x.dtype)
                 c0 = torch.zeros(batch, self.hidden, dtype=x.dtype) if self.lstm else None
-            if self.init == "expand":  # zeros shaped from x: one column, expanded to the hidden size
+            if self.init in ("expand", "expand_one"):  # zeros shaped from x: one column, expanded to the hidden size
                 col = x[:, 0, :1] if self.batch_first else x[0, :, :1]
                 h0 = torch.zeros_like(col).expand(-1, self.hidden)
-                c0 = torch.zeros_like(col).expand(-1, self.hidden) if self.lstm else None
+                c0 = (h0 if self.init == "expand_one" else torch.zeros_like(col).expand(-1, self.hidden)) if self.lstm else None
             if self.init == "linear":
                 h0 = torch.tanh(self.init_proj(h0))
                 c0 = self.init_proj(c0) if self.lstm else None

@@ -7,6 +7,8 @@ families sliced at the same steps are its candidate masks, and so are hand-writt
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from onnx import NodeProto
 
@@ -60,21 +62,26 @@ def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
         t += d
     return src, ax, t
 
-def _squeezed(g: Graph, name: str, axis: int, unit: bool = False) -> str | None:
+def _squeezed(g: Graph, name: str, axis: int, unit=None) -> str | None:
     """The single consumer of ``name`` that drops ``axis``: a Squeeze (which fails when run on a longer
-    piece), or where the piece is known to hold one element along ``axis`` (``unit``), a Gather of its element
-    0 there (``p[:, 0]`` of each piece of ``x.chunk(T, 1)``), also after a Transpose that keeps the other axes
-    in order (jax2onnx's ``p[:, 0]``: ``Gather(Transpose(p, [1, 0, 2]), 0)``); if any."""
+    piece), or where the piece is known to hold one element along ``axis`` (``unit()``, asked only then: it
+    may need a type), a Gather of its element 0 there (``p[:, 0]`` of each piece of ``x.chunk(T, 1)``), also
+    after a Transpose that keeps the other axes in order (jax2onnx's ``p[:, 0]``: ``Gather(Transpose(p,
+    [1, 0, 2]), 0)``); if any."""
     users = g.uses(name)
     if len(users) != 1:
         return None
     u = users[0]
-    perm = list(attr(u, "perm") or []) if unit and u.op_type == "Transpose" else []
+    if u.op_type not in ("Gather", "Transpose"):
+        unit = None
+    elif unit is None or not unit():
+        return None
+    perm = list(attr(u, "perm") or []) if u.op_type == "Transpose" else []
     rest = [a for a in perm if a != axis]
     if axis in perm and rest == sorted(rest) and len(g.uses(u.output[0])) == 1:
         name, axis = u.output[0], perm.index(axis)  # (the axis moved, the others as they were: the same rows)
         u = g.uses(name)[0]
-    if unit and u.op_type == "Gather" and len(u.input) == 2:
+    if unit is not None and u.op_type == "Gather" and len(u.input) == 2:
         idx, at = g.const(u.input[1]), attr(u, "axis", 0)
         if at < 0:
             at += g.model.rank(name) or 0  # (unknown rank: a negative axis, no match)
@@ -157,7 +164,9 @@ def _slice_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
                 if rank is None:
                     continue
                 ax += rank
-            unit = _unit_parts(g, n, ax)
+            # whether its parts hold one step each: asked once, and only for a part a Gather reads (a static
+            # length may need a type: asked of every unbind's Split, it inferred 3,000 blocks' cones)
+            unit = functools.cache(lambda n=n, ax=ax: _unit_parts(g, n, ax))
             for t, o in enumerate(n.output):
                 x = _squeezed(g, o, ax, unit)
                 if x is not None:
@@ -169,7 +178,7 @@ def _slice_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
         src, ax, t = ai
         x = n.output[0]
         if n.op_type == "Slice":
-            x = _squeezed(g, x, ax, unit=True)  # (one element: [t, t + 1))
+            x = _squeezed(g, x, ax, unit=lambda: True)  # (one element: [t, t + 1))
             if x is None and ax == 1 and g.model.rank(src) == 2:
                 x = n.output[0]  # mask[:, t:t+1] of a [B, T] mask: the step's [B, 1] mask (or its source) as it is
             if x is None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from onnx import helper
+
 from .emit import EmitCache, emit
 from . import portability
 from .errors import Decline
@@ -122,14 +124,7 @@ def _restated(g: Graph, old: str, new: str, t, rank: int) -> bool:
         return True  # (the old tensor goes: its declaration is not carried over)
     for vi in g.proto.output:
         if vi.name == old and vi.type.HasField("tensor_type"):
-            shape = vi.type.tensor_type.shape
-            shape.ClearField("dim")
-            for d in mine[1]:
-                dim = shape.dim.add()
-                if isinstance(d, int):
-                    dim.dim_value = d
-                elif isinstance(d, str):
-                    dim.dim_param = d
+            vi.type.tensor_type.shape.CopyFrom(helper.make_tensor_type_proto(t[0], list(mine[1])).tensor_type.shape)
     g.model.restate(old, (t[0], list(mine[1])))
     return True
 
@@ -237,7 +232,6 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
     # (the reader lists that still hold removed nodes are filtered once, after every commit: 1,600 stacked
     # Loops all read one trip count, and filtering its list per commit was quadratic)
     long_lists: set[str] = set()
-    ranks: dict[int, dict[str, int]] = {}  # id(validation result) -> its compared tensors' ranks
     for r in rewrites:
         f = r.finding
         result.findings.append(f)
@@ -249,10 +243,8 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
         elif f.status == "declined":
             continue
         vr = results.get(id(r))
-        if vr is not None and id(vr) not in ranks:  # (one map per validation: 11,000 Loops share one)
-            ranks[id(vr)] = vr.ranks()
         commit(g, {**r.replacements, **r.aliases}, r.remove, long_lists,
-               ranks[id(vr)] if vr is not None and f.validation.startswith("ok") else None)
+               vr.ranks if vr is not None and f.validation.startswith("ok") else None)
         result.modified = True
     g.drop_removed_readers(long_lists)
     if result.modified and prune:

@@ -155,7 +155,7 @@ class _ChainRoles:
             h_in[0] = _single_root(steps[0], steps[0].weighted)
         # zeros (the exporter may have folded them into the first step) or a given initial state, even a
         # constant one (a learned h0 expanded to the batch; a fill in chain.given is one, as StepEval reads it)
-        self.h0_fill = 0.0 if h_in[0] not in (None, *self.chain.given) and g.fill_value(h_in[0]) == 0.0 else None
+        self.h0_fill = 0.0 if h_in[0] is not None and h_in[0] not in self.chain.given and g.fill_value(h_in[0]) == 0.0 else None
         self.h_in = h_in
         self.h_new: list[str | None] = [h_in[k + 1] for k in range(n - 1)] + [None]
         self.allowed = [allowed_fn(g, self.chain, k, self.iv) for k in range(n)]

@@ -42,7 +42,7 @@ from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, stat
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
                          find_derived_mask)
 from .loop_lengths import counting_offset, length_mask
-from .loop_reads import check_step_lengths, check_trip_count, counter_step, step_read
+from .loop_reads import cast_of_bool, check_step_lengths, check_trip_count, counter_step, step_read
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly, weight_ops
 
 
@@ -252,10 +252,12 @@ def _body_reads(g: Graph, body: Graph, carried: _Carried) -> _BodyReads:
         r.forms.add(form)
         et = g.model.elem_type(data)
         rank = rank_of(g, data)
-        if et == TensorProto.BOOL:
-            check_mask_read(g, data, axis, rank, r.mask_outer)
-            r.mask_outer, r.mask_axis = data, axis
-            r.leaves[n.output[0]] = BoolMask("m", False, rank == 3 or n.op_type == "Slice")  # ([B, 1] a row)
+        of_bool = None if et == TensorProto.BOOL else cast_of_bool(g, data)
+        if et == TensorProto.BOOL or of_bool is not None:  # (a mask cast to 0/1 numbers outside: its bool source)
+            check_mask_read(g, of_bool or data, axis, rank, r.mask_outer)
+            r.mask_outer, r.mask_axis = of_bool or data, axis
+            mask = BoolMask("m", False, rank == 3 or n.op_type == "Slice")  # ([B, 1] a row)
+            r.leaves[n.output[0]] = mask if of_bool is None else mask.as_number()
         elif rank == 2 and axis == 0 and (r.rows is None or r.rows.source == data):
             # one value a row per step, no bool: what the body may compute its step mask from
             r.rows = r.rows or RowReads(data, set(), [], 1)

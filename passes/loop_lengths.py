@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, TensorProto, helper
 
-from rnnfuse.dims import dim_key
+from rnnfuse.dims import dim_key, keeps_value
 from rnnfuse.graph import Graph
 from .loop_reads import counter_step, invariant_source
 
@@ -67,6 +67,7 @@ def _lengths_operand(body: Graph, name: str, invariants: dict[str, str]) -> tupl
     body (jax's pre-padded ``t >= T - lengths``, TorchScript's ``Neg(lengths) + T``): L itself, ``c - L``,
     ``L + c``, ``L - c``, ``-L + c``, the shift ``c`` a scalar integer constant, or the name of a loop-invariant
     scalar the body adds (x's time length, read outside). ``(None, 1, 0)`` otherwise."""
+    name = _integer_source(body, name)
     outer = invariant_source(body, name, invariants)
     if outer is not None:
         return outer, 1, 0
@@ -85,6 +86,16 @@ def _lengths_operand(body: Graph, name: str, invariants: dict[str, str]) -> tupl
         if isinstance(c, int):  # (sign * L) - c
             return v, sign, -c
     return None, 1, 0
+
+
+def _integer_source(body: Graph, name: str) -> str:
+    """``name`` seen through the casts of an integer tensor to a type that holds each of its values (tf2onnx
+    compares ``float(lengths) > float(t)``): the comparison reads the same on the integers."""
+    n = body.producer.get(name)
+    while n is not None and n.op_type == "Cast" and keeps_value(n) and body.model.elem_type(n.input[0]) in _SIGNED:
+        name = n.input[0]
+        n = body.producer.get(name)
+    return name
 
 
 def _shift(body: Graph, name: str, invariants: dict[str, str]) -> int | str | tuple | None:

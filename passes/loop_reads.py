@@ -247,7 +247,8 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
     inner = sl.input[0]
     data = invariant_source(body, inner, invariants) or _full_slice_source(g, body, inner, invariants)
     rank = rank_of(g, data) if data is not None else None
-    if data is None or rank is None or (kept and (rank != 2 or g.model.elem_type(data) != TensorProto.BOOL)):
+    if data is None or rank is None or (kept and (rank != 2 or (g.model.elem_type(data) != TensorProto.BOOL
+                                                              and cast_of_bool(g, data) is None))):
         return None
     if kept:
         axis = None  # (the one axis the Slice takes one element of, below)
@@ -283,6 +284,17 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
     if axis not in seen:
         return None
     return data, axis, "forward"
+
+
+def cast_of_bool(g: Graph, name: str) -> str | None:
+    """The bool tensor ``name`` is a cast of to numbers (tf's ``cast(sequence_mask(lengths), float)``, torch's
+    ``mask.float()``: 0 and 1 only), seen through Identity; else None."""
+    n = g.producer.get(name)
+    while n is not None and n.op_type == "Identity":
+        n = g.producer.get(n.input[0])
+    if n is None or n.op_type != "Cast" or attr(n, "to") == TensorProto.BOOL:
+        return None
+    return n.input[0] if g.model.elem_type(n.input[0]) == TensorProto.BOOL else None
 
 
 def _transposed_invariant(body: Graph, name: str, invariants: dict[str, str]) -> tuple[str | None, list | None]:

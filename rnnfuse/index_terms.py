@@ -28,11 +28,9 @@ from onnx import TensorProto
 
 from .dims import dim_key, keeps_value
 from .graph import Graph, attr
+from .op_args import TO_THE_END
 
 UNKNOWN = ("?",)
-# tf2onnx writes "to the end of the axis" as 1e9 in strided slices (and 1e9 as the step of a shrunk axis): an
-# axis that long would hold 4 GB for every element of the other axes, so 1e9 or more reaches any real axis end
-TO_THE_END = 10**9
 _SIGNS_WHERE_TRUE = {  # comparison -> the signs of x - y where it holds
     "Less": {-1}, "LessOrEqual": {-1, 0}, "Greater": {1}, "GreaterOrEqual": {0, 1}, "Equal": {0},
 }

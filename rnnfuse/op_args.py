@@ -17,6 +17,10 @@ from onnx import NodeProto
 
 from .protos import attr
 
+# tf2onnx writes "to the end of the axis" as 1e9 in strided slices (and 1e9 as the step of a shrunk axis): an
+# axis that long would hold 4 GB for every element of the other axes, so 1e9 or more reaches any real axis end
+TO_THE_END = 10**9
+
 Value = Callable[[int], "np.ndarray | None"]
 
 # the opset from which an op reads its axes from input 1 instead of an attribute

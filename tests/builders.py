@@ -158,6 +158,10 @@ class Opts:
     dropout: bool = False  # an inference-mode Dropout (identity) on the step input
     weight_cast: bool = False  # weights stored as float64 and Cast to float32 in the body
     loop_counter: bool = False  # Loop: index the step input with a carried int64 counter instead of the iteration number
+    # Loop, masked: what is done to the mask outside the body, in any combination (tf.while_loop writes all three):
+    # float (cast to 0/1 floats: the body's select casts or blends those), carried (passed through the loop as a
+    # carried value the body returns unchanged), view (the body views the read row again by a whole-axes Slice)
+    mask_outside: tuple = ()
     loop_bound: str = "M"  # Loop: M (trip count Shape(X)[0]) | cond (condition i+1 < T) | both | const (M a constant, static_T)
     static_T: int = 0  # declare a fixed number of time steps (0: dynamic)
     static_B: int = 0  # declare a fixed batch size (0: dynamic)
@@ -1026,8 +1030,18 @@ def _loop_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suf
         x_idx = body.op("Min", body.op("Add", idx, one), body.op("Sub", Tb, one))
     elif o.mutation == "loop_fixed_input":
         x_idx = body.constant(np.array(0, np.int64), "zero")
+    if mask and "float" in o.mask_outside:
+        Mt = main.op("Cast", Mt, to=FLOAT)
+    if mask and "carried" in o.mask_outside:
+        inner = body.fresh("mask_c")
+        ctx.carried.append((Mt, inner, ["T", "B", 1][: o.mask_rank], FLOAT if "float" in o.mask_outside else TensorProto.BOOL))
+        Mt = inner
     x_t = body.op("Gather", Xt, x_idx, axis=0, hint="x_t")
     m_t = body.op("Gather", Mt, idx, axis=0, hint="m_t") if mask else None
+    if mask and "view" in o.mask_outside:  # (tf2onnx's m[:, None] after a kept column: starts 0, ends 1e9)
+        k = o.mask_rank - 1
+        m_t = body.op("Slice", m_t, body.constant(np.zeros(k, np.int64), "zeros"),
+                      body.constant(np.full(k, 10**9, np.int64), "to_end"), body.constant(np.arange(k, dtype=np.int64), "axes"))
     xw = _xw_split(ctx, x_t) if o.xproj else None
     res = _step(ctx, x_t, st_in["h"], st_in.get("c"), st_in.get("p"), m_t, xw)
     nxt = body.op("Add", step_no, body.constant(np.array(1, np.int64), "one"), hint="next")

@@ -582,12 +582,15 @@ class LengthOpts:
     pre: bool = False  # the cell reads tanh(x_t * P + Q), P and Q per feature: a map of x_t inside the step
     counter: int | None = None
     l_expr: str = ""
+    carried: bool = False  # L passed through the loop as a carried value the body returns as it is (tf.while_loop)
+    cast: str = ""  # i and L cast to this type before they are compared: "float" (tf2onnx); near miss "int16" (wraps)
 
     @property
     def name(self) -> str:
         parts = [self.cmp, self.dtype, "unit" if self.unit else "vec", self.keep, self.out]
         parts += [] if self.counter is None else [f"from{self.counter}"]
         parts += [self.l_expr] if self.l_expr else []
+        parts += (["carried"] if self.carried else []) + ([f"as_{self.cast}"] if self.cast else [])
         return "-".join(parts + ([self.miss] if self.miss else []) + (["pre"] if self.pre else [])
                         + (["scan"] if self.front == "scan" else []))
 
@@ -620,7 +623,7 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
     elif o.dtype == "int32":
         bn.append(helper.make_node("Cast", ["it"], ["it32"], to=TensorProto.INT32))
         i = "it32"
-    L = "Lc" if o.miss == "lengths_change" else "L"
+    L = "Lc" if o.miss == "lengths_change" else ("Lp" if o.carried else "L")
     if o.l_expr == "T-L":  # Neg(L) + T, T x's time length read outside (TorchScript's pre-padded t >= T - lengths)
         T_l = "T"
         if o.dtype == "int32":
@@ -634,6 +637,10 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
         ins = ["lc", L] if o.l_expr == "5-L" else [L, "lc"]
         bn.append(helper.make_node("Add" if o.l_expr == "L+1" else "Sub", ins, ["Lx"]))
         L = "Lx"
+    if o.cast:  # (i and L compared in another type)
+        to = TensorProto.FLOAT if o.cast == "float" else TensorProto.INT16
+        bn += [helper.make_node("Cast", [i], ["i_as"], to=to), helper.make_node("Cast", [L], ["L_as"], to=to)]
+        i, L = "i_as", "L_as"
     if o.cmp == "xmask":
         bn += [helper.make_node("Equal", ["xt", "zerof"], ["x0"]), helper.make_node("Not", ["x0"], ["xn"]),
                helper.make_node("Cast", ["xn"], ["xnf"], to=TensorProto.FLOAT),
@@ -694,6 +701,11 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
         carried_out.append(helper.make_tensor_value_info("tn", it, []))
         loop_in.append("t0")
         loop_out.append("t_last")
+    if o.carried:  # (passed on as it came: the body's output is its input)
+        carried_in.append(helper.make_tensor_value_info("Lp", it, lshape))
+        carried_out.append(helper.make_tensor_value_info("Lp", it, lshape))
+        loop_in.append("L")
+        loop_out.append("L_out")
     if o.miss == "lengths_change":
         bn.append(helper.make_node("Sub", ["Lc", "one"], ["Lnext"]))
         carried_in.append(helper.make_tensor_value_info("Lc", it, lshape))
@@ -753,8 +765,11 @@ LENGTH_FORMS = [LengthOpts(), LengthOpts("gt", out="carry"), LengthOpts("le1", "
                 LengthOpts("lt", "int32", keep="where", out="carry", counter=2), LengthOpts("ge", counter=-1),
                 LengthOpts("ge", "int32", keep="where", l_expr="5-L"), LengthOpts("lt", l_expr="L+1", out="carry"),
                 LengthOpts("gt", l_expr="L-1", unit=True), LengthOpts("lt", l_expr="5-L"),
-                LengthOpts("le", l_expr="T-L"), LengthOpts("lt", "int32", keep="where", out="carry", l_expr="T-L")]
-LENGTH_MISSES = [LengthOpts(miss="reset"), LengthOpts(miss="input_only"), LengthOpts(miss="lengths_change")]
+                LengthOpts("le", l_expr="T-L"), LengthOpts("lt", "int32", keep="where", out="carry", l_expr="T-L"),
+                LengthOpts("gt", "int32", keep="where", carried=True, cast="float"), LengthOpts("lt", carried=True),
+                LengthOpts("ge", cast="float", unit=True), LengthOpts("le", "int32", l_expr="5-L", carried=True, cast="float")]
+LENGTH_MISSES = [LengthOpts(miss="reset"), LengthOpts(miss="input_only"), LengthOpts(miss="lengths_change"),
+                 LengthOpts("gt", keep="where", cast="int16")]
 # the mask computed in the step from x_t itself
 XMASK_FORMS = [LengthOpts("xmask", keep="where", out="carry"), LengthOpts("xmask", unit=True),
                LengthOpts("xmask", keep="where", unit=True), LengthOpts("xmask", front="scan"),

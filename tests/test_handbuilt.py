@@ -280,6 +280,11 @@ LOOP_FAMILIES = {
     "loop_reverse_negative_index_masked": dict(direction="reverse", reverse_form="negindex", mask="where"),
     "loop_constant_trip_count": dict(static_T=7, loop_bound="const"),
     "loop_bidir_reversesequence": dict(layers="bidir", reverse_form="revseq", direct_out=True),
+    # the mask as tf.while_loop hands it to the body: carried through, cast to 0/1 floats, its row viewed again
+    "loop_mask_carried_view": dict(mask="where", mask_outside=("carried", "view")),
+    "loop_mask_float_blend": dict(mask="cast_sub", mask_outside=("float",)),
+    "loop_mask_float_carried_view_rank2": dict(mask="delta", mask_rank=2, fill="zero", mask_outside=("float", "carried", "view")),
+    "loop_mask_float_carried_bf": dict(mask="pad_cast", batch_first=True, mask_outside=("float", "carried")),
 }
 
 # unrolled chains (one cell per step in the main graph, static T): the formulations above that make sense

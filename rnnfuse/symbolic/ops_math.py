@@ -19,7 +19,6 @@ from .values import (
     BoolMask,
     Const,
     Fill,
-    MaskVector,
     SymTensor,
     Value,
     elementwise_poly,
@@ -270,11 +269,7 @@ def _cast(ev, node, ins):
     v = ins[0]
     to = attr(node, "to")
     if isinstance(v, BoolMask):
-        if to == onnx.TensorProto.BOOL:
-            return [v]
-        p = Poly.atom(Mask(v.sym))
-        p = Poly.const(1.0).sub(p) if v.neg else p
-        return [SymTensor(p, 0) if v.unit else MaskVector(p)]
+        return [v if to == onnx.TensorProto.BOOL else v.as_number()]
     if isinstance(v, SymTensor) and _is_mask_value(v.poly):  # a 0/1 mask as a number: any type holds it
         sense = _mask_sense(v.poly)
         if to != onnx.TensorProto.BOOL:

@@ -74,6 +74,8 @@ def _split(ev, node, ins):
 def _slice(ev, node, ins):
     v = ins[0]
     starts, ends, axes, steps = op_args.slice_args(node, ev.opset, lambda i: _const_arg(ins[i], "a slice with runtime bounds"))
+    if all(s == 0 and e >= op_args.TO_THE_END and st == 1 for s, e, st in zip(starts, ends, steps)):
+        return [v]  # every element of every axis it names (tf2onnx's x[:, None] after a kept column): a view of v
     if isinstance(v, UnitGroups):  # view[:, k:k+1] (dynamo's unbind): groups k.., kept as an axis
         if len(axes) != 1 or not _group_axis(v, axes[0]) or steps[0] != 1:
             raise Decline("a slice of grouped units along another axis than the groups")

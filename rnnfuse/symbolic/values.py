@@ -7,7 +7,7 @@ import numpy as np
 
 from ..errors import Decline, ProjectedAgain
 from .algebra import (GATED_ROW, MASK, MASKED_INPUT, STATE, STEP_INPUT, STEP_INPUT_PART, ZERO_ROW, Act, ConstRef, Lin, LinAtom,
-                      Poly, State, StepInput)
+                      Mask, Poly, State, StepInput)
 
 
 class Value:
@@ -85,6 +85,12 @@ class BoolMask(Value):
 
     def __init__(self, sym: str, neg: bool, unit: bool):
         self.sym, self.neg, self.unit = sym, neg, unit
+
+    def as_number(self) -> Value:
+        """The mask cast to a number: 1 where it holds, 0 elsewhere (``[B]``: usable once unsqueezed)."""
+        p = Poly.atom(Mask(self.sym))
+        p = Poly.const(1.0).sub(p) if self.neg else p
+        return SymTensor(p, 0) if self.unit else MaskVector(p)
 
 
 class UnitGroups(Value):

@@ -486,7 +486,9 @@ def generate_torch(c: TorchCase, out_dir: Path) -> dict:
 
 # --------------------------------------------------------------------------- TensorFlow functions (tf.scan, tf.while_loop)
 
-TF_SCAN_CASES = ["tfscan_lstm_last_c", "tfwhile_lstm_bf_strided", "tfwhile_rnn_strided"]
+TF_SCAN_CASES = ["tfscan_lstm_last_c", "tfwhile_lstm_bf_strided", "tfwhile_rnn_strided", "tfwhile_gru_sequence_mask_where",
+                 "tfwhile_gru_float_mask_blend", "tfwhile_lstm_lengths_greater_t"]
+MASKED_TF_FUNCTIONS = {"tfwhile_gru_sequence_mask_where", "tfwhile_gru_float_mask_blend", "tfwhile_lstm_lengths_greater_t"}
 
 
 def _tf_functions(tf, rng):
@@ -529,7 +531,54 @@ def _tf_functions(tf, rng):
         _, _, ta = tf.while_loop(lambda t, *_: t < n, body, [0, tf.zeros((tf.shape(x)[1], H)), ta])
         return ta.stack()
 
+    G = UNITS["GRU"]
+    Wg = tf.Variable((0.5 * rng.standard_normal((FEATURES, 3 * G))).astype(np.float32))
+    Rg = tf.Variable((0.5 * rng.standard_normal((G, 3 * G))).astype(np.float32))
+    bg = tf.Variable((0.5 * rng.standard_normal(3 * G)).astype(np.float32))
+
+    def gru_step(x, h):  # Keras' reset-after GRU: z * h + (1 - z) * n
+        xz, xr, xn = tf.split(tf.matmul(x, Wg) + bg, 3, axis=1)
+        hz, hr, hn = tf.split(tf.matmul(h, Rg), 3, axis=1)
+        z, r = tf.sigmoid(xz + hz), tf.sigmoid(xr + hr)
+        return z * h + (1 - z) * tf.tanh(xn + r * hn)
+
+    def masked_while(kind):
+        """tf.while_loop over batch-first x with per-row lengths: the bool mask built before the loop and read
+        per step (``where``), the same mask cast to 0/1 floats and blended by hand, or ``lengths > t`` computed
+        in the body (an LSTM); each loop carries the mask or the lengths through as a pass-through value."""
+
+        def run(x, lengths):
+            n = tf.shape(x)[1]
+            mask = tf.sequence_mask(lengths, n)
+            fmask = tf.cast(mask, tf.float32)
+            z = tf.zeros((tf.shape(x)[0], H if kind == "lengths" else G))
+            ta = tf.TensorArray(tf.float32, size=n)
+
+            def body(t, h, c, ta):
+                if kind == "lengths":
+                    hn, cn = lstm_step(x[:, t], h, c)
+                    m = tf.expand_dims(lengths > t, 1)
+                    return t + 1, tf.where(m, hn, h), tf.where(m, cn, c), ta.write(t, tf.where(m, hn, 0.0))
+                hn = gru_step(x[:, t], h)
+                if kind == "where":
+                    m = mask[:, t][:, None]
+                    return t + 1, tf.where(m, hn, h), c, ta.write(t, tf.where(m, hn, tf.zeros_like(hn)))
+                m = tf.expand_dims(fmask[:, t], 1)
+                h = m * hn + (1.0 - m) * h
+                return t + 1, h, c, ta.write(t, h)
+
+            _, h, c, ta = tf.while_loop(lambda t, *_: t < n, body, [0, z, z, ta])
+            return (tf.transpose(ta.stack(), [1, 0, 2]), h) + ((c,) if kind == "lengths" else ())
+
+        return run
+
     return {
+        "tfwhile_gru_sequence_mask_where": ("tf.while_loop GRU, h = where(sequence_mask(lengths)[:, t], new, h); batch-first",
+                                            masked_while("where"), True),
+        "tfwhile_gru_float_mask_blend": ("tf.while_loop GRU, m = cast(sequence_mask(lengths))[:, t]: h = m * new + (1 - m) * h",
+                                         masked_while("float"), True),
+        "tfwhile_lstm_lengths_greater_t": ("tf.while_loop LSTM, m = lengths > t in the body, where(m, new, h) on h and c",
+                                           masked_while("lengths"), True),
         "tfscan_lstm_last_c": ("tf.scan over a hand-written LSTM step, returns (hs, cs[-1])", scan_last_c, False),
         "tfwhile_lstm_bf_strided": ("tf.while_loop reading x[:, t] (a strided slice), TensorArray of h; batch-first",
                                     while_lstm_bf, True),
@@ -544,7 +593,9 @@ def generate_tf_scan(name: str, out_dir: Path, tf, tf2onnx, onnx) -> dict:
     seed = zlib.crc32(name.encode())
     rng = np.random.default_rng(seed)
     layers, body, batch_first = _tf_functions(tf, rng)[name]
+    masked = name in MASKED_TF_FUNCTIONS
     spec = [tf.TensorSpec((None, None, FEATURES), tf.float32, name="x")]
+    spec += [tf.TensorSpec((None,), tf.int32, name="lengths")] if masked else []
     run = tf.function(body, input_signature=spec)
     model, _ = tf2onnx.convert.from_function(run, input_signature=spec, opset=17)
     onnx.checker.check_model(model)
@@ -552,15 +603,18 @@ def generate_tf_scan(name: str, out_dir: Path, tf, tf2onnx, onnx) -> dict:
     sets = {"b1": (1, TIME), "b4": (4, TIME), "b2_t11": (2, 11)}
     for s, (bsz, t) in sets.items():
         x = rng.standard_normal((bsz, t, FEATURES) if batch_first else (t, bsz, FEATURES)).astype(np.float32)
-        arrays[f"in/{s}/x"] = x
-        out = run(tf.constant(x))
+        feeds = {"x": x}
+        if masked:  # (every length from none to all of them, batch 1 a short row)
+            feeds["lengths"] = np.array([t - 2] if bsz == 1 else [t, 0, 3, t - 1][:bsz], dtype=np.int32)
+        arrays.update({f"in/{s}/{k}": v for k, v in feeds.items()})
+        out = run(*(tf.constant(v) for v in feeds.values()))
         arrays.update({f"out/{s}/{k}": np.asarray(v) for k, v in enumerate(out if isinstance(out, tuple) else [out])})
     onnx.save(model, str(out_dir / f"{name}.onnx"))
     np.savez(out_dir / f"{name}.npz", **arrays)
     ops = graph_ops(model.graph)
-    op = "RNN" if "rnn" in name else "LSTM"
+    op = next(o for o in ("RNN", "GRU", "LSTM") if o.lower() in name)
     meta = {"name": name, "backend": "tf.function", "layers": layers,
-            "expect": {"ops": {op: 1}, "absent": ["Loop", "Scan"]}, "sets": list(sets), "masked": False,
+            "expect": {"ops": {op: 1}, "absent": ["Loop", "Scan"]}, "sets": list(sets), "masked": masked,
             "tf2onnx_ops": {o: ops.count(o) for o in ("LSTM", "RNN", "Loop", "Scan") if o in ops}}
     (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta

@@ -42,7 +42,7 @@ from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, stat
 from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
                          find_derived_mask)
 from .loop_lengths import counting_offset, length_mask
-from .loop_reads import cast_of_bool, check_step_lengths, check_trip_count, counter_step, step_read
+from .loop_reads import cast_of_bool, check_step_lengths, check_trip_count, counter_step, reads_backwards, step_read
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly, weight_ops
 
 
@@ -307,7 +307,10 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     if lengths is not None:
         if mask_outer is not None:
             raise Decline("a step reads a mask and computes another from lengths")
-        if r.forms - {"forward"}:
+        if lengths.time_index is not None:  # (compared with the time index: proven T - 1 - i, x read there too)
+            if r.forms != {"reverse"} or not reads_backwards(g, body, lengths.time_index, carried.index_syms, x_outer, x_axis):
+                raise Decline("a length mask compares a step count other than the time step x is read at")
+        elif r.forms - {"forward"}:
             raise Decline("a length mask on a step that reads time backwards")
         mask_outer = LENGTH_MASK
     prep = InputPrep(proj.flips) if proj is not None else InputPrep(input_map=input_map, side_by_side=side)

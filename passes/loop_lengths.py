@@ -9,7 +9,7 @@ from onnx import NodeProto, TensorProto, helper
 
 from rnnfuse.dims import dim_key, keeps_value
 from rnnfuse.graph import Graph
-from .loop_reads import counter_step, invariant_source
+from .loop_reads import counter_step, counts_down, invariant_source
 
 
 def counting_offset(g: Graph, data: str) -> int | None:
@@ -48,8 +48,13 @@ def length_mask(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int],
         return None
     for side in (0, 1):
         step = counter_step(body, n.input[side])
+        time_index = None
         if step is None or step[0] not in index_syms:
-            continue
+            if not counts_down(body, n.input[side], index_syms):
+                continue
+            # (``t = T - 1 - i``, compared as the time index of a step read backwards: proven T - 1 - i once
+            # x, and so T, is known; the mask is then op(t, lengths) in time order)
+            time_index, step = n.input[side], None
         lengths, sign, shift = _lengths_operand(body, n.input[1 - side], invariants)
         if lengths is None or body.defines(lengths):
             return None
@@ -58,7 +63,8 @@ def length_mask(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int],
             return None
         if sign < 0 and g.model.elem_type(lengths) not in _SIGNED:  # (the mask negates the lengths as they are)
             return None
-        return LengthMask(lengths, n.op_type, index_syms[step[0]] + step[1], side == 0, len(shape) == 2, sign, shift)
+        offset = 0 if step is None else index_syms[step[0]] + step[1]
+        return LengthMask(lengths, n.op_type, offset, side == 0, len(shape) == 2, sign, shift, time_index)
     return None
 
 
@@ -137,15 +143,17 @@ def _signed_invariant(body: Graph, name: str, invariants: dict[str, str]) -> tup
 
 class LengthMask:
     """mask[t, b] = ``op(t + offset, L[b])`` (``step_first``) or ``op(L[b], t + offset)``, where L is
-    ``sign * lengths + shift``."""
+    ``sign * lengths + shift``. t is the iteration number, or with ``time_index`` (the body value compared, the
+    step's ``T - 1 - i``) the time step a loop that reads time backwards is at."""
 
-    def __init__(self, lengths: str, op: str, offset: int, step_first: bool, unit: bool, sign: int = 1, shift: int = 0):
+    def __init__(self, lengths: str, op: str, offset: int, step_first: bool, unit: bool, sign: int = 1, shift: int = 0,
+                 time_index: str | None = None):
         self.lengths, self.op, self.offset, self.step_first, self.unit = lengths, op, offset, step_first, unit
-        self.sign, self.shift = sign, shift
+        self.sign, self.shift, self.time_index = sign, shift, time_index
 
     @property
     def key(self) -> tuple:
-        return (self.lengths, self.op, self.offset, self.step_first, self.sign, self.shift)
+        return (self.lengths, self.op, self.offset, self.step_first, self.sign, self.shift, self.time_index)
 
     def build(self, g: Graph, x: str, time_axis: int, anchor: NodeProto) -> str:
         """The mask laid out like ``x`` (built once per layout: every layer of a stacked step keeps to it)."""

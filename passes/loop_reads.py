@@ -103,6 +103,17 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     return None
 
 
+def counts_down(body: Graph, idx: str, index_syms: dict[str, int]) -> bool:
+    """Whether body value ``idx`` is ``a - (i + k) + shift`` for the iteration number i (a time index counted
+    down: :func:`reads_backwards` proves it T - 1 - i once T is known)."""
+    return _minus_index(body, body.producer.get(value_source(body, idx)), index_syms) is not None
+
+
+def reads_backwards(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str, axis: int) -> bool:
+    """Whether body value ``idx`` is ``T - 1 - i``, T ``data``'s extent on ``axis``."""
+    return _index_form(g, body, idx, index_syms, data, axis) == "reverse"
+
+
 def _minus_index(body: Graph, n: NodeProto | None, index_syms: dict[str, int]) -> tuple[str, int, int] | None:
     """``(a, k, shift)`` when node ``n`` computes ``a - (i + k) + shift`` (i the iteration number): ``a - i``,
     ``a + i * -1`` (TorchScript's range(T - 1, -1, -1): start + i * step), and either with a constant added or

@@ -584,6 +584,8 @@ class LengthOpts:
     l_expr: str = ""
     carried: bool = False  # L passed through the loop as a carried value the body returns as it is (tf.while_loop)
     cast: str = ""  # i and L cast to this type before they are compared: "float" (tf2onnx); near miss "int16" (wraps)
+    # "time": x read at t = T - 1 - i and t compared with L (a TorchScript backward loop; outputs in processing order)
+    reverse: str = ""
 
     @property
     def name(self) -> str:
@@ -591,6 +593,7 @@ class LengthOpts:
         parts += [] if self.counter is None else [f"from{self.counter}"]
         parts += [self.l_expr] if self.l_expr else []
         parts += (["carried"] if self.carried else []) + ([f"as_{self.cast}"] if self.cast else [])
+        parts += [f"reverse_{self.reverse}"] if self.reverse else []
         return "-".join(parts + ([self.miss] if self.miss else []) + (["pre"] if self.pre else [])
                         + (["scan"] if self.front == "scan" else []))
 
@@ -616,12 +619,17 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
                   numpy_helper.from_array(np.array(0.0, np.float32), "zerof")]
     bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0)]
     i = "it"
+    if o.reverse:  # x read at t = (T - 1) - i
+        body_inits.append(numpy_helper.from_array(np.array(1, np.int64), "one64"))
+        bn = [helper.make_node("Sub", ["T", "one64"], ["Tm1"]), helper.make_node("Sub", ["Tm1", "it"], ["t_rev"]),
+              helper.make_node("Gather", ["x", "t_rev"], ["xt"], axis=0)]
+        i = "t_rev"
     if o.counter is not None:
         i = "tc"
         bn.append(helper.make_node("Add", ["tc", "one"], ["tn"]))
         inits.append(numpy_helper.from_array(np.array(o.counter, np.int64 if o.dtype == "int64" else np.int32), "t0"))
     elif o.dtype == "int32":
-        bn.append(helper.make_node("Cast", ["it"], ["it32"], to=TensorProto.INT32))
+        bn.append(helper.make_node("Cast", [i], ["it32"], to=TensorProto.INT32))
         i = "it32"
     L = "Lc" if o.miss == "lengths_change" else ("Lp" if o.carried else "L")
     if o.l_expr == "T-L":  # Neg(L) + T, T x's time length read outside (TorchScript's pre-padded t >= T - lengths)
@@ -749,7 +757,8 @@ def lengths_reference(o: LengthOpts, x: np.ndarray, L: np.ndarray) -> list[np.nd
     W, R, b = weights()
     h = np.zeros((x.shape[1], H), np.float32)
     ys = []
-    for t in range(x.shape[0]):
+    for i in range(x.shape[0]):  # (outputs in processing order)
+        t = x.shape[0] - 1 - i if o.reverse else i
         m = _valid(o, t, L, x)[:, None]
         xt = np.tanh(x[t] * _pre_map()[0] + _pre_map()[1]) if o.pre else x[t]
         hn = np.tanh(xt @ W + h @ R + b).astype(np.float32)
@@ -767,7 +776,10 @@ LENGTH_FORMS = [LengthOpts(), LengthOpts("gt", out="carry"), LengthOpts("le1", "
                 LengthOpts("gt", l_expr="L-1", unit=True), LengthOpts("lt", l_expr="5-L"),
                 LengthOpts("le", l_expr="T-L"), LengthOpts("lt", "int32", keep="where", out="carry", l_expr="T-L"),
                 LengthOpts("gt", "int32", keep="where", carried=True, cast="float"), LengthOpts("lt", carried=True),
-                LengthOpts("ge", cast="float", unit=True), LengthOpts("le", "int32", l_expr="5-L", carried=True, cast="float")]
+                LengthOpts("ge", cast="float", unit=True), LengthOpts("le", "int32", l_expr="5-L", carried=True, cast="float"),
+                LengthOpts("gt", keep="where", reverse="time"), LengthOpts("lt", "int32", out="carry", reverse="time"),
+                LengthOpts("ge", unit=True, reverse="time"), LengthOpts("le", "int32", keep="where", carried=True, cast="float",
+                                                                        reverse="time")]
 LENGTH_MISSES = [LengthOpts(miss="reset"), LengthOpts(miss="input_only"), LengthOpts(miss="lengths_change"),
                  LengthOpts("gt", keep="where", cast="int16")]
 # the mask computed in the step from x_t itself

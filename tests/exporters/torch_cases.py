@@ -293,6 +293,8 @@ CASES = [
     script("lstmcell_script_grown_bf", "lstm", grow=True, **BF,
            notes="out = torch.cat([out, h.unsqueeze(1)], 1) from torch.zeros(B, 0, H): a carried tensor grown a row a step"),
     script("gru_hand_script_lengths", "gru_hand", lengths=True, notes="h = where(t < lengths, cell, h)"),
+    script("gru_hand_script_lengths_reverse", "gru_hand", lengths=True, reverse=True,
+           notes="for i in range(T): t = T - 1 - i; h = where(t < lengths, cell, h); outs.insert(0, h)"),
     script("rnn_hand_script_lengths_pre", "rnn_hand", lengths=True, pre=True,
            notes="pre-padded by hand: t >= T - lengths, written Neg(lengths) + T in the body"),
     script("gru_hand_script_bf", "gru_hand", **BF),
@@ -1414,20 +1416,26 @@ def torch_modules():
 
     class ScriptLengthsLoop(nn.Module):
         """Scripted loop over a hand-written single-state cell masked by hand with lengths: ``pre``: rows valid
-        at their last ``lengths`` steps, ``t >= T - lengths`` (pre-padded); else ``t < lengths``."""
+        at their last ``lengths`` steps, ``t >= T - lengths`` (pre-padded); else ``t < lengths``. ``reverse``:
+        the loop walks time backwards, ``t = T - 1 - i``, its outputs put back in time order (``insert(0, h)``):
+        each row's valid steps processed from its last."""
 
-        def __init__(self, cell, features, hidden, pre=False):
+        def __init__(self, cell, features, hidden, pre=False, reverse=False):
             super().__init__()
-            self.cell, self.hidden, self.pre = make_cell(cell, features, hidden), hidden, pre
+            self.cell, self.hidden, self.pre, self.reverse = make_cell(cell, features, hidden), hidden, pre, reverse
 
         def forward(self, x, lengths):
             steps = x.size(0)
             h = torch.zeros(x.size(1), self.hidden, dtype=x.dtype)
             outs: list[torch.Tensor] = []
-            for t in range(steps):
+            for i in range(steps):
+                t = steps - 1 - i if self.reverse else i
                 m = (t >= steps - lengths) if self.pre else (t < lengths)
                 h = torch.where(m.unsqueeze(1), self.cell(x[t], h), h)
-                outs.append(h)
+                if self.reverse:
+                    outs.insert(0, h)
+                else:
+                    outs.append(h)
             return torch.stack(outs), h
 
     class ScriptBidirLoop(nn.Module):

@@ -252,8 +252,9 @@ def _body_reads(g: Graph, body: Graph, carried: _Carried) -> _BodyReads:
         r.forms.add(form)
         et = g.model.elem_type(data)
         rank = rank_of(g, data)
-        of_bool = None if et == TensorProto.BOOL else cast_of_bool(g, data)
-        if et == TensorProto.BOOL or of_bool is not None:  # (a mask cast to 0/1 numbers outside: its bool source)
+        # a [T, B] mask cast to 0/1 numbers outside (no feature sequence: one value a row): its bool source
+        of_bool = cast_of_bool(g, data) if et != TensorProto.BOOL and rank == 2 else None
+        if et == TensorProto.BOOL or of_bool is not None:
             check_mask_read(g, of_bool or data, axis, rank, r.mask_outer)
             r.mask_outer, r.mask_axis = of_bool or data, axis
             mask = BoolMask("m", False, rank == 3 or n.op_type == "Slice")  # ([B, 1] a row)

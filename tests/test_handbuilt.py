@@ -282,9 +282,10 @@ LOOP_FAMILIES = {
     "loop_bidir_reversesequence": dict(layers="bidir", reverse_form="revseq", direct_out=True),
     # the mask as tf.while_loop hands it to the body: carried through, cast to 0/1 floats, its row viewed again
     "loop_mask_carried_view": dict(mask="where", mask_outside=("carried", "view")),
-    "loop_mask_float_blend": dict(mask="cast_sub", mask_outside=("float",)),
-    "loop_mask_float_carried_view_rank2": dict(mask="delta", mask_rank=2, fill="zero", mask_outside=("float", "carried", "view")),
-    "loop_mask_float_carried_bf": dict(mask="pad_cast", batch_first=True, mask_outside=("float", "carried")),
+    # (a [T, B] mask: a [T, B, 1] 0/1 float may as well be a one-feature input, read as x)
+    "loop_mask_float_blend": dict(mask="cast_sub", mask_rank=2, mask_outside=("float",)),
+    "loop_mask_float_carried_view": dict(mask="delta", mask_rank=2, fill="zero", mask_outside=("float", "carried", "view")),
+    "loop_mask_float_carried_bf": dict(mask="pad_cast", mask_rank=2, batch_first=True, mask_outside=("float", "carried")),
 }
 
 # unrolled chains (one cell per step in the main graph, static T): the formulations above that make sense

@@ -696,3 +696,60 @@ def test_a_float_counter_from_a_whole_number_counts_the_iterations():
         L = rng.integers(0, T + 1, (3,)).astype(np.int64)
         for got, want in zip(session(fused).run(None, {"x": x, "L": L}), session(model).run(None, {"x": x, "L": L})):
             assert_close(got, want, "float counter")
+
+
+def _row_compare_loop(cast_outside: bool, threshold: float) -> onnx.ModelProto:
+    """A tanh RNN Loop over time-major x whose step mask is ``M[i] > threshold`` of a [T, B] float M: a bool
+    input cast to 0/1 floats before the loop (``mask.float()``), or a float input."""
+    from onnx import TensorProto, helper as h, numpy_helper as nh
+
+    F_, H_ = 3, 4
+    rng = np.random.default_rng(11)
+    W = nh.from_array(rng.standard_normal((F_, H_)).astype(np.float32), "W")
+    R = nh.from_array((0.5 * rng.standard_normal((H_, H_))).astype(np.float32), "R")
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    body = h.make_graph(
+        [h.make_node("Gather", ["x", "i"], ["xt"], axis=0), h.make_node("Gather", ["Mf", "i"], ["mt"], axis=0),
+         h.make_node("Greater", ["mt", "thr"], ["mb"]), h.make_node("Unsqueeze", ["mb", "ax1"], ["mu"]),
+         h.make_node("MatMul", ["xt", "W"], ["a"]), h.make_node("MatMul", ["hp", "R"], ["b"]),
+         h.make_node("Add", ["a", "b"], ["s"]), h.make_node("Tanh", ["s"], ["hn"]),
+         h.make_node("Where", ["mu", "hn", "hp"], ["ho"]), h.make_node("Identity", ["cond"], ["co"]),
+         h.make_node("Identity", ["ho"], ["y"])],
+        "body", [h.make_tensor_value_info("i", i64, []), h.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                 h.make_tensor_value_info("hp", f32, [None, H_])],
+        [h.make_tensor_value_info("co", TensorProto.BOOL, []), h.make_tensor_value_info("ho", f32, [None, H_]),
+         h.make_tensor_value_info("y", f32, [None, H_])],
+        [nh.from_array(np.array(threshold, np.float32), "thr"), nh.from_array(np.array([1], np.int64), "ax1")])
+    nodes = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z"], ["T"], axis=0),
+             h.make_node("Gather", ["xs", "one"], ["B"], axis=0), h.make_node("Unsqueeze", ["B", "z1"], ["B1"]),
+             h.make_node("Concat", ["B1", "Hc"], ["hs"], axis=0), h.make_node("ConstantOfShape", ["hs"], ["h0"]),
+             h.make_node("Cast" if cast_outside else "Identity", ["M"], ["Mf"], **({"to": f32} if cast_outside else {})),
+             h.make_node("Loop", ["T", "", "h0"], ["hT", "Y"], body=body)]
+    consts = [W, R, nh.from_array(np.array(0, np.int64), "z"), nh.from_array(np.array(1, np.int64), "one"),
+              nh.from_array(np.array([0], np.int64), "z1"), nh.from_array(np.array([H_], np.int64), "Hc")]
+    g = h.make_graph(nodes, "row_compare", [h.make_tensor_value_info("x", f32, ["T", "B", F_]),
+                                            h.make_tensor_value_info("M", TensorProto.BOOL if cast_outside else f32, ["T", "B"])],
+                     [h.make_tensor_value_info("Y", f32, ["T", "B", H_]), h.make_tensor_value_info("hT", f32, ["B", H_])], consts)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("cast_outside", [True, False], ids=["bool_cast_to_float", "float_input"])
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_a_float_row_compared_with_a_threshold_is_the_step_mask(cast_outside, threshold):
+    """``M[i] > c`` of a [T, B] float M read per step: of a bool mask cast to 0/1 floats before the loop, the mask
+    itself for any c in [0, 1) (the evaluator reads a 0/1 value compared between its values as that mask); of
+    a float input, a mask computed from its rows. Either way one masked RNN, the outputs the original's."""
+    model = _row_compare_loop(cast_outside, threshold)
+    fused, report = _fused_once(model, Loop=0, RNN=1)
+    assert report.fused[0].masked, report.to_text()
+    rng = np.random.default_rng(12)
+    s_orig, s_fused = session(model), session(fused)
+    for B in (1, 3):
+        x = rng.standard_normal((6, B, 3)).astype(np.float32)
+        M = rng.random((6, B)) > 0.4
+        if not cast_outside:  # (values a float mask may hold besides 0 and 1)
+            M = np.where(M, 1.0, rng.choice([0.0, -0.5, 0.25], size=M.shape)).astype(np.float32)
+        for got, want in zip(s_fused.run(None, {"x": x, "M": M}), s_orig.run(None, {"x": x, "M": M})):
+            assert_close(got, want, f"row_compare B={B}")

@@ -12,13 +12,14 @@ from .. import op_args
 from ..errors import Decline
 from ..graph import attr
 from .algebra import Act, LinAtom, Mask, Poly
-from .ops_piecewise import Above, Indicator, above_where, clip_poly, compare, hard_sigmoid, indicated, scalar
+from .ops_piecewise import COMPARISONS, Above, Indicator, above_where, clip_poly, compare, hard_sigmoid, indicated, scalar
 from .values import (
     ACTIVATIONS,
     ACTIVATION_DEFAULTS,
     BoolMask,
     Const,
     Fill,
+    MaskVector,
     SymTensor,
     Value,
     elementwise_poly,
@@ -303,6 +304,20 @@ def _mask_sense(p: Poly) -> tuple[str, bool] | None:
     return None
 
 
+def _compare(ev, node, ins):
+    """A comparison; of the 0/1 step mask (or 1 - m) with a threshold between its two values, that mask again
+    (torch's ``m_t > 0`` of a ``mask.float()`` read per step)."""
+    k = 1 if isinstance(ins[0], Const) and not isinstance(ins[1], Const) else 0
+    x, t = ins[k], ins[1 - k]
+    sense = _mask_sense(x.poly) if isinstance(x, SymTensor) and isinstance(t, Const) and _is_mask_value(x.poly) else None
+    if sense is not None:
+        c = scalar(t, "the threshold")
+        strict, negated = COMPARISONS[(node.op_type, k)]
+        if (0.0 <= c < 1.0) if strict else (0.0 < c <= 1.0):  # (true for the value 1 alone)
+            return [BoolMask(sense[0], sense[1] != negated, not isinstance(x, MaskVector))]
+    return compare(ev, node, ins)
+
+
 def _reduce_unit_axis(ev, node, ins):
     """ReduceMin / ReduceMax of the [B, 1] step mask over its unit axis, keeping it (Keras 3's
     ``all(not mask, axis=-1, keepdims=True)`` on the JAX backend): the mask itself."""
@@ -382,4 +397,4 @@ HANDLERS["Abs"] = _abs
 HANDLERS["Exp"] = _exp
 HANDLERS["Reciprocal"] = _reciprocal
 for _k in ("Greater", "GreaterOrEqual", "Less", "LessOrEqual"):
-    HANDLERS[_k] = compare
+    HANDLERS[_k] = _compare

@@ -89,7 +89,8 @@ def _where_clip(x: Poly, t: float, pa: Poly, pb: Poly) -> Poly | None:
 
 
 # comparison op -> (whether the cell value is the first operand, strict, negated) read as x > t / x >= t
-_COMPARISONS = {("Greater", 0): (True, False), ("GreaterOrEqual", 0): (False, False), ("Less", 0): (False, True),
+# (op, which input is the constant) -> (strict, negated): x > t or x >= t, negated for the Less forms
+COMPARISONS = {("Greater", 0): (True, False), ("GreaterOrEqual", 0): (False, False), ("Less", 0): (False, True),
                 ("LessOrEqual", 0): (True, True), ("Greater", 1): (False, True), ("GreaterOrEqual", 1): (True, True),
                 ("Less", 1): (True, False), ("LessOrEqual", 1): (False, False)}
 
@@ -100,7 +101,7 @@ def compare(ev, node, ins):
     x, t = (a, b) if k == 0 else (b, a)
     if not isinstance(t, Const):
         raise Decline("a comparison of two cell values")
-    strict, negated = _COMPARISONS[(node.op_type, k)]
+    strict, negated = COMPARISONS[(node.op_type, k)]
     return [Above(elementwise_poly(x), scalar(t, "the threshold"), lead_axes(x), strict, negated)]
 
 

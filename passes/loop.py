@@ -350,7 +350,8 @@ def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leav
             leaves[bi] = Const(np.array(fv, dtype=np.float32))
         else:
             leaves[bi] = Opaque(f"the sequence of the per-step input ('{bi}') is read other than at the iteration's step"
-                                if init in sequences else f"loop-carried '{bi}' is computed at runtime (weights not constant?)")
+                                if init in sequences else f"'{bi}', carried through the loop unchanged, is a runtime value the cell maths reads (a weight that is "
+                                  "not constant, or a tensor read other than as the step's input, mask or lengths)")
     for name in carried.index_syms:
         leaves.setdefault(name, Opaque("the iteration number is used in the cell maths"))
     leaves[bin_[1]] = Opaque("the loop condition is used in the cell maths")

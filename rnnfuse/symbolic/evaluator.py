@@ -151,7 +151,8 @@ class StepEvaluator:
                     self.memo[cur] = (
                         Fill(np.array(fv, dtype=np.float32))
                         if fv is not None
-                        else Opaque(f"'{cur}' is computed at runtime outside the step")
+                        else Opaque(f"'{cur}', a runtime value from outside the step, is read by the cell maths (not as "
+                                    "its step input, mask or lengths)")
                     )
                 stack.pop()
                 continue
@@ -187,7 +188,8 @@ class StepEvaluator:
         for k, v in enumerate(ins):
             if isinstance(v, Opaque):
                 if op in _WEIGHT_OPS and k == 1 and v.why.startswith("'"):
-                    return [Opaque(f"the weights {v.why.split(' ')[0]} of {op} '{node.name or node.output[0]}' are computed at runtime, not constants")] * len(node.output)
+                    weights = v.why.split("'")[1]  # (the name the reason quotes first)
+                    return [Opaque(f"the weights '{weights}' of {op} '{node.name or node.output[0]}' are computed at runtime, not constants")] * len(node.output)
                 return [v] * len(node.output)  # keep the first reason, unprefixed
         if any(isinstance(v, ShapeValue) for v in ins) and op not in ("Reshape", "Expand"):
             return _shape_op(self, node, ins)  # (Reshape / Expand *to* a shape value have their own rules)

@@ -186,13 +186,14 @@ def _declared_elem_type(body: Graph, k: int) -> int:
 
 def _x_leaf(g: Graph, x_outer: str, x_axis: int, masked: bool):
     """(the input projection the steps read, or None; the step input's atom; its symbolic value)."""
-    proj = input_projection(g, x_outer, x_axis)
+    proj = input_projection(g, x_outer, x_axis) if x_axis in (0, 1) else None
     if proj is not None and proj.time_axis != x_axis and masked:
         proj = None  # (X0 batch-first beside a time-major mask: the steps' input is read as computed)
     if proj is not None:  # the steps read slices of X0 @ K + b: the recurrence reads X0
         return (proj, *projected_leaf(proj))
     shape = g.model.shape(x_outer)
-    x_atom = StepInput("x", shape[2] if shape and isinstance(shape[2], int) else None)
+    width = shape[1 if x_axis == 2 else 2] if shape and len(shape) == 3 else None  # ([B, F, T] for time axis 2)
+    x_atom = StepInput("x", width if isinstance(width, int) else None)
     return proj, x_atom, SymTensor(Poly.atom(x_atom))
 
 
@@ -269,7 +270,7 @@ def _body_reads(g: Graph, body: Graph, carried: _Carried) -> _BodyReads:
                 raise Decline("two per-step inputs are read along different axes")
             if rank != 3:
                 raise Decline(f"the per-step input has rank {rank}, not [T, B, F]")
-            if axis not in (0, 1):
+            if axis not in (0, 1, 2):
                 raise Decline(f"the per-step input is read along axis {axis}")
             r.x_axis = axis
             r.x_parts.setdefault(data, []).append(n)
@@ -291,6 +292,8 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
         raise Decline("no per-step input (element i of an invariant tensor) in the body")
     if mask_outer is not None and x_axis != r.mask_axis:
         raise Decline("the step input and the mask are read along different time axes")
+    if x_axis == 2 and (mask_outer is not None or lengths is not None or rows is not None or len(r.x_parts) > 1):
+        raise Decline("a mask or a second sequence beside an input read along its last axis")
     side: tuple = ()
     if len(r.x_parts) > 1:  # sequences read side by side: the native op reads them concatenated on features
         x_atom, side = side_by_side(g, {d: [n.output[0] for n in ns] for d, ns in r.x_parts.items()}, x_axis, leaves)
@@ -460,7 +463,7 @@ def _layer_recurrences(loop: NodeProto, layers: list, layer_step_states: list, s
             an = analyse(layer.x, step_states, outs_of[li] + stacked, states)
         an.finals += finals
         rec = layer_recurrence("Loop", where, an, layers, li, recs, x=step_in.x_outer, mask=step_in.mask_outer,
-                               x_batch_first=step_in.x_axis == 1, x_reversed=step_in.x_reversed,
+                               x_time_axis=step_in.x_axis, x_reversed=step_in.x_reversed,
                                x_prep=step_in.x_prep, remove=[loop] + extra_remove, anchor=loop,
                                row_steps=row_steps)
         cell_states.append((an.rec.h, an.rec.c))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, TensorProto, helper
 
-from rnnfuse.dims import dim_key, keeps_value
-from rnnfuse.graph import Graph
+from rnnfuse.dims import dim_key
+from rnnfuse.graph import Graph, attr
 from .loop_reads import counter_step, counts_down, invariant_source
 
 
@@ -96,12 +96,25 @@ def _lengths_operand(body: Graph, name: str, invariants: dict[str, str]) -> tupl
 
 def _integer_source(body: Graph, name: str) -> str:
     """``name`` seen through the casts of an integer tensor to a type that holds each of its values (tf2onnx
-    compares ``float(lengths) > float(t)``): the comparison reads the same on the integers."""
+    compares ``float(lengths) > float(t)``): the comparison reads the same on the integers. (To float: rounding
+    keeps the order against any t below 2**24, which every step count is; int64 to int32 wraps: not seen
+    through.)"""
     n = body.producer.get(name)
-    while n is not None and n.op_type == "Cast" and keeps_value(n) and body.model.elem_type(n.input[0]) in _SIGNED:
+    while n is not None and n.op_type == "Cast" and _widens(body.model.elem_type(n.input[0]), attr(n, "to")):
         name = n.input[0]
         n = body.producer.get(name)
     return name
+
+
+_BITS = {TensorProto.INT8: 8, TensorProto.INT16: 16, TensorProto.INT32: 32, TensorProto.INT64: 64}
+
+
+def _widens(src: int | None, to: int | None) -> bool:
+    """Whether a cast from the signed integer type ``src`` to ``to`` keeps every value's order (a wider signed
+    integer, or a float type)."""
+    if src not in _BITS:
+        return False
+    return to in (TensorProto.FLOAT, TensorProto.DOUBLE) or (to in _BITS and _BITS[to] >= _BITS[src])
 
 
 def _shift(body: Graph, name: str, invariants: dict[str, str]) -> int | str | tuple | None:

@@ -330,21 +330,28 @@ def _covers(g: Graph, data: str, inner: str, axis: int, end) -> bool:
 
 
 def _full_slice_source(g: Graph, body: Graph, name: str, invariants: dict[str, str]) -> str | None:
-    """``name`` = Slice(D, 0, INT_MAX) on some axes (a no-op view such as TorchScript's ``x[:]``): D."""
-    scope = body.scope_of(name)
-    n = scope.producer.get(name) if scope is not None else None
-    if n is None or n.op_type != "Slice" or len(n.input) < 3:
-        return None
-    args = [terms(body, i) if i else None for i in list(n.input[1:5]) + [""] * (5 - len(n.input))]
-    starts, ends, _axes, steps = args
-    if starts is None or ends is None or (len(n.input) > 4 and n.input[4] and steps is None):
-        return None
-    if any(t != ("c", 0) for t in starts) or any(t[0] != "c" or t[1] < 2**31 - 1 for t in ends):
-        return None
-    if steps is not None and any(t != ("c", 1) for t in steps):
-        return None
-    src = n.input[0]
-    return invariant_source(body, src, invariants) if scope is body else src
+    """``name`` = Slice(D, 0, INT_MAX) on some axes (a no-op view such as TorchScript's ``x[:]``, or several:
+    ``x[:, :, t]`` slices axes 0 and 1 whole, one Slice each): D."""
+    for _ in range(8):
+        scope = body.scope_of(name)
+        n = scope.producer.get(name) if scope is not None else None
+        if n is None or n.op_type != "Slice" or len(n.input) < 3:
+            return None
+        args = [terms(body, i) if i else None for i in list(n.input[1:5]) + [""] * (5 - len(n.input))]
+        starts, ends, _axes, steps = args
+        if starts is None or ends is None or (len(n.input) > 4 and n.input[4] and steps is None):
+            return None
+        if any(t != ("c", 0) for t in starts) or any(t[0] != "c" or t[1] < 2**31 - 1 for t in ends):
+            return None
+        if steps is not None and any(t != ("c", 1) for t in steps):
+            return None
+        name = n.input[0]
+        if scope is not body:
+            return name
+        outer = invariant_source(body, name, invariants)
+        if outer is not None:
+            return outer
+    return None
 
 
 def _range_count(g: Graph, M: str, T_keys: set):

@@ -83,7 +83,7 @@ def _scan_recurrence(g: Graph, scan: NodeProto, far: FarOutputs):
     for li, layer in enumerate(layers):
         an = analyse(layer.x, layer_step_states[li], outs[li], states)
         rec = layer_recurrence("Scan", where, an, layers, li, recs, x=scanned.x_outer, mask=scanned.mask_outer,
-                               x_batch_first=scanned.x_axis == 1, x_reversed=bool(scanned.x_dir),
+                               x_time_axis=scanned.x_axis, x_reversed=bool(scanned.x_dir),
                                x_prep=scanned.x_prep, remove=[scan], anchor=scan)
         cell_states.append((an.rec.h, an.rec.c))
         recs.append(rec)

@@ -294,7 +294,7 @@ def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
         if mask is not None:
             mask = _steps_of(g, mask, consts, start, stop, axis, rec.anchor)
     if rec.x_prep.lengths is not None:  # the mask is t compared with lengths: built from them, laid out like x
-        mask = rec.x_prep.lengths.build(g, rec.x, 1 if rec.x_batch_first else 0, rec.anchor)
+        mask = rec.x_prep.lengths.build(g, rec.x, rec.x_time_axis, rec.anchor)
     return x, mask
 
 
@@ -329,13 +329,15 @@ def _time_major_input(b: Builder, rec: Recurrence, x: str, mask: str | None):
     mrank = g.model.rank(mask) if mask else None
     if mask is not None and mrank not in (2, 3):
         raise Decline(f"the mask has rank {mrank}")
-    if rec.x_batch_first:
-        x = b.op("Transpose", x, perm=[1, 0, 2])
-    if mask is not None and (rec.x_batch_first if rec.mask_batch_first is None else rec.mask_batch_first):
+    if rec.x_time_axis:  # ([B, T, F] or a Conv1d's [B, F, T]: the native op reads [T, B, F])
+        x = b.op("Transpose", x, perm=[1, 0, 2] if rec.x_time_axis == 1 else [2, 0, 1])
+    if mask is not None and rec.x_time_axis == 2:
+        raise Decline("a mask beside an input whose time axis is its last")
+    if mask is not None and (rec.x_time_axis == 1 if rec.mask_batch_first is None else rec.mask_batch_first):
         mask = b.op("Transpose", mask, perm=[1, 0, 2][:mrank])
         mask_time_axis = 1
     reverse = rec.x_reversed  # the front end already knows the processing order is backwards in time
-    if not reverse and not rec.x_batch_first:
+    if not reverse and not rec.x_time_axis:
         src = time_flip_source(g, x, 0)
         msrc = time_flip_source(g, mask, 0) if mask else None
         if src is not None and (mask is None or msrc is not None):
@@ -418,7 +420,7 @@ def _declare_outputs(g: Graph, rec: Recurrence, x: str, repl: dict) -> None:
     xt = g.model.known_type(x)
     et = xt[0] if xt and xt[0] else 1
     xs = xt[1] if xt and xt[1] else [None, None, None]
-    T, B = (xs[1], xs[0]) if rec.x_batch_first else (xs[0], xs[1])
+    T, B = [(xs[0], xs[1]), (xs[1], xs[0]), (xs[2], xs[0])][rec.x_time_axis]
     for so in rec.seq_outputs:
         width = hidden if so.head is None else None
         dims = [B, width] if so.accumulate else [[T, B, width], [B, T, width], [B, width, T]][so.time_axis]

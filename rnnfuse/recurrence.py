@@ -144,7 +144,7 @@ class Recurrence:
     counts: list[CountOutput] = field(default_factory=list)  # final values of counters carried beside the cell
     remove: list[NodeProto] = field(default_factory=list)  # nodes that die with the rewrite
     anchor: NodeProto | None = None
-    x_batch_first: bool = False  # x is [B, T, F]
+    x_time_axis: int = 0  # x is [T, B, F] (0), [B, T, F] (1) or [B, F, T] (2: a Conv1d's output read as x[:, :, t])
     x_reversed: bool = False  # processing order is x read from its last step to its first
     notes: list[str] = field(default_factory=list)
     cell_checks: list[CellCheck] = field(default_factory=list)

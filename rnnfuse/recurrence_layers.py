@@ -205,7 +205,7 @@ def cells_first(g: Graph, node: NodeProto, body: Graph, layers: list[Layer], sta
 
 
 def layer_recurrence(front: str, where: str, an, layers: list, li: int, recs: list[Recurrence], *, x: str,
-                     mask: str | None, x_batch_first: bool, x_reversed: bool, x_prep: InputPrep, remove: list,
+                     mask: str | None, x_time_axis: int, x_reversed: bool, x_prep: InputPrep, remove: list,
                      anchor, **extra) -> Recurrence:
     """Cell ``li`` of a step (``an``: its analysis) as a Recurrence: the bottom cell reads the step input, a
     cell above reads the Y of the one below (an internal sequence output of that layer, in x's order); the
@@ -217,12 +217,12 @@ def layer_recurrence(front: str, where: str, an, layers: list, li: int, recs: li
     rec = Recurrence(front=front, where=where, cell=an.rec.spec, x=x, h0=an.h0, c0=an.c0,
                      mask=mask if an.masked else None, mask_negated=an.masked and an.mask_negated,
                      seq_outputs=an.seq_outputs, finals=an.finals,
-                     remove=remove if li == 0 else [], anchor=anchor, x_batch_first=x_batch_first,
+                     remove=remove if li == 0 else [], anchor=anchor, x_time_axis=x_time_axis,
                      x_reversed=x_reversed, x_prep=x_prep if below is None else InputPrep(), **extra)
     if below is not None:  # the cell below's Y, in time order like x, read in the same order as x
         y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
         below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=x_reversed, internal=True))
-        rec.x, rec.x_internal, rec.x_batch_first = y, True, False
+        rec.x, rec.x_internal, rec.x_time_axis = y, True, 0
     if len(layers) > 1:
         rec.stack = where
     return rec

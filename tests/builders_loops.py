@@ -9,6 +9,7 @@ not care about:
   ``slice0`` ``Squeeze(Slice(x, i, i + 1, axes=[0]), [0])``;
   ``slice1`` ``Squeeze(Slice(x, [0, i, 0], [B, i + 1, F]), [1])`` with B read from ``Shape(x)`` (jax's
   ``dynamic_index_in_dim``);
+  ``gather2`` / ``slice2`` the same along axis 2 of x [B, F, T] (a Conv1d's output read as ``x[:, :, t]``);
 * ``x_carried`` / ``w_carried``: x and the weights enter as loop-carried values passed on unchanged
   (jax2onnx) instead of outer-scope captures; ``passthrough`` = "identity" (an Identity node) or "direct";
 * ``cast``: a float->float Cast on the new state (jax2onnx's "dtype fix");
@@ -34,7 +35,7 @@ INT_MAX = 2**63 - 1
 
 @dataclass(frozen=True)
 class LoopOpts:
-    read: str = "gather0"  # gather0 | gather1 | slice0 | slice1
+    read: str = "gather0"  # gather0 | gather1 | slice0 | slice1 | gather2 | slice2 (x [B, F, T]: a Conv1d's output)
     x_carried: bool = True
     w_carried: bool = True
     passthrough: str = "identity"  # identity | direct
@@ -46,6 +47,15 @@ class LoopOpts:
     @property
     def batch_first(self) -> bool:
         return self.read in ("gather1", "slice1")
+
+    @property
+    def time_axis(self) -> int:
+        return int(self.read[-1])
+
+    def x_of(self, steps: int, batch: int, rng: np.random.Generator) -> np.ndarray:
+        """An input of ``steps`` time steps laid out as the loop reads it."""
+        shape = [(steps, batch, F), (batch, steps, F), (batch, F, steps)][self.time_axis]
+        return rng.standard_normal(shape).astype(np.float32)
 
     @property
     def name(self) -> str:
@@ -105,8 +115,8 @@ def build(o: LoopOpts) -> onnx.ModelProto:
              numpy_helper.from_array(np.array([1], np.int64), "i1"),
              numpy_helper.from_array(np.array([H], np.int64), "iH"),
              numpy_helper.from_array(np.array(True), "true")]
-    t_ax, b_ax = (1, 0) if o.batch_first else (0, 1)
-    x_shape = ["B", "T", F] if o.batch_first else ["T", "B", F]
+    t_ax, b_ax = [(0, 1), (1, 0), (2, 0)][o.time_axis]
+    x_shape = [["T", "B", F], ["B", "T", F], ["B", F, "T"]][o.time_axis]
     nodes = _x_sizes("iT", "iB") + _zero_state()
     inits += [numpy_helper.from_array(np.array([t_ax], np.int64), "iT"),
               numpy_helper.from_array(np.array([b_ax], np.int64), "iB")]
@@ -131,13 +141,14 @@ def build(o: LoopOpts) -> onnx.ModelProto:
     if o.miss == "next_step":
         bn_nodes.append(helper.make_node("Add", ["it", "one"], ["itn"]))
         idx = "itn"
-    if o.read in ("gather0", "gather1"):
-        bn_nodes.append(helper.make_node("Gather", [xin, idx], ["xt"], axis=0 if o.read == "gather0" else 1))
-    elif o.read == "slice0":
+    if o.read.startswith("gather"):
+        bn_nodes.append(helper.make_node("Gather", [xin, idx], ["xt"], axis=o.time_axis))
+    elif o.read in ("slice0", "slice2"):
+        ax = "k0" if o.read == "slice0" else "k2"
         bn_nodes += [helper.make_node("Unsqueeze", [idx, "k0"], ["st"]),
                      helper.make_node("Add", ["st", "k2" if o.miss == "two_steps" else "k1"], ["en"]),
-                     helper.make_node("Slice", [xin, "st", "en", "k0"], ["xs1"]),
-                     helper.make_node("Squeeze", ["xs1", "k0"], ["xt"])]
+                     helper.make_node("Slice", [xin, "st", "en", ax], ["xs1"]),
+                     helper.make_node("Squeeze", ["xs1", ax], ["xt"])]
     else:  # slice1: starts [0, i, 0], ends [B (or 1), i + 1, F]
         bn_nodes += [helper.make_node("Unsqueeze", [idx, "k0"], ["st1"]),
                      helper.make_node("Concat", ["k0", "st1", "k0"], ["st"], axis=0),
@@ -188,7 +199,7 @@ def build(o: LoopOpts) -> onnx.ModelProto:
 def reference(o: LoopOpts, x: np.ndarray) -> list[np.ndarray]:
     """ys [T, B, H] (time-major, as the Loop stacks them) and the final h."""
     W, R, b = weights()
-    xt = np.swapaxes(x, 0, 1) if o.batch_first else x
+    xt = [x, np.swapaxes(x, 0, 1), np.transpose(x, (2, 0, 1))][o.time_axis]
     h = np.zeros((xt.shape[1], H), np.float32)
     ys = []
     for t in range(xt.shape[0]):
@@ -207,6 +218,7 @@ def all_variants() -> list[LoopOpts]:
     out.append(LoopOpts("gather0", opset=13, cast=False))
     out.append(LoopOpts("slice1", opset=21))
     out.append(LoopOpts("gather0", cond="int32"))
+    out += [LoopOpts("gather2", False, False), LoopOpts("gather2"), LoopOpts("slice2", True, False, "direct")]
     return out
 
 
@@ -218,6 +230,8 @@ NEAR_MISSES = [
     LoopOpts("gather0", miss="x_changes"),
     LoopOpts("gather1", x_carried=False, miss="next_step"),
     LoopOpts("gather0", cond="int16"),  # i + 1 < T in int16: wraps past 32767, so it is no proof of T steps
+    LoopOpts("gather2", miss="next_step"),
+    LoopOpts("slice2", miss="two_steps"),
 ]
 
 
@@ -583,7 +597,9 @@ class LengthOpts:
     counter: int | None = None
     l_expr: str = ""
     carried: bool = False  # L passed through the loop as a carried value the body returns as it is (tf.while_loop)
-    cast: str = ""  # i and L cast to this type before they are compared: "float" (tf2onnx); near miss "int16" (wraps)
+    # i and L cast to this type before they are compared: "float" (tf2onnx), "int64" (of int32 lengths); near misses
+    # "int16", and "int32" of int64 lengths (each wraps: L = 2**31 compares as -2**31)
+    cast: str = ""
     # "time": x read at t = T - 1 - i and t compared with L (a TorchScript backward loop; outputs in processing order)
     reverse: str = ""
 
@@ -646,7 +662,7 @@ def build_lengths(o: LengthOpts) -> onnx.ModelProto:
         bn.append(helper.make_node("Add" if o.l_expr == "L+1" else "Sub", ins, ["Lx"]))
         L = "Lx"
     if o.cast:  # (i and L compared in another type)
-        to = TensorProto.FLOAT if o.cast == "float" else TensorProto.INT16
+        to = {"float": TensorProto.FLOAT, "int16": TensorProto.INT16, "int32": TensorProto.INT32, "int64": TensorProto.INT64}[o.cast]
         bn += [helper.make_node("Cast", [i], ["i_as"], to=to), helper.make_node("Cast", [L], ["L_as"], to=to)]
         i, L = "i_as", "L_as"
     if o.cmp == "xmask":
@@ -778,10 +794,12 @@ LENGTH_FORMS = [LengthOpts(), LengthOpts("gt", out="carry"), LengthOpts("le1", "
                 LengthOpts("gt", "int32", keep="where", carried=True, cast="float"), LengthOpts("lt", carried=True),
                 LengthOpts("ge", cast="float", unit=True), LengthOpts("le", "int32", l_expr="5-L", carried=True, cast="float"),
                 LengthOpts("gt", keep="where", reverse="time"), LengthOpts("lt", "int32", out="carry", reverse="time"),
+                LengthOpts("gt", "int32", cast="int64"),
                 LengthOpts("ge", unit=True, reverse="time"), LengthOpts("le", "int32", keep="where", carried=True, cast="float",
                                                                         reverse="time")]
 LENGTH_MISSES = [LengthOpts(miss="reset"), LengthOpts(miss="input_only"), LengthOpts(miss="lengths_change"),
-                 LengthOpts("gt", keep="where", cast="int16")]
+                 LengthOpts("gt", keep="where", cast="int16"), LengthOpts("lt", cast="int32"),
+                 LengthOpts("ge", cast="int32", reverse="time")]
 # the mask computed in the step from x_t itself
 XMASK_FORMS = [LengthOpts("xmask", keep="where", out="carry"), LengthOpts("xmask", unit=True),
                LengthOpts("xmask", keep="where", unit=True), LengthOpts("xmask", front="scan"),

@@ -104,7 +104,7 @@ def test_loop_forms_fused(o: LoopOpts):
 
     def runs():
         for batch, steps in ((1, 5), (3, 7), (2, 1)):
-            x = rng.standard_normal((batch, steps, 3) if o.batch_first else (steps, batch, 3)).astype(np.float32)
+            x = o.x_of(steps, batch, rng)
             yield {"x": x}, reference(o, x)
 
     _same_outputs(o.name, model, fused, runs())

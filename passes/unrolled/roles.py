@@ -444,7 +444,7 @@ class _ChainRoles:
                                  CARRY if an.masked else NONE, an.h0 if an.masked else Init(),
                                  leads[k] if t == self.h_new[k] else lead_of(g, t) or 0) for k, t in self.step_reads],
             anchor=anchor,
-            x_batch_first=axis == 1,
+            x_time_axis=axis,
             x_reversed=self.chain.direction == "reverse",
             x_prep=InputPrep(self.proj.flips if self.proj is not None else (), steps),
         )

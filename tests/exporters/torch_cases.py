@@ -256,6 +256,11 @@ CASES = [
     script("gru_hand_script_unbind", "gru_hand", inputs="unbind", notes="for x_t in x.unbind(0)"),
     script("rnn_hand_script_unbind_bf", "rnn_hand", inputs="unbind_bf", **BF, notes="for x_t in x.unbind(1)"),
     script("gru_hand_script_enumerate", "gru_hand", inputs="enumerate", notes="for t, x_t in enumerate(x)"),
+    # -- a Conv1d's [B, F, T] output read as f[:, :, t] in the Loop body (the time axis last)
+    script("gru_hand_script_conv_time_last", "gru_hand", inputs="conv_time_last", **BF,
+           notes="f = conv(x.transpose(1, 2)); for t in range(f.size(2)): h = cell(f[:, :, t], h)"),
+    script("rnn_hand_script_conv_time_last_rev", "rnn_hand", inputs="conv_time_last", reverse=True, **BF,
+           notes="t = T - 1 - i over f[:, :, t]; outs.insert(0, h)"),
     script("gru_hand_script_zip_mask_bf", "gru_hand", inputs="zip_mask", bool_mask="valid", **BF,
            notes="for x_t, m_t in zip(x.unbind(1), mask.unbind(1)): h = where(m_t, cell, h)"),
     script("lstmcell_script_bool_mask_bf", "lstm", bool_mask="valid", **BF,
@@ -1328,6 +1333,30 @@ def torch_modules():
                     outs.append(h)
             return torch.stack(outs, tdim), h
 
+    class ScriptConvLoop(nn.Module):
+        """Scripted loop over a single-state hand cell reading ``f[:, :, t]`` of a Conv1d's [B, F, T] output
+        (TorchScript: two whole-axis Slices and a Gather on axis 2 in the body); ``reverse``: t = T - 1 - i, the
+        outputs put back in time order. Returns the states stacked batch-first and the last one."""
+
+        def __init__(self, cell, features, hidden, reverse=False, **_):
+            super().__init__()
+            self.conv = nn.Conv1d(features, features, 3, padding=1)
+            self.cell, self.hidden, self.reverse = make_cell(cell, features, hidden), hidden, reverse
+
+        def forward(self, x):
+            f = self.conv(x.transpose(1, 2))
+            steps = f.size(2)
+            h = torch.zeros(x.size(0), self.hidden, dtype=x.dtype)
+            outs: list[torch.Tensor] = []
+            for i in range(steps):
+                t = steps - 1 - i if self.reverse else i
+                h = self.cell(f[:, :, t], h)
+                if self.reverse:
+                    outs.insert(0, h)
+                else:
+                    outs.append(h)
+            return torch.stack(outs, 1), h
+
     class ScriptZipMaskLoop(ScriptIterLoop):
         """``for x_t, m_t in zip(x.unbind(1), mask.unbind(1))`` over batch-first x and a [B, T] bool mask: the
         trip count the least of the two lengths, ``h = where(m_t, cell, h)``."""
@@ -1487,7 +1516,7 @@ def torch_modules():
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
-                       ScriptZipMaskLoop=ScriptZipMaskLoop,
+                       ScriptZipMaskLoop=ScriptZipMaskLoop, ScriptConvLoop=ScriptConvLoop,
                        ScriptBeforeLoop=ScriptBeforeLoop,
                        ScriptRevRangeLoop=ScriptRevRangeLoop, ScriptBidirLoop=ScriptBidirLoop,
                        ScriptTwoCellsLoop=ScriptTwoCellsLoop)
@@ -1518,6 +1547,8 @@ def build_module(c: Case):
             return m["ScriptBeforeLoop"](c.features, c.hidden, inputs)
         if inputs in ("hoisted", "linear_before"):
             return m["ScriptHoistedLoop"](c.features, c.hidden, inputs == "linear_before")
+        if inputs == "conv_time_last":
+            return m["ScriptConvLoop"](cell, c.features, c.hidden, **o)
         if inputs in ("unbind", "unbind_bf", "enumerate", "zip_mask"):
             return m["ScriptZipMaskLoop" if inputs == "zip_mask" else "ScriptIterLoop"](cell, c.features, c.hidden, inputs)
         if o.get("bool_mask"):

@@ -19,6 +19,7 @@ import numpy as np
 from onnx import NodeProto, TensorProto, helper
 
 from .builder import Builder
+from .dims import extent_key
 from .time_flips import time_flip_source
 from .errors import Decline
 from .graph import Graph, attr
@@ -50,6 +51,7 @@ class EmitCache:
         self.compacted: dict[tuple[str, str], str] = {}
         # a given initial state -> its [1, B, H] view (cells side by side read one h0: 1,041 equal Unsqueezes)
         self.init_views: dict[str, str] = {}
+        self.state_shapes: dict[tuple[str, int], str] = {}  # (x, H) -> [1, B, H], B x's batch
 
 
 @dataclass
@@ -165,14 +167,18 @@ def _init_state(b: Builder, init: Init, x: str, hidden: int, cache: EmitCache) -
     """``[1, B, H]`` initial state input for the native op ('' when zeros)."""
     if init.is_zero:
         return ""
+    if (x, hidden) not in cache.state_shapes:
+        cache.state_shapes[x, hidden] = b.op("Concat", b.i64(1), b.dim(x, 1), b.i64(hidden), axis=0)
+    shape = cache.state_shapes[x, hidden]
     if init.tensor is not None:
-        if init.lead:
-            return init.tensor
         if init.tensor not in cache.init_views:
-            cache.init_views[init.tensor] = b.unsqueeze(init.tensor, [0])
+            view = init.tensor if init.lead else b.unsqueeze(init.tensor, [0])
+            if extent_key(b.g, init.tensor, 1 if init.lead else 0) != extent_key(b.g, x, 1):
+                # (not provably x's batch: a state given with batch 1 broadcasts against x's rows in the
+                # original, and the native op takes exactly [1, B, H])
+                view = b.op("Expand", view, shape)
+            cache.init_views[init.tensor] = view
         return cache.init_views[init.tensor]
-    B = b.dim(x, 1)
-    shape = b.op("Concat", b.i64(1), B, b.i64(hidden), axis=0)
     return b.op("Expand", b.const(np.array(init.fill, np.float32), "fill"), shape)
 
 

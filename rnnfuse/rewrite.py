@@ -166,7 +166,8 @@ def apply_recurrences(
                 links[so.tensor] = em.replacements.pop(so.tensor)
         f.direction = em.direction
         f.path = em.path
-        portability.check_masked_direction(f, em.direction, em.mask is not None, ctx)
+        # (masked whatever the mask: one the original reads, or one made from lengths)
+        portability.check_masked_direction(f, em.direction, em.path != "unmasked", ctx)
         f.notes.extend(rec.notes)
         masks = {em.mask: ("post" if em.path == "post-padded" else "any", em.mask_time_axis)} if em.mask else {}
         rw = Rewrite(f, em.replacements, tuple(rec.remove), masks, "the native op does not reproduce the original",

@@ -769,3 +769,4 @@ def test_a_blend_with_a_state_squared_is_declined_not_a_crash(act):
     out, report = rnnfuse.optimize(model)
     assert not report.fused and report.declined, report.to_text()
     assert out.SerializeToString() == model.SerializeToString()
+

@@ -753,3 +753,40 @@ def test_a_float_row_compared_with_a_threshold_is_the_step_mask(cast_outside, th
             M = np.where(M, 1.0, rng.choice([0.0, -0.5, 0.25], size=M.shape)).astype(np.float32)
         for got, want in zip(s_fused.run(None, {"x": x, "M": M}), s_orig.run(None, {"x": x, "M": M})):
             assert_close(got, want, f"row_compare B={B}")
+
+
+def test_an_initial_state_given_with_batch_one_broadcasts_as_in_the_original():
+    """h0 given as an input whose batch the file does not tie to x's ([None, H]): fed one row while x has three,
+    the original broadcasts it against every row (its first step's sum does); the native op takes exactly
+    [1, B, H], so the fused model expands it to x's batch. Both run, with the same outputs."""
+    from onnx import TensorProto, helper as h, numpy_helper as nh
+
+    F_, H_ = 3, 4
+    rng = np.random.default_rng(13)
+    W = nh.from_array(rng.standard_normal((F_, H_)).astype(np.float32), "W")
+    R = nh.from_array((0.5 * rng.standard_normal((H_, H_))).astype(np.float32), "R")
+    f32 = TensorProto.FLOAT
+    body = h.make_graph(
+        [h.make_node("Gather", ["x", "i"], ["xt"], axis=0), h.make_node("MatMul", ["xt", "W"], ["a"]),
+         h.make_node("MatMul", ["hp", "R"], ["b"]), h.make_node("Add", ["a", "b"], ["s"]),
+         h.make_node("Tanh", ["s"], ["hn"]), h.make_node("Identity", ["cond"], ["co"]), h.make_node("Identity", ["hn"], ["y"])],
+        "body", [h.make_tensor_value_info("i", TensorProto.INT64, []), h.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                 h.make_tensor_value_info("hp", f32, None)],
+        [h.make_tensor_value_info("co", TensorProto.BOOL, []), h.make_tensor_value_info("hn", f32, None),
+         h.make_tensor_value_info("y", f32, None)])
+    nodes = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z"], ["T"], axis=0),
+             h.make_node("Loop", ["T", "", "h0"], ["hT", "Y"], body=body)]
+    g = h.make_graph(nodes, "given_h0", [h.make_tensor_value_info("x", f32, ["T", "B", F_]),
+                                          h.make_tensor_value_info("h0", f32, [None, H_])],
+                     [h.make_tensor_value_info("Y", f32, None), h.make_tensor_value_info("hT", f32, None)],
+                     [W, R, nh.from_array(np.array(0, np.int64), "z")])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    fused, report = _fused_once(model, Loop=0, RNN=1)
+    s_orig, s_fused = session(model), session(fused)
+    for rows in (3, 1):  # (h0 with x's batch, then one row broadcast)
+        feeds = {"x": rng.standard_normal((5, 3, F_)).astype(np.float32),
+                 "h0": rng.standard_normal((rows, H_)).astype(np.float32)}
+        for got, want in zip(s_fused.run(None, feeds), s_orig.run(None, feeds)):
+            assert got.shape == want.shape
+            assert_close(got, want, f"given h0 of {rows} rows")

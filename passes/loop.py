@@ -84,6 +84,7 @@ class StepReads:
     x_read_nodes: list = field(default_factory=list)  # the body nodes reading x_t
     x_rank: int = ROW_RANK  # x_t is [B, F]; 1: one id a row ([B]), which the cell reads through a lookup
     rows: "RowReads | None" = None  # the step's element of a [T, B] tensor that is no bool mask
+    mask_cut: bool = False  # the mask's length is not provably x's: the native op reads its first T steps
     derived_from: "RowReads | None" = None  # what the derived mask is computed from: x_t, or rows
 
 
@@ -132,13 +133,15 @@ def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
     if n_carried < 0 or len(bin_) != n_carried + 2:
         raise Decline("malformed Loop")
     out = _Carried(n_carried, len(bout) - 1 - n_carried, {bin_[0]: 0}, {}, [], [])
+    for k in range(n_carried):  # (first: a counter may add one of them)
+        inv = loop_invariant_init(body, bin_[2 + k])
+        if inv is not None:
+            out.invariants[bin_[2 + k]] = inv
     for k in range(n_carried):
         bi, bo, init = bin_[2 + k], bout[1 + k], loop.input[2 + k]
-        inv = loop_invariant_init(body, bi)
-        if inv is not None:
-            out.invariants[bi] = inv
+        if bi in out.invariants:
             continue
-        step = counter_step(body, bo)
+        step = counter_step(body, bo, out.invariants)
         counts = step is not None and step[0] == bi and step[1] == 1
         c0 = g.const(init) if init and counts else None  # (a fold asked of a counter's start only)
         start = float(np.asarray(c0).ravel()[0]) if c0 is not None and np.asarray(c0).size == 1 else None
@@ -305,9 +308,10 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
         rows = None  # (the ids are the step input)
     if len(r.forms) > 1:
         raise Decline(f"one recurrence reads its per-step inputs in {len(r.forms)} orders ({', '.join(sorted(r.forms))})")
-    check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis)
+    check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis, carried.invariants)
     others = {mask_outer: r.mask_axis, rows and rows.source: 0}
-    check_step_lengths(g, {k: a for k, a in others.items() if k not in (None, x_outer)}, x_outer, x_axis, r.forms)
+    mask_cut = check_step_lengths(g, {k: a for k, a in others.items() if k not in (None, x_outer)}, x_outer, x_axis,
+                                  r.forms, mask_outer)
     if lengths is not None:
         if mask_outer is not None:
             raise Decline("a step reads a mask and computes another from lengths")
@@ -321,7 +325,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     step_in = StepReads(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis,
                          x_atom, bool(r.forms - {"forward"}), mask_outer, set(x_reads), x_outer, prep, lengths, None,
                          x_read_nodes, x_rank=x_rank)
-    step_in.rows = rows
+    step_in.rows, step_in.mask_cut = rows, mask_cut
     if rows is not None and (mask_outer is not None or lengths is not None):
         raise Decline(f"the body reads a step of '{rows.source}' ([T, B], not bool) beside its mask")
     if mask_outer is None:  # (none read, none compared with lengths: perhaps one computed from x_t or rows)
@@ -465,7 +469,7 @@ def _layer_recurrences(loop: NodeProto, layers: list, layer_step_states: list, s
         rec = layer_recurrence("Loop", where, an, layers, li, recs, x=step_in.x_outer, mask=step_in.mask_outer,
                                x_time_axis=step_in.x_axis, x_reversed=step_in.x_reversed,
                                x_prep=step_in.x_prep, remove=[loop] + extra_remove, anchor=loop,
-                               row_steps=row_steps)
+                               row_steps=row_steps, mask_cut=step_in.mask_cut)
         cell_states.append((an.rec.h, an.rec.c))
         if step_in.mask_outer is not None and not an.masked:
             rec.notes.append("the body reads a mask but no state depends on it")

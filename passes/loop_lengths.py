@@ -47,7 +47,7 @@ def length_mask(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int],
     if n.op_type not in _COMPARE or len(n.input) != 2:
         return None
     for side in (0, 1):
-        step = counter_step(body, n.input[side])
+        step = counter_step(body, n.input[side], invariants)
         time_index = None
         if step is None or step[0] not in index_syms:
             if not counts_down(body, n.input[side], index_syms):

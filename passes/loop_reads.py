@@ -36,13 +36,16 @@ def invariant_source(body: Graph, name: str, invariants: dict[str, str]) -> str 
         name = n.input[0]
 
 
-def counter_step(body: Graph, name: str) -> tuple[str, int] | None:
-    """``name`` = ``v + k`` for a constant k -> (v, k); v -> (v, 0); each seen through value-keeping casts."""
+def counter_step(body: Graph, name: str, invariants: dict[str, str] | None = None) -> tuple[str, int] | None:
+    """``name`` = ``v + k`` for a constant k -> (v, k); v -> (v, 0); each seen through value-keeping casts. k
+    may be a constant the loop carries through unchanged (``invariants``: tf2onnx's autograph ``for t in
+    tf.range(n)`` adds ``range/delta`` so)."""
     name = value_source(body, name)
     n = body.producer.get(name)
     if n is not None and n.op_type == "Add":
         for a, b in ((0, 1), (1, 0)):
-            c = body.const(n.input[b])
+            k = n.input[b]
+            c = body.const(invariants[k] if invariants and k in invariants else k)
             if c is not None and np.asarray(c).size == 1:
                 k = np.asarray(c).ravel()[0]
                 if k != int(k):  # i + 0.5 is no step count (a float compare against it differs from i's)
@@ -183,18 +186,26 @@ def same_extent_along(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> boo
     return _same_time_length(g, a, a_axis, b, b_axis)
 
 
-def check_step_lengths(g: Graph, others: dict[str, int], x: str, x_axis: int, read_forms: set) -> None:
+def check_step_lengths(g: Graph, others: dict[str, int], x: str, x_axis: int, read_forms: set,
+                       mask: str | None = None) -> bool:
     """Decline a tensor of ``others`` (-> its time axis) the body reads per step whose time length may differ from x's:
     one read from its own end (``-1 - i``) unless its length is provably x's; one read from its start when the
     file gives the two lengths apart (two numbers, or two names of graph inputs). (A length the file leaves
     unknown, a mask computed from x, say, is left to validation, as before.) ``read_forms``: how the body's
-    step reads index time (see :func:`_index_form`)."""
+    step reads index time (see :func:`_index_form`). The bool ``mask`` read from its start that the file gives
+    apart is not declined: True (the native op then reads its first T steps, as the loop does; a mask input of
+    tf2onnx's has a time axis named apart from x's, ``unk__N``, whatever its length)."""
     from_end = "reverse_end" in read_forms
     x = _unflipped(g, x, x_axis)
+    cut = False
     for other, axis in sorted(others.items()):
         data = _unflipped(g, other, axis)
-        if not _same_time_length(g, data, axis, x, x_axis) and (from_end or _declared_apart(g, data, axis, x, x_axis)):
+        if _same_time_length(g, data, axis, x, x_axis) or not (from_end or _declared_apart(g, data, axis, x, x_axis)):
+            continue
+        if other != mask or from_end:
             raise Decline(f"'{other}' is read per step but its time length is not provably the input's")
+        cut = True
+    return cut
 
 
 def _declared_apart(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> bool:
@@ -203,6 +214,7 @@ def _declared_apart(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> bool:
     unknown dim says nothing)."""
     dims = []
     for name, axis in ((a, a_axis), (b, b_axis)):
+        name, axis = root_dim(g, name, axis)  # (through transposes and the like: a graph input's own axis)
         shape = g.model.shape(name) or []
         d = shape[axis] if axis < len(shape) else None
         dims.append(d if isinstance(d, int) or (isinstance(d, str) and name in g.input_names) else None)
@@ -393,11 +405,12 @@ def _time_length_test(g: Graph, T_keys: set):
     return is_T
 
 
-def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int], axis: int = 0) -> None:
+def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int], axis: int = 0,
+                     invariants: dict[str, str] | None = None) -> None:
     """Prove the loop runs exactly T iterations (x's size on ``axis``), or Decline.
 
     ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
-    and counters starting at 0)."""
+    and counters starting at 0); ``invariants`` the values the loop carries through unchanged."""
     # (a time flip keeps the length: torch.flip(x, [1])[:, t] in a loop over x.size(1) counts the unflipped x)
     T_keys = time_keys(g, x, axis) | time_keys(g, _unflipped(g, x, axis), axis)
     T = next((k for k in T_keys if k[0] == "const"), time_dim_key(g, x, axis))
@@ -418,7 +431,7 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
         if bound is None:
             raise Decline("the loop condition is not a bound on the iteration number")
         a, b = bound
-        cs = counter_step(body, a)
+        cs = counter_step(body, a, invariants)
         if cs is None or cs[0] not in index_syms:
             raise Decline("the loop condition compares something other than the iteration number")
         k = index_syms[cs[0]] + cs[1]  # the compared value is i + k

@@ -421,6 +421,18 @@ def _static(g: Graph, key):
     return key
 
 
+def declared_name(g: Graph, name: str, axis: int) -> str | None:
+    """The name the model's inputs give ``name``'s extent on ``axis`` (through shape-keeping ops and transposes to
+    a graph input's own axis): the model's contract that extents named alike are one size (not a name an
+    exporter makes up for an unknown dim, tf2onnx's ``unk__N``, which says nothing); else None."""
+    root, ax = root_dim(g, name, axis)
+    if root not in g.input_names:
+        return None
+    shape = g.model.shape(root) or []
+    d = shape[ax] if 0 <= ax < len(shape) else None
+    return d if isinstance(d, str) and d and not d.startswith("unk__") else None
+
+
 def time_dim_key(g: Graph, name: str, axis: int = 0):
     d = static_dim(g, name, axis)
     if d is not None:

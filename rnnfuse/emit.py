@@ -19,10 +19,10 @@ import numpy as np
 from onnx import NodeProto, TensorProto, helper
 
 from .builder import Builder
-from .dims import extent_key
-from .time_flips import time_flip_source
+from .dims import declared_name, extent_key
+from .emit_inputs import prepared_input, time_major_input
 from .errors import Decline
-from .graph import Graph, attr
+from .graph import Graph
 from .recurrence import NONE, ZERO, CountOutput, Init, Recurrence, SeqOutput
 from .row_steps import emit_row_step
 from .step_heads import apply_head
@@ -173,13 +173,22 @@ def _init_state(b: Builder, init: Init, x: str, hidden: int, cache: EmitCache) -
     if init.tensor is not None:
         if init.tensor not in cache.init_views:
             view = init.tensor if init.lead else b.unsqueeze(init.tensor, [0])
-            if extent_key(b.g, init.tensor, 1 if init.lead else 0) != extent_key(b.g, x, 1):
+            if not _same_batch(b.g, init.tensor, 1 if init.lead else 0, x):
                 # (not provably x's batch: a state given with batch 1 broadcasts against x's rows in the
                 # original, and the native op takes exactly [1, B, H])
                 view = b.op("Expand", view, shape)
             cache.init_views[init.tensor] = view
         return cache.init_views[init.tensor]
     return b.op("Expand", b.const(np.array(init.fill, np.float32), "fill"), shape)
+
+
+def _same_batch(g: Graph, state: str, axis: int, x: str) -> bool:
+    """Whether ``state``'s extent on ``axis`` is the time-major ``x``'s batch: provably (one size, one tensor's
+    axis), or by the model's inputs naming both alike."""
+    if extent_key(g, state, axis) == extent_key(g, x, 1):
+        return True
+    name = declared_name(g, state, axis)
+    return name is not None and name == declared_name(g, x, 1)
 
 
 def _init_value(b: Builder, init: Init) -> str:
@@ -197,7 +206,7 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     _need_opset(b, 10, "the rewrite")
     x_in, mask_in = prepared_input(g, rec)
     _need_float(g, x_in)
-    x, mask, mrank, mask_source, mask_time_axis, direction = _time_major_input(b, rec, x_in, mask_in)
+    x, mask, mrank, mask_source, mask_time_axis, direction = time_major_input(b, rec, x_in, mask_in)
 
     path = "unmasked"
     seq_lens = ""
@@ -270,86 +279,6 @@ def _need_float(g: Graph, x: str) -> None:
     if et and et != TensorProto.FLOAT:
         raise Decline(f"the recurrence computes in {TensorProto.DataType.Name(et).lower()}: rnnfuse builds "
                       "float32 native ops only")
-
-
-def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
-    """``rec.x`` and ``rec.mask`` with what the front end found but did not build (``rec.x_prep``): the map of
-    x's rows the cell reads, the time flips of x, then the slice of the steps the recurrence runs over (x and
-    mask alike)."""
-    x, mask = rec.x, rec.mask
-    if rec.x_prep.side_by_side:  # sequences read beside x: one input, their features after x's
-        x = _side_by_side(g, x, rec.x_prep.side_by_side, rec.anchor)
-    if rec.x_prep.input_map is not None:  # (row-wise: it commutes with the flips and the slice below)
-        x = rec.x_prep.input_map.build(g, x, rec.anchor)
-    for flip in rec.x_prep.flips:
-        if flip.op_type == "ReverseSequence":
-            flipped = g.add_node("ReverseSequence", [x, flip.input[1]], 1, name="rnnfuse/ReverseSequence", anchor=flip,
-                                 time_axis=attr(flip, "time_axis", 0), batch_axis=attr(flip, "batch_axis", 1))[0]
-        elif flip.op_type == "Gather":  # the indices T-1 .. 0 hold for x too (same time length)
-            flipped = g.add_node("Gather", [x, flip.input[1]], 1, name="rnnfuse/Gather", anchor=flip,
-                                 axis=attr(flip, "axis", 0))[0]
-        else:
-            flipped = g.add_node("Slice", [x] + list(flip.input[1:]), 1, name="rnnfuse/Slice", anchor=flip)[0]
-        g.model.declare(flipped, g.model.known_type(x))  # a time flip keeps the type and shape
-        x = flipped
-    if rec.x_prep.steps is not None:
-        start, stop, axis = rec.x_prep.steps
-        bounds = [np.array([v], np.int64) for v in rec.x_prep.steps]
-        consts = [g.add_initializer(v, f"rnnfuse/slice{i}") for i, v in enumerate(bounds)]
-        x = _steps_of(g, x, consts, start, stop, axis, rec.anchor)
-        if mask is not None:
-            mask = _steps_of(g, mask, consts, start, stop, axis, rec.anchor)
-    if rec.x_prep.lengths is not None:  # the mask is t compared with lengths: built from them, laid out like x
-        mask = rec.x_prep.lengths.build(g, rec.x, rec.x_time_axis, rec.anchor)
-    return x, mask
-
-
-def _side_by_side(g: Graph, x: str, others: tuple, anchor) -> str:
-    """``x`` and ``others`` ([T, B, F_k] or [B, T, F_k] alike) concatenated on features, declared so."""
-    shapes = [g.model.shape(name) or [None] * 3 for name in (x, *others)]
-    width = sum(s[2] for s in shapes) if all(isinstance(s[2], int) for s in shapes) else None
-    cat = g.add_node("Concat", [x, *others], 1, name="rnnfuse/Concat", anchor=anchor, axis=2)[0]
-    g.model.declare(cat, (TensorProto.FLOAT, [shapes[0][0], shapes[0][1], width]))
-    return cat
-
-
-def _steps_of(g: Graph, x: str, consts: list[str], start: int, stop: int, axis: int, anchor) -> str:
-    """``x``'s steps start..stop-1 along ``axis``, declared with ``x``'s type (the emitter reads the mask's rank)."""
-    out = g.add_node("Slice", [x] + consts, 1, name="rnnfuse/Slice", anchor=anchor)[0]
-    t = g.model.known_type(x)
-    if t is not None:
-        dims = list(t[1]) if t[1] is not None else None
-        if dims is not None and axis < len(dims):
-            dims[axis] = stop - start
-        g.model.declare(out, (t[0], dims))
-    return out
-
-
-def _time_major_input(b: Builder, rec: Recurrence, x: str, mask: str | None):
-    """``(x, mask, mask rank, mask_source, mask_time_axis, direction)``: the (prepared) input and mask
-    time-major, read backwards (direction "reverse") when the front end says so or x is a time flip of another
-    tensor. ``mask_source`` is what validation overrides: a tensor the original reads too (``rec.mask``, not
-    the slice of it the recurrence runs over)."""
-    g = b.g
-    mask_source, mask_time_axis = rec.mask, 0
-    mrank = g.model.rank(mask) if mask else None
-    if mask is not None and mrank not in (2, 3):
-        raise Decline(f"the mask has rank {mrank}")
-    if rec.x_time_axis:  # ([B, T, F] or a Conv1d's [B, F, T]: the native op reads [T, B, F])
-        x = b.op("Transpose", x, perm=[1, 0, 2] if rec.x_time_axis == 1 else [2, 0, 1])
-    if mask is not None and rec.x_time_axis == 2:
-        raise Decline("a mask beside an input whose time axis is its last")
-    if mask is not None and (rec.x_time_axis == 1 if rec.mask_batch_first is None else rec.mask_batch_first):
-        mask = b.op("Transpose", mask, perm=[1, 0, 2][:mrank])
-        mask_time_axis = 1
-    reverse = rec.x_reversed  # the front end already knows the processing order is backwards in time
-    if not reverse and not rec.x_time_axis:
-        src = time_flip_source(g, x, 0)
-        msrc = time_flip_source(g, mask, 0) if mask else None
-        if src is not None and (mask is None or msrc is not None):
-            x, mask, reverse = src, msrc, True
-            mask_source = msrc
-    return x, mask, mrank, mask_source, mask_time_axis, "reverse" if reverse else "forward"
 
 
 def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: str, direction: str,

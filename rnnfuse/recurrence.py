@@ -132,6 +132,7 @@ class Recurrence:
     c0: Init = field(default_factory=Init)
     mask: str | None = None
     mask_batch_first: bool | None = None  # the mask's layout where it is not x's ([B, T] beside a time-major x)
+    mask_cut: bool = False  # the mask may be longer than x (its length is not provably x's): read its first T steps
     # ``mask`` is true at padded steps (a padding mask, ``Where(pad, h_prev, h_new)``): the op's is its negation
     mask_negated: bool = False
     # the front end computed ``mask`` (t compared with per-row lengths): the original graph does not read it,

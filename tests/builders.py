@@ -158,10 +158,14 @@ class Opts:
     dropout: bool = False  # an inference-mode Dropout (identity) on the step input
     weight_cast: bool = False  # weights stored as float64 and Cast to float32 in the body
     loop_counter: bool = False  # Loop: index the step input with a carried int64 counter instead of the iteration number
+    # Loop counter: what it adds each step, when not the constant 1 in the body: "carried" a 1 carried through the
+    # loop unchanged (TF autograph's range/delta), "carried_2" a 2 so carried (a near miss: it skips steps)
+    loop_counter_delta: str = ""
     # Loop, masked: what is done to the mask outside the body, in any combination (tf.while_loop writes all three):
     # float (cast to 0/1 floats: the body's select casts or blends those), carried (passed through the loop as a
     # carried value the body returns unchanged), view (the body views the read row again by a whole-axes Slice)
     mask_outside: tuple = ()
+    mask_time_name: str = ""  # the mask input's time axis declared by this name (not x's): its length unproven
     loop_bound: str = "M"  # Loop: M (trip count Shape(X)[0]) | cond (condition i+1 < T) | both | const (M a constant, static_T)
     static_T: int = 0  # declare a fixed number of time steps (0: dynamic)
     static_B: int = 0  # declare a fixed batch size (0: dynamic)
@@ -1044,7 +1048,12 @@ def _loop_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suf
                       body.constant(np.full(k, 10**9, np.int64), "to_end"), body.constant(np.arange(k, dtype=np.int64), "axes"))
     xw = _xw_split(ctx, x_t) if o.xproj else None
     res = _step(ctx, x_t, st_in["h"], st_in.get("c"), st_in.get("p"), m_t, xw)
-    nxt = body.op("Add", step_no, body.constant(np.array(1, np.int64), "one"), hint="next")
+    delta = body.constant(np.array(1, np.int64), "one")
+    if o.loop_counter_delta:  # (the counter's step carried through the loop unchanged)
+        delta = body.fresh("delta_c")
+        k = 2 if o.loop_counter_delta == "carried_2" else 1
+        ctx.carried.append((main.constant(np.array(k, np.int64), "delta"), delta, [], TensorProto.INT64))
+    nxt = body.op("Add", step_no, delta, hint="next")
     if o.mutation == "loop_cond_short":
         cond_out = body.op("Less", body.op("Add", nxt, body.constant(np.array(1, np.int64), "one")), T)
         cond0 = ""
@@ -1216,7 +1225,8 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
         mb.inputs.append(_vi("lengths", TensorProto.INT64, [Bd]))
         mask = "lengths"
     elif o.masked():
-        ms = [Bd, T, 1] if o.batch_first else [T, Bd, 1]
+        Tm = o.mask_time_name or T
+        ms = [Bd, Tm, 1] if o.batch_first else [Tm, Bd, 1]
         m_et = FLOAT if o.mutation == "float_mask" or o.lengths == "gt0" else TensorProto.BOOL
         mb.inputs.append(_vi("mask", m_et, ms[: o.mask_rank]))
         mask = "mask"

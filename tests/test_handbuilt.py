@@ -273,6 +273,9 @@ LOOP_FAMILIES = {
     "loop_both_bounds": dict(loop_bound="both", mask="where"),
     "loop_counter": dict(loop_counter=True),
     "loop_counter_cond": dict(loop_counter=True, loop_bound="cond", mask="cast_not"),
+    # TF autograph's for t in tf.range(n): the counter adds a constant the loop carries through unchanged
+    "loop_counter_carried_delta": dict(loop_counter=True, loop_counter_delta="carried", loop_bound="cond"),
+    "loop_counter_carried_delta_masked": dict(loop_counter=True, loop_counter_delta="carried", mask="where"),
     "loop_reverse_reversesequence": dict(direction="reverse", reverse_form="revseq", mask="where"),
     "loop_reverse_index": dict(direction="reverse", reverse_form="index"),
     "loop_reverse_index_counter_masked": dict(direction="reverse", reverse_form="index", loop_counter=True, mask="where"),
@@ -282,6 +285,9 @@ LOOP_FAMILIES = {
     "loop_bidir_reversesequence": dict(layers="bidir", reverse_form="revseq", direct_out=True),
     # the mask as tf.while_loop hands it to the body: carried through, cast to 0/1 floats, its row viewed again
     "loop_mask_carried_view": dict(mask="where", mask_outside=("carried", "view")),
+    # a mask input whose time length the file does not tie to x's (the op reads its first T steps, as the loop)
+    "loop_mask_own_length": dict(mask="where", mask_time_name="T_mask"),
+    "loop_mask_own_length_bf": dict(mask="cast_sub", mask_time_name="T_mask", batch_first=True),
     # (a [T, B] mask: a [T, B, 1] 0/1 float may as well be a one-feature input, read as x)
     "loop_mask_float_blend": dict(mask="cast_sub", mask_rank=2, mask_outside=("float",)),
     "loop_mask_float_carried_view": dict(mask="delta", mask_rank=2, fill="zero", mask_outside=("float", "carried", "view")),
@@ -647,12 +653,12 @@ def test_every_mutation_has_a_case():
 
 
 @pytest.mark.parametrize("read", ["forward", "index", "negindex"])
-def test_a_loop_mask_of_another_length_declined(read):
+def test_a_loop_mask_of_another_length(read):
     """A masked Loop reading ``mask[i]``, ``mask[T-1-i]`` (T from X's shape) or ``mask[-1-i]`` beside X's step
     fuses when the model names the mask's time axis as X's ('T'); with another name the mask may be longer
-    than X: the loop reads its first T rows, or its rows backwards from its own end, a native op all of them
-    (forward and -1-i fused, and the rewrite failed or differed where the original ran; a review's probe).
-    Declined, the outputs unchanged."""
+    than X: the loop reads its first T rows (read forward: the op's mask is cut to them, fused, see
+    test_a_mask_longer_than_x_is_read_for_its_first_steps), or its rows backwards from its own end or from X's
+    (declined, the outputs unchanged: a review's probe found the rewrite failed or differed there)."""
     kw = {} if read == "forward" else dict(direction="reverse", reverse_form=read)
     o = B.default_reverse_form(O(op="GRU", front="loop", mask="where", **kw))
     model, _ = B.build(o)
@@ -663,8 +669,9 @@ def test_a_loop_mask_of_another_length_declined(read):
     mask = next(i for i in other.graph.input if i.name == "mask")
     mask.type.tensor_type.shape.dim[0].dim_param = "T_mask"
     out, rep = rnnfuse.optimize(other)
-    assert [f.status for f in rep.findings] == ["declined"], rep
-    assert "mask" in rep.findings[0].reason
+    assert [f.status for f in rep.findings] == ["fused" if read == "forward" else "declined"], rep
+    if read != "forward":
+        assert "mask" in rep.findings[0].reason
 
 
 @pytest.mark.parametrize("init", ["zeros", "learned"])
@@ -770,3 +777,36 @@ def test_a_blend_with_a_state_squared_is_declined_not_a_crash(act):
     assert not report.fused and report.declined, report.to_text()
     assert out.SerializeToString() == model.SerializeToString()
 
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+def test_a_counter_stepping_by_a_carried_two_is_declined(op):
+    """The counter adds a 2 the loop carries through unchanged: it reads every other step (and past the end): no
+    recurrence over x's steps, declined and left as it was."""
+    o = _base(op, "loop", loop_counter=True, loop_counter_delta="carried_2", loop_bound="cond")
+    model, _ = B.build(o)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_a_mask_longer_than_x_is_read_for_its_first_steps(op, batch_first):
+    """A Loop reading a mask input whose time length the file leaves apart from x's: fed a mask two steps longer
+    than x, the loop reads its first T steps; the fused model reads the same (the op's mask is cut to x's length)."""
+    o = _base(op, "loop", mask="where", mask_time_name="T_mask", batch_first=batch_first)
+    model, feeds_fn = B.build(o)
+    fused, report = rnnfuse.optimize(model)
+    assert report.fused and not report.declined, report.to_text()
+    rng = np.random.default_rng(5)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    s_orig, s_fused = (ort.InferenceSession(m.SerializeToString(), so) for m in (model, fused))
+    for kind in ("post", "pre", "gappy"):
+        feeds = feeds_fn(rng, 3, 5, kind)
+        t_axis = 1 if batch_first else 0
+        extra = np.take(feeds["mask"], [0, 1], axis=t_axis)  # (two more steps, one of them valid)
+        feeds["mask"] = np.concatenate([feeds["mask"], ~extra if kind == "post" else extra], axis=t_axis)
+        for want, got in zip(s_orig.run(None, feeds), s_fused.run(None, feeds)):
+            assert want.shape == got.shape and np.allclose(want, got, atol=1e-5), kind

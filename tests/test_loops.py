@@ -263,6 +263,39 @@ def test_rewrite_onnxruntime_cannot_run_is_declined(op):
     assert fused.SerializeToString() == model.SerializeToString()
 
 
+def test_a_rewrite_that_cannot_take_the_given_state_batch_is_declined():
+    """h0 = z @ Wz with x of one row and z of two (both fixed by the file): the original broadcasts x against
+    h0's rows, and no native op takes a batch of one in x beside two in its initial state. Validation runs the
+    rewrite on such inputs: it must decline it, not skip it (a model that ran must not come out unable to)."""
+    from onnx import TensorProto, helper as h, numpy_helper as nh
+
+    F_, H_, D_ = 3, 4, 2
+    rng = np.random.default_rng(14)
+    consts = [nh.from_array(rng.standard_normal(shape).astype(np.float32), name)
+              for name, shape in (("W", (F_, H_)), ("R", (H_, H_)), ("Wz", (D_, H_)))]
+    f32 = TensorProto.FLOAT
+    body = h.make_graph(
+        [h.make_node("Gather", ["x", "i"], ["xt"], axis=0), h.make_node("MatMul", ["xt", "W"], ["a"]),
+         h.make_node("MatMul", ["hp", "R"], ["b"]), h.make_node("Add", ["a", "b"], ["s"]),
+         h.make_node("Tanh", ["s"], ["hn"]), h.make_node("Identity", ["cond"], ["co"]), h.make_node("Identity", ["hn"], ["y"])],
+        "body", [h.make_tensor_value_info("i", TensorProto.INT64, []), h.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                 h.make_tensor_value_info("hp", f32, None)],
+        [h.make_tensor_value_info("co", TensorProto.BOOL, []), h.make_tensor_value_info("hn", f32, None),
+         h.make_tensor_value_info("y", f32, None)])
+    nodes = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z0"], ["T"], axis=0),
+             h.make_node("MatMul", ["z", "Wz"], ["h0"]), h.make_node("Loop", ["T", "", "h0"], ["hT", "Y"], body=body)]
+    g = h.make_graph(nodes, "h0_from_z", [h.make_tensor_value_info("x", f32, ["T", 1, F_]),
+                                           h.make_tensor_value_info("z", f32, [2, D_])],
+                     [h.make_tensor_value_info("Y", f32, None), h.make_tensor_value_info("hT", f32, None)],
+                     consts + [nh.from_array(np.array(0, np.int64), "z0")])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert "cannot run the rewrite" in report.declined[0].reason, report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()
+
+
 def test_rank_read_from_how_a_tensor_was_computed():
     """tf2onnx at opset 13 declares nothing after a Reshape to a computed shape, and shape inference gives no
     rank there: a Loop reading such a tensor was declined ('no per-step input'). ``rank_of`` reads a

@@ -487,8 +487,10 @@ def generate_torch(c: TorchCase, out_dir: Path) -> dict:
 # --------------------------------------------------------------------------- TensorFlow functions (tf.scan, tf.while_loop)
 
 TF_SCAN_CASES = ["tfscan_lstm_last_c", "tfwhile_lstm_bf_strided", "tfwhile_rnn_strided", "tfwhile_gru_sequence_mask_where",
-                 "tfwhile_gru_float_mask_blend", "tfwhile_lstm_lengths_greater_t"]
-MASKED_TF_FUNCTIONS = {"tfwhile_gru_sequence_mask_where", "tfwhile_gru_float_mask_blend", "tfwhile_lstm_lengths_greater_t"}
+                 "tfwhile_gru_float_mask_blend", "tfwhile_lstm_lengths_greater_t", "autograph_for_range_gru",
+                 "autograph_for_range_lstm_lengths"]
+MASKED_TF_FUNCTIONS = {"tfwhile_gru_sequence_mask_where", "tfwhile_gru_float_mask_blend", "tfwhile_lstm_lengths_greater_t",
+                       "autograph_for_range_lstm_lengths"}
 
 
 def _tf_functions(tf, rng):
@@ -572,7 +574,33 @@ def _tf_functions(tf, rng):
 
         return run
 
+    def autograph(kind):
+        """TF2's ``for t in tf.range(n)`` (autograph writes a while loop whose counter adds ``range/delta``, a
+        constant tf2onnx carries through the Loop): a GRU's states into a TensorArray, or an LSTM's kept where
+        ``t < lengths``. (Returning the last states alone, tf2onnx 1.17 writes a Loop that does not load.)"""
+
+        def run(x, *lengths):
+            n = tf.shape(x)[1]
+            h = tf.zeros((tf.shape(x)[0], H if lengths else G))
+            c = tf.zeros((tf.shape(x)[0], H))
+            ta = tf.TensorArray(tf.float32, size=n)
+            for t in tf.range(n):
+                if lengths:
+                    m = tf.expand_dims(t < lengths[0], 1)
+                    hn, cn = lstm_step(x[:, t], h, c)
+                    h, c = tf.where(m, hn, h), tf.where(m, cn, c)
+                else:
+                    h = gru_step(x[:, t], h)
+                ta = ta.write(t, h)
+            return (tf.transpose(ta.stack(), [1, 0, 2]), h) + ((c,) if lengths else ())
+
+        return run
+
     return {
+        "autograph_for_range_gru": ("for t in tf.range(n): h = gru(x[:, t], h); ta.write(t, h) (autograph); batch-first",
+                                    autograph("gru"), True),
+        "autograph_for_range_lstm_lengths": ("for t in tf.range(n): h, c kept where t < lengths; ta.write(t, h) "
+                                             "(autograph)", autograph("lengths"), True),
         "tfwhile_gru_sequence_mask_where": ("tf.while_loop GRU, h = where(sequence_mask(lengths)[:, t], new, h); batch-first",
                                             masked_while("where"), True),
         "tfwhile_gru_float_mask_blend": ("tf.while_loop GRU, m = cast(sequence_mask(lengths))[:, t]: h = m * new + (1 - m) * h",

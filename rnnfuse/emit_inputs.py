@@ -1,0 +1,114 @@
+"""The native op's input: the recurrence's x and mask with what the front end found but did not build (a map
+of x's rows, time flips, the slice of the steps run over, sequences read side by side, a mask cut to x's
+length or built from lengths), then laid out time-major as the op reads them (:func:`time_major_input`)."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from .builder import Builder
+from .errors import Decline
+from .graph import Graph, attr
+from .recurrence import Recurrence
+from .time_flips import time_flip_source
+
+
+def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
+    """``rec.x`` and ``rec.mask`` with what the front end found but did not build (``rec.x_prep``): the map of
+    x's rows the cell reads, the time flips of x, then the slice of the steps the recurrence runs over (x and
+    mask alike)."""
+    x, mask = rec.x, rec.mask
+    if rec.x_prep.side_by_side:  # sequences read beside x: one input, their features after x's
+        x = _side_by_side(g, x, rec.x_prep.side_by_side, rec.anchor)
+    if rec.x_prep.input_map is not None:  # (row-wise: it commutes with the flips and the slice below)
+        x = rec.x_prep.input_map.build(g, x, rec.anchor)
+    for flip in rec.x_prep.flips:
+        if flip.op_type == "ReverseSequence":
+            flipped = g.add_node("ReverseSequence", [x, flip.input[1]], 1, name="rnnfuse/ReverseSequence", anchor=flip,
+                                 time_axis=attr(flip, "time_axis", 0), batch_axis=attr(flip, "batch_axis", 1))[0]
+        elif flip.op_type == "Gather":  # the indices T-1 .. 0 hold for x too (same time length)
+            flipped = g.add_node("Gather", [x, flip.input[1]], 1, name="rnnfuse/Gather", anchor=flip,
+                                 axis=attr(flip, "axis", 0))[0]
+        else:
+            flipped = g.add_node("Slice", [x] + list(flip.input[1:]), 1, name="rnnfuse/Slice", anchor=flip)[0]
+        g.model.declare(flipped, g.model.known_type(x))  # a time flip keeps the type and shape
+        x = flipped
+    if rec.x_prep.steps is not None:
+        start, stop, axis = rec.x_prep.steps
+        bounds = [np.array([v], np.int64) for v in rec.x_prep.steps]
+        consts = [g.add_initializer(v, f"rnnfuse/slice{i}") for i, v in enumerate(bounds)]
+        x = _steps_of(g, x, consts, start, stop, axis, rec.anchor)
+        if mask is not None:
+            mask = _steps_of(g, mask, consts, start, stop, axis, rec.anchor)
+    if rec.x_prep.lengths is not None:  # the mask is t compared with lengths: built from them, laid out like x
+        mask = rec.x_prep.lengths.build(g, rec.x, rec.x_time_axis, rec.anchor)
+    if mask is not None and rec.mask_cut:  # (its first T steps, as the loop reads them)
+        mask = _first_steps(g, mask, x, rec)
+    return x, mask
+
+
+def _first_steps(g: Graph, mask: str, x: str, rec: Recurrence) -> str:
+    """``mask`` cut to x's time length along its time axis."""
+    axis = rec.x_time_axis if rec.mask_batch_first is None else int(rec.mask_batch_first)
+    ta = np.array([rec.x_time_axis], np.int64)
+    T = g.add_node("Slice", [g.add_node("Shape", [x], 1, name="rnnfuse/mask_cut/Shape", anchor=rec.anchor)[0],
+                             g.add_initializer(ta, "rnnfuse/mask_cut/x_axis"),
+                             g.add_initializer(ta + 1, "rnnfuse/mask_cut/x_axis_end")], 1,
+                   name="rnnfuse/mask_cut/T", anchor=rec.anchor)[0]
+    cut = g.add_node("Slice", [mask, g.add_initializer(np.array([0], np.int64), "rnnfuse/mask_cut/start"), T,
+                               g.add_initializer(np.array([axis], np.int64), "rnnfuse/mask_cut/axis")], 1,
+                     name="rnnfuse/mask_cut/Slice", anchor=rec.anchor)[0]
+    dims = list(g.model.shape(mask) or []) or None
+    if dims is not None and axis < len(dims):
+        dims[axis] = (g.model.shape(x) or [None] * 3)[rec.x_time_axis]  # (x's time length)
+    g.model.declare(cut, (g.model.elem_type(mask), dims))
+    return cut
+
+
+def _side_by_side(g: Graph, x: str, others: tuple, anchor) -> str:
+    """``x`` and ``others`` ([T, B, F_k] or [B, T, F_k] alike) concatenated on features, declared so."""
+    shapes = [g.model.shape(name) or [None] * 3 for name in (x, *others)]
+    width = sum(s[2] for s in shapes) if all(isinstance(s[2], int) for s in shapes) else None
+    cat = g.add_node("Concat", [x, *others], 1, name="rnnfuse/Concat", anchor=anchor, axis=2)[0]
+    g.model.declare(cat, (TensorProto.FLOAT, [shapes[0][0], shapes[0][1], width]))
+    return cat
+
+
+def _steps_of(g: Graph, x: str, consts: list[str], start: int, stop: int, axis: int, anchor) -> str:
+    """``x``'s steps start..stop-1 along ``axis``, declared with ``x``'s type (the emitter reads the mask's rank)."""
+    out = g.add_node("Slice", [x] + consts, 1, name="rnnfuse/Slice", anchor=anchor)[0]
+    t = g.model.known_type(x)
+    if t is not None:
+        dims = list(t[1]) if t[1] is not None else None
+        if dims is not None and axis < len(dims):
+            dims[axis] = stop - start
+        g.model.declare(out, (t[0], dims))
+    return out
+
+
+def time_major_input(b: Builder, rec: Recurrence, x: str, mask: str | None):
+    """``(x, mask, mask rank, mask_source, mask_time_axis, direction)``: the (prepared) input and mask
+    time-major, read backwards (direction "reverse") when the front end says so or x is a time flip of another
+    tensor. ``mask_source`` is what validation overrides: a tensor the original reads too (``rec.mask``, not
+    the slice of it the recurrence runs over)."""
+    g = b.g
+    mask_source, mask_time_axis = rec.mask, 0
+    mrank = g.model.rank(mask) if mask else None
+    if mask is not None and mrank not in (2, 3):
+        raise Decline(f"the mask has rank {mrank}")
+    if rec.x_time_axis:  # ([B, T, F] or a Conv1d's [B, F, T]: the native op reads [T, B, F])
+        x = b.op("Transpose", x, perm=[1, 0, 2] if rec.x_time_axis == 1 else [2, 0, 1])
+    if mask is not None and rec.x_time_axis == 2:
+        raise Decline("a mask beside an input whose time axis is its last")
+    if mask is not None and (rec.x_time_axis == 1 if rec.mask_batch_first is None else rec.mask_batch_first):
+        mask = b.op("Transpose", mask, perm=[1, 0, 2][:mrank])
+        mask_time_axis = 1
+    reverse = rec.x_reversed  # the front end already knows the processing order is backwards in time
+    if not reverse and not rec.x_time_axis:
+        src = time_flip_source(g, x, 0)
+        msrc = time_flip_source(g, mask, 0) if mask else None
+        if src is not None and (mask is None or msrc is not None):
+            x, mask, reverse = src, msrc, True
+            mask_source = msrc
+    return x, mask, mrank, mask_source, mask_time_axis, "reverse" if reverse else "forward"

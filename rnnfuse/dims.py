@@ -257,15 +257,26 @@ def dim_key(g: Graph, name: str, depth: int = 0):
 def _least(g: Graph, n: NodeProto, depth: int):
     """The key of ``min(a, b, ...)`` (``Min``, or ``ReduceMin`` of a Concat of one-element values): the one
     size left once those at least 2**31 - 1 (no size) are dropped (TorchScript's ``enumerate(x)`` runs
-    ``min(INT64_MAX, x.size(0))`` times), the least constant, or ``("min", key, ...)`` of several sizes."""
+    ``min(INT64_MAX, x.size(0))`` times) and so are maxes of another part and anything (TF's ``dynamic_rnn``
+    runs ``min(T, max(1, T))``), the least constant, or ``("min", key, ...)`` of several sizes."""
     parts = list(n.input)
     if n.op_type == "ReduceMin":
         cat = g.scope_of(n.input[0]).producer.get(n.input[0])
         if cat is None or cat.op_type != "Concat" or len(n.input) > 1 and n.input[1]:
             return None  # (the reduced axes as an input: not asked)
         parts = list(cat.input)
-    keys = [dim_key(g, p, depth + 1) for p in parts if p]
-    if not keys or None in keys:
+    keys, bounded = [], []  # (bounded: the operands' keys of a part that is a max, at least each of them)
+    for p in (p for p in parts if p):
+        k = dim_key(g, p, depth + 1)
+        m = g.producer.get(value_source(g, p)) if k is None else None
+        if m is not None and m.op_type == "Max":
+            bounded.append({dim_key(g, a, depth + 1) for a in m.input} - {None})
+        elif k is None:
+            return None
+        else:
+            keys.append(k)
+    # a max of several values, one of them another part, is never less than it (tf's min(T, max(1, T)))
+    if not keys or any(not b & set(keys) for b in bounded):
         return None
     if all(k[0] == "const" for k in keys):
         return ("const", min(k[1] for k in keys))

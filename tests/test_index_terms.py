@@ -147,3 +147,15 @@ def test_a_dim_seen_through_squeeze_and_unsqueeze(op, axes, shape):
             assert got == ("y", out_axis)
         else:
             assert got[0] == "x" and shape[got[1]] == y.shape[out_axis] and shape.count(shape[got[1]]) == 1, got
+
+
+@pytest.mark.parametrize("other, is_T", [("n", True), ("b", False), ("k", False)])
+def test_the_least_of_a_size_and_a_max_of_it(other, is_T):
+    """TF's dynamic_rnn runs min(T, max(1, T)) steps: a max of T and anything is never below T, so the least is
+    T. A max of another size (B) says nothing of the least (unknown), and one of constants is a constant (the
+    least of T and 4, not T)."""
+    nodes = [helper.make_node("Gather", ["shape", "one1"], ["b1"], axis=0), helper.make_node("Squeeze", ["b1", "ax0"], ["b"]),
+             helper.make_node("Max", ["one", other], ["mx"]), helper.make_node("Min", ["n", "mx"], ["least"])]
+    g = _graph(nodes, [_init("one1", [1]), _init("k", 4)])
+    key = dim_key(g, "least")
+    assert (key == dim_key(g, "n")) == is_T and (is_T or other == "k" or key is None), key

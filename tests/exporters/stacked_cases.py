@@ -488,7 +488,7 @@ def generate_torch(c: TorchCase, out_dir: Path) -> dict:
 
 TF_SCAN_CASES = ["tfscan_lstm_last_c", "tfwhile_lstm_bf_strided", "tfwhile_rnn_strided", "tfwhile_gru_sequence_mask_where",
                  "tfwhile_gru_float_mask_blend", "tfwhile_lstm_lengths_greater_t", "autograph_for_range_gru",
-                 "autograph_for_range_lstm_lengths"]
+                 "autograph_for_range_lstm_lengths", "dynamic_rnn_gru"]
 MASKED_TF_FUNCTIONS = {"tfwhile_gru_sequence_mask_where", "tfwhile_gru_float_mask_blend", "tfwhile_lstm_lengths_greater_t",
                        "autograph_for_range_lstm_lengths"}
 
@@ -596,7 +596,20 @@ def _tf_functions(tf, rng):
 
         return run
 
+    def dynamic_rnn(x):  # TF1's dynamic_rnn over a tf_keras GRUCell: a while loop bounded by min(T, max(1, T))
+        y, h = tf.compat.v1.nn.dynamic_rnn(tf1_cell, x, dtype=tf.float32)
+        return y, h
+
+    import tf_keras  # (a Keras 3 cell is no TF1 RNNCell)
+
+    tf1_cell = tf_keras.layers.GRUCell(G)
+    tf1_cell.build((None, FEATURES))
+    for w in tf1_cell.weights:
+        w.assign((0.5 * rng.standard_normal(tuple(w.shape))).astype(np.float32))
+
     return {
+        "dynamic_rnn_gru": ("tf.compat.v1.nn.dynamic_rnn(tf_keras GRUCell) without sequence_length: T steps, bounded by "
+                            "min(T, max(1, T)); batch-first", dynamic_rnn, True),
         "autograph_for_range_gru": ("for t in tf.range(n): h = gru(x[:, t], h); ta.write(t, h) (autograph); batch-first",
                                     autograph("gru"), True),
         "autograph_for_range_lstm_lengths": ("for t in tf.range(n): h, c kept where t < lengths; ta.write(t, h) "
@@ -640,7 +653,7 @@ def generate_tf_scan(name: str, out_dir: Path, tf, tf2onnx, onnx) -> dict:
     onnx.save(model, str(out_dir / f"{name}.onnx"))
     np.savez(out_dir / f"{name}.npz", **arrays)
     ops = graph_ops(model.graph)
-    op = next(o for o in ("RNN", "GRU", "LSTM") if o.lower() in name)
+    op = next(o for o in ("GRU", "LSTM", "RNN") if o.lower() in name)
     meta = {"name": name, "backend": "tf.function", "layers": layers,
             "expect": {"ops": {op: 1}, "absent": ["Loop", "Scan"]}, "sets": list(sets), "masked": masked,
             "tf2onnx_ops": {o: ops.count(o) for o in ("LSTM", "RNN", "Loop", "Scan") if o in ops}}

@@ -22,7 +22,8 @@ import numpy as np
 from onnx import NodeProto, TensorProto
 
 from rnnfuse.dataflow import rank_of
-from rnnfuse.dims import fixed_batch, loop_invariant_init
+from rnnfuse.carried import loop_invariant_init
+from rnnfuse.dims import fixed_batch
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model
 from rnnfuse.findings import Options, PassResult
@@ -256,9 +257,8 @@ def _body_reads(g: Graph, body: Graph, carried: _Carried) -> _BodyReads:
         r.forms.add(form)
         et = g.model.elem_type(data)
         rank = rank_of(g, data)
-        # a [T, B] mask cast to 0/1 numbers outside (no feature sequence: one value a row): its bool source
-        of_bool = cast_of_bool(g, data) if et != TensorProto.BOOL and rank == 2 else None
-        if et == TensorProto.BOOL or of_bool is not None:
+        of_bool = cast_of_bool(g, data) if et != TensorProto.BOOL and rank == 2 else None  # ([T, B]: one value a row)
+        if et == TensorProto.BOOL or of_bool is not None:  # (a bool mask, or one cast to 0/1 numbers outside)
             check_mask_read(g, of_bool or data, axis, rank, r.mask_outer)
             r.mask_outer, r.mask_axis = of_bool or data, axis
             mask = BoolMask("m", False, rank == 3 or n.op_type == "Slice")  # ([B, 1] a row)

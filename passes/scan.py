@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import NodeProto, TensorProto
 
-from rnnfuse.dims import carried_unchanged, fixed_batch
+from rnnfuse.carried import carried_unchanged
+from rnnfuse.dims import fixed_batch
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Options, PassResult

@@ -15,6 +15,7 @@ from onnx import NodeProto, TensorProto
 
 from . import op_args
 from .cells.kinds import output_dims
+from .carried import loop_invariant_init
 from .graph import Graph, attr
 
 # types that hold every index and size unchanged (float and double: exact below 2**24, which bounds every real
@@ -471,34 +472,6 @@ def time_keys(g: Graph, name: str, axis: int = 0) -> set:
     if d is not None:
         keys.add(("const", d))
     return keys
-
-
-def loop_invariant_init(body: Graph, name: str) -> str | None:
-    """If ``name`` is a Loop body input carried through unchanged, the Loop input that initialises it."""
-    loop = body.owner
-    ins = body.input_names
-    if name not in ins:
-        return None
-    k = ins.index(name)
-    if k < 2:
-        return None
-    outs = body.output_names
-    if k - 1 >= len(outs):
-        return None
-    if not carried_unchanged(body, outs[k - 1], name):
-        return None
-    return loop.input[k] if k < len(loop.input) else None
-
-
-def carried_unchanged(body: Graph, out: str, inp: str) -> bool:
-    """Whether the body output ``out`` is the body input ``inp`` itself, through Identity nodes only: a value
-    a Loop or Scan passes on unchanged from one step to the next."""
-    while out != inp:
-        p = body.producer.get(out)
-        if p is None or p.op_type != "Identity":
-            return False
-        out = p.input[0]
-    return True
 
 
 def fixed_batch(g: Graph, x: str, time_axis: int) -> int | None:

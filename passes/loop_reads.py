@@ -15,7 +15,7 @@ from rnnfuse.dataflow import rank_of
 from rnnfuse.dims import condition_bounds, dim_key, extent_key, root_dim, time_dim_key, time_keys, unit_chunks, value_source
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
-from rnnfuse.index_terms import TO_THE_END, one_element, terms
+from rnnfuse.index_terms import TO_THE_END, one_element, past_every_index, terms
 from rnnfuse.time_flips import time_flip_source
 
 
@@ -295,18 +295,66 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
         if len(stepped) != 1 or stepped[0] != rank - 1:  # (the kept column of a [B, T] mask: [B, 1], a row each)
             return None
         axis = stepped[0]
-    seen = set()
-    for (_, a), st, en, step in zip(axes, starts, ends, steps):
+    seen, form = set(), "forward"
+    for k, ((_, a), st, en, step) in enumerate(zip(axes, starts, ends, steps)):
         a = a + rank if a < 0 else a
         seen.add(a)
-        if a == axis:
+        if a == axis and st != ("i", 0) and not kept:
+            if not _one_from_the_end(g, body, sl.input[1], k, en, step, index_syms, data, axis):
+                return None
+            form = "reverse"
+        elif a == axis:
             if st != ("i", 0) or not one_element(en, step):
                 return None
         elif not (st == ("c", 0) and step == ("c", 1) and _covers(g, data, inner, a, en)):
             return None
     if axis not in seen:
         return None
-    return data, axis, "forward"
+    return data, axis, form
+
+
+def _one_from_the_end(g: Graph, body: Graph, starts: str, k: int, end: tuple, step: tuple, index_syms: dict[str, int],
+                      data: str, axis: int) -> bool:
+    """Whether a Slice whose k-th start, end and step are these takes element T - 1 - i of ``data``'s ``axis``
+    alone (tf2onnx's x[:, n - 1 - t]: a shrunk axis, a step of 1e9 to an end of 1e9, from T - 1 - i)."""
+    start = _element(body, starts, k, index_syms)
+    return (start is not None and reads_backwards(g, body, start, index_syms, data, axis) and step[0] == "c"
+            and step[1] >= TO_THE_END and past_every_index(end))
+
+
+def _element(body: Graph, vec: str, k: int, index_syms: dict[str, int]) -> str | None:
+    """The body value element ``k`` of the 1-D int tensor ``vec`` is, through the ways tf2onnx builds a strided
+    slice's starts: value-keeping casts, ``Where`` on a condition the terms decide, ``Concat`` of pieces and
+    ``Unsqueeze`` of a scalar. None if it is not one value of the body."""
+    for _ in range(16):
+        name = value_source(body, vec)
+        n = body.producer.get(name)
+        if n is None:
+            return None
+        if n.op_type == "Unsqueeze":
+            return n.input[0] if k == 0 else None
+        if n.op_type == "Where":
+            cond = terms(body, n.input[0], index_syms)
+            pick = cond[k if len(cond) > 1 else 0] if cond else None
+            if pick not in (("c", 0), ("c", 1)):
+                return None
+            vec = n.input[1 if pick == ("c", 1) else 2]
+            k = k if len(terms(body, vec, index_syms) or []) > 1 else 0
+            continue
+        if n.op_type == "Concat":
+            for piece in n.input:
+                size = len(terms(body, piece, index_syms) or [])
+                if not size:
+                    return None
+                if k < size:
+                    vec = piece
+                    break
+                k -= size
+            else:
+                return None
+            continue
+        return name if k == 0 and (body.model.shape(name) or [None]) in ([], [1]) else None
+    return None
 
 
 def cast_of_bool(g: Graph, name: str) -> str | None:

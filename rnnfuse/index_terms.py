@@ -159,9 +159,10 @@ def elementwise(op: str, ts: list) -> tuple:
         x_wins, y_wins = ({0, 1}, {-1, 0}) if op == "Max" else ({-1, 0}, {0, 1})
         if possible <= x_wins or possible <= y_wins:
             return x if possible <= x_wins else y
-        if op == "Max":  # at least each side: keep the iteration-number side as a lower bound
+        if op == "Max":  # at least each side: keep the iteration-number side as a lower bound, or a constant
             sym = [t for t in ts if t[0] == "i"]
-            return ("ge",) + sym[0] if sym else UNKNOWN
+            consts = [t[1] for t in ts if t[0] == "c"]
+            return ("ge",) + sym[0] if sym else ("ge", "c", max(consts)) if consts else UNKNOWN
         return UNKNOWN
     x, y = ts  # Add, Sub: a symbol plus or minus a constant, or one symbol minus itself
     if y[0] == "c":  # (a lower bound stays one when a constant is added or taken away)
@@ -178,6 +179,11 @@ def one_element(end: tuple, step: tuple) -> bool:
     (a step of 1e9 or more from i, to an end past i)."""
     if step == ("c", 1):
         return end == ("i", 1)
-    past_i = (end[0] == "c" and end[1] >= TO_THE_END) or (end[0] == "i" and end[1] >= 1) or (
-        end[:2] == ("ge", "i") and end[-1] >= 1)
+    past_i = past_every_index(end) or (end[0] == "i" and end[1] >= 1) or (end[:2] == ("ge", "i") and end[-1] >= 1)
     return step[0] == "c" and step[1] >= TO_THE_END and past_i
+
+
+def past_every_index(end: tuple) -> bool:
+    """Whether a slice end is at or past the end of any real axis: 1e9 or more (tf2onnx's "to the end"), or a
+    ``Max`` with it."""
+    return (end[0] == "c" or end[:2] == ("ge", "c")) and end[-1] >= TO_THE_END

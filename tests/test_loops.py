@@ -823,3 +823,52 @@ def test_an_initial_state_given_with_batch_one_broadcasts_as_in_the_original():
         for got, want in zip(s_fused.run(None, feeds), s_orig.run(None, feeds)):
             assert got.shape == want.shape
             assert_close(got, want, f"given h0 of {rows} rows")
+
+
+@pytest.mark.parametrize("back, fused", [(1, True), (2, False), (0, False)])
+def test_a_strided_read_from_the_end_is_a_reverse_step(back, fused):
+    """tf2onnx's x[:, n - 1 - t] in a while loop over batch-first x: a Slice whose start on the time axis is
+    ``T - back - i`` with a step of 1e9 (one element) to an end of 1e9. back = 1 reads x backwards (one reverse
+    op, the outputs the original's); T - 2 - i and T - i read other steps: declined, left as it was."""
+    from onnx import TensorProto, helper as h, numpy_helper as nh
+
+    F_, H_ = 3, 4
+    rng = np.random.default_rng(15)
+    consts = [nh.from_array(rng.standard_normal(shape).astype(np.float32), name)
+              for name, shape in (("W", (F_, H_)), ("R", (H_, H_)))]
+    i64 = lambda name, v: nh.from_array(np.array(v, np.int64), name)  # noqa: E731
+    f32 = TensorProto.FLOAT
+    body = h.make_graph(
+        [h.make_node("Sub", ["n", "back"], ["nb"]), h.make_node("Sub", ["nb", "i"], ["t"]),
+         h.make_node("Unsqueeze", ["t", "ax0"], ["t1"]), h.make_node("Concat", ["zero1", "t1"], ["starts"], axis=0),
+         h.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["xs"]),
+         h.make_node("Squeeze", ["xs", "ax1"], ["xt"]), h.make_node("MatMul", ["xt", "W"], ["a"]),
+         h.make_node("MatMul", ["hp", "R"], ["b"]), h.make_node("Add", ["a", "b"], ["s"]),
+         h.make_node("Tanh", ["s"], ["hn"]), h.make_node("Identity", ["cond"], ["co"]), h.make_node("Identity", ["hn"], ["y"])],
+        "body", [h.make_tensor_value_info("i", TensorProto.INT64, []), h.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                 h.make_tensor_value_info("hp", f32, ["B", H_])],
+        [h.make_tensor_value_info("co", TensorProto.BOOL, []), h.make_tensor_value_info("hn", f32, ["B", H_]),
+         h.make_tensor_value_info("y", f32, ["B", H_])],
+        [i64("back", back), i64("ax0", [0]), i64("ax1", [1]), i64("zero1", [0]), i64("ends", [10**9, 10**9]),
+         i64("axes", [0, 1]), i64("steps", [1, 10**9])])
+    nodes = [h.make_node("Shape", ["x"], ["xs_"]), h.make_node("Gather", ["xs_", "one"], ["n"], axis=0),
+             h.make_node("Gather", ["xs_", "zero"], ["B"], axis=0), h.make_node("Unsqueeze", ["B", "ax0o"], ["B1"]),
+             h.make_node("Concat", ["B1", "Hc"], ["hs"], axis=0), h.make_node("ConstantOfShape", ["hs"], ["h0"]),
+             h.make_node("Loop", ["n", "", "h0"], ["hT", "Y"], body=body)]
+    g = h.make_graph(nodes, "strided_back", [h.make_tensor_value_info("x", f32, ["B", "T", F_])],
+                     [h.make_tensor_value_info("Y", f32, ["T", "B", H_]), h.make_tensor_value_info("hT", f32, ["B", H_])],
+                     consts + [i64("one", 1), i64("zero", 0), i64("ax0o", [0]), i64("Hc", [H_])])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    out, report = rnnfuse.optimize(model)
+    if not fused:
+        assert not report.fused, report.to_text()
+        assert out.SerializeToString() == model.SerializeToString()
+        return
+    out, report = _fused_once(model, Loop=0, RNN=1)
+    assert report.fused[0].direction == "reverse", report.to_text()
+    s_orig, s_fused = session(model), session(out)
+    for B in (1, 3):
+        feeds = {"x": rng.standard_normal((B, 5, F_)).astype(np.float32)}
+        for got, want in zip(s_fused.run(None, feeds), s_orig.run(None, feeds)):
+            assert_close(got, want, f"strided back B={B}")

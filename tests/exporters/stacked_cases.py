@@ -488,7 +488,7 @@ def generate_torch(c: TorchCase, out_dir: Path) -> dict:
 
 TF_SCAN_CASES = ["tfscan_lstm_last_c", "tfwhile_lstm_bf_strided", "tfwhile_rnn_strided", "tfwhile_gru_sequence_mask_where",
                  "tfwhile_gru_float_mask_blend", "tfwhile_lstm_lengths_greater_t", "autograph_for_range_gru",
-                 "autograph_for_range_lstm_lengths", "dynamic_rnn_gru"]
+                 "autograph_for_range_lstm_lengths", "dynamic_rnn_gru", "tfwhile_gru_reverse_read", "tfwhile_lstm_bidir_by_hand"]
 MASKED_TF_FUNCTIONS = {"tfwhile_gru_sequence_mask_where", "tfwhile_gru_float_mask_blend", "tfwhile_lstm_lengths_greater_t",
                        "autograph_for_range_lstm_lengths"}
 
@@ -596,6 +596,27 @@ def _tf_functions(tf, rng):
 
         return run
 
+    def backward(x, step, z):
+        """A while loop reading x[:, n - 1 - t] (tf2onnx: a strided slice starting at T - 1 - i), its states
+        written in processing order."""
+        n = tf.shape(x)[1]
+        ta = tf.TensorArray(tf.float32, size=n)
+
+        def body(t, h, c, ta):
+            h, c = step(x[:, n - 1 - t], h, c)
+            return t + 1, h, c, ta.write(t, h)
+
+        _, h, _, ta = tf.while_loop(lambda t, *_: t < n, body, [0, z, z, ta])
+        return tf.transpose(ta.stack(), [1, 0, 2]), h
+
+    def gru_reverse_read(x):
+        return backward(x, lambda xt, h, c: (gru_step(xt, h), c), tf.zeros((tf.shape(x)[0], G)))
+
+    def lstm_bidir(x):  # the forward half as while_lstm_bf, the backward one flipped back into time order
+        y_fw, h_fw = while_lstm_bf(x)
+        y_bw, h_bw = backward(x, lstm_step, tf.zeros((tf.shape(x)[0], H)))
+        return tf.concat([y_fw, tf.reverse(y_bw, [1])], -1), tf.concat([h_fw, h_bw], -1)
+
     def dynamic_rnn(x):  # TF1's dynamic_rnn over a tf_keras GRUCell: a while loop bounded by min(T, max(1, T))
         y, h = tf.compat.v1.nn.dynamic_rnn(tf1_cell, x, dtype=tf.float32)
         return y, h
@@ -608,6 +629,10 @@ def _tf_functions(tf, rng):
         w.assign((0.5 * rng.standard_normal(tuple(w.shape))).astype(np.float32))
 
     return {
+        "tfwhile_gru_reverse_read": ("tf.while_loop reading x[:, n - 1 - t], states in processing order; batch-first",
+                                     gru_reverse_read, True),
+        "tfwhile_lstm_bidir_by_hand": ("two tf.while_loops, x[:, t] and x[:, n - 1 - t] (flipped back), concatenated: "
+                                       "one bidirectional op", lstm_bidir, True),
         "dynamic_rnn_gru": ("tf.compat.v1.nn.dynamic_rnn(tf_keras GRUCell) without sequence_length: T steps, bounded by "
                             "min(T, max(1, T)); batch-first", dynamic_rnn, True),
         "autograph_for_range_gru": ("for t in tf.range(n): h = gru(x[:, t], h); ta.write(t, h) (autograph); batch-first",

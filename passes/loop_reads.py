@@ -192,9 +192,10 @@ def check_step_lengths(g: Graph, others: dict[str, int], x: str, x_axis: int, re
     one read from its own end (``-1 - i``) unless its length is provably x's; one read from its start when the
     file gives the two lengths apart (two numbers, or two names of graph inputs). (A length the file leaves
     unknown, a mask computed from x, say, is left to validation, as before.) ``read_forms``: how the body's
-    step reads index time (see :func:`_index_form`). The bool ``mask`` read from its start that the file gives
-    apart is not declined: True (the native op then reads its first T steps, as the loop does; a mask input of
-    tf2onnx's has a time axis named apart from x's, ``unk__N``, whatever its length)."""
+    step reads index time (see :func:`_index_form`). The bool ``mask`` read forward from its start that the file
+    gives apart is not declined: True (the native op then reads its first T steps, as the loop does; a mask
+    input of tf2onnx's has a time axis named apart from x's, ``unk__N``, whatever its length). Read backwards
+    (``T - 1 - i`` of its own length) a longer mask gives its last rows: declined."""
     from_end = "reverse_end" in read_forms
     x = _unflipped(g, x, x_axis)
     cut = False
@@ -202,7 +203,7 @@ def check_step_lengths(g: Graph, others: dict[str, int], x: str, x_axis: int, re
         data = _unflipped(g, other, axis)
         if _same_time_length(g, data, axis, x, x_axis) or not (from_end or _declared_apart(g, data, axis, x, x_axis)):
             continue
-        if other != mask or from_end:
+        if other != mask or read_forms != {"forward"}:  # (read backwards, T - 1 - i of its own T: its last rows)
             raise Decline(f"'{other}' is read per step but its time length is not provably the input's")
         cut = True
     return cut

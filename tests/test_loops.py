@@ -872,3 +872,47 @@ def test_a_strided_read_from_the_end_is_a_reverse_step(back, fused):
         feeds = {"x": rng.standard_normal((B, 5, F_)).astype(np.float32)}
         for got, want in zip(s_fused.run(None, feeds), s_orig.run(None, feeds)):
             assert_close(got, want, f"strided back B={B}")
+
+
+def test_a_mask_of_another_length_read_back_from_its_own_end_is_declined():
+    """x [seq, B, F] read at Tx - 1 - i beside a mask [mask_len, B] read at Tm - 1 - i, Tm its own length: fed a
+    longer mask the loop reads its last rows, so cutting it to its first Tx rows would be wrong (a review found
+    the wrong result): declined, left as it was."""
+    from onnx import TensorProto, helper as h, numpy_helper as nh
+
+    F_, H_ = 3, 4
+    rng = np.random.default_rng(16)
+    consts = [nh.from_array(rng.standard_normal(shape).astype(np.float32), name)
+              for name, shape in (("W", (F_, H_)), ("R", (H_, H_)))]
+    i64 = lambda name, v: nh.from_array(np.array(v, np.int64), name)  # noqa: E731
+    f32 = TensorProto.FLOAT
+
+    def back(src, out):  # (the length of src minus one minus i)
+        return [h.make_node("Shape", [src], [f"{out}_s"]), h.make_node("Gather", [f"{out}_s", "zero"], [f"{out}_n"], axis=0),
+                h.make_node("Sub", [f"{out}_n", "one"], [f"{out}_n1"]), h.make_node("Sub", [f"{out}_n1", "i"], [out])]
+
+    body = h.make_graph(
+        back("x", "tx") + back("m", "tm") + [
+            h.make_node("Gather", ["x", "tx"], ["xt"], axis=0), h.make_node("Gather", ["m", "tm"], ["mt"], axis=0),
+            h.make_node("Unsqueeze", ["mt", "ax1"], ["mu"]), h.make_node("MatMul", ["xt", "W"], ["a"]),
+            h.make_node("MatMul", ["hp", "R"], ["b"]), h.make_node("Add", ["a", "b"], ["s"]), h.make_node("Tanh", ["s"], ["hn"]),
+            h.make_node("Where", ["mu", "hn", "hp"], ["ho"]), h.make_node("Identity", ["cond"], ["co"]),
+            h.make_node("Identity", ["ho"], ["y"])],
+        "body", [h.make_tensor_value_info("i", TensorProto.INT64, []), h.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                 h.make_tensor_value_info("hp", f32, ["batch", H_])],
+        [h.make_tensor_value_info("co", TensorProto.BOOL, []), h.make_tensor_value_info("ho", f32, ["batch", H_]),
+         h.make_tensor_value_info("y", f32, ["batch", H_])],
+        [i64("zero", 0), i64("one", 1), i64("ax1", [1])])
+    nodes = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z"], ["T"], axis=0),
+             h.make_node("Gather", ["xs", "o"], ["B"], axis=0), h.make_node("Unsqueeze", ["B", "ax0"], ["B1"]),
+             h.make_node("Concat", ["B1", "Hc"], ["hs"], axis=0), h.make_node("ConstantOfShape", ["hs"], ["h0"]),
+             h.make_node("Loop", ["T", "", "h0"], ["h_last", "ys"], body=body)]
+    g = h.make_graph(nodes, "mask_back", [h.make_tensor_value_info("x", f32, ["seq", "batch", F_]),
+                                          h.make_tensor_value_info("m", TensorProto.BOOL, ["mask_len", "batch"])],
+                     [h.make_tensor_value_info("ys", f32, ["seq", "batch", H_]), h.make_tensor_value_info("h_last", f32, ["batch", H_])],
+                     consts + [i64("z", 0), i64("o", 1), i64("ax0", [0]), i64("Hc", [H_])])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    out, report = rnnfuse.optimize(model)
+    assert not report.fused and any("time length" in f.reason for f in report.declined), report.to_text()
+    assert out.SerializeToString() == model.SerializeToString()

@@ -438,7 +438,7 @@ def declared_name(g: Graph, name: str, axis: int) -> str | None:
     a graph input's own axis): the model's contract that extents named alike are one size (not a name an
     exporter makes up for an unknown dim, tf2onnx's ``unk__N``, which says nothing); else None."""
     root, ax = root_dim(g, name, axis)
-    if root not in g.input_names:
+    if root not in g.model.graph.input_names:  # (the main graph's inputs: a body's are carried values)
         return None
     shape = g.model.shape(root) or []
     d = shape[ax] if 0 <= ax < len(shape) else None

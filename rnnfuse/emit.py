@@ -167,19 +167,23 @@ def _init_state(b: Builder, init: Init, x: str, hidden: int, cache: EmitCache) -
     """``[1, B, H]`` initial state input for the native op ('' when zeros)."""
     if init.is_zero:
         return ""
-    if (x, hidden) not in cache.state_shapes:
-        cache.state_shapes[x, hidden] = b.op("Concat", b.i64(1), b.dim(x, 1), b.i64(hidden), axis=0)
-    shape = cache.state_shapes[x, hidden]
     if init.tensor is not None:
         if init.tensor not in cache.init_views:
             view = init.tensor if init.lead else b.unsqueeze(init.tensor, [0])
             if not _same_batch(b.g, init.tensor, 1 if init.lead else 0, x):
                 # (not provably x's batch: a state given with batch 1 broadcasts against x's rows in the
                 # original, and the native op takes exactly [1, B, H])
-                view = b.op("Expand", view, shape)
+                view = b.op("Expand", view, _state_shape(b, cache, x, hidden))
             cache.init_views[init.tensor] = view
         return cache.init_views[init.tensor]
-    return b.op("Expand", b.const(np.array(init.fill, np.float32), "fill"), shape)
+    return b.op("Expand", b.const(np.array(init.fill, np.float32), "fill"), _state_shape(b, cache, x, hidden))
+
+
+def _state_shape(b: Builder, cache: EmitCache, x: str, hidden: int) -> str:
+    """``[1, B, H]``, B the time-major ``x``'s batch (built once per x and H)."""
+    if (x, hidden) not in cache.state_shapes:
+        cache.state_shapes[x, hidden] = b.op("Concat", b.i64(1), b.dim(x, 1), b.i64(hidden), axis=0)
+    return cache.state_shapes[x, hidden]
 
 
 def _same_batch(g: Graph, state: str, axis: int, x: str) -> bool:

@@ -740,32 +740,19 @@ def _row_compare_loop(cast_outside: bool, threshold: float) -> onnx.ModelProto:
     rng = np.random.default_rng(11)
     W = nh.from_array(rng.standard_normal((F_, H_)).astype(np.float32), "W")
     R = nh.from_array((0.5 * rng.standard_normal((H_, H_))).astype(np.float32), "R")
-    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    body = h.make_graph(
-        [h.make_node("Gather", ["x", "i"], ["xt"], axis=0), h.make_node("Gather", ["Mf", "i"], ["mt"], axis=0),
-         h.make_node("Greater", ["mt", "thr"], ["mb"]), h.make_node("Unsqueeze", ["mb", "ax1"], ["mu"]),
-         h.make_node("MatMul", ["xt", "W"], ["a"]), h.make_node("MatMul", ["hp", "R"], ["b"]),
-         h.make_node("Add", ["a", "b"], ["s"]), h.make_node("Tanh", ["s"], ["hn"]),
-         h.make_node("Where", ["mu", "hn", "hp"], ["ho"]), h.make_node("Identity", ["cond"], ["co"]),
-         h.make_node("Identity", ["ho"], ["y"])],
-        "body", [h.make_tensor_value_info("i", i64, []), h.make_tensor_value_info("cond", TensorProto.BOOL, []),
-                 h.make_tensor_value_info("hp", f32, [None, H_])],
-        [h.make_tensor_value_info("co", TensorProto.BOOL, []), h.make_tensor_value_info("ho", f32, [None, H_]),
-         h.make_tensor_value_info("y", f32, [None, H_])],
-        [nh.from_array(np.array(threshold, np.float32), "thr"), nh.from_array(np.array([1], np.int64), "ax1")])
-    nodes = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z"], ["T"], axis=0),
+    f32 = TensorProto.FLOAT
+    reads = [h.make_node("Gather", ["x", "i"], ["xt"], axis=0), h.make_node("Gather", ["Mf", "i"], ["mt"], axis=0),
+             h.make_node("Greater", ["mt", "thr"], ["mb"]), h.make_node("Unsqueeze", ["mb", "ax1"], ["mu"])]
+    outer = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z"], ["T"], axis=0),
              h.make_node("Gather", ["xs", "one"], ["B"], axis=0), h.make_node("Unsqueeze", ["B", "z1"], ["B1"]),
              h.make_node("Concat", ["B1", "Hc"], ["hs"], axis=0), h.make_node("ConstantOfShape", ["hs"], ["h0"]),
-             h.make_node("Cast" if cast_outside else "Identity", ["M"], ["Mf"], **({"to": f32} if cast_outside else {})),
-             h.make_node("Loop", ["T", "", "h0"], ["hT", "Y"], body=body)]
+             h.make_node("Cast" if cast_outside else "Identity", ["M"], ["Mf"], **({"to": f32} if cast_outside else {}))]
     consts = [W, R, nh.from_array(np.array(0, np.int64), "z"), nh.from_array(np.array(1, np.int64), "one"),
               nh.from_array(np.array([0], np.int64), "z1"), nh.from_array(np.array([H_], np.int64), "Hc")]
-    g = h.make_graph(nodes, "row_compare", [h.make_tensor_value_info("x", f32, ["T", "B", F_]),
-                                            h.make_tensor_value_info("M", TensorProto.BOOL if cast_outside else f32, ["T", "B"])],
-                     [h.make_tensor_value_info("Y", f32, ["T", "B", H_]), h.make_tensor_value_info("hT", f32, ["B", H_])], consts)
-    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
+    inputs = [h.make_tensor_value_info("x", f32, ["T", "B", F_]),
+              h.make_tensor_value_info("M", TensorProto.BOOL if cast_outside else f32, ["T", "B"])]
+    body_consts = [nh.from_array(np.array(threshold, np.float32), "thr"), nh.from_array(np.array([1], np.int64), "ax1")]
+    return _tanh_loop("row_compare", reads, outer, inputs, consts, body_consts, keep="mu", state_dims=[None, H_])
 
 
 @pytest.mark.parametrize("cast_outside", [True, False], ids=["bool_cast_to_float", "float_input"])
@@ -796,25 +783,12 @@ def test_an_initial_state_given_with_batch_one_broadcasts_as_in_the_original():
 
     F_, H_ = 3, 4
     rng = np.random.default_rng(13)
-    W = nh.from_array(rng.standard_normal((F_, H_)).astype(np.float32), "W")
-    R = nh.from_array((0.5 * rng.standard_normal((H_, H_))).astype(np.float32), "R")
-    f32 = TensorProto.FLOAT
-    body = h.make_graph(
-        [h.make_node("Gather", ["x", "i"], ["xt"], axis=0), h.make_node("MatMul", ["xt", "W"], ["a"]),
-         h.make_node("MatMul", ["hp", "R"], ["b"]), h.make_node("Add", ["a", "b"], ["s"]),
-         h.make_node("Tanh", ["s"], ["hn"]), h.make_node("Identity", ["cond"], ["co"]), h.make_node("Identity", ["hn"], ["y"])],
-        "body", [h.make_tensor_value_info("i", TensorProto.INT64, []), h.make_tensor_value_info("cond", TensorProto.BOOL, []),
-                 h.make_tensor_value_info("hp", f32, None)],
-        [h.make_tensor_value_info("co", TensorProto.BOOL, []), h.make_tensor_value_info("hn", f32, None),
-         h.make_tensor_value_info("y", f32, None)])
-    nodes = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z"], ["T"], axis=0),
-             h.make_node("Loop", ["T", "", "h0"], ["hT", "Y"], body=body)]
-    g = h.make_graph(nodes, "given_h0", [h.make_tensor_value_info("x", f32, ["T", "B", F_]),
-                                          h.make_tensor_value_info("h0", f32, [None, H_])],
-                     [h.make_tensor_value_info("Y", f32, None), h.make_tensor_value_info("hT", f32, None)],
-                     [W, R, nh.from_array(np.array(0, np.int64), "z")])
-    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
-    model.ir_version = 8
+    consts = [nh.from_array(rng.standard_normal((F_, H_)).astype(np.float32), "W"),
+              nh.from_array((0.5 * rng.standard_normal((H_, H_))).astype(np.float32), "R"), nh.from_array(np.array(0, np.int64), "z")]
+    outer = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z"], ["T"], axis=0)]
+    inputs = [h.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F_]),
+              h.make_tensor_value_info("h0", TensorProto.FLOAT, [None, H_])]
+    model = _tanh_loop("given_h0", [h.make_node("Gather", ["x", "i"], ["xt"], axis=0)], outer, inputs, consts)
     fused, report = _fused_once(model, Loop=0, RNN=1)
     s_orig, s_fused = session(model), session(fused)
     for rows in (3, 1):  # (h0 with x's batch, then one row broadcast)
@@ -837,29 +811,18 @@ def test_a_strided_read_from_the_end_is_a_reverse_step(back, fused):
     consts = [nh.from_array(rng.standard_normal(shape).astype(np.float32), name)
               for name, shape in (("W", (F_, H_)), ("R", (H_, H_)))]
     i64 = lambda name, v: nh.from_array(np.array(v, np.int64), name)  # noqa: E731
-    f32 = TensorProto.FLOAT
-    body = h.make_graph(
-        [h.make_node("Sub", ["n", "back"], ["nb"]), h.make_node("Sub", ["nb", "i"], ["t"]),
-         h.make_node("Unsqueeze", ["t", "ax0"], ["t1"]), h.make_node("Concat", ["zero1", "t1"], ["starts"], axis=0),
-         h.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["xs"]),
-         h.make_node("Squeeze", ["xs", "ax1"], ["xt"]), h.make_node("MatMul", ["xt", "W"], ["a"]),
-         h.make_node("MatMul", ["hp", "R"], ["b"]), h.make_node("Add", ["a", "b"], ["s"]),
-         h.make_node("Tanh", ["s"], ["hn"]), h.make_node("Identity", ["cond"], ["co"]), h.make_node("Identity", ["hn"], ["y"])],
-        "body", [h.make_tensor_value_info("i", TensorProto.INT64, []), h.make_tensor_value_info("cond", TensorProto.BOOL, []),
-                 h.make_tensor_value_info("hp", f32, ["B", H_])],
-        [h.make_tensor_value_info("co", TensorProto.BOOL, []), h.make_tensor_value_info("hn", f32, ["B", H_]),
-         h.make_tensor_value_info("y", f32, ["B", H_])],
-        [i64("back", back), i64("ax0", [0]), i64("ax1", [1]), i64("zero1", [0]), i64("ends", [10**9, 10**9]),
-         i64("axes", [0, 1]), i64("steps", [1, 10**9])])
-    nodes = [h.make_node("Shape", ["x"], ["xs_"]), h.make_node("Gather", ["xs_", "one"], ["n"], axis=0),
-             h.make_node("Gather", ["xs_", "zero"], ["B"], axis=0), h.make_node("Unsqueeze", ["B", "ax0o"], ["B1"]),
-             h.make_node("Concat", ["B1", "Hc"], ["hs"], axis=0), h.make_node("ConstantOfShape", ["hs"], ["h0"]),
-             h.make_node("Loop", ["n", "", "h0"], ["hT", "Y"], body=body)]
-    g = h.make_graph(nodes, "strided_back", [h.make_tensor_value_info("x", f32, ["B", "T", F_])],
-                     [h.make_tensor_value_info("Y", f32, ["T", "B", H_]), h.make_tensor_value_info("hT", f32, ["B", H_])],
-                     consts + [i64("one", 1), i64("zero", 0), i64("ax0o", [0]), i64("Hc", [H_])])
-    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
-    model.ir_version = 8
+    reads = [h.make_node("Sub", ["n", "back"], ["nb"]), h.make_node("Sub", ["nb", "i"], ["t"]),
+             h.make_node("Unsqueeze", ["t", "ax0"], ["t1"]), h.make_node("Concat", ["zero1", "t1"], ["starts"], axis=0),
+             h.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["xs"]), h.make_node("Squeeze", ["xs", "ax1"], ["xt"])]
+    body_consts = [i64("back", back), i64("ax0", [0]), i64("ax1", [1]), i64("zero1", [0]), i64("ends", [10**9, 10**9]),
+                   i64("axes", [0, 1]), i64("steps", [1, 10**9])]
+    outer = [h.make_node("Shape", ["x"], ["xs_"]), h.make_node("Gather", ["xs_", "one"], ["n"], axis=0),
+             h.make_node("Identity", ["n"], ["T"]), h.make_node("Gather", ["xs_", "zero"], ["B"], axis=0),
+             h.make_node("Unsqueeze", ["B", "ax0o"], ["B1"]), h.make_node("Concat", ["B1", "Hc"], ["hs"], axis=0),
+             h.make_node("ConstantOfShape", ["hs"], ["h0"])]
+    model = _tanh_loop("strided_back", reads, outer, [h.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", F_])],
+                       consts + [i64("one", 1), i64("zero", 0), i64("ax0o", [0]), i64("Hc", [H_])], body_consts,
+                       state_dims=["B", H_])
     out, report = rnnfuse.optimize(model)
     if not fused:
         assert not report.fused, report.to_text()
@@ -885,34 +848,44 @@ def test_a_mask_of_another_length_read_back_from_its_own_end_is_declined():
     consts = [nh.from_array(rng.standard_normal(shape).astype(np.float32), name)
               for name, shape in (("W", (F_, H_)), ("R", (H_, H_)))]
     i64 = lambda name, v: nh.from_array(np.array(v, np.int64), name)  # noqa: E731
-    f32 = TensorProto.FLOAT
 
     def back(src, out):  # (the length of src minus one minus i)
         return [h.make_node("Shape", [src], [f"{out}_s"]), h.make_node("Gather", [f"{out}_s", "zero"], [f"{out}_n"], axis=0),
                 h.make_node("Sub", [f"{out}_n", "one"], [f"{out}_n1"]), h.make_node("Sub", [f"{out}_n1", "i"], [out])]
 
-    body = h.make_graph(
-        back("x", "tx") + back("m", "tm") + [
-            h.make_node("Gather", ["x", "tx"], ["xt"], axis=0), h.make_node("Gather", ["m", "tm"], ["mt"], axis=0),
-            h.make_node("Unsqueeze", ["mt", "ax1"], ["mu"]), h.make_node("MatMul", ["xt", "W"], ["a"]),
-            h.make_node("MatMul", ["hp", "R"], ["b"]), h.make_node("Add", ["a", "b"], ["s"]), h.make_node("Tanh", ["s"], ["hn"]),
-            h.make_node("Where", ["mu", "hn", "hp"], ["ho"]), h.make_node("Identity", ["cond"], ["co"]),
-            h.make_node("Identity", ["ho"], ["y"])],
-        "body", [h.make_tensor_value_info("i", TensorProto.INT64, []), h.make_tensor_value_info("cond", TensorProto.BOOL, []),
-                 h.make_tensor_value_info("hp", f32, ["batch", H_])],
-        [h.make_tensor_value_info("co", TensorProto.BOOL, []), h.make_tensor_value_info("ho", f32, ["batch", H_]),
-         h.make_tensor_value_info("y", f32, ["batch", H_])],
-        [i64("zero", 0), i64("one", 1), i64("ax1", [1])])
-    nodes = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z"], ["T"], axis=0),
+    reads = back("x", "tx") + back("m", "tm") + [
+        h.make_node("Gather", ["x", "tx"], ["xt"], axis=0), h.make_node("Gather", ["m", "tm"], ["mt"], axis=0),
+        h.make_node("Unsqueeze", ["mt", "ax1"], ["mu"])]
+    outer = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z"], ["T"], axis=0),
              h.make_node("Gather", ["xs", "o"], ["B"], axis=0), h.make_node("Unsqueeze", ["B", "ax0"], ["B1"]),
-             h.make_node("Concat", ["B1", "Hc"], ["hs"], axis=0), h.make_node("ConstantOfShape", ["hs"], ["h0"]),
-             h.make_node("Loop", ["T", "", "h0"], ["h_last", "ys"], body=body)]
-    g = h.make_graph(nodes, "mask_back", [h.make_tensor_value_info("x", f32, ["seq", "batch", F_]),
-                                          h.make_tensor_value_info("m", TensorProto.BOOL, ["mask_len", "batch"])],
-                     [h.make_tensor_value_info("ys", f32, ["seq", "batch", H_]), h.make_tensor_value_info("h_last", f32, ["batch", H_])],
-                     consts + [i64("z", 0), i64("o", 1), i64("ax0", [0]), i64("Hc", [H_])])
-    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
-    model.ir_version = 8
+             h.make_node("Concat", ["B1", "Hc"], ["hs"], axis=0), h.make_node("ConstantOfShape", ["hs"], ["h0"])]
+    inputs = [h.make_tensor_value_info("x", TensorProto.FLOAT, ["seq", "batch", F_]),
+              h.make_tensor_value_info("m", TensorProto.BOOL, ["mask_len", "batch"])]
+    model = _tanh_loop("mask_back", reads, outer, inputs, consts + [i64("z", 0), i64("o", 1), i64("ax0", [0]), i64("Hc", [H_])],
+                       [i64("zero", 0), i64("one", 1), i64("ax1", [1])], keep="mu", state_dims=["batch", H_])
     out, report = rnnfuse.optimize(model)
     assert not report.fused and any("time length" in f.reason for f in report.declined), report.to_text()
     assert out.SerializeToString() == model.SerializeToString()
+
+
+def _tanh_loop(name: str, reads: list, outer: list, inputs: list, consts: list, body_consts: list = (),
+               keep: str | None = None, h0: str = "h0", state_dims=None) -> onnx.ModelProto:
+    """A Loop over ``T`` stepping ``h = tanh(x_t @ W + h @ R)`` from ``h0``, x_t computed by the body nodes
+    ``reads`` as "xt" (with ``keep``, a [B, 1] bool the reads compute: h kept where it is false); ``outer``
+    the main graph's nodes before the Loop (computing T and h0); outputs the per-step h "Y" and the last "hT"."""
+    from onnx import TensorProto, helper as h
+
+    f32 = TensorProto.FLOAT
+    step = [h.make_node("MatMul", ["xt", "W"], ["a"]), h.make_node("MatMul", ["hp", "R"], ["b"]),
+            h.make_node("Add", ["a", "b"], ["s"]), h.make_node("Tanh", ["s"], ["hn"])]
+    step += [h.make_node("Where", [keep, "hn", "hp"], ["ho"])] if keep else [h.make_node("Identity", ["hn"], ["ho"])]
+    state = h.make_tensor_value_info  # (the carried h, declared with ``state_dims``)
+    body = h.make_graph(
+        list(reads) + step + [h.make_node("Identity", ["cond"], ["co"]), h.make_node("Identity", ["ho"], ["y"])], "body",
+        [state("i", TensorProto.INT64, []), state("cond", TensorProto.BOOL, []), state("hp", f32, state_dims)],
+        [state("co", TensorProto.BOOL, []), state("ho", f32, state_dims), state("y", f32, state_dims)], list(body_consts))
+    g = h.make_graph(list(outer) + [h.make_node("Loop", ["T", "", h0], ["hT", "Y"], body=body)], name, inputs,
+                     [h.make_tensor_value_info("Y", f32, None), h.make_tensor_value_info("hT", f32, None)], consts)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model

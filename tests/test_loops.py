@@ -273,23 +273,12 @@ def test_a_rewrite_that_cannot_take_the_given_state_batch_is_declined():
     rng = np.random.default_rng(14)
     consts = [nh.from_array(rng.standard_normal(shape).astype(np.float32), name)
               for name, shape in (("W", (F_, H_)), ("R", (H_, H_)), ("Wz", (D_, H_)))]
-    f32 = TensorProto.FLOAT
-    body = h.make_graph(
-        [h.make_node("Gather", ["x", "i"], ["xt"], axis=0), h.make_node("MatMul", ["xt", "W"], ["a"]),
-         h.make_node("MatMul", ["hp", "R"], ["b"]), h.make_node("Add", ["a", "b"], ["s"]),
-         h.make_node("Tanh", ["s"], ["hn"]), h.make_node("Identity", ["cond"], ["co"]), h.make_node("Identity", ["hn"], ["y"])],
-        "body", [h.make_tensor_value_info("i", TensorProto.INT64, []), h.make_tensor_value_info("cond", TensorProto.BOOL, []),
-                 h.make_tensor_value_info("hp", f32, None)],
-        [h.make_tensor_value_info("co", TensorProto.BOOL, []), h.make_tensor_value_info("hn", f32, None),
-         h.make_tensor_value_info("y", f32, None)])
-    nodes = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z0"], ["T"], axis=0),
-             h.make_node("MatMul", ["z", "Wz"], ["h0"]), h.make_node("Loop", ["T", "", "h0"], ["hT", "Y"], body=body)]
-    g = h.make_graph(nodes, "h0_from_z", [h.make_tensor_value_info("x", f32, ["T", 1, F_]),
-                                           h.make_tensor_value_info("z", f32, [2, D_])],
-                     [h.make_tensor_value_info("Y", f32, None), h.make_tensor_value_info("hT", f32, None)],
-                     consts + [nh.from_array(np.array(0, np.int64), "z0")])
-    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
-    model.ir_version = 8
+    outer = [h.make_node("Shape", ["x"], ["xs"]), h.make_node("Gather", ["xs", "z0"], ["T"], axis=0),
+             h.make_node("MatMul", ["z", "Wz"], ["h0"])]
+    inputs = [h.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 1, F_]),
+              h.make_tensor_value_info("z", TensorProto.FLOAT, [2, D_])]
+    model = _tanh_loop("h0_from_z", [h.make_node("Gather", ["x", "i"], ["xt"], axis=0)], outer, inputs,
+                       consts + [nh.from_array(np.array(0, np.int64), "z0")])
     fused, report = rnnfuse.optimize(model)
     assert not report.fused and report.declined, report.to_text()
     assert "cannot run the rewrite" in report.declined[0].reason, report.to_text()

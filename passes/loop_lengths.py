@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, TensorProto, helper
 
-from rnnfuse.dims import dim_key
+from rnnfuse.dims import dim_key, value_source
 from rnnfuse.graph import Graph, attr
 from .loop_reads import counter_step, counts_down, invariant_source
 
@@ -99,11 +99,8 @@ def _integer_source(body: Graph, name: str) -> str:
     compares ``float(lengths) > float(t)``): the comparison reads the same on the integers. (To float: rounding
     keeps the order against any t below 2**24, which every step count is; int64 to int32 wraps: not seen
     through.)"""
-    n = body.producer.get(name)
-    while n is not None and n.op_type == "Cast" and _widens(body.model.elem_type(n.input[0]), attr(n, "to")):
-        name = n.input[0]
-        n = body.producer.get(name)
-    return name
+    return value_source(body, name, lambda n: n.op_type == "Cast"
+                        and _widens(body.model.elem_type(n.input[0]), attr(n, "to")))
 
 
 _BITS = {TensorProto.INT8: 8, TensorProto.INT16: 16, TensorProto.INT32: 32, TensorProto.INT64: 64}

@@ -324,10 +324,11 @@ def keeps_value(n: NodeProto) -> bool:
     return n.op_type == "Identity" or (n.op_type == "Cast" and attr(n, "to") in _VALUE_TYPES)
 
 
-def value_source(g: Graph, name: str) -> str:
-    """``name`` seen through the Identity nodes and value-keeping casts of ``g`` that produce it."""
+def value_source(g: Graph, name: str, keeps=keeps_value) -> str:
+    """``name`` seen through the nodes of ``g`` that produce it and hand their input on unchanged: by default
+    Identity nodes and value-keeping casts (``keeps`` says which, for a stricter reading)."""
     n = g.producer.get(name)
-    while n is not None and keeps_value(n):
+    while n is not None and keeps(n):
         name = n.input[0]
         n = g.producer.get(name)
     return name

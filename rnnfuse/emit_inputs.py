@@ -51,14 +51,8 @@ def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
 def _first_steps(g: Graph, mask: str, x: str, rec: Recurrence) -> str:
     """``mask`` cut to x's time length along its time axis."""
     axis = rec.x_time_axis if rec.mask_batch_first is None else int(rec.mask_batch_first)
-    ta = np.array([rec.x_time_axis], np.int64)
-    T = g.add_node("Slice", [g.add_node("Shape", [x], 1, name="rnnfuse/mask_cut/Shape", anchor=rec.anchor)[0],
-                             g.add_initializer(ta, "rnnfuse/mask_cut/x_axis"),
-                             g.add_initializer(ta + 1, "rnnfuse/mask_cut/x_axis_end")], 1,
-                   name="rnnfuse/mask_cut/T", anchor=rec.anchor)[0]
-    cut = g.add_node("Slice", [mask, g.add_initializer(np.array([0], np.int64), "rnnfuse/mask_cut/start"), T,
-                               g.add_initializer(np.array([axis], np.int64), "rnnfuse/mask_cut/axis")], 1,
-                     name="rnnfuse/mask_cut/Slice", anchor=rec.anchor)[0]
+    b = Builder(g, rec.anchor, "rnnfuse/mask_cut")
+    cut = b.op("Slice", mask, b.i64(0), b.dim(x, rec.x_time_axis), b.i64(axis))
     dims = list(g.model.shape(mask) or []) or None
     if dims is not None and axis < len(dims):
         dims[axis] = (g.model.shape(x) or [None] * 3)[rec.x_time_axis]  # (x's time length)

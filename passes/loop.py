@@ -40,10 +40,10 @@ from .loop_writes import ScatteredWrite, check_buffer_rows, scattered_write, wri
 from .loop_inputs import find_input_map, side_by_side
 from .loop_outputs import last_step_reads, sequence_output
 from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
-from .loop_masks import (LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
-                         find_derived_mask)
+from .loop_masks import LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read, find_derived_mask
 from .loop_lengths import counting_offset, length_mask
-from .loop_reads import cast_of_bool, check_step_lengths, check_trip_count, counter_step, reads_backwards, step_read
+from .loop_counts import check_trip_count, integer_carry_reason
+from .loop_reads import cast_of_bool, check_step_lengths, counter_step, reads_backwards, step_read
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly, weight_ops
 
 
@@ -175,7 +175,7 @@ def _carried_values(g: Graph, body: Graph, loop: NodeProto) -> _Carried:
         # of 25,000 Loops asked it of each Loop's init, 1 s)
         et = _declared_elem_type(body, 2 + k) or (g.model.elem_type(init) if init else None)
         if et is not None and et not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16):
-            raise Decline(f"carried value '{bi}' of type {TensorProto.DataType.Name(et)} is not a counter")
+            raise Decline(integer_carry_reason(bi, TensorProto.DataType.Name(et), step, start))
         out.recurrent.append(k)
     if not out.recurrent:
         raise Decline("no recurrent state")

@@ -1,5 +1,5 @@
 """How a Loop body walks time: which body reads take element i of an invariant tensor along one axis, and
-the proof that the loop runs exactly once per time step.
+which carried value counts the steps (the proof that the loop runs once per step: :mod:`passes.loop_counts`).
 
 The index arithmetic is read symbolically (:mod:`rnnfuse.index_terms`), so any exporter's spelling of "the
 iteration number", "T - 1 - i" or "[i, i + 1) on axis a" is recognised, not one graph's node order.
@@ -12,7 +12,7 @@ from onnx import NodeProto, TensorProto
 
 from rnnfuse import op_args
 from rnnfuse.dataflow import rank_of
-from rnnfuse.dims import condition_bounds, dim_key, extent_key, root_dim, time_dim_key, time_keys, unit_chunks, value_source
+from rnnfuse.dims import dim_key, extent_key, root_dim, time_keys, unit_chunks, value_source
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.index_terms import TO_THE_END, one_element, past_every_index, terms
@@ -92,16 +92,16 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     ca = body.const(a)
     if ca is not None and np.asarray(ca).size == 1 and int(np.asarray(ca).ravel()[0]) + shift == k - 1:
         return "reverse_end"  # -1 - i: a negative index counts from the end (-1 - i >= -T for every i < T)
-    T_keys = _time_size_keys(g, data, axis)
+    T_keys = _timesize_keys(g, data, axis)
     # a must be T - 1 + k - shift
     an = body.producer.get(value_source(body, a)) if body.scope_of(a) is body else None
     if an is None:
         an = g.producer.get(value_source(g, a))
-    if k - shift == 1 and _size_keys(g, dim_key(body, a)) & T_keys:
+    if k - shift == 1 and size_keys(g, dim_key(body, a)) & T_keys:
         return "reverse"
     if an is not None and an.op_type == "Sub":
         c = body.const(an.input[1])
-        if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k + shift and _size_keys(g, dim_key(body, an.input[0])) & T_keys:
+        if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k + shift and size_keys(g, dim_key(body, an.input[0])) & T_keys:
             return "reverse"
     return None
 
@@ -145,7 +145,7 @@ def _minus_index(body: Graph, n: NodeProto | None, index_syms: dict[str, int]) -
     return a, index_syms[step[0]] + step[1], shift
 
 
-def _size_keys(g: Graph, key) -> set:
+def size_keys(g: Graph, key) -> set:
     """A size's keys: its own, and for a dimension the model declares with a symbolic name, that name (the
     dims a model names alike are one size: the T of ``Gather(mask, T - 1 - i)`` may be read from x's shape)."""
     out = {key}
@@ -157,23 +157,23 @@ def _size_keys(g: Graph, key) -> set:
     return out
 
 
-def _time_size_keys(g: Graph, name: str, axis: int) -> set:
+def _timesize_keys(g: Graph, name: str, axis: int) -> set:
     """Every key of ``name``'s time extent (:func:`rnnfuse.dims.time_keys`) with the names it is declared by."""
-    return set().union(*(_size_keys(g, key) for key in time_keys(g, name, axis)))
+    return set().union(*(size_keys(g, key) for key in time_keys(g, name, axis)))
 
 
 def _same_time_length(g: Graph, data: str, axis: int, x: str, x_axis: int) -> bool:
     """Whether ``data``'s extent along ``axis`` is provably x's time length (both seen through their time
     flips): one number, one declared name, or one axis of a tensor both were made from. (A loop reads a longer
     mask's first T rows, or its rows from its own end at ``-1 - i``: a native op would read all of them.)"""
-    mine = _size_keys(g, extent_key(g, data, axis)) - {None}
-    return bool(mine & _time_size_keys(g, x, x_axis))
+    mine = size_keys(g, extent_key(g, data, axis)) - {None}
+    return bool(mine & _timesize_keys(g, x, x_axis))
 
 
 def same_time_length(g: Graph, data: str, x: str, axis: int) -> bool:
     """Whether ``data`` and ``x`` provably have one time length along ``axis`` (both seen through their time
     flips)."""
-    return _same_time_length(g, _unflipped(g, data, axis), axis, _unflipped(g, x, axis), axis)
+    return _same_time_length(g, unflipped(g, data, axis), axis, unflipped(g, x, axis), axis)
 
 
 def same_extent(g: Graph, a: str, b: str, axis: int) -> bool:
@@ -197,10 +197,10 @@ def check_step_lengths(g: Graph, others: dict[str, int], x: str, x_axis: int, re
     input of tf2onnx's has a time axis named apart from x's, ``unk__N``, whatever its length). Read backwards
     (``T - 1 - i`` of its own length) a longer mask gives its last rows: declined."""
     from_end = "reverse_end" in read_forms
-    x = _unflipped(g, x, x_axis)
+    x = unflipped(g, x, x_axis)
     cut = False
     for other, axis in sorted(others.items()):
-        data = _unflipped(g, other, axis)
+        data = unflipped(g, other, axis)
         if _same_time_length(g, data, axis, x, x_axis) or not (from_end or _declared_apart(g, data, axis, x, x_axis)):
             continue
         if other != mask or read_forms != {"forward"}:  # (read backwards, T - 1 - i of its own T: its last rows)
@@ -222,7 +222,7 @@ def _declared_apart(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> bool:
     return None not in dims and dims[0] != dims[1]
 
 
-def _unflipped(g: Graph, name: str, axis: int) -> str:
+def unflipped(g: Graph, name: str, axis: int) -> str:
     """``name`` seen through its time flips (a flip keeps the extent: a backward layer's x and mask)."""
     for _ in range(8):
         src = time_flip_source(g, name, axis)
@@ -413,86 +413,3 @@ def _full_slice_source(g: Graph, body: Graph, name: str, invariants: dict[str, s
         if outer is not None:
             return outer
     return None
-
-
-def _range_count(g: Graph, M: str, T_keys: set):
-    """T's key when ``M`` is the element count TorchScript computes for ``range(T - 1, -1, -1)``,
-    ``Cast(Ceil(Cast(-1 - (T - 1)) / -1))``; else None."""
-    chain = []
-    name = M
-    for op in ("Cast", "Ceil", "Div", "Cast", "Sub"):
-        n = g.producer.get(name)
-        if n is None or n.op_type != op:
-            return None
-        chain.append(n)
-        name = n.input[0]
-    div, sub = chain[2], chain[4]
-    step, stop = g.const(div.input[1]), g.const(sub.input[0])
-    start = g.producer.get(sub.input[1])
-    if step is None or stop is None or np.size(step) != 1 or np.size(stop) != 1 or start is None:
-        return None
-    if float(np.ravel(step)[0]) != -1.0 or int(np.ravel(stop)[0]) != -1 or start.op_type != "Sub":
-        return None
-    one, T = g.const(start.input[1]), dim_key(g, start.input[0])
-    if one is None or np.size(one) != 1 or int(np.ravel(one)[0]) != 1 or T not in T_keys:
-        return None
-    return T
-
-
-def _time_length_test(g: Graph, T_keys: set):
-    """Whether a size key is x's time length: one of ``T_keys``, or an axis of another tensor that the model
-    declares by the same name (a loop counting x.size(0) may step z, declared [time, B, F] too; not another
-    axis of x itself, which a file declaring [N, N, F] would make "equal" to T)."""
-    named = set().union(*(_size_keys(g, key) for key in T_keys)) - T_keys - {None}
-    roots = {key[1] for key in T_keys if key is not None and key[0] == "dim"}
-
-    def is_T(key) -> bool:
-        if key in T_keys:
-            return True
-        return key is not None and key[0] == "dim" and key[1] not in roots and bool(_size_keys(g, key) & named)
-
-    return is_T
-
-
-def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int], axis: int = 0,
-                     invariants: dict[str, str] | None = None) -> None:
-    """Prove the loop runs exactly T iterations (x's size on ``axis``), or Decline.
-
-    ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
-    and counters starting at 0); ``invariants`` the values the loop carries through unchanged."""
-    # (a time flip keeps the length: torch.flip(x, [1])[:, t] in a loop over x.size(1) counts the unflipped x)
-    T_keys = time_keys(g, x, axis) | time_keys(g, _unflipped(g, x, axis), axis)
-    T = next((k for k in T_keys if k[0] == "const"), time_dim_key(g, x, axis))
-    is_T = _time_length_test(g, T_keys)
-    deltas: list[int] = []
-    M = loop.input[0] if loop.input else ""
-    if M:
-        k = dim_key(g, M) or _range_count(g, M, T_keys)
-        if is_T(k) or (k is not None and k[0] == "min" and all(is_T(one) for one in k[1:])):
-            deltas.append(0)  # (the least of several sizes, each T: zip(x.unbind(1), mask.unbind(1)))
-        elif k is not None and k[0] == "const" and (k[1] >= 2**31 - 1 or (T[0] == "const" and k[1] >= T[1])):
-            pass  # a bound at least T: the condition decides
-        elif k is not None and k[0] == "const":
-            raise Decline(f"the loop runs at most {k[1]} iterations, not once per time step")
-        else:
-            raise Decline("cannot prove the trip count equals the number of time steps")
-    for bound in condition_bounds(body, body.output_names[0], true=body.input_names[1]):
-        if bound is None:
-            raise Decline("the loop condition is not a bound on the iteration number")
-        a, b = bound
-        cs = counter_step(body, a, invariants)
-        if cs is None or cs[0] not in index_syms:
-            raise Decline("the loop condition compares something other than the iteration number")
-        k = index_syms[cs[0]] + cs[1]  # the compared value is i + k
-        if not is_T(dim_key(body, b)):
-            raise Decline("the loop condition's bound is not the number of time steps")
-        deltas.append(1 - k)
-    if not deltas:
-        raise Decline("the loop has no bound")
-    if min(deltas) != 0:
-        raise Decline("the loop does not run exactly once per time step")
-    # the first iteration must run whenever T >= 1
-    cond0 = loop.input[1] if len(loop.input) > 1 else ""
-    for bound in condition_bounds(g, cond0) if cond0 else []:
-        if bound is None or dim_key(g, bound[0]) != ("const", 0) or not is_T(dim_key(g, bound[1])):
-            raise Decline("cannot prove the loop's first iteration runs")

@@ -787,6 +787,7 @@ def test_a_counter_stepping_by_a_carried_two_is_declined(op):
     model, _ = B.build(o)
     fused, report = rnnfuse.optimize(model)
     assert not report.fused and report.declined, report.to_text()
+    assert "adds 2 a step" in report.to_text()  # (the reason says why the counter is none)
     assert fused.SerializeToString() == model.SerializeToString()
 
 

@@ -1,0 +1,106 @@
+"""The proof that a Loop runs exactly once per time step (its trip count and its condition, read against x's
+time length), and why a carried integer that is not the step counter stops a fusion."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import NodeProto
+
+from rnnfuse.dims import condition_bounds, dim_key, time_dim_key, time_keys
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph
+from .loop_reads import counter_step, size_keys, unflipped
+
+
+def integer_carry_reason(name: str, type_name: str, step: tuple[str, int] | None, start: float | None) -> str:
+    """Why the carried integer ``name`` is neither the loop's counter nor a value it carries unchanged (``step``:
+    what :func:`counter_step` read of its update; ``start``: its initial value when a constant)."""
+    what = f"carried value '{name}' of type {type_name}"
+    if step is not None and step[0] == name and step[1] != 1:
+        return f"{what} adds {step[1]} a step: only a counter that adds 1 is read as the step's index"
+    if step is not None and step[0] == name and (start is None or not float(start).is_integer()):
+        return f"{what} counts from a start that is not a constant integer"
+    return f"{what} is no counter (adding 1 a step) and not carried unchanged: the cell would read it"
+
+
+def _range_count(g: Graph, M: str, T_keys: set):
+    """T's key when ``M`` is the element count TorchScript computes for ``range(T - 1, -1, -1)``,
+    ``Cast(Ceil(Cast(-1 - (T - 1)) / -1))``; else None."""
+    chain = []
+    name = M
+    for op in ("Cast", "Ceil", "Div", "Cast", "Sub"):
+        n = g.producer.get(name)
+        if n is None or n.op_type != op:
+            return None
+        chain.append(n)
+        name = n.input[0]
+    div, sub = chain[2], chain[4]
+    step, stop = g.const(div.input[1]), g.const(sub.input[0])
+    start = g.producer.get(sub.input[1])
+    if step is None or stop is None or np.size(step) != 1 or np.size(stop) != 1 or start is None:
+        return None
+    if float(np.ravel(step)[0]) != -1.0 or int(np.ravel(stop)[0]) != -1 or start.op_type != "Sub":
+        return None
+    one, T = g.const(start.input[1]), dim_key(g, start.input[0])
+    if one is None or np.size(one) != 1 or int(np.ravel(one)[0]) != 1 or T not in T_keys:
+        return None
+    return T
+
+
+def _time_length_test(g: Graph, T_keys: set):
+    """Whether a size key is x's time length: one of ``T_keys``, or an axis of another tensor that the model
+    declares by the same name (a loop counting x.size(0) may step z, declared [time, B, F] too; not another
+    axis of x itself, which a file declaring [N, N, F] would make "equal" to T)."""
+    named = set().union(*(size_keys(g, key) for key in T_keys)) - T_keys - {None}
+    roots = {key[1] for key in T_keys if key is not None and key[0] == "dim"}
+
+    def is_T(key) -> bool:
+        if key in T_keys:
+            return True
+        return key is not None and key[0] == "dim" and key[1] not in roots and bool(size_keys(g, key) & named)
+
+    return is_T
+
+
+def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int], axis: int = 0,
+                     invariants: dict[str, str] | None = None) -> None:
+    """Prove the loop runs exactly T iterations (x's size on ``axis``), or Decline.
+
+    ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
+    and counters starting at 0); ``invariants`` the values the loop carries through unchanged."""
+    # (a time flip keeps the length: torch.flip(x, [1])[:, t] in a loop over x.size(1) counts the unflipped x)
+    T_keys = time_keys(g, x, axis) | time_keys(g, unflipped(g, x, axis), axis)
+    T = next((k for k in T_keys if k[0] == "const"), time_dim_key(g, x, axis))
+    is_T = _time_length_test(g, T_keys)
+    deltas: list[int] = []
+    M = loop.input[0] if loop.input else ""
+    if M:
+        k = dim_key(g, M) or _range_count(g, M, T_keys)
+        if is_T(k) or (k is not None and k[0] == "min" and all(is_T(one) for one in k[1:])):
+            deltas.append(0)  # (the least of several sizes, each T: zip(x.unbind(1), mask.unbind(1)))
+        elif k is not None and k[0] == "const" and (k[1] >= 2**31 - 1 or (T[0] == "const" and k[1] >= T[1])):
+            pass  # a bound at least T: the condition decides
+        elif k is not None and k[0] == "const":
+            raise Decline(f"the loop runs at most {k[1]} iterations, not once per time step")
+        else:
+            raise Decline("cannot prove the trip count equals the number of time steps")
+    for bound in condition_bounds(body, body.output_names[0], true=body.input_names[1]):
+        if bound is None:
+            raise Decline("the loop condition is not a bound on the iteration number")
+        a, b = bound
+        cs = counter_step(body, a, invariants)
+        if cs is None or cs[0] not in index_syms:
+            raise Decline("the loop condition compares something other than the iteration number")
+        k = index_syms[cs[0]] + cs[1]  # the compared value is i + k
+        if not is_T(dim_key(body, b)):
+            raise Decline("the loop condition's bound is not the number of time steps")
+        deltas.append(1 - k)
+    if not deltas:
+        raise Decline("the loop has no bound")
+    if min(deltas) != 0:
+        raise Decline("the loop does not run exactly once per time step")
+    # the first iteration must run whenever T >= 1
+    cond0 = loop.input[1] if len(loop.input) > 1 else ""
+    for bound in condition_bounds(g, cond0) if cond0 else []:
+        if bound is None or dim_key(g, bound[0]) != ("const", 0) or not is_T(dim_key(g, bound[1])):
+            raise Decline("cannot prove the loop's first iteration runs")

@@ -27,20 +27,21 @@ from rnnfuse.dims import fixed_batch
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model
 from rnnfuse.findings import Options, PassResult
-from rnnfuse.recurrence import CountOutput, FinalOutput, Init, InputPrep, Recurrence
+from rnnfuse.recurrence import CountOutput, FinalOutput, InputPrep, Recurrence
 from rnnfuse.recurrence_layers import cells_first, check_feeds, layer_recurrence, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf, reading_projections
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
-from rnnfuse.step import StepOut, StepState, analyse
+from rnnfuse.step import StepOut, analyse
 from .loop_buffers import accumulated, check_buffer_length, grown, row_write
 from .loop_split import fuse_parts
 from .loop_writes import ScatteredWrite, check_buffer_rows, scattered_write, write_axis
 from .loop_inputs import find_input_map, side_by_side
-from .loop_outputs import last_step_reads, sequence_output
+from .loop_outputs import final_role, last_step_reads, sequence_output
 from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
-from .loop_masks import LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read, find_derived_mask
+from .loop_masks import (DERIVED_MASK, LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
+                         find_derived_mask, laid_out_like_x)
 from .loop_lengths import counting_offset, length_mask
 from .loop_counts import check_trip_count, integer_carry_reason
 from .loop_reads import cast_of_bool, check_step_lengths, counter_step, reads_backwards, step_read
@@ -86,6 +87,7 @@ class StepReads:
     x_rank: int = ROW_RANK  # x_t is [B, F]; 1: one id a row ([B]), which the cell reads through a lookup
     rows: "RowReads | None" = None  # the step's element of a [T, B] tensor that is no bool mask
     mask_cut: bool = False  # the mask's length is not provably x's: the native op reads its first T steps
+    mask_axis: int = 0  # the time axis of the mask read (mask_outer): 0 [T, B], 1 [B, T] (it may differ from x's)
     derived_from: "RowReads | None" = None  # what the derived mask is computed from: x_t, or rows
 
 
@@ -263,9 +265,9 @@ def _body_reads(g: Graph, body: Graph, carried: _Carried) -> _BodyReads:
             r.mask_outer, r.mask_axis = of_bool or data, axis
             mask = BoolMask("m", False, rank == 3 or n.op_type == "Slice")  # ([B, 1] a row)
             r.leaves[n.output[0]] = mask if of_bool is None else mask.as_number()
-        elif rank == 2 and axis == 0 and (r.rows is None or r.rows.source == data):
+        elif rank == 2 and axis in (0, 1) and (r.rows is None or (r.rows.source, r.rows.axis) == (data, axis)):
             # one value a row per step, no bool: what the body may compute its step mask from
-            r.rows = r.rows or RowReads(data, set(), [], 1)
+            r.rows = r.rows or RowReads(data, set(), [], 1, axis)
             r.rows.reads.add(n.output[0])
             r.rows.nodes.append(n)
         else:
@@ -290,11 +292,9 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     x_reads = [n.output[0] for n in x_read_nodes]
     x_rank = ROW_RANK
     if x_outer is None and rows is not None:  # one value a row: perhaps ids whose lookup the cell reads
-        x_outer, x_axis, x_rank, x_reads, x_read_nodes = rows.source, 0, 1, sorted(rows.reads), rows.nodes
+        x_outer, x_axis, x_rank, x_reads, x_read_nodes = rows.source, rows.axis, 1, sorted(rows.reads), rows.nodes
     if x_outer is None:
         raise Decline("no per-step input (element i of an invariant tensor) in the body")
-    if mask_outer is not None and x_axis != r.mask_axis:
-        raise Decline("the step input and the mask are read along different time axes")
     if x_axis == 2 and (mask_outer is not None or lengths is not None or rows is not None or len(r.x_parts) > 1):
         raise Decline("a mask or a second sequence beside an input read along its last axis")
     side: tuple = ()
@@ -309,7 +309,7 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     if len(r.forms) > 1:
         raise Decline(f"one recurrence reads its per-step inputs in {len(r.forms)} orders ({', '.join(sorted(r.forms))})")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis, carried.invariants)
-    others = {mask_outer: r.mask_axis, rows and rows.source: 0}
+    others = {mask_outer: r.mask_axis, rows and rows.source: rows and rows.axis}
     mask_cut = check_step_lengths(g, {k: a for k, a in others.items() if k not in (None, x_outer)}, x_outer, x_axis,
                                   r.forms, mask_outer)
     if lengths is not None:
@@ -325,9 +325,9 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     step_in = StepReads(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis,
                          x_atom, bool(r.forms - {"forward"}), mask_outer, set(x_reads), x_outer, prep, lengths, None,
                          x_read_nodes, x_rank=x_rank)
-    step_in.rows, step_in.mask_cut = rows, mask_cut
+    step_in.rows, step_in.mask_cut, step_in.mask_axis = rows, mask_cut, r.mask_axis
     if rows is not None and (mask_outer is not None or lengths is not None):
-        raise Decline(f"the body reads a step of '{rows.source}' ([T, B], not bool) beside its mask")
+        raise Decline(f"the body reads a step of '{rows.source}' (one value a row, not bool) beside its mask")
     if mask_outer is None:  # (none read, none compared with lengths: perhaps one computed from x_t or rows)
         find_derived_mask(g, body, step_in, carried.invariants)
     return step_in
@@ -454,7 +454,7 @@ def _layer_recurrences(loop: NodeProto, layers: list, layer_step_states: list, s
         an = analyse(layer.x, step_states, outs_of[li], states)
         finals, stacked, row_steps = [], [], []
         for poly, outer, reads in last_of.get(li, []):
-            role = _final_role(poly, step_states, an)
+            role = final_role(poly, step_states, an)
             by_row = isinstance(reads[0], RowStep)  # one step per row (flax's carry at seq_lengths - 1)
             if role is None or (by_row and (role[0] != "c" or an.masked)):
                 # e.g. Keras' masked output sliced at its last step, h read at a step per row: stacked as before
@@ -470,23 +470,14 @@ def _layer_recurrences(loop: NodeProto, layers: list, layer_step_states: list, s
                                x_time_axis=step_in.x_axis, x_reversed=step_in.x_reversed,
                                x_prep=step_in.x_prep, remove=[loop] + extra_remove, anchor=loop,
                                row_steps=row_steps, mask_cut=step_in.mask_cut)
+        if step_in.mask_outer not in (None, LENGTH_MASK, DERIVED_MASK):  # (built later, each laid out then)
+            laid_out_like_x(rec, step_in.mask_axis)
         cell_states.append((an.rec.h, an.rec.c))
         if step_in.mask_outer is not None and not an.masked:
             rec.notes.append("the body reads a mask but no state depends on it")
         recs.append(rec)
     check_feeds(layers, cell_states)
     return recs, cell_states
-
-
-def _final_role(poly: Poly, step_states: list[StepState], an) -> tuple[str, Init] | None:
-    """The cell state a per-step output read only at its last step is: ("h" | "c", the value with no valid
-    step), or None (another per-step output, handled as a stacked one)."""
-    for st in step_states:
-        if st.out_poly.key != poly.key:
-            continue
-        if st.sym in (an.rec.h, an.rec.c):
-            return "h" if st.sym == an.rec.h else "c", st.init if an.masked else Init()
-    return None
 
 
 class FuseLoops:

@@ -26,12 +26,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class RowReads:
-    """The body's reads of one step of an outer tensor (``Gather(S, i)`` on its time-major axis 0)."""
+    """The body's reads of one step of an outer tensor (``Gather(S, i, axis)`` on its time axis)."""
 
-    source: str  # S: [T, B, F] (x), or [T, B] (one value a row: a float or integer mask, say)
+    source: str  # S: [T, B, F] (x), or [T, B] (one value a row: a float or integer mask, say); or batch-first
     reads: set[str]  # the body tensors holding the step's element
     nodes: list  # the Gather nodes reading it
     x_rank: int  # as row_wise.row_masks reads them
+    axis: int = 0  # S's time axis: 0 time-major, 1 batch-first ([B, T]: ``mask[:, t]``)
 
 
 LENGTH_MASK = "<the mask t < lengths, built before the native op>"
@@ -58,16 +59,18 @@ def attach_derived_mask(g: Graph, body: Graph, loop: NodeProto, recs: list[Recur
         return
     d, src = step_in.derived, step_in.derived_from
     b = Builder(g, loop, "rnnfuse/step_mask")
+    # (M is laid out like S: [T, B(, 1)], or [B, T(, 1)] for a batch-first S)
     mask = mask_on_every_step(b, d.nodes, sorted(src.reads), src.source, d.out, d.rank, d.consts, src.x_rank)
     # (validation compares the op with the body given M: that M is what the body computed is proven here)
-    why = body_mask_differs(g, mask, 0, src.source, 0, sorted(src.reads), d.nodes, d.out, d.consts)
+    why = body_mask_differs(g, mask, src.axis, src.source, src.axis, sorted(src.reads), d.nodes, d.out, d.consts)
     if why is not None:
         raise Decline(why)
-    read = src.nodes[0]  # Gather(S, i, axis 0): the step's index, as its element is read
-    body.rewrite_in_place(body.producer[d.out], "Gather", [mask, read.input[1]], axis=0)
+    read = src.nodes[0]  # Gather(S, i, axis): the step's index, as its element is read
+    body.rewrite_in_place(body.producer[d.out], "Gather", [mask, read.input[1]], axis=src.axis)
     for r in recs:
         if r.mask == DERIVED_MASK:
             r.mask = mask
+            laid_out_like_x(r, src.axis)
             what = "the step input" if src.x_rank == ROW_RANK else f"'{src.source}'"
             r.notes.append(f"mask: computed from {what} in the body, for every step before the loop")
 
@@ -80,9 +83,9 @@ def find_derived_mask(g: Graph, body: Graph, step_in: StepReads, invariants: dic
     def const_of(name: str):
         return g.const(invariants[name]) if name in invariants else body.const(name)
 
-    x = RowReads(step_in.x_read_source, step_in.x_reads, step_in.x_read_nodes, step_in.x_rank)
+    x = RowReads(step_in.x_read_source, step_in.x_reads, step_in.x_read_nodes, step_in.x_rank, step_in.x_axis)
     for src in ([step_in.rows] if step_in.rows is not None else [x]):
-        if not all(n.op_type == "Gather" and attr(n, "axis", 0) == 0 for n in src.nodes):
+        if src.axis not in (0, 1) or not all(n.op_type == "Gather" and attr(n, "axis", 0) == src.axis for n in src.nodes):
             continue
         step_in.derived = body_mask(body, src.reads, const_of, src.x_rank)
         if step_in.derived is not None:
@@ -90,8 +93,15 @@ def find_derived_mask(g: Graph, body: Graph, step_in: StepReads, invariants: dic
             step_in.mask_outer, step_in.derived_from = DERIVED_MASK, src
             return
     if step_in.rows is not None:
-        raise Decline(f"the body reads a step of '{step_in.rows.source}' ([T, B], not bool) other than to compute"
+        raise Decline(f"the body reads a step of '{step_in.rows.source}' (one value a row, not bool) other than to compute"
                       " its mask")
+
+
+def laid_out_like_x(rec: Recurrence, mask_axis: int) -> None:
+    """Record the time axis ``mask_axis`` of ``rec``'s mask where it is not the one of the x ``rec`` reads (a
+    ``[B, T]`` mask beside a time-major x, or the cell below's time-major Y above a batch-first mask)."""
+    if rec.mask is not None and mask_axis != rec.x_time_axis:
+        rec.mask_batch_first = mask_axis == 1
 
 
 def check_mask_read(g: Graph, data: str, axis: int, rank: int | None, mask_outer: str | None) -> None:

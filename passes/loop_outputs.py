@@ -10,7 +10,8 @@ from onnx import NodeProto
 from rnnfuse import op_args
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
-from rnnfuse.step import StepOut
+from rnnfuse.recurrence import Init
+from rnnfuse.step import StepOut, StepState
 from rnnfuse.symbolic import SymTensor, Poly
 from .loop_heads import HeadCandidate, StateKeys, state_output
 
@@ -85,3 +86,14 @@ def sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list
         raise Decline("the per-step outputs are stacked along an unsupported axis")
     extra_remove.append(cat)
     return li, StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, time_axis=axis)
+
+
+def final_role(poly: Poly, step_states: list[StepState], an) -> tuple[str, Init] | None:
+    """The cell state a per-step output read only at its last step is: ("h" | "c", the value with no valid
+    step), or None (another per-step output, handled as a stacked one)."""
+    for st in step_states:
+        if st.out_poly.key != poly.key:
+            continue
+        if st.sym in (an.rec.h, an.rec.c):
+            return "h" if st.sym == an.rec.h else "c", st.init if an.masked else Init()
+    return None

@@ -166,6 +166,7 @@ class Opts:
     # carried value the body returns unchanged), view (the body views the read row again by a whole-axes Slice)
     mask_outside: tuple = ()
     mask_time_name: str = ""  # the mask input's time axis declared by this name (not x's): its length unproven
+    mask_read_bf: bool = False  # Loop, forward, time-major x: the mask input is [B, T(, 1)], read in the body as mask[:, t]
     loop_bound: str = "M"  # Loop: M (trip count Shape(X)[0]) | cond (condition i+1 < T) | both | const (M a constant, static_T)
     static_T: int = 0  # declare a fixed number of time steps (0: dynamic)
     static_B: int = 0  # declare a fixed batch size (0: dynamic)
@@ -1041,7 +1042,7 @@ def _loop_layer(mb: ModelBuilder, o: Opts, X: str, mask: str | None, F: int, suf
         ctx.carried.append((Mt, inner, ["T", "B", 1][: o.mask_rank], FLOAT if "float" in o.mask_outside else TensorProto.BOOL))
         Mt = inner
     x_t = body.op("Gather", Xt, x_idx, axis=0, hint="x_t")
-    m_t = body.op("Gather", Mt, idx, axis=0, hint="m_t") if mask else None
+    m_t = body.op("Gather", Mt, idx, axis=1 if o.mask_read_bf else 0, hint="m_t") if mask else None
     if mask and "view" in o.mask_outside:  # (tf2onnx's m[:, None] after a kept column: starts 0, ends 1e9)
         k = o.mask_rank - 1
         m_t = body.op("Slice", m_t, body.constant(np.zeros(k, np.int64), "zeros"),
@@ -1226,7 +1227,7 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
         mask = "lengths"
     elif o.masked():
         Tm = o.mask_time_name or T
-        ms = [Bd, Tm, 1] if o.batch_first else [Tm, Bd, 1]
+        ms = [Bd, Tm, 1] if o.batch_first or o.mask_read_bf else [Tm, Bd, 1]
         m_et = FLOAT if o.mutation == "float_mask" or o.lengths == "gt0" else TensorProto.BOOL
         mb.inputs.append(_vi("mask", m_et, ms[: o.mask_rank]))
         mask = "mask"
@@ -1352,7 +1353,7 @@ def make_feeds(o: Opts, mb: ModelBuilder, rng: np.random.Generator, batch: int, 
         feeds["lengths"] = P.sum(0).astype(np.int64)
     elif o.masked():
         P = mask_pattern(mask_kind, T, batch, rng)
-        if o.batch_first:
+        if o.batch_first or o.mask_read_bf:
             P = P.T
         if o.padding():
             P = ~P
@@ -1440,7 +1441,7 @@ def expected(o: Opts, feeds: dict) -> list[np.ndarray]:
     elif o.masked():
         m = feeds["mask"]
         mask = m.reshape(m.shape[:2]).astype(bool)
-        if o.batch_first:
+        if o.batch_first or o.mask_read_bf:
             mask = mask.T
         if o.padding():
             mask = ~mask

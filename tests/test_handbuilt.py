@@ -288,6 +288,10 @@ LOOP_FAMILIES = {
     # a mask input whose time length the file does not tie to x's (the op reads its first T steps, as the loop)
     "loop_mask_own_length": dict(mask="where", mask_time_name="T_mask"),
     "loop_mask_own_length_bf": dict(mask="cast_sub", mask_time_name="T_mask", batch_first=True),
+    # a [B, T] mask read at its own time axis (mask[:, t]) beside a time-major x (mask_batch_first on the op)
+    "loop_mask_read_bf": dict(mask="where", mask_read_bf=True),
+    "loop_mask_read_bf_rank2": dict(mask="cast_sub", mask_rank=2, mask_read_bf=True),
+    "loop_mask_read_bf_two_layers": dict(mask="where", mask_read_bf=True, layers="stack"),
     # (a [T, B] mask: a [T, B, 1] 0/1 float may as well be a one-feature input, read as x)
     "loop_mask_float_blend": dict(mask="cast_sub", mask_rank=2, mask_outside=("float",)),
     "loop_mask_float_carried_view": dict(mask="delta", mask_rank=2, fill="zero", mask_outside=("float", "carried", "view")),

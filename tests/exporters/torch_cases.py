@@ -265,6 +265,21 @@ CASES = [
            notes="for x_t, m_t in zip(x.unbind(1), mask.unbind(1)): h = where(m_t, cell, h)"),
     script("lstmcell_script_bool_mask_bf", "lstm", bool_mask="valid", **BF,
            notes="mask [B, T] bool read as mask[:, t].unsqueeze(1): h = where(m, cell, h)"),
+    # ... a mask input read at the loop's step on its own time axis, which need not be x's
+    script("gru_hand_script_mask_gt0_time_major_beside_bf", "gru_hand", mask_input="gt0", mask_transposed=True, **BF,
+           notes="x [B, T, F], mask [T, B] float: m = mask[t].unsqueeze(1) > 0; h = where(m, cell, h)"),
+    script("rnn_hand_script_mask_long_ne0_bf", "rnn_hand", mask_input="long_ne0", **BF,
+           notes="mask [B, T] int64 read as mask[:, t]: m = (mask[:, t] != 0).unsqueeze(1)"),
+    script("rnn_hand_script_bool_mask_bf_beside_time_major", "rnn_hand", mask_input="bool", mask_transposed=True,
+           notes="x [T, B, F], mask [B, T] bool read as mask[:, t]"),
+    script("gru_hand_script_bool_mask_two_cells_bf", "gru_hand", mask_input="bool", layers=2, **BF,
+           notes="two cells stacked in one loop, both kept by mask[:, t] ([B, T] bool) over a batch-first x: the "
+                 "upper op reads the lower one's time-major Y beside the batch-first mask"),
+    script("gru_hand_script_float_mask_blend", "gru_hand", mask_input="blend", near_miss=True,
+           notes="h = m * cell + (1 - m) * h with m = mask[t].unsqueeze(1) of a float input: a value between 0 and "
+                 "1 mixes the two, which no native op does"),
+    script("lstmcell_script_embed_per_step_bf", "lstm", inputs="embed", **BF,
+           notes="E(tokens[:, t]): tokens [B, T] int64 read on their time axis 1"),
     script("lstmcell_script_embed_before", "lstm", inputs="embed_before",
            notes="E(tokens) before a loop over tokens.size(0) reading its rows: the trip count is the ids' length"),
     script("lstmcell_script_flip_before", "lstm", inputs="flip_before", reverse=True,
@@ -926,6 +941,9 @@ def input_specs(c: Case) -> list[tuple[str, tuple]]:
         specs.append(("lengths", ("B",)))
     if c.model == "script" and c.opts.get("bool_mask"):  # [B, T] bool: true at valid steps, or padding ("pad")
         specs.append(("pad" if c.opts["bool_mask"] == "pad" else "mask_bool", ("B", "T")))
+    if c.model == "script" and c.opts.get("mask_input"):  # [B, T] or [T, B]: bool, float or int64 0/1
+        name = {"bool": "mask_bool", "long_ne0": "mask_long"}.get(c.opts["mask_input"], "mask")
+        specs.append((name, ("B", "T") if _mask_batch_first(c) else ("T", "B")))
     if c.opts.get("init") in ("given", "linear"):
         names = ("h0", "c0") if c.family == "lstm" else ("h0",)
         if c.model == "nn":
@@ -948,8 +966,9 @@ def make_inputs(specs, batch: int, time_: int, rng: np.random.Generator) -> dict
             ids = rng.integers(1, VOCAB, size=(batch, time_)) * keep
             feeds[name] = (ids if shape[0] == "B" else ids.T).astype(np.int64)
             continue
-        if name in ("mask_bool", "pad"):  # bool per step and row, batch-first: valid steps, or their negation
+        if name in ("mask_bool", "pad"):  # bool per step and row: valid steps, or their negation
             keep = np.stack([_keep_row(time_, batch, b) for b in range(batch)])  # [B, T]
+            keep = keep.T if shape[0] == "T" else keep
             feeds[name] = keep if name == "mask_bool" else ~keep
             continue
         if name in ("mask", "mask_long"):  # 0/1 per step and row: the rows of zero_padded_steps' patterns
@@ -1213,19 +1232,20 @@ def torch_modules():
         """Scripted loop over an nn.LSTMCell reading a map of its step (an input MLP, a LayerNorm, an
         embedding lookup of token ids ``[T, B]``) instead of x[t]."""
 
-        def __init__(self, features, hidden, inputs):
+        def __init__(self, features, hidden, inputs, batch_first=False):
             super().__init__()
-            self.cell, self.hidden = nn.LSTMCell(features, hidden), hidden
+            self.cell, self.hidden, self.batch_first = nn.LSTMCell(features, hidden), hidden, batch_first
             self.prep = {"mlp": lambda: nn.Sequential(nn.Linear(features, features), nn.ReLU()),
                          "norm": lambda: nn.LayerNorm(features),
                          "embed": lambda: nn.Embedding(VOCAB, features)}[inputs]()
 
         def forward(self, x):
-            h = torch.zeros(x.size(1), self.hidden)
-            c = torch.zeros(x.size(1), self.hidden)
+            bf = self.batch_first
+            h = torch.zeros(x.size(0 if bf else 1), self.hidden)
+            c = torch.zeros(x.size(0 if bf else 1), self.hidden)
             outs: list[torch.Tensor] = []
-            for t in range(x.size(0)):
-                h, c = self.cell(self.prep(x[t]), (h, c))
+            for t in range(x.size(1 if bf else 0)):
+                h, c = self.cell(self.prep(x[:, t] if bf else x[t]), (h, c))
                 outs.append(h)
             return torch.stack(outs, dim=0)
 
@@ -1308,6 +1328,40 @@ def torch_modules():
                     h, c = torch.where(m, h2, h), torch.where(m, c2, c)
                     outs.append(h)
             return torch.stack(outs, 1)
+
+    class ScriptMaskInputLoop(nn.Module):
+        """Scripted loop over ``layers`` hand cells stacked in one step, each kept where a mask input says the
+        step is valid, read at the step on its own time axis (``mask_bf``: ``mask[:, t]``, else ``mask[t]``),
+        x's being ``batch_first``'s. ``form``: "bool" (``where(m, cell, h)``), "gt0" (a float 0/1 mask, ``m >
+        0``), "long_ne0" (an int64 one, ``m != 0``), "blend" (``m * cell + (1 - m) * h`` of the float mask
+        itself: a near miss)."""
+
+        def __init__(self, cell, features, hidden, form, mask_bf, batch_first, layers=1):
+            super().__init__()  # (layers: 1 or 2)
+            self.cells = nn.ModuleList(make_cell(cell, features if k == 0 else hidden, hidden) for k in range(layers))
+            self.hidden, self.form, self.mask_bf, self.batch_first = hidden, form, mask_bf, batch_first
+
+        def keep(self, m_t, new, h):
+            if self.form == "blend":
+                return m_t * new + (1 - m_t) * h
+            valid = m_t if self.form == "bool" else (m_t > 0 if self.form == "gt0" else m_t != 0)
+            return torch.where(valid, new, h)
+
+        def forward(self, x, mask):
+            steps = x.size(1) if self.batch_first else x.size(0)
+            h1 = torch.zeros(x.size(0) if self.batch_first else x.size(1), self.hidden)
+            h2 = torch.zeros_like(h1)  # (one state a cell as its own variable: a list of them is carried as a sequence)
+            outs: list[torch.Tensor] = []
+            for t in range(steps):
+                u = x[:, t] if self.batch_first else x[t]
+                m_t = (mask[:, t] if self.mask_bf else mask[t]).unsqueeze(1)
+                h1 = self.keep(m_t, self.cells[0](u, h1), h1)
+                if len(self.cells) > 1:
+                    h2 = self.keep(m_t, self.cells[-1](h1, h2), h2)
+                    outs.append(h2)
+                else:
+                    outs.append(h1)
+            return torch.stack(outs, 1 if self.batch_first else 0)
 
     class ScriptIterLoop(nn.Module):
         """Scripted loops over a single-state hand cell that iterate over x instead of ``range(x.size(0))``:
@@ -1516,6 +1570,7 @@ def torch_modules():
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
+                       ScriptMaskInputLoop=ScriptMaskInputLoop,
                        ScriptZipMaskLoop=ScriptZipMaskLoop, ScriptConvLoop=ScriptConvLoop,
                        ScriptBeforeLoop=ScriptBeforeLoop,
                        ScriptRevRangeLoop=ScriptRevRangeLoop, ScriptBidirLoop=ScriptBidirLoop,
@@ -1553,12 +1608,15 @@ def build_module(c: Case):
             return m["ScriptZipMaskLoop" if inputs == "zip_mask" else "ScriptIterLoop"](cell, c.features, c.hidden, inputs)
         if o.get("bool_mask"):
             return m["ScriptMaskLoop"](c.features, c.hidden, o["bool_mask"])
+        if o.get("mask_input"):
+            return m["ScriptMaskInputLoop"](cell, c.features, c.hidden, o["mask_input"], _mask_batch_first(c),
+                                            c.batch_first, o.get("layers", 1))
         if o.get("bidir"):
             return m["ScriptBidirLoop"](c.features, c.hidden, **o)
         if inputs == "two_cells":
             return m["ScriptTwoCellsLoop"](c.features, c.hidden)
         if inputs:
-            return m["ScriptPrepLoop"](c.features, c.hidden, inputs)
+            return m["ScriptPrepLoop"](c.features, c.hidden, inputs, c.batch_first)
         if cell == "lstm":
             return m["ScriptLSTMLoop"](c.features, c.hidden, **o)
         return m["ScriptHLoop"](cell, c.features, c.hidden, **o)

@@ -278,6 +278,9 @@ CASES = [
     script("gru_hand_script_float_mask_blend", "gru_hand", mask_input="blend", near_miss=True,
            notes="h = m * cell + (1 - m) * h with m = mask[t].unsqueeze(1) of a float input: a value between 0 and "
                  "1 mixes the two, which no native op does"),
+    script("rnn_hand_script_xmask_bf", "rnn_hand", xmask="where", **BF,
+           notes="v = (x[:, t] != 0).any(-1).unsqueeze(1); h = where(v, cell, h): the mask computed in the body from "
+                 "the step's row of a batch-first x; the input sets zero x at padded steps"),
     script("lstmcell_script_embed_per_step_bf", "lstm", inputs="embed", **BF,
            notes="E(tokens[:, t]): tokens [B, T] int64 read on their time axis 1"),
     script("lstmcell_script_embed_before", "lstm", inputs="embed_before",
@@ -1363,6 +1366,23 @@ def torch_modules():
                     outs.append(h1)
             return torch.stack(outs, 1 if self.batch_first else 0)
 
+    class ScriptXMaskLoop(nn.Module):
+        """Scripted loop over a hand cell kept where the step's row of x is not all zeros, decided in the body
+        from the step it reads (``v = (x_t != 0).any(-1).unsqueeze(1)``), x read on its own time axis."""
+
+        def __init__(self, cell, features, hidden, batch_first):
+            super().__init__()
+            self.cell, self.hidden, self.batch_first = make_cell(cell, features, hidden), hidden, batch_first
+
+        def forward(self, x):
+            h = torch.zeros(x.size(0) if self.batch_first else x.size(1), self.hidden)
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(1) if self.batch_first else x.size(0)):
+                u = x[:, t] if self.batch_first else x[t]
+                h = torch.where((u != 0).any(-1).unsqueeze(1), self.cell(u, h), h)
+                outs.append(h)
+            return torch.stack(outs, 1 if self.batch_first else 0)
+
     class ScriptIterLoop(nn.Module):
         """Scripted loops over a single-state hand cell that iterate over x instead of ``range(x.size(0))``:
         ``for x_t in x.unbind(a)`` (SplitToSequence + SequenceAt, the trip count its SequenceLength), ``for t,
@@ -1570,7 +1590,7 @@ def torch_modules():
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
-                       ScriptMaskInputLoop=ScriptMaskInputLoop,
+                       ScriptMaskInputLoop=ScriptMaskInputLoop, ScriptXMaskLoop=ScriptXMaskLoop,
                        ScriptZipMaskLoop=ScriptZipMaskLoop, ScriptConvLoop=ScriptConvLoop,
                        ScriptBeforeLoop=ScriptBeforeLoop,
                        ScriptRevRangeLoop=ScriptRevRangeLoop, ScriptBidirLoop=ScriptBidirLoop,
@@ -1608,6 +1628,8 @@ def build_module(c: Case):
             return m["ScriptZipMaskLoop" if inputs == "zip_mask" else "ScriptIterLoop"](cell, c.features, c.hidden, inputs)
         if o.get("bool_mask"):
             return m["ScriptMaskLoop"](c.features, c.hidden, o["bool_mask"])
+        if o.get("xmask"):
+            return m["ScriptXMaskLoop"](cell, c.features, c.hidden, c.batch_first)
         if o.get("mask_input"):
             return m["ScriptMaskInputLoop"](cell, c.features, c.hidden, o["mask_input"], _mask_batch_first(c),
                                             c.batch_first, o.get("layers", 1))

@@ -17,7 +17,8 @@ from rnnfuse.graph import Graph, Model, attr, has_subgraph
 from rnnfuse.index_order import in_order, length_term
 
 class DropNoOps:
-    """Casts to the type a value already has, Identities, and Gathers of a whole axis in order, read through
+    """Casts to the type a value already has, Identities, Gathers of a whole axis in order, and items of a list
+    built by ``SequenceConstruct`` taken at a constant position, read through
     (torch exports a chain of float->float Casts around every step; they hide shared inputs and time flips from
     the other passes; jax2onnx gathers a scanned tensor by indices 0 .. T-1 computed from a reversed iota)."""
 
@@ -44,11 +45,33 @@ class DropNoOps:
                 g.replace_uses(n.output[0], n.input[0])
                 g.remove_node(n, long_lists)
                 done += 1
+        for n in g.nodes_of("SequenceAt"):
+            item = _constructed_item(g, n) if g.alive(n) else None
+            if item is None:  # (else a list of states rebuilt after a Loop, say: passes.loop_lists)
+                continue
+            if g.is_graph_output(n.output[0]):
+                g.rewrite_in_place(n, "Identity", [item])  # (the output keeps its name)
+            else:
+                g.replace_uses(n.output[0], item)
+                g.remove_node(n, long_lists)
+            done += 1
         g.drop_removed_readers(long_lists)
         if done:
             res.modified = True
-            res.notes.append(f"read through {done} no-op Cast/Identity/Gather node(s)")
+            res.notes.append(f"read through {done} no-op Cast/Identity/Gather/SequenceAt node(s)")
         return res
+
+
+def _constructed_item(g: Graph, n: NodeProto) -> str | None:
+    """The tensor ``SequenceAt`` node ``n`` takes, when its sequence is a ``SequenceConstruct`` and its
+    position a constant; else None."""
+    p = g.producer.get(n.input[0])
+    c = g.const(n.input[1]) if p is not None and p.op_type == "SequenceConstruct" and len(n.input) > 1 else None
+    if c is None or np.size(c) != 1 or np.asarray(c).dtype.kind not in "iu":
+        return None
+    k = int(np.ravel(c)[0])
+    k = k + len(p.input) if k < 0 else k
+    return p.input[k] if 0 <= k < len(p.input) and p.input[k] else None
 
 
 def _gathers_all_in_order(g: Graph, n) -> bool:

@@ -27,23 +27,39 @@ from rnnfuse.graph import Graph
 from rnnfuse.protos import has_subgraph
 from rnnfuse.rewrite import recurrences_of
 from rnnfuse.symbolic import weight_ops
+from .loop_lists import unpack_lists
 
 _NOT_COPIED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
                "Bernoulli", "Dropout"}  # (a copy may draw other numbers: Dropout's training_mode may be fed)
 
 
 def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, NodeProto, Callable[[], None] | None]:
-    """``(recurrences, [(part, its decline reason)], node, settle)``: when ``loop`` splits (see the module) and
-    at least one of its parts is a recurrence, their recurrences and the others' declines, the parts in the
-    Loop's place, and ``settle``, to call once the recurrences were applied or declined: it puts the Loop back
-    when no part was fused after all (validation may decline them all). Otherwise no recurrence and the Loop in
-    the graph, ``node``: ``loop`` itself, or an equal copy of it where its parts were tried and put back."""
+    """``(recurrences, [(part, its decline reason)], node, settle)``: when ``loop`` splits (see the module), or
+    carries a list of states (its items carried one by one instead: :mod:`passes.loop_lists`), and at least
+    one of the Loops it becomes is a recurrence, their recurrences and the others' declines, the new Loops in
+    its place, and ``settle``, to call once the recurrences were applied or declined: it puts the Loop back
+    when none was fused after all (validation may decline them all). Otherwise no recurrence and the Loop in
+    the graph, ``node``: ``loop`` itself, or an equal copy of it where its parts were tried and put back (a
+    list of states whose unpacked Loop is no recurrence: declined with that Loop's reason)."""
+    unpacked = unpack_lists(g, loop)
+    if unpacked is not None:
+        new, rebuilds = unpacked
+        recs, declines, node, settle = _tried_in_place(g, loop, [new], rebuilds, recurrence_of)
+        if not recs and declines:
+            raise Decline(f"{declines[0][1]} (its list of states carried item by item)")
+        return recs, declines, node, settle
     parts = split_loop(g, loop)
     if parts is None:
         return [], [], loop, None
+    return _tried_in_place(g, loop, parts, [], recurrence_of)
+
+
+def _tried_in_place(g: Graph, loop: NodeProto, parts: list[NodeProto], after: list[NodeProto], recurrence_of):
+    """:func:`fuse_parts` for the Loops ``parts`` that compute what ``loop`` does (``after``: nodes that read
+    them, put after them)."""
     at = g.position(loop)
     g.remove_node(loop)
-    for p in parts:
+    for p in parts + after:
         g.append_node(p, at)
     recs, declines = [], []
     for p in parts:
@@ -55,7 +71,7 @@ def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, No
     def put_back() -> NodeProto | None:
         if any(not g.alive(p) for p in parts):
             return None  # (a part was fused: the others stay Loops of their own)
-        for p in parts:
+        for p in parts + after:
             g.remove_node(p)
         back = NodeProto()
         back.CopyFrom(loop)  # (the removed node stays removed: a copy goes back)
@@ -64,7 +80,7 @@ def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, No
 
     if recs:
         return recs, declines, loop, put_back
-    return [], [], put_back(), None
+    return [], declines, put_back(), None
 
 
 def split_loop(g: Graph, loop: NodeProto) -> list[NodeProto] | None:

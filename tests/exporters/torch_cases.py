@@ -281,6 +281,14 @@ CASES = [
     script("rnn_hand_script_xmask_bf", "rnn_hand", xmask="where", **BF,
            notes="v = (x[:, t] != 0).any(-1).unsqueeze(1); h = where(v, cell, h): the mask computed in the body from "
                  "the step's row of a batch-first x; the input sets zero x at padded steps"),
+    # ... the states of cells stacked in one step kept in a list, hs[k] = cell_k(u, hs[k]): a carried sequence
+    script("rnn_hand_script_state_list", "rnn_hand", state_list="set", layers=3,
+           notes="hs = [zeros] * 3 (SequenceConstruct); hs[k] = cell_k(u, hs[k]) (SequenceErase + SequenceInsert); "
+                 "returns (stacked hs[-1], hs[-1])"),
+    script("lstmcell_script_state_lists", "lstm", state_list="set", layers=2,
+           notes="hs, cs: two lists of states, set item by item; returns (stacked hs[-1], hs[-1], cs[-1])"),
+    script("gru_hand_script_state_list_grows", "gru_hand", state_list="append", layers=2, near_miss=True,
+           notes="hs.append(cell(u, hs[-1])) each step: the list grows, its last item the state (no fixed items)"),
     script("lstmcell_script_embed_per_step_bf", "lstm", inputs="embed", **BF,
            notes="E(tokens[:, t]): tokens [B, T] int64 read on their time axis 1"),
     script("lstmcell_script_embed_before", "lstm", inputs="embed_before",
@@ -1383,6 +1391,51 @@ def torch_modules():
                 outs.append(h)
             return torch.stack(outs, 1 if self.batch_first else 0)
 
+    class ScriptStateListLoop(nn.Module):
+        """Scripted loop over ``layers`` single-state cells stacked in one step whose states are kept in a Python
+        list (``form`` "set": ``hs[k] = cell_k(u, hs[k])``; "append": ``hs.append(cell(u, hs[-1]))``, the list
+        growing a state a step: a near miss)."""
+
+        def __init__(self, cell, features, hidden, form, layers):
+            super().__init__()
+            self.cells = nn.ModuleList(make_cell(cell, features if k == 0 else hidden, hidden) for k in range(layers))
+            self.hidden, self.form = hidden, form
+
+        def forward(self, x):
+            hs = [torch.zeros(x.size(1), self.hidden) for _ in range(len(self.cells))]
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                u = x[t]
+                if self.form == "append":
+                    hs.append(self.cells[0](u, hs[-1]))
+                    u = hs[-1]
+                else:
+                    for k, cell in enumerate(self.cells):
+                        hs[k] = cell(u, hs[k])
+                        u = hs[k]
+                outs.append(u)
+            return torch.stack(outs, 0), hs[-1]
+
+    class ScriptLSTMStateListsLoop(nn.Module):
+        """:class:`ScriptStateListLoop` ("set") over nn.LSTMCells: the h and the c of each in a list of its own."""
+
+        def __init__(self, features, hidden, layers):
+            super().__init__()
+            self.cells = nn.ModuleList(nn.LSTMCell(features if k == 0 else hidden, hidden) for k in range(layers))
+            self.hidden = hidden
+
+        def forward(self, x):
+            hs = [torch.zeros(x.size(1), self.hidden) for _ in range(len(self.cells))]
+            cs = [torch.zeros(x.size(1), self.hidden) for _ in range(len(self.cells))]
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                u = x[t]
+                for k, cell in enumerate(self.cells):
+                    hs[k], cs[k] = cell(u, (hs[k], cs[k]))
+                    u = hs[k]
+                outs.append(u)
+            return torch.stack(outs, 0), hs[-1], cs[-1]
+
     class ScriptIterLoop(nn.Module):
         """Scripted loops over a single-state hand cell that iterate over x instead of ``range(x.size(0))``:
         ``for x_t in x.unbind(a)`` (SplitToSequence + SequenceAt, the trip count its SequenceLength), ``for t,
@@ -1591,6 +1644,7 @@ def torch_modules():
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
                        ScriptMaskInputLoop=ScriptMaskInputLoop, ScriptXMaskLoop=ScriptXMaskLoop,
+                       ScriptStateListLoop=ScriptStateListLoop, ScriptLSTMStateListsLoop=ScriptLSTMStateListsLoop,
                        ScriptZipMaskLoop=ScriptZipMaskLoop, ScriptConvLoop=ScriptConvLoop,
                        ScriptBeforeLoop=ScriptBeforeLoop,
                        ScriptRevRangeLoop=ScriptRevRangeLoop, ScriptBidirLoop=ScriptBidirLoop,
@@ -1628,6 +1682,10 @@ def build_module(c: Case):
             return m["ScriptZipMaskLoop" if inputs == "zip_mask" else "ScriptIterLoop"](cell, c.features, c.hidden, inputs)
         if o.get("bool_mask"):
             return m["ScriptMaskLoop"](c.features, c.hidden, o["bool_mask"])
+        if o.get("state_list") and cell == "lstm":
+            return m["ScriptLSTMStateListsLoop"](c.features, c.hidden, o["layers"])
+        if o.get("state_list"):
+            return m["ScriptStateListLoop"](cell, c.features, c.hidden, o["state_list"], o["layers"])
         if o.get("xmask"):
             return m["ScriptXMaskLoop"](cell, c.features, c.hidden, c.batch_first)
         if o.get("mask_input"):

@@ -1,0 +1,108 @@
+"""Loops carrying a list of states (passes/loop_lists.py): TorchScript's ``hs[k] = cell_k(u, hs[k])`` over a
+list built before the loop. Carried item by item, the cells stacked in the step fuse; a list whose items move,
+grow, or are read at a position that is no constant is left as it was. (The exporter's own forms are in
+tests/exporters/torch_cases.py, ``*_state_list*``.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from helpers import assert_close, op_counts, session
+
+import rnnfuse
+
+F, H = 3, 4
+
+
+def build(form: str = "set", read_at: int = -1, erase_at: int = 1, insert_at: int | None = 1) -> onnx.ModelProto:
+    """x [T, B, F]; a list [h_a, h_b] of zeros built by SequenceConstruct and carried; each step reads
+    ``hs[read_at]`` as the state of one tanh cell and sets the new state with ``SequenceErase(hs, erase_at)``
+    + ``SequenceInsert(., new, insert_at)`` (None: at the back); the step's new state is stacked; the final
+    list is read at -1 after the loop. ``form``: "set", or near misses "position_read" (the item read at
+    the iteration number), "length" (SequenceLength of the list is read: the constant 2)."""
+    rng = np.random.default_rng(3)
+    W, R, b = (rng.standard_normal(s).astype(np.float32) * 0.5 for s in ((F, H), (H, H), (H,)))
+    inits = [numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R"), numpy_helper.from_array(b, "b"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero"), numpy_helper.from_array(np.array(True), "true"),
+             numpy_helper.from_array(np.array([0], np.int64), "i0"), numpy_helper.from_array(np.array([1], np.int64), "i1"),
+             numpy_helper.from_array(np.array([H], np.int64), "iH"), numpy_helper.from_array(np.array(-1, np.int64), "last")]
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["T1"], axis=0),
+             helper.make_node("Squeeze", ["T1", "i0"], ["T"]), helper.make_node("Gather", ["xs", "i1"], ["B1"], axis=0),
+             helper.make_node("Concat", ["B1", "iH"], ["hshape"], axis=0),
+             helper.make_node("Expand", ["zero", "hshape"], ["h0a"]), helper.make_node("Expand", ["zero", "hshape"], ["h0b"]),
+             helper.make_node("SequenceConstruct", ["h0a", "h0b"], ["hs0"])]
+    body_inits = [numpy_helper.from_array(np.array(read_at, np.int64), "read_at"),
+                  numpy_helper.from_array(np.array(erase_at, np.int64), "erase_at")]
+    read_pos = "it" if form == "position_read" else "read_at"
+    bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0),
+          helper.make_node("SequenceAt", ["hs", read_pos], ["h"]),
+          helper.make_node("MatMul", ["xt", "W"], ["xw"]), helper.make_node("MatMul", ["h", "R"], ["hr"]),
+          helper.make_node("Add", ["xw", "hr"], ["s"]), helper.make_node("Add", ["s", "b"], ["z"]),
+          helper.make_node("Tanh", ["z"], ["hn"]),
+          helper.make_node("SequenceErase", ["hs", "erase_at"], ["hs_e"])]
+    if insert_at is None:
+        bn.append(helper.make_node("SequenceInsert", ["hs_e", "hn"], ["hs_n"]))
+    else:
+        body_inits.append(numpy_helper.from_array(np.array(insert_at, np.int64), "insert_at"))
+        bn.append(helper.make_node("SequenceInsert", ["hs_e", "hn", "insert_at"], ["hs_n"]))
+    if form == "length":  # (its length, 2, added to the step's output: a constant)
+        bn += [helper.make_node("SequenceLength", ["hs"], ["n"]), helper.make_node("Cast", ["n"], ["nf"], to=TensorProto.FLOAT),
+               helper.make_node("Add", ["hn", "nf"], ["y"])]
+    else:
+        bn.append(helper.make_node("Identity", ["hn"], ["y"]))
+    bn.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
+    seq = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, ["B", H]))
+    body = helper.make_graph(
+        bn, "body",
+        [helper.make_tensor_value_info("it", TensorProto.INT64, []), helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+         helper.make_value_info("hs", seq)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_value_info("hs_n", seq),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", H])], body_inits)
+    nodes += [helper.make_node("Loop", ["T", "true", "hs0"], ["hsT", "ys"], body=body, name="the_loop"),
+              helper.make_node("SequenceAt", ["hsT", "last"], ["h_last"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                              [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
+                               helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _compare(original: onnx.ModelProto, fused: onnx.ModelProto) -> None:
+    rng = np.random.default_rng(0)
+    a, b = session(original), session(fused)
+    for batch, steps in ((1, 1), (3, 5), (2, 8)):
+        x = rng.standard_normal((steps, batch, F)).astype(np.float32)
+        for want, got in zip(a.run(None, {"x": x}), b.run(None, {"x": x})):
+            assert_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(read_at=1), dict(erase_at=-1, insert_at=None), dict(form="length")],
+                         ids=["read_last", "read_1", "erase_last_append", "length"])
+def test_a_list_of_states_set_at_one_position_fuses(kw):
+    """The state read at -1 (or 1) and set at 1 (erased at -1, inserted at the back): one RNN, the final list
+    rebuilt for the read after the loop, which reads the RNN's last state."""
+    model = build(**kw)
+    fused, report = rnnfuse.optimize(model)
+    assert len(report.fused) == 1, report.to_text()
+    counts = op_counts(fused)
+    assert counts.get("Loop", 0) == 0 and counts.get("RNN") == 1, counts
+    assert not {"SequenceInsert", "SequenceErase", "SequenceConstruct", "SequenceAt"} & set(counts), counts
+    _compare(model, fused)
+
+
+@pytest.mark.parametrize("kw", [dict(read_at=0), dict(insert_at=0), dict(erase_at=-1, insert_at=-1),
+                                dict(form="position_read")],
+                         ids=["reads_the_other_item", "items_move", "inserted_before_the_last", "read_at_the_step"])
+def test_a_list_whose_items_do_not_stay_put_is_left(kw):
+    """Near misses: the state read is another item than the one set (the cell reads the zeros of h_a: no
+    recurrence), an item inserted elsewhere than erased (the items move each step; -1 inserts before the
+    last), an item read at the iteration number: declined, the model as it was."""
+    model = build(**kw)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()

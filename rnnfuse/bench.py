@@ -300,15 +300,16 @@ def run_bench_cli(args) -> int:
     import sys
 
     from . import model_io, progress
+    from .output_checks import check_writable
     from .pipeline import Options, Pipeline
     from .graph import Model
 
     batches = args.batch if isinstance(args.batch, list) else [int(b) for b in str(args.batch).split(",")]
     if args.plot:  # before any work: a missing matplotlib or an unwritable path must not cost a benchmark
         require_matplotlib()
-        model_io.check_writable(args.plot)
+        check_writable(args.plot)
     if args.json and args.json != "-":
-        model_io.check_writable(args.json)
+        check_writable(args.json)
     # with --json -, stdout carries only the JSON
     out = sys.stderr if args.json == "-" else sys.stdout
     original, _ = model_io.load(args.input)

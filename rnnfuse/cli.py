@@ -210,7 +210,7 @@ def _write_json(path: str, data: dict) -> None:
     if path == "-":
         print(text)
         return
-    from .model_io import check_writable
+    from .output_checks import check_writable
 
     check_writable(path)
     tmp = path + ".tmp"
@@ -318,14 +318,15 @@ def _write_output(args, run: _Run, progress) -> None:
 
 
 def cmd_optimize(args, inspect_only: bool = False) -> int:
-    from . import model_io
+    from .output_checks import check_data_writable, check_writable
     from .pipeline import Pipeline
     from .prescreen import report_if_nothing_to_fuse
 
     if not inspect_only:
-        model_io.check_writable(args.output, args.input, args.in_place, force=args.force)
+        check_writable(args.output, args.input, args.in_place, force=args.force)
+        check_data_writable(args.output, args.input, args.in_place, args.force, args.external_data)
     if args.json and args.json != "-":
-        model_io.check_writable(args.json)
+        check_writable(args.json)
     progress = _Progress(not args.quiet)
     pipe = Pipeline.default()  # each pass reports itself (rnnfuse.progress): log lines and the terminal bar
     progress(f"reading {args.input}")

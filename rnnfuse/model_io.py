@@ -262,29 +262,6 @@ def _short(e: Exception) -> str:
     return (s[0] if s else type(e).__name__)[:160]
 
 
-def check_writable(out_path: str, in_path: str | None = None, in_place: bool = False, force: bool = True) -> None:
-    """Fail early, before any work, if ``out_path`` cannot or must not be written.
-
-    ``force=False`` refuses to replace an existing file (as gzip and zstd do): a swapped pair of arguments
-    (``optimize fused.onnx model.onnx``) must not silently destroy the user's original model."""
-    if not out_path:
-        raise OutputError("no output file given")
-    if os.path.isdir(out_path):
-        raise OutputError(f"output is a directory: {out_path}")
-    same_file = bool(in_path) and os.path.exists(out_path) and os.path.exists(in_path) and os.path.samefile(in_path, out_path)
-    if same_file and not in_place:
-        raise OutputError(f"output would overwrite the input {in_path} (use --in-place to allow it)")
-    if os.path.exists(out_path) and not force and not same_file:
-        raise OutputError(f"output file already exists: {out_path} (use --force to replace it)")
-    parent = os.path.dirname(os.path.abspath(out_path))
-    if not os.path.isdir(parent):
-        raise OutputError(f"output directory does not exist: {parent}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"output directory is not writable: {parent}")
-    if os.path.exists(out_path) and not os.access(out_path, os.W_OK):
-        raise OutputError(f"output file is not writable: {out_path}")
-
-
 def copy_unchanged(in_path: str, out_path: str) -> None:
     """Write the input's bytes to ``out_path`` atomically (the output of a run that changed nothing)."""
     if os.path.exists(out_path) and os.path.samefile(in_path, out_path):

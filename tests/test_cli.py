@@ -259,6 +259,35 @@ def test_refuses_to_overwrite_input(tmp_path):
     assert op_counts(onnx.load(src)).get("Loop", 0) == 0
 
 
+def test_an_output_data_file_is_never_the_inputs_nor_replaced_without_force(tmp_path):
+    """``optimize a.onnx b.onnx`` where a.onnx keeps its tensors in b.onnx.data: the output's tensors would go to
+    b.onnx.data, corrupting a.onnx, so the run refuses (--force or not), writes nothing and leaves a.onnx as it
+    was; an unrelated existing OUT.onnx.data is replaced only with --force; --in-place replaces the input's
+    own data file."""
+    m = onnx.load(EXAMPLE)
+    src = tmp_path / "a.onnx"
+    onnx.save(m, str(src), save_as_external_data=True, all_tensors_to_one_file=True, location="b.onnx.data",
+              size_threshold=64)
+    before = {f.name: f.read_bytes() for f in tmp_path.iterdir()}
+    x = np.random.default_rng(0).standard_normal((2, 5, 4)).astype(np.float32)
+    x[1, 3:] = 0.0  # (a padded row: the model masks zero steps)
+    feeds = {m.graph.input[0].name: x}
+    want = session(onnx.load(str(src))).run(None, feeds)
+    for flags in ((), ("--force",)):
+        p = run("optimize", src, tmp_path / "b.onnx", *flags)
+        assert_one_line_error(p, 4, "b.onnx.data", "input's tensors", "corrupt")
+        assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == before
+    decoy = _write(tmp_path / "c.onnx.data", b"someone else's file")
+    p = run("optimize", src, tmp_path / "c.onnx")
+    assert_one_line_error(p, 4, "c.onnx.data", "already exists", "--force")
+    assert decoy.read_bytes() == b"someone else's file" and not (tmp_path / "c.onnx").exists()
+    for out in (tmp_path / "c.onnx", src):  # (replaced with --force; the input's own files with --in-place)
+        p = run("optimize", src, out, "--force", *(("--in-place",) if out == src else ()))
+        assert p.returncode == 0, p.stderr
+        got = session(onnx.load(str(out))).run(None, feeds)
+        assert all(np.abs(a - b).max() < 1e-5 for a, b in zip(got, want))
+
+
 def test_usage_error():
     p = run("optimize", EXAMPLE)
     assert p.returncode == 2

@@ -44,7 +44,7 @@ from .loop_masks import (DERIVED_MASK, LENGTH_MASK, RowReads, attach_derived_mas
                          find_derived_mask, laid_out_like_x)
 from .loop_lengths import counting_offset, length_mask
 from .loop_counts import check_trip_count, integer_carry_reason
-from .loop_reads import cast_of_bool, check_step_lengths, counter_step, reads_backwards, step_read
+from .loop_reads import cast_of_bool, check_same_batch, check_step_lengths, counter_step, reads_backwards, step_read
 from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly, weight_ops
 
 
@@ -310,8 +310,9 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
         raise Decline(f"one recurrence reads its per-step inputs in {len(r.forms)} orders ({', '.join(sorted(r.forms))})")
     check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis, carried.invariants)
     others = {mask_outer: r.mask_axis, rows and rows.source: rows and rows.axis}
-    mask_cut = check_step_lengths(g, {k: a for k, a in others.items() if k not in (None, x_outer)}, x_outer, x_axis,
-                                  r.forms, mask_outer)
+    others = {k: a for k, a in others.items() if k not in (None, x_outer)}
+    mask_cut = check_step_lengths(g, others, x_outer, x_axis, r.forms, mask_outer)
+    check_same_batch(g, others, x_outer, x_axis)
     if lengths is not None:
         if mask_outer is not None:
             raise Decline("a step reads a mask and computes another from lengths")

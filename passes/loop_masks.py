@@ -14,7 +14,7 @@ from onnx import NodeProto
 
 from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
-from rnnfuse.graph import Graph, attr
+from rnnfuse.graph import Graph
 from rnnfuse.mask_proof import body_mask_differs
 from rnnfuse.recurrence import Recurrence
 from rnnfuse.row_wise import ROW_RANK, body_mask, mask_on_every_step
@@ -85,7 +85,9 @@ def find_derived_mask(g: Graph, body: Graph, step_in: StepReads, invariants: dic
 
     x = RowReads(step_in.x_read_source, step_in.x_reads, step_in.x_read_nodes, step_in.x_rank, step_in.x_axis)
     for src in ([step_in.rows] if step_in.rows is not None else [x]):
-        if src.axis not in (0, 1) or not all(n.op_type == "Gather" and attr(n, "axis", 0) == src.axis for n in src.nodes):
+        # (each read is element i of the source on src.axis, as step_read found it, through any view of it: its
+        # Gather gives the index the body's read of M takes)
+        if src.axis not in (0, 1) or not all(n.op_type == "Gather" for n in src.nodes):
             continue
         step_in.derived = body_mask(body, src.reads, const_of, src.x_rank)
         if step_in.derived is not None:

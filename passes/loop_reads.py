@@ -12,7 +12,7 @@ from onnx import NodeProto, TensorProto
 
 from rnnfuse import op_args
 from rnnfuse.dataflow import rank_of
-from rnnfuse.dims import dim_key, extent_key, root_dim, time_keys, unit_chunks, value_source
+from rnnfuse.dims import declared_name, dim_key, extent_key, root_dim, time_keys, unit_chunks, value_source
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.index_terms import TO_THE_END, one_element, past_every_index, terms
@@ -207,6 +207,27 @@ def check_step_lengths(g: Graph, others: dict[str, int], x: str, x_axis: int, re
             raise Decline(f"'{other}' is read per step but its time length is not provably the input's")
         cut = True
     return cut
+
+
+def check_same_batch(g: Graph, others: dict[str, int], x: str, x_axis: int) -> None:
+    """Decline a tensor of ``others`` (-> its time axis, 0 or 1) read per step beside ``x`` whose batch the file
+    gives apart from x's (two numbers, or two names of graph inputs): the loop broadcasts a mask of one row
+    over x's rows, which the native op's per-row mask does not."""
+    for other, axis in sorted(others.items()):
+        if axis in (0, 1) and x_axis in (0, 1) and _batches_apart(g, other, 1 - axis, x, 1 - x_axis):
+            raise Decline(f"'{other}' is read per step but its batch is not provably the input's")
+
+
+def _batches_apart(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> bool:
+    """Whether the file gives the two extents as two numbers, or as two names of the model's inputs (not
+    tf2onnx's ``unk__N``, which every unknown input dim gets: see :func:`rnnfuse.dims.declared_name`)."""
+    dims = []
+    for name, axis in ((a, a_axis), (b, b_axis)):
+        root, ax = root_dim(g, name, axis)
+        shape = g.model.shape(root) or []
+        d = shape[ax] if 0 <= ax < len(shape) else None
+        dims.append(d if isinstance(d, int) else declared_name(g, name, axis))
+    return None not in dims and dims[0] != dims[1]
 
 
 def _declared_apart(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> bool:

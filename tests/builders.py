@@ -166,6 +166,7 @@ class Opts:
     # carried value the body returns unchanged), view (the body views the read row again by a whole-axes Slice)
     mask_outside: tuple = ()
     mask_time_name: str = ""  # the mask input's time axis declared by this name (not x's): its length unproven
+    mask_batch_name: str = ""  # the mask input's batch axis declared by this name (not x's): a broadcast one row may be
     mask_read_bf: bool = False  # Loop, forward, time-major x: the mask input is [B, T(, 1)], read in the body as mask[:, t]
     loop_bound: str = "M"  # Loop: M (trip count Shape(X)[0]) | cond (condition i+1 < T) | both | const (M a constant, static_T)
     static_T: int = 0  # declare a fixed number of time steps (0: dynamic)
@@ -1226,8 +1227,8 @@ def _build(o: Opts) -> tuple[onnx.ModelProto, ModelBuilder]:
         mb.inputs.append(_vi("lengths", TensorProto.INT64, [Bd]))
         mask = "lengths"
     elif o.masked():
-        Tm = o.mask_time_name or T
-        ms = [Bd, Tm, 1] if o.batch_first or o.mask_read_bf else [Tm, Bd, 1]
+        Tm, Bm = o.mask_time_name or T, o.mask_batch_name or Bd
+        ms = [Bm, Tm, 1] if o.batch_first or o.mask_read_bf else [Tm, Bm, 1]
         m_et = FLOAT if o.mutation == "float_mask" or o.lengths == "gt0" else TensorProto.BOOL
         mb.inputs.append(_vi("mask", m_et, ms[: o.mask_rank]))
         mask = "mask"

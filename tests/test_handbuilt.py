@@ -795,6 +795,17 @@ def test_a_counter_stepping_by_a_carried_two_is_declined(op):
     assert fused.SerializeToString() == model.SerializeToString()
 
 
+@pytest.mark.parametrize("layout", [dict(), dict(batch_first=True), dict(mask_read_bf=True)], ids=["tm", "bf", "mask_bf"])
+def test_a_mask_whose_batch_the_file_names_apart_from_xs_is_declined(layout):
+    """A mask input whose batch axis is declared by another name than x's: the loop broadcasts a mask of one row
+    over x's rows (the fused op would fail on it, or read other rows): declined, the model as it was."""
+    o = _base("GRU", "loop", mask="where", mask_batch_name="B_mask", **layout)
+    model, _ = B.build(o)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and "batch is not provably" in report.to_text(), report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()
+
+
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("op", ["LSTM", "GRU"])
 def test_a_mask_longer_than_x_is_read_for_its_first_steps(op, batch_first):

@@ -25,21 +25,21 @@ from rnnfuse.protos import has_subgraph
 def unpack_lists(g: Graph, loop: NodeProto) -> tuple[NodeProto, list[NodeProto]] | None:
     """``(the Loop with each carried list of constant length carried item by item, the nodes rebuilding its
     final lists after it)``, both new (not in the graph), or None when no carried value is such a list."""
-    body_proto = next((a.g for a in loop.attribute if a.name == "body" and a.type == AttributeProto.GRAPH), None)
-    n_carried = len(loop.input) - 2
-    if body_proto is None or n_carried < 1 or len(body_proto.input) != 2 + n_carried:
-        return None
-    if any(has_subgraph(n) for n in body_proto.node):  # (a nested graph may read a list by its name)
-        return None
-    body = g.subgraph(loop)
     lists: dict[int, list[str]] = {}  # carried position -> the outer tensors its list is built from
-    for k in range(n_carried):
-        p = g.producer.get(loop.input[2 + k]) if loop.input[2 + k] else None
+    for k, init in enumerate(loop.input[2:]):  # (first: most Loops carry no list, and cost no more than this)
+        p = g.producer.get(init) if init else None
         if p is not None and p.op_type == "SequenceConstruct" and len(p.input) >= 1 and all(p.input):
             lists[k] = list(p.input)
     if not lists:
         return None
-    plan = _Plan(body, body_proto, {body_proto.input[2 + k].name: (k, len(items)) for k, items in lists.items()})
+    body_proto = next((a.g for a in loop.attribute if a.name == "body" and a.type == AttributeProto.GRAPH), None)
+    if body_proto is None or len(body_proto.input) != len(loop.input) or len(body_proto.output) < len(loop.input) - 1:
+        return None
+    if any(has_subgraph(n) for n in body_proto.node):  # (a nested graph may read a list by its name)
+        return None
+    body = g.subgraph(loop)
+    plan = _Plan(body, body_proto, {body_proto.input[2 + k].name: (k, len(items)) for k, items in lists.items()},
+                 g.fresh)
     if not plan.read():
         return None
     return _rebuilt(g, loop, body_proto, lists, plan)
@@ -49,10 +49,11 @@ class _Plan:
     """How the body's nodes read the carried lists: each version of a list (the carried input, then the
     outputs of its sets) as the body tensors at its positions, and the nodes to rewrite or drop."""
 
-    def __init__(self, body: Graph, proto: GraphProto, carried: dict[str, tuple[int, int]]):
+    def __init__(self, body: Graph, proto: GraphProto, carried: dict[str, tuple[int, int]], fresh):
         self.body, self.proto, self.carried = body, proto, carried  # carried: body input -> (position k, length)
         # every version of a list -> the body tensors at its positions (the carried input's: new body inputs)
-        self.items = {name: [f"{name}/rnnfuse_item{p}" for p in range(n)] for name, (k, n) in carried.items()}
+        self.items = {name: [fresh(f"{name}/rnnfuse_item{p}") for p in range(n)] for name, (k, n) in carried.items()}
+        self.fresh = fresh
         self.replaced: dict[int, NodeProto | None] = {}  # id(body node) -> its replacement (None: dropped)
 
     def read(self) -> bool:
@@ -141,11 +142,11 @@ def _rebuilt(g: Graph, loop: NodeProto, proto: GraphProto, lists: dict[int, list
         item_type = _item_type(g, v, lists[k][0])
         for p, name in enumerate(plan.items[v.name]):
             body.input.append(helper.make_value_info(name, item_type))
-            body.output.append(helper.make_value_info(f"{name}/next", item_type))
+            body.output.append(helper.make_value_info(plan.fresh(f"{name}/next"), item_type))
             inputs.append(lists[k][p])
         for p, name in enumerate(plan.handed_on(v.name)):
-            body.node.append(helper.make_node("Identity", [name], [f"{plan.items[v.name][p]}/next"]))
-        items = [f"{loop.output[k] or loop.name + '/list' + str(k)}/rnnfuse_item{p}" for p in range(len(lists[k]))]
+            body.node.append(helper.make_node("Identity", [name], [body.output[-len(lists[k]) + p].name]))
+        items = [g.fresh(f"{loop.output[k] or loop.name + '/list' + str(k)}/rnnfuse_item{p}") for p in range(len(lists[k]))]
         finals.extend(items)
         if loop.output[k]:
             rebuilds.append(helper.make_node("SequenceConstruct", items, [loop.output[k]],

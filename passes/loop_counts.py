@@ -4,11 +4,11 @@ time length), and why a carried integer that is not the step counter stops a fus
 from __future__ import annotations
 
 import numpy as np
-from onnx import NodeProto
+from onnx import NodeProto, TensorProto
 
 from rnnfuse.dims import condition_bounds, dim_key, time_dim_key, time_keys
 from rnnfuse.errors import Decline
-from rnnfuse.graph import Graph
+from rnnfuse.graph import Graph, attr
 from .loop_reads import counter_step, size_keys, unflipped
 
 
@@ -90,7 +90,7 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
         a, b = bound
         cs = counter_step(body, a, invariants)
         if cs is None or cs[0] not in index_syms:
-            raise Decline("the loop condition compares something other than the iteration number")
+            raise Decline(_condition_reason(body, a))
         k = index_syms[cs[0]] + cs[1]  # the compared value is i + k
         if not is_T(dim_key(body, b)):
             raise Decline("the loop condition's bound is not the number of time steps")
@@ -104,3 +104,14 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
     for bound in condition_bounds(g, cond0) if cond0 else []:
         if bound is None or dim_key(g, bound[0]) != ("const", 0) or not is_T(dim_key(g, bound[1])):
             raise Decline("cannot prove the loop's first iteration runs")
+
+
+def _condition_reason(body: Graph, compared: str) -> str:
+    """Why the loop condition's compared value is no iteration number: a cast of one to a type that does not hold
+    every step count (a model converted to float16 compares the counter so), or something else."""
+    n = body.producer.get(compared)
+    if n is not None and n.op_type == "Cast" and attr(n, "to") not in (TensorProto.INT32, TensorProto.INT64,
+                                                                       TensorProto.FLOAT, TensorProto.DOUBLE):
+        return (f"the loop condition compares a cast to {TensorProto.DataType.Name(attr(n, 'to'))}, which does not hold "
+                "every step count (a counter so cast is not the iteration number past its range)")
+    return "the loop condition compares something other than the iteration number"

@@ -222,7 +222,7 @@ def test_scan_stacked_cells_one_op_per_cell(o: StackOpts):
 HEAD_REASONS = {"rows_mean": "not a row-wise op", "transpose": "not a row-wise op", "counter": "iteration number",
                 "prev_h": "before the step updates it"}
 # every near miss of every form: (builder, options, a phrase the reason must hold)
-NEAR_MISS_CASES = ([(build, o, "") for o in NEAR_MISSES]
+NEAR_MISS_CASES = ([(build, o, "cast to INT16" if o.cond == "int16" else "") for o in NEAR_MISSES]
                    + [(build_stack, o, "") for o in STACK_MISSES + SCAN_STACK_MISSES]
                    + [(build_head, o, HEAD_REASONS[o.miss]) for o in HEAD_MISSES]
                    + [(build_lengths, o, "") for o in LENGTH_MISSES + XMASK_MISSES]

@@ -10,7 +10,9 @@ the list is a tuple of tensors known position by position, so the same Loop carr
 tensor of its own: item reads become the tensor at that position, a set replaces it, ``SequenceLength`` is
 the constant length, and the final list is built again after the Loop from the final items
 (``SequenceConstruct``), for whatever reads it. The rewritten Loop computes the same values by construction;
-it is kept only if the Loop front end then fuses it (see :func:`passes.loop_split.fuse_parts`).
+it replaces the Loop only where the Loop front end then finds its recurrences (see
+:func:`passes.loop_split.fuse_parts`), and stays once they are tried, fused or not (a Loop over its final list
+may read its items by then). A list a nested graph of the body reads by name is left as it is.
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ def unpack_lists(g: Graph, loop: NodeProto) -> tuple[NodeProto, list[NodeProto]]
     body_proto = next((a.g for a in loop.attribute if a.name == "body" and a.type == AttributeProto.GRAPH), None)
     if body_proto is None or len(body_proto.input) != len(loop.input) or len(body_proto.output) < len(loop.input) - 1:
         return None
-    if any(has_subgraph(n) for n in body_proto.node):  # (a nested graph may read a list by its name)
-        return None
     body = g.subgraph(loop)
     plan = _Plan(body, body_proto, {body_proto.input[2 + k].name: (k, len(items)) for k, items in lists.items()},
                  g.fresh)
@@ -55,6 +55,8 @@ class _Plan:
         self.items = {name: [fresh(f"{name}/rnnfuse_item{p}") for p in range(n)] for name, (k, n) in carried.items()}
         self.fresh = fresh
         self.replaced: dict[int, NodeProto | None] = {}  # id(body node) -> its replacement (None: dropped)
+        # the names the body's nested graphs read from it (an If's branch may read a list by its name)
+        self.captured = set().union(*(body.implicit_inputs(n) for n in proto.node if has_subgraph(n)))
 
     def read(self) -> bool:
         """Walk the body once (its nodes are in order); False when a list is used otherwise than read or set
@@ -91,7 +93,7 @@ class _Plan:
                 self.replaced[id(n)] = None
             else:
                 return False
-        if erased:  # (an erased list read otherwise than by the insert that sets the item back)
+        if erased or self.captured & (set(items) | set(erased)):  # (a list read otherwise, or by a nested graph)
             return False
         return all(self.handed_on(name) is not None for name in self.carried)
 

@@ -47,7 +47,10 @@ def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, No
         recs, declines, node, settle = _tried_in_place(g, loop, [new], rebuilds, recurrence_of)
         if not recs and declines:
             raise Decline(f"{declines[0][1]} (its list of states carried item by item)")
-        return recs, declines, node, settle
+        # (once its recurrences are tried, the unpacked Loop stays, fused or not: it computes what the Loop did,
+        # and what was applied meanwhile may read its items (a Loop over its final list) or have pruned what
+        # the Loop read (the list built before it))
+        return recs, declines, node, (lambda: None)
     parts = split_loop(g, loop)
     if parts is None:
         return [], [], loop, None

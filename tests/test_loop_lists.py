@@ -17,12 +17,15 @@ import rnnfuse
 F, H = 3, 4
 
 
-def build(form: str = "set", read_at: int = -1, erase_at: int = 1, insert_at: int | None = 1) -> onnx.ModelProto:
+def build(form: str = "set", read_at: int = -1, erase_at: int = 1, insert_at: int | None = 1, act: str = "Tanh",
+          then: str = "") -> onnx.ModelProto:
     """x [T, B, F]; a list [h_a, h_b] of zeros built by SequenceConstruct and carried; each step reads
     ``hs[read_at]`` as the state of one tanh cell and sets the new state with ``SequenceErase(hs, erase_at)``
     + ``SequenceInsert(., new, insert_at)`` (None: at the back); the step's new state is stacked; the final
     list is read at -1 after the loop. ``form``: "set", or near misses "position_read" (the item read at
-    the iteration number), "length" (SequenceLength of the list is read: the constant 2)."""
+    the iteration number), "length" (SequenceLength of the list is read: the constant 2). ``act``: the cell's
+    activation; ``then``: a second Loop of the same body over x, with that activation, starting from the
+    first's final list."""
     rng = np.random.default_rng(3)
     W, R, b = (rng.standard_normal(s).astype(np.float32) * 0.5 for s in ((F, H), (H, H), (H,)))
     inits = [numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R"), numpy_helper.from_array(b, "b"),
@@ -41,7 +44,7 @@ def build(form: str = "set", read_at: int = -1, erase_at: int = 1, insert_at: in
           helper.make_node("SequenceAt", ["hs", read_pos], ["h"]),
           helper.make_node("MatMul", ["xt", "W"], ["xw"]), helper.make_node("MatMul", ["h", "R"], ["hr"]),
           helper.make_node("Add", ["xw", "hr"], ["s"]), helper.make_node("Add", ["s", "b"], ["z"]),
-          helper.make_node("Tanh", ["z"], ["hn"]),
+          helper.make_node(act, ["z"], ["hn"]),
           helper.make_node("SequenceErase", ["hs", "erase_at"], ["hs_e"])]
     if insert_at is None:
         bn.append(helper.make_node("SequenceInsert", ["hs_e", "hn"], ["hs_n"]))
@@ -63,9 +66,16 @@ def build(form: str = "set", read_at: int = -1, erase_at: int = 1, insert_at: in
          helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", H])], body_inits)
     nodes += [helper.make_node("Loop", ["T", "true", "hs0"], ["hsT", "ys"], body=body, name="the_loop"),
               helper.make_node("SequenceAt", ["hsT", "last"], ["h_last"])]
+    outputs = [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
+               helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])]
+    if then:
+        body2 = onnx.GraphProto()
+        body2.CopyFrom(body)
+        next(n for n in body2.node if n.op_type == act).op_type = then
+        nodes.append(helper.make_node("Loop", ["T", "true", "hsT"], ["hsT2", "ys2"], body=body2, name="then_loop"))
+        outputs.append(helper.make_tensor_value_info("ys2", TensorProto.FLOAT, ["T", "B", H]))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
-                              [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", H]),
-                               helper.make_tensor_value_info("h_last", TensorProto.FLOAT, ["B", H])], inits)
+                              outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
@@ -106,3 +116,15 @@ def test_a_list_whose_items_do_not_stay_put_is_left(kw):
     fused, report = rnnfuse.optimize(model)
     assert not report.fused and report.declined, report.to_text()
     assert fused.SerializeToString() == model.SerializeToString()
+
+
+def test_a_loop_over_the_final_list_of_one_left_unfused_reads_its_items():
+    """Two Loops, the second starting from the first's final list: both are carried item by item, and the
+    second reads the first's final items. The first is then declined as it is applied (Softsign is no
+    portable activation): it stays carried item by item, so the second, fused, still reads its items (it was
+    put back as it was, leaving them dangling, and every rewrite was undone)."""
+    model = build(act="Softsign", then="Tanh")
+    fused, report = rnnfuse.optimize(model, portable=True)
+    assert [f.where for f in report.fused] == ["then_loop"] and report.declined, report.to_text()
+    assert op_counts(fused).get("Loop") == 1 and op_counts(fused).get("RNN") == 1, op_counts(fused)
+    _compare(model, fused)

@@ -63,6 +63,7 @@ class _Plan:
         at a constant position, measured, or handed on whole as the carried value of a list as long."""
         items = self.items
         erased: dict[str, tuple[str, int]] = {}  # SequenceErase output -> (the version it erased from, position)
+        set_back: set[str] = set()  # the erased lists an insert read (once each: the item set back)
         outputs = {o.name for o in self.proto.output}
         for n in self.proto.node:
             seqs = [i for i in n.input if i in items or i in erased]
@@ -84,8 +85,9 @@ class _Plan:
                     return False
                 erased[n.output[0]] = (n.input[0], p)
                 self.replaced[id(n)] = None
-            elif n.op_type == "SequenceInsert" and n.input[0] in erased:
-                version, p = erased.pop(n.input[0])
+            elif n.op_type == "SequenceInsert" and n.input[0] in erased and n.input[0] not in set_back:
+                set_back.add(n.input[0])
+                version, p = erased[n.input[0]]
                 q = self._position(items[version], n.input[2] if len(n.input) > 2 else "", erase=False)
                 if q != p:  # (inserted elsewhere than erased: the items move)
                     return False
@@ -93,7 +95,10 @@ class _Plan:
                 self.replaced[id(n)] = None
             else:
                 return False
-        if erased or self.captured & (set(items) | set(erased)):  # (a list read otherwise, or by a nested graph)
+        if set(erased) - set_back or self.captured & (set(items) | set(erased)):
+            return False  # (an erased list not set back, or a list a nested graph reads)
+        handed = {self.proto.output[1 + k].name for k, _ in self.carried.values()}
+        if (outputs - handed) & set(items):  # (a list as a per-step output: it is no more a list once unpacked)
             return False
         return all(self.handed_on(name) is not None for name in self.carried)
 

@@ -51,11 +51,14 @@ def build(form: str = "set", read_at: int = -1, erase_at: int = 1, insert_at: in
     else:
         body_inits.append(numpy_helper.from_array(np.array(insert_at, np.int64), "insert_at"))
         bn.append(helper.make_node("SequenceInsert", ["hs_e", "hn", "insert_at"], ["hs_n"]))
+    if form == "set_back_twice":  # (the erased list read by a second insert: one list becomes two)
+        bn += [helper.make_node("SequenceInsert", ["hs_e", "hn"], ["hs_n2"]),
+               helper.make_node("SequenceAt", ["hs_n2", "read_at"], ["h_2"])]
     if form == "length":  # (its length, 2, added to the step's output: a constant)
         bn += [helper.make_node("SequenceLength", ["hs"], ["n"]), helper.make_node("Cast", ["n"], ["nf"], to=TensorProto.FLOAT),
                helper.make_node("Add", ["hn", "nf"], ["y"])]
     else:
-        bn.append(helper.make_node("Identity", ["hn"], ["y"]))
+        bn.append(helper.make_node("Identity", ["hn" if form != "set_back_twice" else "h_2"], ["y"]))
     bn.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
     seq = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, ["B", H]))
     body = helper.make_graph(
@@ -106,12 +109,14 @@ def test_a_list_of_states_set_at_one_position_fuses(kw):
 
 
 @pytest.mark.parametrize("kw", [dict(read_at=0), dict(insert_at=0), dict(erase_at=-1, insert_at=-1),
-                                dict(form="position_read")],
-                         ids=["reads_the_other_item", "items_move", "inserted_before_the_last", "read_at_the_step"])
+                                dict(form="position_read"), dict(form="set_back_twice")],
+                         ids=["reads_the_other_item", "items_move", "inserted_before_the_last", "read_at_the_step",
+                              "set_back_twice"])
 def test_a_list_whose_items_do_not_stay_put_is_left(kw):
     """Near misses: the state read is another item than the one set (the cell reads the zeros of h_a: no
     recurrence), an item inserted elsewhere than erased (the items move each step; -1 inserts before the
-    last), an item read at the iteration number: declined, the model as it was."""
+    last), an item read at the iteration number, an erased list two inserts read (two lists of one): declined,
+    the model as it was."""
     model = build(**kw)
     fused, report = rnnfuse.optimize(model)
     assert not report.fused and report.declined, report.to_text()

@@ -37,8 +37,9 @@ def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, No
     """``(recurrences, [(part, its decline reason)], node, settle)``: when ``loop`` splits (see the module), or
     carries a list of states (its items carried one by one instead: :mod:`passes.loop_lists`), and at least
     one of the Loops it becomes is a recurrence, their recurrences and the others' declines, the new Loops in
-    its place, and ``settle``, to call once the recurrences were applied or declined: it puts the Loop back
-    when none was fused after all (validation may decline them all). Otherwise no recurrence and the Loop in
+    its place, and ``settle``, to call once the recurrences were applied or declined: it puts a split Loop back
+    when no part was fused after all (validation may decline them all); a Loop carried item by item stays so.
+    Otherwise no recurrence and the Loop in
     the graph, ``node``: ``loop`` itself, or an equal copy of it where its parts were tried and put back (a
     list of states whose unpacked Loop is no recurrence: declined with that Loop's reason)."""
     unpacked = unpack_lists(g, loop)

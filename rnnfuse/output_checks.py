@@ -9,6 +9,7 @@ import onnx
 
 from .errors import OutputError
 
+
 def check_writable(out_path: str, in_path: str | None = None, in_place: bool = False, force: bool = True) -> None:
     """Fail early, before any work, if ``out_path`` cannot or must not be written.
 
@@ -43,7 +44,7 @@ def check_data_writable(out_path: str, in_path: str, in_place: bool, force: bool
     data = os.path.abspath(out_path) + ".data"
     if external == "never" or not os.path.exists(data):
         return
-    if in_place and os.path.exists(out_path) and os.path.samefile(in_path, out_path):
+    if in_place and os.path.exists(out_path) and os.path.exists(in_path) and os.path.samefile(in_path, out_path):
         return
     if external == "auto" and not may_name_external_data(in_path) and os.path.getsize(in_path) < PROTO_LIMIT >> 1:
         return  # (no data file written: the input has none and the output stays well under 2 GB)

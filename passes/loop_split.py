@@ -35,7 +35,8 @@ _NOT_COPIED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUnifo
 
 def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, NodeProto, Callable[[], None] | None]:
     """``(recurrences, [(part, its decline reason)], node, settle)``: when ``loop`` splits (see the module), or
-    carries a list of states (its items carried one by one instead: :mod:`passes.loop_lists`), and at least
+    carries a list of states (its items carried one by one instead: :mod:`passes.loop_lists`; then split if it
+    splits), and at least
     one of the Loops it becomes is a recurrence, their recurrences and the others' declines, the new Loops in
     its place, and ``settle``, to call once the recurrences were applied or declined: it puts a split Loop back
     when no part was fused after all (validation may decline them all); a Loop carried item by item stays so.
@@ -43,9 +44,9 @@ def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, No
     the graph, ``node``: ``loop`` itself, or an equal copy of it where its parts were tried and put back (a
     list of states whose unpacked Loop is no recurrence: declined with that Loop's reason)."""
     unpacked = unpack_lists(g, loop)
-    if unpacked is not None:
+    if unpacked is not None:  # (then split: a list may hold the states of a forward and a backward cell)
         new, rebuilds = unpacked
-        recs, declines, node, settle = _tried_in_place(g, loop, [new], rebuilds, recurrence_of)
+        recs, declines, node, settle = _tried_in_place(g, loop, split_loop(g, new) or [new], rebuilds, recurrence_of)
         if not recs and declines:
             raise Decline(f"{declines[0][1]} (its list of states carried item by item)")
         # (once its recurrences are tried, the unpacked Loop stays, fused or not: it computes what the Loop did,

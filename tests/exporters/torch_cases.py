@@ -287,6 +287,9 @@ CASES = [
                  "returns (stacked hs[-1], hs[-1])"),
     script("lstmcell_script_state_lists", "lstm", state_list="set", layers=2,
            notes="hs, cs: two lists of states, set item by item; returns (stacked hs[-1], hs[-1], cs[-1])"),
+    script("rnn_hand_script_state_list_bidir", "rnn_hand", state_list="bidir", **BI,
+           notes="hs = [hf, hb]; hs[0] = fw(x[t], hs[0]); hs[1] = bw(x[T-1-t], hs[1]); outs_b.insert(0, hs[1]); "
+                 "cat on features: one Loop reading x both ways, carried item by item, split, one bidirectional op"),
     script("gru_hand_script_state_list_grows", "gru_hand", state_list="append", layers=2, near_miss=True,
            notes="hs.append(cell(u, hs[-1])) each step: the list grows, its last item the state (no fixed items)"),
     script("lstmcell_script_embed_per_step_bf", "lstm", inputs="embed", **BF,
@@ -1393,20 +1396,28 @@ def torch_modules():
 
     class ScriptStateListLoop(nn.Module):
         """Scripted loop over ``layers`` single-state cells stacked in one step whose states are kept in a Python
-        list (``form`` "set": ``hs[k] = cell_k(u, hs[k])``; "append": ``hs.append(cell(u, hs[-1]))``, the list
-        growing a state a step: a near miss)."""
+        list (``form`` "set": ``hs[k] = cell_k(u, hs[k])``; "bidir": two cells, the second over x backwards,
+        ``hs[1] = cell_1(x[T-1-t], hs[1])``; "append": ``hs.append(cell(u, hs[-1]))``, the list growing a state a
+        step: a near miss)."""
 
         def __init__(self, cell, features, hidden, form, layers):
             super().__init__()
-            self.cells = nn.ModuleList(make_cell(cell, features if k == 0 else hidden, hidden) for k in range(layers))
+            width = [features if k == 0 or form == "bidir" else hidden for k in range(layers)]  # (bidir: both over x)
+            self.cells = nn.ModuleList(make_cell(cell, width[k], hidden) for k in range(layers))
             self.hidden, self.form = hidden, form
 
         def forward(self, x):
             hs = [torch.zeros(x.size(1), self.hidden) for _ in range(len(self.cells))]
             outs: list[torch.Tensor] = []
+            back: list[torch.Tensor] = []
             for t in range(x.size(0)):
                 u = x[t]
-                if self.form == "append":
+                if self.form == "bidir":
+                    hs[0] = self.cells[0](u, hs[0])
+                    hs[1] = self.cells[-1](x[x.size(0) - 1 - t], hs[1])
+                    back.insert(0, hs[1])
+                    u = hs[0]
+                elif self.form == "append":
                     hs.append(self.cells[0](u, hs[-1]))
                     u = hs[-1]
                 else:
@@ -1414,6 +1425,8 @@ def torch_modules():
                         hs[k] = cell(u, hs[k])
                         u = hs[k]
                 outs.append(u)
+            if self.form == "bidir":
+                return torch.cat([torch.stack(outs, 0), torch.stack(back, 0)], -1), hs[-1]
             return torch.stack(outs, 0), hs[-1]
 
     class ScriptLSTMStateListsLoop(nn.Module):
@@ -1685,7 +1698,8 @@ def build_module(c: Case):
         if o.get("state_list") and cell == "lstm":
             return m["ScriptLSTMStateListsLoop"](c.features, c.hidden, o["layers"])
         if o.get("state_list"):
-            return m["ScriptStateListLoop"](cell, c.features, c.hidden, o["state_list"], o["layers"])
+            return m["ScriptStateListLoop"](cell, c.features, c.hidden, o["state_list"],
+                                            2 if o["state_list"] == "bidir" else o["layers"])
         if o.get("xmask"):
             return m["ScriptXMaskLoop"](cell, c.features, c.hidden, c.batch_first)
         if o.get("mask_input"):

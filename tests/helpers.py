@@ -78,6 +78,18 @@ def assert_close(actual, expected, what: str, atol=ATOL, rtol=RTOL) -> float:
     return err
 
 
+def assert_same_on_x(original: onnx.ModelProto, fused: onnx.ModelProto, features: int,
+                     sizes=((1, 1), (6, 3), (9, 2)), seed: int = 5) -> None:
+    """The two models, both reading one input ``x`` of ``[T, B, features]``, give the same outputs (every one,
+    shapes included) on random x of each ``(T, B)`` of ``sizes``."""
+    rng = np.random.default_rng(seed)
+    want, got = session(original), session(fused)
+    for T, B in sizes:
+        x = rng.standard_normal((T, B, features)).astype(np.float32)
+        for a, e in zip(got.run(None, {"x": x}), want.run(None, {"x": x})):
+            assert_close(a, e, f"T={T}, B={B}")
+
+
 def check_case(case: dict, sets: list[str] | None = None, **optimize_kwargs) -> tuple[onnx.ModelProto, "rnnfuse.Report"]:
     """Optimize a generated case and check structure and outputs against the original and the framework."""
     original = onnx.load(case["onnx"])

@@ -214,32 +214,23 @@ def check_same_batch(g: Graph, others: dict[str, int], x: str, x_axis: int) -> N
     gives apart from x's (two numbers, or two names of graph inputs): the loop broadcasts a mask of one row
     over x's rows, which the native op's per-row mask does not."""
     for other, axis in sorted(others.items()):
-        if axis in (0, 1) and x_axis in (0, 1) and _batches_apart(g, other, 1 - axis, x, 1 - x_axis):
+        if axis in (0, 1) and x_axis in (0, 1) and _declared_apart(g, other, 1 - axis, x, 1 - x_axis, made_up_names=False):
             raise Decline(f"'{other}' is read per step but its batch is not provably the input's")
 
 
-def _batches_apart(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> bool:
-    """Whether the file gives the two extents as two numbers, or as two names of the model's inputs (not
-    tf2onnx's ``unk__N``, which every unknown input dim gets: see :func:`rnnfuse.dims.declared_name`)."""
-    dims = []
-    for name, axis in ((a, a_axis), (b, b_axis)):
-        root, ax = root_dim(g, name, axis)
-        shape = g.model.shape(root) or []
-        d = shape[ax] if 0 <= ax < len(shape) else None
-        dims.append(d if isinstance(d, int) else declared_name(g, name, axis))
-    return None not in dims and dims[0] != dims[1]
-
-
-def _declared_apart(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> bool:
+def _declared_apart(g: Graph, a: str, a_axis: int, b: str, b_axis: int, made_up_names: bool = True) -> bool:
     """Whether the file gives ``a``'s and ``b``'s extents (both seen through their time flips) as two different
     numbers, or as two different names of graph inputs (a name an exporter makes up for an intermediate's
-    unknown dim says nothing)."""
+    unknown dim says nothing; ``made_up_names=False``: nor does tf2onnx's ``unk__N``, which every unknown input
+    dim gets, see :func:`rnnfuse.dims.declared_name`)."""
     dims = []
     for name, axis in ((a, a_axis), (b, b_axis)):
-        name, axis = root_dim(g, name, axis)  # (through transposes and the like: a graph input's own axis)
-        shape = g.model.shape(name) or []
-        d = shape[axis] if axis < len(shape) else None
-        dims.append(d if isinstance(d, int) or (isinstance(d, str) and name in g.input_names) else None)
+        root, ax = root_dim(g, name, axis)  # (through transposes and the like: a graph input's own axis)
+        shape = g.model.shape(root) or []
+        d = shape[ax] if ax < len(shape) else None
+        if isinstance(d, str):
+            d = (d if root in g.input_names else None) if made_up_names else declared_name(g, name, axis)
+        dims.append(d)
     return None not in dims and dims[0] != dims[1]
 
 

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 
 from .errors import InputError, OutputError
 from .protos import data_bytes, default_opset, external_length, tensor_nbytes
+from .tensor_types import SKELETON_DATA_BYTES
 
 MIN_OPSET = 7  # the native recurrent ops' semantics rnnfuse emits exist since opset 7
 PROTO_LIMIT = 2**31 - 1
@@ -101,7 +102,7 @@ def load(path: str, borrow: bool = False) -> tuple[onnx.ModelProto, bool]:
             need = int(info.get("offset", 0)) + external_length(t)
             if os.path.getsize(loc) < need:
                 raise InputError(f"external data file {info.get('location')} of {path} is truncated")
-        _inline_attribute_tensors(model, base)
+        _inline_small_tensors(model, base)
         _MODEL_DIRS[id(model)] = base
     return model, external
 
@@ -183,36 +184,49 @@ def _borrowed_bytes(mm, location: str):
     del pieces
     return data, borrowed
 
-# A tensor attribute stored as external data (``onnx.save(convert_attribute=True)``: a Constant's value,
-# ConstantOfShape's fill) is read into the model when it is small, so that every reader of attributes sees its
-# values (onnx would look for the file in the working directory, not the model's): each of at most 16 MiB,
-# 256 MiB in all (a fill or a shape, whatever the total). A larger Constant stays where it is; its value is
-# memory-mapped from the model's directory when asked (GraphIndex.const), and the output's data file receives
-# it as it receives initializers.
+# A tensor stored as external data is read into the model when it is small, so that every reader sees its
+# values as if it were held inline:
+# - any tensor of at most ``SKELETON_DATA_BYTES``, the ones shape inference reads the values of (a Reshape's
+#   target, an Unsqueeze's axes, a Slice's bounds as initializers: ``onnx.save(size_threshold=0)`` puts those in
+#   the data file too, and inference, which reads no file, would not know a mask's rank without them);
+# - a tensor attribute (``onnx.save(convert_attribute=True)``: a Constant's value, ConstantOfShape's fill) of at
+#   most 16 MiB, 256 MiB in all, so that every reader of attributes sees its values (onnx would look for the
+#   file in the working directory, not the model's). A larger Constant stays where it is; its value is
+#   memory-mapped from the model's directory when asked (GraphIndex.const), and the output's data file
+#   receives it as it receives initializers.
+# Written with external data again, what is under EXTERNAL_THRESHOLD stays inline, the rest goes to the file.
+_ALWAYS_INLINE_BYTES = SKELETON_DATA_BYTES
 _INLINE_ATTRIBUTE_BYTES = 16 << 20
 _INLINE_ATTRIBUTES_TOTAL = 256 << 20
-_ALWAYS_INLINE_BYTES = 1024
 
 
-def _inline_attribute_tensors(model: onnx.ModelProto, base: str) -> None:
-    from onnx.external_data_helper import load_external_data_for_tensor
+def _inline_small_tensors(model: onnx.ModelProto, base: str) -> None:
+    from .protos import all_tensors, attribute_tensors
 
-    from .protos import attribute_tensors
-
+    for t in all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL and external_length(t) <= _ALWAYS_INLINE_BYTES:
+            _read_in(t, base)
     total = 0
     for t in attribute_tensors(model):
         if t.data_location != onnx.TensorProto.EXTERNAL:
             continue
         size = external_length(t)
-        if size > _ALWAYS_INLINE_BYTES and (size > _INLINE_ATTRIBUTE_BYTES or total + size > _INLINE_ATTRIBUTES_TOTAL):
+        if size > _INLINE_ATTRIBUTE_BYTES or total + size > _INLINE_ATTRIBUTES_TOTAL:
             continue
         total += size
-        if not any(e.key == "length" for e in t.external_data):  # (onnx would read to the end of the file)
-            e = t.external_data.add()
-            e.key, e.value = "length", str(size)
-        load_external_data_for_tensor(t, base)
-        t.data_location = onnx.TensorProto.DEFAULT
-        del t.external_data[:]
+        _read_in(t, base)
+
+
+def _read_in(t: onnx.TensorProto, base: str) -> None:
+    """Hold an external tensor's bytes in the tensor itself."""
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    if not any(e.key == "length" for e in t.external_data):  # (onnx would read to the end of the file)
+        e = t.external_data.add()
+        e.key, e.value = "length", str(external_length(t))
+    load_external_data_for_tensor(t, base)
+    t.data_location = onnx.TensorProto.DEFAULT
+    del t.external_data[:]
 
 
 def may_name_external_data(path: str) -> bool:

@@ -141,6 +141,36 @@ def slice_args_of(g, node: NodeProto):
     return tuple(list(a) for a in got)  # (the caller's own lists)
 
 
+def inferred_slice_ends(g, node: NodeProto, starts: list[int], axes: list[int]) -> list[int] | None:
+    """The ends of a Slice whose end bounds are computed (jax2onnx writes ``x[t]``'s batch end as
+    ``Shape(h)[0]``, of the state the step before computed), read from the types: an axis the output has as
+    long as the source (the same number, or the same dimension name inference carried there from the model's
+    inputs; not a made-up ``unk__N``) and started at 0 is taken whole; one the output has one element of,
+    started at ``t >= 0``, is ``[t, t + 1)``. None when an axis is neither, or a shape is not known. Types are
+    asked where they cost no walk (``settled_type``: jax2onnx declares them): a transformer's many Slices to a
+    computed length must not each infer its cone."""
+    src, out = (g.model.settled_type(v) for v in node.input[0:1] + node.output[0:1])
+    src, out = src and src[1], out and out[1]
+    if src is None or out is None or len(src) != len(out) or len(starts) != len(axes):
+        return None
+    ends = []
+    for start, axis in zip(starts, axes):
+        if not -len(src) <= axis < len(src):
+            return None
+        whole, got = src[axis], out[axis]
+        if start == 0 and whole == got and (isinstance(whole, int) or _named(whole)):
+            ends.append(2**63 - 1)
+        elif got == 1 and start >= 0:
+            ends.append(start + 1)
+        else:
+            return None
+    return ends
+
+
+def _named(d) -> bool:
+    return isinstance(d, str) and bool(d) and not d.startswith("unk__")
+
+
 def clip_bounds(node: NodeProto, opset: int, value: Value) -> tuple:
     """A Clip's ``(min, max)``: attributes before opset 11, then inputs 1 and 2 as ``value`` gives them (None
     for a bound given but not known); -inf / inf where the node gives none."""

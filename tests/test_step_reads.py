@@ -1,6 +1,8 @@
 """How an unrolled chain's steps may be read out of x (hand-built): ``p[0]`` of each piece of ``x.chunk(T)``
 is step t only when every piece holds one step; x[:, :, t] of a ``[B, F, T]`` x is step t of x's time-major
-copy. Outputs are compared with the original's in onnxruntime; near misses are not fused."""
+copy; ``Slice(x, [t, 0, 0], [t + 1, Shape(h)[0], F])`` (jax2onnx's ``for x_t in x``) is step t where the pieces
+are typed as long as x on the other axes. Outputs are compared with the original's in onnxruntime; near misses
+are not fused."""
 
 from __future__ import annotations
 
@@ -39,20 +41,40 @@ def _chain_model(read: str, parts: int = T) -> onnx.ModelProto:
                                       axis=0 if read == "chunk" else 1))
             xs.append(f"x{k}")
         x_info = oh.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", F])
+    elif read.startswith("slice"):
+        # jax2onnx's ``for x_t in x``: Slice(x, [t, 0, 0], [t + 1, Shape(h)[0], F]), h the state the step before
+        # computed ("slice_other_batch": the batch end read off another input's length, a near miss)
+        xs = [f"x{t}" for t in range(T)]
+        inits += [nh.from_array(np.array([0, 1, 2], np.int64), "axes"), nh.from_array(np.array([F], np.int64), "F")]
+        inits += [nh.from_array(np.array([t, 0, 0], np.int64), f"start{t}") for t in range(T)]
+        inits += [nh.from_array(np.array([t + 1], np.int64), f"next{t}") for t in range(T)]
+        x_info = oh.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", F])
     else:
         xs = [f"x{t}" for t in range(T)]
         nodes += [oh.make_node("Gather", ["x", f"i{t}"], [xs[t]], axis=2) for t in range(T)]
         x_info = oh.make_tensor_value_info("x", TensorProto.FLOAT, ["B", F, T])
     h, ys = "h0", []
     for k, x_t in enumerate(xs):
+        if read.startswith("slice"):
+            nodes += [oh.make_node("Shape", [h if read == "slice" else "lim"], [f"shape{k}"]),
+                      oh.make_node("Gather", [f"shape{k}", "axis0"], [f"rows{k}"]),
+                      oh.make_node("Concat", [f"next{k}", f"rows{k}", "F"], [f"end{k}"], axis=0),
+                      oh.make_node("Slice", ["x", f"start{k}", f"end{k}", "axes"], [f"piece{k}"]),
+                      oh.make_node("Squeeze", [f"piece{k}", "axis0"], [x_t])]
         nodes += [oh.make_node("MatMul", [x_t, "W"], [f"xw{k}"]), oh.make_node("MatMul", [h, "R"], [f"hr{k}"]),
                   oh.make_node("Add", [f"xw{k}", f"hr{k}"], [f"pre{k}"]), oh.make_node("Tanh", [f"pre{k}"], [f"h_{k}"]),
                   oh.make_node("Unsqueeze", [f"h_{k}", "axis0"], [f"y{k}"])]
         h = f"h_{k}"
         ys.append(f"y{k}")
     nodes.append(oh.make_node("Concat", ys, ["y"], axis=0))
-    graph = oh.make_graph(nodes, "chain", [x_info, oh.make_tensor_value_info("h0", TensorProto.FLOAT, ["B", H])],
+    inputs = [x_info, oh.make_tensor_value_info("h0", TensorProto.FLOAT, ["B", H])]
+    if read == "slice_other_batch":
+        inputs.append(oh.make_tensor_value_info("lim", TensorProto.FLOAT, ["C"]))
+    graph = oh.make_graph(nodes, "chain", inputs,
                           [oh.make_tensor_value_info("y", TensorProto.FLOAT, [len(xs), "B", H])], inits)
+    if read.startswith("slice"):  # (the pieces' types, as jax2onnx declares them: inference cannot tell)
+        rows = "B" if read == "slice" else "C"
+        graph.value_info.extend(oh.make_tensor_value_info(f"piece{k}", TensorProto.FLOAT, [1, rows, F]) for k in range(T))
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
     onnx.checker.check_model(model, full_check=True)
     return model
@@ -65,6 +87,7 @@ def _same_outputs(a: onnx.ModelProto, b: onnx.ModelProto, x_shape) -> None:
         rng = np.random.default_rng(batch)
         feeds = {"x": rng.standard_normal([batch if d == "B" else d for d in x_shape]).astype(np.float32),
                  "h0": rng.standard_normal((batch, H)).astype(np.float32)}
+        feeds = {i.name: feeds[i.name] for i in a.graph.input}
         want, got = (ort.InferenceSession(m.SerializeToString(), opts).run(None, feeds) for m in (a, b))
         np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
 
@@ -73,7 +96,8 @@ def _natives(model: onnx.ModelProto) -> int:
     return sum(n.op_type in ("RNN", "GRU", "LSTM") for n in model.graph.node)
 
 
-@pytest.mark.parametrize("read,x_shape", [("chunk", [T, "B", F]), ("chunk_t", [T, "B", F]), ("last_axis", ["B", F, T])])
+@pytest.mark.parametrize("read,x_shape", [("chunk", [T, "B", F]), ("chunk_t", [T, "B", F]), ("last_axis", ["B", F, T]),
+                                         ("slice", [T, "B", F])])
 def test_steps_read_so_fuse(read, x_shape):
     model = _chain_model(read)
     fused, report = rnnfuse.optimize(model)
@@ -86,6 +110,16 @@ def test_pieces_of_two_steps_are_no_steps():
     """x.chunk(T / 2): each piece holds two steps, so its element 0 is every other step of x: no chain over
     x (a native op over x would read every step)."""
     model = _chain_model("chunk", parts=T // 2)
+    fused, report = rnnfuse.optimize(model)
+    assert _natives(fused) == 0, report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()
+
+
+def test_a_slice_whose_batch_end_is_not_proven_whole_is_no_step():
+    """Slice(x, [t, 0, 0], [t + 1, len(lim), F]), ``lim`` an input of its own length C (the pieces declared
+    [1, C, F]): a piece may hold fewer rows than x has (C < B), so no step of x; nothing is fused and the model
+    comes out as it went in."""
+    model = _chain_model("slice_other_batch")
     fused, report = rnnfuse.optimize(model)
     assert _natives(fused) == 0, report.to_text()
     assert fused.SerializeToString() == model.SerializeToString()

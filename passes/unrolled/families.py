@@ -38,6 +38,8 @@ def _axis_index(g: Graph, node: NodeProto) -> tuple[str, int, int] | None:
         t = int(idx)
     elif node.op_type == "Slice":
         starts, ends, axes, steps = op_args.slice_args_of(g, node)
+        if ends is None and starts and axes and steps:
+            ends = op_args.inferred_slice_ends(g, node, starts, axes)
         if not starts or not ends or not axes or not steps or len(starts) != len(axes) or set(steps) != {1}:
             return None
         # one axis sliced to one step; any other taken whole (jax's static slices name every axis)

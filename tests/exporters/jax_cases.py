@@ -152,6 +152,9 @@ CASES = [
     case("pyfor_rnn", "pyfor", "rnn"),
     case("pyfor_gru_split_index", "pyfor", "gru", split_index=True,
          notes="[p[:, 0] for p in jnp.split(x, T, 1)]: each piece's element 0, Gather(Transpose(piece, [1, 0, 2]), 0)"),
+    case("pyfor_rnn_iterate", "pyfor", "rnn", iterate=True,
+         notes="for x_t in x.swapaxes(0, 1): Slice(x, [t, 0, 0], [t + 1, Shape(h)[0], F]), h the step before's"),
+    case("pyfor_gru_iterate_masked", "pyfor", "gru", iterate=True, mask=True),
     case("pyfor_gru_masked", "pyfor", "gru", mask=True,
          notes="h = where(mask[:, t:t+1], cell(h, x[:, t]), h): x Gathered from Transpose(x), the mask Sliced batch-first"),
     # -- a running sum carried beside the cell (acc + h), its mean returned: the op's Y summed over time
@@ -796,6 +799,8 @@ def build_pyfor(env: Env, c: Case, seed: int):
             h = jnp.zeros((x.shape[0], HIDDEN), jnp.float32)
         ys = []
         steps = [p[:, 0] for p in jnp.split(x, TIME, 1)] if c.opts.get("split_index") else None
+        if c.opts.get("iterate"):  # for x_t in x.swapaxes(0, 1): each step's batch end is Shape(h)[0]
+            steps = list(jnp.swapaxes(x, 0, 1))
         for t in range(TIME):
             new = cell(h, x[:, t] if steps is None else steps[t])
             h = jnp.where(mask[0][:, t:t + 1], new, h) if mask else new

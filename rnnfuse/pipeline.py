@@ -142,6 +142,9 @@ class Pipeline:
             view = view.next_round()
         rep.passes = _merge_rounds(rounds)
         rep.rounds = len(rounds)
+        note = _overridable_weights_note(model.proto.graph)
+        if note:
+            rep.notes.append(note)
         if ctx.log:
             for f in rep.findings:
                 ctx.log(f.line())
@@ -177,3 +180,16 @@ def default_passes() -> list[PassLike]:
     from .passes import default_passes as dp
 
     return dp()
+
+
+def _overridable_weights_note(graph: onnx.GraphProto) -> str | None:
+    """A note when initializers are also graph inputs (torch's ``keep_initializers_as_inputs=True``): a caller
+    may feed other values there, so no pass takes them for constant weights (as onnxruntime's optimizers do
+    not), and the recurrences that read them stay as they are, a chain without even a decline of its own."""
+    inputs = {v.name for v in graph.input}
+    both = [t.name for t in graph.initializer if t.name in inputs]
+    if not both:
+        return None
+    return (f"{len(both)} initializer(s) are also graph inputs (e.g. '{both[0]}'): a caller may override them, so "
+            "they are not taken for constant weights; to fuse what reads them, export without them as inputs "
+            "(torch: keep_initializers_as_inputs=False) or drop them from the graph's inputs")

@@ -316,6 +316,28 @@ def test_every_tensor_stored_externally_fuses_as_if_held_inline(tmp_path):
     assert all(np.abs(a - b).max() < 1e-5 for a, b in zip(got, want))
 
 
+def test_initializers_that_are_inputs_are_no_weights_and_the_report_says_so(tmp_path):
+    """An unrolled chain whose weights are also graph inputs (torch's keep_initializers_as_inputs=True): a
+    caller may feed other weights, so nothing is fused, the output is the input's bytes, and the report says
+    why (the chain front end has no decline of its own to give: it finds no recurrence over runtime weights).
+    The same chain without them as inputs fuses, and its report has no such note."""
+    import builders as B
+
+    m, _ = B.build(B.Opts(op="RNN", front="chain", static_T=4))
+    plain = _save(tmp_path / "plain.onnx", m)
+    weights = [t.name for t in m.graph.initializer if len(t.dims) >= 2]
+    m.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                         for t in m.graph.initializer if t.name in weights)
+    exposed = _save(tmp_path / "exposed.onnx", m)
+    p = run("optimize", exposed, tmp_path / "out.onnx")
+    assert p.returncode == 0, p.stderr
+    assert "initializer(s) are also graph inputs" in p.stdout and "keep_initializers_as_inputs=False" in p.stdout
+    assert (tmp_path / "out.onnx").read_bytes() == exposed.read_bytes()
+    p = run("optimize", plain, tmp_path / "fused.onnx")
+    assert p.returncode == 0 and "graph inputs" not in p.stdout, p.stdout
+    assert op_counts(onnx.load(str(tmp_path / "fused.onnx")))["RNN"] == 1
+
+
 def test_usage_error():
     p = run("optimize", EXAMPLE)
     assert p.returncode == 2

@@ -131,6 +131,8 @@ def given_constants(g: Graph) -> frozenset | set:
         for c in g.uses(frontier.pop()):
             if c.op_type == "Expand" and g.fill_value(c.output[0]) == 0.0:
                 continue  # (zeros broadcast to a shape computed from a fill: torch's zeros.expand(-1, H))
+            if c.op_type in ("Shape", "Size"):
+                continue  # (its shape, not its values: the bounds of torch's chunk of h0 @ R, a Slice's)
             for o in c.output:
                 if o and o not in out and o not in runtime:
                     out.add(o)

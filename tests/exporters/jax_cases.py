@@ -122,6 +122,7 @@ CASES = [
     # -- nn.Bidirectional: two Loops, the reversal outside (Range/Sub/Gather), Concat: one bidirectional op
     case("linen_bidir_gru", "bidir", "gru"),
     case("linen_bidir_lstm_o17", "bidir", "lstm", opset=17),
+    case("linen_bidir_gru_seq_lengths", "bidir", "gru", seq_lengths=True),
     # -- flax.nnx cells under lax.scan
     case("nnx_lstm_scan", "nnx_scan", "lstm"),
     case("nnx_gru_scan", "nnx_scan", "gru"),

@@ -197,6 +197,10 @@ CASES = [
     loop("lstm_cat_trace", "lstm_cat", time=8),
     loop("lstm_pergate_trace", "lstm_pergate", time=8),
     loop("gru_hand_dynamo_bf", "gru_hand", exporter="dynamo", time=8, **BF),
+    loop("gru_hand_trace_learned_init", "gru_hand", time=8, init="learned",
+         notes="h0 = nn.Parameter([1, H]).expand(B, -1): the first step's chunk(3) of h0 @ W_hh is sliced at bounds "
+               "computed from its shape"),
+    loop("grucell_trace_learned_init_bf", "gru", init="learned", **BF),
     # -- dynamo: the same loops through torch.export (dynamic batch via dynamic_shapes)
     loop("lstmcell_dynamo", "lstm", exporter="dynamo", time=6),
     loop("lstmcell_dynamo_bf", "lstm", exporter="dynamo", time=6, **BF),
@@ -903,7 +907,8 @@ def describe(c: Case) -> str:
         parts.append("for t in range(x.size(0)), list append, torch.stack")
         if o.get("layers", 1) > 1:
             parts.append(f"{o['layers']} such loops stacked, each over the one before's outputs, steps = x.size(0) read once")
-    parts.append("initial state given as inputs" if o.get("init") == "given" else "zero initial state (torch.zeros)")
+    parts.append({"given": "initial state given as inputs", "learned": "learned initial state expanded to the batch"}
+                 .get(o.get("init"), "zero initial state (torch.zeros)"))
     parts.append({
         "seq": "returns stacked h",
         "seq_state": "returns (stacked h, last state)",
@@ -1106,6 +1111,8 @@ def torch_modules():
                 self.cells = nn.ModuleList([self.cells[0]] * len(self.dirs))
             if init == "linear":  # the initial state is computed by the graph (a decoder started from a code)
                 self.init_proj = nn.Linear(hidden, hidden)
+            if init == "learned":  # nn.Parameter states expanded to the batch
+                self.h0, self.c0 = nn.Parameter(0.3 * torch.randn(1, hidden)), nn.Parameter(0.3 * torch.randn(1, hidden))
 
         def chain(self, cell, x, state, reverse):
             if self.conv is not None:
@@ -1162,6 +1169,9 @@ def torch_modules():
                 col = x[:, 0, :1] if self.batch_first else x[0, :, :1]
                 h0 = torch.zeros_like(col).expand(-1, self.hidden)
                 c0 = (h0 if self.init == "expand_one" else torch.zeros_like(col).expand(-1, self.hidden)) if self.lstm else None
+            if self.init == "learned":
+                batch = x.shape[0 if self.batch_first else 1]
+                h0, c0 = self.h0.expand(batch, -1), (self.c0.expand(batch, -1) if self.lstm else None)
             if self.init == "linear":
                 h0 = torch.tanh(self.init_proj(h0))
                 c0 = self.init_proj(c0) if self.lstm else None

@@ -3,6 +3,8 @@ opset takes (a Squeeze's axes as an attribute or an input, a Split's sizes ...).
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 from onnx import NodeProto
 
@@ -44,8 +46,21 @@ class Builder:
         tail = tuple(parts[0].shape[1:])
         nbytes = rows * int(np.prod(tail) if tail else 1) * np.dtype(dtype).itemsize
         if nbytes < SPILL_BYTES or self.g.model.external_dir is None:
-            return self.const(np.concatenate(parts, 0)[None].astype(dtype, copy=False), hint)
+            return self._weight(np.concatenate(parts, 0)[None].astype(dtype, copy=False), hint)
         return self.g.add_spilled_initializer(parts, (1, rows) + tail, dtype, f"{self.prefix}/{hint}")
+
+    def _weight(self, arr: np.ndarray, hint: str) -> str:
+        """An emitted weight as an initializer, the one already written with these values if there is one:
+        two ops over one x with equal weights and inputs are then one node to Dedupe, which compares a weight
+        of more than 64 elements by name (a chain whose final h and c are stacked, ``torch.stack([h, c])``, is
+        found once for each and emitted twice: two ops computing the same, where one is asked for)."""
+        key = (arr.dtype.str, arr.shape, hashlib.blake2b(arr.tobytes(), digest_size=16).digest())
+        known = self.g.model.facts.emitted_weights
+        name = known.get(key)
+        if name is not None and name in self.g.initializers and np.array_equal(self.g.const(name), arr):
+            return name
+        name = known[key] = self.const(arr, hint)
+        return name
 
     def i64(self, *vals) -> str:
         return self.const(np.array(vals, dtype=np.int64), "i64")

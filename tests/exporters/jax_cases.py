@@ -122,7 +122,8 @@ CASES = [
     # -- nn.Bidirectional: two Loops, the reversal outside (Range/Sub/Gather), Concat: one bidirectional op
     case("linen_bidir_gru", "bidir", "gru"),
     case("linen_bidir_lstm_o17", "bidir", "lstm", opset=17),
-    case("linen_bidir_gru_seq_lengths", "bidir", "gru", seq_lengths=True),
+    case("linen_bidir_gru_seq_lengths", "bidir", "gru", seq_lengths=True,
+         notes="nn.Bidirectional with seq_lengths: each row flipped within its length; two forward ops"),
     # -- flax.nnx cells under lax.scan
     case("nnx_lstm_scan", "nnx_scan", "lstm"),
     case("nnx_gru_scan", "nnx_scan", "gru"),
@@ -960,6 +961,10 @@ def expectation(c: Case) -> dict:
         return {"ops": {"RNN": 2}, "absent": ["Loop", "Scan"]}
     # (bidir_scan: the Loop split; jax2onnx feeds xs as a Gather of x by 0 .. T-1 computed as a reversed
     # reversed iota, read through, so both halves read x and merge)
+    if c.model == "bidir" and c.lengths:
+        # (flax flips each row within its length and runs the backward cell on over the padding: a forward op
+        # over the rows flipped, where ONNX's reverse direction with sequence_lens zero-fills past the length)
+        return {"ops": {op: 2}, "directions": {op: ["forward", "forward"]}, "absent": ["Loop", "Scan"]}
     if c.model == "bidir" or c.opts.get("bidir_scan"):  # the flip outside the loops (Range/Sub/Gather) is seen: one bidirectional op
         return {"ops": {op: 1}, "directions": {op: ["bidirectional"]}, "absent": ["Loop", "Scan"]}
     # an LSTM's c read at one step per row (flax's carry at seq_lengths - 1) is a twin op's Y_c

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, helper, numpy_helper
 
-from rnnfuse import op_args
 from rnnfuse.dims import root_dim
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, attr, has_subgraph
@@ -19,8 +18,7 @@ from rnnfuse.index_order import in_order, length_term
 
 class DropNoOps:
     """Casts to the type a value already has, Identities, Gathers of a whole axis in order, and items of a list
-    built by ``SequenceConstruct`` or of a tensor stacked by Unsqueeze + Concat taken at a constant position,
-    read through
+    built by ``SequenceConstruct`` taken at a constant position, read through
     (torch exports a chain of float->float Casts around every step; they hide shared inputs and time flips from
     the other passes; jax2onnx gathers a scanned tensor by indices 0 .. T-1 computed from a reversed iota)."""
 
@@ -47,8 +45,8 @@ class DropNoOps:
                 g.replace_uses(n.output[0], n.input[0])
                 g.remove_node(n, long_lists)
                 done += 1
-        for n in g.nodes_of("SequenceAt", "Gather"):
-            item = None if not g.alive(n) else _constructed_item(g, n) if n.op_type == "SequenceAt" else _stacked_item(g, n)
+        for n in g.nodes_of("SequenceAt"):
+            item = _constructed_item(g, n) if g.alive(n) else None
             if item is None:  # (else a list of states rebuilt after a Loop, say: passes.loop_lists)
                 continue
             if g.is_graph_output(n.output[0]):
@@ -74,33 +72,6 @@ def _constructed_item(g: Graph, n: NodeProto) -> str | None:
     k = int(np.ravel(c)[0])
     k = k + len(p.input) if k < 0 else k
     return p.input[k] if 0 <= k < len(p.input) and p.input[k] else None
-
-
-def _stacked_item(g: Graph, n: NodeProto) -> str | None:
-    """The tensor Gather node ``n`` takes, when its data is a Concat of tensors each unsqueezed on the Gather's
-    axis (``torch.stack([h, c])``, read back as ``st[0]``: a state carried as one tensor) and its index a scalar
-    constant: item k of the stack is the k-th tensor as it was; else None."""
-    p = g.producer.get(n.input[0]) if len(n.input) == 2 else None
-    c = g.const(n.input[1]) if p is not None and p.op_type == "Concat" else None
-    if c is None or np.ndim(c) != 0 or np.asarray(c).dtype.kind not in "iu":
-        return None
-    rank = g.model.rank(n.input[0])
-
-    def at(a: int) -> int | None:  # (a negative axis of an unknown rank: None, no match)
-        return a if a >= 0 else a + rank if rank is not None else None
-
-    axis = at(attr(n, "axis", 0))
-    if axis is None or at(attr(p, "axis", 0)) != axis:
-        return None
-    pieces = []
-    for i in p.input:
-        u = g.producer.get(i)
-        axes = op_args.axes(u, g.model.opset, op_args.const_reader(g, u)) if u is not None and u.op_type == "Unsqueeze" else None
-        if axes is None or len(axes) != 1 or at(axes[0]) != axis:
-            return None
-        pieces.append(u.input[0])
-    k = int(c) + (len(pieces) if int(c) < 0 else 0)
-    return pieces[k] if 0 <= k < len(pieces) else None
 
 
 def _gathers_all_in_order(g: Graph, n) -> bool:

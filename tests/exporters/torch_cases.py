@@ -201,9 +201,8 @@ CASES = [
          notes="h0 = nn.Parameter([1, H]).expand(B, -1): the first step's chunk(3) of h0 @ W_hh is sliced at bounds "
                "computed from its shape"),
     loop("grucell_trace_learned_init_bf", "gru", init="learned", **BF),
-    loop("lstmcell_trace_stacked_state", "lstm", init="stacked", ret="seq_state",
-         notes="(h, c) carried as one tensor, st = torch.stack([h, c]), read back as st[0], st[1]"),
-    loop("lstmcell_dynamo_stacked_state_bf", "lstm", exporter="dynamo", time=6, init="stacked", **BF),
+    loop("lstmcell_trace_stacked_final_state", "lstm", ret="seq_stacked_state",
+         notes="returns (ys, torch.stack([h, c])): found as a chain for h and one for c, one op"),
     # -- dynamo: the same loops through torch.export (dynamic batch via dynamic_shapes)
     loop("lstmcell_dynamo", "lstm", exporter="dynamo", time=6),
     loop("lstmcell_dynamo_bf", "lstm", exporter="dynamo", time=6, **BF),
@@ -910,12 +909,12 @@ def describe(c: Case) -> str:
         parts.append("for t in range(x.size(0)), list append, torch.stack")
         if o.get("layers", 1) > 1:
             parts.append(f"{o['layers']} such loops stacked, each over the one before's outputs, steps = x.size(0) read once")
-    parts.append({"given": "initial state given as inputs", "learned": "learned initial state expanded to the batch",
-                  "stacked": "(h, c) carried stacked, zero initial state"}
+    parts.append({"given": "initial state given as inputs", "learned": "learned initial state expanded to the batch"}
                  .get(o.get("init"), "zero initial state (torch.zeros)"))
     parts.append({
         "seq": "returns stacked h",
         "seq_state": "returns (stacked h, last state)",
+        "seq_stacked_state": "returns (stacked h, torch.stack(last state))",
         "last": "returns the last state only",
     }[o.get("ret", "seq")])
     return "; ".join(parts)
@@ -1123,14 +1122,9 @@ def torch_modules():
                 return self.time_last_chain(cell, x, state, reverse)
             steps = x.shape[1 if self.batch_first else 0]
             outs = []
-            stacked = self.init == "stacked"  # (h, c) carried as one tensor: st = stack([h, c]), read st[0], st[1]
-            if stacked:
-                state = torch.stack(state)
             for t in (reversed(range(steps)) if reverse else range(steps)):
-                state = cell(x[:, t] if self.batch_first else x[t], (state[0], state[1]) if stacked else state)
+                state = cell(x[:, t] if self.batch_first else x[t], state)
                 outs.append(state[0] if self.lstm else state)
-                if stacked:
-                    state = torch.stack(state)
             if reverse and self.order == "time":
                 outs.reverse()
             if self.collect == "buffer":  # a preallocated output written step by step
@@ -1170,7 +1164,7 @@ def torch_modules():
                 x = self.prep(x)
             if self.conv is not None:  # (batch-first x: [B, T, F] -> [B, F, T])
                 x = self.conv(x.transpose(1, 2))
-            if self.init in ("zeros", "stacked"):
+            if self.init == "zeros":
                 batch = x.shape[0 if self.batch_first else 1]
                 h0 = torch.zeros(batch, self.hidden, dtype=x.dtype)
                 c0 = torch.zeros(batch, self.hidden, dtype=x.dtype) if self.lstm else None
@@ -1196,6 +1190,8 @@ def torch_modules():
                 return y
             if self.ret == "last":
                 return tuple(states) if len(states) > 1 else states[0]
+            if self.ret == "seq_stacked_state":
+                return y, torch.stack(states)
             return (y, *states)
 
     class SeqModule(nn.Module):

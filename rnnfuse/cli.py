@@ -307,9 +307,10 @@ def _write_output(args, run: _Run, progress) -> None:
     elif run.had_external:
         # the input's tensors live in its own data file: write the unchanged model with its tensors
         # streamed to OUTPUT.data, so the output stands on its own wherever it is
-        original, _ = model_io.load(args.input)
+        original, _ = model_io.load(args.input, read_small=False)  # (its small tensors where they were too)
         written = model_io.save(original, args.output, external=True, source_dir=model_io.model_dir(original))
-        report.notes.append(f"nothing changed: the model is written as it was, tensors in {written[1]}")
+        report.notes.append("nothing changed: the model is written as it was"
+                            + (f", tensors in {written[1]}" if len(written) > 1 else ", every tensor inline"))
     else:
         model_io.copy_unchanged(args.input, args.output)
         if not report.unsupported:

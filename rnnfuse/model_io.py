@@ -46,7 +46,7 @@ def uses_external_data(model: onnx.ModelProto) -> bool:
     return any(_uses(t) for t in all_tensors(model))
 
 
-def load(path: str, borrow: bool = False) -> tuple[onnx.ModelProto, bool]:
+def load(path: str, borrow: bool = False, read_small: bool = True) -> tuple[onnx.ModelProto, bool]:
     """Load ``path``; returns (model, had_external_data).
 
     External data is *not* read into memory: tensors stay where they are and are memory-mapped when a pass
@@ -102,7 +102,7 @@ def load(path: str, borrow: bool = False) -> tuple[onnx.ModelProto, bool]:
             need = int(info.get("offset", 0)) + external_length(t)
             if os.path.getsize(loc) < need:
                 raise InputError(f"external data file {info.get('location')} of {path} is truncated")
-        _inline_small_tensors(model, base)
+        _inline_small_tensors(model, base, read_small)
         _MODEL_DIRS[id(model)] = base
     return model, external
 
@@ -200,10 +200,11 @@ _INLINE_ATTRIBUTE_BYTES = 16 << 20
 _INLINE_ATTRIBUTES_TOTAL = 256 << 20
 
 
-def _inline_small_tensors(model: onnx.ModelProto, base: str) -> None:
+def _inline_small_tensors(model: onnx.ModelProto, base: str, read_small: bool = True) -> None:
+    """``read_small=False``: only the tensor attributes (a model written back as it was, nothing fused)."""
     from .protos import all_tensors, attribute_tensors
 
-    for t in all_tensors(model):
+    for t in all_tensors(model) if read_small else ():
         if t.data_location == onnx.TensorProto.EXTERNAL and external_length(t) <= _ALWAYS_INLINE_BYTES:
             _read_in(t, base)
     total = 0
@@ -218,15 +219,18 @@ def _inline_small_tensors(model: onnx.ModelProto, base: str) -> None:
 
 
 def _read_in(t: onnx.TensorProto, base: str) -> None:
-    """Hold an external tensor's bytes in the tensor itself."""
-    from onnx.external_data_helper import load_external_data_for_tensor
-
-    if not any(e.key == "length" for e in t.external_data):  # (onnx would read to the end of the file)
-        e = t.external_data.add()
-        e.key, e.value = "length", str(external_length(t))
-    load_external_data_for_tensor(t, base)
-    t.data_location = onnx.TensorProto.DEFAULT
+    """Hold an external tensor's bytes in the tensor itself, read from where the model's directory says, as
+    the memory-mapped reads do (onnx's own reader refuses a data file that is a symbolic link, as a Hugging
+    Face cache holds them; :func:`load` checked the file is there and long enough)."""
+    src, offset, length = _external_source(t, base)
+    with open(src, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise InputError(f"external data of tensor '{t.name}' is truncated")
     del t.external_data[:]
+    t.data_location = onnx.TensorProto.DEFAULT
+    t.raw_data = data
 
 
 def may_name_external_data(path: str) -> bool:
@@ -319,9 +323,10 @@ def save(model: onnx.ModelProto, out_path: str, external: bool | None = None, so
         if external:
             data_name = base + ".data"
             tmp_data = os.path.join(tmpdir, data_name)
-            _write_external(model, tmp_data, data_name, source_dir)
-            os.replace(tmp_data, os.path.join(parent, data_name))
-            written.append(os.path.join(parent, data_name))
+            if _write_external(model, tmp_data, data_name, source_dir):
+                os.replace(tmp_data, os.path.join(parent, data_name))
+                written.append(os.path.join(parent, data_name))
+            # (else every tensor is held inline, a model of small tensors: no empty data file beside it)
             with open(tmp_model, "wb") as f:
                 f.write(model.SerializeToString())
         elif too_big and _has_unloaded(model):
@@ -437,12 +442,15 @@ def _inline(model: onnx.ModelProto, out, source_dir: str | None) -> None:
             _write_all(out, p)
 
 
-def _write_external(model: onnx.ModelProto, data_path: str, location: str, source_dir: str | None) -> None:
+def _write_external(model: onnx.ModelProto, data_path: str, location: str, source_dir: str | None) -> int:
+    """Write the tensors held elsewhere or of ``EXTERNAL_THRESHOLD`` bytes or more to ``data_path``, each
+    pointed there; returns how many."""
     from .protos import all_tensors
 
     from .graph import set_external
 
     align = 4096
+    count = 0
     with open(data_path, "wb", buffering=0) as out:
         for t in all_tensors(model):
             unloaded = t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data")
@@ -461,6 +469,8 @@ def _write_external(model: onnx.ModelProto, data_path: str, location: str, sourc
                 _write_all(out, t.raw_data)
                 t.ClearField("raw_data")
             set_external(t, location, pos, length)
+            count += 1
+    return count
 
 
 def estimated_size(model: onnx.ModelProto) -> int:

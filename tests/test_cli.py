@@ -288,16 +288,21 @@ def test_an_output_data_file_is_never_the_inputs_nor_replaced_without_force(tmp_
         assert all(np.abs(a - b).max() < 1e-5 for a, b in zip(got, want))
 
 
-def test_every_tensor_stored_externally_fuses_as_if_held_inline(tmp_path):
+@pytest.mark.parametrize("linked", [False, True], ids=["file", "symlink"])
+def test_every_tensor_stored_externally_fuses_as_if_held_inline(tmp_path, linked):
     """``onnx.save(size_threshold=0)`` puts every initializer in the data file, an Unsqueeze's axes and a
     Reshape's target too. Shape inference reads no file, so the masks' rank was unknown and every masked layer
     of the example was declined; the small tensors are now read in on load. The fused model gives the
     original's outputs, and loads where the input does not (onnxruntime's inference cannot read those
-    tensors either)."""
+    tensors either). ``symlink``: the data file is a link to another file, as in a Hugging Face cache (onnx's
+    own reader refuses links: the run crashed)."""
     m = onnx.load(EXAMPLE)
     src = tmp_path / "in.onnx"
     onnx.save(onnx.load(EXAMPLE), str(src), save_as_external_data=True, all_tensors_to_one_file=True,
               location="in.onnx.data", size_threshold=0)
+    if linked:
+        os.replace(tmp_path / "in.onnx.data", tmp_path / "blob")
+        os.symlink(tmp_path / "blob", tmp_path / "in.onnx.data")
     stored = onnx.load(str(src), load_external_data=False)
     assert all(t.data_location == TensorProto.EXTERNAL for t in stored.graph.initializer)
     rng = np.random.default_rng(0)
@@ -314,6 +319,28 @@ def test_every_tensor_stored_externally_fuses_as_if_held_inline(tmp_path):
     assert before.get("Loop", 0) > 0 and after.get("Loop", 0) == 0, after
     got = session(onnx.load(str(out))).run(None, feeds)
     assert all(np.abs(a - b).max() < 1e-5 for a, b in zip(got, want))
+
+
+def test_nothing_to_fuse_stored_externally_keeps_its_small_tensors_where_they_were(tmp_path):
+    """A model with nothing to fuse whose every tensor is external data comes out as it went in: the small
+    tensors the run reads in (to infer types) stay in the output's data file, each tensor with its bytes."""
+    g = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("MatMul", ["r", "w"], ["y"])],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])],
+                          [onnx.numpy_helper.from_array(np.array([3, 4], np.int64), "shape"),
+                           onnx.numpy_helper.from_array(np.arange(20, dtype=np.float32).reshape(4, 5), "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    src = tmp_path / "in.onnx"
+    onnx.save(onnx.ModelProto.FromString(m.SerializeToString()), str(src), save_as_external_data=True,
+              all_tensors_to_one_file=True, location="in.onnx.data", size_threshold=0)
+    p = run("optimize", src, tmp_path / "out.onnx")
+    assert p.returncode == 0, p.stderr
+    out = onnx.load(str(tmp_path / "out.onnx"), load_external_data=False)
+    assert all(t.data_location == TensorProto.EXTERNAL for t in out.graph.initializer)
+    whole = onnx.load(str(tmp_path / "out.onnx"))
+    assert [onnx.numpy_helper.to_array(t).tolist() for t in whole.graph.initializer] == \
+        [onnx.numpy_helper.to_array(t).tolist() for t in m.graph.initializer]
 
 
 def test_initializers_that_are_inputs_are_no_weights_and_the_report_says_so(tmp_path):

@@ -56,7 +56,10 @@ def load(path: str, borrow: bool = False, read_small: bool = True) -> tuple[onnx
     ``borrow=True``: a single file of ``BORROW_MIN_FILE`` bytes or more keeps its big initializers in the file
     the same way (``borrowed_from(model)`` names it; ``had_external_data`` stays False: the output is one
     file again). Its proto then has external tensors only :class:`~rnnfuse.graph.Model` (given
-    ``model_dir``) and :func:`save` can read: a caller handing the proto to onnxruntime loads without it."""
+    ``model_dir``) and :func:`save` can read: a caller handing the proto to onnxruntime loads without it.
+
+    Small external tensors are read in (see ``_inline_small_tensors``); ``read_small=False`` leaves all but
+    the tensor attributes where they are, for a model written back as it was."""
     if not path:
         raise InputError("no input file given")
     if not os.path.exists(path):

@@ -3,12 +3,11 @@ opset takes (a Squeeze's axes as an attribute or an input, a Split's sizes ...).
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 from onnx import NodeProto
 
 from .graph import Graph
+from .symbolic.algebra import content_digest
 
 # weights at least this big are spilled to disk when the model's weights are external data (or borrowed from its
 # file, see rnnfuse.model_io): the new LSTM W/R then never enter the proto, where they would stay until the
@@ -54,7 +53,7 @@ class Builder:
         two ops over one x with equal weights and inputs are then one node to Dedupe, which compares a weight
         of more than 64 elements by name (a chain whose final h and c are stacked, ``torch.stack([h, c])``, is
         found once for each and emitted twice: two ops computing the same, where one is asked for)."""
-        key = (arr.dtype.str, arr.shape, hashlib.blake2b(arr.tobytes(), digest_size=16).digest())
+        key = content_digest(arr)
         known = self.g.model.facts.emitted_weights
         name = known.get(key)
         if name is not None and name in self.g.initializers and np.array_equal(self.g.const(name), arr):

@@ -27,7 +27,7 @@ class ModelFacts:
     compactions: dict = field(default_factory=dict)  # compacted input -> (input, [T, B] mask, original mask)
     uncompactions: dict = field(default_factory=dict)  # scattered-back output -> (compacted Y, [T, B] mask)
     spill_dir: str | None = None  # where large new initializers are written as external data
-    # (dtype, shape, digest) -> the initializer an emitted weight was written to (rnnfuse.builder.Builder._weight)
+    # content digest -> the initializer an emitted weight was written to (rnnfuse.builder.Builder._weight)
     emitted_weights: dict = field(default_factory=dict)
     # passes/dedupe.Dedupe: (the graph's edit list, how much of it was already deduplicated)
     dedupe_mark: tuple | None = None

@@ -39,6 +39,12 @@ CONTENT = "D"  # a constant named by its bytes: ("D", digest, shape, dtype)
 INITIALIZER = "I"  # a constant named by its tensor name: ("I", name)
 
 
+def content_digest(arr: np.ndarray) -> tuple:
+    """The key arrays of equal bytes, shape and type share: ``(CONTENT, digest, shape, dtype)``."""
+    a = np.ascontiguousarray(arr)
+    return (CONTENT, hashlib.blake2b(a.tobytes(), digest_size=12).hexdigest(), a.shape, str(a.dtype))
+
+
 class ConstRef:
     """A constant tensor (usually a weight) plus a hashable key describing where its values come from."""
 
@@ -51,8 +57,7 @@ class ConstRef:
     @staticmethod
     def of(arr: np.ndarray, hint: str = "") -> "ConstRef":
         a = np.ascontiguousarray(arr)
-        h = hashlib.blake2b(a.tobytes(), digest_size=12).hexdigest()
-        return ConstRef((CONTENT, h, a.shape, str(a.dtype)), a)
+        return ConstRef(content_digest(a), a)
 
     def T(self) -> "ConstRef":
         return ConstRef((self.key, "T"), self.arr.T)

@@ -13,7 +13,6 @@ cells) are added with :func:`register_handler`.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Callable
 
 import numpy as np
@@ -23,7 +22,7 @@ from ..errors import Decline
 from ..fold import evaluate
 from ..graph import Graph, attr
 from . import ops_math, ops_shape, ops_transposed
-from .algebra import CONTENT, INITIALIZER, ConstRef, Poly
+from .algebra import INITIALIZER, ConstRef, Poly, content_digest
 from .values import Const, Fill, Opaque, RowConst, ShapeValue, Transposed, Value, as_poly
 
 
@@ -32,9 +31,7 @@ def content_key(graph: Graph, name: str, arr: np.ndarray):
     cache = graph.model.facts.content_keys
     k = cache.get(name)
     if k is None:
-        a = np.ascontiguousarray(arr)
-        k = (CONTENT, hashlib.blake2b(a.tobytes(), digest_size=12).hexdigest(), a.shape, str(a.dtype))
-        cache[name] = k
+        k = cache[name] = content_digest(arr)
     return k
 
 

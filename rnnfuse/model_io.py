@@ -58,7 +58,7 @@ def load(path: str, borrow: bool = False, read_small: bool = True) -> tuple[onnx
     file again). Its proto then has external tensors only :class:`~rnnfuse.graph.Model` (given
     ``model_dir``) and :func:`save` can read: a caller handing the proto to onnxruntime loads without it.
 
-    Small external tensors are read in (see ``_inline_small_tensors``); ``read_small=False`` leaves all but
+    Small external tensors are read in (see ``_ALWAYS_INLINE_BYTES``); ``read_small=False`` leaves all but
     the tensor attributes where they are, for a model written back as it was."""
     if not path:
         raise InputError("no input file given")
@@ -105,7 +105,9 @@ def load(path: str, borrow: bool = False, read_small: bool = True) -> tuple[onnx
             need = int(info.get("offset", 0)) + external_length(t)
             if os.path.getsize(loc) < need:
                 raise InputError(f"external data file {info.get('location')} of {path} is truncated")
-        _inline_small_tensors(model, base, read_small)
+            if read_small and external_length(t) <= _ALWAYS_INLINE_BYTES:
+                _read_in(t, base)
+        _inline_attribute_tensors(model, base)
         _MODEL_DIRS[id(model)] = base
     return model, external
 
@@ -203,13 +205,11 @@ _INLINE_ATTRIBUTE_BYTES = 16 << 20
 _INLINE_ATTRIBUTES_TOTAL = 256 << 20
 
 
-def _inline_small_tensors(model: onnx.ModelProto, base: str, read_small: bool = True) -> None:
-    """``read_small=False``: only the tensor attributes (a model written back as it was, nothing fused)."""
-    from .protos import all_tensors, attribute_tensors
+def _inline_attribute_tensors(model: onnx.ModelProto, base: str) -> None:
+    """The tensor attributes stored as external data read in (see above; the small tensors were, as
+    :func:`load` checked their files)."""
+    from .protos import attribute_tensors
 
-    for t in all_tensors(model) if read_small else ():
-        if t.data_location == onnx.TensorProto.EXTERNAL and external_length(t) <= _ALWAYS_INLINE_BYTES:
-            _read_in(t, base)
     total = 0
     for t in attribute_tensors(model):
         if t.data_location != onnx.TensorProto.EXTERNAL:

@@ -498,7 +498,7 @@ def _slice_model(opset, slice_inputs, extra_inputs=(), **attrs):
 
 
 def test_state_side_slices_by_opset():
-    from rnnfuse.passes.unrolled.chains import _keeps_rows
+    from rnnfuse.passes.unrolled.state_roots import _keeps_rows
 
     def keeps(g):
         return _keeps_rows(g, g.producer["y"])

@@ -21,7 +21,7 @@ from rnnfuse.graph import Graph, attr
 from rnnfuse.mask_proof import step_masks_differ
 from rnnfuse.row_wise import FLOATS
 
-from .chains import unit_groups
+from .state_roots import unit_groups
 
 
 SLICERS = ("Gather", "Slice", "Split")  # the ops that take a step of a sequence

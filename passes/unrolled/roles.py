@@ -23,9 +23,10 @@ from rnnfuse.signature import Signer
 from rnnfuse.step import StepAnalysis, StepOut, StepState, analyse
 from rnnfuse.symbolic import Poly, StepInput, SymTensor, zero_states
 
-from .chains import Chain, Step
+from .chains import Chain
 from .families import StepMask
 from .family_filter import layout_decline
+from .recomputed import retry_with_recomputed_reads
 from .outputs import (Escapes, FirstValueIsState, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, series_leads,
                       order_of, reads_state, split_first_value, step_output, value_lead)
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through, same_at_zero_state
@@ -36,15 +37,13 @@ class FirstStepDiffers(Decline):
 
 
 def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None = None) -> Recurrence:
-    """The recurrence an unrolled chain computes (Decline with the reason when it is not one native cell)."""
-    return reading_projections(lambda: _ChainRoles(g, src, axis, chain, iv, signer, mask_srcs).recurrence())
-
-
-def _single_root(st: Step, roots: set | None = None) -> str:
-    roots = st.roots if roots is None else roots
-    if len(roots) != 1:
-        raise Decline(f"step {st.t} reads {len(roots)} carried values through weights (expected one hidden state)")
-    return next(iter(roots))
+    """The recurrence an unrolled chain computes (Decline with the reason when it is not one native cell); tried
+    again with the step values read outside it recomputed there, when it declines with such reads."""
+    made: list[_ChainRoles] = []  # (the recognitions tried: the last one tells what a retry may recompute)
+    def recognise() -> Recurrence:
+        made.append(_ChainRoles(g, src, axis, chain, iv, signer, mask_srcs))
+        return made[-1].recurrence()
+    return retry_with_recomputed_reads(g, lambda: reading_projections(recognise), lambda: made[-1])
 
 
 class _ChainRoles:
@@ -150,9 +149,9 @@ class _ChainRoles:
         g, steps, n = self.g, self.steps, self.n
         h_in: list[str | None] = [None] * n
         for k in range(1, n):
-            h_in[k] = _single_root(steps[k])
+            h_in[k] = steps[k].hidden_state()
         if steps[0].weighted:  # (the first step may also combine its input with a given c0 or carried output)
-            h_in[0] = _single_root(steps[0], steps[0].weighted)
+            h_in[0] = steps[0].hidden_state(steps[0].weighted)
         # zeros (the exporter may have folded them into the first step) or a given initial state, even a
         # constant one (a learned h0 expanded to the batch; a fill in chain.given is one, as StepEval reads it)
         self.h0_fill = 0.0 if h_in[0] is not None and h_in[0] not in self.chain.given and g.fill_value(h_in[0]) == 0.0 else None
@@ -251,6 +250,7 @@ class _ChainRoles:
         (the output filled otherwise at masked steps)."""
         g, n, km, last, leaves = self.g, self.n, self.km, self.last, self.leaves
         self.mask_values = mask_values(g, self.chain)
+        self.cell_nodes = set(self.chain_nodes)  # (h's and c's nodes: what a recomputed read may copy)
         self.escapes = Escapes(g, self.chain_nodes)
         states = {t for t in self.h_new + self.c_new if t}
         self.initial = {t for t in (self.h_in[0], self.foreign[0].name) if t}  # (what the first step is given)

@@ -1,0 +1,113 @@
+"""Inner values of a chain that the rest of the graph reads, recomputed outside it from what a native op keeps.
+
+A step's cell may share a value with what else the step computes. PyTorch's char-RNN tutorial concatenates
+``x_t`` with the state before it once, for the cell's matmul and for the output head's (``i2h(cat(x_t, h))``,
+``i2o(cat(x_t, h))``); a chain with such a read was declined ("a per-step output is not the cell output"). Fused,
+the chain's nodes are gone, but a value its step computes from the step's own inputs and the hidden state it read
+alone stays computable: the step input is there as it was, and that state is the op's Y at the step before (or
+the initial state). So when a chain is declined, each such value read outside it is given a copy of the few nodes
+of its step that compute it, outside the chain, and the chain is recognised again. Whatever reads the copy reads
+the hidden state of the step before, which the recurrence then hands out as a step of Y (a cell state c is never
+one of those leaves: a native op outputs only the last). The retry is a new recognition, validated like any other;
+if it declines too, the copies are removed and the first decline stands.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rnnfuse.dataflow import shape_derived
+from rnnfuse.errors import Decline, ProjectedAgain
+from rnnfuse.graph import Graph
+
+from .outputs import Escapes
+
+# nodes a recomputed value may take, each of them one that moves values and computes none: a copy then costs
+# next to nothing, where a value that computes (a matmul, an activation: the unmasked cell output of a masked
+# step) would run the cell's own work again at every step beside the native op
+MAX_COPIED = 8
+MOVES = {"Concat", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Transpose", "Cast", "Slice", "Split",
+         "Gather", "Expand"}
+
+
+def retry_with_recomputed_reads(g: Graph, recognise: Callable, last_roles: Callable):
+    """``recognise()``; if it declines, and the recognition it made (``last_roles()``) shows inner values read
+    outside the chain that :func:`recompute_reads` can recompute, ``recognise()`` again with those reads
+    recomputed. A second decline undoes the copies; the first decline is the one reported."""
+    try:
+        return recognise()
+    except ProjectedAgain:
+        raise
+    except Decline as first:
+        undo = recompute_reads(g, last_roles())
+        if undo is None:
+            raise
+        try:
+            return recognise()
+        except Decline:
+            undo()
+            raise first from None
+
+
+def recompute_reads(g: Graph, roles) -> Callable[[], None] | None:
+    """Give the readers outside the chain of each inner value that step k computes from its own leaves (the step
+    input, its masks, the hidden state ``h_in[k]`` it read) and constants by moving values (:data:`MOVES`,
+    within :data:`MAX_COPIED` of the step's own nodes), a copy of those nodes to read. Returns the undo, or None
+    when there is no such value."""
+    cell = getattr(roles, "cell_nodes", None)
+    if cell is None:
+        return None  # (declined before the cell's nodes were known)
+    chain, iv = roles.chain, roles.iv
+    side = 1 if chain.direction == "forward" else 0  # the interval end that names a value's step
+    k_of = {st.t: k for k, st in enumerate(chain.steps)}
+    states = {t for t in roles.h_in + roles.h_new + getattr(roles, "c_new", []) if t}
+    plans = []
+    for nd, o, outside in Escapes(g, cell).entries:
+        v = iv.nodes.get(id(nd))
+        k = k_of.get(v[side]) if v is not None else None
+        if k is None or not outside or o in states or g.is_graph_output(o):
+            continue
+        cone = _cone(g, o, roles, k, cell)
+        if cone:
+            plans.append((o, outside, cone, chain.steps[k].t))
+    if not plans:
+        return None
+    made, redirected = [], []
+    for o, outside, cone, t in plans:
+        env: dict[str, str] = {}
+        before = len(g.nodes)
+        g.add_copies(cone, env, f"rnnfuse/recomputed_{t}", anchor=cone[-1])
+        made.extend(g.nodes[before:])
+        g.replace_reads(outside, o, env[o])
+        redirected.append((outside, o, env[o]))
+
+    def undo() -> None:
+        for outside, o, copy in redirected:
+            g.replace_reads([u for u in outside if g.alive(u)], copy, o)
+        g.remove_nodes(made)
+
+    return undo
+
+
+def _cone(g: Graph, name: str, roles, k: int, cell: set) -> list | None:
+    """Step k's nodes that compute ``name`` from its leaves and constants, in evaluation order; None when it
+    reads anything else (another step's value, a cell state), computes (an op outside :data:`MOVES`) or takes
+    more than :data:`MAX_COPIED` nodes."""
+    leaves = roles.leaves[k]
+    h_in = roles.h_in[k]
+    allowed = roles.allowed[k]
+    nodes: dict[int, object] = {}
+    stack, seen = [name], set()
+    while stack:
+        cur = stack.pop()
+        if cur in seen or not cur or cur == h_in or cur in leaves or shape_derived(g, cur):
+            continue
+        seen.add(cur)
+        p = g.producer.get(cur)
+        if p is None or id(p) not in cell:
+            continue  # (a graph input, a weight, a value computed outside the chain: there after the fusion)
+        if p.op_type not in MOVES or p.domain or not allowed(p) or g.implicit_inputs(p) or len(nodes) >= MAX_COPIED:
+            return None
+        nodes[id(p)] = p
+        stack.extend(p.input)
+    return g.nodes_with_ids(set(nodes)) if nodes else None

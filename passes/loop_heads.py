@@ -18,7 +18,7 @@ from rnnfuse.recurrence import NONE, Init, Recurrence, SeqOutput
 from rnnfuse.recurrence_layers import owner
 from rnnfuse.step import unmasked_value
 from rnnfuse.step_heads import find_head
-from rnnfuse.symbolic import BoolMask, Poly
+from rnnfuse.symbolic import BoolMask, Poly, State
 
 
 @dataclass
@@ -177,7 +177,7 @@ def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: li
             try:
                 head = find_head(body, layer.ev, cand.name, keys[h_sym], other, step_in.x_reads,
                                  step_in.x_read_source, step_in.x_axis, step_in.x_reversed, invariants, counters,
-                                 _lower_cells_h(layers, li, cell_states, state_out))
+                                 _lower_cells_h(layers, li, cell_states, state_out), Poly.atom(State(h_sym, None)).key)
             except Decline as d:
                 reason = reason or d
                 continue

@@ -253,7 +253,8 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
         Y3 = b.op("ReverseSequence", Y3, mp.lens64, batch_axis=1, time_axis=0)  # what a reverse op's Y holds
     head_probes: dict[str, dict[str, tuple[str, int]]] = {}
     row_type = helper.np_dtype_to_tensor_dtype(np.asarray(Ws[0]).dtype)  # (the native op's: X, W, R and Y alike)
-    repl = _replacements(b, rec, Y3, finals, mp, path, direction, head_probes, row_type)
+    h_init = ins[5] if len(ins) > 5 and "h" in kind.states else ""  # (the op's initial h, [1, B, H]; "" zeros)
+    repl = _replacements(b, rec, Y3, finals, mp, path, direction, head_probes, row_type, h_init)
     for rs in rec.row_steps:  # a state at one step per row: a twin op whose sequence_lens end at that step
         if direction != "forward" or mp is not None:
             raise Decline("a state read at one step per row of a masked or reverse recurrence")
@@ -286,7 +287,7 @@ def _need_float(g: Graph, x: str) -> None:
 
 
 def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: str, direction: str,
-                  head_probes: dict, row_type: int) -> dict[str, str]:
+                  head_probes: dict, row_type: int, h_init: str = "") -> dict[str, str]:
     """Original tensor -> the adapter computing it from the native op's outputs (``head_probes`` gains the
     probe points of each big head, see :class:`Emission`; ``row_type``: the element type of Y)."""
     repl: dict[str, str] = {}
@@ -296,7 +297,7 @@ def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: 
             v = b.flip0(v)
         probes: dict[str, tuple[str, int]] | None = {} if so.head is not None and so.head.probes else None
         if so.head is not None:  # a per-step head on h: applied to every step at once, in processing order
-            v = apply_head(b, so.head, v, probes, row_type)
+            v = apply_head(b, so.head, v, probes, row_type, h_init)
         if so.accumulate:  # a running sum: its start plus every step's value (in any order: a sum)
             if probes:
                 raise Decline("a running sum of a head checked at its probe points")

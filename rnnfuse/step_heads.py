@@ -9,9 +9,10 @@ computes Y, and the head's nodes, copied out of the step, run once on ``Flatten(
 
 Row independence is proven per op (:mod:`rnnfuse.row_wise`), not assumed: every node between h_t / x_t and
 the output must be a row-wise op on ``[rows, features]`` tensors (elementwise with constants that do not span
-rows, a matmul by a constant matrix, a softmax or a concat / split / slice along the feature axis, ...). A head that
-reads the state *before* the update (the previous step's h), the cell state c (no native output holds c per
-step), the iteration number, or a runtime tensor of the outer graph is declined with that reason; a head
+rows, a matmul by a constant matrix, a softmax or a concat / split / slice along the feature axis, ...). A head may
+also read the h the step read, before the update (char-RNN's ``i2o(cat(x_t, h))``): that is Y one step later,
+the initial h first. A head that reads the cell state c (no native output holds c per step), the iteration
+number, or a runtime tensor of the outer graph is declined with that reason; a head
 that feeds back into the state is not a head at all (the state's maths then include it and the cell is not
 recognised).
 """
@@ -38,6 +39,9 @@ class StepHead:
     nodes: list[NodeProto]  # in evaluation order
     out: str  # the body tensor of the per-step output
     h: set[str] = field(default_factory=set)  # body tensors equal to the new h ([B, H])
+    # body tensors equal to the h the step read (the step before's, the initial state at the first): char-RNN's
+    # ``i2o(cat(x_t, h))`` beside ``h = tanh(i2h(cat(x_t, h)))``; read as Y one step later, h0 first
+    h_prev: set[str] = field(default_factory=set)
     x: set[str] = field(default_factory=set)  # body tensors equal to the step input x_t ([B, F])
     consts: dict[str, np.ndarray] = field(default_factory=dict)  # constants of the step the nodes read
     refs: dict[str, str] = field(default_factory=dict)  # body name -> constant of the outer graph it is
@@ -56,14 +60,16 @@ class StepHead:
 
 
 def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[str], x_source: str, x_axis: int,
-              x_reversed: bool, invariants: dict[str, str], counters: set[str], layer_keys: dict | None = None) -> StepHead:
+              x_reversed: bool, invariants: dict[str, str], counters: set[str], layer_keys: dict | None = None,
+              h_prev_key=None) -> StepHead:
     """The head computing the body tensor ``out`` from the new h, or Decline with the reason it is none.
 
     ``ev``: the step's evaluator (its memo holds the values found so far); ``h_key``: the polynomial key of
     the new h; ``other_keys``: key -> name of the other states' new values (c); ``x_reads``: the body tensors
     that read x_t; ``invariants``: loop-carried values passed through unchanged -> their outer tensor;
     ``counters``: the iteration number and its copies; ``layer_keys``: the polynomial key of another cell's new
-    h (as ``ev`` sees it) -> that cell's layer, for a head reading several cells' h."""
+    h (as ``ev`` sees it) -> that cell's layer, for a head reading several cells' h; ``h_prev_key``: the key of
+    the h the step reads (its state atom), for a head reading it."""
     head = StepHead([], out, x_source=x_source, x_axis=x_axis, x_reversed=x_reversed)
 
     def const_of(name: str):
@@ -86,7 +92,8 @@ def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[s
         if name in seen or not name:
             continue
         seen.add(name)
-        role = _leaf(body, ev, name, h_key, other_keys, x_reads, invariants, counters, head, layer_keys or {})
+        role = _leaf(body, ev, name, (h_key, h_prev_key), other_keys, x_reads, invariants, counters, head,
+                     layer_keys or {})
         if role is not None:
             rows[name] = ROW_RANK if role else 0
             continue
@@ -95,8 +102,8 @@ def find_head(body: Graph, ev, out: str, h_key, other_keys: dict, x_reads: set[s
             raise Decline(f"the per-step output '{out}' is computed by a {n.op_type} inside the step")
         stack.append((name, True))
         stack.extend((i, False) for i in n.input if i and i not in seen)
-    if not head.h:
-        raise Decline(f"the per-step output '{out}' does not read the new hidden state")
+    if not head.h and not head.h_prev:
+        raise Decline(f"the per-step output '{out}' does not read the hidden state")
     done: set[int] = set()
     for n in order:  # a node reached twice is computed once
         if id(n) not in done:
@@ -126,8 +133,8 @@ def probe_points(head: StepHead) -> list[str]:
     Validated whole instead: a head whose output is not ``[rows, features]`` (its reshape back to the steps is
     then not the probes' own), or that reads a constant rnnfuse folded (a literal is copied as it is; a value
     folded by rnnfuse's own evaluator is onnxruntime's to confirm)."""
-    if len(head.nodes) <= PROBED_ABOVE or head.rank.get(head.out) != ROW_RANK or head.folded:
-        return []
+    if len(head.nodes) <= PROBED_ABOVE or head.rank.get(head.out) != ROW_RANK or head.folded or head.h_prev:
+        return []  # (the h a step read is a body input, no node output to compare: validated whole)
     points = sorted(head.h) + sorted(head.x) + sorted(head.layer_h)
     return points + [o for n in head.nodes[:PROBE_NODES] for o in n.output if head.rank.get(o) == ROW_RANK]
 
@@ -153,13 +160,15 @@ def _probe_types(b, head: StepHead, row_type: int) -> dict[str, int] | None:
     return None if None in types.values() else types
 
 
-def _leaf(body: Graph, ev, name: str, h_key, other_keys: dict, x_reads: set[str], invariants: dict[str, str],
+def _leaf(body: Graph, ev, name: str, h_keys: tuple, other_keys: dict, x_reads: set[str], invariants: dict[str, str],
           counters: set[str], head: StepHead, layer_keys: dict) -> bool | None:
-    """True: a row leaf (h_t, x_t); False: a constant; None: computed by a body node to walk into."""
+    """True: a row leaf (h_t, h_{t-1}, x_t); False: a constant; None: computed by a body node to walk into.
+    ``h_keys``: the keys of the new h and of the h the step read."""
+    h_key, h_prev_key = h_keys
     v = ev.memo.get(name)
     if isinstance(v, SymTensor):
         key = v.poly.key
-        if key == h_key or key in layer_keys:
+        if key == h_key or key in layer_keys or (h_prev_key is not None and key == h_prev_key):
             if v.lead:
                 raise Decline(f"the per-step output reads the new hidden state as a [1, B, H] tensor '{name}'")
             if body.model.rank(name) != 2:  # a batch-1 Squeeze to [H] has h's maths but no row axis
@@ -167,6 +176,8 @@ def _leaf(body: Graph, ev, name: str, h_key, other_keys: dict, x_reads: set[str]
                               f"tensor '{name}', not [B, H] rows")
             if key == h_key:
                 head.h.add(name)
+            elif key == h_prev_key:
+                head.h_prev.add(name)
             else:
                 head.layer_h[name] = layer_keys[key]
             return True
@@ -204,8 +215,9 @@ def _leaf(body: Graph, ev, name: str, h_key, other_keys: dict, x_reads: set[str]
 # --------------------------------------------------------------------------- emission
 
 
-def apply_head(b, head: StepHead, y: str, probes: dict | None = None, row_type: int = 0) -> str:
-    """``head`` on every step of ``y`` ([T, B, H], time-major, in processing order): [T, B, K].
+def apply_head(b, head: StepHead, y: str, probes: dict | None = None, row_type: int = 0, h_init: str = "") -> str:
+    """``head`` on every step of ``y`` ([T, B, H], time-major, in processing order): [T, B, K]. ``h_init``: the
+    native op's initial h ([1, B, H]; "" for zeros), what a head reading the h a step read sees first.
 
     ``b`` is the emitter's :class:`~rnnfuse.emit.Builder`: the copied nodes are added beside the native op.
     ``probes`` (a dict): gains each of the head's probe points -> (its rows on every step, [T, B, ...] as the
@@ -214,6 +226,13 @@ def apply_head(b, head: StepHead, y: str, probes: dict | None = None, row_type: 
     rows = b.op("Flatten", y, axis=2)  # [T*B, H]: every step's rows, step after step
     for name in head.h:
         env[name] = rows
+    if head.h_prev:  # every step's rows of the h it read: h0, then Y but its last step
+        first = h_init or b.op("ConstantOfShape", b.op("Shape", b.op("Slice", y, b.i64(0), b.i64(1), b.i64(0))),
+                               value=helper.make_tensor("zero", row_type or 1, [1], [0.0]))
+        before = b.op("Concat", first, b.op("Slice", y, b.i64(0), b.i64(-1), b.i64(0)), axis=0)
+        prev_rows = b.op("Flatten", before, axis=2)
+        for name in head.h_prev:
+            env[name] = prev_rows
     for name, other_y in head.layer_h.items():  # (another cell's Y, in the same order)
         env[name] = b.op("Flatten", other_y, axis=2)
     if head.x:

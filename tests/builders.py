@@ -302,6 +302,8 @@ def mutation_expressible(name: str, o: Opts) -> bool:
         # an unrolled chain's h read step by step: each reader gets its step of the native op's Y (issue 14
         # item 4) and computes from it what it did (the previous h stacked, a graph output, the output's select)
         return True
+    if name == "output_prev_h" and o.front in ("loop", "scan") and not o.masked():
+        return True  # a per-step head on the h the step read: the op's Y one step later, h0 first (step_heads)
     if name in ("coupled_if", "gru_swapped_update"):
         # 1 - sigmoid(a) = sigmoid(-a);  1 - hard_sigmoid(alpha, 0.5)(a) = hard_sigmoid(alpha, 0.5)(-a)
         return f[0] == "Sigmoid" or (f[0] == "HardSigmoid" and abs(f[1][1] - 0.5) < 1e-12)

@@ -437,10 +437,11 @@ class HeadOpts:
 
     Heads fused (one RNN, the head applied to Y after it): ``gemm_relu`` Relu(Gemm(h, D, d));
     ``softmax`` Softmax(MatMul(h, D) + d, axis=-1); ``concat_x`` MatMul(Concat([h, x_t], 1), E) (reads x_t too);
-    ``glu`` a = Split(h @ G) in two, a0 * Sigmoid(a1); ``layernorm`` LayerNormalization(h) (opset 17).
+    ``glu`` a = Split(h @ G) in two, a0 * Sigmoid(a1); ``layernorm`` LayerNormalization(h) (opset 17);
+    ``prev_h`` Relu(Gemm(h_{t-1}, D, d)), the head on the state before the update (Y one step later, h0 first).
     Near misses (``miss``): ``rows_mean`` h - ReduceMean(h, axis 0) (mixes batch rows); ``transpose``
-    MatMul(Transpose(h), h) (mixes rows); ``counter`` h * Cast(i) (reads the iteration number); ``prev_h``
-    the head on the state before the update; ``reverse_rows`` h read through a batch reversal."""
+    MatMul(Transpose(h), h) (mixes rows); ``counter`` h * Cast(i) (reads the iteration number);
+    ``reverse_rows`` h read through a batch reversal."""
 
     head: str = "gemm_relu"
     miss: str = ""
@@ -539,9 +540,9 @@ def head_reference(o: HeadOpts, x: np.ndarray) -> list[np.ndarray]:
     ys = []
     for i in range(x.shape[0]):
         xt = x[x.shape[0] - 1 - i] if o.reverse else x[i]
-        h = np.tanh(xt @ W + h @ R + b).astype(np.float32)
-        if o.head == "gemm_relu":
-            y = np.maximum(h @ w["D"] + w["d"], 0)
+        h_read, h = h, np.tanh(xt @ W + h @ R + b).astype(np.float32)
+        if o.head in ("gemm_relu", "prev_h"):
+            y = np.maximum((h if o.head == "gemm_relu" else h_read) @ w["D"] + w["d"], 0)
         elif o.head == "softmax":
             a = h @ w["D"] + w["d"]
             e = np.exp(a - a.max(-1, keepdims=True))
@@ -560,9 +561,11 @@ def head_reference(o: HeadOpts, x: np.ndarray) -> list[np.ndarray]:
 
 HEAD_FORMS = [HeadOpts(h) for h in ("gemm_relu", "softmax", "concat_x", "glu", "layernorm")] + [
     HeadOpts("concat_x", reverse=True), HeadOpts("gemm_relu", reverse=True)] + [
-    HeadOpts(h, front="scan") for h in ("gemm_relu", "concat_x", "glu")] + [HeadOpts("concat_x", reverse=True, front="scan")]
-HEAD_MISSES = [HeadOpts(miss=m) for m in ("rows_mean", "transpose", "counter", "prev_h")] + [
-    HeadOpts(miss=m, front="scan") for m in ("rows_mean", "prev_h")]
+    HeadOpts(h, front="scan") for h in ("gemm_relu", "concat_x", "glu", "prev_h")] + [
+    HeadOpts("concat_x", reverse=True, front="scan"), HeadOpts("prev_h"), HeadOpts("prev_h", reverse=True),
+    HeadOpts("prev_h", reverse=True, front="scan")]
+HEAD_MISSES = [HeadOpts(miss=m) for m in ("rows_mean", "transpose", "counter")] + [
+    HeadOpts(miss=m, front="scan") for m in ("rows_mean",)]
 
 
 # --------------------------------------------------------------------------- length masks written by hand (item 8)

@@ -219,8 +219,7 @@ def test_scan_stacked_cells_one_op_per_cell(o: StackOpts):
     _same_outputs(o.name, model, fused, runs())
 
 
-HEAD_REASONS = {"rows_mean": "not a row-wise op", "transpose": "not a row-wise op", "counter": "iteration number",
-                "prev_h": "before the step updates it"}
+HEAD_REASONS = {"rows_mean": "not a row-wise op", "transpose": "not a row-wise op", "counter": "iteration number"}
 # every near miss of every form: (builder, options, a phrase the reason must hold)
 NEAR_MISS_CASES = ([(build, o, "cast to INT16" if o.cond == "int16" else "") for o in NEAR_MISSES]
                    + [(build_stack, o, "") for o in STACK_MISSES + SCAN_STACK_MISSES]

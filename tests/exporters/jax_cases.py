@@ -15,8 +15,9 @@ cells under ``lax.scan``, hand-written steps (with a per-step bool mask), ``lax.
 step with ``dynamic_index_in_dim``, opset 17 and jax2onnx's default 23, static and dynamic time; steps
 whose per-step output is a head on h (``dense(h)``); hand-written length masks (``t < lengths``); the
 per-step c read at ``lengths - 1`` per row; Equinox cells under ``jax.vmap``; and near misses that a fuser
-must decline (a carried weight that changes, a step that also reads the next step, a head on the previous
-h or on c, a head feeding back into the state, rows reading another row's c).
+must decline (a carried weight that changes, a step that also reads the next step, a head on c, a head
+feeding back into the state, rows reading another row's c). A head may read the carry before the update (the
+char-RNN's ``concatenate([x_t, h])``).
 
 For every case DIR gets ``<case>.onnx`` (as exported), ``<case>.npz`` (``in/<set>/<input name>`` feeds and
 ``out/<set>/<k>`` = JAX's own value of the k-th graph output) and ``<case>.json`` (name, ``expect``:
@@ -212,8 +213,10 @@ CASES = [
     case("hand_rnn_lstm_side", "hand", "rnn_lstm_side",
          notes="two cells side by side under one lax.scan, the step returns concatenate([h1, h2]): two ops"),
     case("nnx_lstm_scan_head_dyn_t", "nnx_scan", "lstm", head=True, dynamic_time=True),
-    case("near_hand_head_prev_h", "hand", "rnn_head_prev", declined="before the step updates it",
-         notes="the step returns dense(h) of the carry *before* the update"),
+    case("hand_rnn_head_prev_h", "hand", "rnn_head_prev",
+         notes="the step returns dense(h) of the carry *before* the update: the head on Y one step later, h0 first"),
+    case("hand_rnn_char_head", "hand", "rnn_char", notes=(
+        "the char-RNN step: comb = concatenate([x_t, h]); returns (tanh(comb @ W + b), log_softmax(comb @ V))")),
     case("near_hand_head_feedback", "hand", "rnn_head_feedback", declined="left operand is not a step input or state",
          notes="the head's output feeds back into the state: h = tanh(x W + h R + b) + 0.5 * tanh(dense(h_prev))"),
     case("near_hand_lstm_head_c", "hand", "lstm_head_c", declined="new s",
@@ -460,6 +463,12 @@ def build_hand(env: Env, c: Case, seed: int):
             for k in range(520):  # 4 ops each
                 y = sig(tanh(y * 0.5 + (xt @ U if k == 260 else 0.25)))
             return new, y
+    elif kind == "rnn_char":
+        W, b, V = _weights(rng, (F + H, H), (H,), (F + H, 2))
+
+        def cell(h, xt):
+            comb = jnp.concatenate([xt, h], -1)
+            return tanh(comb @ W + b), jax.nn.log_softmax(comb @ V, -1)
     elif kind in ("rnn_head_x", "rnn_head_prev", "rnn_head_feedback"):
         Wx, Wh, b, V, U, P = _weights(rng, (F, H), (H, H), (H,), (H, 2), (F, 2), (2, H))
 
@@ -954,7 +963,8 @@ def expectation(c: Case) -> dict:
         return {"ops": {"RNN": 1, "LSTM": 1}, "absent": ["Loop", "Scan"]}
     op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN", "lstm_head": "LSTM",
                                    "gru_head": "GRU", "rnn_head_x": "RNN", "rnn_elu_ref": "RNN", "rnn_len": "RNN", "gru_einsum": "GRU",
-                                   "rnn_einsum_t": "RNN", "rnn_big_head": "RNN"}[c.cell]
+                                   "rnn_einsum_t": "RNN", "rnn_big_head": "RNN", "rnn_head_prev": "RNN",
+                                   "rnn_char": "RNN"}[c.cell]
     if c.cell == "rnn_big_head":
         return {"ops": {op: 1}, "absent": ["Loop", "Scan"], "validated": "probe points"}
     if c.opts.get("stacked_kept"):  # (and a tanh cell above it)

@@ -127,6 +127,12 @@ def script(name, cell, **kw):
     return _case(name, "torchscript", "script", cell, dynamic_time=True, **kw)
 
 
+def charrnn(name, cell, exporter="trace", **kw):
+    """PyTorch's char-RNN tutorial: ``comb = cat(x_t, h)``, ``h = i2h(comb)`` (tanh'd or not), a per-step output
+    ``log_softmax(i2o(comb))`` read from the same concatenation; returns (stacked outputs, last h)."""
+    return _case(name, exporter, "charrnn", cell, **kw)
+
+
 def keras(name, layer, **kw):
     """A Keras 3 layer on the torch backend, exported with ``model.export(format="onnx")``."""
     return _case(name, "keras3-torch", "keras", layer, **kw)
@@ -203,6 +209,13 @@ CASES = [
     loop("grucell_trace_learned_init_bf", "gru", init="learned", **BF),
     loop("lstmcell_trace_stacked_final_state", "lstm", ret="seq_stacked_state",
          notes="returns (ys, torch.stack([h, c])): found as a chain for h and one for c, one op"),
+    # -- the char-RNN tutorial: the output head reads the cell's own cat(x_t, h) (kept per step, reading Y)
+    charrnn("rnn_char_trace", "rnn_char"),
+    charrnn("rnn_char_dynamo", "rnn_char", exporter="dynamo"),
+    charrnn("rnn_char_script", "rnn_char", exporter="torchscript", dynamic_time=True,
+            notes="a TorchScript Loop whose per-step output reads the h the step read: applied to Y one step later"),
+    charrnn("rnn_char_linear_trace", "rnn_char_linear",
+            notes="the tutorial as first written: hidden = i2h(cat(x_t, h)), no activation (RNN with Affine(1, 0))"),
     # -- dynamo: the same loops through torch.export (dynamic batch via dynamic_shapes)
     loop("lstmcell_dynamo", "lstm", exporter="dynamo", time=6),
     loop("lstmcell_dynamo_bf", "lstm", exporter="dynamo", time=6, **BF),
@@ -837,6 +850,10 @@ def expectation(c: Case) -> dict:
         exp["attrs"] = {op: attrs}
     if c.model == "steps":
         return steps_expectation(c, exp)
+    if c.model == "charrnn":  # (the head's Gemm stays per step)
+        exp["max_cell_ops"] = c.time
+        if o["cell"] == "rnn_char_linear":
+            exp["attrs"] = {op: {"activations": ["Affine"]}}
     if c.model == "script" and o.get("near_miss"):  # the Loop stays as it is
         return {"declined": True, "ops": {}, "absent": []}
     if o.get("inputs") == "two_cells":  # (the Loop split in two: an LSTM over x, a GRU over z)
@@ -859,6 +876,8 @@ CELL_TEXT = {
     "lstm_cat": "hand LSTM: one Linear over cat([x_t, h]), gates i,f,g,o",
     "lstm_pergate": "hand LSTM: per gate Linear(x_t) + Linear(h, bias=False)",
     "rnn_hand": "hand RNN: tanh(Linear_ih(x_t) + Linear_hh(h))",
+    "rnn_char": "char-RNN tutorial: h = tanh(i2h(cat(x_t, h))), out_t = log_softmax(i2o(cat(x_t, h)))",
+    "rnn_char_linear": "char-RNN tutorial as first written: h = i2h(cat(x_t, h)), out_t = log_softmax(i2o(cat(x_t, h)))",
 }
 
 
@@ -891,6 +910,8 @@ def describe(c: Case) -> str:
         init = "given h0" if o.get("init") == "given" else "no initial state"
         out = "tanh(Linear(y[0])) of each call, stacked" if o.get("head") else "output"
         return f"{cls}({', '.join(args)}), {init}; returns ({out}, h_n[, c_n])"
+    if c.model == "charrnn":
+        return f"{CELL_TEXT[o['cell']]}; {layout}; zero initial state; returns (stacked outputs, last h)"
     parts = [CELL_TEXT[o["cell"]] + ("" if o.get("bias", True) else " bias=False"), layout]
     if o.get("shared"):
         parts.append("one cell for both directions")
@@ -1193,6 +1214,23 @@ def torch_modules():
             if self.ret == "seq_stacked_state":
                 return y, torch.stack(states)
             return (y, *states)
+
+    class CharRNN(nn.Module):
+        """PyTorch's char-RNN tutorial, over a whole sequence: the head reads the cell's concatenation."""
+
+        def __init__(self, features, hidden, linear=False, out=3):
+            super().__init__()
+            self.hidden, self.linear = hidden, linear
+            self.i2h, self.i2o = nn.Linear(features + hidden, hidden), nn.Linear(features + hidden, out)
+
+        def forward(self, x):
+            h = torch.zeros(x.shape[1], self.hidden, dtype=x.dtype)
+            outs = []
+            for t in range(x.shape[0]):
+                comb = torch.cat((x[t], h), 1)
+                h = self.i2h(comb) if self.linear else torch.tanh(self.i2h(comb))
+                outs.append(torch.log_softmax(self.i2o(comb), 1))
+            return torch.stack(outs), h
 
     class SeqModule(nn.Module):
         """nn.RNN / nn.LSTM / nn.GRU on the whole sequence; returns (output, h_n[, c_n])."""
@@ -1667,7 +1705,7 @@ def torch_modules():
                 outs.append(h)
             return torch.stack(outs), g
 
-    _nn_classes.update(CellLoop=CellLoop, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
+    _nn_classes.update(CellLoop=CellLoop, CharRNN=CharRNN, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
@@ -1690,6 +1728,8 @@ def build_module(c: Case):
         return m["SeqModule"](cell, c.features, c.hidden, **o)
     if c.model == "steps":
         return steps_module(c)
+    if c.model == "charrnn":
+        return m["CharRNN"](c.features, c.hidden, linear=cell == "rnn_char_linear")
     if c.model == "script":
         inputs = o.pop("inputs", None)
         if o.pop("collect", None) == "buffer":

@@ -1,6 +1,7 @@
 """How an unrolled chain's steps may be read out of x (hand-built): ``p[0]`` of each piece of ``x.chunk(T)``
 is step t only when every piece holds one step; x[:, :, t] of a ``[B, F, T]`` x is step t of x's time-major
-copy; ``Slice(x, [t, 0, 0], [t + 1, Shape(h)[0], F])`` (jax2onnx's ``for x_t in x``) is step t where the pieces
+copy; ``x[:, t:t+1]`` or ``x.split(1, 1)[t]`` of a ``[B, T]`` x, multiplied by weights, is step t of
+``Unsqueeze(x, 2)``; ``Slice(x, [t, 0, 0], [t + 1, Shape(h)[0], F])`` (jax2onnx's ``for x_t in x``) is step t where the pieces
 are typed as long as x on the other axes. Outputs are compared with the original's in onnxruntime; near misses
 are not fused."""
 
@@ -49,6 +50,18 @@ def _chain_model(read: str, parts: int = T) -> onnx.ModelProto:
         inits += [nh.from_array(np.array([t, 0, 0], np.int64), f"start{t}") for t in range(T)]
         inits += [nh.from_array(np.array([t + 1], np.int64), f"next{t}") for t in range(T)]
         x_info = oh.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", F])
+    elif read.startswith(("columns", "split_columns")):
+        # a [B, T] series, one [B, 1] column a step: Slice(x, t, t + 1, axis 1) or x.split(1, 1)
+        xs = [f"x{t}" for t in range(T)]
+        inits.append(nh.from_array(rng.standard_normal((1, H)).astype(np.float32), "W1"))
+        if read == "split_columns":
+            inits.append(nh.from_array(np.ones(T, np.int64), "ones"))
+            nodes.append(oh.make_node("Split", ["x", "ones"], xs, axis=1))
+        else:
+            inits += [nh.from_array(np.array([t], np.int64), f"col{t}") for t in range(T + 1)]
+            inits.append(nh.from_array(np.array([1], np.int64), "axis1"))
+            nodes += [oh.make_node("Slice", ["x", f"col{t}", f"col{t + 1}", "axis1"], [xs[t]]) for t in range(T)]
+        x_info = oh.make_tensor_value_info("x", TensorProto.FLOAT, ["B", T])
     else:
         xs = [f"x{t}" for t in range(T)]
         nodes += [oh.make_node("Gather", ["x", f"i{t}"], [xs[t]], axis=2) for t in range(T)]
@@ -61,9 +74,14 @@ def _chain_model(read: str, parts: int = T) -> onnx.ModelProto:
                       oh.make_node("Concat", [f"next{k}", f"rows{k}", "F"], [f"end{k}"], axis=0),
                       oh.make_node("Slice", ["x", f"start{k}", f"end{k}", "axes"], [f"piece{k}"]),
                       oh.make_node("Squeeze", [f"piece{k}", "axis0"], [x_t])]
-        nodes += [oh.make_node("MatMul", [x_t, "W"], [f"xw{k}"]), oh.make_node("MatMul", [h, "R"], [f"hr{k}"]),
-                  oh.make_node("Add", [f"xw{k}", f"hr{k}"], [f"pre{k}"]), oh.make_node("Tanh", [f"pre{k}"], [f"h_{k}"]),
-                  oh.make_node("Unsqueeze", [f"h_{k}", "axis0"], [f"y{k}"])]
+        if read == "columns_scaled":  # (the column scales the cell's output: no input of a cell)
+            nodes += [oh.make_node("MatMul", [h, "R"], [f"hr{k}"]), oh.make_node("Tanh", [f"hr{k}"], [f"th{k}"]),
+                      oh.make_node("Mul", [f"th{k}", x_t], [f"h_{k}"])]
+        else:
+            w = "W1" if read.startswith(("columns", "split_columns")) else "W"
+            nodes += [oh.make_node("MatMul", [x_t, w], [f"xw{k}"]), oh.make_node("MatMul", [h, "R"], [f"hr{k}"]),
+                      oh.make_node("Add", [f"xw{k}", f"hr{k}"], [f"pre{k}"]), oh.make_node("Tanh", [f"pre{k}"], [f"h_{k}"])]
+        nodes.append(oh.make_node("Unsqueeze", [f"h_{k}", "axis0"], [f"y{k}"]))
         h = f"h_{k}"
         ys.append(f"y{k}")
     nodes.append(oh.make_node("Concat", ys, ["y"], axis=0))
@@ -97,7 +115,7 @@ def _natives(model: onnx.ModelProto) -> int:
 
 
 @pytest.mark.parametrize("read,x_shape", [("chunk", [T, "B", F]), ("chunk_t", [T, "B", F]), ("last_axis", ["B", F, T]),
-                                         ("slice", [T, "B", F])])
+                                         ("slice", [T, "B", F]), ("columns", ["B", T]), ("split_columns", ["B", T])])
 def test_steps_read_so_fuse(read, x_shape):
     model = _chain_model(read)
     fused, report = rnnfuse.optimize(model)
@@ -110,6 +128,15 @@ def test_pieces_of_two_steps_are_no_steps():
     """x.chunk(T / 2): each piece holds two steps, so its element 0 is every other step of x: no chain over
     x (a native op over x would read every step)."""
     model = _chain_model("chunk", parts=T // 2)
+    fused, report = rnnfuse.optimize(model)
+    assert _natives(fused) == 0, report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()
+
+
+def test_a_column_that_scales_the_state_is_no_step_input():
+    """A [B, T] tensor read one column a step that multiplies the cell's output (a float mask's way) is no
+    sequence of cell inputs: nothing is fused, the model comes out as it went in."""
+    model = _chain_model("columns_scaled")
     fused, report = rnnfuse.optimize(model)
     assert _natives(fused) == 0, report.to_text()
     assert fused.SerializeToString() == model.SerializeToString()

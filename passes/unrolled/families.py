@@ -171,6 +171,8 @@ def _slice_families(g: Graph) -> dict[tuple[str, int], dict[int, str]]:
             unit = functools.cache(lambda n=n, ax=ax: _unit_parts(g, n, ax))
             for t, o in enumerate(n.output):
                 x = _squeezed(g, o, ax, unit)
+                if x is None and ax == 1 and g.model.rank(n.input[0]) == 2 and unit():
+                    x = o  # x.split(1, 1) of a [B, T] x: the step's [B, 1] column as it is (as x[:, t:t+1] below)
                 if x is not None:
                     fams.setdefault((n.input[0], ax), {})[t] = x
             continue

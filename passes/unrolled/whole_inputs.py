@@ -8,7 +8,11 @@ Three forms, each the same at every step of a family:
   provably act row by row: :func:`rnnfuse.row_wise.check_row_wise`) before the cell's input matmul is that map
   applied to every row of X at once, then sliced;
 - **the time axis last**: ``x[:, :, t]`` of a ``[B, F, T]`` x (a Conv1d's output read step by step) is the
-  step of the time-major ``Transpose(x, [2, 0, 1])``, the layout the native ops read.
+  step of the time-major ``Transpose(x, [2, 0, 1])``, the layout the native ops read;
+- **one feature a step**: ``x[:, t:t+1]`` or ``x.split(1, 1)[t]`` of a ``[B, T]`` x (a univariate series, as in
+  pytorch/examples' time_sequence_prediction) is the step of ``Unsqueeze(x, 2)``, ``[B, T, 1]``; taken only
+  where a step's column is multiplied by weights (a cell's input matmul, or concatenated for one), so a
+  ``[B, T]`` mask, which is multiplied with states, stays a row family.
 
 The whole tensor is built beside the graph and the per-step values become a data family over it, so the chain
 front end threads, masks, reverses and fuses them as it does the slices of x; the per-step values themselves
@@ -29,6 +33,8 @@ from rnnfuse.row_wise import FLOATS, on_every_step
 from rnnfuse.signature import Signer
 
 _INTS = (6, 7)  # int32, int64: token ids
+# readers of a step's [B, 1] column that make it a cell's input (multiplied by weights, or concatenated first)
+_WEIGHED = ("MatMul", "Gemm", "Concat")
 
 
 class WholeInputs:
@@ -48,6 +54,8 @@ class WholeInputs:
             et, rank = self.g.model.elem_type(src), self.g.model.rank(src)
             if et in _INTS and rank == 2:
                 got = self._lookups(src, axis, fam)
+            elif et in FLOATS and rank == 2 and axis == 1:
+                got = self._columns(src, fam)
             elif et in FLOATS and rank == 3 and axis == 2 and may_chain is not None and may_chain.combines((src, axis)):
                 got = self._time_major(src, fam)
             elif et in FLOATS and rank == 3 and (may_chain is None or may_chain((src, axis))):
@@ -92,6 +100,20 @@ class WholeInputs:
             b, f, t = g.model.shape(src) or [None, None, None]
             g.model.declare(out, (g.model.elem_type(src), [t, b, f]))
         return (node.output[0], 0), dict(fam)
+
+    # -- one feature a step ------------------------------------------------------------------------------
+    def _columns(self, src: str, fam: dict):
+        g = self.g
+        if not all(g.model.rank(x) == 2 and any(u.op_type in _WEIGHED for u in g.uses(x)) for x in fam.values()):
+            return None
+        key = ("columns", src)
+        node = self.built.get(key)
+        if node is None or not g.alive(node):
+            b = Builder(g, g.producer.get(src), f"rnnfuse/{src}/columns")
+            out = b.unsqueeze(src, [2])
+            node = self.built[key] = g.producer[out]
+            g.model.declare(out, (g.model.elem_type(src), list(g.model.shape(src) or [None, None]) + [1]))
+        return (node.output[0], 1), dict(fam)
 
     def time_major_sources(self) -> set[str]:
         """The sources given a time-major copy (their chains are searched over it)."""

@@ -133,6 +133,13 @@ def charrnn(name, cell, exporter="trace", **kw):
     return _case(name, exporter, "charrnn", cell, **kw)
 
 
+def univariate(name, cell, exporter="trace", **kw):
+    """A univariate series ``[B, T]`` read one column a step (pytorch/examples' time_sequence_prediction:
+    ``for input_t in input.split(1, dim=1)``; ``read="slice"``: ``x[:, t:t+1]``) by ``layers`` cells, a
+    Linear(H, 1) per step; returns ``torch.cat(outputs, 1)``, [B, T]."""
+    return _case(name, exporter, "univariate", cell, **kw)
+
+
 def keras(name, layer, **kw):
     """A Keras 3 layer on the torch backend, exported with ``model.export(format="onnx")``."""
     return _case(name, "keras3-torch", "keras", layer, **kw)
@@ -216,6 +223,12 @@ CASES = [
             notes="a TorchScript Loop whose per-step output reads the h the step read: applied to Y one step later"),
     charrnn("rnn_char_linear_trace", "rnn_char_linear",
             notes="the tutorial as first written: hidden = i2h(cat(x_t, h)), no activation (RNN with Affine(1, 0))"),
+    # -- a [B, T] series read one column a step: the native op reads Unsqueeze(x, 2)
+    univariate("lstmcell_trace_univariate_split", "lstm", layers=2,
+               notes="pytorch/examples time_sequence_prediction (float32): two LSTMCells, input.split(1, dim=1)"),
+    univariate("lstmcell_dynamo_univariate_split", "lstm", exporter="dynamo", layers=2),
+    univariate("grucell_trace_univariate_slice", "gru", read="slice"),
+    univariate("grucell_dynamo_univariate_slice", "gru", exporter="dynamo", read="slice"),
     # -- dynamo: the same loops through torch.export (dynamic batch via dynamic_shapes)
     loop("lstmcell_dynamo", "lstm", exporter="dynamo", time=6),
     loop("lstmcell_dynamo_bf", "lstm", exporter="dynamo", time=6, **BF),
@@ -850,6 +863,9 @@ def expectation(c: Case) -> dict:
         exp["attrs"] = {op: attrs}
     if c.model == "steps":
         return steps_expectation(c, exp)
+    if c.model == "univariate":  # (a layer's op each; the Linear(H, 1) stays per step)
+        n = o.get("layers", 1)
+        return dict(exp, ops={op: n}, directions={op: ["forward"] * n}, max_cell_ops=c.time)
     if c.model == "charrnn":  # (the head's Gemm stays per step)
         exp["max_cell_ops"] = c.time
         if o["cell"] == "rnn_char_linear":
@@ -912,6 +928,10 @@ def describe(c: Case) -> str:
         return f"{cls}({', '.join(args)}), {init}; returns ({out}, h_n[, c_n])"
     if c.model == "charrnn":
         return f"{CELL_TEXT[o['cell']]}; {layout}; zero initial state; returns (stacked outputs, last h)"
+    if c.model == "univariate":
+        read = "x[:, t:t+1]" if o.get("read") == "slice" else "x.split(1, dim=1)"
+        return (f"{o.get('layers', 1)} x {CELL_TEXT[o['cell']]} stacked over a [B, T] series read as {read}; "
+                "Linear(H, 1) per step; returns torch.cat(outputs, 1)")
     parts = [CELL_TEXT[o["cell"]] + ("" if o.get("bias", True) else " bias=False"), layout]
     if o.get("shared"):
         parts.append("one cell for both directions")
@@ -974,6 +994,8 @@ def input_specs(c: Case) -> list[tuple[str, tuple]]:
     """ONNX input names with symbolic shapes: "B" and "T" stand for batch and time."""
     if c.model == "steps":
         return steps_input_specs(c)
+    if c.model == "univariate":
+        return [("x", ("B", "T"))]
     x = ("B", "T", c.features) if c.batch_first else ("T", "B", c.features)
     specs = [("tokens", x[:2]) if c.opts.get("inputs") in ("embed", "embed_before") else ("x", x)]
     if c.opts.get("inputs") == "context":
@@ -1231,6 +1253,27 @@ def torch_modules():
                 h = self.i2h(comb) if self.linear else torch.tanh(self.i2h(comb))
                 outs.append(torch.log_softmax(self.i2o(comb), 1))
             return torch.stack(outs), h
+
+    class Univariate(nn.Module):
+        """pytorch/examples' time_sequence_prediction in float32 (``layers`` cells of one kind)."""
+
+        def __init__(self, cell, hidden, layers=1, read="split"):
+            super().__init__()
+            self.cells = nn.ModuleList([make_cell(cell, 1 if k == 0 else hidden, hidden) for k in range(layers)])
+            self.lstm, self.hidden, self.read = cell == "lstm", hidden, read
+            self.linear = nn.Linear(hidden, 1)
+
+        def forward(self, x):
+            zeros = torch.zeros(x.shape[0], self.hidden, dtype=x.dtype)
+            states = [(zeros, zeros) if self.lstm else zeros for _ in self.cells]
+            steps = x.split(1, dim=1) if self.read == "split" else [x[:, t:t + 1] for t in range(x.shape[1])]
+            outputs = []
+            for u in steps:
+                for k, cell in enumerate(self.cells):
+                    states[k] = cell(u, states[k])
+                    u = states[k][0] if self.lstm else states[k]
+                outputs.append(self.linear(u))
+            return torch.cat(outputs, 1)
 
     class SeqModule(nn.Module):
         """nn.RNN / nn.LSTM / nn.GRU on the whole sequence; returns (output, h_n[, c_n])."""
@@ -1705,7 +1748,7 @@ def torch_modules():
                 outs.append(h)
             return torch.stack(outs), g
 
-    _nn_classes.update(CellLoop=CellLoop, CharRNN=CharRNN, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
+    _nn_classes.update(CellLoop=CellLoop, CharRNN=CharRNN, Univariate=Univariate, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
@@ -1730,6 +1773,8 @@ def build_module(c: Case):
         return steps_module(c)
     if c.model == "charrnn":
         return m["CharRNN"](c.features, c.hidden, linear=cell == "rnn_char_linear")
+    if c.model == "univariate":
+        return m["Univariate"](cell, c.hidden, **o)
     if c.model == "script":
         inputs = o.pop("inputs", None)
         if o.pop("collect", None) == "buffer":

@@ -169,6 +169,12 @@ def _escaping(g: Graph, nodes, chain_nodes: set) -> list[tuple]:
     return out
 
 
+class LastStepUnused(Decline):
+    """The chain's last step computes no state anyone reads, nor a value beyond them: what it computes is only
+    read by a head of its own (the char-RNN that returns the last step's output, ``i2o(cat(x_t, h))``, its new
+    h dead). The steps before it may still be the recurrence, the last one kept as it is, reading their h."""
+
+
 class FirstValueIsState(Decline):
     """The first step computes no value beyond its states where later steps do: from a zero initial state
     a masked step's output ``where(m, h', 0)`` and its state ``where(m, h', h0)`` are one expression, which

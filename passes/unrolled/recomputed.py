@@ -3,13 +3,13 @@
 A step's cell may share a value with what else the step computes. PyTorch's char-RNN tutorial concatenates
 ``x_t`` with the state before it once, for the cell's matmul and for the output head's (``i2h(cat(x_t, h))``,
 ``i2o(cat(x_t, h))``); a chain with such a read was declined ("a per-step output is not the cell output"). Fused,
-the chain's nodes are gone, but a value its step computes from the step's own inputs and the hidden state it read
-alone stays computable: the step input is there as it was, and that state is the op's Y at the step before (or
+the chain's nodes are gone, but a value its step only rearranges from the step's own inputs and the hidden state
+it read stays computable: the step input is there as it was, and that state is the op's Y at the step before (or
 the initial state). So when a chain is declined, each such value read outside it is given a copy of the few nodes
-of its step that compute it, outside the chain, and the chain is recognised again. Whatever reads the copy reads
+of its step that move it, outside the chain, and the chain is recognised again. Whatever reads the copy reads
 the hidden state of the step before, which the recurrence then hands out as a step of Y (a cell state c is never
 one of those leaves: a native op outputs only the last). The retry is a new recognition, validated like any other;
-if it declines too, the copies are removed and the first decline stands.
+if it declines too, the copies are removed and the first decline stands (``rule._recurrence``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Callable
 
 from rnnfuse.dataflow import shape_derived
-from rnnfuse.errors import Decline, ProjectedAgain
 from rnnfuse.graph import Graph
 
 from .outputs import Escapes
@@ -28,25 +27,6 @@ from .outputs import Escapes
 MAX_COPIED = 8
 MOVES = {"Concat", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Transpose", "Cast", "Slice", "Split",
          "Gather", "Expand"}
-
-
-def retry_with_recomputed_reads(g: Graph, recognise: Callable, last_roles: Callable):
-    """``recognise()``; if it declines, and the recognition it made (``last_roles()``) shows inner values read
-    outside the chain that :func:`recompute_reads` can recompute, ``recognise()`` again with those reads
-    recomputed. A second decline undoes the copies; the first decline is the one reported."""
-    try:
-        return recognise()
-    except ProjectedAgain:
-        raise
-    except Decline as first:
-        undo = recompute_reads(g, last_roles())
-        if undo is None:
-            raise
-        try:
-            return recognise()
-        except Decline:
-            undo()
-            raise first from None
 
 
 def recompute_reads(g: Graph, roles) -> Callable[[], None] | None:

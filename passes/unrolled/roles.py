@@ -26,8 +26,7 @@ from rnnfuse.symbolic import Poly, StepInput, SymTensor, zero_states
 from .chains import Chain
 from .families import StepMask
 from .family_filter import layout_decline
-from .recomputed import retry_with_recomputed_reads
-from .outputs import (Escapes, FirstValueIsState, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, series_leads,
+from .outputs import (Escapes, FirstValueIsState, LastStepUnused, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, series_leads,
                       order_of, reads_state, split_first_value, step_output, value_lead)
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through, same_at_zero_state
 
@@ -36,14 +35,15 @@ class FirstStepDiffers(Decline):
     """The chain's first step is not its cell (with the chain's initial state): the rest may still be one."""
 
 
-def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None = None) -> Recurrence:
-    """The recurrence an unrolled chain computes (Decline with the reason when it is not one native cell); tried
-    again with the step values read outside it recomputed there, when it declines with such reads."""
-    made: list[_ChainRoles] = []  # (the recognitions tried: the last one tells what a retry may recompute)
+def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None = None,
+                     made: list | None = None) -> Recurrence:
+    """The recurrence an unrolled chain computes (Decline with the reason when it is not one native cell).
+    ``made`` (a list) gains each recognition tried, what it found (see :mod:`.recomputed`)."""
+    made = [] if made is None else made
     def recognise() -> Recurrence:
         made.append(_ChainRoles(g, src, axis, chain, iv, signer, mask_srcs))
         return made[-1].recurrence()
-    return retry_with_recomputed_reads(g, lambda: reading_projections(recognise), lambda: made[-1])
+    return reading_projections(recognise)
 
 
 class _ChainRoles:
@@ -347,7 +347,7 @@ class _ChainRoles:
         """Which states start from zero folded into the first step."""
         last, c_new = self.last, self.c_new
         if self.h_new[last] is None and self.ys is None and c_new[last] is None:
-            raise Decline("the last step's hidden output cannot be found")
+            raise LastStepUnused("the last step's hidden output cannot be found")
         if self.lstm and self.foreign[last].name is not None and self.foreign[last].name != c_new[last - 1]:
             raise Decline(f"step {self.ts[last]} reads another cell state than step {self.ts[last - 1]} computes")
         self.c0 = self.foreign[0].name if self.lstm else None

@@ -23,6 +23,8 @@ from .derived_masks import derived_masks
 from .families import SLICERS, bool_families, find_families, is_row_family, length_masks, mask_leaves
 from .whole_inputs import WholeInputs
 from .family_filter import KnownRegions, layout_decline, may_hold_chains
+from .outputs import LastStepUnused
+from .recomputed import recompute_reads
 from .roles import FirstStepDiffers, chain_recurrence
 from .step_inputs import virtual_families
 
@@ -312,11 +314,30 @@ def _may_expose_chains(g: Graph, mark: tuple, sources: set[str]) -> bool:
 
 
 def _recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict):
-    """The chain's recurrence; a chain whose first step is another cell (or starts from another state) is
-    fused from its second step on, the first step kept as it is (its h the initial state)."""
-    try:
-        return chain_recurrence(g, src, axis, chain, iv, signer, mask_srcs)
-    except FirstStepDiffers:
-        if len(chain.steps) < 3:
-            raise
-        return chain_recurrence(g, src, axis, replace(chain, steps=chain.steps[1:]), iv, signer, mask_srcs)
+    """The chain's recurrence, tried again as each decline allows, once each: a chain whose first step is another
+    cell (or starts from another state) from its second step on, the first kept as it is (its h the initial
+    state); one whose last step computes no state anyone reads (only a head of its own) up to the step before,
+    the last kept as it is (reading the op's final h); one whose inner values are read outside with those that
+    only rearrange a step's leaves recomputed there (:mod:`.recomputed`). The decline reported is the last one
+    before the recomputation, which is undone if the chain still declines."""
+    made: list = []  # the recognitions tried (the last one's findings: what may be recomputed)
+    tried: set[str] = set()
+    undo, reported = None, None
+    while True:
+        try:
+            return chain_recurrence(g, src, axis, chain, iv, signer, mask_srcs, made)
+        except Decline as d:
+            reported = reported if undo is not None else d
+            end = "first" if isinstance(d, FirstStepDiffers) else "last" if isinstance(d, LastStepUnused) else None
+            if end is not None and end not in tried and len(chain.steps) >= 3:
+                tried.add(end)
+                chain = replace(chain, steps=chain.steps[1:] if end == "first" else chain.steps[:-1])
+                continue
+            if "recompute" not in tried and made:
+                tried.add("recompute")
+                undo = recompute_reads(g, made[-1])
+                if undo is not None:
+                    continue
+            if undo is not None:
+                undo()
+            raise reported from None

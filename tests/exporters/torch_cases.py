@@ -221,6 +221,11 @@ CASES = [
     charrnn("rnn_char_dynamo", "rnn_char", exporter="dynamo"),
     charrnn("rnn_char_script", "rnn_char", exporter="torchscript", dynamic_time=True,
             notes="a TorchScript Loop whose per-step output reads the h the step read: applied to Y one step later"),
+    charrnn("rnn_char_trace_last_output", "rnn_char", ret="last_output",
+            notes="returns the last step's output alone: its new h is dead, the op runs to the step before"),
+    charrnn("rnn_char_linear_dynamo_last_output", "rnn_char_linear", exporter="dynamo", ret="last_output"),
+    charrnn("rnn_char_trace_stacked_last", "rnn_char", ret="stacked_last",
+            notes="torch.stack(outputs)[-1]: every head kept, the last step's new h dead"),
     charrnn("rnn_char_linear_trace", "rnn_char_linear",
             notes="the tutorial as first written: hidden = i2h(cat(x_t, h)), no activation (RNN with Affine(1, 0))"),
     # -- a [B, T] series read one column a step: the native op reads Unsqueeze(x, 2)
@@ -927,7 +932,9 @@ def describe(c: Case) -> str:
         out = "tanh(Linear(y[0])) of each call, stacked" if o.get("head") else "output"
         return f"{cls}({', '.join(args)}), {init}; returns ({out}, h_n[, c_n])"
     if c.model == "charrnn":
-        return f"{CELL_TEXT[o['cell']]}; {layout}; zero initial state; returns (stacked outputs, last h)"
+        ret = {"last_output": "the last step's output", "stacked_last": "torch.stack(outputs)[-1]"}.get(
+            o.get("ret"), "(stacked outputs, last h)")
+        return f"{CELL_TEXT[o['cell']]}; {layout}; zero initial state; returns {ret}"
     if c.model == "univariate":
         read = "x[:, t:t+1]" if o.get("read") == "slice" else "x.split(1, dim=1)"
         return (f"{o.get('layers', 1)} x {CELL_TEXT[o['cell']]} stacked over a [B, T] series read as {read}; "
@@ -1245,7 +1252,7 @@ def torch_modules():
             self.hidden, self.linear = hidden, linear
             self.i2h, self.i2o = nn.Linear(features + hidden, hidden), nn.Linear(features + hidden, out)
 
-        def forward(self, x):
+        def steps(self, x):
             h = torch.zeros(x.shape[1], self.hidden, dtype=x.dtype)
             outs = []
             for t in range(x.shape[0]):
@@ -1253,6 +1260,28 @@ def torch_modules():
                 h = self.i2h(comb) if self.linear else torch.tanh(self.i2h(comb))
                 outs.append(torch.log_softmax(self.i2o(comb), 1))
             return torch.stack(outs), h
+
+        def forward(self, x):
+            return self.steps(x)
+
+    class CharRNNLastOutput(CharRNN):
+        """The classifying-names tutorial: ``output, hidden = rnn(x[t], hidden)`` per step, the last output
+        returned (the heads before it dead); ``stacked``: every step's output stacked, the last one taken."""
+
+        def __init__(self, features, hidden, linear=False, stacked=False):
+            super().__init__(features, hidden, linear)
+            self.stacked = stacked
+
+        def forward(self, x):
+            if self.stacked:
+                return self.steps(x)[0][-1]
+            h = torch.zeros(x.shape[1], self.hidden, dtype=x.dtype)
+            output = h
+            for t in range(x.shape[0]):
+                comb = torch.cat((x[t], h), 1)
+                h = self.i2h(comb) if self.linear else torch.tanh(self.i2h(comb))
+                output = torch.log_softmax(self.i2o(comb), 1)
+            return output
 
     class Univariate(nn.Module):
         """pytorch/examples' time_sequence_prediction in float32 (``layers`` cells of one kind)."""
@@ -1748,7 +1777,7 @@ def torch_modules():
                 outs.append(h)
             return torch.stack(outs), g
 
-    _nn_classes.update(CellLoop=CellLoop, CharRNN=CharRNN, Univariate=Univariate, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
+    _nn_classes.update(CellLoop=CellLoop, CharRNN=CharRNN, CharRNNLastOutput=CharRNNLastOutput, Univariate=Univariate, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
@@ -1772,6 +1801,8 @@ def build_module(c: Case):
     if c.model == "steps":
         return steps_module(c)
     if c.model == "charrnn":
+        if o.get("ret") in ("last_output", "stacked_last"):
+            return m["CharRNNLastOutput"](c.features, c.hidden, cell == "rnn_char_linear", o["ret"] == "stacked_last")
         return m["CharRNN"](c.features, c.hidden, linear=cell == "rnn_char_linear")
     if c.model == "univariate":
         return m["Univariate"](cell, c.hidden, **o)

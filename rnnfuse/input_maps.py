@@ -56,7 +56,10 @@ def mapped_input(g: Graph, xs: list[str], const_of: Callable, is_context: Callab
     masks = _mask_values(g, walked)
     exits = {v for n in walked for v in n.output if v in rows and v not in masks and read_outside(v)}
     exits |= {x for x in xs if read_outside(x)}
-    inputs = {_before_input_matmul(g, v, ids, const_of) for v in exits}
+    before = {v: _before_input_matmul(g, v, ids, const_of) for v in exits}
+    # an exit that is itself what another exit's matmul multiplies is read as that input (x_t's projection read
+    # by the cell's input matmul and by a skip connection, ``h + proj(x_t)``), not as a matmul's result
+    inputs = {b for v, b in before.items() if v not in before.values()}
     if len(inputs) != 1:
         return None
     value = inputs.pop()

@@ -140,6 +140,11 @@ def univariate(name, cell, exporter="trace", **kw):
     return _case(name, exporter, "univariate", cell, **kw)
 
 
+def projskip(name, cell, exporter="trace", **kw):
+    """``xt = Linear(x[t])`` read by the cell and by a skip connection on its output: ``outs.append(h + xt)``."""
+    return _case(name, exporter, "projskip", cell, **kw)
+
+
 def keras(name, layer, **kw):
     """A Keras 3 layer on the torch backend, exported with ``model.export(format="onnx")``."""
     return _case(name, "keras3-torch", "keras", layer, **kw)
@@ -234,6 +239,9 @@ CASES = [
     univariate("lstmcell_dynamo_univariate_split", "lstm", exporter="dynamo", layers=2),
     univariate("grucell_trace_univariate_slice", "gru", read="slice"),
     univariate("grucell_dynamo_univariate_slice", "gru", exporter="dynamo", read="slice"),
+    # -- a step input's projection read by the cell and by a skip connection: the map runs once over x
+    projskip("lstmcell_trace_proj_skip_bf", "lstm", batch_first=True),
+    projskip("grucell_dynamo_proj_skip", "gru", exporter="dynamo"),
     # -- dynamo: the same loops through torch.export (dynamic batch via dynamic_shapes)
     loop("lstmcell_dynamo", "lstm", exporter="dynamo", time=6),
     loop("lstmcell_dynamo_bf", "lstm", exporter="dynamo", time=6, **BF),
@@ -868,6 +876,8 @@ def expectation(c: Case) -> dict:
         exp["attrs"] = {op: attrs}
     if c.model == "steps":
         return steps_expectation(c, exp)
+    if c.model == "projskip":  # (the projection once over x for the op; the skip still reads each step's own)
+        return dict(exp, max_cell_ops=c.time + 1)
     if c.model == "univariate":  # (a layer's op each; the Linear(H, 1) stays per step)
         n = o.get("layers", 1)
         return dict(exp, ops={op: n}, directions={op: ["forward"] * n}, max_cell_ops=c.time)
@@ -935,6 +945,8 @@ def describe(c: Case) -> str:
         ret = {"last_output": "the last step's output", "stacked_last": "torch.stack(outputs)[-1]"}.get(
             o.get("ret"), "(stacked outputs, last h)")
         return f"{CELL_TEXT[o['cell']]}; {layout}; zero initial state; returns {ret}"
+    if c.model == "projskip":
+        return f"{CELL_TEXT[o['cell']]} over xt = Linear(x_t); {layout}; returns torch.stack([h + xt per step])"
     if c.model == "univariate":
         read = "x[:, t:t+1]" if o.get("read") == "slice" else "x.split(1, dim=1)"
         return (f"{o.get('layers', 1)} x {CELL_TEXT[o['cell']]} stacked over a [B, T] series read as {read}; "
@@ -1303,6 +1315,25 @@ def torch_modules():
                     u = states[k][0] if self.lstm else states[k]
                 outputs.append(self.linear(u))
             return torch.cat(outputs, 1)
+
+    class ProjSkip(nn.Module):
+        """A per-step input projection read by the cell and by a skip connection on its output."""
+
+        def __init__(self, cell, features, hidden, batch_first=False):
+            super().__init__()
+            self.inp, self.cell = nn.Linear(features, hidden), make_cell(cell, hidden, hidden)
+            self.lstm, self.hidden, self.batch_first = cell == "lstm", hidden, batch_first
+
+        def forward(self, x):
+            t_axis = 1 if self.batch_first else 0
+            h = torch.zeros(x.shape[1 - t_axis], self.hidden, dtype=x.dtype)
+            state = (h, h) if self.lstm else h
+            outs = []
+            for t in range(x.shape[t_axis]):
+                xt = self.inp(x[:, t] if self.batch_first else x[t])
+                state = self.cell(xt, state)
+                outs.append((state[0] if self.lstm else state) + xt)
+            return torch.stack(outs, t_axis)
 
     class SeqModule(nn.Module):
         """nn.RNN / nn.LSTM / nn.GRU on the whole sequence; returns (output, h_n[, c_n])."""
@@ -1777,7 +1808,8 @@ def torch_modules():
                 outs.append(h)
             return torch.stack(outs), g
 
-    _nn_classes.update(CellLoop=CellLoop, CharRNN=CharRNN, CharRNNLastOutput=CharRNNLastOutput, Univariate=Univariate, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
+    _nn_classes.update(CellLoop=CellLoop, CharRNN=CharRNN, CharRNNLastOutput=CharRNNLastOutput, Univariate=Univariate,
+                       ProjSkip=ProjSkip, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
@@ -1806,6 +1838,8 @@ def build_module(c: Case):
         return m["CharRNN"](c.features, c.hidden, linear=cell == "rnn_char_linear")
     if c.model == "univariate":
         return m["Univariate"](cell, c.hidden, **o)
+    if c.model == "projskip":
+        return m["ProjSkip"](cell, c.features, c.hidden, **o)
     if c.model == "script":
         inputs = o.pop("inputs", None)
         if o.pop("collect", None) == "buffer":

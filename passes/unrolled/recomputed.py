@@ -34,9 +34,9 @@ def recompute_reads(g: Graph, roles) -> Callable[[], None] | None:
     input, its masks, the hidden state ``h_in[k]`` it read) and constants by moving values (:data:`MOVES`,
     within :data:`MAX_COPIED` of the step's own nodes), a copy of those nodes to read. Returns the undo, or None
     when there is no such value."""
-    cell = getattr(roles, "cell_nodes", None)
-    if cell is None:
-        return None  # (declined before the cell's nodes were known)
+    if not getattr(roles, "cell_found", False):
+        return None  # (declined before each step's states were known)
+    cell = _cell_nodes(g, roles)
     chain, iv = roles.chain, roles.iv
     side = 1 if chain.direction == "forward" else 0  # the interval end that names a value's step
     k_of = {st.t: k for k, st in enumerate(chain.steps)}
@@ -67,6 +67,23 @@ def recompute_reads(g: Graph, roles) -> Callable[[], None] | None:
         g.remove_nodes(made)
 
     return undo
+
+
+def _cell_nodes(g: Graph, roles) -> set[int]:
+    """The ids of each step's own nodes that compute its states from its leaves (asked only of a declined chain:
+    a fused one's recognition keeps no second set of its 100,000 nodes)."""
+    out: set[int] = set()
+    for k, leaves in enumerate(roles.leaves):
+        allowed = roles.allowed[k]
+        stack = [v for v in (roles.h_new[k], roles.c_new[k]) if v]
+        while stack:
+            v = stack.pop()
+            p = g.producer.get(v) if v not in leaves else None
+            if p is None or id(p) in out or not allowed(p):
+                continue
+            out.add(id(p))
+            stack.extend(i for i in p.input if i)
+    return out
 
 
 def _cone(g: Graph, name: str, roles, k: int, cell: set) -> list | None:

@@ -250,7 +250,7 @@ class _ChainRoles:
         (the output filled otherwise at masked steps)."""
         g, n, km, last, leaves = self.g, self.n, self.km, self.last, self.leaves
         self.mask_values = mask_values(g, self.chain)
-        self.cell_nodes = set(self.chain_nodes)  # (h's and c's nodes: what a recomputed read may copy)
+        self.cell_found = True  # (each step's h and c known: what a recomputed read may copy, see .recomputed)
         self.escapes = Escapes(g, self.chain_nodes)
         states = {t for t in self.h_new + self.c_new if t}
         self.initial = {t for t in (self.h_in[0], self.foreign[0].name) if t}  # (what the first step is given)

@@ -32,9 +32,9 @@ from rnnfuse.input_maps import mapped_input, tile_context
 from rnnfuse.row_wise import FLOATS, on_every_step
 from rnnfuse.signature import Signer
 
+from .families import weighed
+
 _INTS = (6, 7)  # int32, int64: token ids
-# readers of a step's [B, 1] column that make it a cell's input (multiplied by weights, or concatenated first)
-_WEIGHED = ("MatMul", "Gemm", "Concat")
 
 
 class WholeInputs:
@@ -104,7 +104,7 @@ class WholeInputs:
     # -- one feature a step ------------------------------------------------------------------------------
     def _columns(self, src: str, fam: dict):
         g = self.g
-        if not all(g.model.rank(x) == 2 and any(u.op_type in _WEIGHED for u in g.uses(x)) for x in fam.values()):
+        if not all(weighed(g, x) and g.model.rank(x) == 2 for x in fam.values()):
             return None
         key = ("columns", src)
         node = self.built.get(key)

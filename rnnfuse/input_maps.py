@@ -59,7 +59,8 @@ def mapped_input(g: Graph, xs: list[str], const_of: Callable, is_context: Callab
     before = {v: _before_input_matmul(g, v, ids, const_of) for v in exits}
     # an exit that is itself what another exit's matmul multiplies is read as that input (x_t's projection read
     # by the cell's input matmul and by a skip connection, ``h + proj(x_t)``), not as a matmul's result
-    inputs = {b for v, b in before.items() if v not in before.values()}
+    multiplied = {b for v, b in before.items() if b != v}
+    inputs = {b for v, b in before.items() if v not in multiplied}
     if len(inputs) != 1:
         return None
     value = inputs.pop()

@@ -150,3 +150,38 @@ def test_a_slice_whose_batch_end_is_not_proven_whole_is_no_step():
     fused, report = rnnfuse.optimize(model)
     assert _natives(fused) == 0, report.to_text()
     assert fused.SerializeToString() == model.SerializeToString()
+
+
+def test_a_float_mask_blend_is_declined_with_why():
+    """``h = m_t * tanh(x_t W + h R) + (1 - m_t) * h`` with m a float [B, T] input read one column a step: no
+    bool, no comparison cast to float, so nothing proves m 0 or 1 and it is no mask: declined, and the reason
+    says so; the model comes out as it went in."""
+    rng = np.random.default_rng(3)
+    inits = [nh.from_array(rng.standard_normal((F, H)).astype(np.float32), "W"),
+             nh.from_array(rng.standard_normal((H, H)).astype(np.float32), "R"),
+             nh.from_array(np.array(1.0, np.float32), "one"), nh.from_array(np.array([0], np.int64), "axis0"),
+             nh.from_array(np.array([1], np.int64), "axis1")]
+    inits += [nh.from_array(np.array(t, np.int64), f"i{t}") for t in range(T)]
+    inits += [nh.from_array(np.array([t], np.int64), f"col{t}") for t in range(T + 1)]
+    nodes, h, ys = [], "h0", []
+    for t in range(T):
+        nodes += [oh.make_node("Gather", ["x", f"i{t}"], [f"x{t}"], axis=0),
+                  oh.make_node("Slice", ["m", f"col{t}", f"col{t + 1}", "axis1"], [f"m{t}"]),
+                  oh.make_node("MatMul", [f"x{t}", "W"], [f"xw{t}"]), oh.make_node("MatMul", [h, "R"], [f"hr{t}"]),
+                  oh.make_node("Add", [f"xw{t}", f"hr{t}"], [f"pre{t}"]), oh.make_node("Tanh", [f"pre{t}"], [f"new{t}"]),
+                  oh.make_node("Mul", [f"m{t}", f"new{t}"], [f"kept{t}"]), oh.make_node("Sub", ["one", f"m{t}"], [f"inv{t}"]),
+                  oh.make_node("Mul", [f"inv{t}", h], [f"held{t}"]), oh.make_node("Add", [f"kept{t}", f"held{t}"], [f"h_{t}"]),
+                  oh.make_node("Unsqueeze", [f"h_{t}", "axis0"], [f"y{t}"])]
+        h = f"h_{t}"
+        ys.append(f"y{t}")
+    nodes.append(oh.make_node("Concat", ys, ["y"], axis=0))
+    graph = oh.make_graph(nodes, "blend", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [T, "B", F]),
+                                           oh.make_tensor_value_info("m", TensorProto.FLOAT, ["B", T]),
+                                           oh.make_tensor_value_info("h0", TensorProto.FLOAT, ["B", H])],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, [T, "B", H])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    onnx.checker.check_model(model, full_check=True)
+    fused, report = rnnfuse.optimize(model)
+    assert _natives(fused) == 0 and report.declined, report.to_text()
+    assert any("'m' one column a step" in f.reason and "0 and 1" in f.reason for f in report.declined), report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()

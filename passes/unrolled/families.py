@@ -231,6 +231,18 @@ def step_sources(g: Graph, fams: dict, keys: list, min_steps: int = STEP_SOURCE_
     return out
 
 
+def unproven_masks(g: Graph, fams: dict, iv) -> str:
+    """A note for a declined chain whose steps read a float ``[B, T]`` tensor one column a step, as a mask is
+    read (``h = m * new + (1 - m) * h``): nothing proves its values 0 or 1, so it is no mask and the chain reads
+    it as a carried value. What is read as one: a bool, or a comparison cast to float. "" when none is read."""
+    for (src, _), fam in fams.items():
+        if g.model.elem_type(src) in FLOATS and is_row_family(g, src) and any(
+                iv.nodes.get(id(u)) is not None for v in fam.values() for u in g.uses(v)):
+            return (f"; the steps read '{src}' one column a step, a float tensor not known to hold only 0 and 1: "
+                    "no mask (a bool mask, or a comparison cast to float, is read as one)")
+    return ""
+
+
 def bool_families(g: Graph, fams: dict) -> list[tuple[tuple[str, int], dict]]:
     """``((mask source, axis), family)`` of the families of ``fams`` that slice a bool tensor (or its float
     cast): the candidate masks of every data family, listed once for all of them (per data family, it was

@@ -90,21 +90,46 @@ def _cone(g: Graph, name: str, roles, k: int, cell: set) -> list | None:
     """Step k's nodes that compute ``name`` from its leaves and constants, in evaluation order; None when it
     reads anything else (another step's value, a cell state), computes (an op outside :data:`MOVES`) or takes
     more than :data:`MAX_COPIED` nodes."""
-    leaves = roles.leaves[k]
+    # (the step input, its masks, the h it read: no extra carried output, whose steps no native op keeps)
+    leaves = {v for v, role in roles.leaves[k].items() if role != "y"}
     h_in = roles.h_in[k]
     allowed = roles.allowed[k]
     nodes: dict[int, object] = {}
     stack, seen = [name], set()
     while stack:
         cur = stack.pop()
-        if cur in seen or not cur or cur == h_in or cur in leaves or shape_derived(g, cur):
+        if cur in seen or not cur or cur == h_in or cur in leaves:
             continue
         seen.add(cur)
         p = g.producer.get(cur)
         if p is None or id(p) not in cell:
             continue  # (a graph input, a weight, a value computed outside the chain: there after the fusion)
+        if shape_derived(g, cur):
+            if _shapes_cell_values(g, cur, cell):
+                return None  # (the shape of a value the fusion removes: the copy would keep the chain's nodes)
+            continue  # (a shape or a fill of the input's, the zero state of a first step: there after the fusion)
         if p.op_type not in MOVES or p.domain or not allowed(p) or g.implicit_inputs(p) or len(nodes) >= MAX_COPIED:
             return None
         nodes[id(p)] = p
         stack.extend(p.input)
     return g.nodes_with_ids(set(nodes)) if nodes else None
+
+
+def _shapes_cell_values(g: Graph, name: str, cell: set, limit: int = 32) -> bool:
+    """Whether the shape value ``name`` reads the shape of a value a node of the cell computes (or is not known
+    not to, past ``limit`` nodes)."""
+    stack, seen = [name], set()
+    while stack:
+        p = g.producer.get(stack.pop())
+        if p is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if len(seen) > limit:
+            return True
+        if p.op_type in ("Shape", "Size"):
+            q = g.producer.get(p.input[0])
+            if q is not None and id(q) in cell:
+                return True
+            continue
+        stack.extend(i for i in p.input if i)
+    return False

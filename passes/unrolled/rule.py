@@ -20,7 +20,7 @@ from rnnfuse.symbolic import weight_ops
 
 from .chains import Chain, find_chains, intervals
 from .derived_masks import derived_masks
-from .families import SLICERS, bool_families, find_families, is_row_family, length_masks, mask_leaves
+from .families import SLICERS, bool_families, find_families, is_row_family, length_masks, mask_leaves, unproven_masks
 from .whole_inputs import WholeInputs
 from .family_filter import KnownRegions, layout_decline, may_hold_chains
 from .outputs import LastStepUnused
@@ -126,7 +126,7 @@ class FuseChains:
                     recs.append((_recurrence(g, src, axis, chain, iv, search.signer, mask_srcs), {}))
                 except Decline as d:
                     where = chain.describe(f"'{src}' (axis {axis})")
-                    pending[key] = declined(self.name, "chain", where, d.reason)
+                    pending[key] = declined(self.name, "chain", where, d.reason + unproven_masks(g, search.fams, iv))
         return recs, chained
 
     @staticmethod

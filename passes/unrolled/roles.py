@@ -38,10 +38,10 @@ class FirstStepDiffers(Decline):
 def chain_recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None = None,
                      made: list | None = None) -> Recurrence:
     """The recurrence an unrolled chain computes (Decline with the reason when it is not one native cell).
-    ``made`` (a list) gains each recognition tried, what it found (see :mod:`.recomputed`)."""
+    ``made`` (a list) holds the last recognition tried, what it found (see :mod:`.recomputed`)."""
     made = [] if made is None else made
     def recognise() -> Recurrence:
-        made.append(_ChainRoles(g, src, axis, chain, iv, signer, mask_srcs))
+        made[:] = [_ChainRoles(g, src, axis, chain, iv, signer, mask_srcs)]  # (one held: their memos are big)
         return made[-1].recurrence()
     return reading_projections(recognise)
 

@@ -320,7 +320,7 @@ def _recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer,
     the last kept as it is (reading the op's final h); one whose inner values are read outside with those that
     only rearrange a step's leaves recomputed there (:mod:`.recomputed`). The decline reported is the last one
     before the recomputation, which is undone if the chain still declines."""
-    made: list = []  # the recognitions tried (the last one's findings: what may be recomputed)
+    made: list = []  # the last recognition tried (its findings: what may be recomputed)
     tried: set[str] = set()
     undo, reported = None, None
     while True:

@@ -41,7 +41,7 @@ EMBED_DIM = 8
 STATIC_BATCH = 4  # batch size of the static-shape cases
 OPSET = 17
 
-ONNX_OP = {"LSTM": "LSTM", "GRU": "GRU", "SimpleRNN": "RNN"}
+ONNX_OP = {"LSTM": "LSTM", "GRU": "GRU", "SimpleRNN": "RNN", "CharCell": "RNN"}
 STATE_NAMES = {"LSTM": ("h0", "c0"), "GRU": ("h0",), "SimpleRNN": ("h0",)}
 
 # Steps kept (1) / padded (0) in the masked input sets; rows are batch entries.
@@ -92,6 +92,12 @@ def gru(seq=True, **opts):
 
 def rnn(seq=True, **opts):
     return Rnn("SimpleRNN", seq, 3, tuple(opts.items()))
+
+
+def char_cell(seq=True) -> Rnn:
+    """``keras.layers.RNN`` over a custom cell written as the char-RNN tutorial: ``comb = concat([x_t, h])``,
+    new h ``tanh(comb @ W + b)``, output ``log_softmax(comb @ V)`` (the head reads the h the step read)."""
+    return Rnn("CharCell", seq, 4)
 
 
 def bi(layer: Rnn, merge="concat") -> Rnn:
@@ -150,6 +156,8 @@ CASES = [
     case("lstm_init_masked_last", lstm(False), masked=True, state_in=True),
     # relu with arguments: max_value (Relu, Min, Max: a relu clipped at 3) and threshold (a select: ThresholdedRelu)
     case("rnn_relu_max3_seq", rnn(activation="relu_max3")),
+    # a custom cell whose output head reads concat([x_t, h]) with the h the step read (the char-RNN tutorial's)
+    case("char_cell_seq", char_cell()),
     case("rnn_relu_threshold1_masked_seq", rnn(activation="relu_threshold1"), masked=True),
     # x given features first, [B, F, T] (its two symbolic dims apart: validation crashed sizing it)
     case("gru_features_first_seq", gru(), front="permute"),
@@ -346,6 +354,9 @@ def build_model(keras, c: Case, rng: np.random.Generator):
     for i, spec in enumerate(c.rnns):
         last = i == len(c.rnns) - 1
         name = f"{spec.kind.lower()}{i}"
+        if spec.kind == "CharCell":
+            h = keras.layers.RNN(_char_cell(keras, spec.units), return_sequences=spec.seq, name=name)(h)
+            continue
         layer = getattr(keras.layers, spec.kind)(
             spec.units,
             return_sequences=spec.seq,
@@ -371,6 +382,32 @@ def build_model(keras, c: Case, rng: np.random.Generator):
     for w in model.weights:
         w.assign((0.5 * rng.standard_normal(tuple(w.shape))).astype(np.float32))
     return model, specs
+
+
+def _char_cell(keras, units: int, out: int = 3):
+    """The custom cell of :func:`char_cell`, for the Keras of the backend (Keras 3 or tf_keras)."""
+    ops = keras.ops if hasattr(keras, "ops") else None
+
+    class CharCell(keras.layers.Layer):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.units, self.state_size, self.output_size = units, units, out
+
+        def build(self, input_shape):
+            width = int(input_shape[-1]) + units
+            self.W = self.add_weight(shape=(width, units), name="W")
+            self.b = self.add_weight(shape=(units,), name="b")
+            self.V = self.add_weight(shape=(width, out), name="V")
+
+        def call(self, x, states):
+            if ops is not None:
+                comb = ops.concatenate([x, states[0]], -1)
+                return keras.activations.log_softmax(ops.matmul(comb, self.V)), [ops.tanh(ops.matmul(comb, self.W) + self.b)]
+            import tensorflow as tf
+            comb = tf.concat([x, states[0]], -1)
+            return tf.nn.log_softmax(tf.matmul(comb, self.V)), [tf.tanh(tf.matmul(comb, self.W) + self.b)]
+
+    return CharCell()
 
 
 # activations with arguments, named for the case tables (keras.activations.relu takes both in Keras 3 and tf_keras)

@@ -231,13 +231,16 @@ def step_sources(g: Graph, fams: dict, keys: list, min_steps: int = STEP_SOURCE_
     return out
 
 
-def unproven_masks(g: Graph, fams: dict, iv) -> str:
+def unproven_masks(g: Graph, fams: dict, iv, memo: dict) -> str:
     """A note for a declined chain whose steps read a float ``[B, T]`` tensor one column a step, as a mask is
     read (``h = m * new + (1 - m) * h``): nothing proves its values 0 or 1, so it is no mask and the chain reads
-    it as a carried value. What is read as one: a bool, or a comparison cast to float. "" when none is read."""
-    for (src, _), fam in fams.items():
-        if g.model.elem_type(src) in FLOATS and is_row_family(g, src) and any(
-                iv.nodes.get(id(u)) is not None for v in fam.values() for u in g.uses(v)):
+    it as a carried value. What is read as one: a bool, or a comparison cast to float. "" when none is read.
+    ``memo``: the search's, which keeps those tensors' families (found once, whatever the declines)."""
+    if "float_rows" not in memo:
+        memo["float_rows"] = [(src, fam) for (src, _), fam in fams.items()
+                              if g.model.elem_type(src) in FLOATS and is_row_family(g, src)]
+    for src, fam in memo["float_rows"]:
+        if any(iv.nodes.get(id(u)) is not None for v in fam.values() for u in g.uses(v)):
             return (f"; the steps read '{src}' one column a step, a float tensor not known to hold only 0 and 1: "
                     "no mask (a bool mask, or a comparison cast to float, is read as one)")
     return ""

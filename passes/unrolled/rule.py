@@ -126,7 +126,7 @@ class FuseChains:
                     recs.append((_recurrence(g, src, axis, chain, iv, search.signer, mask_srcs), {}))
                 except Decline as d:
                     where = chain.describe(f"'{src}' (axis {axis})")
-                    pending[key] = declined(self.name, "chain", where, d.reason + unproven_masks(g, search.fams, iv))
+                    pending[key] = declined(self.name, "chain", where, d.reason + unproven_masks(g, search.fams, iv, search.memo))
         return recs, chained
 
     @staticmethod

@@ -304,6 +304,8 @@ def mutation_expressible(name: str, o: Opts) -> bool:
         return True
     if name == "output_prev_h" and o.front in ("loop", "scan") and not o.masked():
         return True  # a per-step head on the h the step read: the op's Y one step later, h0 first (step_heads)
+    if name == "asym_clip" and o.op == "RNN" and f[0] == "Relu":
+        return True  # relu(clip(a, -2, 3)) = relu(clip(a, -3, 3)): a native op's clip 3 (cells/recognise.canonical_clips)
     if name in ("coupled_if", "gru_swapped_update"):
         # 1 - sigmoid(a) = sigmoid(-a);  1 - hard_sigmoid(alpha, 0.5)(a) = hard_sigmoid(alpha, 0.5)(-a)
         return f[0] == "Sigmoid" or (f[0] == "HardSigmoid" and abs(f[1][1] - 0.5) < 1e-12)

@@ -22,9 +22,9 @@ import rnnfuse
 T, B, F, H, O = 5, 3, 4, 6, 2
 
 
-def _model(cell: str, heads: tuple[str, ...]) -> onnx.ModelProto:
-    """An unrolled chain over x [T, B, F] (x[t] by Gather), h0 = 0; outputs: the stacked per-step ``heads``
-    and the last h. ``cell``: "rnn" (tanh of cat(x_t, h) @ W + b), "linear" (no activation) or "lstm" (one
+def _model(cell: str, heads: tuple[str, ...], reverse: bool = False) -> onnx.ModelProto:
+    """An unrolled chain over x [T, B, F] (x[t] by Gather; from the last step to the first with ``reverse``),
+    h0 = 0; outputs: the stacked per-step ``heads`` (in time order) and the last h computed. ``cell``: "rnn" (tanh of cat(x_t, h) @ W + b), "linear" (no activation) or "lstm" (one
     matmul over cat(x_t, h), gates i, f, g, o). ``heads``: "cat" (cat(x_t, h_{t-1}) @ Wo), "forget"
     (sigmoid(f_t) * c_{t-1} @ Wc, LSTM only)."""
     rng = np.random.default_rng(1)
@@ -39,7 +39,7 @@ def _model(cell: str, heads: tuple[str, ...]) -> onnx.ModelProto:
     nodes = [oh.make_node("Expand", ["zrow", "bh"], ["h_init"])]
     h = c = "h_init"
     outs: dict[str, list[str]] = {k: [] for k in heads}
-    for t in range(T):
+    for t in reversed(range(T)) if reverse else range(T):
         nodes.append(oh.make_node("Gather", ["x", f"idx{t}"], [f"x{t}"], axis=0))
         nodes.append(oh.make_node("Concat", [f"x{t}", h], [f"cat{t}"], axis=1))
         nodes.append(oh.make_node("MatMul", [f"cat{t}", "W"], [f"mm{t}"]))
@@ -68,6 +68,7 @@ def _model(cell: str, heads: tuple[str, ...]) -> onnx.ModelProto:
         h = f"h{t}"
     graph_outs = []
     for k, names in outs.items():
+        names = sorted(names, key=lambda n: int(n.rsplit("_out", 1)[1]))  # (time order)
         nodes += [oh.make_node("Unsqueeze", [n, "ax0"], [f"{n}_u"]) for n in names]
         nodes.append(oh.make_node("Concat", [f"{n}_u" for n in names], [f"{k}_seq"], axis=0))
         graph_outs.append(oh.make_tensor_value_info(f"{k}_seq", TensorProto.FLOAT, [T, B, O]))
@@ -91,9 +92,12 @@ def _ops(model: onnx.ModelProto) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("cell,op", [("rnn", "RNN"), ("linear", "RNN"), ("lstm", "LSTM")])
-def test_head_reading_the_cells_concatenation_is_fused(cell, op):
-    model = _model(cell, ("cat",))
+@pytest.mark.parametrize("cell,op,reverse", [("rnn", "RNN", False), ("linear", "RNN", False), ("lstm", "LSTM", False),
+                                            ("rnn", "RNN", True), ("lstm", "LSTM", True)])
+def test_head_reading_the_cells_concatenation_is_fused(cell, op, reverse):
+    """(Backwards, the h a step read is the one of the step after it in time: the op's Y one step later in
+    processing order.)"""
+    model = _model(cell, ("cat",), reverse)
     fused, report = rnnfuse.optimize(model)
     assert not report.declined and len(report.fused) == 1, report.to_text()
     ops = _ops(fused)

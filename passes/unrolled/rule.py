@@ -64,7 +64,7 @@ class FuseChains:
             fams.update(whole.families(fams, signer, may_chain))
             not_sequences = may_chain.not_sequences  # (the last round's: what the graph holds at the end)
             order = g.ordered_live_nodes()
-            search = _Search(fams, bool_families(g, fams), order, length_masks(g), signer, may_chain, {})
+            search = _Search(fams, bool_families(g, fams), order, length_masks(g), signer, may_chain, {}, whole.labels)
             seen_now: set = set()
             recs, chained = self.slice_chains(g, search, tried, pending, seen_now)
             vfams = None
@@ -122,10 +122,14 @@ class FuseChains:
                     continue
                 tried.add(key)
                 chained.add(src)
+                named = f"'{src}' (axis {axis})"
                 try:
-                    recs.append((_recurrence(g, src, axis, chain, iv, search.signer, mask_srcs), {}))
+                    rec = _recurrence(g, src, axis, chain, iv, search.signer, mask_srcs)
+                    if src in search.labels:
+                        rec.where = rec.where.replace(f"over {named}", f"over {search.labels[src]}")
+                    recs.append((rec, {}))
                 except Decline as d:
-                    where = chain.describe(f"'{src}' (axis {axis})")
+                    where = chain.describe(search.labels.get(src, named))
                     pending[key] = declined(self.name, "chain", where, d.reason + unproven_masks(g, search.fams, iv, search.memo))
         return recs, chained
 
@@ -146,7 +150,8 @@ class FuseChains:
         may_chain = _MayChain(g, fams)
         fams.update(whole.families(fams, signer, may_chain))
         order = g.ordered_live_nodes() if fams else []
-        search = _Search(fams, bool_families(g, fams), order, length_masks(g) if fams else [], signer, may_chain, {})
+        search = _Search(fams, bool_families(g, fams), order, length_masks(g) if fams else [], signer, may_chain, {},
+                         whole.labels)
         for src, axis in fams:
             found = _family_chains(g, search, src, axis)
             final.update(chain.key(src, axis) for chain in (found[1] if found is not None else ()))
@@ -256,6 +261,7 @@ class _Search(NamedTuple):
     signer: Signer
     may_chain: _MayChain
     memo: dict  # what a search works out once for all its families (see _computed_from)
+    labels: dict  # a whole tensor rnnfuse built -> how a report names its sequence (WholeInputs.labels)
 
 
 def _family_chains(g: Graph, search: _Search, src: str, axis: int):

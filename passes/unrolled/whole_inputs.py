@@ -43,6 +43,8 @@ class WholeInputs:
     def __init__(self, g: Graph):
         self.g = g
         self.built: dict[tuple, NodeProto] = {}
+        # a whole tensor -> how a report names the sequence it is (its own name is rnnfuse's)
+        self.labels: dict[str, str] = {}
 
     def families(self, fams: dict, signer: Signer, may_chain=None) -> dict[tuple[str, int], dict[int, str]]:
         """New data families among ``fams``' steps: (the whole tensor, its time axis) -> step -> the value it
@@ -84,6 +86,7 @@ class WholeInputs:
             node = self.built[key] = g.producer[out]
             dims = list(g.model.shape(tokens) or [None, None]) + [g.const(table).shape[1]]
             g.model.declare(out, (g.model.elem_type(table), dims))
+        self.labels[node.output[0]] = f"'{tokens}' (axis {axis}) looked up in '{table}'"
         return (node.output[0], axis), steps
 
     # -- the time axis last ----------------------------------------------------------------------------
@@ -99,6 +102,7 @@ class WholeInputs:
             node = self.built[key] = g.producer[out]
             b, f, t = g.model.shape(src) or [None, None, None]
             g.model.declare(out, (g.model.elem_type(src), [t, b, f]))
+        self.labels[node.output[0]] = f"'{src}' (axis 2), time-major"
         return (node.output[0], 0), dict(fam)
 
     # -- one feature a step ------------------------------------------------------------------------------
@@ -113,6 +117,7 @@ class WholeInputs:
             out = b.unsqueeze(src, [2])
             node = self.built[key] = g.producer[out]
             g.model.declare(out, (g.model.elem_type(src), list(g.model.shape(src) or [None, None]) + [1]))
+        self.labels[node.output[0]] = f"'{src}' (axis 1), one column a step"
         return (node.output[0], 1), dict(fam)
 
     def time_major_sources(self) -> set[str]:
@@ -150,6 +155,7 @@ class WholeInputs:
             node = self.built[key] = g.producer[whole]
             lead = (g.model.shape(src) or [None, None])[:2]
             g.model.declare(whole, (g.model.elem_type(src), list(lead) + [(g.model.shape(value) or [None, None])[-1]]))
+        self.labels[node.output[0]] = f"'{src}' (axis {axis}) through the steps' input map"
         return (node.output[0], axis), steps
 
     def drop_unused(self) -> None:

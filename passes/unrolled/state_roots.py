@@ -24,7 +24,7 @@ def state_root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12
     ``h @ R``): behind the matmul it belongs to the older step's state (``1.7 * tanh(a)``, ``0.5 * a + 0.1``),
     whose result is what the step carries."""
     read_through_weights = False
-    read = name  # (what the combining node reads)
+    read, walked, n_ops = name, [], len(ops) if ops is not None else 0  # (what the combining node reads; the walk)
     for _ in range(limit):
         if name in stop:
             return name
@@ -32,7 +32,11 @@ def state_root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12
         if p is None or p.op_type not in _STATE_SIDE:
             if read_through_weights and p is not None and p.op_type == "Concat" and _reads_step_input(g, p, stop):
                 # the weights belong to the older step: its cell has no activation (``h = W cat(x, h) + b``, the
-                # old char-RNN tutorial's), so the state is the matmul's result that this step reads
+                # old char-RNN tutorial's), so the state is the matmul's result that this step reads, and the
+                # nodes walked to here are the older step's, none between the state and this step
+                pulled.difference_update(walked)
+                if ops is not None:
+                    del ops[n_ops:]
                 return read
             return name
         dyn = dynamic_inputs(g, p) or [i for i in p.input if i in given]
@@ -51,7 +55,9 @@ def state_root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12
         read_through_weights |= p.op_type in ("MatMul", "Gemm", "Einsum")  # (an Einsum: either operand)
         if not _keeps_rows(g, p):
             return name  # e.g. Slice(h0, layer) of a per-layer initial state: the state starts here
-        pulled.add(id(p))
+        if id(p) not in pulled:
+            pulled.add(id(p))
+            walked.append(id(p))
         if ops is not None:
             ops.append(p.op_type)
         name = dyn[0]

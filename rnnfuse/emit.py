@@ -233,7 +233,8 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     ins = [x, b.stacked(Ws, "W"), b.stacked(Rs, "R"), b.stacked(Bs, "B") if cell.has_bias() else "", seq_lens]
     kind = cell.kind
     inits = {"h": rec.h0, "c": rec.c0}
-    ins += [_init_state(b, inits[s], x, cell.hidden, cache) for s in kind.states]
+    states_in = {s: _init_state(b, inits[s], x, cell.hidden, cache) for s in kind.states}
+    ins += [states_in[s] for s in kind.states]
     extras = kind.extra_arrays(cell)  # e.g. an LSTM's peepholes P
     ins += [b.const(extras[name][None], name) if name in extras else "" for name in kind.extra_inputs]
     while ins and ins[-1] == "":
@@ -253,7 +254,9 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
         Y3 = b.op("ReverseSequence", Y3, mp.lens64, batch_axis=1, time_axis=0)  # what a reverse op's Y holds
     head_probes: dict[str, dict[str, tuple[str, int]]] = {}
     row_type = helper.np_dtype_to_tensor_dtype(np.asarray(Ws[0]).dtype)  # (the native op's: X, W, R and Y alike)
-    h_init = ins[5] if len(ins) > 5 and "h" in kind.states else ""  # (the op's initial h, [1, B, H]; "" zeros)
+    h_init = states_in["h"]  # (what a head reading the h a step read sees first: the op's own initial h)
+    if not h_init and any(so.head is not None and so.head.h_prev for so in rec.seq_outputs):
+        h_init = b.op("Expand", b.const(np.array(0.0, np.float32), "fill"), _state_shape(b, cache, x, cell.hidden))
     repl = _replacements(b, rec, Y3, finals, mp, path, direction, head_probes, row_type, h_init)
     for rs in rec.row_steps:  # a state at one step per row: a twin op whose sequence_lens end at that step
         if direction != "forward" or mp is not None:

@@ -217,7 +217,7 @@ def _leaf(body: Graph, ev, name: str, h_keys: tuple, other_keys: dict, x_reads: 
 
 def apply_head(b, head: StepHead, y: str, probes: dict | None = None, row_type: int = 0, h_init: str = "") -> str:
     """``head`` on every step of ``y`` ([T, B, H], time-major, in processing order): [T, B, K]. ``h_init``: the
-    native op's initial h ([1, B, H]; "" for zeros), what a head reading the h a step read sees first.
+    native op's initial h ([1, B, H]), what a head reading the h a step read sees first.
 
     ``b`` is the emitter's :class:`~rnnfuse.emit.Builder`: the copied nodes are added beside the native op.
     ``probes`` (a dict): gains each of the head's probe points -> (its rows on every step, [T, B, ...] as the
@@ -227,9 +227,7 @@ def apply_head(b, head: StepHead, y: str, probes: dict | None = None, row_type: 
     for name in head.h:
         env[name] = rows
     if head.h_prev:  # every step's rows of the h it read: h0, then Y but its last step
-        first = h_init or b.op("ConstantOfShape", b.op("Shape", b.op("Slice", y, b.i64(0), b.i64(1), b.i64(0))),
-                               value=helper.make_tensor("zero", row_type or 1, [1], [0.0]))
-        before = b.op("Concat", first, b.op("Slice", y, b.i64(0), b.i64(-1), b.i64(0)), axis=0)
+        before = b.op("Concat", h_init, b.op("Slice", y, b.i64(0), b.i64(-1), b.i64(0)), axis=0)
         prev_rows = b.op("Flatten", before, axis=2)
         for name in head.h_prev:
             env[name] = prev_rows

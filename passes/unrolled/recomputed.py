@@ -40,7 +40,7 @@ def recompute_reads(g: Graph, roles) -> Callable[[], None] | None:
     chain, iv = roles.chain, roles.iv
     side = 1 if chain.direction == "forward" else 0  # the interval end that names a value's step
     k_of = {st.t: k for k, st in enumerate(chain.steps)}
-    states = {t for t in roles.h_in + roles.h_new + getattr(roles, "c_new", []) if t}
+    states = {t for t in roles.h_in + roles.h_new + roles.c_new if t}
     plans = []
     for nd, o, outside in Escapes(g, cell).entries:
         v = iv.nodes.get(id(nd))

@@ -8,7 +8,9 @@ loop with a per-step head keeps ~400 small nodes next to one LSTM). When every c
 reading the step after (or before: a backward cell's steps stacked in the forward order, read flipped once)
 the one the previous copy read, and the map treats every batch row on its own (proven per op by :mod:`rnnfuse.row_wise`:
 elementwise with constants that do not span rows, a matmul by a constant, concat along features ...), the
-stack is the map applied to every step's rows at once: ``map(Flatten(Y))`` reshaped to ``[T, B, K]``.
+stack is the map applied to every step's rows at once: ``map(Flatten(Y))`` reshaped to ``[T, B, K]``. A copy
+may also read the model input's own step (``Y1[t] + proj(x[t])``, a residual stack's upper input), taken the
+same way, as long as it reads a native op's step too.
 """
 
 from __future__ import annotations
@@ -56,21 +58,28 @@ def _native_sequence(g: Graph, seq: str) -> bool:
     return False
 
 
-def _step_of(g: Graph, name: str, splits: dict) -> tuple[str, int] | None:
+def _step_of(g: Graph, name: str, splits: dict) -> tuple | None:
     """``(seq, t)`` when ``name`` is step t of a native op's sequence: ``Gather(seq, t)`` on its time axis, or
     the rows of a one-step part of ``Split(Y)``, Y a one-direction native op's own ``[T, 1, B, H]`` output (seq
     is Y then): what step_chains leaves of torch's ``y, state = rnn(x[t:t+1], state); head(y[0])`` per call.
+    ``(x, t, axis)`` when it is ``Gather(x, t)`` of a rank-3 model input x on its time axis (0 or 1).
     ``splits``: each Split's parts' bounds, worked out once a run."""
     p = g.producer.get(name)
     if p is None or p.domain not in ("", "ai.onnx"):
         return None
     found = _part_rows(g, name, splits)
-    if found is not None or p.op_type != "Gather" or attr(p, "axis", 0) != 0:
+    if found is not None or p.op_type != "Gather":
         return found
-    t = g.const(p.input[1])
-    if t is None or np.asarray(t).ndim != 0 or int(t) < 0 or not _native_sequence(g, p.input[0]):
+    t, axis = g.const(p.input[1]), attr(p, "axis", 0)
+    if t is None or np.asarray(t).ndim != 0 or int(t) < 0:
         return None
-    return p.input[0], int(t)
+    if axis == 0 and _native_sequence(g, p.input[0]):
+        return p.input[0], int(t)
+    # (a model input's own time step, x[t] or x[:, t] of a [T, B, F] or [B, T, F] input: what a residual stack's
+    # upper step input h1_t + proj(x_t) reads beside the lower op's step)
+    if axis in (0, 1) and g.is_graph_input(p.input[0]) and known_rank(g, p.input[0]) == 3:
+        return p.input[0], int(t), axis
+    return None
 
 
 # ops that only view a tensor's elements (in memory order, where no axis of more than one element is moved past
@@ -175,7 +184,7 @@ class _Map:
         c = g.const(name) if step is None else None
         if step is not None:  # (which step is read where: the same place in every copy; its step per copy,
             self.steps[name] = step  # forward or backward with the item, _step_runs)
-            ref = ("step", step[0], len(self.steps) - 1)
+            ref = ("step", step[0], step[2:], len(self.steps) - 1)  # (step[2:]: an input's time axis)
         elif c is not None:  # a weight by its name; a copied constant by its value
             if folded_from_shapes(g, name):  # (from a step's static shape: it would bake [B, ...] in)
                 raise Decline(f"'{name}' is computed from the shape of a step")
@@ -214,8 +223,8 @@ def _stacked_map(g: Graph, cat: NodeProto, splits: dict) -> tuple[_Map, int, int
     # (a copy unlike the first ends the look: 6,660 copies were walked before the first was compared)
     try:
         first = _Map(g, items[0], 0, splits)
-        if not first.steps:
-            return None
+        if not any(len(step) == 2 for step in first.steps.values()):
+            return None  # (a map of a model input's steps alone is no recurrence's: left as it is)
         maps = [first]
         for k in range(1, len(items)):
             m = _Map(g, items[k], k, splits)
@@ -247,7 +256,7 @@ def _step_runs(maps: list[_Map]) -> list[tuple[int, int]] | None:
     torch's ``cat([hf[t], hb[T - 1 - t]])``); None when a read follows neither."""
     runs = []
     reads = [list(m.steps.values()) for m in maps]
-    for k, (_, start) in enumerate(reads[0]):
+    for k, (_, start, *_) in enumerate(reads[0]):
         steps = [r[k][1] for r in reads]
         if all(t == start + j for j, t in enumerate(steps)):
             runs.append((start, 1))
@@ -264,10 +273,13 @@ def _emit(g: Graph, cat: NodeProto, m: _Map, axis: int, n_steps: int, runs: list
     b = Builder(g, cat, "rnnfuse/step_maps")
     env: dict[str, str] = {}
     like = None
-    for (name, (seq, _)), (start, direction) in zip(m.steps.items(), runs):
+    for (name, (seq, _, *time_axis)), (start, direction) in zip(m.steps.items(), runs):
         if _native_y(g, seq):  # (a native op's own Y, [T, 1, B, H]: its direction axis squeezed first)
             seq = b.squeeze(seq, [1])
-        part, shape = seq, g.model.shape(seq)
+        shape = g.model.shape(seq)
+        if time_axis == [1]:  # (a batch-first input: its steps first)
+            seq, shape = b.op("Transpose", seq, perm=[1, 0, 2]), shape and [shape[1], shape[0], shape[2]]
+        part = seq
         if direction < 0:  # (rows start, start - 1, ...: a slice with step -1; past row 0 when it ends there)
             end = start - n_steps if start - n_steps >= 0 else -(2**62)
             part = b.op("Slice", seq, b.i64(start), b.i64(end), b.i64(0), b.i64(-1))

@@ -6,9 +6,12 @@ them. Here the steps are found from the cells instead:
 
 1. **Preparation.** Values computed from the slices of the data families and of the non-bool row families
    (token ids: an embedding looked up per step is ``Gather(E, tokens[:, t])``), constants and tensors that
-   depend on no slice, by elementwise, cast, reshaping and gathering ops, never by a matmul or an activation:
-   no cell state is among them (every cell has both), so none depends on the recurrence.
-2. **Step inputs.** Prepared values that something else reads: what the cells read, one per step.
+   depend on no slice, by elementwise, cast, reshaping and gathering ops, never by an activation, and by a
+   weight matmul only where another weight matmul reads its result through preparation (GNMT's residual
+   ``h1_t + proj(x_t)``, read by the upper cell's own input matmul): no cell state is among them (every cell
+   multiplies its state and activates), so none depends on the recurrence.
+2. **Step inputs.** Prepared values that something else reads: what the cells read, one per step. One that is
+   part of exactly one other (``h1_t`` of ``h1_t + x_t``, read again by a head ``h2_t + h1_t``) is that one's.
 3. **Order.** One topological pass gives every tensor an owner, the step input its computation started
    from. A node that mixes a step input's projection (the input itself, or it through a weight matmul,
    slices and bias adds) with values of other owners is where that step reads its state: the state's
@@ -65,22 +68,11 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     # 100k-node graph whose chain is a few steps)
     reached = set(map(id, g.downstream(list(slice_src))))
     order = [n for n in order if id(n) in reached]
-    # 1. preparation: values computed from slices (and slice-free tensors) without a matmul or an activation
-    sliced: set[str] = set(slice_src)  # tensors depending on some slice
-    prep: set[str] = set(slice_src)
-    # (each loop asks a node's dynamic inputs only when one of its inputs is of interest: those are a subset of
-    # its inputs, and asking is a walk's memo lookup per input, seconds over every node of a 100k-node graph)
-    for n in order:
-        if not any(i in sliced for i in n.input):
-            continue
-        dyn = dynamic_inputs(g, n)
-        if not any(i in sliced for i in dyn):
-            continue
-        sliced.update(o for o in n.output if o)
-        if n.op_type in _PREP and not g.implicit_inputs(n) and all(i in prep or i not in sliced for i in dyn) and (
-                n.op_type != "Concat" or (len(n.input) <= 8 and all(i in prep for i in n.input))):
-            # (a Concat with a constant or zero part is a cat([x, h]) cell's first step, h = 0 folded)
-            prep.update(o for o in n.output if o)
+    # 1. preparation: values computed from slices (and slice-free tensors) without an activation, and without a
+    # matmul but one that projects what another matmul reads (``h1_t + proj(x_t)`` read by the cell's)
+    projections = _projections(g, order, _prepared(g, order, slice_src, lambda n: True))
+    prep = _prepared(g, order, slice_src, lambda n: id(n) in projections) if projections else \
+        _prepared(g, order, slice_src, lambda n: False)
     # 2. step inputs: prepared values read by something else
     inputs: dict[str, int] = {}
     for n in order:
@@ -93,6 +85,7 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
         return []
     # 3. owners and links
     owner: dict[str, str] = {u: u for u in inputs}
+    owner.update(_parts_of_inputs(g, inputs, prep))
     pred: dict[str, str] = {}
     succ: dict[str, str | None] = {}  # (None: more than one step reads this one's state)
     depth: dict[str, int] = {}
@@ -125,6 +118,78 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
         sources = sorted({src for s in seq for src in _sources(g, s, slice_src)})
         out.append(VirtualFamily(seq, sources))
     return out
+
+
+def _prepared(g: Graph, order: list[NodeProto], slice_src: dict, matmul_taken) -> set[str]:
+    """The values computed from the slices (and slice-free tensors) by preparation ops, and by the weight
+    products ``matmul_taken(node)`` accepts."""
+    sliced: set[str] = set(slice_src)  # tensors depending on some slice
+    prep: set[str] = set(slice_src)
+    # (each loop asks a node's dynamic inputs only when one of its inputs is of interest: those are a subset of
+    # its inputs, and asking is a walk's memo lookup per input, seconds over every node of a 100k-node graph)
+    for n in order:
+        if not any(i in sliced for i in n.input):
+            continue
+        dyn = dynamic_inputs(g, n)
+        if not any(i in sliced for i in dyn):
+            continue
+        sliced.update(o for o in n.output if o)
+        if n.op_type in _PREP:
+            taken = not g.implicit_inputs(n) and all(i in prep or i not in sliced for i in dyn) and (
+                n.op_type != "Concat" or (len(n.input) <= 8 and all(i in prep for i in n.input)))
+            # (a Concat with a constant or zero part is a cat([x, h]) cell's first step, h = 0 folded)
+        else:
+            taken = len(dyn) == 1 and dyn[0] in prep and _is_weight_product(g, n, dyn) and matmul_taken(n)
+        if taken:
+            prep.update(o for o in n.output if o)
+    return prep
+
+
+def _is_weight_product(g: Graph, n: NodeProto, dyn: list[str] | None = None) -> bool:
+    """A ``MatMul`` or ``Gemm`` of one runtime operand, on the left, by a constant weight."""
+    if n.op_type not in ("MatMul", "Gemm") or len(n.input) < 2:
+        return False
+    if n.op_type == "Gemm" and any(a.name == "transA" and a.i for a in n.attribute):
+        return False
+    return (dyn if dyn is not None else dynamic_inputs(g, n)) == [n.input[0]]
+
+
+def _projections(g: Graph, order: list[NodeProto], prep: set) -> set[int]:
+    """The weight products among ``prep`` (computed with every weight product taken) whose value, through
+    prepared values, another weight product reads: projections inside a step input. The others are the cells'
+    own input products: the step input is what they read."""
+    feeds: set[str] = set()  # prepared values a prepared weight product reads, directly or through preparation
+    taken: set[int] = set()
+    for n in reversed(order):
+        if not n.output or n.output[0] not in prep:
+            continue
+        product = _is_weight_product(g, n)
+        if product and n.output[0] in feeds:
+            taken.add(id(n))
+        if product or any(o in feeds for o in n.output):
+            feeds.update(i for i in n.input if i in prep)
+    return taken
+
+
+def _parts_of_inputs(g: Graph, inputs: dict, prep: set, limit: int = 64) -> dict[str, str]:
+    """Step inputs that are part of exactly one other step input (``h1_t`` of a residual step input
+    ``h1_t + x_t`` that a head after the cell reads again: ``h2_t + h1_t``) -> that input. They belong to its
+    step: read by their own, they would link that head, which mixes them with the step's new state, as a step
+    reading the state of the one before."""
+    whole: dict[str, set] = {}
+    for v in inputs:
+        stack, seen = [v], {v}
+        while stack and len(seen) < limit:
+            p = g.producer.get(stack.pop())
+            if p is None:
+                continue
+            for i in p.input:
+                if i in prep and i not in seen:
+                    seen.add(i)
+                    stack.append(i)
+                    if i in inputs:
+                        whole.setdefault(i, set()).add(v)
+    return {u: next(iter(vs)) for u, vs in whole.items() if len(vs) == 1}
 
 
 def _link(g: Graph, n: NodeProto, dyn: list[str], owner: dict, inputs: dict, pred: dict, succ: dict, depth: dict):

@@ -145,6 +145,14 @@ def projskip(name, cell, exporter="trace", **kw):
     return _case(name, exporter, "projskip", cell, **kw)
 
 
+def residual(name, cell, exporter="trace", **kw):
+    """Two cells a step, the upper reading ``h1_t + x_t`` (``proj=True``: ``h1_t + Linear(x_t)``, GNMT's residual
+    stack); ``out_res=True`` returns ``h2_t + h1_t`` stacked, else ``h2_t``. Features = hidden without ``proj``."""
+    if not kw.get("proj"):
+        kw.setdefault("features", HIDDEN)
+    return _case(name, exporter, "residual", cell, **kw)
+
+
 def keras(name, layer, **kw):
     """A Keras 3 layer on the torch backend, exported with ``model.export(format="onnx")``."""
     return _case(name, "keras3-torch", "keras", layer, **kw)
@@ -242,6 +250,15 @@ CASES = [
     # -- a step input's projection read by the cell and by a skip connection: the map runs once over x
     projskip("lstmcell_trace_proj_skip_bf", "lstm", batch_first=True),
     projskip("grucell_dynamo_proj_skip", "gru", exporter="dynamo"),
+    # -- residual stacks: the upper cell reads the lower one's h plus x_t (or a projection of it); each a native op
+    residual("lstmcell_trace_residual", "lstm", notes="the upper layer's step input h1_t + x_t (fused second, over "
+             "the stacked per-step sums)"),
+    residual("grucell_dynamo_residual_proj", "gru", exporter="dynamo", proj=True,
+             notes="GNMT-style: the upper cell reads h1_t + Linear(x_t)"),
+    residual("lstmcell_trace_residual_proj_bf", "lstm", proj=True, batch_first=True),
+    residual("lstmcell_dynamo_residual_out", "lstm", exporter="dynamo", out_res=True,
+             notes="returns h2_t + h1_t per step: h1_t is read by the upper step input and again after the cell"),
+    residual("rnncell_trace_residual_proj_out", "rnn_tanh", proj=True, out_res=True),
     # -- dynamo: the same loops through torch.export (dynamic batch via dynamic_shapes)
     loop("lstmcell_dynamo", "lstm", exporter="dynamo", time=6),
     loop("lstmcell_dynamo_bf", "lstm", exporter="dynamo", time=6, **BF),
@@ -878,6 +895,8 @@ def expectation(c: Case) -> dict:
         return steps_expectation(c, exp)
     if c.model == "projskip":  # (the projection once over x for the op; the skip still reads each step's own)
         return dict(exp, max_cell_ops=c.time + 1)
+    if c.model == "residual":  # (two layers; a projection inside the upper step input once over x)
+        return dict(exp, ops={op: 2}, directions={op: ["forward"] * 2}, max_cell_ops=1 if o.get("proj") else 0)
     if c.model == "univariate":  # (a layer's op each; the Linear(H, 1) stays per step)
         n = o.get("layers", 1)
         return dict(exp, ops={op: n}, directions={op: ["forward"] * n}, max_cell_ops=c.time)
@@ -947,6 +966,10 @@ def describe(c: Case) -> str:
         return f"{CELL_TEXT[o['cell']]}; {layout}; zero initial state; returns {ret}"
     if c.model == "projskip":
         return f"{CELL_TEXT[o['cell']]} over xt = Linear(x_t); {layout}; returns torch.stack([h + xt per step])"
+    if c.model == "residual":
+        up = "h1_t + Linear(x_t)" if o.get("proj") else "h1_t + x_t"
+        out = "h2_t + h1_t" if o.get("out_res") else "h2_t"
+        return f"2 x {CELL_TEXT[o['cell']]}, the upper over {up}; {layout}; returns torch.stack([{out} per step])"
     if c.model == "univariate":
         read = "x[:, t:t+1]" if o.get("read") == "slice" else "x.split(1, dim=1)"
         return (f"{o.get('layers', 1)} x {CELL_TEXT[o['cell']]} stacked over a [B, T] series read as {read}; "
@@ -1333,6 +1356,29 @@ def torch_modules():
                 xt = self.inp(x[:, t] if self.batch_first else x[t])
                 state = self.cell(xt, state)
                 outs.append((state[0] if self.lstm else state) + xt)
+            return torch.stack(outs, t_axis)
+
+    class ResidualStack(nn.Module):
+        """Two cells a step, the upper reading the lower one's h plus x_t or a projection of it."""
+
+        def __init__(self, cell, features, hidden, proj=False, out_res=False, batch_first=False):
+            super().__init__()
+            self.lower, self.upper = make_cell(cell, features, hidden), make_cell(cell, hidden, hidden)
+            self.proj = nn.Linear(features, hidden) if proj else None
+            self.lstm, self.hidden, self.out_res, self.batch_first = cell == "lstm", hidden, out_res, batch_first
+
+        def forward(self, x):
+            t_axis = 1 if self.batch_first else 0
+            z = torch.zeros(x.shape[1 - t_axis], self.hidden, dtype=x.dtype)
+            s1 = s2 = (z, z) if self.lstm else z
+            outs = []
+            for t in range(x.shape[t_axis]):
+                xt = x[:, t] if self.batch_first else x[t]
+                s1 = self.lower(xt, s1)
+                h1 = s1[0] if self.lstm else s1
+                s2 = self.upper(h1 + (self.proj(xt) if self.proj is not None else xt), s2)
+                h2 = s2[0] if self.lstm else s2
+                outs.append(h2 + h1 if self.out_res else h2)
             return torch.stack(outs, t_axis)
 
     class SeqModule(nn.Module):
@@ -1809,7 +1855,7 @@ def torch_modules():
             return torch.stack(outs), g
 
     _nn_classes.update(CellLoop=CellLoop, CharRNN=CharRNN, CharRNNLastOutput=CharRNNLastOutput, Univariate=Univariate,
-                       ProjSkip=ProjSkip, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
+                       ProjSkip=ProjSkip, ResidualStack=ResidualStack, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
@@ -1840,6 +1886,8 @@ def build_module(c: Case):
         return m["Univariate"](cell, c.hidden, **o)
     if c.model == "projskip":
         return m["ProjSkip"](cell, c.features, c.hidden, **o)
+    if c.model == "residual":
+        return m["ResidualStack"](cell, c.features, c.hidden, **o)
     if c.model == "script":
         inputs = o.pop("inputs", None)
         if o.pop("collect", None) == "buffer":

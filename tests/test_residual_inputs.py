@@ -1,0 +1,109 @@
+"""Step inputs that add a projection of the model input to another sequence's step (hand-built).
+
+A residual stack's upper cell reads ``y1_t + x_t @ P`` (GNMT): ``y1`` is the lower layer's sequence, a native
+RNN's output already. The projection is preparation, not the
+cell's own input product, because the cell's product reads it: the chain is fused over the stacked inputs and
+the per-step projections become one over the whole sequence. Near misses: the "projection" multiplies the
+state (``y1_t + (x_t @ P) * h``: no native op), or its weight is a runtime value; neither may change an
+output. A head reading ``y1_t`` again beside the cell's new h (``h_t + y1_t``) keeps ``y1_t`` the step's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+from onnx import helper as oh
+from onnx import numpy_helper as nh
+
+import rnnfuse
+
+T, B, F, H = 5, 3, 4, 6
+
+
+def _model(mix: str = "residual", head: bool = False) -> onnx.ModelProto:
+    """h_t = tanh(u_t @ W + h_{t-1} @ U + b), h_0 = 0, over x [T, B, F] and y1 = a native RNN over x, [T, B, H];
+    outputs the stacked
+    h_t (``head``: h_t + y1_t). ``mix``: "residual" u_t = y1_t + x_t @ P; "state" u_t = y1_t + (x_t @ P) * h_{t-1};
+    "runtime" u_t = y1_t + x_t @ Pr, Pr a model input."""
+    rng = np.random.default_rng(3)
+    inits = [nh.from_array((rng.standard_normal((F, H)) * 0.5).astype(np.float32), "P"),
+             nh.from_array((rng.standard_normal((H, H)) * 0.4).astype(np.float32), "W"),
+             nh.from_array((rng.standard_normal((H, H)) * 0.4).astype(np.float32), "U"),
+             nh.from_array((rng.standard_normal(H) * 0.1).astype(np.float32), "b"),
+             nh.from_array((rng.standard_normal((1, H, F)) * 0.5).astype(np.float32), "W1"),
+             nh.from_array((rng.standard_normal((1, H, H)) * 0.4).astype(np.float32), "R1"),
+             nh.from_array(np.zeros((1, H), np.float32), "zrow"), nh.from_array(np.array([B, H], np.int64), "bh"),
+             nh.from_array(np.array([1], np.int64), "ax1")]
+    inits += [nh.from_array(np.array(t, np.int64), f"idx{t}") for t in range(T)]
+    nodes = [oh.make_node("Expand", ["zrow", "bh"], ["h_init"]),
+             oh.make_node("RNN", ["x", "W1", "R1"], ["Y1"], hidden_size=H),
+             oh.make_node("Squeeze", ["Y1", "ax1"], ["y1"])]
+    h, outs = "h_init", []
+    for t in range(T):
+        nodes += [oh.make_node("Gather", ["x", f"idx{t}"], [f"x{t}"], axis=0),
+                  oh.make_node("Gather", ["y1", f"idx{t}"], [f"ys{t}"], axis=0),
+                  oh.make_node("MatMul", [f"x{t}", "Pr" if mix == "runtime" else "P"], [f"p{t}"])]
+        proj = f"p{t}"
+        if mix == "state":
+            nodes.append(oh.make_node("Mul", [f"p{t}", h], [f"ph{t}"]))
+            proj = f"ph{t}"
+        nodes += [oh.make_node("Add", [f"ys{t}", proj], [f"u{t}"]),
+                  oh.make_node("MatMul", [f"u{t}", "W"], [f"wu{t}"]),
+                  oh.make_node("MatMul", [h, "U"], [f"uh{t}"]),
+                  oh.make_node("Add", [f"wu{t}", f"uh{t}"], [f"s{t}"]),
+                  oh.make_node("Add", [f"s{t}", "b"], [f"pre{t}"]),
+                  oh.make_node("Tanh", [f"pre{t}"], [f"h{t}"])]
+        h = f"h{t}"
+        out = h
+        if head:
+            nodes.append(oh.make_node("Add", [h, f"ys{t}"], [f"o{t}"]))
+            out = f"o{t}"
+        nodes.append(oh.make_node("Unsqueeze", [out, "ax0"], [f"ou{t}"]))
+        outs.append(f"ou{t}")
+    inits.append(nh.from_array(np.array([0], np.int64), "ax0"))
+    nodes.append(oh.make_node("Concat", outs, ["out"], axis=0))
+    inputs = [oh.make_tensor_value_info("x", TensorProto.FLOAT, [T, B, F])]
+    if mix == "runtime":
+        inputs.append(oh.make_tensor_value_info("Pr", TensorProto.FLOAT, [F, H]))
+    graph = oh.make_graph(nodes, "residual", inputs, [oh.make_tensor_value_info("out", TensorProto.FLOAT, [T, B, H])],
+                          inits)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+def _feeds(model: onnx.ModelProto, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+            for i in model.graph.input}
+
+
+def _run(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_residual_projection_fused_once_over_the_sequence(head):
+    model = _model("residual", head=head)
+    fused, report = rnnfuse.optimize(model)
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("RNN") == 2 and not report.declined, report.to_text()
+    # (the five per-step projections and sums, one over the whole sequence once fused)
+    assert ops.count("MatMul") + ops.count("Gemm") == 1 and "Tanh" not in ops, ops
+    for seed in range(3):
+        feeds = _feeds(model, seed)
+        np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+
+
+@pytest.mark.parametrize("mix", ["state", "runtime"])
+def test_projection_of_the_state_or_by_a_runtime_weight_changes_nothing(mix):
+    model = _model(mix)
+    fused, report = rnnfuse.optimize(model)
+    ops = [n.op_type for n in fused.graph.node]
+    if mix == "state":  # (no native op reads its input multiplied by its state)
+        assert ops.count("RNN") == 1, report.to_text()
+        assert fused.SerializeToString() == model.SerializeToString()
+    for seed in range(3):
+        feeds = _feeds(model, seed)
+        np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)

@@ -20,7 +20,7 @@ def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
     mask alike)."""
     x, mask = rec.x, rec.mask
     if rec.x_prep.side_by_side:  # sequences read beside x: one input, their features after x's
-        x = _side_by_side(g, x, rec.x_prep.side_by_side, rec.anchor)
+        x = _side_by_side(g, x, rec.x_prep.side_by_side, rec.anchor, rec.x_prep.side_batch_first)
     if rec.x_prep.input_map is not None:  # (row-wise: it commutes with the flips and the slice below)
         x = rec.x_prep.input_map.build(g, x, rec.anchor)
     for flip in rec.x_prep.flips:
@@ -60,8 +60,17 @@ def _first_steps(g: Graph, mask: str, x: str, rec: Recurrence) -> str:
     return cut
 
 
-def _side_by_side(g: Graph, x: str, others: tuple, anchor) -> str:
-    """``x`` and ``others`` ([T, B, F_k] or [B, T, F_k] alike) concatenated on features, declared so."""
+def _side_by_side(g: Graph, x: str, others: tuple, anchor, batch_first: bool = False) -> str:
+    """``x`` and ``others`` ([T, B, F_k] or [B, T, F_k] alike; ``batch_first``: the others [B, T, F_k] beside a
+    [T, B, F] x, laid out like it first) concatenated on features, declared so."""
+    if batch_first:
+        laid = []
+        for name in others:
+            t = g.add_node("Transpose", [name], 1, name="rnnfuse/Transpose", anchor=anchor, perm=[1, 0, 2])[0]
+            dims = g.model.shape(name)
+            g.model.declare(t, (g.model.elem_type(name), [dims[1], dims[0], dims[2]] if dims else None))
+            laid.append(t)
+        others = tuple(laid)
     shapes = [g.model.shape(name) or [None] * 3 for name in (x, *others)]
     width = sum(s[2] for s in shapes) if all(isinstance(s[2], int) for s in shapes) else None
     cat = g.add_node("Concat", [x, *others], 1, name="rnnfuse/Concat", anchor=anchor, axis=2)[0]

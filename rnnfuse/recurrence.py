@@ -120,6 +120,8 @@ class InputPrep:
     # sequences the steps read beside x (``lax.scan`` over ``(x, x2)``): the op reads x and these concatenated
     # on features, in this order
     side_by_side: tuple = ()
+    # those sequences are laid out [B, T, F] where x is [T, B, F] (a residual layer's x beside the Y below it)
+    side_batch_first: bool = False
 
 
 @dataclass

@@ -10,6 +10,10 @@ not compute, so the step is read layer by layer:
 * the states left over are evaluated again with those inputs; a group whose maths read exactly one such
   input is the next layer, fed by the layer that produced it.
 
+A cell that reads the output of a layer below *plus* the step input (a residual stack, GNMT's ``c2(h1 + x_t)``
+or ``c2(h1 + proj(x_t))``) reads both through one weight each: it is evaluated again with the two as the
+columns of one input, ``cat(y1_t, x_t)``, which its native op reads as the layer below's Y and x side by side.
+
 Groups are the connected parts of "reads": a layer's states read each other, and a carried copy of the
 output reads the states it copies. Whether a cut input is the cell below's *output* (h, not c) is checked
 once the layer below is recognised (see :func:`check_feeds`).
@@ -25,7 +29,7 @@ from .errors import Decline
 from .graph import Graph
 from .recurrence import NONE, ZERO, Init, InputPrep, Recurrence, SeqOutput
 from .step import StepState, analyse, unmasked_value
-from .symbolic import STATE, STEP_INPUT, Poly, StepEvaluator, StepInput, SymTensor, Value
+from .symbolic import STATE, STEP_INPUT, Poly, StepEvaluator, StepInput, StepInputPart, SymTensor, Value
 from .symbolic import sources as symbolic_sources
 
 
@@ -36,6 +40,10 @@ class Layer:
     x: StepInput  # this layer's step input
     below: int | None = None  # the layer whose new output is x (None: the step's own input)
     feeds: dict = field(default_factory=dict)  # StepInput sym -> the states of this layer whose new value it is
+    # a residual layer's: x is the output of the layer below (``fed_by``, a step input of the round) and the
+    # step's own input side by side, read through one weight each: ``(y1_t + x_t) @ W`` is ``cat(y1_t, x_t) @ [W; W]``
+    beside_input: bool = False
+    fed_by: str | None = None
 
 
 def sources(p: Poly) -> set:
@@ -95,12 +103,14 @@ def split_layers(body: Graph, leaves: dict[str, Value], state_out: dict[str, str
             if foreign:
                 raise Decline(f"a cell reads the states {sorted(foreign)} of another cell directly")
             if len(inputs) > 1:
-                raise Decline(f"a cell reads {len(inputs)} step inputs at once (the step input and a cell output?)")
+                new_layers.append(_residual_layer(body, level_leaves, state_out, group, inputs, x, atoms,
+                                                  producer_of, batch, polys))
+                continue
             if not inputs:
                 inputless += group
                 continue
             sym = next(iter(inputs))
-            new_layers.append(Layer(group, ev, atoms[sym], producer_of[sym]))
+            new_layers.append(Layer(group, ev, atoms[sym], producer_of[sym], fed_by=sym))
         if inputless:
             if not new_layers and first_error is not None:
                 raise first_error  # the state that reads the input has no polynomial: that is the reason
@@ -124,7 +134,7 @@ def split_layers(body: Graph, leaves: dict[str, Value], state_out: dict[str, str
                     continue
                 sym = by_key[new_key] = f"y{li}_{s}"
                 layer.feeds[sym] = {s}
-                for name, v in list(ev.memo.items()):
+                for name, v in list(layer.ev.memo.items()):
                     if name in leaves or not isinstance(v, SymTensor) or v.poly.key != new_key:
                         continue
                     if sym not in atoms:
@@ -134,6 +144,36 @@ def split_layers(body: Graph, leaves: dict[str, Value], state_out: dict[str, str
     return layers
 
 
+def _residual_layer(body: Graph, level_leaves: dict, state_out: dict, group: list[str], inputs: set, x: StepInput,
+                    atoms: dict, producer_of: dict, batch: int | None, polys: dict) -> Layer:
+    """The layer of ``group``, whose cell reads the step input ``x`` and the output of one layer below (a
+    residual stack's upper cell: ``(y1_t + x_t) @ W``): evaluated again with both as the columns of one input,
+    the layer below's output first (the native op reads its Y and x concatenated on features). ``polys`` get
+    the group's states' new maths."""
+    below = inputs - {x.sym}
+    if len(inputs) != 2 or x.sym not in inputs or x.ncols is None or atoms[next(iter(below))].ncols is None:
+        raise Decline(f"a cell reads {len(inputs)} step inputs at once (the step input and a cell output?)")
+    y = atoms[next(iter(below))]
+    total = y.ncols + x.ncols
+    sym = f"{y.sym}+{x.sym}"
+    parts = {y.key: Poly.atom(StepInputPart(sym, 0, y.ncols, total)),
+             x.key: Poly.atom(StepInputPart(sym, y.ncols, total, total))}
+    leaves = {}
+    for name, v in level_leaves.items():
+        p = v.poly if isinstance(v, SymTensor) else None
+        single = p.single_atom() if p is not None else None
+        if single is not None and single[1] == 1.0 and single[0].key in parts:
+            v = SymTensor(parts[single[0].key], v.lead)
+        elif p is not None and any(k in parts for k in p.atoms):  # (x read any other way: masked, in columns)
+            raise Decline("a cell reads the cell below's output and the step input, one of them other than as it is")
+        leaves[name] = v
+    ev = StepEvaluator(body, leaves)
+    ev.batch = batch
+    for s in group:
+        polys[s] = ev.poly(state_out[s])
+    return Layer(group, ev, StepInput(sym, total), producer_of[y.sym], beside_input=True, fed_by=y.sym)
+
+
 def check_feeds(layers: list[Layer], cell_states: list[tuple[str, str | None]]) -> None:
     """Each layer above the first reads the new *output* (h) of the layer below, not another of its states
     (``cell_states``: per layer, the symbols of its cell's h and c)."""
@@ -141,7 +181,7 @@ def check_feeds(layers: list[Layer], cell_states: list[tuple[str, str | None]]) 
         if layer.below is None:
             continue
         below = layers[layer.below]
-        if cell_states[layer.below][0] not in below.feeds.get(layer.x.sym, ()):
+        if cell_states[layer.below][0] not in below.feeds.get(layer.fed_by, ()):
             raise Decline("a cell reads a state of the cell below other than its output")
 
 
@@ -223,6 +263,11 @@ def layer_recurrence(front: str, where: str, an, layers: list, li: int, recs: li
         y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
         below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=x_reversed, internal=True))
         rec.x, rec.x_internal, rec.x_time_axis = y, True, 0
+        if layer.beside_input:  # (x beside it as the bottom cell reads it: the step's own, unmasked, in order)
+            if x_reversed or mask is not None or x_prep != InputPrep():
+                raise Decline("a cell reads the cell below's output plus the step input, and the step input is "
+                              "masked, read backwards or mapped")
+            rec.x_prep = InputPrep(side_by_side=(x,), side_batch_first=x_time_axis == 1)
     if len(layers) > 1:
         rec.stack = where
     return rec

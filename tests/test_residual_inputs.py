@@ -6,6 +6,9 @@ cell's own input product, because the cell's product reads it: the chain is fuse
 the per-step projections become one over the whole sequence. Near misses: the "projection" multiplies the
 state (``y1_t + (x_t @ P) * h``: no native op), or its weight is a runtime value; neither may change an
 output. A head reading ``y1_t`` again beside the cell's new h (``h_t + y1_t``) keeps ``y1_t`` the step's.
+
+The same stack in one Scan step (both cells carried; ``h1' + x_t @ P`` read by the upper cell) is two native
+ops, the upper reading ``cat(Y1, x)`` (time-major or batch-first x); with ``h1' * (x_t @ P)`` it is declined.
 """
 
 from __future__ import annotations
@@ -107,3 +110,51 @@ def test_projection_of_the_state_or_by_a_runtime_weight_changes_nothing(mix):
     for seed in range(3):
         feeds = _feeds(model, seed)
         np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+
+
+def _scan_model(combine: str = "Add", batch_first: bool = False) -> onnx.ModelProto:
+    """A Scan stepping h1' = tanh(x_t @ W1 + h1 @ U1) and h2' = tanh((h1' <combine> x_t @ P) @ W2 + h2 @ U2 + b2),
+    both from zeros; outputs the stacked h2'."""
+    rng = np.random.default_rng(5)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.5).astype(np.float32)
+
+    inits = [nh.from_array(a, n) for a, n in [(w(F, H), "W1"), (w(H, H), "U1"), (w(F, H), "P"), (w(H, H), "W2"),
+                                              (w(H, H), "U2"), (w(H), "b2"), (np.zeros((B, H), np.float32), "z")]]
+    body = oh.make_graph([
+        oh.make_node("MatMul", ["xt", "W1"], ["a"]), oh.make_node("MatMul", ["h1", "U1"], ["b"]),
+        oh.make_node("Add", ["a", "b"], ["s"]), oh.make_node("Tanh", ["s"], ["h1n"]),
+        oh.make_node("MatMul", ["xt", "P"], ["px"]), oh.make_node(combine, ["h1n", "px"], ["u"]),
+        oh.make_node("MatMul", ["u", "W2"], ["c"]), oh.make_node("MatMul", ["h2", "U2"], ["d"]),
+        oh.make_node("Add", ["c", "d"], ["e"]), oh.make_node("Add", ["e", "b2"], ["f"]),
+        oh.make_node("Tanh", ["f"], ["h2n"]), oh.make_node("Identity", ["h2n"], ["y"])], "body",
+        [oh.make_tensor_value_info(n, TensorProto.FLOAT, [B, H]) for n in ("h1", "h2")]
+        + [oh.make_tensor_value_info("xt", TensorProto.FLOAT, [B, F])],
+        [oh.make_tensor_value_info(n, TensorProto.FLOAT, [B, H]) for n in ("h1n", "h2n", "y")])
+    axis = 1 if batch_first else 0
+    scan = oh.make_node("Scan", ["z", "z", "x"], ["H1", "H2", "Y"], body=body, num_scan_inputs=1,
+                        scan_input_axes=[axis], scan_output_axes=[axis])
+    graph = oh.make_graph([scan], "residual_scan",
+                          [oh.make_tensor_value_info("x", TensorProto.FLOAT, [B, T, F] if batch_first else [T, B, F])],
+                          [oh.make_tensor_value_info("Y", TensorProto.FLOAT, None)], inits)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_residual_stack_in_one_scan_step_is_two_ops(batch_first):
+    model = _scan_model(batch_first=batch_first)
+    fused, report = rnnfuse.optimize(model)
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("RNN") == 2 and "Scan" not in ops and "MatMul" not in ops, report.to_text()
+    for seed in range(3):
+        feeds = _feeds(model, seed)
+        np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+
+
+def test_residual_product_in_a_scan_step_declined():
+    model = _scan_model(combine="Mul")
+    fused, report = rnnfuse.optimize(model)
+    assert report.declined and not report.fused, report.to_text()
+    assert "left operand is not a step input or state" in report.declined[0].reason
+    assert fused.SerializeToString() == model.SerializeToString()

@@ -110,11 +110,12 @@ class CellKind:
         return weight_block(lin, spec.x_key, (H, I), dtype), weight_block(lin, spec.h_key, (H, H), dtype), wb, rb
 
     def spec_from_onnx(self, node, W: np.ndarray, R: np.ndarray, B: np.ndarray | None, x_key, h_key,
-                       direction_index: int = 0, fed=None) -> CellSpec:
+                       direction_index: int = 0, fed=None, x_lin: Lin | None = None) -> CellSpec:
         """The spec of a native op of this kind (one direction), weights read from its ONNX layout.
 
         ``fed = (state key, W_fed)``: the op's input also appends that state (input feeding); ``W_fed`` is the
-        matching column block of W, read as one more recurrent term."""
+        matching column block of W, read as one more recurrent term. ``x_lin``: the op's input times W (its
+        ``[I, G*H]`` transpose) where the input is no single step input (a sum of them: X = y1_t + x_t)."""
         H = int(attr(node, "hidden_size") or R.shape[-1])
         Wd, Rd = W[direction_index], R[direction_index]
         Bd = B[direction_index] if B is not None else None
@@ -126,7 +127,8 @@ class CellKind:
             cols = (gi * H, (gi + 1) * H)
             wb = [bref.rows(*cols)] if bref is not None else []
             rb = [bref.rows(G * H + cols[0], G * H + cols[1])] if bref is not None else []
-            x_terms = [(x_key, wref.cols(*cols))]
+            x_terms = [(x_key, wref.cols(*cols))] if x_lin is None else list(x_lin.cols(*cols).terms)
+            wb = wb + (list(x_lin.cols(*cols).biases) if x_lin is not None else [])
             if fed is not None:  # part of the input term (outside a GRU's reset product, as ONNX computes it)
                 x_terms.append((fed[0], ConstRef.of(fed[1][direction_index]).T().cols(*cols)))
             x_part = Lin.make(x_terms, wb, H)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import Decline
 from ..graph import attr
-from ..symbolic import Const, Poly, ConcatRows, State, SymTensor, as_rows, register_handler
+from ..symbolic import Const, ConstRef, Poly, ConcatRows, State, SymTensor, as_rows, input_sum_lin, register_handler
 from .kinds import KINDS
 
 
@@ -30,7 +30,16 @@ def native_step_polys(ev, node, ins):
     if vals["sequence_lens"] is not None:
         raise Decline("an inner op with sequence_lens")
     kind.check_native(node, vals)
-    x_poly, x_atom, fed = _step_input(vals["X"])
+    x_lin = None
+    try:
+        x_poly, x_atom, fed = _step_input(vals["X"])
+    except Decline:
+        # a sum of step inputs (a residual stack's upper cell: X = y1_t + x_t): its product with W, as read
+        xv = vals["X"]
+        x_lin = input_sum_lin(xv, ConstRef.of(vals["W"].arr[0]).T()) if isinstance(xv, SymTensor) and xv.lead == 1 else None
+        if x_lin is None:
+            raise
+        x_poly, x_atom, fed = xv.poly, None, None
     h_atom = _carried_state(vals["initial_h"])
     state_polys = {"h": Poly.atom(h_atom)}
     for s in kind.states[1:]:
@@ -49,7 +58,7 @@ def native_step_polys(ev, node, ins):
         spec = kind.spec_from_onnx(node, W[..., :width], vals["R"].arr, B, x_atom.key, h_atom.key,
                                    fed=(h_atom.key, W[..., width:]))
     else:
-        spec = kind.spec_from_onnx(node, W, vals["R"].arr, B, x_atom.key, h_atom.key)
+        spec = kind.spec_from_onnx(node, W, vals["R"].arr, B, x_atom.key if x_atom else None, h_atom.key, x_lin=x_lin)
     polys = spec.step_polys(x_poly, state_polys["h"], state_polys.get("c"))
     outs = [SymTensor(polys["h"], 2)] + [SymTensor(polys[s], 1) for s in kind.states]
     return outs[: len(node.output)]

@@ -41,6 +41,7 @@ from .values import (
     Value,
     as_poly,
     as_rows,
+    input_sum_lin,
 )
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "ZERO_ROW",
     "as_poly",
     "as_rows",
+    "input_sum_lin",
     "content_key",
     "describe",
     "loose_key",

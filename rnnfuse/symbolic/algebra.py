@@ -85,6 +85,11 @@ class ConstRef:
             return self
         return ConstRef((self.key, "s", float(c)), (self.arr * np.asarray(c, dtype=self.arr.dtype)).astype(self.arr.dtype))
 
+    def then(self, w: "ConstRef") -> "ConstRef":
+        """``self @ w``: a weight (or a bias row) followed by another weight, rounded once."""
+        arr = (self.arr.astype(np.float64) @ w.arr.astype(np.float64)).astype(w.arr.dtype)
+        return ConstRef((self.key, "@", w.key), arr)
+
     @property
     def ncols(self) -> int:
         return int(self.arr.shape[-1])

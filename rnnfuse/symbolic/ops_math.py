@@ -23,11 +23,10 @@ from .values import (
     SymTensor,
     Value,
     elementwise_poly,
-    as_rows,
     const_poly,
     lead_axes,
-    matmul_lin,
     weight_of,
+    weighted,
 )
 
 
@@ -216,8 +215,8 @@ def _minmax(ev, node, ins):
 
 def _matmul(ev, node, ins):
     a, b = ins
-    row = as_rows(a)
-    return [SymTensor(Poly.atom(LinAtom(matmul_lin(row, weight_of(b, "the matmul weight")))), row.lead)]
+    lin, lead = weighted(a, weight_of(b, "the matmul weight"))
+    return [SymTensor(Poly.atom(LinAtom(lin)), lead)]
 
 
 def einsum_as_matmul(node, ins) -> tuple[int, bool]:
@@ -239,8 +238,8 @@ def einsum_as_matmul(node, ins) -> tuple[int, bool]:
 def _einsum(ev, node, ins):
     k, transposed = einsum_as_matmul(node, ins)
     w = weight_of(ins[1 - k], "the Einsum weight")
-    row = as_rows(ins[k])
-    return [SymTensor(Poly.atom(LinAtom(matmul_lin(row, w.T() if transposed else w))), row.lead)]
+    lin, lead = weighted(ins[k], w.T() if transposed else w)
+    return [SymTensor(Poly.atom(LinAtom(lin)), lead)]
 
 
 def _gemm(ev, node, ins):
@@ -250,8 +249,7 @@ def _gemm(ev, node, ins):
     w = weight_of(b, "the Gemm weight")
     if attr(node, "transB", 0):
         w = w.T()
-    row = as_rows(a)
-    lin = matmul_lin(row, w)
+    lin, _ = weighted(a, w)
     alpha, beta = attr(node, "alpha", 1.0), attr(node, "beta", 1.0)
     p = Poly.atom(LinAtom(lin))
     if alpha != 1.0:

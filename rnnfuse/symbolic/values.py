@@ -269,6 +269,38 @@ def weight_of(v: Value, what: str) -> ConstRef:
     raise Decline(f"{what} is not a constant: weights are computed at runtime")
 
 
+def weighted(v: Value, w: ConstRef) -> tuple[Lin, int]:
+    """``(v @ w as a linear map, the leading unit axes of the result)`` for the left operand ``v`` of a weight
+    matmul: what :func:`as_rows` reads, or a sum of several step inputs (``(y1_t + x_t) @ W``: a residual
+    stack's upper cell reads the cell below's output plus the step input, each through the same weight)."""
+    lin = input_sum_lin(v, w)
+    if lin is not None:
+        return lin, v.lead
+    row = as_rows(v)
+    return matmul_lin(row, w), row.lead
+
+
+def input_sum_lin(v: Value, w: ConstRef) -> Lin | None:
+    """``sum_k c_k (a_k @ w)`` for ``v = sum_k c_k a_k``, two or more terms each a step input (or its columns)
+    or an affine map of step inputs (``proj(x_t) = x_t @ P + b``, whose product is ``x_t @ (P w) + b w``), at
+    least one a step input itself; None for any other operand."""
+    if not isinstance(v, SymTensor) or len(v.poly.terms) < 2:
+        return None
+    p, lin, direct = v.poly, None, False
+    for mono, c in p.terms.items():
+        a = p.atoms[mono[0]] if len(mono) == 1 else None
+        if a is not None and (isinstance(a, StepInput) or a.key[0] == STEP_INPUT_PART):
+            part, direct = matmul_lin(ConcatRows(((a.key, a.ncols, Poly.atom(a)),), v.lead), w), True
+        elif isinstance(a, LinAtom) and not a.lin.rows and all(
+                src[0] == STEP_INPUT for src in a.lin.sources()) and a.lin.ncols == w.arr.shape[0]:
+            part = Lin.make([(src, m.then(w)) for src, m in a.lin.terms], [b.then(w) for b in a.lin.biases], w.ncols)
+        else:
+            return None
+        part = part if c == 1.0 else part.scaled(c)
+        lin = part if lin is None else lin.plus(part)
+    return lin if direct else None
+
+
 def matmul_lin(row: ConcatRows, w: ConstRef) -> Lin:
     if w.arr.ndim != 2:
         raise Decline(f"a matmul with a rank-{w.arr.ndim} weight")

@@ -215,6 +215,14 @@ CASES = [
     case("nnx_lstm_scan_head_dyn_t", "nnx_scan", "lstm", head=True, dynamic_time=True),
     case("hand_rnn_head_prev_h", "hand", "rnn_head_prev",
          notes="the step returns dense(h) of the carry *before* the update: the head on Y one step later, h0 first"),
+    case("hand_residual_lstm", "hand", "residual_lstm", notes=(
+        "GNMT's residual stack in one scan: h1 = tanh cell of x_t; the LSTM above reads h1 + (x_t @ P + bp)")),
+    case("hand_residual_rnn_out_dyn_t", "hand", "residual_rnn_out", dynamic_time=True,
+         notes="the same with a tanh cell above, the step returning h2 + h1"),
+    case("near_hand_residual_product", "hand", "residual_product", declined="left operand is not a step input or state",
+         notes="the upper cell reads h1 * (x_t @ P + bp): no native op multiplies its input by another's output"),
+    case("near_hand_residual_preactivation", "hand", "residual_c", declined="left operand is not a step input or state",
+         notes="the upper cell reads the lower one's pre-activation plus proj(x_t), not its output"),
     case("hand_rnn_char_head", "hand", "rnn_char", notes=(
         "the char-RNN step: comb = concatenate([x_t, h]); returns (tanh(comb @ W + b), log_softmax(comb @ V))")),
     case("near_hand_head_feedback", "hand", "rnn_head_feedback", declined="left operand is not a step input or state",
@@ -463,6 +471,24 @@ def build_hand(env: Env, c: Case, seed: int):
             for k in range(520):  # 4 ops each
                 y = sig(tanh(y * 0.5 + (xt @ U if k == 260 else 0.25)))
             return new, y
+    elif kind in ("residual_lstm", "residual_rnn_out", "residual_product", "residual_c"):
+        # GNMT's residual stack: the upper cell reads h1 + proj(x_t) (near misses: h1 * proj(x_t), c1 + proj(x_t))
+        Wx, Wh, b, P, bp = _weights(rng, (F, H), (H, H), (H,), (F, H), (H,))
+        Ux, Uh, ub = _weights(rng, (H, 4 * H if kind == "residual_lstm" else H), (H, 4 * H if kind == "residual_lstm" else H),
+                              (4 * H if kind == "residual_lstm" else H,))
+
+        def cell(carry, xt):
+            h1, c2, h2 = carry
+            pre = xt @ Wx + h1 @ Wh + b
+            h1 = tanh(pre)
+            u = h1 * (xt @ P + bp) if kind == "residual_product" else (pre if kind == "residual_c" else h1) + (xt @ P + bp)
+            if kind == "residual_lstm":
+                i, f, g, o = jnp.split(u @ Ux + h2 @ Uh + ub, 4, axis=-1)
+                c2 = sig(f) * c2 + sig(i) * tanh(g)
+                h2 = sig(o) * tanh(c2)
+                return (h1, c2, h2), h2
+            h2 = tanh(u @ Ux + h2 @ Uh + ub)
+            return (h1, c2, h2), h2 + h1
     elif kind == "rnn_char":
         W, b, V = _weights(rng, (F + H, H), (H,), (F + H, 2))
 
@@ -559,7 +585,7 @@ def build_hand(env: Env, c: Case, seed: int):
             z = jnp.zeros((batch, H), jnp.float32)
         if lstm:
             return (z, z)
-        if kind == "rnn_lstm_side":
+        if kind in ("rnn_lstm_side", "residual_lstm", "residual_rnn_out", "residual_product", "residual_c"):
             return (z, z, z)
         if kind == "rnn_decay":
             return (z, jnp.asarray(Wh))
@@ -961,6 +987,10 @@ def expectation(c: Case) -> dict:
         return {"declined": c.declined}
     if c.cell == "rnn_lstm_side":  # two cells side by side: an op each
         return {"ops": {"RNN": 1, "LSTM": 1}, "absent": ["Loop", "Scan"]}
+    if c.cell == "residual_lstm":  # a stack: the upper op reads the lower one's Y beside x
+        return {"ops": {"RNN": 1, "LSTM": 1}, "absent": ["Loop", "Scan"]}
+    if c.cell == "residual_rnn_out":
+        return {"ops": {"RNN": 2}, "absent": ["Loop", "Scan"]}
     op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN", "lstm_head": "LSTM",
                                    "gru_head": "GRU", "rnn_head_x": "RNN", "rnn_elu_ref": "RNN", "rnn_len": "RNN", "gru_einsum": "GRU",
                                    "rnn_einsum_t": "RNN", "rnn_big_head": "RNN", "rnn_head_prev": "RNN",

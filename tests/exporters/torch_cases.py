@@ -259,6 +259,10 @@ CASES = [
     residual("lstmcell_dynamo_residual_out", "lstm", exporter="dynamo", out_res=True,
              notes="returns h2_t + h1_t per step: h1_t is read by the upper step input and again after the cell"),
     residual("rnncell_trace_residual_proj_out", "rnn_tanh", proj=True, out_res=True),
+    residual("lstmcell_script_residual_proj", "lstm", exporter="torchscript", proj=True, dynamic_time=True,
+             notes="a TorchScript Loop stepping both cells (one-step LSTM ops): the upper op reads cat(Y1, x), "
+                   "its input weight [W; W P] (the projection folded in)"),
+    residual("lstmcell_script_residual_bf", "lstm", exporter="torchscript", batch_first=True, dynamic_time=True),
     # -- dynamo: the same loops through torch.export (dynamic batch via dynamic_shapes)
     loop("lstmcell_dynamo", "lstm", exporter="dynamo", time=6),
     loop("lstmcell_dynamo_bf", "lstm", exporter="dynamo", time=6, **BF),
@@ -1381,6 +1385,27 @@ def torch_modules():
                 outs.append(h2 + h1 if self.out_res else h2)
             return torch.stack(outs, t_axis)
 
+    class ScriptResidualLSTM(nn.Module):
+        """ResidualStack's LSTM form for ``torch.jit.script``: the two cells' states kept apart."""
+
+        def __init__(self, features, hidden, proj=False, batch_first=False):
+            super().__init__()
+            self.lower, self.upper = nn.LSTMCell(features, hidden), nn.LSTMCell(hidden, hidden)
+            self.proj = nn.Linear(features, hidden)
+            self.use_proj, self.hidden, self.batch_first = proj, hidden, batch_first
+
+        def forward(self, x):
+            tdim = 1 if self.batch_first else 0
+            z = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
+            h1, c1, h2, c2 = z, z, z, z
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(tdim)):
+                xt = x[:, t] if self.batch_first else x[t]
+                h1, c1 = self.lower(xt, (h1, c1))
+                h2, c2 = self.upper(h1 + self.proj(xt) if self.use_proj else h1 + xt, (h2, c2))
+                outs.append(h2)
+            return torch.stack(outs, tdim)
+
     class SeqModule(nn.Module):
         """nn.RNN / nn.LSTM / nn.GRU on the whole sequence; returns (output, h_n[, c_n])."""
 
@@ -1855,7 +1880,7 @@ def torch_modules():
             return torch.stack(outs), g
 
     _nn_classes.update(CellLoop=CellLoop, CharRNN=CharRNN, CharRNNLastOutput=CharRNNLastOutput, Univariate=Univariate,
-                       ProjSkip=ProjSkip, ResidualStack=ResidualStack, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
+                       ProjSkip=ProjSkip, ResidualStack=ResidualStack, ScriptResidualLSTM=ScriptResidualLSTM, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
@@ -1886,6 +1911,8 @@ def build_module(c: Case):
         return m["Univariate"](cell, c.hidden, **o)
     if c.model == "projskip":
         return m["ProjSkip"](cell, c.features, c.hidden, **o)
+    if c.model == "residual" and c.exporter == "torchscript":
+        return m["ScriptResidualLSTM"](c.features, c.hidden, **o)
     if c.model == "residual":
         return m["ResidualStack"](cell, c.features, c.hidden, **o)
     if c.model == "script":

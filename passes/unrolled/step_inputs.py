@@ -70,9 +70,11 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     order = [n for n in order if id(n) in reached]
     # 1. preparation: values computed from slices (and slice-free tensors) without an activation, and without a
     # matmul but one that projects what another matmul reads (``h1_t + proj(x_t)`` read by the cell's)
-    projections = _projections(g, order, _prepared(g, order, slice_src, lambda n: True))
-    prep = _prepared(g, order, slice_src, lambda n: id(n) in projections) if projections else \
-        _prepared(g, order, slice_src, lambda n: False)
+    # (every weight product taken first; then only the nodes that took, a few per step, are walked again with
+    # the projections alone: what is prepared then is a part of what was)
+    wide, sliced, took = _prepared(g, order, slice_src, lambda n: True)
+    projections = _projections(g, took, wide)
+    prep = _prepared(g, took, slice_src, lambda n: id(n) in projections, sliced)[0]
     # 2. step inputs: prepared values read by something else
     inputs: dict[str, int] = {}
     for n in order:
@@ -120,11 +122,15 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     return out
 
 
-def _prepared(g: Graph, order: list[NodeProto], slice_src: dict, matmul_taken) -> set[str]:
-    """The values computed from the slices (and slice-free tensors) by preparation ops, and by the weight
-    products ``matmul_taken(node)`` accepts."""
-    sliced: set[str] = set(slice_src)  # tensors depending on some slice
+def _prepared(g: Graph, order: list[NodeProto], slice_src: dict, matmul_taken,
+              sliced: set[str] | None = None) -> tuple[set[str], set[str], list[NodeProto]]:
+    """``(prepared values, the values depending on a slice, the nodes computing prepared values)``: the values
+    computed from the slices (and slice-free tensors) by preparation ops, and by the weight products
+    ``matmul_taken(node)`` accepts. ``sliced``: the second, known already (``order`` may then be a part)."""
+    known = sliced is not None
+    sliced = sliced if known else set(slice_src)
     prep: set[str] = set(slice_src)
+    took: list[NodeProto] = []
     # (each loop asks a node's dynamic inputs only when one of its inputs is of interest: those are a subset of
     # its inputs, and asking is a walk's memo lookup per input, seconds over every node of a 100k-node graph)
     for n in order:
@@ -133,7 +139,8 @@ def _prepared(g: Graph, order: list[NodeProto], slice_src: dict, matmul_taken) -
         dyn = dynamic_inputs(g, n)
         if not any(i in sliced for i in dyn):
             continue
-        sliced.update(o for o in n.output if o)
+        if not known:
+            sliced.update(o for o in n.output if o)
         if n.op_type in _PREP:
             taken = not g.implicit_inputs(n) and all(i in prep or i not in sliced for i in dyn) and (
                 n.op_type != "Concat" or (len(n.input) <= 8 and all(i in prep for i in n.input)))
@@ -142,7 +149,8 @@ def _prepared(g: Graph, order: list[NodeProto], slice_src: dict, matmul_taken) -
             taken = len(dyn) == 1 and dyn[0] in prep and _is_weight_product(g, n, dyn) and matmul_taken(n)
         if taken:
             prep.update(o for o in n.output if o)
-    return prep
+            took.append(n)
+    return prep, sliced, took
 
 
 def _is_weight_product(g: Graph, n: NodeProto, dyn: list[str] | None = None) -> bool:

@@ -73,8 +73,13 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     # (every weight product taken first; then only the nodes that took, a few per step, are walked again with
     # the projections alone: what is prepared then is a part of what was)
     wide, sliced, took = _prepared(g, order, slice_src, lambda n: True)
-    projections = _projections(g, took, wide)
-    prep = _prepared(g, took, slice_src, lambda n: id(n) in projections, sliced)[0]
+    took_ids = {id(n) for n in took}
+    products = [n for n in took if n.op_type not in _PREP]
+    if any(id(u) in took_ids for n in products for u in g.uses(n.output[0])):
+        projections = _projections(g, took, wide)
+        prep = _prepared(g, took, slice_src, lambda n: id(n) in projections, sliced)[0]
+    else:  # (no product's value prepared further: each is a cell's own, the rest is prepared without them)
+        prep = wide.difference(n.output[0] for n in products)
     # 2. step inputs: prepared values read by something else
     inputs: dict[str, int] = {}
     for n in order:

@@ -263,10 +263,11 @@ def layer_recurrence(front: str, where: str, an, layers: list, li: int, recs: li
         y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
         below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=x_reversed, internal=True))
         rec.x, rec.x_internal, rec.x_time_axis = y, True, 0
-        if layer.beside_input:  # (x beside it as the bottom cell reads it: the step's own, unmasked, in order)
-            if x_reversed or mask is not None or x_prep != InputPrep():
+        if layer.beside_input:  # (x beside it as the bottom cell reads it, unmasked: Y is laid out in x's order,
+            # read backwards alike when x is; a flip, a slice of the steps or a map of x's would apply to x alone)
+            if mask is not None or x_prep != InputPrep():
                 raise Decline("a cell reads the cell below's output plus the step input, and the step input is "
-                              "masked, read backwards or mapped")
+                              "masked, flipped, cut or mapped")
             rec.x_prep = InputPrep(side_by_side=(x,), side_batch_first=x_time_axis == 1)
     if len(layers) > 1:
         rec.stack = where

@@ -244,9 +244,9 @@ STACK_H = (4, 3, 5)  # hidden sizes of the stacked cells, bottom first
 class StackOpts:
     """A Loop whose body runs ``cells`` tanh RNN cells per step, cell k reading cell k-1's new h.
 
-    ``low_seq``: the bottom cell's per-step h is a loop output too. Near misses (``miss``): ``skip`` cell 2 reads
-    ``concat(x_t, h1_new)`` (two step inputs); ``old`` cell 2 reads h1 of the previous step (the state, not the
-    new output); ``feedback`` cell 1 also reads cell 2's state; ``mixed_old`` a per-step output concatenates
+    ``low_seq``: the bottom cell's per-step h is a loop output too. ``skip``: cell 2 reads ``concat(x_t, h1_new)``
+    (a skip connection: its op reads the Y below beside x, unmasked only). Near misses (``miss``): ``old`` cell 2
+    reads h1 of the previous step (the state, not the new output); ``feedback`` cell 1 also reads cell 2's state; ``mixed_old`` a per-step output concatenates
     cell 1's state before the step with the top cell's new h. ``mixed``: the per-step output concatenates the
     bottom and the top cell's new h (a head over two cells' Y), unmasked only.
 
@@ -264,21 +264,23 @@ class StackOpts:
     masked: bool = False
     reverse: bool = False
     reads_kept: bool = False  # (masked) cell k reads the kept h of the cell below, Where(m, new, old) (jax)
+    skip: bool = False  # cell 2 reads concat(x_t, h1_new)
 
     @property
     def name(self) -> str:
         opts = [self.front if self.front != "loop" else ""] + ["masked" if self.masked else "", "rev" if self.reverse else "",
-                                                               "kept" if self.reads_kept else ""]
+                                                               "kept" if self.reads_kept else "",
+                                                               "skip" if self.skip else ""]
         return "-".join([f"cells{self.cells}"] + [s for s in opts if s] + (["lowseq"] if self.low_seq else [])
                         + (["mixed"] if self.mixed else []) + ([self.miss] if self.miss else []))
 
 
-def stack_weights(cells: int, miss: str = ""):
+def stack_weights(cells: int, skip: bool = False):
     rng = np.random.default_rng(7)
     out, width = [], F
     for k in range(cells):
         h = STACK_H[k]
-        w_in = width + F if (k == 1 and miss == "skip") else width
+        w_in = width + F if (k == 1 and skip) else width
         out.append([(rng.standard_normal(s) * 0.5).astype(np.float32) for s in ((w_in, h), (h, h), (h,))])
         width = h
     q = (rng.standard_normal((STACK_H[1], STACK_H[0])) * 0.5).astype(np.float32)  # feedback: h2 @ Q into cell 1
@@ -286,7 +288,7 @@ def stack_weights(cells: int, miss: str = ""):
 
 
 def build_stack(o: StackOpts) -> onnx.ModelProto:
-    ws, q = stack_weights(o.cells, o.miss)
+    ws, q = stack_weights(o.cells, o.skip)
     inits = [numpy_helper.from_array(np.array(True), "true"), numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
              numpy_helper.from_array(np.array([0], np.int64), "i0"), numpy_helper.from_array(np.array([1], np.int64), "i1")]
     nodes = _x_sizes()
@@ -299,7 +301,7 @@ def build_stack(o: StackOpts) -> onnx.ModelProto:
         body_inits += [numpy_helper.from_array(W, f"W{k}"), numpy_helper.from_array(R, f"R{k}"),
                        numpy_helper.from_array(b, f"b{k}")]
         u = f"u{k}"
-        if k == 1 and o.miss == "skip":
+        if k == 1 and o.skip:
             bn.append(helper.make_node("Concat", ["u0", "hn0"], ["u1"], axis=1))
         elif k == 1 and o.miss == "old":
             u = "h0s"
@@ -391,7 +393,7 @@ def _stack_scan(o: StackOpts, nodes: list, inits: list, bn: list, body_inits: li
 def stack_reference(o: StackOpts, x: np.ndarray, mask: np.ndarray | None = None) -> list[np.ndarray]:
     """The loop's outputs: the per-step outputs [T, B, .], then every cell's final h. A Scan with
     ``reverse`` runs from the last step to the first and stacks its outputs in that order (as x reads)."""
-    ws, _ = stack_weights(o.cells)
+    ws, _ = stack_weights(o.cells, o.skip)
     hs = [np.zeros((x.shape[1], STACK_H[k]), np.float32) for k in range(o.cells)]
     tops, lows = [], []
     order = range(x.shape[0] - 1, -1, -1) if o.reverse else range(x.shape[0])
@@ -401,7 +403,7 @@ def stack_reference(o: StackOpts, x: np.ndarray, mask: np.ndarray | None = None)
         for k, (W, R, b) in enumerate(ws):
             new = np.tanh(u @ W + hs[k] @ R + b).astype(np.float32)
             hs[k] = np.where(m, new, hs[k])
-            u = new
+            u = np.concatenate([x[t], new], -1) if (o.skip and k == 0) else new
             if k == 0:
                 lows.append(np.where(m, new, 0.0).astype(np.float32))
         top = np.concatenate([lows[-1], u], -1) if o.mixed else u
@@ -412,17 +414,18 @@ def stack_reference(o: StackOpts, x: np.ndarray, mask: np.ndarray | None = None)
 
 
 STACK_FORMS = [StackOpts(2), StackOpts(3), StackOpts(2, low_seq=True), StackOpts(3, low_seq=True),
-               StackOpts(2, mixed=True), StackOpts(3, mixed=True)]
-STACK_MISSES = [StackOpts(2, miss="skip"), StackOpts(2, miss="old"), StackOpts(2, miss="feedback"),
-                StackOpts(2, miss="mixed_old")]
+               StackOpts(2, mixed=True), StackOpts(3, mixed=True), StackOpts(2, skip=True),
+               StackOpts(3, skip=True, low_seq=True)]
+STACK_MISSES = [StackOpts(2, miss="old"), StackOpts(2, miss="feedback"), StackOpts(2, miss="mixed_old")]
 # several cells in one Scan body (issue 14 item 3 for Scan)
 SCAN_STACK_FORMS = [StackOpts(2, front="scan"), StackOpts(3, front="scan", low_seq=True),
                     StackOpts(2, front="scan", masked=True), StackOpts(3, front="scan", masked=True, low_seq=True),
                     StackOpts(2, front="scan", reverse=True), StackOpts(2, front="scan", masked=True, reverse=True),
                     StackOpts(3, front="scan", mixed=True), StackOpts(2, front="scan", reverse=True, mixed=True),
                     StackOpts(2, front="scan", masked=True, reads_kept=True),
-                    StackOpts(3, front="scan", masked=True, reverse=True, reads_kept=True, low_seq=True)]
-SCAN_STACK_MISSES = [StackOpts(2, front="scan", miss=m) for m in ("skip", "old", "feedback", "mixed_old")] + [
+                    StackOpts(3, front="scan", masked=True, reverse=True, reads_kept=True, low_seq=True),
+                    StackOpts(2, front="scan", skip=True), StackOpts(2, front="scan", reverse=True, skip=True)]
+SCAN_STACK_MISSES = [StackOpts(2, front="scan", miss=m) for m in ("old", "feedback", "mixed_old")] + [
     StackOpts(2, front="scan", masked=True, reads_kept=True, miss="kept_swapped")]
 
 

@@ -10,8 +10,9 @@ them. Here the steps are found from the cells instead:
    weight matmul only where another weight matmul reads its result through preparation (GNMT's residual
    ``h1_t + proj(x_t)``, read by the upper cell's own input matmul): no cell state is among them (every cell
    multiplies its state and activates), so none depends on the recurrence.
-2. **Step inputs.** Prepared values that something else reads: what the cells read, one per step. One that is
-   part of exactly one other (``h1_t`` of ``h1_t + x_t``, read again by a head ``h2_t + h1_t``) is that one's.
+2. **Step inputs.** Prepared values that something else reads: what the cells read, one per step. A node
+   mixing one with the state of a step whose input is computed from it (``h2_t + h1_t``, ``h1_t + x_t`` being
+   the step's input) is a head of that step, not a step reading the state of the one before.
 3. **Order.** One topological pass gives every tensor an owner, the step input its computation started
    from. A node that mixes a step input's projection (the input itself, or it through a weight matmul,
    slices and bias adds) with values of other owners is where that step reads its state: the state's
@@ -92,7 +93,7 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
         return []
     # 3. owners and links
     owner: dict[str, str] = {u: u for u in inputs}
-    owner.update(_parts_of_inputs(g, inputs, prep))
+    within = _parts_of_inputs(g, inputs, prep)
     pred: dict[str, str] = {}
     succ: dict[str, str | None] = {}  # (None: more than one step reads this one's state)
     depth: dict[str, int] = {}
@@ -106,7 +107,7 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
         if len(owners) == 1:
             own = next(iter(owners))
         else:
-            own = _link(g, n, dyn, owner, inputs, pred, succ, depth)
+            own = _link(g, n, dyn, owner, within, pred, succ, depth)
         if own is None:
             continue
         for o in n.output:
@@ -184,11 +185,9 @@ def _projections(g: Graph, order: list[NodeProto], prep: set) -> set[int]:
     return taken
 
 
-def _parts_of_inputs(g: Graph, inputs: dict, prep: set, limit: int = 64) -> dict[str, str]:
-    """Step inputs that are part of exactly one other step input (``h1_t`` of a residual step input
-    ``h1_t + x_t`` that a head after the cell reads again: ``h2_t + h1_t``) -> that input. They belong to its
-    step: read by their own, they would link that head, which mixes them with the step's new state, as a step
-    reading the state of the one before."""
+def _parts_of_inputs(g: Graph, inputs: dict, prep: set, limit: int = 64) -> dict[str, set]:
+    """Step input -> the other step inputs computed from it (``h1_t`` -> a residual step input ``h1_t + x_t``;
+    ``x[t-1]`` -> ``x[t] - x[t-1]``)."""
     whole: dict[str, set] = {}
     for v in inputs:
         stack, seen = [v], {v}
@@ -202,12 +201,14 @@ def _parts_of_inputs(g: Graph, inputs: dict, prep: set, limit: int = 64) -> dict
                     stack.append(i)
                     if i in inputs:
                         whole.setdefault(i, set()).add(v)
-    return {u: next(iter(vs)) for u, vs in whole.items() if len(vs) == 1}
+    return whole
 
 
-def _link(g: Graph, n: NodeProto, dyn: list[str], owner: dict, inputs: dict, pred: dict, succ: dict, depth: dict):
+def _link(g: Graph, n: NodeProto, dyn: list[str], owner: dict, within: dict, pred: dict, succ: dict, depth: dict):
     """The owner of a node mixing several owners' values; links a step to the one before when ``n`` is where
-    the step combines its input with its state."""
+    the step combines its input with its state. ``within``: step input -> the step inputs computed from it.
+    Where the input is part of the one whose state is read (``h2_t + h1_t``, a head after the cell reading
+    ``h1_t`` again, ``h1_t + x_t`` being the step's input) no step reads the one before: the node is that one's."""
     step_side, state_side = set(), set()
     for i in dyn:
         o = owner.get(i)
@@ -219,6 +220,8 @@ def _link(g: Graph, n: NodeProto, dyn: list[str], owner: dict, inputs: dict, pre
         deepest = _deepest(state_side, depth)
         if deepest is None:
             return None
+        if deepest in within.get(a, ()):
+            return deepest
         if a not in pred:
             if deepest in succ:
                 succ[deepest] = None  # two steps read one state: no chain through it

@@ -261,7 +261,8 @@ def layer_recurrence(front: str, where: str, an, layers: list, li: int, recs: li
                      x_reversed=x_reversed, x_prep=x_prep if below is None else InputPrep(), **extra)
     if below is not None:  # the cell below's Y, in time order like x, read in the same order as x
         y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
-        below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=x_reversed, internal=True))
+        if not any(so.internal and so.tensor == y for so in below.seq_outputs):  # (two cells may read one below)
+            below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=x_reversed, internal=True))
         rec.x, rec.x_internal, rec.x_time_axis = y, True, 0
         if layer.beside_input:  # (x beside it as the bottom cell reads it, unmasked: Y is laid out in x's order,
             # read backwards alike when x is; a flip, a slice of the steps or a map of x's would apply to x alone)

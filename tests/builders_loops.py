@@ -245,7 +245,8 @@ class StackOpts:
     """A Loop whose body runs ``cells`` tanh RNN cells per step, cell k reading cell k-1's new h.
 
     ``low_seq``: the bottom cell's per-step h is a loop output too. ``skip``: cell 2 reads ``concat(x_t, h1_new)``
-    (a skip connection: its op reads the Y below beside x, unmasked only). Near misses (``miss``): ``old`` cell 2
+    (a skip connection: its op reads the Y below beside x, unmasked only). ``fan`` (3 cells): cells 2 and 3 both
+    read cell 1's new h, the per-step output concatenates theirs (two ops over one Y). Near misses (``miss``): ``old`` cell 2
     reads h1 of the previous step (the state, not the new output); ``feedback`` cell 1 also reads cell 2's state; ``mixed_old`` a per-step output concatenates
     cell 1's state before the step with the top cell's new h. ``mixed``: the per-step output concatenates the
     bottom and the top cell's new h (a head over two cells' Y), unmasked only.
@@ -265,22 +266,23 @@ class StackOpts:
     reverse: bool = False
     reads_kept: bool = False  # (masked) cell k reads the kept h of the cell below, Where(m, new, old) (jax)
     skip: bool = False  # cell 2 reads concat(x_t, h1_new)
+    fan: bool = False  # (3 cells) cell 3 reads cell 1's new h as cell 2 does; the output is concat(h2_new, h3_new)
 
     @property
     def name(self) -> str:
         opts = [self.front if self.front != "loop" else ""] + ["masked" if self.masked else "", "rev" if self.reverse else "",
                                                                "kept" if self.reads_kept else "",
-                                                               "skip" if self.skip else ""]
+                                                               "skip" if self.skip else "", "fan" if self.fan else ""]
         return "-".join([f"cells{self.cells}"] + [s for s in opts if s] + (["lowseq"] if self.low_seq else [])
                         + (["mixed"] if self.mixed else []) + ([self.miss] if self.miss else []))
 
 
-def stack_weights(cells: int, skip: bool = False):
+def stack_weights(cells: int, skip: bool = False, fan: bool = False):
     rng = np.random.default_rng(7)
     out, width = [], F
     for k in range(cells):
         h = STACK_H[k]
-        w_in = width + F if (k == 1 and skip) else width
+        w_in = width + F if (k == 1 and skip) else STACK_H[0] if (k == 2 and fan) else width
         out.append([(rng.standard_normal(s) * 0.5).astype(np.float32) for s in ((w_in, h), (h, h), (h,))])
         width = h
     q = (rng.standard_normal((STACK_H[1], STACK_H[0])) * 0.5).astype(np.float32)  # feedback: h2 @ Q into cell 1
@@ -288,7 +290,7 @@ def stack_weights(cells: int, skip: bool = False):
 
 
 def build_stack(o: StackOpts) -> onnx.ModelProto:
-    ws, q = stack_weights(o.cells, o.skip)
+    ws, q = stack_weights(o.cells, o.skip, o.fan)
     inits = [numpy_helper.from_array(np.array(True), "true"), numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
              numpy_helper.from_array(np.array([0], np.int64), "i0"), numpy_helper.from_array(np.array([1], np.int64), "i1")]
     nodes = _x_sizes()
@@ -310,7 +312,7 @@ def build_stack(o: StackOpts) -> onnx.ModelProto:
             bn += [helper.make_node("Where", ["mu", *new_old], [f"hk{k - 1}"]),
                    helper.make_node("Identity", [f"hk{k - 1}"], [u])]
         elif k > 0:
-            bn.append(helper.make_node("Identity", [f"hn{k - 1}"], [u]))
+            bn.append(helper.make_node("Identity", [f"hn{0 if (k == 2 and o.fan) else k - 1}"], [u]))
         bn += [helper.make_node("MatMul", [u, f"W{k}"], [f"xw{k}"]),
                helper.make_node("MatMul", [f"h{k}s", f"R{k}"], [f"hr{k}"]),
                helper.make_node("Add", [f"xw{k}", f"hr{k}"], [f"s{k}"])]
@@ -320,6 +322,9 @@ def build_stack(o: StackOpts) -> onnx.ModelProto:
             pre = "sfb"
         bn += [helper.make_node("Add", [pre, f"b{k}"], [f"t{k}"]), helper.make_node("Tanh", [f"t{k}"], [f"hn{k}"])]
     top = f"hn{o.cells - 1}"
+    if o.fan:  # (two cells over one: both read)
+        bn.append(helper.make_node("Concat", ["hn1", "hn2"], ["yfan"], axis=1))
+        top = "yfan"
     if o.front == "scan":
         return _stack_scan(o, nodes, inits, bn[1:], body_inits, top)
     ys = [top]
@@ -393,20 +398,22 @@ def _stack_scan(o: StackOpts, nodes: list, inits: list, bn: list, body_inits: li
 def stack_reference(o: StackOpts, x: np.ndarray, mask: np.ndarray | None = None) -> list[np.ndarray]:
     """The loop's outputs: the per-step outputs [T, B, .], then every cell's final h. A Scan with
     ``reverse`` runs from the last step to the first and stacks its outputs in that order (as x reads)."""
-    ws, _ = stack_weights(o.cells, o.skip)
+    ws, _ = stack_weights(o.cells, o.skip, o.fan)
     hs = [np.zeros((x.shape[1], STACK_H[k]), np.float32) for k in range(o.cells)]
     tops, lows = [], []
     order = range(x.shape[0] - 1, -1, -1) if o.reverse else range(x.shape[0])
     for t in order:
         u = x[t]
         m = np.ones((x.shape[1], 1), bool) if mask is None else mask[t][:, None]
+        news = []
         for k, (W, R, b) in enumerate(ws):
-            new = np.tanh(u @ W + hs[k] @ R + b).astype(np.float32)
+            new = np.tanh((news[0] if (k == 2 and o.fan) else u) @ W + hs[k] @ R + b).astype(np.float32)
+            news.append(new)
             hs[k] = np.where(m, new, hs[k])
             u = np.concatenate([x[t], new], -1) if (o.skip and k == 0) else new
             if k == 0:
                 lows.append(np.where(m, new, 0.0).astype(np.float32))
-        top = np.concatenate([lows[-1], u], -1) if o.mixed else u
+        top = np.concatenate([lows[-1], u], -1) if o.mixed else np.concatenate(news[1:], -1) if o.fan else u
         tops.append(np.where(m, top, 0.0).astype(np.float32))
     if o.reverse:  # scan_output_directions=1: the outputs land back in time order
         tops, lows = tops[::-1], lows[::-1]
@@ -415,7 +422,7 @@ def stack_reference(o: StackOpts, x: np.ndarray, mask: np.ndarray | None = None)
 
 STACK_FORMS = [StackOpts(2), StackOpts(3), StackOpts(2, low_seq=True), StackOpts(3, low_seq=True),
                StackOpts(2, mixed=True), StackOpts(3, mixed=True), StackOpts(2, skip=True),
-               StackOpts(3, skip=True, low_seq=True)]
+               StackOpts(3, skip=True, low_seq=True), StackOpts(3, fan=True), StackOpts(3, skip=True, fan=True)]
 STACK_MISSES = [StackOpts(2, miss="old"), StackOpts(2, miss="feedback"), StackOpts(2, miss="mixed_old")]
 # several cells in one Scan body (issue 14 item 3 for Scan)
 SCAN_STACK_FORMS = [StackOpts(2, front="scan"), StackOpts(3, front="scan", low_seq=True),
@@ -424,7 +431,8 @@ SCAN_STACK_FORMS = [StackOpts(2, front="scan"), StackOpts(3, front="scan", low_s
                     StackOpts(3, front="scan", mixed=True), StackOpts(2, front="scan", reverse=True, mixed=True),
                     StackOpts(2, front="scan", masked=True, reads_kept=True),
                     StackOpts(3, front="scan", masked=True, reverse=True, reads_kept=True, low_seq=True),
-                    StackOpts(2, front="scan", skip=True), StackOpts(2, front="scan", reverse=True, skip=True)]
+                    StackOpts(2, front="scan", skip=True), StackOpts(2, front="scan", reverse=True, skip=True),
+                    StackOpts(3, front="scan", fan=True, low_seq=True), StackOpts(3, front="scan", reverse=True, fan=True)]
 SCAN_STACK_MISSES = [StackOpts(2, front="scan", miss=m) for m in ("old", "feedback", "mixed_old")] + [
     StackOpts(2, front="scan", masked=True, reads_kept=True, miss="kept_swapped")]
 

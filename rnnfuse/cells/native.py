@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import Decline
 from ..graph import attr
-from ..symbolic import Const, ConstRef, Poly, ConcatRows, State, SymTensor, as_rows, input_sum_lin, register_handler
+from ..symbolic import Const, ConstRef, Poly, ConcatRows, State, SymTensor, as_rows, input_product_lin, register_handler
 from .kinds import KINDS
 
 
@@ -34,12 +34,13 @@ def native_step_polys(ev, node, ins):
     try:
         x_poly, x_atom, fed = _step_input(vals["X"])
     except Decline:
-        # a sum of step inputs (a residual stack's upper cell: X = y1_t + x_t): its product with W, as read
+        # several step inputs, summed or side by side (a residual stack's upper cell: X = y1_t + x_t, or
+        # cat(y1_t, x_t)): its product with W, as read
         xv = vals["X"]
-        x_lin = input_sum_lin(xv, ConstRef.of(vals["W"].arr[0]).T()) if isinstance(xv, SymTensor) and xv.lead == 1 else None
+        x_lin = input_product_lin(xv, ConstRef.of(vals["W"].arr[0]).T())
         if x_lin is None:
             raise
-        x_poly, x_atom, fed = xv.poly, None, None
+        x_poly, x_atom, fed = (xv.poly if isinstance(xv, SymTensor) else None), None, None
     h_atom = _carried_state(vals["initial_h"])
     state_polys = {"h": Poly.atom(h_atom)}
     for s in kind.states[1:]:

@@ -41,6 +41,7 @@ from .values import (
     Value,
     as_poly,
     as_rows,
+    input_product_lin,
     input_sum_lin,
 )
 
@@ -76,6 +77,7 @@ __all__ = [
     "ZERO_ROW",
     "as_poly",
     "as_rows",
+    "input_product_lin",
     "input_sum_lin",
     "content_key",
     "describe",

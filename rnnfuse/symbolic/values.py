@@ -301,6 +301,22 @@ def input_sum_lin(v: Value, w: ConstRef) -> Lin | None:
     return lin if direct else None
 
 
+def input_product_lin(v: Value, w: ConstRef) -> Lin | None:
+    """``v @ w`` for an operand made of several step inputs: their sum (:func:`input_sum_lin`) or their
+    concatenation (``cat(y1_t, x_t) @ W``: a skip connection read by a native op inside the step); None for any
+    other operand (a single step input, a state among the pieces)."""
+    lin = input_sum_lin(v, w) if isinstance(v, SymTensor) and v.lead == 1 else None
+    if lin is not None or not isinstance(v, (SymTensor, ConcatRows)):
+        return lin
+    try:
+        row = as_rows(v)
+    except Decline:
+        return None
+    if row.lead != 1 or len(row.segments) < 2 or any(src[0] not in (STEP_INPUT, STEP_INPUT_PART) for src, _, _ in row.segments):
+        return None
+    return matmul_lin(row, w)
+
+
 def matmul_lin(row: ConcatRows, w: ConstRef) -> Lin:
     if w.arr.ndim != 2:
         raise Decline(f"a matmul with a rank-{w.arr.ndim} weight")

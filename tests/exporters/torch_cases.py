@@ -147,8 +147,9 @@ def projskip(name, cell, exporter="trace", **kw):
 
 def residual(name, cell, exporter="trace", **kw):
     """Two cells a step, the upper reading ``h1_t + x_t`` (``proj=True``: ``h1_t + Linear(x_t)``, GNMT's residual
-    stack); ``out_res=True`` returns ``h2_t + h1_t`` stacked, else ``h2_t``. Features = hidden without ``proj``."""
-    if not kw.get("proj"):
+    stack; ``cat=True``: ``cat(h1_t, x_t)``, a skip connection); ``out_res=True`` returns ``h2_t + h1_t`` stacked,
+    else ``h2_t``. Features = hidden for the sums without ``proj``."""
+    if not kw.get("proj") and not kw.get("cat"):
         kw.setdefault("features", HIDDEN)
     return _case(name, exporter, "residual", cell, **kw)
 
@@ -263,6 +264,9 @@ CASES = [
              notes="a TorchScript Loop stepping both cells (one-step LSTM ops): the upper op reads cat(Y1, x), "
                    "its input weight [W; W P] (the projection folded in)"),
     residual("lstmcell_script_residual_bf", "lstm", exporter="torchscript", batch_first=True, dynamic_time=True),
+    residual("lstmcell_script_residual_cat_bf", "lstm", exporter="torchscript", cat=True, batch_first=True,
+             dynamic_time=True, notes="the upper one-step LSTM op reads cat(h1_t, x_t): one op over cat(Y1, x)"),
+    residual("grucell_trace_residual_cat", "gru", cat=True),
     # -- dynamo: the same loops through torch.export (dynamic batch via dynamic_shapes)
     loop("lstmcell_dynamo", "lstm", exporter="dynamo", time=6),
     loop("lstmcell_dynamo_bf", "lstm", exporter="dynamo", time=6, **BF),
@@ -971,7 +975,7 @@ def describe(c: Case) -> str:
     if c.model == "projskip":
         return f"{CELL_TEXT[o['cell']]} over xt = Linear(x_t); {layout}; returns torch.stack([h + xt per step])"
     if c.model == "residual":
-        up = "h1_t + Linear(x_t)" if o.get("proj") else "h1_t + x_t"
+        up = "cat(h1_t, x_t)" if o.get("cat") else "h1_t + Linear(x_t)" if o.get("proj") else "h1_t + x_t"
         out = "h2_t + h1_t" if o.get("out_res") else "h2_t"
         return f"2 x {CELL_TEXT[o['cell']]}, the upper over {up}; {layout}; returns torch.stack([{out} per step])"
     if c.model == "univariate":
@@ -1365,11 +1369,13 @@ def torch_modules():
     class ResidualStack(nn.Module):
         """Two cells a step, the upper reading the lower one's h plus x_t or a projection of it."""
 
-        def __init__(self, cell, features, hidden, proj=False, out_res=False, batch_first=False):
+        def __init__(self, cell, features, hidden, proj=False, out_res=False, batch_first=False, cat=False):
             super().__init__()
-            self.lower, self.upper = make_cell(cell, features, hidden), make_cell(cell, hidden, hidden)
+            self.lower = make_cell(cell, features, hidden)
+            self.upper = make_cell(cell, hidden + features if cat else hidden, hidden)
             self.proj = nn.Linear(features, hidden) if proj else None
             self.lstm, self.hidden, self.out_res, self.batch_first = cell == "lstm", hidden, out_res, batch_first
+            self.cat = cat
 
         def forward(self, x):
             t_axis = 1 if self.batch_first else 0
@@ -1380,7 +1386,8 @@ def torch_modules():
                 xt = x[:, t] if self.batch_first else x[t]
                 s1 = self.lower(xt, s1)
                 h1 = s1[0] if self.lstm else s1
-                s2 = self.upper(h1 + (self.proj(xt) if self.proj is not None else xt), s2)
+                up = torch.cat([h1, xt], 1) if self.cat else h1 + (self.proj(xt) if self.proj is not None else xt)
+                s2 = self.upper(up, s2)
                 h2 = s2[0] if self.lstm else s2
                 outs.append(h2 + h1 if self.out_res else h2)
             return torch.stack(outs, t_axis)
@@ -1388,11 +1395,11 @@ def torch_modules():
     class ScriptResidualLSTM(nn.Module):
         """ResidualStack's LSTM form for ``torch.jit.script``: the two cells' states kept apart."""
 
-        def __init__(self, features, hidden, proj=False, batch_first=False):
+        def __init__(self, features, hidden, proj=False, batch_first=False, cat=False):
             super().__init__()
-            self.lower, self.upper = nn.LSTMCell(features, hidden), nn.LSTMCell(hidden, hidden)
+            self.lower, self.upper = nn.LSTMCell(features, hidden), nn.LSTMCell(hidden + features if cat else hidden, hidden)
             self.proj = nn.Linear(features, hidden)
-            self.use_proj, self.hidden, self.batch_first = proj, hidden, batch_first
+            self.use_proj, self.hidden, self.batch_first, self.cat = proj, hidden, batch_first, cat
 
         def forward(self, x):
             tdim = 1 if self.batch_first else 0
@@ -1402,7 +1409,11 @@ def torch_modules():
             for t in range(x.size(tdim)):
                 xt = x[:, t] if self.batch_first else x[t]
                 h1, c1 = self.lower(xt, (h1, c1))
-                h2, c2 = self.upper(h1 + self.proj(xt) if self.use_proj else h1 + xt, (h2, c2))
+                if self.cat:
+                    up = torch.cat([h1, xt], 1)
+                else:
+                    up = h1 + self.proj(xt) if self.use_proj else h1 + xt
+                h2, c2 = self.upper(up, (h2, c2))
                 outs.append(h2)
             return torch.stack(outs, tdim)
 

@@ -30,7 +30,7 @@ from .errors import Decline
 from .graph import Graph
 from .protos import has_subgraph
 from .row_wise import ROW_RANK, check_row_wise, folded_from_shapes, replay
-from .symbolic import Const, SymTensor
+from .symbolic import BoolMask, Const, SymTensor
 
 @dataclass
 class StepHead:
@@ -205,6 +205,9 @@ def _leaf(body: Graph, ev, name: str, h_keys: tuple, other_keys: dict, x_reads: 
     if name in body.input_names:
         if name in invariants:
             raise Decline(f"a per-step output reads '{invariants[name]}', computed at runtime outside the loop")
+        if isinstance(v, BoolMask):  # (a scanned mask: no carried state, whatever the body input list says)
+            raise Decline(f"a per-step output reads the step mask '{name}' in a head (a head runs after the op on "
+                          "its Y, unmasked only)")
         raise Decline(f"a per-step output reads the carried state '{name}' before the step updates it "
                       "(the previous step's value)")
     if name not in body.producer:

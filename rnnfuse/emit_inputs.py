@@ -20,7 +20,8 @@ def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
     mask alike)."""
     x, mask = rec.x, rec.mask
     if rec.x_prep.side_by_side:  # sequences read beside x: one input, their features after x's
-        x = _side_by_side(g, x, rec.x_prep.side_by_side, rec.anchor, rec.x_prep.side_batch_first)
+        x = _side_by_side(g, x, rec.x_prep.side_by_side, rec.anchor, rec.x_prep.side_batch_first,
+                          rec.x_prep.side_map)
     if rec.x_prep.input_map is not None:  # (row-wise: it commutes with the flips and the slice below)
         x = rec.x_prep.input_map.build(g, x, rec.anchor)
     for flip in rec.x_prep.flips:
@@ -60,9 +61,12 @@ def _first_steps(g: Graph, mask: str, x: str, rec: Recurrence) -> str:
     return cut
 
 
-def _side_by_side(g: Graph, x: str, others: tuple, anchor, batch_first: bool = False) -> str:
+def _side_by_side(g: Graph, x: str, others: tuple, anchor, batch_first: bool = False, side_map=None) -> str:
     """``x`` and ``others`` ([T, B, F_k] or [B, T, F_k] alike; ``batch_first``: the others [B, T, F_k] beside a
-    [T, B, F] x, laid out like it first) concatenated on features, declared so."""
+    [T, B, F] x, laid out like it first; ``side_map``: a step input map applied to each other first, in its
+    own layout) concatenated on features, declared so."""
+    if side_map is not None:
+        others = tuple(side_map.build(g, name, anchor) for name in others)
     if batch_first:
         laid = []
         for name in others:

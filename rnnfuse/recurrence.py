@@ -122,6 +122,9 @@ class InputPrep:
     side_by_side: tuple = ()
     # those sequences are laid out [B, T, F] where x is [T, B, F] (a residual layer's x beside the Y below it)
     side_batch_first: bool = False
+    # an ``input_map`` applied to each of those sequences first (a residual layer reads the step input the
+    # bottom layer reads, which the loop maps from x)
+    side_map: object = None
 
 
 @dataclass

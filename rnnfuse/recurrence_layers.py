@@ -21,7 +21,7 @@ once the layer below is recognised (see :func:`check_feeds`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from onnx import NodeProto
 
@@ -266,10 +266,10 @@ def layer_recurrence(front: str, where: str, an, layers: list, li: int, recs: li
         rec.x, rec.x_internal, rec.x_time_axis = y, True, 0
         if layer.beside_input:  # (x beside it as the bottom cell reads it, unmasked: Y is laid out in x's order,
             # read backwards alike when x is; a flip, a slice of the steps or a map of x's would apply to x alone)
-            if mask is not None or x_prep != InputPrep():
+            if mask is not None or replace(x_prep, input_map=None) != InputPrep():
                 raise Decline("a cell reads the cell below's output plus the step input, and the step input is "
-                              "masked, flipped, cut or mapped")
-            rec.x_prep = InputPrep(side_by_side=(x,), side_batch_first=x_time_axis == 1)
+                              "masked, flipped or cut")
+            rec.x_prep = InputPrep(side_by_side=(x,), side_batch_first=x_time_axis == 1, side_map=x_prep.input_map)
     if len(layers) > 1:
         rec.stack = where
     return rec

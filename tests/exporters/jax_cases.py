@@ -219,6 +219,9 @@ CASES = [
         "GNMT's residual stack in one scan: h1 = tanh cell of x_t; the LSTM above reads h1 + (x_t @ P + bp)")),
     case("hand_residual_rnn_out_dyn_t", "hand", "residual_rnn_out", dynamic_time=True,
          notes="the same with a tanh cell above, the step returning h2 + h1"),
+    case("hand_residual_mapped", "hand", "residual_mapped", notes=(
+        "m_t = tanh(x_t @ M + bm) in the step, h1 = tanh cell of m_t, a tanh cell above reads h1 + m_t: the upper op "
+        "reads the lower one's Y beside the map over x")),
     case("near_hand_residual_product", "hand", "residual_product", declined="left operand is not a step input or state",
          notes="the upper cell reads h1 * (x_t @ P + bp): no native op multiplies its input by another's output"),
     case("near_hand_residual_preactivation", "hand", "residual_c", declined="left operand is not a step input or state",
@@ -489,6 +492,15 @@ def build_hand(env: Env, c: Case, seed: int):
                 return (h1, c2, h2), h2
             h2 = tanh(u @ Ux + h2 @ Uh + ub)
             return (h1, c2, h2), h2 + h1
+    elif kind == "residual_mapped":
+        M, bm, Wx, Wh, b, Ux, Uh, ub = _weights(rng, (F, H), (H,), (H, H), (H, H), (H,), (H, H), (H, H), (H,))
+
+        def cell(carry, xt):
+            h1, c2, h2 = carry
+            m = tanh(xt @ M + bm)
+            h1 = tanh(m @ Wx + h1 @ Wh + b)
+            h2 = tanh((h1 + m) @ Ux + h2 @ Uh + ub)
+            return (h1, c2, h2), h2
     elif kind == "rnn_char":
         W, b, V = _weights(rng, (F + H, H), (H,), (F + H, 2))
 
@@ -585,7 +597,8 @@ def build_hand(env: Env, c: Case, seed: int):
             z = jnp.zeros((batch, H), jnp.float32)
         if lstm:
             return (z, z)
-        if kind in ("rnn_lstm_side", "residual_lstm", "residual_rnn_out", "residual_product", "residual_c"):
+        if kind in ("rnn_lstm_side", "residual_lstm", "residual_rnn_out", "residual_product", "residual_c",
+                    "residual_mapped"):
             return (z, z, z)
         if kind == "rnn_decay":
             return (z, jnp.asarray(Wh))
@@ -989,7 +1002,7 @@ def expectation(c: Case) -> dict:
         return {"ops": {"RNN": 1, "LSTM": 1}, "absent": ["Loop", "Scan"]}
     if c.cell == "residual_lstm":  # a stack: the upper op reads the lower one's Y beside x
         return {"ops": {"RNN": 1, "LSTM": 1}, "absent": ["Loop", "Scan"]}
-    if c.cell == "residual_rnn_out":
+    if c.cell in ("residual_rnn_out", "residual_mapped"):
         return {"ops": {"RNN": 2}, "absent": ["Loop", "Scan"]}
     op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN", "lstm_head": "LSTM",
                                    "gru_head": "GRU", "rnn_head_x": "RNN", "rnn_elu_ref": "RNN", "rnn_len": "RNN", "gru_einsum": "GRU",

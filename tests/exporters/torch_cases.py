@@ -267,6 +267,11 @@ CASES = [
     residual("lstmcell_script_residual_cat_bf", "lstm", exporter="torchscript", cat=True, batch_first=True,
              dynamic_time=True, notes="the upper one-step LSTM op reads cat(h1_t, x_t): one op over cat(Y1, x)"),
     residual("grucell_trace_residual_cat", "gru", cat=True),
+    residual("lstmcell_script_residual_mapped_bf", "lstm", exporter="torchscript", mapped=True, batch_first=True,
+             dynamic_time=True, notes="xt = tanh(Linear(x_t)) in the loop, c1(xt), c2(h1 + xt): the upper op reads "
+                                      "cat(Y1, the map over x)"),
+    residual("lstmcell_script_residual_mapped_cat", "lstm", exporter="torchscript", mapped=True, cat=True,
+             dynamic_time=True),
     residual("lstmcell_script_residual_cat_c", "lstm", exporter="torchscript", cat="c", dynamic_time=True,
              near_miss=True, notes="the upper cell reads cat(c1_t, x_t): the cell below's c, which no native op "
                                    "hands out per step"),
@@ -909,7 +914,8 @@ def expectation(c: Case) -> dict:
     if c.model == "residual" and o.get("near_miss"):  # the Loop stays as it is
         return {"declined": True, "ops": {}, "absent": []}
     if c.model == "residual":  # (two layers; a projection inside the upper step input once over x)
-        return dict(exp, ops={op: 2}, directions={op: ["forward"] * 2}, max_cell_ops=1 if o.get("proj") else 0)
+        return dict(exp, ops={op: 2}, directions={op: ["forward"] * 2},
+                    max_cell_ops=2 if o.get("mapped") else 1 if o.get("proj") else 0)  # (mapped: Gemm, Tanh)
     if c.model == "univariate":  # (a layer's op each; the Linear(H, 1) stays per step)
         n = o.get("layers", 1)
         return dict(exp, ops={op: n}, directions={op: ["forward"] * n}, max_cell_ops=c.time)
@@ -980,7 +986,11 @@ def describe(c: Case) -> str:
     if c.model == "projskip":
         return f"{CELL_TEXT[o['cell']]} over xt = Linear(x_t); {layout}; returns torch.stack([h + xt per step])"
     if c.model == "residual":
-        up = f"cat({'c1_t' if o.get('cat') == 'c' else 'h1_t'}, x_t)" if o.get("cat") else "h1_t + Linear(x_t)" if o.get("proj") else "h1_t + x_t"
+        xt = "xt = tanh(Linear(x_t))" if o.get("mapped") else "x_t"
+        if o.get("cat"):
+            up = f"cat({'c1_t' if o.get('cat') == 'c' else 'h1_t'}, {xt})"
+        else:
+            up = "h1_t + Linear(x_t)" if o.get("proj") else f"h1_t + {xt}"
         out = "h2_t + h1_t" if o.get("out_res") else "h2_t"
         return f"2 x {CELL_TEXT[o['cell']]}, the upper over {up}; {layout}; returns torch.stack([{out} per step])"
     if c.model == "univariate":
@@ -1400,11 +1410,13 @@ def torch_modules():
     class ScriptResidualLSTM(nn.Module):
         """ResidualStack's LSTM form for ``torch.jit.script``: the two cells' states kept apart."""
 
-        def __init__(self, features, hidden, proj=False, batch_first=False, cat=False):
+        def __init__(self, features, hidden, proj=False, batch_first=False, cat=False, mapped=False):
             super().__init__()
-            self.lower, self.upper = nn.LSTMCell(features, hidden), nn.LSTMCell(hidden + features if cat else hidden, hidden)
+            width = hidden if mapped else features  # (mapped: both cells read xt = tanh(Linear(x_t)))
+            self.lower, self.upper = nn.LSTMCell(width, hidden), nn.LSTMCell(hidden + width if cat else hidden, hidden)
             self.proj = nn.Linear(features, hidden)
-            self.use_proj, self.hidden, self.batch_first, self.cat = proj, hidden, batch_first, cat
+            self.use_proj, self.hidden, self.batch_first, self.mapped = proj, hidden, batch_first, mapped
+            self.cat, self.cat_c = bool(cat), cat == "c"  # (typed apart for TorchScript)
 
         def forward(self, x):
             tdim = 1 if self.batch_first else 0
@@ -1413,9 +1425,11 @@ def torch_modules():
             outs: list[torch.Tensor] = []
             for t in range(x.size(tdim)):
                 xt = x[:, t] if self.batch_first else x[t]
+                if self.mapped:
+                    xt = torch.tanh(self.proj(xt))
                 h1, c1 = self.lower(xt, (h1, c1))
                 if self.cat:
-                    up = torch.cat([c1 if self.cat == "c" else h1, xt], 1)
+                    up = torch.cat([c1 if self.cat_c else h1, xt], 1)
                 else:
                     up = h1 + self.proj(xt) if self.use_proj else h1 + xt
                 h2, c2 = self.upper(up, (h2, c2))

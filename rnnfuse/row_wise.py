@@ -66,11 +66,10 @@ def check_row_wise(g: Graph, n: NodeProto, rows: dict[str, int], const_of, role:
         if all(rows.get(i) or small(i) for i in ins):
             return rank
         raise Decline(f"{what} of {role} combines a row with a constant spanning rows")
-    if op == "Gather" and rank == 1 and row_ins == [n.input[1]] and attr(n, "axis", 0) == 0:
-        table = const_of(n.input[0])  # an embedding lookup: each row's id picks that row's features
-        if table is not None and np.ndim(table) == 2:
-            return ROW_RANK
-        raise Decline(f"{what} of {role} is not a lookup in a constant table")
+    if op == "Gather":
+        picked = _gather_rank(n, rank, row_ins, what, role, const_of)
+        if picked is not None:
+            return picked
     if op in ("Reshape", "Expand") and row_ins == [n.input[0]] and len(ins) == 2:
         found = row_shape(g, n.input[1], rows, const_of)  # [rows, *dims]: the rows stay rows
         if found is not None:
@@ -107,8 +106,7 @@ def check_row_wise(g: Graph, n: NodeProto, rows: dict[str, int], const_of, role:
         if _axis_is_features(n, 0) and len(row_ins) == 1 and (not sizes or const_of(sizes) is not None):
             return rank
     elif op == "Slice":
-        axes = slice_axes(n, const_of)
-        if axes is not None and all(a in (1, -1) for a in axes) and row_ins == [n.input[0]]:
+        if _cuts_only_features(n, const_of) and row_ins == [n.input[0]]:
             return rank
     elif op == "Flatten":
         if attr(n, "axis", 1) == 1 and row_ins == [n.input[0]]:
@@ -117,6 +115,45 @@ def check_row_wise(g: Graph, n: NodeProto, rows: dict[str, int], const_of, role:
         if attr(n, "axis", -1) in (1, -1) and row_ins == [n.input[0]] and all(small(i) for i in ins[1:]):
             return rank
     raise Decline(f"{what} of {role} is not a row-wise op (it may mix batch rows or steps)")
+
+
+def _gather_rank(n: NodeProto, rank: int, row_ins: list[str], what: str, role: str, const_of) -> int | None:
+    """The rank of a row-wise Gather's output: an embedding lookup of each row's id, or features picked by
+    constant indices (``x[:, t, 0]``: one column a row); None for any other Gather (not row-wise)."""
+    if rank == 1 and row_ins == [n.input[1]] and attr(n, "axis", 0) == 0:
+        table = const_of(n.input[0])  # an embedding lookup: each row's id picks that row's features
+        if table is not None and np.ndim(table) == 2:
+            return ROW_RANK
+        raise Decline(f"{what} of {role} is not a lookup in a constant table")
+    if rank == ROW_RANK and row_ins == [n.input[0]] and _axis_is_features(n, 0):
+        cols = const_of(n.input[1])
+        if cols is not None and np.ndim(cols) <= 1:
+            return 1 if np.ndim(cols) == 0 else ROW_RANK
+        raise Decline(f"{what} of {role} picks features by runtime indices")
+    return None
+
+
+def _cuts_only_features(n: NodeProto, const_of) -> bool:
+    """Whether a Slice of ``[rows, features]`` cuts the features alone: the rows' axis, when named, taken whole
+    (TorchScript writes ``x_t[:, 0]`` as ``x_t[0:INT_MAX, :]`` before the column's Gather)."""
+    axes = slice_axes(n, const_of)
+    if axes is None:
+        return False
+    if len(n.input) == 1:  # opset < 10: attributes
+        starts, ends, steps = attr(n, "starts", []), attr(n, "ends", []), None
+    else:
+        starts, ends = np.asarray(const_of(n.input[1])).ravel(), np.asarray(const_of(n.input[2])).ravel()
+        steps = const_of(n.input[4]) if len(n.input) > 4 and n.input[4] else None
+        if steps is None and len(n.input) > 4 and n.input[4]:
+            return False
+        steps = np.asarray(steps).ravel() if steps is not None else None
+    for k, a in enumerate(axes):
+        if a in (1, -1):
+            continue
+        whole = a == 0 and starts[k] == 0 and ends[k] >= 2**31 - 1 and (steps is None or steps[k] == 1)
+        if not whole:
+            return False
+    return True
 
 
 def _axis_is_features(node: NodeProto, default) -> bool:

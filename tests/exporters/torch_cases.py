@@ -359,6 +359,9 @@ CASES = [
     script("rnn_hand_script_xmask_bf", "rnn_hand", xmask="where", **BF,
            notes="v = (x[:, t] != 0).any(-1).unsqueeze(1); h = where(v, cell, h): the mask computed in the body from "
                  "the step's row of a batch-first x; the input sets zero x at padded steps"),
+    script("gru_hand_script_xmask_column", "gru_hand", xmask="column",
+           notes="v = (x[t][:, 0] != 0).unsqueeze(1): the first feature decides (TorchScript slices the rows whole "
+                 "before the column's Gather)"),
     # ... the states of cells stacked in one step kept in a list, hs[k] = cell_k(u, hs[k]): a carried sequence
     script("rnn_hand_script_state_list", "rnn_hand", state_list="set", layers=3,
            notes="hs = [zeros] * 3 (SequenceConstruct); hs[k] = cell_k(u, hs[k]) (SequenceErase + SequenceInsert); "
@@ -521,6 +524,7 @@ def steps_describe(c: Case) -> str:
         parts.append("a step of a row is padding where its features are all 0, decided inside each step (" + {
             "where": "v = (x_t != 0).any(-1).unsqueeze(-1); h = where(v, cell, h); outputs h",
             "abs_sum": "v = x_t.abs().sum(-1, keepdim=True) > 0; h = where(v, cell, h); outputs h",
+            "column": "v = (x_t[:, 0] != 0).unsqueeze(-1), the first feature alone; h = where(v, cell, h); outputs h",
             "float": "m = (x_t != 0).any(-1).unsqueeze(-1).float(); h = m * cell + (1 - m) * h; outputs m * cell",
             "reset": "near miss: m * cell, the state reset to 0 at padded steps",
             "batch": "near miss: v = (x_t != 0).any(-1).all(0): one row's padding stops every row",
@@ -697,6 +701,8 @@ def steps_module(c: Case):
                         u = x[:, t] if c.batch_first else x[t]
                     if o["xmask"] == "abs_sum":
                         v = u.abs().sum(-1, keepdim=True) > 0
+                    elif o["xmask"] == "column":  # (the first feature decides)
+                        v = (u[:, 0] != 0).unsqueeze(-1)
                     elif o["xmask"] == "batch":  # (near miss: one row's padding stops every row)
                         v = (u != 0).any(-1, keepdim=True).all(0, keepdim=True)
                     elif o["xmask"] == "per_feature":  # (near miss, F == H: each unit kept where its feature is 0)
@@ -841,6 +847,7 @@ CASES += [
     steps("rnncell_tanh_trace_xmask_float", "rnn_tanh", xmask="float"),
     steps("lstmcell_trace_xmask_float_bf", "lstm", xmask="float", batch_first=True),
     steps("grucell_dynamo_xmask_where", "gru", exporter="dynamo", time=6, xmask="where"),
+    steps("grucell_trace_xmask_column_bf", "gru", xmask="column", batch_first=True),
     # ... the mask decided from x_t while the cell reads a map of x_t (both read the slice)
     steps("grucell_trace_input_mlp_xmask", "gru", inputs="mlp", xmask="where", xmask_of="x"),
     steps("lstmcell_dynamo_input_layernorm_xmask_float_bf", "lstm", exporter="dynamo", inputs="norm", xmask="float",
@@ -1636,18 +1643,21 @@ def torch_modules():
 
     class ScriptXMaskLoop(nn.Module):
         """Scripted loop over a hand cell kept where the step's row of x is not all zeros, decided in the body
-        from the step it reads (``v = (x_t != 0).any(-1).unsqueeze(1)``), x read on its own time axis."""
+        from the step it reads (``v = (x_t != 0).any(-1).unsqueeze(1)``; ``column``: ``x_t[:, 0] != 0``), x read
+        on its own time axis."""
 
-        def __init__(self, cell, features, hidden, batch_first):
+        def __init__(self, cell, features, hidden, batch_first, column=False):
             super().__init__()
             self.cell, self.hidden, self.batch_first = make_cell(cell, features, hidden), hidden, batch_first
+            self.column = column
 
         def forward(self, x):
             h = torch.zeros(x.size(0) if self.batch_first else x.size(1), self.hidden)
             outs: list[torch.Tensor] = []
             for t in range(x.size(1) if self.batch_first else x.size(0)):
                 u = x[:, t] if self.batch_first else x[t]
-                h = torch.where((u != 0).any(-1).unsqueeze(1), self.cell(u, h), h)
+                v = (u[:, 0] != 0).unsqueeze(1) if self.column else (u != 0).any(-1).unsqueeze(1)
+                h = torch.where(v, self.cell(u, h), h)
                 outs.append(h)
             return torch.stack(outs, 1 if self.batch_first else 0)
 
@@ -1972,7 +1982,7 @@ def build_module(c: Case):
             return m["ScriptStateListLoop"](cell, c.features, c.hidden, o["state_list"],
                                             2 if o["state_list"] == "bidir" else o["layers"])
         if o.get("xmask"):
-            return m["ScriptXMaskLoop"](cell, c.features, c.hidden, c.batch_first)
+            return m["ScriptXMaskLoop"](cell, c.features, c.hidden, c.batch_first, o["xmask"] == "column")
         if o.get("mask_input"):
             return m["ScriptMaskInputLoop"](cell, c.features, c.hidden, o["mask_input"], _mask_batch_first(c),
                                             c.batch_first, o.get("layers", 1))

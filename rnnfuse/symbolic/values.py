@@ -281,9 +281,10 @@ def weighted(v: Value, w: ConstRef) -> tuple[Lin, int]:
 
 
 def input_sum_lin(v: Value, w: ConstRef) -> Lin | None:
-    """``sum_k c_k (a_k @ w)`` for ``v = sum_k c_k a_k``, two or more terms each a step input (or its columns)
-    or an affine map of step inputs (``proj(x_t) = x_t @ P + b``, whose product is ``x_t @ (P w) + b w``), at
-    least one a step input itself; None for any other operand."""
+    """``sum_k c_k (a_k @ w)`` for ``v = sum_k c_k a_k``, two or more terms each a step input (or its columns),
+    a carried state (``(x_t + h) @ W``: one weight for both), or an affine map of step inputs (``proj(x_t) =
+    x_t @ P + b``, whose product is ``x_t @ (P w) + b w``), at least one a step input itself; None for any
+    other operand."""
     if not isinstance(v, SymTensor) or len(v.poly.terms) < 2:
         return None
     p, lin, direct = v.poly, None, False
@@ -291,6 +292,8 @@ def input_sum_lin(v: Value, w: ConstRef) -> Lin | None:
         a = p.atoms[mono[0]] if len(mono) == 1 else None
         if a is not None and (isinstance(a, StepInput) or a.key[0] == STEP_INPUT_PART):
             part, direct = matmul_lin(ConcatRows(((a.key, a.ncols, Poly.atom(a)),), v.lead), w), True
+        elif isinstance(a, State):  # (x_t + h) @ W: tied input and recurrent weights
+            part = matmul_lin(ConcatRows(((a.key, a.ncols, Poly.atom(a)),), v.lead), w)
         elif isinstance(a, LinAtom) and not a.lin.rows and all(
                 src[0] == STEP_INPUT for src in a.lin.sources()) and a.lin.ncols == w.arr.shape[0]:
             part = Lin.make([(src, m.then(w)) for src, m in a.lin.terms], [b.then(w) for b in a.lin.biases], w.ncols)

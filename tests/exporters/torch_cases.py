@@ -169,6 +169,8 @@ CASES = [
     loop("grucell_trace", "gru"),
     loop("rnncell_tanh_trace", "rnn_tanh"),
     loop("rnncell_relu_trace", "rnn_relu"),
+    loop("rnn_tied_trace", "rnn_tied", features=HIDDEN, notes="tanh(W(x_t + h) + b): an RNN whose W and R are one"),
+    loop("rnn_tied_dynamo_bf", "rnn_tied", exporter="dynamo", features=HIDDEN, **BF),
     loop("lstmcell_trace_bf", "lstm", **BF),
     # -- a Linear over the sequence (no activation) before the loop: the cell multiplies its rows again
     loop("lstmcell_trace_linear_before", "lstm", prep="linear"),
@@ -425,6 +427,7 @@ CASES = [
            notes="the backward cell reads hb + hf: one recurrence reading x both ways (no native op)"),
     script("lstmcell_script_two_cells", "lstm", inputs="two_cells",
            notes="an LSTMCell over x[t] and a hand GRU over z[t] in one loop, neither reading the other"),
+    script("rnn_tied_script", "rnn_tied", features=HIDDEN),
     script("rnn_hand_script", "rnn_hand", notes=(
         "nn.RNNCell fails like nn.GRUCell (aten::__contains__ / aten::rnn_tanh_cell unsupported); "
         "tanh(Linear_ih(x_t) + Linear_hh(h)) with the RNNCell's parameters instead")),
@@ -952,6 +955,7 @@ CELL_TEXT = {
     "lstm_cat": "hand LSTM: one Linear over cat([x_t, h]), gates i,f,g,o",
     "lstm_pergate": "hand LSTM: per gate Linear(x_t) + Linear(h, bias=False)",
     "rnn_hand": "hand RNN: tanh(Linear_ih(x_t) + Linear_hh(h))",
+    "rnn_tied": "hand RNN with one weight for input and state: tanh(Linear(x_t + h))",
     "rnn_char": "char-RNN tutorial: h = tanh(i2h(cat(x_t, h))), out_t = log_softmax(i2o(cat(x_t, h)))",
     "rnn_char_linear": "char-RNN tutorial as first written: h = i2h(cat(x_t, h)), out_t = log_softmax(i2o(cat(x_t, h)))",
 }
@@ -1170,6 +1174,16 @@ def torch_modules():
         def forward(self, x, h):
             return torch.tanh(self.ih(x) + self.hh(h))
 
+    class RNNTied(nn.Module):
+        """One Linear for the input and the state: ``tanh(W(x_t + h) + b)`` (features = hidden)."""
+
+        def __init__(self, i, h, bias=True):
+            super().__init__()
+            self.w = nn.Linear(h, h, bias=bias)
+
+        def forward(self, x, h):
+            return torch.tanh(self.w(x + h))
+
     class LSTMCat(nn.Module):
         """One Linear over cat([x_t, h]); gates i, f, g, o."""
 
@@ -1204,7 +1218,8 @@ def torch_modules():
             return nn.GRUCell(i, h, bias=bias)
         if kind in ("rnn_tanh", "rnn_relu"):
             return nn.RNNCell(i, h, bias=bias, nonlinearity=kind[4:])
-        return {"gru_hand": GRUHand, "rnn_hand": RNNHand, "lstm_cat": LSTMCat, "lstm_pergate": LSTMPerGate}[kind](
+        return {"gru_hand": GRUHand, "rnn_hand": RNNHand, "rnn_tied": RNNTied, "lstm_cat": LSTMCat,
+                "lstm_pergate": LSTMPerGate}[kind](
             i, h, bias=bias)
 
     class CellLoop(nn.Module):

@@ -43,7 +43,42 @@ def _affine_map(arg: Poly) -> Lin | None:
     if sa and sa[1] == 1.0 and isinstance(sa[0], LinAtom):
         return sa[0].lin
     offset = arg.as_lin_offset()
-    return with_uniform_bias(offset[0], offset[2]) if offset is not None and offset[1] == 1.0 else None
+    if offset is not None:
+        return with_uniform_bias(offset[0], offset[2]) if offset[1] == 1.0 else None
+    return with_diagonal_weights(arg)
+
+
+def with_diagonal_weights(arg: Poly) -> Lin | None:
+    """``arg`` = affine maps plus ``u * s`` terms (``u`` a constant row or a scalar, ``s`` a carried state):
+    ``s @ diag(u)``, a weight whose off-diagonal entries are zeros (IndRNN's ``relu(W x_t + u * h + b)``: an RNN
+    whose R is diagonal; each sum gains only exact zeros). None for any other polynomial."""
+    lin, scaled, bias = None, [], 0.0  # scaled: (state, its factor: a row, or a scalar for the whole width)
+    for m, c in arg.terms.items():
+        atoms = [arg.atoms[k] for k in m]
+        if not atoms:
+            bias = c
+        elif len(atoms) == 1 and isinstance(atoms[0], LinAtom):
+            part = atoms[0].lin if c == 1.0 else atoms[0].lin.scaled(c)
+            lin = part if lin is None else lin.plus(part)
+        elif len(atoms) == 1 and isinstance(atoms[0], State):
+            scaled.append((atoms[0], np.float64(c), None))
+        else:
+            row = next((a for a in atoms if isinstance(a, LinAtom) and not a.lin.terms and not a.lin.rows), None)
+            state = next((a for a in atoms if isinstance(a, State)), None)
+            if len(atoms) != 2 or row is None or state is None or state.ncols not in (None, row.ncols):
+                return None
+            u = c * sum(b.arr.astype(np.float64) for b in row.lin.biases)
+            scaled.append((state, u.reshape(-1), row.lin.biases[0].arr.dtype))
+    if lin is None or not scaled:
+        return None
+    diagonal = []
+    for state, u, dtype in scaled:
+        if state.ncols not in (None, lin.ncols) or (np.ndim(u) and len(u) != lin.ncols):
+            return None
+        u = np.broadcast_to(u, (lin.ncols,))
+        diagonal.append((state.key, ConstRef.of(np.diag(u).astype(dtype or np.float32))))
+    lin = Lin.make(lin.terms + tuple(diagonal), lin.biases, lin.ncols, lin.rows)
+    return with_uniform_bias(lin, bias) if bias else lin
 
 
 def _act_arg(atom: Act, what: str):
@@ -62,7 +97,8 @@ def _act_arg(atom: Act, what: str):
     if lin is None:
         states = sorted({a.sym for a in arg.atoms.values() if isinstance(a, State)})
         if states:
-            raise Decline(f"{what} reads state {', '.join(states)} elementwise (peephole weights?): {atom.kind} of {arg!r}")
+            raise Decline(f"{what} reads state {', '.join(states)} elementwise, other than scaled by constants "
+                          f"(a diagonal weight): {atom.kind} of {arg!r}")
         raise Decline(f"{what} is {atom.kind} of {arg!r}, not of an affine map of x and h")
     if atom.kind not in ACTIVATIONS:
         raise Decline(f"{what} uses activation {atom.kind}, which native ops do not have")

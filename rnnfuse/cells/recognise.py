@@ -15,7 +15,7 @@ from itertools import permutations
 from ..errors import Decline
 from ..symbolic import Act, LinAtom, Poly, State, StepInput, substitute
 from .kinds import KINDS
-from .match import with_uniform_bias
+from .match import with_diagonal_weights, with_uniform_bias
 from .spec import CellSpec
 
 
@@ -55,7 +55,24 @@ def _same(a: Poly, b: Poly) -> bool:
     if a.key == b.key:
         return True
     a, b = fold_offsets(a), fold_offsets(b)
-    return a.key == b.key or canonical_clips(a).key == canonical_clips(b).key
+    if a.key == b.key or canonical_clips(a).key == canonical_clips(b).key:
+        return True
+    return fold_diagonals(a).key == fold_diagonals(b).key
+
+
+def fold_diagonals(p: Poly) -> Poly:
+    """Elementwise state terms inside every activation, ``act(lin + u * h)``, written as the one affine map
+    ``act(lin')`` whose weight for h is ``diag(u)`` (:func:`.match.with_diagonal_weights`): how a native op
+    with a diagonal recurrent weight (IndRNN's) computes what the graph spells elementwise."""
+
+    def fn(a):
+        if not isinstance(a, Act):
+            return None
+        arg = fold_diagonals(a.arg)
+        lin = with_diagonal_weights(arg)
+        return Poly.atom(Act(a.kind, a.params, Poly.atom(LinAtom(lin)) if lin is not None else arg))
+
+    return substitute(p, fn)
 
 
 def canonical_clips(p: Poly) -> Poly:

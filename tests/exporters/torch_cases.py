@@ -171,6 +171,8 @@ CASES = [
     loop("rnncell_relu_trace", "rnn_relu"),
     loop("rnn_tied_trace", "rnn_tied", features=HIDDEN, notes="tanh(W(x_t + h) + b): an RNN whose W and R are one"),
     loop("rnn_tied_dynamo_bf", "rnn_tied", exporter="dynamo", features=HIDDEN, **BF),
+    loop("rnn_ind_trace", "rnn_ind", notes="IndRNN: relu(W x_t + b + u * h), a native RNN with R = diag(u)"),
+    loop("rnn_ind_dynamo_rev", "rnn_ind", exporter="dynamo", **REV),
     loop("lstmcell_trace_bf", "lstm", **BF),
     # -- a Linear over the sequence (no activation) before the loop: the cell multiplies its rows again
     loop("lstmcell_trace_linear_before", "lstm", prep="linear"),
@@ -428,6 +430,9 @@ CASES = [
     script("lstmcell_script_two_cells", "lstm", inputs="two_cells",
            notes="an LSTMCell over x[t] and a hand GRU over z[t] in one loop, neither reading the other"),
     script("rnn_tied_script", "rnn_tied", features=HIDDEN),
+    script("rnn_ind_script_bf", "rnn_ind", **BF),
+    script("rnn_indsquare_script", "rnn_indsquare", near_miss=True),
+    script("rnn_indinput_script", "rnn_indinput", near_miss=True),
     script("rnn_hand_script", "rnn_hand", notes=(
         "nn.RNNCell fails like nn.GRUCell (aten::__contains__ / aten::rnn_tanh_cell unsupported); "
         "tanh(Linear_ih(x_t) + Linear_hh(h)) with the RNNCell's parameters instead")),
@@ -956,6 +961,9 @@ CELL_TEXT = {
     "lstm_pergate": "hand LSTM: per gate Linear(x_t) + Linear(h, bias=False)",
     "rnn_hand": "hand RNN: tanh(Linear_ih(x_t) + Linear_hh(h))",
     "rnn_tied": "hand RNN with one weight for input and state: tanh(Linear(x_t + h))",
+    "rnn_ind": "IndRNN: relu(Linear(x_t) + u * h), u a vector (an RNN whose R is diagonal)",
+    "rnn_indsquare": "near miss: relu(Linear(x_t) + u * h + u * h * h)",
+    "rnn_indinput": "near miss: relu(Linear(x_t) + P(x_t) * h), h scaled by the input",
     "rnn_char": "char-RNN tutorial: h = tanh(i2h(cat(x_t, h))), out_t = log_softmax(i2o(cat(x_t, h)))",
     "rnn_char_linear": "char-RNN tutorial as first written: h = i2h(cat(x_t, h)), out_t = log_softmax(i2o(cat(x_t, h)))",
 }
@@ -1184,6 +1192,23 @@ def torch_modules():
         def forward(self, x, h):
             return torch.tanh(self.w(x + h))
 
+    class RNNInd(nn.Module):
+        """IndRNN (Li et al. 2018): ``relu(W x_t + b + u * h)``, each unit reading only its own past state. Near
+        misses (``form``): "square" adds ``u * h * h``, "input" scales h by ``P x_t`` (multiplicative)."""
+
+        def __init__(self, i, h, bias=True, form="ind"):
+            super().__init__()
+            self.ih, self.p = nn.Linear(i, h, bias=bias), nn.Linear(i, h)
+            self.u = nn.Parameter(torch.rand(h) * 1.5 - 0.5)
+            self.square, self.by_input = form == "square", form == "input"
+
+        def forward(self, x, h):
+            if self.square:
+                return torch.relu(self.ih(x) + self.u * h + self.u * h * h)
+            if self.by_input:
+                return torch.relu(self.ih(x) + self.p(x) * h)
+            return torch.relu(self.ih(x) + self.u * h)
+
     class LSTMCat(nn.Module):
         """One Linear over cat([x_t, h]); gates i, f, g, o."""
 
@@ -1218,7 +1243,9 @@ def torch_modules():
             return nn.GRUCell(i, h, bias=bias)
         if kind in ("rnn_tanh", "rnn_relu"):
             return nn.RNNCell(i, h, bias=bias, nonlinearity=kind[4:])
-        return {"gru_hand": GRUHand, "rnn_hand": RNNHand, "rnn_tied": RNNTied, "lstm_cat": LSTMCat,
+        return {"gru_hand": GRUHand, "rnn_hand": RNNHand, "rnn_tied": RNNTied, "rnn_ind": RNNInd, "lstm_cat": LSTMCat,
+                "rnn_indsquare": lambda i, h, bias: RNNInd(i, h, bias, "square"),
+                "rnn_indinput": lambda i, h, bias: RNNInd(i, h, bias, "input"),
                 "lstm_pergate": LSTMPerGate}[kind](
             i, h, bias=bias)
 
@@ -2007,6 +2034,7 @@ def build_module(c: Case):
             return m["ScriptTwoCellsLoop"](c.features, c.hidden)
         if inputs:
             return m["ScriptPrepLoop"](c.features, c.hidden, inputs, c.batch_first)
+        o.pop("near_miss", None)  # (a near-miss cell: the loop as any other)
         if cell == "lstm":
             return m["ScriptLSTMLoop"](c.features, c.hidden, **o)
         return m["ScriptHLoop"](cell, c.features, c.hidden, **o)

@@ -65,7 +65,8 @@ def with_diagonal_weights(arg: Poly) -> Lin | None:
         else:
             row = next((a for a in atoms if isinstance(a, LinAtom) and not a.lin.terms and not a.lin.rows), None)
             state = next((a for a in atoms if isinstance(a, State)), None)
-            if len(atoms) != 2 or row is None or state is None or state.ncols not in (None, row.ncols):
+            if (len(atoms) != 2 or row is None or not row.lin.biases or state is None
+                    or state.ncols not in (None, row.ncols)):
                 return None
             u = c * sum(b.arr.astype(np.float64) for b in row.lin.biases)
             scaled.append((state, u.reshape(-1), row.lin.biases[0].arr.dtype))

@@ -1,14 +1,12 @@
 """Role assignment: which tensors of each step are the hidden state h, the cell state c and an extra carried
 output y, proven the same cell at every step; the result is a :class:`~rnnfuse.recurrence.Recurrence`.
 
-Roles: ``h`` is read through the recurrent weights; ``c`` is the one other value a step reads from the step
-before (the LSTM cell state); ``y`` is an extra per-step value carried alongside (Keras' previous output for
-masking), found as what the step computes from its cell values beyond h and c. A step may read one slice of a
-bool family (the mask): states are then masked selects, read by :func:`rnnfuse.step.analyse`.
+Roles: ``h`` is read through the recurrent weights; ``c`` is the other value a step computes and the next reads
+(LSTM); ``y`` an extra carried value (Keras' previous output). A step may read one mask slice: states then select.
 
-A middle step is the reference: it is evaluated symbolically and recognised; every other step must have the
-reference's structural signature, or else the same polynomials (the first step may see a zero initial state
-that the exporter folded into constants: it must equal the cell with that state at zero).
+A middle step is the reference, evaluated symbolically and recognised; every other step must have its
+structural signature, or else the same polynomials (the first step may see a zero initial state that the
+exporter folded into constants: it must equal the cell with that state at zero).
 """
 
 from __future__ import annotations
@@ -235,8 +233,10 @@ class _ChainRoles:
             return
         g, n, last, c_new = self.g, self.n, self.last, self.c_new
         sig_c: list[int | None] = [None] * n
+        if c_new[self.km] not in g.producer:  # (a model input read by every step beside h is no cell state)
+            raise Decline(f"'{c_new[self.km]}', read as the cell state, is not computed by the steps")
         c_new[last - 1] = self.foreign[last].name or self.step_output(last - 1, g.producer[c_new[self.km]].op_type, self.ref_sig["c"], c_new[self.km])
-        if c_new[last - 1] is None:
+        if c_new[last - 1] not in g.producer:  # (None included)
             raise Decline(f"step {self.ts[last]} does not read the cell state")
         c_new[last] = self.step_output(last, g.producer[c_new[last - 1]].op_type, self.ref_sig["c"], c_new[self.km])
         for k in range(n):

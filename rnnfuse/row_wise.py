@@ -106,7 +106,7 @@ def check_row_wise(g: Graph, n: NodeProto, rows: dict[str, int], const_of, role:
         if _axis_is_features(n, 0) and len(row_ins) == 1 and (not sizes or const_of(sizes) is not None):
             return rank
     elif op == "Slice":
-        if _cuts_only_features(n, const_of) and row_ins == [n.input[0]]:
+        if _cuts_only_features(n, g.model.opset, const_of) and row_ins == [n.input[0]]:
             return rank
     elif op == "Flatten":
         if attr(n, "axis", 1) == 1 and row_ins == [n.input[0]]:
@@ -133,27 +133,13 @@ def _gather_rank(n: NodeProto, rank: int, row_ins: list[str], what: str, role: s
     return None
 
 
-def _cuts_only_features(n: NodeProto, const_of) -> bool:
+def _cuts_only_features(n: NodeProto, opset: int, const_of) -> bool:
     """Whether a Slice of ``[rows, features]`` cuts the features alone: the rows' axis, when named, taken whole
     (TorchScript writes ``x_t[:, 0]`` as ``x_t[0:INT_MAX, :]`` before the column's Gather)."""
-    axes = slice_axes(n, const_of)
-    if axes is None:
+    args = op_args.slice_args(n, opset, lambda i: const_of(n.input[i]))
+    if None in args:
         return False
-    if len(n.input) == 1:  # opset < 10: attributes
-        starts, ends, steps = attr(n, "starts", []), attr(n, "ends", []), None
-    else:
-        starts, ends = np.asarray(const_of(n.input[1])).ravel(), np.asarray(const_of(n.input[2])).ravel()
-        steps = const_of(n.input[4]) if len(n.input) > 4 and n.input[4] else None
-        if steps is None and len(n.input) > 4 and n.input[4]:
-            return False
-        steps = np.asarray(steps).ravel() if steps is not None else None
-    for k, a in enumerate(axes):
-        if a in (1, -1):
-            continue
-        whole = a == 0 and starts[k] == 0 and ends[k] >= 2**31 - 1 and (steps is None or steps[k] == 1)
-        if not whole:
-            return False
-    return True
+    return all(a in (1, -1) or (a == 0 and s == 0 and e >= 2**31 - 1 and step == 1) for s, e, a, step in zip(*args))
 
 
 def _axis_is_features(node: NodeProto, default) -> bool:
@@ -221,21 +207,6 @@ def folded_from_shapes(g: Graph, name: str, limit: int = 32) -> bool:
         seen.add(id(p))
         stack.extend(i for i in p.input if i)
     return bool(stack)  # (a cone too deep to read: taken as one)
-
-
-def slice_axes(n: NodeProto, const_of) -> list[int] | None:
-    """The axes a Slice cuts, when its starts/ends/axes are constants."""
-    if len(n.input) == 1:  # opset < 10: attributes
-        axes = attr(n, "axes", None)
-        return list(axes) if axes is not None else list(range(len(attr(n, "starts", []))))
-    consts = [const_of(i) if i else None for i in n.input[1:4]]
-    if consts[0] is None or consts[1] is None:
-        return None
-    if len(n.input) > 3 and n.input[3]:
-        if consts[2] is None:
-            return None
-        return [int(a) for a in np.asarray(consts[2]).ravel()]
-    return list(range(np.asarray(consts[0]).size))
 
 
 def replay(b, nodes: list[NodeProto], env: dict[str, str], hint: str) -> dict[str, str]:

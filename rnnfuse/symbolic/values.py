@@ -290,10 +290,10 @@ def input_sum_lin(v: Value, w: ConstRef) -> Lin | None:
     p, lin, direct = v.poly, None, False
     for mono, c in p.terms.items():
         a = p.atoms[mono[0]] if len(mono) == 1 else None
-        if a is not None and (isinstance(a, StepInput) or a.key[0] == STEP_INPUT_PART):
-            part, direct = matmul_lin(ConcatRows(((a.key, a.ncols, Poly.atom(a)),), v.lead), w), True
-        elif isinstance(a, State):  # (x_t + h) @ W: tied input and recurrent weights
+        if a is not None and (isinstance(a, (StepInput, State)) or a.key[0] == STEP_INPUT_PART):
+            # (a state beside the step input: (x_t + h) @ W, tied input and recurrent weights)
             part = matmul_lin(ConcatRows(((a.key, a.ncols, Poly.atom(a)),), v.lead), w)
+            direct |= not isinstance(a, State)
         elif isinstance(a, LinAtom) and not a.lin.rows and all(
                 src[0] == STEP_INPUT for src in a.lin.sources()) and a.lin.ncols == w.arr.shape[0]:
             part = Lin.make([(src, m.then(w)) for src, m in a.lin.terms], [b.then(w) for b in a.lin.biases], w.ncols)

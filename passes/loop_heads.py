@@ -183,8 +183,6 @@ def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: li
                 continue
             if rec.masked or any(recs[j].masked for j in head.layer_h.values()):
                 raise Decline("a per-step output computed from h under a mask (a head on masked steps)")
-            if head.x and li > 0:
-                raise Decline("a head reads the step input and the output of a cell above the first")
             for name, j in head.layer_h.items():  # the other cells' Y, handed to this one when emitted
                 head.layer_h[name] = _steps_output(recs[j], j)
             rec.seq_outputs.append(SeqOutput(cand.outer, NONE, Init(), cand.time_axis, cand.reversed, head=head,

@@ -19,9 +19,10 @@ def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
     x's rows the cell reads, the time flips of x, then the slice of the steps the recurrence runs over (x and
     mask alike)."""
     x, mask = rec.x, rec.mask
-    if rec.x_prep.side_by_side:  # sequences read beside x: one input, their features after x's
-        x = _side_by_side(g, x, rec.x_prep.side_by_side, rec.anchor, rec.x_prep.side_batch_first,
-                          rec.x_prep.side_map)
+    if rec.x_prep.ys_beside or rec.x_prep.side_by_side:  # sequences read beside x: one input, features after x's
+        others = _laid_out_like_x(g, rec.x_prep.side_by_side, rec.anchor, rec.x_prep.side_batch_first,
+                                  rec.x_prep.side_map)
+        x = _side_by_side(g, x, (*rec.x_prep.ys_beside, *others), rec.anchor)
     if rec.x_prep.input_map is not None:  # (row-wise: it commutes with the flips and the slice below)
         x = rec.x_prep.input_map.build(g, x, rec.anchor)
     for flip in rec.x_prep.flips:
@@ -61,20 +62,24 @@ def _first_steps(g: Graph, mask: str, x: str, rec: Recurrence) -> str:
     return cut
 
 
-def _side_by_side(g: Graph, x: str, others: tuple, anchor, batch_first: bool = False, side_map=None) -> str:
-    """``x`` and ``others`` ([T, B, F_k] or [B, T, F_k] alike; ``batch_first``: the others [B, T, F_k] beside a
-    [T, B, F] x, laid out like it first; ``side_map``: a step input map applied to each other first, in its
-    own layout) concatenated on features, declared so."""
+def _laid_out_like_x(g: Graph, others: tuple, anchor, batch_first: bool = False, side_map=None) -> tuple:
+    """Sequences read beside a [T, B, F] x laid out like it: ``side_map`` (a step input map) applied to each
+    first, in its own layout, then [B, T, F] ones (``batch_first``) transposed."""
     if side_map is not None:
         others = tuple(side_map.build(g, name, anchor) for name in others)
-    if batch_first:
-        laid = []
-        for name in others:
-            t = g.add_node("Transpose", [name], 1, name="rnnfuse/Transpose", anchor=anchor, perm=[1, 0, 2])[0]
-            dims = g.model.shape(name)
-            g.model.declare(t, (g.model.elem_type(name), [dims[1], dims[0], dims[2]] if dims else None))
-            laid.append(t)
-        others = tuple(laid)
+    if not batch_first:
+        return others
+    laid = []
+    for name in others:
+        t = g.add_node("Transpose", [name], 1, name="rnnfuse/Transpose", anchor=anchor, perm=[1, 0, 2])[0]
+        dims = g.model.shape(name)
+        g.model.declare(t, (g.model.elem_type(name), [dims[1], dims[0], dims[2]] if dims else None))
+        laid.append(t)
+    return tuple(laid)
+
+
+def _side_by_side(g: Graph, x: str, others: tuple, anchor) -> str:
+    """``x`` and ``others`` (all [T, B, F_k]) concatenated on features, declared so."""
     shapes = [g.model.shape(name) or [None] * 3 for name in (x, *others)]
     width = sum(s[2] for s in shapes) if all(isinstance(s[2], int) for s in shapes) else None
     cat = g.add_node("Concat", [x, *others], 1, name="rnnfuse/Concat", anchor=anchor, axis=2)[0]

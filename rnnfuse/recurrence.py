@@ -117,8 +117,11 @@ class InputPrep:
     # x is a row-wise map of ``Recurrence.x`` (what a Loop body computes from its step before the cell): an
     # object whose ``build(graph, x, anchor)`` applies it to every step of x at once and names the result
     input_map: object = None
+    # the Ys of other layers of a stacked step that a residual cell reads beside x, the Y of the layer below it
+    # (GNMT's ``c3(h2 + h1)``): internal sequence outputs, laid out like x, concatenated right after it
+    ys_beside: tuple = ()
     # sequences the steps read beside x (``lax.scan`` over ``(x, x2)``): the op reads x and these concatenated
-    # on features, in this order
+    # on features, in this order (after ``ys_beside``)
     side_by_side: tuple = ()
     # those sequences are laid out [B, T, F] where x is [T, B, F] (a residual layer's x beside the Y below it)
     side_batch_first: bool = False

@@ -10,9 +10,9 @@ not compute, so the step is read layer by layer:
 * the states left over are evaluated again with those inputs; a group whose maths read exactly one such
   input is the next layer, fed by the layer that produced it.
 
-A cell that reads the output of a layer below *plus* the step input (a residual stack, GNMT's ``c2(h1 + x_t)``
-or ``c2(h1 + proj(x_t))``) reads both through one weight each: it is evaluated again with the two as the
-columns of one input, ``cat(y1_t, x_t)``, which its native op reads as the layer below's Y and x side by side.
+A cell that reads several of those inputs at once, each through one weight (a residual stack: GNMT's
+``c2(h1 + x_t)``, ``c2(h1 + proj(x_t))``, ``c3(h2 + h1)``) is evaluated again with them as the columns of one
+input, ``cat(y2_t, y1_t, x_t)``, which its native op reads as the layers' Ys (and x) side by side.
 
 Groups are the connected parts of "reads": a layer's states read each other, and a carried copy of the
 output reads the states it copies. Whether a cut input is the cell below's *output* (h, not c) is checked
@@ -40,10 +40,12 @@ class Layer:
     x: StepInput  # this layer's step input
     below: int | None = None  # the layer whose new output is x (None: the step's own input)
     feeds: dict = field(default_factory=dict)  # StepInput sym -> the states of this layer whose new value it is
-    # a residual layer's: x is the output of the layer below (``fed_by``, a step input of the round) and the
-    # step's own input side by side, read through one weight each: ``(y1_t + x_t) @ W`` is ``cat(y1_t, x_t) @ [W; W]``
+    fed_by: str | None = None  # the step input of the round that is the output of ``below``
+    # a residual layer's: x is the output of the layer below (``fed_by``) with the outputs of other layers below
+    # (``beside``: (layer, step input sym), nearest first) and the step's own input (``beside_input``) after it,
+    # each read through one weight: ``(y2_t + y1_t) @ W`` is ``cat(y2_t, y1_t) @ [W; W]``
+    beside: list = field(default_factory=list)
     beside_input: bool = False
-    fed_by: str | None = None
 
 
 def sources(p: Poly) -> set:
@@ -146,18 +148,21 @@ def split_layers(body: Graph, leaves: dict[str, Value], state_out: dict[str, str
 
 def _residual_layer(body: Graph, level_leaves: dict, state_out: dict, group: list[str], inputs: set, x: StepInput,
                     atoms: dict, producer_of: dict, batch: int | None, polys: dict) -> Layer:
-    """The layer of ``group``, whose cell reads the step input ``x`` and the output of one layer below (a
-    residual stack's upper cell: ``(y1_t + x_t) @ W``): evaluated again with both as the columns of one input,
-    the layer below's output first (the native op reads its Y and x concatenated on features). ``polys`` get
-    the group's states' new maths."""
-    below = inputs - {x.sym}
-    if len(inputs) != 2 or x.sym not in inputs or x.ncols is None or atoms[next(iter(below))].ncols is None:
-        raise Decline(f"a cell reads {len(inputs)} step inputs at once (the step input and a cell output?)")
-    y = atoms[next(iter(below))]
-    total = y.ncols + x.ncols
-    sym = f"{y.sym}+{x.sym}"
-    parts = {y.key: Poly.atom(StepInputPart(sym, 0, y.ncols, total)),
-             x.key: Poly.atom(StepInputPart(sym, y.ncols, total, total))}
+    """The layer of ``group``, whose cell reads several step inputs of the round: the outputs of layers below and
+    perhaps the step input ``x`` (a residual stack's upper cell: ``(y1_t + x_t) @ W``, ``(y2_t + y1_t) @ W``).
+    Evaluated again with them as the columns of one input, in the order its native op reads them concatenated
+    on features: the nearest layer's output first (the op's x is that layer's Y), the other layers' outputs
+    downwards, x last. ``polys`` get the group's states' new maths."""
+    if any(atoms[s].ncols is None for s in inputs):
+        raise Decline(f"a cell reads {len(inputs)} step inputs at once, one of unknown width")
+    below = sorted((s for s in inputs if s != x.sym), key=lambda s: -producer_of[s])
+    order = below + ([x.sym] if x.sym in inputs else [])
+    total = sum(atoms[s].ncols for s in order)
+    sym = "+".join(order)
+    parts, start = {}, 0
+    for s in order:
+        parts[atoms[s].key] = Poly.atom(StepInputPart(sym, start, start + atoms[s].ncols, total))
+        start += atoms[s].ncols
     leaves = {}
     for name, v in level_leaves.items():
         p = v.poly if isinstance(v, SymTensor) else None
@@ -165,13 +170,14 @@ def _residual_layer(body: Graph, level_leaves: dict, state_out: dict, group: lis
         if single is not None and single[1] == 1.0 and single[0].key in parts:
             v = SymTensor(parts[single[0].key], v.lead)
         elif p is not None and any(k in parts for k in p.atoms):  # (x read any other way: masked, in columns)
-            raise Decline("a cell reads the cell below's output and the step input, one of them other than as it is")
+            raise Decline("a cell reads the outputs of cells below (or the step input) other than as they are")
         leaves[name] = v
     ev = StepEvaluator(body, leaves)
     ev.batch = batch
     for s in group:
         polys[s] = ev.poly(state_out[s])
-    return Layer(group, ev, StepInput(sym, total), producer_of[y.sym], beside_input=True, fed_by=y.sym)
+    return Layer(group, ev, StepInput(sym, total), producer_of[below[0]], fed_by=below[0],
+                 beside=[(producer_of[s], s) for s in below[1:]], beside_input=x.sym in inputs)
 
 
 def check_feeds(layers: list[Layer], cell_states: list[tuple[str, str | None]]) -> None:
@@ -180,9 +186,9 @@ def check_feeds(layers: list[Layer], cell_states: list[tuple[str, str | None]]) 
     for layer in layers:
         if layer.below is None:
             continue
-        below = layers[layer.below]
-        if cell_states[layer.below][0] not in below.feeds.get(layer.fed_by, ()):
-            raise Decline("a cell reads a state of the cell below other than its output")
+        for li, sym in [(layer.below, layer.fed_by), *layer.beside]:
+            if cell_states[li][0] not in layers[li].feeds.get(sym, ()):
+                raise Decline("a cell reads a state of the cell below other than its output")
 
 
 def owner(layers: list[Layer], name: str) -> int:
@@ -260,16 +266,29 @@ def layer_recurrence(front: str, where: str, an, layers: list, li: int, recs: li
                      remove=remove if li == 0 else [], anchor=anchor, x_time_axis=x_time_axis,
                      x_reversed=x_reversed, x_prep=x_prep if below is None else InputPrep(), **extra)
     if below is not None:  # the cell below's Y, in time order like x, read in the same order as x
-        y = f"{where}/rnnfuse_cell{layer.below + 1}_Y"
-        if not any(so.internal and so.tensor == y for so in below.seq_outputs):  # (two cells may read one below)
-            below.seq_outputs.append(SeqOutput(y, ZERO if below.masked else NONE, reversed=x_reversed, internal=True))
-        rec.x, rec.x_internal, rec.x_time_axis = y, True, 0
+        rec.x, rec.x_internal, rec.x_time_axis = _internal_y(where, recs, layer.below, x_reversed), True, 0
+        beside = tuple(_internal_y(where, recs, li_y, x_reversed) for li_y, _ in layer.beside)
+        if any(recs[li_y].masked and not an.masked for li_y, _ in layer.beside):
+            raise Decline("a cell ignores the mask a cell below it keeps to")
         if layer.beside_input:  # (x beside it as the bottom cell reads it, unmasked: Y is laid out in x's order,
             # read backwards alike when x is; a flip, a slice of the steps or a map of x's would apply to x alone)
             if mask is not None or replace(x_prep, input_map=None) != InputPrep():
                 raise Decline("a cell reads the cell below's output plus the step input, and the step input is "
                               "masked, flipped or cut")
-            rec.x_prep = InputPrep(side_by_side=(x,), side_batch_first=x_time_axis == 1, side_map=x_prep.input_map)
+            rec.x_prep = InputPrep(ys_beside=beside, side_by_side=(x,), side_batch_first=x_time_axis == 1,
+                                   side_map=x_prep.input_map)
+        else:
+            rec.x_prep = InputPrep(ys_beside=beside)
     if len(layers) > 1:
         rec.stack = where
     return rec
+
+
+def _internal_y(where: str, recs: list[Recurrence], li: int, x_reversed: bool) -> str:
+    """The Y of layer ``li`` of a stacked step, in time order like x: an internal sequence output of its
+    recurrence, added when the first cell above reads it (several may)."""
+    y = f"{where}/rnnfuse_cell{li + 1}_Y"
+    rec = recs[li]
+    if not any(so.internal and so.tensor == y for so in rec.seq_outputs):
+        rec.seq_outputs.append(SeqOutput(y, ZERO if rec.masked else NONE, reversed=x_reversed, internal=True))
+    return y

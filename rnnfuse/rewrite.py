@@ -150,8 +150,9 @@ def apply_recurrences(
             result.findings.append(f)
             _drop_stack(rec, stacks, rewrites)
             continue
-        if rec.x_internal:
+        if rec.x_internal:  # (the Ys of the layers below it, as emitted)
             rec.x = links[rec.x]
+            rec.x_prep.ys_beside = tuple(links[y] for y in rec.x_prep.ys_beside)
         for so in rec.seq_outputs:  # a head over cells side by side reads the Y of the cells emitted before
             if so.head is not None and so.head.layer_h:
                 so.head.layer_h = {name: links.get(y, y) for name, y in so.head.layer_h.items()}

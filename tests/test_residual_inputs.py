@@ -9,6 +9,9 @@ output. A head reading ``y1_t`` again beside the cell's new h (``h_t + y1_t``) k
 
 The same stack in one Scan step (both cells carried; ``h1' + x_t @ P`` read by the upper cell) is two native
 ops, the upper reading ``cat(Y1, x)`` (time-major or batch-first x); with ``h1' * (x_t @ P)`` it is declined.
+Three cells a step, the third reading the outputs of both below and x (GNMT's deeper residual stack,
+``(h2' + x_t @ P + h1') @ W3``) are three ops, the third reading ``cat(Y2, Y1, x)``; the third reading the
+first cell's h before the step updates it is declined.
 """
 
 from __future__ import annotations
@@ -157,4 +160,60 @@ def test_residual_product_in_a_scan_step_declined():
     fused, report = rnnfuse.optimize(model)
     assert report.declined and not report.fused, report.to_text()
     assert "left operand is not a step input or state" in report.declined[0].reason
+    assert fused.SerializeToString() == model.SerializeToString()
+
+
+def _gnmt_scan_model(old_h1: bool = False, batch_first: bool = False) -> onnx.ModelProto:
+    """A Scan stepping h1' = tanh(x_t @ W1 + h1 @ U1), h2' = tanh(h1' @ W2 + h2 @ U2) and
+    h3' = tanh((h2' + x_t @ P + h1') @ W3 + h3 @ U3 + b3) from zeros (``old_h1``: h1 in place of h1');
+    outputs the stacked h3'."""
+    rng = np.random.default_rng(7)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.5).astype(np.float32)
+
+    inits = [nh.from_array(a, n) for a, n in [(w(F, H), "W1"), (w(H, H), "U1"), (w(H, H), "W2"), (w(H, H), "U2"),
+                                              (w(F, H), "P"), (w(H, H), "W3"), (w(H, H), "U3"), (w(H), "b3"),
+                                              (np.zeros((B, H), np.float32), "z")]]
+    body = oh.make_graph([
+        oh.make_node("MatMul", ["xt", "W1"], ["a1"]), oh.make_node("MatMul", ["h1", "U1"], ["b1"]),
+        oh.make_node("Add", ["a1", "b1"], ["s1"]), oh.make_node("Tanh", ["s1"], ["h1n"]),
+        oh.make_node("MatMul", ["h1n", "W2"], ["a2"]), oh.make_node("MatMul", ["h2", "U2"], ["b2"]),
+        oh.make_node("Add", ["b2", "a2"], ["s2"]), oh.make_node("Tanh", ["s2"], ["h2n"]),
+        oh.make_node("MatMul", ["xt", "P"], ["px"]), oh.make_node("Add", ["h2n", "px"], ["u0"]),
+        oh.make_node("Add", ["u0", "h1" if old_h1 else "h1n"], ["u"]),
+        oh.make_node("MatMul", ["u", "W3"], ["a3"]), oh.make_node("MatMul", ["h3", "U3"], ["b3n"]),
+        oh.make_node("Add", ["a3", "b3n"], ["e"]), oh.make_node("Add", ["e", "b3"], ["f"]),
+        oh.make_node("Tanh", ["f"], ["h3n"]), oh.make_node("Identity", ["h3n"], ["y"])], "body",
+        [oh.make_tensor_value_info(n, TensorProto.FLOAT, [B, H]) for n in ("h1", "h2", "h3")]
+        + [oh.make_tensor_value_info("xt", TensorProto.FLOAT, [B, F])],
+        [oh.make_tensor_value_info(n, TensorProto.FLOAT, [B, H]) for n in ("h1n", "h2n", "h3n", "y")])
+    axis = 1 if batch_first else 0
+    scan = oh.make_node("Scan", ["z", "z", "z", "x"], ["H1", "H2", "H3", "Y"], body=body, num_scan_inputs=1,
+                        scan_input_axes=[axis], scan_output_axes=[axis])
+    graph = oh.make_graph([scan], "gnmt_scan",
+                          [oh.make_tensor_value_info("x", TensorProto.FLOAT, [B, T, F] if batch_first else [T, B, F])],
+                          [oh.make_tensor_value_info("Y", TensorProto.FLOAT, None)], inits)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_cell_reading_two_cells_below_and_x_is_one_op_over_their_ys_and_x(batch_first):
+    model = _gnmt_scan_model(batch_first=batch_first)
+    fused, report = rnnfuse.optimize(model)
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("RNN") == 3 and "Scan" not in ops and "MatMul" not in ops, report.to_text()
+    top = [n for n in fused.graph.node if n.op_type == "RNN"][-1]
+    weights = {t.name: t for t in fused.graph.initializer}
+    assert nh.to_array(weights[top.input[1]]).shape == (1, H, H + H + F)  # (the input weight over Y2, Y1, x)
+    for seed in range(3):
+        feeds = _feeds(model, seed)
+        np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+
+
+def test_cell_reading_the_state_of_a_cell_below_before_its_update_declined():
+    model = _gnmt_scan_model(old_h1=True)
+    fused, report = rnnfuse.optimize(model)
+    assert report.declined and not report.fused, report.to_text()
+    assert "reads the states" in report.declined[0].reason, report.to_text()
     assert fused.SerializeToString() == model.SerializeToString()

@@ -226,6 +226,11 @@ CASES = [
          notes="the upper cell reads h1 * (x_t @ P + bp): no native op multiplies its input by another's output"),
     case("near_hand_residual_preactivation", "hand", "residual_c", declined="left operand is not a step input or state",
          notes="the upper cell reads the lower one's pre-activation plus proj(x_t), not its output"),
+    case("hand_gnmt3", "hand", "gnmt3", notes=(
+        "GNMT's deeper stack in one scan: two tanh cells, an LSTM above reading h2 + h1 (the outputs of both cells "
+        "below: its op reads cat(Y2, Y1)); the step returns h3 + h2 + h1")),
+    case("near_hand_gnmt3_product", "hand", "gnmt3_product", declined="left operand is not a step input or state",
+         notes="the LSTM reads h2 * h1: no native op multiplies the outputs of two cells"),
     case("hand_rnn_char_head", "hand", "rnn_char", notes=(
         "the char-RNN step: comb = concatenate([x_t, h]); returns (tanh(comb @ W + b), log_softmax(comb @ V))")),
     case("near_hand_head_feedback", "hand", "rnn_head_feedback", declined="left operand is not a step input or state",
@@ -492,6 +497,19 @@ def build_hand(env: Env, c: Case, seed: int):
                 return (h1, c2, h2), h2
             h2 = tanh(u @ Ux + h2 @ Uh + ub)
             return (h1, c2, h2), h2 + h1
+    elif kind in ("gnmt3", "gnmt3_product"):  # GNMT: c3(h2 + h1) (near miss: c3(h2 * h1))
+        Wx, Wh, b, Vx, Vh, vb, Lx, Lh, lb = _weights(rng, (F, H), (H, H), (H,), (H, H), (H, H), (H,), (H, 4 * H),
+                                                     (H, 4 * H), (4 * H,))
+
+        def cell(carry, xt):
+            h1, h2, c3, h3 = carry
+            h1 = tanh(xt @ Wx + h1 @ Wh + b)
+            h2 = tanh(h1 @ Vx + h2 @ Vh + vb)
+            u = h2 * h1 if kind == "gnmt3_product" else h2 + h1
+            i, f, g, o = jnp.split(u @ Lx + h3 @ Lh + lb, 4, axis=-1)
+            c3 = sig(f) * c3 + sig(i) * tanh(g)
+            h3 = sig(o) * tanh(c3)
+            return (h1, h2, c3, h3), h3 + h2 + h1
     elif kind == "residual_mapped":
         M, bm, Wx, Wh, b, Ux, Uh, ub = _weights(rng, (F, H), (H,), (H, H), (H, H), (H,), (H, H), (H, H), (H,))
 
@@ -600,6 +618,8 @@ def build_hand(env: Env, c: Case, seed: int):
         if kind in ("rnn_lstm_side", "residual_lstm", "residual_rnn_out", "residual_product", "residual_c",
                     "residual_mapped"):
             return (z, z, z)
+        if kind in ("gnmt3", "gnmt3_product"):
+            return (z, z, z, z)
         if kind == "rnn_decay":
             return (z, jnp.asarray(Wh))
         return z
@@ -1004,6 +1024,8 @@ def expectation(c: Case) -> dict:
         return {"ops": {"RNN": 1, "LSTM": 1}, "absent": ["Loop", "Scan"]}
     if c.cell in ("residual_rnn_out", "residual_mapped"):
         return {"ops": {"RNN": 2}, "absent": ["Loop", "Scan"]}
+    if c.cell == "gnmt3":
+        return {"ops": {"RNN": 2, "LSTM": 1}, "absent": ["Loop", "Scan"]}
     op = ONNX_OP.get(c.cell) or {"lstm": "LSTM", "gru": "GRU", "rnn": "RNN", "rnn_relu": "RNN", "lstm_head": "LSTM",
                                    "gru_head": "GRU", "rnn_head_x": "RNN", "rnn_elu_ref": "RNN", "rnn_len": "RNN", "gru_einsum": "GRU",
                                    "rnn_einsum_t": "RNN", "rnn_big_head": "RNN", "rnn_head_prev": "RNN",

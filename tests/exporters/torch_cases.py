@@ -154,6 +154,15 @@ def residual(name, cell, exporter="trace", **kw):
     return _case(name, exporter, "residual", cell, **kw)
 
 
+def gnmt(name, cell, exporter="trace", **kw):
+    """GNMT's residual stack of ``layers`` cells a step: cell i >= 3 reads h_{i-1} plus the input of cell i-1
+    (``c3(h2 + h1)``, ``c4(h3 + h2 + h1)``; ``x_res=True``: from cell 2 on, ``c2(h1 + x_t)``, ``c3(h2 + h1 + x_t)``);
+    returns the top cell's h plus its input, stacked. Features = hidden. TorchScript: LSTM, three cells
+    (``near_miss=True``: ``c3(h2 + c1)``, the state of the cell below that is not its output)."""
+    kw.setdefault("features", HIDDEN)
+    return _case(name, exporter, "gnmt", cell, **kw)
+
+
 def keras(name, layer, **kw):
     """A Keras 3 layer on the torch backend, exported with ``model.export(format="onnx")``."""
     return _case(name, "keras3-torch", "keras", layer, **kw)
@@ -279,6 +288,15 @@ CASES = [
     residual("lstmcell_script_residual_cat_c", "lstm", exporter="torchscript", cat="c", dynamic_time=True,
              near_miss=True, notes="the upper cell reads cat(c1_t, x_t): the cell below's c, which no native op "
                                    "hands out per step"),
+    # -- GNMT: deeper residual stacks, a cell reading the outputs of two or more cells below
+    gnmt("lstmcell_trace_gnmt3", "lstm", layers=3, notes="c3(h2 + h1): the chain front end's step inputs"),
+    gnmt("grucell_trace_gnmt4_xres", "gru", layers=4, x_res=True),
+    gnmt("lstmcell_script_gnmt3", "lstm", exporter="torchscript", layers=3, dynamic_time=True,
+         notes="a TorchScript Loop of three one-step LSTM ops, the third reading h2 + h1: its op reads cat(Y2, Y1)"),
+    gnmt("lstmcell_script_gnmt3_xres", "lstm", exporter="torchscript", layers=3, x_res=True, dynamic_time=True,
+         notes="c2(h1 + x_t), c3(h2 + h1 + x_t): the third op reads cat(Y2, Y1, x)"),
+    gnmt("lstmcell_script_gnmt3_c1", "lstm", exporter="torchscript", layers=3, near_miss=True, dynamic_time=True,
+         notes="c3(h2 + c1): the cell below's c, which no native op hands out per step"),
     # -- dynamo: the same loops through torch.export (dynamic batch via dynamic_shapes)
     loop("lstmcell_dynamo", "lstm", exporter="dynamo", time=6),
     loop("lstmcell_dynamo_bf", "lstm", exporter="dynamo", time=6, **BF),
@@ -926,6 +944,8 @@ def expectation(c: Case) -> dict:
         return steps_expectation(c, exp)
     if c.model == "projskip":  # (the projection once over x for the op; the skip still reads each step's own)
         return dict(exp, max_cell_ops=c.time + 1)
+    if c.model == "gnmt" and o.get("near_miss"):  # the Loop stays as it is
+        return {"declined": True, "ops": {}, "absent": []}
     if c.model == "residual" and o.get("near_miss"):  # the Loop stays as it is
         return {"declined": True, "ops": {}, "absent": []}
     if c.model == "residual":  # (two layers; a projection inside the upper step input once over x)
@@ -1004,6 +1024,13 @@ def describe(c: Case) -> str:
         return f"{CELL_TEXT[o['cell']]}; {layout}; zero initial state; returns {ret}"
     if c.model == "projskip":
         return f"{CELL_TEXT[o['cell']]} over xt = Linear(x_t); {layout}; returns torch.stack([h + xt per step])"
+    if c.model == "gnmt":
+        ups = ["c2(h1 + x_t)" if o.get("x_res") else "c2(h1)"]
+        for i in range(3, o["layers"] + 1):
+            ups.append(f"c{i}(" + " + ".join(f"h{j}" for j in range(i - 1, 0, -1)) + (" + x_t)" if o.get("x_res") else ")"))
+        if o.get("near_miss"):
+            ups[-1] = "c3(h2 + c1)"
+        return f"{CELL_TEXT[o['cell']]} x{o['layers']}, GNMT residual stack: c1(x_t), {', '.join(ups)}; returns the top h plus its input"
     if c.model == "residual":
         xt = "xt = tanh(Linear(x_t))" if o.get("mapped") else "x_t"
         if o.get("cat"):
@@ -1455,6 +1482,50 @@ def torch_modules():
                 h2 = s2[0] if self.lstm else s2
                 outs.append(h2 + h1 if self.out_res else h2)
             return torch.stack(outs, t_axis)
+
+    class GNMTStack(nn.Module):
+        """GNMT's residual stack: cell i reads h_{i-1} plus the input of cell i-1 from the third cell on (the
+        second with ``x_res``); returns the top cell's h plus its input per step."""
+
+        def __init__(self, cell, hidden, layers, x_res=False):
+            super().__init__()
+            self.cells = nn.ModuleList(make_cell(cell, hidden, hidden) for _ in range(layers))
+            self.lstm, self.hidden, self.first_res = cell == "lstm", hidden, 1 if x_res else 2
+
+        def forward(self, x):
+            z = torch.zeros(x.shape[1], self.hidden, dtype=x.dtype)
+            states = [(z, z) if self.lstm else z for _ in self.cells]
+            outs = []
+            for t in range(x.shape[0]):
+                inp = x[t]
+                for i, cell in enumerate(self.cells):
+                    states[i] = cell(inp, states[i])
+                    h = states[i][0] if self.lstm else states[i]
+                    inp = h + inp if i + 1 >= self.first_res else h
+                outs.append(inp)
+            return torch.stack(outs)
+
+    class ScriptGNMT(nn.Module):
+        """GNMTStack's three-LSTM form for ``torch.jit.script`` (``c1``: the third cell reads h2 + c1)."""
+
+        def __init__(self, hidden, x_res=False, c1=False):
+            super().__init__()
+            self.l1, self.l2, self.l3 = (nn.LSTMCell(hidden, hidden) for _ in range(3))
+            self.hidden, self.x_res, self.c1_read = hidden, x_res, c1
+
+        def forward(self, x):
+            z = torch.zeros(x.size(1), self.hidden, dtype=x.dtype)
+            h1, c1, h2, c2, h3, c3 = z, z, z, z, z, z
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                xt = x[t]
+                h1, c1 = self.l1(xt, (h1, c1))
+                in2 = h1 + xt if self.x_res else h1
+                h2, c2 = self.l2(in2, (h2, c2))
+                in3 = h2 + c1 if self.c1_read else h2 + in2
+                h3, c3 = self.l3(in3, (h3, c3))
+                outs.append(h3 + in3)
+            return torch.stack(outs)
 
     class ScriptResidualLSTM(nn.Module):
         """ResidualStack's LSTM form for ``torch.jit.script``: the two cells' states kept apart."""
@@ -1962,7 +2033,8 @@ def torch_modules():
             return torch.stack(outs), g
 
     _nn_classes.update(CellLoop=CellLoop, CharRNN=CharRNN, CharRNNLastOutput=CharRNNLastOutput, Univariate=Univariate,
-                       ProjSkip=ProjSkip, ResidualStack=ResidualStack, ScriptResidualLSTM=ScriptResidualLSTM, SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
+                       ProjSkip=ProjSkip, ResidualStack=ResidualStack, ScriptResidualLSTM=ScriptResidualLSTM, GNMTStack=GNMTStack, ScriptGNMT=ScriptGNMT,
+                       SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
                        ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
@@ -1993,6 +2065,10 @@ def build_module(c: Case):
         return m["Univariate"](cell, c.hidden, **o)
     if c.model == "projskip":
         return m["ProjSkip"](cell, c.features, c.hidden, **o)
+    if c.model == "gnmt" and c.exporter == "torchscript":
+        return m["ScriptGNMT"](c.hidden, x_res=o.get("x_res", False), c1=o.get("near_miss", False))
+    if c.model == "gnmt":
+        return m["GNMTStack"](cell, c.hidden, o["layers"], x_res=o.get("x_res", False))
     if c.model == "residual" and c.exporter == "torchscript":
         o.pop("near_miss", None)
         return m["ScriptResidualLSTM"](c.features, c.hidden, **o)

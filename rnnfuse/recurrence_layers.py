@@ -270,9 +270,10 @@ def layer_recurrence(front: str, where: str, an, layers: list, li: int, recs: li
         beside = tuple(_internal_y(where, recs, li_y, x_reversed) for li_y, _ in layer.beside)
         if any(recs[li_y].masked and not an.masked for li_y, _ in layer.beside):
             raise Decline("a cell ignores the mask a cell below it keeps to")
-        if layer.beside_input:  # (x beside it as the bottom cell reads it, unmasked: Y is laid out in x's order,
-            # read backwards alike when x is; a flip, a slice of the steps or a map of x's would apply to x alone)
-            if mask is not None or replace(x_prep, input_map=None) != InputPrep():
+        if layer.beside_input:  # (x beside it as the bottom cell reads it: Y is laid out in x's order, read
+            # backwards alike when x is; a flip, a slice of the steps or a map of x's would apply to x alone. Under
+            # a mask the cell keeps its state at padded steps, so what it reads there is never seen)
+            if (mask is not None and not an.masked) or replace(x_prep, input_map=None) != InputPrep():
                 raise Decline("a cell reads the cell below's output plus the step input, and the step input is "
                               "masked, flipped or cut")
             rec.x_prep = InputPrep(ys_beside=beside, side_by_side=(x,), side_batch_first=x_time_axis == 1,

@@ -21,9 +21,10 @@ import onnx
 from ..errors import Decline
 from ..fold import evaluate
 from ..graph import Graph, attr
+from ..row_wise import ELEMENTWISE
 from . import ops_math, ops_shape, ops_transposed
 from .algebra import INITIALIZER, ConstRef, Poly, content_digest
-from .values import Const, Fill, Opaque, RowConst, ShapeValue, Transposed, Value, as_poly
+from .values import Const, Fill, Opaque, RowConst, ShapeValue, SymTensor, Transposed, Value, as_poly
 
 
 def content_key(graph: Graph, name: str, arr: np.ndarray):
@@ -103,7 +104,11 @@ class StepEvaluator:
         p = self.graph.producer.get(src)
         if p is not None and self.may_evaluate(p):
             return None
-        dims = self.graph.model.shape(src)
+        return self._declared_dims(node)
+
+    def _declared_dims(self, node: onnx.NodeProto) -> Value | None:
+        """``Shape(src)`` from ``src``'s declared dims (see :meth:`_declared_shape`), or None."""
+        dims = self.graph.model.shape(node.input[0])
         if dims is None or sum(not isinstance(d, int) for d in dims) > 1:
             return None
         dims = [d if isinstance(d, int) else None for d in dims][attr(node, "start", 0):attr(node, "end", None)]
@@ -169,6 +174,30 @@ class StepEvaluator:
                     self.memo[o] = v
         return self.memo[name]
 
+    def _broadcast_shape(self, name: str, limit: int = 64) -> "SymTensor | None":
+        """A value of the step known to have the shape of ``name``, a [B, N] value whose maths are not known:
+        an elementwise result has the shape of any operand of its rank without unit dims (the others broadcast
+        into it), so a [B, N] (N > 1) value found through elementwise ops of rank 2 has its shape (N not known,
+        a state's width the model does not declare: read as :func:`ops_shape._shape` reads it). None when none
+        is found within ``limit`` values."""
+        model = self.graph.model
+        todo, seen = [name], set()
+        while todo and len(seen) < limit:
+            cur = todo.pop()
+            if cur in seen:
+                continue
+            seen.add(cur)
+            v = self.memo.get(cur)
+            if isinstance(v, SymTensor):
+                if v.lead == 0 and v.poly.ncols != 1:
+                    return v
+                continue
+            p = self.graph.producer.get(cur)
+            if p is None or p.op_type not in ELEMENTWISE or not self.may_evaluate(p) or model.rank(cur) != 2:
+                continue
+            todo.extend(i for i in p.input if i and i not in seen)
+        return None
+
     def poly(self, name: str) -> Poly:
         """The polynomial of an elementwise [B, N] tensor, or Decline with the reason it has none."""
         return as_poly(self.value(name), name)
@@ -182,6 +211,13 @@ class StepEvaluator:
             same = ops_math.equal_branches(ins)
             if same is not None:
                 return [same]
+        if op == "Shape" and isinstance(ins[0], Opaque):
+            # the shape of a value whose maths are not (yet) known: jax2onnx broadcasts the step mask to the
+            # shape of any [B, H] value of the step, in a stack of cells perhaps one of a cell above the one being
+            # evaluated (known only in a later round, see recurrence_layers.split_layers)
+            known = self._broadcast_shape(node.input[0]) or self._declared_dims(node)
+            if known is not None:
+                return ops_shape.HANDLERS["Shape"](self, node, [known]) if isinstance(known, SymTensor) else [known]
         for k, v in enumerate(ins):
             if isinstance(v, Opaque):
                 if op in _WEIGHT_OPS and k == 1 and v.why.startswith("'"):

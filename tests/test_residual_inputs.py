@@ -135,9 +135,15 @@ def _scan_model(combine: str = "Add", batch_first: bool = False) -> onnx.ModelPr
         [oh.make_tensor_value_info(n, TensorProto.FLOAT, [B, H]) for n in ("h1", "h2")]
         + [oh.make_tensor_value_info("xt", TensorProto.FLOAT, [B, F])],
         [oh.make_tensor_value_info(n, TensorProto.FLOAT, [B, H]) for n in ("h1n", "h2n", "y")])
+    return _scan_over_x(body, 2, inits, batch_first)
+
+
+def _scan_over_x(body: onnx.GraphProto, states: int, inits: list, batch_first: bool) -> onnx.ModelProto:
+    """A model running ``body`` as a Scan over x ([T, B, F], or [B, T, F]), its ``states`` carried values all
+    starting from the initializer ``z``; outputs the stacked last body output."""
     axis = 1 if batch_first else 0
-    scan = oh.make_node("Scan", ["z", "z", "x"], ["H1", "H2", "Y"], body=body, num_scan_inputs=1,
-                        scan_input_axes=[axis], scan_output_axes=[axis])
+    scan = oh.make_node("Scan", ["z"] * states + ["x"], [f"S{k}" for k in range(states)] + ["Y"], body=body,
+                        num_scan_inputs=1, scan_input_axes=[axis], scan_output_axes=[axis])
     graph = oh.make_graph([scan], "residual_scan",
                           [oh.make_tensor_value_info("x", TensorProto.FLOAT, [B, T, F] if batch_first else [T, B, F])],
                           [oh.make_tensor_value_info("Y", TensorProto.FLOAT, None)], inits)
@@ -188,13 +194,7 @@ def _gnmt_scan_model(old_h1: bool = False, batch_first: bool = False) -> onnx.Mo
         [oh.make_tensor_value_info(n, TensorProto.FLOAT, [B, H]) for n in ("h1", "h2", "h3")]
         + [oh.make_tensor_value_info("xt", TensorProto.FLOAT, [B, F])],
         [oh.make_tensor_value_info(n, TensorProto.FLOAT, [B, H]) for n in ("h1n", "h2n", "h3n", "y")])
-    axis = 1 if batch_first else 0
-    scan = oh.make_node("Scan", ["z", "z", "z", "x"], ["H1", "H2", "H3", "Y"], body=body, num_scan_inputs=1,
-                        scan_input_axes=[axis], scan_output_axes=[axis])
-    graph = oh.make_graph([scan], "gnmt_scan",
-                          [oh.make_tensor_value_info("x", TensorProto.FLOAT, [B, T, F] if batch_first else [T, B, F])],
-                          [oh.make_tensor_value_info("Y", TensorProto.FLOAT, None)], inits)
-    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    return _scan_over_x(body, 3, inits, batch_first)
 
 
 @pytest.mark.parametrize("batch_first", [False, True])

@@ -270,7 +270,7 @@ def test_the_index_spans_signatures_and_dedupe_keys_read_no_empty_field_of_a_nod
     nodes = [_Reads(n) for n in g.nodes]
     assert any(n.op_type == "Constant" for n in nodes) and any(not n._node.attribute for n in nodes)
     # (what a signature reads of each step node, the index pass, the intervals' walk)
-    infos = [_node_info(n) for n in nodes]
+    infos = [_node_info(n, {}, g.model.opset) for n in nodes]
     assert [i[:5] for i in infos] == [(n.input[:], n.output[:], n.op_type, n.domain,
                                       tuple(a.SerializeToString() for a in sorted(n.attribute, key=lambda a: a.name)))
                                       for n in g.nodes]

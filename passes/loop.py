@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import NodeProto, TensorProto
 
-from rnnfuse.dataflow import rank_of
 from rnnfuse.carried import loop_invariant_init
 from rnnfuse.dims import fixed_batch
 from rnnfuse.errors import Decline
@@ -30,6 +29,7 @@ from rnnfuse.findings import Options, PassResult
 from rnnfuse.recurrence import CountOutput, FinalOutput, InputPrep, Recurrence
 from rnnfuse.recurrence_layers import cells_first, check_feeds, layer_recurrence, split_layers
 from rnnfuse.inputs import input_projection, projected_leaf, reading_projections
+from rnnfuse.op_args import TO_THE_END
 from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
@@ -40,12 +40,12 @@ from .loop_writes import ScatteredWrite, check_buffer_rows, scattered_write, wri
 from .loop_inputs import find_input_map, side_by_side
 from .loop_outputs import final_role, last_step_reads, sequence_output
 from .loop_heads import FarOutputs, HeadCandidate, add_heads, state_output, state_value_keys, with_far_outputs
-from .loop_masks import (DERIVED_MASK, LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask, check_mask_read,
+from .loop_masks import (DERIVED_MASK, LENGTH_MASK, RowReads, attach_derived_mask, attach_length_mask,
                          find_derived_mask, laid_out_like_x)
-from .loop_lengths import counting_offset, length_mask
+from .loop_body_reads import body_reads, input_offset
 from .loop_counts import check_trip_count, integer_carry_reason
-from .loop_reads import cast_of_bool, check_same_batch, check_step_lengths, counter_step, reads_backwards, step_read
-from rnnfuse.symbolic import Const, BoolMask, Opaque, State, SymTensor, StepInput, Poly, weight_ops
+from .loop_reads import check_same_batch, check_step_lengths, counter_step, reads_backwards
+from rnnfuse.symbolic import Const, Opaque, State, SymTensor, StepInput, Poly, weight_ops
 
 
 _WHOLE_TYPES = {TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64, TensorProto.UINT8,
@@ -89,6 +89,7 @@ class StepReads:
     mask_cut: bool = False  # the mask's length is not provably x's: the native op reads its first T steps
     mask_axis: int = 0  # the time axis of the mask read (mask_outer): 0 [T, B], 1 [B, T] (it may differ from x's)
     derived_from: "RowReads | None" = None  # what the derived mask is computed from: x_t, or rows
+    offset: int = 0  # the body reads x's element i + offset (TorchScript's range(offset, T)): x from that step on
 
 
 def loop_recurrence(g: Graph, loop: NodeProto) -> tuple[Recurrence, dict] | list[tuple[Recurrence, dict]]:
@@ -109,9 +110,17 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
     aliases, counts = _final_aliases(g, body, loop, carried, step_in)
     recs, cell_states = _layer_recurrences(loop, layers, layer_step_states, states, outs_of, last_of, extra_remove,
                                            step_in)
+    if step_in.offset and any(r.cell.op == "GRU" for r in recs):
+        # (T <= offset is an input the loop runs no step for: its final state is the initial one)
+        raise Decline(f"the loop reads x from step {step_in.offset}: for a time length up to that the GRU would run no "
+                      "step, and onnxruntime's GRU aborts the process on an empty sequence (its LSTM and RNN do not)")
     if heads:
         add_heads(body, layers, recs, cell_states, heads, state_out, step_in, carried.invariants,
                   set(carried.index_syms))
+    if step_in.offset and (set(carried.buffers) - set(carried.grown) or counts):
+        # (a buffer's rows and a counter's final value are proven against x's whole length)
+        raise Decline(f"an output buffer or a counter's final value beside an input read {step_in.offset} steps "
+                      "ahead of the iteration number")
     for k in set(carried.buffers) - set(carried.grown):  # (a grown one has a row a step by construction)
         w = carried.scattered.get(k)
         if w is not None and w.axis is None:
@@ -222,70 +231,10 @@ def _step_leaf(g: Graph, body: Graph, carried: _Carried, x_outer: str, x_axis: i
     return proj, x_atom, None
 
 
-@dataclass
-class _BodyReads:
-    """What a body reads per step, sorted: the input's reads by the tensor they read (several: sequences read side
-    by side), the mask, a length mask, a [T, B] tensor of rows, and how the reads index time."""
-
-    leaves: dict = field(default_factory=dict)
-    x_parts: dict = field(default_factory=dict)  # tensor read as the step input -> its body read nodes
-    x_axis: int | None = None
-    mask_outer: str | None = None
-    mask_axis: int = 0
-    lengths: object = None
-    rows: RowReads | None = None
-    forms: set = field(default_factory=set)  # "forward" | "reverse" | "reverse_end"
-
-
-def _body_reads(g: Graph, body: Graph, carried: _Carried) -> _BodyReads:
-    """Sort the body's per-step reads (element i of an invariant tensor, a length mask computed from i)."""
-    r = _BodyReads()
-    for n in body.nodes:
-        lm = length_mask(g, body, n, carried.index_syms, carried.invariants)
-        if lm is not None:  # t < lengths written by hand: a step mask computed from the iteration number
-            if r.lengths is not None and r.lengths.key != lm.key:
-                raise Decline("two different length masks are computed")
-            r.lengths = lm
-            r.leaves[n.output[0]] = BoolMask("m", False, lm.unit)
-            continue
-        read = step_read(g, body, n, carried.index_syms, carried.invariants)
-        if read is None:
-            continue
-        data, axis, form = read
-        offset = counting_offset(g, data) if (axis, form) == (0, "forward") else None
-        if offset is not None:  # element i of (s, s + 1, ...): the iteration number, plus s
-            carried.index_syms[n.output[0]] = offset
-            continue
-        r.forms.add(form)
-        et = g.model.elem_type(data)
-        rank = rank_of(g, data)
-        of_bool = cast_of_bool(g, data) if et != TensorProto.BOOL and rank == 2 else None  # ([T, B]: one value a row)
-        if et == TensorProto.BOOL or of_bool is not None:  # (a bool mask, or one cast to 0/1 numbers outside)
-            check_mask_read(g, of_bool or data, axis, rank, r.mask_outer)
-            r.mask_outer, r.mask_axis = of_bool or data, axis
-            mask = BoolMask("m", False, rank == 3 or n.op_type == "Slice")  # ([B, 1] a row)
-            r.leaves[n.output[0]] = mask if of_bool is None else mask.as_number()
-        elif rank == 2 and axis in (0, 1) and (r.rows is None or (r.rows.source, r.rows.axis) == (data, axis)):
-            # one value a row per step, no bool: what the body may compute its step mask from
-            r.rows = r.rows or RowReads(data, set(), [], 1, axis)
-            r.rows.reads.add(n.output[0])
-            r.rows.nodes.append(n)
-        else:
-            if r.x_axis not in (None, axis):
-                raise Decline("two per-step inputs are read along different axes")
-            if rank != 3:
-                raise Decline(f"the per-step input has rank {rank}, not [T, B, F]")
-            if axis not in (0, 1, 2):
-                raise Decline(f"the per-step input is read along axis {axis}")
-            r.x_axis = axis
-            r.x_parts.setdefault(data, []).append(n)
-    return r
-
-
 def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> StepReads:
     """The step input and mask: element i of an invariant tensor along its time axis; the loop must run once
     per time step of that tensor."""
-    r = _body_reads(g, body, carried)
+    r = body_reads(g, body, carried.index_syms, carried.invariants)
     leaves, mask_outer, lengths, rows, x_axis = r.leaves, r.mask_outer, r.lengths, r.rows, r.x_axis
     x_outer = next(iter(r.x_parts), None)
     x_read_nodes = r.x_parts.get(x_outer, [])
@@ -308,7 +257,8 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
         rows = None  # (the ids are the step input)
     if len(r.forms) > 1:
         raise Decline(f"one recurrence reads its per-step inputs in {len(r.forms)} orders ({', '.join(sorted(r.forms))})")
-    check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis, carried.invariants)
+    ahead = input_offset(r, proj, rows)
+    check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis, carried.invariants, offset=ahead)
     others = {mask_outer: r.mask_axis, rows and rows.source: rows and rows.axis}
     others = {k: a for k, a in others.items() if k not in (None, x_outer)}
     mask_cut = check_step_lengths(g, others, x_outer, x_axis, r.forms, mask_outer)
@@ -325,12 +275,16 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     prep = InputPrep(proj.flips) if proj is not None else InputPrep(input_map=input_map, side_by_side=side)
     step_in = StepReads(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis,
                          x_atom, bool(r.forms - {"forward"}), mask_outer, set(x_reads), x_outer, prep, lengths, None,
-                         x_read_nodes, x_rank=x_rank)
+                         x_read_nodes, x_rank=x_rank, offset=ahead)
+    if ahead:  # the op reads x from step s on (a projection's X0 alike: it maps each step alone)
+        prep.steps = (ahead, TO_THE_END, step_in.x_axis)
     step_in.rows, step_in.mask_cut, step_in.mask_axis = rows, mask_cut, r.mask_axis
     if rows is not None and (mask_outer is not None or lengths is not None):
         raise Decline(f"the body reads a step of '{rows.source}' (one value a row, not bool) beside its mask")
     if mask_outer is None:  # (none read, none compared with lengths: perhaps one computed from x_t or rows)
         find_derived_mask(g, body, step_in, carried.invariants)
+        if ahead and step_in.derived is not None:
+            raise Decline(f"a step mask is computed from the input read {ahead} steps ahead of the iteration number")
     return step_in
 
 

@@ -9,6 +9,7 @@ from onnx import NodeProto, TensorProto
 from rnnfuse.dims import condition_bounds, dim_key, time_dim_key, time_keys
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
+from rnnfuse.index_terms import terms
 from .loop_reads import counter_step, size_keys, unflipped
 
 
@@ -47,6 +48,31 @@ def _range_count(g: Graph, M: str, T_keys: set):
     return T
 
 
+def _range_length(g: Graph, M: str, is_T) -> int | None:
+    """d when ``M`` is the element count TorchScript computes for ``range(start, stop)`` (step 1),
+    ``Cast(Ceil(Cast(stop - start) / 1))``, and ``stop - start`` is T + d (T: x's time length, ``is_T``);
+    else None. ``range(1, T)`` runs T - 1 iterations, ``range(1, T + 1)`` T."""
+    name, chain = M, []
+    for op in ("Cast", "Ceil", "Div", "Cast", "Sub"):
+        n = g.producer.get(name)
+        if n is None or n.op_type != op or not n.input:
+            return None
+        chain.append(n)
+        name = n.input[0]
+    step = g.const(chain[2].input[1]) if len(chain[2].input) > 1 else None
+    if step is None or np.size(step) != 1 or float(np.ravel(step)[0]) != 1.0:
+        return None
+    sub = chain[4]
+    if len(sub.input) != 2:
+        return None
+    stop, start = terms(g, sub.input[0]), terms(g, sub.input[1])
+    if stop is None or start is None or len(stop) != 1 or len(start) != 1 or start[0][0] != "c":
+        return None
+    if stop[0][0] != "d" or not is_T(stop[0][1]):
+        return None
+    return stop[0][2] - start[0][1]
+
+
 def _time_length_test(g: Graph, T_keys: set):
     """Whether a size key is x's time length: one of ``T_keys``, or an axis of another tensor that the model
     declares by the same name (a loop counting x.size(0) may step z, declared [time, B, F] too; not another
@@ -63,11 +89,13 @@ def _time_length_test(g: Graph, T_keys: set):
 
 
 def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int], axis: int = 0,
-                     invariants: dict[str, str] | None = None) -> None:
-    """Prove the loop runs exactly T iterations (x's size on ``axis``), or Decline.
+                     invariants: dict[str, str] | None = None, offset: int = 0) -> None:
+    """Prove the loop runs exactly T - ``offset`` iterations (T: x's size on ``axis``; the body reads x from
+    step ``offset`` on), or Decline.
 
     ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
-    and counters starting at 0); ``invariants`` the values the loop carries through unchanged."""
+    and counters starting at 0); ``invariants`` the values the loop carries through unchanged. Each bound
+    found (the trip count, the condition) gives the iterations it allows as T + delta."""
     # (a time flip keeps the length: torch.flip(x, [1])[:, t] in a loop over x.size(1) counts the unflipped x)
     T_keys = time_keys(g, x, axis) | time_keys(g, unflipped(g, x, axis), axis)
     T = next((k for k in T_keys if k[0] == "const"), time_dim_key(g, x, axis))
@@ -76,8 +104,17 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
     M = loop.input[0] if loop.input else ""
     if M:
         k = dim_key(g, M) or _range_count(g, M, T_keys)
+        counted = _range_length(g, M, is_T) if k is None else None
+        if k is None and counted is None:  # T + d written out (T - 1: a loop over x[1:])
+            ts = terms(g, M)
+            if ts is not None and len(ts) == 1 and ts[0][0] == "d" and is_T(ts[0][1]):
+                counted = ts[0][2]
         if is_T(k) or (k is not None and k[0] == "min" and all(is_T(one) for one in k[1:])):
             deltas.append(0)  # (the least of several sizes, each T: zip(x.unbind(1), mask.unbind(1)))
+        elif counted is not None:
+            deltas.append(counted)  # (T + d iterations: range(start, stop), T - 1 written out)
+        elif offset and k is not None and k[0] == "const" and T[0] == "const" and k[1] - T[1] == -offset:
+            deltas.append(-offset)  # (a static length, the loop starting at step offset)
         elif k is not None and k[0] == "const" and (k[1] >= 2**31 - 1 or (T[0] == "const" and k[1] >= T[1])):
             pass  # a bound at least T: the condition decides
         elif k is not None and k[0] == "const":
@@ -97,12 +134,13 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
         deltas.append(1 - k)
     if not deltas:
         raise Decline("the loop has no bound")
-    if min(deltas) != 0:
-        raise Decline("the loop does not run exactly once per time step")
-    # the first iteration must run whenever T >= 1
+    if min(deltas) != -offset:
+        raise Decline("the loop does not run exactly once per time step" if not offset else
+                      f"the loop does not run exactly once per time step from step {offset}")
+    # the first iteration must run whenever T >= offset + 1
     cond0 = loop.input[1] if len(loop.input) > 1 else ""
     for bound in condition_bounds(g, cond0) if cond0 else []:
-        if bound is None or dim_key(g, bound[0]) != ("const", 0) or not is_T(dim_key(g, bound[1])):
+        if bound is None or dim_key(g, bound[0]) != ("const", offset) or not is_T(dim_key(g, bound[1])):
             raise Decline("cannot prove the loop's first iteration runs")
 
 

@@ -55,6 +55,40 @@ def counter_step(body: Graph, name: str, invariants: dict[str, str] | None = Non
     return name, 0
 
 
+def read_offset(body: Graph, idx: str, index_syms: dict[str, int]) -> int | None:
+    """s when body value ``idx`` is the scalar ``i + s`` (i the iteration number, s a whole constant), from
+    its arithmetic: Add, Sub and Mul of the iteration number (or a counter that follows it) and scalar
+    integer constants, seen through value-keeping casts. TorchScript writes ``for t in range(start, T)`` as
+    ``start + i * 1``, so ``x[t]`` is read ``start`` steps ahead of the iteration number, and ``x[t - 1]`` of
+    ``range(1, T + 1)`` at ``(1 + i * 1) - 1``, i itself. None for any other index (a slope other than 1, a
+    constant that is not a scalar: its Gather would keep an axis)."""
+
+    def affine(name: str, depth: int) -> tuple[int, int] | None:  # (a, b): the value is a * i + b
+        name = value_source(body, name)
+        if name in index_syms:
+            return 1, index_syms[name]
+        c = body.const(name)
+        if c is not None:
+            a = np.asarray(c)
+            return (0, int(a)) if a.ndim == 0 and a.dtype.kind in "iu" else None
+        n = body.producer.get(name)
+        if depth > 8 or n is None or n.op_type not in ("Add", "Sub", "Mul") or len(n.input) != 2:
+            return None
+        x, y = affine(n.input[0], depth + 1), affine(n.input[1], depth + 1)
+        if x is None or y is None:
+            return None
+        if n.op_type == "Add":
+            return x[0] + y[0], x[1] + y[1]
+        if n.op_type == "Sub":
+            return x[0] - y[0], x[1] - y[1]
+        if x[0] and y[0]:
+            return None  # (i * i)
+        return x[0] * y[1] + y[0] * x[1], x[1] * y[1]
+
+    found = affine(idx, 0)
+    return found[1] if found is not None and found[0] == 1 else None
+
+
 def _one_of(ts: list | None, term: tuple) -> bool:
     return ts is not None and len(ts) == 1 and ts[0] == term
 
@@ -246,7 +280,9 @@ def unflipped(g: Graph, name: str, axis: int) -> str:
 
 def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
     """If body node ``n`` reads element i (the iteration number) of a loop-invariant tensor along one axis:
-    (the outer tensor, the axis, "forward" | "reverse"), else None.
+    (the outer tensor, the axis, "forward" | "reverse" | "reverse_end", the offset), else None. The offset
+    is s for a Gather of element ``i + s`` (:func:`read_offset`: TorchScript's ``range(s, T)``, a jax counter
+    from s), read "forward"; 0 for every other read.
 
     Recognised reads: ``Gather(D, i, axis=a)`` (tf2onnx, jax2onnx; a = 1 for TorchScript's ``x[:, t]``) and
     ``Squeeze(Slice(D, starts, ends, axes), [a])`` taking ``[i, i + 1)`` on axis a and everything on the
@@ -255,7 +291,7 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
     if n.op_type == "SequenceAt" and len(n.input) == 2:
         src = unit_chunks(g, invariant_source(body, n.input[0], invariants) or "")
         form = _index_form(g, body, n.input[1], index_syms, *src) if src is not None else None
-        return (*src, form) if form is not None else None
+        return (*src, form, 0) if form is not None else None
     if n.op_type == "Gather" and len(n.input) >= 2:
         # TorchScript writes x[:, t] as Gather(Slice(x, 0:INT_MAX on axis 0), t, axis=1)
         data = _full_slice_source(g, body, n.input[0], invariants) or invariant_source(body, n.input[0], invariants)
@@ -273,7 +309,16 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
                 return None
             axis = perm[axis]
         form = _index_form(g, body, n.input[1], index_syms, data, axis)
-        return (data, axis, form) if form is not None else None
+        if form is not None:
+            return data, axis, form, 0
+        offset = read_offset(body, n.input[1], index_syms)
+        return (data, axis, "forward", offset) if offset is not None and offset >= 0 else None
+    return _slice_read(g, body, n, index_syms, invariants)
+
+
+def _slice_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
+    """:func:`step_read` of ``Squeeze(Slice(D, ...))`` taking ``[i + s, i + s + 1)`` on one axis and everything
+    on the others, or a Slice keeping a [B, T] mask's column ``[i, i + 1)`` as [B, 1]; else None."""
     kept = n.op_type == "Slice"  # (a [B, T] mask's step kept as a [B, 1] column: TorchScript's pad[:, t:t+1])
     if n.op_type != "Squeeze" and not kept:
         return None
@@ -308,11 +353,13 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
         if len(stepped) != 1 or stepped[0] != rank - 1:  # (the kept column of a [B, T] mask: [B, 1], a row each)
             return None
         axis = stepped[0]
-    seen, form = set(), "forward"
+    seen, form, ahead = set(), "forward", 0
     for k, ((_, a), st, en, step) in enumerate(zip(axes, starts, ends, steps)):
         a = a + rank if a < 0 else a
         seen.add(a)
-        if a == axis and st != ("i", 0) and not kept:
+        if a == axis and st[0] == "i" and st[1] > 0 and not kept and one_element(_shifted(en, -st[1]), step):
+            ahead = st[1]  # [i + s, i + s + 1): element i + s (a jax counter from s)
+        elif a == axis and st != ("i", 0) and not kept:
             if not _one_from_the_end(g, body, sl.input[1], k, en, step, index_syms, data, axis):
                 return None
             form = "reverse"
@@ -323,7 +370,14 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
             return None
     if axis not in seen:
         return None
-    return data, axis, form
+    return data, axis, form, ahead
+
+
+def _shifted(term: tuple, k: int) -> tuple:
+    """An index term with k added to its iteration number part (``i + 2`` shifted by -1: ``i + 1``)."""
+    if term[0] == "i" or term[:2] == ("ge", "i"):
+        return term[:-1] + (term[-1] + k,)
+    return term
 
 
 def _one_from_the_end(g: Graph, body: Graph, starts: str, k: int, end: tuple, step: tuple, index_syms: dict[str, int],

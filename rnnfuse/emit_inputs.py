@@ -10,6 +10,7 @@ from onnx import TensorProto
 from .builder import Builder
 from .errors import Decline
 from .graph import Graph, attr
+from .op_args import TO_THE_END
 from .recurrence import Recurrence
 from .time_flips import time_flip_source
 
@@ -88,13 +89,17 @@ def _side_by_side(g: Graph, x: str, others: tuple, anchor) -> str:
 
 
 def _steps_of(g: Graph, x: str, consts: list[str], start: int, stop: int, axis: int, anchor) -> str:
-    """``x``'s steps start..stop-1 along ``axis``, declared with ``x``'s type (the emitter reads the mask's rank)."""
+    """``x``'s steps start..stop-1 along ``axis`` (``stop`` TO_THE_END: to its last), declared with ``x``'s
+    type (the emitter reads the mask's rank)."""
     out = g.add_node("Slice", [x] + consts, 1, name="rnnfuse/Slice", anchor=anchor)[0]
     t = g.model.known_type(x)
     if t is not None:
         dims = list(t[1]) if t[1] is not None else None
         if dims is not None and axis < len(dims):
-            dims[axis] = stop - start
+            if stop < TO_THE_END:
+                dims[axis] = stop - start
+            else:  # (from step start on: a known length less start, else unknown)
+                dims[axis] = dims[axis] - start if isinstance(dims[axis], int) and dims[axis] >= start else None
         g.model.declare(out, (t[0], dims))
     return out
 

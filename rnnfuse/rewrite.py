@@ -23,6 +23,7 @@ from .recurrence import Recurrence
 from .cell_check import validate_cells_together
 from .head_probes import probe_pairs
 from .kept_declines import KeptDeclines, unaffected
+from .op_args import TO_THE_END
 from .validate import validate
 
 # beyond this many nodes, onnxruntime takes seconds just to load the model: recurrences that carry a
@@ -51,6 +52,9 @@ class Rewrite:
     # first few, passes/step_chains.prefix_check and passes/step_maps._prefix_check)
     proxy: dict | None = None
     proxy_how: str = ""  # what the proxy is, for the finding's validation note
+    # the least time length the rewrite is checked at: a loop over x from step s runs no step below s + 1, where
+    # an empty scan output's shape is onnxruntime's guess ((0, 0, H) from a Loop), not the model's
+    min_time: int = 1
 
     def checked_pairs(self) -> list[tuple[str, str]]:
         return list((self.proxy if self.proxy is not None else self.replacements).items())
@@ -173,6 +177,9 @@ def apply_recurrences(
         masks = {em.mask: ("post" if em.path == "post-padded" else "any", em.mask_time_axis)} if em.mask else {}
         rw = Rewrite(f, em.replacements, tuple(rec.remove), masks, "the native op does not reproduce the original",
                      aliases, rec if rec.cell_checks else None)
+        steps = rec.x_prep.steps
+        if steps is not None and steps[1] >= TO_THE_END:  # (x from step s on: see Rewrite.min_time)
+            rw.min_time = steps[0] + 1
         if em.head_probes and not rec.stack and rec.anchor is not None:  # (a stacked step: validated whole)
             rw.proxy = probe_pairs(g, rec.anchor, em.replacements, em.head_probes)
             rw.proxy_how = "the head at its probe points" if rw.proxy is not None else ""
@@ -183,6 +190,7 @@ def apply_recurrences(
             whole.remove += rw.remove
             whole.masks.update(masks)
             whole.aliases.update(aliases)
+            whole.min_time = max(whole.min_time, rw.min_time)
             continue
         if rec.stack:
             stacks[rec.stack] = rw
@@ -221,14 +229,15 @@ def apply_rewrites(g: Graph, ctx: Options, rewrites: list[Rewrite], result: Pass
         if whole:
             pairs = [p for r in whole for p in r.checked_pairs()]
             masks = {m: how for r in whole for m, how in r.masks.items()}
-            vr = validate(g, pairs, masks, seed=ctx.seed)
+            min_time = max(r.min_time for r in whole)
+            vr = validate(g, pairs, masks, seed=ctx.seed, min_time=min_time)
             if not vr.ran and any(r.proxy is not None for r in whole):
                 # a check that did not run is the original's failing, judged as skipped: a proxy is the
                 # optimizer's own construction, and it is in every pair's check model, so the batch is checked
                 # again on the rewrites' own pairs (they may then say so)
                 for r in whole:
                     r.proxy, r.proxy_how = None, ""
-                vr = validate(g, [p for r in whole for p in r.checked_pairs()], masks, seed=ctx.seed)
+                vr = validate(g, [p for r in whole for p in r.checked_pairs()], masks, seed=ctx.seed, min_time=min_time)
             for r in whole:
                 results[id(r)] = vr
     # (the reader lists that still hold removed nodes are filtered once, after every commit: 1,600 stacked

@@ -185,10 +185,12 @@ def validate(
     pairs: list[tuple[str, str]],
     masks: dict[str, str],
     seed: int = 0,
+    min_time: int = 1,
 ) -> ValidationResult:
     """Compare old/new tensor pairs on generated inputs.
 
     ``masks``: mask tensor -> (kind, time axis) with kind "any" (all patterns) or "post" (post-padded only).
+    ``min_time``: the least time length generated (each input set's, raised to it).
     """
     if not pairs:
         return ValidationResult(True)
@@ -201,7 +203,8 @@ def validate(
             f"the model holds {size / 2**30:.1f} GB of weights; running it again in onnxruntime would exceed "
             "rnnfuse's memory bound (the rewrite is proven from the cell's maths)",
         )
-    return checked_as_deployed(lambda as_deployed: _validate_once(ort, g, pairs, masks, seed, prepack=as_deployed))
+    return checked_as_deployed(lambda as_deployed: _validate_once(ort, g, pairs, masks, seed, prepack=as_deployed,
+                                                                  min_time=min_time))
 
 
 def checked_as_deployed(run: Callable[[bool], ValidationResult]) -> ValidationResult:
@@ -226,22 +229,24 @@ class InputSets:
     a generator of its own, seeded by the seed and the set's number: the same sets for every validation of a
     run, whatever masks each overrides, so values computed from them can be kept."""
 
-    def __init__(self, g: Graph, seed: int):
-        self.g, self.seed, self.ranges = g, seed, index_ranges(g)
+    def __init__(self, g: Graph, seed: int, min_time: int = 1):
+        self.g, self.seed, self.ranges, self.min_time = g, seed, index_ranges(g), min_time
 
     def __len__(self) -> int:
         return len(CONFIGS)
 
     def __getitem__(self, k: int) -> dict[str, np.ndarray]:
         b, t, scale = CONFIGS[k]
-        return _inputs_for(self.g, {}, b, t, scale, np.random.default_rng([self.seed, k]), self.ranges)
+        return _inputs_for(self.g, {}, b, max(t, self.min_time), scale, np.random.default_rng([self.seed, k]),
+                           self.ranges)
 
     def __iter__(self):
         return (self[k] for k in range(len(self)))
 
 
-def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepack: bool) -> ValidationResult:
-    inputs = InputSets(g, seed)
+def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepack: bool,
+                   min_time: int = 1) -> ValidationResult:
+    inputs = InputSets(g, seed, min_time)
     try:
         inputs[0]  # (an input without a declared shape cannot be generated: said before anything is built)
     except _Skip as s:
@@ -310,7 +315,7 @@ def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepa
             res.runs += 1
             vals = dict(zip(out_names, outs))
             for p in pairs:
-                compare(res.pairs[p], vals[p[0]], vals[p[1]], f"batch {b}, T={t}")
+                compare(res.pairs[p], vals[p[0]], vals[p[1]], f"batch {b}, T={max(t, inputs.min_time)}")
     return not_inputs if res.runs == 0 and not_inputs is not None else res
 
 
@@ -412,7 +417,7 @@ def _compare_in_pieces(ort, g: Graph, pairs, start: Cut, inputs: InputSets) -> V
         for p in of_name[name]:
             if p[0] in got and p[1] in got:
                 for k, (b, t, _) in enumerate(CONFIGS):
-                    compare(res.pairs[p], got[p[0]][k], got[p[1]][k], f"batch {b}, T={t}")
+                    compare(res.pairs[p], got[p[0]][k], got[p[1]][k], f"batch {b}, T={max(t, inputs.min_time)}")
                 for x in set(p):
                     left[x] -= 1
                     if not left[x]:

@@ -1364,3 +1364,55 @@ def build_scattered_buffer(form: str) -> onnx.ModelProto:
     nodes.append(helper.make_node("Loop", ["T", "true", "h0", "outs0"], ["h_last", "ys"], body=body))
     outs = [vi("h_last", "B", H)] if form == "unused" else [vi("ys", "B", "T", None), vi("h_last", "B", H)]
     return _model(nodes, "scattered", [vi("x", "T", "B", F)], outs, inits, opset=18)
+
+
+READ_AHEAD_FORMS = ("ahead1", "ahead2_counted_twice")
+READ_AHEAD_MISSES = {"ahead_full_count": "does not run exactly once per time step from step 1",
+                     "ahead_beside_mask": "beside a mask",
+                     "ahead_two_offsets": "different offsets"}
+
+
+def build_read_ahead(form: str) -> onnx.ModelProto:
+    """The tanh RNN step over ``x[i + s]`` (x [T, B, F], time dynamic, captured), the Loop running ``T - s``
+    times (``Sub(T, s)``): an RNN over ``x[s:]``. Forms: ``ahead1`` s = 1, the index ``Add(i, 1)``;
+    ``ahead2_counted_twice`` s = 2, the index ``(i + 3) - 1``. Near misses: ``ahead_full_count`` s = 1 but T
+    iterations (its last read is past x's end); ``ahead_beside_mask`` a bool mask [T, B] read at step i beside
+    x at i + 1 (h kept where the mask is false); ``ahead_two_offsets`` the step reads ``x[i + 1] + x[i]``."""
+    W, R, b = weights()
+    s = 2 if form == "ahead2_counted_twice" else 1
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("W", W), ("R", R), ("b", b), ("zero", np.array(0.0, np.float32)), ("true", np.array(True)),
+        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)),
+        ("steps_ahead", np.array(s, np.int64)))]
+    nodes = _x_sizes() + _zero_state()
+    nodes.append(helper.make_node("Identity", ["T"], ["M"]) if form == "ahead_full_count"
+                 else helper.make_node("Sub", ["T", "steps_ahead"], ["M"]))
+    body_inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("c1", np.array(1, np.int64)), ("c3", np.array(3, np.int64)))]
+    if form == "ahead2_counted_twice":
+        bn = [helper.make_node("Add", ["it", "c3"], ["it3"]), helper.make_node("Sub", ["it3", "c1"], ["idx"])]
+    else:
+        bn = [helper.make_node("Add", ["c1", "it"], ["idx"])]
+    bn.append(helper.make_node("Gather", ["x", "idx"], ["xa"], axis=0))
+    if form == "ahead_two_offsets":
+        bn += [helper.make_node("Gather", ["x", "it"], ["xi"], axis=0), helper.make_node("Add", ["xa", "xi"], ["xt"])]
+    else:
+        bn.append(helper.make_node("Identity", ["xa"], ["xt"]))
+    bn += _tanh_step()
+    if form == "ahead_beside_mask":
+        bn += [helper.make_node("Gather", ["m", "it"], ["mt"], axis=0),
+               helper.make_node("Unsqueeze", ["mt", "ax1"], ["mt1"]),
+               helper.make_node("Where", ["mt1", "hn", "h"], ["hk"])]
+        body_inits.append(numpy_helper.from_array(np.array([1], np.int64), "ax1"))
+    else:
+        bn.append(helper.make_node("Identity", ["hn"], ["hk"]))
+    bn += [helper.make_node("Identity", ["cond"], ["cond_out"]), helper.make_node("Identity", ["hk"], ["yt"])]
+    vi = lambda n, *dims: helper.make_tensor_value_info(n, TensorProto.FLOAT, list(dims))  # noqa: E731
+    body = helper.make_graph(bn, "body", _loop_counters() + [vi("h", None, H)],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), vi("hk", None, H),
+                              vi("yt", None, H)], body_inits)
+    nodes.append(helper.make_node("Loop", ["M", "true", "h0"], ["h_last", "ys"], body=body))
+    inputs = [vi("x", "T", "B", F)]
+    if form == "ahead_beside_mask":
+        inputs.append(helper.make_tensor_value_info("m", TensorProto.BOOL, ["T", "B"]))
+    return _model(nodes, f"read_{form}", inputs, [vi("ys", None, None, H), vi("h_last", None, H)], inits)

@@ -7,6 +7,8 @@ import numpy as np
 import onnx
 import pytest
 from builders_loops import (
+    F,
+    H,
     HEAD_FORMS,
     HEAD_MISSES,
     LENGTH_FORMS,
@@ -50,6 +52,10 @@ from builders_loops import (
     build_two_sequences,
     build_batch_sliced,
     build_traced_read,
+    build_read_ahead,
+    READ_AHEAD_FORMS,
+    READ_AHEAD_MISSES,
+    weights,
     build_where_elu,
     build_grown_buffer,
     build_scattered_buffer,
@@ -879,3 +885,36 @@ def _tanh_loop(name: str, reads: list, outer: list, inputs: list, consts: list, 
     model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
     model.ir_version = 8
     return model
+
+
+@pytest.mark.parametrize("form", READ_AHEAD_FORMS)
+def test_a_loop_reading_x_ahead_of_the_iteration_number_is_an_op_over_the_rest_of_x(form):
+    """x read at ``i + s`` by a Loop that runs ``T - s`` times (TorchScript's ``range(s, T)``, a jax counter from
+    s, here written by hand with a dynamic T): one RNN over ``x[s:]``, the outputs those of the loop and of
+    numpy's recurrence over x from step s, at several lengths and batches."""
+    model = build_read_ahead(form)
+    fused, report = _fused_once(model, Loop=0, RNN=1, Slice=1)
+    s = 2 if form == "ahead2_counted_twice" else 1
+    W, R, b = weights()
+    rng = np.random.default_rng(5)
+    for T, B in ((s + 1, 1), (5, 3), (9, 2)):
+        x = rng.standard_normal((T, B, F)).astype(np.float32)
+        h, ys = np.zeros((B, H), np.float32), []
+        for t in range(s, T):
+            h = np.tanh(x[t] @ W + h @ R + b)
+            ys.append(h)
+        got, want = session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})
+        for g_, w_, r_ in zip(got, want, (np.stack(ys), h)):
+            assert_close(g_, w_, form)
+            assert_close(g_, r_, form)
+
+
+@pytest.mark.parametrize("form", sorted(READ_AHEAD_MISSES))
+def test_a_loop_reading_ahead_with_a_wrong_count_a_mask_or_two_offsets_is_declined(form):
+    """Read ahead but not over the rest of x alone: a trip count of T (the last read past x's end), a mask read
+    at the iteration's own step, x read at two offsets: declined with the reason, the model unchanged."""
+    model = build_read_ahead(form)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert any(READ_AHEAD_MISSES[form] in f.reason for f in report.declined), report.to_text()
+    assert fused.SerializeToString() == model.SerializeToString()

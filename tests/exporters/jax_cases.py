@@ -151,6 +151,12 @@ CASES = [
     # -- lax.fori_loop reading the step with dynamic_index_in_dim (batch-first, axis 1)
     case("fori_rnn_last_h", "fori", "rnn"),
     case("fori_gru_last_h", "fori", "gru"),
+    case("fori_rnn_from1", "fori", "rnn", start=1, notes="fori_loop(1, T) reading x[:, t]: an RNN over x[:, 1:]"),
+    case("fori_rnn_from2", "fori", "rnn", start=2, notes="fori_loop(2, T) reading x[:, t]: an RNN over x[:, 2:]"),
+    case("near_fori_gru_from1", "fori", "gru", start=1, declined="aborts the process on an empty sequence",
+         notes="fori_loop(1, T) over a GRU: for T = 1 the GRU would run no step (onnxruntime's GRU aborts)"),
+    case("near_fori_rnn_from1_back1", "fori", "rnn", start=1, back=1, declined="not once per time step",
+         notes="fori_loop(1, T) reading x[:, t - 1]: the last step never read"),
     # -- a Python for loop (an unrolled chain): x read from a time-major copy, the [B, T] mask sliced as it is
     case("pyfor_rnn", "pyfor", "rnn"),
     case("pyfor_gru_split_index", "pyfor", "gru", split_index=True,
@@ -949,9 +955,11 @@ def build_fori(env: Env, c: Case, seed: int):
 
         def body(t, carry):  # jax2onnx's fori_loop cannot close over a traced x: it is carried
             h, xs = carry
-            return cell(h, jax.lax.dynamic_index_in_dim(xs, t, axis=1, keepdims=False)), xs
+            return cell(h, jax.lax.dynamic_index_in_dim(xs, t - back if back else t, axis=1, keepdims=False)), xs
 
-        return jax.lax.fori_loop(0, TIME, body, (h0, x))[0]
+        return jax.lax.fori_loop(start, TIME, body, (h0, x))[0]
+
+    start, back = c.opts.get("start", 0), c.opts.get("back", 0)  # fori_loop(start, T) reading x[:, t - back]
 
     return fn, [("x", ("B", TIME, F), "float32")]
 

@@ -427,6 +427,20 @@ CASES = [
     script("lstmcell_script_rev_range_bf", "lstm", rev_range=1, **BF),
     script("lstmcell_script_rev_range_skips_last", "lstm", rev_range=2, near_miss=True,
            notes="range(T - 2, -1, -1): T - 1 iterations, the last step never read"),
+    script("lstmcell_script_from1", "lstm", from_range=(1, 0, 0),
+           notes="for t in range(1, T): x[t] (Gather(x, 1 + i * 1), T - 1 iterations): an LSTM over x[1:]"),
+    script("lstmcell_script_from1_bf", "lstm", from_range=(1, 0, 0), **BF, notes="for t in range(1, T): x[:, t]"),
+    script("lstmcell_script_shifted", "lstm", from_range=(1, 1, 1),
+           notes="for t in range(1, T + 1): x[t - 1], every step"),
+    script("rnn_hand_script_from2", "rnn_hand", from_range=(2, 0, 0),
+           notes="for t in range(2, T): x[t], a hand-written RNN: an RNN over x[2:]"),
+    script("gru_hand_script_from1", "gru_hand", from_range=(1, 0, 0), near_miss=True,
+           notes="for t in range(1, T): x[t] over a GRU: declined, for T = 1 the GRU would run no step and "
+                 "onnxruntime's GRU aborts the process on an empty sequence (the loop returns its initial state)"),
+    script("lstmcell_script_from1_back1", "lstm", from_range=(1, 0, 1), near_miss=True,
+           notes="range(1, T) reading x[t - 1]: T - 1 iterations from the first step, the last step never read"),
+    script("lstmcell_script_from2_back1", "lstm", from_range=(2, 0, 1), near_miss=True,
+           notes="range(2, T) reading x[t - 1]: from step 1, T - 2 iterations, the last step never read"),
     script("lstmcell_script_grown_bf", "lstm", grow=True, **BF,
            notes="out = torch.cat([out, h.unsqueeze(1)], 1) from torch.zeros(B, 0, H): a carried tensor grown a row a step"),
     script("gru_hand_script_lengths", "gru_hand", lengths=True, notes="h = where(t < lengths, cell, h)"),
@@ -1963,6 +1977,43 @@ def torch_modules():
                 outs.append(h)
             return torch.stack(outs, dim=tdim)
 
+    class ScriptFromLoop(nn.Module):
+        """Scripted ``for t in range(start, T + extra)`` over an nn.LSTMCell reading ``x[t - back]``, the outputs
+        stacked: (1, 0, 0) every step from the second (an LSTM over ``x[1:]``), (1, 1, 1) every step with t
+        shifted by one; (1, 0, 1) and (2, 0, 1) leave x's last step unread (near misses)."""
+
+        def __init__(self, features, hidden, from_range=(1, 0, 0), batch_first=False):
+            super().__init__()
+            self.cell, self.hidden, self.batch_first = nn.LSTMCell(features, hidden), hidden, batch_first
+            self.start, self.extra, self.back = from_range
+
+        def forward(self, x):
+            tdim = 1 if self.batch_first else 0
+            h = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
+            c = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
+            outs: list[torch.Tensor] = []
+            for t in range(self.start, x.size(tdim) + self.extra):
+                h, c = self.cell(x[:, t - self.back] if self.batch_first else x[t - self.back], (h, c))
+                outs.append(h)
+            return torch.stack(outs, dim=tdim), c
+
+    class ScriptFromHLoop(nn.Module):
+        """:class:`ScriptFromLoop` over a single-state hand-written cell (GRUHand / RNNHand)."""
+
+        def __init__(self, cell, features, hidden, from_range=(1, 0, 0), batch_first=False):
+            super().__init__()
+            self.cell, self.hidden, self.batch_first = make_cell(cell, features, hidden), hidden, batch_first
+            self.start, self.extra, self.back = from_range
+
+        def forward(self, x):
+            tdim = 1 if self.batch_first else 0
+            h = torch.zeros(x.size(1 - tdim), self.hidden, dtype=x.dtype)
+            outs: list[torch.Tensor] = []
+            for t in range(self.start, x.size(tdim) + self.extra):
+                h = self.cell(x[:, t - self.back] if self.batch_first else x[t - self.back], h)
+                outs.append(h)
+            return torch.stack(outs, dim=tdim)
+
     class ScriptLengthsLoop(nn.Module):
         """Scripted loop over a hand-written single-state cell masked by hand with lengths: ``pre``: rows valid
         at their last ``lengths`` steps, ``t >= T - lengths`` (pre-padded); else ``t < lengths``. ``reverse``:
@@ -2042,7 +2093,8 @@ def torch_modules():
                        ScriptStateListLoop=ScriptStateListLoop, ScriptLSTMStateListsLoop=ScriptLSTMStateListsLoop,
                        ScriptZipMaskLoop=ScriptZipMaskLoop, ScriptConvLoop=ScriptConvLoop,
                        ScriptBeforeLoop=ScriptBeforeLoop,
-                       ScriptRevRangeLoop=ScriptRevRangeLoop, ScriptBidirLoop=ScriptBidirLoop,
+                       ScriptRevRangeLoop=ScriptRevRangeLoop, ScriptFromLoop=ScriptFromLoop,
+                       ScriptFromHLoop=ScriptFromHLoop, ScriptBidirLoop=ScriptBidirLoop,
                        ScriptTwoCellsLoop=ScriptTwoCellsLoop)
     return _nn_classes
 
@@ -2082,6 +2134,10 @@ def build_module(c: Case):
             return m["ScriptLengthsLoop"](cell, c.features, c.hidden, **o)
         if o.get("rev_range"):
             return m["ScriptRevRangeLoop"](c.features, c.hidden, **o)
+        if o.get("from_range") and cell == "lstm":
+            return m["ScriptFromLoop"](c.features, c.hidden, o["from_range"], c.batch_first)
+        if o.get("from_range"):
+            return m["ScriptFromHLoop"](cell, c.features, c.hidden, o["from_range"], c.batch_first)
         if inputs == "context":
             return m["ScriptContextLoop"](c.features, c.hidden)
         if inputs in ("embed_before", "flip_before"):

@@ -24,23 +24,31 @@ def integer_carry_reason(name: str, type_name: str, step: tuple[str, int] | None
     return f"{what} is no counter (adding 1 a step) and not carried unchanged: the cell would read it"
 
 
-def _range_count(g: Graph, M: str, T_keys: set):
-    """T's key when ``M`` is the element count TorchScript computes for ``range(T - 1, -1, -1)``,
-    ``Cast(Ceil(Cast(-1 - (T - 1)) / -1))``; else None."""
-    chain = []
-    name = M
+def _torchscript_range(g: Graph, M: str) -> tuple[str, str, float] | None:
+    """(stop, start, step) when ``M`` is the element count TorchScript computes for ``range(start, stop,
+    step)``, ``Cast(Ceil(Cast(stop - start) / step))``, with a constant scalar step; else None."""
+    name, chain = M, []
     for op in ("Cast", "Ceil", "Div", "Cast", "Sub"):
         n = g.producer.get(name)
-        if n is None or n.op_type != op:
+        if n is None or n.op_type != op or not n.input:
             return None
         chain.append(n)
         name = n.input[0]
     div, sub = chain[2], chain[4]
-    step, stop = g.const(div.input[1]), g.const(sub.input[0])
-    start = g.producer.get(sub.input[1])
-    if step is None or stop is None or np.size(step) != 1 or np.size(stop) != 1 or start is None:
+    step = g.const(div.input[1]) if len(div.input) > 1 else None
+    if step is None or np.size(step) != 1 or len(sub.input) != 2:
         return None
-    if float(np.ravel(step)[0]) != -1.0 or int(np.ravel(stop)[0]) != -1 or start.op_type != "Sub":
+    return sub.input[0], sub.input[1], float(np.ravel(step)[0])
+
+
+def _range_count(g: Graph, M: str, T_keys: set):
+    """T's key when ``M`` is the element count TorchScript computes for ``range(T - 1, -1, -1)``,
+    ``Cast(Ceil(Cast(-1 - (T - 1)) / -1))``; else None."""
+    r = _torchscript_range(g, M)
+    if r is None or r[2] != -1.0:
+        return None
+    stop, start = g.const(r[0]), g.producer.get(r[1])
+    if stop is None or np.size(stop) != 1 or int(np.ravel(stop)[0]) != -1 or start is None or start.op_type != "Sub":
         return None
     one, T = g.const(start.input[1]), dim_key(g, start.input[0])
     if one is None or np.size(one) != 1 or int(np.ravel(one)[0]) != 1 or T not in T_keys:
@@ -49,23 +57,13 @@ def _range_count(g: Graph, M: str, T_keys: set):
 
 
 def _range_length(g: Graph, M: str, is_T) -> int | None:
-    """d when ``M`` is the element count TorchScript computes for ``range(start, stop)`` (step 1),
-    ``Cast(Ceil(Cast(stop - start) / 1))``, and ``stop - start`` is T + d (T: x's time length, ``is_T``);
-    else None. ``range(1, T)`` runs T - 1 iterations, ``range(1, T + 1)`` T."""
-    name, chain = M, []
-    for op in ("Cast", "Ceil", "Div", "Cast", "Sub"):
-        n = g.producer.get(name)
-        if n is None or n.op_type != op or not n.input:
-            return None
-        chain.append(n)
-        name = n.input[0]
-    step = g.const(chain[2].input[1]) if len(chain[2].input) > 1 else None
-    if step is None or np.size(step) != 1 or float(np.ravel(step)[0]) != 1.0:
+    """d when ``M`` is the element count TorchScript computes for ``range(start, stop)`` (step 1) and
+    ``stop - start`` is T + d (T: x's time length, ``is_T``); else None. ``range(1, T)`` runs T - 1
+    iterations, ``range(1, T + 1)`` T."""
+    r = _torchscript_range(g, M)
+    if r is None or r[2] != 1.0:
         return None
-    sub = chain[4]
-    if len(sub.input) != 2:
-        return None
-    stop, start = terms(g, sub.input[0]), terms(g, sub.input[1])
+    stop, start = terms(g, r[0]), terms(g, r[1])
     if stop is None or start is None or len(stop) != 1 or len(start) != 1 or start[0][0] != "c":
         return None
     if stop[0][0] != "d" or not is_T(stop[0][1]):

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+from onnx import TensorProto
+
 from rnnfuse.dataflow import post_order
 from rnnfuse.errors import Decline
-from rnnfuse.graph import Graph
-from rnnfuse.recurrence import NONE, Init, Recurrence, SeqOutput
+from rnnfuse.graph import Graph, attr
+from rnnfuse.recurrence import CARRY, NONE, Init, Recurrence, SeqOutput
 from rnnfuse.recurrence_layers import owner
 from rnnfuse.step import unmasked_value
 from rnnfuse.step_heads import find_head
-from rnnfuse.symbolic import BoolMask, Poly, State
+from rnnfuse.symbolic import BoolMask, Const, Poly, State
 
 
 @dataclass
@@ -70,8 +73,8 @@ def with_far_outputs(analyse):
 @dataclass
 class StateKeys:
     """What tells a per-step output that is one of the step's states: per layer, the polynomial keys of its
-    states' new values (``per_layer``), with the step's :class:`FarOutputs` and whether it is masked (a head
-    is declined in a masked step: the shortcut is off)."""
+    states' new values (``per_layer``), with the step's :class:`FarOutputs` and whether it is masked (in a
+    masked step the shortcut is off: a masked copy of a state is told from a head by its maths)."""
 
     per_layer: list[set]
     far: FarOutputs
@@ -174,22 +177,49 @@ def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: li
             other = {k: f"state {s} (the cell state c)" if s == c_sym else f"state {s}"
                      for s, k in keys.items() if s != h_sym and k != keys[h_sym]}
             _evaluate_near_states(body, layer.ev, cand.name)
+            target, h_key, zero_masked = cand.name, keys[h_sym], False
+            if rec.masked:
+                # (the head then reads the op's Y carried through masked steps: the new h at a valid step, the
+                # h kept at a masked one, and one step later the h the step read)
+                kept = _selected_at_valid_steps(body, layer.ev, cand.name, rec)
+                if kept is not None:  # where(m, head(h), 0): zeros at masked steps, after the head
+                    target, zero_masked = kept, True
+                else:  # head(where(m, h_new, h)): the head on the kept h
+                    h_key = layer.ev.poly(state_out[h_sym]).key
             try:
-                head = find_head(body, layer.ev, cand.name, keys[h_sym], other, step_in.x_reads,
+                head = find_head(body, layer.ev, target, h_key, other, step_in.x_reads,
                                  step_in.x_read_source, step_in.x_axis, step_in.x_reversed, invariants, counters,
                                  _lower_cells_h(layers, li, cell_states, state_out), Poly.atom(State(h_sym, None)).key)
             except Decline as d:
                 reason = reason or d
                 continue
-            if rec.masked or any(recs[j].masked for j in head.layer_h.values()):
-                raise Decline("a per-step output computed from h under a mask (a head on masked steps)")
+            if head.layer_h and (rec.masked or any(recs[j].masked for j in head.layer_h.values())):
+                raise Decline("a per-step output computed from several cells' h under a mask")
             for name, j in head.layer_h.items():  # the other cells' Y, handed to this one when emitted
                 head.layer_h[name] = _steps_output(recs[j], j)
-            rec.seq_outputs.append(SeqOutput(cand.outer, NONE, Init(), cand.time_axis, cand.reversed, head=head,
-                                             accumulate=cand.accumulate))
+            fill, init = (CARRY, rec.h0) if rec.masked else (NONE, Init())
+            rec.seq_outputs.append(SeqOutput(cand.outer, fill, init, cand.time_axis, cand.reversed, head=head,
+                                             accumulate=cand.accumulate, zero_masked=zero_masked))
             break
         else:
             raise reason
+
+
+def _selected_at_valid_steps(body: Graph, ev, name: str, rec: Recurrence) -> str | None:
+    """The tensor a masked step's output ``name`` selects at valid steps when it is zeros at masked ones,
+    ``where(m, y, 0)`` (a Cast to float after it kept: jax2onnx's dtype fix), else None."""
+    p = body.producer.get(name)
+    while p is not None and (p.op_type == "Identity" or (p.op_type == "Cast" and attr(p, "to", 0) == TensorProto.FLOAT)):
+        p = body.producer.get(p.input[0])
+    if p is None or p.op_type != "Where" or len(p.input) != 3:
+        return None
+    cond = ev.value(p.input[0])
+    if not isinstance(cond, BoolMask):
+        return None
+    # (BoolMask.neg: the value is the mask symbol negated; rec.mask_negated: the mask is true at padded steps)
+    keep, other = p.input[1:] if cond.neg == rec.mask_negated else p.input[2:0:-1]
+    zero = ev.value(other)
+    return keep if isinstance(zero, Const) and not np.any(zero.arr) else None
 
 
 def _lower_cells_h(layers: list, li: int, cell_states: list, state_out: dict[str, str]) -> dict:

@@ -301,6 +301,12 @@ def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: 
         probes: dict[str, tuple[str, int]] | None = {} if so.head is not None and so.head.probes else None
         if so.head is not None:  # a per-step head on h: applied to every step at once, in processing order
             v = apply_head(b, so.head, v, probes, row_type, h_init)
+            if so.zero_masked:  # (where(m, head(h), 0): the head's value is zeros at masked steps)
+                if mp is None:
+                    raise Decline("a head zeroed at masked steps in a recurrence without a mask")
+                valid = _valid_steps(b, mp, path)
+                v = b.op("Where", b.flip0(valid) if direction == "reverse" else valid, v,
+                         b.const(np.array(0.0, np.float32), "fill"))
         if so.accumulate:  # a running sum: its start plus every step's value (in any order: a sum)
             if probes:
                 raise Decline("a running sum of a head checked at its probe points")
@@ -379,8 +385,7 @@ def _seq_output(b: Builder, so, Y3: str, Yh: str, mp: MaskPlumbing | None, path:
         return Y3
     if path in (POST_PADDED, LENGTHS):
         # every value past a row's length is set explicitly: runtimes disagree about Y there
-        t, bb, B = _grid(b, mp)
-        inlen = b.unsqueeze(b.op("Less", t, b.unsqueeze(mp.lens64, [0])), [2])
+        inlen = _valid_steps(b, mp, path)
         if so.fill == ZERO:
             return b.op("Where", inlen, Y3, b.const(np.array(0.0, np.float32), "fill"))
         if direction == "forward":
@@ -404,6 +409,15 @@ def _seq_output(b: Builder, so, Y3: str, Yh: str, mp: MaskPlumbing | None, path:
     # at each row's k-th valid step this holds Y3[k]: a next layer compacting it with the same mask reads Y3
     b.g.model.facts.uncompactions[out] = (Y3, mp.m2)
     return out
+
+
+def _valid_steps(b: Builder, mp: MaskPlumbing, path: str) -> str:
+    """[T, B, 1] bool, in processing order: whether each step of each row is a valid one (where a ZERO fill
+    keeps Y)."""
+    if path in (POST_PADDED, LENGTHS):
+        t, _, _ = _grid(b, mp)
+        return b.unsqueeze(b.op("Less", t, b.unsqueeze(mp.lens64, [0])), [2])
+    return b.unsqueeze(mp.m2, [2])
 
 
 def _fill_of(b: Builder, so) -> str:

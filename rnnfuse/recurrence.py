@@ -47,6 +47,8 @@ class SeqOutput:
     head: object = None  # a rnnfuse.step_heads.StepHead applied to every step (the output is head(h_t))
     # the tensor is this start plus every step's value (a carried running sum, acc = acc + y_t), not the steps
     accumulate: str = ""
+    # (with a head, in a masked recurrence) the head's value is zeros at masked steps: ``where(m, head(h), 0)``
+    zero_masked: bool = False
 
 
 @dataclass

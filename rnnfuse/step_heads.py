@@ -207,7 +207,7 @@ def _leaf(body: Graph, ev, name: str, h_keys: tuple, other_keys: dict, x_reads: 
             raise Decline(f"a per-step output reads '{invariants[name]}', computed at runtime outside the loop")
         if isinstance(v, BoolMask):  # (a scanned mask: no carried state, whatever the body input list says)
             raise Decline(f"a per-step output reads the step mask '{name}' in a head (a head runs after the op on "
-                          "its Y, unmasked only)")
+                          "its Y, which holds the kept h at masked steps; only where(m, head, 0) is read after it)")
         raise Decline(f"a per-step output reads the carried state '{name}' before the step updates it "
                       "(the previous step's value)")
     if name not in body.producer:

@@ -302,8 +302,10 @@ def mutation_expressible(name: str, o: Opts) -> bool:
         # an unrolled chain's h read step by step: each reader gets its step of the native op's Y (issue 14
         # item 4) and computes from it what it did (the previous h stacked, a graph output, the output's select)
         return True
-    if name == "output_prev_h" and o.front in ("loop", "scan") and not o.masked():
-        return True  # a per-step head on the h the step read: the op's Y one step later, h0 first (step_heads)
+    if name == "output_prev_h" and o.front in ("loop", "scan"):
+        # a per-step head on the h the step read: the op's Y one step later, h0 first (step_heads); under a
+        # mask the Y carried through masked steps, as the kept state is (passes/loop_heads)
+        return True
     if name == "asym_clip" and o.op == "RNN" and f[0] == "Relu":
         return True  # relu(clip(a, -2, 3)) = relu(clip(a, -3, 3)): a native op's clip 3 (cells/recognise.canonical_clips)
     if name in ("coupled_if", "gru_swapped_update"):

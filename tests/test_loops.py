@@ -229,8 +229,8 @@ HEAD_REASONS = {"rows_mean": "not a row-wise op", "transpose": "not a row-wise o
 # every near miss of every form: (builder, options, a phrase the reason must hold)
 NEAR_MISS_CASES = ([(build, o, "cast to INT16" if o.cond == "int16" else "") for o in NEAR_MISSES]
                    + [(build_stack, o, "") for o in STACK_MISSES + SCAN_STACK_MISSES]
-                   # (a masked step's output over two cells' h is a head: heads are unmasked only)
-                   + [(build_stack, StackOpts(2, front="scan", masked=True, mixed=True), "the step mask 'm'")]
+                   # (a masked step's output over two cells' h: a head over several cells is unmasked only)
+                   + [(build_stack, StackOpts(2, front="scan", masked=True, mixed=True), "several cells' h under a mask")]
                    + [(build_head, o, HEAD_REASONS[o.miss]) for o in HEAD_MISSES]
                    + [(build_lengths, o, "") for o in LENGTH_MISSES + XMASK_MISSES]
                    + [(build_transposed, o, "mix batch rows") for o in TRANSPOSED_MISSES])

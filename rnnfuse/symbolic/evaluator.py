@@ -111,7 +111,12 @@ class StepEvaluator:
         dims = self.graph.model.shape(node.input[0])
         if dims is None or sum(not isinstance(d, int) for d in dims) > 1:
             return None
-        dims = [d if isinstance(d, int) else None for d in dims][attr(node, "start", 0):attr(node, "end", None)]
+        return self._dims_value(node, [d if isinstance(d, int) else None for d in dims])
+
+    @staticmethod
+    def _dims_value(node: onnx.NodeProto, dims: list) -> Value:
+        """What ``node`` (a Shape) gives of a tensor with these dims (None: not known), its start and end applied."""
+        dims = dims[attr(node, "start", 0):attr(node, "end", None)]
         return Const(np.array(dims, dtype=np.int64)) if None not in dims else ShapeValue(dims)
 
     # ---- public
@@ -174,12 +179,14 @@ class StepEvaluator:
                     self.memo[o] = v
         return self.memo[name]
 
-    def _broadcast_shape(self, name: str, limit: int = 64) -> "SymTensor | None":
+    def _broadcast_shape(self, name: str, limit: int = 64) -> "SymTensor | ShapeValue | None":
         """A value of the step known to have the shape of ``name``, a [B, N] value whose maths are not known:
         an elementwise result has the shape of any operand of its rank without unit dims (the others broadcast
         into it), so a [B, N] (N > 1) value found through elementwise ops of rank 2 has its shape (N not known,
-        a state's width the model does not declare: read as :func:`ops_shape._shape` reads it). None when none
-        is found within ``limit`` values."""
+        a state's width the model does not declare: read as :func:`ops_shape._shape` reads it). A product of a
+        [B, K] value of the step by a constant [K, N] matrix (a head's ``dense(h)``, whose shape jax2onnx
+        broadcasts the step mask to) is [B, N]: its :class:`ShapeValue`. None when none is found within
+        ``limit`` values."""
         model = self.graph.model
         todo, seen = [name], set()
         while todo and len(seen) < limit:
@@ -193,10 +200,26 @@ class StepEvaluator:
                     return v
                 continue
             p = self.graph.producer.get(cur)
-            if p is None or p.op_type not in ELEMENTWISE or not self.may_evaluate(p) or model.rank(cur) != 2:
+            if p is None or not self.may_evaluate(p):
                 continue
-            todo.extend(i for i in p.input if i and i not in seen)
+            if p.op_type in ("MatMul", "Gemm"):  # (rank 2 by its operands': the model may not declare it)
+                width = self._product_width(p)
+                if width is not None:
+                    return ShapeValue([None, width])
+            elif p.op_type in ELEMENTWISE and model.rank(cur) == 2:
+                todo.extend(i for i in p.input if i and i not in seen)
         return None
+
+    def _product_width(self, p: onnx.NodeProto) -> int | None:
+        """N when ``p`` multiplies a [B, K] value of the step (rows: the batch) by a constant [K, N] matrix."""
+        if p.op_type == "Gemm" and attr(p, "transA", 0):
+            return None
+        w = self.memo.get(p.input[1]) if len(p.input) > 1 else None  # (a weight the loop passes in: a Const)
+        w = w.arr if isinstance(w, Const) else None
+        left = self.memo.get(p.input[0])
+        if w is None or np.ndim(w) != 2 or not (isinstance(left, SymTensor) and left.lead == 0):
+            return None
+        return int(w.shape[0] if p.op_type == "Gemm" and attr(p, "transB", 0) else w.shape[1])
 
     def poly(self, name: str) -> Poly:
         """The polynomial of an elementwise [B, N] tensor, or Decline with the reason it has none."""
@@ -215,7 +238,10 @@ class StepEvaluator:
             # the shape of a value whose maths are not (yet) known: jax2onnx broadcasts the step mask to the
             # shape of any [B, H] value of the step, in a stack of cells perhaps one of a cell above the one being
             # evaluated (known only in a later round, see recurrence_layers.split_layers)
-            known = self._broadcast_shape(node.input[0]) or self._declared_dims(node)
+            known = self._broadcast_shape(node.input[0])
+            if isinstance(known, ShapeValue):
+                known = self._dims_value(node, known.dims)
+            known = known or self._declared_dims(node)
             if known is not None:
                 return ops_shape.HANDLERS["Shape"](self, node, [known]) if isinstance(known, SymTensor) else [known]
         for k, v in enumerate(ins):

@@ -219,6 +219,21 @@ CASES = [
     case("hand_rnn_lstm_side", "hand", "rnn_lstm_side",
          notes="two cells side by side under one lax.scan, the step returns concatenate([h1, h2]): two ops"),
     case("nnx_lstm_scan_head_dyn_t", "nnx_scan", "lstm", head=True, dynamic_time=True),
+    # -- a head on masked steps: where(m, dense(h_new), 0) as the step's y, or dense() of the kept h
+    case("hand_lstm_head_masked", "hand", "lstm_head", mask=True,
+         notes="the masked step returns where(m, dense(h), 0): the head applied to Y, zeros at masked steps"),
+    case("hand_gru_head_relu_masked_o17", "hand", "gru_head", mask=True, opset=17,
+         notes="where(m, relu(dense(h)), 0) under a GRU's mask"),
+    case("hand_lstm_head_kept", "hand", "lstm_head", mask=True, head_kept=True,
+         notes="the masked step returns dense(h_kept) (h_kept = where(m, h_new, h)): the head on the carried Y"),
+    case("hand_gru_head_kept_o17", "hand", "gru_head", mask=True, head_kept=True, opset=17,
+         notes="relu(dense(h_kept)): a pre-padded row's head reads h0 before its first step"),
+    case("hand_rnn_lengths_head", "hand", "rnn_len", seq_lengths=True, edges=True, len_head=True,
+         notes="h = where(t < lengths, cell, h); y = where(t < lengths, tanh(h_new @ V), 0): a made length mask"),
+    case("near_hand_lstm_head_filled_one", "hand", "lstm_head", mask=True, y_fill=1.0, declined="no native output holds it",
+         notes="where(m, dense(h), 1): ones at masked steps, no fill a native op's Y has"),
+    case("near_hand_lstm_head_at_masked_steps", "hand", "lstm_head", mask=True, y_flip=True, declined="no native output holds it",
+         notes="where(m, 0, dense(h)): the head's value at the masked steps only"),
     case("hand_rnn_head_prev_h", "hand", "rnn_head_prev",
          notes="the step returns dense(h) of the carry *before* the update: the head on Y one step later, h0 first"),
     case("hand_residual_lstm", "hand", "residual_lstm", notes=(
@@ -465,6 +480,9 @@ def build_hand(env: Env, c: Case, seed: int):
             c_ = sig(f) * c_ + sig(i) * tanh(g)
             h = sig(o) * tanh(c_)
             return (c_, h), (c_ if kind == "lstm_head_c" else h) @ Wd + bd
+
+        def head_of(carry):  # (the head on a carry: a masked step's kept h, see head_kept)
+            return carry[1] @ Wd + bd
     elif kind == "gru_head":  # torch's GRU formula (linear_before_reset), a relu head
         Wx, Wh, bx, bh, Wd, bd = _weights(rng, (F, 3 * H), (H, 3 * H), (3 * H,), (3 * H,), (H, 5), (5,))
 
@@ -475,6 +493,9 @@ def build_hand(env: Env, c: Case, seed: int):
             n = tanh(gx[:, 2 * H:] + r * gh[:, 2 * H:])
             h = (1 - z) * n + z * h
             return h, jax.nn.relu(h @ Wd + bd)
+
+        def head_of(carry):
+            return jax.nn.relu(carry @ Wd + bd)
     elif kind == "rnn_lstm_side":  # an Elman cell and an LSTM side by side on x_t, the step returns both h
         Wx, Wh, b, Lx, Lh, lb = _weights(rng, (F, H), (H, H), (H,), (F, 4 * H), (H, 4 * H), (4 * H,))
 
@@ -702,7 +723,10 @@ def build_hand(env: Env, c: Case, seed: int):
                 new, y = cell(carry, xt)
                 keep = mt[:, None]
                 new = jax.tree_util.tree_map(lambda a, b: jnp.where(keep, a, b), new, carry)
-                return new, jnp.where(keep, y, 0.0)
+                if c.opts.get("head_kept"):  # the head on the kept h: at a masked step, on the h carried through
+                    return new, head_of(new)
+                fill = c.opts.get("y_fill", 0.0)  # (near misses: y filled with another value, or kept at masked steps)
+                return new, jnp.where(keep, fill, y) if c.opts.get("y_flip") else jnp.where(keep, y, fill)
 
             xs = jnp.swapaxes(x, 0, 1)
             _, ys = jax.lax.scan(step, init(x.shape[0]), xs if xmask else (xs, jnp.swapaxes(mask, 0, 1)))
@@ -731,11 +755,16 @@ def build_hand(env: Env, c: Case, seed: int):
     if kind == "rnn_len":  # a length mask by hand: scan over (x_t, t), m = t < lengths
         specs = [("x", ("B", TIME, F), "float32"), ("lengths", ("B",), "int32")]
 
+        V = _weights(rng, (H, 3))[0]  # (drawn once: fn is traced for export and run for the reference)
+
         def fn(x, lengths):
             def step(h, inp):
                 xt, t = inp
-                m = (t < lengths).astype(jnp.float32)[:, None]
                 new, _ = cell(h, xt)
+                if c.opts.get("len_head"):  # a head on the new h, zeros past a row's length
+                    valid = (t < lengths)[:, None]
+                    return jnp.where(valid, new, h), jnp.where(valid, tanh(new @ V), 0.0)
+                m = (t < lengths).astype(jnp.float32)[:, None]
                 return m * new + (1 - m) * h, m * new
 
             with env.original_shape():

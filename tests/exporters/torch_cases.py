@@ -365,6 +365,10 @@ CASES = [
            notes="for x_t, m_t in zip(x.unbind(1), mask.unbind(1)): h = where(m_t, cell, h)"),
     script("lstmcell_script_bool_mask_bf", "lstm", bool_mask="valid", **BF,
            notes="mask [B, T] bool read as mask[:, t].unsqueeze(1): h = where(m, cell, h)"),
+    script("lstmcell_script_padding_mask_head_bf", "lstm", bool_mask="pad", mask_head=True, **BF,
+           notes="ys.append(where(p, zeros_like(y), y)), y = fc(h_new): a head zeroed at padded steps"),
+    script("lstmcell_script_bool_mask_head_bf", "lstm", bool_mask="valid", mask_head=True, **BF,
+           notes="ys.append(fc(h)), h = where(m, cell, h): a head on the kept h"),
     # ... a mask input read at the loop's step on its own time axis, which need not be x's
     script("gru_hand_script_mask_gt0_time_major_beside_bf", "gru_hand", mask_input="gt0", mask_transposed=True, **BF,
            notes="x [B, T, F], mask [T, B] float: m = mask[t].unsqueeze(1) > 0; h = where(m, cell, h)"),
@@ -981,6 +985,8 @@ def expectation(c: Case) -> dict:
         exp["absent"] = list(ABSENT) + ["ScatterND", "ScatterElements"]
     if c.model == "script" and o.get("inputs"):
         exp["max_cell_ops"] = 2  # (the step input's map, applied once to the whole sequence: a Gemm and a Relu)
+    if c.model == "script" and o.get("mask_head"):
+        exp["max_cell_ops"] = 1  # (the head's Gemm, applied once to the whole sequence)
     if c.model == "nn" and o.get("head"):
         exp["max_cell_ops"] = 2  # (the per-call head, applied once to the whole sequence: a Gemm and a Tanh)
     if o.get("prep") == "linear":
@@ -1712,11 +1718,14 @@ def torch_modules():
     class ScriptMaskLoop(nn.Module):
         """Scripted LSTM loop over batch-first x [B, T, F] with a [B, T] bool mask read per step:
         ``pad[:, t:t+1]`` (a padding mask, true past a row's length: the states kept, the output 0 there) or
-        ``mask[:, t]`` (true at valid steps, unsqueezed: the states kept at the others, the output the kept h)."""
+        ``mask[:, t]`` (true at valid steps, unsqueezed: the states kept at the others, the output the kept h).
+        ``mask_head``: the output is a Linear head, ``where(p, zeros_like(y), y)`` of the new h (padding mask) or
+        of the kept h (valid mask)."""
 
-        def __init__(self, features, hidden, form):
+        def __init__(self, features, hidden, form, mask_head: bool = False):
             super().__init__()
             self.cell, self.hidden, self.pad = nn.LSTMCell(features, hidden), hidden, form == "pad"
+            self.fc = nn.Linear(hidden, 3) if mask_head else nn.Identity()
 
         def forward(self, x, mask):
             h = torch.zeros(x.size(0), self.hidden)
@@ -1727,11 +1736,12 @@ def torch_modules():
                 if self.pad:
                     p = mask[:, t:t + 1]
                     h, c = torch.where(p, h, h2), torch.where(p, c, c2)
-                    outs.append(torch.where(p, torch.zeros_like(h2), h2))
+                    y = self.fc(h2)
+                    outs.append(torch.where(p, torch.zeros_like(y), y))
                 else:
                     m = mask[:, t].unsqueeze(1)
                     h, c = torch.where(m, h2, h), torch.where(m, c2, c)
-                    outs.append(h)
+                    outs.append(self.fc(h))
             return torch.stack(outs, 1)
 
     class ScriptMaskInputLoop(nn.Module):
@@ -2149,7 +2159,7 @@ def build_module(c: Case):
         if inputs in ("unbind", "unbind_bf", "enumerate", "zip_mask"):
             return m["ScriptZipMaskLoop" if inputs == "zip_mask" else "ScriptIterLoop"](cell, c.features, c.hidden, inputs)
         if o.get("bool_mask"):
-            return m["ScriptMaskLoop"](c.features, c.hidden, o["bool_mask"])
+            return m["ScriptMaskLoop"](c.features, c.hidden, o["bool_mask"], o.get("mask_head", False))
         if o.get("state_list") and cell == "lstm":
             return m["ScriptLSTMStateListsLoop"](c.features, c.hidden, o["layers"])
         if o.get("state_list"):

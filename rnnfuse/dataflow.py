@@ -283,13 +283,15 @@ def closure(g: Graph, seeds, limit: int = 256) -> tuple[set[str], set[int]]:
     region = set(seeds)
     ids: set[int] = set()
     frontier = list(seeds)
+    runtime = runtime_values(g)
     while frontier and len(ids) < limit:
         v = frontier.pop()
         for c in g.uses(v):
             if id(c) in ids or len(c.input) > 8 or g.implicit_inputs(c):
                 continue  # (a Concat stacking every step's output is no part of a step)
-            dyn = dynamic_inputs(g, c)
-            if all(i in region for i in dyn):
+            # every dynamic input (dynamic_inputs) in the region: asked of the inputs outside it only, the first
+            # one that carries runtime values ending the test (a step's h @ R reads h and two weights)
+            if not any(i not in region and (i in runtime or not shape_derived(g, i)) for i in c.input[:] if i):
                 ids.add(id(c))
                 for o in c.output[:]:
                     if o:

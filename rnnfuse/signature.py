@@ -52,7 +52,8 @@ class Signer:
         if name in memo:
             return memo[name]
         runtime = runtime_values(self.g)
-        table = self.table
+        table, producer, takes, opset = self.table, self.g.producer, self.takes, self.g.model.opset
+        const_ids = self.const_ids
         # each producer's fields, read once, kept for this walk only (a chain's steps are each walked once:
         # a cache across walks would hold every node's fields); the tensors whose inputs are being signed
         infos: dict[int, tuple] = {}
@@ -68,7 +69,25 @@ class Signer:
                 continue
             info = walked.get(cur)
             if info is None:
-                info = self._open(cur, leaves, allowed, foreign, visited, fills, memo, runtime, infos, given)
+                # the two common values, inline: a constant met before (a weight: its value's id) and a value
+                # computed at run time by a node of the region whose op is no fill or shape (what _open looks at
+                # first); any other goes through _open
+                p = None
+                if cur not in leaves:
+                    if cur in runtime:
+                        p = producer.get(cur)
+                    elif cur not in given and (cid := const_ids.get(cur)) is not None:
+                        memo[cur] = cid
+                        stack.pop()
+                        continue
+                if p is not None:
+                    info = infos.get(id(p))
+                    if info is None:
+                        info = infos[id(p)] = _node_info(p, takes, opset)
+                    if info[2] in _OPENED_OPS or not allowed(p):
+                        info = None
+                if info is None:
+                    info = self._open(cur, leaves, allowed, foreign, visited, fills, memo, runtime, infos, given)
                 if info is None:  # (its signature is in memo)
                     stack.pop()
                     continue
@@ -152,7 +171,7 @@ class Signer:
 
 def _node_info(p: NodeProto, takes: dict, opset: int | None) -> tuple:
     """What a signature reads of a node, read from the proto once: (inputs, outputs, op_type, domain,
-    attributes as bytes in name order, the node's id). ``takes``: (op type, domain) -> whether such a node
+    attributes as bytes in one canonical order, the node's id). ``takes``: (op type, domain) -> whether such a node
     may have attributes (protos.takes_attributes at ``opset``), filled as nodes are met.
 
     An op that takes no attribute (Add, Mul, Tanh: most of a cell) has its fields read directly; else they
@@ -171,13 +190,15 @@ def _node_info(p: NodeProto, takes: dict, opset: int | None) -> tuple:
         if field is _INPUT:
             ins = value[:]
         elif field is _ATTRIBUTE:
+            # (sorted as bytes: one order whatever the node's, without reading each attribute's name)
             ak = (value[0].SerializeToString(),) if len(value) == 1 else \
-                tuple(a.SerializeToString() for a in sorted(value, key=_attr_name))
+                tuple(sorted([a.SerializeToString() for a in value]))
     return (ins, p.output[:], op, domain, ak, id(p))
 
 
+# the ops whose outputs _open looks at before their node's inputs: a fill (its value) and a shape (of an
+# outside tensor, the same for every step)
+_OPENED_OPS = frozenset(("ConstantOfShape", "Expand", "Shape", "Size"))
+
 _INPUT, _ATTRIBUTE = NodeProto.DESCRIPTOR.fields_by_name["input"], NodeProto.DESCRIPTOR.fields_by_name["attribute"]
 
-
-def _attr_name(a) -> str:
-    return a.name

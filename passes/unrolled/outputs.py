@@ -159,12 +159,20 @@ class Escapes:
 
 def _escaping(g: Graph, nodes, chain_nodes: set) -> list[tuple]:
     out = []
+    consumers, is_output = g.consumers, g.is_graph_output
     for nd in nodes:
         for o in nd.output[:]:
             if not o:
                 continue
-            outside = [u for u in g.uses(o) if id(u) not in chain_nodes and u.op_type not in ("Shape", "Size")]
-            if outside or g.is_graph_output(o):
+            # (most of a chain's values have one reader, in the chain: asked of it alone, no reader list built)
+            v = consumers.get(o)
+            if type(v) is list:
+                outside = [u for u in v if id(u) not in chain_nodes and u.op_type not in ("Shape", "Size")]
+            elif v is None or id(v) in chain_nodes or v.op_type in ("Shape", "Size"):
+                outside = []
+            else:
+                outside = [v]
+            if outside or is_output(o):
                 out.append((nd, o, outside))
     return out
 

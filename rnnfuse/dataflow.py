@@ -181,6 +181,11 @@ def shape_derived(g: Graph, name: str) -> bool:
         if cur in runtime:
             memo[cur] = False
             return None
+        if p is not None and p.op_type == "Constant" and p.domain in ("", "ai.onnx"):
+            # (a Constant depends on no tensor at all: known without decoding its value, which a trace writes
+            # per step, e.g. each step's Split sizes)
+            memo[cur] = True
+            return None
         if p is None or p.op_type == "Constant" or has_subgraph(p):
             memo[cur] = const(cur) is not None
             return None

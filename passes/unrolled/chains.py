@@ -369,12 +369,8 @@ def may_read_older(g: Graph, i: str, own: tuple, runtime, given) -> bool:
     _older_reads walks back, and what family_filter.may_hold_chains asks of every combining node."""
     if not i or any(i in part for part in own):
         return False
-    if i in runtime or i in given:
-        return True
-    p = g.producer.get(i)
-    if p is not None and p.op_type == "Constant" and p.domain in ("", "ai.onnx"):
-        return False  # (known without decoding it: a torch trace's per-step Split sizes, 6,000 folds at T=6,000)
-    return g.const(i) is None and not shape_derived(g, i)
+    # (shape_derived first: it tells a Constant without decoding it, a torch trace's per-step Split sizes)
+    return i in runtime or i in given or (not shape_derived(g, i) and g.const(i) is None)
 
 
 def _stacks_steps(c: NodeProto, t: int, local: set, local_step: dict, iv) -> bool:

@@ -15,6 +15,7 @@ from rnnfuse import portability
 from rnnfuse.cells import native_kind
 from rnnfuse.cells.kinds import KINDS
 from rnnfuse.builder import SPILL_BYTES, Builder
+from rnnfuse.empty_runs import full_lengths
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.findings import Finding, Options, PassResult
@@ -263,7 +264,8 @@ class ReverseInputs:
 
     ``LSTM(ReverseSequence(x, T...), direction=forward)`` (tf2onnx's go_backwards layers) is
     ``LSTM(x, direction=reverse)`` with ``Y`` reversed; ``Y_h``/``Y_c`` are unchanged. Only without
-    ``sequence_lens`` (a per-row length would reverse within the row, not the whole axis)."""
+    ``sequence_lens`` (a per-row length would reverse within the row, not the whole axis), or with the full
+    lengths the emitter gives a GRU whose time length may be 0 (:mod:`rnnfuse.empty_runs`)."""
 
     name = "reverse-input"
     fuses_only_with = frozenset(NATIVE_OPS)  # native ops: what it merges or turns around
@@ -274,11 +276,12 @@ class ReverseInputs:
         g = model.graph
         res = PassResult(self.name)
         rewrites = []
+        whole = model.facts.full_lengths  # (lengths that run every row whole: reversing the axis reverses each row)
         for n in g.nodes_of(*NATIVE_OPS):
             if native_kind(n) is None:
                 continue
             d = attr(n, "direction", "forward")
-            if d == "bidirectional" or attr(n, "layout", 0) or _inp(n, 4):
+            if d == "bidirectional" or attr(n, "layout", 0) or (_inp(n, 4) and _inp(n, 4) not in whole):
                 continue
             src = time_flip_source(g, n.input[0], 0)
             if src is None:
@@ -292,9 +295,11 @@ class ReverseInputs:
             attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
             attrs["direction"] = "reverse" if d == "forward" else "forward"
             attrs = native_kind(n).drop_default_activations(attrs)
-            ins = [src] + list(n.input[1:])
-            outs = g.add_node(n.op_type, ins, len(n.output), name=f"rnnfuse/{n.op_type}", anchor=n, **attrs)
             b = Builder(g, n, f"rnnfuse/{n.op_type}")
+            ins = [src] + list(n.input[1:])
+            if _inp(n, 4):  # (the full lengths of src: the reversed input need not be computed for its shape)
+                ins[4] = full_lengths(b, src)
+            outs = g.add_node(n.op_type, ins, len(n.output), name=f"rnnfuse/{n.op_type}", anchor=n, **attrs)
             repl = {}
             for k, o in enumerate(n.output):
                 if o and g.n_uses(o):

@@ -21,6 +21,7 @@ from onnx import NodeProto, TensorProto, helper
 from .builder import Builder
 from .dims import declared_name, extent_key
 from .emit_inputs import prepared_input, time_major_input
+from .empty_runs import full_lengths, has_steps, may_run_empty
 from .errors import Decline
 from .graph import Graph
 from .recurrence import NONE, ZERO, CountOutput, Init, Recurrence, SeqOutput
@@ -228,6 +229,13 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
             path = GENERAL
         if path == GENERAL:
             x = _compact(b, cache, mp, x, mask)
+    # a time length that may be 0: a GRU reads full lengths (without them onnxruntime's aborts on no steps) and
+    # final states are guarded (see rnnfuse.empty_runs)
+    nonempty = None
+    if mp is None and may_run_empty(g, x_in, rec.x_time_axis):
+        nonempty = has_steps(b, x)
+        if cell.kind.op == "GRU":
+            seq_lens = full_lengths(b, x)
 
     Ws, Rs, Bs = cell.weight_parts()
     ins = [x, b.stacked(Ws, "W"), b.stacked(Rs, "R"), b.stacked(Bs, "B") if cell.has_bias() else "", seq_lens]
@@ -257,7 +265,7 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     h_init = states_in["h"]  # (what a head reading the h a step read sees first: the op's own initial h)
     if not h_init and any(so.head is not None and so.head.h_prev for so in rec.seq_outputs):
         h_init = b.op("Expand", b.const(np.array(0.0, np.float32), "fill"), _state_shape(b, cache, x, cell.hidden))
-    repl = _replacements(b, rec, Y3, finals, mp, path, direction, head_probes, row_type, h_init)
+    repl = _replacements(b, rec, Y3, finals, mp, path, direction, head_probes, row_type, h_init, nonempty)
     for rs in rec.row_steps:  # a state at one step per row: a twin op whose sequence_lens end at that step
         if direction != "forward" or mp is not None:
             raise Decline("a state read at one step per row of a masked or reverse recurrence")
@@ -290,9 +298,10 @@ def _need_float(g: Graph, x: str) -> None:
 
 
 def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: str, direction: str,
-                  head_probes: dict, row_type: int, h_init: str = "") -> dict[str, str]:
+                  head_probes: dict, row_type: int, h_init: str = "", nonempty: str | None = None) -> dict[str, str]:
     """Original tensor -> the adapter computing it from the native op's outputs (``head_probes`` gains the
-    probe points of each big head, see :class:`Emission`; ``row_type``: the element type of Y)."""
+    probe points of each big head, see :class:`Emission`; ``row_type``: the element type of Y; ``nonempty``:
+    whether x has a step, where its length may be 0: a final state is then its initial value)."""
     repl: dict[str, str] = {}
     for so in rec.seq_outputs:
         v = _seq_output(b, so, Y3, finals["h"], mp, path, direction)
@@ -327,6 +336,8 @@ def _replacements(b: Builder, rec: Recurrence, Y3: str, finals: dict, mp, path: 
             v = b.squeeze(src_t, [0])
         if mp is not None:
             v = b.op("Where", _any_valid(b, mp), v, _init_value(b, fo.init))
+        elif nonempty is not None and not fo.init.is_zero:  # (on no steps the native op's final states are zeros)
+            v = b.op("Where", nonempty, v, _init_value(b, fo.init))
         if fo.lead:
             v = b.unsqueeze(v, [0])
         repl[fo.tensor] = v

@@ -244,7 +244,8 @@ def _seq_output(o: StepOut, h_cell: Poly, an: StepAnalysis, carry_of: dict[str, 
 def _final_output(s: StepState, an: StepAnalysis, carry_of: dict[str, str], zero_fill: set) -> FinalOutput:
     """A used final value: the op's Y_h (h, or a masked copy of it) or Y_c."""
     rec = an.rec
-    init = s.init if an.masked else Init()
+    # (the value where a row has no valid step, or, unmasked, where the run has no step: rnnfuse.empty_runs)
+    init = s.init
     if s.sym == rec.h:
         return FinalOutput(s.final, "h", init)
     if s.sym == rec.c:

@@ -1,0 +1,109 @@
+"""A time length of 0 at run time: the fused model answers as the original does (rnnfuse/empty_runs.py).
+
+onnxruntime's GRU without ``sequence_lens`` aborts the whole process on an empty sequence, and its LSTM, GRU
+and RNN return zeros as final states where the original loop returns its initial states. Each model runs in a
+child process (an abort there fails the test, not the test run), the original first: what it returns for T = 0
+the fused model must return too. A chain of a known number of steps gets none of these guards."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from builders import Opts, build
+
+import rnnfuse
+
+_RUN = """
+import sys, numpy as np, onnxruntime as ort
+path, feeds, out = sys.argv[1:4]
+s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+f = dict(np.load(feeds))
+np.savez(out, *s.run(None, {k: f[k] for k in (i.name for i in s.get_inputs())}))
+"""
+
+
+def _run_apart(tmp_path, name: str, model: onnx.ModelProto, feeds: dict):
+    """The model's outputs on ``feeds``, computed in a child process: (return code, outputs or None)."""
+    path, fpath, out = tmp_path / f"{name}.onnx", tmp_path / f"{name}_in.npz", tmp_path / f"{name}_out.npz"
+    onnx.save(model, path)
+    np.savez(fpath, **feeds)
+    p = subprocess.run([sys.executable, "-c", _RUN, str(path), str(fpath), str(out)], capture_output=True, timeout=300)
+    if p.returncode != 0:
+        return p.returncode, p.stderr.decode(errors="replace")[-300:]
+    z = np.load(out)
+    return 0, [z[f"arr_{i}"] for i in range(len(z.files))]
+
+
+CASES = [
+    Opts(op="GRU", front="loop"),
+    Opts(op="GRU", front="scan", lbr=1),
+    Opts(op="GRU", front="loop", init="input"),
+    Opts(op="GRU", front="loop", layers="bidir", direction="forward"),
+    Opts(op="LSTM", front="loop", init="input"),
+    Opts(op="LSTM", front="scan", init="fill"),
+    Opts(op="RNN", front="scan", init="input"),
+    Opts(op="RNN", front="loop", init="zeros"),
+]
+
+
+def _assert_same(got: list, want: list) -> None:
+    """Equal outputs; an empty one equal to an empty one of the same rank (a Loop that ran no iteration
+    stacks its outputs as [0, 0, H]: the size of a step it never saw is 0; the native op's is [0, B, H])."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if w.size == 0:
+            assert g.size == 0 and g.ndim == w.ndim
+            continue
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, atol=1e-6)
+
+
+@pytest.mark.parametrize("o", CASES, ids=lambda o: o.label())
+def test_no_steps_answered_as_the_original(o, tmp_path):
+    model, feeds_fn = build(o)
+    fused, _ = rnnfuse.optimize(model)
+    natives = sum(Counter(n.op_type for n in fused.graph.node)[k] for k in ("LSTM", "GRU", "RNN"))
+    assert natives >= 1 and not any(n.op_type in ("Loop", "Scan") for n in fused.graph.node)
+    for batch in (1, 3):
+        feeds = feeds_fn(np.random.default_rng(0), batch, 0, "none")
+        rc, got = _run_apart(tmp_path, "fused", fused, feeds)
+        assert rc == 0, f"the fused model fails on T = 0 (exit {rc}): {got}"
+        rc, want = _run_apart(tmp_path, "original", model, feeds)
+        if rc == 0:  # (onnxruntime's Scan cannot slice an empty sequence: the original raises, the fused answers)
+            _assert_same(got, want)
+        # and at a few steps the guards change nothing
+        feeds = feeds_fn(np.random.default_rng(1), batch, 5, "none")
+        _, want = _run_apart(tmp_path, "original", model, feeds)
+        _, got = _run_apart(tmp_path, "fused", fused, feeds)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_initial_states_are_kept_on_no_steps(tmp_path):
+    """The case the guard is for: given initial states (not zeros) come back as the final states."""
+    o = Opts(op="LSTM", front="loop", init="input")
+    model, feeds_fn = build(o)
+    fused, _ = rnnfuse.optimize(model)
+    feeds = feeds_fn(np.random.default_rng(0), 2, 0, "none")
+    assert any(np.abs(v).max() > 0 for k, v in feeds.items() if k != "X")  # (the states fed are not zeros)
+    _, got = _run_apart(tmp_path, "fused", fused, feeds)
+    _, want = _run_apart(tmp_path, "original", model, feeds)
+    assert any(w.size and np.abs(w).max() > 0 for w in want)
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_known_length_adds_no_guard(op):
+    """A recurrence over a declared number of steps gets no lengths and no guard."""
+    o = Opts(op=op, front="loop", init="input", static_T=5)
+    model, _ = build(o)
+    fused, _ = rnnfuse.optimize(model)
+    natives = [n for n in fused.graph.node if n.op_type == op]
+    assert len(natives) == 1
+    assert len(natives[0].input) <= 4 or not natives[0].input[4]
+    assert not any(n.op_type == "Greater" for n in fused.graph.node)

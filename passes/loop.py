@@ -110,10 +110,8 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
     aliases, counts = _final_aliases(g, body, loop, carried, step_in)
     recs, cell_states = _layer_recurrences(loop, layers, layer_step_states, states, outs_of, last_of, extra_remove,
                                            step_in)
-    if step_in.offset and any(r.cell.op == "GRU" for r in recs):
-        # (T <= offset is an input the loop runs no step for: its final state is the initial one)
-        raise Decline(f"the loop reads x from step {step_in.offset}: for a time length up to that the GRU would run no "
-                      "step, and onnxruntime's GRU aborts the process on an empty sequence (its LSTM and RNN do not)")
+    # (a loop reading x from step s runs no step for T <= s: the op then reads an empty x, which the emitter
+    # guards: rnnfuse.empty_runs)
     if heads:
         add_heads(body, layers, recs, cell_states, heads, state_out, step_in, carried.invariants,
                   set(carried.index_syms))

@@ -153,8 +153,7 @@ CASES = [
     case("fori_gru_last_h", "fori", "gru"),
     case("fori_rnn_from1", "fori", "rnn", start=1, notes="fori_loop(1, T) reading x[:, t]: an RNN over x[:, 1:]"),
     case("fori_rnn_from2", "fori", "rnn", start=2, notes="fori_loop(2, T) reading x[:, t]: an RNN over x[:, 2:]"),
-    case("near_fori_gru_from1", "fori", "gru", start=1, declined="aborts the process on an empty sequence",
-         notes="fori_loop(1, T) over a GRU: for T = 1 the GRU would run no step (onnxruntime's GRU aborts)"),
+    case("fori_gru_from1", "fori", "gru", start=1, notes="fori_loop(1, T) over a GRU: a GRU over x[:, 1:]"),
     case("near_fori_rnn_from1_back1", "fori", "rnn", start=1, back=1, declined="not once per time step",
          notes="fori_loop(1, T) reading x[:, t - 1]: the last step never read"),
     # -- a Python for loop (an unrolled chain): x read from a time-major copy, the [B, T] mask sliced as it is

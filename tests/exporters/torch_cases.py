@@ -438,9 +438,9 @@ CASES = [
            notes="for t in range(1, T + 1): x[t - 1], every step"),
     script("rnn_hand_script_from2", "rnn_hand", from_range=(2, 0, 0),
            notes="for t in range(2, T): x[t], a hand-written RNN: an RNN over x[2:]"),
-    script("gru_hand_script_from1", "gru_hand", from_range=(1, 0, 0), near_miss=True,
-           notes="for t in range(1, T): x[t] over a GRU: declined, for T = 1 the GRU would run no step and "
-                 "onnxruntime's GRU aborts the process on an empty sequence (the loop returns its initial state)"),
+    script("gru_hand_script_from1", "gru_hand", from_range=(1, 0, 0),
+           notes="for t in range(1, T): x[t] over a GRU: a GRU over x[1:], the time length dynamic: given full "
+                 "sequence_lens, as over no step onnxruntime's GRU aborts without them (rnnfuse.empty_runs)"),
     script("lstmcell_script_from1_back1", "lstm", from_range=(1, 0, 1), near_miss=True,
            notes="range(1, T) reading x[t - 1]: T - 1 iterations from the first step, the last step never read"),
     script("lstmcell_script_from2_back1", "lstm", from_range=(2, 0, 1), near_miss=True,

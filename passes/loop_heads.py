@@ -21,7 +21,7 @@ from rnnfuse.recurrence import CARRY, NONE, Init, Recurrence, SeqOutput
 from rnnfuse.recurrence_layers import owner
 from rnnfuse.step import unmasked_value
 from rnnfuse.step_heads import find_head
-from rnnfuse.symbolic import BoolMask, Const, Poly, State
+from rnnfuse.symbolic import BoolMask, Const, Mask, Poly, State, SymTensor
 
 
 @dataclass
@@ -207,10 +207,13 @@ def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: li
 
 def _selected_at_valid_steps(body: Graph, ev, name: str, rec: Recurrence) -> str | None:
     """The tensor a masked step's output ``name`` selects at valid steps when it is zeros at masked ones,
-    ``where(m, y, 0)`` (a Cast to float after it kept: jax2onnx's dtype fix), else None."""
+    ``where(m, y, 0)`` or ``y * m`` with m the mask as 0/1 numbers (a Cast to float after it kept: jax2onnx's
+    dtype fix), else None."""
     p = body.producer.get(name)
     while p is not None and (p.op_type == "Identity" or (p.op_type == "Cast" and attr(p, "to", 0) == TensorProto.FLOAT)):
         p = body.producer.get(p.input[0])
+    if p is not None and p.op_type == "Mul" and len(p.input) == 2:
+        return _multiplied_by_mask(ev, p, rec)
     if p is None or p.op_type != "Where" or len(p.input) != 3:
         return None
     cond = ev.value(p.input[0])
@@ -220,6 +223,30 @@ def _selected_at_valid_steps(body: Graph, ev, name: str, rec: Recurrence) -> str
     keep, other = p.input[1:] if cond.neg == rec.mask_negated else p.input[2:0:-1]
     zero = ev.value(other)
     return keep if isinstance(zero, Const) and not np.any(zero.arr) else None
+
+
+def _multiplied_by_mask(ev, mul, rec: Recurrence) -> str | None:
+    """``y`` when ``mul`` is ``y * m`` (either order), m the step mask as numbers, [B, 1], 1 at valid steps:
+    y at a valid step, 0 at a masked one, as ``where(m, y, 0)`` for a finite y (the native op's steps are finite
+    where the original's are: both compute the cell on the same inputs)."""
+    for k in (0, 1):
+        try:
+            v = ev.value(mul.input[k])
+        except Decline:
+            continue
+        # (a [B] mask vector would broadcast along the features, not the rows)
+        if type(v) is not SymTensor or v.lead or not v.poly.atoms or len(v.poly.atoms) != 1:
+            continue
+        (key, atom), = v.poly.atoms.items()
+        if not isinstance(atom, Mask):
+            continue
+        valid_is_one = v.poly.terms == {(key,): 1.0}  # m: 1 where the mask holds; 1 - m: where it does not
+        if not valid_is_one and v.poly.terms != {(key,): -1.0, (): 1.0}:
+            continue
+        # (rec.mask_negated: the mask holds at padded steps, so its complement is 1 at valid ones)
+        if valid_is_one != rec.mask_negated:
+            return mul.input[1 - k]
+    return None
 
 
 def _lower_cells_h(layers: list, li: int, cell_states: list, state_out: dict[str, str]) -> dict:

@@ -223,6 +223,12 @@ CASES = [
          notes="the masked step returns where(m, dense(h), 0): the head applied to Y, zeros at masked steps"),
     case("hand_gru_head_relu_masked_o17", "hand", "gru_head", mask=True, opset=17,
          notes="where(m, relu(dense(h)), 0) under a GRU's mask"),
+    case("hand_lstm_head_times_mask", "hand", "lstm_head", mask=True, y_mul=True,
+         notes="the masked step returns m * dense(h), m the mask cast to float: zeros at masked steps"),
+    case("hand_gru_head_relu_times_mask_o17", "hand", "gru_head", mask=True, y_mul=True, opset=17,
+         notes="m * relu(dense(h)) under a GRU's mask"),
+    case("near_hand_lstm_head_times_unmasked", "hand", "lstm_head", mask=True, y_mul=True, y_flip=True,
+         declined="no native output holds it", notes="dense(h) * (1 - m): the head's value at the masked steps only"),
     case("hand_lstm_head_kept", "hand", "lstm_head", mask=True, head_kept=True,
          notes="the masked step returns dense(h_kept) (h_kept = where(m, h_new, h)): the head on the carried Y"),
     case("hand_gru_head_kept_o17", "hand", "gru_head", mask=True, head_kept=True, opset=17,
@@ -724,6 +730,9 @@ def build_hand(env: Env, c: Case, seed: int):
                 new = jax.tree_util.tree_map(lambda a, b: jnp.where(keep, a, b), new, carry)
                 if c.opts.get("head_kept"):  # the head on the kept h: at a masked step, on the h carried through
                     return new, head_of(new)
+                if c.opts.get("y_mul"):  # y times the mask as numbers (near miss, y_flip: times 1 - mask)
+                    m = keep.astype(y.dtype)
+                    return new, y * (1.0 - m) if c.opts.get("y_flip") else m * y
                 fill = c.opts.get("y_fill", 0.0)  # (near misses: y filled with another value, or kept at masked steps)
                 return new, jnp.where(keep, fill, y) if c.opts.get("y_flip") else jnp.where(keep, y, fill)
 

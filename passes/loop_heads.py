@@ -191,7 +191,8 @@ def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: li
                                  step_in.x_read_source, step_in.x_axis, step_in.x_reversed, invariants, counters,
                                  _lower_cells_h(layers, li, cell_states, state_out), Poly.atom(State(h_sym, None)).key)
             except Decline as d:
-                reason = reason or d
+                fill_reason = _masked_fill_reason(body, layer.ev, cand.name, rec) if rec.masked else None
+                reason = reason or (Decline(fill_reason) if fill_reason else d)
                 continue
             if head.layer_h and (rec.masked or any(recs[j].masked for j in head.layer_h.values())):
                 raise Decline("a per-step output computed from several cells' h under a mask")
@@ -207,8 +208,30 @@ def add_heads(body: Graph, layers: list, recs: list[Recurrence], cell_states: li
 
 def _selected_at_valid_steps(body: Graph, ev, name: str, rec: Recurrence) -> str | None:
     """The tensor a masked step's output ``name`` selects at valid steps when it is zeros at masked ones,
-    ``where(m, y, 0)`` or ``y * m`` with m the mask as 0/1 numbers (a Cast to float after it kept: jax2onnx's
-    dtype fix), else None."""
+    ``where(m, y, 0)`` or ``y * m`` with m the mask as 0/1 numbers, else None."""
+    sel = _mask_select(body, ev, name, rec)
+    return sel[0] if sel is not None and _is_zero(sel[1]) else None  # (sel[0] None: zeros at valid steps too)
+
+
+def _masked_fill_reason(body: Graph, ev, name: str, rec: Recurrence) -> str | None:
+    """Why a masked step's output that selects by the mask is no native output, when it is not a head zeroed
+    at masked steps: what it holds there (else None: the head's own reason stands)."""
+    sel = _mask_select(body, ev, name, rec)
+    if sel is None or _is_zero(sel[1]):
+        return None
+    if sel[0] is None or _is_zero(ev.value(sel[0])):
+        return "a per-step output holds its value at masked steps only (zeros at valid ones): no native output holds it"
+    if isinstance(sel[1], Const) and np.size(sel[1].arr) == 1:
+        return (f"a per-step output holds {float(np.ravel(sel[1].arr)[0]):g} at masked steps: a native op's Y holds "
+                "zeros or the carried h there")
+    return None
+
+
+def _mask_select(body: Graph, ev, name: str, rec: Recurrence) -> tuple | None:
+    """``(the tensor at valid steps, the value at masked ones)`` when ``name`` selects by the step mask:
+    ``where(m, y, z)`` in either sense, or ``y * m`` (z zero) and ``y * (1 - m)`` (None: zeros at valid steps,
+    y at masked ones), m the mask as 0/1 numbers; a Cast to float after it kept (jax2onnx's dtype fix). Else
+    None."""
     p = body.producer.get(name)
     while p is not None and (p.op_type == "Identity" or (p.op_type == "Cast" and attr(p, "to", 0) == TensorProto.FLOAT)):
         p = body.producer.get(p.input[0])
@@ -221,14 +244,21 @@ def _selected_at_valid_steps(body: Graph, ev, name: str, rec: Recurrence) -> str
         return None
     # (BoolMask.neg: the value is the mask symbol negated; rec.mask_negated: the mask is true at padded steps)
     keep, other = p.input[1:] if cond.neg == rec.mask_negated else p.input[2:0:-1]
-    zero = ev.value(other)
-    return keep if isinstance(zero, Const) and not np.any(zero.arr) else None
+    return keep, ev.value(other)
 
 
-def _multiplied_by_mask(ev, mul, rec: Recurrence) -> str | None:
-    """``y`` when ``mul`` is ``y * m`` (either order), m the step mask as numbers, [B, 1], 1 at valid steps:
-    y at a valid step, 0 at a masked one, as ``where(m, y, 0)`` for a finite y (the native op's steps are finite
-    where the original's are: both compute the cell on the same inputs)."""
+def _is_zero(v) -> bool:
+    return isinstance(v, Const) and not np.any(v.arr)
+
+
+_ZERO = Const(np.zeros((), np.float32))
+
+
+def _multiplied_by_mask(ev, mul, rec: Recurrence) -> tuple | None:
+    """``(y, 0)`` when ``mul`` is ``y * m`` (either order), m the step mask as numbers, [B, 1], 1 at valid
+    steps: y at a valid step, 0 at a masked one, as ``where(m, y, 0)`` for a finite y (the native op's steps are
+    finite where the original's are: both compute the cell on the same inputs); ``(None, y's value)`` for
+    ``y * (1 - m)``, zeros at valid steps."""
     for k in (0, 1):
         try:
             v = ev.value(mul.input[k])
@@ -244,8 +274,13 @@ def _multiplied_by_mask(ev, mul, rec: Recurrence) -> str | None:
         if not valid_is_one and v.poly.terms != {(key,): -1.0, (): 1.0}:
             continue
         # (rec.mask_negated: the mask holds at padded steps, so its complement is 1 at valid ones)
+        y = mul.input[1 - k]
         if valid_is_one != rec.mask_negated:
-            return mul.input[1 - k]
+            return y, _ZERO
+        try:  # (only a reason asks what y is at masked steps)
+            return None, ev.value(y)
+        except Decline:
+            return None
     return None
 
 

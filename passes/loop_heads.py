@@ -216,10 +216,14 @@ def _selected_at_valid_steps(body: Graph, ev, name: str, rec: Recurrence) -> str
 def _masked_fill_reason(body: Graph, ev, name: str, rec: Recurrence) -> str | None:
     """Why a masked step's output that selects by the mask is no native output, when it is not a head zeroed
     at masked steps: what it holds there (else None: the head's own reason stands)."""
-    sel = _mask_select(body, ev, name, rec)
-    if sel is None or _is_zero(sel[1]):
+    try:  # (asked after a head was declined: a value it cannot read leaves that reason)
+        sel = _mask_select(body, ev, name, rec)
+        if sel is None or _is_zero(sel[1]):
+            return None
+        only_masked = sel[0] is None or _is_zero(ev.value(sel[0]))
+    except Decline:
         return None
-    if sel[0] is None or _is_zero(ev.value(sel[0])):
+    if only_masked:
         return "a per-step output holds its value at masked steps only (zeros at valid ones): no native output holds it"
     if isinstance(sel[1], Const) and np.size(sel[1].arr) == 1:
         return (f"a per-step output holds {float(np.ravel(sel[1].arr)[0]):g} at masked steps: a native op's Y holds "

@@ -233,7 +233,8 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     # final states are guarded (see rnnfuse.empty_runs)
     nonempty = None
     if mp is None and may_run_empty(g, x_in, rec.x_time_axis):
-        nonempty = has_steps(b, x)
+        if any(not fo.init.is_zero for fo in rec.finals):
+            nonempty = has_steps(b, x)
         if cell.kind.op == "GRU":
             seq_lens = full_lengths(b, x)
 

@@ -107,3 +107,23 @@ def test_known_length_adds_no_guard(op):
     assert len(natives) == 1
     assert len(natives[0].input) <= 4 or not natives[0].input[4]
     assert not any(n.op_type == "Greater" for n in fused.graph.node)
+
+
+@pytest.mark.parametrize("reverse_form", ["flip", "revseq", "index", "negindex"])
+def test_bidirectional_gru_halves_still_pair(reverse_form, tmp_path):
+    """Both halves read full lengths of one x (built alike, merged by Dedupe): one bidirectional GRU, which
+    answers on no steps as the original does and matches it on some."""
+    o = Opts(op="GRU", front="loop", layers="bidir", reverse_form=reverse_form)
+    model, feeds_fn = build(o)
+    fused, _ = rnnfuse.optimize(model)
+    grus = [n for n in fused.graph.node if n.op_type == "GRU"]
+    assert len(grus) == 1 and not any(n.op_type == "Loop" for n in fused.graph.node)
+    assert [a.s for a in grus[0].attribute if a.name == "direction"] == [b"bidirectional"]
+    assert len(grus[0].input) > 4 and grus[0].input[4]
+    for T in (0, 4):
+        feeds = feeds_fn(np.random.default_rng(T), 2, T, "none")
+        rc, got = _run_apart(tmp_path, "fused", fused, feeds)
+        assert rc == 0, got
+        rc, want = _run_apart(tmp_path, "original", model, feeds)
+        if rc == 0:
+            _assert_same(got, want)

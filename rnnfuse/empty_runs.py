@@ -1,8 +1,9 @@
 """Runs of no steps: what the native ops do on an empty sequence, and what the emitter adds so that a fused
 recurrence still answers as the original did.
 
-A Loop or Scan over a time axis of length 0 runs no iteration: its stacked outputs are empty and its final
-states are the initial ones. onnxruntime's native ops differ there (measured with 1.32):
+A Loop over a time axis of length 0 runs no iteration: its stacked outputs are empty and its final states are
+the initial ones (onnxruntime's Scan refuses an empty sequence). onnxruntime's native ops differ there
+(measured with 1.32):
 
 * ``GRU`` with no ``sequence_lens`` **aborts the process** ("terminate called without an active exception"):
   a serving process dies where the original returned (or raised an error a caller can catch). Given

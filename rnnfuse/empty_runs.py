@@ -8,7 +8,8 @@ the initial ones (onnxruntime's Scan refuses an empty sequence). onnxruntime's n
 * ``GRU`` with no ``sequence_lens`` **aborts the process** ("terminate called without an active exception"):
   a serving process dies where the original returned (or raised an error a caller can catch). Given
   ``sequence_lens`` it runs: ``Y`` is empty and ``Y_h`` zeros.
-* ``LSTM`` and ``RNN`` run either way, and ``Y_h`` / ``Y_c`` are zeros, not the initial states.
+* ``LSTM`` and ``RNN`` run either way, and ``Y_h`` / ``Y_c`` are zeros, not the initial states. (Before 1.26,
+  measured 1.18-1.25.1, the ``RNN`` crashes with a segmentation fault, lengths or not: nothing here avoids that.)
 
 So where the time length may be 0 at run time (it is not a known positive number), a GRU reads the full
 lengths (every row's length is the time length: the same results at every other length), and a final state

@@ -63,8 +63,36 @@ def _assert_same(got: list, want: list) -> None:
         np.testing.assert_allclose(g, w, atol=1e-6)
 
 
+_PROBED: dict[str, bool] = {}
+
+
+def _runtime_runs_no_steps(op: str, tmp_path) -> bool:
+    """Whether this onnxruntime runs ``op`` as rnnfuse emits it (a GRU with ``sequence_lens``) over no step:
+    before 1.26 its RNN crashes the process there (segmentation fault, with lengths or without), which no input
+    of the op avoids; measured: 1.18-1.25.1 crash, 1.26.0-1.32.0 run."""
+    if op not in _PROBED:
+        from onnx import TensorProto, helper, numpy_helper
+
+        gates = {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
+        inits = [numpy_helper.from_array(np.ones((1, gates * 2, 2), np.float32), "W"),
+                 numpy_helper.from_array(np.ones((1, gates * 2, 2), np.float32), "R")]
+        inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["T", "B", 2]),
+                  helper.make_tensor_value_info("L", TensorProto.INT32, ["B"])]
+        node = helper.make_node(op, ["X", "W", "R", "", "L"], ["Y", "Y_h"], hidden_size=2)
+        graph = helper.make_graph([node], "probe", inputs, [helper.make_tensor_value_info("Y_h", TensorProto.FLOAT, None)],
+                                  inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        feeds = {"X": np.zeros((0, 2, 2), np.float32), "L": np.zeros(2, np.int32)}
+        _PROBED[op] = _run_apart(tmp_path, f"probe_{op}", model, feeds)[0] == 0
+    return _PROBED[op]
+
+
 @pytest.mark.parametrize("o", CASES, ids=lambda o: o.label())
 def test_no_steps_answered_as_the_original(o, tmp_path):
+    if not _runtime_runs_no_steps(o.op, tmp_path):
+        import onnxruntime
+
+        pytest.skip(f"onnxruntime {onnxruntime.__version__}'s own {o.op} crashes on no steps (fixed in 1.26)")
     model, feeds_fn = build(o)
     fused, _ = rnnfuse.optimize(model)
     natives = sum(Counter(n.op_type for n in fused.graph.node)[k] for k in ("LSTM", "GRU", "RNN"))

@@ -2,8 +2,9 @@
 
 onnxruntime's GRU without ``sequence_lens`` aborts the whole process on an empty sequence, and its LSTM, GRU
 and RNN return zeros as final states where the original loop returns its initial states. Each model runs in a
-child process (an abort there fails the test, not the test run), the original first: what it returns for T = 0
-the fused model must return too. A chain of a known number of steps gets none of these guards."""
+child process (an abort there fails the test, not the test run): the fused model must answer for T = 0, and
+give what the original gives where the original answers (onnxruntime's Scan refuses an empty sequence; some
+exporters' graphs fail there too). A recurrence over a known number of steps gets none of these guards."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ np.savez(out, *s.run(None, {k: f[k] for k in (i.name for i in s.get_inputs())}))
 
 
 def _run_apart(tmp_path, name: str, model: onnx.ModelProto, feeds: dict):
-    """The model's outputs on ``feeds``, computed in a child process: (return code, outputs or None)."""
+    """The model's outputs on ``feeds``, computed in a child process: ``(0, outputs)``, or the child's return
+    code and the end of what it wrote to stderr."""
     path, fpath, out = tmp_path / f"{name}.onnx", tmp_path / f"{name}_in.npz", tmp_path / f"{name}_out.npz"
     onnx.save(model, path)
     np.savez(fpath, **feeds)

@@ -21,7 +21,7 @@ from rnnfuse.recurrence import CARRY, NONE, Init, Recurrence, SeqOutput
 from rnnfuse.recurrence_layers import owner
 from rnnfuse.step import unmasked_value
 from rnnfuse.step_heads import find_head
-from rnnfuse.symbolic import BoolMask, Const, Mask, Poly, State, SymTensor
+from rnnfuse.symbolic import BoolMask, Const, Poly, State, SymTensor, mask_sense
 
 
 @dataclass
@@ -269,17 +269,12 @@ def _multiplied_by_mask(ev, mul, rec: Recurrence) -> tuple | None:
         except Decline:
             continue
         # (a [B] mask vector would broadcast along the features, not the rows)
-        if type(v) is not SymTensor or v.lead or not v.poly.atoms or len(v.poly.atoms) != 1:
-            continue
-        (key, atom), = v.poly.atoms.items()
-        if not isinstance(atom, Mask):
-            continue
-        valid_is_one = v.poly.terms == {(key,): 1.0}  # m: 1 where the mask holds; 1 - m: where it does not
-        if not valid_is_one and v.poly.terms != {(key,): -1.0, (): 1.0}:
+        sense = mask_sense(v.poly) if type(v) is SymTensor and not v.lead else None
+        if sense is None:  # (else m, or 1 - m: sense[1])
             continue
         # (rec.mask_negated: the mask holds at padded steps, so its complement is 1 at valid ones)
         y = mul.input[1 - k]
-        if valid_is_one != rec.mask_negated:
+        if sense[1] == rec.mask_negated:
             return y, _ZERO
         try:  # (only a reason asks what y is at masked steps)
             return None, ev.value(y)

@@ -28,6 +28,7 @@ from .algebra import (
 )
 from .poly_walks import loose_key, masked_inputs, sources, substitute, unmask_inputs, zero_states
 from .evaluator import StepEvaluator, content_key, register_handler, weight_ops
+from .ops_math import mask_sense
 from .values import (
     ACTIVATIONS,
     BoolMask,
@@ -82,6 +83,7 @@ __all__ = [
     "content_key",
     "describe",
     "loose_key",
+    "mask_sense",
     "masked_inputs",
     "sources",
     "register_handler",

@@ -270,7 +270,7 @@ def _cast(ev, node, ins):
     if isinstance(v, BoolMask):
         return [v if to == onnx.TensorProto.BOOL else v.as_number()]
     if isinstance(v, SymTensor) and _is_mask_value(v.poly):  # a 0/1 mask as a number: any type holds it
-        sense = _mask_sense(v.poly)
+        sense = mask_sense(v.poly)
         if to != onnx.TensorProto.BOOL:
             return [v]
         if sense is not None:
@@ -290,11 +290,13 @@ def _is_mask_value(p: Poly) -> bool:
     return bool(p.atoms) and all(isinstance(a, Mask) for a in p.atoms.values())
 
 
-def _mask_sense(p: Poly) -> tuple[str, bool] | None:
+def mask_sense(p: Poly) -> tuple[str, bool] | None:
     """``(symbol, negated)`` when ``p`` is the 0/1 step mask ``m`` or ``1 - m``."""
     if len(p.atoms) != 1:
         return None
     (key, a), = p.atoms.items()
+    if not isinstance(a, Mask):
+        return None
     if p.terms == {(key,): 1.0}:
         return a.sym, False
     if p.terms == {(key,): -1.0, (): 1.0}:
@@ -307,7 +309,7 @@ def _compare(ev, node, ins):
     (torch's ``m_t > 0`` of a ``mask.float()`` read per step)."""
     k = 1 if isinstance(ins[0], Const) and not isinstance(ins[1], Const) else 0
     x, t = ins[k], ins[1 - k]
-    sense = _mask_sense(x.poly) if isinstance(x, SymTensor) and isinstance(t, Const) and _is_mask_value(x.poly) else None
+    sense = mask_sense(x.poly) if isinstance(x, SymTensor) and isinstance(t, Const) and _is_mask_value(x.poly) else None
     if sense is not None:
         c = scalar(t, "the threshold")
         strict, negated = COMPARISONS[(node.op_type, k)]

@@ -53,13 +53,16 @@ def split_lanes(g: Graph, chain: Chain, iv) -> list[Chain]:
 def _owners(g: Graph, st: Step, iv, side: int) -> dict[int, frozenset]:
     """Node id -> the step's states it is computed from, over the step's own nodes (those whose span ends at
     the step, and the state-side nodes walked to reach each state: h @ R)."""
-    reach: dict[int, set] = {}
+    reach: dict[int, frozenset] = {}
     pulled_of = st.pulled_of or {r: st.pulled for r in st.roots}
     # (the readers taken from the index directly and the outputs pushed as read, empty names too, which no
-    # node reads: one walk a state over every step of 1,000 cells side by side)
+    # node reads: one walk a state over every step of 1,000 cells side by side. Most nodes are one state's:
+    # they share that state's one frozenset, not a set each turned into a frozenset at the end, which was half
+    # of the walk's time)
     consumers, spans, t = g.consumers, iv.nodes, st.t
     for r in st.roots:
         mine = pulled_of.get(r, ())
+        just_r = frozenset((r,))
         stack, seen = [r], set()
         while stack:
             readers = consumers.get(stack.pop())
@@ -74,12 +77,9 @@ def _owners(g: Graph, st: Step, iv, side: int) -> dict[int, frozenset]:
                     continue
                 seen.add(k)
                 got = reach.get(k)
-                if got is None:
-                    reach[k] = {r}
-                else:
-                    got.add(r)
+                reach[k] = just_r if got is None else got | just_r
                 stack += c.output
-    return {k: frozenset(v) for k, v in reach.items()}
+    return reach
 
 
 def _lanes(g: Graph, steps: list[Step], owners: list[dict]) -> list[list[frozenset]] | None:

@@ -271,27 +271,33 @@ class ReverseInputs:
     fuses_only_with = frozenset(NATIVE_OPS)  # native ops: what it merges or turns around
 
     def run(self, model: Model, ctx: Options) -> PassResult:
-        from rnnfuse.time_flips import time_flip_source
+        from rnnfuse.time_flips import full_lengths_of, time_flip_source
 
         g = model.graph
         res = PassResult(self.name)
         rewrites = []
-        whole = model.facts.full_lengths  # (lengths that run every row whole: reversing the axis reverses each row)
         for n in g.nodes_of(*NATIVE_OPS):
             if native_kind(n) is None:
                 continue
             d = attr(n, "direction", "forward")
-            if d == "bidirectional" or attr(n, "layout", 0) or (_inp(n, 4) and _inp(n, 4) not in whole):
+            if d == "bidirectional" or attr(n, "layout", 0):
                 continue
-            src = time_flip_source(g, n.input[0], 0)
+            src, axis = time_flip_source(g, n.input[0], 0), 0
+            perm: list = []
             if src is None:
                 # Transpose(flip(x) along the axis that becomes time) == flip(Transpose(x)) along time
                 t = g.producer.get(n.input[0])
                 perm = list(attr(t, "perm") or []) if t is not None and t.op_type == "Transpose" else []
-                inner = time_flip_source(g, t.input[0], perm[0]) if perm else None
-                if inner is None:
+                src, axis = (time_flip_source(g, t.input[0], perm[0]), perm[0]) if perm else (None, 0)
+                if src is None:
                     continue
-                src = g.add_node("Transpose", [inner], 1, name="rnnfuse/Transpose", anchor=n, perm=perm)[0]
+            # lengths that run every row whole only (reversing the axis then reverses each row), known by the op's
+            # input or by the unreversed tensor (as long: an exporter sizes them by what it reverses)
+            lens = _inp(n, 4)
+            if lens and not (full_lengths_of(g, lens, n.input[0]) or full_lengths_of(g, lens, src, axis)):
+                continue
+            if perm:
+                src = g.add_node("Transpose", [src], 1, name="rnnfuse/Transpose", anchor=n, perm=perm)[0]
             attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
             attrs["direction"] = "reverse" if d == "forward" else "forward"
             attrs = native_kind(n).drop_default_activations(attrs)

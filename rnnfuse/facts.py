@@ -24,8 +24,6 @@ class ModelFacts:
     content_keys: dict = field(default_factory=dict)
     # what the emitter built, for the passes after it
     seq_lens_mask: dict = field(default_factory=dict)  # sequence_lens tensor -> the mask it was computed from
-    # sequence_lens tensor -> the time-major input whose every row it runs whole (rnnfuse.empty_runs.full_lengths)
-    full_lengths: dict = field(default_factory=dict)
     compactions: dict = field(default_factory=dict)  # compacted input -> (input, [T, B] mask, original mask)
     uncompactions: dict = field(default_factory=dict)  # scattered-back output -> (compacted Y, [T, B] mask)
     spill_dir: str | None = None  # where large new initializers are written as external data

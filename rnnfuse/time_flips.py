@@ -17,8 +17,9 @@ from .index_order import reversed_order
 from .index_terms import scalar_term, size_term
 
 
-def _full_lengths(g: Graph, lens: str, x: str, time_axis: int, batch_axis: int) -> bool:
-    """True if every entry of ``lens`` equals the time length of ``x``."""
+def full_lengths_of(g: Graph, lens: str, x: str, time_axis: int = 0) -> bool:
+    """True if every entry of ``lens`` (a ``sequence_lens``) equals the time length of ``x``: each row runs whole
+    (a constant, or a broadcast of that length, as the emitter's :func:`rnnfuse.empty_runs.full_lengths` builds)."""
     tkey = time_dim_key(g, x, time_axis)
     c = g.const(lens)
     if c is not None:
@@ -74,7 +75,7 @@ def time_flip_source(g: Graph, name: str, time_axis: int = 0) -> str | None:
     if n.op_type == "ReverseSequence":
         if attr(n, "time_axis", 0) != time_axis:
             return None
-        if _full_lengths(g, n.input[1], n.input[0], time_axis, attr(n, "batch_axis", 1)):
+        if full_lengths_of(g, n.input[1], n.input[0], time_axis):
             return n.input[0]
         return None
     if n.op_type == "Slice":

@@ -157,3 +157,56 @@ def test_bidirectional_gru_halves_still_pair(reverse_form, tmp_path):
         rc, want = _run_apart(tmp_path, "original", model, feeds)
         if rc == 0:
             _assert_same(got, want)
+
+
+def _flipped_rnn(lengths: str) -> onnx.ModelProto:
+    """An RNN over x read backwards (a Slice with step -1), given ``sequence_lens``: ``"full"`` x's time length
+    for every row, as an exporter builds it from x's shape (Expand(Cast(Shape(x)[0:1]), Shape(x)[1:2])), or
+    ``"input"`` a graph input (any lengths)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(size=(1, 3, 2)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.normal(size=(1, 3, 3)).astype(np.float32), "R"),
+             numpy_helper.from_array(np.array([-1], np.int64), "minus1"),
+             numpy_helper.from_array(np.array([np.iinfo(np.int64).min], np.int64), "start_of_time"),
+             numpy_helper.from_array(np.array([0], np.int64), "zero"),
+             numpy_helper.from_array(np.array([1], np.int64), "one"),
+             numpy_helper.from_array(np.array([2], np.int64), "two")]
+    inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["T", "B", 2])]
+    nodes = [helper.make_node("Slice", ["X", "minus1", "start_of_time", "zero", "minus1"], ["X_flipped"])]
+    if lengths == "full":
+        nodes += [helper.make_node("Shape", ["X"], ["shape"]),
+                  helper.make_node("Slice", ["shape", "zero", "one"], ["steps64"]),
+                  helper.make_node("Cast", ["steps64"], ["steps"], to=TensorProto.INT32),
+                  helper.make_node("Slice", ["shape", "one", "two"], ["batch"]),
+                  helper.make_node("Expand", ["steps", "batch"], ["L"])]
+    else:
+        inputs.append(helper.make_tensor_value_info("L", TensorProto.INT32, ["B"]))
+    nodes.append(helper.make_node("RNN", ["X_flipped", "W", "R", "", "L"], ["Y", "Y_h"], hidden_size=3))
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("Y", "Y_h")]
+    graph = helper.make_graph(nodes, "flipped_rnn", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_full_lengths_any_exporter_wrote_are_turned_around():
+    """An op reading its input backwards with lengths that run every row whole becomes the op of the other
+    direction reading the input as it is, whoever built the lengths (known from the graph, not from a record
+    of what rnnfuse emitted); any other lengths are kept as they are (reversing the whole axis is no per-row
+    reversal then)."""
+    import onnxruntime as ort
+
+    model = _flipped_rnn("full")
+    fused, report = rnnfuse.optimize(model)
+    rnns = [n for n in fused.graph.node if n.op_type == "RNN"]
+    assert len(rnns) == 1 and rnns[0].input[0] == "X"
+    assert [a.s for a in rnns[0].attribute if a.name == "direction"] == [b"reverse"]
+    x = np.random.default_rng(1).normal(size=(5, 3, 2)).astype(np.float32)
+    run = lambda m, f: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, f)
+    for got, want in zip(run(fused, {"X": x}), run(model, {"X": x})):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+    kept = _flipped_rnn("input")
+    out, _ = rnnfuse.optimize(kept)
+    assert [n.op_type for n in out.graph.node] == ["Slice", "RNN"]
+    assert out.graph.node[1].input[0] == "X_flipped"

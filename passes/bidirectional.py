@@ -288,7 +288,9 @@ class ReverseInputs:
                 # Transpose(flip(x) along the axis that becomes time) == flip(Transpose(x)) along time
                 t = g.producer.get(n.input[0])
                 perm = list(attr(t, "perm") or []) if t is not None and t.op_type == "Transpose" else []
-                src, axis = (time_flip_source(g, t.input[0], perm[0]), perm[0]) if perm else (None, 0)
+                if not perm:
+                    continue
+                src, axis = time_flip_source(g, t.input[0], perm[0]), perm[0]
                 if src is None:
                     continue
             # lengths that run every row whole only (reversing the axis then reverses each row), known by the op's
@@ -303,7 +305,7 @@ class ReverseInputs:
             attrs = native_kind(n).drop_default_activations(attrs)
             b = Builder(g, n, f"rnnfuse/{n.op_type}")
             ins = [src] + list(n.input[1:])
-            if _inp(n, 4):  # (the full lengths of src: the reversed input need not be computed for its shape)
+            if lens:  # (the full lengths of src: the reversed input need not be computed for its shape)
                 ins[4] = full_lengths(b, src)
             outs = g.add_node(n.op_type, ins, len(n.output), name=f"rnnfuse/{n.op_type}", anchor=n, **attrs)
             repl = {}

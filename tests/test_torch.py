@@ -42,10 +42,12 @@ def test_torch(torch_dir, name):
     assert sum(left.values()) <= case["expect"].get("max_cell_ops", 0), (left, report.to_text())
 
 
-@pytest.mark.parametrize("name", [c.name for c in CASES if c.opts.get("init") in ("expand", "expand_one")])
-def test_zero_fills_shaped_from_x_fuse_from_the_first_step(torch_dir, name):
+@pytest.mark.parametrize("name", [c.name for c in CASES if c.opts.get("init") in ("expand", "expand_one", "chunk")])
+def test_initial_states_fuse_from_the_first_step(torch_dir, name):
     """``zeros_like(x[0, :, :1]).expand(-1, H)`` (its shape computed from a ones fill) is a zero initial state,
-    also as both h and c: the chain is fused from its first step, not from its second with the first kept."""
+    also as both h and c; ``h0, c0 = tanh(Linear(code)).chunk(2)`` are two initial states, each a part of one
+    tensor no step computes (not one state the first step splits): the chain is fused from its first step, not
+    from its second with the first kept."""
     fused, report = check_case(_case(torch_dir, name))
     chains = [f for f in report.fused if f.front == "chain"]
     assert chains and all(", steps 0.." in f.where for f in chains), report.to_text()

@@ -231,6 +231,9 @@ CASES = [
          notes="h0 = tanh(Linear(h0_in)), c0 = Linear(c0_in): initial states computed by the graph"),
     loop("grucell_trace_h0_linear", "gru", init="linear", ret="seq_state"),
     loop("grucell_dynamo_h0_linear", "gru", exporter="dynamo", time=6, init="linear", ret="seq_state"),
+    loop("lstmcell_trace_h0c0_chunk", "lstm", init="chunk", ret="seq_state",
+         notes="h0, c0 = tanh(Linear(code)).chunk(2): both initial states cut from one computed tensor"),
+    loop("lstmcell_dynamo_h0c0_chunk_bf", "lstm", exporter="dynamo", init="chunk", ret="seq_state", **BF),
     loop("lstmcell_trace_static", "lstm", dynamic_batch=False, notes=STATIC_NOTE),
     # -- hand-written cell maths
     loop("gru_hand_trace", "gru_hand", time=8),
@@ -1081,7 +1084,8 @@ def describe(c: Case) -> str:
         parts.append("for t in range(x.size(0)), list append, torch.stack")
         if o.get("layers", 1) > 1:
             parts.append(f"{o['layers']} such loops stacked, each over the one before's outputs, steps = x.size(0) read once")
-    parts.append({"given": "initial state given as inputs", "learned": "learned initial state expanded to the batch"}
+    parts.append({"given": "initial state given as inputs", "learned": "learned initial state expanded to the batch",
+                  "chunk": "h0, c0 = tanh(Linear(code)).chunk(2, -1), the code given as input h0"}
                  .get(o.get("init"), "zero initial state (torch.zeros)"))
     parts.append({
         "seq": "returns stacked h",
@@ -1140,8 +1144,8 @@ def input_specs(c: Case) -> list[tuple[str, tuple]]:
     if c.model == "script" and c.opts.get("mask_input"):  # [B, T] or [T, B]: bool, float or int64 0/1
         name = {"bool": "mask_bool", "long_ne0": "mask_long"}.get(c.opts["mask_input"], "mask")
         specs.append((name, ("B", "T") if _mask_batch_first(c) else ("T", "B")))
-    if c.opts.get("init") in ("given", "linear"):
-        names = ("h0", "c0") if c.family == "lstm" else ("h0",)
+    if c.opts.get("init") in ("given", "linear", "chunk"):
+        names = ("h0", "c0") if c.family == "lstm" and c.opts["init"] != "chunk" else ("h0",)
         if c.model == "nn":
             lead = c.opts.get("layers", 1) * (2 if c.opts.get("bidir") else 1)
             specs += [(n, (lead, "B", c.hidden)) for n in names]
@@ -1318,6 +1322,8 @@ def torch_modules():
                 self.cells = nn.ModuleList([self.cells[0]] * len(self.dirs))
             if init == "linear":  # the initial state is computed by the graph (a decoder started from a code)
                 self.init_proj = nn.Linear(hidden, hidden)
+            if init == "chunk":  # both states cut from one tensor the graph computes (a decoder's state from a code)
+                self.init_proj = nn.Linear(hidden, 2 * hidden)
             if init == "learned":  # nn.Parameter states expanded to the batch
                 self.h0, self.c0 = nn.Parameter(0.3 * torch.randn(1, hidden)), nn.Parameter(0.3 * torch.randn(1, hidden))
 
@@ -1382,6 +1388,8 @@ def torch_modules():
             if self.init == "linear":
                 h0 = torch.tanh(self.init_proj(h0))
                 c0 = self.init_proj(c0) if self.lstm else None
+            if self.init == "chunk":  # (the input h0 is the code both states are computed from)
+                h0, c0 = torch.tanh(self.init_proj(h0)).chunk(2, -1)
             ys, states = [], []
             if self.order == "interleaved":
                 ys, states = self.interleaved(x, (h0, c0) if self.lstm else h0)

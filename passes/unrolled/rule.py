@@ -171,11 +171,9 @@ class FuseChains:
             if key in tried:
                 continue
             tried.add(key)
-            t = g.model.known_type(vf[0])
-            if t is None or t[1] is None or len(t[1]) != 2 or any(
-                    (g.model.known_type(u) or (None, None))[1] is None
-                    or g.model.known_type(u)[1][1] != t[1][1] for u in vf.values()):
-                continue  # (every step input [B, F] with one F)
+            t = _step_input_type(g, vf)
+            if t is None:
+                continue
             iv = intervals(g, order, {u: k for k, u in vf.items()})
             chains = [c for c in find_chains(g, vf, iv) if c.direction == "forward"]
             if not chains:
@@ -317,6 +315,22 @@ def _may_expose_chains(g: Graph, mark: tuple, sources: set[str]) -> bool:
         return True
     made = [o for n in edited if n.op_type in KINDS and g.alive(n) for o in n.output if o]
     return g.feeds_op(made, weight_ops() | CONTROL_FLOW)
+
+
+def _step_input_type(g: Graph, vf) -> tuple[int, list] | None:
+    """The type of the step inputs of ``vf``, every one ``[B, F]`` with one F, or None when they are of other
+    ranks or of two known widths. A width inference could not tell (a ``Tile`` by the batch, read from a
+    shape, in one step) leaves the stack's F unknown: the fused op's validation runs the stack."""
+    t = g.model.known_type(vf[0])
+    types = [g.model.known_type(u) for u in vf.values()]
+    if any(tu is None or tu[1] is None or len(tu[1]) != 2 for tu in [t, *types]):
+        return None
+    widths = {tu[1][1] for tu in types}
+    if len(widths) == 1:
+        return t[0], list(t[1])
+    if len({w for w in widths if isinstance(w, int)}) > 1:
+        return None
+    return t[0], [t[1][0], None]
 
 
 def _recurrence(g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict):

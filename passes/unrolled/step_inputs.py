@@ -9,7 +9,10 @@ them. Here the steps are found from the cells instead:
    depend on no slice, by elementwise, cast, reshaping and gathering ops, never by an activation, and by a
    weight matmul only where another weight matmul reads its result through preparation (GNMT's residual
    ``h1_t + proj(x_t)``, read by the upper cell's own input matmul): no cell state is among them (every cell
-   multiplies its state and activates), so none depends on the recurrence.
+   multiplies its state and activates), so none depends on the recurrence. Where that finds no chain, a
+   Concat also joins values computed from no slice to a prepared one: the step's features beside x_t (its
+   time ``t / T``, a position table's row broadcast to the batch), which differ from step to step, so no
+   single map of x (:mod:`.whole_inputs`) computes them.
 2. **Step inputs.** Prepared values that something else reads: what the cells read, one per step. A node
    mixing one with the state of a step whose input is computed from it (``h2_t + h1_t``, ``h1_t + x_t`` being
    the step's input) is a head of that step, not a step reading the state of the one before.
@@ -33,9 +36,10 @@ from rnnfuse.dataflow import dynamic_inputs
 from rnnfuse.graph import Graph
 
 
-# state-independent preparation of a step's input: arithmetic, casts, reshapes and slices (no matmul, no activation)
+# state-independent preparation of a step's input: arithmetic, casts, reshapes, broadcasts and slices (no matmul,
+# no activation)
 _PREP = {"Add", "Sub", "Mul", "Div", "Neg", "Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Concat",
-         "Slice", "Gather", "Dropout", "Transpose", "Flatten"}
+         "Slice", "Gather", "Dropout", "Transpose", "Flatten", "Expand", "Tile"}
 # what lies between a step input and the node that combines it with the state (a weight matmul, its bias)
 _PROJECTION = {"Gemm", "MatMul", "Split", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Add", "Sub",
                "Mul", "Cast", "Gather", "Transpose"}
@@ -69,16 +73,30 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     # 100k-node graph whose chain is a few steps)
     reached = set(map(id, g.downstream(list(slice_src))))
     order = [n for n in order if id(n) in reached]
+    # a Concat joining a slice to values computed from no slice is a step input only where nothing is found
+    # without that: a cell reading cat([x_0, h0]) at its first step (h0 a zero fill: the state folded) would
+    # start its chain with a step input of another width. Searched again only when such a Concat was refused
+    # (else the search finds the same again: a graph of time slices and no chain paid its search twice)
+    refused: list[NodeProto] = []
+    found = _threaded(g, order, slice_src, False, refused)
+    return found if found or not refused else _threaded(g, order, slice_src, True)
+
+
+def _threaded(g: Graph, order: list[NodeProto], slice_src: dict, joins: bool,
+              refused: list | None = None) -> list[VirtualFamily]:
+    """Steps 1-4 of :func:`virtual_families` over ``order`` (the nodes computed from a slice); ``joins``: a
+    Concat of prepared values and values computed from no slice prepares (:func:`_prepared`), else such a
+    Concat is added to ``refused``."""
     # 1. preparation: values computed from slices (and slice-free tensors) without an activation, and without a
     # matmul but one that projects what another matmul reads (``h1_t + proj(x_t)`` read by the cell's)
     # (every weight product taken first; then only the nodes that took, a few per step, are walked again with
     # the projections alone: what is prepared then is a part of what was)
-    wide, sliced, took = _prepared(g, order, slice_src, lambda n: True)
+    wide, sliced, took = _prepared(g, order, slice_src, lambda n: True, joins=joins, refused=refused)
     took_ids = {id(n) for n in took}
     products = [n for n in took if n.op_type not in _PREP]
     if any(id(u) in took_ids for n in products for u in g.uses(n.output[0])):
         projections = _projections(g, took, wide)
-        prep = _prepared(g, took, slice_src, lambda n: id(n) in projections, sliced)[0]
+        prep = _prepared(g, took, slice_src, lambda n: id(n) in projections, sliced, joins)[0]
     else:  # (no product's value prepared further: each is a cell's own, the rest is prepared without them)
         prep = wide.difference(n.output[0] for n in products)
     # 2. step inputs: prepared values read by something else
@@ -128,11 +146,14 @@ def virtual_families(g: Graph, order: list[NodeProto], fams: dict) -> list[Virtu
     return out
 
 
-def _prepared(g: Graph, order: list[NodeProto], slice_src: dict, matmul_taken,
-              sliced: set[str] | None = None) -> tuple[set[str], set[str], list[NodeProto]]:
+def _prepared(g: Graph, order: list[NodeProto], slice_src: dict, matmul_taken, sliced: set[str] | None = None,
+              joins: bool = False, refused: list | None = None) -> tuple[set[str], set[str], list[NodeProto]]:
     """``(prepared values, the values depending on a slice, the nodes computing prepared values)``: the values
     computed from the slices (and slice-free tensors) by preparation ops, and by the weight products
-    ``matmul_taken(node)`` accepts. ``sliced``: the second, known already (``order`` may then be a part)."""
+    ``matmul_taken(node)`` accepts. ``sliced``: the second, known already (``order`` may then be a part).
+    A Concat prepares when every part is prepared, or with ``joins`` when the others are computed from no
+    slice (``cat([x[t], t / T])``, ``cat([x[t], pos[t].expand(B, -1)])``: features of the step beside x_t);
+    without ``joins`` such a Concat is added to ``refused``."""
     known = sliced is not None
     sliced = sliced if known else set(slice_src)
     prep: set[str] = set(slice_src)
@@ -149,8 +170,13 @@ def _prepared(g: Graph, order: list[NodeProto], slice_src: dict, matmul_taken,
             sliced.update(o for o in n.output if o)
         if n.op_type in _PREP:
             taken = not g.implicit_inputs(n) and all(i in prep or i not in sliced for i in dyn) and (
-                n.op_type != "Concat" or (len(n.input) <= 8 and all(i in prep for i in n.input)))
-            # (a Concat with a constant or zero part is a cat([x, h]) cell's first step, h = 0 folded)
+                n.op_type != "Concat" or (len(n.input) <= 8 and all(i in prep or (joins and i not in sliced)
+                                                                   for i in n.input)))
+            # (without ``joins``, a Concat with a constant or zero part is a cat([x, h]) cell's first step, h = 0
+            # folded)
+            if (not taken and refused is not None and n.op_type == "Concat" and len(n.input) <= 8
+                    and not g.implicit_inputs(n) and all(i in prep or i not in sliced for i in n.input)):
+                refused.append(n)
         else:
             taken = len(dyn) == 1 and dyn[0] in prep and _is_weight_product(g, n, dyn) and matmul_taken(n)
         if taken:

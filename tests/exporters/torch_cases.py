@@ -58,6 +58,7 @@ HIDDEN = 4
 TIME = 7  # default number of steps
 VOCAB = 11  # rows of the embedding tables of token inputs
 CONTEXT = 3  # features of a context input concatenated to every step's input
+POSITION = 2  # features of a position table's row concatenated to a step's input
 EXPORT_BATCH = 2  # batch of the example inputs of dynamic-batch exports (not 1: torch.export specialises 0/1)
 OPSET = 17  # trace / TorchScript exports; dynamo and Keras use their own default
 ABSENT = ["Loop", "Scan", "SequenceInsert"]
@@ -520,7 +521,11 @@ STEP_INPUTS = {
     "shared_reshape_bidir": "x[t].reshape(-1, F) once per step, read by a forward and a backward chain "
                             "(outputs concatenated on features)",
     "chunk_index": "p[0] (p[:, 0] batch-first) of each piece of x.chunk(T): a Split's parts, each gathered at 0",
+    "time_feature": "cat([x[t], x.new_full((B, 1), t / T)]): the step's place in time as a feature beside x[t]",
+    "position": "cat([x[t], pos[t].expand(B, -1)]): a learned position table's row for the step beside x[t]",
+    "position_tile": "cat([x[t], pos[t].repeat(B, 1)]): the same row tiled to the batch",
 }
+STEP_FEATURES = {"context": CONTEXT, "time_feature": 1, "position": POSITION, "position_tile": POSITION}
 
 
 def steps(name, cell, inputs="plain", exporter="trace", **kw):
@@ -612,7 +617,7 @@ def steps_module(c: Case):
             kind = o["cell"]
             self.lstm = kind == "lstm"
             def make():
-                f = c.features + (CONTEXT if o.get("inputs") == "context" else 0)
+                f = c.features + STEP_FEATURES.get(o.get("inputs"), 0)
                 if kind.startswith("rnn"):
                     return nn.RNNCell(f, c.hidden, nonlinearity=kind[4:])
                 return {"lstm": nn.LSTMCell, "gru": nn.GRUCell}[kind](f, c.hidden)
@@ -624,6 +629,8 @@ def steps_module(c: Case):
                 self.pre = nn.ModuleList(nn.Linear(c.features, c.features) for _ in range(c.time if o["inputs"] == "mlp_per_step" else 1))
             if o.get("inputs") == "norm":
                 self.norm = nn.LayerNorm(c.features)
+            if o.get("inputs", "").startswith("position"):
+                self.pos = nn.Parameter(torch.randn(c.time, POSITION))
             if o.get("init") == "learned":
                 self.h0 = nn.Parameter(0.3 * torch.randn(1, c.hidden))
                 self.c0 = nn.Parameter(0.3 * torch.randn(1, c.hidden))
@@ -648,6 +655,12 @@ def steps_module(c: Case):
                 return [self.norm(at(x, t)) for t in range(steps_)]
             if form == "context":  # (x2 is z)
                 return [torch.cat([at(x, t), x2], -1) for t in range(steps_)]
+            if form == "time_feature":
+                return [torch.cat([at(x, t), x.new_full((at(x, t).shape[0], 1), t / steps_)], -1) for t in range(steps_)]
+            if form == "position":
+                return [torch.cat([at(x, t), self.pos[t].expand(at(x, t).shape[0], -1)], -1) for t in range(steps_)]
+            if form == "position_tile":
+                return [torch.cat([at(x, t), self.pos[t].repeat(at(x, t).shape[0], 1)], -1) for t in range(steps_)]
             if form == "embed_scaled":
                 return [self.embed(at(x, t)) * c.features ** 0.5 for t in range(steps_)]
             if form == "shared_reshape_bidir":
@@ -851,6 +864,12 @@ CASES += [
     steps("lstmcell_trace_input_mlp_per_step", "lstm", inputs="mlp_per_step", near_miss=True),
     steps("grucell_trace_context_concat", "gru", inputs="context"),
     steps("lstmcell_dynamo_context_concat_bf", "lstm", inputs="context", exporter="dynamo", batch_first=True),
+    # ... features of the step joined to x[t] (its time, a position table's row): the joined inputs stacked
+    steps("lstmcell_trace_time_feature", "lstm", inputs="time_feature"),
+    steps("grucell_dynamo_time_feature_bf", "gru", inputs="time_feature", exporter="dynamo", batch_first=True),
+    steps("lstmcell_dynamo_position_row", "lstm", inputs="position", exporter="dynamo"),
+    steps("rnncell_tanh_trace_position_row_bf", "rnn_tanh", inputs="position", batch_first=True),
+    steps("grucell_trace_position_tiled_bf", "gru", inputs="position_tile", batch_first=True),
     # ... masked where the token is the padding id 0
     steps("grucell_trace_embed_token_mask_bf", "gru", inputs="embed", token_mask="float", batch_first=True),
     steps("lstmcell_dynamo_embed_token_mask_where", "lstm", inputs="embed", token_mask="where", exporter="dynamo"),

@@ -197,11 +197,21 @@ def _json_text(data: dict) -> str:
     passes = data.get("passes") or []
     lists = [p.get("findings") or [] for p in passes]
     shown = {**data, "passes": [{**p, "findings": f"{marker}{k}"} for k, p in enumerate(passes)]} if passes else data
+    declined = data.get("declined")  # (the declines listed at the top: as many as the findings, the same way)
+    if isinstance(declined, list):
+        shown = {**shown, "declined": f"{marker}declined"}
     text = json.dumps(shown, indent=2, sort_keys=False, default=str)
     encode = json.JSONEncoder(default=str).encode  # (one encoder: json.dumps with an option makes one a call)
+
+    def put(key: str, found: list, indent: str) -> None:
+        nonlocal text
+        rows = ",\n".join(indent + "  " + encode(f) for f in found)
+        text = text.replace(f'"{marker}{key}"', f"[\n{rows}\n{indent}]" if found else "[]", 1)
+
     for k, found in enumerate(lists):
-        rows = ",\n".join("        " + encode(f) for f in found)
-        text = text.replace(f'"{marker}{k}"', f"[\n{rows}\n      ]" if found else "[]", 1)
+        put(str(k), found, "      ")
+    if isinstance(declined, list):
+        put("declined", declined, "  ")
     return text
 
 

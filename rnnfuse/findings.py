@@ -173,6 +173,11 @@ class Report:
             "ops_before": dict(sorted(self.ops_before.items())),
             "ops_after": dict(sorted(self.ops_after.items())),
             "notes": self.notes,
+            # (what each recurrence became, in one place: the reasons of the declined ones are otherwise only
+            # in their pass's findings below)
+            "fused": sum(f.status == "fused" for f in self.findings),
+            "merged": sum(f.status == "merged" for f in self.findings),
+            "declined": [{"front": f.front, "where": f.where, "reason": f.reason} for f in self.declined],
             "rounds": self.rounds,
             "unsupported": self.unsupported,
             **({"phases": {k: round(v, 4) for k, v in self.phases.items()}} if self.phases else {}),

@@ -64,6 +64,7 @@ def test_optimize_example(tmp_path):
     rep = json.loads((tmp_path / "r.json").read_text())
     statuses = [f["status"] for p_ in rep["passes"] for f in p_["findings"]]
     assert statuses.count("fused") == 3 and statuses.count("merged") == 1
+    assert (rep["fused"], rep["merged"], rep["declined"]) == (3, 1, [])
     assert rep["ops_before"]["Loop"] == 3 and "Loop" not in rep["ops_after"]
     # the command's phases around the passes, in the order they ran (the passes' own time is "seconds")
     assert list(rep["phases"]) == ["load", "guard", "write"]
@@ -554,12 +555,17 @@ def test_json_report_of_many_findings_is_the_report_one_finding_a_line(tmp_path)
     assert all(f["status"] == "declined" and f["reason"] for f in found)
     assert set(found[0]) == {f.name for f in fields(Finding)}
     assert sum(1 for line in text.splitlines() if line.lstrip().startswith('{"pass_name"')) == len(found)
+    # every decline and its reason also at the top, one a line, for a tool that reads no pass
+    assert d["fused"] == d["merged"] == 0
+    assert d["declined"] == [{"front": f["front"], "where": f["where"], "reason": f["reason"]} for f in found]
+    assert sum(1 for line in text.splitlines() if line.lstrip().startswith('{"front"')) == len(found)
     # strings that look like the writer's own markers, quotes, newlines, non-ASCII: the same JSON either way
     r = Report()
     r.notes = ['"rnnfuse-findings-0"', "a\nb", "ü"]
     d2 = r.to_dict()
     d2["passes"] = [{"name": "p", "findings": [Finding("p", "Loop", 'w"}, {', "declined", "x\ny").to_dict()]},
                     {"name": "q", "findings": []}]
+    d2["declined"] = [{"front": "Loop", "where": 'w"}, {', "reason": "x\ny"}]
     assert json.loads(cli._json_text(d2)) == json.loads(json.dumps(d2))
 
 

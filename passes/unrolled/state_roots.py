@@ -69,6 +69,7 @@ def state_root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12
         name = dyn[0]
     return name
 
+
 def _projected(g: Graph, name: str) -> bool:
     """Whether ``name`` is a matmul's result, or one plus a constant (its bias)."""
     p = g.producer.get(name)

@@ -315,6 +315,9 @@ CHAIN_FAMILIES = {
     "chain_reverse_processing_order": dict(direction="reverse", out_time_order=False),
     "chain_batch_first": dict(batch_first=True, step_slice="split"),
     "chain_init_inputs": dict(init="input"),
+    # (h0 @ R viewed before its gates are cut, no bias: the walk goes on through the view to h0, a state
+    # of its own, not to the gates as two parts of a given state)
+    "chain_init_inputs_fused_view": dict(init="input", layout="fused_view", bias="none"),
     "chain_only_final_h": dict(outputs=("h",)),
     "chain_acts_hardsigmoid": dict(acts="hs", act_form="clip"),
     "chain_xproj": dict(xproj=True),

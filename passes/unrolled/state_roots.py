@@ -56,10 +56,10 @@ def state_root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12
         read_through_weights |= p.op_type in ("MatMul", "Gemm", "Einsum")  # (an Einsum: either operand)
         if not _keeps_rows(g, p):
             return name  # e.g. Slice(h0, layer) of a per-layer initial state: the state starts here
-        if p.op_type in _SLICING and iv.get(dyn[0]) is None and not _projected(g, dyn[0]):
-            # units cut from a value no step computes: the parts of a given initial state (``h0, c0 =
-            # tanh(W ctx).chunk(2)``), each a state of its own, not one state the first step splits (the gates
-            # cut from ``h0 @ R`` are walked on to h0)
+        if p.op_type in _SLICING and iv.get(dyn[0]) is None and _walk_ends_at(g, dyn[0]):
+            # units cut from a value no step computes, where the walk would end: the parts of a given initial
+            # state (``h0, c0 = tanh(W ctx).chunk(2)``), each a state of its own, not one state the first step
+            # splits (the gates cut from ``h0 @ R``, its views or its bias walk on to h0)
             return name
         if id(p) not in pulled:
             pulled.add(id(p))
@@ -70,13 +70,11 @@ def state_root(g: Graph, name: str, iv, pulled: set, stop: dict, limit: int = 12
     return name
 
 
-def _projected(g: Graph, name: str) -> bool:
-    """Whether ``name`` is a matmul's result, or one plus a constant (its bias)."""
+def _walk_ends_at(g: Graph, name: str) -> bool:
+    """Whether a walk reaching ``name`` would end there: nothing computes it (an input, a constant) or no
+    state-side op does (an activation, a Concat)."""
     p = g.producer.get(name)
-    if p is not None and p.op_type == "Add" and len(p.input) == 2:
-        rest = [i for i in p.input if g.const(i) is None]
-        p = g.producer.get(rest[0]) if len(rest) == 1 else None
-    return p is not None and p.op_type in ("MatMul", "Gemm", "Einsum")
+    return p is None or p.op_type not in _STATE_SIDE
 
 
 def _reads_step_input(g: Graph, node: NodeProto, stop: dict) -> bool:

@@ -321,8 +321,9 @@ def _step_input_type(g: Graph, vf) -> tuple[int, list] | None:
     """The type of the step inputs of ``vf``, every one ``[B, F]`` with one F, or None when they are of other
     ranks or of two known widths. A width inference could not tell (a ``Tile`` by the batch, read from a
     shape, in one step) leaves the stack's F unknown: the fused op's validation runs the stack."""
-    t = g.model.known_type(vf[0])
-    types = [g.model.known_type(u) for u in vf.values()]
+    by_step = {k: g.model.known_type(u) for k, u in vf.items()}
+    t = by_step.get(0)
+    types = list(by_step.values())
     if any(tu is None or tu[1] is None or len(tu[1]) != 2 for tu in [t, *types]):
         return None
     widths = {tu[1][1] for tu in types}

@@ -169,14 +169,14 @@ def _prepared(g: Graph, order: list[NodeProto], slice_src: dict, matmul_taken, s
         if not known:
             sliced.update(o for o in n.output if o)
         if n.op_type in _PREP:
-            taken = not g.implicit_inputs(n) and all(i in prep or i not in sliced for i in dyn) and (
-                n.op_type != "Concat" or (len(n.input) <= 8 and all(i in prep or (joins and i not in sliced)
-                                                                   for i in n.input)))
-            # (without ``joins``, a Concat with a constant or zero part is a cat([x, h]) cell's first step, h = 0
-            # folded)
-            if (not taken and refused is not None and n.op_type == "Concat" and len(n.input) <= 8
-                    and not g.implicit_inputs(n) and all(i in prep or i not in sliced for i in n.input)):
-                refused.append(n)
+            taken = not g.implicit_inputs(n) and all(i in prep or i not in sliced for i in dyn)
+            if taken and n.op_type == "Concat":
+                # (a part computed from no slice joins x_t only with ``joins``: without, a Concat with a constant
+                # or zero part is a cat([x, h]) cell's first step, h = 0 folded)
+                joinable = len(n.input) <= 8 and all(i in prep or i not in sliced for i in n.input)
+                taken = joinable and (joins or all(i in prep for i in n.input))
+                if joinable and not taken and refused is not None:
+                    refused.append(n)
         else:
             taken = len(dyn) == 1 and dyn[0] in prep and _is_weight_product(g, n, dyn) and matmul_taken(n)
         if taken:

@@ -35,8 +35,8 @@ class LstmKind(CellKind):
     def match(self, new, x, states, h, c):
         pc, ph = new[c], new[h]
         hs, cs = states[h], states[c]
-        coupled = _coupled_gates(pc, cs)
-        fc, ig, coupled = coupled if coupled else (*_forget_and_input_terms(pc, cs), None)
+        one_minus = _coupled_gates(pc, cs)
+        fc, ig, coupled = one_minus if one_minus else (*_forget_and_input_terms(pc, cs), None)
         h_act_atom, o_atom = _output_factors(ph, pc)
         old_c, new_c = Poly.atom(cs), pc
         peep = {}
@@ -73,7 +73,11 @@ class LstmKind(CellKind):
         acts = (f_act, g_act, (h_act_atom.kind, h_act_atom.params))
         peep = {g: m for g, m in peep.items() if m is not None}
         extra = {"peepholes": peep} if peep else {}
-        if coupled:
+        if coupled == ONE_MINUS_F:  # f = 1 - a(z) = a(-z): the op's forget weights are z's negated
+            if "f" in peep:
+                raise Decline("a forget gate written 1 - a gate, with a peephole")
+            extra["forget_one_minus"], gates["f"] = f_lin, f_lin.scaled(-1.0)
+        elif coupled:
             extra["coupled"] = coupled
         return make_spec(self, x, hs, gates, acts, clips.pop(), extra)
 
@@ -83,6 +87,8 @@ class LstmKind(CellKind):
         coupled = spec.extra.get("coupled")
         if coupled:
             out.append("forget gate = 1 - input gate" if coupled == "f" else "input gate = 1 - forget gate")
+        if "forget_one_minus" in spec.extra:
+            out.append("forget gate written 1 - a gate")
         return out
 
     def step_polys(self, spec, x, h, c):
@@ -102,6 +108,8 @@ class LstmKind(CellKind):
             f = Poly.const(1.0).sub(i)
         elif coupled == "i":
             i = Poly.const(1.0).sub(f)
+        elif "forget_one_minus" in spec.extra:  # (as the graph spells it: one minus the gate of z)
+            f = Poly.const(1.0).sub(activate(f_act, Poly.atom(LinAtom(spec.extra["forget_one_minus"])), spec.clip))
         g = gate(spec.gates["c"], g_act, spec.clip)
         c_new = f.mul(c).add(i.mul(g))
         o = activate(f_act, pre("o", c_new), spec.clip)
@@ -210,7 +218,8 @@ def _forget_and_input_terms(pc: Poly, cs):
 def _coupled_gates(pc: Poly, cs: State):
     """A cell whose input and forget gates are coupled (CIFG: ``c' = (1 - i)*c + i*g``, or ``f*c + (1 - f)*g``)
     read as an ordinary LSTM's ``f*c + i*g``: ``(the forget gate atom, [the input gate, the candidate], which
-    gate is the dependent one: "f" or "i")``, or None when ``pc`` has not that form. The gate written as one minus the other is that other gate's
+    gate is the dependent one: "f" or "i")``, or None when ``pc`` has not that form; a forget gate of its own
+    written as one minus a gate (``c - a*c + i*g``) is read alike, as ``(a, [i, g], ONE_MINUS_F)``. The gate written as one minus the other is that other gate's
     activation of its negated affine map, ``1 - sigmoid(z) = sigmoid(-z)`` (so the native op needs no
     ``input_forget``, which OpenVINO ignores: measured, it computes a free forget gate).
     Declined when the gates' activation has no such mirror."""
@@ -227,7 +236,14 @@ def _coupled_gates(pc: Poly, cs: State):
         return None
     (mc,), (mg,) = with_c, without
     gate_key = next((k for k in mc if k != cs.key), None)  # (None: c * c)
-    if gate_key is None or gate_key not in mg:
+    if gate_key is None:
+        return None
+    if gate_key not in mg:  # c - a*c + i*g: a forget gate of its own, written 1 - a (jax's f = 1 - sigmoid(z))
+        ig = [pc.atoms[k] for k in mg]
+        if single == cs.key and two[mc] == -1.0 and two[mg] == 1.0 and len(ig) == 2 and all(
+                isinstance(a, (Act, LinAtom)) for a in ig) and any(isinstance(a, Act) for a in ig):
+            _mirrored(pc.atoms[gate_key], "the forget gate (1 - a gate)")  # (declines an activation with no mirror)
+            return pc.atoms[gate_key], ig, ONE_MINUS_F
         return None
     other_key = next((k for k in mg if k != gate_key), None)
     if other_key is None:
@@ -239,6 +255,9 @@ def _coupled_gates(pc: Poly, cs: State):
     if single == other_key and two[mc] == 1.0 and two[mg] == -1.0:  # f*c + g - f*g: i = 1 - f
         return gate, [_mirrored(gate, "the input gate (1 - the forget gate)"), other], "i"
     return None
+
+
+ONE_MINUS_F = "1-f"  # (a forget gate of its own written one minus a gate: see _coupled_gates)
 
 
 def _mirrored(gate, what: str) -> Act:

@@ -44,7 +44,13 @@ def _affine_map(arg: Poly) -> Lin | None:
         return sa[0].lin
     offset = arg.as_lin_offset()
     if offset is not None:
-        return with_uniform_bias(offset[0], offset[2]) if offset[1] == 1.0 else None
+        # (a constant multiple of an affine map is one, its weights and bias scaled: jax's forget gate
+        # sigmoid(-z); -1 flips signs exactly. The recogniser compares the same fold: recognise.fold_scales)
+        lin, k, b = offset
+        if not k:
+            return None
+        lin = lin if k == 1.0 else lin.scaled(k)
+        return with_uniform_bias(lin, b) if b else lin
     return with_diagonal_weights(arg)
 
 

@@ -57,7 +57,27 @@ def _same(a: Poly, b: Poly) -> bool:
     a, b = fold_offsets(a), fold_offsets(b)
     if a.key == b.key or canonical_clips(a).key == canonical_clips(b).key:
         return True
-    return fold_diagonals(a).key == fold_diagonals(b).key
+    if fold_diagonals(a).key == fold_diagonals(b).key:
+        return True
+    return fold_scales(a).key == fold_scales(b).key
+
+
+def fold_scales(p: Poly) -> Poly:
+    """A constant multiple of an affine map inside every activation, ``act(k * lin + b)``, written as the one
+    map ``act(lin')`` whose weights and bias are ``lin``'s times k, plus b (:func:`.match._affine_map` reads a
+    gate so: jax's forget gate ``sigmoid(-z)``)."""
+
+    def fn(a):
+        if not isinstance(a, Act):
+            return None
+        arg = fold_scales(a.arg)
+        offset = arg.as_lin_offset()
+        if offset is not None and offset[1] not in (0.0, 1.0):
+            lin, k, b = offset
+            arg = Poly.atom(LinAtom(with_uniform_bias(lin.scaled(k), b) if b else lin.scaled(k)))
+        return Poly.atom(Act(a.kind, a.params, arg))
+
+    return substitute(p, fn)
 
 
 def fold_diagonals(p: Poly) -> Poly:

@@ -73,7 +73,11 @@ CELLS = {
     "lstm_cifg_lerp": (2, "LSTM", 2, "CIFG LSTM written as a lerp: c = c + i*(g - c)"),
     "lstm_cifg_hardsigmoid": (2, "LSTM", 2, "CIFG LSTM with F.hardsigmoid gates (1 - hs(x) = hs(-x) for beta 0.5)"),
     "lstm_cifg_hs04": (2, None, "near", "CIFG LSTM with hard_sigmoid(0.3, 0.4) gates: 1 - hs(x) is no hard_sigmoid of -x"),
-    "lstm_cifg_other_gate": (2, None, "near", "c = (1-i)*c + o*g: the candidate is scaled by another gate than the coupled one"),
+    "lstm_cifg_other_gate": (2, "LSTM", 2, "c = (1-i)*c + o*g: a forget gate written 1 - i, o the input gate too (its "
+                                           "weights in both rows: an LSTM whose input and output gates are one)"),
+    "lstm_forget_one_minus": (2, "LSTM", 2, "f = 1 - sigmoid(a_f): a forget gate of its own written one minus a gate (jax)"),
+    "lstm_forget_neg": (2, "LSTM", 2, "f = sigmoid(-a_f): a gate of a negated pre-activation (the op's weights negated)"),
+    "lstm_forget_one_minus_hs04": (2, None, "near", "f = 1 - hard_sigmoid(0.3, 0.4)(a_f): no hard_sigmoid of -a_f"),
     # (2) GRU with the update gate the other way round
     "gru_flip": (1, "GRU", 2, "torch GRU formula with h = z*n + (1-z)*h (linear_before_reset=1)"),
     "gru_flip_lbr0": (1, "GRU", 2, "h = z*n + (1-z)*h with the reset gate on the state: U_n(r*h) (linear_before_reset=0)"),
@@ -136,7 +140,7 @@ DECLINE_WORDS = {
     "lstm_peephole_o_oldc": ["output gate"],
     "lstm_peephole_matrix": ["state"],
     "lstm_cifg_hs04": ["forget gate", "hardsigmoid"],
-    "lstm_cifg_other_gate": ["cell state update"],
+    "lstm_forget_one_minus_hs04": ["forget gate", "hardsigmoid"],
     "gru_update_both": ["update"],
     "gru_flip_hs04": ["update", "hardsigmoid"],
     "gru_update_other_gate": ["update"],
@@ -389,6 +393,21 @@ def torch_classes():
                 c2 = (1 - k) * c + k * g
             return o * torch.tanh(c2), c2
 
+    class LSTMForget(LSTMBase):
+        """torch's i, f, g, o chunks, the forget gate written ``1 - act(a_f)`` ("one_minus") or ``act(-a_f)``
+        ("neg")."""
+
+        def __init__(self, fi: int, h: int, form: str, gate: str = "sigmoid"):
+            super().__init__(fi, h)
+            self.form, self.gate = form, gate
+
+        def forward(self, x, state: tuple[torch.Tensor, torch.Tensor]):
+            h, c = state
+            ai, af, ag, ao = (self.ih(x) + self.hh(h)).chunk(4, -1)
+            f = 1 - self.act(self.gate, af) if self.form == "one_minus" else self.act(self.gate, -af)
+            c2 = f * c + self.act(self.gate, ai) * torch.tanh(ag)
+            return self.act(self.gate, ao) * torch.tanh(c2), c2
+
     class GRUVariant(Cell):
         """torch's r, z, n chunks; ``update`` says how z combines n and h."""
 
@@ -506,6 +525,9 @@ def torch_classes():
             "lstm_cifg_hardsigmoid": lambda: LSTMCoupled(fi, h, gate="hardsigmoid"),
             "lstm_cifg_hs04": lambda: LSTMCoupled(fi, h, gate="hs34"),
             "lstm_cifg_other_gate": lambda: LSTMCoupled(fi, h, form="other"),
+            "lstm_forget_one_minus": lambda: LSTMForget(fi, h, "one_minus"),
+            "lstm_forget_neg": lambda: LSTMForget(fi, h, "neg"),
+            "lstm_forget_one_minus_hs04": lambda: LSTMForget(fi, h, "one_minus", gate="hs34"),
             "gru_flip": lambda: GRUVariant(fi, h),
             "gru_flip_lbr0": lambda: GRUVariant(fi, h, lbr=False),
             "gru_flip_lerp": lambda: GRUVariant(fi, h, update="lerp"),

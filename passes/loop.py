@@ -44,7 +44,8 @@ from .loop_masks import (DERIVED_MASK, LENGTH_MASK, RowReads, attach_derived_mas
                          find_derived_mask, laid_out_like_x)
 from .loop_body_reads import body_reads, input_offset
 from .loop_counts import check_trip_count, integer_carry_reason
-from .loop_reads import check_same_batch, check_step_lengths, counter_step, reads_backwards
+from .loop_extents import check_same_batch, check_step_lengths
+from .loop_reads import counter_step, keeps_time_axis, reads_backwards
 from rnnfuse.symbolic import Const, Opaque, State, SymTensor, StepInput, Poly, weight_ops
 
 
@@ -211,12 +212,12 @@ def _x_leaf(g: Graph, x_outer: str, x_axis: int, masked: bool):
 
 
 def _step_leaf(g: Graph, body: Graph, carried: _Carried, x_outer: str, x_axis: int, x_reads: list[str], x_rank: int,
-               masked: bool, leaves: dict):
+               masked: bool, leaves: dict, kept: set[str]):
     """``(projection, atom, input map)``: the step input's leaf added to ``leaves``, on x_t itself (its
     input projection's, if the steps read slices of one) or on the row-wise map of it the cell reads instead
     (an input MLP, a LayerNorm, an embedding lookup of ids: ``x_rank`` 1), which the native op then reads
-    applied to every step."""
-    input_map = find_input_map(g, body, x_outer, x_axis, x_reads, x_rank, carried.invariants)
+    applied to every step. ``kept``: the reads that keep the time axis ([1, B, F])."""
+    input_map = None if kept else find_input_map(g, body, x_outer, x_axis, x_reads, x_rank, carried.invariants)
     if input_map is not None:
         x_atom = StepInput("x", input_map.width)
         leaves[input_map.value] = SymTensor(Poly.atom(x_atom))
@@ -225,7 +226,7 @@ def _step_leaf(g: Graph, body: Graph, carried: _Carried, x_outer: str, x_axis: i
         raise Decline("no per-step input (element i of an invariant tensor) in the body")
     proj, x_atom, x_value = _x_leaf(g, x_outer, x_axis, masked)
     for r in x_reads:
-        leaves[r] = x_value
+        leaves[r] = SymTensor(x_value.poly, 1) if r in kept else x_value
     return proj, x_atom, None
 
 
@@ -245,12 +246,15 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     if x_axis == 2 and (mask_outer is not None or lengths is not None or rows is not None or len(r.x_parts) > 1):
         raise Decline("a mask or a second sequence beside an input read along its last axis")
     side: tuple = ()
+    kept = {n.output[0] for ns in r.x_parts.values() for n in ns if keeps_time_axis(n)}
+    if kept and (len(r.x_parts) > 1 or x_axis == 2):
+        raise Decline("a step input read with its time axis kept beside another sequence, or along its last axis")
     if len(r.x_parts) > 1:  # sequences read side by side: the native op reads them concatenated on features
         x_atom, side = side_by_side(g, {d: [n.output[0] for n in ns] for d, ns in r.x_parts.items()}, x_axis, leaves)
         proj = input_map = None
     else:
         proj, x_atom, input_map = _step_leaf(g, body, carried, x_outer, x_axis, x_reads, x_rank,
-                                             mask_outer is not None or lengths is not None, leaves)
+                                             mask_outer is not None or lengths is not None, leaves, kept)
     if input_map is not None and x_rank == 1:
         rows = None  # (the ids are the step input)
     if len(r.forms) > 1:
@@ -295,11 +299,16 @@ def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leav
     states: dict[str, State] = {}
     for k in carried.recurrent:
         bi = bin_[2 + k]
-        shape = body.local_shape(bi) or g.model.shape(loop.input[2 + k]) or []
+        # (each dim as the body declares it, or as the outer init has it where the body's is a name:
+        # TorchScript declares every carried value's dims by name)
+        inner, outer = body.local_shape(bi) or [], g.model.shape(loop.input[2 + k]) or []
+        shape = [d if isinstance(d, int) or len(outer) != len(inner) else outer[j] for j, d in enumerate(inner)] or outer
         H = shape[-1] if shape and isinstance(shape[-1], int) else None
         st = State(f"s{k}", H)
         states[st.sym] = st
-        leaves[bi] = SymTensor(Poly.atom(st))
+        # ([1, B, H]: a native op's own state, carried from one call to the next: TorchScript's
+        # ``y, (h, c) = lstm(x[t:t + 1], (h, c))``)
+        leaves[bi] = SymTensor(Poly.atom(st), 1 if len(shape) == 3 and shape[0] == 1 else 0)
     for bi, init in carried.invariants.items():
         c = g.const(init)
         if c is not None:
@@ -355,6 +364,7 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
         if outer and g.n_uses(outer):
             found = state_output(layers, value, state_keys)
             bf = carried.grown.get(k) == 1  # (grown along axis 1: batch-first)
+            flipped = False  # (the values stacked last step first)
             if k in carried.scattered:  # (its placement read by running it, at the state's width)
                 if found is None or found[1].ncols is None:
                     raise Decline("an output buffer written by index arithmetic with a value that is no state of "
@@ -362,10 +372,12 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
                 trip = g.const(loop.input[0]) if loop.input[0] else None
                 bf = write_axis(g, carried.scattered[k], found[1].ncols, batch,
                                 int(trip) if trip is not None and np.size(trip) == 1 else None) == 1
+                flipped = carried.scattered[k].reverse
             if found is None:
                 heads.append(HeadCandidate(value, outer, accumulate=start, time_axis=int(bf)))
             else:
-                outs_of[found[0]].append(StepOut(found[1], outer, accumulate=start, time_axis=int(bf)))
+                outs_of[found[0]].append(StepOut(found[1], outer, accumulate=start, time_axis=int(bf),
+                                                 reversed=flipped))
     extra_remove: list[NodeProto] = []
     for k in carried.seqs:
         li, out = sequence_output(g, body, loop, k, layers, extra_remove, state_keys)

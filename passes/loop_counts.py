@@ -10,7 +10,8 @@ from rnnfuse.dims import condition_bounds, dim_key, time_dim_key, time_keys
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.index_terms import terms
-from .loop_reads import counter_step, size_keys, unflipped
+from .loop_extents import size_keys, unflipped
+from .loop_reads import counter_step
 
 
 def integer_carry_reason(name: str, type_name: str, step: tuple[str, int] | None, start: float | None) -> str:

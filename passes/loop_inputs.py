@@ -22,7 +22,7 @@ from rnnfuse.graph import Graph, has_subgraph
 from rnnfuse.input_maps import mapped_input, tile_context
 from rnnfuse.row_wise import on_every_step
 from rnnfuse.symbolic import Poly, StepInput, StepInputPart, SymTensor
-from .loop_reads import same_extent, same_time_length
+from .loop_extents import same_extent, same_time_length
 
 
 @dataclass

@@ -67,15 +67,21 @@ def sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list
     axis, new_axis = attr(cat, "axis", 0), attr(cat, "new_axis", 0)
     appended = n.input[1]
     u = body.producer.get(appended)
+    layout = axis  # (where the stacked steps' time axis is in the output)
     if new_axis == 0 and axis in (1, 2) and u is not None and u.op_type == "Unsqueeze" and op_args.axes(
             u, g.model.opset, op_args.const_reader(body, u)) == [axis]:
         appended, new_axis = u.input[0], 1  # cat([h.unsqueeze(a) ...], a) is stack([h ...], a) (TorchScript)
+    elif new_axis == 0 and axis == 1 and u is not None and u.op_type == "Transpose" and list(
+            attr(u, "perm", []) or []) == [1, 0, 2]:
+        # cat([y.transpose(0, 1) ...], 1) of [1, B, H] steps is their cat on time, batch-first (a batch-first
+        # nn.GRU called once a step: its Y step as [B, 1, H])
+        appended, axis = u.input[0], 0
     found = state_output(layers, appended, state_keys)
     if found is None:  # a head computes [B, K] from h: stacked like h
         if not (new_axis == 1 and axis in (0, 1, 2)):
             raise Decline("the per-step outputs are stacked along an unsupported axis")
         extra_remove.append(cat)
-        return None, HeadCandidate(appended, cat.output[0], time_axis=axis, reversed=prepend)
+        return None, HeadCandidate(appended, cat.output[0], time_axis=layout, reversed=prepend)
     li = found[0]
     val = layers[li].ev.value(appended)
     if not isinstance(val, SymTensor):
@@ -85,7 +91,7 @@ def sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list
     if not ((new_axis == 1 and axis in (0, 1, 2) and val.lead == 0) or (new_axis == 0 and axis == 0 and val.lead == 1)):
         raise Decline("the per-step outputs are stacked along an unsupported axis")
     extra_remove.append(cat)
-    return li, StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, time_axis=axis)
+    return li, StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, time_axis=layout)
 
 
 def final_role(poly: Poly, step_states: list[StepState], an) -> tuple[str, Init] | None:

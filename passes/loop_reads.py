@@ -2,7 +2,8 @@
 which carried value counts the steps (the proof that the loop runs once per step: :mod:`passes.loop_counts`).
 
 The index arithmetic is read symbolically (:mod:`rnnfuse.index_terms`), so any exporter's spelling of "the
-iteration number", "T - 1 - i" or "[i, i + 1) on axis a" is recognised, not one graph's node order.
+iteration number", "T - 1 - i" or "[i, i + 1) on axis a" is recognised, not one graph's node order. Whether
+what a body reads shares x's time length and batch: :mod:`.loop_extents`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from onnx import NodeProto, TensorProto
 
 from rnnfuse import op_args
 from rnnfuse.dataflow import rank_of
-from rnnfuse.dims import declared_name, dim_key, extent_key, root_dim, time_keys, unit_chunks, value_source
-from rnnfuse.errors import Decline
+from rnnfuse.dims import dim_key, keeps_value, root_dim, time_keys, unit_chunks, value_source
 from rnnfuse.graph import Graph, attr
 from rnnfuse.index_terms import TO_THE_END, one_element, past_every_index, terms
-from rnnfuse.time_flips import time_flip_source
+from .loop_extents import size_keys, timesize_keys
 
 
 def invariant_source(body: Graph, name: str, invariants: dict[str, str]) -> str | None:
@@ -111,6 +111,7 @@ def _negated(body: Graph, name: str) -> str | None:
 def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], data: str, axis: int = 0) -> str | None:
     """How a Gather index walks time: ``i`` -> "forward", ``T - 1 - i`` (T = data's size on ``axis``) -> "reverse",
     ``-1 - i`` -> "reverse_end" (from the data's own end, whatever its length)."""
+    idx = _without_wrap_fixup(g, body, idx, data, axis)
     name = value_source(body, idx)
     if index_syms.get(name) == 0:
         return "forward"
@@ -123,10 +124,13 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
     if found is None:
         return None
     a, k, shift = found  # the index is a - (i + k) + shift
+    T_keys = timesize_keys(g, data, axis)
     ca = body.const(a)
-    if ca is not None and np.asarray(ca).size == 1 and int(np.asarray(ca).ravel()[0]) + shift == k - 1:
+    a_value = int(np.asarray(ca).ravel()[0]) if ca is not None and np.asarray(ca).size == 1 else None
+    if a_value is not None and a_value + shift == k - 1:
         return "reverse_end"  # -1 - i: a negative index counts from the end (-1 - i >= -T for every i < T)
-    T_keys = _timesize_keys(g, data, axis)
+    if a_value is not None and ("const", a_value + 1 - k + shift) in T_keys:
+        return "reverse"  # T - 1 - i for a static T (jax's x[:, T - 1 - t], T a Python number)
     # a must be T - 1 + k - shift
     an = body.producer.get(value_source(body, a)) if body.scope_of(a) is body else None
     if an is None:
@@ -138,6 +142,38 @@ def _index_form(g: Graph, body: Graph, idx: str, index_syms: dict[str, int], dat
         if c is not None and np.asarray(c).size == 1 and int(np.asarray(c).ravel()[0]) == 1 - k + shift and size_keys(g, dim_key(body, an.input[0])) & T_keys:
             return "reverse"
     return None
+
+
+def _without_wrap_fixup(g: Graph, body: Graph, idx: str, data: str, axis: int) -> str:
+    """The index v that ``Where(v < 0, v + n, v)`` wraps, for n the extent of ``data``'s ``axis``, seen
+    through the reshapes, one-element expands and value-keeping casts around it; else ``idx`` itself.
+
+    jax2onnx wraps every traced index so (numpy's negative indices). Gather reads a negative index from the
+    end already, so for n the axis's own extent the wrapped index reads the same element as v does: a
+    reversed read ``x[:, T - 1 - t]``, whose sign no bound on the iteration number settles, is then read as the
+    ``T - 1 - i`` it is."""
+    name = idx
+    for _ in range(8):
+        n = body.producer.get(name)
+        if n is None:
+            return idx
+        if n.op_type == "Where" and len(n.input) == 3:
+            break
+        if n.op_type in ("Reshape", "Squeeze", "Unsqueeze", "Identity") or (n.op_type == "Cast" and keeps_value(n)):
+            name = n.input[0]
+        elif n.op_type == "Expand" and (c := body.const(n.input[1])) is not None and int(np.prod(c)) == 1:
+            name = n.input[0]
+        else:
+            return idx
+    else:
+        return idx
+    cond, wrapped, v = (body.producer.get(n.input[0]), body.producer.get(n.input[1]), n.input[2])
+    if cond is None or cond.op_type != "Less" or cond.input[0] != v or terms(body, cond.input[1]) != [("c", 0)]:
+        return idx
+    if wrapped is None or wrapped.op_type != "Add" or v not in wrapped.input:
+        return idx
+    extent = wrapped.input[1] if wrapped.input[0] == v else wrapped.input[0]
+    return v if size_keys(g, dim_key(body, extent)) & timesize_keys(g, data, axis) else idx
 
 
 def counts_down(body: Graph, idx: str, index_syms: dict[str, int]) -> bool:
@@ -179,105 +215,6 @@ def _minus_index(body: Graph, n: NodeProto | None, index_syms: dict[str, int]) -
     return a, index_syms[step[0]] + step[1], shift
 
 
-def size_keys(g: Graph, key) -> set:
-    """A size's keys: its own, and for a dimension the model declares with a symbolic name, that name (the
-    dims a model names alike are one size: the T of ``Gather(mask, T - 1 - i)`` may be read from x's shape)."""
-    out = {key}
-    if key is not None and key[0] == "dim":
-        t = g.model.known_type(key[1])
-        dims = t[1] if t is not None else None
-        if dims is not None and 0 <= key[2] < len(dims) and isinstance(dims[key[2]], str):
-            out.add(("param", dims[key[2]]))
-    return out
-
-
-def _timesize_keys(g: Graph, name: str, axis: int) -> set:
-    """Every key of ``name``'s time extent (:func:`rnnfuse.dims.time_keys`) with the names it is declared by."""
-    return set().union(*(size_keys(g, key) for key in time_keys(g, name, axis)))
-
-
-def _same_time_length(g: Graph, data: str, axis: int, x: str, x_axis: int) -> bool:
-    """Whether ``data``'s extent along ``axis`` is provably x's time length (both seen through their time
-    flips): one number, one declared name, or one axis of a tensor both were made from. (A loop reads a longer
-    mask's first T rows, or its rows from its own end at ``-1 - i``: a native op would read all of them.)"""
-    mine = size_keys(g, extent_key(g, data, axis)) - {None}
-    return bool(mine & _timesize_keys(g, x, x_axis))
-
-
-def same_time_length(g: Graph, data: str, x: str, axis: int) -> bool:
-    """Whether ``data`` and ``x`` provably have one time length along ``axis`` (both seen through their time
-    flips)."""
-    return _same_time_length(g, unflipped(g, data, axis), axis, unflipped(g, x, axis), axis)
-
-
-def same_extent(g: Graph, a: str, b: str, axis: int) -> bool:
-    """Whether ``a`` and ``b`` provably have one extent along ``axis`` (a batch axis, say)."""
-    return _same_time_length(g, a, axis, b, axis)
-
-
-def same_extent_along(g: Graph, a: str, a_axis: int, b: str, b_axis: int) -> bool:
-    """Whether ``a`` along ``a_axis`` and ``b`` along ``b_axis`` provably have one extent."""
-    return _same_time_length(g, a, a_axis, b, b_axis)
-
-
-def check_step_lengths(g: Graph, others: dict[str, int], x: str, x_axis: int, read_forms: set,
-                       mask: str | None = None) -> bool:
-    """Decline a tensor of ``others`` (-> its time axis) the body reads per step whose time length may differ from x's:
-    one read from its own end (``-1 - i``) unless its length is provably x's; one read from its start when the
-    file gives the two lengths apart (two numbers, or two names of graph inputs). (A length the file leaves
-    unknown, a mask computed from x, say, is left to validation, as before.) ``read_forms``: how the body's
-    step reads index time (see :func:`_index_form`). The bool ``mask`` read forward from its start that the file
-    gives apart is not declined: True (the native op then reads its first T steps, as the loop does; a mask
-    input of tf2onnx's has a time axis named apart from x's, ``unk__N``, whatever its length). Read backwards
-    (``T - 1 - i`` of its own length) a longer mask gives its last rows: declined."""
-    from_end = "reverse_end" in read_forms
-    x = unflipped(g, x, x_axis)
-    cut = False
-    for other, axis in sorted(others.items()):
-        data = unflipped(g, other, axis)
-        if _same_time_length(g, data, axis, x, x_axis) or not (from_end or _declared_apart(g, data, axis, x, x_axis)):
-            continue
-        if other != mask or read_forms != {"forward"}:  # (read backwards, T - 1 - i of its own T: its last rows)
-            raise Decline(f"'{other}' is read per step but its time length is not provably the input's")
-        cut = True
-    return cut
-
-
-def check_same_batch(g: Graph, others: dict[str, int], x: str, x_axis: int) -> None:
-    """Decline a tensor of ``others`` (-> its time axis, 0 or 1) read per step beside ``x`` whose batch the file
-    gives apart from x's (two numbers, or two names of graph inputs): the loop broadcasts a mask of one row
-    over x's rows, which the native op's per-row mask does not."""
-    for other, axis in sorted(others.items()):
-        if axis in (0, 1) and x_axis in (0, 1) and _declared_apart(g, other, 1 - axis, x, 1 - x_axis, made_up_names=False):
-            raise Decline(f"'{other}' is read per step but its batch is not provably the input's")
-
-
-def _declared_apart(g: Graph, a: str, a_axis: int, b: str, b_axis: int, made_up_names: bool = True) -> bool:
-    """Whether the file gives ``a``'s and ``b``'s extents (both seen through their time flips) as two different
-    numbers, or as two different names of graph inputs (a name an exporter makes up for an intermediate's
-    unknown dim says nothing; ``made_up_names=False``: nor does tf2onnx's ``unk__N``, which every unknown input
-    dim gets, see :func:`rnnfuse.dims.declared_name`)."""
-    dims = []
-    for name, axis in ((a, a_axis), (b, b_axis)):
-        root, ax = root_dim(g, name, axis)  # (through transposes and the like: a graph input's own axis)
-        shape = g.model.shape(root) or []
-        d = shape[ax] if ax < len(shape) else None
-        if isinstance(d, str):
-            d = (d if root in g.input_names else None) if made_up_names else declared_name(g, name, axis)
-        dims.append(d)
-    return None not in dims and dims[0] != dims[1]
-
-
-def unflipped(g: Graph, name: str, axis: int) -> str:
-    """``name`` seen through its time flips (a flip keeps the extent: a backward layer's x and mask)."""
-    for _ in range(8):
-        src = time_flip_source(g, name, axis)
-        if src is None:
-            break
-        name = src
-    return name
-
-
 def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
     """If body node ``n`` reads element i (the iteration number) of a loop-invariant tensor along one axis:
     (the outer tensor, the axis, "forward" | "reverse" | "reverse_end", the offset), else None. The offset
@@ -299,8 +236,8 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
         if data is None:  # jax's x[:, t] with a traced t: Gather(Transpose(x), t) of a transpose in the body
             data, perm = _transposed_invariant(body, n.input[0], invariants)
         rank = rank_of(g, data) if data is not None else None
-        if data is None or rank is None:
-            return None
+        if data is None or rank is None:  # (perhaps element 0 of a one-step slice: read as its Squeeze)
+            return _slice_read(g, body, n, index_syms, invariants) if _unit_gather(body, n) else None
         axis = attr(n, "axis", 0)
         axis = axis + rank if axis < 0 else axis
         if perm is not None:  # element t along the transpose's axis is element t along the source's perm[axis],
@@ -318,23 +255,36 @@ def step_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], i
 
 def _slice_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int], invariants: dict[str, str]):
     """:func:`step_read` of ``Squeeze(Slice(D, ...))`` taking ``[i + s, i + s + 1)`` on one axis and everything
-    on the others, or a Slice keeping a [B, T] mask's column ``[i, i + 1)`` as [B, 1]; else None."""
-    kept = n.op_type == "Slice"  # (a [B, T] mask's step kept as a [B, 1] column: TorchScript's pad[:, t:t+1])
-    if n.op_type != "Squeeze" and not kept:
+    on the others; of a Slice keeping a [B, T] mask's column ``[i, i + 1)`` as [B, 1]; of a Slice keeping x's
+    step ``[i, i + 1)`` as [1, B, F] (TorchScript's ``lstm(x[t:t + 1], state)``), or [B, 1, F] transposed to
+    it (``x[:, t:t + 1]`` fed to a time-major op); else None."""
+    kept = keeps_time_axis(n)
+    squeezed = n.op_type == "Squeeze" or _unit_gather(body, n)  # (jax's dynamic_slice_in_dim(x, t, 1)[0])
+    if not squeezed and not kept:
         return None
-    sl = n if kept else body.producer.get(n.input[0])
+    if n.op_type == "Transpose" and list(attr(n, "perm", []) or []) != [1, 0, 2]:
+        return None
+    sl = n if n.op_type == "Slice" else body.producer.get(n.input[0])
     if sl is None or sl.op_type != "Slice" or len(sl.input) < 3:
         return None
     inner = sl.input[0]
     data = invariant_source(body, inner, invariants) or _full_slice_source(g, body, inner, invariants)
     rank = rank_of(g, data) if data is not None else None
-    if data is None or rank is None or (kept and (rank != 2 or (g.model.elem_type(data) != TensorProto.BOOL
-                                                              and cast_of_bool(g, data) is None))):
+    if data is None or rank is None:
         return None
+    kept_axis = None  # (the one axis a kept read takes one element of)
     if kept:
-        axis = None  # (the one axis the Slice takes one element of, below)
+        column = rank == 2 and (g.model.elem_type(data) == TensorProto.BOOL or cast_of_bool(g, data) is not None)
+        if column and n.op_type == "Slice":
+            kept_axis = 1
+        elif rank == 3 and g.model.elem_type(data) != TensorProto.BOOL and (n.op_type == "Transpose" or not any(
+                u.op_type == "Squeeze" or _unit_gather(body, u) for u in body.uses(n.output[0]))):
+            kept_axis = 1 if n.op_type == "Transpose" else 0  # (a Squeeze of the Slice is a read of its own)
+        else:
+            return None
     else:
-        sq_axes = op_args.axes(n, g.model.opset, op_args.const_reader(body, n))
+        sq_axes = [attr(n, "axis", 0)] if n.op_type == "Gather" else op_args.axes(n, g.model.opset,
+                                                                                op_args.const_reader(body, n))
         if sq_axes is None or len(sq_axes) != 1:
             return None
         axis = sq_axes[0]
@@ -350,9 +300,9 @@ def _slice_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int],
         return None
     if kept:
         stepped = [a + rank if a < 0 else a for (_, a), st in zip(axes, starts) if st == ("i", 0)]
-        if len(stepped) != 1 or stepped[0] != rank - 1:  # (the kept column of a [B, T] mask: [B, 1], a row each)
+        if stepped != [kept_axis]:
             return None
-        axis = stepped[0]
+        axis = kept_axis
     seen, form, ahead = set(), "forward", 0
     for k, ((_, a), st, en, step) in enumerate(zip(axes, starts, ends, steps)):
         a = a + rank if a < 0 else a
@@ -371,6 +321,20 @@ def _slice_read(g: Graph, body: Graph, n: NodeProto, index_syms: dict[str, int],
     if axis not in seen:
         return None
     return data, axis, form, ahead
+
+
+def _unit_gather(body: Graph, n: NodeProto) -> bool:
+    """Whether ``n`` is a Gather of element 0 (or -1) by a scalar constant: of a one-element axis, its Squeeze."""
+    if n.op_type != "Gather" or len(n.input) < 2:
+        return False
+    idx = body.const(n.input[1])
+    return idx is not None and np.ndim(idx) == 0 and int(idx) in (0, -1)
+
+
+def keeps_time_axis(n: NodeProto) -> bool:
+    """Whether a read by body node ``n`` (see :func:`step_read`) keeps the time axis it takes one element of: a
+    Slice ([B, 1] of a mask, [1, B, F] of x) or the Transpose of one, not a Squeeze or a Gather."""
+    return n.op_type in ("Slice", "Transpose")
 
 
 def _shifted(term: tuple, k: int) -> tuple:

@@ -28,6 +28,7 @@ from rnnfuse.protos import has_subgraph
 from rnnfuse.rewrite import recurrences_of
 from rnnfuse.symbolic import weight_ops
 from .loop_lists import unpack_lists
+from .loop_pieces import unpack_pieces
 
 _NOT_COPIED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
                "Bernoulli", "Dropout"}  # (a copy may draw other numbers: Dropout's training_mode may be fed)
@@ -36,7 +37,7 @@ _NOT_COPIED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUnifo
 def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, NodeProto, Callable[[], None] | None]:
     """``(recurrences, [(part, its decline reason)], node, settle)``: when ``loop`` splits (see the module), or
     carries a list of states (its items carried one by one instead: :mod:`passes.loop_lists`; then split if it
-    splits), and at least
+    splits) or states cut from one tensor (carried piece by piece: :mod:`passes.loop_pieces`), and at least
     one of the Loops it becomes is a recurrence, their recurrences and the others' declines, the new Loops in
     its place, and ``settle``, to call once the recurrences were applied or declined: it puts a split Loop back
     when no part was fused after all (validation may decline them all); a Loop carried item by item stays so.
@@ -53,18 +54,28 @@ def fuse_parts(g: Graph, loop: NodeProto, recurrence_of) -> tuple[list, list, No
         # and what was applied meanwhile may read its items (a Loop over its final list) or have pruned what
         # the Loop read (the list built before it))
         return recs, declines, node, (lambda: None)
+    pieces = unpack_pieces(g, loop)
+    if pieces is not None:  # (put back when none of it fuses: the Loop as it was, its own decline reported)
+        new, cuts, joins = pieces
+        recs, declines, node, settle = _tried_in_place(g, loop, split_loop(g, new) or [new], joins, recurrence_of,
+                                                       before=cuts)
+        if not recs and declines:
+            raise Decline(f"{declines[0][1]} (its concatenated states carried piece by piece)")
+        return recs, declines, node, settle
     parts = split_loop(g, loop)
     if parts is None:
         return [], [], loop, None
     return _tried_in_place(g, loop, parts, [], recurrence_of)
 
 
-def _tried_in_place(g: Graph, loop: NodeProto, parts: list[NodeProto], after: list[NodeProto], recurrence_of):
+def _tried_in_place(g: Graph, loop: NodeProto, parts: list[NodeProto], after: list[NodeProto], recurrence_of,
+                    before: list[NodeProto] = ()):
     """:func:`fuse_parts` for the Loops ``parts`` that compute what ``loop`` does (``after``: nodes that read
-    them, put after them)."""
+    them, put after them; ``before``: nodes they read, put before them)."""
     at = g.position(loop)
     g.remove_node(loop)
-    for p in parts + after:
+    placed = [*before, *parts, *after]
+    for p in placed:
         g.append_node(p, at)
     recs, declines = [], []
     for p in parts:
@@ -76,7 +87,7 @@ def _tried_in_place(g: Graph, loop: NodeProto, parts: list[NodeProto], after: li
     def put_back() -> NodeProto | None:
         if any(not g.alive(p) for p in parts):
             return None  # (a part was fused: the others stay Loops of their own)
-        for p in parts + after:
+        for p in placed:
             g.remove_node(p)
         back = NodeProto()
         back.CopyFrom(loop)  # (the removed node stays removed: a copy goes back)

@@ -41,7 +41,7 @@ from rnnfuse.dims import extent_key
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.protos import has_subgraph
-from .loop_reads import same_extent_along
+from .loop_extents import same_extent_along
 
 # ops that only move elements: op -> the positions of the inputs whose elements they move (the others must be
 # index values: shapes, axes, positions)
@@ -68,6 +68,7 @@ class ScatteredWrite:
     consts: dict[str, np.ndarray] = field(default_factory=dict)  # the values it reads from outside its nodes
     numbers: dict[str, np.ndarray] = field(default_factory=dict)  # constants its index arithmetic computes with
     axis: int | None = None  # the buffer's time axis, once run (write_axis)
+    reverse: bool = False  # it writes at slot T - 1 - i (the per-step values stacked last step first), once run
     hidden: int | None = None  # the width of what it writes, once run
 
 
@@ -197,6 +198,8 @@ def write_axis(g: Graph, w: ScatteredWrite, hidden: int, batch: int | None, trip
         raise Decline(f"an output buffer's write could not be run alone ({str(e).splitlines()[0][:120]})")
     rng = np.random.default_rng(0)
     sizes = {hidden} | ({trip} if trip else set())  # (the extents the file fixes: jax2onnx computes with them)
+    if trip:  # (T - 1 - i for a fixed T: jax's ys.at[T - 1 - t])
+        sizes.add(trip - 1)
     if not (trip and batch) and _fixed_numbers(w, {0, 1, -1} | sizes | {-n for n in sizes}):
         raise Decline("an output buffer written at slots computed with numbers of its own (the loop's length or "
                       "batch is not fixed: where the write goes at other sizes is not what a run at a few shows)")
@@ -205,11 +208,13 @@ def write_axis(g: Graph, w: ScatteredWrite, hidden: int, batch: int | None, trip
     batches = [batch] if batch else sorted({1, 3, hidden + 2} | ({trip + 2, trip + hidden + 2} if trip else set()))
     lengths = [trip] if trip else [3, 5, hidden + max(batches) + 3]
     sizes = [(b, t) for b in batches for t in lengths if b * t * hidden <= _PROBE_ELEMENTS or b in (1, 3, batch)]
-    found = [a for a in (0, 1) if _places(sess, w, a, hidden, sizes, rng)]
+    found = [(a, False) for a in (0, 1) if _places(sess, w, a, hidden, sizes, rng)]
+    if not found:  # (the values stacked last step first: read flipped, as a backward layer's are)
+        found = [(a, True) for a in (0, 1) if _places(sess, w, a, hidden, sizes, rng, reverse=True)]
     if len(found) != 1:
         raise Decline("an output buffer written by index arithmetic that does not put the step's value at the "
-                      "iteration's slot")
-    w.axis, w.hidden = found[0], hidden
+                      "iteration's slot (or at its slot counted from the end)")
+    (w.axis, w.reverse), w.hidden = found[0], hidden
     return w.axis
 
 
@@ -239,9 +244,9 @@ def _fixed_numbers(w: ScatteredWrite, allowed: set) -> list:
     return odd
 
 
-def _places(sess, w: ScatteredWrite, axis: int, hidden: int, sizes, rng) -> bool:
-    """Whether every run (``sizes``: (batch, length) pairs) puts y at slot i along ``axis`` and keeps the rest
-    of the buffer."""
+def _places(sess, w: ScatteredWrite, axis: int, hidden: int, sizes, rng, reverse: bool = False) -> bool:
+    """Whether every run (``sizes``: (batch, length) pairs) puts y at slot i along ``axis`` (``reverse``: at
+    slot T - 1 - i) and keeps the rest of the buffer."""
     dtype = helper.tensor_dtype_to_np_dtype(w.types[w.buffer])
     for b, t in sizes:
         steps = range(t) if t <= _MAX_SLOTS else np.unique(np.linspace(0, t - 1, _MAX_SLOTS).astype(int))
@@ -256,7 +261,7 @@ def _places(sess, w: ScatteredWrite, axis: int, hidden: int, sizes, rng) -> bool
             except Exception:
                 return False
             want = buf.copy()
-            np.moveaxis(want, axis, 0)[i] = y
+            np.moveaxis(want, axis, 0)[t - 1 - i if reverse else i] = y
             if got.shape != want.shape or not np.array_equal(got, want):
                 return False
     return True

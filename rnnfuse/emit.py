@@ -199,7 +199,7 @@ def _same_batch(g: Graph, state: str, axis: int, x: str) -> bool:
 def _init_value(b: Builder, init: Init) -> str:
     """An initial value as something that broadcasts against [B, H]."""
     if init.tensor is not None:
-        return init.tensor
+        return b.squeeze(init.tensor, [0]) if init.lead else init.tensor
     return b.const(np.array(init.fill, np.float32), "fill")
 
 

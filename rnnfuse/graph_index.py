@@ -474,7 +474,8 @@ class GraphIndex:
             return None
         if n is None:
             return None
-        if n.op_type in ("Identity", "Cast") and n.input:
+        if n.op_type in ("Identity", "Cast", "Slice", "Split", "Squeeze", "Unsqueeze", "Reshape", "Transpose",
+                         "Flatten") and n.input:  # (a piece or a view of a fill is that fill)
             return g.fill_value(n.input[0])
         if n.op_type in ("Mul",):
             a, b = g.fill_value(n.input[0]), g.fill_value(n.input[1])

@@ -208,14 +208,25 @@ def owner(layers: list[Layer], name: str) -> int:
     raise Decline(f"a per-step output '{name}' mixes the cells of the step")
 
 
-def _init_of(g: Graph, name: str) -> Init:
-    """A state's initial value: none given (zeros), a constant fill, or the tensor itself."""
+def _check_width(sym: str, leaf, new: Poly) -> None:
+    """Decline a state whose next value is computed at another width than the state's own (a carried tensor
+    cut into pieces of other widths than the step's values: :mod:`passes.loop_pieces`): every atom of the next
+    value that has a width (but 1, which broadcasts) has the state's."""
+    width = leaf.poly.ncols if isinstance(leaf, SymTensor) else None
+    others = {a.ncols for a in new.atoms.values() if a.ncols not in (None, 1, width)}
+    if width is not None and others:
+        raise Decline(f"the next value of {sym} is computed {max(others)} wide, the state is {width} wide")
+
+
+def _init_of(g: Graph, name: str, lead: int) -> Init:
+    """A state's initial value: none given (zeros), a constant fill, or the tensor itself; ``lead`` 1 for a
+    state carried as [1, B, H] (its final value is too)."""
     if not name:
-        return Init(None, 0.0)
+        return Init(None, 0.0, lead)
     fv = g.fill_value(name)
     if fv is not None:
-        return Init(None, fv)
-    return Init(name, None)
+        return Init(None, fv, lead)
+    return Init(name, None, lead)
 
 
 def layer_states(g: Graph, node: NodeProto, body: Graph, layer: Layer, *, body_out: int,
@@ -230,7 +241,9 @@ def layer_states(g: Graph, node: NodeProto, body: Graph, layer: Layer, *, body_o
         k = int(sym[1:])
         final = node.output[k] if k < len(node.output) else ""
         new = layer.ev.poly(body.output_names[body_out + k])
-        states.append(StepState(sym, new, _init_of(g, node.input[node_in + k]),
+        leaf = layer.ev.value(body.input_names[node_in + k])  # (the body's inputs line up with the node's)
+        _check_width(sym, leaf, new)
+        states.append(StepState(sym, new, _init_of(g, node.input[node_in + k], getattr(leaf, "lead", 0)),
                                 final if final and g.n_uses(final) else None))
     return states
 

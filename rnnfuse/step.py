@@ -245,11 +245,11 @@ def _final_output(s: StepState, an: StepAnalysis, carry_of: dict[str, str], zero
     """A used final value: the op's Y_h (h, or a masked copy of it) or Y_c."""
     rec = an.rec
     # (the value where a row has no valid step, or, unmasked, where the run has no step: rnnfuse.empty_runs)
-    init = s.init
+    init = s.init  # (a carried value's final has its initial value's shape: [1, B, H] for a lead of 1)
     if s.sym == rec.h:
-        return FinalOutput(s.final, "h", init)
+        return FinalOutput(s.final, "h", init, init.lead)
     if s.sym == rec.c:
-        return FinalOutput(s.final, "c", init)
+        return FinalOutput(s.final, "c", init, init.lead)
     if carry_of.get(s.sym) == rec.h and s.sym not in zero_fill:
-        return FinalOutput(s.final, "h", init)
+        return FinalOutput(s.final, "h", init, init.lead)
     raise Decline(f"the final value of {s.sym} is used")

@@ -1301,8 +1301,8 @@ def build_scattered_buffer(form: str) -> onnx.ModelProto:
     """The tanh RNN step over x [T, B, F] writing each step's h into a batch-first buffer ``outs`` (zeros [B, T,
     H]) by one ScatterND over an index grid built from the iteration number and the buffer's shape: ``idx =
     Concat([Range(0, B)[:, None], Expand(i, [B, 1])], 1)`` ([B, 2]: row b, slot i), the updates h itself
-    (``outs[:, i] = h``). Near misses: ``reversed`` the slot is T - 1 - i (read from the buffer's shape);
-    ``data_index`` the slot is ArgMax of h's first row (computed from a value, not from i); ``adds`` the
+    (``outs[:, i] = h``); ``reversed`` the slot is T - 1 - i (read from the buffer's shape: fused, Y flipped).
+    Near misses: ``data_index`` the slot is ArgMax of h's first row (computed from a value, not from i); ``adds`` the
     ScatterND adds h to the slot (reduction add); ``scaled`` the updates are 2 * h (a value no state holds);
     ``clamped`` the slot is Min(i, 15) (i at every length up to 16, not after), ``reduced`` the same as
     ReduceMin(Concat([i], [15])), ``wrapped`` Cast(Cast(i, INT8), INT64); ``wider`` the buffer is H + 1
@@ -1416,3 +1416,49 @@ def build_read_ahead(form: str) -> onnx.ModelProto:
     if form == "ahead_beside_mask":
         inputs.append(helper.make_tensor_value_info("m", TensorProto.BOOL, ["T", "B"]))
     return _model(nodes, f"read_{form}", inputs, [vi("ys", None, None, H), vi("h_last", None, H)], inits)
+
+
+def build_piece_carry(form: str) -> onnx.ModelProto:
+    """Two tanh RNN steps over x [T, B, F] carried as one tensor ``hh`` [B, 2H] (jax's ``carry =
+    concatenate([h1, h2])``): the step cuts it with Slices ``[:, :H]`` and ``[:, H:]``, steps each half with
+    weights of its own and joins the new halves with a Concat; outputs the stacked new carry and the last one.
+    Forms: ``pieces`` as said (fused: two RNNs); ``negative_bounds`` the cuts written ``[:, :-H]`` and
+    ``[:, -H:]``. Near miss: ``swapped`` the new halves joined the other way round ([h2', h1']: each step
+    swaps what the halves hold, no native cell)."""
+    W, R, b = weights()
+    W2, R2, b2 = weights(5)
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("W", W), ("R", R), ("b", b), ("W2", W2), ("R2", R2), ("b2", b2), ("zero", np.array(0.0, np.float32)),
+        ("true", np.array(True)), ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)),
+        ("i2H", np.array([2 * H], np.int64)))]
+    nodes = _x_sizes() + _zero_state("i2H", "hhshape", "hh0")
+    neg = form == "negative_bounds"
+    body_inits = [numpy_helper.from_array(np.array([v], np.int64), n) for n, v in (
+        ("c0", 0), ("cH", -H if neg else H), ("cEnd", 2**63 - 1 if neg else 2 * H), ("cAxis", -1 if neg else 1))]
+    bn = [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0),
+          helper.make_node("Slice", ["hh", "c0", "cH", "cAxis"], ["h"]),
+          helper.make_node("Slice", ["hh", "cH", "cEnd", "cAxis"], ["h2"])] + _tanh_step()
+    bn += [helper.make_node("MatMul", ["xt", "W2"], ["xw2"]), helper.make_node("MatMul", ["h2", "R2"], ["hr2"]),
+           helper.make_node("Add", ["xw2", "hr2"], ["s_2"]), helper.make_node("Add", ["s_2", "b2"], ["s2_2"]),
+           helper.make_node("Tanh", ["s2_2"], ["hn2"]),
+           helper.make_node("Concat", ["hn2", "hn"] if form == "swapped" else ["hn", "hn2"], ["hh_n"], axis=1),
+           helper.make_node("Identity", ["cond"], ["cond_out"]), helper.make_node("Identity", ["hh_n"], ["yt"])]
+    vi = lambda n, *dims: helper.make_tensor_value_info(n, TensorProto.FLOAT, list(dims))  # noqa: E731
+    body = helper.make_graph(bn, "body", _loop_counters() + [vi("hh", None, 2 * H)],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), vi("hh_n", None, 2 * H),
+                              vi("yt", None, 2 * H)], body_inits)
+    nodes.append(helper.make_node("Loop", ["T", "true", "hh0"], ["hh_last", "ys"], body=body))
+    return _model(nodes, "piece_carry", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", F])],
+                  [vi("hh_last", None, 2 * H), vi("ys", None, None, 2 * H)], inits)
+
+
+def piece_carry_reference(form: str, x: np.ndarray) -> list[np.ndarray]:
+    """What :func:`build_piece_carry` computes: the last carry and the stacked ones."""
+    (W, R, b), (W2, R2, b2) = weights(), weights(5)
+    hh = np.zeros((x.shape[1], 2 * H), np.float32)
+    ys = []
+    for t in range(x.shape[0]):
+        h1, h2 = np.tanh(x[t] @ W + hh[:, :H] @ R + b), np.tanh(x[t] @ W2 + hh[:, H:] @ R2 + b2)
+        hh = np.concatenate([h2, h1] if form == "swapped" else [h1, h2], axis=1)
+        ys.append(hh)
+    return [hh, np.stack(ys)]

@@ -7,6 +7,8 @@ import numpy as np
 import onnx
 import pytest
 from builders_loops import (
+    build_piece_carry,
+    piece_carry_reference,
     F,
     H,
     HEAD_FORMS,
@@ -383,13 +385,27 @@ def test_buffer_written_through_an_index_grid_fused():
     _same_outputs("scattered", model, fused, runs)
 
 
-@pytest.mark.parametrize("form,reason", [("reversed", "iteration's slot"), ("data_index", "slots the iteration"),
+def test_buffer_written_from_its_end_fused():
+    """``outs[:, T - 1 - i] = h`` (T read from the buffer's shape): the steps stacked last first, read by
+    running the write; the buffer after the loop is the native op's Y flipped on time, batch-first."""
+    model = build_scattered_buffer("reversed")
+    fused, report = _fused_once(model, Loop=0, ScatterND=0, RNN=1)
+    rng = np.random.default_rng(18)
+    runs = []
+    for T_, B_ in ((1, 1), (5, 3), (8, 2)):
+        x = rng.standard_normal((T_, B_, 3)).astype(np.float32)
+        ys, h_last = reference(LoopOpts(), x)
+        runs.append(({"x": x}, [np.transpose(ys[::-1], (1, 0, 2)), h_last]))
+    _same_outputs("scattered from the end", model, fused, runs)
+
+
+@pytest.mark.parametrize("form,reason", [("data_index", "slots the iteration"),
                                          ("adds", "slots the iteration"), ("clamped", "numbers of its own"),
                                          ("reduced", "slots the iteration"), ("wrapped", "slots the iteration"),
                                          ("wider", "width"),
                                          ("scaled", "no state of the step")])
 def test_scattered_buffer_near_misses_declined(form, reason):
-    """A grid write at another slot than the iteration's, at a slot computed from a value, one that adds, one
+    """A grid write at a slot computed from a value, one that adds, one
     writing a value no state holds, one clamped at a number (right at every length a run of a few shows, wrong
     past 16: a review's repro), or one filling part of a wider buffer: declined, the model as it was."""
     _declined(build_scattered_buffer(form), reason)
@@ -918,3 +934,26 @@ def test_a_loop_reading_ahead_with_a_wrong_count_a_mask_or_two_offsets_is_declin
     assert not report.fused and report.declined, report.to_text()
     assert any(READ_AHEAD_MISSES[form] in f.reason for f in report.declined), report.to_text()
     assert fused.SerializeToString() == model.SerializeToString()
+
+
+@pytest.mark.parametrize("form", ["pieces", "negative_bounds"])
+def test_states_carried_as_one_tensor_fused(form):
+    """Two states carried side by side in one tensor, cut apart by Slices and joined by a Concat each step
+    (jax's ``carry = concatenate([h1, h2])``): carried piece by piece, each a native op of its own; the final
+    carry joined again after them. Outputs equal at several lengths and batches."""
+    model = build_piece_carry(form)
+    fused, report = rnnfuse.optimize(model)
+    assert not report.declined and [f.where for f in report.fused] == ["hh_last"], report.to_text()
+    assert op_counts(fused).get("Loop", 0) == 0 and op_counts(fused).get("RNN") == 2, report.to_text()
+    rng = np.random.default_rng(21)
+    runs = []
+    for T_, B_ in ((1, 1), (5, 3), (9, 2)):
+        x = rng.standard_normal((T_, B_, F)).astype(np.float32)
+        runs.append(({"x": x}, piece_carry_reference(form, x)))
+    _same_outputs(f"pieces/{form}", model, fused, runs)
+
+
+def test_states_carried_as_one_tensor_written_back_swapped_declined():
+    """The halves joined the other way round each step (the states trade places): carried piece by piece it is
+    no native cell; declined, the model as it was."""
+    _declined(build_piece_carry("swapped"))

@@ -179,6 +179,29 @@ class StepEvaluator:
                     self.memo[o] = v
         return self.memo[name]
 
+    def _taken_branch(self, node: onnx.NodeProto, cond: bool) -> list[Value]:
+        """The outputs of the branch an If whose condition the step decides takes, its nodes evaluated over
+        the step's values: TorchScript exports ``v.squeeze(0)`` of a dim it cannot see as
+        ``If(Shape(v)[0] == 1, Squeeze(v), Identity(v))``, and a one-step slice ``x[t:t + 1]`` has that dim 1
+        at every step."""
+        branch = next((a.g for a in node.attribute if a.name == ("then_branch" if cond else "else_branch")), None)
+        if branch is None:
+            raise Decline("an If without its branch")
+        local: dict[str, Value] = {}
+
+        def read(name: str) -> Value | None:
+            if not name:
+                return None
+            return local[name] if name in local else self.value(name)
+
+        for n in branch.node:
+            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+                raise Decline("an If branch holding a subgraph")
+            for o, v in zip(n.output, self._eval_node(n, [read(i) for i in n.input])):
+                if o:
+                    local[o] = v
+        return [read(o.name) for o in branch.output]
+
     def _broadcast_shape(self, name: str, limit: int = 64) -> "SymTensor | ShapeValue | None":
         """A value of the step known to have the shape of ``name``, a [B, N] value whose maths are not known:
         an elementwise result has the shape of any operand of its rank without unit dims (the others broadcast
@@ -252,6 +275,8 @@ class StepEvaluator:
                 return [v] * len(node.output)  # keep the first reason, unprefixed
         if any(isinstance(v, ShapeValue) for v in ins) and op not in ("Reshape", "Expand"):
             return _shape_op(self, node, ins)  # (Reshape / Expand *to* a shape value have their own rules)
+        if op == "If" and isinstance(ins[0], Const) and np.size(ins[0].arr) == 1:
+            return self._taken_branch(node, bool(np.ravel(ins[0].arr)[0]))
         if all(isinstance(v, Const) or v is None for v in ins):
             if any(isinstance(v, (Fill, RowConst)) for v in ins):
                 return _fill_op(self, node, ins)

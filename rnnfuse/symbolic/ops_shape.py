@@ -120,6 +120,10 @@ def _gather(ev, node, ins):
             raise Decline("a gather of grouped units that is not one group")
         return [SymTensor(v.take(k, k + 1))]
     axis = _norm_axis(ev, node, v, attr(node, "axis", 0))
+    if axis == -2 and idx.arr.ndim == 0 and int(idx.arr) in (0, -1) and isinstance(v, (SymTensor, ConcatRows)):
+        # element 0 of a leading unit axis is the value without it, as a Squeeze (jax's
+        # ``lax.dynamic_slice_in_dim(x, t, 1)[0]``: a one-step slice, then its one element)
+        return [SymTensor(v.poly, v.lead - 1) if isinstance(v, SymTensor) else ConcatRows(v.segments, v.lead - 1)]
     if axis != -1 or idx.arr.ndim != 1:
         raise Decline("a gather that is not a unit selection")
     ind = [int(i) for i in idx.arr]

@@ -56,7 +56,7 @@ MASK_PATTERNS = {
 LENGTH_SETS = {"post_b3": [6, 3, 1]}  # static batch: jax2onnx 0.17 cannot export seq_lengths with a symbolic one
 # hand-written length masks (dynamic batch): a row with no valid step, one past the end; and batch 1
 EDGE_LENGTHS = {"edge_b3": [0, 8, 2], "mid_b1": [4]}
-ONNX_OP = {"lstm": "LSTM", "olstm": "LSTM", "gru": "GRU", "simple": "RNN", "simple_relu": "RNN", "mgu": "GRU",
+ONNX_OP = {"lstm": "LSTM", "lstm_concat_carry": "LSTM", "olstm": "LSTM", "gru": "GRU", "simple": "RNN", "simple_relu": "RNN", "mgu": "GRU",
            "gru_flipped": "GRU"}
 
 
@@ -193,6 +193,25 @@ CASES = [
     case("fori_rnn_buffer_static_batch", "fori", "rnn", buffer="at_bf", static_batch=3),
     case("near_fori_buffer_next_slot", "fori", "rnn", buffer="next", declined="iteration's slot",
          notes="ys.at[:, (t + 1) % T].set(h): every slot written, each one step late"),
+    # -- a fori_loop walking time backwards: x[:, T - 1 - t] (jax2onnx wraps the index: Where(v < 0, v + T, v)),
+    # the states written at slot t (processing order) or T - 1 - t (time order, a backward layer's)
+    case("fori_rnn_read_reverse", "fori", "rnn", reverse_read=1, notes="x[:, T - 1 - t], the last state"),
+    case("fori_gru_reverse_buffer_rev", "fori", "gru", reverse_read=1, buffer="at_bf_rev",
+         notes="x[:, T - 1 - t] read, ys.at[:, T - 1 - t].set(h): a backward GRU's Y"),
+    case("fori_rnn_reverse_buffer_fwd", "fori", "rnn", reverse_read=1, buffer="at_tm",
+         notes="x[:, T - 1 - t] read, ys.at[t].set(h): the states in processing order"),
+    case("fori_gru_buffer_rev", "fori", "gru", buffer="at_tm_rev",
+         notes="x[:, t] read, ys.at[T - 1 - t].set(h): a forward GRU's states stacked last first"),
+    case("fori_gru_slice_read", "fori", "gru", slice_read="batch_first",
+         notes="lax.dynamic_slice_in_dim(x, t, 1, axis=1) then its element 0: a kept one-step Slice, a Gather"),
+    case("fori_gru_slice_read_tm", "fori", "gru", slice_read="time_major",
+         notes="the same over x transposed to [T, B, F] before the loop"),
+    case("near_fori_read_rev_off_by_one", "fori", "rnn", reverse_read=2, declined="no per-step input",
+         notes="x[:, T - 2 - t]: T - 2 down to 0, then T - 1 (the wrap of -1): no order of time"),
+    case("near_fori_buffer_rev_off_by_one", "fori", "rnn", buffer="rev_next", declined="iteration's slot",
+         notes="ys.at[:, (T - 2 - t) % T].set(h): every slot written, none at T - 1 - t"),
+    case("hand_lstm_concat_carry", "hand", "lstm_concat_carry", dynamic_time=True,
+         notes="a lax.scan carrying concatenate([h, c]), cut with hc[:, :H], hc[:, H:]: carried piece by piece"),
     case("hand_lstm_dense_before", "hand", "lstm", dense_before=True,
          notes="x @ Wd + bd over the sequence, then a scan whose step multiplies x_t by its own Wx"),
     # -- the input projection hoisted out of the scan (x @ W + b, an Einsum to jax2onnx), the step adding h @ U
@@ -455,6 +474,15 @@ def build_hand(env: Env, c: Case, seed: int):
             c_ = sig(f) * c_ + sig(i) * tanh(g)
             h = sig(o) * tanh(c_)
             return (c_, h), h
+    elif kind == "lstm_concat_carry":  # the carry one tensor [h | c], cut apart and joined again every step
+        Wx, Wh, b = _weights(rng, (F, 4 * H), (H, 4 * H), (4 * H,))
+
+        def cell(hc, xt):
+            h, c_ = hc[:, :H], hc[:, H:]
+            i, f, g, o = jnp.split(xt @ Wx + h @ Wh + b, 4, axis=-1)
+            c_ = sig(f) * c_ + sig(i) * tanh(g)
+            h = sig(o) * tanh(c_)
+            return jnp.concatenate([h, c_], -1), h
     elif kind in ("gru", "gru_flipped"):  # linear_before_reset=0: r gates h before the matmul
         W, Wc, bz, bc = _weights(rng, (F + H, 2 * H), (F + H, H), (2 * H,), (H,))
 
@@ -673,6 +701,8 @@ def build_hand(env: Env, c: Case, seed: int):
             return (z, z)
         if kind == "rnn_decay":
             return (z, jnp.asarray(Wh))
+        if kind == "lstm_concat_carry":
+            return jnp.concatenate([z, z], -1)
         return z
 
     if prep == "embed":  # the step looks its token up: E[tokens[:, t]] (id 0 pads when masked)
@@ -962,23 +992,35 @@ def build_fori(env: Env, c: Case, seed: int):
 
         return fn, [("x", ("B", TIME, F), "float32"), ("lengths", ("B",), "int32")]
 
+    def read(xs, t):  # x[:, t], or x[:, T - r - t] by plain indexing (which jax2onnx wraps for negative values)
+        if c.opts.get("reverse_read"):
+            return xs[:, TIME - c.opts["reverse_read"] - t]
+        if c.opts.get("slice_read"):  # a one-step slice, then its one element ([T, B, F] xs: time-major)
+            axis = 0 if c.opts["slice_read"] == "time_major" else 1
+            return jnp.take(jax.lax.dynamic_slice_in_dim(xs, t, 1, axis=axis), 0, axis=axis)
+        return jax.lax.dynamic_index_in_dim(xs, t, axis=1, keepdims=False)
+
     buffer = c.opts.get("buffer")
     if buffer:  # the states written into a preallocated buffer, returned with the last one
         def write(ys, t, h):
             if buffer == "at_tm":
                 return ys.at[t].set(h)
+            if buffer == "at_tm_rev":
+                return ys.at[TIME - 1 - t].set(h)
             if buffer == "dus":
                 return jax.lax.dynamic_update_slice(ys, h[:, None], (0, t, 0))
-            return ys.at[:, (t + 1) % TIME if buffer == "next" else t].set(h)
+            slot = {"next": (t + 1) % TIME, "at_bf_rev": TIME - 1 - t, "rev_next": (TIME - 2 - t) % TIME}
+            return ys.at[:, slot.get(buffer, t)].set(h)
 
         def fn(x):
             with env.original_shape():
                 h0 = jnp.zeros((x.shape[0], H), jnp.float32)
-                ys0 = jnp.zeros((TIME, x.shape[0], H) if buffer == "at_tm" else (x.shape[0], TIME, H), jnp.float32)
+                ys0 = jnp.zeros((TIME, x.shape[0], H) if buffer.startswith("at_tm") else (x.shape[0], TIME, H),
+                                jnp.float32)
 
             def body(t, carry):
                 h, ys, xs = carry
-                h = cell(h, jax.lax.dynamic_index_in_dim(xs, t, axis=1, keepdims=False))
+                h = cell(h, read(xs, t))
                 return h, write(ys, t, h), xs
 
             h, ys, _ = jax.lax.fori_loop(0, TIME, body, (h0, ys0, x))
@@ -992,9 +1034,12 @@ def build_fori(env: Env, c: Case, seed: int):
 
         def body(t, carry):  # jax2onnx's fori_loop cannot close over a traced x: it is carried
             h, xs = carry
+            if c.opts.get("reverse_read") or c.opts.get("slice_read"):
+                return cell(h, read(xs, t)), xs
             return cell(h, jax.lax.dynamic_index_in_dim(xs, t - back if back else t, axis=1, keepdims=False)), xs
 
-        return jax.lax.fori_loop(start, TIME, body, (h0, x))[0]
+        xs0 = jnp.swapaxes(x, 0, 1) if c.opts.get("slice_read") == "time_major" else x
+        return jax.lax.fori_loop(start, TIME, body, (h0, xs0))[0]
 
     start, back = c.opts.get("start", 0), c.opts.get("back", 0)  # fori_loop(start, T) reading x[:, t - back]
 

@@ -338,6 +338,16 @@ CASES = [
     nnrnn("gru_native_dynamo_bf", "gru", **BF, notes="control: nn.GRU exports as a native GRU already"),
     # -- TorchScript: Loop + SequenceInsert + ConcatFromSequence, dynamic batch and time
     script("lstmcell_script", "lstm"),
+    script("lstm_script_native_step", "lstm", native_step="slice", notes=(
+        "nn.LSTM called once a step on x[t:t + 1] (a Slice keeping the time axis), its [1, B, H] state carried")),
+    script("gru_script_native_step_narrow", "gru", native_step="narrow", notes="nn.GRU once a step on x.narrow(0, t, 1)"),
+    script("rnn_script_native_step", "rnn_tanh", native_step="slice"),
+    script("lstm_script_native_step_h0", "lstm", native_step="slice", init="given",
+           notes="nn.LSTM once a step on x[t:t + 1] from given [1, B, H] states h0, c0"),
+    script("gru_script_native_step_bf", "gru", native_step="narrow", **BF,
+           notes="a batch_first nn.GRU once a step on x[:, t:t + 1] (transposed to time-major), cat on axis 1"),
+    script("lstm_script_native_step_pairs", "lstm", native_step="pair", near_miss=True,
+           notes="nn.LSTM once a step on x[t:t + 2]: overlapping windows of two steps, no sequence"),
     script("lstmcell_script_rev", "lstm", reverse=True, notes=(
         "outputs put in time order with outs.insert(0, h) (SequenceInsert at position 0): with torch 2.13 "
         "the TorchScript exporter silently drops a list.reverse() after the loop (wrong results, no error)")),
@@ -360,6 +370,8 @@ CASES = [
     script("gru_hand_script_unbind", "gru_hand", inputs="unbind", notes="for x_t in x.unbind(0)"),
     script("rnn_hand_script_unbind_bf", "rnn_hand", inputs="unbind_bf", **BF, notes="for x_t in x.unbind(1)"),
     script("gru_hand_script_enumerate", "gru_hand", inputs="enumerate", notes="for t, x_t in enumerate(x)"),
+    script("gru_hand_script_narrow_squeeze", "gru_hand", inputs="narrow_squeeze", notes=(
+        "x.narrow(0, t, 1).squeeze(0): a one-step Slice, then If(dim 0 == 1, Squeeze, Identity), decided by it")),
     # -- a Conv1d's [B, F, T] output read as f[:, :, t] in the Loop body (the time axis last)
     script("gru_hand_script_conv_time_last", "gru_hand", inputs="conv_time_last", **BF,
            notes="f = conv(x.transpose(1, 2)); for t in range(f.size(2)): h = cell(f[:, :, t], h)"),
@@ -685,7 +697,26 @@ def steps_module(c: Case):
                 outs.append(h)
             return outs
 
+        def bidir_token_mask(self, tokens):
+            """A forward and a backward cell stepped in one loop over ``E(tokens)`` (batch-first), each masked
+            where its step's token is 0: ``m[:, t:t + 1]`` and ``m[:, tb:tb + 1]``, ``tb = T - 1 - t`` with T the
+            traced ``x.size(1)`` (torch writes that index as shape arithmetic, not as a number)."""
+            x, m = self.embed(tokens), tokens != 0
+            batch, T = x.size(0), x.size(1)
+            hf, hb = torch.zeros(batch, c.hidden), torch.zeros(batch, c.hidden)
+            fs, bs = [], []
+            for t in range(tokens.shape[1]):
+                tb = T - 1 - t
+                mf, mb = m[:, t:t + 1], m[:, tb:tb + 1]
+                hf = torch.where(mf, self.cell(x[:, t], hf), hf)
+                hb = torch.where(mb, self.cell0(x[:, tb], hb), hb)
+                fs.append(torch.where(mf, hf, torch.zeros_like(hf)))
+                bs.insert(0, torch.where(mb, hb, torch.zeros_like(hb)))
+            return torch.cat([torch.stack(fs, 1), torch.stack(bs, 1)], 2)
+
         def forward(self, x, in1=None, in2=None):  # (x[, x2][, lengths]); named: torch.export wants no *args
+            if o.get("bidir_token_mask"):
+                return self.bidir_token_mask(x)
             if o.get("inputs") == "shared_reshape_bidir":
                 us = self.step_inputs(x, None)
                 ys = [self.chain(self.cell, us), self.chain(self.cell0, us[::-1])[::-1]]
@@ -834,7 +865,7 @@ def steps_expectation(c: Case, exp: dict) -> dict:
         return {"declined": True, "ops": {}, "absent": ABSENT}
     if o.get("inputs") == "two_seq":
         exp = dict(exp, ops={op: 2}, directions={op: ["forward", "forward"]})
-    if o.get("inputs") == "shared_reshape_bidir":
+    if o.get("inputs") == "shared_reshape_bidir" or o.get("bidir_token_mask"):
         exp = dict(exp, directions={op: ["bidirectional"]})
     if o.get("inputs") == "first_cell":
         exp = dict(exp, max_cell_ops={"lstm": 9, "gru": 12}.get(c.family, 3))
@@ -854,6 +885,10 @@ CASES += [
     steps("grucell_trace_two_sequences", "gru", inputs="two_seq"),
     # ... an embedding looked up per step (tokens sliced per step, one id a row)
     steps("grucell_trace_embed_per_step_bf", "gru", inputs="embed", batch_first=True),
+    steps("grucell_trace_bidir_token_mask_bf", "gru", inputs="embed", bidir_token_mask=True, batch_first=True,
+          notes="a forward and a backward GRUCell in one loop over E(tokens), each masked where its step's token is 0; "
+                "the backward step's index T - 1 - t is shape arithmetic in the trace (folded, its slices are the "
+                "forward's: one family)"),
     steps("lstmcell_dynamo_embed_per_step", "lstm", inputs="embed", exporter="dynamo"),
     steps("rnncell_tanh_trace_static_embed_scaled", "rnn_tanh", inputs="embed_scaled", dynamic_batch=False),
     # ... a map of x[t] inside the loop (an input MLP, a LayerNorm): the map applied to the whole sequence once
@@ -1165,7 +1200,7 @@ def input_specs(c: Case) -> list[tuple[str, tuple]]:
         specs.append((name, ("B", "T") if _mask_batch_first(c) else ("T", "B")))
     if c.opts.get("init") in ("given", "linear", "chunk"):
         names = ("h0", "c0") if c.family == "lstm" and c.opts["init"] != "chunk" else ("h0",)
-        if c.model == "nn":
+        if c.model == "nn" or c.opts.get("native_step"):  # (a native op's own [D, B, H] state)
             lead = c.opts.get("layers", 1) * (2 if c.opts.get("bidir") else 1)
             specs += [(n, (lead, "B", c.hidden)) for n in names]
         else:
@@ -1687,6 +1722,50 @@ def torch_modules():
                 outs.append(h)
             return torch.stack(outs, dim=0)
 
+    class ScriptNativeStepLoop(nn.Module):
+        """Scripted streaming code: ``nn.LSTM``/``nn.GRU``/``nn.RNN`` called once a step on ``x[t:t + 1]``
+        (``read="narrow"``: ``x.narrow(0, t, 1)``), its [1, B, H] state carried by hand, the outputs
+        concatenated on time; returns them and the last h (and c)."""
+
+        def __init__(self, features, hidden, read="slice"):
+            super().__init__()
+            self.rnn, self.hidden, self.narrow = nn.LSTM(features, hidden), hidden, read == "narrow"
+            self.width = 2 if read == "pair" else 1  # (x[t:t + 2]: windows of two steps overlapping, a near miss)
+
+        def forward(self, x):
+            return self.steps(x, torch.zeros(1, x.size(1), self.hidden), torch.zeros(1, x.size(1), self.hidden))
+
+        def steps(self, x, h, c):
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                y, (h, c) = self.rnn(x.narrow(0, t, 1) if self.narrow else x[t:t + self.width], (h, c))
+                outs.append(y)
+            return torch.cat(outs, 0), h, c
+
+    class ScriptNativeStepFromLoop(ScriptNativeStepLoop):
+        """:class:`ScriptNativeStepLoop` from given [1, B, H] states (inputs h0, c0: the final ones are guarded
+        for a run of no step)."""
+
+        def forward(self, x, h0, c0):
+            return self.steps(x, h0, c0)
+
+    class ScriptNativeHStepLoop(ScriptNativeStepLoop):
+        """:class:`ScriptNativeStepLoop` over ``nn.GRU`` or ``nn.RNN`` (one state: TorchScript types each call);
+        ``batch_first``: the op batch-first, called on ``x[:, t:t + 1]``, its outputs concatenated on axis 1."""
+
+        def __init__(self, cell, features, hidden, read="slice", batch_first=False):
+            super().__init__(features, hidden, read)
+            self.rnn = {"gru": nn.GRU, "rnn_tanh": nn.RNN}[cell](features, hidden, batch_first=batch_first)
+            self.t_axis = 1 if batch_first else 0
+
+        def forward(self, x):
+            h = torch.zeros(1, x.size(1 - self.t_axis), self.hidden)
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(self.t_axis)):
+                y, h = self.rnn(x.narrow(self.t_axis, t, 1), h)
+                outs.append(y)
+            return torch.cat(outs, self.t_axis), h
+
     class ScriptBufferLoop(nn.Module):
         """Scripted loop over an nn.LSTMCell writing each step's h into a preallocated buffer: outs[t] = h
         (``extra_rows``: a buffer longer than the loop, whose last rows keep their zeros: a near miss)."""
@@ -1897,6 +1976,10 @@ def torch_modules():
             if self.kind == "enumerate":
                 for t, x_t in enumerate(x):
                     h = self.cell(x_t, h)
+                    outs.append(h)
+            elif self.kind == "narrow_squeeze":  # (squeeze(0) of a dim TorchScript cannot see: an If on it)
+                for t in range(x.size(0)):
+                    h = self.cell(x.narrow(0, t, 1).squeeze(0), h)
                     outs.append(h)
             else:
                 for x_t in x.unbind(tdim):
@@ -2124,7 +2207,9 @@ def torch_modules():
                        ProjSkip=ProjSkip, ResidualStack=ResidualStack, ScriptResidualLSTM=ScriptResidualLSTM, GNMTStack=GNMTStack, ScriptGNMT=ScriptGNMT,
                        SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
-                       ScriptBufferLoop=ScriptBufferLoop, ScriptLengthsLoop=ScriptLengthsLoop,
+                       ScriptBufferLoop=ScriptBufferLoop, ScriptNativeStepLoop=ScriptNativeStepLoop,
+                       ScriptNativeHStepLoop=ScriptNativeHStepLoop,
+                       ScriptNativeStepFromLoop=ScriptNativeStepFromLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
                        ScriptMaskInputLoop=ScriptMaskInputLoop, ScriptXMaskLoop=ScriptXMaskLoop,
                        ScriptStateListLoop=ScriptStateListLoop, ScriptLSTMStateListsLoop=ScriptLSTMStateListsLoop,
@@ -2165,6 +2250,11 @@ def build_module(c: Case):
         return m["ResidualStack"](cell, c.features, c.hidden, **o)
     if c.model == "script":
         inputs = o.pop("inputs", None)
+        if o.get("native_step"):
+            if cell == "lstm":
+                kind = "ScriptNativeStepFromLoop" if o.get("init") == "given" else "ScriptNativeStepLoop"
+                return m[kind](c.features, c.hidden, o["native_step"])
+            return m["ScriptNativeHStepLoop"](cell, c.features, c.hidden, o["native_step"], c.batch_first)
         if o.pop("collect", None) == "buffer":
             return m["ScriptBufferLoop"](c.features, c.hidden, o.get("extra_rows", 0), o.get("write", "row"))
         if o.pop("lengths", None):
@@ -2183,7 +2273,7 @@ def build_module(c: Case):
             return m["ScriptHoistedLoop"](c.features, c.hidden, inputs == "linear_before")
         if inputs == "conv_time_last":
             return m["ScriptConvLoop"](cell, c.features, c.hidden, **o)
-        if inputs in ("unbind", "unbind_bf", "enumerate", "zip_mask"):
+        if inputs in ("unbind", "unbind_bf", "enumerate", "zip_mask", "narrow_squeeze"):
             return m["ScriptZipMaskLoop" if inputs == "zip_mask" else "ScriptIterLoop"](cell, c.features, c.hidden, inputs)
         if o.get("bool_mask"):
             return m["ScriptMaskLoop"](c.features, c.hidden, o["bool_mask"], o.get("mask_head", False))

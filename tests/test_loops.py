@@ -370,33 +370,22 @@ def test_buffer_near_misses_declined(miss, reason):
     _declined(build_buffer_loop(miss), reason)
 
 
-def test_buffer_written_through_an_index_grid_fused():
+@pytest.mark.parametrize("form", ["batch_first", "reversed"])
+def test_buffer_written_through_an_index_grid_fused(form):
     """``outs[:, i] = h`` written by one ScatterND over an index grid computed from i and the buffer's shape
     (jax2onnx's ``ys.at[:, t].set(h)``, TorchScript's ``outs[:, t, :] = h``): read by running the write, the
-    buffer after the loop is the native op's Y batch-first; any T and batch."""
-    model = build_scattered_buffer("batch_first")
+    buffer after the loop is the native op's Y batch-first; any T and batch. ``reversed``: ``outs[:, T - 1 - i]
+    = h`` (T read from the buffer's shape), the steps stacked last first: Y flipped on time."""
+    model = build_scattered_buffer(form)
     fused, report = _fused_once(model, Loop=0, ScatterND=0, RNN=1)
     rng = np.random.default_rng(8)
     runs = []
     for T_, B_ in ((1, 1), (5, 3), (8, 2)):
         x = rng.standard_normal((T_, B_, 3)).astype(np.float32)
         ys, h_last = reference(LoopOpts(), x)
+        ys = ys[::-1] if form == "reversed" else ys
         runs.append(({"x": x}, [np.transpose(ys, (1, 0, 2)), h_last]))
-    _same_outputs("scattered", model, fused, runs)
-
-
-def test_buffer_written_from_its_end_fused():
-    """``outs[:, T - 1 - i] = h`` (T read from the buffer's shape): the steps stacked last first, read by
-    running the write; the buffer after the loop is the native op's Y flipped on time, batch-first."""
-    model = build_scattered_buffer("reversed")
-    fused, report = _fused_once(model, Loop=0, ScatterND=0, RNN=1)
-    rng = np.random.default_rng(18)
-    runs = []
-    for T_, B_ in ((1, 1), (5, 3), (8, 2)):
-        x = rng.standard_normal((T_, B_, 3)).astype(np.float32)
-        ys, h_last = reference(LoopOpts(), x)
-        runs.append(({"x": x}, [np.transpose(ys[::-1], (1, 0, 2)), h_last]))
-    _same_outputs("scattered from the end", model, fused, runs)
+    _same_outputs(f"scattered/{form}", model, fused, runs)
 
 
 @pytest.mark.parametrize("form,reason", [("data_index", "slots the iteration"),

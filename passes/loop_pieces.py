@@ -55,13 +55,19 @@ def _pieces(g: Graph, body: Graph, loop: NodeProto, proto: GraphProto, k: int, c
     if not shape or not isinstance(shape[-1], int) or name in captured or body.is_graph_output(name):
         return None
     rank, width = len(shape), shape[-1]
-    read = {}  # id(Slice) -> its bounds
-    for n in body.uses(name):
-        b = _last_axis_slice(body, n, rank, width)
-        if b is None:
-            return None
-        read[id(n)] = b
-    pieces = sorted(set(read.values()))
+    read = {}  # id(Slice) -> its bounds; id(a whole view of it) -> None (dropped with the tensor)
+    views = [name]
+    while views:  # (through Slices taking every element: TorchScript's s[:, :H] is s[0:INT_MAX] first)
+        for n in body.uses(views.pop()):
+            b = _last_axis_slice(body, n, rank, width)
+            if b is None and _takes_all(body, n, rank) and n.output[0] not in captured:
+                read[id(n)] = None
+                views.append(n.output[0])
+            elif b is None or body.is_graph_output(n.output[0]):
+                return None
+            else:
+                read[id(n)] = b
+    pieces = sorted({b for b in read.values() if b is not None})
     if len(pieces) < 2 or pieces[0][0] != 0 or pieces[-1][1] != width or any(
             a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
         return None  # (not adjacent pieces covering it once each)
@@ -72,7 +78,7 @@ def _pieces(g: Graph, body: Graph, loop: NodeProto, proto: GraphProto, k: int, c
     # the step is read: each piece's next value is computed at its width, recurrence_layers._check_width)
     if len(cat.input) != len(pieces) or any(_width(g, part) not in (None, e - s) for part, (s, e) in zip(cat.input, pieces)):
         return None
-    return pieces, {n: pieces.index(b) for n, b in read.items()}
+    return pieces, {n: (None if b is None else pieces.index(b)) for n, b in read.items()}
 
 
 def _last_axis_slice(body: Graph, n: NodeProto, rank: int, width: int) -> tuple[int, int] | None:
@@ -89,6 +95,16 @@ def _last_axis_slice(body: Graph, n: NodeProto, rank: int, width: int) -> tuple[
     return (s, e) if 0 <= s < e <= width else None
 
 
+def _takes_all(body: Graph, n: NodeProto, rank: int) -> bool:
+    """Whether ``n`` is a Slice of constant bounds, step 1, taking every element of axes other than the last."""
+    if n.op_type != "Slice":
+        return False
+    starts, ends, axes, steps = op_args.slice_args_of(body, n)
+    if starts is None or ends is None or axes is None or steps not in (None, [1] * len(axes)):
+        return False
+    return all(a not in (-1, rank - 1) and s == 0 and e >= _TO_THE_END for a, s, e in zip(axes, starts, ends))
+
+
 def _width(g: Graph, name: str) -> int | None:
     shape = g.model.shape(name)
     return shape[-1] if shape and isinstance(shape[-1], int) else None
@@ -101,8 +117,11 @@ def _rebuilt(g: Graph, loop: NodeProto, body: Graph, proto: GraphProto, cuts: di
     del new_body.node[:]
     piece_in = {k: [g.fresh(f"{proto.input[2 + k].name}/rnnfuse_piece{j}") for j in range(len(b))]
                 for k, (b, _) in cuts.items()}
-    by_slice = {n: piece_in[k][j] for k, (_, reads) in cuts.items() for n, j in reads.items()}  # -> its piece
+    # each Slice reading a piece -> that piece's body input (None: a whole view of the tensor, dropped)
+    by_slice = {n: (None if j is None else piece_in[k][j]) for k, (_, reads) in cuts.items() for n, j in reads.items()}
     for n in proto.node:
+        if id(n) in by_slice and by_slice[id(n)] is None:
+            continue
         if id(n) in by_slice:
             n = helper.make_node("Identity", [by_slice[id(n)]], [n.output[0]], name=n.name)
         new_body.node.append(n)

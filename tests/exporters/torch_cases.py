@@ -338,6 +338,8 @@ CASES = [
     nnrnn("gru_native_dynamo_bf", "gru", **BF, notes="control: nn.GRU exports as a native GRU already"),
     # -- TorchScript: Loop + SequenceInsert + ConcatFromSequence, dynamic batch and time
     script("lstmcell_script", "lstm"),
+    script("lstmcell_script_packed_state", "lstm", packed_state=True,
+           notes="the state one tensor s = cat([h, c], 1), cut with s[:, :H], s[:, H:]: carried piece by piece"),
     script("lstm_script_native_step", "lstm", native_step="slice", notes=(
         "nn.LSTM called once a step on x[t:t + 1] (a Slice keeping the time axis), its [1, B, H] state carried")),
     script("gru_script_native_step_narrow", "gru", native_step="narrow", notes="nn.GRU once a step on x.narrow(0, t, 1)"),
@@ -1722,6 +1724,24 @@ def torch_modules():
                 outs.append(h)
             return torch.stack(outs, dim=0)
 
+    class ScriptPackedStateLoop(nn.Module):
+        """Scripted loop over an nn.LSTMCell whose state is one tensor ``s = cat([h, c], 1)``, cut apart every
+        step (``s[:, :H]``, ``s[:, H:]``: a whole Slice on axis 0, then one on axis 1); returns the stacked h
+        and the last s."""
+
+        def __init__(self, features, hidden):
+            super().__init__()
+            self.cell, self.hidden = nn.LSTMCell(features, hidden), hidden
+
+        def forward(self, x):
+            s = torch.zeros(x.size(1), 2 * self.hidden)
+            ys: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                h, c = self.cell(x[t], (s[:, :self.hidden], s[:, self.hidden:]))
+                s = torch.cat([h, c], 1)
+                ys.append(h)
+            return torch.stack(ys), s
+
     class ScriptNativeStepLoop(nn.Module):
         """Scripted streaming code: ``nn.LSTM``/``nn.GRU``/``nn.RNN`` called once a step on ``x[t:t + 1]``
         (``read="narrow"``: ``x.narrow(0, t, 1)``), its [1, B, H] state carried by hand, the outputs
@@ -2207,7 +2227,7 @@ def torch_modules():
                        ProjSkip=ProjSkip, ResidualStack=ResidualStack, ScriptResidualLSTM=ScriptResidualLSTM, GNMTStack=GNMTStack, ScriptGNMT=ScriptGNMT,
                        SeqModule=SeqModule, ScriptLSTMLoop=ScriptLSTMLoop,
                        ScriptHLoop=ScriptHLoop, ScriptPrepLoop=ScriptPrepLoop, ScriptContextLoop=ScriptContextLoop,
-                       ScriptBufferLoop=ScriptBufferLoop, ScriptNativeStepLoop=ScriptNativeStepLoop,
+                       ScriptBufferLoop=ScriptBufferLoop, ScriptNativeStepLoop=ScriptNativeStepLoop, ScriptPackedStateLoop=ScriptPackedStateLoop,
                        ScriptNativeHStepLoop=ScriptNativeHStepLoop,
                        ScriptNativeStepFromLoop=ScriptNativeStepFromLoop, ScriptLengthsLoop=ScriptLengthsLoop,
                        ScriptHoistedLoop=ScriptHoistedLoop, ScriptMaskLoop=ScriptMaskLoop, ScriptIterLoop=ScriptIterLoop,
@@ -2250,6 +2270,8 @@ def build_module(c: Case):
         return m["ResidualStack"](cell, c.features, c.hidden, **o)
     if c.model == "script":
         inputs = o.pop("inputs", None)
+        if o.get("packed_state"):
+            return m["ScriptPackedStateLoop"](c.features, c.hidden)
         if o.get("native_step"):
             if cell == "lstm":
                 kind = "ScriptNativeStepFromLoop" if o.get("init") == "given" else "ScriptNativeStepLoop"

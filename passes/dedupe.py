@@ -408,14 +408,9 @@ def _small_shape_constants(g: Graph, consts: set[str], small: dict[str, object],
     def key_of(i: str):
         return derived[i] if i in derived else _value_key(g, i, small, (), constant_keys)
 
-    # (a model cheap to infer whole is: the shape of an intermediate then folds too, torch's trace of
-    # x.size(1) for x = emb(tokens); a big one's clean-up starts no inference)
-    inferred = Model.infers_whole(g)
     for n in _maybe_from_constants(g, g.nodes_of(*_SHAPE_ARITH)):
         if n.op_type in ("Shape", "Size"):
             t = g.model.declared_type(n.input[0])
-            if (t is None or t[1] is None) and inferred:
-                t = g.model.known_type(n.input[0])
             if t is None or t[1] is None:
                 continue  # (the shape of a value the file types: no inference is started for a clean-up)
         elif not _reads_only(n, consts, derived):

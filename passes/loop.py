@@ -301,7 +301,11 @@ def _body_leaves(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, leav
         bi = bin_[2 + k]
         # (each dim as the body declares it, or as the outer init has it where the body's is a name:
         # TorchScript declares every carried value's dims by name)
-        inner, outer = body.local_shape(bi) or [], g.model.shape(loop.input[2 + k]) or []
+        # (the outer init's type asked only where the body's leaves a dim this reads unknown: a Loop's init may be
+        # another Loop's output, typed only by inference)
+        inner = body.local_shape(bi) or []
+        unknown = not inner or not isinstance(inner[-1], int) or (len(inner) == 3 and not isinstance(inner[0], int))
+        outer = (g.model.shape(loop.input[2 + k]) or []) if unknown else []
         shape = [d if isinstance(d, int) or len(outer) != len(inner) else outer[j] for j, d in enumerate(inner)] or outer
         H = shape[-1] if shape and isinstance(shape[-1], int) else None
         st = State(f"s{k}", H)

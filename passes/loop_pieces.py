@@ -51,8 +51,16 @@ def _pieces(g: Graph, body: Graph, loop: NodeProto, proto: GraphProto, k: int, c
     """``(the bounds [(start, end), ...] of the pieces carried value k is cut into, each Slice reading it ->
     the index of its piece)`` (see the module), else None."""
     name, nxt, init = proto.input[2 + k].name, proto.output[1 + k].name, loop.input[2 + k]
-    shape = g.model.shape(init) if init else None
-    if not shape or not isinstance(shape[-1], int) or name in captured or body.is_graph_output(name):
+    # (what the body says first: every Loop's carried values are looked at, and an init's type may be another
+    # Loop's output, known only by inference)
+    if not init or name in captured or body.is_graph_output(name) or not body.uses(name) or any(
+            u.op_type != "Slice" for u in body.uses(name)):
+        return None
+    cat = body.producer.get(value_source(body, nxt))  # (through jax's float -> float Cast of each next value)
+    if cat is None or cat.op_type != "Concat":
+        return None
+    shape = g.model.shape(init)
+    if not shape or not isinstance(shape[-1], int):
         return None
     rank, width = len(shape), shape[-1]
     read = {}  # id(Slice) -> its bounds; id(a whole view of it) -> None (dropped with the tensor)
@@ -71,8 +79,7 @@ def _pieces(g: Graph, body: Graph, loop: NodeProto, proto: GraphProto, k: int, c
     if len(pieces) < 2 or pieces[0][0] != 0 or pieces[-1][1] != width or any(
             a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
         return None  # (not adjacent pieces covering it once each)
-    cat = body.producer.get(value_source(body, nxt))  # (through jax's float -> float Cast of each next value)
-    if cat is None or cat.op_type != "Concat" or attr(cat, "axis", 0) not in (-1, rank - 1):
+    if attr(cat, "axis", 0) not in (-1, rank - 1):
         return None
     # (a part's width the types leave unknown, as jax's carried weights leave a body's products, is checked once
     # the step is read: each piece's next value is computed at its width, recurrence_layers._check_width)

@@ -702,9 +702,9 @@ def steps_module(c: Case):
         def bidir_token_mask(self, tokens):
             """A forward and a backward cell stepped in one loop over ``E(tokens)`` (batch-first), each masked
             where its step's token is 0: ``m[:, t:t + 1]`` and ``m[:, tb:tb + 1]``, ``tb = T - 1 - t`` with T the
-            traced ``x.size(1)`` (torch writes that index as shape arithmetic, not as a number)."""
+            traced ``tokens.size(1)`` (torch writes that index as shape arithmetic of the input's declared shape)."""
             x, m = self.embed(tokens), tokens != 0
-            batch, T = x.size(0), x.size(1)
+            batch, T = tokens.size(0), tokens.size(1)
             hf, hb = torch.zeros(batch, c.hidden), torch.zeros(batch, c.hidden)
             fs, bs = [], []
             for t in range(tokens.shape[1]):
@@ -889,8 +889,8 @@ CASES += [
     steps("grucell_trace_embed_per_step_bf", "gru", inputs="embed", batch_first=True),
     steps("grucell_trace_bidir_token_mask_bf", "gru", inputs="embed", bidir_token_mask=True, batch_first=True,
           notes="a forward and a backward GRUCell in one loop over E(tokens), each masked where its step's token is 0; "
-                "the backward step's index T - 1 - t is shape arithmetic in the trace (folded, its slices are the "
-                "forward's: one family)"),
+                "the backward step's index T - 1 - t is shape arithmetic of the input's shape in the trace (folded, "
+                "its slices are the forward's: one family)"),
     steps("lstmcell_dynamo_embed_per_step", "lstm", inputs="embed", exporter="dynamo"),
     steps("rnncell_tanh_trace_static_embed_scaled", "rnn_tanh", inputs="embed_scaled", dynamic_batch=False),
     # ... a map of x[t] inside the loop (an input MLP, a LayerNorm): the map applied to the whole sequence once

@@ -20,7 +20,7 @@ import numpy as np
 from onnx import AttributeProto, GraphProto, NodeProto, TypeProto, helper, numpy_helper
 
 from rnnfuse import op_args
-from rnnfuse.dims import value_source
+from rnnfuse.dims import static_dim, value_source
 from rnnfuse.graph import Graph, attr
 from rnnfuse.protos import has_subgraph
 
@@ -83,7 +83,7 @@ def _pieces(g: Graph, body: Graph, loop: NodeProto, proto: GraphProto, k: int, c
         return None
     # (a part's width the types leave unknown, as jax's carried weights leave a body's products, is checked once
     # the step is read: each piece's next value is computed at its width, recurrence_layers._check_width)
-    if len(cat.input) != len(pieces) or any(_width(g, part) not in (None, e - s) for part, (s, e) in zip(cat.input, pieces)):
+    if len(cat.input) != len(pieces) or any(static_dim(g, part, -1) not in (None, e - s) for part, (s, e) in zip(cat.input, pieces)):
         return None
     return pieces, {n: (None if b is None else pieces.index(b)) for n, b in read.items()}
 
@@ -110,11 +110,6 @@ def _takes_all(body: Graph, n: NodeProto, rank: int) -> bool:
     if starts is None or ends is None or axes is None or steps not in (None, [1] * len(axes)):
         return False
     return all(a not in (-1, rank - 1) and s == 0 and e >= _TO_THE_END for a, s, e in zip(axes, starts, ends))
-
-
-def _width(g: Graph, name: str) -> int | None:
-    shape = g.model.shape(name)
-    return shape[-1] if shape and isinstance(shape[-1], int) else None
 
 
 def _rebuilt(g: Graph, loop: NodeProto, body: Graph, proto: GraphProto, cuts: dict[int, list]):
@@ -154,7 +149,7 @@ def _rebuilt(g: Graph, loop: NodeProto, body: Graph, proto: GraphProto, cuts: di
             new_body.output.append(helper.make_value_info(nxt, t))
             new_body.node.append(helper.make_node("Identity", [cat.input[j]], [nxt]))
             cut = g.fresh(f"{init}/rnnfuse_piece{j}")
-            bounds = [_const(g, [v], before) for v in (s, e, last)]
+            bounds = [_const(g, [bound], before) for bound in (s, e, last)]
             before.append(helper.make_node("Slice", [init, *bounds], [cut], name=g.fresh(f"{where}/rnnfuse_cut{k}_{j}")))
             inputs.append(cut)
             piece_finals.append(g.fresh(f"{final or where + '/state' + str(k)}/rnnfuse_piece{j}"))

@@ -38,6 +38,7 @@ from onnx import ModelProto, NodeProto, TensorProto
 
 from . import region_types
 from .model_parts import Frame, part_model, split_constants
+from .load_time_values import FROM_SHAPES, from_load_time
 from .protos import reads_of
 from .region_types import MAX_CONE_SHARE, Established, InferredTypes, established_types, same_known_type
 from .same_values import SameValues, first_output
@@ -58,7 +59,10 @@ class NodeScan:
     """One pass over a model's main-graph nodes, what the guard's questions about them need: the position of
     each value's producer and of its readers (inputs and captures, protos.reads_of), and the first fault in
     their wiring (:func:`wiring_error`). Protobuf makes new strings at every read of a
-    node's fields: the region's maps and the wiring check read a 100,000-node graph four times over."""
+    node's fields: the region's maps and the wiring check read a 100,000-node graph four times over.
+    ``computed_at_load``: the values computed from shapes and constants alone, through nodes without
+    subgraphs (what rnnfuse.load_time_values decides one by one, here in the scan's one forward pass, its
+    nodes being in order once the wiring is sound): where the guard cuts a model into pieces (load_in_pieces)."""
 
     def __init__(self, model: ModelProto):
         g = model.graph
@@ -66,6 +70,7 @@ class NodeScan:
         self.producer: dict[str, int] = {}  # value -> the position of its (last) producer
         self.readers: dict[str, list[int]] = {}  # value -> the positions of the nodes reading it, in order
         self.fault: str | None = None
+        self.computed_at_load: set[str] = set()
         # the names defined outside the nodes: graph inputs and initializers (each named once in its field:
         # the checker refuses a second initializer of a name, which a region copying one of them would hide)
         producer, readers, fault = self.producer, self.readers, None
@@ -77,12 +82,14 @@ class NodeScan:
                 twice = next(name for name in names if name in seen or seen.add(name))
                 fault = f"two {what}s are named {twice!r}"
         named: set[str] = set()  # (onnxruntime refuses two nodes of one name; the checker does not)
+        at_load, constants = self.computed_at_load, set(weights) - set(inputs)
         for i, n in enumerate(self.nodes):
             if n.name:
                 if fault is None and n.name in named:
                     fault = f"two nodes are named {n.name!r}"
                 named.add(n.name)
-            for name in reads_of(n):
+            reads = reads_of(n)
+            for name in reads:
                 if not name:
                     continue
                 if fault is None and name not in producer and name not in outer:
@@ -97,6 +104,9 @@ class NodeScan:
                     if fault is None and (o in producer or o in outer):
                         fault = f"{o!r} is defined twice"
                     producer[o] = i
+            first = reads[0] if reads else ""
+            if (first in at_load or first in constants or n.op_type in FROM_SHAPES) and from_load_time(n, reads, at_load, constants):
+                at_load.update(n.output)  # (the first read decides most nodes: data, not shapes)
         if fault is None:
             lost = next((v.name for v in g.output if v.name not in producer and v.name not in outer), None)
             fault = None if lost is None else f"graph output {lost!r} is not defined"

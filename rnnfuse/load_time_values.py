@@ -28,7 +28,17 @@ from .dataflow import post_order
 from .protos import fixed_initializers, has_subgraph
 from .tensor_types import may_carry_shape_values
 
-_FROM_SHAPES = ("Shape", "Size", "Constant")
+FROM_SHAPES = ("Shape", "Size", "Constant")
+
+
+def from_load_time(n: NodeProto, reads: list[str], at_load: set[str], constants: set[str]) -> bool:
+    """Whether ``n``'s outputs are computed at load time (see :class:`LoadTimeValues`) given which of the
+    values it reads are (``at_load``: those computed at load, ``constants``: initializers no graph input
+    overrides); ``reads``: its inputs and captures (protos.reads_of)."""
+    if n.op_type in FROM_SHAPES and n.domain in ("", "ai.onnx"):
+        return True
+    names = [x for x in reads if x]
+    return bool(names) and all(x in at_load or x in constants for x in names) and not has_subgraph(n)
 
 
 class LoadTimeValues:
@@ -57,7 +67,7 @@ class LoadTimeValues:
             self.known[v] = v in self.constants
             return None
         n = self.nodes[i]
-        if n.op_type in _FROM_SHAPES and n.domain in ("", "ai.onnx"):
+        if n.op_type in FROM_SHAPES and n.domain in ("", "ai.onnx"):
             self.known[v] = True
             return None
         reads = [x for x in n.input if x]

@@ -512,3 +512,52 @@ def test_load_threads_follow_the_cores(monkeypatch):
     assert pieces_mod.load_threads() == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert pieces_mod.load_threads() == pieces_mod.MAX_LOAD_THREADS
+
+
+def test_a_cut_moves_off_a_shape_computed_in_one_piece_and_read_in_the_next(small_pieces, monkeypatch):
+    # units of 7 nodes, each reshaping its value to a shape it took 4 nodes earlier (a fused masked op's
+    # lengths and step indices are such local shape computations): cut at every 100th node, 100 = 7 * 14 + 2
+    # falls between a Shape and its Reshape, and the whole model was loaded
+    nodes, prev = [], "x"
+    for k in range(40):
+        u = f"u{k}_"
+        nodes += [helper.make_node("Relu", [prev], [u + "a"]), helper.make_node("Shape", [u + "a"], [u + "s"]),
+                  helper.make_node("Relu", [u + "a"], [u + "b"]), helper.make_node("Relu", [u + "b"], [u + "c"]),
+                  helper.make_node("Relu", [u + "c"], [u + "d"]), helper.make_node("Reshape", [u + "d", u + "s"], [u + "e"]),
+                  helper.make_node("Relu", [u + "e"], [u + "f"])]
+        prev = u + "f"
+    nodes.append(helper.make_node("Identity", [prev], ["y"]))
+    m = _model(nodes)
+    scan = NodeScan(m)
+    assert scan.computed_at_load == {f"u{k}_s" for k in range(40)}
+    p = Pieces.cut(m, scan)
+    assert len(p.spans) == 3 and all(stop - start <= 120 for start, stop in p.spans)
+    assert p.crossing and not any(name.endswith("_s") for name in p.crossing)
+    loads = _loads(monkeypatch)
+    assert guard._load_error(m.SerializeToString(), p, _types(m, p)) is None
+    assert len(loads) == 3 and max(loads) < len(m.graph.node)  # (in pieces, not whole)
+    # where no cut within reach is free of it (a shape read 150 nodes later), the cut stays and the whole loads
+    far = [helper.make_node("Shape", ["x"], ["s0"]), *_relu_chain(150), helper.make_node("Reshape", ["r149", "s0"], ["q"]),
+           *_relu_chain(100, "q", "t"), helper.make_node("Identity", ["t99"], ["y"])]
+    m = _model(far)
+    p = Pieces.cut(m)
+    assert "s0" in p.crossing and p.spans[1][0] == 100
+
+
+def test_values_computed_at_load_are_those_load_time_values_decides():
+    # the scan's forward pass and rnnfuse.load_time_values' walk agree on every value of a mixed graph
+    from rnnfuse.load_time_values import LoadTimeValues
+
+    w = numpy_helper.from_array(np.zeros((6, 1), np.float32), "w")
+    axes = numpy_helper.from_array(np.array([0], np.int64), "axes")
+    nodes = [helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Shape", ["w"], ["sw"]),
+             helper.make_node("Concat", ["sx", "sw"], ["both"], axis=0), helper.make_node("Unsqueeze", ["both", "axes"], ["u"]),
+             helper.make_node("Cast", ["u"], ["uf"], to=TensorProto.FLOAT), helper.make_node("Add", ["uf", "x"], ["mixed"]),
+             helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.array([2], np.int64))),
+             helper.make_node("Mul", ["k", "axes"], ["k2"]), helper.make_node("Relu", ["x"], ["y"]),
+             helper.make_node("RandomNormal", [], ["rnd"], shape=[2]), helper.make_node("Abs", ["rnd"], ["rnd2"])]
+    m = _model(nodes, initializers=[w, axes])
+    scan = NodeScan(m)
+    walk = LoadTimeValues(m.graph, scan.nodes, scan.producer)
+    assert scan.computed_at_load == {name for name in scan.producer if walk.at_load(name)}
+    assert scan.computed_at_load == {"sx", "sw", "both", "u", "uf", "k", "k2"}

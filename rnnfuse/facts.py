@@ -31,6 +31,8 @@ class ModelFacts:
     emitted_weights: dict = field(default_factory=dict)
     # passes/dedupe.Dedupe: (the graph's edit list, how much of it was already deduplicated)
     dedupe_mark: tuple | None = None
+    # rnnfuse.mask_proof: digest of a proof's model and value sets -> its verdict (None: the masks agree)
+    mask_proofs: dict = field(default_factory=dict)
     # validation's kept values of shared upstreams (rnnfuse.upstream.KeptValues), keyed by what computes them
     upstream_values: object | None = None
     # Loop / Scan declines kept for the next round, and what the last round's edits defined and read

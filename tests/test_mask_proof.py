@@ -160,3 +160,59 @@ def test_rows_hold_the_values_a_step_mask_compares_with(pad):
     g, wrong, steps = _padded_steps(6, pad)
     why = mask_proof.step_masks_differ(g, wrong, 0, steps, "x", 6, 0)
     assert why is not None and why.startswith("the mask built for every step is not the one step"), why
+
+
+def _stacked_masked_loops(tmp_path, loops: int):
+    import sys
+    from pathlib import Path
+
+    import onnx
+
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        from growth_graphs import masked_loops
+    finally:
+        sys.path.remove(bench)
+    masked_loops(str(tmp_path / "m.onnx"), 3 + 13 * loops)
+    return onnx.load(str(tmp_path / "m.onnx"))
+
+
+def test_masks_built_alike_are_proven_once_and_one_built_wrong_among_them_is_declined(tmp_path, monkeypatch):
+    """Loops stacked on one another, each masking its state by ``max(|x_t|) > 0`` of its own input: their proofs
+    digest alike (the nodes, the constants' values, the value sets) and run once; a threshold of another value
+    is a proof of its own; one Loop's mask built negated among them is declined alone (its proof is not the
+    others', whatever they concluded)."""
+    model = _stacked_masked_loops(tmp_path, 6)
+    ran = []
+    opened = check_session.open_session
+    monkeypatch.setattr(check_session, "open_session",
+                        lambda ort, m, *a, **k: ran.append(m.graph.name) or opened(ort, m, *a, **k))
+    fused, report = rnnfuse.optimize(model)
+    assert [f.status for f in report.findings] == ["fused"] * 6, report.to_text()
+    assert ran.count("rnnfuse_mask_proof") == 1, ran
+    # the fourth Loop compares with 0.5: a proof of its own
+    import onnx
+    from onnx import numpy_helper
+
+    other = onnx.ModelProto()
+    other.CopyFrom(model)
+    other.graph.initializer.append(numpy_helper.from_array(np.array(0.5, np.float32), "half"))
+    body = next(a.g for n in other.graph.node if n.op_type == "Loop" and n.output[0] == "h_last3" for a in n.attribute)
+    (gt,) = [n for n in body.node if n.op_type == "Greater"]
+    gt.input[1] = "half"
+    ran.clear()
+    fused, report = rnnfuse.optimize(other)
+    assert [f.status for f in report.findings] == ["fused"] * 6 and ran.count("rnnfuse_mask_proof") == 2, (report.to_text(), ran)
+    # the third Loop's mask built negated (in every round): declined, the others fused
+    real = loop_masks.mask_on_every_step
+
+    def third_negated(b, *a, **k):
+        return (_negated(real) if b.anchor.output[0] == "h_last2" else real)(b, *a, **k)
+
+    monkeypatch.setattr(loop_masks, "mask_on_every_step", third_negated)
+    fused, report = rnnfuse.optimize(model)
+    statuses = {f.where: f.status for f in report.findings}
+    assert statuses.pop("h_last2") == "declined" and set(statuses.values()) == {"fused"}, report.to_text()
+    (bad,) = report.declined
+    assert bad.reason.startswith("the mask built for every step is not the one step"), bad.reason

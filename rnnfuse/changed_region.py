@@ -106,7 +106,7 @@ class NodeScan:
                     producer[o] = i
             first = reads[0] if reads else ""
             if (first in at_load or first in constants or n.op_type in FROM_SHAPES) and from_load_time(n, reads, at_load, constants):
-                at_load.update(n.output)  # (the first read decides most nodes: data, not shapes)
+                at_load.update(o for o in n.output if o)  # (the first read decides most nodes: data, not shapes)
         if fault is None:
             lost = next((v.name for v in g.output if v.name not in producer and v.name not in outer), None)
             fault = None if lost is None else f"graph output {lost!r} is not defined"

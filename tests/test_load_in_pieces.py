@@ -555,9 +555,10 @@ def test_values_computed_at_load_are_those_load_time_values_decides():
              helper.make_node("Cast", ["u"], ["uf"], to=TensorProto.FLOAT), helper.make_node("Add", ["uf", "x"], ["mixed"]),
              helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.array([2], np.int64))),
              helper.make_node("Mul", ["k", "axes"], ["k2"]), helper.make_node("Relu", ["x"], ["y"]),
-             helper.make_node("RandomNormal", [], ["rnd"], shape=[2]), helper.make_node("Abs", ["rnd"], ["rnd2"])]
+             helper.make_node("RandomNormal", [], ["rnd"], shape=[2]), helper.make_node("Abs", ["rnd"], ["rnd2"]),
+             helper.make_node("Dropout", ["uf"], ["dr", ""])]  # (an optional output left unnamed: no value)
     m = _model(nodes, initializers=[w, axes])
     scan = NodeScan(m)
     walk = LoadTimeValues(m.graph, scan.nodes, scan.producer)
     assert scan.computed_at_load == {name for name in scan.producer if walk.at_load(name)}
-    assert scan.computed_at_load == {"sx", "sw", "both", "u", "uf", "k", "k2"}
+    assert scan.computed_at_load == {"sx", "sw", "both", "u", "uf", "k", "k2", "dr"}

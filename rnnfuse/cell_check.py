@@ -21,8 +21,8 @@ from .emit import native_attrs
 from .feeds import random_values
 from .graph import Graph
 from .protos import has_subgraph
-from .validate import (MAX_VALIDATION_BYTES, PairResult, ValidationResult, checked_as_deployed, compare, failed_run,
-                       ort_module)
+from .check_results import PairResult, ValidationResult, compare, failed_run
+from .validate import MAX_VALIDATION_BYTES, checked_as_deployed, ort_module
 
 MAX_SHAPE_SOURCE_BYTES = 1 << 26  # a tensor a step reads the shape of is fed as zeros up to this size (at batch 4)
 

@@ -10,59 +10,19 @@ elementwise to a tight tolerance, on the full outputs (padded steps included).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .check_groups import in_groups, independent_groups
+from .check_results import PairResult, ValidationResult, compare, failed_run, first_line
 from .check_session import Source, model_of, open_session, takes_file_route
 from .feeds import index_ranges, input_sizes, random_values, valid_steps
 from .graph import Graph
 from .protos import data_bytes, nodes_within, rename_reads
 from .piecewise_runs import run_in_pieces, weight
 from .upstream import CUT_BYTES, Cut, cut
-
-ATOL = 1e-5
-RTOL = 1e-4
-
-
-@dataclass
-class PairResult:
-    old: str
-    new: str
-    max_abs: float = 0.0
-    ok: bool = True
-    detail: str = ""
-    rank: int | None = None  # the compared tensors' rank, as run (None: never compared)
-
-
-@dataclass
-class ValidationResult:
-    ran: bool
-    skipped_reason: str = ""
-    pairs: dict = field(default_factory=dict)  # (old, new) -> PairResult
-    runs: int = 0
-    light: bool = False  # onnxruntime ran lighter than deployed: no pre-packing or graph optimizations (check_session)
-
-    @cached_property
-    def ranks(self) -> dict[str, int]:
-        """Each compared original tensor -> its rank as run (what the file declares may differ). Built once:
-        the rewrites validated together (11,000 Loops) share it."""
-        return {old: r.rank for (old, _), r in self.pairs.items() if r.ok and r.rank is not None}
-
-    def error_for(self, pairs: list[tuple[str, str]]) -> tuple[bool, float, str]:
-        ok, err, detail = True, 0.0, ""
-        for p in pairs:
-            r = self.pairs.get(p)
-            if r is None:
-                continue
-            err = max(err, r.max_abs)
-            if not r.ok:
-                ok = False
-                detail = detail or r.detail
-        return ok, err, detail
 
 
 def ort_module():
@@ -245,22 +205,27 @@ class InputSets:
 
 
 def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepack: bool,
-                   min_time: int = 1) -> ValidationResult:
+                   min_time: int = 1, start: Cut | None = None, longest: int | None = None,
+                   light: bool = False) -> ValidationResult:
+    """One check of ``pairs`` (see :func:`validate`). ``start``: where a group of a bigger check starts (see
+    rnnfuse.check_groups), ``longest``: the longest static extent of that check's masks (_mask_shapes), ``light``:
+    run without graph optimizations, as that big check would have been."""
     inputs = InputSets(g, seed, min_time)
     try:
         inputs[0]  # (an input without a declared shape cannot be generated: said before anything is built)
     except _Skip as s:
         return ValidationResult(False, str(s))
-    start = None
-    # a check without masks runs each input set once: it can run in pieces, light (a failure is checked again as
-    # deployed in one session, as onnxruntime would run it: its optimizers fuse across what would be a cut)
-    if not masks and not prepack:
-        start = _start(ort, g, pairs, [], prepack, inputs)
+    # a big check without masks runs each input set once: it can run in pieces, light (a failure is checked
+    # again as deployed in one session, as onnxruntime would run it: its optimizers fuse across what would be a
+    # cut); one with masks, as groups of the parts it holds
+    if start is None and not prepack:
+        start = _start(ort, g, pairs, sorted(masks), prepack, inputs)
         if start is not None and _weight_over(start.nodes, PIECEWISE_CHECK_NODES):
-            res = _compare_in_pieces(ort, g, pairs, start, inputs)
+            res = (_check_in_groups(ort, g, pairs, masks, seed, min_time, start, inputs) if masks
+                   else _compare_in_pieces(ort, g, pairs, start, inputs))
             if res is not None:
                 return res
-    loaded = _check_session(ort, g, pairs, sorted(masks), prepack, inputs, start)
+    loaded = _check_session(ort, g, pairs, sorted(masks), prepack, inputs, start, light)
     if isinstance(loaded, ValidationResult):
         return loaded
     sess, pattern_inputs, given = loaded
@@ -287,7 +252,7 @@ def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepa
         feeds = {name: v for name, v in inputs[k].items() if name in fed}  # (made again: see InputSets)
         feeds.update((name, values[k]) for name, values in given.items() if name in fed)
         # learn each mask's [T, B] with an all-true pattern, then feed exact patterns of each kind
-        shapes = _mask_shapes(g, sess, out_names, feeds, pattern_inputs, max(b, t, 4),
+        shapes = _mask_shapes(g, sess, out_names, feeds, pattern_inputs, longest, max(b, t, 4),
                               lambda e, f, k=k: failed(e, f, k)) if pattern_inputs else {}
         if isinstance(shapes, ValidationResult):
             if shapes.ran:
@@ -317,54 +282,6 @@ def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepa
             for p in pairs:
                 compare(res.pairs[p], vals[p[0]], vals[p[1]], f"batch {b}, T={max(t, inputs.min_time)}")
     return not_inputs if res.runs == 0 and not_inputs is not None else res
-
-
-def _first_line(e: Exception) -> str:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return msg[:200]
-
-
-def failed_run(e: Exception, pairs, original_runs: Callable[[], bool],
-               original_fails: str = "onnxruntime failed on generated inputs",
-               rewrite_fails: str = "onnxruntime cannot run the rewrite on generated inputs") -> ValidationResult:
-    """The result of a check that raised ``e`` (loading or running it): when the original alone does the same
-    (``original_runs()``), the rewrite is what onnxruntime cannot load or run, and every pair fails (a model that
-    ran must not come out unable to); otherwise the original cannot: validation is skipped."""
-    msg = _first_line(e)
-    if not original_runs():
-        return ValidationResult(False, f"{original_fails} ({msg})")
-    res = ValidationResult(True)
-    for p in pairs:
-        res.pairs[p] = PairResult(*p, ok=False, detail=f"{rewrite_fails} ({msg})")
-    return res
-
-
-def compare(r: PairResult, a: np.ndarray, c: np.ndarray, where: str) -> None:
-    if a.shape != c.shape:
-        r.ok = False
-        r.detail = r.detail or f"shape {c.shape} instead of {a.shape} ({where})"
-        return
-    r.rank = a.ndim
-    if a.size == 0:
-        return
-    if not np.issubdtype(a.dtype, np.floating):
-        if not np.array_equal(a, c):
-            r.ok = False
-            r.detail = r.detail or f"values differ ({where})"
-        return
-    a64, c64 = a.astype(np.float64), c.astype(np.float64)
-    nan_a, nan_c = np.isnan(a64), np.isnan(c64)
-    if np.any(nan_a != nan_c):
-        r.ok = False
-        r.detail = r.detail or f"NaN where the original has none ({where})"
-        return
-    diff = np.where(nan_a, 0.0, np.abs(a64 - c64))
-    err = float(diff.max())
-    r.max_abs = max(r.max_abs, err)
-    tol = ATOL + RTOL * np.abs(np.where(nan_a, 0.0, a64))
-    if np.any(diff > tol):
-        r.ok = False
-        r.detail = r.detail or f"max abs error {err:.3g} ({where})"
 
 
 def _cut(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: InputSets) -> Cut:
@@ -436,10 +353,35 @@ def _compare_in_pieces(ort, g: Graph, pairs, start: Cut, inputs: InputSets) -> V
     return res if done is not None and not got else None
 
 
-def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: InputSets, start: Cut | None = None):
+def _check_in_groups(ort, g: Graph, pairs, masks, seed: int, min_time: int, start: Cut, inputs: InputSets
+                     ) -> ValidationResult | None:
+    """The masked check of ``pairs`` as groups of its parts (rnnfuse.check_groups), each group fed the old tensors
+    it reads from the others, computed first by the original nodes (in pieces, each input set once); None when
+    the groups cannot settle it (the whole check model then does)."""
+    groups = independent_groups(start.nodes, pairs, masks, g.reads, CHECK_PIECE_NODES)
+    if groups is None:
+        return None
+    fed = sorted(set().union(*(grp.fed for grp in groups)))
+    try:
+        links = run_in_pieces(ort, g, g.cone(fed, start.given), fed, start.given, inputs,
+                              lambda ort_, m, big: open_session(ort_, m, big, file_route=takes_file_route(big), light=True),
+                              CHECK_PIECE_NODES, CUT_BYTES) if fed else {}
+    except Exception:
+        return None
+    if links is None:
+        return None
+    longest = _longest_extent(g, masks)
+    return in_groups(groups, pairs, lambda grp: _validate_once(
+        ort, g, grp.pairs, grp.masks, seed, False, min_time, Cut(grp.nodes, {**start.given, **{x: links[x] for x in grp.fed}}),
+        longest, light=True))
+
+
+def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: InputSets, start: Cut | None = None,
+                   light: bool = False):
     """An onnxruntime session of the check model, its pattern inputs and the values it is fed instead of
     computing them (per input set, see rnnfuse.upstream), or the ValidationResult that says which side
-    onnxruntime cannot load (the original model, or the rewrite). ``start``: where it starts, when found."""
+    onnxruntime cannot load (the original model, or the rewrite). ``start``: where it starts, when found;
+    ``light``: without graph optimizations whatever its size (a group of a big check's parts)."""
     try:
         if start is None:
             start = _cut(ort, g, pairs, mask_names, prepack, inputs)
@@ -448,13 +390,13 @@ def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: Inpu
         # checked again as deployed): onnxruntime's optimizers cost more than linear time in the nodes (a
         # 100k-node model of 5,400 one-step LSTMs, torch's nn.LSTM called per step: minutes to load), and
         # they optimize every Loop body too (1,600 stacked Loops and their RNNs: 2.0 s to load, 0.9 s without)
-        light = not prepack and (len(check.graph.node) > LIGHT_CHECK_NODES or nodes_within(check.graph) > LIGHT_CHECK_NODES)
+        light = not prepack and (light or len(check.graph.node) > LIGHT_CHECK_NODES or nodes_within(check.graph) > LIGHT_CHECK_NODES)
         sess = open_session(ort, check, big, prepack=prepack, file_route=takes_file_route(big), light=light)
         return sess, pattern_inputs, start.given
     except _Skip as s:
         return ValidationResult(False, str(s))
     except OSError as e:  # (the file route's temporary directory)
-        return ValidationResult(False, f"cannot write the check model's weights to a temporary directory ({_first_line(e)})")
+        return ValidationResult(False, f"cannot write the check model's weights to a temporary directory ({first_line(e)})")
     except Exception as e:  # is it the original that onnxruntime cannot load, or the rewrite?
         return failed_run(e, pairs, lambda: _original_runs(ort, g, pairs, mask_names, prepack),
                           "onnxruntime cannot run the original model", "the rewritten graph does not load in onnxruntime")
@@ -481,14 +423,21 @@ def _original_runs(ort, g: Graph, pairs, masks, prepack: bool, feeds: dict | Non
     return True
 
 
-def _mask_shapes(g: Graph, sess, out_names, feeds: dict, pattern_inputs: dict, size: int, failed):
+def _longest_extent(g: Graph, masks) -> int:
+    """The longest static extent of ``masks`` along their first two axes (0: none)."""
+    return max([0] + [d for m in masks for d in ((g.model.shape(m) or []) + [None, None])[:2] if isinstance(d, int)])
+
+
+def _mask_shapes(g: Graph, sess, out_names, feeds: dict, pattern_inputs: dict, longest: int | None, size: int,
+                 failed):
     """Each overridden mask's [T, B], learned by one run with all-true patterns larger than any mask (or
     the ValidationResult of a failed run): each axis as long as the mask's static extent along it, or the
     generated sizes' bound along a named (symbolic) one; an unknown one as long as the longest static extent
-    of any mask (a static T of 200,000 made every pattern square: 37 GiB)."""
+    of any mask (a static T of 200,000 made every pattern square: 37 GiB): ``longest``, when the check is a group
+    of a bigger one's parts (rnnfuse.check_groups), else found here."""
     least = 4 * size + 64
     leads = {mname: ((g.model.shape(mname) or [None, None]) + [None, None])[:2] for mname in pattern_inputs}
-    longest = max([least] + [d for lead in leads.values() for d in lead if isinstance(d, int)])
+    longest = max(least, _longest_extent(g, pattern_inputs) if longest is None else longest)
     for mname, pname in pattern_inputs.items():
         sizes = [max(least, d) if isinstance(d, int) else least if isinstance(d, str) else longest for d in leads[mname]]
         feeds[pname] = np.ones(sizes, dtype=bool)

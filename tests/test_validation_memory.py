@@ -432,8 +432,11 @@ def test_the_all_true_mask_patterns_grow_along_each_axis_alone():
             return [np.array([3000, 2]), np.array([2, 5000]), np.array([4000, 2])]
 
     names = ["__rnnfuse_mask_0/shape2", "__rnnfuse_mask_1/shape2", "__rnnfuse_mask_2/shape2"]
-    got = V._mask_shapes(G(), Session(), names, {}, {"m": "p0", "n": "p1", "u": "p2"}, 7, None)
+    got = V._mask_shapes(G(), Session(), names, {}, {"m": "p0", "n": "p1", "u": "p2"}, None, 7, None)
     least = 4 * 7 + 64
     # (an axis of unknown extent may be as long as any mask's static one: as long as the longest)
     assert fed == {"p0": (3000, least), "p1": (least, 5000), "p2": (5000, least)}
     assert got == {"m": (3000, 2), "n": (2, 5000), "u": (4000, 2)}
+    # a group of a bigger check's parts (rnnfuse.check_groups) takes the longest extent of all its masks
+    V._mask_shapes(G(), Session(), names, {}, {"m": "p0", "n": "p1", "u": "p2"}, 8000, 7, None)
+    assert fed["p2"] == (8000, least)

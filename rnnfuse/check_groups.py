@@ -98,8 +98,8 @@ def independent_groups(nodes: list[NodeProto], pairs: list[Pair], masks: dict[st
         group_of[id(nodes[producer[next(x for x in p if x in producer)]])].pairs.append(p)
     for m, i in mask_node.items():
         group_of[id(nodes[i])].masks[m] = masks[m]
-    for i, r in read_links:
-        if r not in producer or group_of.get(id(nodes[producer[r]])) is not group_of[id(nodes[i])]:
+    for i, r in read_links:  # (a link no node computes is fed to the whole check already: start.given)
+        if r in producer and group_of[id(nodes[producer[r]])] is not group_of[id(nodes[i])]:
             group_of[id(nodes[i])].fed.add(r)
     at = {id(n): i for i, n in enumerate(nodes)}
     for g in groups:

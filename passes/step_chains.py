@@ -25,6 +25,7 @@ from rnnfuse import op_args, rewrite
 from rnnfuse.cells import native_kind
 from rnnfuse.cells.kinds import KINDS, output_dims
 from rnnfuse.dataflow import settled_dim, settled_rank
+from rnnfuse.disjoint_sets import DisjointSets
 from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.findings import Finding, Options, PassResult
@@ -394,22 +395,14 @@ def _groups(chains: list[list[NodeProto]], links: _Links) -> list[list[list[Node
     """Chains that share a state carrier (a multi-layer state's per-step Concat) merge together or not at
     all: merging one alone would leave the shared Concat reading a state that no longer exists."""
     owner: dict[int, int] = {}
-    parent = list(range(len(chains)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    tied = DisjointSets(len(chains))
     for i, chain in enumerate(chains):
         for n in chain:
             for c in links.carriers.get(id(n), []):
-                j = owner.setdefault(id(c), i)
-                parent[root(i)] = root(j)
+                tied.join(i, owner.setdefault(id(c), i))
     groups: dict[int, list] = {}
     for i, chain in enumerate(chains):
-        groups.setdefault(root(i), []).append(chain)
+        groups.setdefault(tied.root(i), []).append(chain)
     return list(groups.values())
 
 

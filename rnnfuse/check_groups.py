@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from onnx import NodeProto
 
 from .check_results import ValidationResult
+from .disjoint_sets import DisjointSets
 from .piecewise_runs import weight
 
 Pair = tuple[str, str]
@@ -48,19 +49,8 @@ def independent_groups(nodes: list[NodeProto], pairs: list[Pair], masks: dict[st
     most ``limit`` nodes unless one part is bigger (subgraphs counted, see piecewise_runs.weight); None when
     they are one group, or a pair or a mask belongs to no part."""
     links = {a for a, _ in pairs}
-    parent = list(range(len(nodes)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    def join(i: int, j: int) -> None:
-        a, b = root(i), root(j)
-        if a != b:
-            parent[max(a, b)] = min(a, b)  # (a part's root is its first node)
-
+    parts = DisjointSets(len(nodes))  # (a part known by its first node)
+    join = parts.join
     producer: dict[str, int] = {}
     mask_node: dict[str, int] = {}  # mask -> a node computing or reading it (all of them joined)
     read_links: list[tuple[int, str]] = []
@@ -90,7 +80,7 @@ def independent_groups(nodes: list[NodeProto], pairs: list[Pair], masks: dict[st
         at = [producer[x] for x in p if x in producer]
         for i in at[1:]:
             join(at[0], i)
-    groups = _packed(nodes, free, root, limit)
+    groups = _packed(nodes, free, parts.root, limit)
     if len(groups) < 2:
         return None
     group_of = {id(n): g for g in groups for n in g.nodes}

@@ -195,3 +195,66 @@ class AttributeReads:
         if name == "attribute":
             self._reads.append(self._node.op_type)
         return getattr(self._node, name)
+
+
+def agrees_on_x(fused, original, zero_rows: float = 0.0) -> None:
+    """``fused`` gives ``original``'s output on random ``x`` of [T, 1, 4] at T = 1 and 7, each step's row zero
+    with probability ``zero_rows`` (steps a mask of ``x_t != 0`` skips)."""
+    rng = np.random.default_rng(0)
+    for t in (1, 7):
+        x = rng.standard_normal((t, 1, 4)).astype(np.float32)
+        x[rng.random(t) < zero_rows] = 0.0
+        (want,) = session(original).run(None, {"x": x})
+        (got,) = session(fused).run(None, {"x": x})
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def benchmark_graph(module: str, generator: str, path, nodes: int) -> onnx.ModelProto:
+    """The graph ``benchmarks/{module}.py``'s ``generator`` writes at ``path`` with about ``nodes`` nodes."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        getattr(importlib.import_module(module), generator)(str(path), nodes)
+    finally:
+        sys.path.remove(bench)
+    return onnx.load(str(path))
+
+
+def same_bytes_split(model: onnx.ModelProto, monkeypatch, route: str, piece_nodes: int) -> None:
+    """``model`` optimizes to the same bytes and findings when its big check models (over 100 nodes, lowered)
+    are split into pieces or groups of ``piece_nodes`` as when each is one session, and ``route`` (a function of
+    rnnfuse.validate that splits them) was taken."""
+    import rnnfuse
+    from rnnfuse import validate
+
+    whole, whole_report = rnnfuse.optimize(model)
+    monkeypatch.setattr(validate, "PIECEWISE_CHECK_NODES", 100)
+    monkeypatch.setattr(validate, "CHECK_PIECE_NODES", piece_nodes)
+    taken = []
+    real = getattr(validate, route)
+    monkeypatch.setattr(validate, route, lambda *a, **k: taken.append(1) or real(*a, **k))
+    split, report = rnnfuse.optimize(model)
+    assert taken and split.SerializeToString() == whole.SerializeToString()
+    assert [f.status for f in report.findings] == [f.status for f in whole_report.findings]
+
+
+def emit_wrong_at(monkeypatch, where: str) -> None:
+    """The rewrite of the recurrence at ``where`` (a Loop's first output names it) is emitted with a clip its
+    cell does not have: a wrong rewrite validation must catch."""
+    from onnx import helper
+
+    from rnnfuse import rewrite
+
+    emit = rewrite.emit
+
+    def clipped(g, rec, *a, **k):
+        em = emit(g, rec, *a, **k)
+        if rec.where == where:
+            em.native.attribute.append(helper.make_attribute("clip", 0.05))
+        return em
+
+    monkeypatch.setattr(rewrite, "emit", clipped)

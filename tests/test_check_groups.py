@@ -13,35 +13,24 @@ declines that one only; how parts are found, packed and fed.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
 import rnnfuse
-from helpers import op_counts, session
-from rnnfuse import piecewise_runs, rewrite, validate
+from helpers import agrees_on_x, benchmark_graph, emit_wrong_at, op_counts, same_bytes_split
+from rnnfuse import piecewise_runs, validate
 from rnnfuse.check_groups import independent_groups
 from rnnfuse.protos import reads_of
 
-ROOT = Path(__file__).resolve().parents[1]
 LOOPS = 24
 GROUP = 150  # nodes a group's check model holds at most, bodies counted
 
 
 @pytest.fixture(scope="module")
 def masked(tmp_path_factory) -> onnx.ModelProto:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from growth_graphs import masked_loops
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    path = tmp_path_factory.mktemp("masked") / "masked.onnx"
-    masked_loops(str(path), 3 + 13 * LOOPS)
-    return onnx.load(str(path))
+    return benchmark_graph("growth_graphs", "masked_loops", tmp_path_factory.mktemp("masked") / "m.onnx", 3 + 13 * LOOPS)
 
 
 @pytest.fixture
@@ -68,16 +57,6 @@ def checks(monkeypatch) -> list:
     return sizes
 
 
-def _agrees_with_the_original(fused: onnx.ModelProto, original: onnx.ModelProto) -> None:
-    rng = np.random.default_rng(0)
-    for t in (1, 7):
-        x = rng.standard_normal((t, 1, 4)).astype(np.float32)
-        x[rng.random(t) < 0.4] = 0.0  # (steps the masks skip: rows of zeros)
-        (want,) = session(original).run(None, {"x": x})
-        (got,) = session(fused).run(None, {"x": x})
-        np.testing.assert_allclose(got, want, atol=1e-5)
-
-
 def test_masked_loops_checked_in_groups_fuse_as_with_one_session(masked, checks):
     fused, report = rnnfuse.optimize(masked)
     assert len(report.fused) == LOOPS and not report.declined, report.to_text()
@@ -85,40 +64,24 @@ def test_masked_loops_checked_in_groups_fuse_as_with_one_session(masked, checks)
     # the check model (24 Loops of 13 nodes, their RNNs and masks) ran as groups, none over its share
     assert "whole" not in checks and len(checks) >= 4 and max(checks) <= GROUP, checks
     assert op_counts(fused).get("Loop", 0) == 0 and op_counts(fused)["RNN"] == LOOPS
-    _agrees_with_the_original(fused, masked)
+    agrees_on_x(fused, masked, zero_rows=0.4)
 
 
 def test_the_groups_give_the_bytes_one_session_gives(masked, monkeypatch):
-    whole, whole_report = rnnfuse.optimize(masked)
-    monkeypatch.setattr(validate, "PIECEWISE_CHECK_NODES", 100)
-    monkeypatch.setattr(validate, "CHECK_PIECE_NODES", GROUP)
-    grouped = []
-    real = validate.in_groups
-    monkeypatch.setattr(validate, "in_groups", lambda *a, **k: grouped.append(1) or real(*a, **k))
-    in_groups, report = rnnfuse.optimize(masked)
-    assert grouped and in_groups.SerializeToString() == whole.SerializeToString()
-    assert [f.status for f in report.findings] == [f.status for f in whole_report.findings]
+    same_bytes_split(masked, monkeypatch, "in_groups", GROUP)
 
 
 def test_a_wrong_rewrite_in_one_group_is_judged_by_the_whole_check(masked, checks, monkeypatch):
     """One Loop's RNN is emitted with a clip its cell does not have: its group fails, so the groups' verdict
     is not taken, and the whole check model declines that Loop alone."""
-    emit = rewrite.emit
     middle = f"h_last{LOOPS // 2}"
-
-    def clip_one(g, rec, *a, **k):
-        em = emit(g, rec, *a, **k)
-        if rec.where == middle:
-            em.native.attribute.append(helper.make_attribute("clip", 0.05))
-        return em
-
-    monkeypatch.setattr(rewrite, "emit", clip_one)
+    emit_wrong_at(monkeypatch, middle)
     fused, report = rnnfuse.optimize(masked)
     assert len(report.fused) == LOOPS - 1, report.to_text()
     assert "whole" in checks and checks.index("whole") >= 1, checks  # (groups first, then the whole)
     (bad,) = report.declined
     assert bad.where == middle and bad.validation == "failed", bad.line()
-    _agrees_with_the_original(fused, masked)
+    agrees_on_x(fused, masked, zero_rows=0.4)
 
 
 def _n(op, ins, outs):

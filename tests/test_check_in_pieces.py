@@ -12,7 +12,6 @@ check never runs in pieces (its patterns run the model several times).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +20,8 @@ import pytest
 from onnx import helper
 
 import rnnfuse
-from helpers import op_counts, session
-from rnnfuse import check_session, piecewise_runs, rewrite, validate
+from helpers import agrees_on_x, benchmark_graph, emit_wrong_at, op_counts, same_bytes_split, session
+from rnnfuse import check_session, piecewise_runs, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPS = 40
@@ -31,14 +30,7 @@ PIECE = 60  # nodes a piece holds at most, bodies counted (a Loop and its body a
 
 @pytest.fixture(scope="module")
 def stacked(tmp_path_factory) -> onnx.ModelProto:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from graphs import stacked_loops
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    path = tmp_path_factory.mktemp("stacked") / "stacked.onnx"
-    stacked_loops(str(path), 3 + 9 * LOOPS)
-    return onnx.load(str(path))
+    return benchmark_graph("graphs", "stacked_loops", tmp_path_factory.mktemp("stacked") / "stacked.onnx", 3 + 9 * LOOPS)
 
 
 @pytest.fixture
@@ -61,15 +53,6 @@ def pieces(monkeypatch) -> list[int]:
     return sizes
 
 
-def _agrees_with_the_original(fused: onnx.ModelProto, original: onnx.ModelProto) -> None:
-    rng = np.random.default_rng(0)
-    for t in (1, 7):
-        x = rng.standard_normal((t, 1, 4)).astype(np.float32)
-        (want,) = session(original).run(None, {"x": x})
-        (got,) = session(fused).run(None, {"x": x})
-        np.testing.assert_allclose(got, want, atol=1e-5)
-
-
 def test_stacked_loops_checked_in_pieces_fuse_as_with_one_session(stacked, pieces):
     in_pieces, report = rnnfuse.optimize(stacked)
     assert len(report.fused) == LOOPS and not report.declined, report.to_text()
@@ -77,34 +60,18 @@ def test_stacked_loops_checked_in_pieces_fuse_as_with_one_session(stacked, piece
     # the check model (40 Loops of 9 nodes and the RNNs) ran as many pieces, none over its share
     assert "whole" not in pieces and len(pieces) >= 8 and max(pieces) <= PIECE, pieces
     assert op_counts(in_pieces).get("Loop", 0) == 0 and op_counts(in_pieces)["RNN"] == LOOPS
-    _agrees_with_the_original(in_pieces, stacked)
+    agrees_on_x(in_pieces, stacked)
 
 
 def test_the_pieces_give_the_bytes_one_session_gives(stacked, monkeypatch):
-    whole, whole_report = rnnfuse.optimize(stacked)
-    monkeypatch.setattr(validate, "PIECEWISE_CHECK_NODES", 100)
-    monkeypatch.setattr(validate, "CHECK_PIECE_NODES", PIECE)
-    ran = []
-    run = validate.run_in_pieces
-    monkeypatch.setattr(validate, "run_in_pieces", lambda *a, **k: ran.append(1) or run(*a, **k))
-    in_pieces, report = rnnfuse.optimize(stacked)
-    assert ran and in_pieces.SerializeToString() == whole.SerializeToString()
-    assert [f.status for f in report.findings] == [f.status for f in whole_report.findings]
+    same_bytes_split(stacked, monkeypatch, "run_in_pieces", PIECE)
 
 
 def test_a_wrong_rewrite_is_caught_in_pieces(stacked, pieces, monkeypatch):
     """The RNN of one Loop in the middle of the stack is emitted with a clip its cell does not have: the check,
     in pieces, fails that one; the others fuse."""
-    emit = rewrite.emit
     middle = f"h_last{LOOPS // 2}"  # (the Loop's first output names it)
-
-    def clip_one(g, rec, *a, **k):
-        em = emit(g, rec, *a, **k)
-        if rec.where == middle:
-            em.native.attribute.append(helper.make_attribute("clip", 0.05))
-        return em
-
-    monkeypatch.setattr(rewrite, "emit", clip_one)
+    emit_wrong_at(monkeypatch, middle)
     fused, report = rnnfuse.optimize(stacked)
     assert len(report.fused) == LOOPS - 1, report.to_text()
     # the first check, of all 40, ran in pieces
@@ -113,7 +80,7 @@ def test_a_wrong_rewrite_is_caught_in_pieces(stacked, pieces, monkeypatch):
     (bad,) = report.declined
     assert bad.where == middle and bad.validation == "failed", bad.line()
     assert op_counts(fused)["Loop"] == 1
-    _agrees_with_the_original(fused, stacked)
+    agrees_on_x(fused, stacked)
 
 
 def test_a_pair_whose_old_tensor_is_fed_is_compared_with_the_fed_value():
@@ -154,7 +121,7 @@ def test_pieces_that_cannot_run_leave_the_check_to_one_session(stacked, pieces, 
         monkeypatch.setattr(validate, "CHECK_HELD_BYTES", 0)
     fused, report = rnnfuse.optimize(stacked)
     assert len(report.fused) == LOOPS and "whole" in pieces, report.to_text()
-    _agrees_with_the_original(fused, stacked)
+    agrees_on_x(fused, stacked)
 
 
 def test_a_masked_check_never_runs_in_pieces(pieces, monkeypatch):
@@ -294,4 +261,4 @@ def test_pieces_of_a_model_with_many_functions_copy_none_they_do_not_call(stacke
     fused, report = rnnfuse.optimize(model)
     assert len(report.fused) == LOOPS and not report.declined, report.to_text()
     assert "whole" not in pieces and len(pieces) >= 8 and held and not any(held), (pieces, held)
-    _agrees_with_the_original(fused, stacked)
+    agrees_on_x(fused, stacked)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import builders as B
+from helpers import benchmark_graph
 import rnnfuse
 from builders_loops import XMASK_FORMS, build_lengths
 from rnnfuse import check_session, mask_proof
@@ -162,28 +163,12 @@ def test_rows_hold_the_values_a_step_mask_compares_with(pad):
     assert why is not None and why.startswith("the mask built for every step is not the one step"), why
 
 
-def _stacked_masked_loops(tmp_path, loops: int):
-    import sys
-    from pathlib import Path
-
-    import onnx
-
-    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    sys.path.insert(0, bench)
-    try:
-        from growth_graphs import masked_loops
-    finally:
-        sys.path.remove(bench)
-    masked_loops(str(tmp_path / "m.onnx"), 3 + 13 * loops)
-    return onnx.load(str(tmp_path / "m.onnx"))
-
-
 def test_masks_built_alike_are_proven_once_and_one_built_wrong_among_them_is_declined(tmp_path, monkeypatch):
     """Loops stacked on one another, each masking its state by ``max(|x_t|) > 0`` of its own input: their proofs
     digest alike (the nodes, the constants' values, the value sets) and run once; a threshold of another value
     is a proof of its own; one Loop's mask built negated among them is declined alone (its proof is not the
     others', whatever they concluded)."""
-    model = _stacked_masked_loops(tmp_path, 6)
+    model = benchmark_graph("growth_graphs", "masked_loops", tmp_path / "m.onnx", 3 + 13 * 6)
     ran = []
     opened = check_session.open_session
     monkeypatch.setattr(check_session, "open_session",

@@ -82,14 +82,14 @@ def time_flip_source(g: Graph, name: str, time_axis: int = 0) -> str | None:
         starts, ends, axes, steps = op_args.slice_args_of(g, n)
         if starts is None or ends is None or axes is None or steps is None:
             return None
-        rank = g.model.rank(n.input[0])
+        rank = g.model.rank(n.input[0]) if any(a < 0 for a in axes) else None  # (asked for a negative axis only)
         axes = [a + rank if a < 0 and rank else a for a in axes]
         if len(axes) == 1 and axes[0] == time_axis and steps == [-1] and starts[0] in (-1, 2**63 - 1, 2**31 - 1) and ends[0] <= -(2**31):
             return n.input[0]
     if n.op_type == "Gather" and len(n.input) == 2:
         axis = attr(n, "axis", 0)
-        rank = g.model.rank(n.input[0])
-        if axis < 0 and rank is not None:
+        rank = g.model.rank(n.input[0]) if axis < 0 else None  # (a fused op's compacting Gathers: 0.65 ms a type)
+        if rank is not None:
             axis += rank
         if axis == time_axis and _descending_indices(g, n.input[1], time_dim_key(g, n.input[0], time_axis)):
             return n.input[0]

@@ -10,6 +10,7 @@ elementwise to a tight tolerance, on the full outputs (padded steps included).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -204,13 +205,21 @@ class InputSets:
         return (self[k] for k in range(len(self)))
 
 
+class _InGroup(NamedTuple):
+    """What the check of a group of a big check's parts (rnnfuse.check_groups) takes from the big one: where
+    the group starts, the longest static extent of all its masks (_mask_shapes) and its input sets. A group
+    runs light, without graph optimizations, as the big check would have."""
+
+    start: Cut
+    longest: int
+    inputs: InputSets
+
+
 def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepack: bool,
-                   min_time: int = 1, start: Cut | None = None, longest: int | None = None,
-                   light: bool = False) -> ValidationResult:
-    """One check of ``pairs`` (see :func:`validate`). ``start``: where a group of a bigger check starts (see
-    rnnfuse.check_groups), ``longest``: the longest static extent of that check's masks (_mask_shapes), ``light``:
-    run without graph optimizations, as that big check would have been."""
-    inputs = InputSets(g, seed, min_time)
+                   min_time: int = 1, group: _InGroup | None = None) -> ValidationResult:
+    """One check of ``pairs`` (see :func:`validate`); ``group``: as a group of a bigger one's parts."""
+    start, longest = (group.start, group.longest) if group else (None, None)
+    inputs = group.inputs if group else InputSets(g, seed, min_time)
     try:
         inputs[0]  # (an input without a declared shape cannot be generated: said before anything is built)
     except _Skip as s:
@@ -225,7 +234,7 @@ def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepa
                    else _compare_in_pieces(ort, g, pairs, start, inputs))
             if res is not None:
                 return res
-    loaded = _check_session(ort, g, pairs, sorted(masks), prepack, inputs, start, light)
+    loaded = _check_session(ort, g, pairs, sorted(masks), prepack, inputs, start, light=group is not None)
     if isinstance(loaded, ValidationResult):
         return loaded
     sess, pattern_inputs, given = loaded
@@ -371,9 +380,8 @@ def _check_in_groups(ort, g: Graph, pairs, masks, seed: int, min_time: int, star
     if links is None:
         return None
     longest = _longest_extent(g, masks)
-    return in_groups(groups, pairs, lambda grp: _validate_once(
-        ort, g, grp.pairs, grp.masks, seed, False, min_time, Cut(grp.nodes, {**start.given, **{x: links[x] for x in grp.fed}}),
-        longest, light=True))
+    return in_groups(groups, pairs, lambda grp: _validate_once(ort, g, grp.pairs, grp.masks, seed, False, min_time, _InGroup(
+        Cut(grp.nodes, {**start.given, **{x: links[x] for x in grp.fed}}), longest, inputs)))
 
 
 def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: InputSets, start: Cut | None = None,

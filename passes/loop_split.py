@@ -22,6 +22,7 @@ from typing import Callable
 
 from onnx import AttributeProto, GraphProto, NodeProto
 
+from rnnfuse.disjoint_sets import DisjointSets
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph
 from rnnfuse.protos import has_subgraph
@@ -167,14 +168,7 @@ def _bits(mask: int) -> set[int]:
 
 def _groups(n_carried: int, out_reads: list[int], shared: set[int]) -> dict[int, int] | None:
     """Each carried value that is no shared one -> its group's root; None when the condition reads a group."""
-    root = list(range(n_carried))
-
-    def find(k):
-        while root[k] != k:
-            root[k] = root[root[k]]
-            k = root[k]
-        return k
-
+    tied = DisjointSets(range(n_carried))
     if _bits(out_reads[0]) - shared:
         return None  # (every part would need that group: the step does not split)
     for k, mask in enumerate(out_reads[1:]):
@@ -182,8 +176,8 @@ def _groups(n_carried: int, out_reads: list[int], shared: set[int]) -> dict[int,
         if k < n_carried and k not in shared:
             bits.add(k)
         for b in sorted(bits)[1:]:
-            root[find(b)] = find(min(bits))
-    return {k: find(k) for k in range(n_carried) if k not in shared}
+            tied.join(b, min(bits))
+    return {k: tied.root(k) for k in range(n_carried) if k not in shared}
 
 
 def _shared_read(own: list[int], scans: list[int], shared: set[int], out_reads: list[int], n_carried: int) -> set[int]:

@@ -395,7 +395,7 @@ def _groups(chains: list[list[NodeProto]], links: _Links) -> list[list[list[Node
     """Chains that share a state carrier (a multi-layer state's per-step Concat) merge together or not at
     all: merging one alone would leave the shared Concat reading a state that no longer exists."""
     owner: dict[int, int] = {}
-    tied = DisjointSets(len(chains))
+    tied = DisjointSets(range(len(chains)))
     for i, chain in enumerate(chains):
         for n in chain:
             for c in links.carriers.get(id(n), []):

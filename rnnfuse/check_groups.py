@@ -49,7 +49,7 @@ def independent_groups(nodes: list[NodeProto], pairs: list[Pair], masks: dict[st
     most ``limit`` nodes unless one part is bigger (subgraphs counted, see piecewise_runs.weight); None when
     they are one group, or a pair or a mask belongs to no part."""
     links = {a for a, _ in pairs}
-    parts = DisjointSets(len(nodes))  # (a part known by its first node)
+    parts = DisjointSets(range(len(nodes)))  # (a part known by its first node)
     join = parts.join
     producer: dict[str, int] = {}
     mask_node: dict[str, int] = {}  # mask -> a node computing or reading it (all of them joined)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from onnx import NodeProto
 
+from .disjoint_sets import DisjointSets
 from .errors import Decline
 from .graph import Graph
 from .recurrence import NONE, ZERO, Init, InputPrep, Recurrence, SeqOutput
@@ -55,21 +56,14 @@ def sources(p: Poly) -> set:
 
 def _groups(polys: dict[str, Poly]) -> list[list[str]]:
     """Connected parts of the 'reads' relation among ``polys``' states, in the step's order."""
-    parent = {s: s for s in polys}
-
-    def find(s):
-        while parent[s] != s:
-            parent[s] = parent[parent[s]]
-            s = parent[s]
-        return s
-
+    reading = DisjointSets(polys)
     for s, p in polys.items():
         for kind, sym in sources(p):
-            if kind == STATE and sym in parent:
-                parent[find(sym)] = find(s)
+            if kind == STATE and sym in reading:
+                reading.join(sym, s)
     out: dict[str, list[str]] = {}
     for s in polys:
-        out.setdefault(find(s), []).append(s)
+        out.setdefault(reading.root(s), []).append(s)
     return list(out.values())
 
 

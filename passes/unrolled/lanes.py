@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from rnnfuse.disjoint_sets import DisjointSets
 from rnnfuse.graph import Graph
 
 if TYPE_CHECKING:  # (the chains module splits its chains with this one)
@@ -93,17 +94,7 @@ def _owners(g: Graph, st: Step, iv, side: int) -> dict[int, frozenset]:
 def _lanes(g: Graph, steps: list[Step], owners: list[dict]) -> list[list[frozenset]] | None:
     """Per lane, per step, the states it reads; None when some state's producer is not computed from the
     states of the step before (a state that threads no lane) or a lane misses a step."""
-    parent: dict = {}
-
-    def find(a):
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
-
-    for k in range(1, len(steps)):
-        for r in steps[k].roots:
-            parent[(k, r)] = (k, r)
+    threads = DisjointSets((k, r) for k in range(1, len(steps)) for r in steps[k].roots)
     first_of: dict = {}  # a state of step 1 -> the states of step 0 it is computed from
     for k in range(1, len(steps)):
         for r in steps[k].roots:
@@ -115,10 +106,10 @@ def _lanes(g: Graph, steps: list[Step], owners: list[dict]) -> list[list[frozens
             if not came_from:
                 return None
             for older in came_from:
-                parent[find((k - 1, older))] = find((k, r))
+                threads.join((k - 1, older), (k, r))
     groups: dict = {}
-    for k, r in parent:
-        groups.setdefault(find((k, r)), [set() for _ in steps])[k].add(r)
+    for k, r in threads:
+        groups.setdefault(threads.root((k, r)), [set() for _ in steps])[k].add(r)
     lanes = []
     for per_step in groups.values():
         if not all(per_step[1:]):

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from onnx import NodeProto, helper
 
-from .graph_index import POS_TIE, GraphIndex, n_readers
+from .graph_additions import Additions
+from .graph_index import GraphIndex, n_readers
 from .graph_rewire import Rewiring
 from .graph_walks import Walks
 from .graph_weights import Weights
@@ -27,10 +28,11 @@ if TYPE_CHECKING:
     from .model import Model
 
 
-class Graph(Rewiring, Walks, Weights, GraphIndex):
+class Graph(Additions, Rewiring, Walks, Weights, GraphIndex):
     """One graph scope with producer/consumer maps (:class:`GraphIndex`), walks over its dataflow
-    (:class:`~rnnfuse.graph_walks.Walks`) and edit operations (renaming what nodes read:
-    :class:`~rnnfuse.graph_rewire.Rewiring`; new weights: :class:`~rnnfuse.graph_weights.Weights`)."""
+    (:class:`~rnnfuse.graph_walks.Walks`) and edit operations (new nodes: :class:`~rnnfuse.graph_additions.Additions`;
+    renaming what nodes read: :class:`~rnnfuse.graph_rewire.Rewiring`; new weights:
+    :class:`~rnnfuse.graph_weights.Weights`)."""
 
     # what the last finalize's round defined anew: the outputs of nodes it added, rewired or removed
     redefined: list[str] | None = None
@@ -39,55 +41,6 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
     _lost: set[str] | None
 
     # -- edits -------------------------------------------------------------------------------------------
-    def fresh(self, hint: str) -> str:
-        return self.model.names.fresh(hint)
-
-    def add_node(
-        self,
-        op_type: str,
-        inputs: list[str],
-        n_outputs: int = 1,
-        *,
-        name: str | None = None,
-        outputs: list[str] | None = None,
-        domain: str = "",
-        anchor: NodeProto | None = None,
-        **attrs,
-    ) -> list[str]:
-        """Append a node; returns its output names. ``anchor`` places it near that node in the final order."""
-        base = name or f"rnnfuse/{op_type}"
-        if outputs is None:
-            outputs = [self.fresh(f"{base}:{i}" if n_outputs > 1 else base) for i in range(n_outputs)]
-        node = helper.make_node(op_type, inputs, outputs, name=self.fresh(base), domain=domain or None, **attrs)
-        self.append_node(node, self.position(anchor) if anchor is not None else None)
-        return outputs
-
-    def add_copies(self, nodes: list[NodeProto], env: dict[str, str], base: str, anchor: NodeProto | None = None) -> None:
-        """Append a copy of each of ``nodes`` (in evaluation order; named as add_node names ``base/op``), reading
-        ``env[name]`` for each input ``env`` names; ``env`` gains the copies' outputs (a replayed head: 100,000)."""
-        anchor_pos = self.position(anchor) if anchor is not None else None
-        fresh = self.fresh
-        for n in nodes:
-            hint, outs = f"{base}/{n.op_type}", n.output[:]
-            new = [fresh(f"{hint}:{i}" if len(outs) > 1 else hint) for i in range(len(outs))]
-            node = NodeProto(op_type=n.op_type, name=fresh(hint), input=[env.get(i, i) if i else "" for i in n.input],
-                             output=new)
-            if n.domain:
-                node.domain = n.domain
-            node.attribute.extend(n.attribute)
-            self.append_node(node, anchor_pos)
-            env.update(zip(outs, new))
-
-    def append_node(self, node: NodeProto, anchor_pos: int | None) -> None:
-        """Put a new node (with its subgraphs) in the graph and its index, near ``anchor_pos`` when given."""
-        self.nodes.append(node)
-        self._removed.added(id(node))
-        self._by_op_add(node)
-        at = anchor_pos // POS_TIE if anchor_pos is not None else len(self.nodes)
-        self.place(node, at * POS_TIE + next(self._seq))
-        self._index(node)
-        self.edited.append(node)
-
     def remove_node(self, node: NodeProto, defer: set | None = None) -> None:
         """``defer`` (a set): the reader lists of 64+ readers that ``node`` is in keep it until
         :meth:`drop_removed_readers` is given the set (their uses list it meanwhile, removed: not ``alive``). Dedupe
@@ -271,6 +224,8 @@ class Graph(Rewiring, Walks, Weights, GraphIndex):
         self._by_op = None  # (a new order)
         self._removed = Removed()
         self._graveyard.clear()
+        self.__dict__.pop("_nursery", None)  # (what stays of it was copied into the proto; a node still referred
+        # to elsewhere keeps its message, and with it the old nursery's arena, alive)
         edited, self.edited = self.edited, []
         self.__dict__.pop("in_place", None)
         self._input_sorted = True

@@ -223,3 +223,18 @@ def test_a_probe_check_that_cannot_run_checks_the_whole_batch_again(monkeypatch)
     assert len(report.fused) == 2, report.to_text()
     assert all(f.validation.startswith("ok (max abs error") for f in report.fused), report.to_text()
     _same_outputs(model, fused)
+
+
+@pytest.mark.parametrize("front", ["loop", "scan"])
+def test_a_heads_identity_is_read_through_not_copied(front):
+    """The head's last op is ``Identity(e) -> y_t`` (as exporters name a scan output): applied to every step it
+    is read through, not copied, so no no-op is left for another round of passes to remove (two rounds: the
+    one that fuses, and the one that finds nothing more)."""
+    model = build_big_head(front)
+    body = next(a.g for a in model.graph.node[-1].attribute if a.name == "body")
+    assert body.node[-1 if front == "scan" else -2].op_type == "Identity"
+    fused, report = rnnfuse.optimize(model)
+    assert len(report.fused) == 1 and not report.declined, report.to_text()
+    assert "Identity" not in op_counts(fused), op_counts(fused)
+    assert report.rounds == 2, report.rounds
+    _same_outputs(model, fused)

@@ -20,20 +20,28 @@ class NameAllocator:
     become a set."""
 
     _HITS_BEFORE_SET = 8
+    # bits of the filter per packed name (a power of two at least this many times their count): a candidate
+    # whose hash's bit is clear is no packed name, and ~1 in 16 of the others is searched for in the hashes
+    _FILTER_BITS_PER_NAME = 16
 
     def __init__(self, used: Iterable[str], packed: tuple[str, np.ndarray] | None = None):
         self.used = used if type(used) is set else set(used)
         self._counters: dict[str, int] = {}
         self._packed = packed
         self._hits = 0
+        self._filter, self._filter_mask = _hash_filter(packed[1], self._FILTER_BITS_PER_NAME) if packed else (b"", 0)
 
     def _taken(self, name: str) -> bool:
         if name in self.used:
             return True
         if self._packed is None:
             return False
-        joined, hashes = self._packed
         h = hash(name)
+        bit = h & self._filter_mask
+        if not (self._filter[bit >> 3] >> (bit & 7)) & 1:
+            return False  # (the filter answers most candidates: a binary search costs ~1.3 µs a name, a
+            # replayed 100,000-node head asked 200,000)
+        joined, hashes = self._packed
         i = int(np.searchsorted(hashes, h))
         if i == len(hashes) or int(hashes[i]) != h or f"\0{name}\0" not in joined:
             return False
@@ -56,3 +64,13 @@ class NameAllocator:
                 self._counters[hint] = i
                 self.used.add(cand)
                 return cand
+
+
+def _hash_filter(hashes: np.ndarray, bits_per_name: int) -> tuple[bytes, int]:
+    """A bitmap over the low bits of ``hashes`` (one bit set per hash, little-endian within each byte) and the
+    mask of those bits: a hash whose bit is clear is none of ``hashes``."""
+    n_bits = 1 << max(16, int(len(hashes) * bits_per_name - 1).bit_length())
+    mask = n_bits - 1
+    marks = np.zeros(n_bits, dtype=bool)
+    marks[hashes & np.int64(mask)] = True
+    return np.packbits(marks, bitorder="little").tobytes(), mask

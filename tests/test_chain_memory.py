@@ -115,6 +115,25 @@ def test_fresh_names_avoid_packed_names_exactly():
     assert b._packed is None and "h_29" in b.used
 
 
+def test_a_filter_answers_most_candidates_and_no_packed_name_passes_it(monkeypatch):
+    """Every packed name (their hashes negative and positive) is still taken; a fresh name costs a binary
+    search of the hashes only when the filter cannot tell (about 1 in 16 candidates), not each time."""
+    names = [f"node_{i}" for i in range(5000)]
+    assert any(hash(s) < 0 for s in names) and any(hash(s) > 0 for s in names)
+    a = NameAllocator(set(), _packed(names))
+    searches = []
+    real = np.searchsorted
+    monkeypatch.setattr(np, "searchsorted", lambda *args: searches.append(1) or real(*args))
+    for s in names:  # (asked through the filter: every packed name's bit is set)
+        bit = hash(s) & a._filter_mask
+        assert a._filter[bit >> 3] >> (bit & 7) & 1, s
+    assert [a.fresh(s) for s in names[:5]] == [f"{s}_1" for s in names[:5]]  # (fewer hits than make a set)
+    searches.clear()
+    fresh = [a.fresh("rnnfuse/head/Mul") for _ in range(2000)]
+    assert fresh[:2] == ["rnnfuse/head/Mul", "rnnfuse/head/Mul_1"] and len(set(fresh)) == 2000
+    assert len(searches) < 2000 // 8, len(searches)
+
+
 def test_model_names_avoid_node_names_without_holding_them():
     n1 = helper.make_node("Relu", ["x"], ["y"], name="rnnfuse/Relu")
     n2 = helper.make_node("Neg", ["y"], ["z"], name="z_node")

@@ -468,7 +468,8 @@ def time_keys(g: Graph, name: str, axis: int = 0) -> set:
     producers, and the number the file gives for it or for that root (a symbolic name declared on the way,
     jax2onnx's for a Loop's stacked outputs, hides a static T of the tensor they were computed from)."""
     root = root_dim(g, name, axis)
-    keys = {time_dim_key(g, name, axis), ("dim",) + root}
+    own = static_dim(g, name, axis)  # (time_dim_key's, the root found once)
+    keys = {("const", own) if own is not None else ("dim",) + root, ("dim",) + root}
     d = static_dim(g, *root)
     if d is not None:
         keys.add(("const", d))

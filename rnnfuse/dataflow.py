@@ -71,6 +71,19 @@ def values_computed_from(g: Graph, inputs: list[str]) -> set[str]:
     return out
 
 
+def runtime_after_edits(runtime: set, nodes, edited) -> None:
+    """Add to ``runtime`` (:func:`runtime_values`' kept set) what the ``edited`` nodes (added or rewired this
+    round) compute from a graph input's values, by the same rule; ``nodes``: the graph's, in topological order
+    (a new node's new producers are seen first). What the set says of the other names stays true (a rewrite
+    keeps every value it leaves), so this is the walk over the round's edits that a walk over the whole graph
+    would add; without it, the next round took every value a fusion computed from the inputs for one a fold
+    might make constant (a fold each of 4,000 fused masked ops' index vectors: 2.9 s at 90,000 nodes)."""
+    want = set(map(id, edited))
+    for n in nodes:
+        if id(n) in want and n.op_type not in ("Shape", "Size") and any(i in runtime for i in n.input if i):
+            runtime.update(o for o in n.output if o)
+
+
 _NONE: frozenset = frozenset()
 _SUBGRAPH_OPS = ("Loop", "Scan", "If", "SequenceMap")
 

@@ -210,6 +210,11 @@ class Graph(Additions, Rewiring, Walks, Weights, GraphIndex):
         sort = bool(self.edited) or not self._input_sorted
         if sort:
             nodes = self.toposort(nodes)
+        runtime = self.model.facts.runtime if self.model is not None and self.parent is None else None
+        if runtime is not None and self.edited:  # (the run's kept set learns the values the round computed anew)
+            from .dataflow import runtime_after_edits  # (dataflow's walks build on the graph)
+
+            runtime_after_edits(runtime, nodes, self.edited)
         copies: list | None = []
         # the same length and nothing removed or re-sorted: the proto's own list, as it is
         if len(nodes) != len(self.proto.node) or (

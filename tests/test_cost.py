@@ -1873,3 +1873,29 @@ def test_index_vectors_computed_from_the_inputs_values_fold_nothing(monkeypatch)
     relus = {n.output[0]: n.input[0] for n in m.graph.nodes if n.op_type == "Relu"}
     assert relus == {"out1": "picked", "out2": "y"}, relus
     assert "m" not in folded and "zs" not in folded, folded
+
+
+def test_the_kept_runtime_set_learns_what_a_round_computed_from_the_inputs(monkeypatch):
+    """The set of values computed from the inputs' values is walked once for the run; a round's new nodes
+    join it at finalize, by the same rule (a new Mul of x: runtime; a new Shape of x and what is computed from
+    it and constants alone: not), without a second walk over the graph; it then equals a fresh walk."""
+    from rnnfuse import dataflow
+
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["N", 3])],
+                              [helper.make_tensor_value_info("y", f, None), helper.make_tensor_value_info("z", f, None),
+                               helper.make_tensor_value_info("s", TensorProto.INT64, None)],
+                              [numpy_helper.from_array(np.ones(3, np.float32), "w")])
+    m = Model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    g = m.graph
+    assert dataflow.runtime_values(g) == {"x", "r", "y"}
+    (z,) = g.add_node("Mul", ["r", "w"], outputs=["z"])
+    (shape,) = g.add_node("Shape", ["x"])
+    g.add_node("Mul", [shape, shape], outputs=["s"])
+    walks = []
+    real = dataflow.values_computed_from
+    monkeypatch.setattr(dataflow, "values_computed_from", lambda *a: walks.append(1) or real(*a))
+    g.finalize()
+    assert dataflow.runtime_values(g) == {"x", "r", "y", "z"} == real(g, g.input_names)
+    assert not walks

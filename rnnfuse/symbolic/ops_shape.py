@@ -123,7 +123,7 @@ def _gather(ev, node, ins):
     if axis == -2 and idx.arr.ndim == 0 and int(idx.arr) in (0, -1) and isinstance(v, (SymTensor, ConcatRows)):
         # element 0 of a leading unit axis is the value without it, as a Squeeze (jax's
         # ``lax.dynamic_slice_in_dim(x, t, 1)[0]``: a one-step slice, then its one element)
-        return [SymTensor(v.poly, v.lead - 1) if isinstance(v, SymTensor) else ConcatRows(v.segments, v.lead - 1)]
+        return [_without_lead(v, 1)]
     if axis != -1 or idx.arr.ndim != 1:
         raise Decline("a gather that is not a unit selection")
     ind = [int(i) for i in idx.arr]
@@ -170,6 +170,11 @@ def _unsqueeze(ev, node, ins):
     raise Decline("an unsqueeze that is not a leading axis")
 
 
+def _without_lead(v, k: int):
+    """``v`` (a SymTensor or ConcatRows) without ``k`` of its leading unit axes: the same rows."""
+    return SymTensor(v.poly, v.lead - k) if isinstance(v, SymTensor) else ConcatRows(v.segments, v.lead - k)
+
+
 def _squeeze(ev, node, ins):
     v = ins[0]
     axes = _axes_of(ev, node, ins)
@@ -178,8 +183,7 @@ def _squeeze(ev, node, ins):
             raise Decline("a squeeze of grouped units that is not their one group")
         return [SymTensor(v.poly)]
     if isinstance(v, (SymTensor, ConcatRows)) and v.lead and (axes is None or all(0 <= a < v.lead for a in axes)):
-        k = v.lead if axes is None else len(set(axes))
-        return [SymTensor(v.poly, v.lead - k) if isinstance(v, SymTensor) else ConcatRows(v.segments, v.lead - k)]
+        return [_without_lead(v, v.lead if axes is None else len(set(axes)))]
     if isinstance(v, BoolMask) and v.unit and axes in ([1], [-1]):
         return [BoolMask(v.sym, v.neg, False)]
     shape = ev.graph.model.shape(node.input[0]) if node.input else None

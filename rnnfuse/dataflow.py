@@ -11,6 +11,8 @@ import numpy as np
 from .graph import Graph
 from .protos import has_subgraph
 
+# the ops that read their input's shape, never its values: what they compute is no runtime data, whatever they read
+SHAPE_READS = ("Shape", "Size")
 # elementwise (or row-wise) ops whose output has the leading axes of their inputs
 _KEEPS_LEAD = ("Add", "Sub", "Mul", "Div", "Sigmoid", "Tanh", "Relu", "MatMul", "Gemm", "Where", "Identity", "Cast")
 
@@ -47,7 +49,7 @@ def values_computed_from(g: Graph, inputs: list[str]) -> set[str]:
             if k in hot or k in shapes:
                 continue
             op = c.op_type
-            if op in ("Shape", "Size"):
+            if op in SHAPE_READS:
                 shapes.add(k)
                 continue
             if (op in _SUBGRAPH_OPS or c.domain not in ("", "ai.onnx")) and v not in c.input:
@@ -80,7 +82,7 @@ def runtime_after_edits(runtime: set, nodes, edited) -> None:
     might make constant (a fold each of 4,000 fused masked ops' index vectors: 2.9 s at 90,000 nodes)."""
     want = set(map(id, edited))
     for n in nodes:  # (names read as slices, tested in C: a replayed 100,000-node head, 0.27 -> 0.17 s)
-        if id(n) in want and not runtime.isdisjoint(n.input[:]) and n.op_type not in ("Shape", "Size"):
+        if id(n) in want and not runtime.isdisjoint(n.input[:]) and n.op_type not in SHAPE_READS:
             runtime.update(n.output[:])
     runtime.discard("")  # (an unnamed optional output)
 
@@ -145,7 +147,7 @@ def given_constants(g: Graph) -> frozenset | set:
         for c in g.uses(frontier.pop()):
             if c.op_type == "Expand" and g.fill_value(c.output[0]) == 0.0:
                 continue  # (zeros broadcast to a shape computed from a fill: torch's zeros.expand(-1, H))
-            if c.op_type in ("Shape", "Size"):
+            if c.op_type in SHAPE_READS:
                 continue  # (its shape, not its values: the bounds of torch's chunk of h0 @ R, a Slice's)
             for o in c.output:
                 if o and o not in out and o not in runtime:
@@ -164,7 +166,7 @@ def _reads_a_shape(g: Graph, name: str, runtime, memo: dict) -> bool:
         if p is None or cur in runtime:
             memo[cur] = False
             return None
-        if p.op_type in ("Shape", "Size"):
+        if p.op_type in SHAPE_READS:
             memo[cur] = True
             return None
         return p.input
@@ -189,7 +191,7 @@ def shape_derived(g: Graph, name: str) -> bool:
     # when what it reads is constant or a shape, which this walk finds anyway)
     def open_(cur):
         p = producer.get(cur)
-        if p is not None and p.op_type in ("Shape", "Size"):
+        if p is not None and p.op_type in SHAPE_READS:
             memo[cur] = True
             return None
         if cur in runtime:

@@ -391,12 +391,39 @@ def _round_trip(code: str, src: str, runs: int, what: str) -> tuple[float, float
     return statistics.median(walls), statistics.median(peaks)
 
 
+# what validating any rewrite of the model costs at least: onnxruntime opening a session of it (one thread), as
+# the light check sessions are opened (no graph optimizations), and as deployed (its default optimizations).
+# Every rewritten node runs in some check session, so a model whose own session takes seconds to open cannot be
+# optimized with validation on in less (`--no-validate` skips it)
+ORT_LOAD = """import sys, time, onnxruntime as ort
+so = ort.SessionOptions(); so.intra_op_num_threads = so.inter_op_num_threads = 1
+if sys.argv[3] == "light":
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+t = time.perf_counter(); ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
+print(time.perf_counter() - t)"""
+
+
+def _ort_load(src: str, runs: int, how: str) -> float:
+    """Median seconds onnxruntime takes to open a session of ``src`` (``how``: "light" or "default"), timed
+    inside fresh processes (imports excluded)."""
+    times = []
+    for _ in range(runs):
+        r = subprocess.run([sys.executable, "-c", ORT_LOAD, src, "-", how], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"onnxruntime's load of {src} exited {r.returncode}: {r.stderr.strip()[-300:]}")
+        times.append(float(r.stdout.split()[-1]))
+    return statistics.median(times)
+
+
 def floor(src: str, runs: int) -> dict:
     """The floor the issue names: ``onnx.load`` + ``onnx.save`` of the model in a fresh process (medians of
     ``runs``): wall seconds, peak RSS, and the peak of a process that only imports onnx; and, where onnx-ir is
-    installed, the same for its ``load`` + ``save`` (``ir_wall``, ``ir_peak_mb``, ``ir_base_mb``)."""
+    installed, the same for its ``load`` + ``save`` (``ir_wall``, ``ir_peak_mb``, ``ir_base_mb``). Besides,
+    validation's floor: onnxruntime opening a session of the model, light and as deployed (``ort_light``,
+    ``ort_default``, see ``ORT_LOAD``)."""
     wall, peak = _round_trip(FLOOR, src, runs, "onnx.load + onnx.save")
     out = {"wall": wall, "peak_mb": peak, "base_mb": _child([sys.executable, "-c", "import onnx"])[1]}
+    out["ort_light"], out["ort_default"] = _ort_load(src, runs, "light"), _ort_load(src, runs, "default")
     if importlib.util.find_spec("onnx_ir") is not None:
         out["ir_wall"], out["ir_peak_mb"] = _round_trip(FLOOR_IR, src, runs, "onnx_ir.load + onnx_ir.save")
         out["ir_base_mb"] = _child([sys.executable, "-c", "import onnx_ir"])[1]
@@ -410,8 +437,10 @@ def floor_table(results: list[dict], bases: dict[str, float]) -> str:
     with_ir = any("ir_wall" in (r.get("floor") or {}) for r in results)
     lines = ["| graph | nodes | file MB | load+save s | load+save RSS - onnx MB | x file | "
              + ("onnx-ir load+save s | onnx-ir RSS - onnx_ir MB | x file | " if with_ir else "")
+             + "onnxruntime session s (light / default) | "
+             + " | ".join(f"rnnfuse{f' ({t})' if len(trees) > 1 else ''} wall s, x light session" for t in trees) + " | "
              + " | ".join(f"rnnfuse{f' ({t})' if len(trees) > 1 else ''} RSS - libs MB, x floor" for t in trees) + " |",
-             "|---" * (6 + 3 * with_ir + len(trees)) + "|"]
+             "|---" * (7 + 3 * with_ir + 2 * len(trees)) + "|"]
     for r in results:
         fl = r.get("floor")
         if not fl:
@@ -427,8 +456,10 @@ def floor_table(results: list[dict], bases: dict[str, float]) -> str:
             ir_extra = fl["ir_peak_mb"] - fl["ir_base_mb"] if "ir_wall" in fl else None
             ir = (f"{fl['ir_wall']:.2f} | {ir_extra:.0f} | {ir_extra / file_mb:.1f} | " if ir_extra is not None
                   else "- | - | - | ")
+        ort_cells = " | ".join(f"{r['m'][t]['wall']:.2f}, {r['m'][t]['wall'] / fl['ort_light']:.1f}x" for t in trees)
         lines.append(f"| {r['graph']} | {r['nodes']:,} | {file_mb:.1f} | {fl['wall']:.2f} | {extra:.0f} | "
-                     f"{extra / file_mb:.1f} | " + ir + " | ".join(cells) + " |")
+                     f"{extra / file_mb:.1f} | " + ir + f"{fl['ort_light']:.2f} / {fl['ort_default']:.2f} | "
+                     + ort_cells + " | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -522,6 +553,8 @@ def main(argv=None) -> int:
             results.append({"graph": graph, "nodes": nodes, "m": ms})
             if a.floor:
                 results[-1]["floor"] = fl = floor(src, a.runs)
+                print(f"{graph} {nodes} [onnxruntime session]: light {fl['ort_light']:.2f} s, default "
+                      f"{fl['ort_default']:.2f} s", flush=True)
                 print(f"{graph} {nodes} [onnx.load + onnx.save]: wall {fl['wall']:.2f} s, peak {fl['peak_mb']:.0f} MB "
                       f"(import onnx: {fl['base_mb']:.0f} MB)" + (f"; [onnx_ir]: wall {fl['ir_wall']:.2f} s, peak "
                       f"{fl['ir_peak_mb']:.0f} MB" if "ir_wall" in fl else ""), flush=True)

@@ -136,14 +136,17 @@ def _packed(nodes: list[NodeProto], free: list[bool], root: Callable[[int], int]
     return groups
 
 
-def in_groups(groups: list[Group], pairs: list[Pair], check: Callable[[Group], ValidationResult]
-              ) -> ValidationResult | None:
-    """The check of ``pairs`` made group by group (``check(group)`` checks one), each group's session let go
-    before the next opens. Only a pass is taken from the groups: None (the whole check model decides, and says
-    what fails) when a group's check did not run or a pair failed in it."""
+def in_groups(groups: list[Group], pairs: list[Pair], check: Callable[[Group, object], ValidationResult],
+              ahead: Callable[[Group], object]) -> ValidationResult | None:
+    """The check of ``pairs`` made group by group: ``ahead(group)`` starts opening a group's session (see
+    rnnfuse.sessions_ahead), asked for the next group before ``check(group, what ahead gave)`` checks one, so
+    at most two groups' sessions are open at once. Only a pass is taken from the groups: None (the whole check
+    model decides, and says what fails) when a group's check did not run or a pair failed in it."""
     res, runs = ValidationResult(True), []
-    for group in groups:
-        part = check(group)
+    coming = ahead(groups[0]) if groups else None
+    for k, group in enumerate(groups):
+        opening, coming = coming, (ahead(groups[k + 1]) if k + 1 < len(groups) else None)
+        part = check(group, opening)
         if not part.ran or not all(r.ok for r in part.pairs.values()):
             return None
         res.pairs.update(part.pairs)

@@ -5,8 +5,9 @@ Measured with onnxruntime 1.32, graph optimizations off, one thread: a Tanh/Sigm
 12.1 us a node at 2,500 / 10,000 / 20,000 nodes (3.3 s for 100,000), Loops stacked on one another in 22 / 27.5 /
 29.7 us a node (bodies counted). So a long list of nodes in topological order is cut into runs of at most so
 many nodes (their subgraphs' counted: a Loop of 8 body nodes is 9), each run is loaded as a model of its own and
-run on every input set, fed what the earlier runs computed, and closed before the next one opens: only the
-values crossing a cut are held between sessions. The callers cut at 2,500 nodes: smaller pieces load hardly
+run on every input set, fed what the earlier runs computed, and closed once it ran (the next one opens
+meanwhile on a worker thread, :mod:`rnnfuse.sessions_ahead`): only the values crossing a cut are held between
+sessions. The callers cut at 2,500 nodes: smaller pieces load hardly
 faster a node (7.0 us at 1,000), and each piece costs a model built and a session's fixed set-up.
 
 Used for a check model's shared upstream (:mod:`rnnfuse.upstream`), for a whole check model without masks
@@ -25,6 +26,7 @@ from onnx import NodeProto
 from .check_session import model_of
 from .graph import Graph
 from .protos import call_key, has_subgraph, nodes_within, subgraphs
+from .sessions_ahead import SessionsAhead
 
 
 def weight(n: NodeProto, calls: dict | None = None) -> int:
@@ -92,29 +94,45 @@ def run_in_pieces(ort, g: Graph, nodes: list[NodeProto], wanted: list[str], give
     values: dict[str, list[np.ndarray]] = dict(given)
     if len(bounds) > 1:
         inputs = _made_once(inputs, max_bytes)
-    for k, (a, b) in enumerate(bounds):
-        outputs = list(handed[k])
+
+    def model(k: int) -> tuple:
         # (the graph's own nodes: the model copies them as it takes them, and nothing here changes them)
-        m, big = model_of(g, nodes[a:b], [onnx.ValueInfoProto(name=o) for o in outputs], values, "rnnfuse_piece",
-                          reads=reads)
-        sess = open_session(ort, m, big)
-        del m
-        fed = [i.name for i in sess.get_inputs()]
-        computed: dict[str, list[np.ndarray]] = {o: [] for o in outputs}
-        for s, feeds in enumerate(inputs):
-            outs = sess.run(outputs, {name: values[name][s] if name in values else feeds[name] for name in fed})
-            for o, v in zip(outputs, outs):
-                if not isinstance(v, np.ndarray):
-                    return None
-                computed[o].append(v)
-        del sess
-        values.update(computed)
-        for w in taken[k]:
-            take(w, computed[w])
-        values = {name: v for name, v in values.items() if last_reader.get(name, -1) > k}
-        if sum(v.nbytes for per_set in values.values() for v in per_set) > max_bytes:
-            return None
+        m, big = model_of(g, nodes[bounds[k][0]:bounds[k][1]], [onnx.ValueInfoProto(name=o) for o in handed[k]],
+                          values, "rnnfuse_piece", reads=reads)
+        return m, big, None
+
+    with SessionsAhead(threaded=len(bounds) > 1) as ahead:
+        opens = lambda m, big: open_session(ort, m, big)  # noqa: E731
+        coming = ahead.open(lambda: model(0), opens) if bounds else None
+        for k in range(len(bounds)):
+            sess = coming.result()[0]
+            computed = _ran(sess, list(handed[k]), inputs, values)
+            if computed is None:
+                return None
+            values.update(computed)
+            if k + 1 < len(bounds):  # (its model declares the values fed to it by their shapes: built now)
+                coming = ahead.open(lambda k=k: model(k + 1), opens)
+            del sess
+            for w in taken[k]:
+                take(w, computed[w])
+            values = {name: v for name, v in values.items() if last_reader.get(name, -1) > k}
+            if sum(v.nbytes for per_set in values.values() for v in per_set) > max_bytes:
+                return None
     return {w: values[w] for w in wanted} if take is None else {}
+
+
+def _ran(sess, outputs: list[str], inputs, values: dict[str, list[np.ndarray]]) -> dict[str, list[np.ndarray]] | None:
+    """``outputs`` of a piece's session run on each input set (fed ``values`` where it reads them); None when
+    one is not a tensor."""
+    fed = [i.name for i in sess.get_inputs()]
+    computed: dict[str, list[np.ndarray]] = {o: [] for o in outputs}
+    for s, feeds in enumerate(inputs):
+        outs = sess.run(outputs, {name: values[name][s] if name in values else feeds[name] for name in fed})
+        for o, v in zip(outputs, outs):
+            if not isinstance(v, np.ndarray):
+                return None
+            computed[o].append(v)
+    return computed
 
 
 def _made_once(inputs, max_bytes: int):

@@ -16,13 +16,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .check_groups import in_groups, independent_groups
+from .check_groups import Group, in_groups, independent_groups
 from .check_results import PairResult, ValidationResult, compare, failed_run, first_line
 from .check_session import Source, model_of, open_session, takes_file_route
 from .feeds import index_ranges, input_sizes, random_values, valid_steps
 from .graph import Graph
 from .protos import data_bytes, nodes_within, rename_reads
 from .piecewise_runs import run_in_pieces, weight
+from .sessions_ahead import Opening, SessionsAhead
 from .upstream import CUT_BYTES, Cut, cut
 
 
@@ -213,6 +214,7 @@ class _InGroup(NamedTuple):
     start: Cut
     longest: int
     inputs: InputSets
+    opening: Opening | None = None  # its check session, being opened while the group before it runs
 
 
 def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepack: bool,
@@ -234,7 +236,8 @@ def _validate_once(ort, g: Graph, pairs, masks: dict[str, str], seed: int, prepa
                    else _compare_in_pieces(ort, g, pairs, start, inputs))
             if res is not None:
                 return res
-    loaded = _check_session(ort, g, pairs, sorted(masks), prepack, inputs, start, light=group is not None)
+    loaded = _check_session(ort, g, pairs, sorted(masks), prepack, inputs, start, light=group is not None,
+                            opening=group.opening if group else None)
     if isinstance(loaded, ValidationResult):
         return loaded
     sess, pattern_inputs, given = loaded
@@ -380,17 +383,36 @@ def _check_in_groups(ort, g: Graph, pairs, masks, seed: int, min_time: int, star
     if links is None:
         return None
     longest = _longest_extent(g, masks)
-    return in_groups(groups, pairs, lambda grp: _validate_once(ort, g, grp.pairs, grp.masks, seed, False, min_time, _InGroup(
-        Cut(grp.nodes, {**start.given, **{x: links[x] for x in grp.fed}}), longest, inputs)))
+
+    def start_of(grp: Group) -> Cut:
+        return Cut(grp.nodes, {**start.given, **{x: links[x] for x in grp.fed}})
+
+    def check(grp: Group, opening: Opening) -> ValidationResult:
+        return _validate_once(ort, g, grp.pairs, grp.masks, seed, False, min_time,
+                              _InGroup(start_of(grp), longest, inputs, opening))
+
+    def built(grp: Group) -> tuple:
+        check_model, pattern_inputs, big = build_check_model(g, grp.pairs, sorted(grp.masks), start_of(grp))
+        return check_model, big, pattern_inputs
+
+    with SessionsAhead() as ahead:  # (each group's session opens while the group before it runs)
+        return in_groups(groups, pairs, check, lambda grp: ahead.open(
+            lambda: built(grp),
+            lambda check_model, big: open_session(ort, check_model, big, file_route=takes_file_route(big), light=True)))
 
 
 def _check_session(ort, g: Graph, pairs, mask_names, prepack: bool, inputs: InputSets, start: Cut | None = None,
-                   light: bool = False):
+                   light: bool = False, opening: Opening | None = None):
     """An onnxruntime session of the check model, its pattern inputs and the values it is fed instead of
     computing them (per input set, see rnnfuse.upstream), or the ValidationResult that says which side
     onnxruntime cannot load (the original model, or the rewrite). ``start``: where it starts, when found;
-    ``light``: without graph optimizations whatever its size (a group of a big check's parts)."""
+    ``light``: without graph optimizations whatever its size (a group of a big check's parts); ``opening``:
+    that session, light, already being opened from ``start`` (what building or opening it raised is raised
+    here, and answered alike)."""
     try:
+        if opening is not None:
+            sess, pattern_inputs = opening.result()
+            return sess, pattern_inputs, start.given
         if start is None:
             start = _cut(ort, g, pairs, mask_names, prepack, inputs)
         check, pattern_inputs, big = build_check_model(g, pairs, mask_names, start)

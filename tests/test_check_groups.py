@@ -124,3 +124,38 @@ def test_a_captured_value_joins_a_subgraph_reader_to_its_producer():
     groups = independent_groups(nodes, [("b", "b_new"), ("s", "s_new")], {}, reads_of, limit=2)
     # (h, read only inside the Scan's body, is free: copied into the group of the Scan that captures it)
     assert _outputs(groups) == [["b", "b_new"], ["h", "s", "s_new"]]
+
+
+def test_each_group_session_is_asked_for_before_the_group_before_it_is_checked():
+    """in_groups asks for the next group's session (``ahead``) before it checks the current one, so it opens
+    while that one runs; each check gets its own group's opening; a failing group ends the check (None) and
+    nothing past the next group is asked for."""
+    from rnnfuse.check_groups import Group, in_groups
+    from rnnfuse.check_results import PairResult, ValidationResult
+
+    groups = []
+    for k in range(3):
+        grp = Group()
+        grp.pairs = [(f"a{k}", f"b{k}")]
+        groups.append(grp)
+    calls = []
+
+    def check(grp, opening, fail=None):
+        calls.append(("check", groups.index(grp), opening))
+        res = ValidationResult(grp is not fail)
+        res.pairs = {p: PairResult(*p) for p in grp.pairs}
+        res.runs = 16
+        return res
+
+    def ahead(grp):
+        calls.append(("ahead", groups.index(grp)))
+        return f"session {groups.index(grp)}"
+
+    res = in_groups(groups, [p for grp in groups for p in grp.pairs], check, ahead)
+    assert res is not None and res.ran and len(res.pairs) == 3
+    assert calls == [("ahead", 0), ("ahead", 1), ("check", 0, "session 0"), ("ahead", 2), ("check", 1, "session 1"),
+                     ("check", 2, "session 2")]
+    calls.clear()
+    assert in_groups(groups, [p for grp in groups for p in grp.pairs],
+                     lambda grp, o: check(grp, o, fail=groups[0]), ahead) is None
+    assert calls == [("ahead", 0), ("ahead", 1), ("check", 0, "session 0")]

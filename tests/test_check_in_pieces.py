@@ -262,3 +262,66 @@ def test_pieces_of_a_model_with_many_functions_copy_none_they_do_not_call(stacke
     assert len(report.fused) == LOOPS and not report.declined, report.to_text()
     assert "whole" not in pieces and len(pieces) >= 8 and held and not any(held), (pieces, held)
     agrees_on_x(fused, stacked)
+
+
+def test_the_next_piece_opens_on_a_worker_while_one_runs_two_at_most(stacked):
+    """Each piece's session after the first is opened on the worker thread (rnnfuse.sessions_ahead) while the
+    one before it runs; no more than two are ever open; the values are those of one session. A piece whose
+    session cannot open raises out of the run, as when it opened in this thread."""
+    import threading
+    import weakref
+
+    import onnxruntime as ort
+
+    from rnnfuse.graph import Model
+
+    g = Model(stacked).graph
+    nodes = list(g.nodes)
+    wanted = [n.output[1] for n in nodes if n.op_type == "Loop"]
+    inputs = [{"x": np.random.default_rng(s).standard_normal((5, 1, 4)).astype(np.float32)} for s in range(2)]
+    live, most, threads = weakref.WeakSet(), [0], []
+
+    def open_(ort_, m, big):
+        sess = check_session.open_session(ort_, m, big)
+        threads.append(threading.current_thread() is threading.main_thread())
+        live.add(sess)
+        most[0] = max(most[0], len(live))
+        return sess
+
+    whole = piecewise_runs.run_in_pieces(ort, g, nodes, wanted, {}, inputs, open_, 10**6, 1 << 30)
+    assert threads == [True]  # (one piece: opened here, no worker)
+    threads.clear()
+    got = piecewise_runs.run_in_pieces(ort, g, nodes, wanted, {}, inputs, open_, 20, 1 << 30)
+    assert len(threads) > 10 and not any(threads) and most[0] <= 2 and not live
+    for name in wanted:
+        for a, b in zip(whole[name], got[name]):
+            np.testing.assert_array_equal(a, b)
+
+    def fails_third(ort_, m, big, seen=[]):
+        seen.append(1)
+        if len(seen) == 3:
+            raise RuntimeError("cannot open piece 3")
+        return check_session.open_session(ort_, m, big)
+
+    with pytest.raises(RuntimeError, match="piece 3"):
+        piecewise_runs.run_in_pieces(ort, g, nodes, wanted, {}, inputs, fails_third, 20, 1 << 30)
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_an_opening_raises_what_building_or_opening_raised_when_taken(threaded):
+    """A session opened ahead says what went wrong where it is taken, not where it was asked for: a model
+    that cannot be built or a session that cannot open raises then, as the call made there would have."""
+    from rnnfuse.sessions_ahead import SessionsAhead
+
+    def refuses(model, big):
+        raise RuntimeError(f"onnxruntime refuses {model}")
+
+    with SessionsAhead(threaded=threaded) as ahead:
+        unbuilt = ahead.open(lambda: 1 / 0, lambda model, big: model)
+        unopened = ahead.open(lambda: ("m1", None, "extra"), refuses)
+        opened = ahead.open(lambda: ("m2", "+big", "extra"), lambda model, big: model + big)
+        with pytest.raises(ZeroDivisionError):
+            unbuilt.result()
+        with pytest.raises(RuntimeError, match="refuses m1"):
+            unopened.result()
+        assert opened.result() == ("m2+big", "extra")

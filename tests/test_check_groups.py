@@ -159,3 +159,23 @@ def test_each_group_session_is_asked_for_before_the_group_before_it_is_checked()
     assert in_groups(groups, [p for grp in groups for p in grp.pairs],
                      lambda grp, o: check(grp, o, fail=groups[0]), ahead) is None
     assert calls == [("ahead", 0), ("ahead", 1), ("check", 0, "session 0")]
+
+
+def test_group_sessions_open_on_the_worker_while_the_group_before_runs(masked, monkeypatch):
+    """The groups' check sessions are opened by the worker thread (rnnfuse.sessions_ahead), the fusion the
+    same: every Loop fused and validated on every pattern kind."""
+    import threading
+
+    monkeypatch.setattr(validate, "PIECEWISE_CHECK_NODES", 100)
+    monkeypatch.setattr(validate, "CHECK_PIECE_NODES", GROUP)
+    opened, where = validate.open_session, []
+
+    def recorded(ort, m, big, **k):
+        if m.graph.name == "rnnfuse_check":
+            where.append(threading.current_thread() is threading.main_thread())
+        return opened(ort, m, big, **k)
+
+    monkeypatch.setattr(validate, "open_session", recorded)
+    fused, report = rnnfuse.optimize(masked)
+    assert len(report.fused) == LOOPS and all("16 runs" in f.validation for f in report.fused), report.to_text()
+    assert len(where) >= 4 and not any(where), where

@@ -270,17 +270,22 @@ class GraphIndex:
     def _index_inputs(self, n: NodeProto, captures: bool = True) -> None:
         """n as a consumer of each value it reads once: its inputs and, with ``captures``, what its subgraphs
         read from outside them."""
-        consumers = self.consumers
         ins = itertools.chain(n.input, sorted(self.implicit_inputs(n))) if captures else n.input
+        add = self._add_reader
         for i in dict.fromkeys(ins):
             if i:
-                lst = consumers.get(i)
-                if lst is None:
-                    consumers[i] = n
-                elif type(lst) is list:
-                    lst.append(n)
-                else:
-                    consumers[i] = [lst, n]
+                add(i, n)
+
+    def _add_reader(self, name: str, n: NodeProto) -> None:
+        """``n`` at the end of ``name``'s readers (see ``consumers``: one reader, or a list)."""
+        consumers = self.consumers
+        lst = consumers.get(name)
+        if lst is None:
+            consumers[name] = n
+        elif type(lst) is list:
+            lst.append(n)
+        else:
+            consumers[name] = [lst, n]
 
     def _unindex(self, n: NodeProto, defer: set | None = None) -> None:
         """``defer``: the long reader lists (64+) of a removed ``n`` are not filtered but named there."""

@@ -1899,3 +1899,42 @@ def test_the_kept_runtime_set_learns_what_a_round_computed_from_the_inputs(monke
     g.finalize()
     assert dataflow.runtime_values(g) == {"x", "r", "y", "z"} == real(g, g.input_names)
     assert not walks
+
+
+def test_a_body_node_rewritten_in_place_moves_only_its_owners_changed_reads(monkeypatch):
+    """A node of a Loop body rewritten in place (a step's mask made to read its slice of a mask built for all
+    steps) makes the Loop read its captures again. 200 Loops all read one trip count and capture one weight;
+    each has a body node rewritten to read a new outer value instead. Only the reader lists of the names a
+    Loop stops or starts reading change (each Loop was dropped from and added back to the trip count's list,
+    a filter of all 200 per Loop): no list is filtered but the weight's, and the index equals a fresh one."""
+    from rnnfuse.graph_edit import Graph as EditGraph
+
+    n, f, vi = 200, TensorProto.FLOAT, helper.make_tensor_value_info
+    inits = [numpy_helper.from_array(np.ones((1,), np.float32), w) for w in ("w", "v")]
+    inits.append(numpy_helper.from_array(np.array(3, np.int64), "T"))
+    nodes, cur = [], "x"
+    for i in range(n):
+        body = helper.make_graph([helper.make_node("Add", ["s", "w"], [f"s{i}"])], f"b{i}",
+                                 [vi("it", TensorProto.INT64, []), vi("c", TensorProto.BOOL, []), vi("s", f, [1])],
+                                 [vi("c", TensorProto.BOOL, []), vi(f"s{i}", f, [1])])
+        nodes.append(helper.make_node("Loop", ["T", "", cur], [f"l{i}"], body=body))
+        cur = f"l{i}"
+    g = helper.make_graph(nodes, "loops", [vi("x", f, [1])], [vi(cur, f, [1])], inits)
+    m = Model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    gr = m.graph
+    filtered: list[str] = []  # names whose reader list (of several) was filtered
+    drop, unindex = EditGraph._drop_readers, EditGraph._unindex
+    monkeypatch.setattr(EditGraph, "_drop_readers", lambda self, names, gone: filtered.extend(
+        x for x in names if type(self.consumers.get(x)) is list) or drop(self, names, gone))
+    monkeypatch.setattr(EditGraph, "_unindex", lambda self, node, defer=None: filtered.extend(
+        x for x in set(node.input) | self.implicit_inputs(node) if type(self.consumers.get(x)) is list)
+        or unindex(self, node, defer))
+    for loop in gr.nodes_of("Loop"):
+        body = gr.subgraph(loop)
+        add = body.nodes[0]
+        body.rewrite_in_place(add, "Add", ["s", "v"])
+    assert set(filtered) <= {"w", "s"} and "T" not in filtered, sorted(set(filtered))
+    fresh = Model(m.proto).graph
+    for name in ("T", "w", "v", "x"):
+        assert [id(r) for r in gr.uses(name)] == [id(r) for r in fresh.uses(name)], name
+    assert len(gr.uses("v")) == n and not gr.uses("w") and len(gr.uses("T")) == n

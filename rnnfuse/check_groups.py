@@ -10,7 +10,8 @@ Such a check model is many parts: each rewrite's old nodes and new nodes, joined
 the old tensor the next one reads (a stacked Loop reads the Loop below's output). So the parts are found (what
 a node computes and another reads joins them, and so does a mask both read, its override being one), but not
 joined through an old tensor of a compared pair (a "link"). They are packed in order into groups of at most
-``limit`` nodes, each checked as a check model of its own, one session after the other. A group reading a link
+``limit`` nodes, each checked as a check model of its own, one session after the other (the next one opened
+while one runs, :mod:`rnnfuse.sessions_ahead`). A group reading a link
 another group computes is fed it: its value computed once per input set by the original nodes with their own
 masks, not the patterns (:func:`link_values`, in pieces). Each rewrite is still checked on its whole output,
 with its own mask overridden by every pattern kind, against the old nodes given the same inputs: what changes

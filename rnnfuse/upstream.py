@@ -319,5 +319,5 @@ def _run_upstream(ort, g: Graph, shared: list[NodeProto], boundary: list[str], g
 
     Why pieces: onnxruntime holds several KB per node while a session is open (a 100,000-node prologue's
     session took 280 MB, twice what the rest of the run held), and its session set-up grows faster than the
-    nodes; a piece's session is closed before the next one opens."""
+    nodes; a piece's session is closed once it ran (the next one opening meanwhile: two at most)."""
     return run_in_pieces(ort, g, shared, boundary, given, inputs, open_session, PIECE_NODES, CUT_BYTES, reads)

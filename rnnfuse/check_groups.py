@@ -13,7 +13,7 @@ joined through an old tensor of a compared pair (a "link"). They are packed in o
 ``limit`` nodes, each checked as a check model of its own, one session after the other (the next one opened
 while one runs, :mod:`rnnfuse.sessions_ahead`). A group reading a link
 another group computes is fed it: its value computed once per input set by the original nodes with their own
-masks, not the patterns (:func:`link_values`, in pieces). Each rewrite is still checked on its whole output,
+masks, not the patterns (in pieces, by rnnfuse.validate._check_in_groups). Each rewrite is still checked on its whole output,
 with its own mask overridden by every pattern kind, against the old nodes given the same inputs: what changes
 is only that a part reading another group's output sees it computed with real masks. Only a pass is taken from
 the groups: a failure anywhere, or anything the groups cannot run, leaves the verdict to the whole check model.

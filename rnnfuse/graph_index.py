@@ -277,10 +277,11 @@ class GraphIndex:
                 add(i, n)
 
     def _add_reader(self, name: str, n: NodeProto) -> None:
-        """``n`` at the end of ``name``'s readers (see ``consumers``: one reader, or a list)."""
+        """``n`` at the end of ``name``'s readers (see ``consumers``: one reader, or a list; a list emptied by
+        removals counts as none)."""
         consumers = self.consumers
         lst = consumers.get(name)
-        if lst is None:
+        if lst is None or (type(lst) is list and not lst):
             consumers[name] = n
         elif type(lst) is list:
             lst.append(n)

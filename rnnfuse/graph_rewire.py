@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from onnx import NodeProto
 
+from .graph_index import n_readers
 from .protos import rename_free, subgraphs
 
 WIDE_READS = 64  # inputs from which a node's positions of each name are kept (see Rewiring._wide_positions)
@@ -105,15 +106,8 @@ class Rewiring:
         """``n`` was rewired to read ``new`` (``read_new``: it read it before): on new's reader list, once."""
         self._edits += 1
         self.owners_complete = False
-        consumers = self.consumers
-        lst = consumers.get(new)
-        if lst is None or (type(lst) is list and not lst):
-            consumers[new] = n
-        elif not read_new:
-            if type(lst) is list:
-                lst.append(n)
-            else:
-                consumers[new] = [lst, n]
+        if not read_new or not n_readers(self.consumers.get(new)):
+            self._add_reader(new, n)
         self.edited.append(n)
 
     def _unindex(self, n: NodeProto, defer: set | None = None) -> None:

@@ -20,7 +20,10 @@ class DropNoOps:
     """Casts to the type a value already has, Identities, Gathers of a whole axis in order, and items of a list
     built by ``SequenceConstruct`` taken at a constant position, read through
     (torch exports a chain of float->float Casts around every step; they hide shared inputs and time flips from
-    the other passes; jax2onnx gathers a scanned tensor by indices 0 .. T-1 computed from a reversed iota)."""
+    the other passes; jax2onnx gathers a scanned tensor by indices 0 .. T-1 computed from a reversed iota).
+    An item of a list a ``SplitToSequence`` cut, taken at a constant position, becomes the ``Slice`` (or
+    ``Gather``) it is: torch's dynamo exporter without its optimizer (which takes minutes on a long unrolled
+    loop) writes every step's ``chunk`` of an LSTMCell's gates so."""
 
     name = "drop-no-ops"
     fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)
@@ -45,9 +48,13 @@ class DropNoOps:
                 g.replace_uses(n.output[0], n.input[0])
                 g.remove_node(n, long_lists)
                 done += 1
+        pieces, constants = [], {}
         for n in g.nodes_of("SequenceAt"):
             item = _constructed_item(g, n) if g.alive(n) else None
             if item is None:  # (else a list of states rebuilt after a Loop, say: passes.loop_lists)
+                piece = _split_piece(g, n, constants) if g.alive(n) else None
+                if piece is not None:
+                    pieces.append((n, *piece))
                 continue
             if g.is_graph_output(n.output[0]):
                 g.rewrite_in_place(n, "Identity", [item])  # (the output keeps its name)
@@ -56,9 +63,15 @@ class DropNoOps:
                 g.remove_node(n, long_lists)
             done += 1
         g.drop_removed_readers(long_lists)
+        # (in one call: each step's SequenceAt reads the same few position constants, whose reader lists
+        # a rewrite at a time filtered once per step)
+        g.rewrite_many_in_place(pieces)
         if done:
             res.modified = True
             res.notes.append(f"read through {done} no-op Cast/Identity/Gather/SequenceAt node(s)")
+        if pieces:
+            res.modified = True
+            res.notes.append(f"took {len(pieces)} SplitToSequence item(s) at a constant position as Slice/Gather")
         return res
 
 
@@ -72,6 +85,69 @@ def _constructed_item(g: Graph, n: NodeProto) -> str | None:
     k = int(np.ravel(c)[0])
     k = k + len(p.input) if k < 0 else k
     return p.input[k] if 0 <= k < len(p.input) and p.input[k] else None
+
+
+def _split_piece(g: Graph, n: NodeProto, constants: dict) -> tuple | None:
+    """``(op_type, inputs, attrs)`` computing what ``SequenceAt`` node ``n`` takes, when its list is cut by a
+    ``SplitToSequence`` and its position is a constant: a ``Slice`` of the cut tensor (a ``Gather`` for a chunk
+    of one squeezed by ``keepdims=0``); else None. ``constants``: the position vectors made so far, by value.
+
+    A scalar ``split`` with ``keepdims=0`` is left alone: the standard ignores keepdims when ``split`` is given,
+    onnxruntime 1.32 squeezes the chunks (and fails when they are longer than one), so no rewrite matches both."""
+    p = g.producer.get(n.input[0])
+    if p is None or p.op_type != "SplitToSequence" or p.domain not in ("", "ai.onnx") or len(n.input) != 2:
+        return None
+    k = g.const(n.input[1])
+    if k is None or np.size(k) != 1 or np.asarray(k).dtype.kind not in "iu":
+        return None
+    k, data, axis = int(np.ravel(k)[0]), p.input[0], attr(p, "axis", 0)
+    split = g.const(p.input[1]) if len(p.input) > 1 and p.input[1] else None
+    if len(p.input) > 1 and p.input[1] and (split is None or np.asarray(split).dtype.kind not in "iu"):
+        return None
+    extent = _extent(g, data, axis)
+    if split is None:  # (chunks of one)
+        if extent is not None and not -extent <= k < extent:
+            return None  # (the list has no such item: the original fails there)
+        if attr(p, "keepdims", 1) == 0:
+            return "Gather", [data, _int64(g, constants, k)], {"axis": axis}
+        start, end = k, (k + 1 if k != -1 else INT64_MAX)
+    elif np.ndim(split) == 0:
+        size = int(split)
+        if attr(p, "keepdims", 1) == 0 or size < 1:
+            return None
+        if k < 0:  # (counted from the end: as many chunks as fit, the last one shorter)
+            if extent is None:
+                return None
+            k += -(-extent // size)
+        if k < 0 or (extent is not None and k * size >= extent):
+            return None  # (the list has no such item: the original fails there)
+        start, end = k * size, (k + 1) * size
+    else:
+        sizes = [int(v) for v in np.ravel(split)]
+        k = k + len(sizes) if k < 0 else k
+        if not 0 <= k < len(sizes) or min(sizes) < 0:
+            return None
+        start = sum(sizes[:k])
+        end = start + sizes[k]
+    return "Slice", [data, _int64(g, constants, [start]), _int64(g, constants, [end]), _int64(g, constants, [axis])], {}
+
+
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def _extent(g: Graph, name: str, axis: int) -> int | None:
+    """The length of ``name``'s axis ``axis`` where it is a known number."""
+    shape = g.model.shape(name)
+    extent = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
+    return extent if isinstance(extent, int) else None
+
+
+def _int64(g: Graph, constants: dict, value) -> str:
+    """An int64 initializer holding ``value`` (a scalar or a list), one per value for the pass."""
+    key = (np.ndim(value), tuple(np.ravel(value).tolist()))
+    if key not in constants:
+        constants[key] = g.add_initializer(np.array(value, np.int64), "rnnfuse/position")
+    return constants[key]
 
 
 def _gathers_all_in_order(g: Graph, n) -> bool:

@@ -92,6 +92,7 @@ class Case:
     dynamic_time: bool = False
     slow: bool = False
     fold: bool = True  # do_constant_folding of the trace / TorchScript exporter
+    optimize: bool = True  # the dynamo exporter's onnxscript optimizer (off: minutes saved on long loops)
     notes: str = ""
 
     @property
@@ -232,6 +233,10 @@ CASES = [
          notes="h0 = tanh(Linear(h0_in)), c0 = Linear(c0_in): initial states computed by the graph"),
     loop("grucell_trace_h0_linear", "gru", init="linear", ret="seq_state"),
     loop("grucell_dynamo_h0_linear", "gru", exporter="dynamo", time=6, init="linear", ret="seq_state"),
+    # (without the optimizer, which takes 8 minutes on a 1,000-step LSTMCell loop, each step's gate chunks are
+    # SplitToSequence + SequenceAt at constant positions)
+    loop("lstmcell_dynamo_unoptimized", "lstm", exporter="dynamo", optimize=False),
+    loop("grucell_dynamo_unoptimized_bf_h0", "gru", exporter="dynamo", optimize=False, **BF, **H0),
     loop("lstmcell_trace_h0c0_chunk", "lstm", init="chunk", ret="seq_state",
          notes="h0, c0 = tanh(Linear(code)).chunk(2): both initial states cut from one computed tensor"),
     loop("lstmcell_dynamo_h0c0_chunk_bf", "lstm", exporter="dynamo", init="chunk", ret="seq_state", **BF),
@@ -2343,7 +2348,8 @@ def export_torch(c: Case, module, specs, path: Path):
             batch = torch.export.Dim("batch")
             dynamic_shapes = tuple({shape.index("B"): batch} for _, shape in specs)
         torch.onnx.export(module, args, str(path), dynamo=True, external_data=False, verbose=False,
-                          input_names=names, output_names=out_names, dynamic_shapes=dynamic_shapes)
+                          input_names=names, output_names=out_names, dynamic_shapes=dynamic_shapes,
+                          optimize=c.optimize)
         return
     axes = {}
     for name, shape in specs:

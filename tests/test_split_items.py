@@ -1,0 +1,100 @@
+"""Items of a ``SplitToSequence`` list taken at a constant position (passes/cleanup.py: DropNoOps) become the
+``Slice`` or ``Gather`` they are, computing what onnxruntime computes for the original; forms where the standard
+and onnxruntime disagree, or the position is not a constant, are left as they are.
+
+torch's dynamo exporter without its optimizer writes each step's gate chunks so (tests/test_torch.py's
+``*_dynamo_unoptimized`` cases fuse through this); the other spellings here are the ones the op allows."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from rnnfuse.findings import Options
+from rnnfuse.model import Model
+from rnnfuse.passes.cleanup import DropNoOps
+
+
+def _model(split, keepdims: int | None, positions, axis: int = 1, extent=7, position_input: bool = False):
+    """x [2, extent, 3] cut along ``axis`` (``split``: None, a scalar or a list), items at ``positions`` read
+    (each an output ``y<k>``); ``position_input``: the first position is a graph input, not a constant."""
+    inits, ins = [], ["x"]
+    if split is not None:
+        inits.append(numpy_helper.from_array(np.array(split, np.int64), "split"))
+        ins.append("split")
+    attrs = {"axis": axis} if keepdims is None else {"axis": axis, "keepdims": keepdims}
+    nodes = [helper.make_node("SplitToSequence", ins, ["seq"], **attrs)]
+    outputs = []
+    for k, pos in enumerate(positions):
+        name = f"pos{k}"
+        if not (position_input and k == 0):
+            inits.append(numpy_helper.from_array(np.array(pos, np.int64), name))
+        nodes.append(helper.make_node("SequenceAt", ["seq", name], [f"y{k}"]))
+        outputs.append(helper.make_tensor_value_info(f"y{k}", TensorProto.FLOAT, None))
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, extent, 3])]
+    if position_input:
+        inputs.append(helper.make_tensor_value_info("pos0", TensorProto.INT64, []))
+    graph = helper.make_graph(nodes, "split_items", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model: onnx.ModelProto, feeds: dict) -> list:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def _rewritten(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    model = Model(proto)
+    DropNoOps().run(model, Options())
+    model.graph.finalize()
+    return model.proto, [n.op_type for n in model.proto.graph.node]
+
+
+@pytest.mark.parametrize("split,keepdims,positions,axis,op", [
+    (3, None, [0, 1, 2, -1, -3], 1, "Slice"),  # chunks of 3 of 7: the last one shorter
+    (2, 1, [0, -1], -2, "Slice"),
+    ([2, 5], None, [0, 1, -1, -2], 1, "Slice"),
+    ([2, 5], 0, [1, -2], 1, "Slice"),  # (a list of sizes: keepdims ignored, by onnxruntime too)
+    ([1, 1, 1], None, [0, 2], 2, "Slice"),
+    (None, 1, [0, 3, -1, -7], 1, "Slice"),  # chunks of one, kept
+    (None, 0, [0, 6, -1, -4], 1, "Gather"),  # chunks of one, squeezed
+    (None, None, [1, -2], 0, "Slice"),
+])
+def test_items_at_constant_positions_become_slices(split, keepdims, positions, axis, op):
+    proto = _model(split, keepdims, positions, axis)
+    x = np.random.default_rng(0).standard_normal((2, 7, 3)).astype(np.float32)
+    expected = _run(proto, {"x": x})
+    after, ops = _rewritten(proto)
+    assert "SequenceAt" not in ops and "SplitToSequence" not in ops, ops
+    assert ops.count(op) == len(positions), ops
+    for want, got in zip(expected, _run(after, {"x": x})):
+        assert want.shape == got.shape
+        np.testing.assert_array_equal(want, got)
+
+
+@pytest.mark.parametrize("form", ["scalar_split_squeezed", "position_input", "past_the_end", "negative_unknown_extent"])
+def test_near_misses_are_left_as_they_are(form):
+    """A scalar split with keepdims=0 (the standard ignores keepdims there, onnxruntime squeezes: no rewrite
+    matches both), a position that is an input, a position past the last item (the original fails there),
+    and a position from the end of a scalar split over an axis of unknown length: not rewritten."""
+    proto = {
+        "scalar_split_squeezed": lambda: _model(1, 0, [2]),
+        "position_input": lambda: _model(3, None, [1], position_input=True),
+        "past_the_end": lambda: _model(3, None, [3]),
+        "negative_unknown_extent": lambda: _model(3, None, [-1], extent="T"),
+    }[form]()
+    _, ops = _rewritten(proto)
+    assert ops.count("SequenceAt") == 1 and "SplitToSequence" in ops, ops
+
+
+def test_positions_share_their_constants():
+    """Every step of an unrolled chain reads its chunks at the same positions: one initializer per distinct
+    position vector, not one per item."""
+    proto = _model([4, 3], None, [0, 1, 0, 1, -1])
+    after, _ = _rewritten(proto)
+    added = [t for t in after.graph.initializer if t.name.startswith("rnnfuse/position")]
+    values = {tuple(numpy_helper.to_array(t).tolist()) for t in added}
+    assert len(added) == len(values) == 4, [numpy_helper.to_array(t).tolist() for t in added]  # [0] [4] [7] [1]

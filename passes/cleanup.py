@@ -21,7 +21,9 @@ class DropNoOps:
     built by ``SequenceConstruct`` taken at a constant position, read through
     (torch exports a chain of float->float Casts around every step; they hide shared inputs and time flips from
     the other passes; jax2onnx gathers a scanned tensor by indices 0 .. T-1 computed from a reversed iota).
-    An item of a list a ``SplitToSequence`` cut, taken at a constant position, becomes the ``Slice`` (or
+    A ``CastLike`` whose target's element type the ops fix is the ``Cast`` it is (its target then no input:
+    dynamo without its optimizer casts each step's constants like a value computed from the state, which put
+    the constants on the recurrent path). An item of a list a ``SplitToSequence`` cut, taken at a constant position, becomes the ``Slice`` (or
     ``Gather``) it is: torch's dynamo exporter without its optimizer (which takes minutes on a long unrolled
     loop) writes every step's ``chunk`` of an LSTMCell's gates so."""
 
@@ -35,6 +37,7 @@ class DropNoOps:
         # (reader lists of 64+ nodes are filtered once, at the end: torch's per-call Identity of each weight
         # is 2,700 readers of one initializer, rescanned per Identity removed: 1 s)
         long_lists: set[str] = set()
+        _cast_likes_as_casts(g)
         for n in g.nodes_of("Cast", "Identity"):
             if not g.alive(n) or len(n.input) != 1 or g.is_graph_output(n.output[0]):
                 continue
@@ -73,6 +76,21 @@ class DropNoOps:
             res.modified = True
             res.notes.append(f"took {len(pieces)} SplitToSequence item(s) at a constant position as Slice/Gather")
         return res
+
+
+def _cast_likes_as_casts(g: Graph) -> None:
+    """Rewrite each ``CastLike`` whose target has an element type the ops fix (rnnfuse.elem_types) as a ``Cast``
+    to that type, its attributes kept (the two ops share them); in one call, as the split items."""
+    from rnnfuse.elem_types import op_elem_type
+
+    rewrites = []
+    for n in g.nodes_of("CastLike"):
+        if g.alive(n) and n.domain in ("", "ai.onnx") and len(n.input) == 2 and n.input[0]:
+            to = op_elem_type(g, n.input[1])
+            if to:
+                attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+                rewrites.append((n, "Cast", [n.input[0]], {**attrs, "to": to}))
+    g.rewrite_many_in_place(rewrites)
 
 
 def _constructed_item(g: Graph, n: NodeProto) -> str | None:

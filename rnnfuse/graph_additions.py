@@ -4,6 +4,8 @@ once), and the indexing of either. Each is held in the graph's nursery until fin
 
 from __future__ import annotations
 
+from array import array
+
 from onnx import GraphProto, NodeProto, helper
 
 from .graph_index import POS_TIE
@@ -97,3 +99,35 @@ class Additions:
             place(node, at * POS_TIE + next(seq))
             self._index(node)
         self.edited.extend(new)
+
+    def _by_op_moved(self, moved: list[tuple[NodeProto, str]]) -> None:
+        """File each ``(node, old op type)`` of nodes rewritten in place under its new op type in the by-op
+        index (:meth:`nodes_of`), at its place in the node order: each op's list filtered or merged once for
+        the lot (an unrolled chain's 12,000 list items rewritten as Slices). Left unfiled, a pass asking for the
+        new op type later in the round did not see them (a step's read of x, rewritten, was no step)."""
+        by_op = self._by_op
+        if by_op is None or not moved:
+            return
+        going: dict[str, set[int]] = {}
+        for n, old in moved:
+            going.setdefault(old, set()).add(id(n))
+        rank: dict[int, int] = {}
+        for old, ids in going.items():
+            kept_ranks, kept = array("q"), []
+            for r, n in zip(*by_op.get(old, ((), ()))):
+                if id(n) in ids:
+                    rank[id(n)] = r
+                else:
+                    kept_ranks.append(r)
+                    kept.append(n)
+            by_op[old] = (kept_ranks, kept)
+        if len(rank) != len({id(n) for n, _ in moved}):
+            self._by_op = None  # (a node the index did not hold: built again from the node list when asked)
+            return
+        coming: dict[str, list] = {}
+        for n, _ in moved:
+            coming.setdefault(n.op_type, []).append((rank[id(n)], n))
+        for op, items in coming.items():
+            ranks, nodes = by_op.get(op, ((), ()))
+            merged = sorted([*zip(ranks, nodes), *items], key=lambda item: item[0])
+            by_op[op] = (array("q", [r for r, _ in merged]), [n for _, n in merged])

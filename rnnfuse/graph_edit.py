@@ -131,6 +131,7 @@ class Graph(Additions, Rewiring, Walks, Weights, GraphIndex):
         while g is not None:  # (the round's nodes that compute otherwise than the input's did: validate._original_runs)
             g.__dict__.setdefault("in_place", set()).update(ids)
             ids, g = {id(g.owner)} if g.owner is not None else set(), g.parent
+        moved = [(node, node.op_type) for node, op_type, *_ in rewrites if node.op_type != op_type]
         for node, op_type, inputs, attrs in rewrites:
             wide.pop(id(node), None)  # (positions of its inputs read before: read again when asked)
             node.op_type, node.domain, node.input[:] = op_type, "", inputs
@@ -138,6 +139,7 @@ class Graph(Additions, Rewiring, Walks, Weights, GraphIndex):
             node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
             self._index(node)  # (its outputs are its own still; its reads are indexed anew)
             self.edited.append(node)
+        self._by_op_moved(moved)
         if self.owner is not None and self.parent is not None:
             self.parent.reindex(self.owner)
 

@@ -98,3 +98,42 @@ def test_positions_share_their_constants():
     added = [t for t in after.graph.initializer if t.name.startswith("rnnfuse/position")]
     values = {tuple(numpy_helper.to_array(t).tolist()) for t in added}
     assert len(added) == len(values) == 4, [numpy_helper.to_array(t).tolist() for t in added]  # [0] [4] [7] [1]
+
+
+def test_items_rewritten_are_found_by_op_type():
+    """The passes after DropNoOps in the round look nodes up by op type: the items rewritten in place are
+    Slices there (in node order), no longer SequenceAts (a step of x read so was no step: nothing fused)."""
+    model = Model(_model(3, None, [2, 0, 1]))
+    DropNoOps().run(model, Options())
+    g = model.graph
+    slices = g.nodes_of("Slice")
+    assert not g.nodes_of("SequenceAt") and [n.output[0] for n in slices] == ["y0", "y1", "y2"]
+    assert [n.op_type for n in g.nodes_of("Slice", "SplitToSequence")] == ["SplitToSequence", "Slice", "Slice", "Slice"]
+
+
+def _cast_like_model(target_op: str):
+    """``y = x * CastLike(half, t)``, ``t = target_op(x)``: the constant cast like a value computed from x."""
+    domain = "" if target_op == "Tanh" else "custom.domain"
+    nodes = [helper.make_node(target_op, ["x"], ["t"], domain=domain),
+             helper.make_node("CastLike", ["half", "t"], ["h"]), helper.make_node("Mul", ["x", "h"], ["y"])]
+    graph = helper.make_graph(nodes, "cast_like", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+                              [numpy_helper.from_array(np.array(0.5, np.float64), "half")])
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def test_cast_like_of_a_fixed_type_is_a_cast():
+    """CastLike(c, t) with t's element type fixed by its op is Cast(c, to=that type): t is no longer read
+    (its values do not matter); the same outputs. A target typed by an op rnnfuse has no rule for (another
+    domain's) keeps the CastLike."""
+    proto = _cast_like_model("Tanh")
+    x = np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32)
+    expected = _run(proto, {"x": x})
+    after, ops = _rewritten(proto)
+    cast = next(n for n in after.graph.node if n.op_type == "Cast")
+    assert "CastLike" not in ops and list(cast.input) == ["half"], ops
+    assert helper.get_attribute_value(cast.attribute[0]) == TensorProto.FLOAT
+    np.testing.assert_array_equal(expected[0], _run(after, {"x": x})[0])
+    _, ops = _rewritten(_cast_like_model("Mystery"))
+    assert "CastLike" in ops and "Cast" not in ops, ops

@@ -889,6 +889,9 @@ CASES += [
     steps("lstmcell_dynamo_permuted_steps", "lstm", inputs="perm", exporter="dynamo"),
     steps("grucell_dynamo_chunk_index_bf", "gru", inputs="chunk_index", exporter="dynamo", batch_first=True),
     steps("rnncell_tanh_dynamo_chunk_index", "rnn_tanh", inputs="chunk_index", exporter="dynamo"),
+    # (without dynamo's optimizer: x.chunk(T)'s items are SplitToSequence + SequenceAt, each step's read)
+    steps("rnncell_tanh_dynamo_chunk_index_unoptimized", "rnn_tanh", inputs="chunk_index", exporter="dynamo",
+          optimize=False),
     steps("grucell_trace_two_sequences", "gru", inputs="two_seq"),
     # ... an embedding looked up per step (tokens sliced per step, one id a row)
     steps("grucell_trace_embed_per_step_bf", "gru", inputs="embed", batch_first=True),
@@ -970,6 +973,9 @@ CASES += [
           batch_first=True),
     steps("grucell_trace_long_mask_bool_bf", "gru", mask_input="long_bool", batch_first=True),
     steps("lstmcell_dynamo_long_mask_bool", "lstm", exporter="dynamo", time=6, mask_input="long_bool"),
+    # (without dynamo's optimizer: each step casts its constants CastLike a value computed from the state)
+    steps("lstmcell_dynamo_long_mask_bool_unoptimized", "lstm", exporter="dynamo", time=6, mask_input="long_bool",
+          optimize=False),
     # ... exported with static shapes: from the zero state, step 0's output where(v, cell, 0) and its state
     # where(v, cell, h0) are one expression, and the exporter makes them one node
     steps("grucell_trace_static_float_mask_gt0", "gru", mask_input="gt0", dynamic_batch=False),

@@ -17,15 +17,17 @@ from rnnfuse.graph import Graph, Model, attr, has_subgraph
 from rnnfuse.index_order import in_order, length_term
 
 class DropNoOps:
-    """Casts to the type a value already has, Identities, Gathers of a whole axis in order, and items of a list
-    built by ``SequenceConstruct`` taken at a constant position, read through
+    """Casts to the type a value already has, Identities, Gathers of a whole axis in order, Slices of whole
+    axes, and items of a list built by ``SequenceConstruct`` taken at a constant position, read through
     (torch exports a chain of float->float Casts around every step; they hide shared inputs and time flips from
     the other passes; jax2onnx gathers a scanned tensor by indices 0 .. T-1 computed from a reversed iota).
-    A ``CastLike`` whose target's element type the ops fix is the ``Cast`` it is (its target then no input:
-    dynamo without its optimizer casts each step's constants like a value computed from the state, which put
-    the constants on the recurrent path). An item of a list a ``SplitToSequence`` cut, taken at a constant position, becomes the ``Slice`` (or
-    ``Gather``) it is: torch's dynamo exporter without its optimizer (which takes minutes on a long unrolled
-    loop) writes every step's ``chunk`` of an LSTMCell's gates so."""
+
+    torch's dynamo exporter without its optimizer (which takes minutes on a long unrolled loop) writes three
+    more: a ``CastLike`` whose target's element type the ops fix becomes the ``Cast`` it is (each step casts
+    its constants like a value computed from the state, which put them on the recurrent path); an item of a
+    list a ``SplitToSequence`` cut, taken at a constant position, becomes the ``Slice`` (or ``Gather``) it is
+    (every step's ``chunk`` of an LSTMCell's gates, ``x.chunk(T)``'s steps); and its ``x[:, ...]`` Slices of
+    whole axes are read through."""
 
     name = "drop-no-ops"
     fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)
@@ -46,8 +48,10 @@ class DropNoOps:
             g.replace_uses(n.output[0], n.input[0])
             g.remove_node(n, long_lists)
             done += 1
-        for n in g.nodes_of("Gather"):
-            if g.alive(n) and not g.is_graph_output(n.output[0]) and _gathers_all_in_order(g, n):
+        for n in g.nodes_of("Gather", "Slice"):
+            if not g.alive(n) or g.is_graph_output(n.output[0]):
+                continue
+            if _gathers_all_in_order(g, n) if n.op_type == "Gather" else _slices_everything(g, n):
                 g.replace_uses(n.output[0], n.input[0])
                 g.remove_node(n, long_lists)
                 done += 1
@@ -71,7 +75,7 @@ class DropNoOps:
         g.rewrite_many_in_place(pieces)
         if done:
             res.modified = True
-            res.notes.append(f"read through {done} no-op Cast/Identity/Gather/SequenceAt node(s)")
+            res.notes.append(f"read through {done} no-op Cast/Identity/Gather/Slice/SequenceAt node(s)")
         if pieces:
             res.modified = True
             res.notes.append(f"took {len(pieces)} SplitToSequence item(s) at a constant position as Slice/Gather")
@@ -166,6 +170,18 @@ def _int64(g: Graph, constants: dict, value) -> str:
     if key not in constants:
         constants[key] = g.add_initializer(np.array(value, np.int64), "rnnfuse/position")
     return constants[key]
+
+
+def _slices_everything(g: Graph, n: NodeProto) -> bool:
+    """Whether Slice ``n`` takes every element of each axis it names, whatever their lengths: from 0 to an end
+    past any extent (2**31 - 1 or more), step 1 (torch's ``x[:, ...]`` exported by dynamo without its
+    optimizer)."""
+    from rnnfuse.op_args import slice_args_of
+
+    starts, ends, axes, steps = slice_args_of(g, n)
+    if not starts or ends is None or steps is None or len(starts) != len(ends):
+        return False
+    return all(b == 0 for b in starts) and all(e >= 2**31 - 1 for e in ends) and all(k == 1 for k in steps)
 
 
 def _gathers_all_in_order(g: Graph, n) -> bool:

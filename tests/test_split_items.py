@@ -137,3 +137,24 @@ def test_cast_like_of_a_fixed_type_is_a_cast():
     np.testing.assert_array_equal(expected[0], _run(after, {"x": x})[0])
     _, ops = _rewritten(_cast_like_model("Mystery"))
     assert "CastLike" in ops and "Cast" not in ops, ops
+
+
+@pytest.mark.parametrize("ends,steps,read_through", [([2**63 - 1, 2**63 - 1], [1, 1], True),
+                                                     ([2**31 - 1, 2**63 - 1], None, True),
+                                                     ([2**63 - 1, 5], [1, 1], False),  # (an end inside: a cut)
+                                                     ([2**63 - 1, 2**63 - 1], [1, 2], False)])
+def test_slices_of_whole_axes_are_read_through(ends, steps, read_through):
+    """``x[:, ...]`` written as a Slice from 0 to an end past any extent, step 1, is x; a Slice that ends
+    inside an axis, or steps over it, is not."""
+    ins = ["x", "starts", "ends", "axes"] + (["steps"] if steps else [])
+    inits = [numpy_helper.from_array(np.array(v, np.int64), k)
+             for k, v in (("starts", [0, 0]), ("ends", ends), ("axes", [0, 2]), ("steps", steps)) if v is not None]
+    nodes = [helper.make_node("Slice", ins, ["s"]), helper.make_node("Tanh", ["s"], ["y"])]
+    graph = helper.make_graph(nodes, "whole", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 7, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.random.default_rng(2).standard_normal((3, 7, 6)).astype(np.float32)
+    expected = _run(proto, {"x": x})[0]
+    after, ops = _rewritten(proto)
+    assert ("Slice" not in ops) == read_through, ops
+    np.testing.assert_array_equal(expected, _run(after, {"x": x})[0])

@@ -892,6 +892,9 @@ CASES += [
     # (without dynamo's optimizer: x.chunk(T)'s items are SplitToSequence + SequenceAt, each step's read)
     steps("rnncell_tanh_dynamo_chunk_index_unoptimized", "rnn_tanh", inputs="chunk_index", exporter="dynamo",
           optimize=False),
+    # (and each batch-first item is read through a Slice of its whole batch axis, x[:, ...])
+    steps("grucell_dynamo_chunk_index_bf_unoptimized", "gru", inputs="chunk_index", exporter="dynamo",
+          batch_first=True, optimize=False),
     steps("grucell_trace_two_sequences", "gru", inputs="two_seq"),
     # ... an embedding looked up per step (tokens sliced per step, one id a row)
     steps("grucell_trace_embed_per_step_bf", "gru", inputs="embed", batch_first=True),

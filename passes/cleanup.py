@@ -135,20 +135,17 @@ def _split_piece(g: Graph, n: NodeProto, constants: dict) -> tuple | None:
         start, end = k, (k + 1 if k != -1 else INT64_MAX)
     elif np.ndim(split) == 0:
         size = int(split)
-        if attr(p, "keepdims", 1) == 0 or size < 1:
+        # (a position from the end counts the chunks, which takes the axis' length: a declared one may be stale)
+        if attr(p, "keepdims", 1) == 0 or size < 1 or k < 0:
             return None
-        if k < 0:  # (counted from the end: as many chunks as fit, the last one shorter)
-            if extent is None:
-                return None
-            k += -(-extent // size)
-        if k < 0 or (extent is not None and k * size >= extent):
+        if extent is not None and k * size >= extent:
             return None  # (the list has no such item: the original fails there)
         start, end = k * size, (k + 1) * size
     else:
         sizes = [int(v) for v in np.ravel(split)]
         k = k + len(sizes) if k < 0 else k
-        if not 0 <= k < len(sizes) or min(sizes) < 0:
-            return None
+        if not 0 <= k < len(sizes) or min(sizes) < 0 or (extent is not None and sum(sizes) != extent):
+            return None  # (no such item, or sizes the original refuses)
         start = sum(sizes[:k])
         end = start + sizes[k]
     return "Slice", [data, _int64(g, constants, [start]), _int64(g, constants, [end]), _int64(g, constants, [axis])], {}

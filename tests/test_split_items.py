@@ -54,8 +54,8 @@ def _rewritten(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
 
 
 @pytest.mark.parametrize("split,keepdims,positions,axis,op", [
-    (3, None, [0, 1, 2, -1, -3], 1, "Slice"),  # chunks of 3 of 7: the last one shorter
-    (2, 1, [0, -1], -2, "Slice"),
+    (3, None, [0, 1, 2], 1, "Slice"),  # chunks of 3 of 7: the last one shorter
+    (2, 1, [0, 3], -2, "Slice"),
     ([2, 5], None, [0, 1, -1, -2], 1, "Slice"),
     ([2, 5], 0, [1, -2], 1, "Slice"),  # (a list of sizes: keepdims ignored, by onnxruntime too)
     ([1, 1, 1], None, [0, 2], 2, "Slice"),
@@ -75,16 +75,19 @@ def test_items_at_constant_positions_become_slices(split, keepdims, positions, a
         np.testing.assert_array_equal(want, got)
 
 
-@pytest.mark.parametrize("form", ["scalar_split_squeezed", "position_input", "past_the_end", "negative_unknown_extent"])
+@pytest.mark.parametrize("form", ["scalar_split_squeezed", "position_input", "past_the_end", "chunk_from_the_end",
+                                  "sizes_not_the_extent"])
 def test_near_misses_are_left_as_they_are(form):
     """A scalar split with keepdims=0 (the standard ignores keepdims there, onnxruntime squeezes: no rewrite
-    matches both), a position that is an input, a position past the last item (the original fails there),
-    and a position from the end of a scalar split over an axis of unknown length: not rewritten."""
+    matches both), a position that is an input, a position past the last item or sizes that do not add up to
+    the axis (the original fails there), and a position from the end of a scalar split (the chunks' count
+    takes the axis' length, which a declaration may state wrongly): not rewritten."""
     proto = {
         "scalar_split_squeezed": lambda: _model(1, 0, [2]),
         "position_input": lambda: _model(3, None, [1], position_input=True),
         "past_the_end": lambda: _model(3, None, [3]),
-        "negative_unknown_extent": lambda: _model(3, None, [-1], extent="T"),
+        "chunk_from_the_end": lambda: _model(3, None, [-1]),
+        "sizes_not_the_extent": lambda: _model([2, 4], None, [0]),
     }[form]()
     _, ops = _rewritten(proto)
     assert ops.count("SequenceAt") == 1 and "SplitToSequence" in ops, ops

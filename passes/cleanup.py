@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import NodeProto, helper, numpy_helper
 
-from rnnfuse.dims import root_dim
+from rnnfuse.builder import Builder
+from rnnfuse.dims import root_dim, spans_any_extent, static_dim
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, attr, has_subgraph
 from rnnfuse.index_order import in_order, length_term
@@ -55,11 +56,13 @@ class DropNoOps:
                 g.replace_uses(n.output[0], n.input[0])
                 g.remove_node(n, long_lists)
                 done += 1
-        pieces, constants = [], {}
+        pieces, b = [], Builder(g, None, "rnnfuse")  # (b: the position constants, one per value)
         for n in g.nodes_of("SequenceAt"):
-            item = _constructed_item(g, n) if g.alive(n) else None
+            if not g.alive(n):
+                continue
+            item = _constructed_item(g, n)
             if item is None:  # (else a list of states rebuilt after a Loop, say: passes.loop_lists)
-                piece = _split_piece(g, n, constants) if g.alive(n) else None
+                piece = _split_piece(g, n, b)
                 if piece is not None:
                     pieces.append((n, *piece))
                 continue
@@ -97,41 +100,46 @@ def _cast_likes_as_casts(g: Graph) -> None:
     g.rewrite_many_in_place(rewrites)
 
 
+def _position(g: Graph, n: NodeProto) -> int | None:
+    """The constant position ``SequenceAt`` node ``n`` takes its item at, or None."""
+    c = g.const(n.input[1]) if len(n.input) == 2 else None
+    if c is None or np.size(c) != 1 or np.asarray(c).dtype.kind not in "iu":
+        return None
+    return int(np.ravel(c)[0])
+
+
 def _constructed_item(g: Graph, n: NodeProto) -> str | None:
     """The tensor ``SequenceAt`` node ``n`` takes, when its sequence is a ``SequenceConstruct`` and its
     position a constant; else None."""
     p = g.producer.get(n.input[0])
-    c = g.const(n.input[1]) if p is not None and p.op_type == "SequenceConstruct" and len(n.input) > 1 else None
-    if c is None or np.size(c) != 1 or np.asarray(c).dtype.kind not in "iu":
+    k = _position(g, n) if p is not None and p.op_type == "SequenceConstruct" else None
+    if k is None:
         return None
-    k = int(np.ravel(c)[0])
     k = k + len(p.input) if k < 0 else k
     return p.input[k] if 0 <= k < len(p.input) and p.input[k] else None
 
 
-def _split_piece(g: Graph, n: NodeProto, constants: dict) -> tuple | None:
+def _split_piece(g: Graph, n: NodeProto, b: Builder) -> tuple | None:
     """``(op_type, inputs, attrs)`` computing what ``SequenceAt`` node ``n`` takes, when its list is cut by a
     ``SplitToSequence`` and its position is a constant: a ``Slice`` of the cut tensor (a ``Gather`` for a chunk
-    of one squeezed by ``keepdims=0``); else None. ``constants``: the position vectors made so far, by value.
+    of one squeezed by ``keepdims=0``); else None. ``b`` makes the positions' constants (one per value).
 
     A scalar ``split`` with ``keepdims=0`` is left alone: the standard ignores keepdims when ``split`` is given,
     onnxruntime 1.32 squeezes the chunks (and fails when they are longer than one), so no rewrite matches both."""
     p = g.producer.get(n.input[0])
-    if p is None or p.op_type != "SplitToSequence" or p.domain not in ("", "ai.onnx") or len(n.input) != 2:
+    k = _position(g, n) if p is not None and p.op_type == "SplitToSequence" and p.domain in ("", "ai.onnx") else None
+    if k is None:
         return None
-    k = g.const(n.input[1])
-    if k is None or np.size(k) != 1 or np.asarray(k).dtype.kind not in "iu":
-        return None
-    k, data, axis = int(np.ravel(k)[0]), p.input[0], attr(p, "axis", 0)
+    data, axis = p.input[0], attr(p, "axis", 0)
     split = g.const(p.input[1]) if len(p.input) > 1 and p.input[1] else None
     if len(p.input) > 1 and p.input[1] and (split is None or np.asarray(split).dtype.kind not in "iu"):
         return None
-    extent = _extent(g, data, axis)
+    extent = static_dim(g, data, axis)
     if split is None:  # (chunks of one)
         if extent is not None and not -extent <= k < extent:
             return None  # (the list has no such item: the original fails there)
         if attr(p, "keepdims", 1) == 0:
-            return "Gather", [data, _int64(g, constants, k)], {"axis": axis}
+            return "Gather", [data, _int64(b, k)], {"axis": axis}
         start, end = k, (k + 1 if k != -1 else INT64_MAX)
     elif np.ndim(split) == 0:
         size = int(split)
@@ -148,25 +156,15 @@ def _split_piece(g: Graph, n: NodeProto, constants: dict) -> tuple | None:
             return None  # (no such item, or sizes the original refuses)
         start = sum(sizes[:k])
         end = start + sizes[k]
-    return "Slice", [data, _int64(g, constants, [start]), _int64(g, constants, [end]), _int64(g, constants, [axis])], {}
+    return "Slice", [data, _int64(b, [start]), _int64(b, [end]), _int64(b, [axis])], {}
 
 
 INT64_MAX = np.iinfo(np.int64).max
 
 
-def _extent(g: Graph, name: str, axis: int) -> int | None:
-    """The length of ``name``'s axis ``axis`` where it is a known number."""
-    shape = g.model.shape(name)
-    extent = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
-    return extent if isinstance(extent, int) else None
-
-
-def _int64(g: Graph, constants: dict, value) -> str:
-    """An int64 initializer holding ``value`` (a scalar or a list), one per value for the pass."""
-    key = (np.ndim(value), tuple(np.ravel(value).tolist()))
-    if key not in constants:
-        constants[key] = g.add_initializer(np.array(value, np.int64), "rnnfuse/position")
-    return constants[key]
+def _int64(b: Builder, value) -> str:
+    """An int64 constant holding ``value`` (a scalar or a list): the one ``b`` made before for that value."""
+    return b.const(np.array(value, np.int64), "position")
 
 
 def _slices_everything(g: Graph, n: NodeProto) -> bool:
@@ -178,7 +176,7 @@ def _slices_everything(g: Graph, n: NodeProto) -> bool:
     starts, ends, axes, steps = slice_args_of(g, n)
     if not starts or ends is None or steps is None or len(starts) != len(ends):
         return False
-    return all(b == 0 for b in starts) and all(e >= 2**31 - 1 for e in ends) and all(k == 1 for k in steps)
+    return all(spans_any_extent(b, e) for b, e in zip(starts, ends)) and all(k == 1 for k in steps)
 
 
 def _gathers_all_in_order(g: Graph, n) -> bool:

@@ -334,10 +334,16 @@ def value_source(g: Graph, name: str, keeps=keeps_value) -> str:
     return name
 
 
+def spans_any_extent(start: int, end: int) -> bool:
+    """Whether a slice ``start:end`` (step 1) takes every element of an axis whatever its length: from 0 to an
+    end no extent reaches (2**31 - 1 or more)."""
+    return start == 0 and end >= 2**31 - 1
+
+
 def takes_whole_axis(g: Graph, src: str, axis: int, start: int, end: int) -> bool:
     """Whether a slice ``start:end`` (step 1) takes every element of ``src``'s ``axis``: from its start to the
     end, or over its static extent (jax's static slices name every axis: ``[0, t, 0]:[B, t + 1, F]``)."""
-    if start == 0 and end >= 2**31 - 1:
+    if spans_any_extent(start, end):
         return True
     rank = g.model.rank(src) if axis < 0 else None
     if axis < 0 and rank is None:

@@ -8,9 +8,10 @@ Decoder-style and streaming code calls a recurrent layer once per step and carri
 and torch exports one native LSTM per call: T ops, the last state of each the initial state of the next. A
 recurrence does not care where its sequence was cut, so running op_1 .. op_n one after the other is running
 one op over their inputs concatenated along time. Merged when every op of the chain has the same kind,
-attributes and constant weights, runs forward without ``sequence_lens`` (over any number of steps, read
-at run time when the shapes do not say), and no op's input is computed from an earlier op of the chain (an autoregressive decoder feeds its own
-output back: that is not a sequence known in advance, and stays as it is).
+attributes and constant weights (equal values, under one name or several), runs forward without
+``sequence_lens`` (over any number of steps, read at run time when the shapes do not say), and no op's input
+is computed from an earlier op of the chain (an autoregressive decoder feeds its own output back: that is not
+a sequence known in advance, and stays as it is).
 
 Every reader of an op's ``Y`` then reads its rows of the merged ``Y``; of its ``Y_h``, the merged ``Y``'s row
 of its last step; only the last op's ``Y_c`` is available (the native op has no per-step cell state), so a
@@ -19,12 +20,15 @@ chain whose earlier cell state is read elsewhere is declined.
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 from onnx import NodeProto
 
 from rnnfuse import op_args, rewrite
 from rnnfuse.cells import native_kind
 from rnnfuse.cells.kinds import KINDS, output_dims
-from rnnfuse.dataflow import settled_dim, settled_rank
+from rnnfuse.dataflow import SHAPE_READS, settled_dim, settled_rank
 from rnnfuse.disjoint_sets import DisjointSets
 from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
@@ -214,13 +218,41 @@ def _mergeable(g: Graph, n: NodeProto) -> bool:
             and all(g.const(_inp(n, k)) is not None for k in (1, 2)) and (not _inp(n, 3) or g.const(_inp(n, 3)) is not None))
 
 
-def _key(n: NodeProto) -> tuple:
-    """Ops with equal keys compute the same recurrence: kind, attributes, and the very same weights."""
-    kind = native_kind(n)
-    weights = tuple(_inp(n, k) for k in range(1, len(kind.inputs)) if kind.inputs[k] not in
-                    ("sequence_lens",) + tuple(f"initial_{s}" for s in kind.states))
-    attrs = tuple(sorted((a.name, a.SerializeToString()) for a in n.attribute))
-    return (n.op_type, n.domain, weights, attrs)
+class _SameRecurrence:
+    """Whether two ops compute the same recurrence: kind, attributes, and equal weights, under one name or
+    two. torch's dynamo without its optimizer computes each call's gate-reordered weights anew, slicing them at
+    ``Shape(state)``: one name per call, one value for all. Values are compared only for ops a state links
+    and whose weight names differ, each name's folded and hashed once, in place (a weight-heavy model's one
+    op costs no copy)."""
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self._keys: dict[int, tuple] = {}
+        self._digests: dict[str, tuple | None] = {}
+
+    def __call__(self, a: NodeProto, b: NodeProto) -> bool:
+        ka, kb = self._key(a), self._key(b)
+        return ka[0] == kb[0] and all(x == y or (self._value(x) is not None and self._value(x) == self._value(y))
+                                      for x, y in zip(ka[1], kb[1]))
+
+    def _key(self, n: NodeProto) -> tuple:
+        """((op, domain, attributes), the weights' names)"""
+        got = self._keys.get(id(n))
+        if got is None:
+            kind = native_kind(n)
+            weights = tuple(_inp(n, k) for k in range(1, len(kind.inputs)) if kind.inputs[k] not in
+                            ("sequence_lens",) + tuple(f"initial_{s}" for s in kind.states))
+            attrs = tuple(sorted((a.name, a.SerializeToString()) for a in n.attribute))
+            got = self._keys[id(n)] = ((n.op_type, n.domain, len(weights), attrs), weights)
+        return got
+
+    def _value(self, name: str) -> tuple | None:
+        if name not in self._digests:
+            v = self.g.const(name) if name else None
+            self._digests[name] = None if v is None else (
+                v.dtype.str, v.shape, hashlib.blake2b(memoryview(np.ascontiguousarray(v)).cast("B"),
+                                                      digest_size=16).digest())
+        return self._digests[name]
 
 
 class _Links:
@@ -230,10 +262,11 @@ class _Links:
         self.prev: dict[int, NodeProto] = {}
         self.next: dict[int, NodeProto] = {}
         self.carriers: dict[int, list[NodeProto]] = {}  # op -> the copies between it and its predecessor
-        keys = {id(n): _key(n) for n in ops}
+        same = _SameRecurrence(flow.g)
+        members = {id(n) for n in ops}
         followers: dict[int, list[NodeProto]] = {}
         for n in ops:
-            p, carriers = self._predecessor(flow, n, keys)
+            p, carriers = self._predecessor(flow, n, members, same)
             if p is not None:
                 followers.setdefault(id(p), []).append(n)
                 self.carriers[id(n)] = carriers
@@ -244,7 +277,8 @@ class _Links:
                 self.prev[id(fs[0])] = by_id[pid]
 
     @staticmethod
-    def _predecessor(flow: _StateFlow, n: NodeProto, keys: dict) -> tuple[NodeProto | None, list]:
+    def _predecessor(flow: _StateFlow, n: NodeProto, members: set, same: _SameRecurrence
+                     ) -> tuple[NodeProto | None, list]:
         kind = native_kind(n)
         source, carriers = None, []
         for k, state in enumerate(kind.states):
@@ -253,9 +287,11 @@ class _Links:
                 return None, []
             name, path = flow.carried_from(init)
             p = flow.g.producer.get(name)
-            if p is None or id(p) not in keys or keys[id(p)] != keys[id(n)] or list(p.output).index(name) != k + 1:
+            if p is None or id(p) not in members or list(p.output).index(name) != k + 1:
                 return None, []
             if source is not None and p is not source:
+                return None, []
+            if source is None and not same(p, n):
                 return None, []
             source = p
             carriers += path
@@ -273,10 +309,13 @@ class _Links:
         return out
 
 
-def _walk_on(name: str, use: NodeProto) -> list[str]:
+def _walk_on(g: Graph, name: str, use: NodeProto) -> list[str]:
     """The values a walk from ``name`` reaches through ``use`` (a Concat is passed through to the Slices of
-    ``name``'s part, which :meth:`_StateFlow.readers` lists themselves)."""
-    return [] if use.op_type == "Concat" else [o for o in use.output if o]
+    ``name``'s part, which :meth:`_StateFlow.readers` lists themselves; a Shape whose picks the ops fix is a
+    constant, computed from no value: dynamo's per-call weights slice at ``Shape(state)``)."""
+    if use.op_type == "Concat" or (use.op_type in SHAPE_READS and g.const(use.output[0]) is not None):
+        return []
+    return [o for o in use.output if o]
 
 
 def _reads_chain(flow: _StateFlow, chain: list[NodeProto]) -> str | None:
@@ -298,7 +337,7 @@ def _reads_chain(flow: _StateFlow, chain: list[NodeProto]) -> str | None:
                 return f"the input of op {first_read[name] + 1} is computed from op {k + 1}'s output"
             for use in flow.readers(name):
                 if id(use) not in members:
-                    stack.extend(_walk_on(name, use))
+                    stack.extend(_walk_on(flow.g, name, use))
     return None
 
 
@@ -378,7 +417,7 @@ def _merged(flow: _StateFlow, chain: list[NodeProto], read_h, read_y) -> dict[st
 def prefix_check(flow: _StateFlow, group: list[list[NodeProto]]) -> dict[str, str]:
     """What a big model validates in place of a merge: the first ``PREFIX_OPS`` ops of each chain merged the
     same way, every output of theirs against its rows of that op. The rest of a chain is the same op (kind,
-    attributes, the very weights) starting from the state the one before ended in, passed on unchanged (the
+    attributes, equal weights) starting from the state the one before ended in, passed on unchanged (the
     links prove it); what a prefix check does not see is proven so, as a chain's unchecked steps are. A 2,700-op
     chain validated whole was a 77,000-node check model (4 s to load, light)."""
     pairs: dict[str, str] = {}

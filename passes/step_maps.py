@@ -23,6 +23,8 @@ from rnnfuse.builder import Builder
 from rnnfuse.errors import Decline
 from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.graph import Graph, Model, attr
+from rnnfuse.index_order import length_term
+from rnnfuse.index_terms import terms
 from rnnfuse.op_shapes import known_rank
 from rnnfuse.rewrite import Rewrite, apply_rewrites
 from rnnfuse.row_wise import ROW_RANK, check_row_wise, folded_from_shapes, replay, unflatten
@@ -146,14 +148,36 @@ def _viewed(g: Graph, v: NodeProto, dims: list, hidden: int) -> list | None:
         if not axes or kept is None or any(dims[k] != 1 for k in range(rank) if k not in kept):
             return None
         return [dims[k] for k in kept]
-    shape = const(1)  # (Reshape: to a constant shape whose entries other than 1 are the batch, then H)
-    if shape is None or (attr(v, "allowzero", 0) and 0 in np.asarray(shape)):  # (a 0 that is no copy: empty)
+    # (Reshape: to a shape whose entries other than 1 are the batch, then H; a constant, or one computed from
+    # the input's own shape, as dynamo without its optimizer writes [T, B, dirs * H])
+    shape = const(1)
+    values = [int(x) for x in np.asarray(shape).ravel()] if shape is not None else _shape_entries(g, v, dims)
+    if values is None or (attr(v, "allowzero", 0) and 0 in values):  # (a 0 that is no copy: empty)
         return None
-    entries = [dims[k] if x == 0 and k < rank else int(x) for k, x in enumerate(np.asarray(shape).ravel())]
+    entries = [dims[k] if x == 0 and k < rank else x for k, x in enumerate(values)]
     wide = [k for k, x in enumerate(entries) if x != 1]
     if len(wide) != 2 or entries[wide[1]] not in (hidden, "h") or entries[wide[0]] not in (-1, "b"):
         return None
     return [1 if k not in wide else "b" if k == wide[0] else "h" for k in range(len(entries))]
+
+
+def _shape_entries(g: Graph, v: NodeProto, dims: list) -> list | None:
+    """The entries of Reshape ``v``'s computed shape as numbers, or "b" where one is its input's batch extent
+    (read as size terms, :mod:`rnnfuse.index_terms`); None where another is not known."""
+    ts = terms(g, v.input[1])
+    batch_axes = [k for k, d in enumerate(dims) if d == "b"]
+    if ts is None or len(batch_axes) != 1:
+        return None
+    batch = length_term(g, v.input[0], batch_axes[0])
+    out = []
+    for t in ts:
+        if t[0] == "c":
+            out.append(int(t[1]))
+        elif t == batch:
+            out.append("b")
+        else:
+            return None
+    return out
 
 
 def _native_y(g: Graph, y: str) -> bool:

@@ -274,6 +274,12 @@ def fold_output(graph: "Graph", node: onnx.NodeProto, name: str) -> np.ndarray |
         if shape is not None and graph.const(node.input[0]) is None:
             start, end = _shape_range(node)
             return np.array(shape, dtype=np.int64)[start:end]
+        # the extents Shape(x, start, end) picks, where those are numbers and others are not: dynamo's
+        # nn.LSTM slices its gates' weights at ``Shape(h, start=2, end=3)``, h a native op's Y_h (its hidden
+        # size) or an input declared [1, batch, H]
+        picks = _fixed_picks(graph, name) if _shape_range(node) != (0, None) else None
+        if picks is not None:
+            return picks
     if node.op_type in ("Gather", "Slice") and len(node.input) >= 2:
         # static entries of the shape of a tensor whose other dims are dynamic (torch's chunk sizes,
         # Keras' time-step count): Gather/Slice of Shape(x) where the entries picked are known

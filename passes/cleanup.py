@@ -9,26 +9,30 @@ Dead nodes and unused initializers are removed when the pipeline finalizes the g
 from __future__ import annotations
 
 import numpy as np
-from onnx import NodeProto, helper, numpy_helper
+from onnx import NodeProto, TensorProto, helper, numpy_helper
 
+from rnnfuse import op_args
 from rnnfuse.builder import Builder
 from rnnfuse.dims import root_dim, spans_any_extent, static_dim
+from rnnfuse.elem_types import fixed_by_op, op_elem_type, typed_like
 from rnnfuse.findings import Options, PassResult
 from rnnfuse.graph import Graph, Model, attr, has_subgraph
 from rnnfuse.index_order import in_order, length_term
 
 class DropNoOps:
     """Casts to the type a value already has, Identities, Gathers of a whole axis in order, Slices of whole
-    axes, and items of a list built by ``SequenceConstruct`` taken at a constant position, read through
-    (torch exports a chain of float->float Casts around every step; they hide shared inputs and time flips from
-    the other passes; jax2onnx gathers a scanned tensor by indices 0 .. T-1 computed from a reversed iota).
+    axes, ScatterNDs writing every row in order (their updates), and items of a list built by
+    ``SequenceConstruct`` taken at a constant position, read through (torch exports a chain of float->float
+    Casts around every step; they hide shared inputs and time flips from the other passes; jax2onnx gathers a
+    scanned tensor by indices 0 .. T-1 computed from a reversed iota).
 
-    torch's dynamo exporter without its optimizer (which takes minutes on a long unrolled loop) writes three
+    torch's dynamo exporter without its optimizer (which takes minutes on a long unrolled loop) writes four
     more: a ``CastLike`` whose target's element type the ops fix becomes the ``Cast`` it is (each step casts
     its constants like a value computed from the state, which put them on the recurrent path); an item of a
     list a ``SplitToSequence`` cut, taken at a constant position, becomes the ``Slice`` (or ``Gather``) it is
-    (every step's ``chunk`` of an LSTMCell's gates, ``x.chunk(T)``'s steps); and its ``x[:, ...]`` Slices of
-    whole axes are read through."""
+    (every step's ``chunk`` of an LSTMCell's gates, ``x.chunk(T)``'s steps); its ``x[:, ...]`` Slices of
+    whole axes are read through, and so are the ScatterNDs that write a batch-first ``outs[:, t] = h`` back
+    into the whole of ``outs``."""
 
     name = "drop-no-ops"
     fuses_only_with = frozenset()  # a clean-up: it fuses nothing itself (see rnnfuse.findings.Pass)
@@ -41,21 +45,29 @@ class DropNoOps:
         # is 2,700 readers of one initializer, rescanned per Identity removed: 1 s)
         long_lists: set[str] = set()
         _cast_likes_as_casts(g)
+        typed: dict[str, int | None] = {}
         for n in g.nodes_of("Cast", "Identity"):
             if not g.alive(n) or len(n.input) != 1 or g.is_graph_output(n.output[0]):
                 continue
-            if n.op_type == "Cast" and _certain_type(g, n.input[0]) != attr(n, "to"):
+            if n.op_type == "Cast" and _certain_type(g, n.input[0], typed) != attr(n, "to"):
                 continue
             g.replace_uses(n.output[0], n.input[0])
             g.remove_node(n, long_lists)
             done += 1
-        for n in g.nodes_of("Gather", "Slice"):
-            if not g.alive(n) or g.is_graph_output(n.output[0]):
+        reads_through = {"Gather": (_gathers_all_in_order, 0), "Slice": (_slices_everything, 0),
+                         "ScatterND": (_writes_every_row, 2)}  # (op: when it is a no-op, and which input it is then)
+        for n in g.nodes_of(*reads_through):
+            if not g.alive(n) or n.domain not in ("", "ai.onnx"):
                 continue
-            if _gathers_all_in_order(g, n) if n.op_type == "Gather" else _slices_everything(g, n):
-                g.replace_uses(n.output[0], n.input[0])
+            no_op, same_as = reads_through[n.op_type]
+            if not no_op(g, n):
+                continue
+            if g.is_graph_output(n.output[0]):
+                g.rewrite_in_place(n, "Identity", [n.input[same_as]])  # (the output keeps its name)
+            else:
+                g.replace_uses(n.output[0], n.input[same_as])
                 g.remove_node(n, long_lists)
-                done += 1
+            done += 1
         pieces, b = [], Builder(g, None, "rnnfuse")  # (b: the position constants, one per value)
         for n in g.nodes_of("SequenceAt"):
             if not g.alive(n):
@@ -78,7 +90,7 @@ class DropNoOps:
         g.rewrite_many_in_place(pieces)
         if done:
             res.modified = True
-            res.notes.append(f"read through {done} no-op Cast/Identity/Gather/Slice/SequenceAt node(s)")
+            res.notes.append(f"read through {done} no-op Cast/Identity/Gather/Slice/ScatterND/SequenceAt node(s)")
         if pieces:
             res.modified = True
             res.notes.append(f"took {len(pieces)} SplitToSequence item(s) at a constant position as Slice/Gather")
@@ -88,8 +100,6 @@ class DropNoOps:
 def _cast_likes_as_casts(g: Graph) -> None:
     """Rewrite each ``CastLike`` whose target has an element type the ops fix (rnnfuse.elem_types) as a ``Cast``
     to that type, its attributes kept (the two ops share them); in one call, as the split items."""
-    from rnnfuse.elem_types import op_elem_type
-
     rewrites = []
     for n in g.nodes_of("CastLike"):
         if g.alive(n) and n.domain in ("", "ai.onnx") and len(n.input) == 2 and n.input[0]:
@@ -182,15 +192,30 @@ def _slices_everything(g: Graph, n: NodeProto) -> bool:
 def _gathers_all_in_order(g: Graph, n) -> bool:
     """Whether Gather ``n`` takes every element of its data's axis, in order: indices 0 .. n-1 in a vector,
     n the axis' length (read from how both are computed, see rnnfuse.index_order)."""
-    if len(n.input) != 2:
+    return len(n.input) == 2 and _runs_over_axis(g, n.input[1], n.input[0], attr(n, "axis", 0))
+
+
+def _writes_every_row(g: Graph, n: NodeProto) -> bool:
+    """Whether ScatterND ``n`` writes each row of its data once, in order, so that its result is its updates:
+    indices ``Unsqueeze(0 .. n-1, -1)``, n the data's first extent (the op then holds the updates to the data's
+    shape). dynamo's ``outs[:, t] = h`` writes the whole of ``outs`` so around the column it sets."""
+    if len(n.input) != 3 or attr(n, "reduction", "none") not in ("none", b"none"):
         return False
-    c = g.const(n.input[1])
+    p = g.producer.get(n.input[1])
+    if p is None or p.op_type != "Unsqueeze" or p.domain not in ("", "ai.onnx"):
+        return False
+    axes = op_args.axes(p, g.model.opset, lambda i: g.const(p.input[i]))
+    return axes in ([1], [-1]) and _runs_over_axis(g, p.input[0], n.input[0], 0)
+
+
+def _runs_over_axis(g: Graph, idx: str, data: str, axis: int) -> bool:
+    """Whether vector ``idx`` holds 0 .. n-1, n the length of ``data``'s ``axis``."""
+    c = g.const(idx)
     if c is not None and (np.ndim(c) != 1 or np.size(c) < 2):  # (a constant's rank is its own: no inference)
         return False
-    size = in_order(g, n.input[1])
-    if size is None or (c is None and g.model.rank(n.input[1]) != 1):
+    size = in_order(g, idx)
+    if size is None or (c is None and g.model.rank(idx) != 1):
         return False
-    data, axis = n.input[0], attr(n, "axis", 0)
     rank = g.model.rank(data)
     if rank is None or not -rank <= axis < rank:
         return False
@@ -206,17 +231,41 @@ def _gathers_all_in_order(g: Graph, n) -> bool:
     return shape is not None and 0 <= root_axis < len(shape) and shape[root_axis] == size[1]
 
 
-def _certain_type(g: Graph, name: str) -> int | None:
-    """The element type of ``name`` where it is certain: a graph input, an initializer or a Cast's output
-    (a value_info written by an earlier tool may be stale, and dropping a real Cast would change results)."""
-    p = g.producer.get(name)
-    if p is not None:
-        return attr(p, "to") if p.op_type == "Cast" else None
-    if name in g.initializers:
-        return g.initializers[name].data_type
-    if g.is_graph_input(name):
-        return g.model.elem_type(name)
-    return None
+# element types of data, not of shape arithmetic or masks: what a Cast is dropped from when the ops give its
+# input the type (an int64 ``size // heads`` or a bool ``Equal`` cast to its own type is left: the do-no-harm
+# guard counts every reader of a renamed shape value as changed, see rnnfuse.same_values)
+_DATA_TYPES = frozenset((TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16))
+
+
+def _certain_type(g: Graph, name: str, memo: dict[str, int | None]) -> int | None:
+    """The element type of ``name`` where it is certain: a graph input's, an initializer's or a Cast's output's;
+    or a floating type the ops give it, reached through ops whose output has an input's type (arithmetic,
+    views, activations: :mod:`rnnfuse.elem_types`) from one of those or an op that fixes it. Never a
+    value_info's: one an earlier tool wrote may be stale, and dropping a real Cast would change results.
+    dynamo's ``outs[t] = h`` casts each step's h like the buffer (float to float) with a Cast of a Mul.
+    ``memo``: what the walks found (each ends at the first name known, so a chain of steps costs its length
+    once)."""
+    walked, cur = [], name
+    while cur not in memo:
+        p = g.producer.get(cur)
+        if p is None:
+            w = g.initializers.get(cur)
+            memo[cur] = (w.data_type or None) if w is not None else \
+                g.model.elem_type(cur) if g.is_graph_input(cur) else None
+            break
+        onnx_op = p.domain in ("", "ai.onnx")
+        src = typed_like(p) if onnx_op else None
+        if not src:
+            t = fixed_by_op(p) if onnx_op else None
+            memo[cur] = t if p.op_type == "Cast" or t in _DATA_TYPES else None
+            break
+        walked.append(cur)
+        cur = src
+    t = memo[cur]
+    t_walked = t if t in _DATA_TYPES else None
+    for w in walked:
+        memo[w] = t_walked
+    return t_walked if walked else t
 
 
 class InlineConstantIfs:

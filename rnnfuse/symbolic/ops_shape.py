@@ -196,10 +196,16 @@ def _squeeze(ev, node, ins):
 
 def _reshape(ev, node, ins):
     v, shp = ins
+    if isinstance(v, ShapeValue) and len(v.dims) == 1 and isinstance(shp, Const) and \
+            np.asarray(shp.arr).ravel().tolist() in ([-1], [1]):
+        return [v]  # one dim as a 1-element vector (dynamo's ``Reshape(size(0), [-1])`` before a Concat)
     if isinstance(v, BoolMask) and isinstance(shp, ShapeValue) and shp.dims == [None, 1]:
         return [BoolMask(v.sym, v.neg, True)]  # the [B] step mask as [B, 1], the batch read from a cell value
     if isinstance(v, MaskVector) and isinstance(shp, ShapeValue) and shp.dims == [None, 1]:
         return [SymTensor(v.poly, 0)]
+    if isinstance(v, SymTensor) and not v.lead and isinstance(shp, ShapeValue) and len(shp.dims) == 2 and \
+            shp.dims[0] is None and shp.dims[1] is not None and shp.dims[1] == v.poly.ncols:
+        return [v]  # [B, N] viewed as [B, N], the batch read from a value (dynamo's ``x[:, t].view(B, -1)``)
     groups = _unit_groups(v, shp.dims) if isinstance(shp, ShapeValue) else None
     if groups is not None:  # (the batch read from a value)
         return [groups]

@@ -192,6 +192,10 @@ CASES = [
     loop("grucell_trace_output_buffer", "gru", collect="buffer"),
     loop("lstmcell_dynamo_output_buffer", "lstm", exporter="dynamo", collect="buffer"),
     loop("rnncell_tanh_dynamo_output_buffer_bf", "rnn_tanh", exporter="dynamo", collect="buffer", **BF),
+    loop("lstmcell_dynamo_output_buffer_unoptimized", "lstm", exporter="dynamo", collect="buffer", optimize=False,
+         notes="each step's h cast like the buffer (a float-to-float Cast of a Mul) before its ScatterElements"),
+    loop("rnncell_tanh_dynamo_output_buffer_bf_unoptimized", "rnn_tanh", exporter="dynamo", collect="buffer",
+         optimize=False, **BF, notes="outs[:, t] = h: a ScatterElements of the column inside a ScatterND of every row"),
     loop("grucell_trace_static_output_buffer", "gru", collect="buffer", dynamic_batch=False),
     loop("grucell_trace_bf", "gru", **BF),
     loop("lstmcell_trace_rev", "lstm", **REV),
@@ -339,6 +343,12 @@ CASES = [
     nnrnn("gru_steps_head_trace", "gru", exporter="trace", stretch=1, head=True,
           notes="decoder style with a head per call: tanh(fc(y[0])) stacked on time; the head runs once"),
     nnrnn("lstm_steps_head_dynamo", "lstm", stretch=1, head=True),
+    # (dynamo without its optimizer: each call's gate-reordered weights are sliced anew at Shape(state)[2])
+    nnrnn("gru_steps_dynamo_bf_unoptimized", "gru", stretch=1, optimize=False, **BF),
+    nnrnn("lstm_stretch3_dynamo_h0_unoptimized", "lstm", stretch=3, init="given", optimize=False),
+    nnrnn("lstm_steps_dynamo_L2_h0_unoptimized", "lstm", stretch=1, layers=2, init="given", optimize=False,
+          notes="layer 1's next weights read Shape of the shared state, which holds layer 2's: no data path"),
+    nnrnn("lstm_steps_head_dynamo_unoptimized", "lstm", stretch=1, head=True, optimize=False),
     nnrnn("lstm_native_dynamo", "lstm", notes="control: nn.LSTM exports as a native LSTM already"),
     nnrnn("gru_native_dynamo_bf", "gru", **BF, notes="control: nn.GRU exports as a native GRU already"),
     # -- TorchScript: Loop + SequenceInsert + ConcatFromSequence, dynamic batch and time
@@ -929,6 +939,9 @@ CASES += [
     steps("lstmcell_trace_bidir_shared_reshape", "lstm", inputs="shared_reshape_bidir"),
     steps("grucell_dynamo_bidir_shared_reshape_bf", "gru", inputs="shared_reshape_bidir", exporter="dynamo",
           batch_first=True),
+    steps("grucell_dynamo_bidir_shared_reshape_bf_unoptimized", "gru", inputs="shared_reshape_bidir",
+          exporter="dynamo", batch_first=True, optimize=False,
+          notes="x[:, t].view(B, -1): the view's shape a Concat of Reshape(size(0), [-1]) and the width"),
     steps("lstmcell_trace_input_reads_state", "lstm", inputs="reads_state", near_miss=True),
     steps("grucell_dynamo_input_reads_state", "gru", inputs="reads_state", near_miss=True, exporter="dynamo"),
     # hand-written length masks (issue 14 item 8)

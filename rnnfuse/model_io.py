@@ -28,6 +28,11 @@ from .tensor_types import SKELETON_DATA_BYTES
 MIN_OPSET = 7  # the native recurrent ops' semantics rnnfuse emits exist since opset 7
 PROTO_LIMIT = 2**31 - 1
 EXTERNAL_THRESHOLD = 1024  # tensors at least this large go to the external data file
+# integer tensors up to this size stay inline whatever the threshold: they are what ops read as shapes, sizes,
+# axes and bounds, whose data onnx's shape inference reads while onnxruntime loads the model and cannot read
+# from a data file ("Cannot parse data from external tensors": a merged chain's Split of 1,000 step sizes)
+INLINE_INTEGERS_UP_TO = 1 << 20
+_INTEGER_TYPES = frozenset((onnx.TensorProto.INT64, onnx.TensorProto.INT32))
 # a single-file model at least this large lends its initializers of BORROW_MIN_TENSOR bytes or more (below it,
 # parsing the whole file costs less than it is worth)
 BORROW_MIN_FILE = 16 << 20
@@ -199,7 +204,8 @@ def _borrowed_bytes(mm, location: str):
 #   file in the working directory, not the model's). A larger Constant stays where it is; its value is
 #   memory-mapped from the model's directory when asked (GraphIndex.const), and the output's data file
 #   receives it as it receives initializers.
-# Written with external data again, what is under EXTERNAL_THRESHOLD stays inline, the rest goes to the file.
+# Written with external data again, what is under EXTERNAL_THRESHOLD (an integer tensor: INLINE_INTEGERS_UP_TO)
+# stays inline, the rest goes to the file.
 _ALWAYS_INLINE_BYTES = SKELETON_DATA_BYTES
 _INLINE_ATTRIBUTE_BYTES = 16 << 20
 _INLINE_ATTRIBUTES_TOTAL = 256 << 20
@@ -306,7 +312,8 @@ def copy_unchanged(in_path: str, out_path: str) -> None:
 def save(model: onnx.ModelProto, out_path: str, external: bool | None = None, source_dir: str | None = None) -> list[str]:
     """Write ``model`` atomically; returns the files written. ``external=None`` decides by size.
 
-    With external data, every tensor of ``EXTERNAL_THRESHOLD`` bytes or more goes to ``<output>.data``.
+    With external data, every tensor of ``EXTERNAL_THRESHOLD`` bytes or more goes to ``<output>.data`` (but
+    integer ones up to ``INLINE_INTEGERS_UP_TO``, read as shapes).
     Without, tensors still stored elsewhere (borrowed from the input file, in the input's data file, spilled)
     are written inline, copied from there while the file is written. Either way they are copied in chunks,
     never loaded whole; ``source_dir`` (default: the model's directory) is where relative locations are."""
@@ -446,8 +453,8 @@ def _inline(model: onnx.ModelProto, out, source_dir: str | None) -> None:
 
 
 def _write_external(model: onnx.ModelProto, data_path: str, location: str, source_dir: str | None) -> int:
-    """Write the tensors held elsewhere or of ``EXTERNAL_THRESHOLD`` bytes or more to ``data_path``, each
-    pointed there; returns how many."""
+    """Write the tensors held elsewhere or of ``EXTERNAL_THRESHOLD`` bytes or more (integer ones: more than
+    ``INLINE_INTEGERS_UP_TO``) to ``data_path``, each pointed there; returns how many."""
     from .protos import all_tensors
 
     from .graph import set_external
@@ -458,7 +465,8 @@ def _write_external(model: onnx.ModelProto, data_path: str, location: str, sourc
         for t in all_tensors(model):
             unloaded = t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data")
             if not unloaded:
-                if not t.HasField("raw_data") or len(t.raw_data) < EXTERNAL_THRESHOLD:
+                size = len(t.raw_data) if t.HasField("raw_data") else 0
+                if size < EXTERNAL_THRESHOLD or (t.data_type in _INTEGER_TYPES and size <= INLINE_INTEGERS_UP_TO):
                     continue
             pos = out.seek(0, os.SEEK_CUR)
             if pos % align:

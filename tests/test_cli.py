@@ -344,6 +344,35 @@ def test_nothing_to_fuse_stored_externally_keeps_its_small_tensors_where_they_we
         [onnx.numpy_helper.to_array(t).tolist() for t in m.graph.initializer]
 
 
+def test_integer_tensors_written_with_external_data_stay_inline(tmp_path):
+    """With external data, a tensor of EXTERNAL_THRESHOLD bytes or more goes to the data file, but not an
+    integer one an op reads as sizes: onnxruntime's load infers shapes from its data and cannot read it from a
+    file (a merged 1,000-step chain's Split sizes: the output did not load). A float weight as big still goes."""
+    import onnxruntime as ort
+
+    from rnnfuse import model_io
+
+    steps = 300  # (2,400 bytes of split sizes)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 300)).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]),
+         helper.make_node("Split", ["xw", "sizes"], [f"p{k}" for k in range(steps)], axis=1),
+         helper.make_node("Concat", [f"p{k}" for k in reversed(range(steps))], ["y"], axis=1)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, steps])],
+        [onnx.numpy_helper.from_array(np.ones(steps, np.int64), "sizes"), onnx.numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    out = tmp_path / "out.onnx"
+    model_io.save(onnx.ModelProto.FromString(m.SerializeToString()), str(out), external=True)
+    stored = {t.name: t.data_location for t in onnx.load(str(out), load_external_data=False).graph.initializer}
+    assert stored == {"sizes": TensorProto.DEFAULT, "w": TensorProto.EXTERNAL}
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, (x @ w)[:, ::-1], rtol=1e-6, atol=1e-6)
+
+
 def test_initializers_that_are_inputs_are_no_weights_and_the_report_says_so(tmp_path):
     """An unrolled chain whose weights are also graph inputs (torch's keep_initializers_as_inputs=True): a
     caller may feed other weights, so nothing is fused, the output is the input's bytes, and the report says

@@ -10,7 +10,9 @@ the one the previous copy read, and the map treats every batch row on its own (p
 elementwise with constants that do not span rows, a matmul by a constant, concat along features ...), the
 stack is the map applied to every step's rows at once: ``map(Flatten(Y))`` reshaped to ``[T, B, K]``. A copy
 may also read the model input's own step (``Y1[t] + proj(x[t])``, a residual stack's upper input), taken the
-same way, as long as it reads a native op's step too.
+same way, as long as it reads a native op's step too. Steps stacked on time as they are, each a ``[1, B, H]``
+view of a one-step part (dynamo without its optimizer transposes and reshapes each call's Y before
+``torch.cat(ys)``), are the identity map's copies: that stretch of the sequence.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from onnx import NodeProto
 
 from rnnfuse import op_args, rewrite
 from rnnfuse.builder import Builder
+from rnnfuse.dataflow import settled_dim
 from rnnfuse.errors import Decline
 from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.graph import Graph, Model, attr
@@ -89,11 +92,12 @@ def _step_of(g: Graph, name: str, splits: dict) -> tuple | None:
 _VIEWS = ("Squeeze", "Unsqueeze", "Reshape", "Transpose", "Gather", "Identity")
 
 
-def _part_rows(g: Graph, name: str, splits: dict) -> tuple[str, int] | None:
+def _part_rows(g: Graph, name: str, splits: dict, lead: bool = False) -> tuple[str, int] | None:
     """``(Y, t)`` when ``name`` is the ``[B, H]`` rows of part t of ``Split(Y)`` (one step; Y a one-direction
     native op's output), reached by views that only drop, add or move axes of one element: trace squeezes the
     direction axis and takes ``[0]``, dynamo transposes, reshapes and takes ``[0]``. The axes are followed as
-    unit (1), batch ("b") and hidden ("h"); every view keeps the elements' order, so rows stay rows."""
+    unit (1), batch ("b") and hidden ("h"); every view keeps the elements' order, so rows stay rows.
+    ``lead``: the ``[1, B, H]`` step itself, a leading unit axis kept (what a Concat along time stacks)."""
     views = []
     cur = name
     while len(views) <= 8:
@@ -119,7 +123,7 @@ def _part_rows(g: Graph, name: str, splits: dict) -> tuple[str, int] | None:
         dims = _viewed(g, v, dims, hidden)
         if dims is None:
             return None
-    return (p.input[0], part[0]) if dims == ["b", "h"] else None
+    return (p.input[0], part[0]) if dims == ([1, "b", "h"] if lead else ["b", "h"]) else None
 
 
 def _viewed(g: Graph, v: NodeProto, dims: list, hidden: int) -> list | None:
@@ -156,9 +160,17 @@ def _viewed(g: Graph, v: NodeProto, dims: list, hidden: int) -> list | None:
         return None
     entries = [dims[k] if x == 0 and k < rank else x for k, x in enumerate(values)]
     wide = [k for k, x in enumerate(entries) if x != 1]
-    if len(wide) != 2 or entries[wide[1]] not in (hidden, "h") or entries[wide[0]] not in (-1, "b"):
+    if len(wide) != 2 or entries[wide[1]] not in (hidden, "h"):
         return None
+    if entries[wide[0]] not in (-1, "b") and entries[wide[0]] != _static_batch(g, v.input[0], dims):
+        return None  # (a number is the batch where that is the input's, fixed: an export at one batch size)
     return [1 if k not in wide else "b" if k == wide[0] else "h" for k in range(len(entries))]
+
+
+def _static_batch(g: Graph, name: str, dims: list) -> int | None:
+    """The batch extent of ``name`` (its axes ``dims``) where it is a number."""
+    axes = [k for k, d in enumerate(dims) if d == "b"]
+    return settled_dim(g, name, axes[0]) if len(axes) == 1 else None
 
 
 def _shape_entries(g: Graph, v: NodeProto, dims: list) -> list | None:
@@ -191,8 +203,10 @@ class _Map:
     """One step's copy of the map: its nodes in evaluation order, the steps it reads, and a signature that is the
     same for every copy of the same map (which steps each copy reads: :func:`_step_runs`)."""
 
-    def __init__(self, g: Graph, out: str, item: int, splits: dict):
+    def __init__(self, g: Graph, out: str, item: int, splits: dict, stacked: bool = False):
+        """``stacked``: ``out`` is a ``[1, B, H]`` step itself (the identity map, stacked as it is)."""
         self.g, self.item, self.splits = g, item, splits
+        self._stacked_root = out if stacked else None
         self.nodes: list[NodeProto] = []
         self._index: dict[int, int] = {}  # node id -> its place in ``nodes``
         self.steps: dict[str, tuple[str, int]] = {}  # tensor -> (sequence, its step), in the order read
@@ -204,7 +218,8 @@ class _Map:
         if name in self.refs:
             return self.refs[name]
         g = self.g
-        step = _step_of(g, name, self.splits)
+        step = _part_rows(g, name, self.splits, lead=True) if name == self._stacked_root else \
+            _step_of(g, name, self.splits)
         c = g.const(name) if step is None else None
         if step is not None:  # (which step is read where: the same place in every copy; its step per copy,
             self.steps[name] = step  # forward or backward with the item, _step_runs)
@@ -242,16 +257,21 @@ def _stacked_map(g: Graph, cat: NodeProto, splits: dict) -> tuple[_Map, int, int
     if axis not in (0, 1) or len(cat.input) < 2:
         return None
     items = [_unsqueezed(g, i, axis) for i in cat.input]
-    if None in items:
+    # (or, along time, each item a [1, B, H] step itself: dynamo without its optimizer views each call's Y so,
+    # Transpose and Reshape, before ``torch.cat(ys)``)
+    stacked = None in items and axis == 0 and all(_part_rows(g, i, splits, lead=True) for i in cat.input)
+    if stacked:
+        items = list(cat.input)
+    elif None in items:
         return None
     # (a copy unlike the first ends the look: 6,660 copies were walked before the first was compared)
     try:
-        first = _Map(g, items[0], 0, splits)
+        first = _Map(g, items[0], 0, splits, stacked)
         if not any(len(step) == 2 for step in first.steps.values()):
             return None  # (a map of a model input's steps alone is no recurrence's: left as it is)
         maps = [first]
         for k in range(1, len(items)):
-            m = _Map(g, items[k], k, splits)
+            m = _Map(g, items[k], k, splits, stacked)
             if m.signature != first.signature:
                 return None
             maps.append(m)
@@ -260,7 +280,7 @@ def _stacked_map(g: Graph, cat: NodeProto, splits: dict) -> tuple[_Map, int, int
     # (each item's rank asked only now: a Concat of Unsqueezed scalars, a shape's assembly in every block of a
     # dynamic-shape transformer, inferred a cone per item to learn it was not rank 2)
     runs = _step_runs(maps)
-    if runs is None or any(known_rank(g, item) != 2 for item in items):
+    if runs is None or any(known_rank(g, item) != (3 if stacked else 2) for item in items):
         return None
     rows = {name: ROW_RANK for name in first.steps}
     rows.update({name: 0 for name in first.consts})
@@ -310,11 +330,13 @@ def _emit(g: Graph, cat: NodeProto, m: _Map, axis: int, n_steps: int, runs: list
         elif start or not shape or shape[0] != n_steps:
             part = b.op("Slice", seq, b.i64(start), b.i64(start + n_steps), b.i64(0))
         like = like or part
+        if not m.nodes:  # (the steps themselves, stacked: that part of the sequence, no map to run)
+            return b.op("Transpose", part, perm=[1, 0, 2]) if axis == 1 else part
         env[name] = b.op("Flatten", part, axis=2)
     for name, arr in m.consts.items():
         if name not in g.initializers:
             env[name] = b.const(arr, "map")
-    out = replay(b, m.nodes, env, "map")[m.nodes[-1].output[0]] if m.nodes else next(iter(env.values()))
+    out = replay(b, m.nodes, env, "map")[m.nodes[-1].output[0]]
     y = unflatten(b, out, like)
     return b.op("Transpose", y, perm=[1, 0, 2]) if axis == 1 else y
 

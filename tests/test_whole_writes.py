@@ -135,16 +135,19 @@ def test_casts_to_the_type_the_ops_give_are_read_through(source, declared, dropp
     np.testing.assert_array_equal(_run(proto, {"x": x})[0], _run(after, {"x": x})[0])
 
 
-def _stretch_model(shared_weights: bool, hidden: int = 4, features: int = 3, calls: int = 3) -> onnx.ModelProto:
+def _stretch_model(shared_weights: bool, hidden: int = 4, features: int = 3, calls: int = 3,
+                   viewed: bool = False) -> onnx.ModelProto:
     """``calls`` native GRUs over one step of x each, the state carried by hand; each call's W is
     ``Slice(Wfull, 0, Shape(state, start=2, end=3) * 3)`` of its own initial state (dynamo's per-call
-    weights: equal values, one name each); ``shared_weights=False``: the last call reads other weights."""
+    weights: equal values, one name each); ``shared_weights=False``: the last call reads other weights.
+    ``viewed``: each call's Y ([1, 1, B, H]) is stacked as dynamo without its optimizer hands it on, transposed
+    to [1, B, 1, H] and reshaped to [1, B, H] by a shape computed from its own."""
     rng = np.random.default_rng(3)
     i64 = lambda v, n: numpy_helper.from_array(np.array(v, np.int64), n)  # noqa: E731
     inits = [numpy_helper.from_array(rng.standard_normal((1, 3 * hidden + 5, features)).astype(np.float32), "Wfull"),
              numpy_helper.from_array(rng.standard_normal((1, 3 * hidden, hidden)).astype(np.float32), "R"),
              numpy_helper.from_array(rng.standard_normal((1, 3 * hidden, features)).astype(np.float32), "W_other"),
-             i64([0], "zero"), i64([1], "one"), i64([3], "three")]
+             i64([0], "zero"), i64([1], "one"), i64([2], "two"), i64([3], "three"), i64([4], "four")]
     nodes, h = [], "h0"
     for k in range(calls):
         nodes += [helper.make_node("Slice", ["x", i64_name(k, inits), i64_name(k + 1, inits), "zero"], [f"x{k}"]),
@@ -154,7 +157,18 @@ def _stretch_model(shared_weights: bool, hidden: int = 4, features: int = 3, cal
         w = "W_other" if (not shared_weights and k == calls - 1) else f"W{k}"
         nodes.append(helper.make_node("GRU", [f"x{k}", w, "R", "", "", h], [f"y{k}", f"h{k + 1}"], hidden_size=hidden))
         h = f"h{k + 1}"
-    nodes.append(helper.make_node("Concat", [f"y{k}" for k in range(calls)], ["ys"], axis=0))
+        if viewed:
+            nodes += [helper.make_node("Transpose", [f"y{k}"], [f"t{k}"], perm=[0, 2, 1, 3]),
+                      helper.make_node("Shape", [f"t{k}"], [f"ts{k}"]),
+                      helper.make_node("Slice", [f"ts{k}", "zero", "one"], [f"d0_{k}"]),
+                      helper.make_node("Slice", [f"ts{k}", "one", "two"], [f"d1_{k}"]),
+                      helper.make_node("Slice", [f"ts{k}", "two", "three"], [f"d2_{k}"]),
+                      helper.make_node("Slice", [f"ts{k}", "three", "four"], [f"d3_{k}"]),
+                      helper.make_node("Mul", [f"d2_{k}", f"d3_{k}"], [f"w{k}"]),
+                      helper.make_node("Concat", [f"d0_{k}", f"d1_{k}", f"w{k}"], [f"shape{k}"], axis=0),
+                      helper.make_node("Reshape", [f"t{k}", f"shape{k}"], [f"v{k}"])]
+    parts = [f"v{k}" if viewed else f"y{k}" for k in range(calls)]
+    nodes.append(helper.make_node("Concat", parts, ["ys"], axis=0))
     graph = helper.make_graph(
         nodes, "stretches", [helper.make_tensor_value_info("x", F, [calls, "B", features]),
                              helper.make_tensor_value_info("h0", F, [1, "B", hidden])],
@@ -180,6 +194,22 @@ def test_stretches_with_equal_weights_under_several_names_merge(shared_weights):
     fused, report = rnnfuse.optimize(proto)
     grus = [n for n in fused.graph.node if n.op_type == "GRU"]
     # (the last call's other weights: the first two still merge, the third stays its own op)
-    assert len(grus) == (1 if shared_weights else 2), report.summary()
+    assert len(grus) == (1 if shared_weights else 2), report.to_text()
+    for want, got in zip(expected, _run(fused, feeds)):
+        np.testing.assert_allclose(want, got, rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_viewed_steps_of_merged_calls_are_the_sequence():
+    """Each call's Y viewed as [1, B, H] (Transpose, then Reshape to a shape computed from its own) and the
+    views concatenated on time: once the calls merge, that Concat is the merged op's Y, direction axis
+    squeezed (passes/step_maps.py), and the per-call views are gone."""
+    proto = _stretch_model(True, calls=5, viewed=True)
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((5, 2, 3)).astype(np.float32),
+             "h0": rng.standard_normal((1, 2, 4)).astype(np.float32)}
+    expected = _run(proto, feeds)
+    fused, report = rnnfuse.optimize(proto)
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("GRU") == 1 and "Transpose" not in ops and "Reshape" not in ops, (ops, report.to_text())
     for want, got in zip(expected, _run(fused, feeds)):
         np.testing.assert_allclose(want, got, rtol=1e-5, atol=1e-6)

@@ -39,6 +39,22 @@ def session(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
+def run_model(model: onnx.ModelProto, feeds: dict) -> list:
+    """Every output of ``model`` on ``feeds`` (onnxruntime, CPU)."""
+    return session(model).run(None, feeds)
+
+
+def after_pass(pass_, proto: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """``proto`` rewritten by the one pass ``pass_`` (finalized), and its node list's op types."""
+    from rnnfuse.findings import Options
+    from rnnfuse.model import Model
+
+    model = Model(proto)
+    pass_.run(model, Options())
+    model.graph.finalize()
+    return model.proto, [n.op_type for n in model.proto.graph.node]
+
+
 def op_counts(model: onnx.ModelProto) -> Counter:
     from rnnfuse.pipeline import op_counts as graph_op_counts
 

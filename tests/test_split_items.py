@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from rnnfuse.findings import Options
 from rnnfuse.model import Model
 from rnnfuse.passes.cleanup import DropNoOps
+
+from helpers import after_pass, run_model
 
 
 def _model(split, keepdims: int | None, positions, axis: int = 1, extent=7, position_input: bool = False):
@@ -42,15 +43,11 @@ def _model(split, keepdims: int | None, positions, axis: int = 1, extent=7, posi
 
 
 def _run(model: onnx.ModelProto, feeds: dict) -> list:
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
+    return run_model(model, feeds)
 
 
 def _rewritten(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
-    model = Model(proto)
-    DropNoOps().run(model, Options())
-    model.graph.finalize()
-    return model.proto, [n.op_type for n in model.proto.graph.node]
+    return after_pass(DropNoOps(), proto)
 
 
 @pytest.mark.parametrize("split,keepdims,positions,axis,op", [

@@ -10,9 +10,9 @@ the one the previous copy read, and the map treats every batch row on its own (p
 elementwise with constants that do not span rows, a matmul by a constant, concat along features ...), the
 stack is the map applied to every step's rows at once: ``map(Flatten(Y))`` reshaped to ``[T, B, K]``. A copy
 may also read the model input's own step (``Y1[t] + proj(x[t])``, a residual stack's upper input), taken the
-same way, as long as it reads a native op's step too. Steps stacked on time as they are, each a ``[1, B, H]``
-view of a one-step part (dynamo without its optimizer transposes and reshapes each call's Y before
-``torch.cat(ys)``), are the identity map's copies: that stretch of the sequence.
+same way, as long as it reads a native op's step too. Consecutive parts of Y concatenated on time as they are
+(one-step parts perhaps last first), each viewed as ``[steps, B, H]`` (dynamo without its optimizer transposes
+and reshapes each call's Y before ``torch.cat(ys)``), are that stretch of Y.
 """
 
 from __future__ import annotations
@@ -92,12 +92,19 @@ def _step_of(g: Graph, name: str, splits: dict) -> tuple | None:
 _VIEWS = ("Squeeze", "Unsqueeze", "Reshape", "Transpose", "Gather", "Identity")
 
 
-def _part_rows(g: Graph, name: str, splits: dict, lead: bool = False) -> tuple[str, int] | None:
+def _part_rows(g: Graph, name: str, splits: dict) -> tuple[str, int] | None:
     """``(Y, t)`` when ``name`` is the ``[B, H]`` rows of part t of ``Split(Y)`` (one step; Y a one-direction
     native op's output), reached by views that only drop, add or move axes of one element: trace squeezes the
     direction axis and takes ``[0]``, dynamo transposes, reshapes and takes ``[0]``. The axes are followed as
-    unit (1), batch ("b") and hidden ("h"); every view keeps the elements' order, so rows stay rows.
-    ``lead``: the ``[1, B, H]`` step itself, a leading unit axis kept (what a Concat along time stacks)."""
+    unit (1), batch ("b") and hidden ("h"); every view keeps the elements' order, so rows stay rows."""
+    found = _viewed_part(g, name, splits)
+    return (found[0], found[1]) if found is not None and found[2] == 1 and found[3] == ["b", "h"] else None
+
+
+def _viewed_part(g: Graph, name: str, splits: dict) -> tuple[str, int, int, list] | None:
+    """``(Y, first step, steps, axes)`` when ``name`` is a part of ``Split(Y)`` along time (Y a one-direction
+    native op's own ``[T, 1, B, H]`` output) through views, its axes as the views leave them: unit (1), steps
+    ("t", a part of more than one), batch ("b") and hidden ("h")."""
     views = []
     cur = name
     while len(views) <= 8:
@@ -116,18 +123,20 @@ def _part_rows(g: Graph, name: str, splits: dict, lead: bool = False) -> tuple[s
         splits[id(p)] = (p, op_args.split_bounds(p, g.model.opset, op_args.const_reader(g, p)))
     part = (splits[id(p)][1] or {}).get(cur)
     hidden = attr(g.producer[p.input[0]], "hidden_size", None)
-    if part is None or part[1] - part[0] != 1 or not isinstance(hidden, int) or hidden < 2:
+    if part is None or part[1] <= part[0] or not isinstance(hidden, int) or hidden < 2:
         return None
-    dims = [1, 1, "b", "h"]  # the part: [1 step, 1 direction, B, H]
+    steps = part[1] - part[0]
+    dims = ["t" if steps > 1 else 1, 1, "b", "h"]  # the part: [steps, 1 direction, B, H]
     for v in reversed(views):
-        dims = _viewed(g, v, dims, hidden)
+        dims = _viewed(g, v, dims, hidden, steps)
         if dims is None:
             return None
-    return (p.input[0], part[0]) if dims == ([1, "b", "h"] if lead else ["b", "h"]) else None
+    return p.input[0], part[0], steps, dims
 
 
-def _viewed(g: Graph, v: NodeProto, dims: list, hidden: int) -> list | None:
-    """The axes after view ``v`` (see _part_rows), or None where it may move the rows or is not known."""
+def _viewed(g: Graph, v: NodeProto, dims: list, hidden: int, steps: int = 1) -> list | None:
+    """The axes after view ``v`` (see _viewed_part: ``steps`` is the extent of "t"), or None where it may move
+    the rows or is not known."""
     op, rank = v.op_type, len(dims)
     const = lambda i: g.const(v.input[i])  # noqa: E731
     if op == "Identity":
@@ -152,19 +161,35 @@ def _viewed(g: Graph, v: NodeProto, dims: list, hidden: int) -> list | None:
         if not axes or kept is None or any(dims[k] != 1 for k in range(rank) if k not in kept):
             return None
         return [dims[k] for k in kept]
-    # (Reshape: to a shape whose entries other than 1 are the batch, then H; a constant, or one computed from
-    # the input's own shape, as dynamo without its optimizer writes [T, B, dirs * H])
+    # (Reshape: to a shape whose entries other than 1 are the same axes in the same order, only units added or
+    # dropped; a constant, or one computed from the input's own shape, as dynamo without its optimizer writes
+    # [T, B, dirs * H])
     shape = const(1)
     values = [int(x) for x in np.asarray(shape).ravel()] if shape is not None else _shape_entries(g, v, dims)
     if values is None or (attr(v, "allowzero", 0) and 0 in values):  # (a 0 that is no copy: empty)
         return None
     entries = [dims[k] if x == 0 and k < rank else x for k, x in enumerate(values)]
     wide = [k for k, x in enumerate(entries) if x != 1]
-    if len(wide) != 2 or entries[wide[1]] not in (hidden, "h"):
+    axes = [d for d in dims if d != 1]
+    if len(wide) != len(axes) or sum(entries[k] == -1 for k in wide) > 1:
+        return None  # (one -1 is the one extent the others leave: exact where they are the axes' own)
+    known = {"h": hidden, "t": steps}
+    for k, d in zip(wide, axes):
+        x = entries[k]
+        if x in (d, -1) or x == known.get(d):
+            continue
+        if d == "b" and x == _static_batch(g, v.input[0], dims):
+            continue  # (a number is the batch where that is the input's, fixed: an export at one batch size)
         return None
-    if entries[wide[0]] not in (-1, "b") and entries[wide[0]] != _static_batch(g, v.input[0], dims):
-        return None  # (a number is the batch where that is the input's, fixed: an export at one batch size)
-    return [1 if k not in wide else "b" if k == wide[0] else "h" for k in range(len(entries))]
+    return _spread(axes, wide, len(entries))
+
+
+def _spread(axes: list, at: list[int], rank: int) -> list:
+    """``axes`` placed at the positions ``at`` of a rank-``rank`` list of units."""
+    out: list = [1] * rank
+    for k, d in zip(at, axes):
+        out[k] = d
+    return out
 
 
 def _static_batch(g: Graph, name: str, dims: list) -> int | None:
@@ -203,10 +228,8 @@ class _Map:
     """One step's copy of the map: its nodes in evaluation order, the steps it reads, and a signature that is the
     same for every copy of the same map (which steps each copy reads: :func:`_step_runs`)."""
 
-    def __init__(self, g: Graph, out: str, item: int, splits: dict, stacked: bool = False):
-        """``stacked``: ``out`` is a ``[1, B, H]`` step itself (the identity map, stacked as it is)."""
+    def __init__(self, g: Graph, out: str, item: int, splits: dict):
         self.g, self.item, self.splits = g, item, splits
-        self._stacked_root = out if stacked else None
         self.nodes: list[NodeProto] = []
         self._index: dict[int, int] = {}  # node id -> its place in ``nodes``
         self.steps: dict[str, tuple[str, int]] = {}  # tensor -> (sequence, its step), in the order read
@@ -218,8 +241,7 @@ class _Map:
         if name in self.refs:
             return self.refs[name]
         g = self.g
-        step = _part_rows(g, name, self.splits, lead=True) if name == self._stacked_root else \
-            _step_of(g, name, self.splits)
+        step = _step_of(g, name, self.splits)
         c = g.const(name) if step is None else None
         if step is not None:  # (which step is read where: the same place in every copy; its step per copy,
             self.steps[name] = step  # forward or backward with the item, _step_runs)
@@ -257,21 +279,16 @@ def _stacked_map(g: Graph, cat: NodeProto, splits: dict) -> tuple[_Map, int, int
     if axis not in (0, 1) or len(cat.input) < 2:
         return None
     items = [_unsqueezed(g, i, axis) for i in cat.input]
-    # (or, along time, each item a [1, B, H] step itself: dynamo without its optimizer views each call's Y so,
-    # Transpose and Reshape, before ``torch.cat(ys)``)
-    stacked = None in items and axis == 0 and all(_part_rows(g, i, splits, lead=True) for i in cat.input)
-    if stacked:
-        items = list(cat.input)
-    elif None in items:
+    if None in items:
         return None
     # (a copy unlike the first ends the look: 6,660 copies were walked before the first was compared)
     try:
-        first = _Map(g, items[0], 0, splits, stacked)
+        first = _Map(g, items[0], 0, splits)
         if not any(len(step) == 2 for step in first.steps.values()):
             return None  # (a map of a model input's steps alone is no recurrence's: left as it is)
         maps = [first]
         for k in range(1, len(items)):
-            m = _Map(g, items[k], k, splits, stacked)
+            m = _Map(g, items[k], k, splits)
             if m.signature != first.signature:
                 return None
             maps.append(m)
@@ -280,7 +297,7 @@ def _stacked_map(g: Graph, cat: NodeProto, splits: dict) -> tuple[_Map, int, int
     # (each item's rank asked only now: a Concat of Unsqueezed scalars, a shape's assembly in every block of a
     # dynamic-shape transformer, inferred a cone per item to learn it was not rank 2)
     runs = _step_runs(maps)
-    if runs is None or any(known_rank(g, item) != (3 if stacked else 2) for item in items):
+    if runs is None or any(known_rank(g, item) != 2 for item in items):
         return None
     rows = {name: ROW_RANK for name in first.steps}
     rows.update({name: 0 for name in first.consts})
@@ -292,6 +309,39 @@ def _stacked_map(g: Graph, cat: NodeProto, splits: dict) -> tuple[_Map, int, int
     except Decline:
         return None
     return first, axis, len(items), runs
+
+
+def _stacked_parts(g: Graph, cat: NodeProto, splits: dict) -> tuple[str, int, int, int] | None:
+    """``(Y, first step, steps, +1 or -1)`` when ``cat`` concatenates on time consecutive parts of ``Split(Y)``
+    in order, each viewed as ``[steps, B, H]`` (dynamo without its optimizer transposes and reshapes each call's
+    Y before ``torch.cat(ys)``), or one-step parts last first (-1): that stretch of Y, direction squeezed."""
+    if attr(cat, "axis", 0) not in (0, -3) or len(cat.input) < 2:
+        return None
+    parts = []
+    for i in cat.input:
+        found = _viewed_part(g, i, splits)
+        if found is None or found[3] != ["t" if found[2] > 1 else 1, "b", "h"] or (parts and found[0] != parts[0][0]):
+            return None
+        parts.append(found)
+    y, first = parts[0][0], parts[0][1]
+    if all(p[1] == q[1] + q[2] for q, p in zip(parts, parts[1:])):
+        return y, first, parts[-1][1] + parts[-1][2] - first, 1
+    if all(p[2] == 1 for p in parts) and all(p[1] == q[1] - 1 for q, p in zip(parts, parts[1:])):
+        return y, first, len(parts), -1
+    return None
+
+
+def _stretch(g: Graph, cat: NodeProto, y: str, first: int, steps: int, direction: int) -> str:
+    """``steps`` steps of the native op's Y from ``first`` on (back from it: ``direction`` -1), its direction
+    axis squeezed."""
+    b = Builder(g, cat, "rnnfuse/step_maps")
+    seq = b.squeeze(y, [1])
+    if direction < 0:  # (rows first, first - 1, ...: a slice with step -1; past row 0 when it ends there)
+        end = first - steps if first - steps >= 0 else -(2**62)
+        return b.op("Slice", seq, b.i64(first), b.i64(end), b.i64(0), b.i64(-1))
+    if not first and settled_dim(g, y, 0) == steps:
+        return seq
+    return b.op("Slice", seq, b.i64(first), b.i64(first + steps), b.i64(0))
 
 
 def _step_runs(maps: list[_Map]) -> list[tuple[int, int]] | None:
@@ -330,13 +380,11 @@ def _emit(g: Graph, cat: NodeProto, m: _Map, axis: int, n_steps: int, runs: list
         elif start or not shape or shape[0] != n_steps:
             part = b.op("Slice", seq, b.i64(start), b.i64(start + n_steps), b.i64(0))
         like = like or part
-        if not m.nodes:  # (the steps themselves, stacked: that part of the sequence, no map to run)
-            return b.op("Transpose", part, perm=[1, 0, 2]) if axis == 1 else part
         env[name] = b.op("Flatten", part, axis=2)
     for name, arr in m.consts.items():
         if name not in g.initializers:
             env[name] = b.const(arr, "map")
-    out = replay(b, m.nodes, env, "map")[m.nodes[-1].output[0]]
+    out = replay(b, m.nodes, env, "map")[m.nodes[-1].output[0]] if m.nodes else next(iter(env.values()))
     y = unflatten(b, out, like)
     return b.op("Transpose", y, perm=[1, 0, 2]) if axis == 1 else y
 
@@ -356,6 +404,21 @@ class StackStepMaps:
         big = len(g.nodes) > rewrite.WHOLE_MODEL_LIMIT  # (validated whole, else on its first copies)
         splits: dict = {}  # (see _step_of)
         for cat in g.nodes_of("Concat"):
+            parts = _stacked_parts(g, cat, splits)
+            if parts is not None:
+                y, first, steps, direction = parts
+                last = first + direction * (steps - 1)
+                f = Finding(self.name, "stacked steps", cat.name or cat.output[0], "merged",
+                            cell=f"{len(cat.input)} views of steps {first}..{last} -> one slice")
+                rw = Rewrite(f, {cat.output[0]: _stretch(g, cat, y, first, steps, direction)})
+                if big and len(cat.input) > PREFIX_COPIES:  # (the first views stacked, as a map's copies)
+                    head = [_viewed_part(g, i, splits) for i in cat.input[:PREFIX_COPIES]]
+                    stack = Builder(g, cat, "rnnfuse/step_maps_check").op("Concat", *cat.input[:PREFIX_COPIES],
+                                                                          axis=0)
+                    rw.proxy = {stack: _stretch(g, cat, y, first, sum(p[2] for p in head), direction)}
+                    rw.proxy_how = f"the first {PREFIX_COPIES} views stacked"
+                rewrites.append(rw)
+                continue
             found = _stacked_map(g, cat, splits)
             if found is None:
                 continue

@@ -131,12 +131,13 @@ def test_casts_to_the_type_the_ops_give_are_read_through(source, declared, dropp
 
 
 def _stretch_model(shared_weights: bool, hidden: int = 4, features: int = 3, calls: int = 3,
-                   viewed: bool = False) -> onnx.ModelProto:
-    """``calls`` native GRUs over one step of x each, the state carried by hand; each call's W is
+                   viewed: bool = False, stretch: int = 1, stacked_in_order: bool = True) -> onnx.ModelProto:
+    """``calls`` native GRUs over ``stretch`` steps of x each, the state carried by hand; each call's W is
     ``Slice(Wfull, 0, Shape(state, start=2, end=3) * 3)`` of its own initial state (dynamo's per-call
     weights: equal values, one name each); ``shared_weights=False``: the last call reads other weights.
-    ``viewed``: each call's Y ([1, 1, B, H]) is stacked as dynamo without its optimizer hands it on, transposed
-    to [1, B, 1, H] and reshaped to [1, B, H] by a shape computed from its own."""
+    ``viewed``: each call's Y ([stretch, 1, B, H]) is stacked as dynamo without its optimizer hands it on,
+    transposed to [stretch, B, 1, H] and reshaped to [stretch, B, H] by a shape computed from its own;
+    ``stacked_in_order=False``: the views concatenated last call first."""
     rng = np.random.default_rng(3)
     i64 = lambda v, n: numpy_helper.from_array(np.array(v, np.int64), n)  # noqa: E731
     inits = [numpy_helper.from_array(rng.standard_normal((1, 3 * hidden + 5, features)).astype(np.float32), "Wfull"),
@@ -145,7 +146,8 @@ def _stretch_model(shared_weights: bool, hidden: int = 4, features: int = 3, cal
              i64([0], "zero"), i64([1], "one"), i64([2], "two"), i64([3], "three"), i64([4], "four")]
     nodes, h = [], "h0"
     for k in range(calls):
-        nodes += [helper.make_node("Slice", ["x", i64_name(k, inits), i64_name(k + 1, inits), "zero"], [f"x{k}"]),
+        nodes += [helper.make_node("Slice", ["x", i64_name(k * stretch, inits), i64_name((k + 1) * stretch, inits),
+                                             "zero"], [f"x{k}"]),
                   helper.make_node("Shape", [h], [f"hs{k}"], start=2, end=3),
                   helper.make_node("Mul", [f"hs{k}", "three"], [f"rows{k}"]),
                   helper.make_node("Slice", ["Wfull", "zero", f"rows{k}", "one"], [f"W{k}"])]
@@ -162,10 +164,10 @@ def _stretch_model(shared_weights: bool, hidden: int = 4, features: int = 3, cal
                       helper.make_node("Mul", [f"d2_{k}", f"d3_{k}"], [f"w{k}"]),
                       helper.make_node("Concat", [f"d0_{k}", f"d1_{k}", f"w{k}"], [f"shape{k}"], axis=0),
                       helper.make_node("Reshape", [f"t{k}", f"shape{k}"], [f"v{k}"])]
-    parts = [f"v{k}" if viewed else f"y{k}" for k in range(calls)]
+    parts = [f"v{k}" if viewed else f"y{k}" for k in range(calls)][::1 if stacked_in_order else -1]
     nodes.append(helper.make_node("Concat", parts, ["ys"], axis=0))
     graph = helper.make_graph(
-        nodes, "stretches", [helper.make_tensor_value_info("x", F, [calls, "B", features]),
+        nodes, "stretches", [helper.make_tensor_value_info("x", F, [calls * stretch, "B", features]),
                              helper.make_tensor_value_info("h0", F, [1, "B", hidden])],
         [helper.make_tensor_value_info("ys", F, None), helper.make_tensor_value_info(h, F, None)], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -194,17 +196,21 @@ def test_stretches_with_equal_weights_under_several_names_merge(shared_weights):
         np.testing.assert_allclose(want, got, rtol=1e-5, atol=1e-6)
 
 
-def test_stacked_viewed_steps_of_merged_calls_are_the_sequence():
-    """Each call's Y viewed as [1, B, H] (Transpose, then Reshape to a shape computed from its own) and the
-    views concatenated on time: once the calls merge, that Concat is the merged op's Y, direction axis
-    squeezed (passes/step_maps.py), and the per-call views are gone."""
-    proto = _stretch_model(True, calls=5, viewed=True)
+@pytest.mark.parametrize("stretch,in_order,merged", [(1, True, True), (2, True, True), (1, False, True),
+                                                     (2, False, False)])
+def test_stacked_viewed_steps_of_merged_calls_are_the_sequence(stretch, in_order, merged):
+    """Each call's Y viewed as [steps, B, H] (Transpose, then Reshape to a shape computed from its own) and
+    the views concatenated on time: once the calls merge, that Concat is the merged op's Y, direction axis
+    squeezed (passes/step_maps.py), and the per-call views are gone. One-step views last call first are Y
+    reversed; stretches of two last first are no slice of Y, and stay."""
+    proto = _stretch_model(True, calls=5, viewed=True, stretch=stretch, stacked_in_order=in_order)
     rng = np.random.default_rng(5)
-    feeds = {"x": rng.standard_normal((5, 2, 3)).astype(np.float32),
+    feeds = {"x": rng.standard_normal((5 * stretch, 2, 3)).astype(np.float32),
              "h0": rng.standard_normal((1, 2, 4)).astype(np.float32)}
     expected = _run(proto, feeds)
     fused, report = rnnfuse.optimize(proto)
     ops = [n.op_type for n in fused.graph.node]
-    assert ops.count("GRU") == 1 and "Transpose" not in ops and "Reshape" not in ops, (ops, report.to_text())
+    assert ops.count("GRU") == 1, report.to_text()
+    assert ("Transpose" not in ops and "Reshape" not in ops) == merged, (ops, report.to_text())
     for want, got in zip(expected, _run(fused, feeds)):
         np.testing.assert_allclose(want, got, rtol=1e-5, atol=1e-6)

@@ -311,10 +311,10 @@ def _stacked_map(g: Graph, cat: NodeProto, splits: dict) -> tuple[_Map, int, int
     return first, axis, len(items), runs
 
 
-def _stacked_parts(g: Graph, cat: NodeProto, splits: dict) -> tuple[str, int, int, int] | None:
-    """``(Y, first step, steps, +1 or -1)`` when ``cat`` concatenates on time consecutive parts of ``Split(Y)``
-    in order, each viewed as ``[steps, B, H]`` (dynamo without its optimizer transposes and reshapes each call's
-    Y before ``torch.cat(ys)``), or one-step parts last first (-1): that stretch of Y, direction squeezed."""
+def _stacked_parts(g: Graph, cat: NodeProto, splits: dict) -> tuple[str, int, list[int], int] | None:
+    """``(Y, first step, each part's steps, +1 or -1)`` when ``cat`` concatenates on time consecutive parts of
+    ``Split(Y)`` in order, each viewed as ``[steps, B, H]`` (dynamo without its optimizer transposes and
+    reshapes each call's Y before ``torch.cat(ys)``), or one-step parts last first (-1): a stretch of Y."""
     if attr(cat, "axis", 0) not in (0, -3) or len(cat.input) < 2:
         return None
     parts = []
@@ -323,11 +323,11 @@ def _stacked_parts(g: Graph, cat: NodeProto, splits: dict) -> tuple[str, int, in
         if found is None or found[3] != ["t" if found[2] > 1 else 1, "b", "h"] or (parts and found[0] != parts[0][0]):
             return None
         parts.append(found)
-    y, first = parts[0][0], parts[0][1]
+    y, first, lengths = parts[0][0], parts[0][1], [p[2] for p in parts]
     if all(p[1] == q[1] + q[2] for q, p in zip(parts, parts[1:])):
-        return y, first, parts[-1][1] + parts[-1][2] - first, 1
-    if all(p[2] == 1 for p in parts) and all(p[1] == q[1] - 1 for q, p in zip(parts, parts[1:])):
-        return y, first, len(parts), -1
+        return y, first, lengths, 1
+    if all(n == 1 for n in lengths) and all(p[1] == q[1] - 1 for q, p in zip(parts, parts[1:])):
+        return y, first, lengths, -1
     return None
 
 
@@ -335,13 +335,18 @@ def _stretch(g: Graph, cat: NodeProto, y: str, first: int, steps: int, direction
     """``steps`` steps of the native op's Y from ``first`` on (back from it: ``direction`` -1), its direction
     axis squeezed."""
     b = Builder(g, cat, "rnnfuse/step_maps")
-    seq = b.squeeze(y, [1])
-    if direction < 0:  # (rows first, first - 1, ...: a slice with step -1; past row 0 when it ends there)
-        end = first - steps if first - steps >= 0 else -(2**62)
-        return b.op("Slice", seq, b.i64(first), b.i64(end), b.i64(0), b.i64(-1))
-    if not first and settled_dim(g, y, 0) == steps:
+    return _run(b, b.squeeze(y, [1]), first, steps, direction, settled_dim(g, y, 0))
+
+
+def _run(b: Builder, seq: str, start: int, n_steps: int, direction: int, length: int | None) -> str:
+    """Rows ``start``, ``start + direction``, ... of ``seq``, ``n_steps`` of them (``length``: seq's own number
+    of rows where known: all of them in order is seq itself)."""
+    if direction < 0:  # (rows start, start - 1, ...: a slice with step -1; past row 0 when it ends there)
+        end = start - n_steps if start - n_steps >= 0 else -(2**62)
+        return b.op("Slice", seq, b.i64(start), b.i64(end), b.i64(0), b.i64(-1))
+    if not start and length == n_steps:
         return seq
-    return b.op("Slice", seq, b.i64(first), b.i64(first + steps), b.i64(0))
+    return b.op("Slice", seq, b.i64(start), b.i64(start + n_steps), b.i64(0))
 
 
 def _step_runs(maps: list[_Map]) -> list[tuple[int, int]] | None:
@@ -373,12 +378,7 @@ def _emit(g: Graph, cat: NodeProto, m: _Map, axis: int, n_steps: int, runs: list
         shape = g.model.shape(seq)
         if time_axis == [1]:  # (a batch-first input: its steps first)
             seq, shape = b.op("Transpose", seq, perm=[1, 0, 2]), shape and [shape[1], shape[0], shape[2]]
-        part = seq
-        if direction < 0:  # (rows start, start - 1, ...: a slice with step -1; past row 0 when it ends there)
-            end = start - n_steps if start - n_steps >= 0 else -(2**62)
-            part = b.op("Slice", seq, b.i64(start), b.i64(end), b.i64(0), b.i64(-1))
-        elif start or not shape or shape[0] != n_steps:
-            part = b.op("Slice", seq, b.i64(start), b.i64(start + n_steps), b.i64(0))
+        part = _run(b, seq, start, n_steps, direction, shape[0] if shape else None)
         like = like or part
         env[name] = b.op("Flatten", part, axis=2)
     for name, arr in m.consts.items():
@@ -406,16 +406,15 @@ class StackStepMaps:
         for cat in g.nodes_of("Concat"):
             parts = _stacked_parts(g, cat, splits)
             if parts is not None:
-                y, first, steps, direction = parts
-                last = first + direction * (steps - 1)
+                y, first, lengths, direction = parts
+                last = first + direction * (sum(lengths) - 1)
                 f = Finding(self.name, "stacked steps", cat.name or cat.output[0], "merged",
                             cell=f"{len(cat.input)} views of steps {first}..{last} -> one slice")
-                rw = Rewrite(f, {cat.output[0]: _stretch(g, cat, y, first, steps, direction)})
+                rw = Rewrite(f, {cat.output[0]: _stretch(g, cat, y, first, sum(lengths), direction)})
                 if big and len(cat.input) > PREFIX_COPIES:  # (the first views stacked, as a map's copies)
-                    head = [_viewed_part(g, i, splits) for i in cat.input[:PREFIX_COPIES]]
                     stack = Builder(g, cat, "rnnfuse/step_maps_check").op("Concat", *cat.input[:PREFIX_COPIES],
                                                                           axis=0)
-                    rw.proxy = {stack: _stretch(g, cat, y, first, sum(p[2] for p in head), direction)}
+                    rw.proxy = {stack: _stretch(g, cat, y, first, sum(lengths[:PREFIX_COPIES]), direction)}
                     rw.proxy_how = f"the first {PREFIX_COPIES} views stacked"
                 rewrites.append(rw)
                 continue

@@ -15,7 +15,8 @@ a sequence known in advance, and stays as it is).
 
 Every reader of an op's ``Y`` then reads its rows of the merged ``Y``; of its ``Y_h``, the merged ``Y``'s row
 of its last step; only the last op's ``Y_c`` is available (the native op has no per-step cell state), so a
-chain whose earlier cell state is read elsewhere is declined.
+chain whose earlier cell state is read elsewhere is declined. The merged op reads the first op's weights, as
+initializers where the exporter computed them per call (passes/merged_weights.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from rnnfuse.findings import Finding, Options, PassResult
 from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.op_shapes import concatenated_dims
 from rnnfuse.rewrite import Rewrite, apply_rewrites
+
+from .merged_weights import merged_inputs
 
 # what carries a state from one op to the next without changing it
 _PASS_THROUGH = ("Identity",)
@@ -376,10 +379,12 @@ def merge_chain(flow: _StateFlow, chain: list[NodeProto], group: list[list[NodeP
                    lambda y: bool(g.n_uses(y) or g.is_graph_output(y)))
 
 
-def _merged(flow: _StateFlow, chain: list[NodeProto], read_h, read_y) -> dict[str, str]:
+def _merged(flow: _StateFlow, chain: list[NodeProto], read_h, read_y, weights_of: list[NodeProto] | None = None
+            ) -> dict[str, str]:
     """Add one op over the inputs of ``chain`` concatenated along time; returns what replaces each op's
     outputs: its rows of ``Y`` (where ``read_y(Y)``), the row of its last step for ``Y_h`` (where
-    ``read_h(Y_h)``), and the merged op's final states for the last op's."""
+    ``read_h(Y_h)``), and the merged op's final states for the last op's. Its weights are the first op's,
+    folded where ``weights_of`` (the ops merged, default ``chain``) computed them (passes.merged_weights)."""
     g = flow.g
     head, last = chain[0], chain[-1]
     kind = native_kind(head)
@@ -387,8 +392,8 @@ def _merged(flow: _StateFlow, chain: list[NodeProto], read_h, read_y) -> dict[st
     b = Builder(g, head, f"rnnfuse/{kind.op}")
     x = b.op("Concat", *[n.input[0] for n in chain], axis=0)
     attrs = {a.name: attr(head, a.name) for a in head.attribute}
-    outs = g.add_node(kind.op, [x] + list(head.input[1:]), 1 + n_states, name=f"rnnfuse/{kind.op}", anchor=head,
-                      **attrs)
+    outs = g.add_node(kind.op, [x] + merged_inputs(g, weights_of or chain, b), 1 + n_states, name=f"rnnfuse/{kind.op}",
+                      anchor=head, **attrs)
     repl: dict[str, str] = {}
     steps = [_steps(flow, b, n) for n in chain]
     # (each op's rows of Y: one Split where every op's step count is a number, else a Slice each)
@@ -422,7 +427,7 @@ def prefix_check(flow: _StateFlow, group: list[list[NodeProto]]) -> dict[str, st
     chain validated whole was a 77,000-node check model (4 s to load, light)."""
     pairs: dict[str, str] = {}
     for chain in group:
-        pairs.update(_merged(flow, chain[:PREFIX_OPS], lambda _: True, lambda _: True))
+        pairs.update(_merged(flow, chain[:PREFIX_OPS], lambda _: True, lambda _: True, chain))
     return pairs
 
 

@@ -131,13 +131,15 @@ def test_casts_to_the_type_the_ops_give_are_read_through(source, declared, dropp
 
 
 def _stretch_model(shared_weights: bool, hidden: int = 4, features: int = 3, calls: int = 3,
-                   viewed: bool = False, stretch: int = 1, stacked_in_order: bool = True) -> onnx.ModelProto:
+                   viewed: bool = False, stretch: int = 1, stacked_in_order: bool = True,
+                   weights_read_elsewhere: bool = False) -> onnx.ModelProto:
     """``calls`` native GRUs over ``stretch`` steps of x each, the state carried by hand; each call's W is
     ``Slice(Wfull, 0, Shape(state, start=2, end=3) * 3)`` of its own initial state (dynamo's per-call
     weights: equal values, one name each); ``shared_weights=False``: the last call reads other weights.
     ``viewed``: each call's Y ([stretch, 1, B, H]) is stacked as dynamo without its optimizer hands it on,
     transposed to [stretch, B, 1, H] and reshaped to [stretch, B, H] by a shape computed from its own;
-    ``stacked_in_order=False``: the views concatenated last call first."""
+    ``stacked_in_order=False``: the views concatenated last call first. ``weights_read_elsewhere``: the full
+    weight is read by one more node, whose sum is a graph output."""
     rng = np.random.default_rng(3)
     i64 = lambda v, n: numpy_helper.from_array(np.array(v, np.int64), n)  # noqa: E731
     inits = [numpy_helper.from_array(rng.standard_normal((1, 3 * hidden + 5, features)).astype(np.float32), "Wfull"),
@@ -166,10 +168,13 @@ def _stretch_model(shared_weights: bool, hidden: int = 4, features: int = 3, cal
                       helper.make_node("Reshape", [f"t{k}", f"shape{k}"], [f"v{k}"])]
     parts = [f"v{k}" if viewed else f"y{k}" for k in range(calls)][::1 if stacked_in_order else -1]
     nodes.append(helper.make_node("Concat", parts, ["ys"], axis=0))
+    outputs = [helper.make_tensor_value_info("ys", F, None), helper.make_tensor_value_info(h, F, None)]
+    if weights_read_elsewhere:
+        nodes.append(helper.make_node("ReduceSum", ["Wfull"], ["wsum"], keepdims=0))
+        outputs.append(helper.make_tensor_value_info("wsum", F, None))
     graph = helper.make_graph(
         nodes, "stretches", [helper.make_tensor_value_info("x", F, [calls * stretch, "B", features]),
-                             helper.make_tensor_value_info("h0", F, [1, "B", hidden])],
-        [helper.make_tensor_value_info("ys", F, None), helper.make_tensor_value_info(h, F, None)], inits)
+                             helper.make_tensor_value_info("h0", F, [1, "B", hidden])], outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -192,6 +197,35 @@ def test_stretches_with_equal_weights_under_several_names_merge(shared_weights):
     grus = [n for n in fused.graph.node if n.op_type == "GRU"]
     # (the last call's other weights: the first two still merge, the third stays its own op)
     assert len(grus) == (1 if shared_weights else 2), report.to_text()
+    for want, got in zip(expected, _run(fused, feeds)):
+        np.testing.assert_allclose(want, got, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("read_elsewhere", [False, True])
+def test_the_merged_op_reads_its_weights_folded_where_that_moves_them(read_elsewhere):
+    """The merged op's W, computed per call (a Slice of the full weight at the state's shape), is an
+    initializer of its value: the per-call computations and the full weight go. Not where another node reads
+    the full weight: folding would keep both, so the first call's computation stays."""
+    hidden = 32  # (the full weight 101 x 3 floats: over the 1 KB below which a weight counts as moved for free)
+    proto = _stretch_model(True, hidden=hidden, weights_read_elsewhere=read_elsewhere)
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((3, 2, 3)).astype(np.float32),
+             "h0": rng.standard_normal((1, 2, hidden)).astype(np.float32)}
+    expected = _run(proto, feeds)
+    fused, report = rnnfuse.optimize(proto)
+    grus = [n for n in fused.graph.node if n.op_type == "GRU"]
+    assert len(grus) == 1, report.to_text()
+    inits = {t.name: t for t in fused.graph.initializer}
+    ops = [n.op_type for n in fused.graph.node]
+    if read_elsewhere:
+        assert grus[0].input[1] not in inits and "Wfull" in inits
+        assert ops.count("Slice") >= 2  # (the first call's computation of W beside the cut of x)
+    else:
+        assert grus[0].input[1] in inits and "Wfull" not in inits
+        assert "Shape" not in ops and "Mul" not in ops, ops
+        w = onnx.numpy_helper.to_array(inits[grus[0].input[1]])
+        full = onnx.numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == "Wfull"))
+        np.testing.assert_array_equal(w, full[:, :3 * hidden])
     for want, got in zip(expected, _run(fused, feeds)):
         np.testing.assert_allclose(want, got, rtol=1e-5, atol=1e-6)
 

@@ -12,7 +12,8 @@ stack is the map applied to every step's rows at once: ``map(Flatten(Y))`` resha
 may also read the model input's own step (``Y1[t] + proj(x[t])``, a residual stack's upper input), taken the
 same way, as long as it reads a native op's step too. Consecutive parts of Y concatenated on time as they are
 (one-step parts perhaps last first), each viewed as ``[steps, B, H]`` (dynamo without its optimizer transposes
-and reshapes each call's Y before ``torch.cat(ys)``), are that stretch of Y.
+and reshapes each call's Y before ``torch.cat(ys)``) or as one transpose of it (a batch-first layer's
+``[B, steps, H]``, concatenated on axis 1), are that stretch of Y, transposed the same way.
 """
 
 from __future__ import annotations
@@ -311,31 +312,60 @@ def _stacked_map(g: Graph, cat: NodeProto, splits: dict) -> tuple[_Map, int, int
     return first, axis, len(items), runs
 
 
-def _stacked_parts(g: Graph, cat: NodeProto, splits: dict) -> tuple[str, int, list[int], int] | None:
-    """``(Y, first step, each part's steps, +1 or -1)`` when ``cat`` concatenates on time consecutive parts of
-    ``Split(Y)`` in order, each viewed as ``[steps, B, H]`` (dynamo without its optimizer transposes and
-    reshapes each call's Y before ``torch.cat(ys)``), or one-step parts last first (-1): a stretch of Y."""
-    if attr(cat, "axis", 0) not in (0, -3) or len(cat.input) < 2:
+def _stacked_parts(g: Graph, cat: NodeProto, splits: dict) -> tuple[str, int, list[int], int, list[int]] | None:
+    """``(Y, first step, each part's steps, +1 or -1, perm)`` when ``cat`` concatenates on time consecutive
+    parts of ``Split(Y)`` in order, each viewed as ``[steps, B, H]`` or a transpose of it, the same for all
+    (dynamo without its optimizer transposes and reshapes each call's Y before ``torch.cat(ys)``, then to
+    batch-first ``[B, steps, H]`` for a batch-first layer), or one-step parts last first (-1): a stretch of Y,
+    transposed by ``perm``."""
+    axis = attr(cat, "axis", 0)
+    if not -3 <= axis < 3 or len(cat.input) < 2:
         return None
-    parts = []
+    parts, layout = [], None
     for i in cat.input:
-        found = _viewed_part(g, i, splits)
-        if found is None or found[3] != ["t" if found[2] > 1 else 1, "b", "h"] or (parts and found[0] != parts[0][0]):
+        found = _part_layout(g, i, splits)
+        if found is None or (parts and (found[0] != parts[0][0] or found[4] != layout)):
             return None
         parts.append(found)
+        layout = found[4]
+    if layout[axis % 3] != "t":
+        return None
     y, first, lengths = parts[0][0], parts[0][1], [p[2] for p in parts]
+    perm = [("t", "b", "h").index(d) for d in layout]
     if all(p[1] == q[1] + q[2] for q, p in zip(parts, parts[1:])):
-        return y, first, lengths, 1
+        return y, first, lengths, 1, perm
     if all(n == 1 for n in lengths) and all(p[1] == q[1] - 1 for q, p in zip(parts, parts[1:])):
-        return y, first, lengths, -1
+        return y, first, lengths, -1, perm
     return None
 
 
-def _stretch(g: Graph, cat: NodeProto, y: str, first: int, steps: int, direction: int) -> str:
+def _part_layout(g: Graph, name: str, splits: dict) -> tuple | None:
+    """``(Y, first step, steps, axes, layout)`` when ``name`` is a part of ``Split(Y)`` viewed (_viewed_part),
+    or a Transpose of such a view, as three axes: time (a one-step part's one unit axis), batch and hidden in
+    the order ``layout`` gives (a Transpose that moves the steps of a longer part past the batch is no view of
+    rows, but stacked on time it is the transpose of the stacked parts)."""
+    found = _viewed_part(g, name, splits)
+    perm = list(range(3))
+    if found is None:
+        p = g.producer.get(name)
+        if p is None or p.op_type != "Transpose" or p.domain not in ("", "ai.onnx"):
+            return None
+        perm = attr(p, "perm", None) or [2, 1, 0]
+        found = _viewed_part(g, p.input[0], splits)
+        if found is None or sorted(perm) != [0, 1, 2]:
+            return None
+    dims = ["t" if d == ("t" if found[2] > 1 else 1) else d for d in found[3]]
+    if len(dims) != 3 or sorted(map(str, dims)) != ["b", "h", "t"]:
+        return None
+    return (*found, [dims[k] for k in perm])
+
+
+def _stretch(g: Graph, cat: NodeProto, y: str, first: int, steps: int, direction: int, perm: list[int]) -> str:
     """``steps`` steps of the native op's Y from ``first`` on (back from it: ``direction`` -1), its direction
-    axis squeezed."""
+    axis squeezed, transposed by ``perm``."""
     b = Builder(g, cat, "rnnfuse/step_maps")
-    return _run(b, b.squeeze(y, [1]), first, steps, direction, settled_dim(g, y, 0))
+    out = _run(b, b.squeeze(y, [1]), first, steps, direction, settled_dim(g, y, 0))
+    return out if perm == [0, 1, 2] else b.op("Transpose", out, perm=perm)
 
 
 def _run(b: Builder, seq: str, start: int, n_steps: int, direction: int, length: int | None) -> str:
@@ -406,15 +436,15 @@ class StackStepMaps:
         for cat in g.nodes_of("Concat"):
             parts = _stacked_parts(g, cat, splits)
             if parts is not None:
-                y, first, lengths, direction = parts
+                y, first, lengths, direction, perm = parts
                 last = first + direction * (sum(lengths) - 1)
                 f = Finding(self.name, "stacked steps", cat.name or cat.output[0], "merged",
                             cell=f"{len(cat.input)} views of steps {first}..{last} -> one slice")
-                rw = Rewrite(f, {cat.output[0]: _stretch(g, cat, y, first, sum(lengths), direction)})
+                rw = Rewrite(f, {cat.output[0]: _stretch(g, cat, y, first, sum(lengths), direction, perm)})
                 if big and len(cat.input) > PREFIX_COPIES:  # (the first views stacked, as a map's copies)
                     stack = Builder(g, cat, "rnnfuse/step_maps_check").op("Concat", *cat.input[:PREFIX_COPIES],
-                                                                          axis=0)
-                    rw.proxy = {stack: _stretch(g, cat, y, first, sum(lengths[:PREFIX_COPIES]), direction)}
+                                                                          axis=attr(cat, "axis", 0))
+                    rw.proxy = {stack: _stretch(g, cat, y, first, sum(lengths[:PREFIX_COPIES]), direction, perm)}
                     rw.proxy_how = f"the first {PREFIX_COPIES} views stacked"
                 rewrites.append(rw)
                 continue

@@ -132,14 +132,15 @@ def test_casts_to_the_type_the_ops_give_are_read_through(source, declared, dropp
 
 def _stretch_model(shared_weights: bool, hidden: int = 4, features: int = 3, calls: int = 3,
                    viewed: bool = False, stretch: int = 1, stacked_in_order: bool = True,
-                   weights_read_elsewhere: bool = False) -> onnx.ModelProto:
+                   weights_read_elsewhere: bool = False, batch_first: bool = False) -> onnx.ModelProto:
     """``calls`` native GRUs over ``stretch`` steps of x each, the state carried by hand; each call's W is
     ``Slice(Wfull, 0, Shape(state, start=2, end=3) * 3)`` of its own initial state (dynamo's per-call
     weights: equal values, one name each); ``shared_weights=False``: the last call reads other weights.
     ``viewed``: each call's Y ([stretch, 1, B, H]) is stacked as dynamo without its optimizer hands it on,
     transposed to [stretch, B, 1, H] and reshaped to [stretch, B, H] by a shape computed from its own;
     ``stacked_in_order=False``: the views concatenated last call first. ``weights_read_elsewhere``: the full
-    weight is read by one more node, whose sum is a graph output."""
+    weight is read by one more node, whose sum is a graph output. ``batch_first``: each view then transposed to
+    ``[B, stretch, H]`` and the views concatenated on axis 1 (a batch-first layer's ``torch.cat(ys, 1)``)."""
     rng = np.random.default_rng(3)
     i64 = lambda v, n: numpy_helper.from_array(np.array(v, np.int64), n)  # noqa: E731
     inits = [numpy_helper.from_array(rng.standard_normal((1, 3 * hidden + 5, features)).astype(np.float32), "Wfull"),
@@ -165,9 +166,11 @@ def _stretch_model(shared_weights: bool, hidden: int = 4, features: int = 3, cal
                       helper.make_node("Slice", [f"ts{k}", "three", "four"], [f"d3_{k}"]),
                       helper.make_node("Mul", [f"d2_{k}", f"d3_{k}"], [f"w{k}"]),
                       helper.make_node("Concat", [f"d0_{k}", f"d1_{k}", f"w{k}"], [f"shape{k}"], axis=0),
-                      helper.make_node("Reshape", [f"t{k}", f"shape{k}"], [f"v{k}"])]
+                      helper.make_node("Reshape", [f"t{k}", f"shape{k}"], [f"v{k}" if not batch_first else f"r{k}"])]
+            if batch_first:
+                nodes.append(helper.make_node("Transpose", [f"r{k}"], [f"v{k}"], perm=[1, 0, 2]))
     parts = [f"v{k}" if viewed else f"y{k}" for k in range(calls)][::1 if stacked_in_order else -1]
-    nodes.append(helper.make_node("Concat", parts, ["ys"], axis=0))
+    nodes.append(helper.make_node("Concat", parts, ["ys"], axis=1 if batch_first else 0))
     outputs = [helper.make_tensor_value_info("ys", F, None), helper.make_tensor_value_info(h, F, None)]
     if weights_read_elsewhere:
         nodes.append(helper.make_node("ReduceSum", ["Wfull"], ["wsum"], keepdims=0))
@@ -232,12 +235,15 @@ def test_the_merged_op_reads_its_weights_folded_where_that_moves_them(read_elsew
 
 @pytest.mark.parametrize("stretch,in_order,merged", [(1, True, True), (2, True, True), (1, False, True),
                                                      (2, False, False)])
-def test_stacked_viewed_steps_of_merged_calls_are_the_sequence(stretch, in_order, merged):
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_stacked_viewed_steps_of_merged_calls_are_the_sequence(stretch, in_order, merged, batch_first):
     """Each call's Y viewed as [steps, B, H] (Transpose, then Reshape to a shape computed from its own) and
     the views concatenated on time: once the calls merge, that Concat is the merged op's Y, direction axis
     squeezed (passes/step_maps.py), and the per-call views are gone. One-step views last call first are Y
-    reversed; stretches of two last first are no slice of Y, and stay."""
-    proto = _stretch_model(True, calls=5, viewed=True, stretch=stretch, stacked_in_order=in_order)
+    reversed; stretches of two last first are no slice of Y, and stay. Batch-first views ([B, steps, H],
+    concatenated on axis 1) are the same stretch transposed once."""
+    proto = _stretch_model(True, calls=5, viewed=True, stretch=stretch, stacked_in_order=in_order,
+                           batch_first=batch_first)
     rng = np.random.default_rng(5)
     feeds = {"x": rng.standard_normal((5 * stretch, 2, 3)).astype(np.float32),
              "h0": rng.standard_normal((1, 2, 4)).astype(np.float32)}
@@ -245,6 +251,25 @@ def test_stacked_viewed_steps_of_merged_calls_are_the_sequence(stretch, in_order
     fused, report = rnnfuse.optimize(proto)
     ops = [n.op_type for n in fused.graph.node]
     assert ops.count("GRU") == 1, report.to_text()
-    assert ("Transpose" not in ops and "Reshape" not in ops) == merged, (ops, report.to_text())
+    assert ("Reshape" not in ops and ops.count("Transpose") == int(batch_first)) == merged, (ops, report.to_text())
+    for want, got in zip(expected, _run(fused, feeds)):
+        np.testing.assert_allclose(want, got, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_first_views_concatenated_on_the_batch_stay():
+    """The batch-first views concatenated on axis 0 put each call's steps below the other's rows: no stretch
+    of Y, never tried as one (not left to validation to refuse), so the Concat and the views stay (the calls
+    still merge)."""
+    proto = _stretch_model(True, calls=5, viewed=True, batch_first=True)
+    cat = next(n for n in proto.graph.node if n.op_type == "Concat" and n.output[0] == "ys")
+    next(a for a in cat.attribute if a.name == "axis").i = 0
+    rng = np.random.default_rng(6)
+    feeds = {"x": rng.standard_normal((5, 2, 3)).astype(np.float32),
+             "h0": rng.standard_normal((1, 2, 4)).astype(np.float32)}
+    expected = _run(proto, feeds)
+    fused, report = rnnfuse.optimize(proto)
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("GRU") == 1 and ops.count("Reshape") == 5, (ops, report.to_text())
+    assert not [f for f in report.findings if f.pass_name == "step-maps"], report.to_text()
     for want, got in zip(expected, _run(fused, feeds)):
         np.testing.assert_allclose(want, got, rtol=1e-5, atol=1e-6)

@@ -264,13 +264,20 @@ def settled_dim(g: Graph, name: str, axis: int) -> int | None:
     operand's rank is not known (the dims cannot say that alone). torch's ``chunk`` of a step's
     ``x @ W.T + b`` slices at bounds computed from ``Shape(...)[1]``: a cone inference a step (5 s for 1,900
     steps) to learn a number the weight says."""
-    from .op_shapes import op_dims
+    from .op_shapes import op_dims, shape_value
 
     dims = op_dims(g, name)
+    p = g.producer.get(name)
     if dims is not None:
         d = dims[axis] if -len(dims) <= axis < len(dims) else None
+        if d is None and p is not None and p.op_type == "Reshape" and p.domain in ("", "ai.onnx"):
+            # (a Reshape's positive shape entry is its extent there, whatever the others are: dynamo reshapes
+            # each call's output to a shape computed from its own and declares the result with no dims, which
+            # ends the walk of what the ops fix)
+            value = shape_value(g, p.input[1])
+            d = value[axis] if isinstance(value, tuple) and len(value) == len(dims) else None
+            return d if isinstance(d, int) and d > 0 else None
         return d if isinstance(d, int) else None
-    p = g.producer.get(name)
     if p is None or p.op_type != "MatMul" or axis != -1 or p.domain not in ("", "ai.onnx"):
         return None
     w = op_dims(g, p.input[1])

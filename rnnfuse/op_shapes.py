@@ -403,8 +403,8 @@ def _close_rank(g: Graph, cur: str, memo: dict):
 # ops computing a shape tensor's values from others (torch's ``zeros(x.size(0), H)``: Concat(Unsqueeze(Gather(
 # Shape(x), 0)), [H]); its ``x.size(0) * 2``: Mul)
 _SHAPE_VALUE_SIZE = 64  # (the most entries a literal read as a shape value has)
-_SHAPE_ARITH = frozenset(("Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cast", "Identity", "Slice")) | \
-    frozenset(ARITH)
+_SHAPE_ARITH = frozenset(("Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cast", "Identity", "Slice",
+                          "Reshape")) | frozenset(ARITH)
 
 
 def _open_value(g: Graph, key: tuple, memo: dict):
@@ -458,6 +458,8 @@ def _close_value(g: Graph, cur: str, memo: dict):
     if op == "Squeeze":
         axes = op_args.axes(p, g.model.opset, literal)
         return first[0] if isinstance(first, tuple) and len(first) == 1 and axes in (None, [0], [-1]) else None
+    if op == "Reshape":  # (dynamo's ``Reshape(d2 * d3, [-1])``: a one-entry value to one dim, and back)
+        return _reshaped_value(first, literal(1))
     if op == "Slice":
         starts, ends, axes, steps = op_args.slice_args(p, g.model.opset, literal)
         if not isinstance(first, tuple) or None in (starts, ends, axes, steps) or len(starts) != 1 or \
@@ -465,6 +467,20 @@ def _close_value(g: Graph, cur: str, memo: dict):
             return None
         return first[slice(starts[0], ends[0], steps[0])]
     return None
+
+
+def _reshaped_value(value, shape):
+    """A shape value (a tuple: one dim; else a scalar) reshaped to the literal ``shape``: the same entries as a
+    one-dim value of ``[-1]`` or its own length, a scalar's as ``[1]`` / ``[-1]``, a one-entry value's as a
+    scalar (``[]``); None otherwise."""
+    if value is None or shape is None or shape.ndim != 1 or len(shape) > 1:
+        return None
+    size = len(value) if isinstance(value, tuple) else 1
+    if len(shape) == 0:
+        return value[0] if isinstance(value, tuple) and size == 1 else None
+    if int(shape[0]) not in (-1, size):
+        return None
+    return value if isinstance(value, tuple) else (value,)
 
 
 def _as_value(c):

@@ -382,3 +382,39 @@ def test_a_walk_through_arithmetic_reads_no_weight(monkeypatch):
     assert shape_value(g, "shape") is None
     assert op_dims(g, "r") in (None, (None, None))
     assert "W2" not in read and "W" not in read, read
+
+
+def test_a_reshape_declared_without_dims_has_the_extents_its_computed_shape_fixes():
+    """dynamo without its optimizer views each call's ``[1, 1, B, H]`` output as ``[1, B, H]`` by a shape
+    computed from its own (``Shape``, Slices of it, ``Reshape(d2 * d3, [-1])``, Concat) and declares the result
+    with no dims: the extents the shape's positive entries fix are read all the same (the batch stays
+    unknown), and the shape's value is what onnxruntime computes."""
+    from rnnfuse.dataflow import settled_dim
+
+    nodes = [helper.make_node("Transpose", ["y"], ["t"], perm=[0, 2, 1, 3]),  # [1, B, 1, 4]
+             helper.make_node("Shape", ["t"], ["s"])]
+    inits = [_i64("minus1", [-1])]
+    for k in range(4):
+        inits += [_i64(f"at{k}", [k]), _i64(f"at{k + 1}b", [k + 1])]
+        nodes.append(helper.make_node("Slice", ["s", f"at{k}", f"at{k + 1}b"], [f"d{k}"]))
+    nodes += [helper.make_node("Mul", ["d2", "d3"], ["w"]), helper.make_node("Reshape", ["w", "minus1"], ["wf"]),
+              helper.make_node("Concat", ["d0", "d1", "wf"], ["shape"], axis=0),
+              helper.make_node("Reshape", ["t", "shape"], ["v"])]
+    undims = helper.make_tensor_value_info("v", TensorProto.FLOAT, None)
+    undims.type.tensor_type.shape.dim.add()
+    undims.type.tensor_type.shape.dim.add()
+    undims.type.tensor_type.shape.dim.add()  # (rank 3, no dim known: as dynamo declares it)
+    graph = helper.make_graph(nodes, "views", [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, "B", 4])],
+                              [helper.make_tensor_value_info("v", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("shape", TensorProto.INT64, None)], inits,
+                              value_info=[undims])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = Model(proto).graph
+    assert shape_value(g, "wf") == (4,)
+    assert shape_value(g, "shape")[0] == 1 and shape_value(g, "shape")[2] == 4
+    assert [settled_dim(g, "v", k) for k in range(3)] == [1, None, 4]
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    v, shape = sess.run(None, {"y": np.ones((1, 1, 3, 4), np.float32)})
+    assert v.shape == (1, 3, 4) and list(shape) == [1, 3, 4]

@@ -76,8 +76,9 @@ def _freed_bytes(g: Graph, cone: list[NodeProto], members: set[int]) -> int | No
     carriers: set[int] = set()  # cone nodes computed from a big initializer: each must go
     freed, seen = 0, set()
     for n in cone:
-        big = [i for i in _data_reads(n) if i in g.initializers and _nbytes(g, i) > _SMALL_BYTES]
-        if not big and not any(id(g.producer.get(i)) in carriers for i in _data_reads(n)):
+        reads = _data_reads(n)
+        big = [i for i in reads if i in g.initializers and _nbytes(g, i) > _SMALL_BYTES]
+        if not big and not any(id(g.producer.get(i)) in carriers for i in reads):
             continue
         carriers.add(id(n))
         for o in n.output:

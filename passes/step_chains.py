@@ -38,7 +38,7 @@ from rnnfuse.graph import Graph, Model, attr
 from rnnfuse.op_shapes import concatenated_dims
 from rnnfuse.rewrite import Rewrite, apply_rewrites
 
-from .merged_weights import merged_inputs
+from .merged_weights import merged_inputs, weight_positions
 
 # what carries a state from one op to the next without changing it
 _PASS_THROUGH = ("Identity",)
@@ -242,9 +242,7 @@ class _SameRecurrence:
         """((op, domain, attributes), the weights' names)"""
         got = self._keys.get(id(n))
         if got is None:
-            kind = native_kind(n)
-            weights = tuple(_inp(n, k) for k in range(1, len(kind.inputs)) if kind.inputs[k] not in
-                            ("sequence_lens",) + tuple(f"initial_{s}" for s in kind.states))
+            weights = tuple(_inp(n, k) for k in weight_positions(n))
             attrs = tuple(sorted((a.name, a.SerializeToString()) for a in n.attribute))
             got = self._keys[id(n)] = ((n.op_type, n.domain, len(weights), attrs), weights)
         return got

@@ -143,8 +143,8 @@ def _viewed(g: Graph, v: NodeProto, dims: list, hidden: int, steps: int = 1) -> 
     if op == "Identity":
         return dims
     if op == "Transpose":
-        perm = attr(v, "perm", None) or list(range(rank))[::-1]
-        if sorted(perm) != list(range(rank)):
+        perm = _transpose_perm(v, rank)
+        if perm is None:
             return None
         out = [dims[k] for k in perm]
         return out if [d for d in out if d != 1] == [d for d in dims if d != 1] else None
@@ -183,6 +183,13 @@ def _viewed(g: Graph, v: NodeProto, dims: list, hidden: int, steps: int = 1) -> 
             continue  # (a number is the batch where that is the input's, fixed: an export at one batch size)
         return None
     return _spread(axes, wide, len(entries))
+
+
+def _transpose_perm(v: NodeProto, rank: int) -> list[int] | None:
+    """Transpose ``v``'s permutation of a rank-``rank`` input (none given: the axes reversed), None where it is
+    no permutation of that rank."""
+    perm = attr(v, "perm", None) or list(range(rank))[::-1]
+    return perm if sorted(perm) == list(range(rank)) else None
 
 
 def _spread(axes: list, at: list[int], rank: int) -> list:
@@ -350,9 +357,9 @@ def _part_layout(g: Graph, name: str, splits: dict) -> tuple | None:
         p = g.producer.get(name)
         if p is None or p.op_type != "Transpose" or p.domain not in ("", "ai.onnx"):
             return None
-        perm = attr(p, "perm", None) or [2, 1, 0]
-        found = _viewed_part(g, p.input[0], splits)
-        if found is None or sorted(perm) != [0, 1, 2]:
+        perm = _transpose_perm(p, 3)
+        found = _viewed_part(g, p.input[0], splits) if perm is not None else None
+        if found is None:
             return None
     dims = ["t" if d == ("t" if found[2] > 1 else 1) else d for d in found[3]]
     if len(dims) != 3 or sorted(map(str, dims)) != ["b", "h", "t"]:

@@ -260,7 +260,12 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     if len(r.forms) > 1:
         raise Decline(f"one recurrence reads its per-step inputs in {len(r.forms)} orders ({', '.join(sorted(r.forms))})")
     ahead = input_offset(r, proj, rows)
-    check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis, carried.invariants, offset=ahead)
+    # (a read of x past its last step fails only in a Gather: a Slice clamps, a backward read wraps)
+    counted_ok = (r.forms == {"forward"} and mask_outer is None and rows is None and len(r.x_parts) == 1
+                  and (proj is None or not proj.flips) and bool(x_read_nodes)
+                  and all(n.op_type == "Gather" for n in x_read_nodes))
+    count = check_trip_count(g, body, loop, x_outer, carried.index_syms, x_axis, carried.invariants, offset=ahead,
+                             counted_ok=counted_ok)
     others = {mask_outer: r.mask_axis, rows and rows.source: rows and rows.axis}
     others = {k: a for k, a in others.items() if k not in (None, x_outer)}
     mask_cut = check_step_lengths(g, others, x_outer, x_axis, r.forms, mask_outer)
@@ -278,8 +283,8 @@ def _step_input(g: Graph, body: Graph, loop: NodeProto, carried: _Carried) -> St
     step_in = StepReads(leaves, x_outer if proj is None else proj.x0, x_axis if proj is None else proj.time_axis,
                          x_atom, bool(r.forms - {"forward"}), mask_outer, set(x_reads), x_outer, prep, lengths, None,
                          x_read_nodes, x_rank=x_rank, offset=ahead)
-    if ahead:  # the op reads x from step s on (a projection's X0 alike: it maps each step alone)
-        prep.steps = (ahead, TO_THE_END, step_in.x_axis)
+    if ahead or count:  # the op reads x from step s on (a projection's X0 alike: it maps each step alone)
+        prep.steps, prep.count = (ahead, TO_THE_END, step_in.x_axis), count
     step_in.rows, step_in.mask_cut, step_in.mask_axis = rows, mask_cut, r.mask_axis
     if rows is not None and (mask_outer is not None or lengths is not None):
         raise Decline(f"the body reads a step of '{rows.source}' (one value a row, not bool) beside its mask")
@@ -407,6 +412,8 @@ def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, st
         elif bi in carried.index_syms:
             if g.model.elem_type(loop.input[2 + k]) not in _WHOLE_TYPES:  # (float16 stops counting at 2048)
                 raise Decline("the final value of a counter that is no integer is used")
+            if step_in.x_prep.count is not None:  # (its final is its start plus x's length: see CountOutput)
+                raise Decline("the final value of a counter of a loop run for a runtime trip count is used")
             counts.append(CountOutput(final, loop.input[2 + k], step_in.x_outer, step_in.x_axis))
     return aliases, counts
 

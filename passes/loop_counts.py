@@ -88,13 +88,18 @@ def _time_length_test(g: Graph, T_keys: set):
 
 
 def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms: dict[str, int], axis: int = 0,
-                     invariants: dict[str, str] | None = None, offset: int = 0) -> None:
+                     invariants: dict[str, str] | None = None, offset: int = 0, counted_ok: bool = False) -> str | None:
     """Prove the loop runs exactly T - ``offset`` iterations (T: x's size on ``axis``; the body reads x from
     step ``offset`` on), or Decline.
 
     ``index_syms`` maps body names holding the iteration number to their offset (0 for the iteration input
     and counters starting at 0); ``invariants`` the values the loop carries through unchanged. Each bound
-    found (the trip count, the condition) gives the iterations it allows as T + delta."""
+    found (the trip count, the condition) gives the iterations it allows as T + delta.
+
+    ``counted_ok``: the body reads x only where a read past its last step fails (a Gather of one step), so a
+    trip count that is some runtime integer M (TorchScript's ``range(n)``, ``range(x.size(0) - k)``) runs
+    over steps ``offset .. offset + M - 1`` of x: the loop's maths wherever the original runs at all. Then M
+    is returned (when the condition allows every step) and the recurrence runs over those steps only."""
     # (a time flip keeps the length: torch.flip(x, [1])[:, t] in a loop over x.size(1) counts the unflipped x)
     T_keys = time_keys(g, x, axis)
     source = unflipped(g, x, axis)
@@ -103,24 +108,27 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
     T = next((k for k in T_keys if k[0] == "const"), None) or time_dim_key(g, x, axis)
     is_T = _time_length_test(g, T_keys)
     deltas: list[int] = []
+    counted = None  # a runtime trip count the loop runs over (see counted_ok)
     M = loop.input[0] if loop.input else ""
     if M:
         k = dim_key(g, M) or _range_count(g, M, T_keys)
-        counted = _range_length(g, M, is_T) if k is None else None
-        if k is None and counted is None:  # T + d written out (T - 1: a loop over x[1:])
+        written = _range_length(g, M, is_T) if k is None else None
+        if k is None and written is None:  # T + d written out (T - 1: a loop over x[1:])
             ts = terms(g, M)
             if ts is not None and len(ts) == 1 and ts[0][0] == "d" and is_T(ts[0][1]):
-                counted = ts[0][2]
+                written = ts[0][2]
         if is_T(k) or (k is not None and k[0] == "min" and all(is_T(one) for one in k[1:])):
             deltas.append(0)  # (the least of several sizes, each T: zip(x.unbind(1), mask.unbind(1)))
-        elif counted is not None:
-            deltas.append(counted)  # (T + d iterations: range(start, stop), T - 1 written out)
+        elif written is not None:
+            deltas.append(written)  # (T + d iterations: range(start, stop), T - 1 written out)
         elif offset and k is not None and k[0] == "const" and T[0] == "const" and k[1] - T[1] == -offset:
             deltas.append(-offset)  # (a static length, the loop starting at step offset)
         elif k is not None and k[0] == "const" and (k[1] >= 2**31 - 1 or (T[0] == "const" and k[1] >= T[1])):
             pass  # a bound at least T: the condition decides
         elif k is not None and k[0] == "const":
             raise Decline(f"the loop runs at most {k[1]} iterations, not once per time step")
+        elif counted_ok and g.model.elem_type(M) in (TensorProto.INT64, TensorProto.INT32):
+            counted = M
         else:
             raise Decline("cannot prove the trip count equals the number of time steps")
     for bound in condition_bounds(body, body.output_names[0], true=body.input_names[1]):
@@ -134,9 +142,12 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
         if not is_T(dim_key(body, b)):
             raise Decline("the loop condition's bound is not the number of time steps")
         deltas.append(1 - k)
-    if not deltas:
+    if counted is not None:
+        if deltas and min(deltas) != -offset:  # (the condition must leave the count alone: every step allowed)
+            raise Decline("the loop's condition stops it before its trip count from a runtime value")
+    elif not deltas:
         raise Decline("the loop has no bound")
-    if min(deltas) != -offset:
+    elif min(deltas) != -offset:
         raise Decline("the loop does not run exactly once per time step" if not offset else
                       f"the loop does not run exactly once per time step from step {offset}")
     # the first iteration must run whenever T >= offset + 1
@@ -144,6 +155,7 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
     for bound in condition_bounds(g, cond0) if cond0 else []:
         if bound is None or dim_key(g, bound[0]) != ("const", offset) or not is_T(dim_key(g, bound[1])):
             raise Decline("cannot prove the loop's first iteration runs")
+    return counted
 
 
 def _condition_reason(body: Graph, compared: str) -> str:

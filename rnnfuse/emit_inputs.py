@@ -41,11 +41,14 @@ def prepared_input(g: Graph, rec: Recurrence) -> tuple[str, str | None]:
         start, stop, axis = rec.x_prep.steps
         bounds = [np.array([v], np.int64) for v in rec.x_prep.steps]
         consts = [g.add_initializer(v, f"rnnfuse/slice{i}") for i, v in enumerate(bounds)]
+        if rec.x_prep.count is not None:
+            consts[1] = _counted_stop(g, rec.x_prep.count, consts[0], rec.anchor)
         x = _steps_of(g, x, consts, start, stop, axis, rec.anchor)
         if mask is not None:
             mask = _steps_of(g, mask, consts, start, stop, axis, rec.anchor)
     if rec.x_prep.lengths is not None:  # the mask is t compared with lengths: built from them, laid out like x
-        mask = rec.x_prep.lengths.build(g, rec.x, rec.x_time_axis, rec.anchor)
+        # (over the steps run: x's first M for a runtime trip count M, read forward)
+        mask = rec.x_prep.lengths.build(g, x if rec.x_prep.count is not None else rec.x, rec.x_time_axis, rec.anchor)
     if mask is not None and rec.mask_cut:  # (its first T steps, as the loop reads them)
         mask = _first_steps(g, mask, x, rec)
     return x, mask
@@ -86,6 +89,14 @@ def _side_by_side(g: Graph, x: str, others: tuple, anchor) -> str:
     cat = g.add_node("Concat", [x, *others], 1, name="rnnfuse/Concat", anchor=anchor, axis=2)[0]
     g.model.declare(cat, (TensorProto.FLOAT, [shapes[0][0], shapes[0][1], width]))
     return cat
+
+
+def _counted_stop(g: Graph, count: str, start: str, anchor) -> str:
+    """The step after the last of ``count`` steps from ``start``, ``start + max(count, 0)`` as a 1-element int64:
+    a loop whose trip count is not positive runs no step (a negative Slice end would count from the end)."""
+    b = Builder(g, anchor, "rnnfuse/steps")
+    n = b.op("Reshape", b.op("Cast", count, to=TensorProto.INT64), b.i64(1))
+    return b.op("Add", start, b.op("Max", n, b.i64(0)))
 
 
 def _steps_of(g: Graph, x: str, consts: list[str], start: int, stop: int, axis: int, anchor) -> str:

@@ -31,6 +31,29 @@ def index_ranges(g: Graph) -> dict[str, int]:
     return out
 
 
+# validation draws an integer input a Loop runs as its trip count from 1 to TRIP_COUNTS - 1: TorchScript's
+# ``torch.stack`` of the steps of ``range(n)`` fails at n = 0, and n past x's length reads past its end
+TRIP_COUNTS = 3
+_KEEPS_VALUE = {"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze"}
+
+
+def trip_count_inputs(g: Graph) -> set[str]:
+    """Integer graph inputs a Loop reads as its trip count, as they are or through casts and reshapes."""
+    out = set()
+    for name in g.input_names:
+        if name in g.initializers:
+            continue
+        seen, todo = {name}, [name]
+        while todo:
+            for n in g.uses(todo.pop()):
+                if n.op_type == "Loop" and n.input and n.input[0] in seen:
+                    out.add(name)
+                elif n.op_type in _KEEPS_VALUE and n.output[0] not in seen and len(seen) < 8:
+                    seen.add(n.output[0])
+                    todo.append(n.output[0])
+    return out
+
+
 def random_values(shape, np_t, rng: np.random.Generator, *, scale: float = 1.0, p_true: float = 0.7,
                   index_range: int = 3, lowest_index: int = 0) -> np.ndarray:
     """Random values of a dtype: normal floats times ``scale``; booleans true with ``p_true``; integers

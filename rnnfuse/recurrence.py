@@ -113,6 +113,9 @@ class InputPrep:
     flips: tuple = ()
     # (start, stop, axis): the recurrence runs over these steps of x and of the mask only
     steps: tuple[int, int, int] | None = None
+    # a runtime number of steps (a scalar integer of the graph: a loop's trip count M): the recurrence runs over
+    # steps start .. start + max(M, 0) - 1 of ``steps`` only (TorchScript's ``for t in range(n)``)
+    count: str | None = None
     # the step mask is the step number compared with per-row lengths (a hand-written length mask): an object
     # whose ``build(graph, x, time_axis, anchor)`` adds the [T, B] mask ([B, T] for time axis 1) and names it
     lengths: object = None

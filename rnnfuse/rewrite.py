@@ -14,6 +14,7 @@ from typing import Callable
 from onnx import helper
 
 from .emit import EmitCache, emit
+from . import feeds
 from . import portability
 from .errors import Decline
 from .graph import Graph
@@ -179,7 +180,8 @@ def apply_recurrences(
                      aliases, rec if rec.cell_checks else None)
         steps = rec.x_prep.steps
         if steps is not None and steps[1] >= TO_THE_END:  # (x from step s on: see Rewrite.min_time)
-            rw.min_time = steps[0] + 1
+            # (a runtime step count: validation draws trip counts 1 .. feeds.TRIP_COUNTS - 1, all within x)
+            rw.min_time = steps[0] + (feeds.TRIP_COUNTS if rec.x_prep.count is not None else 1)
         if em.head_probes and not rec.stack and rec.anchor is not None:  # (a stacked step: validated whole)
             rw.proxy = probe_pairs(g, rec.anchor, em.replacements, em.head_probes)
             rw.proxy_how = "the head at its probe points" if rw.proxy is not None else ""

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .check_groups import Group, in_groups, independent_groups
 from .check_results import PairResult, ValidationResult, compare, failed_run, first_line
 from .check_session import Source, model_of, open_session, takes_file_route
-from .feeds import index_ranges, input_sizes, random_values, valid_steps
+from .feeds import TRIP_COUNTS, index_ranges, input_sizes, random_values, trip_count_inputs, valid_steps
 from .graph import Graph
 from .protos import data_bytes, nodes_within, rename_reads
 from .piecewise_runs import run_in_pieces, weight
@@ -33,7 +33,9 @@ def ort_module():
     return ort
 
 
-def _inputs_for(g: Graph, dims: dict, b: int, t: int, scale: float, rng, index_ranges) -> dict[str, np.ndarray]:
+def _inputs_for(g: Graph, dims: dict, b: int, t: int, scale: float, rng, index_ranges,
+                counts: set[str] = frozenset()) -> dict[str, np.ndarray]:
+    """One generated input set (``counts``: inputs read as a Loop's trip count, see feeds.TRIP_COUNTS)."""
     feeds = {}
     for name in g.input_names:
         if name in g.initializers:
@@ -44,6 +46,9 @@ def _inputs_for(g: Graph, dims: dict, b: int, t: int, scale: float, rng, index_r
             raise _Skip(f"input '{name}' has no declared shape")
         concrete, _ = input_sizes(name, shape, dims, b, t)
         np_t = helper.tensor_dtype_to_np_dtype(et) if et else np.float32
+        if name in counts:
+            feeds[name] = random_values(concrete, np_t, rng, index_range=TRIP_COUNTS, lowest_index=1)
+            continue
         feeds[name] = random_values(concrete, np_t, rng, scale=scale, p_true=0.7, index_range=index_ranges.get(name, 3))
     return feeds
 
@@ -193,6 +198,7 @@ class InputSets:
 
     def __init__(self, g: Graph, seed: int, min_time: int = 1):
         self.g, self.seed, self.ranges, self.min_time = g, seed, index_ranges(g), min_time
+        self.counts = trip_count_inputs(g)
 
     def __len__(self) -> int:
         return len(CONFIGS)
@@ -200,7 +206,7 @@ class InputSets:
     def __getitem__(self, k: int) -> dict[str, np.ndarray]:
         b, t, scale = CONFIGS[k]
         return _inputs_for(self.g, {}, b, max(t, self.min_time), scale, np.random.default_rng([self.seed, k]),
-                           self.ranges)
+                           self.ranges, self.counts)
 
     def __iter__(self):
         return (self[k] for k in range(len(self)))

@@ -81,7 +81,7 @@ MUTATIONS = {
     "lstm_c_unmasked": ("LSTM", "scan loop chain", True, "the cell state c ignores the mask (h is kept, c is updated)"),
     "inverted_mask_c": ("LSTM", "scan loop chain", True, "the cell state is updated where the mask is false"),
     "state_unmasked_output_masked": ("LSTM GRU RNN", "scan loop chain", True, "states update at masked steps; only the output holds"),
-    "loop_short": ("LSTM GRU RNN", "loop", False, "the Loop runs max(T-1, 1) iterations"),
+    "loop_short": ("LSTM GRU RNN", "loop", False, "the Loop runs max(T-1, 1) iterations (over x's first steps)"),
     "float_mask": ("LSTM GRU RNN", "scan loop chain", True, "the mask is a float input used as m*new + (1-m)*old (not provably 0/1)"),
     "mask_dir_mismatch": ("LSTM GRU RNN", "scan", True, "the mask is scanned in the opposite direction from the input"),
     "loop_shifted_input": ("LSTM GRU RNN", "loop", False, "the step reads X[min(i+1, T-1)] instead of X[i]"),
@@ -92,7 +92,7 @@ MUTATIONS = {
     "mask_input_inverted": ("LSTM GRU RNN", "scan loop chain", True,
                             "states are masked, and the step input is zeroed at valid steps (multiplied by the negated mask)"),
     "partial_clip": ("LSTM GRU", "scan loop chain", False, "every gate but the candidate is clipped"),
-    "loop_trip_other_dim": ("LSTM GRU RNN", "loop", False, "trip count M = batch size while the condition bounds i by T"),
+    "loop_trip_other_dim": ("LSTM GRU RNN", "loop", False, "trip count M = batch size while the condition bounds i by T (min(B, T) steps)"),
     "loop_cond_short": ("LSTM GRU RNN", "loop", False, "trip count T, but the condition stops after T-1 steps"),
     "unmasked_copy_final": ("LSTM GRU RNN", "scan loop chain", True,
                             "a carried copy of the cell output ignores the mask, and its final value is returned"),
@@ -298,6 +298,11 @@ def mutation_expressible(name: str, o: Opts) -> bool:
         return True  # the input is zero at every valid step: a native op with zero input weights computes it
     if name in ("mask_on_input", "loop_shifted_input", "loop_fixed_input"):
         return True  # an unmasked native op over a transformed X (computed outside the recurrence)
+    if name in ("loop_short", "loop_trip_other_dim") and o.front == "loop":
+        # max(T - 1, 1) iterations, or min(B, T) (the trip count B, the condition i < T), reading x[i] with a
+        # Gather (which fails past x's end): a native op over x's first M steps, M a runtime trip count
+        # (passes/loop_counts.check_trip_count), clamped to x's length as the condition clamps it
+        return True
     if o.front == "chain" and name in ("output_prev_h", "chain_state_read_midway", "state_unmasked_output_masked"):
         # an unrolled chain's h read step by step: each reader gets its step of the native op's Y (issue 14
         # item 4) and computes from it what it did (the previous h stacked, a graph output, the output's select)

@@ -252,7 +252,16 @@ def cells_first(g: Graph, node: NodeProto, body: Graph, layers: list[Layer], sta
     per_layer = []
     for layer in layers:
         step_states = layer_states(g, node, body, layer, body_out=body_out, node_in=node_in)
-        analyse(layer.x, step_states, [], states)
+        try:
+            analyse(layer.x, step_states, [], states)
+        except Decline as d:
+            if layer.below is None or "no state feeds back" not in str(d):
+                raise
+            # (values computed from the new state of a cell, none from itself: an output carried through the
+            # loop, as Keras carries a custom cell's output apart from its state, holding it at masked steps)
+            raise Decline(f"carried value {', '.join(layer.syms)} is computed from the new state of a cell, not "
+                          "from itself: a per-step output carried through the loop (a cell's output other than "
+                          "its state, held at masked steps) is not supported") from None
         per_layer.append(step_states)
     return per_layer
 

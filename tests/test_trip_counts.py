@@ -89,6 +89,19 @@ def test_a_runtime_count_over_reads_that_clamp_is_declined(read):
     assert op_counts(fused) == op_counts(model)
 
 
+def _agrees(torch, module, s_orig, s_fused, feeds: dict, what: str) -> None:
+    """The fused model's outputs on ``feeds`` are torch's (``module`` called on them in order) and the
+    original's, shapes included."""
+    with torch.no_grad():
+        want = [v.numpy() for v in module(*(torch.from_numpy(v) for v in feeds.values()))]
+    got, orig = s_fused.run(None, feeds), s_orig.run(None, feeds)
+    assert len(got) == len(want) == len(orig)
+    for g, w, o in zip(got, want, orig):
+        assert g.shape == w.shape == o.shape, what
+        assert_close(g, w, f"{what} vs torch")
+        assert_close(g, o, f"{what} vs the original")
+
+
 def test_torchscript_range_of_an_input_fuses_and_matches_torch(tmp_path):
     """The real exporter: ``torch.jit.script`` of ``for t in range(int(n))`` and ``range(x.size(0) - int(k))``
     over an nn.LSTMCell (stacked outputs, last h and c). One LSTM each, equal to torch and to the original at
@@ -129,14 +142,7 @@ def test_torchscript_range_of_an_input_fuses_and_matches_torch(tmp_path):
             x = rng.standard_normal((T, B, 5)).astype(np.float32)
             for steps in range(1, T + 1):
                 n = T - steps if minus else steps
-                feeds = {"x": x, "n": np.array(n, np.int64)}
-                with torch.no_grad():
-                    want = [v.numpy() for v in module(torch.from_numpy(x), torch.tensor(n))]
-                got, orig = s_fused.run(None, feeds), s_orig.run(None, feeds)
-                for k in range(3):
-                    assert got[k].shape == want[k].shape == orig[k].shape
-                    assert_close(got[k], want[k], f"minus={minus} n={n} vs torch")
-                    assert_close(got[k], orig[k], f"minus={minus} n={n} vs the original")
+                _agrees(torch, module, s_orig, s_fused, {"x": x, "n": np.array(n, np.int64)}, f"minus={minus} n={n}")
 
 
 def test_a_used_final_counter_of_a_loop_run_for_a_runtime_count_is_declined():
@@ -187,11 +193,4 @@ def test_torchscript_range_of_the_longest_length_with_a_length_mask_matches_torc
             lengths = rng.integers(0, T + 1, size=B)
             lengths[rng.integers(B)] = rng.integers(1, T + 1)  # (at least one step: torch.stack of none fails)
             x = rng.standard_normal((T, B, 5)).astype(np.float32)
-            feeds = {"x": x, "lengths": lengths.astype(np.int64)}
-            with torch.no_grad():
-                want = [v.numpy() for v in module(torch.from_numpy(x), torch.from_numpy(lengths))]
-            got, orig = s_fused.run(None, feeds), s_orig.run(None, feeds)
-            for k in range(2):
-                assert got[k].shape == want[k].shape == orig[k].shape
-                assert_close(got[k], want[k], f"lengths {lengths} vs torch")
-                assert_close(got[k], orig[k], f"lengths {lengths} vs the original")
+            _agrees(torch, module, s_orig, s_fused, {"x": x, "lengths": lengths.astype(np.int64)}, f"lengths {lengths}")

@@ -83,7 +83,8 @@ def fold_scales(p: Poly) -> Poly:
 def fold_diagonals(p: Poly) -> Poly:
     """Elementwise state terms inside every activation, ``act(lin + u * h)``, written as the one affine map
     ``act(lin')`` whose weight for h is ``diag(u)`` (:func:`.match.with_diagonal_weights`): how a native op
-    with a diagonal recurrent weight (IndRNN's) computes what the graph spells elementwise."""
+    with a diagonal recurrent weight (IndRNN's) computes what the graph spells elementwise; so too a whole
+    polynomial of that form (a linear cell, ``h + x @ W``, under the identity activation)."""
 
     def fn(a):
         if not isinstance(a, Act):
@@ -92,7 +93,9 @@ def fold_diagonals(p: Poly) -> Poly:
         lin = with_diagonal_weights(arg)
         return Poly.atom(Act(a.kind, a.params, Poly.atom(LinAtom(lin)) if lin is not None else arg))
 
-    return substitute(p, fn)
+    folded = substitute(p, fn)
+    lin = with_diagonal_weights(folded)  # (a linear cell's new state itself, ``u * h + lin``: no activation)
+    return Poly.atom(LinAtom(lin)) if lin is not None else folded
 
 
 def canonical_clips(p: Poly) -> Poly:

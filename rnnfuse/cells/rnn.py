@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..errors import Decline
 from ..symbolic import LinAtom, Poly
 from .kind import CellKind, gate
-from .match import check_sources, gate_parts, make_spec
+from .match import IDENTITY, check_sources, gate_parts, make_spec, with_diagonal_weights
 
 
 class RnnKind(CellKind):
@@ -15,7 +15,8 @@ class RnnKind(CellKind):
     states = ("h",)
 
     def looks_like(self, new_h: Poly) -> bool:
-        return new_h.single_atom() is not None or new_h.as_lin_offset() is not None
+        return (new_h.single_atom() is not None or new_h.as_lin_offset() is not None
+                or with_diagonal_weights(new_h) is not None)
 
     def match(self, new, x, states, h, c):
         p = new[h]
@@ -29,6 +30,10 @@ class RnnKind(CellKind):
             # Affine(alpha=a, beta=c) applied to the gate, exactly
             lin, a, b = linear
             act, clip = ("Affine", (a, b)), None
+        elif (diagonal := with_diagonal_weights(p)) is not None:
+            # a linear RNN reading its state elementwise, u * h + x @ W + b (a running sum h + W x_t, a leaky
+            # linear integrator): R = diag(u) (exact zeros off it) under the identity activation
+            lin, act, clip = diagonal, IDENTITY, None
         else:
             raise Decline(f"the new state is not one activation ({p!r})")
         check_sources(lin, {x.key, hs.key}, "the RNN gate")

@@ -143,7 +143,7 @@ def check_trip_count(g: Graph, body: Graph, loop: NodeProto, x: str, index_syms:
             raise Decline("the loop condition's bound is not the number of time steps")
         deltas.append(1 - k)
     if counted is not None:
-        if deltas and min(deltas) != -offset:  # (the condition must leave the count alone: every step allowed)
+        if deltas and min(deltas) < -offset:  # (the condition must leave the count alone: every step allowed)
             raise Decline("the loop's condition stops it before its trip count from a runtime value")
     elif not deltas:
         raise Decline("the loop has no bound")

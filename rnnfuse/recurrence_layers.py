@@ -29,7 +29,7 @@ from .disjoint_sets import DisjointSets
 from .errors import Decline
 from .graph import Graph
 from .recurrence import NONE, ZERO, Init, InputPrep, Recurrence, SeqOutput
-from .step import StepState, analyse, unmasked_value
+from .step import NoStateFedBack, StepState, analyse, unmasked_value
 from .symbolic import STATE, STEP_INPUT, Poly, StepEvaluator, StepInput, StepInputPart, SymTensor, Value
 from .symbolic import sources as symbolic_sources
 
@@ -254,8 +254,8 @@ def cells_first(g: Graph, node: NodeProto, body: Graph, layers: list[Layer], sta
         step_states = layer_states(g, node, body, layer, body_out=body_out, node_in=node_in)
         try:
             analyse(layer.x, step_states, [], states)
-        except Decline as d:
-            if layer.below is None or "no state feeds back" not in str(d):
+        except NoStateFedBack:
+            if layer.below is None:
                 raise
             # (values computed from the new state of a cell, none from itself: an output carried through the
             # loop, as Keras carries a custom cell's output apart from its state, holding it at masked steps)

@@ -15,6 +15,10 @@ from .recurrence import CARRY, NONE, ZERO, FinalOutput, Init, SeqOutput
 from .symbolic import MASK, STATE, Poly, State, StepInput, masked_inputs, sources, unmask_inputs
 
 
+class NoStateFedBack(Decline):
+    """No carried value is read by the updates: nothing recurs (see rnnfuse.recurrence_layers.cells_first)."""
+
+
 @dataclass
 class StepState:
     sym: str
@@ -195,7 +199,7 @@ def _cell_states(states: list[StepState], un: _Unmasked) -> tuple[list[str], dic
         read |= _reads(p)
     cell_syms = [s.sym for s in states if s.sym in read]
     if not cell_syms:
-        raise Decline("no state feeds back into the step")
+        raise NoStateFedBack("no state feeds back into the step")
     for z in un.zero_fill & set(cell_syms):
         raise Decline(f"state {z} is reset to zero at masked steps and read back by the cell")
     carry_of: dict[str, str] = {}

@@ -39,19 +39,22 @@ def _counted(o: LoopOpts | None, form: str) -> onnx.ModelProto:
 
 
 def _runs(o: LoopOpts, form: str, rng):
-    """Feeds over batch 1 and 3, T = 3 and 7, every count from 1 to T."""
+    """(feeds, steps run) over batch 1 and 3, T = 3 and 7, every count from 1 to T; with the condition
+    ``i + 1 < T`` beside the count also counts past T (the condition stops the loop after T steps)."""
     for T, B in ((3, 1), (7, 3)):
         x = o.x_of(T, B, rng)
-        for steps in range(1, T + 1):
-            yield {"x": x, ("n" if form == "n" else "k"): np.array(steps if form == "n" else T - steps, np.int64)}, steps
+        for count in range(1, T + (3 if o.cond else 1)):
+            yield {"x": x, ("n" if form == "n" else "k"): np.array(count if form == "n" else T - count, np.int64)}, \
+                min(count, T)
 
 
-@pytest.mark.parametrize("read", ["gather0", "gather1"])
+@pytest.mark.parametrize("read,cond", [("gather0", ""), ("gather1", ""), ("gather0", "int32")])
 @pytest.mark.parametrize("form", ["n", "T_minus_k"])
-def test_a_loop_run_for_a_runtime_count_runs_the_native_op_over_that_many_steps(read, form):
+def test_a_loop_run_for_a_runtime_count_runs_the_native_op_over_that_many_steps(read, cond, form):
     """One RNN over the first M steps of x; every output the original's, at every count 1 .. T (ys has M
-    steps), time-major and batch-first x."""
-    o = LoopOpts(read=read, x_carried=False, w_carried=False)
+    steps), time-major and batch-first x, and with the condition ``i + 1 < T`` beside the count (it runs
+    min(M, T) steps, as the cut of x does)."""
+    o = LoopOpts(read=read, x_carried=False, w_carried=False, cond=cond)
     model = _counted(o, form)
     fused, report = rnnfuse.optimize(model)
     assert len(report.fused) == 1 and report.fused[0].validation.startswith("ok"), report.to_text()

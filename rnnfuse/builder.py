@@ -1,11 +1,12 @@
 """``Builder``: adds the nodes and constants a rewrite emits, next to an anchor node, in the forms the model's
-opset takes (a Squeeze's axes as an attribute or an input, a Split's sizes ...)."""
+opset takes (a Squeeze's axes as an attribute or an input, a Split's sizes, a Slice's constant bounds ...)."""
 
 from __future__ import annotations
 
 import numpy as np
 from onnx import NodeProto
 
+from .errors import Decline
 from .graph import Graph
 from .symbolic.algebra import content_digest
 
@@ -25,8 +26,19 @@ class Builder:
         self._consts: dict = {}
 
     def op(self, op_type: str, *inputs: str, n: int = 1, **attrs):
+        if op_type == "Slice" and self.opset < 10:
+            x, bounds = self._slice_attributes(inputs)
+            inputs, attrs = (x,), {**attrs, **bounds}
         outs = self.g.add_node(op_type, list(inputs), n, name=f"{self.prefix}/{op_type}", anchor=self.anchor, **attrs)
         return outs if n > 1 else outs[0]
+
+    def _slice_attributes(self, inputs) -> tuple[str, dict]:
+        """``(data, attributes)``: a Slice written with bound inputs (opset 10 on) in the form opsets 1-9 take,
+        its starts, ends and axes as attributes. Only constant bounds with steps of 1 have that form."""
+        bounds = [self.g.const(name) for name in inputs[1:]]
+        if any(b is None for b in bounds) or (len(bounds) > 3 and np.any(np.asarray(bounds[3]) != 1)):
+            raise Decline(f"a slice with computed bounds or steps needs opset 10; the model has opset {self.opset}")
+        return inputs[0], {k: [int(v) for v in np.ravel(b)] for k, b in zip(("starts", "ends", "axes"), bounds)}
 
     def const(self, arr, hint: str = "const") -> str:
         arr = np.asarray(arr)

@@ -208,7 +208,6 @@ def emit(g: Graph, rec: Recurrence, cache: EmitCache, post_padded: bool = False,
     b = Builder(g, rec.anchor, f"rnnfuse/{cell.op}")
     if b.opset < 7:
         raise Decline(f"opset {b.opset} is older than the native recurrent ops' opset 7")
-    _need_opset(b, 10, "the rewrite")
     x_in, mask_in = prepared_input(g, rec)
     _need_float(g, x_in)
     x, mask, mrank, mask_source, mask_time_axis, direction = time_major_input(b, rec, x_in, mask_in)

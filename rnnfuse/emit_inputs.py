@@ -96,7 +96,8 @@ def _counted_stop(g: Graph, count: str, start: str, anchor) -> str:
     a loop whose trip count is not positive runs no step (a negative Slice end would count from the end)."""
     b = Builder(g, anchor, "rnnfuse/steps")
     n = b.op("Reshape", b.op("Cast", count, to=TensorProto.INT64), b.i64(1))
-    return b.op("Add", start, b.op("Max", n, b.i64(0)))
+    zero = b.i64(0)  # (Where and Less, not Max: Max takes integers from opset 12 only)
+    return b.op("Add", start, b.op("Where", b.op("Less", n, zero), zero, n))
 
 
 def _steps_of(g: Graph, x: str, consts: list[str], start: int, stop: int, axis: int, anchor) -> str:

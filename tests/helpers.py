@@ -94,6 +94,31 @@ def assert_close(actual, expected, what: str, atol=ATOL, rtol=RTOL) -> float:
     return err
 
 
+def assert_as_framework(fused: onnx.ModelProto, original: onnx.ModelProto, feeds: dict, want: list, what: str) -> None:
+    """Every output of ``fused`` on ``feeds`` is the framework's (``want``, in output order) and the original
+    model's, shapes included."""
+    got, orig = session(fused).run(None, feeds), session(original).run(None, feeds)
+    assert len(got) == len(want) == len(orig), what
+    for g, w, o in zip(got, want, orig):
+        assert g.shape == w.shape == o.shape, what
+        assert_close(g, w, f"{what}: fused vs the framework")
+        assert_close(g, o, f"{what}: fused vs the original")
+
+
+def assert_as_torch_on_x(module, original: onnx.ModelProto, fused: onnx.ModelProto, steps: int, features: int,
+                         what: str, batches=(1, 3), seed: int = 0) -> None:
+    """:func:`assert_as_framework` on a random time-major x ``[steps, B, features]`` for each B of ``batches``,
+    the framework being the torch ``module`` called on x."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    for batch in batches:
+        x = rng.standard_normal((steps, batch, features)).astype(np.float32)
+        with torch.no_grad():
+            want = [v.numpy() for v in module(torch.from_numpy(x))]
+        assert_as_framework(fused, original, {"x": x}, want, f"{what}, batch {batch}")
+
+
 def assert_same_on_x(original: onnx.ModelProto, fused: onnx.ModelProto, features: int,
                      sizes=((1, 1), (6, 3), (9, 2)), seed: int = 5) -> None:
     """The two models, both reading one input ``x`` of ``[T, B, features]``, give the same outputs (every one,

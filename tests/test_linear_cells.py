@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import assert_close, op_counts, session
+from helpers import assert_as_torch_on_x, op_counts
 
 import rnnfuse
 
@@ -62,7 +62,7 @@ def _export(form: str, exporter: str, path) -> tuple[onnx.ModelProto, object]:
 def test_a_linear_recurrence_is_an_rnn_with_the_identity_activation(form, exporter, tmp_path):
     """One RNN, activation Affine(1, 0), its R the diagonal the graph multiplies h by (I for a running sum);
     every output equal to torch and to the original at batch 1 and 3."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     model, module = _export(form, exporter, tmp_path / f"{form}.onnx")
     fused, report = rnnfuse.optimize(model)
     assert len(report.fused) == 1 and op_counts(fused)["RNN"] == 1, report.to_text()
@@ -71,16 +71,7 @@ def test_a_linear_recurrence_is_an_rnn_with_the_identity_activation(form, export
     assert [s.decode() for s in acts.strings] == ["Affine"], report.to_text()
     R = next(onnx.numpy_helper.to_array(i) for i in fused.graph.initializer if i.name == rnn.input[2])
     assert np.array_equal(R[0], np.eye(H, dtype=np.float32) * (1.0 if form == "sum" else 0.5))
-    rng = np.random.default_rng(1)
-    for batch in (1, 3):
-        x = rng.standard_normal((T, batch, F)).astype(np.float32)
-        with torch.no_grad():
-            want = [v.numpy() for v in module(torch.from_numpy(x))]
-        got, orig = session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})
-        for g, w, o in zip(got, want, orig):
-            assert g.shape == w.shape == o.shape
-            assert_close(g, w, f"{form} vs torch")
-            assert_close(g, o, f"{form} vs the original")
+    assert_as_torch_on_x(module, model, fused, T, F, form, seed=1)
 
 
 @pytest.mark.parametrize("form", ["ema_tanh", "max"])

@@ -4,10 +4,9 @@ Unmasked unrolled loops fuse; a mask still needs opset 11 (Range, CumSum) and is
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import pytest
-from helpers import assert_close, op_counts, session
+from helpers import assert_as_torch_on_x, op_counts
 
 import rnnfuse
 
@@ -58,7 +57,7 @@ def _export(cell: str, opset: int, path, reverse=False, masked=False):
 def test_an_unrolled_loop_of_an_old_opset_fuses_in_that_opset(cell, opset, reverse, tmp_path):
     """One native op; the model keeps its opset and passes the checker; its Slices carry their bounds as that
     opset takes them; every output equal to torch and to the original at batch 1 and 3."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     model, module = _export(cell, opset, tmp_path / "m.onnx", reverse)
     fused, report = rnnfuse.optimize(model)
     assert len(report.fused) == 1 and op_counts(fused)[cell.upper()] == 1, report.to_text()
@@ -67,16 +66,7 @@ def test_an_unrolled_loop_of_an_old_opset_fuses_in_that_opset(cell, opset, rever
     for n in fused.graph.node:
         if n.op_type == "Slice" and opset < 10:
             assert len(n.input) == 1 and {a.name for a in n.attribute} >= {"starts", "ends"}
-    rng = np.random.default_rng(2)
-    for batch in (1, 3):
-        x = rng.standard_normal((T, batch, F)).astype(np.float32)
-        with torch.no_grad():
-            want = [v.numpy() for v in module(torch.from_numpy(x))]
-        got, orig = session(fused).run(None, {"x": x}), session(model).run(None, {"x": x})
-        for g, w, o in zip(got, want, orig):
-            assert g.shape == w.shape == o.shape
-            assert_close(g, w, f"{cell} opset {opset} vs torch")
-            assert_close(g, o, f"{cell} opset {opset} vs the original")
+    assert_as_torch_on_x(module, model, fused, T, F, f"{cell} opset {opset}", seed=2)
 
 
 def test_a_reverse_loop_of_opset_9_is_declined_for_its_opset(tmp_path):

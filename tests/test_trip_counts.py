@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 from builders_loops import H, LoopOpts, build, build_counted_loop
-from helpers import assert_close, op_counts, session
+from helpers import assert_as_framework, assert_close, op_counts, session
 from onnx import TensorProto, helper
 
 import rnnfuse
@@ -92,17 +92,12 @@ def test_a_runtime_count_over_reads_that_clamp_is_declined(read):
     assert op_counts(fused) == op_counts(model)
 
 
-def _agrees(torch, module, s_orig, s_fused, feeds: dict, what: str) -> None:
+def _agrees(torch, module, model, fused, feeds: dict, what: str) -> None:
     """The fused model's outputs on ``feeds`` are torch's (``module`` called on them in order) and the
     original's, shapes included."""
     with torch.no_grad():
         want = [v.numpy() for v in module(*(torch.from_numpy(v) for v in feeds.values()))]
-    got, orig = s_fused.run(None, feeds), s_orig.run(None, feeds)
-    assert len(got) == len(want) == len(orig)
-    for g, w, o in zip(got, want, orig):
-        assert g.shape == w.shape == o.shape, what
-        assert_close(g, w, f"{what} vs torch")
-        assert_close(g, o, f"{what} vs the original")
+    assert_as_framework(fused, model, feeds, want, what)
 
 
 def test_torchscript_range_of_an_input_fuses_and_matches_torch(tmp_path):
@@ -140,12 +135,11 @@ def test_torchscript_range_of_an_input_fuses_and_matches_torch(tmp_path):
         fused, report = rnnfuse.optimize(model)
         assert len(report.fused) == 1 and op_counts(fused)["LSTM"] == 1 and op_counts(fused)["Loop"] == 0, \
             report.to_text()
-        s_orig, s_fused = session(model), session(fused)
         for T, B in ((4, 1), (7, 3)):
             x = rng.standard_normal((T, B, 5)).astype(np.float32)
             for steps in range(1, T + 1):
                 n = T - steps if minus else steps
-                _agrees(torch, module, s_orig, s_fused, {"x": x, "n": np.array(n, np.int64)}, f"minus={minus} n={n}")
+                _agrees(torch, module, model, fused, {"x": x, "n": np.array(n, np.int64)}, f"minus={minus} n={n}")
 
 
 def test_a_used_final_counter_of_a_loop_run_for_a_runtime_count_is_declined():
@@ -189,11 +183,10 @@ def test_torchscript_range_of_the_longest_length_with_a_length_mask_matches_torc
     model = onnx.load(str(path))
     fused, report = rnnfuse.optimize(model)
     assert len(report.fused) == 1 and op_counts(fused)["Loop"] == 0, report.to_text()
-    s_orig, s_fused = session(model), session(fused)
     rng = np.random.default_rng(0)
     for T, B in ((1, 1), (4, 1), (6, 3), (9, 4)):
         for _ in range(4):
             lengths = rng.integers(0, T + 1, size=B)
             lengths[rng.integers(B)] = rng.integers(1, T + 1)  # (at least one step: torch.stack of none fails)
             x = rng.standard_normal((T, B, 5)).astype(np.float32)
-            _agrees(torch, module, s_orig, s_fused, {"x": x, "lengths": lengths.astype(np.int64)}, f"lengths {lengths}")
+            _agrees(torch, module, model, fused, {"x": x, "lengths": lengths.astype(np.int64)}, f"lengths {lengths}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .dims import keeps_value, value_source
 from .graph import Graph
 
 MASK_KINDS = ("post", "pre", "gappy")  # and "full": every step valid
@@ -34,24 +35,16 @@ def index_ranges(g: Graph) -> dict[str, int]:
 # validation draws an integer input a Loop runs as its trip count from 1 to TRIP_COUNTS - 1: TorchScript's
 # ``torch.stack`` of the steps of ``range(n)`` fails at n = 0, and n past x's length reads past its end
 TRIP_COUNTS = 3
-_KEEPS_VALUE = {"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze"}
+
+
+def _keeps_count(n) -> bool:
+    return keeps_value(n) or n.op_type in ("Reshape", "Squeeze", "Unsqueeze")
 
 
 def trip_count_inputs(g: Graph) -> set[str]:
-    """Integer graph inputs a Loop reads as its trip count, as they are or through casts and reshapes."""
-    out = set()
-    for name in g.input_names:
-        if name in g.initializers:
-            continue
-        seen, todo = {name}, [name]
-        while todo:
-            for n in g.uses(todo.pop()):
-                if n.op_type == "Loop" and n.input and n.input[0] in seen:
-                    out.add(name)
-                elif n.op_type in _KEEPS_VALUE and n.output[0] not in seen and len(seen) < 8:
-                    seen.add(n.output[0])
-                    todo.append(n.output[0])
-    return out
+    """Graph inputs a Loop reads as its trip count, as they are or through value-keeping casts and reshapes."""
+    sources = {value_source(g, n.input[0], _keeps_count) for n in g.nodes_of("Loop") if n.input and n.input[0]}
+    return (sources & set(g.input_names)) - set(g.initializers)
 
 
 def random_values(shape, np_t, rng: np.random.Generator, *, scale: float = 1.0, p_true: float = 0.7,

@@ -1462,3 +1462,30 @@ def piece_carry_reference(form: str, x: np.ndarray) -> list[np.ndarray]:
         hh = np.concatenate([h2, h1] if form == "swapped" else [h1, h2], axis=1)
         ys.append(hh)
     return [hh, np.stack(ys)]
+
+
+def build_held_head() -> onnx.ModelProto:
+    """A masked tanh step ``h = where(m, tanh(x_t W + h R + b), h)`` whose per-step output is a head on the new
+    h, ``tanh(h V)`` (2 wide), carried through the loop and held at masked steps, ``o = where(m, head, o)``:
+    Keras' ``RNN`` over a custom cell whose output is not its state. x [T, B, F], mask [T, B] bool; outputs the
+    stacked held heads."""
+    W, R, b = weights()
+    V = np.random.default_rng(1).standard_normal((H, 2)).astype(np.float32)
+    inits = [numpy_helper.from_array(v, n) for n, v in (
+        ("W", W), ("R", R), ("b", b), ("V", V), ("zero", np.array(0.0, np.float32)), ("true", np.array(True)),
+        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)),
+        ("i2", np.array([2], np.int64)))]
+    vi = lambda n, *dims, t=TensorProto.FLOAT: helper.make_tensor_value_info(n, t, list(dims))  # noqa: E731
+    body = helper.make_graph(
+        [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0), helper.make_node("Gather", ["mask", "it"], ["mt"], axis=0),
+         helper.make_node("Unsqueeze", ["mt", "i1"], ["m"]), *_tanh_step(),
+         helper.make_node("Where", ["m", "hn", "h"], ["h_new"]),
+         helper.make_node("MatMul", ["h_new", "V"], ["hv"]), helper.make_node("Tanh", ["hv"], ["o"]),
+         helper.make_node("Where", ["m", "o", "o_prev"], ["o_new"]), helper.make_node("Identity", ["cond"], ["cond_out"]),
+         helper.make_node("Identity", ["o_new"], ["y"])],
+        "body", _loop_counters() + [vi("h", None, H), vi("o_prev", None, 2)],
+        [vi("cond_out", t=TensorProto.BOOL), vi("h_new", None, H), vi("o_new", None, 2), vi("y", None, 2)])
+    nodes = _x_sizes() + _zero_state() + _zero_state("i2", "oshape", "o0") + [
+        helper.make_node("Loop", ["T", "true", "h0", "o0"], ["h_last", "o_last", "ys"], body=body)]
+    return _model(nodes, "held_head", [vi("x", "T", "B", F), vi("mask", "T", "B", t=TensorProto.BOOL)],
+                  [vi("ys", "T", "B", 2)], inits)

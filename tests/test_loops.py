@@ -57,7 +57,7 @@ from builders_loops import (
     build_read_ahead,
     READ_AHEAD_FORMS,
     READ_AHEAD_MISSES,
-    _tanh_step,
+    build_held_head,
     weights,
     build_where_elu,
     build_grown_buffer,
@@ -958,38 +958,4 @@ def test_an_output_carried_apart_from_the_state_is_declined_for_what_it_is():
     masked steps (Keras' ``RNN`` over a custom cell whose output is not its state): the head is computed from
     the cell's new state, not from itself, so it is no cell; declined with that reason (it said "no state
     feeds back into the step"), the model as it was."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    W, R, b = weights()
-    V = np.random.default_rng(1).standard_normal((H, 2)).astype(np.float32)
-    inits = [numpy_helper.from_array(v, n) for n, v in (
-        ("W", W), ("R", R), ("b", b), ("V", V), ("zero", np.array(0.0, np.float32)), ("true", np.array(True)),
-        ("i0", np.array([0], np.int64)), ("i1", np.array([1], np.int64)), ("iH", np.array([H], np.int64)),
-        ("i2", np.array([2], np.int64)))]
-    body = helper.make_graph(
-        [helper.make_node("Gather", ["x", "it"], ["xt"], axis=0), helper.make_node("Gather", ["mask", "it"], ["mt"], axis=0),
-         helper.make_node("Unsqueeze", ["mt", "i1"], ["m"]), *_tanh_step(),
-         helper.make_node("Where", ["m", "hn", "h"], ["h_new"]),
-         helper.make_node("MatMul", ["h_new", "V"], ["hv"]), helper.make_node("Tanh", ["hv"], ["o"]),
-         helper.make_node("Where", ["m", "o", "o_prev"], ["o_new"]), helper.make_node("Identity", ["cond"], ["cond_out"]),
-         helper.make_node("Identity", ["o_new"], ["y"])],
-        "body", [helper.make_tensor_value_info("it", TensorProto.INT64, []),
-                 helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
-                 helper.make_tensor_value_info("h", TensorProto.FLOAT, [None, H]),
-                 helper.make_tensor_value_info("o_prev", TensorProto.FLOAT, [None, 2])],
-        [helper.make_tensor_value_info(n, t, s) for n, t, s in (
-            ("cond_out", TensorProto.BOOL, []), ("h_new", TensorProto.FLOAT, [None, H]),
-            ("o_new", TensorProto.FLOAT, [None, 2]), ("y", TensorProto.FLOAT, [None, 2]))])
-    nodes = [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["T1"], axis=0),
-             helper.make_node("Squeeze", ["T1", "i0"], ["T"]), helper.make_node("Gather", ["xs", "i1"], ["B1"], axis=0),
-             helper.make_node("Concat", ["B1", "iH"], ["hshape"], axis=0), helper.make_node("Expand", ["zero", "hshape"], ["h0"]),
-             helper.make_node("Concat", ["B1", "i2"], ["oshape"], axis=0), helper.make_node("Expand", ["zero", "oshape"], ["o0"]),
-             helper.make_node("Loop", ["T", "true", "h0", "o0"], ["h_last", "o_last", "ys"], body=body)]
-    graph = helper.make_graph(nodes, "held_head", [
-        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "B", 3]),
-        helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T", "B"])],
-        [helper.make_tensor_value_info("ys", TensorProto.FLOAT, ["T", "B", 2])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    _declined(model, "computed from the new state of a cell, not from itself")
+    _declined(build_held_head(), "computed from the new state of a cell, not from itself")

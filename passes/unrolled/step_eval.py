@@ -74,7 +74,7 @@ _CARRIED_SIDE = {"Mul", "Add", "Sub", "Div", "Neg", "Unsqueeze", "Squeeze", "Ide
 
 # activations a step's h may come out of: when the step also reads that activation's input, the "h" the
 # threading found is an input feed of act(h) (cat(x, tanh(h))), not the carried state
-_ACTIVATIONS = {"Tanh", "Sigmoid", "Relu", "LeakyRelu", "Elu", "Softsign", "Softplus", "HardSigmoid"}
+_ACTIVATIONS = {"Tanh", "Sigmoid", "Relu", "LeakyRelu", "Elu", "Celu", "Softsign", "Softplus", "HardSigmoid"}
 
 
 def fed_through(g: Graph, h_in: str | None) -> tuple[str, str] | None:

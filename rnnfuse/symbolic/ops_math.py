@@ -135,6 +135,16 @@ def _activation(kind: str):
     return h
 
 
+def _celu(ev, node, ins):
+    """``Celu(alpha)(x) = max(0, x) + min(0, alpha * (exp(x / alpha) - 1))``, torch's ``F.celu``: with alpha 1
+    (its default) it is Elu(1), a native activation; another alpha is ``alpha * Elu(1)(x / alpha)``, a scaled
+    state no native op carries."""
+    alpha = float(attr(node, "alpha", 1.0))
+    if alpha != 1.0:
+        raise Decline(f"Celu with alpha {alpha:g}: only alpha 1 (Elu(1)) is a native activation")
+    return [SymTensor(Poly.atom(Act("Elu", (1.0,), elementwise_poly(ins[0]))), lead_axes(ins[0]))]
+
+
 def _tanh(p: Poly) -> Poly:
     """``tanh(b * x)`` is ScaledTanh(1, b)(x): the scale stays an activation parameter, the weights exact."""
     lo = p.as_lin_offset()
@@ -394,6 +404,7 @@ HANDLERS: dict[str, Callable] = {
 for _k in ACTIVATIONS:
     HANDLERS[_k] = _activation(_k)
 HANDLERS["Abs"] = _abs
+HANDLERS["Celu"] = _celu
 HANDLERS["Exp"] = _exp
 HANDLERS["Reciprocal"] = _reciprocal
 for _k in ("Greater", "GreaterOrEqual", "Less", "LessOrEqual"):

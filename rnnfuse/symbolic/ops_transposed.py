@@ -21,7 +21,8 @@ from .values import ConcatRows, Const, SymTensor, Transposed, Value, as_rows, ma
 
 # ops that act element by element: the same on a transposed value as on the value itself
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Neg", "Identity", "Cast", "Tanh", "Sigmoid", "Relu", "Abs", "Exp",
-                "Reciprocal", "Clip", "Max", "Min", "Where", "HardSigmoid", "Softsign", "Softplus", "LeakyRelu", "Elu"}
+                "Reciprocal", "Clip", "Max", "Min", "Where", "HardSigmoid", "Softsign", "Softplus", "LeakyRelu", "Elu",
+                "Celu"}
 
 
 def _transpose(ev, node, ins):

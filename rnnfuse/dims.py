@@ -395,9 +395,9 @@ def extent_key(g: Graph, name: str, axis: int, depth: int = 0):
             return _static(g, dim_key(g, p.input[1]))
         return None
     if op == "ConstantOfShape":
-        return _filled_extent(g, p.input[0], axis)
+        return filled_extent(g, p.input[0], axis)
     if op == "Expand" and g.const(p.input[0]) is not None and np.size(g.const(p.input[0])) == 1:
-        return _filled_extent(g, p.input[1], axis)  # (one value expanded: the shape's extents)
+        return filled_extent(g, p.input[1], axis)  # (one value expanded: the shape's extents)
     if op in _BROADCASTING:
         rank = g.model.rank(name)
         keys = set()
@@ -414,7 +414,7 @@ def extent_key(g: Graph, name: str, axis: int, depth: int = 0):
     return _static(g, ("dim",) + root_dim(g, name, axis))
 
 
-def _filled_extent(g: Graph, shape: str, axis: int):
+def filled_extent(g: Graph, shape: str, axis: int):
     """The key of element ``axis`` of the shape a fill is made with (``zeros(x.size(0), B, H)``: a Concat of
     one-element pieces), or None."""
     p = g.producer.get(shape)

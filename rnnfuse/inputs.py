@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .dims import extent_key, filled_extent
 from .errors import ProjectedAgain
 from .graph import Graph, attr
 from .op_args import einsum_matmul, einsum_terms
@@ -73,6 +74,9 @@ def input_projection(g: Graph, src: str, axis: int = 0) -> Projection | None:
     if p is not None and p.op_type == "Transpose" and attr(p, "perm", None) in ([1, 0, 2], (1, 0, 2)):
         proj = input_projection(g, p.input[0], 1 - axis)  # (time and batch swapped: a projection of X0 all the same)
         return None if proj is None or proj.flips else proj
+    if p is not None and p.op_type == "Reshape":
+        found = _flattened_projection(g, p)
+        return None if found is None else Projection(found[0], found[1], found[2], time_axis=axis)
     bias = None
     if p is not None and p.op_type == "Add":
         a, c = p.input
@@ -97,6 +101,58 @@ def input_projection(g: Graph, src: str, axis: int = 0) -> Projection | None:
     if bias is not None and bias.shape[0] != K.shape[1]:
         return None
     return Projection(x0, K, bias, time_axis=axis)
+
+
+def _flattened_projection(g: Graph, outer) -> tuple[str, np.ndarray, np.ndarray | None] | None:
+    """``(X0, K, b)`` when Reshape ``outer`` restores ``Gemm(Reshape(X0, [-1, F]), K, b)`` (or a MatMul and an
+    Add) to X0's leading axes: the projection of a [T, B, F] X0 computed on its rows flattened, as onnx-simplifier
+    writes ``X0 @ K + b`` (and TF's tensordot). Its leading extents must be X0's, read from the shape: one a
+    number or a computed extent equal to X0's on that axis and the other -1 (a 0, which copies the flattened
+    input's dim, is not X0's)."""
+    y2d = outer.input[0]
+    q = g.producer.get(y2d)
+    bias = None
+    if q is not None and q.op_type == "Add":
+        a, c = q.input
+        if g.const(a) is not None:
+            a, c = c, a
+        bias = g.const(c)
+        q = g.producer.get(a)
+    if q is None or q.op_type not in ("Gemm", "MatMul") or (bias is not None and bias.size != bias.shape[-1]):
+        return None
+    K = g.const(q.input[1])
+    if q.op_type == "Gemm":
+        if attr(q, "transA", 0) or attr(q, "alpha", 1.0) != 1.0 or (len(q.input) > 2 and q.input[2] and attr(q, "beta", 1.0) != 1.0):
+            return None
+        if K is not None and attr(q, "transB", 0):
+            K = np.ascontiguousarray(K.T)
+        if len(q.input) > 2 and q.input[2]:
+            if bias is not None:
+                return None  # (two biases: their sum would round differently)
+            bias = g.const(q.input[2])
+            if bias is None or bias.size != bias.shape[-1]:
+                return None
+    inner = g.producer.get(q.input[0])
+    if K is None or K.ndim != 2 or inner is None or inner.op_type != "Reshape":
+        return None
+    x0, flat, F, N = inner.input[0], g.const(inner.input[1]), K.shape[0], K.shape[1]
+    if g.model.rank(x0) != 3 or g.model.rank(outer.output[0]) != 3 or flat is None or list(np.ravel(flat)) != [-1, F]:
+        return None
+    if extent_key(g, x0, 2) != ("const", F):  # (rows of another width would be cut anew by the flattening)
+        return None
+    # the restored shape's entries (constant, or pieces of a computed shape): N last, and X0's leading extents,
+    # at most one of them -1
+    lead = [filled_extent(g, outer.input[1], a) for a in range(2)]
+    if filled_extent(g, outer.input[1], 2) != ("const", N) or lead.count(("const", -1)) > 1:
+        return None
+    for a, entry in enumerate(lead):
+        if entry != ("const", -1) and (entry is None or entry != extent_key(g, x0, a)):
+            return None
+    if bias is not None:
+        bias = bias.reshape(-1)
+        if bias.shape[0] != N:
+            return None
+    return x0, K, bias
 
 
 def _einsum_projection(g: Graph, p) -> tuple[str, np.ndarray] | None:

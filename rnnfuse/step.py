@@ -34,6 +34,9 @@ class StepOut:
     time_axis: int = 0  # where the stacked steps' time axis is: [T, B, H] 0, [B, T, H] 1, [B, H, T] 2
     reversed: bool = False
     accumulate: str = ""  # a running sum's start (see rnnfuse.recurrence.SeqOutput)
+    # the stacked outputs read only multiplied by a mask after the stack (``stack(outs) * m``): the product's
+    # name, which a masked recurrence's zero-filled Y is when the front end shows the factor is the states' mask
+    zeroed: str = ""
 
 
 @dataclass
@@ -229,6 +232,8 @@ def _seq_output(o: StepOut, h_cell: Poly, an: StepAnalysis, carry_of: dict[str, 
         raise Decline("a per-step output uses another mask")
     if delta is None:
         if old.key == h_cell.key:
+            if an.masked and o.zeroed and not o.reversed:  # (zeros where the product's factor is 0)
+                return SeqOutput(o.zeroed, ZERO, Init(), o.time_axis, o.reversed)
             if an.masked:
                 raise Decline("a per-step output ignores the mask (the cell runs on masked steps)")
             return SeqOutput(o.outer, NONE, Init(), o.time_axis, o.reversed)

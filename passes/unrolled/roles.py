@@ -25,7 +25,7 @@ from .chains import Chain
 from .families import StepMask
 from .family_filter import layout_decline
 from .outputs import (Escapes, FirstValueIsState, LastStepUnused, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, series_leads,
-                      order_of, reads_state, split_first_value, step_output, value_lead)
+                      order_of, reads_state, split_first_value, step_output, value_lead, zeroed_by_mask)
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through, same_at_zero_state
 
 
@@ -53,10 +53,8 @@ class _ChainRoles:
 
     def __init__(self, g: Graph, src: str, axis: int, chain: Chain, iv, signer: Signer, mask_srcs: dict | None):
         self.g, self.src, self.axis, self.chain, self.iv, self.signer = g, src, axis, chain, iv, signer
-        self.mask_srcs = mask_srcs or {}
-        self.steps = chain.steps
-        self.n = len(self.steps)
-        self.ts = [s.t for s in self.steps]
+        self.mask_srcs, self.zeroed = mask_srcs or {}, {}  # (zeroed: outputs read as a product, see analyse)
+        self.steps, self.n, self.ts = chain.steps, len(chain.steps), [s.t for s in chain.steps]
         self.chain_nodes: set[int] = set()
         self.memos: dict[int, tuple] = {}  # step -> (its leaves, the signatures of its tensors so far)
         self.undo = None  # reverts the one edit recognition may make (split_first_value)
@@ -374,7 +372,8 @@ class _ChainRoles:
         states = {"h": H_STATE, "c": C_STATE, "y": Y_STATE}
         carried = [r for r in series if r in ("h", "c") or (r == "y" and self.y_carried)]
         step_states = [StepState(r, ref[r], inits[r], finals.get(r)) for r in carried]
-        outs = [StepOut(ref[r], cat, axis, rev) for r, cat, axis, rev in stacks]
+        outs = [StepOut(ref[r], cat, axis, rev, zeroed=z[0] if z else "") for r, cat, axis, rev, z in stacks]
+        self.zeroed = {z[0]: (z[1], axis) for r, cat, axis, rev, z in stacks if z}  # (checked in build, by the mask)
         for r, t in finals.items():
             if r not in carried:
                 raise Decline("an extra per-step value of the last step is read outside the chain")
@@ -425,6 +424,7 @@ class _ChainRoles:
             elif msrc is None or (static_dim(g, msrc, maxis) != T and extent_key(g, msrc, maxis) != extent_key(g, src, axis)):
                 raise Decline("the mask is not laid out like the per-step inputs")
             mask = msrc
+        zeroed_by_mask(g, an.seq_outputs, self.zeroed, mask, maxis, an.mask_negated)
         steps = None if min(ts) == 0 and T is not None and max(ts) == T - 1 else (min(ts), max(ts) + 1, axis)
         if mask is not None and maxis != axis and (steps is not None or maxis not in (0, 1)):  # (else swapped: emit)
             raise Decline("the mask is laid out otherwise than the per-step inputs")

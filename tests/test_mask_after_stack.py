@@ -1,0 +1,95 @@
+"""Per-step outputs masked after the loop: the states keep their values at masked steps (``h = where(m_t,
+cell(x_t, h), h)``) while each step's output is the cell's raw new h, and the stack of them is multiplied by
+the mask afterwards (``stack(outs) * mask.unsqueeze(-1).float()``). That product is the native op's Y
+zero-filled at masked steps, for any mask (pre-padded, gappy). torch's trace and dynamo exports, compared
+with torch and the original; near misses: the stack multiplied by another mask, or also read as it is."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from helpers import assert_as_framework, op_counts
+
+import rnnfuse
+
+T, F, H = 6, 5, 4
+MASKS = {"post": ["111111", "111100", "100000"], "pre": ["111111", "001111", "000001"],
+         "gappy": ["101101", "000000", "111111"]}
+
+
+def _export(form: str, exporter: str, path):
+    import torch
+    from torch import nn
+
+    class MaskedAfter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = nn.GRUCell(F, H)
+
+        def forward(self, x, mask, other):
+            h = torch.zeros(x.shape[1], H)
+            outs = []
+            for t in range(x.shape[0]):
+                hn = self.cell(x[t], h)
+                h = torch.where(mask[t].unsqueeze(1), hn, h)
+                outs.append(hn)
+            stacked = torch.stack(outs)
+            by = other if form == "other_mask" else mask
+            y = stacked * by.unsqueeze(-1).float()
+            return (y, h, stacked) if form == "raw_too" else (y, h)
+
+    torch.manual_seed(0)
+    module = MaskedAfter().eval()
+    m = torch.ones(T, 2, dtype=torch.bool)
+    example = (torch.randn(T, 2, F), m, m)
+    names = ["x", "mask", "other"]
+    outs = ["y", "h"] + (["raw"] if form == "raw_too" else [])
+    if exporter == "dynamo":
+        batch = torch.export.Dim("batch", min=1)
+        torch.onnx.export(module, example, str(path), dynamo=True, external_data=False, verbose=False,
+                          input_names=names, output_names=outs, dynamic_shapes=({1: batch},) * 3)
+    else:
+        torch.onnx.export(module, example, str(path), dynamo=False, opset_version=17, input_names=names,
+                          output_names=outs, dynamic_axes={n: {1: "batch"} for n in names})
+    return onnx.load(str(path)), module
+
+
+def _feeds(model, rows: list[str], other_rows: list[str] | None = None) -> dict:
+    rng = np.random.default_rng(len(rows))
+    mask = np.array([[c == "1" for c in r] for r in rows]).T.copy()
+    other = np.array([[c == "1" for c in r] for r in (other_rows or rows)]).T.copy()
+    feeds = {"x": rng.standard_normal((T, len(rows), F)).astype(np.float32), "mask": mask, "other": other}
+    return {i.name: feeds[i.name] for i in model.graph.input}
+
+
+@pytest.mark.parametrize("exporter", ["trace", "dynamo"])
+def test_outputs_masked_after_the_stack_are_the_zero_filled_sequence(exporter, tmp_path):
+    """One masked GRU; no Mul by the mask left (its product is the op's Y); every output equal to torch's
+    and the original's for post-, pre-padded and gappy masks, batch 1 and 3."""
+    pytest.importorskip("torch")
+    import torch
+
+    model, module = _export("same_mask", exporter, tmp_path / "after.onnx")
+    fused, report = rnnfuse.optimize(model)
+    assert len(report.fused) == 1 and op_counts(fused)["GRU"] == 1, report.to_text()
+    assert report.fused[0].masked, report.to_text()
+    for kind, rows in MASKS.items():
+        for batch_rows in (rows[1:2], rows):
+            feeds = _feeds(model, batch_rows)
+            with torch.no_grad():
+                want = [v.numpy() for v in module(*(torch.from_numpy(feeds.get(n, feeds["mask"]))
+                                                    for n in ("x", "mask", "other")))]
+            assert_as_framework(fused, model, feeds, want, f"{kind}, batch {len(batch_rows)}")
+
+
+@pytest.mark.parametrize("form", ["other_mask", "raw_too"])
+def test_outputs_masked_after_by_another_mask_or_also_read_raw_are_declined(form, tmp_path):
+    """``stack(outs) * other`` with other not the states' mask, and ``stack(outs)`` also an output as it is:
+    the cell's values at masked steps are read; declined before validation, the model as it was."""
+    pytest.importorskip("torch")
+    model, _ = _export(form, "trace", tmp_path / f"{form}.onnx")
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and report.declined, report.to_text()
+    assert all(d.validation != "failed" for d in report.declined), report.to_text()  # (by structure)
+    assert op_counts(fused) == op_counts(model)

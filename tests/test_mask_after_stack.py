@@ -1,7 +1,8 @@
 """Per-step outputs masked after the loop: the states keep their values at masked steps (``h = where(m_t,
 cell(x_t, h), h)``) while each step's output is the cell's raw new h, and the stack of them is multiplied by
 the mask afterwards (``stack(outs) * mask.unsqueeze(-1).float()``). That product is the native op's Y
-zero-filled at masked steps, for any mask (pre-padded, gappy). torch's trace and dynamo exports, compared
+zero-filled at masked steps, for any mask (pre-padded, gappy); so are ``masked_fill(~m, 0)`` and ``where(m,
+stack, 0)``, and a batch-first stack times the mask transposed. torch's trace and dynamo exports, compared
 with torch and the original; near misses: the stack multiplied by another mask, or also read as it is."""
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ def _export(form: str, exporter: str, path):
                 hn = self.cell(x[t], h)
                 h = torch.where(mask[t].unsqueeze(1), hn, h)
                 outs.append(hn)
+            if form == "batch_first":  # ([B, T, H], zeroed by the mask read [B, T])
+                return torch.stack(outs, 1) * mask.t().unsqueeze(-1).float(), h
             stacked = torch.stack(outs)
+            if form in ("masked_fill", "filled_where_valid"):  # (the near miss zeroes the valid steps)
+                return stacked.masked_fill(mask.unsqueeze(-1) if form == "filled_where_valid" else ~mask.unsqueeze(-1), 0.0), h
+            if form == "where":
+                return torch.where(mask.unsqueeze(-1), stacked, 0.0), h
             by = other if form == "other_mask" else mask
             y = stacked * by.unsqueeze(-1).float()
             return (y, h, stacked) if form == "raw_too" else (y, h)
@@ -63,14 +70,16 @@ def _feeds(model, rows: list[str], other_rows: list[str] | None = None) -> dict:
     return {i.name: feeds[i.name] for i in model.graph.input}
 
 
-@pytest.mark.parametrize("exporter", ["trace", "dynamo"])
-def test_outputs_masked_after_the_stack_are_the_zero_filled_sequence(exporter, tmp_path):
-    """One masked GRU; no Mul by the mask left (its product is the op's Y); every output equal to torch's
-    and the original's for post-, pre-padded and gappy masks, batch 1 and 3."""
+@pytest.mark.parametrize("form,exporter", [("mul", "trace"), ("mul", "dynamo"), ("masked_fill", "trace"),
+                                           ("masked_fill", "dynamo"), ("where", "trace"), ("batch_first", "trace")])
+def test_outputs_masked_after_the_stack_are_the_zero_filled_sequence(form, exporter, tmp_path):
+    """``stack(outs) * m``, ``.masked_fill(~m, 0)``, ``where(m, stack(outs), 0)``, and a batch-first stack times
+    the mask transposed: one masked GRU, every output equal to torch's and the original's for post-, pre-padded
+    and gappy masks, batch 1 and 3."""
     pytest.importorskip("torch")
     import torch
 
-    model, module = _export("same_mask", exporter, tmp_path / "after.onnx")
+    model, module = _export(form, exporter, tmp_path / "after.onnx")
     fused, report = rnnfuse.optimize(model)
     assert len(report.fused) == 1 and op_counts(fused)["GRU"] == 1, report.to_text()
     assert report.fused[0].masked, report.to_text()
@@ -83,10 +92,11 @@ def test_outputs_masked_after_the_stack_are_the_zero_filled_sequence(exporter, t
             assert_as_framework(fused, model, feeds, want, f"{kind}, batch {len(batch_rows)}")
 
 
-@pytest.mark.parametrize("form", ["other_mask", "raw_too"])
+@pytest.mark.parametrize("form", ["other_mask", "raw_too", "filled_where_valid"])
 def test_outputs_masked_after_by_another_mask_or_also_read_raw_are_declined(form, tmp_path):
-    """``stack(outs) * other`` with other not the states' mask, and ``stack(outs)`` also an output as it is:
-    the cell's values at masked steps are read; declined before validation, the model as it was."""
+    """``stack(outs) * other`` with other not the states' mask, ``stack(outs)`` also an output as it is, and
+    ``masked_fill(m, 0)`` (zeroing the valid steps): the cell's values at masked steps are read; declined
+    before validation, the model as it was."""
     pytest.importorskip("torch")
     model, _ = _export(form, "trace", tmp_path / f"{form}.onnx")
     fused, report = rnnfuse.optimize(model)

@@ -10,12 +10,12 @@ from rnnfuse import op_args
 from rnnfuse.dataflow import closure, descendants, dynamic_inputs, lead_of, shape_derived
 from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
-from rnnfuse.row_wise import FLOATS
 from rnnfuse.signature import Signer
 from rnnfuse.symbolic import Poly
 
 from .chains import Chain
 from .step_eval import Foreign, StepEval
+from .zeroed_outputs import zeroing_product
 
 
 def step_output(g: Graph, chain: Chain, k: int, iv, signer: Signer, leaves: dict, allowed, op_type: str, ref: int,
@@ -420,7 +420,7 @@ def chain_outputs(g: Graph, chain: Chain, series: dict, escapes: Escapes, mask_v
 
 def _stack_output(g: Graph, chain: Chain, cat: NodeProto, items, names) -> tuple | None:
     """``Concat(Unsqueeze(v_k, a) for every step, axis=a)`` -> (tensor, its time axis, reversed, the product the
-    stack is read as if any: :func:`_zeroing_product`)."""
+    stack is read as if any: :func:`.zeroed_outputs.zeroing_product`)."""
     n = len(chain.steps)
     axis = attr(cat, "axis")
     direct = all(u is None for _, u in items)  # [1, B, H] states concatenated as they are
@@ -457,39 +457,4 @@ def _stack_output(g: Graph, chain: Chain, cat: NodeProto, items, names) -> tuple
     else:
         return None
     processing_order = time_order == (chain.direction == "forward")
-    return cat.output[0], axis, not processing_order, _zeroing_product(g, cat.output[0])
-
-
-def _zeroing_product(g: Graph, stacked: str) -> tuple[str, str] | None:
-    """``(product, factor)`` when the stacked outputs are read only as ``Mul(stacked, factor)`` (``stack(outs) *
-    mask``, the outputs masked after the loop): a candidate for a masked recurrence's zero-filled Y, once
-    :func:`zeroed_by_mask` shows the factor is its mask."""
-    uses = g.uses(stacked)
-    if len(uses) != 1 or uses[0].op_type != "Mul" or g.is_graph_output(stacked) or len(set(uses[0].input)) != 2:
-        return None
-    mul = uses[0]
-    return mul.output[0], mul.input[1] if mul.input[0] == stacked else mul.input[0]
-
-
-def zeroed_by_mask(g: Graph, seq_outputs: list, zeroed: dict, mask: str | None, mask_axis: int | None,
-                   negated: bool) -> None:
-    """Declines unless every output read as a zeroing product (``zeroed``: product -> (factor, the stack's time
-    axis)) is multiplied by the recurrence's own mask, 1 at valid steps and 0 at masked ones, laid out like the
-    stack: ``Cast(Unsqueeze(M, [2]))`` of the [T, B] (or, stacked batch-first, [B, T]) mask M the op is given
-    (so that validation, which feeds M, feeds the product's factor too)."""
-    for so in seq_outputs:
-        if so.tensor not in zeroed:
-            continue
-        factor, axis = zeroed[so.tensor]
-        if mask is None or negated or mask_axis != axis or g.model.rank(mask) != 2:
-            raise Decline("a per-step output masked after the loop by another mask than the states'")
-        # (a bool mask cast to the outputs' type before or after its unit axis is added, a float one as it is)
-        name, unsqueezes = factor, []
-        while name != mask and (p := g.producer.get(name)) is not None:
-            if p.op_type == "Unsqueeze":
-                unsqueezes.append(op_args.axes(p, g.model.opset, op_args.const_reader(g, p)))
-            elif p.op_type != "Cast" or attr(p, "to") not in FLOATS:
-                break
-            name = p.input[0]
-        if name != mask or unsqueezes not in ([[2]], [[-1]]):
-            raise Decline("a per-step output masked after the loop by another mask than the states'")
+    return cat.output[0], axis, not processing_order, zeroing_product(g, cat.output[0])

@@ -4,9 +4,8 @@ output y, proven the same cell at every step; the result is a :class:`~rnnfuse.r
 Roles: ``h`` is read through the recurrent weights; ``c`` is the other value a step computes and the next reads
 (LSTM); ``y`` an extra carried value (Keras' previous output). A step may read one mask slice: states then select.
 
-A middle step is the reference, evaluated symbolically and recognised; every other step must have its
-structural signature, or else the same polynomials (the first step may see a zero initial state that the
-exporter folded into constants: it must equal the cell with that state at zero).
+A middle step is the reference, evaluated symbolically and recognised; every other step must have its structural
+signature, or else the same polynomials (a first step whose zero initial state was folded: the cell at that zero).
 """
 
 from __future__ import annotations
@@ -25,8 +24,9 @@ from .chains import Chain
 from .families import StepMask
 from .family_filter import layout_decline
 from .outputs import (Escapes, FirstValueIsState, LastStepUnused, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, series_leads,
-                      order_of, reads_state, split_first_value, step_output, value_lead, zeroed_by_mask)
+                      order_of, reads_state, split_first_value, step_output, value_lead)
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through, same_at_zero_state
+from .zeroed_outputs import zeroed_by_mask
 
 
 class FirstStepDiffers(Decline):
@@ -373,7 +373,7 @@ class _ChainRoles:
         carried = [r for r in series if r in ("h", "c") or (r == "y" and self.y_carried)]
         step_states = [StepState(r, ref[r], inits[r], finals.get(r)) for r in carried]
         outs = [StepOut(ref[r], cat, axis, rev, zeroed=z[0] if z else "") for r, cat, axis, rev, z in stacks]
-        self.zeroed = {z[0]: (z[1], axis) for r, cat, axis, rev, z in stacks if z}  # (checked in build, by the mask)
+        self.zeroed = {z[0]: z[1:] + (axis,) for r, cat, axis, rev, z in stacks if z}  # (checked in build, by the mask)
         for r, t in finals.items():
             if r not in carried:
                 raise Decline("an extra per-step value of the last step is read outside the chain")

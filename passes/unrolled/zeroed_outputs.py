@@ -1,0 +1,74 @@
+"""Per-step outputs masked after the loop: a masked chain whose steps output the cell's raw new h (``outs.append
+(h_new)`` while ``h = where(m_t, h_new, h)``), the stack of them read only zeroed where the states' mask is off
+(``stack(outs) * mask.unsqueeze(-1).float()``, ``stack(outs).masked_fill(~mask.unsqueeze(-1), 0)``,
+``where(mask.unsqueeze(-1), stack(outs), 0)``). That product is the native op's Y zero-filled at masked steps,
+for any mask: the front end offers it as the output (:func:`zeroing_product`), the step analysis reads the raw
+output as zero-filled there (rnnfuse.step), and once the recurrence's mask is known :func:`zeroed_by_mask`
+declines unless the zeroing is by that very mask tensor, laid out like the stack (validation feeds that tensor,
+so it feeds the product's factor too)."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from rnnfuse import op_args
+from rnnfuse.errors import Decline
+from rnnfuse.graph import Graph, attr
+from rnnfuse.row_wise import FLOATS
+
+# casts a mask may pass through on its way to the factor or condition: to 0/1 floats or to bool
+_MASK_CASTS = frozenset(FLOATS) | {TensorProto.BOOL}
+_OTHER_MASK = "a per-step output masked after the loop by another mask than the states'"
+
+
+def zeroing_product(g: Graph, stacked: str) -> tuple[str, str, bool] | None:
+    """``(product, factor, kept_where_false)`` when the stacked outputs are read only through one node that
+    zeroes some of them: ``Mul(stacked, factor)``, ``Where(factor, stacked, 0)`` or ``Where(factor, 0, stacked)``
+    (kept where the factor is false: ``masked_fill``). None otherwise."""
+    uses = g.uses(stacked)
+    if len(uses) != 1 or g.is_graph_output(stacked):
+        return None
+    u = uses[0]
+    if u.op_type == "Mul" and len(u.input) == 2 and len(set(u.input)) == 2:
+        return u.output[0], u.input[1] if u.input[0] == stacked else u.input[0], False
+    if u.op_type == "Where" and len(u.input) == 3 and u.input[0] != stacked:
+        cond, a, b = u.input
+        if a == stacked and b != stacked and _zeros(g, b):
+            return u.output[0], cond, False
+        if b == stacked and a != stacked and _zeros(g, a):
+            return u.output[0], cond, True
+    return None
+
+
+def _zeros(g: Graph, name: str) -> bool:
+    c = g.const(name)
+    return c is not None and c.size > 0 and not np.any(c)
+
+
+def zeroed_by_mask(g: Graph, seq_outputs: list, zeroed: dict, mask: str | None, mask_axis: int | None,
+                   negated: bool) -> None:
+    """Declines unless every output read as a zeroing product (``zeroed``: product -> (factor, kept where the
+    factor is false, the stack's time axis)) keeps exactly the valid steps of the recurrence's ``mask`` (time
+    along ``mask_axis``; ``negated``: true at padded steps): its factor is that [T, B] or [B, T] tensor through
+    casts to 0/1 or bool, ``Not``, a transpose of its two axes, and one unit axis added last."""
+    for so in seq_outputs:
+        if so.tensor not in zeroed:
+            continue
+        factor, kept_where_false, axis = zeroed[so.tensor]
+        if mask is None or mask_axis is None or g.model.rank(mask) != 2:
+            raise Decline(_OTHER_MASK)
+        name, unsqueezes, flips, nots = factor, [], 0, int(kept_where_false)
+        while name != mask and (p := g.producer.get(name)) is not None:
+            if p.op_type == "Unsqueeze":
+                unsqueezes.append(op_args.axes(p, g.model.opset, op_args.const_reader(g, p)))
+            elif p.op_type == "Transpose" and list(attr(p, "perm", []) or []) in ([1, 0], [1, 0, 2]):
+                flips += 1  # (a [T, B] mask read as [B, T], before or after its unit axis is added)
+            elif p.op_type == "Not":
+                nots += 1
+            elif p.op_type != "Cast" or attr(p, "to") not in _MASK_CASTS:
+                break
+            name = p.input[0]
+        time_axis = mask_axis if flips % 2 == 0 else 1 - mask_axis
+        if name != mask or unsqueezes not in ([[2]], [[-1]]) or time_axis != axis or nots % 2 != int(negated):
+            raise Decline(_OTHER_MASK)

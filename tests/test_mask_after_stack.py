@@ -33,11 +33,16 @@ def _export(form: str, exporter: str, path):
             outs = []
             for t in range(x.shape[0]):
                 hn = self.cell(x[t], h)
-                h = torch.where(mask[t].unsqueeze(1), hn, h)
+                if form == "padding":  # (the mask is true at padded steps)
+                    h = torch.where(mask[t].unsqueeze(1), h, hn)
+                else:
+                    h = torch.where(mask[t].unsqueeze(1), hn, h)
                 outs.append(hn)
             if form == "batch_first":  # ([B, T, H], zeroed by the mask read [B, T])
                 return torch.stack(outs, 1) * mask.t().unsqueeze(-1).float(), h
             stacked = torch.stack(outs)
+            if form == "padding":
+                return stacked.masked_fill(mask.unsqueeze(-1), 0.0), h
             if form in ("masked_fill", "filled_where_valid"):  # (the near miss zeroes the valid steps)
                 return stacked.masked_fill(mask.unsqueeze(-1) if form == "filled_where_valid" else ~mask.unsqueeze(-1), 0.0), h
             if form == "where":
@@ -71,11 +76,12 @@ def _feeds(model, rows: list[str], other_rows: list[str] | None = None) -> dict:
 
 
 @pytest.mark.parametrize("form,exporter", [("mul", "trace"), ("mul", "dynamo"), ("masked_fill", "trace"),
-                                           ("masked_fill", "dynamo"), ("where", "trace"), ("batch_first", "trace")])
+                                           ("masked_fill", "dynamo"), ("where", "trace"), ("batch_first", "trace"),
+                                           ("padding", "trace")])
 def test_outputs_masked_after_the_stack_are_the_zero_filled_sequence(form, exporter, tmp_path):
     """``stack(outs) * m``, ``.masked_fill(~m, 0)``, ``where(m, stack(outs), 0)``, and a batch-first stack times
-    the mask transposed: one masked GRU, every output equal to torch's and the original's for post-, pre-padded
-    and gappy masks, batch 1 and 3."""
+    the mask transposed, and a padding mask's ``masked_fill(pad, 0)``: one masked GRU, every output equal to
+    torch's and the original's for post-, pre-padded and gappy masks, batch 1 and 3."""
     pytest.importorskip("torch")
     import torch
 

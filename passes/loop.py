@@ -34,6 +34,7 @@ from rnnfuse.rewrite import fuse_nodes
 from rnnfuse.row_steps import RowStep, row_step_reads
 from rnnfuse.row_wise import ROW_RANK, BodyMask
 from rnnfuse.step import StepOut, analyse
+from rnnfuse.zeroed_outputs import product_of, zeroed_by_mask, zeroed_products
 from .loop_buffers import accumulated, check_buffer_length, grown, row_write
 from .loop_split import fuse_parts
 from .loop_writes import ScatteredWrite, check_buffer_rows, scattered_write, write_axis
@@ -109,7 +110,7 @@ def _loop_recurrence(g: Graph, loop: NodeProto, far: FarOutputs):
     outs_of, last_of, heads, extra_remove = _per_step_outputs(g, body, loop, carried, layers, state_out, far,
                                                               fixed_batch(g, step_in.x_outer, step_in.x_axis))
     aliases, counts = _final_aliases(g, body, loop, carried, step_in)
-    recs, cell_states = _layer_recurrences(loop, layers, layer_step_states, states, outs_of, last_of, extra_remove,
+    recs, cell_states = _layer_recurrences(g, loop, layers, layer_step_states, states, outs_of, last_of, extra_remove,
                                            step_in)
     # (a loop reading x from step s runs no step for T <= s: the op then reads an empty x, which the emitter
     # guards: rnnfuse.empty_runs)
@@ -365,7 +366,7 @@ def _per_step_outputs(g: Graph, body: Graph, loop: NodeProto, carried: _Carried,
         if last:  # e.g. tf.scan's per-step c read only as cs[-1]: the final value of the state it tracks
             last_of.setdefault(li, []).append((poly, outer, last))
             continue
-        outs_of[li].append(StepOut(poly, outer))
+        outs_of[li].append(StepOut(poly, outer, zeroed=product_of(g, outer)))
     # the buffer after the loop: the written values, time-major; a running sum: its start plus theirs
     for k, value in [*carried.buffers.items(), *carried.accums.items()]:
         outer = loop.output[k] if k < len(loop.output) else ""
@@ -418,7 +419,7 @@ def _final_aliases(g: Graph, body: Graph, loop: NodeProto, carried: _Carried, st
     return aliases, counts
 
 
-def _layer_recurrences(loop: NodeProto, layers: list, layer_step_states: list, states: dict[str, State],
+def _layer_recurrences(g: Graph, loop: NodeProto, layers: list, layer_step_states: list, states: dict[str, State],
                        outs_of: dict, last_of: dict, extra_remove: list, step_in: StepReads):
     """One recurrence per layer of the step (``layer_step_states``: each one's carried states), each reading
     the layer below's Y (the first reads x); and per layer, the symbols of its cell's h and c states."""
@@ -448,6 +449,9 @@ def _layer_recurrences(loop: NodeProto, layers: list, layer_step_states: list, s
                                row_steps=row_steps, mask_cut=step_in.mask_cut)
         if step_in.mask_outer not in (None, LENGTH_MASK, DERIVED_MASK):  # (built later, each laid out then)
             laid_out_like_x(rec, step_in.mask_axis)
+        mask_read = step_in.mask_outer if step_in.mask_outer not in (LENGTH_MASK, DERIVED_MASK) else None
+        zeroed_by_mask(g, rec.seq_outputs, zeroed_products(g, outs_of[li] + stacked), mask_read, step_in.mask_axis,
+                       an.mask_negated)
         cell_states.append((an.rec.h, an.rec.c))
         if step_in.mask_outer is not None and not an.masked:
             rec.notes.append("the body reads a mask but no state depends on it")

@@ -13,6 +13,7 @@ from rnnfuse.graph import Graph, attr
 from rnnfuse.recurrence import Init
 from rnnfuse.step import StepOut, StepState
 from rnnfuse.symbolic import SymTensor, Poly
+from rnnfuse.zeroed_outputs import product_of
 from .loop_heads import HeadCandidate, StateKeys, state_output
 
 
@@ -91,7 +92,8 @@ def sequence_output(g: Graph, body: Graph, loop: NodeProto, k: int, layers: list
     if not ((new_axis == 1 and axis in (0, 1, 2) and val.lead == 0) or (new_axis == 0 and axis == 0 and val.lead == 1)):
         raise Decline("the per-step outputs are stacked along an unsupported axis")
     extra_remove.append(cat)
-    return li, StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, time_axis=layout)
+    return li, StepOut(Poly(val.poly.terms, val.poly.atoms), cat.output[0], reversed=prepend, time_axis=layout,
+                       zeroed=product_of(g, cat.output[0]))
 
 
 def final_role(poly: Poly, step_states: list[StepState], an) -> tuple[str, Init] | None:

@@ -2,8 +2,9 @@
 cell(x_t, h), h)``) while each step's output is the cell's raw new h, and the stack of them is multiplied by
 the mask afterwards (``stack(outs) * mask.unsqueeze(-1).float()``). That product is the native op's Y
 zero-filled at masked steps, for any mask (pre-padded, gappy); so are ``masked_fill(~m, 0)`` and ``where(m,
-stack, 0)``, and a batch-first stack times the mask transposed. torch's trace and dynamo exports, compared
-with torch and the original; near misses: the stack multiplied by another mask, or also read as it is."""
+stack, 0)``, and a batch-first stack times the mask transposed. torch's trace and dynamo exports (an unrolled
+chain) and TorchScript's (a Loop with a list of outputs), compared with torch and the original; near misses: the
+stack multiplied by another mask, or also read as it is."""
 
 from __future__ import annotations
 
@@ -67,6 +68,38 @@ def _export(form: str, exporter: str, path):
     return onnx.load(str(path)), module
 
 
+def _scripted(form: str, path):
+    """A ``torch.jit.script`` loop over ``nn.LSTMCell`` (a Loop whose outputs are a list: ``SequenceInsert``,
+    stacked by ``ConcatFromSequence``), the stack zeroed after it by ``* m`` or ``masked_fill(~m, 0)``."""
+    import torch
+    from torch import nn
+
+    class Scripted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell, self.hidden, self.form = nn.LSTMCell(F, H), H, form
+
+        def forward(self, x, mask):
+            h = torch.zeros(x.size(1), self.hidden)
+            c = torch.zeros(x.size(1), self.hidden)
+            outs: list[torch.Tensor] = []
+            for t in range(x.size(0)):
+                hn, cn = self.cell(x[t], (h, c))
+                m = mask[t].unsqueeze(1)
+                h, c = torch.where(m, hn, h), torch.where(m, cn, c)
+                outs.append(hn)
+            if self.form == "mul":
+                return torch.stack(outs) * mask.unsqueeze(-1).float(), h
+            return torch.stack(outs).masked_fill(~mask.unsqueeze(-1), 0.0), h
+
+    torch.manual_seed(0)
+    module = torch.jit.script(Scripted().eval())
+    example = (torch.randn(T, 2, F), torch.ones(T, 2, dtype=torch.bool))
+    torch.onnx.export(module, example, str(path), dynamo=False, opset_version=17, input_names=["x", "mask"],
+                      output_names=["y", "h"], dynamic_axes={"x": {0: "T", 1: "batch"}, "mask": {0: "T", 1: "batch"}})
+    return onnx.load(str(path)), module
+
+
 def _feeds(model, rows: list[str], other_rows: list[str] | None = None) -> dict:
     rng = np.random.default_rng(len(rows))
     mask = np.array([[c == "1" for c in r] for r in rows]).T.copy()
@@ -77,7 +110,7 @@ def _feeds(model, rows: list[str], other_rows: list[str] | None = None) -> dict:
 
 @pytest.mark.parametrize("form,exporter", [("mul", "trace"), ("mul", "dynamo"), ("masked_fill", "trace"),
                                            ("masked_fill", "dynamo"), ("where", "trace"), ("batch_first", "trace"),
-                                           ("padding", "trace")])
+                                           ("padding", "trace"), ("mul", "script"), ("masked_fill", "script")])
 def test_outputs_masked_after_the_stack_are_the_zero_filled_sequence(form, exporter, tmp_path):
     """``stack(outs) * m``, ``.masked_fill(~m, 0)``, ``where(m, stack(outs), 0)``, and a batch-first stack times
     the mask transposed, and a padding mask's ``masked_fill(pad, 0)``: one masked GRU, every output equal to
@@ -85,16 +118,17 @@ def test_outputs_masked_after_the_stack_are_the_zero_filled_sequence(form, expor
     pytest.importorskip("torch")
     import torch
 
-    model, module = _export(form, exporter, tmp_path / "after.onnx")
+    export = (lambda form, _, path: _scripted(form, path)) if exporter == "script" else _export
+    model, module = export(form, exporter, tmp_path / "after.onnx")
     fused, report = rnnfuse.optimize(model)
-    assert len(report.fused) == 1 and op_counts(fused)["GRU"] == 1, report.to_text()
+    assert len(report.fused) == 1 and op_counts(fused)["LSTM" if exporter == "script" else "GRU"] == 1, report.to_text()
     assert report.fused[0].masked, report.to_text()
     for kind, rows in MASKS.items():
         for batch_rows in (rows[1:2], rows):
             feeds = _feeds(model, batch_rows)
             with torch.no_grad():
-                want = [v.numpy() for v in module(*(torch.from_numpy(feeds.get(n, feeds["mask"]))
-                                                    for n in ("x", "mask", "other")))]
+                args = ("x", "mask") if exporter == "script" else ("x", "mask", "other")
+                want = [v.numpy() for v in module(*(torch.from_numpy(feeds.get(n, feeds["mask"])) for n in args))]
             assert_as_framework(fused, model, feeds, want, f"{kind}, batch {len(batch_rows)}")
 
 

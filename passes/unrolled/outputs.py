@@ -15,7 +15,7 @@ from rnnfuse.symbolic import Poly
 
 from .chains import Chain
 from .step_eval import Foreign, StepEval
-from .zeroed_outputs import zeroing_product
+from rnnfuse.zeroed_outputs import product_of
 
 
 def step_output(g: Graph, chain: Chain, k: int, iv, signer: Signer, leaves: dict, allowed, op_type: str, ref: int,
@@ -420,7 +420,7 @@ def chain_outputs(g: Graph, chain: Chain, series: dict, escapes: Escapes, mask_v
 
 def _stack_output(g: Graph, chain: Chain, cat: NodeProto, items, names) -> tuple | None:
     """``Concat(Unsqueeze(v_k, a) for every step, axis=a)`` -> (tensor, its time axis, reversed, the product the
-    stack is read as if any: :func:`.zeroed_outputs.zeroing_product`)."""
+    stack is read as, or "": :func:`rnnfuse.zeroed_outputs.product_of`)."""
     n = len(chain.steps)
     axis = attr(cat, "axis")
     direct = all(u is None for _, u in items)  # [1, B, H] states concatenated as they are
@@ -457,4 +457,4 @@ def _stack_output(g: Graph, chain: Chain, cat: NodeProto, items, names) -> tuple
     else:
         return None
     processing_order = time_order == (chain.direction == "forward")
-    return cat.output[0], axis, not processing_order, zeroing_product(g, cat.output[0])
+    return cat.output[0], axis, not processing_order, product_of(g, cat.output[0])

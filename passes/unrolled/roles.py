@@ -19,6 +19,7 @@ from rnnfuse.recurrence import CARRY, NONE, CellCheck, FinalOutput, Init, InputP
 from rnnfuse.signature import Signer
 from rnnfuse.step import StepAnalysis, StepOut, StepState, analyse
 from rnnfuse.symbolic import Poly, StepInput, SymTensor, zero_states
+from rnnfuse.zeroed_outputs import zeroed_by_mask, zeroed_products
 
 from .chains import Chain
 from .families import StepMask
@@ -26,7 +27,6 @@ from .family_filter import layout_decline
 from .outputs import (Escapes, FirstValueIsState, LastStepUnused, chain_outputs, extra_values, find_symbolic, inputs_of, mask_values, series_leads,
                       order_of, reads_state, split_first_value, step_output, value_lead)
 from .step_eval import C_STATE, H_STATE, Y_STATE, Foreign, StepEval, allowed_fn, fed_through, same_at_zero_state
-from .zeroed_outputs import zeroed_by_mask
 
 
 class FirstStepDiffers(Decline):
@@ -372,8 +372,8 @@ class _ChainRoles:
         states = {"h": H_STATE, "c": C_STATE, "y": Y_STATE}
         carried = [r for r in series if r in ("h", "c") or (r == "y" and self.y_carried)]
         step_states = [StepState(r, ref[r], inits[r], finals.get(r)) for r in carried]
-        outs = [StepOut(ref[r], cat, axis, rev, zeroed=z[0] if z else "") for r, cat, axis, rev, z in stacks]
-        self.zeroed = {z[0]: z[1:] + (axis,) for r, cat, axis, rev, z in stacks if z}  # (checked in build, by the mask)
+        outs = [StepOut(ref[r], cat, axis, rev, zeroed=z) for r, cat, axis, rev, z in stacks]
+        self.zeroed = zeroed_products(g, outs)  # (checked in build, by the mask)
         for r, t in finals.items():
             if r not in carried:
                 raise Decline("an extra per-step value of the last step is read outside the chain")

@@ -1,9 +1,10 @@
-"""Per-step outputs masked after the loop: a masked chain whose steps output the cell's raw new h (``outs.append
+"""Per-step outputs masked after the loop: a masked recurrence whose steps output the cell's raw new h (``outs.append
 (h_new)`` while ``h = where(m_t, h_new, h)``), the stack of them read only zeroed where the states' mask is off
 (``stack(outs) * mask.unsqueeze(-1).float()``, ``stack(outs).masked_fill(~mask.unsqueeze(-1), 0)``,
 ``where(mask.unsqueeze(-1), stack(outs), 0)``). That product is the native op's Y zero-filled at masked steps,
-for any mask: the front end offers it as the output (:func:`zeroing_product`), the step analysis reads the raw
-output as zero-filled there (rnnfuse.step), and once the recurrence's mask is known :func:`zeroed_by_mask`
+for any mask: a front end (an unrolled chain's stack, a Loop's scan output or list of outputs) offers it as the
+output (:func:`zeroing_product`), the step analysis reads the raw output as zero-filled there
+(:mod:`rnnfuse.step`), and once the recurrence's mask is known :func:`zeroed_by_mask`
 declines unless the zeroing is by that very mask tensor, laid out like the stack (validation feeds that tensor,
 so it feeds the product's factor too)."""
 
@@ -12,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from rnnfuse import op_args
-from rnnfuse.errors import Decline
-from rnnfuse.graph import Graph, attr
-from rnnfuse.row_wise import FLOATS
+from . import op_args
+from .errors import Decline
+from .graph import Graph, attr
+from .row_wise import FLOATS
 
 # casts a mask may pass through on its way to the factor or condition: to 0/1 floats or to bool
 _MASK_CASTS = frozenset(FLOATS) | {TensorProto.BOOL}
@@ -39,6 +40,12 @@ def zeroing_product(g: Graph, stacked: str) -> tuple[str, str, bool] | None:
         if b == stacked and a != stacked and _zeros(g, a):
             return u.output[0], cond, True
     return None
+
+
+def product_of(g: Graph, stacked: str) -> str:
+    """The zeroing product the stacked outputs are read as (:func:`zeroing_product`), or ""."""
+    found = zeroing_product(g, stacked)
+    return found[0] if found is not None else ""
 
 
 def _zeros(g: Graph, name: str) -> bool:
@@ -72,3 +79,15 @@ def zeroed_by_mask(g: Graph, seq_outputs: list, zeroed: dict, mask: str | None, 
         time_axis = mask_axis if flips % 2 == 0 else 1 - mask_axis
         if name != mask or unsqueezes not in ([[2]], [[-1]]) or time_axis != axis or nots % 2 != int(negated):
             raise Decline(_OTHER_MASK)
+
+
+
+def zeroed_products(g: Graph, outs: list) -> dict:
+    """:func:`zeroed_by_mask`'s ``zeroed`` for the step outputs ``outs`` (``rnnfuse.step.StepOut``) offered as
+    zeroing products: product -> (factor, kept where the factor is false, the stack's time axis)."""
+    zeroed = {}
+    for o in outs:
+        found = zeroing_product(g, o.outer) if o.zeroed else None
+        if found is not None:
+            zeroed[found[0]] = (found[1], found[2], o.time_axis)
+    return zeroed

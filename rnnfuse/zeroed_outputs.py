@@ -14,6 +14,7 @@ import numpy as np
 from onnx import TensorProto
 
 from . import op_args
+from .dims import extent_key, filled_extent
 from .errors import Decline
 from .graph import Graph, attr
 from .row_wise import FLOATS
@@ -48,6 +49,20 @@ def product_of(g: Graph, stacked: str) -> str:
     return found[0] if found is not None else ""
 
 
+def _adds_unit_axis(g: Graph, reshape) -> bool:
+    """Whether ``reshape`` gives its [d0, d1] input the shape [d0, d1, 1]: entries its input's extents (or 0,
+    which copies them, or one -1), then 1."""
+    src = reshape.input[0]
+    if g.model.rank(src) != 2 or g.model.rank(reshape.output[0]) not in (3, None):
+        return False
+    entries = [filled_extent(g, reshape.input[1], a) for a in range(3)]
+    if entries[2] != ("const", 1) or filled_extent(g, reshape.input[1], 3) is not None:
+        return False
+    copy = () if attr(reshape, "allowzero", 0) else (("const", 0),)
+    lead = [e in copy or (e is not None and e == extent_key(g, src, a)) for a, e in enumerate(entries[:2])]
+    return all(lead) or (sorted(lead) == [False, True] and entries[lead.index(False)] == ("const", -1))
+
+
 def _zeros(g: Graph, name: str) -> bool:
     c = g.const(name)
     return c is not None and c.size > 0 and not np.any(c)
@@ -69,6 +84,10 @@ def zeroed_by_mask(g: Graph, seq_outputs: list, zeroed: dict, mask: str | None, 
         while name != mask and (p := g.producer.get(name)) is not None:
             if p.op_type == "Unsqueeze":
                 unsqueezes.append(op_args.axes(p, g.model.opset, op_args.const_reader(g, p)))
+            elif p.op_type == "Reshape":  # (jax2onnx's mask[..., None]: a reshape to the mask's extents and 1)
+                unsqueezes.append([2] if _adds_unit_axis(g, p) else None)
+            elif p.op_type == "Expand":
+                pass  # (a broadcast along the unit axis, which the product makes anyway)
             elif p.op_type == "Transpose" and list(attr(p, "perm", []) or []) in ([1, 0], [1, 0, 2]):
                 flips += 1  # (a [T, B] mask read as [B, T], before or after its unit axis is added)
             elif p.op_type == "Not":

@@ -143,3 +143,50 @@ def test_outputs_masked_after_by_another_mask_or_also_read_raw_are_declined(form
     assert not report.fused and report.declined, report.to_text()
     assert all(d.validation != "failed" for d in report.declined), report.to_text()  # (by structure)
     assert op_counts(fused) == op_counts(model)
+
+
+def _jax_scan(form: str):
+    """A ``lax.scan`` over a tanh cell keeping h at masked steps, its per-step ys the raw new h, zeroed after
+    the scan: ``ys * mask[..., None]`` (jax2onnx: ``Cast(Expand(Reshape(mask, [T, B, 1])))``) or
+    ``where(mask[..., None], ys, 0)``; near miss ``flipped``: ``ys * mask[::-1][..., None]``. Static shapes."""
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax2onnx")
+    import jax.numpy as jnp
+    from jax2onnx import to_onnx
+
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.standard_normal((F, H)).astype(np.float32) * 0.5)
+    u = jnp.asarray(rng.standard_normal((H, H)).astype(np.float32) * 0.5)
+
+    def fn(x, mask):
+        def step(h, inp):
+            x_t, m_t = inp
+            h_new = jnp.tanh(x_t @ w + h @ u)
+            return jnp.where(m_t[:, None], h_new, h), h_new
+
+        h, ys = jax.lax.scan(step, jnp.zeros((x.shape[1], H), jnp.float32), (x, mask))
+        if form == "where":
+            return jnp.where(mask[..., None], ys, 0.0), h
+        return ys * (mask[::-1] if form == "flipped" else mask)[..., None], h
+
+    model = to_onnx(fn, [(T, 3, F), jax.ShapeDtypeStruct((T, 3), jnp.bool_)], opset=21, input_names=["x", "mask"])
+    return model, fn
+
+
+@pytest.mark.parametrize("form", ["mul", "where"])
+def test_a_jax_scan_zeroed_after_by_its_mask_is_the_zero_filled_sequence(form):
+    """One masked RNN; outputs equal to jax's and the original's on gappy, pre- and post-padded masks."""
+    model, fn = _jax_scan(form)
+    fused, report = rnnfuse.optimize(model)
+    assert len(report.fused) == 1 and op_counts(fused)["RNN"] == 1, report.to_text()
+    for kind, rows in MASKS.items():
+        feeds = _feeds(model, rows)
+        assert_as_framework(fused, model, feeds, [np.asarray(v) for v in fn(feeds["x"], feeds["mask"])], kind)
+
+
+def test_a_jax_scan_zeroed_after_by_its_mask_flipped_is_declined():
+    """``ys * mask[::-1][..., None]``: the steps zeroed are not the masked ones; declined by structure."""
+    model, _ = _jax_scan("flipped")
+    fused, report = rnnfuse.optimize(model)
+    assert not report.fused and all(d.validation != "failed" for d in report.declined), report.to_text()
+    assert op_counts(fused) == op_counts(model)

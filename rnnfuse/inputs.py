@@ -77,16 +77,10 @@ def input_projection(g: Graph, src: str, axis: int = 0) -> Projection | None:
     if p is not None and p.op_type == "Reshape":
         found = _flattened_projection(g, p)
         return None if found is None else Projection(found[0], found[1], found[2], time_axis=axis)
-    bias = None
-    if p is not None and p.op_type == "Add":
-        a, c = p.input
-        if g.const(a) is not None:
-            a, c = c, a
-        bias = g.const(c)
-        if bias is None or bias.ndim < 1 or (bias.ndim > 1 and bias.size != bias.shape[-1]):
-            return None
-        bias = bias.reshape(-1)
-        p = g.producer.get(a)
+    under = _under_bias(g, p)
+    if under is None:
+        return None
+    p, bias = under
     if p is not None and p.op_type == "Einsum":
         found = _einsum_projection(g, p)
         if found is None:
@@ -109,16 +103,11 @@ def _flattened_projection(g: Graph, outer) -> tuple[str, np.ndarray, np.ndarray 
     writes ``X0 @ K + b`` (and TF's tensordot). Its leading extents must be X0's, read from the shape: one a
     number or a computed extent equal to X0's on that axis and the other -1 (a 0, which copies the flattened
     input's dim, is not X0's)."""
-    y2d = outer.input[0]
-    q = g.producer.get(y2d)
-    bias = None
-    if q is not None and q.op_type == "Add":
-        a, c = q.input
-        if g.const(a) is not None:
-            a, c = c, a
-        bias = g.const(c)
-        q = g.producer.get(a)
-    if q is None or q.op_type not in ("Gemm", "MatMul") or (bias is not None and bias.size != bias.shape[-1]):
+    under = _under_bias(g, g.producer.get(outer.input[0]))
+    if under is None:
+        return None
+    q, bias = under
+    if q is None or q.op_type not in ("Gemm", "MatMul"):
         return None
     K = g.const(q.input[1])
     if q.op_type == "Gemm":
@@ -129,8 +118,8 @@ def _flattened_projection(g: Graph, outer) -> tuple[str, np.ndarray, np.ndarray 
         if len(q.input) > 2 and q.input[2]:
             if bias is not None:
                 return None  # (two biases: their sum would round differently)
-            bias = g.const(q.input[2])
-            if bias is None or bias.size != bias.shape[-1]:
+            bias = _bias_vector(g.const(q.input[2]))
+            if bias is None:
                 return None
     inner = g.producer.get(q.input[0])
     if K is None or K.ndim != 2 or inner is None or inner.op_type != "Reshape":
@@ -148,11 +137,26 @@ def _flattened_projection(g: Graph, outer) -> tuple[str, np.ndarray, np.ndarray 
     for a, entry in enumerate(lead):
         if entry != ("const", -1) and (entry is None or entry != extent_key(g, x0, a)):
             return None
-    if bias is not None:
-        bias = bias.reshape(-1)
-        if bias.shape[0] != N:
-            return None
+    if bias is not None and bias.shape[0] != N:
+        return None
     return x0, K, bias
+
+
+def _under_bias(g: Graph, p):
+    """``(the producer of v, b)`` when node ``p`` is ``Add(v, b)`` (either operand order) with b a constant
+    vector ([N], or [1, .., N]); ``(p, None)`` when it is no Add; None for an Add of anything else."""
+    if p is None or p.op_type != "Add":
+        return p, None
+    a, c = p.input
+    if g.const(a) is not None:
+        a, c = c, a
+    bias = _bias_vector(g.const(c))
+    return None if bias is None else (g.producer.get(a), bias)
+
+
+def _bias_vector(c: np.ndarray | None) -> np.ndarray | None:
+    """A constant of one row ([N], [1, N], ...) as a vector; None for any other."""
+    return c.reshape(-1) if c is not None and c.ndim >= 1 and c.size == c.shape[-1] else None
 
 
 def _einsum_projection(g: Graph, p) -> tuple[str, np.ndarray] | None:

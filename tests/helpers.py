@@ -105,6 +105,22 @@ def assert_as_framework(fused: onnx.ModelProto, original: onnx.ModelProto, feeds
         assert_close(g, o, f"{what}: fused vs the original")
 
 
+def export_torch_on_x(module, path, exporter: str, steps: int, features: int) -> onnx.ModelProto:
+    """``module`` (reading one time-major x, returning (y, h)) exported by torch's tracer (``trace``, opset 17)
+    or dynamo (``dynamo``), its batch dynamic; the exported model."""
+    import torch
+
+    example = (torch.randn(steps, 2, features),)
+    if exporter == "dynamo":
+        torch.onnx.export(module, example, str(path), dynamo=True, external_data=False, verbose=False,
+                          input_names=["x"], output_names=["y", "h"],
+                          dynamic_shapes=({1: torch.export.Dim("batch", min=1)},))
+    else:
+        torch.onnx.export(module, example, str(path), dynamo=False, opset_version=17, input_names=["x"],
+                          output_names=["y", "h"], dynamic_axes={"x": {1: "batch"}})
+    return onnx.load(str(path))
+
+
 def assert_as_torch_on_x(module, original: onnx.ModelProto, fused: onnx.ModelProto, steps: int, features: int,
                          what: str, batches=(1, 3), seed: int = 0) -> None:
     """:func:`assert_as_framework` on a random time-major x ``[steps, B, features]`` for each B of ``batches``,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import assert_as_torch_on_x, op_counts
+from helpers import assert_as_torch_on_x, export_torch_on_x, op_counts
 
 import rnnfuse
 
@@ -44,18 +44,8 @@ def _module(form: str):
 
 
 def _export(form: str, exporter: str, path) -> tuple[onnx.ModelProto, object]:
-    import torch
-
     module = _module(form)
-    example = (torch.randn(T, 2, F),)
-    if exporter == "dynamo":
-        torch.onnx.export(module, example, str(path), dynamo=True, external_data=False, verbose=False,
-                          input_names=["x"], output_names=["y", "h"],
-                          dynamic_shapes=({1: torch.export.Dim("batch", min=1)},))
-    else:
-        torch.onnx.export(module, example, str(path), dynamo=False, opset_version=17, input_names=["x"],
-                          output_names=["y", "h"], dynamic_axes={"x": {1: "batch"}})
-    return onnx.load(str(path)), module
+    return export_torch_on_x(module, path, exporter, T, F), module
 
 
 @pytest.mark.parametrize("form,exporter", [("sum", "trace"), ("leaky", "trace"), ("sum", "dynamo")])

@@ -34,8 +34,9 @@ class StepOut:
     time_axis: int = 0  # where the stacked steps' time axis is: [T, B, H] 0, [B, T, H] 1, [B, H, T] 2
     reversed: bool = False
     accumulate: str = ""  # a running sum's start (see rnnfuse.recurrence.SeqOutput)
-    # the stacked outputs read only multiplied by a mask after the stack (``stack(outs) * m``): the product's
-    # name, which a masked recurrence's zero-filled Y is when the front end shows the factor is the states' mask
+    # the stacked outputs read only zeroed by a mask after the stack (``stack(outs) * m``): the product's name,
+    # which a masked recurrence's zero-filled Y is once the front end shows the mask is the states' own
+    # (rnnfuse.zeroed_outputs)
     zeroed: str = ""
 
 

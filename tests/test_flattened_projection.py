@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import assert_as_torch_on_x, assert_close, op_counts, run_model
+from helpers import assert_as_torch_on_x, export_torch_on_x, op_counts
 from onnx import helper, numpy_helper
 
 import rnnfuse
@@ -42,9 +42,7 @@ def _export(path):
 
     torch.manual_seed(0)
     module = Projected().eval()
-    torch.onnx.export(module, (torch.randn(T, 2, F),), str(path), dynamo=False, opset_version=17,
-                      input_names=["x"], output_names=["y", "h"], dynamic_axes={"x": {1: "batch"}})
-    return onnx.load(str(path)), module
+    return export_torch_on_x(module, path, "trace", T, F), module
 
 
 def _flattened(model: onnx.ModelProto, restore: str, alpha: float = 1.0) -> onnx.ModelProto:

@@ -12,10 +12,10 @@ from rnnfuse.errors import Decline
 from rnnfuse.graph import Graph, attr
 from rnnfuse.signature import Signer
 from rnnfuse.symbolic import Poly
+from rnnfuse.zeroed_outputs import product_of
 
 from .chains import Chain
 from .step_eval import Foreign, StepEval
-from rnnfuse.zeroed_outputs import product_of
 
 
 def step_output(g: Graph, chain: Chain, k: int, iv, signer: Signer, leaves: dict, allowed, op_type: str, ref: int,

@@ -2,9 +2,11 @@
 cell(x_t, h), h)``) while each step's output is the cell's raw new h, and the stack of them is multiplied by
 the mask afterwards (``stack(outs) * mask.unsqueeze(-1).float()``). That product is the native op's Y
 zero-filled at masked steps, for any mask (pre-padded, gappy); so are ``masked_fill(~m, 0)`` and ``where(m,
-stack, 0)``, and a batch-first stack times the mask transposed. torch's trace and dynamo exports (an unrolled
-chain) and TorchScript's (a Loop with a list of outputs), compared with torch and the original; near misses: the
-stack multiplied by another mask, or also read as it is."""
+stack, 0)``, a batch-first stack times the mask transposed, and a padding mask's ``masked_fill(pad, 0)``.
+torch's trace and dynamo exports (an unrolled chain), TorchScript's (a Loop with a list of outputs) and a
+``lax.scan`` through jax2onnx (a Loop's scan output), compared with the framework and the original. Near
+misses, declined by structure: the stack multiplied by another mask, also read as it is, zeroed at the valid
+steps (``masked_fill(m, 0)``), or by the mask flipped in time."""
 
 from __future__ import annotations
 
@@ -100,11 +102,12 @@ def _scripted(form: str, path):
     return onnx.load(str(path)), module
 
 
-def _feeds(model, rows: list[str], other_rows: list[str] | None = None) -> dict:
+def _feeds(model, rows: list[str]) -> dict:
+    """x and the [T, B] mask of ``rows`` (one string of 0/1 a row), for the inputs ``model`` has (an ``other``
+    mask, where the export kept it, equal to the mask)."""
     rng = np.random.default_rng(len(rows))
     mask = np.array([[c == "1" for c in r] for r in rows]).T.copy()
-    other = np.array([[c == "1" for c in r] for r in (other_rows or rows)]).T.copy()
-    feeds = {"x": rng.standard_normal((T, len(rows), F)).astype(np.float32), "mask": mask, "other": other}
+    feeds = {"x": rng.standard_normal((T, len(rows), F)).astype(np.float32), "mask": mask, "other": mask}
     return {i.name: feeds[i.name] for i in model.graph.input}
 
 

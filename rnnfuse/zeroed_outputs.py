@@ -86,8 +86,10 @@ def zeroed_by_mask(g: Graph, seq_outputs: list, zeroed: dict, mask: str | None, 
                 unsqueezes.append(op_args.axes(p, g.model.opset, op_args.const_reader(g, p)))
             elif p.op_type == "Reshape":  # (jax2onnx's mask[..., None]: a reshape to the mask's extents and 1)
                 unsqueezes.append([2] if _adds_unit_axis(g, p) else None)
-            elif p.op_type == "Expand":
-                pass  # (a broadcast along the unit axis, which the product makes anyway)
+            elif p.op_type == "Expand":  # (a broadcast along the unit axis, which the product makes anyway; one
+                # that adds axes would give the product more than the stack's)
+                if g.model.rank(p.output[0]) is None or g.model.rank(p.output[0]) != g.model.rank(p.input[0]):
+                    break
             elif p.op_type == "Transpose" and list(attr(p, "perm", []) or []) in ([1, 0], [1, 0, 2]):
                 flips += 1  # (a [T, B] mask read as [B, T], before or after its unit axis is added)
             elif p.op_type == "Not":
@@ -98,7 +100,6 @@ def zeroed_by_mask(g: Graph, seq_outputs: list, zeroed: dict, mask: str | None, 
         time_axis = mask_axis if flips % 2 == 0 else 1 - mask_axis
         if name != mask or unsqueezes not in ([[2]], [[-1]]) or time_axis != axis or nots % 2 != int(negated):
             raise Decline(_OTHER_MASK)
-
 
 
 def zeroed_products(g: Graph, outs: list) -> dict:

@@ -1,7 +1,7 @@
 """Per-step outputs masked after the loop: a masked recurrence whose steps output the cell's raw new h (``outs.append
 (h_new)`` while ``h = where(m_t, h_new, h)``), the stack of them read only zeroed where the states' mask is off
 (``stack(outs) * mask.unsqueeze(-1).float()``, ``stack(outs).masked_fill(~mask.unsqueeze(-1), 0)``,
-``where(mask.unsqueeze(-1), stack(outs), 0)``). That product is the native op's Y zero-filled at masked steps,
+``where(mask.unsqueeze(-1), stack(outs), 0)``, or ``zeros_like(stack(outs))`` there). That product is the native op's Y zero-filled at masked steps,
 for any mask: a front end (an unrolled chain's stack, a Loop's scan output or list of outputs) offers it as the
 output (:func:`zeroing_product`), the step analysis reads the raw output as zero-filled there
 (:mod:`rnnfuse.step`), and once the recurrence's mask is known :func:`zeroed_by_mask`
@@ -29,16 +29,17 @@ def zeroing_product(g: Graph, stacked: str) -> tuple[str, str, bool] | None:
     zeroes some of them: ``Mul(stacked, factor)``, ``Where(factor, stacked, 0)`` or ``Where(factor, 0, stacked)``
     (kept where the factor is false: ``masked_fill``). None otherwise."""
     uses = g.uses(stacked)
-    if len(uses) != 1 or g.is_graph_output(stacked):
+    others = [u for u in uses if u.op_type != "Shape"]  # (a Shape may size the zeros: zeros_like(stacked))
+    if len(others) != 1 or g.is_graph_output(stacked):
         return None
-    u = uses[0]
-    if u.op_type == "Mul" and len(u.input) == 2 and len(set(u.input)) == 2:
+    u, shapes = others[0], [s for s in uses if s.op_type == "Shape"]
+    if u.op_type == "Mul" and len(u.input) == 2 and len(set(u.input)) == 2 and not shapes:
         return u.output[0], u.input[1] if u.input[0] == stacked else u.input[0], False
     if u.op_type == "Where" and len(u.input) == 3 and u.input[0] != stacked:
         cond, a, b = u.input
-        if a == stacked and b != stacked and _zeros(g, b):
+        if a == stacked and b != stacked and _zeros(g, b, u, shapes):
             return u.output[0], cond, False
-        if b == stacked and a != stacked and _zeros(g, a):
+        if b == stacked and a != stacked and _zeros(g, a, u, shapes):
             return u.output[0], cond, True
     return None
 
@@ -63,9 +64,27 @@ def _adds_unit_axis(g: Graph, reshape) -> bool:
     return all(lead) or (sorted(lead) == [False, True] and entries[lead.index(False)] == ("const", -1))
 
 
-def _zeros(g: Graph, name: str) -> bool:
-    c = g.const(name)
-    return c is not None and c.size > 0 and not np.any(c)
+def _zeros(g: Graph, name: str, where, shapes: list) -> bool:
+    """Whether ``name``, read by ``where`` alone, is all zeros: a constant, or (``shapes``: the stack's Shape
+    nodes, then the one it is sized by) zeros of the stack's shape, ``ConstantOfShape(Shape(stacked))`` or
+    ``Expand(0, Shape(stacked))`` (torch's ``zeros_like``, traced and by dynamo)."""
+    if not shapes:
+        c = g.const(name)
+        return c is not None and c.size > 0 and not np.any(c)
+    p = g.producer.get(name)
+    whole = len(shapes) == 1 and attr(shapes[0], "start", 0) == 0 and attr(shapes[0], "end", None) is None
+    if not whole or p is None or g.uses(name) != [where]:
+        return False
+    if p.op_type == "ConstantOfShape":
+        value = attr(p, "value", None)
+        zero = value is None or not np.any(value)
+    elif p.op_type == "Expand":
+        c = g.const(p.input[0])
+        zero = c is not None and c.size == 1 and not np.any(c)
+    else:
+        return False
+    sized_by = p.input[0] if p.op_type == "ConstantOfShape" else p.input[1]
+    return zero and sized_by == shapes[0].output[0] and g.uses(sized_by) == [p]
 
 
 def zeroed_by_mask(g: Graph, seq_outputs: list, zeroed: dict, mask: str | None, mask_axis: int | None,

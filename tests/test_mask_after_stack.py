@@ -2,11 +2,11 @@
 cell(x_t, h), h)``) while each step's output is the cell's raw new h, and the stack of them is multiplied by
 the mask afterwards (``stack(outs) * mask.unsqueeze(-1).float()``). That product is the native op's Y
 zero-filled at masked steps, for any mask (pre-padded, gappy); so are ``masked_fill(~m, 0)`` and ``where(m,
-stack, 0)``, a batch-first stack times the mask transposed, and a padding mask's ``masked_fill(pad, 0)``.
+stack, 0)`` (or ``zeros_like(stack)``), a batch-first stack times the mask transposed, and a padding mask's ``masked_fill(pad, 0)``.
 torch's trace and dynamo exports (an unrolled chain), TorchScript's (a Loop with a list of outputs) and a
 ``lax.scan`` through jax2onnx (a Loop's scan output), compared with the framework and the original. Near
 misses, declined by structure: the stack multiplied by another mask, also read as it is, zeroed at the valid
-steps (``masked_fill(m, 0)``), or by the mask flipped in time."""
+steps (``masked_fill(m, 0)``) or by the mask flipped in time, or filled with ones (``ones_like``)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def _export(form: str, exporter: str, path):
                 return stacked.masked_fill(mask.unsqueeze(-1) if form == "filled_where_valid" else ~mask.unsqueeze(-1), 0.0), h
             if form == "where":
                 return torch.where(mask.unsqueeze(-1), stacked, 0.0), h
+            if form in ("where_zeros_like", "where_ones_like"):  # (the near miss fills masked steps with ones)
+                fill = torch.zeros_like(stacked) if form == "where_zeros_like" else torch.ones_like(stacked)
+                return torch.where(mask.unsqueeze(-1), stacked, fill), h
             by = other if form == "other_mask" else mask
             y = stacked * by.unsqueeze(-1).float()
             return (y, h, stacked) if form == "raw_too" else (y, h)
@@ -113,11 +116,12 @@ def _feeds(model, rows: list[str]) -> dict:
 
 @pytest.mark.parametrize("form,exporter", [("mul", "trace"), ("mul", "dynamo"), ("masked_fill", "trace"),
                                            ("masked_fill", "dynamo"), ("where", "trace"), ("batch_first", "trace"),
-                                           ("padding", "trace"), ("mul", "script"), ("masked_fill", "script")])
+                                           ("padding", "trace"), ("mul", "script"), ("masked_fill", "script"),
+                                           ("where_zeros_like", "trace"), ("where_zeros_like", "dynamo")])
 def test_outputs_masked_after_the_stack_are_the_zero_filled_sequence(form, exporter, tmp_path):
-    """``stack(outs) * m``, ``.masked_fill(~m, 0)``, ``where(m, stack(outs), 0)``, and a batch-first stack times
-    the mask transposed, and a padding mask's ``masked_fill(pad, 0)``: one masked GRU, every output equal to
-    torch's and the original's for post-, pre-padded and gappy masks, batch 1 and 3."""
+    """``stack(outs) * m``, ``.masked_fill(~m, 0)``, ``where(m, stack(outs), 0)`` (or ``zeros_like(stack)``), a
+    batch-first stack times the mask transposed, and a padding mask's ``masked_fill(pad, 0)``: one masked op,
+    every output equal to torch's and the original's for post-, pre-padded and gappy masks, batch 1 and 3."""
     pytest.importorskip("torch")
     import torch
 
@@ -135,11 +139,11 @@ def test_outputs_masked_after_the_stack_are_the_zero_filled_sequence(form, expor
             assert_as_framework(fused, model, feeds, want, f"{kind}, batch {len(batch_rows)}")
 
 
-@pytest.mark.parametrize("form", ["other_mask", "raw_too", "filled_where_valid"])
+@pytest.mark.parametrize("form", ["other_mask", "raw_too", "filled_where_valid", "where_ones_like"])
 def test_outputs_masked_after_by_another_mask_or_also_read_raw_are_declined(form, tmp_path):
     """``stack(outs) * other`` with other not the states' mask, ``stack(outs)`` also an output as it is, and
-    ``masked_fill(m, 0)`` (zeroing the valid steps): the cell's values at masked steps are read; declined
-    before validation, the model as it was."""
+    ``masked_fill(m, 0)`` (zeroing the valid steps), ``where(m, stack, ones_like(stack))``: the cell's values at
+    masked steps are read, or ones no native output holds; declined before validation, the model as it was."""
     pytest.importorskip("torch")
     model, _ = _export(form, "trace", tmp_path / f"{form}.onnx")
     fused, report = rnnfuse.optimize(model)

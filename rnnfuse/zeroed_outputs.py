@@ -1,12 +1,12 @@
-"""Per-step outputs masked after the loop: a masked recurrence whose steps output the cell's raw new h (``outs.append
-(h_new)`` while ``h = where(m_t, h_new, h)``), the stack of them read only zeroed where the states' mask is off
-(``stack(outs) * mask.unsqueeze(-1).float()``, ``stack(outs).masked_fill(~mask.unsqueeze(-1), 0)``,
-``where(mask.unsqueeze(-1), stack(outs), 0)``, or ``zeros_like(stack(outs))`` there). That product is the native op's Y zero-filled at masked steps,
-for any mask: a front end (an unrolled chain's stack, a Loop's scan output or list of outputs) offers it as the
-output (:func:`zeroing_product`), the step analysis reads the raw output as zero-filled there
-(:mod:`rnnfuse.step`), and once the recurrence's mask is known :func:`zeroed_by_mask`
-declines unless the zeroing is by that very mask tensor, laid out like the stack (validation feeds that tensor,
-so it feeds the product's factor too)."""
+"""Per-step outputs masked after the loop: a masked recurrence whose steps output the cell's raw new h
+(``outs.append(h_new)`` while ``h = where(m_t, h_new, h)``), the stack of them read only zeroed where the
+states' mask is off (``stack(outs) * mask.unsqueeze(-1).float()``, ``stack(outs).masked_fill(~mask.unsqueeze(-1),
+0)``, ``where(mask.unsqueeze(-1), stack(outs), 0)`` or ``zeros_like(stack(outs))`` there). That product is the
+native op's Y zero-filled at masked steps, for any mask: a front end (an unrolled chain's stack, a Loop's scan
+output or list of outputs) offers it as the output (:func:`zeroing_product`), the step analysis reads the raw
+output as zero-filled there (:mod:`rnnfuse.step`), and once the recurrence's mask is known
+:func:`zeroed_by_mask` declines unless the zeroing is by that very mask tensor, laid out like the stack
+(validation feeds that tensor, so it feeds the product's factor too)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from .graph import Graph, attr
 # types that hold every index and size unchanged (float and double: exact below 2**24, which bounds every real
 # axis and loop); a narrower type wraps or rounds (int16: 40000 becomes -25536), unsigned wraps -1, bool is v != 0
 _VALUE_TYPES = frozenset({TensorProto.INT64, TensorProto.INT32, TensorProto.FLOAT, TensorProto.DOUBLE})
+SCALAR_RESHAPES = ("Squeeze", "Unsqueeze", "Reshape", "Flatten")  # (hand a 1-element value on whole: a count, a size)
 
 _SHAPE_PRESERVING = {
     "Identity", "Cast", "Not", "Neg", "Abs", "Sigmoid", "Tanh", "Relu", "Exp", "Log", "Sqrt",
@@ -221,7 +222,7 @@ def dim_key(g: Graph, name: str, depth: int = 0):
         return None
     n = scope.producer[name]
     op = n.op_type
-    if (keeps_value(n) or op in ("Squeeze", "Unsqueeze", "Reshape", "Flatten")) and n.input:
+    if (keeps_value(n) or op in SCALAR_RESHAPES) and n.input:
         return dim_key(g, n.input[0], depth + 1)
     if op in ("Gather", "Slice"):
         ds = scope.producer.get(value_source(scope, n.input[0]))  # the shape, seen through a cast
@@ -429,6 +430,15 @@ def filled_extent(g: Graph, shape: str, axis: int):
             return ("const", int(np.ravel(c)[axis - at])) if c is not None else _static(g, dim_key(g, part))
         at += size
     return None
+
+
+def restores_extents(g: Graph, shape: str, src: str, count: int, zero_copies: bool = False) -> bool:
+    """Whether entries 0 .. count-1 of the shape value ``shape`` are ``src``'s extents there: equal, one of them -1
+    (inferred as it), or, with ``zero_copies`` (``shape`` reshapes ``src`` itself, allowzero off), 0."""
+    entries = [filled_extent(g, shape, a) for a in range(count)]
+    ok = [e is not None and (e == extent_key(g, src, a) or (zero_copies and e == ("const", 0)))
+          for a, e in enumerate(entries)]
+    return all(ok) or (ok.count(False) == 1 and entries[ok.index(False)] == ("const", -1))
 
 
 def _static(g: Graph, key):

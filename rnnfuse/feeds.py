@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dims import keeps_value, value_source
+from .dims import SCALAR_RESHAPES, keeps_value, value_source
 from .graph import Graph
 
 MASK_KINDS = ("post", "pre", "gappy")  # and "full": every step valid
@@ -38,7 +38,7 @@ TRIP_COUNTS = 3
 
 
 def _keeps_count(n) -> bool:
-    return keeps_value(n) or n.op_type in ("Reshape", "Squeeze", "Unsqueeze")
+    return keeps_value(n) or n.op_type in SCALAR_RESHAPES
 
 
 def trip_count_inputs(g: Graph) -> set[str]:

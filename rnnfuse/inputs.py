@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .dims import extent_key, filled_extent
+from .dims import extent_key, filled_extent, restores_extents
 from .errors import ProjectedAgain
 from .graph import Graph, attr
 from .op_args import einsum_matmul, einsum_terms
@@ -129,14 +129,10 @@ def _flattened_projection(g: Graph, outer) -> tuple[str, np.ndarray, np.ndarray 
         return None
     if extent_key(g, x0, 2) != ("const", F):  # (rows of another width would be cut anew by the flattening)
         return None
-    # the restored shape's entries (constant, or pieces of a computed shape): N last, and X0's leading extents,
-    # at most one of them -1
-    lead = [filled_extent(g, outer.input[1], a) for a in range(2)]
-    if filled_extent(g, outer.input[1], 2) != ("const", N) or lead.count(("const", -1)) > 1:
+    # the restored shape's entries (constant, or pieces of a computed shape): X0's leading extents, then N (a 0
+    # would copy the flattened rows' count)
+    if filled_extent(g, outer.input[1], 2) != ("const", N) or not restores_extents(g, outer.input[1], x0, 2):
         return None
-    for a, entry in enumerate(lead):
-        if entry != ("const", -1) and (entry is None or entry != extent_key(g, x0, a)):
-            return None
     if bias is not None and bias.shape[0] != N:
         return None
     return x0, K, bias

@@ -14,7 +14,7 @@ import numpy as np
 from onnx import TensorProto
 
 from . import op_args
-from .dims import extent_key, filled_extent
+from .dims import filled_extent, restores_extents
 from .errors import Decline
 from .graph import Graph, attr
 from .row_wise import FLOATS
@@ -56,12 +56,10 @@ def _adds_unit_axis(g: Graph, reshape) -> bool:
     src = reshape.input[0]
     if g.model.rank(src) != 2 or g.model.rank(reshape.output[0]) not in (3, None):
         return False
-    entries = [filled_extent(g, reshape.input[1], a) for a in range(3)]
-    if entries[2] != ("const", 1) or filled_extent(g, reshape.input[1], 3) is not None:
+    shape = reshape.input[1]
+    if filled_extent(g, shape, 2) != ("const", 1) or filled_extent(g, shape, 3) is not None:
         return False
-    copy = () if attr(reshape, "allowzero", 0) else (("const", 0),)
-    lead = [e in copy or (e is not None and e == extent_key(g, src, a)) for a, e in enumerate(entries[:2])]
-    return all(lead) or (sorted(lead) == [False, True] and entries[lead.index(False)] == ("const", -1))
+    return restores_extents(g, shape, src, 2, zero_copies=not attr(reshape, "allowzero", 0))
 
 
 def _zeros(g: Graph, name: str, where, shapes: list) -> bool:
